@@ -1,0 +1,24 @@
+"""Arrays-in, arrays-out attention math: the reference and the dispatching ops."""
+
+from diffjax.ops.attention import (
+    IMPLEMENTATIONS,
+    diff_v1_attention,
+    diff_v1_attention_core,
+    diff_v2_attention,
+    dot_product_attention,
+    register_implementation,
+)
+from diffjax.ops.reference import (
+    diff_v1_lambda,
+    diff_v1_reference,
+    diff_v2_reference,
+    lambda_init_for_layer,
+    mha_reference,
+    rms_norm,
+)
+
+__all__ = [
+    "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
+    "dot_product_attention", "register_implementation", "diff_v1_lambda", "diff_v1_reference",
+    "diff_v2_reference", "lambda_init_for_layer", "mha_reference", "rms_norm",
+]

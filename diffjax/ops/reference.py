@@ -1,0 +1,210 @@
+"""Plain-JAX reference math for baseline, DIFF V1 and DIFF V2 attention.
+
+This file is the single source of truth for the arithmetic. Every fast path (the
+Pallas kernels, the "stock" multi-call path) is tested against these functions.
+
+Conventions (shape letters in names):
+  B batch, T query length, S key length, H query heads, K kv heads (groups),
+  G = H // K query heads per kv group, D component head dim, Dv value head dim.
+Query head h reads kv group h // G (grouped-query attention).
+Scores are ``q . k * scale`` with ``scale = 1/sqrt(D)`` by default, computed with
+float32 accumulation; the softmax always runs in float32 whatever the input dtype.
+
+Masking: a query attends to a key when every mask that is given allows it:
+  * causal: query i sits at absolute position ``i + (S - T)`` (queries are the last T
+    positions, which covers both training, T == S, and decoding against a cache);
+  * segment ids: query and key carry the same segment id (packed sequences);
+  * ``mask``: an explicit boolean array broadcastable to [B, H, T, S].
+A query row with no allowed key produces a zero output (and zero probabilities).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.ops import validation as _v
+
+_NEG_INF = float(jnp.finfo(jnp.float32).min) * 0.5
+
+
+def build_mask(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    q_segment_ids_BxT: jax.Array | None,
+    kv_segment_ids_BxS: jax.Array | None,
+    mask: jax.Array | None,
+) -> jax.Array | None:
+  """Returns a boolean mask broadcastable to [B, 1, T, S] (True = attend), or None."""
+  out = None
+  if causal:
+    q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+    k_pos = jnp.arange(kv_len)[None, :]
+    out = (k_pos <= q_pos)[None, None]
+  if q_segment_ids_BxT is not None:
+    seg = q_segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :]
+    out = seg if out is None else jnp.logical_and(out, seg)
+  if mask is not None:
+    m = mask.astype(jnp.bool_)
+    out = m if out is None else jnp.logical_and(out, m)
+  del batch
+  return out
+
+
+def _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale: float) -> jax.Array:
+  """Scaled scores in float32, shape [B, H, T, S]."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv = k_BxSxKxD.shape[2]
+  g = h // kv
+  q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv, g, d)
+  logits_BxKxGxTxS = jnp.einsum(
+      "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+      preferred_element_type=jnp.float32)
+  return logits_BxKxGxTxS.reshape(b, h, t, -1) * jnp.float32(scale)
+
+
+def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
+  """Float32 softmax over the last axis; fully masked rows give all-zero rows."""
+  logits = logits_BxHxTxS.astype(jnp.float32)
+  if mask is None:
+    return jax.nn.softmax(logits, axis=-1)
+  logits = jnp.where(mask, logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1)
+  any_valid = jnp.any(mask, axis=-1, keepdims=True)
+  return jnp.where(jnp.logical_and(mask, any_valid), probs, 0.0)
+
+
+def attention_probs(
+    q_BxTxHxD, k_BxSxKxD, *, scale: float, mask
+) -> tuple[jax.Array, jax.Array]:
+  """Returns (logits, probabilities), both float32 [B, H, T, S]."""
+  logits = _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale)
+  return logits, masked_softmax(logits, mask)
+
+
+def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
+  """(probs @ V) per head with GQA, returns [B, T, H, Dv] in out_dtype."""
+  b, h, t, s = probs_BxHxTxS.shape
+  kv = v_BxSxKxDv.shape[2]
+  g = h // kv
+  p_BxKxGxTxS = probs_BxHxTxS.reshape(b, kv, g, t, s).astype(v_BxSxKxDv.dtype)
+  out_BxTxKxGxDv = jnp.einsum(
+      "bkgts,bskd->btkgd", p_BxKxGxTxS, v_BxSxKxDv,
+      preferred_element_type=jnp.float32)
+  return out_BxTxKxGxDv.reshape(b, t, h, -1).astype(out_dtype)
+
+
+def mha_reference(
+    q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, segment_ids=None,
+    mask=None, scale=None, return_aux=False):
+  """Baseline multi-head / grouped-query attention.
+
+  Returns out [B, T, H, Dv] (dtype of q); with ``return_aux`` also a dict with
+  float32 ``logits`` and ``probs`` of shape [B, H, T, S].
+  """
+  _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
+  b, t, _, d = q_BxTxHxD.shape
+  s = k_BxSxKxD.shape[1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
+                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  scale = _v.default_scale(scale, d)
+  logits, probs = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m)
+  out = _apply_probs(probs, v_BxSxKxDv, q_BxTxHxD.dtype)
+  if return_aux:
+    return out, {"logits": logits, "probs": probs}
+  return out
+
+
+def diff_v1_reference(
+    q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, *,
+    causal=True, segment_ids=None, mask=None, scale=None, return_aux=False):
+  """DIFF V1 core: ``(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V``.
+
+  Args:
+    q1_BxTxHxD, q2_BxTxHxD: the two query components of each DIFF head.
+    k1_BxSxKxD, k2_BxSxKxD: the two key components of each kv group.
+    v_BxSxKxDv: one value per kv group, usually Dv = 2 D.
+    lam: scalar (one lambda for the layer) or [H] (one per head), any float dtype;
+      used in float32.
+  Returns:
+    [B, T, H, Dv] in the dtype of q1, before the per-head norm. With ``return_aux``
+    also ``logits1``, ``logits2``, ``probs1``, ``probs2`` (float32 [B, H, T, S]).
+  """
+  _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  b, t, h, d = q1_BxTxHxD.shape
+  s = k1_BxSxKxD.shape[1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
+                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  scale = _v.default_scale(scale, d)
+  logits1, p1 = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m)
+  logits2, p2 = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m)
+  lam_H = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))
+  # One matmul with V on the combined (signed) probabilities.
+  p = p1 - lam_H[None, :, None, None] * p2
+  out = _apply_probs(p, v_BxSxKxDv, q1_BxTxHxD.dtype)
+  if return_aux:
+    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
+  return out
+
+
+def diff_v2_reference(
+    q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
+    segment_ids=None, mask=None, scale=None, return_aux=False):
+  """DIFF V2 core on paired query heads.
+
+  Args:
+    q_BxTxQxD: Q = 2H query heads; heads 2i and 2i+1 form pair i, and both read
+      kv group i // (H // K), so a pair never straddles two GQA groups.
+    k_BxSxKxD, v_BxSxKxD: the baseline's keys and values (unchanged by V2).
+    lam_BxTxH: per-token, per-pair lambda, already squashed (sigmoid) by the caller.
+  Returns:
+    [B, T, H, D]: ``softmax(q_2i K^T s) V - lam_i * softmax(q_2i+1 K^T s) V``.
+    With ``return_aux`` also ``logits1/2`` and ``probs1/2`` ([B, H, T, S]).
+  """
+  _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, q_heads, d = q_BxTxQxD.shape
+  h = q_heads // 2
+  s = k_BxSxKxD.shape[1]
+  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, h, 2, d)
+  q1, q2 = q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
+                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  scale = _v.default_scale(scale, d)
+  logits1, p1 = attention_probs(q1, k_BxSxKxD, scale=scale, mask=m)
+  logits2, p2 = attention_probs(q2, k_BxSxKxD, scale=scale, mask=m)
+  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(jnp.float32), (0, 2, 1))
+  p = p1 - lam_BxHxT[..., None] * p2
+  out = _apply_probs(p, v_BxSxKxD, q_BxTxQxD.dtype)
+  if return_aux:
+    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
+  return out
+
+
+def rms_norm(x, gain, eps: float = 1e-5):
+  """RMSNorm over the last axis in float32; returns the dtype of x."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if gain is not None:
+    y = y * gain.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+def lambda_init_for_layer(layer_index: int) -> float:
+  """DIFF V1 lambda_init = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
+  import math
+  if layer_index < 0:
+    raise ValueError(f"layer_index={layer_index} must be >= 0 (layers count from 0).")
+  return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+
+
+def diff_v1_lambda(lq1, lk1, lq2, lk2, lambda_init: float) -> jax.Array:
+  """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in float32 (scalar)."""
+  f = lambda a: a.astype(jnp.float32)
+  return (jnp.exp(jnp.sum(f(lq1) * f(lk1))) - jnp.exp(jnp.sum(f(lq2) * f(lk2)))
+          + jnp.float32(lambda_init))

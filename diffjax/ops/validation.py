@@ -1,0 +1,110 @@
+"""Shape and dtype checks shared by every implementation of the attention ops.
+
+Each check raises ``ValueError`` naming the values it saw and the rule they break.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(jnp.shape(x))
+
+
+def _check_rank4(name: str, x) -> None:
+  if jnp.ndim(x) != 4:
+    raise ValueError(f"{name} must have rank 4 [batch, length, heads, dim]; got shape {_shape(x)}.")
+
+
+def _check_float(name: str, x) -> None:
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array; got dtype {jnp.result_type(x)}.")
+
+
+def _check_same_dtype(**arrays) -> None:
+  dtypes = {k: jnp.result_type(v) for k, v in arrays.items()}
+  if len(set(dtypes.values())) > 1:
+    desc = ", ".join(f"{k}={v}" for k, v in dtypes.items())
+    raise ValueError(f"Inputs must share one dtype; got {desc}. Cast them to one dtype "
+                     "(e.g. all bfloat16) before calling.")
+
+
+def _check_kv(q_name, q, k_name, k, v_name, v, d_value=None) -> None:
+  for n, x in ((q_name, q), (k_name, k), (v_name, v)):
+    _check_rank4(n, x)
+    _check_float(n, x)
+  bq, _, hq, dq = _shape(q)
+  bk, sk, hk, dk = _shape(k)
+  bv, sv, hv, dv = _shape(v)
+  if not bq == bk == bv:
+    raise ValueError(f"Batch sizes differ: {q_name} {bq}, {k_name} {bk}, {v_name} {bv}.")
+  if sk != sv:
+    raise ValueError(f"Key and value lengths differ: {k_name} {sk}, {v_name} {sv}.")
+  if hk != hv:
+    raise ValueError(f"kv head counts differ: {k_name} {hk}, {v_name} {hv}.")
+  if dq != dk:
+    raise ValueError(f"Query and key head dims differ: {q_name} {dq}, {k_name} {dk}.")
+  if hk == 0 or hq % hk:
+    raise ValueError(f"Query heads ({q_name}: {hq}) must be a multiple of kv heads "
+                     f"({k_name}: {hk}) for grouped-query attention.")
+  if d_value is not None and dv != d_value:
+    raise ValueError(f"{v_name} head dim must be {d_value}; got {dv}.")
+
+
+def check_mha(q, k, v) -> None:
+  _check_kv("q", q, "k", k, "v", v)
+  _check_same_dtype(q=q, k=k, v=v)
+
+
+def check_diff_v1(q1, q2, k1, k2, v, lam) -> None:
+  _check_kv("q1", q1, "k1", k1, "v", v)
+  if _shape(q1) != _shape(q2):
+    raise ValueError(f"q1 and q2 shapes differ: {_shape(q1)} vs {_shape(q2)}.")
+  if _shape(k1) != _shape(k2):
+    raise ValueError(f"k1 and k2 shapes differ: {_shape(k1)} vs {_shape(k2)}.")
+  _check_same_dtype(q1=q1, q2=q2, k1=k1, k2=k2, v=v)
+  h = _shape(q1)[2]
+  if _shape(lam) not in ((), (h,)):
+    raise ValueError(f"lam must be a scalar or have shape ({h},) (one per head); got shape "
+                     f"{_shape(lam)}.")
+
+
+def check_diff_v2(q, k, v, lam) -> None:
+  _check_kv("q", q, "k", k, "v", v)
+  _check_same_dtype(q=q, k=k, v=v)
+  b, t, qh, _ = _shape(q)
+  kh = _shape(k)[2]
+  if qh % 2:
+    raise ValueError(f"DIFF V2 needs an even number of query heads (pairs 2i, 2i+1); got {qh}.")
+  h = qh // 2
+  if h % kh:
+    raise ValueError(f"DIFF V2 pairs ({h}) must be a multiple of kv heads ({kh}) so that both "
+                     "heads of a pair sit in one GQA group.")
+  if _shape(lam) != (b, t, h):
+    raise ValueError(f"lam must have shape (batch, length, pairs) = {(b, t, h)}; got "
+                     f"{_shape(lam)}.")
+
+
+def split_segment_ids(segment_ids, batch: int, q_len: int, kv_len: int):
+  """Accepts None, one [B, T] array (self-attention) or a (q [B,T], kv [B,S]) pair."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be one [batch, length] array or a pair (q_ids, kv_ids); "
+                       f"got a sequence of {len(segment_ids)}.")
+    q_seg, kv_seg = segment_ids
+  else:
+    q_seg = kv_seg = segment_ids
+  if _shape(q_seg) != (batch, q_len):
+    raise ValueError(f"query segment ids must have shape {(batch, q_len)}; got {_shape(q_seg)}.")
+  if _shape(kv_seg) != (batch, kv_len):
+    raise ValueError(f"key segment ids must have shape {(batch, kv_len)}; got {_shape(kv_seg)}.")
+  return q_seg, kv_seg
+
+
+def default_scale(scale, head_dim: int) -> float:
+  return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
