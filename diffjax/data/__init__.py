@@ -1,0 +1,38 @@
+"""Data: tokenizers, document sources, and the packed, checkpointable training pipeline.
+
+Typical use:
+
+    from diffjax.data import DataConfig, build_datasets
+    data = build_datasets(DataConfig(), seq_len=256, global_batch_size=32, seed=0)
+    batch = next(data.train_iter)      # dict of (32, 256) numpy arrays
+    val = data.val_batches(4)          # the same 4 batches on every call and for every seed
+"""
+
+from diffjax.data.config import DataConfig
+from diffjax.data.packing import BATCH_KEYS, Packer, PackedCorpus, split_documents, unigram_cross_entropy_nats
+from diffjax.data.pipeline import Datasets, PackedBatchDataset, build_datasets, load_source
+from diffjax.data.sources import (
+    ArrayRecordSource,
+    DocumentSource,
+    TextFileSource,
+    read_documents,
+    resolve_paths,
+    stdlib_corpus,
+    stdlib_files,
+    write_array_record,
+)
+from diffjax.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+
+__all__ = [
+    "BATCH_KEYS", "DataConfig", "Datasets", "PackedBatchDataset", "build_datasets", "load_source",
+    "Packer", "PackedCorpus", "split_documents", "unigram_cross_entropy_nats",
+    "ArrayRecordSource", "DocumentSource", "TextFileSource", "read_documents", "resolve_paths",
+    "stdlib_corpus", "stdlib_files", "write_array_record",
+    "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
+]

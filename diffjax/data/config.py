@@ -1,0 +1,98 @@
+"""`DataConfig`: which corpus to read, how to tokenize and split it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+KINDS = ("stdlib", "text", "array_record")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class DataConfig:
+  """Where the training data comes from.
+
+  Attributes:
+    kind: "stdlib" (the Python standard library's sources, needs no files), "text" (one
+      document per file of `paths`) or "array_record" (one document per record of `paths`,
+      see `write_array_record`).
+    paths: files, directories or globs for "text" / "array_record"; must be empty for "stdlib".
+    tokenizer: "byte", or a path to an HF tokenizers ".json" or a SentencePiece ".model".
+      Ignored by "array_record", whose records are already token ids; it still supplies
+      eos/pad/vocab_size, so it must be the tokenizer that produced them.
+    val_fraction: fraction of documents held out for validation, chosen by a keyed hash of
+      each document's content (independent of `seed`, so runs with different seeds share it).
+      With val_fraction > 0 at least one document is held out; 0 disables validation.
+    split_seed: key of that hash; change it to draw a different validation split.
+    max_documents: keep only the first this many documents (in source order) before splitting.
+    max_tokens: then keep only the first this many tokens (the last kept document is cut).
+    shuffle: shuffle documents and windows, differently every epoch. Off: corpus order.
+    num_threads: threads that build batches ahead of the training loop.
+    prefetch_batches: how many batches those threads keep ready.
+
+  Construct with keywords, e.g. `DataConfig(**config.data.to_dict())` or `DataConfig.from_dict`;
+  unknown keys raise ValueError naming them.
+  """
+
+  kind: str
+  paths: tuple[str, ...]
+  tokenizer: str
+  val_fraction: float
+  split_seed: int
+  max_documents: int | None
+  max_tokens: int | None
+  shuffle: bool
+  num_threads: int
+  prefetch_batches: int
+
+  def __init__(self, *, kind: str = "stdlib", paths: tuple[str, ...] | list[str] | str = (),
+               tokenizer: str = "byte", val_fraction: float = 0.01, split_seed: int = 0,
+               max_documents: int | None = None, max_tokens: int | None = None,
+               shuffle: bool = True, num_threads: int = 2, prefetch_batches: int = 4,
+               **unknown: Any):
+    if unknown:
+      raise ValueError(
+          f"Unknown DataConfig keys {sorted(unknown)}; accepted keys are "
+          f"{[f.name for f in dataclasses.fields(DataConfig)]}."
+      )
+    paths = (paths,) if isinstance(paths, str) else tuple(str(p) for p in paths)
+    values = dict(kind=kind, paths=paths, tokenizer=tokenizer, val_fraction=float(val_fraction),
+                  split_seed=int(split_seed), max_documents=max_documents, max_tokens=max_tokens,
+                  shuffle=bool(shuffle), num_threads=int(num_threads),
+                  prefetch_batches=int(prefetch_batches))
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+    self._validate()
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any] | None) -> "DataConfig":
+    """Builds a config from a mapping (a dict, or an ml_collections ConfigDict)."""
+    if values is None:
+      return cls()
+    to_dict = getattr(values, "to_dict", None)
+    return cls(**(to_dict() if to_dict is not None else dict(values)))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def _validate(self) -> None:
+    if self.kind not in KINDS:
+      raise ValueError(f"DataConfig kind={self.kind!r} is not one of {KINDS}.")
+    if self.kind == "stdlib" and self.paths:
+      raise ValueError(
+          f"DataConfig kind='stdlib' takes no paths, got paths={self.paths}; "
+          "use kind='text' or kind='array_record' to read files."
+      )
+    if self.kind != "stdlib" and not self.paths:
+      raise ValueError(f"DataConfig kind={self.kind!r} needs paths (files, directories or globs).")
+    if not 0.0 <= self.val_fraction < 1.0:
+      raise ValueError(f"DataConfig val_fraction={self.val_fraction} must be in [0, 1).")
+    for name in ("max_documents", "max_tokens"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"DataConfig {name}={value!r} must be a positive int or None.")
+    if self.num_threads < 0 or self.prefetch_batches < 0:
+      raise ValueError(
+          f"DataConfig num_threads={self.num_threads} and prefetch_batches="
+          f"{self.prefetch_batches} must be >= 0 (0 builds batches in the training loop)."
+      )

@@ -1,0 +1,211 @@
+"""Tokenizers: text <-> int32 token ids, all loaded from local files.
+
+Every tokenizer exposes the same small surface (`Tokenizer`): `encode`, `decode`, `vocab_size`,
+`eos_id` and `pad_id`. The data pipeline appends `eos_id` after every document itself, so `encode`
+never adds special tokens. Nothing here reaches the network: HF tokenizers are read from a JSON file
+and SentencePiece models from a `.model` file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+TokenIds = Sequence[int] | np.ndarray
+
+# Names an HF tokenizer file may use for its end-of-document and padding tokens, tried in order.
+_HF_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<EOS>")
+_HF_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<PAD>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the data pipeline and the trainer need from a tokenizer.
+
+  Implementations may also provide `encode_batch(texts) -> list[np.ndarray]`; sources use it when
+  present to tokenize many documents in one call.
+  """
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of embedding rows the model needs: every id is in [0, vocab_size)."""
+    ...
+
+  @property
+  def eos_id(self) -> int:
+    """Id appended after every document; closes it."""
+    ...
+
+  @property
+  def pad_id(self) -> int:
+    """Id reserved for padding; never produced by `encode`."""
+    ...
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the (N,) int32 ids of `text`, without special tokens."""
+    ...
+
+  def decode(self, ids: TokenIds) -> str:
+    """Returns the text of `ids`; special ids (eos, pad) are dropped."""
+    ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens: ids 0..255 are bytes, 256 is eos, 257 is pad (vocab_size 258).
+
+  Needs no file and no training, and works on any text, so it is the default for small
+  experiments. `encode_bytes` tokenizes raw file contents without decoding them first.
+  """
+
+  vocab_size: int = 258
+  eos_id: int = 256
+  pad_id: int = 257
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the (N,) int32 UTF-8 bytes of `text` (N = its length in bytes)."""
+    return self.encode_bytes(text.encode("utf-8"))
+
+  def encode_bytes(self, data: bytes) -> np.ndarray:
+    """Returns the (N,) int32 ids of raw bytes `data`; no Python loop over bytes."""
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Encodes every text in `texts`; returns a list of (N_i,) int32 arrays."""
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: TokenIds) -> str:
+    """Decodes byte ids to text; eos/pad are dropped and a cut multi-byte char becomes U+FFFD."""
+    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+    bad = ids_N[(ids_N < 0) | (ids_N >= self.vocab_size)]
+    if bad.size:
+      raise ValueError(
+          f"ByteTokenizer ids must be in [0, {self.vocab_size}); got {bad[:5].tolist()}. "
+          "Were these ids produced by a different tokenizer?"
+      )
+    return ids_N[ids_N < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def __repr__(self) -> str:
+    return "ByteTokenizer()"
+
+
+def _first_known_id(lookup, names: Sequence[str]) -> int | None:
+  for name in names:
+    token_id = lookup(name)
+    if token_id is not None:
+      return int(token_id)
+  return None
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizers` JSON file (as written by `Tokenizer.save`), read from disk.
+
+  eos/pad are the file's own special tokens when it has one of the usual names (`</s>`,
+  `<|endoftext|>`, `<pad>`, ...); otherwise fresh ids are appended after the file's vocabulary,
+  so `vocab_size` may exceed the file's own size by one or two.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    import tokenizers  # Optional dependency: only needed for this tokenizer.
+
+    self.path = os.fspath(path)
+    if not os.path.isfile(self.path):
+      raise FileNotFoundError(f"HF tokenizer file {self.path!r} does not exist; pass a tokenizer.json path.")
+    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    base_size = self._tok.get_vocab_size(with_added_tokens=True)
+    eos = _first_known_id(self._tok.token_to_id, _HF_EOS_NAMES)
+    pad = _first_known_id(self._tok.token_to_id, _HF_PAD_NAMES)
+    next_free = base_size
+    if eos is None:
+      eos, next_free = next_free, next_free + 1
+    if pad is None:
+      pad, next_free = next_free, next_free + 1
+    self.eos_id: int = eos
+    self.pad_id: int = pad
+    self.vocab_size: int = next_free
+    self._base_size = base_size
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the (N,) int32 ids of `text`, without special tokens."""
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Encodes every text in `texts` (in parallel, inside the Rust library)."""
+    encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+  def decode(self, ids: TokenIds) -> str:
+    """Decodes ids to text, dropping eos, pad and other special tokens."""
+    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+    keep = (ids_N < self._base_size) & (ids_N != self.eos_id) & (ids_N != self.pad_id)
+    return self._tok.decode(ids_N[keep].tolist(), skip_special_tokens=True)
+
+  def __repr__(self) -> str:
+    return f"HFTokenizer({self.path!r})"
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece `.model` file, read from disk.
+
+  eos/pad are the model's own ids when it defines them (`eos_id`/`pad_id` at training time);
+  otherwise fresh ids are appended after its vocabulary.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    import sentencepiece  # Optional dependency: only needed for this tokenizer.
+
+    self.path = os.fspath(path)
+    if not os.path.isfile(self.path):
+      raise FileNotFoundError(
+          f"SentencePiece model {self.path!r} does not exist; pass a .model file path."
+      )
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    base_size = self._sp.get_piece_size()
+    next_free = base_size
+    eos, pad = self._sp.eos_id(), self._sp.pad_id()
+    if eos < 0:
+      eos, next_free = next_free, next_free + 1
+    if pad < 0:
+      pad, next_free = next_free, next_free + 1
+    self.eos_id: int = int(eos)
+    self.pad_id: int = int(pad)
+    self.vocab_size: int = next_free
+    self._base_size = base_size
+
+  def encode(self, text: str) -> np.ndarray:
+    """Returns the (N,) int32 ids of `text`, without bos/eos."""
+    return np.asarray(self._sp.encode(text, out_type=int), dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Encodes every text in `texts`."""
+    return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(list(texts), out_type=int)]
+
+  def decode(self, ids: TokenIds) -> str:
+    """Decodes ids to text, dropping eos, pad and ids appended past the model's vocabulary."""
+    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+    keep = (ids_N < self._base_size) & (ids_N != self.eos_id) & (ids_N != self.pad_id)
+    return self._sp.decode(ids_N[keep].tolist())
+
+  def __repr__(self) -> str:
+    return f"SentencePieceTokenizer({self.path!r})"
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """Returns the tokenizer named by `spec`.
+
+  Accepted forms: "byte" (`ByteTokenizer`), a path ending in ".json" (an HF `tokenizers` file,
+  `HFTokenizer`) or a path ending in ".model" (a SentencePiece model, `SentencePieceTokenizer`).
+  """
+  if not isinstance(spec, str):
+    raise ValueError(f"tokenizer spec must be a string; got {spec!r} of type {type(spec).__name__}.")
+  if spec == "byte":
+    return ByteTokenizer()
+  if spec.endswith(".json"):
+    return HFTokenizer(spec)
+  if spec.endswith(".model"):
+    return SentencePieceTokenizer(spec)
+  raise ValueError(
+      f"Unknown tokenizer spec {spec!r}. Accepted: 'byte', a path to an HF tokenizers file "
+      "ending in '.json', or a path to a SentencePiece model ending in '.model'."
+  )
