@@ -16,6 +16,9 @@ Masking: a query attends to a key when every mask that is given allows it:
   * segment ids: query and key carry the same segment id (packed sequences);
   * ``mask``: an explicit boolean array broadcastable to [B, H, T, S].
 A query row with no allowed key produces a zero output (and zero probabilities).
+
+``logits_fn`` and ``probs_fn`` are analysis hooks (quantizing the scores, clamping
+the combined map); the fast paths do not support them.
 """
 
 from __future__ import annotations
@@ -78,10 +81,16 @@ def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
 
 
 def attention_probs(
-    q_BxTxHxD, k_BxSxKxD, *, scale: float, mask
+    q_BxTxHxD, k_BxSxKxD, *, scale: float, mask, logits_fn=None
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns (logits, probabilities), both float32 [B, H, T, S]."""
+  """Returns (logits, probabilities), both float32 [B, H, T, S].
+
+  ``logits_fn`` (analysis only) transforms the scaled float32 scores before the
+  softmax, e.g. to quantize them; the returned logits are the transformed ones.
+  """
   logits = _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale)
+  if logits_fn is not None:
+    logits = logits_fn(logits).astype(jnp.float32)
   return logits, masked_softmax(logits, mask)
 
 
@@ -99,7 +108,7 @@ def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
 
 def mha_reference(
     q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, segment_ids=None,
-    mask=None, scale=None, return_aux=False):
+    mask=None, scale=None, return_aux=False, logits_fn=None, probs_fn=None):
   """Baseline multi-head / grouped-query attention.
 
   Returns out [B, T, H, Dv] (dtype of q); with ``return_aux`` also a dict with
@@ -112,7 +121,10 @@ def mha_reference(
   m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
                  kv_segment_ids_BxS=kv_seg, mask=mask)
   scale = _v.default_scale(scale, d)
-  logits, probs = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m)
+  logits, probs = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m,
+                                  logits_fn=logits_fn)
+  if probs_fn is not None:
+    probs = probs_fn(probs)
   out = _apply_probs(probs, v_BxSxKxDv, q_BxTxHxD.dtype)
   if return_aux:
     return out, {"logits": logits, "probs": probs}
@@ -121,7 +133,8 @@ def mha_reference(
 
 def diff_v1_reference(
     q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, *,
-    causal=True, segment_ids=None, mask=None, scale=None, return_aux=False):
+    causal=True, segment_ids=None, mask=None, scale=None, return_aux=False,
+    logits_fn=None, probs_fn=None):
   """DIFF V1 core: ``(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V``.
 
   Args:
@@ -141,11 +154,15 @@ def diff_v1_reference(
   m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
                  kv_segment_ids_BxS=kv_seg, mask=mask)
   scale = _v.default_scale(scale, d)
-  logits1, p1 = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m)
-  logits2, p2 = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m)
+  logits1, p1 = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m,
+                                  logits_fn=logits_fn)
+  logits2, p2 = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m,
+                                  logits_fn=logits_fn)
   lam_H = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))
   # One matmul with V on the combined (signed) probabilities.
   p = p1 - lam_H[None, :, None, None] * p2
+  if probs_fn is not None:
+    p = probs_fn(p)
   out = _apply_probs(p, v_BxSxKxDv, q1_BxTxHxD.dtype)
   if return_aux:
     return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
@@ -154,7 +171,8 @@ def diff_v1_reference(
 
 def diff_v2_reference(
     q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
-    segment_ids=None, mask=None, scale=None, return_aux=False):
+    segment_ids=None, mask=None, scale=None, return_aux=False, logits_fn=None,
+    probs_fn=None):
   """DIFF V2 core on paired query heads.
 
   Args:
@@ -176,10 +194,14 @@ def diff_v2_reference(
   m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
                  kv_segment_ids_BxS=kv_seg, mask=mask)
   scale = _v.default_scale(scale, d)
-  logits1, p1 = attention_probs(q1, k_BxSxKxD, scale=scale, mask=m)
-  logits2, p2 = attention_probs(q2, k_BxSxKxD, scale=scale, mask=m)
+  logits1, p1 = attention_probs(q1, k_BxSxKxD, scale=scale, mask=m,
+                                  logits_fn=logits_fn)
+  logits2, p2 = attention_probs(q2, k_BxSxKxD, scale=scale, mask=m,
+                                  logits_fn=logits_fn)
   lam_BxHxT = jnp.transpose(lam_BxTxH.astype(jnp.float32), (0, 2, 1))
   p = p1 - lam_BxHxT[..., None] * p2
+  if probs_fn is not None:
+    p = probs_fn(p)
   out = _apply_probs(p, v_BxSxKxD, q_BxTxQxD.dtype)
   if return_aux:
     return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}

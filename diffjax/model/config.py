@@ -1,0 +1,139 @@
+"""Typed model configuration, matched arms and parameter counts.
+
+Head counts are those of the arm itself:
+  * ``transformer``: ``num_heads`` query heads of width ``head_dim``;
+  * ``diff_v1``: ``num_heads`` DIFF heads H, each with two ``head_dim``-wide
+    components and a 2*``head_dim`` value (a baseline with 2H heads matches it);
+  * ``diff_v2``: ``num_heads`` output heads h, each fed by a pair of query heads
+    (2h query heads); keys, values and W_o are the baseline's.
+:func:`matched_configs` derives the DIFF arms from one baseline spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from diffjax.nn.rope import ROPE_STYLES
+
+ARMS = ("transformer", "diff_v1", "diff_v2")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A LLaMA-style decoder LM whose attention is one of :data:`ARMS`."""
+  attention: str = "diff_v1"
+  vocab_size: int = 258
+  d_model: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 4
+  head_dim: int = 32
+  mlp_dim: int = 688
+  rope_theta: float = 10000.0
+  rope_style: str = "interleaved"
+  norm_eps: float = 1e-5
+  diff_norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  implementation: str = "auto"
+  block_sizes: Mapping[str, Any] | None = None
+  interpret: bool = False
+  # DIFF V1 ablations (paper Table 6): drop the per-head norm; a constant lambda.
+  diff_use_norm: bool = True
+  diff_fixed_lambda: float | None = None
+
+  def __post_init__(self):
+    if self.attention not in ARMS:
+      raise ValueError(f"attention={self.attention!r} is not one of {ARMS}.")
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim"):
+      if int(getattr(self, name)) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+    if self.rope_style not in ROPE_STYLES:
+      raise ValueError(f"rope_style={self.rope_style!r} is not one of {ROPE_STYLES}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"{name}={getattr(self, name)!r} is not one of {tuple(_DTYPES)}.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
+    from diffjax.ops.attention import IMPLEMENTATIONS  # pylint: disable=import-outside-toplevel
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation={self.implementation!r} is not one of "
+                       f"{IMPLEMENTATIONS}.")
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def value_head_dim(self) -> int:
+    return 2 * self.head_dim if self.attention == "diff_v1" else self.head_dim
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    """Builds a config from a mapping (e.g. ``config.model.to_dict()``)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"Unknown model config keys {unknown}; valid keys are {sorted(fields)}.")
+    d = dict(d)
+    if d.get("block_sizes") is not None:
+      d["block_sizes"] = dict(d["block_sizes"])
+    return cls(**d)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def matched_configs(baseline: ModelConfig) -> dict[str, ModelConfig]:
+  """The three arms matched to one baseline spec.
+
+  DIFF V1 halves the heads and kv heads and keeps the component width d (value 2d),
+  so its projections have the baseline's shapes; DIFF V2 keeps the baseline's
+  heads and doubles the query heads inside the module.
+  """
+  if baseline.attention != "transformer":
+    raise ValueError(f"matched_configs takes the transformer spec; got "
+                     f"attention={baseline.attention!r}.")
+  if baseline.num_heads % 2 or baseline.num_kv_heads % 2:
+    raise ValueError(
+        f"DIFF V1 pairs baseline heads, so num_heads={baseline.num_heads} and "
+        f"num_kv_heads={baseline.num_kv_heads} must both be even.")
+  v1 = baseline.replace(attention="diff_v1", num_heads=baseline.num_heads // 2,
+                        num_kv_heads=baseline.num_kv_heads // 2)
+  v2 = baseline.replace(attention="diff_v2")
+  return {"transformer": baseline, "diff_v1": v1, "diff_v2": v2}
+
+
+def attention_params(cfg: ModelConfig) -> int:
+  """Parameters of one attention layer."""
+  e, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  if cfg.attention == "transformer":
+    return e * h * d + 2 * e * k * d + h * d * e
+  if cfg.attention == "diff_v1":
+    return e * h * 2 * d + e * k * 2 * d + e * k * 2 * d + h * 2 * d * e + 4 * d + 2 * d
+  return e * 2 * h * d + 2 * e * k * d + h * d * e + e * h
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Total parameters of the LM, computed from the config (no model is built)."""
+  e = cfg.d_model
+  per_layer = attention_params(cfg) + 3 * e * cfg.mlp_dim + 2 * e
+  head = 0 if cfg.tie_embeddings else e * cfg.vocab_size
+  return cfg.vocab_size * e + cfg.num_layers * per_layer + e + head

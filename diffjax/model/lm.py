@@ -1,0 +1,120 @@
+"""LLaMA-style decoder LM; the three arms share every line but the attention module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax.model.config import ModelConfig
+from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
+from diffjax.nn.layers import NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init
+from diffjax.nn.partitioning import constrain
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Module:
+  """The attention module of one layer for ``cfg.attention``."""
+  opts = AttentionOptions(rope_theta=cfg.rope_theta, rope_style=cfg.rope_style,
+                          dtype=cfg.compute_dtype, init_std=cfg.init_std,
+                          implementation=cfg.implementation, block_sizes=cfg.block_sizes,
+                          interpret=cfg.interpret)
+  args = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+  if cfg.attention == "transformer":
+    return Attention(*args, options=opts, rngs=rngs)
+  if cfg.attention == "diff_v1":
+    return DiffV1Attention(*args, layer_index=layer_index, options=opts,
+                           norm_eps=cfg.diff_norm_eps, use_norm=cfg.diff_use_norm,
+                           fixed_lambda=cfg.diff_fixed_lambda, rngs=rngs)
+  return DiffV2Attention(*args, options=opts, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    self.attn = make_attention(cfg, layer_index, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs)
+    self.dtype = cfg.compute_dtype
+
+  def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
+               hooks: Hooks = NO_HOOKS):
+    attn = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
+                     capture=capture, hooks=hooks)
+    aux = None
+    if capture:
+      attn, aux = attn
+    x = x_BxTxE + attn
+    x = x + self.mlp(self.mlp_norm(x), self.dtype, hooks)
+    x = constrain(x, ("batch", "length", "embed"))
+    if capture:
+      aux = dict(aux, hidden=x.astype(jnp.float32))
+      return x, aux
+    return x
+
+
+class DecoderLM(nnx.Module):
+  """Token embedding, ``num_layers`` pre-norm blocks, final RMSNorm, LM head.
+
+  Call: ``logits_BxTxV = model(tokens_BxT, positions_BxT=None, segment_ids_BxT=None)``.
+  ``positions`` default to 0..T-1 (pass per-document positions for packed data);
+  ``segment_ids`` keep packed documents from attending to each other. Logits are
+  float32. With ``capture=True`` it returns ``(logits, captures)``: one dict per
+  layer with float32 attention logits and probabilities, lambda (DIFF arms) and the
+  block's output hidden state ``hidden`` [B, T, E].
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]) \
+        if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
+                                ("embed", "vocab"))
+
+  def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
+               capture: bool = False, hooks: Hooks = NO_HOOKS):
+    cfg = self.config
+    dt = cfg.compute_dtype
+    if tokens_BxT.ndim != 2:
+      raise ValueError(f"tokens must have shape [batch, length]; got {tokens_BxT.shape}.")
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    x = self.embed(tokens_BxT, dt)
+    x = constrain(x, ("batch", "length", "embed"))
+    captures = []
+    for block in self.blocks:
+      if capture:
+        x, aux = block(x, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks)
+        captures.append(aux)
+      elif cfg.remat != "none":
+        x = _remat_block(block, x, positions_BxT, segment_ids_BxT, hooks, cfg.remat)
+      else:
+        x = block(x, positions_BxT, segment_ids_BxT, hooks=hooks)
+    x = self.final_norm(x)
+    if cfg.tie_embeddings:
+      logits = self.embed.attend(x, dt)
+    else:
+      logits = jnp.einsum("bte,ev->btv", x.astype(dt), self.lm_head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", "length", "vocab"))
+    return (logits, captures) if capture else logits
+
+
+def _remat_block(block, x, positions, segment_ids, hooks, policy_name):
+  policy = _REMAT[policy_name]
+
+  def run(blk, x_, pos_, seg_):
+    return blk(x_, pos_, seg_, hooks=hooks)
+
+  return nnx.remat(run, policy=policy)(block, x, positions, segment_ids)

@@ -1,0 +1,11 @@
+"""Flax NNX modules: attention (baseline, DIFF V1, DIFF V2), RoPE, norms, MLP."""
+
+from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
+from diffjax.nn.layers import Embed, Hooks, RMSNorm, SwiGLU
+from diffjax.nn.partitioning import activation_sharding, constrain, logical_to_spec
+from diffjax.nn.rope import apply_rope
+
+__all__ = [
+    "Attention", "AttentionOptions", "DiffV1Attention", "DiffV2Attention", "Embed", "Hooks",
+    "RMSNorm", "SwiGLU", "activation_sharding", "constrain", "logical_to_spec", "apply_rope",
+]

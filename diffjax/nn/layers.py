@@ -1,0 +1,122 @@
+"""Basic Flax NNX layers shared by every arm: projections, RMSNorm, SwiGLU, embedding.
+
+Every parameter carries logical axis names (``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``, ``vocab``, ``norm``); :mod:`diffjax.sharding` maps them to
+mesh axes. Parameters are created without eager sharding so a model can be built
+with or without a mesh; the training harness places them with jit out_shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax.ops.reference import rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """Analysis interventions, all optional; ``None`` everywhere costs nothing.
+
+  Attributes:
+    logits: applied to float32 attention scores [B, H, T, S] before the softmax.
+    probs: applied to the combined attention map (A1 - lambda A2 for DIFF arms,
+      A for the baseline) [B, H, T, S] before it multiplies V.
+    kv: applied to keys and values after projection and RoPE (KV-cache quantization).
+    activations: applied to the input of every linear projection.
+  """
+  logits: Callable[[jax.Array], jax.Array] | None = None
+  probs: Callable[[jax.Array], jax.Array] | None = None
+  kv: Callable[[jax.Array], jax.Array] | None = None
+  activations: Callable[[jax.Array], jax.Array] | None = None
+
+  @property
+  def needs_reference(self) -> bool:
+    """Scores/probability hooks need the explicit-map XLA path."""
+    return self.logits is not None or self.probs is not None
+
+
+NO_HOOKS = Hooks()
+
+
+def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None],
+               dtype=jnp.float32) -> nnx.Param:
+  """Creates an ``nnx.Param`` with logical axis names and no eager placement."""
+  if len(shape) != len(names):
+    raise ValueError(f"shape {tuple(shape)} and logical names {tuple(names)} differ in rank.")
+  with nnx.use_eager_sharding(False):
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(names))
+
+
+def normal_init(std: float):
+  return nnx.initializers.normal(stddev=std)
+
+
+def torch_linear_init(fan_in: int):
+  """PyTorch's default nn.Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+  bound = 1.0 / math.sqrt(fan_in)
+  return nnx.initializers.uniform_range(-bound, bound) if hasattr(
+      nnx.initializers, "uniform_range") else _uniform(bound)
+
+
+def _uniform(bound: float):
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
+
+
+def project(x, kernel: nnx.Param, spec: str, dtype, hooks: Hooks) -> jax.Array:
+  """``einsum(spec, x, kernel)`` in the compute dtype with float32 accumulation."""
+  if hooks.activations is not None:
+    x = hooks.activations(x)
+  y = jnp.einsum(spec, x.astype(dtype), kernel[...].astype(dtype),
+                 preferred_element_type=jnp.float32)
+  return y.astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis, computed in float32, with a learnable gain."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-5, rngs: nnx.Rngs,
+               names: Sequence[str | None] = ("norm",)):
+    self.eps = eps
+    self.scale = make_param(rngs, nnx.initializers.ones, (dim,), names)
+
+  def __call__(self, x):
+    return rms_norm(x, self.scale[...], self.eps)
+
+
+class Embed(nnx.Module):
+  """Token embedding table [vocab, embed]."""
+
+  def __init__(self, vocab_size: int, dim: int, *, init_std: float, rngs: nnx.Rngs):
+    self.embedding = make_param(rngs, normal_init(init_std), (vocab_size, dim),
+                                ("vocab", "embed"))
+
+  def __call__(self, tokens_BxT, dtype):
+    return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dtype)
+
+  def attend(self, x_BxTxE, dtype):
+    """Tied output head: logits against the embedding table, float32."""
+    return jnp.einsum("bte,ve->btv", x_BxTxE.astype(dtype), self.embedding[...].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+class SwiGLU(nnx.Module):
+  """LLaMA MLP: down(silu(x W_gate) * (x W_up)), no biases."""
+
+  def __init__(self, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs):
+    self.w_gate = make_param(rngs, normal_init(init_std), (dim, hidden), ("embed", "mlp"))
+    self.w_up = make_param(rngs, normal_init(init_std), (dim, hidden), ("embed", "mlp"))
+    self.w_down = make_param(rngs, normal_init(init_std), (hidden, dim), ("mlp", "embed"))
+
+  def __call__(self, x_BxTxE, dtype, hooks: Hooks = NO_HOOKS):
+    gate = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)
+    up = project(x_BxTxE, self.w_up, "bte,ef->btf", dtype, hooks)
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    return project(h, self.w_down, "btf,fe->bte", dtype, hooks)

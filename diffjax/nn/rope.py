@@ -1,0 +1,41 @@
+"""Rotary position embeddings with both pairing conventions.
+
+``interleaved`` (the default, as in the DIFF reference code and GPT-J) rotates the
+pairs (x[2i], x[2i+1]); ``half`` (NeoX / HF Llama / DiffLlama) rotates
+(x[i], x[i + D/2]). Both use frequency theta^(-2i/D) for pair i.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ROPE_STYLES = ("interleaved", "half")
+
+
+def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
+  if head_dim % 2:
+    raise ValueError(f"RoPE needs an even head dim; got head_dim={head_dim}.")
+  return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, *, theta: float = 10000.0,
+               style: str = "interleaved") -> jax.Array:
+  """Rotates every D-wide head vector by its position; float32 math, input dtype out."""
+  if style not in ROPE_STYLES:
+    raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}.")
+  d = x_BxTxHxD.shape[-1]
+  freqs_F = rope_frequencies(d, theta)
+  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * freqs_F
+  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+  x = x_BxTxHxD.astype(jnp.float32)
+  if style == "interleaved":
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    r1 = x1 * cos - x2 * sin
+    r2 = x1 * sin + x2 * cos
+    out = jnp.stack([r1, r2], axis=-1).reshape(x.shape)
+  else:
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return out.astype(x_BxTxHxD.dtype)
