@@ -52,6 +52,7 @@ class PackedCorpus:
   @classmethod
   def from_documents(cls, docs: Sequence[np.ndarray], eos_id: int) -> "PackedCorpus":
     """Concatenates `docs` (each (N_i,) int); documents are kept in the given order."""
+    docs = [np.asarray(d, dtype=np.int32).reshape(-1) for d in docs]
     lengths_D = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
     offsets_Dp1 = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lengths_D, out=offsets_Dp1[1:])

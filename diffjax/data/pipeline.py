@@ -5,8 +5,8 @@ Batch b of the run (a "global batch") holds the global examples b*B .. b*B + B -
 [p*B/P, (p+1)*B/P) of every global batch, so the union over processes is the single-process
 batch and no process ever reads another's rows. Because a batch is a function of its index, the
 iterator's state is one integer (`{"next_index": b}`); it is saved with
-`grain.checkpoint.CheckpointSave(iterator)` and restored with `CheckpointRestore`, and it even
-restores correctly under a different process count.
+`grain.checkpoint.CheckpointSave(iterator)` and restored with `CheckpointRestore`. It is the
+same number on every process and means the same batch under any process count.
 
 Batch format: a dict of numpy arrays with leading dim b = global_batch_size // process_count:
   inputs (b, T) int32, targets (b, T) int32, segment_ids (b, T) int32, positions (b, T) int32,

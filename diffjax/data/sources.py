@@ -23,6 +23,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from diffjax.data.packing import PackedCorpus
 from diffjax.data.tokenizers import Tokenizer, load_tokenizer
 
 _GLOB_CHARS = frozenset("*?[")
@@ -87,23 +88,6 @@ def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
   return list(dict.fromkeys(files))
 
 
-class _FlatDocuments:
-  """Documents stored as one flat (total,) int32 array plus (num_docs + 1,) offsets."""
-
-  def __init__(self, docs: Iterable[np.ndarray]):
-    docs = [np.asarray(d, dtype=np.int32).reshape(-1) for d in docs]
-    lengths_D = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
-    self.offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum(lengths_D, out=self.offsets[1:])
-    self.tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
-
-  def __len__(self) -> int:
-    return self.offsets.size - 1
-
-  def __getitem__(self, index: int) -> np.ndarray:
-    return self.tokens[self.offsets[index]:self.offsets[index + 1]]
-
-
 class TextFileSource:
   """One document per text file, tokenized once at construction and kept in memory.
 
@@ -121,20 +105,21 @@ class TextFileSource:
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.paths = resolve_paths(patterns)
     self.name = name or f"text:{','.join(map(str, [patterns] if isinstance(patterns, str) else patterns))}"
-    self._docs = _FlatDocuments(_tokenize_files(self.paths, self.tokenizer))
+    self._docs = PackedCorpus.from_documents(_tokenize_files(self.paths, self.tokenizer),
+                                            self.tokenizer.eos_id)
 
   @property
   def num_tokens(self) -> int:
     """Total tokens over all documents (no eos counted)."""
-    return int(self._docs.tokens.size)
+    return int(self._docs.tokens_N.size)
 
   def __len__(self) -> int:
-    return len(self._docs)
+    return self._docs.num_documents
 
   def __getitem__(self, index: int) -> np.ndarray:
     if not -len(self) <= index < len(self):
       raise IndexError(f"document index {index} out of range for {len(self)} documents in {self.name}")
-    return self._docs[index % len(self)]
+    return self._docs.document(index % len(self))
 
   def __repr__(self) -> str:
     return f"TextFileSource({self.name!r}, documents={len(self)}, tokens={self.num_tokens})"
