@@ -1,0 +1,41 @@
+"""GPU kernels for differential attention (Pallas, Triton backend) and the stock GPU paths.
+
+Importing this package registers, with :func:`diffjax.ops.register_implementation`:
+
+* ``("diff_v1", "pallas_gpu")``: :func:`diff_v1_fused`;
+* ``("diff_v2", "pallas_gpu")``: :func:`diff_v2_fused`;
+* ``("mha" | "diff_v1" | "diff_v2", "stock")`` on GPU: :func:`mha_stock`,
+  :func:`diff_v1_stock`, :func:`diff_v2_stock` (``jax.nn.dot_product_attention``
+  calls, cuDNN when it accepts them).
+
+Public API:
+  diff_v1_fused, diff_v2_fused: fused training kernels (forward + custom VJP).
+  diff_v1_decode, diff_v1_decode_reference: one-token decode against a KV cache.
+  BlockSizes, DecodeBlockSizes: tiles and launch parameters.
+  diff_v1_partition_specs, diff_v2_partition_specs, decode_partition_specs:
+    in/out PartitionSpecs to run a kernel per device under ``jax.shard_map``.
+  mha_stock, diff_v1_stock, diff_v2_stock: the stock peers.
+"""
+
+from diffjax.kernels.gpu.block_sizes import BlockSizes, DecodeBlockSizes
+from diffjax.kernels.gpu.decode import (
+    decode_partition_specs,
+    diff_v1_decode,
+    diff_v1_decode_reference,
+)
+from diffjax.kernels.gpu.diff_v1 import diff_v1_fused, diff_v1_partition_specs
+from diffjax.kernels.gpu.diff_v2 import diff_v2_fused, diff_v2_partition_specs
+from diffjax.kernels.gpu.stock import diff_v1_stock, diff_v2_stock, mha_stock
+from diffjax.ops.attention import register_implementation
+
+register_implementation("diff_v1", "pallas_gpu", diff_v1_fused, platforms=("gpu",))
+register_implementation("diff_v2", "pallas_gpu", diff_v2_fused, platforms=("gpu",))
+register_implementation("mha", "stock", mha_stock, platforms=("gpu",))
+register_implementation("diff_v1", "stock", diff_v1_stock, platforms=("gpu",))
+register_implementation("diff_v2", "stock", diff_v2_stock, platforms=("gpu",))
+
+__all__ = [
+    "BlockSizes", "DecodeBlockSizes", "decode_partition_specs", "diff_v1_decode",
+    "diff_v1_decode_reference", "diff_v1_fused", "diff_v1_partition_specs", "diff_v1_stock",
+    "diff_v2_fused", "diff_v2_partition_specs", "diff_v2_stock", "mha_stock",
+]

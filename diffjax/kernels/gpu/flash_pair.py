@@ -162,7 +162,7 @@ def _scores(q, k, c):
   return pl.dot(q, k, trans_b=True) * c
 
 
-def _online_softmax_step(s, v, acc, m, l, masked: bool):
+def online_softmax_step(s, v, acc, m, l, masked: bool):
   """One key block of an exact online softmax; returns the new (acc, m, l)."""
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
   # A row with no visible key so far keeps m == NEG; exponents against 0 make its
@@ -207,8 +207,8 @@ def _forward_kernel(*refs, cfg: PairConfig):
       mask = _mask(cfg, q_start, bq, kv_start, bk, qseg, kvseg)
       s_a = jnp.where(mask, s_a, NEG)
       s_b = jnp.where(mask, s_b, NEG)
-    acc_a, m_a, l_a = _online_softmax_step(s_a, v, acc_a, m_a, l_a, masked)
-    acc_b, m_b, l_b = _online_softmax_step(s_b, v, acc_b, m_b, l_b, masked)
+    acc_a, m_a, l_a = online_softmax_step(s_a, v, acc_a, m_a, l_a, masked)
+    acc_b, m_b, l_b = online_softmax_step(s_b, v, acc_b, m_b, l_b, masked)
     return acc_a, acc_b, m_a, m_b, l_a, l_b
 
   zeros_acc = jnp.zeros((bq, dv), jnp.float32)
