@@ -1,0 +1,139 @@
+"""Config building blocks shared by the files in ``configs/``.
+
+``base_config()`` holds every key a run reads, with CPU-friendly defaults;
+``baseline_spec(name)`` gives the Transformer spec of a named size (the paper's
+sizes included), from which :func:`diffjax.model.matched_configs` derives the arms.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from diffjax.model import ModelConfig, matched_configs
+
+
+def _round_up(x: float, multiple: int) -> int:
+  return int(-(-x // multiple) * multiple)
+
+
+def llama_ffn(d_model: int, multiple: int = 256) -> int:
+  """SwiGLU hidden size 8/3 * d_model rounded up (used where the paper gives none)."""
+  return _round_up(8 * d_model / 3, multiple)
+
+
+# Baseline (Transformer) specs: (d_model, layers, baseline heads, mlp_dim).
+# The paper lists DIFF heads; the baseline has twice as many with the same d.
+_SPECS = {
+    # CPU sizes.
+    "tiny": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32, mlp_dim=352),
+    "small": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=32,
+                  mlp_dim=688),
+    # One-GPU size (~350M parameters with a 100K vocabulary).
+    "350m": dict(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
+                 mlp_dim=2816),
+    # arXiv 2410.05258 section 3: 3B (FFN given), and the scaling sweep (FFN 8/3 d rounded).
+    "3b": dict(d_model=3072, num_layers=28, num_heads=24, num_kv_heads=24, head_dim=128,
+               mlp_dim=8192),
+    # d = d_model / (2 * DIFF heads): 96 for 830M, 128 for the others.
+    "830m": dict(d_model=1536, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=96),
+    "1.4b": dict(d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128),
+    "2.8b": dict(d_model=2560, num_layers=32, num_heads=20, num_kv_heads=20, head_dim=128),
+    "6.8b": dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128),
+    "13.1b": dict(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128),
+}
+PAPER_VOCAB = 100288  # tiktoken cl100k_base as used by the paper, padded.
+
+
+def baseline_spec(name: str, vocab_size: int = -1) -> dict:
+  if name not in _SPECS:
+    raise ValueError(f"Unknown size {name!r}; known sizes are {sorted(_SPECS)}.")
+  spec = dict(_SPECS[name])
+  spec.setdefault("mlp_dim", llama_ffn(spec["d_model"]))
+  spec["vocab_size"] = vocab_size
+  return spec
+
+
+def arm_model(size: str, arm: str, vocab_size: int = -1, **overrides) -> dict:
+  """The model dict of ``arm`` matched to the Transformer of ``size``."""
+  base = ModelConfig(attention="transformer", **{
+      **baseline_spec(size, vocab_size if vocab_size > 0 else 258), **overrides})
+  cfg = matched_configs(base)[arm].to_dict()
+  cfg["vocab_size"] = vocab_size
+  return cfg
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.seq_len = 256
+  c.global_batch_size = 16
+  c.grad_accum_steps = 1
+  c.num_steps = 1000
+  c.log_every = 50
+  c.eval_every = 250
+  c.eval_batches = 8
+  c.tensorboard = True
+
+  c.model = ml_collections.ConfigDict(arm_model("small", "diff_v1"))
+  # Optional keys take None, so ConfigDict fields must allow it.
+  c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
+  c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
+
+  c.data = ml_collections.ConfigDict(dict(
+      kind="stdlib", paths=(), tokenizer="byte", val_fraction=0.01, split_seed=0,
+      max_documents=ml_collections.config_dict.placeholder(int),
+      max_tokens=ml_collections.config_dict.placeholder(int), shuffle=True, num_threads=2,
+      prefetch_batches=4))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=1000,
+      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
+
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, async_save=True))
+  c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1),
+                                          rules=ml_collections.config_dict.placeholder(list)))
+  c.distributed = ml_collections.ConfigDict(
+      dict(initialize=ml_collections.config_dict.placeholder(bool)))
+  return c
+
+
+def paper_3b(arm: str) -> ml_collections.ConfigDict:
+  """The paper's 3B setup (sequence 4096, 4M-token batches, AdamW 0.9/0.95, lr 3.2e-4,
+  1000 warm-up steps, linear decay to 1.28e-5, weight decay 0.1)."""
+  c = base_config()
+  c.model = ml_collections.ConfigDict(arm_model("3b", arm, PAPER_VOCAB, dtype="bfloat16"))
+  c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
+  c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
+  c.model.remat = "dots_no_batch"
+  c.seq_len = 4096
+  c.global_batch_size = 1024  # 1024 x 4096 = 4M tokens
+  c.num_steps = 350_000  # 1T tokens / 4M tokens (the paper trains 3B on 1T tokens)
+  c.optim.update(dict(lr=3.2e-4, min_lr=1.28e-5, warmup_steps=1000, schedule="linear",
+                      decay_steps=c.num_steps, b1=0.9, b2=0.95, weight_decay=0.1))
+  c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
+  c.checkpoint.update(dict(every=1000, keep=3))
+  c.mesh.shape = (1, -1, 1)
+  c.data.kind = "array_record"
+  c.data.tokenizer = "byte"  # replace with your tokenizer file matching PAPER_VOCAB
+  return c
+
+
+def paper_sweep(size: str, arm: str) -> ml_collections.ConfigDict:
+  """The paper's scaling sweep (830M-13.1B): AdamW 0.9/0.98, lr 1.5e-3 (7.5e-4 from
+  6.8B), 375 warm-up steps, weight decay 0.05, 0.25M-token batches, 40K steps."""
+  c = base_config()
+  c.model = ml_collections.ConfigDict(arm_model(size, arm, PAPER_VOCAB, dtype="bfloat16"))
+  c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
+  c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
+  c.model.remat = "dots_no_batch"
+  c.seq_len = 2048
+  c.global_batch_size = 128  # 128 x 2048 = 0.25M tokens
+  c.num_steps = 40_000
+  lr = 7.5e-4 if size in ("6.8b", "13.1b") else 1.5e-3
+  c.optim.update(dict(lr=lr, min_lr=0.0, warmup_steps=375, schedule="linear",
+                      decay_steps=c.num_steps, b1=0.9, b2=0.98, weight_decay=0.05))
+  c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
+  c.checkpoint.update(dict(every=1000, keep=3))
+  c.mesh.shape = (1, -1, 1)
+  c.data.kind = "array_record"
+  return c

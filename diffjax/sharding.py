@@ -1,0 +1,153 @@
+"""Device meshes and logical-axis sharding rules.
+
+The model names every parameter axis (``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``, ``vocab``, ``norm``) and activation axis (``batch``,
+``length``, ...). One rules table maps those names to the mesh axes ``data``,
+``fsdp`` and ``tensor``:
+
+  * batch over ``data`` and ``fsdp``;
+  * parameters and optimizer state FSDP-sharded over ``fsdp`` along ``embed``;
+  * attention heads, kv heads, MLP hidden and vocabulary over ``tensor``.
+
+Because DIFF V1 kernels are [E, H, 2, d] (queries), [E, K, 2, d] (keys) and
+[E, K, 2d] (values), and DIFF V2 queries are [E, h, 2, d], splitting ``heads``
+keeps both components of a V1 head with its 2d value, and both heads of a V2
+pair with their kv head, on one shard. :func:`validate_mesh_for_model` refuses
+meshes whose tensor axis would split them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from diffjax.nn.partitioning import logical_to_spec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("norm", None),
+)
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """Replaces one -1 entry by the remaining device count and checks the product."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes "
+                     f"{MESH_AXES}.")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape} may contain at most one -1 ('the rest').")
+  if any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh shape {shape} entries must be positive or -1.")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"mesh shape {shape}: {num_devices} devices are not divisible by the "
+                       f"fixed axes' product {known}.")
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if int(np.prod(shape)) != num_devices:
+    raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} "
+                     f"devices but {num_devices} are available. Set mesh.shape so the product "
+                     "equals the device count, or use -1 for one axis.")
+  return shape
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+  devices = list(jax.devices()) if devices is None else list(devices)
+  shape = resolve_mesh_shape(shape, len(devices))
+  try:
+    arr = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+  except Exception:  # non-physical device sets (CPU, topologies) keep their order
+    arr = np.asarray(devices, dtype=object).reshape(shape)
+  return Mesh(arr, MESH_AXES)
+
+
+def validate_mesh_for_model(mesh: Mesh, model_cfg, global_batch_size: int | None = None) -> None:
+  """Clear errors for meshes that would split heads, kv groups or the batch."""
+  t = mesh.shape["tensor"]
+  what = {"transformer": "attention heads", "diff_v1": "DIFF V1 heads (each with both "
+          "components and its 2d value)", "diff_v2": "DIFF V2 pairs"}[model_cfg.attention]
+  if model_cfg.num_heads % t:
+    raise ValueError(f"The tensor axis ({t}) must divide the {model_cfg.num_heads} "
+                     f"{what}; a shard must hold whole heads. Change mesh.shape.")
+  if model_cfg.num_kv_heads % t:
+    raise ValueError(f"The tensor axis ({t}) must divide num_kv_heads="
+                     f"{model_cfg.num_kv_heads} so each shard holds whole kv groups with the "
+                     "heads that read them. Change mesh.shape.")
+  for name, size in (("mlp_dim", model_cfg.mlp_dim), ("vocab_size", model_cfg.vocab_size)):
+    if size % t:
+      raise ValueError(f"The tensor axis ({t}) must divide {name}={size}. Change mesh.shape "
+                       f"or {name}.")
+  f = mesh.shape["fsdp"]
+  if model_cfg.d_model % f:
+    raise ValueError(f"The fsdp axis ({f}) must divide d_model={model_cfg.d_model}.")
+  if global_batch_size is not None:
+    rows = mesh.shape["data"] * f
+    if global_batch_size % rows:
+      raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
+                       f"data*fsdp={rows} (the batch is split over both axes).")
+
+
+def logical_param_specs(graphdef_state) -> Any:
+  """Logical PartitionSpecs (axis names) of an ``nnx.State`` of parameters."""
+  return nnx.get_partition_spec(graphdef_state)
+
+
+def param_shardings(param_state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+  """NamedShardings for the params (as a pure dict, like the train state holds)."""
+  specs = nnx.get_partition_spec(param_state).to_pure_dict()
+
+  def to_sharding(spec):
+    names = tuple(spec) if isinstance(spec, PartitionSpec) else ()
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+  return jax.tree.map(to_sharding, specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def state_shardings(tx: optax.GradientTransformation, abstract_state: dict, param_shards: dict,
+                    mesh: Mesh) -> dict:
+  """Shardings of the whole train state: optimizer moments follow their params."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt = optax.tree_map_params(
+      tx, lambda _, s: s, abstract_state["opt_state"], param_shards,
+      transform_non_params=lambda _: replicated)
+  return {"params": param_shards, "opt_state": opt, "step": replicated, "rng": replicated}
+
+
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
+
+
+def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None):
+  """Normalises a rules table from a config (list of pairs or a dict)."""
+  if rules is None:
+    return DEFAULT_RULES
+  items = rules.items() if isinstance(rules, Mapping) else rules
+  out = []
+  for item in items:
+    name, axes = tuple(item)
+    if isinstance(axes, (list, tuple)):
+      axes = tuple(axes)
+      bad = [a for a in axes if a not in MESH_AXES]
+    else:
+      bad = [axes] if axes is not None and axes not in MESH_AXES else []
+    if bad:
+      raise ValueError(f"Sharding rule {name!r} -> {axes!r} names unknown mesh axes {bad}; "
+                       f"the mesh axes are {MESH_AXES}.")
+    out.append((name, axes))
+  return tuple(out)

@@ -1,0 +1,144 @@
+"""Loss, train and eval steps as pure functions of (state, batch).
+
+The train state is a plain dict ``{"params", "opt_state", "step", "rng"}`` whose
+params are the model's ``nnx.Param`` state as a nested dict, so jit, sharding and
+Orbax all see an ordinary pytree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from diffjax.model import DecoderLM, ModelConfig
+from diffjax.nn.attention import DiffV1Attention
+
+Batch = dict[str, jax.Array]
+
+
+def create_model(cfg: ModelConfig, seed: int) -> DecoderLM:
+  return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def split_params(model: DecoderLM) -> tuple[nnx.GraphDef, dict]:
+  graphdef, state = nnx.split(model)
+  return graphdef, state.to_pure_dict()
+
+
+def merge_params(graphdef: nnx.GraphDef, params: dict) -> DecoderLM:
+  return nnx.merge(graphdef, params)
+
+
+def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
+  """Returns (graphdef, state) for a fresh run."""
+  model = create_model(cfg, seed)
+  graphdef, params = split_params(model)
+  state = {
+      "params": params,
+      "opt_state": tx.init(params),
+      "step": jnp.zeros((), jnp.int32),
+      "rng": jax.random.key_data(jax.random.key(seed)),
+  }
+  return graphdef, state
+
+
+def loss_sums(graphdef, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+  """Sum of masked token cross-entropies (nats) and the number of counted tokens."""
+  model = merge_params(graphdef, params)
+  logits_BxTxV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
+  mask_BxT = batch["loss_mask"].astype(jnp.float32)
+  return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
+
+
+def _split_micro(batch: Batch, accum: int) -> Batch:
+  def f(x):
+    if x.shape[0] % accum:
+      raise ValueError(f"Batch of {x.shape[0]} rows does not split into "
+                       f"grad_accum_steps={accum} micro-batches.")
+    return x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+  return jax.tree.map(f, batch)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable,
+                    grad_accum_steps: int = 1):
+  """Builds ``train_step(state, batch) -> (state, metrics)``.
+
+  Gradients of the token-summed loss are accumulated over ``grad_accum_steps``
+  micro-batches and divided by the total token count, so the update equals the one
+  from a single large batch. If the loss or gradient norm is not finite the update
+  is skipped (the state, step included, is returned unchanged) and
+  ``metrics["finite"]`` is False: the host then stops the run with the last good
+  state intact.
+  """
+  grad_fn = jax.value_and_grad(
+      lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
+
+  def train_step(state, batch: Batch):
+    params = state["params"]
+    if grad_accum_steps == 1:
+      (loss_sum, count), grads = grad_fn(params, batch)
+    else:
+      micro = _split_micro(batch, grad_accum_steps)
+
+      def body(carry, mb):
+        g_acc, l_acc, c_acc = carry
+        (l, c), g = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, c_acc + c), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (grads, loss_sum, count), _ = jax.lax.scan(
+          body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    loss = loss_sum / denom
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt = tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(grad_norm))
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(new_params, params),
+        "opt_state": keep(new_opt, state["opt_state"]),
+        "step": state["step"] + finite.astype(jnp.int32),
+        "rng": state["rng"],
+    }
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "tokens": count, "finite": finite}
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef):
+  """``eval_step(params, batch) -> (loss_sum, token_count)``."""
+  def eval_step(params, batch: Batch):
+    return loss_sums(graphdef, params, batch)
+  return eval_step
+
+
+def diff_v1_lambdas(graphdef, params) -> dict[str, jax.Array]:
+  """Current lambda of every DIFF V1 layer, keyed ``layer_<i>``."""
+  model = merge_params(graphdef, params)
+  out = {}
+  for i, block in enumerate(model.blocks):
+    if isinstance(block.attn, DiffV1Attention):
+      out[f"layer_{i}"] = block.attn.lambda_value()
+  return out
+
+
+def diff_v2_lambda_means(graphdef, params, batch: Batch) -> dict[str, jax.Array]:
+  """Mean of sigmoid(lambda) per DIFF V2 layer over the tokens of ``batch``."""
+  model = merge_params(graphdef, params)
+  if model.config.attention != "diff_v2":
+    return {}
+  _, captures = model(batch["inputs"], batch["positions"], batch["segment_ids"], capture=True)
+  return {f"layer_{i}": jnp.mean(c["lambda"]) for i, c in enumerate(captures)}
+
+
+def model_size(params: Any) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))

@@ -1,0 +1,257 @@
+"""``train_and_evaluate``: the training loop behind ``train.py``.
+
+Phases, in order:
+  1. validate the config and build the data (bad input fails here, before anything
+     is written to the workdir);
+  2. build the mesh, the abstract train state and its shardings;
+  3. restore the latest checkpoint if the workdir has one (model config checked
+     first), else initialise;
+  4. loop: train step, metrics, periodic evaluation, periodic and on-signal saves;
+  5. final save, final evaluation, ``DONE`` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax import sharding as shd
+from diffjax.data import DataConfig, build_datasets
+from diffjax.model import ModelConfig, count_params
+from diffjax.nn.partitioning import activation_sharding
+from diffjax.train import checkpoint as ckpt
+from diffjax.train import distributed
+from diffjax.train.config_utils import check_config, resolved_model_config
+from diffjax.train.metrics import MetricsWriter, Progress
+from diffjax.train.optim import make_optimizer
+from diffjax.train.steps import (
+    create_model,
+    diff_v1_lambdas,
+    diff_v2_lambda_means,
+    make_eval_step,
+    make_train_step,
+    split_params,
+)
+
+
+class TrainingError(RuntimeError):
+  """Training stopped for a reason the user must act on (e.g. a non-finite loss)."""
+
+
+class _StopFlag:
+  """Turns SIGTERM/SIGINT into a request to save and stop at the next step."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[s] = signal.signal(s, self._handle)
+      except ValueError:  # not the main thread
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  """Assembles the global batch from each process's rows."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def evaluate_loss(eval_step, params, batches, sharding) -> float:
+  total, count = 0.0, 0.0
+  for b in batches:
+    s, c = eval_step(params, _to_global(b, sharding))
+    total += float(s)
+    count += float(c)
+  return total / max(count, 1.0)
+
+
+def _build_state(model_cfg: ModelConfig, tx, seed: int, mesh, rules):
+  """Abstract state, its shardings and a jitted initialiser producing it sharded."""
+  with nnx.use_eager_sharding(False):
+    abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
+  graphdef, abstract_param_state = nnx.split(abstract_model)
+  param_shards = shd.param_shardings(abstract_param_state, mesh, rules)
+
+  def init():
+    model = create_model(model_cfg, seed)
+    _, params = split_params(model)
+    return {"params": params, "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed))}
+
+  abstract_state = jax.eval_shape(init)
+  shardings = shd.state_shardings(tx, abstract_state, param_shards, mesh)
+  init_fn = jax.jit(init, out_shardings=shardings)
+  return graphdef, abstract_state, shardings, init_fn
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir`` (resuming if it holds checkpoints).
+
+  Returns the final metrics (train loss, eval loss, steps, wall time).
+  """
+  t_start = time.perf_counter()
+  distributed.maybe_initialize(config)
+  check_config(config)
+  proc, nproc = jax.process_index(), jax.process_count()
+  is_main = proc == 0
+
+  # 1. Data first: a bad path or corpus fails before the workdir is touched.
+  data_cfg = DataConfig.from_dict(config.data.to_dict())
+  data = build_datasets(data_cfg, seq_len=config.seq_len,
+                        global_batch_size=config.global_batch_size, seed=config.seed,
+                        process_index=proc, process_count=nproc)
+  model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
+
+  # 2. Mesh and state layout.
+  mesh = shd.make_mesh(tuple(config.mesh.shape))
+  rules = shd.rules_from_config(config.mesh.get("rules"))
+  shd.validate_mesh_for_model(mesh, model_cfg, config.global_batch_size)
+  if config.global_batch_size % config.grad_accum_steps:
+    raise ValueError(f"global_batch_size={config.global_batch_size} must be divisible by "
+                     f"grad_accum_steps={config.grad_accum_steps}.")
+  tx, schedule = make_optimizer(config.optim)
+  graphdef, abstract_state, state_shards, init_fn = _build_state(
+      model_cfg, tx, config.seed, mesh, rules)
+  batch_shard = shd.batch_sharding(mesh, rules)
+
+  # 3. Restore or initialise.
+  os.makedirs(workdir, exist_ok=True) if "://" not in workdir else None
+  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"),
+                              keep=config.checkpoint.keep,
+                              async_save=config.checkpoint.async_save)
+  meta = {"model_config": model_cfg.to_dict(), "config": json.loads(config.to_json_best_effort())}
+  train_iter = data.new_train_iter()
+  latest = manager.latest_step()
+  progress = Progress(config.num_steps, latest or 0, log_every=config.log_every, enabled=is_main)
+  if latest is not None:
+    saved = ckpt.read_meta(manager, latest)
+    ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"],
+                            manager.directory)
+    abstract = ckpt.abstract_like(abstract_state, state_shards)
+    state = ckpt.restore(manager, latest, abstract, train_iter)
+    progress.message(f"Resumed from step {latest} in {manager.directory}")
+  else:
+    state = init_fn()
+  n_params = count_params(model_cfg)
+  if is_main:
+    ckpt.write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict()) \
+        if "://" not in workdir else None
+    progress.message(
+        f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
+        f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
+        f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats")
+
+  # 4. Compiled steps.
+  with activation_sharding(mesh, rules):
+    train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.grad_accum_steps),
+                         in_shardings=(state_shards, batch_shard),
+                         out_shardings=(state_shards, None), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(graphdef),
+                        in_shardings=(state_shards["params"], batch_shard))
+    lambdas_fn = jax.jit(lambda p: diff_v1_lambdas(graphdef, p))
+    v2_lambda_fn = jax.jit(lambda p, b: diff_v2_lambda_means(graphdef, p, b))
+  val_batches = data.val_batches(config.eval_batches)
+  writer = MetricsWriter(workdir, enabled=is_main and "://" not in workdir,
+                         tensorboard=config.get("tensorboard", True))
+  byte_level = type(data.tokenizer).__name__ == "ByteTokenizer"
+
+  def run_eval(step, params):
+    loss = evaluate_loss(eval_step, params, val_batches, batch_shard)
+    vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+    if byte_level:
+      vals["eval/bits_per_byte"] = loss / math.log(2.0)
+    if model_cfg.attention == "diff_v1":
+      vals.update({f"lambda/{k}": float(v) for k, v in lambdas_fn(params).items()})
+    if model_cfg.attention == "diff_v2":
+      b = _to_global(val_batches[0], batch_shard)
+      vals.update({f"lambda_mean/{k}": float(v) for k, v in v2_lambda_fn(params, b).items()})
+    writer.write(step, vals)
+    return vals
+
+  step = int(state["step"])
+  last_train_loss = float("nan")
+  last_eval: dict[str, float] = {}
+  pending: list[tuple[int, dict]] = []
+
+  def flush_metrics():
+    nonlocal last_train_loss
+    for s, m in pending:
+      if not bool(m["finite"]):
+        raise TrainingError(
+            f"Non-finite loss or gradient at step {s} (loss={float(m['loss'])}, "
+            f"grad_norm={float(m['grad_norm'])}). The update was skipped and the last good "
+            f"checkpoint in {manager.directory} is intact; lower optim.lr or check the data.")
+      last_train_loss = float(m["loss"])
+      writer.write(s, {"train/loss": last_train_loss, "train/grad_norm": float(m["grad_norm"]),
+                       "train/lr": float(m["lr"]), "train/tokens": float(m["tokens"])})
+    pending.clear()
+
+  with _StopFlag() as stop, mesh:
+    try:
+      while step < config.num_steps:
+        batch = _to_global(next(train_iter), batch_shard)
+        state, metrics = train_step(state, batch)
+        step += 1
+        pending.append((step, metrics))
+        is_log = step % config.log_every == 0 or step == config.num_steps
+        is_save = step % config.checkpoint.every == 0
+        if is_log or is_save or stop.signum is not None:
+          flush_metrics()
+        progress.update(step, float(metrics["loss"]) if progress.tty or is_log else 0.0,
+                        float(config.global_batch_size * config.seq_len))
+        if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
+          last_eval = run_eval(step, state["params"])
+          progress.message(f"step {step}: eval loss {last_eval['eval/loss']:.4f}")
+        if is_save or stop.signum is not None:
+          ckpt.save(manager, step, state, train_iter, meta, force=True)
+        if stop.signum is not None:
+          manager.wait_until_finished()
+          progress.message(f"Signal {stop.signum}: saved step {step}; rerun the same command "
+                           "to resume.")
+          writer.close()
+          return {"step": step, "stopped": True, "train/loss": last_train_loss}
+      flush_metrics()
+    finally:
+      progress.close()
+
+    # 5. Final save and evaluation.
+    if manager.latest_step() != step:
+      ckpt.save(manager, step, state, train_iter, meta, force=True)
+    manager.wait_until_finished()
+    last_eval = run_eval(step, state["params"])
+  wall = time.perf_counter() - t_start
+  result = {"step": step, "train/loss": last_train_loss, **last_eval,
+            "unigram/loss": data.unigram_entropy_nats, "params": n_params, "wall_s": wall}
+  if is_main:
+    progress.message("final: " + " ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+        if not k.startswith("lambda")))
+    if "://" not in workdir:
+      ckpt.write_json(os.path.join(workdir, "final_metrics.json"), result)
+      with open(os.path.join(workdir, "DONE"), "w", encoding="utf-8") as f:
+        f.write(f"{step}\n")
+  writer.close()
+  manager.close()
+  return result
