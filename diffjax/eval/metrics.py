@@ -1,0 +1,412 @@
+"""Evaluation metrics as pure array functions (numpy in, numpy or python numbers out).
+
+Nothing here calls a model; `diffjax.eval.evaluate` feeds these functions with logits, attention
+maps and hidden states. Shape letters: B batch, T query positions, S key positions, H heads,
+V vocabulary, E width.
+
+Retrieval scoring. `answer_exact_match` scores an answer by teacher forcing: the answer is
+correct when the argmax of the logits at every answer position (the logits at t - 1 predict the
+token at t) equals the answer token. For exact match of a whole answer this is identical to
+greedy decoding from the prompt: if every teacher-forced argmax is right, greedy decoding feeds
+back exactly the answer tokens and reproduces them; if the first wrong argmax is at answer token
+j, greedy decoding has reproduced the first j tokens and then emits the same wrong token. One
+forward pass per batch therefore gives the greedy exact-match accuracy
+(`diffjax.eval.evaluate.greedy_exact_match` checks this by decoding).
+
+Quantization. `quantize_absmax` is symmetric round-to-nearest absmax quantization with a scale per
+slice (`axis` names the reduced axes): q(x) = round(x / s) * s, s = max|x| / (2^(bits-1) - 1).
+Its error is at most s / 2 per entry, and it never clips (|x| / s <= 2^(bits-1) - 1).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+ArrayLike = np.ndarray
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss and retrieval accuracy.
+
+
+def token_nll(logits_BxTxV, targets_BxT) -> np.ndarray:
+  """Per-token negative log-likelihood in nats, float64 (B, T); a log-softmax in float64."""
+  logits = np.asarray(logits_BxTxV, np.float64)
+  m = logits.max(axis=-1, keepdims=True)
+  logz = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[..., 0]
+  picked = np.take_along_axis(logits, np.asarray(targets_BxT)[..., None].astype(np.int64), -1)[..., 0]
+  return logz - picked
+
+
+def answer_token_correct(logits_BxTxV, tokens_BxT) -> np.ndarray:
+  """(B, T) bool: position t > 0 is True when argmax(logits[t - 1]) == tokens[t]; t = 0 False."""
+  pred_BxTm1 = np.asarray(logits_BxTxV).argmax(axis=-1)[:, :-1]
+  tokens = np.asarray(tokens_BxT)
+  out = np.zeros(tokens.shape, bool)
+  out[:, 1:] = pred_BxTm1 == tokens[:, 1:]
+  return out
+
+
+def answer_exact_match(logits_BxTxV, tokens_BxT, answer_segments_BxT,
+                       num_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Teacher-forced exact match of every answer segment (see the module docstring).
+
+  Args:
+    logits_BxTxV: next-token logits of the whole sequence (prompt and answers).
+    tokens_BxT: the sequence.
+    answer_segments_BxT: r >= 0 at the tokens of answer r, -1 elsewhere.
+    num_segments: R; defaults to max segment id + 1.
+
+  Returns:
+    correct_BxR bool: all tokens of answer r are predicted; present_BxR bool: example b has
+    answer r (examples may have fewer answers than R).
+  """
+  segs = np.asarray(answer_segments_BxT)
+  ok = answer_token_correct(logits_BxTxV, tokens_BxT)
+  return segment_exact_match(ok, segs, num_segments)
+
+
+def segment_exact_match(token_correct_BxT, answer_segments_BxT,
+                        num_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Per-segment all-tokens-correct from a (B, T) per-token correctness array; see above."""
+  segs = np.asarray(answer_segments_BxT)
+  ok = np.asarray(token_correct_BxT, bool)
+  if segs[:, 0].max(initial=-1) >= 0:
+    raise ValueError("An answer token at position 0 has no logits to predict it; answers must "
+                     "follow at least one prompt token.")
+  r = int(segs.max(initial=-1)) + 1 if num_segments is None else int(num_segments)
+  present = np.zeros((segs.shape[0], r), bool)
+  correct = np.zeros((segs.shape[0], r), bool)
+  for k in range(r):
+    in_k = segs == k
+    present[:, k] = in_k.any(axis=1)
+    correct[:, k] = present[:, k] & np.all(ok | ~in_k, axis=1)
+  return correct, present
+
+
+def retrieval_accuracy(correct_BxR, present_BxR) -> dict[str, float]:
+  """Accuracy over answers ("accuracy": mean over every present answer, the paper's number) and
+  over examples ("all_correct": fraction of examples with every answer right)."""
+  correct, present = np.asarray(correct_BxR, bool), np.asarray(present_BxR, bool)
+  n = int(present.sum())
+  if n == 0:
+    raise ValueError("No answers to score: every answer_segments entry is -1.")
+  has_any = present.any(axis=1)
+  all_ok = np.all(correct | ~present, axis=1)[has_any]
+  return {"accuracy": float(correct[present].mean()), "all_correct": float(all_ok.mean()),
+          "num_answers": n, "num_examples": int(has_any.sum())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention allocation.
+
+
+def combine_diff_maps(probs1_BxHxTxS, probs2_BxHxTxS, lam) -> np.ndarray:
+  """A1 - lambda A2 with lambda a scalar (DIFF V1) or per token and head (B, T, H) (DIFF V2)."""
+  p1, p2 = np.asarray(probs1_BxHxTxS, np.float32), np.asarray(probs2_BxHxTxS, np.float32)
+  lam = np.asarray(lam, np.float32)
+  if lam.ndim == 0:
+    return p1 - lam * p2
+  if lam.ndim == 3:  # (B, T, H) -> (B, H, T, 1)
+    return p1 - np.transpose(lam, (0, 2, 1))[..., None] * p2
+  raise ValueError(f"lambda must be a scalar or (B, T, H); got shape {lam.shape}.")
+
+
+def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS, num_regions: int) -> dict[str, np.ndarray]:
+  """Attention mass that the query rows put on each region of keys, per head.
+
+  Args:
+    attn_BxHxTxS: attention weights; signed for DIFF (A1 - lambda A2), rows may not sum to 1.
+    rows_BxT: bool, the query rows to average over (e.g. `collate`'s prediction_rows).
+    regions_BxS: int region label per key (-1 = ignore, e.g. padding); labels < num_regions.
+    num_regions: number of region labels.
+
+  Returns (all float64, shape (H, num_regions) unless said otherwise):
+    signed: mean over rows of the signed sum of weights on the region.
+    absolute: mean over rows of the sum of |weights| on the region.
+    signed_share: signed summed over rows, divided by the rows' summed signed total. The regions
+      add up to 1 (the paper's Figure 1 normalisation); a ratio of sums, not a mean of
+      per-row ratios, because a DIFF row's total 1 - lambda can be near zero.
+    abs_share: absolute summed over rows / the rows' summed absolute total; in [0, 1].
+    row_total: (H,) mean signed row sum (1 for softmax, 1 - lambda for DIFF V1).
+    num_rows: number of rows averaged.
+  """
+  attn = np.asarray(attn_BxHxTxS, np.float64)
+  rows = np.asarray(rows_BxT, bool)
+  regions = np.asarray(regions_BxS)
+  b, h, t, s = attn.shape
+  if rows.shape != (b, t) or regions.shape != (b, s):
+    raise ValueError(f"rows {rows.shape} must be (B, T) = {(b, t)} and regions {regions.shape} "
+                     f"(B, S) = {(b, s)}.")
+  n = int(rows.sum())
+  if n == 0:
+    raise ValueError("No query rows selected: rows_BxT is all False.")
+  onehot_BxSxR = (regions[..., None] == np.arange(num_regions)).astype(np.float64)
+  sel_BxHxTxS = attn * rows[:, None, :, None]
+  signed_HxR = np.einsum("bhts,bsr->hr", sel_BxHxTxS, onehot_BxSxR)
+  abs_HxR = np.einsum("bhts,bsr->hr", np.abs(sel_BxHxTxS), onehot_BxSxR)
+  total_signed_H = sel_BxHxTxS.sum(axis=(0, 2, 3))
+  total_abs_H = np.abs(sel_BxHxTxS).sum(axis=(0, 2, 3))
+  with np.errstate(divide="ignore", invalid="ignore"):
+    signed_share = signed_HxR / total_signed_H[:, None]
+    abs_share = abs_HxR / total_abs_H[:, None]
+  return {"signed": signed_HxR / n, "absolute": abs_HxR / n, "signed_share": signed_share,
+          "abs_share": abs_share, "row_total": total_signed_H / n, "num_rows": n}
+
+
+# ----------------------------------------------------------------------------------------------
+# Outliers.
+
+
+def outlier_stats(x, ks: Sequence[int] = (1, 100)) -> dict[str, float]:
+  """Order statistics of |x| (paper Table 5): "top{k}" is the k-th largest |x|, plus "median".
+
+  NaNs are ignored. Raises ValueError when x has fewer than max(ks) finite entries.
+  """
+  a = np.abs(np.asarray(x, np.float64).reshape(-1))
+  a = a[np.isfinite(a)]
+  k_max = max(ks)
+  if a.size < k_max:
+    raise ValueError(f"Need at least {k_max} values for top-{k_max}; got {a.size}.")
+  top = np.sort(np.partition(a, a.size - k_max)[a.size - k_max:])[::-1]
+  out = {f"top{k}": float(top[k - 1]) for k in ks}
+  out["median"] = float(np.median(a))
+  out["count"] = int(a.size)
+  return out
+
+
+class OutlierAccumulator:
+  """Streaming `outlier_stats` over many arrays.
+
+  Top-k values are exact (the `max_k` largest are kept). The median is exact while at most
+  `max_sample` values have been seen; past that it is the median of a deterministic uniform
+  sample of `max_sample` values per `add` call pooled over calls (an estimate; `exact_median`
+  says which).
+  """
+
+  def __init__(self, ks: Sequence[int] = (1, 100), max_sample: int = 1 << 20, seed: int = 0):
+    self.ks, self.max_k = tuple(ks), max(ks)
+    self.max_sample = int(max_sample)
+    self._top = np.zeros(0)
+    self._sample: list[np.ndarray] = []
+    self._rng = np.random.default_rng(seed)
+    self.count = 0
+    self.exact_median = True
+
+  def add(self, x, mask=None) -> None:
+    """Adds |x| (only entries where the boolean `mask`, broadcast to x, is True)."""
+    a = np.abs(np.asarray(x, np.float64))
+    if mask is not None:
+      a = a[np.broadcast_to(np.asarray(mask, bool), a.shape)]
+    a = a.reshape(-1)
+    a = a[np.isfinite(a)]
+    if a.size == 0:
+      return
+    top = a if a.size <= self.max_k else np.partition(a, a.size - self.max_k)[a.size - self.max_k:]
+    exact = a.size <= self.max_sample
+    sample = a if exact else self._rng.choice(a, self.max_sample, replace=False)
+    self.add_summary(top, sample, a.size, exact=exact)
+
+  def add_summary(self, top, sample, count: int, exact: bool) -> None:
+    """Adds a pre-reduced block: its largest |values| (at least min(max_k, count) of them), a
+    uniform sample of its |values|, and how many values it had (`exact`: the sample is all)."""
+    top = np.abs(np.asarray(top, np.float64).reshape(-1))
+    sample = np.abs(np.asarray(sample, np.float64).reshape(-1))
+    if count == 0:
+      return
+    self.count += int(count)
+    self.exact_median &= bool(exact)
+    self._top = np.sort(np.concatenate([self._top, top[np.isfinite(top)]]))[::-1][:self.max_k]
+    self._sample.append(sample[np.isfinite(sample)])
+
+  def result(self) -> dict[str, float]:
+    if self.count < self.max_k:
+      raise ValueError(f"Need at least {self.max_k} values for top-{self.max_k}; got {self.count}.")
+    out = {f"top{k}": float(self._top[k - 1]) for k in self.ks}
+    out["median"] = float(np.median(np.concatenate(self._sample)))
+    out["count"] = int(self.count)
+    out["exact_median"] = bool(self.exact_median)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization (framework-agnostic: works on numpy and jax arrays through the array's own ops).
+
+
+def _xp(x):
+  if isinstance(x, np.ndarray) or np.isscalar(x):
+    return np
+  import jax.numpy as jnp
+  return jnp
+
+
+def quantize_absmax(x, bits: int, axis: int | Sequence[int] | None = None):
+  """Symmetric round-to-nearest absmax fake quantization (returns x's dtype).
+
+  Args:
+    x: numpy or jax array.
+    bits: 2..32; the integer grid is [-(2^(bits-1) - 1), 2^(bits-1) - 1].
+    axis: axes reduced to one scale (None: one scale for the whole array). E.g. per token of
+      activations (..., E): axis=-1; per output channel of a (in, out) kernel: axis=0.
+
+  Returns:
+    q(x) with |x - q(x)| <= absmax / (2^(bits-1) - 1) / 2 in every slice; all-zero slices stay 0.
+  """
+  if not 2 <= int(bits) <= 32:
+    raise ValueError(f"bits must be in [2, 32]; got {bits}.")
+  return fake_quant(x, float(2 ** (int(bits) - 1) - 1), axis)
+
+
+def fake_quant(x, qmax, axis=None, valid=None):
+  """`quantize_absmax` with the grid size qmax = 2^(bits-1) - 1 given directly (it may be a traced
+  jax scalar, so one compiled function serves every bit width); qmax <= 0 returns x unchanged.
+  `valid` (bool, broadcastable to x) limits the absmax to those entries and leaves the others
+  as they are."""
+  xp = _xp(x)
+  dtype = x.dtype
+  xf = xp.asarray(x).astype(xp.float32)
+  ax = xp.abs(xf) if valid is None else xp.where(valid, xp.abs(xf), 0.0)
+  absmax = xp.max(ax, axis=axis, keepdims=True)
+  qmax_safe = xp.maximum(xp.asarray(qmax, xp.float32), 1.0)
+  scale = absmax / qmax_safe
+  safe = xp.where(scale > 0, scale, 1.0)
+  q = xp.clip(xp.round(xf / safe), -qmax_safe, qmax_safe) * safe
+  q = xp.where(scale > 0, q, 0.0)
+  if valid is not None:
+    q = xp.where(valid, q, xf)
+  return xp.where(xp.asarray(qmax) > 0, q, xf).astype(dtype)
+
+
+def absmax_error_bound(x, bits: int, axis=None):
+  """The bound absmax / (2^(bits-1) - 1) / 2 of `quantize_absmax`, broadcastable to x.
+
+  Float32 rounding adds up to a few ulps of |x| on top of it; tests allow for that.
+  """
+  xp = _xp(x)
+  return xp.max(xp.abs(xp.asarray(x).astype(xp.float32)), axis=axis, keepdims=True) / (2 ** (bits - 1) - 1) / 2
+
+
+def quantize_weight_per_channel(w, bits: int = 4, input_axes: Sequence[int] = (0,)):
+  """W4 by default: one scale per output channel, i.e. absmax over the kernel's input axes.
+
+  Flax kernels are (in, out) (`nnx.Linear`) or (in, ..., out) for einsum kernels whose leading
+  axes are the contracted ones; pass `input_axes` for other layouts.
+  """
+  return quantize_absmax(w, bits, axis=tuple(input_axes))
+
+
+def quantize_activation_per_token(x_BxTxE, bits: int = 8):
+  """A8 by default: one scale per token (absmax over the last, feature axis)."""
+  return quantize_absmax(x_BxTxE, bits, axis=-1)
+
+
+def quantize_kv_per_head_token(x, bits: int = 4):
+  """KV4 by default: one scale per (token, head) vector, i.e. absmax over the head-dim axis
+  (the last axis of (B, S, K, D) keys or values)."""
+  return quantize_absmax(x, bits, axis=-1)
+
+
+def causal_valid_mask(t: int, s: int):
+  """(T, S) bool: query i (at absolute position i + S - T) may attend to key j <= that position."""
+  return np.arange(s)[None, :] <= (np.arange(t)[:, None] + (s - t))
+
+
+_GRANULARITY_AXES = {"head": (-2, -1), "row": (-1,), "tensor": None}
+
+
+def quantize_attention_logits(logits_BxHxTxS, bits, granularity: str = "head"):
+  """Absmax-quantizes raw attention scores, taking the scale over causally valid entries only.
+
+  granularity: "head" (one scale per example and head over its whole T x S map; the default),
+  "row" (per query row), or "tensor" (one scale per call; note that it couples the examples
+  of a batch). Entries above the causal diagonal are masked by the model anyway; excluding them
+  from the absmax keeps the scale that of the scores that matter. `bits` may be a traced
+  jax scalar (then bits <= 1 means no quantization).
+  """
+  if granularity not in _GRANULARITY_AXES:
+    raise ValueError(f"granularity must be 'head', 'row' or 'tensor'; got {granularity!r}.")
+  xp = _xp(logits_BxHxTxS)
+  t, s = logits_BxHxTxS.shape[-2], logits_BxHxTxS.shape[-1]
+  qmax = 2.0 ** (xp.asarray(bits, xp.float32) - 1) - 1
+  return fake_quant(logits_BxHxTxS, qmax, _GRANULARITY_AXES[granularity],
+                    valid=xp.asarray(causal_valid_mask(t, s)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mechanism probes (the open questions of the Differential Transformer discussion).
+
+
+def clamp_negative(probs):
+  """max(p, 0): the probe that removes the negative weights of A1 - lambda A2."""
+  xp = _xp(probs)
+  return xp.maximum(probs, 0)
+
+
+def salient_key_mask(probs1_BxHxTxS, top_k: int = 4, always_BxS=None,
+                     row_positions_BxR=None) -> np.ndarray:
+  """(B, H, T, S) bool: the keys of each row that count as salient for the correlation probe.
+
+  Salient = the top_k keys of A1 in that row, plus every key where `always_BxS` is True (e.g. the
+  answer needle and the first token, the attention sink), plus the query's own position. The
+  diagonal and sink are included because both maps put weight there for reasons unrelated to
+  noise, which would inflate a correlation meant to measure shared noise.
+
+  Rows are the last T positions of S keys, or, when the maps hold selected rows only,
+  `row_positions_BxR` gives each row's position (then T = R).
+  """
+  p1 = np.asarray(probs1_BxHxTxS)
+  b, h, t, s = p1.shape
+  k = min(int(top_k), s)
+  mask = np.zeros(p1.shape, bool)
+  if k > 0:
+    idx = np.argpartition(-p1, k - 1, axis=-1)[..., :k]
+    np.put_along_axis(mask, idx, True, axis=-1)
+  if always_BxS is not None:
+    mask |= np.asarray(always_BxS, bool)[:, None, None, :]
+  if row_positions_BxR is None:
+    diag = (np.arange(t)[:, None] + (s - t) == np.arange(s)[None, :])[None, None]
+  else:
+    diag = (np.asarray(row_positions_BxR)[:, None, :, None] == np.arange(s))
+  mask |= diag
+  return mask
+
+
+def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
+                    min_keys: int = 3) -> dict[str, np.ndarray]:
+  """Pearson correlation of A1 and A2 across the selected keys of each row, per head.
+
+  Args:
+    a1_BxHxTxS, a2_BxHxTxS: the two maps (probabilities, or logits: correlation of logits equals
+      correlation of log-probabilities, because a row's log-softmax only shifts its logits).
+    keys_BxHxTxS: bool, which keys enter each row's correlation (e.g. causal & non-salient).
+    rows_BxT: bool, rows to use (default all).
+    min_keys: rows with fewer selected keys, or with zero variance in either map, are skipped.
+
+  Returns:
+    per_head (H,) mean over used rows of the per-row correlation (NaN for a head with no row);
+    mean: mean over heads of per_head (NaN-aware); rows_used (H,).
+  """
+  a1 = np.asarray(a1_BxHxTxS, np.float64)
+  a2 = np.asarray(a2_BxHxTxS, np.float64)
+  m = np.asarray(keys_BxHxTxS, bool)
+  if rows_BxT is not None:
+    m = m & np.asarray(rows_BxT, bool)[:, None, :, None]
+  n = m.sum(-1)
+  nn = np.maximum(n, 1)
+  mu1 = np.where(m, a1, 0).sum(-1) / nn
+  mu2 = np.where(m, a2, 0).sum(-1) / nn
+  d1 = np.where(m, a1 - mu1[..., None], 0)
+  d2 = np.where(m, a2 - mu2[..., None], 0)
+  cov = (d1 * d2).sum(-1)
+  v1, v2 = (d1 * d1).sum(-1), (d2 * d2).sum(-1)
+  # Relative variance floor: a constant row (e.g. all probabilities equal) has no correlation.
+  tiny = 1e-24
+  ok = (n >= min_keys) & (v1 > tiny) & (v2 > tiny)
+  r = np.where(ok, cov / np.sqrt(np.where(ok, v1 * v2, 1.0)), 0.0)
+  used_H = ok.sum(axis=(0, 2))
+  with np.errstate(invalid="ignore"):
+    per_head = r.sum(axis=(0, 2)) / np.where(used_H > 0, used_H, np.nan)
+  mean = float(np.nanmean(per_head)) if np.isfinite(per_head).any() else float("nan")
+  return {"per_head": per_head, "mean": mean, "rows_used": used_H}
