@@ -1,0 +1,243 @@
+"""Backward kernel: one pass over the tiles for every gradient of both maps.
+
+With P_c the probabilities of map c, dO the output cotangent and the row terms
+D_1 = rowsum(dO * O_1), D_2 = rowsum(dO * O_2) (computed by the wrapper):
+
+  dP   = dO V^T                              one matmul shared by both maps
+  dV   = (P_1 - lam P_2)^T dO                one matmul on the signed probabilities
+  dS_1 = P_1 * (dP - D_1)
+  dS_2 = -lam P_2 * (dP - D_2)               (dP_2 = -lam dP)
+  dQ_c = scale dS_c K_c,   dK_c = scale dS_c^T Q_c
+
+Grid (B, K, Sp / block_kv, G * Tp / block_q): the key tile j is the outer
+sequential axis, and the inner axis walks every query tile of every head of the
+kv group, so dK_c and dV accumulate in VMEM over the group's heads (GQA) and are
+written once per key tile. dQ needs a sum over key tiles instead; it lives in a
+float32 HBM array that each step updates in place with explicit DMAs (read the
+tile, add, write back), double-buffered so that the copies overlap the matmuls.
+The first key tile (always visited) writes instead of adding, so dQ needs no
+initialisation. V2 pairs share one key: both dS_c^T Q_c land in one dK.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.kernels.tpu import _layout as L
+
+# SMEM bookkeeping for the dQ copies: active-step counter (picks the buffer slot),
+# a pending-write flag per slot, and the dQ tile written by the previous step.
+_STEP, _PENDING0, _PENDING1, _PREV_TILE = 0, 1, 2, 3
+# Columns of the row-statistics input.
+_LSE1, _LSE2, _D1, _D2, _LAM = 0, 1, 2, 3, 4
+ROW_STATS = 8
+
+
+def _backward_kernel(*refs, plan: L.Plan):
+  refs = list(refs)
+  lam_ref = None if plan.lam_rows else refs.pop(0)
+  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
+  (q_ref, k_ref, v_ref, do_ref, stats_ref,
+   dk_ref, dv_ref, dq_hbm,
+   dk_acc, dv_acc, dq_buf, read_sem, write_sem, state) = refs
+
+  b, g, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  nq = plan.num_q_blocks
+  inner = plan.group * nq
+  h = g * plan.group + t // nq
+  i = t % nq
+  rows = pl.ds(pl.multiple_of(i * plan.block_q, plan.block_q), plan.block_q)
+
+  def dq_copy(slot, to_hbm: bool):
+    tile = dq_hbm.at[b, h, :, rows, :]
+    if to_hbm:
+      return pltpu.make_async_copy(dq_buf.at[slot], tile, write_sem.at[slot])
+    return pltpu.make_async_copy(tile, dq_buf.at[slot], read_sem.at[slot])
+
+  @pl.when(t == 0)
+  def _init_kv_accumulators():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  @pl.when(jnp.logical_and(j == 0, t == 0))
+  def _init_copy_state():
+    state[_STEP] = 0
+    state[_PENDING0] = 0
+    state[_PENDING1] = 0
+    state[_PREV_TILE] = -1
+
+  def wait_write(slot):
+    @pl.when(state[_PENDING0 + slot] == 1)
+    def _():
+      dq_copy(slot, to_hbm=True).wait()
+      state[_PENDING0 + slot] = 0
+
+  @pl.when(plan.block_visible(i, j))
+  def _step():
+    slot = state[_STEP] % 2
+    tile_id = h * nq + i
+    # The slot's buffer must be free, and a write of the same dQ tile still in
+    # flight from the other slot (only when the inner axis has one step) must land
+    # before the tile is read back.
+    for s in range(2):
+      @pl.when(slot == s)
+      def _(s=s):
+        wait_write(s)
+        @pl.when(state[_PREV_TILE] == tile_id)
+        def _():
+          wait_write(1 - s)
+
+    @pl.when(j > 0)
+    def _():
+      dq_copy(slot, to_hbm=False).start()
+
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref)
+    stats = stats_ref[...]
+    lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
+    q1, q2 = q_ref[0], q_ref[1]
+    k1, k2 = k_ref[0], k_ref[0 if plan.shared_k else 1]
+    v, do = v_ref[...], do_ref[...]
+
+    def probs(q, k, lse):
+      s = L.dot_nt(q, k) * plan.scale
+      if keep is not None:
+        s = jnp.where(keep, s, L.MASK_VALUE)
+      return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
+
+    p1 = probs(q1, k1, stats[:, _LSE1:_LSE1 + 1])
+    p2 = probs(q2, k2, stats[:, _LSE2:_LSE2 + 1])
+    dp = L.dot_nt(do, v)
+    dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
+    ds1 = (p1 * (dp - stats[:, _D1:_D1 + 1])).astype(q1.dtype)
+    ds2 = ((-lam) * p2 * (dp - stats[:, _D2:_D2 + 1])).astype(q2.dtype)
+    if plan.shared_k:
+      dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
+    else:
+      dk_acc[0] += L.dot_tn(ds1, q1)
+      dk_acc[1] += L.dot_tn(ds2, q2)
+    dq1 = L.dot_nn(ds1, k1) * plan.scale
+    dq2 = L.dot_nn(ds2, k2) * plan.scale
+
+    @pl.when(j == 0)
+    def _():
+      dq_buf[slot, 0] = dq1
+      dq_buf[slot, 1] = dq2
+
+    @pl.when(j > 0)
+    def _():
+      dq_copy(slot, to_hbm=False).wait()
+      dq_buf[slot, 0] += dq1
+      dq_buf[slot, 1] += dq2
+
+    dq_copy(slot, to_hbm=True).start()
+    for s in range(2):
+      @pl.when(slot == s)
+      def _(s=s):
+        state[_PENDING0 + s] = 1
+    state[_PREV_TILE] = tile_id
+    state[_STEP] = state[_STEP] + 1
+
+  @pl.when(t == inner - 1)
+  def _write_kv_grads():
+    dk_ref[...] = (dk_acc[...] * plan.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+  @pl.when(jnp.logical_and(j == plan.num_kv_blocks - 1, t == inner - 1))
+  def _drain():
+    wait_write(0)
+    wait_write(1)
+
+
+def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret):
+  """Runs the backward kernel on padded head-major arrays.
+
+  Args:
+    q, k, v, lam, q_seg, kv_seg: as for :func:`diffjax.kernels.tpu._forward.forward`
+      (lam float32 [H] for V1; for V2 lambda travels in ``stats`` instead).
+    do: [B, H, Tp, Dv] output cotangent in q's dtype.
+    stats: float32 [B, H, Tp, 8], columns lse_1, lse_2, D_1, D_2, lambda (V2), 0...
+  Returns:
+    dq float32 [B, H, 2, Tp, D], dk [B, K, C, Sp, D] and dv [B, K, Sp, Dv] in the
+    dtype of k and v.
+  """
+  b, h, _, tp, d = q.shape
+  n_kv, n_kv_comp, sp = k.shape[1], k.shape[2], k.shape[3]
+  dv_width = v.shape[-1]
+  bq, bk, g, nq = plan.block_q, plan.block_kv, plan.group, plan.num_q_blocks
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
+
+  def q_block(j, t):
+    i = t % nq
+    # Skipped steps fetch the first visible tile of this head ahead of time.
+    return jnp.maximum(i, plan.first_visible_q_block(j)) if plan.causal else i
+
+  def head(g_, t):
+    return g_ * g + t // nq
+
+  in_specs, args = [], []
+  if not plan.lam_rows:
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    args.append(lam)
+  if plan.segmented:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j))]
+    args += [q_seg, kv_seg]
+  in_specs += [
+      pl.BlockSpec((None, None, 2, bq, d),
+                   lambda b_, g_, j, t: (b_, head(g_, t), 0, q_block(j, t), 0)),
+      pl.BlockSpec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
+      pl.BlockSpec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
+      pl.BlockSpec((None, None, bq, dv_width),
+                   lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
+      pl.BlockSpec((None, None, bq, ROW_STATS),
+                   lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
+  ]
+  args += [q, k, v, do, stats]
+  out_specs = [
+      pl.BlockSpec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
+      pl.BlockSpec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
+      pl.BlockSpec(memory_space=pl.ANY),
+  ]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype),
+               jax.ShapeDtypeStruct((b, h, 2, tp, d), jnp.float32)]
+  scratch = [
+      pltpu.VMEM((n_kv_comp, bk, d), jnp.float32),
+      pltpu.VMEM((bk, dv_width), jnp.float32),
+      pltpu.VMEM((2, 2, bq, d), jnp.float32),
+      pltpu.SemaphoreType.DMA((2,)),
+      pltpu.SemaphoreType.DMA((2,)),
+      pltpu.SMEM((4,), jnp.int32),
+  ]
+
+  itemsize = q.dtype.itemsize
+  tiles = 2 * itemsize * (2 * bq * d + n_kv_comp * bk * d + bk * dv_width + bq * dv_width
+                          + n_kv_comp * bk * d + bk * dv_width) + 2 * 4 * bq * 128
+  vmem = tiles + 4 * (n_kv_comp * bk * d + bk * dv_width + 4 * bq * d + 8 * bq * bk)
+  visible = 0.5 if plan.causal else 1.0
+  cost = pl.CostEstimate(
+      flops=int(visible * b * h * tp * sp * (12 * d + 4 * dv_width)),
+      transcendentals=int(visible * b * h * tp * sp * 2),
+      bytes_accessed=int(itemsize * (k.size + v.size) * 2
+                         + (itemsize * (q.size + do.size) + 4 * stats.size + 8 * q.size)
+                         * plan.num_kv_blocks * visible))
+  dk, dv, dq = pl.pallas_call(
+      functools.partial(_backward_kernel, plan=plan),
+      grid=(b, n_kv, plan.num_kv_blocks, g * nq),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+          vmem_limit_bytes=L.vmem_limit(vmem)),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="diff_attention_bwd",
+  )(*args)
+  return dq, dk, dv

@@ -1,0 +1,115 @@
+"""custom_vjp around the two kernels, on the head-major layout without padding.
+
+Shared by DIFF V1 and V2 (see :mod:`diffjax.kernels.tpu._layout` for the layout);
+the public wrappers only transpose their arguments into it. Padding to the tiles
+happens here, separately for the forward and the backward tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.kernels.tpu import _backward as bwd_kernel
+from diffjax.kernels.tpu import _forward as fwd_kernel
+from diffjax.kernels.tpu import _layout as L
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreConfig:
+  fwd: L.Plan
+  bwd: L.Plan
+  interpret: Any  # False, or the interpreter parameters
+
+
+def _pad_axis(x, axis: int, length: int):
+  if x is None or x.shape[axis] == length:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _prepare(plan: L.Plan, q, k, v, q_seg, kv_seg):
+  tp, sp = plan.q_len_padded, plan.kv_len_padded
+  q = _pad_axis(q, 3, tp)
+  k = _pad_axis(k, 3, sp)
+  v = _pad_axis(v, 2, sp)
+  if plan.segmented:
+    q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp)[:, :, None]
+    kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp)[:, None, :]
+  return q, k, v, q_seg, kv_seg
+
+
+def _lam_rows(plan: L.Plan, lam, batch: int, heads: int, length: int):
+  """lambda per row [B, H, length] in float32 (V1 broadcasts its [H])."""
+  lam = lam.astype(jnp.float32)
+  if plan.lam_rows:
+    return lam
+  return jnp.broadcast_to(lam[None, :, None], (batch, heads, length))
+
+
+def _forward(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg):
+  plan = cfg.fwd
+  b, h, _, t, _ = q.shape
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
+  lam_in = (_pad_axis(lam.astype(jnp.float32), 2, plan.q_len_padded)[..., None]
+            if plan.lam_rows else lam.astype(jnp.float32))
+  out, o2, lse = fwd_kernel.forward(plan, qp, kp, vp, lam_in, q_seg_p, kv_seg_p,
+                                  interpret=cfg.interpret)
+  return out[:, :, :t], o2[:, :, :t], lse[:, :, :t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def diff_core(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg):
+  """Differential attention on head-major arrays.
+
+  Args:
+    cfg: the forward and backward plans and the interpreter setting.
+    q: [B, H, 2, T, D]; k: [B, K, C, S, D]; v: [B, K, S, Dv].
+    lam: float32 [H] (V1) or [B, H, T] (V2).
+    q_seg, kv_seg: int [B, T] and [B, S], or None.
+  Returns:
+    [B, H, T, Dv] in q's dtype.
+  """
+  return _forward(cfg, q, k, v, lam, q_seg, kv_seg)[0]
+
+
+def _diff_core_fwd(cfg, q, k, v, lam, q_seg, kv_seg):
+  out, o2, lse = _forward(cfg, q, k, v, lam, q_seg, kv_seg)
+  return out, (q, k, v, lam, q_seg, kv_seg, out, o2, lse)
+
+
+def _diff_core_bwd(cfg, residuals, d_out):
+  q, k, v, lam, q_seg, kv_seg, out, o2, lse = residuals
+  plan = cfg.bwd
+  b, h, _, t, _ = q.shape
+  s = k.shape[3]
+  do32 = d_out.astype(jnp.float32)
+  # Softmax-backward row terms of the two maps; out = O_1 - lam O_2 gives O_1.
+  d2 = jnp.sum(do32 * o2.astype(jnp.float32), axis=-1)
+  lam_rows = _lam_rows(plan, lam, b, h, t)
+  d1 = jnp.sum(do32 * out.astype(jnp.float32), axis=-1) + lam_rows * d2
+  zeros = jnp.zeros_like(d2)
+  stats = jnp.stack([lse[..., 0], lse[..., 1], d1, d2, lam_rows, zeros, zeros, zeros],
+                    axis=-1)
+  assert stats.shape[-1] == bwd_kernel.ROW_STATS
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
+  tp = plan.q_len_padded
+  dq, dk, dv = bwd_kernel.backward(
+      plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
+      q_seg_p, kv_seg_p, _pad_axis(d_out, 2, tp), _pad_axis(stats, 2, tp),
+      interpret=cfg.interpret)
+  dq = dq[:, :, :, :t].astype(q.dtype)
+  dk = dk[:, :, :, :s]
+  dv = dv[:, :, :s]
+  # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
+  dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))
+  return dq, dk, dv, dlam.astype(lam.dtype), None, None
+
+
+diff_core.defvjp(_diff_core_fwd, _diff_core_bwd)

@@ -1,0 +1,138 @@
+"""Forward kernel: both softmax maps of a DIFF head (or V2 pair) in one pass.
+
+Grid (B, H, Tp / block_q, Sp / block_kv); the last axis walks key tiles and carries
+two online-softmax states (running max m_c, running sum l_c, unnormalised output
+acc_c for map c = 1, 2). Each step loads the K/V tiles once for both maps. The last
+step writes
+
+  out = acc_1 / l_1 - lam * acc_2 / l_2     (lambda subtraction fused)
+  o2  = acc_2 / l_2                        (for the backward's row terms)
+  lse = [m_1 + log l_1, m_2 + log l_2]     (log-sum-exps, +inf on fully masked rows)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.kernels.tpu import _layout as L
+
+
+def _forward_kernel(*refs, plan: L.Plan):
+  refs = list(refs)
+  lam_ref = refs.pop(0)
+  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
+  q_ref, k_ref, v_ref, out_ref, o2_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+
+  h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(plan.block_visible(i, j))
+  def _accumulate():
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref)
+    v = v_ref[...]
+    for c in range(2):
+      k = k_ref[0 if plan.shared_k else c]
+      s = L.dot_nt(q_ref[c], k) * plan.scale
+      if keep is not None:
+        s = jnp.where(keep, s, L.MASK_VALUE)
+      m_prev = m_ref[c]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      alpha = jnp.exp(m_prev - m_next)
+      p = jnp.exp(s - m_next)
+      l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
+      acc_ref[c] = alpha * acc_ref[c] + L.dot_nn(p.astype(v.dtype), v)
+      m_ref[c] = m_next
+
+  @pl.when(j == plan.num_kv_blocks - 1)
+  def _finish():
+    outs, lses = [], []
+    for c in range(2):
+      m, l = m_ref[c], l_ref[c]
+      seen = m > 0.5 * L.MASK_VALUE  # the row met at least one visible key
+      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      outs.append(acc_ref[c] * inv_l)
+      lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
+    lam = lam_ref[...] if plan.lam_rows else lam_ref[h]
+    out_ref[...] = (outs[0] - lam * outs[1]).astype(out_ref.dtype)
+    o2_ref[...] = outs[1].astype(o2_ref.dtype)
+    lane = jax.lax.broadcasted_iota(jnp.int32, lse_ref.shape, 1)
+    lse_ref[...] = jnp.where(lane == 0, lses[0], lses[1])
+
+
+def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, interpret):
+  """Runs the forward kernel on padded head-major arrays.
+
+  Args:
+    q [B, H, 2, Tp, D], k [B, K, C, Sp, D], v [B, K, Sp, Dv]; lam float32 [H] or
+    [B, H, Tp, 1]; q_seg [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None.
+  Returns:
+    out, o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp, 2].
+  """
+  b, h, _, tp, d = q.shape
+  n_kv_comp, sp, dv = k.shape[2], k.shape[3], v.shape[-1]
+  bq, bk, g = plan.block_q, plan.block_kv, plan.group
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
+
+  def kv_block(i, j):
+    # Skipped (invisible) steps keep the last visible tile, so no DMA is issued.
+    return jnp.minimum(j, plan.last_visible_kv_block(i)) if plan.causal else j
+
+  in_specs, args = [], []
+  if plan.lam_rows:
+    in_specs.append(pl.BlockSpec((None, None, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0)))
+  else:
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  args.append(lam)
+  if plan.segmented:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_block(i, j)))]
+    args += [q_seg, kv_seg]
+  in_specs += [
+      pl.BlockSpec((None, None, 2, bq, d), lambda b_, h_, i, j: (b_, h_, 0, i, 0)),
+      pl.BlockSpec((None, None, n_kv_comp, bk, d),
+                   lambda b_, h_, i, j: (b_, h_ // g, 0, kv_block(i, j), 0)),
+      pl.BlockSpec((None, None, bk, dv), lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j), 0)),
+  ]
+  args += [q, k, v]
+  row_spec = lambda width: pl.BlockSpec((None, None, bq, width),
+                                        lambda b_, h_, i, j: (b_, h_, i, 0))
+  out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+               jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+               jax.ShapeDtypeStruct((b, h, tp, 2), jnp.float32)]
+  out_specs = [row_spec(dv), row_spec(dv), row_spec(2)]
+  scratch = [pltpu.VMEM((2, bq, 1), jnp.float32), pltpu.VMEM((2, bq, 1), jnp.float32),
+             pltpu.VMEM((2, bq, dv), jnp.float32)]
+
+  itemsize = q.dtype.itemsize
+  tiles = 2 * itemsize * (2 * bq * d + n_kv_comp * bk * d + bk * dv + 2 * bq * dv)
+  vmem = tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
+  visible = 0.5 if plan.causal else 1.0
+  cost = pl.CostEstimate(
+      flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
+      transcendentals=int(visible * b * h * tp * sp * 2),
+      bytes_accessed=int(itemsize * (q.size + b * h * tp * 2 * dv)
+                         + itemsize * (k.size + v.size) * plan.num_q_blocks * g))
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, plan=plan),
+      grid=(b, h, plan.num_q_blocks, plan.num_kv_blocks),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=scratch,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=L.vmem_limit(vmem)),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="diff_attention_fwd",
+  )(*args)

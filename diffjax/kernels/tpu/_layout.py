@@ -1,0 +1,165 @@
+"""Static description of one kernel call and the masks it applies.
+
+Both kernels work on a head-major layout that the wrappers build:
+
+  q      [B, H, 2, Tp, D]   the two query components of each DIFF head / V2 pair
+  k      [B, K, C, Sp, D]   C = 2 key components (V1) or C = 1 shared key (V2)
+  v      [B, K, Sp, Dv]
+  q_seg  [B, Tp, 1] int32,  kv_seg [B, 1, Sp] int32   (only with segment ids)
+
+Tp and Sp are the query and key lengths padded to a multiple of the tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite stand-in for -inf: a masked score becomes this, so that exp(mask - max)
+# stays 0 for rows with a real key and a fully masked row keeps max == MASK.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about a call: lengths, tiles, masks and the V1/V2 flavour.
+
+  Attributes:
+    q_len, kv_len: real lengths T and S (causal offset S - T uses them).
+    block_q, block_kv: the tile of this pass after shrinking to the sequence.
+    causal: causal mask with queries as the last T positions.
+    segmented: segment ids are given.
+    scale: score scale.
+    shared_k: one key for both maps (V2) instead of K1, K2 (V1).
+    lam_rows: lambda varies per token ([B, H, Tp, 1], V2) instead of per head
+      (float32 [H] in SMEM, V1).
+    group: query heads per kv group, G = H // K.
+  """
+
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+  causal: bool
+  segmented: bool
+  scale: float
+  shared_k: bool
+  lam_rows: bool
+  group: int
+
+  @property
+  def q_len_padded(self) -> int:
+    return round_up(self.q_len, self.block_q)
+
+  @property
+  def kv_len_padded(self) -> int:
+    return round_up(self.kv_len, self.block_kv)
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.q_len_padded // self.block_q
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return self.kv_len_padded // self.block_kv
+
+  @property
+  def causal_offset(self) -> int:
+    return self.kv_len - self.q_len
+
+  @property
+  def masks_kv_padding(self) -> bool:
+    # Causal rows of real queries never reach a padded key; other masks need help.
+    return not self.causal and self.kv_len_padded != self.kv_len
+
+  @property
+  def needs_mask(self) -> bool:
+    return self.causal or self.segmented or self.masks_kv_padding
+
+  # Causal block skipping. Tile (i, j) holds a visible score iff its last query
+  # position reaches its first key; the first key tile is always visited so that
+  # every query row (even a fully masked one) gets its outputs written.
+  def block_visible(self, i, j):
+    if not self.causal:
+      return True
+    last_q = i * self.block_q + (self.block_q - 1) + self.causal_offset
+    return jnp.logical_or(j == 0, j * self.block_kv <= last_q)
+
+  def last_visible_kv_block(self, i):
+    """Largest j with a visible tile in query row block i (forward index clamp)."""
+    last_q = i * self.block_q + (self.block_q - 1) + self.causal_offset
+    return jnp.clip(jnp.floor_divide(last_q, self.block_kv), 0, self.num_kv_blocks - 1)
+
+  def first_visible_q_block(self, j):
+    """Smallest i with a visible tile in key block j (backward index clamp)."""
+    first = jnp.floor_divide(j * self.block_kv - self.causal_offset, self.block_q)
+    return jnp.clip(first, 0, self.num_q_blocks - 1)
+
+  def mask(self, i, j, q_seg_ref, kv_seg_ref):
+    """Boolean [block_q, block_kv] (True = attend) for tile (i, j), or None."""
+    if not self.needs_mask:
+      return None
+    shape = (self.block_q, self.block_kv)
+    k_pos = j * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    keep = None
+    if self.causal:
+      q_pos = (i * self.block_q + self.causal_offset
+               + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+      keep = k_pos <= q_pos
+    if self.masks_kv_padding:
+      in_range = k_pos < self.kv_len
+      keep = in_range if keep is None else jnp.logical_and(keep, in_range)
+    if self.segmented:
+      same = q_seg_ref[...] == kv_seg_ref[...]  # [bq, 1] == [1, bk]
+      keep = same if keep is None else jnp.logical_and(keep, same)
+    return keep
+
+
+def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
+              segmented: bool, scale: float, shared_k: bool, lam_rows: bool,
+              group: int) -> Plan:
+  """Shrinks the tiles to the sequence (16-row and 128-lane granularity)."""
+  block_q = min(block_q, round_up(q_len, 16))
+  block_kv = min(block_kv, round_up(kv_len, 128))
+  return Plan(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+              causal=causal, segmented=segmented, scale=float(scale), shared_k=shared_k,
+              lam_rows=lam_rows, group=group)
+
+
+def dot_nt(a, b):
+  """a [m, k] @ b[n, k]^T with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32,
+                             precision=_precision(a))
+
+
+def dot_tn(a, b):
+  """a[k, m]^T @ b [k, n] with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32,
+                             precision=_precision(a))
+
+
+def dot_nn(a, b):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32,
+                             precision=_precision(a))
+
+
+def _precision(a):
+  # float32 inputs get full float32 matmuls (the MXU otherwise rounds to bf16).
+  return jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
+def vmem_limit(nbytes: int) -> int:
+  """Scoped VMEM request: the estimate with headroom, between 32 and 64 MiB (every
+  v5e, v5p and v6e core has more VMEM than that)."""
+  return int(min(max(math.ceil(nbytes * 1.5), 32 * 2**20), 64 * 2**20))

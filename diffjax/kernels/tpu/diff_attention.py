@@ -1,0 +1,145 @@
+"""Fused DIFF V1 and DIFF V2 attention for TPU (Pallas, Mosaic TPU).
+
+One ``pallas_call`` computes both softmax maps of a DIFF head (V1) or of a V2 head
+pair per tile, sharing the K/V tile loads, and fuses the lambda subtraction; one
+more computes every gradient, sharing dP = dO V^T and dV between the maps
+(:mod:`diffjax.kernels.tpu._forward`, :mod:`diffjax.kernels.tpu._backward`).
+The plain-JAX reference for both is :mod:`diffjax.ops.reference`.
+
+Both functions work on one device; :mod:`diffjax.kernels.tpu.sharding` gives the
+PartitionSpecs to run them under ``jax.shard_map`` over batch and heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu._core import CoreConfig, diff_core
+from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
+from diffjax.ops import validation as _v
+
+Interpret = bool | pltpu.InterpretParams
+
+
+def _interpret_mode(interpret: Interpret):
+  """False on TPU; otherwise the TPU interpreter, which simulates VMEM, SMEM, DMAs
+  and semaphores (the backward kernel uses all four)."""
+  if interpret is True:
+    return pltpu.InterpretParams()
+  if interpret is False or interpret is None:
+    return False
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  raise TypeError(f"interpret must be a bool or pltpu.InterpretParams; got {interpret!r}.")
+
+
+def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("Pass both q_segment_ids and kv_segment_ids, or neither; got "
+                     f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
+                     f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}.")
+  if q_segment_ids is not None:
+    _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
+
+
+def _config(*, t, s, d, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
+            lam_rows, interpret) -> CoreConfig:
+  bs = resolve_block_sizes(block_sizes, d)
+  common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
+                scale=float(_v.default_scale(scale, d)), shared_k=shared_k,
+                lam_rows=lam_rows, group=h // kv_heads)
+  return CoreConfig(
+      fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
+      bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd, **common),
+      interpret=_interpret_mode(interpret))
+
+
+def diff_v1_attention_tpu(
+    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float, *,
+    causal: bool = True, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
+    block_sizes: BlockSizes | Mapping[str, Any] | None = None,
+    interpret: Interpret = False) -> jax.Array:
+  """DIFF V1 attention core, ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V``.
+
+  Args:
+    q1_BxTxHxD, q2_BxTxHxD: the two query components of the H DIFF heads.
+    k1_BxSxKxD, k2_BxSxKxD: the two key components of the K kv groups; head h
+      reads group h // (H // K).
+    v_BxSxKxDv: one value per kv group (Dv = 2 D in the paper; any width works).
+    lam_H: lambda per head, float32 [H] (a scalar is broadcast). Differentiable.
+    causal: queries are the last T of the S positions.
+    q_segment_ids, kv_segment_ids: int [B, T] and [B, S], or both None.
+    scale: score scale, default 1 / sqrt(D).
+    block_sizes: None (defaults for D), a :class:`BlockSizes`, or a dict of its fields.
+    interpret: run in the TPU interpreter (True, or ``pltpu.InterpretParams``).
+  Returns:
+    [B, T, H, Dv] in the dtype of q1. Fully masked query rows are zero.
+  """
+  lam = jnp.asarray(lam_H)
+  _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  b, t, h, d = q1_BxTxHxD.shape
+  s, kv_heads = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
+  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
+  cfg = _config(t=t, s=s, d=d, h=h, kv_heads=kv_heads, causal=causal,
+                segmented=q_segment_ids is not None, scale=scale, block_sizes=block_sizes,
+                shared_k=False, lam_rows=False, interpret=interpret)
+  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
+  return _diff_v1(cfg, q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
+                  q_segment_ids, kv_segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _diff_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
+  q_BxHx2xTxD = jnp.stack([q1, q2], axis=3).transpose(0, 2, 3, 1, 4)
+  k_BxKx2xSxD = jnp.stack([k1, k2], axis=3).transpose(0, 2, 3, 1, 4)
+  v_BxKxSxDv = v.transpose(0, 2, 1, 3)
+  out_BxHxTxDv = diff_core(cfg, q_BxHx2xTxD, k_BxKx2xSxD, v_BxKxSxDv, lam_H, q_seg, kv_seg)
+  return out_BxHxTxDv.transpose(0, 2, 1, 3)
+
+
+def diff_v2_attention_tpu(
+    q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+    lam_BxTxH: jax.Array, *, causal: bool = True,
+    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+    scale: float | None = None, block_sizes: BlockSizes | Mapping[str, Any] | None = None,
+    interpret: Interpret = False) -> jax.Array:
+  """DIFF V2 attention on paired query heads.
+
+  Args:
+    q_BxTxQxD: Q = 2H query heads; heads 2i and 2i+1 form pair i and read kv
+      group i // (H // K).
+    k_BxSxKxD, v_BxSxKxD: the baseline's keys and values.
+    lam_BxTxH: per-token, per-pair lambda (already squashed). Differentiable.
+    causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret: as in
+      :func:`diff_v1_attention_tpu`.
+  Returns:
+    [B, T, H, Dv]: ``softmax(q_2i K^T s) V - lam_i softmax(q_2i+1 K^T s) V`` in q's dtype.
+  """
+  _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, qh, d = q_BxTxQxD.shape
+  s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
+  cfg = _config(t=t, s=s, d=d, h=qh // 2, kv_heads=kv_heads, causal=causal,
+                segmented=q_segment_ids is not None, scale=scale, block_sizes=block_sizes,
+                shared_k=True, lam_rows=True, interpret=interpret)
+  return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
+                  kv_segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _diff_v2(cfg, q, k, v, lam, q_seg, kv_seg):
+  b, t, qh, d = q.shape
+  q_BxHx2xTxD = q.reshape(b, t, qh // 2, 2, d).transpose(0, 2, 3, 1, 4)
+  k_BxKx1xSxD = k.transpose(0, 2, 1, 3)[:, :, None]
+  v_BxKxSxD = v.transpose(0, 2, 1, 3)
+  lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
+  out_BxHxTxD = diff_core(cfg, q_BxHx2xTxD, k_BxKx1xSxD, v_BxKxSxD, lam_BxHxT, q_seg, kv_seg)
+  return out_BxHxTxD.transpose(0, 2, 1, 3)

@@ -1,0 +1,123 @@
+"""The authors' composition of stock attention calls, on TPU with splash attention.
+
+This is the peer the fused kernels are measured against, not a path to train with:
+
+  * V1 (unilm ``multihead_flashdiff_1``): two attention calls, one per map, both
+    with the 2D-wide value, then ``out = o_1 - lam o_2``. V is read twice and the
+    backward runs two full attention backwards.
+  * V2 (unilm ``multihead_flashdiffv2``): one call over all 2H query heads, then
+    ``out_i = o_2i - lam_i o_2i+1``.
+
+Splash attention needs tile multiples, so the wrappers pad and hide padded keys
+behind a segment id no real query carries. Splash leaves fully masked rows
+undefined (the reference gives zeros); with causal masking and T <= S there are none.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from diffjax.kernels.tpu._layout import round_up
+from diffjax.ops import validation as _v
+
+
+def _splash_blocks(block_sizes, tp: int, sp: int) -> splash.BlockSizes:
+  if isinstance(block_sizes, splash.BlockSizes):
+    return block_sizes
+  if block_sizes is not None:
+    raise TypeError("The stock path takes None or a splash_attention.BlockSizes; got "
+                    f"{type(block_sizes).__name__}.")
+  bq, bk = min(512, tp), min(512, sp)
+  return splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                           block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
+                           block_kv_dq=bk)
+
+
+def _attend(q_BxHxTxD, k_BxKxSxD, v_BxKxSxDv, q_seg, kv_seg, *, causal: bool, scale: float,
+            block_sizes, interpret: bool):
+  """Splash attention over [B, heads, len, dim] arrays; returns [B, H, T, Dv]."""
+  b, h, t, _ = q_BxHxTxD.shape
+  s = k_BxKxSxD.shape[2]
+  tp, sp = round_up(t, 128), round_up(s, 128)
+  blocks = _splash_blocks(block_sizes, tp, sp)
+  tp, sp = round_up(tp, blocks.block_q), round_up(sp, blocks.block_kv)
+  pad = lambda x, n: jnp.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
+  q = pad(q_BxHxTxD * jnp.asarray(scale, q_BxHxTxD.dtype), tp)  # splash does not scale
+  k, v = pad(k_BxKxSxD, sp), pad(v_BxKxSxDv, sp)
+  if q_seg is None:
+    q_seg = jnp.zeros((b, t), jnp.int32)
+    kv_seg = jnp.zeros((b, s), jnp.int32)
+  q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  # Padded keys get an id below every real query id, so nobody attends to them.
+  hidden = jnp.min(q_seg) - 1
+  q_seg = jnp.pad(q_seg, [(0, 0), (0, tp - t)], constant_values=0)
+  kv_seg = jnp.pad(kv_seg, [(0, 0), (0, sp - s)]).at[:, s:].set(hidden)
+  if causal:
+    head_mask = splash.CausalMask((tp, sp), offset=s - t)
+  else:
+    head_mask = splash.FullMask((tp, sp))
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([head_mask] * h), block_sizes=blocks,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+  out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_seg, kv_seg))
+  return out[:, :, :t]
+
+
+def diff_v1_stock_tpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
+                      causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
+                      scale: float | None = None, block_sizes=None,
+                      interpret: bool = False) -> jax.Array:
+  """DIFF V1 as two splash-attention calls with the 2D-wide value, then a subtraction.
+
+  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v1_attention_tpu`;
+  ``block_sizes`` is None or a ``splash_attention.BlockSizes``.
+  """
+  lam = jnp.asarray(lam_H)
+  _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  h, d = q1_BxTxHxD.shape[2:]
+  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
+  return _diff_v1_stock(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
+                        q_segment_ids, kv_segment_ids, causal=bool(causal),
+                        scale=_v.default_scale(scale, d), block_sizes=block_sizes,
+                        interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def _diff_v1_stock(q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, block_sizes,
+                   interpret):
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  attend = functools.partial(_attend, q_seg=q_seg, kv_seg=kv_seg, causal=causal, scale=scale,
+                             block_sizes=block_sizes, interpret=interpret)
+  v_h = heads_first(v)
+  o1 = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
+  o2 = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
+  out_BxHxTxDv = o1 - lam_H[None, :, None, None] * o2
+  return heads_first(out_BxHxTxDv).astype(q1.dtype)
+
+
+def diff_v2_stock_tpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal: bool = True,
+                      q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
+                      block_sizes=None, interpret: bool = False) -> jax.Array:
+  """DIFF V2 as one splash-attention call over the 2H query heads, then pair combining.
+
+  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_attention_tpu`.
+  """
+  _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  d = q_BxTxQxD.shape[-1]
+  return _diff_v2_stock(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
+                        kv_segment_ids, causal=bool(causal), scale=_v.default_scale(scale, d),
+                        block_sizes=block_sizes, interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def _diff_v2_stock(q, k, v, lam, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  o_BxQxTxD = _attend(heads_first(q), heads_first(k), heads_first(v), q_seg, kv_seg,
+                      causal=causal, scale=scale, block_sizes=block_sizes,
+                      interpret=interpret).astype(jnp.float32)
+  lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
+  out_BxHxTxD = o_BxQxTxD[:, 0::2] - lam_BxHxT[..., None] * o_BxQxTxD[:, 1::2]
+  return heads_first(out_BxHxTxD).astype(q.dtype)
