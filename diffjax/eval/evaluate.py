@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from diffjax.eval import metrics as M
-from diffjax.eval.tasks import (ANSWER, DEPTHS, NEEDLE_GRID, REGION_NAMES, SINK,
-                                AssociativeRecallTask, MultiNeedleTask, collate)
+from diffjax.eval.tasks import (DEPTHS, NEEDLE_GRID, REGION_NAMES, AssociativeRecallTask,
+                                ContextTooShort, MultiNeedleTask, collate)
 from diffjax.model import Hooks
 
 LogitsFn = Callable[..., Any]
@@ -122,9 +122,13 @@ class EvalConfig:
 
   @classmethod
   def quick(cls, seq_len: int, **overrides) -> "EvalConfig":
-    """A smoke-sized evaluation: seconds per tiny model on a CPU; numbers are noisy."""
-    kw = dict(context_len=seq_len, batch_size=5, capture_batch_size=2, samples_per_depth=1,
-              needle_grid=((1, 1), (2, 2)), heatmap_lengths=(seq_len, 2 * seq_len),
+    """A smoke-sized evaluation: seconds per tiny model on a CPU; numbers are noisy.
+
+    Retrieval needs room for needles and a question, so contexts are at least 256 tokens even
+    when the model trained on shorter windows (RoPE lets it run; it measures extrapolation)."""
+    ctx = max(int(seq_len), 256)
+    kw = dict(context_len=ctx, batch_size=5, capture_batch_size=2, samples_per_depth=1,
+              needle_grid=((1, 1), (2, 2)), heatmap_lengths=(ctx, 2 * ctx),
               heatmap_needles=(2, 1), standard_needles=(2, 1), allocation_examples=5,
               mqar=dict(num_pairs=8, num_queries=2, distractors_per_query=1), mqar_examples=8,
               val_batches=2, outlier_sample=1 << 12, probe_rows=4, lowbit_bits=(8, 4))
@@ -403,17 +407,23 @@ def needle_table(fn: LogitsFn, context_len: int, grid: Sequence[tuple[int, int]]
   """Accuracy per (N, R) cell at one context length, averaged over depths (paper Table 2).
 
   Returns {"context_len", "cells": {"N{n}_R{r}": accuracy}, "by_depth": {cell: {depth: acc}},
-  "mean": mean over cells}.
+  "mean": mean over cells, "skipped": {cell: reason}} (cells whose needles and question do not
+  fit in `context_len` are skipped, not failed).
   """
-  cells, by_depth = {}, {}
+  cells, by_depth, skipped = {}, {}, {}
   for n, r in grid:
-    task = MultiNeedleTask(context_len, n, r, depths=depths,
-                           num_examples=samples_per_depth * len(depths), seed=seed, filler=filler)
+    try:
+      task = MultiNeedleTask(context_len, n, r, depths=depths,
+                             num_examples=samples_per_depth * len(depths), seed=seed, filler=filler)
+    except ContextTooShort as e:
+      skipped[f"N{n}_R{r}"] = str(e)
+      continue
     res = retrieval_accuracy(fn, task, batch_size=batch_size)
     cells[f"N{n}_R{r}"] = res["accuracy"]
     by_depth[f"N{n}_R{r}"] = res["by_depth"]
   return {"context_len": int(context_len), "cells": cells, "by_depth": by_depth,
-          "mean": float(np.mean(list(cells.values())))}
+          "mean": float(np.mean(list(cells.values()))) if cells else float("nan"),
+          "skipped": skipped}
 
 
 def retrieval_heatmap(fn: LogitsFn, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
@@ -422,8 +432,22 @@ def retrieval_heatmap(fn: LogitsFn, lengths: Sequence[int], depths: Sequence[flo
   """Accuracy per (depth, context length) cell (paper Figure 5).
 
   Returns {"lengths": [...], "depths": [...], "accuracy": [[depth-major rows]],
-  "mean_by_length": [...], "mean": float, "needles": [N, R]}.
+  "mean_by_length": [...], "mean": float, "needles": [N, R]}. Lengths too short for the
+  needles are dropped (listed under "skipped_lengths").
   """
+  fits = []
+  for length in lengths:
+    try:
+      MultiNeedleTask(int(length), num_needles, num_queries, depths=(0.0,), num_examples=1,
+                      seed=seed, filler=filler)
+      fits.append(int(length))
+    except ContextTooShort:
+      pass
+  skipped = [int(x) for x in lengths if int(x) not in fits]
+  lengths = fits
+  if not lengths:
+    raise ContextTooShort(f"No heatmap length in {skipped} fits {num_needles} needles and "
+                          f"{num_queries} queries.")
   acc = np.zeros((len(depths), len(lengths)))
   for j, length in enumerate(lengths):
     for i, depth in enumerate(depths):
@@ -432,7 +456,8 @@ def retrieval_heatmap(fn: LogitsFn, lengths: Sequence[int], depths: Sequence[flo
       acc[i, j] = retrieval_accuracy(fn, task, batch_size=batch_size)["accuracy"]
   return {"lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
           "accuracy": acc.tolist(), "mean_by_length": acc.mean(axis=0).tolist(),
-          "mean": float(acc.mean()), "needles": [int(num_needles), int(num_queries)]}
+          "mean": float(acc.mean()), "needles": [int(num_needles), int(num_queries)],
+          "skipped_lengths": skipped}
 
 
 def associative_recall(fn: LogitsFn, num_examples: int = 64, seed: int = 0, batch_size: int = 8,
@@ -761,8 +786,18 @@ def evaluate_model(model: nnx.Module, val_batches: Sequence[Any], cfg: EvalConfi
   timings = {}
   n_std, r_std = cfg.standard_needles
   n_std_examples = max(len(cfg.depths), cfg.allocation_examples)
-  std_task = MultiNeedleTask(cfg.context_len, n_std, r_std, depths=cfg.depths,
-                             num_examples=n_std_examples, seed=cfg.seed + 1, filler=filler)
+  std_task = None
+  for n_try in range(n_std, 0, -1):  # fewer needles when the context cannot hold them all
+    try:
+      std_task = MultiNeedleTask(cfg.context_len, n_try, min(r_std, n_try), depths=cfg.depths,
+                                 num_examples=n_std_examples, seed=cfg.seed + 1, filler=filler)
+      break
+    except ContextTooShort:
+      continue
+  if std_task is None:
+    raise ContextTooShort(f"context_len={cfg.context_len} cannot hold even one needle and its "
+                          "question; raise EvalConfig.context_len (e.g. --set context_len=256).")
+  out["meta"]["standard_needles_used"] = [std_task.num_needles, std_task.num_queries]
   sec = out["sections"]
 
   def run(name, f):

@@ -138,8 +138,9 @@ def paired_difference(arm: Sequence[float], baseline: Sequence[float],
     arm, baseline: values at the same seeds, in the same order (pairs with a non-finite member
       are dropped).
 
-  Returns mean_ci of the differences plus "t" and "p" (NaN with n < 2; with zero spread,
-  p is 0 for a non-zero mean difference and 1 for a zero one).
+  Returns mean_ci of the differences plus "t", "p" and "zero_spread". With n < 2, or when every
+  difference is the same (zero spread: the t statistic is undefined), t and p are NaN; `verdict`
+  then reports the exact sign-test probability instead.
   """
   a = np.asarray(list(arm), np.float64)
   b = np.asarray(list(baseline), np.float64)
@@ -149,10 +150,9 @@ def paired_difference(arm: Sequence[float], baseline: Sequence[float],
   d = a[keep] - b[keep]
   out = mean_ci(d, confidence)
   n = out["n"]
-  if n < 2:
+  out["zero_spread"] = bool(n >= 2 and out["sem"] == 0.0)
+  if n < 2 or out["zero_spread"]:
     out.update(t=float("nan"), p=float("nan"))
-  elif out["sem"] == 0.0:
-    out.update(t=float("inf") if out["mean"] != 0 else 0.0, p=0.0 if out["mean"] != 0 else 1.0)
   else:
     t = out["mean"] / out["sem"]
     out.update(t=t, p=t_sf_two_sided(t, n - 1))
@@ -173,6 +173,12 @@ def verdict(diff: dict[str, float], metric: str, arm: str, baseline: str = "tran
     return (f"{metric}: one paired seed only ({arm} - {baseline} = {mean:+.4g}); "
             "no significance test is possible.")
   ci = f"{mean:+.4g} [{diff['lo']:+.4g}, {diff['hi']:+.4g}]"
+  if diff.get("zero_spread"):
+    if mean == 0:
+      return f"{metric}: {arm} and {baseline} are identical at all n={n} seeds."
+    sign_p = 2.0 ** (1 - n)
+    return (f"{metric}: {arm} - {baseline} = {mean:+.4g} at every one of n={n} seeds (no spread, "
+            f"so no t-test; a two-sided sign test gives p={sign_p:.2g}).")
   if not (p < alpha):
     return (f"{metric}: no significant difference between {arm} and {baseline} at n={n} seeds "
             f"(difference {ci}, p={p:.2g}).")

@@ -60,6 +60,10 @@ _KEYS = (
 )
 
 
+class ContextTooShort(ValueError):
+  """The requested context length cannot hold the needles, question and answers."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RetrievalExample:
   """One evaluation example; positions index `tokens`.
@@ -286,7 +290,7 @@ class MultiNeedleTask(_TaskBase):
              + sum(sum(p.size for p in a) for a in answer_parts))
     filler_len = self.context_len - fixed
     if filler_len < 0:
-      raise ValueError(
+      raise ContextTooShort(
           f"context_len={self.context_len} is too short for {self.num_needles} needles and "
           f"{self.num_queries} queries ({fixed} tokens without filler); use a longer context "
           "or fewer needles.")

@@ -1,0 +1,125 @@
+"""`python -m diffjax.eval --workdir=RUN`: evaluate a run's checkpoint and write eval JSON.
+
+    python -m diffjax.eval --workdir=runs/diff_v1_s0 --quick
+    python -m diffjax.eval --workdir=runs/diff_v1_s0 --out=results/diff_v1_s0.json \\
+        --set samples_per_depth=50 --set heatmap_lengths='(256, 512, 1024, 2048)'
+
+The model comes from `diffjax.train.load_model(workdir, step)`; validation batches are the run's
+own held-out split (its data config, sequence length and seed), so the loss matches the
+trainer's eval/loss. `--set KEY=VALUE` overrides an `EvalConfig` field (VALUE is a Python
+literal). Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from diffjax.eval import evaluate as E
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+  """config.a.b for dicts, ConfigDicts and plain objects; `default` when absent."""
+  node = config
+  for part in dotted.split("."):
+    if node is None:
+      return default
+    if isinstance(node, dict) or hasattr(node, "keys") and hasattr(node, "__getitem__"):
+      try:
+        node = node[part]
+        continue
+      except (KeyError, TypeError):
+        return default
+    node = getattr(node, part, None)
+  return default if node is None else node
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+  out = {}
+  for pair in pairs:
+    if "=" not in pair:
+      raise SystemExit(f"--set expects KEY=VALUE; got {pair!r}.")
+    key, value = pair.split("=", 1)
+    try:
+      out[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[key] = value
+    if isinstance(out[key], list):
+      out[key] = tuple(tuple(v) if isinstance(v, list) else v for v in out[key])
+  return out
+
+
+def _load(workdir: str, step: int | None):
+  try:
+    from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise SystemExit(
+        "diffjax.train.load_model is not available in this checkout, so no checkpoint can be "
+        f"loaded ({e}). Evaluate a model object with diffjax.eval.evaluate.evaluate_model.") from e
+  return load_model(workdir, step=step)
+
+
+def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
+  from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+  data_cfg = _get(config, "data")
+  to_dict = getattr(data_cfg, "to_dict", None)
+  data_cfg = DataConfig.from_dict(to_dict() if to_dict else data_cfg)
+  data = build_datasets(data_cfg, seq_len=seq_len, global_batch_size=batch_size, seed=seed)
+  return data.val_batches(count)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m diffjax.eval", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
+  p.add_argument("--out", default=None, help="output JSON (default: <workdir>/eval.json)")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU, noisy")
+  p.add_argument("--seq_len", type=int, default=None, help="override the run's sequence length")
+  p.add_argument("--seed", type=int, default=None, help="the run's seed as recorded in the JSON")
+  p.add_argument("--sections", default="", help=f"comma list out of {','.join(E.SECTIONS)}")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override an EvalConfig field")
+  args = p.parse_args(argv)
+
+  if not os.path.isdir(args.workdir):
+    raise SystemExit(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
+  t0 = time.time()
+  model, config = _load(args.workdir, args.step)
+  seq_len = args.seq_len or int(_get(config, "seq_len", 0) or 0)
+  if seq_len <= 0:
+    raise SystemExit("The run config has no seq_len; pass --seq_len.")
+  seed = args.seed if args.seed is not None else _get(config, "seed")
+  overrides = _overrides(args.set)
+  if args.sections:
+    overrides["sections"] = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+  make = E.EvalConfig.quick if args.quick else E.EvalConfig.full
+  try:
+    cfg = make(seq_len, **overrides)
+  except TypeError as e:
+    raise SystemExit(f"Bad --set override: {e}. Fields: {sorted(E.EvalConfig.__dataclass_fields__)}.")
+  val = []
+  if _get(config, "data") is not None:
+    val = _val_batches(config, seq_len, cfg.batch_size, cfg.val_batches, int(seed or 0))
+  else:
+    print("No data config in the run config: skipping loss-based sections.", file=sys.stderr)
+  meta = {"seed": seed, "workdir": os.path.abspath(args.workdir), "quick": bool(args.quick),
+          "step": args.step if args.step is not None else _get(config, "step")}
+  log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
+  result = E.evaluate_model(model, val, cfg, meta=meta, log=log)
+  out = args.out or os.path.join(args.workdir, "eval.json")
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1, allow_nan=True)
+  s = result["scalars"]
+  summary = ", ".join(f"{k}={v:.4g}" for k, v in s.items()
+                      if k in ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy")
+                      and isinstance(v, float) and not math.isnan(v))
+  print(f"wrote {out} in {time.time() - t0:.1f}s: {summary}")
+  return 0
