@@ -73,6 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 250
   c.eval_batches = 8
   c.tensorboard = True
+  c.log_batch_hash = False
 
   c.model = ml_collections.ConfigDict(arm_model("small", "diff_v1"))
   # Optional keys take None, so ConfigDict fields must allow it.

@@ -109,7 +109,7 @@ def logical_param_specs(graphdef_state) -> Any:
 
 def param_shardings(param_state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
   """NamedShardings for the params (as a pure dict, like the train state holds)."""
-  specs = nnx.get_partition_spec(param_state).to_pure_dict()
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(param_state))
 
   def to_sharding(spec):
     names = tuple(spec) if isinstance(spec, PartitionSpec) else ()

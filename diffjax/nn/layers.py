@@ -13,6 +13,7 @@ import math
 from typing import Callable, Sequence
 
 import jax
+import flax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -43,6 +44,10 @@ class Hooks:
 
 NO_HOOKS = Hooks()
 
+# Flax renamed the variable metadata key for logical axis names; use the current one.
+_SHARDING_KEY = "out_sharding" if tuple(
+    int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12) else "sharding_names"
+
 
 def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None],
                dtype=jnp.float32) -> nnx.Param:
@@ -50,7 +55,7 @@ def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str |
   if len(shape) != len(names):
     raise ValueError(f"shape {tuple(shape)} and logical names {tuple(names)} differ in rank.")
   with nnx.use_eager_sharding(False):
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(names))
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), **{_SHARDING_KEY: tuple(names)})
 
 
 def normal_init(std: float):

@@ -26,7 +26,7 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, *, theta: float =
     raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}.")
   d = x_BxTxHxD.shape[-1]
   freqs_F = rope_frequencies(d, theta)
-  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * freqs_F
+  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * freqs_F[None, None, :]
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
   x = x_BxTxHxD.astype(jnp.float32)

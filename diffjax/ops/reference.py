@@ -213,7 +213,7 @@ def rms_norm(x, gain, eps: float = 1e-5):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   if gain is not None:
-    y = y * gain.astype(jnp.float32)
+    y = y * gain.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
   return y.astype(x.dtype)
 
 

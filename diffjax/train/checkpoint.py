@@ -76,9 +76,27 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data
   except Exception as e:
     raise CheckpointError(
         f"Restoring step {step} from {manager.directory} failed ({type(e).__name__}: {e}). "
-        "The checkpoint may be corrupt or written by a different model; move that step "
-        "directory aside to resume from an earlier one.") from e
+        "The checkpoint may be corrupt, or written with a different model or optimizer "
+        "structure (e.g. optim.clip_norm switched on or off); move that step directory aside "
+        "to resume from an earlier one, or use a new --workdir.") from e
   return restored["state"]
+
+
+def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any) -> Any:
+  """Restores only the parameters of a step (for evaluation), as plain arrays."""
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_target)
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item={"params": abstract},
+            restore_args={"params": jax.tree.map(lambda _: ocp.ArrayRestoreArgs(
+                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), abstract)},
+            partial_restore=True)))
+  except Exception as e:
+    raise CheckpointError(
+        f"Reading the parameters of step {step} from {manager.directory} failed "
+        f"({type(e).__name__}: {e}).") from e
+  return restored["state"]["params"]
 
 
 def abstract_like(state: Any, shardings: Any = None) -> Any:

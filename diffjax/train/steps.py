@@ -26,7 +26,7 @@ def create_model(cfg: ModelConfig, seed: int) -> DecoderLM:
 
 def split_params(model: DecoderLM) -> tuple[nnx.GraphDef, dict]:
   graphdef, state = nnx.split(model)
-  return graphdef, state.to_pure_dict()
+  return graphdef, nnx.to_pure_dict(state)
 
 
 def merge_params(graphdef: nnx.GraphDef, params: dict) -> DecoderLM:
@@ -96,7 +96,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
     loss = loss_sum / denom
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, new_opt = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     finite = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(grad_norm))

@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -190,6 +191,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     writer.write(step, vals)
     return vals
 
+  # Optional: a CRC32 of every batch's tokens in metrics.jsonl, to check that runs
+  # (e.g. the arms of a comparison) saw the same data in the same order.
+  log_hash = bool(config.get("log_batch_hash", False))
   step = int(state["step"])
   last_train_loss = float("nan")
   last_eval: dict[str, float] = {}
@@ -204,16 +208,22 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             f"grad_norm={float(m['grad_norm'])}). The update was skipped and the last good "
             f"checkpoint in {manager.directory} is intact; lower optim.lr or check the data.")
       last_train_loss = float(m["loss"])
-      writer.write(s, {"train/loss": last_train_loss, "train/grad_norm": float(m["grad_norm"]),
-                       "train/lr": float(m["lr"]), "train/tokens": float(m["tokens"])})
+      vals = {"train/loss": last_train_loss, "train/grad_norm": float(m["grad_norm"]),
+              "train/lr": float(m["lr"]), "train/tokens": float(m["tokens"])}
+      if "batch_hash" in m:
+        vals["data/batch_hash"] = m["batch_hash"]
+      writer.write(s, vals)
     pending.clear()
 
-  with _StopFlag() as stop, mesh:
+  with _StopFlag() as stop:
     try:
       while step < config.num_steps:
-        batch = _to_global(next(train_iter), batch_shard)
+        local = next(train_iter)
+        batch = _to_global(local, batch_shard)
         state, metrics = train_step(state, batch)
         step += 1
+        if log_hash:
+          metrics = dict(metrics, batch_hash=zlib.crc32(np.ascontiguousarray(local["inputs"])))
         pending.append((step, metrics))
         is_log = step % config.log_every == 0 or step == config.num_steps
         is_save = step % config.checkpoint.every == 0

@@ -46,8 +46,8 @@ def _decode_kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, acc1_ref, acc
     rows = pl.ds(kv_start, block_kv)
     v = v_ref[rows, :]
     visible = (start + kv_start + jnp.arange(block_kv, dtype=jnp.int32) < kv_len)[None, :]
-    s1 = jnp.where(visible, pl.dot(q1, k1_ref[rows, :], trans_b=True) * c, fp.NEG)
-    s2 = jnp.where(visible, pl.dot(q2, k2_ref[rows, :], trans_b=True) * c, fp.NEG)
+    s1 = jnp.where(visible, fp.dot(q1, k1_ref[rows, :], trans_b=True) * c, fp.NEG)
+    s2 = jnp.where(visible, fp.dot(q2, k2_ref[rows, :], trans_b=True) * c, fp.NEG)
     acc1, m1, l1 = fp.online_softmax_step(s1, v, acc1, m1, l1, masked=True)
     acc2, m2, l2 = fp.online_softmax_step(s2, v, acc2, m2, l2, masked=True)
     return acc1, acc2, m1, m2, l1, l2

@@ -157,9 +157,19 @@ def _q_blocks(cfg: PairConfig, kv_start, bq: int, bk: int):
   return i_start, i_full, n_q
 
 
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+  """2-D matmul with float32 accumulation; the transposes fold into the tensor-core op.
+
+  Written with ``lax.dot_general`` rather than ``pl.dot`` (which moved between jax
+  releases). The Triton lowering maps float32 inputs to IEEE (not TF32) precision.
+  """
+  dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
 def _scores(q, k, c):
   """Scores in the base-2 domain: (q k^T) * scale * log2(e), float32 [bq, bk]."""
-  return pl.dot(q, k, trans_b=True) * c
+  return dot(q, k, trans_b=True) * c
 
 
 def online_softmax_step(s, v, acc, m, l, masked: bool):
@@ -171,7 +181,7 @@ def online_softmax_step(s, v, acc, m, l, masked: bool):
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s - m_ref[:, None])
   l = alpha * l + jnp.sum(p, axis=1)
-  acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
   return acc, m_new, l
 
 
@@ -239,7 +249,7 @@ def _grad_tile(cfg, qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam, mask, c)
     s_b = jnp.where(mask, s_b, NEG)
   p_a = jnp.exp2(s_a - lse_a[:, None])
   p_b = jnp.exp2(s_b - lse_b[:, None])
-  dp = pl.dot(do, v, trans_b=True)  # shared by both maps
+  dp = dot(do, v, trans_b=True)  # shared by both maps
   lam = lam[:, None]
   p = p_a - lam * p_b
   ds_a = p_a * (dp - d_a[:, None])
@@ -300,9 +310,9 @@ def _dkv_kernel(*refs, cfg: PairConfig):
       p, ds_a, ds_b = _grad_tile(
           cfg, qa, qb, ka, kb, v, do, lse_a_ref[h, rows], lse_b_ref[h, rows],
           d_a_ref[h, rows], d_b_ref[h, rows], lam_ref[h, rows], mask, c)
-      dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
-      dka = dka + pl.dot(ds_a.astype(qa.dtype), qa, trans_a=True)
-      ds_b_q = pl.dot(ds_b.astype(qb.dtype), qb, trans_a=True)
+      dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+      dka = dka + dot(ds_a.astype(qa.dtype), qa, trans_a=True)
+      ds_b_q = dot(ds_b.astype(qb.dtype), qb, trans_a=True)
       if cfg.shared_k:
         dka = dka + ds_b_q
       else:
@@ -360,8 +370,8 @@ def _dq_kernel(*refs, cfg: PairConfig):
       mask = _mask(cfg, q_start, bq, kv_start, bk, qseg, kvseg)
     _, ds_a, ds_b = _grad_tile(cfg, qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam,
                                mask, c)
-    dqa = dqa + pl.dot(ds_a.astype(ka.dtype), ka)
-    dqb = dqb + pl.dot(ds_b.astype(kb.dtype), kb)
+    dqa = dqa + dot(ds_a.astype(ka.dtype), ka)
+    dqb = dqb + dot(ds_b.astype(kb.dtype), kb)
     return dqa, dqb
 
   zq = jnp.zeros(qa.shape, jnp.float32)

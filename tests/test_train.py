@@ -1,0 +1,232 @@
+"""Training harness: exact resume, crash safety, schedules, accumulation, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from diffjax.presets import arm_model, base_config
+from diffjax.train import checkpoint as ckpt
+from diffjax.train import steps as steps_lib
+from diffjax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
+from diffjax.train.trainer import TrainingError, train_and_evaluate
+from diffjax.model import ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(arm="diff_v1", steps=6):
+  c = base_config()
+  model = arm_model("tiny", arm)
+  model.update(d_model=64, num_layers=2, mlp_dim=128, head_dim=16)
+  c.model.update(model)
+  c.seq_len = 32
+  c.global_batch_size = 4
+  c.num_steps = steps
+  c.log_every = 1
+  c.eval_every = 0
+  c.eval_batches = 2
+  c.tensorboard = False
+  c.log_batch_hash = True
+  c.data.max_documents = 40
+  c.optim.update(dict(warmup_steps=2, decay_steps=steps))
+  c.checkpoint.update(dict(every=3, keep=5, async_save=False))
+  return c
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r for r in rows if "train/loss" in r}
+
+
+def test_resume_is_exact(tmp_path):
+  straight = str(tmp_path / "straight")
+  train_and_evaluate(tiny_config(steps=6), straight)
+  resumed = str(tmp_path / "resumed")
+  first = train_and_evaluate(tiny_config(steps=3), resumed)
+  assert first["step"] == 3
+  train_and_evaluate(tiny_config(steps=6), resumed)
+  a, b = read_metrics(straight), read_metrics(resumed)
+  assert sorted(a) == sorted(b) == list(range(1, 7))
+  for s in range(4, 7):
+    assert a[s]["train/loss"] == b[s]["train/loss"], f"loss differs at step {s}"
+    assert a[s]["data/batch_hash"] == b[s]["data/batch_hash"], f"batch differs at step {s}"
+  # The step-6 checkpoints hold bitwise-identical parameters.
+  ma = ckpt.make_manager(os.path.join(straight, "checkpoints"), keep=5, async_save=False)
+  mb = ckpt.make_manager(os.path.join(resumed, "checkpoints"), keep=5, async_save=False)
+  raw = ocp.args.Composite(state=ocp.args.StandardRestore())
+  ra = ma.restore(6, args=raw)["state"]["params"]
+  rb = mb.restore(6, args=raw)["state"]["params"]
+  for x, y in zip(jax.tree.leaves(ra), jax.tree.leaves(rb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_arms_see_same_batches(tmp_path):
+  hashes = {}
+  for arm in ("transformer", "diff_v1", "diff_v2"):
+    wd = str(tmp_path / arm)
+    train_and_evaluate(tiny_config(arm, steps=3), wd)
+    hashes[arm] = [r["data/batch_hash"] for _, r in sorted(read_metrics(wd).items())]
+  assert len(hashes["transformer"]) == 3
+  assert hashes["transformer"] == hashes["diff_v1"] == hashes["diff_v2"]
+  assert len(set(hashes["transformer"])) == 3  # different batches at each step
+
+
+def test_changed_model_config_is_refused(tmp_path):
+  wd = str(tmp_path / "run")
+  train_and_evaluate(tiny_config(steps=3), wd)
+  c = tiny_config(steps=6)
+  c.model.num_layers = 3
+  with pytest.raises(ckpt.CheckpointError, match="num_layers"):
+    train_and_evaluate(c, wd)
+
+
+def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
+  wd = str(tmp_path / "run")
+  train_and_evaluate(tiny_config(steps=3), wd)
+  c = tiny_config(steps=6)
+  c.optim.lr = 1e30  # the first update overflows to non-finite values
+  c.optim.min_lr = 1e29
+  with pytest.raises(TrainingError, match="Non-finite"):
+    train_and_evaluate(c, wd)
+  m = ckpt.make_manager(os.path.join(wd, "checkpoints"), keep=5, async_save=False)
+  assert m.latest_step() == 3
+  params = m.restore(3, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore()))["state"]["params"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_default_schedule_values():
+  c = base_config().optim
+  c.update(dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, schedule="cosine"))
+  s = learning_rate_schedule(c)
+  np.testing.assert_allclose([float(s(0)), float(s(5)), float(s(10))], [0.0, 0.5, 1.0],
+                             atol=1e-6)
+  np.testing.assert_allclose(float(s(60)), 0.1 + 0.9 * 0.5, atol=1e-6)  # halfway: cos = 0
+  np.testing.assert_allclose([float(s(110)), float(s(500))], [0.1, 0.1], atol=1e-6)
+  c.schedule = "linear"
+  s = learning_rate_schedule(c)
+  np.testing.assert_allclose([float(s(60)), float(s(110))], [0.55, 0.1], atol=1e-6)
+  c.min_lr = 2.0
+  with pytest.raises(ValueError, match="min_lr=2.0"):
+    learning_rate_schedule(c)
+
+
+def test_weight_decay_skips_vectors():
+  params = {"w": jnp.ones((2, 2)), "gain": jnp.ones((2,)), "lambda_q1": jnp.ones((4,))}
+  assert decay_mask(params) == {"w": True, "gain": False, "lambda_q1": False}
+
+
+def _state_and_batch(accum):
+  cfg = ModelConfig(attention="diff_v2", d_model=32, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=50)
+  c = base_config().optim
+  c.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
+  tx, sched = make_optimizer(c)
+  graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
+  rng = np.random.default_rng(0)
+  batch = {
+      "inputs": rng.integers(0, 50, (8, 12)).astype(np.int32),
+      "targets": rng.integers(0, 50, (8, 12)).astype(np.int32),
+      "segment_ids": np.ones((8, 12), np.int32),
+      "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
+      "loss_mask": (rng.random((8, 12)) > 0.2).astype(np.float32),
+  }
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, sched, accum))
+  return step(state, batch)
+
+
+def test_grad_accumulation_equals_large_batch():
+  s1, m1 = _state_and_batch(1)
+  s4, m4 = _state_and_batch(4)
+  np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
+  np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-4)
+  for x, y in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+def test_checkpoint_round_trip(tmp_path):
+  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=2, num_heads=2,
+                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+  tx, _ = make_optimizer(base_config().optim)
+  _, state = steps_lib.init_state(cfg, tx, seed=3)
+  m = ckpt.make_manager(str(tmp_path / "ck"), keep=2, async_save=True)
+  ckpt.save(m, 7, state, None, {"model_config": cfg.to_dict()}, force=True)
+  m.wait_until_finished()
+  assert ckpt.read_meta(m, 7)["model_config"] == json.loads(json.dumps(cfg.to_dict()))
+  back = ckpt.restore(m, 7, ckpt.abstract_like(state), None)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _cli(args, workdir, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join(REPO, "train.py"),
+                         "--config=" + os.path.join(REPO, "configs/default.py"),
+                         f"--workdir={workdir}", *args], capture_output=True, text=True,
+                        env=env, timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.data.kind=text", "--config.data.paths=('/no/such/dir/*.txt',)"],
+     "/no/such/dir/*.txt"),
+    (["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty"),
+    (["--config.seq_len=100000000"], "100000001"),
+    (["--config.model.attention=gpt"], "'gpt'"),
+    (["--config.model.no_such_key=1"], "no_such_key"),
+    (["--config.num_steps=abc"], "abc"),
+])
+def test_bad_input_one_error_line(tmp_path, args, needle):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  args = [a.replace("{empty}", str(empty)) for a in args]
+  wd = tmp_path / "wd"
+  r = _cli(args, str(wd), timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  err_lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(err_lines) == 1, r.stderr[-2000:]
+  assert needle.lower() in err_lines[0].lower(), err_lines[0]
+  assert not (wd / "checkpoints").exists()
+
+
+def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
+  wd = tmp_path / "wd"
+  small = ["--config.model.num_layers=1", "--config.model.d_model=64",
+           "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
+           "--config.data.max_documents=40", "--config.eval_every=0",
+           "--config.tensorboard=False", "--config.checkpoint.keep=100",
+           "--config.checkpoint.every=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "train.py"),
+       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={wd}",
+       "--config.num_steps=100000", *small], env=env, cwd=REPO,
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckdir = wd / "checkpoints"
+  deadline = time.time() + 180
+  while time.time() < deadline:
+    done = [p for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.exists() else []
+    if len(done) >= 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)  # saves run every step: very likely mid-save
+  proc.wait()
+  complete = sorted(int(p.name) for p in ckdir.glob("*") if p.name.isdigit())
+  assert complete, "no checkpoint was written before the kill"
+  # A half-written step directory must be ignored on restart.
+  (ckdir / f"{complete[-1] + 1}.orbax-checkpoint-tmp-123").mkdir(exist_ok=True)
+  target = complete[-1] + 2
+  r = _cli([f"--config.num_steps={target}", *small], str(wd))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"Resumed from step {complete[-1]}" in r.stdout, r.stdout[-2000:]
+  rows = read_metrics(str(wd))
+  assert max(rows) == target
