@@ -158,11 +158,11 @@ trap cleanup EXIT
 trap 'log "interrupted: the TPU VM and the training run are left as they are (teardown.sh deletes them)"; exit 130' INT TERM
 if [[ -z "$REPO_URL" && -z "$SOURCE_TARBALL" ]]; then
   if is_dry_run; then
-    tmpdir="${TMPDIR:-/tmp}/diffjax-babysit.XXXXXX"
+    SOURCE_TARBALL="${TMPDIR:-/tmp}/diffjax-babysit.XXXXXX/diffjax-src.tar.gz"
   else
     tmpdir="$(mktemp -d)"
+    SOURCE_TARBALL="$tmpdir/diffjax-src.tar.gz"
   fi
-  SOURCE_TARBALL="$tmpdir/diffjax-src.tar.gz"
   log "packing the local working tree once: $SOURCE_TARBALL"
   make_source_tarball "$SOURCE_TARBALL"
 fi

@@ -209,7 +209,7 @@ EOF
 
 SCRIPT="$(remote_script "$BODY" SOURCE_MODE REPO_URL REF REMOTE_TARBALL EXTRAS PYTHON FORCE_INSTALL)"
 
-log "bootstrapping workers '$WORKERS' of $TPU_NAME (source: ${REPO_URL:-local working tree ${SOURCE_TARBALL:-$PROJECT_ROOT}})"
+log "bootstrapping workers '$WORKERS' of $TPU_NAME (source: ${REPO_URL:-${SOURCE_TARBALL:-local working tree $PROJECT_ROOT}})"
 if [[ "$SOURCE_MODE" == tarball ]]; then
   tarball="$SOURCE_TARBALL"
   tmpdir=""
