@@ -770,12 +770,23 @@ def clamp_probe(runner: ModelRunner, val_batches: Sequence[Any], task, num_examp
 # Everything.
 
 
-def evaluate_model(model: nnx.Module, val_batches: Sequence[Any], cfg: EvalConfig,
+def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], cfg: EvalConfig,
                    meta: Mapping[str, Any] | None = None, filler=None,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
-  """Runs the sections of `cfg` and returns the eval JSON (schema in `diffjax.eval`)."""
+  """Runs the sections of `cfg` and returns the eval JSON (schema in `diffjax.eval`).
+
+  Args:
+    model: a `DecoderLM`, or a `ModelRunner` (reuses its compiled functions).
+    val_batches: validation batches (pipeline dicts or (B, T+1) token arrays); the first
+      cfg.val_batches are used. Loss-based sections are skipped without them.
+    cfg: sizes and sections.
+    meta: merged into the JSON's "meta" (e.g. seed, workdir, step).
+    filler: DocumentSource for needle filler (default: the standard-library corpus).
+    log: called with one line per finished section.
+  """
   log = log or (lambda _msg: None)
-  runner = ModelRunner(model)
+  runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+  model = runner.model
   sections = cfg.sections or SECTIONS
   val_batches = list(val_batches)[:cfg.val_batches]
   fn = runner.logits_fn()

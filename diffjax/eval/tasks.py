@@ -16,9 +16,10 @@ byte tokenizer one token is one byte and `context_len` is the length in bytes.
 Multi-needle retrieval (`MultiNeedleTask`, the paper's Section 3.3 setup): N needle sentences
 "The secret number for <key> is <digits>." are hidden in filler text cut from a real corpus (by
 default the Python standard library's sources); R of them are asked for at the end. The first
-queried needle (the "answer needle") is placed at a controlled depth of the context (0.0 = right
-after the start, 1.0 = right before the question); every other needle, queried or not, sits at a
-uniformly random depth. The answer to query r is the digits of the r-th queried needle.
+queried needle (the "answer needle", asked for by query `depth_query`, a random one of the R
+questions) is placed at a controlled depth of the context (0.0 = right after the start, 1.0 =
+right before the question); every other needle, queried or not, sits at a uniformly random depth.
+The answer to query r is the digits of the needle that query r names.
 
 Associative recall with distractors (`AssociativeRecallTask`, MQAR): "key:value" pairs, then
 queries "key:" whose answer is the value. For every queried key the context also holds
@@ -80,6 +81,7 @@ class RetrievalExample:
     value_spans: per query, [start, end) of the value (digits) inside that needle.
     distractor_spans: [start, end) of every needle or pair in the context that is not queried.
     depth: requested depth of the answer needle in [0, 1] (None when the task has no depth).
+    depth_query: which query asks for the needle placed at `depth` (None without depth).
     needle_depths: per query, the realised depth of its needle: the fraction of the filler text
       that precedes it (the scale of `depth`; equal to it for the answer needle up to rounding).
       For associative recall: the pair's index in the context divided by (pairs - 1).
@@ -96,6 +98,7 @@ class RetrievalExample:
   value_spans: tuple[tuple[int, int], ...]
   distractor_spans: tuple[tuple[int, int], ...]
   depth: float | None
+  depth_query: int | None
   needle_depths: tuple[float, ...]
   keys: tuple[str, ...]
   values: tuple[str, ...]
@@ -332,7 +335,7 @@ class MultiNeedleTask(_TaskBase):
         needle_spans=tuple(needle_span[int(j)] for j in query_order),
         value_spans=tuple(value_span[int(j)] for j in query_order),
         distractor_spans=tuple(needle_span[j] for j in range(self.num_queries, self.num_needles)),
-        depth=depth,
+        depth=depth, depth_query=int(np.flatnonzero(query_order == 0)[0]),
         needle_depths=tuple(needle_depth[int(j)] for j in query_order),
         keys=tuple(asked), values=tuple(values[int(j)] for j in query_order))
 
@@ -441,5 +444,5 @@ class AssociativeRecallTask(_TaskBase):
         answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
         answer_spans=tuple(answer_spans), needle_spans=tuple(needle_span[j] for j in queried),
         value_spans=tuple(value_span[j] for j in queried), distractor_spans=tuple(distractors),
-        depth=None, needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
+        depth=None, depth_query=None, needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
         keys=tuple(keys[j] for j in queried), values=tuple(pairs[j][1] for j in queried))
