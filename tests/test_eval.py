@@ -608,7 +608,7 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
   run_config = {"seq_len": 64, "seed": 3,
                 "data": {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2}}
   monkeypatch.setattr(train_pkg, "load_model",
-                      lambda workdir, step=None: (runners["transformer"].model, run_config),
+                      lambda workdir, step=None: (runners["transformer"].model, run_config, 7),
                       raising=False)
   dest = tmp_path / "eval.json"
   assert cli.main(["--workdir", str(tmp_path), "--out", str(dest), "--quick", "--sections",
@@ -616,6 +616,7 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
                    "depths=(0.5,)", "--set", "batch_size=2", "--set", "val_batches=1"]) == 0
   written = json.loads(dest.read_text())
   assert written["meta"]["seed"] == 3 and written["meta"]["arm"] == "transformer"
+  assert written["meta"]["step"] == 7
   assert set(written["sections"]) == {"validation", "retrieval"}
   assert written["sections"]["validation"]["tokens"] > 0
 

@@ -5,8 +5,9 @@
         --set samples_per_depth=50 --set heatmap_lengths='(256, 512, 1024, 2048)'
 
 The model comes from `diffjax.train.load_model(workdir, step)`; validation batches are the run's
-own held-out split (its data config, sequence length and seed), so the loss matches the
-trainer's eval/loss. `--set KEY=VALUE` overrides an `EvalConfig` field (VALUE is a Python
+own held-out batches (its data config, sequence length, batch size and seed; the first
+`val_batches` of them, by default the run's `eval_batches`), so val/loss reproduces the
+trainer's final eval/loss. `--set KEY=VALUE` overrides an `EvalConfig` field (VALUE is a Python
 literal). Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -56,13 +58,37 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _load(workdir: str, step: int | None):
+  """(model, run config, step) from a train.py workdir.
+
+  The model comes from `diffjax.train.load_model`; the run config (seq_len, seed, data) from the
+  checkpoint's "meta" item, which holds the full config the run was launched with.
+  """
   try:
     from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
+    from diffjax.train import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise SystemExit(
         "diffjax.train.load_model is not available in this checkout, so no checkpoint can be "
         f"loaded ({e}). Evaluate a model object with diffjax.eval.evaluate.evaluate_model.") from e
-  return load_model(workdir, step=step)
+  try:
+    loaded = load_model(workdir, step=step)
+  except (FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
+    raise SystemExit(f"Cannot load a model from {workdir!r}: {e}") from e
+  model, config = loaded[0], loaded[1]
+  step = loaded[2] if len(loaded) > 2 else step
+  run_config = config
+  if _get(config, "seq_len") is None:  # a ModelConfig: read the run config from the checkpoint
+    run_config = {}
+    try:
+      manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1_000_000,
+                                  async_save=False)
+      run_config = ckpt.read_meta(manager, step if step is not None else manager.latest_step()
+                                  ).get("config", {}) or {}
+      manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"Could not read the run config from the checkpoint ({type(e).__name__}: {e}); "
+            "pass --seq_len and --seed.", file=sys.stderr)
+  return model, run_config, step
 
 
 def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
@@ -91,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not os.path.isdir(args.workdir):
     raise SystemExit(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
   t0 = time.time()
-  model, config = _load(args.workdir, args.step)
+  model, config, step = _load(args.workdir, args.step)
   seq_len = args.seq_len or int(_get(config, "seq_len", 0) or 0)
   if seq_len <= 0:
     raise SystemExit("The run config has no seq_len; pass --seq_len.")
@@ -106,11 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise SystemExit(f"Bad --set override: {e}. Fields: {sorted(E.EvalConfig.__dataclass_fields__)}.")
   val = []
   if _get(config, "data") is not None:
-    val = _val_batches(config, seq_len, cfg.batch_size, cfg.val_batches, int(seed or 0))
+    # The trainer's validation batches: same split, batch size and order, so with the run's
+    # eval_batches (the default outside --quick) val/loss reproduces its final eval/loss.
+    batch_size = int(_get(config, "global_batch_size", cfg.batch_size))
+    if "val_batches" not in overrides and not args.quick and _get(config, "eval_batches"):
+      cfg = dataclasses.replace(cfg, val_batches=int(_get(config, "eval_batches")))
+    val = _val_batches(config, seq_len, batch_size, cfg.val_batches, int(seed or 0))
   else:
     print("No data config in the run config: skipping loss-based sections.", file=sys.stderr)
   meta = {"seed": seed, "workdir": os.path.abspath(args.workdir), "quick": bool(args.quick),
-          "step": args.step if args.step is not None else _get(config, "step")}
+          "step": step}
   log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
   result = E.evaluate_model(model, val, cfg, meta=meta, log=log)
   out = args.out or os.path.join(args.workdir, "eval.json")
