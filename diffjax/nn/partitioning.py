@@ -50,6 +50,11 @@ def activation_sharding(mesh: jax.sharding.Mesh, rules) -> Iterator[None]:
     _STATE.value = prev
 
 
+def current():
+  """The active (mesh, rules), or None outside :func:`activation_sharding`."""
+  return getattr(_STATE, "value", None)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   state = getattr(_STATE, "value", None)
   if state is None:

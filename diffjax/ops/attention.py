@@ -25,6 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from diffjax.nn import partitioning
 from diffjax.ops import reference as ref
 from diffjax.ops import validation as _v
 
@@ -101,15 +102,53 @@ def _resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -
   return implementation
 
 
+def _array_specs(op: str, batch, heads) -> tuple:
+  """PartitionSpecs of a kernel's arrays: batch and heads split, the rest whole.
+
+  Heads of q (and V2 pairs, which sit next to each other) and their kv heads are
+  split by the same mesh axis, so every shard holds whole GQA groups.
+  """
+  P = jax.sharding.PartitionSpec
+  x = P(batch, None, heads, None)
+  if op == "mha":
+    return (x, x, x)
+  if op == "diff_v1":
+    return (x, x, x, x, x, P(heads))
+  return (x, x, x, P(batch, None, heads))
+
+
 def _call(op, implementation, arrays, *, causal, segment_ids, scale, block_sizes, interpret):
   impl = _REGISTRY[(op, implementation)]
   b, t = jnp.shape(arrays[0])[:2]
   s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
   d = jnp.shape(arrays[0])[-1]
-  return impl.fn(*arrays, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                 scale=_v.default_scale(scale, d), block_sizes=block_sizes,
-                 interpret=interpret)
+  kwargs = dict(causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes,
+                interpret=interpret)
+  active = partitioning.current()
+  if active is None:
+    return impl.fn(*arrays, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
+  # Under a mesh, kernels run per device inside shard_map: each device gets its batch
+  # rows and whole heads with their kv groups.
+  mesh, rules = active
+  batch = partitioning.logical_to_spec(("batch",), rules)[0]
+  heads = partitioning.logical_to_spec(("heads",), rules)[0]
+  P = jax.sharding.PartitionSpec
+  specs = _array_specs(op, batch, heads)
+  seg_spec = P(batch, None)
+  has_seg = q_seg is not None
+
+  def per_device(*args):
+    if has_seg:
+      *xs, qs, ks = args
+    else:
+      xs, qs, ks = args, None, None
+    return impl.fn(*xs, q_segment_ids=qs, kv_segment_ids=ks, **kwargs)
+
+  in_specs = specs + ((seg_spec, seg_spec) if has_seg else ())
+  args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=specs[0],
+                       check_vma=False)(*args)
 
 
 def dot_product_attention(

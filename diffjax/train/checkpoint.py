@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import grain
+from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
@@ -107,5 +108,5 @@ def abstract_like(state: Any, shardings: Any = None) -> Any:
 
 
 def write_json(path: str, obj: dict) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True, default=str)
+  """Writes JSON to a local path or a cloud URI (gs://...)."""
+  epath.Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))

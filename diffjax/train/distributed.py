@@ -1,8 +1,9 @@
 """Multi-process start-up for TPU pods and multi-node GPU jobs.
 
 ``jax.distributed.initialize()`` is called when the environment says this is one of
-several processes: on TPU pod slices (``TPU_WORKER_HOSTNAMES`` lists more than one
-worker, or ``MEGASCALE_*`` is set), under SLURM with several tasks, or when
+several processes: on Cloud TPU VMs (their chips appear as /dev/accel* or /dev/vfio/N;
+JAX reads the worker list from the VM metadata), on GKE TPU pods
+(``TPU_WORKER_HOSTNAMES`` lists more than one worker, or ``MEGASCALE_*`` is set), under SLURM with several tasks, or when
 ``JAX_COORDINATOR_ADDRESS``/``DIFFJAX_COORDINATOR`` with ``DIFFJAX_NUM_PROCESSES`` and
 ``DIFFJAX_PROCESS_ID`` are given (multi-node GPU without a scheduler). Setting
 ``distributed.initialize=True|False`` in the config overrides the detection.
@@ -10,6 +11,7 @@ worker, or ``MEGASCALE_*`` is set), under SLURM with several tasks, or when
 
 from __future__ import annotations
 
+import glob
 import os
 
 import jax
@@ -17,7 +19,16 @@ import jax
 _DONE = False
 
 
+def _on_tpu_vm() -> bool:
+  """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5e) or /dev/vfio/N (v5p, v6e)."""
+  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def _detected() -> bool:
+  # On TPU VMs jax.distributed.initialize() finds the workers from the VM metadata
+  # and also works on a single-host slice, so it is always safe to call there.
+  if _on_tpu_vm():
+    return True
   hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
   if len([h for h in hosts.split(",") if h.strip()]) > 1:
     return True

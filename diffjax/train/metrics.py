@@ -23,13 +23,29 @@ def _fmt_time(seconds: float) -> str:
 
 
 class MetricsWriter:
-  """Writes ``metrics.jsonl`` and TensorBoard events into the workdir."""
+  """Writes ``metrics.jsonl`` and TensorBoard events into the workdir.
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  A cloud workdir (``gs://...``) gets ``metrics.jsonl`` re-uploaded at most once a
+  minute and at the end (object stores have no append); TensorBoard events are
+  written only for local workdirs.
+  """
+
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               upload_every_s: float = 60.0):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
+    self._remote = None
+    self._lines: list[str] = []
+    self._upload_every_s = upload_every_s
+    self._last_upload = 0.0
     if not enabled:
+      return
+    if "://" in workdir:
+      from etils import epath  # pylint: disable=import-outside-toplevel
+      self._remote = epath.Path(workdir, "metrics.jsonl")
+      if self._remote.exists():
+        self._lines = self._remote.read_text().splitlines(keepends=True)
       return
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
@@ -44,13 +60,25 @@ class MetricsWriter:
     if not self.enabled:
       return
     clean = {k: float(v) for k, v in values.items()}
-    self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
+    line = json.dumps({"step": int(step), **clean}) + "\n"
+    if self._remote is not None:
+      self._lines.append(line)
+      if time.monotonic() - self._last_upload > self._upload_every_s:
+        self._upload()
+      return
+    self._jsonl.write(line)
     self._jsonl.flush()
     if self._tb is not None:
       for k, v in clean.items():
         self._tb.add_scalar(k, v, int(step))
 
+  def _upload(self) -> None:
+    self._remote.write_text("".join(self._lines))
+    self._last_upload = time.monotonic()
+
   def close(self) -> None:
+    if self._remote is not None and self._lines:
+      self._upload()
     if self._jsonl is not None:
       self._jsonl.close()
     if self._tb is not None:

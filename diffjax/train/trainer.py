@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from diffjax import sharding as shd
@@ -138,7 +139,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   batch_shard = shd.batch_sharding(mesh, rules)
 
   # 3. Restore or initialise.
-  os.makedirs(workdir, exist_ok=True) if "://" not in workdir else None
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"),
                               keep=config.checkpoint.keep,
                               async_save=config.checkpoint.async_save)
@@ -157,8 +158,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     state = init_fn()
   n_params = count_params(model_cfg)
   if is_main:
-    ckpt.write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict()) \
-        if "://" not in workdir else None
+    ckpt.write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
     progress.message(
         f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
         f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
@@ -174,7 +174,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     lambdas_fn = jax.jit(lambda p: diff_v1_lambdas(graphdef, p))
     v2_lambda_fn = jax.jit(lambda p, b: diff_v2_lambda_means(graphdef, p, b))
   val_batches = data.val_batches(config.eval_batches)
-  writer = MetricsWriter(workdir, enabled=is_main and "://" not in workdir,
+  writer = MetricsWriter(workdir, enabled=is_main,
                          tensorboard=config.get("tensorboard", True))
   byte_level = type(data.tokenizer).__name__ == "ByteTokenizer"
 
@@ -258,10 +258,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.message("final: " + " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
         if not k.startswith("lambda")))
-    if "://" not in workdir:
-      ckpt.write_json(os.path.join(workdir, "final_metrics.json"), result)
-      with open(os.path.join(workdir, "DONE"), "w", encoding="utf-8") as f:
-        f.write(f"{step}\n")
+    ckpt.write_json(os.path.join(workdir, "final_metrics.json"), result)
+    # The completion marker: tpu_setup/babysit.sh stops relaunching when it appears.
+    epath.Path(workdir, "DONE").write_text(f"{step}\n")
   writer.close()
   manager.close()
   return result

@@ -1,0 +1,154 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, on any machine.
+
+  python -m diffjax.aot --config=configs/paper_3b_diff_v1.py --topology=v5p:4x4x4 \
+      [--config.mesh.shape="(1,-1,1)" --config.global_batch_size=256 ...]
+
+With libtpu installed (``pip install -e '.[tpu]'``) this runs the TPU compiler on a
+CPU machine (``jax.experimental.topologies``): it lowers and compiles the jitted,
+sharded train step (parameters, optimizer state, batch shardings and donation as in
+training) for the devices of the topology, then prints the per-device memory the
+compiler reports and whether it fits in the chip's HBM. Nothing is allocated.
+Set ``JAX_PLATFORMS=cpu`` to keep start-up quiet on a machine without TPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from diffjax import sharding as shd
+from diffjax.data import load_tokenizer
+from diffjax.nn.partitioning import activation_sharding
+from diffjax.train.config_utils import check_config, resolved_model_config
+from diffjax.train.optim import make_optimizer
+from diffjax.train.steps import make_train_step
+
+GIB = 1024 ** 3
+# HBM per chip (GiB) by device kind prefix.
+HBM_GIB = {"TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
+           "TPU v6e": 32, "TPU v4": 32}
+
+
+@dataclasses.dataclass
+class AotReport:
+  topology: str
+  arm: str
+  num_devices: int
+  mesh: dict
+  params: int
+  argument_gib: float
+  output_gib: float
+  temp_gib: float
+  alias_gib: float
+  hbm_gib: float | None
+
+  @property
+  def per_device_gib(self) -> float:
+    return self.argument_gib + self.output_gib + self.temp_gib - self.alias_gib
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.hbm_gib is None else self.per_device_gib <= self.hbm_gib
+
+  def line(self) -> str:
+    fits = "unknown HBM" if self.fits is None else ("fits" if self.fits else "DOES NOT FIT")
+    return (f"{self.topology:<12} {self.arm:<12} devices={self.num_devices:<4} "
+            f"mesh={self.mesh} params={self.params/1e6:,.1f}M per-device: "
+            f"args {self.argument_gib:.2f} + out {self.output_gib:.2f} + temp "
+            f"{self.temp_gib:.2f} - aliased {self.alias_gib:.2f} = {self.per_device_gib:.2f} GiB"
+            f" of {self.hbm_gib if self.hbm_gib is not None else '?'} GiB -> {fits}")
+
+
+def hbm_for(device_kind: str) -> float | None:
+  for prefix in sorted(HBM_GIB, key=len, reverse=True):
+    if device_kind.startswith(prefix):
+      return float(HBM_GIB[prefix])
+  return None
+
+
+def topology_devices(topology: str):
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    return topologies.get_topology_desc(topology, "tpu").devices
+  except Exception as e:
+    raise ValueError(f"Cannot build TPU topology {topology!r} ({e}). Install libtpu with "
+                     "pip install -e '.[tpu]' and use names like v5e:2x2, v5p:2x2x2, "
+                     "v6e:4x4.") from e
+
+
+def compile_train_step(config, devices, *, vocab_size: int | None = None):
+  """Lowers and compiles the sharded train step of ``config`` for ``devices``.
+
+  Returns ``(compiled, model_config, mesh)``.
+  """
+  from diffjax.train.trainer import _build_state  # pylint: disable=import-outside-toplevel
+  check_config(config)
+  if vocab_size is None:
+    vocab_size = load_tokenizer(config.data.tokenizer).vocab_size
+  model_cfg = resolved_model_config(config, vocab_size)
+  mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
+  rules = shd.rules_from_config(config.mesh.get("rules"))
+  shd.validate_mesh_for_model(mesh, model_cfg, config.global_batch_size)
+  tx, schedule = make_optimizer(config.optim)
+  graphdef, abstract_state, state_shards, _ = _build_state(model_cfg, tx, config.seed, mesh,
+                                                           rules)
+  batch_shard = shd.batch_sharding(mesh, rules)
+  b, t = config.global_batch_size, config.seq_len
+  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                   sharding=batch_shard)
+           for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       abstract_state, state_shards)
+  with activation_sharding(mesh, rules):
+    step = jax.jit(make_train_step(graphdef, tx, schedule, config.grad_accum_steps),
+                   in_shardings=(state_shards, batch_shard),
+                   out_shardings=(state_shards, None), donate_argnums=(0,))
+    compiled = step.lower(state, batch).compile()
+  return compiled, model_cfg, mesh
+
+
+def aot_report(config, topology: str) -> AotReport:
+  from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
+  devices = topology_devices(topology)
+  compiled, model_cfg, mesh = compile_train_step(config, devices)
+  mem = compiled.memory_analysis()
+  return AotReport(
+      topology=topology, arm=model_cfg.attention, num_devices=len(devices),
+      mesh=dict(mesh.shape), params=count_params(model_cfg),
+      argument_gib=mem.argument_size_in_bytes / GIB, output_gib=mem.output_size_in_bytes / GIB,
+      temp_gib=mem.temp_size_in_bytes / GIB, alias_gib=mem.alias_size_in_bytes / GIB,
+      hbm_gib=hbm_for(devices[0].device_kind))
+
+
+def main(argv=None) -> int:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from diffjax.cli import run_guarded  # pylint: disable=import-outside-toplevel
+  cfg_flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
+                                             lock_config=True)
+  topo = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology, e.g. v5e:2x2, v5p:4x4x4.")
+  try:
+    flags.FLAGS(argv or sys.argv)
+    config = cfg_flag.value
+    _ = config is not None and "model" in config
+  except Exception as e:
+    print(f"error: invalid command line: {str(e).splitlines()[-1]}", file=sys.stderr)
+    return 2
+  if config is None:
+    print("error: --config is required", file=sys.stderr)
+    return 2
+
+  def run():
+    report = aot_report(config, topo.value)
+    print(report.line())
+    if report.fits is False:
+      raise SystemExit(1)
+
+  return run_guarded(run)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,158 @@
+"""Sharded training on 8 fake CPU devices matches one device, for every arm.
+
+The checks run in a child process because the number of CPU devices must be set
+before JAX starts its backend (the parent test process already has one device).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]
+# Tolerances for one AdamW step, sharded vs one device (float32; reductions are
+# reordered across devices, so bitwise equality is not expected).
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def _child_main():
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  import jax.numpy as jnp
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jax.sharding import PartitionSpec as P
+
+  from diffjax import sharding as shd
+  from diffjax.model import ModelConfig, matched_configs
+  from diffjax.nn.partitioning import activation_sharding
+  from diffjax.presets import base_config
+  from diffjax.train.optim import make_optimizer
+  from diffjax.train.steps import make_train_step
+  from diffjax.train.trainer import _build_state
+
+  assert jax.device_count() == 8, jax.devices()
+  base = ModelConfig(attention="transformer", vocab_size=64, d_model=32, num_layers=2,
+                     num_heads=16, num_kv_heads=16, head_dim=8, mlp_dim=64)
+  ocfg = base_config().optim
+  ocfg.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
+  tx, schedule = make_optimizer(ocfg)
+  rng = np.random.default_rng(0)
+  batch_np = {
+      "inputs": rng.integers(0, 64, (8, 16)).astype(np.int32),
+      "targets": rng.integers(0, 64, (8, 16)).astype(np.int32),
+      "segment_ids": np.repeat(np.array([[1] * 10 + [2] * 6]), 8, 0).astype(np.int32),
+      "positions": np.repeat(np.array([list(range(10)) + list(range(6))]), 8, 0).astype(
+          np.int32),
+      "loss_mask": np.ones((8, 16), np.float32),
+  }
+  out = {}
+
+  def run(cfg, shape):
+    devices = jax.devices() if shape != (1, 1, 1) else jax.devices()[:1]
+    mesh = shd.make_mesh(shape, devices=devices)
+    rules = shd.DEFAULT_RULES
+    shd.validate_mesh_for_model(mesh, cfg, 8)
+    graphdef, _, shards, init_fn = _build_state(cfg, tx, 0, mesh, rules)
+    bs = shd.batch_sharding(mesh, rules)
+    batch = {k: jax.device_put(v, bs) for k, v in batch_np.items()}
+    with activation_sharding(mesh, rules):
+      step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shards, bs),
+                     out_shardings=(shards, None))
+      state, metrics = step(init_fn(), batch)
+    return state, metrics, shards, mesh
+
+  for arm, cfg in matched_configs(base).items():
+    ref_state, ref_metrics, _, _ = run(cfg, (1, 1, 1))
+    ref_params = jax.tree.map(np.asarray, ref_state["params"])
+    for shape in MESHES:
+      state, metrics, shards, mesh = run(cfg, shape)
+      params = jax.tree.map(np.asarray, state["params"])
+      diff = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
+      # Every parameter and its Adam moments carry the intended sharding.
+      spec_ok = True
+      q = state["params"]["blocks"][0]["attn"]["q"]
+      want_q = P("fsdp" if shape[1] > 1 else None, "tensor" if shape[2] > 1 else None)
+      got_q = q.sharding.spec
+      if tuple(got_q)[:2] != tuple(want_q) + (None,) * (2 - len(want_q)):
+        spec_ok = False
+      mu = state["opt_state"][1][0].mu["blocks"][0]["attn"]["q"]
+      if mu.sharding.spec != q.sharding.spec:
+        spec_ok = False
+      emb = state["params"]["embed"]["embedding"]
+      if tuple(emb.sharding.spec) != (("tensor" if shape[2] > 1 else None),
+                                      ("fsdp" if shape[1] > 1 else None)):
+        spec_ok = False
+      out[f"{arm}:{shape}"] = dict(
+          loss=float(metrics["loss"]), ref_loss=float(ref_metrics["loss"]), max_param_diff=diff,
+          spec_ok=spec_ok, q_spec=str(got_q), mu_spec=str(mu.sharding.spec),
+          emb_spec=str(emb.sharding.spec))
+
+  # A checkpoint saved on one mesh restores onto another with identical values.
+  cfg = matched_configs(base)["diff_v1"]
+  state_a, _, _, _ = run(cfg, (2, 2, 2))
+  _, _, shards_b, mesh_b = run(cfg, (1, 1, 8))
+  path = os.path.join(sys.argv[2], "ck")
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, state_a)
+    ckptr.wait_until_finished()
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          state_a, shards_b)
+    restored = ckptr.restore(path, target)
+  same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+             zip(jax.tree.leaves(state_a), jax.tree.leaves(restored)))
+  on_b = restored["params"]["blocks"][0]["attn"]["q"].sharding.mesh.shape == mesh_b.shape
+  out["restore_across_meshes"] = dict(identical=same, on_new_mesh=bool(on_b))
+
+  # Clear errors for bad meshes.
+  errs = {}
+  for name, fn in {
+      "device_count": lambda: shd.make_mesh((3, 1, 1)),
+      "heads": lambda: shd.validate_mesh_for_model(
+          shd.make_mesh((1, 1, 8)), cfg.replace(num_heads=12, num_kv_heads=4), 8),
+  }.items():
+    try:
+      fn()
+      errs[name] = None
+    except ValueError as e:
+      errs[name] = str(e)
+  out["errors"] = errs
+  print("RESULT " + json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                      str(tmp_path_factory.mktemp("shard"))], capture_output=True, text=True,
+                     env=env, timeout=900)
+  line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+  assert r.returncode == 0 and line, r.stderr[-4000:]
+  return json.loads(line[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize("shape", MESHES)
+def test_sharded_step_matches_single_device(results, arm, shape):
+  r = results[f"{arm}:{shape}"]
+  assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r
+  assert r["max_param_diff"] <= PARAM_ATOL, r
+  assert r["spec_ok"], r
+
+
+def test_checkpoint_restores_onto_another_mesh(results):
+  assert results["restore_across_meshes"] == {"identical": True, "on_new_mesh": True}
+
+
+def test_bad_meshes_have_clear_errors(results):
+  e = results["errors"]
+  assert e["device_count"] and "3" in e["device_count"] and "8" in e["device_count"]
+  assert e["heads"] and "12" in e["heads"] and "tensor axis (8)" in e["heads"]
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+  _child_main()
