@@ -27,7 +27,7 @@ from diffjax.eval import report as R  # noqa: E402
 from diffjax.eval import stats as S  # noqa: E402
 from diffjax.eval import evaluate as E  # noqa: E402
 from diffjax.eval.tasks import (ANSWER, CONTEXT, QUERY, SINK, AssociativeRecallTask,  # noqa: E402
-                                ContextTooShort, MultiNeedleTask, collate)
+                                ContextTooShort, MultiNeedleTask)
 from diffjax.model import DecoderLM, ModelConfig, matched_configs  # noqa: E402
 
 TOK = ByteTokenizer()

@@ -6,7 +6,13 @@ Modules:
   * `metrics`: pure array functions (exact match, attention allocation, outliers, absmax
     quantization, the clamp and correlation probes).
   * `stats`: t intervals over seeds, paired t-tests against the Transformer, verdicts in words.
-  * `evaluate`: runs every evaluation on a model; `python -m diffjax.eval --workdir=RUN`.
+  * `scoring`: loss and retrieval accuracy of any tokens -> logits function.
+  * `runner`: `ModelRunner`, jitted passes of one NNX model (hooks, knobs, captured rows) and
+    weight quantization.
+  * `analysis`: attention allocation, outliers, lambda, the probes, low-bit robustness.
+  * `config`: `EvalConfig`, sizes and sections (`EvalConfig.quick`, `EvalConfig.full`).
+  * `evaluate`: `evaluate_model`, everything into one JSON; `cli`: `python -m diffjax.eval
+    --workdir=RUN [--out=PATH] [--quick]`.
   * `report`: aggregates eval JSONs of arms x seeds into report.md and PNG plots;
     `python -m diffjax.eval.report RUN_DIR ... --out=DIR`.
 

@@ -1,0 +1,206 @@
+"""Jitted forward passes of one NNX model for evaluation, and weight quantization.
+
+`ModelRunner` compiles each kind of pass once per input shape and keeps the compiled functions,
+so many evaluations of one model share compiles:
+  * `logits_fn(hooks)`: tokens -> logits, the model's normal (fast) path or any `Hooks`;
+  * `knob_fn(knobs)`: the reference path with quantization and clamping set by numbers
+    (`KNOBS`), so every low-bit setting and the clamp probe reuse one compiled function;
+  * `rows(tokens, idx)`: attention maps of selected query rows (allocation);
+  * `text_pass(...)`: device-side reductions for outliers, lambda and the correlation probe.
+
+Analysis passes run the model's explicit-map reference path (`capture=True` or a logits/probs
+hook); it materialises [B, H, T, S] maps per layer inside the compiled function, so keep
+`capture_batch_size * T * T * heads` modest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax.eval import metrics as M
+from diffjax.model import Hooks
+
+LogitsFn = Callable[..., Any]
+
+# Interventions of `ModelRunner.knob_fn`, all numbers (0 = off).
+KNOBS = ("logits_bits", "act_bits", "kv_bits", "clamp")
+
+
+def _causal_valid(t: int, s: int, segment_ids_BxT=None):
+  valid = jnp.asarray(M.causal_valid_mask(t, s))[None, None]
+  if segment_ids_BxT is not None:
+    seg = jnp.asarray(segment_ids_BxT)
+    valid = valid & (seg[:, None, :, None] == seg[:, None, None, :])
+  return valid
+
+
+def _layer_maps(cap: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+  """The combined map and its parts for one layer's captures ([B, H, T, S] each)."""
+  if "probs" in cap:
+    return {"combined": cap["probs"], "logits": [cap["logits"]]}
+  lam = cap["lambda"].astype(jnp.float32)
+  if lam.ndim == 0:
+    combined = cap["probs1"] - lam * cap["probs2"]
+  else:
+    combined = cap["probs1"] - jnp.transpose(lam, (0, 2, 1))[..., None] * cap["probs2"]
+  return {"combined": combined, "logits": [cap["logits1"], cap["logits2"]]}
+
+
+class ModelRunner:
+  """Jitted forward passes of one NNX model, compiled once per (kind, shape).
+
+  `logits_fn(hooks)` gives a `LogitsFn`; `rows(tokens, idx)` returns attention rows;
+  `text_pass(...)` returns the reductions of `text_statistics`.
+  """
+
+  def __init__(self, model: nnx.Module):
+    self.model = model
+    self.config = model.config
+    self.graphdef, self.state = nnx.split(model)
+    self._fns: dict[Any, Callable] = {}
+
+  def _merge(self, state):
+    return nnx.merge(self.graphdef, state)
+
+  def logits_fn(self, hooks: Hooks | None = None, name: str = "plain") -> LogitsFn:
+    """tokens (B, T) [, positions, segment_ids] -> float32 numpy logits (B, T, V)."""
+    key = ("logits", name)
+    if key not in self._fns:
+      def f(state, tokens, positions, segment_ids):
+        model = self._merge(state)
+        return model(tokens, positions, segment_ids, hooks=hooks) if hooks is not None else \
+            model(tokens, positions, segment_ids)
+      self._fns[key] = jax.jit(f)
+    jf = self._fns[key]
+
+    def apply(tokens, positions=None, segment_ids=None):
+      return np.asarray(jf(self.state, jnp.asarray(tokens), positions, segment_ids))
+    return apply
+
+  def knob_fn(self, granularity: str = "head", knobs: Mapping[str, float] | None = None,
+              state=None) -> LogitsFn:
+    """A `LogitsFn` on the reference path with interventions set by numbers, not code, so one
+    compiled function serves every setting (see `Knobs`): logits_bits, act_bits, kv_bits
+    (0 = off) and clamp (1 = clamp negative attention weights). `state` replaces the model's
+    parameters (e.g. quantized weights of the same model)."""
+    key = ("knobs", granularity)
+    if key not in self._fns:
+      def f(state, tokens, positions, segment_ids, k):
+        qmax = lambda bits: jnp.where(bits > 1, 2.0 ** (bits - 1) - 1, 0.0)
+        hooks = Hooks(
+            logits=lambda x: M.quantize_attention_logits(x, k["logits_bits"], granularity),
+            probs=lambda p: jnp.where(k["clamp"] > 0, jnp.maximum(p, 0), p),
+            kv=lambda x: M.fake_quant(x, qmax(k["kv_bits"]), axis=-1),
+            activations=lambda x: M.fake_quant(x, qmax(k["act_bits"]), axis=-1))
+        return self._merge(state)(tokens, positions, segment_ids, hooks=hooks)
+      self._fns[key] = jax.jit(f)
+    jf = self._fns[key]
+    k = {name: jnp.float32(0.0) for name in KNOBS}
+    for name, v in (knobs or {}).items():
+      if name not in KNOBS:
+        raise ValueError(f"Unknown knob {name!r}; knobs are {KNOBS}.")
+      k[name] = jnp.float32(v)
+    st = self.state if state is None else state
+
+    def apply(tokens, positions=None, segment_ids=None):
+      return np.asarray(jf(st, jnp.asarray(tokens), positions, segment_ids, k))
+    return apply
+
+  def rows(self, tokens_BxT, idx_BxR) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+    """Logits and, per layer, attention rows `idx_BxR` of every map: probs/logits (transformer)
+    or probs1/probs2/logits1/logits2 and the combined map (B, H, R, S); lambda; lambda_init."""
+    if "rows" not in self._fns:
+      def f(state, tokens, idx):
+        logits, caps = self._merge(state)(tokens, capture=True)
+        take = lambda x: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)
+        out = []
+        for cap in caps:
+          layer = {k: take(v) for k, v in cap.items()
+                   if k in ("probs", "logits", "probs1", "probs2", "logits1", "logits2")}
+          layer["combined"] = take(_layer_maps(cap)["combined"])
+          if "lambda" in cap:
+            lam = cap["lambda"]
+            layer["lambda"] = lam if lam.ndim == 0 else jnp.take_along_axis(lam, idx[:, :, None], axis=1)
+          if "lambda_init" in cap:
+            layer["lambda_init"] = cap["lambda_init"]
+          out.append(layer)
+        return logits, out
+      self._fns["rows"] = jax.jit(f)
+    logits, layers = self._fns["rows"](self.state, jnp.asarray(tokens_BxT), jnp.asarray(idx_BxR))
+    return np.asarray(logits), jax.tree.map(np.asarray, layers)
+
+  def text_pass(self, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR, k: int):
+    """Per layer: top-k |attention logits| over valid entries, |logits| at flat (t*S + s)
+    indices `sample_idx_N`, |hidden|, lambda, and maps at rows `row_idx_BxR`."""
+    key = ("text", k)
+    if key not in self._fns:
+      def f(state, tokens, positions, segment_ids, sample_idx, row_idx):
+        _, caps = self._merge(state)(tokens, positions, segment_ids, capture=True)
+        b, t = tokens.shape
+        valid = _causal_valid(t, t, segment_ids)
+        take = lambda x: jnp.take_along_axis(x, row_idx[:, None, :, None], axis=2)
+        out = []
+        for cap in caps:
+          maps = _layer_maps(cap)
+          tops, samples = [], []
+          for lg in maps["logits"]:
+            a = jnp.where(valid, jnp.abs(lg), -1.0)
+            tops.append(jax.lax.top_k(a.reshape(-1), k)[0])
+            samples.append(a.reshape(b, a.shape[1], t * t)[:, :, sample_idx].reshape(-1))
+          layer = {"logit_top": jnp.concatenate(tops), "logit_sample": jnp.concatenate(samples),
+                   "hidden": cap["hidden"], "combined": take(maps["combined"])}
+          for name in ("probs1", "probs2", "logits1", "logits2", "probs", "logits"):
+            if name in cap:
+              layer[name] = take(cap[name])
+          if "lambda" in cap:
+            layer["lambda"] = cap["lambda"]
+          out.append(layer)
+        return out
+      self._fns[key] = jax.jit(f)
+    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
+    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
+    out = self._fns[key](self.state, jnp.asarray(tokens_BxT), pos, seg,
+                         jnp.asarray(sample_idx_N), jnp.asarray(row_idx_BxR))
+    return jax.tree.map(np.asarray, out)
+
+  def quantized_state(self, bits: int, include_head: bool = False):
+    """The model's state with projection kernels absmax-quantized (see `quantize_model_weights`)."""
+    return nnx.split(quantize_model_weights(self.model, bits, include_head=include_head))[1]
+
+
+def _input_axes(node, path) -> tuple[int, ...]:
+  """Contracted (input) axes of a kernel: those before its output axes."""
+  names = None
+  get_meta = getattr(node, "get_metadata", None)
+  if get_meta is not None:
+    meta = get_meta()
+    names = meta.get("out_sharding") or meta.get("sharding_names")
+  ndim = len(node.shape)
+  if names is not None and len(names) == ndim:
+    # Kernels writing into the residual stream end with "embed" ([H, D, E], [F, E]): all leading
+    # axes are contracted. Every other kernel contracts its first axis ([E, ...]).
+    return tuple(range(ndim - 1)) if names[-1] == "embed" else (0,)
+  return tuple(range(ndim - 1)) if path and path[-1] == "o" else (0,)
+
+
+def quantize_model_weights(model: nnx.Module, bits: int = 4, *, include_head: bool = False) -> nnx.Module:
+  """Returns a copy of `model` with every projection kernel (ndim >= 2 `nnx.Param`)
+  fake-quantized per output channel (absmax over its input axes).
+
+  The embedding table and the untied LM head are left in float unless `include_head`.
+  """
+  qmodel = nnx.clone(model)
+  for path, node in nnx.iter_graph(qmodel):
+    if not isinstance(node, nnx.Param) or len(node.shape) < 2:
+      continue
+    if not include_head and path and (path[-1] in ("embedding", "lm_head")):
+      continue
+    # In numpy: eager jax would compile a few kernels per distinct kernel shape.
+    w = np.asarray(node[...])
+    node[...] = jnp.asarray(M.quantize_absmax(w, bits, axis=_input_axes(node, path)))
+  return qmodel
