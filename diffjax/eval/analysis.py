@@ -154,8 +154,7 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
       hidden_acc.add(hid)
       layer_hidden[li].add(hid)
       if "lambda" in layer:
-        lam_values[li].append(np.asarray(layer["lambda"], np.float64).reshape(-1) if np.ndim(layer["lambda"])
-                              else np.asarray([float(layer["lambda"])]))
+        lam_values[li].append(np.asarray(layer["lambda"], np.float64).reshape(-1))
       # Correlation probe on the sampled rows.
       always = np.zeros((b, t), bool)
       always[:, 0] = True

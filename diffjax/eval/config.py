@@ -24,6 +24,8 @@ class EvalConfig:
     heatmap_lengths: context lengths of the heatmap; include lengths above the training length
       to measure length generalisation. Empty: skip the heatmap.
     heatmap_needles: (N, R) of the heatmap (the paper's 64K figure uses (8, 1)).
+    heatmap_samples: examples per heatmap cell (depth, length); None: samples_per_depth. The
+      paper uses 50.
     standard_needles: (N, R) of the task used for allocation, low-bit and probes.
     allocation_examples: examples for attention allocation (spread over `depths`).
     mqar: AssociativeRecallTask keyword arguments; None skips it.
@@ -49,6 +51,7 @@ class EvalConfig:
   needle_grid: tuple[tuple[int, int], ...] = NEEDLE_GRID
   heatmap_lengths: tuple[int, ...] = ()
   heatmap_needles: tuple[int, int] = (4, 1)
+  heatmap_samples: int | None = None
   standard_needles: tuple[int, int] = (4, 1)
   allocation_examples: int = 20
   mqar: Mapping[str, Any] | None = dataclasses.field(
@@ -72,7 +75,8 @@ class EvalConfig:
     if unknown:
       raise ValueError(f"Unknown eval sections {sorted(unknown)}; choose from {SECTIONS}.")
     if self.logit_granularity not in ("head", "row", "tensor"):
-      raise ValueError(f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or 'tensor'.")
+      raise ValueError(f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or "
+                       "'tensor'.")
 
   @classmethod
   def full(cls, seq_len: int, **overrides) -> "EvalConfig":

@@ -92,9 +92,11 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   run("retrieval", lambda: needle_table(fn, cfg.context_len, cfg.needle_grid, cfg.samples_per_depth,
                                         cfg.depths, cfg.seed, cfg.batch_size, filler))
   if cfg.heatmap_lengths:
-    run("heatmap", lambda: retrieval_heatmap(fn, cfg.heatmap_lengths, cfg.depths, *cfg.heatmap_needles,
-                                             samples_per_cell=cfg.samples_per_depth, seed=cfg.seed + 2,
-                                             batch_size=cfg.batch_size, filler=filler))
+    cell = cfg.heatmap_samples or cfg.samples_per_depth
+    run("heatmap", lambda: retrieval_heatmap(fn, cfg.heatmap_lengths, cfg.depths,
+                                             *cfg.heatmap_needles, samples_per_cell=cell,
+                                             seed=cfg.seed + 2, batch_size=cfg.batch_size,
+                                             filler=filler))
   if cfg.mqar is not None:
     run("mqar", lambda: associative_recall(fn, cfg.mqar_examples, cfg.seed + 3, cfg.batch_size,
                                            **dict(cfg.mqar)))

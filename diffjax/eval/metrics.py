@@ -114,7 +114,8 @@ def combine_diff_maps(probs1_BxHxTxS, probs2_BxHxTxS, lam) -> np.ndarray:
   raise ValueError(f"lambda must be a scalar or (B, T, H); got shape {lam.shape}.")
 
 
-def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS, num_regions: int) -> dict[str, np.ndarray]:
+def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS,
+                         num_regions: int) -> dict[str, np.ndarray]:
   """Attention mass that the query rows put on each region of keys, per head.
 
   Args:
@@ -285,7 +286,8 @@ def absmax_error_bound(x, bits: int, axis=None):
   Float32 rounding adds up to a few ulps of |x| on top of it; tests allow for that.
   """
   xp = _xp(x)
-  return xp.max(xp.abs(xp.asarray(x).astype(xp.float32)), axis=axis, keepdims=True) / (2 ** (bits - 1) - 1) / 2
+  absmax = xp.max(xp.abs(xp.asarray(x).astype(xp.float32)), axis=axis, keepdims=True)
+  return absmax / (2 ** (bits - 1) - 1) / 2
 
 
 def quantize_weight_per_channel(w, bits: int = 4, input_axes: Sequence[int] = (0,)):

@@ -421,7 +421,8 @@ def _plot_heatmap(plt, groups, colors, out_dir):
     ax.set_title(f"{arm} (N={n_needles}, R={n_q}, n={n})", fontsize=9)
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
   fig.savefig(os.path.join(out_dir, "retrieval_heatmap.png"), dpi=120, bbox_inches="tight")
-  return "retrieval_heatmap.png", "Multi-needle retrieval accuracy by depth and context length (mean over seeds)."
+  return ("retrieval_heatmap.png",
+          "Multi-needle retrieval accuracy by depth and context length (mean over seeds).")
 
 
 def _plot_allocation(plt, groups, colors, out_dir):
@@ -430,7 +431,8 @@ def _plot_allocation(plt, groups, colors, out_dir):
     al = [_sections(r, "allocation") for r in rs if _sections(r, "allocation")]
     if al:
       names = al[0]["regions"]
-      rows[arm] = {k: np.asarray([a["summary"][k] for a in al], float) for k in ("signed_share", "abs_share")}
+      rows[arm] = {k: np.asarray([a["summary"][k] for a in al], float)
+                   for k in ("signed_share", "abs_share")}
       rows[arm]["names"] = names
   if not rows:
     return None
@@ -451,7 +453,8 @@ def _plot_allocation(plt, groups, colors, out_dir):
   axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "allocation.png"), dpi=120)
-  return "allocation.png", "Attention allocation by region, mean over layers and seeds (error bars: 95% t interval; range at n=2)."
+  return ("allocation.png", "Attention allocation by region, mean over layers and seeds "
+          "(error bars: 95% t interval; range at n=2).")
 
 
 def _plot_lambda(plt, groups, colors, out_dir):
@@ -489,7 +492,8 @@ def _plot_lambda(plt, groups, colors, out_dir):
     ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "lambda.png"), dpi=120)
-  return "lambda.png", "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 sigmoid(lambda) on evaluation text."
+  return ("lambda.png", "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 "
+          "sigmoid(lambda) on evaluation text.")
 
 
 def _plot_lowbit(plt, groups, colors, out_dir):

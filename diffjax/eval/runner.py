@@ -125,7 +125,8 @@ class ModelRunner:
           layer["combined"] = take(_layer_maps(cap)["combined"])
           if "lambda" in cap:
             lam = cap["lambda"]
-            layer["lambda"] = lam if lam.ndim == 0 else jnp.take_along_axis(lam, idx[:, :, None], axis=1)
+            layer["lambda"] = (lam if lam.ndim == 0 else
+                               jnp.take_along_axis(lam, idx[:, :, None], axis=1))
           if "lambda_init" in cap:
             layer["lambda_init"] = cap["lambda_init"]
           out.append(layer)
@@ -188,7 +189,8 @@ def _input_axes(node, path) -> tuple[int, ...]:
   return tuple(range(ndim - 1)) if path and path[-1] == "o" else (0,)
 
 
-def quantize_model_weights(model: nnx.Module, bits: int = 4, *, include_head: bool = False) -> nnx.Module:
+def quantize_model_weights(model: nnx.Module, bits: int = 4, *,
+                           include_head: bool = False) -> nnx.Module:
   """Returns a copy of `model` with every projection kernel (ndim >= 2 `nnx.Param`)
   fake-quantized per output channel (absmax over its input axes).
 

@@ -152,7 +152,8 @@ class _TaskBase:
   def __getitem__(self, index: int) -> np.ndarray:
     """Example `index` as a training document: its (L,) int32 tokens."""
     if not -self.num_examples <= index < self.num_examples:
-      raise IndexError(f"example index {index} out of range for {self.num_examples} examples of {self.name}")
+      raise IndexError(f"example index {index} out of range for {self.num_examples} examples "
+                       f"of {self.name}")
     return self.example(index % self.num_examples).tokens
 
   def examples(self, indices: Sequence[int] | None = None) -> list[RetrievalExample]:
@@ -217,7 +218,8 @@ class _Filler:
       nxt = np.asarray(self.source[doc], np.int32)
       empty_run = empty_run + 1 if nxt.size == 0 else 0
       if empty_run > n:
-        raise ValueError(f"Filler source {getattr(self.source, 'name', self.source)!r} has only empty documents.")
+        raise ValueError(f"Filler source {getattr(self.source, 'name', self.source)!r} has "
+                         "only empty documents.")
       parts += [self.separator, nxt]
       have += self.separator.size + nxt.size
     return np.concatenate(parts)[:length]
@@ -370,9 +372,11 @@ class AssociativeRecallTask(_TaskBase):
                        f"{key_len=}, {value_len=}, {distractors_per_query=}.")
     total_keys = num_pairs + num_queries * distractors_per_query
     if total_keys > 26 ** key_len // 4:
-      raise ValueError(f"{total_keys} keys do not fit comfortably in {key_len}-letter keys; raise key_len.")
+      raise ValueError(f"{total_keys} keys do not fit comfortably in {key_len}-letter keys; "
+                       "raise key_len.")
     if distractors_per_query > key_len * 25:
-      raise ValueError(f"{distractors_per_query=} exceeds the {key_len * 25} one-letter variants of a key.")
+      raise ValueError(f"{distractors_per_query=} exceeds the {key_len * 25} one-letter "
+                       "variants of a key.")
     self.num_pairs, self.num_queries = int(num_pairs), int(num_queries)
     self.distractors_per_query = int(distractors_per_query)
     self.key_len, self.value_len = int(key_len), int(value_len)
@@ -444,5 +448,6 @@ class AssociativeRecallTask(_TaskBase):
         answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
         answer_spans=tuple(answer_spans), needle_spans=tuple(needle_span[j] for j in queried),
         value_spans=tuple(value_span[j] for j in queried), distractor_spans=tuple(distractors),
-        depth=None, depth_query=None, needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
+        depth=None, depth_query=None,
+        needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
         keys=tuple(keys[j] for j in queried), values=tuple(pairs[j][1] for j in queried))
