@@ -77,8 +77,7 @@ def _backward_kernel(*refs, plan: L.Plan):
       dq_copy(slot, to_hbm=True).wait()
       state[_PENDING0 + slot] = 0
 
-  @pl.when(plan.block_visible(i, j))
-  def _step():
+  def step(apply_mask: bool):
     slot = state[_STEP] % 2
     tile_id = h * nq + i
     # The slot's buffer must be free, and a write of the same dQ tile still in
@@ -96,7 +95,7 @@ def _backward_kernel(*refs, plan: L.Plan):
     def _():
       dq_copy(slot, to_hbm=False).start()
 
-    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref)
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     stats = stats_ref[...]
     lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
     q1, q2 = q_ref[0], q_ref[1]
@@ -141,6 +140,9 @@ def _backward_kernel(*refs, plan: L.Plan):
         state[_PENDING0 + s] = 1
     state[_PREV_TILE] = tile_id
     state[_STEP] = state[_STEP] + 1
+
+  for condition, apply_mask in plan.tile_cases(i, j):
+    pl.when(condition)(functools.partial(step, apply_mask))
 
   @pl.when(t == inner - 1)
   def _write_kv_grads():

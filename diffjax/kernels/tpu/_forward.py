@@ -36,9 +36,8 @@ def _forward_kernel(*refs, plan: L.Plan):
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(plan.block_visible(i, j))
-  def _accumulate():
-    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref)
+  def accumulate(apply_mask: bool):
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     v = v_ref[...]
     for c in range(2):
       k = k_ref[0 if plan.shared_k else c]
@@ -52,6 +51,9 @@ def _forward_kernel(*refs, plan: L.Plan):
       l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
       acc_ref[c] = alpha * acc_ref[c] + L.dot_nn(p.astype(v.dtype), v)
       m_ref[c] = m_next
+
+  for condition, apply_mask in plan.tile_cases(i, j):
+    pl.when(condition)(functools.partial(accumulate, apply_mask))
 
   @pl.when(j == plan.num_kv_blocks - 1)
   def _finish():

@@ -103,6 +103,21 @@ class Plan:
     first = jnp.floor_divide(j * self.block_kv - self.causal_offset, self.block_q)
     return jnp.clip(first, 0, self.num_q_blocks - 1)
 
+  def tile_cases(self, i, j):
+    """(condition, apply_mask) pairs that together cover the visible tiles.
+
+    With a purely causal mask, tiles entirely below the diagonal skip building and
+    applying the mask (most tiles of a long sequence).
+    """
+    visible = self.block_visible(i, j)
+    if not self.needs_mask:
+      return [(visible, False)]
+    if self.causal and not self.segmented:
+      below = j * self.block_kv + (self.block_kv - 1) <= i * self.block_q + self.causal_offset
+      return [(jnp.logical_and(visible, below), False),
+              (jnp.logical_and(visible, jnp.logical_not(below)), True)]
+    return [(visible, True)]
+
   def mask(self, i, j, q_seg_ref, kv_seg_ref):
     """Boolean [block_q, block_kv] (True = attend) for tile (i, j), or None."""
     if not self.needs_mask:

@@ -1,0 +1,407 @@
+"""TPU Pallas kernels and the splash-based stock TPU paths, checked against the reference.
+
+Without a TPU, the kernels run in the TPU interpreter (``interpret=True`` maps to
+``pltpu.InterpretParams()``, which simulates VMEM, SMEM, DMAs and semaphores), and the
+Mosaic compiler is exercised by ahead-of-time compiles for a v5e topology (libtpu,
+no TPU needed). ``slow`` tests widen the product of shapes (``pytest -m slow``).
+
+Tolerances: errors are ``max|kernel - reference| / max|reference|`` per output and per
+gradient, against the float32 reference on the same (rounded) inputs. float32: 2e-5
+(observed about 1e-6). bfloat16: 2e-2 (observed up to about 6e-3; the reference run in
+bfloat16 is off by about 5e-3 itself).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax import ops
+from diffjax.kernels import tpu as kt
+from diffjax.ops import reference as ref
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+V1_GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dlam")
+V2_GRADS = ("dq", "dk", "dv", "dlam")
+# Several query and key tiles per sequence, and backward tiles unlike the forward's.
+SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
+WIDE = kt.BlockSizes(block_q=128, block_kv=256, block_q_bwd=128, block_kv_bwd=128)
+
+
+def _normal(key, shape, dtype=jnp.float32):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _rel_err(x, y) -> float:
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+
+
+def _segments(b, t, s, *, unmatched_row: bool = False):
+  """Three packed documents of uneven length per batch row; queries are the last T keys.
+
+  With ``unmatched_row`` query 0 of batch 0 carries an id no key has (a row that
+  sees nothing: zero output, zero gradient).
+  """
+  pos = jnp.arange(s)
+  kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
+  kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
+  q = kv[:, s - t:]
+  if unmatched_row:
+    q = q.at[0, 0].set(-7)
+  return q, kv
+
+
+def _value_and_vjp(fn, args, ct):
+  """(fn(*args), vjp of ct) under one jit, so each case compiles once."""
+  def run(args, ct):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(ct)
+  return jax.jit(run)(tuple(args), ct)
+
+
+def _check(triples, dtype):
+  """Asserts each (name, kernel, reference) is within tolerance; names every failure."""
+  tol = TOL[dtype]
+  errs = {name: _rel_err(a, b) for name, a, b in triples}
+  bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
+  assert not bad, f"outside tolerance {tol}: {bad}; all: { {n: f'{e:.1e}' for n, e in errs.items()} }"
+
+
+def _v1_inputs(b, t, s, h, kh, d, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  return (_normal(ks[0], (b, t, h, d), dtype), _normal(ks[1], (b, t, h, d), dtype),
+          _normal(ks[2], (b, s, kh, d), dtype), _normal(ks[3], (b, s, kh, d), dtype),
+          _normal(ks[4], (b, s, kh, 2 * d), dtype),
+          jax.random.uniform(ks[5], (h,), jnp.float32, 0.1, 0.9))
+
+
+def _v2_inputs(b, t, s, h, kh, d, dtype, seed=1):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return (_normal(ks[0], (b, t, 2 * h, d), dtype), _normal(ks[1], (b, s, kh, d), dtype),
+          _normal(ks[2], (b, s, kh, d), dtype), jax.nn.sigmoid(_normal(ks[3], (b, t, h))))
+
+
+def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
+         unmatched=False, fn=None, interpret=True):
+  """Compares output and every gradient of a V1/V2 fast path with the reference."""
+  h = kh * rep
+  q_seg, kv_seg = _segments(b, t, s, unmatched_row=unmatched) if seg else (None, None)
+  segs = None if q_seg is None else (q_seg, kv_seg)
+  if version == 1:
+    args, names, dv = _v1_inputs(b, t, s, h, kh, d, dtype), V1_GRADS, 2 * d
+    fn = fn or kt.diff_v1_attention_tpu
+    refn = lambda *a: ref.diff_v1_reference(*a, causal=causal, segment_ids=segs)
+  else:
+    args, names, dv = _v2_inputs(b, t, s, h, kh, d, dtype), V2_GRADS, d
+    fn = fn or kt.diff_v2_attention_tpu
+    refn = lambda *a: ref.diff_v2_reference(*a, causal=causal, segment_ids=segs)
+  kern = lambda *a: fn(*a, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                       block_sizes=blocks, interpret=interpret)
+  ct = _normal(jax.random.PRNGKey(7), (b, t, h, dv), dtype)
+  out, grads = _value_and_vjp(kern, args, ct)
+  ref_out, ref_grads = _value_and_vjp(refn, [a.astype(jnp.float32) for a in args],
+                                      ct.astype(jnp.float32))
+  assert out.dtype == dtype and out.shape == (b, t, h, dv)
+  for name, g, a in zip(names, grads, args):
+    assert g.dtype == a.dtype and g.shape == a.shape, (name, g.dtype, g.shape)
+  _check([("out", out, ref_out)] + list(zip(names, grads, ref_grads)), dtype)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  # Rows that see no key give exact zeros (output and dq), not a tolerance-sized value.
+  if unmatched:
+    np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads[0][0, 0]), 0.0)
+  if causal and t > s:
+    np.testing.assert_array_equal(np.asarray(out[:, :t - s]), 0.0)
+  return out, grads
+
+
+# Default run: a covering subset of seq {200, 384} x n_rep {1, 2, 4} x segment ids x
+# dtype, plus T != S (decode-like and queries longer than keys), no mask, an awkward
+# head dim and default (sequence-shrunk) tiles. The slow run takes the full product.
+V1_CASES = [
+    # t,   s,  rep, d, causal, seg,  dtype,        blocks
+    (200, 200, 1, 16, True, False, jnp.float32, SMALL),
+    (384, 384, 2, 8, True, True, jnp.float32, SMALL),
+    (200, 200, 4, 16, True, True, jnp.float32, WIDE),
+    (384, 384, 1, 24, False, False, jnp.float32, None),
+    (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
+    (200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
+    (384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
+]
+
+
+@pytest.mark.parametrize("t,s,rep,d,causal,seg,dtype,blocks", V1_CASES)
+def test_diff_v1_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
+  # seg="unmatched": query 0 of batch 0 matches no key (zero output and dq).
+  _run(1, t, s, rep, d, causal, bool(seg), dtype, blocks=blocks, unmatched=seg == "unmatched")
+
+
+V2_CASES = [
+    (200, 200, 1, 16, True, False, jnp.float32, SMALL),
+    (384, 384, 2, 16, True, True, jnp.float32, WIDE),
+    (200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
+    (200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
+    (200, 200, 2, 16, True, True, jnp.bfloat16, None),
+    (384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
+]
+
+
+@pytest.mark.parametrize("t,s,rep,d,causal,seg,dtype,blocks", V2_CASES)
+def test_diff_v2_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
+  _run(2, t, s, rep, d, causal, bool(seg), dtype, blocks=blocks, unmatched=seg == "unmatched")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal,seg", [(True, False), (True, True), (False, True),
+                                        (False, False)])
+@pytest.mark.parametrize("rep", [1, 2, 4])
+@pytest.mark.parametrize("t", [200, 384])
+@pytest.mark.parametrize("version", [1, 2])
+def test_product_slow(version, t, rep, causal, seg, dtype):
+  _run(version, t, t, rep, 16, causal, seg, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("version", [1, 2])
+def test_paper_head_dims_slow(version, d, dtype):
+  _run(version, 384, 384, 2, d, True, True, dtype, b=1, blocks=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", [
+    kt.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=128),
+    kt.BlockSizes(block_q=128, block_kv=128, block_q_bwd=16, block_kv_bwd=256),
+    {"block_q": 40, "block_kv_bwd": 384},
+])
+@pytest.mark.parametrize("version", [1, 2])
+def test_block_size_sweep_slow(version, blocks):
+  _run(version, 300, 300, 2, 16, True, True, jnp.float32, blocks=blocks)
+  _run(version, 150, 400, 2, 16, True, False, jnp.float32, blocks=blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_rows_without_visible_keys_slow(version):
+  _run(version, 96, 160, 2, 16, True, True, jnp.float32, unmatched=True)
+  _run(version, 200, 136, 1, 16, True, False, jnp.float32, b=1)
+  _run(version, 72, 40, 1, 16, True, True, jnp.bfloat16, unmatched=True)
+
+
+# ----------------------------------------------------------------------------------
+# Race detection in the TPU interpreter (two simulated cores take the parallel grid
+# axes; the backward's in-place dQ updates are explicit DMAs).
+
+
+def _races_found() -> bool:
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # pylint: disable=g-import-not-at-top
+  return bool(ipc.races is not None and ipc.races.races_found)
+
+
+@pytest.mark.parametrize("version,t,s,rep", [
+    (1, 64, 384, 1),   # one query tile per kv group: a dQ tile is re-read right after its write
+    (2, 200, 256, 2),  # several heads and query tiles per group, causal skipping
+])
+def test_no_races_in_interpreter(version, t, s, rep):
+  params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+  pltpu.reset_tpu_interpret_mode_state()
+  _run(version, t, s, rep, 8, True, version == 2, jnp.float32, b=2, kh=1,
+       blocks=kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128),
+       interpret=params)
+  assert not _races_found()
+
+
+# ----------------------------------------------------------------------------------
+# Block sizes.
+
+
+def test_block_sizes_validation_names_values():
+  with pytest.raises(ValueError, match="block_q=12 must be a positive multiple of 8"):
+    kt.BlockSizes(block_q=12)
+  with pytest.raises(ValueError, match="block_kv=100 must be a positive multiple of 128"):
+    kt.BlockSizes(block_kv=100)
+  with pytest.raises(ValueError, match="block_q_bwd=0 must be a positive multiple of 8"):
+    kt.BlockSizes(block_q_bwd=0)
+  with pytest.raises(ValueError, match="block_kv_bwd='256' must be a positive multiple"):
+    kt.BlockSizes(block_kv_bwd="256")
+  args = _v1_inputs(1, 32, 32, 2, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match=r"Unknown block size fields \['block_z'\]"):
+    kt.diff_v1_attention_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
+  with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
+    kt.diff_v1_attention_tpu(*args, block_sizes=(64, 64), interpret=True)
+  with pytest.raises(ValueError, match="Pass both q_segment_ids and kv_segment_ids"):
+    kt.diff_v1_attention_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
+                             interpret=True)
+
+
+def test_block_sizes_defaults_and_dict_overrides():
+  for d in (64, 96, 128, 256):
+    bs = kt.BlockSizes.get_default(d)
+    # Forward float32 accumulators of both maps stay well inside VMEM for Dv = 2 D.
+    assert 2 * bs.block_q * 2 * d * 4 <= 2 * 2**20, (d, bs)
+  assert kt.resolve_block_sizes({"block_q": 16}, 128) == kt.BlockSizes(
+      block_q=16, **{k: v for k, v in vars(kt.BlockSizes.get_default(128)).items()
+                     if k != "block_q"})
+  assert kt.resolve_block_sizes(None, 64) == kt.BlockSizes.get_default(64)
+
+
+# ----------------------------------------------------------------------------------
+# Dispatcher and stock paths.
+
+
+def test_dispatcher_pallas_tpu_equals_xla():
+  q1, q2, k1, k2, v, _ = _v1_inputs(2, 72, 72, 4, 2, 16, jnp.float32)
+  seg = jnp.stack([jnp.arange(72) // 30, jnp.arange(72) // 50]).astype(jnp.int32)
+  kw = dict(causal=True, segment_ids=seg)
+
+  def v1_loss(lam, impl, **extra):
+    out = ops.diff_v1_attention_core(q1, q2, k1, k2, v, lam, implementation=impl, **kw,
+                                     **extra)
+    return jnp.sum(out ** 2), out
+
+  # The dispatcher broadcasts a scalar lambda to [H]; its gradient must come back.
+  run = lambda impl, **e: jax.jit(jax.value_and_grad(
+      lambda l: v1_loss(l, impl, **e), has_aux=True))(jnp.float32(0.4))
+  (_, got), dlam = run("pallas_tpu", interpret=True)
+  (_, want), dlam_want = run("xla")
+  assert _rel_err(got, want) <= TOL[jnp.float32]
+  assert _rel_err(dlam, dlam_want) <= TOL[jnp.float32]
+  q, k, v2, lam = _v2_inputs(2, 72, 72, 2, 1, 16, jnp.float32)
+  a = ops.diff_v2_attention(q, k, v2, lam, implementation="pallas_tpu", interpret=True, **kw)
+  b = ops.diff_v2_attention(q, k, v2, lam, implementation="xla", **kw)
+  assert _rel_err(a, b) <= TOL[jnp.float32]
+
+
+def test_pallas_tpu_needs_interpret_off_tpu():
+  if jax.default_backend() == "tpu":
+    pytest.skip("checks the refusal on other backends")
+  args = _v1_inputs(1, 16, 16, 2, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match="interpret=True"):
+    ops.diff_v1_attention_core(*args, implementation="pallas_tpu")
+
+
+@pytest.mark.parametrize("version,seg", [(1, False), (2, True)])
+def test_stock_splash_paths_match_reference(version, seg):
+  # Two splash calls with the 2D-wide value (V1) / one call over 2H heads (V2).
+  fn = kt.diff_v1_stock_tpu if version == 1 else kt.diff_v2_stock_tpu
+  _run(version, 200, 200, 2, 16, True, seg, jnp.float32, b=1, blocks=None, fn=fn)
+
+
+# ----------------------------------------------------------------------------------
+# Mosaic compiles for a real TPU topology (libtpu, no TPU) and shard_map.
+
+
+def _v5e_mesh():
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    topo = topologies.get_topology_desc("v5e:2x2", "tpu")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"no TPU compiler here (install jax[tpu] / libtpu): {e}")
+  return jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "model"))
+
+
+def test_aot_compile_v5e_fwd_bwd():
+  """Forward + backward of both kernels compile with Mosaic inside shard_map on v5e."""
+  mesh = _v5e_mesh()
+  P = jax.sharding.PartitionSpec
+  sds = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
+      shape, dt, sharding=jax.sharding.NamedSharding(mesh, spec))
+  b, t, h, d = 2, 640, 4, 128  # 640: padded and masked key tail with 256-wide tiles
+  blocks = kt.BlockSizes(block_q=256, block_kv=256, block_q_bwd=128, block_kv_bwd=256)
+  for version in (1, 2):
+    if version == 1:
+      in_specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
+      x = sds((b, t, h, d), in_specs[0])
+      args = (x, x, x, x, sds((b, t, h, 2 * d), in_specs[4]), sds((h,), in_specs[5], jnp.float32))
+      fn = kt.diff_v1_attention_tpu
+    else:
+      in_specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
+      args = (sds((b, t, 2 * h, d), in_specs[0]), sds((b, t, h, d), in_specs[1]),
+              sds((b, t, h, d), in_specs[2]), sds((b, t, h), in_specs[3], jnp.float32))
+      fn = kt.diff_v2_attention_tpu
+    seg = sds((b, t), P("data", None), jnp.int32)
+
+    def per_device(*a, fn=fn):
+      *xs, q_seg, kv_seg = a
+      return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                block_sizes=blocks)
+
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                            check_vma=False)
+    loss = lambda *a: jnp.sum(sharded(*a).astype(jnp.float32))
+    n = len(args)
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(n))))
+    compiled = grad.lower(*args, seg, seg).compile()
+    text = compiled.as_text()
+    assert "diff_attention_fwd" in text and "diff_attention_bwd" in text, version
+
+
+_SHARD_MAP_SCRIPT = textwrap.dedent("""
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import functools
+    import jax.numpy as jnp
+    import numpy as np
+    from diffjax.kernels import tpu as kt
+    from diffjax.ops import reference as ref
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                             / np.max(np.abs(np.asarray(b))))
+    ks = jax.random.split(jax.random.PRNGKey(0), 8)
+    n = lambda k, s: jax.random.normal(k, s, jnp.float32)
+    b, t, h, kh, d = 2, 136, 4, 2, 8
+    seg = (jnp.arange(t)[None, :] >= jnp.array([[40], [90]])).astype(jnp.int32)
+    blocks = dict(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
+    errs = {}
+    for version in (1, 2):
+      if version == 1:
+        args = (n(ks[0], (b, t, h, d)), n(ks[1], (b, t, h, d)), n(ks[2], (b, t, kh, d)),
+                n(ks[3], (b, t, kh, d)), n(ks[4], (b, t, kh, 2 * d)),
+                jnp.linspace(0.2, 0.8, h))
+        specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
+        fn, refn = kt.diff_v1_attention_tpu, ref.diff_v1_reference
+      else:
+        args = (n(ks[0], (b, t, 2 * h, d)), n(ks[2], (b, t, kh, d)), n(ks[4], (b, t, kh, d)),
+                jax.nn.sigmoid(n(ks[5], (b, t, h))))
+        specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
+        fn, refn = kt.diff_v2_attention_tpu, ref.diff_v2_reference
+
+      def per_device(*a, fn=fn):
+        *xs, q_seg, kv_seg = a
+        return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                  block_sizes=blocks, interpret=True)
+
+      sharded = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
+                              check_vma=False)
+      loss = lambda *a: jnp.sum(jnp.sin(sharded(*a, seg, seg)))
+      ref_loss = lambda *a: jnp.sum(jnp.sin(refn(*a, causal=True, segment_ids=seg)))
+      got = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))(*args)
+      want = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(len(args)))))(*args)
+      errs[f"v{version}"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(got),
+                                                          jax.tree.leaves(want)))
+    print("ERRS", errs)
+    assert all(e < 2e-5 for e in errs.values()), errs
+""")
+
+
+def test_shard_map_on_four_cpu_devices():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  proc = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "ERRS" in proc.stdout
