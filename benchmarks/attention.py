@@ -1,0 +1,215 @@
+"""Attention kernels side by side: baseline flash attention vs DIFF V1 and V2 paths.
+
+One run prints one table per sequence length for the paper's 3B attention shapes
+(head dim 128; 24 baseline heads = 12 DIFF V1 heads; V2 doubles the baseline's query
+heads to 48 = 24 pairs; kv heads equal to heads; causal; bfloat16), with the batch
+chosen so every call sees the same number of tokens (``--tokens``, 16K by default):
+
+  baseline flash   jax.nn.dot_product_attention, 24 heads (cuDNN on a GPU when it
+                   accepts the call, XLA otherwise)
+  V1 stock         4 stock calls (each map against each D-wide half of V)
+  V1 fused         diffjax.kernels.gpu.diff_v1_fused
+  V2 stock         1 stock call over 48 heads, then the pair combination
+  V2 fused         diffjax.kernels.gpu.diff_v2_fused
+
+Columns: forward and forward+backward milliseconds (medians after warm-up, with
+``block_until_ready``), achieved TFLOP/s, time relative to the baseline, and memory.
+
+FLOPs are the algorithmic counts of the design brief (section 3) per visible
+query-key pair (causal: T (T + 1) / 2 pairs per sequence), per unit of two baseline
+heads of width d: baseline 8d forward / 28d forward+backward; V1 stock (4 calls)
+16d / 56d; V1 fused 12d / 32d. V2 per pair of query heads: stock 8d / 28d (two heads
+of a standard kernel), fused 8d / 24d (one shared dP and one dV matmul in the
+backward). The fused kernels here recompute the scores and dP in a separate dQ pass,
+so they execute 12d / 40d (V1) and 8d / 30d (V2); their hardware throughput is that
+much higher than the TFLOP/s shown.
+
+Memory: ``compiled.memory_analysis()`` of the forward+backward program (arguments +
+outputs + temporaries, XLA's static plan); on a GPU also the device's
+``peak_bytes_in_use`` after the row (cumulative over the process).
+
+On a CPU the Pallas kernels run in the interpreter (rows marked ``interp``; their
+times measure the interpreter, not a kernel) and the stock paths use XLA; use the
+reduced sizes, e.g. ``--quick``.
+
+  python benchmarks/attention.py                      # GPU: seq 2K..16K, 16K tokens
+  python benchmarks/attention.py --quick              # CPU smoke run, about a minute
+  python benchmarks/attention.py --seq 256 --batch 1 --heads 2 --head-dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diffjax.kernels import gpu as kg  # noqa: E402
+from diffjax.kernels.gpu import stock  # noqa: E402
+
+
+@dataclasses.dataclass
+class Row:
+  name: str
+  fn: Callable
+  args: tuple
+  fwd_coef: float   # FLOPs per visible query-key pair per unit, in units of d
+  total_coef: float
+  units: int        # units counted by the coefficients (head pairs or DIFF heads)
+
+
+def _inputs(batch, seq, heads, d, dtype, seed=0):
+  """Arrays for the baseline (2 * heads heads), V1 (heads) and V2 (2 * heads pairs)."""
+  ks = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+  n = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32).astype(dtype)
+  base_h = 2 * heads
+  return {
+      "mha": (n(batch, seq, base_h, d), n(batch, seq, base_h, d), n(batch, seq, base_h, d)),
+      "v1": (n(batch, seq, heads, d), n(batch, seq, heads, d), n(batch, seq, heads, d),
+             n(batch, seq, heads, d), n(batch, seq, heads, 2 * d),
+             jnp.full((heads,), 0.5, jnp.float32)),
+      "v2": (n(batch, seq, 2 * base_h, d), n(batch, seq, base_h, d), n(batch, seq, base_h, d),
+             jax.nn.sigmoid(n(batch, seq, base_h).astype(jnp.float32))),
+  }
+
+
+def _rows(inputs, heads, interpret: bool) -> list[Row]:
+  mha = inputs["mha"]
+  impl = stock.pick_implementation(*mha, is_causal=True)
+  tag = " (interp)" if interpret else ""
+  fused = dict(causal=True, interpret=interpret)
+  return [
+      Row(f"baseline flash ({impl})", lambda *a: kg.mha_stock(*a, causal=True), mha,
+          8, 28, heads),
+      Row("V1 stock (4 calls)", lambda *a: kg.diff_v1_stock(*a, causal=True), inputs["v1"],
+          16, 56, heads),
+      Row("V1 fused" + tag, lambda *a: kg.diff_v1_fused(*a, **fused), inputs["v1"],
+          12, 32, heads),
+      Row("V2 stock (1 call)", lambda *a: kg.diff_v2_stock(*a, causal=True), inputs["v2"],
+          8, 28, 2 * heads),
+      Row("V2 fused" + tag, lambda *a: kg.diff_v2_fused(*a, **fused), inputs["v2"],
+          8, 24, 2 * heads),
+  ]
+
+
+def _median_ms(fn, args, warmup: int, iters: int) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def _fwd_bwd(fn):
+  def run(*args):
+    out, vjp = jax.vjp(fn, *args)
+    # A fixed cotangent (ones) stands in for dL/dout; gradients of every input.
+    return vjp(jnp.ones_like(out))
+  return run
+
+
+def _memory_mib(compiled) -> float | None:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  (not every backend reports)
+    return None
+  if m is None:
+    return None
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+           - getattr(m, "alias_size_in_bytes", 0))
+  return total / 2**20
+
+
+def _device_peak_mib() -> float | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 2**20
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--seq", type=int, nargs="+", default=None,
+                      help="sequence lengths (default 2048 4096 8192 16384; quick: 256)")
+  parser.add_argument("--tokens", type=int, default=16384,
+                      help="tokens per call; batch = tokens // seq")
+  parser.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
+  parser.add_argument("--heads", type=int, default=None, help="DIFF V1 heads (default 12)")
+  parser.add_argument("--head-dim", type=int, default=None, help="component head dim (128)")
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  parser.add_argument("--warmup", type=int, default=None)
+  parser.add_argument("--iters", type=int, default=None)
+  parser.add_argument("--quick", action="store_true",
+                      help="small CPU-friendly sizes: seq 256, batch 1, 2 heads, dim 64")
+  parser.add_argument("--interpret", action="store_true",
+                      help="run the Pallas kernels in the interpreter (default on CPU)")
+  args = parser.parse_args(argv)
+
+  on_gpu = jax.default_backend() == "gpu"
+  interpret = args.interpret or not on_gpu
+  seqs = args.seq or ([256] if args.quick else [2048, 4096, 8192, 16384])
+  heads = args.heads or (2 if args.quick else 12)
+  d = args.head_dim or (64 if args.quick else 128)
+  batch_fixed = args.batch or (1 if args.quick else None)
+  warmup = args.warmup if args.warmup is not None else (1 if args.quick or not on_gpu else 3)
+  iters = args.iters if args.iters is not None else (3 if args.quick or not on_gpu else 20)
+  dtype = jnp.dtype(args.dtype)
+
+  dev = jax.devices()[0]
+  print(f"device: {dev.platform} {dev.device_kind} ({jax.device_count()} device(s)); "
+        f"jax {jax.__version__}; dtype {dtype.name}; causal; warmup {warmup}, "
+        f"median of {iters}")
+  print(f"shapes: head dim d={d}; baseline {2 * heads} heads (kv {2 * heads}); V1 {heads} "
+        f"DIFF heads, V width {2 * d} (kv {heads}); V2 {4 * heads} query heads = "
+        f"{2 * heads} pairs (kv {2 * heads})")
+  if interpret:
+    print("note: Pallas rows run in the interpreter (no GPU): their times are not kernel "
+          "times.")
+
+  header = (f"{'path':<28}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF/s':>10}{'f+b TF/s':>10}"
+            f"{'fwd x':>8}{'f+b x':>8}{'mem MiB':>10}" + (f"{'dev peak':>10}" if on_gpu else ""))
+  for seq in seqs:
+    batch = batch_fixed or max(1, args.tokens // seq)
+    pairs = batch * seq * (seq + 1) / 2  # visible query-key pairs (causal)
+    print(f"\nseq {seq}, batch {batch} ({batch * seq} tokens)")
+    print(header)
+    print("-" * len(header))
+    inputs = _inputs(batch, seq, heads, d, dtype)
+    base = None
+    for i, row in enumerate(_rows(inputs, heads, interpret)):
+      try:
+        fwd = jax.jit(row.fn)
+        both = jax.jit(_fwd_bwd(row.fn))
+        compiled = both.lower(*row.args).compile()
+        mem = _memory_mib(compiled)
+        t_f = _median_ms(fwd, row.args, warmup, iters)
+        t_b = _median_ms(compiled, row.args, warmup, iters)
+      except Exception as e:  # pylint: disable=broad-except  (report and go on)
+        print(f"{row.name:<28}error: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+        continue
+      flops_f = row.fwd_coef * d * pairs * row.units
+      flops_b = row.total_coef * d * pairs * row.units
+      if i == 0:  # the baseline
+        base = (t_f, t_b)
+      ratio = (f"{t_f / base[0]:>8.2f}{t_b / base[1]:>8.2f}" if base else f"{'n/a':>8}" * 2)
+      line = (f"{row.name:<28}{t_f:>10.2f}{t_b:>10.2f}{flops_f / t_f / 1e9:>10.3g}"
+              f"{flops_b / t_b / 1e9:>10.3g}{ratio}"
+              f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}")
+      if on_gpu:
+        peak = _device_peak_mib()
+        line += f"{(f'{peak:.0f}' if peak is not None else 'n/a'):>10}"
+      print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
