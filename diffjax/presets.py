@@ -138,3 +138,26 @@ def paper_sweep(size: str, arm: str) -> ml_collections.ConfigDict:
   c.mesh.shape = (1, -1, 1)
   c.data.kind = "array_record"
   return c
+
+
+def param_table(sizes=("3b", "830m", "1.4b", "2.8b", "6.8b", "13.1b"),
+                vocab_size: int = PAPER_VOCAB) -> str:
+  """A markdown table of parameter counts per arm for the named sizes."""
+  from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
+  rows = ["| size | d_model | layers | heads (T / V1 / V2 pairs) | d | Transformer | DIFF V1 | "
+          "V1 - T | DIFF V2 | V2 - T |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for size in sizes:
+    base = ModelConfig(attention="transformer", **baseline_spec(size, vocab_size))
+    arms = matched_configs(base)
+    n = {arm: count_params(cfg) for arm, cfg in arms.items()}
+    rows.append(
+        f"| {size} | {base.d_model} | {base.num_layers} | {base.num_heads} / "
+        f"{arms['diff_v1'].num_heads} / {arms['diff_v2'].num_heads} | {base.head_dim} | "
+        f"{n['transformer']:,} | {n['diff_v1']:,} | +{n['diff_v1'] - n['transformer']:,} | "
+        f"{n['diff_v2']:,} | +{n['diff_v2'] - n['transformer']:,} |")
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  print(f"Parameter counts (vocabulary {PAPER_VOCAB}, untied head, SwiGLU FFN):")
+  print(param_table())
