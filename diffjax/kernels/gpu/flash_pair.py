@@ -25,10 +25,12 @@ elementwise reductions, so the caller computes them with XLA.
 Backend. These are generic Pallas kernels (``pl.dot``, ref slicing, ``lax.fori_loop``
 over a grid) lowered through the Triton backend (``jax.experimental.pallas.triton``:
 ``CompilerParams(num_warps, num_stages)``). It is deprecated from jax 0.11 but still
-works there, and, unlike Mosaic GPU in jax 0.10.2, it has a public interpreter
-(``interpret=True``) that runs on a CPU and its lowering to Triton IR runs without a
-GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so both the
-arithmetic and the lowering are checked on machines without one. A Mosaic GPU version
+works there. It runs in the generic Pallas interpreter (``interpret=True``) on a CPU,
+and its lowering to Triton IR runs without a GPU
+(``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so both the
+arithmetic and the lowering are checked on machines without one. Mosaic GPU offers
+neither here: in jax 0.10.2 its interpreter (``InterpretGPUParams``) is private to
+``jax._src`` and its lowering needs the CUDA libraries. A Mosaic GPU version
 (``jax.experimental.pallas.mosaic_gpu``) would change the structure rather than the
 math: TMA copies of K1, K2 and V tiles into shared memory driven by a producer
 warpgroup with barriers, ``wgmma`` for the five matmuls with accumulators in
@@ -122,7 +124,7 @@ def _mask(cfg: PairConfig, q_start, bq: int, kv_start, bk: int, qseg, kvseg):
   return mask
 
 
-def _kv_blocks(cfg: PairConfig, q_start, bq: int, bk: int, num_kv_blocks: int):
+def _kv_blocks(cfg: PairConfig, q_start, bq: int, bk: int):
   """Key blocks a query block visits: [0, n_full) need no mask, [n_full, n_end) do."""
   s = cfg.kv_len
   if cfg.causal:
@@ -135,7 +137,6 @@ def _kv_blocks(cfg: PairConfig, q_start, bq: int, bk: int, num_kv_blocks: int):
     n_full = jnp.int32(s // bk)
   if cfg.segments:
     n_full = jnp.int32(0)
-  del num_kv_blocks
   return n_full, n_end
 
 
@@ -225,7 +226,7 @@ def _forward_kernel(*refs, cfg: PairConfig):
   m0 = jnp.full((bq,), NEG, jnp.float32)
   l0 = jnp.zeros((bq,), jnp.float32)
   carry = (zeros_acc, zeros_acc, m0, m0, l0, l0)
-  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk, pl.cdiv(ka_ref.shape[0], bk))
+  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk)
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
   acc_a, acc_b, m_a, m_b, l_a, l_b = carry
@@ -241,7 +242,7 @@ def _forward_kernel(*refs, cfg: PairConfig):
   lse_b_ref[...] = jnp.where(l_b == 0.0, EMPTY_LSE, m_b + jnp.log2(safe_b))
 
 
-def _grad_tile(cfg, qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam, mask, c):
+def _grad_tile(qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam, mask, c):
   """Recomputes both maps of one tile; returns (P1 - lam P2, dS1, dS2) in float32."""
   s_a, s_b = _scores(qa, ka, c), _scores(qb, kb, c)
   if mask is not None:
@@ -254,7 +255,6 @@ def _grad_tile(cfg, qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam, mask, c)
   p = p_a - lam * p_b
   ds_a = p_a * (dp - d_a[:, None])
   ds_b = (-lam) * p_b * (dp - d_b[:, None])
-  del cfg
   return p, ds_a, ds_b
 
 
@@ -308,7 +308,7 @@ def _dkv_kernel(*refs, cfg: PairConfig):
         qseg = qseg_ref[rows] if cfg.segments else None
         mask = _mask(cfg, q_start, bq, kv_start, bk, qseg, kvseg)
       p, ds_a, ds_b = _grad_tile(
-          cfg, qa, qb, ka, kb, v, do, lse_a_ref[h, rows], lse_b_ref[h, rows],
+          qa, qb, ka, kb, v, do, lse_a_ref[h, rows], lse_b_ref[h, rows],
           d_a_ref[h, rows], d_b_ref[h, rows], lam_ref[h, rows], mask, c)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
       dka = dka + dot(ds_a.astype(qa.dtype), qa, trans_a=True)
@@ -368,14 +368,13 @@ def _dq_kernel(*refs, cfg: PairConfig):
     if masked:
       kvseg = kvseg_ref[rows] if cfg.segments else None
       mask = _mask(cfg, q_start, bq, kv_start, bk, qseg, kvseg)
-    _, ds_a, ds_b = _grad_tile(cfg, qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam,
-                               mask, c)
+    _, ds_a, ds_b = _grad_tile(qa, qb, ka, kb, v, do, lse_a, lse_b, d_a, d_b, lam, mask, c)
     dqa = dqa + dot(ds_a.astype(ka.dtype), ka)
     dqb = dqb + dot(ds_b.astype(kb.dtype), kb)
     return dqa, dqb
 
   zq = jnp.zeros(qa.shape, jnp.float32)
-  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk, pl.cdiv(ka_ref.shape[0], bk))
+  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk)
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (zq, zq))
   dqa, dqb = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
   dqa, dqb = dqa * cfg.scale, dqb * cfg.scale
