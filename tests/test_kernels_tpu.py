@@ -278,6 +278,10 @@ def test_dispatcher_pallas_tpu_equals_xla():
   (_, want), dlam_want = run("xla")
   assert _rel_err(got, want) <= TOL[jnp.float32]
   assert _rel_err(dlam, dlam_want) <= TOL[jnp.float32]
+  # Without differentiation the forward kernel skips its residual outputs.
+  primal = ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.4, implementation="pallas_tpu",
+                                      interpret=True, **kw)
+  assert _rel_err(primal, want) <= TOL[jnp.float32]
   q, k, v2, lam = _v2_inputs(2, 72, 72, 2, 1, 16, jnp.float32)
   a = ops.diff_v2_attention(q, k, v2, lam, implementation="pallas_tpu", interpret=True, **kw)
   b = ops.diff_v2_attention(q, k, v2, lam, implementation="xla", **kw)

@@ -53,14 +53,16 @@ def _lam_rows(plan: L.Plan, lam, batch: int, heads: int, length: int):
   return jnp.broadcast_to(lam[None, :, None], (batch, heads, length))
 
 
-def _forward(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg):
+def _forward(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg, save_residuals: bool):
   plan = cfg.fwd
   b, h, _, t, _ = q.shape
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
   lam_in = (_pad_axis(lam.astype(jnp.float32), 2, plan.q_len_padded)[..., None]
             if plan.lam_rows else lam.astype(jnp.float32))
   out, o2, lse = fwd_kernel.forward(plan, qp, kp, vp, lam_in, q_seg_p, kv_seg_p,
-                                  interpret=cfg.interpret)
+                                    save_residuals=save_residuals, interpret=cfg.interpret)
+  if not save_residuals:
+    return out[:, :, :t], None, None
   return out[:, :, :t], o2[:, :, :t], lse[:, :, :t]
 
 
@@ -76,11 +78,12 @@ def diff_core(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg):
   Returns:
     [B, H, T, Dv] in q's dtype.
   """
-  return _forward(cfg, q, k, v, lam, q_seg, kv_seg)[0]
+  # Without differentiation the kernel skips writing the backward's residuals.
+  return _forward(cfg, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
 
 
 def _diff_core_fwd(cfg, q, k, v, lam, q_seg, kv_seg):
-  out, o2, lse = _forward(cfg, q, k, v, lam, q_seg, kv_seg)
+  out, o2, lse = _forward(cfg, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
   return out, (q, k, v, lam, q_seg, kv_seg, out, o2, lse)
 
 

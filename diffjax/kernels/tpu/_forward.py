@@ -22,11 +22,13 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.kernels.tpu import _layout as L
 
 
-def _forward_kernel(*refs, plan: L.Plan):
+def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   refs = list(refs)
   lam_ref = refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
-  q_ref, k_ref, v_ref, out_ref, o2_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  q_ref, k_ref, v_ref, out_ref = refs[:4]
+  o2_ref, lse_ref = refs[4:6] if save_residuals else (None, None)
+  m_ref, l_ref, acc_ref = refs[-3:]
 
   h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
@@ -66,19 +68,21 @@ def _forward_kernel(*refs, plan: L.Plan):
       lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
     lam = lam_ref[...] if plan.lam_rows else lam_ref[h]
     out_ref[...] = (outs[0] - lam * outs[1]).astype(out_ref.dtype)
-    o2_ref[...] = outs[1].astype(o2_ref.dtype)
-    lane = jax.lax.broadcasted_iota(jnp.int32, lse_ref.shape, 1)
-    lse_ref[...] = jnp.where(lane == 0, lses[0], lses[1])
+    if save_residuals:
+      o2_ref[...] = outs[1].astype(o2_ref.dtype)
+      lane = jax.lax.broadcasted_iota(jnp.int32, lse_ref.shape, 1)
+      lse_ref[...] = jnp.where(lane == 0, lses[0], lses[1])
 
 
-def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, interpret):
+def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, interpret):
   """Runs the forward kernel on padded head-major arrays.
 
   Args:
     q [B, H, 2, Tp, D], k [B, K, C, Sp, D], v [B, K, Sp, Dv]; lam float32 [H] or
     [B, H, Tp, 1]; q_seg [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None.
   Returns:
-    out, o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp, 2].
+    out [B, H, Tp, Dv] in q's dtype; with ``save_residuals`` (for the backward) also
+    o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp, 2], else None, None.
   """
   b, h, _, tp, d = q.shape
   n_kv_comp, sp, dv = k.shape[2], k.shape[3], v.shape[-1]
@@ -108,10 +112,12 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, interpret):
   args += [q, k, v]
   row_spec = lambda width: pl.BlockSpec((None, None, bq, width),
                                         lambda b_, h_, i, j: (b_, h_, i, 0))
-  out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
-               jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
-               jax.ShapeDtypeStruct((b, h, tp, 2), jnp.float32)]
-  out_specs = [row_spec(dv), row_spec(dv), row_spec(2)]
+  out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype)]
+  out_specs = [row_spec(dv)]
+  if save_residuals:
+    out_shape += [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+                  jax.ShapeDtypeStruct((b, h, tp, 2), jnp.float32)]
+    out_specs += [row_spec(dv), row_spec(2)]
   scratch = [pltpu.VMEM((2, bq, 1), jnp.float32), pltpu.VMEM((2, bq, 1), jnp.float32),
              pltpu.VMEM((2, bq, dv), jnp.float32)]
 
@@ -122,10 +128,10 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, interpret):
   cost = pl.CostEstimate(
       flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
       transcendentals=int(visible * b * h * tp * sp * 2),
-      bytes_accessed=int(itemsize * (q.size + b * h * tp * 2 * dv)
+      bytes_accessed=int(itemsize * (q.size + b * h * tp * (1 + save_residuals) * dv)
                          + itemsize * (k.size + v.size) * plan.num_q_blocks * g))
-  return pl.pallas_call(
-      functools.partial(_forward_kernel, plan=plan),
+  outs = pl.pallas_call(
+      functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
       grid=(b, h, plan.num_q_blocks, plan.num_kv_blocks),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -138,3 +144,4 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, interpret):
       interpret=interpret,
       name="diff_attention_fwd",
   )(*args)
+  return (*outs, None, None)[:3]

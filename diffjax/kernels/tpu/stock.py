@@ -66,6 +66,28 @@ def _attend(q_BxHxTxD, k_BxKxSxD, v_BxKxSxDv, q_seg, kv_seg, *, causal: bool, sc
   return out[:, :, :t]
 
 
+def mha_stock_tpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal: bool = True,
+                  q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
+                  block_sizes=None, interpret: bool = False) -> jax.Array:
+  """Baseline attention (MHA / GQA) as one splash-attention call: the matched peer.
+
+  Returns [B, T, H, Dv] in the dtype of q.
+  """
+  _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
+  d = q_BxTxHxD.shape[-1]
+  return _mha_stock(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, q_segment_ids, kv_segment_ids,
+                    causal=bool(causal), scale=_v.default_scale(scale, d),
+                    block_sizes=block_sizes, interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def _mha_stock(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  out = _attend(heads_first(q), heads_first(k), heads_first(v), q_seg, kv_seg, causal=causal,
+                scale=scale, block_sizes=block_sizes, interpret=interpret)
+  return heads_first(out).astype(q.dtype)
+
+
 def diff_v1_stock_tpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
                       causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
                       scale: float | None = None, block_sizes=None,
