@@ -11,7 +11,8 @@ Every op takes an ``implementation=`` argument:
     (several calls of a standard attention kernel), as the peer the fused kernel
     must beat.
   * ``"auto"`` (default): the fused kernel on TPU and GPU when one is registered
-    and the call needs no explicit ``mask``; the XLA path otherwise (and on CPU).
+    and the call needs no explicit ``mask`` (for the baseline, the stock flash
+    kernel of the platform); the XLA path otherwise (and on CPU).
 
 Kernels register themselves with :func:`register_implementation`, so callers never
 change when a faster path appears.
@@ -39,9 +40,20 @@ class _Impl:
   platforms: tuple[str, ...]
 
 
-# (op, implementation) -> _Impl. "pallas_tpu"/"pallas_gpu" entries run on their own
-# platform, or anywhere in interpret mode.
-_REGISTRY: dict[tuple[str, str], _Impl] = {}
+# (op, implementation) -> the registered _Impls (one per platform set; "stock" has a
+# TPU and a GPU entry). "pallas_tpu"/"pallas_gpu" run on their own platform, or
+# anywhere in interpret mode.
+_REGISTRY: dict[tuple[str, str], list[_Impl]] = {}
+
+
+def _lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Impl | None:
+  entries = _REGISTRY.get((op, implementation), [])
+  for impl in entries:
+    if platform in impl.platforms:
+      return impl
+  if interpret and implementation != "stock" and entries:
+    return entries[0]
+  return None
 
 
 def register_implementation(op: str, implementation: str, fn: Callable[..., Any],
@@ -56,7 +68,9 @@ def register_implementation(op: str, implementation: str, fn: Callable[..., Any]
   if implementation not in ("pallas_tpu", "pallas_gpu", "stock"):
     raise ValueError(f"Cannot register implementation {implementation!r}; expected "
                      "'pallas_tpu', 'pallas_gpu' or 'stock'.")
-  _REGISTRY[(op, implementation)] = _Impl(fn, tuple(platforms))
+  entries = [e for e in _REGISTRY.get((op, implementation), [])
+             if not set(e.platforms) & set(platforms)]
+  _REGISTRY[(op, implementation)] = entries + [_Impl(fn, tuple(platforms))]
 
 
 def _load_kernels() -> None:
@@ -76,9 +90,13 @@ def _resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -
   _load_kernels()
   platform = jax.default_backend()
   if implementation == "auto":
-    name = f"pallas_{platform}"
-    if platform in ("tpu", "gpu") and not has_mask and (op, name) in _REGISTRY:
-      return name
+    if platform not in ("tpu", "gpu") or has_mask:
+      return "xla"
+    if _lookup(op, f"pallas_{platform}", platform, False) is not None:
+      return f"pallas_{platform}"
+    # The baseline has no kernel of ours: its stock path is the standard flash kernel.
+    if op == "mha" and _lookup(op, "stock", platform, False) is not None:
+      return "stock"
     return "xla"
   if implementation == "pallas":
     if platform not in ("tpu", "gpu"):
@@ -92,10 +110,10 @@ def _resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -
   if has_mask:
     raise ValueError(f"implementation={implementation!r} supports causal and segment-id masks "
                      "only; pass mask=None or use implementation='xla'.")
-  impl = _REGISTRY[(op, implementation)]
-  if platform not in impl.platforms and not (interpret and implementation != "stock"):
+  if _lookup(op, implementation, platform, interpret) is None:
+    where = sorted({p for e in _REGISTRY[(op, implementation)] for p in e.platforms})
     raise ValueError(
-        f"implementation={implementation!r} for {op!r} runs on {impl.platforms}, but the "
+        f"implementation={implementation!r} for {op!r} runs on {where}, but the "
         f"current backend is {platform!r}. Use 'xla'"
         + (", or interpret=True to run the kernel in the Pallas interpreter." if
            implementation != "stock" else "."))
@@ -118,7 +136,7 @@ def _array_specs(op: str, batch, heads) -> tuple:
 
 
 def _call(op, implementation, arrays, *, causal, segment_ids, scale, block_sizes, interpret):
-  impl = _REGISTRY[(op, implementation)]
+  impl = _lookup(op, implementation, jax.default_backend(), interpret)
   b, t = jnp.shape(arrays[0])[:2]
   s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
