@@ -51,7 +51,10 @@ def build_mask(
     seg = q_segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :]
     out = seg if out is None else jnp.logical_and(out, seg)
   if mask is not None:
-    m = mask.astype(jnp.bool_)
+    m = jnp.asarray(mask).astype(jnp.bool_)
+    if m.ndim > 4:
+      raise ValueError(f"mask must be broadcastable to [batch, heads, T, S]; got shape {m.shape}.")
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)
     out = m if out is None else jnp.logical_and(out, m)
   del batch
   return out
