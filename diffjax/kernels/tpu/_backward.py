@@ -9,7 +9,7 @@ D_1 = rowsum(dO * O_1), D_2 = rowsum(dO * O_2) (computed by the wrapper):
   dS_2 = -lam P_2 * (dP - D_2)               (dP_2 = -lam dP)
   dQ_c = scale dS_c K_c,   dK_c = scale dS_c^T Q_c
 
-Grid (B, K, Sp / block_kv, G * Tp / block_q): the key tile j is the outer
+Grid (B * K, Sp / block_kv, G * Tp / block_q): the key tile j is the outer
 sequential axis, and the inner axis walks every query tile of every head of the
 kv group, so dK_c and dV accumulate in VMEM over the group's heads (GQA) and are
 written once per key tile. dQ needs a sum over key tiles instead; it lives in a
@@ -46,7 +46,8 @@ def _backward_kernel(*refs, plan: L.Plan):
    dk_ref, dv_ref, dq_hbm,
    dk_acc, dv_acc, dq_buf, read_sem, write_sem, state) = refs
 
-  b, g, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  bg, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, g = bg // plan.kv_heads, bg % plan.kv_heads
   nq = plan.num_q_blocks
   inner = plan.group * nq
   h = g * plan.group + t // nq
@@ -173,6 +174,11 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
   bq, bk, g, nq = plan.block_q, plan.block_kv, plan.group, plan.num_q_blocks
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
 
+  def _spec(block_shape, index_map):
+    # Batch and kv groups share the leading parallel axis (see the forward).
+    return pl.BlockSpec(block_shape,
+                        lambda bg, j, t: index_map(bg // n_kv, bg % n_kv, j, t))
+
   def q_block(j, t):
     i = t % nq
     # Skipped steps fetch the first visible tile of this head ahead of time.
@@ -186,23 +192,23 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     args.append(lam)
   if plan.segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j))]
+    in_specs += [_spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
+                 _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j))]
     args += [q_seg, kv_seg]
   in_specs += [
-      pl.BlockSpec((None, None, 2, bq, d),
+      _spec((None, None, 2, bq, d),
                    lambda b_, g_, j, t: (b_, head(g_, t), 0, q_block(j, t), 0)),
-      pl.BlockSpec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
-      pl.BlockSpec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
-      pl.BlockSpec((None, None, bq, dv_width),
+      _spec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
+      _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
+      _spec((None, None, bq, dv_width),
                    lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
-      pl.BlockSpec((None, None, bq, ROW_STATS),
+      _spec((None, None, bq, ROW_STATS),
                    lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
   ]
   args += [q, k, v, do, stats]
   out_specs = [
-      pl.BlockSpec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
-      pl.BlockSpec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
+      _spec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
+      _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
       pl.BlockSpec(memory_space=pl.ANY),
   ]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -230,13 +236,13 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
                          * plan.num_kv_blocks * visible))
   dk, dv, dq = pl.pallas_call(
       functools.partial(_backward_kernel, plan=plan),
-      grid=(b, n_kv, plan.num_kv_blocks, g * nq),
+      grid=(b * n_kv, plan.num_kv_blocks, g * nq),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
           vmem_limit_bytes=L.vmem_limit(vmem)),
       cost_estimate=cost,
       interpret=interpret,

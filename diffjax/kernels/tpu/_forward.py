@@ -1,6 +1,6 @@
 """Forward kernel: both softmax maps of a DIFF head (or V2 pair) in one pass.
 
-Grid (B, H, Tp / block_q, Sp / block_kv); the last axis walks key tiles and carries
+Grid (B * H, Tp / block_q, Sp / block_kv); the last axis walks key tiles and carries
 two online-softmax states (running max m_c, running sum l_c, unnormalised output
 acc_c for map c = 1, 2). Each step loads the K/V tiles once for both maps. The last
 step writes
@@ -30,7 +30,8 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   o2_ref, lse_ref = refs[4:6] if save_residuals else (None, None)
   m_ref, l_ref, acc_ref = refs[-3:]
 
-  h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  h = pl.program_id(0) % plan.heads
+  i, j = pl.program_id(1), pl.program_id(2)
 
   @pl.when(j == 0)
   def _init():
@@ -89,28 +90,33 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
   bq, bk, g = plan.block_q, plan.block_kv, plan.group
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
 
+  def _spec(block_shape, index_map):
+    # The grid merges batch and heads into one leading parallel axis, so that a
+    # megacore chip can split it between its two cores even when B == 1.
+    return pl.BlockSpec(block_shape, lambda bh, i, j: index_map(bh // h, bh % h, i, j))
+
   def kv_block(i, j):
     # Skipped (invisible) steps keep the last visible tile, so no DMA is issued.
     return jnp.minimum(j, plan.last_visible_kv_block(i)) if plan.causal else j
 
   in_specs, args = [], []
   if plan.lam_rows:
-    in_specs.append(pl.BlockSpec((None, None, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0)))
+    in_specs.append(_spec((None, None, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0)))
   else:
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   args.append(lam)
   if plan.segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_block(i, j)))]
+    in_specs += [_spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+                 _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_block(i, j)))]
     args += [q_seg, kv_seg]
   in_specs += [
-      pl.BlockSpec((None, None, 2, bq, d), lambda b_, h_, i, j: (b_, h_, 0, i, 0)),
-      pl.BlockSpec((None, None, n_kv_comp, bk, d),
+      _spec((None, None, 2, bq, d), lambda b_, h_, i, j: (b_, h_, 0, i, 0)),
+      _spec((None, None, n_kv_comp, bk, d),
                    lambda b_, h_, i, j: (b_, h_ // g, 0, kv_block(i, j), 0)),
-      pl.BlockSpec((None, None, bk, dv), lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j), 0)),
+      _spec((None, None, bk, dv), lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j), 0)),
   ]
   args += [q, k, v]
-  row_spec = lambda width: pl.BlockSpec((None, None, bq, width),
+  row_spec = lambda width: _spec((None, None, bq, width),
                                         lambda b_, h_, i, j: (b_, h_, i, 0))
   out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype)]
   out_specs = [row_spec(dv)]
@@ -132,13 +138,13 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
                          + itemsize * (k.size + v.size) * plan.num_q_blocks * g))
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
-      grid=(b, h, plan.num_q_blocks, plan.num_kv_blocks),
+      grid=(b * h, plan.num_q_blocks, plan.num_kv_blocks),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=L.vmem_limit(vmem)),
       cost_estimate=cost,
       interpret=interpret,

@@ -42,6 +42,7 @@ class Plan:
     lam_rows: lambda varies per token ([B, H, Tp, 1], V2) instead of per head
       (float32 [H] in SMEM, V1).
     group: query heads per kv group, G = H // K.
+    heads, kv_heads: H (DIFF heads / V2 pairs) and K.
   """
 
   q_len: int
@@ -53,7 +54,12 @@ class Plan:
   scale: float
   shared_k: bool
   lam_rows: bool
-  group: int
+  heads: int
+  kv_heads: int
+
+  @property
+  def group(self) -> int:
+    return self.heads // self.kv_heads
 
   @property
   def q_len_padded(self) -> int:
@@ -140,13 +146,13 @@ class Plan:
 
 def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
               segmented: bool, scale: float, shared_k: bool, lam_rows: bool,
-              group: int) -> Plan:
+              heads: int, kv_heads: int) -> Plan:
   """Shrinks the tiles to the sequence (16-row and 128-lane granularity)."""
   block_q = min(block_q, round_up(q_len, 16))
   block_kv = min(block_kv, round_up(kv_len, 128))
   return Plan(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
               causal=causal, segmented=segmented, scale=float(scale), shared_k=shared_k,
-              lam_rows=lam_rows, group=group)
+              lam_rows=lam_rows, heads=heads, kv_heads=kv_heads)
 
 
 def dot_nt(a, b):

@@ -53,7 +53,7 @@ def _config(*, t, s, d, h, kv_heads, causal, segmented, scale, block_sizes, shar
   bs = resolve_block_sizes(block_sizes, d)
   common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
                 scale=float(_v.default_scale(scale, d)), shared_k=shared_k,
-                lam_rows=lam_rows, group=h // kv_heads)
+                lam_rows=lam_rows, heads=h, kv_heads=kv_heads)
   return CoreConfig(
       fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
       bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd, **common),
