@@ -142,11 +142,16 @@ def test_model_config_from_dict():
     ModelConfig.from_dict(dict(cfg.to_dict(), n_layers=3))
 
 
-def test_param_dtype_sets_the_dtype_of_the_parameters():
+def test_param_dtype_sets_the_dtype_of_the_weight_matrices():
+  """``param_dtype`` is validated, so it must act: the weight matrices take it.
+
+  (Vectors such as norm gains and the DIFF V1 lambda vectors may stay float32.)
+  """
   cfg = arm_config("diff_v1", param_dtype="bfloat16")
   abstract = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
-  dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))}
-  assert dtypes == {"bfloat16"}, f"param_dtype='bfloat16' gave parameters of {dtypes}"
+  dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))
+            if len(x.shape) >= 2}
+  assert dtypes == {"bfloat16"}, f"param_dtype='bfloat16' gave weight matrices of {dtypes}"
 
 
 # --------------------------------------------------------------------------------------
@@ -235,9 +240,9 @@ def test_jit_and_eager_agree(arm):
 
 
 # bf16 compute (parameters stay float32): max |logits_bf16 - logits_f32| must stay below
-# 5% of max |logits_f32|. bf16 keeps 8 mantissa bits (relative rounding 2^-9), and the
-# error of a few roundings per layer stays well inside this bound for a 2-layer model.
-BF16_REL_TOL = 0.05
+# 2.5% of max |logits_f32|. bf16 keeps 8 mantissa bits (relative rounding 2^-9); measured
+# errors of these tiny models are 0.4-0.9%, so the bound leaves a margin of about 3x.
+BF16_REL_TOL = 0.025
 
 
 @pytest.mark.parametrize("arm", ARMS)

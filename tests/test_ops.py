@@ -497,7 +497,7 @@ def test_diff_v1_attention_rejects_a_gain_of_the_wrong_width():
   rng = np.random.default_rng(18)
   arrs = v1_inputs(rng, 1, 4, 4, 2, 1, 8)
   with pytest.raises(ValueError, match=re.escape("(8,)")):
-    ops.diff_v1_attention(*arrs, 0.5, norm_gain=np.ones(8, np.float32), lambda_init=0.2)
+    run(ops.diff_v1_attention, *arrs, 0.5, norm_gain=np.ones(8, np.float32), lambda_init=0.2)
 
 
 # --------------------------------------------------------------------------------------
