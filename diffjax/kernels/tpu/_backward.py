@@ -82,8 +82,8 @@ def _backward_kernel(*refs, plan: L.Plan):
     slot = state[_STEP] % 2
     tile_id = h * nq + i
     # The slot's buffer must be free, and a write of the same dQ tile still in
-    # flight from the other slot (only when the inner axis has one step) must land
-    # before the tile is read back.
+    # flight from the other slot must land before the tile is read back (consecutive
+    # visible steps share a tile when a key tile sees one query tile of the group).
     for s in range(2):
       @pl.when(slot == s)
       def _(s=s):
