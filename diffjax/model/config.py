@@ -79,6 +79,11 @@ class ModelConfig:
     return _DTYPES[self.dtype]
 
   @property
+  def weight_dtype(self):
+    """dtype of the weight matrices; norm gains and lambda vectors stay float32."""
+    return _DTYPES[self.param_dtype]
+
+  @property
   def value_head_dim(self) -> int:
     return 2 * self.head_dim if self.attention == "diff_v1" else self.head_dim
 

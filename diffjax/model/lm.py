@@ -23,7 +23,7 @@ def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Mo
   opts = AttentionOptions(rope_theta=cfg.rope_theta, rope_style=cfg.rope_style,
                           dtype=cfg.compute_dtype, init_std=cfg.init_std,
                           implementation=cfg.implementation, block_sizes=cfg.block_sizes,
-                          interpret=cfg.interpret)
+                          interpret=cfg.interpret, param_dtype=cfg.weight_dtype)
   args = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
   if cfg.attention == "transformer":
     return Attention(*args, options=opts, rngs=rngs)
@@ -41,7 +41,8 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
     self.attn = make_attention(cfg, layer_index, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-    self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs)
+    self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs,
+                      param_dtype=cfg.weight_dtype)
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
@@ -73,13 +74,14 @@ class DecoderLM(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.config = cfg
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs)
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs,
+                       param_dtype=cfg.weight_dtype)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]) \
         if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
-                                ("embed", "vocab"))
+                                ("embed", "vocab"), cfg.weight_dtype)
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS):

@@ -35,12 +35,13 @@ class AttentionOptions:
   Attributes:
     rope_theta: RoPE base.
     rope_style: "interleaved" (default, as the DIFF reference code) or "half" (NeoX).
-    dtype: compute dtype (parameters stay float32).
+    dtype: compute dtype.
     init_std: std of the normal init of the projections.
     implementation: see :mod:`diffjax.ops.attention` ("auto", "xla", "pallas", ...).
     block_sizes: kernel block sizes (a dict or the kernel's BlockSizes), or None.
     interpret: run Pallas kernels in the interpreter (testing on CPU).
     causal: causal masking (decoder LMs).
+    param_dtype: dtype of the projection matrices (float32 by default).
   """
   rope_theta: float = 10000.0
   rope_style: str = "interleaved"
@@ -50,6 +51,7 @@ class AttentionOptions:
   block_sizes: Any = None
   interpret: bool = False
   causal: bool = True
+  param_dtype: Any = jnp.float32
 
   def __post_init__(self):
     if self.rope_style not in ROPE_STYLES:
@@ -88,13 +90,13 @@ class Attention(nnx.Module):
     self.options = options
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, head_dim),
-                        ("embed", "heads", "head_dim"))
+                        ("embed", "heads", "head_dim"), options.param_dtype)
     self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"))
+                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
     self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"))
+                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
     self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
-                        ("heads", "head_dim", "embed"))
+                        ("heads", "head_dim", "embed"), options.param_dtype)
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS):
@@ -148,19 +150,20 @@ class DiffV1Attention(nnx.Module):
     self.fixed_lambda = fixed_lambda
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
-                        ("embed", "heads", None, "head_dim"))
+                        ("embed", "heads", None, "head_dim"), options.param_dtype)
     self.k = make_param(rngs, init, (d_model, num_kv_heads, 2, head_dim),
-                        ("embed", "kv_heads", None, "head_dim"))
+                        ("embed", "kv_heads", None, "head_dim"), options.param_dtype)
     self.v = make_param(rngs, init, (d_model, num_kv_heads, 2 * head_dim),
-                        ("embed", "kv_heads", "head_dim"))
+                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
     self.o = make_param(rngs, init, (num_heads, 2 * head_dim, d_model),
-                        ("heads", "head_dim", "embed"))
+                        ("heads", "head_dim", "embed"), options.param_dtype)
     lam_init = normal_init(0.1)
-    self.lambda_q1 = make_param(rngs, lam_init, (head_dim,), (None,))
-    self.lambda_k1 = make_param(rngs, lam_init, (head_dim,), (None,))
-    self.lambda_q2 = make_param(rngs, lam_init, (head_dim,), (None,))
-    self.lambda_k2 = make_param(rngs, lam_init, (head_dim,), (None,))
-    self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), (None,))
+    # lambda vectors and the norm gain stay float32 whatever param_dtype is.
+    self.lambda_q1 = make_param(rngs, lam_init, (head_dim,), ("norm",))
+    self.lambda_k1 = make_param(rngs, lam_init, (head_dim,), ("norm",))
+    self.lambda_q2 = make_param(rngs, lam_init, (head_dim,), ("norm",))
+    self.lambda_k2 = make_param(rngs, lam_init, (head_dim,), ("norm",))
+    self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",))
 
   def lambda_value(self) -> jax.Array:
     """The layer's current lambda (float32 scalar)."""
@@ -215,15 +218,15 @@ class DiffV2Attention(nnx.Module):
     self.options = options
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
-                        ("embed", "heads", None, "head_dim"))
+                        ("embed", "heads", None, "head_dim"), options.param_dtype)
     self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"))
+                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
     self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"))
+                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
     self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
-                        ("heads", "head_dim", "embed"))
+                        ("heads", "head_dim", "embed"), options.param_dtype)
     self.w_lambda = make_param(rngs, torch_linear_init(d_model), (d_model, num_heads),
-                               ("embed", "heads"))
+                               ("embed", "heads"), options.param_dtype)
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS):

@@ -99,9 +99,10 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
   """Token embedding table [vocab, embed]."""
 
-  def __init__(self, vocab_size: int, dim: int, *, init_std: float, rngs: nnx.Rngs):
+  def __init__(self, vocab_size: int, dim: int, *, init_std: float, rngs: nnx.Rngs,
+               param_dtype=jnp.float32):
     self.embedding = make_param(rngs, normal_init(init_std), (vocab_size, dim),
-                                ("vocab", "embed"))
+                                ("vocab", "embed"), param_dtype)
 
   def __call__(self, tokens_BxT, dtype):
     return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dtype)
@@ -115,10 +116,12 @@ class Embed(nnx.Module):
 class SwiGLU(nnx.Module):
   """LLaMA MLP: down(silu(x W_gate) * (x W_up)), no biases."""
 
-  def __init__(self, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs):
-    self.w_gate = make_param(rngs, normal_init(init_std), (dim, hidden), ("embed", "mlp"))
-    self.w_up = make_param(rngs, normal_init(init_std), (dim, hidden), ("embed", "mlp"))
-    self.w_down = make_param(rngs, normal_init(init_std), (hidden, dim), ("mlp", "embed"))
+  def __init__(self, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs,
+               param_dtype=jnp.float32):
+    init = normal_init(init_std)
+    self.w_gate = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+    self.w_up = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+    self.w_down = make_param(rngs, init, (hidden, dim), ("mlp", "embed"), param_dtype)
 
   def __call__(self, x_BxTxE, dtype, hooks: Hooks = NO_HOOKS):
     gate = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)
