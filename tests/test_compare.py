@@ -1,0 +1,247 @@
+"""Matched comparison: end to end in miniature, rerun and resume, the data check, bad configs."""
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from diffjax import compare, presets
+from diffjax.presets import arm_model, base_config
+
+# ml_collections loads config files with importlib's deprecated load_module().
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = ("transformer", "diff_v1")
+SEEDS = (0, 1)
+STEPS = 6
+
+# A config file, as a user would write one: two arms, two seeds, a few steps, a tiny eval.
+MINI_CONFIG = f"""
+from diffjax.compare import comparison_config
+from diffjax.presets import arm_model, base_config
+
+
+def get_config():
+  base = base_config()
+  base.model.update(arm_model("tiny", "transformer"))
+  base.model.update(d_model=64, num_layers=1, mlp_dim=128, head_dim=16)
+  base.seq_len, base.global_batch_size, base.num_steps = 32, 4, {STEPS}
+  base.log_every, base.eval_every, base.eval_batches = 2, 3, 2
+  base.tensorboard = False
+  base.data.max_documents = 40
+  base.optim.update(dict(warmup_steps=2, decay_steps={STEPS}))
+  base.checkpoint.update(dict(every=3, keep=2, async_save=False))
+  c = comparison_config(base, seeds={SEEDS}, arms={ARMS})
+  c.eval.overrides = dict(context_len=128, heatmap_lengths=(128,), heatmap_needles=(1, 1),
+                          val_batches=2, sections=("validation", "retrieval", "heatmap"))
+  return c
+"""
+
+
+def _cli(config_path, workdir, *extra, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+      [sys.executable, "-m", "diffjax.compare", f"--config={config_path}",
+       f"--workdir={workdir}", *extra],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+  """One miniature comparison through the command line: (workdir, config path, result)."""
+  root = tmp_path_factory.mktemp("compare")
+  config_path = root / "mini.py"
+  config_path.write_text(MINI_CONFIG)
+  workdir = root / "out"
+  r = _cli(config_path, workdir)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return workdir, config_path, r
+
+
+def _run_dir(workdir, arm, seed):
+  return workdir / "runs" / f"{arm}_seed{seed}"
+
+
+def _hashes(run_dir):
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return [r["data/batch_hash"] for r in sorted(rows, key=lambda r: r["step"])
+          if "data/batch_hash" in r]
+
+
+def test_report_results_and_plots(compared):
+  workdir, _, r = compared
+  report = (workdir / "report.md").read_text()
+  # The per-arm summary table: a header and one row per arm with numbers in it.
+  assert "## Comparison summary" in report
+  assert "| arm | params | seeds | train loss (last 2 steps) | final eval loss |" in report
+  for arm in ARMS:
+    row = next(l for l in report.splitlines() if l.startswith(f"| {arm} | "))
+    assert any(ch.isdigit() for ch in row.split("|")[4]), row
+  assert "## Paired differences against transformer" in report
+  assert "Data check: for every seed all arms saw identical batches" in report
+
+  # Strict JSON: NaN would not parse with this hook.
+  def no_constants(name):
+    raise AssertionError(f"results.json holds {name}")
+
+  results = json.loads((workdir / "results.json").read_text(), parse_constant=no_constants)
+  got = {(run["arm"], run["seed"]) for run in results["runs"]}
+  assert got == {(a, s) for a in ARMS for s in SEEDS}
+  for run in results["runs"]:
+    assert run["step"] == STEPS
+    for key in ("train/loss", "eval/loss"):
+      assert math.isfinite(run["final_metrics"][key]), (run["name"], key)
+    assert math.isfinite(run["scalars"]["val/loss"]), run["name"]
+    assert 0.0 <= run["scalars"]["retrieval/mean"] <= 1.0
+    assert run["curve"] and run["curve"][-1]["step"] == STEPS
+  assert results["data_check"]["ok"] is True
+  assert results["summary"]["diff_v1"]["paired_eval_loss"]["n"] == len(SEEDS)
+  assert set(results["aggregate"]["per_arm"]) == set(ARMS)
+
+  for name in ("loss_curves.png", "retrieval_heatmap.png"):
+    data = (workdir / name).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
+    assert f"]({name})" in report
+
+  # Progress lines name the run, the runs left and the elapsed time.
+  assert "[1/4 transformer_seed0] starting: 4 runs left, elapsed" in r.stdout
+  assert "[4/4 diff_v1_seed1] done:" in r.stdout
+
+
+def test_arms_share_batches_and_seeds_differ(compared):
+  workdir, _, _ = compared
+  per_seed = {}
+  for seed in SEEDS:
+    seqs = {arm: _hashes(_run_dir(workdir, arm, seed)) for arm in ARMS}
+    assert all(len(s) == STEPS for s in seqs.values()), seqs
+    assert seqs["transformer"] == seqs["diff_v1"], f"seed {seed}: the arms saw different batches"
+    per_seed[seed] = seqs["transformer"]
+  assert per_seed[0] != per_seed[1], "seeds 0 and 1 drew the same data order"
+
+
+def test_rerun_skips_finished_runs(compared):
+  workdir, config_path, _ = compared
+  runs = [_run_dir(workdir, a, s) for s in SEEDS for a in ARMS]
+  before = {d: ((d / "metrics.jsonl").read_bytes(), (d / "eval.json").stat().st_mtime_ns,
+                sorted(os.listdir(d / "checkpoints"))) for d in runs}
+  r = _cli(config_path, workdir)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.count("skipping training") == len(runs), r.stdout
+  assert r.stdout.count("eval.json is up to date") == len(runs), r.stdout
+  assert "training to step" not in r.stdout and "evaluating" not in r.stdout
+  for d, (metrics, eval_mtime, ckpts) in before.items():
+    assert (d / "metrics.jsonl").read_bytes() == metrics, f"{d.name} trained again"
+    assert (d / "eval.json").stat().st_mtime_ns == eval_mtime, f"{d.name} evaluated again"
+    assert sorted(os.listdir(d / "checkpoints")) == ckpts
+  assert (workdir / "report.md").exists()
+
+
+def test_unfinished_run_resumes_from_its_checkpoint(compared):
+  workdir, config_path, _ = compared
+  run_dir = _run_dir(workdir, "diff_v1", 1)
+  (run_dir / "DONE").unlink()  # as if killed after its last checkpoint
+  train_rows = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if "train/loss" in l]
+  r = _cli(config_path, workdir)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "[4/4 diff_v1_seed1] resuming to step" in r.stdout, r.stdout
+  assert "Resumed from step 6" in r.stdout
+  assert (run_dir / "DONE").read_text().strip() == str(STEPS)
+  after = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
+  assert after == train_rows, "the resumed run trained steps again"
+
+
+def test_batch_mismatch_is_reported_loudly(compared, tmp_path):
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  metrics = _run_dir(copy, "diff_v1", 0) / "metrics.jsonl"
+  rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+  for row in rows:
+    if row["step"] == 3 and "data/batch_hash" in row:
+      row["data/batch_hash"] += 1.0  # as if diff_v1 had drawn another batch at step 3
+  metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  r = _cli(config_path, copy)
+  assert r.returncode == 1, r.stderr[-3000:]
+  assert "DATA MISMATCH" in r.stdout and "seed 0: diff_v1 saw different batches" in r.stdout
+  assert r.stderr.strip().splitlines()[-1].startswith("error: the arms did not see the same")
+  report = (copy / "report.md").read_text()
+  assert "## WARNING: the arms did not see the same data" in report
+  assert report.index("WARNING") < report.index("## Comparison summary")
+  results = json.loads((copy / "results.json").read_text())
+  assert results["data_check"]["ok"] is False
+  assert results["data_check"]["per_seed"]["1"]["match"] is True
+
+
+def test_run_configs_differ_only_in_model_and_seed():
+  base = base_config()
+  base.model.update(arm_model("tiny", "transformer"))
+  config = compare.comparison_config(base, seeds=(3, 4))
+  runs = {arm: compare.run_config(config, arm, 4) for arm in compare.ARMS}
+  for arm, run in runs.items():
+    assert run.model.to_dict() == arm_model("tiny", arm), arm
+    assert run.seed == 4 and run.log_batch_hash
+    rest = {k: v for k, v in run.to_dict().items() if k != "model"}
+    ref = {k: v for k, v in runs["transformer"].to_dict().items() if k != "model"}
+    assert rest == ref, arm
+  assert config.base.seed == 0, "run_config must not change the base config"
+
+
+def test_paper_3b_runs_are_the_presets_paper_setup():
+  spec = importlib.util.spec_from_file_location("paper_3b", f"{REPO}/configs/compare/paper_3b.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for arm in compare.ARMS:
+    want = presets.paper_3b(arm)
+    want.seed, want.log_batch_hash = 7, True
+    assert compare.run_config(config, arm, 7).to_dict() == want.to_dict(), arm
+
+
+def test_check_batches_reports_mismatch_and_missing_hashes():
+  same = {s: 100 + s for s in range(1, 5)}
+  hashes = {("transformer", 0): same, ("diff_v1", 0): {**same, 3: 999},
+            ("transformer", 1): {s: 200 + s for s in range(1, 5)},
+            ("diff_v1", 1): {s: 200 + s for s in range(1, 4)}}
+  check = compare.check_batches(hashes, ["transformer", "diff_v1"], [0, 1], 4)
+  assert not check["ok"]
+  assert check["per_seed"] == {"0": {"match": False, "steps_compared": 4},
+                               "1": {"match": False, "steps_compared": 4}}
+  assert any("seed 0" in p and "diff_v1" in p and "step 3" in p for p in check["problems"])
+  assert any("seed 1" in p and "no batch hash" in p and "step 4" in p for p in check["problems"])
+  good = {k: v for k, v in hashes.items() if k[1] == 0}
+  good[("diff_v1", 0)] = same
+  check = compare.check_batches(good, ["transformer", "diff_v1"], [0], 4)
+  assert check["ok"] and not check["problems"]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("--config.arms=('transformer', 'gpt')", "unknown arm(s) ['gpt']"),
+    ("--config.arms=()", "arms is empty"),
+    ("--config.seeds=()", "seeds is empty"),
+    ("--config.seeds=(0, 0)", "repeats a seed"),
+    ("--config.eval.mode=fast", "eval.mode='fast'"),
+    ("--config.base.model.attention=diff_v1", "must be the 'transformer' spec"),
+])
+def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
+  workdir = tmp_path / "wd"
+  code = compare.main(["compare", f"--config={REPO}/configs/compare/tiny.py",
+                       f"--workdir={workdir}", override])
+  err = capsys.readouterr().err
+  assert code == 2, err
+  lines = [l for l in err.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and needle.lower() in lines[0].lower(), err
+  assert not workdir.exists(), "nothing may be written for a bad config"
+
+
+def test_module_entry_point_reports_unknown_arm(tmp_path):
+  r = _cli(f"{REPO}/configs/compare/tiny.py", tmp_path / "wd", "--config.arms=gpt", timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].startswith("error: Unknown arm(s) ['gpt']"), r.stderr
