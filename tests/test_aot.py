@@ -1,0 +1,34 @@
+"""Ahead-of-time compile of the real train step for a TPU topology (needs libtpu)."""
+
+import pytest
+
+pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) is not installed")
+
+
+from diffjax.aot import aot_report, hbm_for  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _load(path):
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+@pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
+def test_tiny_configs_compile_for_v5e_2x2(arm):
+  cfg = _load(f"configs/tiny_{arm}.py")
+  cfg.mesh.shape = (2, 2, 1)
+  report = aot_report(cfg, "v5e:2x2")
+  assert report.num_devices == 4
+  assert report.mesh == {"data": 2, "fsdp": 2, "tensor": 1}
+  assert report.hbm_gib == 16.0
+  assert 0 < report.per_device_gib < 1.0 and report.fits
+  assert report.arm == arm
+
+
+def test_hbm_table_and_bad_topology():
+  assert hbm_for("TPU v5p") == 95.0 and hbm_for("TPU v5 lite") == 16.0
+  with pytest.raises(ValueError, match="v9z"):
+    aot_report(_load("configs/tiny_diff_v1.py"), "v9z:2x2")
