@@ -1,19 +1,10 @@
-"""Tiny transformer arm of the matched comparison (CPU, a minute or two).
+"""Tiny transformer arm of the matched comparison (CPU, a couple of minutes).
 
   python train.py --config=configs/tiny_transformer.py --workdir=runs/tiny_transformer
 """
 
-
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import tiny
 
 
 def get_config():
-  c = base_config()
-  c.model.update(arm_model("tiny", "transformer"))
-  c.seq_len = 128
-  c.global_batch_size = 16
-  c.num_steps = 300
-  c.optim.update(dict(warmup_steps=30, decay_steps=300))
-  c.eval_every = 100
-  c.checkpoint.every = 100
-  return c
+  return tiny("transformer")

@@ -98,6 +98,29 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def tiny(arm: str) -> ml_collections.ConfigDict:
+  """The tiny CPU arm (0.47M parameters with byte tokens; a couple of minutes on 2 cores)."""
+  c = base_config()
+  c.model.update(arm_model("tiny", arm))
+  c.seq_len = 128
+  c.global_batch_size = 16
+  c.num_steps = 500
+  c.optim.update(dict(warmup_steps=50, decay_steps=500))
+  c.log_every = 50
+  c.eval_every = 100
+  c.checkpoint.every = 250
+  return c
+
+
+def small(arm: str) -> ml_collections.ConfigDict:
+  """The small CPU arm (3.3M parameters with byte tokens; tens of minutes on 2 cores)."""
+  c = base_config()
+  c.model.update(arm_model("small", arm))
+  c.num_steps = 2000
+  c.optim.decay_steps = 2000
+  return c
+
+
 def paper_3b(arm: str) -> ml_collections.ConfigDict:
   """The paper's 3B setup (sequence 4096, 4M-token batches, AdamW 0.9/0.95, lr 3.2e-4,
   1000 warm-up steps, linear decay to 1.28e-5, weight decay 0.1)."""

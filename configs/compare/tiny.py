@@ -9,20 +9,12 @@ pipeline, not evidence about the arms: models this small do not retrieve needles
 """
 
 from diffjax.compare import comparison_config
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import tiny
 
 
 def get_config():
-  base = base_config()
-  base.model.update(arm_model("tiny", "transformer"))
-  base.seq_len = 128
-  base.global_batch_size = 16
-  base.num_steps = 500
-  base.optim.update(dict(warmup_steps=50, decay_steps=500))
-  base.log_every = 50
-  base.eval_every = 100
-  base.checkpoint.every = 250
-  c = comparison_config(base, seeds=(0, 1))
+  # The arms are derived from the Transformer spec; every other setting is shared.
+  c = comparison_config(tiny("transformer"), seeds=(0, 1))
   c.eval.mode = "quick"
   c.report.title = "Tiny matched comparison (CPU smoke test)"
   return c
