@@ -134,6 +134,30 @@ def mha_reference(
   return out
 
 
+def _differential(q1, q2, k1, k2, v, lam_BxHxT, *, causal, segment_ids, mask, scale,
+                  return_aux, logits_fn, probs_fn):
+  """(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V, the math V1 and V2 share.
+
+  ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head).
+  """
+  b, t, _, d = q1.shape
+  s = k1.shape[1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
+                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  scale = _v.default_scale(scale, d)
+  logits1, p1 = attention_probs(q1, k1, scale=scale, mask=m, logits_fn=logits_fn)
+  logits2, p2 = attention_probs(q2, k2, scale=scale, mask=m, logits_fn=logits_fn)
+  # One matmul with V on the combined (signed) probabilities.
+  p = p1 - lam_BxHxT[..., None] * p2
+  if probs_fn is not None:
+    p = probs_fn(p)
+  out = _apply_probs(p, v, q1.dtype)
+  if return_aux:
+    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
+  return out
+
+
 def diff_v1_reference(
     q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, *,
     causal=True, segment_ids=None, mask=None, scale=None, return_aux=False,
@@ -151,25 +175,11 @@ def diff_v1_reference(
     also ``logits1``, ``logits2``, ``probs1``, ``probs2`` (float32 [B, H, T, S]).
   """
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  b, t, h, d = q1_BxTxHxD.shape
-  s = k1_BxSxKxD.shape[1]
-  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
-                 kv_segment_ids_BxS=kv_seg, mask=mask)
-  scale = _v.default_scale(scale, d)
-  logits1, p1 = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m,
-                                  logits_fn=logits_fn)
-  logits2, p2 = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m,
-                                  logits_fn=logits_fn)
-  lam_H = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))
-  # One matmul with V on the combined (signed) probabilities.
-  p = p1 - lam_H[None, :, None, None] * p2
-  if probs_fn is not None:
-    p = probs_fn(p)
-  out = _apply_probs(p, v_BxSxKxDv, q1_BxTxHxD.dtype)
-  if return_aux:
-    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
-  return out
+  h = q1_BxTxHxD.shape[2]
+  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[None, :, None]
+  return _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxHxT,
+                       causal=causal, segment_ids=segment_ids, mask=mask, scale=scale,
+                       return_aux=return_aux, logits_fn=logits_fn, probs_fn=probs_fn)
 
 
 def diff_v2_reference(
@@ -189,26 +199,12 @@ def diff_v2_reference(
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, q_heads, d = q_BxTxQxD.shape
-  h = q_heads // 2
-  s = k_BxSxKxD.shape[1]
-  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, h, 2, d)
-  q1, q2 = q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]
-  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
-                 kv_segment_ids_BxS=kv_seg, mask=mask)
-  scale = _v.default_scale(scale, d)
-  logits1, p1 = attention_probs(q1, k_BxSxKxD, scale=scale, mask=m,
-                                  logits_fn=logits_fn)
-  logits2, p2 = attention_probs(q2, k_BxSxKxD, scale=scale, mask=m,
-                                  logits_fn=logits_fn)
+  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
   lam_BxHxT = jnp.transpose(lam_BxTxH.astype(jnp.float32), (0, 2, 1))
-  p = p1 - lam_BxHxT[..., None] * p2
-  if probs_fn is not None:
-    p = probs_fn(p)
-  out = _apply_probs(p, v_BxSxKxD, q_BxTxQxD.dtype)
-  if return_aux:
-    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
-  return out
+  return _differential(q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD, k_BxSxKxD,
+                       v_BxSxKxD, lam_BxHxT, causal=causal, segment_ids=segment_ids,
+                       mask=mask, scale=scale, return_aux=return_aux, logits_fn=logits_fn,
+                       probs_fn=probs_fn)
 
 
 def rms_norm(x, gain, eps: float = 1e-5):
