@@ -230,3 +230,34 @@ def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
   assert f"Resumed from step {complete[-1]}" in r.stdout, r.stdout[-2000:]
   rows = read_metrics(str(wd))
   assert max(rows) == target
+
+
+def test_sigterm_saves_and_resume_continues(tmp_path):
+  wd = tmp_path / "wd"
+  small = ["--config.model.num_layers=1", "--config.model.d_model=64",
+           "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
+           "--config.data.max_documents=40", "--config.eval_every=0",
+           "--config.tensorboard=False", "--config.checkpoint.every=1000000",
+           "--config.log_every=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "train.py"),
+       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={wd}",
+       "--config.num_steps=100000", *small], env=env, cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  deadline = time.time() + 180
+  while time.time() < deadline:
+    if (wd / "metrics.jsonl").exists() and len(read_metrics(str(wd))) >= 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-2000:]
+  assert "saved step" in out, out[-2000:]
+  saved = sorted(int(p.name) for p in (wd / "checkpoints").glob("*") if p.name.isdigit())
+  assert len(saved) == 1 and saved[0] >= 3  # no periodic save happened: the signal saved it
+  assert not (wd / "DONE").exists()
+  r = _cli([f"--config.num_steps={saved[0] + 2}", *small], str(wd))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"Resumed from step {saved[0]}" in r.stdout
+  assert (wd / "DONE").exists()
