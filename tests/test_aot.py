@@ -26,6 +26,14 @@ def test_tiny_configs_compile_for_v5e_2x2(arm):
   assert report.hbm_gib == 16.0
   assert 0 < report.per_device_gib < 1.0 and report.fits
   assert report.arm == arm
+  # "auto" resolves for the TPU: DIFF arms compile the fused Pallas kernels.
+  assert (report.pallas_kernels > 0) == (arm != "transformer"), report
+
+
+def test_xla_implementation_compiles_without_kernels():
+  cfg = _load("configs/tiny_diff_v2.py")
+  cfg.model.implementation = "xla"
+  assert aot_report(cfg, "v5e:2x2").pallas_kernels == 0
 
 
 def test_hbm_table_and_bad_topology():

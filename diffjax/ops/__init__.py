@@ -7,6 +7,7 @@ from diffjax.ops.attention import (
     diff_v2_attention,
     dot_product_attention,
     register_implementation,
+    target_platform,
 )
 from diffjax.ops.reference import (
     diff_v1_lambda,
@@ -19,6 +20,6 @@ from diffjax.ops.reference import (
 
 __all__ = [
     "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
-    "dot_product_attention", "register_implementation", "diff_v1_lambda", "diff_v1_reference",
+    "dot_product_attention", "register_implementation", "target_platform", "diff_v1_lambda", "diff_v1_reference",
     "diff_v2_reference", "lambda_init_for_layer", "mha_reference", "rms_norm",
 ]

@@ -20,8 +20,10 @@ change when a faster path appears.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,30 @@ def _lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Im
   return None
 
 
+_TARGET = threading.local()
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+  """Resolves implementations for ``platform`` instead of the host backend.
+
+  Used when compiling ahead of time for TPU topologies on a CPU machine, so that
+  ``"auto"`` and ``"pallas"`` pick the TPU kernels.
+  """
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"platform={platform!r} must be 'cpu', 'gpu' or 'tpu'.")
+  prev = getattr(_TARGET, "value", None)
+  _TARGET.value = platform
+  try:
+    yield
+  finally:
+    _TARGET.value = prev
+
+
+def _platform() -> str:
+  return getattr(_TARGET, "value", None) or jax.default_backend()
+
+
 def register_implementation(op: str, implementation: str, fn: Callable[..., Any],
                             platforms: tuple[str, ...]) -> None:
   """Registers a fast path for ``op`` ("mha", "diff_v1" or "diff_v2").
@@ -88,7 +114,7 @@ def _resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -
   if implementation == "xla":
     return "xla"
   _load_kernels()
-  platform = jax.default_backend()
+  platform = _platform()
   if implementation == "auto":
     if platform not in ("tpu", "gpu") or has_mask:
       return "xla"
@@ -136,7 +162,7 @@ def _array_specs(op: str, batch, heads) -> tuple:
 
 
 def _call(op, implementation, arrays, *, causal, segment_ids, scale, block_sizes, interpret):
-  impl = _lookup(op, implementation, jax.default_backend(), interpret)
+  impl = _lookup(op, implementation, _platform(), interpret)
   b, t = jnp.shape(arrays[0])[:2]
   s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
