@@ -7,16 +7,23 @@ Importing this package registers, for the TPU platform:
   * ``("diff_v1", "stock")`` and ``("diff_v2", "stock")``: the authors' composition
     of standard attention calls, here jax's splash attention
     (:mod:`diffjax.kernels.tpu.stock`), as the peer the fused kernels must beat.
+    The registry holds one "stock" entry per op, so a backend package imported
+    later (GPU) replaces these entries.
 
 Public API: :func:`diff_v1_attention_tpu`, :func:`diff_v2_attention_tpu`,
-:class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`,
+:class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
+(with :func:`check_head_sharding`),
 :func:`diff_v1_stock_tpu`, :func:`diff_v2_stock_tpu`, and the baseline peer
 :func:`mha_stock_tpu` (one splash call; not registered).
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
 from diffjax.kernels.tpu.diff_attention import diff_v1_attention_tpu, diff_v2_attention_tpu
-from diffjax.kernels.tpu.sharding import diff_v1_partition_specs, diff_v2_partition_specs
+from diffjax.kernels.tpu.sharding import (
+    check_head_sharding,
+    diff_v1_partition_specs,
+    diff_v2_partition_specs,
+)
 from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
 from diffjax.ops.attention import register_implementation
 
@@ -26,7 +33,7 @@ register_implementation("diff_v1", "stock", diff_v1_stock_tpu, platforms=("tpu",
 register_implementation("diff_v2", "stock", diff_v2_stock_tpu, platforms=("tpu",))
 
 __all__ = [
-    "BlockSizes", "resolve_block_sizes", "diff_v1_attention_tpu", "diff_v2_attention_tpu",
-    "diff_v1_partition_specs", "diff_v2_partition_specs", "diff_v1_stock_tpu",
-    "diff_v2_stock_tpu", "mha_stock_tpu",
+    "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_attention_tpu",
+    "diff_v2_attention_tpu", "diff_v1_partition_specs", "diff_v2_partition_specs",
+    "diff_v1_stock_tpu", "diff_v2_stock_tpu", "mha_stock_tpu",
 ]
