@@ -26,6 +26,8 @@ def llama_ffn(d_model: int, multiple: int = 256) -> int:
 _SPECS = {
     # CPU sizes.
     "tiny": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32, mlp_dim=352),
+    "default": dict(d_model=192, num_layers=3, num_heads=6, num_kv_heads=6, head_dim=32,
+                    mlp_dim=512),
     "small": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=32,
                   mlp_dim=688),
     # One-GPU size (~350M parameters with a 100K vocabulary).

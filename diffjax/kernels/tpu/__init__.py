@@ -6,15 +6,17 @@ Importing this package registers, for the TPU platform:
     kernels of :mod:`diffjax.kernels.tpu.diff_attention`;
   * ``("diff_v1", "stock")`` and ``("diff_v2", "stock")``: the authors' composition
     of standard attention calls, here jax's splash attention
-    (:mod:`diffjax.kernels.tpu.stock`), as the peer the fused kernels must beat.
-    The registry holds one "stock" entry per op, so a backend package imported
-    later (GPU) replaces these entries.
+    (:mod:`diffjax.kernels.tpu.stock`), as the peer the fused kernels must beat;
+  * ``("mha", "stock")``: one splash call, the baseline's flash kernel (what
+    ``implementation="auto"`` runs for the Transformer arm on a TPU).
+The registry keeps one entry per platform, so the GPU package's stock paths
+coexist with these.
 
 Public API: :func:`diff_v1_attention_tpu`, :func:`diff_v2_attention_tpu`,
 :class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
 (with :func:`check_head_sharding`),
 :func:`diff_v1_stock_tpu`, :func:`diff_v2_stock_tpu`, and the baseline peer
-:func:`mha_stock_tpu` (one splash call; not registered).
+:func:`mha_stock_tpu` (one splash call).
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
@@ -31,6 +33,7 @@ register_implementation("diff_v1", "pallas_tpu", diff_v1_attention_tpu, platform
 register_implementation("diff_v2", "pallas_tpu", diff_v2_attention_tpu, platforms=("tpu",))
 register_implementation("diff_v1", "stock", diff_v1_stock_tpu, platforms=("tpu",))
 register_implementation("diff_v2", "stock", diff_v2_stock_tpu, platforms=("tpu",))
+register_implementation("mha", "stock", mha_stock_tpu, platforms=("tpu",))
 
 __all__ = [
     "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_attention_tpu",
