@@ -92,6 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
       lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=1000,
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_norm=1.0))
 
+  # Synthetic retrieval examples mixed into training (diffjax/train/task_mix.py).
+  c.task_mix = ml_collections.ConfigDict(dict(
+      task="none", fraction=0.0, context_len=512, num_needles=2, num_queries=1, num_pairs=16))
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, async_save=True))
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1),
                                           rules=ml_collections.config_dict.placeholder(list)))

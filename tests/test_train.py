@@ -261,3 +261,28 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"Resumed from step {saved[0]}" in r.stdout
   assert (wd / "DONE").exists()
+
+
+def test_task_mix_interleaves_retrieval_examples(tmp_path):
+  from diffjax.data import load_tokenizer, stdlib_corpus
+  from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source
+  c = tiny_config(steps=2)
+  c.task_mix.update(dict(task="multi_needle", fraction=0.25, context_len=256, num_needles=1))
+  corpus = stdlib_corpus("byte")
+  mixed = mixed_source(corpus, c.task_mix, load_tokenizer("byte"), seed=0)
+  n_task = len(mixed) - len(corpus)
+  assert n_task > 0 and str(TRAIN_SEED_OFFSET) in mixed.name
+  kinds = [b"secret number" in bytes(mixed[i].astype(np.uint8)) for i in range(len(mixed))]
+  assert sum(kinds) >= n_task  # every task document is a needle example
+  task_tokens = n_task * 256
+  corpus_tokens = sum(corpus[i].size for i in range(len(corpus)))
+  assert 0.2 < task_tokens / (task_tokens + corpus_tokens) < 0.3
+  # Spread evenly: a prefix of documents keeps about the same share of task examples.
+  first_half = sum(kinds[: len(kinds) // 2])
+  assert abs(first_half - n_task / 2) <= n_task * 0.05 + 1
+  # Training runs through the normal path, with a document cap.
+  result = train_and_evaluate(c, str(tmp_path / "mix"))
+  assert result["step"] == 2 and np.isfinite(result["train/loss"])
+  c.task_mix.task = "sorting"
+  with pytest.raises(ValueError, match="sorting"):
+    train_and_evaluate(c, str(tmp_path / "bad"))

@@ -27,7 +27,7 @@ from etils import epath
 from flax import nnx
 
 from diffjax import sharding as shd
-from diffjax.data import DataConfig, build_datasets
+from diffjax.data import DataConfig, build_datasets, load_source, load_tokenizer
 from diffjax.model import ModelConfig, count_params
 from diffjax.nn.partitioning import activation_sharding
 from diffjax.train import checkpoint as ckpt
@@ -35,6 +35,7 @@ from diffjax.train import distributed
 from diffjax.train.config_utils import check_config, resolved_model_config
 from diffjax.train.metrics import MetricsWriter, Progress
 from diffjax.train.optim import make_optimizer
+from diffjax.train.task_mix import mixed_source
 from diffjax.train.steps import (
     create_model,
     diff_v1_lambdas,
@@ -121,9 +122,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # 1. Data first: a bad path or corpus fails before the workdir is touched.
   data_cfg = DataConfig.from_dict(config.data.to_dict())
+  source = tokenizer = None
+  if "task_mix" in config and config.task_mix.get("task", "none") != "none":
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    source = mixed_source(load_source(data_cfg, tokenizer), config.task_mix, tokenizer,
+                          config.seed)
   data = build_datasets(data_cfg, seq_len=config.seq_len,
                         global_batch_size=config.global_batch_size, seed=config.seed,
-                        process_index=proc, process_count=nproc)
+                        process_index=proc, process_count=nproc, source=source,
+                        tokenizer=tokenizer)
   model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
 
   # 2. Mesh and state layout.

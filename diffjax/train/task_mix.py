@@ -1,0 +1,73 @@
+"""Mixing synthetic retrieval tasks into language-model training data.
+
+``config.task_mix.task`` names a task of :mod:`diffjax.eval.tasks` ("multi_needle" or
+"associative_recall"); ``config.task_mix.fraction`` is the share of training tokens
+that come from it. Task examples join the corpus as documents, so they are packed,
+shuffled and split exactly like text. Training examples are drawn from a seed range
+the evaluation suite never uses, so no evaluation example is trained on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from diffjax.data import DocumentSource
+
+TASKS = ("none", "multi_needle", "associative_recall")
+# Evaluation examples use small seeds; training examples start here.
+TRAIN_SEED_OFFSET = 1_000_003
+
+
+class InterleavedSource:
+  """The documents of two sources spread evenly through each other.
+
+  Even spreading keeps the mix's proportion when a document cap
+  (``data.max_documents`` / ``max_tokens``) keeps only a prefix of the documents.
+  """
+
+  def __init__(self, first: DocumentSource, second: DocumentSource):
+    self.first, self.second = first, second
+    self.name = f"{getattr(first, 'name', 'source')}+{getattr(second, 'name', 'task')}"
+    n1, n2 = len(first), len(second)
+    total = n1 + n2
+    steps = np.floor(np.arange(total + 1) * (n2 / max(total, 1)))
+    self._is_second = np.diff(steps) > 0
+    self._rank = np.where(self._is_second, np.cumsum(self._is_second) - 1,
+                          np.cumsum(~self._is_second) - 1)
+
+  def __len__(self) -> int:
+    return int(self._is_second.size)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    if not 0 <= index < len(self):
+      raise IndexError(f"document {index} out of range for {len(self)} documents")
+    src = self.second if self._is_second[index] else self.first
+    return src[int(self._rank[index])]
+
+
+def mixed_source(corpus: DocumentSource, mix, tokenizer, seed: int) -> DocumentSource:
+  """``corpus`` plus enough task examples to make ``mix.fraction`` of the tokens."""
+  task = mix.get("task", "none")
+  if task not in TASKS:
+    raise ValueError(f"task_mix.task={task!r} is not one of {TASKS}.")
+  fraction = float(mix.get("fraction", 0.0))
+  if task == "none" or fraction == 0.0:
+    return corpus
+  if not 0.0 < fraction < 1.0:
+    raise ValueError(f"task_mix.fraction={fraction} must be in (0, 1).")
+  from diffjax.eval import tasks  # pylint: disable=import-outside-toplevel
+  seed = TRAIN_SEED_OFFSET + int(seed)
+  if task == "multi_needle":
+    make = lambda n: tasks.MultiNeedleTask(
+        int(mix.context_len), int(mix.num_needles), int(mix.num_queries), num_examples=n,
+        seed=seed, filler=corpus, tokenizer=tokenizer)
+  else:
+    make = lambda n: tasks.AssociativeRecallTask(
+        int(mix.num_pairs), int(mix.num_queries), num_examples=n, seed=seed,
+        tokenizer=tokenizer)
+  corpus_tokens = sum(int(np.size(corpus[i])) for i in range(len(corpus)))
+  per_example = max(int(np.size(make(1)[0])), 1)
+  n = max(1, math.ceil(fraction / (1.0 - fraction) * corpus_tokens / per_example))
+  return InterleavedSource(corpus, make(n))
