@@ -8,6 +8,9 @@ import os
 
 # libtpu may be installed; without this, JAX start-up probes for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Ahead-of-time TPU compiles load libtpu; let them do so while another process
+# (a parallel test run, an AOT job) holds its lock file.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  (must follow the environment setting)
 
