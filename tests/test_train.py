@@ -198,19 +198,25 @@ def test_bad_input_one_error_line(tmp_path, args, needle):
   assert not (wd / "checkpoints").exists()
 
 
+# A one-layer model on 40 documents: fast enough to start, train and stop in a test.
+SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
+             "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
+             "--config.data.max_documents=40", "--config.eval_every=0",
+             "--config.tensorboard=False"]
+
+
+def _start_endless_run(workdir, flags, stdout):
+  return subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "train.py"),
+       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={workdir}",
+       "--config.num_steps=100000", *flags], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      cwd=REPO, stdout=stdout, stderr=subprocess.DEVNULL, text=True)
+
+
 def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
   wd = tmp_path / "wd"
-  small = ["--config.model.num_layers=1", "--config.model.d_model=64",
-           "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
-           "--config.data.max_documents=40", "--config.eval_every=0",
-           "--config.tensorboard=False", "--config.checkpoint.keep=100",
-           "--config.checkpoint.every=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(REPO, "train.py"),
-       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={wd}",
-       "--config.num_steps=100000", *small], env=env, cwd=REPO,
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  small = SMALL_RUN + ["--config.checkpoint.keep=100", "--config.checkpoint.every=1"]
+  proc = _start_endless_run(wd, small, stdout=subprocess.DEVNULL)
   ckdir = wd / "checkpoints"
   deadline = time.time() + 180
   while time.time() < deadline:
@@ -234,17 +240,8 @@ def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
 
 def test_sigterm_saves_and_resume_continues(tmp_path):
   wd = tmp_path / "wd"
-  small = ["--config.model.num_layers=1", "--config.model.d_model=64",
-           "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
-           "--config.data.max_documents=40", "--config.eval_every=0",
-           "--config.tensorboard=False", "--config.checkpoint.every=1000000",
-           "--config.log_every=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(REPO, "train.py"),
-       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={wd}",
-       "--config.num_steps=100000", *small], env=env, cwd=REPO,
-      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  small = SMALL_RUN + ["--config.checkpoint.every=1000000", "--config.log_every=1"]
+  proc = _start_endless_run(wd, small, stdout=subprocess.PIPE)
   deadline = time.time() + 180
   while time.time() < deadline:
     if (wd / "metrics.jsonl").exists() and len(read_metrics(str(wd))) >= 3:
