@@ -26,19 +26,12 @@ import pytest
 from diffjax import ops
 from diffjax.kernels import gpu as kg
 from diffjax.ops import reference as ref
+from kernel_checks import TOL, check as _check, normal as _normal, rel_err as _rel_err, value_and_vjp as _value_and_vjp  # noqa: E402
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 V1_GRADS = ("q1", "q2", "k1", "k2", "v", "lam")
 V2_GRADS = ("q", "k", "v", "lam")
 
 
-def _normal(key, shape, dtype=jnp.float32):
-  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def _rel_err(x, y) -> float:
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
 
 
 def _segments(b, t, s, *, absent_id: bool):
@@ -56,20 +49,6 @@ def _segments(b, t, s, *, absent_id: bool):
   return q, kv
 
 
-def _value_and_vjp(fn, args, ct):
-  """(fn(*args), vjp of ct) under one jit: one compile instead of many eager ops."""
-  def run(args, ct):
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp(ct)
-  return jax.jit(run)(tuple(args), ct)
-
-
-def _check(name_values, dtype):
-  """Asserts every (name, kernel, reference) pair is within tolerance; names failures."""
-  tol = TOL[dtype]
-  errs = {name: _rel_err(a, b) for name, a, b in name_values}
-  bad = {n: e for n, e in errs.items() if not e <= tol}
-  assert not bad, f"outside tolerance {tol} (relative max error): {bad}; all: {errs}"
 
 
 def _v1_inputs(b, t, s, h, kh, d, dv, dtype, seed=0):

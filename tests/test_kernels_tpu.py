@@ -27,8 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax import ops
 from diffjax.kernels import tpu as kt
 from diffjax.ops import reference as ref
+from kernel_checks import TOL, check as _check, normal as _normal, rel_err as _rel_err, value_and_vjp as _value_and_vjp  # noqa: E402
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 V1_GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dlam")
 V2_GRADS = ("dq", "dk", "dv", "dlam")
 # Several query and key tiles per sequence, and backward tiles unlike the forward's.
@@ -36,13 +36,6 @@ SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128
 WIDE = kt.BlockSizes(block_q=128, block_kv=256, block_q_bwd=128, block_kv_bwd=128)
 
 
-def _normal(key, shape, dtype=jnp.float32):
-  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def _rel_err(x, y) -> float:
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
 
 
 def _segments(b, t, s, *, unmatched_row: bool = False):
@@ -60,20 +53,6 @@ def _segments(b, t, s, *, unmatched_row: bool = False):
   return q, kv
 
 
-def _value_and_vjp(fn, args, ct):
-  """(fn(*args), vjp of ct) under one jit, so each case compiles once."""
-  def run(args, ct):
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp(ct)
-  return jax.jit(run)(tuple(args), ct)
-
-
-def _check(triples, dtype):
-  """Asserts each (name, kernel, reference) is within tolerance; names every failure."""
-  tol = TOL[dtype]
-  errs = {name: _rel_err(a, b) for name, a, b in triples}
-  bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
-  assert not bad, f"outside tolerance {tol}: {bad}; all: { {n: f'{e:.1e}' for n, e in errs.items()} }"
 
 
 def _v1_inputs(b, t, s, h, kh, d, dtype, seed=0):
