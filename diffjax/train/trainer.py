@@ -33,7 +33,8 @@ from diffjax.nn.partitioning import activation_sharding
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.config_utils import check_config, resolved_model_config
-from diffjax.train.metrics import MetricsWriter, Progress
+from diffjax.train.progress import Progress
+from diffjax.train.records import MetricsWriter
 from diffjax.train.optim import make_optimizer
 from diffjax.train.task_mix import mixed_source
 from diffjax.train.steps import (
