@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the real train step for a TPU topology, on any machine.
 
-  python -m diffjax.aot --config=configs/paper_3b_diff_v1.py --topology=v5p:4x4x4 \
+  python -m diffjax.aot --config=configs/paper_3b.py:diff_v1 --topology=v5p:4x4x4 \
       [--config.mesh.shape="(1,-1,1)" --config.global_batch_size=256 ...]
 
 With libtpu installed (``pip install -e '.[tpu]'``) this runs the TPU compiler on a

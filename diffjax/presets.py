@@ -64,6 +64,33 @@ def arm_model(size: str, arm: str, vocab_size: int = -1, **overrides) -> dict:
   return cfg
 
 
+ARM_NAMES = ("transformer", "diff_v1", "diff_v2")
+SWEEP_SIZES = ("830m", "1.4b", "2.8b", "6.8b", "13.1b")
+
+
+def config_args(arg: str | None, *, default_arm: str, sizes: tuple[str, ...] = (),
+                default_size: str | None = None) -> tuple[str, str | None]:
+  """Parses the ``:ARG`` of ``--config=configs/FILE.py:ARG`` into ``(arm, size)``.
+
+  ``ARG`` is an arm (``transformer``, ``diff_v1``, ``diff_v2``), a size from
+  ``sizes``, or both separated by a comma in either order (``1.4b,diff_v2``).
+  Empty parts take the defaults.
+  """
+  arm, size = default_arm, default_size
+  for part in (p.strip() for p in (arg or "").split(",")):
+    if not part:
+      continue
+    if part in ARM_NAMES:
+      arm = part
+    elif part in sizes:
+      size = part
+    else:
+      known = f"an arm {ARM_NAMES}" + (f" or a size {sizes}" if sizes else "")
+      raise ValueError(f"config argument {part!r} is not {known}; e.g. "
+                       f"--config=configs/tiny.py:diff_v2.")
+  return arm, size
+
+
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0

@@ -8,17 +8,17 @@ pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) is not installed"
 from diffjax.aot import aot_report, hbm_for  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def _load(path):
+def _load(path, arg=None):
   import importlib.util  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("cfg", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  return mod.get_config()
+  return mod.get_config() if arg is None else mod.get_config(arg)
 
 
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
 def test_tiny_configs_compile_for_v5e_2x2(arm):
-  cfg = _load(f"configs/tiny_{arm}.py")
+  cfg = _load("configs/tiny.py", arm)
   cfg.mesh.shape = (2, 2, 1)
   report = aot_report(cfg, "v5e:2x2")
   assert report.num_devices == 4
@@ -32,7 +32,7 @@ def test_tiny_configs_compile_for_v5e_2x2(arm):
 
 
 def test_xla_implementation_compiles_without_kernels():
-  cfg = _load("configs/tiny_diff_v2.py")
+  cfg = _load("configs/tiny.py", "diff_v2")
   cfg.model.implementation = "xla"
   assert aot_report(cfg, "v5e:2x2").pallas_kernels == 0
 
@@ -40,4 +40,4 @@ def test_xla_implementation_compiles_without_kernels():
 def test_hbm_table_and_bad_topology():
   assert hbm_for("TPU v5p") == 95.0 and hbm_for("TPU v5 lite") == 16.0
   with pytest.raises(ValueError, match="v9z"):
-    aot_report(_load("configs/tiny_diff_v1.py"), "v9z:2x2")
+    aot_report(_load("configs/tiny.py", "diff_v1"), "v9z:2x2")
