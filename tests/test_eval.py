@@ -24,7 +24,7 @@ from diffjax.eval import metrics as M  # noqa: E402
 from diffjax.eval import report as R  # noqa: E402
 from diffjax.eval import stats as S  # noqa: E402
 from diffjax.eval import evaluate as E  # noqa: E402
-from diffjax.eval.tasks import (ANSWER, CONTEXT, QUERY, SINK, AssociativeRecallTask,  # noqa: E402
+from diffjax.data.tasks import (ANSWER, CONTEXT, QUERY, SINK, AssociativeRecallTask,  # noqa: E402
                                 ContextTooShort, MultiNeedleTask)
 from diffjax.model import DecoderLM, ModelConfig, matched_configs  # noqa: E402
 
@@ -99,6 +99,24 @@ def test_answer_needle_sits_at_the_requested_depth_with_the_right_answer(depth):
     assert ex.prompt_len == ex.answer_spans[0][0]
     assert np.sum(ex.answer_segments >= 0) == 14
     assert ex.regions[0] == SINK
+
+
+def test_training_with_a_task_mix_does_not_import_the_evaluation_package():
+  # The tasks are data: training (which mixes them into the corpus) must not pull in evaluation.
+  import subprocess
+  import sys
+  code = ("import sys\n"
+          "from diffjax.data import ByteTokenizer, MultiNeedleTask\n"
+          "from diffjax.train.task_mix import mixed_source\n"
+          "import ml_collections\n"
+          "mix = ml_collections.ConfigDict(dict(task='associative_recall', fraction=0.5,\n"
+          "                                     num_pairs=4, num_queries=1))\n"
+          "mixed_source(MultiNeedleTask(300, num_examples=2), mix, ByteTokenizer(), seed=0)\n"
+          "print(sorted(m for m in sys.modules if m.startswith('diffjax.eval')))\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
 def test_needle_task_rejects_a_context_too_short():

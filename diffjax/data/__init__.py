@@ -1,4 +1,6 @@
-"""Data: tokenizers, document sources, and the packed, checkpointable training pipeline.
+"""Data: tokenizers, document sources, the packed, checkpointable training pipeline, and the
+synthetic retrieval tasks (multi-needle retrieval in real text, associative recall), which serve
+both as training sources and as evaluation sets.
 
 Typical use:
 
@@ -6,6 +8,11 @@ Typical use:
     data = build_datasets(DataConfig(), seq_len=256, global_batch_size=32, seed=0)
     batch = next(data.train_iter)      # dict of (32, 256) numpy arrays
     val = data.val_batches(4)          # the same 4 batches on every call and for every seed
+
+    from diffjax.data import MultiNeedleTask
+    task = MultiNeedleTask(context_len=512, num_needles=4, num_queries=2, num_examples=100)
+    tokens = task[0]                   # (L,) int32: a document like any other source's
+    batch = task.batch([0, 1, 2])      # tokens, answer spans and regions stacked for a model
 """
 
 from diffjax.data.config import DataConfig
@@ -21,6 +28,20 @@ from diffjax.data.sources import (
     stdlib_files,
     write_array_record,
 )
+from diffjax.data.tasks import (
+    ANSWER,
+    CONTEXT,
+    DEPTHS,
+    NEEDLE_GRID,
+    QUERY,
+    REGION_NAMES,
+    SINK,
+    AssociativeRecallTask,
+    ContextTooShort,
+    MultiNeedleTask,
+    RetrievalExample,
+    collate,
+)
 from diffjax.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
@@ -35,4 +56,6 @@ __all__ = [
     "ArrayRecordSource", "DocumentSource", "TextFileSource", "read_documents", "resolve_paths",
     "stdlib_corpus", "stdlib_files", "write_array_record",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
+    "MultiNeedleTask", "AssociativeRecallTask", "RetrievalExample", "ContextTooShort", "collate",
+    "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "SINK", "CONTEXT", "ANSWER", "QUERY",
 ]

@@ -1,8 +1,10 @@
-"""Evaluation: synthetic retrieval tasks, metrics, statistics over seeds, and reports.
+"""Evaluation: retrieval scoring, metrics, statistics over seeds, and reports.
+
+The synthetic retrieval tasks (multi-needle retrieval in real text and associative recall with
+distractors) live in `diffjax.data.tasks`, since they are training sources as well; their names
+are importable from here too.
 
 Modules:
-  * `tasks`: multi-needle retrieval in real text and associative recall with distractors;
-    deterministic by seed, usable as training sources and as evaluation sets.
   * `metrics`: pure array functions (exact match, attention allocation, outliers, absmax
     quantization, the clamp and correlation probes).
   * `stats`: t intervals over seeds, paired t-tests against the Transformer, verdicts in words.
@@ -63,7 +65,17 @@ probe/negative_mass_mean, lambda/mean, lowbit/{setting}/{loss,accuracy},
 probe/clamp_loss_delta, probe/clamp_accuracy_delta.
 """
 
-from diffjax.eval import metrics, stats, tasks
+from diffjax.data.tasks import (
+    DEPTHS,
+    NEEDLE_GRID,
+    REGION_NAMES,
+    AssociativeRecallTask,
+    ContextTooShort,
+    MultiNeedleTask,
+    RetrievalExample,
+    collate,
+)
+from diffjax.eval import metrics, stats
 from diffjax.eval.metrics import (
     OutlierAccumulator,
     answer_exact_match,
@@ -81,23 +93,14 @@ from diffjax.eval.metrics import (
     salient_key_mask,
 )
 from diffjax.eval.stats import mean_ci, paired_difference, t_cdf, t_ppf, verdict
-from diffjax.eval.tasks import (
-    DEPTHS,
-    NEEDLE_GRID,
-    REGION_NAMES,
-    AssociativeRecallTask,
-    MultiNeedleTask,
-    RetrievalExample,
-    collate,
-)
 
 __all__ = [
-    "metrics", "stats", "tasks",
+    "metrics", "stats",
     "OutlierAccumulator", "answer_exact_match", "attention_allocation", "clamp_negative",
     "combine_diff_maps", "map_correlation", "outlier_stats", "quantize_absmax",
     "quantize_activation_per_token", "quantize_attention_logits", "quantize_kv_per_head_token",
     "quantize_weight_per_channel", "retrieval_accuracy", "salient_key_mask",
     "mean_ci", "paired_difference", "t_cdf", "t_ppf", "verdict",
-    "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "AssociativeRecallTask", "MultiNeedleTask",
-    "RetrievalExample", "collate",
+    "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "AssociativeRecallTask", "ContextTooShort",
+    "MultiNeedleTask", "RetrievalExample", "collate",
 ]

@@ -11,7 +11,7 @@ from diffjax.eval import metrics as M
 from diffjax.eval.config import EvalConfig
 from diffjax.eval.runner import ModelRunner
 from diffjax.eval.scoring import _chunks, _split_batch, retrieval_accuracy, validation_loss
-from diffjax.eval.tasks import REGION_NAMES, collate
+from diffjax.data.tasks import REGION_NAMES, collate
 
 
 def _row_index(rows_BxT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from diffjax.eval.tasks import DEPTHS, NEEDLE_GRID
+from diffjax.data.tasks import DEPTHS, NEEDLE_GRID
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:

@@ -25,7 +25,7 @@ from diffjax.eval.config import SECTIONS, EvalConfig, _jsonable
 from diffjax.eval.runner import KNOBS, LogitsFn, ModelRunner, quantize_model_weights
 from diffjax.eval.scoring import (associative_recall, greedy_exact_match, needle_table,
                                   retrieval_accuracy, retrieval_heatmap, validation_loss)
-from diffjax.eval.tasks import ContextTooShort, MultiNeedleTask
+from diffjax.data.tasks import ContextTooShort, MultiNeedleTask
 
 __all__ = [
     "EvalConfig", "SECTIONS", "SCHEMA", "KNOBS", "LogitsFn", "ModelRunner",

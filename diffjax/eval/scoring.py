@@ -14,7 +14,7 @@ import numpy as np
 
 from diffjax.eval import metrics as M
 from diffjax.eval.runner import LogitsFn
-from diffjax.eval.tasks import (DEPTHS, NEEDLE_GRID, AssociativeRecallTask, ContextTooShort,
+from diffjax.data.tasks import (DEPTHS, NEEDLE_GRID, AssociativeRecallTask, ContextTooShort,
                                 MultiNeedleTask, collate)
 
 Batch = Mapping[str, np.ndarray]

@@ -57,7 +57,7 @@ def mixed_source(corpus: DocumentSource, mix, tokenizer, seed: int) -> DocumentS
     return corpus
   if not 0.0 < fraction < 1.0:
     raise ValueError(f"task_mix.fraction={fraction} must be in (0, 1).")
-  from diffjax.eval import tasks  # pylint: disable=import-outside-toplevel
+  from diffjax.data import tasks  # pylint: disable=import-outside-toplevel
   seed = TRAIN_SEED_OFFSET + int(seed)
   if task == "multi_needle":
     make = lambda n: tasks.MultiNeedleTask(
