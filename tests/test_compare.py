@@ -80,6 +80,7 @@ def test_report_results_and_plots(compared):
   report = (workdir / "report.md").read_text()
   # The per-arm summary table: a header and one row per arm with numbers in it.
   assert "## Comparison summary" in report
+  assert report.index("## Comparison summary") < report.index("## Runs")
   assert "| arm | params | seeds | train loss (last 2 steps) | final eval loss |" in report
   for arm in ARMS:
     row = next(l for l in report.splitlines() if l.startswith(f"| {arm} | "))
@@ -239,6 +240,12 @@ def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
   lines = [l for l in err.splitlines() if l.startswith("error:")]
   assert len(lines) == 1 and needle.lower() in lines[0].lower(), err
   assert not workdir.exists(), "nothing may be written for a bad config"
+
+
+def test_help_prints_usage_and_exits_zero(capsys):
+  assert compare.main(["compare", "--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("usage: python -m diffjax.compare --config=") and "--workdir" in out
 
 
 def test_module_entry_point_reports_unknown_arm(tmp_path):

@@ -710,3 +710,13 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
   # Runs without a Transformer: no paired claims.
   solo = R.write_report([r for r in runs if r["arm"] == "diff_v1"], str(tmp_path / "solo"))
   assert "no paired comparisons" in open(solo).read()
+
+
+def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
+  runs = [{"arm": arm, "seed": 0, "name": arm, "eval": _fake_eval(arm, 0, np.random.default_rng(0)),
+           "curve": None} for arm in ("transformer", "diff_v1")]
+  preamble = ["## Comparison summary", "", "| arm | params |", "|---|---|", "| diff_v1 | 1 |"]
+  text = open(R.write_report(runs, str(tmp_path), title="T", preamble=preamble)).read()
+  assert text.startswith("# T\n\n## Comparison summary\n\n| arm | params |\n"), text[:200]
+  assert text.index("| diff_v1 | 1 |") < text.index("## Runs") < text.index("## Summary")
+  assert text.count("## Comparison summary") == 1

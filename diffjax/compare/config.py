@@ -1,0 +1,159 @@
+"""The compare config: building it, checking it, and deriving each run's train and eval config.
+
+A compare config holds ``arms``, ``seeds``, one ``base`` run config whose ``model`` is the
+Transformer spec the arms are matched to (`diffjax.model.matched_configs`), and ``eval`` /
+``report`` settings. Run (arm, seed k) is ``base`` with the arm's model and ``seed = k``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import ml_collections
+
+from diffjax.model import ARMS, ModelConfig, matched_configs
+
+EVAL_MODES = ("quick", "full", "none")
+# Any valid vocabulary size: the matched arms do not depend on it, and a base config may leave
+# it at -1 (take the tokenizer's).
+_PLACEHOLDER_VOCAB = 258
+
+
+def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1),
+                      arms: Sequence[str] = ARMS) -> ml_collections.ConfigDict:
+  """A compare config around ``base``, a full run config whose model is the Transformer spec.
+
+  Fields: ``arms``, ``seeds``, ``base`` (``base.seed`` is replaced by each seed and
+  ``base.log_batch_hash`` is forced on), ``eval.mode`` ("quick", "full" or "none"),
+  ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
+  make them overridable from the command line), ``report.baseline``, ``report.confidence``,
+  ``report.title``.
+  """
+  c = ml_collections.ConfigDict()
+  c.arms = tuple(arms)
+  c.seeds = tuple(int(s) for s in seeds)
+  c.base = base
+  c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
+  c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
+                                            title="Matched comparison"))
+  return c
+
+
+def arm_names(value: Any) -> tuple[str, ...]:
+  """Arm names; "a,b" (how --config.arms=a,b arrives) counts as two."""
+  items = (value,) if isinstance(value, str) else tuple(value)
+  return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
+
+
+def _tuples(x: Any) -> Any:
+  """Lists to tuples, recursively (EvalConfig fields are tuples)."""
+  if isinstance(x, (list, tuple)):
+    return tuple(_tuples(v) for v in x)
+  if isinstance(x, Mapping):
+    return {k: _tuples(v) for k, v in x.items()}
+  return x
+
+
+def arm_model_dict(base_model: Mapping[str, Any], arm: str) -> dict[str, Any]:
+  """The model dict of ``arm`` matched to the Transformer spec ``base_model``.
+
+  ``vocab_size=-1`` (take the tokenizer's) is kept; with the presets' specs this equals
+  ``diffjax.presets.arm_model(size, arm)``.
+  """
+  spec = dict(base_model)
+  vocab = spec.get("vocab_size", -1)
+  if spec.get("attention", "transformer") != "transformer":
+    raise ValueError(f"base.model.attention={spec['attention']!r}: the base model must be the "
+                     "'transformer' spec the arms are matched to (start from "
+                     "diffjax.presets.arm_model(size, 'transformer')).")
+  spec["attention"] = "transformer"
+  if vocab == -1:
+    spec["vocab_size"] = _PLACEHOLDER_VOCAB
+  arm_cfg = matched_configs(ModelConfig.from_dict(spec))[arm].to_dict()
+  arm_cfg["vocab_size"] = vocab
+  return arm_cfg
+
+
+def run_config(config: ml_collections.ConfigDict, arm: str, seed: int
+               ) -> ml_collections.ConfigDict:
+  """The train config of run (arm, seed): ``base`` with the arm's model and ``seed``."""
+  run = copy.deepcopy(config.base)
+  with run.unlocked():
+    run.model.update(arm_model_dict(config.base.model.to_dict(), arm))
+    run.seed = int(seed)
+    run.log_batch_hash = True
+  return run
+
+
+def run_name(arm: str, seed: int) -> str:
+  """The run's directory name under <workdir>/runs."""
+  return f"{arm}_seed{seed}"
+
+
+def eval_config(config: ml_collections.ConfigDict, run: ml_collections.ConfigDict):
+  """The `EvalConfig` of a run, or None when ``eval.mode`` is "none".
+
+  As in ``python -m diffjax.eval``: quick or full sizes around the run's sequence length; a
+  full evaluation uses the trainer's ``eval_batches`` validation batches unless overridden, so
+  its val/loss reproduces the trainer's final eval loss.
+  """
+  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
+  mode = config.eval.mode
+  if mode == "none":
+    return None
+  overrides = _tuples(config.eval.overrides.to_dict())
+  if mode == "full" and "val_batches" not in overrides:
+    overrides["val_batches"] = int(run.eval_batches)
+  make = EvalConfig.quick if mode == "quick" else EvalConfig.full
+  return make(int(run.seq_len), **overrides)
+
+
+def check_comparison_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first problem; nothing is written before this passes."""
+  from diffjax.data import DataConfig  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config_utils import check_config  # pylint: disable=import-outside-toplevel
+
+  for key in ("arms", "seeds", "base", "eval", "report"):
+    if key not in config:
+      raise ValueError(f"The compare config has no {key!r}; build it with "
+                       "diffjax.compare.comparison_config (see configs/compare/tiny.py).")
+  arms = arm_names(config.arms)
+  if not arms:
+    raise ValueError(f"arms is empty; choose one or more of {ARMS}.")
+  unknown = [a for a in arms if a not in ARMS]
+  if unknown:
+    raise ValueError(f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS}.")
+  if len(set(arms)) != len(arms):
+    raise ValueError(f"arms={arms} names an arm twice.")
+  seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
+  if not seeds:
+    raise ValueError('seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
+                     "more are needed for confidence intervals).")
+  bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+  if bad:
+    raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
+  if len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds={seeds} repeats a seed.")
+  if config.eval.mode not in EVAL_MODES:
+    raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
+  fields = {f.name for f in dataclasses.fields(EvalConfig)}
+  unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
+  if unknown:
+    raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
+  if not 0.0 < float(config.report.confidence) < 1.0:
+    raise ValueError(f"report.confidence={config.report.confidence} must be in (0, 1).")
+  try:
+    DataConfig.from_dict(config.base.data.to_dict())
+  except ValueError as e:
+    raise ValueError(f"base.data: {e} Set it with --config.base.data.<key>=<value>.") from e
+  for arm in arms:
+    run = run_config(config, arm, seeds[0])
+    check_config(run)
+    ModelConfig.from_dict({**run.model.to_dict(), "vocab_size": _PLACEHOLDER_VOCAB})
+    try:
+      eval_config(config, run)
+    except TypeError as e:
+      raise ValueError(f"Bad eval.overrides: {e}.") from e

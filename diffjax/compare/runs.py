@@ -1,0 +1,154 @@
+"""One run of a comparison: train (or resume, or skip), evaluate (or reuse), collect its record.
+
+A run directory is an ordinary train.py workdir (checkpoints, metrics.jsonl, DONE,
+final_metrics.json, model_config.json) plus the eval suite's eval.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping
+
+import ml_collections
+from etils import epath
+
+from diffjax.compare.config import eval_config, run_name
+from diffjax.model import ModelConfig, count_params
+
+Log = Callable[[str], None]
+
+
+class ComparisonStopped(RuntimeError):
+  """A signal stopped a run after it saved a checkpoint; rerunning continues."""
+
+
+def _read_text(path: epath.Path) -> str | None:
+  return path.read_text() if path.exists() else None
+
+
+def done_step(run_dir: str) -> int | None:
+  """The step in the trainer's DONE marker, or None if the run has not finished."""
+  text = _read_text(epath.Path(run_dir, "DONE"))
+  try:
+    return int(text.strip()) if text is not None else None
+  except ValueError:
+    return None
+
+
+def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:
+  """metrics.jsonl merged by step (a resumed run may repeat steps: the last value wins)."""
+  text = _read_text(epath.Path(run_dir, "metrics.jsonl")) or ""
+  rows: dict[int, dict[str, float]] = {}
+  for line in text.splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:  # a line cut by a kill
+      continue
+    if isinstance(row, dict) and "step" in row:
+      rows.setdefault(int(row["step"]), {"step": int(row["step"])}).update(row)
+  return dict(sorted(rows.items()))
+
+
+def write_json(path: epath.Path, obj: Any) -> None:
+  """Writes through a temporary name, so an interrupted write leaves no half file."""
+  tmp = path.parent / (path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1, allow_nan=True))
+  tmp.replace(path)
+
+
+def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log) -> int:
+  """Trains (or resumes) one run unless its DONE marker is at the requested step.
+
+  Returns the step reached; raises ComparisonStopped when a signal stopped the training.
+  """
+  from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  num_steps = int(run.num_steps)
+  step = done_step(run_dir)
+  if step == num_steps:
+    log(f"{tag} finished earlier at step {step}: skipping training")
+    return step
+  what = "resuming" if epath.Path(run_dir, "checkpoints").exists() else "training"
+  log(f"{tag} {what} to step {num_steps:,} in {run_dir}")
+  result = train_and_evaluate(run, run_dir)
+  if result.get("stopped"):
+    raise ComparisonStopped(f"{os.path.basename(run_dir)} stopped at step {result['step']} by a "
+                            "signal")
+  return int(result["step"])
+
+
+def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step: int,
+                        quick: bool, log: Log) -> dict[str, Any]:
+  """Evaluates the checkpoint at ``step`` of ``run_dir`` with ``cfg`` and writes eval.json.
+
+  Validation batches are the run's own held-out batches (same data config, sequence length and
+  batch size); they do not depend on the seed, so every run is scored on the same text.
+  """
+  from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
+  from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
+
+  model, _, step = load_model(run_dir, step=step)
+  data = build_datasets(DataConfig.from_dict(run.data.to_dict()), seq_len=int(run.seq_len),
+                        global_batch_size=int(run.global_batch_size), seed=int(run.seed))
+  val = data.val_batches(cfg.val_batches)
+  meta = {"seed": int(run.seed), "workdir": os.path.abspath(run_dir) if "://" not in run_dir
+          else run_dir, "step": step, "quick": quick}
+  result = evaluate_model(model, val, cfg, meta=meta, log=log)
+  write_json(epath.Path(run_dir, "eval.json"), result)
+  return result
+
+
+def _normalized(obj: Any) -> Any:
+  """``obj`` as it reads back from JSON (tuples become lists), for comparing with a file."""
+  return json.loads(json.dumps(obj, allow_nan=True))
+
+
+def _eval_is_current(ev: Mapping[str, Any] | None, step: int, cfg) -> bool:
+  if not ev:
+    return False
+  meta = ev.get("meta", {})
+  return meta.get("step") == step and meta.get("eval_config") == _normalized(cfg.to_dict())
+
+
+def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDict,
+                 run_dir: str, step: int, tag: str, log: Log) -> dict[str, Any] | None:
+  """The run's eval JSON: reused while its step and eval settings match, else recomputed;
+  None when the comparison's ``eval.mode`` is "none"."""
+  cfg = eval_config(config, run)
+  if cfg is None:
+    return None
+  path = epath.Path(run_dir, "eval.json")
+  ev = json.loads(path.read_text()) if path.exists() else None
+  if _eval_is_current(ev, step, cfg):
+    log(f"{tag} eval.json is up to date (step {step}): skipping evaluation")
+    return ev
+  log(f"{tag} evaluating ({config.eval.mode}) step {step}")
+  return evaluate_checkpoint(run, run_dir, cfg, step, config.eval.mode == "quick",
+                             log=lambda msg: log(f"{tag} eval {msg}"))
+
+
+def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any] | None,
+                seconds: Mapping[str, float], log_every: int) -> dict[str, Any]:
+  """One run's record: trainer results, metrics by step, eval JSON (with trainer scalars).
+
+  Trainer results are added to the eval scalars so the report's tables and paired tests cover
+  them too ("val/..." names ending in "loss" read as lower-is-better):
+    train/final_loss     mean train loss over the last ``log_every`` steps (one batch is too
+                         noisy to compare arms by)
+    val/final_eval_loss  the trainer's final eval loss (its eval_batches validation batches)
+  """
+  final = json.loads(_read_text(epath.Path(run_dir, "final_metrics.json")) or "{}")
+  metrics = read_metrics(run_dir)
+  last = [m["train/loss"] for s, m in metrics.items() if s > step - log_every and "train/loss" in m]
+  scalars = dict((ev or {}).get("scalars", {}))
+  if last:
+    scalars["train/final_loss"] = sum(last) / len(last)
+  if "eval/loss" in final:
+    scalars["val/final_eval_loss"] = final["eval/loss"]
+  model = ModelConfig.from_dict(json.loads(epath.Path(run_dir, "model_config.json").read_text()))
+  return {"arm": arm, "seed": seed, "name": run_name(arm, seed), "workdir": run_dir,
+          "step": step, "params": count_params(model), "final_metrics": final,
+          "metrics": metrics, "eval": {**(ev or {}), "scalars": scalars},
+          "eval_file": ev, "train_seconds": final.get("wall_s", seconds["train"]),
+          "eval_seconds": seconds["eval"]}

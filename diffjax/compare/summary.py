@@ -1,0 +1,120 @@
+"""The comparison's own summary: a per-arm table of the trainer's losses, the data check, and the
+loss curves handed to the report.
+
+`summary_section` returns markdown lines that `diffjax.eval.report.write_report` places right
+after the report's title (its ``preamble``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import ml_collections
+
+from diffjax.eval import stats
+
+
+def loss_curve(metrics: Mapping[int, Mapping[str, float]], every: int) -> list[dict[str, float]]:
+  """Rows {step, train/loss, eval/loss}: the train loss averaged over each window of ``every``
+  steps (per-step losses are too noisy to compare arms by eye), eval losses where measured."""
+  rows, window = [], []
+  last = max(metrics, default=0)
+  for step, m in metrics.items():
+    if "train/loss" in m:
+      window.append(float(m["train/loss"]))
+    row = {"step": step}
+    if window and (step % every == 0 or step == last):
+      row["train/loss"] = sum(window) / len(window)
+      window = []
+    if "eval/loss" in m:
+      row["eval/loss"] = float(m["eval/loss"])
+    if len(row) > 1:
+      rows.append(row)
+  return rows
+
+
+def _fmt(ci: Mapping[str, float], digits: int = 4) -> str:
+  if ci["n"] == 0:
+    return "–"
+  if ci["n"] == 1:
+    return f"{ci['mean']:.{digits}g}"
+  return f"{ci['mean']:.{digits}g} ± {ci['half_width']:.2g}"
+
+
+def _paired_cell(d: Mapping[str, float]) -> str:
+  if d["n"] >= 2 and math.isfinite(d.get("p", float("nan"))):
+    return f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] p={d['p']:.2g}"
+  if d["n"] >= 1:
+    return f"{d['mean']:+.4f} (n={d['n']}, no test)"
+  return "–"
+
+
+def summary_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str,
+                  confidence: float, log_every: int) -> tuple[list[str], dict[str, Any]]:
+  """The per-arm summary (markdown lines, and the same numbers as a dict by arm)."""
+  cols = [(f"train loss (last {log_every} steps)", "train/final_loss"),
+          ("final eval loss", "val/final_eval_loss"),
+          ("retrieval/mean", "retrieval/mean"),
+          ("mqar/accuracy", "mqar/accuracy")]
+  present = [(title, key) for title, key in cols
+             if any(key in (r["eval"] or {}).get("scalars", {}) for r in runs)]
+  by_seed = {(r["arm"], r["seed"]): (r["eval"] or {}).get("scalars", {}) for r in runs}
+  table: dict[str, Any] = {}
+  lines = ["| arm | params | seeds | " + " | ".join(t for t, _ in present)
+           + f" | final eval loss − {baseline} (paired) | train time / run |",
+           "|---" * (len(present) + 5) + "|"]
+  for arm in arms:
+    mine = [r for r in runs if r["arm"] == arm]
+    row = {"params": mine[0]["params"] if mine else None, "seeds": [r["seed"] for r in mine]}
+    for _, key in present:
+      row[key] = stats.mean_ci([by_seed[(arm, r["seed"])].get(key, float("nan")) for r in mine],
+                               confidence)
+    seeds = [r["seed"] for r in mine if (baseline, r["seed"]) in by_seed]
+    key = "val/final_eval_loss"
+    row["paired_eval_loss"] = stats.paired_difference(
+        [by_seed[(arm, s)].get(key, float("nan")) for s in seeds],
+        [by_seed[(baseline, s)].get(key, float("nan")) for s in seeds], confidence)
+    row["train_seconds"] = stats.mean_ci([r["train_seconds"] for r in mine], confidence)
+    table[arm] = row
+    paired = "(baseline)" if arm == baseline else _paired_cell(row["paired_eval_loss"])
+    secs = row["train_seconds"]["mean"]
+    lines.append(f"| {arm} | {row['params']:,} | {len(mine)} | "
+                 + " | ".join(_fmt(row[k]) for _, k in present)
+                 + f" | {paired} | {secs:.0f} s |")
+  return lines, table
+
+
+def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]],
+                    arms: Sequence[str], data_check: Mapping[str, Any]
+                    ) -> tuple[list[str], dict[str, Any]]:
+  """Markdown for the top of report.md, and the summary table's numbers by arm.
+
+  The section says what was trained, gives the per-arm table and the data check's verdict; when
+  the arms did not see the same batches a warning comes first, before anything else.
+  """
+  base = config.base
+  baseline, confidence = config.report.baseline, float(config.report.confidence)
+  log_every = int(base.log_every)
+  lines, table = summary_table(runs, arms, baseline, confidence, log_every)
+  tokens = int(base.num_steps) * int(base.global_batch_size) * int(base.seq_len)
+  head = ["## Comparison summary", "",
+          f"{len(runs)} runs; each trained {int(base.num_steps):,} steps x "
+          f"{int(base.global_batch_size)} x {int(base.seq_len)} tokens = {tokens:,} tokens on "
+          f"`{base.data.kind}` data, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
+          f"half-width of the {confidence:.0%} t interval; the paired column is arm minus "
+          f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
+          f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
+          "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
+          "same split).", ""] + lines + [""]
+  if data_check["ok"]:
+    head += ["Data check: for every seed all arms saw identical batches at every step "
+             "(batch hashes from metrics.jsonl)" + ("" if data_check["distinct_across_seeds"]
+                                                   else "; note that the seeds did NOT vary the "
+                                                   "data order") + ".", ""]
+  else:
+    head = (["## WARNING: the arms did not see the same data", ""]
+            + [f"- {p}" for p in data_check["problems"]]
+            + ["", "The comparison is not matched; do not read the differences below as "
+               "effects of the attention.", ""] + head)
+  return head, table

@@ -1,0 +1,110 @@
+"""Eval results pooled over seeds: per-arm means with t intervals, paired differences against a
+baseline arm, and plain-language verdicts.
+
+A run is a dict {"arm", "seed", "name", "eval" (eval JSON or None), "curve" (metrics rows or
+None)} (see `diffjax.eval.report`). Runs of different arms with the same seed are paired; a run
+without a seed is averaged but never paired. Statistics come from `diffjax.eval.stats`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from diffjax.eval import stats
+
+BASELINE = "transformer"
+ARM_ORDER = ("transformer", "diff_v1", "diff_v2")
+
+# Metrics the summary states first, in this order.
+HEADLINE = ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy",
+            "allocation/answer_signed_share", "allocation/context_signed_share",
+            "outliers/attention_logits_top1", "outliers/hidden_top1")
+
+
+def direction(metric: str) -> bool | None:
+  """True if higher is better, False if lower is better, None for descriptive metrics."""
+  if metric.startswith(("val/", "lowbit/")) and metric.endswith(("loss", "perplexity")):
+    return False
+  if metric.endswith("accuracy") or metric.startswith(("retrieval/", "heatmap/")):
+    return True
+  return None
+
+
+def by_arm(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+  """Runs grouped by arm: the known arms first (ARM_ORDER), then others by name; each arm's
+  runs sorted by seed, seedless runs last."""
+  groups: dict[str, list] = {}
+  for r in runs:
+    groups.setdefault(r["arm"], []).append(r)
+  order = [a for a in ARM_ORDER if a in groups] + sorted(a for a in groups if a not in ARM_ORDER)
+  return {a: sorted(groups[a], key=lambda r: (r.get("seed") is None, r.get("seed") or 0))
+          for a in order}
+
+
+def _seed_key(run: Mapping[str, Any], index: int) -> Any:
+  """The key that pairs a run across arms: its seed; seedless runs get a key that never pairs."""
+  return run.get("seed") if run.get("seed") is not None else f"#{index}"
+
+
+def aggregate(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE,
+              confidence: float = 0.95) -> dict[str, Any]:
+  """Per-arm mean/CI of every scalar and paired differences against `baseline`.
+
+  Returns {"arms": [..], "metrics": [..], "per_arm": {arm: {metric: mean_ci}},
+  "paired": {arm: {metric: paired_difference}}, "baseline", "confidence"}, pairing runs by
+  seed; "paired" is empty when no run is of the baseline arm.
+  """
+  groups = by_arm(runs)
+  metrics: list[str] = []
+  for arm_runs in groups.values():
+    for r in arm_runs:
+      for k in ((r.get("eval") or {}).get("scalars") or {}):
+        if k not in metrics:
+          metrics.append(k)
+  values = {arm: {m: {_seed_key(r, i): as_number((r.get("eval") or {}).get("scalars", {}).get(m))
+                      for i, r in enumerate(arm_runs)} for m in metrics}
+            for arm, arm_runs in groups.items()}
+  per_arm = {arm: {m: stats.mean_ci(list(v.values()), confidence) for m, v in vals.items()}
+             for arm, vals in values.items()}
+  paired = {}
+  if baseline in values:
+    for arm in values:
+      if arm == baseline:
+        continue
+      paired[arm] = {}
+      for m in metrics:
+        a, b = values[arm][m], values[baseline][m]
+        seeds = [s for s in a if s in b and not str(s).startswith("#")]
+        paired[arm][m] = stats.paired_difference([a[s] for s in seeds], [b[s] for s in seeds],
+                                                 confidence)
+  return {"arms": list(groups), "metrics": metrics, "per_arm": per_arm, "paired": paired,
+          "baseline": baseline, "confidence": confidence}
+
+
+def as_number(x: Any) -> float:
+  """float(x), or NaN for a missing or non-numeric value (a metric some run lacks)."""
+  try:
+    return float(x)
+  except (TypeError, ValueError):
+    return float("nan")
+
+
+def summary_lines(agg: Mapping[str, Any], alpha: float = 0.05) -> list[str]:
+  """Plain-language verdicts for the headline metrics (only those some run has)."""
+  lines = []
+  if not agg["paired"]:
+    base = agg["baseline"]
+    lines.append(f"No {base} runs, so no paired comparisons; the tables give each arm alone.")
+    return lines
+  for arm, diffs in agg["paired"].items():
+    for m in HEADLINE:
+      if m in diffs:
+        lines.append(stats.verdict(diffs[m], m, arm, agg["baseline"], direction(m), alpha))
+  n_sig = sum(1 for diffs in agg["paired"].values() for m, d in diffs.items()
+              if d.get("p", float("nan")) < alpha)
+  n_all = sum(1 for diffs in agg["paired"].values() for d in diffs.values() if d["n"] >= 2)
+  if n_all:
+    lines.append(f"Across all {n_all} paired comparisons with at least two seeds, {n_sig} have "
+                 f"p < {alpha}; with this many tests about {alpha * n_all:.1f} would by chance "
+                 "alone, so read single significant rows with care.")
+  return lines
