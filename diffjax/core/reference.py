@@ -1,7 +1,9 @@
 """Plain-JAX reference math for baseline, DIFF V1 and DIFF V2 attention.
 
 This file is the single source of truth for the arithmetic. Every fast path (the
-Pallas kernels, the "stock" multi-call path) is tested against these functions.
+Pallas kernels, the "stock" multi-call path) is tested against these functions. It
+sits on the ground floor so that the ops and the kernels can both use it; users
+import it as :mod:`diffjax.ops.reference`.
 
 Conventions (shape letters in names):
   B batch, T query length, S key length, H query heads, K kv heads (groups),
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from diffjax.ops import validation as _v
+from diffjax.core import validation as _v
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min) * 0.5
 

@@ -1,17 +1,9 @@
-"""Fused Pallas kernels for differential attention.
+"""Fused Pallas kernels for differential attention: :mod:`diffjax.kernels.tpu` and
+:mod:`diffjax.kernels.gpu`.
 
-Importing this package registers every kernel that can be imported on this
-installation with :func:`diffjax.ops.register_implementation`; the ops then pick
-them through ``implementation=``. A backend whose Pallas dialect is missing from
-the installed jax simply stays unregistered.
+The kernels are arrays-in, arrays-out functions built on :mod:`diffjax.core` (the
+reference math and the argument checks) and :mod:`diffjax.sharding` (their
+PartitionSpecs); they import nothing from :mod:`diffjax.ops`. The ops import them
+and list which one runs for each ``implementation=`` and platform in
+:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`.
 """
-
-import importlib
-import warnings
-
-for _name in ("diffjax.kernels.tpu", "diffjax.kernels.gpu"):
-  try:
-    importlib.import_module(_name)
-  except ImportError as _e:  # pragma: no cover - depends on the installed jax
-    if not str(_e).startswith("No module named 'diffjax"):
-      warnings.warn(f"{_name} kernels unavailable: {_e}")

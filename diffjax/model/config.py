@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from diffjax.nn.rope import ROPE_STYLES
+from diffjax.ops.dispatch import IMPLEMENTATIONS
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -69,7 +70,6 @@ class ModelConfig:
         raise ValueError(f"{name}={getattr(self, name)!r} is not one of {tuple(_DTYPES)}.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
-    from diffjax.ops.attention import IMPLEMENTATIONS  # pylint: disable=import-outside-toplevel
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation={self.implementation!r} is not one of "
                        f"{IMPLEMENTATIONS}.")

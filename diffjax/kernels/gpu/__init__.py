@@ -1,6 +1,7 @@
 """GPU kernels for differential attention (Pallas, Triton backend) and the stock GPU paths.
 
-Importing this package registers, with :func:`diffjax.ops.register_implementation`:
+The ops run these on GPUs (the table is :data:`diffjax.ops.dispatch.BUILTIN_KERNELS`;
+this package imports nothing from :mod:`diffjax.ops`):
 
 * ``("diff_v1", "pallas_gpu")``: :func:`diff_v1_fused`;
 * ``("diff_v2", "pallas_gpu")``: :func:`diff_v2_fused`;
@@ -17,21 +18,15 @@ Public API:
   mha_stock, diff_v1_stock, diff_v2_stock: the stock peers.
 """
 
-import warnings
-
 from diffjax.kernels.gpu.block_sizes import BlockSizes, DecodeBlockSizes
 from diffjax.kernels.gpu.stock import diff_v1_stock, diff_v2_stock, mha_stock
-from diffjax.ops.attention import register_implementation
-
-register_implementation("mha", "stock", mha_stock, platforms=("gpu",))
-register_implementation("diff_v1", "stock", diff_v1_stock, platforms=("gpu",))
-register_implementation("diff_v2", "stock", diff_v2_stock, platforms=("gpu",))
 
 __all__ = ["BlockSizes", "DecodeBlockSizes", "diff_v1_stock", "diff_v2_stock", "mha_stock"]
 
 try:
   # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
-  # stock paths above stay available and the fused kernels are reported missing.
+  # stock paths above stay available (the ops' dispatch table warns that the fused
+  # kernels are missing).
   from diffjax.kernels.gpu.decode import (
       decode_partition_specs,
       diff_v1_decode,
@@ -39,11 +34,9 @@ try:
   )
   from diffjax.kernels.gpu.diff_v1 import diff_v1_fused, diff_v1_partition_specs
   from diffjax.kernels.gpu.diff_v2 import diff_v2_fused, diff_v2_partition_specs
-except ImportError as e:  # pragma: no cover - depends on the installed jax
-  warnings.warn(f"diffjax GPU Pallas kernels unavailable on this jax: {e}")
+except ImportError:  # pragma: no cover - depends on the installed jax
+  pass
 else:
-  register_implementation("diff_v1", "pallas_gpu", diff_v1_fused, platforms=("gpu",))
-  register_implementation("diff_v2", "pallas_gpu", diff_v2_fused, platforms=("gpu",))
   __all__ += [
       "decode_partition_specs", "diff_v1_decode", "diff_v1_decode_reference", "diff_v1_fused",
       "diff_v1_partition_specs", "diff_v2_fused", "diff_v2_partition_specs",

@@ -25,10 +25,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from diffjax.core import reference as ref
+from diffjax.core import validation as _v
 from diffjax.kernels.gpu import block_sizes as bs
 from diffjax.kernels.gpu import flash_pair as fp
-from diffjax.ops import reference as ref
-from diffjax.ops import validation as _v
 
 
 def _decode_kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, acc1_ref, acc2_ref,
@@ -165,7 +165,7 @@ def diff_v1_decode(
 
 def diff_v1_decode_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
                              lam_H, kv_len_B, *, scale: float | None = None) -> jax.Array:
-  """Plain-JAX decode: :func:`diffjax.ops.reference.diff_v1_reference` masked by kv_len."""
+  """Plain-JAX decode: :func:`diffjax.core.reference.diff_v1_reference` masked by kv_len."""
   s = k1_BxSxKxD.shape[1]
   kv_len_B = jnp.clip(jnp.asarray(kv_len_B, jnp.int32), 0, s)
   mask_Bx1x1xS = (jnp.arange(s)[None, :] < kv_len_B[:, None])[:, None, None, :]

@@ -6,7 +6,7 @@ The forward kernel streams K1, K2 and V once per query block and keeps an exact 
 softmax for each map; the backward recomputes both maps and shares one
 ``dP = dO V^T`` and one ``dV = (P1 - lam P2)^T dO`` between them (kernels in
 :mod:`diffjax.kernels.gpu.flash_pair`). The plain-JAX reference is
-:func:`diffjax.ops.reference.diff_v1_reference`; every test compares against it.
+:func:`diffjax.core.reference.diff_v1_reference`; every test compares against it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from diffjax.core import validation as _v
 from diffjax.kernels.gpu import block_sizes as bs
 from diffjax.kernels.gpu import flash_pair as fp
-from diffjax.ops import validation as _v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

@@ -5,7 +5,7 @@ token and pair, kv group ``i // (H / K)``. The pair shares K and V, so one progr
 loads each K/V tile once for both heads, and the backward shares ``dP = dO V^T``, the
 dV matmul on ``P1 - lam P2``, and accumulates both heads' dK into one tile (kernels in
 :mod:`diffjax.kernels.gpu.flash_pair`). Reference:
-:func:`diffjax.ops.reference.diff_v2_reference`.
+:func:`diffjax.core.reference.diff_v2_reference`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from diffjax.core import validation as _v
 from diffjax.kernels.gpu import block_sizes as bs
 from diffjax.kernels.gpu import flash_pair as fp
-from diffjax.ops import validation as _v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

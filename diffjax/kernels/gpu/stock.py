@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from diffjax.ops import validation as _v
+from diffjax.core import validation as _v
 
 _IMPLEMENTATIONS = (None, "cudnn", "xla")
 

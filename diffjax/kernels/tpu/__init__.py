@@ -1,6 +1,7 @@
 """TPU (Mosaic) Pallas kernels for DIFF V1 and DIFF V2 attention.
 
-Importing this package registers, for the TPU platform:
+The ops run these for the TPU platform (the table is
+:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`):
 
   * ``("diff_v1", "pallas_tpu")`` and ``("diff_v2", "pallas_tpu")``: the fused
     kernels of :mod:`diffjax.kernels.tpu.diff_attention`;
@@ -9,8 +10,7 @@ Importing this package registers, for the TPU platform:
     (:mod:`diffjax.kernels.tpu.stock`), as the peer the fused kernels must beat;
   * ``("mha", "stock")``: one splash call, the baseline's flash kernel (what
     ``implementation="auto"`` runs for the Transformer arm on a TPU).
-The registry keeps one entry per platform, so the GPU package's stock paths
-coexist with these.
+This package imports nothing from :mod:`diffjax.ops`.
 
 Public API: :func:`diff_v1_attention_tpu`, :func:`diff_v2_attention_tpu`,
 :class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
@@ -27,13 +27,6 @@ from diffjax.kernels.tpu.sharding import (
     diff_v2_partition_specs,
 )
 from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
-from diffjax.ops.attention import register_implementation
-
-register_implementation("diff_v1", "pallas_tpu", diff_v1_attention_tpu, platforms=("tpu",))
-register_implementation("diff_v2", "pallas_tpu", diff_v2_attention_tpu, platforms=("tpu",))
-register_implementation("diff_v1", "stock", diff_v1_stock_tpu, platforms=("tpu",))
-register_implementation("diff_v2", "stock", diff_v2_stock_tpu, platforms=("tpu",))
-register_implementation("mha", "stock", mha_stock_tpu, platforms=("tpu",))
 
 __all__ = [
     "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_attention_tpu",

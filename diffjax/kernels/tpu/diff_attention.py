@@ -4,7 +4,7 @@ One ``pallas_call`` computes both softmax maps of a DIFF head (V1) or of a V2 he
 pair per tile, sharing the K/V tile loads, and fuses the lambda subtraction; one
 more computes every gradient, sharing dP = dO V^T and dV between the maps
 (:mod:`diffjax.kernels.tpu._forward`, :mod:`diffjax.kernels.tpu._backward`).
-The plain-JAX reference for both is :mod:`diffjax.ops.reference`.
+The plain-JAX reference for both is :mod:`diffjax.core.reference`.
 
 Both functions work on one device; :mod:`diffjax.kernels.tpu.sharding` gives the
 PartitionSpecs to run them under ``jax.shard_map`` over batch and heads.
@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _layout as L
 from diffjax.kernels.tpu._core import CoreConfig, diff_core
 from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
-from diffjax.ops import validation as _v
 
 Interpret = bool | pltpu.InterpretParams
 

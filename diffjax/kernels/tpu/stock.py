@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from diffjax.core import validation as _v
 from diffjax.kernels.tpu._layout import round_up
-from diffjax.ops import validation as _v
 
 
 def _splash_blocks(block_sizes, tp: int, sp: int) -> splash.BlockSizes:

@@ -1,0 +1,243 @@
+"""Which function runs for an op, an ``implementation=`` and a platform.
+
+The kernel packages know nothing of the ops: this module imports each of them (a
+package this installation cannot import is left out with a warning) and lists their
+functions in :data:`BUILTIN_KERNELS`, the one table of what runs where. Users add
+their own paths with :func:`register_implementation`.
+
+:func:`resolve` turns the ``implementation`` a caller asked for into the one that
+runs (the rules are in :mod:`diffjax.ops.attention`); :func:`call_kernel` runs a
+registered function, inside ``jax.shard_map`` when a mesh is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.core import validation as _v
+from diffjax.nn import partitioning
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "stock")
+OPS = ("mha", "diff_v1", "diff_v2")
+
+
+class _Unavailable:
+  """Stands for a kernel module this installation cannot import: its functions are None."""
+
+  def __init__(self, name: str, error: ImportError):
+    self.name = name
+    self.error = error
+    # A missing optional dependency (the Pallas dialect of a backend, libtpu's splash
+    # attention) is worth a warning; a stripped-down install without the package is not.
+    if not str(error).startswith("No module named 'diffjax"):
+      warnings.warn(f"{name} kernels unavailable: {error}")
+
+  def __getattr__(self, attr: str) -> None:
+    return None
+
+
+try:
+  from diffjax.kernels import tpu as tpu_kernels
+except ImportError as e:  # pragma: no cover - depends on the installed jax
+  tpu_kernels = _Unavailable("diffjax.kernels.tpu", e)
+try:
+  from diffjax.kernels.gpu import stock as gpu_stock
+except ImportError as e:  # pragma: no cover
+  gpu_stock = _Unavailable("diffjax.kernels.gpu.stock", e)
+try:
+  # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
+  # stock GPU paths stay and the fused GPU kernels are left out.
+  from diffjax.kernels.gpu import diff_v1 as gpu_diff_v1
+  from diffjax.kernels.gpu import diff_v2 as gpu_diff_v2
+except ImportError as e:  # pragma: no cover
+  gpu_diff_v1 = gpu_diff_v2 = _Unavailable("diffjax.kernels.gpu (fused)", e)
+
+# Every kernel that ships with diffjax. "auto" on a TPU or GPU takes the row for
+# f"pallas_{platform}" when there is one, else (baseline only) the "stock" row.
+BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
+    # op        implementation  platform  function
+    ("mha",     "stock",        "tpu",    tpu_kernels.mha_stock_tpu),
+    ("diff_v1", "pallas_tpu",   "tpu",    tpu_kernels.diff_v1_attention_tpu),
+    ("diff_v1", "stock",        "tpu",    tpu_kernels.diff_v1_stock_tpu),
+    ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_attention_tpu),
+    ("diff_v2", "stock",        "tpu",    tpu_kernels.diff_v2_stock_tpu),
+    ("mha",     "stock",        "gpu",    gpu_stock.mha_stock),
+    ("diff_v1", "pallas_gpu",   "gpu",    gpu_diff_v1.diff_v1_fused),
+    ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
+    ("diff_v2", "pallas_gpu",   "gpu",    gpu_diff_v2.diff_v2_fused),
+    ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Impl:
+  fn: Callable[..., Any]
+  platforms: tuple[str, ...]
+
+
+# (op, implementation) -> the registered _Impls (one per platform set; "stock" has a
+# TPU and a GPU entry). "pallas_tpu"/"pallas_gpu" run on their own platform, or
+# anywhere in interpret mode.
+_REGISTRY: dict[tuple[str, str], list[_Impl]] = {}
+
+
+def register_implementation(op: str, implementation: str, fn: Callable[..., Any],
+                            platforms: tuple[str, ...]) -> None:
+  """Registers a fast path for ``op`` ("mha", "diff_v1" or "diff_v2").
+
+  ``fn`` receives the op's array arguments positionally and the keywords
+  ``causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret``. It
+  replaces what was registered for the same op and implementation on any of
+  ``platforms``.
+  """
+  if op not in OPS:
+    raise ValueError(f"Unknown op {op!r}; expected one of {OPS}.")
+  if implementation not in ("pallas_tpu", "pallas_gpu", "stock"):
+    raise ValueError(f"Cannot register implementation {implementation!r}; expected "
+                     "'pallas_tpu', 'pallas_gpu' or 'stock'.")
+  entries = [e for e in _REGISTRY.get((op, implementation), [])
+             if not set(e.platforms) & set(platforms)]
+  _REGISTRY[(op, implementation)] = entries + [_Impl(fn, tuple(platforms))]
+
+
+for _op, _implementation, _platform_name, _fn in BUILTIN_KERNELS:
+  if _fn is not None:
+    register_implementation(_op, _implementation, _fn, platforms=(_platform_name,))
+
+
+def lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Impl | None:
+  """The registered function for ``platform``, or (interpreted kernels) any platform's."""
+  entries = _REGISTRY.get((op, implementation), [])
+  for impl in entries:
+    if platform in impl.platforms:
+      return impl
+  if interpret and implementation != "stock" and entries:
+    return entries[0]
+  return None
+
+
+_TARGET = threading.local()
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+  """Resolves implementations for ``platform`` instead of the host backend.
+
+  Used when compiling ahead of time for TPU topologies on a CPU machine, so that
+  ``"auto"`` and ``"pallas"`` pick the TPU kernels.
+  """
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"platform={platform!r} must be 'cpu', 'gpu' or 'tpu'.")
+  prev = getattr(_TARGET, "value", None)
+  _TARGET.value = platform
+  try:
+    yield
+  finally:
+    _TARGET.value = prev
+
+
+def current_platform() -> str:
+  """The platform implementations resolve for: a :func:`target_platform`, or the backend."""
+  return getattr(_TARGET, "value", None) or jax.default_backend()
+
+
+def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -> str:
+  """The implementation that runs: "xla", "pallas_tpu", "pallas_gpu" or "stock".
+
+  Raises ValueError, naming what can run instead, when the choice cannot run here.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
+  if implementation == "xla":
+    return "xla"
+  platform = current_platform()
+  if implementation == "auto":
+    if platform not in ("tpu", "gpu") or has_mask:
+      return "xla"
+    if lookup(op, f"pallas_{platform}", platform, False) is not None:
+      return f"pallas_{platform}"
+    # The baseline has no kernel of ours: its stock path is the standard flash kernel.
+    if op == "mha" and lookup(op, "stock", platform, False) is not None:
+      return "stock"
+    return "xla"
+  if implementation == "pallas":
+    if platform not in ("tpu", "gpu"):
+      raise ValueError(
+          f"implementation='pallas' picks the kernel of the current backend, but the backend "
+          f"is {platform!r}. Use implementation='pallas_tpu' or 'pallas_gpu' with "
+          "interpret=True to run a kernel in the interpreter here, or 'xla'.")
+    implementation = f"pallas_{platform}"
+  if (op, implementation) not in _REGISTRY:
+    raise ValueError(f"No {implementation!r} implementation of {op!r} is available.")
+  if has_mask:
+    raise ValueError(f"implementation={implementation!r} supports causal and segment-id masks "
+                     "only; pass mask=None or use implementation='xla'.")
+  if lookup(op, implementation, platform, interpret) is None:
+    where = sorted({p for e in _REGISTRY[(op, implementation)] for p in e.platforms})
+    raise ValueError(
+        f"implementation={implementation!r} for {op!r} runs on {where}, but the "
+        f"current backend is {platform!r}. Use 'xla'"
+        + (", or interpret=True to run the kernel in the Pallas interpreter." if
+           implementation != "stock" else "."))
+  return implementation
+
+
+def _array_specs(op: str, batch, heads) -> tuple:
+  """PartitionSpecs of a kernel's arrays: batch and heads split, the rest whole.
+
+  Heads of q (and V2 pairs, which sit next to each other) and their kv heads are
+  split by the same mesh axis, so every shard holds whole GQA groups.
+  """
+  P = jax.sharding.PartitionSpec
+  x = P(batch, None, heads, None)
+  if op == "mha":
+    return (x, x, x)
+  if op == "diff_v1":
+    return (x, x, x, x, x, P(heads))
+  return (x, x, x, P(batch, None, heads))
+
+
+def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, causal: bool,
+                segment_ids, scale: float | None, block_sizes, interpret: bool) -> jax.Array:
+  """Runs the registered ``implementation`` of ``op`` on ``arrays`` (resolved already).
+
+  Under :func:`diffjax.nn.activation_sharding` the kernel runs per device inside
+  ``jax.shard_map``: each device gets its batch rows and whole heads with their kv
+  groups.
+  """
+  impl = lookup(op, implementation, current_platform(), interpret)
+  b, t = jnp.shape(arrays[0])[:2]
+  s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  d = jnp.shape(arrays[0])[-1]
+  kwargs = dict(causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes,
+                interpret=interpret)
+  active = partitioning.current()
+  if active is None:
+    return impl.fn(*arrays, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
+  mesh, rules = active
+  batch = partitioning.logical_to_spec(("batch",), rules)[0]
+  heads = partitioning.logical_to_spec(("heads",), rules)[0]
+  P = jax.sharding.PartitionSpec
+  specs = _array_specs(op, batch, heads)
+  seg_spec = P(batch, None)
+  has_seg = q_seg is not None
+
+  def per_device(*args):
+    if has_seg:
+      *xs, qs, ks = args
+    else:
+      xs, qs, ks = args, None, None
+    return impl.fn(*xs, q_segment_ids=qs, kv_segment_ids=ks, **kwargs)
+
+  in_specs = specs + ((seg_spec, seg_spec) if has_seg else ())
+  args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=specs[0],
+                       check_vma=False)(*args)
