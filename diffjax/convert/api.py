@@ -1,0 +1,164 @@
+"""Import and export of Hugging Face checkpoints: models in memory and ``train.py`` workdirs.
+
+    model = load_hf("path/to/hf_dir")                 # LlamaForCausalLM or DiffLlamaForCausalLM
+    save_hf(model, "path/to/out_dir")                 # loadable by transformers' from_pretrained
+    hf_to_workdir("path/to/hf_dir", "runs/imported")  # then diffjax.train.load_model(...)
+    workdir_to_hf("runs/default", "path/to/out_dir")
+
+Every check (config fields, tensor names, shapes, dtypes) runs before anything is written,
+so bad input raises :class:`ConversionError` (a ``ValueError``) and leaves no files behind.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from diffjax.convert.files import ConversionError, read_config, read_tensors, write_checkpoint
+from diffjax.convert.hf_config import (DEFAULT_MAX_POSITIONS, hf_config_from_model,
+                                       model_config_from_hf)
+from diffjax.convert.weights import hf_from_params, params_from_hf
+from diffjax.model import DecoderLM, ModelConfig
+from diffjax.train import checkpoint as ckpt
+from diffjax.train.loading import load_model
+
+_EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Keys of the source config.json kept with an imported workdir, so that exporting it again
+# restores them (diffjax itself has no use for them).
+_KEPT_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+
+
+def read_hf(path: str, **runtime: Any) -> tuple[ModelConfig, dict, dict]:
+  """``(model_config, params, hf_config)`` of a checkpoint directory; params as numpy."""
+  hf_config = read_config(path)
+  cfg = model_config_from_hf(hf_config, **runtime)
+  params = params_from_hf(cfg, read_tensors(path))
+  return cfg, params, hf_config
+
+
+def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> DecoderLM:
+  """A :class:`DecoderLM` holding ``params`` (cast to the config's parameter dtypes).
+
+  The model is built abstractly (no random init), and every array is checked against the
+  shape the config implies.
+  """
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  target = nnx.to_pure_dict(abstract_state)
+
+  def place(path, want):
+    name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    got = _lookup(params, path)
+    if got is None or tuple(np.shape(got)) != tuple(want.shape):
+      raise ConversionError(f"Parameter {name!r} has shape "
+                            f"{None if got is None else list(np.shape(got))}, but the model "
+                            f"config implies {list(want.shape)}.")
+    return jnp.asarray(got, dtype=want.dtype)
+
+  values = jax.tree_util.tree_map_with_path(place, target)
+  state = nnx.State(abstract_state)
+  nnx.replace_by_pure_dict(state, values)
+  return nnx.merge(graphdef, state)
+
+
+def _lookup(tree: Mapping[str, Any], path) -> Any:
+  node: Any = tree
+  for p in path:
+    key = getattr(p, "key", getattr(p, "idx", None))
+    if not isinstance(node, Mapping) or key not in node:
+      return None
+    node = node[key]
+  return node
+
+
+def load_hf(path: str, **runtime: Any) -> DecoderLM:
+  """Imports a local ``LlamaForCausalLM`` / ``DiffLlamaForCausalLM`` checkpoint directory.
+
+  Args:
+    path: a directory with ``config.json`` and ``model.safetensors`` or sharded
+      ``*.safetensors`` with ``model.safetensors.index.json``.
+    **runtime: settings that leave the parameters unchanged: ``dtype`` (compute),
+      ``param_dtype``, ``implementation``, ``block_sizes``, ``interpret``, ``remat``.
+
+  Returns:
+    A :class:`DecoderLM` (``attention="transformer"`` for Llama, ``"diff_v1"`` for
+    DiffLlama, ``rope_style="half"``) whose float32 logits equal transformers'.
+  """
+  cfg, params, _ = read_hf(path, **runtime)
+  return build_model(cfg, params)
+
+
+def model_params(model: DecoderLM) -> dict:
+  """The model's parameters as a pure dict of numpy arrays."""
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+def save_hf(model: DecoderLM, path: str, *, dtype: str = "float32",
+            max_shard_size: int | str = "5GB", bos_token_id: int | None = None,
+            eos_token_id: int | None = None, pad_token_id: int | None = None,
+            max_position_embeddings: int = DEFAULT_MAX_POSITIONS) -> list[str]:
+  """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint.
+
+  Writes ``config.json`` and ``model.safetensors`` (or shards of at most
+  ``max_shard_size`` with ``model.safetensors.index.json``) into ``path``, which must not
+  exist or be empty. The token ids and ``max_position_embeddings`` only go into
+  config.json (diffjax does not use them). Returns the file names written.
+  """
+  if dtype not in _EXPORT_DTYPES:
+    raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
+  cfg = model.config
+  hf_config = hf_config_from_model(cfg, dtype=dtype, bos_token_id=bos_token_id,
+                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                   max_position_embeddings=max_position_embeddings)
+  tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
+  return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size)
+
+
+def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
+  """Imports a checkpoint directory into a new diffjax workdir (step 0).
+
+  The workdir gets ``model_config.json`` and ``checkpoints/0`` (parameters and the model
+  config, as ``train.py`` writes them), so ``diffjax.train.load_model(workdir)`` loads it.
+  ``workdir`` must not hold checkpoints already. Returns the model config.
+  """
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if os.path.exists(checkpoints) and os.listdir(checkpoints):
+    raise ConversionError(f"{workdir!r} already holds checkpoints: choose a new --workdir.")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConversionError(f"{workdir!r} exists and is not a directory.")
+  cfg, params, hf_config = read_hf(path)
+  model = build_model(cfg, params)  # checks every shape against the config
+  # The train state's layout, of which load_model reads only "params".
+  state = {"params": nnx.to_pure_dict(nnx.state(model))}
+  meta = {"model_config": cfg.to_dict(),
+          "hf_config": {k: hf_config[k] for k in _KEPT_HF_KEYS if k in hf_config},
+          "source": os.path.abspath(path)}
+  manager = ckpt.make_manager(checkpoints, keep=1, async_save=False)
+  ckpt.save(manager, 0, state, None, meta, force=True)
+  manager.wait_until_finished()
+  manager.close()
+  ckpt.write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
+  return cfg
+
+
+def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export: Any
+                  ) -> list[str]:
+  """Exports the checkpoint of a diffjax workdir (latest step by default) with :func:`save_hf`.
+
+  Token ids and ``max_position_embeddings`` default to those kept from the checkpoint the
+  workdir was imported from, if any; ``export`` overrides them and sets ``dtype`` and
+  ``max_shard_size``.
+  """
+  model, _, step = load_model(workdir, step=step)
+  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1_000_000,
+                              async_save=False)
+  kept = ckpt.read_meta(manager, step).get("hf_config") or {}
+  manager.close()
+  return save_hf(model, path, **{**kept, **export})

@@ -1,0 +1,62 @@
+"""`python -m diffjax.convert`: Hugging Face checkpoint directory <-> diffjax workdir.
+
+    python -m diffjax.convert import --hf=path/to/llama_dir --workdir=runs/imported
+    python -m diffjax.convert export --workdir=runs/default --hf=path/to/out_dir [--step=N]
+        [--dtype=bfloat16] [--max_shard_size=5GB] [--eos_token_id=256]
+
+`import` reads a LlamaForCausalLM (-> the Transformer arm) or DiffLlamaForCausalLM (-> DIFF
+V1) directory holding config.json and *.safetensors (one file, or shards with their index)
+and writes a workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read.
+`export` writes the latest (or --step) checkpoint of a Transformer or DIFF V1 workdir as a
+directory transformers' `from_pretrained` loads. A problem with the input prints one
+`error:` line and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from diffjax.convert.api import hf_to_workdir, workdir_to_hf
+from diffjax.convert.files import ConversionError
+from diffjax.train.checkpoint import CheckpointError
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m diffjax.convert", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+  imp = sub.add_parser("import", help="HF checkpoint directory -> new diffjax workdir")
+  imp.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+  imp.add_argument("--workdir", required=True, help="new diffjax run directory")
+  exp = sub.add_parser("export", help="diffjax workdir -> new HF checkpoint directory")
+  exp.add_argument("--workdir", required=True, help="diffjax run directory with checkpoints/")
+  exp.add_argument("--hf", required=True, help="new output directory")
+  exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  exp.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+  exp.add_argument("--max_shard_size", default=None, help="e.g. 5GB (default), 500MB")
+  for name in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+    exp.add_argument(f"--{name}", type=int, default=None,
+                     help="written to config.json (default: the imported checkpoint's, if any)")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    if args.command == "import":
+      cfg = hf_to_workdir(args.hf, args.workdir)
+      print(f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
+            f"d_model {cfg.d_model}) into {args.workdir}")
+    else:
+      export = {k: getattr(args, k) for k in ("dtype", "max_shard_size", "bos_token_id",
+                                              "eos_token_id", "pad_token_id",
+                                              "max_position_embeddings")
+                if getattr(args, k) is not None}
+      files = workdir_to_hf(args.workdir, args.hf, step=args.step, **export)
+      print(f"Exported {args.workdir} to {args.hf}: {', '.join(files)}")
+  except (ConversionError, CheckpointError, ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0

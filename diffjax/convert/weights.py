@@ -1,0 +1,212 @@
+"""Hugging Face tensors <-> diffjax parameters, as numpy arrays (no framework needed).
+
+transformers stores a Linear as ``weight [out, in]`` (y = x Wᵀ); diffjax stores kernels
+``[in, ...out]`` (y = x W), so every projection is transposed and its output axis split into
+heads. The parameter tree is the pure dict of ``nnx.state(DecoderLM)``: ``embed.embedding``,
+``blocks[i].{attn_norm,mlp_norm}.scale``, ``blocks[i].attn.*``, ``blocks[i].mlp.w_{gate,up,down}``,
+``final_norm.scale`` and ``lm_head`` (absent when the embeddings are tied).
+
+Llama (``attention="transformer"``): q [E, H, d] is ``q_proj.weight.T`` reshaped, likewise
+k, v [E, K, d]; o [H, d, E] is ``o_proj.weight.T`` reshaped.
+
+DiffLlama (``attention="diff_v1"``): transformers pairs component head i with head i + H
+(halves) where diffjax keeps the two components of DIFF head i together (q [E, H, 2, d]);
+key and value heads g and g + H_kv likewise form kv group g (k [E, K, 2, d], and v [E, K, 2d]
+is the two value halves side by side). DiffLlama's per-head norm has no gain: export folds
+diffjax's gain into the input columns of ``o_proj`` (exact, as the norm's output is
+multiplied by the gain just before o), import sets the gain to ones. The lambda vectors
+carry over as they are.
+
+RoPE: transformers rotates halves (diffjax ``rope_style="half"``), so import keeps rows as
+they are. Exporting a model trained with ``rope_style="interleaved"`` reorders the rows of
+every query and key head, pair (2i, 2i+1) -> (i, i + d/2); rotation pairs then coincide and
+every q·k is unchanged, so the exported model computes the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import numpy as np
+
+from diffjax.convert.files import ConversionError
+from diffjax.convert.hf_config import check_exportable
+from diffjax.model import ModelConfig
+
+Params = dict[str, Any]
+
+
+def _layer(i: int, name: str) -> str:
+  return f"model.layers.{i}.{name}"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The tensor names and shapes of the transformers checkpoint for ``cfg``."""
+  e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  diff = cfg.attention == "diff_v1"
+  q_out = (2 if diff else 1) * cfg.num_heads * d
+  kv_out = (2 if diff else 1) * cfg.num_kv_heads * d
+  shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = (v, e)
+  for i in range(cfg.num_layers):
+    shapes.update({
+        _layer(i, "input_layernorm.weight"): (e,),
+        _layer(i, "post_attention_layernorm.weight"): (e,),
+        _layer(i, "self_attn.q_proj.weight"): (q_out, e),
+        _layer(i, "self_attn.k_proj.weight"): (kv_out, e),
+        _layer(i, "self_attn.v_proj.weight"): (kv_out, e),
+        _layer(i, "self_attn.o_proj.weight"): (e, q_out),
+        _layer(i, "mlp.gate_proj.weight"): (f, e),
+        _layer(i, "mlp.up_proj.weight"): (f, e),
+        _layer(i, "mlp.down_proj.weight"): (e, f),
+    })
+    if diff:
+      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        shapes[_layer(i, f"self_attn.{lam}")] = (d,)
+  return shapes
+
+
+def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
+  """Raises :class:`ConversionError` for a missing, unexpected or misshapen tensor."""
+  want = expected_shapes(cfg)
+  missing = sorted(set(want) - set(tensors))
+  if missing:
+    raise ConversionError(f"The checkpoint has no tensor {missing[0]!r} ({len(missing)} "
+                          "missing in all), which config.json implies.")
+  extra = sorted(n for n in set(tensors) - set(want) if not _ignorable(n, cfg, tensors))
+  if extra:
+    raise ConversionError(f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), "
+                          "which diffjax has no parameter for (a bias or another layer type).")
+  for name, shape in want.items():
+    got = tuple(tensors[name].shape)
+    if got != shape:
+      raise ConversionError(f"Tensor {name!r} has shape {list(got)}, but config.json implies "
+                            f"{list(shape)}: the weights do not belong to this config.")
+  for name in want:
+    kind = tensors[name].dtype.kind
+    if kind != "f" and tensors[name].dtype.name != "bfloat16":
+      raise ConversionError(f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax "
+                            "imports float weights only.")
+
+
+def _ignorable(name: str, cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> bool:
+  """Tensors transformers itself ignores: RoPE buffers, and a tied head equal to the table."""
+  if name.endswith("rotary_emb.inv_freq"):
+    return True
+  if name == "lm_head.weight" and cfg.tie_embeddings:
+    table = tensors.get("model.embed_tokens.weight")
+    return table is not None and np.array_equal(tensors[name], table)
+  return False
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+  return np.asarray(x, dtype=np.float32)
+
+
+def _rope_rows(cfg: ModelConfig) -> np.ndarray:
+  """Row order within a head that turns diffjax's RoPE layout into transformers' (halves)."""
+  d = cfg.head_dim
+  if cfg.rope_style == "half":
+    return np.arange(d)
+  return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def _to_pairs(w_out_x_in: np.ndarray, n: int, d: int) -> np.ndarray:
+  """transformers rows [component s, head, d] x E -> diffjax [E, head, s, d]."""
+  return w_out_x_in.reshape(2, n, d, -1).transpose(3, 1, 0, 2)
+
+
+def _to_halves(w_ExNx2xD: np.ndarray) -> np.ndarray:
+  """diffjax [E, head, s, d] -> transformers rows [component s, head, d] x E."""
+  return w_ExNx2xD.transpose(2, 1, 3, 0).reshape(-1, w_ExNx2xD.shape[0])
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Params:
+  """diffjax parameters (float32 numpy, the DecoderLM state's pure-dict layout) of a checkpoint.
+
+  ``cfg`` comes from :func:`~diffjax.convert.hf_config.model_config_from_hf` (so its
+  ``rope_style`` is ``"half"``). Checks names and shapes first.
+  """
+  check_tensors(cfg, tensors)
+  if cfg.rope_style != "half":
+    raise ConversionError(f"rope_style={cfg.rope_style!r}: imported checkpoints rotate halves; "
+                          "build the config with model_config_from_hf.")
+  t = {name: _f32(x) for name, x in tensors.items()}
+  e, d = cfg.d_model, cfg.head_dim
+  h, k = cfg.num_heads, cfg.num_kv_heads
+  blocks = {}
+  for i in range(cfg.num_layers):
+    w = functools.partial(lambda i_, name: t[_layer(i_, name)], i)
+    if cfg.attention == "transformer":
+      attn = {"q": w("self_attn.q_proj.weight").T.reshape(e, h, d),
+              "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
+              "v": w("self_attn.v_proj.weight").T.reshape(e, k, d),
+              "o": w("self_attn.o_proj.weight").T.reshape(h, d, e)}
+    else:
+      attn = {"q": _to_pairs(w("self_attn.q_proj.weight"), h, d),
+              "k": _to_pairs(w("self_attn.k_proj.weight"), k, d),
+              "v": _to_pairs(w("self_attn.v_proj.weight"), k, d).reshape(e, k, 2 * d),
+              "o": w("self_attn.o_proj.weight").T.reshape(h, 2 * d, e),
+              "norm_scale": np.ones((2 * d,), np.float32)}
+      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        attn[lam] = w(f"self_attn.{lam}")
+    blocks[i] = {
+        "attn": {name: np.ascontiguousarray(x) for name, x in attn.items()},
+        "attn_norm": {"scale": w("input_layernorm.weight")},
+        "mlp": {"w_gate": np.ascontiguousarray(w("mlp.gate_proj.weight").T),
+                "w_up": np.ascontiguousarray(w("mlp.up_proj.weight").T),
+                "w_down": np.ascontiguousarray(w("mlp.down_proj.weight").T)},
+        "mlp_norm": {"scale": w("post_attention_layernorm.weight")},
+    }
+  params: Params = {"blocks": blocks, "embed": {"embedding": t["model.embed_tokens.weight"]},
+                    "final_norm": {"scale": t["model.norm.weight"]}}
+  if not cfg.tie_embeddings:
+    params["lm_head"] = np.ascontiguousarray(t["lm_head.weight"].T)
+  return params
+
+
+def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32
+                   ) -> dict[str, np.ndarray]:
+  """transformers tensors (``dtype``, contiguous) of diffjax parameters ``params``.
+
+  ``params`` is the DecoderLM state as a pure dict (arrays of any kind). Raises
+  :class:`ConversionError` for an arm without a transformers class.
+  """
+  check_exportable(cfg)
+  e, d = cfg.d_model, cfg.head_dim
+  rows = _rope_rows(cfg)
+  out: dict[str, np.ndarray] = {
+      "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
+      "model.norm.weight": _f32(params["final_norm"]["scale"]),
+  }
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = _f32(params["lm_head"]).T
+  for i in range(cfg.num_layers):
+    blk = params["blocks"][i]
+    a = {name: _f32(x) for name, x in blk["attn"].items()}
+    if cfg.attention == "transformer":
+      q = a["q"][..., rows].reshape(e, -1).T
+      k = a["k"][..., rows].reshape(e, -1).T
+      v = a["v"].reshape(e, -1).T
+      o = a["o"].reshape(-1, e).T
+    else:
+      q = _to_halves(a["q"][..., rows])
+      k = _to_halves(a["k"][..., rows])
+      v = _to_halves(a["v"].reshape(e, cfg.num_kv_heads, 2, d))
+      o = (a["o"] * a["norm_scale"][None, :, None]).reshape(-1, e).T
+      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        out[_layer(i, f"self_attn.{lam}")] = a[lam]
+    out.update({
+        _layer(i, "self_attn.q_proj.weight"): q,
+        _layer(i, "self_attn.k_proj.weight"): k,
+        _layer(i, "self_attn.v_proj.weight"): v,
+        _layer(i, "self_attn.o_proj.weight"): o,
+        _layer(i, "input_layernorm.weight"): _f32(blk["attn_norm"]["scale"]),
+        _layer(i, "post_attention_layernorm.weight"): _f32(blk["mlp_norm"]["scale"]),
+        _layer(i, "mlp.gate_proj.weight"): _f32(blk["mlp"]["w_gate"]).T,
+        _layer(i, "mlp.up_proj.weight"): _f32(blk["mlp"]["w_up"]).T,
+        _layer(i, "mlp.down_proj.weight"): _f32(blk["mlp"]["w_down"]).T,
+    })
+  return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}
