@@ -712,6 +712,17 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
   assert "no paired comparisons" in open(solo).read()
 
 
+def test_report_curve_has_one_row_per_step_after_a_resume(tmp_path):
+  # A resumed run's metrics.jsonl may repeat the steps trained again; the later line counts.
+  (tmp_path / "eval.json").write_text(json.dumps(_fake_eval("diff_v1", 0, np.random.default_rng(0))))
+  lines = [{"step": 1, "train/loss": 3.0}, {"step": 2, "train/loss": 2.9},
+           {"step": 2, "eval/loss": 3.1}, {"step": 2, "train/loss": 2.5}, {"step": 3, "train/loss": 2.4}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+  curve = R.load_results([str(tmp_path)])[0]["curve"]
+  assert [r["step"] for r in curve] == [1, 2, 3]
+  assert curve[1] == {"step": 2, "train/loss": 2.5, "eval/loss": 3.1}
+
+
 def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
   runs = [{"arm": arm, "seed": 0, "name": arm, "eval": _fake_eval(arm, 0, np.random.default_rng(0)),
            "curve": None} for arm in ("transformer", "diff_v1")]

@@ -13,7 +13,8 @@ from etils import epath
 from diffjax.compare.config import arm_names, check_comparison_config, run_config, run_name
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
-from diffjax.compare.runs import collect_run, evaluate_run, train_run, write_json
+from diffjax.compare.runs import collect_run, evaluate_run, train_run
+from diffjax.train.records import write_json
 
 
 def _clock(seconds: float) -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 
-def batch_hashes(metrics: Mapping[int, Mapping[str, float]]) -> dict[int, int]:
-  """{step: batch hash} from one run's metrics by step (steps without a hash are left out)."""
-  return {s: int(r["data/batch_hash"]) for s, r in metrics.items() if "data/batch_hash" in r}
+def batch_hashes(metrics: Sequence[Mapping[str, float]]) -> dict[int, int]:
+  """{step: batch hash} from one run's metrics rows (`diffjax.train.records.read_metrics`);
+  steps without a hash are left out."""
+  return {int(r["step"]): int(r["data/batch_hash"]) for r in metrics if "data/batch_hash" in r}
 
 
 def check_batches(hashes: Mapping[tuple[str, int], Mapping[int, int]], arms: Sequence[str],

@@ -13,6 +13,7 @@ from etils import epath
 
 from diffjax.compare.config import arm_names
 from diffjax.compare.summary import loss_curve, summary_section
+from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare/1"
 
@@ -63,8 +64,7 @@ def write_outputs(config: ml_collections.ConfigDict, workdir: str,
           "curve": curves[r["name"]],
       } for r in runs],
   }
-  with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
-    json.dump(_clean_json(results), f, indent=1)
+  write_json(os.path.join(out_dir, "results.json"), _clean_json(results))
   if remote:
     for name in os.listdir(out_dir):
       epath.Path(workdir, name).write_bytes(epath.Path(out_dir, name).read_bytes())

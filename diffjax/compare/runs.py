@@ -15,6 +15,7 @@ from etils import epath
 
 from diffjax.compare.config import eval_config, run_name
 from diffjax.model import ModelConfig, count_params
+from diffjax.train.records import read_metrics, write_json
 
 Log = Callable[[str], None]
 
@@ -34,27 +35,6 @@ def done_step(run_dir: str) -> int | None:
     return int(text.strip()) if text is not None else None
   except ValueError:
     return None
-
-
-def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:
-  """metrics.jsonl merged by step (a resumed run may repeat steps: the last value wins)."""
-  text = _read_text(epath.Path(run_dir, "metrics.jsonl")) or ""
-  rows: dict[int, dict[str, float]] = {}
-  for line in text.splitlines():
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError:  # a line cut by a kill
-      continue
-    if isinstance(row, dict) and "step" in row:
-      rows.setdefault(int(row["step"]), {"step": int(row["step"])}).update(row)
-  return dict(sorted(rows.items()))
-
-
-def write_json(path: epath.Path, obj: Any) -> None:
-  """Writes through a temporary name, so an interrupted write leaves no half file."""
-  tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1, allow_nan=True))
-  tmp.replace(path)
 
 
 def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log) -> int:
@@ -130,7 +110,8 @@ def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDi
 
 def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any] | None,
                 seconds: Mapping[str, float], log_every: int) -> dict[str, Any]:
-  """One run's record: trainer results, metrics by step, eval JSON (with trainer scalars).
+  """One run's record: trainer results, metrics rows (one per step), eval JSON (with trainer
+  scalars).
 
   Trainer results are added to the eval scalars so the report's tables and paired tests cover
   them too ("val/..." names ending in "loss" read as lower-is-better):
@@ -140,7 +121,7 @@ def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any]
   """
   final = json.loads(_read_text(epath.Path(run_dir, "final_metrics.json")) or "{}")
   metrics = read_metrics(run_dir)
-  last = [m["train/loss"] for s, m in metrics.items() if s > step - log_every and "train/loss" in m]
+  last = [m["train/loss"] for m in metrics if m["step"] > step - log_every and "train/loss" in m]
   scalars = dict((ev or {}).get("scalars", {}))
   if last:
     scalars["train/final_loss"] = sum(last) / len(last)

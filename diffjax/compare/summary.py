@@ -15,12 +15,14 @@ import ml_collections
 from diffjax.eval import stats
 
 
-def loss_curve(metrics: Mapping[int, Mapping[str, float]], every: int) -> list[dict[str, float]]:
-  """Rows {step, train/loss, eval/loss}: the train loss averaged over each window of ``every``
-  steps (per-step losses are too noisy to compare arms by eye), eval losses where measured."""
+def loss_curve(metrics: Sequence[Mapping[str, float]], every: int) -> list[dict[str, float]]:
+  """Rows {step, train/loss, eval/loss} from metrics rows sorted by step: the train loss averaged
+  over each window of ``every`` steps (per-step losses are too noisy to compare arms by eye),
+  eval losses where measured."""
   rows, window = [], []
-  last = max(metrics, default=0)
-  for step, m in metrics.items():
+  last = metrics[-1]["step"] if metrics else 0
+  for m in metrics:
+    step = int(m["step"])
     if "train/loss" in m:
       window.append(float(m["train/loss"]))
     row = {"step": step}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -24,6 +23,7 @@ import time
 from typing import Any, Sequence
 
 from diffjax.eval import evaluate as E
+from diffjax.train.records import write_json
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   result = E.evaluate_model(model, val, cfg, meta=meta, log=log)
   out = args.out or os.path.join(args.workdir, "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1, allow_nan=True)
+  write_json(out, result)
   s = result["scalars"]
   summary = ", ".join(f"{k}={v:.4g}" for k, v in s.items()
                       if k in ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy")

@@ -37,40 +37,27 @@ from typing import Any, Mapping, Sequence
 
 from diffjax.eval import plots, stats
 from diffjax.eval.aggregate import BASELINE, aggregate, as_number, by_arm, summary_lines
+from diffjax.train.records import METRICS_FILE, read_metrics
 
-__all__ = ["BASELINE", "aggregate", "load_results", "read_metrics_jsonl", "write_report"]
+__all__ = ["BASELINE", "aggregate", "load_results", "write_report"]
 
 
 # ----------------------------------------------------------------------------------------------
 # Loading.
 
 
-def read_metrics_jsonl(path: str) -> list[dict[str, float]]:
-  """Rows of a trainer metrics.jsonl (one JSON object per line; bad lines are skipped)."""
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(row, dict) and "step" in row:
-        rows.append(row)
-  return rows
-
-
 def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
-  """Runs from run directories (eval.json + metrics.jsonl) or eval JSON files."""
+  """Runs from run directories (eval.json + metrics.jsonl) or eval JSON files.
+
+  A run's "curve" is its metrics.jsonl, one row per step (`diffjax.train.records.read_metrics`),
+  or None without one.
+  """
   runs = []
   for path in paths:
     if os.path.isdir(path):
       eval_path = os.path.join(path, "eval.json")
-      metrics_path = os.path.join(path, "metrics.jsonl")
       ev = _read_json(eval_path) if os.path.isfile(eval_path) else None
-      curve = read_metrics_jsonl(metrics_path) if os.path.isfile(metrics_path) else None
+      curve = read_metrics(path) if os.path.isfile(os.path.join(path, METRICS_FILE)) else None
       if ev is None and curve is None:
         raise FileNotFoundError(f"{path!r} has neither eval.json nor metrics.jsonl; run "
                                 "`python -m diffjax.eval --workdir=...` on it first.")
