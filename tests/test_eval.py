@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from diffjax.data import ByteTokenizer, DocumentSource  # noqa: E402
-from diffjax.eval import metrics as M  # noqa: E402
+from diffjax.eval import measures as M  # noqa: E402
 from diffjax.eval import report as R  # noqa: E402
 from diffjax.eval import stats as S  # noqa: E402
 from diffjax.eval import evaluate as E  # noqa: E402
@@ -623,14 +623,14 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
 
   # The CLI on a run directory, with the checkpoint loader replaced by an in-memory model.
   import diffjax.train as train_pkg
-  from diffjax.eval import cli
+  from diffjax.eval import command
   run_config = {"seq_len": 64, "seed": 3,
                 "data": {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2}}
   monkeypatch.setattr(train_pkg, "load_model",
                       lambda workdir, step=None: (runners["transformer"].model, run_config, 7),
                       raising=False)
   dest = tmp_path / "eval.json"
-  assert cli.main(["--workdir", str(tmp_path), "--out", str(dest), "--quick", "--sections",
+  assert command.main(["--workdir", str(tmp_path), "--out", str(dest), "--quick", "--sections",
                    "validation,retrieval", "--set", "needle_grid=((1, 1),)", "--set",
                    "depths=(0.5,)", "--set", "batch_size=2", "--set", "val_batches=1"]) == 0
   written = json.loads(dest.read_text())

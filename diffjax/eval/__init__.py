@@ -1,11 +1,11 @@
-"""Evaluation: retrieval scoring, metrics, statistics over seeds, and reports.
+"""Evaluation: retrieval scoring, measures on arrays, statistics over seeds, and reports.
 
 The synthetic retrieval tasks (multi-needle retrieval in real text and associative recall with
 distractors) live in `diffjax.data.tasks`, since they are training sources as well; their names
 are importable from here too.
 
 Modules:
-  * `metrics`: pure array functions (exact match, attention allocation, outliers, absmax
+  * `measures`: pure array functions (exact match, attention allocation, outliers, absmax
     quantization, the clamp and correlation probes).
   * `stats`: t intervals over seeds, paired t-tests against the Transformer, verdicts in words.
   * `scoring`: loss and retrieval accuracy of any tokens -> logits function.
@@ -13,9 +13,11 @@ Modules:
     weight quantization.
   * `analysis`: attention allocation, outliers, lambda, the probes, low-bit robustness.
   * `config`: `EvalConfig`, sizes and sections (`EvalConfig.quick`, `EvalConfig.full`).
-  * `evaluate`: `evaluate_model`, everything into one JSON; `cli`: `python -m diffjax.eval
+  * `evaluate`: `evaluate_model`, everything into one JSON; `command`: `python -m diffjax.eval
     --workdir=RUN [--out=PATH] [--quick]`.
-  * `report`: aggregates eval JSONs of arms x seeds into report.md and PNG plots;
+  * `aggregate`: eval scalars of arms x seeds pooled (means with t intervals, paired
+    differences against the baseline arm, verdicts); `plots`: the report's PNGs.
+  * `report`: report.md and plots from the eval JSONs of arms x seeds;
     `python -m diffjax.eval.report RUN_DIR ... --out=DIR`.
 
 Eval JSON (one file per run, written by the CLI to <workdir>/eval.json, schema "diffjax.eval/1"):
@@ -75,8 +77,8 @@ from diffjax.data.tasks import (
     RetrievalExample,
     collate,
 )
-from diffjax.eval import metrics, stats
-from diffjax.eval.metrics import (
+from diffjax.eval import measures, stats
+from diffjax.eval.measures import (
     OutlierAccumulator,
     answer_exact_match,
     attention_allocation,
@@ -95,7 +97,7 @@ from diffjax.eval.metrics import (
 from diffjax.eval.stats import mean_ci, paired_difference, t_cdf, t_ppf, verdict
 
 __all__ = [
-    "metrics", "stats",
+    "measures", "stats",
     "OutlierAccumulator", "answer_exact_match", "attention_allocation", "clamp_negative",
     "combine_diff_maps", "map_correlation", "outlier_stats", "quantize_absmax",
     "quantize_activation_per_token", "quantize_attention_logits", "quantize_kv_per_head_token",

@@ -1,8 +1,8 @@
-"""`python -m diffjax.eval --workdir=RUN [--out=PATH] [--quick]`; see `diffjax.eval.cli`."""
+"""`python -m diffjax.eval --workdir=RUN [--out=PATH] [--quick]`; see `diffjax.eval.command`."""
 
 import sys
 
-from diffjax.eval.cli import main
+from diffjax.eval.command import main
 
 if __name__ == "__main__":
   sys.exit(main())

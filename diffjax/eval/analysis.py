@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from diffjax.eval import metrics as M
+from diffjax.eval import measures as M
 from diffjax.eval.config import EvalConfig
 from diffjax.eval.runner import ModelRunner
 from diffjax.eval.scoring import _chunks, _split_batch, retrieval_accuracy, validation_loss
@@ -38,7 +38,7 @@ def attention_allocation_by_layer(runner: ModelRunner, task, num_examples: int,
   Returns {"regions": REGION_NAMES, "layers": [per layer {"signed_share", "abs_share", "signed",
   "absolute"} each a list over regions, averaged over heads], "summary": the same averaged over
   layers, "by_depth": {depth: summary}}. Tables show "answer" and "context" of signed_share
-  and abs_share (see `metrics.attention_allocation`).
+  and abs_share (see `measures.attention_allocation`).
   """
   per_layer_sums: list[dict[str, np.ndarray] | None] = []
   by_depth_sums: dict[str, list] = {}
@@ -114,7 +114,7 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
     correlation: per layer Pearson correlation of A1 and A2 over non-salient keys (DIFF), or of
       query heads 2i and 2i+1 (Transformer, a control: what a plain model's would-be pairs
       share). Salient keys: the top-`corr_top_k` keys of A1, the first token and the query
-      itself (`metrics.salient_key_mask`). Both on probabilities and on logits.
+      itself (`measures.salient_key_mask`). Both on probabilities and on logits.
     negative_mass: per layer, mean over sampled rows and heads of the summed negative weights.
   """
   rng = np.random.default_rng(seed)

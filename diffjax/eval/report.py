@@ -19,12 +19,12 @@ Outputs in `out_dir`: report.md and the PNGs of `diffjax.eval.plots` (each only 
 has its data). `write_report` takes a `preamble`, markdown placed right after the title (a
 comparison puts its own summary there).
 
-Statistics (`diffjax.eval.aggregate`, `diffjax.eval.stats`): each arm's scalar is reported as mean ± half-width of the
-two-sided 95% t interval over seeds (n shown; no interval with one seed); each non-baseline arm
-is compared with the baseline by paired differences over the seeds both have, with a paired
-t-test. The summary sentences come from `stats.verdict`: "better/worse" only with p < 0.05 and a
-metric whose direction is known, "no significant difference" otherwise, and the seed count
-always.
+Statistics (`diffjax.eval.aggregate`, `diffjax.eval.stats`): each arm's scalar is reported as
+mean ± half-width of the two-sided 95% t interval over seeds (n shown; no interval with one
+seed); each non-baseline arm is compared with the baseline by paired differences over the seeds
+both have, with a paired t-test. The summary sentences come from `stats.verdict`: "better/worse"
+only with p < 0.05 and a metric whose direction is known, "no significant difference"
+otherwise, and the seed count always.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.eval import metrics as M
+from diffjax.eval import measures as M
 from diffjax.model import Hooks
 
 LogitsFn = Callable[..., Any]

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from diffjax.eval import metrics as M
+from diffjax.eval import measures as M
 from diffjax.eval.runner import LogitsFn
 from diffjax.data.tasks import (DEPTHS, NEEDLE_GRID, AssociativeRecallTask, ContextTooShort,
                                 MultiNeedleTask, collate)
@@ -67,7 +67,7 @@ def _chunks(n: int, size: int):
 
 def retrieval_accuracy(fn: LogitsFn, task, num_examples: int | None = None,
                        batch_size: int = 8) -> dict[str, Any]:
-  """Teacher-forced exact-match accuracy of `task` (see `metrics.answer_exact_match`).
+  """Teacher-forced exact-match accuracy of `task` (see `measures.answer_exact_match`).
 
   Returns "accuracy" (over answers), "all_correct" (over examples), counts, and "by_depth":
   {depth: accuracy} over the examples whose answer needle was at that depth (when the task has
@@ -175,7 +175,7 @@ def greedy_exact_match(fn: LogitsFn, batch: Batch) -> tuple[np.ndarray, np.ndarr
   For each answer segment, the sequence up to the segment's start is the prompt (gold tokens,
   including earlier answers and the template between answers); the model then generates as many
   tokens as the answer has, feeding back its own tokens. Returns (correct_BxR, present_BxR) like
-  `metrics.answer_exact_match`, which it equals (see the metrics module docstring); this slower
+  `measures.answer_exact_match`, which it equals (see the measures module docstring); this slower
   function exists to check that claim.
   """
   tokens = np.asarray(batch["tokens"])

@@ -1,4 +1,4 @@
-"""Evaluation metrics as pure array functions (numpy in, numpy or python numbers out).
+"""Evaluation measures as pure array functions (numpy in, numpy or python numbers out).
 
 Nothing here calls a model; `diffjax.eval.evaluate` feeds these functions with logits, attention
 maps and hidden states. Shape letters: B batch, T query positions, S key positions, H heads,
@@ -33,20 +33,22 @@ ArrayLike = np.ndarray
 
 def token_nll(logits_BxTxV, targets_BxT) -> np.ndarray:
   """Per-token negative log-likelihood in nats, float64 (B, T); a log-softmax in float64."""
-  logits = np.asarray(logits_BxTxV, np.float64)
-  m = logits.max(axis=-1, keepdims=True)
-  logz = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[..., 0]
-  picked = np.take_along_axis(logits, np.asarray(targets_BxT)[..., None].astype(np.int64), -1)[..., 0]
-  return logz - picked
+  logits_BxTxV = np.asarray(logits_BxTxV, np.float64)
+  max_BxTx1 = logits_BxTxV.max(axis=-1, keepdims=True)
+  sum_exp_BxTx1 = np.exp(logits_BxTxV - max_BxTx1).sum(axis=-1, keepdims=True)
+  logz_BxT = (max_BxTx1 + np.log(sum_exp_BxTx1))[..., 0]
+  targets_BxTx1 = np.asarray(targets_BxT)[..., None].astype(np.int64)
+  picked_BxT = np.take_along_axis(logits_BxTxV, targets_BxTx1, -1)[..., 0]
+  return logz_BxT - picked_BxT
 
 
 def answer_token_correct(logits_BxTxV, tokens_BxT) -> np.ndarray:
   """(B, T) bool: position t > 0 is True when argmax(logits[t - 1]) == tokens[t]; t = 0 False."""
   pred_BxTm1 = np.asarray(logits_BxTxV).argmax(axis=-1)[:, :-1]
-  tokens = np.asarray(tokens_BxT)
-  out = np.zeros(tokens.shape, bool)
-  out[:, 1:] = pred_BxTm1 == tokens[:, 1:]
-  return out
+  tokens_BxT = np.asarray(tokens_BxT)
+  correct_BxT = np.zeros(tokens_BxT.shape, bool)
+  correct_BxT[:, 1:] = pred_BxTm1 == tokens_BxT[:, 1:]
+  return correct_BxT
 
 
 def answer_exact_match(logits_BxTxV, tokens_BxT, answer_segments_BxT,
@@ -63,40 +65,40 @@ def answer_exact_match(logits_BxTxV, tokens_BxT, answer_segments_BxT,
     correct_BxR bool: all tokens of answer r are predicted; present_BxR bool: example b has
     answer r (examples may have fewer answers than R).
   """
-  segs = np.asarray(answer_segments_BxT)
-  ok = answer_token_correct(logits_BxTxV, tokens_BxT)
-  return segment_exact_match(ok, segs, num_segments)
+  correct_BxT = answer_token_correct(logits_BxTxV, tokens_BxT)
+  return segment_exact_match(correct_BxT, np.asarray(answer_segments_BxT), num_segments)
 
 
 def segment_exact_match(token_correct_BxT, answer_segments_BxT,
                         num_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Per-segment all-tokens-correct from a (B, T) per-token correctness array; see above."""
-  segs = np.asarray(answer_segments_BxT)
-  ok = np.asarray(token_correct_BxT, bool)
-  if segs[:, 0].max(initial=-1) >= 0:
+  segments_BxT = np.asarray(answer_segments_BxT)
+  token_correct_BxT = np.asarray(token_correct_BxT, bool)
+  if segments_BxT[:, 0].max(initial=-1) >= 0:
     raise ValueError("An answer token at position 0 has no logits to predict it; answers must "
                      "follow at least one prompt token.")
-  r = int(segs.max(initial=-1)) + 1 if num_segments is None else int(num_segments)
-  present = np.zeros((segs.shape[0], r), bool)
-  correct = np.zeros((segs.shape[0], r), bool)
+  b = segments_BxT.shape[0]
+  r = int(segments_BxT.max(initial=-1)) + 1 if num_segments is None else int(num_segments)
+  present_BxR = np.zeros((b, r), bool)
+  correct_BxR = np.zeros((b, r), bool)
   for k in range(r):
-    in_k = segs == k
-    present[:, k] = in_k.any(axis=1)
-    correct[:, k] = present[:, k] & np.all(ok | ~in_k, axis=1)
-  return correct, present
+    in_k_BxT = segments_BxT == k
+    present_BxR[:, k] = in_k_BxT.any(axis=1)
+    correct_BxR[:, k] = present_BxR[:, k] & np.all(token_correct_BxT | ~in_k_BxT, axis=1)
+  return correct_BxR, present_BxR
 
 
 def retrieval_accuracy(correct_BxR, present_BxR) -> dict[str, float]:
   """Accuracy over answers ("accuracy": mean over every present answer, the paper's number) and
   over examples ("all_correct": fraction of examples with every answer right)."""
-  correct, present = np.asarray(correct_BxR, bool), np.asarray(present_BxR, bool)
-  n = int(present.sum())
+  correct_BxR, present_BxR = np.asarray(correct_BxR, bool), np.asarray(present_BxR, bool)
+  n = int(present_BxR.sum())
   if n == 0:
     raise ValueError("No answers to score: every answer_segments entry is -1.")
-  has_any = present.any(axis=1)
-  all_ok = np.all(correct | ~present, axis=1)[has_any]
-  return {"accuracy": float(correct[present].mean()), "all_correct": float(all_ok.mean()),
-          "num_answers": n, "num_examples": int(has_any.sum())}
+  has_any_B = present_BxR.any(axis=1)
+  all_ok = np.all(correct_BxR | ~present_BxR, axis=1)[has_any_B]
+  return {"accuracy": float(correct_BxR[present_BxR].mean()), "all_correct": float(all_ok.mean()),
+          "num_answers": n, "num_examples": int(has_any_B.sum())}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,12 +107,14 @@ def retrieval_accuracy(correct_BxR, present_BxR) -> dict[str, float]:
 
 def combine_diff_maps(probs1_BxHxTxS, probs2_BxHxTxS, lam) -> np.ndarray:
   """A1 - lambda A2 with lambda a scalar (DIFF V1) or per token and head (B, T, H) (DIFF V2)."""
-  p1, p2 = np.asarray(probs1_BxHxTxS, np.float32), np.asarray(probs2_BxHxTxS, np.float32)
+  p1_BxHxTxS = np.asarray(probs1_BxHxTxS, np.float32)
+  p2_BxHxTxS = np.asarray(probs2_BxHxTxS, np.float32)
   lam = np.asarray(lam, np.float32)
   if lam.ndim == 0:
-    return p1 - lam * p2
-  if lam.ndim == 3:  # (B, T, H) -> (B, H, T, 1)
-    return p1 - np.transpose(lam, (0, 2, 1))[..., None] * p2
+    return p1_BxHxTxS - lam * p2_BxHxTxS
+  if lam.ndim == 3:
+    lam_BxHxTx1 = np.transpose(lam, (0, 2, 1))[..., None]
+    return p1_BxHxTxS - lam_BxHxTx1 * p2_BxHxTxS
   raise ValueError(f"lambda must be a scalar or (B, T, H); got shape {lam.shape}.")
 
 
@@ -134,18 +138,18 @@ def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS,
     row_total: (H,) mean signed row sum (1 for softmax, 1 - lambda for DIFF V1).
     num_rows: number of rows averaged.
   """
-  attn = np.asarray(attn_BxHxTxS, np.float64)
-  rows = np.asarray(rows_BxT, bool)
-  regions = np.asarray(regions_BxS)
-  b, h, t, s = attn.shape
-  if rows.shape != (b, t) or regions.shape != (b, s):
-    raise ValueError(f"rows {rows.shape} must be (B, T) = {(b, t)} and regions {regions.shape} "
-                     f"(B, S) = {(b, s)}.")
-  n = int(rows.sum())
+  attn_BxHxTxS = np.asarray(attn_BxHxTxS, np.float64)
+  rows_BxT = np.asarray(rows_BxT, bool)
+  regions_BxS = np.asarray(regions_BxS)
+  b, _, t, s = attn_BxHxTxS.shape
+  if rows_BxT.shape != (b, t) or regions_BxS.shape != (b, s):
+    raise ValueError(f"rows {rows_BxT.shape} must be (B, T) = {(b, t)} and regions "
+                     f"{regions_BxS.shape} (B, S) = {(b, s)}.")
+  n = int(rows_BxT.sum())
   if n == 0:
     raise ValueError("No query rows selected: rows_BxT is all False.")
-  onehot_BxSxR = (regions[..., None] == np.arange(num_regions)).astype(np.float64)
-  sel_BxHxTxS = attn * rows[:, None, :, None]
+  onehot_BxSxR = (regions_BxS[..., None] == np.arange(num_regions)).astype(np.float64)
+  sel_BxHxTxS = attn_BxHxTxS * rows_BxT[:, None, :, None]
   signed_HxR = np.einsum("bhts,bsr->hr", sel_BxHxTxS, onehot_BxSxR)
   abs_HxR = np.einsum("bhts,bsr->hr", np.abs(sel_BxHxTxS), onehot_BxSxR)
   total_signed_H = sel_BxHxTxS.sum(axis=(0, 2, 3))
@@ -358,21 +362,22 @@ def salient_key_mask(probs1_BxHxTxS, top_k: int = 4, always_BxS=None,
   Rows are the last T positions of S keys, or, when the maps hold selected rows only,
   `row_positions_BxR` gives each row's position (then T = R).
   """
-  p1 = np.asarray(probs1_BxHxTxS)
-  b, h, t, s = p1.shape
+  probs1_BxHxTxS = np.asarray(probs1_BxHxTxS)
+  t, s = probs1_BxHxTxS.shape[-2:]
   k = min(int(top_k), s)
-  mask = np.zeros(p1.shape, bool)
+  mask_BxHxTxS = np.zeros(probs1_BxHxTxS.shape, bool)
   if k > 0:
-    idx = np.argpartition(-p1, k - 1, axis=-1)[..., :k]
-    np.put_along_axis(mask, idx, True, axis=-1)
+    top_BxHxTxK = np.argpartition(-probs1_BxHxTxS, k - 1, axis=-1)[..., :k]
+    np.put_along_axis(mask_BxHxTxS, top_BxHxTxK, True, axis=-1)
   if always_BxS is not None:
-    mask |= np.asarray(always_BxS, bool)[:, None, None, :]
+    mask_BxHxTxS |= np.asarray(always_BxS, bool)[:, None, None, :]
   if row_positions_BxR is None:
-    diag = (np.arange(t)[:, None] + (s - t) == np.arange(s)[None, :])[None, None]
+    diag_1x1xTxS = (np.arange(t)[:, None] + (s - t) == np.arange(s)[None, :])[None, None]
+    mask_BxHxTxS |= diag_1x1xTxS
   else:
-    diag = (np.asarray(row_positions_BxR)[:, None, :, None] == np.arange(s))
-  mask |= diag
-  return mask
+    diag_Bx1xRxS = np.asarray(row_positions_BxR)[:, None, :, None] == np.arange(s)
+    mask_BxHxTxS |= diag_Bx1xRxS
+  return mask_BxHxTxS
 
 
 def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
@@ -390,25 +395,26 @@ def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
     per_head (H,) mean over used rows of the per-row correlation (NaN for a head with no row);
     mean: mean over heads of per_head (NaN-aware); rows_used (H,).
   """
-  a1 = np.asarray(a1_BxHxTxS, np.float64)
-  a2 = np.asarray(a2_BxHxTxS, np.float64)
-  m = np.asarray(keys_BxHxTxS, bool)
+  a1_BxHxTxS = np.asarray(a1_BxHxTxS, np.float64)
+  a2_BxHxTxS = np.asarray(a2_BxHxTxS, np.float64)
+  keys_BxHxTxS = np.asarray(keys_BxHxTxS, bool)
   if rows_BxT is not None:
-    m = m & np.asarray(rows_BxT, bool)[:, None, :, None]
-  n = m.sum(-1)
-  nn = np.maximum(n, 1)
-  mu1 = np.where(m, a1, 0).sum(-1) / nn
-  mu2 = np.where(m, a2, 0).sum(-1) / nn
-  d1 = np.where(m, a1 - mu1[..., None], 0)
-  d2 = np.where(m, a2 - mu2[..., None], 0)
-  cov = (d1 * d2).sum(-1)
-  v1, v2 = (d1 * d1).sum(-1), (d2 * d2).sum(-1)
+    keys_BxHxTxS = keys_BxHxTxS & np.asarray(rows_BxT, bool)[:, None, :, None]
+  n_BxHxT = keys_BxHxTxS.sum(-1)
+  denom_BxHxT = np.maximum(n_BxHxT, 1)
+  mu1_BxHxT = np.where(keys_BxHxTxS, a1_BxHxTxS, 0).sum(-1) / denom_BxHxT
+  mu2_BxHxT = np.where(keys_BxHxTxS, a2_BxHxTxS, 0).sum(-1) / denom_BxHxT
+  d1_BxHxTxS = np.where(keys_BxHxTxS, a1_BxHxTxS - mu1_BxHxT[..., None], 0)
+  d2_BxHxTxS = np.where(keys_BxHxTxS, a2_BxHxTxS - mu2_BxHxT[..., None], 0)
+  cov_BxHxT = (d1_BxHxTxS * d2_BxHxTxS).sum(-1)
+  v1_BxHxT, v2_BxHxT = (d1_BxHxTxS ** 2).sum(-1), (d2_BxHxTxS ** 2).sum(-1)
   # Relative variance floor: a constant row (e.g. all probabilities equal) has no correlation.
   tiny = 1e-24
-  ok = (n >= min_keys) & (v1 > tiny) & (v2 > tiny)
-  r = np.where(ok, cov / np.sqrt(np.where(ok, v1 * v2, 1.0)), 0.0)
-  used_H = ok.sum(axis=(0, 2))
+  ok_BxHxT = (n_BxHxT >= min_keys) & (v1_BxHxT > tiny) & (v2_BxHxT > tiny)
+  r_BxHxT = np.where(ok_BxHxT, cov_BxHxT / np.sqrt(np.where(ok_BxHxT, v1_BxHxT * v2_BxHxT, 1.0)),
+                     0.0)
+  used_H = ok_BxHxT.sum(axis=(0, 2))
   with np.errstate(invalid="ignore"):
-    per_head = r.sum(axis=(0, 2)) / np.where(used_H > 0, used_H, np.nan)
-  mean = float(np.nanmean(per_head)) if np.isfinite(per_head).any() else float("nan")
-  return {"per_head": per_head, "mean": mean, "rows_used": used_H}
+    per_head_H = r_BxHxT.sum(axis=(0, 2)) / np.where(used_H > 0, used_H, np.nan)
+  mean = float(np.nanmean(per_head_H)) if np.isfinite(per_head_H).any() else float("nan")
+  return {"per_head": per_head_H, "mean": mean, "rows_used": used_H}
