@@ -32,23 +32,25 @@ KNOBS = ("logits_bits", "act_bits", "kv_bits", "clamp")
 
 
 def _causal_valid(t: int, s: int, segment_ids_BxT=None):
-  valid = jnp.asarray(M.causal_valid_mask(t, s))[None, None]
-  if segment_ids_BxT is not None:
-    seg = jnp.asarray(segment_ids_BxT)
-    valid = valid & (seg[:, None, :, None] == seg[:, None, None, :])
-  return valid
+  """(1 or B, 1, T, S) bool: the entries a causal (and, with segment ids, packed) map may use."""
+  valid_1x1xTxS = jnp.asarray(M.causal_valid_mask(t, s))[None, None]
+  if segment_ids_BxT is None:
+    return valid_1x1xTxS
+  seg_BxT = jnp.asarray(segment_ids_BxT)
+  return valid_1x1xTxS & (seg_BxT[:, None, :, None] == seg_BxT[:, None, None, :])
 
 
 def _layer_maps(cap: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
   """The combined map and its parts for one layer's captures ([B, H, T, S] each)."""
   if "probs" in cap:
     return {"combined": cap["probs"], "logits": [cap["logits"]]}
-  lam = cap["lambda"].astype(jnp.float32)
+  lam = cap["lambda"].astype(jnp.float32)  # a scalar (DIFF V1) or [B, T, H] (DIFF V2)
   if lam.ndim == 0:
-    combined = cap["probs1"] - lam * cap["probs2"]
+    combined_BxHxTxS = cap["probs1"] - lam * cap["probs2"]
   else:
-    combined = cap["probs1"] - jnp.transpose(lam, (0, 2, 1))[..., None] * cap["probs2"]
-  return {"combined": combined, "logits": [cap["logits1"], cap["logits2"]]}
+    lam_BxHxTx1 = jnp.transpose(lam, (0, 2, 1))[..., None]
+    combined_BxHxTxS = cap["probs1"] - lam_BxHxTx1 * cap["probs2"]
+  return {"combined": combined_BxHxTxS, "logits": [cap["logits1"], cap["logits2"]]}
 
 
 class ModelRunner:
@@ -115,22 +117,23 @@ class ModelRunner:
     """Logits and, per layer, attention rows `idx_BxR` of every map: probs/logits (transformer)
     or probs1/probs2/logits1/logits2 and the combined map (B, H, R, S); lambda; lambda_init."""
     if "rows" not in self._fns:
-      def f(state, tokens, idx):
-        logits, caps = self._merge(state)(tokens, capture=True)
-        take = lambda x: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)
+      def f(state, tokens_BxT, idx_BxR):
+        logits_BxTxV, caps = self._merge(state)(tokens_BxT, capture=True)
+        # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
+        take = lambda x_BxHxTxS: jnp.take_along_axis(x_BxHxTxS, idx_BxR[:, None, :, None], axis=2)
         out = []
         for cap in caps:
           layer = {k: take(v) for k, v in cap.items()
                    if k in ("probs", "logits", "probs1", "probs2", "logits1", "logits2")}
           layer["combined"] = take(_layer_maps(cap)["combined"])
           if "lambda" in cap:
-            lam = cap["lambda"]
+            lam = cap["lambda"]  # a scalar (DIFF V1) or [B, T, H] (DIFF V2)
             layer["lambda"] = (lam if lam.ndim == 0 else
-                               jnp.take_along_axis(lam, idx[:, :, None], axis=1))
+                               jnp.take_along_axis(lam, idx_BxR[:, :, None], axis=1))
           if "lambda_init" in cap:
             layer["lambda_init"] = cap["lambda_init"]
           out.append(layer)
-        return logits, out
+        return logits_BxTxV, out
       self._fns["rows"] = jax.jit(f)
     logits, layers = self._fns["rows"](self.state, jnp.asarray(tokens_BxT), jnp.asarray(idx_BxR))
     return np.asarray(logits), jax.tree.map(np.asarray, layers)
@@ -140,19 +143,23 @@ class ModelRunner:
     indices `sample_idx_N`, |hidden|, lambda, and maps at rows `row_idx_BxR`."""
     key = ("text", k)
     if key not in self._fns:
-      def f(state, tokens, positions, segment_ids, sample_idx, row_idx):
-        _, caps = self._merge(state)(tokens, positions, segment_ids, capture=True)
-        b, t = tokens.shape
-        valid = _causal_valid(t, t, segment_ids)
-        take = lambda x: jnp.take_along_axis(x, row_idx[:, None, :, None], axis=2)
+      def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR):
+        _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
+        b, t = tokens_BxT.shape
+        valid_Bx1xTxT = _causal_valid(t, t, segment_ids_BxT)
+        # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
+        take = lambda x_BxHxTxS: jnp.take_along_axis(x_BxHxTxS, row_idx_BxR[:, None, :, None],
+                                                     axis=2)
         out = []
         for cap in caps:
           maps = _layer_maps(cap)
           tops, samples = [], []
-          for lg in maps["logits"]:
-            a = jnp.where(valid, jnp.abs(lg), -1.0)
-            tops.append(jax.lax.top_k(a.reshape(-1), k)[0])
-            samples.append(a.reshape(b, a.shape[1], t * t)[:, :, sample_idx].reshape(-1))
+          for logits_BxHxTxT in maps["logits"]:
+            # Masked entries become -1, below every |logit|, so top_k never picks them.
+            abs_BxHxTxT = jnp.where(valid_Bx1xTxT, jnp.abs(logits_BxHxTxT), -1.0)
+            tops.append(jax.lax.top_k(abs_BxHxTxT.reshape(-1), k)[0])
+            flat_BxHxTT = abs_BxHxTxT.reshape(b, abs_BxHxTxT.shape[1], t * t)
+            samples.append(flat_BxHxTT[:, :, sample_idx_N].reshape(-1))
           layer = {"logit_top": jnp.concatenate(tops), "logit_sample": jnp.concatenate(samples),
                    "hidden": cap["hidden"], "combined": take(maps["combined"])}
           for name in ("probs1", "probs2", "logits1", "logits2", "probs", "logits"):
