@@ -46,15 +46,15 @@ def attention_allocation_by_layer(runner: ModelRunner, task, num_examples: int,
   for chunk in _chunks(num_examples, batch_size):
     exs = task.examples(chunk)
     batch = collate(exs, pad_id=int(task.tokenizer.pad_id))
-    idx, ok = _row_index(batch["prediction_rows"])
-    _, layers = runner.rows(batch["tokens"], idx)
+    idx_BxR, ok_BxR = _row_index(batch["prediction_rows"])
+    _, layers = runner.rows(batch["tokens"], idx_BxR)
     if not per_layer_sums:
       per_layer_sums = [None] * len(layers)
     for b, ex in enumerate(exs):
       key = "none" if ex.depth is None else f"{ex.depth:g}"
       slot = by_depth_sums.setdefault(key, [None] * len(layers))
       for li, layer in enumerate(layers):
-        raw = _alloc_raw(layer["combined"][b:b + 1], ok[b:b + 1], batch["regions"][b:b + 1])
+        raw = _alloc_raw(layer["combined"][b:b + 1], ok_BxR[b:b + 1], batch["regions"][b:b + 1])
         per_layer_sums[li] = add(per_layer_sums[li], raw)
         slot[li] = add(slot[li], raw)
   layers_out = [_alloc_finish(s) for s in per_layer_sums]
@@ -127,20 +127,21 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
   corr_l: list[list[float]] | None = None
   neg: list[list[float]] | None = None
   for batch in batches:
-    inputs, _, pos, seg, _ = _split_batch(batch)
-    b, t = inputs.shape
+    inputs_BxT, _, positions_BxT, segment_ids_BxT, _ = _split_batch(batch)
+    b, t = inputs_BxT.shape
     valid_flat = np.flatnonzero(M.causal_valid_mask(t, t).reshape(-1))
     sample = valid_flat if valid_flat.size <= outlier_sample else np.sort(
         rng.choice(valid_flat, outlier_sample, replace=False))
-    rows = np.stack([_text_rows(t, probe_rows, rng) for _ in range(b)])
-    layers = runner.text_pass(inputs, pos, seg, sample.astype(np.int32), rows, k)
+    rows_BxR = np.stack([_text_rows(t, probe_rows, rng) for _ in range(b)])
+    layers = runner.text_pass(inputs_BxT, positions_BxT, segment_ids_BxT, sample.astype(np.int32),
+                              rows_BxR, k)
     if layer_logit is None:
       n_layers = len(layers)
       layer_logit = [M.OutlierAccumulator(ks=(1,)) for _ in range(n_layers)]
       layer_hidden = [M.OutlierAccumulator(ks=(1,)) for _ in range(n_layers)]
       lam_values = [[] for _ in range(n_layers)]
       corr_p, corr_l, neg = ([[] for _ in range(n_layers)] for _ in range(3))
-    seg_arr = None if seg is None else np.asarray(seg)
+    seg_BxT = None if segment_ids_BxT is None else np.asarray(segment_ids_BxT)
     for li, layer in enumerate(layers):
       # Entries that are not causally valid or cross documents come back as -1.
       top = layer["logit_top"]
@@ -156,24 +157,29 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
       if "lambda" in layer:
         lam_values[li].append(np.asarray(layer["lambda"], np.float64).reshape(-1))
       # Correlation probe on the sampled rows.
-      always = np.zeros((b, t), bool)
-      always[:, 0] = True
-      if seg_arr is not None:  # each document's first token is its sink
-        always[:, 1:] |= seg_arr[:, 1:] != seg_arr[:, :-1]
+      always_BxT = np.zeros((b, t), bool)
+      always_BxT[:, 0] = True
+      if seg_BxT is not None:  # each document's first token is its sink
+        always_BxT[:, 1:] |= seg_BxT[:, 1:] != seg_BxT[:, :-1]
+      # Maps at the sampled rows, [B, H', R, S]: A1 and A2 of each DIFF head, or for the
+      # Transformer its query heads 2i and 2i+1 as would-be pairs.
       if arm == "transformer":
-        p, lg = layer["probs"], layer["logits"]
-        h2 = p.shape[1] // 2 * 2
-        a1, a2, l1, l2 = p[:, 0:h2:2], p[:, 1:h2:2], lg[:, 0:h2:2], lg[:, 1:h2:2]
+        probs_BxHxRxS, logits_BxHxRxS = layer["probs"], layer["logits"]
+        h2 = probs_BxHxRxS.shape[1] // 2 * 2
+        a1_BxHxRxS, a2_BxHxRxS = probs_BxHxRxS[:, 0:h2:2], probs_BxHxRxS[:, 1:h2:2]
+        l1_BxHxRxS, l2_BxHxRxS = logits_BxHxRxS[:, 0:h2:2], logits_BxHxRxS[:, 1:h2:2]
       else:
-        a1, a2, l1, l2 = layer["probs1"], layer["probs2"], layer["logits1"], layer["logits2"]
-      if a1.shape[1] > 0:
-        key_ok = _row_key_valid(rows, t, seg_arr)
-        sal = M.salient_key_mask(a1, corr_top_k, always, row_positions_BxR=rows)
-        keys = key_ok[:, None] & ~sal
-        corr_p[li].append(M.map_correlation(a1, a2, keys)["mean"])
-        corr_l[li].append(M.map_correlation(l1, l2, keys)["mean"])
-      comb = layer["combined"]
-      neg[li].append(float(np.minimum(comb, 0).sum(-1).mean()))
+        a1_BxHxRxS, a2_BxHxRxS = layer["probs1"], layer["probs2"]
+        l1_BxHxRxS, l2_BxHxRxS = layer["logits1"], layer["logits2"]
+      if a1_BxHxRxS.shape[1] > 0:
+        key_ok_BxRxS = _row_key_valid(rows_BxR, t, seg_BxT)
+        salient_BxHxRxS = M.salient_key_mask(a1_BxHxRxS, corr_top_k, always_BxT,
+                                             row_positions_BxR=rows_BxR)
+        keys_BxHxRxS = key_ok_BxRxS[:, None] & ~salient_BxHxRxS
+        corr_p[li].append(M.map_correlation(a1_BxHxRxS, a2_BxHxRxS, keys_BxHxRxS)["mean"])
+        corr_l[li].append(M.map_correlation(l1_BxHxRxS, l2_BxHxRxS, keys_BxHxRxS)["mean"])
+      combined_BxHxRxS = layer["combined"]
+      neg[li].append(float(np.minimum(combined_BxHxRxS, 0).sum(-1).mean()))
   if layer_logit is None:
     raise ValueError("text_statistics needs at least one batch.")
   outliers = {"attention_logits": logit_acc.result(), "hidden": hidden_acc.result(),
