@@ -1,7 +1,15 @@
-"""The command line: ``python -m diffjax.compare --config=FILE --workdir=DIR [--config.K=V ...]``.
+"""The command line of the matched comparison.
+
+  python -m diffjax.compare --config=configs/compare/tiny.py --workdir=runs/compare_tiny
+      [--config.seeds="(0, 1, 2)" --config.base.num_steps=2000 --config.eval.mode=full ...]
+
+Trains every arm x seed of the config (runs/<arm>_seed<k> in the workdir; finished runs are
+skipped, unfinished ones resume), evaluates each run, checks from the logged batch hashes that
+the arms at each seed saw the same batches, and writes report.md, PNG plots and results.json
+into the workdir. --config.<key>=<value> sets any key the config file defines.
 
 Exit status: 0 done; 1 the arms did not see the same batches (the report says so at the top);
-2 a mistake in the command line or the config (one ``error:`` line, nothing written); 130 a
+2 a mistake in the command line or the config (one `error:` line, nothing written); 130 a
 signal stopped a run after it saved (rerun the same command to continue).
 """
 
@@ -34,8 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   argv = list(sys.argv if argv is None else argv)
   if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    import diffjax.compare  # pylint: disable=import-outside-toplevel
-    print(USAGE + "\n\n" + (diffjax.compare.__doc__ or ""))
+    print(USAGE + "\n\n" + __doc__)
     return 0
   # Own flag registry: importing this module (e.g. in tests) registers no global flags.
   fv = flags.FlagValues()
