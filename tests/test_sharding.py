@@ -28,15 +28,14 @@ def _child_main():
   import jax.numpy as jnp
   import numpy as np
   import orbax.checkpoint as ocp
+  from flax import nnx
   from jax.sharding import PartitionSpec as P
 
   from diffjax import sharding as shd
   from diffjax.model import ModelConfig, matched_configs
-  from diffjax.nn.partitioning import activation_sharding
   from diffjax.presets import base_config
   from diffjax.train.optim import make_optimizer
-  from diffjax.train.steps import make_train_step
-  from diffjax.train.trainer import _build_state
+  from diffjax.train.steps import create_model, make_train_step
 
   assert jax.device_count() == 8, jax.devices()
   base = ModelConfig(attention="transformer", vocab_size=64, d_model=32, num_layers=1,
@@ -64,13 +63,21 @@ def _child_main():
     mesh = shd.make_mesh(shape, devices=devices)
     rules = shd.DEFAULT_RULES
     shd.validate_mesh_for_model(mesh, cfg, 8)
-    graphdef, _, shards, init_fn = _build_state(cfg, tx, 0, mesh, rules)
+    # The train state laid out by the sharding package alone: params by their logical
+    # axis names, Adam moments like their params, the rest replicated.
+    graphdef, param_state = nnx.split(create_model(cfg, 0))
+    params = nnx.to_pure_dict(param_state)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+             "rng": jax.random.key_data(jax.random.key(0))}
+    param_shards = shd.param_shardings(param_state, mesh, rules)
+    shards = shd.state_shardings(tx, jax.eval_shape(lambda: state), param_shards, mesh)
+    state = jax.device_put(state, shards)
     bs = shd.batch_sharding(mesh, rules)
     batch = {k: jax.device_put(v, bs) for k, v in batch_np.items()}
-    with activation_sharding(mesh, rules):
+    with shd.activation_sharding(mesh, rules):
       step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shards, bs),
                      out_shardings=(shards, None))
-      state, metrics = step(init_fn(), batch)
+      state, metrics = step(state, batch)
     return state, metrics, shards, mesh
 
   for arm, cfg in matched_configs(base).items():

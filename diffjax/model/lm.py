@@ -9,7 +9,7 @@ from flax import nnx
 from diffjax.model.config import ModelConfig
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
 from diffjax.nn.layers import NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init
-from diffjax.nn.partitioning import constrain
+from diffjax.sharding import constrain
 
 _REMAT = {
     "full": None,

@@ -2,8 +2,8 @@
 
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
 from diffjax.nn.layers import Embed, Hooks, RMSNorm, SwiGLU
-from diffjax.nn.partitioning import activation_sharding, constrain, logical_to_spec
 from diffjax.nn.rope import apply_rope
+from diffjax.sharding import activation_sharding, constrain, logical_to_spec
 
 __all__ = [
     "Attention", "AttentionOptions", "DiffV1Attention", "DiffV2Attention", "Embed", "Hooks",

@@ -23,9 +23,9 @@ from flax import nnx
 from diffjax import ops
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, \
     torch_linear_init
-from diffjax.nn.partitioning import constrain
 from diffjax.nn.rope import ROPE_STYLES, apply_rope
 from diffjax.ops import reference as ref
+from diffjax.sharding import constrain
 
 
 @dataclasses.dataclass(frozen=True)

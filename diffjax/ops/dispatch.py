@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from diffjax import sharding
 from diffjax.core import validation as _v
-from diffjax.nn import partitioning
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "stock")
 OPS = ("mha", "diff_v1", "diff_v2")
@@ -189,28 +189,13 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) ->
   return implementation
 
 
-def _array_specs(op: str, batch, heads) -> tuple:
-  """PartitionSpecs of a kernel's arrays: batch and heads split, the rest whole.
-
-  Heads of q (and V2 pairs, which sit next to each other) and their kv heads are
-  split by the same mesh axis, so every shard holds whole GQA groups.
-  """
-  P = jax.sharding.PartitionSpec
-  x = P(batch, None, heads, None)
-  if op == "mha":
-    return (x, x, x)
-  if op == "diff_v1":
-    return (x, x, x, x, x, P(heads))
-  return (x, x, x, P(batch, None, heads))
-
-
 def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, causal: bool,
                 segment_ids, scale: float | None, block_sizes, interpret: bool) -> jax.Array:
   """Runs the registered ``implementation`` of ``op`` on ``arrays`` (resolved already).
 
-  Under :func:`diffjax.nn.activation_sharding` the kernel runs per device inside
-  ``jax.shard_map``: each device gets its batch rows and whole heads with their kv
-  groups.
+  Under :func:`diffjax.sharding.activation_sharding` the kernel runs per device
+  inside ``jax.shard_map``: each device gets its batch rows and whole heads with their
+  kv groups (:mod:`diffjax.sharding.kernel_specs`).
   """
   impl = lookup(op, implementation, current_platform(), interpret)
   b, t = jnp.shape(arrays[0])[:2]
@@ -219,16 +204,15 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
   d = jnp.shape(arrays[0])[-1]
   kwargs = dict(causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes,
                 interpret=interpret)
-  active = partitioning.current()
+  active = sharding.current()
   if active is None:
     return impl.fn(*arrays, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
   mesh, rules = active
-  batch = partitioning.logical_to_spec(("batch",), rules)[0]
-  heads = partitioning.logical_to_spec(("heads",), rules)[0]
-  P = jax.sharding.PartitionSpec
-  specs = _array_specs(op, batch, heads)
-  seg_spec = P(batch, None)
+  batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
+  head_axis = sharding.logical_to_spec(("heads",), rules)[0]
   has_seg = q_seg is not None
+  in_specs, out_spec = sharding.partition_specs(op, batch_axis, head_axis,
+                                                segment_ids=has_seg)
 
   def per_device(*args):
     if has_seg:
@@ -237,7 +221,6 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
       xs, qs, ks = args, None, None
     return impl.fn(*xs, q_segment_ids=qs, kv_segment_ids=ks, **kwargs)
 
-  in_specs = specs + ((seg_spec, seg_spec) if has_seg else ())
   args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
-  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=specs[0],
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                        check_vma=False)(*args)

@@ -14,30 +14,32 @@ Public API:
   diff_v1_decode, diff_v1_decode_reference: one-token decode against a KV cache.
   BlockSizes, DecodeBlockSizes: tiles and launch parameters.
   diff_v1_partition_specs, diff_v2_partition_specs, decode_partition_specs:
-    in/out PartitionSpecs to run a kernel per device under ``jax.shard_map``.
+    in/out PartitionSpecs to run a kernel per device under ``jax.shard_map`` (one
+    copy for every kernel, in :mod:`diffjax.sharding.kernel_specs`).
   mha_stock, diff_v1_stock, diff_v2_stock: the stock peers.
 """
 
 from diffjax.kernels.gpu.block_sizes import BlockSizes, DecodeBlockSizes
 from diffjax.kernels.gpu.stock import diff_v1_stock, diff_v2_stock, mha_stock
+from diffjax.sharding.kernel_specs import (
+    decode_partition_specs,
+    diff_v1_partition_specs,
+    diff_v2_partition_specs,
+)
 
-__all__ = ["BlockSizes", "DecodeBlockSizes", "diff_v1_stock", "diff_v2_stock", "mha_stock"]
+__all__ = [
+    "BlockSizes", "DecodeBlockSizes", "decode_partition_specs", "diff_v1_partition_specs",
+    "diff_v2_partition_specs", "diff_v1_stock", "diff_v2_stock", "mha_stock",
+]
 
 try:
   # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
   # stock paths above stay available (the ops' dispatch table warns that the fused
   # kernels are missing).
-  from diffjax.kernels.gpu.decode import (
-      decode_partition_specs,
-      diff_v1_decode,
-      diff_v1_decode_reference,
-  )
-  from diffjax.kernels.gpu.diff_v1 import diff_v1_fused, diff_v1_partition_specs
-  from diffjax.kernels.gpu.diff_v2 import diff_v2_fused, diff_v2_partition_specs
+  from diffjax.kernels.gpu.decode import diff_v1_decode, diff_v1_decode_reference
+  from diffjax.kernels.gpu.diff_v1 import diff_v1_fused
+  from diffjax.kernels.gpu.diff_v2 import diff_v2_fused
 except ImportError:  # pragma: no cover - depends on the installed jax
   pass
 else:
-  __all__ += [
-      "decode_partition_specs", "diff_v1_decode", "diff_v1_decode_reference", "diff_v1_fused",
-      "diff_v1_partition_specs", "diff_v2_fused", "diff_v2_partition_specs",
-  ]
+  __all__ += ["diff_v1_decode", "diff_v1_decode_reference", "diff_v1_fused", "diff_v2_fused"]

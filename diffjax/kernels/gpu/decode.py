@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec as P
 
 from diffjax.core import reference as ref
 from diffjax.core import validation as _v
@@ -172,12 +171,3 @@ def diff_v1_decode_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_B
   return ref.diff_v1_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
                                lam_H, causal=False, mask=mask_Bx1x1xS, scale=scale)
 
-
-def decode_partition_specs(batch_axis: str | None = "data", head_axis: str | None = "model"):
-  """(in_specs, out_specs) for :func:`diff_v1_decode` under ``jax.shard_map``.
-
-  In-spec order: q1, q2, k1, k2, v, lam_H, kv_len. K must be divisible by the size of
-  ``head_axis``. Use ``check_vma=False``.
-  """
-  x = P(batch_axis, None, head_axis, None)
-  return (x, x, x, x, x, P(head_axis), P(batch_axis)), x

@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from diffjax.core import validation as _v
 from diffjax.kernels.gpu import block_sizes as bs
@@ -99,19 +98,3 @@ def diff_v1_fused(
                          scale=_v.default_scale(scale, d), blocks=blocks,
                          interpret=bool(interpret))
 
-
-def diff_v1_partition_specs(batch_axis: str | None = "data", head_axis: str | None = "model",
-                            *, segment_ids: bool = False):
-  """(in_specs, out_specs) to run :func:`diff_v1_fused` per device under ``jax.shard_map``.
-
-  Batch is split over ``batch_axis`` and heads over ``head_axis``; the kv groups are
-  split over ``head_axis`` as well, so K must be divisible by that axis' size (each
-  device then holds whole GQA groups). ``lam_H`` is split with the heads. Pass
-  ``check_vma=False`` to ``jax.shard_map`` (Pallas calls carry no varying-axis rules).
-  In-spec order: q1, q2, k1, k2, v, lam_H[, q_segment_ids, kv_segment_ids].
-  """
-  x = P(batch_axis, None, head_axis, None)
-  in_specs = (x, x, x, x, x, P(head_axis))
-  if segment_ids:
-    in_specs += (P(batch_axis, None), P(batch_axis, None))
-  return in_specs, x

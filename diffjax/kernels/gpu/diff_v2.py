@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from diffjax.core import validation as _v
 from diffjax.kernels.gpu import block_sizes as bs
@@ -88,17 +87,3 @@ def diff_v2_fused(
                          causal=bool(causal), scale=_v.default_scale(scale, d),
                          blocks=blocks, interpret=bool(interpret))
 
-
-def diff_v2_partition_specs(batch_axis: str | None = "data", head_axis: str | None = "model",
-                            *, segment_ids: bool = False):
-  """(in_specs, out_specs) to run :func:`diff_v2_fused` per device under ``jax.shard_map``.
-
-  Query heads, kv heads and lambda's pair axis are split over ``head_axis`` (K must be
-  divisible by its size, so each device holds whole pairs inside whole GQA groups).
-  In-spec order: q, k, v, lam[, q_segment_ids, kv_segment_ids]. Use ``check_vma=False``.
-  """
-  x = P(batch_axis, None, head_axis, None)
-  in_specs = (x, x, x, P(batch_axis, None, head_axis))
-  if segment_ids:
-    in_specs += (P(batch_axis, None), P(batch_axis, None))
-  return in_specs, x

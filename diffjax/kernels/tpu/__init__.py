@@ -14,19 +14,20 @@ This package imports nothing from :mod:`diffjax.ops`.
 
 Public API: :func:`diff_v1_attention_tpu`, :func:`diff_v2_attention_tpu`,
 :class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
-(with :func:`check_head_sharding`),
+(with :func:`check_head_sharding`; one copy for every kernel, in
+:mod:`diffjax.sharding.kernel_specs`),
 :func:`diff_v1_stock_tpu`, :func:`diff_v2_stock_tpu`, and the baseline peer
 :func:`mha_stock_tpu` (one splash call).
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
 from diffjax.kernels.tpu.diff_attention import diff_v1_attention_tpu, diff_v2_attention_tpu
-from diffjax.kernels.tpu.sharding import (
+from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
+from diffjax.sharding.kernel_specs import (
     check_head_sharding,
     diff_v1_partition_specs,
     diff_v2_partition_specs,
 )
-from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
 
 __all__ = [
     "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_attention_tpu",

@@ -6,7 +6,7 @@ more computes every gradient, sharing dP = dO V^T and dV between the maps
 (:mod:`diffjax.kernels.tpu._forward`, :mod:`diffjax.kernels.tpu._backward`).
 The plain-JAX reference for both is :mod:`diffjax.core.reference`.
 
-Both functions work on one device; :mod:`diffjax.kernels.tpu.sharding` gives the
+Both functions work on one device; :mod:`diffjax.sharding.kernel_specs` gives the
 PartitionSpecs to run them under ``jax.shard_map`` over batch and heads.
 """
 

@@ -1,13 +1,4 @@
-"""Device meshes and logical-axis sharding rules.
-
-The model names every parameter axis (``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``mlp``, ``vocab``, ``norm``) and activation axis (``batch``,
-``length``, ...). One rules table maps those names to the mesh axes ``data``,
-``fsdp`` and ``tensor``:
-
-  * batch over ``data`` and ``fsdp``;
-  * parameters and optimizer state FSDP-sharded over ``fsdp`` along ``embed``;
-  * attention heads, kv heads, MLP hidden and vocabulary over ``tensor``.
+"""Device meshes, the checks a model puts on them, and the shardings of the train state.
 
 Because DIFF V1 kernels are [E, H, 2, d] (queries), [E, K, 2, d] (keys) and
 [E, K, 2d] (values), and DIFF V2 queries are [E, h, 2, d], splitting ``heads``
@@ -18,29 +9,16 @@ meshes whose tensor axis would split them.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from diffjax.nn.partitioning import logical_to_spec
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("norm", None),
-)
+from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -67,17 +45,22 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
 
 
 def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+  """A mesh with axes :data:`MESH_AXES` over ``devices`` (default: all of them)."""
   devices = list(jax.devices()) if devices is None else list(devices)
   shape = resolve_mesh_shape(shape, len(devices))
   try:
-    arr = jax.experimental.mesh_utils.create_device_mesh(shape, devices=devices)
+    arr = mesh_utils.create_device_mesh(shape, devices=devices)
   except Exception:  # non-physical device sets (CPU, topologies) keep their order
     arr = np.asarray(devices, dtype=object).reshape(shape)
   return Mesh(arr, MESH_AXES)
 
 
-def validate_mesh_for_model(mesh: Mesh, model_cfg, global_batch_size: int | None = None) -> None:
-  """Clear errors for meshes that would split heads, kv groups or the batch."""
+def validate_mesh_for_model(mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None
+                            ) -> None:
+  """Clear errors for meshes that would split heads, kv groups or the batch.
+
+  ``model_cfg`` is a :class:`diffjax.model.ModelConfig` (read by field name only).
+  """
   t = mesh.shape["tensor"]
   what = {"transformer": "attention heads", "diff_v1": "DIFF V1 heads (each with both "
           "components and its 2d value)", "diff_v2": "DIFF V2 pairs"}[model_cfg.attention]
@@ -102,12 +85,12 @@ def validate_mesh_for_model(mesh: Mesh, model_cfg, global_batch_size: int | None
                        f"data*fsdp={rows} (the batch is split over both axes).")
 
 
-def logical_param_specs(graphdef_state) -> Any:
+def logical_param_specs(graphdef_state: nnx.State) -> Any:
   """Logical PartitionSpecs (axis names) of an ``nnx.State`` of parameters."""
   return nnx.get_partition_spec(graphdef_state)
 
 
-def param_shardings(param_state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+def param_shardings(param_state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
   """NamedShardings for the params (as a pure dict, like the train state holds)."""
   specs = nnx.to_pure_dict(nnx.get_partition_spec(param_state))
 
@@ -129,25 +112,6 @@ def state_shardings(tx: optax.GradientTransformation, abstract_state: dict, para
   return {"params": param_shards, "opt_state": opt, "step": replicated, "rng": replicated}
 
 
-def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a [batch, length] input array."""
   return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
-
-
-def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None):
-  """Normalises a rules table from a config (list of pairs or a dict)."""
-  if rules is None:
-    return DEFAULT_RULES
-  items = rules.items() if isinstance(rules, Mapping) else rules
-  out = []
-  for item in items:
-    name, axes = tuple(item)
-    if isinstance(axes, (list, tuple)):
-      axes = tuple(axes)
-      bad = [a for a in axes if a not in MESH_AXES]
-    else:
-      bad = [axes] if axes is not None and axes not in MESH_AXES else []
-    if bad:
-      raise ValueError(f"Sharding rule {name!r} -> {axes!r} names unknown mesh axes {bad}; "
-                       f"the mesh axes are {MESH_AXES}.")
-    out.append((name, axes))
-  return tuple(out)

@@ -1,0 +1,48 @@
+"""Sharding on the ground floor: logical-axis rules, device meshes, kernel PartitionSpecs.
+
+* :mod:`diffjax.sharding.rules`: the rules table from logical axis names to the mesh
+  axes ``data``, ``fsdp``, ``tensor``, and the active-mesh context that modules
+  (:func:`constrain`) and ops (:func:`current`) read;
+* :mod:`diffjax.sharding.mesh`: building a mesh, checking it against a model, and
+  the shardings of parameters, optimizer state and batches;
+* :mod:`diffjax.sharding.kernel_specs`: the PartitionSpecs that run the attention
+  kernels per device under ``jax.shard_map``.
+
+This package imports nothing from the rest of diffjax, so every layer can use it.
+"""
+
+from diffjax.sharding.kernel_specs import (
+    check_head_sharding,
+    decode_partition_specs,
+    diff_v1_partition_specs,
+    diff_v2_partition_specs,
+    mha_partition_specs,
+    partition_specs,
+)
+from diffjax.sharding.mesh import (
+    batch_sharding,
+    logical_param_specs,
+    make_mesh,
+    param_shardings,
+    resolve_mesh_shape,
+    state_shardings,
+    validate_mesh_for_model,
+)
+from diffjax.sharding.rules import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    activation_sharding,
+    constrain,
+    current,
+    logical_to_spec,
+    rules_from_config,
+)
+
+__all__ = [
+    "DEFAULT_RULES", "MESH_AXES", "activation_sharding", "batch_sharding",
+    "check_head_sharding", "constrain", "current", "decode_partition_specs",
+    "diff_v1_partition_specs", "diff_v2_partition_specs", "logical_param_specs",
+    "logical_to_spec", "make_mesh", "mha_partition_specs", "param_shardings",
+    "partition_specs", "resolve_mesh_shape", "rules_from_config", "state_shardings",
+    "validate_mesh_for_model",
+]
