@@ -145,7 +145,9 @@ def test_import_accepts_the_older_config_format(tmp_path):
   # transformers 4.x wrote rope_theta at the top level and rope_scaling: null.
   src = copy_fixture("llama", tmp_path)
   theta = fixture_config("llama")["rope_parameters"]["rope_theta"]
-  edit_config(src, rope_parameters=_DELETE, rope_theta=theta, rope_scaling=None)
+  edit_config(src, rope_parameters=_DELETE, rope_theta=theta, rope_scaling=None, dtype=_DELETE,
+              torch_dtype="float32", transformers_version="4.46.0", mlp_bias=None,
+              _name_or_path="local/llama")
   model = load_hf(src)
   assert model.config.rope_theta == theta
   err = np.max(np.abs(padded_logits(model, npy("llama", "input_ids")) - npy("llama", "logits")))
@@ -228,6 +230,18 @@ def test_export_of_a_trained_layout_keeps_the_function(arm, tie, tmp_path):
   assert err <= 1e-5, f"max |import(export(m)) - m| = {err:.2e}"
   if arm == "diff_v1":
     assert np.all(model_params(again)["blocks"][0]["attn"]["norm_scale"] == 1.0)
+
+
+def test_export_in_bfloat16_rounds_each_tensor(imported, tmp_path):
+  kind, model = imported
+  out = os.path.join(tmp_path, "out")
+  save_hf(model, out, dtype="bfloat16")
+  with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+    assert json.load(f)["dtype"] == "bfloat16"
+  exported, original = read_tensors(out), read_tensors(fixture(kind))
+  for name, value in original.items():
+    assert exported[name].dtype == ml_dtypes.bfloat16, name
+    np.testing.assert_array_equal(exported[name], value.astype(ml_dtypes.bfloat16), name)
 
 
 def test_export_refuses_what_transformers_cannot_compute(tmp_path):

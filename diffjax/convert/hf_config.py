@@ -57,9 +57,10 @@ def _positive_float(hf: Mapping[str, Any], key: str, default: float) -> float:
   return float(value)
 
 
-def _require(hf: Mapping[str, Any], key: str, allowed: tuple, default: Any, why: str) -> None:
-  value = hf.get(key, default)
-  if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+def _refuse_true(hf: Mapping[str, Any], key: str, why: str) -> None:
+  """A switch diffjax lacks must be off: false, absent or null (transformers reads null as off)."""
+  value = hf.get(key)
+  if value is not None and value is not False:
     raise ConversionError(f"config.json: {key}={value!r} cannot be imported exactly: {why}.")
 
 
@@ -118,10 +119,13 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
   if "quantization_config" in hf:
     raise ConversionError("config.json: quantization_config is set; diffjax imports only "
                           "unquantized float weights.")
-  _require(hf, "hidden_act", ("silu",), "silu", "diffjax's MLP is SwiGLU (silu)")
-  _require(hf, "attention_bias", (False,), False, "diffjax's projections have no bias")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise ConversionError(f"config.json: hidden_act={act!r} cannot be imported exactly: "
+                          "diffjax's MLP is SwiGLU with silu.")
+  _refuse_true(hf, "attention_bias", "diffjax's projections have no bias")
   if arm == "transformer":
-    _require(hf, "mlp_bias", (False,), False, "diffjax's MLP has no bias")
+    _refuse_true(hf, "mlp_bias", "diffjax's MLP has no bias")
   dropout = hf.get("attention_dropout", 0.0)
   if dropout not in (0, 0.0, None):
     raise ConversionError(f"config.json: attention_dropout={dropout!r} cannot be imported "
