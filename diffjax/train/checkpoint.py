@@ -4,27 +4,61 @@ One checkpoint step directory holds three items:
   * ``state``: params, optimizer state, step and RNG (``StandardSave``);
   * ``data``: the grain iterator state, so a resumed run continues with exactly the
     next batch;
-  * ``meta``: the model config and the full run config as JSON.
+  * ``meta``: the model config and the full run config as JSON, plus an ``integrity``
+    record: per state leaf its shape, dtype and a 64-bit content digest, a SHA-256 of the
+    iterator state of every process, and a SHA-256 of the rest of ``meta``.
 Orbax writes each step into a temporary directory and renames it when complete, so
 a process killed mid-save leaves the previous complete step as the latest one.
-Resume order: read ``meta`` and compare model configs, then restore ``state`` into
-the abstract (optionally sharded) target, then the iterator.
+
+``save`` refuses a state whose floating leaves are not all finite: such a checkpoint
+would only make every resume fail again. The leaf digests come from one jitted pass over
+the state on its devices; a digest is a sum over elements of a mix of the element's bits
+and its index in the whole array, so it does not depend on how the array is sharded (a
+checkpoint restored onto another mesh still verifies) and any change to one element
+changes it.
+
+Resume order (``restore_newest_good``), newest step first: read ``meta`` and check its
+digest, let the caller compare model configs, compare the saved leaf names and shapes
+with the target (a changed model or optimizer is the user's to fix: refused, nothing
+moved), restore ``state`` into the abstract (optionally sharded) target and the
+iterator, then recompute and compare the digests. A step that cannot be read or does not
+verify is moved to ``<checkpoints>_quarantine/<step>-<reason>`` beside the checkpoint
+directory, where the manager does not look, and the previous step is tried.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from typing import Any
+import re
+import sys
+from typing import Any, Callable
 
 import grain
-from etils import epath
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+_FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint cannot be used for this run."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint step cannot be read, or its content differs from what was saved.
+
+  ``step`` is the step, ``reason`` a short tag (``missing``, ``unreadable``,
+  ``digest-mismatch``, ``not-finite``) and ``detail`` one line saying what was seen.
+  """
+
+  def __init__(self, directory, step: int, reason: str, detail: str):
+    super().__init__(f"Checkpoint step {step} in {directory} is unusable ({detail})")
+    self.step, self.reason, self.detail = step, reason, detail
 
 
 def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
@@ -36,22 +70,226 @@ def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.Checkpoi
                                item_names=("state", "data", "meta"))
 
 
+# --- digests -------------------------------------------------------------------------------------
+
+def _leaf_name(path) -> str:
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _named_leaves(tree: Any) -> tuple[list[str], list[Any]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [_leaf_name(p) for p, _ in flat], [x for _, x in flat]
+
+
+def _fmix32(h_X: jax.Array) -> jax.Array:
+  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
+  h_X = h_X ^ (h_X >> np.uint32(16))
+  h_X = h_X * np.uint32(0x85EBCA6B)
+  h_X = h_X ^ (h_X >> np.uint32(13))
+  h_X = h_X * np.uint32(0xC2B2AE35)
+  return h_X ^ (h_X >> np.uint32(16))
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as uint32 words (8-byte types gain a trailing axis of 2)."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = jnp.dtype(x.dtype).itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    small = jnp.uint8 if size == 1 else jnp.uint16
+    return jax.lax.bitcast_convert_type(x, small).astype(jnp.uint32)
+  if size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  raise TypeError(f"Cannot digest a leaf of dtype {x.dtype}.")
+
+
+def _leaf_digest(x: jax.Array) -> jax.Array:
+  """Two independent uint32 sums over elements of mix(bits, global flat index)."""
+  words = _as_words(jnp.asarray(x))
+  shape = words.shape
+  # The flat index from per-axis iotas rather than a reshape, which would make XLA
+  # gather a sharded array; uint32 arithmetic wraps, which a hash does not mind.
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride % 2**32)
+    stride *= shape[axis]
+  # For a fixed index each lane is a bijection of the element's bits, so changing any one
+  # element always changes both sums.
+  lane_a = _fmix32(words ^ _fmix32(index ^ np.uint32(0x9E3779B9)))
+  lane_b = _fmix32(words + _fmix32(index + np.uint32(0x7F4A7C15)))
+  return jnp.stack([jnp.sum(lane_a, dtype=jnp.uint32), jnp.sum(lane_b, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _scan_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """Per leaf: its digest (uint32[N, 2]) and whether all its values are finite (bool[N])."""
+  digests_Nx2 = jnp.stack([_leaf_digest(x) for x in leaves])
+  finite_N = jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                        else jnp.bool_(True) for x in leaves])
+  return digests_Nx2, finite_N
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _scan(leaves: list[Any]) -> tuple[list[str], np.ndarray]:
+  """Hex digests and finite flags of ``leaves``, computed where the leaves live."""
+  if not leaves:
+    return [], np.zeros((0,), bool)
+  digests_Nx2, finite_N = _scan_leaves(list(leaves))
+  digests_Nx2 = _to_host(digests_Nx2)
+  return [f"{int(a):08x}{int(b):08x}" for a, b in digests_Nx2], _to_host(finite_N)
+
+
+def _sha256(obj: Any) -> str:
+  blob = obj if isinstance(obj, bytes) else json.dumps(
+      json.loads(json.dumps(obj)), sort_keys=True).encode()
+  return hashlib.sha256(blob).hexdigest()
+
+
+def _per_process(hexdigest: str) -> dict[str, str]:
+  """Every process's digest (each process writes its own iterator state)."""
+  if jax.process_count() == 1:
+    return {"0": hexdigest}
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  rows = np.asarray(multihost_utils.process_allgather(
+      np.frombuffer(bytes.fromhex(hexdigest), np.uint8)))
+  return {str(i): bytes(row.astype(np.uint8)).hex() for i, row in enumerate(rows)}
+
+
+def _all_processes_agree(ok: bool) -> bool:
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())
+
+
+# --- save ----------------------------------------------------------------------------------------
+
 def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta: dict,
          *, force: bool = False) -> bool:
-  args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+  """Saves ``state``, the iterator and ``meta`` (plus their digests) as ``step``.
+
+  Raises ``CheckpointError`` without writing anything if a floating leaf of ``state``
+  is not finite. Returns what ``manager.save`` returns (whether a save started).
+  """
+  names, leaves = _named_leaves(state)
+  digests, finite = _scan(leaves)
+  bad = [n for n, ok in zip(names, finite) if not ok]
+  if bad:
+    latest = manager.latest_step()
+    kept = (f"the newest checkpoint, step {latest} in {manager.directory}, is kept"
+            if latest is not None else f"{manager.directory} holds no checkpoint yet")
+    what = "Parameters" if bad[0].startswith("params") else "The optimizer state"
+    verb = "are" if what == "Parameters" else "is"
+    more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
+    raise CheckpointError(
+        f"{what} at step {step} {verb} not finite ({bad[0]}{more}); not saved; {kept}. "
+        "Lower optim.lr or check the data.")
+  record = {"format": _FORMAT, "meta": _sha256(meta),
+            "leaves": {n: [list(np.shape(x)), str(x.dtype), d]
+                       for n, x, d in zip(names, leaves, digests)}}
+  args = {"state": ocp.args.StandardSave(state)}
   if data_iter is not None:
+    record["data"] = _per_process(_sha256(data_iter.get_state()))
     args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+  args["meta"] = ocp.args.JsonSave({**meta, "integrity": record})
   return manager.save(step, args=ocp.args.Composite(**args), force=force)
 
 
-def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+# --- restore -------------------------------------------------------------------------------------
+
+def _is_abandoned_read_noise(unraisable) -> bool:
+  """Reports left behind by a restore that failed part-way (see ``_quiet_abandoned_reads``)."""
+  exc = unraisable.exc_value
+  if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+    return True
+  code = getattr(unraisable.object, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _quiet_abandoned_reads() -> None:
+  """Drops the background noise of a failed restore, keeping every other report.
+
+  Orbax runs a restore on a fresh event loop and closes it as soon as one array read
+  fails; TensorStore then completes the other reads on its own threads and calls back
+  into the closed loop ("RuntimeError: Event loop is closed"), and coroutines of the
+  abandoned reads are collected with their exceptions. Python reports both through
+  ``sys.unraisablehook``, possibly much later (even at exit), so the filter stays.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    if not _is_abandoned_read_noise(unraisable):
+      previous(unraisable)
+
+  hook._drops_abandoned_reads = True
+  sys.unraisablehook = hook
+
+
+def _brief(e: BaseException) -> str:
+  """One line saying why a read failed, without the TensorStore spec Orbax embeds."""
+  chain, c = [], e
+  while c is not None and len(chain) < 8:
+    chain.append(c)
+    c = c.__cause__ or c.__context__
+  text = ""
+  for c in chain:
+    text = str(c).strip().strip("'\"")
+    if text and "TensorStore details" not in text:
+      break
+  text = text.split(" [tensorstore_spec")[0].splitlines()[0] if text else type(e).__name__
+  text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _reason(e: BaseException) -> str:
+  text = " ".join(str(c) for c in (e, e.__cause__, e.__context__) if c is not None)
+  missing = isinstance(e, (FileNotFoundError, KeyError)) or "NOT_FOUND" in text
+  return "missing" if missing else "unreadable"
+
+
+def _read_meta_and_record(manager: ocp.CheckpointManager, step: int) -> tuple[dict, dict | None]:
+  """The step's meta (without the integrity record) and the record (None if absent)."""
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    raw = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as e:  # orbax raises several types for unreadable steps
-    raise CheckpointError(
-        f"Checkpoint step {step} in {manager.directory} cannot be read ({type(e).__name__}: "
-        f"{e}). Move that step directory aside to resume from an earlier one.") from e
-  return restored["meta"]
+    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+  if not isinstance(raw, dict):
+    raise CorruptCheckpointError(manager.directory, step, "unreadable",
+                                 f"meta holds {type(raw).__name__}, not a JSON object")
+  meta = {k: v for k, v in raw.items() if k != "integrity"}
+  record = raw.get("integrity")
+  if not isinstance(record, dict) or record.get("format") != _FORMAT:
+    return meta, None
+  if record.get("meta") != _sha256(meta):
+    raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
+                                 "content digest mismatch in meta")
+  return meta, record
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  """The ``meta`` item of ``step`` as given to ``save``; ``CorruptCheckpointError`` if unusable."""
+  return _read_meta_and_record(manager, step)[0]
 
 
 def check_model_config(saved: dict, current: dict, directory) -> None:
@@ -68,24 +306,157 @@ def check_model_config(saved: dict, current: dict, directory) -> None:
         "--workdir for a different model, or restore the original settings.")
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:
+def _check_structure(manager, step: int, record: dict | None, names: list[str],
+                     leaves: list[Any], prefix: str = "") -> None:
+  """Refuses a target whose leaves differ from the saved ones (not a corruption)."""
+  if record is None:
+    return
+  saved = {n: v for n, v in record["leaves"].items() if n.startswith(prefix)}
+  target = dict(zip(names, leaves))
+  only_saved = [n for n in saved if n not in target]
+  only_now = [n for n in target if n not in saved]
+  reshaped = [f"{n} {tuple(saved[n][0])} vs {tuple(np.shape(x))}" for n, x in target.items()
+              if n in saved and tuple(saved[n][0]) != tuple(np.shape(x))]
+  if only_saved or only_now or reshaped:
+    parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+             for label, items in (("only in the checkpoint", only_saved),
+                                  ("only in this run", only_now), ("shape", reshaped)) if items]
+    raise CheckpointError(
+        f"Checkpoint step {step} in {manager.directory} holds a different model or optimizer "
+        f"state ({'; '.join(parts)}), e.g. optim.clip_norm switched on or off. Restore the "
+        "original settings, or use a new --workdir.")
+
+
+def _legacy_structure_error(manager, step: int, e: BaseException) -> CheckpointError | None:
+  """For steps without a record: Orbax's refusal of a changed structure, as one line."""
+  text = str(e)
+  if "tree structures do not match" in text or "is not compatible with the stored shape" in text:
+    return CheckpointError(
+        f"Checkpoint step {step} in {manager.directory} holds a different model or optimizer "
+        f"state ({_brief(e)}), e.g. optim.clip_norm switched on or off. Restore the original "
+        "settings, or use a new --workdir.")
+  return None
+
+
+def _verify(manager, step: int, record: dict | None, names: list[str], leaves: list[Any],
+            data_iter) -> None:
+  """Raises ``CorruptCheckpointError`` unless the restored leaves and iterator match."""
+  digests, finite = _scan(leaves)
+  if record is not None:
+    saved = record["leaves"]
+    # A leaf restored into another dtype was cast, so its bits cannot match: skip it.
+    wrong = [n for n, x, d in zip(names, leaves, digests)
+             if saved[n][1] == str(x.dtype) and saved[n][2] != d]
+    if wrong:
+      more = f" and {len(wrong) - 1} more leaves" if len(wrong) > 1 else ""
+      raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
+                                   f"content digest mismatch in {wrong[0]}{more}")
+    expected = record.get("data", {}).get(str(jax.process_index()))
+    if data_iter is not None and expected is not None and \
+        _sha256(data_iter.get_state()) != expected:
+      raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
+                                   "content digest mismatch in the data iterator state")
+  bad = [n for n, ok in zip(names, finite) if not ok]
+  if bad:
+    raise CorruptCheckpointError(manager.directory, step, "not-finite",
+                                 f"{bad[0]} holds non-finite values")
+
+
+def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
+                     check_meta: Callable[[dict], None]) -> tuple[Any, bool]:
+  """Restores and verifies one step; returns (state, verified)."""
+  meta, record = _read_meta_and_record(manager, step)
+  check_meta(meta)
+  names, abstract_leaves = _named_leaves(abstract_state)
+  _check_structure(manager, step, record, names, abstract_leaves)
   args = {"state": ocp.args.StandardRestore(abstract_state)}
   if data_iter is not None:
     args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  _quiet_abandoned_reads()
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(**args))
-  except Exception as e:
+    state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
+  except Exception as e:  # orbax and tensorstore raise several types for damaged files
+    legacy = _legacy_structure_error(manager, step, e) if record is None else None
+    if legacy is not None:
+      raise legacy from None
+    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+  _verify(manager, step, record, names, _named_leaves(state)[1], data_iter)
+  return state, record is not None
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:
+  """Restores and verifies ``step`` into ``abstract_state``; ``data_iter`` is set in place.
+
+  Raises ``CorruptCheckpointError`` if the step cannot be read or does not verify, and
+  ``CheckpointError`` if its state has other leaves than the target.
+  """
+  return _restore_checked(manager, step, abstract_state, data_iter, lambda meta: None)[0]
+
+
+def quarantine(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Path:
+  """Moves step directory ``step`` out of the manager's sight; returns where it went."""
+  directory = epath.Path(manager.directory)
+  root = directory.parent / f"{directory.name}_quarantine"
+  dest, n = root / f"{step}-{reason}", 1
+  while dest.exists():
+    dest, n = root / f"{step}-{reason}-{n}", n + 1
+  if jax.process_index() == 0:
+    root.mkdir(parents=True, exist_ok=True)
+    (directory / str(step)).rename(dest)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(f"diffjax_quarantine_{step}")
+  manager.reload()
+  return dest
+
+
+def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, data_iter, *,
+                        check_meta: Callable[[dict], None],
+                        message: Callable[[str], None]) -> tuple[int | None, Any]:
+  """Restores the newest step that reads and verifies, moving unusable newer ones aside.
+
+  ``check_meta(meta)`` runs first for each candidate; a ``CheckpointError`` it raises
+  (e.g. a changed model config) propagates and nothing is moved, as does a target whose
+  leaves differ from the saved ones. ``data_iter`` (or None) is restored in place.
+  ``message`` receives one line per moved step, and one for a step saved without digests.
+  Returns ``(None, None)`` if the manager holds no step, else ``(step, state)``; raises
+  ``CheckpointError`` if no step is usable (all of them moved aside).
+  """
+  moved = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    failure = None
+    try:
+      state, verified = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
+    except CorruptCheckpointError as e:
+      failure = e
+    if not _all_processes_agree(failure is None):
+      failure = failure or CorruptCheckpointError(
+          manager.directory, step, "unreadable", "another process could not read it")
+      dest = quarantine(manager, step, failure.reason)
+      moved.append(f"step {step} to {dest} ({failure.reason})")
+      message(f"{failure}; moved it to {dest} and trying the previous step.")
+      continue
+    if not verified:
+      message(f"Checkpoint step {step} has no content digest (saved by an older diffjax): "
+              "restored unverified.")
+    return step, state
+  if moved:
     raise CheckpointError(
-        f"Restoring step {step} from {manager.directory} failed ({type(e).__name__}: {e}). "
-        "The checkpoint may be corrupt, or written with a different model or optimizer "
-        "structure (e.g. optim.clip_norm switched on or off); move that step directory aside "
-        "to resume from an earlier one, or use a new --workdir.") from e
-  return restored["state"]
+        f"No usable checkpoint in {manager.directory}: moved {', '.join(moved)}. Rerun to "
+        "start from scratch, or move a step back to inspect it.")
+  return None, None
 
 
 def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any) -> Any:
-  """Restores only the parameters of a step (for evaluation), as plain arrays."""
+  """Restores and verifies only the parameters of a step (for evaluation), as plain arrays.
+
+  Raises ``CorruptCheckpointError`` if they cannot be read or do not verify.
+  """
+  _, record = _read_meta_and_record(manager, step)
+  names, leaves = _named_leaves({"params": params_target})
+  _check_structure(manager, step, record, names, leaves, prefix="params/")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_target)
+  _quiet_abandoned_reads()
   try:
     restored = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
@@ -93,11 +464,14 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
             restore_args={"params": jax.tree.map(lambda _: ocp.ArrayRestoreArgs(
                 sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), abstract)},
             partial_restore=True)))
-  except Exception as e:
-    raise CheckpointError(
-        f"Reading the parameters of step {step} from {manager.directory} failed "
-        f"({type(e).__name__}: {e}).") from e
-  return restored["state"]["params"]
+  except Exception as e:  # orbax and tensorstore raise several types for damaged files
+    legacy = _legacy_structure_error(manager, step, e) if record is None else None
+    if legacy is not None:
+      raise legacy from None
+    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+  params = restored["state"]["params"]
+  _verify(manager, step, record, names, _named_leaves({"params": params})[1], None)
+  return params
 
 
 def abstract_like(state: Any, shardings: Any = None) -> Any:

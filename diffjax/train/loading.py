@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+from typing import Callable
 
-import jax
 from flax import nnx
 
 from diffjax.model import DecoderLM, ModelConfig
@@ -12,34 +13,60 @@ from diffjax.train import checkpoint as ckpt
 from diffjax.train.steps import create_model
 
 
-def load_model(workdir: str, step: int | None = None, **model_overrides
-               ) -> tuple[DecoderLM, ModelConfig, int]:
-  """Returns ``(model, model_config, step)`` from the checkpoints of ``workdir``.
+def _stderr_line(text: str) -> None:
+  print(text, file=sys.stderr)
 
-  ``step`` defaults to the latest complete checkpoint. ``model_overrides`` change
-  settings that do not alter parameters (e.g. ``implementation="xla"``).
-  """
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No checkpoints in {directory!r}: pass the --workdir of a "
-                            "train.py run.")
-  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
-  steps = manager.all_steps()
-  if not steps:
-    raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
-  if step is None:
-    step = max(steps)
-  elif step not in steps:
-    raise ValueError(f"step={step} is not among the checkpoints of {directory!r}: {sorted(steps)}.")
+
+def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig]:
+  """The verified model of one step; ``CorruptCheckpointError`` if it is unusable."""
   meta = ckpt.read_meta(manager, step)
   cfg = ModelConfig.from_dict({**meta["model_config"], **model_overrides})
   with nnx.use_eager_sharding(False):
     abstract = nnx.eval_shape(lambda: create_model(cfg, 0))
   graphdef, abstract_state = nnx.split(abstract)
-  target = nnx.to_pure_dict(abstract_state)
-  params = ckpt.restore_params(manager, step, target)
+  params = ckpt.restore_params(manager, step, nnx.to_pure_dict(abstract_state))
   state = nnx.State(abstract_state)
   nnx.replace_by_pure_dict(state, params)
-  model = nnx.merge(graphdef, state)
-  manager.close()
-  return model, cfg, step
+  return nnx.merge(graphdef, state), cfg
+
+
+def load_model(workdir: str, step: int | None = None, *,
+               message: Callable[[str], None] | None = None, **model_overrides
+               ) -> tuple[DecoderLM, ModelConfig, int]:
+  """Returns ``(model, model_config, step)`` from the checkpoints of ``workdir``.
+
+  The parameters are checked against the digests saved with them. ``step`` defaults
+  to the newest checkpoint that reads and verifies; each newer unusable one is skipped
+  with one line to ``message`` (default: stderr) and left where it is, since a run may
+  still be writing to the workdir. An explicit ``step`` that is unusable raises
+  ``CheckpointError``. ``model_overrides`` change settings that do not alter
+  parameters (e.g. ``implementation="xla"``).
+  """
+  message = message or _stderr_line
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoints in {directory!r}: pass the --workdir of a "
+                            "train.py run.")
+  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
+    if step is not None and step not in steps:
+      raise ValueError(f"step={step} is not among the checkpoints of {directory!r}: "
+                       f"{sorted(steps)}.")
+    skipped = []
+    for candidate in [step] if step is not None else sorted(steps, reverse=True):
+      try:
+        model, cfg = _load_step(manager, candidate, model_overrides)
+      except ckpt.CorruptCheckpointError as e:
+        if step is not None:
+          raise
+        skipped.append(f"step {candidate} ({e.reason})")
+        message(f"{e}; skipping it.")
+        continue
+      return model, cfg, candidate
+    raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r}: "
+                               f"{', '.join(skipped)}.")
+  finally:
+    manager.close()
