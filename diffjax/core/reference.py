@@ -93,10 +93,10 @@ def attention_probs(
   ``logits_fn`` (analysis only) transforms the scaled float32 scores before the
   softmax, e.g. to quantize them; the returned logits are the transformed ones.
   """
-  logits = _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale)
+  logits_BxHxTxS = _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale)
   if logits_fn is not None:
-    logits = logits_fn(logits).astype(jnp.float32)
-  return logits, masked_softmax(logits, mask)
+    logits_BxHxTxS = logits_fn(logits_BxHxTxS).astype(jnp.float32)
+  return logits_BxHxTxS, masked_softmax(logits_BxHxTxS, mask)
 
 
 def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
@@ -126,38 +126,41 @@ def mha_reference(
   m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
                  kv_segment_ids_BxS=kv_seg, mask=mask)
   scale = _v.default_scale(scale, d)
-  logits, probs = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m,
-                                  logits_fn=logits_fn)
+  logits_BxHxTxS, probs_BxHxTxS = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m,
+                                                  logits_fn=logits_fn)
   if probs_fn is not None:
-    probs = probs_fn(probs)
-  out = _apply_probs(probs, v_BxSxKxDv, q_BxTxHxD.dtype)
+    probs_BxHxTxS = probs_fn(probs_BxHxTxS)
+  out_BxTxHxDv = _apply_probs(probs_BxHxTxS, v_BxSxKxDv, q_BxTxHxD.dtype)
   if return_aux:
-    return out, {"logits": logits, "probs": probs}
-  return out
+    return out_BxTxHxDv, {"logits": logits_BxHxTxS, "probs": probs_BxHxTxS}
+  return out_BxTxHxDv
 
 
-def _differential(q1, q2, k1, k2, v, lam_BxHxT, *, causal, segment_ids, mask, scale,
-                  return_aux, logits_fn, probs_fn):
+def _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxHxT, *,
+                  causal, segment_ids, mask, scale, return_aux, logits_fn, probs_fn):
   """(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V, the math V1 and V2 share.
 
   ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head).
   """
-  b, t, _, d = q1.shape
-  s = k1.shape[1]
+  b, t, _, d = q1_BxTxHxD.shape
+  s = k1_BxSxKxD.shape[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
   m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
                  kv_segment_ids_BxS=kv_seg, mask=mask)
   scale = _v.default_scale(scale, d)
-  logits1, p1 = attention_probs(q1, k1, scale=scale, mask=m, logits_fn=logits_fn)
-  logits2, p2 = attention_probs(q2, k2, scale=scale, mask=m, logits_fn=logits_fn)
+  logits1_BxHxTxS, p1_BxHxTxS = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m,
+                                                logits_fn=logits_fn)
+  logits2_BxHxTxS, p2_BxHxTxS = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m,
+                                                logits_fn=logits_fn)
   # One matmul with V on the combined (signed) probabilities.
-  p = p1 - lam_BxHxT[..., None] * p2
+  p_BxHxTxS = p1_BxHxTxS - lam_BxHxT[..., None] * p2_BxHxTxS
   if probs_fn is not None:
-    p = probs_fn(p)
-  out = _apply_probs(p, v, q1.dtype)
+    p_BxHxTxS = probs_fn(p_BxHxTxS)
+  out_BxTxHxDv = _apply_probs(p_BxHxTxS, v_BxSxKxDv, q1_BxTxHxD.dtype)
   if return_aux:
-    return out, {"logits1": logits1, "logits2": logits2, "probs1": p1, "probs2": p2}
-  return out
+    return out_BxTxHxDv, {"logits1": logits1_BxHxTxS, "logits2": logits2_BxHxTxS,
+                          "probs1": p1_BxHxTxS, "probs2": p2_BxHxTxS}
+  return out_BxTxHxDv
 
 
 def diff_v1_reference(

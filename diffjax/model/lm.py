@@ -47,18 +47,15 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
                hooks: Hooks = NO_HOOKS):
-    attn = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
-                     capture=capture, hooks=hooks)
-    aux = None
+    out = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT, capture=capture,
+                    hooks=hooks)
+    attn_BxTxE, aux = out if capture else (out, None)
+    h_BxTxE = x_BxTxE + attn_BxTxE
+    h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
+    h_BxTxE = constrain(h_BxTxE, ("batch", "length", "embed"))
     if capture:
-      attn, aux = attn
-    x = x_BxTxE + attn
-    x = x + self.mlp(self.mlp_norm(x), self.dtype, hooks)
-    x = constrain(x, ("batch", "length", "embed"))
-    if capture:
-      aux = dict(aux, hidden=x.astype(jnp.float32))
-      return x, aux
-    return x
+      return h_BxTxE, dict(aux, hidden=h_BxTxE.astype(jnp.float32))
+    return h_BxTxE
 
 
 class DecoderLM(nnx.Module):
@@ -92,31 +89,33 @@ class DecoderLM(nnx.Module):
     b, t = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    x = self.embed(tokens_BxT, dt)
-    x = constrain(x, ("batch", "length", "embed"))
+    x_BxTxE = self.embed(tokens_BxT, dt)
+    x_BxTxE = constrain(x_BxTxE, ("batch", "length", "embed"))
     captures = []
     for block in self.blocks:
       if capture:
-        x, aux = block(x, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks)
+        x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
+                             hooks=hooks)
         captures.append(aux)
       elif cfg.remat != "none":
-        x = _remat_block(block, x, positions_BxT, segment_ids_BxT, hooks, cfg.remat)
+        x_BxTxE = _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
+                               cfg.remat)
       else:
-        x = block(x, positions_BxT, segment_ids_BxT, hooks=hooks)
-    x = self.final_norm(x)
+        x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks)
+    x_BxTxE = self.final_norm(x_BxTxE)
     if cfg.tie_embeddings:
-      logits = self.embed.attend(x, dt)
+      logits_BxTxV = self.embed.attend(x_BxTxE, dt)
     else:
-      logits = jnp.einsum("bte,ev->btv", x.astype(dt), self.lm_head[...].astype(dt),
-                          preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", "length", "vocab"))
-    return (logits, captures) if capture else logits
+      logits_BxTxV = jnp.einsum("bte,ev->btv", x_BxTxE.astype(dt), self.lm_head[...].astype(dt),
+                                preferred_element_type=jnp.float32)
+    logits_BxTxV = constrain(logits_BxTxV, ("batch", "length", "vocab"))
+    return (logits_BxTxV, captures) if capture else logits_BxTxV
 
 
-def _remat_block(block, x, positions, segment_ids, hooks, policy_name):
+def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_name):
   policy = _REMAT[policy_name]
 
-  def run(blk, x_, pos_, seg_):
-    return blk(x_, pos_, seg_, hooks=hooks)
+  def run(blk, x, pos, seg):
+    return blk(x, pos, seg, hooks=hooks)
 
-  return nnx.remat(run, policy=policy)(block, x, positions, segment_ids)
+  return nnx.remat(run, policy=policy)(block, x_BxTxE, positions_BxT, segment_ids_BxT)

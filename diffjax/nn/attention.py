@@ -102,24 +102,25 @@ class Attention(nnx.Module):
                capture: bool = False, hooks: Hooks = NO_HOOKS):
     opts = self.options
     dt = opts.dtype
-    pos = _positions(x_BxTxE, positions_BxT)
-    q = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos, opts)
-    k = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos, opts)
-    v = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
-    q = constrain(q, ("batch", "length", "heads", "head_dim"))
+    pos_BxT = _positions(x_BxTxE, positions_BxT)
+    q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
+    k_BxSxKxD = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos_BxT, opts)
+    v_BxSxKxD = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
+    q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     if hooks.kv is not None:
-      k, v = hooks.kv(k), hooks.kv(v)
+      k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
     aux = None
     if capture or hooks.needs_reference:
-      out, aux = ref.mha_reference(q, k, v, causal=opts.causal, segment_ids=segment_ids_BxT,
-                                   return_aux=True, logits_fn=hooks.logits,
-                                   probs_fn=hooks.probs)
+      out_BxTxHxD, aux = ref.mha_reference(
+          q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
+          return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
     else:
-      out = ops.dot_product_attention(q, k, v, segment_ids=segment_ids_BxT,
-                                      **opts.kernel_kwargs())
-    out = constrain(out, ("batch", "length", "heads", "head_dim"))
-    y = project(out, self.o, "bthd,hde->bte", dt, hooks)
-    return (y, aux) if capture else y
+      out_BxTxHxD = ops.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                              segment_ids=segment_ids_BxT,
+                                              **opts.kernel_kwargs())
+    out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
+    y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
+    return (y_BxTxE, aux) if capture else y_BxTxE
 
 
 class DiffV1Attention(nnx.Module):
@@ -176,30 +177,34 @@ class DiffV1Attention(nnx.Module):
                capture: bool = False, hooks: Hooks = NO_HOOKS):
     opts = self.options
     dt = opts.dtype
-    pos = _positions(x_BxTxE, positions_BxT)
+    pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
     k_BxSxKx2xD = project(x_BxTxE, self.k, "bte,eksd->btksd", dt, hooks)
-    v_BxSxKx2D = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
-    q1, q2 = (_rope(q_BxTxHx2xD[:, :, :, s], pos, opts) for s in (0, 1))
-    k1, k2 = (_rope(k_BxSxKx2xD[:, :, :, s], pos, opts) for s in (0, 1))
+    # Dv = 2·D: one value per kv group, twice the width of a query/key component.
+    v_BxSxKxDv = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
+    q1_BxTxHxD, q2_BxTxHxD = (_rope(q_BxTxHx2xD[:, :, :, s], pos_BxT, opts) for s in (0, 1))
+    k1_BxSxKxD, k2_BxSxKxD = (_rope(k_BxSxKx2xD[:, :, :, s], pos_BxT, opts) for s in (0, 1))
     if hooks.kv is not None:
-      k1, k2, v_BxSxKx2D = hooks.kv(k1), hooks.kv(k2), hooks.kv(v_BxSxKx2D)
+      k1_BxSxKxD, k2_BxSxKxD = hooks.kv(k1_BxSxKxD), hooks.kv(k2_BxSxKxD)
+      v_BxSxKxDv = hooks.kv(v_BxSxKxDv)
     lam = self.lambda_value()
+    qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
     aux = None
     if capture or hooks.needs_reference:
-      core, aux = ref.diff_v1_reference(q1, q2, k1, k2, v_BxSxKx2D, lam, causal=opts.causal,
-                                        segment_ids=segment_ids_BxT, return_aux=True,
-                                        logits_fn=hooks.logits, probs_fn=hooks.probs)
+      core_BxTxHxDv, aux = ref.diff_v1_reference(
+          *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
+          return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
       aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.float32(self.lambda_init)})
     else:
-      core = ops.diff_v1_attention_core(q1, q2, k1, k2, v_BxSxKx2D, lam,
-                                        segment_ids=segment_ids_BxT, **opts.kernel_kwargs())
-    core = constrain(core, ("batch", "length", "heads", "head_dim"))
+      core_BxTxHxDv = ops.diff_v1_attention_core(*qk, v_BxSxKxDv, lam,
+                                                 segment_ids=segment_ids_BxT,
+                                                 **opts.kernel_kwargs())
+    core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
     if self.use_norm:
-      core = ref.rms_norm(core, self.norm_scale[...], self.norm_eps)
-    core = (core.astype(jnp.float32) * (1.0 - self.lambda_init)).astype(dt)
-    y = project(core, self.o, "bthd,hde->bte", dt, hooks)
-    return (y, aux) if capture else y
+      core_BxTxHxDv = ref.rms_norm(core_BxTxHxDv, self.norm_scale[...], self.norm_eps)
+    core_BxTxHxDv = (core_BxTxHxDv.astype(jnp.float32) * (1.0 - self.lambda_init)).astype(dt)
+    y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
+    return (y_BxTxE, aux) if capture else y_BxTxE
 
 
 class DiffV2Attention(nnx.Module):
@@ -233,25 +238,27 @@ class DiffV2Attention(nnx.Module):
     opts = self.options
     dt = opts.dtype
     b, t = x_BxTxE.shape[:2]
-    pos = _positions(x_BxTxE, positions_BxT)
+    pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
     h, d = q_BxTxHx2xD.shape[2], q_BxTxHx2xD.shape[4]
-    q_BxTxQxD = _rope(q_BxTxHx2xD.reshape(b, t, 2 * h, d), pos, opts)
-    k = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos, opts)
-    v = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
+    # Flattening [H, 2] puts the pair's heads at 2i and 2i+1 (Q = 2H query heads).
+    q_BxTxQxD = _rope(q_BxTxHx2xD.reshape(b, t, 2 * h, d), pos_BxT, opts)
+    k_BxSxKxD = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos_BxT, opts)
+    v_BxSxKxD = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
     if hooks.kv is not None:
-      k, v = hooks.kv(k), hooks.kv(v)
-    lam_logits = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
-    lam_BxTxH = jax.nn.sigmoid(lam_logits.astype(jnp.float32))
+      k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
+    lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
+    lam_BxTxH = jax.nn.sigmoid(lam_logits_BxTxH.astype(jnp.float32))
     aux = None
     if capture or hooks.needs_reference:
-      out, aux = ref.diff_v2_reference(q_BxTxQxD, k, v, lam_BxTxH, causal=opts.causal,
-                                       segment_ids=segment_ids_BxT, return_aux=True,
-                                       logits_fn=hooks.logits, probs_fn=hooks.probs)
+      out_BxTxHxD, aux = ref.diff_v2_reference(
+          q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=opts.causal,
+          segment_ids=segment_ids_BxT, return_aux=True, logits_fn=hooks.logits,
+          probs_fn=hooks.probs)
       aux = dict(aux, **{"lambda": lam_BxTxH})
     else:
-      out = ops.diff_v2_attention(q_BxTxQxD, k, v, lam_BxTxH, segment_ids=segment_ids_BxT,
-                                  **opts.kernel_kwargs())
-    out = constrain(out, ("batch", "length", "heads", "head_dim"))
-    y = project(out, self.o, "bthd,hde->bte", dt, hooks)
-    return (y, aux) if capture else y
+      out_BxTxHxD = ops.diff_v2_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH,
+                                          segment_ids=segment_ids_BxT, **opts.kernel_kwargs())
+    out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
+    y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
+    return (y_BxTxE, aux) if capture else y_BxTxE

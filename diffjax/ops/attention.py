@@ -104,7 +104,8 @@ def diff_v1_attention_core(
 
 
 def diff_v1_attention(
-    q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, *,
+    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam: jax.Array | float, *,
     norm_gain: jax.Array | None, lambda_init: float, eps: float = 1e-5,
     **kwargs) -> jax.Array:
   """DIFF V1 head outputs with the per-head RMSNorm and the (1 - lambda_init) scale.
@@ -113,13 +114,13 @@ def diff_v1_attention(
   gain-free norm. Other arguments as in :func:`diff_v1_attention_core`.
   Returns [B, T, H, Dv] in the dtype of q1.
   """
-  out = diff_v1_attention_core(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
-                               v_BxSxKxDv, lam, **kwargs)
-  dv = out.shape[-1]
+  out_BxTxHxDv = diff_v1_attention_core(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
+                                        v_BxSxKxDv, lam, **kwargs)
+  dv = out_BxTxHxDv.shape[-1]
   if norm_gain is not None and tuple(jnp.shape(norm_gain)) != (dv,):
     raise ValueError(f"norm_gain must have shape ({dv},); got {tuple(jnp.shape(norm_gain))}.")
-  normed = ref.rms_norm(out, norm_gain, eps)
-  return (normed.astype(jnp.float32) * (1.0 - lambda_init)).astype(out.dtype)
+  normed_BxTxHxDv = ref.rms_norm(out_BxTxHxDv, norm_gain, eps)
+  return (normed_BxTxHxDv.astype(jnp.float32) * (1.0 - lambda_init)).astype(out_BxTxHxDv.dtype)
 
 
 def diff_v2_attention(
