@@ -102,6 +102,35 @@ def corrupt(step_dir: str, kind: str, raw_leaf: np.ndarray | None = None) -> Non
     raise ValueError(kind)
 
 
+def remesh_scenario(root: str) -> dict:
+  """Saves a state sharded on a 2x4 mesh and restores it onto 8x1 and unsharded targets."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  devices = np.asarray(jax.devices()[:8])
+  assert devices.size == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+  def place(state, mesh, spec):
+    return jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, spec if x.ndim == 2 else P())), state)
+
+  mesh_a = jax.sharding.Mesh(devices.reshape(2, 4), ("x", "y"))
+  mesh_b = jax.sharding.Mesh(devices.reshape(8, 1), ("x", "y"))
+  state = place(tiny_state(1), mesh_a, P("x", "y"))
+  directory = os.path.join(root, "checkpoints")
+  manager = ckpt.make_manager(directory, keep=5, async_save=False)
+  ckpt.save(manager, 1, state, None, meta_for(1), force=True)
+  manager.wait_until_finished()
+  out = {}
+  for name, target in (("8x1", place(tiny_state(0), mesh_b, P("x", None))),
+                       ("unsharded", tiny_state(0))):
+    messages = []
+    step, back = ckpt.restore_newest_good(
+        manager, ckpt.abstract_like(target, jax.tree.map(lambda x: x.sharding, target)), None,
+        check_meta=lambda m: None, message=messages.append)
+    out[name] = dict(step=step, equal=bitwise_equal(back, state), messages=messages)
+  manager.close()
+  return out
+
+
 def scenario(kind: str, root: str) -> dict:
   """Writes two steps, damages step 2, restores the newest good step; returns what it saw."""
   directory = os.path.join(root, "checkpoints")
@@ -129,9 +158,10 @@ def scenario(kind: str, root: str) -> dict:
 
 
 def run_scenario(kind: str, tmp_path) -> tuple[dict, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
   r = subprocess.run([sys.executable, os.path.abspath(__file__), kind, str(tmp_path)],
-                     capture_output=True, text=True, timeout=180,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                     capture_output=True, text=True, timeout=180, env=env)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -180,6 +210,12 @@ def test_no_good_step_raises_one_line_naming_what_moved(tmp_path):
   assert all(m in err for m in moved), (moved, err)
   assert out["steps_left"] == [], out
   assert not any(n in stderr for n in NOISE), stderr[-3000:]
+
+
+def test_digest_does_not_depend_on_the_mesh(tmp_path):
+  out, _ = run_scenario("remesh", tmp_path)
+  for name in ("8x1", "unsharded"):
+    assert out[name] == dict(step=1, equal=True, messages=[]), (name, out)
 
 
 def test_async_saves_verify(tmp_path):
@@ -302,4 +338,5 @@ def test_load_model_falls_back_without_moving_and_refuses_an_explicit_corrupt_st
 
 
 if __name__ == "__main__":
-  print(json.dumps(scenario(sys.argv[1], sys.argv[2])))
+  run = remesh_scenario if sys.argv[1] == "remesh" else lambda root: scenario(sys.argv[1], root)
+  print(json.dumps(run(sys.argv[2])))
