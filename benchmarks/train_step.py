@@ -15,29 +15,21 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig, count_params, matched_configs
-from diffjax.nn.partitioning import activation_sharding
 from diffjax.presets import base_config, baseline_spec
-from diffjax.train.optim import make_optimizer
-from diffjax.train.steps import make_train_step
-from diffjax.train.trainer import _build_state
+from diffjax.train.setup import build_train_setup
 
 
 def bench_arm(cfg: ModelConfig, batch_np, steps: int, warmup: int):
-  mesh = shd.make_mesh((-1, 1, 1))
-  rules = shd.DEFAULT_RULES
-  tx, schedule = make_optimizer(base_config().optim)
-  graphdef, _, shards, init_fn = _build_state(cfg, tx, 0, mesh, rules)
-  bs = shd.batch_sharding(mesh, rules)
-  batch = {k: jax.device_put(v, bs) for k, v in batch_np.items()}
-  with activation_sharding(mesh, rules):
-    step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shards, bs),
-                   out_shardings=(shards, None), donate_argnums=(0,))
-  state = init_fn()
+  """Median step seconds and first-call (compile) seconds of ``cfg``'s train step."""
+  setup = build_train_setup(cfg, base_config().optim, seed=0, mesh=shd.make_mesh((-1, 1, 1)),
+                            rules=shd.DEFAULT_RULES)
+  batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch_np.items()}
+  step = setup.train_step
+  state = setup.init_fn()
   t0 = time.perf_counter()
   state, m = step(state, batch)
   jax.block_until_ready(m["loss"])

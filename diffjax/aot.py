@@ -18,16 +18,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import jax
-import jax.numpy as jnp
-
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
-from diffjax.nn.partitioning import activation_sharding
 from diffjax.ops import target_platform
 from diffjax.train.config_utils import check_config, resolved_model_config
-from diffjax.train.optim import make_optimizer
-from diffjax.train.steps import make_train_step
+from diffjax.train.setup import build_train_setup
 
 GIB = 1024 ** 3
 # HBM per chip (GiB) by device kind prefix.
@@ -88,32 +83,23 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
                        platform: str = "tpu"):
   """Lowers and compiles the sharded train step of ``config`` for ``devices``.
 
+  The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
   Returns ``(compiled, model_config, mesh)``.
   """
-  from diffjax.train.trainer import _build_state  # pylint: disable=import-outside-toplevel
   check_config(config)
   if vocab_size is None:
     vocab_size = load_tokenizer(config.data.tokenizer).vocab_size
   model_cfg = resolved_model_config(config, vocab_size)
   mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
-  rules = shd.rules_from_config(config.mesh.get("rules"))
-  shd.validate_mesh_for_model(mesh, model_cfg, config.global_batch_size)
-  tx, schedule = make_optimizer(config.optim)
-  graphdef, abstract_state, state_shards, _ = _build_state(model_cfg, tx, config.seed, mesh,
-                                                           rules)
-  batch_shard = shd.batch_sharding(mesh, rules)
-  b, t = config.global_batch_size, config.seq_len
-  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                   sharding=batch_shard)
-           for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       abstract_state, state_shards)
-  # Kernels are chosen for the target (TPU), not for this host's backend.
-  with activation_sharding(mesh, rules), target_platform(platform):
-    step = jax.jit(make_train_step(graphdef, tx, schedule, config.grad_accum_steps),
-                   in_shardings=(state_shards, batch_shard),
-                   out_shardings=(state_shards, None), donate_argnums=(0,))
-    compiled = step.lower(state, batch).compile()
+  setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
+                            rules=shd.rules_from_config(config.mesh.get("rules")),
+                            grad_accum_steps=config.grad_accum_steps,
+                            global_batch_size=config.global_batch_size)
+  batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
+  # Kernels resolve when the step is traced, which happens in .lower(): inside this
+  # context they are chosen for the target (TPU), not for this host's backend.
+  with target_platform(platform):
+    compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
   return compiled, model_cfg, mesh
 
 
@@ -134,16 +120,20 @@ def aot_report(config, topology: str) -> AotReport:
 def main(argv=None) -> int:
   from absl import flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  from diffjax.cli import run_guarded  # pylint: disable=import-outside-toplevel
+  from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config_utils import explain_flag_error  # pylint: disable=import-outside-toplevel
   cfg_flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                              lock_config=True)
   topo = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology, e.g. v5e:2x2, v5p:4x4x4.")
+  argv = list(argv or sys.argv)
   try:
-    flags.FLAGS(argv or sys.argv)
+    flags.FLAGS(argv)
     config = cfg_flag.value
     _ = config is not None and "model" in config
-  except Exception as e:
-    print(f"error: invalid command line: {str(e).splitlines()[-1]}", file=sys.stderr)
+  except Exception as e:  # absl and ml_collections raise several types for bad flags
+    detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    print(f"error: {explain_flag_error(argv) or 'invalid command line: ' + detail}",
+          file=sys.stderr)
     return 2
   if config is None:
     print("error: --config is required", file=sys.stderr)

@@ -429,6 +429,17 @@ def test_bad_pipeline_inputs_name_the_values(tmp_path):
     build(docs, seq_len=4).val_batches(1)
 
 
+def test_corpus_too_small_for_a_validation_split_says_how_large_it_must_be(tmp_path):
+  (tmp_path / "one.txt").write_text("print('hello')\n")
+  cfg = DataConfig(kind="text", paths=[str(tmp_path / "one.txt")], val_fraction=0.01)
+  with pytest.raises(ValueError, match=r"too small.*1 document.*at least 2 documents.*"
+                                       r"at least 2 x 33 = 66 tokens"):
+    build_datasets(cfg, seq_len=32, global_batch_size=2, seed=0)
+  # Two documents pass the split; each split still needs seq_len + 1 tokens.
+  with pytest.raises(ValueError, match=r"seq_len \+ 1 = 33 tokens is longer"):
+    build(marked_docs(2, max_len=5), seq_len=32, val_fraction=0.5)
+
+
 # --- the default corpus ---------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import threading
 from typing import Sequence
 
@@ -100,6 +101,11 @@ def document_hashes(corpus: PackedCorpus, split_seed: int) -> np.ndarray:
   return out_D
 
 
+def _docs_for_a_train_split(val_fraction: float) -> int:
+  """Documents needed so that all land in validation with probability below 1%."""
+  return max(2, math.ceil(math.log(0.01) / math.log(val_fraction)))
+
+
 def split_documents(corpus: PackedCorpus, val_fraction: float,
                     split_seed: int) -> tuple[np.ndarray, np.ndarray]:
   """Splits document ids into (train_ids, val_ids), each sorted, by `document_hashes`.
@@ -119,7 +125,10 @@ def split_documents(corpus: PackedCorpus, val_fraction: float,
   if is_val_D.all():
     raise ValueError(
         f"All {corpus.num_documents} documents fell into the validation split (val_fraction="
-        f"{val_fraction}); add documents or lower val_fraction (0 disables validation)."
+        f"{val_fraction}): the corpus is too small for this fraction. Each document lands "
+        f"there with probability {val_fraction}, so with {_docs_for_a_train_split(val_fraction)}"
+        " or more documents this happens less than once in 100 seeds; add documents or lower "
+        "val_fraction (0 disables validation)."
     )
   return ids_D[~is_val_D], ids_D[is_val_D]
 

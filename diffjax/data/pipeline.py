@@ -205,6 +205,7 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
         f"of {tokenizer!r}; use the tokenizer that produced the data."
     )
 
+  _check_room_for_validation(corpus, cfg.val_fraction, seq_len, name)
   train_ids, val_ids = split_documents(corpus, cfg.val_fraction, cfg.split_seed)
   train_corpus, val_corpus = corpus.subset(train_ids), corpus.subset(val_ids)
   packer = _packer_or_error(train_corpus, seq_len, seed, cfg.shuffle, "training", name)
@@ -229,6 +230,20 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
   )
 
 
+def _check_room_for_validation(corpus: PackedCorpus, val_fraction: float, seq_len: int,
+                               name: str) -> None:
+  """The validation split holds out whole documents: a corpus needs at least two, and
+  seq_len + 1 tokens on each side of the split."""
+  if val_fraction > 0 and corpus.num_documents < 2:
+    raise ValueError(
+        f"Corpus {name!r} is too small: {corpus.num_documents} document "
+        f"({corpus.stream_length} tokens), but the validation split holds out whole documents "
+        f"(val_fraction={val_fraction}), so it needs at least 2 documents, with at least "
+        f"2 x {seq_len + 1} = {2 * (seq_len + 1)} tokens (seq_len + 1 on each side). Add "
+        "documents (kind='text' reads one document per file), e.g. split the file in several."
+    )
+
+
 def _packer_or_error(corpus: PackedCorpus, seq_len: int, seed: int, shuffle: bool,
                      split: str, name: str) -> Packer:
   if corpus.stream_length < seq_len + 1:
@@ -236,6 +251,7 @@ def _packer_or_error(corpus: PackedCorpus, seq_len: int, seed: int, shuffle: boo
     raise ValueError(
         f"seq_len + 1 = {seq_len + 1} tokens is longer than the {split} split of {name!r}: "
         f"{corpus.stream_length} tokens ({corpus.num_documents} documents, one eos each). "
-        f"Use a shorter seq_len, more data{hint}."
+        f"The corpus is too small: each split needs at least {seq_len + 1} tokens. Use a "
+        f"shorter seq_len, more data{hint}."
     )
   return Packer(corpus, seq_len, seed=seed, shuffle=shuffle)

@@ -64,16 +64,25 @@ def _split_micro(batch: Batch, accum: int) -> Batch:
   return jax.tree.map(f, batch)
 
 
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every floating-point value in ``tree`` is finite (a scalar bool)."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+  if not leaves:
+    return jnp.bool_(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable,
                     grad_accum_steps: int = 1):
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
   Gradients of the token-summed loss are accumulated over ``grad_accum_steps``
   micro-batches and divided by the total token count, so the update equals the one
-  from a single large batch. If the loss or gradient norm is not finite the update
-  is skipped (the state, step included, is returned unchanged) and
-  ``metrics["finite"]`` is False: the host then stops the run with the last good
-  state intact.
+  from a single large batch. If the loss, the gradient norm, or any updated parameter
+  or optimizer-state value is not finite, the update is skipped (the state, step
+  included, is returned unchanged) and ``metrics["finite"]`` is False: the host then
+  stops the run with the last good state intact. Checking the update itself matters:
+  a finite loss and gradient can still give NaN parameters (e.g. a NaN learning rate).
   """
   grad_fn = jax.value_and_grad(
       lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
@@ -100,6 +109,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     updates, new_opt = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     finite = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(grad_norm))
+    finite = jnp.logical_and(finite, _all_finite((new_params, new_opt)))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {
         "params": keep(new_params, params),

@@ -21,33 +21,24 @@ import zlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
-from flax import nnx
 
 from diffjax import sharding as shd
 from diffjax.data import DataConfig, build_datasets, load_source, load_tokenizer
-from diffjax.model import ModelConfig, count_params
-from diffjax.nn.partitioning import activation_sharding
+from diffjax.errors import UserError
+from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.config_utils import check_config, resolved_model_config
 from diffjax.train.progress import Progress
-from diffjax.train.records import MetricsWriter
-from diffjax.train.optim import make_optimizer
+from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
+from diffjax.train.setup import build_train_setup
+from diffjax.train.steps import diff_v1_lambdas, diff_v2_lambda_means
 from diffjax.train.task_mix import mixed_source
-from diffjax.train.steps import (
-    create_model,
-    diff_v1_lambdas,
-    diff_v2_lambda_means,
-    make_eval_step,
-    make_train_step,
-    split_params,
-)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
   """Training stopped for a reason the user must act on (e.g. a non-finite loss)."""
 
 
@@ -90,30 +81,11 @@ def evaluate_loss(eval_step, params, batches, sharding) -> float:
   return total / max(count, 1.0)
 
 
-def _build_state(model_cfg: ModelConfig, tx, seed: int, mesh, rules):
-  """Abstract state, its shardings and a jitted initialiser producing it sharded."""
-  with nnx.use_eager_sharding(False):
-    abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
-  graphdef, abstract_param_state = nnx.split(abstract_model)
-  param_shards = shd.param_shardings(abstract_param_state, mesh, rules)
-
-  def init():
-    model = create_model(model_cfg, seed)
-    _, params = split_params(model)
-    return {"params": params, "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(seed))}
-
-  abstract_state = jax.eval_shape(init)
-  shardings = shd.state_shardings(tx, abstract_state, param_shards, mesh)
-  init_fn = jax.jit(init, out_shardings=shardings)
-  return graphdef, abstract_state, shardings, init_fn
-
-
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds checkpoints).
 
-  Returns the final metrics (train loss, eval loss, steps, wall time).
+  Returns the final metrics (train loss, eval loss, steps, wall time), or, when a
+  SIGTERM/SIGINT stopped the run after saving, ``{"step", "stopped": True, "train/loss"}``.
   """
   t_start = time.perf_counter()
   distributed.maybe_initialize(config)
@@ -134,17 +106,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                         tokenizer=tokenizer)
   model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
 
-  # 2. Mesh and state layout.
+  # 2. Mesh, state layout and the compiled steps (compiled on first use).
   mesh = shd.make_mesh(tuple(config.mesh.shape))
-  rules = shd.rules_from_config(config.mesh.get("rules"))
-  shd.validate_mesh_for_model(mesh, model_cfg, config.global_batch_size)
-  if config.global_batch_size % config.grad_accum_steps:
-    raise ValueError(f"global_batch_size={config.global_batch_size} must be divisible by "
-                     f"grad_accum_steps={config.grad_accum_steps}.")
-  tx, schedule = make_optimizer(config.optim)
-  graphdef, abstract_state, state_shards, init_fn = _build_state(
-      model_cfg, tx, config.seed, mesh, rules)
-  batch_shard = shd.batch_sharding(mesh, rules)
+  setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
+                            rules=shd.rules_from_config(config.mesh.get("rules")),
+                            grad_accum_steps=config.grad_accum_steps,
+                            global_batch_size=config.global_batch_size)
+  graphdef, batch_shard = setup.graphdef, setup.batch_sharding
 
   # 3. Restore or initialise.
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -159,28 +127,29 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     saved = ckpt.read_meta(manager, latest)
     ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"],
                             manager.directory)
-    abstract = ckpt.abstract_like(abstract_state, state_shards)
-    state = ckpt.restore(manager, latest, abstract, train_iter)
+    state = ckpt.restore(manager, latest, setup.abstract_state, train_iter)
     progress.message(f"Resumed from step {latest} in {manager.directory}")
   else:
-    state = init_fn()
+    state = setup.init_fn()
+  start_step = int(state["step"])
+  if is_main:
+    # The steps after the restored one run again: drop their old metrics lines so
+    # metrics.jsonl keeps one line per step. A finished run's final evaluation also
+    # runs again, so its old eval line goes too.
+    rewrite_metrics(workdir, lambda row: row["step"] < start_step or (
+        row["step"] == start_step and (start_step < config.num_steps or "train/loss" in row)))
   n_params = count_params(model_cfg)
   if is_main:
-    ckpt.write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
+    write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
     progress.message(
         f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
         f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
-        f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats")
+        f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats workdir={workdir}")
 
-  # 4. Compiled steps.
-  with activation_sharding(mesh, rules):
-    train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.grad_accum_steps),
-                         in_shardings=(state_shards, batch_shard),
-                         out_shardings=(state_shards, None), donate_argnums=(0,))
-    eval_step = jax.jit(make_eval_step(graphdef),
-                        in_shardings=(state_shards["params"], batch_shard))
-    lambdas_fn = jax.jit(lambda p: diff_v1_lambdas(graphdef, p))
-    v2_lambda_fn = jax.jit(lambda p, b: diff_v2_lambda_means(graphdef, p, b))
+  # 4. Steps.
+  train_step, eval_step = setup.train_step, setup.eval_step
+  lambdas_fn = jax.jit(lambda p: diff_v1_lambdas(graphdef, p))
+  v2_lambda_fn = jax.jit(lambda p, b: diff_v2_lambda_means(graphdef, p, b))
   val_batches = data.val_batches(config.eval_batches)
   writer = MetricsWriter(workdir, enabled=is_main,
                          tensorboard=config.get("tensorboard", True))
@@ -202,7 +171,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   # Optional: a CRC32 of every batch's tokens in metrics.jsonl, to check that runs
   # (e.g. the arms of a comparison) saw the same data in the same order.
   log_hash = bool(config.get("log_batch_hash", False))
-  step = int(state["step"])
+  step = start_step
   last_train_loss = float("nan")
   last_eval: dict[str, float] = {}
   pending: list[tuple[int, dict]] = []
@@ -212,7 +181,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     for s, m in pending:
       if not bool(m["finite"]):
         raise TrainingError(
-            f"Non-finite loss or gradient at step {s} (loss={float(m['loss'])}, "
+            f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
             f"grad_norm={float(m['grad_norm'])}). The update was skipped and the last good "
             f"checkpoint in {manager.directory} is intact; lower optim.lr or check the data.")
       last_train_loss = float(m["loss"])
@@ -266,7 +235,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.message("final: " + " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
         if not k.startswith("lambda")))
-    ckpt.write_json(os.path.join(workdir, "final_metrics.json"), result)
+    write_json(os.path.join(workdir, "final_metrics.json"), result)
     # The completion marker: tpu_setup/babysit.sh stops relaunching when it appears.
     epath.Path(workdir, "DONE").write_text(f"{step}\n")
   writer.close()

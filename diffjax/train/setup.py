@@ -1,0 +1,139 @@
+"""One place that turns (model config, optimizer config, mesh) into a compiled train step.
+
+The trainer, the ahead-of-time compiler (``diffjax.aot``) and the train-step
+benchmark all build their step here, so what they run, compile or time is the same
+program: the same state layout, shardings, donation and sharding constraints.
+
+The activation sharding rules are entered *inside* the jitted functions, so they
+apply whenever the step is traced (on the first call, or on ``.lower()``), not only
+while some context is open around ``jax.jit``. Attention implementations resolve at
+trace time too, which is why ``diffjax.aot`` traces the step under
+``diffjax.ops.target_platform("tpu")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from diffjax import sharding as shd
+from diffjax.model import ModelConfig
+from diffjax.train.optim import make_optimizer
+from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
+
+# The arrays of one batch (see diffjax.data): int32 tokens, segments and positions,
+# and a float32 loss mask, each [batch, seq_len].
+BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
+                "positions": jnp.int32, "loss_mask": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+  """Everything needed to initialise, restore, train and evaluate one model on a mesh.
+
+  Attributes:
+    model_config: the model being trained.
+    mesh, rules: the device mesh and the logical-axis rules table.
+    graphdef: the model's ``nnx.GraphDef`` (merge with ``state["params"]``).
+    abstract_state: the train state ``{"params", "opt_state", "step", "rng"}`` as
+      ``jax.ShapeDtypeStruct`` leaves carrying their shardings (a restore target).
+    state_shardings: the ``NamedSharding`` of every state leaf.
+    batch_sharding: rows over ``data`` x ``fsdp``, the sequence replicated.
+    init_fn: ``() -> state``, a fresh state laid out with ``state_shardings``.
+    train_step: jitted ``(state, batch) -> (state, metrics)``; ``state`` is donated.
+    eval_step: jitted ``(params, batch) -> (loss_sum, token_count)``.
+    tx, schedule: the optimizer and its learning-rate schedule.
+  """
+  model_config: ModelConfig
+  mesh: Mesh
+  rules: tuple
+  graphdef: nnx.GraphDef
+  abstract_state: Any
+  state_shardings: Any
+  batch_sharding: NamedSharding
+  init_fn: Callable[[], Any]
+  train_step: Any
+  eval_step: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+
+  def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global batch of ``[batch_size, seq_len]`` arrays as sharded shape structs."""
+    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), d, sharding=self.batch_sharding)
+            for k, d in BATCH_DTYPES.items()}
+
+
+def _under_rules(fn: Callable, mesh: Mesh, rules) -> Callable:
+  """``fn`` with the activation sharding rules active while it runs (i.e. is traced)."""
+  def wrapped(*args):
+    with shd.activation_sharding(mesh, rules):
+      return fn(*args)
+  return wrapped
+
+
+def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mesh, rules,
+                      grad_accum_steps: int = 1,
+                      global_batch_size: int | None = None) -> TrainSetup:
+  """Builds the state layout and the jitted steps of ``model_cfg`` on ``mesh``.
+
+  Args:
+    model_cfg: the model.
+    optim_cfg: the ``optim`` section of a run config (see ``make_optimizer``).
+    seed: initialisation seed (also the state's RNG key).
+    mesh: a mesh with axes ``data``, ``fsdp``, ``tensor`` (``diffjax.sharding.make_mesh``).
+    rules: the logical-axis rules table (``diffjax.sharding.rules_from_config``).
+    grad_accum_steps: micro-batches per step; must divide ``global_batch_size``.
+    global_batch_size: when given, checked against the mesh and ``grad_accum_steps``.
+
+  Returns:
+    A :class:`TrainSetup`. Nothing is allocated or compiled until ``init_fn`` or a
+    step is called (or lowered).
+
+  Raises:
+    ValueError: a mesh that does not divide the model or the batch, a batch that does
+      not split into ``grad_accum_steps`` micro-batches, or a bad optimizer setting.
+  """
+  rules = tuple(rules)
+  shd.validate_mesh_for_model(mesh, model_cfg, global_batch_size)
+  if grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
+  if global_batch_size is not None and global_batch_size % grad_accum_steps:
+    raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
+                     f"grad_accum_steps={grad_accum_steps}.")
+  tx, schedule = make_optimizer(optim_cfg)
+
+  # The model's structure and parameter layout, without allocating parameters.
+  with nnx.use_eager_sharding(False):
+    abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
+  graphdef, abstract_param_state = nnx.split(abstract_model)
+  param_shards = shd.param_shardings(abstract_param_state, mesh, rules)
+
+  def init():
+    _, params = split_params(create_model(model_cfg, seed))
+    return {"params": params, "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed))}
+
+  shapes = jax.eval_shape(init)
+  state_shards = shd.state_shardings(tx, shapes, param_shards, mesh)
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shards)
+  batch_shard = shd.batch_sharding(mesh, rules)
+
+  train_step = jax.jit(
+      _under_rules(make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules),
+      in_shardings=(state_shards, batch_shard), out_shardings=(state_shards, None),
+      donate_argnums=(0,))
+  eval_step = jax.jit(_under_rules(make_eval_step(graphdef), mesh, rules),
+                      in_shardings=(state_shards["params"], batch_shard))
+  return TrainSetup(
+      model_config=model_cfg, mesh=mesh, rules=rules, graphdef=graphdef,
+      abstract_state=abstract_state, state_shardings=state_shards, batch_sharding=batch_shard,
+      init_fn=jax.jit(init, out_shardings=state_shards), train_step=train_step,
+      eval_step=eval_step, tx=tx, schedule=schedule)
