@@ -2,7 +2,9 @@
 # Keep a training run alive on preemptible (Spot) TPU capacity: poll the TPU
 # and the training processes; recreate + bootstrap + relaunch after a
 # preemption, relaunch after a crash; stop when the run writes its completion
-# marker (WORKDIR/DONE) or after MAX_RESTARTS recoveries.
+# marker (WORKDIR/DONE) or after MAX_RESTARTS recoveries. train.py's exit
+# status (appended to each worker's log by run.sh) tells a preemption (75: it
+# saved a checkpoint, relaunch to resume) from a mistake no rerun fixes (2).
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -42,7 +44,11 @@ Every CHECK_INTERVAL seconds:
     or missing: teardown.sh, create.sh, bootstrap.sh, run.sh (training resumes
     from the latest checkpoint in WORKDIR);
   - if it is READY but train.py is not running on every worker (or, with
-    --hang-timeout, its logs stopped growing): bootstrap.sh + run.sh;
+    --hang-timeout, its logs stopped growing): bootstrap.sh + run.sh; at once
+    when train.py exited with status 75 (stopped by SIGTERM after saving a
+    checkpoint); but if it exited with status 2 (a mistake in the config,
+    flags or data, or a non-finite loss: a rerun fails the same way) it gives
+    up as below;
   - while it is being created or waits in the queue: nothing.
 Each recovery counts as a restart; after MAX_RESTARTS (or MAX_HOURS) it
 gives up, tears the TPU down (unless --keep-tpu) and exits 1.
@@ -182,6 +188,7 @@ iteration=0
 dead_count=0
 ssh_failures=0
 seen_alive=0
+EXITS=""
 
 # Run a child script. Dry-run state simulation is for this script only.
 child() {
@@ -230,17 +237,22 @@ resource_health() {
 }
 
 # training_status: set TRAINING (ALL | NONE | PARTIAL | HUNG | UNKNOWN) from
-# one ssh round over all workers; also uploads the worker logs.
+# one ssh round over all workers, and EXITS to the exit statuses of train.py
+# that end the workers' logs (run.sh appends "=== <time> exit <status>"; none
+# while it runs); also uploads the worker logs.
 training_status() {
   local out sync_uri="" total alive min_age
   if is_true "$SYNC_LOGS"; then
     sync_uri="$WORKDIR/logs/$START_STAMP-r$restarts"
   fi
-  out="$(SSH_TIMEOUT="$STATUS_TIMEOUT" tpu_ssh all "$(status_script "$RUN_NAME" 0 "$sync_uri")" 2>/dev/null)" || true
+  out="$(SSH_TIMEOUT="$STATUS_TIMEOUT" tpu_ssh all "$(status_script "$RUN_NAME" 1 "$sync_uri")" 2>/dev/null)" || true
   if is_dry_run; then
     TRAINING="${DRY_RUN_TRAINING:-ALL}"
+    EXITS="${DRY_RUN_EXITS:-}"
     return
   fi
+  EXITS="$(sed -n 's/^\[worker [0-9]*\] === .* exit \([0-9]*\)$/\1/p' <<<"$out" | sort -u | tr '\n' ' ')"
+  EXITS="${EXITS% }"
   total="$(grep -c '^diffjax-status ' <<<"$out" || true)"
   alive="$(grep -c '^diffjax-status .* alive=1 ' <<<"$out" || true)"
   min_age="$(sed -n 's/^diffjax-status .* log_age=\([0-9-]*\) .*/\1/p' <<<"$out" | grep -v '^-' | sort -n | head -n 1 || true)"
@@ -255,7 +267,12 @@ training_status() {
   else
     TRAINING=ALL
   fi
-  log "training: $TRAINING ($alive/$total workers running${min_age:+, newest log line ${min_age}s ago})"
+  log "training: $TRAINING ($alive/$total workers running${min_age:+, newest log line ${min_age}s ago}${EXITS:+, train.py exit status $EXITS})"
+}
+
+# has_exit STATUS: whether a worker's train.py last exited with STATUS.
+has_exit() {
+  [[ " $EXITS " == *" $1 "* ]]
 }
 
 relaunch() {
@@ -312,6 +329,13 @@ while true; do
         *)
           ssh_failures=0
           dead_count=$((dead_count + 1))
+          if [[ "$TRAINING" == NONE ]] && has_exit 2; then
+            finish 1 "$TEARDOWN_ON_GIVEUP" "giving up: train.py exited with status 2 (a mistake in the config, flags or data, or a non-finite loss; the error: line in the worker logs says which); a relaunch would fail the same way"
+          fi
+          if [[ "$TRAINING" == NONE ]] && has_exit 75; then
+            log "train.py exited with status 75 (stopped by SIGTERM after saving a checkpoint): relaunching to resume"
+            dead_count=$DEAD_CHECKS
+          fi
           if ((seen_alive == 0 || dead_count >= DEAD_CHECKS)) || [[ "$TRAINING" == HUNG ]]; then
             # The run may just have finished: look for the marker again.
             if is_done; then

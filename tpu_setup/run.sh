@@ -30,7 +30,9 @@ On every worker (gcloud compute tpus tpu-vm ssh --worker=all):
      SIGTERM then SIGKILL after GRACE_SECONDS; remove /tmp/libtpu_lockfile;
   2. start, under setsid + nohup, in ~/$REMOTE_DIR:
        ~/$VENV_DIR/bin/python $TRAIN_SCRIPT --config=CONFIG --workdir=WORKDIR [overrides]
-     appending to ~/$LOG_DIR/RUN_NAME-host<worker>.log (pid in ~/$LOG_DIR/RUN_NAME.pid).
+     appending to ~/$LOG_DIR/RUN_NAME-host<worker>.log (pid in ~/$LOG_DIR/RUN_NAME.pid);
+     when it ends, a last line "=== <time> exit <status>" is appended (train.py:
+     0 finished, 2 a config/flag/data mistake, 75 stopped by SIGTERM after saving).
 The trainer initialises jax.distributed itself and resumes from the latest
 checkpoint in WORKDIR, so rerunning this script restarts the job in place.
 
@@ -193,8 +195,17 @@ cd "$REMOTE_DIR"
   printf " %q" "${TRAIN_ARGS[@]}"
   printf "\n"
 } >>"$LOG"
+# A small wrapper appends the exit status of the trainer to the log when it ends,
+# "=== <time> exit <status>": babysit.sh reads it (75: stopped after saving, rerun
+# to resume; 2: a mistake in the config, flags or data, a rerun fails the same way).
+read -r -d "" EXIT_WRAPPER <<"EOW" || true
+"${@:2}"
+rc=$?
+printf "=== %s exit %s\n" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$rc" >>"$1"
+EOW
 PYTHONUNBUFFERED=1 DIFFJAX_RUN_NAME="$RUN_NAME" DIFFJAX_WORKER_ID="$WID" \
-  setsid nohup env "${TRAIN_ENV[@]}" "$VENV_DIR/bin/python" "$TRAIN_SCRIPT" "${TRAIN_ARGS[@]}" \
+  setsid nohup bash -c "$EXIT_WRAPPER" diffjax-run "$LOG" \
+  env "${TRAIN_ENV[@]}" "$VENV_DIR/bin/python" "$TRAIN_SCRIPT" "${TRAIN_ARGS[@]}" \
   >>"$LOG" 2>&1 </dev/null &
 PID=$!
 printf "%s\n" "$PID" >"$LOG_DIR/$RUN_NAME.pid"
