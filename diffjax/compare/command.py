@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   logging.set_verbosity(logging.WARNING)
   _enable_compile_cache(workdir_flag.value)
-  from diffjax.cli import run_guarded  # pylint: disable=import-outside-toplevel
+  from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
   outcome = {}
 
   def go():
