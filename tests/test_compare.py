@@ -242,6 +242,20 @@ def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
   assert not workdir.exists(), "nothing may be written for a bad config"
 
 
+def test_a_run_stopped_by_a_signal_exits_with_the_preempted_status(tmp_path, monkeypatch, capsys):
+  # As train.py: 75 tells a scheduler "saved, rerun to continue", distinct from done (0).
+  from diffjax.compare import command
+
+  def stopped(config, workdir):
+    raise compare.ComparisonStopped("transformer_seed0 stopped at step 3 by a signal")
+
+  monkeypatch.setattr(command, "run_comparison", stopped)
+  code = compare.main(["compare", f"--config={REPO}/configs/compare/tiny.py",
+                       f"--workdir={tmp_path / 'wd'}"])
+  assert code == 75
+  assert "rerun the same command to continue" in capsys.readouterr().err
+
+
 def test_help_prints_usage_and_exits_zero(capsys):
   assert compare.main(["compare", "--help"]) == 0
   out = capsys.readouterr().out

@@ -9,8 +9,9 @@ the arms at each seed saw the same batches, and writes report.md, PNG plots and 
 into the workdir. --config.<key>=<value> sets any key the config file defines.
 
 Exit status: 0 done; 1 the arms did not see the same batches (the report says so at the top);
-2 a mistake in the command line or the config (one `error:` line, nothing written); 130 a
-signal stopped a run after it saved (rerun the same command to continue).
+2 a mistake in the command line or the config (one `error:` line, nothing written); 75 (as
+train.py) SIGTERM or SIGINT stopped a run after it saved a checkpoint: rerun the same command to
+continue; 130 interrupted outside a run's training.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from typing import Sequence
 from diffjax.compare.comparison import run_comparison
 from diffjax.compare.runs import ComparisonStopped
 
+# As train.py: a scheduler can tell "preempted, rerun to continue" from "finished" (0) and
+# from "fix the config" (2).
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
 USAGE = ("usage: python -m diffjax.compare --config=configs/compare/<file>.py --workdir=<dir> "
          "[--config.<key>=<value> ...]")
 
@@ -82,9 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     code = run_guarded(go)
-  except (ComparisonStopped, KeyboardInterrupt) as e:
-    print(f"stopped: {e or 'interrupted'}; rerun the same command to continue.", file=sys.stderr)
-    return 130
+  except ComparisonStopped as e:
+    print(f"stopped: {e}; rerun the same command to continue.", file=sys.stderr)
+    return EXIT_PREEMPTED
+  except KeyboardInterrupt:
+    print("stopped: interrupted; rerun the same command to continue.", file=sys.stderr)
+    return EXIT_INTERRUPTED
   if code == 0 and not outcome["results"]["data_check"]["ok"]:
     print("error: the arms did not see the same batches; see the warning in report.md.",
           file=sys.stderr)
