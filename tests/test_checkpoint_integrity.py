@@ -8,6 +8,7 @@ test sees everything the process writes to stderr, up to and including its exit.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -98,6 +99,13 @@ def corrupt(step_dir: str, kind: str, raw_leaf: np.ndarray | None = None) -> Non
           fh.write(content)
         return
     raise AssertionError("the raw leaf bytes were not found in any data file")
+  elif kind == "iterator":  # an edited data-iterator position: still valid JSON
+    path = os.path.join(step_dir, "data", "process_0-of-1.json")
+    with open(path, encoding="utf-8") as f:
+      position = json.load(f)
+    position["next_index"] += 1
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(position, f)
   else:
     raise ValueError(kind)
 
@@ -152,6 +160,7 @@ def scenario(kind: str, root: str) -> dict:
   except ckpt.CheckpointError as e:
     out.update(error=str(e))
   manager.close()
+  gc.collect()  # reports of abandoned reads, if any, come out now rather than at some later time
   out.update(messages=messages, steps_left=sorted(int(p) for p in os.listdir(directory)
                                                   if p.isdigit()))
   return out
@@ -180,7 +189,8 @@ def moved_copies(tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("kind,needle", [
-    ("truncate", "step 2"), ("manifests", "step 2"), ("flip", "digest")])
+    ("truncate", "step 2"), ("manifests", "step 2"), ("flip", "digest"),
+    ("iterator", "data iterator")])
 def test_corrupt_newest_step_moves_aside_and_falls_back(tmp_path, kind, needle):
   out, stderr = run_scenario(kind, tmp_path)
   assert "error" not in out, out

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -82,6 +83,10 @@ def _leaf_name(path) -> str:
     else:
       parts.append(str(k))
   return "/".join(parts)
+
+
+def _dtype_name(x: Any) -> str:
+  return str(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
 
 
 def _named_leaves(tree: Any) -> tuple[list[str], list[Any]]:
@@ -204,7 +209,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta:
         f"{what} at step {step} {verb} not finite ({bad[0]}{more}); not saved; {kept}. "
         "Lower optim.lr or check the data.")
   record = {"format": _FORMAT, "meta": _sha256(meta),
-            "leaves": {n: [list(np.shape(x)), str(x.dtype), d]
+            "leaves": {n: [list(np.shape(x)), _dtype_name(x), d]
                        for n, x, d in zip(names, leaves, digests)}}
   args = {"state": ocp.args.StandardSave(state)}
   if data_iter is not None:
@@ -225,15 +230,30 @@ def _is_abandoned_read_noise(unraisable) -> bool:
   return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
+class _AbandonedTaskFilter(logging.Filter):
+  """Drops asyncio's reports of Orbax read tasks that a failed restore left behind."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    abandoned = ("Task exception was never retrieved" in text
+                 or "Task was destroyed but it is pending" in text)
+    return not (abandoned and f"{os.sep}orbax{os.sep}" in text)
+
+
 def _quiet_abandoned_reads() -> None:
   """Drops the background noise of a failed restore, keeping every other report.
 
   Orbax runs a restore on a fresh event loop and closes it as soon as one array read
-  fails; TensorStore then completes the other reads on its own threads and calls back
-  into the closed loop ("RuntimeError: Event loop is closed"), and coroutines of the
-  abandoned reads are collected with their exceptions. Python reports both through
-  ``sys.unraisablehook``, possibly much later (even at exit), so the filter stays.
+  fails. TensorStore then completes the other reads on its own threads and calls back
+  into the closed loop ("RuntimeError: Event loop is closed"); the abandoned read
+  coroutines and tasks are collected with their exceptions unretrieved. Python reports
+  these through ``sys.unraisablehook`` and the ``asyncio`` logger, possibly much later
+  (even at exit), each with a traceback or a whole TensorStore spec, so the filters
+  stay installed; they match only those reports.
   """
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedTaskFilter) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_AbandonedTaskFilter())
   previous = sys.unraisablehook
   if getattr(previous, "_drops_abandoned_reads", False):
     return
@@ -346,7 +366,7 @@ def _verify(manager, step: int, record: dict | None, names: list[str], leaves: l
     saved = record["leaves"]
     # A leaf restored into another dtype was cast, so its bits cannot match: skip it.
     wrong = [n for n, x, d in zip(names, leaves, digests)
-             if saved[n][1] == str(x.dtype) and saved[n][2] != d]
+             if saved[n][1] == _dtype_name(x) and saved[n][2] != d]
     if wrong:
       more = f" and {len(wrong) - 1} more leaves" if len(wrong) > 1 else ""
       raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
@@ -369,6 +389,9 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
   check_meta(meta)
   names, abstract_leaves = _named_leaves(abstract_state)
   _check_structure(manager, step, record, names, abstract_leaves)
+  if data_iter is not None and record is not None and "data" not in record:
+    raise CheckpointError(f"Checkpoint step {step} in {manager.directory} was saved without "
+                          "a data-iterator state, so the run cannot continue its data from it.")
   args = {"state": ocp.args.StandardRestore(abstract_state)}
   if data_iter is not None:
     args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
