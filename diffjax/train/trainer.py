@@ -121,13 +121,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                               async_save=config.checkpoint.async_save)
   meta = {"model_config": model_cfg.to_dict(), "config": json.loads(config.to_json_best_effort())}
   train_iter = data.new_train_iter()
-  latest = manager.latest_step()
-  progress = Progress(config.num_steps, latest or 0, log_every=config.log_every, enabled=is_main)
-  if latest is not None:
-    saved = ckpt.read_meta(manager, latest)
+  progress = Progress(config.num_steps, 0, log_every=config.log_every, enabled=is_main)
+
+  def check_meta(saved: dict) -> None:
+    # A changed model config is refused (the parameters would not fit), not skipped.
     ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"],
                             manager.directory)
-    state = ckpt.restore(manager, latest, setup.abstract_state, train_iter)
+
+  latest, state = ckpt.restore_newest_good(manager, setup.abstract_state, train_iter,
+                                           check_meta=check_meta, message=progress.message)
+  if latest is not None:
+    progress.start = latest
     progress.message(f"Resumed from step {latest} in {manager.directory}")
   else:
     state = setup.init_fn()
