@@ -43,10 +43,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from diffjax.errors import UserError
+
 _FORMAT = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
   """A checkpoint cannot be used for this run."""
 
 
