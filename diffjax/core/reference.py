@@ -10,7 +10,9 @@ Conventions (shape letters in names):
   G = H // K query heads per kv group, D component head dim, Dv value head dim.
 Query head h reads kv group h // G (grouped-query attention).
 Scores are ``q . k * scale`` with ``scale = 1/sqrt(D)`` by default, computed with
-float32 accumulation; the softmax always runs in float32 whatever the input dtype.
+float32 accumulation; the softmax always runs in float32 whatever the input dtype,
+except for float64 inputs, which run in float64 throughout
+(:func:`diffjax.core.dtypes.accumulation_dtype`).
 
 Masking: a query attends to a key when every mask that is given allows it:
   * causal: query i sits at absolute position ``i + (S - T)`` (queries are the last T
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
+from diffjax.core.dtypes import accumulation_dtype
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min) * 0.5
 
@@ -63,20 +66,23 @@ def build_mask(
 
 
 def _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale: float) -> jax.Array:
-  """Scaled scores in float32, shape [B, H, T, S]."""
+  """Scaled scores in float32 (float64 for float64 inputs), shape [B, H, T, S]."""
   b, t, h, d = q_BxTxHxD.shape
   kv = k_BxSxKxD.shape[2]
   g = h // kv
+  acc = accumulation_dtype(q_BxTxHxD.dtype)
   q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv, g, d)
   logits_BxKxGxTxS = jnp.einsum(
-      "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
-      preferred_element_type=jnp.float32)
-  return logits_BxKxGxTxS.reshape(b, h, t, -1) * jnp.float32(scale)
+      "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=acc)
+  return logits_BxKxGxTxS.reshape(b, h, t, -1) * jnp.asarray(scale, acc)
 
 
 def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
-  """Float32 softmax over the last axis; fully masked rows give all-zero rows."""
-  logits = logits_BxHxTxS.astype(jnp.float32)
+  """Float32 (float64 for float64 logits) softmax over the last axis.
+
+  Fully masked rows give all-zero rows.
+  """
+  logits = logits_BxHxTxS.astype(accumulation_dtype(logits_BxHxTxS.dtype))
   if mask is None:
     return jax.nn.softmax(logits, axis=-1)
   logits = jnp.where(mask, logits, _NEG_INF)
@@ -88,14 +94,14 @@ def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
 def attention_probs(
     q_BxTxHxD, k_BxSxKxD, *, scale: float, mask, logits_fn=None
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns (logits, probabilities), both float32 [B, H, T, S].
+  """Returns (logits, probabilities), both float32 [B, H, T, S] (float64 for float64 q).
 
   ``logits_fn`` (analysis only) transforms the scaled float32 scores before the
   softmax, e.g. to quantize them; the returned logits are the transformed ones.
   """
   logits_BxHxTxS = _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale)
   if logits_fn is not None:
-    logits_BxHxTxS = logits_fn(logits_BxHxTxS).astype(jnp.float32)
+    logits_BxHxTxS = logits_fn(logits_BxHxTxS).astype(logits_BxHxTxS.dtype)
   return logits_BxHxTxS, masked_softmax(logits_BxHxTxS, mask)
 
 
@@ -107,7 +113,7 @@ def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
   p_BxKxGxTxS = probs_BxHxTxS.reshape(b, kv, g, t, s).astype(v_BxSxKxDv.dtype)
   out_BxTxKxGxDv = jnp.einsum(
       "bkgts,bskd->btkgd", p_BxKxGxTxS, v_BxSxKxDv,
-      preferred_element_type=jnp.float32)
+      preferred_element_type=accumulation_dtype(v_BxSxKxDv.dtype))
   return out_BxTxKxGxDv.reshape(b, t, h, -1).astype(out_dtype)
 
 
@@ -174,14 +180,15 @@ def diff_v1_reference(
     k1_BxSxKxD, k2_BxSxKxD: the two key components of each kv group.
     v_BxSxKxDv: one value per kv group, usually Dv = 2 D.
     lam: scalar (one lambda for the layer) or [H] (one per head), any float dtype;
-      used in float32.
+      used in float32 (float64 for float64 inputs).
   Returns:
     [B, T, H, Dv] in the dtype of q1, before the per-head norm. With ``return_aux``
     also ``logits1``, ``logits2``, ``probs1``, ``probs2`` (float32 [B, H, T, S]).
   """
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   h = q1_BxTxHxD.shape[2]
-  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (h,))[None, :, None]
+  acc = accumulation_dtype(q1_BxTxHxD.dtype)
+  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (h,))[None, :, None]
   return _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxHxT,
                        causal=causal, segment_ids=segment_ids, mask=mask, scale=scale,
                        return_aux=return_aux, logits_fn=logits_fn, probs_fn=probs_fn)
@@ -205,7 +212,7 @@ def diff_v2_reference(
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, q_heads, d = q_BxTxQxD.shape
   q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
-  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(jnp.float32), (0, 2, 1))
+  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q_BxTxQxD.dtype)), (0, 2, 1))
   return _differential(q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD, k_BxSxKxD,
                        v_BxSxKxD, lam_BxHxT, causal=causal, segment_ids=segment_ids,
                        mask=mask, scale=scale, return_aux=return_aux, logits_fn=logits_fn,
@@ -213,11 +220,12 @@ def diff_v2_reference(
 
 
 def rms_norm(x, gain, eps: float = 1e-5):
-  """RMSNorm over the last axis in float32; returns the dtype of x."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  """RMSNorm over the last axis in float32 (float64 for float64 x); returns the dtype of x."""
+  acc = accumulation_dtype(x.dtype)
+  x_acc = x.astype(acc)
+  y = x_acc * jax.lax.rsqrt(jnp.mean(x_acc * x_acc, axis=-1, keepdims=True) + eps)
   if gain is not None:
-    y = y * gain.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    y = y * gain.astype(acc).reshape((1,) * (y.ndim - 1) + (-1,))
   return y.astype(x.dtype)
 
 
@@ -229,8 +237,13 @@ def lambda_init_for_layer(layer_index: int) -> float:
   return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
 
 
-def diff_v1_lambda(lq1, lk1, lq2, lk2, lambda_init: float) -> jax.Array:
-  """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, in float32 (scalar)."""
-  f = lambda a: a.astype(jnp.float32)
+def diff_v1_lambda(lq1, lk1, lq2, lk2, lambda_init: float, dtype=jnp.float32) -> jax.Array:
+  """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, a scalar.
+
+  Computed in float32, or in float64 when ``dtype`` (the compute dtype) or the
+  vectors are float64.
+  """
+  acc = accumulation_dtype(jnp.result_type(dtype, lq1, lk1, lq2, lk2))
+  f = lambda a: a.astype(acc)
   return (jnp.exp(jnp.sum(f(lq1) * f(lk1))) - jnp.exp(jnp.sum(f(lq2) * f(lk2)))
-          + jnp.float32(lambda_init))
+          + jnp.asarray(lambda_init, acc))

@@ -16,12 +16,15 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from diffjax.core.dtypes import check_float64_enabled
 from diffjax.nn.rope import ROPE_STYLES
 from diffjax.ops.dispatch import IMPLEMENTATIONS
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# float64 needs 64-bit JAX (jax_enable_x64); it then runs end to end in float64.
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "float64": jnp.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name}={getattr(self, name)!r} is not one of {tuple(_DTYPES)}.")
+      check_float64_enabled(name, _DTYPES[getattr(self, name)])
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
     if self.implementation not in IMPLEMENTATIONS:
@@ -80,7 +84,7 @@ class ModelConfig:
 
   @property
   def weight_dtype(self):
-    """dtype of the weight matrices; norm gains and lambda vectors stay float32."""
+    """dtype of the weight matrices; norm gains and lambda vectors: float32 (or float64)."""
     return _DTYPES[self.param_dtype]
 
   @property

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from diffjax.core.dtypes import accumulation_dtype
 from diffjax.model.config import ModelConfig
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
 from diffjax.nn.layers import NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init
@@ -38,9 +39,11 @@ class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
+                             param_dtype=cfg.weight_dtype)
     self.attn = make_attention(cfg, layer_index, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
+                            param_dtype=cfg.weight_dtype)
     self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs,
                       param_dtype=cfg.weight_dtype)
     self.dtype = cfg.compute_dtype
@@ -54,7 +57,7 @@ class Block(nnx.Module):
     h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
     h_BxTxE = constrain(h_BxTxE, ("batch", "length", "embed"))
     if capture:
-      return h_BxTxE, dict(aux, hidden=h_BxTxE.astype(jnp.float32))
+      return h_BxTxE, dict(aux, hidden=h_BxTxE.astype(accumulation_dtype(self.dtype)))
     return h_BxTxE
 
 
@@ -64,9 +67,10 @@ class DecoderLM(nnx.Module):
   Call: ``logits_BxTxV = model(tokens_BxT, positions_BxT=None, segment_ids_BxT=None)``.
   ``positions`` default to 0..T-1 (pass per-document positions for packed data);
   ``segment_ids`` keep packed documents from attending to each other. Logits are
-  float32. With ``capture=True`` it returns ``(logits, captures)``: one dict per
-  layer with float32 attention logits and probabilities, lambda (DIFF arms) and the
-  block's output hidden state ``hidden`` [B, T, E].
+  float32 (float64 when ``cfg.dtype`` is float64). With ``capture=True`` it returns
+  ``(logits, captures)``: one dict per layer with float32 attention logits and
+  probabilities, lambda (DIFF arms) and the block's output hidden state ``hidden``
+  [B, T, E].
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -75,7 +79,8 @@ class DecoderLM(nnx.Module):
                        param_dtype=cfg.weight_dtype)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]) \
         if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
-    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
+                              param_dtype=cfg.weight_dtype)
     if not cfg.tie_embeddings:
       self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                 ("embed", "vocab"), cfg.weight_dtype)
@@ -107,7 +112,7 @@ class DecoderLM(nnx.Module):
       logits_BxTxV = self.embed.attend(x_BxTxE, dt)
     else:
       logits_BxTxV = jnp.einsum("bte,ev->btv", x_BxTxE.astype(dt), self.lm_head[...].astype(dt),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=accumulation_dtype(dt))
     logits_BxTxV = constrain(logits_BxTxV, ("batch", "length", "vocab"))
     return (logits_BxTxV, captures) if capture else logits_BxTxV
 

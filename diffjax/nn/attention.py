@@ -6,7 +6,8 @@ All three share the call signature
     out_BxTxE, aux = module(x_BxTxE, ..., capture=True)
 
 ``capture=True`` (analysis) runs the explicit-map XLA path and also returns the
-float32 attention logits and probabilities (and lambda for DIFF arms); it is a
+float32 (float64 in a float64 model) attention logits and probabilities (and lambda
+for DIFF arms); it is a
 Python switch, so normal calls pay nothing for it. ``hooks`` (see
 :class:`~diffjax.nn.layers.Hooks`) apply analysis interventions.
 """
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
+from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, \
     torch_linear_init
 from diffjax.nn.rope import ROPE_STYLES, apply_rope
@@ -35,13 +37,15 @@ class AttentionOptions:
   Attributes:
     rope_theta: RoPE base.
     rope_style: "interleaved" (default, as the DIFF reference code) or "half" (NeoX).
-    dtype: compute dtype.
+    dtype: compute dtype. float64 (with 64-bit JAX on) runs every step in float64;
+      otherwise softmax, lambda, RoPE and the norm run in float32.
     init_std: std of the normal init of the projections.
     implementation: see :mod:`diffjax.ops.attention` ("auto", "xla", "pallas", ...).
     block_sizes: kernel block sizes (a dict or the kernel's BlockSizes), or None.
     interpret: run Pallas kernels in the interpreter (testing on CPU).
     causal: causal masking (decoder LMs).
-    param_dtype: dtype of the projection matrices (float32 by default).
+    param_dtype: dtype of the projection matrices (float32 by default); DIFF V1's
+      lambda vectors and norm gain are float32, or float64 with float64 here.
   """
   rope_theta: float = 10000.0
   rope_style: str = "interleaved"
@@ -56,6 +60,8 @@ class AttentionOptions:
   def __post_init__(self):
     if self.rope_style not in ROPE_STYLES:
       raise ValueError(f"rope_style={self.rope_style!r} is not one of {ROPE_STYLES}.")
+    check_float64_enabled("dtype", self.dtype)
+    check_float64_enabled("param_dtype", self.param_dtype)
 
   def kernel_kwargs(self) -> dict[str, Any]:
     return dict(causal=self.causal, implementation=self.implementation,
@@ -159,24 +165,29 @@ class DiffV1Attention(nnx.Module):
     self.o = make_param(rngs, init, (num_heads, 2 * head_dim, d_model),
                         ("heads", "head_dim", "embed"), options.param_dtype)
     lam_init = normal_init(0.1)
-    # lambda vectors and the norm gain stay float32 whatever param_dtype is.
-    self.lambda_q1 = make_param(rngs, lam_init, (head_dim,), ("norm",))
-    self.lambda_k1 = make_param(rngs, lam_init, (head_dim,), ("norm",))
-    self.lambda_q2 = make_param(rngs, lam_init, (head_dim,), ("norm",))
-    self.lambda_k2 = make_param(rngs, lam_init, (head_dim,), ("norm",))
-    self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",))
+    # lambda vectors and the norm gain stay float32 (bfloat16 would coarsen lambda),
+    # or float64 in a float64 model.
+    small_dtype = accumulation_dtype(options.param_dtype)
+    self.lambda_q1 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
+    self.lambda_k1 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
+    self.lambda_q2 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
+    self.lambda_k2 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
+    self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",),
+                                 small_dtype)
 
   def lambda_value(self) -> jax.Array:
-    """The layer's current lambda (float32 scalar)."""
+    """The layer's current lambda: a float32 scalar (float64 in a float64 model)."""
+    acc = accumulation_dtype(self.options.dtype)
     if self.fixed_lambda is not None:
-      return jnp.float32(self.fixed_lambda)
+      return jnp.asarray(self.fixed_lambda, acc)
     return ref.diff_v1_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
-                              self.lambda_k2[...], self.lambda_init)
+                              self.lambda_k2[...], self.lambda_init, dtype=acc)
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS):
     opts = self.options
     dt = opts.dtype
+    acc = accumulation_dtype(dt)
     pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
     k_BxSxKx2xD = project(x_BxTxE, self.k, "bte,eksd->btksd", dt, hooks)
@@ -194,7 +205,7 @@ class DiffV1Attention(nnx.Module):
       core_BxTxHxDv, aux = ref.diff_v1_reference(
           *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
-      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.float32(self.lambda_init)})
+      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(self.lambda_init, acc)})
     else:
       core_BxTxHxDv = ops.diff_v1_attention_core(*qk, v_BxSxKxDv, lam,
                                                  segment_ids=segment_ids_BxT,
@@ -202,7 +213,7 @@ class DiffV1Attention(nnx.Module):
     core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
     if self.use_norm:
       core_BxTxHxDv = ref.rms_norm(core_BxTxHxDv, self.norm_scale[...], self.norm_eps)
-    core_BxTxHxDv = (core_BxTxHxDv.astype(jnp.float32) * (1.0 - self.lambda_init)).astype(dt)
+    core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - self.lambda_init)).astype(dt)
     y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
     return (y_BxTxE, aux) if capture else y_BxTxE
 
@@ -248,7 +259,7 @@ class DiffV2Attention(nnx.Module):
     if hooks.kv is not None:
       k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
     lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
-    lam_BxTxH = jax.nn.sigmoid(lam_logits_BxTxH.astype(jnp.float32))
+    lam_BxTxH = jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
     aux = None
     if capture or hooks.needs_reference:
       out_BxTxHxD, aux = ref.diff_v2_reference(

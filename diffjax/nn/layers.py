@@ -17,6 +17,7 @@ import flax
 import jax.numpy as jnp
 from flax import nnx
 
+from diffjax.core.dtypes import accumulation_dtype
 from diffjax.ops.reference import rms_norm
 
 
@@ -25,7 +26,8 @@ class Hooks:
   """Analysis interventions, all optional; ``None`` everywhere costs nothing.
 
   Attributes:
-    logits: applied to float32 attention scores [B, H, T, S] before the softmax.
+    logits: applied to float32 attention scores [B, H, T, S] before the softmax
+      (float64 in a float64 model).
     probs: applied to the combined attention map (A1 - lambda A2 for DIFF arms,
       A for the baseline) [B, H, T, S] before it multiplies V.
     kv: applied to keys and values after projection and RoPE (KV-cache quantization).
@@ -76,21 +78,26 @@ def _uniform(bound: float):
 
 
 def project(x, kernel: nnx.Param, spec: str, dtype, hooks: Hooks) -> jax.Array:
-  """``einsum(spec, x, kernel)`` in the compute dtype with float32 accumulation."""
+  """``einsum(spec, x, kernel)`` in the compute dtype with float32 (float64) accumulation."""
   if hooks.activations is not None:
     x = hooks.activations(x)
   y = jnp.einsum(spec, x.astype(dtype), kernel[...].astype(dtype),
-                 preferred_element_type=jnp.float32)
+                 preferred_element_type=accumulation_dtype(dtype))
   return y.astype(dtype)
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm over the last axis, computed in float32, with a learnable gain."""
+  """RMSNorm over the last axis with a learnable gain.
+
+  Computed in float32 (float64 for float64 inputs); the gain is float32 unless
+  ``param_dtype`` is float64.
+  """
 
   def __init__(self, dim: int, *, eps: float = 1e-5, rngs: nnx.Rngs,
-               names: Sequence[str | None] = ("norm",)):
+               names: Sequence[str | None] = ("norm",), param_dtype=jnp.float32):
     self.eps = eps
-    self.scale = make_param(rngs, nnx.initializers.ones, (dim,), names)
+    self.scale = make_param(rngs, nnx.initializers.ones, (dim,), names,
+                            accumulation_dtype(param_dtype))
 
   def __call__(self, x):
     return rms_norm(x, self.scale[...], self.eps)
@@ -108,9 +115,9 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dtype)
 
   def attend(self, x_BxTxE, dtype):
-    """Tied output head: logits against the embedding table, float32."""
+    """Tied output head: logits against the embedding table, float32 (float64)."""
     return jnp.einsum("bte,ve->btv", x_BxTxE.astype(dtype), self.embedding[...].astype(dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=accumulation_dtype(dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -124,7 +131,8 @@ class SwiGLU(nnx.Module):
     self.w_down = make_param(rngs, init, (hidden, dim), ("mlp", "embed"), param_dtype)
 
   def __call__(self, x_BxTxE, dtype, hooks: Hooks = NO_HOOKS):
-    gate = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)
-    up = project(x_BxTxE, self.w_up, "bte,ef->btf", dtype, hooks)
-    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
-    return project(h, self.w_down, "btf,fe->bte", dtype, hooks)
+    acc = accumulation_dtype(dtype)
+    gate_BxTxF = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)
+    up_BxTxF = project(x_BxTxE, self.w_up, "bte,ef->btf", dtype, hooks)
+    h_BxTxF = (jax.nn.silu(gate_BxTxF.astype(acc)) * up_BxTxF.astype(acc)).astype(dtype)
+    return project(h_BxTxF, self.w_down, "btf,fe->bte", dtype, hooks)

@@ -10,26 +10,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from diffjax.core.dtypes import accumulation_dtype
+
 ROPE_STYLES = ("interleaved", "half")
 
 
-def rope_frequencies(head_dim: int, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, dtype=jnp.float32) -> jax.Array:
+  """theta^(-2i/D) for the D/2 pairs i, [D/2] in ``dtype``."""
   if head_dim % 2:
     raise ValueError(f"RoPE needs an even head dim; got head_dim={head_dim}.")
-  return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim))
 
 
 def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, *, theta: float = 10000.0,
                style: str = "interleaved") -> jax.Array:
-  """Rotates every D-wide head vector by its position; float32 math, input dtype out."""
+  """Rotates every D-wide head vector by its position.
+
+  The angles and the rotation run in float32 (float64 for float64 x); the result has
+  the dtype of x.
+  """
   if style not in ROPE_STYLES:
     raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}.")
   d = x_BxTxHxD.shape[-1]
-  freqs_F = rope_frequencies(d, theta)
-  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * freqs_F[None, None, :]
+  acc = accumulation_dtype(x_BxTxHxD.dtype)
+  freqs_F = rope_frequencies(d, theta, acc)
+  angles_BxTxF = positions_BxT.astype(acc)[..., None] * freqs_F[None, None, :]
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-  x = x_BxTxHxD.astype(jnp.float32)
+  x = x_BxTxHxD.astype(acc)
   if style == "interleaved":
     x1, x2 = x[..., 0::2], x[..., 1::2]
     r1 = x1 * cos - x2 * sin

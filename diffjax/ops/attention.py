@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from diffjax.core import reference as ref
 from diffjax.core import validation as _v
+from diffjax.core.dtypes import accumulation_dtype
 from diffjax.ops.dispatch import (
     IMPLEMENTATIONS,
     call_kernel,
@@ -38,6 +39,10 @@ __all__ = [
     "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
     "dot_product_attention", "register_implementation", "target_platform",
 ]
+
+
+def _is_float64(x: jax.Array) -> bool:
+  return jnp.result_type(x) == jnp.float64
 
 
 def dot_product_attention(
@@ -56,10 +61,12 @@ def dot_product_attention(
     mask: optional boolean array broadcastable to [B, H, T, S] (True = attend).
     scale: score scale, default 1/sqrt(D).
   Returns:
-    [B, T, H, Dv] in the dtype of q. Softmax runs in float32.
+    [B, T, H, Dv] in the dtype of q. Softmax runs in float32 (float64 for float64
+    inputs, which always take the XLA path).
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  impl = resolve("mha", implementation, has_mask=mask is not None, interpret=interpret)
+  impl = resolve("mha", implementation, has_mask=mask is not None, interpret=interpret,
+                 float64=_is_float64(q_BxTxHxD))
   if impl == "xla":
     return ref.mha_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, causal=causal,
                              segment_ids=segment_ids, mask=mask, scale=scale)
@@ -90,7 +97,8 @@ def diff_v1_attention_core(
   """
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret)
+  impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret,
+                 float64=_is_float64(q1_BxTxHxD))
   if impl == "xla":
     return ref.diff_v1_reference(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
                                  v_BxSxKxDv, lam, causal=causal, segment_ids=segment_ids,
@@ -120,7 +128,8 @@ def diff_v1_attention(
   if norm_gain is not None and tuple(jnp.shape(norm_gain)) != (dv,):
     raise ValueError(f"norm_gain must have shape ({dv},); got {tuple(jnp.shape(norm_gain))}.")
   normed_BxTxHxDv = ref.rms_norm(out_BxTxHxDv, norm_gain, eps)
-  return (normed_BxTxHxDv.astype(jnp.float32) * (1.0 - lambda_init)).astype(out_BxTxHxDv.dtype)
+  acc = accumulation_dtype(out_BxTxHxDv.dtype)
+  return (normed_BxTxHxDv.astype(acc) * (1.0 - lambda_init)).astype(out_BxTxHxDv.dtype)
 
 
 def diff_v2_attention(
@@ -140,7 +149,8 @@ def diff_v2_attention(
     ``softmax(q_2i K^T s) V - lam_i * softmax(q_2i+1 K^T s) V``.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret)
+  impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret,
+                 float64=_is_float64(q_BxTxQxD))
   if impl == "xla":
     return ref.diff_v2_reference(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=causal,
                                  segment_ids=segment_ids, mask=mask, scale=scale)

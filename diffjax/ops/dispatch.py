@@ -148,9 +148,12 @@ def current_platform() -> str:
   return getattr(_TARGET, "value", None) or jax.default_backend()
 
 
-def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) -> str:
+def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
+            float64: bool = False) -> str:
   """The implementation that runs: "xla", "pallas_tpu", "pallas_gpu" or "stock".
 
+  ``float64``: the inputs are float64, which only the XLA path computes in float64
+  (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
   Raises ValueError, naming what can run instead, when the choice cannot run here.
   """
   if implementation not in IMPLEMENTATIONS:
@@ -159,7 +162,7 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) ->
     return "xla"
   platform = current_platform()
   if implementation == "auto":
-    if platform not in ("tpu", "gpu") or has_mask:
+    if platform not in ("tpu", "gpu") or has_mask or float64:
       return "xla"
     if lookup(op, f"pallas_{platform}", platform, False) is not None:
       return f"pallas_{platform}"
@@ -179,6 +182,9 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool) ->
   if has_mask:
     raise ValueError(f"implementation={implementation!r} supports causal and segment-id masks "
                      "only; pass mask=None or use implementation='xla'.")
+  if float64:
+    raise ValueError(f"implementation={implementation!r} computes in float32; float64 inputs "
+                     "need implementation='xla' (or 'auto', which picks it).")
   if lookup(op, implementation, platform, interpret) is None:
     where = sorted({p for e in _REGISTRY[(op, implementation)] for p in e.platforms})
     raise ValueError(
