@@ -362,3 +362,47 @@ def test_probability_hooks(arm):
   np.testing.assert_array_equal(zeroed_other[:, 1:], zeroed[:, 1:])
   plain_other = np.asarray(forward(model, other))
   assert np.abs(plain_other[:, 1:] - plain[:, 1:]).max() > 0
+
+
+# --------------------------------------------------------------------------------------
+# Lambda reported by the model.
+# --------------------------------------------------------------------------------------
+
+
+@nnx.jit
+def _lambda_summary(model, tokens, positions, segment_ids):
+  return model.lambda_summary(tokens, positions, segment_ids)
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_lambda_summary_reports_each_diff_layer(arm):
+  cfg = arm_config(arm, num_layers=3)
+  model = model_for(cfg)
+  tokens, _ = tokens_and_targets(9)
+  # Two packed documents in row 0, so positions and segment ids matter.
+  positions = jnp.asarray([list(range(5)) + list(range(T - 5)), list(range(T))], jnp.int32)
+  segments = jnp.asarray([[1] * 5 + [2] * (T - 5), [1] * T], jnp.int32)
+  got = _lambda_summary(model, tokens, positions, segments)
+  without_tokens = model.lambda_summary()
+  _, caps = model(tokens, positions, segments, capture=True)
+  layers = range(cfg.num_layers)
+  if arm == "transformer":
+    assert got == {} and without_tokens == {}
+  elif arm == "diff_v1":
+    # lambda depends on the parameters only: the same with or without a batch.
+    assert set(got) == set(without_tokens) == {f"lambda/layer_{i}" for i in layers}
+    for i in layers:
+      assert float(got[f"lambda/layer_{i}"]) == pytest.approx(float(caps[i]["lambda"]),
+                                                              abs=1e-7)
+      assert float(without_tokens[f"lambda/layer_{i}"]) == pytest.approx(
+          float(caps[i]["lambda"]), abs=1e-7)
+  else:
+    # lambda is per token: its mean over the batch, and nothing without one.
+    assert without_tokens == {}
+    assert set(got) == {f"lambda_mean/layer_{i}" for i in layers}
+    for i in layers:
+      want = float(jnp.mean(caps[i]["lambda"]))
+      assert float(got[f"lambda_mean/layer_{i}"]) == pytest.approx(want, abs=1e-6)
+      assert 0.0 < want < 1.0
+    # Layers past the first see the earlier blocks' output, so the means differ.
+    assert len({round(float(v), 6) for v in got.values()}) == cfg.num_layers

@@ -89,13 +89,7 @@ class DecoderLM(nnx.Module):
                capture: bool = False, hooks: Hooks = NO_HOOKS):
     cfg = self.config
     dt = cfg.compute_dtype
-    if tokens_BxT.ndim != 2:
-      raise ValueError(f"tokens must have shape [batch, length]; got {tokens_BxT.shape}.")
-    b, t = tokens_BxT.shape
-    if positions_BxT is None:
-      positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    x_BxTxE = self.embed(tokens_BxT, dt)
-    x_BxTxE = constrain(x_BxTxE, ("batch", "length", "embed"))
+    x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
     captures = []
     for block in self.blocks:
       if capture:
@@ -115,6 +109,51 @@ class DecoderLM(nnx.Module):
                                 preferred_element_type=accumulation_dtype(dt))
     logits_BxTxV = constrain(logits_BxTxV, ("batch", "length", "vocab"))
     return (logits_BxTxV, captures) if capture else logits_BxTxV
+
+  def _embed(self, tokens_BxT, positions_BxT) -> tuple[jax.Array, jax.Array]:
+    """The token embeddings [B, T, E] and the positions (default 0..T-1)."""
+    if tokens_BxT.ndim != 2:
+      raise ValueError(f"tokens must have shape [batch, length]; got {tokens_BxT.shape}.")
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    x_BxTxE = self.embed(tokens_BxT, self.config.compute_dtype)
+    return constrain(x_BxTxE, ("batch", "length", "embed")), positions_BxT
+
+  def lambda_summary(self, tokens_BxT: jax.Array | None = None,
+                     positions_BxT: jax.Array | None = None,
+                     segment_ids_BxT: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The differential attention's lambda per layer, for logging.
+
+    Args:
+      tokens_BxT, positions_BxT, segment_ids_BxT: a batch, as for ``__call__``; only
+        DIFF V2 needs it (its lambda depends on the input).
+    Returns:
+      ``{"lambda/layer_<i>": lambda}`` (scalar) for each DIFF V1 layer, and
+      ``{"lambda_mean/layer_<i>": mean of sigmoid(x W_lambda)}`` over the batch's
+      B x T tokens and the pairs for each DIFF V2 layer when ``tokens_BxT`` is given.
+      Empty for the Transformer.
+    """
+    out = {}
+    v2_layers = []
+    for i, block in enumerate(self.blocks):
+      if isinstance(block.attn, DiffV1Attention):
+        out[f"lambda/layer_{i}"] = block.attn.lambda_value()
+      elif isinstance(block.attn, DiffV2Attention):
+        v2_layers.append(i)
+    if tokens_BxT is None or not v2_layers:
+      return out
+    # V2's lambda reads each layer's normed input: run the blocks up to the last V2
+    # layer on the normal path (no attention maps are materialised).
+    x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
+    for i, block in enumerate(self.blocks):
+      if i in v2_layers:
+        lam_BxTxH = block.attn.lambda_value(block.attn_norm(x_BxTxE))
+        out[f"lambda_mean/layer_{i}"] = jnp.mean(lam_BxTxH)
+      if i == v2_layers[-1]:
+        break
+      x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT)
+    return out
 
 
 def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_name):

@@ -244,6 +244,12 @@ class DiffV2Attention(nnx.Module):
     self.w_lambda = make_param(rngs, torch_linear_init(d_model), (d_model, num_heads),
                                ("embed", "heads"), options.param_dtype)
 
+  def lambda_value(self, x_BxTxE: jax.Array, hooks: Hooks = NO_HOOKS) -> jax.Array:
+    """lambda = sigmoid(x W_lambda) per token and pair, [B, T, H] in float32 (float64)."""
+    dt = self.options.dtype
+    lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
+    return jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
+
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS):
     opts = self.options
@@ -258,8 +264,7 @@ class DiffV2Attention(nnx.Module):
     v_BxSxKxD = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
     if hooks.kv is not None:
       k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
-    lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
-    lam_BxTxH = jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
+    lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     aux = None
     if capture or hooks.needs_reference:
       out_BxTxHxD, aux = ref.diff_v2_reference(
