@@ -68,8 +68,8 @@ def write_two_steps(directory: str, async_save: bool = False) -> dict:
 def bitwise_equal(a, b) -> bool:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   return len(la) == len(lb) and all(
-      x.dtype == y.dtype and x.shape == y.shape and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-      for x, y in zip(la, lb))
+      x.dtype == y.dtype and x.shape == y.shape
+      and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
 
 
 def corrupt(step_dir: str, kind: str, raw_leaf: np.ndarray | None = None) -> None:
