@@ -15,7 +15,6 @@ import optax
 from flax import nnx
 
 from diffjax.model import DecoderLM, ModelConfig
-from diffjax.nn.attention import DiffV1Attention
 
 Batch = dict[str, jax.Array]
 
@@ -131,23 +130,13 @@ def make_eval_step(graphdef):
   return eval_step
 
 
-def diff_v1_lambdas(graphdef, params) -> dict[str, jax.Array]:
-  """Current lambda of every DIFF V1 layer, keyed ``layer_<i>``."""
-  model = merge_params(graphdef, params)
-  out = {}
-  for i, block in enumerate(model.blocks):
-    if isinstance(block.attn, DiffV1Attention):
-      out[f"layer_{i}"] = block.attn.lambda_value()
-  return out
+def lambda_summary(graphdef, params, batch: Batch) -> dict[str, jax.Array]:
+  """The model's λ report (:meth:`DecoderLM.lambda_summary`) on ``batch``.
 
-
-def diff_v2_lambda_means(graphdef, params, batch: Batch) -> dict[str, jax.Array]:
-  """Mean of sigmoid(lambda) per DIFF V2 layer over the tokens of ``batch``."""
+  Keys ``lambda/layer_<i>`` (DIFF V1) and ``lambda_mean/layer_<i>`` (DIFF V2).
+  """
   model = merge_params(graphdef, params)
-  if model.config.attention != "diff_v2":
-    return {}
-  _, captures = model(batch["inputs"], batch["positions"], batch["segment_ids"], capture=True)
-  return {f"layer_{i}": jnp.mean(c["lambda"]) for i, c in enumerate(captures)}
+  return model.lambda_summary(batch["inputs"], batch["positions"], batch["segment_ids"])
 
 
 def model_size(params: Any) -> int:

@@ -1,6 +1,6 @@
 """Mixing synthetic retrieval tasks into language-model training data.
 
-``config.task_mix.task`` names a task of :mod:`diffjax.eval.tasks` ("multi_needle" or
+``config.task_mix.task`` names a task of :mod:`diffjax.data.tasks` ("multi_needle" or
 "associative_recall"); ``config.task_mix.fraction`` is the share of training tokens
 that come from it. Task examples join the corpus as documents, so they are packed,
 shuffled and split exactly like text. Training examples are drawn from a seed range

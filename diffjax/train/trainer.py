@@ -34,7 +34,7 @@ from diffjax.train.config_utils import check_config, resolved_model_config
 from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
 from diffjax.train.setup import build_train_setup
-from diffjax.train.steps import diff_v1_lambdas, diff_v2_lambda_means
+from diffjax.train.steps import lambda_summary
 from diffjax.train.task_mix import mixed_source
 
 
@@ -152,8 +152,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # 4. Steps.
   train_step, eval_step = setup.train_step, setup.eval_step
-  lambdas_fn = jax.jit(lambda p: diff_v1_lambdas(graphdef, p))
-  v2_lambda_fn = jax.jit(lambda p, b: diff_v2_lambda_means(graphdef, p, b))
+  lambda_fn = jax.jit(lambda p, b: lambda_summary(graphdef, p, b))
   val_batches = data.val_batches(config.eval_batches)
   writer = MetricsWriter(workdir, enabled=is_main,
                          tensorboard=config.get("tensorboard", True))
@@ -164,11 +163,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
     if byte_level:
       vals["eval/bits_per_byte"] = loss / math.log(2.0)
-    if model_cfg.attention == "diff_v1":
-      vals.update({f"lambda/{k}": float(v) for k, v in lambdas_fn(params).items()})
-    if model_cfg.attention == "diff_v2":
+    if model_cfg.attention != "transformer":
       b = _to_global(val_batches[0], batch_shard)
-      vals.update({f"lambda_mean/{k}": float(v) for k, v in v2_lambda_fn(params, b).items()})
+      vals.update({k: float(v) for k, v in lambda_fn(params, b).items()})
     writer.write(step, vals)
     return vals
 
