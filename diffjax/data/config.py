@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-KINDS = ("stdlib", "text", "array_record")
+KINDS = ("stdlib", "text", "array_record", "prepared")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -14,9 +14,11 @@ class DataConfig:
 
   Attributes:
     kind: "stdlib" (the Python standard library's sources, needs no files), "text" (one
-      document per file of `paths`) or "array_record" (one document per record of `paths`,
-      see `write_array_record`).
-    paths: files, directories or globs for "text" / "array_record"; must be empty for "stdlib".
+      document per file of `paths`), "array_record" (one document per record of `paths`,
+      see `write_array_record`): these three are read into memory; or "prepared" (streamed
+      from the shards `python -m diffjax.data.prepare` wrote, for corpora of any size).
+    paths: files, directories or globs for "text" / "array_record"; the prepared directory
+      (or its manifest.json) for "prepared"; must be empty for "stdlib".
     tokenizer: "byte", or a path to an HF tokenizers ".json" or a SentencePiece ".model".
       Ignored by "array_record", whose records are already token ids; it still supplies
       eos/pad/vocab_size, so it must be the tokenizer that produced them.
@@ -29,6 +31,8 @@ class DataConfig:
     shuffle: shuffle documents and windows, differently every epoch. Off: corpus order.
     num_threads: threads that build batches ahead of the training loop.
     prefetch_batches: how many batches those threads keep ready.
+    shards_per_group: "prepared" only: an epoch visits the shards in groups of this many,
+      shuffling the documents of a group together (that many shards are open at a time).
 
   Construct with keywords, e.g. `DataConfig(**config.data.to_dict())` or `DataConfig.from_dict`;
   unknown keys raise ValueError naming them.
@@ -44,12 +48,13 @@ class DataConfig:
   shuffle: bool
   num_threads: int
   prefetch_batches: int
+  shards_per_group: int
 
   def __init__(self, *, kind: str = "stdlib", paths: tuple[str, ...] | list[str] | str = (),
                tokenizer: str = "byte", val_fraction: float = 0.01, split_seed: int = 0,
                max_documents: int | None = None, max_tokens: int | None = None,
                shuffle: bool = True, num_threads: int = 2, prefetch_batches: int = 4,
-               **unknown: Any):
+               shards_per_group: int = 16, **unknown: Any):
     if unknown:
       raise ValueError(
           f"Unknown DataConfig keys {sorted(unknown)}; accepted keys are "
@@ -59,7 +64,7 @@ class DataConfig:
     values = dict(kind=kind, paths=paths, tokenizer=tokenizer, val_fraction=float(val_fraction),
                   split_seed=int(split_seed), max_documents=max_documents, max_tokens=max_tokens,
                   shuffle=bool(shuffle), num_threads=int(num_threads),
-                  prefetch_batches=int(prefetch_batches))
+                  prefetch_batches=int(prefetch_batches), shards_per_group=int(shards_per_group))
     for name, value in values.items():
       object.__setattr__(self, name, value)
     self._validate()
@@ -83,6 +88,16 @@ class DataConfig:
           f"DataConfig kind='stdlib' takes no paths, got paths={self.paths}; "
           "use kind='text' or kind='array_record' to read files."
       )
+    if self.kind == "prepared":
+      missing = [n for n, v in (("data.paths", self.paths), ("data.tokenizer", self.tokenizer)) if not v]
+      if missing:
+        raise ValueError(
+            f"data.kind='prepared' needs data.paths=<directory written by python -m "
+            f"diffjax.data.prepare> and data.tokenizer=<the tokenizer.json it used>; missing: "
+            f"{', '.join(missing)} (e.g. --config.data.paths=\"('data/prepared',)\" "
+            "--config.data.tokenizer=tokenizer.json).")
+      if self.shards_per_group < 1:
+        raise ValueError(f"DataConfig shards_per_group={self.shards_per_group} must be >= 1.")
     if self.kind != "stdlib" and not self.paths:
       raise ValueError(f"DataConfig kind={self.kind!r} needs paths (files, directories or globs).")
     if not 0.0 <= self.val_fraction < 1.0:

@@ -148,6 +148,9 @@ class Datasets:
 
 def load_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocumentSource:
   """The `DocumentSource` named by `cfg` (stdlib sources are cached in memory)."""
+  if cfg.kind == "prepared":
+    raise ValueError("data.kind='prepared' streams its shards and cannot be mixed with another "
+                     "source (task_mix); use task_mix.task='none' or an in-memory data.kind.")
   if cfg.kind == "stdlib":
     return stdlib_corpus(cfg.tokenizer)
   if cfg.kind == "text":
@@ -172,6 +175,9 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
                    tokenizer: Tokenizer | None = None) -> Datasets:
   """Reads, splits and packs the corpus; returns training and validation batches.
 
+  `cfg.kind == "prepared"` streams instead (see `diffjax.data.streaming`) and returns a
+  `PreparedDatasets` with the same members the trainer uses.
+
   Args:
     cfg: the data configuration.
     seq_len: T, tokens per example.
@@ -188,6 +194,13 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
     FileNotFoundError: a path or glob of `cfg.paths` matches nothing.
   """
   _check_sharding(global_batch_size, process_index, process_count)
+  if cfg.kind == "prepared":
+    if source is not None:
+      raise ValueError("data.kind='prepared' streams its shards and cannot be mixed with another "
+                       "source (task_mix); use task_mix.task='none' or an in-memory data.kind.")
+    from diffjax.data.stream_datasets import build_prepared_datasets  # pylint: disable=import-outside-toplevel
+    return build_prepared_datasets(cfg, seq_len, global_batch_size, seed, process_index,
+                                   process_count, tokenizer)
   tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
   source = source if source is not None else load_source(cfg, tokenizer)
   name = getattr(source, "name", type(source).__name__)

@@ -1,0 +1,216 @@
+"""`python -m diffjax.data.prepare`: raw corpus -> tokenized ArrayRecord shards + manifest.
+
+    python -m diffjax.data.prepare --input corpus/ --input extra.jsonl \
+        --output data/prepared --tokenizer tokenizer.json --shard_tokens 50000000 --workers 8
+
+Inputs: JSONL (`--text_field`, default "text"; `.jsonl`, `.jsonl.gz`, `.json`, `.ndjson`),
+Parquet (`.parquet`, the `--text_field` column; needs pyarrow) and any other file as one text
+document; directories are read recursively and globs expanded; `stdlib` names the default
+corpus (the standard library's .py files, as `data.kind="stdlib"`).
+
+Each record of a shard is one document's token ids as little-endian int32 (no eos: the
+trainer appends it); empty documents are dropped. Why ArrayRecord: random access to single
+records, which the streaming pipeline needs to give every batch row its own documents.
+
+Resumable and idempotent: documents are assigned to shards deterministically (work unit u, one
+input file or a run of text files, writes shards `shard-<u>-<part>`, a new part after
+`--shard_tokens` tokens); a shard is written under a temporary name and renamed, and a unit's
+completion marker `unit-<u>.done.json` is written last. A rerun skips finished units and redoes
+the others from scratch, so an interruption never duplicates or loses a document. The manifest
+(shards, documents and tokens per shard, the tokenizer's SHA-256) is written at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+from diffjax.data.manifest import read_manifest, tokenizer_fingerprint, write_manifest
+from diffjax.data.raw import Unit, iter_documents, plan_units, require_pyarrow
+from diffjax.data.tokenizers import Tokenizer, load_tokenizer
+
+PLAN_NAME = "prepare_plan.json"
+_ENCODE_BATCH = 256
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = load_tokenizer(spec)
+
+
+def _encode(tokenizer: Tokenizer, docs: list) -> list[np.ndarray]:
+  """Token ids of each document; raw bytes go through `encode_bytes` when the tokenizer has it
+  (the byte tokenizer: exact, as `data.kind="text"`), else are decoded as UTF-8."""
+  encode_bytes = getattr(tokenizer, "encode_bytes", None)
+  if encode_bytes is not None and all(isinstance(d, bytes) for d in docs):
+    return [encode_bytes(d) for d in docs]
+  texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+  encode_batch = getattr(tokenizer, "encode_batch", None)
+  return list(encode_batch(texts)) if encode_batch else [tokenizer.encode(t) for t in texts]
+
+
+def _marker(output: str, index: int) -> str:
+  return os.path.join(output, f"unit-{index:05d}.done.json")
+
+
+def _remove_partial(output: str, index: int) -> None:
+  for path in glob.glob(os.path.join(output, f"*shard-{index:05d}-*")):
+    os.remove(path)
+
+
+def run_unit(unit: Unit, output: str, shard_tokens: int, text_field: str,
+             tokenizer: Tokenizer | None = None) -> tuple[int, int, int]:
+  """Writes the shards of `unit` and its completion marker; returns (index, documents, tokens)."""
+  from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+
+  tokenizer = tokenizer or _worker_tokenizer
+  _remove_partial(output, unit.index)
+  shards: list[dict] = []
+  writer, name, docs, tokens = None, "", 0, 0
+
+  def close():
+    nonlocal writer
+    writer.close()
+    os.replace(os.path.join(output, "tmp-" + name), os.path.join(output, name))
+    shards.append({"path": name, "num_documents": docs, "num_tokens": tokens})
+    writer = None
+
+  def write_all(batch: list) -> None:
+    nonlocal writer, name, docs, tokens
+    for ids in _encode(tokenizer, batch):
+      if ids.size == 0:
+        continue
+      if writer is None:
+        name = f"shard-{unit.index:05d}-{len(shards):04d}.array_record"
+        writer = array_record_module.ArrayRecordWriter(os.path.join(output, "tmp-" + name),
+                                                       "group_size:1")
+        docs = tokens = 0
+      writer.write(np.asarray(ids, "<i4").tobytes())
+      docs, tokens = docs + 1, tokens + int(ids.size)
+      if tokens >= shard_tokens:
+        close()
+
+  batch: list = []
+  for doc in iter_documents(unit, text_field):
+    batch.append(doc)
+    if len(batch) == _ENCODE_BATCH:
+      write_all(batch)
+      batch = []
+  write_all(batch)
+  if writer is not None:
+    close()
+  tmp = _marker(output, unit.index) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump({"unit": unit.index, "files": list(unit.files), "shards": shards}, f)
+  os.replace(tmp, _marker(output, unit.index))
+  return unit.index, sum(s["num_documents"] for s in shards), sum(s["num_tokens"] for s in shards)
+
+
+def _run_unit_star(args) -> tuple[int, int, int]:
+  return run_unit(*args)
+
+
+def _check_plan(output: str, plan: dict) -> None:
+  path = os.path.join(output, PLAN_NAME)
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old != plan:
+      changed = sorted(k for k in plan if old.get(k) != plan[k])
+      raise ValueError(f"{output!r} holds a preparation with different {', '.join(changed)}; "
+                       "rerun with the same arguments to resume, or use another --output.")
+    return
+  with open(path + ".tmp", "w") as f:
+    json.dump(plan, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", *,
+            shard_tokens: int = 50_000_000, workers: int = 1, text_field: str = "text",
+            files_per_unit: int = 256, progress: bool = True) -> str:
+  """Tokenizes `inputs` into shards under `output`; returns the manifest's path.
+
+  Raises:
+    FileNotFoundError: an input matches nothing.
+    ValueError: `output` holds a preparation with other arguments; a bad JSONL line.
+    ImportError: Parquet inputs without pyarrow.
+  """
+  if shard_tokens < 1 or workers < 1:
+    raise ValueError(f"--shard_tokens={shard_tokens} and --workers={workers} must be >= 1.")
+  units = plan_units(inputs, files_per_unit)
+  if any(u.kind == "parquet" for u in units):
+    require_pyarrow()
+  tok = load_tokenizer(tokenizer)
+  fingerprint = tokenizer_fingerprint(tok)
+  os.makedirs(output, exist_ok=True)
+  _check_plan(output, {"units": [list(u.files) for u in units], "tokenizer_sha256": fingerprint,
+                       "shard_tokens": shard_tokens, "text_field": text_field})
+  pending = [u for u in units if not os.path.exists(_marker(output, u.index))]
+  t0, done_docs, done_tokens = time.perf_counter(), 0, 0
+  jobs = [(u, output, shard_tokens, text_field) for u in pending]
+
+  def report(i: int) -> None:
+    if progress:
+      rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
+      end = "\n" if i == len(pending) or not sys.stderr.isatty() else ""
+      print(f"\rprepare: {len(units) - len(pending) + i}/{len(units)} units, {done_docs:,} docs, "
+            f"{done_tokens:,} tokens, {rate:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
+
+  if workers == 1 or len(pending) <= 1:
+    for i, job in enumerate(jobs, 1):
+      _, d, n = run_unit(*job, tokenizer=tok)
+      done_docs, done_tokens = done_docs + d, done_tokens + n
+      report(i)
+  else:
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
+      for i, (_, d, n) in enumerate(pool.imap_unordered(_run_unit_star, jobs), 1):
+        done_docs, done_tokens = done_docs + d, done_tokens + n
+        report(i)
+
+  shards: list[dict] = []
+  for u in units:
+    with open(_marker(output, u.index)) as f:
+      shards.extend(json.load(f)["shards"])
+  if not shards:
+    raise ValueError(f"Inputs {list(inputs)} hold no non-empty document.")
+  info = {"spec": tokenizer, "sha256": fingerprint, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+  path = write_manifest(output, shards, info)
+  m = read_manifest(path)
+  if progress:
+    print(f"prepare: wrote {path}: {len(m.shards)} shards, {m.num_documents:,} documents, "
+          f"{m.num_tokens:,} tokens", file=sys.stderr)
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m diffjax.data.prepare", description=__doc__.split("\n")[0])
+  p.add_argument("--input", action="append", required=True,
+                 help="file, directory, glob, or 'stdlib'; repeat for several")
+  p.add_argument("--output", required=True, help="directory for shards and manifest.json")
+  p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json or a .model file")
+  p.add_argument("--shard_tokens", type=int, default=50_000_000, help="tokens per shard (about)")
+  p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+  p.add_argument("--text_field", default="text", help="JSONL field / Parquet column")
+  p.add_argument("--files_per_unit", type=int, default=256,
+                 help="text files (one document each) per work unit")
+  args = p.parse_args(argv)
+  try:
+    prepare(args.input, args.output, args.tokenizer, shard_tokens=args.shard_tokens,
+            workers=args.workers, text_field=args.text_field, files_per_unit=args.files_per_unit)
+  except (ValueError, FileNotFoundError, ImportError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
