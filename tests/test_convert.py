@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from diffjax.convert import (ConversionError, build_model, expected_shapes, load_hf,
                              model_config_from_hf, model_params, save_hf)
-from diffjax.convert.cli import main as cli_main
+from diffjax.convert.command import main as cli_main
 from diffjax.convert.files import read_tensors
 from diffjax.model import DecoderLM, ModelConfig
 

@@ -1,8 +1,8 @@
-"""`python -m diffjax.convert import|export ...`; see :mod:`diffjax.convert.cli`."""
+"""`python -m diffjax.convert import|export ...`; see :mod:`diffjax.convert.command`."""
 
 import sys
 
-from diffjax.convert.cli import main
+from diffjax.convert.command import main
 
 if __name__ == "__main__":
   sys.exit(main())

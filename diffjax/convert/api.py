@@ -27,6 +27,7 @@ from diffjax.convert.weights import hf_from_params, params_from_hf
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.train import checkpoint as ckpt
 from diffjax.train.loading import load_model
+from diffjax.train.records import write_json
 
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Keys of the source config.json kept with an imported workdir, so that exporting it again
@@ -144,7 +145,7 @@ def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
   ckpt.save(manager, 0, state, None, meta, force=True)
   manager.wait_until_finished()
   manager.close()
-  ckpt.write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
+  write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
   return cfg
 
 

@@ -504,8 +504,3 @@ def abstract_like(state: Any, shardings: Any = None) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state, shardings)
-
-
-def write_json(path: str, obj: dict) -> None:
-  """Writes JSON to a local path or a cloud URI (gs://...)."""
-  epath.Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
