@@ -11,7 +11,8 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 a process killed mid-save leaves the previous complete step as the latest one.
 
 ``save`` refuses a state whose floating leaves are not all finite: such a checkpoint
-would only make every resume fail again. The leaf digests come from one jitted pass over
+would only make every resume fail again. The leaf digests (:mod:`diffjax.train.digest`)
+come from one jitted pass over
 the state on its devices; a digest is a sum over elements of a mix of the element's bits
 and its index in the whole array, so it does not depend on how the array is sharded (a
 checkpoint restored onto another mesh still verifies) and any change to one element
@@ -28,8 +29,6 @@ directory, where the manager does not look, and the previous step is tried.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -38,12 +37,13 @@ from typing import Any, Callable
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from diffjax.errors import UserError
+from diffjax.train.digest import (all_processes_agree, dtype_name, named_leaves, per_process, scan,
+                                  sha256)
 
 _FORMAT = 1
 
@@ -73,121 +73,6 @@ def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.Checkpoi
                                item_names=("state", "data", "meta"))
 
 
-# --- digests -------------------------------------------------------------------------------------
-
-def _leaf_name(path) -> str:
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
-
-
-def _dtype_name(x: Any) -> str:
-  return str(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
-
-
-def _named_leaves(tree: Any) -> tuple[list[str], list[Any]]:
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return [_leaf_name(p) for p, _ in flat], [x for _, x in flat]
-
-
-def _fmix32(h_X: jax.Array) -> jax.Array:
-  """MurmurHash3's finaliser: a bijection of uint32 that spreads every input bit."""
-  h_X = h_X ^ (h_X >> np.uint32(16))
-  h_X = h_X * np.uint32(0x85EBCA6B)
-  h_X = h_X ^ (h_X >> np.uint32(13))
-  h_X = h_X * np.uint32(0xC2B2AE35)
-  return h_X ^ (h_X >> np.uint32(16))
-
-
-def _as_words(x: jax.Array) -> jax.Array:
-  """The bits of ``x`` as uint32 words (8-byte types gain a trailing axis of 2)."""
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  size = jnp.dtype(x.dtype).itemsize
-  if size == 4:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  if size in (1, 2):
-    small = jnp.uint8 if size == 1 else jnp.uint16
-    return jax.lax.bitcast_convert_type(x, small).astype(jnp.uint32)
-  if size == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  raise TypeError(f"Cannot digest a leaf of dtype {x.dtype}.")
-
-
-def _leaf_digest(x: jax.Array) -> jax.Array:
-  """Two independent uint32 sums over elements of mix(bits, global flat index)."""
-  words = _as_words(jnp.asarray(x))
-  shape = words.shape
-  # The flat index from per-axis iotas rather than a reshape, which would make XLA
-  # gather a sharded array; uint32 arithmetic wraps, which a hash does not mind.
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride % 2**32)
-    stride *= shape[axis]
-  # For a fixed index each lane is a bijection of the element's bits, so changing any one
-  # element always changes both sums.
-  lane_a = _fmix32(words ^ _fmix32(index ^ np.uint32(0x9E3779B9)))
-  lane_b = _fmix32(words + _fmix32(index + np.uint32(0x7F4A7C15)))
-  return jnp.stack([jnp.sum(lane_a, dtype=jnp.uint32), jnp.sum(lane_b, dtype=jnp.uint32)])
-
-
-@jax.jit
-def _scan_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-  """Per leaf: its digest (uint32[N, 2]) and whether all its values are finite (bool[N])."""
-  digests_Nx2 = jnp.stack([_leaf_digest(x) for x in leaves])
-  finite_N = jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
-                        else jnp.bool_(True) for x in leaves])
-  return digests_Nx2, finite_N
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-  if x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(x)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _scan(leaves: list[Any]) -> tuple[list[str], np.ndarray]:
-  """Hex digests and finite flags of ``leaves``, computed where the leaves live."""
-  if not leaves:
-    return [], np.zeros((0,), bool)
-  digests_Nx2, finite_N = _scan_leaves(list(leaves))
-  digests_Nx2 = _to_host(digests_Nx2)
-  return [f"{int(a):08x}{int(b):08x}" for a, b in digests_Nx2], _to_host(finite_N)
-
-
-def _sha256(obj: Any) -> str:
-  blob = obj if isinstance(obj, bytes) else json.dumps(
-      json.loads(json.dumps(obj)), sort_keys=True).encode()
-  return hashlib.sha256(blob).hexdigest()
-
-
-def _per_process(hexdigest: str) -> dict[str, str]:
-  """Every process's digest (each process writes its own iterator state)."""
-  if jax.process_count() == 1:
-    return {"0": hexdigest}
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  rows = np.asarray(multihost_utils.process_allgather(
-      np.frombuffer(bytes.fromhex(hexdigest), np.uint8)))
-  return {str(i): bytes(row.astype(np.uint8)).hex() for i, row in enumerate(rows)}
-
-
-def _all_processes_agree(ok: bool) -> bool:
-  if jax.process_count() == 1:
-    return ok
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())
-
-
 # --- save ----------------------------------------------------------------------------------------
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta: dict,
@@ -197,8 +82,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta:
   Raises ``CheckpointError`` without writing anything if a floating leaf of ``state``
   is not finite. Returns what ``manager.save`` returns (whether a save started).
   """
-  names, leaves = _named_leaves(state)
-  digests, finite = _scan(leaves)
+  names, leaves = named_leaves(state)
+  digests, finite = scan(leaves)
   bad = [n for n, ok in zip(names, finite) if not ok]
   if bad:
     latest = manager.latest_step()
@@ -210,12 +95,12 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta:
     raise CheckpointError(
         f"{what} at step {step} {verb} not finite ({bad[0]}{more}); not saved; {kept}. "
         "Lower optim.lr or check the data.")
-  record = {"format": _FORMAT, "meta": _sha256(meta),
-            "leaves": {n: [list(np.shape(x)), _dtype_name(x), d]
+  record = {"format": _FORMAT, "meta": sha256(meta),
+            "leaves": {n: [list(np.shape(x)), dtype_name(x), d]
                        for n, x, d in zip(names, leaves, digests)}}
   args = {"state": ocp.args.StandardSave(state)}
   if data_iter is not None:
-    record["data"] = _per_process(_sha256(data_iter.get_state()))
+    record["data"] = per_process(sha256(data_iter.get_state()))
     args["data"] = grain.checkpoint.CheckpointSave(data_iter)
   args["meta"] = ocp.args.JsonSave({**meta, "integrity": record})
   return manager.save(step, args=ocp.args.Composite(**args), force=force)
@@ -303,7 +188,7 @@ def _read_meta_and_record(manager: ocp.CheckpointManager, step: int) -> tuple[di
   record = raw.get("integrity")
   if not isinstance(record, dict) or record.get("format") != _FORMAT:
     return meta, None
-  if record.get("meta") != _sha256(meta):
+  if record.get("meta") != sha256(meta):
     raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
                                  "content digest mismatch in meta")
   return meta, record
@@ -363,19 +248,19 @@ def _legacy_structure_error(manager, step: int, e: BaseException) -> CheckpointE
 def _verify(manager, step: int, record: dict | None, names: list[str], leaves: list[Any],
             data_iter) -> None:
   """Raises ``CorruptCheckpointError`` unless the restored leaves and iterator match."""
-  digests, finite = _scan(leaves)
+  digests, finite = scan(leaves)
   if record is not None:
     saved = record["leaves"]
     # A leaf restored into another dtype was cast, so its bits cannot match: skip it.
     wrong = [n for n, x, d in zip(names, leaves, digests)
-             if saved[n][1] == _dtype_name(x) and saved[n][2] != d]
+             if saved[n][1] == dtype_name(x) and saved[n][2] != d]
     if wrong:
       more = f" and {len(wrong) - 1} more leaves" if len(wrong) > 1 else ""
       raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
                                    f"content digest mismatch in {wrong[0]}{more}")
     expected = record.get("data", {}).get(str(jax.process_index()))
     if data_iter is not None and expected is not None and \
-        _sha256(data_iter.get_state()) != expected:
+        sha256(data_iter.get_state()) != expected:
       raise CorruptCheckpointError(manager.directory, step, "digest-mismatch",
                                    "content digest mismatch in the data iterator state")
   bad = [n for n, ok in zip(names, finite) if not ok]
@@ -389,7 +274,7 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
   """Restores and verifies one step; returns (state, verified)."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
-  names, abstract_leaves = _named_leaves(abstract_state)
+  names, abstract_leaves = named_leaves(abstract_state)
   _check_structure(manager, step, record, names, abstract_leaves)
   if data_iter is not None and record is not None and "data" not in record:
     raise CheckpointError(f"Checkpoint step {step} in {manager.directory} was saved without "
@@ -405,7 +290,7 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
     if legacy is not None:
       raise legacy from None
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
-  _verify(manager, step, record, names, _named_leaves(state)[1], data_iter)
+  _verify(manager, step, record, names, named_leaves(state)[1], data_iter)
   return state, record is not None
 
 
@@ -454,7 +339,7 @@ def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, dat
       state, verified = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
     except CorruptCheckpointError as e:
       failure = e
-    if not _all_processes_agree(failure is None):
+    if not all_processes_agree(failure is None):
       failure = failure or CorruptCheckpointError(
           manager.directory, step, "unreadable", "another process could not read it")
       dest = quarantine(manager, step, failure.reason)
@@ -478,7 +363,7 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
   Raises ``CorruptCheckpointError`` if they cannot be read or do not verify.
   """
   _, record = _read_meta_and_record(manager, step)
-  names, leaves = _named_leaves({"params": params_target})
+  names, leaves = named_leaves({"params": params_target})
   _check_structure(manager, step, record, names, leaves, prefix="params/")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_target)
   _quiet_abandoned_reads()
@@ -495,7 +380,7 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
       raise legacy from None
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   params = restored["state"]["params"]
-  _verify(manager, step, record, names, _named_leaves({"params": params})[1], None)
+  _verify(manager, step, record, names, named_leaves({"params": params})[1], None)
   return params
 
 
