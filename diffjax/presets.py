@@ -153,6 +153,15 @@ def small(arm: str) -> ml_collections.ConfigDict:
   return c
 
 
+def _require_prepared_data(c: ml_collections.ConfigDict) -> None:
+  """The paper runs stream a prepared corpus with a trained tokenizer; both paths are left empty
+  so that DataConfig refuses a run without `--config.data.paths` and `--config.data.tokenizer`
+  (one error naming both) when the data is built, not when the config is imported."""
+  c.data.kind = "prepared"
+  c.data.paths = ()
+  c.data.tokenizer = ""
+
+
 def paper_3b(arm: str) -> ml_collections.ConfigDict:
   """The paper's 3B setup (sequence 4096, 4M-token batches, AdamW 0.9/0.95, lr 3.2e-4,
   1000 warm-up steps, linear decay to 1.28e-5, weight decay 0.1)."""
@@ -169,8 +178,7 @@ def paper_3b(arm: str) -> ml_collections.ConfigDict:
   c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
   c.checkpoint.update(dict(every=1000, keep=3))
   c.mesh.shape = (1, -1, 1)
-  c.data.kind = "array_record"
-  c.data.tokenizer = "byte"  # replace with your tokenizer file matching PAPER_VOCAB
+  _require_prepared_data(c)
   return c
 
 
@@ -191,7 +199,7 @@ def paper_sweep(size: str, arm: str) -> ml_collections.ConfigDict:
   c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
   c.checkpoint.update(dict(every=1000, keep=3))
   c.mesh.shape = (1, -1, 1)
-  c.data.kind = "array_record"
+  _require_prepared_data(c)
   return c
 
 

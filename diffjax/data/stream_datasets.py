@@ -10,19 +10,28 @@ import numpy as np
 
 from diffjax.data.config import DataConfig
 from diffjax.data.manifest import Manifest, read_manifest
-from diffjax.data.streaming import EpochOrder, Lane, ShardReader, StreamingBatchIterator, doc_is_val
+from diffjax.data.streaming import (EpochOrder, Lane, ShardReader, StreamingBatchIterator, doc_hashes,
+                                    doc_is_val)
 from diffjax.data.tokenizers import Tokenizer, load_tokenizer
 
 _SCAN_BLOCK = 1 << 16
 
 
 class ValidationDocs:
-  """Validation document ids in corpus order, found by hashing ids block by block on demand."""
+  """Validation document ids in corpus order, found by hashing ids block by block on demand.
+
+  As in the in-memory split, val_fraction > 0 holds out at least one document: if no id hashes
+  below it (only in small corpora, since the scan stops at the first hit otherwise), the id with
+  the smallest hash is held out (`forced`)."""
 
   def __init__(self, total: int, val_fraction: float, split_seed: int):
     self.total, self.fraction, self.split_seed = total, val_fraction, split_seed
     self.ids: list[int] = []
     self._scanned = 0
+    self.forced: int | None = None
+    if val_fraction > 0 and self.get(0) is None and total:
+      self.forced = int(np.argmin(doc_hashes(np.arange(total), split_seed)))
+      self.ids = [self.forced]
 
   def get(self, k: int) -> int | None:
     """The k-th validation id, None if the corpus has fewer (after a full scan)."""
@@ -86,11 +95,14 @@ class PreparedDatasets:
     doc = self._order.doc_at(epoch, k)
     if doc is None or self.cfg.val_fraction == 0:
       return doc
+    if doc == self._val_docs.forced:
+      return -1
     return -1 if doc_is_val(np.array([doc]), self.cfg.val_fraction, self.cfg.split_seed)[0] else doc
 
   def _val_slot(self, epoch: int, k: int) -> int | None:
-    del epoch
-    return self._val_docs.get(k)
+    del epoch  # a split with fewer documents than rows cycles through them, as in memory
+    doc = self._val_docs.get(k)
+    return doc if doc is not None else self._val_docs.ids[k % len(self._val_docs.ids)]
 
   def _lanes(self, slot_fn, reader) -> list[Lane]:
     return [Lane(r, self.global_batch_size, slot_fn, reader, self.tokenizer.eos_id, self.seq_len)
@@ -104,7 +116,8 @@ class PreparedDatasets:
 
   def val_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:
     """The first `num_batches` validation batches: validation documents in corpus order, lane
-    r taking documents r, r + B, ...; the same for every training seed."""
+    r taking documents r, r + B, ... (cycling when the split has fewer); the same for every
+    training seed."""
     if self.cfg.val_fraction == 0:
       raise ValueError("No validation data: val_fraction is 0. Set data.val_fraction=0.01.")
     if self._val_docs.get(0) is None:

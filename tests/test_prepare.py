@@ -1,0 +1,150 @@
+"""`python -m diffjax.data.prepare` and the tokenizer trainer: inputs, resumability,
+idempotence, one-line errors, and a training run on a prepared corpus that resumes exactly."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from diffjax.data import prepare as prepare_lib
+from diffjax.data import stdlib_files
+from diffjax.data.manifest import read_manifest
+from diffjax.data.prepare import prepare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _inputs(tmp_path):
+  src = tmp_path / "raw"
+  src.mkdir()
+  for i in range(30):
+    (src / f"{i:03d}.txt").write_text(f"text file {i} " * (i + 1))
+  with open(src / "docs.jsonl", "w") as f:
+    for i in range(25):
+      f.write(json.dumps({"text": f"json doc {i} " * (i % 7 + 1), "id": i}) + "\n")
+  return str(src)
+
+
+def _shard_bytes(out):
+  return {p: open(os.path.join(out, p), "rb").read() for p in sorted(os.listdir(out))
+          if p.endswith(".array_record")}
+
+
+def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
+  out = prepare([_inputs(tmp_path)], str(tmp_path / "p"), shard_tokens=300, files_per_unit=8,
+                progress=False)
+  m = read_manifest(out)
+  assert m.num_documents == 55 and len(m.shards) > 5
+  from array_record.python import array_record_data_source
+  docs = [bytes(np.frombuffer(r, "<i4").astype(np.uint8)).decode()
+          for s in m.shards for r in array_record_data_source.ArrayRecordDataSource([s.path])]
+  assert sum(d.startswith("json doc") for d in docs) == 25
+  assert sum(len(d) for d in docs) == m.num_tokens
+
+
+def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):
+  src = _inputs(tmp_path)
+  clean = prepare([src], str(tmp_path / "clean"), shard_tokens=300, files_per_unit=8, progress=False)
+  out = str(tmp_path / "broken")
+  real = prepare_lib.iter_documents
+
+  def dies_in_unit_2(unit, text_field):
+    for i, doc in enumerate(real(unit, text_field)):
+      if unit.index == 2 and i == 3:
+        raise KeyboardInterrupt
+      yield doc
+
+  monkeypatch.setattr(prepare_lib, "iter_documents", dies_in_unit_2)
+  with pytest.raises(KeyboardInterrupt):
+    prepare([src], out, shard_tokens=300, files_per_unit=8, progress=False)
+  assert not os.path.exists(os.path.join(out, "manifest.json"))
+  monkeypatch.setattr(prepare_lib, "iter_documents", real)
+  resumed = prepare([src], out, shard_tokens=300, files_per_unit=8, progress=False)
+  assert not [p for p in os.listdir(out) if p.startswith("tmp-")]
+  assert _shard_bytes(out) == _shard_bytes(os.path.dirname(clean))
+  strip = lambda path: {k: v for k, v in json.load(open(path)).items()}
+  assert strip(resumed) == strip(clean)
+  before = open(resumed).read()
+  prepare([src], out, shard_tokens=300, files_per_unit=8, progress=False)  # idempotent
+  assert open(resumed).read() == before and _shard_bytes(out) == _shard_bytes(os.path.dirname(clean))
+
+
+def test_other_arguments_on_same_output_are_refused(tmp_path):
+  src = _inputs(tmp_path)
+  prepare([src], str(tmp_path / "p"), shard_tokens=300, progress=False)
+  with pytest.raises(ValueError, match="different shard_tokens"):
+    prepare([src], str(tmp_path / "p"), shard_tokens=400, progress=False)
+
+
+def test_bad_jsonl_line_named(tmp_path):
+  (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+  with pytest.raises(ValueError, match=r"a.jsonl:2: .*'text'"):
+    prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "p"), progress=False)
+
+
+def test_parquet_without_pyarrow_is_one_clear_error(tmp_path):
+  pytest.importorskip("pytest")
+  try:
+    import pyarrow  # noqa: F401
+    pytest.skip("pyarrow is installed")
+  except ImportError:
+    pass
+  (tmp_path / "a.parquet").write_bytes(b"PAR1")
+  r = subprocess.run([sys.executable, "-m", "diffjax.data.prepare", "--input", str(tmp_path / "a.parquet"),
+                      "--output", str(tmp_path / "p")], capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO)
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install pyarrow" in r.stderr
+
+
+def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
+  pytest.importorskip("tokenizers")
+  from diffjax.data import DataConfig, build_datasets, load_tokenizer
+  from diffjax.data.tokenizer import train_bpe
+  src = _inputs(tmp_path)
+  tok = train_bpe(["text file json doc " * 5, "another line of text"] * 20, vocab_size=300)
+  tok.save(str(tmp_path / "tok.json"))
+  out = prepare([src], str(tmp_path / "p"), str(tmp_path / "tok.json"), progress=False)
+  t = load_tokenizer(str(tmp_path / "tok.json"))
+  assert read_manifest(out).tokenizer["vocab_size"] == t.vocab_size
+  good = DataConfig(kind="prepared", paths=(out,), tokenizer=str(tmp_path / "tok.json"))
+  assert next(build_datasets(good, 16, 4, 0).train_iter)["inputs"].max() < t.vocab_size
+  with pytest.raises(ValueError) as e:
+    build_datasets(DataConfig(kind="prepared", paths=(out,), tokenizer="byte"), 16, 4, 0)
+  assert "\n" not in str(e.value) and "tok.json" in str(e.value)
+
+
+def test_paper_configs_need_both_paths():
+  from diffjax.data import DataConfig
+  from diffjax.presets import paper_3b, paper_sweep
+  for c in (paper_3b("diff_v1"), paper_sweep("830m", "diff_v2")):
+    with pytest.raises(ValueError, match="missing: data.paths, data.tokenizer"):
+      DataConfig.from_dict(c.data)
+    c.data.tokenizer = "tok.json"
+    with pytest.raises(ValueError, match="missing: data.paths$|missing: data.paths "):
+      DataConfig.from_dict(c.data)
+
+
+def test_train_on_prepared_stdlib_resumes_exactly(tmp_path):
+  from tests.test_train import read_metrics, tiny_config
+  from diffjax.train.trainer import train_and_evaluate
+  out = prepare(stdlib_files()[:40], str(tmp_path / "p"), shard_tokens=50_000, files_per_unit=10,
+                progress=False)
+
+  def config(steps):
+    c = tiny_config(steps=steps)
+    c.data.kind, c.data.paths, c.data.max_documents = "prepared", (os.path.dirname(out),), None
+    c.checkpoint.every = 2
+    c.eval_every, c.eval_batches = 2, 1
+    return c
+
+  straight = train_and_evaluate(config(4), str(tmp_path / "straight"))
+  train_and_evaluate(config(2), str(tmp_path / "resumed"))
+  resumed = train_and_evaluate(config(4), str(tmp_path / "resumed"))
+  a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  for s in a:
+    assert a[s]["train/loss"] == b[s]["train/loss"] and a[s]["data/batch_hash"] == b[s]["data/batch_hash"]
+  assert straight["eval/loss"] == resumed["eval/loss"]
