@@ -49,7 +49,13 @@ class Block(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
-               hooks: Hooks = NO_HOOKS):
+               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None):
+    if cache is not None:
+      attn_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
+                                    hooks=hooks, cache=cache, cache_lengths_B=cache_lengths_B)
+      h_BxTxE = x_BxTxE + attn_BxTxE
+      h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
+      return constrain(h_BxTxE, ("batch", "length", "embed")), cache
     out = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT, capture=capture,
                     hooks=hooks)
     attn_BxTxE, aux = out if capture else (out, None)
@@ -71,6 +77,13 @@ class DecoderLM(nnx.Module):
   ``(logits, captures)``: one dict per layer with float32 attention logits and
   probabilities, lambda (DIFF arms) and the block's output hidden state ``hidden``
   [B, T, E].
+
+  Generation: with ``cache=`` (one dict per layer, from :meth:`init_cache`) and
+  ``cache_lengths_B`` (int [B], the filled slots of each row) it returns
+  ``(logits, new_cache)``. A call with T > 1 is a prefill into an empty cache (the
+  normal attention path; slots 0..T-1 are written); a call with T == 1 is a decode
+  step that writes slot ``cache_lengths_B[b]`` and attends to the row's filled slots.
+  Pass the positions (each row's own) explicitly when decoding.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -85,12 +98,27 @@ class DecoderLM(nnx.Module):
       self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                 ("embed", "vocab"), cfg.weight_dtype)
 
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> list[dict[str, jax.Array]]:
+    """An empty KV cache: one dict per layer (see the attention modules' ``init_cache``),
+    ``max_length`` slots per row, in ``dtype`` (default: the compute dtype)."""
+    return [block.attn.init_cache(batch, max_length, dtype) for block in self.blocks]
+
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS):
+               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
+               cache_lengths_B=None):
     cfg = self.config
     dt = cfg.compute_dtype
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
     captures = []
+    if cache is not None:
+      if len(cache) != len(self.blocks):
+        raise ValueError(f"cache has {len(cache)} layers; the model has {len(self.blocks)}.")
+      new_cache = []
+      for block, layer_cache in zip(self.blocks, cache):
+        x_BxTxE, layer_cache = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks,
+                                     cache=layer_cache, cache_lengths_B=cache_lengths_B)
+        new_cache.append(layer_cache)
+      return self._logits(x_BxTxE), new_cache
     for block in self.blocks:
       if capture:
         x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
@@ -101,14 +129,19 @@ class DecoderLM(nnx.Module):
                                cfg.remat)
       else:
         x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks)
+    logits_BxTxV = self._logits(x_BxTxE)
+    return (logits_BxTxV, captures) if capture else logits_BxTxV
+
+  def _logits(self, x_BxTxE) -> jax.Array:
+    """Final norm and LM head: float32 (float64) logits [B, T, V]."""
+    dt = self.config.compute_dtype
     x_BxTxE = self.final_norm(x_BxTxE)
-    if cfg.tie_embeddings:
+    if self.config.tie_embeddings:
       logits_BxTxV = self.embed.attend(x_BxTxE, dt)
     else:
       logits_BxTxV = jnp.einsum("bte,ev->btv", x_BxTxE.astype(dt), self.lm_head[...].astype(dt),
                                 preferred_element_type=accumulation_dtype(dt))
-    logits_BxTxV = constrain(logits_BxTxV, ("batch", "length", "vocab"))
-    return (logits_BxTxV, captures) if capture else logits_BxTxV
+    return constrain(logits_BxTxV, ("batch", "length", "vocab"))
 
   def _embed(self, tokens_BxT, positions_BxT) -> tuple[jax.Array, jax.Array]:
     """The token embeddings [B, T, E] and the positions (default 0..T-1)."""

@@ -5,6 +5,12 @@ All three share the call signature
     out_BxTxE = module(x_BxTxE, positions_BxT=None, segment_ids_BxT=None)
     out_BxTxE, aux = module(x_BxTxE, ..., capture=True)
 
+With ``cache=`` (generation; each module's ``init_cache`` makes an empty one) the call
+returns ``(out_BxTxE, new_cache)``: a prefill (T > 1, the cache empty) runs the normal
+attention path on the prompt and writes its keys and values into slots 0..T-1; a
+decode step (T == 1) writes the token's key and value at slot ``cache_lengths_B[b]``
+of each row and attends to that row's first ``cache_lengths_B[b] + 1`` slots.
+
 ``capture=True`` (analysis) runs the explicit-map XLA path and also returns the
 float32 (float64 in a float64 model) attention logits and probabilities (and lambda
 for DIFF arms); it is a
@@ -22,6 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
+from diffjax.ops.attention import (
+    diff_v1_attention_decode,
+    diff_v2_attention_decode,
+    dot_product_attention_decode,
+)
 from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, \
     torch_linear_init
@@ -87,6 +98,41 @@ def _rope(x, positions, opts: AttentionOptions):
   return apply_rope(x, positions, theta=opts.rope_theta, style=opts.rope_style)
 
 
+# KV cache. A layer's cache is a dict of arrays [B, S, K, width] (S slots, preallocated):
+# {"k", "v"} for the baseline and DIFF V2, {"k1", "k2", "v"} for DIFF V1 (v is 2D wide).
+# Slot j of row b holds the key/value of that row's position j.
+
+CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+
+
+def _cache_arrays(shapes: dict[str, tuple[int, int, int, int]], dtype) -> dict[str, jax.Array]:
+  return {name: constrain(jnp.zeros(shape, dtype), CACHE_AXES) for name, shape in shapes.items()}
+
+
+def _write_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array],
+                 lengths_B: jax.Array) -> dict[str, jax.Array]:
+  """Writes the T new positions of each row at slots lengths_B[b] .. lengths_B[b] + T - 1.
+
+  A scatter into the given arrays: under jit with the cache donated it runs in place.
+  Slots past the cache end are dropped (callers check lengths up front).
+  """
+  b, t = next(iter(new.values())).shape[:2]
+  rows_BxT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+  slots_BxT = lengths_B.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  return {name: constrain(cache[name].at[rows_BxT, slots_BxT].set(
+      new[name].astype(cache[name].dtype), mode="drop"), CACHE_AXES) for name in cache}
+
+
+def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks) -> bool:
+  """True for a decode step (T == 1), False for a prefill; refuses what cannot mix."""
+  if capture or hooks.needs_reference:
+    raise ValueError("capture=True and reference hooks analyse a full forward; call without "
+                     "cache= for them.")
+  if cache_lengths_B is None:
+    raise ValueError("cache= needs cache_lengths_B (int [B]: the filled slots of each row).")
+  return x_BxTxE.shape[1] == 1
+
+
 class Attention(nnx.Module):
   """Baseline multi-head / grouped-query attention with RoPE and no biases."""
 
@@ -104,8 +150,16 @@ class Attention(nnx.Module):
     self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
                         ("heads", "head_dim", "embed"), options.param_dtype)
 
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
+    """An empty cache: ``{"k", "v"}``, each [batch, max_length, K, D] in ``dtype``
+    (default: the compute dtype)."""
+    _, k, d = self.k.shape
+    shape = (batch, max_length, k, d)
+    return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
+
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS):
+               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
+               cache_lengths_B=None):
     opts = self.options
     dt = opts.dtype
     pos_BxT = _positions(x_BxTxE, positions_BxT)
@@ -116,7 +170,15 @@ class Attention(nnx.Module):
     if hooks.kv is not None:
       k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
     aux = None
-    if capture or hooks.needs_reference:
+    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
+                                                       capture, hooks)
+    if cache is not None:
+      cache = _write_cache(cache, {"k": k_BxSxKxD, "v": v_BxSxKxD}, cache_lengths_B)
+    if decoding:
+      out_BxTxHxD = dot_product_attention_decode(
+          q_BxTxHxD, cache["k"], cache["v"], cache_lengths_B + 1,
+          implementation=opts.implementation, interpret=opts.interpret)
+    elif capture or hooks.needs_reference:
       out_BxTxHxD, aux = ref.mha_reference(
           q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
@@ -126,6 +188,8 @@ class Attention(nnx.Module):
                                               **opts.kernel_kwargs())
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
+    if cache is not None:
+      return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE
 
 
@@ -183,8 +247,17 @@ class DiffV1Attention(nnx.Module):
     return ref.diff_v1_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
                               self.lambda_k2[...], self.lambda_init, dtype=acc)
 
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
+    """An empty cache: ``{"k1", "k2"}`` [batch, max_length, K, D] and ``"v"``
+    [batch, max_length, K, 2D], in ``dtype`` (default: the compute dtype)."""
+    _, k, _, d = self.k.shape
+    shapes = {"k1": (batch, max_length, k, d), "k2": (batch, max_length, k, d),
+              "v": (batch, max_length, k, self.v.shape[-1])}
+    return _cache_arrays(shapes, dtype or self.options.dtype)
+
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS):
+               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
+               cache_lengths_B=None):
     opts = self.options
     dt = opts.dtype
     acc = accumulation_dtype(dt)
@@ -201,7 +274,16 @@ class DiffV1Attention(nnx.Module):
     lam = self.lambda_value()
     qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
     aux = None
-    if capture or hooks.needs_reference:
+    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
+                                                       capture, hooks)
+    if cache is not None:
+      cache = _write_cache(cache, {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
+                           cache_lengths_B)
+    if decoding:
+      core_BxTxHxDv = diff_v1_attention_decode(
+          q1_BxTxHxD, q2_BxTxHxD, cache["k1"], cache["k2"], cache["v"], lam,
+          cache_lengths_B + 1, implementation=opts.implementation, interpret=opts.interpret)
+    elif capture or hooks.needs_reference:
       core_BxTxHxDv, aux = ref.diff_v1_reference(
           *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
@@ -215,6 +297,8 @@ class DiffV1Attention(nnx.Module):
       core_BxTxHxDv = ref.rms_norm(core_BxTxHxDv, self.norm_scale[...], self.norm_eps)
     core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - self.lambda_init)).astype(dt)
     y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
+    if cache is not None:
+      return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE
 
 
@@ -250,8 +334,16 @@ class DiffV2Attention(nnx.Module):
     lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
     return jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
 
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
+    """An empty cache, exactly the baseline's: ``{"k", "v"}``, each
+    [batch, max_length, K, D] in ``dtype`` (default: the compute dtype)."""
+    _, k, d = self.k.shape
+    shape = (batch, max_length, k, d)
+    return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
+
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS):
+               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
+               cache_lengths_B=None):
     opts = self.options
     dt = opts.dtype
     b, t = x_BxTxE.shape[:2]
@@ -266,7 +358,15 @@ class DiffV2Attention(nnx.Module):
       k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     aux = None
-    if capture or hooks.needs_reference:
+    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
+                                                       capture, hooks)
+    if cache is not None:
+      cache = _write_cache(cache, {"k": k_BxSxKxD, "v": v_BxSxKxD}, cache_lengths_B)
+    if decoding:
+      out_BxTxHxD = diff_v2_attention_decode(
+          q_BxTxQxD, cache["k"], cache["v"], lam_BxTxH, cache_lengths_B + 1,
+          implementation=opts.implementation, interpret=opts.interpret)
+    elif capture or hooks.needs_reference:
       out_BxTxHxD, aux = ref.diff_v2_reference(
           q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=opts.causal,
           segment_ids=segment_ids_BxT, return_aux=True, logits_fn=hooks.logits,
@@ -277,4 +377,6 @@ class DiffV2Attention(nnx.Module):
                                           segment_ids=segment_ids_BxT, **opts.kernel_kwargs())
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
+    if cache is not None:
+      return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE

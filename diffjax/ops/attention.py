@@ -29,6 +29,7 @@ from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
 from diffjax.ops.dispatch import (
     IMPLEMENTATIONS,
+    call_decode_kernel,
     call_kernel,
     register_implementation,
     resolve,
@@ -38,6 +39,7 @@ from diffjax.ops.dispatch import (
 __all__ = [
     "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
     "dot_product_attention", "register_implementation", "target_platform",
+    "dot_product_attention_decode", "diff_v1_attention_decode", "diff_v2_attention_decode",
 ]
 
 
@@ -157,3 +159,98 @@ def diff_v2_attention(
   return call_kernel("diff_v2", impl, (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH),
                causal=causal, segment_ids=segment_ids, scale=scale,
                block_sizes=block_sizes, interpret=interpret)
+
+
+# Decoding: one new token per row attends to a KV cache of S slots, of which the first
+# kv_len[b] are valid (the new token's own key and value included). Slots at or past
+# kv_len are never attended, so rows of different lengths share one cache array.
+
+def _length_mask(kv_len_B: jax.Array, s: int) -> jax.Array:
+  """[B, 1, 1, S]: slot j of row b is visible when j < kv_len[b]."""
+  kv_len_B = jnp.asarray(kv_len_B, jnp.int32)
+  return (jnp.arange(s, dtype=jnp.int32)[None, :] < kv_len_B[:, None])[:, None, None, :]
+
+
+def _check_decode(q_Bx1xHxD: jax.Array, kv_len_B: jax.Array) -> None:
+  b, t = jnp.shape(q_Bx1xHxD)[:2]
+  if t != 1:
+    raise ValueError(f"decode attention takes one query token per row (shape [B, 1, H, D]); "
+                     f"got {tuple(jnp.shape(q_Bx1xHxD))}.")
+  if jnp.shape(kv_len_B) != (b,):
+    raise ValueError(f"kv_len must have shape ({b},); got {tuple(jnp.shape(kv_len_B))}.")
+
+
+def dot_product_attention_decode(
+    q_Bx1xHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, kv_len_B: jax.Array,
+    *, scale: float | None = None, implementation: str = "auto", block_sizes=None,
+    interpret: bool = False) -> jax.Array:
+  """Baseline attention of one new token per row against a KV cache.
+
+  Args:
+    q_Bx1xHxD: the new token's queries.
+    k_BxSxKxD, v_BxSxKxD: the cache (S slots per row).
+    kv_len_B: int [B], valid slots per row; slots >= kv_len are ignored.
+  Returns:
+    [B, 1, H, D] in the dtype of q: the last row of causal attention over the
+    first kv_len[b] slots.
+  """
+  _v.check_mha(q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD)
+  _check_decode(q_Bx1xHxD, kv_len_B)
+  impl = resolve("mha_decode", implementation, has_mask=False, interpret=interpret,
+                 float64=_is_float64(q_Bx1xHxD))
+  if impl == "xla":
+    return ref.mha_reference(q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD, causal=False,
+                             mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]), scale=scale)
+  return call_decode_kernel("mha_decode", impl, (q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD, kv_len_B),
+                            scale=scale, block_sizes=block_sizes, interpret=interpret)
+
+
+def diff_v1_attention_decode(
+    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam: jax.Array | float,
+    kv_len_B: jax.Array, *, scale: float | None = None, implementation: str = "auto",
+    block_sizes=None, interpret: bool = False) -> jax.Array:
+  """DIFF V1 attention (before the per-head norm) of one new token against a cache.
+
+  On GPU, "auto" runs the fused decode kernel, which reads K1, K2 and V once
+  (:func:`diffjax.kernels.gpu.diff_v1_decode`; ``block_sizes`` are its
+  ``DecodeBlockSizes``). Arguments as in :func:`diff_v1_attention_core` and
+  :func:`dot_product_attention_decode`. Returns [B, 1, H, Dv] in the dtype of q1.
+  """
+  lam = jnp.asarray(lam)
+  _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  _check_decode(q1_Bx1xHxD, kv_len_B)
+  impl = resolve("diff_v1_decode", implementation, has_mask=False, interpret=interpret,
+                 float64=_is_float64(q1_Bx1xHxD))
+  if impl == "xla":
+    return ref.diff_v1_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
+                                 lam, causal=False,
+                                 mask=_length_mask(kv_len_B, k1_BxSxKxD.shape[1]), scale=scale)
+  h = q1_Bx1xHxD.shape[2]
+  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
+  return call_decode_kernel(
+      "diff_v1_decode", impl,
+      (q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
+       jnp.asarray(kv_len_B, jnp.int32)),
+      scale=scale, block_sizes=block_sizes, interpret=interpret)
+
+
+def diff_v2_attention_decode(
+    q_Bx1xQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+    lam_Bx1xH: jax.Array, kv_len_B: jax.Array, *, scale: float | None = None,
+    implementation: str = "auto", block_sizes=None, interpret: bool = False) -> jax.Array:
+  """DIFF V2 attention of one new token per row against the (baseline's) KV cache.
+
+  Arguments as in :func:`diff_v2_attention` and :func:`dot_product_attention_decode`.
+  Returns [B, 1, H, D] in the dtype of q.
+  """
+  _v.check_diff_v2(q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH)
+  _check_decode(q_Bx1xQxD, kv_len_B)
+  impl = resolve("diff_v2_decode", implementation, has_mask=False, interpret=interpret,
+                 float64=_is_float64(q_Bx1xQxD))
+  if impl == "xla":
+    return ref.diff_v2_reference(q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, causal=False,
+                                 mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]), scale=scale)
+  return call_decode_kernel("diff_v2_decode", impl,
+                            (q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B),
+                            scale=scale, block_sizes=block_sizes, interpret=interpret)

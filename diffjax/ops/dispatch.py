@@ -26,6 +26,8 @@ from diffjax.core import validation as _v
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "stock")
 OPS = ("mha", "diff_v1", "diff_v2")
+# One query token per row against a KV cache with a valid length per row.
+DECODE_OPS = ("mha_decode", "diff_v1_decode", "diff_v2_decode")
 
 
 class _Unavailable:
@@ -52,6 +54,10 @@ try:
 except ImportError as e:  # pragma: no cover
   gpu_stock = _Unavailable("diffjax.kernels.gpu.stock", e)
 try:
+  from diffjax.kernels.gpu import decode as gpu_decode
+except ImportError as e:  # pragma: no cover
+  gpu_decode = _Unavailable("diffjax.kernels.gpu.decode", e)
+try:
   # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
   # stock GPU paths stay and the fused GPU kernels are left out.
   from diffjax.kernels.gpu import diff_v1 as gpu_diff_v1
@@ -73,6 +79,7 @@ BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
     ("diff_v2", "pallas_gpu",   "gpu",    gpu_diff_v2.diff_v2_fused),
     ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
+    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_decode.diff_v1_decode),
 )
 
 
@@ -97,8 +104,8 @@ def register_implementation(op: str, implementation: str, fn: Callable[..., Any]
   replaces what was registered for the same op and implementation on any of
   ``platforms``.
   """
-  if op not in OPS:
-    raise ValueError(f"Unknown op {op!r}; expected one of {OPS}.")
+  if op not in OPS + DECODE_OPS:
+    raise ValueError(f"Unknown op {op!r}; expected one of {OPS + DECODE_OPS}.")
   if implementation not in ("pallas_tpu", "pallas_gpu", "stock"):
     raise ValueError(f"Cannot register implementation {implementation!r}; expected "
                      "'pallas_tpu', 'pallas_gpu' or 'stock'.")
@@ -230,3 +237,27 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
   args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
   return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                        check_vma=False)(*args)
+
+
+def call_decode_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *,
+                       scale: float | None, block_sizes, interpret: bool) -> jax.Array:
+  """Runs the registered ``implementation`` of a decode op (resolved already).
+
+  ``arrays`` are the op's arrays with the int [B] cache lengths last. Under
+  :func:`diffjax.sharding.activation_sharding` the kernel runs per device inside
+  ``jax.shard_map``: batch rows over the batch axes, whole kv groups over ``tensor``.
+  """
+  impl = lookup(op, implementation, current_platform(), interpret)
+  kwargs = dict(scale=_v.default_scale(scale, jnp.shape(arrays[0])[-1]),
+                block_sizes=block_sizes, interpret=interpret)
+  active = sharding.current()
+  if active is None:
+    return impl.fn(*arrays, **kwargs)
+  if op != "diff_v1_decode":
+    raise ValueError(f"No PartitionSpecs for {op!r} under a mesh; use implementation='xla'.")
+  mesh, rules = active
+  batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
+  head_axis = sharding.logical_to_spec(("heads",), rules)[0]
+  in_specs, out_spec = sharding.decode_partition_specs(batch_axis, head_axis)
+  return jax.shard_map(lambda *a: impl.fn(*a, **kwargs), mesh=mesh, in_specs=in_specs,
+                       out_specs=out_spec, check_vma=False)(*arrays)

@@ -33,6 +33,8 @@ from diffjax.kernels.gpu import flash_pair as fp
 def _decode_kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, acc1_ref, acc2_ref,
                    m1_ref, l1_ref, m2_ref, l2_ref, *, block_kv: int, split_len: int,
                    c: float):
+  # The K/V refs hold the whole cache of one (batch, kv group); this program reads
+  # its split's rows only, and none past kv_len.
   start = pl.program_id(2) * split_len
   kv_len = len_ref[...]
   n_blocks = jnp.clip(lax.div(kv_len - start + block_kv - 1, block_kv), 0,
@@ -42,7 +44,7 @@ def _decode_kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, acc1_ref, acc
   def step(j, carry):
     acc1, acc2, m1, m2, l1, l2 = carry
     kv_start = pl.multiple_of(j * block_kv, block_kv)
-    rows = pl.ds(kv_start, block_kv)
+    rows = pl.ds(pl.multiple_of(start + kv_start, block_kv), block_kv)
     v = v_ref[rows, :]
     visible = (start + kv_start + jnp.arange(block_kv, dtype=jnp.int32) < kv_len)[None, :]
     s1 = jnp.where(visible, fp.dot(q1, k1_ref[rows, :], trans_b=True) * c, fp.NEG)
@@ -73,6 +75,17 @@ def _merge(acc, m, l):
   return out / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
+def cache_length_multiple(head_dim: int, value_dim: int | None = None,
+                          block_sizes: bs.DecodeBlockSizes | dict | None = None) -> int:
+  """The multiple a KV cache's length should have so decoding reads it in place.
+
+  A cache of another length is padded to it (a copy of the whole cache) on every call.
+  """
+  blocks = bs.resolve(block_sizes, bs.DecodeBlockSizes.default(head_dim, value_dim),
+                      cls=bs.DecodeBlockSizes)
+  return blocks.block_kv
+
+
 def num_splits_for(batch: int, kv_heads: int, kv_len: int, blocks: bs.DecodeBlockSizes) -> int:
   """Cache splits: the configured number, or enough programs to fill the GPU."""
   max_splits = max(1, pl.cdiv(kv_len, blocks.block_kv))
@@ -89,10 +102,13 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   gp = max(16, bs.next_power_of_2(g))
   dp, dvp = bs.next_power_of_2(max(d, 16)), bs.next_power_of_2(max(dv, 16))
   bk = min(blocks.block_kv, max(16, bs.next_power_of_2(s)))
-  splits = num_splits_for(b, kh, s, blocks)
-  split_len = fp.round_up(pl.cdiv(s, splits), bk)
-  splits = pl.cdiv(s, split_len)
-  sp = splits * split_len
+  # A cache whose length is a multiple of the block (see cache_length_multiple) and
+  # whose head dims are powers of two >= 16 is read in place: no padded copy. The
+  # last split may be shorter than the others; its program stops at the cache end.
+  sp = fp.round_up(s, bk)
+  splits = num_splits_for(b, kh, sp, blocks)
+  split_len = fp.round_up(pl.cdiv(sp, splits), bk)
+  splits = pl.cdiv(sp, split_len)
 
   def rows_of_group(q):  # [B, 1, H, D] -> [B, K, Gp, Dp]; head h = group * G + j
     return fp.pad_axis(fp.pad_axis(q.reshape(b, kh, g, d), 2, gp), 3, dp)
@@ -100,8 +116,8 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   pad_kv = lambda x, width: fp.pad_axis(fp.pad_axis(x, 1, sp), 3, width)
   kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, s)
   q_spec = pl.BlockSpec((None, None, gp, dp), lambda bi, gi, si: (bi, gi, 0, 0))
-  k_spec = pl.BlockSpec((None, split_len, None, dp), lambda bi, gi, si: (bi, si, gi, 0))
-  v_spec = pl.BlockSpec((None, split_len, None, dvp), lambda bi, gi, si: (bi, si, gi, 0))
+  k_spec = pl.BlockSpec((None, sp, None, dp), lambda bi, gi, si: (bi, 0, gi, 0))
+  v_spec = pl.BlockSpec((None, sp, None, dvp), lambda bi, gi, si: (bi, 0, gi, 0))
   len_spec = pl.BlockSpec((None,), lambda bi, gi, si: (bi,))
   acc_spec = pl.BlockSpec((None, None, None, gp, dvp), lambda bi, gi, si: (bi, gi, si, 0, 0))
   row_spec = pl.BlockSpec((None, None, None, gp), lambda bi, gi, si: (bi, gi, si, 0))
