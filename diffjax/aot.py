@@ -88,7 +88,10 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   """
   check_config(config)
   if vocab_size is None:
-    vocab_size = load_tokenizer(config.data.tokenizer).vocab_size
+    # A config that fixes its vocabulary (the paper presets) compiles without the
+    # tokenizer file it will train with.
+    fixed = int(config.model.get("vocab_size", -1))
+    vocab_size = fixed if fixed > 0 else load_tokenizer(config.data.tokenizer).vocab_size
   model_cfg = resolved_model_config(config, vocab_size)
   mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,

@@ -3,11 +3,11 @@
 Every arm trains `diffjax.presets.paper_3b` (sequence 4096, 4M-token batches, the preset's 350K
 steps, AdamW 0.9/0.95, lr 3.2e-4 with 1000 warm-up steps and linear decay) from the same seed and
 data order; one seed by default, as in the paper (a second seed doubles a budget of thousands of
-TPU-chip-days per run). Train on a pod with tokenized ArrayRecord data (see tpu_setup/README.md),
+TPU-chip-days per run). Train on a pod with data from `python -m diffjax.data.prepare` (see tpu_setup/README.md),
 evaluation off, every host running the same command:
 
   python -m diffjax.compare --config=configs/compare/paper_3b.py --workdir=gs://BUCKET/compare_3b \
-      --config.base.data.paths="('gs://BUCKET/data/train-*.array_record',)" \
+      --config.base.data.paths="('gs://BUCKET/data/prepared',)" \
       --config.base.data.tokenizer=/path/to/tokenizer.json --config.eval.mode=none
 
 then evaluate and write the report from one host: the same command with --config.eval.mode=full

@@ -6,7 +6,7 @@ train on a pod with evaluation off, then rerun the same command on one host to e
 
   python -m diffjax.compare --config=configs/compare/paper_sweep.py:1.4b \
       --workdir=gs://BUCKET/compare_1.4b \
-      --config.base.data.paths="('gs://BUCKET/data/train-*.array_record',)" \
+      --config.base.data.paths="('gs://BUCKET/data/prepared',)" \
       --config.base.data.tokenizer=/path/to/tokenizer.json --config.eval.mode=none
 """
 

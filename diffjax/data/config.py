@@ -111,3 +111,16 @@ class DataConfig:
           f"DataConfig num_threads={self.num_threads} and prefetch_batches="
           f"{self.prefetch_batches} must be >= 0 (0 builds batches in the training loop)."
       )
+
+
+def check_batch_split(global_batch_size: int, process_index: int, process_count: int) -> None:
+  """Refuses a global batch that the processes cannot split into equal row blocks."""
+  if global_batch_size < 1:
+    raise ValueError(f"global_batch_size={global_batch_size} must be at least 1.")
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
+  if global_batch_size % process_count:
+    raise ValueError(
+        f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
+        f"use a multiple of {process_count}."
+    )

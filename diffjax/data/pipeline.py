@@ -23,8 +23,9 @@ from typing import Sequence
 import grain
 import numpy as np
 
-from diffjax.data.config import DataConfig
+from diffjax.data.config import DataConfig, check_batch_split
 from diffjax.data.packing import Packer, PackedCorpus, split_documents, unigram_cross_entropy_nats
+from diffjax.data.stream_datasets import build_prepared_datasets
 from diffjax.data.sources import ArrayRecordSource, DocumentSource, TextFileSource, read_documents, stdlib_corpus
 from diffjax.data.tokenizers import Tokenizer, load_tokenizer
 
@@ -42,7 +43,7 @@ class PackedBatchDataset(grain.MapDataset):
   def __init__(self, packer: Packer, global_batch_size: int, process_index: int = 0,
                process_count: int = 1, num_batches: int | None = None):
     super().__init__()
-    _check_sharding(global_batch_size, process_index, process_count)
+    check_batch_split(global_batch_size, process_index, process_count)
     self.packer = packer
     self.global_batch_size = global_batch_size
     self.per_process_batch_size = global_batch_size // process_count
@@ -68,18 +69,6 @@ class PackedBatchDataset(grain.MapDataset):
     return (f"PackedBatchDataset(seq_len={self.packer.seq_len}, global_batch_size="
             f"{self.global_batch_size}, rows={self._row_start}:"
             f"{self._row_start + self.per_process_batch_size})")
-
-
-def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> None:
-  if global_batch_size < 1:
-    raise ValueError(f"global_batch_size={global_batch_size} must be at least 1.")
-  if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
-  if global_batch_size % process_count:
-    raise ValueError(
-        f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
-        f"use a multiple of {process_count}."
-    )
 
 
 @dataclasses.dataclass
@@ -193,12 +182,11 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
       training or validation split; ids outside the tokenizer's vocabulary.
     FileNotFoundError: a path or glob of `cfg.paths` matches nothing.
   """
-  _check_sharding(global_batch_size, process_index, process_count)
+  check_batch_split(global_batch_size, process_index, process_count)
   if cfg.kind == "prepared":
     if source is not None:
       raise ValueError("data.kind='prepared' streams its shards and cannot be mixed with another "
                        "source (task_mix); use task_mix.task='none' or an in-memory data.kind.")
-    from diffjax.data.stream_datasets import build_prepared_datasets  # pylint: disable=import-outside-toplevel
     return build_prepared_datasets(cfg, seq_len, global_batch_size, seed, process_index,
                                    process_count, tokenizer)
   tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import os
 from typing import Iterator, Sequence
 
 from diffjax.data.sources import resolve_paths, stdlib_files

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from diffjax.data.config import DataConfig
+from diffjax.data.config import DataConfig, check_batch_split
 from diffjax.data.manifest import Manifest, read_manifest
 from diffjax.data.streaming import (EpochOrder, Lane, ShardReader, StreamingBatchIterator, doc_hashes,
                                     doc_is_val)
@@ -137,8 +137,7 @@ def build_prepared_datasets(cfg: DataConfig, seq_len: int, global_batch_size: in
     FileNotFoundError: no manifest there.
     ValueError: the manifest's tokenizer is not `cfg.tokenizer`; fewer documents than rows.
   """
-  from diffjax.data.pipeline import _check_sharding  # pylint: disable=import-outside-toplevel
-  _check_sharding(global_batch_size, process_index, process_count)
+  check_batch_split(global_batch_size, process_index, process_count)
   if len(cfg.paths) != 1:
     raise ValueError(f"data.kind='prepared' takes one path (a prepared directory or its "
                      f"manifest.json), got data.paths={cfg.paths}.")

@@ -30,7 +30,6 @@ on the process count and the per-lane position could not be written as three int
 from __future__ import annotations
 
 import collections
-import math
 import queue
 import threading
 from typing import Callable
