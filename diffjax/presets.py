@@ -55,11 +55,15 @@ def baseline_spec(name: str, vocab_size: int = -1) -> dict:
   return spec
 
 
-def arm_model(size: str, arm: str, vocab_size: int = -1, **overrides) -> dict:
-  """The model dict of ``arm`` matched to the Transformer of ``size``."""
+def arm_model(size: str, arm: str, vocab_size: int = -1, *, v2_match: str = "heads",
+              **overrides) -> dict:
+  """The model dict of ``arm`` matched to the Transformer of ``size``.
+
+  ``v2_match`` as in :func:`diffjax.model.matched_configs` ("heads" or "params").
+  """
   base = ModelConfig(attention="transformer", **{
       **baseline_spec(size, vocab_size if vocab_size > 0 else 258), **overrides})
-  cfg = matched_configs(base)[arm].to_dict()
+  cfg = matched_configs(base, v2_match=v2_match)[arm].to_dict()
   cfg["vocab_size"] = vocab_size
   return cfg
 
@@ -130,10 +134,10 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def tiny(arm: str) -> ml_collections.ConfigDict:
+def tiny(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   """The tiny CPU arm (0.47M parameters with byte tokens; a couple of minutes on 2 cores)."""
   c = base_config()
-  c.model.update(arm_model("tiny", arm))
+  c.model.update(arm_model("tiny", arm, v2_match=v2_match))
   c.seq_len = 128
   c.global_batch_size = 16
   c.num_steps = 500
@@ -144,10 +148,10 @@ def tiny(arm: str) -> ml_collections.ConfigDict:
   return c
 
 
-def small(arm: str) -> ml_collections.ConfigDict:
+def small(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   """The small CPU arm (3.3M parameters with byte tokens; tens of minutes on 2 cores)."""
   c = base_config()
-  c.model.update(arm_model("small", arm))
+  c.model.update(arm_model("small", arm, v2_match=v2_match))
   c.num_steps = 2000
   c.optim.decay_steps = 2000
   return c
@@ -162,11 +166,12 @@ def _require_prepared_data(c: ml_collections.ConfigDict) -> None:
   c.data.tokenizer = ""
 
 
-def paper_3b(arm: str) -> ml_collections.ConfigDict:
+def paper_3b(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   """The paper's 3B setup (sequence 4096, 4M-token batches, AdamW 0.9/0.95, lr 3.2e-4,
   1000 warm-up steps, linear decay to 1.28e-5, weight decay 0.1)."""
   c = base_config()
-  c.model = ml_collections.ConfigDict(arm_model("3b", arm, PAPER_VOCAB, dtype="bfloat16"))
+  c.model = ml_collections.ConfigDict(arm_model("3b", arm, PAPER_VOCAB, v2_match=v2_match,
+                                                   dtype="bfloat16"))
   c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
   c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
   c.model.remat = "dots_no_batch"
@@ -182,11 +187,12 @@ def paper_3b(arm: str) -> ml_collections.ConfigDict:
   return c
 
 
-def paper_sweep(size: str, arm: str) -> ml_collections.ConfigDict:
+def paper_sweep(size: str, arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   """The paper's scaling sweep (830M-13.1B): AdamW 0.9/0.98, lr 1.5e-3 (7.5e-4 from
   6.8B), 375 warm-up steps, weight decay 0.05, 0.25M-token batches, 40K steps."""
   c = base_config()
-  c.model = ml_collections.ConfigDict(arm_model(size, arm, PAPER_VOCAB, dtype="bfloat16"))
+  c.model = ml_collections.ConfigDict(arm_model(size, arm, PAPER_VOCAB, v2_match=v2_match,
+                                                   dtype="bfloat16"))
   c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
   c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
   c.model.remat = "dots_no_batch"

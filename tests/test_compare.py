@@ -87,6 +87,11 @@ def test_report_results_and_plots(compared):
     assert any(ch.isdigit() for ch in row.split("|")[4]), row
   assert "## Paired differences against transformer" in report
   assert "Data check: for every seed all arms saw identical batches" in report
+  # The matching used and every arm's parameter count are stated.
+  line = next(l for l in report.splitlines() if l.startswith("Arms matched to one Transformer"))
+  assert "DIFF V2 matched by parameters" in line
+  for arm in ARMS:
+    assert f"{arm} " in line.split("Parameters:")[1], line
 
   # Strict JSON: NaN would not parse with this hook.
   def no_constants(name):
@@ -185,9 +190,10 @@ def test_run_configs_differ_only_in_model_and_seed():
   base = base_config()
   base.model.update(arm_model("tiny", "transformer"))
   config = compare.comparison_config(base, seeds=(3, 4))
+  assert config.v2_match == "params"  # new comparisons match DIFF V2 by parameters
   runs = {arm: compare.run_config(config, arm, 4) for arm in compare.ARMS}
   for arm, run in runs.items():
-    assert run.model.to_dict() == arm_model("tiny", arm), arm
+    assert run.model.to_dict() == arm_model("tiny", arm, v2_match="params"), arm
     assert run.seed == 4 and run.log_batch_hash
     rest = {k: v for k, v in run.to_dict().items() if k != "model"}
     ref = {k: v for k, v in runs["transformer"].to_dict().items() if k != "model"}
@@ -201,7 +207,7 @@ def test_paper_3b_runs_are_the_presets_paper_setup():
   spec.loader.exec_module(module)
   config = module.get_config()
   for arm in compare.ARMS:
-    want = presets.paper_3b(arm)
+    want = presets.paper_3b(arm, v2_match=config.v2_match)
     want.seed, want.log_batch_hash = 7, True
     assert compare.run_config(config, arm, 7).to_dict() == want.to_dict(), arm
 
@@ -266,3 +272,28 @@ def test_module_entry_point_reports_unknown_arm(tmp_path):
   r = _cli(f"{REPO}/configs/compare/tiny.py", tmp_path / "wd", "--config.arms=gpt", timeout=120)
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].startswith("error: Unknown arm(s) ['gpt']"), r.stderr
+
+
+def test_v2_matched_by_params_differs_only_in_ffn_width():
+  from diffjax.model import ModelConfig, count_params, matched_configs  # pylint: disable=import-outside-toplevel
+  from diffjax.presets import baseline_spec  # pylint: disable=import-outside-toplevel
+  for size, vocab in (("tiny", 258), ("small", 258), ("350m", 258), ("3b", 100288),
+                      ("830m", 100288)):
+    base = ModelConfig(attention="transformer", **baseline_spec(size, vocab))
+    by_heads = matched_configs(base)
+    by_params = matched_configs(base, v2_match="params")
+    assert by_params["transformer"] == by_heads["transformer"] == base
+    assert by_params["diff_v1"] == by_heads["diff_v1"]
+    v2 = by_params["diff_v2"]
+    assert v2.mlp_dim < base.mlp_dim, size
+    assert v2.replace(mlp_dim=base.mlp_dim) == by_heads["diff_v2"], size
+    n_base, n_v2 = count_params(base), count_params(v2)
+    assert abs(n_v2 - n_base) <= 0.005 * n_base, (size, n_base, n_v2)
+    # "heads" matching leaves V2 larger by E·h·d + E·h per layer.
+    e, h, d = base.d_model, base.num_heads, base.head_dim
+    assert count_params(by_heads["diff_v2"]) - n_base == base.num_layers * (e * h * d + e * h)
+  with pytest.raises(ValueError, match="v2_match"):
+    matched_configs(base, v2_match="flops")
+  tiny_ffn = ModelConfig(attention="transformer", **{**baseline_spec("tiny", 258), "mlp_dim": 8})
+  with pytest.raises(ValueError, match="mlp_dim=8"):
+    matched_configs(tiny_ffn, v2_match="params")

@@ -22,11 +22,14 @@ _PLACEHOLDER_VOCAB = 258
 
 
 def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1),
-                      arms: Sequence[str] = ARMS) -> ml_collections.ConfigDict:
+                      arms: Sequence[str] = ARMS, v2_match: str = "params"
+                      ) -> ml_collections.ConfigDict:
   """A compare config around ``base``, a full run config whose model is the Transformer spec.
 
   Fields: ``arms``, ``seeds``, ``base`` (``base.seed`` is replaced by each seed and
-  ``base.log_batch_hash`` is forced on), ``eval.mode`` ("quick", "full" or "none"),
+  ``base.log_batch_hash`` is forced on), ``v2_match`` (how DIFF V2 is matched to the
+  Transformer, see `diffjax.model.matched_configs`: "params", the default for new
+  comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width), ``eval.mode`` ("quick", "full" or "none"),
   ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
   make them overridable from the command line), ``report.baseline``, ``report.confidence``,
   ``report.title``.
@@ -34,6 +37,7 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c = ml_collections.ConfigDict()
   c.arms = tuple(arms)
   c.seeds = tuple(int(s) for s in seeds)
+  c.v2_match = v2_match
   c.base = base
   c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
   c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
@@ -56,8 +60,11 @@ def _tuples(x: Any) -> Any:
   return x
 
 
-def arm_model_dict(base_model: Mapping[str, Any], arm: str) -> dict[str, Any]:
+def arm_model_dict(base_model: Mapping[str, Any], arm: str, v2_match: str = "heads"
+                   ) -> dict[str, Any]:
   """The model dict of ``arm`` matched to the Transformer spec ``base_model``.
+
+  ``v2_match`` as in `diffjax.model.matched_configs`.
 
   ``vocab_size=-1`` (take the tokenizer's) is kept; with the presets' specs this equals
   ``diffjax.presets.arm_model(size, arm)``.
@@ -71,7 +78,7 @@ def arm_model_dict(base_model: Mapping[str, Any], arm: str) -> dict[str, Any]:
   spec["attention"] = "transformer"
   if vocab == -1:
     spec["vocab_size"] = _PLACEHOLDER_VOCAB
-  arm_cfg = matched_configs(ModelConfig.from_dict(spec))[arm].to_dict()
+  arm_cfg = matched_configs(ModelConfig.from_dict(spec), v2_match=v2_match)[arm].to_dict()
   arm_cfg["vocab_size"] = vocab
   return arm_cfg
 
@@ -81,10 +88,15 @@ def run_config(config: ml_collections.ConfigDict, arm: str, seed: int
   """The train config of run (arm, seed): ``base`` with the arm's model and ``seed``."""
   run = copy.deepcopy(config.base)
   with run.unlocked():
-    run.model.update(arm_model_dict(config.base.model.to_dict(), arm))
+    run.model.update(arm_model_dict(config.base.model.to_dict(), arm, v2_matching(config)))
     run.seed = int(seed)
     run.log_batch_hash = True
   return run
+
+
+def v2_matching(config: ml_collections.ConfigDict) -> str:
+  """How the comparison matches DIFF V2 ("heads" for configs written before the choice)."""
+  return str(config.get("v2_match", "heads"))
 
 
 def run_name(arm: str, seed: int) -> str:

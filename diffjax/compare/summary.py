@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import ml_collections
 
+from diffjax.compare.config import v2_matching
 from diffjax.eval import stats
 
 
@@ -87,6 +88,19 @@ def summary_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseli
   return lines, table
 
 
+def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]]) -> str:
+  """Which matching made the arms, and their parameter counts."""
+  params = {}
+  for r in runs:
+    params.setdefault(r["arm"], r["params"])
+  counts = ", ".join(f"{arm} {n:,}" for arm, n in params.items() if n is not None)
+  how = {"params": "by parameters (its SwiGLU width shrunk so its total is within 0.5 % of the "
+                   "Transformer's)",
+         "heads": "by heads (the Transformer's widths, plus its extra query heads and W_λ)"}
+  return (f"Arms matched to one Transformer spec; DIFF V2 matched "
+          f"{how.get(v2_matching(config), v2_matching(config))}. Parameters: {counts}.")
+
+
 def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]],
                     arms: Sequence[str], data_check: Mapping[str, Any]
                     ) -> tuple[list[str], dict[str, Any]]:
@@ -108,7 +122,7 @@ def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[st
           f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
           f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
           "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
-          "same split).", ""] + lines + [""]
+          "same split).", "", _matching_line(config, runs), ""] + lines + [""]
   if data_check["ok"]:
     head += ["Data check: for every seed all arms saw identical batches at every step "
              "(batch hashes from metrics.jsonl)" + ("" if data_check["distinct_across_seeds"]

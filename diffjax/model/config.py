@@ -110,16 +110,30 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
 
-def matched_configs(baseline: ModelConfig) -> dict[str, ModelConfig]:
+V2_MATCHING = ("heads", "params")
+# How close "params" matching must bring DIFF V2's total to the Transformer's.
+PARAM_MATCH_TOLERANCE = 0.005
+
+
+def matched_configs(baseline: ModelConfig, *, v2_match: str = "heads") -> dict[str, ModelConfig]:
   """The three arms matched to one baseline spec.
 
   DIFF V1 halves the heads and kv heads and keeps the component width d (value 2d),
-  so its projections have the baseline's shapes; DIFF V2 keeps the baseline's
-  heads and doubles the query heads inside the module.
+  so its projections have the baseline's shapes (+6d parameters per layer). DIFF V2
+  keeps the baseline's heads and doubles the query heads inside the module, which adds
+  E·h·d + E·h parameters per layer. ``v2_match`` says what V2 is matched on:
+
+    * ``"heads"``: the same heads and everything else as the baseline (V2 is larger);
+    * ``"params"``: the SwiGLU width ``mlp_dim`` shrunk by round((h·d + h) / 3) per layer
+      (its 3·E·mlp_dim weights pay for the extra E·h·d + E·h), so the total parameter
+      count is within 0.5 % of the Transformer's; nothing else changes. The paper's
+      comparisons are at matched parameters.
   """
   if baseline.attention != "transformer":
     raise ValueError(f"matched_configs takes the transformer spec; got "
                      f"attention={baseline.attention!r}.")
+  if v2_match not in V2_MATCHING:
+    raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
   if baseline.num_heads % 2 or baseline.num_kv_heads % 2:
     raise ValueError(
         f"DIFF V1 pairs baseline heads, so num_heads={baseline.num_heads} and "
@@ -127,6 +141,19 @@ def matched_configs(baseline: ModelConfig) -> dict[str, ModelConfig]:
   v1 = baseline.replace(attention="diff_v1", num_heads=baseline.num_heads // 2,
                         num_kv_heads=baseline.num_kv_heads // 2)
   v2 = baseline.replace(attention="diff_v2")
+  if v2_match == "params":
+    h, d = baseline.num_heads, baseline.head_dim
+    mlp_dim = baseline.mlp_dim - round((h * d + h) / 3)
+    if mlp_dim < 1:
+      raise ValueError(
+          f"Cannot match DIFF V2's parameters by its FFN: mlp_dim={baseline.mlp_dim} is smaller "
+          f"than the {round((h * d + h) / 3)} columns its extra query heads cost; use "
+          "v2_match='heads' or a wider FFN.")
+    v2 = v2.replace(mlp_dim=mlp_dim)
+    n_base, n_v2 = count_params(baseline), count_params(v2)
+    if abs(n_v2 - n_base) > PARAM_MATCH_TOLERANCE * n_base:  # pragma: no cover - arithmetic
+      raise ValueError(f"DIFF V2 with mlp_dim={mlp_dim} has {n_v2:,} parameters against the "
+                       f"Transformer's {n_base:,}, more than 0.5 % apart.")
   return {"transformer": baseline, "diff_v1": v1, "diff_v2": v2}
 
 
