@@ -1,0 +1,19 @@
+"""Text generation with a KV cache for every arm: :func:`generate` and sampling.
+
+``python -m diffjax.generation --workdir=RUN --prompt=...`` streams a trained run's
+continuation of a prompt (:mod:`diffjax.generation.command`).
+"""
+
+from diffjax.generation.engine import CACHE_MULTIPLE, Generation, generate
+from diffjax.generation.sampling import (
+    LogitsProcessor,
+    SamplingOptions,
+    choose_tokens,
+    top_k_filter,
+    top_p_filter,
+)
+
+__all__ = [
+    "CACHE_MULTIPLE", "Generation", "generate", "LogitsProcessor", "SamplingOptions",
+    "choose_tokens", "top_k_filter", "top_p_filter",
+]
