@@ -7,9 +7,11 @@ Public API:
   * Flax NNX modules: :class:`Attention`, :class:`DiffV1Attention`,
     :class:`DiffV2Attention`, :class:`RMSNorm`, :class:`SwiGLU`, :func:`apply_rope`;
   * the LM: :class:`ModelConfig`, :class:`DecoderLM`, :func:`matched_configs`,
-    :func:`count_params`, :class:`Hooks` for analysis interventions.
+    :func:`count_params`, :class:`Hooks` for analysis interventions;
+  * generation with a KV cache: :func:`generate` (from :mod:`diffjax.generation`).
 """
 
+from diffjax.generation import generate
 from diffjax.model import ARMS, DecoderLM, Hooks, ModelConfig, count_params, matched_configs
 from diffjax.nn import (
     Attention,
@@ -34,5 +36,5 @@ __all__ = [
     "ARMS", "DecoderLM", "Hooks", "ModelConfig", "count_params", "matched_configs", "Attention",
     "AttentionOptions", "DiffV1Attention", "DiffV2Attention", "RMSNorm", "SwiGLU", "apply_rope",
     "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention", "dot_product_attention",
-    "lambda_init_for_layer",
+    "lambda_init_for_layer", "generate",
 ]

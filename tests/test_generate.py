@@ -165,7 +165,7 @@ def _sharded_child():
     # kv heads 4 for the baseline and V2, 2 kv groups for V1: tensor = 2 divides both.
     heads = dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else \
         dict(num_heads=8, num_kv_heads=4)
-    cfg = ModelConfig(attention=arm, vocab_size=VOCAB, d_model=32, num_layers=2, head_dim=4,
+    cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2, head_dim=4,
                       mlp_dim=64, implementation="xla", **heads)
     model = DecoderLM(cfg, rngs=nnx.Rngs(3))
     prompts = [[5, 8, 13], [1, 2, 3, 4, 5, 6, 7], [40], [9, 9]]
