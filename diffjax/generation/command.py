@@ -85,6 +85,7 @@ class _Stream:
     if self.byte_level:
       self.out.write(self.utf8.decode(b"", final=True))
     self.out.write("\n")
+    self.out.flush()
 
 
 def _main(args: argparse.Namespace) -> None:
