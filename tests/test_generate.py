@@ -183,3 +183,22 @@ def test_sharded_generation_gives_the_single_device_tokens():
                         cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == {a: True for a in ARMS}
+
+
+def test_v1_decode_dispatches_to_the_gpu_kernel_and_it_matches_xla():
+  from diffjax import ops
+  from diffjax.ops import attention as ops_attention
+  from diffjax.ops import dispatch
+  with ops.target_platform("gpu"):
+    assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == \
+        "pallas_gpu"
+  ks = jax.random.split(jax.random.key(0), 5)
+  q1, q2 = (jax.random.normal(ks[i], (3, 1, 4, 16)) for i in (0, 1))
+  k1, k2 = (jax.random.normal(ks[i], (3, 128, 2, 16)) for i in (2, 3))
+  v = jax.random.normal(ks[4], (3, 128, 2, 32))
+  kv_len = jnp.array([1, 77, 128])
+  args = (q1, q2, k1, k2, v, 0.3, kv_len)
+  got = ops_attention.diff_v1_attention_decode(*args, implementation="pallas_gpu",
+                                               interpret=True)
+  want = ops_attention.diff_v1_attention_decode(*args, implementation="xla")
+  assert _rel_err(got, want) <= 1e-5
