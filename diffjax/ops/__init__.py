@@ -4,8 +4,11 @@ from diffjax.ops.attention import (
     IMPLEMENTATIONS,
     diff_v1_attention,
     diff_v1_attention_core,
+    diff_v1_attention_decode,
     diff_v2_attention,
+    diff_v2_attention_decode,
     dot_product_attention,
+    dot_product_attention_decode,
     register_implementation,
     target_platform,
 )
@@ -19,7 +22,9 @@ from diffjax.ops.reference import (
 )
 
 __all__ = [
-    "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
-    "dot_product_attention", "register_implementation", "target_platform", "diff_v1_lambda", "diff_v1_reference",
-    "diff_v2_reference", "lambda_init_for_layer", "mha_reference", "rms_norm",
+    "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v1_attention_decode",
+    "diff_v2_attention", "diff_v2_attention_decode", "dot_product_attention",
+    "dot_product_attention_decode", "register_implementation", "target_platform",
+    "diff_v1_lambda", "diff_v1_reference", "diff_v2_reference", "lambda_init_for_layer",
+    "mha_reference", "rms_norm",
 ]
