@@ -107,15 +107,21 @@ def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
 # Default run: a covering subset of seq {200, 384} x n_rep {1, 2, 4} x segment ids x
 # dtype, plus T != S (decode-like and queries longer than keys), no mask, an awkward
 # head dim and default (sequence-shrunk) tiles. The slow run takes the full product.
+def _slow(*case):
+  """A case whose coverage the default cases repeat (sequence 384, the WIDE tiles, GQA and
+  bfloat16 are each exercised by a faster case); it runs with ``-m slow``."""
+  return pytest.param(*case, marks=pytest.mark.slow)
+
+
 V1_CASES = [
     # t,   s,  rep, d, causal, seg,  dtype,        blocks
     (200, 200, 1, 16, True, False, jnp.float32, SMALL),
-    (384, 384, 2, 8, True, True, jnp.float32, SMALL),
+    _slow(384, 384, 2, 8, True, True, jnp.float32, SMALL),
     (200, 200, 4, 16, True, True, jnp.float32, WIDE),
-    (384, 384, 1, 24, False, False, jnp.float32, None),
+    _slow(384, 384, 1, 24, False, False, jnp.float32, None),
     (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
     (200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
-    (384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
+    _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
 ]
 
 
@@ -127,11 +133,11 @@ def test_diff_v1_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
 
 V2_CASES = [
     (200, 200, 1, 16, True, False, jnp.float32, SMALL),
-    (384, 384, 2, 16, True, True, jnp.float32, WIDE),
+    _slow(384, 384, 2, 16, True, True, jnp.float32, WIDE),
     (200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
     (200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
     (200, 200, 2, 16, True, True, jnp.bfloat16, None),
-    (384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
+    _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
 ]
 
 
