@@ -73,7 +73,7 @@ def main():
   print(f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
         f"jax {jax.__version__}; size={a.size} seq={a.seq} batch={a.batch} dtype={a.dtype} "
         f"implementation={a.implementation}; median of {a.steps} steps after {a.warmup} warm-up")
-  print(f"| arm | params | step ms | tokens/s | ratio to Transformer (tokens/s) | compile s |")
+  print("| arm | params | step ms | tokens/s | ratio to Transformer (tokens/s) | compile s |")
   print("|---|---|---|---|---|---|")
   base_tps = None
   for arm, cfg in matched_configs(base).items():

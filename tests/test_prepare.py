@@ -86,7 +86,6 @@ def test_bad_jsonl_line_named(tmp_path):
 
 
 def test_parquet_without_pyarrow_is_one_clear_error(tmp_path):
-  pytest.importorskip("pytest")
   try:
     import pyarrow  # noqa: F401
     pytest.skip("pyarrow is installed")

@@ -32,7 +32,6 @@ def _child_main():
   import numpy as np
   import orbax.checkpoint as ocp
   from flax import nnx
-  from jax.sharding import PartitionSpec as P
 
   from diffjax import sharding as shd
   from diffjax.model import ModelConfig, matched_configs

@@ -198,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--output", required=True, help="directory for shards and manifest.json")
   p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json or a .model file")
   p.add_argument("--shard_tokens", type=int, default=50_000_000, help="tokens per shard (about)")
-  p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+  p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                 help="worker processes (default: CPU count - 1)")
   p.add_argument("--text_field", default="text", help="JSONL field / Parquet column")
   p.add_argument("--files_per_unit", type=int, default=256,
                  help="text files (one document each) per work unit")

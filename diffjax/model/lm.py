@@ -107,7 +107,6 @@ class DecoderLM(nnx.Module):
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
                cache_lengths_B=None):
     cfg = self.config
-    dt = cfg.compute_dtype
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
     captures = []
     if cache is not None:
