@@ -175,6 +175,7 @@ def paper_3b(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
   c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
   c.model.remat = "dots_no_batch"
+  c.model.scan_layers = True  # one block in the compiled program: compiles in minutes, not tens
   c.seq_len = 4096
   c.global_batch_size = 1024  # 1024 x 4096 = 4M tokens
   c.num_steps = 240_000  # ~1T tokens at 4M tokens a step (the paper trains 3B on 1T tokens)
@@ -196,6 +197,7 @@ def paper_sweep(size: str, arm: str, v2_match: str = "heads") -> ml_collections.
   c.model.block_sizes = ml_collections.config_dict.placeholder(dict)
   c.model.diff_fixed_lambda = ml_collections.config_dict.placeholder(float)
   c.model.remat = "dots_no_batch"
+  c.model.scan_layers = True  # one block in the compiled program: compiles in minutes, not tens
   c.seq_len = 2048
   c.global_batch_size = 128  # 128 x 2048 = 0.25M tokens
   c.num_steps = 40_000

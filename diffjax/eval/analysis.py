@@ -188,7 +188,7 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
                          for l, h in zip(layer_logit, layer_hidden)]}
   if arm == "diff_v1":
     lam = {"kind": "scalar", "layers": [float(v[0][0]) for v in lam_values],
-           "lambda_init": [float(runner.model.blocks[i].attn.lambda_init)
+           "lambda_init": [float(runner.model.layer(i).attn.lambda_init)
                            for i in range(len(lam_values))]}
   elif arm == "diff_v2":
     lam = {"kind": "sigmoid", "layers": [_distribution(np.concatenate(v)) for v in lam_values]}

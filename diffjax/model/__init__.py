@@ -7,10 +7,11 @@ from diffjax.model.config import (
     count_params,
     matched_configs,
 )
+from diffjax.model import layout
 from diffjax.model.lm import Block, DecoderLM, make_attention
 from diffjax.nn.layers import Hooks
 
 __all__ = [
     "ARMS", "ModelConfig", "attention_params", "count_params", "matched_configs", "Block",
-    "DecoderLM", "make_attention", "Hooks",
+    "DecoderLM", "make_attention", "Hooks", "layout",
 ]

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax.core.dtypes import accumulation_dtype
+from diffjax.core.reference import lambda_init_for_layer
 from diffjax.model.config import ModelConfig
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
-from diffjax.nn.layers import NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init
+from diffjax.nn.layers import (NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init,
+                               stack_modules)
 from diffjax.sharding import constrain
 
 _REMAT = {
@@ -49,15 +51,18 @@ class Block(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
-               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None):
+               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None, lambda_init=None):
+    # DIFF V1's lambda_init as data (a scanned stack passes each layer's own).
+    extra = {} if lambda_init is None else {"lambda_init": lambda_init}
     if cache is not None:
       attn_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
-                                    hooks=hooks, cache=cache, cache_lengths_B=cache_lengths_B)
+                                    hooks=hooks, cache=cache, cache_lengths_B=cache_lengths_B,
+                                    **extra)
       h_BxTxE = x_BxTxE + attn_BxTxE
       h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
       return constrain(h_BxTxE, ("batch", "length", "embed")), cache
     out = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT, capture=capture,
-                    hooks=hooks)
+                    hooks=hooks, **extra)
     attn_BxTxE, aux = out if capture else (out, None)
     h_BxTxE = x_BxTxE + attn_BxTxE
     h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
@@ -78,6 +83,14 @@ class DecoderLM(nnx.Module):
   probabilities, lambda (DIFF arms) and the block's output hidden state ``hidden``
   [B, T, E].
 
+  Layers: with ``cfg.scan_layers`` the blocks live in one stacked module
+  ``self.layers`` (every parameter gains a leading ``layers`` axis) and run under
+  ``jax.lax.scan``, so the compiled program holds one block however deep the model
+  is; otherwise ``self.blocks`` is a list of blocks unrolled in Python. Both build
+  the same initial parameters and compute the same function; :meth:`layer` returns
+  block ``i`` either way, and :mod:`diffjax.model.layout` converts parameter trees
+  (and optimizer states) between the two layouts.
+
   Generation: with ``cache=`` (one dict per layer, from :meth:`init_cache`) and
   ``cache_lengths_B`` (int [B], the filled slots of each row) it returns
   ``(logits, new_cache)``. A call with T > 1 is a prefill into an empty cache (the
@@ -90,46 +103,96 @@ class DecoderLM(nnx.Module):
     self.config = cfg
     self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs,
                        param_dtype=cfg.weight_dtype)
-    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]) \
-        if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    # Built one by one in both layouts, so a scanned model starts from the same draws.
+    blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    if cfg.scan_layers:
+      self.layers = _stack_blocks(blocks)
+    else:
+      self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
                               param_dtype=cfg.weight_dtype)
     if not cfg.tie_embeddings:
       self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                 ("embed", "vocab"), cfg.weight_dtype)
 
+  def layer(self, i: int) -> Block:
+    """Block ``i``. For a scanned model, a copy of layer ``i``'s slice of the stack
+    (reading it is exact; assigning to it does not change the model)."""
+    n = self.config.num_layers
+    if not -n <= i < n:
+      raise IndexError(f"layer {i} out of range for a model of {n} layers.")
+    i %= n
+    if not self.config.scan_layers:
+      return self.blocks[i]
+    graphdef, state = nnx.split(self.layers)
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+    if isinstance(block.attn, DiffV1Attention):
+      block.attn.lambda_init = lambda_init_for_layer(i)
+    return block
+
   def init_cache(self, batch: int, max_length: int, dtype=None) -> list[dict[str, jax.Array]]:
     """An empty KV cache: one dict per layer (see the attention modules' ``init_cache``),
     ``max_length`` slots per row, in ``dtype`` (default: the compute dtype)."""
-    return [block.attn.init_cache(batch, max_length, dtype) for block in self.blocks]
+    return [self.layer(i).attn.init_cache(batch, max_length, dtype)
+            for i in range(self.config.num_layers)]
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
                cache_lengths_B=None):
     cfg = self.config
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
-    captures = []
     if cache is not None:
-      if len(cache) != len(self.blocks):
-        raise ValueError(f"cache has {len(cache)} layers; the model has {len(self.blocks)}.")
+      if len(cache) != cfg.num_layers:
+        raise ValueError(f"cache has {len(cache)} layers; the model has {cfg.num_layers}.")
       new_cache = []
-      for block, layer_cache in zip(self.blocks, cache):
-        x_BxTxE, layer_cache = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks,
-                                     cache=layer_cache, cache_lengths_B=cache_lengths_B)
+      for i, layer_cache in enumerate(cache):
+        x_BxTxE, layer_cache = self.layer(i)(x_BxTxE, positions_BxT, segment_ids_BxT,
+                                             hooks=hooks, cache=layer_cache,
+                                             cache_lengths_B=cache_lengths_B)
         new_cache.append(layer_cache)
       return self._logits(x_BxTxE), new_cache
-    for block in self.blocks:
-      if capture:
-        x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
-                             hooks=hooks)
-        captures.append(aux)
-      elif cfg.remat != "none":
-        x_BxTxE = _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
-                               cfg.remat)
-      else:
-        x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks)
+    if cfg.scan_layers:
+      x_BxTxE, captures = self._scan_blocks(x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
+                                            capture)
+    else:
+      captures = []
+      for block in self.blocks:
+        if capture:
+          x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
+                               hooks=hooks)
+          captures.append(aux)
+        elif cfg.remat != "none":
+          x_BxTxE = _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
+                                 cfg.remat)
+        else:
+          x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks)
     logits_BxTxV = self._logits(x_BxTxE)
     return (logits_BxTxV, captures) if capture else logits_BxTxV
+
+  def _scan_blocks(self, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, capture):
+    """The stacked blocks under ``lax.scan``; per-layer captures are split out again."""
+    cfg = self.config
+    graphdef, state = nnx.split(self.layers)
+    lambda_inits_L = None
+    if cfg.attention == "diff_v1":
+      lambda_inits_L = jnp.asarray([lambda_init_for_layer(i) for i in range(cfg.num_layers)],
+                                   accumulation_dtype(cfg.compute_dtype))
+
+    def body(x_BxTxE, xs):
+      layer_state, lambda_init = xs
+      block = nnx.merge(graphdef, layer_state)
+      extra = {} if lambda_init is None else {"lambda_init": lambda_init}
+      if capture:
+        return block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks,
+                     **extra)
+      return block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks, **extra), None
+
+    if cfg.remat != "none" and not capture:
+      body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x_BxTxE, stacked = jax.lax.scan(body, x_BxTxE, (state, lambda_inits_L))
+    if not capture:
+      return x_BxTxE, []
+    return x_BxTxE, [jax.tree.map(lambda a: a[i], stacked) for i in range(cfg.num_layers)]
 
   def _logits(self, x_BxTxE) -> jax.Array:
     """Final norm and LM head: float32 (float64) logits [B, T, V]."""
@@ -168,7 +231,8 @@ class DecoderLM(nnx.Module):
     """
     out = {}
     v2_layers = []
-    for i, block in enumerate(self.blocks):
+    blocks = [self.layer(i) for i in range(self.config.num_layers)]
+    for i, block in enumerate(blocks):
       if isinstance(block.attn, DiffV1Attention):
         out[f"lambda/layer_{i}"] = block.attn.lambda_value()
       elif isinstance(block.attn, DiffV2Attention):
@@ -178,7 +242,7 @@ class DecoderLM(nnx.Module):
     # V2's lambda reads each layer's normed input: run the blocks up to the last V2
     # layer on the normal path (no attention maps are materialised).
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
-    for i, block in enumerate(self.blocks):
+    for i, block in enumerate(blocks):
       if i in v2_layers:
         lam_BxTxH = block.attn.lambda_value(block.attn_norm(x_BxTxE))
         out[f"lambda_mean/layer_{i}"] = jnp.mean(lam_BxTxH)
@@ -195,3 +259,8 @@ def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_n
     return blk(x, pos, seg, hooks=hooks)
 
   return nnx.remat(run, policy=policy)(block, x_BxTxE, positions_BxT, segment_ids_BxT)
+
+
+def _stack_blocks(blocks: list[Block]) -> Block:
+  """One Block whose parameters stack those of ``blocks`` along a leading ``layers`` axis."""
+  return stack_modules(blocks, axis_name="layers")

@@ -239,13 +239,18 @@ class DiffV1Attention(nnx.Module):
     self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",),
                                  small_dtype)
 
-  def lambda_value(self) -> jax.Array:
-    """The layer's current lambda: a float32 scalar (float64 in a float64 model)."""
+  def lambda_value(self, lambda_init: jax.Array | float | None = None) -> jax.Array:
+    """The layer's current lambda: a float32 scalar (float64 in a float64 model).
+
+    ``lambda_init`` overrides the layer's own (a scanned stack of layers passes each
+    layer's value as data, since the stacked module was built from layer 0).
+    """
     acc = accumulation_dtype(self.options.dtype)
     if self.fixed_lambda is not None:
       return jnp.asarray(self.fixed_lambda, acc)
+    lam_init = self.lambda_init if lambda_init is None else lambda_init
     return ref.diff_v1_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
-                              self.lambda_k2[...], self.lambda_init, dtype=acc)
+                              self.lambda_k2[...], lam_init, dtype=acc)
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
     """An empty cache: ``{"k1", "k2"}`` [batch, max_length, K, D] and ``"v"``
@@ -257,10 +262,11 @@ class DiffV1Attention(nnx.Module):
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None):
+               cache_lengths_B=None, lambda_init: jax.Array | float | None = None):
     opts = self.options
     dt = opts.dtype
     acc = accumulation_dtype(dt)
+    lam_init = self.lambda_init if lambda_init is None else lambda_init
     pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
     k_BxSxKx2xD = project(x_BxTxE, self.k, "bte,eksd->btksd", dt, hooks)
@@ -271,7 +277,7 @@ class DiffV1Attention(nnx.Module):
     if hooks.kv is not None:
       k1_BxSxKxD, k2_BxSxKxD = hooks.kv(k1_BxSxKxD), hooks.kv(k2_BxSxKxD)
       v_BxSxKxDv = hooks.kv(v_BxSxKxDv)
-    lam = self.lambda_value()
+    lam = self.lambda_value(lam_init)
     qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
     aux = None
     decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
@@ -287,7 +293,7 @@ class DiffV1Attention(nnx.Module):
       core_BxTxHxDv, aux = ref.diff_v1_reference(
           *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
-      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(self.lambda_init, acc)})
+      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(lam_init, acc)})
     else:
       core_BxTxHxDv = ops.diff_v1_attention_core(*qk, v_BxSxKxDv, lam,
                                                  segment_ids=segment_ids_BxT,
@@ -295,7 +301,7 @@ class DiffV1Attention(nnx.Module):
     core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
     if self.use_norm:
       core_BxTxHxDv = ref.rms_norm(core_BxTxHxDv, self.norm_scale[...], self.norm_eps)
-    core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - self.lambda_init)).astype(dt)
+    core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - lam_init)).astype(dt)
     y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
     if cache is not None:
       return y_BxTxE, cache

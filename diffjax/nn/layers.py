@@ -51,6 +51,33 @@ _SHARDING_KEY = "out_sharding" if tuple(
     int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12) else "sharding_names"
 
 
+def stack_modules(modules: Sequence[nnx.Module], axis_name: str = "layers") -> nnx.Module:
+  """One module whose variables stack those of ``modules`` along a new leading axis.
+
+  The modules must have the same variables and shapes; the result has the structure
+  (and static attributes) of ``modules[0]``, and each variable's logical axis names
+  gain ``axis_name`` in front. Run it under ``jax.lax.scan`` over its split state.
+  """
+  if not modules:
+    raise ValueError("stack_modules needs at least one module.")
+  graphdef, *_ = nnx.split(modules[0])
+  flats = [dict(nnx.to_flat_state(nnx.state(m))) for m in modules]
+  stacked = []
+  for path, first in flats[0].items():
+    shapes = {tuple(f[path].shape) for f in flats if path in f}
+    if len(shapes) != 1 or any(path not in f for f in flats):
+      raise ValueError(f"Cannot stack variable {'/'.join(map(str, path))}: the modules differ "
+                       f"in it (shapes {sorted(shapes)}).")
+    meta = dict(first.get_metadata())
+    names = meta.get(_SHARDING_KEY)
+    if names is not None:
+      meta[_SHARDING_KEY] = (axis_name, *names)
+    value = jnp.stack([f[path][...] for f in flats])
+    with nnx.use_eager_sharding(False):
+      stacked.append((path, type(first)(value, **meta)))
+  return nnx.merge(graphdef, nnx.from_flat_state(stacked))
+
+
 def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None],
                dtype=jnp.float32) -> nnx.Param:
   """Creates an ``nnx.Param`` with logical axis names and no eager placement."""

@@ -36,6 +36,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("norm", None),
+    # The leading axis of scanned (stacked) layer parameters stays whole.
+    ("layers", None),
 )
 
 Rules = Sequence[tuple[str, Any]]

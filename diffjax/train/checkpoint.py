@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from diffjax.errors import UserError
+from diffjax.model import layout
 from diffjax.train.digest import (all_processes_agree, dtype_name, named_leaves, per_process, scan,
                                   sha256)
 
@@ -204,7 +205,8 @@ def check_model_config(saved: dict, current: dict, directory) -> None:
   diffs = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
            if saved.get(k) != current.get(k)}
   # Settings that do not change parameters may differ between runs.
-  for k in ("implementation", "block_sizes", "interpret", "remat", "dtype"):
+  # scan_layers changes the tree's layout only; restore converts it.
+  for k in ("implementation", "block_sizes", "interpret", "remat", "dtype", "scan_layers"):
     diffs.pop(k, None)
   if diffs:
     desc = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
@@ -269,11 +271,56 @@ def _verify(manager, step: int, record: dict | None, names: list[str], leaves: l
                                  f"{bad[0]} holds non-finite values")
 
 
+def _sds_stack(xs: list[Any]) -> jax.ShapeDtypeStruct:
+  x = xs[0]
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(None, *sharding.spec))
+  return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
+
+
+def _sds_take(x: Any, i: int) -> jax.ShapeDtypeStruct:
+  del i
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec(*sharding.spec[1:]))
+  return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
+
+
+def _saved_layout_target(record: dict | None, target: Any) -> tuple[Any, Callable[[Any], Any]]:
+  """The restore target in the layer layout the checkpoint was saved in, and the function
+  that brings a tree restored in it back to ``target``'s layout.
+
+  A scanned run (stacked ``layers``) and an unscanned one (per-layer ``blocks``) save
+  different trees; a checkpoint of either restores into both (see
+  :mod:`diffjax.model.layout`).
+  """
+  want = layout.tree_layout(target)
+  saved = layout.names_layout(record["leaves"]) if record is not None else None
+  if want is None or saved is None or saved == want:
+    return target, lambda tree: tree
+  n = layout.num_layers_of(target)
+  read = layout.convert_layout(target, saved, n, stack=_sds_stack, take=_sds_take)
+  shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(target)]
+
+  def back(tree: Any) -> Any:
+    fn = lambda t: layout.convert_layout(t, want, n)
+    if all(isinstance(s, jax.sharding.Sharding) for s in shardings):
+      out = jax.tree.map(lambda x: x.sharding, target)
+      return jax.jit(fn, out_shardings=out)(tree)
+    return jax.jit(fn)(tree)
+
+  return read, back
+
+
 def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
                      check_meta: Callable[[dict], None]) -> tuple[Any, bool]:
   """Restores and verifies one step; returns (state, verified)."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
+  abstract_state, to_target_layout = _saved_layout_target(record, abstract_state)
   names, abstract_leaves = named_leaves(abstract_state)
   _check_structure(manager, step, record, names, abstract_leaves)
   if data_iter is not None and record is not None and "data" not in record:
@@ -291,7 +338,7 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
       raise legacy from None
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   _verify(manager, step, record, names, named_leaves(state)[1], data_iter)
-  return state, record is not None
+  return to_target_layout(state), record is not None
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:
@@ -363,6 +410,9 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
   Raises ``CorruptCheckpointError`` if they cannot be read or do not verify.
   """
   _, record = _read_meta_and_record(manager, step)
+  target, to_target_layout = _saved_layout_target(
+      record, jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params_target}))
+  params_target = target["params"]
   names, leaves = named_leaves({"params": params_target})
   _check_structure(manager, step, record, names, leaves, prefix="params/")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_target)
@@ -381,7 +431,7 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   params = restored["state"]["params"]
   _verify(manager, step, record, names, named_leaves({"params": params})[1], None)
-  return params
+  return to_target_layout({"params": params})["params"]
 
 
 def abstract_like(state: Any, shardings: Any = None) -> Any:

@@ -20,7 +20,8 @@ def _stderr_line(text: str) -> None:
 def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig]:
   """The verified model of one step; ``CorruptCheckpointError`` if it is unusable."""
   meta = ckpt.read_meta(manager, step)
-  cfg = ModelConfig.from_dict({**meta["model_config"], **model_overrides})
+  # Analysis reads blocks one by one: load unscanned unless asked (the layout converts).
+  cfg = ModelConfig.from_dict({**meta["model_config"], "scan_layers": False, **model_overrides})
   with nnx.use_eager_sharding(False):
     abstract = nnx.eval_shape(lambda: create_model(cfg, 0))
   graphdef, abstract_state = nnx.split(abstract)
