@@ -21,7 +21,7 @@ import sys
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
 from diffjax.ops import target_platform
-from diffjax.train.config_utils import check_config, resolved_model_config
+from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model_config
 from diffjax.train.setup import build_train_setup
 
 GIB = 1024 ** 3
@@ -86,6 +86,8 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
   Returns ``(compiled, model_config, mesh)``.
   """
+  if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
+    config.checkpoint.init_from = ""  # compiling reads no weights
   check_config(config)
   if vocab_size is None:
     # A config that fixes its vocabulary (the paper presets) compiles without the
@@ -97,7 +99,8 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
                             rules=shd.rules_from_config(config.mesh.get("rules")),
                             grad_accum_steps=config.grad_accum_steps,
-                            global_batch_size=config.global_batch_size)
+                            global_batch_size=config.global_batch_size,
+                            **mesh_context_options(config))
   batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
   # context they are chosen for the target (TPU), not for this host's backend.

@@ -126,9 +126,14 @@ def base_config() -> ml_collections.ConfigDict:
   # Synthetic retrieval examples mixed into training (diffjax/train/task_mix.py).
   c.task_mix = ml_collections.ConfigDict(dict(
       task="none", fraction=0.0, context_len=512, num_needles=2, num_queries=1, num_pairs=16))
-  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, async_save=True))
+  # init_from: a train.py workdir whose newest parameters a fresh run starts from (fresh
+  # optimizer state, step 0); ignored once this run has a checkpoint of its own.
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, async_save=True,
+                                                init_from=""))
+  # mesh.shape: (data, fsdp, tensor[, context]); one entry may be -1 ("the rest").
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1),
-                                          rules=ml_collections.config_dict.placeholder(list)))
+                                          rules=ml_collections.config_dict.placeholder(list),
+                                          context_strategy="ring", context_load_balance=True))
   c.distributed = ml_collections.ConfigDict(
       dict(initialize=ml_collections.config_dict.placeholder(bool)))
   return c
@@ -185,6 +190,33 @@ def paper_3b(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
   c.checkpoint.update(dict(every=1000, keep=3))
   c.mesh.shape = (1, -1, 1)
   _require_prepared_data(c)
+  return c
+
+
+def paper_3b_64k(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict:
+  """The paper's 64K-context extension of the 3B models: 1.5B more tokens at sequence
+  65,536, lr 8e-5, RoPE theta 640,000, starting from a 4K run's weights
+  (``checkpoint.init_from``, required).
+
+  Sized for a v5p-128 slice (64 chips): mesh (data, fsdp, tensor, context) = (1, 16, 1, 4),
+  so each sequence is split over 4 chips (16K tokens each, ring attention, zig-zag load
+  balance) and the 16 sequences of a step (1M tokens) over 16 FSDP groups; 1,431 steps
+  make the 1.5B tokens.
+  """
+  c = paper_3b(arm, v2_match)
+  c.model.rope_theta = 640_000.0
+  c.seq_len = 65_536
+  c.global_batch_size = 16  # 16 x 65,536 = 1M tokens a step
+  c.num_steps = 1431  # 1.5e9 / 2**20
+  c.optim.update(dict(lr=8e-5, min_lr=8e-5, warmup_steps=0, schedule="constant",
+                      decay_steps=c.num_steps))
+  c.log_every, c.eval_every, c.eval_batches = 10, 200, 4
+  c.checkpoint.update(dict(every=100, keep=3))
+  # None: required (check_config names it); "" would mean "from scratch".
+  c.checkpoint.init_from = ml_collections.config_dict.placeholder(str)
+  c.mesh.shape = (1, 16, 1, 4)
+  c.mesh.context_strategy = "ring"
+  c.mesh.context_load_balance = True
   return c
 
 

@@ -5,12 +5,20 @@ Only settings every test file can live with belong here; a file that needs more
 """
 
 import os
+import tempfile
 
 # libtpu may be installed; without this, JAX start-up probes for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Ahead-of-time TPU compiles load libtpu; let them do so while another process
 # (a parallel test run, an AOT job) holds its lock file.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# Many tests compile the same small programs, often in fresh train.py processes (which
+# inherit this environment): a compilation cache shared by the test processes turns each
+# repeat into a read. Programs that compile in under 0.3 s are not worth a write.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"diffjax-tests-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402  (must follow the environment setting)
 

@@ -38,7 +38,20 @@ from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project,
     torch_linear_init
 from diffjax.nn.rope import ROPE_STYLES, apply_rope
 from diffjax.ops import reference as ref
-from diffjax.sharding import constrain
+from diffjax.sharding import constrain, context_parallel
+
+
+def _explicit_maps(capture: bool, hooks: Hooks) -> bool:
+  """Whether this call materialises the attention maps (analysis); refused when the
+  sequence is sharded over a context axis, whose token order the maps would not follow."""
+  if not (capture or hooks.needs_reference):
+    return False
+  cp = context_parallel()
+  if cp is not None:
+    raise ValueError("capture=True and logits/probs hooks need the whole sequence on one "
+                     f"device; the active mesh shards it over {cp.axis!r} ({cp.size}). Run "
+                     "the analysis without context parallelism.")
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +191,7 @@ class Attention(nnx.Module):
       out_BxTxHxD = dot_product_attention_decode(
           q_BxTxHxD, cache["k"], cache["v"], cache_lengths_B + 1,
           implementation=opts.implementation, interpret=opts.interpret)
-    elif capture or hooks.needs_reference:
+    elif _explicit_maps(capture, hooks):
       out_BxTxHxD, aux = ref.mha_reference(
           q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
@@ -289,7 +302,7 @@ class DiffV1Attention(nnx.Module):
       core_BxTxHxDv = diff_v1_attention_decode(
           q1_BxTxHxD, q2_BxTxHxD, cache["k1"], cache["k2"], cache["v"], lam,
           cache_lengths_B + 1, implementation=opts.implementation, interpret=opts.interpret)
-    elif capture or hooks.needs_reference:
+    elif _explicit_maps(capture, hooks):
       core_BxTxHxDv, aux = ref.diff_v1_reference(
           *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
@@ -372,7 +385,7 @@ class DiffV2Attention(nnx.Module):
       out_BxTxHxD = diff_v2_attention_decode(
           q_BxTxQxD, cache["k"], cache["v"], lam_BxTxH, cache_lengths_B + 1,
           implementation=opts.implementation, interpret=opts.interpret)
-    elif capture or hooks.needs_reference:
+    elif _explicit_maps(capture, hooks):
       out_BxTxHxD, aux = ref.diff_v2_reference(
           q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=opts.causal,
           segment_ids=segment_ids_BxT, return_aux=True, logits_fn=hooks.logits,

@@ -24,9 +24,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from diffjax import sharding
 from diffjax.core import reference as ref
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
+from diffjax.ops.context_parallel import context_parallel_attention
 from diffjax.ops.dispatch import (
     IMPLEMENTATIONS,
     call_decode_kernel,
@@ -45,6 +47,26 @@ __all__ = [
 
 def _is_float64(x: jax.Array) -> bool:
   return jnp.result_type(x) == jnp.float64
+
+
+def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale):
+  """The op's output under context parallelism (the active rules shard ``length`` over a
+  mesh axis of size > 1), else None. There every implementation runs the exact math of
+  :mod:`diffjax.ops.context_parallel` (per-block XLA inside the ring or after the gather)."""
+  cp = sharding.context_parallel()
+  if cp is None:
+    return None
+  if mask is not None:
+    raise ValueError("An explicit mask is not supported when the sequence is sharded over "
+                     f"the {cp.axis!r} mesh axis; use causal and segment_ids, or a mesh "
+                     "whose context axis is 1.")
+  _, rules = sharding.current()
+  batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
+  head_axis = sharding.logical_to_spec(("batch", "heads"), rules)[1]
+  return context_parallel_attention(
+      op, arrays, mesh=cp.mesh, context_axis=cp.axis, batch_axis=batch_axis,
+      head_axis=head_axis, strategy=cp.strategy, load_balance=cp.load_balance, causal=causal,
+      segment_ids=segment_ids, scale=scale)
 
 
 def dot_product_attention(
@@ -67,6 +89,10 @@ def dot_product_attention(
     inputs, which always take the XLA path).
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
+  out = _sequence_sharded("mha", (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv), mask=mask, causal=causal,
+                          segment_ids=segment_ids, scale=scale)
+  if out is not None:
+    return out
   impl = resolve("mha", implementation, has_mask=mask is not None, interpret=interpret,
                  float64=_is_float64(q_BxTxHxD))
   if impl == "xla":
@@ -99,6 +125,11 @@ def diff_v1_attention_core(
   """
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  out = _sequence_sharded("diff_v1", (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
+                                      v_BxSxKxDv, lam), mask=mask, causal=causal,
+                          segment_ids=segment_ids, scale=scale)
+  if out is not None:
+    return out
   impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret,
                  float64=_is_float64(q1_BxTxHxD))
   if impl == "xla":
@@ -151,6 +182,10 @@ def diff_v2_attention(
     ``softmax(q_2i K^T s) V - lam_i * softmax(q_2i+1 K^T s) V``.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  out = _sequence_sharded("diff_v2", (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH), mask=mask,
+                          causal=causal, segment_ids=segment_ids, scale=scale)
+  if out is not None:
+    return out
   impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret,
                  float64=_is_float64(q_BxTxQxD))
   if impl == "xla":

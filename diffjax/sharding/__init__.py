@@ -1,7 +1,7 @@
 """Sharding on the ground floor: logical-axis rules, device meshes, kernel PartitionSpecs.
 
 * :mod:`diffjax.sharding.rules`: the rules table from logical axis names to the mesh
-  axes ``data``, ``fsdp``, ``tensor``, and the active-mesh context that modules
+  axes ``data``, ``fsdp``, ``tensor``, ``context``, and the active-mesh context that modules
   (:func:`constrain`) and ops (:func:`current`) read;
 * :mod:`diffjax.sharding.mesh`: building a mesh, checking it against a model, and
   the shardings of parameters, optimizer state and batches;
@@ -29,16 +29,20 @@ from diffjax.sharding.mesh import (
     validate_mesh_for_model,
 )
 from diffjax.sharding.rules import (
+    CONTEXT_STRATEGIES,
     DEFAULT_RULES,
     MESH_AXES,
+    ContextParallel,
     activation_sharding,
     constrain,
+    context_parallel,
     current,
     logical_to_spec,
     rules_from_config,
 )
 
 __all__ = [
+    "CONTEXT_STRATEGIES", "ContextParallel", "context_parallel",
     "DEFAULT_RULES", "MESH_AXES", "activation_sharding", "batch_sharding",
     "check_head_sharding", "constrain", "current", "decode_partition_specs",
     "diff_v1_partition_specs", "diff_v2_partition_specs", "logical_param_specs",

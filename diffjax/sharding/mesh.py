@@ -24,9 +24,11 @@ from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_s
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   """Replaces one -1 entry by the remaining device count and checks the product."""
   shape = tuple(int(s) for s in shape)
+  if len(shape) == len(MESH_AXES) - 1:  # (data, fsdp, tensor): no context parallelism
+    shape = shape + (1,)
   if len(shape) != len(MESH_AXES):
     raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes "
-                     f"{MESH_AXES}.")
+                     f"{MESH_AXES} (or {len(MESH_AXES) - 1}, leaving context at 1).")
   if shape.count(-1) > 1:
     raise ValueError(f"mesh shape {shape} may contain at most one -1 ('the rest').")
   if any(s == 0 or s < -1 for s in shape):
@@ -44,8 +46,10 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
   return shape
 
 
-def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
-  """A mesh with axes :data:`MESH_AXES` over ``devices`` (default: all of them)."""
+def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | None = None
+              ) -> Mesh:
+  """A mesh with axes :data:`MESH_AXES` (data, fsdp, tensor, context) over ``devices``
+  (default: all of them). A 3-entry ``shape`` leaves the context axis at 1."""
   devices = list(jax.devices()) if devices is None else list(devices)
   shape = resolve_mesh_shape(shape, len(devices))
   try:

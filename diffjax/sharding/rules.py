@@ -1,13 +1,16 @@
 """Logical axis names to mesh axes: the rules table and the active mesh.
 
 The model names every parameter axis (``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``mlp``, ``vocab``, ``norm``) and activation axis (``batch``,
+``head_dim``, ``mlp``, ``vocab``, ``norm``, ``layers``) and activation axis (``batch``,
 ``length``, ...). One rules table maps those names to the mesh axes ``data``,
-``fsdp`` and ``tensor``:
+``fsdp``, ``tensor`` and ``context``:
 
   * batch over ``data`` and ``fsdp``;
+  * the sequence of activations (and of batches) over ``context`` (context
+    parallelism; attention then runs as in :mod:`diffjax.ops.context_parallel`);
   * parameters and optimizer state FSDP-sharded over ``fsdp`` along ``embed``;
-  * attention heads, kv heads, MLP hidden and vocabulary over ``tensor``.
+  * attention heads, kv heads, MLP hidden and vocabulary over ``tensor``;
+  * the leading ``layers`` axis of scanned parameters stays whole.
 
 Modules call :func:`constrain` on their activations with logical names; it is a
 no-op unless a mesh and a rules table are active (see :func:`activation_sharding`),
@@ -18,17 +21,22 @@ the same context (:func:`current`) to run kernels per device under ``shard_map``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+# Strategies for attention over a sequence sharded along ``context``
+# (diffjax.ops.context_parallel): pass K/V blocks around a ring, or gather them.
+CONTEXT_STRATEGIES = ("ring", "all_gather")
 
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    # Activations' sequence axis; a context axis of size 1 (the default) leaves it whole.
+    ("length", "context"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -88,20 +96,72 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
 _STATE = threading.local()
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """How attention runs when the active mesh shards the sequence (``length``) axis.
+
+  Attributes:
+    mesh: the active mesh.
+    axis: the mesh axis ``length`` maps to (``"context"``).
+    size: that axis' size (> 1).
+    strategy: ``"ring"`` (K/V blocks travel around the devices; no device ever holds
+      the whole sequence's keys) or ``"all_gather"`` (each device gathers all K/V).
+    load_balance: the sequence is in the zig-zag order
+      (:func:`diffjax.ops.context_parallel.zigzag_permutation`), which gives every
+      device an equal share of the causal work; the train and eval steps permute their
+      batches into it (the loss is a sum over tokens, so it is unchanged).
+  """
+  mesh: jax.sharding.Mesh
+  axis: str
+  size: int
+  strategy: str = "ring"
+  load_balance: bool = True
+
+
 @contextlib.contextmanager
-def activation_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> Iterator[None]:
-  """Within this context (at trace time), :func:`constrain` applies the rules."""
-  prev = getattr(_STATE, "value", None)
+def activation_sharding(mesh: jax.sharding.Mesh, rules: Rules, *,
+                        context_strategy: str = "ring",
+                        context_load_balance: bool = True) -> Iterator[None]:
+  """Within this context (at trace time), :func:`constrain` applies the rules.
+
+  ``context_strategy`` and ``context_load_balance`` configure attention when the rules
+  shard ``length`` over a mesh axis of size > 1 (see :class:`ContextParallel`).
+  """
+  if context_strategy not in CONTEXT_STRATEGIES:
+    raise ValueError(f"context_strategy={context_strategy!r} is not one of "
+                     f"{CONTEXT_STRATEGIES}.")
+  prev = getattr(_STATE, "value", None), getattr(_STATE, "context", None)
   _STATE.value = (mesh, tuple(rules))
+  _STATE.context = (context_strategy, bool(context_load_balance))
   try:
     yield
   finally:
-    _STATE.value = prev
+    _STATE.value, _STATE.context = prev
 
 
 def current() -> tuple[jax.sharding.Mesh, Rules] | None:
   """The active (mesh, rules), or None outside :func:`activation_sharding`."""
   return getattr(_STATE, "value", None)
+
+
+def context_parallel() -> ContextParallel | None:
+  """The active context parallelism: None unless the active rules map ``length`` to one
+  mesh axis of size > 1."""
+  state = current()
+  if state is None:
+    return None
+  mesh, rules = state
+  axes = logical_to_spec(("length",), rules)[0]
+  if axes is None:
+    return None
+  if not isinstance(axes, str):
+    raise ValueError(f"The sequence axis 'length' maps to several mesh axes {axes}; context "
+                     "parallelism takes one axis.")
+  size = int(mesh.shape.get(axes, 1))
+  if size == 1:
+    return None
+  strategy, load_balance = getattr(_STATE, "context", None) or ("ring", True)
+  return ContextParallel(mesh, axes, size, strategy, load_balance)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -404,25 +404,33 @@ def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, dat
   return None, None
 
 
-def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any) -> Any:
-  """Restores and verifies only the parameters of a step (for evaluation), as plain arrays.
+def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any,
+                   shardings: Any = None) -> Any:
+  """Restores and verifies only the parameters of a step (for evaluation, or to start a
+  run from another run's weights).
 
-  Raises ``CorruptCheckpointError`` if they cannot be read or do not verify.
+  ``shardings`` (a tree of shardings like ``params_target``) places them as a sharded
+  train state would be; by default they land on the first device. Raises
+  ``CorruptCheckpointError`` if they cannot be read or do not verify.
   """
   _, record = _read_meta_and_record(manager, step)
-  target, to_target_layout = _saved_layout_target(
-      record, jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params_target}))
+  if shardings is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: one, params_target)
+  placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                        params_target, shardings)
+  target, to_target_layout = _saved_layout_target(record, {"params": placed})
   params_target = target["params"]
   names, leaves = named_leaves({"params": params_target})
   _check_structure(manager, step, record, names, leaves, prefix="params/")
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params_target)
+  abstract = params_target
   _quiet_abandoned_reads()
   try:
     restored = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
             item={"params": abstract},
-            restore_args={"params": jax.tree.map(lambda _: ocp.ArrayRestoreArgs(
-                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), abstract)},
+            restore_args={"params": jax.tree.map(
+                lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)},
             partial_restore=True)))
   except Exception as e:  # orbax and tensorstore raise several types for damaged files
     legacy = _legacy_structure_error(manager, step, e) if record is None else None

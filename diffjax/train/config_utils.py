@@ -13,6 +13,7 @@ import sys
 from typing import Any, Iterator, Sequence
 
 from diffjax.model import ARMS, ModelConfig
+from diffjax.sharding import CONTEXT_STRATEGIES
 
 REQUIRED = ("model", "data", "optim", "checkpoint", "mesh", "seed", "seq_len",
             "global_batch_size", "grad_accum_steps", "num_steps", "log_every", "eval_every",
@@ -107,6 +108,26 @@ def check_config(config) -> None:
   lr, min_lr = float(config.optim.lr), float(config.optim.min_lr)
   if min_lr > lr:
     raise ValueError(f"optim.min_lr={min_lr} must be <= optim.lr={lr}.")
+  if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
+    raise ValueError("checkpoint.init_from is required by this config: pass the --workdir of "
+                     "the run to start from (--config.checkpoint.init_from=PATH).")
+  strategy = mesh_context_options(config)["context_strategy"]
+  if strategy not in CONTEXT_STRATEGIES:
+    raise ValueError(f"mesh.context_strategy={strategy!r} is not one of {CONTEXT_STRATEGIES}.")
+  shape = tuple(config.mesh.shape)
+  context = int(shape[3]) if len(shape) == 4 else 1
+  if context > 1:
+    chunk = 2 * context if mesh_context_options(config)["context_load_balance"] else context
+    if int(config.seq_len) % chunk:
+      raise ValueError(f"seq_len={config.seq_len} must be a multiple of {chunk} to shard the "
+                       f"sequence over a context axis of {context}"
+                       f"{' in load-balanced halves' if chunk > context else ''}.")
+
+
+def mesh_context_options(config) -> dict[str, Any]:
+  """The ``mesh`` section's context-parallel settings, with their defaults for old configs."""
+  return {"context_strategy": config.mesh.get("context_strategy", "ring"),
+          "context_load_balance": bool(config.mesh.get("context_load_balance", True))}
 
 
 def resolved_model_config(config, tokenizer_vocab: int) -> ModelConfig:

@@ -71,3 +71,54 @@ def load_model(workdir: str, step: int | None = None, *,
                                f"{', '.join(skipped)}.")
   finally:
     manager.close()
+
+
+# The model settings that fix the parameters' shapes; a run may start from the weights of
+# another that agrees on these (e.g. a long-context run with another rope_theta).
+SHAPE_FIELDS = ("attention", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim", "tie_embeddings")
+
+
+def initial_params(workdir: str, model_cfg: ModelConfig, params_target, shardings, *,
+                   message: Callable[[str], None] | None = None):
+  """The newest verified parameters of the run in ``workdir``, to start another run from.
+
+  Args:
+    workdir: a ``train.py`` workdir (its ``checkpoints/``).
+    model_cfg: the new run's model; it must agree with the saved one on
+      :data:`SHAPE_FIELDS` (other settings, e.g. ``rope_theta``, may change).
+    params_target: the new run's parameter tree (arrays or shape structs).
+    shardings: the new run's parameter shardings (the parameters are read onto them,
+      converting between scanned and unrolled layers if the runs differ).
+  Returns:
+    ``(params, step)``.
+  Raises:
+    FileNotFoundError: no checkpoints in ``workdir``.
+    CheckpointError: a model of other shapes, or no step that reads and verifies.
+  """
+  message = message or _stderr_line
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"checkpoint.init_from={workdir!r} has no checkpoints directory "
+                            f"{directory!r}; pass the --workdir of a train.py run.")
+  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
+  try:
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+      raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
+    for step in steps:
+      try:
+        saved = ckpt.read_meta(manager, step).get("model_config", {})
+        now = model_cfg.to_dict()
+        diffs = [f"{k}: saved {saved.get(k)!r} vs now {now[k]!r}" for k in SHAPE_FIELDS
+                 if saved.get(k, now[k]) != now[k]]
+        if diffs:
+          raise ckpt.CheckpointError(
+              f"checkpoint.init_from={workdir!r} holds a model of other shapes "
+              f"({', '.join(diffs)}); start from a run of the same architecture.")
+        return ckpt.restore_params(manager, step, params_target, shardings), step
+      except ckpt.CorruptCheckpointError as e:
+        message(f"{e}; trying an older step.")
+    raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r} to start from.")
+  finally:
+    manager.close()

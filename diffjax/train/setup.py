@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig
+from diffjax.ops.context_parallel import zigzag_permutation
 from diffjax.train.optim import make_optimizer
 from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
 
@@ -44,7 +45,7 @@ class TrainSetup:
     abstract_state: the train state ``{"params", "opt_state", "step", "rng"}`` as
       ``jax.ShapeDtypeStruct`` leaves carrying their shardings (a restore target).
     state_shardings: the ``NamedSharding`` of every state leaf.
-    batch_sharding: rows over ``data`` x ``fsdp``, the sequence replicated.
+    batch_sharding: rows over ``data`` x ``fsdp``, the sequence over ``context``.
     init_fn: ``() -> state``, a fresh state laid out with ``state_shardings``.
     train_step: jitted ``(state, batch) -> (state, metrics)``; ``state`` is donated.
     eval_step: jitted ``(params, batch) -> (loss_sum, token_count)``.
@@ -69,27 +70,49 @@ class TrainSetup:
             for k, d in BATCH_DTYPES.items()}
 
 
-def _under_rules(fn: Callable, mesh: Mesh, rules) -> Callable:
-  """``fn`` with the activation sharding rules active while it runs (i.e. is traced)."""
-  def wrapped(*args):
-    with shd.activation_sharding(mesh, rules):
-      return fn(*args)
+def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = "ring",
+                    context_load_balance: bool = True) -> Callable:
+  """``fn(state_or_params, batch)`` with the activation sharding rules active while it runs
+  (i.e. is traced).
+
+  Under context parallelism with load balancing (a ``context`` mesh axis of size C > 1),
+  every [B, T] array of the batch is first put in the zig-zag order of
+  :func:`diffjax.ops.context_parallel.zigzag_permutation` (T must be a multiple of 2C);
+  attention masks by the original order, RoPE reads the permuted positions, and the loss
+  is a sum over tokens, so the step computes what it computes unsharded.
+  """
+  def wrapped(first, batch):
+    with shd.activation_sharding(mesh, rules, context_strategy=context_strategy,
+                                 context_load_balance=context_load_balance):
+      cp = shd.context_parallel()
+      if cp is not None and cp.load_balance:
+        t = next(iter(batch.values())).shape[1]
+        try:
+          perm = zigzag_permutation(t, cp.size)
+        except ValueError as e:
+          raise ValueError(f"seq_len={t} with a context axis of {cp.size}: {e}") from None
+        batch = {k: jnp.take(v, perm, axis=1) for k, v in batch.items()}
+      return fn(first, batch)
   return wrapped
 
 
 def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mesh, rules,
                       grad_accum_steps: int = 1,
-                      global_batch_size: int | None = None) -> TrainSetup:
+                      global_batch_size: int | None = None, context_strategy: str = "ring",
+                      context_load_balance: bool = True) -> TrainSetup:
   """Builds the state layout and the jitted steps of ``model_cfg`` on ``mesh``.
 
   Args:
     model_cfg: the model.
     optim_cfg: the ``optim`` section of a run config (see ``make_optimizer``).
     seed: initialisation seed (also the state's RNG key).
-    mesh: a mesh with axes ``data``, ``fsdp``, ``tensor`` (``diffjax.sharding.make_mesh``).
+    mesh: a mesh with axes ``data``, ``fsdp``, ``tensor``, ``context``
+      (``diffjax.sharding.make_mesh``).
     rules: the logical-axis rules table (``diffjax.sharding.rules_from_config``).
     grad_accum_steps: micro-batches per step; must divide ``global_batch_size``.
     global_batch_size: when given, checked against the mesh and ``grad_accum_steps``.
+    context_strategy, context_load_balance: attention when the mesh's ``context`` axis
+      is larger than 1 (see :func:`with_mesh_rules`).
 
   Returns:
     A :class:`TrainSetup`. Nothing is allocated or compiled until ``init_fn`` or a
@@ -126,11 +149,13 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shards)
   batch_shard = shd.batch_sharding(mesh, rules)
 
+  rule_kw = dict(context_strategy=context_strategy, context_load_balance=context_load_balance)
   train_step = jax.jit(
-      _under_rules(make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules),
+      with_mesh_rules(make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules,
+                      **rule_kw),
       in_shardings=(state_shards, batch_shard), out_shardings=(state_shards, None),
       donate_argnums=(0,))
-  eval_step = jax.jit(_under_rules(make_eval_step(graphdef), mesh, rules),
+  eval_step = jax.jit(with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
                       in_shardings=(state_shards["params"], batch_shard))
   return TrainSetup(
       model_config=model_cfg, mesh=mesh, rules=rules, graphdef=graphdef,

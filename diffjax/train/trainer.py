@@ -30,7 +30,8 @@ from diffjax.errors import UserError
 from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
-from diffjax.train.config_utils import check_config, resolved_model_config
+from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model_config
+from diffjax.train.loading import initial_params
 from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
 from diffjax.train.setup import build_train_setup
@@ -111,7 +112,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
                             rules=shd.rules_from_config(config.mesh.get("rules")),
                             grad_accum_steps=config.grad_accum_steps,
-                            global_batch_size=config.global_batch_size)
+                            global_batch_size=config.global_batch_size,
+                            **mesh_context_options(config))
   graphdef, batch_shard = setup.graphdef, setup.batch_sharding
 
   # 3. Restore or initialise.
@@ -135,6 +137,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.message(f"Resumed from step {latest} in {manager.directory}")
   else:
     state = setup.init_fn()
+    init_from = config.checkpoint.get("init_from") or ""
+    if init_from:
+      params, from_step = initial_params(init_from, model_cfg, state["params"],
+                                         setup.state_shardings["params"],
+                                         message=progress.message)
+      state = dict(state, params=params)
+      progress.message(f"Initialised the parameters from step {from_step} of {init_from} "
+                       "(fresh optimizer state and data order)")
   start_step = int(state["step"])
   if is_main:
     # The steps after the restored one run again: drop their old metrics lines so
