@@ -16,6 +16,7 @@ the fused Pallas TPU kernels (inside ``shard_map``), ``"xla"`` the plain path.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from diffjax import sharding as shd
@@ -69,8 +70,28 @@ def hbm_for(device_kind: str) -> float | None:
   return None
 
 
+def _quiet_libtpu_probe() -> None:
+  """On a machine without TPU chips, tell libtpu it is a lone host before it loads.
+
+  Otherwise libtpu's start-up probe looks for the VM's accelerator type and worker
+  hostnames, finds none and prints errors that read like failures (the compile itself
+  is unaffected). On a TPU VM nothing is set: the real values are discovered there.
+  """
+  try:
+    from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+    chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+  except Exception:  # pragma: no cover - private API moved: keep libtpu's own behaviour
+    return
+  if chips:
+    return
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
+                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+    os.environ.setdefault(key, value)
+
+
 def topology_devices(topology: str):
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  _quiet_libtpu_probe()
   try:
     return topologies.get_topology_desc(topology, "tpu").devices
   except Exception as e:

@@ -176,6 +176,7 @@ def _sharded_child():
   print(json.dumps(out))
 
 
+@pytest.mark.slow  # a child process that compiles prefill and decode on a 2x2x2 mesh
 def test_sharded_generation_gives_the_single_device_tokens():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   code = "import tests.test_generate as t; t._sharded_child()"

@@ -107,17 +107,24 @@ def _run_v2(t, s, n_rep, d, causal, seg, dtype, *, b=1, kh=2, blocks=None, absen
 
 # Default run: a covering subset of seq {200, 384} x n_rep {1, 2, 4} x segment ids x
 # dtype, plus T < S, non-causal, an awkward head dim and small blocks (many key blocks,
-# forward and backward blocks that differ). The slow run takes the full product.
+# forward and backward blocks that differ). The slow run takes the full product and the
+# sequence-384 cases.
 _SMALL_BLOCKS = kg.BlockSizes(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
                               block_q_dq=64, block_kv_dq=16, num_warps=4)
+def _slow(*case):
+  """A case whose coverage the default cases repeat (sequence 384; GQA, bfloat16 and the
+  small blocks each run in a faster case); it runs with ``-m slow``."""
+  return pytest.param(*case, marks=pytest.mark.slow)
+
+
 V1_CASES = [
     # t,   s,  rep, d,  dv, causal, seg, dtype, blocks
     (200, 200, 1, 32, 64, True, False, jnp.float32, None),
-    (384, 384, 2, 32, 64, True, True, jnp.float32, None),
+    _slow(384, 384, 2, 32, 64, True, True, jnp.float32, None),
     (200, 200, 4, 24, 48, True, True, jnp.float32, _SMALL_BLOCKS),
-    (384, 384, 4, 64, 128, True, False, jnp.bfloat16, None),
+    _slow(384, 384, 4, 64, 128, True, False, jnp.bfloat16, None),
     (200, 200, 2, 32, 64, True, True, jnp.bfloat16, None),
-    (384, 384, 1, 16, 32, True, True, jnp.bfloat16, _SMALL_BLOCKS),
+    _slow(384, 384, 1, 16, 32, True, True, jnp.bfloat16, _SMALL_BLOCKS),
     (100, 200, 2, 32, 64, True, True, jnp.float32, None),
     (200, 200, 2, 32, 64, False, True, jnp.float32, None),
 ]
@@ -130,7 +137,7 @@ def test_diff_v1_matches_reference(t, s, rep, d, dv, causal, seg, dtype, blocks)
 
 V2_CASES = [
     (200, 200, 1, 32, True, False, jnp.float32, None),
-    (384, 384, 2, 32, True, True, jnp.float32, None),
+    _slow(384, 384, 2, 32, True, True, jnp.float32, None),
     (200, 200, 4, 24, True, True, jnp.bfloat16, _SMALL_BLOCKS),
     (100, 200, 2, 32, True, True, jnp.float32, None),
     (384, 384, 1, 16, False, False, jnp.bfloat16, None),

@@ -197,7 +197,8 @@ def _races_found() -> bool:
 
 @pytest.mark.parametrize("version,t,s,rep", [
     (1, 64, 384, 1),   # one query tile per kv group: a dQ tile is re-read right after its write
-    (2, 200, 256, 2),  # several heads and query tiles per group, causal skipping
+    pytest.param(2, 200, 256, 2, marks=pytest.mark.slow),  # several heads and query tiles
+                                                           # per group, causal skipping
 ])
 def test_no_races_in_interpreter(version, t, s, rep):
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)

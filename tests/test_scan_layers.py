@@ -58,8 +58,9 @@ def test_scanned_model_has_the_same_parameters_and_outputs(arm):
   assert max_rel(plain(x, pos, seg), scanned(x, pos, seg)) < 1e-6
 
 
-@pytest.mark.parametrize("arm,remat", [("transformer", "none"), ("diff_v1", "dots"),
-                                       ("diff_v2", "full")])
+@pytest.mark.parametrize("arm,remat", [
+    pytest.param("transformer", "none", marks=pytest.mark.slow), ("diff_v1", "dots"),
+    ("diff_v2", "full")])
 def test_scanned_gradients_match_per_layer(arm, remat):
   plain, scanned = pair(arm, remat=remat)
   x, y = tokens(seed=1), tokens(seed=2)
@@ -163,7 +164,9 @@ def _batch(seed: int) -> dict:
           "loss_mask": np.ones(x.shape, np.float32)}
 
 
-@pytest.mark.parametrize("save_scanned", [False, True])
+# Saving unrolled and restoring scanned, then loading that checkpoint unrolled, converts
+# both ways; -m slow adds the scanned writer.
+@pytest.mark.parametrize("save_scanned", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpoints_load_across_layouts(tmp_path, save_scanned):
   cfg = small("diff_v1")
   saver = _setup(cfg.replace(scan_layers=save_scanned))
