@@ -2,6 +2,7 @@
 
   python benchmarks/train_step.py                       # the default config's size
   python benchmarks/train_step.py --size=350m --seq=2048 --batch=8 --dtype=bfloat16
+  python benchmarks/train_step.py --size=tiny --scan_layers=both   # unrolled vs scanned
 
 Each arm is compiled once, warmed up, then timed over --steps steps (median of
 per-step wall times with ``block_until_ready``); ratios are to the Transformer.
@@ -56,6 +57,8 @@ def main():
   p.add_argument("--implementation", default="auto")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--scan_layers", default="off", choices=("off", "on", "both"),
+                 help="run the blocks unrolled, under lax.scan, or both (rows side by side)")
   a = p.parse_args()
 
   base = ModelConfig(attention="transformer", **{**baseline_spec(a.size, a.vocab),
@@ -73,15 +76,18 @@ def main():
   print(f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
         f"jax {jax.__version__}; size={a.size} seq={a.seq} batch={a.batch} dtype={a.dtype} "
         f"implementation={a.implementation}; median of {a.steps} steps after {a.warmup} warm-up")
-  print("| arm | params | step ms | tokens/s | ratio to Transformer (tokens/s) | compile s |")
-  print("|---|---|---|---|---|---|")
-  base_tps = None
+  print("| arm | layers | params | step ms | tokens/s | ratio to Transformer (tokens/s) | "
+        "compile s |")
+  print("|---|---|---|---|---|---|---|")
+  scans = {"off": (False,), "on": (True,), "both": (False, True)}[a.scan_layers]
+  base_tps = {}
   for arm, cfg in matched_configs(base).items():
-    t, c = bench_arm(cfg, batch, a.steps, a.warmup)
-    tps = a.batch * a.seq / t
-    base_tps = base_tps or tps
-    print(f"| {arm} | {count_params(cfg):,} | {t * 1e3:.1f} | {tps:,.0f} | "
-          f"{tps / base_tps:.3f} | {c:.1f} |", flush=True)
+    for scan in scans:
+      t, c = bench_arm(cfg.replace(scan_layers=scan), batch, a.steps, a.warmup)
+      tps = a.batch * a.seq / t
+      base_tps.setdefault(scan, tps)
+      print(f"| {arm} | {'scanned' if scan else 'unrolled'} | {count_params(cfg):,} | "
+            f"{t * 1e3:.1f} | {tps:,.0f} | {tps / base_tps[scan]:.3f} | {c:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

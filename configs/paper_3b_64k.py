@@ -2,8 +2,8 @@
 
 Sequence 65,536, RoPE theta 640,000, lr 8e-5, 1.5B more tokens (1,431 steps of 16 sequences),
 starting from the weights of a finished 4K run of the same arm (configs/paper_3b.py).
-Mesh (data, fsdp, tensor, context) = (1, 16, 1, 4) on a v5p-128 slice: every sequence is
-split over 4 chips with ring attention in the load-balanced (zig-zag) order.
+Mesh (data, fsdp, tensor, context) = (1, 4, 1, 16) on a v5p-128 slice: every sequence is
+split over 16 chips with ring attention in the load-balanced (zig-zag) order.
 
   python train.py --config=configs/paper_3b_64k.py:diff_v1 --workdir=gs://BUCKET/3b_diff_v1_64k \
       --config.checkpoint.init_from=gs://BUCKET/3b_diff_v1 \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from diffjax.model import ModelConfig, matched_configs
+from diffjax.sharding import DEFAULT_RULES
 
 
 def _round_up(x: float, multiple: int) -> int:
@@ -198,15 +199,17 @@ def paper_3b_64k(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict
   65,536, lr 8e-5, RoPE theta 640,000, starting from a 4K run's weights
   (``checkpoint.init_from``, required).
 
-  Sized for a v5p-128 slice (64 chips): mesh (data, fsdp, tensor, context) = (1, 16, 1, 4),
-  so each sequence is split over 4 chips (16K tokens each, ring attention, zig-zag load
-  balance) and the 16 sequences of a step (1M tokens) over 16 FSDP groups; 1,431 steps
+  Sized for a v5p-128 slice (64 chips): mesh (data, fsdp, tensor, context) = (1, 4, 1, 16),
+  so each sequence is split over 16 chips (4K tokens each, ring attention in the zig-zag
+  order) and the 16 sequences of a step (1M tokens, two micro-batches) over 4 FSDP groups;
+  parameters and optimizer state are sharded over fsdp x context (64-way); 1,431 steps
   make the 1.5B tokens.
   """
   c = paper_3b(arm, v2_match)
   c.model.rope_theta = 640_000.0
   c.seq_len = 65_536
   c.global_batch_size = 16  # 16 x 65,536 = 1M tokens a step
+  c.grad_accum_steps = 2  # two micro-batches of 8: DIFF V2 (48 query heads) fits then too
   c.num_steps = 1431  # 1.5e9 / 2**20
   c.optim.update(dict(lr=8e-5, min_lr=8e-5, warmup_steps=0, schedule="constant",
                       decay_steps=c.num_steps))
@@ -214,9 +217,12 @@ def paper_3b_64k(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict
   c.checkpoint.update(dict(every=100, keep=3))
   # None: required (check_config names it); "" would mean "from scratch".
   c.checkpoint.init_from = ml_collections.config_dict.placeholder(str)
-  c.mesh.shape = (1, 16, 1, 4)
+  c.mesh.shape = (1, 4, 1, 16)
   c.mesh.context_strategy = "ring"
   c.mesh.context_load_balance = True
+  # FSDP over both axes: the context axis would otherwise hold 16 copies of the weights.
+  c.mesh.rules = [[name, ("fsdp", "context") if name == "embed" else axes]
+                  for name, axes in DEFAULT_RULES]
   return c
 
 

@@ -64,7 +64,7 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
 def test_the_64k_config_needs_init_from_and_shards_the_sequence():
   c = paper_3b_64k("diff_v1")
   assert c.seq_len == 65_536 and c.model.rope_theta == 640_000.0 and c.optim.lr == 8e-5
-  assert tuple(c.mesh.shape) == (1, 16, 1, 4) and c.model.scan_layers
+  assert tuple(c.mesh.shape) == (1, 4, 1, 16) and c.model.scan_layers
   assert c.global_batch_size * c.seq_len * c.num_steps == pytest.approx(1.5e9, rel=0.001)
   with pytest.raises(ValueError, match="checkpoint.init_from is required"):
     check_config(c)

@@ -15,7 +15,10 @@ V1 and DIFF V2:
     they are combined only at the end. The backward pass is a ring too
     (``jax.custom_vjp``): it saves the local inputs, each map's output and
     log-sum-exp, recomputes block probabilities, and passes the key/value blocks
-    around with their dK/dV accumulators. Memory stays proportional to T / C.
+    around with their dK/dV accumulators. A device holds its T / C queries and one
+    T / C block of keys and values at a time; each step's scores are a [T / C, T / C]
+    tile per head (materialised: the fused kernels do not run inside the ring yet), so
+    choose C so that tile fits.
 
 Load balance. With causal masking, the late positions attend to many more keys than
 the early ones, so contiguous shards give the last device most of the work. With
@@ -358,7 +361,7 @@ def context_parallel_attention(
     batch_axis, head_axis: mesh axis names (or tuples of names, or None) that shard the
       batch and the heads. Heads split in contiguous blocks, so the head axis size must
       divide K (kv heads): every shard holds whole kv groups with their query heads.
-    strategy: "ring" (K/V blocks pass around the devices; memory O(T / C)) or
+    strategy: "ring" (K/V blocks pass around the devices; one T / C block at a time) or
       "all_gather" (every device gathers the full K/V).
     load_balance: the inputs (every per-token array, segment ids included) are in the
       order of :func:`zigzag_permutation` ``(T, C)``, and so is the output. The causal
