@@ -19,6 +19,8 @@ import dataclasses
 import os
 import sys
 
+import jax
+
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
 from diffjax.ops import target_platform
@@ -107,8 +109,6 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
   Returns ``(compiled, model_config, mesh)``.
   """
-  if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
-    config.checkpoint.init_from = ""  # compiling reads no weights
   check_config(config)
   if vocab_size is None:
     # A config that fixes its vocabulary (the paper presets) compiles without the
@@ -125,8 +125,15 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
   # context they are chosen for the target (TPU), not for this host's backend.
-  with target_platform(platform):
-    compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
+  # A topology compile has no client to load a cached executable into: reading JAX's
+  # persistent cache (JAX_COMPILATION_CACHE_DIR) would only warn, so it stays off here.
+  cache_was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    with target_platform(platform):
+      compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was)
   return compiled, model_cfg, mesh
 
 

@@ -208,3 +208,31 @@ def test_on_eight_devices():
 @pytest.mark.slow
 def test_on_eight_devices_slow():
   _run_child("slow")
+
+
+class _FakeSharding:
+  """Stands in for a process's view of a batch sharding on a multi-host mesh."""
+
+  def __init__(self, blocks):
+    self.blocks = blocks
+
+  def addressable_devices_indices_map(self, shape):
+    del shape
+    return {i: (slice(r0, r1), slice(t0, t1)) for i, (r0, r1, t0, t1) in enumerate(self.blocks)}
+
+
+def test_process_rows_share_rows_within_a_context_group():
+  # One process of a (1, 2, 1, 4) mesh over 2 processes x 4 devices, context spanning
+  # processes: its 4 devices hold rows 2..3, each a quarter of the sequence.
+  quarter = [(2, 4, t * 16, (t + 1) * 16) for t in range(4)]
+  assert shd.process_rows(_FakeSharding(quarter), (4, 64)) == (1, 2)
+  # Two processes of one context group (each half the sequence of rows 0..3) share slot 0.
+  assert shd.process_rows(_FakeSharding([(0, 4, 0, 32)]), (8, 64)) == (0, 2)
+  assert shd.process_rows(_FakeSharding([(0, 4, 32, 64)]), (8, 64)) == (0, 2)
+  # Single process: every row.
+  one = shd.batch_sharding(shd.make_mesh((1, 1, 1), jax.devices()[:1]))
+  assert shd.process_rows(one, (4, 64)) == (0, 1)
+  with pytest.raises(ValueError, match="not one aligned block"):
+    shd.process_rows(_FakeSharding([(0, 1, 0, 64), (2, 3, 0, 64)]), (4, 64))
+  with pytest.raises(ValueError, match="not one aligned block"):
+    shd.process_rows(_FakeSharding([(1, 3, 0, 64)]), (4, 64))

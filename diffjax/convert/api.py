@@ -24,7 +24,7 @@ from diffjax.convert.files import ConversionError, read_config, read_tensors, wr
 from diffjax.convert.hf_config import (DEFAULT_MAX_POSITIONS, hf_config_from_model,
                                        model_config_from_hf)
 from diffjax.convert.weights import hf_from_params, params_from_hf
-from diffjax.model import DecoderLM, ModelConfig
+from diffjax.model import DecoderLM, ModelConfig, layout
 from diffjax.train import checkpoint as ckpt
 from diffjax.train.loading import load_model
 from diffjax.train.records import write_json
@@ -97,8 +97,11 @@ def load_hf(path: str, **runtime: Any) -> DecoderLM:
 
 
 def model_params(model: DecoderLM) -> dict:
-  """The model's parameters as a pure dict of numpy arrays."""
-  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  """The model's parameters as a pure dict of numpy arrays (per-layer ``blocks`` also for a
+  scanned model)."""
+  params = nnx.to_pure_dict(nnx.state(model))
+  params = layout.convert_layout(params, "blocks", model.config.num_layers)
+  return jax.tree.map(np.asarray, params)
 
 
 def save_hf(model: DecoderLM, path: str, *, dtype: str = "float32",

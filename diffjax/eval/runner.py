@@ -61,6 +61,9 @@ class ModelRunner:
   """
 
   def __init__(self, model: nnx.Module):
+    if getattr(model.config, "scan_layers", False):
+      raise ValueError("The analysis reads layers one by one: pass an unrolled model "
+                       "(scan_layers=False; diffjax.train.load_model returns one).")
     self.model = model
     self.config = model.config
     self.graphdef, self.state = nnx.split(model)

@@ -131,12 +131,13 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   prompt_BxT = prompt_BxT[:, :longest].astype(np.int32)
 
   graphdef, params = nnx.split(model)
-  context = shd.activation_sharding(mesh, rules or shd.DEFAULT_RULES) if mesh is not None \
-      else _no_context()
+  # Decoding keeps each row's sequence whole: a training mesh's context axis only replicates.
+  rules = tuple((name, None if name == "length" else axes)
+                for name, axes in (rules or shd.DEFAULT_RULES))
+  context = shd.activation_sharding(mesh, rules) if mesh is not None else _no_context()
   with context:
     if mesh is not None:
-      pure = jax.device_put(nnx.to_pure_dict(params),
-                            shd.param_shardings(params, mesh, rules or shd.DEFAULT_RULES))
+      pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
       nnx.replace_by_pure_dict(params, pure)
     steps = _compiled_steps(graphdef, params, b, longest, max_length, options,
                             tuple(processors))

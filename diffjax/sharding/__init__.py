@@ -24,6 +24,7 @@ from diffjax.sharding.mesh import (
     logical_param_specs,
     make_mesh,
     param_shardings,
+    process_rows,
     resolve_mesh_shape,
     state_shardings,
     validate_mesh_for_model,
@@ -39,6 +40,7 @@ from diffjax.sharding.rules import (
     current,
     logical_to_spec,
     rules_from_config,
+    spec_for_mesh,
 )
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "check_head_sharding", "constrain", "current", "decode_partition_specs",
     "diff_v1_partition_specs", "diff_v2_partition_specs", "logical_param_specs",
     "logical_to_spec", "make_mesh", "mha_partition_specs", "param_shardings",
-    "partition_specs", "resolve_mesh_shape", "rules_from_config", "state_shardings",
+    "partition_specs", "process_rows", "resolve_mesh_shape", "rules_from_config", "spec_for_mesh",
+    "state_shardings",
     "validate_mesh_for_model",
 ]

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
+from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec, spec_for_mesh
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -100,7 +100,7 @@ def param_shardings(param_state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_R
 
   def to_sharding(spec):
     names = tuple(spec) if isinstance(spec, PartitionSpec) else ()
-    return NamedSharding(mesh, logical_to_spec(names, rules))
+    return NamedSharding(mesh, spec_for_mesh(logical_to_spec(names, rules), mesh))
 
   return jax.tree.map(to_sharding, specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
@@ -118,4 +118,28 @@ def state_shardings(tx: optax.GradientTransformation, abstract_state: dict, para
 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a [batch, length] input array."""
-  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules))
+  return NamedSharding(mesh, spec_for_mesh(logical_to_spec(("batch", "length"), rules), mesh))
+
+
+def process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tuple[int, int]:
+  """Which rows of a [batch, length] global batch this process must load: ``(slot,
+  num_slots)``, the process's rows being ``[slot * rows, (slot + 1) * rows)`` with
+  ``rows = batch // num_slots``.
+
+  Each process loads whole rows for its devices. When the sequence is sharded over a
+  ``context`` axis that spans processes, the processes of one context group share their
+  rows (same slot) and each device takes its part of the sequence from them.
+  """
+  b = int(global_shape[0])
+  rows = {(s[0].start or 0, b if s[0].stop is None else s[0].stop)
+          for s in sharding.addressable_devices_indices_map(tuple(global_shape)).values()}
+  start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
+  size = stop - start
+  covered = set()
+  for r0, r1 in rows:
+    covered.update(range(r0, r1))
+  if covered != set(range(start, stop)) or b % size or start % size:
+    raise ValueError(f"This process's devices hold rows {sorted(rows)} of the {b}-row batch, "
+                     "which are not one aligned block; choose a mesh whose batch axes split the "
+                     "processes evenly.")
+  return start // size, b // size

@@ -93,6 +93,20 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   return PartitionSpec(*out)
 
 
+def spec_for_mesh(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> PartitionSpec:
+  """``spec`` without the mesh axes ``mesh`` lacks (e.g. ``context`` on a mesh built with
+  only data, fsdp and tensor): those dimensions are not split along them."""
+  names = set(mesh.axis_names)
+
+  def fit(entry):
+    if entry is None:
+      return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in names)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  return PartitionSpec(*(fit(e) for e in spec))
+
+
 _STATE = threading.local()
 
 
@@ -170,4 +184,5 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if state is None:
     return x
   mesh, rules = state
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+  spec = spec_for_mesh(logical_to_spec(names, rules), mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

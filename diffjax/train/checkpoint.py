@@ -289,7 +289,8 @@ def _sds_take(x: Any, i: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
 
 
-def _saved_layout_target(record: dict | None, target: Any) -> tuple[Any, Callable[[Any], Any]]:
+def _saved_layout_target(record: dict | None, target: Any, meta: dict | None = None
+                         ) -> tuple[Any, Callable[[Any], Any]]:
   """The restore target in the layer layout the checkpoint was saved in, and the function
   that brings a tree restored in it back to ``target``'s layout.
 
@@ -298,7 +299,11 @@ def _saved_layout_target(record: dict | None, target: Any) -> tuple[Any, Callabl
   :mod:`diffjax.model.layout`).
   """
   want = layout.tree_layout(target)
-  saved = layout.names_layout(record["leaves"]) if record is not None else None
+  if record is not None:
+    saved = layout.names_layout(record["leaves"])
+  else:  # a step saved before the integrity record: its model config says
+    saved = (layout.SCANNED if (meta or {}).get("model_config", {}).get("scan_layers")
+             else layout.UNSCANNED)
   if want is None or saved is None or saved == want:
     return target, lambda tree: tree
   n = layout.num_layers_of(target)
@@ -320,7 +325,7 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
   """Restores and verifies one step; returns (state, verified)."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
-  abstract_state, to_target_layout = _saved_layout_target(record, abstract_state)
+  abstract_state, to_target_layout = _saved_layout_target(record, abstract_state, meta)
   names, abstract_leaves = named_leaves(abstract_state)
   _check_structure(manager, step, record, names, abstract_leaves)
   if data_iter is not None and record is not None and "data" not in record:
@@ -413,13 +418,13 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
   train state would be; by default they land on the first device. Raises
   ``CorruptCheckpointError`` if they cannot be read or do not verify.
   """
-  _, record = _read_meta_and_record(manager, step)
+  meta, record = _read_meta_and_record(manager, step)
   if shardings is None:
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: one, params_target)
   placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
                         params_target, shardings)
-  target, to_target_layout = _saved_layout_target(record, {"params": placed})
+  target, to_target_layout = _saved_layout_target(record, {"params": placed}, meta)
   params_target = target["params"]
   names, leaves = named_leaves({"params": params_target})
   _check_structure(manager, step, record, names, leaves, prefix="params/")

@@ -108,9 +108,6 @@ def check_config(config) -> None:
   lr, min_lr = float(config.optim.lr), float(config.optim.min_lr)
   if min_lr > lr:
     raise ValueError(f"optim.min_lr={min_lr} must be <= optim.lr={lr}.")
-  if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
-    raise ValueError("checkpoint.init_from is required by this config: pass the --workdir of "
-                     "the run to start from (--config.checkpoint.init_from=PATH).")
   strategy = mesh_context_options(config)["context_strategy"]
   if strategy not in CONTEXT_STRATEGIES:
     raise ValueError(f"mesh.context_strategy={strategy!r} is not one of {CONTEXT_STRATEGIES}.")

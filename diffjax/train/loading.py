@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Callable
 
+from etils import epath
 from flax import nnx
 
 from diffjax.model import DecoderLM, ModelConfig
@@ -45,7 +46,7 @@ def load_model(workdir: str, step: int | None = None, *,
   """
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
+  if not epath.Path(directory).is_dir():  # local paths and gs:// alike
     raise FileNotFoundError(f"No checkpoints in {directory!r}: pass the --workdir of a "
                             "train.py run.")
   manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
@@ -98,7 +99,7 @@ def initial_params(workdir: str, model_cfg: ModelConfig, params_target, sharding
   """
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
+  if not epath.Path(directory).is_dir():  # local paths and gs:// alike
     raise FileNotFoundError(f"checkpoint.init_from={workdir!r} has no checkpoints directory "
                             f"{directory!r}; pass the --workdir of a train.py run.")
   manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)

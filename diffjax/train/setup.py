@@ -87,6 +87,10 @@ def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = 
       cp = shd.context_parallel()
       if cp is not None and cp.load_balance:
         t = next(iter(batch.values())).shape[1]
+        bad = {k: tuple(v.shape) for k, v in batch.items() if v.ndim != 2 or v.shape[1] != t}
+        if bad:
+          raise ValueError(f"Under context parallelism every batch array is [batch, {t}] "
+                           f"(it is put in the load-balanced order); got {bad}.")
         try:
           perm = zigzag_permutation(t, cp.size)
         except ValueError as e:

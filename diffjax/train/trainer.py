@@ -34,7 +34,7 @@ from diffjax.train.config_utils import check_config, mesh_context_options, resol
 from diffjax.train.loading import initial_params
 from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
-from diffjax.train.setup import build_train_setup
+from diffjax.train.setup import build_train_setup, with_mesh_rules
 from diffjax.train.steps import lambda_summary
 from diffjax.train.task_mix import mixed_source
 
@@ -67,16 +67,24 @@ class _StopFlag:
       signal.signal(s, h)
 
 
-def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-  """Assembles the global batch from each process's rows."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in batch.items()}
+def _to_global(batch: dict[str, np.ndarray], sharding, row_start: int, global_rows: int
+               ) -> dict[str, jax.Array]:
+  """Assembles the global batch from each process's whole rows ``[row_start, ...)``; each
+  device takes its block (a part of the sequence, under context parallelism)."""
+  def one(local):
+    local = np.asarray(local)
+    shape = (global_rows, local.shape[1])
+    return jax.make_array_from_callback(
+        shape, sharding, lambda idx: local[(slice((idx[0].start or 0) - row_start,
+                                                  (idx[0].stop or global_rows) - row_start),
+                                            idx[1])])
+  return {k: one(v) for k, v in batch.items()}
 
 
-def evaluate_loss(eval_step, params, batches, sharding) -> float:
+def evaluate_loss(eval_step, params, batches, to_global) -> float:
   total, count = 0.0, 0.0
   for b in batches:
-    s, c = eval_step(params, _to_global(b, sharding))
+    s, c = eval_step(params, to_global(b))
     total += float(s)
     count += float(c)
   return total / max(count, 1.0)
@@ -91,8 +99,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   t_start = time.perf_counter()
   distributed.maybe_initialize(config)
   check_config(config)
-  proc, nproc = jax.process_index(), jax.process_count()
-  is_main = proc == 0
+  is_main = jax.process_index() == 0
+  # The mesh decides which rows each process loads (processes of one context group share
+  # theirs); building it touches nothing.
+  mesh = shd.make_mesh(tuple(config.mesh.shape))
+  rules = shd.rules_from_config(config.mesh.get("rules"))
+  batch_shard = shd.batch_sharding(mesh, rules)
+  proc, nproc = shd.process_rows(batch_shard, (config.global_batch_size, config.seq_len))
+  row_start = proc * (config.global_batch_size // nproc)
 
   # 1. Data first: a bad path or corpus fails before the workdir is touched.
   data_cfg = DataConfig.from_dict(config.data.to_dict())
@@ -108,13 +122,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
 
   # 2. Mesh, state layout and the compiled steps (compiled on first use).
-  mesh = shd.make_mesh(tuple(config.mesh.shape))
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
-                            rules=shd.rules_from_config(config.mesh.get("rules")),
+                            rules=rules,
                             grad_accum_steps=config.grad_accum_steps,
                             global_batch_size=config.global_batch_size,
                             **mesh_context_options(config))
-  graphdef, batch_shard = setup.graphdef, setup.batch_sharding
+  graphdef = setup.graphdef
 
   # 3. Restore or initialise.
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -136,6 +149,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.start = latest
     progress.message(f"Resumed from step {latest} in {manager.directory}")
   else:
+    if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
+      raise ValueError("checkpoint.init_from is required by this config to start a run: pass "
+                       "the --workdir of the run to start from "
+                       "(--config.checkpoint.init_from=PATH).")
     state = setup.init_fn()
     init_from = config.checkpoint.get("init_from") or ""
     if init_from:
@@ -162,19 +179,24 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # 4. Steps.
   train_step, eval_step = setup.train_step, setup.eval_step
-  lambda_fn = jax.jit(lambda p, b: lambda_summary(graphdef, p, b))
+  # Under the mesh rules like the steps (for DIFF V2 it runs the blocks over a batch).
+  lambda_fn = jax.jit(with_mesh_rules(lambda p, b: lambda_summary(graphdef, p, b), mesh, rules,
+                                      **mesh_context_options(config)))
   val_batches = data.val_batches(config.eval_batches)
   writer = MetricsWriter(workdir, enabled=is_main,
                          tensorboard=config.get("tensorboard", True))
   byte_level = type(data.tokenizer).__name__ == "ByteTokenizer"
 
+  def to_global(local):
+    return _to_global(local, batch_shard, row_start, config.global_batch_size)
+
   def run_eval(step, params):
-    loss = evaluate_loss(eval_step, params, val_batches, batch_shard)
+    loss = evaluate_loss(eval_step, params, val_batches, to_global)
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
     if byte_level:
       vals["eval/bits_per_byte"] = loss / math.log(2.0)
     if model_cfg.attention != "transformer":
-      b = _to_global(val_batches[0], batch_shard)
+      b = to_global(val_batches[0])
       vals.update({k: float(v) for k, v in lambda_fn(params, b).items()})
     writer.write(step, vals)
     return vals
@@ -207,7 +229,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     try:
       while step < config.num_steps:
         local = next(train_iter)
-        batch = _to_global(local, batch_shard)
+        batch = to_global(local)
         state, metrics = train_step(state, batch)
         step += 1
         if log_hash:
