@@ -105,8 +105,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   mesh = shd.make_mesh(tuple(config.mesh.shape))
   rules = shd.rules_from_config(config.mesh.get("rules"))
   batch_shard = shd.batch_sharding(mesh, rules)
-  proc, nproc = shd.process_rows(batch_shard, (config.global_batch_size, config.seq_len))
-  row_start = proc * (config.global_batch_size // nproc)
+  row_slot, row_slots = shd.process_rows(batch_shard,
+                                         (config.global_batch_size, config.seq_len))
+  row_start = row_slot * (config.global_batch_size // row_slots)
 
   # 1. Data first: a bad path or corpus fails before the workdir is touched.
   data_cfg = DataConfig.from_dict(config.data.to_dict())
@@ -117,7 +118,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                           config.seed)
   data = build_datasets(data_cfg, seq_len=config.seq_len,
                         global_batch_size=config.global_batch_size, seed=config.seed,
-                        process_index=proc, process_count=nproc, source=source,
+                        process_index=row_slot, process_count=row_slots, source=source,
                         tokenizer=tokenizer)
   model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
 
