@@ -12,14 +12,13 @@ the load-balanced (zig-zag) order is applied by the train step's own wrapper
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+
+from multidevice import XLA_FLAGS, run_in_child
 
 _CHILD_ENV = "DIFFJAX_CONTEXT_MODEL_CHILD"
-_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
 IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
 if IN_CHILD:  # before JAX starts its backend
-  os.environ["XLA_FLAGS"] = _XLA_FLAGS
+  os.environ["XLA_FLAGS"] = XLA_FLAGS
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -186,17 +185,7 @@ def test_config_checks_name_the_context_settings():
 # Drivers (parent process).
 
 def _run_child(markexpr: str) -> None:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
-  env.update({_CHILD_ENV: "1", "XLA_FLAGS": _XLA_FLAGS, "JAX_PLATFORMS": "cpu"})
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", markexpr,
-         os.path.abspath(__file__)]
-  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800,
-                        check=False)
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert " passed" in proc.stdout, proc.stdout[-3000:]
+  run_in_child(__file__, _CHILD_ENV, markexpr, timeout=1800)
 
 
 @driver

@@ -106,7 +106,7 @@ class DecoderLM(nnx.Module):
     # Built one by one in both layouts, so a scanned model starts from the same draws.
     blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
     if cfg.scan_layers:
-      self.layers = _stack_blocks(blocks)
+      self.layers = stack_modules(blocks, axis_name="layers")
     else:
       self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
@@ -260,7 +260,3 @@ def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_n
 
   return nnx.remat(run, policy=policy)(block, x_BxTxE, positions_BxT, segment_ids_BxT)
 
-
-def _stack_blocks(blocks: list[Block]) -> Block:
-  """One Block whose parameters stack those of ``blocks`` along a leading ``layers`` axis."""
-  return stack_modules(blocks, axis_name="layers")
