@@ -15,6 +15,7 @@ the fused Pallas TPU kernels (inside ``shard_map``), ``"xla"`` the plain path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -102,6 +103,25 @@ def topology_devices(topology: str):
                      "v6e:4x4.") from e
 
 
+@contextlib.contextmanager
+def without_persistent_cache():
+  """Keeps JAX's persistent compilation cache out of a topology compile.
+
+  Such a compile has no client to load a cached executable into, so reading the cache
+  (``JAX_COMPILATION_CACHE_DIR``) would only print a warning per program. JAX decides
+  once per process whether the cache is in use, hence the resets on entry and exit.
+  """
+  from jax.experimental.compilation_cache import compilation_cache as jax_cc  # pylint: disable=import-outside-toplevel
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  jax_cc.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+    jax_cc.reset_cache()
+
+
 def compile_train_step(config, devices, *, vocab_size: int | None = None,
                        platform: str = "tpu"):
   """Lowers and compiles the sharded train step of ``config`` for ``devices``.
@@ -125,15 +145,8 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
   batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
   # context they are chosen for the target (TPU), not for this host's backend.
-  # A topology compile has no client to load a cached executable into: reading JAX's
-  # persistent cache (JAX_COMPILATION_CACHE_DIR) would only warn, so it stays off here.
-  cache_was = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
-    with target_platform(platform):
-      compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache_was)
+  with without_persistent_cache(), target_platform(platform):
+    compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
   return compiled, model_cfg, mesh
 
 
