@@ -148,3 +148,31 @@ def test_tokenizer_mismatch_is_refused_in_one_line(corpus, tmp_path):
 def test_missing_paths_and_tokenizer_named_together():
   with pytest.raises(ValueError, match="missing: data.paths, data.tokenizer"):
     DataConfig(kind="prepared", paths=(), tokenizer="")
+
+
+def test_shard_reader_opens_a_first_group_together_and_reads_the_same_documents(corpus):
+  m = read_manifest(corpus)
+  from array_record.python import array_record_data_source
+  want = [np.frombuffer(r, "<i4") for s in m.shards
+          for r in array_record_data_source.ArrayRecordDataSource([s.path])]
+  reader = streaming.ShardReader(m, max_open=3)
+  firsts = [int(o) for o in m.doc_offsets_Sp1[:-1]]  # one document of every shard
+  reader.open_for(firsts + [None, -1])
+  assert list(reader._open) == [0, 1, 2]  # pylint: disable=protected-access
+  assert all(np.array_equal(reader[d], want[d]) for d in range(m.num_documents))
+  assert len(reader._open) == 3  # pylint: disable=protected-access
+
+
+def test_shard_disagreeing_with_its_manifest_is_refused(corpus, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  copy = tmp_path / "copy"
+  shutil.copytree(corpus, copy)
+  with open(copy / "manifest.json") as f:
+    manifest = json.load(f)
+  manifest["shards"][1]["num_documents"] += 1
+  with open(copy / "manifest.json", "w") as f:
+    json.dump(manifest, f)
+  m = read_manifest(str(copy))
+  reader = streaming.ShardReader(m, max_open=2)
+  with pytest.raises(ValueError, match=r"holds \d+ records but the manifest says .*prepare again"):
+    reader[int(m.doc_offsets_Sp1[1])]

@@ -30,6 +30,7 @@ on the process count and the per-lane position could not be written as three int
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import queue
 import threading
 from typing import Callable
@@ -115,7 +116,13 @@ class EpochOrder:
 
 class ShardReader:
   """Reads documents by global id, keeping at most `max_open` shards open (least recently used
-  closed first)."""
+  closed first).
+
+  Opening a shard reads its record index, a cost fixed by the shard's size; the first batch of
+  a large corpus touches a whole group of shards, so :meth:`open_for` opens the shards of many
+  documents at once, concurrently (the reads release the GIL; on network storage the latencies
+  overlap).
+  """
 
   def __init__(self, manifest: Manifest, max_open: int):
     self.manifest = manifest
@@ -123,26 +130,56 @@ class ShardReader:
     self.max_open = max(1, max_open)
     self._open: collections.OrderedDict = collections.OrderedDict()
 
+  def _shard_of(self, doc: int) -> int:
+    return int(np.searchsorted(self.offsets_Sp1, doc, side="right")) - 1
+
+  def _reader(self, s: int):
+    from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+    shard = self.manifest.shards[s]
+    # One open: the manifest already knows the record count, which is checked against the file.
+    reader = array_record_module.ArrayRecordReader(
+        shard.path, options="readahead_buffer_size:0", file_reader_buffer_size=32768)
+    if reader.num_records() != shard.num_documents:
+      n = reader.num_records()
+      reader.close()
+      raise ValueError(f"Shard {shard.path} holds {n} records but the manifest says "
+                       f"{shard.num_documents}: the prepared directory is inconsistent; prepare again.")
+    return reader
+
+  def _keep(self, s: int, reader) -> None:
+    self._open[s] = reader
+    while len(self._open) > self.max_open:
+      self._open.popitem(last=False)[1].close()
+
   def _source(self, s: int):
-    src = self._open.get(s)
-    if src is None:
-      from array_record.python import array_record_data_source  # pylint: disable=import-outside-toplevel
-      shard = self.manifest.shards[s]
-      src = array_record_data_source.ArrayRecordDataSource([shard.path])
-      if len(src) != shard.num_documents:
-        raise ValueError(f"Shard {shard.path} holds {len(src)} records but the manifest says "
-                         f"{shard.num_documents}: the prepared directory is inconsistent; prepare again.")
-      self._open[s] = src
-      while len(self._open) > self.max_open:
-        self._open.popitem(last=False)
+    reader = self._open.get(s)
+    if reader is None:
+      reader = self._reader(s)
+      self._keep(s, reader)
     else:
       self._open.move_to_end(s)
-    return src
+    return reader
+
+  def open_for(self, docs) -> None:
+    """Opens, concurrently, the shards holding `docs` (ids; None and negatives are ignored)."""
+    wanted = []
+    for doc in docs:
+      if doc is not None and doc >= 0:
+        s = self._shard_of(int(doc))
+        if s not in self._open and s not in wanted:
+          wanted.append(s)
+    wanted = wanted[:self.max_open]
+    if len(wanted) < 2:
+      return
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(wanted))) as pool:
+      readers = list(pool.map(self._reader, wanted))
+    for s, reader in zip(wanted, readers):
+      self._keep(s, reader)
 
   def __getitem__(self, doc: int) -> np.ndarray:
-    s = int(np.searchsorted(self.offsets_Sp1, doc, side="right")) - 1
-    return _decode_record(self._source(s)[int(doc - self.offsets_Sp1[s])], doc,
-                          self.manifest.shards[s].path)
+    s = self._shard_of(doc)
+    record = self._source(s).read([int(doc - self.offsets_Sp1[s])])[0]
+    return _decode_record(record, doc, self.manifest.shards[s].path)
 
 
 # A slot function maps (epoch, k) to a document id, -1 to skip the slot, or None at the end.
@@ -301,6 +338,10 @@ class StreamingBatchIterator(grain.DatasetIterator):
           f"The saved data position covers batch rows {state['rows']} but this process reads rows "
           f"{self._rows}: resume with the same number of processes as the run that saved it.")
     self._halt()
+    reader = self._lanes[0].reader if self._lanes else None
+    if hasattr(reader, "open_for"):  # open the shards the restored lanes resume in, together
+      reader.open_for(l.slot_fn(int(e), l.row + int(s) * l.stride)
+                      for l, (e, s, _) in zip(self._lanes, state["lanes"]) if int(s) >= 0)
     for lane, s in zip(self._lanes, state["lanes"]):
       lane.set_state(s)
     self._state = _copy_state(state)
