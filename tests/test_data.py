@@ -141,6 +141,23 @@ def test_sentencepiece_round_trip(tmp_path):
   assert tok.decode(list(ids) + [tok.eos_id, tok.pad_id]) == text
 
 
+def test_token_byte_lengths_count_the_bytes_of_the_text(tmp_path):
+  """Summed over an encoding, the lengths give the text's UTF-8 size (the bits-per-byte
+  denominator); specials count one byte, as eos does for byte tokens."""
+  from diffjax.data import token_byte_lengths
+  text = "The lazy fox \u2014 d\u00e9j\u00e0 \u65e5\u672c!\n  two  spaces\t\u2603"
+  byte = token_byte_lengths(ByteTokenizer())
+  assert byte.shape == (258,) and np.all(byte == 1)
+  _write_hf_tokenizer(tmp_path / "tok.json", ["<pad>", "</s>"])
+  tok = load_tokenizer(str(tmp_path / "tok.json"))
+  lengths = token_byte_lengths(tok)
+  ids = tok.encode(text)
+  assert ids.size < len(text.encode("utf-8"))  # merges happened, so lengths above 1 matter
+  assert lengths.shape == (tok.vocab_size,) and int(lengths[ids].sum()) == len(text.encode("utf-8"))
+  assert lengths[tok.eos_id] == lengths[tok.pad_id] == 1
+  assert token_byte_lengths(object.__new__(type("Other", (), {}))) is None
+
+
 def test_load_tokenizer_rejects_unknown_spec_and_missing_file(tmp_path):
   with pytest.raises(ValueError, match=r"'gpt2'.*'byte'.*\.json.*\.model"):
     load_tokenizer("gpt2")

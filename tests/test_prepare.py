@@ -115,6 +115,64 @@ def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
   assert "\n" not in str(e.value) and "tok.json" in str(e.value)
 
 
+def _bpe_corpus(tmp_path):
+  """A byte-level BPE tokenizer of 1,000 ids trained on 30 stdlib files, and the files prepared."""
+  from diffjax.data.tokenizer import train_bpe
+  files = stdlib_files()[:30]
+  tok_path = str(tmp_path / "tok.json")
+  train_bpe([open(f, encoding="utf-8", errors="replace").read() for f in files],
+            vocab_size=1000).save(tok_path)
+  return tok_path, prepare(files, str(tmp_path / "p"), tok_path, shard_tokens=50_000, progress=False)
+
+
+def _tokens_per_byte_by_decoding(batches, tok):
+  count = nbytes = 0
+  for b in batches:
+    for targets, mask in zip(b["targets"], b["loss_mask"]):
+      kept = targets[mask > 0]
+      count += kept.size
+      nbytes += len(tok.decode(kept).encode("utf-8")) + int(np.sum(kept == tok.eos_id))
+  return count / nbytes
+
+
+def test_tokens_per_byte_of_bpe_batches_matches_decoding_them(tmp_path):
+  pytest.importorskip("tokenizers")
+  from diffjax.data import DataConfig, build_datasets, load_tokenizer, tokens_per_byte
+  tok_path, out = _bpe_corpus(tmp_path)
+  tok = load_tokenizer(tok_path)
+  data = build_datasets(DataConfig(kind="prepared", paths=(out,), tokenizer=tok_path), 64, 4, 0)
+  batches = data.val_batches(3)
+  want = _tokens_per_byte_by_decoding(batches, tok)
+  assert want < 0.5  # BPE: over two bytes per token
+  assert tokens_per_byte(batches, tok) == pytest.approx(want, rel=1e-12)
+  byte_batches = build_datasets(DataConfig(kind="prepared", paths=(prepare(
+      stdlib_files()[:12], str(tmp_path / "b"), progress=False),)), 64, 4, 0).val_batches(1)
+  assert tokens_per_byte(byte_batches, load_tokenizer("byte")) == 1.0
+
+
+@pytest.mark.slow  # a training run: the trainer logs what tokens_per_byte gives
+def test_bits_per_byte_of_a_bpe_run_counts_the_text_bytes(tmp_path):
+  """A run on BPE tokens reports bits per byte: its loss per token times the validation
+  targets' tokens per byte (eos counted as one byte), here recounted by decoding them."""
+  pytest.importorskip("tokenizers")
+  import math  # pylint: disable=import-outside-toplevel
+  from tests.test_train import tiny_config
+  from diffjax.data import DataConfig, build_datasets, load_tokenizer
+  from diffjax.train.trainer import train_and_evaluate
+  tok_path, out = _bpe_corpus(tmp_path)
+  c = tiny_config(steps=2)
+  c.data.kind, c.data.paths, c.data.max_documents = "prepared", (os.path.dirname(out),), None
+  c.data.tokenizer, c.eval_batches = tok_path, 2
+  final = train_and_evaluate(c, str(tmp_path / "run"))
+  data = build_datasets(DataConfig.from_dict(c.data), c.seq_len, c.global_batch_size, c.seed)
+  ratio = _tokens_per_byte_by_decoding(data.val_batches(2), load_tokenizer(tok_path))
+  want = final["eval/loss"] * ratio / math.log(2.0)
+  with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
+    logged = [r for r in map(json.loads, f) if "eval/bits_per_byte" in r]
+  assert final["eval/bits_per_byte"] == pytest.approx(want, rel=1e-6)
+  assert [r["eval/bits_per_byte"] for r in logged] == [final["eval/bits_per_byte"]]
+
+
 def test_paper_configs_need_both_paths():
   from diffjax.data import DataConfig
   from diffjax.presets import paper_3b, paper_sweep

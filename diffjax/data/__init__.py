@@ -48,6 +48,8 @@ from diffjax.data.tokenizers import (
     SentencePieceTokenizer,
     Tokenizer,
     load_tokenizer,
+    token_byte_lengths,
+    tokens_per_byte,
 )
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "ArrayRecordSource", "DocumentSource", "TextFileSource", "read_documents", "resolve_paths",
     "stdlib_corpus", "stdlib_files", "write_array_record",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
+    "token_byte_lengths", "tokens_per_byte",
     "MultiNeedleTask", "AssociativeRecallTask", "RetrievalExample", "ContextTooShort", "collate",
     "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "SINK", "CONTEXT", "ANSWER", "QUERY",
 ]

@@ -209,3 +209,71 @@ def load_tokenizer(spec: str) -> Tokenizer:
       f"Unknown tokenizer spec {spec!r}. Accepted: 'byte', a path to an HF tokenizers file "
       "ending in '.json', or a path to a SentencePiece model ending in '.model'."
   )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+  """The printable stand-in of every byte in byte-level BPE token strings, mapped to the byte.
+
+  Bytes that are printable Latin-1 (33-126, 161-172, 174-255) stand for themselves; the other
+  68 take the code points from 256 upwards, in byte order.
+  """
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray | None:
+  """[vocab_size] int: how many bytes of UTF-8 text each id stands for.
+
+  Used to turn a loss per token into bits per byte, so runs with different tokenizers compare.
+  Special ids (eos, pad, added tokens) count as one byte, the byte-level convention, under which
+  the loss of `ByteTokenizer` tokens in bits is already bits per byte. Exact for byte-level BPE
+  files; for SentencePiece the space it prefixes to each text counts too, and other HF
+  tokenizers are measured by decoding each id alone.
+  Returns None for a tokenizer type this function does not know.
+  """
+  if not isinstance(tokenizer, (ByteTokenizer, HFTokenizer, SentencePieceTokenizer)):
+    return None
+  lengths = np.ones(tokenizer.vocab_size, np.int64)
+  if isinstance(tokenizer, ByteTokenizer):
+    return lengths
+  if isinstance(tokenizer, HFTokenizer):
+    tok = tokenizer._tok  # pylint: disable=protected-access
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    alphabet = _byte_level_alphabet()
+    for i in range(tokenizer._base_size):  # pylint: disable=protected-access
+      piece = tok.id_to_token(i)
+      if piece is None or piece in special:
+        continue
+      if byte_level and all(c in alphabet for c in piece):
+        lengths[i] = len(piece)
+      else:
+        lengths[i] = len(tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return lengths
+  sp = tokenizer._sp  # pylint: disable=protected-access
+  for i in range(tokenizer._base_size):  # pylint: disable=protected-access
+    if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i):
+      continue
+    lengths[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+  return lengths
+
+
+def tokens_per_byte(batches, tokenizer: Tokenizer) -> float | None:
+  """Scored target tokens per byte of text in `batches` (dicts with "targets" and "loss_mask").
+
+  A loss in nats per token times this over ln 2 is bits per byte (see `token_byte_lengths`);
+  None when the tokenizer's byte lengths are unknown or the batches score nothing.
+  """
+  lengths = token_byte_lengths(tokenizer)
+  if lengths is None:
+    return None
+  count = sum(float(np.sum(b["loss_mask"])) for b in batches)
+  nbytes = sum(float(np.sum(lengths[b["targets"]] * b["loss_mask"])) for b in batches)
+  return count / nbytes if nbytes > 0 else None

@@ -25,7 +25,7 @@ import numpy as np
 from etils import epath
 
 from diffjax import sharding as shd
-from diffjax.data import DataConfig, build_datasets, load_source, load_tokenizer
+from diffjax.data import DataConfig, build_datasets, load_source, load_tokenizer, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
@@ -186,7 +186,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   val_batches = data.val_batches(config.eval_batches)
   writer = MetricsWriter(workdir, enabled=is_main,
                          tensorboard=config.get("tensorboard", True))
-  byte_level = type(data.tokenizer).__name__ == "ByteTokenizer"
+  # Bits per byte compares runs across tokenizers: the validation targets' tokens per byte,
+  # counted once on the host (for byte tokens exactly 1, so it is the loss in bits).
+  val_tokens_per_byte = tokens_per_byte(val_batches, data.tokenizer)
 
   def to_global(local):
     return _to_global(local, batch_shard, row_start, config.global_batch_size)
@@ -194,8 +196,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   def run_eval(step, params):
     loss = evaluate_loss(eval_step, params, val_batches, to_global)
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
-    if byte_level:
-      vals["eval/bits_per_byte"] = loss / math.log(2.0)
+    if val_tokens_per_byte is not None:
+      vals["eval/bits_per_byte"] = loss * val_tokens_per_byte / math.log(2.0)
     if model_cfg.attention != "transformer":
       b = to_global(val_batches[0])
       vals.update({k: float(v) for k, v in lambda_fn(params, b).items()})
