@@ -143,6 +143,29 @@ def test_prompt_longer_than_the_cache_is_one_clear_error():
     generate(_model("transformer"), [list(range(20))], max_length=16)
 
 
+def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_path, capsys):
+  from diffjax.generation.command import main  # pylint: disable=import-outside-toplevel
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  assert main([f"--workdir={empty}", "--prompt=hi"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "No checkpoints" in err and "train.py" in err
+  assert not list(empty.iterdir())
+  # The documented command name, in a fresh process.
+  missing = tmp_path / "missing"
+  r = subprocess.run([sys.executable, "-m", "diffjax.generate", f"--workdir={missing}", "--prompt=hi"],
+                     capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                     cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=300)
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert "is not a directory" in r.stderr and str(missing) in r.stderr and not missing.exists()
+
+
+def test_importing_the_command_module_keeps_the_generate_function():
+  import diffjax  # pylint: disable=import-outside-toplevel
+  import diffjax.generate  # noqa: F401  pylint: disable=import-outside-toplevel
+  assert diffjax.generate is generate
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_k=0), "top_k=0"),
     (dict(top_p=1.5), "top_p=1.5"), (dict(max_new_tokens=0), "max_new_tokens=0")])

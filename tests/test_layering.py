@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("diffjax.data",),
     ("diffjax.presets", "diffjax.train"),
     ("diffjax.eval",),
-    ("diffjax.compare", "diffjax.aot", "diffjax.generation", "diffjax.convert"),
+    ("diffjax.compare", "diffjax.aot", "diffjax.generation", "diffjax.generate",
+     "diffjax.convert"),
 )
 
 

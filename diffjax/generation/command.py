@@ -1,6 +1,8 @@
-"""``python -m diffjax.generation``: continue a prompt with a trained run's model.
+"""``python -m diffjax.generate``: continue a prompt with a trained run's model.
 
-    python -m diffjax.generation --workdir=runs/default --prompt="def main(" \\
+(``python -m diffjax.generation`` is the same command.)
+
+    python -m diffjax.generate --workdir=runs/default --prompt="def main(" \\
         [--max_new_tokens=200] [--temperature=0.8] [--top_k=40] [--top_p=0.95] [--seed=0]
         [--step=N] [--max_length=N] [--tokenizer=byte]
 
@@ -30,7 +32,7 @@ from diffjax.train.loading import load_model
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m diffjax.generation", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m diffjax.generate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", required=True, help="a train.py run directory")
   p.add_argument("--prompt", required=True, help="the text to continue")
