@@ -176,7 +176,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     progress.message(
         f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
         f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
-        f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats workdir={workdir}")
+        # A streamed corpus is never read whole, so it has no unigram baseline (nan).
+        + (f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats "
+           if math.isfinite(data.unigram_entropy_nats) else "")
+        + f"workdir={workdir}")
 
   # 4. Steps.
   train_step, eval_step = setup.train_step, setup.eval_step
