@@ -6,8 +6,8 @@ length. Cache slot j of row b holds position j of that row, so RoPE positions an
 the next write slot are both the row's current length; a row never attends to a
 slot at or past its length, so padding and other rows cannot leak in. The cache is
 preallocated for ``max_length`` slots (a multiple of :data:`CACHE_MULTIPLE`, so the
-GPU decode kernel reads it in place) and updated in place: each jitted step donates
-it.
+GPU and TPU decode kernels read it in place) and updated in place: each jitted step
+donates it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from diffjax import sharding as shd
 from diffjax.generation.sampling import LogitsProcessor, SamplingOptions, choose_tokens
 from diffjax.model import DecoderLM
 
-# Cache lengths are rounded up to this (the GPU decode kernel's largest KV block).
+# Cache lengths are rounded up to this: the GPU decode kernel's largest KV block, and
+# the multiple the TPU kernel reads in place (diffjax.kernels.tpu.cache_length_multiple).
 CACHE_MULTIPLE = 128
 
 

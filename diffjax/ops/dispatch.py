@@ -79,6 +79,7 @@ BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
     ("diff_v2", "pallas_gpu",   "gpu",    gpu_diff_v2.diff_v2_fused),
     ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
+    ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_tpu),
     ("diff_v1_decode", "pallas_gpu", "gpu", gpu_decode.diff_v1_decode),
 )
 

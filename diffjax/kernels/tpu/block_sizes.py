@@ -1,4 +1,4 @@
-"""Tile sizes of the fused differential-attention TPU kernels."""
+"""Tile sizes of the fused differential-attention TPU kernels and of the decode kernel."""
 
 from __future__ import annotations
 
@@ -75,4 +75,72 @@ def resolve_block_sizes(block_sizes: "BlockSizes | Mapping[str, Any] | None",
       raise ValueError(f"Unknown block size fields {unknown}; expected some of {sorted(fields)}.")
     return dataclasses.replace(BlockSizes.get_default(head_dim), **dict(block_sizes))
   raise TypeError("block_sizes must be None, a BlockSizes or a dict of its fields; got "
+                  f"{type(block_sizes).__name__}.")
+
+
+# The cache tiles of one decode step (K1, K2 and V of every kv group, one buffer) are
+# kept under this many bytes by the default block; the pipeline holds two buffers.
+_DECODE_TILE_BYTES = 4 * 2**20
+_MAX_DECODE_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+  """Tiles of the DIFF V1 decode kernel (one query token against a KV cache).
+
+  Attributes:
+    block_kv: cache positions per step (a multiple of 128, at most 1024). A cache
+      whose length is a multiple of 128 but not of ``block_kv`` is read with the
+      largest smaller multiple of 128 that divides it.
+    num_splits: parts the cache of a row is split into, each reduced by its own
+      program and merged afterwards. None: 2 for a batch of one row (both cores of a
+      megacore chip get work), else 1.
+  """
+
+  block_kv: int = 512
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    value = self.block_kv
+    if (isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % _LANES
+        or value > _MAX_DECODE_BLOCK):
+      raise ValueError(f"block_kv={value!r} must be a positive multiple of {_LANES} (the TPU "
+                       f"lane count) of at most {_MAX_DECODE_BLOCK}.")
+    n = self.num_splits
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise ValueError(f"num_splits={n!r} must be None or a positive int.")
+
+  @classmethod
+  def get_default(cls, head_dim: int, value_dim: int, kv_heads: int,
+                  itemsize: int) -> "DecodeBlockSizes":
+    """The largest block (power of two times 128) whose cache tiles stay within 4 MiB."""
+    per_position = itemsize * kv_heads * (2 * _round_up(head_dim, _LANES)
+                                          + _round_up(value_dim, _LANES))
+    block = _MAX_DECODE_BLOCK
+    while block > _LANES and block * per_position > _DECODE_TILE_BYTES:
+      block //= 2
+    return cls(block_kv=block)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def resolve_decode_block_sizes(block_sizes: "DecodeBlockSizes | Mapping[str, Any] | None", *,
+                               head_dim: int, value_dim: int, kv_heads: int,
+                               itemsize: int) -> DecodeBlockSizes:
+  """None (defaults for the cache shape), a DecodeBlockSizes, or a dict of its fields."""
+  default = lambda: DecodeBlockSizes.get_default(head_dim, value_dim, kv_heads, itemsize)
+  if block_sizes is None:
+    return default()
+  if isinstance(block_sizes, DecodeBlockSizes):
+    return block_sizes
+  if isinstance(block_sizes, Mapping):
+    fields = {f.name for f in dataclasses.fields(DecodeBlockSizes)}
+    unknown = sorted(set(block_sizes) - fields)
+    if unknown:
+      raise ValueError(f"Unknown decode block size fields {unknown}; expected some of "
+                       f"{sorted(fields)}.")
+    return dataclasses.replace(default(), **dict(block_sizes))
+  raise TypeError("block_sizes must be None, a DecodeBlockSizes or a dict of its fields; got "
                   f"{type(block_sizes).__name__}.")

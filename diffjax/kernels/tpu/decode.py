@@ -1,0 +1,384 @@
+"""DIFF V1 decoding on TPUs: one query token per row against a KV cache (Pallas, Mosaic).
+
+Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
+V of every cache row once, the bytes of the baseline's two kv heads of width D per
+kv group, and shares each loaded tile between both maps and every query head of a
+kv group.
+
+Grid (B, splits, blocks per split). A program's tiles hold ``block_kv`` positions of
+all kv groups of one batch row; the last grid axis walks the row's cache blocks and
+carries an online softmax per map, kv group and head. The cache length per row is
+prefetched into SMEM: the index maps clamp the block index to the row's last block
+that holds a valid position, so the steps past ``kv_len`` re-use the block already
+in VMEM (no DMA) and skip their compute. Each (row, split) writes its unnormalised
+partial results, which XLA merges exactly (one split unless the batch has one row,
+where two splits give both cores of a megacore chip work); lambda is applied there.
+
+Cache layouts. XLA stores a [B, S, K, X] cache array in the TPU's default layout
+for its shape, which is not always row-major: when X is not a multiple of 128 the
+positions are the minor (lane) dimension, and when it is, the groups come before the
+positions unless K is 2, 4 or a multiple of 8 (or 1 in a 32-bit type). The kernel
+reads each cache array through the view whose row-major layout is that default one
+([B, K, X, S], [B, K, S, X] or [B, S, K, X], see :func:`cache_view`), so that the
+transposition is a bitcast and the cache is read in place. A cache in another
+layout is still computed correctly, after XLA transposes it (a copy).
+
+Two forms of the step. When K1, K2 and V are all row-major, a tile holds the groups
+of a position side by side in its sublanes; the kernel then scores the tile as one
+[block_kv * K, X] matrix against the query rows of every group and masks the pairs
+of different groups (:func:`_accumulate_flat`), which costs the matrix unit nothing
+extra in passes over the tile and gathers no rows. Otherwise it loops over the kv
+groups (:func:`_accumulate_groups`), each reading its [block_kv, X] (or transposed)
+tile directly; a row-major V next to a transposed K (X = D not a multiple of 128,
+Dv = 2 D one) is the one case where a group's rows are picked out of the tiles, which
+takes the compiler longer.
+
+Cache lengths. The cache is read in place when its length S is a multiple of 128
+(:func:`cache_length_multiple`; the kernel then takes the largest multiple of 128 at
+most ``block_kv`` that divides S as its block) or at most ``block_kv`` (one block).
+Any other length is padded to a multiple of 128 first, a copy of the whole cache on
+every call.
+
+The query rows of a kv group are padded to the sublane tile (8 rows, 16 for 16-bit
+types) and its outputs sliced back; the cache is never padded in its head dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.core import validation as _v
+from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu.block_sizes import DecodeBlockSizes, resolve_decode_block_sizes
+from diffjax.kernels.tpu.diff_attention import Interpret, _interpret_mode
+
+_LANES = 128
+
+# How a kernel reads a cache array [B, S, K, X] (see the module docstring): the view
+# names the order of (kv group K, positions S, width X) after the batch axis.
+SKD, KSD, KDS = "skd", "ksd", "kds"
+
+
+def cache_view(kv_heads: int, width: int, itemsize: int) -> str:
+  """The view of a [B, S, kv_heads, width] cache array that matches its TPU layout.
+
+  ``"kds"`` ([B, K, X, S]) when ``width`` is not a multiple of 128; otherwise
+  ``"skd"`` (the array as it is) for 2, 4 or a multiple of 8 kv groups (and one
+  group of a 32-bit type) and ``"ksd"`` ([B, K, S, X]) for other group counts. These
+  are the default layouts XLA gives such arrays on v5e and v5p (the ahead-of-time
+  tests check that the kernel's operands are bitcasts of the cache).
+  """
+  if width % _LANES:
+    return KDS
+  if kv_heads in (2, 4) or kv_heads % 8 == 0 or (kv_heads == 1 and itemsize == 4):
+    return SKD
+  return KSD
+
+
+def cache_length_multiple(head_dim: int | None = None, value_dim: int | None = None,
+                          block_sizes: DecodeBlockSizes | dict | None = None) -> int:
+  """The multiple a KV cache's length should have so that decoding reads it in place.
+
+  128 whatever the head dims and block sizes (arguments accepted for symmetry with
+  the GPU kernel's function). A cache of another length longer than ``block_kv`` is
+  padded to it (a copy of the whole cache) on every call.
+  """
+  del head_dim, value_dim, block_sizes
+  return _LANES
+
+
+def _to_view(x_BxSxKxX, view: str):
+  if view == KSD:
+    return x_BxSxKxX.transpose(0, 2, 1, 3)
+  if view == KDS:
+    return x_BxSxKxX.transpose(0, 2, 3, 1)
+  return x_BxSxKxX
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What is static about a call.
+
+  ``flat``: both views are ``"skd"``, and the kernel works on the tiles as
+  [block_kv * K, X] matrices (see :func:`_accumulate_flat`); otherwise it loops over
+  the kv groups (:func:`_accumulate_groups`).
+  """
+
+  block_kv: int
+  blocks_per_split: int
+  splits: int
+  kv_heads: int
+  rows: int  # query rows per kv group, padded
+  scale: float
+  k_view: str
+  v_view: str
+
+  @property
+  def flat(self) -> bool:
+    return self.k_view == SKD and self.v_view == SKD
+
+  @property
+  def columns(self) -> int:  # query rows of all kv groups
+    return self.kv_heads * self.rows
+
+
+def _group_tile(ref, view: str, g: int):
+  """The [block_kv, X] (``"kds"``: [X, block_kv]) tile of kv group ``g``."""
+  if view != SKD:
+    return ref[g]
+  if ref.dtype.itemsize == 4:
+    return ref[:, g, :]
+  # Group g is one row of each position's [K, X] tile; 16-bit rows are packed in
+  # pairs, and Mosaic picks them out far faster (to compile) from 32-bit values.
+  bk, _, x = ref.shape
+  return ref[:, pl.ds(g, 1), :].astype(jnp.float32).reshape(bk, x).astype(ref.dtype)
+
+
+def _online_softmax(s, m_prev, l_prev, axis: int):
+  """One step of the running max and sum along ``axis``: (m, l, alpha, p)."""
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=axis, keepdims=True))
+  alpha = jnp.exp(m_prev - m_next)
+  p = jnp.exp(s - m_next)
+  return m_next, alpha * l_prev + jnp.sum(p, axis=axis, keepdims=True), alpha, p
+
+
+def _accumulate_groups(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len,
+                       masked: bool):
+  """Scores [rows, block_kv] per kv group and map; one tile of each group at a time."""
+  bk, gp = plan.block_kv, plan.rows
+  if masked:  # the block holding the row's last valid position
+    keep = start + lax.broadcasted_iota(jnp.int32, (gp, bk), 1) < kv_len
+    # Positions run along the rows of a V tile, or its columns in the "kds" view.
+    v_shape, v_axis = ((1, bk), 1) if plan.v_view == KDS else ((bk, 1), 0)
+    v_keep = start + lax.broadcasted_iota(jnp.int32, v_shape, v_axis) < kv_len
+  for g in range(plan.kv_heads):
+    v = _group_tile(v_ref, plan.v_view, g)
+    if masked:
+      # Slots past kv_len hold anything (stale or padded values, even NaN); their
+      # weights are 0, but 0 * NaN is not.
+      v = jnp.where(v_keep, v, jnp.zeros_like(v))
+    rows = pl.ds(g * gp, gp)
+    for c, k_ref in enumerate(k_refs):
+      k = _group_tile(k_ref, plan.k_view, g)
+      q = q_ref[c, rows, :]
+      s = (L.dot_nn(q, k) if plan.k_view == KDS else L.dot_nt(q, k)) * plan.scale
+      if masked:
+        s = jnp.where(keep, s, L.MASK_VALUE)
+      m, l, alpha, p = _online_softmax(s, m_ref[c, rows, :], l_ref[c, rows, :], axis=1)
+      p = p.astype(v.dtype)
+      pv = L.dot_nt(p, v) if plan.v_view == KDS else L.dot_nn(p, v)
+      acc_ref[c, rows, :] = alpha * acc_ref[c, rows, :] + pv
+      m_ref[c, rows, :] = m
+      l_ref[c, rows, :] = l
+
+
+def _accumulate_flat(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len,
+                     masked: bool):
+  """Row-major tiles [block_kv, K, X] as [block_kv * K, X]: row r is position r // K
+  of group r % K. One product per map scores every row against the query rows of
+  all groups ([block_kv * K, K * rows], transposed), and the rows of other groups
+  are masked, so no group's rows are gathered out of the tiles; the value product
+  then sums each group's own rows. The statistics are row vectors [1, K * rows] and
+  the accumulators are transposed ([Dv, K * rows])."""
+  bk, kh, gp = plan.block_kv, plan.kv_heads, plan.rows
+  n, cols = bk * kh, plan.columns
+  row = lax.broadcasted_iota(jnp.int32, (n, cols), 0)
+  col = lax.broadcasted_iota(jnp.int32, (n, cols), 1)
+  keep = lax.rem(row, kh) == lax.div(col, gp)
+  v = v_ref[...].reshape(n, v_ref.shape[-1])
+  if masked:
+    keep = jnp.logical_and(keep, start + lax.div(row, kh) < kv_len)
+    v_row = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+    v = jnp.where(start + lax.div(v_row, kh) < kv_len, v, jnp.zeros_like(v))
+  for c, k_ref in enumerate(k_refs):
+    k = k_ref[...].reshape(n, k_ref.shape[-1])
+    s = jnp.where(keep, L.dot_nt(k, q_ref[c]) * plan.scale, L.MASK_VALUE)
+    m, l, alpha, p = _online_softmax(s, m_ref[c], l_ref[c], axis=0)
+    acc_ref[c] = alpha * acc_ref[c] + L.dot_tn(v, p.astype(v.dtype))
+    m_ref[c] = m
+    l_ref[c] = l
+
+
+def _decode_kernel(len_ref, q_ref, k1_ref, k2_ref, v_ref, acc_out_ref, ml_out_ref, m_ref, l_ref,
+                   acc_ref, *, plan: _Plan):
+  b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bk = plan.block_kv
+  start = (split * plan.blocks_per_split + j) * bk
+  kv_len = len_ref[b]
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  accumulate = functools.partial(_accumulate_flat if plan.flat else _accumulate_groups, plan,
+                                 q_ref, (k1_ref, k2_ref), v_ref, m_ref, l_ref, acc_ref, start,
+                                 kv_len)
+  whole = start + bk <= kv_len
+  pl.when(whole)(functools.partial(accumulate, masked=False))
+  pl.when(jnp.logical_and(start < kv_len, jnp.logical_not(whole)))(
+      functools.partial(accumulate, masked=True))
+
+  @pl.when(j == plan.blocks_per_split - 1)
+  def _finish():
+    acc_out_ref[...] = acc_ref[...]
+    # m and l side by side: in lanes 0 and 1 (groups), or rows 0 and 1 (flat).
+    ml_out_ref[...] = jnp.concatenate([m_ref[...], l_ref[...]], axis=1 if plan.flat else 2)
+
+
+def _kv_block(b, split, j, len_ref, *, block_kv: int, blocks_per_split: int):
+  """The cache block grid step (b, split, j) reads: its own, or past the row's last
+  valid position the block holding that position (already in VMEM: no new DMA)."""
+  last = jnp.maximum(lax.div(len_ref[b] + block_kv - 1, block_kv) - 1, 0)
+  return jnp.minimum(split * blocks_per_split + j, last)
+
+
+def _block_kv(s: int, blocks: DecodeBlockSizes) -> tuple[int, int]:
+  """(block, padded length): the block divides the padded length."""
+  if s <= blocks.block_kv:
+    return s, s
+  sp = L.round_up(s, _LANES)
+  bk = blocks.block_kv
+  while sp % bk:
+    bk -= _LANES
+  return bk, sp
+
+
+def _merge(acc, m, l):
+  """Merges the per-split partial softmax results (axis 1): acc [B, splits, 2, C, Dv],
+  m and l [B, splits, 2, C] -> [B, 2, C, Dv]."""
+  m_max = jnp.max(m, axis=1, keepdims=True)
+  w = jnp.exp(m - m_max)  # a split that saw no position has l == 0 and acc == 0
+  total = jnp.sum(w * l, axis=1)
+  out = jnp.sum(w[..., None] * acc, axis=1)
+  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
+  b, _, h, d = q1.shape
+  s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
+  g = h // kh
+  itemsize = k1.dtype.itemsize
+  gp = L.round_up(g, 8 * max(1, 4 // q1.dtype.itemsize))
+  bk, sp = _block_kv(s, blocks)
+  if sp != s:  # a copy of the cache: see cache_length_multiple
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    k1, k2, v = pad(k1), pad(k2), pad(v)
+  n_blocks = sp // bk
+  splits = blocks.num_splits if blocks.num_splits is not None else (2 if b == 1 else 1)
+  splits = max(1, min(splits, n_blocks))
+  per_split = pl.cdiv(n_blocks, splits)
+  plan = _Plan(block_kv=bk, blocks_per_split=per_split, splits=splits, kv_heads=kh, rows=gp,
+               scale=float(scale), k_view=cache_view(kh, d, itemsize),
+               v_view=cache_view(kh, dv, itemsize))
+  cols = plan.columns
+
+  # [B, 1, H, D] x2 -> [B, 2, K * Gp, D]; head h is row h % G of group h // G.
+  q = jnp.stack([q1, q2], axis=1).reshape(b, 2, kh, g, d)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).reshape(b, 2, cols, d)
+  kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, s)
+
+  kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=per_split)
+  def cache_spec(view: str, width: int):
+    if view == SKD:
+      return pl.BlockSpec((None, bk, kh, width),
+                          lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0))
+    if view == KSD:
+      return pl.BlockSpec((None, kh, bk, width),
+                          lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0))
+    return pl.BlockSpec((None, kh, width, bk),
+                        lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens)))
+
+  out_spec = lambda shape: pl.BlockSpec((None, None, *shape),
+                                        lambda bi, si, j, lens: (bi, si) + (0,) * len(shape))
+  if plan.flat:  # row statistics and transposed accumulators
+    stat_shape, acc_shape, ml_shape = (2, 1, cols), (2, dv, cols), (2, 2, cols)
+  else:
+    stat_shape, acc_shape, ml_shape = (2, cols, 1), (2, cols, dv), (2, cols, 2)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(b, splits, per_split),
+      in_specs=[pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
+                cache_spec(plan.k_view, d), cache_spec(plan.k_view, d),
+                cache_spec(plan.v_view, dv)],
+      out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
+      scratch_shapes=[pltpu.VMEM(stat_shape, jnp.float32), pltpu.VMEM(stat_shape, jnp.float32),
+                      pltpu.VMEM(acc_shape, jnp.float32)])
+  tiles = 2 * itemsize * bk * kh * (2 * L.round_up(d, _LANES) + L.round_up(dv, _LANES))
+  work = (bk * kh * L.round_up(cols, _LANES) if plan.flat
+          else L.round_up(gp, 8) * L.round_up(bk, _LANES))  # one map's scores
+  vmem = tiles + 4 * (3 * 2 * L.round_up(cols, 8) * (L.round_up(dv, _LANES) + 2 * _LANES)
+                      + 6 * work)
+  cache_bytes = itemsize * b * sp * kh * (2 * d + dv)
+  acc, ml = pl.pallas_call(
+      functools.partial(_decode_kernel, plan=plan),
+      grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((b, splits, *acc_shape), jnp.float32),
+                 jax.ShapeDtypeStruct((b, splits, *ml_shape), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=L.vmem_limit(vmem)),
+      cost_estimate=pl.CostEstimate(flops=4 * b * h * s * (d + dv),
+                                    transcendentals=2 * b * h * s,
+                                    bytes_accessed=int(cache_bytes)),
+      interpret=interpret,
+      name="diff_v1_decode",
+  )(kv_len, q, _to_view(k1, plan.k_view), _to_view(k2, plan.k_view), _to_view(v, plan.v_view))
+  if plan.flat:
+    acc, m, l = acc.swapaxes(-1, -2), ml[..., 0, :], ml[..., 1, :]
+  else:
+    m, l = ml[..., 0], ml[..., 1]
+  o = _merge(acc, m, l).reshape(b, 2, kh, gp, dv)[:, :, :, :g]  # [B, 2, K, G, Dv]
+  lam_KxG = lam_H.astype(jnp.float32).reshape(kh, g)
+  out = o[:, 0] - lam_KxG[None, :, :, None] * o[:, 1]
+  return out.reshape(b, 1, h, dv).astype(q1.dtype)
+
+
+def diff_v1_decode_tpu(
+    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float,
+    kv_len_B: jax.Array, *, scale: float | None = None,
+    block_sizes: DecodeBlockSizes | dict | None = None,
+    interpret: Interpret = False) -> jax.Array:
+  """DIFF V1 attention of one new token per sequence against a KV cache, on a TPU.
+
+  Args:
+    q1_Bx1xHxD, q2_Bx1xHxD: the new token's two query components (T = 1).
+    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv: the cache (S slots; Dv = 2 D in the paper).
+    lam_H: lambda, a scalar or [H].
+    kv_len_B: int [B], valid cache length per sequence (the new token included);
+      positions >= kv_len are ignored, values are clipped to [0, S].
+    scale: score scale, default 1 / sqrt(D).
+    block_sizes: None, a :class:`DecodeBlockSizes` or a dict of its fields.
+    interpret: run in the TPU interpreter (True, or ``pltpu.InterpretParams``).
+  Returns:
+    [B, 1, H, Dv] in the dtype of q1; a row with ``kv_len == 0`` is zero. No
+    gradient: decoding is inference only.
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  b, t, h, d = q1_Bx1xHxD.shape
+  if t != 1:
+    raise ValueError(f"diff_v1_decode_tpu takes one query token (shape [B, 1, H, D]); got "
+                     f"q1 shape {tuple(q1_Bx1xHxD.shape)}. Use diff_v1_attention_tpu for "
+                     "T > 1.")
+  kv_len_B = jnp.asarray(kv_len_B)
+  if kv_len_B.shape != (b,) or not jnp.issubdtype(kv_len_B.dtype, jnp.integer):
+    raise ValueError(f"kv_len must be an integer array of shape ({b},); got shape "
+                     f"{tuple(kv_len_B.shape)} and dtype {kv_len_B.dtype}.")
+  blocks = resolve_decode_block_sizes(block_sizes, head_dim=d,
+                                      value_dim=v_BxSxKxDv.shape[3],
+                                      kv_heads=k1_BxSxKxD.shape[2],
+                                      itemsize=k1_BxSxKxD.dtype.itemsize)
+  return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
+                 jnp.broadcast_to(lam_H, (h,)), kv_len_B, scale=_v.default_scale(scale, d),
+                 blocks=blocks, interpret=_interpret_mode(interpret))
