@@ -37,7 +37,7 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
 def test_every_row_of_the_table_is_what_runs():
   rows = [r for r in dispatch.BUILTIN_KERNELS if r[3] is not None]
   # This installation (jax with Pallas TPU and Triton) has every kernel.
-  assert len(rows) == len(dispatch.BUILTIN_KERNELS) == 11
+  assert len(rows) == len(dispatch.BUILTIN_KERNELS) == 12
   for op, implementation, platform, fn in rows:
     assert dispatch.lookup(op, implementation, platform, False).fn is fn, (op, implementation)
   # Each (op, implementation, platform) appears once.
