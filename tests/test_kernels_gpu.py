@@ -279,7 +279,7 @@ def test_block_sizes_validation_names_values():
   q1, q2, k1, k2, v, lam = _v1_inputs(1, 32, 32, 2, 2, 16, 32, jnp.float32)
   with pytest.raises(ValueError, match=r"Unknown BlockSizes fields \['block_z'\]"):
     kg.diff_v1_fused(q1, q2, k1, k2, v, lam, block_sizes={"block_z": 32}, interpret=True)
-  with pytest.raises(ValueError, match="block_sizes must be None, a BlockSizes or a dict"):
+  with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
     kg.diff_v1_fused(q1, q2, k1, k2, v, lam, block_sizes=(64, 64), interpret=True)
 
 

@@ -224,7 +224,7 @@ def test_block_sizes_validation_names_values():
   with pytest.raises(ValueError, match="block_kv_bwd='256' must be a positive multiple"):
     kt.BlockSizes(block_kv_bwd="256")
   args = _v1_inputs(1, 32, 32, 2, 2, 16, jnp.float32)
-  with pytest.raises(ValueError, match=r"Unknown block size fields \['block_z'\]"):
+  with pytest.raises(ValueError, match=r"Unknown BlockSizes fields \['block_z'\]"):
     kt.diff_v1_attention_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
   with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
     kt.diff_v1_attention_tpu(*args, block_sizes=(64, 64), interpret=True)

@@ -159,7 +159,7 @@ def test_decode_rejects_bad_arguments():
     kt.diff_v1_decode_tpu(q1, q2, k1, k2, v, lam, jnp.array([3.0, 4.0]), interpret=True)
   with pytest.raises(ValueError, match="multiple of 128"):
     kt.DecodeBlockSizes(block_kv=96)
-  with pytest.raises(ValueError, match="Unknown decode block size fields"):
+  with pytest.raises(ValueError, match="Unknown DecodeBlockSizes fields"):
     kt.diff_v1_decode_tpu(q1, q2, k1, k2, v, lam, jnp.array([3, 4]), block_sizes={"bq": 8},
                           interpret=True)
 

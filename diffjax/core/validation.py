@@ -5,7 +5,9 @@ Each check raises ``ValueError`` naming the values it saw and the rule they brea
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 
@@ -108,3 +110,37 @@ def split_segment_ids(segment_ids, batch: int, q_len: int, kv_len: int):
 
 def default_scale(scale, head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_decode(q_Bx1xHxD, kv_len_B, op: str, wider: str | None = None) -> None:
+  """One query token per row, and an integer [B] valid cache length per row.
+
+  ``op`` names the function in the message; ``wider`` the one to use for T > 1.
+  """
+  b, t = _shape(q_Bx1xHxD)[:2]
+  if t != 1:
+    hint = f" Use {wider} for T > 1." if wider else ""
+    raise ValueError(f"{op} takes one query token per row (shape [B, 1, H, D]); got q shape "
+                     f"{_shape(q_Bx1xHxD)}.{hint}")
+  kv_len_B = jnp.asarray(kv_len_B)
+  if kv_len_B.shape != (b,) or not jnp.issubdtype(kv_len_B.dtype, jnp.integer):
+    raise ValueError(f"kv_len must be an integer array of shape ({b},); got shape "
+                     f"{tuple(kv_len_B.shape)} and dtype {kv_len_B.dtype}.")
+
+
+def resolve_fields(value: Any, default: Any, cls: type) -> Any:
+  """A dataclass option (block sizes): None gives ``default``, an instance of ``cls`` is
+  kept, and a dict overrides some fields of ``default``."""
+  if value is None:
+    return default
+  if isinstance(value, cls):
+    return value
+  if isinstance(value, Mapping):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+      raise ValueError(f"Unknown {cls.__name__} fields {unknown}; expected some of "
+                       f"{sorted(fields)}.")
+    return dataclasses.replace(default, **dict(value))
+  raise TypeError(f"block_sizes must be None, a {cls.__name__} or a dict of its fields; got "
+                  f"{type(value).__name__}.")

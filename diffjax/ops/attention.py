@@ -206,15 +206,6 @@ def _length_mask(kv_len_B: jax.Array, s: int) -> jax.Array:
   return (jnp.arange(s, dtype=jnp.int32)[None, :] < kv_len_B[:, None])[:, None, None, :]
 
 
-def _check_decode(q_Bx1xHxD: jax.Array, kv_len_B: jax.Array) -> None:
-  b, t = jnp.shape(q_Bx1xHxD)[:2]
-  if t != 1:
-    raise ValueError(f"decode attention takes one query token per row (shape [B, 1, H, D]); "
-                     f"got {tuple(jnp.shape(q_Bx1xHxD))}.")
-  if jnp.shape(kv_len_B) != (b,):
-    raise ValueError(f"kv_len must have shape ({b},); got {tuple(jnp.shape(kv_len_B))}.")
-
-
 def dot_product_attention_decode(
     q_Bx1xHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, kv_len_B: jax.Array,
     *, scale: float | None = None, implementation: str = "auto", block_sizes=None,
@@ -230,7 +221,7 @@ def dot_product_attention_decode(
     first kv_len[b] slots.
   """
   _v.check_mha(q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD)
-  _check_decode(q_Bx1xHxD, kv_len_B)
+  _v.check_decode(q_Bx1xHxD, kv_len_B, "decode attention")
   impl = resolve("mha_decode", implementation, has_mask=False, interpret=interpret,
                  float64=_is_float64(q_Bx1xHxD))
   if impl == "xla":
@@ -255,7 +246,7 @@ def diff_v1_attention_decode(
   """
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  _check_decode(q1_Bx1xHxD, kv_len_B)
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "decode attention")
   impl = resolve("diff_v1_decode", implementation, has_mask=False, interpret=interpret,
                  float64=_is_float64(q1_Bx1xHxD))
   if impl == "xla":
@@ -281,7 +272,7 @@ def diff_v2_attention_decode(
   Returns [B, 1, H, D] in the dtype of q.
   """
   _v.check_diff_v2(q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH)
-  _check_decode(q_Bx1xQxD, kv_len_B)
+  _v.check_decode(q_Bx1xQxD, kv_len_B, "decode attention")
   impl = resolve("diff_v2_decode", implementation, has_mask=False, interpret=interpret,
                  float64=_is_float64(q_Bx1xQxD))
   if impl == "xla":

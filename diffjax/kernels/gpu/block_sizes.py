@@ -20,7 +20,9 @@ been swept on hardware. Sweep them per chip with ``benchmarks/attention.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
+
+from diffjax.core import validation as _v
 
 _MIN_BLOCK = 16
 _MAX_BLOCK = 1024
@@ -155,16 +157,4 @@ class DecodeBlockSizes:
 
 def resolve(block_sizes, default, cls=BlockSizes):
   """None -> ``default``; a dict overrides fields of ``default``; an instance is kept."""
-  if block_sizes is None:
-    return default
-  if isinstance(block_sizes, cls):
-    return block_sizes
-  if isinstance(block_sizes, Mapping):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(block_sizes) - fields)
-    if unknown:
-      raise ValueError(f"Unknown {cls.__name__} fields {unknown}; expected some of "
-                       f"{sorted(fields)}.")
-    return dataclasses.replace(default, **dict(block_sizes))
-  raise ValueError(f"block_sizes must be None, a {cls.__name__} or a dict of its fields; got "
-                   f"{type(block_sizes).__name__}.")
+  return _v.resolve_fields(block_sizes, default, cls)

@@ -163,14 +163,9 @@ def diff_v1_decode(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_Bx1xHxD.shape
-  if t != 1:
-    raise ValueError(f"diff_v1_decode takes one query token (shape [B, 1, H, D]); got "
-                     f"q1 shape {tuple(q1_Bx1xHxD.shape)}. Use diff_v1_fused for T > 1.")
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode", wider="diff_v1_fused")
+  b, _, h, d = q1_Bx1xHxD.shape
   kv_len_B = jnp.asarray(kv_len_B)
-  if kv_len_B.shape != (b,) or not jnp.issubdtype(kv_len_B.dtype, jnp.integer):
-    raise ValueError(f"kv_len must be an integer array of shape ({b},); got shape "
-                     f"{tuple(kv_len_B.shape)} and dtype {kv_len_B.dtype}.")
   blocks = bs.resolve(block_sizes, bs.DecodeBlockSizes.default(d, v_BxSxKxDv.shape[3]),
                       cls=bs.DecodeBlockSizes)
   return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,

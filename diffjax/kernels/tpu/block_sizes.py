@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from diffjax.core import validation as _v
+
 # The score tile [block_q, block_kv] puts keys on the 128-wide lane axis and
 # queries on the 8-row sublane axis of a TPU vector register.
 _SUBLANES = 8
@@ -64,18 +66,7 @@ def resolve_block_sizes(block_sizes: "BlockSizes | Mapping[str, Any] | None",
 
   A dict may give only some fields; the others come from the defaults for ``head_dim``.
   """
-  if block_sizes is None:
-    return BlockSizes.get_default(head_dim)
-  if isinstance(block_sizes, BlockSizes):
-    return block_sizes
-  if isinstance(block_sizes, Mapping):
-    fields = {f.name for f in dataclasses.fields(BlockSizes)}
-    unknown = sorted(set(block_sizes) - fields)
-    if unknown:
-      raise ValueError(f"Unknown block size fields {unknown}; expected some of {sorted(fields)}.")
-    return dataclasses.replace(BlockSizes.get_default(head_dim), **dict(block_sizes))
-  raise TypeError("block_sizes must be None, a BlockSizes or a dict of its fields; got "
-                  f"{type(block_sizes).__name__}.")
+  return _v.resolve_fields(block_sizes, BlockSizes.get_default(head_dim), BlockSizes)
 
 
 # The cache tiles of one decode step (K1, K2 and V of every kv group, one buffer) are
@@ -130,17 +121,5 @@ def resolve_decode_block_sizes(block_sizes: "DecodeBlockSizes | Mapping[str, Any
                                head_dim: int, value_dim: int, kv_heads: int,
                                itemsize: int) -> DecodeBlockSizes:
   """None (defaults for the cache shape), a DecodeBlockSizes, or a dict of its fields."""
-  default = lambda: DecodeBlockSizes.get_default(head_dim, value_dim, kv_heads, itemsize)
-  if block_sizes is None:
-    return default()
-  if isinstance(block_sizes, DecodeBlockSizes):
-    return block_sizes
-  if isinstance(block_sizes, Mapping):
-    fields = {f.name for f in dataclasses.fields(DecodeBlockSizes)}
-    unknown = sorted(set(block_sizes) - fields)
-    if unknown:
-      raise ValueError(f"Unknown decode block size fields {unknown}; expected some of "
-                       f"{sorted(fields)}.")
-    return dataclasses.replace(default(), **dict(block_sizes))
-  raise TypeError("block_sizes must be None, a DecodeBlockSizes or a dict of its fields; got "
-                  f"{type(block_sizes).__name__}.")
+  default = DecodeBlockSizes.get_default(head_dim, value_dim, kv_heads, itemsize)
+  return _v.resolve_fields(block_sizes, default, DecodeBlockSizes)
