@@ -13,6 +13,7 @@ from diffjax.data import prepare as prepare_lib
 from diffjax.data import stdlib_files
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
+from diffjax.data.shards import TokenShard, read_documents
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ def _inputs(tmp_path):
 
 def _shard_bytes(out):
   return {p: open(os.path.join(out, p), "rb").read() for p in sorted(os.listdir(out))
-          if p.endswith(".array_record")}
+          if p.endswith(".tokens")}
 
 
 def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
@@ -38,11 +39,10 @@ def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
                 progress=False)
   m = read_manifest(out)
   assert m.num_documents == 55 and len(m.shards) > 5
-  from array_record.python import array_record_data_source
-  docs = [bytes(np.frombuffer(r, "<i4").astype(np.uint8)).decode()
-          for s in m.shards for r in array_record_data_source.ArrayRecordDataSource([s.path])]
+  docs = [bytes(d.astype(np.uint8)).decode() for s in m.shards for d in read_documents(s.path)]
   assert sum(d.startswith("json doc") for d in docs) == 25
   assert sum(len(d) for d in docs) == m.num_tokens
+  assert all(TokenShard(s.path).token_bytes == 2 for s in m.shards)  # byte ids: 2 bytes each
 
 
 def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):

@@ -8,9 +8,11 @@ grow with the corpus. Layout:
     {"format": "diffjax-prepared/1",
      "tokenizer": {"spec": "tokenizer.json", "sha256": "...", "vocab_size": 100288, "eos_id": 0},
      "num_documents": D, "num_tokens": N,
-     "shards": [{"path": "shard-00000-0000.array_record", "num_documents": d, "num_tokens": n}, ...]}
+     "shards": [{"path": "shard-00000-0000.tokens", "num_documents": d, "num_tokens": n}, ...]}
 
 Shard paths are relative to the manifest's directory, so a prepared directory can be moved.
+Shards are `.tokens` files (`diffjax.data.shards`); `.array_record` shards, which earlier
+versions of `prepare` wrote, are still read.
 Global document ids number the documents of the shards in manifest order.
 """
 

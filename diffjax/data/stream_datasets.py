@@ -105,8 +105,6 @@ class PreparedDatasets:
     return doc if doc is not None else self._val_docs.ids[k % len(self._val_docs.ids)]
 
   def _lanes(self, slot_fn, reader) -> list[Lane]:
-    # The lanes' first documents, whose shards are opened together rather than one by one.
-    reader.open_for(slot_fn(0, r) for r in range(*self.rows))
     return [Lane(r, self.global_batch_size, slot_fn, reader, self.tokenizer.eos_id, self.seq_len)
             for r in range(*self.rows)]
 

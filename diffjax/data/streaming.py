@@ -14,7 +14,7 @@ in a seeded order built without materialising a permutation of the corpus:
 Each lane appends eos after each document and cuts windows of T + 1 tokens, consecutive windows
 sharing one token, with segment ids and per-document positions exactly as `packing.Packer`.
 A lane whose documents run out starts its next epoch; lanes are independent of each other and of
-the process count, so process p (rows [p*b, (p+1)*b)) reads only the records of its own lanes
+the process count, so process p (rows [p*b, (p+1)*b)) reads only the documents of its own lanes
 and the union of the processes' rows is the single-process batch.
 
 Validation documents are chosen by a keyed hash of the global document id (`doc_is_val`), so
@@ -30,7 +30,6 @@ on the process count and the per-lane position could not be written as three int
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import queue
 import threading
 from typing import Callable
@@ -41,6 +40,7 @@ from grain.experimental import index_shuffle
 
 from diffjax.data.manifest import Manifest
 from diffjax.data.packing import BATCH_KEYS
+from diffjax.data.shards import TokenShard
 from diffjax.data.sources import _decode_record
 
 _U64 = np.uint64
@@ -114,15 +114,29 @@ class EpochOrder:
     return int(self.offsets_Sp1[shard] + j - inner[g][s])
 
 
+class _ArrayRecordShard:
+  """A shard of a corpus prepared as ArrayRecord files by earlier versions of `prepare`."""
+
+  def __init__(self, path: str):
+    from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+    self.path = path
+    self._reader = array_record_module.ArrayRecordReader(
+        path, options="readahead_buffer_size:0", file_reader_buffer_size=32768)
+
+  def __len__(self) -> int:
+    return self._reader.num_records()
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    return _decode_record(self._reader.read([int(i)])[0], i, self.path)
+
+  def close(self) -> None:
+    self._reader.close()
+
+
 class ShardReader:
   """Reads documents by global id, keeping at most `max_open` shards open (least recently used
-  closed first).
-
-  Opening a shard reads its record index, a cost fixed by the shard's size; the first batch of
-  a large corpus touches a whole group of shards, so :meth:`open_for` opens the shards of many
-  documents at once, in threads (on 2 cores this halved their time in a measurement; on network
-  storage their latencies overlap too).
-  """
+  closed first). Opening a `.tokens` shard reads its 32-byte header, so touching a whole group of
+  shards for the first batch costs about as much as touching one."""
 
   def __init__(self, manifest: Manifest, max_open: int):
     self.manifest = manifest
@@ -134,52 +148,29 @@ class ShardReader:
     return int(np.searchsorted(self.offsets_Sp1, doc, side="right")) - 1
 
   def _reader(self, s: int):
-    from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
     shard = self.manifest.shards[s]
-    # One open: the manifest already knows the record count, which is checked against the file.
-    reader = array_record_module.ArrayRecordReader(
-        shard.path, options="readahead_buffer_size:0", file_reader_buffer_size=32768)
-    if reader.num_records() != shard.num_documents:
-      n = reader.num_records()
+    reader = (_ArrayRecordShard(shard.path) if shard.path.endswith(".array_record")
+              else TokenShard(shard.path))
+    if len(reader) != shard.num_documents:
+      n = len(reader)
       reader.close()
-      raise ValueError(f"Shard {shard.path} holds {n} records but the manifest says "
+      raise ValueError(f"Shard {shard.path} holds {n} documents but the manifest says "
                        f"{shard.num_documents}: the prepared directory is inconsistent; prepare again.")
     return reader
-
-  def _keep(self, s: int, reader) -> None:
-    self._open[s] = reader
-    while len(self._open) > self.max_open:
-      self._open.popitem(last=False)[1].close()
 
   def _source(self, s: int):
     reader = self._open.get(s)
     if reader is None:
-      reader = self._reader(s)
-      self._keep(s, reader)
+      reader = self._open[s] = self._reader(s)
+      while len(self._open) > self.max_open:
+        self._open.popitem(last=False)[1].close()
     else:
       self._open.move_to_end(s)
     return reader
 
-  def open_for(self, docs) -> None:
-    """Opens, concurrently, the shards holding `docs` (ids; None and negatives are ignored)."""
-    wanted = []
-    for doc in docs:
-      if doc is not None and doc >= 0:
-        s = self._shard_of(int(doc))
-        if s not in self._open and s not in wanted:
-          wanted.append(s)
-    wanted = wanted[:self.max_open]
-    if len(wanted) < 2:
-      return
-    with concurrent.futures.ThreadPoolExecutor(min(16, len(wanted))) as pool:
-      readers = list(pool.map(self._reader, wanted))
-    for s, reader in zip(wanted, readers):
-      self._keep(s, reader)
-
   def __getitem__(self, doc: int) -> np.ndarray:
     s = self._shard_of(doc)
-    record = self._source(s).read([int(doc - self.offsets_Sp1[s])])[0]
-    return _decode_record(record, doc, self.manifest.shards[s].path)
+    return self._source(s)[int(doc - self.offsets_Sp1[s])]
 
 
 # A slot function maps (epoch, k) to a document id, -1 to skip the slot, or None at the end.
@@ -338,10 +329,6 @@ class StreamingBatchIterator(grain.DatasetIterator):
           f"The saved data position covers batch rows {state['rows']} but this process reads rows "
           f"{self._rows}: resume with the same number of processes as the run that saved it.")
     self._halt()
-    reader = self._lanes[0].reader if self._lanes else None
-    if hasattr(reader, "open_for"):  # open the shards the restored lanes resume in, together
-      reader.open_for(l.slot_fn(int(e), l.row + int(s) * l.stride)
-                      for l, (e, s, _) in zip(self._lanes, state["lanes"]) if int(s) >= 0)
     for lane, s in zip(self._lanes, state["lanes"]):
       lane.set_state(s)
     self._state = _copy_state(state)

@@ -1,0 +1,120 @@
+"""The `.tokens` shard format: round trip, damage refused with the path, legacy ArrayRecord shards."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from diffjax.data import DataConfig, build_datasets, write_array_record
+from diffjax.data.manifest import read_manifest
+from diffjax.data.shards import (HEADER_BYTES, TokenShard, TokenShardWriter, read_documents,
+                                 shard_bytes)
+
+
+def _docs(seed=0, n=40, lo=-5, hi=2**31 - 1):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(lo, hi, size=int(rng.integers(0, 90)), dtype=np.int64, endpoint=True)
+          for _ in range(n)]
+
+
+def _write(path, docs, token_bytes=4):
+  with TokenShardWriter(path, token_bytes) as w:
+    for d in docs:
+      w.write(d)
+  return str(path)
+
+
+@pytest.mark.parametrize("token_bytes", [2, 4])
+def test_round_trip_in_any_order_and_exact_size(tmp_path, token_bytes):
+  docs = _docs(hi=2**16 - 1 if token_bytes == 2 else 2**31 - 1, lo=0 if token_bytes == 2 else -5)
+  docs[1][:3] = [0, 2**16 - 1, 2**15] if token_bytes == 2 else [-2**31, 2**31 - 1, 0]
+  path = _write(tmp_path / "a.tokens", docs, token_bytes)
+  assert os.path.getsize(path) == shard_bytes(len(docs), sum(d.size for d in docs), token_bytes)
+  shard = TokenShard(path)
+  assert len(shard) == len(docs) and shard.num_tokens == sum(d.size for d in docs)
+  for i in np.random.default_rng(1).permutation(len(docs)):
+    got = shard[i]
+    assert got.dtype == np.int32 and np.array_equal(got, docs[i]), i
+  assert all(np.array_equal(a, b) for a, b in zip(read_documents(path), docs))
+  with pytest.raises(IndexError, match="outside"):
+    shard[len(docs)]
+  shard.close()
+
+
+def test_output_is_byte_identical_on_a_rerun(tmp_path):
+  a, b = _write(tmp_path / "a.tokens", _docs(3)), _write(tmp_path / "b.tokens", _docs(3))
+  assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_writer_refuses_what_is_not_int32_token_ids(tmp_path):
+  with TokenShardWriter(tmp_path / "w.tokens") as w:
+    with pytest.raises(ValueError, match="1-D sequence of integer"):
+      w.write(np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="1-D sequence of integer"):
+      w.write(np.array([0.5]))
+    with pytest.raises(ValueError, match=r"\[-2147483648, 2147483647\]"):
+      w.write(np.array([2**31]))
+  with TokenShardWriter(tmp_path / "w2.tokens", token_bytes=2) as w:
+    with pytest.raises(ValueError, match=r"\[0, 65535\] for 2-byte tokens"):
+      w.write(np.array([3, 65536]))
+    with pytest.raises(ValueError, match=r"\[0, 65535\]"):
+      w.write(np.array([-1]))
+  with pytest.raises(ValueError, match="2 or 4 bytes"):
+    TokenShardWriter(tmp_path / "w3.tokens", token_bytes=3)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "magic", "version", "offsets"])
+def test_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
+  docs = _docs(2)
+  path = _write(tmp_path / "d.tokens", docs)
+  raw = bytearray(open(path, "rb").read())
+  if damage == "truncated":
+    raw = raw[:-9]
+  elif damage == "magic":
+    raw[:8] = b"NOTATOKS"
+  elif damage == "version":
+    raw[8] = 7
+  else:  # document 3's end offset beyond the tokens
+    n = sum(d.size for d in docs)
+    at = HEADER_BYTES + 4 * n + 8 * 4
+    raw[at:at + 8] = (n + 100).to_bytes(8, "little")
+  open(path, "wb").write(bytes(raw))
+  with pytest.raises(ValueError, match=str(path).replace(".", r"\.")):
+    shard = TokenShard(path)
+    for i in range(len(docs)):
+      shard[i]  # pylint: disable=pointless-statement
+
+
+def test_corpus_prepared_as_array_record_streams_the_same_batches(tmp_path):
+  docs = [d % 256 for d in _docs(5, 60) if d.size]
+  dirs = {}
+  for kind in ("tokens", "array_record"):
+    out = tmp_path / kind
+    out.mkdir()
+    shards = []
+    for s, part in enumerate((docs[:25], docs[25:])):
+      name = f"shard-{s:05d}-0000.{kind}"
+      if kind == "tokens":
+        _write(out / name, part)
+      else:
+        write_array_record(out / name, part)
+      shards.append({"path": name, "num_documents": len(part),
+                     "num_tokens": int(sum(d.size for d in part))})
+    from diffjax.data import ByteTokenizer
+    from diffjax.data.manifest import tokenizer_fingerprint, write_manifest
+    tok = ByteTokenizer()
+    write_manifest(str(out), shards, {"spec": "byte", "sha256": tokenizer_fingerprint(tok),
+                                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id})
+    assert read_manifest(str(out)).num_documents == len(docs)
+    dirs[kind] = str(out)
+  batches = {}
+  for kind, path in dirs.items():
+    data = build_datasets(DataConfig(kind="prepared", paths=(path,), shards_per_group=2,
+                                     val_fraction=0.1), seq_len=24, global_batch_size=3, seed=1)
+    batches[kind] = [next(data.train_iter) for _ in range(12)] + data.val_batches(2)
+    data.train_iter.close()
+  for a, b in zip(batches["tokens"], batches["array_record"]):
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+  with open(os.path.join(dirs["tokens"], "manifest.json")) as f:
+    assert json.load(f)["shards"][0]["path"].endswith(".tokens")
