@@ -37,7 +37,7 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
 def test_every_row_of_the_table_is_what_runs():
   rows = [r for r in dispatch.BUILTIN_KERNELS if r[3] is not None]
   # This installation (jax with Pallas TPU and Triton) has every kernel.
-  assert len(rows) == len(dispatch.BUILTIN_KERNELS) == 12
+  assert len(rows) == len(dispatch.BUILTIN_KERNELS) == 15
   for op, implementation, platform, fn in rows:
     assert dispatch.lookup(op, implementation, platform, False).fn is fn, (op, implementation)
   # Each (op, implementation, platform) appears once.
@@ -47,7 +47,7 @@ def test_every_row_of_the_table_is_what_runs():
 @pytest.mark.parametrize("platform,op,want", [
     ("tpu", "mha", "stock"), ("tpu", "diff_v1", "pallas_tpu"), ("tpu", "diff_v2", "pallas_tpu"),
     ("gpu", "mha", "stock"), ("gpu", "diff_v1", "pallas_gpu"), ("gpu", "diff_v2", "pallas_gpu"),
-    ("cpu", "mha", "xla"), ("cpu", "diff_v1", "xla"), ("cpu", "diff_v2", "xla"),
+    ("cpu", "mha", "xla_cpu"), ("cpu", "diff_v1", "xla_cpu"), ("cpu", "diff_v2", "xla_cpu"),
 ])
 def test_auto_picks_the_platform_kernel(platform, op, want):
   with ops.target_platform(platform):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from diffjax import sharding
 from diffjax.core import validation as _v
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "stock")
+IMPLEMENTATIONS = ("auto", "xla", "xla_cpu", "pallas", "pallas_tpu", "pallas_gpu", "stock")
 OPS = ("mha", "diff_v1", "diff_v2")
 # One query token per row against a KV cache with a valid length per row.
 DECODE_OPS = ("mha_decode", "diff_v1_decode", "diff_v2_decode")
@@ -46,6 +46,10 @@ class _Unavailable:
 
 
 try:
+  from diffjax.kernels import cpu as cpu_kernels
+except ImportError as e:  # pragma: no cover
+  cpu_kernels = _Unavailable("diffjax.kernels.cpu", e)
+try:
   from diffjax.kernels import tpu as tpu_kernels
 except ImportError as e:  # pragma: no cover - depends on the installed jax
   tpu_kernels = _Unavailable("diffjax.kernels.tpu", e)
@@ -66,9 +70,13 @@ except ImportError as e:  # pragma: no cover
   gpu_diff_v1 = gpu_diff_v2 = _Unavailable("diffjax.kernels.gpu (fused)", e)
 
 # Every kernel that ships with diffjax. "auto" on a TPU or GPU takes the row for
-# f"pallas_{platform}" when there is one, else (baseline only) the "stock" row.
+# f"pallas_{platform}" when there is one, else (baseline only) the "stock" row; on a CPU
+# it takes the "xla_cpu" row (plain XLA laid out for CPU caches).
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     # op        implementation  platform  function
+    ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_cpu),
+    ("diff_v1", "xla_cpu",      "cpu",    cpu_kernels.diff_v1_cpu),
+    ("diff_v2", "xla_cpu",      "cpu",    cpu_kernels.diff_v2_cpu),
     ("mha",     "stock",        "tpu",    tpu_kernels.mha_stock_tpu),
     ("diff_v1", "pallas_tpu",   "tpu",    tpu_kernels.diff_v1_attention_tpu),
     ("diff_v1", "stock",        "tpu",    tpu_kernels.diff_v1_stock_tpu),
@@ -107,9 +115,9 @@ def register_implementation(op: str, implementation: str, fn: Callable[..., Any]
   """
   if op not in OPS + DECODE_OPS:
     raise ValueError(f"Unknown op {op!r}; expected one of {OPS + DECODE_OPS}.")
-  if implementation not in ("pallas_tpu", "pallas_gpu", "stock"):
+  if implementation not in ("xla_cpu", "pallas_tpu", "pallas_gpu", "stock"):
     raise ValueError(f"Cannot register implementation {implementation!r}; expected "
-                     "'pallas_tpu', 'pallas_gpu' or 'stock'.")
+                     "'xla_cpu', 'pallas_tpu', 'pallas_gpu' or 'stock'.")
   entries = [e for e in _REGISTRY.get((op, implementation), [])
              if not set(e.platforms) & set(platforms)]
   _REGISTRY[(op, implementation)] = entries + [_Impl(fn, tuple(platforms))]
@@ -158,7 +166,8 @@ def current_platform() -> str:
 
 def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
             float64: bool = False) -> str:
-  """The implementation that runs: "xla", "pallas_tpu", "pallas_gpu" or "stock".
+  """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
+  "stock".
 
   ``float64``: the inputs are float64, which only the XLA path computes in float64
   (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
@@ -170,7 +179,11 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
     return "xla"
   platform = current_platform()
   if implementation == "auto":
-    if platform not in ("tpu", "gpu") or has_mask or float64:
+    if has_mask or float64:
+      return "xla"
+    if platform == "cpu":
+      return "xla_cpu" if lookup(op, "xla_cpu", platform, False) is not None else "xla"
+    if platform not in ("tpu", "gpu"):
       return "xla"
     if lookup(op, f"pallas_{platform}", platform, False) is not None:
       return f"pallas_{platform}"

@@ -1,0 +1,189 @@
+"""Attention for the CPU: the same math as the reference, laid out for a CPU's caches.
+
+The reference (:mod:`diffjax.core.reference`) computes scores for the whole batch as
+[B, H, T, S] tensors in token-major einsums and lets autodiff differentiate its masked
+softmax. On a CPU that costs several passes over tensors far larger than the caches: at
+B = 8, T = 256, 8 heads of 32, one layer's forward and backward took 150 ms, against 28 ms
+for PyTorch's CPU flash attention.
+
+Here each batch row is one iteration of ``lax.map`` (its scores, [K, G*T, S], stay in cache),
+queries are head-major with the G query heads of a kv group stacked as rows of one matmul,
+the forward keeps only the output and the row log-sum-exp, and the backward is written out
+(scores recomputed from the saved log-sum-exp, ``delta = rowsum(dO * O)``), which is 3x faster
+than the reference at the shape above (forward and backward).
+
+DIFF V1 and V2 are two such attentions on the same values combined with λ:
+``A(q1, k1, V) - λ A(q2, k2, V)`` equals the reference's ``(P1 - λ P2) V`` up to float32
+rounding; the gradient of λ comes from autodiff of that combination.
+
+Numerics as the reference: scores and softmax in float32 (float64 for float64 inputs), the
+probabilities cast to the value dtype for the PV matmul, rows with no visible key give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.core import validation as _v
+from diffjax.core.dtypes import accumulation_dtype
+
+
+def _to_rows(q_BxTxHxD: jax.Array, kv_heads: int) -> jax.Array:
+  """[B, T, H, D] -> [B, K, G*T, D]: the G query heads of kv group k stacked as rows."""
+  b, t, h, d = q_BxTxHxD.shape
+  g = h // kv_heads
+  return q_BxTxHxD.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(
+      b, kv_heads, g * t, d)
+
+
+def _from_rows(o_BxKxRxD: jax.Array, t: int) -> jax.Array:
+  b, k, r, d = o_BxKxRxD.shape
+  g = r // t
+  return o_BxKxRxD.reshape(b, k, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, d)
+
+
+def _head_major(x_BxSxKxD: jax.Array) -> jax.Array:
+  return x_BxSxKxD.transpose(0, 2, 1, 3)
+
+
+def _visible(t: int, s: int, g: int, causal: bool, q_seg_T, kv_seg_S):
+  """Boolean [G*T, S] (or None: everything visible) for one batch row."""
+  out = None
+  if causal:
+    q_pos = jnp.tile(jnp.arange(t), g)[:, None] + (s - t)
+    out = jnp.arange(s)[None, :] <= q_pos
+  if q_seg_T is not None:
+    seg = jnp.tile(q_seg_T, g)[:, None] == kv_seg_S[None, :]
+    out = seg if out is None else jnp.logical_and(out, seg)
+  return out
+
+
+def _scores(q_KxRxD, k_KxSxD, visible, scale):
+  acc = accumulation_dtype(q_KxRxD.dtype)
+  s_KxRxS = jnp.einsum("krd,ksd->krs", q_KxRxD, k_KxSxD, preferred_element_type=acc)
+  s_KxRxS = s_KxRxS * jnp.asarray(scale, acc)
+  if visible is not None:
+    s_KxRxS = jnp.where(visible[None], s_KxRxS, -jnp.inf)
+  return s_KxRxS
+
+
+def _row_forward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, *, t, causal, scale):
+  g = q_KxRxD.shape[1] // t
+  s_KxRxS = _scores(q_KxRxD, k_KxSxD, _visible(t, k_KxSxD.shape[1], g, causal, q_seg_T,
+                                              kv_seg_S), scale)
+  m_KxR = jnp.max(s_KxRxS, axis=-1)
+  m_KxR = jnp.where(jnp.isfinite(m_KxR), m_KxR, 0.0)
+  e_KxRxS = jnp.exp(s_KxRxS - m_KxR[..., None])
+  l_KxR = jnp.sum(e_KxRxS, axis=-1)
+  p_KxRxS = e_KxRxS / jnp.where(l_KxR > 0, l_KxR, 1.0)[..., None]
+  o_KxRxDv = jnp.einsum("krs,ksd->krd", p_KxRxS.astype(v_KxSxDv.dtype), v_KxSxDv,
+                        preferred_element_type=p_KxRxS.dtype)
+  # Rows with no visible key: lse = +inf, so recomputed probabilities are exp(-inf) = 0.
+  lse_KxR = jnp.where(l_KxR > 0, m_KxR + jnp.log(jnp.where(l_KxR > 0, l_KxR, 1.0)), jnp.inf)
+  return o_KxRxDv.astype(q_KxRxD.dtype), lse_KxR
+
+
+def _row_backward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, o_KxRxDv, lse_KxR, do_KxRxDv,
+                  *, t, causal, scale):
+  g = q_KxRxD.shape[1] // t
+  s_KxRxS = _scores(q_KxRxD, k_KxSxD, _visible(t, k_KxSxD.shape[1], g, causal, q_seg_T,
+                                              kv_seg_S), scale)
+  acc = s_KxRxS.dtype
+  p_KxRxS = jnp.exp(s_KxRxS - lse_KxR[..., None])
+  do = do_KxRxDv.astype(acc)
+  delta_KxR = jnp.sum(do * o_KxRxDv.astype(acc), axis=-1)
+  dp_KxRxS = jnp.einsum("krd,ksd->krs", do_KxRxDv, v_KxSxDv, preferred_element_type=acc)
+  ds_KxRxS = p_KxRxS * (dp_KxRxS - delta_KxR[..., None]) * jnp.asarray(scale, acc)
+  dq = jnp.einsum("krs,ksd->krd", ds_KxRxS.astype(k_KxSxD.dtype), k_KxSxD,
+                  preferred_element_type=acc)
+  dk = jnp.einsum("krs,krd->ksd", ds_KxRxS.astype(q_KxRxD.dtype), q_KxRxD,
+                  preferred_element_type=acc)
+  dv = jnp.einsum("krs,krd->ksd", p_KxRxS.astype(do_KxRxDv.dtype), do_KxRxDv,
+                  preferred_element_type=acc)
+  return dq.astype(q_KxRxD.dtype), dk.astype(k_KxSxD.dtype), dv.astype(v_KxSxDv.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale):
+  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal,
+                     scale)[0]
+
+
+def _attend_fwd(q, k, v, q_seg, kv_seg, t, causal, scale):
+  fwd = functools.partial(_row_forward, t=t, causal=causal, scale=scale)
+  if q_seg is None:
+    o, lse = jax.lax.map(lambda a: fwd(*a, None, None), (q, k, v))
+  else:
+    o, lse = jax.lax.map(lambda a: fwd(*a), (q, k, v, q_seg, kv_seg))
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _attend_bwd(t, causal, scale, res, do):
+  q, k, v, q_seg, kv_seg, o, lse = res
+  bwd = functools.partial(_row_backward, t=t, causal=causal, scale=scale)
+  if q_seg is None:
+    dq, dk, dv = jax.lax.map(lambda a: bwd(a[0], a[1], a[2], None, None, *a[3:]),
+                             (q, k, v, o, lse, do))
+  else:
+    dq, dk, dv = jax.lax.map(lambda a: bwd(*a), (q, k, v, q_seg, kv_seg, o, lse, do))
+  return dq, dk, dv, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_segment_ids,
+               scale) -> jax.Array:
+  """softmax(q k^T scale) V for each query head and its kv group: [B, T, H, Dv]."""
+  t, kv = q_BxTxHxD.shape[1], k_BxSxKxD.shape[2]
+  o = _attend(_to_rows(q_BxTxHxD, kv), _head_major(k_BxSxKxD), _head_major(v_BxSxKxDv),
+              q_segment_ids, kv_segment_ids, t, bool(causal), float(scale))
+  return _from_rows(o, t)
+
+
+def mha_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None,
+            kv_segment_ids=None, scale=None, block_sizes=None, interpret=False) -> jax.Array:
+  """Baseline attention; arguments as :func:`diffjax.ops.dot_product_attention`'s kernels."""
+  del block_sizes, interpret
+  _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
+  scale = _v.default_scale(scale, q_BxTxHxD.shape[-1])
+  return _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, causal=causal,
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+
+
+def diff_v1_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
+                causal=True, q_segment_ids=None, kv_segment_ids=None, scale=None,
+                block_sizes=None, interpret=False) -> jax.Array:
+  """DIFF V1 core ``A(q1, k1, V) - λ_h A(q2, k2, V)``, before the per-head norm."""
+  del block_sizes, interpret
+  _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  scale = _v.default_scale(scale, q1_BxTxHxD.shape[-1])
+  kw = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            scale=scale)
+  o1 = _attention(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, **kw)
+  o2 = _attention(q2_BxTxHxD, k2_BxSxKxD, v_BxSxKxDv, **kw)
+  acc = accumulation_dtype(q1_BxTxHxD.dtype)
+  lam_1x1xHx1 = jnp.broadcast_to(jnp.asarray(lam_H, acc), (q1_BxTxHxD.shape[2],))[None, None, :,
+                                                                                None]
+  return (o1.astype(acc) - lam_1x1xHx1 * o2.astype(acc)).astype(q1_BxTxHxD.dtype)
+
+
+def diff_v2_cpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
+                q_segment_ids=None, kv_segment_ids=None, scale=None, block_sizes=None,
+                interpret=False) -> jax.Array:
+  """DIFF V2 core on paired query heads: ``A(q_2i) - λ_i A(q_2i+1)``."""
+  del block_sizes, interpret
+  _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, q_heads, d = q_BxTxQxD.shape
+  scale = _v.default_scale(scale, d)
+  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
+  kw = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            scale=scale)
+  o1 = _attention(q_BxTxHx2xD[:, :, :, 0], k_BxSxKxD, v_BxSxKxD, **kw)
+  o2 = _attention(q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD, v_BxSxKxD, **kw)
+  acc = accumulation_dtype(q_BxTxQxD.dtype)
+  return (o1.astype(acc) - lam_BxTxH.astype(acc)[..., None] * o2.astype(acc)).astype(
+      q_BxTxQxD.dtype)

@@ -1,0 +1,121 @@
+"""The CPU attention path (`implementation="xla_cpu"`, what "auto" runs on a CPU) against the
+plain-JAX reference: forward and every gradient, awkward shapes, masks and dtypes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffjax import ops
+from diffjax.core import reference as ref
+from diffjax.kernels.cpu import diff_v1_cpu, diff_v2_cpu, mha_cpu
+from diffjax.ops import dispatch
+
+# (B, T, S, H, K, D, Dv): GQA groups of 1, 3 and 2, T != S, odd sizes.
+SHAPES = [(2, 13, 13, 6, 2, 8, 16), (1, 7, 11, 3, 1, 5, 5), (3, 16, 16, 4, 4, 8, 8)]
+
+
+def _segments(b, t, s, kind):
+  if kind == "none":
+    return None
+  if kind == "self":
+    cut = t // 2
+    ids = np.array([[0] * cut + [1] * (t - cut)] * b)
+    ids[-1, :] = np.arange(t) // 3  # many short documents in the last row
+    return jnp.asarray(ids)
+  # A pair whose last query segment has no key: those rows see nothing (zeros).
+  q = np.array([[0] * (t - 2) + [7, 7]] * b)
+  kv = np.array([[0] * s] * b)
+  return jnp.asarray(q), jnp.asarray(kv)
+
+
+def _close(a, b, tol):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert a.shape == b.shape
+  np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+
+
+def _check(fn_a, fn_b, args, tol):
+  out_a, out_b = fn_a(*args), fn_b(*args)
+  assert out_a.dtype == out_b.dtype
+  _close(out_a, out_b, tol)
+  w = jax.random.normal(jax.random.key(9), out_a.shape, jnp.float32)
+  loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
+  argnums = tuple(range(len(args)))
+  ga = jax.grad(loss(fn_a), argnums)(*args)
+  gb = jax.grad(loss(fn_b), argnums)(*args)
+  for i, (x, y) in enumerate(zip(ga, gb)):
+    assert x.dtype == y.dtype, i
+    _close(x, y, tol)
+
+
+def _arrays(shape, n, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), n)
+  return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shape)]
+
+
+@pytest.mark.parametrize("shape,causal,seg", [
+    (SHAPES[0], True, "self"), (SHAPES[0], False, "pair"), (SHAPES[1], True, "pair"),
+    (SHAPES[1], False, "none"), (SHAPES[2], True, "none"), (SHAPES[2], False, "self")])
+def test_mha_matches_reference(shape, causal, seg):
+  b, t, s, h, k, d, dv = shape
+  ids = _segments(b, t, s, seg)
+  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
+  args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32)
+  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=causal, q_segment_ids=q_seg,
+                                  kv_segment_ids=kv_seg),
+         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=causal, segment_ids=ids),
+         args, 2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("seg", ["none", "pair"])
+def test_diff_v1_matches_reference(shape, seg):
+  b, t, s, h, k, d, dv = shape
+  ids = _segments(b, t, s, seg)
+  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
+  args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
+                 jnp.float32)
+  lam = jnp.linspace(0.2, 0.9, h)
+  _check(lambda *x: diff_v1_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
+                                kv_segment_ids=kv_seg),
+         lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
+         (*args, lam), 3e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_diff_v2_matches_reference(shape):
+  b, t, s, h, k, d, _ = shape
+  ids = _segments(b, t, s, "pair")
+  args = _arrays([(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d), (b, t, h)], 4, jnp.float32)
+  args[3] = jax.nn.sigmoid(args[3])
+  _check(lambda *x: diff_v2_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
+         lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids), args, 3e-5)
+
+
+def test_bfloat16_within_bfloat16_rounding():
+  b, t, s, h, k, d, dv = SHAPES[0]
+  args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.bfloat16, seed=3)
+  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=True),
+         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True), args, 3e-2)
+
+
+def test_rows_with_no_visible_key_are_zero_with_finite_gradients():
+  b, t, s, h, k, d, dv = SHAPES[0]
+  q_ids, kv_ids = _segments(b, t, s, "pair")
+  q, kk, v = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32)
+  f = lambda q: mha_cpu(q, kk, v, causal=True, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  assert np.all(np.asarray(f(q))[:, -2:] == 0)
+  assert np.all(np.isfinite(np.asarray(jax.grad(lambda q: jnp.sum(f(q) ** 2))(q))))
+
+
+def test_auto_runs_it_on_cpu_and_keeps_masks_and_float64_on_the_reference():
+  assert jax.default_backend() == "cpu"
+  for op in ("mha", "diff_v1", "diff_v2"):
+    assert dispatch.resolve(op, "auto", has_mask=False, interpret=False) == "xla_cpu"
+    assert dispatch.resolve(op, "auto", has_mask=True, interpret=False) == "xla"
+    assert dispatch.resolve(op, "auto", has_mask=False, interpret=False, float64=True) == "xla"
+  q, kk, v = _arrays([(2, 9, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8)], 3, jnp.float32)
+  _close(ops.dot_product_attention(q, kk, v), ref.mha_reference(q, kk, v), 2e-5)
+  _close(ops.dot_product_attention(q, kk, v, implementation="xla_cpu"),
+         ref.mha_reference(q, kk, v), 2e-5)
