@@ -3,6 +3,7 @@
     pip install -e '.[bench-torch]'        # torch and transformers: this benchmark only
     python benchmarks/cpu_vs_torch.py      # the 4-layer LM below, float32, AdamW
     python benchmarks/cpu_vs_torch.py --rounds 11 --batch 16
+    python benchmarks/cpu_vs_torch.py --arms llama,transformer,transformer:xla
 
 The model: a LLaMA-style LM of 4 layers, width 256, SwiGLU 688, vocabulary 256, RMSNorm and
 RoPE; the Transformer has 8 heads of 32, DIFF V1 4 heads of two 32-wide components
@@ -13,7 +14,8 @@ turn, so slow phases of the machine hit all arms alike. The table gives medians 
 after `--warmup` rounds. A train step is forward, cross-entropy loss, backward and an AdamW
 update: `torch.optim.AdamW` on the transformers models (loss from `labels`, which they shift
 by one), diffjax's trainer step (`diffjax.train.build_train_setup`, the default optimizer
-settings) on the diffjax arms.
+settings) on the diffjax arms, with `implementation="auto"` (on a CPU the `xla_cpu` attention)
+unless the arm names another, as `diff_v1:xla` (the reference formulation).
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ def main() -> None:
   p.add_argument("--seq", type=int, default=256)
   p.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of each arm)")
   p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first step")
-  p.add_argument("--implementation", default="xla", help="diffjax attention implementation")
-  p.add_argument("--arms", default="llama,diffllama,transformer,diff_v1",
-                 help="comma-separated: llama, diffllama (transformers), transformer, diff_v1, "
-                      "diff_v2 (diffjax)")
+  p.add_argument("--arms", default="llama,diffllama,transformer,diff_v1,transformer:xla,diff_v1:xla",
+                 help="comma-separated: llama, diffllama (transformers); transformer, diff_v1, "
+                      "diff_v2 (diffjax, implementation='auto'), each optionally with "
+                      "':<implementation>', e.g. 'diff_v1:xla'")
   a = p.parse_args()
   import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
@@ -102,7 +104,7 @@ def main() -> None:
            "transformer": "diffjax Transformer", "diff_v1": "diffjax DIFF V1",
            "diff_v2": "diffjax DIFF V2"}
   arms = a.arms.split(",")
-  unknown = [x for x in arms if x not in names]
+  unknown = [x for x in arms if x.split(":")[0] not in names]
   if unknown:
     raise SystemExit(f"Unknown arms {unknown}; choose from {sorted(names)}.")
   steps, params, compile_s = {}, {}, {}
@@ -111,7 +113,8 @@ def main() -> None:
     if arm in ("llama", "diffllama"):
       steps[arm], params[arm] = torch_arm(arm, a.batch, a.seq, seed=0)
     else:
-      steps[arm], params[arm] = diffjax_arm(arm, a.batch, a.seq, 0, a.implementation)
+      name, _, implementation = arm.partition(":")
+      steps[arm], params[arm] = diffjax_arm(name, a.batch, a.seq, 0, implementation or "auto")
     steps[arm]()  # first step: compiles the diffjax arms
     compile_s[arm] = time.perf_counter() - t0
   for _ in range(a.warmup):
@@ -133,12 +136,19 @@ def main() -> None:
   print("| arm | params | step ms | tokens/s | first step s |")
   print("|---|---|---|---|---|")
   med = {arm: statistics.median(ts) for arm, ts in times.items()}
+  def label(arm):
+    name, _, implementation = arm.partition(":")
+    if name in ("llama", "diffllama"):
+      return names[name]
+    return f"{names[name]} (implementation={implementation or 'auto'})"
+
   for arm in arms:
-    print(f"| {names[arm]} | {params[arm]:,} | {med[arm] * 1e3:.0f} | {tokens / med[arm]:,.0f} | "
+    print(f"| {label(arm)} | {params[arm]:,} | {med[arm] * 1e3:.0f} | {tokens / med[arm]:,.0f} | "
           f"{compile_s[arm]:.1f} |")
-  for ours, theirs in (("transformer", "llama"), ("diff_v1", "diffllama")):
-    if ours in med and theirs in med:
-      print(f"\n{names[ours]} / {names[theirs]} speed: {med[theirs] / med[ours]:.2f}", end="")
+  for ours in arms:
+    theirs = {"transformer": "llama", "diff_v1": "diffllama"}.get(ours.split(":")[0])
+    if theirs in med:
+      print(f"\n{label(ours)} / {names[theirs]} speed: {med[theirs] / med[ours]:.2f}", end="")
   print()
 
 

@@ -119,3 +119,16 @@ def test_auto_runs_it_on_cpu_and_keeps_masks_and_float64_on_the_reference():
   _close(ops.dot_product_attention(q, kk, v), ref.mha_reference(q, kk, v), 2e-5)
   _close(ops.dot_product_attention(q, kk, v, implementation="xla_cpu"),
          ref.mha_reference(q, kk, v), 2e-5)
+
+
+def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch):
+  from diffjax.kernels.cpu import attention as cpu_attention
+  b, t, s, h, k, d, dv = SHAPES[2]  # B = 3
+  ids = _segments(b, t, s, "self")
+  args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32, seed=5)
+  f = lambda q, kk, v: mha_cpu(q, kk, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  one_row = 4 * k * t * s
+  monkeypatch.setattr(cpu_attention, "SCORE_BYTES_PER_STEP", 2 * one_row)  # 2 rows, then 1
+  assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d))) == 2
+  _check(f, lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids), args,
+         2e-5)
