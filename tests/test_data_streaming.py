@@ -9,7 +9,7 @@ from diffjax.data import DataConfig, Packer, PackedCorpus, build_datasets
 from diffjax.data import streaming
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
-from diffjax.data.shards import read_documents
+from diffjax.data.shards import shard_documents
 from diffjax.data.streaming import EpochOrder
 
 
@@ -125,7 +125,7 @@ def test_windows_match_in_memory_packing(corpus):
   """One row, corpus order: the stream's windows are Packer's (same keys, dtypes, values)."""
   data = _data(corpus, val_fraction=0.0, shuffle=False, global_batch_size=1)
   m = read_manifest(corpus)
-  docs = [d for s in m.shards for d in read_documents(s.path)]
+  docs = [d for s in m.shards for d in shard_documents(s.path)]
   packer = Packer(PackedCorpus.from_documents(docs, 256), 32, seed=0, shuffle=False)
   for b, got in enumerate(_take(data.train_iter, packer.windows_per_epoch)):
     want = packer.examples(np.array([b]))
@@ -152,7 +152,7 @@ def test_missing_paths_and_tokenizer_named_together():
 def test_shard_reader_keeps_at_most_max_open_shards_and_reads_every_document(corpus):
   m = read_manifest(corpus)
   assert len(m.shards) > 3
-  want = [d for s in m.shards for d in read_documents(s.path)]
+  want = [d for s in m.shards for d in shard_documents(s.path)]
   reader = streaming.ShardReader(m, max_open=3)
   for d in list(range(m.num_documents)) + list(range(m.num_documents))[::-1]:
     assert np.array_equal(reader[d], want[d]), d

@@ -13,7 +13,7 @@ from diffjax.data import prepare as prepare_lib
 from diffjax.data import stdlib_files
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
-from diffjax.data.shards import TokenShard, read_documents
+from diffjax.data.shards import TokenShard, shard_documents
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
                 progress=False)
   m = read_manifest(out)
   assert m.num_documents == 55 and len(m.shards) > 5
-  docs = [bytes(d.astype(np.uint8)).decode() for s in m.shards for d in read_documents(s.path)]
+  docs = [bytes(d.astype(np.uint8)).decode() for s in m.shards for d in shard_documents(s.path)]
   assert sum(d.startswith("json doc") for d in docs) == 25
   assert sum(len(d) for d in docs) == m.num_tokens
   assert all(TokenShard(s.path).token_bytes == 2 for s in m.shards)  # byte ids: 2 bytes each

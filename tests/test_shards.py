@@ -8,8 +8,8 @@ import pytest
 
 from diffjax.data import DataConfig, build_datasets, write_array_record
 from diffjax.data.manifest import read_manifest
-from diffjax.data.shards import (HEADER_BYTES, TokenShard, TokenShardWriter, read_documents,
-                                 shard_bytes)
+from diffjax.data.shards import (HEADER_BYTES, TokenShard, TokenShardWriter, shard_bytes,
+                                 shard_documents)
 
 
 def _docs(seed=0, n=40, lo=-5, hi=2**31 - 1):
@@ -36,7 +36,7 @@ def test_round_trip_in_any_order_and_exact_size(tmp_path, token_bytes):
   for i in np.random.default_rng(1).permutation(len(docs)):
     got = shard[i]
     assert got.dtype == np.int32 and np.array_equal(got, docs[i]), i
-  assert all(np.array_equal(a, b) for a, b in zip(read_documents(path), docs))
+  assert all(np.array_equal(a, b) for a, b in zip(shard_documents(path), docs))
   with pytest.raises(IndexError, match="outside"):
     shard[len(docs)]
   shard.close()

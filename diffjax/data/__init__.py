@@ -18,6 +18,7 @@ Typical use:
 from diffjax.data.config import DataConfig
 from diffjax.data.packing import BATCH_KEYS, Packer, PackedCorpus, split_documents, unigram_cross_entropy_nats
 from diffjax.data.pipeline import Datasets, PackedBatchDataset, build_datasets, load_source
+from diffjax.data.shards import TokenShard, TokenShardWriter, shard_documents
 from diffjax.data.sources import (
     ArrayRecordSource,
     DocumentSource,
@@ -57,6 +58,7 @@ __all__ = [
     "Packer", "PackedCorpus", "split_documents", "unigram_cross_entropy_nats",
     "ArrayRecordSource", "DocumentSource", "TextFileSource", "read_documents", "resolve_paths",
     "stdlib_corpus", "stdlib_files", "write_array_record",
+    "TokenShard", "TokenShardWriter", "shard_documents",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
     "token_byte_lengths", "tokens_per_byte",
     "MultiNeedleTask", "AssociativeRecallTask", "RetrievalExample", "ContextTooShort", "collate",

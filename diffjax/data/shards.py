@@ -158,7 +158,7 @@ class TokenShard:
       pass
 
 
-def read_documents(path: str | os.PathLike) -> list[np.ndarray]:
+def shard_documents(path: str | os.PathLike) -> list[np.ndarray]:
   """Every document of a `.tokens` file, in order (for tests and small files)."""
   shard = TokenShard(path)
   try:
