@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from cpu_vs_torch import VOCAB, diffjax_config  # the same model (benchmarks/ is on sys.path)
+
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,17 +42,13 @@ def main() -> None:
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from diffjax.model import ModelConfig, matched_configs  # pylint: disable=import-outside-toplevel
   from diffjax.train.steps import create_model, loss_sums, split_params  # pylint: disable=import-outside-toplevel
 
-  base = ModelConfig(attention="transformer", vocab_size=256, d_model=256, num_layers=4,
-                     num_heads=8, num_kv_heads=8, head_dim=32, mlp_dim=688,
-                     implementation=a.implementation)
-  graphdef, params = split_params(create_model(matched_configs(base)[a.arm], 0))
+  graphdef, params = split_params(create_model(diffjax_config(a.arm, a.implementation), 0))
   rng = np.random.default_rng(0)
   b, t = a.batch, a.seq
-  batch = {"inputs": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
-           "targets": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
+  batch = {"inputs": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
            "segment_ids": jnp.ones((b, t), jnp.int32),
            "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
            "loss_mask": jnp.ones((b, t), jnp.float32)}

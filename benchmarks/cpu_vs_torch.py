@@ -57,16 +57,22 @@ def torch_arm(kind: str, batch: int, seq: int, seed: int):
   return step, params
 
 
-def diffjax_arm(arm: str, batch: int, seq: int, seed: int, implementation: str):
-  import jax  # pylint: disable=import-outside-toplevel
-  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
-  from diffjax.model import ModelConfig, count_params, matched_configs  # pylint: disable=import-outside-toplevel
-  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
-  from diffjax.train.setup import build_train_setup  # pylint: disable=import-outside-toplevel
+def diffjax_config(arm: str, implementation: str):
+  """The diffjax model of `arm` at the shapes above (also used by cpu_step_profile.py)."""
+  from diffjax.model import ModelConfig, matched_configs  # pylint: disable=import-outside-toplevel
   base = ModelConfig(attention="transformer", vocab_size=VOCAB, d_model=WIDTH, num_layers=LAYERS,
                      num_heads=8, num_kv_heads=8, head_dim=HEAD_DIM, mlp_dim=FFN,
                      implementation=implementation)
-  cfg = matched_configs(base)[arm]
+  return matched_configs(base)[arm]
+
+
+def diffjax_arm(arm: str, batch: int, seq: int, seed: int, implementation: str):
+  import jax  # pylint: disable=import-outside-toplevel
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+  from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
+  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+  from diffjax.train.setup import build_train_setup  # pylint: disable=import-outside-toplevel
+  cfg = diffjax_config(arm, implementation)
   setup = build_train_setup(cfg, base_config().optim, seed=seed,
                             mesh=shd.make_mesh((-1, 1, 1)), rules=shd.DEFAULT_RULES)
   gen = np.random.default_rng(seed)
