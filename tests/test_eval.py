@@ -731,3 +731,114 @@ def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
   assert text.startswith("# T\n\n## Comparison summary\n\n| arm | params |\n"), text[:200]
   assert text.index("| diff_v1 | 1 |") < text.index("## Runs") < text.index("## Summary")
   assert text.count("## Comparison summary") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Associative recall by difficulty: the training mix, the grid, probes on the task.
+
+
+def test_recall_mix_cycles_its_settings_with_right_answers_and_independent_draws():
+  from diffjax.data.tasks import AssociativeRecallMix
+  mix = AssociativeRecallMix([(4, 0), (8, 2), (16, 1)], num_queries=2, num_examples=9, seed=3)
+  assert len(mix) == 9
+  for i in range(9):
+    ex = mix.example(i)
+    pairs_expected, dis = [(4, 0), (8, 2), (16, 1)][i % 3]
+    context, queries = TOK.decode(ex.tokens).split("\n")
+    pairs = dict(p.split(":") for p in context.split())
+    assert len(pairs) == pairs_expected + 2 * dis
+    for r, key in enumerate(ex.keys):
+      assert pairs[key] == ex.values[r]
+      near = [k for k in pairs if k != key and sum(a != b for a, b in zip(k, key)) == 1]
+      assert len(near) >= dis and all(pairs[k] != ex.values[r] for k in near)
+    np.testing.assert_array_equal(mix[i], ex.tokens)
+  # Settings draw from their own streams: the same setting twice gives different examples,
+  # and stream 0 keeps the examples of a plain task.
+  twice = AssociativeRecallMix([(8, 1), (8, 1)], num_examples=2, seed=3)
+  assert not np.array_equal(twice[0], twice[1])
+  plain = AssociativeRecallTask(8, 4, 1, num_examples=1, seed=3)
+  np.testing.assert_array_equal(plain[0], AssociativeRecallTask(8, 4, 1, num_examples=1, seed=3,
+                                                                stream=0)[0])
+  with pytest.raises(ValueError, match="settings"):
+    AssociativeRecallMix([], num_examples=1)
+
+
+def test_task_only_training_data_and_its_errors():
+  import ml_collections
+  from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source, task_only
+  mix = ml_collections.ConfigDict(dict(
+      task="associative_recall", fraction=1.0, num_pairs=8, num_queries=2,
+      distractors_per_query=1, key_len=3, value_len=3, grid=((4, 0), (8, 2)), num_examples=6,
+      context_len=0, num_needles=0))
+  assert task_only(mix)
+  src = mixed_source(None, mix, TOK, seed=1)
+  assert len(src) == 6 and src.seed == TRAIN_SEED_OFFSET + 1
+  # No leakage: no training example equals an example of the evaluation grid's seeds.
+  evals = {TOK.decode(E.AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
+           for s in range(1234, 1234 + 120) for p, d in ((4, 0), (8, 2)) for i in range(2)}
+  assert not evals & {TOK.decode(src[i]) for i in range(6)}
+  mix.num_examples = 0
+  with pytest.raises(ValueError, match="num_examples"):
+    mixed_source(None, mix, TOK, seed=1)
+  mix.task, mix.num_examples = "multi_needle", 4
+  with pytest.raises(ValueError, match="fraction below 1"):
+    mixed_source(None, mix, TOK, seed=1)
+
+
+def test_recall_grid_scores_each_cell_and_names_it():
+  grid = (dict(num_pairs=4, distractors_per_query=0), dict(num_pairs=8, distractors_per_query=2))
+  res = E.associative_recall_grid(_perfect, grid, num_examples=3, seed=5, batch_size=2)
+  assert res["order"] == ["P4_D0", "P8_D2"]
+  assert all(res["cells"][c]["accuracy"] == 1.0 for c in res["order"])
+  assert res["cells"]["P8_D2"]["sequence_len"] > res["cells"]["P4_D0"]["sequence_len"]
+  wrong = E.associative_recall_grid(_wrong, grid, num_examples=3, seed=5, batch_size=2)
+  assert all(wrong["cells"][c]["accuracy"] == 0.0 for c in wrong["order"])
+  with pytest.raises(ValueError, match="two cells named"):
+    E.associative_recall_grid(_perfect, grid + grid[:1], num_examples=1)
+  with pytest.raises(ValueError, match="probe_task"):
+    E.EvalConfig(probe_task="text")
+  with pytest.raises(ValueError, match="num_pairs"):
+    E.EvalConfig(mqar_grid=(dict(distractors_per_query=1),))
+
+
+def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
+  cfg = E.EvalConfig.quick(T, batch_size=2, capture_batch_size=2, allocation_examples=2,
+                           mqar=dict(num_pairs=4, num_queries=2, distractors_per_query=1),
+                           mqar_examples=2, mqar_grid=(dict(num_pairs=2, distractors_per_query=1),),
+                           probe_task="mqar", lowbit_bits=(4,),
+                           sections=("mqar_grid", "allocation", "probes", "text"))
+  out = E.evaluate_model(runners["diff_v1"], text_batches, cfg)
+  assert out["meta"]["probe_task"].startswith("mqar(P=4,Q=2,D=1")
+  s = out["scalars"]
+  assert 0.0 <= s["mqar_grid/P2_D1"] <= 1.0 and s["mqar_grid/mean"] == s["mqar_grid/P2_D1"]
+  assert math.isfinite(s["allocation/answer_signed_share"])
+  # Associative recall places no needle at a depth, so allocation has one group.
+  assert out["sections"]["allocation"]["by_depth"].keys() == {"none"}
+  per_head = out["sections"]["text"]["correlation"]["probs_per_head"]
+  assert len(per_head) == 2 and all(len(h) == runners["diff_v1"].config.num_heads for h in per_head)
+  assert np.nanmean(per_head[0]) == pytest.approx(out["sections"]["text"]["correlation"]["probs"][0],
+                                                  abs=0.2)
+
+
+def test_report_tables_and_plots_the_recall_grid(tmp_path):
+  from diffjax.eval.evaluate import scalars_from_sections
+  runs = []
+  for arm, base in (("transformer", 0.5), ("diff_v1", 0.7)):
+    for seed in range(3):
+      cells, order = {}, []
+      for p in (4, 16):
+        for d in (0, 2):
+          name = f"P{p}_D{d}"
+          order.append(name)
+          cells[name] = {"accuracy": base + 0.01 * seed - 0.1 * (p == 16), "all_correct": 0.0,
+                         "sequence_len": 10 * p,
+                         "settings": {"num_pairs": p, "distractors_per_query": d}}
+      sec = {"mqar_grid": {"cells": cells, "order": order, "num_examples": 8}}
+      runs.append({"arm": arm, "seed": seed, "name": f"{arm}_s{seed}", "curve": None,
+                   "eval": {"sections": sec, "scalars": scalars_from_sections(sec)}})
+  path = R.write_report(runs, str(tmp_path))
+  text = open(path).read()
+  assert "## Associative recall by difficulty" in text
+  row = next(l for l in text.splitlines() if l.startswith("| P16_D2 |"))
+  assert "0.41 ± " in row and "+0.2 [+0.2, +0.2]" in row
+  assert "](mqar_grid.png)" in text and (tmp_path / "mqar_grid.png").read_bytes()[:4] == b"\x89PNG"

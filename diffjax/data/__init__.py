@@ -37,6 +37,7 @@ from diffjax.data.tasks import (
     QUERY,
     REGION_NAMES,
     SINK,
+    AssociativeRecallMix,
     AssociativeRecallTask,
     ContextTooShort,
     MultiNeedleTask,
@@ -61,6 +62,6 @@ __all__ = [
     "TokenShard", "TokenShardWriter", "shard_documents",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
     "token_byte_lengths", "tokens_per_byte",
-    "MultiNeedleTask", "AssociativeRecallTask", "RetrievalExample", "ContextTooShort", "collate",
+    "MultiNeedleTask", "AssociativeRecallTask", "AssociativeRecallMix", "RetrievalExample", "ContextTooShort", "collate",
     "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "SINK", "CONTEXT", "ANSWER", "QUERY",
 ]

@@ -360,11 +360,13 @@ class AssociativeRecallTask(_TaskBase):
     distractors_per_query: near-duplicate pairs per queried key.
     key_len, value_len: characters per key and per value.
     num_examples, seed, tokenizer, bos: as for `MultiNeedleTask`.
+    stream: a further key of the random draws (0: the draws of earlier versions), so several
+      tasks with one seed (the settings of `AssociativeRecallMix`) draw independent examples.
   """
 
   def __init__(self, num_pairs: int = 16, num_queries: int = 4, distractors_per_query: int = 1,
                num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
-               tokenizer: Tokenizer | None = None, bos: bool = False):
+               tokenizer: Tokenizer | None = None, bos: bool = False, stream: int = 0):
     if not 1 <= num_queries <= num_pairs:
       raise ValueError(f"Need 1 <= num_queries <= num_pairs; got {num_pairs=}, {num_queries=}.")
     if key_len < 2 or value_len < 1 or distractors_per_query < 0:
@@ -381,6 +383,7 @@ class AssociativeRecallTask(_TaskBase):
     self.distractors_per_query = int(distractors_per_query)
     self.key_len, self.value_len = int(key_len), int(value_len)
     self.num_examples, self.seed, self.bos = int(num_examples), int(seed), bool(bos)
+    self.stream = int(stream)
     self.tokenizer = tokenizer or ByteTokenizer()
     self.name = (f"mqar(P={self.num_pairs},Q={self.num_queries},D={self.distractors_per_query},"
                  f"seed={self.seed})")
@@ -390,7 +393,8 @@ class AssociativeRecallTask(_TaskBase):
     return "".join(_LETTERS[i] for i in rng.integers(0, 26, self.key_len))
 
   def example(self, index: int) -> RetrievalExample:
-    rng = _rng(self.seed, index, 3)
+    rng = (_rng(self.seed, index, 3) if self.stream == 0 else
+           np.random.default_rng([self.seed, int(index), 3, self.stream]))
     used: set[str] = set()
     keys: list[str] = []
     while len(keys) < self.num_pairs:
@@ -451,3 +455,40 @@ class AssociativeRecallTask(_TaskBase):
         depth=None, depth_query=None,
         needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
         keys=tuple(keys[j] for j in queried), values=tuple(pairs[j][1] for j in queried))
+
+
+class AssociativeRecallMix(_TaskBase):
+  """Associative recall over several difficulty settings, one after another.
+
+  Example i is example i // K of setting i % K (K settings), so every prefix of the examples
+  holds the settings in equal shares. Each setting is an `AssociativeRecallTask` with
+  `num_pairs` and `distractors_per_query` from `settings` (queries: min(num_queries,
+  num_pairs)); the settings draw independently of each other (their own `stream`).
+
+  Args:
+    settings: (num_pairs, distractors_per_query) per setting.
+    num_queries, key_len, value_len, num_examples, seed, tokenizer, bos: as for
+      `AssociativeRecallTask`.
+  """
+
+  def __init__(self, settings: Sequence[tuple[int, int]], num_queries: int = 4,
+               num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
+               tokenizer: Tokenizer | None = None, bos: bool = False):
+    settings = [tuple(int(v) for v in s) for s in settings]
+    if not settings or any(len(s) != 2 for s in settings):
+      raise ValueError(f"settings={settings!r} must be a non-empty list of "
+                       "(num_pairs, distractors_per_query) pairs.")
+    self.tokenizer = tokenizer or ByteTokenizer()
+    self.tasks = [AssociativeRecallTask(p, min(int(num_queries), p), d, 1, seed, key_len=key_len,
+                                        value_len=value_len, tokenizer=self.tokenizer, bos=bos,
+                                        stream=k + 1)
+                  for k, (p, d) in enumerate(settings)]
+    self.settings = settings
+    self.num_queries = max(t.num_queries for t in self.tasks)
+    self.num_examples, self.seed = int(num_examples), int(seed)
+    grid = ",".join(f"{p}/{d}" for p, d in settings)
+    self.name = f"mqar_mix(P/D={grid},Q={int(num_queries)},seed={self.seed})"
+
+  def example(self, index: int) -> RetrievalExample:
+    k = len(self.tasks)
+    return self.tasks[index % k].example(index // k)

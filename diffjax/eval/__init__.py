@@ -37,6 +37,8 @@ Eval JSON (one file per run, written by the CLI to <workdir>/eval.json, schema "
                        "mean_by_length": [L], "mean", "needles": [N, R]},
         "mqar":       {"accuracy", "all_correct", "num_answers", "num_examples",
                        "sequence_len", "task"},
+        "mqar_grid":  {"cells": {"P8_D2": {"accuracy", "all_correct", "sequence_len",
+                                           "settings"}}, "order": [cell names], "num_examples"},
         "allocation": {"regions": ["sink", "context", "answer", "query"],
                        "layers": [{"signed_share": [4], "abs_share": [4], "signed": [4],
                                    "absolute": [4], "row_total"}],
@@ -50,7 +52,9 @@ Eval JSON (one file per run, written by the CLI to <workdir>/eval.json, schema "
                                                                  "histogram", "per_head_mean"}]}
                                | {"kind": "none"},
                        "correlation": {"kind": "a1_a2" | "head_pairs", "probs": [per layer],
-                                       "logits": [per layer], "salient_top_k"},
+                                       "logits": [per layer],
+                                       "probs_per_head": [per layer [per head]],
+                                       "salient_top_k"},
                        "negative_mass": [per layer]},
         "lowbit":     {"float" | "logits16" | ... | "w4a8" | "kv4" | "w4a8_kv4":
                           {"loss", "accuracy"},
@@ -61,7 +65,7 @@ Eval JSON (one file per run, written by the CLI to <workdir>/eval.json, schema "
     }
 
 Scalar names: val/loss, val/perplexity, retrieval/N{n}_R{r}, retrieval/mean, heatmap/len{L},
-heatmap/mean, mqar/accuracy, allocation/{answer,context}_{signed,abs}_share,
+heatmap/mean, mqar/accuracy, mqar_grid/P{p}_D{d}, mqar_grid/mean, allocation/{answer,context}_{signed,abs}_share,
 outliers/{attention_logits,hidden}_{top1,top100,median}, probe/map_correlation_mean,
 probe/negative_mass_mean, lambda/mean, lowbit/{setting}/{loss,accuracy},
 probe/clamp_loss_delta, probe/clamp_accuracy_delta.

@@ -111,8 +111,8 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
     lambda: V1: {"kind": "scalar", "layers": [lambda], "lambda_init": [...]};
       V2: {"kind": "sigmoid", "layers": [{"mean", "std", "quantiles": {q: v}, "histogram",
       "per_head_mean"}]}; Transformer: {"kind": "none"}.
-    correlation: per layer Pearson correlation of A1 and A2 over non-salient keys (DIFF), or of
-      query heads 2i and 2i+1 (Transformer, a control: what a plain model's would-be pairs
+    correlation: per layer (and per head: probs_per_head) Pearson correlation of A1 and A2 over
+      non-salient keys (DIFF), or of query heads 2i and 2i+1 (Transformer, a control: what a plain model's would-be pairs
       share). Salient keys: the top-`corr_top_k` keys of A1, the first token and the query
       itself (`measures.salient_key_mask`). Both on probabilities and on logits.
     negative_mass: per layer, mean over sampled rows and heads of the summed negative weights.
@@ -125,6 +125,7 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
   lam_values: list[list[np.ndarray]] | None = None
   corr_p: list[list[float]] | None = None
   corr_l: list[list[float]] | None = None
+  corr_h: list[list[np.ndarray]] | None = None
   neg: list[list[float]] | None = None
   for batch in batches:
     inputs_BxT, _, positions_BxT, segment_ids_BxT, _ = _split_batch(batch)
@@ -140,7 +141,7 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
       layer_logit = [M.OutlierAccumulator(ks=(1,)) for _ in range(n_layers)]
       layer_hidden = [M.OutlierAccumulator(ks=(1,)) for _ in range(n_layers)]
       lam_values = [[] for _ in range(n_layers)]
-      corr_p, corr_l, neg = ([[] for _ in range(n_layers)] for _ in range(3))
+      corr_p, corr_l, corr_h, neg = ([[] for _ in range(n_layers)] for _ in range(4))
     seg_BxT = None if segment_ids_BxT is None else np.asarray(segment_ids_BxT)
     for li, layer in enumerate(layers):
       # Entries that are not causally valid or cross documents come back as -1.
@@ -176,7 +177,9 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
         salient_BxHxRxS = M.salient_key_mask(a1_BxHxRxS, corr_top_k, always_BxT,
                                              row_positions_BxR=rows_BxR)
         keys_BxHxRxS = key_ok_BxRxS[:, None] & ~salient_BxHxRxS
-        corr_p[li].append(M.map_correlation(a1_BxHxRxS, a2_BxHxRxS, keys_BxHxRxS)["mean"])
+        corr = M.map_correlation(a1_BxHxRxS, a2_BxHxRxS, keys_BxHxRxS)
+        corr_p[li].append(corr["mean"])
+        corr_h[li].append(corr["per_head"])
         corr_l[li].append(M.map_correlation(l1_BxHxRxS, l2_BxHxRxS, keys_BxHxRxS)["mean"])
       combined_BxHxRxS = layer["combined"]
       neg[li].append(float(np.minimum(combined_BxHxRxS, 0).sum(-1).mean()))
@@ -201,6 +204,8 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
   correlation = {"kind": "head_pairs" if arm == "transformer" else "a1_a2",
                  "probs": [nanmean(np.asarray(c)) for c in corr_p],
                  "logits": [nanmean(np.asarray(c)) for c in corr_l],
+                 "probs_per_head": [[nanmean(col) for col in np.asarray(c).T] if c else []
+                                    for c in corr_h],
                  "salient_top_k": int(corr_top_k)}
   return {"outliers": outliers, "lambda": lam, "correlation": correlation,
           "negative_mass": [float(np.mean(n)) for n in neg]}

@@ -29,7 +29,13 @@ class EvalConfig:
     standard_needles: (N, R) of the task used for allocation, low-bit and probes.
     allocation_examples: examples for attention allocation (spread over `depths`).
     mqar: AssociativeRecallTask keyword arguments; None skips it.
-    mqar_examples: examples of associative recall.
+    mqar_examples: examples of associative recall (per cell of `mqar_grid` too).
+    mqar_grid: cells of an associative-recall difficulty grid, each a dict of
+      AssociativeRecallTask keyword arguments (e.g. num_pairs, distractors_per_query); every
+      cell is scored on `mqar_examples` examples. Empty: skip the grid.
+    probe_task: the task of attention allocation, low-bit accuracy and the clamp probe:
+      "needle" (multi-needle retrieval in text, `standard_needles`) or "mqar" (associative
+      recall with the `mqar` settings), for models trained on that task.
     val_batches: validation batches to use (the caller supplies them).
     outlier_sample: |logit| values kept per layer and batch for the median estimate.
     probe_rows: query rows per text example for the map-correlation probe.
@@ -57,6 +63,8 @@ class EvalConfig:
   mqar: Mapping[str, Any] | None = dataclasses.field(
       default_factory=lambda: dict(num_pairs=16, num_queries=4, distractors_per_query=1))
   mqar_examples: int = 64
+  mqar_grid: tuple[Mapping[str, Any], ...] = ()
+  probe_task: str = "needle"
   val_batches: int = 8
   outlier_sample: int = 1 << 16
   probe_rows: int = 16
@@ -74,6 +82,14 @@ class EvalConfig:
     unknown = set(self.sections) - set(SECTIONS)
     if unknown:
       raise ValueError(f"Unknown eval sections {sorted(unknown)}; choose from {SECTIONS}.")
+    if self.probe_task not in ("needle", "mqar"):
+      raise ValueError(f"probe_task={self.probe_task!r} must be 'needle' or 'mqar'.")
+    if self.probe_task == "mqar" and self.mqar is None:
+      raise ValueError("probe_task='mqar' needs the mqar settings; set mqar=dict(num_pairs=...).")
+    for cell in self.mqar_grid:
+      if not isinstance(cell, Mapping) or "num_pairs" not in cell:
+        raise ValueError(f"mqar_grid cell {cell!r} must be a dict of AssociativeRecallTask "
+                         "keyword arguments with at least num_pairs.")
     if self.logit_granularity not in ("head", "row", "tensor"):
       raise ValueError(f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or "
                        "'tensor'.")
@@ -107,7 +123,8 @@ class EvalConfig:
     return _jsonable(dataclasses.asdict(self))
 
 
-SECTIONS = ("validation", "retrieval", "heatmap", "mqar", "allocation", "text", "lowbit", "probes")
+SECTIONS = ("validation", "retrieval", "heatmap", "mqar", "mqar_grid", "allocation", "text",
+            "lowbit", "probes")
 
 
 def _jsonable(x):

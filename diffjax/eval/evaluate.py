@@ -23,14 +23,15 @@ from diffjax.eval.analysis import (attention_allocation_by_layer, clamp_probe, l
                                    lowbit_settings, text_statistics)
 from diffjax.eval.config import SECTIONS, EvalConfig, _jsonable
 from diffjax.eval.runner import KNOBS, LogitsFn, ModelRunner, quantize_model_weights
-from diffjax.eval.scoring import (associative_recall, greedy_exact_match, needle_table,
-                                  retrieval_accuracy, retrieval_heatmap, validation_loss)
-from diffjax.data.tasks import ContextTooShort, MultiNeedleTask
+from diffjax.eval.scoring import (associative_recall, associative_recall_grid,
+                                  greedy_exact_match, needle_table, retrieval_accuracy,
+                                  retrieval_heatmap, validation_loss)
+from diffjax.data.tasks import AssociativeRecallTask, ContextTooShort, MultiNeedleTask
 
 __all__ = [
     "EvalConfig", "SECTIONS", "SCHEMA", "KNOBS", "LogitsFn", "ModelRunner",
     "quantize_model_weights", "evaluate_model", "scalars_from_sections", "validation_loss",
-    "retrieval_accuracy", "needle_table", "retrieval_heatmap", "associative_recall",
+    "retrieval_accuracy", "needle_table", "retrieval_heatmap", "associative_recall", "associative_recall_grid",
     "greedy_exact_match", "attention_allocation_by_layer", "text_statistics", "low_bit",
     "lowbit_settings", "clamp_probe",
 ]
@@ -61,20 +62,14 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   out["meta"]["model"] = _jsonable(model.config.to_dict())
   out["meta"]["eval_config"] = cfg.to_dict()
   timings = {}
-  n_std, r_std = cfg.standard_needles
   n_std_examples = max(len(cfg.depths), cfg.allocation_examples)
-  std_task = None
-  for n_try in range(n_std, 0, -1):  # fewer needles when the context cannot hold them all
-    try:
-      std_task = MultiNeedleTask(cfg.context_len, n_try, min(r_std, n_try), depths=cfg.depths,
-                                 num_examples=n_std_examples, seed=cfg.seed + 1, filler=filler)
-      break
-    except ContextTooShort:
-      continue
-  if std_task is None:
-    raise ContextTooShort(f"context_len={cfg.context_len} cannot hold even one needle and its "
-                          "question; raise EvalConfig.context_len (e.g. --set context_len=256).")
-  out["meta"]["standard_needles_used"] = [std_task.num_needles, std_task.num_queries]
+  if cfg.probe_task == "mqar":
+    std_task = AssociativeRecallTask(**dict(cfg.mqar), num_examples=n_std_examples,
+                                     seed=cfg.seed + 1)
+    out["meta"]["probe_task"] = std_task.name
+  else:
+    std_task = _needle_task(cfg, n_std_examples, filler)
+    out["meta"]["standard_needles_used"] = [std_task.num_needles, std_task.num_queries]
   sec = out["sections"]
 
   def run(name, f):
@@ -100,6 +95,11 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   if cfg.mqar is not None:
     run("mqar", lambda: associative_recall(fn, cfg.mqar_examples, cfg.seed + 3, cfg.batch_size,
                                            **dict(cfg.mqar)))
+  if cfg.mqar_grid:
+    common = {k: v for k, v in dict(cfg.mqar or {}).items()
+              if k not in ("num_pairs", "num_queries", "distractors_per_query")}
+    run("mqar_grid", lambda: associative_recall_grid(fn, cfg.mqar_grid, cfg.mqar_examples,
+                                                     cfg.seed + 100, cfg.batch_size, **common))
   run("allocation", lambda: attention_allocation_by_layer(runner, std_task, cfg.allocation_examples,
                                                           cfg.capture_batch_size))
   cap_batches = [_rebatch(b, cfg.capture_batch_size) for b in val_batches]
@@ -112,6 +112,20 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   out["meta"]["seconds"] = timings
   out["scalars"] = scalars_from_sections(sec)
   return out
+
+
+def _needle_task(cfg: EvalConfig, num_examples: int, filler) -> MultiNeedleTask:
+  """The standard multi-needle task: `cfg.standard_needles`, with fewer needles when the
+  context cannot hold them all."""
+  n_std, r_std = cfg.standard_needles
+  for n_try in range(n_std, 0, -1):
+    try:
+      return MultiNeedleTask(cfg.context_len, n_try, min(r_std, n_try), depths=cfg.depths,
+                             num_examples=num_examples, seed=cfg.seed + 1, filler=filler)
+    except ContextTooShort:
+      continue
+  raise ContextTooShort(f"context_len={cfg.context_len} cannot hold even one needle and its "
+                        "question; raise EvalConfig.context_len (e.g. --set context_len=256).")
 
 
 def _rebatch(batch, size: int) -> list[Any]:
@@ -143,6 +157,11 @@ def scalars_from_sections(sec: Mapping[str, Any]) -> dict[str, float]:
     s["heatmap/mean"] = h["mean"]
   if "mqar" in sec:
     s["mqar/accuracy"] = sec["mqar"]["accuracy"]
+  if "mqar_grid" in sec:
+    g = sec["mqar_grid"]
+    for name in g["order"]:
+      s[f"mqar_grid/{name}"] = g["cells"][name]["accuracy"]
+    s["mqar_grid/mean"] = float(np.mean([g["cells"][n]["accuracy"] for n in g["order"]]))
   if "allocation" in sec:
     summ = sec["allocation"]["summary"]
     names = sec["allocation"]["regions"]

@@ -6,6 +6,8 @@ too wide to read), nothing with one. Each plot is written only when some run has
 
   loss_curves.png        train loss (and eval loss points) over steps
   retrieval_heatmap.png  multi-needle accuracy by answer depth x context length, one panel per arm
+  mqar_grid.png          associative-recall accuracy against the number of pairs, one panel per
+                         number of distractors per queried key
   allocation.png         attention allocation by region (signed and absolute shares)
   lambda.png             DIFF V1 lambda per layer; DIFF V2 sigmoid(lambda) per layer
   lowbit.png             validation loss with only the attention logits quantized
@@ -66,7 +68,8 @@ def make_plots(groups: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str
 
   colors = _colors(groups)
   made = []
-  for fn in (_plot_loss, _plot_heatmap, _plot_allocation, _plot_lambda, _plot_lowbit):
+  for fn in (_plot_loss, _plot_heatmap, _plot_mqar_grid, _plot_allocation, _plot_lambda,
+             _plot_lowbit):
     res = fn(plt, groups, colors, out_dir)
     if res:
       made.append(res)
@@ -140,6 +143,45 @@ def _plot_heatmap(plt, groups, colors, out_dir):
   fig.savefig(os.path.join(out_dir, "retrieval_heatmap.png"), dpi=120, bbox_inches="tight")
   return ("retrieval_heatmap.png",
           "Multi-needle retrieval accuracy by depth and context length (mean over seeds).")
+
+
+def _plot_mqar_grid(plt, groups, colors, out_dir):
+  # {arm: {(pairs, distractors): [accuracy per seed]}}
+  data: dict[str, dict[tuple[int, int], list[float]]] = {}
+  for arm, rs in groups.items():
+    for r in rs:
+      g = _sections(r, "mqar_grid")
+      for name in (g or {}).get("order", []):
+        kw = g["cells"][name]["settings"]
+        key = (int(kw["num_pairs"]), int(kw.get("distractors_per_query", 1)))
+        data.setdefault(arm, {}).setdefault(key, []).append(float(g["cells"][name]["accuracy"]))
+  if not data:
+    return None
+  dis = sorted({d for cells in data.values() for _, d in cells})
+  fig, axes = plt.subplots(1, len(dis), figsize=(3.6 * len(dis), 3.4), squeeze=False,
+                           sharey=True)
+  for ax, d in zip(axes[0], dis):
+    for arm, cells in data.items():
+      pairs = sorted(p for p, dd in cells if dd == d)
+      if not pairs:
+        continue
+      n = min(len(cells[(p, d)]) for p in pairs)
+      vals = np.asarray([cells[(p, d)][:n] for p in pairs], float).T  # [seeds, points]
+      mean, lo, hi = _band(vals)
+      ax.plot(pairs, mean, "o-", color=colors[arm], label=f"{arm} (n={n})")
+      if lo is not None:
+        ax.fill_between(pairs, lo, hi, color=colors[arm], alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("key-value pairs in the context")
+    ax.set_title(f"{d} near-duplicate distractor{'s' if d != 1 else ''} per query", fontsize=9)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("exact-match accuracy")
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "mqar_grid.png"), dpi=120)
+  return ("mqar_grid.png", "Associative recall accuracy by difficulty, mean over seeds (band: "
+          "95% t interval with 3 or more seeds, the range with 2).")
 
 
 def _plot_allocation(plt, groups, colors, out_dir):

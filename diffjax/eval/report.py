@@ -156,8 +156,7 @@ def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str 
     for m in agg["metrics"]:
       md.append(f"| {m} | " + " | ".join(_fmt_diff(agg["paired"][a][m]) for a in others) + " |")
     md.append("")
-  table = _needle_table_md(runs)
-  if table:
+  for table in (_needle_table_md(runs), _mqar_grid_md(agg, pct)):
     md += table
   if figures:
     md += ["## Figures", ""]
@@ -206,6 +205,26 @@ def _needle_table_md(runs) -> list[str]:
       ci = stats.mean_ci(vals)
       row.append(_fmt(ci["mean"], 3))
     md.append(f"| {arm} | " + " | ".join(row) + " |")
+  return md + [""]
+
+
+def _mqar_grid_md(agg: Mapping[str, Any], pct: str) -> list[str]:
+  """The associative-recall grid: per cell each arm's mean ± interval and the paired
+  differences against the baseline."""
+  cells = [m for m in agg["metrics"] if m.startswith("mqar_grid/") and m != "mqar_grid/mean"]
+  if not cells:
+    return []
+  arms, others = agg["arms"], list(agg["paired"])
+  md = ["## Associative recall by difficulty", "",
+        f"Exact-match accuracy per cell (P: key-value pairs, D: near-duplicate distractor pairs "
+        f"per queried key): mean ± half-width of the {pct} t interval over seeds, then each "
+        f"arm minus {agg['baseline']} at matched seeds [{pct} interval], paired t-test p.", "",
+        "| cell | " + " | ".join(arms) + "".join(f" | {a} − {agg['baseline']}" for a in others)
+        + " |", "|---" * (1 + len(arms) + len(others)) + "|"]
+  for m in cells + ["mqar_grid/mean"]:
+    row = [_fmt_ci(agg["per_arm"][a][m]) for a in arms]
+    row += [_fmt_diff(agg["paired"][a][m]) for a in others]
+    md.append(f"| {m.split('/', 1)[1]} | " + " | ".join(row) + " |")
   return md + [""]
 
 

@@ -169,6 +169,36 @@ def associative_recall(fn: LogitsFn, num_examples: int = 64, seed: int = 0, batc
   return out
 
 
+def mqar_cell_name(cell: Mapping[str, Any]) -> str:
+  """The scalar name of an associative-recall grid cell: P{pairs}_D{distractors}[_Q{q}]."""
+  name = f"P{int(cell['num_pairs'])}_D{int(cell.get('distractors_per_query', 1))}"
+  return name + (f"_Q{int(cell['num_queries'])}" if "num_queries" in cell else "")
+
+
+def associative_recall_grid(fn: LogitsFn, grid: Sequence[Mapping[str, Any]],
+                            num_examples: int = 64, seed: int = 0, batch_size: int = 8,
+                            **common) -> dict[str, Any]:
+  """MQAR accuracy on every cell of a difficulty grid (each a dict of `AssociativeRecallTask`
+  arguments over `common`); cell c draws its examples from seed `seed + c`.
+
+  Returns {"cells": {name: {"accuracy", "all_correct", "sequence_len", "settings"}},
+  "order": [names in grid order], "num_examples"}.
+  """
+  cells, order = {}, []
+  for c, cell in enumerate(grid):
+    kw = {**common, **dict(cell)}
+    kw.setdefault("num_queries", min(4, int(kw["num_pairs"])))
+    r = associative_recall(fn, num_examples, seed + c, batch_size, **kw)
+    name = mqar_cell_name(cell)
+    if name in cells:
+      raise ValueError(f"mqar_grid has two cells named {name!r}; give each cell distinct "
+                       "settings.")
+    order.append(name)
+    cells[name] = {"accuracy": r["accuracy"], "all_correct": r["all_correct"],
+                   "sequence_len": r["sequence_len"], "settings": kw}
+  return {"cells": cells, "order": order, "num_examples": int(num_examples)}
+
+
 def greedy_exact_match(fn: LogitsFn, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
   """Exact match by greedy decoding (one forward per generated token, no cache).
 

@@ -30,7 +30,7 @@ _FLOAT_RANGES = (
     ("optim.eps", 0.0, None, True, False),
     ("optim.weight_decay", 0.0, None, False, False),
     ("optim.clip_norm", 0.0, None, False, False),  # 0 (or None) disables clipping
-    ("task_mix.fraction", 0.0, 1.0, False, True),
+    ("task_mix.fraction", 0.0, 1.0, False, False),
     ("data.val_fraction", 0.0, 1.0, False, True),
     ("model.rope_theta", 0.0, None, True, False),
     ("model.norm_eps", 0.0, None, True, False),

@@ -5,6 +5,15 @@
 that come from it. Task examples join the corpus as documents, so they are packed,
 shuffled and split exactly like text. Training examples are drawn from a seed range
 the evaluation suite never uses, so no evaluation example is trained on.
+
+``fraction = 1.0`` trains on task examples alone: the corpus is not read and
+``task_mix.num_examples`` examples are made (it must then be > 0).
+
+Keys of ``config.task_mix`` (``diffjax.presets.base_config`` has them all):
+  multi_needle: context_len, num_needles, num_queries.
+  associative_recall: num_pairs, num_queries, distractors_per_query, key_len, value_len;
+    ``grid``, a list of (num_pairs, distractors_per_query) pairs, mixes those settings in
+    equal shares instead (``AssociativeRecallMix``).
 """
 
 from __future__ import annotations
@@ -47,16 +56,25 @@ class InterleavedSource:
     return src[int(self._rank[index])]
 
 
-def mixed_source(corpus: DocumentSource, mix, tokenizer, seed: int) -> DocumentSource:
-  """``corpus`` plus enough task examples to make ``mix.fraction`` of the tokens."""
+def task_only(mix) -> bool:
+  """True when ``mix`` trains on task examples alone (fraction 1), so no corpus is needed."""
+  return mix.get("task", "none") != "none" and float(mix.get("fraction", 0.0)) == 1.0
+
+
+def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> DocumentSource:
+  """``corpus`` plus enough task examples to make ``mix.fraction`` of the tokens; with
+  fraction 1, ``mix.num_examples`` task examples alone (``corpus`` may then be None)."""
   task = mix.get("task", "none")
   if task not in TASKS:
     raise ValueError(f"task_mix.task={task!r} is not one of {TASKS}.")
   fraction = float(mix.get("fraction", 0.0))
   if task == "none" or fraction == 0.0:
     return corpus
-  if not 0.0 < fraction < 1.0:
-    raise ValueError(f"task_mix.fraction={fraction} must be in (0, 1).")
+  if not 0.0 < fraction <= 1.0:
+    raise ValueError(f"task_mix.fraction={fraction} must be in (0, 1].")
+  if task == "multi_needle" and corpus is None:
+    raise ValueError("task_mix.task='multi_needle' hides its needles in corpus text; it cannot "
+                     "train on task examples alone (fraction=1). Use a fraction below 1.")
   from diffjax.data import tasks  # pylint: disable=import-outside-toplevel
   seed = TRAIN_SEED_OFFSET + int(seed)
   if task == "multi_needle":
@@ -64,9 +82,22 @@ def mixed_source(corpus: DocumentSource, mix, tokenizer, seed: int) -> DocumentS
         int(mix.context_len), int(mix.num_needles), int(mix.num_queries), num_examples=n,
         seed=seed, filler=corpus, tokenizer=tokenizer)
   else:
-    make = lambda n: tasks.AssociativeRecallTask(
-        int(mix.num_pairs), int(mix.num_queries), num_examples=n, seed=seed,
-        tokenizer=tokenizer)
+    lengths = dict(key_len=int(mix.get("key_len", 3)), value_len=int(mix.get("value_len", 3)))
+    grid = mix.get("grid") or ()
+    if grid:
+      make = lambda n: tasks.AssociativeRecallMix(
+          [tuple(g) for g in grid], int(mix.num_queries), num_examples=n, seed=seed,
+          tokenizer=tokenizer, **lengths)
+    else:
+      make = lambda n: tasks.AssociativeRecallTask(
+          int(mix.num_pairs), int(mix.num_queries), int(mix.get("distractors_per_query", 1)),
+          num_examples=n, seed=seed, tokenizer=tokenizer, **lengths)
+  if fraction == 1.0:
+    n = int(mix.get("num_examples", 0) or 0)
+    if n <= 0:
+      raise ValueError(f"task_mix.fraction=1 trains on task examples alone; set "
+                       f"task_mix.num_examples to how many (> 0), got {n}.")
+    return make(n)
   corpus_tokens = sum(int(np.size(corpus[i])) for i in range(len(corpus)))
   per_example = max(int(np.size(make(1)[0])), 1)
   n = max(1, math.ceil(fraction / (1.0 - fraction) * corpus_tokens / per_example))

@@ -36,7 +36,7 @@ from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
 from diffjax.train.setup import build_train_setup, with_mesh_rules
 from diffjax.train.steps import lambda_summary
-from diffjax.train.task_mix import mixed_source
+from diffjax.train.task_mix import mixed_source, task_only
 
 
 class TrainingError(UserError, RuntimeError):
@@ -114,7 +114,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   source = tokenizer = None
   if "task_mix" in config and config.task_mix.get("task", "none") != "none":
     tokenizer = load_tokenizer(data_cfg.tokenizer)
-    source = mixed_source(load_source(data_cfg, tokenizer), config.task_mix, tokenizer,
+    corpus = None if task_only(config.task_mix) else load_source(data_cfg, tokenizer)
+    source = mixed_source(corpus, config.task_mix, tokenizer,
                           config.seed)
   data = build_datasets(data_cfg, seq_len=config.seq_len,
                         global_batch_size=config.global_batch_size, seed=config.seed,
