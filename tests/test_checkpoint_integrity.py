@@ -189,8 +189,8 @@ def moved_copies(tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("kind,needle", [
-    ("truncate", "step 2"), ("manifests", "step 2"), ("flip", "digest"),
-    ("iterator", "data iterator")])
+    ("truncate", "step 2"), pytest.param("manifests", "step 2", marks=pytest.mark.slow),
+    ("flip", "digest"), pytest.param("iterator", "data iterator", marks=pytest.mark.slow)])
 def test_corrupt_newest_step_moves_aside_and_falls_back(tmp_path, kind, needle):
   out, stderr = run_scenario(kind, tmp_path)
   assert "error" not in out, out

@@ -54,9 +54,15 @@ def _arrays(shape, n, dtype, seed=0):
   return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shape)]
 
 
+def _slow(*case):
+  """A case whose coverage the default cases repeat (each shape, causal or not, and each kind
+  of segment ids runs in a faster case); it runs with ``-m slow``."""
+  return pytest.param(*case, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("shape,causal,seg", [
-    (SHAPES[0], True, "self"), (SHAPES[0], False, "pair"), (SHAPES[1], True, "pair"),
-    (SHAPES[1], False, "none"), (SHAPES[2], True, "none"), (SHAPES[2], False, "self")])
+    (SHAPES[0], True, "self"), (SHAPES[0], False, "pair"), _slow(SHAPES[1], True, "pair"),
+    (SHAPES[1], False, "none"), _slow(SHAPES[2], True, "none"), (SHAPES[2], False, "self")])
 def test_mha_matches_reference(shape, causal, seg):
   b, t, s, h, k, d, dv = shape
   ids = _segments(b, t, s, seg)
@@ -83,7 +89,7 @@ def test_diff_v1_matches_reference(shape, seg):
          (*args, lam), 3e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", [_slow(SHAPES[0]), SHAPES[1]])
 def test_diff_v2_matches_reference(shape):
   b, t, s, h, k, d, _ = shape
   ids = _segments(b, t, s, "pair")

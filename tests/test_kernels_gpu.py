@@ -105,10 +105,10 @@ def _run_v2(t, s, n_rep, d, causal, seg, dtype, *, b=1, kh=2, blocks=None, absen
   return out, grads
 
 
-# Default run: a covering subset of seq {200, 384} x n_rep {1, 2, 4} x segment ids x
-# dtype, plus T < S, non-causal, an awkward head dim and small blocks (many key blocks,
-# forward and backward blocks that differ). The slow run takes the full product and the
-# sequence-384 cases.
+# Default run (the interpreter is slow, so few cases): T < S, GQA 2 and 4, segment ids,
+# causal and not, float32 and bfloat16, an awkward head dim and small blocks (many key
+# blocks, forward and backward blocks that differ). The slow run takes the full product
+# and the sequence-384 cases.
 _SMALL_BLOCKS = kg.BlockSizes(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
                               block_q_dq=64, block_kv_dq=16, num_warps=4)
 def _slow(*case):
@@ -119,14 +119,14 @@ def _slow(*case):
 
 V1_CASES = [
     # t,   s,  rep, d,  dv, causal, seg, dtype, blocks
-    (200, 200, 1, 32, 64, True, False, jnp.float32, None),
+    _slow(200, 200, 1, 32, 64, True, False, jnp.float32, None),
     _slow(384, 384, 2, 32, 64, True, True, jnp.float32, None),
     (200, 200, 4, 24, 48, True, True, jnp.float32, _SMALL_BLOCKS),
     _slow(384, 384, 4, 64, 128, True, False, jnp.bfloat16, None),
-    (200, 200, 2, 32, 64, True, True, jnp.bfloat16, None),
+    _slow(200, 200, 2, 32, 64, True, True, jnp.bfloat16, None),
     _slow(384, 384, 1, 16, 32, True, True, jnp.bfloat16, _SMALL_BLOCKS),
     (100, 200, 2, 32, 64, True, True, jnp.float32, None),
-    (200, 200, 2, 32, 64, False, True, jnp.float32, None),
+    _slow(200, 200, 2, 32, 64, False, True, jnp.float32, None),
 ]
 
 
@@ -136,10 +136,10 @@ def test_diff_v1_matches_reference(t, s, rep, d, dv, causal, seg, dtype, blocks)
 
 
 V2_CASES = [
-    (200, 200, 1, 32, True, False, jnp.float32, None),
+    _slow(200, 200, 1, 32, True, False, jnp.float32, None),
     _slow(384, 384, 2, 32, True, True, jnp.float32, None),
     (200, 200, 4, 24, True, True, jnp.bfloat16, _SMALL_BLOCKS),
-    (100, 200, 2, 32, True, True, jnp.float32, None),
+    _slow(100, 200, 2, 32, True, True, jnp.float32, None),
     (384, 384, 1, 16, False, False, jnp.bfloat16, None),
 ]
 
@@ -201,6 +201,7 @@ def test_rows_without_visible_keys_are_zero():
   np.testing.assert_array_equal(np.asarray(grads[0][0, 0]), 0.0)  # dq1 of that row
 
 
+@pytest.mark.slow  # T != S runs in the (100, 200) cases of both versions
 def test_query_longer_than_keys_causal():
   # T > S: the first T - S queries precede every key and see nothing.
   out, _, _ = _run_v1(80, 48, 1, 16, 32, True, False, jnp.float32)
@@ -212,9 +213,9 @@ def test_query_longer_than_keys_causal():
 
 
 @pytest.mark.parametrize("s,kv_lens,splits,rep", [
-    (1000, (1000, 1, 333), 4, 2),       # split length 256: lengths not multiples of it
+    _slow(1000, (1000, 1, 333), 4, 2),  # split length 256: lengths not multiples of it
     (1000, (0, 64, 257), 3, 1),         # an empty cache gives zeros
-    (700, (700, 699, 350), None, 4),    # heuristic number of splits
+    _slow(700, (700, 699, 350), None, 4),  # heuristic number of splits
 ])
 def test_decode_matches_reference(s, kv_lens, splits, rep):
   b, kh, d = len(kv_lens), 2, 32
@@ -325,7 +326,7 @@ def test_dispatcher_pallas_gpu_equals_xla():
   assert _rel_err(a, b) <= TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("t,s,seg", [(64, 64, False), (40, 64, True)])
+@pytest.mark.parametrize("t,s,seg", [_slow(64, 64, False), (40, 64, True)])
 def test_stock_paths_compose_like_the_reference(t, s, seg):
   b = 2
   q_seg, kv_seg = _segments(b, t, s, absent_id=False) if seg else (None, None)
@@ -450,6 +451,7 @@ _SHARD_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the kernels under shard_map also run in tests/test_dispatch.py
 def test_kernels_run_under_shard_map_on_a_2x2_mesh():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -105,9 +105,9 @@ def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
   return out, grads
 
 
-# Default run: a covering subset of seq {200, 384} x n_rep {1, 2, 4} x segment ids x
-# dtype, plus T != S (decode-like and queries longer than keys), no mask, an awkward
-# head dim and default (sequence-shrunk) tiles. The slow run takes the full product.
+# Default run (the interpreter is slow, so few cases): T != S both ways, a query row that
+# matches no key, segment ids, GQA, causal and not, float32 and bfloat16, small tiles.
+# The slow run adds sequence 384, GQA 4, the WIDE and default tiles, and the full product.
 def _slow(*case):
   """A case whose coverage the default cases repeat (sequence 384, the WIDE tiles, GQA and
   bfloat16 are each exercised by a faster case); it runs with ``-m slow``."""
@@ -116,12 +116,13 @@ def _slow(*case):
 
 V1_CASES = [
     # t,   s,  rep, d, causal, seg,  dtype,        blocks
-    (200, 200, 1, 16, True, False, jnp.float32, SMALL),
+    _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
     _slow(384, 384, 2, 8, True, True, jnp.float32, SMALL),
-    (200, 200, 4, 16, True, True, jnp.float32, WIDE),
+    _slow(200, 200, 4, 16, True, True, jnp.float32, WIDE),
     _slow(384, 384, 1, 24, False, False, jnp.float32, None),
     (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
-    (200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
+    (200, 200, 2, 16, False, True, jnp.bfloat16, SMALL),
+    _slow(200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
     _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
 ]
 
@@ -133,11 +134,11 @@ def test_diff_v1_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
 
 
 V2_CASES = [
-    (200, 200, 1, 16, True, False, jnp.float32, SMALL),
+    _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
     _slow(384, 384, 2, 16, True, True, jnp.float32, WIDE),
-    (200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
+    _slow(200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
     (200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
-    (200, 200, 2, 16, True, True, jnp.bfloat16, None),
+    _slow(200, 200, 2, 16, True, True, jnp.bfloat16, None),
     _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
 ]
 
@@ -283,7 +284,7 @@ def test_pallas_tpu_needs_interpret_off_tpu():
     ops.diff_v1_attention_core(*args, implementation="pallas_tpu")
 
 
-@pytest.mark.parametrize("version,seg", [(1, False), (2, True)])
+@pytest.mark.parametrize("version,seg", [_slow(1, False), (2, True)])
 def test_stock_splash_paths_match_reference(version, seg):
   # Two splash calls with the 2D-wide value (V1) / one call over 2H heads (V2).
   fn = kt.diff_v1_stock_tpu if version == 1 else kt.diff_v2_stock_tpu
@@ -392,6 +393,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the kernels under shard_map also run in tests/test_dispatch.py
 def test_shard_map_on_four_cpu_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -228,7 +228,9 @@ def test_packed_document_matches_the_document_alone():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arm", ARMS)
+# jit and eager share every line; one arm runs by default, the others with -m slow.
+@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1",
+                                 pytest.param("diff_v2", marks=pytest.mark.slow)])
 def test_jit_and_eager_agree(arm):
   model = model_for(arm_config(arm))
   tokens, _ = tokens_and_targets(5)
@@ -322,7 +324,8 @@ def _reference_loss_and_grads(arm):
 
 
 # The remat wrapper is the same for every arm; each policy runs on a DIFF arm.
-@pytest.mark.parametrize("arm,policy", [("diff_v1", "full"), ("diff_v1", "dots"),
+@pytest.mark.parametrize("arm,policy", [pytest.param("diff_v1", "full", marks=pytest.mark.slow),
+                                        ("diff_v1", "dots"),
                                         ("diff_v2", "full")])
 def test_remat_gives_the_same_loss_and_gradients(arm, policy):
   ref_loss, ref_grads = _reference_loss_and_grads(arm)

@@ -60,7 +60,7 @@ def test_scanned_model_has_the_same_parameters_and_outputs(arm):
 
 @pytest.mark.parametrize("arm,remat", [
     pytest.param("transformer", "none", marks=pytest.mark.slow), ("diff_v1", "dots"),
-    ("diff_v2", "full")])
+    pytest.param("diff_v2", "full", marks=pytest.mark.slow)])
 def test_scanned_gradients_match_per_layer(arm, remat):
   plain, scanned = pair(arm, remat=remat)
   x, y = tokens(seed=1), tokens(seed=2)

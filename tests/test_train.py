@@ -71,6 +71,8 @@ def test_resume_is_exact(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+# Every comparison in tests/test_compare.py checks the same property on its arms.
+@pytest.mark.slow
 def test_arms_see_same_batches(tmp_path):
   hashes = {}
   for arm in ("transformer", "diff_v1", "diff_v2"):
@@ -180,11 +182,12 @@ def _cli(args, workdir, timeout=240):
 @pytest.mark.parametrize("args,needle", [
     (["--config.data.kind=text", "--config.data.paths=('/no/such/dir/*.txt',)"],
      "/no/such/dir/*.txt"),
-    (["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty"),
+    pytest.param(["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty",
+                 marks=pytest.mark.slow),
     (["--config.seq_len=100000000"], "100000001"),
-    (["--config.model.attention=gpt"], "'gpt'"),
+    pytest.param(["--config.model.attention=gpt"], "'gpt'", marks=pytest.mark.slow),
     (["--config.model.no_such_key=1"], "no_such_key"),
-    (["--config.num_steps=abc"], "abc"),
+    pytest.param(["--config.num_steps=abc"], "abc", marks=pytest.mark.slow),
 ])
 def test_bad_input_one_error_line(tmp_path, args, needle):
   empty = tmp_path / "empty.txt"
@@ -263,11 +266,13 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
 
 
 def test_task_mix_interleaves_retrieval_examples(tmp_path):
-  from diffjax.data import load_tokenizer, stdlib_corpus
+  from diffjax.data import DataConfig, load_source, load_tokenizer, stdlib_files
   from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source
   c = tiny_config(steps=2)
   c.task_mix.update(dict(task="multi_needle", fraction=0.25, context_len=256, num_needles=1))
-  corpus = stdlib_corpus("byte")
+  # A corpus of 40 real source files keeps the example count (and the test) small.
+  c.data.update(dict(kind="text", paths=tuple(str(f) for f in stdlib_files()[:40])))
+  corpus = load_source(DataConfig.from_dict(c.data.to_dict()), load_tokenizer("byte"))
   mixed = mixed_source(corpus, c.task_mix, load_tokenizer("byte"), seed=0)
   n_task = len(mixed) - len(corpus)
   assert n_task > 0 and str(TRAIN_SEED_OFFSET) in mixed.name

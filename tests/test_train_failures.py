@@ -109,8 +109,10 @@ def test_a_non_finite_update_is_not_applied():
 
 @pytest.mark.parametrize("flag,wanted", [
     ("--config.num_step=5", ["'num_step'", "num_steps"]),
-    ("--config.optim.lrr=1e-3", ["'optim.lrr'", "optim.lr"]),
-    ("--config.foo=1", ["'foo'", "num_steps"]),  # nothing close: the top-level keys
+    pytest.param("--config.optim.lrr=1e-3", ["'optim.lrr'", "optim.lr"],
+                 marks=pytest.mark.slow),
+    pytest.param("--config.foo=1", ["'foo'", "num_steps"],  # nothing close: the top-level keys
+                 marks=pytest.mark.slow),
 ])
 def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
   line = error_line(train_cli([flag], workdir=tmp_path / "run", timeout=120))
