@@ -816,8 +816,8 @@ def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
   assert out["sections"]["allocation"]["by_depth"].keys() == {"none"}
   per_head = out["sections"]["text"]["correlation"]["probs_per_head"]
   assert len(per_head) == 2 and all(len(h) == runners["diff_v1"].config.num_heads for h in per_head)
-  assert np.nanmean(per_head[0]) == pytest.approx(out["sections"]["text"]["correlation"]["probs"][0],
-                                                  abs=0.2)
+  layer0 = out["sections"]["text"]["correlation"]["probs"][0]
+  assert np.nanmean(per_head[0]) == pytest.approx(layer0, abs=0.2)
 
 
 def test_report_tables_and_plots_the_recall_grid(tmp_path):

@@ -62,6 +62,7 @@ __all__ = [
     "TokenShard", "TokenShardWriter", "shard_documents",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
     "token_byte_lengths", "tokens_per_byte",
-    "MultiNeedleTask", "AssociativeRecallTask", "AssociativeRecallMix", "RetrievalExample", "ContextTooShort", "collate",
+    "MultiNeedleTask", "AssociativeRecallTask", "AssociativeRecallMix", "RetrievalExample",
+    "ContextTooShort", "collate",
     "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "SINK", "CONTEXT", "ANSWER", "QUERY",
 ]

@@ -65,7 +65,8 @@ Eval JSON (one file per run, written by the CLI to <workdir>/eval.json, schema "
     }
 
 Scalar names: val/loss, val/perplexity, retrieval/N{n}_R{r}, retrieval/mean, heatmap/len{L},
-heatmap/mean, mqar/accuracy, mqar_grid/P{p}_D{d}, mqar_grid/mean, allocation/{answer,context}_{signed,abs}_share,
+heatmap/mean, mqar/accuracy, mqar_grid/P{p}_D{d}, mqar_grid/mean,
+allocation/{answer,context}_{signed,abs}_share,
 outliers/{attention_logits,hidden}_{top1,top100,median}, probe/map_correlation_mean,
 probe/negative_mass_mean, lambda/mean, lowbit/{setting}/{loss,accuracy},
 probe/clamp_loss_delta, probe/clamp_accuracy_delta.

@@ -112,9 +112,10 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
       V2: {"kind": "sigmoid", "layers": [{"mean", "std", "quantiles": {q: v}, "histogram",
       "per_head_mean"}]}; Transformer: {"kind": "none"}.
     correlation: per layer (and per head: probs_per_head) Pearson correlation of A1 and A2 over
-      non-salient keys (DIFF), or of query heads 2i and 2i+1 (Transformer, a control: what a plain model's would-be pairs
-      share). Salient keys: the top-`corr_top_k` keys of A1, the first token and the query
-      itself (`measures.salient_key_mask`). Both on probabilities and on logits.
+      non-salient keys (DIFF), or of query heads 2i and 2i+1 (Transformer, a control: what a
+      plain model's would-be pairs share). Salient keys: the top-`corr_top_k` keys of A1, the
+      first token and the query itself (`measures.salient_key_mask`). Both on probabilities
+      and on logits.
     negative_mass: per layer, mean over sampled rows and heads of the summed negative weights.
   """
   rng = np.random.default_rng(seed)

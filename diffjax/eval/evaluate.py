@@ -31,7 +31,8 @@ from diffjax.data.tasks import AssociativeRecallTask, ContextTooShort, MultiNeed
 __all__ = [
     "EvalConfig", "SECTIONS", "SCHEMA", "KNOBS", "LogitsFn", "ModelRunner",
     "quantize_model_weights", "evaluate_model", "scalars_from_sections", "validation_loss",
-    "retrieval_accuracy", "needle_table", "retrieval_heatmap", "associative_recall", "associative_recall_grid",
+    "retrieval_accuracy", "needle_table", "retrieval_heatmap", "associative_recall",
+    "associative_recall_grid",
     "greedy_exact_match", "attention_allocation_by_layer", "text_statistics", "low_bit",
     "lowbit_settings", "clamp_probe",
 ]
