@@ -479,3 +479,57 @@ def test_stdlib_corpus_builds_fast_and_excludes_tests():
   assert elapsed < 20, f"building the stdlib datasets took {elapsed:.1f}s"
   print(f"\nstdlib corpus ({sys.version.split()[0]}): {len(files)} files, {src.num_tokens} bytes, "
         f"built in {elapsed:.2f}s")
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token loss weights (tasks scored on their answers only).
+
+
+def test_loss_weights_mask_the_targets_they_mark():
+  docs = [np.arange(1, 6), np.arange(10, 13), np.arange(20, 27)]
+  weights = [np.array([0, 0, 1, 1, 0]), np.array([1, 0, 0]), np.array([0, 0, 0, 0, 0, 1, 1])]
+  corpus = PackedCorpus.from_documents(docs, eos_id=0, weights=weights)
+  packer = Packer(corpus, seq_len=4, seed=0, shuffle=False)
+  stream = corpus.stream_tokens()
+  scored_stream = np.concatenate([np.append(w, 0) for w in weights])  # eos targets: 0
+  for g in range(packer.windows_per_epoch):
+    b = packer.examples(np.array([g]))
+    s0 = g * 4
+    np.testing.assert_array_equal(b["targets"][0], stream[s0 + 1:s0 + 5])
+    want = scored_stream[s0 + 1:s0 + 5] * (stream[s0:s0 + 4] != 0)
+    np.testing.assert_array_equal(b["loss_mask"][0], want.astype(np.float32))
+  # Subsets carry the weights; without weights nothing changes.
+  sub = corpus.subset(np.array([2, 0]))
+  np.testing.assert_array_equal(sub.document_weights(0), weights[2])
+  plain = Packer(PackedCorpus.from_documents(docs, eos_id=0), 4, seed=0, shuffle=False)
+  assert plain.examples(np.array([0]))["loss_mask"].tolist() == [[1, 1, 1, 1]]
+  with pytest.raises(ValueError, match="one to one"):
+    PackedCorpus.from_documents(docs, 0, weights[:2])
+  with pytest.raises(ValueError, match="0 or 1"):
+    PackedCorpus.from_documents(docs[:1], 0, [np.array([0, 2, 0, 0, 0])])
+
+
+def test_answers_only_task_data_scores_exactly_the_answer_tokens():
+  from diffjax.data import AnswersOnly, AssociativeRecallTask
+  task = AssociativeRecallTask(6, 2, 1, num_examples=12, seed=4)
+  cfg = DataConfig(val_fraction=0.2, shuffle=False)
+  data = build_datasets(cfg, seq_len=64, global_batch_size=2, seed=0, source=AnswersOnly(task),
+                        tokenizer=ByteTokenizer())
+  digits = set(range(ord("0"), ord("9") + 1))
+  scored = 0
+  for _ in range(4):
+    batch = next(data.train_iter)
+    for row in range(2):
+      for t in np.flatnonzero(batch["loss_mask"][row]):
+        # Every scored target is a value digit of the query part: after "key:" or a digit.
+        assert int(batch["targets"][row, t]) in digits
+        assert chr(int(batch["inputs"][row, t])) in ":0123456789"
+        scored += 1
+  assert scored > 0
+  # The task marks 2 queries x 3 digits per example.
+  assert all(int(task.answer_weights(i).sum()) == 6 for i in range(len(task)))
+  with pytest.raises(ValueError, match="fraction=1"):
+    import ml_collections
+    from diffjax.train.task_mix import mixed_source
+    mixed_source(None, ml_collections.ConfigDict(dict(task="associative_recall", fraction=0.5,
+                                                      loss="answers")), ByteTokenizer(), 0)

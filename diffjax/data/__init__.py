@@ -37,6 +37,7 @@ from diffjax.data.tasks import (
     QUERY,
     REGION_NAMES,
     SINK,
+    AnswersOnly,
     AssociativeRecallMix,
     AssociativeRecallTask,
     ContextTooShort,
@@ -62,7 +63,8 @@ __all__ = [
     "TokenShard", "TokenShardWriter", "shard_documents",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
     "token_byte_lengths", "tokens_per_byte",
-    "MultiNeedleTask", "AssociativeRecallTask", "AssociativeRecallMix", "RetrievalExample",
+    "MultiNeedleTask", "AssociativeRecallTask", "AssociativeRecallMix", "AnswersOnly",
+    "RetrievalExample",
     "ContextTooShort", "collate",
     "DEPTHS", "NEEDLE_GRID", "REGION_NAMES", "SINK", "CONTEXT", "ANSWER", "QUERY",
 ]

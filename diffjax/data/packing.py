@@ -21,6 +21,9 @@ Per window (all (T,) int32 unless said otherwise):
                cannot reach the part before the window, and RoPE depends only on differences).
   loss_mask    (T,) float32: 0 where the input is an eos, because its target is the first token of
                the next, unrelated document; 1 elsewhere. Predicting eos itself is trained.
+               A corpus with per-token loss weights (`PackedCorpus.weights_N`, e.g. a retrieval
+               task scored on its answers only) also zeroes the positions whose target has
+               weight 0; an eos target then has weight 0 too.
 """
 
 from __future__ import annotations
@@ -44,21 +47,39 @@ class PackedCorpus:
     tokens_N: (N,) int32, all documents concatenated (no eos).
     offsets_Dp1: (D + 1,) int64; document d is tokens_N[offsets_Dp1[d]:offsets_Dp1[d + 1]].
     eos_id: id placed after every document in the stream.
+    weights_N: None (every target is scored), or (N,) uint8 per token: 1 where predicting that
+      token is scored, 0 where it is not (see `loss_mask` above).
   """
 
   tokens_N: np.ndarray
   offsets_Dp1: np.ndarray
   eos_id: int
+  weights_N: np.ndarray | None = None
 
   @classmethod
-  def from_documents(cls, docs: Sequence[np.ndarray], eos_id: int) -> "PackedCorpus":
-    """Concatenates `docs` (each (N_i,) int); documents are kept in the given order."""
+  def from_documents(cls, docs: Sequence[np.ndarray], eos_id: int,
+                     weights: Sequence[np.ndarray] | None = None) -> "PackedCorpus":
+    """Concatenates `docs` (each (N_i,) int); documents are kept in the given order.
+
+    `weights`, if given, holds one (N_i,) array of 0/1 per document (its tokens' loss weights).
+    """
     docs = [np.asarray(d, dtype=np.int32).reshape(-1) for d in docs]
     lengths_D = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
     offsets_Dp1 = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lengths_D, out=offsets_Dp1[1:])
     tokens_N = np.concatenate(docs).astype(np.int32, copy=False) if docs else np.zeros(0, np.int32)
-    return cls(tokens_N, offsets_Dp1, int(eos_id))
+    weights_N = None
+    if weights is not None:
+      weights = [np.asarray(w).reshape(-1) for w in weights]
+      if len(weights) != len(docs) or any(w.size != d.size for w, d in zip(weights, docs)):
+        raise ValueError("Loss weights must match the documents one to one, token for token; got "
+                         f"{len(weights)} weight arrays for {len(docs)} documents.")
+      bad = [i for i, w in enumerate(weights) if w.size and not np.isin(w, (0, 1)).all()]
+      if bad:
+        raise ValueError(f"Loss weights must be 0 or 1; document {bad[0]} has other values.")
+      weights_N = (np.concatenate(weights).astype(np.uint8) if weights
+                   else np.zeros(0, np.uint8))
+    return cls(tokens_N, offsets_Dp1, int(eos_id), weights_N)
 
   @property
   def num_documents(self) -> int:
@@ -77,9 +98,17 @@ class PackedCorpus:
   def document(self, d: int) -> np.ndarray:
     return self.tokens_N[self.offsets_Dp1[d]:self.offsets_Dp1[d + 1]]
 
+  def document_weights(self, d: int) -> np.ndarray | None:
+    if self.weights_N is None:
+      return None
+    return self.weights_N[self.offsets_Dp1[d]:self.offsets_Dp1[d + 1]]
+
   def subset(self, doc_ids_K: np.ndarray) -> "PackedCorpus":
-    """A corpus of the documents `doc_ids_K`, in that order."""
-    return PackedCorpus.from_documents([self.document(int(d)) for d in doc_ids_K], self.eos_id)
+    """A corpus of the documents `doc_ids_K`, in that order (weights kept)."""
+    weights = (None if self.weights_N is None else
+               [self.document_weights(int(d)) for d in doc_ids_K])
+    return PackedCorpus.from_documents([self.document(int(d)) for d in doc_ids_K], self.eos_id,
+                                       weights)
 
   def stream_tokens(self) -> np.ndarray:
     """The (stream_length,) int32 stream in document order (for statistics, not training)."""
@@ -243,10 +272,14 @@ class Packer:
     segment_ids_BxT = slot_BxT - slot_BxT[:, :1] + 1
     offset_BxT = offset_BxT1[:, :t]
     positions_BxT = np.where(segment_ids_BxT == 1, offset_BxT - offset_BxT[:, :1], offset_BxT)
+    loss_mask_BxT = ~is_eos_BxT1[:, :t]
+    if self.corpus.weights_N is not None:
+      scored_BxT = self.corpus.weights_N[np.maximum(flat_BxT1[:, 1:], 0)].astype(bool)
+      loss_mask_BxT &= scored_BxT & ~is_eos_BxT1[:, 1:]
     return {
         "inputs": tokens_BxT1[:, :t],
         "targets": tokens_BxT1[:, 1:],
         "segment_ids": segment_ids_BxT.astype(np.int32),
         "positions": positions_BxT.astype(np.int32),
-        "loss_mask": (~is_eos_BxT1[:, :t]).astype(np.float32),
+        "loss_mask": loss_mask_BxT.astype(np.float32),
     }

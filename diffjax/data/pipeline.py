@@ -147,15 +147,32 @@ def load_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocumentSource:
   return ArrayRecordSource(cfg.paths)
 
 
-def _capped_documents(docs: Sequence[np.ndarray], cfg: DataConfig) -> list[np.ndarray]:
-  docs = list(docs[:cfg.max_documents] if cfg.max_documents is not None else docs)
+def _capped_documents(docs: Sequence[np.ndarray], cfg: DataConfig,
+                      weights: Sequence[np.ndarray] | None = None
+                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+  """The documents `cfg.max_documents` / `cfg.max_tokens` keep, without empty ones; per-token
+  `weights`, if given, are cut the same way."""
+  keep_w = weights is not None
+  pairs = list(zip(docs, weights if keep_w else [None] * len(docs)))
+  pairs = pairs[:cfg.max_documents] if cfg.max_documents is not None else pairs
   if cfg.max_tokens is not None:
-    ends = np.cumsum([d.size for d in docs])
+    ends = np.cumsum([d.size for d, _ in pairs])
     keep = int(np.searchsorted(ends, cfg.max_tokens, side="left")) + 1
-    docs = docs[:keep]
-    if docs and ends[len(docs) - 1] > cfg.max_tokens:
-      docs[-1] = docs[-1][:docs[-1].size - (ends[len(docs) - 1] - cfg.max_tokens)]
-  return [d for d in docs if d.size]  # An empty document would add a lone eos.
+    pairs = pairs[:keep]
+    if pairs and ends[len(pairs) - 1] > cfg.max_tokens:
+      d, w = pairs[-1]
+      n = d.size - (ends[len(pairs) - 1] - cfg.max_tokens)
+      pairs[-1] = (d[:n], None if w is None else w[:n])
+  pairs = [(d, w) for d, w in pairs if d.size]  # An empty document would add a lone eos.
+  return [d for d, _ in pairs], ([np.asarray(w) for _, w in pairs] if keep_w else None)
+
+
+def _loss_weights(source: DocumentSource) -> list[np.ndarray] | None:
+  """Per-token loss weights of every document when `source` has them (`loss_weights(i)`)."""
+  weights_of = getattr(source, "loss_weights", None)
+  if weights_of is None:
+    return None
+  return [np.asarray(weights_of(i)).reshape(-1) for i in range(len(source))]
 
 
 def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: int,
@@ -174,7 +191,8 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
     seed: orders documents and windows (epoch e uses (seed, e)); does not affect the split.
     process_index, process_count: this host's slot (`jax.process_index()`, `jax.process_count()`).
     source: any `DocumentSource` to use instead of the one `cfg.kind` / `cfg.paths` names
-      (e.g. a synthetic task); its ids must come from `tokenizer`.
+      (e.g. a synthetic task); its ids must come from `tokenizer`. A source with a
+      `loss_weights(i)` method ((N_i,) 0/1 per token) is scored only where the weight is 1.
     tokenizer: overrides `cfg.tokenizer`.
 
   Raises:
@@ -192,8 +210,8 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
   tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
   source = source if source is not None else load_source(cfg, tokenizer)
   name = getattr(source, "name", type(source).__name__)
-  docs = _capped_documents(read_documents(source), cfg)
-  corpus = PackedCorpus.from_documents(docs, tokenizer.eos_id)
+  docs, weights = _capped_documents(read_documents(source), cfg, _loss_weights(source))
+  corpus = PackedCorpus.from_documents(docs, tokenizer.eos_id, weights)
   if corpus.tokens_N.size == 0:
     raise ValueError(
         f"Corpus {name!r} has no tokens ({len(source)} documents, all empty after max_documents="

@@ -156,6 +156,10 @@ class _TaskBase:
                        f"of {self.name}")
     return self.example(index % self.num_examples).tokens
 
+  def answer_weights(self, index: int) -> np.ndarray:
+    """(L,) uint8: 1 at the answer tokens of example `index`, 0 elsewhere (see `AnswersOnly`)."""
+    return (self.example(index % self.num_examples).answer_segments >= 0).astype(np.uint8)
+
   def examples(self, indices: Sequence[int] | None = None) -> list[RetrievalExample]:
     indices = range(self.num_examples) if indices is None else indices
     return [self.example(int(i)) for i in indices]
@@ -492,3 +496,26 @@ class AssociativeRecallMix(_TaskBase):
   def example(self, index: int) -> RetrievalExample:
     k = len(self.tasks)
     return self.tasks[index % k].example(index // k)
+
+
+class AnswersOnly:
+  """A task as training data scored on its answers only.
+
+  A `DocumentSource` (the task's token sequences) with `loss_weights(i)`: the training
+  pipeline then counts only the predictions of answer tokens in the loss, the usual way of
+  training a model on associative recall (the keys and values are random, so predicting
+  them teaches nothing but adds noise to every update).
+  """
+
+  def __init__(self, task: _TaskBase):
+    self.task = task
+    self.name = f"{task.name}[answers]"
+
+  def __len__(self) -> int:
+    return len(self.task)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    return self.task[index]
+
+  def loss_weights(self, index: int) -> np.ndarray:
+    return self.task.answer_weights(index)

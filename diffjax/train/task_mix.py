@@ -7,7 +7,9 @@ shuffled and split exactly like text. Training examples are drawn from a seed ra
 the evaluation suite never uses, so no evaluation example is trained on.
 
 ``fraction = 1.0`` trains on task examples alone: the corpus is not read and
-``task_mix.num_examples`` examples are made (it must then be > 0).
+``task_mix.num_examples`` examples are made (it must then be > 0). With task examples
+alone, ``task_mix.loss = "answers"`` scores only the answer tokens (``"all"``, the default,
+scores every token, as for text).
 
 Keys of ``config.task_mix`` (``diffjax.presets.base_config`` has them all):
   multi_needle: context_len, num_needles, num_queries.
@@ -72,6 +74,12 @@ def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> Do
     return corpus
   if not 0.0 < fraction <= 1.0:
     raise ValueError(f"task_mix.fraction={fraction} must be in (0, 1].")
+  loss = mix.get("loss", "all")
+  if loss not in ("all", "answers"):
+    raise ValueError(f"task_mix.loss={loss!r} must be 'all' or 'answers'.")
+  if loss == "answers" and fraction != 1.0:
+    raise ValueError(f"task_mix.loss='answers' scores task answers only, so it needs task "
+                     f"examples alone (task_mix.fraction=1); got fraction={fraction}.")
   if task == "multi_needle" and corpus is None:
     raise ValueError("task_mix.task='multi_needle' hides its needles in corpus text; it cannot "
                      "train on task examples alone (fraction=1). Use a fraction below 1.")
@@ -97,7 +105,7 @@ def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> Do
     if n <= 0:
       raise ValueError(f"task_mix.fraction=1 trains on task examples alone; set "
                        f"task_mix.num_examples to how many (> 0), got {n}.")
-    return make(n)
+    return tasks.AnswersOnly(make(n)) if loss == "answers" else make(n)
   corpus_tokens = sum(int(np.size(corpus[i])) for i in range(len(corpus)))
   per_example = max(int(np.size(make(1)[0])), 1)
   n = max(1, math.ceil(fraction / (1.0 - fraction) * corpus_tokens / per_example))
