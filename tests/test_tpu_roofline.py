@@ -1,0 +1,197 @@
+"""The TPU roofline model (benchmarks/tpu_roofline.py): FLOP counts, the fused backward's
+dQ round trip, the target's grid and traffic, and the printed table. No TPU compile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from diffjax.kernels.tpu import _layout as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+  path = os.path.join(ROOT, "benchmarks", "tpu_roofline.py")
+  spec = importlib.util.spec_from_file_location("tpu_roofline", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["tpu_roofline"] = module  # dataclasses look their module up by name
+  spec.loader.exec_module(module)
+  return module
+
+
+R = _load()
+
+
+def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512):
+  return R.Tiles(block_q=bq, block_kv=bk, block_q_bwd=bq_bwd, block_kv_bwd=bk_bwd,
+                 splash=splash)
+
+
+def _kernel(ops, name):
+  return next(o for o in ops if o.part == R.KERNEL and o.name.endswith(name))
+
+
+# ----------------------------------------------------------------------------------
+# (a) FLOPs against hand counts.
+
+
+def test_transformer_forward_flops_non_causal_and_causal():
+  b, h, d, t = 2, 2, 64, 1024  # 2 DIFF heads -> 4 Transformer heads
+  shape = R.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
+  fwd = _kernel(R.transformer_ops(shape, _tiles(splash=256))["fwd"], "splash fwd")
+  assert fwd.flops == 4 * b * (2 * h) * t * t * d  # Q K^T and P V, 2 FLOPs per MAC
+
+  # Causal at T = 32K with 512 tiles: 64 * 65 / 2 of 64 * 64 tiles are computed.
+  full = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=False)
+  causal = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=True)
+  ratio = (_kernel(R.transformer_ops(causal, _tiles())["fwd"], "splash fwd").flops
+           / _kernel(R.transformer_ops(full, _tiles())["fwd"], "splash fwd").flops)
+  assert ratio == pytest.approx(65 / 128)
+  assert 0.5 < ratio < 0.51
+
+
+def test_fused_and_splash_backward_flops_per_pair():
+  b, h, d, t = 1, 3, 64, 512
+  shape = R.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
+  tiles = _tiles(bq=128, bk=128, bq_bwd=128, bk_bwd=128, splash=128)
+  pairs = b * t * t
+  v1 = R.fused_ops(shape, tiles, 1)
+  # V1 per DIFF head: forward 2 maps x (2d + 2 x 2d); backward 12d + 4 x 2d.
+  assert _kernel(v1["fwd"], "diff_attention_fwd").flops == h * pairs * 12 * d
+  assert _kernel(v1["bwd"], "diff_attention_bwd").flops == h * pairs * 20 * d
+  v2 = R.fused_ops(shape, tiles, 2)  # 2H pairs, value width d
+  assert _kernel(v2["fwd"], "diff_attention_fwd").flops == 2 * h * pairs * 8 * d
+  assert _kernel(v2["bwd"], "diff_attention_bwd").flops == 2 * h * pairs * 16 * d
+  mha = R.transformer_ops(shape, tiles)["bwd"]
+  # Splash recomputes Q K^T and dP in both backward kernels: 8d + 6d per head.
+  assert _kernel(mha, "splash dK/dV").flops == 2 * h * pairs * 8 * d
+  assert _kernel(mha, "splash dQ").flops == 2 * h * pairs * 6 * d
+
+
+def test_visited_tiles_match_the_kernels_plan():
+  for t, bq, bk in ((1000, 256, 128), (2048, 512, 256), (640, 128, 512)):
+    plan = L.make_plan(q_len=t, kv_len=t, block_q=bq, block_kv=bk, causal=True,
+                       segmented=False, scale=1.0, shared_k=False, lam_rows=False,
+                       heads=1, kv_heads=1)
+    bq_m, bk_m, tp, sp = R.fused_tiles(t, bq, bk)
+    assert (bq_m, bk_m, tp, sp) == (plan.block_q, plan.block_kv, plan.q_len_padded,
+                                    plan.kv_len_padded)
+    want = np.array([[bool(plan.block_visible(i, j)) for j in range(plan.num_kv_blocks)]
+                     for i in range(plan.num_q_blocks)])
+    np.testing.assert_array_equal(R.visited_tiles(tp, sp, bq_m, bk_m, True), want)
+
+
+def test_count_fetches():
+  assert R.count_fetches([0, 0, 1, 1, 0]) == 3
+  assert R.count_fetches([0, 0, 0], [0, 1, 1]) == 2
+  assert R.count_fetches([]) == 0
+
+
+# ----------------------------------------------------------------------------------
+# (b) The dQ round trip of today's backward.
+
+
+def test_dq_round_trip_by_hand():
+  d = 128
+  shape = R.Shape(batch=1, diff_heads=1, head_dim=d, seq=1024, causal=True)
+  tile = 2 * 256 * d * 4  # both query components, float32, 256 rows
+  # 256 x 256 tiles, causal: q tile i visits key tiles 0..i, i.e. 1, 2, 3, 4 steps.
+  # Every visited step writes the tile back; all but the first key tile (j = 0, which
+  # writes without reading) read it first.
+  visited = [1, 2, 3, 4]
+  want = sum(n * tile + (n - 1) * tile for n in visited)
+  assert want == 16 * tile
+  tiles = _tiles(bq_bwd=256, bk_bwd=256)
+  rt = R.dq_round_trip(shape, tiles, 1)
+  assert (rt["tile_bytes"], rt["writes"], rt["reads"], rt["bytes"]) == (tile, 10, 6, want)
+  op = _kernel(R.fused_ops(shape, tiles, 1)["bwd"], "diff_attention_bwd")
+  assert op.detail["dQ f32 tile writes"] == 10 * tile
+  assert op.detail["dQ f32 tile reads"] == 6 * tile
+
+  # Default backward tiles (512 x 256): q tile 0 sees key tiles 0, 1; q tile 1 all 4.
+  tile = 2 * 512 * d * 4
+  rt = R.dq_round_trip(shape, _tiles(), 1)
+  assert (rt["writes"], rt["reads"], rt["bytes"]) == (6, 4, 10 * tile)
+
+  # Without the mask every (q tile, key tile) step: 4 x 4 writes, 4 x 3 reads; V2's
+  # 2H pairs each carry the same tile.
+  full = R.Shape(batch=2, diff_heads=1, head_dim=d, seq=1024, causal=False)
+  rt = R.dq_round_trip(full, tiles, 2)
+  assert (rt["writes"], rt["reads"]) == (2 * 2 * 16, 2 * 2 * 12)
+
+
+# ----------------------------------------------------------------------------------
+# (c) The target against today's kernels.
+
+
+@pytest.mark.parametrize("t", [1000, 4096, 8192])
+def test_target_grid_visits_only_tiles_with_visible_keys(t):
+  bq, bk = 512, 256
+  shape = R.Shape(batch=2, diff_heads=3, head_dim=128, seq=t, causal=True)
+  tiles = _tiles(bq_bwd=bq, bk_bwd=bk)
+  nq, nkv = -(-t // bq), -(-t // bk)
+  q_pos, k_pos = np.arange(nq * bq)[:, None], np.arange(nkv * bk)[None, :]
+  dense = (k_pos <= q_pos) & (q_pos < t) & (k_pos < t)
+  any_visible = int(dense.reshape(nq, bq, nkv, bk).any(axis=(1, 3)).sum())
+  for version, heads in ((1, 3), (2, 6)):
+    today = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
+    target = _kernel(R.target_ops(shape, tiles, version)["bwd"], "(target)")
+    assert target.steps == 2 * heads * any_visible
+    assert today.steps == 2 * heads * nq * nkv  # today every step of the grid
+    assert target.flops <= today.flops
+    total = lambda ops: sum(o.bytes for o in ops)
+    assert total(R.target_ops(shape, tiles, version)["bwd"]) < total(
+        R.fused_ops(shape, tiles, version)["bwd"])
+    assert target.bytes < today.bytes
+
+
+def test_target_moves_fewer_bytes_without_a_mask_too():
+  shape = R.Shape(batch=1, diff_heads=2, head_dim=128, seq=2048, causal=False)
+  for version in (1, 2):
+    today = sum(o.bytes for o in R.fused_ops(shape, _tiles(), version)["bwd"])
+    target = sum(o.bytes for o in R.target_ops(shape, _tiles(), version)["bwd"])
+    assert target < today
+
+
+# ----------------------------------------------------------------------------------
+# (d) The script.
+
+
+def test_main_prints_every_generation(capsys, tmp_path):
+  path = tmp_path / "roofline.json"
+  report = R.main(["--seq", "1024", "--json", str(path)])
+  out = capsys.readouterr().out
+  assert "MODEL" in out
+  header = next(line for line in out.splitlines() if line.startswith("| arm |"))
+  for gen in R.GENERATIONS:
+    assert f"| {gen} us" in header
+  for arm in R.ARMS:
+    assert f"| {arm} | fwd+bwd | total |" in out
+  assert "fused DIFF V1 fwd+bwd / splash Transformer fwd+bwd" in out
+  assert "Cross-check" not in out  # only with --cross-check
+  saved = json.loads(path.read_text())
+  assert set(saved["results"]) == {"1024"}
+  assert saved["results"]["1024"]["ratios"] == report["results"]["1024"]["ratios"]
+
+
+def test_splash_tables_match_splash_mask_info():
+  t, block = 1024, 256
+  blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                             block_q_dkv=block, block_kv_dkv=block,
+                             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * 2),
+                                  block_sizes=blocks, head_shards=1, q_seq_shards=1)
+  mask = R.visited_tiles(t, t, block, block, True)
+  rows, width = R._splash_rows(mask)
+  cols, _ = R._splash_cols(mask)
+  assert width == t // block  # a causal square keeps the full grid width
+  np.testing.assert_array_equal(np.asarray(kernel.fwd_mask_info.data_next[0]), rows)
+  np.testing.assert_array_equal(np.asarray(kernel.dq_mask_info.data_next[0]), rows)
+  np.testing.assert_array_equal(np.asarray(kernel.dkv_mask_info.data_next[0]).T, cols)
