@@ -526,8 +526,10 @@ def test_answers_only_task_data_scores_exactly_the_answer_tokens():
         assert chr(int(batch["inputs"][row, t])) in ":0123456789"
         scored += 1
   assert scored > 0
-  # The task marks 2 queries x 3 digits per example.
-  assert all(int(task.answer_weights(i).sum()) == 6 for i in range(len(task)))
+  # The weights mark 2 queries x 3 digits per example, and the tokens are the task's.
+  docs, weights = AnswersOnly(task).read_weighted()
+  assert [int(w.sum()) for w in weights] == [6] * len(task)
+  assert all(np.array_equal(d, task[i]) for i, d in enumerate(docs))
   with pytest.raises(ValueError, match="fraction=1"):
     import ml_collections
     from diffjax.train.task_mix import mixed_source

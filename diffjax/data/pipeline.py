@@ -147,9 +147,8 @@ def load_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocumentSource:
   return ArrayRecordSource(cfg.paths)
 
 
-def _capped_documents(docs: Sequence[np.ndarray], cfg: DataConfig,
-                      weights: Sequence[np.ndarray] | None = None
-                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+def _capped_documents(docs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None,
+                      cfg: DataConfig) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
   """The documents `cfg.max_documents` / `cfg.max_tokens` keep, without empty ones; per-token
   `weights`, if given, are cut the same way."""
   keep_w = weights is not None
@@ -167,12 +166,15 @@ def _capped_documents(docs: Sequence[np.ndarray], cfg: DataConfig,
   return [d for d, _ in pairs], ([np.asarray(w) for _, w in pairs] if keep_w else None)
 
 
-def _loss_weights(source: DocumentSource) -> list[np.ndarray] | None:
-  """Per-token loss weights of every document when `source` has them (`loss_weights(i)`)."""
-  weights_of = getattr(source, "loss_weights", None)
-  if weights_of is None:
-    return None
-  return [np.asarray(weights_of(i)).reshape(-1) for i in range(len(source))]
+def _read_weighted(source: DocumentSource) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+  """Every document of `source` and, when it has them (`read_weighted()`), their per-token
+  loss weights, read in one pass."""
+  read_weighted = getattr(source, "read_weighted", None)
+  if read_weighted is None:
+    return read_documents(source), None
+  docs, weights = read_weighted()
+  return ([np.asarray(d, np.int32).reshape(-1) for d in docs],
+          [np.asarray(w).reshape(-1) for w in weights])
 
 
 def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: int,
@@ -192,7 +194,8 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
     process_index, process_count: this host's slot (`jax.process_index()`, `jax.process_count()`).
     source: any `DocumentSource` to use instead of the one `cfg.kind` / `cfg.paths` names
       (e.g. a synthetic task); its ids must come from `tokenizer`. A source with a
-      `loss_weights(i)` method ((N_i,) 0/1 per token) is scored only where the weight is 1.
+      `read_weighted()` method (every document and its (N_i,) 0/1 per-token loss weights) is
+      scored only where the weight is 1.
     tokenizer: overrides `cfg.tokenizer`.
 
   Raises:
@@ -210,7 +213,7 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
   tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
   source = source if source is not None else load_source(cfg, tokenizer)
   name = getattr(source, "name", type(source).__name__)
-  docs, weights = _capped_documents(read_documents(source), cfg, _loss_weights(source))
+  docs, weights = _capped_documents(*_read_weighted(source), cfg)
   corpus = PackedCorpus.from_documents(docs, tokenizer.eos_id, weights)
   if corpus.tokens_N.size == 0:
     raise ValueError(

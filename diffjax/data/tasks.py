@@ -156,10 +156,6 @@ class _TaskBase:
                        f"of {self.name}")
     return self.example(index % self.num_examples).tokens
 
-  def answer_weights(self, index: int) -> np.ndarray:
-    """(L,) uint8: 1 at the answer tokens of example `index`, 0 elsewhere (see `AnswersOnly`)."""
-    return (self.example(index % self.num_examples).answer_segments >= 0).astype(np.uint8)
-
   def examples(self, indices: Sequence[int] | None = None) -> list[RetrievalExample]:
     indices = range(self.num_examples) if indices is None else indices
     return [self.example(int(i)) for i in indices]
@@ -501,7 +497,7 @@ class AssociativeRecallMix(_TaskBase):
 class AnswersOnly:
   """A task as training data scored on its answers only.
 
-  A `DocumentSource` (the task's token sequences) with `loss_weights(i)`: the training
+  A `DocumentSource` (the task's token sequences) with `read_weighted()`: the training
   pipeline then counts only the predictions of answer tokens in the loss, the usual way of
   training a model on associative recall (the keys and values are random, so predicting
   them teaches nothing but adds noise to every update).
@@ -517,5 +513,8 @@ class AnswersOnly:
   def __getitem__(self, index: int) -> np.ndarray:
     return self.task[index]
 
-  def loss_weights(self, index: int) -> np.ndarray:
-    return self.task.answer_weights(index)
+  def read_weighted(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every example's tokens and answer weights, each example generated once."""
+    examples = [self.task.example(i) for i in range(len(self.task))]
+    return ([ex.tokens for ex in examples],
+            [(ex.answer_segments >= 0).astype(np.uint8) for ex in examples])
