@@ -188,8 +188,67 @@ def test_rows_without_visible_keys_slow(version):
 
 
 # ----------------------------------------------------------------------------------
+# Where the backward accumulates dQ: a VMEM block resident over a kv group's sweep, or
+# HBM tiles updated by DMAs. Small shapes pick VMEM by themselves (every case above);
+# these force each path on shapes with padded tiles, S != T and two heads per kv group.
+
+
+def _dq_blocks(dq_in_vmem, tiles=SMALL):
+  return kt.BlockSizes(**{**vars(tiles), "dq_in_vmem": dq_in_vmem})
+
+
+DQ_CASES = [
+    # version, dq_in_vmem, t, s, causal, seg, dtype
+    (1, True, 130, 300, True, True, jnp.float32),
+    (2, False, 136, 264, True, True, jnp.float32),
+    _slow(1, False, 130, 300, True, True, jnp.float32),
+    _slow(2, True, 136, 264, True, True, jnp.float32),
+    _slow(1, False, 200, 136, True, False, jnp.bfloat16),  # T > S
+    _slow(2, True, 200, 136, True, False, jnp.bfloat16),
+    _slow(1, True, 150, 400, False, True, jnp.float32),
+    _slow(2, False, 150, 400, False, False, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("version,dq_in_vmem,t,s,causal,seg,dtype", DQ_CASES)
+def test_dq_in_vmem_and_in_hbm_match_reference(version, dq_in_vmem, t, s, causal, seg, dtype):
+  # One batch row and two kv groups of two heads: the resident block moves on once.
+  _run(version, t, s, 2, 16, causal, seg, dtype, b=1, kh=2, blocks=_dq_blocks(dq_in_vmem))
+
+
+def test_dq_placement_rule():
+  """VMEM when the block's two buffers fit the budget: the paper's 3B layer (12 heads of
+  d = 128, one per kv group) up to T = 12288; T = 32768 falls back to HBM."""
+  from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+
+  def plan(t, heads=12, kv_heads=12, d=128, **kw):
+    bs = kt.resolve_block_sizes(kw, d)
+    return L.make_plan(q_len=t, kv_len=t, block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
+                       causal=True, segmented=False, scale=1.0, shared_k=False,
+                       lam_rows=False, heads=heads, kv_heads=kv_heads,
+                       dq_in_vmem=bs.dq_in_vmem)
+
+  assert bwd.dq_block_bytes(1, 4096, 128) == 2 * 4096 * 128 * 4
+  assert bwd.dq_block_bytes(2, 160, 16) == 2 * 2 * 160 * 128 * 4  # D on 128 lanes
+  assert bwd.resident_dq(plan(4096), 128)
+  assert bwd.resident_dq(plan(8192), 128)
+  assert bwd.resident_dq(plan(12288), 128)  # 2 x 12 MiB: the budget's edge
+  assert not bwd.resident_dq(plan(12289), 128)  # padded to 12800 rows
+  assert not bwd.resident_dq(plan(16384), 128)
+  assert not bwd.resident_dq(plan(32768), 128)
+  assert not bwd.resident_dq(plan(8192, heads=24), 128)  # two heads per kv group
+  assert bwd.resident_dq(plan(32768, dq_in_vmem=True), 128)
+  assert not bwd.resident_dq(plan(1024, dq_in_vmem=False), 128)
+  assert bwd.resident_dq(plan(130, heads=4, kv_heads=2, d=16, block_q_bwd=32), 16)
+  # The VMEM limit the kernel asks for stays within what v5e, v5p and v6e have.
+  assert L.vmem_limit(2 * bwd.DQ_VMEM_BUDGET) <= 64 * 2**20
+
+
+# ----------------------------------------------------------------------------------
 # Race detection in the TPU interpreter (two simulated cores take the parallel grid
-# axes; the backward's in-place dQ updates are explicit DMAs).
+# axis; the resident dQ block is written back when a core's leading index moves on, and
+# the HBM path's in-place dQ updates are explicit DMAs).
 
 
 def _races_found() -> bool:
@@ -197,16 +256,20 @@ def _races_found() -> bool:
   return bool(ipc.races is not None and ipc.races.races_found)
 
 
-@pytest.mark.parametrize("version,t,s,rep", [
-    (1, 64, 384, 1),   # one query tile per kv group: a dQ tile is re-read right after its write
-    pytest.param(2, 200, 256, 2, marks=pytest.mark.slow),  # several heads and query tiles
-                                                           # per group, causal skipping
+@pytest.mark.parametrize("version,t,s,rep,dq_in_vmem", [
+    (1, 64, 384, 1, None),  # the default choice at this size: dQ in VMEM
+    # One query tile per kv group: a dQ tile is re-read right after its write.
+    pytest.param(1, 64, 384, 1, False, marks=pytest.mark.slow),
+    # Several heads and query tiles per group, causal skipping.
+    pytest.param(2, 200, 256, 2, None, marks=pytest.mark.slow),
+    pytest.param(2, 200, 256, 2, False, marks=pytest.mark.slow),
 ])
-def test_no_races_in_interpreter(version, t, s, rep):
+def test_no_races_in_interpreter(version, t, s, rep, dq_in_vmem):
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
   pltpu.reset_tpu_interpret_mode_state()
-  _run(version, t, s, rep, 8, True, version == 2, jnp.float32, b=2, kh=1,
-       blocks=kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128),
+  blocks = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128,
+                         dq_in_vmem=dq_in_vmem)
+  _run(version, t, s, rep, 8, True, version == 2, jnp.float32, b=2, kh=1, blocks=blocks,
        interpret=params)
   assert not _races_found()
 
@@ -224,11 +287,15 @@ def test_block_sizes_validation_names_values():
     kt.BlockSizes(block_q_bwd=0)
   with pytest.raises(ValueError, match="block_kv_bwd='256' must be a positive multiple"):
     kt.BlockSizes(block_kv_bwd="256")
+  with pytest.raises(ValueError, match=r"dq_in_vmem=1 must be None \(decided from"):
+    kt.BlockSizes(dq_in_vmem=1)
   args = _v1_inputs(1, 32, 32, 2, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match=r"Unknown BlockSizes fields \['block_z'\]"):
     kt.diff_v1_attention_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
   with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
     kt.diff_v1_attention_tpu(*args, block_sizes=(64, 64), interpret=True)
+  with pytest.raises(ValueError, match="dq_in_vmem='no' must be None"):
+    kt.diff_v1_attention_tpu(*args, block_sizes={"dq_in_vmem": "no"}, interpret=True)
   with pytest.raises(ValueError, match="Pass both q_segment_ids and kv_segment_ids"):
     kt.diff_v1_attention_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
                              interpret=True)

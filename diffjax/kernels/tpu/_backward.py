@@ -12,11 +12,21 @@ D_1 = rowsum(dO * O_1), D_2 = rowsum(dO * O_2) (computed by the wrapper):
 Grid (B * K, Sp / block_kv, G * Tp / block_q): the key tile j is the outer
 sequential axis, and the inner axis walks every query tile of every head of the
 kv group, so dK_c and dV accumulate in VMEM over the group's heads (GQA) and are
-written once per key tile. dQ needs a sum over key tiles instead; it lives in a
-float32 HBM array that each step updates in place with explicit DMAs (read the
-tile, add, write back), double-buffered so that the copies overlap the matmuls.
-The first key tile (always visited) writes instead of adding, so dQ needs no
-initialisation. V2 pairs share one key: both dS_c^T Q_c land in one dK.
+written once per key tile. dQ needs a sum over key tiles instead, and is float32
+[B, H, 2, Tp, D]. It is kept in one of two places (:func:`resident_dq`):
+
+  * VMEM (when both pipeline buffers of the group's block fit DQ_VMEM_BUDGET, e.g.
+    up to T = 12288 at D = 128 with one head per group): the output block is the kv
+    group's whole [G, 2, Tp, D], its index depends only on the leading grid axis, so
+    the pipeline keeps it in VMEM over the group's (j, t) sweep and writes it to HBM
+    once, when the leading index moves on. Each step adds into the rows of its query
+    tile; the first key tile (always visited) writes instead of adding.
+  * HBM (longer sequences): each visited step reads the dQ tile with an explicit
+    DMA, adds and writes it back, double-buffered so that the copies overlap the
+    matmuls; the first key tile writes without reading, so dQ needs no
+    initialisation either.
+
+V2 pairs share one key: both dS_c^T Q_c land in one dK.
 """
 
 from __future__ import annotations
@@ -37,14 +47,39 @@ _STEP, _PENDING0, _PENDING1, _PREV_TILE = 0, 1, 2, 3
 _LSE1, _LSE2, _D1, _D2, _LAM = 0, 1, 2, 3, 4
 ROW_STATS = 8
 
+# VMEM for a resident dQ block: both pipeline buffers of the float32 [G, 2, Tp, D]
+# block must fit in this (with the step's tiles, about 32 MiB in all at D = 128, under
+# the 64 MiB limit `_layout.vmem_limit` may request), else dQ stays in HBM.
+DQ_VMEM_BUDGET = 24 * 2**20
+_LANES = 128
 
-def _backward_kernel(*refs, plan: L.Plan):
+
+def dq_block_bytes(group: int, q_len_padded: int, head_dim: int) -> int:
+  """VMEM bytes of one buffer of the resident dQ block, float32 [G, 2, Tp, D] with D
+  on (padded to) the 128 lanes."""
+  return group * 2 * q_len_padded * L.round_up(head_dim, _LANES) * 4
+
+
+def dq_fits_vmem(group: int, q_len_padded: int, head_dim: int) -> bool:
+  """The automatic choice: the block's two pipeline buffers fit DQ_VMEM_BUDGET."""
+  return 2 * dq_block_bytes(group, q_len_padded, head_dim) <= DQ_VMEM_BUDGET
+
+
+def resident_dq(plan: L.Plan, head_dim: int) -> bool:
+  """True when the backward for ``plan`` keeps dQ in VMEM (``plan.dq_in_vmem``, or the
+  budget when that is None)."""
+  if plan.dq_in_vmem is not None:
+    return plan.dq_in_vmem
+  return dq_fits_vmem(plan.group, plan.q_len_padded, head_dim)
+
+
+def _backward_kernel(*refs, plan: L.Plan, dq_in_vmem: bool):
   refs = list(refs)
   lam_ref = None if plan.lam_rows else refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
-  (q_ref, k_ref, v_ref, do_ref, stats_ref,
-   dk_ref, dv_ref, dq_hbm,
-   dk_acc, dv_acc, dq_buf, read_sem, write_sem, state) = refs
+  q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref, dq_ref, dk_acc, dv_acc = refs[:10]
+  # dq_ref: the group's VMEM block [G, 2, Tp, D], or the whole HBM array [B, H, 2, Tp, D].
+  dq_buf, read_sem, write_sem, state = (None,) * 4 if dq_in_vmem else refs[10:]
 
   bg, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   b, g = bg // plan.kv_heads, bg % plan.kv_heads
@@ -54,16 +89,85 @@ def _backward_kernel(*refs, plan: L.Plan):
   i = t % nq
   rows = pl.ds(pl.multiple_of(i * plan.block_q, plan.block_q), plan.block_q)
 
+  @pl.when(t == 0)
+  def _init_kv_accumulators():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  def gradients(apply_mask: bool):
+    """Accumulates dK and dV of tile (i, j); returns its dQ_1, dQ_2 [block_q, D]."""
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
+    stats = stats_ref[...]
+    lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
+    q1, q2 = q_ref[0], q_ref[1]
+    k1, k2 = k_ref[0], k_ref[0 if plan.shared_k else 1]
+    v, do = v_ref[...], do_ref[...]
+
+    def probs(q, k, lse):
+      s = L.dot_nt(q, k) * plan.scale
+      if keep is not None:
+        s = jnp.where(keep, s, L.MASK_VALUE)
+      return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
+
+    p1 = probs(q1, k1, stats[:, _LSE1:_LSE1 + 1])
+    p2 = probs(q2, k2, stats[:, _LSE2:_LSE2 + 1])
+    dp = L.dot_nt(do, v)
+    dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
+    ds1 = (p1 * (dp - stats[:, _D1:_D1 + 1])).astype(q1.dtype)
+    ds2 = ((-lam) * p2 * (dp - stats[:, _D2:_D2 + 1])).astype(q2.dtype)
+    if plan.shared_k:
+      dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
+    else:
+      dk_acc[0] += L.dot_tn(ds1, q1)
+      dk_acc[1] += L.dot_tn(ds2, q2)
+    return L.dot_nn(ds1, k1) * plan.scale, L.dot_nn(ds2, k2) * plan.scale
+
+  if dq_in_vmem:
+    head = t // nq  # the head's place in the group's block
+
+    def step(apply_mask: bool):
+      dq1, dq2 = gradients(apply_mask)
+
+      # Key tile 0 is the first visited one of every query tile (Plan.block_visible).
+      @pl.when(j == 0)
+      def _():
+        dq_ref[head, 0, rows, :] = dq1
+        dq_ref[head, 1, rows, :] = dq2
+
+      @pl.when(j > 0)
+      def _():
+        dq_ref[head, 0, rows, :] += dq1
+        dq_ref[head, 1, rows, :] += dq2
+
+    finish = lambda: None
+  else:
+    step, finish = _dma_update(plan, gradients, dq_ref, dq_buf, read_sem, write_sem, state,
+                               b=b, h=h, i=i, j=j, t=t, rows=rows)
+
+  for condition, apply_mask in plan.tile_cases(i, j):
+    pl.when(condition)(functools.partial(step, apply_mask))
+
+  @pl.when(t == inner - 1)
+  def _write_kv_grads():
+    dk_ref[...] = (dk_acc[...] * plan.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+  finish()
+
+
+def _dma_update(plan: L.Plan, gradients, dq_hbm, dq_buf, read_sem, write_sem, state, *,
+                b, h, i, j, t, rows):
+  """The HBM variant of the dQ update. Emits the copy bookkeeping's initialisation and
+  returns (step, finish): the step of one visible tile, and what the kernel emits last
+  (after the grid's last step, wait for the writes still in flight)."""
+  nq = plan.num_q_blocks
+  inner = plan.group * nq
+
   def dq_copy(slot, to_hbm: bool):
     tile = dq_hbm.at[b, h, :, rows, :]
     if to_hbm:
       return pltpu.make_async_copy(dq_buf.at[slot], tile, write_sem.at[slot])
     return pltpu.make_async_copy(tile, dq_buf.at[slot], read_sem.at[slot])
-
-  @pl.when(t == 0)
-  def _init_kv_accumulators():
-    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   @pl.when(jnp.logical_and(j == 0, t == 0))
   def _init_copy_state():
@@ -96,32 +200,7 @@ def _backward_kernel(*refs, plan: L.Plan):
     def _():
       dq_copy(slot, to_hbm=False).start()
 
-    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
-    stats = stats_ref[...]
-    lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
-    q1, q2 = q_ref[0], q_ref[1]
-    k1, k2 = k_ref[0], k_ref[0 if plan.shared_k else 1]
-    v, do = v_ref[...], do_ref[...]
-
-    def probs(q, k, lse):
-      s = L.dot_nt(q, k) * plan.scale
-      if keep is not None:
-        s = jnp.where(keep, s, L.MASK_VALUE)
-      return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
-
-    p1 = probs(q1, k1, stats[:, _LSE1:_LSE1 + 1])
-    p2 = probs(q2, k2, stats[:, _LSE2:_LSE2 + 1])
-    dp = L.dot_nt(do, v)
-    dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
-    ds1 = (p1 * (dp - stats[:, _D1:_D1 + 1])).astype(q1.dtype)
-    ds2 = ((-lam) * p2 * (dp - stats[:, _D2:_D2 + 1])).astype(q2.dtype)
-    if plan.shared_k:
-      dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
-    else:
-      dk_acc[0] += L.dot_tn(ds1, q1)
-      dk_acc[1] += L.dot_tn(ds2, q2)
-    dq1 = L.dot_nn(ds1, k1) * plan.scale
-    dq2 = L.dot_nn(ds2, k2) * plan.scale
+    dq1, dq2 = gradients(apply_mask)
 
     @pl.when(j == 0)
     def _():
@@ -142,18 +221,13 @@ def _backward_kernel(*refs, plan: L.Plan):
     state[_PREV_TILE] = tile_id
     state[_STEP] = state[_STEP] + 1
 
-  for condition, apply_mask in plan.tile_cases(i, j):
-    pl.when(condition)(functools.partial(step, apply_mask))
+  def finish():
+    @pl.when(jnp.logical_and(j == plan.num_kv_blocks - 1, t == inner - 1))
+    def _drain():
+      wait_write(0)
+      wait_write(1)
 
-  @pl.when(t == inner - 1)
-  def _write_kv_grads():
-    dk_ref[...] = (dk_acc[...] * plan.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-  @pl.when(jnp.logical_and(j == plan.num_kv_blocks - 1, t == inner - 1))
-  def _drain():
-    wait_write(0)
-    wait_write(1)
+  return step, finish
 
 
 def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret):
@@ -206,10 +280,17 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
                    lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
   ]
   args += [q, k, v, do, stats]
+  dq_in_vmem = resident_dq(plan, d)
+  if dq_in_vmem:
+    # The kv group's heads over the whole padded sequence: the index moves only with
+    # the leading axis, so the block stays in VMEM over the (j, t) sweep.
+    dq_spec = _spec((None, g, 2, tp, d), lambda b_, g_, j, t: (b_, g_, 0, 0, 0))
+  else:
+    dq_spec = pl.BlockSpec(memory_space=pl.ANY)
   out_specs = [
       _spec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
       _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
-      pl.BlockSpec(memory_space=pl.ANY),
+      dq_spec,
   ]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -217,25 +298,31 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
   scratch = [
       pltpu.VMEM((n_kv_comp, bk, d), jnp.float32),
       pltpu.VMEM((bk, dv_width), jnp.float32),
-      pltpu.VMEM((2, 2, bq, d), jnp.float32),
-      pltpu.SemaphoreType.DMA((2,)),
-      pltpu.SemaphoreType.DMA((2,)),
-      pltpu.SMEM((4,), jnp.int32),
   ]
+  if not dq_in_vmem:
+    scratch += [
+        pltpu.VMEM((2, 2, bq, d), jnp.float32),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.SMEM((4,), jnp.int32),
+    ]
 
   itemsize = q.dtype.itemsize
   tiles = 2 * itemsize * (2 * bq * d + n_kv_comp * bk * d + bk * dv_width + bq * dv_width
                           + n_kv_comp * bk * d + bk * dv_width) + 2 * 4 * bq * 128
-  vmem = tiles + 4 * (n_kv_comp * bk * d + bk * dv_width + 4 * bq * d + 8 * bq * bk)
+  vmem = tiles + 4 * (n_kv_comp * bk * d + bk * dv_width + 8 * bq * bk)
+  vmem += 2 * dq_block_bytes(g, tp, d) if dq_in_vmem else 4 * 4 * bq * d
   visible = 0.5 if plan.causal else 1.0
+  # dQ: written once (VMEM), or a float32 tile read and written per visible step (HBM).
+  dq_bytes = 4 * q.size if dq_in_vmem else 8 * q.size * plan.num_kv_blocks * visible
   cost = pl.CostEstimate(
       flops=int(visible * b * h * tp * sp * (12 * d + 4 * dv_width)),
       transcendentals=int(visible * b * h * tp * sp * 2),
-      bytes_accessed=int(itemsize * (k.size + v.size) * 2
-                         + (itemsize * (q.size + do.size) + 4 * stats.size + 8 * q.size)
+      bytes_accessed=int(itemsize * (k.size + v.size) * 2 + dq_bytes
+                         + (itemsize * (q.size + do.size) + 4 * stats.size)
                          * plan.num_kv_blocks * visible))
   dk, dv, dq = pl.pallas_call(
-      functools.partial(_backward_kernel, plan=plan),
+      functools.partial(_backward_kernel, plan=plan, dq_in_vmem=dq_in_vmem),
       grid=(b * n_kv, plan.num_kv_blocks, g * nq),
       in_specs=in_specs,
       out_specs=out_specs,

@@ -22,6 +22,12 @@ class BlockSizes:
     block_kv: key rows per forward tile (a multiple of 128).
     block_q_bwd: query rows per backward tile (a multiple of 8).
     block_kv_bwd: key rows per backward tile (a multiple of 128).
+    dq_in_vmem: where the backward accumulates the float32 dQ. True: in one VMEM block
+      per kv group ([G, 2, Tp, D], resident while the kernel sweeps the group's tiles,
+      written to HBM once). False: in HBM, each visited tile read, added to and written
+      back by DMAs. None (default): VMEM when the block's two pipeline buffers fit in
+      24 MiB (``_backward.DQ_VMEM_BUDGET``; at D = 128 and one head per kv group, up to
+      T = 12288), else HBM. Forcing True past the budget may exceed the VMEM limit.
 
   A tile longer than the (8- or 128-rounded) sequence is shrunk to it, so the
   defaults also serve short sequences. Sequences that are not a multiple of the
@@ -32,6 +38,7 @@ class BlockSizes:
   block_kv: int = 512
   block_q_bwd: int = 512
   block_kv_bwd: int = 512
+  dq_in_vmem: bool | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_q_bwd"):
@@ -44,6 +51,9 @@ class BlockSizes:
       if not isinstance(value, int) or value <= 0 or value % _LANES:
         raise ValueError(f"{name}={value!r} must be a positive multiple of {_LANES} "
                          "(the TPU lane count).")
+    if self.dq_in_vmem is not None and not isinstance(self.dq_in_vmem, bool):
+      raise ValueError(f"dq_in_vmem={self.dq_in_vmem!r} must be None (decided from the "
+                       "sequence length), True (dQ in VMEM) or False (dQ in HBM).")
 
   @classmethod
   def get_default(cls, head_dim: int) -> "BlockSizes":
