@@ -81,12 +81,16 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
   * Backward grid (B K, S / block_kv_bwd, G T / block_q_bwd), every step visited. K and
     V are read and dK, dV written once per key tile. Q, dO and stats [B, H, Tp, 8]
     float32 (lse_1, lse_2, D_1, D_2, lambda, padding; padded to 128 lanes) are read per
-    visible step (skipped steps prefetch the first visible tile). dQ lives in a float32
-    HBM array that every visible step updates with explicit DMAs: it reads the
+    visible step (skipped steps prefetch the first visible tile). dQ is float32 and
+    kept in one of two places, by the kernel's own rule (``_backward.dq_fits_vmem``,
+    imported here; ``--dq-in-vmem`` overrides it): when both pipeline buffers of a kv
+    group's [2, Tp, d] block fit 24 MiB of VMEM (at d = 128 up to T = 12288), the
+    block stays in VMEM over the group's whole sweep and is written to HBM once per
+    (batch, kv group): 2 Tp d float32 per head, nothing read. Longer sequences keep dQ
+    in HBM, where every visible step updates it with explicit DMAs: it reads the
     2 x block_q x d float32 tile and writes it back, except that the first key tile
-    (always visible) writes without reading. So the dQ round trip is (visible steps) x
-    tile writes plus (visible steps with j > 0) x tile reads, not (visible steps) x
-    (read + write).
+    (always visible) writes without reading. So that round trip is (visible steps) x
+    tile writes plus (visible steps with j > 0) x tile reads.
   * XLA around the backward kernel: the row terms D_1, D_2 (reading dO, out and o2),
     the stats assembly (writing 8 float32 columns padded to 128 lanes), and the float32
     dQ converted to the input dtype afterwards.
@@ -99,10 +103,10 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
     ``--segment-ids``; the stock paths always pass them to splash.
 
 Fused target (a design target, not an implementation): the same two-map kernels with
-dQ accumulated in VMEM for a whole (batch, head) and written once in the input dtype
-(the kernel needs 2 x Tp x d float32 of VMEM for it); causal grids that visit only
-tiles holding a visible key (no per-step cost for masked tiles); lane-dense row
-statistics (k float32 per row with rows on lanes: lse 2, stats 4 for V1 and 5 for
+dQ accumulated in VMEM for a whole (batch, head) at every length and written once in
+the input dtype (today's kernel does the first up to its VMEM budget, in float32);
+causal grids that visit only tiles holding a visible key (no per-step cost for masked
+tiles); lane-dense row statistics (k float32 per row with rows on lanes: lse 2, stats 4 for V1 and 5 for
 V2); kernels reading and writing the [B, T, heads, d] layout directly, so no wrapper
 transposes and no float32 dQ pass. The row terms stay one XLA pass.
 
@@ -133,6 +137,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from diffjax.kernels.tpu._backward import dq_fits_vmem  # noqa: E402
 from diffjax.kernels.tpu.block_sizes import BlockSizes  # noqa: E402
 
 LANES = 128
@@ -191,12 +196,14 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """Fused forward and backward tiles (as BlockSizes) and splash's square tile."""
+  """Fused forward and backward tiles (as BlockSizes), where the fused backward keeps dQ
+  (``BlockSizes.dq_in_vmem``: None lets the kernel's rule decide) and splash's tile."""
   block_q: int
   block_kv: int
   block_q_bwd: int
   block_kv_bwd: int
   splash: int = 512
+  dq_in_vmem: bool | None = None
 
 
 @dataclasses.dataclass
@@ -548,9 +555,19 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
             flops=flops, steps=steps, detail=detail)
 
 
+def dq_in_vmem(shape: Shape, tiles: Tiles) -> bool:
+  """Whether today's backward keeps dQ resident in VMEM: ``tiles.dq_in_vmem`` when set,
+  else the kernel's own rule (``_backward.dq_fits_vmem``) for a kv group of one head
+  (the model's kv heads equal its heads) over the backward's padded sequence."""
+  if tiles.dq_in_vmem is not None:
+    return tiles.dq_in_vmem
+  _, _, tp, _ = fused_tiles(shape.seq, tiles.block_q_bwd, tiles.block_kv_bwd)
+  return dq_fits_vmem(1, tp, shape.head_dim)
+
+
 def dq_round_trip(shape: Shape, tiles: Tiles, version: int) -> dict[str, int]:
-  """Today's backward: the float32 dQ tile (both query components) that each visible
-  step reads from HBM (not on the first key tile) and writes back."""
+  """Today's backward with dQ in HBM: the float32 dQ tile (both query components) that
+  each visible step reads from HBM (not on the first key tile) and writes back."""
   fl = flavour(version, shape)
   bq, bk, tp, sp = fused_tiles(shape.seq, tiles.block_q_bwd, tiles.block_kv_bwd)
   mask = visited_tiles(tp, sp, bq, bk, shape.causal)
@@ -602,6 +619,10 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
   detail["dK,dV"] = b * h * kv_tiles * kv_tile
   if target:
     detail["dQ (once, input dtype)"] = b * h * 2 * shape.seq * d * s
+    read_dq = 0
+  elif dq_in_vmem(shape, tiles):
+    # The group's float32 block [2, Tp, d] leaves VMEM once per (batch, kv group).
+    detail["dQ f32 (once, from VMEM)"] = b * h * 2 * tp * d * F32
     read_dq = 0
   else:
     rt = dq_round_trip(shape, tiles, version)
@@ -748,6 +769,7 @@ def ratios(arms: dict[str, dict[str, list[Op]]]) -> dict[str, float]:
       "fused_v1_over_splash_transformer": total(V1_FUSED) / total(TRANSFORMER),
       "fused_v1_over_splash_transformer_kernels_only":
           total(V1_FUSED, True) / total(TRANSFORMER, True),
+      "fused_v2_over_splash_transformer": total(V2_FUSED) / total(TRANSFORMER),
       "target_v1_bwd_over_fused_v1_bwd": bwd(V1_TARGET) / bwd(V1_FUSED),
       "target_v2_bwd_over_fused_v2_bwd": bwd(V2_TARGET) / bwd(V2_FUSED),
   }
@@ -810,7 +832,8 @@ def compiled_bytes(version: int, shape: Shape, tiles: Tiles, *,
   fl = flavour(version, shape)
   b, t, d, h = shape.batch, shape.seq, shape.head_dim, fl.heads
   blocks = dict(block_q=tiles.block_q, block_kv=tiles.block_kv,
-                block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd)
+                block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd,
+                dq_in_vmem=tiles.dq_in_vmem)
   if version == 1:
     args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
     fn = lambda *a: kt.diff_v1_attention_tpu(*a, causal=shape.causal, block_sizes=blocks)
@@ -947,6 +970,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--block-kv", type=int, default=None)
   p.add_argument("--block-q-bwd", type=int, default=None)
   p.add_argument("--block-kv-bwd", type=int, default=None)
+  p.add_argument("--dq-in-vmem", choices=("auto", "yes", "no"), default="auto",
+                 help="where today's fused backward keeps dQ (auto: the kernel's rule)")
   p.add_argument("--splash-block", type=int, default=512,
                  help="splash tile of the stock wrappers (512)")
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -964,7 +989,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   resolved = BlockSizes.get_default(a.head_dim)
   tiles = Tiles(block_q=a.block_q or resolved.block_q, block_kv=a.block_kv or resolved.block_kv,
                 block_q_bwd=a.block_q_bwd or resolved.block_q_bwd,
-                block_kv_bwd=a.block_kv_bwd or resolved.block_kv_bwd, splash=a.splash_block)
+                block_kv_bwd=a.block_kv_bwd or resolved.block_kv_bwd, splash=a.splash_block,
+                dq_in_vmem={"auto": None, "yes": True, "no": False}[a.dq_in_vmem])
   BlockSizes(tiles.block_q, tiles.block_kv, tiles.block_q_bwd, tiles.block_kv_bwd)  # validate
   itemsize = 2 if a.dtype == "bf16" else 4
   print("# TPU attention roofline: a MODEL of HBM bytes and MXU FLOPs, not a measurement\n")
@@ -994,11 +1020,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rat = ratios(arms)
     print(f"\n## T = {seq}\n")
     print(markdown_table(rows, a.step_overhead_us))
+    where = "VMEM" if dq_in_vmem(shape, tiles) else "HBM"
     print(f"\nRatios at T = {seq} (HBM bytes, all passes): fused DIFF V1 fwd+bwd / splash "
           f"Transformer fwd+bwd = {rat['fused_v1_over_splash_transformer']:.2f} (kernels "
-          f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}); target / today's "
-          f"fused backward = {rat['target_v1_bwd_over_fused_v1_bwd']:.2f} (V1), "
-          f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2).")
+          f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}), fused DIFF V2 "
+          f"= {rat['fused_v2_over_splash_transformer']:.2f}; target / today's fused backward "
+          f"= {rat['target_v1_bwd_over_fused_v1_bwd']:.2f} (V1), "
+          f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2). Today's fused backward keeps "
+          f"dQ in {where} at this length.")
     today = next(o for o in arms[V1_FUSED]["bwd"] if o.part == KERNEL)
     target = next(o for o in arms[V1_TARGET]["bwd"] if o.part == KERNEL)
     by = lambda op: ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in op.detail.items())

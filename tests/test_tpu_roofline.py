@@ -1,5 +1,6 @@
 """The TPU roofline model (benchmarks/tpu_roofline.py): FLOP counts, the fused backward's
-dQ round trip, the target's grid and traffic, and the printed table. No TPU compile."""
+dQ traffic (resident in VMEM, or the HBM round trip), the target's grid and traffic, and
+the printed table. No TPU compile."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from diffjax.kernels.tpu import _backward as B
 from diffjax.kernels.tpu import _layout as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,9 +31,9 @@ def _load():
 R = _load()
 
 
-def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512):
+def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_in_vmem=None):
   return R.Tiles(block_q=bq, block_kv=bk, block_q_bwd=bq_bwd, block_kv_bwd=bk_bwd,
-                 splash=splash)
+                 splash=splash, dq_in_vmem=dq_in_vmem)
 
 
 def _kernel(ops, name):
@@ -95,7 +97,39 @@ def test_count_fetches():
 
 
 # ----------------------------------------------------------------------------------
-# (b) The dQ round trip of today's backward.
+# (b) Today's backward's dQ: resident in VMEM, or the HBM round trip.
+
+
+def test_dq_placement_follows_the_kernels_rule():
+  for t in (1000, 4096, 8192, 12288, 12289, 16384, 32768):
+    plan = L.make_plan(q_len=t, kv_len=t, block_q=512, block_kv=256, causal=True,
+                       segmented=False, scale=1.0, shared_k=False, lam_rows=False,
+                       heads=12, kv_heads=12)
+    shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
+    assert R.dq_in_vmem(shape, _tiles()) == B.resident_dq(plan, 128), t
+  at = lambda t, **kw: R.dq_in_vmem(R.Shape(1, 12, 128, t), _tiles(**kw))
+  assert at(4096) and at(8192) and not at(32768)
+  assert at(32768, dq_in_vmem=True) and not at(4096, dq_in_vmem=False)
+
+
+def test_dq_written_once_from_vmem_by_hand():
+  d = 128
+  shape = R.Shape(batch=2, diff_heads=3, head_dim=d, seq=1000, causal=True)
+  tiles = _tiles()  # backward 512 x 256: T = 1000 pads to 1024 rows
+  assert R.dq_in_vmem(shape, tiles)
+  for version, heads in ((1, 3), (2, 6)):
+    op = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
+    # Each (batch, kv group of one head) writes its float32 [2, 1024, d] block once.
+    want = 2 * heads * 2 * 1024 * d * 4
+    assert op.detail["dQ f32 (once, from VMEM)"] == want
+    assert not any("tile" in name for name in op.detail)
+    assert op.written == op.detail["dK,dV"] + want
+    # Against the HBM path: the same traffic except dQ's.
+    hbm = _kernel(R.fused_ops(shape, _tiles(dq_in_vmem=False), version)["bwd"],
+                  "diff_attention_bwd")
+    rt = R.dq_round_trip(shape, tiles, version)
+    assert hbm.bytes - op.bytes == rt["bytes"] - want
+    assert hbm.read - op.read == rt["reads"] * rt["tile_bytes"]
 
 
 def test_dq_round_trip_by_hand():
@@ -108,7 +142,7 @@ def test_dq_round_trip_by_hand():
   visited = [1, 2, 3, 4]
   want = sum(n * tile + (n - 1) * tile for n in visited)
   assert want == 16 * tile
-  tiles = _tiles(bq_bwd=256, bk_bwd=256)
+  tiles = _tiles(bq_bwd=256, bk_bwd=256, dq_in_vmem=False)
   rt = R.dq_round_trip(shape, tiles, 1)
   assert (rt["tile_bytes"], rt["writes"], rt["reads"], rt["bytes"]) == (tile, 10, 6, want)
   op = _kernel(R.fused_ops(shape, tiles, 1)["bwd"], "diff_attention_bwd")
@@ -175,6 +209,7 @@ def test_main_prints_every_generation(capsys, tmp_path):
   for arm in R.ARMS:
     assert f"| {arm} | fwd+bwd | total |" in out
   assert "fused DIFF V1 fwd+bwd / splash Transformer fwd+bwd" in out
+  assert "keeps dQ in VMEM at this length" in out
   assert "Cross-check" not in out  # only with --cross-check
   saved = json.loads(path.read_text())
   assert set(saved["results"]) == {"1024"}
