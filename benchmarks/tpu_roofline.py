@@ -106,9 +106,10 @@ Fused target (a design target, not an implementation): the same two-map kernels 
 dQ accumulated in VMEM for a whole (batch, head) at every length and written once in
 the input dtype (today's kernel does the first up to its VMEM budget, in float32);
 causal grids that visit only tiles holding a visible key (no per-step cost for masked
-tiles); lane-dense row statistics (k float32 per row with rows on lanes: lse 2, stats 4 for V1 and 5 for
-V2); kernels reading and writing the [B, T, heads, d] layout directly, so no wrapper
-transposes and no float32 dQ pass. The row terms stay one XLA pass.
+tiles); lane-dense row statistics (k float32 per row with rows on lanes: lse 2, stats
+4 for V1 and 5 for V2); kernels reading and writing the [B, T, heads, d] layout
+directly, so no wrapper transposes and no float32 dQ pass. The row terms stay one XLA
+pass.
 
 Generations: per-chip HBM bandwidth and dense bf16 peak FLOP/s as Google publishes
 them. A float32 run (``--dtype f32``) still divides by the bf16 peak, so its compute
