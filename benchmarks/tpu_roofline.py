@@ -20,6 +20,7 @@ key and one value of width d). Self-attention (S = T), kv heads equal to heads.
   V1 / V2 stock         ``diff_v1_stock_tpu`` (two splash calls with the 2d-wide value)
                         and ``diff_v2_stock_tpu`` (one call over the 4H query heads),
                         then the lambda combination in XLA.
+  V1 / V2 fused before  the fused kernels as of commit 99978ee (dQ round trip in HBM).
   V1 / V2 fused today   ``diff_v1_attention_tpu`` / ``diff_v2_attention_tpu``.
   V1 / V2 fused target  a design target that no kernel implements yet (see below).
 
@@ -78,22 +79,25 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
     residuals: out, o2 (the second map's output, in the input dtype) and lse
     [B, H, Tp, 2] float32 (padded to 128 lanes). V2 reads lambda as [B, H, Tp, 1]
     float32 rows (padded to 128 lanes); V1's lambda sits in SMEM.
-  * Backward grid (B K, S / block_kv_bwd, G T / block_q_bwd), every step visited. K and
-    V are read and dK, dV written once per key tile. Q, dO and stats [B, H, Tp, 8]
-    float32 (lse_1, lse_2, D_1, D_2, lambda, padding; padded to 128 lanes) are read per
-    visible step (skipped steps prefetch the first visible tile). dQ is float32 and
-    kept in one of two places, by the kernel's own rule (``_backward.dq_fits_vmem``,
-    imported here; ``--dq-in-vmem`` overrides it): when both pipeline buffers of a kv
-    group's [2, Tp, d] block fit 24 MiB of VMEM (at d = 128 up to T = 12288), the
-    block stays in VMEM over the group's whole sweep and is written to HBM once per
-    (batch, kv group): 2 Tp d float32 per head, nothing read. Longer sequences keep dQ
-    in HBM, where every visible step updates it with explicit DMAs: it reads the
-    2 x block_q x d float32 tile and writes it back, except that the first key tile
-    (always visible) writes without reading. So that round trip is (visible steps) x
-    tile writes plus (visible steps with j > 0) x tile reads.
+  * Backward: the queries are split into chunks of whole tiles, one kernel call each
+    (``_backward.chunks`` and ``chunk_rows``, imported here; ``--dq-chunk`` overrides the
+    rows): the fewest chunks whose dQ (a float32 accumulator and two output buffers in
+    the input dtype, [2, rows, d] per head) fits 24 MiB of VMEM, so one chunk up to
+    T = 12288 at d = 128 in bf16 and three at 32K. Grid of a call (B K, key tiles the
+    chunk sees, G chunk / block_q_bwd), every step visited. K and V are read and dK, dV
+    written once per key tile and call; Q, dO and stats [B, H, Tp, 8] float32 (lse_1,
+    lse_2, D_1, D_2, lambda, padding; padded to 128 lanes) are read per visible step
+    (skipped steps prefetch the first visible tile). dQ leaves VMEM once per (batch, kv
+    group, chunk), in the input dtype. Every chunk but the last writes float32 dK/dV
+    partial sums over the key tiles it sees, which the next chunk reads.
   * XLA around the backward kernel: the row terms D_1, D_2 (reading dO, out and o2),
-    the stats assembly (writing 8 float32 columns padded to 128 lanes), and the float32
-    dQ converted to the input dtype afterwards.
+    the stats assembly (writing 8 float32 columns padded to 128 lanes), and with
+    several chunks (or T padded to the tile) one pass joining dQ's chunks.
+  * Before (rows "fused before"; the kernels of commit 99978ee, kept as a
+    computed baseline): the same kernels, except that the backward was one call whose
+    dQ lived in HBM as float32: every visible step read the 2 x block_q x d tile and
+    wrote it back, except that the first key tile (always visible) wrote without
+    reading; XLA then converted dQ to the input dtype.
   * Wrapper layout passes (rows of their own): the public functions take [B, T, heads,
     d] and the kernels [B, heads, (2,) T, d]; forward: Q1/Q2 stacked and transposed,
     K1/K2 likewise, V and V2's lambda transposed, the output transposed back; backward:
@@ -104,7 +108,7 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
 
 Fused target (a design target, not an implementation): the same two-map kernels with
 dQ accumulated in VMEM for a whole (batch, head) at every length and written once in
-the input dtype (today's kernel does the first up to its VMEM budget, in float32);
+the input dtype (today's kernel does so per query chunk, with dK/dV partials between);
 causal grids that visit only tiles holding a visible key (no per-step cost for masked
 tiles); lane-dense row statistics (k float32 per row with rows on lanes: lse 2, stats
 4 for V1 and 5 for V2); kernels reading and writing the [B, T, heads, d] layout
@@ -138,7 +142,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from diffjax.kernels.tpu._backward import dq_fits_vmem  # noqa: E402
+from diffjax.kernels.tpu import _backward as bwd_kernel  # noqa: E402
+from diffjax.kernels.tpu import _layout as kernel_layout  # noqa: E402
 from diffjax.kernels.tpu.block_sizes import BlockSizes  # noqa: E402
 
 LANES = 128
@@ -164,11 +169,14 @@ GENERATIONS: dict[str, Chip] = {
 TRANSFORMER = "Transformer, splash"
 V1_STOCK = "DIFF V1, stock"
 V2_STOCK = "DIFF V2, stock"
+V1_BEFORE = "DIFF V1, fused before"
+V2_BEFORE = "DIFF V2, fused before"
 V1_FUSED = "DIFF V1, fused today"
 V2_FUSED = "DIFF V2, fused today"
 V1_TARGET = "DIFF V1, fused target*"
 V2_TARGET = "DIFF V2, fused target*"
-ARMS = (TRANSFORMER, V1_STOCK, V2_STOCK, V1_FUSED, V2_FUSED, V1_TARGET, V2_TARGET)
+ARMS = (TRANSFORMER, V1_STOCK, V2_STOCK, V1_BEFORE, V2_BEFORE, V1_FUSED, V2_FUSED, V1_TARGET,
+        V2_TARGET)
 
 KERNEL, XLA, LAYOUT = "kernels", "XLA ops", "wrapper layout passes"
 PARTS = (KERNEL, XLA, LAYOUT)
@@ -197,14 +205,14 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """Fused forward and backward tiles (as BlockSizes), where the fused backward keeps dQ
-  (``BlockSizes.dq_in_vmem``: None lets the kernel's rule decide) and splash's tile."""
+  """Fused forward and backward tiles (as BlockSizes), the backward's query rows per call
+  (``BlockSizes.dq_chunk``: None lets the kernel's rule decide) and splash's tile."""
   block_q: int
   block_kv: int
   block_q_bwd: int
   block_kv_bwd: int
   splash: int = 512
-  dq_in_vmem: bool | None = None
+  dq_chunk: int | None = None
 
 
 @dataclasses.dataclass
@@ -556,19 +564,44 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
             flops=flops, steps=steps, detail=detail)
 
 
-def dq_in_vmem(shape: Shape, tiles: Tiles) -> bool:
-  """Whether today's backward keeps dQ resident in VMEM: ``tiles.dq_in_vmem`` when set,
-  else the kernel's own rule (``_backward.dq_fits_vmem``) for a kv group of one head
-  (the model's kv heads equal its heads) over the backward's padded sequence."""
-  if tiles.dq_in_vmem is not None:
-    return tiles.dq_in_vmem
-  _, _, tp, _ = fused_tiles(shape.seq, tiles.block_q_bwd, tiles.block_kv_bwd)
-  return dq_fits_vmem(1, tp, shape.head_dim)
+@dataclasses.dataclass(frozen=True)
+class Design:
+  """What a version of the fused kernels does, for the parts that changed.
+
+  Attributes:
+    name: "before" (the kernels as of commit 99978ee) or "today".
+    dq_chunks: the backward keeps dQ in VMEM per query chunk, writes it once in the
+      input dtype and hands float32 dK/dV partial sums between chunks (today); else
+      every visible step reads and writes the float32 dQ tile in HBM, converted to the
+      input dtype by XLA afterwards (before).
+  """
+  name: str
+  dq_chunks: bool
+
+
+BEFORE = Design("before", dq_chunks=False)
+TODAY = Design("today", dq_chunks=True)
+
+
+def bwd_plan(shape: Shape, tiles: Tiles, version: int) -> Any:
+  """The backward's ``_layout.Plan`` at this shape (kv heads equal to heads)."""
+  fl = flavour(version, shape)
+  return kernel_layout.make_plan(
+      q_len=shape.seq, kv_len=shape.seq, block_q=tiles.block_q_bwd,
+      block_kv=tiles.block_kv_bwd, causal=shape.causal, segmented=shape.segmented,
+      scale=1.0, shared_k=version == 2, lam_rows=version == 2, heads=fl.heads,
+      kv_heads=fl.heads, dq_chunk=tiles.dq_chunk)
+
+
+def bwd_chunks(shape: Shape, tiles: Tiles, version: int) -> list[Any]:
+  """Today's backward calls (``_backward.chunks`` with the kernel's own rule)."""
+  plan = bwd_plan(shape, tiles, version)
+  return bwd_kernel.chunks(plan, bwd_kernel.chunk_rows(plan, shape.head_dim, shape.itemsize))
 
 
 def dq_round_trip(shape: Shape, tiles: Tiles, version: int) -> dict[str, int]:
-  """Today's backward with dQ in HBM: the float32 dQ tile (both query components) that
-  each visible step reads from HBM (not on the first key tile) and writes back."""
+  """The backward before: the float32 dQ tile (both query components) that each visible
+  step reads from HBM (not on the first key tile) and writes back."""
   fl = flavour(version, shape)
   bq, bk, tp, sp = fused_tiles(shape.seq, tiles.block_q_bwd, tiles.block_kv_bwd)
   mask = visited_tiles(tp, sp, bq, bk, shape.causal)
@@ -580,33 +613,55 @@ def dq_round_trip(shape: Shape, tiles: Tiles, version: int) -> dict[str, int]:
           "bytes": n * (per_head_writes + per_head_reads) * tile}
 
 
-def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool = False) -> Op:
-  """The backward kernel: dQ, dK, dV of both maps in one pass over the tiles."""
+def _bwd_q_index(nq: int, nkv: int, first: int, bq: int, bk: int, causal: bool) -> np.ndarray:
+  """[nkv, nq] the Q-side block index of one head's grid steps (key tile outer): the
+  chunk's query tiles from ``first``, raised to the first visible one when causal."""
+  j = np.arange(nkv)[:, None]
+  i = np.broadcast_to(first + np.arange(nq)[None, :], (nkv, nq))
+  first_visible = np.clip((j * bk) // bq, 0, None)
+  return np.maximum(i, first_visible) if causal else i
+
+
+def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool = False,
+                     design: Design = TODAY) -> Op:
+  """The backward kernel: dQ, dK, dV of both maps in one pass over the tiles (today: one
+  call per query chunk, summed here)."""
   fl = flavour(version, shape)
   s, b, d, h = shape.itemsize, shape.batch, shape.head_dim, fl.heads
   bq, bk, tp, sp = fused_tiles(shape.seq, tiles.block_q_bwd, tiles.block_kv_bwd)
   nq, nkv = tp // bq, sp // bk
+  kv_tile = bk * (fl.key_components * d + fl.dv)  # elements of one key tile's K and V
+  partial = {}
   if target:
     mask = tiles_with_visible_keys(shape.seq, bq, bk, shape.causal)
     jj, ii = np.nonzero(mask.T)  # key tile outer, query tile inner
     q_per_head = count_fetches(ii)
-    kv_tiles = int(mask.any(0).sum())
+    kv_per_head = int(mask.any(0).sum())
     steps = b * h * int(mask.sum())
     stat_words = 4 if version == 1 else 5
+  elif design.dq_chunks:
+    mask = visited_tiles(tp, sp, bq, bk, shape.causal)
+    calls = bwd_chunks(shape, tiles, version)
+    q_per_head = sum(count_fetches(_bwd_q_index(c.num_q_blocks, c.num_kv_blocks, c.first,
+                                                bq, bk, shape.causal)) for c in calls)
+    kv_per_head = sum(c.num_kv_blocks for c in calls)
+    steps = b * h * sum(c.num_q_blocks * c.num_kv_blocks for c in calls)
+    stat_words = lanes(8)
+    # Every chunk but the last writes float32 partial dK, dV over its key tiles; the
+    # next reads them back.
+    partial_tiles = sum(c.num_kv_blocks for c in calls if not c.final)
+    if partial_tiles:
+      partial = {"dK,dV f32 partials written": b * h * partial_tiles * kv_tile * F32,
+                 "dK,dV f32 partials read": b * h * partial_tiles * kv_tile * F32}
   else:
     mask = visited_tiles(tp, sp, bq, bk, shape.causal)
-    j = np.arange(nkv)[:, None]
-    i = np.broadcast_to(np.arange(nq)[None, :], (nkv, nq))
-    first_visible = np.clip((j * bk) // bq, 0, nq - 1)
-    q_index = np.maximum(i, first_visible) if shape.causal else i
-    q_per_head = count_fetches(q_index)  # the Q-side block index does not hold j
-    kv_tiles = nkv
+    q_per_head = count_fetches(_bwd_q_index(nq, nkv, 0, bq, bk, shape.causal))
+    kv_per_head = nkv
     steps = b * h * nq * nkv
     stat_words = lanes(8)
   q_fetch = b * h * q_per_head
-  kv_tile = bk * (fl.key_components * d + fl.dv) * s
   detail = {
-      "K,V": b * h * kv_tiles * kv_tile,
+      "K,V": b * h * kv_per_head * kv_tile * s,
       "Q": q_fetch * 2 * bq * d * s,
       "dO": q_fetch * bq * fl.dv * s,
       "stats": q_fetch * bq * stat_words * F32,
@@ -615,29 +670,34 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
     detail["lambda (SMEM)"] = h * F32
   if shape.segmented:
     detail["segment ids"] = (q_fetch * bq * (1 if target else lanes(1)) * I32
-                             + b * h * kv_tiles * bk * I32)
+                             + b * h * kv_per_head * bk * I32)
+  if "dK,dV f32 partials read" in partial:
+    detail["dK,dV f32 partials read"] = partial["dK,dV f32 partials read"]
   read = sum(detail.values())
-  detail["dK,dV"] = b * h * kv_tiles * kv_tile
+  detail["dK,dV"] = b * h * nkv * kv_tile * s
+  if partial:
+    detail["dK,dV f32 partials written"] = partial["dK,dV f32 partials written"]
   if target:
     detail["dQ (once, input dtype)"] = b * h * 2 * shape.seq * d * s
-    read_dq = 0
-  elif dq_in_vmem(shape, tiles):
-    # The group's float32 block [2, Tp, d] leaves VMEM once per (batch, kv group).
-    detail["dQ f32 (once, from VMEM)"] = b * h * 2 * tp * d * F32
-    read_dq = 0
+  elif design.dq_chunks:
+    # Each chunk's [2, rows, d] block leaves VMEM once per (batch, kv group).
+    detail["dQ (once, input dtype)"] = b * h * 2 * tp * d * s
   else:
     rt = dq_round_trip(shape, tiles, version)
     detail["dQ f32 tile reads"] = rt["reads"] * rt["tile_bytes"]
     detail["dQ f32 tile writes"] = rt["writes"] * rt["tile_bytes"]
-    read_dq = detail["dQ f32 tile reads"]
-  written = sum(detail.values()) - read - read_dq
+    read += detail["dQ f32 tile reads"]
+  written = sum(detail.values()) - read
   flops = b * h * int(mask.sum()) * fused_bwd_tile_flops(bq, bk, d, fl.dv)
-  return Op(f"V{version}: diff_attention_bwd" + (" (target)" if target else ""), KERNEL,
-            read=read + read_dq, written=written, flops=flops, steps=steps, detail=detail)
+  label = " (target)" if target else ("" if design is TODAY else f" ({design.name})")
+  return Op(f"V{version}: diff_attention_bwd" + label, KERNEL, read=read, written=written,
+            flops=flops, steps=steps, detail=detail)
 
 
-def fused_ops(shape: Shape, tiles: Tiles, version: int) -> dict[str, list[Op]]:
-  """Today's fused path: kernels, the XLA ops of ``_core`` and the wrapper layouts."""
+def fused_ops(shape: Shape, tiles: Tiles, version: int,
+              design: Design = TODAY) -> dict[str, list[Op]]:
+  """The fused path (today's or before's): kernels, the XLA ops of ``_core`` and the
+  wrapper layouts."""
   fl = flavour(version, shape)
   s, b, t, d, h, dv = (shape.itemsize, shape.batch, shape.seq, shape.head_dim, fl.heads,
                        fl.dv)
@@ -679,9 +739,14 @@ def fused_ops(shape: Shape, tiles: Tiles, version: int) -> dict[str, list[Op]]:
   if spb != t:
     bwd.append(_xla("k, v padded to the backward tile", (k_in + v_in) * s,
                     pad(k_in + v_in, spb) * s))
-  bwd.append(fused_bwd_kernel(shape, tiles, version))
-  bwd.append(_xla("dQ float32 to the input dtype", b * h * 2 * t * d * F32,
-                  b * h * 2 * t * d * s))
+  bwd.append(fused_bwd_kernel(shape, tiles, version, design=design))
+  dq_elements = b * h * 2 * d
+  if not design.dq_chunks:
+    bwd.append(_xla("dQ float32 to the input dtype", dq_elements * t * F32,
+                    dq_elements * t * s))
+  elif len(bwd_chunks(shape, tiles, version)) > 1 or tpb != t:
+    bwd.append(_xla("dQ chunks concatenated (and sliced to T)", dq_elements * tpb * s,
+                    dq_elements * t * s))
   layout_b = [
       _xla("dO to [B, H, T, dv]", v_in * s, v_in * s, LAYOUT),
       _xla("dq back to [B, T, H, d]" + (" x2" if version == 1 else " (4H heads)"),
@@ -714,6 +779,8 @@ def arm_ops(shape: Shape, tiles: Tiles) -> dict[str, dict[str, list[Op]]]:
       TRANSFORMER: transformer_ops(shape, tiles),
       V1_STOCK: v1_stock_ops(shape, tiles),
       V2_STOCK: v2_stock_ops(shape, tiles),
+      V1_BEFORE: fused_ops(shape, tiles, 1, BEFORE),
+      V2_BEFORE: fused_ops(shape, tiles, 2, BEFORE),
       V1_FUSED: fused_ops(shape, tiles, 1),
       V2_FUSED: fused_ops(shape, tiles, 2),
       V1_TARGET: target_ops(shape, tiles, 1),
@@ -771,6 +838,9 @@ def ratios(arms: dict[str, dict[str, list[Op]]]) -> dict[str, float]:
       "fused_v1_over_splash_transformer_kernels_only":
           total(V1_FUSED, True) / total(TRANSFORMER, True),
       "fused_v2_over_splash_transformer": total(V2_FUSED) / total(TRANSFORMER),
+      "before_v1_over_splash_transformer": total(V1_BEFORE) / total(TRANSFORMER),
+      "fused_v1_bwd_over_before": bwd(V1_FUSED) / bwd(V1_BEFORE),
+      "fused_v2_bwd_over_before": bwd(V2_FUSED) / bwd(V2_BEFORE),
       "target_v1_bwd_over_fused_v1_bwd": bwd(V1_TARGET) / bwd(V1_FUSED),
       "target_v2_bwd_over_fused_v2_bwd": bwd(V2_TARGET) / bwd(V2_FUSED),
   }
@@ -834,7 +904,7 @@ def compiled_bytes(version: int, shape: Shape, tiles: Tiles, *,
   b, t, d, h = shape.batch, shape.seq, shape.head_dim, fl.heads
   blocks = dict(block_q=tiles.block_q, block_kv=tiles.block_kv,
                 block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd,
-                dq_in_vmem=tiles.dq_in_vmem)
+                dq_chunk=tiles.dq_chunk)
   if version == 1:
     args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
     fn = lambda *a: kt.diff_v1_attention_tpu(*a, causal=shape.causal, block_sizes=blocks)
@@ -971,8 +1041,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   p.add_argument("--block-kv", type=int, default=None)
   p.add_argument("--block-q-bwd", type=int, default=None)
   p.add_argument("--block-kv-bwd", type=int, default=None)
-  p.add_argument("--dq-in-vmem", choices=("auto", "yes", "no"), default="auto",
-                 help="where today's fused backward keeps dQ (auto: the kernel's rule)")
+  p.add_argument("--dq-chunk", type=int, default=None,
+                 help="query rows per call of today's fused backward (default: the "
+                      "kernel's rule)")
   p.add_argument("--splash-block", type=int, default=512,
                  help="splash tile of the stock wrappers (512)")
   p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -991,8 +1062,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   tiles = Tiles(block_q=a.block_q or resolved.block_q, block_kv=a.block_kv or resolved.block_kv,
                 block_q_bwd=a.block_q_bwd or resolved.block_q_bwd,
                 block_kv_bwd=a.block_kv_bwd or resolved.block_kv_bwd, splash=a.splash_block,
-                dq_in_vmem={"auto": None, "yes": True, "no": False}[a.dq_in_vmem])
-  BlockSizes(tiles.block_q, tiles.block_kv, tiles.block_q_bwd, tiles.block_kv_bwd)  # validate
+                dq_chunk=a.dq_chunk)
+  BlockSizes(tiles.block_q, tiles.block_kv, tiles.block_q_bwd, tiles.block_kv_bwd,
+             tiles.dq_chunk)  # validate
   itemsize = 2 if a.dtype == "bf16" else 4
   print("# TPU attention roofline: a MODEL of HBM bytes and MXU FLOPs, not a measurement\n")
   print(f"d_model {a.d_model}, {a.diff_heads} DIFF heads (Transformer {2 * a.diff_heads} heads, "
@@ -1021,18 +1093,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rat = ratios(arms)
     print(f"\n## T = {seq}\n")
     print(markdown_table(rows, a.step_overhead_us))
-    where = "VMEM" if dq_in_vmem(shape, tiles) else "HBM"
+    n_calls = len(bwd_chunks(shape, tiles, 1))
     print(f"\nRatios at T = {seq} (HBM bytes, all passes): fused DIFF V1 fwd+bwd / splash "
           f"Transformer fwd+bwd = {rat['fused_v1_over_splash_transformer']:.2f} (kernels "
-          f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}), fused DIFF V2 "
-          f"= {rat['fused_v2_over_splash_transformer']:.2f}; target / today's fused backward "
+          f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}; before "
+          f"{rat['before_v1_over_splash_transformer']:.2f}), fused DIFF V2 "
+          f"= {rat['fused_v2_over_splash_transformer']:.2f}; today's / before's fused "
+          f"backward = {rat['fused_v1_bwd_over_before']:.2f} (V1), "
+          f"{rat['fused_v2_bwd_over_before']:.2f} (V2); target / today's fused backward "
           f"= {rat['target_v1_bwd_over_fused_v1_bwd']:.2f} (V1), "
-          f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2). Today's fused backward keeps "
-          f"dQ in {where} at this length.")
-    today = next(o for o in arms[V1_FUSED]["bwd"] if o.part == KERNEL)
-    target = next(o for o in arms[V1_TARGET]["bwd"] if o.part == KERNEL)
-    by = lambda op: ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in op.detail.items())
-    print(f"Fused V1 backward kernel, MB by array: today: {by(today)}; target: {by(target)}.")
+          f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2). Today's fused V1 backward "
+          f"runs {n_calls} query chunk{'s' if n_calls > 1 else ''} at this length.")
+    kernel = lambda arm: next(o for o in arms[arm]["bwd"] if o.part == KERNEL)
+    by = lambda arm: ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in kernel(arm).detail.items())
+    print(f"Fused V1 backward kernel, MB by array: before: {by(V1_BEFORE)}; today: "
+          f"{by(V1_FUSED)}; target: {by(V1_TARGET)}.")
     report["results"][str(seq)] = {
         "rows": [dataclasses.asdict(r) | {"flop_per_byte": r.intensity} for r in rows],
         "ops": {arm: {p: [dataclasses.asdict(o) for o in ops] for p, ops in passes.items()}

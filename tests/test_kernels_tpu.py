@@ -188,67 +188,75 @@ def test_rows_without_visible_keys_slow(version):
 
 
 # ----------------------------------------------------------------------------------
-# Where the backward accumulates dQ: a VMEM block resident over a kv group's sweep, or
-# HBM tiles updated by DMAs. Small shapes pick VMEM by themselves (every case above);
-# these force each path on shapes with padded tiles, S != T and two heads per kv group.
+# Query chunks of the backward: each call keeps its chunk's dQ in VMEM and hands float32
+# dK/dV partial sums to the next. Small shapes take one chunk by themselves (every case
+# above); these force several, with padded tiles, S != T and two heads per kv group.
 
 
-def _dq_blocks(dq_in_vmem, tiles=SMALL):
-  return kt.BlockSizes(**{**vars(tiles), "dq_in_vmem": dq_in_vmem})
+def _chunked(dq_chunk, tiles=SMALL):
+  return kt.BlockSizes(**{**vars(tiles), "dq_chunk": dq_chunk})
 
 
-DQ_CASES = [
-    # version, dq_in_vmem, t, s, causal, seg, dtype
-    (1, True, 130, 300, True, True, jnp.float32),
-    (2, False, 136, 264, True, True, jnp.float32),
-    _slow(1, False, 130, 300, True, True, jnp.float32),
-    _slow(2, True, 136, 264, True, True, jnp.float32),
-    _slow(1, False, 200, 136, True, False, jnp.bfloat16),  # T > S
-    _slow(2, True, 200, 136, True, False, jnp.bfloat16),
-    _slow(1, True, 150, 400, False, True, jnp.float32),
-    _slow(2, False, 150, 400, False, False, jnp.float32),
+CHUNK_CASES = [
+    # version, dq_chunk, t, s, causal, seg, dtype
+    # T = 130 pads to 5 tiles of 32: chunks of 2, 2, 1 tiles seeing 2, 3, 3 key tiles.
+    (1, 64, 130, 300, True, True, jnp.float32),
+    (2, 96, 136, 264, True, True, jnp.float32),
+    _slow(1, 32, 200, 136, True, False, jnp.bfloat16),  # T > S, one tile per chunk
+    _slow(2, 64, 200, 136, True, False, jnp.bfloat16),
+    _slow(1, 96, 150, 400, False, True, jnp.float32),
+    _slow(2, 32, 150, 400, False, False, jnp.float32),
 ]
 
 
-@pytest.mark.parametrize("version,dq_in_vmem,t,s,causal,seg,dtype", DQ_CASES)
-def test_dq_in_vmem_and_in_hbm_match_reference(version, dq_in_vmem, t, s, causal, seg, dtype):
-  # One batch row and two kv groups of two heads: the resident block moves on once.
-  _run(version, t, s, 2, 16, causal, seg, dtype, b=1, kh=2, blocks=_dq_blocks(dq_in_vmem))
+@pytest.mark.parametrize("version,dq_chunk,t,s,causal,seg,dtype", CHUNK_CASES)
+def test_query_chunks_match_reference(version, dq_chunk, t, s, causal, seg, dtype):
+  # One batch row and two kv groups of two heads: the dQ block moves on once per chunk.
+  _run(version, t, s, 2, 16, causal, seg, dtype, b=1, kh=2, blocks=_chunked(dq_chunk))
 
 
-def test_dq_placement_rule():
-  """VMEM when the block's two buffers fit the budget: the paper's 3B layer (12 heads of
-  d = 128, one per kv group) up to T = 12288; T = 32768 falls back to HBM."""
+def _bwd_plan(t, heads=12, kv_heads=12, d=128, causal=True, s=None, **kw):
+  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+  bs = kt.resolve_block_sizes(kw, d)
+  return L.make_plan(q_len=t, kv_len=s or t, block_q=bs.block_q_bwd,
+                     block_kv=bs.block_kv_bwd, causal=causal, segmented=False, scale=1.0,
+                     shared_k=False, lam_rows=False, heads=heads, kv_heads=kv_heads,
+                     dq_chunk=bs.dq_chunk)
+
+
+def test_chunk_rule():
+  """One chunk while dQ fits the budget: the paper's 3B layer (12 heads of d = 128, one
+  per kv group) up to T = 12288 in bfloat16; longer sequences take balanced chunks."""
   from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
   from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
 
-  def plan(t, heads=12, kv_heads=12, d=128, **kw):
-    bs = kt.resolve_block_sizes(kw, d)
-    return L.make_plan(q_len=t, kv_len=t, block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
-                       causal=True, segmented=False, scale=1.0, shared_k=False,
-                       lam_rows=False, heads=heads, kv_heads=kv_heads,
-                       dq_in_vmem=bs.dq_in_vmem)
-
-  assert bwd.dq_block_bytes(1, 4096, 128) == 2 * 4096 * 128 * 4
-  assert bwd.dq_block_bytes(2, 160, 16) == 2 * 2 * 160 * 128 * 4  # D on 128 lanes
-  assert bwd.resident_dq(plan(4096), 128)
-  assert bwd.resident_dq(plan(8192), 128)
-  assert bwd.resident_dq(plan(12288), 128)  # 2 x 12 MiB: the budget's edge
-  assert not bwd.resident_dq(plan(12289), 128)  # padded to 12800 rows
-  assert not bwd.resident_dq(plan(16384), 128)
-  assert not bwd.resident_dq(plan(32768), 128)
-  assert not bwd.resident_dq(plan(8192, heads=24), 128)  # two heads per kv group
-  assert bwd.resident_dq(plan(32768, dq_in_vmem=True), 128)
-  assert not bwd.resident_dq(plan(1024, dq_in_vmem=False), 128)
-  assert bwd.resident_dq(plan(130, heads=4, kv_heads=2, d=16, block_q_bwd=32), 16)
+  rows = lambda plan, itemsize=2: bwd.chunk_rows(plan, 128, itemsize)
+  assert bwd.dq_row_bytes(1, 128, 2) == 2 * 128 * (4 + 4)
+  assert bwd.dq_row_bytes(2, 16, 4) == 2 * 2 * 128 * (4 + 8)  # D on 128 lanes
+  for t in (4096, 8192, 12288):
+    assert rows(_bwd_plan(t)) == t
+  assert rows(_bwd_plan(12288), itemsize=4) == 6144  # float32 output buffers: 12 B / elem
+  assert rows(_bwd_plan(12289)) == 6656  # 12800 padded rows in two chunks
+  assert rows(_bwd_plan(32768)) == 11264  # three chunks: 11264, 11264, 10240
+  assert rows(_bwd_plan(8192, heads=24)) == 4096  # two heads per kv group
+  assert rows(_bwd_plan(1024, dq_chunk=512)) == 512
+  assert rows(_bwd_plan(1024, dq_chunk=4096)) == 1024
+  plan = _bwd_plan(32768)
+  got = [(c.first, c.num_q_blocks, c.num_kv_blocks, c.prev_kv_blocks, c.final)
+         for c in bwd.chunks(plan, rows(plan))]
+  assert got == [(0, 22, 44, 0, False), (22, 22, 88, 44, False), (44, 20, 128, 88, True)]
+  full = _bwd_plan(1000, causal=False, dq_chunk=512)
+  assert [c.num_kv_blocks for c in bwd.chunks(full, 512)] == [4, 4]
   # The VMEM limit the kernel asks for stays within what v5e, v5p and v6e have.
   assert L.vmem_limit(2 * bwd.DQ_VMEM_BUDGET) <= 64 * 2**20
+  with pytest.raises(ValueError, match="must be a multiple of the backward query tile"):
+    bwd.chunk_rows(L.dataclasses.replace(plan, dq_chunk=100), 128, 2)
 
 
 # ----------------------------------------------------------------------------------
 # Race detection in the TPU interpreter (two simulated cores take the parallel grid
-# axis; the resident dQ block is written back when a core's leading index moves on, and
-# the HBM path's in-place dQ updates are explicit DMAs).
+# axis; the dQ block is written back when a core's leading index moves on, and a chunk
+# reads the dK/dV partial sums the previous call wrote).
 
 
 def _races_found() -> bool:
@@ -256,19 +264,17 @@ def _races_found() -> bool:
   return bool(ipc.races is not None and ipc.races.races_found)
 
 
-@pytest.mark.parametrize("version,t,s,rep,dq_in_vmem", [
-    (1, 64, 384, 1, None),  # the default choice at this size: dQ in VMEM
-    # One query tile per kv group: a dQ tile is re-read right after its write.
-    pytest.param(1, 64, 384, 1, False, marks=pytest.mark.slow),
-    # Several heads and query tiles per group, causal skipping.
+@pytest.mark.parametrize("version,t,s,rep,dq_chunk", [
+    (1, 64, 384, 1, None),  # one chunk
+    # Several heads and query tiles per group, causal skipping, two chunks.
+    pytest.param(2, 200, 256, 2, 128, marks=pytest.mark.slow),
     pytest.param(2, 200, 256, 2, None, marks=pytest.mark.slow),
-    pytest.param(2, 200, 256, 2, False, marks=pytest.mark.slow),
 ])
-def test_no_races_in_interpreter(version, t, s, rep, dq_in_vmem):
+def test_no_races_in_interpreter(version, t, s, rep, dq_chunk):
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
   pltpu.reset_tpu_interpret_mode_state()
   blocks = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128,
-                         dq_in_vmem=dq_in_vmem)
+                         dq_chunk=dq_chunk)
   _run(version, t, s, rep, 8, True, version == 2, jnp.float32, b=2, kh=1, blocks=blocks,
        interpret=params)
   assert not _races_found()
@@ -287,15 +293,18 @@ def test_block_sizes_validation_names_values():
     kt.BlockSizes(block_q_bwd=0)
   with pytest.raises(ValueError, match="block_kv_bwd='256' must be a positive multiple"):
     kt.BlockSizes(block_kv_bwd="256")
-  with pytest.raises(ValueError, match=r"dq_in_vmem=1 must be None \(decided from"):
-    kt.BlockSizes(dq_in_vmem=1)
+  with pytest.raises(ValueError, match=r"dq_chunk=100 must be None \(decided from the "
+                     r"sequence length\) or a positive multiple of block_q_bwd=64"):
+    kt.BlockSizes(block_q_bwd=64, dq_chunk=100)
+  with pytest.raises(ValueError, match="dq_chunk=True must be None"):
+    kt.BlockSizes(dq_chunk=True)
   args = _v1_inputs(1, 32, 32, 2, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match=r"Unknown BlockSizes fields \['block_z'\]"):
     kt.diff_v1_attention_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
   with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
     kt.diff_v1_attention_tpu(*args, block_sizes=(64, 64), interpret=True)
-  with pytest.raises(ValueError, match="dq_in_vmem='no' must be None"):
-    kt.diff_v1_attention_tpu(*args, block_sizes={"dq_in_vmem": "no"}, interpret=True)
+  with pytest.raises(ValueError, match="dq_chunk=0 must be None"):
+    kt.diff_v1_attention_tpu(*args, block_sizes={"dq_chunk": 0}, interpret=True)
   with pytest.raises(ValueError, match="Pass both q_segment_ids and kv_segment_ids"):
     kt.diff_v1_attention_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
                              interpret=True)

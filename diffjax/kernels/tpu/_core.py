@@ -107,7 +107,7 @@ def _diff_core_bwd(cfg, residuals, d_out):
       plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
       q_seg_p, kv_seg_p, _pad_axis(d_out, 2, tp), _pad_axis(stats, 2, tp),
       interpret=cfg.interpret)
-  dq = dq[:, :, :, :t].astype(q.dtype)
+  dq = dq[:, :, :, :t]
   dk = dk[:, :, :, :s]
   dv = dv[:, :, :s]
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).

@@ -43,9 +43,8 @@ class Plan:
       (float32 [H] in SMEM, V1).
     group: query heads per kv group, G = H // K.
     heads, kv_heads: H (DIFF heads / V2 pairs) and K.
-    dq_in_vmem: where the backward accumulates dQ: True in a VMEM block resident over
-      the kv group's sweep, False in HBM by per-tile DMAs, None decided from the
-      block's size (:func:`diffjax.kernels.tpu._backward.resident_dq`).
+    dq_chunk: query rows per backward call (a multiple of block_q), or None to take
+      the fewest calls whose dQ fits VMEM (:func:`diffjax.kernels.tpu._backward.chunk_rows`).
   """
 
   q_len: int
@@ -59,7 +58,7 @@ class Plan:
   lam_rows: bool
   heads: int
   kv_heads: int
-  dq_in_vmem: bool | None = None
+  dq_chunk: int | None = None
 
   @property
   def group(self) -> int:
@@ -150,13 +149,13 @@ class Plan:
 
 def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
               segmented: bool, scale: float, shared_k: bool, lam_rows: bool,
-              heads: int, kv_heads: int, dq_in_vmem: bool | None = None) -> Plan:
+              heads: int, kv_heads: int, dq_chunk: int | None = None) -> Plan:
   """Shrinks the tiles to the sequence (16-row and 128-lane granularity)."""
   block_q = min(block_q, round_up(q_len, 16))
   block_kv = min(block_kv, round_up(kv_len, 128))
   return Plan(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
               causal=causal, segmented=segmented, scale=float(scale), shared_k=shared_k,
-              lam_rows=lam_rows, heads=heads, kv_heads=kv_heads, dq_in_vmem=dq_in_vmem)
+              lam_rows=lam_rows, heads=heads, kv_heads=kv_heads, dq_chunk=dq_chunk)
 
 
 def dot_nt(a, b):

@@ -22,12 +22,13 @@ class BlockSizes:
     block_kv: key rows per forward tile (a multiple of 128).
     block_q_bwd: query rows per backward tile (a multiple of 8).
     block_kv_bwd: key rows per backward tile (a multiple of 128).
-    dq_in_vmem: where the backward accumulates the float32 dQ. True: in one VMEM block
-      per kv group ([G, 2, Tp, D], resident while the kernel sweeps the group's tiles,
-      written to HBM once). False: in HBM, each visited tile read, added to and written
-      back by DMAs. None (default): VMEM when the block's two pipeline buffers fit in
-      24 MiB (``_backward.DQ_VMEM_BUDGET``; at D = 128 and one head per kv group, up to
-      T = 12288), else HBM. Forcing True past the budget may exceed the VMEM limit.
+    dq_chunk: query rows per backward kernel call (a positive multiple of
+      block_q_bwd). The backward keeps a chunk's dQ in VMEM for a kv group's whole
+      sweep and passes float32 dK/dV partial sums from one chunk to the next. None
+      (default): the fewest chunks whose dQ (float32 accumulator and two output
+      buffers) fits 24 MiB (``_backward.DQ_VMEM_BUDGET``; at D = 128 in bfloat16 with
+      one head per kv group, one chunk up to T = 12288). A larger value than the
+      default may exceed the VMEM limit; a smaller one is for tests.
 
   A tile longer than the (8- or 128-rounded) sequence is shrunk to it, so the
   defaults also serve short sequences. Sequences that are not a multiple of the
@@ -38,7 +39,7 @@ class BlockSizes:
   block_kv: int = 512
   block_q_bwd: int = 512
   block_kv_bwd: int = 512
-  dq_in_vmem: bool | None = None
+  dq_chunk: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_q_bwd"):
@@ -51,9 +52,11 @@ class BlockSizes:
       if not isinstance(value, int) or value <= 0 or value % _LANES:
         raise ValueError(f"{name}={value!r} must be a positive multiple of {_LANES} "
                          "(the TPU lane count).")
-    if self.dq_in_vmem is not None and not isinstance(self.dq_in_vmem, bool):
-      raise ValueError(f"dq_in_vmem={self.dq_in_vmem!r} must be None (decided from the "
-                       "sequence length), True (dQ in VMEM) or False (dQ in HBM).")
+    n = self.dq_chunk
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0
+                          or n % self.block_q_bwd):
+      raise ValueError(f"dq_chunk={n!r} must be None (decided from the sequence length) "
+                       f"or a positive multiple of block_q_bwd={self.block_q_bwd}.")
 
   @classmethod
   def get_default(cls, head_dim: int) -> "BlockSizes":

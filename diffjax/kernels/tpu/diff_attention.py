@@ -29,7 +29,7 @@ Interpret = bool | pltpu.InterpretParams
 
 def _interpret_mode(interpret: Interpret):
   """False on TPU; otherwise the TPU interpreter, which simulates VMEM, SMEM, DMAs
-  and semaphores (the backward kernel's HBM dQ path uses all four)."""
+  and semaphores."""
   if interpret is True:
     return pltpu.InterpretParams()
   if interpret is False or interpret is None:
@@ -57,7 +57,7 @@ def _config(*, t, s, d, h, kv_heads, causal, segmented, scale, block_sizes, shar
   return CoreConfig(
       fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
       bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
-                      dq_in_vmem=bs.dq_in_vmem, **common),
+                      dq_chunk=bs.dq_chunk, **common),
       interpret=_interpret_mode(interpret))
 
 
