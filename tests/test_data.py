@@ -535,3 +535,37 @@ def test_answers_only_task_data_scores_exactly_the_answer_tokens():
     from diffjax.train.task_mix import mixed_source
     mixed_source(None, ml_collections.ConfigDict(dict(task="associative_recall", fraction=0.5,
                                                       loss="answers")), ByteTokenizer(), 0)
+
+
+def test_a_task_only_run_is_validated_on_its_own_held_out_examples(monkeypatch, tmp_path):
+  """A comparison scores a finished run on the held-out split of the data it trained on:
+  task examples scored on their answers, not the text corpus of ``data``."""
+  import ml_collections
+  from diffjax.compare import runs
+  from diffjax.eval.config import EvalConfig
+  from diffjax.presets import tiny
+  run = tiny("transformer")
+  run.seq_len, run.global_batch_size = 64, 2
+  run.data.val_fraction = 0.1
+  run.task_mix.update(dict(task="associative_recall", fraction=1.0, num_examples=200,
+                           loss="answers", num_pairs=4, num_queries=2, key_len=2, value_len=1))
+  seen = {}
+  monkeypatch.setattr("diffjax.train.load_model", lambda *a, **k: (None, None, 7))
+  def fake_evaluate(model, val, cfg, meta, log):
+    seen["val"] = list(val)
+    return {"meta": meta}
+  monkeypatch.setattr("diffjax.eval.evaluate.evaluate_model", fake_evaluate)
+  runs.evaluate_checkpoint(run, str(tmp_path), EvalConfig(val_batches=2), 7, True, print)
+  digits = set(range(ord("0"), ord("9") + 1))
+  assert len(seen["val"]) == 2
+  for batch in seen["val"]:
+    mask = np.asarray(batch["loss_mask"]) > 0
+    # Answers only: one value digit after each "key:", a small share of the tokens.
+    assert 0 < mask.sum() < 0.2 * mask.size
+    assert set(np.asarray(batch["targets"])[mask].tolist()) <= digits
+    assert (np.asarray(batch["inputs"])[mask] == ord(":")).all()
+  # Without a task mix the run's text is what it is scored on (every token counts).
+  run.task_mix.update(dict(task="none", fraction=0.0))
+  run.data.max_documents = 20
+  runs.evaluate_checkpoint(run, str(tmp_path), EvalConfig(val_batches=1), 7, True, print)
+  assert np.asarray(seen["val"][0]["loss_mask"]).mean() > 0.9

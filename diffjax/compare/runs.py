@@ -61,16 +61,22 @@ def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step:
                         quick: bool, log: Log) -> dict[str, Any]:
   """Evaluates the checkpoint at ``step`` of ``run_dir`` with ``cfg`` and writes eval.json.
 
-  Validation batches are the run's own held-out batches (same data config, sequence length and
-  batch size); they do not depend on the seed, so every run is scored on the same text.
+  Validation batches are the run's own held-out batches (same data config, task mix, sequence
+  length and batch size). Text alone does not depend on the seed, so every run is scored on the
+  same text; task examples are drawn per seed, so runs of one seed share them.
   """
   from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
   from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
   from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
 
+  from diffjax.train.task_mix import run_source  # pylint: disable=import-outside-toplevel
+
   model, _, step = load_model(run_dir, step=step)
-  data = build_datasets(DataConfig.from_dict(run.data.to_dict()), seq_len=int(run.seq_len),
-                        global_batch_size=int(run.global_batch_size), seed=int(run.seed))
+  data_cfg = DataConfig.from_dict(run.data.to_dict())
+  source, tokenizer = run_source(run, data_cfg)
+  data = build_datasets(data_cfg, seq_len=int(run.seq_len),
+                        global_batch_size=int(run.global_batch_size), seed=int(run.seed),
+                        source=source, tokenizer=tokenizer)
   val = data.val_batches(cfg.val_batches)
   meta = {"seed": int(run.seed), "workdir": os.path.abspath(run_dir) if "://" not in run_dir
           else run_dir, "step": step, "quick": quick}

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from diffjax.data import DocumentSource
+from diffjax.data import DocumentSource, load_source, load_tokenizer
 
 TASKS = ("none", "multi_needle", "associative_recall")
 # Evaluation examples use small seeds; training examples start here.
@@ -61,6 +61,19 @@ class InterleavedSource:
 def task_only(mix) -> bool:
   """True when ``mix`` trains on task examples alone (fraction 1), so no corpus is needed."""
   return mix.get("task", "none") != "none" and float(mix.get("fraction", 0.0)) == 1.0
+
+
+def run_source(config, data_cfg) -> tuple[DocumentSource | None, object | None]:
+  """The documents and tokenizer a run config trains on when it mixes in a task, else
+  (None, None) (the data config alone then says what to read). The trainer and every
+  later evaluation of the run build their data through this, so a run scored afterwards
+  sees the held-out split of the very documents it was trained on."""
+  mix = config.get("task_mix") if "task_mix" in config else None
+  if mix is None or mix.get("task", "none") == "none":
+    return None, None
+  tokenizer = load_tokenizer(data_cfg.tokenizer)
+  corpus = None if task_only(mix) else load_source(data_cfg, tokenizer)
+  return mixed_source(corpus, mix, tokenizer, config.seed), tokenizer
 
 
 def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> DocumentSource:

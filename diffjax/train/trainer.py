@@ -25,7 +25,7 @@ import numpy as np
 from etils import epath
 
 from diffjax import sharding as shd
-from diffjax.data import DataConfig, build_datasets, load_source, load_tokenizer, tokens_per_byte
+from diffjax.data import DataConfig, build_datasets, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
@@ -36,7 +36,7 @@ from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
 from diffjax.train.setup import build_train_setup, with_mesh_rules
 from diffjax.train.steps import lambda_summary
-from diffjax.train.task_mix import mixed_source, task_only
+from diffjax.train.task_mix import run_source
 
 
 class TrainingError(UserError, RuntimeError):
@@ -111,12 +111,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # 1. Data first: a bad path or corpus fails before the workdir is touched.
   data_cfg = DataConfig.from_dict(config.data.to_dict())
-  source = tokenizer = None
-  if "task_mix" in config and config.task_mix.get("task", "none") != "none":
-    tokenizer = load_tokenizer(data_cfg.tokenizer)
-    corpus = None if task_only(config.task_mix) else load_source(data_cfg, tokenizer)
-    source = mixed_source(corpus, config.task_mix, tokenizer,
-                          config.seed)
+  source, tokenizer = run_source(config, data_cfg)
   data = build_datasets(data_cfg, seq_len=config.seq_len,
                         global_batch_size=config.global_batch_size, seed=config.seed,
                         process_index=row_slot, process_count=row_slots, source=source,
