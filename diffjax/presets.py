@@ -127,7 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Synthetic retrieval examples mixed into training (diffjax/train/task_mix.py).
   c.task_mix = ml_collections.ConfigDict(dict(
       task="none", fraction=0.0, context_len=512, num_needles=2, num_queries=1, num_pairs=16,
-      distractors_per_query=1, key_len=3, value_len=3, grid=(), num_examples=0, loss="all"))
+      distractors_per_query=1, key_len=3, value_len=3, separator=":", grid=(), num_examples=0,
+      loss="all"))
   # init_from: a train.py workdir whose newest parameters a fresh run starts from (fresh
   # optimizer state, step 0); ignored once this run has a checkpoint of its own.
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=2, async_save=True,

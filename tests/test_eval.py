@@ -157,6 +157,24 @@ def test_associative_recall_has_near_miss_distractors_and_right_answers():
   assert queries.split() == [f"{k}:{v}" for k, v in zip(ex.keys, ex.values)]
 
 
+def test_associative_recall_without_a_separator_keeps_the_draws_and_the_answers():
+  kw = dict(num_pairs=5, num_queries=3, distractors_per_query=1, num_examples=3, seed=2,
+            key_len=2, value_len=1)
+  plain, bare = AssociativeRecallTask(**kw), AssociativeRecallTask(**kw, separator="")
+  for i in range(3):
+    a, b = plain.example(i), bare.example(i)
+    assert TOK.decode(b.tokens) == TOK.decode(a.tokens).replace(":", "")
+    assert a.keys == b.keys and a.values == b.values
+    for r, key in enumerate(b.keys):
+      assert TOK.decode(b.tokens[slice(*b.answer_spans[r])]) == b.values[r]
+      # The answer follows its key directly.
+      assert TOK.decode(b.tokens[b.answer_spans[r][0] - 2:b.answer_spans[r][0]]) == key
+  for bad in ("a", "1", " ", "\n", 3):
+    with pytest.raises(ValueError, match="separator="):
+      AssociativeRecallTask(**kw, separator=bad)
+  assert "sep=''" in bare.name and "sep" not in plain.name
+
+
 # ----------------------------------------------------------------------------------------------
 # Retrieval scoring with hand-written "models".
 

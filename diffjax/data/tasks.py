@@ -362,11 +362,17 @@ class AssociativeRecallTask(_TaskBase):
     num_examples, seed, tokenizer, bos: as for `MultiNeedleTask`.
     stream: a further key of the random draws (0: the draws of earlier versions), so several
       tasks with one seed (the settings of `AssociativeRecallMix`) draw independent examples.
+    separator: the text between a key and its value (":" by default; "" writes "k1v1"). With
+      no separator the value follows the key's last letter directly, so the plain induction
+      pattern (the token after an earlier copy of the current token) recalls a value unless a
+      distractor shares that letter; the separator makes every key end in the same token,
+      so even a plain recall must match letters one and two tokens back.
   """
 
   def __init__(self, num_pairs: int = 16, num_queries: int = 4, distractors_per_query: int = 1,
                num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
-               tokenizer: Tokenizer | None = None, bos: bool = False, stream: int = 0):
+               tokenizer: Tokenizer | None = None, bos: bool = False, stream: int = 0,
+               separator: str = ":"):
     if not 1 <= num_queries <= num_pairs:
       raise ValueError(f"Need 1 <= num_queries <= num_pairs; got {num_pairs=}, {num_queries=}.")
     if key_len < 2 or value_len < 1 or distractors_per_query < 0:
@@ -384,9 +390,13 @@ class AssociativeRecallTask(_TaskBase):
     self.key_len, self.value_len = int(key_len), int(value_len)
     self.num_examples, self.seed, self.bos = int(num_examples), int(seed), bool(bos)
     self.stream = int(stream)
+    if not isinstance(separator, str) or any(ch.isalnum() or ch in " \n" for ch in separator):
+      raise ValueError(f"separator={separator!r} must be a string without letters, digits, "
+                       "spaces or newlines (they would run into keys, values and pairs).")
+    self.separator = separator
     self.tokenizer = tokenizer or ByteTokenizer()
     self.name = (f"mqar(P={self.num_pairs},Q={self.num_queries},D={self.distractors_per_query},"
-                 f"seed={self.seed})")
+                 f"seed={self.seed}" + ("" if separator == ":" else f",sep={separator!r}") + ")")
     self.example(0)
 
   def _key(self, rng) -> str:
@@ -430,7 +440,7 @@ class AssociativeRecallTask(_TaskBase):
     for n, p in enumerate(order):
       k, v, j = pairs[int(p)]
       region = ANSWER if j in queried else CONTEXT
-      s0, _ = b.add(enc(k + ":"), region)
+      s0, _ = b.add(enc(k + self.separator), region)
       vs = b.add(enc(v), region)
       _, e1 = b.add(enc(" "), region)
       if j in queried:
@@ -440,7 +450,7 @@ class AssociativeRecallTask(_TaskBase):
     b.add(enc("\n"), QUERY)
     answer_spans = []
     for j in queried:
-      b.add(enc(keys[j] + ":"), QUERY)
+      b.add(enc(keys[j] + self.separator), QUERY)
       answer_spans.append(b.add(enc(pairs[j][1]), QUERY))
       b.add(enc(" "), QUERY)
     tokens, regions = b.finish()
@@ -467,13 +477,13 @@ class AssociativeRecallMix(_TaskBase):
 
   Args:
     settings: (num_pairs, distractors_per_query) per setting.
-    num_queries, key_len, value_len, num_examples, seed, tokenizer, bos: as for
+    num_queries, key_len, value_len, num_examples, seed, tokenizer, bos, separator: as for
       `AssociativeRecallTask`.
   """
 
   def __init__(self, settings: Sequence[tuple[int, int]], num_queries: int = 4,
                num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
-               tokenizer: Tokenizer | None = None, bos: bool = False):
+               tokenizer: Tokenizer | None = None, bos: bool = False, separator: str = ":"):
     settings = [tuple(int(v) for v in s) for s in settings]
     if not settings or any(len(s) != 2 for s in settings):
       raise ValueError(f"settings={settings!r} must be a non-empty list of "
@@ -481,13 +491,14 @@ class AssociativeRecallMix(_TaskBase):
     self.tokenizer = tokenizer or ByteTokenizer()
     self.tasks = [AssociativeRecallTask(p, min(int(num_queries), p), d, 1, seed, key_len=key_len,
                                         value_len=value_len, tokenizer=self.tokenizer, bos=bos,
-                                        stream=k + 1)
+                                        stream=k + 1, separator=separator)
                   for k, (p, d) in enumerate(settings)]
     self.settings = settings
     self.num_queries = max(t.num_queries for t in self.tasks)
     self.num_examples, self.seed = int(num_examples), int(seed)
     grid = ",".join(f"{p}/{d}" for p, d in settings)
-    self.name = f"mqar_mix(P/D={grid},Q={int(num_queries)},seed={self.seed})"
+    sep = "" if separator == ":" else f",sep={separator!r}"
+    self.name = f"mqar_mix(P/D={grid},Q={int(num_queries)},seed={self.seed}{sep})"
 
   def example(self, index: int) -> RetrievalExample:
     k = len(self.tasks)

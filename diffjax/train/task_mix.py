@@ -13,7 +13,8 @@ scores every token, as for text).
 
 Keys of ``config.task_mix`` (``diffjax.presets.base_config`` has them all):
   multi_needle: context_len, num_needles, num_queries.
-  associative_recall: num_pairs, num_queries, distractors_per_query, key_len, value_len;
+  associative_recall: num_pairs, num_queries, distractors_per_query, key_len, value_len,
+    separator;
     ``grid``, a list of (num_pairs, distractors_per_query) pairs, mixes those settings in
     equal shares instead (``AssociativeRecallMix``).
 """
@@ -103,7 +104,8 @@ def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> Do
         int(mix.context_len), int(mix.num_needles), int(mix.num_queries), num_examples=n,
         seed=seed, filler=corpus, tokenizer=tokenizer)
   else:
-    lengths = dict(key_len=int(mix.get("key_len", 3)), value_len=int(mix.get("value_len", 3)))
+    lengths = dict(key_len=int(mix.get("key_len", 3)), value_len=int(mix.get("value_len", 3)),
+                   separator=str(mix.get("separator", ":")))
     grid = mix.get("grid") or ()
     if grid:
       make = lambda n: tasks.AssociativeRecallMix(
