@@ -43,11 +43,12 @@ What is counted (from the code in ``diffjax/kernels/tpu`` and jax's splash atten
     into a producer's layout or keep a small buffer in VMEM, which only lowers the
     real figure).
   * A float32 array whose minor dimension is small is stored with that dimension padded
-    to 128 lanes (the (8, 128) tiling the TPU compiler gives ``lse [B, H, T, 2]`` and the
-    backward's ``stats [B, H, T, 8]``; ``--cross-check`` prints these layouts). A DMA of
-    a ``(block, 8)`` tile of such an array moves ``block x 128`` words. V2's lambda
-    argument [B, T, H] is counted lane-dense: the compiler chose such a layout for it in
-    the cross-check.
+    to 128 lanes (the (8, 128) tiling the TPU compiler gave before's ``lse [B, H, T, 2]``
+    and ``stats [B, H, T, 8]``). A DMA of a ``(block, 8)`` tile of such an array moves
+    ``block x 128`` words. Today's lane-dense slabs ``[B, H, T / block, R, block]`` are
+    counted with R rounded up to 8 sublanes and the block to 128 lanes (``--cross-check``
+    prints the layouts the compiler chose for both). V2's lambda argument [B, T, H] is
+    counted lane-dense: the compiler chose such a layout for it in the cross-check.
   * Tiles: the fused kernels' defaults for the head width (``BlockSizes.get_default``,
     what ``block_sizes=None`` resolves to: 512 x 512 forward, 512 x 256 backward at
     d = 128; the dataclass's own field defaults, all 512, are not what runs), shrunk to
@@ -76,28 +77,30 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
   * Forward grid (B H, T / block_q, S / block_kv), every step visited; masked steps keep
     the last visible key tile (no DMA) but pay the step. Q read once per (head, q tile);
     K (two components for V1, one for V2) and V per visible tile. Training saves
-    residuals: out, o2 (the second map's output, in the input dtype) and lse
-    [B, H, Tp, 2] float32 (padded to 128 lanes). V2 reads lambda as [B, H, Tp, 1]
-    float32 rows (padded to 128 lanes); V1's lambda sits in SMEM.
+    residuals: out, o2 (the second map's output, in the input dtype) and lse as
+    lane-dense float32 slabs (2, block_q) per query tile. V2 reads lambda as (1,
+    block_q) slabs; V1's lambda sits in SMEM.
   * Backward: the queries are split into chunks of whole tiles, one kernel call each
     (``_backward.chunks`` and ``chunk_rows``, imported here; ``--dq-chunk`` overrides the
     rows): the fewest chunks whose dQ (a float32 accumulator and two output buffers in
     the input dtype, [2, rows, d] per head) fits 24 MiB of VMEM, so one chunk up to
     T = 12288 at d = 128 in bf16 and three at 32K. Grid of a call (B K, key tiles the
     chunk sees, G chunk / block_q_bwd), every step visited. K and V are read and dK, dV
-    written once per key tile and call; Q, dO and stats [B, H, Tp, 8] float32 (lse_1,
-    lse_2, D_1, D_2, lambda, padding; padded to 128 lanes) are read per visible step
+    written once per key tile and call; Q, dO and the stats slab (8, block_q) float32
+    (lse_1, lse_2, D_1, D_2, lambda, padding) are read per visible step
     (skipped steps prefetch the first visible tile). dQ leaves VMEM once per (batch, kv
     group, chunk), in the input dtype. Every chunk but the last writes float32 dK/dV
     partial sums over the key tiles it sees, which the next chunk reads.
   * XLA around the backward kernel: the row terms D_1, D_2 (reading dO, out and o2),
-    the stats assembly (writing 8 float32 columns padded to 128 lanes), and with
+    the stats assembly (reading the lse slabs, writing the stats slabs), and with
     several chunks (or T padded to the tile) one pass joining dQ's chunks.
   * Before (rows "fused before"; the kernels of commit 99978ee, kept as a
     computed baseline): the same kernels, except that the backward was one call whose
     dQ lived in HBM as float32: every visible step read the 2 x block_q x d tile and
     wrote it back, except that the first key tile (always visible) wrote without
-    reading; XLA then converted dQ to the input dtype.
+    reading; XLA then converted dQ to the input dtype. Row statistics were [B, H, Tp, R]
+    float32 (lse R = 2, stats 8, V2's lambda 1) padded to 128 lanes, and XLA sliced lse
+    to T after the forward when T was padded.
   * Wrapper layout passes (rows of their own): the public functions take [B, T, heads,
     d] and the kernels [B, heads, (2,) T, d]; forward: Q1/Q2 stacked and transposed,
     K1/K2 likewise, V and V2's lambda transposed, the output transposed back; backward:
@@ -110,8 +113,8 @@ Fused target (a design target, not an implementation): the same two-map kernels 
 dQ accumulated in VMEM for a whole (batch, head) at every length and written once in
 the input dtype (today's kernel does so per query chunk, with dK/dV partials between);
 causal grids that visit only tiles holding a visible key (no per-step cost for masked
-tiles); lane-dense row statistics (k float32 per row with rows on lanes: lse 2, stats
-4 for V1 and 5 for V2); kernels reading and writing the [B, T, heads, d] layout
+tiles); row statistics of exactly k float32 per row (lse 2, stats 4 for V1 and 5 for
+V2; today's slabs hold 8 per row); kernels reading and writing the [B, T, heads, d] layout
 directly, so no wrapper transposes and no float32 dQ pass. The row terms stay one XLA
 pass.
 
@@ -517,9 +520,11 @@ def flavour(version: int, shape: Shape) -> Flavour:
   return Flavour(2, 2 * shape.diff_heads, 1, d)
 
 
-def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool = False) -> Op:
+def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool = False,
+                     design: "Design | None" = None) -> Op:
   """The forward kernel with residuals (training); ``target`` visits only tiles with a
-  visible key and writes lane-dense lse."""
+  visible key and writes lse with 2 words per row; ``design`` defaults to TODAY."""
+  design = design or TODAY
   fl = flavour(version, shape)
   s, b, d, h = shape.itemsize, shape.batch, shape.head_dim, fl.heads
   bq, bk, tp, sp = fused_tiles(shape.seq, tiles.block_q, tiles.block_kv)
@@ -544,11 +549,13 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
       "K,V": kv_fetch * bk * (fl.key_components * d + fl.dv) * s,
       "out": rows * fl.dv * s,
       "o2": rows * fl.dv * s,
-      "lse": rows * (2 if target else lanes(2)) * F32,
+      "lse": (rows * 2 * F32 if target else
+              slab_bytes(b * h * nq, 2, bq) if design.dense_rows else rows * lanes(2) * F32),
   }
   reads = ["Q", "K,V"]
   if version == 2:
-    detail["lambda rows"] = rows * (1 if target else lanes(1)) * F32
+    detail["lambda rows"] = (rows * F32 if target else slab_bytes(b * h * nq, 1, bq)
+                             if design.dense_rows else rows * lanes(1) * F32)
     reads.append("lambda rows")
   else:
     detail["lambda (SMEM)"] = h * F32
@@ -558,7 +565,8 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
                              + kv_fetch * bk * I32)
     reads.append("segment ids")
   flops = b * h * int(mask.sum()) * fwd_tile_flops(bq, bk, d, fl.dv, 2)
-  return Op(f"V{version}: diff_attention_fwd" + (" (target)" if target else ""), KERNEL,
+  label = " (target)" if target else ("" if design is TODAY else f" ({design.name})")
+  return Op(f"V{version}: diff_attention_fwd" + label, KERNEL,
             read=sum(detail[k] for k in reads),
             written=sum(v for k, v in detail.items() if k not in reads),
             flops=flops, steps=steps, detail=detail)
@@ -574,13 +582,23 @@ class Design:
       input dtype and hands float32 dK/dV partial sums between chunks (today); else
       every visible step reads and writes the float32 dQ tile in HBM, converted to the
       input dtype by XLA afterwards (before).
+    dense_rows: lse, the backward's stats and V2's lambda rows are lane-dense slabs
+      [B, H, Tp / block_q, R, block_q] (R on 8 sublanes; today); else [B, H, Tp, R]
+      with R padded to 128 lanes (before).
   """
   name: str
   dq_chunks: bool
+  dense_rows: bool
 
 
-BEFORE = Design("before", dq_chunks=False)
-TODAY = Design("today", dq_chunks=True)
+BEFORE = Design("before", dq_chunks=False, dense_rows=False)
+TODAY = Design("today", dq_chunks=True, dense_rows=True)
+
+
+def slab_bytes(tiles_: int, rows: int, block: int) -> int:
+  """HBM bytes of ``tiles_`` lane-dense float32 slabs (rows, block): rows on 8 sublanes,
+  the block on 128 lanes."""
+  return tiles_ * round_up(rows, SUBLANES) * lanes(block) * F32
 
 
 def bwd_plan(shape: Shape, tiles: Tiles, version: int) -> Any:
@@ -646,7 +664,7 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
                                                 bq, bk, shape.causal)) for c in calls)
     kv_per_head = sum(c.num_kv_blocks for c in calls)
     steps = b * h * sum(c.num_q_blocks * c.num_kv_blocks for c in calls)
-    stat_words = lanes(8)
+    stat_words = 8 * lanes(bq) / bq
     # Every chunk but the last writes float32 partial dK, dV over its key tiles; the
     # next reads them back.
     partial_tiles = sum(c.num_kv_blocks for c in calls if not c.final)
@@ -658,13 +676,13 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
     q_per_head = count_fetches(_bwd_q_index(nq, nkv, 0, bq, bk, shape.causal))
     kv_per_head = nkv
     steps = b * h * nq * nkv
-    stat_words = lanes(8)
+    stat_words = 8 * lanes(bq) / bq if design.dense_rows else lanes(8)
   q_fetch = b * h * q_per_head
   detail = {
       "K,V": b * h * kv_per_head * kv_tile * s,
       "Q": q_fetch * 2 * bq * d * s,
       "dO": q_fetch * bq * fl.dv * s,
-      "stats": q_fetch * bq * stat_words * F32,
+      "stats": int(q_fetch * bq * stat_words * F32),
   }
   if version == 1:
     detail["lambda (SMEM)"] = h * F32
@@ -710,7 +728,13 @@ def fused_ops(shape: Shape, tiles: Tiles, version: int,
   v_in = b * t * h * dv
   row_f32 = rows * F32  # one float32 per query row: D1, D2, V2's lambda
 
-  fwd = [fused_fwd_kernel(shape, tiles, version)]
+  bqf = fused_tiles(t, tiles.block_q, tiles.block_kv)[0]
+  bqb = fused_tiles(t, tiles.block_q_bwd, tiles.block_kv_bwd)[0]
+  dense = design.dense_rows
+  # lse as the forward writes it, per (batch, head).
+  lse_bytes = (slab_bytes(b * h * tpf // bqf, 2, bqf) if dense
+               else b * h * tpf * lanes(2) * F32)
+  fwd = [fused_fwd_kernel(shape, tiles, version, design=design)]
   pad = lambda full, padded: full * padded // t  # elements once padded along T
   layout_f = [
       _xla("q components stacked, to [B, H, 2, T, d]", q_in * s, pad(q_in, tpf) * s, LAYOUT),
@@ -721,17 +745,25 @@ def fused_ops(shape: Shape, tiles: Tiles, version: int,
   ]
   if version == 2:
     layout_f.append(_xla("lam to [B, H, T]", row_f32, row_f32, LAYOUT))
-    fwd.append(_xla("lam rows to [B, H, Tp, 1] (128 lanes)", row_f32,
-                    b * h * tpf * lanes(1) * F32))
-  if tpf != t:
+    if dense:
+      fwd.append(_xla("lam rows to lane-dense slabs", row_f32,
+                      slab_bytes(b * h * tpf // bqf, 1, bqf)))
+    else:
+      fwd.append(_xla("lam rows to [B, H, Tp, 1] (128 lanes)", row_f32,
+                      b * h * tpf * lanes(1) * F32))
+  if tpf != t and dense:
+    fwd.append(_xla("o2 sliced to T", b * h * tpf * dv * s, rows * dv * s))
+  elif tpf != t:
     fwd.append(_xla("o2, lse sliced to T", b * h * tpf * (dv * s + lanes(2) * F32),
                     rows * (dv * s + lanes(2) * F32)))
 
   bwd = [
       _xla("row terms D1, D2 = rowsum(dO out, dO o2)", 3 * rows * dv * s, 2 * row_f32),
-      _xla("stats [B, H, Tp, 8] (128 lanes)",
-           rows * lanes(2) * F32 + 2 * row_f32 + (row_f32 if version == 2 else 0),
-           b * h * tpb * lanes(8) * F32),
+      _xla("stats slabs [B, H, Tp / block_q, 8, block_q]" if dense
+           else "stats [B, H, Tp, 8] (128 lanes)",
+           (lse_bytes if dense else rows * lanes(2) * F32) + 2 * row_f32
+           + (row_f32 if version == 2 else 0),
+           slab_bytes(b * h * tpb // bqb, 8, bqb) if dense else b * h * tpb * lanes(8) * F32),
   ]
   if tpb != t:
     bwd.append(_xla("q, dO padded to the backward tile",
@@ -866,7 +898,7 @@ def markdown_table(rows: list[Row], step_us: float) -> str:
 def _hlo_facts(text: str) -> dict[str, Any]:
   """What the compiled HLO says about the row-statistics layouts and where XLA put the
   ops around the kernels (S(1) is VMEM)."""
-  found = re.findall(r"(f32\[[0-9,]+,(?:1|2|8)\])\{[0-9,]+:(T\([0-9,]+\))", text)
+  found = re.findall(r"(f32\[[0-9,]+,(?:1|2|8)(?:,[0-9]+)?\])\{[0-9,]+:(T\([0-9,]+\))", text)
   facts: dict[str, Any] = {"row_stat_layouts": sorted({f"{a} {t}" for a, t in found})}
   entry = text[text.find("ENTRY"):]
   # Entry parameters whose layout is not row-major: the compiler picked them, which

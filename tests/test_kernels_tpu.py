@@ -390,8 +390,11 @@ def test_aot_compile_v5e_fwd_bwd():
   sds = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
       shape, dt, sharding=jax.sharding.NamedSharding(mesh, spec))
   b, t, h, d = 2, 640, 4, 128  # 640: padded and masked key tail with 256-wide tiles
-  blocks = kt.BlockSizes(block_q=256, block_kv=256, block_q_bwd=128, block_kv_bwd=256)
+  one_chunk = kt.BlockSizes(block_q=256, block_kv=256, block_q_bwd=128, block_kv_bwd=256)
   for version in (1, 2):
+    # V2's backward in three query chunks (256, 256, 128 rows) with dK/dV partials.
+    blocks = one_chunk if version == 1 else kt.BlockSizes(**{**vars(one_chunk),
+                                                             "dq_chunk": 256})
     if version == 1:
       in_specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
       x = sds((b, t, h, d), in_specs[0])
@@ -404,7 +407,7 @@ def test_aot_compile_v5e_fwd_bwd():
       fn = kt.diff_v2_attention_tpu
     seg = sds((b, t), P("data", None), jnp.int32)
 
-    def per_device(*a, fn=fn):
+    def per_device(*a, fn=fn, blocks=blocks):
       *xs, q_seg, kv_seg = a
       return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                 block_sizes=blocks)

@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.kernels.tpu import _layout as L
 
-# Columns of the row-statistics input.
+# Rows of the row-statistics slabs (columns once transposed in the kernel).
 _LSE1, _LSE2, _D1, _D2, _LAM = 0, 1, 2, 3, 4
 ROW_STATS = 8
 
@@ -144,7 +144,7 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   def gradients(apply_mask: bool):
     """Accumulates dK and dV of tile (i, j); returns its dQ_1, dQ_2 [block_q, D]."""
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
-    stats = stats_ref[...]
+    stats = jnp.transpose(stats_ref[...])  # [bq, ROW_STATS]
     lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
     q1, q2 = q_ref[0], q_ref[1]
     k1, k2 = k_ref[0], k_ref[0 if plan.shared_k else 1]
@@ -242,8 +242,8 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interp
       _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
       _spec((None, None, bq, dv_width),
             lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
-      _spec((None, None, bq, ROW_STATS),
-            lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
+      _spec((None, None, None, ROW_STATS, bq),
+            lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)),
   ]
   call_args += [q, k, v, do, stats]
   if chunk.prev_kv_blocks:
@@ -277,7 +277,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interp
   kv_tile = n_kv_comp * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
   tiles = (2 * itemsize * (2 * bq * d + kv_tile + bq * dv_width) + 2 * out_item * kv_tile
-           + 2 * 4 * bq * 128 + (2 * 4 * kv_tile if chunk.prev_kv_blocks else 0))
+           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES) + (2 * 4 * kv_tile if chunk.prev_kv_blocks else 0))
   vmem = tiles + 4 * (kv_tile + 8 * bq * bk) + rows * dq_row_bytes(g, d, itemsize)
   visible = 0.5 if plan.causal else 1.0
   steps = b * h * nq * nkv * visible  # visible (query tile, key tile) pairs, roughly
@@ -311,7 +311,8 @@ def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret)
     q, k, v, lam, q_seg, kv_seg: as for :func:`diffjax.kernels.tpu._forward.forward`
       (lam float32 [H] for V1; for V2 lambda travels in ``stats`` instead).
     do: [B, H, Tp, Dv] output cotangent in q's dtype.
-    stats: float32 [B, H, Tp, 8], columns lse_1, lse_2, D_1, D_2, lambda (V2), 0...
+    stats: float32 lane-dense slabs [B, H, Tp / block_q, 8, block_q], rows lse_1,
+      lse_2, D_1, D_2, lambda (V2), 0, 0, 0.
   Returns:
     dq [B, H, 2, Tp, D] in q's dtype, dk [B, K, C, Sp, D] and dv [B, K, Sp, Dv] in the
     dtype of k and v.

@@ -57,13 +57,15 @@ def _forward(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg, save_residuals: bool)
   plan = cfg.fwd
   b, h, _, t, _ = q.shape
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
-  lam_in = (_pad_axis(lam.astype(jnp.float32), 2, plan.q_len_padded)[..., None]
+  lam_in = (L.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q,
+                            plan.q_len_padded)
             if plan.lam_rows else lam.astype(jnp.float32))
   out, o2, lse = fwd_kernel.forward(plan, qp, kp, vp, lam_in, q_seg_p, kv_seg_p,
                                     save_residuals=save_residuals, interpret=cfg.interpret)
   if not save_residuals:
     return out[:, :, :t], None, None
-  return out[:, :, :t], o2[:, :, :t], lse[:, :, :t]
+  # lse stays in the kernel's lane-dense slabs [B, H, Tp / block_q, 2, block_q].
+  return out[:, :, :t], o2[:, :, :t], lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -98,15 +100,16 @@ def _diff_core_bwd(cfg, residuals, d_out):
   lam_rows = _lam_rows(plan, lam, b, h, t)
   d1 = jnp.sum(do32 * out.astype(jnp.float32), axis=-1) + lam_rows * d2
   zeros = jnp.zeros_like(d2)
-  stats = jnp.stack([lse[..., 0], lse[..., 1], d1, d2, lam_rows, zeros, zeros, zeros],
-                    axis=-1)
-  assert stats.shape[-1] == bwd_kernel.ROW_STATS
+  lse_BxHx2xT = L.tiles_to_rows(lse, t)
+  stats_BxHx8xT = jnp.stack([lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1, d2, lam_rows,
+                             zeros, zeros, zeros], axis=2)
+  assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
   tp = plan.q_len_padded
   dq, dk, dv = bwd_kernel.backward(
       plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
-      q_seg_p, kv_seg_p, _pad_axis(d_out, 2, tp), _pad_axis(stats, 2, tp),
-      interpret=cfg.interpret)
+      q_seg_p, kv_seg_p, _pad_axis(d_out, 2, tp),
+      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), interpret=cfg.interpret)
   dq = dq[:, :, :, :t]
   dk = dk[:, :, :, :s]
   dv = dv[:, :, :s]

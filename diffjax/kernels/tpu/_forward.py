@@ -8,6 +8,9 @@ step writes
   out = acc_1 / l_1 - lam * acc_2 / l_2     (lambda subtraction fused)
   o2  = acc_2 / l_2                        (for the backward's row terms)
   lse = [m_1 + log l_1, m_2 + log l_2]     (log-sum-exps, +inf on fully masked rows)
+
+lse is written lane-dense, one (2, block_q) slab per query tile (see ``_layout``); V2's
+lambda is read the same way, a (1, block_q) slab.
 """
 
 from __future__ import annotations
@@ -67,12 +70,13 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       outs.append(acc_ref[c] * inv_l)
       lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
-    lam = lam_ref[...] if plan.lam_rows else lam_ref[h]
+    lam = jnp.transpose(lam_ref[...]) if plan.lam_rows else lam_ref[h]  # [bq, 1]
     out_ref[...] = (outs[0] - lam * outs[1]).astype(out_ref.dtype)
     if save_residuals:
       o2_ref[...] = outs[1].astype(o2_ref.dtype)
-      lane = jax.lax.broadcasted_iota(jnp.int32, lse_ref.shape, 1)
-      lse_ref[...] = jnp.where(lane == 0, lses[0], lses[1])
+      # Columns lse_1, lse_2 of a [bq, 128] tile, transposed to the rows of the slab.
+      lane = jax.lax.broadcasted_iota(jnp.int32, (plan.block_q, 128), 1)
+      lse_ref[...] = jnp.transpose(jnp.where(lane == 0, lses[0], lses[1]))[:2]
 
 
 def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, interpret):
@@ -80,10 +84,12 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
 
   Args:
     q [B, H, 2, Tp, D], k [B, K, C, Sp, D], v [B, K, Sp, Dv]; lam float32 [H] or
-    [B, H, Tp, 1]; q_seg [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None.
+    lane-dense rows [B, H, Tp / block_q, 1, block_q]; q_seg [B, Tp, 1] / kv_seg
+    [B, 1, Sp] int32 or None.
   Returns:
     out [B, H, Tp, Dv] in q's dtype; with ``save_residuals`` (for the backward) also
-    o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp, 2], else None, None.
+    o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp / block_q, 2, block_q],
+    else None, None.
   """
   b, h, _, tp, d = q.shape
   n_kv_comp, sp, dv = k.shape[2], k.shape[3], v.shape[-1]
@@ -101,7 +107,7 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
 
   in_specs, args = [], []
   if plan.lam_rows:
-    in_specs.append(_spec((None, None, bq, 1), lambda b_, h_, i, j: (b_, h_, i, 0)))
+    in_specs.append(_spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
   else:
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   args.append(lam)
@@ -122,8 +128,9 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
   out_specs = [row_spec(dv)]
   if save_residuals:
     out_shape += [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
-                  jax.ShapeDtypeStruct((b, h, tp, 2), jnp.float32)]
-    out_specs += [row_spec(dv), row_spec(2)]
+                  jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32)]
+    out_specs += [row_spec(dv),
+                  _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0))]
   scratch = [pltpu.VMEM((2, bq, 1), jnp.float32), pltpu.VMEM((2, bq, 1), jnp.float32),
              pltpu.VMEM((2, bq, dv), jnp.float32)]
 

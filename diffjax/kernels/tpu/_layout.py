@@ -8,6 +8,13 @@ Both kernels work on a head-major layout that the wrappers build:
   q_seg  [B, Tp, 1] int32,  kv_seg [B, 1, Sp] int32   (only with segment ids)
 
 Tp and Sp are the query and key lengths padded to a multiple of the tile.
+
+Row statistics (the log-sum-exps, the backward's row terms, V2's lambda) are float32
+and lane-dense, one slab per query tile: [B, H, Tp / block_q, R, block_q] with the rows
+of the tile on the lanes (:func:`rows_to_tiles`). A tile's block (R, block_q) is the
+whole of the array's last two dimensions, so any block_q is a legal block, and HBM
+holds R rounded up to 8 sublanes per row instead of a minor dimension padded to 128
+lanes. The kernels transpose the small slab to columns when they need them.
 """
 
 from __future__ import annotations
@@ -156,6 +163,20 @@ def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: b
   return Plan(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
               causal=causal, segmented=segmented, scale=float(scale), shared_k=shared_k,
               lam_rows=lam_rows, heads=heads, kv_heads=kv_heads, dq_chunk=dq_chunk)
+
+
+def rows_to_tiles(x_BxHxRxT, block: int, padded: int):
+  """[B, H, R, T] -> [B, H, padded / block, R, block], T zero-padded to ``padded``."""
+  b, h, r, t = x_BxHxRxT.shape
+  if padded != t:
+    x_BxHxRxT = jnp.pad(x_BxHxRxT, ((0, 0), (0, 0), (0, 0), (0, padded - t)))
+  return x_BxHxRxT.reshape(b, h, r, padded // block, block).transpose(0, 1, 3, 2, 4)
+
+
+def tiles_to_rows(x_BxHxNxRxBlock, length: int):
+  """The inverse of :func:`rows_to_tiles`: [B, H, R, length]."""
+  b, h, n, r, block = x_BxHxNxRxBlock.shape
+  return x_BxHxNxRxBlock.transpose(0, 1, 3, 2, 4).reshape(b, h, r, n * block)[..., :length]
 
 
 def dot_nt(a, b):
