@@ -102,10 +102,14 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
     float32 (lse R = 2, stats 8, V2's lambda 1) padded to 128 lanes, and XLA sliced lse
     to T after the forward when T was padded.
   * Wrapper layout passes (rows of their own): the public functions take [B, T, heads,
-    d] and the kernels [B, heads, (2,) T, d]; forward: Q1/Q2 stacked and transposed,
-    K1/K2 likewise, V and V2's lambda transposed, the output transposed back; backward:
-    dO transposed in, dQ1/dQ2, dK1/dK2 and dV (and V2's dlambda) transposed back.
-    Padding to the tiles, when T is not a multiple of them, rides on these passes.
+    d] and the kernels [B, heads, T, d], one array per component (before: V1's Q1/Q2
+    and K1/K2 stacked into one); forward: Q, K, V and V2's lambda transposed in, the
+    output back; backward: dO in, dQ, dK, dV (and V2's dlambda) back. Padding to the
+    tiles, when T is not a multiple of them, rides on these passes. Each is counted as a
+    full pass, an upper bound: the TPU compiler lays a [B, T, heads, d] array with few
+    heads out heads-major, and then a transpose is a bitcast (``--cross-check`` counts
+    the XLA ops left in the compiled programs; compiled for a v5e chip with 6 DIFF heads,
+    the 3B layer over two model shards, today's V1 forward has none at T = 4096).
   * Query segment ids ([B, Tp, 1] int32, padded to 128 lanes) only with
     ``--segment-ids``; the stock paths always pass them to splash.
 
@@ -114,9 +118,8 @@ dQ accumulated in VMEM for a whole (batch, head) at every length and written onc
 the input dtype (today's kernel does so per query chunk, with dK/dV partials between);
 causal grids that visit only tiles holding a visible key (no per-step cost for masked
 tiles); row statistics of exactly k float32 per row (lse 2, stats 4 for V1 and 5 for
-V2; today's slabs hold 8 per row); kernels reading and writing the [B, T, heads, d] layout
-directly, so no wrapper transposes and no float32 dQ pass. The row terms stay one XLA
-pass.
+V2; today's slabs hold 8 per row); kernels reading and writing the [B, T, heads, d]
+layout directly (as today's do at d = 128). The row terms stay one XLA pass.
 
 Generations: per-chip HBM bandwidth and dense bf16 peak FLOP/s as Google publishes
 them. A float32 run (``--dtype f32``) still divides by the bf16 peak, so its compute
@@ -737,7 +740,8 @@ def fused_ops(shape: Shape, tiles: Tiles, version: int,
   fwd = [fused_fwd_kernel(shape, tiles, version, design=design)]
   pad = lambda full, padded: full * padded // t  # elements once padded along T
   layout_f = [
-      _xla("q components stacked, to [B, H, 2, T, d]", q_in * s, pad(q_in, tpf) * s, LAYOUT),
+      _xla("q components stacked, to [B, H, 2, T, d]" if design is BEFORE
+           else "q (each component) to [B, H, T, d]", q_in * s, pad(q_in, tpf) * s, LAYOUT),
       _xla("k components to [B, H, C, S, d]" if version == 1 else "k to [B, H, S, d]",
            k_in * s, pad(k_in, spf) * s, LAYOUT),
       _xla("v to [B, H, S, dv]", v_in * s, pad(v_in, spf) * s, LAYOUT),
@@ -980,7 +984,8 @@ def _program_ops(version: int, shape: Shape, tiles: Tiles) -> dict[str, list[Op]
   ops = fused_ops(shape, tiles, version)
   fwd = fused_fwd_kernel(shape, tiles, version)
   fwd.written -= fwd.detail["o2"] + fwd.detail["lse"]  # written only for a backward
-  fwd_only = [fwd] + [o for o in ops["fwd"] if o.part != KERNEL and "lse" not in o.name]
+  fwd_only = [fwd] + [o for o in ops["fwd"]
+                      if o.part != KERNEL and "lse" not in o.name and "o2" not in o.name]
   return {"fwd": fwd_only, "fwd+bwd": ops["fwd"] + ops["bwd"]}
 
 

@@ -14,6 +14,7 @@ bfloat16 is off by about 5e-3 itself).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -264,18 +265,20 @@ def _races_found() -> bool:
   return bool(ipc.races is not None and ipc.races.races_found)
 
 
-@pytest.mark.parametrize("version,t,s,rep,dq_chunk", [
-    (1, 64, 384, 1, None),  # one chunk
+@pytest.mark.parametrize("version,t,s,rep,dq_chunk,d", [
+    (1, 64, 384, 1, None, 8),  # one chunk, head-major
     # Several heads and query tiles per group, causal skipping, two chunks.
-    pytest.param(2, 200, 256, 2, 128, marks=pytest.mark.slow),
-    pytest.param(2, 200, 256, 2, None, marks=pytest.mark.slow),
+    pytest.param(2, 200, 256, 2, 128, 8, marks=pytest.mark.slow),
+    pytest.param(2, 200, 256, 2, None, 8, marks=pytest.mark.slow),
+    # The paper's head width.
+    pytest.param(1, 200, 256, 2, 128, 128, marks=pytest.mark.slow),
 ])
-def test_no_races_in_interpreter(version, t, s, rep, dq_chunk):
+def test_no_races_in_interpreter(version, t, s, rep, dq_chunk, d):
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
   pltpu.reset_tpu_interpret_mode_state()
   blocks = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128,
                          dq_chunk=dq_chunk)
-  _run(version, t, s, rep, 8, True, version == 2, jnp.float32, b=2, kh=1, blocks=blocks,
+  _run(version, t, s, rep, d, True, version == 2, jnp.float32, b=2, kh=1, blocks=blocks,
        interpret=params)
   assert not _races_found()
 
@@ -421,6 +424,24 @@ def test_aot_compile_v5e_fwd_bwd():
       compiled = grad.lower(*args, seg, seg).compile()
     text = compiled.as_text()
     assert "diff_attention_fwd" in text and "diff_attention_bwd" in text, version
+
+
+def test_aot_v1_forward_needs_no_layout_passes():
+  """The wrappers' per-component transposes compile to bitcasts: the V1 forward for one v5e
+  chip (6 DIFF heads of d = 128, the 3B layer over two model shards) has no XLA op
+  around the kernel."""
+  mesh = _v5e_mesh()
+  device = mesh.devices.flat[0]
+  sds = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
+      shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
+  b, t, h, d = 1, 1024, 6, 128
+  args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
+  fn = jax.jit(lambda *a: kt.diff_v1_attention_tpu(*a, causal=True))
+  with jax.default_device(device), without_persistent_cache():
+    text = fn.lower(*args).compile().as_text()
+  entry = text[text.find("ENTRY"):]
+  assert "diff_attention_fwd" in entry
+  assert not re.findall(r"= \S+ (?:copy|transpose|fusion|concatenate)\(", entry), entry
 
 
 _SHARD_MAP_SCRIPT = textwrap.dedent("""

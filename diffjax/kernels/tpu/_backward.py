@@ -110,11 +110,18 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   refs = list(refs)
   lam_ref = None if plan.lam_rows else refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
-  q_ref, k_ref, v_ref, do_ref, stats_ref = refs[:5]
-  refs = refs[5:]
-  dk_prev, dv_prev = (refs.pop(0), refs.pop(0)) if chunk.prev_kv_blocks else (None, None)
-  # dq_ref: the group's output block [G, 2, chunk, D]; dq_acc its float32 accumulator.
-  dk_ref, dv_ref, dq_ref, dk_acc, dv_acc, dq_acc = refs
+  n_k = 1 if plan.shared_k else 2
+  n_dq = 1 if plan.q_in_one_array else 2
+  take = lambda n: tuple(refs.pop(0) for _ in range(n))
+  q_refs = take(2)
+  k_refs = take(n_k)
+  v_ref, do_ref, stats_ref = take(3)
+  dk_prev, dv_prev = (take(n_k), refs.pop(0)) if chunk.prev_kv_blocks else (None, None)
+  dk_refs = take(n_k)
+  dv_ref = refs.pop(0)
+  # dq_refs: the group's output blocks over the chunk; dq_acc [G, 2, chunk, D] float32.
+  dq_refs = take(n_dq)
+  dk_acc, dv_acc, dq_acc = refs
 
   bg, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   nq = chunk.num_q_blocks
@@ -136,7 +143,8 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
 
     @pl.when(j < chunk.prev_kv_blocks)
     def _():
-      dk_acc[...] = dk_prev[...]
+      for c, ref in enumerate(dk_prev):
+        dk_acc[c] = ref[...]
       dv_acc[...] = dv_prev[...]
 
     pl.when(j >= chunk.prev_kv_blocks)(zero)
@@ -146,8 +154,8 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     stats = jnp.transpose(stats_ref[...])  # [bq, ROW_STATS]
     lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
-    q1, q2 = q_ref[0], q_ref[1]
-    k1, k2 = k_ref[0], k_ref[0 if plan.shared_k else 1]
+    q1, q2 = q_refs[0][...], q_refs[1][...]
+    k1, k2 = k_refs[0][...], k_refs[-1][...]
     v, do = v_ref[...], do_ref[...]
 
     def probs(q, k, lse):
@@ -189,35 +197,42 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     @pl.when(j == last_j)
     def _():
       for c in range(2):
-        dq_ref[head, c, rows, :] = dq_acc[head, c, rows, :].astype(dq_ref.dtype)
+        value = dq_acc[head, c, rows, :].astype(dq_refs[0].dtype)
+        if plan.q_in_one_array:  # V2: heads 2r, 2r + 1 of the group's block
+          dq_refs[0][2 * head + c, rows, :] = value
+        else:
+          dq_refs[c][head, rows, :] = value
 
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(step, apply_mask))
 
   @pl.when(t == inner - 1)
   def _write_kv_grads():
-    if chunk.final:
-      dk_ref[...] = (dk_acc[...] * plan.scale).astype(dk_ref.dtype)
-      dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-    else:
-      dk_ref[...] = dk_acc[...]
-      dv_ref[...] = dv_acc[...]
+    for c, ref in enumerate(dk_refs):
+      # The last chunk writes the gradient, the others the unscaled float32 partial.
+      ref[...] = (dk_acc[c] * plan.scale).astype(ref.dtype) if chunk.final else dk_acc[c]
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interpret):
-  """One kernel call; returns (dk, dv, dq [B, H, 2, rows, D] in q's dtype): the final
-  gradients for the last chunk, float32 partial sums over its key tiles otherwise."""
-  lam, q, k, v, do, stats, q_seg, kv_seg = args
-  b, h, _, _, d = q.shape
-  n_kv, n_kv_comp = k.shape[1], k.shape[2]
-  dv_width = v.shape[-1]
+def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
+  """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
+  the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
+  sums over its key tiles otherwise."""
+  lam, qs, ks, v, do, stats, q_seg, kv_seg = args
+  d, dv_width = widths
+  b, h, n_kv = qs[0].shape[0], plan.heads, plan.kv_heads
+  n_k = len(ks)
   bq, bk, g = plan.block_q, plan.block_kv, plan.group
   nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
+  dtype = qs[0].dtype
 
   def _spec(block_shape, index_map):
     # Batch and kv groups share the leading parallel axis (see the forward).
     return pl.BlockSpec(block_shape,
                         lambda bg, j, t: index_map(bg // n_kv, bg % n_kv, j, t))
+
+  def _tile(rows_, width, index_map):
+    return plan.spec(rows_, width, lambda bg, j, t: index_map(bg // n_kv, bg % n_kv, j, t))
 
   def q_block(j, t):
     i = chunk.first + t % nq
@@ -235,49 +250,50 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interp
     in_specs += [_spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
                  _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j))]
     call_args += [q_seg, kv_seg]
-  in_specs += [
-      _spec((None, None, 2, bq, d),
-            lambda b_, g_, j, t: (b_, head(g_, t), 0, q_block(j, t), 0)),
-      _spec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
-      _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
-      _spec((None, None, bq, dv_width),
-            lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0)),
+  for c in range(2):
+    in_specs.append(_tile(bq, d, lambda b_, g_, j, t, c=c: (
+        b_, plan.q_head(c, head(g_, t))[1], q_block(j, t))))
+    call_args.append(qs[plan.q_head(c, 0)[0]])
+  key_tile = lambda width: _tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
+  in_specs += [key_tile(d)] * n_k + [
+      key_tile(dv_width),
+      _tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
       _spec((None, None, None, ROW_STATS, bq),
             lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)),
   ]
-  call_args += [q, k, v, do, stats]
+  call_args += [*ks, v, do, stats]
   if chunk.prev_kv_blocks:
     last_prev = chunk.prev_kv_blocks - 1
     # Key tiles the previous chunk did not see keep its last block (no copy).
-    in_specs += [
-        _spec((None, None, n_kv_comp, bk, d),
-              lambda b_, g_, j, t: (b_, g_, 0, jnp.minimum(j, last_prev), 0)),
-        _spec((None, None, bk, dv_width),
-              lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev), 0)),
-    ]
-    call_args += list(prev)
-  kv_dtype = (k.dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
-  out_specs = [
-      _spec((None, None, n_kv_comp, bk, d), lambda b_, g_, j, t: (b_, g_, 0, j, 0)),
-      _spec((None, None, bk, dv_width), lambda b_, g_, j, t: (b_, g_, j, 0)),
-      # The kv group's heads over the chunk: the index moves only with the leading
-      # axis, so the block stays in VMEM over the (j, t) sweep.
-      _spec((None, g, 2, rows, d), lambda b_, g_, j, t: (b_, g_, 0, 0, 0)),
-  ]
-  out_shape = [jax.ShapeDtypeStruct((b, n_kv, n_kv_comp, nkv * bk, d), kv_dtype[0]),
-               jax.ShapeDtypeStruct((b, n_kv, nkv * bk, dv_width), kv_dtype[1]),
-               jax.ShapeDtypeStruct((b, h, 2, rows, d), q.dtype)]
+    prev_tile = lambda width: _tile(bk, width,
+                                    lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev)))
+    in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
+    call_args += list(prev[0]) + [prev[1]]
+  out_kv = (ks[0].dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
+  sp_c = nkv * bk
+  out_specs = [key_tile(d)] * n_k + [key_tile(dv_width)]
+  out_shape = ([jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, d), out_kv[0])] * n_k
+               + [jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, dv_width), out_kv[1])])
+  # dQ: the kv group's heads over the chunk. The index moves only with the leading axis,
+  # so the block stays in VMEM over the (j, t) sweep.
+  if plan.q_in_one_array:
+    out_specs.append(plan.group_spec(rows, d, 2 * g, lambda bg, j, t: (bg // n_kv, bg % n_kv)))
+    out_shape.append(jax.ShapeDtypeStruct(plan.shape(b, 2 * h, rows, d), dtype))
+  else:
+    out_specs += [plan.group_spec(rows, d, g, lambda bg, j, t: (bg // n_kv, bg % n_kv))] * 2
+    out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, rows, d), dtype)] * 2
   scratch = [
-      pltpu.VMEM((n_kv_comp, bk, d), jnp.float32),
+      pltpu.VMEM((n_k, bk, d), jnp.float32),
       pltpu.VMEM((bk, dv_width), jnp.float32),
       pltpu.VMEM((g, 2, rows, d), jnp.float32),
   ]
 
-  itemsize = q.dtype.itemsize
-  kv_tile = n_kv_comp * bk * d + bk * dv_width
+  itemsize = dtype.itemsize
+  kv_tile = n_k * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
   tiles = (2 * itemsize * (2 * bq * d + kv_tile + bq * dv_width) + 2 * out_item * kv_tile
-           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES) + (2 * 4 * kv_tile if chunk.prev_kv_blocks else 0))
+           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
+           + (2 * 4 * kv_tile if chunk.prev_kv_blocks else 0))
   vmem = tiles + 4 * (kv_tile + 8 * bq * bk) + rows * dq_row_bytes(g, d, itemsize)
   visible = 0.5 if plan.causal else 1.0
   steps = b * h * nq * nkv * visible  # visible (query tile, key tile) pairs, roughly
@@ -288,7 +304,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interp
                          + (4 * b * n_kv * chunk.prev_kv_blocks * kv_tile)
                          + b * h * 2 * rows * d * itemsize
                          + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)))
-  return pl.pallas_call(
+  outs = pl.pallas_call(
       functools.partial(_backward_kernel, plan=plan, chunk=chunk),
       grid=(b * n_kv, nkv, g * nq),
       in_specs=in_specs,
@@ -302,30 +318,35 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, interp
       interpret=interpret,
       name="diff_attention_bwd",
   )(*call_args)
+  return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1:])
 
 
-def backward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, do, stats, *, interpret):
+def backward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
   """Runs the backward kernel on padded head-major arrays, one call per query chunk.
 
   Args:
-    q, k, v, lam, q_seg, kv_seg: as for :func:`diffjax.kernels.tpu._forward.forward`
-      (lam float32 [H] for V1; for V2 lambda travels in ``stats`` instead).
+    qs, ks, v, lam, q_seg, kv_seg, widths: as for
+      :func:`diffjax.kernels.tpu._forward.forward` (lam float32 [H] for V1; for V2
+      lambda travels in ``stats`` instead).
     do: [B, H, Tp, Dv] output cotangent in q's dtype.
     stats: float32 lane-dense slabs [B, H, Tp / block_q, 8, block_q], rows lse_1,
       lse_2, D_1, D_2, lambda (V2), 0, 0, 0.
   Returns:
-    dq [B, H, 2, Tp, D] in q's dtype, dk [B, K, C, Sp, D] and dv [B, K, Sp, Dv] in the
-    dtype of k and v.
+    (dqs, dks, dv): like qs (over Tp rows), ks and v, in their dtypes.
   """
-  tp, sp = q.shape[3], k.shape[3]
-  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
-  rows = chunk_rows(plan, q.shape[-1], q.dtype.itemsize)
-  args = (lam, q, k, v, do, stats, q_seg, kv_seg)
-  dqs, prev = [], None
+  ax = plan.seq_axis
+  tp, sp = qs[0].shape[ax], ks[0].shape[ax]
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
+  rows = chunk_rows(plan, widths[0], qs[0].dtype.itemsize)
+  args = (lam, qs, ks, v, do, stats, q_seg, kv_seg)
+  dq_parts, prev = [], None
   for chunk in chunks(plan, rows):
     n_rows = chunk.num_q_blocks * plan.block_q
-    dk, dv, dq = _backward_chunk(plan, chunk, n_rows, args, prev, interpret=interpret)
-    dqs.append(dq)
-    prev = (dk, dv)
-  dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
-  return dq, dk, dv
+    dks, dv, dqs = _backward_chunk(plan, chunk, n_rows, args, prev, widths=widths,
+                                   interpret=interpret)
+    dq_parts.append(dqs)
+    prev = (dks, dv)
+  if len(dq_parts) == 1:
+    return dq_parts[0], dks, dv
+  dqs = tuple(jnp.concatenate(parts, axis=ax) for parts in zip(*dq_parts))
+  return dqs, dks, dv

@@ -1,8 +1,8 @@
 """custom_vjp around the two kernels, on the head-major layout without padding.
 
-Shared by DIFF V1 and V2 (see :mod:`diffjax.kernels.tpu._layout` for the layout);
-the public wrappers only transpose their arguments into it. Padding to the tiles
-happens here, separately for the forward and the backward tiles.
+Shared by DIFF V1 and V2 (see :mod:`diffjax.kernels.tpu._layout` for the layout); the
+public wrappers only transpose their arguments into it. Padding to the tiles happens
+here, separately for the forward and the backward tiles.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class CoreConfig:
   fwd: L.Plan
   bwd: L.Plan
   interpret: Any  # False, or the interpreter parameters
+  widths: tuple[int, int]  # (D, Dv) of one head
 
 
 def _pad_axis(x, axis: int, length: int):
@@ -34,15 +35,19 @@ def _pad_axis(x, axis: int, length: int):
   return jnp.pad(x, widths)
 
 
-def _prepare(plan: L.Plan, q, k, v, q_seg, kv_seg):
-  tp, sp = plan.q_len_padded, plan.kv_len_padded
-  q = _pad_axis(q, 3, tp)
-  k = _pad_axis(k, 3, sp)
-  v = _pad_axis(v, 2, sp)
+def _slice_axis(x, axis: int, length: int):
+  return x if x.shape[axis] == length else jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _prepare(plan: L.Plan, qs, ks, v, q_seg, kv_seg):
+  tp, sp, ax = plan.q_len_padded, plan.kv_len_padded, plan.seq_axis
+  qs = tuple(_pad_axis(q, ax, tp) for q in qs)
+  ks = tuple(_pad_axis(k, ax, sp) for k in ks)
+  v = _pad_axis(v, ax, sp)
   if plan.segmented:
     q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp)[:, :, None]
     kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp)[:, None, :]
-  return q, k, v, q_seg, kv_seg
+  return qs, ks, v, q_seg, kv_seg
 
 
 def _lam_rows(plan: L.Plan, lam, batch: int, heads: int, length: int):
@@ -53,69 +58,78 @@ def _lam_rows(plan: L.Plan, lam, batch: int, heads: int, length: int):
   return jnp.broadcast_to(lam[None, :, None], (batch, heads, length))
 
 
-def _forward(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg, save_residuals: bool):
+def _row_sums(x, y):
+  """float32 rowsum(x * y) per head and row, [B, H, T], of two [B, H, T, Dv] operands."""
+  return jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
+
+
+def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: bool):
   plan = cfg.fwd
-  b, h, _, t, _ = q.shape
-  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
+  t = qs[0].shape[plan.seq_axis]
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   lam_in = (L.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q,
                             plan.q_len_padded)
             if plan.lam_rows else lam.astype(jnp.float32))
   out, o2, lse = fwd_kernel.forward(plan, qp, kp, vp, lam_in, q_seg_p, kv_seg_p,
-                                    save_residuals=save_residuals, interpret=cfg.interpret)
+                                    widths=cfg.widths, save_residuals=save_residuals,
+                                    interpret=cfg.interpret)
+  out = _slice_axis(out, plan.seq_axis, t)
   if not save_residuals:
-    return out[:, :, :t], None, None
+    return out, None, None
   # lse stays in the kernel's lane-dense slabs [B, H, Tp / block_q, 2, block_q].
-  return out[:, :, :t], o2[:, :, :t], lse
+  return out, _slice_axis(o2, plan.seq_axis, t), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def diff_core(cfg: CoreConfig, q, k, v, lam, q_seg, kv_seg):
-  """Differential attention on head-major arrays.
+def diff_core(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
+  """Differential attention on arrays in the plans' layout (``_layout``).
 
   Args:
-    cfg: the forward and backward plans and the interpreter setting.
-    q: [B, H, 2, T, D]; k: [B, K, C, S, D]; v: [B, K, S, Dv].
+    cfg: the forward and backward plans, the interpreter setting and the head widths.
+    qs: the query arrays (V1: q1, q2 [B, H, T, D]; V2: one [B, 2H, T, D] of the pairs'
+      query heads); ks: the key arrays (V1: k1, k2; V2: k) [B, K, S, D]; v
+      [B, K, S, Dv].
     lam: float32 [H] (V1) or [B, H, T] (V2).
     q_seg, kv_seg: int [B, T] and [B, S], or None.
   Returns:
     [B, H, T, Dv] in q's dtype.
   """
   # Without differentiation the kernel skips writing the backward's residuals.
-  return _forward(cfg, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
+  return _forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=False)[0]
 
 
-def _diff_core_fwd(cfg, q, k, v, lam, q_seg, kv_seg):
-  out, o2, lse = _forward(cfg, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
-  return out, (q, k, v, lam, q_seg, kv_seg, out, o2, lse)
+def _diff_core_fwd(cfg, qs, ks, v, lam, q_seg, kv_seg):
+  out, o2, lse = _forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)
+  return out, (qs, ks, v, lam, q_seg, kv_seg, out, o2, lse)
 
 
 def _diff_core_bwd(cfg, residuals, d_out):
-  q, k, v, lam, q_seg, kv_seg, out, o2, lse = residuals
+  qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
   plan = cfg.bwd
-  b, h, _, t, _ = q.shape
-  s = k.shape[3]
-  do32 = d_out.astype(jnp.float32)
+  ax, h = plan.seq_axis, plan.heads
+  b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
   # Softmax-backward row terms of the two maps; out = O_1 - lam O_2 gives O_1.
-  d2 = jnp.sum(do32 * o2.astype(jnp.float32), axis=-1)
+  d2 = _row_sums(d_out, o2)
   lam_rows = _lam_rows(plan, lam, b, h, t)
-  d1 = jnp.sum(do32 * out.astype(jnp.float32), axis=-1) + lam_rows * d2
+  d1 = _row_sums(d_out, out) + lam_rows * d2
   zeros = jnp.zeros_like(d2)
   lse_BxHx2xT = L.tiles_to_rows(lse, t)
   stats_BxHx8xT = jnp.stack([lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1, d2, lam_rows,
                              zeros, zeros, zeros], axis=2)
   assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
-  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, q, k, v, q_seg, kv_seg)
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   tp = plan.q_len_padded
-  dq, dk, dv = bwd_kernel.backward(
+  dqs, dks, dv = bwd_kernel.backward(
       plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
-      q_seg_p, kv_seg_p, _pad_axis(d_out, 2, tp),
-      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), interpret=cfg.interpret)
-  dq = dq[:, :, :, :t]
-  dk = dk[:, :, :, :s]
-  dv = dv[:, :, :s]
+      q_seg_p, kv_seg_p, _pad_axis(d_out, ax, tp),
+      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
+      interpret=cfg.interpret)
+  dqs = tuple(_slice_axis(dq, ax, t) for dq in dqs)
+  dks = tuple(_slice_axis(dk, ax, s) for dk in dks)
+  dv = _slice_axis(dv, ax, s)
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
   dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))
-  return dq, dk, dv, dlam.astype(lam.dtype), None, None
+  return dqs, dks, dv, dlam.astype(lam.dtype), None, None
 
 
 diff_core.defvjp(_diff_core_fwd, _diff_core_bwd)

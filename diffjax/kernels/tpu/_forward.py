@@ -29,8 +29,10 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   refs = list(refs)
   lam_ref = refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
-  q_ref, k_ref, v_ref, out_ref = refs[:4]
-  o2_ref, lse_ref = refs[4:6] if save_residuals else (None, None)
+  q_refs = (refs.pop(0), refs.pop(0))
+  k_refs = (refs.pop(0),) * 2 if plan.shared_k else (refs.pop(0), refs.pop(0))
+  v_ref, out_ref = refs[:2]
+  o2_ref, lse_ref = refs[2:4] if save_residuals else (None, None)
   m_ref, l_ref, acc_ref = refs[-3:]
 
   h = pl.program_id(0) % plan.heads
@@ -46,8 +48,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     v = v_ref[...]
     for c in range(2):
-      k = k_ref[0 if plan.shared_k else c]
-      s = L.dot_nt(q_ref[c], k) * plan.scale
+      s = L.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
       if keep is not None:
         s = jnp.where(keep, s, L.MASK_VALUE)
       m_prev = m_ref[c]
@@ -79,27 +80,34 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
       lse_ref[...] = jnp.transpose(jnp.where(lane == 0, lses[0], lses[1]))[:2]
 
 
-def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, interpret):
-  """Runs the forward kernel on padded head-major arrays.
+def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, int],
+            save_residuals: bool, interpret):
+  """Runs the forward kernel on padded head-major arrays (``_layout``).
 
   Args:
-    q [B, H, 2, Tp, D], k [B, K, C, Sp, D], v [B, K, Sp, Dv]; lam float32 [H] or
-    lane-dense rows [B, H, Tp / block_q, 1, block_q]; q_seg [B, Tp, 1] / kv_seg
-    [B, 1, Sp] int32 or None.
+    qs: the query arrays (V1 two [B, H, Tp, D], V2 one [B, 2H, Tp, D]), ks: the key
+      arrays (V1 two, V2 one) [B, K, Sp, D], v [B, K, Sp, Dv];
+      lam float32 [H] or lane-dense rows [B, H, Tp / block_q, 1, block_q]; q_seg
+      [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None; widths: (D, Dv) of one head.
   Returns:
-    out [B, H, Tp, Dv] in q's dtype; with ``save_residuals`` (for the backward) also
-    o2 [B, H, Tp, Dv] in q's dtype and lse float32 [B, H, Tp / block_q, 2, block_q],
-    else None, None.
+    out [B, H, Tp, Dv] in q's dtype; with ``save_residuals``
+    (for the backward) also o2 (the same) and lse float32 [B, H, Tp / block_q, 2,
+    block_q], else None, None.
   """
-  b, h, _, tp, d = q.shape
-  n_kv_comp, sp, dv = k.shape[2], k.shape[3], v.shape[-1]
-  bq, bk, g = plan.block_q, plan.block_kv, plan.group
-  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q.shape, k.shape, plan)
+  ax = plan.seq_axis
+  b, tp, sp = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  d, dv = widths
+  h, bq, bk, g = plan.heads, plan.block_q, plan.block_kv, plan.group
+  dtype = qs[0].dtype
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
 
   def _spec(block_shape, index_map):
     # The grid merges batch and heads into one leading parallel axis, so that a
     # megacore chip can split it between its two cores even when B == 1.
     return pl.BlockSpec(block_shape, lambda bh, i, j: index_map(bh // h, bh % h, i, j))
+
+  def _tile(rows, width, index_map):
+    return plan.spec(rows, width, lambda bh, i, j: index_map(bh // h, bh % h, i, j))
 
   def kv_block(i, j):
     # Skipped (invisible) steps keep the last visible tile, so no DMA is issued.
@@ -115,34 +123,37 @@ def forward(plan: L.Plan, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool, 
     in_specs += [_spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
                  _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_block(i, j)))]
     args += [q_seg, kv_seg]
-  in_specs += [
-      _spec((None, None, 2, bq, d), lambda b_, h_, i, j: (b_, h_, 0, i, 0)),
-      _spec((None, None, n_kv_comp, bk, d),
-                   lambda b_, h_, i, j: (b_, h_ // g, 0, kv_block(i, j), 0)),
-      _spec((None, None, bk, dv), lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j), 0)),
-  ]
-  args += [q, k, v]
-  row_spec = lambda width: _spec((None, None, bq, width),
-                                        lambda b_, h_, i, j: (b_, h_, i, 0))
-  out_shape = [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype)]
-  out_specs = [row_spec(dv)]
+  for c in range(2):
+    array, _ = plan.q_head(c, 0)
+    in_specs.append(_tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
+    args.append(qs[array])
+  for k in ks:
+    in_specs.append(_tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j))))
+    args.append(k)
+  in_specs.append(_tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j))))
+  args.append(v)
+  row_spec = _tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
+  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
+  out_specs = [row_spec]
   if save_residuals:
-    out_shape += [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+    out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
                   jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32)]
-    out_specs += [row_spec(dv),
+    out_specs += [row_spec,
                   _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0))]
   scratch = [pltpu.VMEM((2, bq, 1), jnp.float32), pltpu.VMEM((2, bq, 1), jnp.float32),
              pltpu.VMEM((2, bq, dv), jnp.float32)]
 
-  itemsize = q.dtype.itemsize
+  itemsize = dtype.itemsize
+  n_kv_comp = len(ks)
   tiles = 2 * itemsize * (2 * bq * d + n_kv_comp * bk * d + bk * dv + 2 * bq * dv)
   vmem = tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
   visible = 0.5 if plan.causal else 1.0
+  kv_size = sum(k.size for k in ks) + v.size
   cost = pl.CostEstimate(
       flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
       transcendentals=int(visible * b * h * tp * sp * 2),
-      bytes_accessed=int(itemsize * (q.size + b * h * tp * (1 + save_residuals) * dv)
-                         + itemsize * (k.size + v.size) * plan.num_q_blocks * g))
+      bytes_accessed=int(itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
+                         + itemsize * kv_size * plan.num_q_blocks * g))
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
       grid=(b * h, plan.num_q_blocks, plan.num_kv_blocks),

@@ -1,11 +1,18 @@
 """Static description of one kernel call and the masks it applies.
 
-Both kernels work on a head-major layout that the wrappers build:
+The kernels take every operand head-major, [B, N, Tp, width], one component at a time
+(a (rows, width) tile of one head per block):
 
-  q      [B, H, 2, Tp, D]   the two query components of each DIFF head / V2 pair
-  k      [B, K, C, Sp, D]   C = 2 key components (V1) or C = 1 shared key (V2)
-  v      [B, K, Sp, Dv]
+  queries   V1: q1 and q2 (N = H); V2: one array of the 2H query heads, component c
+            of pair h is head 2h + c.
+  keys      V1: k1 and k2; V2: k (N = K kv groups). values v (N = K, width Dv).
   q_seg  [B, Tp, 1] int32,  kv_seg [B, 1, Sp] int32   (only with segment ids)
+
+The wrappers transpose the callers' [B, T, N, width] arrays into this layout, one array
+per component and never stacked: the TPU compiler lays a [B, T, N, width] array out
+with N major to T (N is small), so these transposes, and the ones back, compile to
+bitcasts (no HBM pass) at a jit boundary. Reading [B, T, N * width] blocks directly
+would instead cost two relayout copies per operand there.
 
 Tp and Sp are the query and key lengths padded to a multiple of the tile.
 
@@ -25,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 # Finite stand-in for -inf: a masked score becomes this, so that exp(mask - max)
 # stays 0 for rows with a real key and a fully masked row keeps max == MASK.
@@ -46,7 +54,7 @@ class Plan:
     segmented: segment ids are given.
     scale: score scale.
     shared_k: one key for both maps (V2) instead of K1, K2 (V1).
-    lam_rows: lambda varies per token ([B, H, Tp, 1], V2) instead of per head
+    lam_rows: lambda varies per token (lane-dense row slabs, V2) instead of per head
       (float32 [H] in SMEM, V1).
     group: query heads per kv group, G = H // K.
     heads, kv_heads: H (DIFF heads / V2 pairs) and K.
@@ -99,6 +107,34 @@ class Plan:
   @property
   def needs_mask(self) -> bool:
     return self.causal or self.segmented or self.masks_kv_padding
+
+  # Layout of the operands.
+  @property
+  def q_in_one_array(self) -> bool:
+    """V2: both query components of pair h are heads 2h, 2h + 1 of one array."""
+    return self.shared_k
+
+  def q_head(self, c: int, h):
+    """(array, head in it) of query component c of head h."""
+    return (0, 2 * h + c) if self.q_in_one_array else (c, h)
+
+  def spec(self, rows: int, width: int, index_map):
+    """BlockSpec of a (rows, width) tile of one head of a [B, N, T, width] array;
+    ``index_map(*grid)`` gives (batch, head, row block)."""
+    return pl.BlockSpec((None, None, rows, width),
+                        lambda *grid: (lambda b, h, r: (b, h, r, 0))(*index_map(*grid)))
+
+  def group_spec(self, rows: int, width: int, heads: int, index_map):
+    """BlockSpec of ``heads`` consecutive heads over ``rows`` rows from row 0;
+    ``index_map(*grid)`` gives (batch, block of heads)."""
+    return pl.BlockSpec((None, heads, rows, width),
+                        lambda *grid: (lambda b, g: (b, g, 0, 0))(*index_map(*grid)))
+
+  @staticmethod
+  def shape(batch: int, heads: int, length: int, width: int) -> tuple[int, ...]:
+    return (batch, heads, length, width)
+
+  seq_axis = 2  # of every [B, N, T, width] operand
 
   # Causal block skipping. Tile (i, j) holds a visible score iff its last query
   # position reaches its first key; the first key tile is always visited so that

@@ -48,7 +48,7 @@ def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
     _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
 
 
-def _config(*, t, s, d, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
+def _config(*, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
             lam_rows, interpret) -> CoreConfig:
   bs = resolve_block_sizes(block_sizes, d)
   common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
@@ -58,7 +58,7 @@ def _config(*, t, s, d, h, kv_heads, causal, segmented, scale, block_sizes, shar
       fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
       bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
                       dq_chunk=bs.dq_chunk, **common),
-      interpret=_interpret_mode(interpret))
+      interpret=_interpret_mode(interpret), widths=(d, dv))
 
 
 def diff_v1_attention_tpu(
@@ -89,9 +89,9 @@ def diff_v1_attention_tpu(
   b, t, h, d = q1_BxTxHxD.shape
   s, kv_heads = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(t=t, s=s, d=d, h=h, kv_heads=kv_heads, causal=causal,
-                segmented=q_segment_ids is not None, scale=scale, block_sizes=block_sizes,
-                shared_k=False, lam_rows=False, interpret=interpret)
+  cfg = _config(t=t, s=s, d=d, dv=v_BxSxKxDv.shape[-1], h=h, kv_heads=kv_heads,
+                causal=causal, segmented=q_segment_ids is not None, scale=scale,
+                block_sizes=block_sizes, shared_k=False, lam_rows=False, interpret=interpret)
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
   return _diff_v1(cfg, q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
                   q_segment_ids, kv_segment_ids)
@@ -99,10 +99,11 @@ def diff_v1_attention_tpu(
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _diff_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
-  q_BxHx2xTxD = jnp.stack([q1, q2], axis=3).transpose(0, 2, 3, 1, 4)
-  k_BxKx2xSxD = jnp.stack([k1, k2], axis=3).transpose(0, 2, 3, 1, 4)
-  v_BxKxSxDv = v.transpose(0, 2, 1, 3)
-  out_BxHxTxDv = diff_core(cfg, q_BxHx2xTxD, k_BxKx2xSxD, v_BxKxSxDv, lam_H, q_seg, kv_seg)
+  # [B, T, N, D] -> [B, N, T, D] per component, never stacked: a bitcast for the TPU
+  # compiler's layout of these arrays (see ``_layout``).
+  heads = lambda x: x.transpose(0, 2, 1, 3)
+  out_BxHxTxDv = diff_core(cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v),
+                           lam_H, q_seg, kv_seg)
   return out_BxHxTxDv.transpose(0, 2, 1, 3)
 
 
@@ -128,9 +129,9 @@ def diff_v2_attention_tpu(
   b, t, qh, d = q_BxTxQxD.shape
   s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(t=t, s=s, d=d, h=qh // 2, kv_heads=kv_heads, causal=causal,
-                segmented=q_segment_ids is not None, scale=scale, block_sizes=block_sizes,
-                shared_k=True, lam_rows=True, interpret=interpret)
+  cfg = _config(t=t, s=s, d=d, dv=v_BxSxKxD.shape[-1], h=qh // 2, kv_heads=kv_heads,
+                causal=causal, segmented=q_segment_ids is not None, scale=scale,
+                block_sizes=block_sizes, shared_k=True, lam_rows=True, interpret=interpret)
   return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
                   kv_segment_ids)
 
@@ -138,9 +139,8 @@ def diff_v2_attention_tpu(
 @functools.partial(jax.jit, static_argnums=(0,))
 def _diff_v2(cfg, q, k, v, lam, q_seg, kv_seg):
   b, t, qh, d = q.shape
-  q_BxHx2xTxD = q.reshape(b, t, qh // 2, 2, d).transpose(0, 2, 3, 1, 4)
-  k_BxKx1xSxD = k.transpose(0, 2, 1, 3)[:, :, None]
-  v_BxKxSxD = v.transpose(0, 2, 1, 3)
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
-  out_BxHxTxD = diff_core(cfg, q_BxHx2xTxD, k_BxKx1xSxD, v_BxKxSxD, lam_BxHxT, q_seg, kv_seg)
+  # [B, T, N, D] -> [B, N, T, D] (bitcasts, see _diff_v1); pair i is heads 2i, 2i + 1.
+  heads = lambda x: x.transpose(0, 2, 1, 3)
+  out_BxHxTxD = diff_core(cfg, (heads(q),), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
   return out_BxHxTxD.transpose(0, 2, 1, 3)
