@@ -1048,7 +1048,7 @@ def cross_check(shape: Shape, tiles: Tiles) -> dict[str, Any]:
             f"VMEM; {c['parameters_not_row_major']} of {c['parameters']} arguments in a "
             "layout the compiler chose (HLO) |")
     layouts = sorted(set(got["fwd"]["row_stat_layouts"] + got["fwd+bwd"]["row_stat_layouts"]))
-    print(f"| fused V{version} | row-statistics layouts | minor dim on 128 lanes | "
+    print(f"| fused V{version} | row-statistics layouts | slabs (R, block_q), R on 8 sublanes | "
           f"{'; '.join(layouts) or 'none found'} (HLO) |")
   print("\nModelled figures come from this script's functions at the same shape; the "
         "compiler's come from the executables. A small buffer XLA keeps in VMEM moves no "

@@ -20,8 +20,8 @@ dQ needs a sum over key tiles instead. It accumulates in a float32 VMEM scratch
 input dtype into the output blocks after its last visible key tile, and the pipeline
 writes those blocks (the group's heads over the chunk, per query component: [G, chunk,
 D] of dQ1 and dQ2 for V1, [2G, chunk, D] of V2's query heads; the index moves only with
-the leading axis) to HBM once per (batch, kv group). The first key tile (always visited) writes the scratch
-instead of adding, so nothing needs initialising.
+the leading axis) to HBM once per (batch, kv group). The first key tile (always
+visited) writes the scratch instead of adding, so nothing needs initialising.
 
 With several chunks, every chunk but the last writes dK and dV as float32 partial sums
 over the key tiles it sees; the next chunk reads them in as its accumulators' start
