@@ -125,6 +125,8 @@ V1_CASES = [
     (200, 200, 2, 16, False, True, jnp.bfloat16, SMALL),
     _slow(200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
     _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
+    # Three query heads per kv head; T off every tile; documents end inside tiles.
+    (150, 150, 3, 16, True, True, jnp.float32, SMALL),
 ]
 
 
@@ -141,6 +143,7 @@ V2_CASES = [
     (200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
     _slow(200, 200, 2, 16, True, True, jnp.bfloat16, None),
     _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
+    (150, 230, 3, 8, True, True, jnp.bfloat16, SMALL),  # three pairs per kv head
 ]
 
 
