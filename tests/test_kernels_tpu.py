@@ -257,6 +257,65 @@ def test_chunk_rule():
     bwd.chunk_rows(L.dataclasses.replace(plan, dq_chunk=100), 128, 2)
 
 
+def _brute_visible(t, s, bq, bk):
+  """bool [Tp / bq, Sp / bk]: tiles where some real query attends some real key
+  (queries are the last T of S positions), or the first key tile (always visited)."""
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  q_pos = np.arange(tp) + s - t
+  k_pos = np.arange(sp)
+  seen = (k_pos[None, :] <= q_pos[:, None]) & (np.arange(tp)[:, None] < t) & (k_pos < s)
+  tiles = seen.reshape(tp // bq, bq, sp // bk, bk).any(axis=(1, 3))
+  tiles[:, 0] = True
+  return tiles
+
+
+@pytest.mark.parametrize("t,s,bq,bk,heads,kv_heads,dq_chunk", [
+    (4096, 4096, 512, 512, 1, 1, None),  # the forward's default tiles at 4K: 36 of 64
+    (4096, 4096, 512, 256, 1, 1, None),  # the backward's at d = 128: 72 of 128
+    (200, 200, 64, 128, 2, 1, None),  # T off the tile
+    (200, 456, 32, 128, 3, 1, 64),  # S > T (the offset), several chunks, three heads
+    (456, 200, 64, 128, 1, 1, 128),  # T > S: leading query tiles see only key tile 0
+    (1000, 1300, 128, 256, 2, 2, 256),
+])
+def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv_heads,
+                                                         dq_chunk):
+  from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+
+  plan = L.make_plan(q_len=t, kv_len=s, block_q=bq, block_kv=bk, causal=True,
+                     segmented=False, scale=1.0, shared_k=False, lam_rows=False,
+                     heads=heads, kv_heads=kv_heads, dq_chunk=dq_chunk)
+  want = _brute_visible(t, s, plan.block_q, plan.block_kv)
+  if t == s == 4096:
+    assert (want.size, want.sum()) == {512: (64, 36), 256: (128, 72)}[bk]
+  # Forward: the visible tiles row by row; a query tile starts on key tile 0 and ends
+  # on its last visible one.
+  q_steps, kv_steps = plan.forward_steps()
+  j, first, last = (np.asarray(x) for x in L.unpack_kv_step(jnp.asarray(kv_steps)))
+  assert sorted(zip(q_steps.tolist(), j.tolist())) == list(zip(*np.nonzero(want)))
+  assert len(q_steps) == want.sum()
+  np.testing.assert_array_equal(first, j == 0)
+  np.testing.assert_array_equal(last, j == want.shape[1] - 1 - np.argmax(want[q_steps, ::-1],
+                                                                          axis=1))
+  # Backward: per call, key tile outer, the group's heads, then the chunk's visible query
+  # tiles; the first and last step of each key tile flagged.
+  g = heads // kv_heads
+  total = 0
+  for chunk in bwd.chunks(plan, bwd.chunk_rows(plan, 16, 4)):
+    t_steps, kv_steps = bwd.chunk_steps(plan, chunk)
+    j, first, last = (np.asarray(x) for x in L.unpack_kv_step(jnp.asarray(kv_steps)))
+    i = chunk.first + t_steps % chunk.num_q_blocks
+    assert np.all(want[i, j]) and np.all(np.diff(j) >= 0)
+    sub = want[chunk.first:chunk.first + chunk.num_q_blocks, :chunk.num_kv_blocks]
+    assert len(t_steps) == g * sub.sum()
+    assert len(set(zip(t_steps.tolist(), j.tolist()))) == len(t_steps)
+    starts = np.flatnonzero(np.diff(j, prepend=-1))
+    np.testing.assert_array_equal(np.flatnonzero(first), starts)
+    np.testing.assert_array_equal(np.flatnonzero(last), np.append(starts[1:] - 1, len(j) - 1))
+    total += len(t_steps)
+  assert total == g * want.sum()
+
+
 # ----------------------------------------------------------------------------------
 # Race detection in the TPU interpreter (two simulated cores take the parallel grid
 # axis; the dQ block is written back when a core's leading index moves on, and a chunk

@@ -14,6 +14,10 @@ each, so that a chunk's dQ always fits VMEM. Grid of a call (B * K, key tiles th
 sees, G * chunk tiles): the key tile j is the outer sequential axis, and the inner axis
 walks every query tile of the chunk for every head of the kv group, so dK_c and dV
 accumulate in VMEM over the group's heads (GQA) and are written once per key tile.
+A causal call flattens the last two axes into one over the visited steps instead, in
+the same order (key tile, head, query tile), read from scalar-prefetched step tables
+(:func:`chunk_steps`): the query tiles that see a key of the tile, so masked tiles cost
+no grid step; the tables flag each key tile's first and last step.
 
 dQ needs a sum over key tiles instead. It accumulates in a float32 VMEM scratch
 [G, 2, chunk, D] for the kv group's whole sweep; each query tile is converted to the
@@ -40,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -107,8 +112,39 @@ def chunks(plan: L.Plan, rows: int) -> list[Chunk]:
   return out
 
 
+def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+  """The causal grid of one call: int32 scalar-prefetch tables, per step the inner index
+  t = head * chunk.num_q_blocks + (query tile - chunk.first) and the key tile with the
+  flags of its first and last step (``_layout.pack_kv_step``). Key tile outer, then the
+  kv group's heads, then the chunk's query tiles visited with that key tile
+  (``Plan.visited_tiles``; every key tile of the call has one)."""
+  nq = chunk.num_q_blocks
+  seen = plan.visited_tiles()[chunk.first:chunk.first + nq, :chunk.num_kv_blocks]
+  j, t = [], []
+  for jj in range(chunk.num_kv_blocks):
+    rows = np.flatnonzero(seen[:, jj])
+    assert len(rows), (plan, chunk, jj)
+    for head in range(plan.group):
+      t.append(head * nq + rows)
+      j.append(np.full(len(rows), jj))
+  t, j = np.concatenate(t), np.concatenate(j)
+  first = L.run_edges(j, first=True)
+  last = L.run_edges(j, first=False)
+  return t.astype(np.int32), L.pack_kv_step(j, first, last)
+
+
 def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   refs = list(refs)
+  nq = chunk.num_q_blocks
+  inner = plan.group * nq
+  if plan.causal:  # the step tables come first
+    t_steps, kv_steps = refs.pop(0), refs.pop(0)
+    step = pl.program_id(1)
+    t = t_steps[step]
+    j, kv_first, kv_last = L.unpack_kv_step(kv_steps[step])
+  else:
+    j, t = pl.program_id(1), pl.program_id(2)
+    kv_first, kv_last = t == 0, t == inner - 1
   lam_ref = None if plan.lam_rows else refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
   n_k = 1 if plan.shared_k else 2
@@ -124,15 +160,13 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   dq_refs = take(n_dq)
   dk_acc, dv_acc, dq_acc = refs
 
-  bg, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  nq = chunk.num_q_blocks
-  inner = plan.group * nq
+  bg = pl.program_id(0)
   head = t // nq  # the head's place in the kv group
   h = bg % plan.kv_heads * plan.group + head
   i = chunk.first + t % nq  # the query tile in the whole sequence (masks)
   rows = pl.ds(pl.multiple_of(t % nq * plan.block_q, plan.block_q), plan.block_q)
 
-  @pl.when(t == 0)
+  @pl.when(kv_first)
   def _init_kv_accumulators():
     def zero():
       dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
@@ -207,7 +241,7 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(step, apply_mask))
 
-  @pl.when(t == inner - 1)
+  @pl.when(kv_last)
   def _write_kv_grads():
     for c, ref in enumerate(dk_refs):
       # The last chunk writes the gradient, the others the unscaled float32 partial.
@@ -227,18 +261,27 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
   dtype = qs[0].dtype
 
+  # Batch and kv groups share the leading parallel axis (see the forward).
+  if plan.causal:
+    t_steps, kv_steps = chunk_steps(plan, chunk)
+    grid = (b * n_kv, len(t_steps))
+
+    def coords(bg, step, t_ref, kv_ref):
+      return bg // n_kv, bg % n_kv, L.unpack_kv_step(kv_ref[step])[0], t_ref[step]
+  else:
+    grid = (b * n_kv, nkv, g * nq)
+
+    def coords(bg, j, t):
+      return bg // n_kv, bg % n_kv, j, t
+
   def _spec(block_shape, index_map):
-    # Batch and kv groups share the leading parallel axis (see the forward).
-    return pl.BlockSpec(block_shape,
-                        lambda bg, j, t: index_map(bg // n_kv, bg % n_kv, j, t))
+    return pl.BlockSpec(block_shape, lambda *grid_: index_map(*coords(*grid_)))
 
   def _tile(rows_, width, index_map):
-    return plan.spec(rows_, width, lambda bg, j, t: index_map(bg // n_kv, bg % n_kv, j, t))
+    return plan.spec(rows_, width, lambda *grid_: index_map(*coords(*grid_)))
 
   def q_block(j, t):
-    i = chunk.first + t % nq
-    # Skipped steps fetch the first visible tile of this head ahead of time.
-    return jnp.maximum(i, plan.first_visible_q_block(j)) if plan.causal else i
+    return chunk.first + t % nq
 
   def head(g_, t):
     return g_ * g + t // nq
@@ -278,10 +321,10 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   # dQ: the kv group's heads over the chunk. The index moves only with the leading axis,
   # so the block stays in VMEM over the (j, t) sweep.
   if plan.q_in_one_array:
-    out_specs.append(plan.group_spec(rows, d, 2 * g, lambda bg, j, t: (bg // n_kv, bg % n_kv)))
+    out_specs.append(plan.group_spec(rows, d, 2 * g, lambda bg, *_: (bg // n_kv, bg % n_kv)))
     out_shape.append(jax.ShapeDtypeStruct(plan.shape(b, 2 * h, rows, d), dtype))
   else:
-    out_specs += [plan.group_spec(rows, d, g, lambda bg, j, t: (bg // n_kv, bg % n_kv))] * 2
+    out_specs += [plan.group_spec(rows, d, g, lambda bg, *_: (bg // n_kv, bg % n_kv))] * 2
     out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, rows, d), dtype)] * 2
   scratch = [
       pltpu.VMEM((n_k, bk, d), jnp.float32),
@@ -305,15 +348,17 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
                          + (4 * b * n_kv * chunk.prev_kv_blocks * kv_tile)
                          + b * h * 2 * rows * d * itemsize
                          + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)))
+  n_prefetch = 2 if plan.causal else 0
+  if plan.causal:
+    call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args
   outs = pl.pallas_call(
       functools.partial(_backward_kernel, plan=plan, chunk=chunk),
-      grid=(b * n_kv, nkv, g * nq),
-      in_specs=in_specs,
-      out_specs=out_specs,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=n_prefetch, grid=grid, in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
-      scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
           vmem_limit_bytes=L.vmem_limit(vmem)),
       cost_estimate=cost,
       interpret=interpret,

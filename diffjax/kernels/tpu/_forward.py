@@ -1,13 +1,18 @@
 """Forward kernel: both softmax maps of a DIFF head (or V2 pair) in one pass.
 
-Grid (B * H, Tp / block_q, Sp / block_kv); the last axis walks key tiles and carries
-two online-softmax states (running max m_c, running sum l_c, unnormalised output
-acc_c for map c = 1, 2). Each step loads the K/V tiles once for both maps. The last
-step writes
+Grid (B * H, Tp / block_q, Sp / block_kv) without a causal mask; the last axis walks
+key tiles and carries two online-softmax states (running max m_c, running sum l_c,
+unnormalised output acc_c for map c = 1, 2). Each step loads the K/V tiles once for
+both maps. A query tile's last step writes
 
   out = acc_1 / l_1 - lam * acc_2 / l_2     (lambda subtraction fused)
   o2  = acc_2 / l_2                        (for the backward's row terms)
   lse = [m_1 + log l_1, m_2 + log l_2]     (log-sum-exps, +inf on fully masked rows)
+
+A causal grid is (B * H, visited tiles) instead: the tiles that hold a visible key
+(and every query tile's first key tile, so a fully masked row still gets its outputs),
+query tile outer, key tile inner, read from scalar-prefetched step tables
+(``Plan.forward_steps``); masked tiles cost no grid step.
 
 lse is written lane-dense, one (2, block_q) slab per query tile (see ``_layout``); V2's
 lambda is read the same way, a (1, block_q) slab.
@@ -27,6 +32,14 @@ from diffjax.kernels.tpu import _layout as L
 
 def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   refs = list(refs)
+  if plan.causal:  # the step tables come first
+    q_steps, kv_steps = refs.pop(0), refs.pop(0)
+    step = pl.program_id(1)
+    i = q_steps[step]
+    j, first, last = L.unpack_kv_step(kv_steps[step])
+  else:
+    i, j = pl.program_id(1), pl.program_id(2)
+    first, last = j == 0, j == plan.num_kv_blocks - 1
   lam_ref = refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
   q_refs = (refs.pop(0), refs.pop(0))
@@ -36,9 +49,8 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   m_ref, l_ref, acc_ref = refs[-3:]
 
   h = pl.program_id(0) % plan.heads
-  i, j = pl.program_id(1), pl.program_id(2)
 
-  @pl.when(j == 0)
+  @pl.when(first)
   def _init():
     m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -62,7 +74,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(accumulate, apply_mask))
 
-  @pl.when(j == plan.num_kv_blocks - 1)
+  @pl.when(last)
   def _finish():
     outs, lses = [], []
     for c in range(2):
@@ -101,17 +113,25 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
   dtype = qs[0].dtype
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
 
+  # The grid merges batch and heads into one leading parallel axis, so that a megacore
+  # chip can split it between its two cores even when B == 1.
+  if plan.causal:
+    q_steps, kv_steps = plan.forward_steps()
+    grid = (b * h, len(q_steps))
+
+    def coords(bh, step, q_ref, kv_ref):
+      return bh // h, bh % h, q_ref[step], L.unpack_kv_step(kv_ref[step])[0]
+  else:
+    grid = (b * h, plan.num_q_blocks, plan.num_kv_blocks)
+
+    def coords(bh, i, j):
+      return bh // h, bh % h, i, j
+
   def _spec(block_shape, index_map):
-    # The grid merges batch and heads into one leading parallel axis, so that a
-    # megacore chip can split it between its two cores even when B == 1.
-    return pl.BlockSpec(block_shape, lambda bh, i, j: index_map(bh // h, bh % h, i, j))
+    return pl.BlockSpec(block_shape, lambda *g: index_map(*coords(*g)))
 
   def _tile(rows, width, index_map):
-    return plan.spec(rows, width, lambda bh, i, j: index_map(bh // h, bh % h, i, j))
-
-  def kv_block(i, j):
-    # Skipped (invisible) steps keep the last visible tile, so no DMA is issued.
-    return jnp.minimum(j, plan.last_visible_kv_block(i)) if plan.causal else j
+    return plan.spec(rows, width, lambda *g: index_map(*coords(*g)))
 
   in_specs, args = [], []
   if plan.lam_rows:
@@ -121,16 +141,16 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
   args.append(lam)
   if plan.segmented:
     in_specs += [_spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-                 _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, kv_block(i, j)))]
+                 _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j))]
     args += [q_seg, kv_seg]
   for c in range(2):
     array, _ = plan.q_head(c, 0)
     in_specs.append(_tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
     args.append(qs[array])
   for k in ks:
-    in_specs.append(_tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j))))
+    in_specs.append(_tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, j)))
     args.append(k)
-  in_specs.append(_tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, kv_block(i, j))))
+  in_specs.append(_tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, j)))
   args.append(v)
   row_spec = _tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
   out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
@@ -154,16 +174,23 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
       transcendentals=int(visible * b * h * tp * sp * 2),
       bytes_accessed=int(itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
                          + itemsize * kv_size * plan.num_q_blocks * g))
+  if plan.causal:
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch)
+    semantics = ("parallel", "arbitrary")
+    args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
+  else:
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch)
+    semantics = ("parallel", "parallel", "arbitrary")
   outs = pl.pallas_call(
       functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
-      grid=(b * h, plan.num_q_blocks, plan.num_kv_blocks),
-      in_specs=in_specs,
-      out_specs=out_specs,
+      grid_spec=grid_spec,
       out_shape=out_shape,
-      scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=L.vmem_limit(vmem)),
+          dimension_semantics=semantics, vmem_limit_bytes=L.vmem_limit(vmem)),
       cost_estimate=cost,
       interpret=interpret,
       name="diff_attention_fwd",

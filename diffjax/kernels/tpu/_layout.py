@@ -138,7 +138,8 @@ class Plan:
 
   # Causal block skipping. Tile (i, j) holds a visible score iff its last query
   # position reaches its first key; the first key tile is always visited so that
-  # every query row (even a fully masked one) gets its outputs written.
+  # every query row (even a fully masked one) gets its outputs written. The causal
+  # grids visit exactly these tiles (``visited_tiles``).
   def block_visible(self, i, j):
     if not self.causal:
       return True
@@ -146,14 +147,30 @@ class Plan:
     return jnp.logical_or(j == 0, j * self.block_kv <= last_q)
 
   def last_visible_kv_block(self, i):
-    """Largest j with a visible tile in query row block i (forward index clamp)."""
+    """Largest j with a visible tile in query row block i (its last visited step)."""
     last_q = i * self.block_q + (self.block_q - 1) + self.causal_offset
     return jnp.clip(jnp.floor_divide(last_q, self.block_kv), 0, self.num_kv_blocks - 1)
 
-  def first_visible_q_block(self, j):
-    """Smallest i with a visible tile in key block j (backward index clamp)."""
-    first = jnp.floor_divide(j * self.block_kv - self.causal_offset, self.block_q)
-    return jnp.clip(first, 0, self.num_q_blocks - 1)
+  def visited_tiles(self) -> np.ndarray:
+    """bool [num_q_blocks, num_kv_blocks]: the tiles a grid visits, :meth:`block_visible`
+    in numpy (every tile without a causal mask)."""
+    i = np.arange(self.num_q_blocks)[:, None]
+    j = np.arange(self.num_kv_blocks)[None, :]
+    if not self.causal:
+      return np.ones((self.num_q_blocks, self.num_kv_blocks), bool)
+    last_q = i * self.block_q + (self.block_q - 1) + self.causal_offset
+    return (j == 0) | (j * self.block_kv <= last_q)
+
+  def forward_steps(self) -> tuple[np.ndarray, np.ndarray]:
+    """The causal forward's grid: its visited tiles row by row, as int32 scalar-prefetch
+    tables (query tile i per step, :func:`pack_kv_step` of key tile j per step).
+
+    A query tile's first step (key tile 0) starts its online softmax and its last step
+    (its last visible key tile) writes the outputs.
+    """
+    i, j = np.nonzero(self.visited_tiles())  # row-major: query tile outer
+    return i.astype(np.int32), pack_kv_step(j, run_edges(i, first=True),
+                                            run_edges(i, first=False))
 
   def tile_cases(self, i, j):
     """(condition, apply_mask) pairs that together cover the visible tiles.
@@ -188,6 +205,28 @@ class Plan:
       same = q_seg_ref[...] == kv_seg_ref[...]  # [bq, 1] == [1, bk]
       keep = same if keep is None else jnp.logical_and(keep, same)
     return keep
+
+
+def run_edges(keys: np.ndarray, *, first: bool) -> np.ndarray:
+  """bool per step: the first (or last) step of each run of equal consecutive keys."""
+  edge = np.ones(len(keys), bool)
+  if len(keys) > 1:
+    if first:
+      edge[1:] = keys[1:] != keys[:-1]
+    else:
+      edge[:-1] = keys[1:] != keys[:-1]
+  return edge
+
+
+def pack_kv_step(j: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+  """int32 words 4 j + 2 last + first: a key tile and the flags of one grid step."""
+  return (4 * np.asarray(j, np.int64) + 2 * last + first).astype(np.int32)
+
+
+def unpack_kv_step(word):
+  """(j, first, last) of a :func:`pack_kv_step` word read in a kernel or index map."""
+  return (jax.lax.shift_right_logical(word, 2), jnp.bitwise_and(word, 1) == 1,
+          jnp.bitwise_and(word, 2) == 2)
 
 
 def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
