@@ -74,8 +74,10 @@ hundred KiB per call) are left out.
 Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
 ``diff_attention.py``); the code was checked against each item:
 
-  * Forward grid (B H, T / block_q, S / block_kv), every step visited; masked steps keep
-    the last visible key tile (no DMA) but pay the step. Q read once per (head, q tile);
+  * Forward grid (B H, visited tiles) when causal: the (q tile, kv tile) pairs holding a
+    visible key (``Plan.visited_tiles``; the first key tile of every q tile always),
+    row by row from scalar-prefetched step tables, so masked tiles cost no step; (B H,
+    T / block_q, S / block_kv) otherwise. Q read once per (head, q tile);
     K (two components for V1, one for V2) and V per visible tile. Training saves
     residuals: out, o2 (the second map's output, in the input dtype) and lse as
     lane-dense float32 slabs (2, block_q) per query tile. V2 reads lambda as (1,
@@ -85,10 +87,11 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
     rows): the fewest chunks whose dQ (a float32 accumulator and two output buffers in
     the input dtype, [2, rows, d] per head) fits 24 MiB of VMEM, so one chunk up to
     T = 12288 at d = 128 in bf16 and three at 32K. Grid of a call (B K, key tiles the
-    chunk sees, G chunk / block_q_bwd), every step visited. K and V are read and dK, dV
-    written once per key tile and call; Q, dO and the stats slab (8, block_q) float32
-    (lse_1, lse_2, D_1, D_2, lambda, padding) are read per visible step
-    (skipped steps prefetch the first visible tile). dQ leaves VMEM once per (batch, kv
+    chunk sees, G chunk / block_q_bwd); causal: (B K, visited steps), key tile outer,
+    then the group's heads, then the query tiles that see the key tile
+    (``_backward.chunk_steps``). K and V are read and dK, dV written once per key tile
+    and call; Q, dO and the stats slab (8, block_q) float32 (lse_1, lse_2, D_1, D_2,
+    lambda, padding) are read per visible step. dQ leaves VMEM once per (batch, kv
     group, chunk), in the input dtype. Every chunk but the last writes float32 dK/dV
     partial sums over the key tiles it sees, which the next chunk reads.
   * XLA around the backward kernel: the row terms D_1, D_2 (reading dO, out and o2),
@@ -98,7 +101,10 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
     computed baseline): the same kernels, except that the backward was one call whose
     dQ lived in HBM as float32: every visible step read the 2 x block_q x d tile and
     wrote it back, except that the first key tile (always visible) wrote without
-    reading; XLA then converted dQ to the input dtype. Row statistics were [B, H, Tp, R]
+    reading; XLA then converted dQ to the input dtype. Both grids visited every (q tile,
+    kv tile) step of a causal square, a masked step skipping its compute (the forward
+    keeping the last visible key tile, the backward prefetching the first visible query
+    tile, so no extra DMA) but paying the step. Row statistics were [B, H, Tp, R]
     float32 (lse R = 2, stats 8, V2's lambda 1) padded to 128 lanes, and XLA sliced lse
     to T after the forward when T was padded.
   * Wrapper layout passes (rows of their own): the public functions take [B, T, heads,
@@ -116,10 +122,11 @@ Fused kernels today (``_forward.py``, ``_backward.py``, ``_core.py``,
 Fused target (a design target, not an implementation): the same two-map kernels with
 dQ accumulated in VMEM for a whole (batch, head) at every length and written once in
 the input dtype (today's kernel does so per query chunk, with dK/dV partials between);
-causal grids that visit only tiles holding a visible key (no per-step cost for masked
-tiles); row statistics of exactly k float32 per row (lse 2, stats 4 for V1 and 5 for
-V2; today's slabs hold 8 per row); kernels reading and writing the [B, T, heads, d]
-layout directly (as today's do at d = 128). The row terms stay one XLA pass.
+causal grids that visit only tiles holding a real visible key (today's do, but keep the
+first key tile of every query tile); row statistics of exactly k float32 per row (lse 2,
+stats 4 for V1 and 5 for V2; today's slabs hold 8 per row); kernels reading and
+writing the [B, T, heads, d] layout directly (as today's do at d = 128). The row terms
+stay one XLA pass.
 
 Generations: per-chip HBM bandwidth and dense bf16 peak FLOP/s as Google publishes
 them. A float32 run (``--dtype f32``) still divides by the bf16 peak, so its compute
@@ -543,8 +550,11 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
     j = np.broadcast_to(np.arange(nkv)[None, :], (nq, nkv))
     last_visible = np.clip((i * bq + bq - 1) // bk, 0, nkv - 1)
     kv_index = np.minimum(j, last_visible) if shape.causal else j
+    # Before's grid visited every step, a masked one keeping the last visible K/V block;
+    # today's causal grid visits the same tiles in the same order, minus the masked steps,
+    # so the K/V blocks it fetches are the same.
     kv_per_head = count_fetches(kv_index)  # the K/V block index does not hold i
-    steps = b * h * nq * nkv
+    steps = b * h * (int(mask.sum()) if design.causal_grid else nq * nkv)
   kv_fetch = b * h * kv_per_head
   rows = b * h * tp
   detail = {
@@ -588,14 +598,18 @@ class Design:
     dense_rows: lse, the backward's stats and V2's lambda rows are lane-dense slabs
       [B, H, Tp / block_q, R, block_q] (R on 8 sublanes; today); else [B, H, Tp, R]
       with R padded to 128 lanes (before).
+    causal_grid: a causal grid visits only the tiles ``Plan.visited_tiles`` computes
+      (today); else every (query tile, key tile) step, a masked one skipping its compute
+      but paying the step (before).
   """
   name: str
   dq_chunks: bool
   dense_rows: bool
+  causal_grid: bool = True
 
 
-BEFORE = Design("before", dq_chunks=False, dense_rows=False)
-TODAY = Design("today", dq_chunks=True, dense_rows=True)
+BEFORE = Design("before", dq_chunks=False, dense_rows=False, causal_grid=False)
+TODAY = Design("today", dq_chunks=True, dense_rows=True, causal_grid=True)
 
 
 def slab_bytes(tiles_: int, rows: int, block: int) -> int:
@@ -666,7 +680,10 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
     q_per_head = sum(count_fetches(_bwd_q_index(c.num_q_blocks, c.num_kv_blocks, c.first,
                                                 bq, bk, shape.causal)) for c in calls)
     kv_per_head = sum(c.num_kv_blocks for c in calls)
-    steps = b * h * sum(c.num_q_blocks * c.num_kv_blocks for c in calls)
+    # The kernel's own step tables: only the visited tiles of each call (causal).
+    plan = bwd_plan(shape, tiles, version)
+    steps = b * h * sum(len(bwd_kernel.chunk_steps(plan, c)[0]) if shape.causal
+                        else c.num_q_blocks * c.num_kv_blocks for c in calls)
     stat_words = 8 * lanes(bq) / bq
     # Every chunk but the last writes float32 partial dK, dV over its key tiles; the
     # next reads them back.

@@ -158,7 +158,12 @@ def test_chunked_backward_by_hand():
   # tile: chunk 0 reads tiles 0, 1 | 1, 1 (2 fetches), chunk 1 2, 3 | 2, 3 | 2, 3 | 3, 3
   # (6 fetches).
   assert op.detail["Q"] == (2 + 6) * 2 * 256 * d * 2
-  assert op.steps == 2 * 2 + 2 * 4
+  # Only the visited tiles are grid steps: chunk 0 (0, 0), (1, 0), (1, 1); chunk 1 the
+  # three of tile 2 and the four of tile 3 (before: every step, 2 x 2 + 2 x 4).
+  assert op.steps == 3 + 7
+  before = _kernel(R.fused_ops(shape, tiles, 1, design=R.BEFORE)["bwd"],
+                   "diff_attention_bwd (before)")
+  assert before.steps == 4 * 4
   concat = next(o for o in R.fused_ops(shape, tiles, 1)["bwd"]
                 if o.name.startswith("dQ chunks"))
   assert concat.read == concat.written == 2 * t * d * 2
@@ -248,7 +253,15 @@ def test_target_grid_visits_only_tiles_with_visible_keys(t):
     today = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
     target = _kernel(R.target_ops(shape, tiles, version)["bwd"], "(target)")
     assert target.steps == 2 * heads * any_visible
-    assert today.steps == 2 * heads * nq * nkv  # today every step of the grid
+    # Today's causal grids visit the same tiles (self-attention: the first key tile holds
+    # a visible key for every query tile); before's visited every step of the square.
+    assert today.steps == target.steps
+    before = _kernel(R.fused_ops(shape, tiles, version, design=R.BEFORE)["bwd"],
+                     "diff_attention_bwd (before)")
+    assert before.steps == 2 * heads * nq * nkv
+    fwd = _kernel(R.fused_ops(shape, tiles, version)["fwd"], "diff_attention_fwd")
+    fwd_target = _kernel(R.target_ops(shape, tiles, version)["fwd"], "(target)")
+    assert fwd.steps == fwd_target.steps < 2 * heads * nq * nkv * 2
     assert target.flops <= today.flops
     total = lambda ops: sum(o.bytes for o in ops)
     assert total(R.target_ops(shape, tiles, version)["bwd"]) < total(
