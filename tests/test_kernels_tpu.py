@@ -386,6 +386,40 @@ def test_block_sizes_defaults_and_dict_overrides():
   assert kt.resolve_block_sizes(None, 64) == kt.BlockSizes.get_default(64)
 
 
+def test_block_sizes_per_generation_fit_the_vmem_budget():
+  from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _forward as fwd  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import block_sizes as B  # pylint: disable=g-import-not-at-top
+
+  base = {d: kt.BlockSizes.get_default(d, "v4") for d in (64, 128, 256, 512)}
+  # Off a TPU and for a generation not in the table: the generation-free tiles.
+  assert base[128] == kt.BlockSizes(block_q=512, block_kv=512, block_q_bwd=512,
+                                    block_kv_bwd=256)
+  assert kt.BlockSizes.get_default(128) == base[128]
+  assert B.tpu_generation() is None
+  kinds = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v5": "v5p",
+           "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU v4": None}
+  assert {k: B.tpu_generation(k) for k in kinds} == kinds
+  fwd_budget = 64 * 2**20 / 1.5  # the most _layout.vmem_limit grants, over its headroom
+  assert L.vmem_limit(fwd_budget) <= 64 * 2**20 and L.vmem_limit(fwd_budget + 8) == 64 * 2**20
+  bwd_budget = fwd_budget - bwd.DQ_VMEM_BUDGET
+  for gen, mxu in (("v5e", 128), ("v5p", 128), ("v6e", 256)):
+    for d in (64, 96, 128, 256, 512, 1024):
+      bs = kt.BlockSizes.get_default(d, gen)
+      # The kernels' own estimates in the widest case (V1, value 2 d, float32, partials).
+      assert fwd.vmem_bytes(bs.block_q, bs.block_kv, d, 2 * d, 4, 2) <= fwd_budget, (gen, d)
+      assert bwd.step_vmem_bytes(bs.block_q_bwd, bs.block_kv_bwd, d, 2 * d, 4, 2, out_item=4,
+                                 partials_in=True) <= bwd_budget, (gen, d)
+      if d <= 256:  # the base tiles fit every generation and are MXU-aligned
+        assert bs == kt.BlockSizes.get_default(d, "v4"), (gen, d)
+        assert all(getattr(bs, f) % mxu == 0 for f in ("block_kv", "block_kv_bwd"))
+  # A wide head shrinks the backward key tile (the base 256x256 does not fit).
+  assert bwd.step_vmem_bytes(256, 256, 512, 1024, 4, 2, out_item=4,
+                             partials_in=True) > bwd_budget
+  assert kt.BlockSizes.get_default(512, "v5e").block_kv_bwd == 128
+
+
 # ----------------------------------------------------------------------------------
 # Dispatcher and stock paths.
 

@@ -82,6 +82,19 @@ def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
   return L.round_up(-(-tp // n), bq)
 
 
+def step_vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int,
+                    *, out_item: int, partials_in: bool) -> int:
+  """The backward's VMEM estimate for one step, without the chunk's dQ: both buffers of
+  every tile (Q, K, V, dO, the stats slab, the dK/dV outputs in ``out_item`` bytes and,
+  with ``partials_in``, the previous chunk's float32 partial sums), the float32 dK/dV
+  accumulators and eight float32 [bq, bk] temporaries."""
+  kv_tile = key_components * bk * d + bk * dv
+  tiles = (2 * itemsize * (2 * bq * d + kv_tile + bq * dv) + 2 * out_item * kv_tile
+           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
+           + (2 * 4 * kv_tile if partials_in else 0))
+  return tiles + 4 * (kv_tile + 8 * bq * bk)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunk:
   """One kernel call: query tiles [first, first + num_q_blocks), key tiles
@@ -335,10 +348,9 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   itemsize = dtype.itemsize
   kv_tile = n_k * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
-  tiles = (2 * itemsize * (2 * bq * d + kv_tile + bq * dv_width) + 2 * out_item * kv_tile
-           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
-           + (2 * 4 * kv_tile if chunk.prev_kv_blocks else 0))
-  vmem = tiles + 4 * (kv_tile + 8 * bq * bk) + rows * dq_row_bytes(g, d, itemsize)
+  vmem = (step_vmem_bytes(bq, bk, d, dv_width, itemsize, n_k, out_item=out_item,
+                          partials_in=bool(chunk.prev_kv_blocks))
+          + rows * dq_row_bytes(g, d, itemsize))
   visible = 0.5 if plan.causal else 1.0
   steps = b * h * nq * nkv * visible  # visible (query tile, key tile) pairs, roughly
   cost = pl.CostEstimate(

@@ -92,6 +92,14 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
       lse_ref[...] = jnp.transpose(jnp.where(lane == 0, lses[0], lses[1]))[:2]
 
 
+def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int) -> int:
+  """The forward's VMEM estimate for one step: both buffers of every tile (two query
+  components, the key components, V, the outputs) and the float32 softmax states,
+  scores and probabilities."""
+  tiles = 2 * itemsize * (2 * bq * d + key_components * bk * d + bk * dv + 2 * bq * dv)
+  return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
+
+
 def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, int],
             save_residuals: bool, interpret):
   """Runs the forward kernel on padded head-major arrays (``_layout``).
@@ -164,9 +172,7 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
              pltpu.VMEM((2, bq, dv), jnp.float32)]
 
   itemsize = dtype.itemsize
-  n_kv_comp = len(ks)
-  tiles = 2 * itemsize * (2 * bq * d + n_kv_comp * bk * d + bk * dv + 2 * bq * dv)
-  vmem = tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
+  vmem = vmem_bytes(bq, bk, d, dv, itemsize, len(ks))
   visible = 0.5 if plan.causal else 1.0
   kv_size = sum(k.size for k in ks) + v.size
   cost = pl.CostEstimate(

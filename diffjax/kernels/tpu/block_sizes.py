@@ -59,18 +59,114 @@ class BlockSizes:
                        f"or a positive multiple of block_q_bwd={self.block_q_bwd}.")
 
   @classmethod
-  def get_default(cls, head_dim: int) -> "BlockSizes":
-    """Defaults sized so that every tile of a step fits the 16 MiB default VMEM budget.
+  def get_default(cls, head_dim: int, generation: str | None = None) -> "BlockSizes":
+    """Default tiles for a component head width, per TPU generation.
 
-    Larger component heads (96, 128; value width 2x that) get smaller backward key
-    tiles, because the backward keeps seven float32 [block_q, block_kv] temporaries
-    and three float32 key-side accumulators alive per step.
+    ``generation`` is "v5e", "v5p" or "v6e"; None takes the generation of
+    ``jax.devices()[0]`` on a TPU (:func:`tpu_generation`). Off a TPU, or for a
+    generation not in the table below, the generation-free tiles (:func:`_base_tiles`).
+
+    For a known generation each pass takes the first candidate whose VMEM estimate
+    (the kernels' own, ``_forward.vmem_bytes`` and ``_backward.step_vmem_bytes``, for the
+    widest case: DIFF V1 with a 2 d value, float32, the backward reading and writing
+    float32 dK/dV partial sums) fits the pass's budget: the 64 MiB the kernels request
+    at most (``_layout.vmem_limit``) over its 1.5 headroom, 42.7 MiB, and for the
+    backward 18.7 MiB after the 24 MiB for a chunk's dQ (``_backward.DQ_VMEM_BUDGET``).
+    The candidates are the base tiles, then halvings (the key side first) down to
+    128; a candidate whose sides are multiples of the generation's MXU width wins over
+    one that is not:
+
+      generation  MXU      fwd q x kv (d <= 64, <= 128, 256)  bwd q x kv (the same d)
+      v5e         128x128  512x1024, 512x512, 256x512         512x512, 512x256, 256x256
+      v5p         128x128  the same                           the same
+      v6e         256x256  the same                           the same
+
+    The kernels already assume at least 64 MiB of VMEM per core on all three
+    (``_layout.vmem_limit``), so the budget is the same for each and the base tiles fit
+    it (at most about 13 MiB forward and 12.5 MiB backward, at d = 64); they are multiples of
+    256 as well, which suits v6e's MXU. Only heads wider than 256 shrink (d = 512:
+    backward 256x128 on every generation). The choice follows the budget, not timings
+    on the chips.
     """
-    if head_dim <= 64:
-      return cls(block_q=512, block_kv=1024, block_q_bwd=512, block_kv_bwd=512)
-    if head_dim <= 128:
-      return cls(block_q=512, block_kv=512, block_q_bwd=512, block_kv_bwd=256)
-    return cls(block_q=256, block_kv=512, block_q_bwd=256, block_kv_bwd=256)
+    base = _base_tiles(head_dim)
+    if generation is None:
+      generation = tpu_generation()
+    mxu = _MXU_WIDTH.get(generation)
+    if mxu is None:
+      return cls(*base)
+    fwd = _first_fitting(base[:2], mxu, lambda q, k: _fwd_vmem(q, k, head_dim), _FWD_BUDGET)
+    bwd = _first_fitting(base[2:], mxu, lambda q, k: _bwd_vmem(q, k, head_dim), _BWD_BUDGET)
+    return cls(*fwd, *bwd)
+
+
+# Width of one MXU (its square systolic array) per TPU generation.
+_MXU_WIDTH = {"v5e": 128, "v5p": 128, "v6e": 256}
+# VMEM the kernels request at most (``_layout.vmem_limit``) over its 1.5 headroom; the
+# backward leaves 24 MiB of that to a query chunk's dQ (``_backward.DQ_VMEM_BUDGET``).
+_FWD_BUDGET = 64 * 2**20 * 2 // 3
+_BWD_BUDGET = _FWD_BUDGET - 24 * 2**20
+
+
+def _base_tiles(head_dim: int) -> tuple[int, int, int, int]:
+  """(block_q, block_kv, block_q_bwd, block_kv_bwd) off a TPU: wider heads (value 2 d)
+  get smaller backward key tiles, as the backward keeps eight float32 [block_q,
+  block_kv] temporaries and the key-side accumulators alive per step."""
+  if head_dim <= 64:
+    return 512, 1024, 512, 512
+  if head_dim <= 128:
+    return 512, 512, 512, 256
+  return 256, 512, 256, 256
+
+
+def _fwd_vmem(bq: int, bk: int, head_dim: int) -> int:
+  from diffjax.kernels.tpu import _forward  # pylint: disable=g-import-not-at-top
+  return _forward.vmem_bytes(bq, bk, head_dim, 2 * head_dim, 4, 2)
+
+
+def _bwd_vmem(bq: int, bk: int, head_dim: int) -> int:
+  from diffjax.kernels.tpu import _backward  # pylint: disable=g-import-not-at-top
+  return _backward.step_vmem_bytes(bq, bk, head_dim, 2 * head_dim, 4, 2, out_item=4,
+                                   partials_in=True)
+
+
+def _candidates(tile: tuple[int, int]) -> list[tuple[int, int]]:
+  """The tile, then halvings (the larger side, the key side on a tie) down to 128."""
+  out = [tile]
+  bq, bk = tile
+  while bq > _LANES or bk > _LANES:
+    if bk >= bq:
+      bk //= 2
+    else:
+      bq //= 2
+    out.append((bq, bk))
+  return out
+
+
+def _first_fitting(tile: tuple[int, int], mxu: int, vmem, budget: int) -> tuple[int, int]:
+  """The first candidate within ``budget``, MXU-aligned ones first; else the smallest."""
+  cands = _candidates(tile)
+  fits = [c for c in cands if vmem(*c) <= budget]
+  aligned = [c for c in fits if c[0] % mxu == 0 and c[1] % mxu == 0]
+  return (aligned or fits or cands[-1:])[0]
+
+
+def tpu_generation(device_kind: str | None = None) -> str | None:
+  """"v5e", "v5p" or "v6e" from a device kind ("TPU v5 lite", "TPU v5p", "TPU v6 lite",
+  ...); None takes ``jax.devices()[0]`` and gives None off a TPU or for other chips."""
+  if device_kind is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    device = jax.devices()[0]
+    if device.platform != "tpu":
+      return None
+    device_kind = device.device_kind
+  kind = device_kind.lower().replace(" ", "")
+  if "v6" in kind:
+    return "v6e"
+  if "v5lite" in kind or "v5e" in kind:
+    return "v5e"
+  if "v5p" in kind or kind.endswith("v5"):
+    return "v5p"
+  return None
 
 
 def resolve_block_sizes(block_sizes: "BlockSizes | Mapping[str, Any] | None",
