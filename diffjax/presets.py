@@ -25,7 +25,8 @@ def llama_ffn(d_model: int, multiple: int = 256) -> int:
 # Baseline (Transformer) specs: (d_model, layers, baseline heads, mlp_dim).
 # The paper lists DIFF heads; the baseline has twice as many with the same d.
 _SPECS = {
-    # CPU sizes.
+    # CPU sizes. "micro" learns associative recall in minutes (configs/compare/retrieval_cpu.py).
+    "micro": dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=176),
     "tiny": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32, mlp_dim=352),
     "default": dict(d_model=192, num_layers=3, num_heads=6, num_kv_heads=6, head_dim=32,
                     mlp_dim=512),

@@ -212,6 +212,32 @@ def test_paper_3b_runs_are_the_presets_paper_setup():
     assert compare.run_config(config, arm, 7).to_dict() == want.to_dict(), arm
 
 
+def test_retrieval_config_is_valid_matched_and_queries_one_key():
+  spec = importlib.util.spec_from_file_location(
+      "retrieval_cpu", f"{REPO}/configs/compare/retrieval_cpu.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  compare.check_comparison_config(config)
+  assert len(config.seeds) >= 3 and config.v2_match == "params"
+  from diffjax.model import ModelConfig
+  from diffjax.model import count_params
+  counts = {}
+  for arm in compare.ARMS:
+    run = compare.run_config(config, arm, 0)
+    counts[arm] = count_params(ModelConfig(**{**run.model.to_dict(), "vocab_size": 258}))
+    mix = run.task_mix
+    assert (mix.fraction, mix.loss, mix.num_queries, mix.separator) == (1.0, "answers", 1, "")
+  assert abs(counts["diff_v2"] / counts["transformer"] - 1) <= 0.005, counts
+  ev = compare.eval_config(config, compare.run_config(config, "transformer", 0))
+  assert ev.probe_task == "mqar" and ev.mqar["separator"] == ""
+  cells = [(c["num_pairs"], c["distractors_per_query"]) for c in ev.mqar_grid]
+  # The trained setting, near-duplicate distractors and longer contexts; one key asked each,
+  # so a value picked without matching its key scores at most 1 / (values present).
+  assert (2, 0) in cells and any(d > 0 for _, d in cells) and max(p for p, _ in cells) >= 8
+  assert all(c["num_queries"] == 1 for c in ev.mqar_grid)
+
+
 def test_check_batches_reports_mismatch_and_missing_hashes():
   same = {s: 100 + s for s in range(1, 5)}
   hashes = {("transformer", 0): same, ("diff_v1", 0): {**same, 3: 999},

@@ -1,0 +1,50 @@
+"""Associative recall among near-duplicate keys: 3 arms x 3 seeds that learn to retrieve on a CPU.
+
+  python -m diffjax.compare --config=configs/compare/retrieval_cpu.py --workdir=runs/retrieval
+
+Every arm is trained from scratch on one retrieval setting alone, scored on its answers: two
+key-value pairs, 2-letter keys, 1-digit values, no separator ("ab3 cd5 \\nab3"), one key
+queried per example. Answering a query then needs the key matched (a value picked without it
+is right half the time), and on this setting a 134K-parameter Transformer forms the matching
+(induction) circuit within a few hundred steps. The evaluation asks what the paper asks of
+attention noise on a grid the models never trained on: more pairs (longer contexts, up to 8x
+the trained one) and near-duplicate distractor keys that differ from the queried key in one
+letter and carry another value. DIFF V2 is matched to the Transformer by parameters.
+
+Budget: 9 runs of 500 steps x 64 x 128 tokens, each followed by the evaluation; about 40
+minutes on 2 cores.
+"""
+
+from diffjax.compare import comparison_config
+from diffjax.presets import arm_model, base_config
+
+_TASK = dict(key_len=2, value_len=1, separator="")
+# Pairs x near-duplicate distractors per queried key; (2, 0) is the trained setting.
+_GRID = ((2, 0), (2, 1), (2, 2), (4, 0), (4, 1), (8, 0), (8, 1), (16, 0), (16, 2))
+
+
+def get_config():
+  run = base_config()
+  run.model.update(arm_model("micro", "transformer"))
+  run.seq_len, run.global_batch_size = 128, 64
+  run.num_steps = 500
+  # Warm-up, then a learning rate that stays near its peak for the whole run (the cosine
+  # reaches min_lr only at step 3,000): the matching circuit forms late in a short run.
+  run.optim.update(dict(lr=1e-3, min_lr=1e-4, warmup_steps=100, decay_steps=3000))
+  run.log_every, run.eval_every = 100, run.num_steps
+  run.checkpoint.every = run.num_steps
+  run.data.val_fraction = 0.05
+  run.task_mix.update(dict(task="associative_recall", fraction=1.0, num_examples=20_000,
+                           loss="answers", num_pairs=2, num_queries=1, distractors_per_query=0,
+                           grid=(), **_TASK))
+  c = comparison_config(run, seeds=(0, 1, 2))
+  c.eval.mode = "quick"
+  c.eval.overrides.mqar = dict(num_pairs=2, num_queries=1, distractors_per_query=1, **_TASK)
+  c.eval.overrides.mqar_grid = tuple(dict(num_pairs=p, num_queries=1, distractors_per_query=d)
+                                     for p, d in _GRID)
+  c.eval.overrides.mqar_examples = 128
+  c.eval.overrides.probe_task = "mqar"
+  c.eval.overrides.sections = ("validation", "mqar", "mqar_grid", "allocation", "lowbit",
+                               "probes")
+  c.report.title = "Associative recall among near-duplicate keys (CPU)"
+  return c
