@@ -327,3 +327,19 @@ def test_decode_matches_reference_wide(b, s, h, kh, d, dv, block_kv, splits, dty
   out = kt.diff_v1_decode_tpu(*args, kv_len, block_sizes=blocks, interpret=True)
   tol = F32_TOL if dtype == jnp.float32 else TOL[jnp.bfloat16]
   assert rel_err(out, _reference(*args, kv_len)) <= tol
+
+
+def test_no_races_in_interpreter():
+  """The split decode (two programs per row, each double-buffering its cache blocks) under
+  the interpreter's race detector, on two simulated cores."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  c = CASES["g3_split"]
+  args = _inputs(c["b"], c["s"], c["h"], c["kh"], c["d"], c["dv"])
+  kv_len = jnp.array(c["lens"], jnp.int32)
+  pltpu.reset_tpu_interpret_mode_state()
+  out = kt.diff_v1_decode_tpu(
+      *args, kv_len, block_sizes=kt.DecodeBlockSizes(block_kv=c["block_kv"]),
+      interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2))
+  assert rel_err(out, _reference(*args, kv_len)) <= F32_TOL
+  assert ipc.races is not None and not ipc.races.races_found
