@@ -5,14 +5,14 @@
 Every arm is trained from scratch on one retrieval setting alone, scored on its answers: two
 key-value pairs, 2-letter keys, 1-digit values, no separator ("ab3 cd5 \\nab3"), one key
 queried per example. Answering a query then needs the key matched (a value picked without it
-is right half the time), and on this setting a 134K-parameter Transformer forms the matching
+is right half the time), and on this setting 134K-parameter models can form the matching
 (induction) circuit within a few hundred steps. The evaluation asks what the paper asks of
 attention noise on a grid the models never trained on: more pairs (longer contexts, up to 8x
 the trained one) and near-duplicate distractor keys that differ from the queried key in one
 letter and carry another value. DIFF V2 is matched to the Transformer by parameters.
 
-Budget: 9 runs of 500 steps x 64 x 128 tokens, each followed by the evaluation; about 40
-minutes on 2 cores.
+Budget: 9 runs of 500 steps x 64 x 128 tokens, each followed by the evaluation: 30 minutes
+on 2 cores (measured, training, evaluation and report).
 """
 
 from diffjax.compare import comparison_config
