@@ -68,7 +68,6 @@ def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step:
   from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
   from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
   from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
-
   from diffjax.train.task_mix import run_source  # pylint: disable=import-outside-toplevel
 
   model, _, step = load_model(run_dir, step=step)
