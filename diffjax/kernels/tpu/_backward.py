@@ -150,11 +150,8 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
   refs = list(refs)
   nq = chunk.num_q_blocks
   inner = plan.group * nq
-  if plan.causal:  # the step tables come first
-    t_steps, kv_steps = refs.pop(0), refs.pop(0)
-    step = pl.program_id(1)
-    t = t_steps[step]
-    j, kv_first, kv_last = L.unpack_kv_step(kv_steps[step])
+  if plan.causal:
+    t, j, kv_first, kv_last = L.pop_step_tables(refs)
   else:
     j, t = pl.program_id(1), pl.program_id(2)
     kv_first, kv_last = t == 0, t == inner - 1

@@ -32,11 +32,8 @@ from diffjax.kernels.tpu import _layout as L
 
 def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
   refs = list(refs)
-  if plan.causal:  # the step tables come first
-    q_steps, kv_steps = refs.pop(0), refs.pop(0)
-    step = pl.program_id(1)
-    i = q_steps[step]
-    j, first, last = L.unpack_kv_step(kv_steps[step])
+  if plan.causal:
+    i, j, first, last = L.pop_step_tables(refs)
   else:
     i, j = pl.program_id(1), pl.program_id(2)
     first, last = j == 0, j == plan.num_kv_blocks - 1

@@ -229,6 +229,15 @@ def unpack_kv_step(word):
           jnp.bitwise_and(word, 2) == 2)
 
 
+def pop_step_tables(refs: list):
+  """Pops a causal kernel's two scalar-prefetch step tables (they come first in ``refs``)
+  and reads the current step: (row entry, key tile j, first, last). The row entry is the
+  query tile (forward) or the head-and-query-tile index (backward)."""
+  row_steps, kv_steps = refs.pop(0), refs.pop(0)
+  step = pl.program_id(1)
+  return (row_steps[step], *unpack_kv_step(kv_steps[step]))
+
+
 def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
               segmented: bool, scale: float, shared_k: bool, lam_rows: bool,
               heads: int, kv_heads: int, dq_chunk: int | None = None) -> Plan:
