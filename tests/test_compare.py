@@ -5,8 +5,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,6 +134,11 @@ def test_arms_share_batches_and_seeds_differ(compared):
   assert per_seed[0] != per_seed[1], "seeds 0 and 1 drew the same data order"
 
 
+def _losses(run_dir):
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+
+
 def test_rerun_skips_finished_runs(compared):
   workdir, config_path, _ = compared
   runs = [_run_dir(workdir, a, s) for s in SEEDS for a in ARMS]
@@ -162,6 +169,63 @@ def test_unfinished_run_resumes_from_its_checkpoint(compared):
   assert (run_dir / "DONE").read_text().strip() == str(STEPS)
   after = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l]
   assert after == train_rows, "the resumed run trained steps again"
+
+
+def test_parallel_workers_train_what_the_serial_loop_trains(compared, tmp_path):
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  redone = [_run_dir(copy, a, 1) for a in ARMS]
+  for d in redone:
+    shutil.rmtree(d)
+  r = _cli(config_path, copy, "--config.workers=2")
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "2 runs at a time" in r.stdout, r.stdout
+  for arm in ARMS:
+    assert f"{arm}_seed1] done: train loss" in r.stdout, r.stdout
+    assert f"{arm}_seed0 finished earlier" not in r.stdout  # skipped runs log to their file
+    serial = _run_dir(workdir, arm, 1)
+    parallel = _run_dir(copy, arm, 1)
+    # Same config, data order and step function in a worker process: the same losses.
+    assert _losses(parallel) == _losses(serial), arm
+    assert _hashes(parallel) == _hashes(serial), arm
+    assert "training to step" in (parallel / "output.log").read_text()
+    ev_serial = json.loads((serial / "eval.json").read_text())["scalars"]
+    ev_parallel = json.loads((parallel / "eval.json").read_text())["scalars"]
+    assert ev_parallel.keys() == ev_serial.keys()
+    for k, v in ev_serial.items():
+      assert ev_parallel[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (arm, k)
+  results = json.loads((copy / "results.json").read_text())
+  assert [r["name"] for r in results["runs"]] == [f"{a}_seed{s}" for s in SEEDS for a in ARMS]
+  assert results["data_check"]["ok"] is True
+
+
+def test_sigterm_stops_parallel_workers_after_they_save(tmp_path):
+  config_path = tmp_path / "long.py"
+  config_path.write_text(MINI_CONFIG.replace(f"= 32, 4, {STEPS}", "= 32, 4, 5000")
+                         .replace(f"decay_steps={STEPS}", "decay_steps=5000")
+                         .replace("seeds=(0, 1)", "seeds=(0,)"))
+  workdir = tmp_path / "out"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "diffjax.compare", f"--config={config_path}",
+       f"--workdir={workdir}", "--config.workers=2"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = [_run_dir(workdir, a, 0) / "metrics.jsonl" for a in ARMS]
+  deadline = time.time() + 300
+  while not all(m.exists() and m.stat().st_size > 0 for m in metrics):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 75, out[-3000:] + err[-3000:]
+  assert "rerun the same command to continue" in err
+  for arm in ARMS:
+    d = _run_dir(workdir, arm, 0)
+    saved = [int(n) for n in os.listdir(d / "checkpoints") if n.isdigit()]
+    assert saved and 0 < max(saved) < 5000, (arm, saved)  # saved on the signal, not finished
+    assert not (d / "DONE").exists()
+    assert f"saved step {max(saved)}; rerun" in (d / "output.log").read_text()
 
 
 def test_batch_mismatch_is_reported_loudly(compared, tmp_path):
@@ -261,6 +325,7 @@ def test_check_batches_reports_mismatch_and_missing_hashes():
     ("--config.seeds=()", "seeds is empty"),
     ("--config.seeds=(0, 0)", "repeats a seed"),
     ("--config.eval.mode=fast", "eval.mode='fast'"),
+    ("--config.workers=0", "workers=0 must be a positive integer"),
     ("--config.base.model.attention=diff_v1", "must be the 'transformer' spec"),
 ])
 def test_bad_config_one_error_line(tmp_path, capsys, override, needle):

@@ -17,6 +17,8 @@ Layout of --workdir:
     results.json          every number: per-run training and eval results, the aggregates, the
                           data check
     compare_config.json   the config of the latest invocation
+    runs/<run>/output.log the run's trainer and eval output when ``workers`` > 1 (the runs then
+                          train side by side, each in its own process)
     compile_cache/        JAX's persistent compilation cache (command line only): the seeds of
                           one arm compile the same steps, so runs after the first reuse them
 
@@ -28,8 +30,8 @@ and exit with 2.
 Modules: `config` (the compare config, its checks, each run's train and eval config), `runs`
 (train, evaluate and collect one run), `datacheck` (batch hashes compared across arms),
 `summary` (the comparison's table at the top of report.md), `outputs` (report.md, PNGs,
-results.json), `comparison` (`run_comparison`, the loop over arms x seeds), `command` (the
-command line).
+results.json), `comparison` (`run_comparison`, the loop over arms x seeds), `parallel` (several
+runs at once in worker processes, ``workers`` > 1, CPU only), `command` (the command line).
 """
 
 from diffjax.compare.command import main

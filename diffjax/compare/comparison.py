@@ -10,10 +10,11 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from etils import epath
 
-from diffjax.compare.config import arm_names, check_comparison_config, run_config, run_name
+from diffjax.compare.config import arm_names, check_comparison_config, run_name
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
-from diffjax.compare.runs import collect_run, evaluate_run, train_run
+from diffjax.compare.parallel import run_parallel
+from diffjax.compare.runs import collect_run, train_and_evaluate_run
 from diffjax.train.records import write_json
 
 
@@ -50,18 +51,12 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
       f"each, eval {config.eval.mode}, in {workdir}")
 
   runs, timings = [], {}
-  for i, (arm, seed) in enumerate(plan):
-    run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
-    run = run_config(config, arm, seed)
-    tag = f"[{i + 1}/{len(plan)} {run_name(arm, seed)}]"
-    log(f"{tag} starting: {len(plan) - i} runs left, elapsed {elapsed()}")
-    t = time.perf_counter()
-    step = train_run(run, run_dir, tag, log)
-    seconds = {"train": time.perf_counter() - t}
-    t = time.perf_counter()
-    ev = evaluate_run(config, run, run_dir, step, tag, log)
-    seconds["eval"] = time.perf_counter() - t
+
+  def finish(i: int, result: tuple[int, dict[str, Any] | None, dict[str, float]]) -> None:
+    arm, seed = plan[i]
+    step, ev, seconds = result
     timings[run_name(arm, seed)] = seconds
+    run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
     runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, int(config.base.log_every)))
     # Check the data as soon as a pair exists, so a mismatch does not wait for the last run.
     first = next(r for r in runs if r["seed"] == seed)
@@ -71,9 +66,21 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
       if not check["ok"]:
         _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
     final = runs[-1]["final_metrics"]
-    log(f"{tag} done: train loss {final.get('train/loss', float('nan')):.4f}, eval loss "
-        f"{final.get('eval/loss', float('nan')):.4f}; {len(plan) - i - 1} runs left, elapsed "
-        f"{elapsed()}")
+    left = len(plan) - len(runs)
+    log(f"[{i + 1}/{len(plan)} {run_name(arm, seed)}] done: train loss "
+        f"{final.get('train/loss', float('nan')):.4f}, eval loss "
+        f"{final.get('eval/loss', float('nan')):.4f}; {left} runs left, elapsed {elapsed()}")
+
+  workers = int(config.get("workers", 1))
+  if workers > 1 and len(plan) > 1:
+    run_parallel(config, workdir, plan, min(workers, len(plan)), log, finish)
+  else:
+    for i, (arm, seed) in enumerate(plan):
+      tag = f"[{i + 1}/{len(plan)} {run_name(arm, seed)}]"
+      log(f"{tag} starting: {len(plan) - i} runs left, elapsed {elapsed()}")
+      finish(i, train_and_evaluate_run(config, workdir, arm, seed, tag, log))
+  order = {name: k for k, name in enumerate(run_name(a, s) for a, s in plan)}
+  runs.sort(key=lambda r: order[r["name"]])
 
   hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in runs}
   data_check = check_batches(hashes, arms, seeds, num_steps)

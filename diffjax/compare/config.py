@@ -32,12 +32,14 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width), ``eval.mode`` ("quick", "full" or "none"),
   ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
   make them overridable from the command line), ``report.baseline``, ``report.confidence``,
-  ``report.title``.
+  ``report.title``, ``workers`` (runs trained at once, each in its own process; more than 1
+  only on a CPU backend, where a small model leaves cores idle: see `diffjax.compare.parallel`).
   """
   c = ml_collections.ConfigDict()
   c.arms = tuple(arms)
   c.seeds = tuple(int(s) for s in seeds)
   c.v2_match = v2_match
+  c.workers = 1
   c.base = base
   c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
   c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
@@ -149,6 +151,10 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
   if len(set(seeds)) != len(seeds):
     raise ValueError(f"seeds={seeds} repeats a seed.")
+  workers = config.get("workers", 1)
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise ValueError(f"workers={workers!r} must be a positive integer (runs trained at once; "
+                     "more than 1 only on a CPU).")
   if config.eval.mode not in EVAL_MODES:
     raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
   fields = {f.name for f in dataclasses.fields(EvalConfig)}

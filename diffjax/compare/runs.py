@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Callable, Mapping
 
 import ml_collections
 from etils import epath
 
-from diffjax.compare.config import eval_config, run_name
+from diffjax.compare.config import eval_config, run_config, run_name
 from diffjax.model import ModelConfig, count_params
 from diffjax.train.records import read_metrics, write_json
 
@@ -111,6 +112,40 @@ def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDi
   log(f"{tag} evaluating ({config.eval.mode}) step {step}")
   return evaluate_checkpoint(run, run_dir, cfg, step, config.eval.mode == "quick",
                              log=lambda msg: log(f"{tag} eval {msg}"))
+
+
+def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,
+                           tag: str, log: Log
+                           ) -> tuple[int, dict[str, Any] | None, dict[str, float]]:
+  """Trains (or resumes, or skips) and evaluates run (arm, seed) of ``config`` in
+  ``workdir/runs/<arm>_seed<k>``; returns (step reached, eval JSON, seconds per phase)."""
+  run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
+  run = run_config(config, arm, seed)
+  t = time.perf_counter()
+  step = train_run(run, run_dir, tag, log)
+  seconds = {"train": time.perf_counter() - t}
+  t = time.perf_counter()
+  ev = evaluate_run(config, run, run_dir, step, tag, log)
+  seconds["eval"] = time.perf_counter() - t
+  return step, ev, seconds
+
+
+def last_step(run_dir: str) -> int | None:
+  """The last step in ``run_dir``'s metrics.jsonl (read from its end), or None."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - 4096))
+      lines = f.read().decode("utf-8", "replace").splitlines()
+  except OSError:
+    return None
+  for line in reversed(lines):
+    try:
+      return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+      continue
+  return None
 
 
 def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any] | None,
