@@ -228,6 +228,20 @@ def test_sigterm_stops_parallel_workers_after_they_save(tmp_path):
     assert f"saved step {max(saved)}; rerun" in (d / "output.log").read_text()
 
 
+def test_a_failing_parallel_run_gives_its_own_error_line(compared, tmp_path):
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  (_run_dir(copy, "diff_v1", 1) / "DONE").unlink()  # resumes, with a model that does not fit
+  r = _cli(config_path, copy, "--config.workers=2", "--config.base.model.mlp_dim=96")
+  assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error:") and "model config" in last, r.stderr[-3000:]
+  assert "diff_v1_seed1] failed" in r.stdout, r.stdout
+  # Nothing is reported from a comparison that did not finish: the old report stays.
+  assert (copy / "results.json").read_text() == (workdir / "results.json").read_text()
+
+
 def test_batch_mismatch_is_reported_loudly(compared, tmp_path):
   workdir, config_path, _ = compared
   copy = tmp_path / "out"
@@ -388,3 +402,15 @@ def test_v2_matched_by_params_differs_only_in_ffn_width():
   tiny_ffn = ModelConfig(attention="transformer", **{**baseline_spec("tiny", 258), "mlp_dim": 8})
   with pytest.raises(ValueError, match="mlp_dim=8"):
     matched_configs(tiny_ffn, v2_match="params")
+
+
+def test_summary_names_what_the_runs_trained_on():
+  from diffjax.compare.summary import _data_phrase
+  base = base_config()
+  assert _data_phrase(base) == f"`{base.data.kind}` data"
+  base.task_mix.update(dict(task="associative_recall", fraction=0.25))
+  assert _data_phrase(base) == (f"`{base.data.kind}` data with 25% of the tokens from "
+                                "`associative_recall` examples")
+  base.task_mix.update(dict(fraction=1.0, num_examples=20_000, loss="answers"))
+  assert _data_phrase(base) == ("`associative_recall` task examples alone (20,000 examples, "
+                                "only the answer tokens scored; no corpus text)")

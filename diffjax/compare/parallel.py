@@ -32,10 +32,19 @@ LOG_NAME = "output.log"
 Result = tuple[int, "dict[str, Any] | None", "dict[str, float]"]
 
 
+def _stop_outside_training(signum: int, frame: Any) -> None:
+  del frame
+  raise ComparisonStopped(f"signal {signum} stopped a run outside its training loop (nothing "
+                          "new to save)")
+
+
 def _child_init(cache_dir: str | None) -> None:
   # Ctrl-C reaches the whole process group; the parent decides what it means. The trainer
-  # installs its own SIGINT/SIGTERM handlers (save and stop) while it trains.
+  # installs its own SIGINT/SIGTERM handlers (save, then stop) while it trains; outside that
+  # loop (start-up, evaluation) SIGTERM ends the run with an exception and the worker process
+  # lives on, so the pool never breaks under a run that is still saving.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, _stop_outside_training)
   from absl import logging  # pylint: disable=import-outside-toplevel
   logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=import-outside-toplevel
@@ -88,39 +97,44 @@ def run_parallel(config: ml_collections.ConfigDict, workdir: str,
                                 mp_context=multiprocessing.get_context("spawn"),
                                 initializer=_child_init, initargs=(cache_dir,))
   futures: dict[cf.Future, int] = {}
+  # Runs are submitted only when a worker is free: none waits in the pool's own queue, where
+  # a stop could not reach it.
+  queue = list(range(len(plan)))
+  pending: set[cf.Future] = set()
   stop: dict[str, Any] = {"signum": None}
 
   def stop_children(signum: int = signal.SIGTERM, frame: Any = None) -> None:
     del frame
     stop["signum"] = stop["signum"] or signum
-    for f in futures:
-      f.cancel()  # queued runs never start
+    queue.clear()  # queued runs never start
     for p in list((getattr(pool, "_processes", None) or {}).values()):
       try:
         os.kill(p.pid, signal.SIGTERM)
       except OSError:
         pass
 
+  def submit_next() -> None:
+    if queue:
+      i = queue.pop(0)
+      arm, seed = plan[i]
+      f = pool.submit(_child_run, config, workdir, arm, seed, tags[i])
+      futures[f] = i
+      pending.add(f)
+      log(f"{tags[i]} started in a worker process")
+
   old = {s: signal.signal(s, stop_children) for s in (signal.SIGTERM, signal.SIGINT)}
   stopped: list[str] = []
   error: BaseException | None = None
   try:
-    for i, (arm, seed) in enumerate(plan):
-      futures[pool.submit(_child_run, config, workdir, arm, seed, tags[i])] = i
     log(f"compare: {workers} runs at a time, each in its own process; a run's trainer and eval "
         f"output goes to runs/<arm>_seed<k>/{LOG_NAME}")
-    pending, started = set(futures), set()
+    for _ in range(workers):
+      submit_next()
     while pending:
-      done, pending = cf.wait(pending, timeout=PROGRESS_SECONDS if started else 1.0,
-                              return_when=cf.FIRST_COMPLETED)
-      for f in sorted(pending, key=futures.get):
-        if f.running() and futures[f] not in started:
-          started.add(futures[f])
-          log(f"{tags[futures[f]]} started in a worker process")
+      done, still = cf.wait(pending, timeout=PROGRESS_SECONDS, return_when=cf.FIRST_COMPLETED)
+      pending.difference_update(done)
       for f in sorted(done, key=futures.get):
         i = futures[f]
-        if f.cancelled():
-          continue
         try:
           result = f.result()
         except ComparisonStopped as e:
@@ -130,6 +144,7 @@ def run_parallel(config: ml_collections.ConfigDict, workdir: str,
           if stop["signum"] is None and error is None:
             error = RuntimeError(f"{tags[i]} a worker process died ({e}); see {logs[i]}. "
                                  "Rerun the command to continue from the saved checkpoints.")
+            stop_children()
           continue
         except Exception as e:  # pylint: disable=broad-except
           if error is None:
@@ -138,14 +153,14 @@ def run_parallel(config: ml_collections.ConfigDict, workdir: str,
             stop_children()
           continue
         on_done(i, result)
+        submit_next()
       if not done and stop["signum"] is None:
         steps = []
-        for i in sorted(futures[f] for f in pending if f.running()):
+        for i in sorted(futures[f] for f in still):
           step = last_step(os.path.dirname(logs[i]))
           steps.append(f"{run_name(*plan[i])} " +
                        (f"step {step:,}" if step is not None else "starting"))
-        if steps:
-          log(f"compare: running {', '.join(steps)}")
+        log(f"compare: running {', '.join(steps)}")
   finally:
     for s, h in old.items():
       signal.signal(s, h)

@@ -101,6 +101,20 @@ def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str
           f"{how.get(v2_matching(config), v2_matching(config))}. Parameters: {counts}.")
 
 
+def _data_phrase(base: ml_collections.ConfigDict) -> str:
+  """What the runs trained on, as the summary's first line says it."""
+  mix = base.get("task_mix", None)
+  task = mix.get("task", "none") if mix is not None else "none"
+  fraction = float(mix.get("fraction", 0.0)) if mix is not None else 0.0
+  if task == "none" or fraction == 0.0:
+    return f"`{base.data.kind}` data"
+  scored = ", only the answer tokens scored" if mix.get("loss", "all") == "answers" else ""
+  if fraction == 1.0:
+    return (f"`{task}` task examples alone ({int(mix.num_examples):,} examples{scored}; "
+            "no corpus text)")
+  return f"`{base.data.kind}` data with {fraction:.0%} of the tokens from `{task}` examples"
+
+
 def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]],
                     arms: Sequence[str], data_check: Mapping[str, Any]
                     ) -> tuple[list[str], dict[str, Any]]:
@@ -117,7 +131,7 @@ def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[st
   head = ["## Comparison summary", "",
           f"{len(runs)} runs; each trained {int(base.num_steps):,} steps x "
           f"{int(base.global_batch_size)} x {int(base.seq_len)} tokens = {tokens:,} tokens on "
-          f"`{base.data.kind}` data, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
+          f"{_data_phrase(base)}, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
           f"half-width of the {confidence:.0%} t interval; the paired column is arm minus "
           f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
           f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
