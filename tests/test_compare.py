@@ -178,7 +178,8 @@ def test_parallel_workers_train_what_the_serial_loop_trains(compared, tmp_path):
   redone = [_run_dir(copy, a, 1) for a in ARMS]
   for d in redone:
     shutil.rmtree(d)
-  r = _cli(config_path, copy, "--config.workers=2")
+  r = _cli(config_path, copy, "--config.workers=2", "--config.report.learned_below=100.0",
+           "--config.report.learned_window=2")
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert "2 runs at a time" in r.stdout, r.stdout
   for arm in ARMS:
@@ -197,6 +198,10 @@ def test_parallel_workers_train_what_the_serial_loop_trains(compared, tmp_path):
       assert ev_parallel[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (arm, k)
   results = json.loads((copy / "results.json").read_text())
   assert [r["name"] for r in results["runs"]] == [f"{a}_seed{s}" for s in SEEDS for a in ARMS]
+  # Every loss is below 100, so each run "learned" at its first full 2-step window.
+  assert all(r["scalars"]["train/steps_to_learn"] == 2.0 and r["scalars"]["train/learned"] == 1.0
+             for r in results["runs"])
+  assert "train/steps_to_learn" in (copy / "report.md").read_text()
   assert results["data_check"]["ok"] is True
 
 
@@ -414,3 +419,14 @@ def test_summary_names_what_the_runs_trained_on():
   base.task_mix.update(dict(fraction=1.0, num_examples=20_000, loss="answers"))
   assert _data_phrase(base) == ("`associative_recall` task examples alone (20,000 examples, "
                                 "only the answer tokens scored; no corpus text)")
+
+
+def test_steps_to_learn_is_the_first_window_below_the_threshold():
+  from diffjax.compare.runs import steps_to_learn
+  losses = [0.7] * 10 + [0.2] * 10  # steps 1..20
+  rows = [{"step": i + 1, "train/loss": v} for i, v in enumerate(losses)]
+  # Window 4: the mean of steps 10-13 is 0.325, the first below; of steps 9-12, 0.45.
+  assert steps_to_learn(rows, 0.35, 4) == 13.0
+  assert steps_to_learn(rows, 0.35, 1) == 11.0
+  assert math.isnan(steps_to_learn(rows, 0.1, 4))  # never
+  assert math.isnan(steps_to_learn(rows[:2], 0.9, 4))  # too few steps for one window

@@ -57,7 +57,9 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     step, ev, seconds = result
     timings[run_name(arm, seed)] = seconds
     run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
-    runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, int(config.base.log_every)))
+    runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, int(config.base.log_every),
+                            float(config.report.get("learned_below", 0.0)),
+                            int(config.report.get("learned_window", 25))))
     # Check the data as soon as a pair exists, so a mismatch does not wait for the last run.
     first = next(r for r in runs if r["seed"] == seed)
     if first is not runs[-1]:

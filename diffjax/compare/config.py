@@ -32,7 +32,10 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width), ``eval.mode`` ("quick", "full" or "none"),
   ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
   make them overridable from the command line), ``report.baseline``, ``report.confidence``,
-  ``report.title``, ``workers`` (runs trained at once, each in its own process; more than 1
+  ``report.title``, ``report.learned_below`` (a train loss that marks a run as having learned
+  its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
+  gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
+  ``report.learned_window`` steps is below it, and ``train/learned``), ``workers`` (runs trained at once, each in its own process; more than 1
   only on a CPU backend, where a small model leaves cores idle: see `diffjax.compare.parallel`).
   """
   c = ml_collections.ConfigDict()
@@ -43,6 +46,7 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c.base = base
   c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
   c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
+                                            learned_below=0.0, learned_window=25,
                                             title="Matched comparison"))
   return c
 
@@ -161,6 +165,10 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
   if unknown:
     raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
+  if float(config.report.get("learned_below", 0.0)) < 0:
+    raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
+  if int(config.report.get("learned_window", 25)) < 1:
+    raise ValueError(f"report.learned_window={config.report.learned_window} must be >= 1.")
   if not 0.0 < float(config.report.confidence) < 1.0:
     raise ValueError(f"report.confidence={config.report.confidence} must be in (0, 1).")
   try:

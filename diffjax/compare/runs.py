@@ -7,9 +7,10 @@ final_metrics.json, model_config.json) plus the eval suite's eval.json.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 from etils import epath
@@ -148,8 +149,22 @@ def last_step(run_dir: str) -> int | None:
   return None
 
 
+def steps_to_learn(metrics: Sequence[Mapping[str, float]], below: float, window: int
+                   ) -> float:
+  """The first step at which the mean train loss over the last ``window`` steps (that one
+  included) is below ``below``, or NaN if no step gets there (a run that never learned: the
+  statistics then leave it out, and ``train/learned`` counts it as 0)."""
+  losses = {int(m["step"]): float(m["train/loss"]) for m in metrics if "train/loss" in m}
+  for step in sorted(losses):
+    last = [losses[s] for s in range(step - window + 1, step + 1) if s in losses]
+    if len(last) == window and sum(last) / window < below:
+      return float(step)
+  return float("nan")
+
+
 def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any] | None,
-                seconds: Mapping[str, float], log_every: int) -> dict[str, Any]:
+                seconds: Mapping[str, float], log_every: int, learned_below: float = 0.0,
+                learned_window: int = 25) -> dict[str, Any]:
   """One run's record: trainer results, metrics rows (one per step), eval JSON (with trainer
   scalars).
 
@@ -158,6 +173,8 @@ def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any]
     train/final_loss     mean train loss over the last ``log_every`` steps (one batch is too
                          noisy to compare arms by)
     val/final_eval_loss  the trainer's final eval loss (its eval_batches validation batches)
+    train/steps_to_learn when ``learned_below`` > 0: `steps_to_learn` (NaN if never), and
+    train/learned        1 if the run got there, else 0
   """
   final = json.loads(_read_text(epath.Path(run_dir, "final_metrics.json")) or "{}")
   metrics = read_metrics(run_dir)
@@ -167,6 +184,10 @@ def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any]
     scalars["train/final_loss"] = sum(last) / len(last)
   if "eval/loss" in final:
     scalars["val/final_eval_loss"] = final["eval/loss"]
+  if learned_below > 0:
+    first = steps_to_learn(metrics, learned_below, learned_window)
+    scalars["train/steps_to_learn"] = first
+    scalars["train/learned"] = float(not math.isnan(first))
   model = ModelConfig.from_dict(json.loads(epath.Path(run_dir, "model_config.json").read_text()))
   return {"arm": arm, "seed": seed, "name": run_name(arm, seed), "workdir": run_dir,
           "step": step, "params": count_params(model), "final_metrics": final,

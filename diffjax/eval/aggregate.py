@@ -18,14 +18,19 @@ ARM_ORDER = ("transformer", "diff_v1", "diff_v2")
 # Metrics the summary states first, in this order.
 HEADLINE = ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy", "mqar_grid/mean",
             "allocation/answer_signed_share", "allocation/context_signed_share",
-            "outliers/attention_logits_top1", "outliers/hidden_top1")
+            "outliers/attention_logits_top1", "outliers/hidden_top1", "train/steps_to_learn",
+            "train/learned")
 
 
 def direction(metric: str) -> bool | None:
   """True if higher is better, False if lower is better, None for descriptive metrics."""
   if metric.startswith(("val/", "lowbit/")) and metric.endswith(("loss", "perplexity")):
     return False
+  if metric == "train/steps_to_learn":
+    return False
   if metric.endswith("accuracy") or metric.startswith(("retrieval/", "heatmap/", "mqar_grid/")):
+    return True
+  if metric == "train/learned":
     return True
   return None
 
