@@ -50,8 +50,10 @@ def get_config():
                                      for p, d in _GRID)
   c.eval.overrides.mqar_examples = 128
   c.eval.overrides.probe_task = "mqar"
-  c.eval.overrides.sections = ("validation", "mqar", "mqar_grid", "allocation", "lowbit",
-                               "probes")
+  # "text" runs on the run's own validation examples: the A1/A2 map-correlation probe, outliers
+  # and lambda; "probes" is the clamp probe.
+  c.eval.overrides.sections = ("validation", "mqar", "mqar_grid", "allocation", "text",
+                               "lowbit", "probes")
   c.report.title = "Associative recall among near-duplicate keys (CPU)"
   # Guessing between the two values in context costs ln 2 = 0.69 per answer; runs that match
   # keys end near 0.15. A 25-step mean below 0.35 marks the step a run learned to retrieve.
