@@ -71,7 +71,8 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     left = len(plan) - len(runs)
     log(f"[{i + 1}/{len(plan)} {run_name(arm, seed)}] done: train loss "
         f"{final.get('train/loss', float('nan')):.4f}, eval loss "
-        f"{final.get('eval/loss', float('nan')):.4f}; {left} runs left, elapsed {elapsed()}")
+        f"{final.get('eval/loss', float('nan')):.4f}; {left} run{'' if left == 1 else 's'} left, "
+        f"elapsed {elapsed()}")
 
   workers = int(config.get("workers", 1))
   if workers > 1 and len(plan) > 1:
@@ -79,7 +80,8 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
   else:
     for i, (arm, seed) in enumerate(plan):
       tag = f"[{i + 1}/{len(plan)} {run_name(arm, seed)}]"
-      log(f"{tag} starting: {len(plan) - i} runs left, elapsed {elapsed()}")
+      left = len(plan) - i
+      log(f"{tag} starting: {left} run{'' if left == 1 else 's'} left, elapsed {elapsed()}")
       finish(i, train_and_evaluate_run(config, workdir, arm, seed, tag, log))
   order = {name: k for k, name in enumerate(run_name(a, s) for a, s in plan)}
   runs.sort(key=lambda r: order[r["name"]])
