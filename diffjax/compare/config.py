@@ -29,14 +29,16 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   Fields: ``arms``, ``seeds``, ``base`` (``base.seed`` is replaced by each seed and
   ``base.log_batch_hash`` is forced on), ``v2_match`` (how DIFF V2 is matched to the
   Transformer, see `diffjax.model.matched_configs`: "params", the default for new
-  comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width), ``eval.mode`` ("quick", "full" or "none"),
+  comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width),
+  ``eval.mode`` ("quick", "full" or "none"),
   ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
   make them overridable from the command line), ``report.baseline``, ``report.confidence``,
   ``report.title``, ``report.learned_below`` (a train loss that marks a run as having learned
   its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
   gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
-  ``report.learned_window`` steps is below it, and ``train/learned``), ``workers`` (runs trained at once, each in its own process; more than 1
-  only on a CPU backend, where a small model leaves cores idle: see `diffjax.compare.parallel`).
+  ``report.learned_window`` steps is below it, and ``train/learned``), ``workers`` (runs
+  trained at once, each in its own process; more than 1 only on a CPU backend, where a small
+  model leaves cores idle: see `diffjax.compare.parallel`).
   """
   c = ml_collections.ConfigDict()
   c.arms = tuple(arms)

@@ -2,8 +2,9 @@
 
 A small model does not keep two CPU cores busy: XLA runs its step on about one core, so runs
 side by side finish sooner than one after the other (on a 2-core machine two or three "micro"
-runs at once train 1.3-1.4x more tokens per second in total than one). Each run is exactly what the serial loop trains: the same
-config, data order and step function, in a process of its own. A child writes its trainer and
+runs at once train 1.3-1.4x more tokens per second in total than one). Each run is exactly
+what the serial loop trains: the same config, data order and step function, in a process of
+its own. A child writes its trainer and
 eval output to ``runs/<arm>_seed<k>/output.log``; the parent prints when runs start and finish
 and, every minute, the step each running run has reached.
 
