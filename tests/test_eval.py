@@ -634,6 +634,10 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
   s = out["scalars"]
   assert s["val/loss"] == out["sections"]["validation"]["loss"] > 0
   assert s["lowbit/float/loss"] == pytest.approx(s["val/loss"], rel=1e-4)
+  for name in ("logits4", "w4a8", "kv4", "w4a8_kv4"):  # what quantizing adds to the float loss
+    assert s[f"lowbit/{name}/loss_increase"] == pytest.approx(
+        s[f"lowbit/{name}/loss"] - s["lowbit/float/loss"], abs=1e-6), name
+  assert "lowbit/float/loss_increase" not in s
   for key in ("retrieval/N1_R1", "heatmap/len256", "mqar/accuracy", "lowbit/logits4/loss",
               "lowbit/w4a8_kv4/loss", "allocation/answer_signed_share", "probe/clamp_loss_delta",
               "outliers/attention_logits_top1", "lambda/mean", "probe/map_correlation_mean"):
@@ -861,3 +865,11 @@ def test_report_tables_and_plots_the_recall_grid(tmp_path):
   row = next(l for l in text.splitlines() if l.startswith("| P16_D2 |"))
   assert "0.41 ± " in row and "+0.2 [+0.2, +0.2]" in row
   assert "](mqar_grid.png)" in text and (tmp_path / "mqar_grid.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_directions_of_training_and_low_bit_measures():
+  from diffjax.eval.aggregate import direction
+  assert direction("lowbit/kv4/loss_increase") is False  # less added loss is better
+  assert direction("lowbit/kv4/loss") is False and direction("lowbit/kv4/accuracy") is True
+  assert direction("train/steps_to_learn") is False and direction("train/learned") is True
+  assert direction("probe/map_correlation_mean") is None  # descriptive

@@ -26,7 +26,8 @@ def direction(metric: str) -> bool | None:
   """True if higher is better, False if lower is better, None for descriptive metrics."""
   if metric.startswith(("val/", "lowbit/")) and metric.endswith(("loss", "perplexity")):
     return False
-  if metric == "train/steps_to_learn":
+  if metric == "train/steps_to_learn" or (metric.startswith("lowbit/")
+                                          and metric.endswith("/loss_increase")):
     return False
   if metric.endswith("accuracy") or metric.startswith(("retrieval/", "heatmap/", "mqar_grid/")):
     return True

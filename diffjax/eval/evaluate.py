@@ -189,6 +189,10 @@ def scalars_from_sections(sec: Mapping[str, Any]) -> dict[str, float]:
         continue
       s[f"lowbit/{name}/loss"] = v["loss"]
       s[f"lowbit/{name}/accuracy"] = v["accuracy"]
+    # The loss each quantization adds to the same model's float loss: paired across arms by
+    # seed, this is the robustness question itself.
+    for name, d in sec["lowbit"].get("delta", {}).items():
+      s[f"lowbit/{name}/loss_increase"] = d["loss"]
   if "probes" in sec:
     s["probe/clamp_loss_delta"] = sec["probes"]["loss_delta"]
     s["probe/clamp_accuracy_delta"] = sec["probes"]["accuracy_delta"]
