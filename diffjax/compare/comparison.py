@@ -14,7 +14,7 @@ from diffjax.compare.config import arm_names, check_comparison_config, run_name
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
-from diffjax.compare.runs import collect_run, train_and_evaluate_run
+from diffjax.compare.runs import RunResult, collect_run, train_and_evaluate_run
 from diffjax.train.records import write_json
 
 
@@ -52,7 +52,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
 
   runs, timings = [], {}
 
-  def finish(i: int, result: tuple[int, dict[str, Any] | None, dict[str, float]]) -> None:
+  def finish(i: int, result: RunResult) -> None:
     arm, seed = plan[i]
     step, ev, seconds = result
     timings[run_name(arm, seed)] = seconds

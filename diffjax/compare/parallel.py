@@ -25,12 +25,16 @@ from typing import Any, Callable, Sequence
 import ml_collections
 
 from diffjax.compare.config import run_name
-from diffjax.compare.runs import ComparisonStopped, last_step, train_and_evaluate_run
+from diffjax.compare.runs import (
+    ComparisonStopped,
+    RunResult,
+    last_step,
+    train_and_evaluate_run,
+)
 from diffjax.errors import UserError
 
 PROGRESS_SECONDS = 60.0
 LOG_NAME = "output.log"
-Result = tuple[int, "dict[str, Any] | None", "dict[str, float]"]
 
 
 def _stop_outside_training(signum: int, frame: Any) -> None:
@@ -54,7 +58,7 @@ def _child_init(cache_dir: str | None) -> None:
 
 
 def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,
-               tag: str) -> Result:
+               tag: str) -> RunResult:
   """One run in a worker process, its output appended to the run's output.log."""
   import jax  # pylint: disable=import-outside-toplevel
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
@@ -83,7 +87,7 @@ def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: 
 
 def run_parallel(config: ml_collections.ConfigDict, workdir: str,
                  plan: Sequence[tuple[str, int]], workers: int, log: Callable[[str], None],
-                 on_done: Callable[[int, Result], None]) -> None:
+                 on_done: Callable[[int, RunResult], None]) -> None:
   """Runs ``plan`` ((arm, seed) pairs) in ``workers`` processes; calls ``on_done(index,
   result)`` in this process as each run finishes, in finishing order.
 

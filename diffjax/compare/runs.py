@@ -20,6 +20,8 @@ from diffjax.model import ModelConfig, count_params
 from diffjax.train.records import read_metrics, write_json
 
 Log = Callable[[str], None]
+# What one run yields: (step reached, its eval JSON or None, seconds per phase).
+RunResult = tuple[int, "dict[str, Any] | None", "dict[str, float]"]
 
 
 class ComparisonStopped(RuntimeError):
@@ -116,10 +118,9 @@ def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDi
 
 
 def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,
-                           tag: str, log: Log
-                           ) -> tuple[int, dict[str, Any] | None, dict[str, float]]:
+                           tag: str, log: Log) -> RunResult:
   """Trains (or resumes, or skips) and evaluates run (arm, seed) of ``config`` in
-  ``workdir/runs/<arm>_seed<k>``; returns (step reached, eval JSON, seconds per phase)."""
+  ``workdir/runs/<arm>_seed<k>``."""
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
   run = run_config(config, arm, seed)
   t = time.perf_counter()
@@ -132,21 +133,9 @@ def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm:
 
 
 def last_step(run_dir: str) -> int | None:
-  """The last step in ``run_dir``'s metrics.jsonl (read from its end), or None."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  try:
-    with open(path, "rb") as f:
-      f.seek(0, os.SEEK_END)
-      f.seek(max(0, f.tell() - 4096))
-      lines = f.read().decode("utf-8", "replace").splitlines()
-  except OSError:
-    return None
-  for line in reversed(lines):
-    try:
-      return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-      continue
-  return None
+  """The last step in ``run_dir``'s metrics.jsonl, or None before the first line."""
+  rows = read_metrics(run_dir)
+  return rows[-1]["step"] if rows else None
 
 
 def steps_to_learn(metrics: Sequence[Mapping[str, float]], below: float, window: int

@@ -14,6 +14,7 @@ import ml_collections
 
 from diffjax.compare.config import v2_matching
 from diffjax.eval import stats
+from diffjax.train.task_mix import task_only
 
 
 def loss_curve(metrics: Sequence[Mapping[str, float]], every: int) -> list[dict[str, float]]:
@@ -109,7 +110,7 @@ def _data_phrase(base: ml_collections.ConfigDict) -> str:
   if task == "none" or fraction == 0.0:
     return f"`{base.data.kind}` data"
   scored = ", only the answer tokens scored" if mix.get("loss", "all") == "answers" else ""
-  if fraction == 1.0:
+  if task_only(mix):
     return (f"`{task}` task examples alone ({int(mix.num_examples):,} examples{scored}; "
             "no corpus text)")
   return f"`{base.data.kind}` data with {fraction:.0%} of the tokens from `{task}` examples"
