@@ -11,7 +11,10 @@ import os
 import subprocess
 import sys
 
-XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+# The CPU runtime aborts a collective whose participants wait more than 40 s for each
+# other by default; interpreted kernels on one device can hold the others that long.
+XLA_FLAGS = ("--xla_force_host_platform_device_count=8 "
+             "--xla_cpu_collective_call_terminate_timeout_seconds=1200")
 
 
 def run_in_child(test_file: str, child_env: str, markexpr: str, timeout: int = 1800) -> None:

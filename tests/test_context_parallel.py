@@ -48,6 +48,9 @@ LAYOUTS = {
     "all4": ((2, 1, 2, 2), ("data", "fsdp"), "tensor"),
     "fsdp2_context4": ((1, 2, 1, 4), None, None),
     "fsdp2_batch": ((1, 2, 1, 4), "fsdp", None),
+    # The kernel cases run the TPU interpreter on every device, so they use fewer.
+    "context2": ((1, 1, 1, 2), None, None),
+    "batch2_context2": ((2, 1, 1, 2), "data", None),
 }
 # One case per (op, strategy); together they use every layout and both load-balance settings.
 FAST = [
@@ -71,7 +74,8 @@ def _rel_err(x, y) -> float:
 
 def _mesh(shape):
   assert jax.device_count() == 8, jax.devices()
-  return jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), AXES)
+  n = int(np.prod(shape))  # the first n devices (the kernel cases use fewer, see below)
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
 
 
 def _inputs(op, t, *, scalar_lam=False, dtype=jnp.float32, seed=0):
@@ -97,7 +101,7 @@ def _packed_segments(t):
 
 
 def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=True,
-             scalar_lam=False, dtype=jnp.float32, tol=TOL):
+             scalar_lam=False, dtype=jnp.float32, tol=TOL, implementation="xla"):
   shape, batch_axis, head_axis = LAYOUTS[layout]
   mesh = _mesh(shape)
   c = mesh.shape["context"]
@@ -117,7 +121,8 @@ def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=
     out = cp.context_parallel_attention(
         op, xs, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
         load_balance=load_balance, causal=causal,
-        segment_ids=None if seg is None else seg[:, perm])
+        segment_ids=None if seg is None else seg[:, perm], implementation=implementation,
+        interpret=implementation != "xla")
     return jnp.sum(out.astype(jnp.float32) * ct[:, perm]), out
 
   def ref_loss(*xs):
@@ -211,6 +216,41 @@ def test_ring_bfloat16(op):
   _compare(op, "ring", True, "all4", dtype=jnp.bfloat16, tol=2e-2)
 
 
+# The fused TPU kernels per ring block (``implementation="pallas_tpu"``), in the TPU
+# interpreter: one default case (DIFF V1, zig-zag order, documents crossing the shard
+# boundary, so every step kind runs: the causal first step and both later cases); the
+# slow ones add V2, four shards, contiguous shards, no causal mask, batch sharding and
+# bfloat16.
+KERNEL_SLOW = [
+    ("diff_v2", True, "context2", True),
+    ("diff_v2", True, "fsdp2_context4", True),
+    ("diff_v1", False, "fsdp2_context4", True),
+    ("diff_v2", False, "batch2_context2", True),
+    ("diff_v1", True, "batch2_context2", False),
+    ("diff_v2", True, "context2", False),
+]
+
+
+@sharded
+def test_ring_with_kernel_blocks_matches_reference():
+  _compare("diff_v1", "ring", True, "context2", implementation="pallas_tpu")
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("op,load_balance,layout,causal", KERNEL_SLOW)
+def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout, causal):
+  _compare(op, "ring", load_balance, layout, causal=causal, implementation="pallas_tpu")
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["diff_v1", "diff_v2"])
+def test_ring_with_kernel_blocks_bfloat16(op):
+  _compare(op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2,
+           implementation="pallas_tpu")
+
+
 def _collectives(op, strategy) -> set[str]:
   mesh = _mesh((1, 1, 2, 4))
   arrays, _, _ = _inputs(op, 32)
@@ -259,6 +299,17 @@ def test_argument_errors():
     call(arrays, strategy="tree")
   with pytest.raises(ValueError, match="Unknown op"):
     cp.context_parallel_attention("diff_v3", arrays, mesh=mesh)
+  with pytest.raises(ValueError, match="is not one of"):
+    call(arrays, implementation="pallas")
+  with pytest.raises(ValueError, match="baseline"):
+    call(arrays, implementation="pallas_tpu", interpret=True)
+  v1, _, _ = _inputs("diff_v1", 32)
+  call_v1 = lambda **kw: cp.context_parallel_attention("diff_v1", v1, mesh=mesh, **kw)
+  with pytest.raises(ValueError, match="strategy='ring'"):
+    call_v1(strategy="all_gather", implementation="pallas_tpu", interpret=True)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(ValueError, match="interpret=True"):
+      call_v1(implementation="pallas_tpu")
 
 
 # ------------------------------------------------------------------------------------------

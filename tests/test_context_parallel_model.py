@@ -79,7 +79,8 @@ def mean_loss_and_grads(cfg: ModelConfig, mesh_shape, strategy: str, load_balanc
 
   if mesh_shape is None:
     return jax.jit(f)(params, packed_batch())
-  mesh = shd.make_mesh(mesh_shape)
+  n = int(np.prod(mesh_shape))
+  mesh = shd.make_mesh(mesh_shape, devices=jax.devices()[:n])
   rules = shd.DEFAULT_RULES
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   fn = jax.jit(with_mesh_rules(f, mesh, rules, context_strategy=strategy,
@@ -100,10 +101,13 @@ def max_rel(a, b, floor: float = 0.0) -> float:
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor, 1e-30))
 
 
-def check(arm: str, mesh_shape, strategy: str, load_balance: bool = True) -> None:
+def check(arm: str, mesh_shape, strategy: str, load_balance: bool = True, **model_kw) -> None:
+  """The sharded model (``model_kw`` replaced in its config) against the same model on one
+  device with the XLA attention."""
   cfg = ARMS[arm]
-  want_loss, want_grads = mean_loss_and_grads(cfg, None, strategy)
-  got_loss, got_grads = mean_loss_and_grads(cfg, mesh_shape, strategy, load_balance)
+  want_loss, want_grads = mean_loss_and_grads(cfg.replace(implementation="xla"), None, strategy)
+  got_loss, got_grads = mean_loss_and_grads(cfg.replace(**model_kw), mesh_shape, strategy,
+                                            load_balance)
   assert abs(float(got_loss) - float(want_loss)) <= TOL * abs(float(want_loss))
   flat = jax.tree_util.tree_flatten_with_path(want_grads)[0]
   floor = FLOOR * max(float(np.max(np.abs(np.asarray(g)))) for _, g in flat)
@@ -124,6 +128,14 @@ def test_loss_and_gradients_match_one_device(arm, mesh_shape, strategy):
 @pytest.mark.parametrize("arm,mesh_shape,strategy", SLOW)
 def test_loss_and_gradients_match_one_device_everywhere(arm, mesh_shape, strategy):
   check(arm, mesh_shape, strategy)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
+def test_ring_with_kernel_blocks_in_the_model(arm):
+  # The fused TPU kernels per ring block (TPU interpreter), two context shards.
+  check(arm, (1, 1, 1, 2), "ring", implementation="pallas_tpu", interpret=True)
 
 
 @sharded

@@ -49,10 +49,13 @@ def _is_float64(x: jax.Array) -> bool:
   return jnp.result_type(x) == jnp.float64
 
 
-def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale):
+def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale, implementation,
+                      block_sizes, interpret):
   """The op's output under context parallelism (the active rules shard ``length`` over a
   mesh axis of size > 1), else None. There every implementation runs the exact math of
-  :mod:`diffjax.ops.context_parallel` (per-block XLA inside the ring or after the gather)."""
+  :mod:`diffjax.ops.context_parallel`: the fused TPU kernels per ring block when the
+  implementation resolves to "pallas_tpu" (DIFF V1 and V2, ring strategy), XLA per block
+  inside the ring or after the gather otherwise."""
   cp = sharding.context_parallel()
   if cp is None:
     return None
@@ -60,13 +63,19 @@ def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale):
     raise ValueError("An explicit mask is not supported when the sequence is sharded over "
                      f"the {cp.axis!r} mesh axis; use causal and segment_ids, or a mesh "
                      "whose context axis is 1.")
+  block_impl = "xla"
+  if op != "mha" and cp.strategy == "ring":
+    chosen = resolve(op, implementation, has_mask=False, interpret=interpret,
+                     float64=_is_float64(arrays[0]))
+    block_impl = "pallas_tpu" if chosen == "pallas_tpu" else "xla"
   _, rules = sharding.current()
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("batch", "heads"), rules)[1]
   return context_parallel_attention(
       op, arrays, mesh=cp.mesh, context_axis=cp.axis, batch_axis=batch_axis,
       head_axis=head_axis, strategy=cp.strategy, load_balance=cp.load_balance, causal=causal,
-      segment_ids=segment_ids, scale=scale)
+      segment_ids=segment_ids, scale=scale, implementation=block_impl,
+      block_sizes=block_sizes if block_impl != "xla" else None, interpret=interpret)
 
 
 def dot_product_attention(
@@ -90,7 +99,8 @@ def dot_product_attention(
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
   out = _sequence_sharded("mha", (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv), mask=mask, causal=causal,
-                          segment_ids=segment_ids, scale=scale)
+                          segment_ids=segment_ids, scale=scale, implementation=implementation,
+                          block_sizes=block_sizes, interpret=interpret)
   if out is not None:
     return out
   impl = resolve("mha", implementation, has_mask=mask is not None, interpret=interpret,
@@ -127,7 +137,8 @@ def diff_v1_attention_core(
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   out = _sequence_sharded("diff_v1", (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
                                       v_BxSxKxDv, lam), mask=mask, causal=causal,
-                          segment_ids=segment_ids, scale=scale)
+                          segment_ids=segment_ids, scale=scale, implementation=implementation,
+                          block_sizes=block_sizes, interpret=interpret)
   if out is not None:
     return out
   impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret,
@@ -183,7 +194,9 @@ def diff_v2_attention(
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   out = _sequence_sharded("diff_v2", (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH), mask=mask,
-                          causal=causal, segment_ids=segment_ids, scale=scale)
+                          causal=causal, segment_ids=segment_ids, scale=scale,
+                          implementation=implementation, block_sizes=block_sizes,
+                          interpret=interpret)
   if out is not None:
     return out
   impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret,

@@ -16,9 +16,10 @@ V1 and DIFF V2:
     (``jax.custom_vjp``): it saves the local inputs, each map's output and
     log-sum-exp, recomputes block probabilities, and passes the key/value blocks
     around with their dK/dV accumulators. A device holds its T / C queries and one
-    T / C block of keys and values at a time; each step's scores are a [T / C, T / C]
-    tile per head (materialised: the fused kernels do not run inside the ring yet), so
-    choose C so that tile fits.
+    T / C block of keys and values at a time. With the XLA blocks (``implementation=
+    "xla"``) each step's scores are a [T / C, T / C] tile per head, so choose C so that
+    tile fits; with ``implementation="pallas_tpu"`` (the default for DIFF V1 and V2 on a
+    TPU) the fused kernels run on each block instead (:mod:`diffjax.ops.ring_kernels`).
 
 Load balance. With causal masking, the late positions attend to many more keys than
 the early ones, so contiguous shards give the last device most of the work. With
@@ -52,12 +53,15 @@ from jax.sharding import PartitionSpec as P
 from diffjax.core import reference as ref
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
+from diffjax.ops import dispatch, ring_kernels
+from diffjax.ops.ring_kernels import shift_to_next as _shift
 
 __all__ = ["OPS", "STRATEGIES", "context_parallel_attention", "inverse_permutation",
            "zigzag_permutation"]
 
 OPS = ("mha", "diff_v1", "diff_v2")
 STRATEGIES = ("ring", "all_gather")
+BLOCK_IMPLEMENTATIONS = ("xla", "pallas_tpu")
 AxisName = str | tuple[str, ...] | None
 
 _NEG_INF = float(np.finfo(np.float32).min) * 0.5
@@ -148,12 +152,6 @@ def _from_heads(x_BxTxHxF, kv_heads: int) -> jax.Array:
   """[B, T, H, F] -> [B, K, G, T, F]."""
   b, t, h, f = x_BxTxHxF.shape
   return jnp.transpose(x_BxTxHxF.reshape(b, t, kv_heads, h // kv_heads, f), (0, 2, 3, 1, 4))
-
-
-def _shift(tree, axis: str, num_shards: int):
-  """Sends every array of ``tree`` to the next device on the ring (i -> i + 1)."""
-  perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
 def _make_ring(*, axis: str, num_shards: int, load_balance: bool, causal: bool, scale: float,
@@ -342,11 +340,43 @@ def _check_inputs(op: str, arrays: Sequence[jax.Array]) -> None:
   {"mha": _v.check_mha, "diff_v1": _v.check_diff_v1, "diff_v2": _v.check_diff_v2}[op](*arrays)
 
 
+def _check_block_implementation(op: str, implementation: str, strategy: str, interpret,
+                                dtype) -> None:
+  if implementation not in BLOCK_IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r} is not one of "
+                     f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring).")
+  if implementation == "xla":
+    return
+  if op == "mha":
+    raise ValueError("implementation='pallas_tpu' runs the fused DIFF kernels per ring block; "
+                     "the baseline ('mha') has no fused kernel of ours. Use "
+                     "implementation='xla'.")
+  if strategy != "ring":
+    raise ValueError(f"implementation='pallas_tpu' runs the kernels per block of the ring; "
+                     f"strategy={strategy!r} has no blocks. Use strategy='ring' or "
+                     "implementation='xla'.")
+  if jnp.dtype(dtype) == jnp.float64:
+    raise ValueError("The kernels accumulate in float32; float64 inputs need "
+                     "implementation='xla'.")
+  if not ring_kernels.available():
+    raise ValueError("The TPU kernels cannot be imported in this installation; use "
+                     "implementation='xla'.")
+  if not interpret and jax.default_backend() != "tpu" and not _lowering_for_tpu():
+    raise ValueError(f"implementation='pallas_tpu' needs a TPU (the backend is "
+                     f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
+                     "in the TPU interpreter, or use implementation='xla'.")
+
+
+def _lowering_for_tpu() -> bool:
+  return dispatch.current_platform() == "tpu"
+
+
 def context_parallel_attention(
     op: str, arrays: Sequence[jax.Array], *, mesh: Mesh, context_axis: str = "context",
     batch_axis: AxisName = None, head_axis: AxisName = None, strategy: str = "ring",
     load_balance: bool = True, causal: bool = True, segment_ids: jax.Array | None = None,
-    scale: float | None = None) -> jax.Array:
+    scale: float | None = None, implementation: str = "xla", block_sizes=None,
+    interpret=False) -> jax.Array:
   """Exact self-attention with the sequence axis sharded over ``context_axis``.
 
   Args:
@@ -369,6 +399,10 @@ def context_parallel_attention(
     causal: causal masking by original position.
     segment_ids: None or int [B, T] (packed documents; same order as the inputs).
     scale: score scale, default 1/sqrt(D).
+    implementation: what computes each ring step: "xla" (the score tile of the block,
+      any op and dtype) or "pallas_tpu" (the fused DIFF V1 / V2 TPU kernels, ring
+      strategy only; off a TPU only with ``interpret=True``).
+    block_sizes, interpret: passed to the kernels ("pallas_tpu").
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
   """
@@ -376,6 +410,7 @@ def context_parallel_attention(
   _check_inputs(op, arrays)
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
+  _check_block_implementation(op, implementation, strategy, interpret, arrays[0].dtype)
   if not isinstance(context_axis, str):
     raise ValueError(f"context_axis must be one mesh axis name; got {context_axis!r}.")
   q, k = arrays[0], arrays[2 if op == "diff_v1" else 1]
@@ -469,6 +504,27 @@ def context_parallel_attention(
     return ring((q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]), (k_,), v_,
                 lam_.astype(acc), seg)
 
-  per_device = per_device_ring if strategy == "ring" else per_device_all_gather
+  def per_device_kernel_ring(*local):
+    seg = local[-1] if with_seg else None
+    xs = local[:-1] if with_seg else local
+    bl, tl = xs[0].shape[:2]
+    if op == "diff_v1":
+      q1, q2, k1, k2, v_, lam_H = xs
+      qs, ks, heads = (q1, q2), (k1, k2), q1.shape[2]
+      lam_BxTxH = jnp.broadcast_to(lam_H[None, None, :], (bl, tl, heads))
+    else:
+      q_, k_, v_, lam_BxTxH = xs
+      qs, ks, heads = (q_,), (k_,), q_.shape[2] // 2
+    ring = ring_kernels.make_kernel_ring(
+        version=1 if op == "diff_v1" else 2, axis=context_axis, num_shards=c,
+        load_balance=load_balance, causal=causal, scale=scale,
+        local_shapes=(bl, tl, heads, d, v_.shape[2], v_.shape[3]), segmented=with_seg,
+        block_sizes=block_sizes, interpret=interpret)
+    return ring(qs, ks, v_, lam_BxTxH.astype(jnp.float32), seg)
+
+  if strategy == "all_gather":
+    per_device = per_device_all_gather
+  else:
+    per_device = per_device_ring if implementation == "xla" else per_device_kernel_ring
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=False)
   return fn(*arrays)

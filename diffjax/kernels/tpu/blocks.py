@@ -1,0 +1,97 @@
+"""The fused DIFF kernels as one block of a larger attention, with results that merge.
+
+Ring attention (:mod:`diffjax.ops.context_parallel`) splits the keys of a query block
+over several calls, one per key block that arrives. Merging the calls needs each softmax
+map on its own, which the fused kernel combines before it writes:
+
+  * :func:`block_forward` runs the forward kernel and returns both maps' normalized
+    outputs and log-sum-exps. ``O_2`` and the log-sum-exps are what the kernel already
+    writes for its backward; ``O_1 = out + lam O_2`` is recovered from the combined
+    output (exact up to the rounding of ``out`` and ``O_2`` to q's dtype).
+  * :func:`block_backward` runs the backward kernel with row statistics of the *whole*
+    attention (the merged log-sum-exps and ``D_m = rowsum(dO * O_m)`` of the merged
+    outputs). With those, the block's probabilities are the whole softmax restricted to
+    the block, so the gradients of all blocks add up to the whole attention's.
+
+Arrays are in the kernels' head-major layout (:mod:`diffjax.kernels.tpu._layout`):
+queries V1 ``(q1, q2)`` [B, H, T, D] / V2 ``(q,)`` [B, 2H, T, D], keys V1 ``(k1, k2)`` /
+V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda float32 [H] (V1) or [B, H, T] (V2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.kernels.tpu import _backward as bwd_kernel
+from diffjax.kernels.tpu import _core
+from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu._core import CoreConfig
+from diffjax.kernels.tpu.diff_attention import _config
+
+__all__ = ["block_backward", "block_config", "block_forward"]
+
+
+def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, kv_heads: int,
+                 causal: bool, segmented: bool, scale: float, block_sizes=None,
+                 interpret=False) -> CoreConfig:
+  """The static plan of one block call: T queries (the last T of S keys when causal)
+  against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``)."""
+  if version not in (1, 2):
+    raise ValueError(f"version must be 1 or 2; got {version!r}.")
+  return _config(t=t, s=s, d=d, dv=dv, h=heads, kv_heads=kv_heads, causal=causal,
+                 segmented=segmented, scale=scale, block_sizes=block_sizes,
+                 shared_k=version == 2, lam_rows=version == 2, interpret=interpret)
+
+
+def block_forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
+  """One block's forward.
+
+  Returns:
+    ``(o1, o2, lse)``: each map's normalized output, float32 [B, H, T, Dv], and float32
+    [B, H, 2, T] log-sum-exps of the scaled scores, ``+inf`` on rows that see no key of
+    the block (their outputs are 0).
+  """
+  plan = cfg.fwd
+  b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
+  out, o2, lse = _core._forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)  # pylint: disable=protected-access
+  o2 = o2.astype(jnp.float32)
+  lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
+  o1 = out.astype(jnp.float32) + lam_rows[..., None] * o2
+  return o1, o2, L.tiles_to_rows(lse, t)
+
+
+def block_backward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_BxHx2xT,
+                   d1_BxHxT, d2_BxHxT):
+  """One block's share of the gradients of q, k and v.
+
+  Args:
+    d_out: the cotangent of the combined output [B, H, T, Dv], in q's dtype.
+    lse_BxHx2xT: both maps' log-sum-exps over *all* keys (``+inf`` where a row sees no
+      key at all).
+    d1_BxHxT, d2_BxHxT: ``rowsum(dO * O_1)`` and ``rowsum(dO * O_2)`` of the whole
+      attention's normalized map outputs, float32.
+  Returns:
+    ``(dqs, dks, dv)`` like ``qs``, ``ks`` and ``v`` in their dtypes. The gradient of
+    lambda is not the block's: it is ``-D_2`` of the whole attention.
+  """
+  plan = cfg.bwd
+  ax = plan.seq_axis
+  b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
+  zeros = jnp.zeros_like(d2_BxHxT)
+  stats_BxHx8xT = jnp.stack(
+      [lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1_BxHxT.astype(jnp.float32),
+       d2_BxHxT.astype(jnp.float32), lam_rows, zeros, zeros, zeros], axis=2)
+  assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
+  qp, kp, vp, q_seg_p, kv_seg_p = _core._prepare(plan, qs, ks, v, q_seg, kv_seg)  # pylint: disable=protected-access
+  tp = plan.q_len_padded
+  dqs, dks, dv = bwd_kernel.backward(
+      plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
+      q_seg_p, kv_seg_p, _core._pad_axis(d_out, ax, tp),  # pylint: disable=protected-access
+      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
+      interpret=cfg.interpret)
+  cut = _core._slice_axis  # pylint: disable=protected-access
+  return (tuple(cut(dq, ax, t) for dq in dqs), tuple(cut(dk, ax, s) for dk in dks),
+          cut(dv, ax, s))
+
