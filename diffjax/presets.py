@@ -212,7 +212,7 @@ def paper_3b_64k(arm: str, v2_match: str = "heads") -> ml_collections.ConfigDict
   c.model.rope_theta = 640_000.0
   c.seq_len = 65_536
   c.global_batch_size = 16  # 16 x 65,536 = 1M tokens a step
-  c.grad_accum_steps = 2  # two micro-batches of 8: DIFF V2 (48 query heads) fits then too
+  c.grad_accum_steps = 2  # two micro-batches of 8: room to spare for every arm (README)
   c.num_steps = 1431  # 1.5e9 / 2**20
   c.optim.update(dict(lr=8e-5, min_lr=8e-5, warmup_steps=0, schedule="constant",
                       decay_steps=c.num_steps))

@@ -11,10 +11,23 @@ import os
 import subprocess
 import sys
 
-# The CPU runtime aborts a collective whose participants wait more than 40 s for each
-# other by default; interpreted kernels on one device can hold the others that long.
-XLA_FLAGS = ("--xla_force_host_platform_device_count=8 "
-             "--xla_cpu_collective_call_terminate_timeout_seconds=1200")
+
+
+def with_xla_flags(base: str, *flags: str) -> str:
+  """``base`` (an XLA_FLAGS value) with each of ``flags`` set, replacing earlier values."""
+  parts = base.split()
+  for flag in flags:
+    name = flag.split("=", 1)[0]
+    parts = [p for p in parts if p.split("=", 1)[0] != name] + [flag]
+  return " ".join(parts)
+
+
+# The flags of the session (tests/conftest.py), 8 CPU devices, and a longer wait in
+# collectives: the CPU runtime aborts one whose participants wait more than 40 s for each
+# other by default, and interpreted kernels on one device can hold the others that long.
+XLA_FLAGS = with_xla_flags(os.environ.get("XLA_FLAGS", ""),
+                           "--xla_force_host_platform_device_count=8",
+                           "--xla_cpu_collective_call_terminate_timeout_seconds=1200")
 
 
 def run_in_child(test_file: str, child_env: str, markexpr: str, timeout: int = 1800) -> None:

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from diffjax.train import checkpoint as ckpt
+from multidevice import XLA_FLAGS
 
 NOISE = ("Traceback", "Event loop is closed", "tensorstore_spec", "TensorStore(")
 
@@ -167,8 +168,7 @@ def scenario(kind: str, root: str) -> dict:
 
 
 def run_scenario(kind: str, tmp_path) -> tuple[dict, str]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS)
   r = subprocess.run([sys.executable, os.path.abspath(__file__), kind, str(tmp_path)],
                      capture_output=True, text=True, timeout=180, env=env)
   assert r.returncode == 0, r.stderr[-3000:]
