@@ -216,12 +216,13 @@ def test_ring_bfloat16(op):
   _compare(op, "ring", True, "all4", dtype=jnp.bfloat16, tol=2e-2)
 
 
-# The fused TPU kernels per ring block (``implementation="pallas_tpu"``), in the TPU
-# interpreter: one default case (DIFF V1, zig-zag order, documents crossing the shard
-# boundary, so every step kind runs: the causal first step and both later cases); the
-# slow ones add V2, four shards, contiguous shards, no causal mask, batch sharding and
-# bfloat16.
+# The fused kernels per ring block (``implementation="pallas_tpu"`` in the TPU interpreter,
+# ``"pallas_gpu"`` in the Pallas interpreter): one default case per platform (zig-zag
+# order, documents crossing the shard boundary, so every step kind runs: the causal first
+# step and both later cases); the slow ones add the other op, four shards, contiguous
+# shards, no causal mask, batch sharding and bfloat16.
 KERNEL_SLOW = [
+    ("diff_v1", True, "context2", True),
     ("diff_v2", True, "context2", True),
     ("diff_v2", True, "fsdp2_context4", True),
     ("diff_v1", False, "fsdp2_context4", True),
@@ -232,23 +233,28 @@ KERNEL_SLOW = [
 
 
 @sharded
-def test_ring_with_kernel_blocks_matches_reference():
-  _compare("diff_v1", "ring", True, "context2", implementation="pallas_tpu")
+@pytest.mark.parametrize("op,implementation", [("diff_v1", "pallas_tpu"),
+                                               ("diff_v2", "pallas_gpu")])
+def test_ring_with_kernel_blocks_matches_reference(op, implementation):
+  _compare(op, "ring", True, "context2", implementation=implementation)
 
 
 @sharded
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("op,load_balance,layout,causal", KERNEL_SLOW)
-def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout, causal):
-  _compare(op, "ring", load_balance, layout, causal=causal, implementation="pallas_tpu")
+def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout, causal,
+                                                        implementation):
+  _compare(op, "ring", load_balance, layout, causal=causal, implementation=implementation)
 
 
 @sharded
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("op", ["diff_v1", "diff_v2"])
-def test_ring_with_kernel_blocks_bfloat16(op):
+def test_ring_with_kernel_blocks_bfloat16(op, implementation):
   _compare(op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2,
-           implementation="pallas_tpu")
+           implementation=implementation)
 
 
 def _collectives(op, strategy) -> set[str]:

@@ -53,9 +53,9 @@ def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale, impl
                       block_sizes, interpret):
   """The op's output under context parallelism (the active rules shard ``length`` over a
   mesh axis of size > 1), else None. There every implementation runs the exact math of
-  :mod:`diffjax.ops.context_parallel`: the fused TPU kernels per ring block when the
-  implementation resolves to "pallas_tpu" (DIFF V1 and V2, ring strategy), XLA per block
-  inside the ring or after the gather otherwise."""
+  :mod:`diffjax.ops.context_parallel`: the fused kernels per ring block when the
+  implementation resolves to "pallas_tpu" or "pallas_gpu" (DIFF V1 and V2, ring strategy),
+  XLA per block inside the ring or after the gather otherwise."""
   cp = sharding.context_parallel()
   if cp is None:
     return None
@@ -67,7 +67,7 @@ def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale, impl
   if op != "mha" and cp.strategy == "ring":
     chosen = resolve(op, implementation, has_mask=False, interpret=interpret,
                      float64=_is_float64(arrays[0]))
-    block_impl = "pallas_tpu" if chosen == "pallas_tpu" else "xla"
+    block_impl = chosen if chosen in ("pallas_tpu", "pallas_gpu") else "xla"
   _, rules = sharding.current()
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("batch", "heads"), rules)[1]

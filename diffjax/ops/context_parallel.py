@@ -18,8 +18,9 @@ V1 and DIFF V2:
     around with their dK/dV accumulators. A device holds its T / C queries and one
     T / C block of keys and values at a time. With the XLA blocks (``implementation=
     "xla"``) each step's scores are a [T / C, T / C] tile per head, so choose C so that
-    tile fits; with ``implementation="pallas_tpu"`` (the default for DIFF V1 and V2 on a
-    TPU) the fused kernels run on each block instead (:mod:`diffjax.ops.ring_kernels`).
+    tile fits; with ``implementation="pallas_tpu"`` or ``"pallas_gpu"`` (what the ops
+    choose for DIFF V1 and V2 on a TPU or GPU) the fused kernels run on each block
+    instead (:mod:`diffjax.ops.ring_kernels`).
 
 Load balance. With causal masking, the late positions attend to many more keys than
 the early ones, so contiguous shards give the last device most of the work. With
@@ -61,7 +62,7 @@ __all__ = ["OPS", "STRATEGIES", "context_parallel_attention", "inverse_permutati
 
 OPS = ("mha", "diff_v1", "diff_v2")
 STRATEGIES = ("ring", "all_gather")
-BLOCK_IMPLEMENTATIONS = ("xla", "pallas_tpu")
+BLOCK_IMPLEMENTATIONS = ("xla", *ring_kernels.IMPLEMENTATIONS)
 AxisName = str | tuple[str, ...] | None
 
 _NEG_INF = float(np.finfo(np.float32).min) * 0.5
@@ -347,28 +348,25 @@ def _check_block_implementation(op: str, implementation: str, strategy: str, int
                      f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring).")
   if implementation == "xla":
     return
+  name = f"implementation={implementation!r}"
   if op == "mha":
-    raise ValueError("implementation='pallas_tpu' runs the fused DIFF kernels per ring block; "
-                     "the baseline ('mha') has no fused kernel of ours. Use "
-                     "implementation='xla'.")
+    raise ValueError(f"{name} runs the fused DIFF kernels per ring block; the baseline "
+                     "('mha') has no fused kernel of ours. Use implementation='xla'.")
   if strategy != "ring":
-    raise ValueError(f"implementation='pallas_tpu' runs the kernels per block of the ring; "
-                     f"strategy={strategy!r} has no blocks. Use strategy='ring' or "
-                     "implementation='xla'.")
+    raise ValueError(f"{name} runs the kernels per block of the ring; strategy={strategy!r} "
+                     "has no blocks. Use strategy='ring' or implementation='xla'.")
   if jnp.dtype(dtype) == jnp.float64:
     raise ValueError("The kernels accumulate in float32; float64 inputs need "
                      "implementation='xla'.")
-  if not ring_kernels.available():
-    raise ValueError("The TPU kernels cannot be imported in this installation; use "
+  if not ring_kernels.available(implementation):
+    raise ValueError(f"The kernels of {name} cannot be imported in this installation; use "
                      "implementation='xla'.")
-  if not interpret and jax.default_backend() != "tpu" and not _lowering_for_tpu():
-    raise ValueError(f"implementation='pallas_tpu' needs a TPU (the backend is "
+  platform = implementation.removeprefix("pallas_")
+  # Compiling ahead of time for a TPU on a CPU host counts as the TPU (target_platform).
+  if not interpret and platform not in (jax.default_backend(), dispatch.current_platform()):
+    raise ValueError(f"{name} needs a {platform.upper()} (the backend is "
                      f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
-                     "in the TPU interpreter, or use implementation='xla'.")
-
-
-def _lowering_for_tpu() -> bool:
-  return dispatch.current_platform() == "tpu"
+                     "in the Pallas interpreter, or use implementation='xla'.")
 
 
 def context_parallel_attention(
@@ -400,8 +398,8 @@ def context_parallel_attention(
     segment_ids: None or int [B, T] (packed documents; same order as the inputs).
     scale: score scale, default 1/sqrt(D).
     implementation: what computes each ring step: "xla" (the score tile of the block,
-      any op and dtype) or "pallas_tpu" (the fused DIFF V1 / V2 TPU kernels, ring
-      strategy only; off a TPU only with ``interpret=True``).
+      any op and dtype), "pallas_tpu" or "pallas_gpu" (the fused DIFF V1 / V2 kernels of
+      that platform; ring strategy only; elsewhere only with ``interpret=True``).
     block_sizes, interpret: passed to the kernels ("pallas_tpu").
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
@@ -516,7 +514,7 @@ def context_parallel_attention(
       q_, k_, v_, lam_BxTxH = xs
       qs, ks, heads = (q_,), (k_,), q_.shape[2] // 2
     ring = ring_kernels.make_kernel_ring(
-        version=1 if op == "diff_v1" else 2, axis=context_axis, num_shards=c,
+        implementation=implementation, version=1 if op == "diff_v1" else 2, axis=context_axis, num_shards=c,
         load_balance=load_balance, causal=causal, scale=scale,
         local_shapes=(bl, tl, heads, d, v_.shape[2], v_.shape[3]), segmented=with_seg,
         block_sizes=block_sizes, interpret=interpret)

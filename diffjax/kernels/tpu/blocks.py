@@ -15,7 +15,8 @@ map on its own, which the fused kernel combines before it writes:
 
 Arrays are in the kernels' head-major layout (:mod:`diffjax.kernels.tpu._layout`):
 queries V1 ``(q1, q2)`` [B, H, T, D] / V2 ``(q,)`` [B, 2H, T, D], keys V1 ``(k1, k2)`` /
-V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda float32 [H] (V1) or [B, H, T] (V2).
+V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda float32 [B, H, T] (V1 reads row 0 of
+batch 0: its lambda is one per head).
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, k
                  shared_k=version == 2, lam_rows=version == 2, interpret=interpret)
 
 
-def block_forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
+def _lam(cfg: CoreConfig, lam_BxHxT):
+  """What the kernels take: V1 lambda per head [H], V2 per row [B, H, T]."""
+  lam_BxHxT = lam_BxHxT.astype(jnp.float32)
+  return lam_BxHxT if cfg.fwd.lam_rows else lam_BxHxT[0, :, 0]
+
+
+def block_forward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   """One block's forward.
 
   Returns:
@@ -54,6 +61,7 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
   """
   plan = cfg.fwd
   b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
+  lam = _lam(cfg, lam_BxHxT)
   out, o2, lse = _core._forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)  # pylint: disable=protected-access
   o2 = o2.astype(jnp.float32)
   lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
@@ -61,7 +69,7 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
   return o1, o2, L.tiles_to_rows(lse, t)
 
 
-def block_backward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_BxHx2xT,
+def block_backward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHx2xT,
                    d1_BxHxT, d2_BxHxT):
   """One block's share of the gradients of q, k and v.
 
@@ -78,6 +86,7 @@ def block_backward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_Bx
   plan = cfg.bwd
   ax = plan.seq_axis
   b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  lam = _lam(cfg, lam_BxHxT)
   lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
   zeros = jnp.zeros_like(d2_BxHxT)
   stats_BxHx8xT = jnp.stack(
