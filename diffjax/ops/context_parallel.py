@@ -514,8 +514,8 @@ def context_parallel_attention(
       q_, k_, v_, lam_BxTxH = xs
       qs, ks, heads = (q_,), (k_,), q_.shape[2] // 2
     ring = ring_kernels.make_kernel_ring(
-        implementation=implementation, version=1 if op == "diff_v1" else 2, axis=context_axis, num_shards=c,
-        load_balance=load_balance, causal=causal, scale=scale,
+        implementation=implementation, version=1 if op == "diff_v1" else 2,
+        axis=context_axis, num_shards=c, load_balance=load_balance, causal=causal, scale=scale,
         local_shapes=(bl, tl, heads, d, v_.shape[2], v_.shape[3]), segmented=with_seg,
         block_sizes=block_sizes, interpret=interpret)
     return ring(qs, ks, v_, lam_BxTxH.astype(jnp.float32), seg)

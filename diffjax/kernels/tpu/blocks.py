@@ -21,13 +21,13 @@ batch 0: its lambda is one per head).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from diffjax.kernels.tpu import _backward as bwd_kernel
-from diffjax.kernels.tpu import _core
 from diffjax.kernels.tpu import _layout as L
-from diffjax.kernels.tpu._core import CoreConfig
+# The custom_vjp's own pieces, shared with the whole-attention path.
+from diffjax.kernels.tpu._core import (  # pylint: disable=protected-access
+    CoreConfig, _forward as core_forward, _lam_rows, _pad_axis, _prepare, _slice_axis)
 from diffjax.kernels.tpu.diff_attention import _config
 
 __all__ = ["block_backward", "block_config", "block_forward"]
@@ -62,9 +62,9 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   plan = cfg.fwd
   b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
   lam = _lam(cfg, lam_BxHxT)
-  out, o2, lse = _core._forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)  # pylint: disable=protected-access
+  out, o2, lse = core_forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)
   o2 = o2.astype(jnp.float32)
-  lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
+  lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   o1 = out.astype(jnp.float32) + lam_rows[..., None] * o2
   return o1, o2, L.tiles_to_rows(lse, t)
 
@@ -87,20 +87,20 @@ def block_backward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, 
   ax = plan.seq_axis
   b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
   lam = _lam(cfg, lam_BxHxT)
-  lam_rows = _core._lam_rows(plan, lam, b, plan.heads, t)  # pylint: disable=protected-access
+  lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   zeros = jnp.zeros_like(d2_BxHxT)
   stats_BxHx8xT = jnp.stack(
       [lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1_BxHxT.astype(jnp.float32),
        d2_BxHxT.astype(jnp.float32), lam_rows, zeros, zeros, zeros], axis=2)
   assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
-  qp, kp, vp, q_seg_p, kv_seg_p = _core._prepare(plan, qs, ks, v, q_seg, kv_seg)  # pylint: disable=protected-access
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   tp = plan.q_len_padded
   dqs, dks, dv = bwd_kernel.backward(
       plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
-      q_seg_p, kv_seg_p, _core._pad_axis(d_out, ax, tp),  # pylint: disable=protected-access
+      q_seg_p, kv_seg_p, _pad_axis(d_out, ax, tp),
       L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
       interpret=cfg.interpret)
-  cut = _core._slice_axis  # pylint: disable=protected-access
+  cut = _slice_axis
   return (tuple(cut(dq, ax, t) for dq in dqs), tuple(cut(dk, ax, s) for dk in dks),
           cut(dv, ax, s))
 
