@@ -103,19 +103,23 @@ def _diff_core_fwd(cfg, qs, ks, v, lam, q_seg, kv_seg):
   return out, (qs, ks, v, lam, q_seg, kv_seg, out, o2, lse)
 
 
-def _diff_core_bwd(cfg, residuals, d_out):
-  qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
+def backward_with_stats(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_BxHx2xT,
+                        d1_BxHxT, d2_BxHxT):
+  """The backward kernel given the softmax row statistics: both maps' log-sum-exps
+  [B, H, 2, T] and row terms ``D_m = rowsum(dO * O_m)`` [B, H, T] (float32).
+
+  The whole attention's backward passes its own; a block of a ring passes the merged
+  statistics of the whole attention (:mod:`diffjax.kernels.tpu.blocks`). Returns
+  ``(dqs, dks, dv)`` unpadded, in the inputs' dtypes.
+  """
   plan = cfg.bwd
-  ax, h = plan.seq_axis, plan.heads
+  ax = plan.seq_axis
   b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
-  # Softmax-backward row terms of the two maps; out = O_1 - lam O_2 gives O_1.
-  d2 = _row_sums(d_out, o2)
-  lam_rows = _lam_rows(plan, lam, b, h, t)
-  d1 = _row_sums(d_out, out) + lam_rows * d2
-  zeros = jnp.zeros_like(d2)
-  lse_BxHx2xT = L.tiles_to_rows(lse, t)
-  stats_BxHx8xT = jnp.stack([lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1, d2, lam_rows,
-                             zeros, zeros, zeros], axis=2)
+  lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
+  zeros = jnp.zeros_like(d2_BxHxT)
+  stats_BxHx8xT = jnp.stack(
+      [lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1_BxHxT.astype(jnp.float32),
+       d2_BxHxT.astype(jnp.float32), lam_rows, zeros, zeros, zeros], axis=2)
   assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   tp = plan.q_len_padded
@@ -124,9 +128,19 @@ def _diff_core_bwd(cfg, residuals, d_out):
       q_seg_p, kv_seg_p, _pad_axis(d_out, ax, tp),
       L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
       interpret=cfg.interpret)
-  dqs = tuple(_slice_axis(dq, ax, t) for dq in dqs)
-  dks = tuple(_slice_axis(dk, ax, s) for dk in dks)
-  dv = _slice_axis(dv, ax, s)
+  return (tuple(_slice_axis(dq, ax, t) for dq in dqs),
+          tuple(_slice_axis(dk, ax, s) for dk in dks), _slice_axis(dv, ax, s))
+
+
+def _diff_core_bwd(cfg, residuals, d_out):
+  qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
+  plan = cfg.bwd
+  b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
+  # Softmax-backward row terms of the two maps; out = O_1 - lam O_2 gives O_1.
+  d2 = _row_sums(d_out, o2)
+  d1 = _row_sums(d_out, out) + _lam_rows(plan, lam, b, plan.heads, t) * d2
+  dqs, dks, dv = backward_with_stats(cfg, qs, ks, v, lam, q_seg, kv_seg, d_out,
+                                     L.tiles_to_rows(lse, t), d1, d2)
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
   dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))
   return dqs, dks, dv, dlam.astype(lam.dtype), None, None

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _layout as L
 # The custom_vjp's own pieces, shared with the whole-attention path.
 from diffjax.kernels.tpu._core import (  # pylint: disable=protected-access
-    CoreConfig, _forward as core_forward, _lam_rows, _pad_axis, _prepare, _slice_axis)
+    CoreConfig, _forward as core_forward, _lam_rows, backward_with_stats)
 from diffjax.kernels.tpu.diff_attention import _config
 
 __all__ = ["block_backward", "block_config", "block_forward"]
@@ -83,24 +82,5 @@ def block_backward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, 
     ``(dqs, dks, dv)`` like ``qs``, ``ks`` and ``v`` in their dtypes. The gradient of
     lambda is not the block's: it is ``-D_2`` of the whole attention.
   """
-  plan = cfg.bwd
-  ax = plan.seq_axis
-  b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
-  lam = _lam(cfg, lam_BxHxT)
-  lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
-  zeros = jnp.zeros_like(d2_BxHxT)
-  stats_BxHx8xT = jnp.stack(
-      [lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1_BxHxT.astype(jnp.float32),
-       d2_BxHxT.astype(jnp.float32), lam_rows, zeros, zeros, zeros], axis=2)
-  assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
-  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
-  tp = plan.q_len_padded
-  dqs, dks, dv = bwd_kernel.backward(
-      plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
-      q_seg_p, kv_seg_p, _pad_axis(d_out, ax, tp),
-      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
-      interpret=cfg.interpret)
-  cut = _slice_axis
-  return (tuple(cut(dq, ax, t) for dq in dqs), tuple(cut(dk, ax, s) for dk in dks),
-          cut(dv, ax, s))
-
+  return backward_with_stats(cfg, qs, ks, v, _lam(cfg, lam_BxHxT), q_seg, kv_seg, d_out,
+                             lse_BxHx2xT, d1_BxHxT, d2_BxHxT)
