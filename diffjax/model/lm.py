@@ -10,8 +10,8 @@ from diffjax.core.dtypes import accumulation_dtype
 from diffjax.core.reference import lambda_init_for_layer
 from diffjax.model.config import ModelConfig
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
-from diffjax.nn.layers import (NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, normal_init,
-                               stack_modules)
+from diffjax.nn.layers import (NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, matmul,
+                               normal_init, stack_modules)
 from diffjax.sharding import constrain
 
 _REMAT = {
@@ -201,8 +201,7 @@ class DecoderLM(nnx.Module):
     if self.config.tie_embeddings:
       logits_BxTxV = self.embed.attend(x_BxTxE, dt)
     else:
-      logits_BxTxV = jnp.einsum("bte,ev->btv", x_BxTxE.astype(dt), self.lm_head[...].astype(dt),
-                                preferred_element_type=accumulation_dtype(dt))
+      logits_BxTxV = matmul("bte,ev->btv", x_BxTxE, self.lm_head[...], dt)
     return constrain(logits_BxTxV, ("batch", "length", "vocab"))
 
   def _embed(self, tokens_BxT, positions_BxT) -> tuple[jax.Array, jax.Array]:

@@ -9,15 +9,19 @@ with or without a mesh; the training harness places them with jit out_shardings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
 import jax
 import flax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from diffjax.core.dtypes import accumulation_dtype
+from diffjax.kernels.cpu import dense as cpu_dense
+from diffjax.ops import dispatch
 from diffjax.ops.reference import rms_norm
 
 
@@ -104,13 +108,43 @@ def _uniform(bound: float):
   return init
 
 
+@functools.lru_cache(maxsize=None)
+def _rows_form(spec: str) -> tuple[int, bool] | None:
+  """``(n_contract, w_transposed)`` if ``spec`` reads ``x[..., C] w[C, O] -> y[..., O]``
+  (or ``x[..., c] w[o, c] -> y[..., o]`` with a 2-D ``w``), else None."""
+  ins, out = spec.split("->")
+  xs, ws = ins.split(",")
+  if len(set(xs)) != len(xs) or len(set(ws)) != len(ws):
+    return None
+  for n in range(1, min(len(xs), len(ws)) + 1):
+    lead, contracted = xs[:len(xs) - n], xs[len(xs) - n:]
+    if ws[:n] == contracted and out == lead + ws[n:] and not set(lead) & set(ws):
+      return n, False
+  if len(ws) == 2 and ws[1] == xs[-1] and out == xs[:-1] + ws[0] and ws[0] not in xs:
+    return 1, True
+  return None
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """``einsum(spec, x, w)`` in ``dtype`` with float32 (float64) accumulation.
+
+  On a CPU, in float32 and float64, specs of the form ``x[..., C] w[C, O] -> y[..., O]`` run
+  through :func:`diffjax.kernels.cpu.dense.project` (the same product with row-major 2-D
+  gradients, which XLA's CPU compiler runs without transposing cotangents).
+  """
+  acc = accumulation_dtype(dtype)
+  if np.dtype(dtype) == acc and dispatch.current_platform() == "cpu":
+    form = _rows_form(spec)
+    if form is not None:
+      return cpu_dense.project(x.astype(dtype), w.astype(dtype), form[0], w_transposed=form[1])
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=acc)
+
+
 def project(x, kernel: nnx.Param, spec: str, dtype, hooks: Hooks) -> jax.Array:
   """``einsum(spec, x, kernel)`` in the compute dtype with float32 (float64) accumulation."""
   if hooks.activations is not None:
     x = hooks.activations(x)
-  y = jnp.einsum(spec, x.astype(dtype), kernel[...].astype(dtype),
-                 preferred_element_type=accumulation_dtype(dtype))
-  return y.astype(dtype)
+  return matmul(spec, x, kernel[...], dtype).astype(dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -143,8 +177,7 @@ class Embed(nnx.Module):
 
   def attend(self, x_BxTxE, dtype):
     """Tied output head: logits against the embedding table, float32 (float64)."""
-    return jnp.einsum("bte,ve->btv", x_BxTxE.astype(dtype), self.embedding[...].astype(dtype),
-                      preferred_element_type=accumulation_dtype(dtype))
+    return matmul("bte,ve->btv", x_BxTxE, self.embedding[...], dtype)
 
 
 class SwiGLU(nnx.Module):
