@@ -14,6 +14,7 @@ trace time too, which is why ``diffjax.aot`` traces the step under
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -32,6 +33,40 @@ from diffjax.train.steps import create_model, make_eval_step, make_train_step, s
 # and a float32 loss mask, each [batch, seq_len].
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
                 "positions": jnp.int32, "loss_mask": jnp.float32}
+
+
+# XLA options for steps that run on CPU devices. With YNNPACK's matmul fusions off, XLA's
+# CPU compiler runs the model's matmuls as its own dot kernels; the 4-layer benchmark
+# model's forward and backward took 725 ms instead of 801 ms with them on (Transformer,
+# one process, alternating; `benchmarks/cpu_vs_torch.py` measures the whole step).
+CPU_XLA_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_compiler_options() -> dict[str, Any]:
+  """The entries of :data:`CPU_XLA_OPTIONS` that this jaxlib's CPU compiler accepts.
+
+  Each option is tried once on a one-line program; a jaxlib that does not know an option
+  (a newer or older release) simply runs without it.
+  """
+  cpu = jax.devices("cpu")[0]
+  accepted = {}
+  for name, value in CPU_XLA_OPTIONS.items():
+    try:
+      jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(
+          jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+      ).compile()
+    except Exception:  # pylint: disable=broad-except
+      continue
+    accepted[name] = value
+  return accepted
+
+
+def compiler_options_for(mesh: Mesh) -> dict[str, Any] | None:
+  """XLA compiler options for a step that runs on ``mesh`` (CPU meshes only)."""
+  if mesh.devices.flat[0].platform != "cpu":
+    return None
+  return cpu_compiler_options() or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +189,15 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
   batch_shard = shd.batch_sharding(mesh, rules)
 
   rule_kw = dict(context_strategy=context_strategy, context_load_balance=context_load_balance)
+  options = compiler_options_for(mesh)
   train_step = jax.jit(
       with_mesh_rules(make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules,
                       **rule_kw),
       in_shardings=(state_shards, batch_shard), out_shardings=(state_shards, None),
-      donate_argnums=(0,))
+      donate_argnums=(0,), compiler_options=options)
   eval_step = jax.jit(with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
-                      in_shardings=(state_shards["params"], batch_shard))
+                      in_shardings=(state_shards["params"], batch_shard),
+                      compiler_options=options)
   return TrainSetup(
       model_config=model_cfg, mesh=mesh, rules=rules, graphdef=graphdef,
       abstract_state=abstract_state, state_shardings=state_shards, batch_sharding=batch_shard,
