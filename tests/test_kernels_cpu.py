@@ -138,3 +138,29 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d))) == 2
   _check(f, lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids), args,
          2e-5)
+
+
+@pytest.mark.parametrize("t,s,seg", [(13, 13, "self"), (7, 11, "pair"), (11, 6, "none")])
+def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
+  """Causal rows run in query blocks against only the keys they can see; blocks of 4 give
+  uneven last blocks, T < S, and (T > S) blocks that see no key at all."""
+  from diffjax.kernels.cpu import attention as cpu_attention
+  monkeypatch.setattr(cpu_attention, "Q_BLOCK", 4)
+  blocks = cpu_attention._query_blocks(t, s, True)
+  assert len(blocks) == -(-t // 4) and blocks[-1][:2] == ((len(blocks) - 1) * 4, t)
+  assert (t <= s) or blocks[0][2] == 0
+  assert len(cpu_attention._query_blocks(4000, 4000, True)) == cpu_attention.MAX_Q_BLOCKS
+  b, h, k, d, dv = 2, 6, 2, 8, 16
+  ids = _segments(b, t, s, seg) if seg != "self" or t == s else None
+  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
+  args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
+                 jnp.float32, seed=11)
+  lam = jnp.linspace(0.2, 0.9, h)
+  _check(lambda *x: diff_v1_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
+                                kv_segment_ids=kv_seg),
+         lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
+         (*args, lam), 3e-5)
+  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=True, q_segment_ids=q_seg,
+                                  kv_segment_ids=kv_seg),
+         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids),
+         args[::2][:1] + [args[2], args[4]], 2e-5)

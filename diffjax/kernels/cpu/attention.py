@@ -50,15 +50,53 @@ def _head_major(x_BxSxKxD: jax.Array) -> jax.Array:
   return x_BxSxKxD.transpose(0, 2, 1, 3)
 
 
-def _visible(t: int, s: int, g: int, causal: bool, q_seg_T, kv_seg_S):
-  """Boolean [G*T, S] (or None: everything visible) for one batch row: the reference's mask,
-  repeated for the G query heads stacked as rows."""
+# Causal attention computes query rows in blocks of at least Q_BLOCK positions (at most
+# MAX_Q_BLOCKS blocks, which the program unrolls), each against the keys it can see (up to
+# the block's last row): at T = S = 256, four blocks compute 640 of the 1024 key columns a
+# full-width pass would, the rest being masked anyway. In the 4-layer benchmark model's
+# forward and backward: 714 ms against 740 ms (Transformer), 773 against 801 ms (DIFF V1).
+Q_BLOCK = 64
+MAX_Q_BLOCKS = 8
+
+
+def _query_blocks(t: int, s: int, causal: bool) -> list[tuple[int, int, int]]:
+  """Static ``(t0, t1, e)``: query positions [t0, t1) see at most the keys [0, e)."""
+  if not causal or t <= Q_BLOCK:
+    return [(0, t, s)]
+  n = min(-(-t // Q_BLOCK), MAX_Q_BLOCKS)
+  size = -(-t // n)
+  offset = s - t  # queries are the last t of s positions
+  return [(t0, min(t, t0 + size), max(0, min(s, min(t, t0 + size) + offset)))
+          for t0 in range(0, t, size)]
+
+
+def _visible(t: int, s: int, causal: bool, q_seg_T, kv_seg_S):
+  """Boolean [T, S] for one batch row (None: everything visible): the reference's mask."""
   m = build_mask(1, t, s, causal=causal,
                  q_segment_ids_BxT=None if q_seg_T is None else q_seg_T[None],
                  kv_segment_ids_BxS=None if kv_seg_S is None else kv_seg_S[None], mask=None)
-  if m is None:
+  return None if m is None else jnp.broadcast_to(m, (1, 1, t, s))[0, 0]
+
+
+def _block(x_KxRx_, t: int, g: int, t0: int, t1: int):
+  """Rows of query positions [t0, t1) for every stacked head: [K, G*(t1-t0), ...]."""
+  k = x_KxRx_.shape[0]
+  x = x_KxRx_.reshape(k, g, t, *x_KxRx_.shape[2:])[:, :, t0:t1]
+  return x.reshape(k, g * (t1 - t0), *x_KxRx_.shape[2:])
+
+
+def _unblock(parts, t: int, g: int):
+  """Inverse of :func:`_block` over all blocks: [K, G*T, ...]."""
+  k = parts[0].shape[0]
+  xs = [p.reshape(k, g, -1, *p.shape[2:]) for p in parts]
+  x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=2)
+  return x.reshape(k, g * t, *x.shape[3:])
+
+
+def _block_visible(visible_TxS, g: int, t0: int, t1: int, e: int):
+  if visible_TxS is None:
     return None
-  return jnp.tile(jnp.broadcast_to(m, (1, 1, t, s))[0, 0], (g, 1))
+  return jnp.tile(visible_TxS[t0:t1, :e], (g, 1))
 
 
 def _scores(q_KxRxD, k_KxSxD, visible, scale):
@@ -70,10 +108,8 @@ def _scores(q_KxRxD, k_KxSxD, visible, scale):
   return s_KxRxS
 
 
-def _row_forward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, *, t, causal, scale):
-  g = q_KxRxD.shape[1] // t
-  s_KxRxS = _scores(q_KxRxD, k_KxSxD, _visible(t, k_KxSxD.shape[1], g, causal, q_seg_T,
-                                              kv_seg_S), scale)
+def _forward_rows(q_KxRxD, k_KxSxD, v_KxSxDv, visible, scale):
+  s_KxRxS = _scores(q_KxRxD, k_KxSxD, visible, scale)
   m_KxR = jnp.max(s_KxRxS, axis=-1)
   m_KxR = jnp.where(jnp.isfinite(m_KxR), m_KxR, 0.0)
   e_KxRxS = jnp.exp(s_KxRxS - m_KxR[..., None])
@@ -86,11 +122,32 @@ def _row_forward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, *, t, causal, sc
   return o_KxRxDv.astype(q_KxRxD.dtype), lse_KxR
 
 
-def _row_backward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, o_KxRxDv, lse_KxR, do_KxRxDv,
-                  *, t, causal, scale):
+def _row_forward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, *, t, causal, scale):
+  s = k_KxSxD.shape[1]
   g = q_KxRxD.shape[1] // t
-  s_KxRxS = _scores(q_KxRxD, k_KxSxD, _visible(t, k_KxSxD.shape[1], g, causal, q_seg_T,
-                                              kv_seg_S), scale)
+  visible = _visible(t, s, causal, q_seg_T, kv_seg_S)
+  blocks = _query_blocks(t, s, causal)
+  if len(blocks) == 1:
+    return _forward_rows(q_KxRxD, k_KxSxD, v_KxSxDv,
+                         None if visible is None else jnp.tile(visible, (g, 1)), scale)
+  outs, lses = [], []
+  acc = accumulation_dtype(q_KxRxD.dtype)
+  for t0, t1, e in blocks:
+    q = _block(q_KxRxD, t, g, t0, t1)
+    if e == 0:  # these queries see no key at all
+      outs.append(jnp.zeros((*q.shape[:2], v_KxSxDv.shape[2]), q_KxRxD.dtype))
+      lses.append(jnp.full(q.shape[:2], jnp.inf, acc))
+      continue
+    o, lse = _forward_rows(q, k_KxSxD[:, :e], v_KxSxDv[:, :e],
+                           _block_visible(visible, g, t0, t1, e), scale)
+    outs.append(o)
+    lses.append(lse)
+  return _unblock(outs, t, g), _unblock(lses, t, g)
+
+
+def _backward_rows(q_KxRxD, k_KxSxD, v_KxSxDv, visible, o_KxRxDv, lse_KxR, do_KxRxDv, scale):
+  """Float32 (float64) dQ, dK, dV of one set of query rows against the keys given."""
+  s_KxRxS = _scores(q_KxRxD, k_KxSxD, visible, scale)
   acc = s_KxRxS.dtype
   p_KxRxS = jnp.exp(s_KxRxS - lse_KxR[..., None])
   do = do_KxRxDv.astype(acc)
@@ -103,6 +160,36 @@ def _row_backward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, o_KxRxDv, lse_K
                   preferred_element_type=acc)
   dv = jnp.einsum("krs,krd->ksd", p_KxRxS.astype(do_KxRxDv.dtype), do_KxRxDv,
                   preferred_element_type=acc)
+  return dq, dk, dv
+
+
+def _row_backward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, o_KxRxDv, lse_KxR, do_KxRxDv,
+                  *, t, causal, scale):
+  s = k_KxSxD.shape[1]
+  g = q_KxRxD.shape[1] // t
+  visible = _visible(t, s, causal, q_seg_T, kv_seg_S)
+  blocks = _query_blocks(t, s, causal)
+  if len(blocks) == 1:
+    dq, dk, dv = _backward_rows(q_KxRxD, k_KxSxD, v_KxSxDv,
+                                None if visible is None else jnp.tile(visible, (g, 1)),
+                                o_KxRxDv, lse_KxR, do_KxRxDv, scale)
+  else:
+    acc = accumulation_dtype(q_KxRxD.dtype)
+    dqs = []
+    dk = jnp.zeros(k_KxSxD.shape, acc)
+    dv = jnp.zeros(v_KxSxDv.shape, acc)
+    for t0, t1, e in blocks:
+      cut = lambda x: _block(x, t, g, t0, t1)
+      if e == 0:
+        dqs.append(jnp.zeros(cut(q_KxRxD).shape, acc))
+        continue
+      dq_b, dk_b, dv_b = _backward_rows(
+          cut(q_KxRxD), k_KxSxD[:, :e], v_KxSxDv[:, :e], _block_visible(visible, g, t0, t1, e),
+          cut(o_KxRxDv), cut(lse_KxR), cut(do_KxRxDv), scale)
+      dqs.append(dq_b)
+      dk = dk.at[:, :e].add(dk_b)
+      dv = dv.at[:, :e].add(dv_b)
+    dq = _unblock(dqs, t, g)
   return dq.astype(q_KxRxD.dtype), dk.astype(k_KxSxD.dtype), dv.astype(v_KxSxDv.dtype)
 
 
