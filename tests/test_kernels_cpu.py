@@ -143,12 +143,12 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
 @pytest.mark.parametrize("t,s,seg", [(13, 13, "self"), (7, 11, "pair"), (11, 6, "none")])
 def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
   """Causal rows run in query blocks against only the keys they can see; blocks of 4 give
-  uneven last blocks, T < S, and (T > S) blocks that see no key at all."""
+  uneven last blocks, T < S, and (T > S) rows that see no key at all."""
   from diffjax.kernels.cpu import attention as cpu_attention
   monkeypatch.setattr(cpu_attention, "Q_BLOCK", 4)
   blocks = cpu_attention._query_blocks(t, s, True)
   assert len(blocks) == -(-t // 4) and blocks[-1][:2] == ((len(blocks) - 1) * 4, t)
-  assert (t <= s) or blocks[0][2] == 0
+  assert (t <= s) or blocks[0][2] == 1  # rows that see no key: one masked key
   assert len(cpu_attention._query_blocks(4000, 4000, True)) == cpu_attention.MAX_Q_BLOCKS
   b, h, k, d, dv = 2, 6, 2, 8, 16
   ids = _segments(b, t, s, seg) if seg != "self" or t == s else None

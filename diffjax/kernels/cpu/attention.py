@@ -12,9 +12,11 @@ heads of a kv group stacked as rows of one matmul, the forward keeps only the ou
 row log-sum-exp, and the backward is written out (scores recomputed from the saved
 log-sum-exp, ``delta = rowsum(dO * O)``): 55 ms instead of 137 ms at the shape above.
 
-DIFF V1 and V2 are two such attentions on the same values combined with λ:
-``A(q1, k1, V) - λ A(q2, k2, V)`` equals the reference's ``(P1 - λ P2) V`` up to float32
-rounding; the gradient of λ comes from autodiff of that combination.
+DIFF V1 and V2 run both softmax maps of a head (or pair) in the same pass and, as the
+reference, one PV matmul on the signed map ``(P1 - λ P2) V``; the backward shares one
+``dP = dO V^T`` and one ``dV = (P1 - λ P2)^T dO`` between the maps and returns λ's gradient
+``-rowsum(P2 * dP)`` per row. Causal rows run in query blocks against only the keys they
+can see (:data:`Q_BLOCK`).
 
 Numerics as the reference: scores and softmax in float32 (float64 for float64 inputs), the
 probabilities cast to the value dtype for the PV matmul, rows with no visible key give zeros.
@@ -60,13 +62,16 @@ MAX_Q_BLOCKS = 8
 
 
 def _query_blocks(t: int, s: int, causal: bool) -> list[tuple[int, int, int]]:
-  """Static ``(t0, t1, e)``: query positions [t0, t1) see at most the keys [0, e)."""
+  """Static ``(t0, t1, e)``: query positions [t0, t1) see at most the keys [0, e).
+
+  ``e`` is at least 1: rows that see no key at all (T > S) run against one masked key.
+  """
   if not causal or t <= Q_BLOCK:
     return [(0, t, s)]
   n = min(-(-t // Q_BLOCK), MAX_Q_BLOCKS)
   size = -(-t // n)
   offset = s - t  # queries are the last t of s positions
-  return [(t0, min(t, t0 + size), max(0, min(s, min(t, t0 + size) + offset)))
+  return [(t0, min(t, t0 + size), max(1, min(s, min(t, t0 + size) + offset)))
           for t0 in range(0, t, size)]
 
 
@@ -80,6 +85,8 @@ def _visible(t: int, s: int, causal: bool, q_seg_T, kv_seg_S):
 
 def _block(x_KxRx_, t: int, g: int, t0: int, t1: int):
   """Rows of query positions [t0, t1) for every stacked head: [K, G*(t1-t0), ...]."""
+  if (t0, t1) == (0, t):
+    return x_KxRx_
   k = x_KxRx_.shape[0]
   x = x_KxRx_.reshape(k, g, t, *x_KxRx_.shape[2:])[:, :, t0:t1]
   return x.reshape(k, g * (t1 - t0), *x_KxRx_.shape[2:])
@@ -87,9 +94,10 @@ def _block(x_KxRx_, t: int, g: int, t0: int, t1: int):
 
 def _unblock(parts, t: int, g: int):
   """Inverse of :func:`_block` over all blocks: [K, G*T, ...]."""
+  if len(parts) == 1:
+    return parts[0]
   k = parts[0].shape[0]
-  xs = [p.reshape(k, g, -1, *p.shape[2:]) for p in parts]
-  x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=2)
+  x = jnp.concatenate([p.reshape(k, g, -1, *p.shape[2:]) for p in parts], axis=2)
   return x.reshape(k, g * t, *x.shape[3:])
 
 
@@ -97,6 +105,32 @@ def _block_visible(visible_TxS, g: int, t0: int, t1: int, e: int):
   if visible_TxS is None:
     return None
   return jnp.tile(visible_TxS[t0:t1, :e], (g, 1))
+
+
+def _blocked(fn, rows, keys, visible_TxS, *, t: int, causal: bool):
+  """Runs ``fn(rows, keys, visible) -> (row_outputs, key_outputs)`` per query block.
+
+  ``rows`` are [K, G*T, ...] arrays, ``keys`` [K, S, ...]; each block gets its rows and the
+  keys it can see. Row outputs are reassembled; key outputs ([K, e, ...], float32 sums) are
+  added up over the blocks.
+  """
+  s = keys[0].shape[1]
+  g = rows[0].shape[1] // t
+  row_parts, key_sums = [], None
+  # The last block sees every key (e == s): it starts the key sums, the others add to
+  # their prefix.
+  for t0, t1, e in reversed(_query_blocks(t, s, causal)):
+    row_out, key_out = fn(tuple(_block(x, t, g, t0, t1) for x in rows),
+                          tuple(x if e == s else x[:, :e] for x in keys),
+                          _block_visible(visible_TxS, g, t0, t1, e))
+    row_parts.append(row_out)
+    if key_sums is None:
+      key_sums = key_out
+    else:
+      key_sums = tuple(a.at[:, :e].add(b) for a, b in zip(key_sums, key_out))
+  row_parts.reverse()
+  return tuple(_unblock([p[i] for p in row_parts], t, g)
+               for i in range(len(row_parts[0]))), key_sums
 
 
 def _scores(q_KxRxD, k_KxSxD, visible, scale):
@@ -108,95 +142,84 @@ def _scores(q_KxRxD, k_KxSxD, visible, scale):
   return s_KxRxS
 
 
-def _forward_rows(q_KxRxD, k_KxSxD, v_KxSxDv, visible, scale):
+def _probs(q_KxRxD, k_KxSxD, visible, scale):
+  """Softmax probabilities [K, R, S] and the row log-sum-exps [K, R] (+inf: no key)."""
   s_KxRxS = _scores(q_KxRxD, k_KxSxD, visible, scale)
   m_KxR = jnp.max(s_KxRxS, axis=-1)
   m_KxR = jnp.where(jnp.isfinite(m_KxR), m_KxR, 0.0)
   e_KxRxS = jnp.exp(s_KxRxS - m_KxR[..., None])
   l_KxR = jnp.sum(e_KxRxS, axis=-1)
   p_KxRxS = e_KxRxS / jnp.where(l_KxR > 0, l_KxR, 1.0)[..., None]
-  o_KxRxDv = jnp.einsum("krs,ksd->krd", p_KxRxS.astype(v_KxSxDv.dtype), v_KxSxDv,
-                        preferred_element_type=p_KxRxS.dtype)
   # Rows with no visible key: lse = +inf, so recomputed probabilities are exp(-inf) = 0.
   lse_KxR = jnp.where(l_KxR > 0, m_KxR + jnp.log(jnp.where(l_KxR > 0, l_KxR, 1.0)), jnp.inf)
-  return o_KxRxDv.astype(q_KxRxD.dtype), lse_KxR
+  return p_KxRxS, lse_KxR
 
 
-def _row_forward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, *, t, causal, scale):
-  s = k_KxSxD.shape[1]
-  g = q_KxRxD.shape[1] // t
-  visible = _visible(t, s, causal, q_seg_T, kv_seg_S)
-  blocks = _query_blocks(t, s, causal)
-  if len(blocks) == 1:
-    return _forward_rows(q_KxRxD, k_KxSxD, v_KxSxDv,
-                         None if visible is None else jnp.tile(visible, (g, 1)), scale)
-  outs, lses = [], []
-  acc = accumulation_dtype(q_KxRxD.dtype)
-  for t0, t1, e in blocks:
-    q = _block(q_KxRxD, t, g, t0, t1)
-    if e == 0:  # these queries see no key at all
-      outs.append(jnp.zeros((*q.shape[:2], v_KxSxDv.shape[2]), q_KxRxD.dtype))
-      lses.append(jnp.full(q.shape[:2], jnp.inf, acc))
-      continue
-    o, lse = _forward_rows(q, k_KxSxD[:, :e], v_KxSxDv[:, :e],
-                           _block_visible(visible, g, t0, t1, e), scale)
-    outs.append(o)
-    lses.append(lse)
-  return _unblock(outs, t, g), _unblock(lses, t, g)
+def _apply(p_KxRxS, v_KxSxDv):
+  return jnp.einsum("krs,ksd->krd", p_KxRxS.astype(v_KxSxDv.dtype), v_KxSxDv,
+                    preferred_element_type=p_KxRxS.dtype)
 
 
-def _backward_rows(q_KxRxD, k_KxSxD, v_KxSxDv, visible, o_KxRxDv, lse_KxR, do_KxRxDv, scale):
-  """Float32 (float64) dQ, dK, dV of one set of query rows against the keys given."""
-  s_KxRxS = _scores(q_KxRxD, k_KxSxD, visible, scale)
-  acc = s_KxRxS.dtype
-  p_KxRxS = jnp.exp(s_KxRxS - lse_KxR[..., None])
-  do = do_KxRxDv.astype(acc)
-  delta_KxR = jnp.sum(do * o_KxRxDv.astype(acc), axis=-1)
-  dp_KxRxS = jnp.einsum("krd,ksd->krs", do_KxRxDv, v_KxSxDv, preferred_element_type=acc)
-  ds_KxRxS = p_KxRxS * (dp_KxRxS - delta_KxR[..., None]) * jnp.asarray(scale, acc)
+def _grad_matmuls(ds_KxRxS, q_KxRxD, k_KxSxD):
+  """dQ = dS K and dK = dS^T Q, float32 (float64)."""
+  acc = ds_KxRxS.dtype
   dq = jnp.einsum("krs,ksd->krd", ds_KxRxS.astype(k_KxSxD.dtype), k_KxSxD,
                   preferred_element_type=acc)
   dk = jnp.einsum("krs,krd->ksd", ds_KxRxS.astype(q_KxRxD.dtype), q_KxRxD,
                   preferred_element_type=acc)
-  dv = jnp.einsum("krs,krd->ksd", p_KxRxS.astype(do_KxRxDv.dtype), do_KxRxDv,
+  return dq, dk
+
+
+# --- One softmax map (the baseline): rows (q,), keys (k, v).
+
+
+def _single_forward(rows, keys, visible, *, scale):
+  (q,), (k, v) = rows, keys
+  p, lse = _probs(q, k, visible, scale)
+  return (_apply(p, v).astype(q.dtype), lse), ()
+
+
+def _single_backward(rows, keys, visible, *, scale):
+  (q, o, lse, do), (k, v) = rows, keys
+  s = _scores(q, k, visible, scale)
+  acc = s.dtype
+  p = jnp.exp(s - lse[..., None])
+  delta = jnp.sum(do.astype(acc) * o.astype(acc), axis=-1)
+  dp = jnp.einsum("krd,ksd->krs", do, v, preferred_element_type=acc)
+  dq, dk = _grad_matmuls(p * (dp - delta[..., None]) * jnp.asarray(scale, acc), q, k)
+  dv = jnp.einsum("krs,krd->ksd", p.astype(do.dtype), do, preferred_element_type=acc)
+  return (dq,), (dk, dv)
+
+
+# --- A pair of maps on one value (DIFF V1 and V2): rows (q1, q2, lam), keys (k1, k2, v).
+# One PV matmul on P1 - lam P2 (as the reference); in the backward one dP = dO V^T and one
+# dV = (P1 - lam P2)^T dO serve both maps, and D_m = rowsum(P_m * dP) = rowsum(dO * O_m).
+
+
+def _pair_forward(rows, keys, visible, *, scale):
+  (q1, q2, lam), (k1, k2, v) = rows, keys
+  p1, lse1 = _probs(q1, k1, visible, scale)
+  p2, lse2 = _probs(q2, k2, visible, scale)
+  p = p1 - lam.astype(p1.dtype)[..., None] * p2
+  return (_apply(p, v).astype(q1.dtype), lse1, lse2), ()
+
+
+def _pair_backward(rows, keys, visible, *, scale):
+  (q1, q2, lam, lse1, lse2, do), (k1, k2, v) = rows, keys
+  s1 = _scores(q1, k1, visible, scale)
+  acc = s1.dtype
+  p1 = jnp.exp(s1 - lse1[..., None])
+  p2 = jnp.exp(_scores(q2, k2, visible, scale) - lse2[..., None])
+  dp = jnp.einsum("krd,ksd->krs", do, v, preferred_element_type=acc)
+  d1 = jnp.sum(p1 * dp, axis=-1)
+  d2 = jnp.sum(p2 * dp, axis=-1)
+  lam = lam.astype(acc)[..., None]
+  c = jnp.asarray(scale, acc)
+  dq1, dk1 = _grad_matmuls(p1 * (dp - d1[..., None]) * c, q1, k1)
+  dq2, dk2 = _grad_matmuls(-lam * p2 * (dp - d2[..., None]) * c, q2, k2)
+  dv = jnp.einsum("krs,krd->ksd", (p1 - lam * p2).astype(do.dtype), do,
                   preferred_element_type=acc)
-  return dq, dk, dv
-
-
-def _row_backward(q_KxRxD, k_KxSxD, v_KxSxDv, q_seg_T, kv_seg_S, o_KxRxDv, lse_KxR, do_KxRxDv,
-                  *, t, causal, scale):
-  s = k_KxSxD.shape[1]
-  g = q_KxRxD.shape[1] // t
-  visible = _visible(t, s, causal, q_seg_T, kv_seg_S)
-  blocks = _query_blocks(t, s, causal)
-  if len(blocks) == 1:
-    dq, dk, dv = _backward_rows(q_KxRxD, k_KxSxD, v_KxSxDv,
-                                None if visible is None else jnp.tile(visible, (g, 1)),
-                                o_KxRxDv, lse_KxR, do_KxRxDv, scale)
-  else:
-    acc = accumulation_dtype(q_KxRxD.dtype)
-    dqs = []
-    dk = jnp.zeros(k_KxSxD.shape, acc)
-    dv = jnp.zeros(v_KxSxDv.shape, acc)
-    for t0, t1, e in blocks:
-      cut = lambda x: _block(x, t, g, t0, t1)
-      if e == 0:
-        dqs.append(jnp.zeros(cut(q_KxRxD).shape, acc))
-        continue
-      dq_b, dk_b, dv_b = _backward_rows(
-          cut(q_KxRxD), k_KxSxD[:, :e], v_KxSxDv[:, :e], _block_visible(visible, g, t0, t1, e),
-          cut(o_KxRxDv), cut(lse_KxR), cut(do_KxRxDv), scale)
-      dqs.append(dq_b)
-      dk = dk.at[:, :e].add(dk_b)
-      dv = dv.at[:, :e].add(dv_b)
-    dq = _unblock(dqs, t, g)
-  return dq.astype(q_KxRxD.dtype), dk.astype(k_KxSxD.dtype), dv.astype(v_KxSxDv.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale):
-  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal,
-                     scale)[0]
+  return (dq1, dq2, -d2), (dk1, dk2, dv)
 
 
 # Batch rows per lax.map iteration: as many as keep one iteration's float32 scores within
@@ -205,35 +228,73 @@ def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, 
 SCORE_BYTES_PER_STEP = 4 << 20
 
 
-def _rows_per_step(q_BxKxRxD, k_BxKxSxD) -> int:
+def _rows_per_step(q_BxKxRxD, k_BxKxSxD, maps: int = 1) -> int:
   _, kv, r, _ = q_BxKxRxD.shape
-  return max(1, SCORE_BYTES_PER_STEP // (4 * kv * r * k_BxKxSxD.shape[2]))
+  return max(1, SCORE_BYTES_PER_STEP // (4 * maps * kv * r * k_BxKxSxD.shape[2]))
+
+
+def _over_batch(fn, rows, keys, q_seg, kv_seg, *, t, causal, maps):
+  """``_blocked(fn, ...)`` for every batch row, a few rows per ``lax.map`` iteration."""
+  n = _rows_per_step(rows[0], keys[0], maps)
+  nr, nk = len(rows), len(keys)
+
+  def one(a):
+    r, k, seg = a[:nr], a[nr:nr + nk], a[nr + nk:]
+    visible = _visible(t, k[0].shape[1], causal, *(seg if seg else (None, None)))
+    return _blocked(fn, r, k, visible, t=t, causal=causal)
+
+  segs = () if q_seg is None else (q_seg, kv_seg)
+  return jax.lax.map(one, (*rows, *keys, *segs), batch_size=n)
+
+
+def _cast_like(grads, like):
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, like))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale):
+  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal,
+                     scale)[0]
 
 
 def _attend_fwd(q, k, v, q_seg, kv_seg, t, causal, scale):
-  fwd = functools.partial(_row_forward, t=t, causal=causal, scale=scale)
-  n = _rows_per_step(q, k)
-  if q_seg is None:
-    o, lse = jax.lax.map(lambda a: fwd(*a, None, None), (q, k, v), batch_size=n)
-  else:
-    o, lse = jax.lax.map(lambda a: fwd(*a), (q, k, v, q_seg, kv_seg), batch_size=n)
+  (o, lse), _ = _over_batch(functools.partial(_single_forward, scale=scale), (q,), (k, v),
+                            q_seg, kv_seg, t=t, causal=causal, maps=1)
   return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
 def _attend_bwd(t, causal, scale, res, do):
   q, k, v, q_seg, kv_seg, o, lse = res
-  bwd = functools.partial(_row_backward, t=t, causal=causal, scale=scale)
-  n = _rows_per_step(q, k)
-  if q_seg is None:
-    dq, dk, dv = jax.lax.map(lambda a: bwd(a[0], a[1], a[2], None, None, *a[3:]),
-                             (q, k, v, o, lse, do), batch_size=n)
-  else:
-    dq, dk, dv = jax.lax.map(lambda a: bwd(*a), (q, k, v, q_seg, kv_seg, o, lse, do),
-                             batch_size=n)
-  return dq, dk, dv, None, None
+  (dq,), (dk, dv) = _over_batch(functools.partial(_single_backward, scale=scale),
+                                (q, o, lse, do), (k, v), q_seg, kv_seg, t=t, causal=causal,
+                                maps=1)
+  return (*_cast_like((dq, dk, dv), (q, k, v)), None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _attend_pair(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
+  return _attend_pair_fwd(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale)[0]
+
+
+def _attend_pair_fwd(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
+  (o, lse1, lse2), _ = _over_batch(functools.partial(_pair_forward, scale=scale),
+                                   (q1, q2, lam), (k1, k2, v), q_seg, kv_seg, t=t,
+                                   causal=causal, maps=2)
+  return o, (q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2)
+
+
+def _attend_pair_bwd(t, causal, scale, res, do):
+  q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2 = res
+  (dq1, dq2, dlam), (dk1, dk2, dv) = _over_batch(
+      functools.partial(_pair_backward, scale=scale), (q1, q2, lam, lse1, lse2, do),
+      (k1, k2, v), q_seg, kv_seg, t=t, causal=causal, maps=2)
+  return (*_cast_like((dq1, dq2, dlam, dk1, dk2, dv), (q1, q2, lam, k1, k2, v)), None, None)
+
+
+_attend_pair.defvjp(_attend_pair_fwd, _attend_pair_bwd)
 
 
 def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_segment_ids,
@@ -245,10 +306,16 @@ def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_se
   return _from_rows(o, t)
 
 
-def _combine(o1, o2, lam):
-  """``o1 - lam * o2`` in the accumulation dtype, returned in the dtype of ``o1``."""
-  acc = accumulation_dtype(o1.dtype)
-  return (o1.astype(acc) - lam.astype(acc) * o2.astype(acc)).astype(o1.dtype)
+def _pair_attention(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxTxH, *,
+                    causal, q_segment_ids, kv_segment_ids, scale) -> jax.Array:
+  """``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V`` per head: [B, T, H, Dv]."""
+  t, kv = q1_BxTxHxD.shape[1], k1_BxSxKxD.shape[2]
+  acc = accumulation_dtype(q1_BxTxHxD.dtype)
+  lam_rows = _to_rows(lam_BxTxH.astype(acc)[..., None], kv)[..., 0]  # [B, K, G*T]
+  o = _attend_pair(_to_rows(q1_BxTxHxD, kv), _to_rows(q2_BxTxHxD, kv), lam_rows,
+                   _head_major(k1_BxSxKxD), _head_major(k2_BxSxKxD), _head_major(v_BxSxKxDv),
+                   q_segment_ids, kv_segment_ids, t, bool(causal), float(scale))
+  return _from_rows(o, t)
 
 
 def mha_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None,
@@ -264,29 +331,25 @@ def mha_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None
 def diff_v1_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
                 causal=True, q_segment_ids=None, kv_segment_ids=None, scale=None,
                 block_sizes=None, interpret=False) -> jax.Array:
-  """DIFF V1 core ``A(q1, k1, V) - λ_h A(q2, k2, V)``, before the per-head norm."""
+  """DIFF V1 core ``(A(q1, k1) - λ_h A(q2, k2)) V``, before the per-head norm."""
   del block_sizes, interpret
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  scale = _v.default_scale(scale, q1_BxTxHxD.shape[-1])
-  kw = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            scale=scale)
-  o1 = _attention(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, **kw)
-  o2 = _attention(q2_BxTxHxD, k2_BxSxKxD, v_BxSxKxDv, **kw)
-  lam_H = jnp.broadcast_to(jnp.asarray(lam_H), (q1_BxTxHxD.shape[2],))
-  return _combine(o1, o2, lam_H[None, None, :, None])
+  b, t, h, d = q1_BxTxHxD.shape
+  lam_BxTxH = jnp.broadcast_to(jnp.asarray(lam_H), (b, t, h))
+  return _pair_attention(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
+                         lam_BxTxH, causal=causal, q_segment_ids=q_segment_ids,
+                         kv_segment_ids=kv_segment_ids, scale=_v.default_scale(scale, d))
 
 
 def diff_v2_cpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
                 q_segment_ids=None, kv_segment_ids=None, scale=None, block_sizes=None,
                 interpret=False) -> jax.Array:
-  """DIFF V2 core on paired query heads: ``A(q_2i) - λ_i A(q_2i+1)``."""
+  """DIFF V2 core on paired query heads: ``(A(q_2i) - λ_i A(q_2i+1)) V``."""
   del block_sizes, interpret
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, q_heads, d = q_BxTxQxD.shape
-  scale = _v.default_scale(scale, d)
   q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
-  kw = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            scale=scale)
-  o1 = _attention(q_BxTxHx2xD[:, :, :, 0], k_BxSxKxD, v_BxSxKxD, **kw)
-  o2 = _attention(q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD, v_BxSxKxD, **kw)
-  return _combine(o1, o2, lam_BxTxH[..., None])
+  return _pair_attention(q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD,
+                         k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=causal,
+                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         scale=_v.default_scale(scale, d))
