@@ -138,6 +138,15 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d))) == 2
   _check(f, lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids), args,
          2e-5)
+  # The pair path holds two maps' scores per step: one row per step here, then the rest.
+  q2 = _arrays([(b, t, h, d)], 1, jnp.float32, seed=6)[0]
+  assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d)), 2) == 1
+  lam = jnp.linspace(0.3, 0.6, h)
+  _check(lambda q, q2, kk, v: diff_v1_cpu(q, q2, kk, kk, v, lam, causal=True, q_segment_ids=ids,
+                                          kv_segment_ids=ids),
+         lambda q, q2, kk, v: ref.diff_v1_reference(q, q2, kk, kk, v, lam, causal=True,
+                                                    segment_ids=ids),
+         (args[0], q2, args[1], args[2]), 3e-5)
 
 
 @pytest.mark.parametrize("t,s,seg", [(13, 13, "self"), (7, 11, "pair"), (11, 6, "none")])
@@ -164,3 +173,49 @@ def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
                                   kv_segment_ids=kv_seg),
          lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids),
          args[::2][:1] + [args[2], args[4]], 2e-5)
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", [
+    ("bte,ehd->bthd", (2, 5, 6), (6, 3, 4)),       # query projection, 3-D kernel
+    ("bthd,hde->bte", (2, 5, 3, 4), (3, 4, 7)),    # output projection, two contracted axes
+    ("bte,ehsd->bthsd", (1, 3, 6), (6, 2, 2, 3)),  # DIFF V1 query components
+    ("bte,ve->btv", (2, 5, 6), (9, 6)),            # tied LM head: a transposed 2-D weight
+    ("bte,ef->btf", (3, 1, 6), (6, 5)),
+])
+def test_cpu_matmul_matches_einsum_forward_and_gradients(spec, x_shape, w_shape):
+  """The projections' CPU path (row-major 2-D matmuls with hand-written gradients) against
+  jnp.einsum and its autodiff."""
+  from diffjax.nn import layers
+  assert layers._rows_form(spec) is not None
+  x, w = _arrays([x_shape, w_shape], 2, jnp.float32, seed=4)
+  ours = lambda x, w: layers.matmul(spec, x, w, jnp.float32)
+  plain = lambda x, w: jnp.einsum(spec, x, w)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(ours(x, w)), (0, 1)))(x, w))
+  assert "custom_vjp" in jaxpr  # the CPU path ran, not the einsum
+  _check(ours, plain, (x, w), 2e-6)
+
+
+def test_cpu_matmul_keeps_einsum_for_other_specs_and_dtypes():
+  from diffjax.nn import layers
+  for spec in ("btd,bsd->bts", "bte,te->bt", "bte,ee->bte"):
+    assert layers._rows_form(spec) is None, spec
+  assert layers._rows_form("bte,te->b") == (2, False)
+  x, w = _arrays([(2, 3, 4), (4, 5)], 2, jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda x, w: layers.matmul("bte,ef->btf", x, w, jnp.bfloat16))(x, w))
+  assert "custom_vjp" not in jaxpr and "preferred_element_type=float32" in jaxpr
+
+
+def test_cpu_rope_tables_match_the_plain_expressions():
+  """On a CPU the RoPE cos/sin come from a loop over batch rows; the values are the same."""
+  from diffjax.nn import rope
+  pos = jnp.asarray(np.random.default_rng(0).integers(0, 500, (3, 7)), jnp.int32)
+  x = _arrays([(3, 7, 2, 8)], 1, jnp.float32)[0]
+  angles = pos.astype(jnp.float32)[..., None] * rope.rope_frequencies(8, 10000.0)[None, None]
+  cos, sin = rope._cos_sin(angles)
+  np.testing.assert_array_equal(np.asarray(cos), np.asarray(jnp.cos(angles)))
+  np.testing.assert_array_equal(np.asarray(sin), np.asarray(jnp.sin(angles)))
+  for style in ("interleaved", "half"):
+    out = rope.apply_rope(x, pos, style=style)
+    with dispatch.target_platform("tpu"):  # the plain expressions
+      plain = rope.apply_rope(x, pos, style=style)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=1e-6, atol=1e-6)

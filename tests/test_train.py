@@ -290,3 +290,19 @@ def test_task_mix_interleaves_retrieval_examples(tmp_path):
   c.task_mix.task = "sorting"
   with pytest.raises(ValueError, match="sorting"):
     train_and_evaluate(c, str(tmp_path / "bad"))
+
+
+def test_cpu_compiler_options_keep_only_what_the_jaxlib_accepts(monkeypatch):
+  from diffjax import sharding as shd
+  from diffjax.train import setup as setup_lib
+  accepted = setup_lib.cpu_compiler_options()
+  assert set(accepted) <= set(setup_lib.CPU_XLA_OPTIONS)
+  monkeypatch.setattr(setup_lib, "CPU_XLA_OPTIONS",
+                      {**setup_lib.CPU_XLA_OPTIONS, "xla_cpu_no_such_option_here": True})
+  setup_lib.cpu_compiler_options.cache_clear()
+  try:
+    assert setup_lib.cpu_compiler_options() == accepted  # the unknown one is left out
+  finally:
+    setup_lib.cpu_compiler_options.cache_clear()
+  mesh = shd.make_mesh((-1, 1, 1))
+  assert setup_lib.compiler_options_for(mesh) == (accepted or None)
