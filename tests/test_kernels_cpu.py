@@ -127,11 +127,8 @@ def test_auto_runs_it_on_cpu_and_keeps_masks_and_float64_on_the_reference():
          ref.mha_reference(q, kk, v), 2e-5)
 
 
-@pytest.mark.parametrize("unrolled", [True, False])
-def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch, unrolled):
+def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch):
   from diffjax.kernels.cpu import attention as cpu_attention
-  if not unrolled:  # the lax.map loop over the batch
-    monkeypatch.setattr(cpu_attention, "MAX_UNROLLED_STEPS", 1)
   b, t, s, h, k, d, dv = SHAPES[2]  # B = 3
   ids = _segments(b, t, s, "self")
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32, seed=5)

@@ -6,9 +6,8 @@ softmax. On a CPU that costs several passes over tensors far larger than the cac
 B = 8, T = 256, 8 heads of 32, one layer's forward and backward took 137 ms, against 28 ms
 for PyTorch's CPU flash attention.
 
-Here the batch is walked a few rows at a time (as many as keep one step's scores,
-[rows, K, G*T, S], within `SCORE_BYTES_PER_STEP`; a few steps unrolled, more in a
-``lax.map`` loop), queries are head-major with the G query
+Here ``lax.map`` walks the batch a few rows at a time (as many as keep one step's scores,
+[rows, K, G*T, S], within `SCORE_BYTES_PER_STEP`), queries are head-major with the G query
 heads of a kv group stacked as rows of one matmul, the forward keeps only the output and the
 row log-sum-exp, and the backward is written out (scores recomputed from the saved
 log-sum-exp, ``delta = rowsum(dO * O)``): 55 ms instead of 137 ms at the shape above.
@@ -223,17 +222,10 @@ def _pair_backward(rows, keys, visible, *, scale):
   return (dq1, dq2, -d2), (dk1, dk2, dv)
 
 
-# Batch rows per step: as many as keep one step's float32 scores within
+# Batch rows per lax.map iteration: as many as keep one iteration's float32 scores within
 # this many bytes (few rows of long sequences; the whole batch when it is small, where the
 # loop's per-iteration cost would dominate).
 SCORE_BYTES_PER_STEP = 4 << 20
-
-
-# Up to this many steps over the batch are unrolled instead of looped: a loop's stacked
-# outputs start as zero-filled buffers, which cost more than the concatenation of a few
-# unrolled steps (the 4-layer benchmark model's forward and backward: 743 instead of 832 ms,
-# the same bits).
-MAX_UNROLLED_STEPS = 4
 
 
 def _rows_per_step(q_BxKxRxD, k_BxKxSxD, maps: int = 1) -> int:
@@ -242,7 +234,7 @@ def _rows_per_step(q_BxKxRxD, k_BxKxSxD, maps: int = 1) -> int:
 
 
 def _over_batch(fn, rows, keys, q_seg, kv_seg, *, t, causal, maps):
-  """``_blocked(fn, ...)`` for every batch row, a few rows per step (unrolled or looped)."""
+  """``_blocked(fn, ...)`` for every batch row, a few rows per ``lax.map`` iteration."""
   n = _rows_per_step(rows[0], keys[0], maps)
   nr, nk = len(rows), len(keys)
 
@@ -252,12 +244,7 @@ def _over_batch(fn, rows, keys, q_seg, kv_seg, *, t, causal, maps):
     return _blocked(fn, r, k, visible, t=t, causal=causal)
 
   segs = () if q_seg is None else (q_seg, kv_seg)
-  xs = (*rows, *keys, *segs)
-  b = rows[0].shape[0]
-  if -(-b // n) <= MAX_UNROLLED_STEPS:
-    outs = [jax.vmap(one)(tuple(x[i:i + n] for x in xs)) for i in range(0, b, n)]
-    return jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=0), *outs)
-  return jax.lax.map(one, xs, batch_size=n)
+  return jax.lax.map(one, (*rows, *keys, *segs), batch_size=n)
 
 
 def _cast_like(grads, like):
