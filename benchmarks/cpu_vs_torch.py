@@ -101,7 +101,15 @@ def main() -> None:
                  help="comma-separated: llama, diffllama (transformers); transformer, diff_v1, "
                       "diff_v2 (diffjax, implementation='auto'), each optionally with "
                       "':<implementation>', e.g. 'diff_v1:xla'")
+  p.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                 help="'keep': glibc malloc keeps freed memory for the next step, as diffjax's "
+                      "trainer sets on a CPU (both frameworks share the process, so both get "
+                      "it); 'default': glibc's own thresholds")
   a = p.parse_args()
+  if a.malloc == "keep":
+    from diffjax.train.host import keep_freed_memory  # pylint: disable=import-outside-toplevel
+    if not keep_freed_memory():
+      print("malloc: left at its defaults (not glibc on Linux, or DIFFJAX_KEEP_FREED_MEMORY=0)")
   import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
@@ -138,7 +146,7 @@ def main() -> None:
   print(f"\ntorch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
         f"{transformers.__version__}, jax {jax.__version__} ({jax.default_backend()}); "
         f"{os.cpu_count()} CPUs; batch {a.batch} x {a.seq}, float32, medians of {a.rounds} "
-        f"alternating rounds after {a.warmup}\n")
+        f"alternating rounds after {a.warmup}; malloc {a.malloc}\n")
   print("| arm | params | step ms | tokens/s | first step s |")
   print("|---|---|---|---|---|")
   med = {arm: statistics.median(ts) for arm, ts in times.items()}

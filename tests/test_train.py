@@ -306,3 +306,16 @@ def test_cpu_compiler_options_keep_only_what_the_jaxlib_accepts(monkeypatch):
     setup_lib.cpu_compiler_options.cache_clear()
   mesh = shd.make_mesh((-1, 1, 1))
   assert setup_lib.compiler_options_for(mesh) == (accepted or None)
+
+
+def test_keep_freed_memory_applies_on_glibc_and_respects_the_opt_out(monkeypatch):
+  import platform
+  from diffjax.train import host
+  monkeypatch.setenv(host.ENV_VAR, "0")
+  assert host.keep_freed_memory() is False
+  monkeypatch.setattr(host.sys, "platform", "darwin")
+  monkeypatch.delenv(host.ENV_VAR)
+  assert host.keep_freed_memory() is False
+  monkeypatch.setattr(host.sys, "platform", "linux")
+  is_glibc = platform.libc_ver()[0] == "glibc"
+  assert host.keep_freed_memory() is is_glibc

@@ -30,6 +30,7 @@ from diffjax.errors import UserError
 from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
+from diffjax.train.host import keep_freed_memory
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model_config
 from diffjax.train.loading import initial_params
 from diffjax.train.progress import Progress
@@ -95,9 +96,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   Returns the final metrics (train loss, eval loss, steps, wall time), or, when a
   SIGTERM/SIGINT stopped the run after saving, ``{"step", "stopped": True, "train/loss"}``.
+
+  On a CPU backend it also makes glibc's ``malloc`` keep freed memory for the next step
+  (:func:`diffjax.train.host.keep_freed_memory`; ``DIFFJAX_KEEP_FREED_MEMORY=0`` opts out).
   """
   t_start = time.perf_counter()
   distributed.maybe_initialize(config)
+  if jax.default_backend() == "cpu":
+    keep_freed_memory()
   check_config(config)
   is_main = jax.process_index() == 0
   # The mesh decides which rows each process loads (processes of one context group share
