@@ -3,7 +3,7 @@
 The corpus is the Python standard library's own source (present wherever Python is,
 so nothing is downloaded; real, varied text with long-range structure such as
 indentation, names defined far above their use, and docstrings), byte-level tokens.
-1000 steps of 16 x 128 tokens take about 3 minutes on 2 CPU cores.
+1000 steps of 16 x 128 tokens take 3-7 minutes on 2 CPU cores (README: Measured results).
 
   python train.py --config=configs/default.py --workdir=runs/default
 """
