@@ -11,8 +11,8 @@ is two row-major matmuls, ``dx = dy w^T`` and ``dw = x^T dy``, which XLA runs wi
 any copy.
 
 The arithmetic is that of autodiff up to the order of float additions inside each matmul.
-Used by :func:`diffjax.nn.layers.project` for float32 and float64 on a CPU; other platforms
-and dtypes keep the ``einsum``.
+Used by :func:`diffjax.nn.layers.matmul` (every projection and the LM head) for float32 and
+float64 on a CPU; other platforms and dtypes keep the ``einsum``.
 """
 
 from __future__ import annotations
