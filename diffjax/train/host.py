@@ -7,8 +7,7 @@ touch its buffers again (an elementwise kernel writing a fresh 16 MB buffer took
 instead of 4.2 ms). :func:`keep_freed_memory` makes ``malloc`` serve blocks below 1 GiB
 from the heap and keep freed memory for the next step. The process then holds on to its
 peak memory, as a caching allocator would. The trainer (``train_and_evaluate``) calls it
-on a CPU backend; set
-``DIFFJAX_KEEP_FREED_MEMORY=0`` to leave ``malloc`` alone.
+on a CPU backend; set ``DIFFJAX_KEEP_FREED_MEMORY=0`` to leave ``malloc`` alone.
 """
 
 from __future__ import annotations
