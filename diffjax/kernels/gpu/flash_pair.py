@@ -57,21 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from diffjax.kernels.gpu.block_sizes import BlockSizes
+from diffjax.kernels.gpu.pair_common import (  # noqa: F401  (re-exported)
+    EMPTY_LSE, LOG2E, NEG, check_segment_ids, pad_axis, pad_segment_ids, round_up, row_terms)
 
-LOG2E = math.log2(math.e)
-NEG = -0.7 * float(np.finfo(np.float32).max)
-# Log-sum-exp stored for a row that sees no key: exp2(score - EMPTY_LSE) == 0.
-EMPTY_LSE = 1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,55 +507,3 @@ def backward_dq(cfg: PairConfig, qs, ks, v, do, rows, q_seg, kv_seg):
       interpret=cfg.interpret,
       name=f"diff_{cfg.variant}_bwd_dq",
   )(*args)
-
-
-def row_terms(do, o, o2, lam_BxHxT):
-  """Softmax-backward row terms (d_a, d_b), float32 [B, H, T].
-
-  ``d_b = rowsum(dO * O2)`` and ``d_a = rowsum(dO * O1) = rowsum(dO * O) + lam d_b``.
-  """
-  do32 = do.astype(jnp.float32)
-  d_o = jnp.einsum("bthd,bthd->bht", do32, o.astype(jnp.float32))
-  d_b = jnp.einsum("bthd,bthd->bht", do32, o2.astype(jnp.float32))
-  return d_o + lam_BxHxT * d_b, d_b
-
-
-# ----------------------------------------------------------------------------------
-# Wrapper helpers shared by the V1 and V2 entry points.
-
-
-def round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-  """Pads ``x`` at the end of ``axis`` to ``size`` (a no-op when already that size)."""
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int, kv_len: int):
-  """Both or neither; returns int32 arrays [B, T] and [B, S] (or Nones)."""
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("Pass both q_segment_ids [batch, q_len] and kv_segment_ids "
-                     "[batch, kv_len], or neither; got only "
-                     f"{'q' if kv_segment_ids is None else 'kv'}_segment_ids.")
-  if q_segment_ids is None:
-    return None, None
-  if tuple(q_segment_ids.shape) != (batch, q_len):
-    raise ValueError(f"q_segment_ids must have shape {(batch, q_len)}; got "
-                     f"{tuple(q_segment_ids.shape)}.")
-  if tuple(kv_segment_ids.shape) != (batch, kv_len):
-    raise ValueError(f"kv_segment_ids must have shape {(batch, kv_len)}; got "
-                     f"{tuple(kv_segment_ids.shape)}.")
-  return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-
-
-def pad_segment_ids(q_seg, kv_seg, q_len: int, kv_len: int):
-  # Padded positions get ids no real token has; padded keys are masked by length anyway.
-  if q_seg is None:
-    return None, None
-  return pad_axis(q_seg, 1, q_len, -1), pad_axis(kv_seg, 1, kv_len, -2)
