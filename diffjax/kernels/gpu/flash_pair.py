@@ -28,16 +28,9 @@ over a grid) lowered through the Triton backend (``jax.experimental.pallas.trito
 works there. It runs in the generic Pallas interpreter (``interpret=True``) on a CPU,
 and its lowering to Triton IR runs without a GPU
 (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), so both the
-arithmetic and the lowering are checked on machines without one. Mosaic GPU offers
-neither here: in jax 0.10.2 its interpreter (``InterpretGPUParams``) is private to
-``jax._src`` and its lowering needs the CUDA libraries. A Mosaic GPU version
-(``jax.experimental.pallas.mosaic_gpu``) would change the structure rather than the
-math: TMA copies of K1, K2 and V tiles into shared memory driven by a producer
-warpgroup with barriers, ``wgmma`` for the five matmuls with accumulators in
-registers, blocks that are multiples of 64, and two consumer warpgroups (one per map,
-or one per 64 query rows) since two float32 accumulators of width 2D per row do not
-fit one warpgroup's registers at D = 128. Causal block skipping, the shared dP and
-the lambda algebra carry over unchanged.
+arithmetic and the lowering are checked on machines without one. The Mosaic GPU
+forward kernel for Hopper (:mod:`diffjax.kernels.gpu.mosaic_pair`: TMA, wgmma, a
+producer warpgroup and one consumer warpgroup per map) keeps this module's conventions.
 
 Layout and padding. Arrays arrive padded by the caller: lengths to a multiple of every
 block, head dims to a power of two (Triton tiles are powers of two). Padded keys are

@@ -1,0 +1,153 @@
+"""Run the Mosaic GPU kernels in jax's Mosaic GPU interpreter on a CPU.
+
+jax ships an interpreter for Mosaic GPU kernels (``InterpretGPUParams``, private to
+``jax._src`` in jax 0.10.2): it simulates shared memory, warpgroups, TMA copies and
+barriers on the host. In jax 0.10.2 it does not yet know three things a Hopper attention
+kernel needs; :func:`install` adds them, once per process, with the semantics the
+hardware has:
+
+* ``plgpu.layout_cast`` (and ``plgpu.broadcasted_iota``'s layout) is the identity on
+  values: a register layout changes where elements live, never their values.
+* a ``wgmma`` operand may be a transposed view of shared memory
+  (``plgpu.transpose_ref``), and the A operand may be a register array instead of a
+  shared-memory ref; the product is ``acc + a @ b`` in the accumulator's dtype, as the
+  interpreter computes it for plain shared-memory operands.
+
+``pl.run_state`` accumulators (``plgpu.ACC.init``) are not added here: the kernels in
+:mod:`diffjax.kernels.gpu.mosaic_pair` accumulate through :func:`accumulate`, which on
+the interpreter forms ``acc + (a @ b)`` from a zero-initialised ``run_scoped``
+accumulator: the same value the hardware's in-place accumulation gives.
+
+Everything here is used only when a kernel runs with ``interpret=True``; it changes
+nothing for compiled kernels. The extension is tested on its own against numpy
+(``tests/test_kernels_mosaic_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+def params():
+  """The interpreter's parameters (``InterpretGPUParams``), with the extension installed."""
+  install()
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
+def reset():
+  """Clears the interpreter's simulated memory (needed after a kernel raised)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def install() -> None:
+  """Adds layout casts and transposed/register wgmma operands to the interpreter."""
+  global _INSTALLED
+  with _LOCK:
+    if _INSTALLED or not needs_extension():
+      return
+    _install_layout_cast()
+    _install_wgmma()
+    _INSTALLED = True
+
+
+def _install_layout_cast():
+  from jax._src.interpreters import mlir
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+
+def _read_operand(shared_memory, key_array, transforms, thread, logging_info):
+  """A shared-memory operand after its indexers and transposes, as a numpy array."""
+  from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  from jax._src.state import indexing
+  from jax._src.state import types as state_types
+
+  key = gpu_callbacks.HostAllocationKey.from_array(key_array)
+  transforms = list(gpu_callbacks._remove_noop_transforms(tuple(transforms)))
+  leading = []
+  while transforms and isinstance(transforms[0], indexing.NDIndexer):
+    leading.append(transforms.pop(0))
+  value, _, _ = shared_memory.get_buffer_content(
+      key, interpret_utils.to_range(leading), thread, logging_info=logging_info)
+  value = np.asarray(value)
+  for t in transforms:
+    if isinstance(t, state_types.TransposeTransform):
+      value = np.transpose(value, t.permutation)
+    elif isinstance(t, indexing.NDIndexer):
+      value = value[tuple(interpret_utils._transform_slice_or_index(i) for i in t.indices)]
+    else:
+      raise NotImplementedError(f"wgmma operand transform {t} in the GPU interpreter")
+  return value
+
+
+def _wgmma_callback(*, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
+                    acc_dtype, a_key, a_value, a_transforms, b_key, b_transforms,
+                    source_info=None):
+  from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  device_id, thread_id = int(device_id), int(thread_id)
+  shared_memory = gpu_callbacks._get_shared_memory()
+  thread = shared_memory.get_global_thread_id(device_id, thread_id)
+  info = interpret_utils.GPULoggingInfo(
+      device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
+      thread_id=thread_id, source_info=source_info)
+  to_int = lambda ts: jax.tree.map(int, ts)
+  a = (np.asarray(a_value) if a_key is None
+       else _read_operand(shared_memory, a_key, to_int(a_transforms), thread, info))
+  b = _read_operand(shared_memory, b_key, to_int(b_transforms), thread, info)
+  acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_key)
+  acc_range = interpret_utils.to_range(
+      to_int(gpu_callbacks._remove_noop_transforms(tuple(acc_transforms))))
+  acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread,
+                                               logging_info=info)
+  shared_memory.store_buffer_content(
+      acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread,
+      logging_info=info)
+
+
+def _install_wgmma():
+  from jax._src import callback
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+  from jax._src.state import types as state_types
+
+  def interpret_wgmma(self, eqn, token, get_invals):
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_t, a_t, b_t = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple((
+            eqn.params["acc_transforms_tree"] or empty,
+            eqn.params["a_transforms_tree"] or empty,
+            eqn.params["b_transforms_tree"] or empty)),
+        leaves)
+    a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+
+    def run(token, device_id, grid_point_coords, thread_id, acc, a, b, acc_t, a_t, b_t):
+      _wgmma_callback(
+          device_id=device_id, grid_point_coords=grid_point_coords, thread_id=thread_id,
+          acc_key=acc, acc_transforms=acc_t, acc_dtype=eqn.invars[0].aval.dtype,
+          a_key=a if a_is_ref else None, a_value=None if a_is_ref else a,
+          a_transforms=a_t, b_key=b, b_transforms=b_t, source_info=eqn.source_info)
+      return token
+
+    return callback.io_callback(
+        run, gpu_callbacks.TOKEN_SHAPE_DTYPE, token, self.device_info.device_id,
+        self.grid_point_coords, self.thread_id, acc, a, b, acc_t, a_t, b_t,
+        ordered=True), []
+
+  jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
+
+
+def needs_extension() -> bool:
+  """Whether this jax's interpreter lacks what :func:`install` adds (jax before 0.11)."""
+  return jax.__version_info__ < (0, 11)

@@ -1,0 +1,418 @@
+"""Flash attention over a pair of softmax maps on Mosaic GPU (Hopper, sm_90).
+
+The arithmetic is that of :mod:`diffjax.kernels.gpu.flash_pair` (same residuals, same
+masking and log-sum-exp conventions, constants in :mod:`diffjax.kernels.gpu.pair_common`):
+
+    out_t = softmax(qa_t Ka^T s) V - lam_t * softmax(qb_t Kb^T s) V
+
+V1: Ka = K1, Kb = K2, one lambda per head. V2: heads 2i and 2i+1 of one query array,
+Ka = Kb = K, one lambda per token.
+
+Forward kernel (:func:`forward`). One CTA per (head or pair, 64 query rows, batch
+row), three warpgroups:
+
+* warpgroup 2 is the producer: it TMA-copies the Ka, Kb (V1 only) and V tiles of
+  each key block into a ring of ``stages`` shared-memory slots, each slot guarded by
+  a "ready" barrier per buffer and one "consumed" barrier;
+* warpgroup 0 runs map a and warpgroup 1 map b over the same 64 query rows. Each
+  keeps one float32 accumulator of width Dv in registers (two of them do not fit one
+  warpgroup's registers at Dv = 256) and its own online softmax, and both multiply the
+  same V tile from shared memory: V is read from HBM once per key block. S = Q K^T is
+  a ``wgmma`` from shared memory with K transposed in place; P V takes P from registers.
+* at the end warpgroup 1 writes its normalised output (float32) to shared memory and
+  the second output O2; warpgroup 0 combines ``O1 - lam O2`` in float32.
+
+Key blocks above the causal diagonal are never loaded or visited. Blocks that need no
+mask (fully visible, no segment ids, no padded keys) skip the mask arithmetic.
+
+Status. Only the forward kernel exists: there is no Mosaic GPU backward yet, and these
+kernels are not in the ops' dispatch table (the ``pallas_gpu`` implementation still
+runs the Triton kernels of :mod:`diffjax.kernels.gpu.flash_pair`). The residuals
+(O2 and both log-sum-exps) are the ones a fused backward at the brief's 32d
+arithmetic needs.
+
+Shapes. Head dims are used as they are (64, 80, 96, 128, ...: any multiple of 16);
+the shared-memory swizzle is the widest of 128/64/32 bytes that divides a row. The
+query length is padded to a multiple of 64 and the key length to a multiple of the
+key block by the caller; padded keys are masked by the true length. Inputs are bf16 or
+fp16 (the ``wgmma`` operand types for which a transposed shared-memory operand
+exists); float32 runs on the Triton kernels.
+
+On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``, see
+:mod:`diffjax.kernels.gpu.mosaic_interpret`), and their lowering to Mosaic GPU IR runs
+without a GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from diffjax.kernels.gpu import mosaic_interpret
+from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
+
+BLOCK_Q = 64  # query rows per warpgroup: the M of one wgmma
+COMPUTE_WGS = 2
+SMEM_BYTES = 227 * 1024  # usable shared memory per CTA on an H100/H200
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Static description of one call (hashable: a custom_vjp non-diff argument).
+
+  Attributes:
+    variant: "v1" or "v2" (see the module docstring).
+    causal: causal mask; queries are the last ``q_len`` of ``kv_len`` positions.
+    scale: score scale.
+    q_len, kv_len: true (unpadded) lengths.
+    group: DIFF heads (V1) or pairs (V2) per kv group.
+    segments: whether segment ids are passed.
+    block_kv: keys per step of the forward kernel.
+    stages: shared-memory slots of the forward kernel's K/V ring.
+    interpret: run in the Mosaic GPU interpreter.
+  """
+  variant: str
+  causal: bool
+  scale: float
+  q_len: int
+  kv_len: int
+  group: int
+  segments: bool
+  block_kv: int
+  stages: int
+  interpret: bool
+
+  @property
+  def offset(self) -> int:
+    return self.kv_len - self.q_len
+
+  @property
+  def shared_k(self) -> bool:
+    return self.variant == "v2"
+
+  def kernel_kwargs(self) -> dict:
+    if self.interpret:
+      return dict(interpret=mosaic_interpret.params())
+    return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+
+
+def smem_transforms(width: int, dtype) -> tuple:
+  """Tiling + swizzle of a [rows, width] shared-memory tile that ``wgmma`` reads.
+
+  The swizzle is the widest of 128, 64 and 32 bytes that divides a row, so head dims
+  like 80 (160-byte rows: 32-byte swizzle) and 96 (64-byte swizzle) need no padding.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  row = width * itemsize
+  for swizzle in (128, 64, 32):
+    if row % swizzle == 0:
+      return (plgpu.TilingTransform((8, swizzle // itemsize)),
+              plgpu.SwizzleTransform(swizzle))
+  raise ValueError(f"A row of {width} x {jnp.dtype(dtype).name} ({row} bytes) is not a "
+                   "multiple of 32 bytes; use a head dim that is a multiple of 16.")
+
+
+def _iota(shape, dim):
+  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+
+
+def _row(x):
+  return plgpu.layout_cast(x, _ROW)
+
+
+def _col(x):
+  return plgpu.layout_cast(x, _COL)
+
+
+def _bcast_rows(x, shape):
+  """A per-row vector [M] broadcast along the columns of an [M, N] tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _bcast_cols(x, shape):
+  """A per-column vector [N] broadcast along the rows of an [M, N] tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _product(shape, a, b_ref):
+  """``a @ b_ref`` into a fresh float32 accumulator (a: smem ref or registers)."""
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_ref)
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc, a, b_ref, cfg: MosaicConfig):
+  """``acc + a @ b_ref`` with ``acc`` kept in the wgmma accumulator registers.
+
+  Compiled kernels accumulate in place (``pl.run_state`` with ``plgpu.ACC.init``).
+  jax 0.10.2's interpreter has no ``run_state``; there the product goes to a fresh
+  zero accumulator and is added, which is the value the interpreter's in-place
+  ``wgmma`` (``acc + a @ b``) computes.
+  """
+  if cfg.interpret and mosaic_interpret.needs_extension():
+    return acc + _product(acc.shape, a, b_ref)
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_ref)
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def kv_blocks(cfg: MosaicConfig, q_start, bq: int, bk: int):
+  """Key blocks a query block visits: [0, n_full) need no mask, [n_full, n_end) do."""
+  s = cfg.kv_len
+  if cfg.causal:
+    end_pos = jnp.clip(q_start + bq + cfg.offset, 0, s)
+    n_end = lax.div(end_pos + bk - 1, bk)
+    n_full = lax.div(jnp.clip(q_start + cfg.offset + 1, 0, s), bk)
+  else:
+    n_end = jnp.int32(-(-s // bk))
+    n_full = jnp.int32(s // bk)
+  if cfg.segments:
+    n_full = jnp.int32(0)
+  return n_full, n_end
+
+
+def tile_mask(cfg: MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=None):
+  """Visible (query, key) pairs of a [queries, keys] tile, in the wgmma layout."""
+  kpos = kv_start + _iota(shape, 1)
+  mask = kpos < cfg.kv_len
+  if cfg.causal:
+    qpos = q_start + cfg.offset + _iota(shape, 0)
+    mask = jnp.logical_and(mask, kpos <= qpos)
+  if cfg.segments:
+    mask = jnp.logical_and(mask, _bcast_rows(qseg, shape) == _bcast_cols(kvseg, shape))
+  return mask
+
+
+# ----------------------------------------------------------------------------------
+# Forward.
+
+
+def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
+  """Runs the forward kernel; the same contract as :func:`flash_pair.forward`.
+
+  ``qs`` = (q1, q2) for V1, (q,) for V2 (heads 2i, 2i+1 form pair i); ``ks`` likewise.
+  Lengths are padded (queries to 64, keys to ``block_kv``). Returns (out, o2) in the
+  query dtype [B, T, H, Dv] and (lse_a, lse_b) float32 [B, H, T], base 2.
+  """
+  b, t, _, d = qs[0].shape
+  s, dv = ks[0].shape[1], v.shape[3]
+  h = lam_BxHxT.shape[1]
+  dtype = qs[0].dtype
+  bq, bk = BLOCK_Q, cfg.block_kv
+  stages = max(1, min(cfg.stages, s // bk))  # never more slots than key blocks
+  c = cfg.scale * LOG2E
+  v1 = cfg.variant == "v1"
+
+  def kernel(*refs):
+    it = iter(refs)
+    qa_ref = next(it)
+    qb_ref = next(it) if v1 else qa_ref
+    ka_ref = next(it)
+    kb_ref = next(it) if v1 else ka_ref
+    v_ref, lam_ref = next(it), next(it)
+    qseg_ref, kvseg_ref = (next(it), next(it)) if cfg.segments else (None, None)
+    o_ref, o2_ref, lse_a_ref, lse_b_ref = next(it), next(it), next(it), next(it)
+    (q_smem, ka_smem, kb_smem, v_smem, x_smem, lam_smem, lse_smem, qseg_smem,
+     kvseg_smem, q_bar, row_bar, ka_bar, kb_bar, v_bar, kvseg_bar, consumed,
+     x_bar) = it
+
+    bi = lax.axis_index("batch")
+    hi = lax.axis_index("heads")
+    q_start = lax.axis_index("q_seq") * bq
+    wg = lax.axis_index("wg")
+    kvh = lax.div(hi, jnp.int32(cfg.group))
+    n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
+    kb_smem = kb_smem if v1 else ka_smem
+    kb_bar = kb_bar if v1 else ka_bar
+
+    def consumer(w: int):
+      q_ref, k_smem, k_bar = ((qa_ref, ka_smem, ka_bar) if w == 0
+                              else (qb_ref, kb_smem, kb_bar))
+      head = hi if v1 else 2 * hi + w
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], q_smem.at[w],
+                              q_bar.at[w])
+      if cfg.segments:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem.at[w],
+                                row_bar.at[w])
+      elif w == 0:
+        plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem,
+                                row_bar.at[0])
+      plgpu.barrier_wait(q_bar.at[w])
+      qseg = None
+      if cfg.segments:
+        plgpu.barrier_wait(row_bar.at[w])
+        qseg = _row(qseg_smem.at[w][...])
+
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+        sc = _product((bq, bk), q_smem.at[w],
+                      plgpu.transpose_ref(k_smem.at[slot], (1, 0))) * c
+        if masked:
+          kvseg = None
+          if cfg.segments:
+            plgpu.barrier_wait(kvseg_bar.at[slot])
+            kvseg = _col(kvseg_smem.at[slot][...])
+          sc = jnp.where(tile_mask(cfg, q_start, j * bk, (bq, bk), qseg, kvseg), sc, NEG)
+        m_new = jnp.maximum(m, sc.max(axis=1))
+        m_ref = jnp.where(m_new == NEG, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - _bcast_rows(m_ref, sc.shape))
+        l = alpha * l + p.sum(axis=1)
+        acc = acc * _bcast_rows(alpha, acc.shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        acc = accumulate(acc, p.astype(dtype), v_smem.at[slot], cfg)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_new, l
+
+      carry = (plgpu.layout_cast(jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA),
+               _row(jnp.full((bq,), NEG, jnp.float32)),
+               _row(jnp.zeros((bq,), jnp.float32)))
+      carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+      acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True),
+                                carry)
+      empty = l == 0.0
+      safe = jnp.where(empty, 1.0, l)
+      out = acc * _bcast_rows(1.0 / safe, acc.shape)
+      lse_smem.at[w][...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe))
+      plgpu.commit_smem()
+      lse_ref = lse_a_ref if w == 0 else lse_b_ref
+      plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, hi, pl.ds(q_start, bq)])
+      rows = (bi, pl.ds(q_start, bq), hi)
+      if w == 1:
+        x_smem[...] = out
+        plgpu.barrier_arrive(x_bar)
+        o2_ref[rows] = out.astype(dtype)
+      else:
+        if cfg.segments:  # the lambda copy was issued after the segment ids
+          plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem,
+                                  row_bar.at[0])
+        plgpu.barrier_wait(row_bar.at[0])
+        lam = _row(lam_smem[...])
+        plgpu.barrier_wait(x_bar)
+        o2 = plgpu.layout_cast(x_smem[...], plgpu.Layout.WGMMA)
+        o_ref[rows] = (out - _bcast_rows(lam, out.shape) * o2).astype(dtype)
+      plgpu.wait_smem_to_gmem(0)
+
+    def producer():
+      def load(j, slot):
+        keys = (bi, pl.ds(j * bk, bk), kvh)
+        plgpu.copy_gmem_to_smem(ka_ref.at[keys], ka_smem.at[slot], ka_bar.at[slot])
+        if v1:
+          plgpu.copy_gmem_to_smem(kb_ref.at[keys], kb_smem.at[slot], kb_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+        if cfg.segments:
+          plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot],
+                                  kvseg_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < n_end)(functools.partial(load, i, i))
+
+      def refill(j, carry):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(consumed.at[slot])
+        load(j, slot)
+        return carry
+      lax.fori_loop(jnp.int32(stages), jnp.maximum(n_end, stages), refill, None)
+      # Observe the completions of the last blocks too (each slot's barrier then ends
+      # on a phase every waiter saw; the interpreter checks this).
+      for i in range(stages):
+        pl.when(i < n_end)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+
+    pl.when(wg == 0)(functools.partial(consumer, 0))
+    pl.when(wg == 1)(functools.partial(consumer, 1))
+    pl.when(wg == 2)(producer)
+
+  smem = lambda shape, width, dt=dtype: plgpu.SMEM(shape, dt,
+                                                    transforms=smem_transforms(width, dt))
+  bars = lambda n=1, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  seg = cfg.segments
+  scratch = [
+      smem((COMPUTE_WGS, bq, d), d),                       # q_smem
+      smem((stages, bk, d), d),                            # ka_smem
+      smem((stages, bk, d), d) if v1 else None,            # kb_smem
+      smem((stages, bk, dv), dv),                          # v_smem
+      smem((bq, dv), dv, jnp.float32),                     # x_smem: O2 for warpgroup 0
+      plgpu.SMEM((bq,), jnp.float32),                      # lam_smem
+      plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),          # lse_smem
+      plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if seg else None,
+      plgpu.SMEM((stages, bk), jnp.int32) if seg else None,
+      bars(COMPUTE_WGS), bars(COMPUTE_WGS), bars(stages),
+      bars(stages) if v1 else None, bars(stages), bars(stages) if seg else None,
+      bars(stages, COMPUTE_WGS), bars(),
+  ]
+  q_args = list(qs)
+  args = q_args + list(ks) + [v, lam_BxHxT] + ([q_seg, kv_seg] if seg else [])
+  out_type = [jax.ShapeDtypeStruct((b, t, h, dv), dtype)] * 2 + [
+      jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
+  return plgpu.kernel(
+      lambda *refs: kernel(*refs[:len(args) + 4], *_scratch_refs(refs[len(args) + 4:],
+                                                                 scratch)),
+      out_type=out_type,
+      scratch_types=[x for x in scratch if x is not None],
+      grid=(h, t // bq, b),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      kernel_name=f"diff_{cfg.variant}_fwd_mgpu",
+      **cfg.kernel_kwargs(),
+  )(*args)
+
+
+def _scratch_refs(refs, scratch):
+  """Puts None back where a scratch buffer was left out (it is unused there)."""
+  it = iter(refs)
+  return [None if x is None else next(it) for x in scratch]
+
+
+def forward_smem_bytes(d: int, dv: int, block_kv: int, stages: int, variant: str,
+                       segments: bool = True, itemsize: int = 2) -> int:
+  """Shared memory the forward kernel allocates, in bytes (before alignment)."""
+  keys = 2 if variant == "v1" else 1
+  ring = stages * block_kv * (keys * d + dv) * itemsize
+  q = COMPUTE_WGS * BLOCK_Q * d * itemsize
+  exchange = BLOCK_Q * dv * 4
+  rows = (1 + COMPUTE_WGS) * BLOCK_Q * 4
+  seg = (COMPUTE_WGS * BLOCK_Q + stages * block_kv) * 4 if segments else 0
+  return ring + q + exchange + rows + seg
+
+
+# Shared memory the lowering adds on top of the buffers counted above (barriers,
+# alignment of each buffer to 1 KiB for the swizzle); measured from the lowering's
+# own total at the 3B shapes (about 4.5 KiB), rounded up.
+SMEM_MARGIN = 6 * 1024
+# (keys per step, ring slots), preferred first. Steps are 64 keys: the P V wgmma reads
+# V as an MN-major operand, whose K extent (the keys) must be a multiple of the
+# swizzle width in elements (64 at a 128-byte swizzle). Three slots hide a TMA round
+# trip behind two steps of compute; one slot (V1 at d 128, Dv 256, where two do not
+# fit beside the float32 O2 exchange buffer) loads the next block only after both
+# warpgroups are done with the last.
+_CANDIDATES = ((64, 3), (64, 2), (64, 1))
+
+
+def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
+                   itemsize: int = 2) -> tuple[int, int]:
+  """(block_kv, stages) of the forward kernel: the first candidate that fits.
+
+  Budget: ``SMEM_BYTES`` (227 KiB per CTA on an H100/H200) minus ``SMEM_MARGIN``.
+  Examples (bf16): V1 d 64 / Dv 128 -> (64, 3); V2 d 128 -> (64, 3); V1 d 128 /
+  Dv 256 -> (64, 1), since (64, 2) needs 235,640 bytes by the lowering's count.
+  """
+  for block_kv, stages in _CANDIDATES:
+    used = forward_smem_bytes(d, dv, block_kv, stages, variant, segments, itemsize)
+    if used + SMEM_MARGIN <= SMEM_BYTES:
+      return block_kv, stages
+  raise ValueError(f"No block size fits shared memory for d={d}, dv={dv} ({variant}); "
+                   "the smallest needs "
+                   f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes.")

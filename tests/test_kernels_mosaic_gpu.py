@@ -1,0 +1,182 @@
+"""Mosaic GPU kernels (Hopper) checked on a CPU.
+
+* The interpreter extension (:mod:`diffjax.kernels.gpu.mosaic_interpret`) against numpy.
+* The forward pair kernel lowers to Mosaic GPU IR for the 3B layer and for head dims
+  64/80/96/128, with and without segment ids (the lowering runs Mosaic GPU's own checks:
+  layouts, swizzles, wgmma shapes, the shared-memory budget).
+* The forward pair kernel against the plain-JAX reference in jax's Mosaic GPU
+  interpreter (``slow``: each case runs in a child process under a time limit).
+"""
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
+from diffjax.kernels.gpu import mosaic_pair as mp  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+  mi.reset()
+  yield
+  mi.reset()
+
+
+def _operands(m=64, k=64, n=64):
+  a = jax.random.normal(jax.random.key(0), (m, k)).astype(jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, k)).astype(jnp.bfloat16)
+  return a, b
+
+
+def test_interpreter_layout_cast_is_identity():
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                     interpret=mi.params())
+  def kernel(x_ref, o_ref):
+    o_ref[...] = plgpu.layout_cast(x_ref[...], plgpu.Layout.WGMMA) * 2.0
+
+  x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
+  np.testing.assert_array_equal(kernel(x), 2.0 * np.asarray(x))
+
+
+@pytest.mark.parametrize("a_in_registers", [False, True])
+def test_interpreter_wgmma_transposed_and_register_operands(a_in_registers):
+  a, b = _operands()
+  tr = mp.smem_transforms(64, jnp.bfloat16)
+
+  @functools.partial(
+      plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+      scratch_types=[plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tr),
+                     plgpu.SMEM((2, 64, 64), jnp.bfloat16, transforms=tr)],
+      interpret=mi.params())
+  def kernel(a_ref, b_ref, o_ref, a_smem, b_smem):
+    a_smem[...] = a_ref[...]
+    b_smem[1] = b_ref[...]
+    plgpu.commit_smem()
+    lhs = plgpu.layout_cast(a_ref[...], plgpu.Layout.WGMMA) if a_in_registers else a_smem
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, plgpu.transpose_ref(b_smem.at[1], (1, 0)))
+      plgpu.wgmma(acc_ref, lhs, plgpu.transpose_ref(b_smem.at[1], (1, 0)))
+      return acc_ref[...]
+    o_ref[...] = pl.run_scoped(body, plgpu.ACC((64, 64), jnp.float32))
+
+  want = 2.0 * (np.asarray(a, np.float32) @ np.asarray(b, np.float32).T)
+  np.testing.assert_allclose(kernel(a, b), want, rtol=1e-6, atol=1e-5)
+
+
+def test_smem_transforms_pick_the_widest_swizzle():
+  swizzle = lambda w: mp.smem_transforms(w, jnp.bfloat16)[1].swizzle
+  assert [swizzle(w) for w in (64, 80, 96, 128, 256)] == [128, 32, 64, 128, 128]
+  with pytest.raises(ValueError, match="multiple of 16"):
+    mp.smem_transforms(8, jnp.bfloat16)
+
+
+def test_forward_blocks_fit_shared_memory():
+  for d, dv, variant in [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"),
+                         (80, 160, "v1"), (96, 192, "v1"), (80, 80, "v2")]:
+    bk, stages = mp.forward_blocks(d, dv, variant)
+    used = mp.forward_smem_bytes(d, dv, bk, stages, variant)
+    assert used + mp.SMEM_MARGIN <= mp.SMEM_BYTES, (d, dv, variant, bk, stages)
+  assert mp.forward_blocks(128, 256, "v1") == (64, 1)
+  assert mp.forward_blocks(128, 128, "v2") == (64, 3)
+
+
+def _config(variant, d, dv, h, kh, t, segments, causal=True, interpret=False):
+  bk, stages = mp.forward_blocks(d, dv, variant, segments)
+  return mp.MosaicConfig(
+      variant=variant, causal=causal, scale=d ** -0.5, q_len=t, kv_len=t, group=h // kh,
+      segments=segments, block_kv=bk, stages=stages, interpret=interpret)
+
+
+@pytest.mark.parametrize("variant,d,dv,h,kh,t,segments", [
+    ("v1", 128, 256, 12, 12, 4096, True),   # the 3B layer (12 DIFF heads, d 128)
+    ("v2", 128, 128, 12, 12, 4096, True),   # the 3B layer, V2 (24 query heads)
+    ("v1", 64, 128, 4, 1, 384, False),
+    ("v1", 80, 160, 4, 2, 384, False),
+    ("v1", 96, 192, 6, 2, 384, True),
+    ("v2", 80, 80, 4, 2, 384, True),
+])
+def test_forward_lowers_to_mosaic_gpu(variant, d, dv, h, kh, t, segments):
+  cfg = _config(variant, d, dv, h, kh, t, segments)
+  qh = h if variant == "v1" else 2 * h
+  bf = jnp.bfloat16
+  q = jax.ShapeDtypeStruct((1, t, qh, d), bf)
+  k = jax.ShapeDtypeStruct((1, t, kh, d), bf)
+  v = jax.ShapeDtypeStruct((1, t, kh, dv), bf)
+  lam = jax.ShapeDtypeStruct((1, h, t), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, t), jnp.int32) if segments else None
+  qs, ks = ((q, q), (k, k)) if variant == "v1" else ((q,), (k,))
+  fn = jax.jit(lambda qs, ks, v, lam, a, b: mp.forward(cfg, qs, ks, v, lam, a, b))
+  text = fn.trace(qs, ks, v, lam, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from diffjax.core import reference as ref
+    from diffjax.kernels.gpu import mosaic_pair as mp
+    sys.path.insert(0, {tests!r})
+    from kernel_checks import TOL, rel_err
+    variant, b, t, h, kh, d, causal, segments = {case!r}
+    dv = 2 * d if variant == "v1" else d
+    bk, stages = mp.forward_blocks(d, dv, variant, segments)
+    cfg = mp.MosaicConfig(variant=variant, causal=causal, scale=d ** -0.5, q_len=t,
+        kv_len=t, group=h // kh, segments=segments, block_kv=bk, stages=stages,
+        interpret=True)
+    keys = jax.random.split(jax.random.key(0), 6)
+    n = lambda i, s: jax.random.normal(keys[i], s, jnp.float32).astype(jnp.bfloat16)
+    f32 = lambda x: x.astype(jnp.float32)
+    ids = None
+    if segments:
+      ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
+    if variant == "v1":
+      q1, q2 = n(0, (b, t, h, d)), n(1, (b, t, h, d))
+      k1, k2, v = n(2, (b, t, kh, d)), n(3, (b, t, kh, d)), n(4, (b, t, kh, dv))
+      lam = jnp.linspace(0.2, 0.8, h).astype(jnp.float32)
+      lam_bht = jnp.broadcast_to(lam[None, :, None], (b, h, t))
+      o, o2, _, _ = mp.forward(cfg, (q1, q2), (k1, k2), v, lam_bht, ids, ids)
+      want = ref.diff_v1_reference(f32(q1), f32(q2), f32(k1), f32(k2), f32(v), lam,
+                                   causal=causal, segment_ids=ids)
+    else:
+      q, k, v = n(0, (b, t, 2 * h, d)), n(2, (b, t, kh, d)), n(4, (b, t, kh, dv))
+      lam_bth = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
+      o, o2, _, _ = mp.forward(cfg, (q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)),
+                               ids, ids)
+      want = ref.diff_v2_reference(f32(q), f32(k), f32(v), lam_bth, causal=causal,
+                                   segment_ids=ids)
+    err = rel_err(o, want)
+    print("rel_err", err)
+    assert err <= TOL[jnp.bfloat16], err
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # variant, batch, length, heads, kv heads, head dim, causal, segment ids
+    ("v1", 1, 192, 1, 1, 64, True, False),
+    ("v1", 1, 64, 2, 1, 64, True, False),
+    ("v1", 1, 64, 2, 2, 80, False, True),
+    ("v2", 1, 128, 1, 1, 64, True, False),
+    ("v2", 1, 64, 2, 1, 96, True, True),
+])
+def test_forward_matches_reference_in_interpreter(case):
+  tests = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  try:
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(case=case, tests=tests)],
+                          capture_output=True, text=True, timeout=240, env=env)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 240 s")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
