@@ -82,6 +82,16 @@ def test_smem_transforms_pick_the_widest_swizzle():
     mp.smem_transforms(8, jnp.bfloat16)
 
 
+def test_interpreter_thread_check(monkeypatch):
+  monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+  monkeypatch.setattr(jax, "devices", lambda *_: [object()])
+  with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count=8"):
+    mi.check_threads(3)
+  mi.check_threads(2)
+  monkeypatch.setattr(jax, "devices", lambda *_: [object()] * 8)
+  mi.check_threads(3)
+
+
 def test_forward_blocks_fit_shared_memory():
   for d, dv, variant in [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"),
                          (80, 160, "v1"), (96, 192, "v1"), (80, 80, "v2")]:
@@ -124,36 +134,34 @@ def test_forward_lowers_to_mosaic_gpu(variant, d, dv, h, kh, t, segments):
 
 _CHILD = textwrap.dedent("""
     import sys
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, jax.numpy as jnp
     from diffjax.core import reference as ref
     from diffjax.kernels.gpu import mosaic_pair as mp
     sys.path.insert(0, {tests!r})
     from kernel_checks import TOL, rel_err
     variant, b, t, h, kh, d, causal, segments = {case!r}
     dv = 2 * d if variant == "v1" else d
-    bk, stages = mp.forward_blocks(d, dv, variant, segments)
-    cfg = mp.MosaicConfig(variant=variant, causal=causal, scale=d ** -0.5, q_len=t,
-        kv_len=t, group=h // kh, segments=segments, block_kv=bk, stages=stages,
-        interpret=True)
     keys = jax.random.split(jax.random.key(0), 6)
     n = lambda i, s: jax.random.normal(keys[i], s, jnp.float32).astype(jnp.bfloat16)
     f32 = lambda x: x.astype(jnp.float32)
     ids = None
-    if segments:
+    if segments:  # a one-token document, then two longer ones
       ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
+      ids = ids.at[:, 0].set(7)
+    run = lambda *a: mp.forward_padded(variant, *a, ids, ids, causal=causal,
+                                       interpret=True)
     if variant == "v1":
       q1, q2 = n(0, (b, t, h, d)), n(1, (b, t, h, d))
       k1, k2, v = n(2, (b, t, kh, d)), n(3, (b, t, kh, d)), n(4, (b, t, kh, dv))
       lam = jnp.linspace(0.2, 0.8, h).astype(jnp.float32)
-      lam_bht = jnp.broadcast_to(lam[None, :, None], (b, h, t))
-      o, o2, _, _ = mp.forward(cfg, (q1, q2), (k1, k2), v, lam_bht, ids, ids)
+      o, o2, _, _ = run((q1, q2), (k1, k2), v,
+                        jnp.broadcast_to(lam[None, :, None], (b, h, t)))
       want = ref.diff_v1_reference(f32(q1), f32(q2), f32(k1), f32(k2), f32(v), lam,
                                    causal=causal, segment_ids=ids)
     else:
       q, k, v = n(0, (b, t, 2 * h, d)), n(2, (b, t, kh, d)), n(4, (b, t, kh, dv))
       lam_bth = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
-      o, o2, _, _ = mp.forward(cfg, (q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)),
-                               ids, ids)
+      o, o2, _, _ = run((q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)))
       want = ref.diff_v2_reference(f32(q), f32(k), f32(v), lam_bth, causal=causal,
                                    segment_ids=ids)
     err = rel_err(o, want)
@@ -165,15 +173,18 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
     # variant, batch, length, heads, kv heads, head dim, causal, segment ids
-    ("v1", 1, 192, 1, 1, 64, True, False),
-    ("v1", 1, 64, 2, 1, 64, True, False),
-    ("v1", 1, 64, 2, 2, 80, False, True),
-    ("v2", 1, 128, 1, 1, 64, True, False),
-    ("v2", 1, 64, 2, 1, 96, True, True),
+    ("v1", 1, 200, 2, 2, 64, True, False),
+    ("v1", 1, 384, 2, 1, 128, True, True),    # Dv 256: the one-slot ring
+    ("v1", 1, 200, 3, 1, 80, False, True),
+    ("v2", 1, 384, 2, 1, 64, True, True),
+    ("v2", 1, 200, 3, 1, 128, True, False),
+    ("v2", 1, 200, 1, 1, 80, False, False),
 ])
 def test_forward_matches_reference_in_interpreter(case):
   tests = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # Three warpgroups need three CPU-client threads at once (see mosaic_interpret).
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
   try:
     proc = subprocess.run([sys.executable, "-c", _CHILD.format(case=case, tests=tests)],
                           capture_output=True, text=True, timeout=240, env=env)

@@ -18,6 +18,14 @@ hardware has:
 the interpreter forms ``acc + (a @ b)`` from a zero-initialised ``run_scoped``
 accumulator: the same value the hardware's in-place accumulation gives.
 
+Threads. The interpreter runs each warpgroup of a CTA as its own CPU computation, and a
+warpgroup blocked in a barrier wait holds its thread of the CPU client's pool. That
+pool has ``max(CPU cores, host devices)`` threads, so a kernel with a producer and two
+consumer warpgroups needs at least three, or it stalls for good.
+:func:`check_threads` turns that stall into an error that names the fix
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8`` or
+``jax.config.update("jax_num_cpu_devices", 8)`` before jax starts).
+
 Everything here is used only when a kernel runs with ``interpret=True``; it changes
 nothing for compiled kernels. The extension is tested on its own against numpy
 (``tests/test_kernels_mosaic_gpu.py``).
@@ -39,6 +47,23 @@ def params():
   install()
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   return InterpretGPUParams()
+
+
+def check_threads(num_threads: int) -> None:
+  """Raises if the CPU client cannot run ``num_threads`` warpgroups at once."""
+  import os
+  cpu = jax.devices("cpu")
+  pool = max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else (os.cpu_count() or 1), len(cpu))
+  if pool < num_threads:
+    raise RuntimeError(
+        f"The Mosaic GPU interpreter runs each of this kernel's {num_threads} "
+        f"warpgroups as its own computation, but this CPU client runs {pool} at once "
+        f"({len(cpu)} host device(s) on a machine with fewer cores), so the kernel "
+        "would stall in a barrier wait. Start the process with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={max(num_threads, 8)} (or "
+        f"jax.config.update('jax_num_cpu_devices', {max(num_threads, 8)}) before the "
+        "first jax call).")
 
 
 def reset():

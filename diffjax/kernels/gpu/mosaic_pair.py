@@ -100,6 +100,7 @@ class MosaicConfig:
 
   def kernel_kwargs(self) -> dict:
     if self.interpret:
+      mosaic_interpret.check_threads(COMPUTE_WGS + 1)
       return dict(interpret=mosaic_interpret.params())
     return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
 
@@ -416,3 +417,31 @@ def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
   raise ValueError(f"No block size fits shared memory for d={d}, dv={dv} ({variant}); "
                    "the smallest needs "
                    f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes.")
+
+
+def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, *,
+                   causal: bool = True, scale: float | None = None,
+                   interpret: bool = False):
+  """:func:`forward` on unpadded inputs: pads the lengths, runs, slices the padding off.
+
+  Args are as in :func:`forward`, with any lengths T and S; ``lam_BxHxT`` is float32
+  [B, H, T] (H: DIFF heads for V1, pairs for V2). Returns (out, o2, lse_a, lse_b) for
+  the true lengths.
+  """
+  from diffjax.kernels.gpu import pair_common as pc
+  b, t, _, d = qs[0].shape
+  s, dv = ks[0].shape[1], v.shape[3]
+  h = lam_BxHxT.shape[1]
+  block_kv, stages = forward_blocks(d, dv, variant, q_seg is not None)
+  tp, sp = pc.round_up(t, BLOCK_Q), pc.round_up(s, block_kv)
+  cfg = MosaicConfig(variant=variant, causal=bool(causal),
+                     scale=float(scale) if scale is not None else d ** -0.5, q_len=t,
+                     kv_len=s, group=h // ks[0].shape[2], segments=q_seg is not None,
+                     block_kv=block_kv, stages=stages, interpret=bool(interpret))
+  qs = tuple(pc.pad_axis(q, 1, tp) for q in qs)
+  ks = tuple(pc.pad_axis(k, 1, sp) for k in ks)
+  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
+  o, o2, lse_a, lse_b = forward(cfg, qs, ks, pc.pad_axis(v, 1, sp),
+                                pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
+                                q_seg, kv_seg)
+  return o[:, :t], o2[:, :t], lse_a[:, :, :t], lse_b[:, :, :t]
