@@ -13,10 +13,14 @@ hardware has:
   shared-memory ref; the product is ``acc + a @ b`` in the accumulator's dtype, as the
   interpreter computes it for plain shared-memory operands.
 
-``pl.run_state`` accumulators (``plgpu.ACC.init``) are not added here: the kernels in
-:mod:`diffjax.kernels.gpu.mosaic_pair` accumulate through :func:`accumulate`, which on
-the interpreter forms ``acc + (a @ b)`` from a zero-initialised ``run_scoped``
-accumulator: the same value the hardware's in-place accumulation gives.
+``pl.run_state`` accumulators (``plgpu.ACC.init``) run in neither jax 0.10.2's nor
+0.11.2's interpreter and are not added here: the kernels in
+:mod:`diffjax.kernels.gpu.mosaic_pair` accumulate through
+:func:`~diffjax.kernels.gpu.mosaic_pair.accumulate`, which on the interpreter forms
+``acc + (a @ b)`` from a zero-initialised ``run_scoped`` accumulator: the same value
+the hardware's in-place accumulation gives. jax 0.11's interpreter has the other two
+(layout casts, transposed operands) natively but not a register A operand either; there
+:func:`install` adds only that.
 
 Threads. The interpreter runs each warpgroup of a CTA as its own CPU computation, and a
 warpgroup blocked in a barrier wait holds its thread of the CPU client's pool. That
@@ -33,6 +37,7 @@ nothing for compiled kernels. The extension is tested on its own against numpy
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -76,10 +81,13 @@ def install() -> None:
   """Adds layout casts and transposed/register wgmma operands to the interpreter."""
   global _INSTALLED
   with _LOCK:
-    if _INSTALLED or not needs_extension():
+    if _INSTALLED:
       return
-    _install_layout_cast()
-    _install_wgmma()
+    if needs_extension():
+      _install_layout_cast()
+      _install_wgmma()
+    else:
+      _install_register_wgmma_011()
     _INSTALLED = True
 
 
@@ -174,5 +182,53 @@ def _install_wgmma():
 
 
 def needs_extension() -> bool:
-  """Whether this jax's interpreter lacks what :func:`install` adds (jax before 0.11)."""
+  """Whether this jax's interpreter lacks layout casts and transposed operands (< 0.11)."""
   return jax.__version_info__ < (0, 11)
+
+
+def _install_register_wgmma_011():
+  """jax 0.11: a register A operand for the interpreter's wgmma (the rest is native)."""
+  from jax._src import callback
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+  from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+  from jax._src.state import types as state_types
+
+  native = jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p
+
+  def run(*, token, mesh_location, thread, acc_key, acc_transforms, a_value, b_key,
+          b_transforms, source_info=None):
+    shared = gpu_callbacks._get_shared_memory()
+    info = memory.GPULoggingInfo(mesh_location, thread, source_info)
+    ints = lambda ts: jax.tree.map(int, gpu_callbacks._remove_noop_transforms(ts))
+    b_key = gpu_callbacks.HostAllocationKey.from_array(b_key)
+    acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_key)
+    b, _, _ = shared.get_buffer_content(b_key, shared.access(b_key, ints(b_transforms)),
+                                        thread, logging_info=info)
+    acc_range = shared.access(acc_key, ints(acc_transforms))
+    acc, _, _ = shared.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+    shared.store_buffer_content(
+        acc_key, acc_range, acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype),
+        thread, logging_info=info)
+    return token
+
+  def interpret_wgmma(self, eqn, token, get_invals):
+    if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+      return native(self, eqn, token, get_invals)
+    acc, a, b, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_t, _, b_t = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple((
+            eqn.params["acc_transforms_tree"] or empty,
+            eqn.params["a_transforms_tree"] or empty,
+            eqn.params["b_transforms_tree"] or empty)),
+        leaves)
+    acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
+    b, b_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_t)
+    return callback.io_callback(
+        functools.partial(run, source_info=eqn.source_info),
+        gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
+        thread=self.thread, acc_key=acc, acc_transforms=acc_t, a_value=a, b_key=b,
+        b_transforms=b_t, ordered=True), []
+
+  jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma

@@ -155,11 +155,11 @@ def accumulate(acc, a, b_ref, cfg: MosaicConfig):
   """``acc + a @ b_ref`` with ``acc`` kept in the wgmma accumulator registers.
 
   Compiled kernels accumulate in place (``pl.run_state`` with ``plgpu.ACC.init``).
-  jax 0.10.2's interpreter has no ``run_state``; there the product goes to a fresh
-  zero accumulator and is added, which is the value the interpreter's in-place
-  ``wgmma`` (``acc + a @ b``) computes.
+  The Mosaic GPU interpreter (jax 0.10.2 and 0.11.2 alike) cannot run ``run_state``
+  accumulators; there the product goes to a fresh zero accumulator and is added,
+  which is the value the interpreter's in-place ``wgmma`` (``acc + a @ b``) computes.
   """
-  if cfg.interpret and mosaic_interpret.needs_extension():
+  if cfg.interpret:
     return acc + _product(acc.shape, a, b_ref)
 
   def body(acc_ref):
@@ -259,7 +259,7 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         sc = _product((bq, bk), q_smem.at[w],
-                      plgpu.transpose_ref(k_smem.at[slot], (1, 0))) * c
+                      k_smem.at[slot].transpose((1, 0))) * c
         if masked:
           kvseg = None
           if cfg.segments:
