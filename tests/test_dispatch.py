@@ -107,3 +107,23 @@ def test_kernels_run_under_shard_map_when_a_mesh_is_active(op):
   want = fn(*args, segment_ids=seg, implementation="xla")
   assert "shard_map" in jaxpr
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("version,fused", [((0, 10, 2), True), ((0, 11, 2), False)])
+def test_auto_on_gpu_avoids_the_triton_kernels_where_jax_deprecates_them(monkeypatch, version,
+                                                                         fused):
+  # jax 0.11 warns (DeprecationWarning) when a Pallas Triton kernel is lowered; "auto"
+  # must not lead a user there. Explicit "pallas_gpu" still runs the Triton kernels.
+  monkeypatch.setattr(jax, "__version_info__", version)
+  with ops.target_platform("gpu"):
+    for op in ("diff_v1", "diff_v2"):
+      want = "pallas_gpu" if fused else "stock"
+      assert dispatch.resolve(op, "auto", has_mask=False, interpret=False) == want
+      assert dispatch.resolve(op, "pallas_gpu", has_mask=False, interpret=False) == \
+          "pallas_gpu"
+    assert dispatch.resolve("mha", "auto", has_mask=False, interpret=False) == "stock"
+    assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == \
+        ("pallas_gpu" if fused else "xla")
+  with ops.target_platform("tpu"):
+    assert dispatch.resolve("diff_v1", "auto", has_mask=False, interpret=False) == \
+        "pallas_tpu"

@@ -70,8 +70,9 @@ except ImportError as e:  # pragma: no cover
   gpu_diff_v1 = gpu_diff_v2 = _Unavailable("diffjax.kernels.gpu (fused)", e)
 
 # Every kernel that ships with diffjax. "auto" on a TPU or GPU takes the row for
-# f"pallas_{platform}" when there is one, else (baseline only) the "stock" row; on a CPU
-# it takes the "xla_cpu" row (plain XLA laid out for CPU caches).
+# f"pallas_{platform}" when there is one (on a GPU only while jax still supports the
+# Triton backend: before 0.11), else the "stock" row (the baseline everywhere, the DIFF
+# ops on a GPU); on a CPU it takes the "xla_cpu" row (plain XLA laid out for CPU caches).
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     # op        implementation  platform  function
     ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_cpu),
@@ -126,6 +127,16 @@ def register_implementation(op: str, implementation: str, fn: Callable[..., Any]
 for _op, _implementation, _platform_name, _fn in BUILTIN_KERNELS:
   if _fn is not None:
     register_implementation(_op, _implementation, _fn, platforms=(_platform_name,))
+
+
+def triton_deprecated() -> bool:
+  """Whether this jax deprecates the Pallas Triton backend (0.11 and later).
+
+  Lowering a Triton kernel there emits a DeprecationWarning, so ``"auto"`` on a GPU
+  does not pick the fused GPU kernels (:mod:`diffjax.kernels.gpu`, Triton) with such
+  a jax; ``implementation="pallas_gpu"`` still runs them.
+  """
+  return jax.__version_info__ >= (0, 11)
 
 
 def lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Impl | None:
@@ -185,10 +196,14 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
       return "xla_cpu" if lookup(op, "xla_cpu", platform, False) is not None else "xla"
     if platform not in ("tpu", "gpu"):
       return "xla"
-    if lookup(op, f"pallas_{platform}", platform, False) is not None:
+    if (lookup(op, f"pallas_{platform}", platform, False) is not None
+        and not (platform == "gpu" and triton_deprecated())):
       return f"pallas_{platform}"
     # The baseline has no kernel of ours: its stock path is the standard flash kernel.
-    if op == "mha" and lookup(op, "stock", platform, False) is not None:
+    # On a GPU whose jax deprecates our (Triton) kernels, the DIFF ops take their stock
+    # paths too (cuDNN flash attention calls), and decoding takes XLA.
+    if ((op == "mha" or platform == "gpu")
+        and lookup(op, "stock", platform, False) is not None):
       return "stock"
     return "xla"
   if implementation == "pallas":
