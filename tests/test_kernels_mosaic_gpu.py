@@ -203,3 +203,4 @@ def test_forward_matches_reference_in_interpreter(case):
   except subprocess.TimeoutExpired:
     pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 240 s")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  print(case, proc.stdout.strip().splitlines()[-1])
