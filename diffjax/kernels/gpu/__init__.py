@@ -17,6 +17,11 @@ Public API:
     in/out PartitionSpecs to run a kernel per device under ``jax.shard_map`` (one
     copy for every kernel, in :mod:`diffjax.sharding.kernel_specs`).
   mha_stock, diff_v1_stock, diff_v2_stock: the stock peers.
+
+Also here, not in the dispatch table yet: :mod:`diffjax.kernels.gpu.mosaic_pair`, the
+DIFF V1/V2 forward kernel for Hopper on Mosaic GPU (no backward yet), and
+:mod:`diffjax.kernels.gpu.mosaic_interpret`, which lets jax's Mosaic GPU interpreter
+run it on a CPU.
 """
 
 from diffjax.kernels.gpu.block_sizes import BlockSizes, DecodeBlockSizes
