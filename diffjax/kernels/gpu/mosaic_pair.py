@@ -237,6 +237,10 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
     kb_bar = kb_bar if v1 else ka_bar
 
     def consumer(w: int):
+      # Registers: 2 x 128 consumer threads at 232 and 128 producer threads at 40 use
+      # 64,512 of the SM's 65,536; a consumer holds a [64, Dv] float32 accumulator
+      # (128 registers a thread at Dv = 256) next to the [64, 64] score tile.
+      plgpu.set_max_registers(232, action="increase")
       q_ref, k_smem, k_bar = ((qa_ref, ka_smem, ka_bar) if w == 0
                               else (qb_ref, kb_smem, kb_bar))
       head = hi if v1 else 2 * hi + w
@@ -307,6 +311,8 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
+      plgpu.set_max_registers(40, action="decrease")
+
       def load(j, slot):
         keys = (bi, pl.ds(j * bk, bk), kvh)
         plgpu.copy_gmem_to_smem(ka_ref.at[keys], ka_smem.at[slot], ka_bar.at[slot])
