@@ -93,6 +93,20 @@ def test_interpreter_thread_check(monkeypatch):
   mi.check_threads(3)
 
 
+def test_forward_padded_rejects_what_the_kernels_do_not_take():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  lam = jnp.zeros((1, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="bfloat16 or float16.*Triton"):
+    mp.forward_padded("v1", (q.astype(jnp.float32),) * 2, (q,) * 2, v, lam)
+  with pytest.raises(ValueError, match="variant='v3'"):
+    mp.forward_padded("v3", (q,), (q,), v, lam)
+  with pytest.raises(ValueError, match=r"v1 takes \(q1, q2\)"):
+    mp.forward_padded("v1", (q,), (q,), v, lam)
+  with pytest.raises(ValueError, match="value dim 120 must be a multiple of 16"):
+    mp.forward_padded("v1", (q,) * 2, (q,) * 2, v[..., :120], lam)
+
+
 def test_forward_blocks_fit_shared_memory():
   for d, dv, variant in [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"),
                          (80, 160, "v1"), (96, 192, "v1"), (80, 80, "v2")]:

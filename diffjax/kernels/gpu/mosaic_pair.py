@@ -425,6 +425,25 @@ def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
                    f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes.")
 
 
+def check_inputs(variant: str, qs, ks, v) -> None:
+  """Clear errors for what the kernels do not take (before Mosaic GPU's own checks)."""
+  if variant not in ("v1", "v2"):
+    raise ValueError(f"variant={variant!r} must be 'v1' or 'v2'.")
+  if len(qs) != (2 if variant == "v1" else 1) or len(ks) != len(qs):
+    wanted = "(q1, q2) and (k1, k2)" if variant == "v1" else "(q,) and (k,)"
+    raise ValueError(f"{variant} takes {wanted}; got {len(qs)} query and {len(ks)} key "
+                     "arrays.")
+  dtypes = {jnp.dtype(x.dtype) for x in (*qs, *ks, v)}
+  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(
+        f"The Mosaic GPU kernels take bfloat16 or float16 q, k and v of one dtype; got "
+        f"{sorted({jnp.dtype(x.dtype).name for x in (*qs, *ks, v)})}. Cast them, or use "
+        "diffjax.kernels.gpu.diff_v1_fused / diff_v2_fused (Triton), which take float32.")
+  for name, width in (("head dim", qs[0].shape[-1]), ("value dim", v.shape[-1])):
+    if width % 16:
+      raise ValueError(f"{name} {width} must be a multiple of 16 (wgmma's K step).")
+
+
 def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, *,
                    causal: bool = True, scale: float | None = None,
                    interpret: bool = False):
@@ -435,6 +454,7 @@ def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, 
   the true lengths.
   """
   from diffjax.kernels.gpu import pair_common as pc
+  check_inputs(variant, qs, ks, v)
   b, t, _, d = qs[0].shape
   s, dv = ks[0].shape[1], v.shape[3]
   h = lam_BxHxT.shape[1]
