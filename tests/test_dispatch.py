@@ -50,6 +50,8 @@ def test_every_row_of_the_table_is_what_runs():
     ("cpu", "mha", "xla_cpu"), ("cpu", "diff_v1", "xla_cpu"), ("cpu", "diff_v2", "xla_cpu"),
 ])
 def test_auto_picks_the_platform_kernel(platform, op, want):
+  if want == "pallas_gpu" and dispatch.triton_deprecated():
+    want = "stock"  # jax >= 0.11: see test_auto_on_gpu_avoids_the_triton_kernels_...
   with ops.target_platform(platform):
     assert dispatch.resolve(op, "auto", has_mask=False, interpret=False) == want
     # An explicit mask needs the XLA path everywhere.
