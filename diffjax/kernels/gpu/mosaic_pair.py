@@ -213,6 +213,8 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // bk))  # never more slots than key blocks
   c = cfg.scale * LOG2E
   v1 = cfg.variant == "v1"
+  parts = exchange_parts(dv)
+  width = dv // parts
 
   def kernel(*refs):
     it = iter(refs)
@@ -225,7 +227,7 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
     o_ref, o2_ref, lse_a_ref, lse_b_ref = next(it), next(it), next(it), next(it)
     (q_smem, ka_smem, kb_smem, v_smem, x_smem, lam_smem, lse_smem, qseg_smem,
      kvseg_smem, q_bar, row_bar, ka_bar, kb_bar, v_bar, kvseg_bar, consumed,
-     x_bar) = it
+     x_bar, x_free) = it
 
     bi = lax.axis_index("batch")
     hi = lax.axis_index("heads")
@@ -295,9 +297,14 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       lse_ref = lse_a_ref if w == 0 else lse_b_ref
       plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, hi, pl.ds(q_start, bq)])
       rows = (bi, pl.ds(q_start, bq), hi)
+      # O2 goes to warpgroup 0 in float32, ``parts`` column chunks at a time through
+      # one chunk of shared memory (x_bar: a chunk is written; x_free: it was read).
       if w == 1:
-        x_smem[...] = out
-        plgpu.barrier_arrive(x_bar)
+        for part in range(parts):
+          if part:
+            plgpu.barrier_wait(x_free)
+          x_smem[...] = out[:, part * width:(part + 1) * width]
+          plgpu.barrier_arrive(x_bar)
         o2_ref[rows] = out.astype(dtype)
       else:
         if cfg.segments:  # the lambda copy was issued after the segment ids
@@ -305,9 +312,14 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
                                   row_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
         lam = _row(lam_smem[...])
-        plgpu.barrier_wait(x_bar)
-        o2 = plgpu.layout_cast(x_smem[...], plgpu.Layout.WGMMA)
-        o_ref[rows] = (out - _bcast_rows(lam, out.shape) * o2).astype(dtype)
+        for part in range(parts):
+          plgpu.barrier_wait(x_bar)
+          o2 = plgpu.layout_cast(x_smem[...], plgpu.Layout.WGMMA)
+          if part + 1 < parts:
+            plgpu.barrier_arrive(x_free)
+          o1 = out[:, part * width:(part + 1) * width]
+          o_ref[(*rows, pl.ds(part * width, width))] = (
+              o1 - _bcast_rows(lam, o1.shape) * o2).astype(dtype)
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
@@ -350,14 +362,14 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       smem((stages, bk, d), d),                            # ka_smem
       smem((stages, bk, d), d) if v1 else None,            # kb_smem
       smem((stages, bk, dv), dv),                          # v_smem
-      smem((bq, dv), dv, jnp.float32),                     # x_smem: O2 for warpgroup 0
+      smem((bq, width), width, jnp.float32),               # x_smem: O2 for warpgroup 0
       plgpu.SMEM((bq,), jnp.float32),                      # lam_smem
       plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),          # lse_smem
       plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32) if seg else None,
       plgpu.SMEM((stages, bk), jnp.int32) if seg else None,
       bars(COMPUTE_WGS), bars(COMPUTE_WGS), bars(stages),
       bars(stages) if v1 else None, bars(stages), bars(stages) if seg else None,
-      bars(stages, COMPUTE_WGS), bars(),
+      bars(stages, COMPUTE_WGS), bars(), bars() if parts > 1 else None,
   ]
   q_args = list(qs)
   args = q_args + list(ks) + [v, lam_BxHxT] + ([q_seg, kv_seg] if seg else [])
@@ -383,13 +395,22 @@ def _scratch_refs(refs, scratch):
   return [None if x is None else next(it) for x in scratch]
 
 
+def exchange_parts(dv: int) -> int:
+  """Column chunks in which O2 crosses to warpgroup 0: two of 128 from Dv = 256 on.
+
+  Halving the float32 exchange buffer is what lets V1 at d 128 (Dv 256) keep two ring
+  slots within shared memory.
+  """
+  return 2 if dv >= 256 and dv % 256 == 0 else 1
+
+
 def forward_smem_bytes(d: int, dv: int, block_kv: int, stages: int, variant: str,
                        segments: bool = True, itemsize: int = 2) -> int:
   """Shared memory the forward kernel allocates, in bytes (before alignment)."""
   keys = 2 if variant == "v1" else 1
   ring = stages * block_kv * (keys * d + dv) * itemsize
   q = COMPUTE_WGS * BLOCK_Q * d * itemsize
-  exchange = BLOCK_Q * dv * 4
+  exchange = BLOCK_Q * dv // exchange_parts(dv) * 4
   rows = (1 + COMPUTE_WGS) * BLOCK_Q * 4
   seg = (COMPUTE_WGS * BLOCK_Q + stages * block_kv) * 4 if segments else 0
   return ring + q + exchange + rows + seg
@@ -402,9 +423,9 @@ SMEM_MARGIN = 6 * 1024
 # (keys per step, ring slots), preferred first. Steps are 64 keys: the P V wgmma reads
 # V as an MN-major operand, whose K extent (the keys) must be a multiple of the
 # swizzle width in elements (64 at a 128-byte swizzle). Three slots hide a TMA round
-# trip behind two steps of compute; one slot (V1 at d 128, Dv 256, where two do not
-# fit beside the float32 O2 exchange buffer) loads the next block only after both
-# warpgroups are done with the last.
+# trip behind two steps of compute; V1 at d 128 (Dv 256) gets two (a third does not fit
+# beside the K1, K2 and V tiles of the other two); one slot is the fallback for widths
+# beyond these, loading the next block only after both warpgroups are done with the last.
 _CANDIDATES = ((64, 3), (64, 2), (64, 1))
 
 
@@ -414,7 +435,8 @@ def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
 
   Budget: ``SMEM_BYTES`` (227 KiB per CTA on an H100/H200) minus ``SMEM_MARGIN``.
   Examples (bf16): V1 d 64 / Dv 128 -> (64, 3); V2 d 128 -> (64, 3); V1 d 128 /
-  Dv 256 -> (64, 1), since (64, 2) needs 235,640 bytes by the lowering's count.
+  Dv 256 -> (64, 2) with O2 exchanged in two halves (whole, the float32 buffer made
+  (64, 2) need 235,640 bytes by the lowering's count).
   """
   for block_kv, stages in _CANDIDATES:
     used = forward_smem_bytes(d, dv, block_kv, stages, variant, segments, itemsize)
