@@ -1,5 +1,7 @@
 """Helpers shared by the kernel test files: tolerances, error measure, one-jit vjp."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,3 +36,13 @@ def check(triples, dtype):
   errs = {name: rel_err(a, b) for name, a, b in triples}
   bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
   assert not bad, f"outside tolerance {tol}: {bad}; all: { {n: f'{e:.1e}' for n, e in errs.items()} }"
+
+
+def abstract_hopper():
+  """An abstract H100 to lower GPU code for on a CPU (jax 0.11 asks for one)."""
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                       platform="gpu", num_cores=132)
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device))

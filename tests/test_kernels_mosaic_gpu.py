@@ -8,7 +8,6 @@
   interpreter (``slow``: each case runs in a child process under a time limit).
 """
 
-import contextlib
 import functools
 import os
 import subprocess
@@ -24,6 +23,7 @@ from jax.experimental import pallas as pl
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
+from kernel_checks import abstract_hopper  # noqa: E402
 from diffjax.kernels.gpu import mosaic_pair as mp  # noqa: E402
 
 
@@ -143,19 +143,10 @@ def test_forward_lowers_to_mosaic_gpu(variant, d, dv, h, kh, t, segments):
   ids = jax.ShapeDtypeStruct((1, t), jnp.int32) if segments else None
   qs, ks = ((q, q), (k, k)) if variant == "v1" else ((q,), (k,))
   fn = jax.jit(lambda qs, ks, v, lam, a, b: mp.forward(cfg, qs, ks, v, lam, a, b))
-  with _hopper():
+  with abstract_hopper():
     text = fn.trace(qs, ks, v, lam, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
-
-def _hopper():
-  """An abstract H100 to lower for (jax 0.11 asks for one when no GPU is attached)."""
-  if not hasattr(jax.sharding, "AbstractDevice"):
-    return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
-                                       platform="gpu", num_cores=132)
-  return jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 _CHILD = textwrap.dedent("""

@@ -62,7 +62,6 @@ from diffjax.kernels.gpu.pair_common import (  # noqa: F401  (re-exported)
     EMPTY_LSE, LOG2E, NEG, check_segment_ids, pad_axis, pad_segment_ids, round_up, row_terms)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PairConfig:
   """Static description of one call (hashable: it is a custom_vjp non-diff argument).
