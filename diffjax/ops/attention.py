@@ -251,10 +251,12 @@ def diff_v1_attention_decode(
     block_sizes=None, interpret: bool = False) -> jax.Array:
   """DIFF V1 attention (before the per-head norm) of one new token against a cache.
 
-  On GPU and TPU, "auto" runs a fused decode kernel, which reads K1, K2 and V once
-  (:func:`diffjax.kernels.gpu.diff_v1_decode`,
-  :func:`diffjax.kernels.tpu.diff_v1_decode_tpu`; ``block_sizes`` are that
-  platform's ``DecodeBlockSizes``). Arguments as in :func:`diff_v1_attention_core` and
+  On TPU, and on GPU with jax < 0.11, "auto" runs a fused decode kernel, which reads
+  K1, K2 and V once (:func:`diffjax.kernels.tpu.diff_v1_decode_tpu`,
+  :func:`diffjax.kernels.gpu.diff_v1_decode`; ``block_sizes`` are that platform's
+  ``DecodeBlockSizes``). The GPU kernel is written for Pallas' Triton backend, which
+  jax 0.11 deprecates; there "auto" runs XLA and ``implementation="pallas_gpu"`` still
+  selects the kernel. Arguments as in :func:`diff_v1_attention_core` and
   :func:`dot_product_attention_decode`. Returns [B, 1, H, Dv] in the dtype of q1.
   """
   lam = jnp.asarray(lam)
