@@ -35,8 +35,8 @@ Shapes. Head dims are used as they are (64, 80, 96, 128, ...: any multiple of 16
 the shared-memory swizzle is the widest of 128/64/32 bytes that divides a row. The
 query length is padded to a multiple of 64 and the key length to a multiple of the
 key block by the caller; padded keys are masked by the true length. Inputs are bf16 or
-fp16 (the ``wgmma`` operand types for which a transposed shared-memory operand
-exists); float32 runs on the Triton kernels.
+fp16: a tf32 ``wgmma`` takes only K-major shared-memory operands, and the V tile enters
+P V with its value dim contiguous (MN-major). float32 runs on the Triton kernels.
 
 On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``, see
 :mod:`diffjax.kernels.gpu.mosaic_interpret`), and their lowering to Mosaic GPU IR runs
