@@ -148,7 +148,6 @@ def test_forward_lowers_to_mosaic_gpu(variant, d, dv, h, kh, t, segments):
   assert "mosaic_gpu" in text
 
 
-
 _CHILD = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp
@@ -156,46 +155,58 @@ _CHILD = textwrap.dedent("""
     from diffjax.kernels.gpu import mosaic_pair as mp
     sys.path.insert(0, {tests!r})
     from kernel_checks import TOL, rel_err
-    variant, b, t, h, kh, d, causal, segments = {case!r}
+    variant, b, t, h, kh, d, causal, segments, *more = {case!r}
+    s = more[0] if more else t  # keys: queries are the last t of s positions
+    dtype = jnp.dtype(more[1] if len(more) > 1 else "bfloat16")
     dv = 2 * d if variant == "v1" else d
     keys = jax.random.split(jax.random.key(0), 6)
-    n = lambda i, s: jax.random.normal(keys[i], s, jnp.float32).astype(jnp.bfloat16)
+    n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
     f32 = lambda x: x.astype(jnp.float32)
     ids = None
-    if segments:  # a one-token document, then two longer ones
+    if segments:  # a one-token document, then two longer ones (t == s)
       ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
       ids = ids.at[:, 0].set(7)
     run = lambda *a: mp.forward_padded(variant, *a, ids, ids, causal=causal,
                                        interpret=True)
+    single = lambda qb, kb, v: ref.diff_v1_reference(f32(qb), f32(qb), f32(kb), f32(kb),
+                                                     f32(v), 0.0, causal=causal,
+                                                     segment_ids=ids)
     if variant == "v1":
       q1, q2 = n(0, (b, t, h, d)), n(1, (b, t, h, d))
-      k1, k2, v = n(2, (b, t, kh, d)), n(3, (b, t, kh, d)), n(4, (b, t, kh, dv))
+      k1, k2, v = n(2, (b, s, kh, d)), n(3, (b, s, kh, d)), n(4, (b, s, kh, dv))
       lam = jnp.linspace(0.2, 0.8, h).astype(jnp.float32)
       o, o2, _, _ = run((q1, q2), (k1, k2), v,
                         jnp.broadcast_to(lam[None, :, None], (b, h, t)))
       want = ref.diff_v1_reference(f32(q1), f32(q2), f32(k1), f32(k2), f32(v), lam,
                                    causal=causal, segment_ids=ids)
+      want2 = single(q2, k2, v)
     else:
-      q, k, v = n(0, (b, t, 2 * h, d)), n(2, (b, t, kh, d)), n(4, (b, t, kh, dv))
+      q, k, v = n(0, (b, t, 2 * h, d)), n(2, (b, s, kh, d)), n(4, (b, s, kh, dv))
       lam_bth = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
       o, o2, _, _ = run((q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)))
       want = ref.diff_v2_reference(f32(q), f32(k), f32(v), lam_bth, causal=causal,
                                    segment_ids=ids)
-    err = rel_err(o, want)
-    print("rel_err", err)
-    assert err <= TOL[jnp.bfloat16], err
+      want2 = single(q[:, :, 1::2], k, v)
+    assert o.dtype == dtype and o.shape == want.shape, (o.dtype, o.shape, want.shape)
+    err, err2 = rel_err(o, want), rel_err(o2, want2)
+    print("rel_err", err, "o2", err2)
+    assert err <= TOL[jnp.bfloat16] and err2 <= TOL[jnp.bfloat16], (err, err2)
 """)
+
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
-    # variant, batch, length, heads, kv heads, head dim, causal, segment ids
+    # variant, batch, query length, heads, kv heads, head dim, causal, segment ids,
+    # then optionally the kv length (queries are its last positions) and the dtype
     ("v1", 1, 200, 2, 2, 64, True, False),
     ("v1", 1, 384, 2, 1, 128, True, True),    # Dv 256: O2 crosses in two halves
     ("v1", 1, 200, 3, 1, 80, False, True),
     ("v2", 1, 384, 2, 1, 64, True, True),
     ("v2", 1, 200, 3, 1, 128, True, False),
     ("v2", 1, 200, 1, 1, 80, False, False),
+    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),
+    ("v2", 1, 100, 2, 2, 64, True, False, 300),
 ])
 def test_forward_matches_reference_in_interpreter(case):
   tests = os.path.dirname(os.path.abspath(__file__))

@@ -2,16 +2,16 @@
 
 jax ships an interpreter for Mosaic GPU kernels (``InterpretGPUParams``, private to
 ``jax._src`` in jax 0.10.2): it simulates shared memory, warpgroups, TMA copies and
-barriers on the host. In jax 0.10.2 it does not yet know three things a Hopper attention
-kernel needs; :func:`install` adds them, once per process, with the semantics the
-hardware has:
+barriers on the host. In jax 0.10.2 it lacks three things a Hopper attention kernel
+uses; :func:`install` adds them, once per process, with the semantics the hardware has:
 
-* ``plgpu.layout_cast`` (and ``plgpu.broadcasted_iota``'s layout) is the identity on
-  values: a register layout changes where elements live, never their values.
-* a ``wgmma`` operand may be a transposed view of shared memory
-  (``plgpu.transpose_ref``), and the A operand may be a register array instead of a
-  shared-memory ref; the product is ``acc + a @ b`` in the accumulator's dtype, as the
-  interpreter computes it for plain shared-memory operands.
+* ``plgpu.layout_cast`` is the identity on values: a register layout changes where
+  elements live, never their values;
+* a ``wgmma`` operand may be a transposed view of shared memory (``ref.transpose``);
+* the ``wgmma`` A operand may be a register array instead of a shared-memory ref.
+
+The product is ``acc + a @ b`` in the accumulator's dtype, as the interpreter computes
+it for plain shared-memory operands.
 
 ``pl.run_state`` accumulators (``plgpu.ACC.init``) run in neither jax 0.10.2's nor
 0.11.2's interpreter and are not added here: the kernels in
@@ -38,6 +38,7 @@ nothing for compiled kernels. The extension is tested on its own against numpy
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import jax
@@ -56,7 +57,6 @@ def params():
 
 def check_threads(num_threads: int) -> None:
   """Raises if the CPU client cannot run ``num_threads`` warpgroups at once."""
-  import os
   cpu = jax.devices("cpu")
   pool = max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
              else (os.cpu_count() or 1), len(cpu))
