@@ -175,22 +175,33 @@ _CHILD = textwrap.dedent("""
       q1, q2 = n(0, (b, t, h, d)), n(1, (b, t, h, d))
       k1, k2, v = n(2, (b, s, kh, d)), n(3, (b, s, kh, d)), n(4, (b, s, kh, dv))
       lam = jnp.linspace(0.2, 0.8, h).astype(jnp.float32)
-      o, o2, _, _ = run((q1, q2), (k1, k2), v,
-                        jnp.broadcast_to(lam[None, :, None], (b, h, t)))
-      want = ref.diff_v1_reference(f32(q1), f32(q2), f32(k1), f32(k2), f32(v), lam,
-                                   causal=causal, segment_ids=ids)
+      o, o2, lse_a, lse_b = run((q1, q2), (k1, k2), v,
+                                jnp.broadcast_to(lam[None, :, None], (b, h, t)))
+      want, aux = ref.diff_v1_reference(f32(q1), f32(q2), f32(k1), f32(k2), f32(v), lam,
+                                        causal=causal, segment_ids=ids, return_aux=True)
       want2 = single(q2, k2, v)
     else:
       q, k, v = n(0, (b, t, 2 * h, d)), n(2, (b, s, kh, d)), n(4, (b, s, kh, dv))
       lam_bth = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
-      o, o2, _, _ = run((q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)))
-      want = ref.diff_v2_reference(f32(q), f32(k), f32(v), lam_bth, causal=causal,
-                                   segment_ids=ids)
+      o, o2, lse_a, lse_b = run((q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)))
+      want, aux = ref.diff_v2_reference(f32(q), f32(k), f32(v), lam_bth, causal=causal,
+                                        segment_ids=ids, return_aux=True)
       want2 = single(q[:, :, 1::2], k, v)
     assert o.dtype == dtype and o.shape == want.shape, (o.dtype, o.shape, want.shape)
+    # Log-sum-exps in base 2 over the visible keys, as the backward reads them (the
+    # reference's logits are before the mask).
+    visible = jnp.ones((b, 1, t, s), bool)
+    if causal:
+      visible &= (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t))[None, None]
+    if segments:
+      visible &= (ids[:, :, None] == ids[:, None, :])[:, None]
+    lse = lambda logits: jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf),
+                                          axis=-1) * mp.LOG2E
     err, err2 = rel_err(o, want), rel_err(o2, want2)
-    print("rel_err", err, "o2", err2)
+    err_lse = max(rel_err(lse_a, lse(aux["logits1"])), rel_err(lse_b, lse(aux["logits2"])))
+    print("rel_err", err, "o2", err2, "lse", err_lse)
     assert err <= TOL[jnp.bfloat16] and err2 <= TOL[jnp.bfloat16], (err, err2)
+    assert err_lse <= 1e-5, err_lse
 """)
 
 
