@@ -19,8 +19,10 @@ row), three warpgroups:
   warpgroup's registers at Dv = 256) and its own online softmax, and both multiply the
   same V tile from shared memory: V is read from HBM once per key block. S = Q K^T is
   a ``wgmma`` from shared memory with K transposed in place; P V takes P from registers.
-* at the end warpgroup 1 writes its normalised output (float32) to shared memory and
-  the second output O2; warpgroup 0 combines ``O1 - lam O2`` in float32.
+* at the end warpgroup 1 hands its normalised output to warpgroup 0 in float32
+  through shared memory (in two column halves at Dv >= 256, see
+  :func:`exchange_parts`) and writes the second output O2; warpgroup 0 combines
+  ``O1 - lam O2`` in float32.
 
 Key blocks above the causal diagonal are never loaded or visited. Blocks that need no
 mask (fully visible, no segment ids, no padded keys) skip the mask arithmetic.
@@ -34,13 +36,15 @@ arithmetic needs.
 Shapes. Head dims are used as they are (64, 80, 96, 128, ...: any multiple of 16);
 the shared-memory swizzle is the widest of 128/64/32 bytes that divides a row. The
 query length is padded to a multiple of 64 and the key length to a multiple of the
-key block by the caller; padded keys are masked by the true length. Inputs are bf16 or
+key block by the caller (:func:`forward_padded` does it); padded keys are masked by the
+true length. Inputs are bf16 or
 fp16: a tf32 ``wgmma`` takes only K-major shared-memory operands, and the V tile enters
 P V with its value dim contiguous (MN-major). float32 runs on the Triton kernels.
 
 On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``, see
 :mod:`diffjax.kernels.gpu.mosaic_interpret`), and their lowering to Mosaic GPU IR runs
-without a GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``).
+without a GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``; jax 0.11
+wants an abstract GPU device for it, ``jax.sharding.use_abstract_mesh``).
 """
 
 from __future__ import annotations
