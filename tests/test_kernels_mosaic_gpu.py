@@ -107,6 +107,38 @@ def test_forward_padded_rejects_what_the_kernels_do_not_take():
     mp.forward_padded("v1", (q,) * 2, (q,) * 2, v[..., :120], lam)
 
 
+def test_block_sizes_validate_against_the_budgets():
+  assert mp.MosaicBlockSizes.default(128, 256, "v1") == mp.MosaicBlockSizes(64, 2)
+  assert mp.MosaicBlockSizes.default(64, 64, "v2") == mp.MosaicBlockSizes(64, 3)
+  for bad, match in [(dict(block_kv=96), "block_kv=96 must be 64, 128"),
+                     (dict(block_kv=320), "block_kv=320"),
+                     (dict(stages=0), r"stages=0 must be in \[1, 4\]"),
+                     (dict(stages=True), "stages=True must be an int")]:
+    with pytest.raises(ValueError, match=match):
+      mp.MosaicBlockSizes(**bad)
+  with pytest.raises(ValueError, match="shared memory for d=128, dv=256.*default here is"):
+    mp.MosaicBlockSizes(64, 3).check(128, 256, "v1")
+  with pytest.raises(ValueError, match="registers a consumer thread at dv=256"):
+    mp.MosaicBlockSizes(256, 1).check(64, 256, "v2")
+  mp.MosaicBlockSizes(128, 2).check(64, 64, "v2")
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
+    mp.forward_padded("v2", (q,), (q,), q, jnp.zeros((1, 1, 64)), block_sizes={"bq": 1})
+
+
+def test_forward_lowers_with_128_key_steps():
+  bf = jnp.bfloat16
+  cfg = mp.MosaicConfig(variant="v2", causal=True, scale=0.125, q_len=512, kv_len=512,
+                        group=2, segments=False, block_kv=128, stages=2, interpret=False)
+  q = jax.ShapeDtypeStruct((1, 512, 8, 64), bf)
+  k = jax.ShapeDtypeStruct((1, 512, 2, 64), bf)
+  lam = jax.ShapeDtypeStruct((1, 4, 512), jnp.float32)
+  fn = jax.jit(lambda q, k, v, lam: mp.forward(cfg, (q,), (k,), v, lam, None, None))
+  with abstract_hopper():
+    text = fn.trace(q, k, k, lam).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 def test_forward_blocks_fit_shared_memory():
   for d, dv, variant in [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"),
                          (80, 160, "v1"), (96, 192, "v1"), (80, 80, "v2")]:
@@ -158,6 +190,7 @@ _CHILD = textwrap.dedent("""
     variant, b, t, h, kh, d, causal, segments, *more = {case!r}
     s = more[0] if more else t  # keys: queries are the last t of s positions
     dtype = jnp.dtype(more[1] if len(more) > 1 else "bfloat16")
+    blocks = more[2] if len(more) > 2 else None
     dv = 2 * d if variant == "v1" else d
     keys = jax.random.split(jax.random.key(0), 6)
     n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
@@ -167,7 +200,7 @@ _CHILD = textwrap.dedent("""
       ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
       ids = ids.at[:, 0].set(7)
     run = lambda *a: mp.forward_padded(variant, *a, ids, ids, causal=causal,
-                                       interpret=True)
+                                       block_sizes=blocks, interpret=True)
     single = lambda qb, kb, v: ref.diff_v1_reference(f32(qb), f32(qb), f32(kb), f32(kb),
                                                      f32(v), 0.0, causal=causal,
                                                      segment_ids=ids)
@@ -209,7 +242,8 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
     # variant, batch, query length, heads, kv heads, head dim, causal, segment ids,
-    # then optionally the kv length (queries are its last positions) and the dtype
+    # then optionally the kv length (queries are its last positions), the dtype and
+    # block sizes
     ("v1", 1, 200, 2, 2, 64, True, False),
     ("v1", 1, 384, 2, 1, 128, True, True),    # Dv 256: O2 crosses in two halves
     ("v1", 1, 200, 3, 1, 80, False, True),
@@ -218,6 +252,7 @@ _CHILD = textwrap.dedent("""
     ("v2", 1, 200, 1, 1, 80, False, False),
     ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),
     ("v2", 1, 100, 2, 2, 64, True, False, 300),
+    ("v2", 1, 300, 2, 1, 64, True, False, 300, "bfloat16", {"block_kv": 128, "stages": 2}),
 ])
 def test_forward_matches_reference_in_interpreter(case):
   tests = os.path.dirname(os.path.abspath(__file__))

@@ -451,6 +451,71 @@ def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
                    f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes.")
 
 
+# Registers a consumer thread may hold (set_max_registers) and what is not tiles:
+# the row statistics, indices, addresses. An estimate from the tile shapes.
+CONSUMER_REGISTERS = 232
+_REGISTER_OVERHEAD = 32
+
+
+def consumer_registers(dv: int, block_kv: int) -> int:
+  """Estimated registers per consumer thread of the forward kernel.
+
+  The float32 [64, Dv] accumulator (Dv / 2 a thread over 128 threads), the float32
+  [64, block_kv] score tile (block_kv / 2), its bf16 probabilities (block_kv / 4), and
+  ``_REGISTER_OVERHEAD``. Dv 256 with 64-key steps: 128 + 32 + 16 + 32 = 208.
+  """
+  return dv // 2 + block_kv // 2 + block_kv // 4 + _REGISTER_OVERHEAD
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockSizes:
+  """Tiles of the Mosaic GPU forward kernel, validated against the H100/H200 budgets.
+
+  Attributes:
+    block_kv: keys per step: a multiple of 64 (the P V wgmma reads V MN-major, whose
+      key extent must be a multiple of the 128-byte swizzle's 64 elements) and at most
+      256 (the N of the S = Q K^T wgmma).
+    stages: shared-memory slots of the K/V ring, 1 to 4.
+
+  :meth:`default` takes the deepest ring of 64-key steps that fits shared memory
+  (:func:`forward_blocks`); :meth:`check` rejects a choice that exceeds shared memory
+  or the consumer's registers, naming both numbers.
+  """
+  block_kv: int = 64
+  stages: int = 3
+
+  def __post_init__(self):
+    for name, value in (("block_kv", self.block_kv), ("stages", self.stages)):
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an int.")
+    if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+      raise ValueError(f"block_kv={self.block_kv} must be 64, 128, 192 or 256 (a multiple "
+                       "of 64 for the P V wgmma, at most 256 for the S = Q K^T wgmma).")
+    if not 1 <= self.stages <= 4:
+      raise ValueError(f"stages={self.stages} must be in [1, 4].")
+
+  @classmethod
+  def default(cls, d: int, dv: int, variant: str, segments: bool = True,
+              itemsize: int = 2) -> "MosaicBlockSizes":
+    return cls(*forward_blocks(d, dv, variant, segments, itemsize))
+
+  def check(self, d: int, dv: int, variant: str, segments: bool = True,
+            itemsize: int = 2) -> None:
+    """Raises ValueError if these tiles do not fit one CTA of an H100/H200."""
+    smem = forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments,
+                              itemsize) + SMEM_MARGIN
+    if smem > SMEM_BYTES:
+      raise ValueError(
+          f"{self} needs about {smem} bytes of shared memory for d={d}, dv={dv} "
+          f"({variant}); a CTA has {SMEM_BYTES}. Use fewer stages or a smaller block_kv "
+          f"(the default here is {MosaicBlockSizes.default(d, dv, variant, segments, itemsize)}).")
+    regs = consumer_registers(dv, self.block_kv)
+    if regs > CONSUMER_REGISTERS:
+      raise ValueError(
+          f"{self} needs about {regs} registers a consumer thread at dv={dv}; the kernel "
+          f"gives each {CONSUMER_REGISTERS}. Use a smaller block_kv.")
+
+
 def check_inputs(variant: str, qs, ks, v) -> None:
   """Clear errors for what the kernels do not take (before Mosaic GPU's own checks)."""
   if variant not in ("v1", "v2"):
@@ -471,20 +536,27 @@ def check_inputs(variant: str, qs, ks, v) -> None:
 
 
 def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, *,
-                   causal: bool = True, scale: float | None = None,
+                   causal: bool = True, scale: float | None = None, block_sizes=None,
                    interpret: bool = False):
   """:func:`forward` on unpadded inputs: pads the lengths, runs, slices the padding off.
 
   Args are as in :func:`forward`, with any lengths T and S; ``lam_BxHxT`` is float32
-  [B, H, T] (H: DIFF heads for V1, pairs for V2). Returns (out, o2, lse_a, lse_b) for
-  the true lengths.
+  [B, H, T] (H: DIFF heads for V1, pairs for V2). ``block_sizes``: None (the default
+  for these widths), a :class:`MosaicBlockSizes` or a dict of its fields. Returns
+  (out, o2, lse_a, lse_b) for the true lengths.
   """
+  from diffjax.core import validation as _v
   from diffjax.kernels.gpu import pair_common as pc
   check_inputs(variant, qs, ks, v)
   b, t, _, d = qs[0].shape
   s, dv = ks[0].shape[1], v.shape[3]
   h = lam_BxHxT.shape[1]
-  block_kv, stages = forward_blocks(d, dv, variant, q_seg is not None)
+  itemsize = jnp.dtype(qs[0].dtype).itemsize
+  blocks = _v.resolve_fields(
+      block_sizes, MosaicBlockSizes.default(d, dv, variant, q_seg is not None, itemsize),
+      MosaicBlockSizes)
+  blocks.check(d, dv, variant, q_seg is not None, itemsize)
+  block_kv, stages = blocks.block_kv, blocks.stages
   tp, sp = pc.round_up(t, BLOCK_Q), pc.round_up(s, block_kv)
   cfg = MosaicConfig(variant=variant, causal=bool(causal),
                      scale=float(scale) if scale is not None else d ** -0.5, q_len=t,
