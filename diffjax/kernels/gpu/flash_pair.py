@@ -59,11 +59,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from diffjax.kernels.gpu.block_sizes import BlockSizes
 from diffjax.kernels.gpu.pair_common import (  # noqa: F401  (re-exported)
-    EMPTY_LSE, LOG2E, NEG, check_segment_ids, pad_axis, pad_segment_ids, round_up, row_terms)
+    EMPTY_LSE, LOG2E, NEG, PairGeometry, check_segment_ids, kv_blocks, pad_axis,
+    pad_segment_ids, round_up, row_terms)
 
 
 @dataclasses.dataclass(frozen=True)
-class PairConfig:
+class PairConfig(PairGeometry):
   """Static description of one call (hashable: it is a custom_vjp non-diff argument).
 
   Attributes:
@@ -87,14 +88,6 @@ class PairConfig:
   blocks: BlockSizes
   interpret: bool
 
-  @property
-  def offset(self) -> int:
-    return self.kv_len - self.q_len
-
-  @property
-  def shared_k(self) -> bool:
-    return self.variant == "v2"
-
 
 # ----------------------------------------------------------------------------------
 # In-kernel helpers.
@@ -110,22 +103,6 @@ def _mask(cfg: PairConfig, q_start, bq: int, kv_start, bk: int, qseg, kvseg):
   if cfg.segments:
     mask = jnp.logical_and(mask, qseg[:, None] == kvseg[None, :])
   return mask
-
-
-def _kv_blocks(cfg: PairConfig, q_start, bq: int, bk: int):
-  """Key blocks a query block visits: [0, n_full) need no mask, [n_full, n_end) do."""
-  s = cfg.kv_len
-  if cfg.causal:
-    end_pos = jnp.clip(q_start + bq + cfg.offset, 0, s)  # one past the last visible key
-    n_end = lax.div(end_pos + bk - 1, bk)
-    full_pos = jnp.clip(q_start + cfg.offset + 1, 0, s)  # keys every row of the block sees
-    n_full = lax.div(full_pos, bk)
-  else:
-    n_end = jnp.int32(pl.cdiv(s, bk))
-    n_full = jnp.int32(s // bk)
-  if cfg.segments:
-    n_full = jnp.int32(0)
-  return n_full, n_end
 
 
 def _q_blocks(cfg: PairConfig, kv_start, bq: int, bk: int):
@@ -214,7 +191,7 @@ def _forward_kernel(*refs, cfg: PairConfig):
   m0 = jnp.full((bq,), NEG, jnp.float32)
   l0 = jnp.zeros((bq,), jnp.float32)
   carry = (zeros_acc, zeros_acc, m0, m0, l0, l0)
-  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk)
+  n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
   acc_a, acc_b, m_a, m_b, l_a, l_b = carry
@@ -362,7 +339,7 @@ def _dq_kernel(*refs, cfg: PairConfig):
     return dqa, dqb
 
   zq = jnp.zeros(qa.shape, jnp.float32)
-  n_full, n_end = _kv_blocks(cfg, q_start, bq, bk)
+  n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
   carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (zq, zq))
   dqa, dqb = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
   dqa, dqb = dqa * cfg.scale, dqb * cfg.scale

@@ -148,6 +148,15 @@ def _wgmma_callback(*, device_id, grid_point_coords, thread_id, acc_key, acc_tra
       logging_info=info)
 
 
+def _operand_transforms(eqn, leaves):
+  """The (acc, a, b) transforms of a ``wgmma_ref_p`` equation from its flat leaves."""
+  empty = jax.tree.structure([])
+  return jax.tree.unflatten(
+      jax.tree_util.treedef_tuple(tuple(
+          eqn.params[f"{name}_transforms_tree"] or empty for name in ("acc", "a", "b"))),
+      leaves)
+
+
 def _install_wgmma():
   from jax._src import callback
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -156,13 +165,7 @@ def _install_wgmma():
 
   def interpret_wgmma(self, eqn, token, get_invals):
     acc, a, b, *leaves = get_invals()
-    empty = jax.tree.structure([])
-    acc_t, a_t, b_t = jax.tree.unflatten(
-        jax.tree_util.treedef_tuple((
-            eqn.params["acc_transforms_tree"] or empty,
-            eqn.params["a_transforms_tree"] or empty,
-            eqn.params["b_transforms_tree"] or empty)),
-        leaves)
+    acc_t, a_t, b_t = _operand_transforms(eqn, leaves)
     a_is_ref = isinstance(eqn.invars[1].aval, state_types.AbstractRef)
 
     def run(token, device_id, grid_point_coords, thread_id, acc, a, b, acc_t, a_t, b_t):
@@ -216,13 +219,7 @@ def _install_register_wgmma_011():
     if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
       return native(self, eqn, token, get_invals)
     acc, a, b, *leaves = get_invals()
-    empty = jax.tree.structure([])
-    acc_t, _, b_t = jax.tree.unflatten(
-        jax.tree_util.treedef_tuple((
-            eqn.params["acc_transforms_tree"] or empty,
-            eqn.params["a_transforms_tree"] or empty,
-            eqn.params["b_transforms_tree"] or empty)),
-        leaves)
+    acc_t, _, b_t = _operand_transforms(eqn, leaves)
     acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
     b, b_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_t)
     return callback.io_callback(

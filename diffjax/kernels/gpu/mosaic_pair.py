@@ -58,8 +58,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from diffjax.core import validation as _v
 from diffjax.kernels.gpu import mosaic_interpret
-from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
+from diffjax.kernels.gpu import pair_common as pc
+from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG, PairGeometry, kv_blocks
 
 BLOCK_Q = 64  # query rows per warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -69,7 +71,7 @@ _COL = plgpu.Layout.WGMMA.reduce(0)
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicConfig(PairGeometry):
   """Static description of one call (hashable: a custom_vjp non-diff argument).
 
   Attributes:
@@ -93,14 +95,6 @@ class MosaicConfig:
   block_kv: int
   stages: int
   interpret: bool
-
-  @property
-  def offset(self) -> int:
-    return self.kv_len - self.q_len
-
-  @property
-  def shared_k(self) -> bool:
-    return self.variant == "v2"
 
   def kernel_kwargs(self) -> dict:
     if self.interpret:
@@ -169,21 +163,6 @@ def accumulate(acc, a, b_ref, cfg: MosaicConfig):
   def body(acc_ref):
     plgpu.wgmma(acc_ref, a, b_ref)
   return pl.run_state(body)(plgpu.ACC.init(acc))
-
-
-def kv_blocks(cfg: MosaicConfig, q_start, bq: int, bk: int):
-  """Key blocks a query block visits: [0, n_full) need no mask, [n_full, n_end) do."""
-  s = cfg.kv_len
-  if cfg.causal:
-    end_pos = jnp.clip(q_start + bq + cfg.offset, 0, s)
-    n_end = lax.div(end_pos + bk - 1, bk)
-    n_full = lax.div(jnp.clip(q_start + cfg.offset + 1, 0, s), bk)
-  else:
-    n_end = jnp.int32(-(-s // bk))
-    n_full = jnp.int32(s // bk)
-  if cfg.segments:
-    n_full = jnp.int32(0)
-  return n_full, n_end
 
 
 def tile_mask(cfg: MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=None):
@@ -545,8 +524,6 @@ def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, 
   for these widths), a :class:`MosaicBlockSizes` or a dict of its fields. Returns
   (out, o2, lse_a, lse_b) for the true lengths.
   """
-  from diffjax.core import validation as _v
-  from diffjax.kernels.gpu import pair_common as pc
   check_inputs(variant, qs, ks, v)
   b, t, _, d = qs[0].shape
   s, dv = ks[0].shape[1], v.shape[3]

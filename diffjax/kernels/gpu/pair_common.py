@@ -11,12 +11,47 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 LOG2E = math.log2(math.e)
 # Score given to a masked (query, key) pair: finite, so max/exp2 arithmetic stays NaN-free.
 NEG = -0.7 * float(np.finfo(np.float32).max)
 # Log-sum-exp stored for a row that sees no key: exp2(score - EMPTY_LSE) == 0.
 EMPTY_LSE = 1e30
+
+
+class PairGeometry:
+  """What both kernels' static configs derive from their fields.
+
+  A mixin for frozen dataclasses with ``variant``, ``q_len``, ``kv_len``, ``causal``
+  and ``segments``.
+  """
+
+  @property
+  def offset(self) -> int:
+    """Queries are the last ``q_len`` of ``kv_len`` positions."""
+    return self.kv_len - self.q_len
+
+  @property
+  def shared_k(self) -> bool:
+    """V2's pair reads one key array; V1 reads K1 and K2."""
+    return self.variant == "v2"
+
+
+def kv_blocks(cfg: PairGeometry, q_start, bq: int, bk: int):
+  """Key blocks a query block visits: [0, n_full) need no mask, [n_full, n_end) do."""
+  s = cfg.kv_len
+  if cfg.causal:
+    end_pos = jnp.clip(q_start + bq + cfg.offset, 0, s)  # one past the last visible key
+    n_end = lax.div(end_pos + bk - 1, bk)
+    full_pos = jnp.clip(q_start + cfg.offset + 1, 0, s)  # keys every row of the block sees
+    n_full = lax.div(full_pos, bk)
+  else:
+    n_end = jnp.int32(-(-s // bk))
+    n_full = jnp.int32(s // bk)
+  if cfg.segments:
+    n_full = jnp.int32(0)
+  return n_full, n_end
 
 
 def row_terms(do, o, o2, lam_BxHxT):
