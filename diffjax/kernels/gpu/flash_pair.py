@@ -60,7 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 from diffjax.kernels.gpu.block_sizes import BlockSizes
 from diffjax.kernels.gpu.pair_common import (  # noqa: F401  (re-exported)
     EMPTY_LSE, LOG2E, NEG, PairGeometry, check_segment_ids, kv_blocks, pad_axis,
-    pad_segment_ids, round_up, row_terms)
+    pad_segment_ids, q_blocks, round_up, row_terms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,24 +103,6 @@ def _mask(cfg: PairConfig, q_start, bq: int, kv_start, bk: int, qseg, kvseg):
   if cfg.segments:
     mask = jnp.logical_and(mask, qseg[:, None] == kvseg[None, :])
   return mask
-
-
-def _q_blocks(cfg: PairConfig, kv_start, bq: int, bk: int):
-  """Query blocks that see a key block: [i_start, i_full) need a mask, [i_full, n_q) not."""
-  n_q = pl.cdiv(cfg.q_len, bq)  # query blocks made only of padding contribute nothing
-  if cfg.causal:
-    i_start = lax.div(jnp.maximum(kv_start - cfg.offset, 0), bq)
-    i_full = lax.div(jnp.maximum(kv_start + bk - 1 - cfg.offset, 0) + bq - 1, bq)
-  else:
-    i_start = jnp.int32(0)
-    i_full = jnp.int32(0)
-  if cfg.segments:
-    i_full = jnp.int32(n_q)
-  i_full = jnp.where(kv_start + bk > cfg.kv_len, n_q, i_full)  # block holds padded keys
-  i_start = jnp.where(kv_start >= cfg.kv_len, n_q, i_start)  # block is all padding
-  i_start = jnp.minimum(i_start, n_q)
-  i_full = jnp.clip(i_full, i_start, n_q)
-  return i_start, i_full, n_q
 
 
 def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
@@ -251,7 +233,7 @@ def _dkv_kernel(*refs, cfg: PairConfig):
   kb = ka if cfg.shared_k else kb_ref[...]
   v = v_ref[...]
   kvseg = kvseg_ref[...] if cfg.segments else None
-  i_start, i_full, n_q = _q_blocks(cfg, kv_start, bq, bk)
+  i_start, i_full, n_q = q_blocks(cfg, kv_start, bq, bk)
 
   def q_head(h, slot):
     # V1: separate arrays, local head h. V2: one array, pair h is heads 2h, 2h+1.

@@ -8,7 +8,9 @@ uses; :func:`install` adds them, once per process, with the semantics the hardwa
 * ``plgpu.layout_cast`` is the identity on values: a register layout changes where
   elements live, never their values;
 * a ``wgmma`` operand may be a transposed view of shared memory (``ref.transpose``);
-* the ``wgmma`` A operand may be a register array instead of a shared-memory ref.
+* the ``wgmma`` A operand may be a register array instead of a shared-memory ref;
+* ``plgpu.copy_smem_to_gmem(..., reduction_op="add")`` (a TMA reduce-add: the
+  destination becomes destination + source, atomically with respect to other CTAs).
 
 The product is ``acc + a @ b`` in the accumulator's dtype, as the interpreter computes
 it for plain shared-memory operands.
@@ -19,8 +21,8 @@ it for plain shared-memory operands.
 :func:`~diffjax.kernels.gpu.mosaic_pair.accumulate`, which on the interpreter forms
 ``acc + (a @ b)`` from a zero-initialised ``run_scoped`` accumulator: the same value
 the hardware's in-place accumulation gives. jax 0.11's interpreter has the other two
-(layout casts, transposed operands) natively but not a register A operand either; there
-:func:`install` adds only that.
+(layout casts, transposed operands) natively but neither a register A operand nor the
+reduce-add copy; there :func:`install` adds only those two.
 
 Threads. The interpreter runs each warpgroup of a CTA as its own CPU computation, and a
 warpgroup blocked in a barrier wait holds its thread of the CPU client's pool. That
@@ -88,6 +90,7 @@ def install() -> None:
       _install_wgmma()
     else:
       _install_register_wgmma_011()
+    _install_reduce_add()
     _INSTALLED = True
 
 
@@ -182,6 +185,61 @@ def _install_wgmma():
         ordered=True), []
 
   jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
+
+
+_REDUCE_LOCK = threading.Lock()
+
+
+def _install_reduce_add():
+  """TMA reduce-add copies (``reduction_op="add"``), for jax 0.10.2 and 0.11.
+
+  The interpreter performs copies eagerly; a reduce-add reads the source and the
+  destination and stores their sum under one lock, so CTAs adding into the same rows
+  never lose an update (the hardware's reduce-adds are element-wise atomic).
+  """
+  from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  native = gpu_callbacks.copy_smem_to_gmem
+  if getattr(native, "_diffjax_reduce_add", False):
+    return
+  ints = lambda ts: jax.tree.map(int, gpu_callbacks._remove_noop_transforms(ts))
+
+  def copy(**kw):
+    op = kw.get("reduction_op")
+    if op is None:
+      return native(**kw)
+    if op != "add":
+      raise NotImplementedError(f"reduction_op={op!r} in the GPU interpreter (only 'add').")
+    if kw.get("predicate") is not None:
+      raise NotImplementedError("predicated reduce-add copies in the GPU interpreter")
+    shared = gpu_callbacks._get_shared_memory()
+    src = gpu_callbacks.HostAllocationKey.from_array(kw["src_allocation_key_as_array"])
+    dst = gpu_callbacks.HostAllocationKey.from_array(kw["dst_allocation_key_as_array"])
+    if "mesh_location" in kw:  # jax 0.11
+      from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+      thread = kw["thread"]
+      info = memory.GPULoggingInfo(kw["mesh_location"], thread, kw["source_info"])
+      src_range = shared.access(src, ints(kw["src_transforms"]))
+      dst_range = shared.access(dst, ints(kw["dst_transforms"]))
+    else:  # jax 0.10
+      thread_id = int(kw["thread_id"])
+      thread = shared.get_global_thread_id(int(kw["device_id"]), thread_id)
+      info = interpret_utils.GPULoggingInfo(
+          device_id=int(kw["device_id"]),
+          grid_point_coords=tuple(int(x) for x in kw["grid_point_coords"]),
+          thread_id=thread_id, source_info=kw["source_info"])
+      src_range = interpret_utils.to_range(ints(kw["src_transforms"]))
+      dst_range = interpret_utils.to_range(ints(kw["dst_transforms"]))
+    with _REDUCE_LOCK:
+      val, _, _ = shared.get_buffer_content(src, src_range, thread, logging_info=info)
+      old, _, _ = shared.get_buffer_content(dst, dst_range, thread, logging_info=info)
+      shared.store_buffer_content(dst, dst_range, np.asarray(old) + np.asarray(val),
+                                  thread, logging_info=info)
+    return kw["token"]
+
+  copy._diffjax_reduce_add = True
+  gpu_callbacks.copy_smem_to_gmem = copy
 
 
 def needs_extension() -> bool:

@@ -54,6 +54,28 @@ def kv_blocks(cfg: PairGeometry, q_start, bq: int, bk: int):
   return n_full, n_end
 
 
+def q_blocks(cfg: PairGeometry, kv_start, bq: int, bk: int):
+  """Query blocks that see a key block: [i_start, i_full) need a mask, [i_full, n_q) not.
+
+  The mirror of :func:`kv_blocks` for the key-major backward loops. Query blocks made
+  only of padding are not visited.
+  """
+  n_q = -(-cfg.q_len // bq)
+  if cfg.causal:
+    i_start = lax.div(jnp.maximum(kv_start - cfg.offset, 0), bq)
+    i_full = lax.div(jnp.maximum(kv_start + bk - 1 - cfg.offset, 0) + bq - 1, bq)
+  else:
+    i_start = jnp.int32(0)
+    i_full = jnp.int32(0)
+  if cfg.segments:
+    i_full = jnp.int32(n_q)
+  i_full = jnp.where(kv_start + bk > cfg.kv_len, n_q, i_full)  # block holds padded keys
+  i_start = jnp.where(kv_start >= cfg.kv_len, n_q, i_start)  # block is all padding
+  i_start = jnp.minimum(i_start, n_q)
+  i_full = jnp.clip(i_full, i_start, n_q)
+  return i_start, i_full, n_q
+
+
 def row_terms(do, o, o2, lam_BxHxT):
   """Softmax-backward row terms (d_a, d_b), float32 [B, H, T].
 

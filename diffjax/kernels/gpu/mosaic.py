@@ -1,0 +1,132 @@
+"""Differentiable DIFF V1 / V2 attention on Mosaic GPU (Hopper): forward and backward fused.
+
+:func:`diff_v1_mosaic` and :func:`diff_v2_mosaic` take the arguments of the Triton entry
+points (:func:`diffjax.kernels.gpu.diff_v1_fused`, :func:`diffjax.kernels.gpu.diff_v2_fused`)
+and run :mod:`diffjax.kernels.gpu.mosaic_pair` forward and
+:mod:`diffjax.kernels.gpu.mosaic_pair_bwd` backward under one ``jax.custom_vjp``. Inputs
+are bfloat16 or float16 (accumulation and softmax in float32); head dims are used
+unpadded (multiples of 16). Lengths are padded to multiples of 64 and sliced back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.core import validation as _v
+from diffjax.kernels.gpu import mosaic_pair as mp
+from diffjax.kernels.gpu import mosaic_pair_bwd as mb
+from diffjax.kernels.gpu import pair_common as pc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _pair(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  return mp.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
+
+
+def _pair_fwd(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  o, o2, lse_a, lse_b = mp.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  return o, (qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse_a, lse_b)
+
+
+def _pair_bwd(cfg, res, do):
+  qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse_a, lse_b = res
+  d_a, d_b = pc.row_terms(do, o, o2, lam_BxHxT)
+  rows = jnp.stack([lse_a, lse_b, d_a, d_b, lam_BxHxT], axis=2)
+  d, dv = qs[0].shape[3], v.shape[3]
+  stages, dq_parts = mb.backward_blocks(d, dv, cfg.variant, cfg.segments,
+                                        jnp.dtype(qs[0].dtype).itemsize)
+  dqs, dks, dvv = mb.backward(cfg, qs, ks, v, do.astype(v.dtype), rows, q_seg, kv_seg,
+                              stages=stages, dq_parts=dq_parts)
+  dqs = tuple(dq.astype(q.dtype) for dq, q in zip(dqs, qs))
+  if cfg.variant == "v2":
+    dks = ((dks[0] + dks[1]).astype(ks[0].dtype),)
+  return dqs, tuple(dks), dvv, -d_b, None, None
+
+
+_pair.defvjp(_pair_fwd, _pair_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks",
+                                             "interpret"))
+def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks,
+            interpret):
+  t, s = qs[0].shape[1], ks[0].shape[1]
+  tp, sp = pc.round_up(t, mp.BLOCK_Q), pc.round_up(s, blocks.block_kv)
+  cfg = mp.MosaicConfig(variant=variant, causal=causal, scale=scale, q_len=t, kv_len=s,
+                        group=lam_BxHxT.shape[1] // ks[0].shape[2],
+                        segments=q_seg is not None, block_kv=blocks.block_kv,
+                        stages=blocks.stages, interpret=interpret)
+  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
+  out = _pair(tuple(pc.pad_axis(q, 1, tp) for q in qs),
+              tuple(pc.pad_axis(k, 1, sp) for k in ks), pc.pad_axis(v, 1, sp),
+              pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp), q_seg, kv_seg, cfg)
+  return out[:, :t]
+
+
+def _blocks(variant, qs, ks, v, q_seg, block_sizes):
+  mp.check_inputs(variant, qs, ks, v)
+  d, dv = qs[0].shape[3], v.shape[3]
+  itemsize = jnp.dtype(qs[0].dtype).itemsize
+  segments = q_seg is not None
+  blocks = _v.resolve_fields(
+      block_sizes, mp.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
+      mp.MosaicBlockSizes)
+  blocks.check(d, dv, variant, segments, itemsize)
+  mb.backward_blocks(d, dv, variant, segments, itemsize)  # raises if nothing fits
+  return blocks
+
+
+def diff_v1_mosaic(
+    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, *,
+    causal: bool = True, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
+    block_sizes: mp.MosaicBlockSizes | dict | None = None,
+    interpret: bool = False) -> jax.Array:
+  """Fused DIFF V1 attention core on Mosaic GPU, differentiable.
+
+  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_fused`, except:
+  inputs are bfloat16 or float16, and ``block_sizes`` is a
+  :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` (or a dict of its fields)
+  for the forward; the backward's tiles follow from shared memory
+  (:func:`~diffjax.kernels.gpu.mosaic_pair_bwd.backward_blocks`). ``interpret=True``
+  runs jax's Mosaic GPU interpreter (CPU; see
+  :mod:`diffjax.kernels.gpu.mosaic_interpret` for the host devices it needs).
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  b, t, h, d = q1_BxTxHxD.shape
+  s = k1_BxSxKxD.shape[1]
+  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
+  qs, ks = (q1_BxTxHxD, q2_BxTxHxD), (k1_BxSxKxD, k2_BxSxKxD)
+  blocks = _blocks("v1", qs, ks, v_BxSxKxDv, q_seg, block_sizes)
+  lam_BxHxT = jnp.broadcast_to(
+      jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t))
+  return _padded(qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, variant="v1",
+                 causal=bool(causal), scale=_v.default_scale(scale, d), blocks=blocks,
+                 interpret=bool(interpret))
+
+
+def diff_v2_mosaic(
+    q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
+    lam_BxTxH: jax.Array, *, causal: bool = True, q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
+    block_sizes: mp.MosaicBlockSizes | dict | None = None,
+    interpret: bool = False) -> jax.Array:
+  """Fused DIFF V2 attention on paired query heads on Mosaic GPU, differentiable.
+
+  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v2_fused`, with the
+  differences listed in :func:`diff_v1_mosaic`.
+  """
+  _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, _, d = q_BxTxQxD.shape
+  s = k_BxSxKxD.shape[1]
+  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
+  blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes)
+  lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
+  return _padded((q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxHxT, q_seg, kv_seg,
+                 variant="v2", causal=bool(causal), scale=_v.default_scale(scale, d),
+                 blocks=blocks, interpret=bool(interpret)).astype(q_BxTxQxD.dtype)
