@@ -42,6 +42,7 @@ and the wrapper adds them (a [S, d] sum per kv head, small next to the kernel's 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,9 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   starts = (0, widths[0])
   c = cfg.scale * LOG2E
   q_width = d // dq_parts
+  # The V and dO halves are TMA boxes inside rows of Dv: one swizzle tile must divide
+  # both halves (and so Dv and the second half's offset).
+  v_tile = math.gcd(*widths)
 
   def kernel(*refs):
     it = iter(refs)
@@ -327,14 +331,16 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   seg = cfg.segments
   scratch = [
       smem((2 if v1 else 1, bk, d), d),                           # k_smem
-      [smem((bk, w), w) for w in widths],                         # v_smem halves
+      [smem((bk, w), v_tile) for w in widths],                    # v_smem halves
       smem((COMPUTE_WGS, stages, bq, d), d),                      # q_smem
-      [smem((stages, bq, w), w) for w in widths],                 # do_smem halves
+      [smem((stages, bq, w), v_tile) for w in widths],            # do_smem halves
       plgpu.SMEM((stages, ROWS, bq), jnp.float32),                # rows_smem
       plgpu.SMEM((stages, bq), jnp.int32) if seg else None,       # qseg_smem
       plgpu.SMEM((bk,), jnp.int32) if seg else None,              # kvseg_smem
       smem((COMPUTE_WGS, bk, bq), bq, jnp.float32),               # xdp_smem
-      smem((COMPUTE_WGS, bk, bq), bq),                            # xp_smem: P, then dS
+      # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
+      # must be K's (the widest that divides a row of d).
+      plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype)),
       smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),     # dq_smem
       bars(5),                                                    # res_bar
       bars(COMPUTE_WGS * stages),                                 # q_bar [w * stages + slot]
