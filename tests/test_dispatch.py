@@ -132,24 +132,30 @@ def test_auto_on_gpu_avoids_the_triton_kernels_where_jax_deprecates_them(monkeyp
         "pallas_tpu"
 
 
-def test_the_default_gpu_path_lowers_without_deprecation_warnings():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_default_gpu_path_lowers_without_deprecation_warnings(dtype):
   # What a GPU user's training step compiles with implementation="auto": forward and
-  # every gradient of DIFF V1 and V2, lowered for CUDA here. With jax >= 0.11 this is
-  # the stock path; before, the Triton kernels (not deprecated there).
+  # every gradient of DIFF V1 and V2, lowered for CUDA (an abstract Hopper) here.
+  # bf16 runs the Mosaic GPU kernels on every jax; float32 runs the Triton kernels
+  # before jax 0.11 and the stock paths from 0.11 (which deprecates Triton).
   from kernel_checks import abstract_hopper
-  bf = jnp.bfloat16
-  q = jax.ShapeDtypeStruct((1, 128, 2, 64), bf)
-  v = jax.ShapeDtypeStruct((1, 128, 2, 128), bf)
-  q2 = jax.ShapeDtypeStruct((1, 128, 4, 64), bf)
+  dt = jnp.dtype(dtype)
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), dt)
+  v = jax.ShapeDtypeStruct((1, 128, 2, 128), dt)
+  q2 = jax.ShapeDtypeStruct((1, 128, 4, 64), dt)
   lam = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
   loss_v1 = lambda *a: ops.diff_v1_attention_core(*a, 0.3).astype(jnp.float32).sum()
   loss_v2 = lambda *a: ops.diff_v2_attention(*a).astype(jnp.float32).sum()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with ops.target_platform("gpu"), abstract_hopper():
-      jax.jit(jax.grad(loss_v1, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, q, v).lower(
-          lowering_platforms=("cuda",))
-      jax.jit(jax.grad(loss_v2, argnums=(0, 1, 2, 3))).trace(q2, q, q, lam).lower(
-          lowering_platforms=("cuda",))
+      texts = [
+          jax.jit(jax.grad(loss_v1, argnums=(0, 1, 2, 3, 4))).trace(q, q, q, q, v).lower(
+              lowering_platforms=("cuda",)).as_text(),
+          jax.jit(jax.grad(loss_v2, argnums=(0, 1, 2, 3))).trace(q2, q, q, lam).lower(
+              lowering_platforms=("cuda",)).as_text()]
   deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
   assert not deprecations, deprecations
+  for text in texts:
+    # Forward and backward kernels: two Mosaic GPU calls per op in bf16, none in float32.
+    assert text.count("custom_call @mosaic_gpu") == (2 if dtype == "bfloat16" else 0)

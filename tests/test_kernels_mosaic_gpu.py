@@ -4,8 +4,12 @@
 * The forward pair kernel lowers to Mosaic GPU IR for the 3B layer and for head dims
   64/80/96/128, with and without segment ids (the lowering runs Mosaic GPU's own checks:
   layouts, swizzles, wgmma shapes, the shared-memory budget).
-* The forward pair kernel against the plain-JAX reference in jax's Mosaic GPU
-  interpreter (``slow``: each case runs in a child process under a time limit).
+* The fused backward lowers at the same shapes, and its tiles fit shared memory.
+* Which backend ``pallas_gpu`` runs (:func:`diffjax.kernels.gpu.fused.backend`).
+* The forward pair kernel, and the forward with every gradient of
+  :func:`diffjax.kernels.gpu.mosaic.diff_v1_mosaic` / ``diff_v2_mosaic``, against the
+  plain-JAX reference in jax's Mosaic GPU interpreter (``slow``: each case runs in a
+  child process under a time limit).
 """
 
 import functools
@@ -24,7 +28,10 @@ plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
 from kernel_checks import abstract_hopper  # noqa: E402
+from diffjax.kernels.gpu import fused  # noqa: E402
+from diffjax.kernels.gpu import mosaic  # noqa: E402
 from diffjax.kernels.gpu import mosaic_pair as mp  # noqa: E402
+from diffjax.kernels.gpu import mosaic_pair_bwd as mb  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +81,30 @@ def test_interpreter_wgmma_transposed_and_register_operands(a_in_registers):
 
   want = 2.0 * (np.asarray(a, np.float32) @ np.asarray(b, np.float32).T)
   np.testing.assert_allclose(kernel(a, b), want, rtol=1e-6, atol=1e-5)
+
+
+def test_interpreter_reduce_add_copies_sum_every_cta():
+  # Four CTAs add their tile into the same rows of a float32 array (aliased through a
+  # ref, as the backward's dQ is): the result is the initial value plus all four.
+  x = jax.random.normal(jax.random.key(2), (4, 64, 32), jnp.float32)
+  scratch = [plgpu.SMEM((64, 32), jnp.float32), plgpu.Barrier(num_barriers=1)]
+
+  def kernel(x_ref, acc_ref, smem, bar):
+    i = jax.lax.axis_index("g")
+    plgpu.copy_gmem_to_smem(x_ref.at[i], smem, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    plgpu.copy_smem_to_gmem(smem, acc_ref.at[0], reduction_op="add")
+    plgpu.wait_smem_to_gmem(0)
+
+  @jax.jit
+  def run(x):
+    acc = jax.new_ref(jnp.ones((1, 64, 32), jnp.float32), memory_space=plgpu.GMEM)
+    pl.kernel(lambda *refs: pl.run_scoped(lambda *scr: kernel(*refs, *scr), *scratch),
+              out_type=(), mesh=plgpu.Mesh(grid=(4,), grid_names=("g",)),
+              interpret=mi.params())(x, acc)
+    return acc[...]
+
+  np.testing.assert_allclose(run(x)[0], 1.0 + np.asarray(x).sum(0), rtol=1e-6, atol=1e-6)
 
 
 def test_smem_transforms_pick_the_widest_swizzle():
@@ -264,5 +295,176 @@ def test_forward_matches_reference_in_interpreter(case):
                           capture_output=True, text=True, timeout=240, env=env)
   except subprocess.TimeoutExpired:
     pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 240 s")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  print(case, proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------
+# The fused backward and the differentiable entry points.
+
+
+def test_backward_tiles_fit_shared_memory_and_registers():
+  shapes = [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"), (80, 160, "v1"),
+            (96, 192, "v1"), (80, 80, "v2"), (64, 64, "v2")]
+  for d, dv, variant in shapes:
+    stages, parts = mb.backward_blocks(d, dv, variant)
+    used = mb.backward_smem_bytes(d, dv, stages, parts, variant)
+    assert used + mp.SMEM_MARGIN <= mp.SMEM_BYTES, (d, dv, variant, stages, parts)
+    assert mb.backward_registers(d, dv) <= mp.CONSUMER_REGISTERS, (d, dv)
+  # The 3B layer: V1 (Dv 256) gets one ring slot and dQ in two chunks; V2 two slots.
+  assert mb.backward_blocks(128, 256, "v1") == (1, 2)
+  assert mb.backward_blocks(128, 128, "v2") == (2, 2)
+  assert mb.backward_blocks(64, 128, "v1") == (2, 1)
+  assert mb.value_split(256) == (128, 128) and mb.value_split(80) == (48, 32)
+  with pytest.raises(ValueError, match="at least 32"):
+    mb.value_split(16)
+  with pytest.raises(ValueError, match="No backward tiling fits shared memory"):
+    mb.backward_blocks(256, 512, "v1")
+
+
+@pytest.mark.parametrize("variant,d,h,kh,t,segments", [
+    ("v1", 128, 12, 12, 4096, True),   # the 3B layer
+    ("v2", 128, 12, 12, 4096, True),
+    ("v1", 64, 4, 1, 384, False),
+    ("v1", 80, 4, 2, 384, False),
+    ("v1", 96, 6, 2, 384, True),
+    ("v2", 80, 4, 2, 384, True),       # Dv 80: V and dO halves of 48 and 32 columns
+])
+def test_gradients_lower_to_mosaic_gpu(variant, d, h, kh, t, segments):
+  # Forward and every gradient through the custom VJP: two Mosaic GPU kernels, each
+  # through Mosaic GPU's own checks (wgmma operands, swizzles, TMA boxes, shared memory).
+  dv = 2 * d if variant == "v1" else d
+  qh = h if variant == "v1" else 2 * h
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  q, k, v = S((1, t, qh, d), bf), S((1, t, kh, d), bf), S((1, t, kh, dv), bf)
+  ids = S((1, t), jnp.int32) if segments else None
+  if variant == "v1":
+    loss = lambda q1, q2, k1, k2, v, lam, ids: mosaic.diff_v1_mosaic(
+        q1, q2, k1, k2, v, lam, q_segment_ids=ids, kv_segment_ids=ids).astype(
+            jnp.float32).sum()
+    args, argnums = (q, q, k, k, v, S((h,), jnp.float32), ids), (0, 1, 2, 3, 4, 5)
+  else:
+    loss = lambda q, k, v, lam, ids: mosaic.diff_v2_mosaic(
+        q, k, v, lam, q_segment_ids=ids, kv_segment_ids=ids).astype(jnp.float32).sum()
+    args, argnums = (q, k, v, S((1, t, h), jnp.float32), ids), (0, 1, 2, 3)
+  with abstract_hopper():
+    text = jax.jit(jax.grad(loss, argnums=argnums)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 2
+
+
+def test_backward_over_shared_memory_is_refused_by_the_lowering():
+  # The budget is real: two ring slots with whole-width dQ staging at V1 d 128 do not
+  # fit, and Mosaic GPU says so (the tiling choice above avoids exactly this).
+  t = 256
+  cfg = mp.MosaicConfig(variant="v1", causal=True, scale=0.1, q_len=t, kv_len=t, group=1,
+                        segments=False, block_kv=64, stages=2, interpret=False)
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  q, v = S((1, t, 1, 128), bf), S((1, t, 1, 256), bf)
+  rows = S((1, 1, 5, t), jnp.float32)
+  fn = jax.jit(lambda q1, q2, k1, k2, v, do, rows: mb.backward(
+      cfg, (q1, q2), (k1, k2), v, do, rows, None, None, stages=2, dq_parts=1))
+  assert mb.backward_smem_bytes(128, 256, 2, 1, "v1", False) > mp.SMEM_BYTES
+  with abstract_hopper(), pytest.raises(Exception, match="exceeds available shared memory"):
+    fn.trace(q, q, q, q, v, v, rows).lower(lowering_platforms=("cuda",))
+
+
+def test_pallas_gpu_backend_choice(monkeypatch):
+  bf, f32 = jnp.bfloat16, jnp.float32
+  pick = lambda dtype, d=64, dv=128, **kw: fused.backend("v1", dtype, d, dv,
+                                                         segments=False, **kw)
+  assert pick(bf) == "mosaic" and pick(jnp.float16) == "mosaic"
+  assert pick(f32) == "triton" and pick(None) == "triton"  # None: mixed dtypes
+  assert pick(bf, d=72, dv=144) == "triton"                # not a multiple of 16
+  assert pick(bf, d=256, dv=512) == "triton"               # over shared memory
+  assert pick(bf, interpret=True) == "triton"
+  assert pick(bf, interpret=True, block_sizes=mp.MosaicBlockSizes()) == "mosaic"
+  from diffjax.kernels.gpu import BlockSizes
+  assert pick(bf, block_sizes=BlockSizes.default(64, 128)) == "triton"
+  monkeypatch.setattr(fused, "hopper_target", lambda: False)  # e.g. an A100
+  assert pick(bf) == "triton"
+
+
+def test_mosaic_entry_points_reject_bad_input():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  f32 = lambda x: x.astype(jnp.float32)
+  with pytest.raises(ValueError, match="bfloat16 or float16.*Triton"):
+    mosaic.diff_v1_mosaic(f32(q), f32(q), f32(q), f32(q), f32(v), 0.5)
+  with pytest.raises(ValueError, match="share one dtype"):
+    mosaic.diff_v1_mosaic(q, q, q, f32(q), v, 0.5)
+  with pytest.raises(ValueError, match="Pass both q_segment_ids"):
+    mosaic.diff_v2_mosaic(jnp.zeros((1, 64, 4, 64), jnp.bfloat16), q, q,
+                          jnp.zeros((1, 64, 2)), q_segment_ids=jnp.zeros((1, 64), int))
+  with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
+    mosaic.diff_v1_mosaic(q, q, q, q, v, 0.5, block_sizes={"block_q": 64})
+
+
+_GRAD_CHILD = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from diffjax.core import reference as ref
+    from diffjax.kernels.gpu import mosaic
+    sys.path.insert(0, {tests!r})
+    from kernel_checks import TOL, rel_err, value_and_vjp
+    variant, b, t, h, kh, d, causal, segments, *more = {case!r}
+    s = more[0] if more else t
+    dtype = jnp.dtype(more[1] if len(more) > 1 else "bfloat16")
+    dv = 2 * d if variant == "v1" else d
+    keys = jax.random.split(jax.random.key(1), 8)
+    n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
+    f32 = lambda x: x.astype(jnp.float32)
+    ids = kv_ids = None
+    if segments:  # a one-token document, then two longer ones (t == s)
+      ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
+      ids = kv_ids = ids.at[:, 0].set(7)
+    kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=kv_ids)
+    if variant == "v1":
+      args = [n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, s, kh, d)),
+              n(3, (b, s, kh, d)), n(4, (b, s, kh, dv)),
+              jnp.linspace(0.2, 0.8, h).astype(jnp.float32)]
+      kern = lambda *a: mosaic.diff_v1_mosaic(*a, interpret=True, **kw)
+      want = lambda *a: ref.diff_v1_reference(*map(f32, a), causal=causal, segment_ids=ids)
+      names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
+    else:
+      args = [n(0, (b, t, 2 * h, d)), n(2, (b, s, kh, d)), n(4, (b, s, kh, dv)),
+              jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))]
+      kern = lambda *a: mosaic.diff_v2_mosaic(*a, interpret=True, **kw)
+      want = lambda *a: ref.diff_v2_reference(*map(f32, a), causal=causal, segment_ids=ids)
+      names = ["out", "dq", "dk", "dv", "dlam"]
+    ct = n(6, (b, t, h, dv))
+    out, grads = value_and_vjp(kern, args, ct)
+    out_r, grads_r = value_and_vjp(want, args, f32(ct))
+    assert out.dtype == dtype and all(g.dtype == a.dtype for g, a in zip(grads, args))
+    errs = dict(zip(names, [rel_err(x, y) for x, y in zip((out, *grads), (out_r, *grads_r))]))
+    print("rel_err", " ".join(f"{{k}} {{e:.1e}}" for k, e in errs.items()))
+    bad = {{k: e for k, e in errs.items() if not e <= TOL[jnp.bfloat16]}}
+    assert not bad, bad
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # variant, batch, query length, DIFF heads (V1) or pairs (V2), kv heads, head dim,
+    # causal, segment ids, then optionally the kv length and the dtype
+    ("v1", 1, 200, 2, 2, 64, True, False),
+    ("v1", 1, 384, 3, 1, 64, True, False),     # n_rep 3, causal block skipping
+    ("v1", 1, 200, 2, 1, 128, True, True),     # Dv 256: one slot, dQ in two chunks
+    ("v1", 1, 200, 2, 2, 80, False, True),     # d 80 unpadded (32-byte swizzle)
+    ("v2", 1, 384, 2, 1, 128, True, True),
+    ("v2", 1, 200, 3, 1, 80, True, False),     # Dv 80: halves of 48 and 32
+    ("v2", 2, 200, 2, 1, 64, False, False),
+    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),   # queries after a prefix
+    ("v2", 1, 100, 2, 2, 64, True, False, 300),
+])
+def test_gradients_match_reference_in_interpreter(case):
+  tests = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  try:
+    proc = subprocess.run([sys.executable, "-c", _GRAD_CHILD.format(case=case, tests=tests)],
+                          capture_output=True, text=True, timeout=600, env=env)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 600 s")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   print(case, proc.stdout.strip().splitlines()[-1])

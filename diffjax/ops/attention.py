@@ -33,6 +33,7 @@ from diffjax.ops.dispatch import (
     IMPLEMENTATIONS,
     call_decode_kernel,
     call_kernel,
+    mosaic_gpu_takes,
     register_implementation,
     resolve,
     target_platform,
@@ -142,7 +143,11 @@ def diff_v1_attention_core(
   if out is not None:
     return out
   impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret,
-                 float64=_is_float64(q1_BxTxHxD))
+                 float64=_is_float64(q1_BxTxHxD),
+                 mosaic=mosaic_gpu_takes(
+                     "diff_v1", (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+                     segments=segment_ids is not None, block_sizes=block_sizes,
+                     interpret=interpret))
   if impl == "xla":
     return ref.diff_v1_reference(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
                                  v_BxSxKxDv, lam, causal=causal, segment_ids=segment_ids,
@@ -200,7 +205,10 @@ def diff_v2_attention(
   if out is not None:
     return out
   impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret,
-                 float64=_is_float64(q_BxTxQxD))
+                 float64=_is_float64(q_BxTxQxD),
+                 mosaic=mosaic_gpu_takes("diff_v2", (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD),
+                                         segments=segment_ids is not None,
+                                         block_sizes=block_sizes, interpret=interpret))
   if impl == "xla":
     return ref.diff_v2_reference(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=causal,
                                  segment_ids=segment_ids, mask=mask, scale=scale)

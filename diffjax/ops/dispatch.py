@@ -62,17 +62,18 @@ try:
 except ImportError as e:  # pragma: no cover
   gpu_decode = _Unavailable("diffjax.kernels.gpu.decode", e)
 try:
-  # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
-  # stock GPU paths stay and the fused GPU kernels are left out.
-  from diffjax.kernels.gpu import diff_v1 as gpu_diff_v1
-  from diffjax.kernels.gpu import diff_v2 as gpu_diff_v2
+  # Mosaic GPU (Hopper, bf16/fp16) or Triton per call; either dialect may be missing
+  # from a jax (Triton is deprecated from 0.11), and the stock GPU paths stay regardless.
+  from diffjax.kernels.gpu import fused as gpu_fused
 except ImportError as e:  # pragma: no cover
-  gpu_diff_v1 = gpu_diff_v2 = _Unavailable("diffjax.kernels.gpu (fused)", e)
+  gpu_fused = _Unavailable("diffjax.kernels.gpu (fused)", e)
 
 # Every kernel that ships with diffjax. "auto" on a TPU or GPU takes the row for
-# f"pallas_{platform}" when there is one (on a GPU only while jax still supports the
-# Triton backend: before 0.11), else the "stock" row (the baseline everywhere, the DIFF
-# ops on a GPU); on a CPU it takes the "xla_cpu" row (plain XLA laid out for CPU caches).
+# f"pallas_{platform}" when there is one (on a GPU: when the inputs take the Mosaic GPU
+# kernels, or with a jax before 0.11, which still supports the Triton backend), else the
+# "stock" row (the baseline everywhere, the DIFF ops on a GPU); on a CPU it takes the
+# "xla_cpu" row (plain XLA laid out for CPU caches). The GPU row picks Mosaic GPU or
+# Triton per call (diffjax.kernels.gpu.fused.backend).
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     # op        implementation  platform  function
     ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_cpu),
@@ -84,9 +85,9 @@ BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_attention_tpu),
     ("diff_v2", "stock",        "tpu",    tpu_kernels.diff_v2_stock_tpu),
     ("mha",     "stock",        "gpu",    gpu_stock.mha_stock),
-    ("diff_v1", "pallas_gpu",   "gpu",    gpu_diff_v1.diff_v1_fused),
+    ("diff_v1", "pallas_gpu",   "gpu",    gpu_fused.diff_v1_gpu),
     ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
-    ("diff_v2", "pallas_gpu",   "gpu",    gpu_diff_v2.diff_v2_fused),
+    ("diff_v2", "pallas_gpu",   "gpu",    gpu_fused.diff_v2_gpu),
     ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
     ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_tpu),
     ("diff_v1_decode", "pallas_gpu", "gpu", gpu_decode.diff_v1_decode),
@@ -175,13 +176,27 @@ def current_platform() -> str:
   return getattr(_TARGET, "value", None) or jax.default_backend()
 
 
+def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
+                     interpret: bool = False) -> bool:
+  """Whether ``pallas_gpu`` would run the Mosaic GPU kernels for these arrays of ``op``."""
+  if op not in ("diff_v1", "diff_v2") or getattr(gpu_fused, "backend", None) is None:
+    return False
+  q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
+  dtype = gpu_fused.common_dtype(*arrays[:5 if op == "diff_v1" else 3])
+  return gpu_fused.backend(op[-2:], dtype, q.shape[-1], v.shape[-1], segments=segments,
+                           block_sizes=block_sizes, interpret=interpret) == "mosaic"
+
+
 def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
-            float64: bool = False) -> str:
+            float64: bool = False, mosaic: bool = False) -> str:
   """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
   "stock".
 
   ``float64``: the inputs are float64, which only the XLA path computes in float64
   (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
+  ``mosaic``: ``pallas_gpu`` would run its Mosaic GPU kernels on these inputs
+  (:func:`mosaic_gpu_takes`); on a GPU with a jax that deprecates Triton, "auto" then
+  takes ``pallas_gpu``, and otherwise the stock path.
   Raises ValueError, naming what can run instead, when the choice cannot run here.
   """
   if implementation not in IMPLEMENTATIONS:
@@ -197,11 +212,12 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
     if platform not in ("tpu", "gpu"):
       return "xla"
     if (lookup(op, f"pallas_{platform}", platform, False) is not None
-        and not (platform == "gpu" and triton_deprecated())):
+        and not (platform == "gpu" and triton_deprecated() and not mosaic)):
       return f"pallas_{platform}"
     # The baseline has no kernel of ours: its stock path is the standard flash kernel.
-    # On a GPU whose jax deprecates our (Triton) kernels, the DIFF ops take their stock
-    # paths too (cuDNN flash attention calls), and decoding takes XLA.
+    # On a GPU whose jax deprecates Triton, inputs the Mosaic GPU kernels do not take
+    # (float32, widths they do not tile, a GPU other than a Hopper) run the DIFF ops'
+    # stock paths (cuDNN flash attention calls), and decoding runs XLA.
     if ((op == "mha" or platform == "gpu")
         and lookup(op, "stock", platform, False) is not None):
       return "stock"

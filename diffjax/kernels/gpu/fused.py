@@ -1,0 +1,124 @@
+"""The fused DIFF V1 / V2 kernels behind ``implementation="pallas_gpu"``.
+
+Two backends implement them: Mosaic GPU (:mod:`diffjax.kernels.gpu.mosaic`: TMA,
+warp-specialised ``wgmma`` kernels for Hopper, bf16/fp16, one fused backward) and
+Triton (:mod:`diffjax.kernels.gpu.diff_v1`, :mod:`diffjax.kernels.gpu.diff_v2`: any
+CUDA GPU and float32, deprecated by jax from 0.11). :func:`backend` picks one per call:
+
+1. ``block_sizes`` names a backend by its type: a
+   :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` runs Mosaic GPU, a
+   :class:`~diffjax.kernels.gpu.BlockSizes` runs Triton (a dict is read as the chosen
+   backend's fields);
+2. ``interpret=True`` runs Triton: jax's Mosaic GPU interpreter needs a CPU thread per
+   warpgroup and takes minutes a case (pass a ``MosaicBlockSizes`` to run it anyway);
+3. Mosaic GPU runs when jax has it, the inputs are bfloat16 or float16, the widths
+   suit it (multiples of 16, a value dim of at least 32, tiles within shared memory) and
+   the GPU is a Hopper (compute capability 9.0; with no GPU attached, as when lowering
+   ahead of time, Hopper is assumed);
+4. otherwise Triton.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+try:
+  from diffjax.kernels.gpu import mosaic as _mosaic
+  from diffjax.kernels.gpu import mosaic_pair as _mp
+  from diffjax.kernels.gpu import mosaic_pair_bwd as _mb
+except ImportError:  # pragma: no cover - a jax without Mosaic GPU
+  _mosaic = _mp = _mb = None
+try:
+  from diffjax.kernels.gpu import block_sizes as _bs
+  from diffjax.kernels.gpu import diff_v1 as _triton_v1
+  from diffjax.kernels.gpu import diff_v2 as _triton_v2
+except ImportError:  # pragma: no cover - a jax without the Triton dialect
+  _bs = _triton_v1 = _triton_v2 = None
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def hopper_target() -> bool:
+  """Whether the GPU code is for a Hopper: every attached GPU is sm_90, or none is attached."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return True
+  return all(str(getattr(dev, "compute_capability", "")) == "9.0" for dev in devices)
+
+
+def mosaic_fits(variant: str, dtype, d: int, dv: int, segments: bool) -> bool:
+  """Whether the Mosaic GPU kernels take these inputs (dtype, widths, shared memory)."""
+  if _mosaic is None or dtype is None or jnp.dtype(dtype) not in _LOW_PRECISION:
+    return False
+  if d % 16 or dv % 16 or dv < 32:
+    return False
+  itemsize = jnp.dtype(dtype).itemsize
+  try:
+    _mp.forward_blocks(d, dv, variant, segments, itemsize)
+    _mb.backward_blocks(d, dv, variant, segments, itemsize)
+  except ValueError:
+    return False
+  return True
+
+
+def backend(variant: str, dtype, d: int, dv: int, *, segments: bool, block_sizes=None,
+            interpret: bool = False) -> str:
+  """"mosaic" or "triton": the backend ``pallas_gpu`` runs (rules in the module docstring)."""
+  if _mp is not None and isinstance(block_sizes, _mp.MosaicBlockSizes):
+    return "mosaic"
+  if _bs is not None and isinstance(block_sizes, _bs.BlockSizes):
+    return "triton"
+  if _triton_v1 is None:
+    return "mosaic"
+  if interpret:
+    return "triton"
+  if mosaic_fits(variant, dtype, d, dv, segments) and hopper_target():
+    return "mosaic"
+  return "triton"
+
+
+def common_dtype(*arrays):
+  """The arrays' dtype when they share one, else None (which rules Mosaic GPU out)."""
+  dtypes = {jnp.dtype(x.dtype) for x in arrays}
+  return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _require(name: str, module) -> None:
+  if module is None:
+    raise ValueError(f"The {name} GPU kernels are not available with jax "
+                     f"{jax.__version__}; pass block_sizes=None to let the other backend run.")
+
+
+def diff_v1_gpu(q1, q2, k1, k2, v, lam_H, *, q_segment_ids=None, kv_segment_ids=None,
+                **kwargs):
+  """Fused DIFF V1 on a GPU: Mosaic GPU or Triton by :func:`backend`; arguments as in
+  :func:`diffjax.kernels.gpu.diff_v1_fused`."""
+  which = backend("v1", common_dtype(q1, q2, k1, k2, v), q1.shape[-1], v.shape[-1],
+                  segments=q_segment_ids is not None,
+                  block_sizes=kwargs.get("block_sizes"),
+                  interpret=kwargs.get("interpret", False))
+  if which == "mosaic":
+    _require("Mosaic", _mosaic)
+    return _mosaic.diff_v1_mosaic(q1, q2, k1, k2, v, lam_H, q_segment_ids=q_segment_ids,
+                                  kv_segment_ids=kv_segment_ids, **kwargs)
+  _require("Triton", _triton_v1)
+  return _triton_v1.diff_v1_fused(q1, q2, k1, k2, v, lam_H, q_segment_ids=q_segment_ids,
+                                  kv_segment_ids=kv_segment_ids, **kwargs)
+
+
+def diff_v2_gpu(q, k, v, lam_BxTxH, *, q_segment_ids=None, kv_segment_ids=None, **kwargs):
+  """Fused DIFF V2 on a GPU: Mosaic GPU or Triton by :func:`backend`; arguments as in
+  :func:`diffjax.kernels.gpu.diff_v2_fused`."""
+  which = backend("v2", common_dtype(q, k, v), q.shape[-1], v.shape[-1],
+                  segments=q_segment_ids is not None,
+                  block_sizes=kwargs.get("block_sizes"),
+                  interpret=kwargs.get("interpret", False))
+  if which == "mosaic":
+    _require("Mosaic", _mosaic)
+    return _mosaic.diff_v2_mosaic(q, k, v, lam_BxTxH, q_segment_ids=q_segment_ids,
+                                  kv_segment_ids=kv_segment_ids, **kwargs)
+  _require("Triton", _triton_v2)
+  return _triton_v2.diff_v2_fused(q, k, v, lam_BxTxH, q_segment_ids=q_segment_ids,
+                                  kv_segment_ids=kv_segment_ids, **kwargs)
