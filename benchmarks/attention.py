@@ -8,14 +8,13 @@ chosen so every call sees the same number of tokens (``--tokens``, 16K by defaul
   baseline flash   jax.nn.dot_product_attention, 24 heads (cuDNN on a GPU when it
                    accepts the call, XLA otherwise)
   V1 stock         4 stock calls (each map against each D-wide half of V)
-  V1 fused         diffjax.kernels.gpu.diff_v1_fused
+  V1 fused Triton  diffjax.kernels.gpu.diff_v1_fused (Pallas Triton)
   V2 stock         1 stock call over 48 heads, then the pair combination
-  V2 fused         diffjax.kernels.gpu.diff_v2_fused
-  V1/V2 fwd Mosaic the Mosaic GPU forward kernels (diffjax.kernels.gpu.mosaic_pair;
-                   forward only, so no forward+backward columns); on a GPU for bf16
-                   and fp16, in the interpreter only with 3 or more host devices
-                   (XLA_FLAGS=--xla_force_host_platform_device_count=8); their
-                   memory column is the forward program's
+  V2 fused Triton  diffjax.kernels.gpu.diff_v2_fused (Pallas Triton)
+  V1/V2 Mosaic     diffjax.kernels.gpu.mosaic.diff_v1_mosaic / diff_v2_mosaic (Mosaic
+                   GPU, Hopper: fused forward and one fused backward); on a GPU for
+                   bf16 and fp16, in the interpreter only with 3 or more host devices
+                   (XLA_FLAGS=--xla_force_host_platform_device_count=8)
 
 Columns: forward and forward+backward milliseconds (medians after warm-up, with
 ``block_until_ready``), achieved TFLOP/s, time relative to the baseline, and memory.
@@ -25,9 +24,9 @@ query-key pair (causal: T (T + 1) / 2 pairs per sequence), per unit of two basel
 heads of width d: baseline 8d forward / 28d forward+backward; V1 stock (4 calls)
 16d / 56d; V1 fused 12d / 32d. V2 per pair of query heads: stock 8d / 28d (two heads
 of a standard kernel), fused 8d / 24d (one shared dP and one dV matmul in the
-backward). The fused kernels here recompute the scores and dP in a separate dQ pass,
-so they execute 12d / 40d (V1) and 8d / 30d (V2); their hardware throughput is that
-much higher than the TFLOP/s shown.
+backward). The Mosaic GPU kernels execute exactly these counts; the Triton kernels
+recompute the scores and dP in a separate dQ pass, so they execute 12d / 40d (V1) and
+8d / 30d (V2), and their hardware throughput is that much higher than shown.
 
 Memory: ``compiled.memory_analysis()`` of the forward+backward program (arguments +
 outputs + temporaries, XLA's static plan); on a GPU also the device's
@@ -58,6 +57,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffjax.kernels import gpu as kg  # noqa: E402
+from diffjax.kernels.gpu import mosaic  # noqa: E402
 from diffjax.kernels.gpu import mosaic_pair  # noqa: E402
 from diffjax.kernels.gpu import stock  # noqa: E402
 
@@ -70,7 +70,6 @@ class Row:
   fwd_coef: float   # FLOPs per visible query-key pair per unit, in units of d
   total_coef: float
   units: int        # units counted by the coefficients (head pairs or DIFF heads)
-  fwd_only: bool = False  # no backward: the forward+backward columns stay empty
 
 
 def _inputs(batch, seq, heads, d, dtype, seed=0):
@@ -88,18 +87,6 @@ def _inputs(batch, seq, heads, d, dtype, seed=0):
   }
 
 
-def _mosaic_v1(q1, q2, k1, k2, v, lam, *, interpret):
-  b, t, h, _ = q1.shape
-  lam_bht = jnp.broadcast_to(lam.astype(jnp.float32)[None, :, None], (b, h, t))
-  return mosaic_pair.forward_padded("v1", (q1, q2), (k1, k2), v, lam_bht, causal=True,
-                                    interpret=interpret)[0]
-
-
-def _mosaic_v2(q, k, v, lam_bth, *, interpret):
-  return mosaic_pair.forward_padded("v2", (q,), (k,), v, jnp.transpose(lam_bth, (0, 2, 1)),
-                                    causal=True, interpret=interpret)[0]
-
-
 def _mosaic_runs_here(dtype, interpret: bool) -> bool:
   """Mosaic GPU rows: bf16/fp16 on a GPU, or interpreted with a thread per warpgroup."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -112,26 +99,26 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
   impl = stock.pick_implementation(*mha, is_causal=True)
   tag = " (interp)" if interpret else ""
   fused = dict(causal=True, interpret=interpret)
-  mosaic = []
+  mosaic_rows = []
   if _mosaic_runs_here(mha[0].dtype, interpret):
-    mosaic = [
-        Row("V1 fwd Mosaic GPU" + tag, lambda *a: _mosaic_v1(*a, interpret=interpret),
-            inputs["v1"], 12, 32, heads, fwd_only=True),
-        Row("V2 fwd Mosaic GPU" + tag, lambda *a: _mosaic_v2(*a, interpret=interpret),
-            inputs["v2"], 8, 24, 2 * heads, fwd_only=True),
+    mosaic_rows = [
+        Row("V1 fused Mosaic GPU" + tag, lambda *a: mosaic.diff_v1_mosaic(*a, **fused),
+            inputs["v1"], 12, 32, heads),
+        Row("V2 fused Mosaic GPU" + tag, lambda *a: mosaic.diff_v2_mosaic(*a, **fused),
+            inputs["v2"], 8, 24, 2 * heads),
     ]
   return [
       Row(f"baseline flash ({impl})", lambda *a: kg.mha_stock(*a, causal=True), mha,
           8, 28, heads),
       Row("V1 stock (4 calls)", lambda *a: kg.diff_v1_stock(*a, causal=True), inputs["v1"],
           16, 56, heads),
-      Row("V1 fused" + tag, lambda *a: kg.diff_v1_fused(*a, **fused), inputs["v1"],
+      Row("V1 fused Triton" + tag, lambda *a: kg.diff_v1_fused(*a, **fused), inputs["v1"],
           12, 32, heads),
       Row("V2 stock (1 call)", lambda *a: kg.diff_v2_stock(*a, causal=True), inputs["v2"],
           8, 28, 2 * heads),
-      Row("V2 fused" + tag, lambda *a: kg.diff_v2_fused(*a, **fused), inputs["v2"],
+      Row("V2 fused Triton" + tag, lambda *a: kg.diff_v2_fused(*a, **fused), inputs["v2"],
           8, 24, 2 * heads),
-  ] + mosaic
+  ] + mosaic_rows
 
 
 def _median_ms(fn, args, warmup: int, iters: int) -> float:
@@ -223,11 +210,10 @@ def main(argv=None) -> None:
     for i, row in enumerate(_rows(inputs, heads, interpret)):
       try:
         fwd = jax.jit(row.fn)
-        compiled = (fwd if row.fwd_only else jax.jit(_fwd_bwd(row.fn))).lower(
-            *row.args).compile()
+        compiled = jax.jit(_fwd_bwd(row.fn)).lower(*row.args).compile()
         mem = _memory_mib(compiled)
         t_f = _median_ms(fwd, row.args, warmup, iters)
-        t_b = None if row.fwd_only else _median_ms(compiled, row.args, warmup, iters)
+        t_b = _median_ms(compiled, row.args, warmup, iters)
       except Exception as e:  # pylint: disable=broad-except  (report and go on)
         print(f"{row.name:<28}error: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
         continue
@@ -235,12 +221,9 @@ def main(argv=None) -> None:
       flops_b = row.total_coef * d * pairs * row.units
       if i == 0:  # the baseline
         base = (t_f, t_b)
-      dash = f"{'-':>10}"
-      ratio_b = f"{t_b / base[1]:>8.2f}" if base and t_b is not None else f"{'-':>8}"
-      ratio = f"{t_f / base[0]:>8.2f}{ratio_b}" if base else f"{'n/a':>8}" * 2
-      line = (f"{row.name:<28}{t_f:>10.2f}{dash if t_b is None else f'{t_b:>10.2f}'}"
-              f"{flops_f / t_f / 1e9:>10.3g}"
-              f"{dash if t_b is None else f'{flops_b / t_b / 1e9:>10.3g}'}{ratio}"
+      ratio = f"{t_f / base[0]:>8.2f}{t_b / base[1]:>8.2f}" if base else f"{'n/a':>8}" * 2
+      line = (f"{row.name:<28}{t_f:>10.2f}{t_b:>10.2f}"
+              f"{flops_f / t_f / 1e9:>10.3g}{flops_b / t_b / 1e9:>10.3g}{ratio}"
               f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}")
       if on_gpu:
         peak = _device_peak_mib()

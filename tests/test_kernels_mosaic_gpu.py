@@ -139,8 +139,17 @@ def test_forward_padded_rejects_what_the_kernels_do_not_take():
 
 
 def test_block_sizes_validate_against_the_budgets():
-  assert mp.MosaicBlockSizes.default(128, 256, "v1") == mp.MosaicBlockSizes(64, 2)
-  assert mp.MosaicBlockSizes.default(64, 64, "v2") == mp.MosaicBlockSizes(64, 3)
+  assert mp.MosaicBlockSizes.default(128, 256, "v1") == mp.MosaicBlockSizes(64, 2, 1, 2)
+  assert mp.MosaicBlockSizes.default(64, 64, "v2") == mp.MosaicBlockSizes(64, 3, 2, 1)
+  # Backward fields left None are filled from the budget, around the ones given.
+  assert mp.MosaicBlockSizes(64, 2).resolved(128, 256, "v1") == mp.MosaicBlockSizes(64, 2, 1, 2)
+  assert mp.MosaicBlockSizes(dq_parts=2).resolved(64, 128, "v1").bwd_stages == 2
+  with pytest.raises(ValueError, match="the backward needs about .* bytes"):
+    mp.MosaicBlockSizes(64, 2, bwd_stages=2).resolved(128, 256, "v1")
+  with pytest.raises(ValueError, match="dq_parts=3 must be 1, 2 or 4"):
+    mp.MosaicBlockSizes(dq_parts=3)
+  with pytest.raises(ValueError, match="dq_parts=4 must split d=80"):
+    mp.MosaicBlockSizes(64, 2, 1, 4).check(80, 160, "v1")
   for bad, match in [(dict(block_kv=96), "block_kv=96 must be 64, 128"),
                      (dict(block_kv=320), "block_kv=320"),
                      (dict(stages=0), r"stages=0 must be in \[1, 4\]"),
@@ -307,19 +316,19 @@ def test_backward_tiles_fit_shared_memory_and_registers():
   shapes = [(64, 128, "v1"), (128, 256, "v1"), (128, 128, "v2"), (80, 160, "v1"),
             (96, 192, "v1"), (80, 80, "v2"), (64, 64, "v2")]
   for d, dv, variant in shapes:
-    stages, parts = mb.backward_blocks(d, dv, variant)
-    used = mb.backward_smem_bytes(d, dv, stages, parts, variant)
+    stages, parts = mp.backward_blocks(d, dv, variant)
+    used = mp.backward_smem_bytes(d, dv, stages, parts, variant)
     assert used + mp.SMEM_MARGIN <= mp.SMEM_BYTES, (d, dv, variant, stages, parts)
-    assert mb.backward_registers(d, dv) <= mp.CONSUMER_REGISTERS, (d, dv)
+    assert mp.backward_registers(d, dv) <= mp.CONSUMER_REGISTERS, (d, dv)
   # The 3B layer: V1 (Dv 256) gets one ring slot and dQ in two chunks; V2 two slots.
-  assert mb.backward_blocks(128, 256, "v1") == (1, 2)
-  assert mb.backward_blocks(128, 128, "v2") == (2, 2)
-  assert mb.backward_blocks(64, 128, "v1") == (2, 1)
-  assert mb.value_split(256) == (128, 128) and mb.value_split(80) == (48, 32)
+  assert mp.backward_blocks(128, 256, "v1") == (1, 2)
+  assert mp.backward_blocks(128, 128, "v2") == (2, 2)
+  assert mp.backward_blocks(64, 128, "v1") == (2, 1)
+  assert mp.value_split(256) == (128, 128) and mp.value_split(80) == (48, 32)
   with pytest.raises(ValueError, match="at least 32"):
-    mb.value_split(16)
+    mp.value_split(16)
   with pytest.raises(ValueError, match="No backward tiling fits shared memory"):
-    mb.backward_blocks(256, 512, "v1")
+    mp.backward_blocks(256, 512, "v1")
 
 
 @pytest.mark.parametrize("variant,d,h,kh,t,segments", [
@@ -364,7 +373,7 @@ def test_backward_over_shared_memory_is_refused_by_the_lowering():
   rows = S((1, 1, 5, t), jnp.float32)
   fn = jax.jit(lambda q1, q2, k1, k2, v, do, rows: mb.backward(
       cfg, (q1, q2), (k1, k2), v, do, rows, None, None, stages=2, dq_parts=1))
-  assert mb.backward_smem_bytes(128, 256, 2, 1, "v1", False) > mp.SMEM_BYTES
+  assert mp.backward_smem_bytes(128, 256, 2, 1, "v1", False) > mp.SMEM_BYTES
   with abstract_hopper(), pytest.raises(Exception, match="exceeds available shared memory"):
     fn.trace(q, q, q, q, v, v, rows).lower(lowering_platforms=("cuda",))
 

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 try:
   from diffjax.kernels.gpu import mosaic as _mosaic
   from diffjax.kernels.gpu import mosaic_pair as _mp
-  from diffjax.kernels.gpu import mosaic_pair_bwd as _mb
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
-  _mosaic = _mp = _mb = None
+  _mosaic = _mp = None
 try:
   from diffjax.kernels.gpu import block_sizes as _bs
   from diffjax.kernels.gpu import diff_v1 as _triton_v1
@@ -57,7 +56,7 @@ def mosaic_fits(variant: str, dtype, d: int, dv: int, segments: bool) -> bool:
   itemsize = jnp.dtype(dtype).itemsize
   try:
     _mp.forward_blocks(d, dv, variant, segments, itemsize)
-    _mb.backward_blocks(d, dv, variant, segments, itemsize)
+    _mp.backward_blocks(d, dv, variant, segments, itemsize)
   except ValueError:
     return False
   return True

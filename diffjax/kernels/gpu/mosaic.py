@@ -35,11 +35,8 @@ def _pair_bwd(cfg, res, do):
   qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse_a, lse_b = res
   d_a, d_b = pc.row_terms(do, o, o2, lam_BxHxT)
   rows = jnp.stack([lse_a, lse_b, d_a, d_b, lam_BxHxT], axis=2)
-  d, dv = qs[0].shape[3], v.shape[3]
-  stages, dq_parts = mb.backward_blocks(d, dv, cfg.variant, cfg.segments,
-                                        jnp.dtype(qs[0].dtype).itemsize)
   dqs, dks, dvv = mb.backward(cfg, qs, ks, v, do.astype(v.dtype), rows, q_seg, kv_seg,
-                              stages=stages, dq_parts=dq_parts)
+                              stages=cfg.bwd_stages, dq_parts=cfg.dq_parts)
   dqs = tuple(dq.astype(q.dtype) for dq, q in zip(dqs, qs))
   if cfg.variant == "v2":
     dks = ((dks[0] + dks[1]).astype(ks[0].dtype),)
@@ -58,7 +55,8 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
   cfg = mp.MosaicConfig(variant=variant, causal=causal, scale=scale, q_len=t, kv_len=s,
                         group=lam_BxHxT.shape[1] // ks[0].shape[2],
                         segments=q_seg is not None, block_kv=blocks.block_kv,
-                        stages=blocks.stages, interpret=interpret)
+                        stages=blocks.stages, interpret=interpret,
+                        bwd_stages=blocks.bwd_stages, dq_parts=blocks.dq_parts)
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
   out = _pair(tuple(pc.pad_axis(q, 1, tp) for q in qs),
               tuple(pc.pad_axis(k, 1, sp) for k in ks), pc.pad_axis(v, 1, sp),
@@ -74,9 +72,7 @@ def _blocks(variant, qs, ks, v, q_seg, block_sizes):
   blocks = _v.resolve_fields(
       block_sizes, mp.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
       mp.MosaicBlockSizes)
-  blocks.check(d, dv, variant, segments, itemsize)
-  mb.backward_blocks(d, dv, variant, segments, itemsize)  # raises if nothing fits
-  return blocks
+  return blocks.resolved(d, dv, variant, segments, itemsize)
 
 
 def diff_v1_mosaic(
@@ -90,10 +86,9 @@ def diff_v1_mosaic(
 
   Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_fused`, except:
   inputs are bfloat16 or float16, and ``block_sizes`` is a
-  :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` (or a dict of its fields)
-  for the forward; the backward's tiles follow from shared memory
-  (:func:`~diffjax.kernels.gpu.mosaic_pair_bwd.backward_blocks`). ``interpret=True``
-  runs jax's Mosaic GPU interpreter (CPU; see
+  :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` or a dict of its fields
+  (forward and backward tiles; by default the deepest that fit shared memory).
+  ``interpret=True`` runs jax's Mosaic GPU interpreter (CPU; see
   :mod:`diffjax.kernels.gpu.mosaic_interpret` for the host devices it needs).
   """
   lam_H = jnp.asarray(lam_H)

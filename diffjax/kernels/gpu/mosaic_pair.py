@@ -27,11 +27,10 @@ row), three warpgroups:
 Key blocks above the causal diagonal are never loaded or visited. Blocks that need no
 mask (fully visible, no segment ids, no padded keys) skip the mask arithmetic.
 
-Status. Only the forward kernel exists: there is no Mosaic GPU backward yet, and these
-kernels are not in the ops' dispatch table (the ``pallas_gpu`` implementation still
-runs the Triton kernels of :mod:`diffjax.kernels.gpu.flash_pair`). The residuals
-(O2 and both log-sum-exps) are the ones a fused backward at the brief's 32d
-arithmetic needs.
+The residuals (O2 and both log-sum-exps) are what the fused backward
+(:mod:`diffjax.kernels.gpu.mosaic_pair_bwd`) reads; :mod:`diffjax.kernels.gpu.mosaic`
+wraps both in a ``jax.custom_vjp``, and ``implementation="pallas_gpu"`` runs them on a
+Hopper for bf16/fp16 inputs (:mod:`diffjax.kernels.gpu.fused`).
 
 Shapes. Head dims are used as they are (64, 80, 96, 128, ...: any multiple of 16);
 the shared-memory swizzle is the widest of 128/64/32 bytes that divides a row. The
@@ -84,6 +83,7 @@ class MosaicConfig(PairGeometry):
     block_kv: keys per step of the forward kernel.
     stages: shared-memory slots of the forward kernel's K/V ring.
     interpret: run in the Mosaic GPU interpreter.
+    bwd_stages, dq_parts: the backward's tiles (:class:`MosaicBlockSizes`).
   """
   variant: str
   causal: bool
@@ -95,6 +95,8 @@ class MosaicConfig(PairGeometry):
   block_kv: int
   stages: int
   interpret: bool
+  bwd_stages: int = 1
+  dq_parts: int = 2
 
   def kernel_kwargs(self) -> dict:
     if self.interpret:
@@ -446,25 +448,108 @@ def consumer_registers(dv: int, block_kv: int) -> int:
   return dv // 2 + block_kv // 2 + block_kv // 4 + _REGISTER_OVERHEAD
 
 
+# ----------------------------------------------------------------------------------
+# Backward tiles (the kernel is in mosaic_pair_bwd).
+
+BLOCK_KV_BWD = 64  # keys per CTA of the backward: the M of its key-major wgmmas
+ROWS = 5  # per-row terms the backward reads: lse_a, lse_b, d_a, d_b, lam
+
+
+def value_split(dv: int) -> tuple[int, int]:
+  """Column widths of dV (and of V, dO) held by warpgroups 0 and 1.
+
+  Both are multiples of 16 (wgmma's K step for the dP half-products): Dv 256 -> (128,
+  128); V2 at d 80 (Dv 80) -> (48, 32).
+  """
+  if dv % 16:
+    raise ValueError(f"value dim {dv} must be a multiple of 16.")
+  first = pc.round_up(dv // 2, 16)
+  if first >= dv:
+    raise ValueError(f"value dim {dv} is too small to split between two warpgroups "
+                     "(it needs at least 32).")
+  return first, dv - first
+
+
+def backward_smem_bytes(d: int, dv: int, stages: int, dq_parts: int, variant: str,
+                        segments: bool = True, itemsize: int = 2) -> int:
+  """Shared memory the backward kernel allocates, in bytes (before alignment)."""
+  bq, bk = BLOCK_Q, BLOCK_KV_BWD
+  keys = 2 if variant == "v1" else 1
+  resident = bk * (keys * d + dv) * itemsize  # K_a (K_b) and V, loaded once
+  ring = stages * bq * (2 * d + dv) * itemsize  # Q_a, Q_b, dO per step
+  rows = stages * ROWS * bq * 4
+  exchange = COMPUTE_WGS * bk * bq * (4 + itemsize)  # dP halves (f32) and P / dS
+  staging = COMPUTE_WGS * bq * (d // dq_parts) * 4  # dQ on its way to the reduce-add
+  seg = (stages * bq + bk) * 4 if segments else 0
+  return resident + ring + rows + exchange + staging + seg
+
+
+# (ring slots, dQ column chunks), preferred first. Two slots let the producer load the
+# next step's Q and dO while this one computes; dQ in two chunks halves its staging
+# buffer. V2 d 128 -> (2, 2); V1 d 128 / Dv 256 -> (1, 2); V1 d 64 -> (2, 1).
+_BWD_CANDIDATES = ((2, 1), (2, 2), (1, 1), (1, 2))
+
+
+def _backward_fits(d, dv, stages, parts, variant, segments, itemsize) -> bool:
+  if d % parts or (d // parts) % 16:
+    return False
+  used = backward_smem_bytes(d, dv, stages, parts, variant, segments, itemsize)
+  return used + SMEM_MARGIN <= SMEM_BYTES
+
+
+def backward_blocks(d: int, dv: int, variant: str, segments: bool = True,
+                    itemsize: int = 2) -> tuple[int, int]:
+  """(stages, dq_parts) of the backward kernel: the first candidate within shared memory."""
+  for stages, parts in _BWD_CANDIDATES:
+    if _backward_fits(d, dv, stages, parts, variant, segments, itemsize):
+      return stages, parts
+  raise ValueError(
+      f"No backward tiling fits shared memory for d={d}, dv={dv} ({variant}): the "
+      f"smallest needs {backward_smem_bytes(d, dv, 1, 2, variant, segments, itemsize)} "
+      f"bytes of {SMEM_BYTES - SMEM_MARGIN}.")
+
+
+def backward_registers(d: int, dv: int) -> int:
+  """Estimated registers per consumer thread of the backward kernel.
+
+  A [64, d] float32 dK (d / 2 a thread) and a [64, Dv / 2] dV half (Dv / 4) live all
+  loop; at the dQ product a [64, d] float32 result (d / 2) joins them, and the [64, 64]
+  tiles (S, dP: 32 each) are dead by then. V1 d 128: 64 + 64 + 64 + 32 overhead = 224
+  of 232.
+  """
+  half = value_split(dv)[0]
+  live = d // 2 + half // 2
+  return live + max(d // 2, 2 * 32) + 32
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicBlockSizes:
-  """Tiles of the Mosaic GPU forward kernel, validated against the H100/H200 budgets.
+  """Tiles of the Mosaic GPU kernels, validated against the H100/H200 budgets.
 
   Attributes:
-    block_kv: keys per step: a multiple of 64 (the P V wgmma reads V MN-major, whose
-      key extent must be a multiple of the 128-byte swizzle's 64 elements) and at most
-      256 (the N of the S = Q K^T wgmma).
-    stages: shared-memory slots of the K/V ring, 1 to 4.
+    block_kv: keys per step of the forward: a multiple of 64 (the P V wgmma reads V
+      MN-major, whose key extent must be a multiple of the 128-byte swizzle's 64
+      elements) and at most 256 (the N of the S = Q K^T wgmma).
+    stages: shared-memory slots of the forward's K/V ring, 1 to 4.
+    bwd_stages: slots of the backward's Q/dO ring, 1 to 4; None: the budget's choice.
+    dq_parts: column chunks in which the backward stages dQ for its reduce-adds, 1, 2
+      or 4; None: the budget's choice.
 
-  :meth:`default` takes the deepest ring of 64-key steps that fits shared memory
-  (:func:`forward_blocks`); :meth:`check` rejects a choice that exceeds shared memory
-  or the consumer's registers, naming both numbers.
+  :meth:`default` takes the deepest forward ring of 64-key steps that fits shared
+  memory (:func:`forward_blocks`) and the backward tiles of :func:`backward_blocks`;
+  :meth:`check` rejects a choice that exceeds shared memory or the consumer's
+  registers, naming both numbers; :meth:`resolved` fills the backward fields left None.
   """
   block_kv: int = 64
   stages: int = 3
+  bwd_stages: int | None = None
+  dq_parts: int | None = None
 
   def __post_init__(self):
-    for name, value in (("block_kv", self.block_kv), ("stages", self.stages)):
+    for name in ("block_kv", "stages", "bwd_stages", "dq_parts"):
+      value = getattr(self, name)
+      if name in ("bwd_stages", "dq_parts") and value is None:
+        continue
       if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}={value!r} must be an int.")
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -472,27 +557,64 @@ class MosaicBlockSizes:
                        "of 64 for the P V wgmma, at most 256 for the S = Q K^T wgmma).")
     if not 1 <= self.stages <= 4:
       raise ValueError(f"stages={self.stages} must be in [1, 4].")
+    if self.bwd_stages is not None and not 1 <= self.bwd_stages <= 4:
+      raise ValueError(f"bwd_stages={self.bwd_stages} must be in [1, 4] (or None).")
+    if self.dq_parts is not None and self.dq_parts not in (1, 2, 4):
+      raise ValueError(f"dq_parts={self.dq_parts} must be 1, 2 or 4 (or None).")
 
   @classmethod
   def default(cls, d: int, dv: int, variant: str, segments: bool = True,
               itemsize: int = 2) -> "MosaicBlockSizes":
-    return cls(*forward_blocks(d, dv, variant, segments, itemsize))
+    try:
+      backward = backward_blocks(d, dv, variant, segments, itemsize)
+    except ValueError:  # a forward-only caller may still run; resolved() names the bytes
+      backward = (None, None)
+    return cls(*forward_blocks(d, dv, variant, segments, itemsize), *backward)
+
+  def resolved(self, d: int, dv: int, variant: str, segments: bool = True,
+               itemsize: int = 2) -> "MosaicBlockSizes":
+    """These tiles with the backward fields filled in, after :meth:`check`."""
+    stages, parts = self.bwd_stages, self.dq_parts
+    if stages is None or parts is None:
+      for cand_stages, cand_parts in _BWD_CANDIDATES:
+        if stages not in (None, cand_stages) or parts not in (None, cand_parts):
+          continue
+        if _backward_fits(d, dv, cand_stages, cand_parts, variant, segments, itemsize):
+          stages, parts = cand_stages, cand_parts
+          break
+      else:
+        stages, parts = stages or 1, parts or 2  # the smallest; check() names the bytes
+    out = dataclasses.replace(self, bwd_stages=stages, dq_parts=parts)
+    out.check(d, dv, variant, segments, itemsize)
+    return out
 
   def check(self, d: int, dv: int, variant: str, segments: bool = True,
             itemsize: int = 2) -> None:
     """Raises ValueError if these tiles do not fit one CTA of an H100/H200."""
+    default = lambda: MosaicBlockSizes.default(d, dv, variant, segments, itemsize)
     smem = forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments,
                               itemsize) + SMEM_MARGIN
     if smem > SMEM_BYTES:
       raise ValueError(
           f"{self} needs about {smem} bytes of shared memory for d={d}, dv={dv} "
           f"({variant}); a CTA has {SMEM_BYTES}. Use fewer stages or a smaller block_kv "
-          f"(the default here is {MosaicBlockSizes.default(d, dv, variant, segments, itemsize)}).")
+          f"(the default here is {default()}).")
     regs = consumer_registers(dv, self.block_kv)
     if regs > CONSUMER_REGISTERS:
       raise ValueError(
           f"{self} needs about {regs} registers a consumer thread at dv={dv}; the kernel "
           f"gives each {CONSUMER_REGISTERS}. Use a smaller block_kv.")
+    if self.dq_parts is not None and (d % self.dq_parts or (d // self.dq_parts) % 16):
+      raise ValueError(f"dq_parts={self.dq_parts} must split d={d} into chunks that are "
+                       "multiples of 16.")
+    if self.bwd_stages is not None and self.dq_parts is not None:
+      smem = backward_smem_bytes(d, dv, self.bwd_stages, self.dq_parts, variant, segments,
+                                 itemsize) + SMEM_MARGIN
+      if smem > SMEM_BYTES:
+        raise ValueError(
+            f"{self}: the backward needs about {smem} bytes of shared memory for d={d}, "
+            f"dv={dv} ({variant}); a CTA has {SMEM_BYTES}. Use fewer bwd_stages or more "
+            f"dq_parts (the default here is {default()}).")
 
 
 def check_inputs(variant: str, qs, ks, v) -> None:

@@ -50,77 +50,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.mosaic_pair import (
-    BLOCK_Q, COMPUTE_WGS, SMEM_BYTES, SMEM_MARGIN, MosaicConfig, _bcast_cols, _bcast_rows,
-    _col, _iota, _product, _row, _scratch_refs, accumulate, smem_transforms)
+    BLOCK_KV_BWD, BLOCK_Q, COMPUTE_WGS, ROWS, MosaicConfig, _bcast_cols, _bcast_rows, _col,
+    _iota, _product, _row, _scratch_refs, accumulate, smem_transforms, value_split)
 from diffjax.kernels.gpu.pair_common import LOG2E, NEG, q_blocks
-
-BLOCK_KV = 64  # keys per CTA: the M of the key-major wgmmas (one warpgroup)
-ROWS = 5  # lse_a, lse_b, d_a, d_b, lam
-
-
-def value_split(dv: int) -> tuple[int, int]:
-  """Column widths of dV (and of V, dO) held by warpgroups 0 and 1.
-
-  Both are multiples of 16 (wgmma's K step for the dP half-products): Dv 256 -> (128,
-  128); V2 at d 80 (Dv 80) -> (48, 32).
-  """
-  if dv % 16:
-    raise ValueError(f"value dim {dv} must be a multiple of 16.")
-  first = pc.round_up(dv // 2, 16)
-  if first >= dv:
-    raise ValueError(f"value dim {dv} is too small to split between two warpgroups "
-                     "(it needs at least 32).")
-  return first, dv - first
-
-
-def backward_smem_bytes(d: int, dv: int, stages: int, dq_parts: int, variant: str,
-                        segments: bool = True, itemsize: int = 2) -> int:
-  """Shared memory the backward kernel allocates, in bytes (before alignment)."""
-  bq, bk = BLOCK_Q, BLOCK_KV
-  keys = 2 if variant == "v1" else 1
-  resident = bk * (keys * d + dv) * itemsize  # K_a (K_b) and V, loaded once
-  ring = stages * bq * (2 * d + dv) * itemsize  # Q_a, Q_b, dO per step
-  rows = stages * ROWS * bq * 4
-  exchange = COMPUTE_WGS * bk * bq * (4 + itemsize)  # dP halves (f32) and P / dS
-  staging = COMPUTE_WGS * bq * (d // dq_parts) * 4  # dQ on its way to the reduce-add
-  seg = (stages * bq + bk) * 4 if segments else 0
-  return resident + ring + rows + exchange + staging + seg
-
-
-# (ring slots, dQ column chunks), preferred first. Two slots let the producer load the
-# next step's Q and dO while this one computes; dQ in two chunks halves its staging
-# buffer. V2 d 128 -> (2, 2); V1 d 128 / Dv 256 -> (1, 2); V1 d 64 -> (2, 1).
-_BWD_CANDIDATES = ((2, 1), (2, 2), (1, 1), (1, 2))
-
-
-def backward_blocks(d: int, dv: int, variant: str, segments: bool = True,
-                    itemsize: int = 2) -> tuple[int, int]:
-  """(stages, dq_parts) of the backward kernel: the first candidate within shared memory."""
-  for stages, parts in _BWD_CANDIDATES:
-    if d % parts or (d // parts) % 16:
-      continue
-    used = backward_smem_bytes(d, dv, stages, parts, variant, segments, itemsize)
-    if used + SMEM_MARGIN <= SMEM_BYTES:
-      return stages, parts
-  raise ValueError(
-      f"No backward tiling fits shared memory for d={d}, dv={dv} ({variant}): the "
-      f"smallest needs {backward_smem_bytes(d, dv, 1, 2, variant, segments, itemsize)} "
-      f"bytes of {SMEM_BYTES - SMEM_MARGIN}.")
-
-
-def backward_registers(d: int, dv: int) -> int:
-  """Estimated registers per consumer thread of the backward kernel.
-
-  A [64, d] float32 dK (d / 2 a thread) and a [64, Dv / 2] dV half (Dv / 4) live all
-  loop; at the dQ product a [64, d] float32 result (d / 2) joins them, and the [64, 64]
-  tiles (S, dP: 32 each) are dead by then. V1 d 128: 64 + 64 + 64 + 32 overhead = 224
-  of 232.
-  """
-  half = value_split(dv)[0]
-  live = d // 2 + half // 2
-  return live + max(d // 2, 2 * 32) + 32
 
 
 def _tile_mask_t(cfg: MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=None):
@@ -147,7 +80,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     rows: float32 [B, H, 5, T]: lse_a, lse_b, d_a, d_b, lam (padded query rows carry
       ``EMPTY_LSE`` and zeros).
     q_seg, kv_seg: int32 [B, T], [B, S] or None.
-    stages, dq_parts: from :func:`backward_blocks`.
+    stages, dq_parts: from :func:`~diffjax.kernels.gpu.mosaic_pair.backward_blocks`.
   Returns:
     (dqs, dks, dv): dqs float32 like qs; V1 dks = (dK1, dK2) in the input dtype, V2
     dks = (float32 partial of warpgroup 0, of warpgroup 1); dv in the input dtype.
@@ -156,7 +89,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   b, t, nq_heads, d = qs[0].shape
   s, kh, dv = ks[0].shape[1], ks[0].shape[2], v.shape[3]
   dtype = qs[0].dtype
-  bq, bk = BLOCK_Q, BLOCK_KV
+  bq, bk = BLOCK_Q, BLOCK_KV_BWD
   if t % bq or s % bk:
     raise ValueError(f"backward wants T ({t}) and S ({s}) padded to multiples of 64.")
   g = cfg.group
