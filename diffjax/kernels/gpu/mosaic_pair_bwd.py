@@ -151,7 +151,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
         slot = lax.rem(n, jnp.int32(stages))
         q_start = i * bq
         plgpu.barrier_wait(q_bar.at[w * stages + slot])
-        q_w = q_smem.at[w, slot]
+        q_w = q_smem[w].at[slot]
         s_t = _product((bk, bq), k_w, q_w.transpose((1, 0))) * c
         plgpu.barrier_wait(row_bar.at[slot])
         row = lambda r: _col(rows_smem.at[slot, r][...])
@@ -231,7 +231,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
         rows_q = pl.ds(i * bq, bq)
         for w in range(COMPUTE_WGS):
           q_ref, head = q_head(hl, w)
-          plgpu.copy_gmem_to_smem(q_ref.at[bi, rows_q, head], q_smem.at[w, slot],
+          plgpu.copy_gmem_to_smem(q_ref.at[bi, rows_q, head], q_smem[w].at[slot],
                                   q_bar.at[w * stages + slot])
           plgpu.copy_gmem_to_smem(
               do_ref.at[bi, rows_q, kvh * g + hl, pl.ds(starts[w], widths[w])],
@@ -265,7 +265,9 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   scratch = [
       smem((2 if v1 else 1, bk, d), d),                           # k_smem
       [smem((bk, w), v_tile) for w in widths],                    # v_smem halves
-      smem((COMPUTE_WGS, stages, bq, d), d),                      # q_smem
+      # One buffer per warpgroup (and per V/dO half below) rather than a stacked
+      # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
+      [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],     # q_smem
       [smem((stages, bq, w), v_tile) for w in widths],            # do_smem halves
       plgpu.SMEM((stages, ROWS, bq), jnp.float32),                # rows_smem
       plgpu.SMEM((stages, bq), jnp.int32) if seg else None,       # qseg_smem
