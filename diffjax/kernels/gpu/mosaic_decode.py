@@ -1,0 +1,278 @@
+"""DIFF V1 decoding on Mosaic GPU (Hopper): one query token against a KV cache.
+
+Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
+V once per kv group (the baseline's cache traffic), in place: the cache is not copied
+or padded when its length is a multiple of 64 (:func:`cache_length_multiple`).
+
+Layout (flash-decoding). One CTA per (kv group, cache split, batch row), three
+warpgroups as in :mod:`diffjax.kernels.gpu.mosaic_pair`: a producer TMA-copies the
+split's K1, K2 and V blocks into a ring of shared-memory slots, stopping at the row's
+``kv_len``; warpgroup 0 runs map 1 and warpgroup 1 map 2 over the same V tile. The
+rows of their [64, d] query tiles are the G query heads of the group (zero rows
+beyond G: a wgmma is 64 rows tall, and the tensor cores' spare rows cost nothing in a
+kernel bound by the cache reads). Each CTA writes, per map, its split's normalised
+float32 output and base-2 log-sum-exp; XLA merges the splits exactly and forms
+``O1 - lam O2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from diffjax.core import validation as _v
+from diffjax.kernels.gpu import mosaic_interpret
+from diffjax.kernels.gpu import mosaic_pair as mp
+from diffjax.kernels.gpu import pair_common as pc
+from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
+
+BLOCK_KV = 64  # cache rows per step (the key extent of the P V wgmma: 64 at a 128B swizzle)
+ROWS = mp.BLOCK_Q  # query rows of a tile: the heads of one kv group, zero-padded
+LENS = 32  # kv_len is copied as 32 int32 (one 128-byte TMA box) per batch row
+# CTAs to aim for when choosing cache splits: a wave on an H100/H200 (132 SMs, one CTA
+# each at this shared memory).
+TARGET_CTAS = 132
+
+
+def decode_smem_bytes(d: int, dv: int, stages: int, itemsize: int = 2) -> int:
+  """Shared memory of the decode kernel, in bytes (before alignment)."""
+  q = mp.COMPUTE_WGS * ROWS * d * itemsize
+  ring = stages * BLOCK_KV * (2 * d + dv) * itemsize
+  rows = mp.COMPUTE_WGS * ROWS * 4 + LENS * 4
+  return q + ring + rows
+
+
+def decode_stages(d: int, dv: int, itemsize: int = 2) -> int:
+  """Ring slots: the most (up to 4) within shared memory. d 128 / Dv 256 -> 2."""
+  for stages in (4, 3, 2, 1):
+    if decode_smem_bytes(d, dv, stages, itemsize) + mp.SMEM_MARGIN <= mp.SMEM_BYTES:
+      return stages
+  raise ValueError(f"No decode tiling fits shared memory for d={d}, dv={dv}.")
+
+
+def cache_length_multiple() -> int:
+  """The multiple a cache's length should have to be read in place (else it is padded)."""
+  return BLOCK_KV
+
+
+def num_splits(batch: int, kv_heads: int, kv_len: int, target: int = TARGET_CTAS) -> int:
+  """Cache splits: enough CTAs for a wave, at most one 64-row block each."""
+  blocks = max(1, -(-kv_len // BLOCK_KV))
+  return max(1, min(blocks, -(-target // (batch * kv_heads))))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  scale: float
+  split_len: int  # cache rows per split (a multiple of 64; the last split may be cut)
+  splits: int
+  stages: int
+  interpret: bool
+
+
+def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
+  """Per-split partial results.
+
+  Args:
+    q1, q2: [B, K, 64, d], the G heads of each kv group in the first rows.
+    k1, k2: [B, S, K, d] and v: [B, S, K, Dv], S a multiple of 64; splits past S
+      (or past a row's kv_len) read nothing.
+    lens: int32 [B, 32], the valid cache length of row b in lens[b, 0].
+  Returns:
+    (o1, o2) float32 [B, K, splits, 64, Dv], normalised per split, and (lse1, lse2)
+    float32 [B, K, splits, 64] in base 2 (``EMPTY_LSE`` for a split with no valid row).
+  """
+  b, kh, _, d = q1.shape
+  dv = v.shape[3]
+  dtype = q1.dtype
+  bk, stages = BLOCK_KV, cfg.stages
+  splits = cfg.splits
+  c = cfg.scale * LOG2E
+
+  def kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, o1_ref, o2_ref, lse1_ref,
+             lse2_ref, q_smem, k_smem, v_smem, lse_smem, len_smem, q_bar, k_bar, v_bar,
+             len_bar, consumed):
+    kvh = lax.axis_index("kv_heads")
+    split = lax.axis_index("splits")
+    bi = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    start = split * cfg.split_len
+
+    def blocks():
+      plgpu.barrier_wait(len_bar.at[0])
+      kv_len = len_smem[0]
+      return kv_len, jnp.clip(lax.div(kv_len - start + bk - 1, bk), 0, cfg.split_len // bk)
+
+    def consumer(w: int):
+      plgpu.set_max_registers(232, action="increase")
+      q_ref = (q1_ref, q2_ref)[w]
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem[w], q_bar.at[w])
+      kv_len, n = blocks()
+      plgpu.barrier_wait(q_bar.at[w])
+
+      def step(j, carry):
+        acc, m, l = carry
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[w * stages + slot])
+        sc = mp._product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
+        kpos = start + j * bk + mp._iota((ROWS, bk), 1)
+        sc = jnp.where(kpos < kv_len, sc, NEG)
+        m_new = jnp.maximum(m, sc.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - mp._bcast_rows(m_new, sc.shape))
+        l = alpha * l + p.sum(axis=1)
+        acc = acc * mp._bcast_rows(alpha, acc.shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        acc = mp.accumulate(acc, p.astype(dtype), v_smem.at[slot], cfg)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_new, l
+
+      carry = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA),
+               mp._row(jnp.full((ROWS,), NEG, jnp.float32)),
+               mp._row(jnp.zeros((ROWS,), jnp.float32)))
+      acc, m, l = lax.fori_loop(0, n, step, carry)
+      empty = l == 0.0
+      safe = jnp.where(empty, 1.0, l)
+      (o1_ref, o2_ref)[w][bi, kvh, split] = acc * mp._bcast_rows(1.0 / safe, acc.shape)
+      lse_smem[w] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem.at[w], (lse1_ref, lse2_ref)[w].at[bi, kvh, split])
+      plgpu.wait_smem_to_gmem(0)
+
+    def producer():
+      plgpu.set_max_registers(40, action="decrease")
+      plgpu.copy_gmem_to_smem(len_ref.at[bi], len_smem, len_bar.at[0])
+      _, n = blocks()
+
+      def load(j, slot):
+        rows = (bi, pl.ds(start + j * bk, bk), kvh)
+        for w, k_ref in enumerate((k1_ref, k2_ref)):
+          plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem[w].at[slot],
+                                  k_bar.at[w * stages + slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < n)(functools.partial(load, jnp.int32(i), i))
+
+      def refill(j, carry):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(consumed.at[slot])
+        load(j, slot)
+        return carry
+      lax.fori_loop(jnp.int32(stages), jnp.maximum(n, stages), refill, None)
+      for i in range(stages):  # observe the last completion of every slot
+        pl.when(i < n)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+
+    pl.when(wg == 0)(functools.partial(consumer, 0))
+    pl.when(wg == 1)(functools.partial(consumer, 1))
+    pl.when(wg == 2)(producer)
+
+  smem = lambda shape, width: plgpu.SMEM(shape, dtype,
+                                         transforms=mp.smem_transforms(width, dtype))
+  bars = lambda n=1, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  scratch = [
+      [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],          # q_smem
+      [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],    # k_smem (K1, K2)
+      smem((stages, bk, dv), dv),                                   # v_smem
+      plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),              # lse_smem
+      plgpu.SMEM((LENS,), jnp.int32),                               # len_smem
+      bars(mp.COMPUTE_WGS), bars(mp.COMPUTE_WGS * stages), bars(stages), bars(),
+      bars(stages, mp.COMPUTE_WGS),
+  ]
+  acc = jax.ShapeDtypeStruct((b, kh, splits, ROWS, dv), jnp.float32)
+  lse = jax.ShapeDtypeStruct((b, kh, splits, ROWS), jnp.float32)
+  params = cfg_kwargs(cfg)
+  return plgpu.kernel(
+      kernel, out_type=[acc, acc, lse, lse], scratch_types=scratch,
+      grid=(kh, splits, b), grid_names=("kv_heads", "splits", "batch"),
+      num_threads=mp.COMPUTE_WGS + 1, thread_name="wg", kernel_name="diff_v1_decode_mgpu",
+      **params)(q1, q2, k1, k2, v, lens)
+
+
+def cfg_kwargs(cfg: DecodeConfig) -> dict:
+  if cfg.interpret:
+    mosaic_interpret.check_threads(mp.COMPUTE_WGS + 1)
+    return dict(interpret=mosaic_interpret.params())
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+
+
+def _merge(o, lse):
+  """Merges normalised per-split results (axis 2) by their base-2 log-sum-exps."""
+  lse = jnp.where(lse >= EMPTY_LSE, -jnp.inf, lse)
+  top = jnp.max(lse, axis=2, keepdims=True)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = jnp.sum(w, axis=2)
+  out = jnp.sum(w[..., None] * o, axis=2)
+  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
+def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, splits, interpret):
+  b, _, h, d = q1.shape
+  s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
+  g = h // kh
+  # A cache whose length is a multiple of 64 is read in place; another is padded (a
+  # copy) to one. Query rows: [B, 1, H, d] -> [B, K, 64, d] (a copy of B x H x d).
+  sp = pc.round_up(s, BLOCK_KV)
+  split_len = pc.round_up(-(-sp // splits), BLOCK_KV)
+  pad = lambda x: pc.pad_axis(x, 1, sp)
+  rows = lambda q: pc.pad_axis(q.reshape(b, kh, g, d), 2, ROWS)
+  lens = pc.pad_axis(jnp.clip(kv_len.astype(jnp.int32), 0, s)[:, None], 1, LENS)
+  itemsize = jnp.dtype(q1.dtype).itemsize
+  cfg = DecodeConfig(scale=scale, split_len=split_len, splits=-(-sp // split_len),
+                     stages=decode_stages(d, dv, itemsize), interpret=interpret)
+  o1, o2, lse1, lse2 = decode_partials(cfg, rows(q1), rows(q2), pad(k1), pad(k2), pad(v),
+                                       lens)
+  out1, out2 = _merge(o1, lse1)[:, :, :g], _merge(o2, lse2)[:, :, :g]  # [B, K, G, Dv]
+  lam = lam_H.astype(jnp.float32).reshape(kh, g)[None, :, :, None]
+  return (out1 - lam * out2).reshape(b, 1, h, dv).astype(q1.dtype)
+
+
+def check_decode_inputs(q1, k1, v) -> None:
+  """Clear errors for inputs the Mosaic GPU decode kernel does not take."""
+  dtypes = {jnp.dtype(x.dtype) for x in (q1, k1, v)}
+  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError("The Mosaic GPU decode kernel takes bfloat16 or float16 q, k and v of "
+                     "one dtype; use diffjax.kernels.gpu.diff_v1_decode (Triton) for "
+                     "float32.")
+  h, kh = q1.shape[2], k1.shape[2]
+  if h // kh > ROWS:
+    raise ValueError(f"{h // kh} query heads per kv group; the kernel takes at most {ROWS}.")
+  for name, width in (("head dim", q1.shape[-1]), ("value dim", v.shape[-1])):
+    if width % 16:
+      raise ValueError(f"{name} {width} must be a multiple of 16 (wgmma's K step).")
+
+
+def diff_v1_decode_mosaic(
+    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
+    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, kv_len_B: jax.Array,
+    *, scale: float | None = None, block_sizes=None, interpret: bool = False) -> jax.Array:
+  """DIFF V1 attention of one new token per sequence against a KV cache, on Mosaic GPU.
+
+  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_decode`; inputs are
+  bfloat16 or float16. ``block_sizes``: None or a dict ``{"num_splits": n}`` (cache
+  splits; default: enough CTAs for one wave of an H100/H200).
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_mosaic", wider="diff_v1_mosaic")
+  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv)
+  b, _, h, d = q1_Bx1xHxD.shape
+  s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
+  extra = set(block_sizes or {}) - {"num_splits"}
+  if extra:
+    raise ValueError(f"Unknown Mosaic decode block_sizes fields {sorted(extra)}; expected "
+                     "some of ['num_splits'].")
+  splits = (block_sizes or {}).get("num_splits") or num_splits(b, kh, s)
+  if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+    raise ValueError(f"num_splits={splits!r} must be a positive int.")
+  splits = min(splits, -(-s // BLOCK_KV))
+  return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
+                 jnp.broadcast_to(lam_H, (h,)), jnp.asarray(kv_len_B),
+                 scale=_v.default_scale(scale, d), splits=splits, interpret=bool(interpret))
