@@ -127,6 +127,10 @@ def test_auto_on_gpu_avoids_the_triton_kernels_where_jax_deprecates_them(monkeyp
     assert dispatch.resolve("mha", "auto", has_mask=False, interpret=False) == "stock"
     assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == \
         ("pallas_gpu" if fused else "xla")
+    # Inputs the Mosaic GPU kernels take (bf16/fp16 on a Hopper) run them on any jax.
+    for op in ("diff_v1", "diff_v2", "diff_v1_decode"):
+      assert dispatch.resolve(op, "auto", has_mask=False, interpret=False,
+                              mosaic=True) == "pallas_gpu"
   with ops.target_platform("tpu"):
     assert dispatch.resolve("diff_v1", "auto", has_mask=False, interpret=False) == \
         "pallas_tpu"
@@ -135,15 +139,20 @@ def test_auto_on_gpu_avoids_the_triton_kernels_where_jax_deprecates_them(monkeyp
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_default_gpu_path_lowers_without_deprecation_warnings(dtype):
   # What a GPU user's training step compiles with implementation="auto": forward and
-  # every gradient of DIFF V1 and V2, lowered for CUDA (an abstract Hopper) here.
-  # bf16 runs the Mosaic GPU kernels on every jax; float32 runs the Triton kernels
-  # before jax 0.11 and the stock paths from 0.11 (which deprecates Triton).
+  # every gradient of DIFF V1 and V2, and V1 decoding, lowered for CUDA (an abstract
+  # Hopper) here. bf16 runs the Mosaic GPU kernels on every jax; float32 runs the
+  # Triton kernels before jax 0.11 and the stock paths (XLA to decode) from 0.11.
   from kernel_checks import abstract_hopper
   dt = jnp.dtype(dtype)
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), dt)
   v = jax.ShapeDtypeStruct((1, 128, 2, 128), dt)
   q2 = jax.ShapeDtypeStruct((1, 128, 4, 64), dt)
   lam = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
+  cache = jax.ShapeDtypeStruct((2, 256, 2, 64), dt)
+  cache_v = jax.ShapeDtypeStruct((2, 256, 2, 128), dt)
+  token = jax.ShapeDtypeStruct((2, 1, 2, 64), dt)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  decode = lambda q1, q2, k1, k2, v, n: ops.diff_v1_attention_decode(q1, q2, k1, k2, v, 0.3, n)
   loss_v1 = lambda *a: ops.diff_v1_attention_core(*a, 0.3).astype(jnp.float32).sum()
   loss_v2 = lambda *a: ops.diff_v2_attention(*a).astype(jnp.float32).sum()
   with warnings.catch_warnings(record=True) as caught:
@@ -154,8 +163,11 @@ def test_the_default_gpu_path_lowers_without_deprecation_warnings(dtype):
               lowering_platforms=("cuda",)).as_text(),
           jax.jit(jax.grad(loss_v2, argnums=(0, 1, 2, 3))).trace(q2, q, q, lam).lower(
               lowering_platforms=("cuda",)).as_text()]
+      text_decode = jax.jit(decode).trace(token, token, cache, cache, cache_v, lens).lower(
+          lowering_platforms=("cuda",)).as_text()
   deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
   assert not deprecations, deprecations
   for text in texts:
     # Forward and backward kernels: two Mosaic GPU calls per op in bf16, none in float32.
     assert text.count("custom_call @mosaic_gpu") == (2 if dtype == "bfloat16" else 0)
+  assert text_decode.count("custom_call @mosaic_gpu") == (1 if dtype == "bfloat16" else 0)

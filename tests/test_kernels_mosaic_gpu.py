@@ -477,3 +477,125 @@ def test_gradients_match_reference_in_interpreter(case):
     pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 600 s")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   print(case, proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------
+# DIFF V1 decoding.
+
+from diffjax.kernels.gpu import mosaic_decode as md  # noqa: E402
+
+
+@pytest.mark.parametrize("b,s,h,kh,d", [
+    (8, 4096, 12, 12, 128),   # the 3B layer, one token per row of a batch of 8
+    (4, 1000, 8, 2, 64),      # GQA 4; a cache length off the 64 grid is padded
+    (2, 512, 6, 2, 96),
+    (2, 512, 4, 1, 80),
+])
+def test_decode_lowers_to_mosaic_gpu(b, s, h, kh, d):
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  q, k, v = S((b, 1, h, d), bf), S((b, s, kh, d), bf), S((b, s, kh, 2 * d), bf)
+  fn = jax.jit(lambda q1, q2, k1, k2, v, lam, n: md.diff_v1_decode_mosaic(
+      q1, q2, k1, k2, v, lam, n))
+  with abstract_hopper():
+    text = fn.trace(q, q, k, k, v, S((h,), jnp.float32), S((b,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  # The cache is read in place when its length is a multiple of 64: no pad of it (the
+  # query rows are padded to the 64 rows of a tile, a copy of B x H x d).
+  cache_pads = [line for line in text.splitlines()
+                if "stablehlo.pad" in line and f"(tensor<{b}x{s}x{kh}x{d}x" in line]
+  assert bool(cache_pads) == (s % md.cache_length_multiple() != 0), cache_pads
+
+
+def test_decode_tiles_and_merge():
+  assert md.decode_stages(128, 256) == 2 and md.decode_stages(64, 128) == 4
+  for d in (64, 80, 96, 128):
+    used = md.decode_smem_bytes(d, 2 * d, md.decode_stages(d, 2 * d))
+    assert used + mp.SMEM_MARGIN <= mp.SMEM_BYTES
+  assert md.num_splits(8, 12, 4096) == 2 and md.num_splits(1, 1, 100) == 2
+  # Merging normalised split results by their log-sum-exps equals one softmax over all
+  # keys; an empty split (EMPTY_LSE) and an all-empty row drop out.
+  key = jax.random.split(jax.random.key(3), 2)
+  logits = jax.random.normal(key[0], (1, 1, 3, 2, 64))  # [B, K, splits, rows, keys]
+  vals = jax.random.normal(key[1], (1, 1, 3, 64, 8))
+  logits = logits.at[:, :, 1].set(-jnp.inf).at[:, :, :, 1].set(-jnp.inf)
+  p = jnp.exp(logits - jnp.max(logits, -1, keepdims=True))
+  o = jnp.einsum("bksrn,bksnd->bksrd", p, vals) / jnp.maximum(p.sum(-1), 1e-30)[..., None]
+  lse = jax.nn.logsumexp(logits, -1) * mp.LOG2E
+  lse = jnp.where(jnp.isfinite(lse), lse, md.EMPTY_LSE)
+  got = md._merge(jnp.nan_to_num(o), lse)
+  flat = jnp.concatenate([logits[:, :, i] for i in range(3)], -1)  # [B, K, rows, 3*64]
+  flat_v = jnp.concatenate([vals[:, :, i] for i in range(3)], -2)
+  want = jnp.einsum("bkrn,bknd->bkrd", jax.nn.softmax(flat, -1), flat_v)
+  np.testing.assert_allclose(got[:, :, 0], want[:, :, 0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[:, :, 1], 0.0)
+
+
+def test_decode_backend_choice_and_errors(monkeypatch):
+  bf = jnp.bfloat16
+  assert fused.decode_backend(bf, 128, 256, 1) == "mosaic"
+  assert fused.decode_backend(jnp.float32, 128, 256, 1) == "triton"
+  assert fused.decode_backend(bf, 128, 256, 1, interpret=True) == "triton"
+  assert fused.decode_backend(bf, 64, 128, 2, interpret=True,
+                              block_sizes=md.MosaicDecodeBlockSizes()) == "mosaic"
+  assert fused.decode_backend(bf, 64, 128, 65) == "triton"  # more heads than rows
+  monkeypatch.setattr(fused, "hopper_target", lambda: False)
+  assert fused.decode_backend(bf, 128, 256, 1) == "triton"
+  q = jnp.zeros((2, 1, 4, 64), bf)
+  k = jnp.zeros((2, 128, 2, 64), bf)
+  v = jnp.zeros((2, 128, 2, 128), bf)
+  n = jnp.array([5, 7])
+  with pytest.raises(ValueError, match="bfloat16 or float16.*Triton"):
+    f = lambda x: x.astype(jnp.float32)
+    md.diff_v1_decode_mosaic(f(q), f(q), f(k), f(k), f(v), 0.5, n)
+  with pytest.raises(ValueError, match="num_splits=0 must be a positive int"):
+    md.diff_v1_decode_mosaic(q, q, k, k, v, 0.5, n, block_sizes={"num_splits": 0})
+  with pytest.raises(ValueError, match="Unknown MosaicDecodeBlockSizes fields"):
+    md.diff_v1_decode_mosaic(q, q, k, k, v, 0.5, n, block_sizes={"block_kv": 64})
+
+
+_DECODE_CHILD = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from diffjax.kernels.gpu import decode, mosaic_decode as md
+    sys.path.insert(0, {tests!r})
+    from kernel_checks import TOL, rel_err
+    b, s, h, kh, d, splits, lens, dtype = {case!r}
+    dtype = jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.key(0), 6)
+    n = lambda i, sh: jax.random.normal(ks[i], sh, jnp.float32).astype(dtype)
+    q1, q2 = n(0, (b, 1, h, d)), n(1, (b, 1, h, d))
+    k1, k2, v = n(2, (b, s, kh, d)), n(3, (b, s, kh, d)), n(4, (b, s, kh, 2 * d))
+    lam = jnp.linspace(0.2, 0.8, h)
+    kv_len = jnp.array(lens, jnp.int32)
+    out = md.diff_v1_decode_mosaic(q1, q2, k1, k2, v, lam, kv_len, interpret=True,
+                                   block_sizes={{"num_splits": splits}})
+    f = lambda x: x.astype(jnp.float32)
+    want = decode.diff_v1_decode_reference(f(q1), f(q2), f(k1), f(k2), f(v), lam, kv_len)
+    assert out.dtype == dtype and out.shape == want.shape
+    err = rel_err(out, want)
+    print("rel_err", err)
+    assert err <= TOL[jnp.bfloat16], err
+    # A row with kv_len 0 sees nothing: zero.
+    assert all(float(abs(out[i]).max()) == 0.0 for i in range(b) if lens[i] == 0)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # batch, cache slots, heads, kv heads, head dim, splits, kv_len per row, dtype
+    (2, 200, 4, 2, 64, 2, [150, 0], "bfloat16"),     # padded cache, an empty row
+    (2, 256, 3, 1, 128, 3, [256, 70], "bfloat16"),   # GQA 3, Dv 256, uneven splits
+    (1, 320, 2, 2, 64, 1, [193], "float16"),
+])
+def test_decode_matches_reference_in_interpreter(case):
+  tests = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  try:
+    proc = subprocess.run([sys.executable, "-c", _DECODE_CHILD.format(case=case, tests=tests)],
+                          capture_output=True, text=True, timeout=600, env=env)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{case}: the Mosaic GPU interpreter did not finish in 600 s")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  print(case, proc.stdout.strip().splitlines()[-1])

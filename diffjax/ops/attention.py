@@ -33,6 +33,7 @@ from diffjax.ops.dispatch import (
     IMPLEMENTATIONS,
     call_decode_kernel,
     call_kernel,
+    mosaic_gpu_decodes,
     mosaic_gpu_takes,
     register_implementation,
     resolve,
@@ -259,19 +260,23 @@ def diff_v1_attention_decode(
     block_sizes=None, interpret: bool = False) -> jax.Array:
   """DIFF V1 attention (before the per-head norm) of one new token against a cache.
 
-  On TPU, and on GPU with jax < 0.11, "auto" runs a fused decode kernel, which reads
-  K1, K2 and V once (:func:`diffjax.kernels.tpu.diff_v1_decode_tpu`,
-  :func:`diffjax.kernels.gpu.diff_v1_decode`; ``block_sizes`` are that platform's
-  ``DecodeBlockSizes``). The GPU kernel is written for Pallas' Triton backend, which
-  jax 0.11 deprecates; there "auto" runs XLA and ``implementation="pallas_gpu"`` still
-  selects the kernel. Arguments as in :func:`diff_v1_attention_core` and
+  "auto" runs a fused decode kernel, which reads K1, K2 and V once, on TPU
+  (:func:`diffjax.kernels.tpu.diff_v1_decode_tpu`) and on GPU: the Mosaic GPU kernel
+  on a Hopper for bf16/fp16 (:func:`diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_mosaic`),
+  else the Triton kernel (:func:`diffjax.kernels.gpu.diff_v1_decode`) while jax still
+  supports Triton (before 0.11) and XLA from 0.11 (``implementation="pallas_gpu"`` still
+  selects Triton there). ``block_sizes`` are the chosen kernel's (see
+  :mod:`diffjax.kernels.gpu.fused`). Arguments as in :func:`diff_v1_attention_core` and
   :func:`dot_product_attention_decode`. Returns [B, 1, H, Dv] in the dtype of q1.
   """
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "decode attention")
   impl = resolve("diff_v1_decode", implementation, has_mask=False, interpret=interpret,
-                 float64=_is_float64(q1_Bx1xHxD))
+                 float64=_is_float64(q1_Bx1xHxD),
+                 mosaic=mosaic_gpu_decodes(
+                     (q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+                     block_sizes=block_sizes, interpret=interpret))
   if impl == "xla":
     return ref.diff_v1_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
                                  lam, causal=False,

@@ -58,10 +58,6 @@ try:
 except ImportError as e:  # pragma: no cover
   gpu_stock = _Unavailable("diffjax.kernels.gpu.stock", e)
 try:
-  from diffjax.kernels.gpu import decode as gpu_decode
-except ImportError as e:  # pragma: no cover
-  gpu_decode = _Unavailable("diffjax.kernels.gpu.decode", e)
-try:
   # Mosaic GPU (Hopper, bf16/fp16) or Triton per call; either dialect may be missing
   # from a jax (Triton is deprecated from 0.11), and the stock GPU paths stay regardless.
   from diffjax.kernels.gpu import fused as gpu_fused
@@ -90,7 +86,7 @@ BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     ("diff_v2", "pallas_gpu",   "gpu",    gpu_fused.diff_v2_gpu),
     ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
     ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_tpu),
-    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_decode.diff_v1_decode),
+    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_fused.diff_v1_decode_gpu),
 )
 
 
@@ -187,6 +183,17 @@ def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
                            block_sizes=block_sizes, interpret=interpret) == "mosaic"
 
 
+def mosaic_gpu_decodes(arrays, block_sizes=None, interpret: bool = False) -> bool:
+  """Whether ``pallas_gpu`` would decode DIFF V1 (q1, q2, k1, k2, v, ...) on Mosaic GPU."""
+  if getattr(gpu_fused, "decode_backend", None) is None:
+    return False
+  q, k, v = arrays[0], arrays[2], arrays[4]
+  return gpu_fused.decode_backend(
+      gpu_fused.common_dtype(*arrays[:5]), q.shape[-1], v.shape[-1],
+      q.shape[2] // max(k.shape[2], 1), block_sizes=block_sizes,
+      interpret=interpret) == "mosaic"
+
+
 def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
             float64: bool = False, mosaic: bool = False) -> str:
   """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
@@ -195,8 +202,9 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
   ``float64``: the inputs are float64, which only the XLA path computes in float64
   (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
   ``mosaic``: ``pallas_gpu`` would run its Mosaic GPU kernels on these inputs
-  (:func:`mosaic_gpu_takes`); on a GPU with a jax that deprecates Triton, "auto" then
-  takes ``pallas_gpu``, and otherwise the stock path.
+  (:func:`mosaic_gpu_takes`, :func:`mosaic_gpu_decodes`); on a GPU with a jax that
+  deprecates Triton, "auto" then takes ``pallas_gpu``, and otherwise the stock path
+  (XLA for decoding).
   Raises ValueError, naming what can run instead, when the choice cannot run here.
   """
   if implementation not in IMPLEMENTATIONS:

@@ -1,4 +1,4 @@
-"""The fused DIFF V1 / V2 kernels behind ``implementation="pallas_gpu"``.
+"""The fused DIFF V1 / V2 kernels behind ``implementation="pallas_gpu"``, and V1 decoding.
 
 Two backends implement them: Mosaic GPU (:mod:`diffjax.kernels.gpu.mosaic`: TMA,
 warp-specialised ``wgmma`` kernels for Hopper, bf16/fp16, one fused backward) and
@@ -16,6 +16,11 @@ CUDA GPU and float32, deprecated by jax from 0.11). :func:`backend` picks one pe
    the GPU is a Hopper (compute capability 9.0; with no GPU attached, as when lowering
    ahead of time, Hopper is assumed);
 4. otherwise Triton.
+
+DIFF V1 decoding (:func:`diff_v1_decode_gpu`) follows the same rules with its own block
+sizes: :class:`~diffjax.kernels.gpu.mosaic_decode.MosaicDecodeBlockSizes` or Triton's
+:class:`~diffjax.kernels.gpu.DecodeBlockSizes`, and at most 64 query heads per kv group
+for Mosaic GPU (:func:`decode_backend`).
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ import jax.numpy as jnp
 
 try:
   from diffjax.kernels.gpu import mosaic as _mosaic
+  from diffjax.kernels.gpu import mosaic_decode as _md
   from diffjax.kernels.gpu import mosaic_pair as _mp
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
-  _mosaic = _mp = None
+  _mosaic = _md = _mp = None
 try:
   from diffjax.kernels.gpu import block_sizes as _bs
+  from diffjax.kernels.gpu import decode as _triton_decode
   from diffjax.kernels.gpu import diff_v1 as _triton_v1
   from diffjax.kernels.gpu import diff_v2 as _triton_v2
 except ImportError:  # pragma: no cover - a jax without the Triton dialect
-  _bs = _triton_v1 = _triton_v2 = None
+  _bs = _triton_decode = _triton_v1 = _triton_v2 = None
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -121,3 +128,38 @@ def diff_v2_gpu(q, k, v, lam_BxTxH, *, q_segment_ids=None, kv_segment_ids=None, 
   _require("Triton", _triton_v2)
   return _triton_v2.diff_v2_fused(q, k, v, lam_BxTxH, q_segment_ids=q_segment_ids,
                                   kv_segment_ids=kv_segment_ids, **kwargs)
+
+
+def decode_backend(dtype, d: int, dv: int, group: int, *, block_sizes=None,
+                   interpret: bool = False) -> str:
+  """"mosaic" or "triton" for DIFF V1 decoding (rules in the module docstring)."""
+  if _md is not None and isinstance(block_sizes, _md.MosaicDecodeBlockSizes):
+    return "mosaic"
+  if _bs is not None and isinstance(block_sizes, _bs.DecodeBlockSizes):
+    return "triton"
+  if _triton_decode is None:
+    return "mosaic"
+  if interpret or _md is None or dtype is None:
+    return "triton"
+  fits = (jnp.dtype(dtype) in _LOW_PRECISION and not d % 16 and not dv % 16
+          and group <= _md.ROWS)
+  if fits:
+    try:
+      _md.decode_stages(d, dv, jnp.dtype(dtype).itemsize)
+    except ValueError:
+      fits = False
+  return "mosaic" if fits and hopper_target() else "triton"
+
+
+def diff_v1_decode_gpu(q1, q2, k1, k2, v, lam_H, kv_len, **kwargs):
+  """DIFF V1 decoding on a GPU: Mosaic GPU or Triton by :func:`decode_backend`;
+  arguments as in :func:`diffjax.kernels.gpu.diff_v1_decode`."""
+  which = decode_backend(common_dtype(q1, q2, k1, k2, v), q1.shape[-1], v.shape[-1],
+                         q1.shape[2] // max(k1.shape[2], 1),
+                         block_sizes=kwargs.get("block_sizes"),
+                         interpret=kwargs.get("interpret", False))
+  if which == "mosaic":
+    _require("Mosaic", _md)
+    return _md.diff_v1_decode_mosaic(q1, q2, k1, k2, v, lam_H, kv_len, **kwargs)
+  _require("Triton", _triton_decode)
+  return _triton_decode.diff_v1_decode(q1, q2, k1, k2, v, lam_H, kv_len, **kwargs)

@@ -68,6 +68,24 @@ def num_splits(batch: int, kv_heads: int, kv_len: int, target: int = TARGET_CTAS
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicDecodeBlockSizes:
+  """Launch choice of the Mosaic GPU decode kernel.
+
+  Attributes:
+    num_splits: cache splits per (batch row, kv group); None: enough CTAs for one
+      wave of an H100/H200 (:func:`num_splits`). The steps are 64 cache rows (the key
+      extent of the P V wgmma at a 128-byte swizzle) and the ring depth is the most that
+      fits shared memory (:func:`decode_stages`), so only the split count is free.
+  """
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    n = self.num_splits
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise ValueError(f"num_splits={n!r} must be a positive int (or None).")
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   scale: float
   split_len: int  # cache rows per split (a multiple of 64; the last split may be cut)
@@ -256,8 +274,8 @@ def diff_v1_decode_mosaic(
   """DIFF V1 attention of one new token per sequence against a KV cache, on Mosaic GPU.
 
   Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_decode`; inputs are
-  bfloat16 or float16. ``block_sizes``: None or a dict ``{"num_splits": n}`` (cache
-  splits; default: enough CTAs for one wave of an H100/H200).
+  bfloat16 or float16. ``block_sizes``: None, a :class:`MosaicDecodeBlockSizes` or a
+  dict of its fields.
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
@@ -265,13 +283,8 @@ def diff_v1_decode_mosaic(
   check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv)
   b, _, h, d = q1_Bx1xHxD.shape
   s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
-  extra = set(block_sizes or {}) - {"num_splits"}
-  if extra:
-    raise ValueError(f"Unknown Mosaic decode block_sizes fields {sorted(extra)}; expected "
-                     "some of ['num_splits'].")
-  splits = (block_sizes or {}).get("num_splits") or num_splits(b, kh, s)
-  if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
-    raise ValueError(f"num_splits={splits!r} must be a positive int.")
+  blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
+  splits = blocks.num_splits or num_splits(b, kh, s)
   splits = min(splits, -(-s // BLOCK_KV))
   return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
                  jnp.broadcast_to(lam_H, (h,)), jnp.asarray(kv_len_B),
