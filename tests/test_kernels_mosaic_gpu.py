@@ -5,7 +5,9 @@
   64/80/96/128, with and without segment ids (the lowering runs Mosaic GPU's own checks:
   layouts, swizzles, wgmma shapes, the shared-memory budget).
 * The fused backward lowers at the same shapes, and its tiles fit shared memory.
-* Which backend ``pallas_gpu`` runs (:func:`diffjax.kernels.gpu.fused.backend`).
+* Which backend ``pallas_gpu`` runs (:func:`diffjax.kernels.gpu.fused.backend`), for
+  training and for DIFF V1 decoding (:mod:`diffjax.kernels.gpu.mosaic_decode`, whose
+  lowering, split merge and interpreter results are checked too).
 * The forward pair kernel, and the forward with every gradient of
   :func:`diffjax.kernels.gpu.mosaic.diff_v1_mosaic` / ``diff_v2_mosaic``, against the
   plain-JAX reference in jax's Mosaic GPU interpreter (``slow``: each case runs in a
@@ -329,6 +331,17 @@ def test_backward_tiles_fit_shared_memory_and_registers():
     mp.value_split(16)
   with pytest.raises(ValueError, match="No backward tiling fits shared memory"):
     mp.backward_blocks(256, 512, "v1")
+
+
+def test_backward_byte_model_behind_the_design():
+  # The figures the README quotes: for V1 the key-major loop (dQ reduce-adds) moves the
+  # bytes of a two-pass backward and fewer than a query-major loop, with 20d instead of
+  # 28d backward FLOPs; for V2 a query-major loop would move fewer.
+  v1 = mp.backward_step_bytes(128, 256, "v1")
+  assert v1["key_major"] == v1["two_pass"] == 132352 < v1["query_major"] == 196608
+  assert v1["two_pass_flops"] / v1["one_pass_flops"] == 1.4
+  v2 = mp.backward_step_bytes(128, 128, "v2")
+  assert v2["query_major"] == 98304 < v2["key_major"] == 115968
 
 
 @pytest.mark.parametrize("variant,d,h,kh,t,segments", [

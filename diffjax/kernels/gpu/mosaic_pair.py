@@ -490,6 +490,40 @@ def backward_smem_bytes(d: int, dv: int, stages: int, dq_parts: int, variant: st
 _BWD_CANDIDATES = ((2, 1), (2, 2), (1, 1), (1, 2))
 
 
+def backward_step_bytes(d: int, dv: int, variant: str, itemsize: int = 2) -> dict:
+  """A model of the HBM bytes and FLOPs per visited step (64 queries x 64 keys) of
+  three backward designs.
+
+  * ``"key_major"`` (this kernel; one pass): per step it reads Q_a, Q_b, dO and the
+    row terms, and reduce-adds both maps' float32 dQ rows (``2 * 64 * d * 4`` bytes;
+    an add that misses L2 also reads them back: ``"key_major_l2_miss"``). K and V are
+    read once per CTA. Backward FLOPs per query-key pair: 20d (V1), 16d (V2).
+  * ``"query_major"`` (one pass, the other way round): per step it reads K_a, K_b (V1)
+    and V, and reduce-adds float32 dK_a, dK_b and dV; Q and dO are read once per CTA.
+    The same FLOPs.
+  * ``"two_pass"`` (a dK/dV kernel and a separate dQ kernel, as the Triton path): the
+    key-major reads, plus the dQ pass's re-reads of K_a, K_b and V; it recomputes the
+    scores and dP: 28d (V1), 22d (V2).
+
+  Returns bytes per step (keys ending in ``_flops``: FLOPs per step).
+  """
+  bq = bk = BLOCK_Q
+  keys = 2 if variant == "v1" else 1
+  q_reads = bq * (2 * d + dv) * itemsize + ROWS * bq * 4
+  kv_reads = bk * (keys * d + dv) * itemsize
+  dq = 2 * bq * d * 4
+  pairs = bq * bk
+  v1 = variant == "v1"
+  return {
+      "key_major": q_reads + dq,
+      "key_major_l2_miss": q_reads + 2 * dq,
+      "query_major": kv_reads + bk * (keys * d + dv) * 4,
+      "two_pass": q_reads + kv_reads,
+      "one_pass_flops": (20 if v1 else 16) * pairs * d,
+      "two_pass_flops": (28 if v1 else 22) * pairs * d,
+  }
+
+
 def _backward_fits(d, dv, stages, parts, variant, segments, itemsize) -> bool:
   if d % parts or (d // parts) % 16:
     return False
