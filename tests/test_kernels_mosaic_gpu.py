@@ -403,6 +403,10 @@ def test_pallas_gpu_backend_choice(monkeypatch):
   assert pick(bf, interpret=True, block_sizes=mp.MosaicBlockSizes()) == "mosaic"
   from diffjax.kernels.gpu import BlockSizes
   assert pick(bf, block_sizes=BlockSizes.default(64, 128)) == "triton"
+  # A dict names Triton when it sets fields only Triton's BlockSizes has.
+  assert pick(bf, block_sizes={"block_q": 64}) == "triton"
+  assert pick(bf, block_sizes={"bwd_stages": 1}) == "mosaic"
+  assert pick(bf, block_sizes={}) == "mosaic"
   monkeypatch.setattr(fused, "hopper_target", lambda: False)  # e.g. an A100
   assert pick(bf) == "triton"
 

@@ -174,8 +174,10 @@ def current_platform() -> str:
 
 def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
                      interpret: bool = False) -> bool:
-  """Whether ``pallas_gpu`` would run the Mosaic GPU kernels for these arrays of ``op``."""
-  if op not in ("diff_v1", "diff_v2") or getattr(gpu_fused, "backend", None) is None:
+  """Whether ``pallas_gpu`` would run the Mosaic GPU kernels for these arrays of ``op``
+  (False off a GPU platform, where it does not matter)."""
+  if (op not in ("diff_v1", "diff_v2") or current_platform() != "gpu"
+      or getattr(gpu_fused, "backend", None) is None):
     return False
   q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
   dtype = gpu_fused.common_dtype(*arrays[:5 if op == "diff_v1" else 3])
@@ -184,8 +186,9 @@ def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
 
 
 def mosaic_gpu_decodes(arrays, block_sizes=None, interpret: bool = False) -> bool:
-  """Whether ``pallas_gpu`` would decode DIFF V1 (q1, q2, k1, k2, v, ...) on Mosaic GPU."""
-  if getattr(gpu_fused, "decode_backend", None) is None:
+  """Whether ``pallas_gpu`` would decode DIFF V1 (q1, q2, k1, k2, v, ...) on Mosaic GPU
+  (False off a GPU platform)."""
+  if current_platform() != "gpu" or getattr(gpu_fused, "decode_backend", None) is None:
     return False
   q, k, v = arrays[0], arrays[2], arrays[4]
   return gpu_fused.decode_backend(

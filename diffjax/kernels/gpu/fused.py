@@ -7,8 +7,8 @@ CUDA GPU and float32, deprecated by jax from 0.11). :func:`backend` picks one pe
 
 1. ``block_sizes`` names a backend by its type: a
    :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` runs Mosaic GPU, a
-   :class:`~diffjax.kernels.gpu.BlockSizes` runs Triton (a dict is read as the chosen
-   backend's fields);
+   :class:`~diffjax.kernels.gpu.BlockSizes` runs Triton, and so does a dict that sets
+   fields only Triton's class has (any other dict is read as the chosen backend's);
 2. ``interpret=True`` runs Triton: jax's Mosaic GPU interpreter needs a CPU thread per
    warpgroup and takes minutes a case (pass a ``MosaicBlockSizes`` to run it anyway);
 3. Mosaic GPU runs when jax has it, the inputs are bfloat16 or float16, the widths
@@ -24,6 +24,8 @@ for Mosaic GPU (:func:`decode_backend`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -69,13 +71,27 @@ def mosaic_fits(variant: str, dtype, d: int, dv: int, segments: bool) -> bool:
   return True
 
 
+def _named_backend(block_sizes, mosaic_cls, triton_cls) -> str | None:
+  """The backend ``block_sizes`` names: by its class, or a dict by the fields it sets
+  (a dict both classes take, such as ``{}``, names neither)."""
+  if mosaic_cls is not None and isinstance(block_sizes, mosaic_cls):
+    return "mosaic"
+  if triton_cls is not None and isinstance(block_sizes, triton_cls):
+    return "triton"
+  if isinstance(block_sizes, dict) and mosaic_cls is not None and triton_cls is not None:
+    fields = lambda cls: {f.name for f in dataclasses.fields(cls)}
+    if not set(block_sizes) <= fields(mosaic_cls) and set(block_sizes) <= fields(triton_cls):
+      return "triton"
+  return None
+
+
 def backend(variant: str, dtype, d: int, dv: int, *, segments: bool, block_sizes=None,
             interpret: bool = False) -> str:
   """"mosaic" or "triton": the backend ``pallas_gpu`` runs (rules in the module docstring)."""
-  if _mp is not None and isinstance(block_sizes, _mp.MosaicBlockSizes):
-    return "mosaic"
-  if _bs is not None and isinstance(block_sizes, _bs.BlockSizes):
-    return "triton"
+  named = _named_backend(block_sizes, getattr(_mp, "MosaicBlockSizes", None),
+                         getattr(_bs, "BlockSizes", None))
+  if named is not None:
+    return named
   if _triton_v1 is None:
     return "mosaic"
   if interpret:
@@ -133,10 +149,10 @@ def diff_v2_gpu(q, k, v, lam_BxTxH, *, q_segment_ids=None, kv_segment_ids=None, 
 def decode_backend(dtype, d: int, dv: int, group: int, *, block_sizes=None,
                    interpret: bool = False) -> str:
   """"mosaic" or "triton" for DIFF V1 decoding (rules in the module docstring)."""
-  if _md is not None and isinstance(block_sizes, _md.MosaicDecodeBlockSizes):
-    return "mosaic"
-  if _bs is not None and isinstance(block_sizes, _bs.DecodeBlockSizes):
-    return "triton"
+  named = _named_backend(block_sizes, getattr(_md, "MosaicDecodeBlockSizes", None),
+                         getattr(_bs, "DecodeBlockSizes", None))
+  if named is not None:
+    return named
   if _triton_decode is None:
     return "mosaic"
   if interpret or _md is None or dtype is None:
