@@ -347,7 +347,8 @@ def test_backward_byte_model_behind_the_design():
 @pytest.mark.parametrize("variant,d,h,kh,t,segments", [
     ("v1", 128, 12, 12, 4096, True),   # the 3B layer
     ("v2", 128, 12, 12, 4096, True),
-    ("v2", 80, 4, 2, 384, True),       # Dv 80: V and dO halves of 48 and 32 columns
+    # Dv 80: V and dO halves of 48 and 32 columns
+    pytest.param("v2", 80, 4, 2, 384, True, marks=pytest.mark.slow),
     pytest.param("v1", 64, 4, 1, 384, False, marks=pytest.mark.slow),
     pytest.param("v1", 80, 4, 2, 384, False, marks=pytest.mark.slow),
     pytest.param("v1", 96, 6, 2, 384, True, marks=pytest.mark.slow),
@@ -514,7 +515,8 @@ from diffjax.kernels.gpu import mosaic_decode as md  # noqa: E402
 
 @pytest.mark.parametrize("b,s,h,kh,d", [
     (8, 4096, 12, 12, 128),   # the 3B layer, one token per row of a batch of 8
-    (4, 1000, 8, 2, 64),      # GQA 4; a cache length off the 64 grid is padded
+    # GQA 4; a cache length off the 64 grid is padded
+    pytest.param(4, 1000, 8, 2, 64, marks=pytest.mark.slow),
     pytest.param(2, 512, 6, 2, 96, marks=pytest.mark.slow),
     pytest.param(2, 512, 4, 1, 80, marks=pytest.mark.slow),
 ])
