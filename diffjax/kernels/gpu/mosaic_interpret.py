@@ -2,8 +2,8 @@
 
 jax ships an interpreter for Mosaic GPU kernels (``InterpretGPUParams``, private to
 ``jax._src`` in jax 0.10.2): it simulates shared memory, warpgroups, TMA copies and
-barriers on the host. In jax 0.10.2 it lacks three things a Hopper attention kernel
-uses; :func:`install` adds them, once per process, with the semantics the hardware has:
+barriers on the host. In jax 0.10.2 it lacks four things the Hopper attention kernels
+use; :func:`install` adds them, once per process, with the semantics the hardware has:
 
 * ``plgpu.layout_cast`` is the identity on values: a register layout changes where
   elements live, never their values;
