@@ -77,8 +77,8 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     qs, ks, v: as in :func:`~diffjax.kernels.gpu.mosaic_pair.forward` (T a multiple of
       64, S a multiple of 64).
     do: dOut, [B, T, H, Dv] in the input dtype (zero on padded query rows).
-    rows: float32 [B, H, 5, T]: lse_a, lse_b, d_a, d_b, lam (padded query rows carry
-      ``EMPTY_LSE`` and zeros).
+    rows: float32 [B, H, 5, T]: lse_a, lse_b, d_a, d_b, lam. A padded query row has a
+      zero dO, so zero d_a, d_b and dS: it contributes nothing to any gradient.
     q_seg, kv_seg: int32 [B, T], [B, S] or None.
     stages, dq_parts: from :func:`~diffjax.kernels.gpu.mosaic_pair.backward_blocks`.
   Returns:
@@ -86,7 +86,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     dks = (float32 partial of warpgroup 0, of warpgroup 1); dv in the input dtype.
   """
   v1 = cfg.variant == "v1"
-  b, t, nq_heads, d = qs[0].shape
+  b, t, _, d = qs[0].shape
   s, kh, dv = ks[0].shape[1], ks[0].shape[2], v.shape[3]
   dtype = qs[0].dtype
   bq, bk = BLOCK_Q, BLOCK_KV_BWD
