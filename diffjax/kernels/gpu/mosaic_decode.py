@@ -27,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.core import validation as _v
-from diffjax.kernels.gpu import mosaic_interpret
 from diffjax.kernels.gpu import mosaic_pair as mp
 from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
@@ -119,7 +118,6 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
     kvh = lax.axis_index("kv_heads")
     split = lax.axis_index("splits")
     bi = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
     start = split * cfg.split_len
 
     def blocks():
@@ -175,25 +173,12 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
                                   k_bar.at[w * stages + slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(stages):
-        pl.when(i < n)(functools.partial(load, jnp.int32(i), i))
+      mp.producer_ring(load, n, stages, consumed)
 
-      def refill(j, carry):
-        slot = lax.rem(j, jnp.int32(stages))
-        plgpu.barrier_wait(consumed.at[slot])
-        load(j, slot)
-        return carry
-      lax.fori_loop(jnp.int32(stages), jnp.maximum(n, stages), refill, None)
-      for i in range(stages):  # observe the last completion of every slot
-        pl.when(i < n)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+    mp.run_warpgroups(consumer, producer)
 
-    pl.when(wg == 0)(functools.partial(consumer, 0))
-    pl.when(wg == 1)(functools.partial(consumer, 1))
-    pl.when(wg == 2)(producer)
-
-  smem = lambda shape, width: plgpu.SMEM(shape, dtype,
-                                         transforms=mp.smem_transforms(width, dtype))
-  bars = lambda n=1, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  smem = lambda shape, width: mp.smem_tile(shape, width, dtype)
+  bars = mp.barriers
   scratch = [
       [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],          # q_smem
       [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],    # k_smem (K1, K2)
@@ -205,19 +190,11 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
   ]
   acc = jax.ShapeDtypeStruct((b, kh, splits, ROWS, dv), jnp.float32)
   lse = jax.ShapeDtypeStruct((b, kh, splits, ROWS), jnp.float32)
-  params = cfg_kwargs(cfg)
   return plgpu.kernel(
       kernel, out_type=[acc, acc, lse, lse], scratch_types=scratch,
       grid=(kh, splits, b), grid_names=("kv_heads", "splits", "batch"),
       num_threads=mp.COMPUTE_WGS + 1, thread_name="wg", kernel_name="diff_v1_decode_mgpu",
-      **params)(q1, q2, k1, k2, v, lens)
-
-
-def cfg_kwargs(cfg: DecodeConfig) -> dict:
-  if cfg.interpret:
-    mosaic_interpret.check_threads(mp.COMPUTE_WGS + 1)
-    return dict(interpret=mosaic_interpret.params())
-  return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+      **mp.launch_kwargs(cfg.interpret))(q1, q2, k1, k2, v, lens)
 
 
 def _merge(o, lse):

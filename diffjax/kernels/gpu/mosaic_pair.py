@@ -99,10 +99,53 @@ class MosaicConfig(PairGeometry):
   dq_parts: int = 2
 
   def kernel_kwargs(self) -> dict:
-    if self.interpret:
-      mosaic_interpret.check_threads(COMPUTE_WGS + 1)
-      return dict(interpret=mosaic_interpret.params())
-    return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+    return launch_kwargs(self.interpret)
+
+
+def launch_kwargs(interpret: bool) -> dict:
+  """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel."""
+  if interpret:
+    mosaic_interpret.check_threads(COMPUTE_WGS + 1)
+    return dict(interpret=mosaic_interpret.params())
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+
+
+def smem_tile(shape, width: int, dtype):
+  """A shared-memory buffer that ``wgmma`` reads, swizzled for rows of ``width``."""
+  return plgpu.SMEM(shape, dtype, transforms=smem_transforms(width, dtype))
+
+
+def barriers(n: int = 1, arrivals: int = 1):
+  return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+
+
+def run_warpgroups(consumer, producer) -> None:
+  """Warpgroups 0 and 1 run ``consumer(0)`` and ``consumer(1)``, warpgroup 2 ``producer``."""
+  wg = lax.axis_index("wg")
+  pl.when(wg == 0)(functools.partial(consumer, 0))
+  pl.when(wg == 1)(functools.partial(consumer, 1))
+  pl.when(wg == 2)(producer)
+
+
+def producer_ring(load, n, stages: int, consumed) -> None:
+  """The producer's side of a ring of ``stages`` shared-memory slots.
+
+  ``load(step, slot)`` issues the TMA copies of steps 0 .. n - 1, each into slot
+  ``step % stages`` once both consumers have released it (``consumed``, two arrivals).
+  At the end the producer also observes each slot's last release, so every barrier ends
+  on a phase all its waiters saw (the interpreter checks this).
+  """
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(load, jnp.int32(i), i))
+
+  def refill(j, carry):
+    slot = lax.rem(j, jnp.int32(stages))
+    plgpu.barrier_wait(consumed.at[slot])
+    load(j, slot)
+    return carry
+  lax.fori_loop(jnp.int32(stages), jnp.maximum(n, stages), refill, None)
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
 
 
 def smem_transforms(width: int, dtype) -> tuple:
@@ -217,7 +260,6 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
     bi = lax.axis_index("batch")
     hi = lax.axis_index("heads")
     q_start = lax.axis_index("q_seq") * bq
-    wg = lax.axis_index("wg")
     kvh = lax.div(hi, jnp.int32(cfg.group))
     n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
     kb_smem = kb_smem if v1 else ka_smem
@@ -320,27 +362,12 @@ def forward(cfg: MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
           plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot],
                                   kvseg_bar.at[slot])
 
-      for i in range(stages):
-        pl.when(i < n_end)(functools.partial(load, i, i))
+      producer_ring(load, n_end, stages, consumed)
 
-      def refill(j, carry):
-        slot = lax.rem(j, jnp.int32(stages))
-        plgpu.barrier_wait(consumed.at[slot])
-        load(j, slot)
-        return carry
-      lax.fori_loop(jnp.int32(stages), jnp.maximum(n_end, stages), refill, None)
-      # Observe the completions of the last blocks too (each slot's barrier then ends
-      # on a phase every waiter saw; the interpreter checks this).
-      for i in range(stages):
-        pl.when(i < n_end)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+    run_warpgroups(consumer, producer)
 
-    pl.when(wg == 0)(functools.partial(consumer, 0))
-    pl.when(wg == 1)(functools.partial(consumer, 1))
-    pl.when(wg == 2)(producer)
-
-  smem = lambda shape, width, dt=dtype: plgpu.SMEM(shape, dt,
-                                                    transforms=smem_transforms(width, dt))
-  bars = lambda n=1, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  smem = lambda shape, width, dt=dtype: smem_tile(shape, width, dt)
+  bars = barriers
   seg = cfg.segments
   scratch = [
       smem((COMPUTE_WGS, bq, d), d),                       # q_smem

@@ -41,7 +41,6 @@ and the wrapper adds them (a [S, d] sum per kv head, small next to the kernel's 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -52,7 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.kernels.gpu.mosaic_pair import (
     BLOCK_KV_BWD, BLOCK_Q, COMPUTE_WGS, ROWS, MosaicConfig, _bcast_cols, _bcast_rows, _col,
-    _iota, _product, _row, _scratch_refs, accumulate, smem_transforms, value_split)
+    _iota, _product, _row, _scratch_refs, accumulate, barriers, producer_ring,
+    run_warpgroups, smem_tile, smem_transforms, value_split)
 from diffjax.kernels.gpu.pair_common import LOG2E, NEG, q_blocks
 
 
@@ -119,7 +119,6 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     kvh = lax.axis_index("kv_heads")
     kv_start = lax.axis_index("kv_seq") * bk
     bi = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
     i_start, i_full, n_q = q_blocks(cfg, kv_start, bq, bk)
     per_head = n_q - i_start
     total = g * per_head
@@ -242,25 +241,12 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
           plgpu.copy_gmem_to_smem(qseg_ref.at[bi, rows_q], qseg_smem.at[slot],
                                   qseg_bar.at[slot])
 
-      for i in range(stages):
-        pl.when(i < total)(functools.partial(load, jnp.int32(i), i))
+      producer_ring(load, total, stages, consumed)
 
-      def refill(n, carry):
-        slot = lax.rem(n, jnp.int32(stages))
-        plgpu.barrier_wait(consumed.at[slot])
-        load(n, slot)
-        return carry
-      lax.fori_loop(jnp.int32(stages), jnp.maximum(total, stages), refill, None)
-      for i in range(stages):  # observe the last completion of every slot
-        pl.when(i < total)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+    run_warpgroups(consumer, producer)
 
-    pl.when(wg == 0)(functools.partial(consumer, 0))
-    pl.when(wg == 1)(functools.partial(consumer, 1))
-    pl.when(wg == 2)(producer)
-
-  smem = lambda shape, width, dt=dtype: plgpu.SMEM(shape, dt,
-                                                    transforms=smem_transforms(width, dt))
-  bars = lambda n=1, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  smem = lambda shape, width, dt=dtype: smem_tile(shape, width, dt)
+  bars = barriers
   seg = cfg.segments
   scratch = [
       smem((2 if v1 else 1, bk, d), d),                           # k_smem
@@ -300,11 +286,8 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
   mesh = plgpu.Mesh(grid=(kh, s // bk, b), grid_names=("kv_heads", "kv_seq", "batch"),
                     num_threads=COMPUTE_WGS + 1, thread_name="wg")
-  params = cfg.kernel_kwargs()
-  kwargs = (dict(interpret=params["interpret"]) if "interpret" in params
-            else dict(compiler_params=params["compiler_params"]))
   dka, dkb, dvv = pl.kernel(body, out_type=out_type, mesh=mesh,
-                            name=f"diff_{cfg.variant}_bwd_mgpu", **kwargs)(
+                            name=f"diff_{cfg.variant}_bwd_mgpu", **cfg.kernel_kwargs())(
                                 *args, *dq_refs)
   dqs = tuple(r[...] for r in dq_refs)
   return dqs, (dka, dkb), dvv
