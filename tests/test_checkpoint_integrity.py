@@ -324,7 +324,7 @@ def test_load_model_falls_back_without_moving_and_refuses_an_explicit_corrupt_st
   from diffjax.train.optim import make_optimizer
   cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
                     num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
-  tx, _ = make_optimizer(base_config().optim)
+  tx, _ = make_optimizer(base_config().optim, cfg)
   directory = tmp_path / "checkpoints"
   manager = ckpt.make_manager(str(directory), keep=5, async_save=False)
   states = {}

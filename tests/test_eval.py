@@ -534,6 +534,21 @@ def test_weight_quantization_is_per_output_channel_and_leaves_the_original(runne
   assert not np.array_equal(np.asarray(model.blocks[0].attn.o[...]), qw)
 
 
+def test_weight_quantization_is_the_same_for_scanned_and_unrolled_models():
+  """The scanned model's stacked kernels are quantized per layer, its stacked norm gains and
+  lambda vectors not at all: the result is the unrolled model's, stacked."""
+  from flax import nnx
+  from diffjax.model import DecoderLM, ModelConfig, layout
+  cfg = ModelConfig(attention="diff_v1", vocab_size=40, d_model=32, num_layers=2, num_heads=2,
+                    num_kv_heads=2, head_dim=8, mlp_dim=40)
+  plain = nnx.to_pure_dict(nnx.state(E.quantize_model_weights(
+      DecoderLM(cfg, rngs=nnx.Rngs(params=0)), 4), nnx.Param))
+  scanned = nnx.to_pure_dict(nnx.state(E.quantize_model_weights(
+      DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=0)), 4), nnx.Param))
+  for a, b in zip(jax.tree.leaves(layout.stack_layers(plain)), jax.tree.leaves(scanned)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_knobs_off_match_the_plain_model_and_quantization_changes_it(runners, text_batches):
   tokens = text_batches[0][:, :-1]
   for arm in ("transformer", "diff_v2"):

@@ -21,7 +21,7 @@ def _losses(arm, implementation):
                     implementation=implementation, interpret=implementation != "xla")
   ocfg = base_config().optim
   ocfg.update(dict(lr=3e-3, warmup_steps=0, decay_steps=10))
-  tx, schedule = make_optimizer(ocfg)
+  tx, schedule = make_optimizer(ocfg, cfg)
   graphdef, state = init_state(cfg, tx, seed=0)
   step = jax.jit(make_train_step(graphdef, tx, schedule))
   rng = np.random.default_rng(1)

@@ -44,7 +44,6 @@ def _child_main():
                      num_heads=16, num_kv_heads=16, head_dim=8, mlp_dim=64)
   ocfg = base_config().optim
   ocfg.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10, eps=1e-3))
-  tx, schedule = make_optimizer(ocfg)
   rng = np.random.default_rng(0)
   batch_np = {
       "inputs": rng.integers(0, 64, (8, 16)).astype(np.int32),
@@ -61,6 +60,7 @@ def _child_main():
     return s + (None,) * (rank - len(s))
 
   def run(cfg, shape):
+    tx, schedule = make_optimizer(ocfg, cfg)
     devices = jax.devices() if shape != (1, 1, 1) else jax.devices()[:1]
     mesh = shd.make_mesh(shape, devices=devices)
     rules = shd.DEFAULT_RULES

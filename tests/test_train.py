@@ -16,7 +16,7 @@ import pytest
 from diffjax.presets import arm_model, base_config
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import steps as steps_lib
-from diffjax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
+from diffjax.train.optim import learning_rate_schedule, make_optimizer
 from diffjax.train.trainer import TrainingError, train_and_evaluate
 from diffjax.model import ModelConfig
 
@@ -124,17 +124,12 @@ def test_default_schedule_values():
     learning_rate_schedule(c)
 
 
-def test_weight_decay_skips_vectors():
-  params = {"w": jnp.ones((2, 2)), "gain": jnp.ones((2,)), "lambda_q1": jnp.ones((4,))}
-  assert decay_mask(params) == {"w": True, "gain": False, "lambda_q1": False}
-
-
 def _state_and_batch(accum):
   cfg = ModelConfig(attention="diff_v2", d_model=32, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=50)
   c = base_config().optim
   c.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
-  tx, sched = make_optimizer(c)
+  tx, sched = make_optimizer(c, cfg)
   graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
   rng = np.random.default_rng(0)
   batch = {
@@ -160,7 +155,7 @@ def test_grad_accumulation_equals_large_batch():
 def test_checkpoint_round_trip(tmp_path):
   cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=2, num_heads=2,
                     num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
-  tx, _ = make_optimizer(base_config().optim)
+  tx, _ = make_optimizer(base_config().optim, cfg)
   _, state = steps_lib.init_state(cfg, tx, seed=3)
   m = ckpt.make_manager(str(tmp_path / "ck"), keep=2, async_save=True)
   ckpt.save(m, 7, state, None, {"model_config": cfg.to_dict()}, force=True)

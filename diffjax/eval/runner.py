@@ -24,6 +24,7 @@ from flax import nnx
 
 from diffjax.eval import measures as M
 from diffjax.model import Hooks
+from diffjax.nn.layers import STACKED_AXIS, is_weight_matrix, logical_names
 
 LogitsFn = Callable[..., Any]
 
@@ -184,35 +185,33 @@ class ModelRunner:
     return nnx.split(quantize_model_weights(self.model, bits, include_head=include_head))[1]
 
 
-def _input_axes(node, path) -> tuple[int, ...]:
-  """Contracted (input) axes of a kernel: those before its output axes."""
-  names = None
-  get_meta = getattr(node, "get_metadata", None)
-  if get_meta is not None:
-    meta = get_meta()
-    names = meta.get("out_sharding") or meta.get("sharding_names")
-  ndim = len(node.shape)
-  if names is not None and len(names) == ndim:
-    # Kernels writing into the residual stream end with "embed" ([H, D, E], [F, E]): all leading
-    # axes are contracted. Every other kernel contracts its first axis ([E, ...]).
-    return tuple(range(ndim - 1)) if names[-1] == "embed" else (0,)
-  return tuple(range(ndim - 1)) if path and path[-1] == "o" else (0,)
+def _input_axes(names: tuple) -> tuple[int, ...]:
+  """Contracted (input) axes of a kernel with logical axis names ``names``.
+
+  Kernels writing into the residual stream end with "embed" ([H, D, E], [F, E]): all their
+  leading axes are contracted. Every other kernel contracts its first axis ([E, ...]). A
+  scanned model's stacked ``layers`` axis is never contracted (each layer keeps its own scale).
+  """
+  own = [i for i, n in enumerate(names) if n != STACKED_AXIS]
+  return tuple(own[:-1]) if names[-1] == "embed" else (own[0],)
 
 
 def quantize_model_weights(model: nnx.Module, bits: int = 4, *,
                            include_head: bool = False) -> nnx.Module:
-  """Returns a copy of `model` with every projection kernel (ndim >= 2 `nnx.Param`)
-  fake-quantized per output channel (absmax over its input axes).
+  """Returns a copy of `model` with every projection kernel (a weight matrix by its logical axes,
+  `diffjax.nn.layers.is_weight_matrix`, in scanned and unrolled models alike) fake-quantized per
+  output channel (absmax over its input axes).
 
   The embedding table and the untied LM head are left in float unless `include_head`.
   """
   qmodel = nnx.clone(model)
   for path, node in nnx.iter_graph(qmodel):
-    if not isinstance(node, nnx.Param) or len(node.shape) < 2:
+    names = logical_names(node) if isinstance(node, nnx.Param) else None
+    if names is None or not is_weight_matrix(names):
       continue
     if not include_head and path and (path[-1] in ("embedding", "lm_head")):
       continue
     # In numpy: eager jax would compile a few kernels per distinct kernel shape.
     w = np.asarray(node[...])
-    node[...] = jnp.asarray(M.quantize_absmax(w, bits, axis=_input_axes(node, path)))
+    node[...] = jnp.asarray(M.quantize_absmax(w, bits, axis=_input_axes(names)))
   return qmodel

@@ -55,6 +55,30 @@ _SHARDING_KEY = "out_sharding" if tuple(
     int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12) else "sharding_names"
 
 
+# Logical axes that say what a parameter is: per-channel vectors (RMSNorm gains, DIFF V1's
+# per-head norm gain and lambda vectors) carry VECTOR_AXIS; a scanned model's stacked
+# parameters gain STACKED_AXIS in front, which says nothing about the parameter itself.
+VECTOR_AXIS = "norm"
+STACKED_AXIS = "layers"
+
+
+def is_weight_matrix(names: Sequence[str | None]) -> bool:
+  """Whether a parameter with logical axis names ``names`` is a weight matrix (a projection,
+  the MLP, the embedding or LM head, DIFF V2's W_lambda): two or more axes besides the
+  stacked ``layers`` axis and no per-channel axis. Scanned and unrolled layouts agree."""
+  own = [n for n in names if n != STACKED_AXIS]
+  return VECTOR_AXIS not in own and len(own) >= 2
+
+
+def logical_names(variable) -> tuple[str | None, ...] | None:
+  """The logical axis names a variable was created with (:func:`make_param`), or None."""
+  get_metadata = getattr(variable, "get_metadata", None)
+  if get_metadata is None:
+    return None
+  names = get_metadata().get(_SHARDING_KEY)
+  return None if names is None else tuple(names)
+
+
 def stack_modules(modules: Sequence[nnx.Module], axis_name: str = "layers") -> nnx.Module:
   """One module whose variables stack those of ``modules`` along a new leading axis.
 

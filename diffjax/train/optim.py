@@ -1,8 +1,12 @@
 """Optimizer: AdamW with warm-up, cosine or linear decay to a floor, and clipping.
 
-Weight decay applies to matrices only (ndim >= 2: projections, MLP, embedding and
-LM head); norm gains and the DIFF V1 lambda vectors (ndim 1) are not decayed, so
-decay never pulls the per-head norm gain or lambda towards zero.
+Weight decay applies to the weight matrices (projections, MLP, embedding, LM head,
+DIFF V2's W_lambda) and never to the per-channel vectors: RMSNorm gains, DIFF V1's
+per-head norm gain and its four lambda vectors. What a parameter is comes from its
+logical axis names (every model parameter carries them, see ``diffjax.nn.layers``),
+not from its rank: a scanned model stacks each per-layer vector into an
+``(layers, d)`` array, and a rank test would decay it there but not in the unrolled
+model.
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ from typing import Any
 
 import jax
 import optax
+from flax import nnx
+
+from diffjax.model import DecoderLM, ModelConfig
+from diffjax.nn.layers import is_weight_matrix, logical_names
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -42,16 +50,57 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
   return optax.join_schedules([warm, decay], [warmup])
 
 
-def decay_mask(params: Any) -> Any:
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(state: nnx.State | nnx.Module) -> dict:
+  """The weight-decay mask of a model's parameters, as a tree like ``nnx.to_pure_dict``'s.
+
+  Args:
+    state: a model or its parameter state (abstract shapes are enough, e.g. from
+      ``nnx.eval_shape``). Every parameter must carry logical axis names.
+  Returns:
+    A nested dict with the parameter tree's keys and a bool per parameter: True where
+    AdamW decays it, i.e. for the weight matrices
+    (:func:`diffjax.nn.layers.is_weight_matrix`).
+  Raises:
+    ValueError: a parameter without logical axis names (its role cannot be told).
+  """
+  if isinstance(state, nnx.Module):
+    state = nnx.state(state, nnx.Param)
+  mask: dict = {}
+  for path, var in nnx.to_flat_state(state):
+    names = logical_names(var)
+    if names is None:
+      raise ValueError(f"Parameter {'/'.join(map(str, path))} has no logical axis names, so "
+                       "weight decay cannot tell a matrix from a norm gain; create it with "
+                       "diffjax.nn.layers.make_param.")
+    node = mask
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = is_weight_matrix(names)
+  return mask
 
 
-def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (paper betas by config) with global-norm clipping; returns (tx, schedule)."""
+def model_decay_mask(model_cfg: ModelConfig) -> dict:
+  """:func:`decay_mask` of the :class:`~diffjax.model.DecoderLM` that ``model_cfg`` builds
+  (from abstract shapes: nothing is allocated)."""
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: DecoderLM(model_cfg, rngs=nnx.Rngs(params=0)))
+  return decay_mask(nnx.state(model, nnx.Param))
+
+
+def make_optimizer(cfg, model: ModelConfig | dict) -> tuple[optax.GradientTransformation,
+                                                             optax.Schedule]:
+  """AdamW (paper betas by config) with global-norm clipping; returns (tx, schedule).
+
+  Args:
+    cfg: the ``optim`` section of a run config.
+    model: the model config whose parameters the optimizer updates (the decay mask is
+      derived from it), or a decay mask from :func:`decay_mask`.
+  """
+  mask = model_decay_mask(model) if isinstance(model, ModelConfig) else model
   schedule = learning_rate_schedule(cfg)
   parts = []
   if cfg.clip_norm and cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(float(cfg.clip_norm)))
   parts.append(optax.adamw(schedule, b1=float(cfg.b1), b2=float(cfg.b2), eps=float(cfg.eps),
-                           weight_decay=float(cfg.weight_decay), mask=decay_mask))
+                           weight_decay=float(cfg.weight_decay), mask=mask))
   return optax.chain(*parts), schedule

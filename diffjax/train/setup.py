@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
-from diffjax.train.optim import make_optimizer
+from diffjax.train.optim import decay_mask, make_optimizer
 from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
 
 # The arrays of one batch (see diffjax.data): int32 tokens, segments and positions,
@@ -168,12 +168,11 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
   if global_batch_size is not None and global_batch_size % grad_accum_steps:
     raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
                      f"grad_accum_steps={grad_accum_steps}.")
-  tx, schedule = make_optimizer(optim_cfg)
-
   # The model's structure and parameter layout, without allocating parameters.
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
   graphdef, abstract_param_state = nnx.split(abstract_model)
+  tx, schedule = make_optimizer(optim_cfg, decay_mask(abstract_param_state))
   param_shards = shd.param_shardings(abstract_param_state, mesh, rules)
 
   def init():
