@@ -219,3 +219,41 @@ def test_cpu_rope_tables_match_the_plain_expressions():
     with dispatch.target_platform("tpu"):  # the plain expressions
       plain = rope.apply_rope(x, pos, style=style)
     np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=1e-6, atol=1e-6)
+
+
+def _rel_to_max(x, y) -> float:
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+
+
+@pytest.mark.parametrize("variant", ["diff_v1", "diff_v2"])
+def test_diff_bfloat16_forward_and_every_gradient_within_bfloat16_rounding(variant):
+  """bf16 inputs against the float32 reference on the same (bf16-rounded) inputs."""
+  b, t, s, h, k, d, dv = SHAPES[0]
+  ids = _segments(b, t, s, "self")
+  if variant == "diff_v1":
+    shapes = [(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)]
+    args = _arrays(shapes, 5, jnp.bfloat16, seed=4) + [jnp.linspace(0.2, 0.9, h)]
+    fast = lambda *x: diff_v1_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    want = lambda *x: ref.diff_v1_reference(*x, causal=True, segment_ids=ids)
+  else:
+    shapes = [(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d)]
+    args = _arrays(shapes, 3, jnp.bfloat16, seed=4) + [
+        jax.nn.sigmoid(jax.random.normal(jax.random.key(5), (b, t, h)))]
+    fast = lambda *x: diff_v2_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    want = lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids)
+  f32 = [a.astype(jnp.float32) for a in args]
+  out = fast(*args)
+  w = jax.random.normal(jax.random.key(9), out.shape, jnp.float32)
+  loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
+  argnums = tuple(range(len(args)))
+  grads = jax.grad(loss(fast), argnums)(*args)
+  out_r, grads_r = want(*f32), jax.grad(loss(want), argnums)(*f32)
+  assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads] == [a.dtype for a in args]
+  errs = {"out": _rel_to_max(out, out_r)}
+  errs.update({f"d{i}": _rel_to_max(g, gr) for i, (g, gr) in enumerate(zip(grads, grads_r))})
+  # Measured errors are 2e-3 to 5e-3 (bf16 rounding of the inputs to each matmul).
+  bad = {n: e for n, e in errs.items() if not e <= 1e-2}
+  assert not bad, errs
+  # A wrong gradient must fail the measure: a sign flip of the last input's gradient does.
+  assert _rel_to_max(-grads[-1], grads_r[-1]) > 1e-2

@@ -326,8 +326,10 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
 
 
 def _races_found() -> bool:
+  """Whether the interpreter's race detector found a race; fails if it did not run at all."""
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # pylint: disable=g-import-not-at-top
-  return bool(ipc.races is not None and ipc.races.races_found)
+  assert ipc.races is not None, "the interpreter ran without race detection"
+  return bool(ipc.races.races_found)
 
 
 @pytest.mark.parametrize("version,t,s,rep,dq_chunk,d", [

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,10 @@ def test_selftest_dry_runs():
                      capture_output=True, text=True, cwd=ROOT, timeout=600,
                      env={**os.environ, "SELFTEST_BOOTSTRAP": "0"})
   assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-  assert " 0 failed" in r.stdout or "0 failed" in r.stdout, r.stdout[-2000:]
+  summary = re.findall(r"^(\d+) checks, (\d+) failed$", r.stdout, re.M)
+  assert len(summary) == 1, r.stdout[-2000:]
+  checks, failed = map(int, summary[0])
+  assert failed == 0 and checks > 0, r.stdout[-2000:]
 
 
 def _babysit_dry(tmp_path, exits):
