@@ -104,19 +104,19 @@ def _specs_and_args(kernel: str, mesh: Mesh, *, batch: int, seq: int, d: int, dt
     args = (sds((b, seq, h, d), x), sds((b, seq, h, d), x), sds((b, seq, h, d), x),
             sds((b, seq, h, d), x), sds((b, seq, h, 2 * d), x),
             sds((h,), in_specs[5], jnp.float32))
-    fn = kt.diff_v1_attention_tpu if kernel.endswith("fused") else kt.diff_v1_stock_tpu
+    fn = kt.diff_v1_pallas_tpu if kernel.endswith("fused") else kt.diff_v1_stock_tpu
     return fn, in_specs, out_spec, args
   h = 24
   in_specs, out_spec = kt.diff_v2_partition_specs("data", "model")
   args = (sds((b, seq, 2 * h, d), x), sds((b, seq, h, d), x), sds((b, seq, h, d), x),
           sds((b, seq, h), in_specs[3], jnp.float32))
-  fn = kt.diff_v2_attention_tpu if kernel.endswith("fused") else kt.diff_v2_stock_tpu
+  fn = kt.diff_v2_pallas_tpu if kernel.endswith("fused") else kt.diff_v2_stock_tpu
   return fn, in_specs, out_spec, args
 
 
 def _program(fn: Callable, mesh, in_specs, out_spec, n_args: int, pass_: str, block_sizes):
   kwargs = dict(causal=True)
-  if block_sizes is not None and fn in (kt.diff_v1_attention_tpu, kt.diff_v2_attention_tpu):
+  if block_sizes is not None and fn in (kt.diff_v1_pallas_tpu, kt.diff_v2_pallas_tpu):
     kwargs["block_sizes"] = block_sizes
   per_device = lambda *a: fn(*a, **kwargs)
   sharded = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,

@@ -21,7 +21,7 @@ key and one value of width d). Self-attention (S = T), kv heads equal to heads.
                         and ``diff_v2_stock_tpu`` (one call over the 4H query heads),
                         then the lambda combination in XLA.
   V1 / V2 fused before  the fused kernels as of commit 99978ee (dQ round trip in HBM).
-  V1 / V2 fused today   ``diff_v1_attention_tpu`` / ``diff_v2_attention_tpu``.
+  V1 / V2 fused today   ``diff_v1_pallas_tpu`` / ``diff_v2_pallas_tpu``.
   V1 / V2 fused target  a design target that no kernel implements yet (see below).
 
 What is counted (from the code in ``diffjax/kernels/tpu`` and jax's splash attention):
@@ -960,11 +960,11 @@ def compiled_bytes(version: int, shape: Shape, tiles: Tiles, *,
                 dq_chunk=tiles.dq_chunk)
   if version == 1:
     args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
-    fn = lambda *a: kt.diff_v1_attention_tpu(*a, causal=shape.causal, block_sizes=blocks)
+    fn = lambda *a: kt.diff_v1_pallas_tpu(*a, causal=shape.causal, block_sizes=blocks)
   else:
     args = (sds((b, t, 2 * h, d)), sds((b, t, h, d)), sds((b, t, h, d)),
             sds((b, t, h), jnp.float32))
-    fn = lambda *a: kt.diff_v2_attention_tpu(*a, causal=shape.causal, block_sizes=blocks)
+    fn = lambda *a: kt.diff_v2_pallas_tpu(*a, causal=shape.causal, block_sizes=blocks)
   cotangent = sds((b, t, h, fl.dv))
 
   def fwd_bwd(*a):

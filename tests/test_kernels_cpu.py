@@ -8,7 +8,7 @@ import pytest
 
 from diffjax import ops
 from diffjax.core import reference as ref
-from diffjax.kernels.cpu import diff_v1_cpu, diff_v2_cpu, mha_cpu
+from diffjax.kernels.cpu import diff_v1_xla_cpu, diff_v2_xla_cpu, mha_xla_cpu
 from diffjax.ops import dispatch
 
 # (B, T, S, H, K, D, Dv): GQA groups of 1, 3 and 2, T != S, odd sizes.
@@ -68,7 +68,7 @@ def test_mha_matches_reference(shape, causal, seg):
   ids = _segments(b, t, s, seg)
   q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32)
-  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=causal, q_segment_ids=q_seg,
+  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=causal, q_segment_ids=q_seg,
                                   kv_segment_ids=kv_seg),
          lambda q, kk, v: ref.mha_reference(q, kk, v, causal=causal, segment_ids=ids),
          args, 2e-5)
@@ -83,7 +83,7 @@ def test_diff_v1_matches_reference(shape, seg):
   args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
                  jnp.float32)
   lam = jnp.linspace(0.2, 0.9, h)
-  _check(lambda *x: diff_v1_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
+  _check(lambda *x: diff_v1_xla_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
                                 kv_segment_ids=kv_seg),
          lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
          (*args, lam), 3e-5)
@@ -95,14 +95,14 @@ def test_diff_v2_matches_reference(shape):
   ids = _segments(b, t, s, "pair")
   args = _arrays([(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d), (b, t, h)], 4, jnp.float32)
   args[3] = jax.nn.sigmoid(args[3])
-  _check(lambda *x: diff_v2_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
+  _check(lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
          lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids), args, 3e-5)
 
 
 def test_bfloat16_within_bfloat16_rounding():
   b, t, s, h, k, d, dv = SHAPES[0]
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.bfloat16, seed=3)
-  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=True),
+  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True),
          lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True), args, 3e-2)
 
 
@@ -110,7 +110,7 @@ def test_rows_with_no_visible_key_are_zero_with_finite_gradients():
   b, t, s, h, k, d, dv = SHAPES[0]
   q_ids, kv_ids = _segments(b, t, s, "pair")
   q, kk, v = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32)
-  f = lambda q: mha_cpu(q, kk, v, causal=True, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  f = lambda q: mha_xla_cpu(q, kk, v, causal=True, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   assert np.all(np.asarray(f(q))[:, -2:] == 0)
   assert np.all(np.isfinite(np.asarray(jax.grad(lambda q: jnp.sum(f(q) ** 2))(q))))
 
@@ -132,7 +132,7 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
   b, t, s, h, k, d, dv = SHAPES[2]  # B = 3
   ids = _segments(b, t, s, "self")
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32, seed=5)
-  f = lambda q, kk, v: mha_cpu(q, kk, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  f = lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
   one_row = 4 * k * t * s
   monkeypatch.setattr(cpu_attention, "SCORE_BYTES_PER_STEP", 2 * one_row)  # 2 rows, then 1
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d))) == 2
@@ -142,7 +142,7 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
   q2 = _arrays([(b, t, h, d)], 1, jnp.float32, seed=6)[0]
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d)), 2) == 1
   lam = jnp.linspace(0.3, 0.6, h)
-  _check(lambda q, q2, kk, v: diff_v1_cpu(q, q2, kk, kk, v, lam, causal=True, q_segment_ids=ids,
+  _check(lambda q, q2, kk, v: diff_v1_xla_cpu(q, q2, kk, kk, v, lam, causal=True, q_segment_ids=ids,
                                           kv_segment_ids=ids),
          lambda q, q2, kk, v: ref.diff_v1_reference(q, q2, kk, kk, v, lam, causal=True,
                                                     segment_ids=ids),
@@ -165,11 +165,11 @@ def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
   args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
                  jnp.float32, seed=11)
   lam = jnp.linspace(0.2, 0.9, h)
-  _check(lambda *x: diff_v1_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
+  _check(lambda *x: diff_v1_xla_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
                                 kv_segment_ids=kv_seg),
          lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
          (*args, lam), 3e-5)
-  _check(lambda q, kk, v: mha_cpu(q, kk, v, causal=True, q_segment_ids=q_seg,
+  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True, q_segment_ids=q_seg,
                                   kv_segment_ids=kv_seg),
          lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids),
          args[::2][:1] + [args[2], args[4]], 2e-5)
@@ -234,13 +234,13 @@ def test_diff_bfloat16_forward_and_every_gradient_within_bfloat16_rounding(varia
   if variant == "diff_v1":
     shapes = [(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)]
     args = _arrays(shapes, 5, jnp.bfloat16, seed=4) + [jnp.linspace(0.2, 0.9, h)]
-    fast = lambda *x: diff_v1_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    fast = lambda *x: diff_v1_xla_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
     want = lambda *x: ref.diff_v1_reference(*x, causal=True, segment_ids=ids)
   else:
     shapes = [(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d)]
     args = _arrays(shapes, 3, jnp.bfloat16, seed=4) + [
         jax.nn.sigmoid(jax.random.normal(jax.random.key(5), (b, t, h)))]
-    fast = lambda *x: diff_v2_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    fast = lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
     want = lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids)
   f32 = [a.astype(jnp.float32) for a in args]
   out = fast(*args)

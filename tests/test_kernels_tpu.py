@@ -79,11 +79,11 @@ def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
   segs = None if q_seg is None else (q_seg, kv_seg)
   if version == 1:
     args, names, dv = _v1_inputs(b, t, s, h, kh, d, dtype), V1_GRADS, 2 * d
-    fn = fn or kt.diff_v1_attention_tpu
+    fn = fn or kt.diff_v1_pallas_tpu
     refn = lambda *a: ref.diff_v1_reference(*a, causal=causal, segment_ids=segs)
   else:
     args, names, dv = _v2_inputs(b, t, s, h, kh, d, dtype), V2_GRADS, d
-    fn = fn or kt.diff_v2_attention_tpu
+    fn = fn or kt.diff_v2_pallas_tpu
     refn = lambda *a: ref.diff_v2_reference(*a, causal=causal, segment_ids=segs)
   kern = lambda *a: fn(*a, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                        block_sizes=blocks, interpret=interpret)
@@ -370,13 +370,13 @@ def test_block_sizes_validation_names_values():
     kt.BlockSizes(dq_chunk=True)
   args = _v1_inputs(1, 32, 32, 2, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match=r"Unknown BlockSizes fields \['block_z'\]"):
-    kt.diff_v1_attention_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
+    kt.diff_v1_pallas_tpu(*args, block_sizes={"block_z": 32}, interpret=True)
   with pytest.raises(TypeError, match="block_sizes must be None, a BlockSizes or a dict"):
-    kt.diff_v1_attention_tpu(*args, block_sizes=(64, 64), interpret=True)
+    kt.diff_v1_pallas_tpu(*args, block_sizes=(64, 64), interpret=True)
   with pytest.raises(ValueError, match="dq_chunk=0 must be None"):
-    kt.diff_v1_attention_tpu(*args, block_sizes={"dq_chunk": 0}, interpret=True)
+    kt.diff_v1_pallas_tpu(*args, block_sizes={"dq_chunk": 0}, interpret=True)
   with pytest.raises(ValueError, match="Pass both q_segment_ids and kv_segment_ids"):
-    kt.diff_v1_attention_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
+    kt.diff_v1_pallas_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
                              interpret=True)
 
 
@@ -503,12 +503,12 @@ def test_aot_compile_v5e_fwd_bwd():
       in_specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
       x = sds((b, t, h, d), in_specs[0])
       args = (x, x, x, x, sds((b, t, h, 2 * d), in_specs[4]), sds((h,), in_specs[5], jnp.float32))
-      fn = kt.diff_v1_attention_tpu
+      fn = kt.diff_v1_pallas_tpu
     else:
       in_specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
       args = (sds((b, t, 2 * h, d), in_specs[0]), sds((b, t, h, d), in_specs[1]),
               sds((b, t, h, d), in_specs[2]), sds((b, t, h), in_specs[3], jnp.float32))
-      fn = kt.diff_v2_attention_tpu
+      fn = kt.diff_v2_pallas_tpu
     seg = sds((b, t), P("data", None), jnp.int32)
 
     def per_device(*a, fn=fn, blocks=blocks):
@@ -537,7 +537,7 @@ def test_aot_v1_forward_needs_no_layout_passes():
       shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
   b, t, h, d = 1, 1024, 6, 128
   args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
-  fn = jax.jit(lambda *a: kt.diff_v1_attention_tpu(*a, causal=True))
+  fn = jax.jit(lambda *a: kt.diff_v1_pallas_tpu(*a, causal=True))
   with jax.default_device(device), without_persistent_cache():
     text = fn.lower(*args).compile().as_text()
   entry = text[text.find("ENTRY"):]
@@ -569,12 +569,12 @@ _SHARD_MAP_SCRIPT = textwrap.dedent("""
                 n(ks[3], (b, t, kh, d)), n(ks[4], (b, t, kh, 2 * d)),
                 jnp.linspace(0.2, 0.8, h))
         specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
-        fn, refn = kt.diff_v1_attention_tpu, ref.diff_v1_reference
+        fn, refn = kt.diff_v1_pallas_tpu, ref.diff_v1_reference
       else:
         args = (n(ks[0], (b, t, 2 * h, d)), n(ks[2], (b, t, kh, d)), n(ks[4], (b, t, kh, d)),
                 jax.nn.sigmoid(n(ks[5], (b, t, h))))
         specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
-        fn, refn = kt.diff_v2_attention_tpu, ref.diff_v2_reference
+        fn, refn = kt.diff_v2_pallas_tpu, ref.diff_v2_reference
 
       def per_device(*a, fn=fn):
         *xs, q_seg, kv_seg = a

@@ -83,7 +83,7 @@ def _run_case(case, dtype=jnp.float32, seed=0):
   args = _inputs(c["b"], c["s"], c["h"], c["kh"], c["d"], c["dv"], dtype, seed)
   kv_len = jnp.array(c["lens"], jnp.int32)
   blocks = kt.DecodeBlockSizes(block_kv=c["block_kv"])
-  out = kt.diff_v1_decode_tpu(*args, kv_len, block_sizes=blocks, interpret=True)
+  out = kt.diff_v1_decode_pallas_tpu(*args, kv_len, block_sizes=blocks, interpret=True)
   return args, kv_len, blocks, out
 
 
@@ -108,7 +108,7 @@ def test_slots_past_kv_len_do_not_matter(case):
   q1, q2, k1, k2, v, lam = args
   for value in (1e4, jnp.nan):
     junk = lambda x, value=value: _junk_past(x, kv_len, value)
-    out_junk = kt.diff_v1_decode_tpu(q1, q2, junk(k1), junk(k2), junk(v), lam, kv_len,
+    out_junk = kt.diff_v1_decode_pallas_tpu(q1, q2, junk(k1), junk(k2), junk(v), lam, kv_len,
                                      block_sizes=blocks, interpret=True)
     # The kernel never mixes a slot past kv_len into a result: bit-identical outputs.
     np.testing.assert_array_equal(np.asarray(out_junk), np.asarray(out))
@@ -154,13 +154,13 @@ def test_decode_rejects_bad_arguments():
   q1, q2, k1, k2, v, lam = _inputs(2, 64, 2, 2, 16, 32)
   two = lambda x: jnp.concatenate([x, x], axis=1)
   with pytest.raises(ValueError, match="one query token"):
-    kt.diff_v1_decode_tpu(two(q1), two(q2), k1, k2, v, lam, jnp.array([3, 4]), interpret=True)
+    kt.diff_v1_decode_pallas_tpu(two(q1), two(q2), k1, k2, v, lam, jnp.array([3, 4]), interpret=True)
   with pytest.raises(ValueError, match="kv_len must be an integer array of shape"):
-    kt.diff_v1_decode_tpu(q1, q2, k1, k2, v, lam, jnp.array([3.0, 4.0]), interpret=True)
+    kt.diff_v1_decode_pallas_tpu(q1, q2, k1, k2, v, lam, jnp.array([3.0, 4.0]), interpret=True)
   with pytest.raises(ValueError, match="multiple of 128"):
     kt.DecodeBlockSizes(block_kv=96)
   with pytest.raises(ValueError, match="Unknown DecodeBlockSizes fields"):
-    kt.diff_v1_decode_tpu(q1, q2, k1, k2, v, lam, jnp.array([3, 4]), block_sizes={"bq": 8},
+    kt.diff_v1_decode_pallas_tpu(q1, q2, k1, k2, v, lam, jnp.array([3, 4]), block_sizes={"bq": 8},
                           interpret=True)
 
 
@@ -173,7 +173,7 @@ def test_auto_on_tpu_and_pallas_tpu_run_the_kernel_and_match_xla():
     assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == \
         "pallas_tpu"
   assert dispatch.lookup("diff_v1_decode", "pallas_tpu", "tpu", False).fn is \
-      kt.diff_v1_decode_tpu
+      kt.diff_v1_decode_pallas_tpu
   q1, q2, k1, k2, v, _ = _inputs(3, 128, 6, 2, 16, 32, seed=2)
   args = (q1, q2, k1, k2, v, 0.3, jnp.array([1, 77, 128]))
   got = ops.diff_v1_attention_decode(*args, implementation="pallas_tpu", interpret=True)
@@ -251,7 +251,7 @@ def _compile_decode_step(devices, b, s, h, kh, d, dv, dtype):
     write = lambda x: jax.lax.dynamic_update_slice(
         x, jnp.ones((b, 1) + x.shape[2:], x.dtype), (0, kv_len[0] - 1, 0, 0))
     k1, k2, v = write(k1), write(k2), write(v)
-    return kt.diff_v1_decode_tpu(q1, q2, k1, k2, v, lam, kv_len), (k1, k2, v)
+    return kt.diff_v1_decode_pallas_tpu(q1, q2, k1, k2, v, lam, kv_len), (k1, k2, v)
 
   with without_persistent_cache(), jax.set_mesh(mesh):
     return jax.jit(step, donate_argnums=(2, 3, 4)).lower(*args).compile().as_text()
@@ -324,7 +324,7 @@ def test_decode_matches_reference_wide(b, s, h, kh, d, dv, block_kv, splits, dty
   args = _inputs(b, s, h, kh, d, dv, dtype, seed=5)
   kv_len = jnp.array([s, 1, s // 2 + 3][:b], jnp.int32)
   blocks = kt.DecodeBlockSizes(block_kv=block_kv, num_splits=splits)
-  out = kt.diff_v1_decode_tpu(*args, kv_len, block_sizes=blocks, interpret=True)
+  out = kt.diff_v1_decode_pallas_tpu(*args, kv_len, block_sizes=blocks, interpret=True)
   tol = F32_TOL if dtype == jnp.float32 else TOL[jnp.bfloat16]
   assert rel_err(out, _reference(*args, kv_len)) <= tol
 
@@ -338,7 +338,7 @@ def test_no_races_in_interpreter():
   args = _inputs(c["b"], c["s"], c["h"], c["kh"], c["d"], c["dv"])
   kv_len = jnp.array(c["lens"], jnp.int32)
   pltpu.reset_tpu_interpret_mode_state()
-  out = kt.diff_v1_decode_tpu(
+  out = kt.diff_v1_decode_pallas_tpu(
       *args, kv_len, block_sizes=kt.DecodeBlockSizes(block_kv=c["block_kv"]),
       interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2))
   assert rel_err(out, _reference(*args, kv_len)) <= F32_TOL

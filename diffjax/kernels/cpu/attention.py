@@ -319,7 +319,7 @@ def _pair_attention(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, 
   return _from_rows(o, t)
 
 
-def mha_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None,
+def mha_xla_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None,
             kv_segment_ids=None, scale=None, block_sizes=None, interpret=False) -> jax.Array:
   """Baseline attention; arguments as :func:`diffjax.ops.dot_product_attention`'s kernels."""
   del block_sizes, interpret
@@ -329,7 +329,7 @@ def mha_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None
                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
 
 
-def diff_v1_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
+def diff_v1_xla_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
                 causal=True, q_segment_ids=None, kv_segment_ids=None, scale=None,
                 block_sizes=None, interpret=False) -> jax.Array:
   """DIFF V1 core ``(A(q1, k1) - λ_h A(q2, k2)) V``, before the per-head norm."""
@@ -342,7 +342,7 @@ def diff_v1_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_
                          kv_segment_ids=kv_segment_ids, scale=_v.default_scale(scale, d))
 
 
-def diff_v2_cpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
+def diff_v2_xla_cpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
                 q_segment_ids=None, kv_segment_ids=None, scale=None, block_sizes=None,
                 interpret=False) -> jax.Array:
   """DIFF V2 core on paired query heads: ``(A(q_2i) - λ_i A(q_2i+1)) V``."""

@@ -14,19 +14,19 @@ The ops run these for the TPU platform (the table is
     (:mod:`diffjax.kernels.tpu.decode`), reading K1, K2 and V once.
 This package imports nothing from :mod:`diffjax.ops`.
 
-Public API: :func:`diff_v1_attention_tpu`, :func:`diff_v2_attention_tpu`,
+Public API: :func:`diff_v1_pallas_tpu`, :func:`diff_v2_pallas_tpu`,
 :class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
 (with :func:`check_head_sharding`; one copy for every kernel, in
 :mod:`diffjax.sharding.kernel_specs`),
 :func:`diff_v1_stock_tpu`, :func:`diff_v2_stock_tpu`, the baseline peer
 :func:`mha_stock_tpu` (one splash call), and the decode kernel
-:func:`diff_v1_decode_tpu` with its :class:`DecodeBlockSizes` and
+:func:`diff_v1_decode_pallas_tpu` with its :class:`DecodeBlockSizes` and
 :func:`cache_length_multiple`.
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, DecodeBlockSizes, resolve_block_sizes
-from diffjax.kernels.tpu.decode import cache_length_multiple, diff_v1_decode_tpu
-from diffjax.kernels.tpu.diff_attention import diff_v1_attention_tpu, diff_v2_attention_tpu
+from diffjax.kernels.tpu.decode import cache_length_multiple, diff_v1_decode_pallas_tpu
+from diffjax.kernels.tpu.diff_attention import diff_v1_pallas_tpu, diff_v2_pallas_tpu
 from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
 from diffjax.sharding.kernel_specs import (
     check_head_sharding,
@@ -35,8 +35,8 @@ from diffjax.sharding.kernel_specs import (
 )
 
 __all__ = [
-    "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_attention_tpu",
-    "diff_v2_attention_tpu", "diff_v1_partition_specs", "diff_v2_partition_specs",
+    "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_pallas_tpu",
+    "diff_v2_pallas_tpu", "diff_v1_partition_specs", "diff_v2_partition_specs",
     "diff_v1_stock_tpu", "diff_v2_stock_tpu", "mha_stock_tpu", "DecodeBlockSizes",
-    "cache_length_multiple", "diff_v1_decode_tpu",
+    "cache_length_multiple", "diff_v1_decode_pallas_tpu",
 ]

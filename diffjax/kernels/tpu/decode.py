@@ -343,7 +343,7 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   return out.reshape(b, 1, h, dv).astype(q1.dtype)
 
 
-def diff_v1_decode_tpu(
+def diff_v1_decode_pallas_tpu(
     q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
     k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float,
     kv_len_B: jax.Array, *, scale: float | None = None,
@@ -366,7 +366,7 @@ def diff_v1_decode_tpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_tpu", wider="diff_v1_attention_tpu")
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_tpu", wider="diff_v1_pallas_tpu")
   b, _, h, d = q1_Bx1xHxD.shape
   kv_len_B = jnp.asarray(kv_len_B)
   blocks = resolve_decode_block_sizes(block_sizes, head_dim=d,

@@ -61,7 +61,7 @@ def _config(*, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, 
       interpret=_interpret_mode(interpret), widths=(d, dv))
 
 
-def diff_v1_attention_tpu(
+def diff_v1_pallas_tpu(
     q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
     k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float, *,
     causal: bool = True, q_segment_ids: jax.Array | None = None,
@@ -107,7 +107,7 @@ def _diff_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
   return out_BxHxTxDv.transpose(0, 2, 1, 3)
 
 
-def diff_v2_attention_tpu(
+def diff_v2_pallas_tpu(
     q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
     lam_BxTxH: jax.Array, *, causal: bool = True,
     q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
@@ -121,7 +121,7 @@ def diff_v2_attention_tpu(
     k_BxSxKxD, v_BxSxKxD: the baseline's keys and values.
     lam_BxTxH: per-token, per-pair lambda (already squashed). Differentiable.
     causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret: as in
-      :func:`diff_v1_attention_tpu`.
+      :func:`diff_v1_pallas_tpu`.
   Returns:
     [B, T, H, Dv]: ``softmax(q_2i K^T s) V - lam_i softmax(q_2i+1 K^T s) V`` in q's dtype.
   """

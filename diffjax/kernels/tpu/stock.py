@@ -94,7 +94,7 @@ def diff_v1_stock_tpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv
                       interpret: bool = False) -> jax.Array:
   """DIFF V1 as two splash-attention calls with the 2D-wide value, then a subtraction.
 
-  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v1_attention_tpu`;
+  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v1_pallas_tpu`;
   ``block_sizes`` is None or a ``splash_attention.BlockSizes``.
   """
   lam = jnp.asarray(lam_H)
@@ -125,7 +125,7 @@ def diff_v2_stock_tpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal: boo
                       block_sizes=None, interpret: bool = False) -> jax.Array:
   """DIFF V2 as one splash-attention call over the 2H query heads, then pair combining.
 
-  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_attention_tpu`.
+  Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_pallas_tpu`.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   d = q_BxTxQxD.shape[-1]
