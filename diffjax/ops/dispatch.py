@@ -72,20 +72,20 @@ except ImportError as e:  # pragma: no cover
 # Triton per call (diffjax.kernels.gpu.fused.backend).
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     # op        implementation  platform  function
-    ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_cpu),
-    ("diff_v1", "xla_cpu",      "cpu",    cpu_kernels.diff_v1_cpu),
-    ("diff_v2", "xla_cpu",      "cpu",    cpu_kernels.diff_v2_cpu),
+    ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_xla_cpu),
+    ("diff_v1", "xla_cpu",      "cpu",    cpu_kernels.diff_v1_xla_cpu),
+    ("diff_v2", "xla_cpu",      "cpu",    cpu_kernels.diff_v2_xla_cpu),
     ("mha",     "stock",        "tpu",    tpu_kernels.mha_stock_tpu),
-    ("diff_v1", "pallas_tpu",   "tpu",    tpu_kernels.diff_v1_attention_tpu),
+    ("diff_v1", "pallas_tpu",   "tpu",    tpu_kernels.diff_v1_pallas_tpu),
     ("diff_v1", "stock",        "tpu",    tpu_kernels.diff_v1_stock_tpu),
-    ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_attention_tpu),
+    ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_pallas_tpu),
     ("diff_v2", "stock",        "tpu",    tpu_kernels.diff_v2_stock_tpu),
     ("mha",     "stock",        "gpu",    gpu_stock.mha_stock),
     ("diff_v1", "pallas_gpu",   "gpu",    gpu_fused.diff_v1_gpu),
     ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
     ("diff_v2", "pallas_gpu",   "gpu",    gpu_fused.diff_v2_gpu),
     ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
-    ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_tpu),
+    ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
     ("diff_v1_decode", "pallas_gpu", "gpu", gpu_fused.diff_v1_decode_gpu),
 )
 
