@@ -28,7 +28,7 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
   code = ("import diffjax.kernels.tpu as kt, diffjax.kernels.gpu as kg\n"
           "from diffjax.ops import dispatch\n"
           "assert dispatch.lookup('diff_v1', 'pallas_tpu', 'tpu', False).fn is "
-          "kt.diff_v1_attention_tpu\n"
+          "kt.diff_v1_pallas_tpu\n"
           "print('OK')\n")
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                         text=True, timeout=300, check=False, cwd=ROOT)

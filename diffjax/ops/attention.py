@@ -261,7 +261,7 @@ def diff_v1_attention_decode(
   """DIFF V1 attention (before the per-head norm) of one new token against a cache.
 
   "auto" runs a fused decode kernel, which reads K1, K2 and V once, on TPU
-  (:func:`diffjax.kernels.tpu.diff_v1_decode_tpu`) and on GPU: the Mosaic GPU kernel
+  (:func:`diffjax.kernels.tpu.diff_v1_decode_pallas_tpu`) and on GPU: the Mosaic GPU kernel
   on a Hopper for bf16/fp16 (:func:`diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_mosaic`),
   else the Triton kernel (:func:`diffjax.kernels.gpu.diff_v1_decode`) while jax still
   supports Triton (before 0.11) and XLA from 0.11 (``implementation="pallas_gpu"`` still
