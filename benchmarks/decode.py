@@ -20,7 +20,7 @@ from flax import nnx
 
 import diffjax
 from diffjax.model import DecoderLM, ModelConfig, count_params, matched_configs
-from diffjax.presets import baseline_spec
+from diffjax.model.sizes import size_widths
 
 
 def kv_bytes_per_token(model: DecoderLM) -> int:
@@ -31,7 +31,7 @@ def kv_bytes_per_token(model: DecoderLM) -> int:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--size", default="default", help="baseline size from diffjax.presets")
+  p.add_argument("--size", default="default", help="baseline size from diffjax.model.sizes")
   p.add_argument("--context", type=int, default=512, help="prompt tokens per row")
   p.add_argument("--new", type=int, default=64, help="generated tokens per row")
   p.add_argument("--batch", type=int, default=8)
@@ -40,7 +40,7 @@ def main():
   p.add_argument("--implementation", default="auto")
   a = p.parse_args()
 
-  base = ModelConfig(attention="transformer", **{**baseline_spec(a.size, a.vocab),
+  base = ModelConfig(attention="transformer", vocab_size=a.vocab, **{**size_widths(a.size),
                                                  "dtype": a.dtype,
                                                  "implementation": a.implementation})
   prompts = np.random.default_rng(0).integers(0, a.vocab, (a.batch, a.context))

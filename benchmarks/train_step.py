@@ -20,7 +20,8 @@ import numpy as np
 
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig, count_params, matched_configs
-from diffjax.presets import base_config, baseline_spec
+from diffjax.model.sizes import size_widths
+from diffjax.presets import base_config
 from diffjax.train.setup import build_train_setup
 
 
@@ -49,7 +50,7 @@ def bench_arm(cfg: ModelConfig, batch_np, steps: int, warmup: int):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--size", default="small", help="baseline size from diffjax.presets")
+  p.add_argument("--size", default="small", help="baseline size from diffjax.model.sizes")
   p.add_argument("--seq", type=int, default=256)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=258)
@@ -61,7 +62,7 @@ def main():
                  help="run the blocks unrolled, under lax.scan, or both (rows side by side)")
   a = p.parse_args()
 
-  base = ModelConfig(attention="transformer", **{**baseline_spec(a.size, a.vocab),
+  base = ModelConfig(attention="transformer", vocab_size=a.vocab, **{**size_widths(a.size),
                                                  "dtype": a.dtype,
                                                  "implementation": a.implementation})
   rng = np.random.default_rng(0)

@@ -1,15 +1,27 @@
-"""Tiny matched arm for a CPU (0.47M parameters with byte tokens; a couple of minutes on 2 cores).
+"""Tiny CPU run: 0.47M parameters with byte tokens on the embedded corpus; a couple of
+minutes on 2 cores.
 
-The argument after the colon picks the arm (default diff_v1):
+  python train.py --config=configs/tiny.py --workdir=runs/tiny_diff_v1
+  python train.py --config=configs/tiny.py --config.model.arm=transformer --workdir=runs/tiny_transformer
 
-  python train.py --config=configs/tiny.py:transformer --workdir=runs/tiny_transformer
-  python train.py --config=configs/tiny.py:diff_v1 --workdir=runs/tiny_diff_v1
-  python train.py --config=configs/tiny.py:diff_v2 --workdir=runs/tiny_diff_v2
+Every arm is matched to the Transformer of size "tiny" (128 wide, 2 layers, 4 heads of 32).
 """
 
-from diffjax.presets import config_args, tiny
+from diffjax.presets import base_config
 
 
-def get_config(arg: str = "diff_v1"):
-  arm, _ = config_args(arg, default_arm="diff_v1")
-  return tiny(arm)
+def get_config():
+  c = base_config()
+  c.model.arm = "diff_v1"
+  c.model.size = "tiny"
+  c.model.v2_match = "params"
+  c.data.kind = "stdlib"
+  c.seq_len = 128
+  c.global_batch_size = 16
+  c.num_steps = 500
+  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine",
+                      decay_steps=500))
+  c.log_every = 50
+  c.eval_every = 100
+  c.checkpoint.every = 250
+  return c

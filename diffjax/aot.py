@@ -25,7 +25,7 @@ import jax
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
 from diffjax.ops import target_platform
-from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model_config
+from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.setup import build_train_setup
 
 GIB = 1024 ** 3
@@ -135,7 +135,7 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
     # tokenizer file it will train with.
     fixed = int(config.model.get("vocab_size", -1))
     vocab_size = fixed if fixed > 0 else load_tokenizer(config.data.tokenizer).vocab_size
-  model_cfg = resolved_model_config(config, vocab_size)
+  model_cfg = resolved_model(config, vocab_size).config
   mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
                             rules=shd.rules_from_config(config.mesh.get("rules")),

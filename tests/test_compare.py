@@ -1,6 +1,5 @@
 """Matched comparison: end to end in miniature, rerun and resume, the data check, bad configs."""
 
-import importlib.util
 import json
 import math
 import os
@@ -12,8 +11,9 @@ import time
 
 import pytest
 
-from diffjax import compare, presets
-from diffjax.presets import arm_model, base_config
+from diffjax import compare
+from diffjax.model import resolve_model
+from diffjax.presets import base_config, load_config
 
 # ml_collections loads config files with importlib's deprecated load_module().
 pytestmark = pytest.mark.filterwarnings(
@@ -27,13 +27,13 @@ STEPS = 6
 # A config file, as a user would write one: two arms, two seeds, a few steps, a tiny eval.
 MINI_CONFIG = f"""
 from diffjax.compare import comparison_config
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import base_config
 
 
 def get_config():
   base = base_config()
-  base.model.update(arm_model("tiny", "transformer"))
-  base.model.update(d_model=64, num_layers=1, mlp_dim=128, head_dim=16)
+  base.model.update(dict(arm="transformer", size="tiny", d_model=64, num_layers=1, mlp_dim=128,
+                         head_dim=16))
   base.seq_len, base.global_batch_size, base.num_steps = 32, 4, {STEPS}
   base.log_every, base.eval_every, base.eval_batches = 2, 3, 2
   base.tensorboard = False
@@ -269,46 +269,40 @@ def test_batch_mismatch_is_reported_loudly(compared, tmp_path):
   assert results["data_check"]["per_seed"]["1"]["match"] is True
 
 
-def test_run_configs_differ_only_in_model_and_seed():
+def test_run_configs_differ_only_in_the_arm_and_seed():
   base = base_config()
-  base.model.update(arm_model("tiny", "transformer"))
+  base.model.update(dict(arm="transformer", size="tiny"))
   config = compare.comparison_config(base, seeds=(3, 4))
-  assert config.v2_match == "params"  # new comparisons match DIFF V2 by parameters
+  assert compare.config.v2_matching(config) == "params"  # the one default
   runs = {arm: compare.run_config(config, arm, 4) for arm in compare.ARMS}
   for arm, run in runs.items():
-    assert run.model.to_dict() == arm_model("tiny", arm, v2_match="params"), arm
-    assert run.seed == 4 and run.log_batch_hash
+    assert run.model.arm == arm and run.seed == 4 and run.log_batch_hash
     rest = {k: v for k, v in run.to_dict().items() if k != "model"}
     ref = {k: v for k, v in runs["transformer"].to_dict().items() if k != "model"}
     assert rest == ref, arm
+    model = {k: v for k, v in run.model.to_dict().items() if k != "arm"}
+    assert model == {k: v for k, v in base.model.to_dict().items() if k != "arm"}, arm
+    assert resolve_model(run.model.to_dict()).matched, arm
   assert config.base.seed == 0, "run_config must not change the base config"
 
 
-def test_paper_3b_runs_are_the_presets_paper_setup():
-  spec = importlib.util.spec_from_file_location("paper_3b", f"{REPO}/configs/compare/paper_3b.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+def test_paper_3b_runs_are_the_paper_config_with_each_arm():
+  config = load_config(f"{REPO}/configs/compare/paper_3b.py")
   for arm in compare.ARMS:
-    want = presets.paper_3b(arm, v2_match=config.v2_match)
-    want.seed, want.log_batch_hash = 7, True
+    want = load_config(f"{REPO}/configs/paper_3b.py")
+    want.model.arm, want.seed, want.log_batch_hash = arm, 7, True
     assert compare.run_config(config, arm, 7).to_dict() == want.to_dict(), arm
 
 
 def test_retrieval_config_is_valid_matched_and_queries_one_key():
-  spec = importlib.util.spec_from_file_location(
-      "retrieval_cpu", f"{REPO}/configs/compare/retrieval_cpu.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = load_config(f"{REPO}/configs/compare/retrieval_cpu.py")
   compare.check_comparison_config(config)
-  assert len(config.seeds) >= 3 and config.v2_match == "params"
-  from diffjax.model import ModelConfig
+  assert len(config.seeds) >= 3 and config.base.model.v2_match == "params"
   from diffjax.model import count_params
   counts = {}
   for arm in compare.ARMS:
     run = compare.run_config(config, arm, 0)
-    counts[arm] = count_params(ModelConfig(**{**run.model.to_dict(), "vocab_size": 258}))
+    counts[arm] = count_params(resolve_model(run.model.to_dict()).config)
     mix = run.task_mix
     assert (mix.fraction, mix.loss, mix.num_queries, mix.separator) == (1.0, "answers", 1, "")
   assert abs(counts["diff_v2"] / counts["transformer"] - 1) <= 0.005, counts
@@ -345,7 +339,7 @@ def test_check_batches_reports_mismatch_and_missing_hashes():
     ("--config.seeds=(0, 0)", "repeats a seed"),
     ("--config.eval.mode=fast", "eval.mode='fast'"),
     ("--config.workers=0", "workers=0 must be a positive integer"),
-    ("--config.base.model.attention=diff_v1", "must be the 'transformer' spec"),
+    ("--config.base.model.attention=diff_v1", "a run's arm is --config.base.model.arm="),
 ])
 def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
   workdir = tmp_path / "wd"
@@ -386,12 +380,13 @@ def test_module_entry_point_reports_unknown_arm(tmp_path):
 
 def test_v2_matched_by_params_differs_only_in_ffn_width():
   from diffjax.model import ModelConfig, count_params, matched_configs  # pylint: disable=import-outside-toplevel
-  from diffjax.presets import baseline_spec  # pylint: disable=import-outside-toplevel
+  from diffjax.model.sizes import size_widths  # pylint: disable=import-outside-toplevel
   for size, vocab in (("tiny", 258), ("small", 258), ("350m", 258), ("3b", 100288),
                       ("830m", 100288)):
-    base = ModelConfig(attention="transformer", **baseline_spec(size, vocab))
-    by_heads = matched_configs(base)
+    base = ModelConfig(attention="transformer", vocab_size=vocab, **size_widths(size))
+    by_heads = matched_configs(base, v2_match="heads")
     by_params = matched_configs(base, v2_match="params")
+    assert by_params == matched_configs(base)  # "params" is the default
     assert by_params["transformer"] == by_heads["transformer"] == base
     assert by_params["diff_v1"] == by_heads["diff_v1"]
     v2 = by_params["diff_v2"]
@@ -404,7 +399,8 @@ def test_v2_matched_by_params_differs_only_in_ffn_width():
     assert count_params(by_heads["diff_v2"]) - n_base == base.num_layers * (e * h * d + e * h)
   with pytest.raises(ValueError, match="v2_match"):
     matched_configs(base, v2_match="flops")
-  tiny_ffn = ModelConfig(attention="transformer", **{**baseline_spec("tiny", 258), "mlp_dim": 8})
+  tiny_ffn = ModelConfig(attention="transformer", vocab_size=258,
+                         **{**size_widths("tiny"), "mlp_dim": 8})
   with pytest.raises(ValueError, match="mlp_dim=8"):
     matched_configs(tiny_ffn, v2_match="params")
 

@@ -543,8 +543,10 @@ def test_a_task_only_run_is_validated_on_its_own_held_out_examples(monkeypatch, 
   import ml_collections
   from diffjax.compare import runs
   from diffjax.eval.config import EvalConfig
-  from diffjax.presets import tiny
-  run = tiny("transformer")
+  from diffjax.presets import load_config
+  run = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "configs", "tiny.py"))
+  run.model.arm = "transformer"
   run.seq_len, run.global_batch_size = 64, 2
   run.data.val_fraction = 0.1
   run.task_mix.update(dict(task="associative_recall", fraction=1.0, num_examples=200,

@@ -539,17 +539,18 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
   json.loads(json.dumps(out))
 
   # The CLI on a run directory, with the checkpoint loader replaced by an in-memory model.
-  import diffjax.train as train_pkg
   from diffjax.eval import command
+  from diffjax.train import loading
   run_config = {"seq_len": 64, "seed": 3,
                 "data": {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2}}
-  monkeypatch.setattr(train_pkg, "load_model",
-                      lambda workdir, step=None: (runners["transformer"].model, run_config, 7),
-                      raising=False)
+  model = runners["transformer"].model
+  monkeypatch.setattr(loading, "load_run", lambda workdir, step=None: loading.LoadedRun(
+      model, model.config, run_config, 7))
   dest = tmp_path / "eval.json"
   assert command.main(["--workdir", str(tmp_path), "--out", str(dest), "--quick", "--sections",
-                   "validation,retrieval", "--set", "needle_grid=((1, 1),)", "--set",
-                   "depths=(0.5,)", "--set", "batch_size=2", "--set", "val_batches=1"]) == 0
+                   "validation,retrieval", "--config.needle_grid=((1, 1),)",
+                   "--config.depths=(0.5,)", "--config.batch_size=2",
+                   "--config.val_batches=1"]) == 0
   written = json.loads(dest.read_text())
   assert written["meta"]["seed"] == 3 and written["meta"]["arm"] == "transformer"
   assert written["meta"]["step"] == 7

@@ -155,17 +155,12 @@ def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_
   assert not list(empty.iterdir())
   # The documented command name, in a fresh process.
   missing = tmp_path / "missing"
-  r = subprocess.run([sys.executable, "-m", "diffjax.generate", f"--workdir={missing}", "--prompt=hi"],
+  r = subprocess.run([sys.executable, "-m", "diffjax.generation", f"--workdir={missing}",
+                      "--prompt=hi"],
                      capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                      cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=300)
   assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
   assert "is not a directory" in r.stderr and str(missing) in r.stderr and not missing.exists()
-
-
-def test_importing_the_command_module_keeps_the_generate_function():
-  import diffjax  # pylint: disable=import-outside-toplevel
-  import diffjax.generate  # noqa: F401  pylint: disable=import-outside-toplevel
-  assert diffjax.generate is generate
 
 
 @pytest.mark.parametrize("kw, match", [

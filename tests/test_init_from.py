@@ -3,23 +3,27 @@ extension starts from a 4K run: same shapes, other settings free, layouts conver
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from diffjax.model import layout
-from diffjax.presets import arm_model, base_config, paper_3b_64k
+from diffjax.presets import base_config, load_config
 from diffjax.train import CheckpointError, load_model
 from diffjax.train.config_utils import check_config
 from diffjax.train.loading import initial_params
 from diffjax.train.trainer import train_and_evaluate
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def config(steps: int):
   c = base_config()
-  c.model.update(arm_model("tiny", "diff_v1"))
-  c.model.update(d_model=32, num_layers=2, mlp_dim=64, head_dim=8)
+  c.model.update(dict(arm="diff_v1", size="tiny", d_model=32, num_layers=2, mlp_dim=64,
+                      head_dim=8))
   c.seq_len, c.global_batch_size, c.num_steps = 32, 2, steps
   c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
   c.data.max_documents = 30
@@ -62,7 +66,7 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
 
 
 def test_the_64k_config_needs_init_from_to_start(tmp_path):
-  c = paper_3b_64k("diff_v1")
+  c = load_config(os.path.join(REPO, "configs", "paper_3b_64k.py"))
   assert c.seq_len == 65_536 and c.model.rope_theta == 640_000.0 and c.optim.lr == 8e-5
   assert tuple(c.mesh.shape) == (1, 4, 1, 16) and c.model.scan_layers
   assert c.global_batch_size * c.seq_len * c.num_steps == pytest.approx(1.5e9, rel=0.001)

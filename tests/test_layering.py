@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("diffjax.data",),
     ("diffjax.presets", "diffjax.train"),
     ("diffjax.eval",),
-    ("diffjax.compare", "diffjax.aot", "diffjax.generation", "diffjax.generate",
+    ("diffjax.compare", "diffjax.aot", "diffjax.generation",
      "diffjax.convert"),
 )
 

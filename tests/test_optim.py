@@ -6,6 +6,8 @@ fail with it: a scanned model stacks every per-layer vector into an ``(L, d)`` a
 
 from __future__ import annotations
 
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ import pytest
 from flax import nnx
 
 from diffjax import presets
-from diffjax.model import ARMS, DecoderLM, ModelConfig, layout
+from diffjax.model import ARMS, DecoderLM, ModelConfig, layout, resolve_model
+from diffjax.model.sizes import SWEEP_SIZES
 from diffjax.train.optim import decay_mask, make_optimizer, model_decay_mask
 from diffjax.train import steps as steps_lib
 
@@ -159,15 +162,15 @@ def test_scanned_and_unrolled_runs_differ_under_the_rank_rule():
 
 
 def _preset_models() -> list[tuple[str, ModelConfig]]:
+  configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  runs = [("paper_3b", presets.load_config(os.path.join(configs, "paper_3b.py"))),
+          ("paper_3b_64k", presets.load_config(os.path.join(configs, "paper_3b_64k.py")))]
+  runs += [(f"paper_sweep {s}", presets.load_config(os.path.join(configs, "paper_sweep.py"), s))
+           for s in SWEEP_SIZES]
   out = []
-  for arm in ARMS:
-    for name, c in (("paper_3b", presets.paper_3b(arm)),
-                    ("paper_3b_64k", presets.paper_3b_64k(arm)),
-                    *((f"paper_sweep {s}", presets.paper_sweep(s, arm))
-                      for s in presets.SWEEP_SIZES)):
-      d = c.model.to_dict()
-      d["vocab_size"] = presets.PAPER_VOCAB
-      out.append((f"{name} {arm}", ModelConfig.from_dict(d)))
+  for name, run in runs:
+    for arm in ARMS:
+      out.append((f"{name} {arm}", resolve_model({**run.model.to_dict(), "arm": arm}).config))
   return out
 
 

@@ -175,8 +175,10 @@ def test_bits_per_byte_of_a_bpe_run_counts_the_text_bytes(tmp_path):
 
 def test_paper_configs_need_both_paths():
   from diffjax.data import DataConfig
-  from diffjax.presets import paper_3b, paper_sweep
-  for c in (paper_3b("diff_v1"), paper_sweep("830m", "diff_v2")):
+  from diffjax.presets import load_config
+  configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  for c in (load_config(os.path.join(configs, "paper_3b.py")),
+            load_config(os.path.join(configs, "paper_sweep.py"), "830m")):
     with pytest.raises(ValueError, match="missing: data.paths, data.tokenizer"):
       DataConfig.from_dict(c.data)
     c.data.tokenizer = "tok.json"

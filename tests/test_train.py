@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import base_config
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import steps as steps_lib
 from diffjax.train.optim import learning_rate_schedule, make_optimizer
@@ -26,9 +26,8 @@ EXIT_PREEMPTED = 75  # train.py's status after a SIGTERM save (documented there)
 
 def tiny_config(arm="diff_v1", steps=6):
   c = base_config()
-  model = arm_model("tiny", arm)
-  model.update(d_model=64, num_layers=2, mlp_dim=128, head_dim=16)
-  c.model.update(model)
+  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=2, mlp_dim=128,
+                      head_dim=16))
   c.seq_len = 32
   c.global_batch_size = 4
   c.num_steps = steps

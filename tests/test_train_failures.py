@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from diffjax.model import ModelConfig
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import base_config
 from diffjax.train import steps as steps_lib
 from diffjax.train.trainer import train_and_evaluate
 
@@ -28,8 +28,8 @@ SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
 
 def tiny_config(steps=4):
   c = base_config()
-  c.model.update(arm_model("tiny", "diff_v1"))
-  c.model.update(d_model=64, num_layers=1, mlp_dim=128, head_dim=16)
+  c.model.update(dict(arm="diff_v1", size="tiny", d_model=64, num_layers=1, mlp_dim=128,
+                      head_dim=16))
   c.seq_len = 32
   c.global_batch_size = 4
   c.num_steps = steps

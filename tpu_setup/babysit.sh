@@ -80,7 +80,7 @@ $COMMON_USAGE
 
 Example:
   $SCRIPT_NAME --zone=us-east5-a --name=my-v5p --accelerator-type=v5p-64 --queued --spot \\
-      --config=configs/paper_3b.py:diff_v1 --workdir=gs://my-bucket/diffjax/3b_diff_v1
+      --config=configs/paper_3b.py --config.model.arm=diff_v1 --workdir=gs://my-bucket/diffjax/3b_diff_v1
 EOF
 }
 

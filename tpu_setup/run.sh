@@ -65,7 +65,7 @@ Environment set for the trainer: PYTHONUNBUFFERED=1, DIFFJAX_RUN_NAME,
 DIFFJAX_WORKER_ID (informational), plus --env / TRAIN_ENV.
 
 Examples:
-  $SCRIPT_NAME --zone=us-west4-a --name=my-v5e --config=configs/tiny.py:diff_v1 \\
+  $SCRIPT_NAME --zone=us-west4-a --name=my-v5e --config=configs/tiny.py --config.model.arm=diff_v1 \\
       --workdir=gs://my-bucket/diffjax/tiny_diff_v1 --config.num_steps=2000 --follow
   $SCRIPT_NAME --zone=us-west4-a --name=my-v5e --workdir=gs://my-bucket/diffjax/tiny_diff_v1 --status
 EOF

@@ -212,13 +212,13 @@ dry "bootstrap (git ref)" bootstrap.sh "${Z[@]}" --name=my-v5e --repo-url=https:
   "gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" "git clone" \
   "REPO_URL=https://example.com/org/diffjax.git" "REF=v1.2" "!tpu-vm scp" "!tar -czf"
 
-dry "run (launch)" run.sh "${Z[@]}" --name=my-v5e --config=configs/tiny.py:diff_v1 \
+dry "run (launch)" run.sh "${Z[@]}" --name=my-v5e --config=configs/tiny.py --config.model.arm=diff_v1 \
   --workdir=gs://my-bucket/diffjax/tiny --config.num_steps=20 --env=FOO=bar -- --extra_flag=1 --- \
   "+ gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" \
   "lsof -t" "/dev/vfio/*" "/dev/accel*" "rm -f /tmp/libtpu_lockfile" "setsid nohup" \
-  "TRAIN_ARGS=(--config=configs/tiny.py:diff_v1 --workdir=gs://my-bucket/diffjax/tiny --config.num_steps=20 --extra_flag=1)" \
+  "TRAIN_ARGS=(--config=configs/tiny.py --workdir=gs://my-bucket/diffjax/tiny --config.model.arm=diff_v1 --config.num_steps=20 --extra_flag=1)" \
   "TRAIN_ENV=(FOO=bar)" "RUN_NAME=tiny" "\$LOG_DIR/\$RUN_NAME-host\$WID.log" "!--worker=0"
-dry "run --follow" run.sh "${Z[@]}" --name=my-v5e --config=configs/tiny.py:diff_v1 --workdir=gs://b/r1 --follow --- \
+dry "run --follow" run.sh "${Z[@]}" --name=my-v5e --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/r1 --follow --- \
   "--worker=all" "--worker=0" "tail -n 100 -F"
 dry "run --status" run.sh "${Z[@]}" --name=my-v5e --workdir=gs://b/r1 --status --- \
   "gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" "diffjax-status" "!setsid"
@@ -232,29 +232,29 @@ dry "teardown (queued)" teardown.sh --zone=us-east5-a --name=my-v5p --queued ---
   "+ gcloud compute tpus queued-resources delete my-v5p-qr --zone=us-east5-a --force --quiet"
 
 dry "babysit: preempted queued v5p is recreated" babysit.sh --zone=us-east5-a --name=my-v5p --accelerator-type=v5p-64 \
-  --queued --spot --config=configs/paper_3b.py:diff_v1 --workdir=gs://b/3b -- --config.seed=1 --- \
+  --queued --spot --config=configs/paper_3b.py --config.model.arm=diff_v1 --workdir=gs://b/3b -- --config.seed=1 --- \
   "+ gcloud storage ls gs://b/3b/DONE" \
   "gcloud compute tpus queued-resources describe my-v5p-qr" \
   "gcloud compute tpus queued-resources delete my-v5p-qr --zone=us-east5-a --force --quiet" \
   "gcloud compute tpus queued-resources create my-v5p-qr --node-id=my-v5p" "--spot" \
   "gcloud compute tpus tpu-vm scp" "gcloud compute tpus tpu-vm ssh my-v5p" \
-  "--config=configs/paper_3b.py:diff_v1 --workdir=gs://b/3b --config.seed=1" "recovery 1/20: recreate"
+  "--config=configs/paper_3b.py --workdir=gs://b/3b --config.model.arm=diff_v1 --config.seed=1" "recovery 1/20: recreate"
 DRY_RUN_STATE=PREEMPTED dry "babysit: preempted spot v5e is recreated" babysit.sh "${Z[@]}" --name=my-v5e --spot \
-  --config=configs/tiny.py:diff_v1 --workdir=gs://b/t --- \
+  --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --- \
   "gcloud compute tpus tpu-vm delete my-v5e" "gcloud compute tpus tpu-vm create my-v5e" "--spot" \
   "gcloud compute tpus tpu-vm ssh my-v5e"
 DRY_RUN_STATE=READY DRY_RUN_TRAINING=NONE dry "babysit: dead run is relaunched in place" babysit.sh "${Z[@]}" \
-  --name=my-v5e --config=configs/tiny.py:diff_v1 --workdir=gs://b/t --- \
+  --name=my-v5e --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --- \
   "timeout 300 gcloud compute tpus tpu-vm ssh my-v5e" "diffjax-status" "LOG_SYNC_URI=gs://b/t/logs/" \
   "recovery 1/20: relaunch" "setsid nohup" "!tpu-vm create" "!tpu-vm delete"
 DRY_RUN_STATE=READY DRY_RUN_TRAINING=ALL dry "babysit: healthy run is left alone" babysit.sh "${Z[@]}" \
-  --name=my-v5e --config=configs/tiny.py:diff_v1 --workdir=gs://b/t --- \
+  --name=my-v5e --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --- \
   "diffjax-status" "!recovery" "!setsid nohup"
 DRY_RUN_DONE=1 dry "babysit: DONE marker ends the run and tears down" babysit.sh "${Z[@]}" --name=my-v5e \
-  --config=configs/tiny.py:diff_v1 --workdir=gs://b/t --- \
+  --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --- \
   "+ gcloud storage ls gs://b/t/DONE" "gcloud compute tpus tpu-vm delete my-v5e" "!tpu-vm create"
 DRY_RUN_DONE=1 dry "babysit --keep-tpu keeps the TPU" babysit.sh "${Z[@]}" --name=my-v5e --keep-tpu \
-  --config=configs/tiny.py:diff_v1 --workdir=gs://b/t --done-marker=gs://b/t/FINISHED --- \
+  --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --done-marker=gs://b/t/FINISHED --- \
   "gcloud storage ls gs://b/t/FINISHED" "!tpu-vm delete"
 
 must_fail "missing --zone" create.sh --name=x
@@ -336,9 +336,9 @@ print("selftest trainer running", flush=True)
 time.sleep(300)
 EOF
   # Regenerate the launch/status/stop scripts with the sandbox trainer.
-  dry "run (launch, sandbox trainer)" run.sh "${Z[@]}" --train-script="$TRAINER" --config=configs/tiny.py:diff_v1 \
+  dry "run (launch, sandbox trainer)" run.sh "${Z[@]}" --train-script="$TRAINER" --config=configs/tiny.py --config.model.arm=diff_v1 \
     --workdir=gs://b/sandbox --grace-seconds=5 --config.num_steps=3 \
-    "--config.data.paths=('gs://b/d/train-*.array_record',)" --env=FOO=bar --coordinator-env --- \
+    "--config.data.paths=('gs://b/d/prepared',)" --env=FOO=bar --coordinator-env --- \
     "--worker=all" "COORDINATOR_ENV=1" "worker-network-endpoints"
   LAUNCH="$(remote_command "$(find_record "$LAST_REC" '--command=')")"
   dry "run --status (sandbox trainer)" run.sh "${Z[@]}" --train-script="$TRAINER" --workdir=gs://b/sandbox --status --- "--worker=all"
@@ -356,7 +356,7 @@ EOF
   pid1="$(cat "$SANDBOX_PIDFILE" 2>/dev/null || true)"
   sleep 1
   got="$(cat "$SB/trainer-args.json" 2>/dev/null || true)"
-  if [[ "$got" == *'"--config=configs/tiny.py:diff_v1", "--workdir=gs://b/sandbox", "--config.num_steps=3", "--config.data.paths=('"'gs://b/d/train-*.array_record',)"'"'* &&
+  if [[ "$got" == *'"--config=configs/tiny.py", "--workdir=gs://b/sandbox", "--config.model.arm=diff_v1", "--config.num_steps=3", "--config.data.paths=('"'gs://b/d/prepared',)"'"'* &&
     "$got" == *'"run": "sandbox"'* && "$got" == *'"foo": "bar"'* && "$got" == *'"unbuffered": "1"'* &&
     "$got" == *'"coord": ["10.0.0.11:8476", "2", "1", "1"]'* ]]; then
     pass "sandbox: trainer got the config, workdir, overrides, environment and coordinator"
@@ -474,7 +474,7 @@ FAKE_TRAINER
   rc=0
   out="$(PATH="$FAKE_DIR/bin:$PATH" XDG_RUNTIME_DIR="$TMP" SOURCE_TARBALL="$TMP/stub.tar.gz" POLL_INTERVAL=1 \
     TRAIN_SCRIPT="$TRAINER" GRACE_SECONDS=5 timeout 180 "$HERE/babysit.sh" --zone=us-west4-a \
-    --name=selftest-tpu --spot --config=configs/tiny.py:diff_v1 --workdir=gs://b/babysit --interval=2 \
+    --name=selftest-tpu --spot --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/babysit --interval=2 \
     --max-iterations=15 2>&1)" || rc=$?
   calls="$(cat "$FAKE_DIR/calls" 2>/dev/null || true)"
   if ((rc == 0)) &&
@@ -502,7 +502,7 @@ FAKE_TRAINER
   rc=0
   out="$(PATH="$FAKE_DIR/bin:$PATH" XDG_RUNTIME_DIR="$TMP" SOURCE_TARBALL="$TMP/stub.tar.gz" POLL_INTERVAL=1 \
     TRAIN_SCRIPT="$TRAINER" GRACE_SECONDS=5 timeout 180 "$HERE/babysit.sh" --zone=us-west4-a \
-    --name=selftest-tpu --config=configs/tiny.py:diff_v1 --workdir=gs://b/babysit --interval=1 \
+    --name=selftest-tpu --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/babysit --interval=1 \
     --max-restarts=2 --max-iterations=10 --env=SELFTEST_CRASH=1 2>&1)" || rc=$?
   calls="$(cat "$FAKE_DIR/calls")"
   if ((rc == 1)) &&

@@ -19,7 +19,7 @@ minutes on 2 cores for training, evaluation and report. With an accelerator, set
 """
 
 from diffjax.compare import comparison_config
-from diffjax.presets import arm_model, base_config
+from diffjax.presets import base_config
 
 _TASK = dict(key_len=2, value_len=1, separator="")
 # Pairs x near-duplicate distractors per queried key; (2, 0) is the trained setting.
@@ -28,7 +28,9 @@ _GRID = ((2, 0), (2, 1), (2, 2), (4, 0), (4, 1), (8, 0), (8, 1), (16, 0), (16, 2
 
 def get_config():
   run = base_config()
-  run.model.update(arm_model("micro", "transformer"))
+  run.model.arm = "transformer"
+  run.model.size = "micro"
+  run.model.v2_match = "params"
   run.seq_len, run.global_batch_size = 128, 64
   run.num_steps = 800
   # Warm-up, then a learning rate that stays near its peak for the whole run (the cosine

@@ -38,7 +38,6 @@ from diffjax.compare.command import main
 from diffjax.compare.comparison import run_comparison
 from diffjax.compare.config import (
     EVAL_MODES,
-    arm_model_dict,
     arm_names,
     check_comparison_config,
     comparison_config,
@@ -52,7 +51,7 @@ from diffjax.compare.runs import ComparisonStopped, done_step
 from diffjax.model import ARMS
 
 __all__ = [
-    "ARMS", "EVAL_MODES", "SCHEMA", "ComparisonStopped", "arm_model_dict", "arm_names",
+    "ARMS", "EVAL_MODES", "SCHEMA", "ComparisonStopped", "arm_names",
     "batch_hashes", "check_batches", "check_comparison_config", "comparison_config", "done_step",
     "eval_config", "main", "run_comparison", "run_config", "run_name", "write_outputs",
 ]

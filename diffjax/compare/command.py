@@ -27,8 +27,14 @@ from diffjax.compare.runs import ComparisonStopped
 # from "fix the config" (2).
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
-USAGE = ("usage: python -m diffjax.compare --config=configs/compare/<file>.py --workdir=<dir> "
-         "[--config.<key>=<value> ...]")
+USAGE = ("usage: python -m diffjax.compare --config=configs/compare/<file>.py[:ARG] "
+         "--workdir=<dir> [--config.<key>=<value> ...] [--dry_run]")
+SUMMARY = """\
+Trains every arm x seed of a comparison config (each arm is base with model.arm set, so every
+arm is matched to the same Transformer), evaluates each run, checks that the arms saw the same
+batches, and writes report.md, plots and results.json into the workdir. Keys of the runs are
+under --config.base.<key> (e.g. --config.base.num_steps=2000), the arms and seeds are
+--config.arms and --config.seeds."""
 
 
 def _enable_compile_cache(workdir: str) -> None:
@@ -42,48 +48,31 @@ def _enable_compile_cache(workdir: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command on ``argv`` (default ``sys.argv``; argv[0] is the program name) and
   returns its exit status."""
-  from absl import flags, logging  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv if argv is None else argv)
-  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    print(USAGE + "\n\n" + __doc__)
-    return 0
-  # Own flag registry: importing this module (e.g. in tests) registers no global flags.
-  fv = flags.FlagValues()
-  config_flag = config_flags.DEFINE_config_file("config", None, "Path to a configs/compare/*.py "
-                                                "file.", flag_values=fv, lock_config=True,
-                                                sys_argv=argv)
-  workdir_flag = flags.DEFINE_string("workdir", None, "Directory for the runs and the report.",
-                                     flag_values=fv)
-  try:
-    rest = fv(argv)
-  except Exception as e:  # absl and ml_collections raise several types for bad flags
-    detail = str(e).strip('"')
-    if isinstance(e, (KeyError, AttributeError)):
-      detail = f"unknown config key {detail}"
-    if "config key" in detail or "flag 'config." in detail:
-      detail += " (--config.<key>=<value> can only set keys the config file defines)"
-    print(f"error: invalid command line: {detail}", file=sys.stderr)
-    return 2
-  try:
-    config = config_flag.value
-    _ = config is not None and "arms" in config  # loading errors surface on first access
-  except Exception as e:  # a config file that is missing or fails to import
-    detail = str(e).splitlines()[-1].strip() if str(e).strip() else type(e).__name__
-    print(f"error: cannot load --config: {detail}", file=sys.stderr)
-    return 2
-  if len(rest) > 1 or workdir_flag.value is None or config is None:
-    print(f"error: {USAGE}" + (f" (unexpected arguments {rest[1:]})" if len(rest) > 1 else ""),
-          file=sys.stderr)
-    return 2
-  logging.set_verbosity(logging.WARNING)
-  _enable_compile_cache(workdir_flag.value)
+  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, subdir="compare", flags=(
+      cli.Flag("workdir", None, "directory for the runs and the report (required)"),
+      cli.Flag("dry_run", False, "check the config and print each arm's run (the model it "
+                                 "resolves to and its parameter counts), then exit")))
+  if isinstance(parsed, int):
+    return parsed
+  config, values, _ = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+  if values["dry_run"]:
+    from diffjax.compare.config import describe_comparison  # pylint: disable=import-outside-toplevel
+    return run_guarded(lambda: print(describe_comparison(config)))
+  if values["workdir"] is None:
+    print(f"error: --workdir is required; {USAGE}", file=sys.stderr)
+    return 2
+  workdir = values["workdir"]
+  logging.set_verbosity(logging.WARNING)
+  _enable_compile_cache(workdir)
   outcome = {}
 
   def go():
-    outcome["results"] = run_comparison(config, workdir_flag.value)
+    outcome["results"] = run_comparison(config, workdir)
 
   try:
     code = run_guarded(go)

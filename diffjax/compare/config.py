@@ -1,8 +1,9 @@
 """The compare config: building it, checking it, and deriving each run's train and eval config.
 
-A compare config holds ``arms``, ``seeds``, one ``base`` run config whose ``model`` is the
-Transformer spec the arms are matched to (`diffjax.model.matched_configs`), and ``eval`` /
-``report`` settings. Run (arm, seed k) is ``base`` with the arm's model and ``seed = k``.
+A compare config holds ``arms``, ``seeds``, one ``base`` run config, and ``eval`` / ``report``
+settings. Run (arm, seed k) is ``base`` with ``model.arm`` set to the arm and ``seed = k``: every
+arm is resolved from the same baseline by `diffjax.model.resolve_model`, so the arms are matched
+(``base.model.v2_match`` says how DIFF V2 is).
 """
 
 from __future__ import annotations
@@ -13,26 +14,21 @@ from typing import Any, Mapping, Sequence
 
 import ml_collections
 
-from diffjax.model import ARMS, ModelConfig, matched_configs
+from diffjax.model import ARMS
 
 EVAL_MODES = ("quick", "full", "none")
-# Any valid vocabulary size: the matched arms do not depend on it, and a base config may leave
-# it at -1 (take the tokenizer's).
-_PLACEHOLDER_VOCAB = 258
 
 
 def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1),
-                      arms: Sequence[str] = ARMS, v2_match: str = "params"
-                      ) -> ml_collections.ConfigDict:
-  """A compare config around ``base``, a full run config whose model is the Transformer spec.
+                      arms: Sequence[str] = ARMS) -> ml_collections.ConfigDict:
+  """A compare config around ``base``, a full run config (its ``model.arm`` is replaced by
+  each arm's).
 
   Fields: ``arms``, ``seeds``, ``base`` (``base.seed`` is replaced by each seed and
-  ``base.log_batch_hash`` is forced on), ``v2_match`` (how DIFF V2 is matched to the
-  Transformer, see `diffjax.model.matched_configs`: "params", the default for new
-  comparisons, shrinks its FFN so the totals agree within 0.5 %; "heads" keeps every width),
-  ``eval.mode`` ("quick", "full" or "none"),
-  ``eval.overrides`` (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to
-  make them overridable from the command line), ``report.baseline``, ``report.confidence``,
+  ``base.log_batch_hash`` is forced on; ``base.model.v2_match`` says how DIFF V2 is matched
+  to the Transformer), ``eval.mode`` ("quick", "full" or "none"), ``eval.overrides``
+  (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to make them
+  overridable from the command line), ``report.baseline``, ``report.confidence``,
   ``report.title``, ``report.learned_below`` (a train loss that marks a run as having learned
   its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
   gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
@@ -43,7 +39,6 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c = ml_collections.ConfigDict()
   c.arms = tuple(arms)
   c.seeds = tuple(int(s) for s in seeds)
-  c.v2_match = v2_match
   c.workers = 1
   c.base = base
   c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
@@ -68,43 +63,20 @@ def _tuples(x: Any) -> Any:
   return x
 
 
-def arm_model_dict(base_model: Mapping[str, Any], arm: str, v2_match: str = "heads"
-                   ) -> dict[str, Any]:
-  """The model dict of ``arm`` matched to the Transformer spec ``base_model``.
-
-  ``v2_match`` as in `diffjax.model.matched_configs`.
-
-  ``vocab_size=-1`` (take the tokenizer's) is kept; with the presets' specs this equals
-  ``diffjax.presets.arm_model(size, arm)``.
-  """
-  spec = dict(base_model)
-  vocab = spec.get("vocab_size", -1)
-  if spec.get("attention", "transformer") != "transformer":
-    raise ValueError(f"base.model.attention={spec['attention']!r}: the base model must be the "
-                     "'transformer' spec the arms are matched to (start from "
-                     "diffjax.presets.arm_model(size, 'transformer')).")
-  spec["attention"] = "transformer"
-  if vocab == -1:
-    spec["vocab_size"] = _PLACEHOLDER_VOCAB
-  arm_cfg = matched_configs(ModelConfig.from_dict(spec), v2_match=v2_match)[arm].to_dict()
-  arm_cfg["vocab_size"] = vocab
-  return arm_cfg
-
-
 def run_config(config: ml_collections.ConfigDict, arm: str, seed: int
                ) -> ml_collections.ConfigDict:
-  """The train config of run (arm, seed): ``base`` with the arm's model and ``seed``."""
+  """The train config of run (arm, seed): ``base`` with ``model.arm = arm`` and ``seed``."""
   run = copy.deepcopy(config.base)
   with run.unlocked():
-    run.model.update(arm_model_dict(config.base.model.to_dict(), arm, v2_matching(config)))
+    run.model.arm = arm
     run.seed = int(seed)
     run.log_batch_hash = True
   return run
 
 
 def v2_matching(config: ml_collections.ConfigDict) -> str:
-  """How the comparison matches DIFF V2 ("heads" for configs written before the choice)."""
-  return str(config.get("v2_match", "heads"))
+  """How the comparison matches DIFF V2 (``base.model.v2_match``)."""
+  return str(config.base.model.v2_match)
 
 
 def run_name(arm: str, seed: int) -> str:
@@ -180,8 +152,21 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   for arm in arms:
     run = run_config(config, arm, seeds[0])
     check_config(run)
-    ModelConfig.from_dict({**run.model.to_dict(), "vocab_size": _PLACEHOLDER_VOCAB})
     try:
       eval_config(config, run)
     except TypeError as e:
       raise ValueError(f"Bad eval.overrides: {e}.") from e
+
+
+def describe_comparison(config: ml_collections.ConfigDict) -> str:
+  """The comparison's runs, checked as the command checks them: each arm's model (what it is
+  matched to and its parameters), the seeds and the shared run settings."""
+  from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+  check_comparison_config(config)
+  arms, seeds = arm_names(config.arms), tuple(config.seeds)
+  lines = [f"{len(arms)} arms x {len(seeds)} seeds {seeds}; DIFF V2 matched by "
+           f"{v2_matching(config)} (base.model.v2_match)"]
+  for arm in arms:
+    lines.append(f"[{arm}] " + describe_run(run_config(config, arm, seeds[0])).replace(
+        "\n", "\n  "))
+  return "\n".join(lines)

@@ -2,13 +2,13 @@
 
     python -m diffjax.eval --workdir=runs/diff_v1_s0 --quick
     python -m diffjax.eval --workdir=runs/diff_v1_s0 --out=results/diff_v1_s0.json \\
-        --set samples_per_depth=50 --set heatmap_lengths='(256, 512, 1024, 2048)'
+        --config.samples_per_depth=50 --config.heatmap_lengths='(256, 512, 1024, 2048)'
 
 The model comes from `diffjax.train.load_model(workdir, step)`; validation batches are the run's
 own held-out batches (its data config, sequence length, batch size and seed; the first
 `val_batches` of them, by default the run's `eval_batches`), so val/loss reproduces the
-trainer's final eval/loss. `--set KEY=VALUE` overrides an `EvalConfig` field (VALUE is a Python
-literal). Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
+trainer's final eval/loss. `--config.KEY=VALUE` overrides an `EvalConfig` field (VALUE is a
+Python literal), as `--config.<key>=<value>` overrides a run config in train.py. Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
 """
 
 from __future__ import annotations
@@ -26,28 +26,21 @@ from diffjax.eval import evaluate as E
 from diffjax.train.records import write_json
 
 
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-  """config.a.b for dicts, ConfigDicts and plain objects; `default` when absent."""
-  node = config
-  for part in dotted.split("."):
-    if node is None:
-      return default
-    if isinstance(node, dict) or hasattr(node, "keys") and hasattr(node, "__getitem__"):
-      try:
-        node = node[part]
-        continue
-      except (KeyError, TypeError):
-        return default
-    node = getattr(node, part, None)
-  return default if node is None else node
-
-
-def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+def _overrides(args: Sequence[str], fields: Sequence[str]) -> dict[str, Any]:
+  """``{field: value}`` from ``--config.<field>=<value>`` arguments (values are Python
+  literals; anything else is a string). Raises SystemExit naming a bad argument."""
+  import difflib  # pylint: disable=import-outside-toplevel
   out = {}
-  for pair in pairs:
-    if "=" not in pair:
-      raise SystemExit(f"--set expects KEY=VALUE; got {pair!r}.")
-    key, value = pair.split("=", 1)
+  for arg in args:
+    if not arg.startswith("--config.") or "=" not in arg:
+      raise SystemExit(f"error: unexpected argument {arg!r}; EvalConfig fields are set with "
+                       "--config.<field>=<value>.")
+    key, value = arg[len("--config."):].split("=", 1)
+    if key not in fields:
+      near = difflib.get_close_matches(key, fields, n=3)
+      raise SystemExit(f"error: unknown EvalConfig field {key!r} in {arg}; "
+                       + (f"did you mean {', '.join(near)}?" if near
+                          else f"the fields are {', '.join(sorted(fields))}."))
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -58,44 +51,19 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _load(workdir: str, step: int | None):
-  """(model, run config, step) from a train.py workdir.
-
-  The model comes from `diffjax.train.load_model`; the run config (seq_len, seed, data) from the
-  checkpoint's "meta" item, which holds the full config the run was launched with.
-  """
+  """(model, run config, step) from a train.py workdir (`diffjax.train.load_run`)."""
+  from diffjax.train import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
+  from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
   try:
-    from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
-    from diffjax.train import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise SystemExit(
-        "diffjax.train.load_model is not available in this checkout, so no checkpoint can be "
-        f"loaded ({e}). Evaluate a model object with diffjax.eval.evaluate.evaluate_model.") from e
-  try:
-    loaded = load_model(workdir, step=step)
+    run = load_run(workdir, step=step)
   except (FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
-    raise SystemExit(f"Cannot load a model from {workdir!r}: {e}") from e
-  model, config = loaded[0], loaded[1]
-  step = loaded[2] if len(loaded) > 2 else step
-  run_config = config
-  if _get(config, "seq_len") is None:  # a ModelConfig: read the run config from the checkpoint
-    run_config = {}
-    try:
-      manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1_000_000,
-                                  async_save=False)
-      run_config = ckpt.read_meta(manager, step if step is not None else manager.latest_step()
-                                  ).get("config", {}) or {}
-      manager.close()
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"Could not read the run config from the checkpoint ({type(e).__name__}: {e}); "
-            "pass --seq_len and --seed.", file=sys.stderr)
-  return model, run_config, step
+    raise SystemExit(f"error: cannot load a model from {workdir!r}: {e}") from e
+  return run.model, run.config, run.step
 
 
 def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
   from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
-  data_cfg = _get(config, "data")
-  to_dict = getattr(data_cfg, "to_dict", None)
-  data_cfg = DataConfig.from_dict(to_dict() if to_dict else data_cfg)
+  data_cfg = DataConfig.from_dict(config["data"])
   data = build_datasets(data_cfg, seq_len=seq_len, global_batch_size=batch_size, seed=seed)
   return data.val_batches(count)
 
@@ -110,33 +78,33 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seq_len", type=int, default=None, help="override the run's sequence length")
   p.add_argument("--seed", type=int, default=None, help="the run's seed as recorded in the JSON")
   p.add_argument("--sections", default="", help=f"comma list out of {','.join(E.SECTIONS)}")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="override an EvalConfig field")
-  args = p.parse_args(argv)
+  p.epilog = ("EvalConfig fields: --config.<field>=<value>, e.g. --config.samples_per_depth=50; "
+              "the fields are " + ", ".join(sorted(E.EvalConfig.__dataclass_fields__)) + ".")
+  args, extra = p.parse_known_args(argv)
+  overrides = _overrides(extra, tuple(E.EvalConfig.__dataclass_fields__))
 
   if not os.path.isdir(args.workdir):
     raise SystemExit(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
   t0 = time.time()
   model, config, step = _load(args.workdir, args.step)
-  seq_len = args.seq_len or int(_get(config, "seq_len", 0) or 0)
+  seq_len = args.seq_len or int(config.get("seq_len", 0) or 0)
   if seq_len <= 0:
     raise SystemExit("The run config has no seq_len; pass --seq_len.")
-  seed = args.seed if args.seed is not None else _get(config, "seed")
-  overrides = _overrides(args.set)
+  seed = args.seed if args.seed is not None else config.get("seed")
   if args.sections:
     overrides["sections"] = tuple(s.strip() for s in args.sections.split(",") if s.strip())
   make = E.EvalConfig.quick if args.quick else E.EvalConfig.full
   try:
     cfg = make(seq_len, **overrides)
   except TypeError as e:
-    raise SystemExit(f"Bad --set override: {e}. Fields: {sorted(E.EvalConfig.__dataclass_fields__)}.")
+    raise SystemExit(f"error: bad --config override: {e}.")
   val = []
-  if _get(config, "data") is not None:
+  if config.get("data") is not None:
     # The trainer's validation batches: same split, batch size and order, so with the run's
     # eval_batches (the default outside --quick) val/loss reproduces its final eval/loss.
-    batch_size = int(_get(config, "global_batch_size", cfg.batch_size))
-    if "val_batches" not in overrides and not args.quick and _get(config, "eval_batches"):
-      cfg = dataclasses.replace(cfg, val_batches=int(_get(config, "eval_batches")))
+    batch_size = int(config.get("global_batch_size", cfg.batch_size))
+    if "val_batches" not in overrides and not args.quick and config.get("eval_batches"):
+      cfg = dataclasses.replace(cfg, val_batches=int(config.get("eval_batches")))
     val = _val_batches(config, seq_len, batch_size, cfg.val_batches, int(seed or 0))
   else:
     print("No data config in the run config: skipping loss-based sections.", file=sys.stderr)

@@ -126,7 +126,7 @@ def _needle_task(cfg: EvalConfig, num_examples: int, filler) -> MultiNeedleTask:
     except ContextTooShort:
       continue
   raise ContextTooShort(f"context_len={cfg.context_len} cannot hold even one needle and its "
-                        "question; raise EvalConfig.context_len (e.g. --set context_len=256).")
+                        "question; raise EvalConfig.context_len (e.g. --config.context_len=256).")
 
 
 def _rebatch(batch, size: int) -> list[Any]:

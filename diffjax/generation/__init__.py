@@ -1,6 +1,6 @@
 """Text generation with a KV cache for every arm: :func:`generate` and sampling.
 
-``python -m diffjax.generate --workdir=RUN --prompt=...`` streams a trained run's
+``python -m diffjax.generation --workdir=RUN --prompt=...`` streams a trained run's
 continuation of a prompt (:mod:`diffjax.generation.command`).
 """
 

@@ -1,8 +1,6 @@
-"""``python -m diffjax.generate``: continue a prompt with a trained run's model.
+"""``python -m diffjax.generation``: continue a prompt with a trained run's model.
 
-(``python -m diffjax.generation`` is the same command.)
-
-    python -m diffjax.generate --workdir=runs/default --prompt="def main(" \\
+    python -m diffjax.generation --workdir=runs/default --prompt="def main(" \\
         [--max_new_tokens=200] [--temperature=0.8] [--top_k=40] [--top_p=0.95] [--seed=0]
         [--step=N] [--max_length=N] [--tokenizer=byte]
 
@@ -27,12 +25,11 @@ from diffjax.data import ByteTokenizer, load_tokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
 from diffjax.generation.sampling import SamplingOptions
-from diffjax.train import checkpoint as ckpt
-from diffjax.train.loading import load_model
+from diffjax.train.loading import load_run
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m diffjax.generate", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m diffjax.generation", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", required=True, help="a train.py run directory")
   p.add_argument("--prompt", required=True, help="the text to continue")
@@ -46,17 +43,6 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--tokenizer", default=None,
                  help="tokenizer spec (default: the run's own, else 'byte')")
   return p
-
-
-def _run_tokenizer(workdir: str, step: int) -> str:
-  """The tokenizer spec the run was trained with ('byte' when the run does not say)."""
-  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1_000_000,
-                              async_save=False)
-  try:
-    config = ckpt.read_meta(manager, step).get("config") or {}
-  finally:
-    manager.close()
-  return (config.get("data") or {}).get("tokenizer", "byte")
 
 
 class _Stream:
@@ -98,8 +84,10 @@ def _main(args: argparse.Namespace) -> None:
   if not os.path.isdir(args.workdir):
     raise FileNotFoundError(f"--workdir={args.workdir!r} is not a directory: pass the "
                             "--workdir of a train.py run.")
-  model, cfg, step = load_model(args.workdir, args.step)
-  tokenizer = load_tokenizer(args.tokenizer or _run_tokenizer(args.workdir, step))
+  run = load_run(args.workdir, args.step)
+  model, cfg, step = run.model, run.model_config, run.step
+  tokenizer = load_tokenizer(args.tokenizer or (run.config.get("data") or {}).get("tokenizer",
+                                                                                  "byte"))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                      f"{cfg.vocab_size}: pass the run's --tokenizer.")

@@ -114,11 +114,15 @@ class ModelConfig:
 
 
 V2_MATCHING = ("heads", "params")
+# The one default everywhere (runs, comparisons, tables): the paper compares at matched
+# parameters.
+DEFAULT_V2_MATCH = "params"
 # How close "params" matching must bring DIFF V2's total to the Transformer's.
 PARAM_MATCH_TOLERANCE = 0.005
 
 
-def matched_configs(baseline: ModelConfig, *, v2_match: str = "heads") -> dict[str, ModelConfig]:
+def matched_configs(baseline: ModelConfig, *,
+                    v2_match: str = DEFAULT_V2_MATCH) -> dict[str, ModelConfig]:
   """The three arms matched to one baseline spec.
 
   DIFF V1 halves the heads and kv heads and keeps the component width d (value 2d),
@@ -126,11 +130,11 @@ def matched_configs(baseline: ModelConfig, *, v2_match: str = "heads") -> dict[s
   keeps the baseline's heads and doubles the query heads inside the module, which adds
   E·h·d + E·h parameters per layer. ``v2_match`` says what V2 is matched on:
 
-    * ``"heads"``: the same heads and everything else as the baseline (V2 is larger);
-    * ``"params"``: the SwiGLU width ``mlp_dim`` shrunk by round((h·d + h) / 3) per layer
-      (its 3·E·mlp_dim weights pay for the extra E·h·d + E·h), so the total parameter
+    * ``"params"`` (the default): the SwiGLU width ``mlp_dim`` shrunk by round((h·d + h) / 3)
+      per layer (its 3·E·mlp_dim weights pay for the extra E·h·d + E·h), so the total parameter
       count is within 0.5 % of the Transformer's; nothing else changes. The paper's
-      comparisons are at matched parameters.
+      comparisons are at matched parameters;
+    * ``"heads"``: the same heads and everything else as the baseline (V2 is larger).
   """
   if baseline.attention != "transformer":
     raise ValueError(f"matched_configs takes the transformer spec; got "

@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any, Iterator, Sequence
 
-from diffjax.model import ARMS, ModelConfig
+from diffjax.model import ArmModel, resolve_model
 from diffjax.sharding import CONTEXT_STRATEGIES
 
 REQUIRED = ("model", "data", "optim", "checkpoint", "mesh", "seed", "seq_len",
@@ -86,15 +86,14 @@ def check_config(config) -> None:
   """Validates a run config before anything is read or written.
 
   Raises:
-    ValueError: a missing section, an unknown arm, a non-positive count, or a float
-      option that is not finite or out of its range; the message names the value.
+    ValueError: a missing section, a model section that does not resolve (an unknown arm
+      or size, a bad width), a non-positive count, or a float option that is not finite or
+      out of its range; the message names the value.
   """
   missing = [k for k in REQUIRED if k not in config]
   if missing:
     raise ValueError(f"Config is missing keys {missing}; start from configs/default.py.")
-  arm = config.model.get("attention")
-  if arm not in ARMS:
-    raise ValueError(f"model.attention={arm!r} is not a known arm; choose one of {ARMS}.")
+  resolve_model(config.model.to_dict())
   for k in ("seq_len", "global_batch_size", "grad_accum_steps", "num_steps", "log_every",
             "eval_batches"):
     if int(config[k]) <= 0:
@@ -122,21 +121,20 @@ def check_config(config) -> None:
 
 
 def mesh_context_options(config) -> dict[str, Any]:
-  """The ``mesh`` section's context-parallel settings, with their defaults for old configs."""
-  return {"context_strategy": config.mesh.get("context_strategy", "ring"),
-          "context_load_balance": bool(config.mesh.get("context_load_balance", True))}
+  """The ``mesh`` section's context-parallel settings, as keyword arguments of the setup."""
+  return {"context_strategy": config.mesh.context_strategy,
+          "context_load_balance": bool(config.mesh.context_load_balance)}
 
 
-def resolved_model_config(config, tokenizer_vocab: int) -> ModelConfig:
-  """The typed model config; ``vocab_size=-1`` takes the tokenizer's vocabulary."""
-  d = config.model.to_dict()
-  if d.get("vocab_size", -1) == -1:
-    d["vocab_size"] = tokenizer_vocab
-  cfg = ModelConfig.from_dict(d)
-  if cfg.vocab_size < tokenizer_vocab:
-    raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                     f"vocabulary ({tokenizer_vocab}); set it to -1 to use the tokenizer's.")
-  return cfg
+def resolved_model(config, tokenizer_vocab: int) -> ArmModel:
+  """The run's model (:func:`diffjax.model.resolve_model`); ``vocab_size=-1`` takes the
+  tokenizer's vocabulary."""
+  arm_model = resolve_model(config.model.to_dict(), vocab_size=tokenizer_vocab)
+  if arm_model.config.vocab_size < tokenizer_vocab:
+    raise ValueError(f"model.vocab_size={arm_model.config.vocab_size} is smaller than the "
+                     f"tokenizer's vocabulary ({tokenizer_vocab}); set it to -1 to use the "
+                     "tokenizer's.")
+  return arm_model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,6 +197,10 @@ def unknown_override_message(config, argv: Sequence[str], flag: str = "config") 
     bad = unknown_key(config, key)
     if bad is None:
       continue
+    if bad.endswith("model.attention"):
+      return (f"unknown config key {key!r} in {arg}: a run's arm is --{flag}."
+              f"{bad.removesuffix('attention')}arm=<transformer|diff_v1|diff_v2>, which derives "
+              "the arm's widths from the Transformer it is matched to.")
     parent = bad.rsplit(".", 1)[0] if "." in bad else ""
     _, node = _get(config, parent) if parent else (True, config)
     if parent and (not hasattr(node, "keys") or isinstance(node, dict)):
@@ -246,3 +248,33 @@ def explain_flag_error(argv: Sequence[str], flag: str = "config") -> str | None:
   finally:
     sys.argv = saved
   return None if config is None else unknown_override_message(config, argv, flag)
+
+
+def describe_run(config) -> str:
+  """What a run config trains, checked as the trainer checks it, without reading data: the
+  model it resolves to (its arm, what it is matched to, its parameter counts and widths), the
+  batch and schedule, and the data it names."""
+  check_config(config)
+  vocab = int(config.model.vocab_size)
+  if vocab == -1:
+    try:
+      from diffjax.data import load_tokenizer  # pylint: disable=import-outside-toplevel
+      vocab = load_tokenizer(config.data.tokenizer).vocab_size
+    except Exception:  # pylint: disable=broad-except  # a tokenizer path given at launch
+      vocab = -1
+  arm_model = resolve_model(config.model.to_dict(), vocab_size=None if vocab == -1 else vocab)
+  m = arm_model.config
+  widths = (f"d_model={m.d_model} num_layers={m.num_layers} num_heads={m.num_heads} "
+            f"num_kv_heads={m.num_kv_heads} head_dim={m.head_dim} mlp_dim={m.mlp_dim} "
+            f"vocab_size={m.vocab_size if vocab != -1 else 'the tokenizer' + chr(39) + 's'}")
+  data = config.data
+  return "\n".join([
+      "model: " + arm_model.describe(),
+      f"  {m.attention} widths: {widths}",
+      f"run: seq_len={config.seq_len} global_batch_size={config.global_batch_size} "
+      f"grad_accum_steps={config.grad_accum_steps} num_steps={config.num_steps} "
+      f"tokens={config.seq_len * config.global_batch_size * config.num_steps:,} "
+      f"lr={config.optim.lr} ({config.optim.schedule}, warmup {config.optim.warmup_steps}) "
+      f"seed={config.seed} mesh={tuple(config.mesh.shape)}",
+      f"data: kind={data.kind} paths={tuple(data.paths)} tokenizer={data.tokenizer!r} "
+      f"val_fraction={data.val_fraction}"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 from etils import epath
 from flax import nnx
@@ -18,8 +19,19 @@ def _stderr_line(text: str) -> None:
   print(text, file=sys.stderr)
 
 
-def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig]:
-  """The verified model of one step; ``CorruptCheckpointError`` if it is unusable."""
+@dataclasses.dataclass
+class LoadedRun:
+  """A trained model with what its run was: ``config`` is the run config (a dict) the run was
+  launched with (its data, sequence length, seed, tokenizer), as saved in the checkpoint."""
+  model: DecoderLM
+  model_config: ModelConfig
+  config: dict[str, Any]
+  step: int
+
+
+def _load_step(manager, step: int, model_overrides: dict
+               ) -> tuple[DecoderLM, ModelConfig, dict]:
+  """The verified model of one step and its meta; ``CorruptCheckpointError`` if unusable."""
   meta = ckpt.read_meta(manager, step)
   # Analysis reads blocks one by one: load unscanned unless asked (the layout converts).
   cfg = ModelConfig.from_dict({**meta["model_config"], "scan_layers": False, **model_overrides})
@@ -29,7 +41,7 @@ def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, Mo
   params = ckpt.restore_params(manager, step, nnx.to_pure_dict(abstract_state))
   state = nnx.State(abstract_state)
   nnx.replace_by_pure_dict(state, params)
-  return nnx.merge(graphdef, state), cfg
+  return nnx.merge(graphdef, state), cfg, meta
 
 
 def load_model(workdir: str, step: int | None = None, *,
@@ -44,6 +56,13 @@ def load_model(workdir: str, step: int | None = None, *,
   ``CheckpointError``. ``model_overrides`` change settings that do not alter
   parameters (e.g. ``implementation="xla"``).
   """
+  run = load_run(workdir, step, message=message, **model_overrides)
+  return run.model, run.model_config, run.step
+
+
+def load_run(workdir: str, step: int | None = None, *,
+             message: Callable[[str], None] | None = None, **model_overrides) -> LoadedRun:
+  """:func:`load_model`, with the run config the checkpoint was saved with."""
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
   if not epath.Path(directory).is_dir():  # local paths and gs:// alike
@@ -60,14 +79,14 @@ def load_model(workdir: str, step: int | None = None, *,
     skipped = []
     for candidate in [step] if step is not None else sorted(steps, reverse=True):
       try:
-        model, cfg = _load_step(manager, candidate, model_overrides)
+        model, cfg, meta = _load_step(manager, candidate, model_overrides)
       except ckpt.CorruptCheckpointError as e:
         if step is not None:
           raise
         skipped.append(f"step {candidate} ({e.reason})")
         message(f"{e}; skipping it.")
         continue
-      return model, cfg, candidate
+      return LoadedRun(model, cfg, dict(meta.get("config") or {}), candidate)
     raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r}: "
                                f"{', '.join(skipped)}.")
   finally:

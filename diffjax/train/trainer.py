@@ -31,7 +31,7 @@ from diffjax.model import count_params
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.host import keep_freed_memory
-from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model_config
+from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.loading import initial_params
 from diffjax.train.progress import Progress
 from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
@@ -122,7 +122,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                         global_batch_size=config.global_batch_size, seed=config.seed,
                         process_index=row_slot, process_count=row_slots, source=source,
                         tokenizer=tokenizer)
-  model_cfg = resolved_model_config(config, data.tokenizer.vocab_size)
+  arm_model = resolved_model(config, data.tokenizer.vocab_size)
+  model_cfg = arm_model.config
 
   # 2. Mesh, state layout and the compiled steps (compiled on first use).
   setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
@@ -175,6 +176,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   n_params = count_params(model_cfg)
   if is_main:
     write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
+    progress.message("diffjax: " + arm_model.describe())
     progress.message(
         f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
         f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
