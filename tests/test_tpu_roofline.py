@@ -1,13 +1,11 @@
-"""The TPU roofline model (benchmarks/tpu_roofline.py): FLOP counts, the fused backward's
-dQ traffic (resident in VMEM, or the HBM round trip), the target's grid and traffic, and
-the printed table. No TPU compile."""
+"""The TPU roofline model (diffjax.kernels.tpu.roofline, printed by
+benchmarks/tpu_roofline.py): FLOP counts, the fused backward's dQ traffic (resident in
+VMEM per query chunk), the target's grid and traffic, and the printed section. No TPU
+compile."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -15,20 +13,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from diffjax.kernels.tpu import _backward as B
 from diffjax.kernels.tpu import _layout as L
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load():
-  path = os.path.join(ROOT, "benchmarks", "tpu_roofline.py")
-  spec = importlib.util.spec_from_file_location("tpu_roofline", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["tpu_roofline"] = module  # dataclasses look their module up by name
-  spec.loader.exec_module(module)
-  return module
-
-
-R = _load()
+from diffjax.kernels.tpu import roofline as R
 
 
 def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_chunk=None):
@@ -97,7 +82,7 @@ def test_count_fetches():
 
 
 # ----------------------------------------------------------------------------------
-# (b) The backward's dQ: today per query chunk from VMEM, before the HBM round trip.
+# (b) The backward's dQ: per query chunk from VMEM, written once.
 
 
 def test_chunks_follow_the_kernels_rule():
@@ -125,15 +110,7 @@ def test_dq_written_once_in_one_chunk_by_hand():
     assert op.detail["dQ (once, input dtype)"] == want
     assert not any("tile" in name or "partial" in name for name in op.detail)
     assert op.written == op.detail["dK,dV"] + want
-    # Against before's dQ (rows as today): the same traffic except dQ's, and the
-    # float32 conversion pass becomes a slice of the padded rows.
-    hbm_dq = R.Design("dQ in HBM", dq_chunks=False, dense_rows=True)
-    before_ops = R.fused_ops(shape, tiles, version, hbm_dq)["bwd"]
-    before = _kernel(before_ops, "diff_attention_bwd (dQ in HBM)")
-    rt = R.dq_round_trip(shape, tiles, version)
-    assert before.bytes - op.bytes == rt["bytes"] - want
-    assert before.read - op.read == rt["reads"] * rt["tile_bytes"]
-    assert any(o.name.startswith("dQ float32") for o in before_ops)
+    # XLA only slices the padded rows off: no float32 dQ to convert.
     assert not any(o.name.startswith("dQ float32") for o in ops)
     sliced = next(o for o in ops if o.name.startswith("dQ chunks"))
     assert (sliced.read, sliced.written) == (want, 2 * heads * 2 * 1000 * d * 2)
@@ -159,55 +136,23 @@ def test_chunked_backward_by_hand():
   # (6 fetches).
   assert op.detail["Q"] == (2 + 6) * 2 * 256 * d * 2
   # Only the visited tiles are grid steps: chunk 0 (0, 0), (1, 0), (1, 1); chunk 1 the
-  # three of tile 2 and the four of tile 3 (before: every step, 2 x 2 + 2 x 4).
+  # three of tile 2 and the four of tile 3 (not every step, 2 x 2 + 2 x 4).
   assert op.steps == 3 + 7
-  before = _kernel(R.fused_ops(shape, tiles, 1, design=R.BEFORE)["bwd"],
-                   "diff_attention_bwd (before)")
-  assert before.steps == 4 * 4
   concat = next(o for o in R.fused_ops(shape, tiles, 1)["bwd"]
                 if o.name.startswith("dQ chunks"))
   assert concat.read == concat.written == 2 * t * d * 2
 
 
-def test_dq_round_trip_by_hand():
-  d = 128
-  shape = R.Shape(batch=1, diff_heads=1, head_dim=d, seq=1024, causal=True)
-  tile = 2 * 256 * d * 4  # both query components, float32, 256 rows
-  # 256 x 256 tiles, causal: q tile i visits key tiles 0..i, i.e. 1, 2, 3, 4 steps.
-  # Every visited step writes the tile back; all but the first key tile (j = 0, which
-  # writes without reading) read it first.
-  visited = [1, 2, 3, 4]
-  want = sum(n * tile + (n - 1) * tile for n in visited)
-  assert want == 16 * tile
-  tiles = _tiles(bq_bwd=256, bk_bwd=256)
-  rt = R.dq_round_trip(shape, tiles, 1)
-  assert (rt["tile_bytes"], rt["writes"], rt["reads"], rt["bytes"]) == (tile, 10, 6, want)
-  op = _kernel(R.fused_ops(shape, tiles, 1, R.BEFORE)["bwd"], "diff_attention_bwd (before)")
-  assert op.detail["dQ f32 tile writes"] == 10 * tile
-  assert op.detail["dQ f32 tile reads"] == 6 * tile
-
-  # Default backward tiles (512 x 256): q tile 0 sees key tiles 0, 1; q tile 1 all 4.
-  tile = 2 * 512 * d * 4
-  rt = R.dq_round_trip(shape, _tiles(), 1)
-  assert (rt["writes"], rt["reads"], rt["bytes"]) == (6, 4, 10 * tile)
-
-  # Without the mask every (q tile, key tile) step: 4 x 4 writes, 4 x 3 reads; V2's
-  # 2H pairs each carry the same tile.
-  full = R.Shape(batch=2, diff_heads=1, head_dim=d, seq=1024, causal=False)
-  rt = R.dq_round_trip(full, tiles, 2)
-  assert (rt["writes"], rt["reads"]) == (2 * 2 * 16, 2 * 2 * 12)
-
-
 def test_headline_ratios_at_the_3b_layer():
-  """Fused V1 within 1.3x of splash's bytes, and today's fused backward at most half of
-  before's, at T = 4K, 8K and 32K."""
+  """Fused V1 within 1.3x of splash's bytes and the target's backward below the fused
+  one's, at T = 4K, 8K and 32K."""
   for t in (4096, 8192, 32768):
     shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
     rat = R.ratios(R.arm_ops(shape, _tiles()))
     assert rat["fused_v1_over_splash_transformer"] <= 1.3, (t, rat)
-    assert rat["before_v1_over_splash_transformer"] > 1.3, (t, rat)
-    assert rat["fused_v1_bwd_over_before"] <= 0.5, (t, rat)
-    assert rat["fused_v2_bwd_over_before"] <= 0.5, (t, rat)
+    assert rat["fused_v1_over_splash_transformer_kernels_only"] <= 1.3, (t, rat)
+    assert rat["target_v1_bwd_over_fused_v1_bwd"] < 1, (t, rat)
+    assert rat["target_v2_bwd_over_fused_v2_bwd"] < 1, (t, rat)
 
 
 def test_lane_dense_row_statistics_by_hand():
@@ -215,29 +160,28 @@ def test_lane_dense_row_statistics_by_hand():
   shape = R.Shape(batch=2, diff_heads=3, head_dim=d, seq=t, causal=False)
   tiles = _tiles(bq=256, bq_bwd=128)  # T pads to 1024: 4 forward, 8 backward tiles
   for version, heads in ((1, 3), (2, 6)):
-    today, before = (R.fused_ops(shape, tiles, version, design) for design in (R.TODAY,
-                                                                               R.BEFORE))
-    fwd = _kernel(today["fwd"], "diff_attention_fwd")
-    # lse: a (2, 256) slab per (batch, head, q tile), 2 rows on 8 sublanes.
-    assert fwd.detail["lse"] == 2 * heads * 4 * 8 * 256 * 4
-    assert _kernel(before["fwd"], "(before)").detail["lse"] == 2 * heads * 1024 * 128 * 4
+    fused = R.fused_ops(shape, tiles, version)
+    fwd = _kernel(fused["fwd"], "diff_attention_fwd")
+    # lse: a (2, 256) slab per (batch, head, q tile), 2 rows on 8 sublanes, not
+    # [B, H, Tp, 2] padded to 128 lanes.
+    assert fwd.detail["lse"] == 2 * heads * 4 * 8 * 256 * 4 < 2 * heads * 1024 * 128 * 4
     if version == 2:
       assert fwd.detail["lambda rows"] == 2 * heads * 4 * 8 * 256 * 4
-    bwd = _kernel(today["bwd"], "diff_attention_bwd")
+    bwd = _kernel(fused["bwd"], "diff_attention_bwd")
     # Without a mask each (key tile, q tile) step fetches the (8, 128) stats slab.
     steps = 2 * heads * 8 * 4  # 8 q tiles x 4 key tiles of 256
     assert bwd.detail["stats"] == steps * 8 * 128 * 4
-    assert _kernel(before["bwd"], "(before)").detail["stats"] == steps * 128 * 128 * 4
-    stats = next(o for o in today["bwd"] if o.name.startswith("stats slabs"))
+    stats = next(o for o in fused["bwd"] if o.name.startswith("stats slabs"))
     assert stats.written == 2 * heads * 8 * 8 * 128 * 4
     assert stats.read == (2 * heads * 4 * 8 * 256 * 4 + 2 * 2 * heads * t * 4
                           + (2 * heads * t * 4 if version == 2 else 0))
-    # The forward's lse is no longer sliced to T after the kernel; o2 still is.
-    assert any(o.name == "o2 sliced to T" for o in today["fwd"])
+    # The forward's lse slabs are not sliced to T after the kernel; o2 is.
+    assert any(o.name == "o2 sliced to T" for o in fused["fwd"])
+    assert not any("lse" in o.name and "sliced" in o.name for o in fused["fwd"])
 
 
 # ----------------------------------------------------------------------------------
-# (c) The target against today's kernels.
+# (c) The target against the fused kernels.
 
 
 @pytest.mark.parametrize("t", [1000, 4096, 8192])
@@ -250,54 +194,49 @@ def test_target_grid_visits_only_tiles_with_visible_keys(t):
   dense = (k_pos <= q_pos) & (q_pos < t) & (k_pos < t)
   any_visible = int(dense.reshape(nq, bq, nkv, bk).any(axis=(1, 3)).sum())
   for version, heads in ((1, 3), (2, 6)):
-    today = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
+    fused = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
     target = _kernel(R.target_ops(shape, tiles, version)["bwd"], "(target)")
     assert target.steps == 2 * heads * any_visible
-    # Today's causal grids visit the same tiles (self-attention: the first key tile holds
-    # a visible key for every query tile); before's visited every step of the square.
-    assert today.steps == target.steps
-    before = _kernel(R.fused_ops(shape, tiles, version, design=R.BEFORE)["bwd"],
-                     "diff_attention_bwd (before)")
-    assert before.steps == 2 * heads * nq * nkv
+    # The kernels' causal grids visit the same tiles (self-attention: the first key tile
+    # holds a visible key for every query tile), not every step of the square.
+    assert fused.steps == target.steps < 2 * heads * nq * nkv
     fwd = _kernel(R.fused_ops(shape, tiles, version)["fwd"], "diff_attention_fwd")
     fwd_target = _kernel(R.target_ops(shape, tiles, version)["fwd"], "(target)")
     assert fwd.steps == fwd_target.steps < 2 * heads * nq * nkv * 2
-    assert target.flops <= today.flops
+    assert target.flops <= fused.flops
     total = lambda ops: sum(o.bytes for o in ops)
     assert total(R.target_ops(shape, tiles, version)["bwd"]) < total(
         R.fused_ops(shape, tiles, version)["bwd"])
-    assert target.bytes < today.bytes
+    assert target.bytes < fused.bytes
 
 
 def test_target_moves_fewer_bytes_without_a_mask_too():
   shape = R.Shape(batch=1, diff_heads=2, head_dim=128, seq=2048, causal=False)
   for version in (1, 2):
-    today = sum(o.bytes for o in R.fused_ops(shape, _tiles(), version)["bwd"])
+    fused = sum(o.bytes for o in R.fused_ops(shape, _tiles(), version)["bwd"])
     target = sum(o.bytes for o in R.target_ops(shape, _tiles(), version)["bwd"])
-    assert target < today
+    assert target < fused
 
 
 # ----------------------------------------------------------------------------------
-# (d) The script.
+# (d) The printed section.
 
 
-def test_main_prints_every_generation(capsys, tmp_path):
-  path = tmp_path / "roofline.json"
-  report = R.main(["--seq", "1024", "--json", str(path)])
-  out = capsys.readouterr().out
-  assert "MODEL" in out
-  header = next(line for line in out.splitlines() if line.startswith("| arm |"))
+def test_section_prints_every_generation_and_arm():
+  shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=1024)
+  text, figures = R.seq_section(shape, _tiles(), step_us=0.35)
+  assert text.startswith("\n## T = 1024\n")
+  header = next(line for line in text.splitlines() if line.startswith("| arm |"))
   for gen in R.GENERATIONS:
     assert f"| {gen} us" in header
   for arm in R.ARMS:
-    assert f"| {arm} | fwd+bwd | total |" in out
-  assert "fused DIFF V1 fwd+bwd / splash Transformer fwd+bwd" in out
-  assert "runs 1 query chunk at this length" in out
-  assert "today's / before's fused backward" in out
-  assert "Cross-check" not in out  # only with --cross-check
-  saved = json.loads(path.read_text())
-  assert set(saved["results"]) == {"1024"}
-  assert saved["results"]["1024"]["ratios"] == report["results"]["1024"]["ratios"]
+    assert f"| {arm} | fwd+bwd | total |" in text
+  assert "fused DIFF V1 fwd+bwd / splash Transformer fwd+bwd" in text
+  assert "runs 1 query chunk at this length" in text
+  assert "target / fused backward" in text and "before" not in text
+  saved = json.loads(json.dumps(figures, default=str))
+  assert saved["ratios"] == R.ratios(R.arm_ops(shape, _tiles()))
+  assert {row["arm"] for row in saved["rows"]} == set(R.ARMS)
 
 
 def test_splash_tables_match_splash_mask_info():
@@ -308,8 +247,8 @@ def test_splash_tables_match_splash_mask_info():
   kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * 2),
                                   block_sizes=blocks, head_shards=1, q_seq_shards=1)
   mask = R.visited_tiles(t, t, block, block, True)
-  rows, width = R._splash_rows(mask)
-  cols, _ = R._splash_cols(mask)
+  rows, width = R.splash_rows(mask)
+  cols, _ = R.splash_cols(mask)
   assert width == t // block  # a causal square keeps the full grid width
   np.testing.assert_array_equal(np.asarray(kernel.fwd_mask_info.data_next[0]), rows)
   np.testing.assert_array_equal(np.asarray(kernel.dq_mask_info.data_next[0]), rows)
