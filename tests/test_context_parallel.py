@@ -167,6 +167,23 @@ def test_shard_positions_follow_the_permutation():
                                     np.arange(i * tl, (i + 1) * tl))
 
 
+def test_ring_takes_the_per_block_kernel_the_dispatch_table_registers(monkeypatch):
+  from diffjax.kernels.tpu import blocks as tpu_blocks
+  from diffjax.ops import dispatch
+  from diffjax.ops import ring_blocks as rb
+  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
+  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is tpu_blocks
+  assert rb.registered_ring_blocks("mha", "pallas_tpu") is None  # no kernel registered
+  blocks = rb.kernel_blocks(tpu_blocks, version=2, d=8, dv=8, heads=2, kv_heads=1,
+                            segmented=False, scale=0.5)
+  assert blocks.maps == 2 and blocks.head_major and blocks.interpreter_barrier
+  # A kernel registered without per-block functions leaves the ring its XLA blocks.
+  monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+  dispatch.register_implementation("diff_v2", "pallas_tpu", lambda *a, **k: None, ("tpu",))
+  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is None
+  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
+
+
 def test_permutation_errors():
   with pytest.raises(ValueError, match="multiple of 2 \\* num_shards = 8"):
     cp.zigzag_permutation(30, 4)

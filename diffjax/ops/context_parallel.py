@@ -9,18 +9,14 @@ V1 and DIFF V2:
     their segment ids) and attends with its own queries. Simple; K and V of the full
     sequence sit on every device.
   * ``"ring"``: the key/value blocks travel around the ring of C devices
-    (``jax.lax.ppermute``), one hop per step. Each device folds every block into
-    online-softmax statistics (running max, sum and unnormalized output), kept apart
-    for each softmax map: DIFF has two maps, ``out = softmax1 V - lam softmax2 V``, and
-    they are combined only at the end. The backward pass is a ring too
-    (``jax.custom_vjp``): it saves the local inputs, each map's output and
-    log-sum-exp, recomputes block probabilities, and passes the key/value blocks
-    around with their dK/dV accumulators. A device holds its T / C queries and one
-    T / C block of keys and values at a time. With the XLA blocks (``implementation=
-    "xla"``) each step's scores are a [T / C, T / C] tile per head, so choose C so that
-    tile fits; with ``implementation="pallas_tpu"`` or ``"pallas_gpu"`` (what the ops
-    choose for DIFF V1 and V2 on a TPU or GPU) the fused kernels run on each block
-    instead (:mod:`diffjax.ops.ring_kernels`).
+    (``jax.lax.ppermute``), one hop per step, and each softmax map keeps its own
+    online-softmax statistics, combined only at the end (:mod:`diffjax.ops.ring`). A
+    device holds its T / C queries and one T / C block of keys and values at a time.
+    What computes each block is ``implementation``: ``"xla"`` scores the block as one
+    tile per head (choose C so that a [T / C, T / C] tile fits); ``"pallas_tpu"`` or
+    ``"pallas_gpu"`` (what the ops choose for DIFF V1 and V2 on a TPU or GPU) runs the
+    per-block functions of the kernel that the dispatch table registers, or the XLA
+    blocks when that kernel has none (:mod:`diffjax.ops.ring_blocks`).
 
 Load balance. With causal masking, the late positions attend to many more keys than
 the early ones, so contiguous shards give the last device most of the work. With
@@ -28,9 +24,9 @@ the early ones, so contiguous shards give the last device most of the work. With
 :func:`zigzag_permutation` (2C chunks; shard i holds chunks i and 2C-1-i), which gives
 every device the same amount of unmasked work. All per-token arrays (tokens,
 positions, segment ids, DIFF V2's lambda) go in that order and the output comes out in
-it; the causal mask still follows the original order: each device derives the
-original positions of its queries and of every key block from its index on the
-context axis.
+it; the causal mask still follows the original order: the ring derives which part of
+each key block a device's queries see from the two shard indices, the gather from the
+original positions of its queries.
 
 The batch and head axes may be sharded as well (``batch_axis``, ``head_axis``), heads
 in contiguous blocks that keep kv groups whole, as in
@@ -54,22 +50,17 @@ from jax.sharding import PartitionSpec as P
 from diffjax.core import reference as ref
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.ops import dispatch, ring_kernels
-from diffjax.ops.ring_kernels import shift_to_next as _shift
+from diffjax.ops import dispatch
+from diffjax.ops import ring_blocks as rb
+from diffjax.ops.ring import make_ring
 
 __all__ = ["OPS", "STRATEGIES", "context_parallel_attention", "inverse_permutation",
            "zigzag_permutation"]
 
 OPS = ("mha", "diff_v1", "diff_v2")
 STRATEGIES = ("ring", "all_gather")
-BLOCK_IMPLEMENTATIONS = ("xla", *ring_kernels.IMPLEMENTATIONS)
+BLOCK_IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 AxisName = str | tuple[str, ...] | None
-
-_NEG_INF = float(np.finfo(np.float32).min) * 0.5
-# Which key array each softmax map reads: the baseline has one map; DIFF V1 two maps with
-# their own keys; DIFF V2 two maps on the same keys.
-_KEY_OF_MAP = {"mha": (0,), "diff_v1": (0, 1), "diff_v2": (0, 0)}
-
 
 # ------------------------------------------------------------------------------------------
 # Sequence order.
@@ -124,196 +115,6 @@ def _original_positions(shard, num_shards: int, t_local: int, load_balance: bool
 
 
 # ------------------------------------------------------------------------------------------
-# Per-device pieces.
-
-def _block_mask(q_pos_T, k_pos_S, q_seg_BxT, kv_seg_BxS, causal: bool):
-  """Boolean [B or 1, 1, 1, T, S] (True = attend) for the [B, K, G, T, S] layout, or None."""
-  out = None
-  if causal:
-    out = (k_pos_S[None, :] <= q_pos_T[:, None])[None, None, None]
-  if q_seg_BxT is not None:
-    seg = (q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :])[:, None, None]
-    out = seg if out is None else jnp.logical_and(out, seg)
-  return out
-
-
-def _scores(q_BxTxKxGxD, k_BxSxKxD, scale: float, acc) -> jax.Array:
-  """Scaled scores [B, K, G, T, S] in the accumulation dtype."""
-  s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=acc)
-  return s * jnp.asarray(scale, acc)
-
-
-def _to_heads(x_BxKxGxTxF) -> jax.Array:
-  """[B, K, G, T, F] -> [B, T, H, F] with h = k G + g."""
-  b, kh, g, t, f = x_BxKxGxTxF.shape
-  return jnp.transpose(x_BxKxGxTxF, (0, 3, 1, 2, 4)).reshape(b, t, kh * g, f)
-
-
-def _from_heads(x_BxTxHxF, kv_heads: int) -> jax.Array:
-  """[B, T, H, F] -> [B, K, G, T, F]."""
-  b, t, h, f = x_BxTxHxF.shape
-  return jnp.transpose(x_BxTxHxF.reshape(b, t, kv_heads, h // kv_heads, f), (0, 2, 3, 1, 4))
-
-
-def _make_ring(*, axis: str, num_shards: int, load_balance: bool, causal: bool, scale: float,
-               key_of_map: tuple[int, ...]):
-  """The ring attention of one device, a ``custom_vjp`` function.
-
-  ``ring(qs, ks, v, lam, seg)``: ``qs`` one [B, T, H, D] query array per softmax map;
-  ``ks`` the [B, T, K, D] key arrays (map m reads ``ks[key_of_map[m]]``); ``v`` [B, T, K,
-  Dv]; ``lam`` None (one map) or [B, T, H] in the accumulation dtype (two maps: ``out =
-  o1 - lam o2``); ``seg`` None or int [B, T]. All local blocks; returns [B, T, H, Dv].
-  """
-  differential = len(key_of_map) == 2
-  # Without load balancing, a causal key block from a later shard is entirely masked
-  # and is skipped. With the zigzag order every block has visible keys.
-  may_skip = causal and not load_balance
-
-  def positions(shard, t_local):
-    return _original_positions(shard, num_shards, t_local, load_balance)
-
-  def mask_and_visible(me, step, seg, seg_blk, t_local):
-    src = jnp.mod(me - step, num_shards)
-    q_pos, k_pos = positions(me, t_local), positions(src, t_local)
-    mask = _block_mask(q_pos, k_pos, seg, seg_blk, causal)
-    visible = (jnp.max(q_pos) >= jnp.min(k_pos)) if may_skip else None
-    return mask, visible
-
-  def maybe(visible, update, carry):
-    if visible is None:
-      return update(carry)
-    return jax.lax.cond(visible, update, lambda c: c, carry)
-
-  def combine(outs, lam):
-    if not differential:
-      return outs[0]
-    return outs[0] - lam[..., None] * outs[1]
-
-  def forward(qs, ks, v, lam, seg):
-    acc = accumulation_dtype(qs[0].dtype)
-    b, t, h, _ = qs[0].shape
-    kh, dv = v.shape[2], v.shape[3]
-    g = h // kh
-    qs_g = [q.reshape(b, t, kh, g, -1) for q in qs]
-    me = jax.lax.axis_index(axis)
-
-    def update(step, block, stats):
-      ks_blk, v_blk, seg_blk = block
-      mask, visible = mask_and_visible(me, step, seg, seg_blk, t)
-
-      def fold(stats):
-        new = []
-        for q_g, kidx, (m_old, l_old, o_old) in zip(qs_g, key_of_map, stats):
-          s = _scores(q_g, ks_blk[kidx], scale, acc)
-          if mask is not None:
-            s = jnp.where(mask, s, _NEG_INF)
-          m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
-          p = jnp.exp(s - m_new[..., None])
-          if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-          alpha = jnp.exp(m_old - m_new)
-          l_new = l_old * alpha + jnp.sum(p, axis=-1)
-          o_new = o_old * alpha[..., None] + jnp.einsum(
-              "bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
-          new.append((m_new, l_new, o_new))
-        return tuple(new)
-
-      return maybe(visible, fold, stats)
-
-    stats = tuple((jnp.full((b, kh, g, t), _NEG_INF, acc), jnp.zeros((b, kh, g, t), acc),
-                   jnp.zeros((b, kh, g, t, dv), acc)) for _ in key_of_map)
-    block = (tuple(ks), v, seg)
-
-    def body(step, carry):
-      block, stats = carry
-      nxt = _shift(block, axis, num_shards)  # independent of this step's math: may overlap
-      return nxt, update(step, block, stats)
-
-    block, stats = jax.lax.fori_loop(0, num_shards - 1, body, (block, stats))
-    stats = update(num_shards - 1, block, stats)
-
-    outs, lses = [], []
-    for m, l, o in stats:
-      seen = l > 0
-      l_safe = jnp.where(seen, l, 1.0)
-      outs.append(_to_heads(o / l_safe[..., None]))  # rows with no visible key stay 0
-      lses.append(jnp.where(seen, m + jnp.log(l_safe), 0.0))
-    out = combine(outs, lam).astype(qs[0].dtype)
-    return out, (qs, ks, v, lam, seg, tuple(outs), tuple(lses))
-
-  def backward(res, dout_BxTxHxDv):
-    qs, ks, v, lam, seg, outs, lses = res
-    acc = accumulation_dtype(qs[0].dtype)
-    b, t, h, _ = qs[0].shape
-    kh = v.shape[2]
-    g = h // kh
-    qs_g = [q.reshape(b, t, kh, g, -1) for q in qs]
-    me = jax.lax.axis_index(axis)
-    dout = dout_BxTxHxDv.astype(acc)
-    # Cotangent of each map's normalized output, and D = rowsum(dO * O) of the softmax.
-    douts = [dout] if not differential else [dout, -lam[..., None] * dout]
-    dlam = None
-    if differential:
-      dlam = -jnp.sum(dout * outs[1], axis=-1).astype(lam.dtype)
-    deltas = [_from_heads(jnp.sum(do * o, axis=-1, keepdims=True), kh)[..., 0]
-              for do, o in zip(douts, outs)]
-    dos_g = [do.astype(v.dtype).reshape(b, t, kh, g, -1) for do in douts]
-
-    def update(step, block, dqs):
-      ks_blk, v_blk, seg_blk, dks, dv = block
-      mask, visible = mask_and_visible(me, step, seg, seg_blk, t)
-
-      def fold(carry):
-        dqs, dks, dv = carry
-        dqs, dks = list(dqs), list(dks)
-        for mi, kidx in enumerate(key_of_map):
-          k_blk = ks_blk[kidx]
-          s = _scores(qs_g[mi], k_blk, scale, acc)
-          p = jnp.exp(s - lses[mi][..., None])
-          if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-          dp = jnp.einsum("btkgd,bskd->bkgts", dos_g[mi], v_blk, preferred_element_type=acc)
-          ds = (p * (dp - deltas[mi][..., None]) * jnp.asarray(scale, acc)).astype(k_blk.dtype)
-          dqs[mi] = dqs[mi] + jnp.einsum("bkgts,bskd->btkgd", ds, k_blk,
-                                         preferred_element_type=acc)
-          dks[kidx] = dks[kidx] + jnp.einsum("bkgts,btkgd->bskd", ds, qs_g[mi],
-                                             preferred_element_type=acc)
-          dv = dv + jnp.einsum("bkgts,btkgd->bskd", p.astype(v_blk.dtype), dos_g[mi],
-                               preferred_element_type=acc)
-        return tuple(dqs), tuple(dks), dv
-
-      dqs, dks, dv = maybe(visible, fold, (dqs, dks, dv))
-      return (ks_blk, v_blk, seg_blk, dks, dv), dqs
-
-    dqs = tuple(jnp.zeros(q_g.shape, acc) for q_g in qs_g)
-    block = (tuple(ks), v, seg, tuple(jnp.zeros(k.shape, acc) for k in ks),
-             jnp.zeros(v.shape, acc))
-
-    def body(step, carry):
-      block, dqs = carry
-      kv_next = _shift(block[:3], axis, num_shards)  # independent of this step's math
-      (_, _, _, dks, dv), dqs = update(step, block, dqs)
-      grads_next = _shift((dks, dv), axis, num_shards)
-      return (*kv_next, *grads_next), dqs
-
-    block, dqs = jax.lax.fori_loop(0, num_shards - 1, body, (block, dqs))
-    (_, _, _, dks, dv), dqs = update(num_shards - 1, block, dqs)
-    # The accumulators of a block finish one device before the block's owner.
-    dks, dv = _shift((dks, dv), axis, num_shards)
-
-    dqs = tuple(dq.reshape(q.shape).astype(q.dtype) for dq, q in zip(dqs, qs))
-    dks = tuple(dk.astype(k.dtype) for dk, k in zip(dks, ks))
-    return dqs, dks, dv.astype(v.dtype), dlam, None
-
-  @jax.custom_vjp
-  def ring(qs, ks, v, lam, seg):
-    return forward(qs, ks, v, lam, seg)[0]
-
-  ring.defvjp(forward, backward)
-  return ring
-
-
-# ------------------------------------------------------------------------------------------
 # The global-view op.
 
 def _axis_names(axes: AxisName) -> tuple[str, ...]:
@@ -341,13 +142,14 @@ def _check_inputs(op: str, arrays: Sequence[jax.Array]) -> None:
   {"mha": _v.check_mha, "diff_v1": _v.check_diff_v1, "diff_v2": _v.check_diff_v2}[op](*arrays)
 
 
-def _check_block_implementation(op: str, implementation: str, strategy: str, interpret,
-                                dtype) -> None:
+def _ring_blocks_of(op: str, implementation: str, strategy: str, interpret, dtype):
+  """The kernel's per-block functions that ``implementation`` runs in the ring, or None
+  for the XLA blocks; raises when the choice cannot run."""
   if implementation not in BLOCK_IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not one of "
                      f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring).")
   if implementation == "xla":
-    return
+    return None
   name = f"implementation={implementation!r}"
   if op == "mha":
     raise ValueError(f"{name} runs the fused DIFF kernels per ring block; the baseline "
@@ -358,15 +160,16 @@ def _check_block_implementation(op: str, implementation: str, strategy: str, int
   if jnp.dtype(dtype) == jnp.float64:
     raise ValueError("The kernels accumulate in float32; float64 inputs need "
                      "implementation='xla'.")
-  if not ring_kernels.available(implementation):
-    raise ValueError(f"The kernels of {name} cannot be imported in this installation; use "
-                     "implementation='xla'.")
   platform = implementation.removeprefix("pallas_")
+  if dispatch.lookup(op, implementation, platform, False) is None:
+    raise ValueError(f"No {implementation!r} kernel of {op!r} is registered in this "
+                     "installation (diffjax.ops.dispatch); use implementation='xla'.")
   # Compiling ahead of time for a TPU on a CPU host counts as the TPU (target_platform).
   if not interpret and platform not in (jax.default_backend(), dispatch.current_platform()):
     raise ValueError(f"{name} needs a {platform.upper()} (the backend is "
                      f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
                      "in the Pallas interpreter, or use implementation='xla'.")
+  return rb.registered_ring_blocks(op, implementation)
 
 
 def context_parallel_attention(
@@ -398,9 +201,11 @@ def context_parallel_attention(
     segment_ids: None or int [B, T] (packed documents; same order as the inputs).
     scale: score scale, default 1/sqrt(D).
     implementation: what computes each ring step: "xla" (the score tile of the block,
-      any op and dtype), "pallas_tpu" or "pallas_gpu" (the fused DIFF V1 / V2 kernels of
-      that platform; ring strategy only; elsewhere only with ``interpret=True``).
-    block_sizes, interpret: passed to the kernels ("pallas_tpu").
+      any op and dtype), "pallas_tpu" or "pallas_gpu" (the per-block functions of the
+      DIFF V1 / V2 kernel the dispatch table registers for that platform, or the XLA
+      blocks if it has none; ring strategy only; off that platform only with
+      ``interpret=True``).
+    block_sizes, interpret: passed to the kernels.
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
   """
@@ -408,7 +213,7 @@ def context_parallel_attention(
   _check_inputs(op, arrays)
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
-  _check_block_implementation(op, implementation, strategy, interpret, arrays[0].dtype)
+  kernel = _ring_blocks_of(op, implementation, strategy, interpret, arrays[0].dtype)
   if not isinstance(context_axis, str):
     raise ValueError(f"context_axis must be one mesh axis name; got {context_axis!r}.")
   q, k = arrays[0], arrays[2 if op == "diff_v1" else 1]
@@ -483,26 +288,7 @@ def context_parallel_attention(
     q_, k_, v_, lam_ = xs
     return ref.diff_v2_reference(q_, gather(k_), gather(v_), lam_, **kw)
 
-  ring = _make_ring(axis=context_axis, num_shards=c, load_balance=load_balance, causal=causal,
-                    scale=scale, key_of_map=_KEY_OF_MAP[op])
-
   def per_device_ring(*local):
-    seg = local[-1] if with_seg else None
-    xs = local[:-1] if with_seg else local
-    if op == "mha":
-      q_, k_, v_ = xs
-      return ring((q_,), (k_,), v_, None, seg)
-    if op == "diff_v1":
-      q1, q2, k1, k2, v_, lam_H = xs
-      lam_BxTxH = jnp.broadcast_to(lam_H[None, None, :], q1.shape[:3])
-      return ring((q1, q2), (k1, k2), v_, lam_BxTxH, seg)
-    q_, k_, v_, lam_ = xs
-    bl, tl, qh, dl = q_.shape
-    q_BxTxHx2xD = q_.reshape(bl, tl, qh // 2, 2, dl)
-    return ring((q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]), (k_,), v_,
-                lam_.astype(acc), seg)
-
-  def per_device_kernel_ring(*local):
     seg = local[-1] if with_seg else None
     xs = local[:-1] if with_seg else local
     bl, tl = xs[0].shape[:2]
@@ -511,18 +297,20 @@ def context_parallel_attention(
       qs, ks, heads = (q1, q2), (k1, k2), q1.shape[2]
       lam_BxTxH = jnp.broadcast_to(lam_H[None, None, :], (bl, tl, heads))
     else:
-      q_, k_, v_, lam_BxTxH = xs
-      qs, ks, heads = (q_,), (k_,), q_.shape[2] // 2
-    ring = ring_kernels.make_kernel_ring(
-        implementation=implementation, version=1 if op == "diff_v1" else 2,
-        axis=context_axis, num_shards=c, load_balance=load_balance, causal=causal, scale=scale,
-        local_shapes=(bl, tl, heads, d, v_.shape[2], v_.shape[3]), segmented=with_seg,
-        block_sizes=block_sizes, interpret=interpret)
-    return ring(qs, ks, v_, lam_BxTxH.astype(jnp.float32), seg)
+      qs, ks, v_ = (xs[0],), (xs[1],), xs[2]
+      heads = xs[0].shape[2] // (2 if op == "diff_v2" else 1)
+      lam_BxTxH = xs[3] if op == "diff_v2" else None
+    if kernel is None:
+      blocks = rb.xla_blocks(op, scale)
+    else:
+      blocks = rb.kernel_blocks(
+          kernel, version=1 if op == "diff_v1" else 2, d=d, dv=v_.shape[3], heads=heads,
+          kv_heads=v_.shape[2], segmented=with_seg, scale=scale, block_sizes=block_sizes,
+          interpret=interpret)
+    ring = make_ring(blocks, axis=context_axis, num_shards=c, load_balance=load_balance,
+                     causal=causal, length=tl, heads=heads, interpret=interpret)
+    return ring(qs, ks, v_, None if lam_BxTxH is None else lam_BxTxH.astype(acc), seg)
 
-  if strategy == "all_gather":
-    per_device = per_device_all_gather
-  else:
-    per_device = per_device_ring if implementation == "xla" else per_device_kernel_ring
+  per_device = per_device_all_gather if strategy == "all_gather" else per_device_ring
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=False)
   return fn(*arrays)

@@ -13,10 +13,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _forward as fwd_kernel
 from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu.block_sizes import resolve_block_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,36 @@ class CoreConfig:
   bwd: L.Plan
   interpret: Any  # False, or the interpreter parameters
   widths: tuple[int, int]  # (D, Dv) of one head
+
+
+Interpret = bool | pltpu.InterpretParams
+
+
+def interpret_mode(interpret: Interpret):
+  """False on TPU; otherwise the TPU interpreter, which simulates VMEM, SMEM, DMAs
+  and semaphores."""
+  if interpret is True:
+    return pltpu.InterpretParams()
+  if interpret is False or interpret is None:
+    return False
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  raise TypeError(f"interpret must be a bool or pltpu.InterpretParams; got {interpret!r}.")
+
+
+def make_config(*, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
+                lam_rows, interpret) -> CoreConfig:
+  """The forward and backward plans of one call: T queries against S keys of H heads
+  (V1 DIFF heads or V2 pairs) over K kv groups, with the block sizes resolved for D."""
+  bs = resolve_block_sizes(block_sizes, d)
+  common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
+                scale=float(_v.default_scale(scale, d)), shared_k=shared_k,
+                lam_rows=lam_rows, heads=h, kv_heads=kv_heads)
+  return CoreConfig(
+      fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
+      bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
+                      dq_chunk=bs.dq_chunk, **common),
+      interpret=interpret_mode(interpret), widths=(d, dv))
 
 
 def _pad_axis(x, axis: int, length: int):

@@ -1,6 +1,6 @@
 """The fused DIFF kernels as one block of a larger attention, with results that merge.
 
-Ring attention (:mod:`diffjax.ops.context_parallel`) splits the keys of a query block
+Ring attention (:mod:`diffjax.ops.ring`) splits the keys of a query block
 over several calls, one per key block that arrives. Merging the calls needs each softmax
 map on its own, which the fused kernel combines before it writes:
 
@@ -26,10 +26,16 @@ import jax.numpy as jnp
 from diffjax.kernels.tpu import _layout as L
 # The custom_vjp's own pieces, shared with the whole-attention path.
 from diffjax.kernels.tpu._core import (  # pylint: disable=protected-access
-    CoreConfig, _forward as core_forward, _lam_rows, backward_with_stats)
-from diffjax.kernels.tpu.diff_attention import _config
+    CoreConfig, _forward as core_forward, _lam_rows, backward_with_stats, make_config)
 
-__all__ = ["block_backward", "block_config", "block_forward"]
+__all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config",
+           "block_forward"]
+
+# What the ring needs to know of these kernels: they take head-major arrays, and the TPU
+# interpreter holds every device at a barrier in each call, so in the interpreter all
+# devices must make the same calls.
+HEAD_MAJOR = True
+INTERPRETER_BARRIER = True
 
 
 def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, kv_heads: int,
@@ -39,9 +45,9 @@ def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, k
   against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``)."""
   if version not in (1, 2):
     raise ValueError(f"version must be 1 or 2; got {version!r}.")
-  return _config(t=t, s=s, d=d, dv=dv, h=heads, kv_heads=kv_heads, causal=causal,
-                 segmented=segmented, scale=scale, block_sizes=block_sizes,
-                 shared_k=version == 2, lam_rows=version == 2, interpret=interpret)
+  return make_config(t=t, s=s, d=d, dv=dv, h=heads, kv_heads=kv_heads, causal=causal,
+                     segmented=segmented, scale=scale, block_sizes=block_sizes,
+                     shared_k=version == 2, lam_rows=version == 2, interpret=interpret)
 
 
 def _lam(cfg: CoreConfig, lam_BxHxT):

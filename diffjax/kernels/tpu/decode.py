@@ -56,8 +56,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu._core import Interpret, interpret_mode
 from diffjax.kernels.tpu.block_sizes import DecodeBlockSizes, resolve_decode_block_sizes
-from diffjax.kernels.tpu.diff_attention import Interpret, _interpret_mode
 
 _LANES = 128
 
@@ -375,4 +375,4 @@ def diff_v1_decode_pallas_tpu(
                                       itemsize=k1_BxSxKxD.dtype.itemsize)
   return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
                  jnp.broadcast_to(lam_H, (h,)), kv_len_B, scale=_v.default_scale(scale, d),
-                 blocks=blocks, interpret=_interpret_mode(interpret))
+                 blocks=blocks, interpret=interpret_mode(interpret))

@@ -17,26 +17,11 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu import _layout as L
-from diffjax.kernels.tpu._core import CoreConfig, diff_core
-from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
-
-Interpret = bool | pltpu.InterpretParams
-
-
-def _interpret_mode(interpret: Interpret):
-  """False on TPU; otherwise the TPU interpreter, which simulates VMEM, SMEM, DMAs
-  and semaphores."""
-  if interpret is True:
-    return pltpu.InterpretParams()
-  if interpret is False or interpret is None:
-    return False
-  if isinstance(interpret, pltpu.InterpretParams):
-    return interpret
-  raise TypeError(f"interpret must be a bool or pltpu.InterpretParams; got {interpret!r}.")
+from diffjax.kernels.tpu import blocks as ring_blocks
+from diffjax.kernels.tpu._core import Interpret, diff_core, make_config
+from diffjax.kernels.tpu.block_sizes import BlockSizes
 
 
 def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
@@ -46,19 +31,6 @@ def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
                      f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}.")
   if q_segment_ids is not None:
     _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
-
-
-def _config(*, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
-            lam_rows, interpret) -> CoreConfig:
-  bs = resolve_block_sizes(block_sizes, d)
-  common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
-                scale=float(_v.default_scale(scale, d)), shared_k=shared_k,
-                lam_rows=lam_rows, heads=h, kv_heads=kv_heads)
-  return CoreConfig(
-      fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
-      bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
-                      dq_chunk=bs.dq_chunk, **common),
-      interpret=_interpret_mode(interpret), widths=(d, dv))
 
 
 def diff_v1_pallas_tpu(
@@ -89,7 +61,7 @@ def diff_v1_pallas_tpu(
   b, t, h, d = q1_BxTxHxD.shape
   s, kv_heads = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(t=t, s=s, d=d, dv=v_BxSxKxDv.shape[-1], h=h, kv_heads=kv_heads,
+  cfg = make_config(t=t, s=s, d=d, dv=v_BxSxKxDv.shape[-1], h=h, kv_heads=kv_heads,
                 causal=causal, segmented=q_segment_ids is not None, scale=scale,
                 block_sizes=block_sizes, shared_k=False, lam_rows=False, interpret=interpret)
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
@@ -129,7 +101,7 @@ def diff_v2_pallas_tpu(
   b, t, qh, d = q_BxTxQxD.shape
   s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(t=t, s=s, d=d, dv=v_BxSxKxD.shape[-1], h=qh // 2, kv_heads=kv_heads,
+  cfg = make_config(t=t, s=s, d=d, dv=v_BxSxKxD.shape[-1], h=qh // 2, kv_heads=kv_heads,
                 causal=causal, segmented=q_segment_ids is not None, scale=scale,
                 block_sizes=block_sizes, shared_k=True, lam_rows=True, interpret=interpret)
   return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
@@ -144,3 +116,10 @@ def _diff_v2(cfg, q, k, v, lam, q_seg, kv_seg):
   heads = lambda x: x.transpose(0, 2, 1, 3)
   out_BxHxTxD = diff_core(cfg, (heads(q),), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
   return out_BxHxTxD.transpose(0, 2, 1, 3)
+
+
+# Context-parallel attention runs these kernels on each key/value block of its ring when
+# the function it finds in the dispatch table carries ``ring_blocks``
+# (:mod:`diffjax.ops.ring`): the per-block forward and backward with log-sum-exps.
+diff_v1_pallas_tpu.ring_blocks = ring_blocks
+diff_v2_pallas_tpu.ring_blocks = ring_blocks
