@@ -128,14 +128,8 @@ class AssociativeRecallTask(TaskBase):
       b.add(enc(keys[j] + self.separator), QUERY)
       answer_spans.append(b.add(enc(pairs[j][1]), QUERY))
       b.add(enc(" "), QUERY)
-    tokens, regions = b.finish()
-    segs = np.full(tokens.size, -1, np.int32)
-    for r, (s, e) in enumerate(answer_spans):
-      segs[s:e] = r
-    return RetrievalExample(
-        tokens=tokens, answer_segments=segs, regions=regions, prompt_len=answer_spans[0][0],
-        answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
-        answer_spans=tuple(answer_spans), needle_spans=tuple(needle_span[j] for j in queried),
+    return b.example(
+        answer_spans, needle_spans=tuple(needle_span[j] for j in queried),
         value_spans=tuple(value_span[j] for j in queried), distractor_spans=tuple(distractors),
         depth=None, depth_query=None,
         needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),

@@ -96,6 +96,18 @@ class Builder:
       regions[0] = SINK
     return tokens, regions
 
+  def example(self, answer_spans: Sequence[tuple[int, int]], **fields) -> RetrievalExample:
+    """The example of the pieces added so far; query r's answer is ``answer_spans[r]``
+    (the prompt ends where the first answer starts). ``fields``: the other attributes."""
+    tokens, regions = self.finish()
+    segs = np.full(tokens.size, -1, np.int32)
+    for r, (s, e) in enumerate(answer_spans):
+      segs[s:e] = r
+    return RetrievalExample(
+        tokens=tokens, answer_segments=segs, regions=regions, prompt_len=answer_spans[0][0],
+        answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
+        answer_spans=tuple(answer_spans), **fields)
+
 
 def draws(seed: int, index: int, *stream: int) -> np.random.Generator:
   """The random draws of example ``index``; ``stream`` keeps the draws of one task's parts (and

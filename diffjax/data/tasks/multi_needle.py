@@ -164,18 +164,13 @@ class MultiNeedleTask(TaskBase):
       b.add(prefix, QUERY)
       answer_spans.append(b.add(value, QUERY))
       b.add(suffix, QUERY)
-    tokens, regions = b.finish()
-    assert tokens.size == self.context_len, (tokens.size, self.context_len)
-    segs = np.full(tokens.size, -1, np.int32)
-    for r, (s, e) in enumerate(answer_spans):
-      segs[s:e] = r
-    return RetrievalExample(
-        tokens=tokens, answer_segments=segs, regions=regions, prompt_len=answer_spans[0][0],
-        answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
-        answer_spans=tuple(answer_spans),
+    ex = b.example(
+        answer_spans,
         needle_spans=tuple(needle_span[int(j)] for j in query_order),
         value_spans=tuple(value_span[int(j)] for j in query_order),
         distractor_spans=tuple(needle_span[j] for j in range(self.num_queries, self.num_needles)),
         depth=depth, depth_query=int(np.flatnonzero(query_order == 0)[0]),
         needle_depths=tuple(needle_depth[int(j)] for j in query_order),
         keys=tuple(asked), values=tuple(values[int(j)] for j in query_order))
+    assert ex.tokens.size == self.context_len, (ex.tokens.size, self.context_len)
+    return ex
