@@ -278,23 +278,30 @@ def test_changed_state_structure_is_refused_not_moved(tmp_path):
   assert moved_copies(tmp_path) == []
 
 
-def test_checkpoint_without_digest_restores_with_a_note(tmp_path):
-  # Written the way checkpoints were before digests existed.
+def test_checkpoint_without_integrity_record_is_refused_naming_the_fix(tmp_path):
+  # A step written by Orbax alone, without the record that save stores in meta.
   directory = str(tmp_path / "checkpoints")
+  write_two_steps(directory)
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   it = batches_iter()
-  next(it)
-  state = tiny_state(1)
-  manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          meta=ocp.args.JsonSave(meta_for(1)),
+  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(tiny_state(3)),
+                                          meta=ocp.args.JsonSave(meta_for(3)),
                                           data=grain.checkpoint.CheckpointSave(it)))
   manager.wait_until_finished()
-  it2, messages, seen = batches_iter(), [], []
-  step, back = ckpt.restore_newest_good(manager, ckpt.abstract_like(state), it2,
-                                        check_meta=seen.append, message=messages.append)
+  for read in (lambda: ckpt.read_meta(manager, 3),
+               lambda: ckpt.restore_newest_good(manager, ckpt.abstract_like(tiny_state(0)),
+                                                batches_iter(), check_meta=lambda m: None,
+                                                message=print)):
+    with pytest.raises(ckpt.CheckpointError) as e:
+      read()
+    msg = str(e.value)
+    assert not isinstance(e.value, ckpt.CorruptCheckpointError)
+    assert "\n" not in msg and "step 3" in msg and directory in msg, msg
+    assert "no integrity record" in msg and "Move the step out" in msg, msg
+  # Refused, not moved: the steps saved before it are still there.
+  assert sorted(manager.all_steps()) == [1, 2, 3]
+  assert moved_copies(tmp_path) == []
   manager.close()
-  assert step == 1 and bitwise_equal(back, state) and seen == [meta_for(1)]
-  assert len(messages) == 1 and "unverified" in messages[0] and "\n" not in messages[0]
 
 
 @pytest.mark.parametrize("where", ["params", "opt_state"])
