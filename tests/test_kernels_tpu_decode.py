@@ -154,7 +154,8 @@ def test_decode_rejects_bad_arguments():
   q1, q2, k1, k2, v, lam = _inputs(2, 64, 2, 2, 16, 32)
   two = lambda x: jnp.concatenate([x, x], axis=1)
   with pytest.raises(ValueError, match="one query token"):
-    kt.diff_v1_decode_pallas_tpu(two(q1), two(q2), k1, k2, v, lam, jnp.array([3, 4]), interpret=True)
+    kt.diff_v1_decode_pallas_tpu(two(q1), two(q2), k1, k2, v, lam, jnp.array([3, 4]),
+                                 interpret=True)
   with pytest.raises(ValueError, match="kv_len must be an integer array of shape"):
     kt.diff_v1_decode_pallas_tpu(q1, q2, k1, k2, v, lam, jnp.array([3.0, 4.0]), interpret=True)
   with pytest.raises(ValueError, match="multiple of 128"):

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-
 def leaf_name(path) -> str:
+  """A tree path as "a/b/0": dict keys, attribute names and sequence indices."""
   parts = []
   for k in path:
     for attr in ("key", "name", "idx"):
@@ -33,10 +33,12 @@ def leaf_name(path) -> str:
 
 
 def dtype_name(x: Any) -> str:
+  """The dtype of a leaf (an array, a ShapeDtypeStruct or a Python scalar) as a string."""
   return str(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
 
 
 def named_leaves(tree: Any) -> tuple[list[str], list[Any]]:
+  """The leaves of ``tree`` with their ``leaf_name``s, in flattening order."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [leaf_name(p) for p, _ in flat], [x for _, x in flat]
 
@@ -111,6 +113,7 @@ def scan(leaves: list[Any]) -> tuple[list[str], np.ndarray]:
 
 
 def sha256(obj: Any) -> str:
+  """Hex SHA-256 of bytes, or of a JSON-able object in a canonical form (sorted keys)."""
   blob = obj if isinstance(obj, bytes) else json.dumps(
       json.loads(json.dumps(obj)), sort_keys=True).encode()
   return hashlib.sha256(blob).hexdigest()
@@ -127,6 +130,7 @@ def per_process(hexdigest: str) -> dict[str, str]:
 
 
 def all_processes_agree(ok: bool) -> bool:
+  """Whether ``ok`` holds on every process."""
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
