@@ -143,8 +143,9 @@ def _check_inputs(op: str, arrays: Sequence[jax.Array]) -> None:
 
 
 def _ring_blocks_of(op: str, implementation: str, strategy: str, interpret, dtype):
-  """The kernel's per-block functions that ``implementation`` runs in the ring, or None
-  for the XLA blocks; raises when the choice cannot run."""
+  """The per-block functions of the kernel the dispatch table registers for ``op`` and
+  ``implementation``, or None for the XLA blocks (``"xla"``, or no such kernel or none
+  with per-block functions in this installation); raises when the choice cannot run."""
   if implementation not in BLOCK_IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not one of "
                      f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring).")
@@ -161,9 +162,6 @@ def _ring_blocks_of(op: str, implementation: str, strategy: str, interpret, dtyp
     raise ValueError("The kernels accumulate in float32; float64 inputs need "
                      "implementation='xla'.")
   platform = implementation.removeprefix("pallas_")
-  if dispatch.lookup(op, implementation, platform, False) is None:
-    raise ValueError(f"No {implementation!r} kernel of {op!r} is registered in this "
-                     "installation (diffjax.ops.dispatch); use implementation='xla'.")
   # Compiling ahead of time for a TPU on a CPU host counts as the TPU (target_platform).
   if not interpret and platform not in (jax.default_backend(), dispatch.current_platform()):
     raise ValueError(f"{name} needs a {platform.upper()} (the backend is "
