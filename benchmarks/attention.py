@@ -8,10 +8,8 @@ chosen so every call sees the same number of tokens (``--tokens``, 16K by defaul
   baseline flash   jax.nn.dot_product_attention, 24 heads (cuDNN on a GPU when it
                    accepts the call, XLA otherwise)
   V1 stock         4 stock calls (each map against each D-wide half of V)
-  V1 fused Triton  diffjax.kernels.gpu.diff_v1_fused (Pallas Triton)
   V2 stock         1 stock call over 48 heads, then the pair combination
-  V2 fused Triton  diffjax.kernels.gpu.diff_v2_fused (Pallas Triton)
-  V1/V2 Mosaic     diffjax.kernels.gpu.mosaic.diff_v1_mosaic / diff_v2_mosaic (Mosaic
+  V1/V2 fused      diffjax.kernels.gpu.diff_v1_pallas_gpu / diff_v2_pallas_gpu (Mosaic
                    GPU, Hopper: fused forward and one fused backward); on a GPU for
                    bf16 and fp16, in the interpreter only with 3 or more host devices
                    (XLA_FLAGS=--xla_force_host_platform_device_count=8)
@@ -24,9 +22,7 @@ query-key pair (causal: T (T + 1) / 2 pairs per sequence), per unit of two basel
 heads of width d: baseline 8d forward / 28d forward+backward; V1 stock (4 calls)
 16d / 56d; V1 fused 12d / 32d. V2 per pair of query heads: stock 8d / 28d (two heads
 of a standard kernel), fused 8d / 24d (one shared dP and one dV matmul in the
-backward). The Mosaic GPU kernels execute exactly these counts; the Triton kernels
-recompute the scores and dP in a separate dQ pass, so they execute 12d / 40d (V1) and
-8d / 30d (V2), and their hardware throughput is that much higher than shown.
+backward). The Mosaic GPU kernels execute exactly these counts.
 
 Memory: ``compiled.memory_analysis()`` of the forward+backward program (arguments +
 outputs + temporaries, XLA's static plan); on a GPU also the device's
@@ -57,8 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffjax.kernels import gpu as kg  # noqa: E402
-from diffjax.kernels.gpu import mosaic  # noqa: E402
-from diffjax.kernels.gpu import mosaic_pair  # noqa: E402
+from diffjax.kernels.gpu import mosaic_common  # noqa: E402
 from diffjax.kernels.gpu import stock  # noqa: E402
 
 
@@ -91,7 +86,7 @@ def _mosaic_runs_here(dtype, interpret: bool) -> bool:
   """Mosaic GPU rows: bf16/fp16 on a GPU, or interpreted with a thread per warpgroup."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  return not interpret or len(jax.devices("cpu")) >= mosaic_pair.COMPUTE_WGS + 1
+  return not interpret or len(jax.devices("cpu")) >= mosaic_common.COMPUTE_WGS + 1
 
 
 def _rows(inputs, heads, interpret: bool) -> list[Row]:
@@ -102,22 +97,18 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
   mosaic_rows = []
   if _mosaic_runs_here(mha[0].dtype, interpret):
     mosaic_rows = [
-        Row("V1 fused Mosaic GPU" + tag, lambda *a: mosaic.diff_v1_mosaic(*a, **fused),
+        Row("V1 fused Mosaic GPU" + tag, lambda *a: kg.diff_v1_pallas_gpu(*a, **fused),
             inputs["v1"], 12, 32, heads),
-        Row("V2 fused Mosaic GPU" + tag, lambda *a: mosaic.diff_v2_mosaic(*a, **fused),
+        Row("V2 fused Mosaic GPU" + tag, lambda *a: kg.diff_v2_pallas_gpu(*a, **fused),
             inputs["v2"], 8, 24, 2 * heads),
     ]
   return [
-      Row(f"baseline flash ({impl})", lambda *a: kg.mha_stock(*a, causal=True), mha,
+      Row(f"baseline flash ({impl})", lambda *a: kg.mha_stock_gpu(*a, causal=True), mha,
           8, 28, heads),
-      Row("V1 stock (4 calls)", lambda *a: kg.diff_v1_stock(*a, causal=True), inputs["v1"],
-          16, 56, heads),
-      Row("V1 fused Triton" + tag, lambda *a: kg.diff_v1_fused(*a, **fused), inputs["v1"],
-          12, 32, heads),
-      Row("V2 stock (1 call)", lambda *a: kg.diff_v2_stock(*a, causal=True), inputs["v2"],
-          8, 28, 2 * heads),
-      Row("V2 fused Triton" + tag, lambda *a: kg.diff_v2_fused(*a, **fused), inputs["v2"],
-          8, 24, 2 * heads),
+      Row("V1 stock (4 calls)", lambda *a: kg.diff_v1_stock_gpu(*a, causal=True),
+          inputs["v1"], 16, 56, heads),
+      Row("V2 stock (1 call)", lambda *a: kg.diff_v2_stock_gpu(*a, causal=True),
+          inputs["v2"], 8, 28, 2 * heads),
   ] + mosaic_rows
 
 
@@ -156,6 +147,34 @@ def _device_peak_mib() -> float | None:
   stats = jax.devices()[0].memory_stats() or {}
   peak = stats.get("peak_bytes_in_use")
   return None if peak is None else peak / 2**20
+
+
+def measure(seq: int, batch: int, heads: int, d: int, dtype, *, interpret: bool,
+            warmup: int, iters: int) -> list[dict]:
+  """One sequence length: per path, ms and TFLOP/s forward and forward+backward, the
+  ratio to the baseline, memory; an ``error`` entry for a path that fails."""
+  pairs = batch * seq * (seq + 1) / 2  # visible query-key pairs (causal)
+  inputs = _inputs(batch, seq, heads, d, dtype)
+  out, base = [], None
+  for i, row in enumerate(_rows(inputs, heads, interpret)):
+    try:
+      fwd = jax.jit(row.fn)
+      compiled = jax.jit(_fwd_bwd(row.fn)).lower(*row.args).compile()
+      mem = _memory_mib(compiled)
+      t_f = _median_ms(fwd, row.args, warmup, iters)
+      t_b = _median_ms(compiled, row.args, warmup, iters)
+    except Exception as e:  # pylint: disable=broad-except  (report and go on)
+      out.append({"path": row.name, "error": f"{type(e).__name__}: "
+                                               f"{str(e).splitlines()[0][:90]}"})
+      continue
+    if i == 0:  # the baseline
+      base = (t_f, t_b)
+    out.append({"path": row.name, "seq": seq, "batch": batch, "fwd_ms": t_f, "fb_ms": t_b,
+                "fwd_tflops": row.fwd_coef * d * pairs * row.units / t_f / 1e9,
+                "fb_tflops": row.total_coef * d * pairs * row.units / t_b / 1e9,
+                "fwd_x": t_f / base[0] if base else None,
+                "fb_x": t_b / base[1] if base else None, "mem_mib": mem})
+  return out
 
 
 def main(argv=None) -> None:
@@ -201,35 +220,24 @@ def main(argv=None) -> None:
             f"{'fwd x':>8}{'f+b x':>8}{'mem MiB':>10}" + (f"{'dev peak':>10}" if on_gpu else ""))
   for seq in seqs:
     batch = batch_fixed or max(1, args.tokens // seq)
-    pairs = batch * seq * (seq + 1) / 2  # visible query-key pairs (causal)
     print(f"\nseq {seq}, batch {batch} ({batch * seq} tokens)")
     print(header)
     print("-" * len(header))
-    inputs = _inputs(batch, seq, heads, d, dtype)
-    base = None
-    for i, row in enumerate(_rows(inputs, heads, interpret)):
-      try:
-        fwd = jax.jit(row.fn)
-        compiled = jax.jit(_fwd_bwd(row.fn)).lower(*row.args).compile()
-        mem = _memory_mib(compiled)
-        t_f = _median_ms(fwd, row.args, warmup, iters)
-        t_b = _median_ms(compiled, row.args, warmup, iters)
-      except Exception as e:  # pylint: disable=broad-except  (report and go on)
-        print(f"{row.name:<28}error: {type(e).__name__}: {str(e).splitlines()[0][:90]}")
+    for r in measure(seq, batch, heads, d, dtype, interpret=interpret, warmup=warmup,
+                     iters=iters):
+      if "error" in r:
+        print(f"{r['path']:<28}error: {r['error']}")
         continue
-      flops_f = row.fwd_coef * d * pairs * row.units
-      flops_b = row.total_coef * d * pairs * row.units
-      if i == 0:  # the baseline
-        base = (t_f, t_b)
-      ratio = f"{t_f / base[0]:>8.2f}{t_b / base[1]:>8.2f}" if base else f"{'n/a':>8}" * 2
-      line = (f"{row.name:<28}{t_f:>10.2f}{t_b:>10.2f}"
-              f"{flops_f / t_f / 1e9:>10.3g}{flops_b / t_b / 1e9:>10.3g}{ratio}"
+      ratio = (f"{r['fwd_x']:>8.2f}{r['fb_x']:>8.2f}" if r["fwd_x"] is not None
+               else f"{'n/a':>8}" * 2)
+      mem = r["mem_mib"]
+      line = (f"{r['path']:<28}{r['fwd_ms']:>10.2f}{r['fb_ms']:>10.2f}"
+              f"{r['fwd_tflops']:>10.3g}{r['fb_tflops']:>10.3g}{ratio}"
               f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}")
       if on_gpu:
         peak = _device_peak_mib()
         line += f"{(f'{peak:.0f}' if peak is not None else 'n/a'):>10}"
       print(line, flush=True)
-
 
 if __name__ == "__main__":
   main()

@@ -58,18 +58,20 @@ try:
 except ImportError as e:  # pragma: no cover
   gpu_stock = _Unavailable("diffjax.kernels.gpu.stock", e)
 try:
-  # Mosaic GPU (Hopper, bf16/fp16) or Triton per call; either dialect may be missing
-  # from a jax (Triton is deprecated from 0.11), and the stock GPU paths stay regardless.
-  from diffjax.kernels.gpu import fused as gpu_fused
+  # Mosaic GPU may be missing from a jax; the stock GPU paths stay regardless.
+  from diffjax.kernels.gpu import mosaic as gpu_mosaic
+  from diffjax.kernels.gpu import mosaic_decode as gpu_mosaic_decode
+  from diffjax.kernels.gpu import mosaic_tiles as gpu_mosaic_tiles
 except ImportError as e:  # pragma: no cover
-  gpu_fused = _Unavailable("diffjax.kernels.gpu (fused)", e)
+  gpu_mosaic = _Unavailable("diffjax.kernels.gpu.mosaic (Mosaic GPU)", e)
+  gpu_mosaic_decode = gpu_mosaic_tiles = gpu_mosaic
 
-# Every kernel that ships with diffjax. "auto" on a TPU or GPU takes the row for
-# f"pallas_{platform}" when there is one (on a GPU: when the inputs take the Mosaic GPU
-# kernels, or with a jax before 0.11, which still supports the Triton backend), else the
-# "stock" row (the baseline everywhere, the DIFF ops on a GPU); on a CPU it takes the
-# "xla_cpu" row (plain XLA laid out for CPU caches). The GPU row picks Mosaic GPU or
-# Triton per call (diffjax.kernels.gpu.fused.backend).
+# Every kernel that ships with diffjax. "auto" on a TPU takes the "pallas_tpu" row; on a
+# GPU the "pallas_gpu" row when the Mosaic GPU kernels take the inputs (a Hopper,
+# bf16/fp16, widths they tile: :func:`mosaic_gpu_takes`), else the "stock" row
+# (cuDNN flash attention calls; decoding: XLA); the baseline takes "stock" on both; on a
+# CPU "auto" takes the "xla_cpu" row (plain XLA laid out for CPU caches). This table
+# and the rules below are the only place a GPU backend is chosen.
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     # op        implementation  platform  function
     ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_xla_cpu),
@@ -80,13 +82,13 @@ BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
     ("diff_v1", "stock",        "tpu",    tpu_kernels.diff_v1_stock_tpu),
     ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_pallas_tpu),
     ("diff_v2", "stock",        "tpu",    tpu_kernels.diff_v2_stock_tpu),
-    ("mha",     "stock",        "gpu",    gpu_stock.mha_stock),
-    ("diff_v1", "pallas_gpu",   "gpu",    gpu_fused.diff_v1_gpu),
-    ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock),
-    ("diff_v2", "pallas_gpu",   "gpu",    gpu_fused.diff_v2_gpu),
-    ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock),
+    ("mha",     "stock",        "gpu",    gpu_stock.mha_stock_gpu),
+    ("diff_v1", "pallas_gpu",   "gpu",    gpu_mosaic.diff_v1_pallas_gpu),
+    ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock_gpu),
+    ("diff_v2", "pallas_gpu",   "gpu",    gpu_mosaic.diff_v2_pallas_gpu),
+    ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock_gpu),
     ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
-    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_fused.diff_v1_decode_gpu),
+    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
 )
 
 
@@ -127,13 +129,9 @@ for _op, _implementation, _platform_name, _fn in BUILTIN_KERNELS:
 
 
 def triton_deprecated() -> bool:
-  """Whether this jax deprecates the Pallas Triton backend (0.11 and later).
-
-  Lowering a Triton kernel there emits a DeprecationWarning, so ``"auto"`` on a GPU
-  does not pick the fused GPU kernels (:mod:`diffjax.kernels.gpu`, Triton) with such
-  a jax; ``implementation="pallas_gpu"`` still runs them.
-  """
-  return jax.__version_info__ >= (0, 11)
+  """True: diffjax has no Triton kernels (the Pallas Triton backend is deprecated from
+  jax 0.11). Kept for callers that still ask; every GPU kernel is Mosaic GPU."""
+  return True
 
 
 def lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Impl | None:
@@ -148,19 +146,23 @@ def lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Imp
 
 
 _TARGET = threading.local()
+HOPPER = (9, 0)
 
 
 @contextlib.contextmanager
-def target_platform(platform: str) -> Iterator[None]:
+def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None
+                    ) -> Iterator[None]:
   """Resolves implementations for ``platform`` instead of the host backend.
 
-  Used when compiling ahead of time for TPU topologies on a CPU machine, so that
-  ``"auto"`` and ``"pallas"`` pick the TPU kernels.
+  Used when compiling ahead of time for TPU topologies or GPU targets on a CPU machine,
+  so that ``"auto"`` and ``"pallas"`` pick that platform's kernels. ``gpu_capability``:
+  the compute capability of the target GPU ((9, 0) for an H100/H200, (8, 0) for an
+  A100); None means the attached GPUs', or a Hopper when none is attached.
   """
   if platform not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"platform={platform!r} must be 'cpu', 'gpu' or 'tpu'.")
   prev = getattr(_TARGET, "value", None)
-  _TARGET.value = platform
+  _TARGET.value = (platform, gpu_capability)
   try:
     yield
   finally:
@@ -169,32 +171,83 @@ def target_platform(platform: str) -> Iterator[None]:
 
 def current_platform() -> str:
   """The platform implementations resolve for: a :func:`target_platform`, or the backend."""
-  return getattr(_TARGET, "value", None) or jax.default_backend()
+  target = getattr(_TARGET, "value", None)
+  return target[0] if target else jax.default_backend()
+
+
+def gpu_capability() -> tuple[int, int]:
+  """The compute capability the GPU code is for: a :func:`target_platform`'s, else the
+  attached GPUs' lowest, else a Hopper's (lowering ahead of time with no GPU attached)."""
+  target = getattr(_TARGET, "value", None)
+  if target and target[1] is not None:
+    return tuple(target[1])
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return HOPPER
+  found = []
+  for dev in devices:
+    major, _, minor = str(getattr(dev, "compute_capability", "9.0")).partition(".")
+    found.append((int(major), int(minor or 0)))
+  return min(found) if found else HOPPER
+
+
+def _common_dtype(arrays):
+  dtypes = {jnp.dtype(x.dtype) for x in arrays}
+  return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def mosaic_gpu_refusal(op: str, arrays, *, segments: bool) -> str | None:
+  """Why the Mosaic GPU kernels do not take these arrays of ``op`` (None: they do).
+
+  They take bf16 or fp16 arrays of one dtype, head and value dims that are multiples of
+  16 whose tiles fit an H100's shared memory, on a Hopper (sm_90).
+  """
+  if getattr(gpu_mosaic_tiles, "fits", None) is None:
+    return f"this jax ({jax.__version__}) has no Mosaic GPU"
+  decode = op.endswith("_decode")
+  if decode:
+    q, k, v = arrays[0], arrays[2], arrays[4]
+    dtype = _common_dtype(arrays[:5])
+  else:
+    q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
+    dtype = _common_dtype(arrays[:5 if op == "diff_v1" else 3])
+  if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return ("the inputs are not all bfloat16 or all float16 (got "
+            f"{sorted({jnp.dtype(x.dtype).name for x in arrays[:5 if op != 'diff_v2' else 3]})})")
+  d, dv = q.shape[-1], v.shape[-1]
+  if decode:
+    group = q.shape[2] // max(k.shape[2], 1)
+    if d % 16 or dv % 16 or group > gpu_mosaic_decode.ROWS:
+      return (f"head dims ({d}, {dv}) must be multiples of 16 and at most "
+              f"{gpu_mosaic_decode.ROWS} query heads may share a kv group (got {group})")
+  elif not gpu_mosaic_tiles.fits(op[-2:], dtype, d, dv, segments):
+    return (f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
+            "tiles fit one CTA's shared memory")
+  capability = gpu_capability()
+  if capability != HOPPER:
+    return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
+  return None
 
 
 def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
                      interpret: bool = False) -> bool:
-  """Whether ``pallas_gpu`` would run the Mosaic GPU kernels for these arrays of ``op``
-  (False off a GPU platform, where it does not matter)."""
-  if (op not in ("diff_v1", "diff_v2") or current_platform() != "gpu"
-      or getattr(gpu_fused, "backend", None) is None):
+  """Whether ``pallas_gpu`` runs on these arrays of ``op`` ("diff_v1"/"diff_v2"); False
+  off a GPU platform (where "auto" does not ask), True in interpret mode for inputs the
+  kernels take wherever they would run."""
+  del block_sizes
+  if op not in ("diff_v1", "diff_v2") or (current_platform() != "gpu" and not interpret):
     return False
-  q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
-  dtype = gpu_fused.common_dtype(*arrays[:5 if op == "diff_v1" else 3])
-  return gpu_fused.backend(op[-2:], dtype, q.shape[-1], v.shape[-1], segments=segments,
-                           block_sizes=block_sizes, interpret=interpret) == "mosaic"
+  return mosaic_gpu_refusal(op, arrays, segments=segments) is None
 
 
 def mosaic_gpu_decodes(arrays, block_sizes=None, interpret: bool = False) -> bool:
-  """Whether ``pallas_gpu`` would decode DIFF V1 (q1, q2, k1, k2, v, ...) on Mosaic GPU
+  """Whether ``pallas_gpu`` decodes DIFF V1 (q1, q2, k1, k2, v, ...) on these arrays
   (False off a GPU platform)."""
-  if current_platform() != "gpu" or getattr(gpu_fused, "decode_backend", None) is None:
+  del block_sizes
+  if current_platform() != "gpu" and not interpret:
     return False
-  q, k, v = arrays[0], arrays[2], arrays[4]
-  return gpu_fused.decode_backend(
-      gpu_fused.common_dtype(*arrays[:5]), q.shape[-1], v.shape[-1],
-      q.shape[2] // max(k.shape[2], 1), block_sizes=block_sizes,
-      interpret=interpret) == "mosaic"
+  return mosaic_gpu_refusal("diff_v1_decode", arrays, segments=False) is None
 
 
 def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
@@ -204,10 +257,9 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
 
   ``float64``: the inputs are float64, which only the XLA path computes in float64
   (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
-  ``mosaic``: ``pallas_gpu`` would run its Mosaic GPU kernels on these inputs
-  (:func:`mosaic_gpu_takes`, :func:`mosaic_gpu_decodes`); on a GPU with a jax that
-  deprecates Triton, "auto" then takes ``pallas_gpu``, and otherwise the stock path
-  (XLA for decoding).
+  ``mosaic``: the Mosaic GPU kernels take these inputs (:func:`mosaic_gpu_takes`,
+  :func:`mosaic_gpu_decodes`); on a GPU "auto" then takes ``pallas_gpu``, and
+  otherwise the stock path (XLA for decoding).
   Raises ValueError, naming what can run instead, when the choice cannot run here.
   """
   if implementation not in IMPLEMENTATIONS:
@@ -223,12 +275,12 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
     if platform not in ("tpu", "gpu"):
       return "xla"
     if (lookup(op, f"pallas_{platform}", platform, False) is not None
-        and not (platform == "gpu" and triton_deprecated() and not mosaic)):
+        and (platform == "tpu" or mosaic)):
       return f"pallas_{platform}"
     # The baseline has no kernel of ours: its stock path is the standard flash kernel.
-    # On a GPU whose jax deprecates Triton, inputs the Mosaic GPU kernels do not take
-    # (float32, widths they do not tile, a GPU other than a Hopper) run the DIFF ops'
-    # stock paths (cuDNN flash attention calls), and decoding runs XLA.
+    # On a GPU, inputs the Mosaic GPU kernels do not take (float32, widths they do not
+    # tile, a GPU other than a Hopper) run the DIFF ops' stock paths (cuDNN flash
+    # attention calls), and decoding runs XLA.
     if ((op == "mha" or platform == "gpu")
         and lookup(op, "stock", platform, False) is not None):
       return "stock"
@@ -255,6 +307,12 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
         f"current backend is {platform!r}. Use 'xla'"
         + (", or interpret=True to run the kernel in the Pallas interpreter." if
            implementation != "stock" else "."))
+  if (implementation == "pallas_gpu" and platform == "gpu" and not interpret
+      and gpu_capability() != HOPPER):
+    major, minor = gpu_capability()
+    raise ValueError(f"implementation='pallas_gpu' runs Mosaic GPU kernels for Hopper "
+                     f"(sm_90); this GPU is sm_{major}{minor}. Use implementation='auto' "
+                     "or 'stock' (cuDNN flash attention calls).")
   return implementation
 
 

@@ -1,35 +1,30 @@
-"""GPU kernels for differential attention (Pallas: Mosaic GPU and Triton) and the stock paths.
+"""GPU kernels for differential attention: Mosaic GPU (Hopper) and the stock paths.
 
-The ops run these on GPUs (the table is :data:`diffjax.ops.dispatch.BUILTIN_KERNELS`;
-this package imports nothing from :mod:`diffjax.ops`):
+The ops run these on GPUs (the table is :data:`diffjax.ops.dispatch.BUILTIN_KERNELS`,
+which also decides which inputs each takes; this package imports nothing from
+:mod:`diffjax.ops`):
 
-* ``("diff_v1" | "diff_v2", "pallas_gpu")``: :func:`diffjax.kernels.gpu.fused.diff_v1_gpu`
-  / ``diff_v2_gpu``, which run the Mosaic GPU kernels (:mod:`diffjax.kernels.gpu.mosaic`:
-  Hopper, bf16/fp16, fused forward and one fused backward) where they apply and the
-  Triton kernels (:func:`diff_v1_fused`, :func:`diff_v2_fused`) elsewhere
-  (:func:`diffjax.kernels.gpu.fused.backend`);
-* ``("diff_v1_decode", "pallas_gpu")``: :func:`diff_v1_decode` (Triton);
-* ``("mha" | "diff_v1" | "diff_v2", "stock")`` on GPU: :func:`mha_stock`,
-  :func:`diff_v1_stock`, :func:`diff_v2_stock` (``jax.nn.dot_product_attention``
-  calls, cuDNN when it accepts them).
+* ``("diff_v1" | "diff_v2", "pallas_gpu")``: :func:`diff_v1_pallas_gpu`,
+  :func:`diff_v2_pallas_gpu` (:mod:`~diffjax.kernels.gpu.mosaic`: the fused forward
+  of :mod:`~diffjax.kernels.gpu.mosaic_fwd` and the one fused backward of
+  :mod:`~diffjax.kernels.gpu.mosaic_bwd`; Hopper, bf16/fp16);
+* ``("diff_v1_decode", "pallas_gpu")``: :func:`diff_v1_decode_pallas_gpu`
+  (:mod:`~diffjax.kernels.gpu.mosaic_decode`);
+* ``("mha" | "diff_v1" | "diff_v2", "stock")``: :func:`mha_stock_gpu`,
+  :func:`diff_v1_stock_gpu`, :func:`diff_v2_stock_gpu` (``jax.nn.dot_product_attention``
+  calls, cuDNN when it accepts them): every other GPU, dtype and width.
 
-Public API:
-  diff_v1_fused, diff_v2_fused: fused training kernels on Triton (forward + custom VJP).
-  diff_v1_mosaic, diff_v2_mosaic: the same on Mosaic GPU (Hopper; bf16/fp16).
-  diff_v1_decode, diff_v1_decode_reference: one-token decode against a KV cache.
-  BlockSizes, DecodeBlockSizes: tiles and launch parameters of the Triton kernels
-    (the Mosaic GPU tiles: :class:`diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes`).
-  diff_v1_partition_specs, diff_v2_partition_specs, decode_partition_specs:
-    in/out PartitionSpecs to run a kernel per device under ``jax.shard_map`` (one
-    copy for every kernel, in :mod:`diffjax.sharding.kernel_specs`).
-  mha_stock, diff_v1_stock, diff_v2_stock: the stock peers.
-
-:mod:`diffjax.kernels.gpu.mosaic_interpret` lets jax's Mosaic GPU interpreter run the
-Mosaic GPU kernels on a CPU.
+Tiles and budgets: :mod:`~diffjax.kernels.gpu.mosaic_tiles` (:class:`MosaicBlockSizes`).
+Compiling for a GPU on a machine without one: :mod:`~diffjax.kernels.gpu.targets`
+(H100, H200, A100 target descriptions), :mod:`~diffjax.kernels.gpu.ptxas` (registers,
+spills and shared memory of each compiled kernel) and
+:mod:`~diffjax.kernels.gpu.compile_check` (every kernel the dispatcher can choose,
+compiled and checked). :mod:`~diffjax.kernels.gpu.mosaic_interpret` lets jax's Mosaic
+GPU interpreter run the kernels on a CPU.
 """
 
-from diffjax.kernels.gpu.block_sizes import BlockSizes, DecodeBlockSizes
-from diffjax.kernels.gpu.stock import diff_v1_stock, diff_v2_stock, mha_stock
+from diffjax.kernels.gpu.decode import diff_v1_decode_reference
+from diffjax.kernels.gpu.stock import diff_v1_stock_gpu, diff_v2_stock_gpu, mha_stock_gpu
 from diffjax.sharding.kernel_specs import (
     decode_partition_specs,
     diff_v1_partition_specs,
@@ -37,25 +32,17 @@ from diffjax.sharding.kernel_specs import (
 )
 
 __all__ = [
-    "BlockSizes", "DecodeBlockSizes", "decode_partition_specs", "diff_v1_partition_specs",
-    "diff_v2_partition_specs", "diff_v1_stock", "diff_v2_stock", "mha_stock",
+    "decode_partition_specs", "diff_v1_decode_reference", "diff_v1_partition_specs",
+    "diff_v2_partition_specs", "diff_v1_stock_gpu", "diff_v2_stock_gpu", "mha_stock_gpu",
 ]
 
 try:
-  # The Triton dialect of Pallas is deprecated from jax 0.11; should a jax drop it, the
-  # stock paths above stay available (the ops' dispatch table warns that the fused
-  # kernels are missing).
-  from diffjax.kernels.gpu.decode import diff_v1_decode, diff_v1_decode_reference
-  from diffjax.kernels.gpu.diff_v1 import diff_v1_fused
-  from diffjax.kernels.gpu.diff_v2 import diff_v2_fused
-except ImportError:  # pragma: no cover - depends on the installed jax
-  pass
-else:
-  __all__ += ["diff_v1_decode", "diff_v1_decode_reference", "diff_v1_fused", "diff_v2_fused"]
-
-try:
-  from diffjax.kernels.gpu.mosaic import diff_v1_mosaic, diff_v2_mosaic
+  from diffjax.kernels.gpu.mosaic import diff_v1_pallas_gpu, diff_v2_pallas_gpu
+  from diffjax.kernels.gpu.mosaic_decode import (MosaicDecodeBlockSizes,
+                                                 diff_v1_decode_pallas_gpu)
+  from diffjax.kernels.gpu.mosaic_tiles import MosaicBlockSizes
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
   pass
 else:
-  __all__ += ["diff_v1_mosaic", "diff_v2_mosaic"]
+  __all__ += ["MosaicBlockSizes", "MosaicDecodeBlockSizes", "diff_v1_decode_pallas_gpu",
+              "diff_v1_pallas_gpu", "diff_v2_pallas_gpu"]

@@ -1,11 +1,11 @@
 """Differentiable DIFF V1 / V2 attention on Mosaic GPU (Hopper): forward and backward fused.
 
-:func:`diff_v1_mosaic` and :func:`diff_v2_mosaic` take the arguments of the Triton entry
-points (:func:`diffjax.kernels.gpu.diff_v1_fused`, :func:`diffjax.kernels.gpu.diff_v2_fused`)
-and run :mod:`diffjax.kernels.gpu.mosaic_pair` forward and
-:mod:`diffjax.kernels.gpu.mosaic_pair_bwd` backward under one ``jax.custom_vjp``. Inputs
-are bfloat16 or float16 (accumulation and softmax in float32); head dims are used
-unpadded (multiples of 16). Lengths are padded to multiples of 64 and sliced back.
+:func:`diff_v1_pallas_gpu` and :func:`diff_v2_pallas_gpu` (the ``"pallas_gpu"`` rows of
+:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`) run the forward kernel of
+:mod:`~diffjax.kernels.gpu.mosaic_fwd` and the fused backward of
+:mod:`~diffjax.kernels.gpu.mosaic_bwd` under one ``jax.custom_vjp``. Inputs are bfloat16
+or float16 (accumulation and softmax in float32); head dims are used unpadded
+(multiples of 16). Lengths are padded to multiples of 64 and sliced back.
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
-from diffjax.kernels.gpu import mosaic_pair as mp
-from diffjax.kernels.gpu import mosaic_pair_bwd as mb
+from diffjax.kernels.gpu import mosaic_bwd as mb
+from diffjax.kernels.gpu import mosaic_common as mc
+from diffjax.kernels.gpu import mosaic_fwd as mf
+from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _pair(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
-  return mp.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
+  return mf.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
 
 
 def _pair_fwd(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
-  o, o2, lse_a, lse_b = mp.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  o, o2, lse_a, lse_b = mf.forward(cfg, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
   return o, (qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse_a, lse_b)
 
 
@@ -51,8 +53,8 @@ _pair.defvjp(_pair_fwd, _pair_bwd)
 def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks,
             interpret):
   t, s = qs[0].shape[1], ks[0].shape[1]
-  tp, sp = pc.round_up(t, mp.BLOCK_Q), pc.round_up(s, blocks.block_kv)
-  cfg = mp.MosaicConfig(variant=variant, causal=causal, scale=scale, q_len=t, kv_len=s,
+  tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, blocks.block_kv)
+  cfg = mc.MosaicConfig(variant=variant, causal=causal, scale=scale, q_len=t, kv_len=s,
                         group=lam_BxHxT.shape[1] // ks[0].shape[2],
                         segments=q_seg is not None, block_kv=blocks.block_kv,
                         stages=blocks.stages, interpret=interpret,
@@ -65,31 +67,41 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
 
 
 def _blocks(variant, qs, ks, v, q_seg, block_sizes):
-  mp.check_inputs(variant, qs, ks, v)
+  tiles.check_inputs(variant, qs, ks, v)
   d, dv = qs[0].shape[3], v.shape[3]
   itemsize = jnp.dtype(qs[0].dtype).itemsize
   segments = q_seg is not None
   blocks = _v.resolve_fields(
-      block_sizes, mp.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
-      mp.MosaicBlockSizes)
+      block_sizes, tiles.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
+      tiles.MosaicBlockSizes)
   return blocks.resolved(d, dv, variant, segments, itemsize)
 
 
-def diff_v1_mosaic(
+def diff_v1_pallas_gpu(
     q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
     k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, *,
     causal: bool = True, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-    block_sizes: mp.MosaicBlockSizes | dict | None = None,
+    block_sizes: tiles.MosaicBlockSizes | dict | None = None,
     interpret: bool = False) -> jax.Array:
-  """Fused DIFF V1 attention core on Mosaic GPU, differentiable.
+  """Fused DIFF V1 attention core (before the per-head norm) on Mosaic GPU, differentiable.
 
-  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_fused`, except:
-  inputs are bfloat16 or float16, and ``block_sizes`` is a
-  :class:`~diffjax.kernels.gpu.mosaic_pair.MosaicBlockSizes` or a dict of its fields
-  (forward and backward tiles; by default the deepest that fit shared memory).
-  ``interpret=True`` runs jax's Mosaic GPU interpreter (CPU; see
-  :mod:`diffjax.kernels.gpu.mosaic_interpret` for the host devices it needs).
+  Args:
+    q1_BxTxHxD, q2_BxTxHxD: the two query components of the H DIFF heads.
+    k1_BxSxKxD, k2_BxSxKxD: the two key components of the K kv groups (H % K == 0).
+    v_BxSxKxDv: one value per kv group (Dv = 2 D in the paper).
+    lam_H: lambda, a scalar or float [H]; used in float32. Its gradient is
+      ``-sum_{b,t} rowsum(dO * O2)`` per head.
+    causal: queries are the last T of the S key positions.
+    q_segment_ids, kv_segment_ids: optional int [B, T] and [B, S]; both or neither.
+    scale: score scale, default 1 / sqrt(D).
+    block_sizes: None (the deepest tiles that fit shared memory), a
+      :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes` or a dict of its fields.
+    interpret: run jax's Mosaic GPU interpreter (CPU; see
+      :mod:`diffjax.kernels.gpu.mosaic_interpret` for the host devices it needs).
+  Returns:
+    [B, T, H, Dv] in the dtype of q1; inputs are bfloat16 or float16 of one dtype.
+    Rows that see no key are zero. Softmax and all accumulation run in float32.
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
@@ -105,16 +117,23 @@ def diff_v1_mosaic(
                  interpret=bool(interpret))
 
 
-def diff_v2_mosaic(
+def diff_v2_pallas_gpu(
     q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
     lam_BxTxH: jax.Array, *, causal: bool = True, q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-    block_sizes: mp.MosaicBlockSizes | dict | None = None,
+    block_sizes: tiles.MosaicBlockSizes | dict | None = None,
     interpret: bool = False) -> jax.Array:
   """Fused DIFF V2 attention on paired query heads on Mosaic GPU, differentiable.
 
-  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v2_fused`, with the
-  differences listed in :func:`diff_v1_mosaic`.
+  Args:
+    q_BxTxQxD: Q = 2H query heads; heads 2i and 2i+1 form pair i and read kv group
+      i // (H / K).
+    k_BxSxKxD, v_BxSxKxD: the baseline's keys and values.
+    lam_BxTxH: per-token, per-pair lambda (already squashed); used in float32.
+    causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret: as in
+      :func:`diff_v1_pallas_gpu`.
+  Returns:
+    [B, T, H, D] in the dtype of q. Rows that see no key are zero.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, _, d = q_BxTxQxD.shape

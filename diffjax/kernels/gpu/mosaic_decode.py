@@ -5,7 +5,7 @@ V once per kv group (the baseline's cache traffic), in place: the cache is not c
 or padded when its length is a multiple of 64 (:func:`cache_length_multiple`).
 
 Layout (flash-decoding). One CTA per (kv group, cache split, batch row), three
-warpgroups as in :mod:`diffjax.kernels.gpu.mosaic_pair`: a producer TMA-copies the
+warpgroups as in :mod:`diffjax.kernels.gpu.mosaic_fwd`: a producer TMA-copies the
 split's K1, K2 and V blocks into a ring of shared-memory slots, stopping at the row's
 ``kv_len``; warpgroup 0 runs map 1 and warpgroup 1 map 2 over the same V tile. The
 rows of their [64, d] query tiles are the G query heads of the group (zero rows
@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.core import validation as _v
-from diffjax.kernels.gpu import mosaic_pair as mp
+from diffjax.kernels.gpu import mosaic_common as mp
+from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
 
@@ -40,17 +41,21 @@ TARGET_CTAS = 132
 
 
 def decode_smem_bytes(d: int, dv: int, stages: int, itemsize: int = 2) -> int:
-  """Shared memory of the decode kernel, in bytes (before alignment)."""
-  q = mp.COMPUTE_WGS * ROWS * d * itemsize
-  ring = stages * BLOCK_KV * (2 * d + dv) * itemsize
-  rows = mp.COMPUTE_WGS * ROWS * 4 + LENS * 4
-  return q + ring + rows
+  """Shared memory the decode kernel is launched with, in bytes (buffers aligned to
+  1 KiB, 8 bytes a barrier, as :mod:`~diffjax.kernels.gpu.mosaic_tiles` counts)."""
+  align = lambda n: pc.round_up(n, tiles.SMEM_ALIGN)
+  q = mp.COMPUTE_WGS * align(ROWS * d * itemsize)
+  keys = mp.COMPUTE_WGS * align(stages * BLOCK_KV * d * itemsize)
+  values = align(stages * BLOCK_KV * dv * itemsize)
+  rows = align(mp.COMPUTE_WGS * ROWS * 4) + align(LENS * 4)
+  bars = mp.COMPUTE_WGS + mp.COMPUTE_WGS * stages + stages + 1 + stages
+  return q + keys + values + rows + bars * tiles.BARRIER_BYTES + tiles.KERNEL_SMEM_EXTRA
 
 
 def decode_stages(d: int, dv: int, itemsize: int = 2) -> int:
   """Ring slots: the most (up to 4) within shared memory. d 128 / Dv 256 -> 2."""
   for stages in (4, 3, 2, 1):
-    if decode_smem_bytes(d, dv, stages, itemsize) + mp.SMEM_MARGIN <= mp.SMEM_BYTES:
+    if decode_smem_bytes(d, dv, stages, itemsize) <= tiles.SMEM_BYTES:
       return stages
   raise ValueError(f"No decode tiling fits shared memory for d={d}, dv={dv}.")
 
@@ -136,26 +141,26 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
         acc, m, l = carry
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[w * stages + slot])
-        sc = mp._product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
-        kpos = start + j * bk + mp._iota((ROWS, bk), 1)
+        sc = mp.product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
+        kpos = start + j * bk + mp.iota((ROWS, bk), 1)
         sc = jnp.where(kpos < kv_len, sc, NEG)
         m_new = jnp.maximum(m, sc.max(axis=1))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - mp._bcast_rows(m_new, sc.shape))
+        p = jnp.exp2(sc - mp.bcast_rows(m_new, sc.shape))
         l = alpha * l + p.sum(axis=1)
-        acc = acc * mp._bcast_rows(alpha, acc.shape)
+        acc = acc * mp.bcast_rows(alpha, acc.shape)
         plgpu.barrier_wait(v_bar.at[slot])
         acc = mp.accumulate(acc, p.astype(dtype), v_smem.at[slot], cfg)
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, l
 
       carry = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA),
-               mp._row(jnp.full((ROWS,), NEG, jnp.float32)),
-               mp._row(jnp.zeros((ROWS,), jnp.float32)))
+               mp.row(jnp.full((ROWS,), NEG, jnp.float32)),
+               mp.row(jnp.zeros((ROWS,), jnp.float32)))
       acc, m, l = lax.fori_loop(0, n, step, carry)
       empty = l == 0.0
       safe = jnp.where(empty, 1.0, l)
-      (o1_ref, o2_ref)[w][bi, kvh, split] = acc * mp._bcast_rows(1.0 / safe, acc.shape)
+      (o1_ref, o2_ref)[w][bi, kvh, split] = acc * mp.bcast_rows(1.0 / safe, acc.shape)
       lse_smem[w] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(lse_smem.at[w], (lse1_ref, lse2_ref)[w].at[bi, kvh, split])
@@ -234,8 +239,7 @@ def check_decode_inputs(q1, k1, v) -> None:
   dtypes = {jnp.dtype(x.dtype) for x in (q1, k1, v)}
   if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError("The Mosaic GPU decode kernel takes bfloat16 or float16 q, k and v of "
-                     "one dtype; use diffjax.kernels.gpu.diff_v1_decode (Triton) for "
-                     "float32.")
+                     "one dtype; float32 decodes with implementation='xla'.")
   h, kh = q1.shape[2], k1.shape[2]
   if h // kh > ROWS:
     raise ValueError(f"{h // kh} query heads per kv group; the kernel takes at most {ROWS}.")
@@ -244,19 +248,28 @@ def check_decode_inputs(q1, k1, v) -> None:
       raise ValueError(f"{name} {width} must be a multiple of 16 (wgmma's K step).")
 
 
-def diff_v1_decode_mosaic(
+def diff_v1_decode_pallas_gpu(
     q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
     k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, kv_len_B: jax.Array,
     *, scale: float | None = None, block_sizes=None, interpret: bool = False) -> jax.Array:
   """DIFF V1 attention of one new token per sequence against a KV cache, on Mosaic GPU.
 
-  Arguments and result as in :func:`diffjax.kernels.gpu.diff_v1_decode`; inputs are
-  bfloat16 or float16. ``block_sizes``: None, a :class:`MosaicDecodeBlockSizes` or a
-  dict of its fields.
+  Args:
+    q1_Bx1xHxD, q2_Bx1xHxD: the new token's two query components (T = 1).
+    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv: the cache (S slots; Dv = 2 D in the paper).
+    lam_H: lambda, a scalar or [H].
+    kv_len_B: int [B], valid cache length per sequence (the new token included);
+      positions >= kv_len are ignored, values are clipped to [0, S].
+    scale: score scale, default 1 / sqrt(D).
+    block_sizes: None, a :class:`MosaicDecodeBlockSizes` or a dict of its fields.
+    interpret: run jax's Mosaic GPU interpreter.
+  Returns:
+    [B, 1, H, Dv] in the dtype of q1 (bfloat16 or float16; no gradient).
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_mosaic", wider="diff_v1_mosaic")
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_gpu",
+                  wider="diff_v1_pallas_gpu")
   check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv)
   b, _, h, d = q1_Bx1xHxD.shape
   s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]

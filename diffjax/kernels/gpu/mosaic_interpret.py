@@ -17,8 +17,8 @@ it for plain shared-memory operands.
 
 ``pl.run_state`` accumulators (``plgpu.ACC.init``) run in neither jax 0.10.2's nor
 0.11.2's interpreter and are not added here: the kernels in
-:mod:`diffjax.kernels.gpu.mosaic_pair` accumulate through
-:func:`~diffjax.kernels.gpu.mosaic_pair.accumulate`, which on the interpreter forms
+:mod:`diffjax.kernels.gpu.mosaic_fwd` and ``mosaic_bwd`` accumulate through
+:func:`~diffjax.kernels.gpu.mosaic_common.accumulate`, which on the interpreter forms
 ``acc + (a @ b)`` from a zero-initialised ``run_scoped`` accumulator: the same value
 the hardware's in-place accumulation gives. jax 0.11's interpreter has the other two
 (layout casts, transposed operands) natively but neither a register A operand nor the

@@ -4,14 +4,14 @@ These are the peers the fused kernels must beat, written the way the authors' co
 runs on stock kernels, with ``jax.nn.dot_product_attention`` (cuDNN flash attention
 on a GPU when it accepts the call, XLA otherwise):
 
-* baseline (``mha_stock``): one call.
-* DIFF V1 (``diff_v1_stock``): ``jax.nn.dot_product_attention`` requires the value
+* baseline (``mha_stock_gpu``): one call.
+* DIFF V1 (``diff_v1_stock_gpu``): ``jax.nn.dot_product_attention`` requires the value
   width to equal the query/key width D, and V1's value is 2D wide. So V is split into
   D-wide halves and each map is computed against each half: **4 calls** (the unilm
   ``multihead_flashdiff_2`` path), ``out = [A1 V_a, A1 V_b] - lam [A2 V_a, A2 V_b]``.
   It recomputes each softmax twice and reads V twice per map (brief section 3: 2x
   the baseline's FLOPs).
-* DIFF V2 (``diff_v2_stock``): one call over the 2H query heads (GQA maps heads 2i
+* DIFF V2 (``diff_v2_stock_gpu``): one call over the 2H query heads (GQA maps heads 2i
   and 2i+1 to kv head i // (H / K), the pair's group), then
   ``out_i = o_2i - lam_i o_2i+1``.
 
@@ -72,9 +72,10 @@ def _attend(q, k, v, *, mask, is_causal, scale, implementation):
   return out
 
 
-def mha_stock(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool = True, q_segment_ids=None,
-              kv_segment_ids=None, scale: float | None = None, block_sizes=None,
-              interpret: bool = False, implementation: str | None = None) -> jax.Array:
+def mha_stock_gpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool = True,
+                  q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
+                  block_sizes=None, interpret: bool = False,
+                  implementation: str | None = None) -> jax.Array:
   """Baseline attention, one ``jax.nn.dot_product_attention`` call. Returns [B, T, H, D]."""
   del block_sizes, interpret
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
@@ -85,10 +86,11 @@ def mha_stock(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool = True, q_segment
                  scale=_v.default_scale(scale, d), implementation=implementation)
 
 
-def diff_v1_stock(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
-                  causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
-                  scale: float | None = None, block_sizes=None, interpret: bool = False,
-                  implementation: str | None = None) -> jax.Array:
+def diff_v1_stock_gpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
+                      *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
+                      scale: float | None = None, block_sizes=None,
+                      interpret: bool = False,
+                      implementation: str | None = None) -> jax.Array:
   """DIFF V1 with stock calls: 2 maps x (Dv / D) value chunks (4 calls for Dv = 2D).
 
   Returns [B, T, H, Dv] in the dtype of q1.
@@ -111,10 +113,11 @@ def diff_v1_stock(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, la
   return (maps[0] - lam * maps[1]).astype(q1_BxTxHxD.dtype)
 
 
-def diff_v2_stock(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal: bool = True,
-                  q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                  block_sizes=None, interpret: bool = False,
-                  implementation: str | None = None) -> jax.Array:
+def diff_v2_stock_gpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *,
+                      causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
+                      scale: float | None = None, block_sizes=None,
+                      interpret: bool = False,
+                      implementation: str | None = None) -> jax.Array:
   """DIFF V2 with one stock call over 2H heads, then the pair combination.
 
   Returns [B, T, H, D] in the dtype of q.

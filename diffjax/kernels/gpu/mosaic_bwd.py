@@ -24,10 +24,28 @@ Warpgroups. One CTA per (kv group, 64 keys, batch row), three warpgroups:
   (``(P_a - lam P_b)^T dO[:, half_w]``), its own dK (``dS_w^T Q_w``), and its dQ
   contribution ``dS_w K_w``, which goes through shared memory to a TMA reduce-add.
 
-Splitting dV by columns and the maps by warpgroups is what makes V1 at d 128
-(Dv 256) fit: a warpgroup holds a [64, 128] dK and a [64, 128] dV half (64 float32
-registers a thread each) next to the [64, 64] tiles, where dK1, dK2 and the whole dV
-in one warpgroup would need 256.
+Registers. The whole backward has to fit 240 registers a consumer thread (the producer
+runs at 24) without a spill, next to dK and the dV half, which live in registers for
+the whole loop (V1 d 128: 64 + 64). Splitting dV by columns and the maps by
+warpgroups is what makes that possible at all (dK1, dK2 and the whole dV in one
+warpgroup would need 256). What keeps the rest within it, each measured with ptxas:
+
+* a step's 64 queries are worked in two sub-tiles of 32: the score, probability and
+  dP tiles of a sub-tile take 16 registers each, not 32. The cost: twice the swaps
+  (barriers) per step, 32-wide S and dP products, and a swizzle of at most 64 bytes on
+  every tile (the sub-tile is the K extent of the MN-major Q and dO operands);
+* dQ = dS K is formed in 32-column chunks (16 registers), each reduce-added on its own;
+* only the kept probability lives across the swap: both warpgroups read the combined
+  probabilities and the whole dP back from shared memory, and dV is accumulated
+  before dP is formed;
+* masks are built from per-key and per-query vectors at the compare, never from
+  [keys, queries] index tiles (loop-invariant, so the compiler would keep them live);
+* every shared-memory operand's wgmma descriptor is formed in the step (through a
+  zero the compiler cannot fold): constant descriptors, all of them with one ring slot,
+  were hoisted out of the loop and held in registers across it;
+* one loop body for masked and unmasked steps, and V1's lambda read like V2's (a
+  per-query vector from the row terms): a second body, or a scalar shared-memory read
+  per step, each cost hundreds of spilled bytes.
 
 Row terms. ``rows`` packs, per (batch, head, query), float32 (lse_a, lse_b, d_a, d_b,
 lam): the base-2 log-sum-exps the forward saved, ``d_a = rowsum(dO O_1)``,
@@ -49,23 +67,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from diffjax.kernels.gpu.mosaic_pair import (
-    BLOCK_KV_BWD, BLOCK_Q, COMPUTE_WGS, ROWS, MosaicConfig, _bcast_cols, _bcast_rows, _col,
-    _iota, _product, _row, _scratch_refs, accumulate, barriers, producer_ring,
-    run_warpgroups, smem_tile, smem_transforms, value_split)
+from diffjax.kernels.gpu.mosaic_common import (
+    BLOCK_Q, COMPUTE_WGS, MosaicConfig, accumulate, barriers, bcast_cols, bcast_rows, col,
+    producer_ring, product, row, run_warpgroups, scratch_refs, smem_transforms)
+from diffjax.kernels.gpu.mosaic_tiles import (
+    BLOCK_KV_BWD, BWD_Q_SUB, ROWS, bwd_swizzle_cap, value_split)
 from diffjax.kernels.gpu.pair_common import LOG2E, NEG, q_blocks
 
 
-def _tile_mask_t(cfg: MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=None):
-  """Visible pairs of a transposed [keys, queries] tile, in the wgmma layout."""
-  kpos = kv_start + _iota(shape, 0)
-  mask = kpos < cfg.kv_len
-  if cfg.causal:
-    qpos = q_start + cfg.offset + _iota(shape, 1)
-    mask = jnp.logical_and(mask, kpos <= qpos)
+def _mask_scores_t(cfg: MosaicConfig, s_t, q_start, kv_start, qseg=None, kvseg=None):
+  """``s_t`` (a transposed [keys, queries] score tile) with invisible pairs set to NEG.
+
+  Each condition is built from a per-key (row) and a per-query (column) vector and
+  applied by its own select: full [keys, queries] index tiles would be loop-invariant
+  (kept in registers across the query loop), and a combined mask would hold several
+  predicates per element at once.
+  """
+  bk, bq = s_t.shape
+  kpos = kv_start + row(lax.broadcasted_iota(jnp.int32, (bk,), 0))
   if cfg.segments:
-    mask = jnp.logical_and(mask, _bcast_rows(kvseg, shape) == _bcast_cols(qseg, shape))
-  return mask
+    s_t = jnp.where(bcast_rows(kvseg, s_t.shape) == bcast_cols(qseg, s_t.shape), s_t, NEG)
+  if cfg.causal:
+    qpos = q_start + cfg.offset + col(lax.broadcasted_iota(jnp.int32, (bq,), 0))
+    s_t = jnp.where(bcast_rows(kpos, s_t.shape) <= bcast_cols(qpos, s_t.shape), s_t, NEG)
+  return jnp.where(bcast_rows(kpos < cfg.kv_len, s_t.shape), s_t, NEG)
 
 
 def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: int,
@@ -74,13 +99,13 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
   Args:
     cfg: the forward's config (lengths, mask, scale, variant, interpret).
-    qs, ks, v: as in :func:`~diffjax.kernels.gpu.mosaic_pair.forward` (T a multiple of
+    qs, ks, v: as in :func:`~diffjax.kernels.gpu.mosaic_fwd.forward` (T a multiple of
       64, S a multiple of 64).
     do: dOut, [B, T, H, Dv] in the input dtype (zero on padded query rows).
     rows: float32 [B, H, 5, T]: lse_a, lse_b, d_a, d_b, lam. A padded query row has a
       zero dO, so zero d_a, d_b and dS: it contributes nothing to any gradient.
     q_seg, kv_seg: int32 [B, T], [B, S] or None.
-    stages, dq_parts: from :func:`~diffjax.kernels.gpu.mosaic_pair.backward_blocks`.
+    stages, dq_parts: from :func:`~diffjax.kernels.gpu.mosaic_tiles.backward_blocks`.
   Returns:
     (dqs, dks, dv): dqs float32 like qs; V1 dks = (dK1, dK2) in the input dtype, V2
     dks = (float32 partial of warpgroup 0, of warpgroup 1); dv in the input dtype.
@@ -97,6 +122,8 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   starts = (0, widths[0])
   c = cfg.scale * LOG2E
   q_width = d // dq_parts
+  sub = BWD_Q_SUB
+  n_sub = bq // sub
   # The V and dO halves are TMA boxes inside rows of Dv: one swizzle tile must divide
   # both halves (and so Dv and the second half's offset).
   v_tile = math.gcd(*widths)
@@ -113,13 +140,16 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     dqb_ref = next(it) if v1 else dqa_ref
     dka_ref, dkb_ref, dv_ref = next(it), next(it), next(it)
     (k_smem, v_smem, q_smem, do_smem, rows_smem, qseg_smem, kvseg_smem, xdp_smem,
-     xp_smem, dq_smem, res_bar, q_bar, do_bar, row_bar, qseg_bar, consumed, x_bar,
+     xp_smem, dq_smem, zero_smem, res_bar, q_bar, do_bar, row_bar, qseg_bar, consumed, x_bar,
      r_bar) = it
 
     kvh = lax.axis_index("kv_heads")
     kv_start = lax.axis_index("kv_seq") * bk
     bi = lax.axis_index("batch")
-    i_start, i_full, n_q = q_blocks(cfg, kv_start, bq, bk)
+    i_start, _, n_q = q_blocks(cfg, kv_start, bq, bk)
+    # Keys past the true length, causal and segment masks; with none of them no step
+    # needs a mask.
+    masked = cfg.causal or cfg.segments or cfg.kv_len % bk != 0
     per_head = n_q - i_start
     total = g * per_head
     keys = (bi, pl.ds(kv_start, bk), kvh)
@@ -134,62 +164,79 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     def consumer(w: int):
       # 2 x 128 consumer threads at 232 registers and 128 producer threads at 40 use
       # 64,512 of the SM's 65,536 (see backward_registers).
-      plgpu.set_max_registers(232, action="increase")
-      k_w = k_smem.at[w if v1 else 0]
-      v_w, do_w, width_w = v_smem[w], do_smem[w], widths[w]
+      plgpu.set_max_registers(240, action="increase")
+      do_w, width_w = do_smem[w], widths[w]
       plgpu.barrier_wait(res_bar.at[w if v1 else 0])
       plgpu.barrier_wait(res_bar.at[2 + w])
       kvseg = None
       if cfg.segments:
         plgpu.barrier_wait(res_bar.at[4])
-        kvseg = _row(kvseg_smem[...])
+        kvseg = row(kvseg_smem[...])
       dq_out = dqa_ref if w == 0 else dqb_ref
+      zero_smem[w] = jnp.int32(0)
 
       def step(n, carry, hl, i, masked: bool):
         dk, dv_acc = carry
-        slot = lax.rem(n, jnp.int32(stages))
+        # A zero the compiler cannot see through: with it every shared-memory
+        # operand's wgmma descriptor is formed in the step that uses it. Constant
+        # descriptors (all of them with one ring slot) are otherwise hoisted out of
+        # the loop and held in registers across it.
+        zero = zero_smem[w]
+        slot = lax.rem(n, jnp.int32(stages)) + zero
+        k_w = k_smem.at[(w if v1 else 0) + zero]
+        v_w = v_smem[w].at[zero]
         q_start = i * bq
         plgpu.barrier_wait(q_bar.at[w * stages + slot])
-        q_w = q_smem[w].at[slot]
-        s_t = _product((bk, bq), k_w, q_w.transpose((1, 0))) * c
         plgpu.barrier_wait(row_bar.at[slot])
-        row = lambda r: _col(rows_smem.at[slot, r][...])
-        if masked:
-          qseg = None
-          if cfg.segments:
-            plgpu.barrier_wait(qseg_bar.at[slot])
-            qseg = _col(qseg_smem.at[slot][...])
-          s_t = jnp.where(_tile_mask_t(cfg, q_start, kv_start, (bk, bq), qseg, kvseg),
-                          s_t, NEG)
-        p_t = jnp.exp2(s_t - _bcast_cols(row(w), s_t.shape))
-        plgpu.barrier_wait(do_bar.at[w * stages + slot])
-        dp_t = _product((bk, bq), v_w, do_w.at[slot].transpose((1, 0)))
-        lam = _bcast_cols(row(4), p_t.shape)
-        mine = p_t if w == 0 else lam * p_t
-        # Swap dP halves and probabilities with the other warpgroup (x_bar: both
-        # written; r_bar: both read, so each may reuse its own buffers).
-        xdp_smem[w] = dp_t
-        xp_smem[w] = mine.astype(dtype)
-        plgpu.barrier_arrive(x_bar)
-        plgpu.barrier_wait(x_bar)
-        dp_t = dp_t + plgpu.layout_cast(xdp_smem[1 - w], plgpu.Layout.WGMMA)
-        theirs = plgpu.layout_cast(xp_smem[1 - w], plgpu.Layout.WGMMA).astype(jnp.float32)
-        plgpu.barrier_arrive(r_bar)
-        p_comb = mine - theirs if w == 0 else theirs - mine  # P_a - lam P_b
-        dv_acc = accumulate(dv_acc, p_comb.astype(dtype), do_w.at[slot], cfg)
-        dd = _bcast_cols(row(2 + w), p_t.shape)
-        ds_t = p_t * (dp_t - dd) if w == 0 else -(lam * p_t) * (dp_t - dd)
-        ds_t = (ds_t * cfg.scale).astype(dtype)
-        dk = accumulate(dk, ds_t, q_w, cfg)
-        plgpu.barrier_wait(r_bar)
-        xp_smem[w] = ds_t
+        if masked and cfg.segments:
+          plgpu.barrier_wait(qseg_bar.at[slot])
+        q_w, do_q = q_smem[w].at[slot], do_w.at[slot]
+        tile = lambda ref: plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA)
+        # The step's 64 queries in sub-tiles of ``sub``: the score, probability and
+        # dP tiles of one sub-tile are all a thread holds next to dK and dV.
+        for h in range(n_sub):
+          cols = pl.ds(h * sub, sub)
+          terms = lambda r: col(rows_smem.at[slot, r, cols][...])
+          s_t = product((bk, sub), k_w, q_w.at[cols].transpose((1, 0))) * c
+          if masked:
+            qseg = col(qseg_smem.at[slot, cols][...]) if cfg.segments else None
+            s_t = _mask_scores_t(cfg, s_t, q_start + h * sub, kv_start, qseg, kvseg)
+          p_t = jnp.exp2(s_t - bcast_cols(terms(w), s_t.shape))
+          # V1's lambda is one number per head; V2's one per query (a column vector).
+          lam = bcast_cols(terms(4), p_t.shape)
+          # Map b keeps lam P_b (its dS is -lam P_b (dP - d_b)); P_b dies here.
+          mine = p_t if w == 0 else lam * p_t
+          xp_smem.at[w, :, cols][...] = mine.astype(dtype)
+          if h == 0:
+            plgpu.barrier_wait(do_bar.at[w * stages + slot])
+          xdp_smem[w] = product((bk, sub), v_w, do_q.at[cols].transpose((1, 0)))
+          # Swap dP halves and probabilities with the other warpgroup (x_bar: both
+          # written; r_bar: both read, so each may reuse its own buffers). Both are
+          # read back from shared memory, so only ``mine`` lives in registers across
+          # the swap, and dV is accumulated before dP is formed.
+          plgpu.barrier_arrive(x_bar)
+          plgpu.barrier_wait(x_bar)
+          p_comb = (tile(xp_smem.at[0, :, cols]).astype(jnp.float32)
+                    - tile(xp_smem.at[1, :, cols]).astype(jnp.float32))  # P_a - lam P_b
+          dv_acc = accumulate(dv_acc, p_comb.astype(dtype), do_q.at[cols], cfg)
+          dp_t = tile(xdp_smem.at[0]) + tile(xdp_smem.at[1])
+          plgpu.barrier_arrive(r_bar)
+          ds_t = mine * (dp_t - bcast_cols(terms(2 + w), p_t.shape))
+          ds_t = (ds_t * (cfg.scale if w == 0 else -cfg.scale)).astype(dtype)
+          dk = accumulate(dk, ds_t, q_w.at[cols], cfg)
+          plgpu.barrier_wait(r_bar)
+          xp_smem.at[w, :, cols][...] = ds_t
         plgpu.commit_smem()
-        dq = _product((bq, d), xp_smem.at[w].transpose((1, 0)), k_w)
-        plgpu.barrier_arrive(consumed.at[slot])
         head = q_head(hl, w)[1]
         for part in range(dq_parts):
+          # dQ = dS K one column chunk at a time: q_width / 2 accumulator registers
+          # a thread next to dK and dV.
+          dq = product((bq, q_width), xp_smem.at[w + zero].transpose((1, 0)),
+                        k_w.at[:, pl.ds(part * q_width, q_width)])
+          if part + 1 == dq_parts:
+            plgpu.barrier_arrive(consumed.at[slot])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          dq_smem[w] = dq[:, part * q_width:(part + 1) * q_width]
+          dq_smem[w] = dq
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
               dq_smem.at[w],
@@ -197,29 +244,29 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
               reduction_op="add")
         return dk, dv_acc
 
-      def head_loop(hl, carry):
-        base = hl * per_head - i_start
-        run = lambda lo, hi, masked, carry: lax.fori_loop(
-            lo, hi, lambda i, cr: step(base + i, cr, hl, i, masked), carry)
-        carry = run(i_start, i_full, True, carry)
-        return run(i_full, n_q, False, carry)
+      # One loop over every (head, query block) the CTA visits, in the producer's
+      # order, with one step body: a second, unmasked copy of the body for the steps
+      # that need no mask would make the register allocation cover both.
+      def visit(n, carry):
+        hl = lax.div(n, per_head)
+        return step(n, carry, hl, i_start + lax.rem(n, per_head), masked)
 
       zeros = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32),
                                           plgpu.Layout.WGMMA)
-      dk, dv_acc = lax.fori_loop(0, g, head_loop, (zeros(d), zeros(width_w)))
+      dk, dv_acc = lax.fori_loop(0, total, visit, (zeros(d), zeros(width_w)))
       dv_ref[(*keys, pl.ds(starts[w], width_w))] = dv_acc.astype(dv_ref.dtype)
       dk_ref = dka_ref if w == 0 else dkb_ref
       dk_ref[keys] = dk.astype(dk_ref.dtype)
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(24, action="decrease")
       plgpu.copy_gmem_to_smem(ka_ref.at[keys], k_smem.at[0], res_bar.at[0])
       if v1:
         plgpu.copy_gmem_to_smem(kb_ref.at[keys], k_smem.at[1], res_bar.at[1])
       for w in range(COMPUTE_WGS):
         plgpu.copy_gmem_to_smem(v_ref.at[(*keys, pl.ds(starts[w], widths[w]))],
-                                v_smem[w], res_bar.at[2 + w])
+                                v_smem[w].at[0], res_bar.at[2 + w])
       if cfg.segments:
         plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(kv_start, bk)], kvseg_smem,
                                 res_bar.at[4])
@@ -245,12 +292,17 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
     run_warpgroups(consumer, producer)
 
-  smem = lambda shape, width, dt=dtype: smem_tile(shape, width, dt)
+  # Sub-tiles of 32 queries are the K extent of the MN-major dO and Q operands of the
+  # dV and dK products, and one swizzle serves both operands of a wgmma: every tile
+  # then takes at most a 64-byte swizzle (32 bf16 elements).
+  cap = bwd_swizzle_cap(jnp.dtype(dtype).itemsize)
+  smem = lambda shape, width, dt=dtype: plgpu.SMEM(
+      shape, dt, transforms=smem_transforms(width, dt, cap if dt == dtype else 128))
   bars = barriers
   seg = cfg.segments
   scratch = [
       smem((2 if v1 else 1, bk, d), d),                           # k_smem
-      [smem((bk, w), v_tile) for w in widths],                    # v_smem halves
+      [smem((1, bk, w), v_tile) for w in widths],                 # v_smem halves
       # One buffer per warpgroup (and per V/dO half below) rather than a stacked
       # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
       [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],     # q_smem
@@ -258,11 +310,12 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       plgpu.SMEM((stages, ROWS, bq), jnp.float32),                # rows_smem
       plgpu.SMEM((stages, bq), jnp.int32) if seg else None,       # qseg_smem
       plgpu.SMEM((bk,), jnp.int32) if seg else None,              # kvseg_smem
-      smem((COMPUTE_WGS, bk, bq), bq, jnp.float32),               # xdp_smem
+      smem((COMPUTE_WGS, bk, sub), sub, jnp.float32),             # xdp_smem
       # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
       # must be K's (the widest that divides a row of d).
-      plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype)),
+      plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype, cap)),
       smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),     # dq_smem
+      plgpu.SMEM((COMPUTE_WGS,), jnp.int32),                      # zero_smem
       bars(5),                                                    # res_bar
       bars(COMPUTE_WGS * stages),                                 # q_bar [w * stages + slot]
       bars(COMPUTE_WGS * stages),                                 # do_bar
@@ -281,7 +334,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
   def body(*refs):
     pl.run_scoped(
-        lambda *scr: kernel(*refs, *_scratch_refs(list(scr), scratch)),
+        lambda *scr: kernel(*refs, *scratch_refs(list(scr), scratch)),
         *[x for x in scratch if x is not None], collective_axes="wg")
 
   mesh = plgpu.Mesh(grid=(kh, s // bk, b), grid_names=("kv_heads", "kv_seq", "batch"),

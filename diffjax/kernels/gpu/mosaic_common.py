@@ -1,0 +1,184 @@
+"""What the Mosaic GPU kernels (forward, backward, decode) share.
+
+The static config of a pair call, the warp-specialised launch (two consumer
+warpgroups and one producer, :func:`run_warpgroups`), the producer's ring of
+shared-memory slots (:func:`producer_ring`), swizzled shared-memory tiles for ``wgmma``
+(:func:`smem_tile`), and the register-layout helpers every kernel uses. The kernels are
+in :mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
+:mod:`~diffjax.kernels.gpu.mosaic_decode`; their tiles and budgets in
+:mod:`~diffjax.kernels.gpu.mosaic_tiles`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from diffjax.kernels.gpu import mosaic_interpret
+from diffjax.kernels.gpu.pair_common import PairGeometry
+
+BLOCK_Q = 64  # query rows per warpgroup: the M of one wgmma
+COMPUTE_WGS = 2
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig(PairGeometry):
+  """Static description of one call (hashable: a custom_vjp non-diff argument).
+
+  Attributes:
+    variant: "v1" (two query and key arrays, one lambda per head) or "v2" (heads 2i
+      and 2i+1 of one query array on one key array, one lambda per token).
+    causal: causal mask; queries are the last ``q_len`` of ``kv_len`` positions.
+    scale: score scale.
+    q_len, kv_len: true (unpadded) lengths.
+    group: DIFF heads (V1) or pairs (V2) per kv group.
+    segments: whether segment ids are passed.
+    block_kv: keys per step of the forward kernel.
+    stages: shared-memory slots of the forward kernel's K/V ring.
+    interpret: run in the Mosaic GPU interpreter.
+    bwd_stages, dq_parts: the backward's tiles (:class:`MosaicBlockSizes`).
+  """
+  variant: str
+  causal: bool
+  scale: float
+  q_len: int
+  kv_len: int
+  group: int
+  segments: bool
+  block_kv: int
+  stages: int
+  interpret: bool
+  bwd_stages: int = 1
+  dq_parts: int = 1
+
+  def kernel_kwargs(self) -> dict:
+    return launch_kwargs(self.interpret)
+
+
+def launch_kwargs(interpret: bool) -> dict:
+  """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel."""
+  if interpret:
+    mosaic_interpret.check_threads(COMPUTE_WGS + 1)
+    return dict(interpret=mosaic_interpret.params())
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+
+
+def swizzle_bytes(width: int, itemsize: int, max_swizzle: int = 128) -> int:
+  """The widest of 128/64/32-byte swizzles (at most ``max_swizzle``) dividing a row."""
+  row = width * itemsize
+  for swizzle in (128, 64, 32):
+    if swizzle <= max_swizzle and row % swizzle == 0:
+      return swizzle
+  raise ValueError(f"A row of {width} elements of {itemsize} bytes ({row} bytes) is not a "
+                   "multiple of 32 bytes; use a head dim that is a multiple of 16.")
+
+
+def smem_transforms(width: int, dtype, max_swizzle: int = 128) -> tuple:
+  """Tiling + swizzle of a [rows, width] shared-memory tile that ``wgmma`` reads.
+
+  The swizzle is the widest of 128, 64 and 32 bytes that divides a row (and is at most
+  ``max_swizzle``), so head dims like 80 (160-byte rows: 32-byte swizzle) and 96
+  (64-byte swizzle) need no padding.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = swizzle_bytes(width, itemsize, max_swizzle)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_tile(shape, width: int, dtype, max_swizzle: int = 128):
+  """A shared-memory buffer that ``wgmma`` reads, swizzled for rows of ``width``."""
+  return plgpu.SMEM(shape, dtype, transforms=smem_transforms(width, dtype, max_swizzle))
+
+
+def barriers(n: int = 1, arrivals: int = 1):
+  return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+
+
+def scratch_refs(refs, scratch):
+  """Puts None back where a scratch buffer was left out (it is unused there)."""
+  it = iter(refs)
+  return [None if x is None else next(it) for x in scratch]
+
+
+def run_warpgroups(consumer, producer) -> None:
+  """Warpgroups 0 and 1 run ``consumer(0)`` and ``consumer(1)``, warpgroup 2 ``producer``."""
+  wg = lax.axis_index("wg")
+  pl.when(wg == 0)(functools.partial(consumer, 0))
+  pl.when(wg == 1)(functools.partial(consumer, 1))
+  pl.when(wg == 2)(producer)
+
+
+def producer_ring(load, n, stages: int, consumed) -> None:
+  """The producer's side of a ring of ``stages`` shared-memory slots.
+
+  ``load(step, slot)`` issues the TMA copies of steps 0 .. n - 1, each into slot
+  ``step % stages`` once both consumers have released it (``consumed``, two arrivals).
+  At the end the producer also observes each slot's last release, so every barrier ends
+  on a phase all its waiters saw (the interpreter checks this).
+  """
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(load, jnp.int32(i), i))
+
+  def refill(j, carry):
+    slot = lax.rem(j, jnp.int32(stages))
+    plgpu.barrier_wait(consumed.at[slot])
+    load(j, slot)
+    return carry
+  lax.fori_loop(jnp.int32(stages), jnp.maximum(n, stages), refill, None)
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
+
+
+def iota(shape, dim):
+  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+
+
+def row(x):
+  """``x`` [M] in the layout of a per-row vector of a wgmma tile."""
+  return plgpu.layout_cast(x, _ROW)
+
+
+def col(x):
+  """``x`` [N] in the layout of a per-column vector of a wgmma tile."""
+  return plgpu.layout_cast(x, _COL)
+
+
+def bcast_rows(x, shape):
+  """A per-row vector [M] broadcast along the columns of an [M, N] tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def bcast_cols(x, shape):
+  """A per-column vector [N] broadcast along the rows of an [M, N] tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def product(shape, a, b_ref):
+  """``a @ b_ref`` into a fresh float32 accumulator (a: smem ref or registers)."""
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_ref)
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc, a, b_ref, cfg):
+  """``acc + a @ b_ref`` with ``acc`` kept in the wgmma accumulator registers.
+
+  Compiled kernels accumulate in place (``pl.run_state`` with ``plgpu.ACC.init``).
+  The Mosaic GPU interpreter (jax 0.10.2 and 0.11.2 alike) cannot run ``run_state``
+  accumulators; there the product goes to a fresh zero accumulator and is added,
+  which is the value the interpreter's in-place ``wgmma`` (``acc + a @ b``) computes.
+  """
+  if cfg.interpret:
+    return acc + product(acc.shape, a, b_ref)
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_ref)
+  return pl.run_state(body)(plgpu.ACC.init(acc))
