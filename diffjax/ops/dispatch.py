@@ -250,6 +250,35 @@ def mosaic_gpu_decodes(arrays, block_sizes=None, interpret: bool = False) -> boo
   return mosaic_gpu_refusal("diff_v1_decode", arrays, segments=False) is None
 
 
+# (op, platform) -> why its fused kernel is off for this process (see demote).
+_DEMOTED: dict[tuple[str, str], str] = {}
+
+
+def demote(op: str, reason: str, platform: str | None = None) -> str:
+  """Turns ``op``'s fused kernel off on ``platform`` (default: the current one) for the
+  rest of the process: "auto", "pallas" and the named fused implementation then resolve
+  to the stock path, or to XLA where the platform has none. Returns that fallback.
+
+  :mod:`diffjax.ops.preflight` calls it for a kernel that failed on the real device.
+  """
+  platform = platform or current_platform()
+  _DEMOTED[(op, platform)] = reason
+  return _fallback(op, platform)
+
+
+def demoted() -> dict[tuple[str, str], str]:
+  """The (op, platform) pairs turned off by :func:`demote`, with their reasons."""
+  return dict(_DEMOTED)
+
+
+def clear_demotions() -> None:
+  _DEMOTED.clear()
+
+
+def _fallback(op: str, platform: str) -> str:
+  return "stock" if lookup(op, "stock", platform, False) is not None else "xla"
+
+
 def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
             float64: bool = False, mosaic: bool = False) -> str:
   """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
@@ -267,6 +296,9 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
   if implementation == "xla":
     return "xla"
   platform = current_platform()
+  if ((op, platform) in _DEMOTED and not interpret
+      and implementation in ("auto", "pallas", f"pallas_{platform}", "xla_cpu")):
+    return "xla" if (has_mask or float64) else _fallback(op, platform)
   if implementation == "auto":
     if has_mask or float64:
       return "xla"

@@ -1,0 +1,188 @@
+"""Kernel preflight: each fused kernel a run chose, run once on the real device first.
+
+A fused kernel that has only been checked in an interpreter or compiled ahead of time
+meets the hardware for the first time in a user's run. Before the first step,
+:func:`preflight_model` runs every fused kernel the model's attention resolves to
+(``pallas_tpu`` / ``pallas_gpu``; decoding too for generation) once, forward and
+backward, on a small input of the run's dtype and head widths, against the XLA path
+on the same inputs. A kernel that fails to compile or run, or whose result is off by
+more than the dtype's tolerance, is switched off for the rest of the process
+(:func:`diffjax.ops.dispatch.demote`: its op takes the stock path, XLA where a platform
+has none) and one line names the kernel, the device and the reason. The run records
+the results (the trainer writes them to ``preflight.json`` and its final metrics).
+
+On a CPU nothing runs: the CPU paths are plain XLA. ``kernels.preflight=False`` in a
+run's config skips the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax.ops import attention as attn
+from diffjax.ops import dispatch
+
+# Platforms whose fused kernels are checked, and the implementations that count as fused.
+PLATFORMS = ("gpu", "tpu")
+FUSED = ("pallas_tpu", "pallas_gpu")
+# Relative error (max |kernel - xla| / max |xla|, output and every gradient) allowed.
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-3, jnp.dtype(jnp.bfloat16): 5e-2,
+             jnp.dtype(jnp.float16): 1e-2}
+_SEQ = 256  # queries and keys of the check: four 64-row blocks, causal
+# What this process has checked already: (platform, op, dtype, head dim, group, impl).
+_DONE: dict[tuple, Check | None] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """One kernel's preflight: ``ok``, or the ``reason`` it was switched to ``fallback``."""
+  op: str
+  implementation: str
+  device: str
+  ok: bool
+  seconds: float
+  reason: str | None = None
+  fallback: str | None = None
+  error: float | None = None
+
+  def line(self) -> str:
+    if self.ok:
+      return (f"preflight: {self.op} ({self.implementation}) on {self.device}: ok "
+              f"(max relative error {self.error:.1e}, {self.seconds:.1f} s)")
+    return (f"preflight: {self.op} ({self.implementation}) on {self.device} failed: "
+            f"{self.reason}; {self.op} runs on the {self.fallback} path from here on.")
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _rel(x, y) -> float:
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if not np.all(np.isfinite(x)):
+    return float("inf")
+  return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+
+
+def _inputs(op: str, dtype, d: int, group: int):
+  """(arrays, call(implementation) -> value or (value, grads)) for a small case of op."""
+  keys = jax.random.split(jax.random.key(0), 8)
+  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
+  b, t, kh = 1, _SEQ, 1
+  h = group
+  if op == "mha":
+    arrays = (n(0, (b, t, h, d)), n(1, (b, t, kh, d)), n(2, (b, t, kh, d)))
+    fn = lambda impl, *a: attn.dot_product_attention(*a, implementation=impl)
+  elif op == "diff_v1":
+    arrays = (n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, t, kh, d)),
+              n(3, (b, t, kh, d)), n(4, (b, t, kh, 2 * d)),
+              jnp.linspace(0.2, 0.8, h).astype(jnp.float32))
+    fn = lambda impl, *a: attn.diff_v1_attention_core(*a, implementation=impl)
+  elif op == "diff_v2":
+    arrays = (n(0, (b, t, 2 * h, d)), n(1, (b, t, kh, d)), n(2, (b, t, kh, d)),
+              jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))))
+    fn = lambda impl, *a: attn.diff_v2_attention(*a, implementation=impl)
+  elif op == "diff_v1_decode":
+    s = _SEQ
+    arrays = (n(0, (b, 1, h, d)), n(1, (b, 1, h, d)), n(2, (b, s, kh, d)),
+              n(3, (b, s, kh, d)), n(4, (b, s, kh, 2 * d)),
+              jnp.linspace(0.2, 0.8, h).astype(jnp.float32), jnp.array([s - 7], jnp.int32))
+    fn = lambda impl, *a: attn.diff_v1_attention_decode(*a, implementation=impl)
+    return arrays, fn, False
+  else:
+    raise ValueError(f"No preflight for op {op!r}.")
+  return arrays, fn, True
+
+
+def _run(fn, impl: str, arrays, differentiable: bool):
+  """The value and (training ops) the gradients of every float input, under one jit."""
+  if not differentiable:
+    return (jax.jit(lambda *a: fn(impl, *a))(*arrays),)
+
+  def loss_and_grads(*a):
+    out, vjp = jax.vjp(lambda *x: fn(impl, *x), *a)
+    return (out, *vjp(jnp.ones_like(out)))
+  return jax.jit(loss_and_grads)(*arrays)
+
+
+def check_op(op: str, *, dtype, head_dim: int, group: int = 1,
+             implementation: str = "auto") -> Check | None:
+  """Runs the fused kernel ``op`` resolves to against XLA; None when none is chosen."""
+  dtype = jnp.dtype(dtype)
+  arrays, fn, differentiable = _inputs(op, dtype, head_dim, group)
+  if op == "diff_v1_decode":
+    mosaic = dispatch.mosaic_gpu_decodes(arrays)
+  else:
+    mosaic = dispatch.mosaic_gpu_takes(op, arrays, segments=False)
+  try:
+    impl = dispatch.resolve(op, implementation, has_mask=False, interpret=False,
+                            mosaic=mosaic)
+  except ValueError:
+    return None  # the run itself reports a choice that cannot run here
+  if impl not in FUSED:
+    return None
+  device = jax.devices()[0]
+  where = f"{device.platform}:{device.device_kind}"
+  t0 = time.perf_counter()
+  reason, err = None, None
+  try:
+    got = _run(fn, impl, arrays, differentiable)
+    want = _run(fn, "xla", arrays, differentiable)
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    err = max(errs)
+    tol = TOLERANCE.get(dtype, 1e-3)
+    if not err <= tol:
+      worst = int(np.argmax(errs))
+      name = "the output" if worst == 0 else f"gradient {worst} of {len(errs) - 1}"
+      reason = (f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} "
+                f"tolerance is {tol:g})")
+  except Exception as e:  # pylint: disable=broad-except  (any failure demotes the kernel)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    reason = f"{type(e).__name__}: {first[:200]}"
+  seconds = time.perf_counter() - t0
+  if reason is None:
+    return Check(op, impl, where, True, seconds, error=err)
+  fallback = dispatch.demote(op, reason)
+  return Check(op, impl, where, False, seconds, reason=reason, fallback=fallback, error=err)
+
+
+def preflight_model(model_cfg, *, decode: bool = False, enabled: bool = True,
+                    log: Callable[[str], None] | None = print,
+                    platforms: tuple[str, ...] | None = None) -> list[Check]:
+  """Preflights the fused kernels of ``model_cfg``'s attention (and decoding).
+
+  ``model_cfg``: a :class:`diffjax.model.ModelConfig` (its ``attention``, ``dtype``,
+  ``head_dim``, head counts and ``implementation`` decide what runs). Nothing runs when
+  ``enabled`` is False, on a platform outside ``platforms`` (default :data:`PLATFORMS`),
+  or in interpret mode.
+  Prints one line per failing kernel through ``log``. A process checks each (op,
+  dtype, widths) once; later calls return the first result.
+  """
+  if not enabled or getattr(model_cfg, "interpret", False):
+    return []
+  if dispatch.current_platform() not in (PLATFORMS if platforms is None else platforms):
+    return []
+  op = {"transformer": "mha", "diff_v1": "diff_v1", "diff_v2": "diff_v2"}[model_cfg.attention]
+  group = max(1, model_cfg.num_heads // max(model_cfg.num_kv_heads, 1))
+  ops = [op] + (["diff_v1_decode"] if decode and op == "diff_v1" else [])
+  checks = []
+  for name in ops:
+    key = (dispatch.current_platform(), name, jnp.dtype(model_cfg.compute_dtype).name,
+           model_cfg.head_dim, min(group, 4), model_cfg.implementation)
+    fresh = key not in _DONE
+    if fresh:
+      _DONE[key] = check_op(name, dtype=model_cfg.compute_dtype,
+                            head_dim=model_cfg.head_dim, group=min(group, 4),
+                            implementation=model_cfg.implementation)
+    result = _DONE[key]
+    if result is None:
+      continue
+    checks.append(result)
+    if fresh and log is not None and not result.ok:
+      log(result.line())
+  return checks
