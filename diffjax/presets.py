@@ -102,6 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=_placeholder(list),
                                           context_strategy="ring", context_load_balance=True))
   c.distributed = ml_collections.ConfigDict(dict(initialize=_placeholder(bool)))
+  # preflight: on a GPU or TPU, run each fused kernel the model chose once against XLA
+  # before the first step; a failing one is switched to the stock path (diffjax/ops/preflight.py).
+  c.kernels = ml_collections.ConfigDict(dict(preflight=True))
   return c
 
 
