@@ -28,6 +28,7 @@ from diffjax import sharding as shd
 from diffjax.data import DataConfig, build_datasets, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
+from diffjax.ops import preflight
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.host import keep_freed_memory
@@ -141,6 +142,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   meta = {"model_config": model_cfg.to_dict(), "config": json.loads(config.to_json_best_effort())}
   train_iter = data.new_train_iter()
   progress = Progress(config.num_steps, 0, log_every=config.log_every, enabled=is_main)
+  # Each fused kernel the model chose, once on this device against XLA before the steps
+  # trace it: one that fails is switched to the stock path, said and recorded.
+  checks = preflight.preflight_model(
+      model_cfg, enabled=bool(config.get("kernels", {}).get("preflight", True)),
+      log=progress.message)
+  if is_main and checks:
+    write_json(os.path.join(workdir, "preflight.json"), [c.as_dict() for c in checks])
 
   def check_meta(saved: dict) -> None:
     # A changed model config is refused (the parameters would not fit), not skipped.
@@ -274,6 +282,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   wall = time.perf_counter() - t_start
   result = {"step": step, "train/loss": last_train_loss, **last_eval,
             "unigram/loss": data.unigram_entropy_nats, "params": n_params, "wall_s": wall}
+  if checks:
+    result["preflight/fallbacks"] = sum(not c.ok for c in checks)
   if is_main:
     progress.message("final: " + " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
