@@ -24,6 +24,7 @@ from flax import nnx
 from diffjax import sharding as shd
 from diffjax.generation.sampling import LogitsProcessor, SamplingOptions, choose_tokens
 from diffjax.model import DecoderLM
+from diffjax.ops import preflight as kernel_preflight
 
 # Cache lengths are rounded up to this: the GPU decode kernel's largest KV block, and
 # the multiple the TPU kernel reads in place (diffjax.kernels.tpu.cache_length_multiple).
@@ -88,8 +89,8 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
              seed: int = 0, stop_tokens: Sequence[int] | int = (),
              processors: Sequence[LogitsProcessor] = (), max_length: int | None = None,
              pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None,
-             on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None
-             ) -> Generation:
+             on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+             preflight: bool = True) -> Generation:
   """Generates up to ``max_new_tokens`` tokens after each prompt, with a KV cache.
 
   Args:
@@ -108,10 +109,14 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
     on_tokens: called after every step with ``(step, tokens_B, active_B)`` (numpy):
       the step's token of each row and whether the row was still generating; for
       streaming.
+    preflight: on a GPU or TPU, run the fused kernels once against XLA first
+      (:mod:`diffjax.ops.preflight`; a failing one is switched to the stock path).
   Returns:
     A :class:`Generation`.
   """
   options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+  if preflight:  # once per process: the fused attention and decode kernels on this device
+    kernel_preflight.preflight_model(model.config, decode=True)
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer.")
   stops = np.asarray([stop_tokens] if np.isscalar(stop_tokens) else list(stop_tokens),
