@@ -1,16 +1,28 @@
-"""Ahead-of-time compile of the real train step for a TPU topology, on any machine.
+"""Ahead-of-time compile of the real train step for a TPU topology or a GPU, on any machine.
 
-  python -m diffjax.aot --config=configs/paper_3b.py:diff_v1 --topology=v5p:4x4x4 \
+  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4 \
       [--config.mesh.shape="(1,-1,1)" --config.global_batch_size=256 ...]
+  python -m diffjax.aot --config=configs/paper_3b.py --target=h100 \
+      --config.global_batch_size=8 --config.grad_accum_steps=4
+  python -m diffjax.aot --config=configs/paper_3b.py --target=h100:8   # an 8-GPU node
 
-With libtpu installed (``pip install -e '.[tpu]'``) this runs the TPU compiler on a
-CPU machine (``jax.experimental.topologies``): it lowers and compiles the jitted,
-sharded train step (parameters, optimizer state, batch shardings and donation as in
-training) for the devices of the topology, then prints the per-device memory the
-compiler reports and whether it fits in the chip's HBM. Nothing is allocated.
-Set ``JAX_PLATFORMS=cpu`` to keep start-up quiet on a machine without TPUs.
-Attention implementations resolve for the TPU: ``implementation="auto"`` compiles
-the fused Pallas TPU kernels (inside ``shard_map``), ``"xla"`` the plain path.
+TPU: with libtpu installed (``pip install -e '.[tpu]'``) this runs the TPU compiler on
+a CPU machine (``jax.experimental.topologies``). GPU (``--target`` h100, h200 or a100,
+``:N`` for N GPUs in one node): with the ``[gpu-compile]`` extra it runs XLA's GPU
+compiler and ptxas for compile-only devices (:mod:`diffjax.kernels.gpu.targets`). Either
+way it lowers and compiles the jitted, sharded train step (parameters, optimizer state,
+batch shardings and donation as in training) for those devices, then prints the
+per-device memory the compiler reports, whether it fits, and how many of our kernels
+the step calls. Nothing is allocated. Set ``JAX_PLATFORMS=cpu`` to keep start-up quiet.
+
+Attention implementations resolve for the target: ``implementation="auto"`` compiles
+the fused Pallas TPU kernels (inside ``shard_map``) on a TPU and the Mosaic GPU kernels
+on an H100/H200 (an A100 takes the stock path), ``"xla"`` the plain path. A GPU's
+stock path compiles XLA's attention here: cuDNN is not consulted without a GPU.
+
+On a GPU, JAX lets a process use ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.75 by default)
+of the device's memory: "fits" is judged against that share. A step that does not fit
+is one line naming what it needs and what would make it fit, with exit status 1.
 """
 
 from __future__ import annotations
@@ -18,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 
 import jax
 
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
+from diffjax.kernels.gpu import targets as gpu_targets
 from diffjax.ops import target_platform
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.setup import build_train_setup
@@ -32,6 +46,12 @@ GIB = 1024 ** 3
 # HBM per chip (GiB) by device kind prefix.
 HBM_GIB = {"TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
            "TPU v6e": 32, "TPU v4": 32}
+
+
+# The custom calls of our kernels in a compiled program, by platform.
+KERNEL_CALLS = {"tpu": ('custom_call_target="tpu_custom_call"',),
+                "gpu": ('custom_call_target="mosaic_gpu_v2"',
+                        'custom_call_target="mosaic_gpu"')}
 
 
 @dataclasses.dataclass
@@ -46,24 +66,78 @@ class AotReport:
   temp_gib: float
   alias_gib: float
   hbm_gib: float | None
-  pallas_kernels: int = 0  # Mosaic (Pallas TPU) custom calls in the compiled program
+  pallas_kernels: int = 0  # Pallas kernel calls (Mosaic TPU or Mosaic GPU) in the program
+  platform: str = "tpu"
+  usable_fraction: float = 1.0  # of hbm_gib a process may use (GPU: the client's share)
 
   @property
   def per_device_gib(self) -> float:
     return self.argument_gib + self.output_gib + self.temp_gib - self.alias_gib
 
   @property
+  def usable_gib(self) -> float | None:
+    return None if self.hbm_gib is None else self.hbm_gib * self.usable_fraction
+
+  @property
   def fits(self) -> bool | None:
-    return None if self.hbm_gib is None else self.per_device_gib <= self.hbm_gib
+    return None if self.hbm_gib is None else self.per_device_gib <= self.usable_gib
 
   def line(self) -> str:
     fits = "unknown HBM" if self.fits is None else ("fits" if self.fits else "DOES NOT FIT")
+    share = ("" if self.usable_fraction == 1.0 or self.hbm_gib is None else
+             f" ({self.usable_fraction:g} of {self.hbm_gib:.1f})")
+    usable = f"{self.usable_gib:.2f}" if self.usable_gib is not None else "?"
+    kernels = "Mosaic GPU" if self.platform == "gpu" else "Pallas"
     return (f"{self.topology:<12} {self.arm:<12} devices={self.num_devices:<4} "
             f"mesh={self.mesh} params={self.params/1e6:,.1f}M per-device: "
             f"args {self.argument_gib:.2f} + out {self.output_gib:.2f} + temp "
             f"{self.temp_gib:.2f} - aliased {self.alias_gib:.2f} = {self.per_device_gib:.2f} GiB"
-            f" of {self.hbm_gib if self.hbm_gib is not None else '?'} GiB -> {fits}; "
-            f"{self.pallas_kernels} Pallas kernel calls")
+            f" of {usable}{share} GiB -> {fits}; {self.pallas_kernels} {kernels} kernel calls")
+
+
+class DoesNotFit(Exception):
+  """A step that needs more memory per device than the target has; ``str`` is one line."""
+
+
+def fit_options(config, *, needs_gib: float, has_gib: float, target: str) -> str:
+  """One line: what the step needs, and settings that would make it fit."""
+  options = []
+  accum = int(config.get("grad_accum_steps", 1) or 1)
+  batch = int(config.get("global_batch_size", 0) or 0)
+  if batch and batch % (2 * accum) == 0:
+    options.append(f"--config.grad_accum_steps={2 * accum} (a microbatch of "
+                   f"{batch // (2 * accum)} rows)")
+  if config.model.get("remat", "none") != "full":
+    options.append("--config.model.remat=full")
+  if gpu_targets.is_gpu_target(target):
+    tgt, count = gpu_targets.parse(target)
+    if count < 8:
+      options.append(f"more GPUs (--target={tgt.name}:{max(8, 2 * count)})")
+    if tgt.name == "h100":
+      options.append("--target=h200 (141 GB)")
+    options.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 when the run starts")
+  else:
+    options.append(f"a larger slice (more chips than {target})")
+  return (f"{target}: the step needs {needs_gib:.1f} GiB of {has_gib:.2f} GiB per device; "
+          f"to fit try " + ", ".join(options) + ".")
+
+
+# The TPU compiler's two spellings of "does not fit": "... Used 39.80G of 31.25G hbm" and
+# "... required for HLO temporaries (40.24G) exceeds available HBM (15.75G)".
+_OOM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+        re.compile(r"required for [^(]*\(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                   r"\(([\d.]+)([KMGT]?)\)"))
+_UNITS = {"": 1 / GIB, "K": 1 / 1024 ** 2, "M": 1 / 1024, "G": 1.0, "T": 1024.0}
+
+
+def parse_out_of_memory(message: str) -> tuple[float, float] | None:
+  """(needed, available) GiB from a compiler's out-of-memory error, or None."""
+  for pattern in _OOM:
+    m = pattern.search(message)
+    if m is not None:
+      return (float(m.group(1)) * _UNITS[m.group(2)],
+              float(m.group(3)) * _UNITS[m.group(4)])
+  return None
 
 
 def hbm_for(device_kind: str) -> float | None:
@@ -123,10 +197,11 @@ def without_persistent_cache():
 
 
 def compile_train_step(config, devices, *, vocab_size: int | None = None,
-                       platform: str = "tpu"):
+                       platform: str = "tpu", gpu_capability: tuple[int, int] | None = None):
   """Lowers and compiles the sharded train step of ``config`` for ``devices``.
 
   The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
+  ``platform``/``gpu_capability``: what the attention implementations resolve for.
   Returns ``(compiled, model_config, mesh)``.
   """
   check_config(config)
@@ -144,24 +219,60 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
                             **mesh_context_options(config))
   batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
-  # context they are chosen for the target (TPU), not for this host's backend.
-  with without_persistent_cache(), target_platform(platform):
+  # context they are chosen for the target, not for this host's backend.
+  with without_persistent_cache(), target_platform(platform, gpu_capability=gpu_capability):
     compiled = setup.train_step.lower(setup.abstract_state, batch).compile()
   return compiled, model_cfg, mesh
 
 
+def _client_mem_fraction() -> float:
+  value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+  try:
+    return float(value)
+  except ValueError:
+    raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be a number in (0, 1]."
+                     ) from None
+
+
 def aot_report(config, topology: str) -> AotReport:
+  """Compiles the step for a TPU topology ("v5p:4x4x4") or GPU target ("h100", "h100:8").
+
+  Raises :class:`DoesNotFit` (one line, with options) when the compiler refuses the step
+  for memory.
+  """
   from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
-  devices = topology_devices(topology)
-  compiled, model_cfg, mesh = compile_train_step(config, devices)
+  gpu = gpu_targets.is_gpu_target(topology)
+  if gpu:
+    target, count = gpu_targets.parse(topology)
+    devices = gpu_targets.devices(target, count)
+    kwargs = dict(platform="gpu", gpu_capability=target.compute_capability)
+    capacity, fraction = target.memory_gib, _client_mem_fraction()
+  else:
+    devices = topology_devices(topology)
+    kwargs = dict(platform="tpu")
+    capacity, fraction = hbm_for(devices[0].device_kind), 1.0
+  try:
+    compiled, model_cfg, mesh = compile_train_step(config, devices, **kwargs)
+  except Exception as e:  # the compilers raise JaxRuntimeError (XlaRuntimeError before)
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    sizes = parse_out_of_memory(str(e))
+    if sizes is None:
+      raise DoesNotFit(f"{topology}: the step does not fit ({str(e).splitlines()[0][:200]}); "
+                       + fit_options(config, needs_gib=float("nan"), has_gib=float("nan"),
+                                     target=topology).split("; ", 1)[1]) from None
+    raise DoesNotFit(fit_options(config, needs_gib=sizes[0], has_gib=sizes[1],
+                                 target=topology)) from None
   mem = compiled.memory_analysis()
+  text = compiled.as_text()
+  platform = kwargs["platform"]
   return AotReport(
       topology=topology, arm=model_cfg.attention, num_devices=len(devices),
       mesh=dict(mesh.shape), params=count_params(model_cfg),
       argument_gib=mem.argument_size_in_bytes / GIB, output_gib=mem.output_size_in_bytes / GIB,
       temp_gib=mem.temp_size_in_bytes / GIB, alias_gib=mem.alias_size_in_bytes / GIB,
-      hbm_gib=hbm_for(devices[0].device_kind),
-      pallas_kernels=compiled.as_text().count('custom_call_target="tpu_custom_call"'))
+      hbm_gib=capacity, platform=platform, usable_fraction=fraction,
+      pallas_kernels=sum(text.count(call) for call in KERNEL_CALLS[platform]))
 
 
 def main(argv=None) -> int:
@@ -171,7 +282,10 @@ def main(argv=None) -> int:
   from diffjax.train.config_utils import explain_flag_error  # pylint: disable=import-outside-toplevel
   cfg_flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                              lock_config=True)
-  topo = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology, e.g. v5e:2x2, v5p:4x4x4.")
+  topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5p:4x4x4 "
+                             "(default v5e:2x2 when no --target is given).")
+  tgt = flags.DEFINE_string("target", None, "GPU target: h100, h200 or a100, ':N' for N "
+                            "GPUs of one node (h100:8).")
   argv = list(argv or sys.argv)
   try:
     flags.FLAGS(argv)
@@ -185,11 +299,25 @@ def main(argv=None) -> int:
   if config is None:
     print("error: --config is required", file=sys.stderr)
     return 2
+  if topo.value and tgt.value:
+    print("error: give --topology (TPU) or --target (GPU), not both", file=sys.stderr)
+    return 2
+  where = tgt.value or topo.value or "v5e:2x2"
+  if tgt.value and not gpu_targets.is_gpu_target(tgt.value):
+    print(f"error: --target={tgt.value!r} is not a GPU target; use one of "
+          f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)", file=sys.stderr)
+    return 2
 
   def run():
-    report = aot_report(config, topo.value)
+    try:
+      report = aot_report(config, where)
+    except DoesNotFit as e:
+      print(str(e))
+      raise SystemExit(1) from None
     print(report.line())
     if report.fits is False:
+      print(fit_options(config, needs_gib=report.per_device_gib, has_gib=report.usable_gib,
+                        target=where))
       raise SystemExit(1)
 
   return run_guarded(run)

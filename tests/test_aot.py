@@ -1,27 +1,46 @@
-"""Ahead-of-time compile of the real train step for a TPU topology (needs libtpu)."""
+"""Ahead-of-time compile of the real train step for a TPU topology (needs libtpu) or a GPU
+target (needs the [gpu-compile] extra), and the one-line answer when a step does not fit."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
-pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) is not installed")
+from diffjax.aot import DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
+from diffjax.kernels.gpu import targets
+from diffjax.presets import load_config
+
+_HAS_LIBTPU = True
+try:
+  import libtpu  # noqa: F401  pylint: disable=unused-import
+except ImportError:
+  _HAS_LIBTPU = False
+needs_libtpu = pytest.mark.skipif(not _HAS_LIBTPU, reason="the [tpu] extra is not installed")
+needs_gpu_compile = pytest.mark.skipif(targets.available() is not None and not os.environ.get("CI"),
+                                       reason=f"{targets.available()}")
 
 
-from diffjax.aot import aot_report, hbm_for  # noqa: E402  pylint: disable=wrong-import-position
+def _tiny(arm="diff_v1"):
+  cfg = load_config("configs/tiny.py")
+  cfg.model.arm = arm
+  return cfg
 
 
-def _load(path, arg=None):
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location("cfg", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config() if arg is None else mod.get_config(arg)
+def _cli(*args, env_extra=None):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_") and k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
+  return subprocess.run([sys.executable, "-m", "diffjax.aot", *args], capture_output=True,
+                        text=True, env=env, timeout=900)
 
 
 # The arms differ only in attention, whose TPU compiles the kernel and sharding tests cover;
 # one arm runs by default.
+@needs_libtpu
 @pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1",
                                  pytest.param("diff_v2", marks=pytest.mark.slow)])
 def test_tiny_configs_compile_for_v5e_2x2(arm):
-  cfg = _load("configs/tiny.py", arm)
+  cfg = _tiny(arm)
   cfg.mesh.shape = (2, 2, 1)
   report = aot_report(cfg, "v5e:2x2")
   assert report.num_devices == 4
@@ -34,32 +53,99 @@ def test_tiny_configs_compile_for_v5e_2x2(arm):
   assert report.pallas_kernels > 0, report
 
 
+@needs_libtpu
 def test_xla_implementation_compiles_without_kernels():
-  cfg = _load("configs/tiny.py", "diff_v2")
+  cfg = _tiny("diff_v2")
   cfg.model.implementation = "xla"
   assert aot_report(cfg, "v5e:2x2").pallas_kernels == 0
 
 
+@needs_libtpu
 def test_hbm_table_and_bad_topology():
   assert hbm_for("TPU v5p") == 95.0 and hbm_for("TPU v5 lite") == 16.0
   with pytest.raises(ValueError, match="v9z"):
-    aot_report(_load("configs/tiny.py", "diff_v1"), "v9z:2x2")
+    aot_report(_tiny(), "v9z:2x2")
 
 
+@needs_libtpu
 def test_cli_compiles_scanned_context_parallel_step_without_libtpu_probe_noise():
   """The command a user runs first: quiet start-up on a machine without TPUs, and the
   scanned, sequence-sharded (ring) step compiles for a real topology."""
-  import os  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
-  env["JAX_PLATFORMS"] = "cpu"
-  r = subprocess.run(
-      [sys.executable, "-m", "diffjax.aot", "--config=configs/tiny.py:diff_v1",
-       "--topology=v5e:2x2", "--config.mesh.shape=(1,1,1,4)", "--config.model.scan_layers=True",
-       "--config.seq_len=64"], capture_output=True, text=True, env=env, timeout=600)
+  r = _cli("--config=configs/tiny.py", "--config.model.arm=diff_v1", "--topology=v5e:2x2",
+           "--config.mesh.shape=(1,1,1,4)", "--config.model.scan_layers=True",
+           "--config.seq_len=64")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "mesh={'data': 1, 'fsdp': 1, 'tensor': 1, 'context': 4}" in r.stdout, r.stdout
   assert "fits" in r.stdout
   for noise in ("could not determine", "host bounds", "INVALID_ARGUMENT", "Traceback"):
     assert noise not in r.stderr, r.stderr[-3000:]
+
+
+@needs_libtpu
+def test_a_tpu_step_that_does_not_fit_is_one_line_with_options():
+  # The compiler refuses it (RESOURCE_EXHAUSTED): one line on stdout, exit status 1, no
+  # traceback.
+  r = _cli("--config=configs/tiny.py", "--topology=v5e:2x2",
+           "--config.global_batch_size=2048", "--config.seq_len=4096")
+  assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+  (line,) = [l for l in r.stdout.splitlines() if l.strip()]
+  assert line.startswith("v5e:2x2: the step needs ") and "GiB of 15.75 GiB per device" in line
+  assert "--config.grad_accum_steps=2" in line and "--config.model.remat=full" in line
+  assert "Traceback" not in r.stderr and "RESOURCE_EXHAUSTED" not in r.stderr
+
+
+def test_out_of_memory_messages_and_options():
+  assert parse_out_of_memory("... Used 39.80G of 31.25G hbm. Exceeded hbm capacity") == \
+      (39.8, 31.25)
+  assert parse_out_of_memory("the total memory required for HLO temporaries (40.24G) "
+                             "exceeds available HBM (15.75G).") == (40.24, 15.75)
+  assert parse_out_of_memory("INTERNAL: something else") is None
+  cfg = load_config("configs/paper_3b.py")
+  cfg.global_batch_size = 256
+  line = fit_options(cfg, needs_gib=39.8, has_gib=31.25, target="v6e:8x8")
+  assert line.startswith("v6e:8x8: the step needs 39.8 GiB of 31.25 GiB per device; to fit try")
+  assert "--config.grad_accum_steps=2 (a microbatch of 128 rows)" in line
+  assert "--config.model.remat=full" in line and "a larger slice" in line and "\n" not in line
+  gpu = fit_options(cfg, needs_gib=95.2, has_gib=59.3, target="h100")
+  assert "--target=h100:8" in gpu and "--target=h200" in gpu
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in gpu
+
+
+@needs_gpu_compile
+@pytest.mark.parametrize("target,mosaic", [
+    ("h100", True),
+    # about 35 s: the dispatch test checks an A100's choice of the stock path cheaply
+    pytest.param("a100", False, marks=pytest.mark.slow)])
+def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
+  # bf16, head dim 32 (V1's value 64): the Mosaic GPU kernels take it on an H100; an
+  # A100 (sm_80) takes the stock path, which compiles none of ours.
+  cfg = _tiny("diff_v1")
+  cfg.model.dtype = "bfloat16"
+  cfg.seq_len = 128
+  report = aot_report(cfg, target)
+  assert report.platform == "gpu" and report.num_devices == 1
+  assert report.hbm_gib == pytest.approx(targets.get(target).memory_gib)
+  assert report.usable_fraction == 0.75 and report.fits
+  assert (report.pallas_kernels > 0) == mosaic, report
+  assert "Mosaic GPU kernel calls" in report.line()
+
+
+@needs_gpu_compile
+@pytest.mark.slow  # about 35 s; the TPU case above covers the one-line answer by default
+def test_a_gpu_step_that_does_not_fit_is_one_line_with_options():
+  r = _cli("--config=configs/tiny.py", "--target=h200", "--config.model.dtype=bfloat16",
+           env_extra={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.000001"})
+  assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+  report, advice = [l for l in r.stdout.splitlines() if l.strip()]
+  assert report.startswith("h200") and "DOES NOT FIT" in report
+  assert advice.startswith("h200: the step needs ") and "--target=h200:8" in advice
+  assert "Traceback" not in r.stderr
+
+
+def test_cli_refuses_a_tpu_name_as_gpu_target_and_both_flags():
+  r = _cli("--config=configs/tiny.py", "--target=v5e:2x2")
+  assert r.returncode == 2 and "not a GPU target" in r.stderr.splitlines()[-1]
+  r = _cli("--config=configs/tiny.py", "--target=h100", "--topology=v5e:2x2")
+  assert r.returncode == 2 and "not both" in r.stderr.splitlines()[-1]
+  with pytest.raises(DoesNotFit):
+    raise DoesNotFit("x")
