@@ -81,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       kind="stdlib", paths=(), tokenizer="byte", val_fraction=0.01, split_seed=0,
       max_documents=_placeholder(int), max_tokens=_placeholder(int), shuffle=True,
-      num_threads=2, prefetch_batches=4, shards_per_group=16))
+      streams_per_row=16, prefetch_batches=4, shards_per_group=16))
 
   c.optim = ml_collections.ConfigDict(dict(
       lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=1000,

@@ -19,9 +19,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"diffjax-tests-jax-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+# The embedded corpus is prepared once for all test processes, away from the user's cache.
+os.environ.setdefault("DIFFJAX_DATA_CACHE",
+                      os.path.join(tempfile.gettempdir(), f"diffjax-tests-data-{os.getuid()}"))
 # The test programs are small, so compiling them takes most of the suite's time, not running
-# them: with an empty compilation cache, LLVM at -O0 took the suite from 15:11 to 12:38 on
-# 2 cores. It changes no float32 result that a test checks (XLA's fast-math stays off).
+# them, and LLVM at -O0 compiles them faster (docs/results/suite_timing.md). It changes no
+# float32 result that a test checks (XLA's fast-math stays off).
 # Fresh processes the tests start inherit it; set XLA_FLAGS yourself to override.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(

@@ -115,7 +115,7 @@ def test_the_command_lines_print_matched_and_unmatched_runs():
   assert r.returncode == 0, r.stderr[-2000:]
   want = resolve_model({**load_config(os.path.join(REPO, "configs", "tiny.py")).model.to_dict(),
                         "arm": "diff_v2"})
-  assert f"arm=diff_v2 matched to" in r.stdout and f"mlp_dim={want.config.mlp_dim}" in r.stdout
+  assert "arm=diff_v2 matched to" in r.stdout and f"mlp_dim={want.config.mlp_dim}" in r.stdout
   r = _cli("train.py", "--config=configs/tiny.py", "--config.model.unmatched.head_dim=16",
            "--dry_run")
   assert r.returncode == 0 and "arm=diff_v1 UNMATCHED (head_dim=16" in r.stdout, r.stdout

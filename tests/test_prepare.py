@@ -101,7 +101,7 @@ def test_parquet_without_pyarrow_is_one_clear_error(tmp_path):
 def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
   pytest.importorskip("tokenizers")
   from diffjax.data import DataConfig, build_datasets, load_tokenizer
-  from diffjax.data.tokenizer import train_bpe
+  from diffjax.data.train_tokenizer import train_bpe
   src = _inputs(tmp_path)
   tok = train_bpe(["text file json doc " * 5, "another line of text"] * 20, vocab_size=300)
   tok.save(str(tmp_path / "tok.json"))
@@ -117,7 +117,7 @@ def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
 
 def _bpe_corpus(tmp_path):
   """A byte-level BPE tokenizer of 1,000 ids trained on 30 stdlib files, and the files prepared."""
-  from diffjax.data.tokenizer import train_bpe
+  from diffjax.data.train_tokenizer import train_bpe
   files = stdlib_files()[:30]
   tok_path = str(tmp_path / "tok.json")
   train_bpe([open(f, encoding="utf-8", errors="replace").read() for f in files],

@@ -1,13 +1,10 @@
 """The `.tokens` shard format: round trip, damage refused with the path, legacy ArrayRecord shards."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 
-from diffjax.data import DataConfig, build_datasets, write_array_record
-from diffjax.data.manifest import read_manifest
 from diffjax.data.shards import (HEADER_BYTES, TokenShard, TokenShardWriter, shard_bytes,
                                  shard_documents)
 
@@ -84,37 +81,3 @@ def test_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
     shard = TokenShard(path)
     for i in range(len(docs)):
       shard[i]  # pylint: disable=pointless-statement
-
-
-def test_corpus_prepared_as_array_record_streams_the_same_batches(tmp_path):
-  docs = [d % 256 for d in _docs(5, 60) if d.size]
-  dirs = {}
-  for kind in ("tokens", "array_record"):
-    out = tmp_path / kind
-    out.mkdir()
-    shards = []
-    for s, part in enumerate((docs[:25], docs[25:])):
-      name = f"shard-{s:05d}-0000.{kind}"
-      if kind == "tokens":
-        _write(out / name, part)
-      else:
-        write_array_record(out / name, part)
-      shards.append({"path": name, "num_documents": len(part),
-                     "num_tokens": int(sum(d.size for d in part))})
-    from diffjax.data import ByteTokenizer
-    from diffjax.data.manifest import tokenizer_fingerprint, write_manifest
-    tok = ByteTokenizer()
-    write_manifest(str(out), shards, {"spec": "byte", "sha256": tokenizer_fingerprint(tok),
-                                      "vocab_size": tok.vocab_size, "eos_id": tok.eos_id})
-    assert read_manifest(str(out)).num_documents == len(docs)
-    dirs[kind] = str(out)
-  batches = {}
-  for kind, path in dirs.items():
-    data = build_datasets(DataConfig(kind="prepared", paths=(path,), shards_per_group=2,
-                                     val_fraction=0.1), seq_len=24, global_batch_size=3, seed=1)
-    batches[kind] = [next(data.train_iter) for _ in range(12)] + data.val_batches(2)
-    data.train_iter.close()
-  for a, b in zip(batches["tokens"], batches["array_record"]):
-    assert all(np.array_equal(a[k], b[k]) for k in a)
-  with open(os.path.join(dirs["tokens"], "manifest.json")) as f:
-    assert json.load(f)["shards"][0]["path"].endswith(".tokens")

@@ -8,7 +8,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -179,7 +178,7 @@ def _cli(args, workdir, timeout=240):
     pytest.param(["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty",
                  marks=pytest.mark.slow),
     (["--config.seq_len=100000000"], "100000001"),
-    pytest.param(["--config.model.attention=gpt"], "'gpt'", marks=pytest.mark.slow),
+    pytest.param(["--config.model.arm=gpt"], "'gpt'", marks=pytest.mark.slow),
     (["--config.model.no_such_key=1"], "no_such_key"),
     pytest.param(["--config.num_steps=abc"], "abc", marks=pytest.mark.slow),
 ])
@@ -260,13 +259,13 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
 
 
 def test_task_mix_interleaves_retrieval_examples(tmp_path):
-  from diffjax.data import DataConfig, load_source, load_tokenizer, stdlib_files
+  from diffjax.data import DataConfig, load_tokenizer, open_corpus, stdlib_files
   from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source
   c = tiny_config(steps=2)
   c.task_mix.update(dict(task="multi_needle", fraction=0.25, context_len=256, num_needles=1))
   # A corpus of 40 real source files keeps the example count (and the test) small.
   c.data.update(dict(kind="text", paths=tuple(str(f) for f in stdlib_files()[:40])))
-  corpus = load_source(DataConfig.from_dict(c.data.to_dict()), load_tokenizer("byte"))
+  corpus = open_corpus(DataConfig.from_dict(c.data.to_dict()), load_tokenizer("byte"))
   mixed = mixed_source(corpus, c.task_mix, load_tokenizer("byte"), seed=0)
   n_task = len(mixed) - len(corpus)
   assert n_task > 0 and str(TRAIN_SEED_OFFSET) in mixed.name

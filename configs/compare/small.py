@@ -40,7 +40,7 @@ def get_config():
   base.eval_every = 1000
   base.eval_batches = 16
   base.checkpoint.update(dict(every=1000, keep=2))
-  base.data.update(dict(kind="prepared", paths=(), tokenizer="byte", num_threads=8))
+  base.data.update(dict(kind="prepared", paths=(), tokenizer="byte"))
   c = comparison_config(base, seeds=(0, 1))
   c.eval.mode = "full"
   c.report.title = "Small (350M-size) matched comparison"

@@ -1,4 +1,4 @@
-"""Data: tokenizers, document sources, the packed, checkpointable training pipeline, and the
+"""Data: tokenizers, corpora, the one streamed, checkpointable training pipeline, and the
 synthetic retrieval tasks (multi-needle retrieval in real text, associative recall), which serve
 both as training sources and as evaluation sets.
 
@@ -16,19 +16,12 @@ Typical use:
 """
 
 from diffjax.data.config import DataConfig
-from diffjax.data.packing import BATCH_KEYS, Packer, PackedCorpus, split_documents, unigram_cross_entropy_nats
-from diffjax.data.pipeline import Datasets, PackedBatchDataset, build_datasets, load_source
+from diffjax.data.corpus import (Corpus, ShardCorpus, SourceCorpus, cache_root, cached_corpus,
+                                 stdlib_corpus)
+from diffjax.data.pipeline import Datasets, build_datasets, open_corpus
 from diffjax.data.shards import TokenShard, TokenShardWriter, shard_documents
-from diffjax.data.sources import (
-    ArrayRecordSource,
-    DocumentSource,
-    TextFileSource,
-    read_documents,
-    resolve_paths,
-    stdlib_corpus,
-    stdlib_files,
-    write_array_record,
-)
+from diffjax.data.sources import DocumentSource, resolve_paths, stdlib_files
+from diffjax.data.streaming import BATCH_KEYS
 from diffjax.data.tasks import (
     ANSWER,
     CONTEXT,
@@ -56,10 +49,9 @@ from diffjax.data.tokenizers import (
 )
 
 __all__ = [
-    "BATCH_KEYS", "DataConfig", "Datasets", "PackedBatchDataset", "build_datasets", "load_source",
-    "Packer", "PackedCorpus", "split_documents", "unigram_cross_entropy_nats",
-    "ArrayRecordSource", "DocumentSource", "TextFileSource", "read_documents", "resolve_paths",
-    "stdlib_corpus", "stdlib_files", "write_array_record",
+    "BATCH_KEYS", "DataConfig", "Datasets", "build_datasets", "open_corpus",
+    "Corpus", "ShardCorpus", "SourceCorpus", "cache_root", "cached_corpus",
+    "DocumentSource", "resolve_paths", "stdlib_corpus", "stdlib_files",
     "TokenShard", "TokenShardWriter", "shard_documents",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
     "token_byte_lengths", "tokens_per_byte",

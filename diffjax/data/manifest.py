@@ -11,8 +11,7 @@ grow with the corpus. Layout:
      "shards": [{"path": "shard-00000-0000.tokens", "num_documents": d, "num_tokens": n}, ...]}
 
 Shard paths are relative to the manifest's directory, so a prepared directory can be moved.
-Shards are `.tokens` files (`diffjax.data.shards`); `.array_record` shards, which earlier
-versions of `prepare` wrote, are still read.
+Shards are `.tokens` files (`diffjax.data.shards`).
 Global document ids number the documents of the shards in manifest order.
 """
 

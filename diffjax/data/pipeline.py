@@ -1,74 +1,66 @@
 """From a `DataConfig` to checkpointable training batches and fixed validation batches.
 
-Batch b of the run (a "global batch") holds the global examples b*B .. b*B + B - 1, where B is
-`global_batch_size` and example g is defined by `Packer` from g alone. Process p of P yields rows
-[p*B/P, (p+1)*B/P) of every global batch, so the union over processes is the single-process
-batch and no process ever reads another's rows. Because a batch is a function of its index, the
-iterator's state is one integer (`{"next_index": b}`); it is saved with
-`grain.checkpoint.CheckpointSave(iterator)` and restored with `CheckpointRestore`. It is the
-same number on every process and means the same batch under any process count.
+One pipeline for every corpus: the configured corpus (`diffjax.data.corpus`: a prepared
+directory, or the embedded corpus and text files prepared on first use, or a source in memory)
+is streamed by `diffjax.data.streaming`, with one validation rule (a keyed hash of each
+document's global id, `data.val_fraction` of the documents, whatever the training seed).
 
 Batch format: a dict of numpy arrays with leading dim b = global_batch_size // process_count:
   inputs (b, T) int32, targets (b, T) int32, segment_ids (b, T) int32, positions (b, T) int32,
-  loss_mask (b, T) float32. See `diffjax.data.packing` for the meaning of each.
+  loss_mask (b, T) float32 (see `diffjax.data.streaming`). Process p of P yields rows
+  [p*B/P, (p+1)*B/P) of every global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from typing import Sequence
 
-import grain
 import numpy as np
 
 from diffjax.data.config import DataConfig, check_batch_split
-from diffjax.data.packing import Packer, PackedCorpus, split_documents, unigram_cross_entropy_nats
-from diffjax.data.stream_datasets import build_prepared_datasets
-from diffjax.data.sources import ArrayRecordSource, DocumentSource, TextFileSource, read_documents, stdlib_corpus
+from diffjax.data.corpus import Corpus, ShardCorpus, SourceCorpus, cached_corpus, capped
+from diffjax.data.manifest import read_manifest
+from diffjax.data.sources import DocumentSource, resolve_paths, stdlib_files
+from diffjax.data.streaming import EpochOrder, Lane, StreamingBatchIterator, doc_hashes, doc_is_val
 from diffjax.data.tokenizers import Tokenizer, load_tokenizer
 
+_SCAN_BLOCK = 1 << 16
+# Start-up work that grows with the corpus is done for small corpora only: the unigram baseline
+# (reads every document once) up to this many tokens, and the exact count of the validation
+# split (hashes every document id) up to this many documents; larger corpora report nan and
+# the split's expected size.
+UNIGRAM_MAX_TOKENS = 64_000_000
+EXACT_COUNT_DOCUMENTS = 1 << 20
 
-class PackedBatchDataset(grain.MapDataset):
-  """grain MapDataset whose element b is this process's rows of global batch b.
 
-  Args:
-    packer: builds examples from global example indices.
-    global_batch_size: B, rows of a global batch over all processes.
-    process_index, process_count: this process's slot; B must be divisible by process_count.
-    num_batches: length; None for an endless stream (epochs follow one another).
-  """
+class ValidationDocs:
+  """Validation document ids in corpus order, found by hashing ids block by block on demand.
 
-  def __init__(self, packer: Packer, global_batch_size: int, process_index: int = 0,
-               process_count: int = 1, num_batches: int | None = None):
-    super().__init__()
-    check_batch_split(global_batch_size, process_index, process_count)
-    self.packer = packer
-    self.global_batch_size = global_batch_size
-    self.per_process_batch_size = global_batch_size // process_count
-    self._row_start = process_index * self.per_process_batch_size
-    self._num_batches = num_batches
+  With val_fraction > 0 at least one document is held out: if no id hashes below it (only in
+  small corpora, since the scan stops at the first hit otherwise), the id with the smallest hash
+  is held out (`forced`)."""
 
-  def __len__(self) -> int:
-    return sys.maxsize if self._num_batches is None else self._num_batches
+  def __init__(self, total: int, val_fraction: float, split_seed: int):
+    self.total, self.fraction, self.split_seed = total, val_fraction, split_seed
+    self.ids: list[int] = []
+    self._scanned = 0
+    self.forced: int | None = None
+    if val_fraction > 0 and self.get(0) is None and total:
+      self.forced = int(np.argmin(doc_hashes(np.arange(total), split_seed)))
+      self.ids = [self.forced]
 
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
-    if index < 0 or (self._num_batches is not None and index >= self._num_batches):
-      raise IndexError(f"batch index {index} out of range for {len(self)} batches")
-    return self.batch_at(index)
+  def get(self, k: int) -> int | None:
+    """The k-th validation id, None if the corpus has fewer (after a full scan)."""
+    while k >= len(self.ids) and self._scanned < self.total:
+      ids_N = np.arange(self._scanned, min(self.total, self._scanned + _SCAN_BLOCK))
+      self.ids.extend(ids_N[doc_is_val(ids_N, self.fraction, self.split_seed)].tolist())
+      self._scanned += ids_N.size
+    return self.ids[k] if k < len(self.ids) else None
 
-  def batch_at(self, index: int) -> dict[str, np.ndarray]:
-    """This process's rows of global batch `index`, ignoring `num_batches` (wraps epochs)."""
-    rows_b = np.arange(self._row_start, self._row_start + self.per_process_batch_size)
-    return self.packer.examples(int(index) * self.global_batch_size + rows_b)
-
-  def __str__(self) -> str:
-    return (f"PackedBatchDataset(seq_len={self.packer.seq_len}, global_batch_size="
-            f"{self.global_batch_size}, rows={self._row_start}:"
-            f"{self._row_start + self.per_process_batch_size})")
+  def all(self) -> list[int]:
+    self.get(self.total)
+    return self.ids
 
 
 @dataclasses.dataclass
@@ -76,204 +68,232 @@ class Datasets:
   """Everything the trainer needs from the data side.
 
   Attributes:
-    train: the endless `PackedBatchDataset`; `train[step]` is the batch of that step.
-    train_iter: a checkpointable grain iterator over `train` (state: `{"next_index": step}`).
-    val: the finite validation dataset (`num_val_batches` batches, corpus order).
+    corpus: what is streamed (documents by global id).
     tokenizer: the tokenizer the corpus was encoded with (vocab_size, eos_id, pad_id).
-    num_train_tokens / num_val_tokens: stream tokens per epoch (documents plus one eos each).
-    num_train_documents / num_val_documents: documents in each split; no document is in both.
-    windows_per_epoch: training examples per epoch; `batches_per_epoch` = that / B (float).
+    train_iter: a checkpointable iterator over this process's rows of the training batches.
+    num_train_documents / num_val_documents: documents in each split (no document is in both;
+      above EXACT_COUNT_DOCUMENTS documents, the split's expected size).
+    num_train_tokens: training-split tokens per epoch (documents plus one eos each).
     unigram_entropy_nats / unigram_entropy_bits: cross-entropy per token on validation of an
-      add-one unigram model fit on train; nan without validation data.
+      add-one unigram model fit on train (corpora up to UNIGRAM_MAX_TOKENS; nan above, or
+      without validation data).
   """
 
-  train: PackedBatchDataset
-  train_iter: grain.DatasetIterator
-  val: PackedBatchDataset | None
+  corpus: Corpus
   tokenizer: Tokenizer
+  cfg: DataConfig
   seq_len: int
   global_batch_size: int
   per_process_batch_size: int
-  num_train_tokens: int
-  num_val_tokens: int
-  num_train_documents: int
-  num_val_documents: int
-  windows_per_epoch: int
-  unigram_entropy_nats: float
-  unigram_entropy_bits: float
-  read_options: grain.ReadOptions
+  process_index: int
+  seed: int
+  train_iter: StreamingBatchIterator = None
+  unigram_entropy_nats: float = math.nan
+
+  def __post_init__(self):
+    self._streams = None
+    self._order = EpochOrder(list(self.corpus.groups), self.seed, self.cfg.shuffle,
+                             self.cfg.shards_per_group)
+    self._val_docs = ValidationDocs(self._order.total, self.cfg.val_fraction, self.cfg.split_seed)
+    n = self.corpus.num_documents
+    if self.cfg.val_fraction == 0:
+      n_val = 0
+    elif n <= EXACT_COUNT_DOCUMENTS:
+      n_val = len(self._val_docs.all())
+    else:  # a large corpus is not scanned at start-up: the split's expected size
+      n_val = max(1, round(n * self.cfg.val_fraction))
+    self.num_val_documents = n_val
+    self.num_train_documents = n - n_val
+    if self.num_train_tokens < self.seq_len + 1:
+      raise ValueError(
+          f"seq_len + 1 = {self.seq_len + 1} tokens is longer than the training split of "
+          f"{self.corpus.name!r}: {self.num_train_tokens} tokens ({self.num_train_documents} "
+          "documents, one eos each). Use a shorter seq_len or more data.")
+    if self.num_train_documents < self.global_batch_size:
+      raise ValueError(
+          f"Corpus {self.corpus.name!r} has {self.num_train_documents} training documents, fewer "
+          f"than global_batch_size={self.global_batch_size} rows (each row streams its own "
+          "documents); use a smaller batch or more data.")
+    self.train_iter = self.new_train_iter()
+    if math.isnan(self.unigram_entropy_nats) and n_val and n <= EXACT_COUNT_DOCUMENTS and \
+        self.corpus.num_tokens <= UNIGRAM_MAX_TOKENS:
+      self.unigram_entropy_nats = self._unigram()
+
+  @property
+  def unigram_entropy_bits(self) -> float:
+    return self.unigram_entropy_nats / math.log(2)
+
+  @property
+  def rows(self) -> tuple[int, int]:
+    start = self.process_index * self.per_process_batch_size
+    return start, start + self.per_process_batch_size
+
+  @property
+  def num_train_tokens(self) -> int:
+    """Training-split stream tokens per epoch (documents plus one eos each), from the share of
+    documents held out (exact for corpora whose tokens were counted)."""
+    total = self.corpus.num_tokens + self.corpus.num_documents
+    return int(total * self.num_train_documents / max(self.corpus.num_documents, 1))
+
+  @property
+  def windows_per_epoch(self) -> int:
+    return self.num_train_tokens // self.seq_len
 
   @property
   def batches_per_epoch(self) -> float:
     return self.windows_per_epoch / self.global_batch_size
 
-  @property
-  def num_val_batches(self) -> int:
-    """Validation batches that use each validation window at most once (at least 1 batch)."""
-    return 0 if self.val is None else len(self.val)
-
   def epoch_at_step(self, step: int) -> float:
-    """Fractional epoch reached after `step` training batches."""
     return step / self.batches_per_epoch
 
-  def new_train_iter(self) -> grain.DatasetIterator:
+  def _train_slot(self, epoch: int, k: int) -> int | None:
+    doc = self._order.doc_at(epoch, k)
+    if doc is None or self.cfg.val_fraction == 0:
+      return doc
+    if doc == self._val_docs.forced:
+      return -1
+    return -1 if doc_is_val(np.array([doc]), self.cfg.val_fraction, self.cfg.split_seed)[0] else doc
+
+  def _val_slot(self, epoch: int, k: int) -> int | None:
+    del epoch  # a split with fewer documents than rows cycles through them
+    doc = self._val_docs.get(k)
+    return doc if doc is not None else self._val_docs.ids[k % len(self._val_docs.ids)]
+
+  def _lanes(self, slot_fn, streams: int) -> list[Lane]:
+    b = self.global_batch_size
+    return [Lane(r + b * s, b * streams, slot_fn, self.corpus, self.tokenizer.eos_id,
+                 self.seq_len)
+            for r in range(*self.rows) for s in range(streams)]
+
+  @property
+  def streams_per_row(self) -> int:
+    """``data.streams_per_row``, lowered (in a small corpus) until every stream of every row
+    finds a training document in the first epoch."""
+    if self._streams is None:
+      b = self.global_batch_size
+      s = max(1, min(self.cfg.streams_per_row, self.num_train_documents // b))
+      while s > 1 and not all(self._lane_has_a_document(k, b * s) for k in range(b * s)):
+        s -= 1
+      self._streams = s
+    return self._streams
+
+  def _lane_has_a_document(self, start: int, stride: int) -> bool:
+    for k in range(start, self._order.total, stride):
+      if self._train_slot(0, k) is not None and self._train_slot(0, k) >= 0:
+        return True
+    return False
+
+  def new_train_iter(self) -> StreamingBatchIterator:
     """A fresh iterator from step 0 (restore a saved state into it with `set_state`)."""
-    return iter(self.train.to_iter_dataset(self.read_options))
+    streams = self.streams_per_row
+    return StreamingBatchIterator(self._lanes(self._train_slot, streams), self.rows,
+                                  self.cfg.prefetch_batches, streams)
 
-  def val_batches(self, num_batches: int | None = None) -> list[dict[str, np.ndarray]]:
-    """The first `num_batches` validation batches (default: `num_val_batches`, all windows once).
-
-    Always the same batches for the same data and split, whatever the training seed. Asking for
-    more than `num_val_batches` cycles through the validation windows again (so does a
-    validation split with fewer windows than one global batch).
-    """
-    if self.val is None:
-      raise ValueError("No validation data: val_fraction is 0. Set DataConfig(val_fraction=0.01).")
-    num_batches = self.num_val_batches if num_batches is None else num_batches
+  def val_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:
+    """The first `num_batches` validation batches: validation documents in corpus order, row r
+    taking documents r, r + B, ... (cycling when the split has fewer); the same for every
+    training seed and every `streams_per_row`."""
+    if self.cfg.val_fraction == 0:
+      raise ValueError("No validation data: val_fraction is 0. Set data.val_fraction=0.01.")
     if num_batches < 0:
       raise ValueError(f"num_batches={num_batches} must be >= 0.")
-    return [self.val.batch_at(b) for b in range(num_batches)]
+    if self._val_docs.get(0) is None:
+      raise ValueError(f"No document of {self.corpus.name!r} fell into the validation split "
+                       f"(val_fraction={self.cfg.val_fraction}); raise val_fraction or add data.")
+    it = StreamingBatchIterator(self._lanes(self._val_slot, 1), self.rows, 0, 1)
+    return [next(it) for _ in range(num_batches)]
+
+  def _unigram(self) -> float:
+    """Cross-entropy (nats/token) on the validation documents of an add-one unigram model fit
+    on the training documents; both count one eos per document. The loss a model with no
+    context would reach: the baseline to beat."""
+    vocab = self.tokenizer.vocab_size
+    val = set(self._val_docs.ids)
+    counts = {True: np.zeros(vocab, np.float64), False: np.zeros(vocab, np.float64)}
+    for d in range(self.corpus.num_documents):
+      ids = self.corpus.tokens(d)
+      c = counts[d in val]
+      c += np.bincount(ids, minlength=vocab)[:vocab]
+      c[self.tokenizer.eos_id] += 1
+    train, held = counts[False], counts[True]
+    logp_V = np.log(train + 1.0) - np.log(train.sum() + vocab)
+    return float(-(held * logp_V).sum() / max(held.sum(), 1.0))
 
 
-def load_source(cfg: DataConfig, tokenizer: Tokenizer) -> DocumentSource:
-  """The `DocumentSource` named by `cfg` (stdlib sources are cached in memory)."""
+def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, *, progress: bool = True) -> Corpus:
+  """The corpus ``cfg`` names, capped by ``max_documents`` / ``max_tokens``.
+
+  "stdlib" and "text" are prepared into the data cache on first use (`corpus.cached_corpus`);
+  "prepared" reads its directory, whose tokenizer must be ``tokenizer``.
+  """
   if cfg.kind == "prepared":
-    raise ValueError("data.kind='prepared' streams its shards and cannot be mixed with another "
-                     "source (task_mix); use task_mix.task='none' or an in-memory data.kind.")
-  if cfg.kind == "stdlib":
-    return stdlib_corpus(cfg.tokenizer)
-  if cfg.kind == "text":
-    return TextFileSource(cfg.paths, tokenizer)
-  return ArrayRecordSource(cfg.paths)
-
-
-def _capped_documents(docs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None,
-                      cfg: DataConfig) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-  """The documents `cfg.max_documents` / `cfg.max_tokens` keep, without empty ones; per-token
-  `weights`, if given, are cut the same way."""
-  keep_w = weights is not None
-  pairs = list(zip(docs, weights if keep_w else [None] * len(docs)))
-  pairs = pairs[:cfg.max_documents] if cfg.max_documents is not None else pairs
-  if cfg.max_tokens is not None:
-    ends = np.cumsum([d.size for d, _ in pairs])
-    keep = int(np.searchsorted(ends, cfg.max_tokens, side="left")) + 1
-    pairs = pairs[:keep]
-    if pairs and ends[len(pairs) - 1] > cfg.max_tokens:
-      d, w = pairs[-1]
-      n = d.size - (ends[len(pairs) - 1] - cfg.max_tokens)
-      pairs[-1] = (d[:n], None if w is None else w[:n])
-  pairs = [(d, w) for d, w in pairs if d.size]  # An empty document would add a lone eos.
-  return [d for d, _ in pairs], ([np.asarray(w) for _, w in pairs] if keep_w else None)
-
-
-def _read_weighted(source: DocumentSource) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-  """Every document of `source` and, when it has them (`read_weighted()`), their per-token
-  loss weights, read in one pass."""
-  read_weighted = getattr(source, "read_weighted", None)
-  if read_weighted is None:
-    return read_documents(source), None
-  docs, weights = read_weighted()
-  return ([np.asarray(d, np.int32).reshape(-1) for d in docs],
-          [np.asarray(w).reshape(-1) for w in weights])
+    if len(cfg.paths) != 1:
+      raise ValueError(f"data.kind='prepared' takes one path (a prepared directory or its "
+                       f"manifest.json), got data.paths={cfg.paths}.")
+    manifest = read_manifest(cfg.paths[0])
+    manifest.check_tokenizer(tokenizer, cfg.tokenizer)
+    corpus = ShardCorpus(manifest, max_open=2 * cfg.shards_per_group + 2)
+  else:
+    files = stdlib_files() if cfg.kind == "stdlib" else resolve_paths(cfg.paths)
+    if not files:
+      raise FileNotFoundError("No standard-library .py files found: use data.kind='text' with "
+                              "data.paths=... to train on your own files.")
+    corpus = cached_corpus(files, tokenizer, cfg.tokenizer, cfg.kind, progress=progress)
+  return capped(corpus, cfg.max_documents, cfg.max_tokens)
 
 
 def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: int,
                    process_index: int = 0, process_count: int = 1, *,
-                   source: DocumentSource | None = None,
+                   source: DocumentSource | Corpus | None = None,
                    tokenizer: Tokenizer | None = None) -> Datasets:
-  """Reads, splits and packs the corpus; returns training and validation batches.
-
-  `cfg.kind == "prepared"` streams instead (see `diffjax.data.streaming`) and returns a
-  `PreparedDatasets` with the same members the trainer uses.
+  """Opens the corpus and returns the training stream and the validation batches.
 
   Args:
     cfg: the data configuration.
     seq_len: T, tokens per example.
     global_batch_size: B, examples per step over all processes.
-    seed: orders documents and windows (epoch e uses (seed, e)); does not affect the split.
-    process_index, process_count: this host's slot (`jax.process_index()`, `jax.process_count()`).
-    source: any `DocumentSource` to use instead of the one `cfg.kind` / `cfg.paths` names
-      (e.g. a synthetic task); its ids must come from `tokenizer`. A source with a
-      `read_weighted()` method (every document and its (N_i,) 0/1 per-token loss weights) is
-      scored only where the weight is 1.
-    tokenizer: overrides `cfg.tokenizer`.
+    seed: orders documents (epoch e uses (seed, e)); does not affect the split.
+    process_index, process_count: this host's slot of the batch rows.
+    source: documents to stream instead of the corpus ``cfg`` names (e.g. a synthetic task or
+      a task mixed into a corpus); a `DocumentSource` (``len``, ``source[i]``, optionally
+      ``weighted(i)`` giving per-token 0/1 loss weights) or a `Corpus`; its ids must come
+      from ``tokenizer``.
+    tokenizer: overrides ``cfg.tokenizer``.
 
   Raises:
-    ValueError: B not divisible by process_count; an empty corpus; seq_len + 1 longer than the
-      training or validation split; ids outside the tokenizer's vocabulary.
-    FileNotFoundError: a path or glob of `cfg.paths` matches nothing.
+    ValueError: B not divisible by process_count; an empty corpus; fewer usable documents than
+      streams; ids outside the tokenizer's vocabulary; a prepared corpus of another tokenizer.
+    FileNotFoundError: a path or glob of ``cfg.paths`` matches nothing, or no manifest.
   """
   check_batch_split(global_batch_size, process_index, process_count)
-  if cfg.kind == "prepared":
-    if source is not None:
-      raise ValueError("data.kind='prepared' streams its shards and cannot be mixed with another "
-                       "source (task_mix); use task_mix.task='none' or an in-memory data.kind.")
-    return build_prepared_datasets(cfg, seq_len, global_batch_size, seed, process_index,
-                                   process_count, tokenizer)
   tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
-  source = source if source is not None else load_source(cfg, tokenizer)
-  name = getattr(source, "name", type(source).__name__)
-  docs, weights = _capped_documents(*_read_weighted(source), cfg)
-  corpus = PackedCorpus.from_documents(docs, tokenizer.eos_id, weights)
-  if corpus.tokens_N.size == 0:
+  if source is None:
+    corpus = open_corpus(cfg, tokenizer)
+  elif hasattr(source, "tokens") and hasattr(source, "groups"):
+    corpus = capped(source, cfg.max_documents, cfg.max_tokens)
+  else:
+    corpus = capped(SourceCorpus(source), cfg.max_documents, cfg.max_tokens)
+  if corpus.num_documents == 0:
+    raise ValueError(f"Corpus {corpus.name!r} has no documents (max_documents="
+                     f"{cfg.max_documents}, max_tokens={cfg.max_tokens}); point data.paths at "
+                     "non-empty data.")
+  if cfg.val_fraction > 0 and corpus.num_documents < 2:
     raise ValueError(
-        f"Corpus {name!r} has no tokens ({len(source)} documents, all empty after max_documents="
-        f"{cfg.max_documents}, max_tokens={cfg.max_tokens}); point DataConfig.paths at non-empty data."
-    )
-  lo, hi = int(corpus.tokens_N.min()), int(corpus.tokens_N.max())
-  if lo < 0 or hi >= tokenizer.vocab_size:
-    raise ValueError(
-        f"Corpus {name!r} has token ids in [{lo}, {hi}], outside [0, vocab_size={tokenizer.vocab_size}) "
-        f"of {tokenizer!r}; use the tokenizer that produced the data."
-    )
-
-  _check_room_for_validation(corpus, cfg.val_fraction, seq_len, name)
-  train_ids, val_ids = split_documents(corpus, cfg.val_fraction, cfg.split_seed)
-  train_corpus, val_corpus = corpus.subset(train_ids), corpus.subset(val_ids)
-  packer = _packer_or_error(train_corpus, seq_len, seed, cfg.shuffle, "training", name)
-  train = PackedBatchDataset(packer, global_batch_size, process_index, process_count)
-  read_options = grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=cfg.prefetch_batches)
-
-  val, entropy_nats = None, math.nan
-  if val_corpus.num_documents:
-    val_packer = _packer_or_error(val_corpus, seq_len, 0, False, "validation", name)
-    num_val = max(1, val_packer.windows_per_epoch // global_batch_size)
-    val = PackedBatchDataset(val_packer, global_batch_size, process_index, process_count, num_val)
-    entropy_nats = unigram_cross_entropy_nats(train_corpus, val_corpus, tokenizer.vocab_size)
-
-  return Datasets(
-      train=train, train_iter=iter(train.to_iter_dataset(read_options)), val=val,
-      tokenizer=tokenizer, seq_len=seq_len, global_batch_size=global_batch_size,
-      per_process_batch_size=train.per_process_batch_size,
-      num_train_tokens=train_corpus.stream_length, num_val_tokens=val_corpus.stream_length,
-      num_train_documents=train_corpus.num_documents, num_val_documents=val_corpus.num_documents,
-      windows_per_epoch=packer.windows_per_epoch, unigram_entropy_nats=entropy_nats,
-      unigram_entropy_bits=entropy_nats / math.log(2), read_options=read_options,
-  )
+        f"Corpus {corpus.name!r} is too small: {corpus.num_documents} document, but the "
+        f"validation split holds out whole documents (val_fraction={cfg.val_fraction}), so it "
+        "needs at least 2; add documents (kind='text' reads one document per file).")
+  _check_ids(corpus, tokenizer)
+  return Datasets(corpus, tokenizer, cfg, seq_len, global_batch_size,
+                  global_batch_size // process_count, process_index, seed)
 
 
-def _check_room_for_validation(corpus: PackedCorpus, val_fraction: float, seq_len: int,
-                               name: str) -> None:
-  """The validation split holds out whole documents: a corpus needs at least two, and
-  seq_len + 1 tokens on each side of the split."""
-  if val_fraction > 0 and corpus.num_documents < 2:
-    raise ValueError(
-        f"Corpus {name!r} is too small: {corpus.num_documents} document "
-        f"({corpus.stream_length} tokens), but the validation split holds out whole documents "
-        f"(val_fraction={val_fraction}), so it needs at least 2 documents, with at least "
-        f"2 x {seq_len + 1} = {2 * (seq_len + 1)} tokens (seq_len + 1 on each side). Add "
-        "documents (kind='text' reads one document per file), e.g. split the file in several."
-    )
-
-
-def _packer_or_error(corpus: PackedCorpus, seq_len: int, seed: int, shuffle: bool,
-                     split: str, name: str) -> Packer:
-  if corpus.stream_length < seq_len + 1:
-    hint = " or a larger val_fraction" if split == "validation" else ""
-    raise ValueError(
-        f"seq_len + 1 = {seq_len + 1} tokens is longer than the {split} split of {name!r}: "
-        f"{corpus.stream_length} tokens ({corpus.num_documents} documents, one eos each). "
-        f"The corpus is too small: each split needs at least {seq_len + 1} tokens. Use a "
-        f"shorter seq_len, more data{hint}."
-    )
-  return Packer(corpus, seq_len, seed=seed, shuffle=shuffle)
+def _check_ids(corpus: Corpus, tokenizer: Tokenizer, sample: int = 64) -> None:
+  """Ids of the first documents inside the tokenizer's vocabulary (a wrong tokenizer is caught
+  before training; the whole corpus is checked when it is prepared)."""
+  for d in range(min(sample, corpus.num_documents)):
+    ids = corpus.tokens(d)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+      raise ValueError(
+          f"Corpus {corpus.name!r} has token ids in [{int(ids.min())}, {int(ids.max())}] "
+          f"(document {d}), outside [0, vocab_size={tokenizer.vocab_size}) of {tokenizer!r}; use "
+          "the tokenizer that produced the data.")

@@ -10,7 +10,7 @@ Layout of a `.tokens` file (all integers little-endian):
                         trainer adds it)
     offsets  8 (D + 1)  u64 token offsets: document i is tokens[offsets[i]:offsets[i + 1]]
 
-Why not ArrayRecord (which `data.kind="array_record"` still reads): opening an ArrayRecord file
+Why not ArrayRecord: opening an ArrayRecord file
 parses its whole chunk index, about 1 ms for a 50M-token shard grouped 8 records to a chunk and
 6 ms with one record per chunk, and the first batch of a large corpus opens a whole group of
 shards, so start-up grew with the corpus. Opening a `.tokens` file reads 32 bytes and reading a

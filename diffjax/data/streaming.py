@@ -1,30 +1,45 @@
-"""Streaming batches from a prepared corpus (`diffjax.data.prepare`): memory bounded by
-buffers, start-up independent of corpus size, exact resume, the same global batch for any
-number of processes.
+"""Streaming batches from a corpus (`diffjax.data.corpus`): memory bounded by buffers, start-up
+independent of corpus size, exact resume, the same global batch for any number of processes.
 
-Design. Row r of every global batch (B rows) is fed by its own *lane*: a packed token stream
-of the documents at epoch positions r, r + B, r + 2B, ... . Epoch e visits every document once
-in a seeded order built without materialising a permutation of the corpus:
+Design. Every row r of the global batch (B rows) is fed by S *streams* (`data.streams_per_row`),
+and batch n takes row r's window from stream n mod S, so consecutive batches of a row come from
+S different documents (one long document does not fill a row for hundreds of steps). Stream
+(r, s) is a *lane*: a packed token stream of the documents at epoch positions k, k + L, k + 2L, ...
+with k = r + B*s and L = B*S lanes in all. Epoch e visits every document once in a seeded order
+built without materialising a permutation of the corpus:
 
-  1. the shards are permuted with numpy's generator seeded (seed, e) (S numbers: small);
-  2. consecutive permuted shards form groups of `shards_per_group`; inside a group the documents
-     of all its shards are permuted lazily with grain's `index_shuffle` (O(1) memory, any size),
-     so a batch mixes the documents of several shards, and only that many shards are open.
+  1. the corpus's groups (its shards) are permuted with numpy's generator seeded (seed, e);
+  2. consecutive permuted groups are taken `shards_per_group` at a time; inside such a run the
+     documents of all its groups are permuted lazily with grain's `index_shuffle` (O(1) memory,
+     any size), so a batch mixes the documents of several shards, and only that many are open.
 
 Each lane appends eos after each document and cuts windows of T + 1 tokens, consecutive windows
-sharing one token, with segment ids and per-document positions exactly as `packing.Packer`.
-A lane whose documents run out starts its next epoch; lanes are independent of each other and of
-the process count, so process p (rows [p*b, (p+1)*b)) reads only the documents of its own lanes
-and the union of the processes' rows is the single-process batch.
+sharing one token. Per window (all (T,) int32 unless said otherwise):
+  inputs       the window's first T tokens; targets: its last T (the next token);
+  segment_ids  1, 2, 3, ... : which document of the window each input belongs to; an eos belongs
+               to the document it closes. Attention must stay within a segment.
+  positions    index of the input inside its document, restarting at 0 at each document start
+               (a document already running when the window starts counts from the window's
+               first token: attention cannot reach before the window, and RoPE depends only on
+               differences);
+  loss_mask    (T,) float32: 0 where the input is an eos (its target is the first token of the
+               next, unrelated document), 1 elsewhere; a corpus with per-token loss weights
+               (e.g. a retrieval task scored on its answers) also zeroes the positions whose
+               target has weight 0, an eos target included.
 
-Validation documents are chosen by a keyed hash of the global document id (`doc_is_val`), so
-neither split reads anything to decide; training lanes skip them, validation lanes read them in
-corpus order, scanning ids only as far as needed.
+A lane whose documents run out starts its next epoch; lanes are independent of each other and
+of the process count, so process p (rows [p*b, (p+1)*b)) reads only the documents of its own
+lanes and the union of the processes' rows is the single-process batch.
 
-Iterator state: per lane (epoch, slot, offset) plus the rows it covers; a resume must use the
-same process count (the rows are checked). Why not grain's `ConcatThenSplitIterDataset` /
-`FirstFitPackIterDataset`: they pack whatever a process reads, so the global batch would depend
-on the process count and the per-lane position could not be written as three integers.
+Validation documents are chosen by a keyed hash of the global document id (`doc_is_val`), for
+every corpus alike, so neither split reads anything to decide; training lanes skip them,
+validation lanes read them in corpus order, scanning ids only as far as needed.
+
+Iterator state: per lane (epoch, slot, offset), the rows it covers and the batch count; a resume
+must use the same process count (the rows are checked). Why not grain's
+`ConcatThenSplitIterDataset` / `FirstFitPackIterDataset`: they pack whatever a process reads, so
+the global batch would depend on the process count and a lane's position could not be written
+as three integers.
 """
 
 from __future__ import annotations
@@ -38,10 +53,7 @@ import grain
 import numpy as np
 from grain.experimental import index_shuffle
 
-from diffjax.data.manifest import Manifest
-from diffjax.data.packing import BATCH_KEYS
-from diffjax.data.shards import TokenShard
-from diffjax.data.sources import _decode_record
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 _U64 = np.uint64
 _MASK = (1 << 64) - 1
@@ -114,74 +126,23 @@ class EpochOrder:
     return int(self.offsets_Sp1[shard] + j - inner[g][s])
 
 
-class _ArrayRecordShard:
-  """A shard of a corpus prepared as ArrayRecord files by earlier versions of `prepare`."""
-
-  def __init__(self, path: str):
-    from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
-    self.path = path
-    self._reader = array_record_module.ArrayRecordReader(
-        path, options="readahead_buffer_size:0", file_reader_buffer_size=32768)
-
-  def __len__(self) -> int:
-    return self._reader.num_records()
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    return _decode_record(self._reader.read([int(i)])[0], i, self.path)
-
-  def close(self) -> None:
-    self._reader.close()
-
-
-class ShardReader:
-  """Reads documents by global id, keeping at most `max_open` shards open (least recently used
-  closed first). Opening a `.tokens` shard reads its 32-byte header, so touching a whole group of
-  shards for the first batch costs about as much as touching one."""
-
-  def __init__(self, manifest: Manifest, max_open: int):
-    self.manifest = manifest
-    self.offsets_Sp1 = manifest.doc_offsets_Sp1
-    self.max_open = max(1, max_open)
-    self._open: collections.OrderedDict = collections.OrderedDict()
-
-  def _shard_of(self, doc: int) -> int:
-    return int(np.searchsorted(self.offsets_Sp1, doc, side="right")) - 1
-
-  def _reader(self, s: int):
-    shard = self.manifest.shards[s]
-    reader = (_ArrayRecordShard(shard.path) if shard.path.endswith(".array_record")
-              else TokenShard(shard.path))
-    if len(reader) != shard.num_documents:
-      n = len(reader)
-      reader.close()
-      raise ValueError(f"Shard {shard.path} holds {n} documents but the manifest says "
-                       f"{shard.num_documents}: the prepared directory is inconsistent; prepare again.")
-    return reader
-
-  def _source(self, s: int):
-    reader = self._open.get(s)
-    if reader is None:
-      reader = self._open[s] = self._reader(s)
-      while len(self._open) > self.max_open:
-        self._open.popitem(last=False)[1].close()
-    else:
-      self._open.move_to_end(s)
-    return reader
-
-  def __getitem__(self, doc: int) -> np.ndarray:
-    s = self._shard_of(doc)
-    return self._source(s)[int(doc - self.offsets_Sp1[s])]
-
-
+# Consecutive epochs without a training document after which a lane gives up.
+EMPTY_EPOCHS = 8
 # A slot function maps (epoch, k) to a document id, -1 to skip the slot, or None at the end.
 SlotFn = Callable[[int, int], "int | None"]
 
 
 class Lane:
-  """One row's packed token stream. State: (epoch, slot, offset) of the window's first token."""
+  """One packed token stream. State: (epoch, slot, offset) of the next window's first token.
 
-  def __init__(self, row: int, stride: int, slot_fn: SlotFn, reader, eos_id: int, seq_len: int):
-    self.row, self.stride, self.slot_fn, self.reader = row, stride, slot_fn, reader
+  The lane takes the documents at epoch positions ``start``, ``start + stride``, ... (through
+  ``slot_fn``), appends eos after each and cuts windows of T + 1 tokens, consecutive windows
+  sharing one token.
+  """
+
+  def __init__(self, start: int, stride: int, slot_fn: SlotFn, corpus, eos_id: int,
+               seq_len: int):
+    self.start, self.stride, self.slot_fn, self.corpus = start, stride, slot_fn, corpus
     self.eos_id, self.seq_len = eos_id, seq_len
     self.set_state((0, -1, 0))
 
@@ -190,36 +151,45 @@ class Lane:
 
   def set_state(self, state) -> None:
     self.epoch, self.slot, self.offset = (int(v) for v in state)
-    self.doc = None
+    self.doc = self.doc_weights = None
     if self.slot >= 0:
-      doc_id = self.slot_fn(self.epoch, self.row + self.slot * self.stride)
-      self.doc = self._with_eos(self.reader[doc_id])
+      self._load(self.slot_fn(self.epoch, self.start + self.slot * self.stride))
     else:
       self._advance()
 
-  def _with_eos(self, tokens_N: np.ndarray) -> np.ndarray:
-    return np.append(tokens_N, np.int32(self.eos_id)).astype(np.int32)
+  def _load(self, doc_id: int) -> bool:
+    tokens_N = self.corpus.tokens(doc_id)
+    if not tokens_N.size:
+      return False
+    self.doc = np.append(tokens_N, np.int32(self.eos_id)).astype(np.int32)
+    w = self.corpus.weights(doc_id)
+    # An eos target is scored with the document it closes unless the corpus weighs tokens.
+    self.doc_weights = None if w is None else np.append(np.asarray(w) != 0, False)
+    return True
 
   def _advance(self) -> None:
-    """Moves to the next training document of the lane (next epoch at the end of one)."""
-    epoch_start = (self.epoch, self.slot)
+    """Moves to the next usable document of the lane (next epoch at the end of one).
+
+    In a small corpus every position of a lane in one epoch may hold a validation document;
+    the lane then takes its documents from the next epoch's order (another shuffle)."""
+    empty_epochs = 0
+    found = False
     while True:
       self.slot += 1
-      doc_id = self.slot_fn(self.epoch, self.row + self.slot * self.stride)
+      doc_id = self.slot_fn(self.epoch, self.start + self.slot * self.stride)
       if doc_id is None:
-        if epoch_start == (self.epoch, -1):
+        empty_epochs = 0 if found else empty_epochs + 1
+        if empty_epochs > EMPTY_EPOCHS:
           raise ValueError(
-              f"Batch row {self.row} received no document in a whole epoch: the split has fewer "
-              f"usable documents than global_batch_size={self.stride} rows; use a smaller batch "
-              "or more data.")
-        self.epoch, self.slot = self.epoch + 1, -1
-        epoch_start = (self.epoch, -1)
+              f"Data stream {self.start} received no training document in {EMPTY_EPOCHS} "
+              f"epochs: the split has too few usable documents for its {self.stride} streams "
+              "(global_batch_size x data.streams_per_row); use a smaller batch, "
+              "data.streams_per_row=1 or more data.")
+        self.epoch, self.slot, found = self.epoch + 1, -1, False
         continue
-      if doc_id < 0:
-        continue
-      tokens_N = self.reader[doc_id]
-      if tokens_N.size:
-        self.doc, self.offset = self._with_eos(tokens_N), 0
+      found = found or doc_id >= 0
+      if doc_id >= 0 and self._load(doc_id):
+        self.offset = 0
         return
 
   def window(self) -> dict[str, np.ndarray]:
@@ -228,21 +198,29 @@ class Lane:
     pieces = []
     while True:
       piece = self.doc[self.offset:self.offset + need]
-      pieces.append((piece, self.offset + piece.size == self.doc.size))
+      scored = None if self.doc_weights is None else \
+          self.doc_weights[self.offset:self.offset + need]
+      pieces.append((piece, self.offset + piece.size == self.doc.size, scored))
       need -= piece.size
       if need == 0:
         self.offset += piece.size - 1  # the window's last token starts the next window
         break
       self._advance()
-    tokens_T1 = np.concatenate([p for p, _ in pieces])
-    segment_T1 = np.concatenate([np.full(p.size, i + 1, np.int32) for i, (p, _) in enumerate(pieces)])
-    positions_T1 = np.concatenate([np.arange(p.size, dtype=np.int32) for p, _ in pieces])
+    tokens_T1 = np.concatenate([p for p, _, _ in pieces])
+    segment_T1 = np.concatenate([np.full(p.size, i + 1, np.int32)
+                                 for i, (p, _, _) in enumerate(pieces)])
+    positions_T1 = np.concatenate([np.arange(p.size, dtype=np.int32) for p, _, _ in pieces])
     eos_T1 = np.zeros(tokens_T1.size, bool)
-    ends = np.cumsum([p.size for p, _ in pieces]) - 1
-    eos_T1[[e for e, (_, closed) in zip(ends, pieces) if closed]] = True
+    ends = np.cumsum([p.size for p, _, _ in pieces]) - 1
+    eos_T1[[e for e, (_, closed, _) in zip(ends, pieces) if closed]] = True
     t = self.seq_len
+    loss_mask_T = ~eos_T1[:t]
+    if any(w is not None for _, _, w in pieces):
+      scored_T1 = np.concatenate([np.ones(p.size, bool) if w is None else w
+                                  for p, _, w in pieces])
+      loss_mask_T &= scored_T1[1:]
     return {"inputs": tokens_T1[:t], "targets": tokens_T1[1:], "segment_ids": segment_T1[:t],
-            "positions": positions_T1[:t], "loss_mask": (~eos_T1[:t]).astype(np.float32)}
+            "positions": positions_T1[:t], "loss_mask": loss_mask_T.astype(np.float32)}
 
 
 def _copy_state(state: dict) -> dict:
@@ -258,14 +236,17 @@ class StreamingBatchIterator(grain.DatasetIterator):
   """This process's rows of consecutive global batches, checkpointable with grain.
 
   State (JSON): {"rows": [start, stop], "batches": n, "lanes": [[epoch, slot, offset], ...]}.
-  A background thread keeps up to `prefetch` batches ready; the state always describes the
-  batches handed out, not the ones prefetched.
+  ``lanes`` lists each row's ``streams`` lanes, row after row; batch n takes stream n mod
+  ``streams`` of every row. A background thread keeps up to `prefetch` batches ready; the state
+  always describes the batches handed out, not the ones prefetched.
   """
 
-  def __init__(self, make_lanes: Callable[[], list[Lane]], rows: tuple[int, int], prefetch: int):
+  def __init__(self, lanes: list[Lane], rows: tuple[int, int], prefetch: int, streams: int = 1):
     super().__init__()
-    self._make_lanes, self._rows, self._prefetch = make_lanes, list(rows), int(prefetch)
-    self._lanes = make_lanes()
+    self._rows, self._prefetch, self._streams = list(rows), int(prefetch), int(streams)
+    if len(lanes) != (rows[1] - rows[0]) * self._streams:
+      raise ValueError(f"{len(lanes)} lanes for rows {rows} and {streams} streams per row.")
+    self._lanes = lanes
     self._state = self._snapshot(0)
     self._thread = None
     self._queue = None
@@ -275,7 +256,8 @@ class StreamingBatchIterator(grain.DatasetIterator):
     return {"rows": list(self._rows), "batches": batches, "lanes": [l.state() for l in self._lanes]}
 
   def _produce(self) -> tuple[dict[str, np.ndarray], dict]:
-    batch = _stack([lane.window() for lane in self._lanes])
+    stream = self._produced % self._streams
+    batch = _stack([lane.window() for lane in self._lanes[stream::self._streams]])
     return batch, self._snapshot(self._produced + 1)
 
   def _worker(self, stop: threading.Event, q: queue.Queue) -> None:

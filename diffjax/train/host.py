@@ -3,8 +3,8 @@
 XLA's CPU runtime allocates a step's temporaries with ``malloc`` and frees them when the
 step ends. With glibc's defaults, large blocks come from fresh ``mmap`` pages and freed
 memory at the top of the heap goes back to the kernel, so every step pays page faults to
-touch its buffers again (an elementwise kernel writing a fresh 16 MB buffer took 9.5 ms
-instead of 4.2 ms). :func:`keep_freed_memory` makes ``malloc`` serve blocks below 1 GiB
+touch its buffers again (an elementwise kernel writing a fresh buffer runs at about half
+speed). :func:`keep_freed_memory` makes ``malloc`` serve blocks below 1 GiB
 from the heap and keep freed memory for the next step. The process then holds on to its
 peak memory, as a caching allocator would. The trainer (``train_and_evaluate``) calls it
 on a CPU backend; set ``DIFFJAX_KEEP_FREED_MEMORY=0`` to leave ``malloc`` alone.

@@ -11,9 +11,7 @@ model.
 
 from __future__ import annotations
 
-from typing import Any
 
-import jax
 import optax
 from flax import nnx
 

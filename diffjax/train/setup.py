@@ -36,9 +36,8 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.in
 
 
 # XLA options for steps that run on CPU devices. With YNNPACK's matmul fusions off, XLA's
-# CPU compiler runs the model's matmuls as its own dot kernels; the 4-layer benchmark
-# model's forward and backward took 725 ms instead of 801 ms with them on (Transformer,
-# one process, alternating; `benchmarks/cpu_vs_torch.py` measures the whole step).
+# CPU compiler runs the model's matmuls as its own dot kernels, which are faster for the
+# model's shapes (`benchmarks/cpu_vs_torch.py` measures the whole step).
 CPU_XLA_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

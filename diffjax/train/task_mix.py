@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from diffjax.data import DocumentSource, load_source, load_tokenizer
+from diffjax.data import DocumentSource, load_tokenizer, open_corpus
 
 TASKS = ("none", "multi_needle", "associative_recall")
 # Evaluation examples use small seeds; training examples start here.
@@ -73,7 +73,7 @@ def run_source(config, data_cfg) -> tuple[DocumentSource | None, object | None]:
   if mix is None or mix.get("task", "none") == "none":
     return None, None
   tokenizer = load_tokenizer(data_cfg.tokenizer)
-  corpus = None if task_only(mix) else load_source(data_cfg, tokenizer)
+  corpus = None if task_only(mix) else open_corpus(data_cfg, tokenizer)
   return mixed_source(corpus, mix, tokenizer, config.seed), tokenizer
 
 

@@ -10,7 +10,7 @@ from diffjax.data.tasks.common import TaskBase
 class AnswersOnly:
   """A task as training data scored on its answers only.
 
-  A `DocumentSource` (the task's token sequences) with `read_weighted()`: the training
+  A `DocumentSource` (the task's token sequences) with `weighted(i)`: the training
   pipeline then counts only the predictions of answer tokens in the loss, the usual way of
   training a model on associative recall (the keys and values are random, so predicting
   them teaches nothing but adds noise to every update).
@@ -26,8 +26,7 @@ class AnswersOnly:
   def __getitem__(self, index: int) -> np.ndarray:
     return self.task[index]
 
-  def read_weighted(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Every example's tokens and answer weights, each example generated once."""
-    examples = [self.task.example(i) for i in range(len(self.task))]
-    return ([ex.tokens for ex in examples],
-            [(ex.answer_segments >= 0).astype(np.uint8) for ex in examples])
+  def weighted(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Example ``index``'s tokens and per-token weights: 1 on answer tokens, 0 elsewhere."""
+    ex = self.task.example(index)
+    return ex.tokens, (ex.answer_segments >= 0).astype(np.uint8)

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from diffjax.data.sources import DocumentSource, stdlib_corpus
+from diffjax.data.corpus import stdlib_corpus
+from diffjax.data.sources import DocumentSource
 from diffjax.data.tasks.common import (ANSWER, CONTEXT, QUERY, SINK, Builder, RetrievalExample,
                                        TaskBase, digits, draws)
 from diffjax.data.tokenizers import ByteTokenizer, Tokenizer

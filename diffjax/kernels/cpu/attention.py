@@ -2,16 +2,15 @@
 
 The reference (:mod:`diffjax.core.reference`) computes scores for the whole batch as
 [B, H, T, S] tensors in token-major einsums and lets autodiff differentiate its masked
-softmax. On a CPU that costs several passes over tensors far larger than the caches: at
-B = 8, T = 256, 8 heads of 32, one layer's forward and backward took 137 ms, against 28 ms
-for PyTorch's CPU flash attention.
+softmax. On a CPU that costs several passes over tensors far larger than the caches, several
+times the time of a CPU flash attention.
 
 Here ``lax.map`` walks the batch a few rows at a time (as many as keep one step's scores,
 [rows, K, G*T, S], within `SCORE_BYTES_PER_STEP`), queries are head-major with the G query
 heads of a kv group stacked as rows of one matmul, the forward keeps only the output and the
 row log-sum-exp, and the backward is written out (scores recomputed from the saved
 log-sum-exp, ``delta = rowsum(dO * O)``). ``benchmarks/cpu_attention.py`` times it against the
-reference: about 2x faster at the shape above, 2.4x for DIFF V1.
+reference (docs/results/cpu_attention.md).
 
 DIFF V1 and V2 run both softmax maps of a head (or pair) in the same pass and, as the
 reference, one PV matmul on the signed map ``(P1 - λ P2) V``; the backward shares one
@@ -56,8 +55,7 @@ def _head_major(x_BxSxKxD: jax.Array) -> jax.Array:
 # Causal attention computes query rows in blocks of at least Q_BLOCK positions (at most
 # MAX_Q_BLOCKS blocks, which the program unrolls), each against the keys it can see (up to
 # the block's last row): at T = S = 256, four blocks compute 640 of the 1024 key columns a
-# full-width pass would, the rest being masked anyway. In the 4-layer benchmark model's
-# forward and backward: 714 ms against 740 ms (Transformer), 773 against 801 ms (DIFF V1).
+# full-width pass would, the rest being masked anyway.
 Q_BLOCK = 64
 MAX_Q_BLOCKS = 8
 
