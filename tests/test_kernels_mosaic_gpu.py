@@ -614,3 +614,64 @@ def test_hopper_decode_matches_reference():
   want = decode.diff_v1_decode_reference(
       *[x.astype(jnp.float32) for x in (q1, q2, k1, k2, v)], lam, kv_len)
   assert rel_err(out, want) <= tolerance(bf)
+
+
+# ----------------------------------------------------------------------------------
+# The kernels as one block of the context-parallel ring.
+
+_RING_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from diffjax.kernels.gpu import mosaic, mosaic_ring as mr
+    sys.path.insert(0, {tests!r})
+    import kernel_checks as kc
+    results = []
+    for variant in {cases!r}:
+      b, t, h, kh, d = 1, 128, 2, 1, 64
+      dt = jnp.bfloat16
+      keys = jax.random.split(jax.random.key(3), 8)
+      n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dt)
+      if variant == "v1":
+        dv = 2 * d
+        qs, ks = (n(0, (b, t, h, d)), n(1, (b, t, h, d))), (n(2, (b, t, kh, d)), n(3, (b, t, kh, d)))
+        lam_h = jnp.array([0.3, 0.6], jnp.float32)
+        lam_bht = jnp.broadcast_to(lam_h[None, :, None], (b, h, t))
+        whole = lambda *a: mosaic.diff_v1_pallas_gpu(*a, interpret=True)
+        extra = lam_h
+      else:
+        dv = d
+        qs, ks = (n(0, (b, t, 2 * h, d)),), (n(2, (b, t, kh, d)),)
+        extra = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
+        lam_bht = jnp.transpose(extra, (0, 2, 1))
+        whole = lambda *a: mosaic.diff_v2_pallas_gpu(*a, interpret=True)
+      v, ct = n(4, (b, t, kh, dv)), n(6, (b, t, h, dv))
+      out, grads = kc.value_and_vjp(whole, [*qs, *ks, v, extra], ct)
+      plan = mr.block_config(version=int(variant[1]), t=t, s=t, d=d, dv=dv, heads=h,
+                             kv_heads=kh, causal=True, segmented=False, scale=d ** -0.5,
+                             interpret=True)
+
+      @jax.jit
+      def one_block(qs, ks, v, lam_bht, ct):
+        o1, o2, lse = mr.block_forward(plan, qs, ks, v, lam_bht, None, None)
+        lam = jnp.transpose(lam_bht, (0, 2, 1))[..., None]
+        d1 = jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), o1)
+        d2 = jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), o2)
+        return o1 - lam * o2, mr.block_backward(plan, qs, ks, v, lam_bht, None, None, ct,
+                                                lse, d1, d2)
+
+      comb, (dqs, dks, dvv) = one_block(qs, ks, v, lam_bht, ct)
+      got = [comb, *dqs, *dks, dvv]
+      errs = [kc.errors(g, w) for g, w in zip(got, [out, *grads[:len(got) - 1]])]
+      results.append({{"case": variant, "errors": errs,
+                       "bad": [e for e in errs if not e[0] <= kc.tolerance(dt)]}})
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.slow  # about 90 s a variant in the interpreter
+def test_one_ring_block_is_the_whole_attention():
+  # A single block that sees every key (its own log-sum-exps and row terms) gives the
+  # whole attention's output and gradients: the protocol the ring merges blocks with.
+  for result in _run_child(_RING_CHILD, ["v1", "v2"], timeout=1200):
+    print(result["case"], result["errors"])
+    assert not result["bad"], result
