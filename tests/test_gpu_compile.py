@@ -8,7 +8,7 @@ at its default, no persistent compilation cache) fails on any spill, on shared m
 over the limit, and on a tiling model that disagrees with what Mosaic GPU allocates.
 
 Default run: the kernels of the paper presets (3B layer: V1 and V2 forward + fused
-backward, V1 decoding) and V1 at GQA 3, float16, no segment ids (about 70 s on 2 cores).
+backward, V1 decoding; about 45 s on 2 cores).
 ``slow``: every head dim 64/80/96/128 x GQA 1/3 x bf16/fp16 x segment ids on/off
 (about 15 minutes). The A100 (sm_80) takes the stock path, which compiles no kernel of
 ours (tests/test_dispatch.py checks that choice).
@@ -70,13 +70,13 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   rows, stats = default_gate["rows"], default_gate["stats"]
   print(stats)
   assert not problems(rows), "\n".join(problems(rows))
-  # Four entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
-  # 3B layer, V1 decoding, V1 at GQA 3 in float16; no two kernels share a module text.
-  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (4, 7, 7)
+  # Three entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
+  # 3B layer and V1 decoding; no two kernels share a module text.
+  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (3, 5, 5)
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
-  assert kinds == sorted([("diff_v1", "forward"), ("diff_v1", "backward")] * 2
-                         + [("diff_v2", "forward"), ("diff_v2", "backward"),
-                            ("diff_v1_decode", "decode")])
+  assert kinds == sorted([("diff_v1", "forward"), ("diff_v1", "backward"),
+                          ("diff_v2", "forward"), ("diff_v2", "backward"),
+                          ("diff_v1_decode", "decode")])
   assert all(r["registers"] > 0 for r in rows)
 
 
@@ -122,5 +122,5 @@ def test_every_kernel_of_the_full_matrix_compiles_without_spills():
   gate = _gate("full", timeout=3600)
   print(gate["stats"])
   assert not problems(gate["rows"]), "\n".join(problems(gate["rows"]))
-  # 64 training cases (2 kernels each) and 16 decode cases, plus the default four.
-  assert gate["stats"]["kernels"] >= 64 * 2 + 16
+  # 64 training cases (2 kernels each) and 16 decode cases, plus the default three.
+  assert gate["stats"]["kernels"] == 64 * 2 + 16 + 5
