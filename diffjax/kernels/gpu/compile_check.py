@@ -13,8 +13,9 @@ and the table reports per kernel: registers, spill stores/loads, shared memory a
 launched next to the tiling model's count (:mod:`.mosaic_tiles`), and the limit.
 
 The default scope is the kernels the paper presets run (the 3B layer: d 128, 12 heads,
-T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096); ``full`` adds every head dim
-64/80/96/128 with GQA 1 and 3, bf16 and fp16, segment ids on and off.
+T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096); ``widths`` adds V1 and V2 at
+d 64, 80 and 96; ``full`` adds every head dim 64/80/96/128 with GQA 1 and 3, bf16 and
+fp16, segment ids on and off, and decoding at each.
 
 Run it in a fresh process: XLA's optimisation level is read once per process (the
 test suite lowers it), and a persistent compilation cache would hide ptxas.
@@ -79,15 +80,19 @@ class Case:
 
 
 PAPER_3B = dict(batch=1, seq=4096, kv_heads=12)  # 12 DIFF heads (24 for V2's query heads)
+SCOPES = ("default", "widths", "full")
 
 
 def cases(scope: str = "default") -> list[Case]:
   """The cases of ``scope`` ("default" or "full")."""
-  if scope not in ("default", "full"):
-    raise ValueError(f"scope={scope!r} must be 'default' or 'full'.")
+  if scope not in SCOPES:
+    raise ValueError(f"scope={scope!r} must be one of {SCOPES}.")
   out = [Case("diff_v1", 128, 1, "bfloat16", True, **PAPER_3B),
          Case("diff_v2", 128, 1, "bfloat16", True, **PAPER_3B),
          Case("diff_v1_decode", 128, 1, "bfloat16", False, batch=8, seq=4096, kv_heads=12)]
+  if scope == "widths":  # the presets' kernels at every head dim
+    for op, d in itertools.product(("diff_v1", "diff_v2"), (64, 80, 96)):
+      out.append(Case(op, d, 1, "bfloat16", True))
   if scope == "full":
     for op, d, group, dtype, seg in itertools.product(
         ("diff_v1", "diff_v2"), (64, 80, 96, 128), (1, 3), ("bfloat16", "float16"),
@@ -201,7 +206,11 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
       rows.append(Row(case, role, reports[k.digest], model_smem(case, role),
                       tgt.smem_per_block, regs))
     if log is not None:
-      log(f"{case.label()}: {len(kernels)} kernels, {time.perf_counter() - t0:.0f} s")
+      for r in rows[-len(kernels):]:
+        rep = r.report
+        log(f"{case.label()} {r.kernel}: {rep.registers} registers, spills "
+            f"{rep.spill_stores}/{rep.spill_loads}, stack {rep.stack_bytes}, smem "
+            f"{rep.smem_bytes} (model {r.model_smem}); {time.perf_counter() - t0:.0f} s")
   stats = {"cases": len(case_list), "kernels": len(rows), "distinct": len(reports),
            "lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1),
            "total_s": round(time.perf_counter() - t0, 1), "target": tgt.name,
@@ -224,7 +233,7 @@ def markdown(rows: list[Row]) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--target", default="h100", help=f"one of {sorted(targets.TARGETS)}")
-  p.add_argument("--scope", default="default", choices=("default", "full"))
+  p.add_argument("--scope", default="default", choices=SCOPES)
   p.add_argument("--json", action="store_true", help="print the rows as JSON, last line")
   a = p.parse_args(argv)
   tgt = targets.get(a.target)
