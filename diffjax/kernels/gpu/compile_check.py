@@ -196,9 +196,9 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
     lower_s += time.perf_counter() - t
     if any(k.digest not in reports for k in kernels):
       t = time.perf_counter()
-      _, compiled = ptxas.compile_with_report(lowered)
+      _, new_reports = ptxas.compile_with_report(lowered)
       compile_s += time.perf_counter() - t
-      reports.update({r.digest: r for r in compiled})
+      reports.update({r.digest: r for r in new_reports})
     for k in kernels:
       role = kernel_role(k.name)
       regs = (mosaic_tiles.backward_registers(case.d, case.dv) if role == "backward"

@@ -21,8 +21,8 @@ row), three warpgroups:
   a ``wgmma`` from shared memory with K transposed in place; P V takes P from registers.
 * at the end warpgroup 1 hands its normalised output to warpgroup 0 in float32
   through shared memory (in two column halves at Dv >= 256, see
-  :func:`~diffjax.kernels.gpu.mosaic_tiles.exchange_parts`) and writes the second output O2; warpgroup 0 combines
-  ``O1 - lam O2`` in float32.
+  :func:`~diffjax.kernels.gpu.mosaic_tiles.exchange_parts`) and writes the second
+  output O2; warpgroup 0 combines ``O1 - lam O2`` in float32.
 
 Key blocks above the causal diagonal are never loaded or visited. Blocks that need no
 mask (fully visible, no segment ids, no padded keys) skip the mask arithmetic.
@@ -257,8 +257,8 @@ def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, 
 
   Args are as in :func:`forward`, with any lengths T and S; ``lam_BxHxT`` is float32
   [B, H, T] (H: DIFF heads for V1, pairs for V2). ``block_sizes``: None (the default
-  for these widths), a :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes` or a dict of its fields. Returns
-  (out, o2, lse_a, lse_b) for the true lengths.
+  for these widths), a :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes` or a
+  dict of its fields. Returns (out, o2, lse_a, lse_b) for the true lengths.
   """
   tiles.check_inputs(variant, qs, ks, v)
   b, t, _, d = qs[0].shape
