@@ -147,7 +147,12 @@ def param_table(sizes=PAPER_SIZES, vocab_size: int = PAPER_VOCAB) -> str:
   return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+  import argparse  # pylint: disable=import-outside-toplevel
+  argparse.ArgumentParser(
+      prog="python -m diffjax.presets",
+      description="Prints the parameter counts of the paper's sizes for every arm, each matched "
+                  "to the Transformer of its size (DIFF V2 by parameters and by heads).").parse_args(argv)
   print(f"Parameter counts (vocabulary {PAPER_VOCAB:,}, untied head, SwiGLU FFN); every arm is "
         "matched to the Transformer of its size:")
   print(param_table())

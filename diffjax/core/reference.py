@@ -117,6 +117,16 @@ def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
   return out_BxTxKxGxDv.reshape(b, t, h, -1).astype(out_dtype)
 
 
+def _mask_and_scale(q_BxTxHxD, k_BxSxKxD, causal, segment_ids, mask, scale):
+  """The visibility mask (broadcastable to [B, 1, T, S], or None) and the score scale."""
+  b, t, _, d = q_BxTxHxD.shape
+  s = k_BxSxKxD.shape[1]
+  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
+  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
+                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  return m, _v.default_scale(scale, d)
+
+
 def mha_reference(
     q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, segment_ids=None,
     mask=None, scale=None, return_aux=False, logits_fn=None, probs_fn=None):
@@ -126,12 +136,7 @@ def mha_reference(
   float32 ``logits`` and ``probs`` of shape [B, H, T, S].
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  b, t, _, d = q_BxTxHxD.shape
-  s = k_BxSxKxD.shape[1]
-  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
-                 kv_segment_ids_BxS=kv_seg, mask=mask)
-  scale = _v.default_scale(scale, d)
+  m, scale = _mask_and_scale(q_BxTxHxD, k_BxSxKxD, causal, segment_ids, mask, scale)
   logits_BxHxTxS, probs_BxHxTxS = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m,
                                                   logits_fn=logits_fn)
   if probs_fn is not None:
@@ -148,12 +153,7 @@ def _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, la
 
   ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head).
   """
-  b, t, _, d = q1_BxTxHxD.shape
-  s = k1_BxSxKxD.shape[1]
-  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
-                 kv_segment_ids_BxS=kv_seg, mask=mask)
-  scale = _v.default_scale(scale, d)
+  m, scale = _mask_and_scale(q1_BxTxHxD, k1_BxSxKxD, causal, segment_ids, mask, scale)
   logits1_BxHxTxS, p1_BxHxTxS = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m,
                                                 logits_fn=logits_fn)
   logits2_BxHxTxS, p2_BxHxTxS = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m,

@@ -77,39 +77,39 @@ def make_plots(groups: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str
   return made
 
 
+def _seed_band(runs, key: str):
+  """(steps, mean, lo, hi, seeds) of ``key`` over the steps every run logged, or None."""
+  curves = [c for c in (_curve(r["curve"], key) for r in runs if r.get("curve")) if c]
+  if not curves:
+    return None
+  steps = sorted(set.intersection(*(set(c) for c in curves)))
+  if not steps:
+    return None
+  mean, lo, hi = _band(np.asarray([[c[s] for s in steps] for c in curves]))
+  return steps, mean, lo, hi, len(curves)
+
+
 def _plot_loss(plt, groups, colors, out_dir):
   if not any(r.get("curve") for rs in groups.values() for r in rs):
     return None
   fig, ax = plt.subplots(figsize=(7, 4.2))
   for arm, rs in groups.items():
-    curves = [_curve(r["curve"], "train/loss") for r in rs if r.get("curve")]
-    curves = [c for c in curves if c]
-    if curves:
-      steps = sorted(set.intersection(*(set(c) for c in curves)))
-      if steps:
-        vals = np.asarray([[c[s] for s in steps] for c in curves])
-        mean, lo, hi = _band(vals)
-        ax.plot(steps, mean, color=colors[arm], label=f"{arm} train (n={len(curves)})")
-        if lo is not None:
-          ax.fill_between(steps, lo, hi, color=colors[arm], alpha=0.2)
-    evals = [_curve(r["curve"], "eval/loss") for r in rs if r.get("curve")]
-    evals = [c for c in evals if c]
-    if evals:
-      steps = sorted(set.intersection(*(set(c) for c in evals)))
-      if steps:
-        vals = np.asarray([[c[s] for s in steps] for c in evals])
-        mean, lo, hi = _band(vals)
-        yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
-        ax.errorbar(steps, mean, yerr=yerr, color=colors[arm], marker="o", ls="--", ms=4,
-                    label=f"{arm} eval")
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats/token)")
-  ax.set_title("Loss over training: mean over seeds, band = 95% t interval (range at n=2)")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "loss_curves.png"), dpi=120)
-  return "loss_curves.png", "Training and validation loss per arm (mean over seeds with band)."
+    band = _seed_band(rs, "train/loss")
+    if band is not None:
+      steps, mean, lo, hi, n = band
+      ax.plot(steps, mean, color=colors[arm], label=f"{arm} train (n={n})")
+      if lo is not None:
+        ax.fill_between(steps, lo, hi, color=colors[arm], alpha=0.2)
+    band = _seed_band(rs, "eval/loss")
+    if band is not None:
+      steps, mean, lo, hi, _ = band
+      yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
+      ax.errorbar(steps, mean, yerr=yerr, color=colors[arm], marker="o", ls="--", ms=4,
+                  label=f"{arm} eval")
+  _label(ax, "step", "loss (nats/token)",
+         "Loss over training: mean over seeds, band = 95% t interval (range at n=2)")
+  return _save(fig, out_dir, "loss_curves.png",
+               "Training and validation loss per arm (mean over seeds with band).")
 
 
 def _sections(r, name):
@@ -178,10 +178,24 @@ def _plot_mqar_grid(plt, groups, colors, out_dir):
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("exact-match accuracy")
   axes[0][0].legend(fontsize=8)
+  return _save(fig, out_dir, "mqar_grid.png",
+               "Associative recall accuracy by difficulty, mean over seeds (band: "
+               "95% t interval with 3 or more seeds, the range with 2).")
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+
+
+def _save(fig, out_dir: str, name: str, caption: str) -> tuple[str, str]:
+  """Writes ``fig`` to ``out_dir/name``; returns (name, caption) for the report."""
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "mqar_grid.png"), dpi=120)
-  return ("mqar_grid.png", "Associative recall accuracy by difficulty, mean over seeds (band: "
-          "95% t interval with 3 or more seeds, the range with 2).")
+  fig.savefig(os.path.join(out_dir, name), dpi=120)
+  return name, caption
 
 
 def _plot_allocation(plt, groups, colors, out_dir):
@@ -210,10 +224,9 @@ def _plot_allocation(plt, groups, colors, out_dir):
     ax.grid(axis="y", alpha=0.3)
   axes[0].set_ylabel("attention of answer-predicting rows")
   axes[0].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "allocation.png"), dpi=120)
-  return ("allocation.png", "Attention allocation by region, mean over layers and seeds "
-          "(error bars: 95% t interval; range at n=2).")
+  return _save(fig, out_dir, "allocation.png",
+               "Attention allocation by region, mean over layers and seeds "
+               "(error bars: 95% t interval; range at n=2).")
 
 
 def _plot_lambda(plt, groups, colors, out_dir):
@@ -249,10 +262,9 @@ def _plot_lambda(plt, groups, colors, out_dir):
     ax.set_title(arm)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "lambda.png"), dpi=120)
-  return ("lambda.png", "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 "
-          "sigmoid(lambda) on evaluation text.")
+  return _save(fig, out_dir, "lambda.png",
+               "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 "
+               "sigmoid(lambda) on evaluation text.")
 
 
 def _plot_lowbit(plt, groups, colors, out_dir):
@@ -274,11 +286,7 @@ def _plot_lowbit(plt, groups, colors, out_dir):
     yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
     ax.errorbar([str(b) for b in bits], mean, yerr=yerr, color=colors[arm], marker="o",
                 capsize=3, label=f"{arm} (float {np.mean(base):.3f}, n={len(vals)})")
-  ax.set_xlabel("attention-logit bits (absmax)")
-  ax.set_ylabel("validation loss")
-  ax.set_title("Loss with only the attention logits quantized")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "lowbit.png"), dpi=120)
-  return "lowbit.png", "Validation loss when only attention logits are quantized (mean over seeds)."
+  _label(ax, "attention-logit bits (absmax)", "validation loss",
+         "Loss with only the attention logits quantized")
+  return _save(fig, out_dir, "lowbit.png",
+               "Validation loss when only attention logits are quantized (mean over seeds).")

@@ -92,20 +92,19 @@ def _fmt(x: float, digits: int = 4) -> str:
   return f"{x:.{digits}g}"
 
 
+def _by_count(x: Mapping[str, float], one, more) -> str:
+  """"–" without values, ``one()`` with a single value, ``more()`` with two or more."""
+  return "–" if x["n"] == 0 else one() if x["n"] < 2 else more()
+
+
 def _fmt_ci(c: Mapping[str, float]) -> str:
-  if c["n"] == 0:
-    return "–"
-  if c["n"] < 2:
-    return f"{_fmt(c['mean'])} (n=1)"
-  return f"{_fmt(c['mean'])} ± {_fmt(c['half_width'], 2)} (n={c['n']})"
+  return _by_count(c, lambda: f"{_fmt(c['mean'])} (n=1)",
+                   lambda: f"{_fmt(c['mean'])} ± {_fmt(c['half_width'], 2)} (n={c['n']})")
 
 
 def _fmt_diff(d: Mapping[str, float]) -> str:
-  if d["n"] == 0:
-    return "–"
-  if d["n"] < 2:
-    return f"{d['mean']:+.3g} (n=1, no test)"
-  return f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}] p={_fmt(d['p'], 2)} (n={d['n']})"
+  return _by_count(d, lambda: f"{d['mean']:+.3g} (n=1, no test)", lambda: (
+      f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}] p={_fmt(d['p'], 2)} (n={d['n']})"))
 
 
 def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str = BASELINE,

@@ -136,6 +136,49 @@ def _write_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array],
       new[name].astype(cache[name].dtype), mode="drop"), CACHE_AXES) for name in cache}
 
 
+def _baseline_kv(module, x_BxTxE, pos_BxT, hooks: Hooks) -> tuple[jax.Array, jax.Array]:
+  """The baseline's keys (RoPE applied) and values [B, S, K, D], after the kv hook; the
+  Transformer and DIFF V2 share them (and so their KV cache)."""
+  opts, dt = module.options, module.options.dtype
+  k_BxSxKxD = _rope(project(x_BxTxE, module.k, "bte,ekd->btkd", dt, hooks), pos_BxT, opts)
+  v_BxSxKxD = project(x_BxTxE, module.v, "bte,ekd->btkd", dt, hooks)
+  if hooks.kv is not None:
+    k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
+  return k_BxSxKxD, v_BxSxKxD
+
+
+class _BaselineKVCache:
+  """The baseline's K, V and W_o and their KV cache, which the Transformer and DIFF V2 share."""
+
+  def _baseline_kvo(self, rngs: nnx.Rngs, init, d_model: int, num_heads: int,
+                    num_kv_heads: int, head_dim: int) -> None:
+    """Creates ``k``, ``v`` and ``o`` (after ``q``: the order fixes the initial draws)."""
+    dtype = self.options.param_dtype
+    self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
+                        ("embed", "kv_heads", "head_dim"), dtype)
+    self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
+                        ("embed", "kv_heads", "head_dim"), dtype)
+    self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
+                        ("heads", "head_dim", "embed"), dtype)
+
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
+    """An empty cache: ``{"k", "v"}``, each [batch, max_length, K, D] in ``dtype``
+    (default: the compute dtype)."""
+    _, k, d = self.k.shape
+    shape = (batch, max_length, k, d)
+    return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
+
+
+def _cache_step(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks,
+                new: dict[str, jax.Array]) -> tuple[bool, dict | None]:
+  """(whether this call decodes one token, the cache with ``new`` written) for a cached call;
+  (False, None) without a cache."""
+  if cache is None:
+    return False, None
+  decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
+  return decoding, _write_cache(cache, new, cache_lengths_B)
+
+
 def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks) -> bool:
   """True for a decode step (T == 1), False for a prefill; refuses what cannot mix."""
   if capture or hooks.needs_reference:
@@ -146,7 +189,7 @@ def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hoo
   return x_BxTxE.shape[1] == 1
 
 
-class Attention(nnx.Module):
+class Attention(_BaselineKVCache, nnx.Module):
   """Baseline multi-head / grouped-query attention with RoPE and no biases."""
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -156,19 +199,7 @@ class Attention(nnx.Module):
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, head_dim),
                         ("embed", "heads", "head_dim"), options.param_dtype)
-    self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
-    self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
-    self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
-                        ("heads", "head_dim", "embed"), options.param_dtype)
-
-  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
-    """An empty cache: ``{"k", "v"}``, each [batch, max_length, K, D] in ``dtype``
-    (default: the compute dtype)."""
-    _, k, d = self.k.shape
-    shape = (batch, max_length, k, d)
-    return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
+    self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
@@ -177,16 +208,11 @@ class Attention(nnx.Module):
     dt = opts.dtype
     pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
-    k_BxSxKxD = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos_BxT, opts)
-    v_BxSxKxD = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
     q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
-    if hooks.kv is not None:
-      k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
+    k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
     aux = None
-    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
-                                                       capture, hooks)
-    if cache is not None:
-      cache = _write_cache(cache, {"k": k_BxSxKxD, "v": v_BxSxKxD}, cache_lengths_B)
+    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
+                                  {"k": k_BxSxKxD, "v": v_BxSxKxD})
     if decoding:
       out_BxTxHxD = dot_product_attention_decode(
           q_BxTxHxD, cache["k"], cache["v"], cache_lengths_B + 1,
@@ -293,11 +319,8 @@ class DiffV1Attention(nnx.Module):
     lam = self.lambda_value(lam_init)
     qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
     aux = None
-    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
-                                                       capture, hooks)
-    if cache is not None:
-      cache = _write_cache(cache, {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
-                           cache_lengths_B)
+    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
+                                  {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv})
     if decoding:
       core_BxTxHxDv = diff_v1_attention_decode(
           q1_BxTxHxD, q2_BxTxHxD, cache["k1"], cache["k2"], cache["v"], lam,
@@ -321,7 +344,7 @@ class DiffV1Attention(nnx.Module):
     return (y_BxTxE, aux) if capture else y_BxTxE
 
 
-class DiffV2Attention(nnx.Module):
+class DiffV2Attention(_BaselineKVCache, nnx.Module):
   """DIFF V2 differential attention on paired query heads.
 
   ``num_heads`` h output heads, each from a pair of query heads (2h query heads in
@@ -338,12 +361,7 @@ class DiffV2Attention(nnx.Module):
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
                         ("embed", "heads", None, "head_dim"), options.param_dtype)
-    self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
-    self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
-    self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
-                        ("heads", "head_dim", "embed"), options.param_dtype)
+    self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
     self.w_lambda = make_param(rngs, torch_linear_init(d_model), (d_model, num_heads),
                                ("embed", "heads"), options.param_dtype)
 
@@ -352,13 +370,6 @@ class DiffV2Attention(nnx.Module):
     dt = self.options.dtype
     lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
     return jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
-
-  def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
-    """An empty cache, exactly the baseline's: ``{"k", "v"}``, each
-    [batch, max_length, K, D] in ``dtype`` (default: the compute dtype)."""
-    _, k, d = self.k.shape
-    shape = (batch, max_length, k, d)
-    return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
 
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
@@ -371,16 +382,11 @@ class DiffV2Attention(nnx.Module):
     h, d = q_BxTxHx2xD.shape[2], q_BxTxHx2xD.shape[4]
     # Flattening [H, 2] puts the pair's heads at 2i and 2i+1 (Q = 2H query heads).
     q_BxTxQxD = _rope(q_BxTxHx2xD.reshape(b, t, 2 * h, d), pos_BxT, opts)
-    k_BxSxKxD = _rope(project(x_BxTxE, self.k, "bte,ekd->btkd", dt, hooks), pos_BxT, opts)
-    v_BxSxKxD = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
-    if hooks.kv is not None:
-      k_BxSxKxD, v_BxSxKxD = hooks.kv(k_BxSxKxD), hooks.kv(v_BxSxKxD)
+    k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     aux = None
-    decoding = cache is not None and _check_cache_call(x_BxTxE, cache, cache_lengths_B,
-                                                       capture, hooks)
-    if cache is not None:
-      cache = _write_cache(cache, {"k": k_BxSxKxD, "v": v_BxSxKxD}, cache_lengths_B)
+    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
+                                  {"k": k_BxSxKxD, "v": v_BxSxKxD})
     if decoding:
       out_BxTxHxD = diff_v2_attention_decode(
           q_BxTxQxD, cache["k"], cache["v"], lam_BxTxH, cache_lengths_B + 1,

@@ -29,22 +29,8 @@ from diffjax.core import reference as ref
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
 from diffjax.ops.context_parallel import context_parallel_attention
-from diffjax.ops.dispatch import (
-    IMPLEMENTATIONS,
-    call_decode_kernel,
-    call_kernel,
-    mosaic_gpu_decodes,
-    mosaic_gpu_takes,
-    register_implementation,
-    resolve,
-    target_platform,
-)
-
-__all__ = [
-    "IMPLEMENTATIONS", "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention",
-    "dot_product_attention", "register_implementation", "target_platform",
-    "dot_product_attention_decode", "diff_v1_attention_decode", "diff_v2_attention_decode",
-]
+from diffjax.ops.dispatch import (call_decode_kernel, call_kernel, mosaic_gpu_decodes,
+                                  mosaic_gpu_takes, resolve)
 
 
 def _is_float64(x: jax.Array) -> bool:

@@ -284,11 +284,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     def coords(bg, j, t):
       return bg // n_kv, bg % n_kv, j, t
 
-  def _spec(block_shape, index_map):
-    return pl.BlockSpec(block_shape, lambda *grid_: index_map(*coords(*grid_)))
-
-  def _tile(rows_, width, index_map):
-    return plan.spec(rows_, width, lambda *grid_: index_map(*coords(*grid_)))
+  _spec, _tile = L.grid_specs(plan, coords)
 
   def q_block(j, t):
     return chunk.first + t % nq

@@ -132,11 +132,7 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
     def coords(bh, i, j):
       return bh // h, bh % h, i, j
 
-  def _spec(block_shape, index_map):
-    return pl.BlockSpec(block_shape, lambda *g: index_map(*coords(*g)))
-
-  def _tile(rows, width, index_map):
-    return plan.spec(rows, width, lambda *g: index_map(*coords(*g)))
+  _spec, _tile = L.grid_specs(plan, coords)
 
   in_specs, args = [], []
   if plan.lam_rows:

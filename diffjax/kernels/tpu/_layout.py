@@ -292,3 +292,17 @@ def vmem_limit(nbytes: int) -> int:
   """Scoped VMEM request: the estimate with headroom, between 32 and 64 MiB (every
   v5e, v5p and v6e core has more VMEM than that)."""
   return int(min(max(math.ceil(nbytes * 1.5), 32 * 2**20), 64 * 2**20))
+
+
+def grid_specs(plan, coords):
+  """``(spec, tile)``: BlockSpec makers whose index maps take a kernel's own block
+  coordinates, ``coords(*grid_indices)`` (the grid may be a flattened schedule of them).
+  ``spec(block_shape, index_map)`` is a plain BlockSpec; ``tile(rows, width, index_map)`` the
+  layout ``plan``'s tile of ``rows`` x ``width``."""
+  def spec(block_shape, index_map):
+    return pl.BlockSpec(block_shape, lambda *grid: index_map(*coords(*grid)))
+
+  def tile(rows, width, index_map):
+    return plan.spec(rows, width, lambda *grid: index_map(*coords(*grid)))
+
+  return spec, tile
