@@ -1,8 +1,8 @@
-"""What the GPU pair kernels (Triton and Mosaic GPU) share, with no kernel backend imported.
+"""What the Mosaic GPU pair kernels and their wrappers share, with no kernel backend imported.
 
 Constants of the masking and log-sum-exp conventions, the softmax-backward row terms
 and the wrappers' padding and segment-id checks. Importing this module imports no
-Pallas backend, so the Mosaic GPU path never loads the Triton dialect.
+Pallas backend.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ EMPTY_LSE = 1e30
 
 
 class PairGeometry:
-  """What both kernels' static configs derive from their fields.
+  """What the kernels' static configs derive from their fields.
 
   A mixin for frozen dataclasses with ``variant``, ``q_len``, ``kv_len``, ``causal``
   and ``segments``.
