@@ -6,8 +6,8 @@ length. Cache slot j of row b holds position j of that row, so RoPE positions an
 the next write slot are both the row's current length; a row never attends to a
 slot at or past its length, so padding and other rows cannot leak in. The cache is
 preallocated for ``max_length`` slots (a multiple of :data:`CACHE_MULTIPLE`, so the
-GPU and TPU decode kernels read it in place) and updated in place: each jitted step
-donates it.
+GPU and TPU decode kernels read it in place) and updated in place: the decode loop
+runs on the device (one ``while_loop``, stopping rows there) and donates it.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from diffjax import sharding as shd
-from diffjax.generation.sampling import LogitsProcessor, SamplingOptions, choose_tokens
+from diffjax.generation.programs import (CACHE_MULTIPLE, MIN_PROMPT_BUCKET, MIN_STOP_SLOTS,
+                                        ProgramKey, bucket, cache_info, get_programs, round_up)
+from diffjax.generation.sampling import LogitsProcessor, SamplingOptions
 from diffjax.model import DecoderLM
 from diffjax.ops import preflight as kernel_preflight
 
-# Cache lengths are rounded up to this: the GPU decode kernel's largest KV block, and
-# the multiple the TPU kernel reads in place (diffjax.kernels.tpu.cache_length_multiple).
-CACHE_MULTIPLE = 128
+# With on_tokens, the decode loop hands its tokens to the host every this many steps.
+STREAM_EVERY = 8
 
 
 @dataclasses.dataclass
@@ -80,8 +80,13 @@ def _as_rows(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
   return arr, lens
 
 
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+def _batch_multiple(mesh, rules) -> int:
+  """Rows must come in multiples of the devices the batch axis is split over."""
+  if mesh is None:
+    return 1
+  spec = shd.spec_for_mesh(shd.logical_to_spec(("batch",), rules), mesh)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 
 def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 64,
@@ -93,6 +98,12 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
              preflight: bool = True) -> Generation:
   """Generates up to ``max_new_tokens`` tokens after each prompt, with a KV cache.
 
+  The prefill and the whole decode loop run as two compiled programs, kept per model
+  structure and bucketed shape (:mod:`diffjax.generation.programs`): the batch and the
+  prompt width are padded to powers of two (prompts to at least 16 tokens), the cache to
+  a multiple of :data:`CACHE_MULTIPLE`, so repeated calls, and calls on other models of
+  the same structure, compile nothing. Padding rows and columns never reach a kept row.
+
   Args:
     model: any DecoderLM (its parameters are not changed).
     prompts: a list of token-id lists (of any lengths), or an int [B, T] array of
@@ -100,15 +111,16 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
     max_new_tokens: the most tokens a row generates.
     temperature, top_k, top_p, seed: see :class:`SamplingOptions` (greedy by default).
     stop_tokens: a row ends when it produces one of these (each row on its own).
-    processors: functions ``(logits_BxV, step) -> logits_BxV`` applied first.
-    max_length: cache slots per row (default: the longest prompt + max_new_tokens,
+    processors: functions ``(logits_BxV, step) -> logits_BxV`` applied first (part of
+      the compiled program: pass the same function objects to reuse it).
+    max_length: cache slots per row (default: the padded prompt width + max_new_tokens,
       rounded up to :data:`CACHE_MULTIPLE`); a row also ends when its cache is full.
-    pad_id: the token fed to finished rows (its output is discarded).
+    pad_id: the token fed to finished rows and padding rows (their output is discarded).
     mesh, rules: generate sharded over a mesh (batch over data/fsdp, heads and the
       cache's kv heads over tensor); parameters are laid out by their logical axes.
-    on_tokens: called after every step with ``(step, tokens_B, active_B)`` (numpy):
-      the step's token of each row and whether the row was still generating; for
-      streaming.
+    on_tokens: called for every step with ``(step, tokens_B, active_B)`` (numpy): the
+      step's token of each row and whether the row kept it; for streaming (the decode
+      loop then returns to the host every :data:`STREAM_EVERY` steps).
     preflight: on a GPU or TPU, run the fused kernels once against XLA first
       (:mod:`diffjax.ops.preflight`; a failing one is switched to the stock path).
   Returns:
@@ -117,127 +129,82 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   if preflight:  # once per process: the fused attention and decode kernels on this device
     kernel_preflight.preflight_model(model.config, decode=True)
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer.")
-  stops = np.asarray([stop_tokens] if np.isscalar(stop_tokens) else list(stop_tokens),
-                     np.int64)
+  stops = [int(t) for t in ([stop_tokens] if np.isscalar(stop_tokens) else stop_tokens)]
   prompt_BxT, lens_B = _as_rows(prompts, lengths)
   vocab = model.config.vocab_size
   if prompt_BxT.size and (prompt_BxT.min() < 0 or prompt_BxT.max() >= vocab):
     raise ValueError(f"prompt token ids must be in [0, {vocab}); got ids from "
                      f"{prompt_BxT.min()} to {prompt_BxT.max()}.")
+  if not 0 <= pad_id < vocab:
+    raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab}).")
   longest = int(lens_B.max())
+  width = bucket(longest, MIN_PROMPT_BUCKET)
   if max_length is None:
-    max_length = _round_up(longest + max_new_tokens, CACHE_MULTIPLE)
+    max_length = round_up(width + max_new_tokens, CACHE_MULTIPLE)
   if longest > max_length:
     raise ValueError(f"a prompt of {longest} tokens does not fit the cache of "
                      f"max_length={max_length} slots: shorten the prompt or raise max_length.")
+  width = min(width, max_length)
   b = prompt_BxT.shape[0]
-  # The prefill input only needs the longest prompt's width.
-  prompt_BxT = prompt_BxT[:, :longest].astype(np.int32)
+  rules = tuple((name, None if name == "length" else axes)  # decoding keeps rows whole
+                for name, axes in (rules or shd.DEFAULT_RULES))
+  rows = round_up(bucket(b), _batch_multiple(mesh, rules))
+  # Padding rows hold one pad token and are never active.
+  prompt_np = np.full((rows, width), pad_id, np.int32)
+  prompt_np[:b, :longest] = prompt_BxT[:, :longest]
+  lens_np = np.ones(rows, np.int32)
+  lens_np[:b] = lens_B
+  valid_np = np.arange(rows) < b
+  stops_np = np.full(bucket(len(stops), MIN_STOP_SLOTS), -1, np.int32)
+  stops_np[:len(stops)] = stops
 
   graphdef, params = nnx.split(model)
-  # Decoding keeps each row's sequence whole: a training mesh's context axis only replicates.
-  rules = tuple((name, None if name == "length" else axes)
-                for name, axes in (rules or shd.DEFAULT_RULES))
-  context = shd.activation_sharding(mesh, rules) if mesh is not None else _no_context()
-  with context:
-    if mesh is not None:
+  if mesh is not None:
+    with shd.activation_sharding(mesh, rules):
       pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
-      nnx.replace_by_pure_dict(params, pure)
-    steps = _compiled_steps(graphdef, params, b, longest, max_length, options,
-                            tuple(processors))
-    t0 = time.perf_counter()
-    prefill, decode, make_cache = (steps[k] for k in ("prefill", "decode", "cache"))
-    compile_s = time.perf_counter() - t0 + steps["seconds"]
+    nnx.replace_by_pure_dict(params, pure)
+  leaves, treedef = jax.tree.flatten(params)
+  leaves = tuple(leaves)
+  key = ProgramKey(
+      graphdef=graphdef, treedef=treedef,
+      leaves=tuple((tuple(a.shape), a.dtype, getattr(a, "sharding", None)) for a in leaves),
+      batch=rows, prompt_len=width, max_length=int(max_length), stop_slots=len(stops_np),
+      options=dataclasses.replace(options, seed=0), processors=tuple(processors),
+      mesh=mesh, rules=rules if mesh is not None else None)
+  before = cache_info()["compiled"]
+  programs = get_programs(key)
+  compile_s = programs.compile_seconds if cache_info()["compiled"] > before else 0.0
 
-    key = jax.random.key(options.seed)
-    t0 = time.perf_counter()
-    cache = make_cache()
-    tok_B, cache = prefill(params, cache, jnp.asarray(prompt_BxT), jnp.asarray(lens_B), key)
-    tok_np = np.asarray(tok_B)
-    prefill_s = time.perf_counter() - t0
-
-    out = [[] for _ in range(b)]
-    stopped = np.zeros(b, bool)
-    active = np.ones(b, bool)
-    pos_B = lens_B.copy()
-    step, t0 = 0, time.perf_counter()
-    while True:
-      was_active = active.copy()
-      for i in np.nonzero(active)[0]:
-        if np.isin(tok_np[i], stops):
-          stopped[i], active[i] = True, False
-        else:
-          out[i].append(int(tok_np[i]))
-      # A row ends when it stopped, has its tokens, or its next write would leave the cache.
-      active &= np.array([len(o) < max_new_tokens for o in out]) & (pos_B < max_length)
-      if on_tokens is not None:
-        on_tokens(step, tok_np, was_active & ~stopped)
-      if not active.any():
-        break
-      feed_B = np.where(active, tok_np, pad_id).astype(np.int32)
-      step += 1
-      tok_B, cache = decode(params, cache, jnp.asarray(feed_B), jnp.asarray(pos_B), key,
-                            jnp.asarray(step, jnp.int32))
-      tok_np = np.asarray(tok_B)
-      pos_B = pos_B + active
-    decode_s = time.perf_counter() - t0
-  return Generation(tokens=out, stopped=stopped.tolist(), prompt_tokens=lens_B.tolist(),
-                    compile_seconds=compile_s, prefill_seconds=prefill_s,
-                    decode_seconds=decode_s, decode_steps=step)
-
-
-class _no_context:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-
-def _compiled_steps(graphdef, params, batch: int, prompt_len: int, max_length: int,
-                    options: SamplingOptions, processors: tuple) -> dict:
-  """The jitted cache constructor, prefill and decode step, compiled ahead of use."""
-
-  def make_cache():
-    return nnx.merge(graphdef, params).init_cache(batch, max_length)
-
-  def prefill(params, cache, prompt_BxT, lens_B, key):
-    model = nnx.merge(graphdef, params)
-    logits_BxTxV, cache = model(prompt_BxT, cache=cache,
-                                cache_lengths_B=jnp.zeros_like(lens_B))
-    last_BxV = jnp.take_along_axis(logits_BxTxV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-    return choose_tokens(last_BxV, jax.random.fold_in(key, 0), jnp.int32(0), options,
-                         processors), cache
-
-  def decode(params, cache, tok_B, pos_B, key, step):
-    model = nnx.merge(graphdef, params)
-    logits_Bx1xV, cache = model(tok_B[:, None], pos_B[:, None], cache=cache,
-                                cache_lengths_B=pos_B)
-    return choose_tokens(logits_Bx1xV[:, 0], jax.random.fold_in(key, step), step, options,
-                         processors), cache
+  rng = jax.random.key(options.seed)
+  i32 = np.int32
+  t0 = time.perf_counter()
+  state = programs.prefill(leaves, prompt_np, lens_np, valid_np, i32(max_new_tokens), stops_np,
+                           rng)
+  jax.block_until_ready(state["tok_B"])
+  prefill_s = time.perf_counter() - t0
 
   t0 = time.perf_counter()
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  cache_fn = jax.jit(make_cache).lower().compile()
-  # The steps take the cache laid out as it is made (sharded like activations on a mesh).
-  cache_shape = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             jax.eval_shape(make_cache), cache_fn.output_shardings)
-  # The cache is donated: each step updates it in place.
-  prefill_fn = jax.jit(prefill, donate_argnums=1).lower(
-      params, cache_shape, i32(batch, prompt_len), i32(batch), key).compile()
-  decode_fn = jax.jit(decode, donate_argnums=1).lower(
-      params, cache_shape, i32(batch), i32(batch), key, i32()).compile()
-  return {"cache": cache_fn, "prefill": _placing(prefill_fn), "decode": _placing(decode_fn),
-          "seconds": time.perf_counter() - t0}
-
-
-def _placing(compiled):
-  """Calls ``compiled`` with its non-parameter inputs placed as it was compiled for."""
-  shardings = compiled.input_shardings[0]
-
-  def call(params, *args):
-    return compiled(params, *jax.device_put(args, tuple(shardings[1:])))
-  return call
+  if on_tokens is None:
+    state = programs.decode(leaves, state, i32(max_length), i32(max_new_tokens), stops_np, rng,
+                            i32(pad_id))
+  else:
+    done = 0  # steps already passed to on_tokens
+    while True:
+      step, active, trace, kept = jax.device_get(
+          (state["step"], state["active_B"], state["trace_BxW"], state["kept_BxW"]))
+      for s in range(done, int(step) + 1):
+        on_tokens(s, trace[:b, s], kept[:b, s])
+      done = int(step) + 1
+      if not active.any():
+        break
+      state = programs.decode(leaves, state, i32(step + STREAM_EVERY), i32(max_new_tokens),
+                              stops_np, rng, i32(pad_id))
+  out, count, stopped, step = jax.device_get(
+      (state["out_BxW"], state["count_B"], state["stopped_B"], state["step"]))
+  decode_s = time.perf_counter() - t0
+  return Generation(tokens=[out[i, :count[i]].tolist() for i in range(b)],
+                    stopped=[bool(x) for x in stopped[:b]], prompt_tokens=lens_B.tolist(),
+                    compile_seconds=compile_s, prefill_seconds=prefill_s,
+                    decode_seconds=decode_s, decode_steps=int(step))
