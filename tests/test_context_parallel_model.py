@@ -132,10 +132,10 @@ def test_loss_and_gradients_match_one_device_everywhere(arm, mesh_shape, strateg
 
 @sharded
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu"])
 @pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
 def test_ring_with_kernel_blocks_in_the_model(arm, implementation):
-  # The fused kernels per ring block (in the interpreters), two context shards.
+  # The fused TPU kernels per ring block (in the interpreter), two context shards.
   check(arm, (1, 1, 1, 2), "ring", implementation=implementation, interpret=True)
 
 

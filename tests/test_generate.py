@@ -13,6 +13,7 @@ from flax import nnx
 
 from diffjax.generation import SamplingOptions, generate, top_k_filter, top_p_filter
 from diffjax.model import DecoderLM, ModelConfig
+from helpers import own_stderr
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
 VOCAB = 61
@@ -214,7 +215,7 @@ def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_
                       "--prompt=hi"],
                      capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                      cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=300)
-  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.returncode == 2 and len(own_stderr(r.stderr)) == 1, r.stderr
   assert "is not a directory" in r.stderr and str(missing) in r.stderr and not missing.exists()
 
 

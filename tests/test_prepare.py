@@ -14,6 +14,7 @@ from diffjax.data import stdlib_files
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
 from diffjax.data.shards import TokenShard, shard_documents
+from helpers import own_stderr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +96,8 @@ def test_parquet_without_pyarrow_is_one_clear_error(tmp_path):
   r = subprocess.run([sys.executable, "-m", "diffjax.data.prepare", "--input", str(tmp_path / "a.parquet"),
                       "--output", str(tmp_path / "p")], capture_output=True, text=True,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO)
-  assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install pyarrow" in r.stderr
+  assert r.returncode == 2 and len(own_stderr(r.stderr)) == 1, r.stderr
+  assert "pip install pyarrow" in r.stderr
 
 
 def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
