@@ -19,6 +19,7 @@ import ml_collections
 
 from diffjax.model import count_params, resolve_model
 from diffjax.model.config import DEFAULT_V2_MATCH
+from diffjax.model.flops import flops_per_token
 from diffjax.model.sizes import PAPER_SIZES, PAPER_VOCAB, WIDTHS
 
 _placeholder = ml_collections.config_dict.placeholder
@@ -101,7 +102,14 @@ def base_config() -> ml_collections.ConfigDict:
   # mesh.shape: (data, fsdp, tensor[, context]); one entry may be -1 ("the rest").
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=_placeholder(list),
                                           context_strategy="ring", context_load_balance=True))
-  c.distributed = ml_collections.ConfigDict(dict(initialize=_placeholder(bool)))
+  # peer_timeout_s: a process whose peer stops answering this long says so and exits (75).
+  c.distributed = ml_collections.ConfigDict(dict(initialize=_placeholder(bool),
+                                                 peer_timeout_s=60.0))
+  # Dense bf16 peak FLOP/s per device for the MFU; None: by device kind (TPU, GPU), no MFU
+  # on a CPU unless given.
+  c.peak_flops = _placeholder(float)
+  # steps=(first, last): a profiler trace of those steps; dump_hlo: the train step's HLO.
+  c.profile = ml_collections.ConfigDict(dict(steps=(), dump_hlo=False))
   # preflight: on a GPU or TPU, run each fused kernel the model chose once against XLA
   # before the first step; a failing one is switched to the stock path (diffjax/ops/preflight.py).
   c.kernels = ml_collections.ConfigDict(dict(preflight=True))
@@ -147,15 +155,35 @@ def param_table(sizes=PAPER_SIZES, vocab_size: int = PAPER_VOCAB) -> str:
   return "\n".join(rows)
 
 
+def flops_table(sizes=PAPER_SIZES, seq_len: int = 4096, vocab_size: int = PAPER_VOCAB) -> str:
+  """A markdown table of training FLOPs per token per arm (:func:`diffjax.model.flops.
+  flops_per_token`: forward + backward, causal, no remat) at ``seq_len``, with each DIFF arm's
+  ratio to the Transformer of its size."""
+  rows = ["| size | Transformer GFLOP/token | DIFF V1 | V1 / T | DIFF V2 (params) | V2 / T |",
+          "|---|---|---|---|---|---|"]
+  for size in sizes:
+    section = model_section(size=size, vocab_size=vocab_size).to_dict()
+    f = {a: flops_per_token(resolve_model({**section, "arm": a}).config, seq_len).model
+         for a in ("transformer", "diff_v1", "diff_v2")}
+    t = f["transformer"]
+    rows.append(f"| {size} | {t / 1e9:.2f} | {f['diff_v1'] / 1e9:.2f} | {f['diff_v1'] / t:.3f} | "
+                f"{f['diff_v2'] / 1e9:.2f} | {f['diff_v2'] / t:.3f} |")
+  return "\n".join(rows)
+
+
 def main(argv=None) -> None:
   import argparse  # pylint: disable=import-outside-toplevel
   argparse.ArgumentParser(
       prog="python -m diffjax.presets",
-      description="Prints the parameter counts of the paper's sizes for every arm, each matched "
-                  "to the Transformer of its size (DIFF V2 by parameters and by heads).").parse_args(argv)
+      description="Prints the parameter counts and training FLOPs per token of the paper's sizes "
+                  "for every arm, each matched to the Transformer of its size (DIFF V2 by "
+                  "parameters and by heads).").parse_args(argv)
   print(f"Parameter counts (vocabulary {PAPER_VOCAB:,}, untied head, SwiGLU FFN); every arm is "
         "matched to the Transformer of its size:")
   print(param_table())
+  print("\nTraining FLOPs per token at sequence length 4,096 (forward + backward, causal; what "
+        "the MFU counts):")
+  print(flops_table())
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
          (args[0], q2, args[1], args[2]), 3e-5)
 
 
-@pytest.mark.parametrize("t,s,seg", [(13, 13, "self"), (7, 11, "pair"), (11, 6, "none")])
+@pytest.mark.parametrize("t,s,seg", [(13, 13, "self"),
+                                     pytest.param(7, 11, "pair", marks=pytest.mark.slow),
+                                     pytest.param(11, 6, "none", marks=pytest.mark.slow)])
 def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
   """Causal rows run in query blocks against only the keys they can see; blocks of 4 give
   uneven last blocks, T < S, and (T > S) rows that see no key at all."""

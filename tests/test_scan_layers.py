@@ -108,6 +108,7 @@ def test_capture_and_hooks_work_inside_the_scan(arm):
   assert max_rel(scanned(x), l_scan) > 1e-3
 
 
+@pytest.mark.slow  # tests/test_generate.py covers the cache on unrolled models by default
 def test_generation_cache_runs_on_a_scanned_model():
   plain, scanned = pair("diff_v1")
   x = tokens(b=2, t=6, seed=5)

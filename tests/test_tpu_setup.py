@@ -31,6 +31,7 @@ def test_shellcheck_clean():
   assert r.returncode == 0, r.stdout[-4000:]
 
 
+@pytest.mark.slow  # about 90 s on 2 cores; test_shellcheck_clean and the unit checks run by default
 def test_selftest_dry_runs():
   r = subprocess.run(["bash", os.path.join(ROOT, "tpu_setup", "selftest.sh")],
                      capture_output=True, text=True, cwd=ROOT, timeout=600,

@@ -89,6 +89,37 @@ def summary_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseli
   return lines, table
 
 
+def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str
+               ) -> list[str]:
+  """Step time, tokens/s and MFU per arm (medians of the trainer's log intervals, from each
+  run's final_metrics.json, averaged over seeds); empty when the runs logged none. MFU only
+  where the device has a peak (a TPU or GPU kind, or ``peak_flops`` in the config)."""
+  def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+  rows = {}
+  for arm in arms:
+    finals = [r.get("final_metrics") or {} for r in runs if r["arm"] == arm]
+    rows[arm] = {k: mean([f.get(f"perf/{k}") for f in finals])
+                 for k in ("step_time_s", "tokens_per_s_per_device", "mfu",
+                           "model_flops_per_token")}
+  if not any(r["step_time_s"] for r in rows.values()):
+    return []
+  base = rows.get(baseline, {}).get("step_time_s")
+  lines = ["| arm | step time | vs " + baseline + " | tokens/s per device | "
+           "model GFLOP/token | MFU |", "|---|---|---|---|---|---|"]
+  for arm, r in rows.items():
+    if r["step_time_s"] is None:
+      continue
+    ratio = f"{r['step_time_s'] / base:.3f}x" if base else "-"
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (no peak for this device)"
+    flops = f"{r['model_flops_per_token'] / 1e9:.4f}" if r["model_flops_per_token"] else "-"
+    lines.append(f"| {arm} | {r['step_time_s'] * 1e3:.1f} ms | {ratio} | "
+                 f"{r['tokens_per_s_per_device']:,.0f} | {flops} | {mfu} |")
+  return lines
+
+
 def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]]) -> str:
   """Which matching made the arms, and their parameter counts."""
   params = {}
@@ -138,6 +169,10 @@ def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[st
           f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
           "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
           "same split).", "", _matching_line(config, runs), ""] + lines + [""]
+  speed = perf_table(runs, arms, baseline)
+  if speed:
+    head += ["Speed (median step time of each run's log intervals, evaluation and checkpoint "
+             "waits excluded; mean over seeds):", ""] + speed + [""]
   if data_check["ok"]:
     head += ["Data check: for every seed all arms saw identical batches at every step "
              "(batch hashes from metrics.jsonl)" + ("" if data_check["distinct_across_seeds"]

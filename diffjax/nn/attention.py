@@ -201,6 +201,7 @@ class Attention(_BaselineKVCache, nnx.Module):
                         ("embed", "heads", "head_dim"), options.param_dtype)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
 
+  @jax.named_scope("attention_transformer")
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
                cache_lengths_B=None):
@@ -299,6 +300,7 @@ class DiffV1Attention(nnx.Module):
               "v": (batch, max_length, k, self.v.shape[-1])}
     return _cache_arrays(shapes, dtype or self.options.dtype)
 
+  @jax.named_scope("attention_diff_v1")
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
                cache_lengths_B=None, lambda_init: jax.Array | float | None = None):
@@ -371,6 +373,7 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
     return jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
 
+  @jax.named_scope("attention_diff_v2")
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
                cache_lengths_B=None):

@@ -214,6 +214,7 @@ class SwiGLU(nnx.Module):
     self.w_up = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
     self.w_down = make_param(rngs, init, (hidden, dim), ("mlp", "embed"), param_dtype)
 
+  @jax.named_scope("mlp")
   def __call__(self, x_BxTxE, dtype, hooks: Hooks = NO_HOOKS):
     acc = accumulation_dtype(dtype)
     gate_BxTxF = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)

@@ -7,16 +7,30 @@ JAX reads the worker list from the VM metadata), on GKE TPU pods
 ``JAX_COORDINATOR_ADDRESS``/``DIFFJAX_COORDINATOR`` with ``DIFFJAX_NUM_PROCESSES`` and
 ``DIFFJAX_PROCESS_ID`` are given (multi-node GPU without a scheduler). Setting
 ``distributed.initialize=True|False`` in the config overrides the detection.
+
+A lost host is said plainly: every process writes a heartbeat to the runtime's key-value
+store, and a watchdog thread (:func:`watch_peers`) that sees a peer's heartbeat stop for
+``distributed.peer_timeout_s`` seconds (or loses the coordinator, which runs in process 0)
+prints one line naming the process and the step the run resumes from, and exits with status 75
+(EX_TEMPFAIL), on which ``tpu_setup/babysit.sh`` relaunches. The runtime's own heartbeat
+timeout is set well above that, so its abort (a C++ check failure) does not come first.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import sys
+import threading
+import time
+from typing import Callable
 
 import jax
 
 _DONE = False
+EXIT_PREEMPTED = 75
+DEFAULT_PEER_TIMEOUT_S = 60.0
+_HEARTBEAT_KEY = "diffjax/heartbeat/"
 
 
 def _on_tpu_vm() -> bool:
@@ -57,6 +71,104 @@ def maybe_initialize(config=None) -> bool:
     kwargs = dict(coordinator_address=coord,
                   num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
                   process_id=int(os.environ["DIFFJAX_PROCESS_ID"]))
+  timeout = peer_timeout(config)
+  # The runtime aborts the survivors of a lost peer after its own heartbeat timeout; keep it
+  # well above the watchdog's, so the watchdog's one line and exit status come first.
+  kwargs["heartbeat_timeout_seconds"] = int(max(100, 3 * timeout))
   jax.distributed.initialize(**kwargs)
   _DONE = True
   return True
+
+
+_RESUME_STEP: Callable[[], int] = lambda: -1
+
+
+def _resume_text() -> str:
+  step = _RESUME_STEP()
+  return (f"to resume from the newest checkpoint (step {step} was the last one written)"
+          if step >= 0 else "to resume from the newest checkpoint")
+
+
+def peer_timeout(config=None) -> float:
+  """``distributed.peer_timeout_s`` of the config (default 60 s)."""
+  section = config.get("distributed") if config is not None and "distributed" in config else None
+  value = section.get("peer_timeout_s") if section is not None else None
+  return float(value) if value else DEFAULT_PEER_TIMEOUT_S
+
+
+class _Watchdog:
+  def __init__(self, resume_step: Callable[[], int], message: Callable[[str], None],
+               timeout_s: float):
+    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+    self.client = jax_distributed.global_state.client
+    self.me, self.n = jax.process_index(), jax.process_count()
+    self.resume_step, self.message, self.timeout = resume_step, message, timeout_s
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._run, name="diffjax-peer-watchdog", daemon=True)
+    self.thread.start()
+
+  def _lost(self, process: int, why: str) -> None:
+    self.message(
+        f"error: process {process} of {self.n} stopped answering ({why}); this process stops "
+        f"too. Rerun the same command on every host {_resume_text()} "
+        f"(exit status {EXIT_PREEMPTED}).")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+
+  def _run(self) -> None:
+    interval = max(0.2, min(2.0, self.timeout / 10))
+    beats, seen = 0, {}
+    contact = time.monotonic()  # the last time the coordinator answered
+    while not self.stop.is_set():
+      now = time.monotonic()
+      try:
+        beats += 1
+        self.client.key_value_set(f"{_HEARTBEAT_KEY}{self.me}", str(beats), allow_overwrite=True)
+        for p in range(self.n):
+          if p == self.me:
+            continue
+          try:
+            value = self.client.key_value_try_get(f"{_HEARTBEAT_KEY}{p}")
+          except Exception:  # pylint: disable=broad-except  # not written yet
+            value = None
+          if p not in seen or seen[p][0] != value:
+            seen[p] = (value, now)
+          elif now - seen[p][1] > self.timeout:
+            self._lost(p, f"no heartbeat for {now - seen[p][1]:.0f} s")
+        contact = now
+      except Exception:  # pylint: disable=broad-except  # the coordinator is unreachable
+        if self.me != 0 and now - contact > self.timeout:
+          self._lost(0, f"its coordinator did not answer for {now - contact:.0f} s")
+      self.stop.wait(interval)
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def watch_peers(resume_step: Callable[[], int], message: Callable[[str], None],
+                timeout_s: float | None = None) -> None:
+  """Starts the lost-host watchdog (see the module docstring) when this is one of several
+  processes; ``resume_step()`` names the newest checkpoint the line points to."""
+  global _WATCHDOG, _RESUME_STEP
+  _RESUME_STEP = resume_step
+  if _WATCHDOG is not None or not _DONE or jax.process_count() == 1:
+    return
+  _WATCHDOG = _Watchdog(resume_step, message, timeout_s or DEFAULT_PEER_TIMEOUT_S)
+
+
+def wait_for_lost_peer() -> None:
+  """After the training loop failed: when a watchdog runs, give it the time to decide whether
+  a peer was lost (a collective with a dead peer fails before the heartbeats go stale). It
+  exits the process if so; otherwise this returns and the caller raises its own error."""
+  if _WATCHDOG is not None:
+    _WATCHDOG.thread.join(timeout=_WATCHDOG.timeout + 5)
+
+
+def stop_watching() -> None:
+  """Stops the watchdog (the run is finishing: peers may stop at slightly different times)."""
+  global _WATCHDOG
+  if _WATCHDOG is not None:
+    _WATCHDOG.stop.set()
+    _WATCHDOG.thread.join(timeout=10)
+    _WATCHDOG = None

@@ -36,6 +36,8 @@ class Progress:
     self.tokens = 0.0
     self._t_last = self.t0
     self._tokens_last = 0.0
+    # Appended to each progress line (the trainer puts the step time and MFU here).
+    self.extra = ""
 
   def update(self, step: int, loss: float, tokens: float, extra: str = "") -> None:
     if not self.enabled:
@@ -49,7 +51,7 @@ class Progress:
     done = step - self.start
     eta = (now - self.t0) / max(done, 1) * (self.total - step)
     msg = (f"step {step}/{self.total} loss {loss:.4f} tok/s {rate:,.0f} "
-           f"elapsed {_fmt_time(now - self.t0)} eta {_fmt_time(eta)}{extra}")
+           f"elapsed {_fmt_time(now - self.t0)} eta {_fmt_time(eta)}{self.extra}{extra}")
     if self.tty:
       width = 24
       filled = int(width * step / max(self.total, 1))

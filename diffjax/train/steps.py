@@ -105,8 +105,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     grads = jax.tree.map(lambda g: g / denom, grads)
     loss = loss_sum / denom
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt = tx.update(grads, state["opt_state"], params)
-    new_params = optax.apply_updates(params, updates)
+    with jax.named_scope("optimizer"):
+      updates, new_opt = tx.update(grads, state["opt_state"], params)
+      new_params = optax.apply_updates(params, updates)
     finite = jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(grad_norm))
     finite = jnp.logical_and(finite, _all_finite((new_params, new_opt)))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

@@ -7,7 +7,12 @@ Phases, in order:
   3. restore the latest checkpoint if the workdir has one (model config checked
      first), else initialise;
   4. loop: train step, metrics, periodic evaluation, periodic and on-signal saves;
-  5. final save, final evaluation, ``DONE`` marker.
+  5. final save, final evaluation, the goodput summary, ``DONE`` marker.
+
+Every phase runs under a :class:`diffjax.train.perf.Clock`, so the log lines carry the step
+time, tokens/s, MFU and where the time went (``perf/...``), and the run ends with the goodput
+summary (``goodput.json``). ``profile.steps=(a, b)`` writes a profiler trace of steps a..b on
+process 0 and ``profile.dump_hlo`` the compiled train step's HLO.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import math
 import os
 import signal
-import time
+import sys
 import zlib
 from typing import Any
 
@@ -28,17 +33,23 @@ from diffjax import sharding as shd
 from diffjax.data import DataConfig, build_datasets, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
+from diffjax.model.flops import flops_per_token, peak_flops
 from diffjax.ops import preflight
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.host import keep_freed_memory
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.loading import initial_params
+from diffjax.train.perf import Clock, Profile, Throughput, goodput, goodput_line
 from diffjax.train.progress import Progress
-from diffjax.train.records import MetricsWriter, rewrite_metrics, write_json
+from diffjax.train.records import MetricsWriter, read_metrics, rewrite_metrics, write_json
 from diffjax.train.setup import build_train_setup, with_mesh_rules
 from diffjax.train.steps import lambda_summary
 from diffjax.train.task_mix import run_source
+
+
+def _stderr_line(text: str) -> None:
+  print(text, file=sys.stderr, flush=True)
 
 
 class TrainingError(UserError, RuntimeError):
@@ -101,7 +112,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   On a CPU backend it also makes glibc's ``malloc`` keep freed memory for the next step
   (:func:`diffjax.train.host.keep_freed_memory`; ``DIFFJAX_KEEP_FREED_MEMORY=0`` opts out).
   """
-  t_start = time.perf_counter()
+  clock = Clock()
+  clock.enter("setup")
   distributed.maybe_initialize(config)
   if jax.default_backend() == "cpu":
     keep_freed_memory()
@@ -150,11 +162,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   if is_main and checks:
     write_json(os.path.join(workdir, "preflight.json"), [c.as_dict() for c in checks])
 
+  clock.leave("setup")
+
   def check_meta(saved: dict) -> None:
     # A changed model config is refused (the parameters would not fit), not skipped.
     ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"],
                             manager.directory)
 
+  clock.enter("restore")
   latest, state = ckpt.restore_newest_good(manager, setup.abstract_state, train_iter,
                                            check_meta=check_meta, message=progress.message)
   if latest is not None:
@@ -175,6 +190,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       progress.message(f"Initialised the parameters from step {from_step} of {init_from} "
                        "(fresh optimizer state and data order)")
   start_step = int(state["step"])
+  clock.leave("restore")
+  # Steps an earlier attempt trained past the checkpoint this one resumes from.
+  logged = [r["step"] for r in read_metrics(workdir) if "train/loss" in r] if is_main else []
+  recomputed = max(0, max(logged, default=start_step) - start_step)
   if is_main:
     # The steps after the restored one run again: drop their old metrics lines so
     # metrics.jsonl keeps one line per step. A finished run's final evaluation also
@@ -194,7 +213,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         + f"workdir={workdir}")
 
   # 4. Steps.
-  train_step, eval_step = setup.train_step, setup.eval_step
+  eval_step = setup.eval_step
+  tokens_per_step = config.global_batch_size * config.seq_len
+  flops = flops_per_token(model_cfg, config.seq_len)
+  peak = config.get("peak_flops") or peak_flops(jax.devices()[0].device_kind)
+  throughput = Throughput(clock, tokens_per_step=tokens_per_step,
+                          model_flops_per_token=flops.model, num_devices=jax.device_count(),
+                          peak_flops_per_device=peak)
+  profile = Profile(config, workdir, enabled=is_main, clock=clock)
   # Under the mesh rules like the steps (for DIFF V2 it runs the blocks over a batch).
   lambda_fn = jax.jit(with_mesh_rules(lambda p, b: lambda_summary(graphdef, p, b), mesh, rules,
                                       **mesh_context_options(config)))
@@ -209,6 +235,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     return _to_global(local, batch_shard, row_start, config.global_batch_size)
 
   def run_eval(step, params):
+    with clock.phase("eval"):
+      return _eval(step, params)
+
+  def _eval(step, params):
     loss = evaluate_loss(eval_step, params, val_batches, to_global)
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
     if val_tokens_per_byte is not None:
@@ -229,6 +259,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   def flush_metrics():
     nonlocal last_train_loss
+    if not pending:
+      return
     for s, m in pending:
       if not bool(m["finite"]):
         raise TrainingError(
@@ -241,53 +273,101 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if "batch_hash" in m:
         vals["data/batch_hash"] = m["batch_hash"]
       writer.write(s, vals)
+    perf = throughput.interval(pending[-1][0])
+    if perf:
+      writer.write(pending[-1][0], perf)
+      progress.extra = (f" step {perf['perf/step_time_s']:.3f}s"
+                        + (f" mfu {perf['perf/mfu']:.1%}" if "perf/mfu" in perf else ""))
     pending.clear()
+
+  def save(step_, state_):
+    with clock.phase("checkpoint"):
+      ckpt.save(manager, step_, state_, train_iter, meta, force=True)
+      saved_step[0] = step_
+
+  saved_step = [start_step]
+  distributed.watch_peers(lambda: saved_step[0], message=_stderr_line,
+                          timeout_s=distributed.peer_timeout(config))
+  train_step = None
 
   with _StopFlag() as stop:
     try:
       while step < config.num_steps:
-        local = next(train_iter)
-        batch = to_global(local)
-        state, metrics = train_step(state, batch)
+        with clock.phase("data"):
+          local = next(train_iter)
+          batch = to_global(local)
+        if train_step is None:
+          # Compiled ahead of the first step, so its compile time is measured and the HLO of
+          # what runs can be written.
+          with clock.phase("compile"):
+            train_step = setup.train_step.lower(state, batch).compile()
+          profile.dump_hlo(train_step)
+          throughput.restart(step)
+        if profile.before(step + 1):
+          # The profiler records the programs compiled while it runs (their HLO carries the
+          # named scopes the trace viewer groups by): compile the step again inside the trace,
+          # with an option that also keeps a persistent compilation cache from answering.
+          with clock.phase("profile"):
+            train_step = setup.train_step.lower(state, batch).compile(
+                {"xla_embed_ir_in_executable": True})
+        with clock.phase("train"):
+          state, metrics = train_step(state, batch)
         step += 1
+        profile.after(step, state)
         if log_hash:
           metrics = dict(metrics, batch_hash=zlib.crc32(np.ascontiguousarray(local["inputs"])))
         pending.append((step, metrics))
         is_log = step % config.log_every == 0 or step == config.num_steps
         is_save = step % config.checkpoint.every == 0
         if is_log or is_save or stop.signum is not None:
-          flush_metrics()
+          with clock.phase("train"):  # waits for the queued steps
+            flush_metrics()
         progress.update(step, float(metrics["loss"]) if progress.tty or is_log else 0.0,
-                        float(config.global_batch_size * config.seq_len))
+                        float(tokens_per_step))
         if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
           last_eval = run_eval(step, state["params"])
           progress.message(f"step {step}: eval loss {last_eval['eval/loss']:.4f}")
         if is_save or stop.signum is not None:
-          ckpt.save(manager, step, state, train_iter, meta, force=True)
+          save(step, state)
         if stop.signum is not None:
-          manager.wait_until_finished()
+          with clock.phase("checkpoint"):
+            manager.wait_until_finished()
           progress.message(f"Signal {stop.signum}: saved step {step}; rerun the same command "
                            "to resume.")
           writer.close()
           return {"step": step, "stopped": True, "train/loss": last_train_loss}
-      flush_metrics()
+      with clock.phase("train"):
+        flush_metrics()
+    except Exception:
+      # A collective with a lost peer fails here first; the watchdog then says which.
+      distributed.wait_for_lost_peer()
+      raise
     finally:
+      profile.close()
       progress.close()
 
     # 5. Final save and evaluation.
     if manager.latest_step() != step:
-      ckpt.save(manager, step, state, train_iter, meta, force=True)
-    manager.wait_until_finished()
+      save(step, state)
+    with clock.phase("checkpoint"):
+      manager.wait_until_finished()
     last_eval = run_eval(step, state["params"])
-  wall = time.perf_counter() - t_start
+  distributed.stop_watching()
+  summary = goodput(clock, steps_trained=step - start_step, steps_recomputed=recomputed)
   result = {"step": step, "train/loss": last_train_loss, **last_eval,
-            "unigram/loss": data.unigram_entropy_nats, "params": n_params, "wall_s": wall}
+            "unigram/loss": data.unigram_entropy_nats, "params": n_params,
+            "wall_s": summary["wall_s"],
+            **{f"perf/{k}": v for k, v in throughput.summary().items()},
+            "perf/model_flops_per_token": flops.model,
+            "perf/hardware_flops_per_token": flops.hardware}
   if checks:
     result["preflight/fallbacks"] = sum(not c.ok for c in checks)
   if is_main:
     progress.message("final: " + " ".join(
         f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
         if not k.startswith("lambda")))
+    progress.message(goodput_line(summary))
+    write_json(os.path.join(workdir, "goodput.json"), summary)
     write_json(os.path.join(workdir, "final_metrics.json"), result)
     # The completion marker: tpu_setup/babysit.sh stops relaunching when it appears.
     epath.Path(workdir, "DONE").write_text(f"{step}\n")

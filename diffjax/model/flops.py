@@ -1,0 +1,102 @@
+"""FLOPs per token of a model, from its config: what MFU divides by.
+
+Counted as 2 FLOPs per multiply-add, per token of a training sequence of ``seq_len`` tokens:
+
+  * matmuls with weights: every projection, the SwiGLU MLP and the LM head (the embedding
+    lookup is a gather, not a matmul): 2 x weights per token forward;
+  * attention, per query token and visible key (causal: (T + 1) / 2 keys on average), per head:
+      - Transformer: scores q.k (2d) and P V (2d): 4d per head;
+      - DIFF V1: two maps of d-wide components (2 x 2d) and the combined map times the 2d-wide
+        value (4d): 8d per DIFF head, the same as the two baseline heads it replaces;
+      - DIFF V2: two query heads' scores (2 x 2d) and the combined map times the d-wide value
+        (2d): 6d per pair, where the baseline's head costs 4d;
+  * backward: twice the forward (a gradient for the inputs and one for the weights).
+
+*Model* FLOPs are those of the math above (forward and backward), whatever runs them; they are
+what MFU counts, so arms and implementations compare. *Hardware* FLOPs add what rematerialisation
+recomputes: ``remat="full"`` recomputes the blocks' forward (not the LM head), ``"dots_no_batch"``
+the attention score and value products (they have batch dimensions), ``"dots"`` nothing of note.
+(On a CPU in float32 the projections run through a custom-gradient matmul that the dot policies
+do not see, so there ``"dots"`` and ``"dots_no_batch"`` recompute them too.) A fused kernel's
+own recomputation (a flash backward recomputes the scores) is not counted: it is the kernel's
+business, and the step time shows its cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffjax.model.config import ModelConfig, attention_params
+
+# FLOPs per query-key pair per head, forward, in units of the head dim d.
+_ATTENTION_D_UNITS = {"transformer": 4, "diff_v1": 8, "diff_v2": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsPerToken:
+  """FLOPs per training token of one model at one sequence length.
+
+  Attributes:
+    matmul_forward: weight matmuls, forward (2 x matmul weights).
+    attention_forward: attention scores and values, forward, at the average causal span.
+    model: forward + backward of both (3x the forward): what MFU divides by.
+    hardware: ``model`` plus what the model's ``remat`` policy recomputes.
+  """
+  matmul_forward: float
+  attention_forward: float
+  model: float
+  hardware: float
+
+  @property
+  def forward(self) -> float:
+    return self.matmul_forward + self.attention_forward
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+  """Weights that take part in a matmul per token: projections, MLP, LM head (or the tied
+  embedding used as the head); not the norm gains, lambda vectors or the embedding lookup."""
+  e = cfg.d_model
+  attn = attention_params(cfg)
+  if cfg.attention == "diff_v1":
+    attn -= 6 * cfg.head_dim  # lambda's four d-vectors and the 2d norm gain
+  return cfg.num_layers * (attn + 3 * e * cfg.mlp_dim) + e * cfg.vocab_size
+
+
+def attention_flops_per_pair(cfg: ModelConfig) -> int:
+  """Forward FLOPs per query token and visible key, summed over the layer's heads."""
+  return _ATTENTION_D_UNITS[cfg.attention] * cfg.head_dim * cfg.num_heads
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> FlopsPerToken:
+  """The FLOPs of one training token of ``cfg`` in sequences of ``seq_len`` (see the module
+  docstring). ``causal=False`` counts every key for every query (what a dense attention that
+  masks instead of skipping computes)."""
+  keys = (seq_len + 1) / 2 if causal else seq_len
+  matmul = 2.0 * matmul_weights(cfg)
+  attention = float(cfg.num_layers * attention_flops_per_pair(cfg) * keys)
+  model = 3.0 * (matmul + attention)
+  # Remat wraps the blocks: the LM head is never recomputed.
+  blocks = matmul - 2.0 * cfg.d_model * cfg.vocab_size + attention
+  recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": attention, "full": blocks}[cfg.remat]
+  return FlopsPerToken(matmul, attention, model, model + recompute)
+
+
+# Dense bf16 peak FLOP/s per chip or GPU, by device kind (the vendors' figures, without
+# sparsity). Matched as prefixes of ``jax.Device.device_kind``.
+PEAK_FLOPS = (
+    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12), ("TPU v5", 459e12),
+    ("TPU v4", 275e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H100", 989e12),
+    ("NVIDIA A100", 312e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The dense bf16 peak of a device kind, or None when it is not in :data:`PEAK_FLOPS`
+  (a CPU: give ``peak_flops`` in the run config to see an MFU there)."""
+  for prefix, peak in PEAK_FLOPS:
+    if device_kind.startswith(prefix):
+      return peak
+  return None
