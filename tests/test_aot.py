@@ -54,6 +54,7 @@ def test_tiny_configs_compile_for_v5e_2x2(arm):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_xla_implementation_compiles_without_kernels():
   cfg = _tiny("diff_v2")
   cfg.model.implementation = "xla"

@@ -233,6 +233,7 @@ def test_sigterm_stops_parallel_workers_after_they_save(tmp_path):
     assert f"saved step {max(saved)}; rerun" in (d / "output.log").read_text()
 
 
+@pytest.mark.slow  # the serial loop's own error lines run by default
 def test_a_failing_parallel_run_gives_its_own_error_line(compared, tmp_path):
   workdir, config_path, _ = compared
   copy = tmp_path / "out"
