@@ -94,6 +94,14 @@ def test_report_results_and_plots(compared):
   assert "DIFF V2 matched by parameters" in line
   for arm in ARMS:
     assert f"{arm} " in line.split("Parameters:")[1], line
+  # The speed table: every arm's step time, its ratio to the baseline; no MFU on a CPU.
+  speed = report.split("| arm | step time | vs transformer |")[1].split("\n\n")[0].splitlines()[2:]
+  assert [l.split(" | ")[0] for l in speed] == [f"| {a}" for a in ARMS], speed
+  for l in speed:
+    cells = l.split(" | ")
+    assert cells[1].endswith(" ms") and float(cells[1][:-3]) > 0, l
+    assert cells[-1].startswith("- (no peak"), l
+  assert speed[0].split(" | ")[2] == "1.000x", speed
 
   # Strict JSON: NaN would not parse with this hook.
   def no_constants(name):

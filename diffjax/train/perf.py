@@ -37,6 +37,7 @@ class Clock:
   def __init__(self):
     self.t0 = time.perf_counter()
     self.seconds = {p: 0.0 for p in PHASES}
+    self._started: dict[str, float] = {}
 
   @contextlib.contextmanager
   def phase(self, name: str) -> Iterator[None]:
@@ -48,7 +49,6 @@ class Clock:
 
   def enter(self, name: str) -> None:
     """Starts timing ``name`` (for a phase that spans more than one block of code)."""
-    self._started = getattr(self, "_started", {})
     self._started[name] = time.perf_counter()
 
   def leave(self, name: str) -> None:
@@ -113,7 +113,7 @@ class Throughput:
            "perf/checkpoint_frac": spent["checkpoint"] / elapsed,
            "perf/eval_frac": spent["eval"] / elapsed}
     if self.peak:
-      out["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak * self.num_devices)
+      out["perf/mfu"] = self._mfu(tokens_per_s)
     out.update({f"perf/{k}": v for k, v in device_memory().items()})
     self._mark(step)
     return out
@@ -127,8 +127,11 @@ class Throughput:
     out = {"step_time_s": median, "tokens_per_s": self.tokens_per_step / median,
            "tokens_per_s_per_device": self.tokens_per_step / median / self.num_devices}
     if self.peak:
-      out["mfu"] = out["tokens_per_s"] * self.flops_per_token / (self.peak * self.num_devices)
+      out["mfu"] = self._mfu(out["tokens_per_s"])
     return out
+
+  def _mfu(self, tokens_per_s: float) -> float:
+    return tokens_per_s * self.flops_per_token / (self.peak * self.num_devices)
 
 
 def goodput(clock: Clock, *, steps_trained: int, steps_recomputed: int) -> dict[str, Any]:
