@@ -2,6 +2,7 @@
 
 import contextlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +61,15 @@ def value_and_vjp(fn, args, ct):
     out, vjp = jax.vjp(fn, *args)
     return out, vjp(ct)
   return jax.jit(run)(tuple(args), ct)
+
+
+def assert_like_inputs(out, grads, args, out_shape, dtype):
+  """A kernel's output has ``out_shape`` and ``dtype``; each gradient the shape and dtype of
+  its input; all of them are finite."""
+  chex.assert_shape(out, tuple(out_shape))
+  chex.assert_type(out, dtype)
+  chex.assert_trees_all_equal_shapes_and_dtypes(tuple(grads), tuple(args))
+  chex.assert_tree_all_finite((out, tuple(grads)))
 
 
 def check(triples, dtype, rows: bool = False):

@@ -1,6 +1,7 @@
 """The CPU attention path (`implementation="xla_cpu"`, what "auto" runs on a CPU) against the
 plain-JAX reference: forward and every gradient, awkward shapes, masks and dtypes."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,15 +38,18 @@ def _close(a, b, tol):
 
 def _check(fn_a, fn_b, args, tol):
   out_a, out_b = fn_a(*args), fn_b(*args)
-  assert out_a.dtype == out_b.dtype
+  chex.assert_equal_shape([out_a, out_b])
+  chex.assert_trees_all_equal_dtypes(out_a, out_b)
   _close(out_a, out_b, tol)
   w = jax.random.normal(jax.random.key(9), out_a.shape, jnp.float32)
   loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
   argnums = tuple(range(len(args)))
   ga = jax.grad(loss(fn_a), argnums)(*args)
   gb = jax.grad(loss(fn_b), argnums)(*args)
-  for i, (x, y) in enumerate(zip(ga, gb)):
-    assert x.dtype == y.dtype, i
+  chex.assert_trees_all_equal_shapes_and_dtypes(ga, tuple(args))
+  chex.assert_trees_all_equal_shapes_and_dtypes(gb, tuple(args))
+  chex.assert_tree_all_finite((out_a, ga))
+  for x, y in zip(ga, gb):
     _close(x, y, tol)
 
 

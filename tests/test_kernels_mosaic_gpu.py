@@ -360,7 +360,7 @@ _CHILD = textwrap.dedent("""
       ct = n(6, (b, t, h, dv))
       out, grads = kc.value_and_vjp(kern, args, ct)
       out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
-      assert out.dtype == dtype and all(g.dtype == a.dtype for g, a in zip(grads, args))
+      kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
       got, refs = dict(zip(names, (out, *grads))), dict(zip(names, (out_r, *grads_r)))
       tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
       errs = {{k: kc.errors(got[k], refs[k]) for k in names if not (variant == "v1" and

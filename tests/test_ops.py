@@ -616,3 +616,98 @@ def test_error_pallas_on_cpu():
 
 def test_error_lambda_init_for_negative_layer():
   _raises_naming(lambda: ops.lambda_init_for_layer(-1), r"-1")
+
+
+# --------------------------------------------------------------------------------------
+# The public ops called directly and under jit (chex variants).
+# --------------------------------------------------------------------------------------
+
+
+def _np_decode(np_op, q_Bx1, k_BxS, v_BxS, kv_len_B, *rest):
+  """Row b of a decode op: causal attention of its one query over its first kv_len[b] slots."""
+  rows = []
+  for b, n in enumerate(kv_len_B):
+    row_rest = [r[b:b + 1] if getattr(r, "ndim", 0) == 3 else r for r in rest]
+    rows.append(np_op(q_Bx1[b:b + 1], k_BxS[b:b + 1, :n], v_BxS[b:b + 1, :n], *row_rest))
+  return np.concatenate(rows, axis=0)
+
+
+class PublicOpsVariantsTest(chex.TestCase):
+  """Each public op gives the loops' values (and gradients that agree with the plain-JAX
+  reference's) whether it is called eagerly or under jit: the dispatch, validation and
+  custom VJPs behind it work on concrete arrays and on tracers alike."""
+
+  def _grads_match_reference(self, op, reference, args):
+    w = np.random.default_rng(40).standard_normal(np.shape(op(*args))).astype(np.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
+    argnums = tuple(range(len(args)))
+    got = self.variant(jax.grad(loss(op), argnums))(*args)
+    want = jax.jit(jax.grad(loss(reference), argnums))(*args)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, tuple(jnp.asarray(a) for a in args))
+    chex.assert_tree_all_finite(got)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_dot_product_attention(self):
+    rng = np.random.default_rng(41)
+    q, k, v = mha_inputs(rng, 2, 6, 6, 4, 2, 8)
+    seg = packed_segments(rng, 2, 6)
+    op = lambda q, k, v, seg: ops.dot_product_attention(q, k, v, segment_ids=seg)
+    out = self.variant(op)(q, k, v, seg)
+    chex.assert_shape(out, (2, 6, 4, 8))
+    chex.assert_type(out, jnp.float32)
+    _check(out, np_mha(q, k, v, causal=True, q_seg_BxT=seg, kv_seg_BxS=seg))
+    self._grads_match_reference(
+        lambda q, k, v: ops.dot_product_attention(q, k, v, segment_ids=seg),
+        lambda q, k, v: ref.mha_reference(q, k, v, causal=True, segment_ids=seg), (q, k, v))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_diff_v1_attention(self):
+    rng = np.random.default_rng(42)
+    q1, q2, k1, k2, v = v1_inputs(rng, 2, 5, 5, 4, 2, 8)
+    lam = rng.uniform(-0.3, 1.2, (4,)).astype(np.float32)
+    gain = rng.uniform(0.5, 1.5, (16,)).astype(np.float32)
+    core = self.variant(lambda *a: ops.diff_v1_attention_core(*a, causal=False))(
+        q1, q2, k1, k2, v, lam)
+    chex.assert_shape(core, (2, 5, 4, 16))
+    _check(core, np_diff_v1(q1, q2, k1, k2, v, lam, causal=False))
+    full = lambda *a: ops.diff_v1_attention(*a, norm_gain=gain, lambda_init=0.2)
+    out = self.variant(full)(q1, q2, k1, k2, v, lam)
+    want = np_diff_v1(q1, q2, k1, k2, v, lam, causal=True)
+    want = want / np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True) + 1e-5) * gain * 0.8
+    chex.assert_type(out, jnp.float32)
+    _check(out, want, atol=1e-4, rtol=1e-4)
+    self._grads_match_reference(
+        full, lambda *a: ref.rms_norm(ref.diff_v1_reference(*a, causal=True), gain, 1e-5) * 0.8,
+        (q1, q2, k1, k2, v, lam))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_diff_v2_attention(self):
+    rng = np.random.default_rng(43)
+    q, k, v, lam = v2_inputs(rng, 2, 7, 7, 4, 2, 8)
+    out = self.variant(ops.diff_v2_attention)(q, k, v, lam)
+    chex.assert_shape(out, (2, 7, 4, 8))
+    chex.assert_type(out, jnp.float32)
+    _check(out, np_diff_v2(q, k, v, lam, causal=True))
+    self._grads_match_reference(
+        ops.diff_v2_attention, lambda *a: ref.diff_v2_reference(*a, causal=True), (q, k, v, lam))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_decode_ops(self):
+    rng = np.random.default_rng(44)
+    kv_len = np.array([3, 9], np.int32)
+    q, k, v = mha_inputs(rng, 2, 1, 9, 4, 2, 8)
+    out = self.variant(ops.dot_product_attention_decode)(q, k, v, kv_len)
+    chex.assert_shape(out, (2, 1, 4, 8))
+    _check(out, _np_decode(lambda *a: np_mha(*a, causal=True), q, k, v, kv_len))
+    q1, q2, k1, k2, vw = v1_inputs(rng, 2, 1, 9, 4, 2, 8)
+    lam = rng.uniform(0.1, 0.9, (4,)).astype(np.float32)
+    out = self.variant(ops.diff_v1_attention_decode)(q1, q2, k1, k2, vw, lam, kv_len)
+    chex.assert_shape(out, (2, 1, 4, 16))
+    rows = [np_diff_v1(q1[b:b + 1], q2[b:b + 1], k1[b:b + 1, :n], k2[b:b + 1, :n],
+                       vw[b:b + 1, :n], lam, causal=True) for b, n in enumerate(kv_len)]
+    _check(out, np.concatenate(rows))
+    q, k, v, lam2 = v2_inputs(rng, 2, 1, 9, 4, 2, 8)
+    out = self.variant(ops.diff_v2_attention_decode)(q, k, v, lam2, kv_len)
+    chex.assert_shape(out, (2, 1, 4, 8))
+    _check(out, _np_decode(lambda *a: np_diff_v2(*a, causal=True), q, k, v, kv_len, lam2))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -144,10 +145,77 @@ def _state_and_batch(accum):
 def test_grad_accumulation_equals_large_batch():
   s1, m1 = _state_and_batch(1)
   s4, m4 = _state_and_batch(4)
+  chex.assert_tree_all_finite((s1, m1, s4, m4))
+  assert bool(m1["finite"]) and bool(m4["finite"])
   np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-4)
   for x, y in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+@pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
+def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
+  cfg = ModelConfig(attention=arm, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_dim=64, vocab_size=50)
+  graphdef, params = steps_lib.split_params(steps_lib.create_model(cfg, seed=0))
+  rng = np.random.default_rng(1)
+  batch = {
+      "inputs": rng.integers(0, 50, (2, 10)).astype(np.int32),
+      "targets": rng.integers(0, 50, (2, 10)).astype(np.int32),
+      "segment_ids": np.ones((2, 10), np.int32),
+      "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1)),
+      "loss_mask": np.ones((2, 10), np.float32),
+  }
+  grads = jax.jit(jax.grad(lambda p: steps_lib.loss_sums(graphdef, p, batch)[0]))(params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  chex.assert_tree_all_finite(grads)
+  flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+  dead = [jax.tree_util.keystr(path) for path, g in flat if not np.any(np.asarray(g) != 0)]
+  assert not dead, f"parameters with an all-zero gradient: {dead}"
+
+
+def test_train_and_eval_steps_trace_once_per_run_through_evals_and_a_resume(tmp_path,
+                                                                             monkeypatch):
+  """One trace of each step per run: none per step, per eval, or for the restored state."""
+  from diffjax.train import setup as setup_lib
+  traces = {"train": 0, "eval": 0}
+  make_train, make_eval = setup_lib.make_train_step, setup_lib.make_eval_step
+
+  # chex tells functions apart by their source and where they are defined: one each.
+  def build_train(*args, **kwargs):
+    fn = make_train(*args, **kwargs)
+
+    def train_step(state, batch):
+      traces["train"] += 1  # the Python body runs only while jax traces it
+      return fn(state, batch)
+    return chex.assert_max_traces(train_step, n=1)
+
+  def build_eval(*args, **kwargs):
+    fn = make_eval(*args, **kwargs)
+
+    def eval_step(params, batch):
+      traces["eval"] += 1
+      return fn(params, batch)
+    return chex.assert_max_traces(eval_step, n=1)
+
+  monkeypatch.setattr(setup_lib, "make_train_step", build_train)
+  monkeypatch.setattr(setup_lib, "make_eval_step", build_eval)
+  c = tiny_config(steps=4)
+  c.eval_every = 2
+  c.checkpoint.every = 2
+  workdir = str(tmp_path / "run")
+  chex.clear_trace_counter()
+  train_and_evaluate(c, workdir)  # evals at steps 2 and 4
+  assert traces == {"train": 1, "eval": 1}
+  chex.clear_trace_counter()
+  c = tiny_config(steps=8)
+  c.eval_every = 2
+  c.checkpoint.every = 2
+  assert train_and_evaluate(c, workdir)["step"] == 8  # restored from step 4, evals at 6, 8
+  assert traces == {"train": 2, "eval": 2}
+  evals = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
+           if "eval/loss" in r]
+  assert len(evals) >= 4
 
 
 def test_checkpoint_round_trip(tmp_path):
