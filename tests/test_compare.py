@@ -43,6 +43,10 @@ def get_config():
   c = comparison_config(base, seeds={SEEDS}, arms={ARMS})
   c.eval.overrides = dict(context_len=128, heatmap_lengths=(128,), heatmap_needles=(1, 1),
                           val_batches=2, sections=("validation", "retrieval", "heatmap"))
+  # One lm-eval task on local data, four examples (the [harness] extra).
+  c.eval.harness_tasks = ("diffjax_fixture_choice",)
+  c.eval.harness_include_path = {os.path.join(REPO, "tests", "fixtures", "harness")!r}
+  c.eval.harness_limit = 4
   return c
 """
 
@@ -120,6 +124,19 @@ def test_report_results_and_plots(compared):
   assert results["data_check"]["ok"] is True
   assert results["summary"]["diff_v1"]["paired_eval_loss"]["n"] == len(SEEDS)
   assert set(results["aggregate"]["per_arm"]) == set(ARMS)
+
+  # The harness task's scores per arm and their paired difference against the baseline.
+  paired = report.split("## Paired differences against transformer")[1]
+  for metric in ("harness/diffjax_fixture_choice/acc", "harness/diffjax_fixture_choice/acc_norm"):
+    row = next(l for l in paired.splitlines() if l.startswith(f"| {metric} | "))
+    assert row.count("|") == 3 and f"(n={len(SEEDS)})" in row, row
+  for run in results["runs"]:
+    assert 0.0 <= run["scalars"]["harness/diffjax_fixture_choice/acc"] <= 1.0, run["name"]
+    ev = json.loads((_run_dir(workdir, run["arm"], run["seed"]) / "eval.json").read_text())
+    section = ev["sections"]["harness"]
+    assert section["settings"]["tasks"] == ["diffjax_fixture_choice"]
+    assert section["settings"]["limit"] == 4
+    assert "acc,none" in section["results"]["diffjax_fixture_choice"]
 
   for name in ("loss_curves.png", "retrieval_heatmap.png"):
     data = (workdir / name).read_bytes()

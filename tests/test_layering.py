@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("diffjax.data",),
     ("diffjax.presets", "diffjax.train"),
     ("diffjax.eval",),
+    # The lm-eval model generates and loads HF directories, so it sits above both.
     ("diffjax.compare", "diffjax.aot", "diffjax.generation",
-     "diffjax.convert"),
+     "diffjax.convert", "diffjax.eval.harness"),
 )
 
 
@@ -76,10 +77,13 @@ def _imports(path: str, name: str, modules: dict[str, str]) -> set[str]:
 
 
 def _layer(module: str) -> int | None:
+  """The layer of the longest name in the table that is ``module`` or a package above it."""
+  best = None
   for i, names in enumerate(LAYERS):
-    if any(module == n or module.startswith(n + ".") for n in names):
-      return i
-  return None
+    for n in names:
+      if (module == n or module.startswith(n + ".")) and (best is None or len(n) > best[0]):
+        best = (len(n), i)
+  return None if best is None else best[1]
 
 
 @pytest.fixture(scope="module")

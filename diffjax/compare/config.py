@@ -29,6 +29,10 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   to the Transformer), ``eval.mode`` ("quick", "full" or "none"), ``eval.overrides``
   (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to make them
   overridable from the command line), ``report.baseline``, ``report.confidence``,
+  ``eval.harness_tasks`` (lm-eval task names or YAML files, run on every arm and seed and
+  reported as ``harness/<task>/<metric>`` scalars; needs the ``[harness]`` extra) with
+  ``eval.harness_include_path`` (a directory of task YAML files), ``eval.harness_limit``
+  (examples per task, 0: all), ``eval.harness_num_fewshot`` and ``eval.harness_seed``,
   ``report.title``, ``report.learned_below`` (a train loss that marks a run as having learned
   its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
   gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
@@ -41,11 +45,20 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c.seeds = tuple(int(s) for s in seeds)
   c.workers = 1
   c.base = base
-  c.eval = ml_collections.ConfigDict(dict(mode="quick", overrides=ml_collections.ConfigDict()))
+  c.eval = ml_collections.ConfigDict(dict(
+      mode="quick", overrides=ml_collections.ConfigDict(), harness_tasks=(),
+      harness_include_path="", harness_limit=0, harness_num_fewshot=0, harness_seed=1234))
   c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
                                             learned_below=0.0, learned_window=25,
                                             title="Matched comparison"))
   return c
+
+
+def harness_task_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The comparison's lm-eval tasks ("a,b" counts as two; none by default)."""
+  value = config.eval.get("harness_tasks", ()) or ()
+  items = (value,) if isinstance(value, str) else tuple(value)
+  return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
 
 
 def arm_names(value: Any) -> tuple[str, ...]:
@@ -139,6 +152,16 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
   if unknown:
     raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
+  harness_tasks = harness_task_names(config)
+  if harness_tasks:
+    if config.eval.mode == "none":
+      raise ValueError(f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
+                       "eval.mode to 'quick' or 'full'.")
+    try:
+      from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
+    check_tasks(harness_tasks, task_manager(config.eval.get("harness_include_path") or None))
   if float(config.report.get("learned_below", 0.0)) < 0:
     raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
   if int(config.report.get("learned_window", 25)) < 1:

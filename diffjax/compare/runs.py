@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_collections
 from etils import epath
 
-from diffjax.compare.config import eval_config, run_config, run_name
+from diffjax.compare.config import eval_config, harness_task_names, run_config, run_name
 from diffjax.model import ModelConfig, count_params
 from diffjax.train.records import read_metrics, write_json
 
@@ -61,13 +61,41 @@ def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log) 
   return int(result["step"])
 
 
+def harness_settings(config: ml_collections.ConfigDict) -> dict[str, Any] | None:
+  """The comparison's lm-eval settings (``eval.harness_*``), or None without tasks."""
+  tasks = harness_task_names(config)
+  if not tasks:
+    return None
+  return {"tasks": list(tasks), "include_path": config.eval.get("harness_include_path") or None,
+          "limit": config.eval.get("harness_limit") or None,
+          "num_fewshot": config.eval.get("harness_num_fewshot"),
+          "seed": int(config.eval.get("harness_seed", 1234))}
+
+
+def _harness(model, tokenizer, run: ml_collections.ConfigDict, batch_size: int,
+             settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+  """The lm-eval results of ``settings["tasks"]`` on ``model`` and their flat scalars."""
+  from diffjax.eval.harness import DiffjaxLM, harness_scalars, run_tasks  # pylint: disable=import-outside-toplevel
+  lm = DiffjaxLM(model=model, tokenizer=tokenizer, max_length=int(run.seq_len),
+                 batch_size=batch_size)
+  results = run_tasks(lm, settings["tasks"], include_path=settings["include_path"],
+                      limit=settings["limit"], num_fewshot=settings["num_fewshot"],
+                      seed=settings["seed"])
+  section = {"settings": dict(settings), "results": results.get("results", {}),
+             "n-shot": results.get("n-shot", {}), "versions": results.get("versions", {})}
+  return section, harness_scalars(results)
+
+
 def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step: int,
-                        quick: bool, log: Log) -> dict[str, Any]:
+                        quick: bool, log: Log, harness: Mapping[str, Any] | None = None
+                        ) -> dict[str, Any]:
   """Evaluates the checkpoint at ``step`` of ``run_dir`` with ``cfg`` and writes eval.json.
 
   Validation batches are the run's own held-out batches (same data config, task mix, sequence
   length and batch size). Text alone does not depend on the seed, so every run is scored on the
-  same text; task examples are drawn per seed, so runs of one seed share them.
+  same text; task examples are drawn per seed, so runs of one seed share them. ``harness``
+  (:func:`harness_settings`) adds lm-eval tasks: their results go in the ``harness`` section
+  and their metrics in the scalars as ``harness/<task>/<metric>``.
   """
   from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
   from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
@@ -84,6 +112,15 @@ def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step:
   meta = {"seed": int(run.seed), "workdir": os.path.abspath(run_dir) if "://" not in run_dir
           else run_dir, "step": step, "quick": quick}
   result = evaluate_model(model, val, cfg, meta=meta, log=log)
+  if harness:
+    t0 = time.perf_counter()
+    section, scalars = _harness(model, tokenizer if tokenizer is not None else
+                                data_cfg.tokenizer, run, cfg.batch_size, harness)
+    result["sections"]["harness"] = section
+    result["scalars"].update(scalars)
+    result["meta"]["harness"] = _normalized(dict(harness))
+    result["meta"].setdefault("seconds", {})["harness"] = time.perf_counter() - t0
+    log(f"harness: {time.perf_counter() - t0:.1f}s")
   write_json(epath.Path(run_dir, "eval.json"), result)
   return result
 
@@ -93,11 +130,13 @@ def _normalized(obj: Any) -> Any:
   return json.loads(json.dumps(obj, allow_nan=True))
 
 
-def _eval_is_current(ev: Mapping[str, Any] | None, step: int, cfg) -> bool:
+def _eval_is_current(ev: Mapping[str, Any] | None, step: int, cfg,
+                     harness: Mapping[str, Any] | None = None) -> bool:
   if not ev:
     return False
   meta = ev.get("meta", {})
-  return meta.get("step") == step and meta.get("eval_config") == _normalized(cfg.to_dict())
+  return (meta.get("step") == step and meta.get("eval_config") == _normalized(cfg.to_dict())
+          and meta.get("harness") == (_normalized(dict(harness)) if harness else None))
 
 
 def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDict,
@@ -109,12 +148,13 @@ def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDi
     return None
   path = epath.Path(run_dir, "eval.json")
   ev = json.loads(path.read_text()) if path.exists() else None
-  if _eval_is_current(ev, step, cfg):
+  harness = harness_settings(config)
+  if _eval_is_current(ev, step, cfg, harness):
     log(f"{tag} eval.json is up to date (step {step}): skipping evaluation")
     return ev
   log(f"{tag} evaluating ({config.eval.mode}) step {step}")
   return evaluate_checkpoint(run, run_dir, cfg, step, config.eval.mode == "quick",
-                             log=lambda msg: log(f"{tag} eval {msg}"))
+                             log=lambda msg: log(f"{tag} eval {msg}"), harness=harness)
 
 
 def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,

@@ -1,0 +1,243 @@
+"""The lm-evaluation-harness model over a diffjax :class:`~diffjax.model.DecoderLM`.
+
+:class:`DiffjaxLM` is an ``lm_eval.api.model.TemplateLM``: the harness's own code turns a
+(context, continuation) pair into token ids (trailing spaces of the context move to the
+continuation; the continuation is what encoding the pair adds to encoding the context), and
+this class scores them (:class:`~diffjax.eval.harness.scorer.TokenScorer`), scores rolling
+windows for perplexity tasks (the harness's windows: every token predicted once, each window
+with as much context as fits), and generates through :func:`diffjax.generation.generate`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+try:
+  from lm_eval.api.model import TemplateLM
+  from lm_eval import utils as lm_utils
+except ImportError as e:  # pragma: no cover - the message is the point
+  raise ImportError("diffjax.eval.harness needs lm-eval: pip install -e '.[harness]' "
+                    "(it does not need torch).") from e
+from tqdm import tqdm
+
+from diffjax.data import Tokenizer, load_tokenizer
+from diffjax.eval.harness.scorer import TokenScorer
+from diffjax.generation import generate
+from diffjax.model import DecoderLM
+
+DEFAULT_MAX_LENGTH = 2048
+DEFAULT_MAX_GEN_TOKS = 256
+# gen_kwargs keys the harness's tasks pass that this model reads.
+_GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
+
+
+def _load(workdir: str | None, hf_dir: str | None, step: int | None
+          ) -> tuple[DecoderLM, str | None, int | None, str]:
+  """(model, the run's tokenizer spec, its context length, a name) from a run or HF dir."""
+  if workdir is not None:
+    from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
+    if not os.path.isdir(workdir):
+      raise FileNotFoundError(f"workdir={workdir!r} is not a directory: pass the --workdir "
+                              "of a train.py run.")
+    run = load_run(workdir, step)
+    spec = (run.config.get("data") or {}).get("tokenizer", "byte")
+    seq_len = run.config.get("seq_len")
+    return run.model, spec, int(seq_len) if seq_len else None, f"{workdir}@{run.step}"
+  from diffjax.convert import load_hf  # pylint: disable=import-outside-toplevel
+  from diffjax.convert.files import read_config  # pylint: disable=import-outside-toplevel
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"hf_dir={hf_dir!r} is not a directory: pass a directory with "
+                            "config.json and safetensors weights.")
+  model = load_hf(hf_dir)
+  spec = os.path.join(hf_dir, "tokenizer.json")
+  positions = read_config(hf_dir).get("max_position_embeddings")
+  return model, spec if os.path.isfile(spec) else None, positions, hf_dir
+
+
+class DiffjaxLM(TemplateLM):
+  """A diffjax model as an lm-eval ``TemplateLM`` (registered as ``"diffjax"``).
+
+  Give one of ``workdir`` (a ``train.py`` run: its newest good checkpoint, or ``step``, and
+  its tokenizer), ``hf_dir`` (an HF Llama/DiffLlama directory, its ``tokenizer.json``) or
+  ``model`` with ``tokenizer``.
+
+  Args:
+    tokenizer: a :class:`~diffjax.data.Tokenizer` or a spec for
+      :func:`~diffjax.data.load_tokenizer` ("byte", a tokenizers ``.json`` or a
+      sentencepiece ``.model``). With ``workdir`` it must be the run's own.
+    max_length: the longest input scored or generated from (default: the run's ``seq_len``,
+      the HF config's ``max_position_embeddings``, else 2048). Longer requests lose tokens
+      from the left.
+    batch_size: rows per forward pass (and per generation call).
+    max_gen_toks: new tokens for a generation task that does not say.
+    seed: the sampling seed of sampled generation.
+    mesh, rules: evaluate sharded over a device mesh (no parameter is gathered).
+    device, max_batch_size: accepted for the harness's command line; not used.
+  """
+
+  backend = "causal"
+
+  def __init__(self, workdir: str | None = None, *, hf_dir: str | None = None,
+               model: DecoderLM | None = None, tokenizer: Tokenizer | str | None = None,
+               step: int | None = None, max_length: int | None = None,
+               batch_size: int | str = 8, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+               seed: int = 0, mesh=None, rules=None, device: Any = None,
+               max_batch_size: Any = None):
+    super().__init__()
+    del device, max_batch_size
+    given = [n for n, v in (("workdir", workdir), ("hf_dir", hf_dir), ("model", model))
+             if v is not None]
+    if len(given) != 1:
+      raise ValueError(f"give exactly one of workdir=, hf_dir= or model=; got {given or 'none'}.")
+    run_spec, context = None, None
+    if model is None:
+      model, run_spec, context, self._name = _load(workdir, hf_dir, step)
+    else:
+      self._name = f"{model.config.attention} model"
+    if isinstance(tokenizer, str) and run_spec is not None and workdir is not None \
+        and os.path.abspath(tokenizer) != os.path.abspath(run_spec) and tokenizer != run_spec:
+      raise ValueError(f"tokenizer={tokenizer!r} is not the one the run was trained with "
+                       f"({run_spec!r}): leave it out to use the run's own.")
+    tokenizer = tokenizer if tokenizer is not None else run_spec
+    if tokenizer is None:
+      raise ValueError("no tokenizer: pass tokenizer= ('byte', a tokenizers .json or a "
+                       "sentencepiece .model).")
+    self.tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    if self.tok.vocab_size > model.config.vocab_size:
+      raise ValueError(f"the tokenizer has {self.tok.vocab_size} ids but the model only "
+                       f"{model.config.vocab_size}: it is not this model's tokenizer.")
+    if isinstance(batch_size, str):
+      if not batch_size.isdigit():
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer ('auto' is not "
+                         "supported).")
+      batch_size = int(batch_size)
+    self.model = model
+    self.max_length_ = int(max_length or context or DEFAULT_MAX_LENGTH)
+    self.batch_size = int(batch_size)
+    self.max_gen_toks = int(max_gen_toks)
+    self.seed = int(seed)
+    self.mesh, self.rules = mesh, rules
+    self.scorer = TokenScorer(model, max_length=self.max_length_, batch_size=self.batch_size,
+                              mesh=mesh, rules=rules)
+
+  # -- what TemplateLM asks for ------------------------------------------------------------
+
+  @property
+  def eot_token_id(self) -> int:
+    return int(self.tok.eos_id)
+
+  @property
+  def max_length(self) -> int:
+    return self.max_length_
+
+  @property
+  def tokenizer_name(self) -> str:
+    return repr(self.tok)
+
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs
+                 ) -> list[int]:
+    del add_special_tokens, kwargs  # diffjax tokenizers add no special tokens
+    return [int(t) for t in self.tok.encode(string)]
+
+  def tok_decode(self, tokens: Sequence[int]) -> str:
+    return self.tok.decode(np.asarray(tokens, np.int32))
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
+                            ) -> list[tuple[float, bool]]:
+    del kwargs
+    bar = tqdm(total=len(requests), desc="diffjax loglikelihood", disable=disable_tqdm)
+    out = self.scorer.score([(ctx, cont) for _, ctx, cont in requests], progress=bar.update)
+    bar.close()
+    for (pair, _, _), result in zip(requests, out):
+      if pair is not None:
+        self.cache_hook.add_partial("loglikelihood", pair, result)
+    return out
+
+  def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
+    """The harness's disjoint rolling windows of ``text`` (every token predicted once)."""
+    windows = lm_utils.get_rolling_token_windows(
+        token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+        max_seq_len=self.max_length, context_len=1)
+    return [lm_utils.make_disjoint_window(w) for w in windows]
+
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    windows, owner = [], []
+    for i, req in enumerate(requests):
+      for w in self.rolling_windows(req.args[0]):
+        windows.append(w)
+        owner.append(i)
+    bar = tqdm(total=len(windows), desc="diffjax rolling windows", disable=disable_tqdm)
+    scores = self.scorer.score(windows, progress=bar.update)
+    bar.close()
+    totals = [0.0] * len(requests)
+    for i, (logp, _) in zip(owner, scores):
+      totals[i] += logp
+    for req, total in zip(requests, totals):
+      self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+    return totals
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    groups: dict[str, list[int]] = {}
+    for i, req in enumerate(requests):
+      groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+    out: list[str] = [""] * len(requests)
+    bar = tqdm(total=len(requests), desc="diffjax generate_until", disable=disable_tqdm)
+    for members in groups.values():
+      kwargs = dict(requests[members[0]].args[1])
+      contexts = [requests[i].args[0] for i in members]
+      for start in range(0, len(members), self.batch_size):
+        chunk = members[start:start + self.batch_size]
+        texts = self.generate_texts(contexts[start:start + self.batch_size], **kwargs)
+        for i, text in zip(chunk, texts):
+          out[i] = text
+          self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+  # -- generation ----------------------------------------------------------------------------
+
+  def generate_texts(self, contexts: Sequence[str], *, until=None, max_gen_toks=None,
+                     do_sample: bool = False, temperature: float = 0.0, top_k=None,
+                     top_p=None, **unknown) -> list[str]:
+    """Continuations of ``contexts`` cut before the first of ``until`` (strings), as the
+    harness's ``generate_until`` defines them."""
+    if unknown:
+      raise ValueError(f"generation options {sorted(unknown)} are not supported; the model "
+                       f"reads {sorted(_GEN_KEYS)}.")
+    stops = [until] if isinstance(until, str) else list(until or [])
+    new = int(max_gen_toks or self.max_gen_toks)
+    keep = max(1, self.max_length - new)
+    prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-keep:] for c in contexts]
+    sampled = bool(do_sample) and float(temperature or 0.0) > 0
+    result = generate(self.model, prompts, max_new_tokens=new,
+                      temperature=float(temperature) if sampled else 0.0,
+                      top_k=top_k if sampled else None, top_p=top_p if sampled else None,
+                      seed=self.seed, stop_tokens=[self.eot_token_id], mesh=self.mesh,
+                      rules=self.rules)
+    return [cut_at_stops(self.tok_decode(tokens), stops) for tokens in result.tokens]
+
+
+def cut_at_stops(text: str, stops: Sequence[str]) -> str:
+  """``text`` up to (not including) the earliest occurrence of any of ``stops``."""
+  cut = len(text)
+  for s in stops:
+    if s:
+      at = text.find(s)
+      if at != -1:
+        cut = min(cut, at)
+  return text[:cut]
+
+
+def _register() -> None:
+  """Registers :class:`DiffjaxLM` as ``"diffjax"`` with the harness (once)."""
+  from lm_eval.api import registry  # pylint: disable=import-outside-toplevel
+  import lm_eval.models  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  if "diffjax" not in registry.model_registry.keys():
+    registry.register_model("diffjax")(DiffjaxLM)
+
+
+_register()

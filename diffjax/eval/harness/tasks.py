@@ -1,0 +1,90 @@
+"""Running lm-eval tasks on a :class:`~diffjax.eval.harness.model.DiffjaxLM`, offline.
+
+Tasks are the harness's own (found in its task index) or YAML files and directories given
+with ``include_path``. Nothing is downloaded here: a task whose data is not in the local
+datasets cache fails with the datasets library's error. Set ``HF_DATASETS_OFFLINE=1`` (this
+module sets it unless it is set) and point a task's ``dataset_path: json`` with
+``dataset_kwargs.data_files`` at local files, as the fixture tasks in ``tests/fixtures/harness``
+do.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The harness's bootstrap forks worker processes unless this is set; forking a process that
+# runs JAX's threads can deadlock.
+os.environ.setdefault("DISABLE_MULTIPROC", "1")
+
+# pylint: disable=wrong-import-position
+from lm_eval import evaluator
+from lm_eval.tasks import TaskManager
+
+from diffjax.eval.harness.model import DiffjaxLM
+
+
+@functools.lru_cache(maxsize=8)
+def _manager(paths: tuple[str, ...]) -> TaskManager:
+  return TaskManager(include_path=list(paths) or None)
+
+
+def task_manager(include_path: str | Sequence[str] | None = None) -> TaskManager:
+  """The harness's task index with ``include_path`` added (built once per path: indexing
+  the harness's thousands of task files takes seconds)."""
+  paths = [] if not include_path else (
+      [include_path] if isinstance(include_path, str) else list(include_path))
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise FileNotFoundError(f"include_path {missing} does not exist: pass directories or "
+                            "YAML files of task definitions.")
+  return _manager(tuple(os.path.abspath(p) for p in paths))
+
+
+def check_tasks(names: Sequence[str], manager: TaskManager) -> list[str]:
+  """``names`` as a list; an unknown name (not a task, group or tag) is one clear error."""
+  names = [n for n in names if n]
+  if not names:
+    raise ValueError("no tasks given: pass --tasks=NAME[,NAME...].")
+  known = set(manager.all_tasks)
+  unknown = [n for n in names if n not in known and not os.path.isfile(n)]
+  if unknown:
+    raise ValueError(f"unknown task(s) {unknown}: not in the harness's index or the "
+                     "include path; list them with `lm_eval ls tasks`, or pass "
+                     "--include_path=DIR with their YAML files.")
+  return names
+
+
+def run_tasks(lm: DiffjaxLM, tasks: Sequence[str], *, include_path=None,
+              limit: int | float | None = None, num_fewshot: int | None = None,
+              seed: int = 1234, log_samples: bool = False,
+              bootstrap_iters: int = 1000) -> dict[str, Any]:
+  """The harness's results dict (``results``, ``configs``, ``versions``, ...) of ``tasks``."""
+  manager = task_manager(include_path)
+  names = check_tasks(list(tasks), manager)
+  results = evaluator.simple_evaluate(
+      model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+      log_samples=log_samples, bootstrap_iters=bootstrap_iters, random_seed=seed,
+      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+  if results is None:  # another rank in a multi-process harness run
+    return {}
+  return dict(results)
+
+
+def harness_scalars(results: Mapping[str, Any]) -> dict[str, float]:
+  """``{"harness/<task>/<metric>": value}`` of every numeric metric (standard errors left
+  out), the form the comparison report aggregates over seeds."""
+  out = {}
+  for task, metrics in sorted((results.get("results") or {}).items()):
+    for key, value in metrics.items():
+      metric = key.split(",")[0]
+      if metric == "alias" or "_stderr" in metric or not isinstance(value, (int, float)):
+        continue
+      if isinstance(value, bool) or (isinstance(value, float) and math.isnan(value)):
+        continue
+      out[f"harness/{task}/{metric}"] = float(value)
+  return out
