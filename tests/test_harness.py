@@ -267,3 +267,41 @@ def test_bad_input_is_one_error_line(args, needle, trained_workdir, tmp_path, ca
   err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
   assert rc == 2 and len(err) == 1 and needle in err[0], err
   assert not os.path.exists(os.path.join(names["empty"], "harness.json"))
+
+
+def _sharded_child():
+  jax.config.update("jax_num_cpu_devices", 8)
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+  assert jax.device_count() == 8
+  out = {}
+  rng = np.random.default_rng(3)
+  requests = [(rng.integers(0, 64, int(n)).tolist(), rng.integers(0, 64, 3).tolist())
+              for n in (5, 17, 30, 2, 11)]
+  for arm in ("transformer", "diff_v1", "diff_v2"):
+    heads = dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else \
+        dict(num_heads=8, num_kv_heads=4)
+    cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2, head_dim=4,
+                      mlp_dim=64, implementation="xla", **heads)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(3))
+    single = TokenScorer(model, max_length=32, batch_size=4).score(requests)
+    scorer = TokenScorer(model, max_length=32, batch_size=4, mesh=shd.make_mesh((2, 2, 2)))
+    sharded = scorer.score(requests)
+    split = [len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+             for leaf in jax.tree.leaves(scorer._state) if leaf.ndim >= 2]  # pylint: disable=protected-access
+    out[arm] = bool(any(split)) and all(
+        abs(a[0] - b[0]) <= 1e-5 * max(1.0, abs(b[0])) and a[1] == b[1]
+        for a, b in zip(sharded, single))
+  print(json.dumps(out))
+
+
+@pytest.mark.slow  # a child process with 8 CPU devices
+def test_scores_on_a_mesh_equal_one_device_with_parameters_left_sharded():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  code = "import tests.test_harness as t; t._sharded_child()"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=REPO, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+      "transformer": True, "diff_v1": True, "diff_v2": True}

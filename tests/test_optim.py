@@ -150,7 +150,10 @@ def _max_rel_diff(mask=None, arm="diff_v1", steps=4) -> float:
              for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(scanned)))
 
 
-@pytest.mark.parametrize("arm", ARMS)
+# DIFF V1 (norm gains, its norm scale and λ vectors) and V2 (its λ projection) carry the
+# leaves the rank rule got wrong; the baseline's norm gains are the same kind as theirs.
+@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow),
+                                 "diff_v1", "diff_v2"])
 def test_scanned_and_unrolled_runs_reach_the_same_parameters(arm):
   # Float32 round-off only: the two layouts run the same arithmetic in another order.
   assert _max_rel_diff(arm=arm) < 1e-5

@@ -48,13 +48,60 @@ def read_metrics(workdir):
   return {r["step"]: r for r in rows if "train/loss" in r}
 
 
-def test_resume_is_exact(tmp_path):
+def _count_step_traces(monkeypatch) -> dict[str, int]:
+  """Counts the traces of the train and eval steps the trainer builds; more than one per
+  run fails at once (``chex.assert_max_traces``)."""
+  from diffjax.train import setup as setup_lib  # pylint: disable=import-outside-toplevel
+  traces = {"train": 0, "eval": 0}
+  make_train, make_eval = setup_lib.make_train_step, setup_lib.make_eval_step
+
+  # chex tells functions apart by their source and where they are defined: one each.
+  def build_train(*args, **kwargs):
+    fn = make_train(*args, **kwargs)
+
+    def train_step(state, batch):
+      traces["train"] += 1  # the Python body runs only while jax traces it
+      return fn(state, batch)
+    return chex.assert_max_traces(train_step, n=1)
+
+  def build_eval(*args, **kwargs):
+    fn = make_eval(*args, **kwargs)
+
+    def eval_step(params, batch):
+      traces["eval"] += 1
+      return fn(params, batch)
+    return chex.assert_max_traces(eval_step, n=1)
+
+  monkeypatch.setattr(setup_lib, "make_train_step", build_train)
+  monkeypatch.setattr(setup_lib, "make_eval_step", build_eval)
+  return traces
+
+
+def _with_evals(c):
+  c.eval_every = 2
+  return c
+
+
+def test_resume_is_exact(tmp_path, monkeypatch):
+  """A run stopped at step 3 and resumed equals a straight run, loss for loss and bit for bit;
+  each run traces its train and eval steps once (no retrace per step, per eval, or for the
+  restored state)."""
+  traces = _count_step_traces(monkeypatch)
   straight = str(tmp_path / "straight")
-  train_and_evaluate(tiny_config(steps=6), straight)
+  chex.clear_trace_counter()
+  train_and_evaluate(_with_evals(tiny_config(steps=6)), straight)  # evals at 2, 4, 6
+  assert traces == {"train": 1, "eval": 1}
   resumed = str(tmp_path / "resumed")
-  first = train_and_evaluate(tiny_config(steps=3), resumed)
+  chex.clear_trace_counter()
+  first = train_and_evaluate(_with_evals(tiny_config(steps=3)), resumed)
   assert first["step"] == 3
-  train_and_evaluate(tiny_config(steps=6), resumed)
+  assert traces == {"train": 2, "eval": 2}
+  chex.clear_trace_counter()
+  train_and_evaluate(_with_evals(tiny_config(steps=6)), resumed)  # restored from step 3
+  assert traces == {"train": 3, "eval": 3}
+  evals = [r for r in map(json.loads, open(os.path.join(straight, "metrics.jsonl")))
+           if "eval/loss" in r]
+  assert len(evals) >= 3
   a, b = read_metrics(straight), read_metrics(resumed)
   assert sorted(a) == sorted(b) == list(range(1, 7))
   for s in range(4, 7):
@@ -172,50 +219,6 @@ def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
   flat = jax.tree_util.tree_flatten_with_path(grads)[0]
   dead = [jax.tree_util.keystr(path) for path, g in flat if not np.any(np.asarray(g) != 0)]
   assert not dead, f"parameters with an all-zero gradient: {dead}"
-
-
-def test_train_and_eval_steps_trace_once_per_run_through_evals_and_a_resume(tmp_path,
-                                                                             monkeypatch):
-  """One trace of each step per run: none per step, per eval, or for the restored state."""
-  from diffjax.train import setup as setup_lib
-  traces = {"train": 0, "eval": 0}
-  make_train, make_eval = setup_lib.make_train_step, setup_lib.make_eval_step
-
-  # chex tells functions apart by their source and where they are defined: one each.
-  def build_train(*args, **kwargs):
-    fn = make_train(*args, **kwargs)
-
-    def train_step(state, batch):
-      traces["train"] += 1  # the Python body runs only while jax traces it
-      return fn(state, batch)
-    return chex.assert_max_traces(train_step, n=1)
-
-  def build_eval(*args, **kwargs):
-    fn = make_eval(*args, **kwargs)
-
-    def eval_step(params, batch):
-      traces["eval"] += 1
-      return fn(params, batch)
-    return chex.assert_max_traces(eval_step, n=1)
-
-  monkeypatch.setattr(setup_lib, "make_train_step", build_train)
-  monkeypatch.setattr(setup_lib, "make_eval_step", build_eval)
-  c = tiny_config(steps=4)
-  c.eval_every = 2
-  c.checkpoint.every = 2
-  workdir = str(tmp_path / "run")
-  chex.clear_trace_counter()
-  train_and_evaluate(c, workdir)  # evals at steps 2 and 4
-  assert traces == {"train": 1, "eval": 1}
-  chex.clear_trace_counter()
-  c = tiny_config(steps=8)
-  c.eval_every = 2
-  c.checkpoint.every = 2
-  assert train_and_evaluate(c, workdir)["step"] == 8  # restored from step 4, evals at 6, 8
-  assert traces == {"train": 2, "eval": 2}
-  evals = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
-           if "eval/loss" in r]
-  assert len(evals) >= 4
 
 
 def test_checkpoint_round_trip(tmp_path):
