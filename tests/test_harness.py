@@ -305,3 +305,27 @@ def test_scores_on_a_mesh_equal_one_device_with_parameters_left_sharded():
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
       "transformer": True, "diff_v1": True, "diff_v2": True}
+
+
+def test_an_imported_hf_directory_brings_its_tokenizer_and_context(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  import shutil  # pylint: disable=import-outside-toplevel
+  from tokenizers import models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  hf_dir = tmp_path / "llama"
+  shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf", "llama"), hf_dir)
+  words = ["</s>", "[UNK]"] + [f"w{i}" for i in range(60)]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(hf_dir / "tokenizer.json"))
+  lm = DiffjaxLM(hf_dir=str(hf_dir), batch_size=2)
+  assert lm.max_length == 2048 and lm.eot_token_id == 0  # max_position_embeddings, </s>
+  assert lm.model.config.num_kv_heads == 2 and lm.model.config.vocab_size == 96
+  pairs = [("w1 w2 w3", " w4 w5"), ("w7", " w8"), ("", "w9 w10")]
+  out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)],
+                         disable_tqdm=True)
+  for (context, continuation), (logp, _) in zip(pairs, out):
+    ctx = lm.tok_encode(context) if context else [lm.eot_token_id]
+    cont = lm.tok_encode(context + continuation)[len(lm.tok_encode(context)):] if context \
+        else lm.tok_encode(continuation)
+    _close(logp, plain_loglikelihood(lm.model, ctx, cont, lm.max_length)[0], context)

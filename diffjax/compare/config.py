@@ -161,7 +161,8 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
       from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
     except ImportError as e:
       raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
-    check_tasks(harness_tasks, task_manager(config.eval.get("harness_include_path") or None))
+    check_tasks(harness_tasks, task_manager(config.eval.get("harness_include_path") or None,
+                                            harness_tasks))
   if float(config.report.get("learned_below", 0.0)) < 0:
     raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
   if int(config.report.get("learned_window", 25)) < 1:

@@ -29,20 +29,29 @@ from diffjax.eval.harness.model import DiffjaxLM
 
 
 @functools.lru_cache(maxsize=8)
-def _manager(paths: tuple[str, ...]) -> TaskManager:
-  return TaskManager(include_path=list(paths) or None)
+def _manager(paths: tuple[str, ...], defaults: bool) -> TaskManager:
+  return TaskManager(include_path=list(paths) or None, include_defaults=defaults)
 
 
-def task_manager(include_path: str | Sequence[str] | None = None) -> TaskManager:
-  """The harness's task index with ``include_path`` added (built once per path: indexing
-  the harness's thousands of task files takes seconds)."""
+def task_manager(include_path: str | Sequence[str] | None = None,
+                 tasks: Sequence[str] = ()) -> TaskManager:
+  """The harness's task index with ``include_path`` added, built once per path.
+
+  Indexing the harness's own thousands of task files takes seconds; when every one of
+  ``tasks`` is defined under ``include_path``, only that path is indexed.
+  """
   paths = [] if not include_path else (
       [include_path] if isinstance(include_path, str) else list(include_path))
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
     raise FileNotFoundError(f"include_path {missing} does not exist: pass directories or "
                             "YAML files of task definitions.")
-  return _manager(tuple(os.path.abspath(p) for p in paths))
+  key = tuple(os.path.abspath(p) for p in paths)
+  if key and tasks:
+    own = _manager(key, False)
+    if all(t in set(own.all_tasks) for t in tasks):
+      return own
+  return _manager(key, True)
 
 
 def check_tasks(names: Sequence[str], manager: TaskManager) -> list[str]:
@@ -64,7 +73,7 @@ def run_tasks(lm: DiffjaxLM, tasks: Sequence[str], *, include_path=None,
               seed: int = 1234, log_samples: bool = False,
               bootstrap_iters: int = 1000) -> dict[str, Any]:
   """The harness's results dict (``results``, ``configs``, ``versions``, ...) of ``tasks``."""
-  manager = task_manager(include_path)
+  manager = task_manager(include_path, tasks)
   names = check_tasks(list(tasks), manager)
   results = evaluator.simple_evaluate(
       model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
