@@ -44,7 +44,7 @@ from diffjax import ops  # noqa: E402  pylint: disable=wrong-import-position
 from diffjax.model import ModelConfig, matched_configs  # noqa: E402
 from diffjax.model.sizes import size_widths  # noqa: E402
 
-GPU_TESTS = ("tests/test_kernels_mosaic_gpu.py", "tests/test_kernels_gpu.py")
+GPU_TESTS = ("tests/kernels/gpu/test_kernels_mosaic_gpu.py", "tests/kernels/gpu/test_kernels_gpu.py")
 
 
 def run_tests(dry: bool) -> list[tuple[str, str, str]]:

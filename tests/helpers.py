@@ -1,8 +1,16 @@
-"""Helpers shared by the tests that run the project's commands in a fresh process."""
+"""Helpers shared by the test files: paths, and the output checks of commands run in a fresh
+process."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+
+# The tests' own directory (shared helpers, fixtures) and the repository root.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+FIXTURES = os.path.join(TESTS, "fixtures")
 
 # Lines that libraries print on stderr before any of our code runs: absl's notice and the
 # CUDA plugin's "no driver" line (installed by the ``[gpu-compile]`` extra, loaded by jax
@@ -15,3 +23,46 @@ _LIBRARY_NOISE = re.compile(
 def own_stderr(text: str) -> list[str]:
   """The lines of ``text`` (a child's stderr) that the libraries' start-up notices are not."""
   return [line for line in text.splitlines() if not _LIBRARY_NOISE.match(line)]
+
+
+def tiny_config(arm="diff_v1", steps=6):
+  """A train.py config of a two-layer model that trains in seconds on a CPU."""
+  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+  c = base_config()
+  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=2, mlp_dim=128,
+                      head_dim=16))
+  c.seq_len = 32
+  c.global_batch_size = 4
+  c.num_steps = steps
+  c.log_every = 1
+  c.eval_every = 0
+  c.eval_batches = 2
+  c.tensorboard = False
+  c.log_batch_hash = True
+  c.data.max_documents = 40
+  c.optim.update(dict(warmup_steps=2, decay_steps=steps))
+  c.checkpoint.update(dict(every=3, keep=5, async_save=False))
+  return c
+
+
+def read_metrics(workdir):
+  """A run's metrics.jsonl train rows by step."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r for r in rows if "train/loss" in r}
+
+
+def write_bpe_tokenizer(path, special_tokens=("</s>",), texts=None, vocab_size=300):
+  """Trains a byte-level BPE tokenizers file at ``path``; returns the tokenizers object."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(texts or ["the quick brown fox jumps over the lazy dog"] * 20,
+                          trainer=trainer)
+  tok.save(str(path))
+  return tok

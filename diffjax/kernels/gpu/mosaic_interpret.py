@@ -34,7 +34,7 @@ consumer warpgroups needs at least three, or it stalls for good.
 
 Everything here is used only when a kernel runs with ``interpret=True``; it changes
 nothing for compiled kernels. The extension is tested on its own against numpy
-(``tests/test_kernels_mosaic_gpu.py``).
+(``tests/kernels/gpu/test_kernels_mosaic_gpu.py``).
 """
 
 from __future__ import annotations

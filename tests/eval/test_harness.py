@@ -1,0 +1,326 @@
+"""The lm-eval model: every request of the fixture tasks against the model's plain forward.
+
+The fixture tasks (tests/fixtures/harness: multiple choice, rolling perplexity, generation)
+run through the harness's own ``simple_evaluate``; every request the harness makes is
+recorded and scored again here without the adapter: the unpadded sequence through the
+model's forward, log-softmax in float32, the continuation's log-probabilities summed.
+``max_length`` is short, so some requests lose context on the left and the rolling task
+takes several windows; batches of four mix lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
+
+from lm_eval import utils as lm_utils  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from diffjax.eval.harness import DiffjaxLM, TokenScorer, cut_at_stops, run_tasks  # noqa: E402
+from diffjax.eval.harness import command as harness_command  # noqa: E402
+from diffjax.generation import generate  # noqa: E402
+from diffjax.model import DecoderLM, ModelConfig  # noqa: E402
+from helpers import REPO, TESTS, write_bpe_tokenizer  # noqa: E402
+
+FIXTURES = os.path.join("tests", "fixtures", "harness")  # data_files are relative to the repo
+TASKS = ["diffjax_fixture_choice", "diffjax_fixture_perplexity", "diffjax_fixture_generate"]
+MAX_LENGTH = 32
+RTOL = 1e-5
+
+
+def tiny_model(arm: str, vocab: int = 258, seed: int = 0) -> DecoderLM:
+  cfg = ModelConfig(attention=arm, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_dim=64, vocab_size=vocab)
+  return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
+
+
+_FORWARDS = {}
+
+
+def _plain_forward(model: DecoderLM):
+  """The model's own forward of one unpadded row, jitted (one compile per length)."""
+  if id(model) not in _FORWARDS:
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda s, x: jax.nn.log_softmax(
+        nnx.merge(graphdef, s)(x).astype(jnp.float32), axis=-1))
+    _FORWARDS[id(model)] = (model, lambda x: fn(state, x))
+  return _FORWARDS[id(model)][1]
+
+
+def plain_loglikelihood(model: DecoderLM, context, continuation, max_length=MAX_LENGTH):
+  """(sum of log p(continuation), greedy?) from one unpadded forward, float32."""
+  whole = (list(context) + list(continuation))[-(max_length + 1):]
+  inputs = jnp.asarray([whole[:-1]], jnp.int32)
+  logp = np.asarray(_plain_forward(model)(inputs))[0]
+  n, k = len(whole) - 1, len(continuation)
+  rows = np.arange(n - k, n)
+  targets = np.asarray(whole[1:])[rows]
+  return (float(np.sum(logp[rows, targets], dtype=np.float64)),
+          bool(np.all(np.argmax(logp[rows], axis=-1) == targets)))
+
+
+class Recording(DiffjaxLM):
+  """Keeps every request the harness makes, with the adapter's answer."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.pairs, self.rolling, self.generations = [], [], []
+
+  def _loglikelihood_tokens(self, requests, **kwargs):
+    out = super()._loglikelihood_tokens(requests, **kwargs)
+    self.pairs += [(ctx, cont, res) for (_, ctx, cont), res in zip(requests, out)]
+    return out
+
+  def loglikelihood_rolling(self, requests, **kwargs):
+    out = super().loglikelihood_rolling(requests, **kwargs)
+    self.rolling += [(r.args[0], total) for r, total in zip(requests, out)]
+    return out
+
+  def generate_until(self, requests, **kwargs):
+    out = super().generate_until(requests, **kwargs)
+    self.generations += [(r.args, text) for r, text in zip(requests, out)]
+    return out
+
+
+def _close(got, want, what):
+  assert abs(got - want) <= RTOL * max(abs(want), 1.0), (what, got, want)
+
+
+@pytest.fixture(scope="module", params=["transformer", "diff_v1", "diff_v2"])
+def evaluated(request):
+  cwd = os.getcwd()
+  os.chdir(REPO)
+  try:
+    model = tiny_model(request.param)
+    lm = Recording(model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=4,
+                   max_gen_toks=12)
+    results = run_tasks(lm, TASKS, include_path=FIXTURES, bootstrap_iters=0)
+  finally:
+    os.chdir(cwd)
+  return request.param, model, lm, results
+
+
+def test_every_loglikelihood_request_equals_the_plain_forward(evaluated):
+  arm, model, lm, results = evaluated
+  assert set(results["results"]) == set(TASKS)
+  assert len(lm.pairs) == 18  # 6 questions x 3 choices
+  truncated = [p for p in lm.pairs if len(p[0]) + len(p[1]) > MAX_LENGTH + 1]
+  assert truncated, "no request was longer than the context"
+  lengths = {min(len(c) + len(k) - 1, MAX_LENGTH) for c, k, _ in lm.pairs}
+  assert len(lengths) > 4, "the requests do not mix lengths"
+  for ctx, cont, (logp, greedy) in lm.pairs:
+    want, want_greedy = plain_loglikelihood(model, ctx, cont)
+    _close(logp, want, (arm, ctx[-8:], cont))
+    assert greedy == want_greedy
+  # The harness's accuracy follows from those log-likelihoods.
+  by_question = [lm.pairs[i:i + 3] for i in range(0, 18, 3)]
+  acc = np.mean([int(np.argmax([p[2][0] for p in q]) == 0) for q in by_question])
+  assert results["results"]["diffjax_fixture_choice"]["acc,none"] == pytest.approx(acc)
+
+
+def test_rolling_perplexity_scores_each_token_once_in_the_harness_windows(evaluated):
+  arm, model, lm, _ = evaluated
+  assert len(lm.rolling) == 4
+  assert any(len(lm.tok_encode(text)) > 2 * MAX_LENGTH for text, _ in lm.rolling)
+  for text, total in lm.rolling:
+    tokens = lm.tok_encode(text)
+    windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+        tokens, lm.eot_token_id, MAX_LENGTH, 1)]
+    assert sum(len(cont) for _, cont in windows) == len(tokens)
+    want = sum(plain_loglikelihood(model, ctx, cont)[0] for ctx, cont in windows)
+    _close(total, want, (arm, text[:20]))
+
+
+def test_greedy_generate_until_equals_generate_with_the_same_stops(evaluated):
+  _, model, lm, _ = evaluated
+  assert len(lm.generations) == 5
+  for (context, kwargs), text in lm.generations:
+    assert kwargs["until"] == ["\n"] and kwargs["max_gen_toks"] == 12
+    prompt = lm.tok_encode(context)[-(MAX_LENGTH - 12):]
+    out = generate(model, [prompt], max_new_tokens=12, stop_tokens=[lm.eot_token_id])
+    assert text == cut_at_stops(lm.tok_decode(out.tokens[0]), ["\n"])
+    assert "\n" not in text
+
+
+def test_a_stream_of_lengths_compiles_one_forward_per_bucket():
+  model = tiny_model("diff_v1")
+  scorer = TokenScorer(model, max_length=40, batch_size=3)
+  rng = np.random.default_rng(0)
+  requests = [(rng.integers(0, 258, int(n)).tolist(), rng.integers(0, 258, 2).tolist())
+              for n in rng.integers(1, 60, 25)]
+  got = scorer.score(requests)
+  # Widths 16, 32 and the context (40), three rows each.
+  assert scorer.compiled_shapes == {(3, 16), (3, 32), (3, 40)}
+  assert scorer._fn._cache_size() == 3  # pylint: disable=protected-access
+  for (ctx, cont), (logp, _) in zip(requests[:6], got[:6]):
+    _close(logp, plain_loglikelihood(model, ctx, cont, 40)[0], "scorer")
+
+
+def test_scorer_refuses_what_it_cannot_score():
+  scorer = TokenScorer(tiny_model("transformer"), max_length=8)
+  with pytest.raises(ValueError, match="empty context"):
+    scorer.score([([], [1, 2])])
+  with pytest.raises(ValueError, match="does not fit"):
+    scorer.score([([1], list(range(9)))])
+  with pytest.raises(ValueError, match=r"outside \[0, 258\)"):
+    scorer.score([([1], [300])])
+  assert scorer.score([([5], [])]) == [(0.0, True)]
+
+
+def _write_bpe(path):
+  pytest.importorskip("tokenizers")
+  write_bpe_tokenizer(path, ["<eos>"], ["def add(a, b):\n    return a + b\n"] * 50)
+  return str(path)
+
+
+def _write_sentencepiece(path):
+  spm = pytest.importorskip("sentencepiece")
+  text = path.parent / "spm.txt"
+  text.write_text("".join(f"the number {i} follows {i - 1} and precedes {i + 1}\n"
+                          for i in range(300)))
+  spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(path)[:-len(".model")],
+                                 vocab_size=120, model_type="bpe")
+  return str(path)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
+def test_tokenizers_follow_the_harness_conventions(kind, tmp_path):
+  spec = {"byte": lambda: "byte", "bpe": lambda: _write_bpe(tmp_path / "tok.json"),
+          "sentencepiece": lambda: _write_sentencepiece(tmp_path / "sp.model")}[kind]()
+  lm = DiffjaxLM(model=tiny_model("diff_v2", vocab=320), tokenizer=spec, max_length=MAX_LENGTH,
+                 batch_size=2)
+  pairs = [("def add(a, b):", " return a + b"), ("", "the number 7"), ("x = ", "5")]
+  out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)],
+                         disable_tqdm=True)
+  for (context, continuation), (logp, _) in zip(pairs, out):
+    if context:  # the continuation is what encoding the pair adds to encoding the context
+      ctx = lm.tok_encode(context.rstrip())
+      cont = lm.tok_encode(context.rstrip() + context[len(context.rstrip()):]
+                           + continuation)[len(ctx):]
+    else:
+      ctx, cont = [lm.eot_token_id], lm.tok_encode(continuation)
+    _close(logp, plain_loglikelihood(lm.model, ctx, cont)[0], (kind, context))
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  c = base_config()
+  c.model.update(dict(arm="diff_v1", size="tiny", d_model=32, num_layers=1, mlp_dim=64,
+                      head_dim=8))
+  c.seq_len, c.global_batch_size, c.num_steps = 32, 2, 2
+  c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
+  c.data.max_documents = 20
+  c.optim.update(dict(warmup_steps=1, decay_steps=2))
+  c.checkpoint.update(dict(every=2, keep=1, async_save=False))
+  workdir = str(tmp_path_factory.mktemp("harness") / "run")
+  train_and_evaluate(c, workdir)
+  return workdir
+
+
+def test_the_command_prints_the_table_and_writes_the_results_json(trained_workdir, capsys,
+                                                                  monkeypatch):
+  monkeypatch.chdir(REPO)
+  out = os.path.join(trained_workdir, "h.json")
+  rc = harness_command.main([f"--workdir={trained_workdir}", f"--include_path={FIXTURES}",
+                             "--tasks=diffjax_fixture_choice,diffjax_fixture_generate",
+                             "--limit=3", "--batch_size=2", "--max_gen_toks=4",
+                             "--bootstrap_iters=0", f"--output={out}"])
+  captured = capsys.readouterr()
+  assert rc == 0, captured.err[-2000:]
+  assert "|diffjax_fixture_choice  |" in captured.out and "|acc " in captured.out
+  results = json.loads(open(out, encoding="utf-8").read())
+  assert results["diffjax"]["arm"] == "diff_v1" and results["diffjax"]["max_length"] == 32
+  assert results["n-samples"]["diffjax_fixture_choice"]["effective"] == 3
+  assert 0.0 <= results["results"]["diffjax_fixture_choice"]["acc,none"] <= 1.0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--workdir={empty}", "--tasks=diffjax_fixture_choice"], "No checkpoints in"),
+    (["--workdir={run}", "--tasks=no_such_task"], "unknown task(s) ['no_such_task']"),
+    (["--workdir={run}", "--tasks=diffjax_fixture_choice", "--tokenizer={bpe}"],
+     "is not the one the run was trained with ('byte')"),
+])
+def test_bad_input_is_one_error_line(args, needle, trained_workdir, tmp_path, capsys,
+                                     monkeypatch):
+  monkeypatch.chdir(REPO)
+  (tmp_path / "empty").mkdir()
+  names = dict(empty=str(tmp_path / "empty"), run=trained_workdir,
+               bpe=str(tmp_path / "other.json"))
+  argv = [a.format(**names) for a in args] + [f"--include_path={FIXTURES}"]
+  rc = harness_command.main(argv)
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+  assert rc == 2 and len(err) == 1 and needle in err[0], err
+  assert not os.path.exists(os.path.join(names["empty"], "harness.json"))
+
+
+def _sharded_child():
+  jax.config.update("jax_num_cpu_devices", 8)
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+  assert jax.device_count() == 8
+  out = {}
+  rng = np.random.default_rng(3)
+  requests = [(rng.integers(0, 64, int(n)).tolist(), rng.integers(0, 64, 3).tolist())
+              for n in (5, 17, 30, 2, 11)]
+  for arm in ("transformer", "diff_v1", "diff_v2"):
+    heads = dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else \
+        dict(num_heads=8, num_kv_heads=4)
+    cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2, head_dim=4,
+                      mlp_dim=64, implementation="xla", **heads)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(3))
+    single = TokenScorer(model, max_length=32, batch_size=4).score(requests)
+    scorer = TokenScorer(model, max_length=32, batch_size=4, mesh=shd.make_mesh((2, 2, 2)))
+    sharded = scorer.score(requests)
+    split = [len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+             for leaf in jax.tree.leaves(scorer._state) if leaf.ndim >= 2]  # pylint: disable=protected-access
+    out[arm] = bool(any(split)) and all(
+        abs(a[0] - b[0]) <= 1e-5 * max(1.0, abs(b[0])) and a[1] == b[1]
+        for a, b in zip(sharded, single))
+  print(json.dumps(out))
+
+
+@pytest.mark.slow  # a child process with 8 CPU devices
+def test_scores_on_a_mesh_equal_one_device_with_parameters_left_sharded():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, JAX_PLATFORMS="cpu",  # the test module imports tests/helpers.py
+             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+  code = "import tests.eval.test_harness as t; t._sharded_child()"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=REPO, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+      "transformer": True, "diff_v1": True, "diff_v2": True}
+
+
+def test_an_imported_hf_directory_brings_its_tokenizer_and_context(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  import shutil  # pylint: disable=import-outside-toplevel
+  from tokenizers import models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  hf_dir = tmp_path / "llama"
+  shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf", "llama"), hf_dir)
+  words = ["</s>", "[UNK]"] + [f"w{i}" for i in range(60)]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(hf_dir / "tokenizer.json"))
+  lm = DiffjaxLM(hf_dir=str(hf_dir), batch_size=2)
+  assert lm.max_length == 2048 and lm.eot_token_id == 0  # max_position_embeddings, </s>
+  assert lm.model.config.num_kv_heads == 2 and lm.model.config.vocab_size == 96
+  pairs = [("w1 w2 w3", " w4 w5"), ("w7", " w8"), ("", "w9 w10")]
+  out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)],
+                         disable_tqdm=True)
+  for (context, continuation), (logp, _) in zip(pairs, out):
+    ctx = lm.tok_encode(context) if context else [lm.eot_token_id]
+    cont = lm.tok_encode(context + continuation)[len(lm.tok_encode(context)):] if context \
+        else lm.tok_encode(continuation)
+    _close(logp, plain_loglikelihood(lm.model, ctx, cont, lm.max_length)[0], context)

@@ -1,0 +1,677 @@
+"""Mosaic GPU kernels (Hopper) checked on a CPU.
+
+* The interpreter extension (:mod:`diffjax.kernels.gpu.mosaic_interpret`) against numpy.
+* The tiles and their budgets (:mod:`diffjax.kernels.gpu.mosaic_tiles`): shared memory
+  recomputed here in closed form from the tile sizes and dtypes, the byte model behind
+  the backward's design, block-size validation. (What Mosaic GPU and ptxas make of the
+  kernels, compiled for an H100, is tests/kernels/gpu/test_gpu_compile.py.)
+* The forward and every gradient of :func:`diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu`
+  / ``diff_v2_pallas_gpu``, and V1 decoding, against the float32 reference in jax's
+  Mosaic GPU interpreter, in a child process (it needs eight host devices, see
+  ``mosaic_interpret.check_threads``): one small case per variant by default, the wider
+  product under ``slow``. Each output is measured over the whole array and row by row,
+  with per-dtype tolerances (``kernel_checks``); V1's d lambda against a tolerance
+  derived from its own terms. The checks are shown to fail on broken results.
+* ``gpu``-marked tests run the compiled kernels on a Hopper.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
+from diffjax.kernels.gpu import mosaic  # noqa: E402
+from diffjax.kernels.gpu import mosaic_bwd as mb  # noqa: E402
+from diffjax.kernels.gpu import mosaic_common as mc  # noqa: E402
+from diffjax.kernels.gpu import mosaic_decode as md  # noqa: E402
+from diffjax.kernels.gpu import mosaic_fwd as mf  # noqa: E402
+from diffjax.kernels.gpu import mosaic_tiles as tiles  # noqa: E402
+from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E  # noqa: E402
+from kernel_checks import abstract_hopper  # noqa: E402
+
+from helpers import TESTS  # noqa: E402  (kernel_checks lives there)
+KIB = 1024
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+  mi.reset()
+  yield
+  mi.reset()
+
+
+def _operands(m=64, k=64, n=64):
+  a = jax.random.normal(jax.random.key(0), (m, k)).astype(jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(1), (n, k)).astype(jnp.bfloat16)
+  return a, b
+
+
+def test_interpreter_layout_cast_is_identity():
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                     interpret=mi.params())
+  def kernel(x_ref, o_ref):
+    o_ref[...] = plgpu.layout_cast(x_ref[...], plgpu.Layout.WGMMA) * 2.0
+
+  x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
+  np.testing.assert_array_equal(kernel(x), 2.0 * np.asarray(x))
+
+
+@pytest.mark.parametrize("a_in_registers", [False, True])
+def test_interpreter_wgmma_transposed_and_register_operands(a_in_registers):
+  a, b = _operands()
+  tr = mc.smem_transforms(64, jnp.bfloat16)
+
+  @functools.partial(
+      plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+      scratch_types=[plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tr),
+                     plgpu.SMEM((2, 64, 64), jnp.bfloat16, transforms=tr)],
+      interpret=mi.params())
+  def kernel(a_ref, b_ref, o_ref, a_smem, b_smem):
+    a_smem[...] = a_ref[...]
+    b_smem[1] = b_ref[...]
+    plgpu.commit_smem()
+    lhs = plgpu.layout_cast(a_ref[...], plgpu.Layout.WGMMA) if a_in_registers else a_smem
+
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, b_smem.at[1].transpose((1, 0)))
+      plgpu.wgmma(acc_ref, lhs, b_smem.at[1].transpose((1, 0)))
+      return acc_ref[...]
+    o_ref[...] = pl.run_scoped(body, plgpu.ACC((64, 64), jnp.float32))
+
+  want = 2.0 * (np.asarray(a, np.float32) @ np.asarray(b, np.float32).T)
+  np.testing.assert_allclose(kernel(a, b), want, rtol=1e-6, atol=1e-5)
+
+
+def test_interpreter_reduce_add_copies_sum_every_cta():
+  # Four CTAs add their tile into the same rows of a float32 array (aliased through a
+  # ref, as the backward's dQ is): the result is the initial value plus all four.
+  x = jax.random.normal(jax.random.key(2), (4, 64, 32), jnp.float32)
+  scratch = [plgpu.SMEM((64, 32), jnp.float32), plgpu.Barrier(num_barriers=1)]
+
+  def kernel(x_ref, acc_ref, smem, bar):
+    i = jax.lax.axis_index("g")
+    plgpu.copy_gmem_to_smem(x_ref.at[i], smem, bar.at[0])
+    plgpu.barrier_wait(bar.at[0])
+    plgpu.copy_smem_to_gmem(smem, acc_ref.at[0], reduction_op="add")
+    plgpu.wait_smem_to_gmem(0)
+
+  @jax.jit
+  def run(x):
+    acc = jax.new_ref(jnp.ones((1, 64, 32), jnp.float32), memory_space=plgpu.GMEM)
+    pl.kernel(lambda *refs: pl.run_scoped(lambda *scr: kernel(*refs, *scr), *scratch),
+              out_type=(), mesh=plgpu.Mesh(grid=(4,), grid_names=("g",)),
+              interpret=mi.params())(x, acc)
+    return acc[...]
+
+  np.testing.assert_allclose(run(x)[0], 1.0 + np.asarray(x).sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_smem_transforms_pick_the_widest_swizzle():
+  swizzle = lambda w, cap=128: mc.smem_transforms(w, jnp.bfloat16, cap)[1].swizzle
+  # Rows of 128, 160, 192, 256 and 512 bytes.
+  assert [swizzle(w) for w in (64, 80, 96, 128, 256)] == [128, 32, 64, 128, 128]
+  # The backward's cap (32-query sub-tiles of bf16: 64 bytes).
+  assert [swizzle(w, 64) for w in (64, 80, 96, 128)] == [64, 32, 64, 64]
+  with pytest.raises(ValueError, match="multiple of 16"):
+    mc.smem_transforms(8, jnp.bfloat16)
+
+
+def test_interpreter_thread_check(monkeypatch):
+  monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+  monkeypatch.setattr(jax, "devices", lambda *_: [object()])
+  with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count=8"):
+    mi.check_threads(3)
+  mi.check_threads(2)
+  monkeypatch.setattr(jax, "devices", lambda *_: [object()] * 8)
+  mi.check_threads(3)
+
+
+def test_forward_padded_rejects_what_the_kernels_do_not_take():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  lam = jnp.zeros((1, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="bfloat16 or float16.*implementation='stock'"):
+    mf.forward_padded("v1", (q.astype(jnp.float32),) * 2, (q,) * 2, v, lam)
+  with pytest.raises(ValueError, match="variant='v3'"):
+    mf.forward_padded("v3", (q,), (q,), v, lam)
+  with pytest.raises(ValueError, match=r"v1 takes \(q1, q2\)"):
+    mf.forward_padded("v1", (q,), (q,), v, lam)
+  with pytest.raises(ValueError, match="value dim 120 must be a multiple of 16"):
+    mf.forward_padded("v1", (q,) * 2, (q,) * 2, v[..., :120], lam)
+
+
+def _align(n):
+  return -(-n // KIB) * KIB
+
+
+def _forward_smem(d, dv, stages, v1, seg, item=2):
+  """The forward's shared memory in closed form: Q of both maps, the K (K1, K2) and V
+  ring, O2 crossing in float32 (in 128-column halves from Dv 256), lambda and both
+  log-sum-exps, segment ids; each buffer at a 1 KiB boundary; 8 bytes a barrier; the
+  2 KiB plgpu.kernel adds."""
+  half = 2 if dv >= 256 else 1
+  bufs = [2 * 64 * d * item, stages * 64 * d * item, stages * 64 * dv * item,
+          64 * dv // half * 4, 64 * 4, 2 * 64 * 4]
+  bufs += [stages * 64 * d * item] if v1 else []
+  bufs += [2 * 64 * 4, stages * 64 * 4] if seg else []
+  bars = 2 + 2 + stages + (stages if v1 else 0) + stages + (stages if seg else 0) + stages
+  bars += 1 + (half > 1)
+  return sum(map(_align, bufs)) + 8 * bars + 2 * KIB
+
+
+def _backward_smem(d, dv, stages, parts, v1, seg, item=2):
+  """The backward's: K_a (K_b) and the V halves once; per ring slot Q of both maps, the
+  dO halves, five row terms and query ids; key ids; the dP halves (float32, 32-query
+  sub-tile) and P / dS (64 queries) crossing; the dQ chunk; an int per warpgroup."""
+  half = dv // 2  # the halves of the cases below are equal
+  bufs = [(2 if v1 else 1) * 64 * d * item, 64 * half * item, 64 * half * item,
+          stages * 64 * d * item, stages * 64 * d * item,
+          stages * 64 * half * item, stages * 64 * half * item, stages * 5 * 64 * 4,
+          2 * 64 * 32 * 4, 2 * 64 * 64 * item, 2 * 64 * (d // parts) * 4, 2 * 4]
+  bufs += [stages * 64 * 4, 64 * 4] if seg else []
+  bars = 5 + 2 * stages + 2 * stages + stages + (stages if seg else 0) + stages + 2
+  return sum(map(_align, bufs)) + 8 * bars
+
+
+@pytest.mark.parametrize("d,v1,seg,itemsize", [(128, True, True, 2), (128, False, True, 2),
+                                               (64, True, False, 2), (96, True, True, 2),
+                                               (128, True, False, 2)])
+def test_shared_memory_models_in_closed_form(d, v1, seg, itemsize):
+  dv = 2 * d if v1 else d
+  variant = "v1" if v1 else "v2"
+  bk, stages = tiles.forward_blocks(d, dv, variant, seg, itemsize)
+  assert tiles.forward_smem_bytes(d, dv, bk, stages, variant, seg, itemsize) == \
+      _forward_smem(d, dv, stages, v1, seg, itemsize)
+  b_stages, parts = tiles.backward_blocks(d, dv, variant, seg, itemsize)
+  assert tiles.backward_smem_bytes(d, dv, b_stages, parts, variant, seg, itemsize) == \
+      _backward_smem(d, dv, b_stages, parts, v1, seg, itemsize)
+
+
+def test_default_tiles_follow_from_the_budget():
+  # The deepest forward ring within 227 KiB, from the closed form: V1 d 128 (Dv 256)
+  # keeps 2 slots (3 would need more), V2 d 128 and V1 d 64 keep 3.
+  limit = 227 * KIB
+  for d, v1, want in [(128, True, 2), (128, False, 3), (64, True, 3)]:
+    dv = 2 * d if v1 else d
+    fits = [s for s in (3, 2, 1) if _forward_smem(d, dv, s, v1, True) <= limit]
+    assert fits[0] == want
+    assert tiles.forward_blocks(d, dv, "v1" if v1 else "v2") == (64, want)
+  # The backward: dQ in 32-column chunks where d allows (d 128: 4; d 80: whole), the
+  # deepest ring that fits: V1 d 128 one slot, V2 d 128 two.
+  assert [tiles.dq_parts(d) for d in (64, 80, 96, 128)] == [2, 1, 3, 4]
+  assert _backward_smem(128, 256, 2, 4, True, True) > limit >= \
+      _backward_smem(128, 256, 1, 4, True, True)
+  assert tiles.backward_blocks(128, 256, "v1") == (1, 4)
+  assert _backward_smem(128, 128, 2, 4, False, True) <= limit
+  assert tiles.backward_blocks(128, 128, "v2") == (2, 4)
+  assert tiles.MosaicBlockSizes.default(128, 256, "v1") == tiles.MosaicBlockSizes(64, 2, 1, 4)
+  assert tiles.value_split(256) == (128, 128) and tiles.value_split(80) == (48, 32)
+  with pytest.raises(ValueError, match="at least 32"):
+    tiles.value_split(16)
+  with pytest.raises(ValueError, match="No backward tiling fits shared memory"):
+    tiles.backward_blocks(256, 512, "v1")
+  # The register estimate the backward's tiling is kept within (ptxas has the last
+  # word: tests/kernels/gpu/test_gpu_compile.py fails on any spill).
+  assert tiles.backward_registers(128, 256) == 64 + 64 + 3 * 16 + 40 <= tiles.BWD_REGISTERS
+
+
+def test_block_sizes_validate_against_the_budgets():
+  # Backward fields left None are filled from the budget, around the ones given.
+  assert tiles.MosaicBlockSizes(64, 2).resolved(128, 256, "v1") == \
+      tiles.MosaicBlockSizes(64, 2, 1, 4)
+  assert tiles.MosaicBlockSizes(dq_parts=1).resolved(64, 128, "v1").bwd_stages == 2
+  with pytest.raises(ValueError, match="the backward needs .* bytes"):
+    tiles.MosaicBlockSizes(64, 2, bwd_stages=2).resolved(128, 256, "v1")
+  with pytest.raises(ValueError, match="dq_parts=5 must be 1, 2, 3 or 4"):
+    tiles.MosaicBlockSizes(dq_parts=5)
+  with pytest.raises(ValueError, match="dq_parts=2 must split d=80"):
+    tiles.MosaicBlockSizes(64, 2, 1, 2).check(80, 160, "v1")
+  for bad, match in [(dict(block_kv=96), "block_kv=96 must be 64, 128"),
+                     (dict(block_kv=320), "block_kv=320"),
+                     (dict(stages=0), r"stages=0 must be in \[1, 4\]"),
+                     (dict(stages=True), "stages=True must be an int")]:
+    with pytest.raises(ValueError, match=match):
+      tiles.MosaicBlockSizes(**bad)
+  with pytest.raises(ValueError, match="shared memory for d=128, dv=256.*default here is"):
+    tiles.MosaicBlockSizes(64, 3).check(128, 256, "v1")
+  with pytest.raises(ValueError, match="registers a consumer thread at dv=256"):
+    tiles.MosaicBlockSizes(256, 1).check(64, 256, "v2")
+  tiles.MosaicBlockSizes(128, 2).check(64, 64, "v2")
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
+    mf.forward_padded("v2", (q,), (q,), q, jnp.zeros((1, 1, 64)), block_sizes={"bq": 1})
+
+
+def test_backward_byte_model_behind_the_design():
+  # Per step of 64 queries x 64 keys, from the tile sizes: the key-major loop reads
+  # Q_a, Q_b (64 x d each) and dO (64 x Dv) in bf16 and 5 float32 row terms, and
+  # reduce-adds both maps' float32 dQ (2 x 64 x d x 4); the query-major loop reads K_a,
+  # K_b and V (64 x (2d + Dv), bf16) and reduce-adds them in float32.
+  def model(d, dv, keys):
+    q_reads = 64 * (2 * d + dv) * 2 + 5 * 64 * 4
+    kv_reads = 64 * (keys * d + dv) * 2
+    return {"key_major": q_reads + 2 * 64 * d * 4, "two_pass": q_reads + kv_reads,
+            "query_major": kv_reads + 64 * (keys * d + dv) * 4}
+  v1 = tiles.backward_step_bytes(128, 256, "v1")
+  assert {k: v1[k] for k in ("key_major", "two_pass", "query_major")} == model(128, 256, 2)
+  # For V1 the one-pass key-major loop moves the bytes of a two-pass backward and fewer
+  # than a query-major loop, at 20d instead of 28d backward FLOPs; for V2 a query-major
+  # loop would move fewer.
+  assert v1["key_major"] == v1["two_pass"] < v1["query_major"]
+  assert v1["two_pass_flops"] / v1["one_pass_flops"] == 28 / 20
+  v2 = tiles.backward_step_bytes(128, 128, "v2")
+  assert {k: v2[k] for k in ("key_major", "query_major")} == {
+      k: model(128, 128, 1)[k] for k in ("key_major", "query_major")}
+  assert v2["query_major"] < v2["key_major"]
+
+
+def test_backward_over_shared_memory_is_refused_by_the_lowering():
+  # The budget is real: two ring slots at V1 d 128 do not fit, and Mosaic GPU says so
+  # (the tiling choice avoids exactly this).
+  t = 256
+  cfg = mc.MosaicConfig(variant="v1", causal=True, scale=0.1, q_len=t, kv_len=t, group=1,
+                        segments=False, block_kv=64, stages=2, interpret=False)
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  q, v = S((1, t, 1, 128), bf), S((1, t, 1, 256), bf)
+  rows = S((1, 1, 5, t), jnp.float32)
+  fn = jax.jit(lambda q1, q2, k1, k2, v, do, rows: mb.backward(
+      cfg, (q1, q2), (k1, k2), v, do, rows, None, None, stages=2, dq_parts=1))
+  assert tiles.backward_smem_bytes(128, 256, 2, 1, "v1", False) > tiles.SMEM_BYTES
+  with abstract_hopper(), pytest.raises(Exception, match="exceeds available shared memory"):
+    fn.trace(q, q, q, q, v, v, rows).lower(lowering_platforms=("cuda",))
+
+
+def test_mosaic_entry_points_reject_bad_input():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  v = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  f32 = lambda x: x.astype(jnp.float32)
+  with pytest.raises(ValueError, match="bfloat16 or float16.*'stock'"):
+    mosaic.diff_v1_pallas_gpu(f32(q), f32(q), f32(q), f32(q), f32(v), 0.5)
+  with pytest.raises(ValueError, match="share one dtype"):
+    mosaic.diff_v1_pallas_gpu(q, q, q, f32(q), v, 0.5)
+  with pytest.raises(ValueError, match="Pass both q_segment_ids"):
+    mosaic.diff_v2_pallas_gpu(jnp.zeros((1, 64, 4, 64), jnp.bfloat16), q, q,
+                              jnp.zeros((1, 64, 2)), q_segment_ids=jnp.zeros((1, 64), int))
+  with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
+    mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64})
+
+
+# ----------------------------------------------------------------------------------
+# Numbers in the Mosaic GPU interpreter.
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from diffjax.core import reference as ref
+    from diffjax.kernels.gpu import mosaic
+    sys.path.insert(0, {tests!r})
+    import kernel_checks as kc
+
+    def dlam_check(dlam, dlam_ref, terms_HxN, dtype):
+      # V1's d lambda per head is -sum_i dO_i O2_i over every token and channel. The
+      # kernel's O2 carries one rounding of the input dtype (unit u; the P V product
+      # rounds P once more): |err| <= 2u sum_i |dO_i O2_i| |delta_i|-style sums of
+      # independent roundings, whose spread is 2u sqrt(sum_i (dO_i O2_i)^2). Allowed:
+      # four of those, per head.
+      u = 2.0 ** -(8 if dtype == jnp.bfloat16 else 11)
+      tol = 4 * 2 * u * np.sqrt(np.sum(np.asarray(terms_HxN, np.float64) ** 2, axis=1))
+      err = np.abs(np.asarray(dlam, np.float64) - np.asarray(dlam_ref, np.float64))
+      return bool(np.all(err <= tol)), float(np.max(err / tol))
+
+    results = []
+    for case in {cases!r}:
+      variant, b, t, h, kh, d, causal, segments, *more = case
+      s = more[0] if more else t
+      dtype = jnp.dtype(more[1] if len(more) > 1 else "bfloat16")
+      dv = 2 * d if variant == "v1" else d
+      keys = jax.random.split(jax.random.key(1), 8)
+      n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
+      f32 = lambda x: x.astype(jnp.float32)
+      ids = None
+      if segments:  # a one-token document, then two longer ones (t == s)
+        ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
+        ids = ids.at[:, 0].set(7)
+      kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+      if variant == "v1":
+        args = [n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, s, kh, d)),
+                n(3, (b, s, kh, d)), n(4, (b, s, kh, dv)),
+                jnp.linspace(0.2, 0.8, h).astype(jnp.float32)]
+        kern = lambda *a: mosaic.diff_v1_pallas_gpu(*a, interpret=True, **kw)
+        want = lambda *a: ref.diff_v1_reference(*map(f32, a), causal=causal,
+                                                segment_ids=ids)
+        names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
+      else:
+        args = [n(0, (b, t, 2 * h, d)), n(2, (b, s, kh, d)), n(4, (b, s, kh, dv)),
+                jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))]
+        kern = lambda *a: mosaic.diff_v2_pallas_gpu(*a, interpret=True, **kw)
+        want = lambda *a: ref.diff_v2_reference(*map(f32, a), causal=causal,
+                                                segment_ids=ids)
+        names = ["out", "dq", "dk", "dv", "dlam"]
+      ct = n(6, (b, t, h, dv))
+      out, grads = kc.value_and_vjp(kern, args, ct)
+      out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
+      kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
+      got, refs = dict(zip(names, (out, *grads))), dict(zip(names, (out_r, *grads_r)))
+      tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
+      errs = {{k: kc.errors(got[k], refs[k]) for k in names if not (variant == "v1" and
+                                                             k == "dlam")}}
+      bad = {{k: e for k, e in errs.items() if not (e[0] <= tol and e[1] <= row_tol)}}
+      # The row measure fails on an error confined to a row of small values, which the
+      # whole-array measure does not see: the smallest row (of those at a tenth of the
+      # largest value or more) of each gradient moved by twice the row tolerance of
+      # its own scale.
+      for k in names[1:-1]:
+        broken = np.array(got[k], np.float32).reshape(-1, got[k].shape[-1])
+        scale = np.max(np.abs(np.asarray(refs[k], np.float32).reshape(broken.shape)), 1)
+        row = int(np.argmin(np.where(scale >= 0.1 * scale.max(), scale, np.inf)))
+        broken[row] += 2 * row_tol * scale[row]
+        e = kc.errors(broken.reshape(got[k].shape), refs[k])
+        assert e[1] > row_tol, (k, "a broken row passed", e)
+      if variant == "v1":
+        o2 = ref.diff_v1_reference(*map(f32, (args[1], args[1], args[3], args[3], args[4])),
+                                   0.0, causal=causal, segment_ids=ids)
+        terms = jnp.transpose(f32(ct) * o2, (2, 0, 1, 3)).reshape(h, -1)
+        ok, ratio = dlam_check(got["dlam"], refs["dlam"], terms, dtype)
+        errs["dlam"] = (ratio, ratio)
+        if not ok:
+          bad["dlam"] = ratio
+        for mutant in (jnp.zeros_like(got["dlam"]), -got["dlam"]):
+          assert not dlam_check(mutant, refs["dlam"], terms, dtype)[0], "a broken dlam passed"
+      results.append({{"case": case, "errors": errs, "bad": bad}})
+    print(json.dumps(results))
+""")
+
+
+def _run_child(child: str, cases, timeout: int):
+  # Three warpgroups need three CPU-client threads at once (see mosaic_interpret).
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  try:
+    proc = subprocess.run([sys.executable, "-c", child.format(cases=cases, tests=TESTS)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{cases}: the Mosaic GPU interpreter did not finish in {timeout} s")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  import json
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_forward_and_every_gradient_match_reference_in_interpreter():
+  # One small case per variant in the default run (the interpreter takes about 40 s a
+  # variant): causal with segment ids, d 64 (two 32-column dQ chunks, two query
+  # sub-tiles), one 64-query block.
+  cases = [("v1", 1, 64, 1, 1, 64, True, True), ("v2", 1, 64, 1, 1, 64, True, True)]
+  for result in _run_child(_CHILD, cases, timeout=600):
+    print(result["case"], result["errors"])
+    assert not result["bad"], result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # variant, batch, query length, DIFF heads (V1) or pairs (V2), kv heads, head dim,
+    # causal, segment ids, then optionally the kv length and the dtype
+    ("v1", 1, 200, 2, 2, 64, True, False),
+    ("v1", 1, 384, 3, 1, 64, True, False),     # n_rep 3, causal block skipping
+    ("v1", 1, 200, 2, 1, 128, True, True),     # Dv 256: one slot, dQ in four chunks
+    ("v1", 1, 200, 2, 2, 80, False, True),     # d 80 unpadded (32-byte swizzle)
+    ("v1", 1, 200, 3, 1, 96, True, True),      # d 96: three dQ chunks
+    ("v2", 1, 384, 2, 1, 128, True, True),
+    ("v2", 1, 200, 3, 1, 80, True, False),     # Dv 80: halves of 48 and 32
+    ("v2", 2, 200, 2, 1, 64, False, False),
+    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),   # queries after a prefix
+    ("v2", 1, 200, 2, 1, 128, True, True, 200, "float16"),
+    ("v2", 1, 100, 2, 2, 64, True, False, 300),
+])
+def test_gradients_match_reference_in_interpreter_slow(case):
+  (result,) = _run_child(_CHILD, [case], timeout=1200)
+  print(result["case"], result["errors"])
+  assert not result["bad"], result
+
+
+# ----------------------------------------------------------------------------------
+# DIFF V1 decoding.
+
+
+def test_decode_tiles_and_merge():
+  assert md.decode_stages(128, 256) == 2 and md.decode_stages(64, 128) == 4
+  # Shared memory in closed form: both maps' 64-row query tiles, the K1, K2 and V ring,
+  # the log-sum-exps and the 32 lengths, each at 1 KiB; 8 bytes a barrier; 2 KiB more.
+  for d, stages in [(64, 4), (128, 2)]:
+    bufs = [64 * d * 2] * 2 + [stages * 64 * d * 2] * 2 + [stages * 64 * 2 * d * 2,
+                                                            2 * 64 * 4, 32 * 4]
+    bars = 2 + 2 * stages + stages + 1 + stages
+    assert md.decode_smem_bytes(d, 2 * d, stages) == sum(map(_align, bufs)) + 8 * bars + 2 * KIB
+    assert md.decode_smem_bytes(d, 2 * d, stages) <= tiles.SMEM_BYTES
+  assert md.num_splits(8, 12, 4096) == 2 and md.num_splits(1, 1, 100) == 2
+  # Merging normalised split results by their log-sum-exps equals one softmax over all
+  # keys; an empty split (EMPTY_LSE) and an all-empty row drop out.
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(1, 1, 3, 2, 64))  # [B, K, splits, rows, keys]
+  vals = rng.normal(size=(1, 1, 3, 64, 8))
+  logits[:, :, 1] = -np.inf  # an empty split
+  logits[:, :, :, 1] = -np.inf  # an all-empty row
+  with np.errstate(invalid="ignore", divide="ignore"):
+    top = np.max(logits, -1, keepdims=True)
+    p = np.nan_to_num(np.exp(logits - top))
+    o = np.einsum("bksrn,bksnd->bksrd", p, vals) / np.maximum(p.sum(-1), 1e-30)[..., None]
+    lse = np.log(p.sum(-1)) + top[..., 0]
+  lse = np.where(np.isfinite(lse), lse * LOG2E, EMPTY_LSE)
+  got = np.asarray(jax.jit(md._merge)(o.astype(np.float32), lse.astype(np.float32)))
+  flat = logits[0, 0, :, 0].reshape(-1)  # row 0 over all 3 x 64 keys
+  flat_v = vals[0, 0].reshape(-1, 8)
+  flat, flat_v = flat[np.isfinite(flat)], flat_v[np.isfinite(flat)]
+  w = np.exp(flat - flat.max())
+  np.testing.assert_allclose(got[0, 0, 0], (w / w.sum()) @ flat_v, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[:, :, 1], 0.0)
+
+
+def test_decode_errors_name_the_value():
+  bf = jnp.bfloat16
+  q = jnp.zeros((2, 1, 4, 64), bf)
+  k = jnp.zeros((2, 128, 2, 64), bf)
+  v = jnp.zeros((2, 128, 2, 128), bf)
+  n = jnp.array([5, 7])
+  with pytest.raises(ValueError, match="bfloat16 or float16.*implementation='xla'"):
+    f = lambda x: x.astype(jnp.float32)
+    md.diff_v1_decode_pallas_gpu(f(q), f(q), f(k), f(k), f(v), 0.5, n)
+  with pytest.raises(ValueError, match="num_splits=0 must be a positive int"):
+    md.diff_v1_decode_pallas_gpu(q, q, k, k, v, 0.5, n, block_sizes={"num_splits": 0})
+  with pytest.raises(ValueError, match="Unknown MosaicDecodeBlockSizes fields"):
+    md.diff_v1_decode_pallas_gpu(q, q, k, k, v, 0.5, n, block_sizes={"block_kv": 64})
+
+
+_DECODE_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from diffjax.kernels.gpu import decode, mosaic_decode as md
+    sys.path.insert(0, {tests!r})
+    import kernel_checks as kc
+    results = []
+    for case in {cases!r}:
+      b, s, h, kh, d, splits, lens, dtype = case
+      dtype = jnp.dtype(dtype)
+      ks = jax.random.split(jax.random.key(0), 6)
+      n = lambda i, sh: jax.random.normal(ks[i], sh, jnp.float32).astype(dtype)
+      q1, q2 = n(0, (b, 1, h, d)), n(1, (b, 1, h, d))
+      k1, k2, v = n(2, (b, s, kh, d)), n(3, (b, s, kh, d)), n(4, (b, s, kh, 2 * d))
+      lam = jnp.linspace(0.2, 0.8, h)
+      kv_len = jnp.array(lens, jnp.int32)
+      out = md.diff_v1_decode_pallas_gpu(q1, q2, k1, k2, v, lam, kv_len, interpret=True,
+                                         block_sizes={{"num_splits": splits}})
+      f = lambda x: x.astype(jnp.float32)
+      want = decode.diff_v1_decode_reference(f(q1), f(q2), f(k1), f(k2), f(v), lam, kv_len)
+      assert out.dtype == dtype and out.shape == want.shape
+      err = kc.errors(out, want)
+      # A row with kv_len 0 sees nothing: zero.
+      empty = all(float(abs(out[i]).max()) == 0.0 for i in range(b) if lens[i] == 0)
+      bad = not (err[0] <= kc.tolerance(dtype) and err[1] <= kc.tolerance(dtype, True))
+      results.append({{"case": case, "errors": err, "bad": bad or not empty}})
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # batch, cache slots, heads, kv heads, head dim, splits, kv_len per row, dtype
+    (2, 200, 4, 2, 64, 2, [150, 0], "bfloat16"),     # padded cache, an empty row
+    (2, 256, 3, 1, 128, 3, [256, 70], "bfloat16"),   # GQA 3, Dv 256, uneven splits
+    (1, 320, 2, 2, 64, 1, [193], "float16"),
+])
+def test_decode_matches_reference_in_interpreter(case):
+  (result,) = _run_child(_DECODE_CHILD, [case], timeout=600)
+  print(result["case"], result["errors"])
+  assert not result["bad"], result
+
+
+# ----------------------------------------------------------------------------------
+# A Hopper GPU: compile and run (pytest -m gpu). Timings are the benchmark's.
+
+def _on_hopper() -> bool:
+  if jax.default_backend() != "gpu":
+    return False
+  return all(str(getattr(d, "compute_capability", "")) == "9.0" for d in jax.devices())
+
+
+_needs_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an H100/H200 (sm_90)")
+
+
+@pytest.mark.gpu
+@_needs_hopper
+@pytest.mark.parametrize("variant,d,n_rep,segments,dtype", [
+    ("v1", 128, 1, True, "bfloat16"), ("v1", 64, 2, False, "bfloat16"),
+    ("v1", 80, 3, True, "bfloat16"), ("v1", 96, 1, True, "float16"),
+    ("v2", 128, 1, True, "bfloat16"), ("v2", 64, 2, False, "bfloat16"),
+    ("v2", 80, 1, False, "float16"),
+])
+def test_hopper_kernels_match_reference(variant, d, n_rep, segments, dtype):
+  from diffjax.core import reference as ref
+  from kernel_checks import check, value_and_vjp
+  b, t, kh = 2, 1000, 2
+  h = kh * n_rep
+  dt, f32 = jnp.dtype(dtype), jnp.float32
+  keys = jax.random.split(jax.random.key(4), 8)
+  n = lambda i, shape: jax.random.normal(keys[i], shape, f32).astype(dt)
+  seg = None
+  if segments:
+    seg = jnp.stack([jnp.arange(t) // 300, jnp.arange(t) // 700]).astype(jnp.int32)
+  kw = dict(q_segment_ids=seg, kv_segment_ids=seg)
+  if variant == "v1":
+    args = [n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, t, kh, d)), n(3, (b, t, kh, d)),
+            n(4, (b, t, kh, 2 * d)), jnp.linspace(0.2, 0.8, h)]
+    kern = lambda *a: mosaic.diff_v1_pallas_gpu(*a, **kw)
+    want = lambda *a: ref.diff_v1_reference(*[x.astype(f32) for x in a], segment_ids=seg)
+    names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
+  else:
+    args = [n(0, (b, t, 2 * h, d)), n(2, (b, t, kh, d)), n(4, (b, t, kh, d)),
+            jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))]
+    kern = lambda *a: mosaic.diff_v2_pallas_gpu(*a, **kw)
+    want = lambda *a: ref.diff_v2_reference(*[x.astype(f32) for x in a], segment_ids=seg)
+    names = ["out", "dq", "dk", "dv", "dlam"]
+  ct = n(6, (b, t, h, 2 * d if variant == "v1" else d))
+  out, grads = value_and_vjp(kern, args, ct)
+  out_r, grads_r = value_and_vjp(want, args, ct.astype(f32))
+  outputs = (out, *grads)
+  assert len(names) == len(outputs) == len(args) + 1
+  triples = list(zip(names, outputs, (out_r, *grads_r)))
+  if variant == "v1":
+    # V1's d lambda, one number per head summed over every token, against its own
+    # size: the interpreter test derives the bound; here 4 u of its terms' spread.
+    o2 = ref.diff_v1_reference(*[x.astype(f32) for x in (args[1], args[1], args[3],
+                                                          args[3], args[4])], 0.0,
+                               segment_ids=seg)
+    terms = jnp.transpose(ct.astype(f32) * o2, (2, 0, 1, 3)).reshape(h, -1)
+    u = 2.0 ** -(8 if dt == jnp.bfloat16 else 11)
+    tol = 8 * u * np.sqrt(np.sum(np.asarray(terms, np.float64) ** 2, axis=1))
+    assert np.all(np.abs(np.asarray(grads[5], np.float64) - np.asarray(grads_r[5])) <= tol)
+    triples = triples[:-1]
+  check(triples, dt, rows=True)
+
+
+@pytest.mark.gpu
+@_needs_hopper
+def test_hopper_decode_matches_reference():
+  from diffjax.kernels.gpu import decode
+  from kernel_checks import rel_err, tolerance
+  b, s, kh, h, d = 2, 32768, 4, 8, 128
+  bf = jnp.bfloat16
+  keys = jax.random.split(jax.random.key(5), 5)
+  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(bf)
+  q1, q2 = n(0, (b, 1, h, d)), n(1, (b, 1, h, d))
+  k1, k2, v = n(2, (b, s, kh, d)), n(3, (b, s, kh, d)), n(4, (b, s, kh, 2 * d))
+  lam = jnp.linspace(0.2, 0.8, h)
+  kv_len = jnp.array([s, 5000], jnp.int32)
+  out = jax.jit(md.diff_v1_decode_pallas_gpu)(q1, q2, k1, k2, v, lam, kv_len)
+  want = decode.diff_v1_decode_reference(
+      *[x.astype(jnp.float32) for x in (q1, q2, k1, k2, v)], lam, kv_len)
+  assert rel_err(out, want) <= tolerance(bf)
+
+
+# ----------------------------------------------------------------------------------
+# The kernels as one block of the context-parallel ring.
+
+_RING_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from diffjax.kernels.gpu import mosaic, mosaic_ring as mr
+    sys.path.insert(0, {tests!r})
+    import kernel_checks as kc
+    results = []
+    for variant in {cases!r}:
+      b, t, h, kh, d = 1, 128, 2, 1, 64
+      dt = jnp.bfloat16
+      keys = jax.random.split(jax.random.key(3), 8)
+      n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dt)
+      if variant == "v1":
+        dv = 2 * d
+        qs, ks = (n(0, (b, t, h, d)), n(1, (b, t, h, d))), (n(2, (b, t, kh, d)), n(3, (b, t, kh, d)))
+        lam_h = jnp.array([0.3, 0.6], jnp.float32)
+        lam_bht = jnp.broadcast_to(lam_h[None, :, None], (b, h, t))
+        whole = lambda *a: mosaic.diff_v1_pallas_gpu(*a, interpret=True)
+        extra = lam_h
+      else:
+        dv = d
+        qs, ks = (n(0, (b, t, 2 * h, d)),), (n(2, (b, t, kh, d)),)
+        extra = jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))
+        lam_bht = jnp.transpose(extra, (0, 2, 1))
+        whole = lambda *a: mosaic.diff_v2_pallas_gpu(*a, interpret=True)
+      v, ct = n(4, (b, t, kh, dv)), n(6, (b, t, h, dv))
+      out, grads = kc.value_and_vjp(whole, [*qs, *ks, v, extra], ct)
+      plan = mr.block_config(version=int(variant[1]), t=t, s=t, d=d, dv=dv, heads=h,
+                             kv_heads=kh, causal=True, segmented=False, scale=d ** -0.5,
+                             interpret=True)
+
+      @jax.jit
+      def one_block(qs, ks, v, lam_bht, ct):
+        o1, o2, lse = mr.block_forward(plan, qs, ks, v, lam_bht, None, None)
+        lam = jnp.transpose(lam_bht, (0, 2, 1))[..., None]
+        d1 = jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), o1)
+        d2 = jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), o2)
+        return o1 - lam * o2, mr.block_backward(plan, qs, ks, v, lam_bht, None, None, ct,
+                                                lse, d1, d2)
+
+      comb, (dqs, dks, dvv) = one_block(qs, ks, v, lam_bht, ct)
+      got = [comb, *dqs, *dks, dvv]
+      errs = [kc.errors(g, w) for g, w in zip(got, [out, *grads[:len(got) - 1]])]
+      results.append({{"case": variant, "errors": errs,
+                       "bad": [e for e in errs if not e[0] <= kc.tolerance(dt)]}})
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.slow  # about 90 s a variant in the interpreter
+def test_one_ring_block_is_the_whole_attention():
+  # A single block that sees every key (its own log-sum-exps and row terms) gives the
+  # whole attention's output and gradients: the protocol the ring merges blocks with.
+  for result in _run_child(_RING_CHILD, ["v1", "v2"], timeout=1200):
+    print(result["case"], result["errors"])
+    assert not result["bad"], result

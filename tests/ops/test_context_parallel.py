@@ -1,0 +1,350 @@
+"""Context-parallel attention (sequence sharded over a mesh axis) against the reference.
+
+The sharded checks need 8 CPU devices, and the device count must be set before JAX
+starts its backend, which another test file of the same process may already have
+done. So the parent run starts this file again in a child pytest process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``test_on_eight_devices``);
+there the sharded tests run and the drivers skip; in the parent the sharded tests skip.
+
+Each sharded case builds inputs in the original token order, permutes every per-token
+array with :func:`zigzag_permutation` (identity without load balancing), runs the
+context-parallel op under ``jit`` and un-permutes its output and gradients. Errors are
+``max|cp - reference| / max|reference|`` in float32, for the output and the gradient
+of ``sum(out * cotangent)`` with respect to every input; the bound is 1e-5 (observed
+below 1e-6).
+"""
+
+from __future__ import annotations
+
+import os
+
+from multidevice import XLA_FLAGS, run_in_child
+import re
+
+_CHILD_ENV = "DIFFJAX_CONTEXT_PARALLEL_CHILD"
+IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
+if IN_CHILD:  # before JAX starts its backend
+  os.environ["XLA_FLAGS"] = XLA_FLAGS
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from diffjax.core import reference as ref  # noqa: E402
+from diffjax.ops import context_parallel as cp  # noqa: E402
+from kernel_checks import rel_err as _rel_err  # noqa: E402
+
+TOL = 1e-5
+AXES = ("data", "fsdp", "tensor", "context")
+B, H, KV, D = 2, 4, 2, 8
+sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
+driver = pytest.mark.skipif(IN_CHILD, reason="the driver runs in the parent process")
+
+# (mesh shape, batch_axis, head_axis): the three layouts checked. On (1, 2, 1, 4) without
+# a batch axis the batch is replicated over fsdp, which checks that replicated inputs get
+# their gradients once.
+LAYOUTS = {
+    "context8": ((1, 1, 1, 8), None, None),
+    "all4": ((2, 1, 2, 2), ("data", "fsdp"), "tensor"),
+    "fsdp2_context4": ((1, 2, 1, 4), None, None),
+    "fsdp2_batch": ((1, 2, 1, 4), "fsdp", None),
+    # The kernel cases run the TPU interpreter on every device, so they use fewer.
+    "context2": ((1, 1, 1, 2), None, None),
+    "batch2_context2": ((2, 1, 1, 2), "data", None),
+}
+# One case per (op, strategy); together they use every layout and both load-balance settings.
+FAST = [
+    ("mha", "ring", True, "context8"),
+    ("diff_v1", "ring", True, "all4"),
+    ("diff_v2", "ring", False, "fsdp2_context4"),
+    ("diff_v2", "all_gather", True, "context8"),
+]
+SLOW = [(op, strategy, lb, layout)
+        for op in ("mha", "diff_v1", "diff_v2") for strategy in ("ring", "all_gather")
+        for lb in (True, False) for layout in ("context8", "all4", "fsdp2_context4")
+        if (op, strategy, lb, layout) not in FAST]
+SLOW.append(("diff_v1", "all_gather", True, "fsdp2_batch"))
+
+
+def _mesh(shape):
+  assert jax.device_count() == 8, jax.devices()
+  n = int(np.prod(shape))  # the first n devices (the kernel cases use fewer, see below)
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
+
+
+def _inputs(op, t, *, scalar_lam=False, dtype=jnp.float32, seed=0):
+  """(arrays, indices of the per-token arrays, reference function)."""
+  rng = np.random.default_rng(seed)
+  n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype)
+  if op == "mha":
+    return (n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D)), (0, 1, 2), ref.mha_reference
+  if op == "diff_v1":
+    lam = jnp.asarray(0.37) if scalar_lam else jnp.linspace(0.2, 0.8, H)
+    arrays = (n(B, t, H, D), n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D),
+              n(B, t, KV, 2 * D), lam)
+    return arrays, (0, 1, 2, 3, 4), ref.diff_v1_reference
+  lam_BxTxH = jax.nn.sigmoid(n(B, t, H).astype(jnp.float32))
+  return (n(B, t, 2 * H, D), n(B, t, KV, D), n(B, t, KV, D), lam_BxTxH), (0, 1, 2, 3), \
+      ref.diff_v2_reference
+
+
+def _packed_segments(t):
+  """Two rows of packed documents whose boundaries fall inside shards."""
+  rows = [np.repeat([0, 1, 2], [7, 13, t - 20]), np.repeat([3, 5], [t - 9, 9])]
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=True,
+             scalar_lam=False, dtype=jnp.float32, tol=TOL, implementation="xla"):
+  shape, batch_axis, head_axis = LAYOUTS[layout]
+  mesh = _mesh(shape)
+  c = mesh.shape["context"]
+  arrays, per_token, ref_fn = _inputs(op, t, scalar_lam=scalar_lam, dtype=dtype)
+  seg = _packed_segments(t) if segments else None
+  perm = cp.zigzag_permutation(t, c) if load_balance else np.arange(t)
+  inv = cp.inverse_permutation(perm)
+  permute = lambda xs, order: tuple(x[:, order] if i in per_token else x
+                                    for i, x in enumerate(xs))
+
+  ref_args = tuple(a.astype(jnp.float32) for a in arrays)
+  out_ref = ref_fn(*ref_args, causal=causal, segment_ids=seg)
+  ct = jnp.asarray(np.random.default_rng(1).standard_normal(out_ref.shape), jnp.float32)
+  argnums = tuple(range(len(arrays)))
+
+  def cp_loss(*xs):
+    out = cp.context_parallel_attention(
+        op, xs, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
+        load_balance=load_balance, causal=causal,
+        segment_ids=None if seg is None else seg[:, perm], implementation=implementation,
+        interpret=implementation != "xla")
+    return jnp.sum(out.astype(jnp.float32) * ct[:, perm]), out
+
+  def ref_loss(*xs):
+    out = ref_fn(*xs, causal=causal, segment_ids=seg)
+    return jnp.sum(out * ct), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(cp_loss, argnums, has_aux=True))(
+      *permute(arrays, perm))
+  _, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums, has_aux=True))(*ref_args)
+  assert out.dtype == dtype
+  errs = {"out": _rel_err(out[:, inv], out_ref)}
+  for i, (g, g_ref) in enumerate(zip(permute(grads, inv), ref_grads)):
+    assert g.shape == arrays[i].shape
+    errs[f"d{i}"] = _rel_err(g, g_ref)
+  bad = {k: f"{e:.1e}" for k, e in errs.items() if not e <= tol}
+  assert not bad, f"outside {tol}: {bad}; all: { {k: f'{e:.1e}' for k, e in errs.items()} }"
+
+
+# ------------------------------------------------------------------------------------------
+# The order, on any number of devices.
+
+def test_zigzag_permutation_values():
+  perm = cp.zigzag_permutation(8, 2)
+  assert perm.dtype == np.int32
+  # Chunks of 2: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2.
+  np.testing.assert_array_equal(perm, [0, 1, 6, 7, 2, 3, 4, 5])
+  np.testing.assert_array_equal(cp.zigzag_permutation(6, 1), np.arange(6))
+  x = np.arange(24).reshape(1, 24) * 10
+  for c in (1, 2, 3, 4):
+    p = cp.zigzag_permutation(24, c)
+    np.testing.assert_array_equal(x[:, p][:, cp.inverse_permutation(p)], x)
+
+
+def test_shard_positions_follow_the_permutation():
+  for c, t in ((2, 8), (4, 32), (8, 48)):
+    perm = cp.zigzag_permutation(t, c)
+    tl = t // c
+    for i in range(c):
+      np.testing.assert_array_equal(cp._original_positions(i, c, tl, True),
+                                    perm[i * tl:(i + 1) * tl])
+      np.testing.assert_array_equal(cp._original_positions(i, c, tl, False),
+                                    np.arange(i * tl, (i + 1) * tl))
+
+
+def test_ring_takes_the_per_block_kernel_the_dispatch_table_registers(monkeypatch):
+  from diffjax.kernels.tpu import blocks as tpu_blocks
+  from diffjax.ops import dispatch
+  from diffjax.ops import ring_blocks as rb
+  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
+  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is tpu_blocks
+  assert rb.registered_ring_blocks("mha", "pallas_tpu") is None  # no kernel registered
+  blocks = rb.kernel_blocks(tpu_blocks, version=2, d=8, dv=8, heads=2, kv_heads=1,
+                            segmented=False, scale=0.5)
+  assert blocks.maps == 2 and blocks.head_major and blocks.interpreter_barrier
+  # A kernel registered without per-block functions leaves the ring its XLA blocks.
+  monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+  dispatch.register_implementation("diff_v2", "pallas_tpu", lambda *a, **k: None, ("tpu",))
+  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is None
+  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
+
+
+def test_permutation_errors():
+  with pytest.raises(ValueError, match="multiple of 2 \\* num_shards = 8"):
+    cp.zigzag_permutation(30, 4)
+  with pytest.raises(ValueError, match="num_shards must be positive"):
+    cp.zigzag_permutation(8, 0)
+  with pytest.raises(ValueError, match="permutation"):
+    cp.inverse_permutation([0, 0, 1])
+
+
+# ------------------------------------------------------------------------------------------
+# Sharded checks (8 devices, in the child process).
+
+@sharded
+@pytest.mark.parametrize("op,strategy,load_balance,layout", FAST)
+def test_matches_reference(op, strategy, load_balance, layout):
+  _compare(op, strategy, load_balance, layout, t=48 if layout == "context8" else 32)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("op,strategy,load_balance,layout", SLOW)
+def test_matches_reference_more(op, strategy, load_balance, layout):
+  _compare(op, strategy, load_balance, layout, t=48 if layout == "context8" else 32)
+
+
+@sharded
+def test_ring_scalar_lambda_no_causal_no_segments():
+  _compare("diff_v1", "ring", True, "fsdp2_context4", causal=False, segments=False,
+           scalar_lam=True)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("causal,segments", [(False, True), (True, False)])
+def test_mask_variants(op, strategy, causal, segments):
+  _compare(op, strategy, True, "all4", causal=causal, segments=segments)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
+def test_ring_bfloat16(op):
+  # Against the float32 reference on the same (rounded) inputs; bfloat16 output rounding
+  # and bfloat16 matmul operands set the scale of the error.
+  _compare(op, "ring", True, "all4", dtype=jnp.bfloat16, tol=2e-2)
+
+
+# The fused TPU kernels per ring block (``implementation="pallas_tpu"`` in the TPU
+# interpreter), one default case per op: zig-zag order, documents crossing the shard
+# boundary, so every step kind runs (the causal first step and both later cases); the slow
+# ones add four shards, contiguous shards, no causal mask, batch sharding and bfloat16.
+# The Mosaic GPU kernels take bf16/fp16 tiles of 64 rows, too large for these shapes:
+# tests/kernels/gpu/test_kernels_mosaic_gpu.py checks one of their ring blocks against the whole
+# attention, and the ring that merges blocks is one code path for every block kind.
+KERNEL_SLOW = [
+    ("diff_v1", True, "context2", True),
+    ("diff_v2", True, "context2", True),
+    ("diff_v2", True, "fsdp2_context4", True),
+    ("diff_v1", False, "fsdp2_context4", True),
+    ("diff_v2", False, "batch2_context2", True),
+    ("diff_v1", True, "batch2_context2", False),
+    ("diff_v2", True, "context2", False),
+]
+
+
+@sharded
+@pytest.mark.parametrize("op,implementation", [("diff_v1", "pallas_tpu"),
+                                               ("diff_v2", "pallas_tpu")])
+def test_ring_with_kernel_blocks_matches_reference(op, implementation):
+  _compare(op, "ring", True, "context2", implementation=implementation)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_tpu"])
+@pytest.mark.parametrize("op,load_balance,layout,causal", KERNEL_SLOW)
+def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout, causal,
+                                                        implementation):
+  _compare(op, "ring", load_balance, layout, causal=causal, implementation=implementation)
+
+
+@sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_tpu"])
+@pytest.mark.parametrize("op", ["diff_v1", "diff_v2"])
+def test_ring_with_kernel_blocks_bfloat16(op, implementation):
+  _compare(op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2,
+           implementation=implementation)
+
+
+def _collectives(op, strategy) -> set[str]:
+  mesh = _mesh((1, 1, 2, 4))
+  arrays, _, _ = _inputs(op, 32)
+  seg = _packed_segments(32)
+
+  def loss(*xs):
+    out = cp.context_parallel_attention(op, xs, mesh=mesh, head_axis="tensor",
+                                        strategy=strategy, segment_ids=seg)
+    return jnp.sum(out)
+
+  text = jax.jit(jax.grad(loss, tuple(range(len(arrays))))).lower(*arrays).as_text()
+  return set(re.findall(r"stablehlo\.(collective_permute|all_gather|all_to_all)", text))
+
+
+@sharded
+@pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
+def test_ring_passes_blocks_and_never_gathers(op):
+  assert _collectives(op, "ring") == {"collective_permute"}
+
+
+@sharded
+def test_all_gather_strategy_gathers():
+  assert "all_gather" in _collectives("diff_v1", "all_gather")
+
+
+@sharded
+def test_argument_errors():
+  mesh = _mesh((1, 1, 2, 4))
+  arrays, _, _ = _inputs("mha", 36)
+  call = lambda xs, **kw: cp.context_parallel_attention("mha", xs, mesh=mesh, **kw)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    call(arrays)  # 36 is not a multiple of 2 * 4
+  fine = jax.eval_shape(lambda *xs: call(xs, load_balance=False), *arrays)
+  assert fine.shape == arrays[0].shape
+  arrays, _, _ = _inputs("mha", 32)
+  one_kv = (arrays[0], arrays[1][:, :, :1], arrays[2][:, :, :1])
+  with pytest.raises(ValueError, match="whole kv groups"):
+    call(one_kv, head_axis="tensor")
+  with pytest.raises(ValueError, match="same length"):
+    call((arrays[0], arrays[1][:, :16], arrays[2][:, :16]))
+  with pytest.raises(ValueError, match="different mesh axes"):
+    call(arrays, head_axis="context")
+  with pytest.raises(ValueError, match="does not have"):
+    call(arrays, batch_axis="model")
+  with pytest.raises(ValueError, match="Unknown strategy"):
+    call(arrays, strategy="tree")
+  with pytest.raises(ValueError, match="Unknown op"):
+    cp.context_parallel_attention("diff_v3", arrays, mesh=mesh)
+  with pytest.raises(ValueError, match="is not one of"):
+    call(arrays, implementation="pallas")
+  with pytest.raises(ValueError, match="baseline"):
+    call(arrays, implementation="pallas_tpu", interpret=True)
+  v1, _, _ = _inputs("diff_v1", 32)
+  call_v1 = lambda **kw: cp.context_parallel_attention("diff_v1", v1, mesh=mesh, **kw)
+  with pytest.raises(ValueError, match="strategy='ring'"):
+    call_v1(strategy="all_gather", implementation="pallas_tpu", interpret=True)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(ValueError, match="interpret=True"):
+      call_v1(implementation="pallas_tpu")
+
+
+# ------------------------------------------------------------------------------------------
+# Drivers (parent process).
+
+def _run_child(markexpr: str) -> None:
+  run_in_child(__file__, _CHILD_ENV, markexpr, timeout=1200)
+
+
+@driver
+def test_on_eight_devices():
+  _run_child("not slow and not gpu and not tpu")
+
+
+@driver
+@pytest.mark.slow
+def test_on_eight_devices_slow():
+  _run_child("slow")

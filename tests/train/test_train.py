@@ -1,0 +1,361 @@
+"""Training harness: exact resume, crash safety, schedules, accumulation, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from diffjax.presets import base_config
+from diffjax.train import checkpoint as ckpt
+from diffjax.train import steps as steps_lib
+from diffjax.train.optim import learning_rate_schedule, make_optimizer
+from diffjax.train.trainer import TrainingError, train_and_evaluate
+from diffjax.model import ModelConfig
+from helpers import REPO, read_metrics, tiny_config  # noqa: E402
+
+EXIT_PREEMPTED = 75  # train.py's status after a SIGTERM save (documented there)
+
+
+def _count_step_traces(monkeypatch) -> dict[str, int]:
+  """Counts the traces of the train and eval steps the trainer builds; more than one per
+  run fails at once (``chex.assert_max_traces``)."""
+  from diffjax.train import setup as setup_lib  # pylint: disable=import-outside-toplevel
+  traces = {"train": 0, "eval": 0}
+  make_train, make_eval = setup_lib.make_train_step, setup_lib.make_eval_step
+
+  # chex tells functions apart by their source and where they are defined: one each.
+  def build_train(*args, **kwargs):
+    fn = make_train(*args, **kwargs)
+
+    def train_step(state, batch):
+      traces["train"] += 1  # the Python body runs only while jax traces it
+      return fn(state, batch)
+    return chex.assert_max_traces(train_step, n=1)
+
+  def build_eval(*args, **kwargs):
+    fn = make_eval(*args, **kwargs)
+
+    def eval_step(params, batch):
+      traces["eval"] += 1
+      return fn(params, batch)
+    return chex.assert_max_traces(eval_step, n=1)
+
+  monkeypatch.setattr(setup_lib, "make_train_step", build_train)
+  monkeypatch.setattr(setup_lib, "make_eval_step", build_eval)
+  return traces
+
+
+def _with_evals(c):
+  c.eval_every = 2
+  return c
+
+
+def test_resume_is_exact(tmp_path, monkeypatch):
+  """A run stopped at step 3 and resumed equals a straight run, loss for loss and bit for bit;
+  each run traces its train and eval steps once (no retrace per step, per eval, or for the
+  restored state)."""
+  traces = _count_step_traces(monkeypatch)
+  straight = str(tmp_path / "straight")
+  chex.clear_trace_counter()
+  train_and_evaluate(_with_evals(tiny_config(steps=6)), straight)  # evals at 2, 4, 6
+  assert traces == {"train": 1, "eval": 1}
+  resumed = str(tmp_path / "resumed")
+  chex.clear_trace_counter()
+  first = train_and_evaluate(_with_evals(tiny_config(steps=3)), resumed)
+  assert first["step"] == 3
+  assert traces == {"train": 2, "eval": 2}
+  chex.clear_trace_counter()
+  train_and_evaluate(_with_evals(tiny_config(steps=6)), resumed)  # restored from step 3
+  assert traces == {"train": 3, "eval": 3}
+  evals = [r for r in map(json.loads, open(os.path.join(straight, "metrics.jsonl")))
+           if "eval/loss" in r]
+  assert len(evals) >= 3
+  a, b = read_metrics(straight), read_metrics(resumed)
+  assert sorted(a) == sorted(b) == list(range(1, 7))
+  for s in range(4, 7):
+    assert a[s]["train/loss"] == b[s]["train/loss"], f"loss differs at step {s}"
+    assert a[s]["data/batch_hash"] == b[s]["data/batch_hash"], f"batch differs at step {s}"
+  # The step-6 checkpoints hold bitwise-identical parameters.
+  ma = ckpt.make_manager(os.path.join(straight, "checkpoints"), keep=5, async_save=False)
+  mb = ckpt.make_manager(os.path.join(resumed, "checkpoints"), keep=5, async_save=False)
+  raw = ocp.args.Composite(state=ocp.args.StandardRestore())
+  ra = ma.restore(6, args=raw)["state"]["params"]
+  rb = mb.restore(6, args=raw)["state"]["params"]
+  for x, y in zip(jax.tree.leaves(ra), jax.tree.leaves(rb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# Every comparison in tests/compare/test_compare.py checks the same property on its arms.
+@pytest.mark.slow
+def test_arms_see_same_batches(tmp_path):
+  hashes = {}
+  for arm in ("transformer", "diff_v1", "diff_v2"):
+    wd = str(tmp_path / arm)
+    train_and_evaluate(tiny_config(arm, steps=3), wd)
+    hashes[arm] = [r["data/batch_hash"] for _, r in sorted(read_metrics(wd).items())]
+  assert len(hashes["transformer"]) == 3
+  assert hashes["transformer"] == hashes["diff_v1"] == hashes["diff_v2"]
+  assert len(set(hashes["transformer"])) == 3  # different batches at each step
+
+
+def test_changed_model_config_is_refused(tmp_path):
+  wd = str(tmp_path / "run")
+  train_and_evaluate(tiny_config(steps=3), wd)
+  c = tiny_config(steps=6)
+  c.model.num_layers = 3
+  with pytest.raises(ckpt.CheckpointError, match="num_layers"):
+    train_and_evaluate(c, wd)
+
+
+def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
+  wd = str(tmp_path / "run")
+  train_and_evaluate(tiny_config(steps=3), wd)
+  c = tiny_config(steps=6)
+  c.optim.lr = 1e30  # the first update overflows to non-finite values
+  c.optim.min_lr = 1e29
+  with pytest.raises(TrainingError, match="Non-finite"):
+    train_and_evaluate(c, wd)
+  m = ckpt.make_manager(os.path.join(wd, "checkpoints"), keep=5, async_save=False)
+  assert m.latest_step() == 3
+  params = m.restore(3, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore()))["state"]["params"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_default_schedule_values():
+  c = base_config().optim
+  c.update(dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, schedule="cosine"))
+  s = learning_rate_schedule(c)
+  np.testing.assert_allclose([float(s(0)), float(s(5)), float(s(10))], [0.0, 0.5, 1.0],
+                             atol=1e-6)
+  np.testing.assert_allclose(float(s(60)), 0.1 + 0.9 * 0.5, atol=1e-6)  # halfway: cos = 0
+  np.testing.assert_allclose([float(s(110)), float(s(500))], [0.1, 0.1], atol=1e-6)
+  c.schedule = "linear"
+  s = learning_rate_schedule(c)
+  np.testing.assert_allclose([float(s(60)), float(s(110))], [0.55, 0.1], atol=1e-6)
+  c.min_lr = 2.0
+  with pytest.raises(ValueError, match="min_lr=2.0"):
+    learning_rate_schedule(c)
+
+
+def _state_and_batch(accum):
+  cfg = ModelConfig(attention="diff_v2", d_model=32, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=50)
+  c = base_config().optim
+  c.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
+  tx, sched = make_optimizer(c, cfg)
+  graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
+  rng = np.random.default_rng(0)
+  batch = {
+      "inputs": rng.integers(0, 50, (8, 12)).astype(np.int32),
+      "targets": rng.integers(0, 50, (8, 12)).astype(np.int32),
+      "segment_ids": np.ones((8, 12), np.int32),
+      "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
+      "loss_mask": (rng.random((8, 12)) > 0.2).astype(np.float32),
+  }
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, sched, accum))
+  return step(state, batch)
+
+
+def test_grad_accumulation_equals_large_batch():
+  s1, m1 = _state_and_batch(1)
+  s4, m4 = _state_and_batch(4)
+  chex.assert_tree_all_finite((s1, m1, s4, m4))
+  assert bool(m1["finite"]) and bool(m4["finite"])
+  np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-5)
+  np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-4)
+  for x, y in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+@pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
+def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
+  cfg = ModelConfig(attention=arm, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_dim=64, vocab_size=50)
+  graphdef, params = steps_lib.split_params(steps_lib.create_model(cfg, seed=0))
+  rng = np.random.default_rng(1)
+  batch = {
+      "inputs": rng.integers(0, 50, (2, 10)).astype(np.int32),
+      "targets": rng.integers(0, 50, (2, 10)).astype(np.int32),
+      "segment_ids": np.ones((2, 10), np.int32),
+      "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1)),
+      "loss_mask": np.ones((2, 10), np.float32),
+  }
+  grads = jax.jit(jax.grad(lambda p: steps_lib.loss_sums(graphdef, p, batch)[0]))(params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  chex.assert_tree_all_finite(grads)
+  flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+  dead = [jax.tree_util.keystr(path) for path, g in flat if not np.any(np.asarray(g) != 0)]
+  assert not dead, f"parameters with an all-zero gradient: {dead}"
+
+
+def test_checkpoint_round_trip(tmp_path):
+  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=2, num_heads=2,
+                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+  tx, _ = make_optimizer(base_config().optim, cfg)
+  _, state = steps_lib.init_state(cfg, tx, seed=3)
+  m = ckpt.make_manager(str(tmp_path / "ck"), keep=2, async_save=True)
+  ckpt.save(m, 7, state, None, {"model_config": cfg.to_dict()}, force=True)
+  m.wait_until_finished()
+  assert ckpt.read_meta(m, 7)["model_config"] == json.loads(json.dumps(cfg.to_dict()))
+  back = ckpt.restore(m, 7, ckpt.abstract_like(state), None)
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _cli(args, workdir, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join(REPO, "train.py"),
+                         "--config=" + os.path.join(REPO, "configs/default.py"),
+                         f"--workdir={workdir}", *args], capture_output=True, text=True,
+                        env=env, timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.data.kind=text", "--config.data.paths=('/no/such/dir/*.txt',)"],
+     "/no/such/dir/*.txt"),
+    pytest.param(["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty",
+                 marks=pytest.mark.slow),
+    (["--config.seq_len=100000000"], "100000001"),
+    pytest.param(["--config.model.arm=gpt"], "'gpt'", marks=pytest.mark.slow),
+    (["--config.model.no_such_key=1"], "no_such_key"),
+    pytest.param(["--config.num_steps=abc"], "abc", marks=pytest.mark.slow),
+])
+def test_bad_input_one_error_line(tmp_path, args, needle):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  args = [a.replace("{empty}", str(empty)) for a in args]
+  wd = tmp_path / "wd"
+  r = _cli(args, str(wd), timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  err_lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(err_lines) == 1, r.stderr[-2000:]
+  assert needle.lower() in err_lines[0].lower(), err_lines[0]
+  assert not (wd / "checkpoints").exists()
+
+
+# A one-layer model on 40 documents: fast enough to start, train and stop in a test.
+SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
+             "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
+             "--config.data.max_documents=40", "--config.eval_every=0",
+             "--config.tensorboard=False"]
+
+
+def _start_endless_run(workdir, flags, stdout):
+  return subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "train.py"),
+       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={workdir}",
+       "--config.num_steps=100000", *flags], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      cwd=REPO, stdout=stdout, stderr=subprocess.DEVNULL, text=True)
+
+
+def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
+  wd = tmp_path / "wd"
+  small = SMALL_RUN + ["--config.checkpoint.keep=100", "--config.checkpoint.every=1"]
+  proc = _start_endless_run(wd, small, stdout=subprocess.DEVNULL)
+  ckdir = wd / "checkpoints"
+  deadline = time.time() + 180
+  while time.time() < deadline:
+    done = [p for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.exists() else []
+    if len(done) >= 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)  # saves run every step: very likely mid-save
+  proc.wait()
+  complete = sorted(int(p.name) for p in ckdir.glob("*") if p.name.isdigit())
+  assert complete, "no checkpoint was written before the kill"
+  # A half-written step directory must be ignored on restart.
+  (ckdir / f"{complete[-1] + 1}.orbax-checkpoint-tmp-123").mkdir(exist_ok=True)
+  target = complete[-1] + 2
+  r = _cli([f"--config.num_steps={target}", *small], str(wd))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"Resumed from step {complete[-1]}" in r.stdout, r.stdout[-2000:]
+  rows = read_metrics(str(wd))
+  assert max(rows) == target
+
+
+def test_sigterm_saves_and_resume_continues(tmp_path):
+  wd = tmp_path / "wd"
+  small = SMALL_RUN + ["--config.checkpoint.every=1000000", "--config.log_every=1"]
+  proc = _start_endless_run(wd, small, stdout=subprocess.PIPE)
+  deadline = time.time() + 180
+  while time.time() < deadline:
+    if (wd / "metrics.jsonl").exists() and len(read_metrics(str(wd))) >= 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  # A distinct status, so a scheduler can tell "stopped, rerun to resume" from "finished".
+  assert proc.returncode == EXIT_PREEMPTED, out[-2000:]
+  assert "saved step" in out, out[-2000:]
+  saved = sorted(int(p.name) for p in (wd / "checkpoints").glob("*") if p.name.isdigit())
+  assert len(saved) == 1 and saved[0] >= 3  # no periodic save happened: the signal saved it
+  assert not (wd / "DONE").exists()
+  r = _cli([f"--config.num_steps={saved[0] + 2}", *small], str(wd))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert f"Resumed from step {saved[0]}" in r.stdout
+  assert (wd / "DONE").exists()
+
+
+def test_task_mix_interleaves_retrieval_examples(tmp_path):
+  from diffjax.data import DataConfig, load_tokenizer, open_corpus, stdlib_files
+  from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source
+  c = tiny_config(steps=2)
+  c.task_mix.update(dict(task="multi_needle", fraction=0.25, context_len=256, num_needles=1))
+  # A corpus of 40 real source files keeps the example count (and the test) small.
+  c.data.update(dict(kind="text", paths=tuple(str(f) for f in stdlib_files()[:40])))
+  corpus = open_corpus(DataConfig.from_dict(c.data.to_dict()), load_tokenizer("byte"))
+  mixed = mixed_source(corpus, c.task_mix, load_tokenizer("byte"), seed=0)
+  n_task = len(mixed) - len(corpus)
+  assert n_task > 0 and str(TRAIN_SEED_OFFSET) in mixed.name
+  kinds = [b"secret number" in bytes(mixed[i].astype(np.uint8)) for i in range(len(mixed))]
+  assert sum(kinds) >= n_task  # every task document is a needle example
+  task_tokens = n_task * 256
+  corpus_tokens = sum(corpus[i].size for i in range(len(corpus)))
+  assert 0.2 < task_tokens / (task_tokens + corpus_tokens) < 0.3
+  # Spread evenly: a prefix of documents keeps about the same share of task examples.
+  first_half = sum(kinds[: len(kinds) // 2])
+  assert abs(first_half - n_task / 2) <= n_task * 0.05 + 1
+  # Training runs through the normal path, with a document cap.
+  result = train_and_evaluate(c, str(tmp_path / "mix"))
+  assert result["step"] == 2 and np.isfinite(result["train/loss"])
+  c.task_mix.task = "sorting"
+  with pytest.raises(ValueError, match="sorting"):
+    train_and_evaluate(c, str(tmp_path / "bad"))
+
+
+def test_cpu_compiler_options_keep_only_what_the_jaxlib_accepts(monkeypatch):
+  from diffjax import sharding as shd
+  from diffjax.train import setup as setup_lib
+  accepted = setup_lib.cpu_compiler_options()
+  assert set(accepted) <= set(setup_lib.CPU_XLA_OPTIONS)
+  monkeypatch.setattr(setup_lib, "CPU_XLA_OPTIONS",
+                      {**setup_lib.CPU_XLA_OPTIONS, "xla_cpu_no_such_option_here": True})
+  setup_lib.cpu_compiler_options.cache_clear()
+  try:
+    assert setup_lib.cpu_compiler_options() == accepted  # the unknown one is left out
+  finally:
+    setup_lib.cpu_compiler_options.cache_clear()
+  mesh = shd.make_mesh((-1, 1, 1))
+  assert setup_lib.compiler_options_for(mesh) == (accepted or None)
+
+
+def test_keep_freed_memory_applies_on_glibc_and_respects_the_opt_out(monkeypatch):
+  import platform
+  from diffjax.train import host
+  monkeypatch.setenv(host.ENV_VAR, "0")
+  assert host.keep_freed_memory() is False
+  monkeypatch.setattr(host.sys, "platform", "darwin")
+  monkeypatch.delenv(host.ENV_VAR)
+  assert host.keep_freed_memory() is False
+  monkeypatch.setattr(host.sys, "platform", "linux")
+  is_glibc = platform.libc_ver()[0] == "glibc"
+  assert host.keep_freed_memory() is is_glibc

@@ -1,0 +1,155 @@
+"""What a user sees when a run goes wrong: refused options, suggested keys, preemption
+status, one metrics line per step after a resume, a non-finite update never applied."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from diffjax.model import ModelConfig
+from diffjax.presets import base_config
+from diffjax.train import steps as steps_lib
+from diffjax.train.trainer import train_and_evaluate
+from helpers import REPO  # noqa: E402
+
+# A one-layer model on 40 documents: starts, trains and stops within a test.
+SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
+             "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
+             "--config.data.max_documents=40", "--config.eval_every=0",
+             "--config.tensorboard=False"]
+
+
+def tiny_config(steps=4):
+  c = base_config()
+  c.model.update(dict(arm="diff_v1", size="tiny", d_model=64, num_layers=1, mlp_dim=128,
+                      head_dim=16))
+  c.seq_len = 32
+  c.global_batch_size = 4
+  c.num_steps = steps
+  c.log_every = 1
+  c.eval_every = 2
+  c.eval_batches = 1
+  c.tensorboard = False
+  c.data.max_documents = 40
+  c.optim.update(dict(warmup_steps=1, decay_steps=steps))
+  c.checkpoint.update(dict(every=2, keep=5, async_save=False))
+  return c
+
+
+def train_cli(args, cwd=REPO, timeout=240, config=True, workdir=None):
+  argv = [sys.executable, os.path.join(REPO, "train.py")]
+  if config:
+    argv.append("--config=" + os.path.join(REPO, "configs/default.py"))
+  if workdir is not None:
+    argv.append(f"--workdir={workdir}")
+  return subprocess.run(argv + list(args), capture_output=True, text=True, cwd=cwd,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=timeout)
+
+
+def error_line(r):
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+  return lines[0]
+
+
+# --- options that must be finite, or in range ---------------------------------------------------
+
+@pytest.mark.parametrize("key,value", [
+    ("optim.lr", math.nan), ("optim.lr", math.inf), ("optim.min_lr", math.nan),
+    ("optim.b1", math.nan), ("optim.b2", 1.0), ("optim.eps", math.inf),
+    ("optim.weight_decay", math.nan), ("optim.clip_norm", math.nan),
+    ("task_mix.fraction", math.nan), ("data.val_fraction", math.nan),
+])
+def test_non_finite_or_out_of_range_options_are_refused(tmp_path, key, value):
+  c = tiny_config()
+  section, name = key.split(".")
+  c[section][name] = value
+  wd = tmp_path / "run"
+  with pytest.raises(ValueError, match=rf"{key}={value}"):
+    train_and_evaluate(c, str(wd))
+  assert not (wd / "checkpoints").exists()
+
+
+def test_nan_lr_on_the_command_line_is_one_error_line(tmp_path):
+  wd = tmp_path / "run"
+  r = train_cli(["--config.optim.lr=nan", "--config.checkpoint.every=1", *SMALL_RUN],
+                workdir=wd, timeout=120)
+  line = error_line(r)
+  assert "optim.lr=nan" in line and "finite" in line, line
+  assert not (wd / "checkpoints").exists()
+
+
+def test_a_non_finite_update_is_not_applied():
+  """A finite loss and gradient with a NaN learning rate: the step must refuse the update."""
+  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
+                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+  tx = optax.adamw(math.nan)
+  graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
+  before = jax.tree.map(np.asarray, state["params"])
+  batch = {k: np.ones((2, 8), np.int32) for k in ("inputs", "targets", "segment_ids")}
+  batch["positions"] = np.tile(np.arange(8, dtype=np.int32), (2, 1))
+  batch["loss_mask"] = np.ones((2, 8), np.float32)
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, lambda _: math.nan))
+  new, metrics = step(state, batch)
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert not bool(metrics["finite"])
+  assert int(new["step"]) == 0
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(new["params"])):
+    np.testing.assert_array_equal(x, np.asarray(y))
+
+
+# --- unknown keys -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag,wanted", [
+    ("--config.num_step=5", ["'num_step'", "num_steps"]),
+    pytest.param("--config.optim.lrr=1e-3", ["'optim.lrr'", "optim.lr"],
+                 marks=pytest.mark.slow),
+    pytest.param("--config.foo=1", ["'foo'", "num_steps"],  # nothing close: the top-level keys
+                 marks=pytest.mark.slow),
+])
+def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
+  line = error_line(train_cli([flag], workdir=tmp_path / "run", timeout=120))
+  for w in wanted:
+    assert w in line, line
+  assert not (tmp_path / "run").exists()
+
+
+# --- resume keeps one metrics line per step -----------------------------------------------------
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_resume_keeps_one_metrics_line_per_step(tmp_path):
+  wd = tmp_path / "run"
+  train_and_evaluate(tiny_config(steps=3), str(wd))  # checkpoints at 2 and 3
+  # As if the process died before saving step 3: the resume redoes step 3.
+  shutil.rmtree(wd / "checkpoints" / "3")
+  train_and_evaluate(tiny_config(steps=4), str(wd))
+  rows = _rows(wd)
+  train_steps = [r["step"] for r in rows if "train/loss" in r]
+  eval_steps = [r["step"] for r in rows if "eval/loss" in r]
+  assert train_steps == [1, 2, 3, 4], train_steps
+  assert eval_steps == [2, 4], eval_steps  # periodic at 2, final at 4; the old final at 3 is gone
+  # Rerunning a finished run repeats only its final evaluation, which replaces the old one.
+  train_and_evaluate(tiny_config(steps=4), str(wd))
+  again = _rows(wd)
+  assert [r["step"] for r in again if "train/loss" in r] == [1, 2, 3, 4]
+  assert [r["step"] for r in again if "eval/loss" in r] == [2, 4]
+
+
+# --- preemption and the default run --------------------------------------------------------------
+
+def test_default_command_trains_the_default_config_into_runs_default(tmp_path):
+  r = train_cli(["--config.num_steps=2", *SMALL_RUN], cwd=tmp_path, config=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "runs/default" in r.stdout, r.stdout[-2000:]
+  assert (tmp_path / "runs" / "default" / "DONE").read_text().strip() == "2"
