@@ -44,3 +44,23 @@ def run_in_child(test_file: str, child_env: str, markexpr: str, timeout: int = 1
                         check=False)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   assert " passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def eight_device_drivers(test_file: str, child_env: str, timeout: int):
+  """The two parent-process tests of a file whose tests run in an 8-device child: the
+  default one (the child runs the file's default tests) and the ``slow`` one (its slow
+  tests). Assign them to module-level ``test_`` names; both skip inside the child."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  in_child = pytest.mark.skipif(os.environ.get(child_env) == "1",
+                                reason="the driver runs in the parent process")
+
+  @in_child
+  def test_on_eight_devices():
+    run_in_child(test_file, child_env, "not slow and not gpu and not tpu", timeout=timeout)
+
+  @in_child
+  @pytest.mark.slow
+  def test_on_eight_devices_slow():
+    run_in_child(test_file, child_env, "slow", timeout=timeout)
+
+  return test_on_eight_devices, test_on_eight_devices_slow

@@ -132,24 +132,37 @@ def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
   config, as ``train.py`` writes them), so ``diffjax.train.load_model(workdir)`` loads it.
   ``workdir`` must not hold checkpoints already. Returns the model config.
   """
+  check_new_workdir(workdir)
+  cfg, params, hf_config = read_hf(path)
+  model = build_model(cfg, params)  # checks every shape against the config
+  write_workdir(workdir, model, {
+      "hf_config": {k: hf_config[k] for k in _KEPT_HF_KEYS if k in hf_config},
+      "source": os.path.abspath(path)})
+  return cfg
+
+
+def check_new_workdir(workdir: str) -> None:
+  """Refuses a ``workdir`` that holds checkpoints already or is not a directory."""
   checkpoints = os.path.join(workdir, "checkpoints")
   if os.path.exists(checkpoints) and os.listdir(checkpoints):
     raise ConversionError(f"{workdir!r} already holds checkpoints: choose a new --workdir.")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConversionError(f"{workdir!r} exists and is not a directory.")
-  cfg, params, hf_config = read_hf(path)
-  model = build_model(cfg, params)  # checks every shape against the config
+
+
+def write_workdir(workdir: str, model: DecoderLM, meta: Mapping[str, Any]) -> None:
+  """Writes ``model`` as step 0 of a new workdir: ``model_config.json`` and ``checkpoints/0``
+  (the parameters and ``meta`` with the model config, as ``train.py`` writes them), so
+  :func:`diffjax.train.load_model` and ``checkpoint.init_from`` read it."""
+  check_new_workdir(workdir)
+  cfg = model.config
   # The train state's layout, of which load_model reads only "params".
   state = {"params": nnx.to_pure_dict(nnx.state(model))}
-  meta = {"model_config": cfg.to_dict(),
-          "hf_config": {k: hf_config[k] for k in _KEPT_HF_KEYS if k in hf_config},
-          "source": os.path.abspath(path)}
-  manager = ckpt.make_manager(checkpoints, keep=1, async_save=False)
-  ckpt.save(manager, 0, state, None, meta, force=True)
+  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1, async_save=False)
+  ckpt.save(manager, 0, state, None, {"model_config": cfg.to_dict(), **meta}, force=True)
   manager.wait_until_finished()
   manager.close()
   write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
-  return cfg
 
 
 def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export: Any

@@ -3,13 +3,18 @@
     python -m diffjax.convert import --hf=path/to/llama_dir --workdir=runs/imported
     python -m diffjax.convert export --workdir=runs/default --hf=path/to/out_dir [--step=N]
         [--dtype=bfloat16] [--max_shard_size=5GB] [--eos_token_id=256]
+    python -m diffjax.convert retrofit --source=runs/transformer --workdir=runs/retro_v2
+        [--arm=diff_v2|diff_v1] [--step=N]
 
 `import` reads a LlamaForCausalLM (-> the Transformer arm) or DiffLlamaForCausalLM (-> DIFF
 V1) directory holding config.json and *.safetensors (one file, or shards with their index)
 and writes a workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read.
 `export` writes the latest (or --step) checkpoint of a Transformer or DIFF V1 workdir as a
-directory transformers' `from_pretrained` loads. A problem with the input prints one
-`error:` line and writes nothing.
+directory transformers' `from_pretrained` loads. `retrofit` turns a Transformer (a workdir of
+the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
+function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
+continue it with `train.py --config.checkpoint.init_from=<workdir>`. A problem with the input
+prints one `error:` line and writes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Sequence
 
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
+from diffjax.convert.retrofit import retrofit
 from diffjax.train.checkpoint import CheckpointError
 
 
@@ -39,13 +45,25 @@ def _parser() -> argparse.ArgumentParser:
   for name in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
     exp.add_argument(f"--{name}", type=int, default=None,
                      help="written to config.json (default: the imported checkpoint's, if any)")
+  ret = sub.add_parser("retrofit", help="Transformer workdir or HF Llama dir -> new DIFF workdir")
+  ret.add_argument("--source", required=True,
+                   help="a Transformer-arm train.py workdir or an HF LlamaForCausalLM directory")
+  ret.add_argument("--workdir", required=True, help="new diffjax run directory")
+  ret.add_argument("--arm", default="diff_v2", choices=("diff_v2", "diff_v1"))
+  ret.add_argument("--step", type=int, default=None, help="source checkpoint (default: newest)")
   return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
-    if args.command == "import":
+    if args.command == "retrofit":
+      cfg = retrofit(args.source, args.workdir, arm=args.arm, step=args.step)
+      print(f"Retrofitted {args.source} into {cfg.attention} ({cfg.num_layers} layers, "
+            f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}) in "
+            f"{args.workdir}; continue with train.py --config.model.arm={cfg.attention} "
+            f"--config.model.v2_match=heads --config.checkpoint.init_from={args.workdir}")
+    elif args.command == "import":
       cfg = hf_to_workdir(args.hf, args.workdir)
       print(f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
             f"d_model {cfg.d_model}) into {args.workdir}")

@@ -80,15 +80,6 @@ def _as_rows(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
   return arr, lens
 
 
-def _batch_multiple(mesh, rules) -> int:
-  """Rows must come in multiples of the devices the batch axis is split over."""
-  if mesh is None:
-    return 1
-  spec = shd.spec_for_mesh(shd.logical_to_spec(("batch",), rules), mesh)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-
 def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, stop_tokens: Sequence[int] | int = (),
@@ -150,7 +141,7 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   b = prompt_BxT.shape[0]
   rules = tuple((name, None if name == "length" else axes)  # decoding keeps rows whole
                 for name, axes in (rules or shd.DEFAULT_RULES))
-  rows = round_up(bucket(b), _batch_multiple(mesh, rules))
+  rows = round_up(bucket(b), shd.batch_rows_multiple(mesh, rules))
   # Padding rows hold one pad token and are never active.
   prompt_np = np.full((rows, width), pad_id, np.int32)
   prompt_np[:b, :longest] = prompt_BxT[:, :longest]

@@ -20,6 +20,7 @@ from diffjax.sharding.kernel_specs import (
     partition_specs,
 )
 from diffjax.sharding.mesh import (
+    batch_rows_multiple,
     batch_sharding,
     logical_param_specs,
     make_mesh,
@@ -45,7 +46,7 @@ from diffjax.sharding.rules import (
 
 __all__ = [
     "CONTEXT_STRATEGIES", "ContextParallel", "context_parallel",
-    "DEFAULT_RULES", "MESH_AXES", "activation_sharding", "batch_sharding",
+    "DEFAULT_RULES", "MESH_AXES", "activation_sharding", "batch_rows_multiple", "batch_sharding",
     "check_head_sharding", "constrain", "current", "decode_partition_specs",
     "diff_v1_partition_specs", "diff_v2_partition_specs", "logical_param_specs",
     "logical_to_spec", "make_mesh", "mha_partition_specs", "param_shardings",

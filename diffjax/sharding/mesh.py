@@ -121,6 +121,16 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   return NamedSharding(mesh, spec_for_mesh(logical_to_spec(("batch", "length"), rules), mesh))
 
 
+def batch_rows_multiple(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> int:
+  """How many devices the batch axis is split over on ``mesh``: a batch's rows must come in
+  multiples of it (1 without a mesh)."""
+  if mesh is None:
+    return 1
+  spec = spec_for_mesh(logical_to_spec(("batch",), rules), mesh)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
 def process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tuple[int, int]:
   """Which rows of a [batch, length] global batch this process must load: ``(slot,
   num_slots)``, the process's rows being ``[slot * rows, (slot + 1) * rows)`` with

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from multidevice import XLA_FLAGS, run_in_child
+from multidevice import XLA_FLAGS, eight_device_drivers
 
 _CHILD_ENV = "DIFFJAX_CONTEXT_MODEL_CHILD"
 IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
@@ -35,7 +35,6 @@ from diffjax.train.steps import create_model, loss_sums, split_params  # noqa: E
 TOL = 1e-5
 B, T = 4, 32
 sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
-driver = pytest.mark.skipif(IN_CHILD, reason="the driver runs in the parent process")
 
 BASE = ModelConfig(attention="transformer", vocab_size=48, d_model=32, num_layers=2,
                    num_heads=4, num_kv_heads=4, head_dim=8, mlp_dim=48)
@@ -197,19 +196,8 @@ def test_config_checks_name_the_context_settings():
 # ------------------------------------------------------------------------------------------
 # Drivers (parent process).
 
-def _run_child(markexpr: str) -> None:
-  run_in_child(__file__, _CHILD_ENV, markexpr, timeout=1800)
-
-
-@driver
-def test_on_eight_devices():
-  _run_child("not slow and not gpu and not tpu")
-
-
-@driver
-@pytest.mark.slow
-def test_on_eight_devices_slow():
-  _run_child("slow")
+test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
+    __file__, _CHILD_ENV, timeout=1800)
 
 
 class _FakeSharding:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from multidevice import XLA_FLAGS, run_in_child
+from multidevice import XLA_FLAGS, eight_device_drivers
 import re
 
 _CHILD_ENV = "DIFFJAX_CONTEXT_PARALLEL_CHILD"
@@ -39,7 +39,6 @@ TOL = 1e-5
 AXES = ("data", "fsdp", "tensor", "context")
 B, H, KV, D = 2, 4, 2, 8
 sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
-driver = pytest.mark.skipif(IN_CHILD, reason="the driver runs in the parent process")
 
 # (mesh shape, batch_axis, head_axis): the three layouts checked. On (1, 2, 1, 4) without
 # a batch axis the batch is replicated over fsdp, which checks that replicated inputs get
@@ -335,16 +334,5 @@ def test_argument_errors():
 # ------------------------------------------------------------------------------------------
 # Drivers (parent process).
 
-def _run_child(markexpr: str) -> None:
-  run_in_child(__file__, _CHILD_ENV, markexpr, timeout=1200)
-
-
-@driver
-def test_on_eight_devices():
-  _run_child("not slow and not gpu and not tpu")
-
-
-@driver
-@pytest.mark.slow
-def test_on_eight_devices_slow():
-  _run_child("slow")
+test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
+    __file__, _CHILD_ENV, timeout=1200)

@@ -14,10 +14,10 @@ import optax
 import pytest
 
 from diffjax.model import ModelConfig
-from diffjax.presets import base_config
 from diffjax.train import steps as steps_lib
 from diffjax.train.trainer import train_and_evaluate
 from helpers import REPO  # noqa: E402
+from helpers import tiny_config as shared_tiny_config  # noqa: E402
 
 # A one-layer model on 40 documents: starts, trains and stops within a test.
 SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
@@ -27,19 +27,12 @@ SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
 
 
 def tiny_config(steps=4):
-  c = base_config()
-  c.model.update(dict(arm="diff_v1", size="tiny", d_model=64, num_layers=1, mlp_dim=128,
-                      head_dim=16))
-  c.seq_len = 32
-  c.global_batch_size = 4
-  c.num_steps = steps
-  c.log_every = 1
-  c.eval_every = 2
-  c.eval_batches = 1
-  c.tensorboard = False
-  c.data.max_documents = 40
-  c.optim.update(dict(warmup_steps=1, decay_steps=steps))
-  c.checkpoint.update(dict(every=2, keep=5, async_save=False))
+  """The shared tiny config with one layer, an eval and a checkpoint every 2 steps."""
+  c = shared_tiny_config("diff_v1", steps)
+  c.model.num_layers = 1
+  c.eval_every, c.eval_batches, c.log_batch_hash = 2, 1, False
+  c.optim.warmup_steps = 1
+  c.checkpoint.every = 2
   return c
 
 

@@ -31,15 +31,6 @@ def length_bucket(n: int, max_length: int) -> int:
   return min(max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(max(n, 1))))), max_length)
 
 
-def _batch_rows(mesh, rules) -> int:
-  """Rows come in multiples of the devices the batch axis is split over."""
-  if mesh is None:
-    return 1
-  spec = shd.spec_for_mesh(shd.logical_to_spec(("batch",), rules), mesh)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-
 def _token_scores(graphdef, state, inputs_BxT, targets_BxT):
   """Per position: log p(target) in float32 and whether the target is the arg-max token."""
   model = nnx.merge(graphdef, state)
@@ -75,7 +66,7 @@ class TokenScorer:
     self.mesh = mesh
     self.rules = tuple((name, None if name == "length" else axes)
                        for name, axes in (rules or shd.DEFAULT_RULES))
-    multiple = _batch_rows(mesh, self.rules)
+    multiple = shd.batch_rows_multiple(mesh, self.rules)
     self.batch_size = -(-int(batch_size) // multiple) * multiple
     self._graphdef, state = nnx.split(model)
     if mesh is not None:

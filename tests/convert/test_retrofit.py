@@ -1,0 +1,149 @@
+"""Retrofitting a Transformer into DIFF V2 (the source's function at step 0) and DIFF V1.
+
+Sources: a diffjax Transformer with grouped-query attention, unrolled and scanned, and the HF
+Llama fixture (4 heads over 2 kv heads, whose logits transformers computed). The V2 model's
+logits must equal the source's; its pair's query gradients are the same up to the factor
+-sigma(lambda) = -0.5, so training separates the two heads; the V1 start has lambda = 0 in
+every layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from diffjax.convert import (ConversionError, build_model, load_hf, model_params, retrofit,
+                             retrofit_params)
+from diffjax.convert.command import main as cli_main
+from diffjax.model import DecoderLM, ModelConfig, matched_configs
+from diffjax.train import load_model
+from helpers import FIXTURES, read_metrics, tiny_config
+from kernel_checks import rel_err
+
+LLAMA = os.path.join(FIXTURES, "hf", "llama")
+
+
+def _source(scan_layers=False, seed=0) -> DecoderLM:
+  cfg = ModelConfig(attention="transformer", d_model=32, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=61,
+                    scan_layers=scan_layers)
+  return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def _tokens(vocab, b=2, t=19, seed=1):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
+
+
+def _retrofitted(source: DecoderLM, arm: str) -> DecoderLM:
+  cfg, params = retrofit_params(source.config, model_params(source), arm)
+  if cfg.scan_layers:
+    from diffjax.model import layout  # pylint: disable=import-outside-toplevel
+    params = layout.convert_layout(params, layout.SCANNED, cfg.num_layers)
+  return build_model(cfg, params)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_v2_retrofit_of_a_diffjax_transformer_gives_its_logits(scan_layers):
+  source = _source(scan_layers)
+  v2 = _retrofitted(source, "diff_v2")
+  assert v2.config.attention == "diff_v2" and v2.config.num_heads == 4
+  assert v2.config.num_kv_heads == 2 and v2.config.mlp_dim == 64
+  # The shape train.py builds for model.arm=diff_v2 with v2_match=heads.
+  assert v2.config == matched_configs(source.config, v2_match="heads")["diff_v2"]
+  x = _tokens(61)
+  want, got = source(x), v2(x)
+  assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+def test_v2_retrofit_of_the_hf_llama_fixture_gives_transformers_logits():
+  source = load_hf(LLAMA)
+  v2 = _retrofitted(source, "diff_v2")
+  ids = jnp.asarray(np.load(os.path.join(LLAMA, "input_ids.npy")), jnp.int32)
+  hf_logits = np.load(os.path.join(LLAMA, "logits.npy"))
+  assert rel_err(v2(ids), source(ids)) <= 1e-5
+  assert rel_err(v2(ids), hf_logits) <= 1e-4  # transformers' own float32 logits
+
+
+def test_v2_pair_gradients_differ_by_minus_sigma_so_training_separates_the_heads():
+  v2 = _retrofitted(_source(), "diff_v2")
+  graphdef, params = nnx.split(v2)
+  x = _tokens(61, seed=3)
+
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(x[:, :-1])
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., :, :][jnp.arange(2)[:, None],
+                                                            jnp.arange(18)[None], x[:, 1:]])
+
+  grads = nnx.to_pure_dict(jax.grad(loss)(params))
+  for i in range(3):
+    g = np.asarray(grads["blocks"][i]["attn"]["q"])  # [E, H, 2, D]
+    assert np.max(np.abs(g[:, :, 0])) > 0
+    # The second head's map enters with -sigma(lambda) = -0.5.
+    np.testing.assert_allclose(g[:, :, 1], -0.5 * g[:, :, 0], rtol=1e-4,
+                               atol=1e-6 * np.max(np.abs(g)))
+    # W_lambda = 0 has a gradient too: lambda moves off 0.5 at once.
+    assert np.max(np.abs(np.asarray(grads["blocks"][i]["attn"]["w_lambda"]))) > 0
+
+
+def test_v1_start_has_lambda_zero_and_the_source_layout():
+  source = _source()
+  v1 = _retrofitted(source, "diff_v1")
+  assert (v1.config.num_heads, v1.config.num_kv_heads) == (2, 1)
+  summary = v1.lambda_summary(_tokens(61))
+  lams = [float(v) for k, v in summary.items() if k.startswith("lambda/")]
+  assert len(lams) == 3 and max(abs(l) for l in lams) <= 1e-6, summary
+  src = model_params(source)["blocks"][1]["attn"]
+  got = model_params(v1)["blocks"][1]["attn"]
+  np.testing.assert_array_equal(got["q"][:, :, 0], src["q"][:, 0::2])
+  np.testing.assert_array_equal(got["q"][:, :, 1], 0.0)
+  np.testing.assert_array_equal(got["v"][..., :8], src["v"][:, 0::2])
+  np.testing.assert_array_equal(got["o"][:, 8:], src["o"][1::2])
+  logits = v1(_tokens(61))
+  assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_sources_that_cannot_be_retrofitted_are_named():
+  v1 = DecoderLM(ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=61),
+                 rngs=nnx.Rngs(0))
+  with pytest.raises(ConversionError, match="attention='diff_v1'"):
+    retrofit_params(v1.config, model_params(v1), "diff_v2")
+  odd = DecoderLM(ModelConfig(attention="transformer", d_model=24, num_layers=1, num_heads=3,
+                              num_kv_heads=3, head_dim=8, mlp_dim=64, vocab_size=61),
+                  rngs=nnx.Rngs(0))
+  with pytest.raises(ConversionError, match="num_heads=3, num_kv_heads=3"):
+    retrofit_params(odd.config, model_params(odd), "diff_v1")
+  retrofit_params(odd.config, model_params(odd), "diff_v2")  # any head count pairs in V2
+
+
+def test_the_command_retrofits_a_run_that_train_py_continues(tmp_path, capsys):
+  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  source = str(tmp_path / "transformer")
+  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  retro = str(tmp_path / "retro")
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
+  assert "--config.checkpoint.init_from=" in capsys.readouterr().out
+  src_model, _, _ = load_model(source)
+  v2_model, cfg, step = load_model(retro)
+  assert step == 0 and cfg.attention == "diff_v2"
+  x = _tokens(cfg.vocab_size, t=32)
+  assert rel_err(v2_model(x), src_model(x)) <= 1e-5
+  # The same input again refuses to overwrite; a DIFF source is named.
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 2
+  assert "already holds checkpoints" in capsys.readouterr().err
+  assert cli_main(["retrofit", f"--source={retro}", f"--workdir={tmp_path / 'x'}"]) == 2
+  assert "attention='diff_v2'" in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "x")
+  # train.py continues it: the first step starts from the retrofitted weights.
+  c = tiny_config(arm="diff_v2", steps=2)
+  c.model.v2_match = "heads"
+  c.checkpoint.init_from = retro
+  cont = str(tmp_path / "continued")
+  train_and_evaluate(c, cont)
+  rows = read_metrics(cont)
+  assert sorted(rows) == [1, 2] and np.isfinite(rows[2]["train/loss"])
