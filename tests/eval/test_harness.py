@@ -324,3 +324,18 @@ def test_an_imported_hf_directory_brings_its_tokenizer_and_context(tmp_path):
     cont = lm.tok_encode(context + continuation)[len(lm.tok_encode(context)):] if context \
         else lm.tok_encode(continuation)
     _close(logp, plain_loglikelihood(lm.model, ctx, cont, lm.max_length)[0], context)
+
+
+def test_sampled_generation_is_generate_with_the_tasks_options():
+  model = tiny_model("diff_v1")
+  lm = DiffjaxLM(model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=2, seed=5)
+  contexts = ["def f(x):", "import os\n"]
+  got = lm.generate_texts(contexts, until=["\n\n"], max_gen_toks=10, do_sample=True,
+                          temperature=0.9, top_k=20)
+  out = generate(model, [lm.tok_encode(c) for c in contexts], max_new_tokens=10,
+                 temperature=0.9, top_k=20, seed=5, stop_tokens=[lm.eot_token_id])
+  assert got == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
+  greedy = lm.generate_texts(contexts, max_gen_toks=10)
+  assert greedy != got  # sampling at temperature 0.9 is not the greedy path
+  with pytest.raises(ValueError, match=r"\['num_beams'\] are not supported"):
+    lm.generate_texts(contexts, num_beams=4)
