@@ -18,6 +18,10 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 2.5e-3}
 ROW_TOL = {dtype: 2 * tol for dtype, tol in TOL.items()}
 
 
+# A reference row this small against the array's largest value is zero up to rounding.
+ZERO_ROW = 1e-4
+
+
 def tolerance(dtype, rows: bool = False) -> float:
   return (ROW_TOL if rows else TOL)[jnp.dtype(dtype).type]
 
@@ -38,15 +42,21 @@ def rel_err_rows(x, y, floor: float = 0.1) -> float:
   A row is judged against its own largest value, so an error confined to rows of
   small values shows (the whole-array measure lets a row at a tenth of the largest
   value be 20% off at the bfloat16 tolerance). Rows below ``floor`` times the array's
-  largest value are judged against that floor: their true values are at the size of
-  the rounding error of the terms that cancel in them (a query that sees one key has a
-  zero dQ; its kernel value is that rounding).
+  largest value are judged against that floor. Rows whose true value is zero (up to the
+  reference's own rounding: at most ``ZERO_ROW`` times the largest value) are judged
+  against the largest value, as in :func:`rel_err`: a query that sees one key has a zero
+  dQ, and a key only it sees a zero dK, which the kernel computes as the difference of two
+  rounded terms of the size of the row's dP; in bfloat16 that rounding reaches the
+  whole-array error (measured: 0.0084 of the largest dQ1 of a DIFF V1 case with a
+  one-token document), ten times the floor's yardstick.
   """
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
   if x.ndim == 0:
     return rel_err(x, y)
   x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-  scale = np.maximum(np.max(np.abs(y), axis=1), floor * max(np.max(np.abs(y)), 1e-30))
+  largest = max(np.max(np.abs(y)), 1e-30)
+  row_max = np.max(np.abs(y), axis=1)
+  scale = np.where(row_max <= ZERO_ROW * largest, largest, np.maximum(row_max, floor * largest))
   return float(np.max(np.max(np.abs(x - y), axis=1) / scale))
 
 
