@@ -121,10 +121,10 @@ def test_sources_that_cannot_be_retrofitted_are_named():
   retrofit_params(odd.config, model_params(odd), "diff_v2")  # any head count pairs in V2
 
 
-def test_the_command_retrofits_a_run_that_train_py_continues(tmp_path, capsys):
-  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_path, capsys):
+  from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
   source = str(tmp_path / "transformer")
-  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  write_workdir(source, _source(), {})  # a Transformer run's workdir at step 0
   retro = str(tmp_path / "retro")
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
   assert "--config.checkpoint.init_from=" in capsys.readouterr().out
@@ -133,13 +133,23 @@ def test_the_command_retrofits_a_run_that_train_py_continues(tmp_path, capsys):
   assert step == 0 and cfg.attention == "diff_v2"
   x = _tokens(cfg.vocab_size, t=32)
   assert rel_err(v2_model(x), src_model(x)) <= 1e-5
-  # The same input again refuses to overwrite; a DIFF source is named.
+  # The same input again refuses to overwrite; a DIFF source is named; nothing is written.
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 2
   assert "already holds checkpoints" in capsys.readouterr().err
   assert cli_main(["retrofit", f"--source={retro}", f"--workdir={tmp_path / 'x'}"]) == 2
   assert "attention='diff_v2'" in capsys.readouterr().err
-  assert not os.path.exists(tmp_path / "x")
-  # train.py continues it: the first step starts from the retrofitted weights.
+  assert cli_main(["retrofit", f"--source={tmp_path / 'none'}", f"--workdir={tmp_path / 'y'}"]) == 2
+  assert "is not a directory" in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+@pytest.mark.slow  # two training runs; the retrofit itself is checked above
+def test_train_py_continues_a_retrofitted_run(tmp_path):
+  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  source = str(tmp_path / "transformer")
+  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  retro = str(tmp_path / "retro")
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
   c = tiny_config(arm="diff_v2", steps=2)
   c.model.v2_match = "heads"
   c.checkpoint.init_from = retro
