@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 # The tests' own directory (shared helpers, fixtures) and the repository root.
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -66,3 +68,14 @@ def write_bpe_tokenizer(path, special_tokens=("</s>",), texts=None, vocab_size=3
                           trainer=trainer)
   tok.save(str(path))
   return tok
+
+
+def run_python(code: str, timeout: int = 300) -> str:
+  """Runs ``code`` in a fresh CPU-only Python from the repository root, with these helpers
+  importable (so ``import tests.<area>.test_x`` works); returns its stdout's last line."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=REPO, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout.strip().splitlines()[-1]

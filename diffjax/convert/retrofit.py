@@ -80,7 +80,6 @@ def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, 
   q_ExNxD, k_ExKxD = np.asarray(src["q"]), np.asarray(src["k"])
   v_ExKxD, o_NxDxE = np.asarray(src["v"]), np.asarray(src["o"])
   e, n, d = q_ExNxD.shape
-  kv = k_ExKxD.shape[1]
   q = np.zeros((e, n // 2, 2, d), q_ExNxD.dtype)
   q[:, :, 0] = q_ExNxD[:, 0::2]                                   # q1: heads 2i; q2 = 0
   k = np.stack([k_ExKxD[:, 0::2], k_ExKxD[:, 1::2]], axis=2)      # [E, K/2, 2, d]
@@ -90,7 +89,6 @@ def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, 
   # lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init = 1 - (1 + lambda_init) + lambda_init.
   side = math.sqrt(math.log1p(lam_init) / d)
   f32 = np.float32
-  del kv
   return {"q": q, "k": k, "v": v, "o": o,
           "lambda_q1": np.zeros(d, f32), "lambda_k1": np.zeros(d, f32),
           "lambda_q2": np.full(d, side, f32), "lambda_k2": np.full(d, side, f32),

@@ -28,7 +28,7 @@ from diffjax.eval.harness import DiffjaxLM, TokenScorer, cut_at_stops, run_tasks
 from diffjax.eval.harness import command as harness_command  # noqa: E402
 from diffjax.generation import generate  # noqa: E402
 from diffjax.model import DecoderLM, ModelConfig  # noqa: E402
-from helpers import REPO, TESTS, write_bpe_tokenizer  # noqa: E402
+from helpers import REPO, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
 
 FIXTURES = os.path.join("tests", "fixtures", "harness")  # data_files are relative to the repo
 TASKS = ["diffjax_fixture_choice", "diffjax_fixture_perplexity", "diffjax_fixture_generate"]
@@ -212,16 +212,12 @@ def test_tokenizers_follow_the_harness_conventions(kind, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_workdir(tmp_path_factory):
-  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
-  c = base_config()
-  c.model.update(dict(arm="diff_v1", size="tiny", d_model=32, num_layers=1, mlp_dim=64,
-                      head_dim=8))
-  c.seq_len, c.global_batch_size, c.num_steps = 32, 2, 2
-  c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
-  c.data.max_documents = 20
-  c.optim.update(dict(warmup_steps=1, decay_steps=2))
-  c.checkpoint.update(dict(every=2, keep=1, async_save=False))
+  c = tiny_config("diff_v1", steps=2)
+  c.model.update(dict(d_model=32, num_layers=1, mlp_dim=64, head_dim=8))
+  c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
+  c.optim.warmup_steps = 1
+  c.checkpoint.update(dict(every=2, keep=1))
   workdir = str(tmp_path_factory.mktemp("harness") / "run")
   train_and_evaluate(c, workdir)
   return workdir
@@ -290,15 +286,8 @@ def _sharded_child():
 
 @pytest.mark.slow  # a child process with 8 CPU devices
 def test_scores_on_a_mesh_equal_one_device_with_parameters_left_sharded():
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  env = dict(os.environ, JAX_PLATFORMS="cpu",  # the test module imports tests/helpers.py
-             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
-  code = "import tests.eval.test_harness as t; t._sharded_child()"
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+  last = run_python("import tests.eval.test_harness as t; t._sharded_child()")
+  assert json.loads(last) == {
       "transformer": True, "diff_v1": True, "diff_v2": True}
 
 

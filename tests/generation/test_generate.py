@@ -13,7 +13,7 @@ from flax import nnx
 
 from diffjax.generation import SamplingOptions, generate, top_k_filter, top_p_filter
 from diffjax.model import DecoderLM, ModelConfig
-from helpers import REPO, TESTS, own_stderr
+from helpers import REPO, own_stderr, run_python
 from kernel_checks import rel_err as _rel_err
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
@@ -252,13 +252,8 @@ def _sharded_child():
 
 @pytest.mark.slow  # a child process that compiles prefill and decode on a 2x2x2 mesh
 def test_sharded_generation_gives_the_single_device_tokens():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",  # the test module imports tests/helpers.py
-             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
-  code = "import tests.generation.test_generate as t; t._sharded_child()"
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert json.loads(proc.stdout.strip().splitlines()[-1]) == {a: True for a in ARMS}
+  last = run_python("import tests.generation.test_generate as t; t._sharded_child()")
+  assert json.loads(last) == {a: True for a in ARMS}
 
 
 def test_v1_decode_dispatches_to_the_gpu_kernel_on_a_gpu():

@@ -82,15 +82,12 @@ def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
 
 
 def _tiny(tmp, preflight_on: bool):
-  from diffjax.presets import base_config
-  c = base_config()
-  c.model.update(dict(arm="diff_v1", size="tiny", d_model=64, num_layers=1, mlp_dim=128,
-                      head_dim=16))
-  c.seq_len, c.global_batch_size, c.num_steps = 32, 2, 2
-  c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
-  c.data.max_documents = 20
-  c.optim.update(dict(warmup_steps=1, decay_steps=2))
-  c.checkpoint.update(dict(every=2, keep=1, async_save=False))
+  from helpers import tiny_config  # pylint: disable=import-outside-toplevel
+  c = tiny_config("diff_v1", steps=2)
+  c.model.num_layers = 1
+  c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
+  c.optim.warmup_steps = 1
+  c.checkpoint.update(dict(every=2, keep=1))
   c.kernels.preflight = preflight_on
   return c
 

@@ -35,8 +35,8 @@ _GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_
 
 
 def _load(workdir: str | None, hf_dir: str | None, step: int | None
-          ) -> tuple[DecoderLM, str | None, int | None, str]:
-  """(model, the run's tokenizer spec, its context length, a name) from a run or HF dir."""
+          ) -> tuple[DecoderLM, str | None, int | None]:
+  """(model, the run's tokenizer spec, its context length) from a run or HF dir."""
   if workdir is not None:
     from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
     if not os.path.isdir(workdir):
@@ -45,7 +45,7 @@ def _load(workdir: str | None, hf_dir: str | None, step: int | None
     run = load_run(workdir, step)
     spec = (run.config.get("data") or {}).get("tokenizer", "byte")
     seq_len = run.config.get("seq_len")
-    return run.model, spec, int(seq_len) if seq_len else None, f"{workdir}@{run.step}"
+    return run.model, spec, int(seq_len) if seq_len else None
   from diffjax.convert import load_hf  # pylint: disable=import-outside-toplevel
   from diffjax.convert.files import read_config  # pylint: disable=import-outside-toplevel
   if not os.path.isdir(hf_dir):
@@ -54,7 +54,7 @@ def _load(workdir: str | None, hf_dir: str | None, step: int | None
   model = load_hf(hf_dir)
   spec = os.path.join(hf_dir, "tokenizer.json")
   positions = read_config(hf_dir).get("max_position_embeddings")
-  return model, spec if os.path.isfile(spec) else None, positions, hf_dir
+  return model, spec if os.path.isfile(spec) else None, positions
 
 
 class DiffjaxLM(TemplateLM):
@@ -94,9 +94,7 @@ class DiffjaxLM(TemplateLM):
       raise ValueError(f"give exactly one of workdir=, hf_dir= or model=; got {given or 'none'}.")
     run_spec, context = None, None
     if model is None:
-      model, run_spec, context, self._name = _load(workdir, hf_dir, step)
-    else:
-      self._name = f"{model.config.attention} model"
+      model, run_spec, context = _load(workdir, hf_dir, step)
     if isinstance(tokenizer, str) and run_spec is not None and workdir is not None \
         and os.path.abspath(tokenizer) != os.path.abspath(run_spec) and tokenizer != run_spec:
       raise ValueError(f"tokenizer={tokenizer!r} is not the one the run was trained with "

@@ -85,13 +85,14 @@ def run_tasks(lm: DiffjaxLM, tasks: Sequence[str], *, include_path=None,
 
 
 def harness_scalars(results: Mapping[str, Any]) -> dict[str, float]:
-  """``{"harness/<task>/<metric>": value}`` of every numeric metric (standard errors left
-  out), the form the comparison report aggregates over seeds."""
+  """``{"harness/<task>/<metric>": value}`` of every numeric metric (standard errors and the
+  example count ``sample_len`` left out), the form the comparison report aggregates over seeds."""
   out = {}
   for task, metrics in sorted((results.get("results") or {}).items()):
     for key, value in metrics.items():
       metric = key.split(",")[0]
-      if metric == "alias" or "_stderr" in metric or not isinstance(value, (int, float)):
+      if metric in ("alias", "sample_len") or "_stderr" in metric \
+          or not isinstance(value, (int, float)):
         continue
       if isinstance(value, bool) or (isinstance(value, float) and math.isnan(value)):
         continue
