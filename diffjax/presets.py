@@ -56,6 +56,8 @@ def model_section(arm: str = "diff_v1", size: str = "default", **values
   m.interpret = False
   m.diff_use_norm = True
   m.diff_fixed_lambda = _placeholder(float)
+  m.v2_pairing = "group"
+  m.v2_lambda = "sigmoid"
   for k, v in values.items():
     if k not in m:
       raise ValueError(f"model_section: unknown key {k!r}.")
@@ -76,6 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_batches = 8
   c.tensorboard = True
   c.log_batch_hash = False
+  # Updates skipped as non-finite (loss, gradient or update) before the run stops; each is
+  # counted in metrics.jsonl (train/skipped) and final_metrics.json. 0: stop at the first.
+  c.max_skipped_updates = 0
 
   c.model = model_section()
 

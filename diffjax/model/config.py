@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from diffjax.core.dtypes import check_float64_enabled
+from diffjax.nn.attention import check_v2_ablation
 from diffjax.nn.rope import ROPE_STYLES
 from diffjax.ops.dispatch import IMPLEMENTATIONS
 
@@ -56,6 +57,10 @@ class ModelConfig:
   # DIFF V1 ablations (paper Table 6): drop the per-head norm; a constant lambda.
   diff_use_norm: bool = True
   diff_fixed_lambda: float | None = None
+  # DIFF V2 ablations of its write-up: pair query heads i and i + h, which read different kv
+  # groups ("across_groups"); lambda = x W_lambda without the sigmoid ("identity").
+  v2_pairing: str = "group"
+  v2_lambda: str = "sigmoid"
 
   def __post_init__(self):
     if self.attention not in ARMS:
@@ -77,6 +82,8 @@ class ModelConfig:
       check_float64_enabled(name, _DTYPES[getattr(self, name)])
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
+    if self.attention == "diff_v2":
+      check_v2_ablation(self.v2_pairing, self.v2_lambda, self.num_kv_heads)
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation={self.implementation!r} is not one of "
                        f"{IMPLEMENTATIONS}.")

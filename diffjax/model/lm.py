@@ -34,7 +34,8 @@ def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Mo
     return DiffV1Attention(*args, layer_index=layer_index, options=opts,
                            norm_eps=cfg.diff_norm_eps, use_norm=cfg.diff_use_norm,
                            fixed_lambda=cfg.diff_fixed_lambda, rngs=rngs)
-  return DiffV2Attention(*args, options=opts, rngs=rngs)
+  return DiffV2Attention(*args, options=opts, pairing=cfg.v2_pairing, lambda_fn=cfg.v2_lambda,
+                         rngs=rngs)
 
 
 class Block(nnx.Module):

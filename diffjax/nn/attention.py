@@ -346,6 +346,30 @@ class DiffV1Attention(nnx.Module):
     return (y_BxTxE, aux) if capture else y_BxTxE
 
 
+V2_PAIRINGS = ("group", "across_groups")
+V2_LAMBDAS = ("sigmoid", "identity")
+
+
+def check_v2_ablation(pairing: str, lambda_fn: str, num_kv_heads: int) -> None:
+  """Refuses an unknown DIFF V2 pairing or lambda function, and a cross-group pairing
+  that cannot differ from the grouped one (a single kv head)."""
+  if pairing not in V2_PAIRINGS:
+    raise ValueError(f"v2_pairing={pairing!r} is not one of {V2_PAIRINGS}.")
+  if lambda_fn not in V2_LAMBDAS:
+    raise ValueError(f"v2_lambda={lambda_fn!r} is not one of {V2_LAMBDAS}.")
+  if pairing == "across_groups" and num_kv_heads < 2:
+    raise ValueError(f"v2_pairing='across_groups' pairs query heads from different kv groups, "
+                     f"which needs num_kv_heads >= 2 (got {num_kv_heads}).")
+
+
+def _cross_group_pairs(out_BxTxQxD, lam_BxTxH):
+  """o_i = out_i - lam_i out_{i+h}: pair i is query heads i and i + h (two kv groups)."""
+  h = lam_BxTxH.shape[-1]
+  acc = lam_BxTxH.dtype
+  first, second = out_BxTxQxD[:, :, :h].astype(acc), out_BxTxQxD[:, :, h:].astype(acc)
+  return (first - lam_BxTxH[..., None] * second).astype(out_BxTxQxD.dtype)
+
+
 class DiffV2Attention(_BaselineKVCache, nnx.Module):
   """DIFF V2 differential attention on paired query heads.
 
@@ -354,12 +378,23 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
   values and the output projection are the baseline's. A per-token, per-pair
   lambda = sigmoid(x W_lambda), W_lambda: E -> h with no bias and PyTorch's default
   Linear init (so sigmoid(lambda) starts near 0.5). No per-head norm.
+
+  Two ablations of the V2 write-up (the defaults are V2 itself):
+    * ``pairing="across_groups"``: pair i is query heads i and i + h of the flattened
+      2h heads, which read different kv groups (the pair no longer shares K and V);
+      the maps run as ordinary grouped-query attention over 2h heads and the pair is
+      combined after. Needs ``num_kv_heads >= 2``.
+    * ``lambda_fn="identity"``: lambda = x W_lambda, unbounded (no sigmoid).
   """
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               options: AttentionOptions = AttentionOptions(), rngs: nnx.Rngs):
+               options: AttentionOptions = AttentionOptions(), pairing: str = "group",
+               lambda_fn: str = "sigmoid", rngs: nnx.Rngs):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
+    check_v2_ablation(pairing, lambda_fn, num_kv_heads)
     self.options = options
+    self.pairing = pairing
+    self.lambda_fn = lambda_fn
     init = normal_init(options.init_std)
     self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
                         ("embed", "heads", None, "head_dim"), options.param_dtype)
@@ -368,10 +403,14 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
                                ("embed", "heads"), options.param_dtype)
 
   def lambda_value(self, x_BxTxE: jax.Array, hooks: Hooks = NO_HOOKS) -> jax.Array:
-    """lambda = sigmoid(x W_lambda) per token and pair, [B, T, H] in float32 (float64)."""
+    """lambda = sigmoid(x W_lambda) per token and pair, [B, T, H] in float32 (float64);
+    x W_lambda itself with ``lambda_fn="identity"``."""
     dt = self.options.dtype
     lam_logits_BxTxH = project(x_BxTxE, self.w_lambda, "bte,eh->bth", dt, hooks)
-    return jax.nn.sigmoid(lam_logits_BxTxH.astype(accumulation_dtype(dt)))
+    lam_logits_BxTxH = lam_logits_BxTxH.astype(accumulation_dtype(dt))
+    if self.lambda_fn == "identity":
+      return lam_logits_BxTxH
+    return jax.nn.sigmoid(lam_logits_BxTxH)
 
   @jax.named_scope("attention_diff_v2")
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
@@ -390,7 +429,11 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     aux = None
     decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
                                   {"k": k_BxSxKxD, "v": v_BxSxKxD})
-    if decoding:
+    if self.pairing == "across_groups":
+      out_BxTxHxD, aux = self._across_groups(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH,
+                                             segment_ids_BxT, decoding, cache,
+                                             cache_lengths_B, capture, hooks)
+    elif decoding:
       out_BxTxHxD = diff_v2_attention_decode(
           q_BxTxQxD, cache["k"], cache["v"], lam_BxTxH, cache_lengths_B + 1,
           implementation=opts.implementation, interpret=opts.interpret)
@@ -408,3 +451,30 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     if cache is not None:
       return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE
+
+  def _across_groups(self, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, segment_ids_BxT,
+                     decoding, cache, cache_lengths_B, capture, hooks):
+    """The cross-group ablation: grouped-query attention over the 2h query heads, then
+    pair i = heads i and i + h. Returns (out [B, T, H, D], aux or None)."""
+    opts = self.options
+    h = lam_BxTxH.shape[-1]
+    if hooks.probs is not None:
+      raise ValueError("v2_pairing='across_groups' has no single combined map (the pair's two "
+                       "maps weight different values), so a probs hook is not defined for it.")
+    aux = None
+    if decoding:
+      out_BxTxQxD = dot_product_attention_decode(
+          q_BxTxQxD, cache["k"], cache["v"], cache_lengths_B + 1,
+          implementation=opts.implementation, interpret=opts.interpret)
+    elif _explicit_maps(capture, hooks):
+      out_BxTxQxD, maps = ref.mha_reference(
+          q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
+          return_aux=True, logits_fn=hooks.logits)
+      aux = {"logits1": maps["logits"][:, :h], "logits2": maps["logits"][:, h:],
+             "probs1": maps["probs"][:, :h], "probs2": maps["probs"][:, h:],
+             "lambda": lam_BxTxH}
+    else:
+      out_BxTxQxD = ops.dot_product_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
+                                              segment_ids=segment_ids_BxT,
+                                              **opts.kernel_kwargs())
+    return _cross_group_pairs(out_BxTxQxD, lam_BxTxH), aux

@@ -21,6 +21,7 @@ the previous step is tried.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from diffjax.model import layout
+from diffjax.model import ModelConfig, layout
 from diffjax.train import integrity
 from diffjax.train.digest import all_processes_agree, named_leaves
 from diffjax.train.integrity import CheckpointError, CorruptCheckpointError
@@ -158,7 +159,11 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
 
 
 def check_model_config(saved: dict, current: dict, directory) -> None:
-  """Refuses to resume when the model changed (parameters would not fit)."""
+  """Refuses to resume when the model changed (parameters would not fit). A key the saved
+  config lacks (a field added since it was written) counts as that field's default."""
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+              if f.default is not dataclasses.MISSING}
+  saved = {**{k: v for k, v in defaults.items() if k in current and k not in saved}, **saved}
   diffs = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
            if saved.get(k) != current.get(k)}
   # Settings that do not change parameters may differ between runs.

@@ -98,6 +98,10 @@ def check_config(config) -> None:
             "eval_batches"):
     if int(config[k]) <= 0:
       raise ValueError(f"{k}={config[k]} must be a positive integer.")
+  skips = config.get("max_skipped_updates", 0)
+  if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+    raise ValueError(f"max_skipped_updates={skips!r} must be an integer >= 0 (updates skipped "
+                     "as non-finite before the run stops; 0 stops at the first).")
   if int(config.eval_every) < 0:
     raise ValueError(f"eval_every={config.eval_every} must be >= 0 (0 disables periodic eval).")
   if int(config.checkpoint.every) <= 0 or int(config.checkpoint.keep) <= 0:

@@ -78,10 +78,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   Gradients of the token-summed loss are accumulated over ``grad_accum_steps``
   micro-batches and divided by the total token count, so the update equals the one
   from a single large batch. If the loss, the gradient norm, or any updated parameter
-  or optimizer-state value is not finite, the update is skipped (the state, step
-  included, is returned unchanged) and ``metrics["finite"]`` is False: the host then
-  stops the run with the last good state intact. Checking the update itself matters:
-  a finite loss and gradient can still give NaN parameters (e.g. a NaN learning rate).
+  or optimizer-state value is not finite, the update is skipped (parameters and
+  optimizer state are returned unchanged; the step counter still advances, as the batch
+  was used) and ``metrics["finite"]`` is False: the host counts it and, past
+  ``max_skipped_updates``, stops the run with the last good state intact. Checking the
+  update itself matters: a finite loss and gradient can still give NaN parameters (e.g.
+  a NaN learning rate).
   """
   grad_fn = jax.value_and_grad(
       lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
@@ -114,7 +116,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     new_state = {
         "params": keep(new_params, params),
         "opt_state": keep(new_opt, state["opt_state"]),
-        "step": state["step"] + finite.astype(jnp.int32),
+        "step": state["step"] + 1,
         "rng": state["rng"],
     }
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),

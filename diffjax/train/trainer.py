@@ -201,6 +201,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     rewrite_metrics(workdir, lambda row: row["step"] < start_step or (
         row["step"] == start_step and (start_step < config.num_steps or "train/loss" in row)))
   n_params = count_params(model_cfg)
+  # Updates skipped as non-finite so far (the steps kept in metrics.jsonl), and how many the
+  # run may skip before it stops.
+  max_skipped = int(config.get("max_skipped_updates", 0))
+  skipped = [sum(1 for r in read_metrics(workdir) if r.get("train/skipped"))
+             if is_main else 0]
   if is_main:
     write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
     progress.message("diffjax: " + arm_model.describe())
@@ -263,10 +268,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       return
     for s, m in pending:
       if not bool(m["finite"]):
-        raise TrainingError(
-            f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
-            f"grad_norm={float(m['grad_norm'])}). The update was skipped and the last good "
-            f"checkpoint in {manager.directory} is intact; lower optim.lr or check the data.")
+        skipped[0] += 1
+        writer.write(s, {"train/skipped": 1.0, "train/skipped_updates": float(skipped[0])})
+        what = (f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
+                f"grad_norm={float(m['grad_norm'])})")
+        if skipped[0] > max_skipped:
+          writer.close()  # the skipped step's line is kept
+          raise TrainingError(
+              f"{what}: {skipped[0]} skipped update{'s' if skipped[0] > 1 else ''}, more than "
+              f"max_skipped_updates={max_skipped}. The update was skipped and the last good "
+              f"checkpoint in {manager.directory} is intact; lower optim.lr, check the data, "
+              "or allow more skips (--config.max_skipped_updates=N).")
+        progress.message(f"{what}: update skipped ({skipped[0]} of at most {max_skipped})")
+        continue
       last_train_loss = float(m["loss"])
       vals = {"train/loss": last_train_loss, "train/grad_norm": float(m["grad_norm"]),
               "train/lr": float(m["lr"]), "train/tokens": float(m["tokens"])}
@@ -356,6 +370,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   summary = goodput(clock, steps_trained=step - start_step, steps_recomputed=recomputed)
   result = {"step": step, "train/loss": last_train_loss, **last_eval,
             "unigram/loss": data.unigram_entropy_nats, "params": n_params,
+            "train/skipped_updates": skipped[0],
             "wall_s": summary["wall_s"],
             **{f"perf/{k}": v for k, v in throughput.summary().items()},
             "perf/model_flops_per_token": flops.model,

@@ -17,6 +17,7 @@ from diffjax.presets import base_config
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import steps as steps_lib
 from diffjax.train.optim import learning_rate_schedule, make_optimizer
+from diffjax.train.records import read_metrics as read_rows
 from diffjax.train.trainer import TrainingError, train_and_evaluate
 from diffjax.model import ModelConfig
 from helpers import REPO, read_metrics, tiny_config  # noqa: E402
@@ -128,6 +129,32 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
   params = m.restore(3, args=ocp.args.Composite(
       state=ocp.args.StandardRestore()))["state"]["params"]
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def _overflowing(steps: int, max_skipped: int):
+  c = tiny_config(steps=steps)
+  # No warm-up: the first update leaves the weights near 1e30 (AdamW moves each by about lr),
+  # so every later loss is non-finite and each later update is skipped.
+  c.optim.lr, c.optim.min_lr, c.optim.warmup_steps = 1e30, 1e29, 0
+  c.max_skipped_updates = max_skipped
+  return c
+
+
+def test_skipped_updates_are_counted_and_limited(tmp_path):
+  """Up to max_skipped_updates non-finite updates are skipped and counted, across a resume;
+  one more stops the run, its line kept in metrics.jsonl."""
+  wd = str(tmp_path / "run")
+  result = train_and_evaluate(_overflowing(3, 10), wd)
+  assert result["step"] == 3 and result["train/skipped_updates"] == 2
+  rows = read_rows(wd)
+  assert [(r["step"], r["train/skipped_updates"]) for r in rows if r.get("train/skipped")] == [
+      (2, 1), (3, 2)]
+  assert [r["step"] for r in rows if "train/loss" in r] == [1]
+  # Resumed from step 3 with two skips on record: steps 4, 5 and 6 make five, one too many.
+  with pytest.raises(TrainingError, match="5 skipped updates, more than max_skipped_updates=4"):
+    train_and_evaluate(_overflowing(8, 4), wd)
+  rows = read_rows(wd)
+  assert [r["step"] for r in rows if r.get("train/skipped")] == [2, 3, 4, 5, 6]
 
 
 def test_default_schedule_values():

@@ -93,9 +93,11 @@ def test_a_non_finite_update_is_not_applied():
   new, metrics = step(state, batch)
   assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
   assert not bool(metrics["finite"])
-  assert int(new["step"]) == 0
+  assert int(new["step"]) == 1  # the batch was used; the update was not
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(new["params"])):
     np.testing.assert_array_equal(x, np.asarray(y))
+  for x, y in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(new["opt_state"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 # --- unknown keys -------------------------------------------------------------------------------
