@@ -10,7 +10,8 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from etils import epath
 
-from diffjax.compare.config import arm_names, check_comparison_config, run_name
+from diffjax.compare.config import (arm_names, check_comparison_config, run_name, sweep_key,
+                                    sweep_points)
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
@@ -29,34 +30,54 @@ def _loud(log: Callable[[str], None], lines: Sequence[str]) -> None:
   log("\n".join([bar, *lines, bar]))
 
 
+class _Point:
+  """One comparison (the whole one, or one sweep point): its config, workdir and runs."""
+
+  def __init__(self, name: str, value: Any, config: ml_collections.ConfigDict, workdir: str):
+    self.name, self.value, self.config, self.workdir = name, value, config, workdir
+    self.runs: list[dict[str, Any]] = []
+    self.timings: dict[str, Any] = {}
+
+
 def run_comparison(config: ml_collections.ConfigDict, workdir: str,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Trains, evaluates and reports every arm x seed of ``config`` in ``workdir``.
 
+  With a sweep (``sweep.key``), every point's comparison is run in ``workdir/sweep/<point>``
+  (all points' runs share the workers) and the sweep report is written in ``workdir``.
   Returns the results written to results.json (``data_check["ok"]`` says whether the arms saw
-  the same batches). Raises ValueError for a bad config before anything is written, and
-  `ComparisonStopped` when a signal stopped a run.
+  the same batches; a sweep's results hold each point's). Raises ValueError for a bad config
+  before anything is written, and `ComparisonStopped` when a signal stopped a run.
   """
   log = log or (lambda msg: print(msg, flush=True))
   check_comparison_config(config)
   arms, seeds = arm_names(config.arms), tuple(config.seeds)
   num_steps = int(config.base.num_steps)
-  # Seed-major order: an interrupted comparison has complete arm pairs for its first seeds.
-  plan = [(arm, seed) for seed in seeds for arm in arms]
+  points = [_Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
+            for name, value, cfg in sweep_points(config)]
+  # Point-major, then seed-major order: an interrupted comparison has complete arm pairs for
+  # its first seeds.
+  plan = [(p, arm, seed) for p in points for seed in seeds for arm in arms]
   t0 = time.perf_counter()
   elapsed = lambda: _clock(time.perf_counter() - t0)
-  epath.Path(workdir, "runs").mkdir(parents=True, exist_ok=True)
-  write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json_best_effort()))
-  log(f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds), {num_steps:,} steps "
-      f"each, eval {config.eval.mode}, in {workdir}")
-
-  runs, timings = [], {}
+  for p in points:
+    epath.Path(p.workdir, "runs").mkdir(parents=True, exist_ok=True)
+    write_json(epath.Path(p.workdir, "compare_config.json"),
+               json.loads(p.config.to_json_best_effort()))
+  if len(points) > 1:
+    write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json_best_effort()))
+  swept = (f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else "")
+  log(f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
+      f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}")
+  label = lambda i: (f"{plan[i][0].name}/" if plan[i][0].name else "") + run_name(*plan[i][1:])
+  done = [0]
 
   def finish(i: int, result: RunResult) -> None:
-    arm, seed = plan[i]
+    point, arm, seed = plan[i]
     step, ev, seconds = result
-    timings[run_name(arm, seed)] = seconds
-    run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
+    point.timings[run_name(arm, seed)] = seconds
+    run_dir = os.path.join(point.workdir, "runs", run_name(arm, seed))
+    runs = point.runs
     runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, int(config.base.log_every),
                             float(config.report.get("learned_below", 0.0)),
                             int(config.report.get("learned_window", 25))))
@@ -64,38 +85,57 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     first = next(r for r in runs if r["seed"] == seed)
     if first is not runs[-1]:
       check = check_batches({(r["arm"], seed): batch_hashes(r["metrics"])
-                             for r in (first, runs[-1])}, [first["arm"], arm], [seed], num_steps)
+                             for r in (first, runs[-1])}, [first["arm"], arm], [seed],
+                            _checked_steps([first, runs[-1]], num_steps))
       if not check["ok"]:
         _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
     final = runs[-1]["final_metrics"]
-    left = len(plan) - len(runs)
-    log(f"[{i + 1}/{len(plan)} {run_name(arm, seed)}] done: train loss "
-        f"{final.get('train/loss', float('nan')):.4f}, eval loss "
-        f"{final.get('eval/loss', float('nan')):.4f}; {left} run{'' if left == 1 else 's'} left, "
-        f"elapsed {elapsed()}")
+    done[0] += 1
+    left = len(plan) - done[0]
+    state = ("DIVERGED at step " + str(step)) if runs[-1]["diverged"] else (
+        f"train loss {final.get('train/loss', float('nan')):.4f}, eval loss "
+        f"{final.get('eval/loss', float('nan')):.4f}")
+    log(f"[{i + 1}/{len(plan)} {label(i)}] done: {state}; {left} run{'' if left == 1 else 's'} "
+        f"left, elapsed {elapsed()}")
 
   workers = int(config.get("workers", 1))
+  jobs = [(p.config, p.workdir, arm, seed) for p, arm, seed in plan]
   if workers > 1 and len(plan) > 1:
-    run_parallel(config, workdir, plan, min(workers, len(plan)), log, finish)
+    run_parallel(jobs, [label(i) for i in range(len(plan))], min(workers, len(plan)), log,
+                 finish)
   else:
-    for i, (arm, seed) in enumerate(plan):
-      tag = f"[{i + 1}/{len(plan)} {run_name(arm, seed)}]"
+    for i, (cfg, wd, arm, seed) in enumerate(jobs):
+      tag = f"[{i + 1}/{len(plan)} {label(i)}]"
       left = len(plan) - i
       log(f"{tag} starting: {left} run{'' if left == 1 else 's'} left, elapsed {elapsed()}")
-      finish(i, train_and_evaluate_run(config, workdir, arm, seed, tag, log))
-  order = {name: k for k, name in enumerate(run_name(a, s) for a, s in plan)}
-  runs.sort(key=lambda r: order[r["name"]])
+      finish(i, train_and_evaluate_run(cfg, wd, arm, seed, tag, log))
 
-  hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in runs}
-  data_check = check_batches(hashes, arms, seeds, num_steps)
-  timings["total"] = time.perf_counter() - t0
-  results = write_outputs(config, workdir, runs, data_check, timings)
-  if data_check["ok"]:
-    log(f"data check: all arms saw identical batches for seeds {list(seeds)}" +
-        ("" if data_check["distinct_across_seeds"] else
-         " (but the seeds did not change the data order)"))
-  else:
-    _loud(log, ["DATA MISMATCH: the arms did not see the same batches.",
-                *data_check["problems"], "The comparison is not matched."])
+  results = {}
+  for p in points:
+    order = {run_name(a, s): k for k, (a, s) in enumerate((a, s) for s in seeds for a in arms)}
+    p.runs.sort(key=lambda r: order[r["name"]])
+    hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in p.runs}
+    data_check = check_batches(hashes, arms, seeds, _checked_steps(p.runs, num_steps))
+    p.timings["total"] = time.perf_counter() - t0
+    results = write_outputs(p.config, p.workdir, p.runs, data_check, p.timings)
+    where = f" at {p.name}" if p.name else ""
+    if data_check["ok"]:
+      log(f"data check{where}: all arms saw identical batches for seeds {list(seeds)}" +
+          ("" if data_check["distinct_across_seeds"] else
+           " (but the seeds did not change the data order)"))
+    else:
+      _loud(log, [f"DATA MISMATCH{where}: the arms did not see the same batches.",
+                  *data_check["problems"], "The comparison is not matched."])
+    p.results = results
+  if len(points) > 1:
+    from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
+    results = write_sweep_outputs(config, workdir, [(p.name, p.value, p.results) for p in points],
+                                  [(p.name, p.value, p.runs) for p in points])
   log(f"compare: wrote {os.path.join(workdir, 'report.md')} and results.json in {elapsed()}")
   return results
+
+
+def _checked_steps(runs: Sequence[dict[str, Any]], num_steps: int) -> int:
+  """Steps the data check compares: all of them, or up to the earliest divergence."""
+  reached = [int(r["step"]) for r in runs if r.get("diverged")]
+  return min([num_steps, *reached])

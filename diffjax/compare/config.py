@@ -33,7 +33,15 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   reported as ``harness/<task>/<metric>`` scalars; needs the ``[harness]`` extra) with
   ``eval.harness_include_path`` (a directory of task YAML files), ``eval.harness_limit``
   (examples per task, 0: all), ``eval.harness_num_fewshot`` and ``eval.harness_seed``,
-  ``report.title``, ``report.learned_below`` (a train loss that marks a run as having learned
+  ``variants`` (named arms beyond the three: ``{name: {"arm": <arm>, "model": {ModelConfig
+  field: value}}}``, e.g. a DIFF V2 ablation; list the name in ``arms``; a variant is matched
+  like its arm and changes only the fields it names), ``allow_divergence`` (a run that stops
+  on non-finite updates, more than ``base.max_skipped_updates``, is recorded as diverged, with
+  no evaluation, instead of stopping the comparison), ``sweep.key`` and ``sweep.values`` (a
+  dotted ``base`` key, e.g. "optim.lr", and its values: the whole comparison runs once per
+  value, in ``sweep/<name>=<value>/``, and a sweep report compares the values; keys in
+  ``sweep.scaled`` keep their ratio to the swept key, e.g. "optim.min_lr"), ``report.title``,
+  ``report.learned_below`` (a train loss that marks a run as having learned
   its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
   gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
   ``report.learned_window`` steps is below it, and ``train/learned``), ``workers`` (runs
@@ -51,7 +59,23 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
                                             learned_below=0.0, learned_window=25,
                                             title="Matched comparison"))
+  c.variants = ml_collections.ConfigDict()
+  c.allow_divergence = False
+  c.sweep = ml_collections.ConfigDict(dict(key="", values=(), scaled=()))
   return c
+
+
+def variants(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
+  """The comparison's named variants: {name: {"arm", "model"}} (none by default)."""
+  raw = config.get("variants", None)
+  raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw or {})
+  return {name: {"arm": v.get("arm"), "model": dict(v.get("model") or {})}
+          for name, v in raw.items()}
+
+
+def base_arm(config: ml_collections.ConfigDict, name: str) -> str:
+  """The model arm of ``name``: the name itself for the three arms, a variant's ``arm``."""
+  return variants(config).get(name, {}).get("arm", name)
 
 
 def harness_task_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -80,11 +104,88 @@ def run_config(config: ml_collections.ConfigDict, arm: str, seed: int
                ) -> ml_collections.ConfigDict:
   """The train config of run (arm, seed): ``base`` with ``model.arm = arm`` and ``seed``."""
   run = copy.deepcopy(config.base)
+  variant = variants(config).get(arm)
   with run.unlocked():
-    run.model.arm = arm
+    run.model.arm = arm if variant is None else variant["arm"]
+    for key, value in (variant or {}).get("model", {}).items():
+      run.model[key] = value
     run.seed = int(seed)
     run.log_batch_hash = True
   return run
+
+
+def _dotted(node: Any, key: str) -> tuple[Any, str]:
+  """(the ConfigDict holding ``key``'s last part, that part) inside ``node``; KeyError if absent."""
+  parts = key.split(".")
+  for part in parts[:-1]:
+    node = node[part]
+  if parts[-1] not in node:
+    raise KeyError(key)
+  return node, parts[-1]
+
+
+def sweep_key(config: ml_collections.ConfigDict) -> str:
+  """The swept ``base`` key, or "" without a sweep."""
+  sweep = config.get("sweep", None)
+  return str(sweep.get("key", "") or "") if sweep is not None else ""
+
+
+def point_name(key: str, value: Any) -> str:
+  """The directory name of one sweep point, e.g. "lr=0.003"."""
+  shown = f"{value:g}" if isinstance(value, float) else str(value)
+  return f"{key.split('.')[-1]}={shown}"
+
+
+def sweep_points(config: ml_collections.ConfigDict
+                 ) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
+  """[(point name, value, the comparison at that value)]: one point per ``sweep.values``, each
+  a copy of ``config`` with ``base.<sweep.key>`` set (and each ``sweep.scaled`` key scaled by
+  value / the base's own value) and no sweep; [("", None, config)] without a sweep."""
+  key = sweep_key(config)
+  if not key:
+    return [("", None, config)]
+  holder, last = _dotted(config.base, key)
+  base_value = holder[last]
+  points = []
+  for value in config.sweep["values"]:
+    point = copy.deepcopy(config)
+    with point.unlocked():
+      h, k = _dotted(point.base, key)
+      h[k] = value
+      for scaled in config.sweep.get("scaled", ()) or ():
+        sh, sk = _dotted(point.base, scaled)
+        sh[sk] = float(sh[sk]) * float(value) / float(base_value)
+      point.sweep = ml_collections.ConfigDict(dict(key="", values=(), scaled=()))
+    points.append((point_name(key, value), value, point))
+  return points
+
+
+def check_sweep(config: ml_collections.ConfigDict) -> None:
+  """Refuses a sweep whose key is not in ``base``, whose values are empty, repeated or not
+  numbers, or whose scaled keys are missing or cannot scale."""
+  key = sweep_key(config)
+  if not key:
+    return
+  try:
+    holder, last = _dotted(config.base, key)
+  except (KeyError, TypeError, AttributeError):
+    raise ValueError(f"sweep.key={key!r} is not a key of base (e.g. 'optim.lr').") from None
+  values = tuple(config.sweep.get("values", ()) or ())
+  if not values:
+    raise ValueError(f"sweep.values is empty; give the values of {key}, e.g. "
+                     "--config.sweep.values='(1e-3, 3e-3)'.")
+  if len(set(values)) != len(values):
+    raise ValueError(f"sweep.values={values} repeats a value.")
+  bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+  if bad:
+    raise ValueError(f"sweep.values={values} must be numbers; got {bad}.")
+  for scaled in config.sweep.get("scaled", ()) or ():
+    try:
+      _dotted(config.base, scaled)
+    except (KeyError, TypeError, AttributeError):
+      raise ValueError(f"sweep.scaled names {scaled!r}, which is not a key of base.") from None
+    if not float(holder[last]):
+      raise ValueError(f"sweep.scaled needs base.{key} non-zero (it is the scale's reference).")
 
 
 def v2_matching(config: ml_collections.ConfigDict) -> str:
@@ -126,11 +227,22 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"The compare config has no {key!r}; build it with "
                        "diffjax.compare.comparison_config (see configs/compare/tiny.py).")
   arms = arm_names(config.arms)
+  named = variants(config)
+  for name, v in named.items():
+    if name in ARMS:
+      raise ValueError(f"variants.{name}: a variant cannot reuse an arm's name; rename it.")
+    if v["arm"] not in ARMS:
+      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {ARMS}.")
+    bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
+    if bad:
+      raise ValueError(f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
+                       "set only other model fields (e.g. v2_pairing).")
   if not arms:
     raise ValueError(f"arms is empty; choose one or more of {ARMS}.")
-  unknown = [a for a in arms if a not in ARMS]
+  unknown = [a for a in arms if a not in ARMS and a not in named]
   if unknown:
-    raise ValueError(f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS}.")
+    raise ValueError(f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS} or the "
+                     f"variants {sorted(named)}.")
   if len(set(arms)) != len(arms):
     raise ValueError(f"arms={arms} names an arm twice.")
   seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
@@ -173,13 +285,19 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
     DataConfig.from_dict(config.base.data.to_dict())
   except ValueError as e:
     raise ValueError(f"base.data: {e} Set it with --config.base.data.<key>=<value>.") from e
-  for arm in arms:
-    run = run_config(config, arm, seeds[0])
-    check_config(run)
-    try:
-      eval_config(config, run)
-    except TypeError as e:
-      raise ValueError(f"Bad eval.overrides: {e}.") from e
+  check_sweep(config)
+  for name, _, point in sweep_points(config):
+    for arm in arms:
+      run = run_config(point, arm, seeds[0])
+      try:
+        check_config(run)
+      except ValueError as e:
+        raise ValueError(f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
+                         ) from None
+      try:
+        eval_config(point, run)
+      except TypeError as e:
+        raise ValueError(f"Bad eval.overrides: {e}.") from e
 
 
 def describe_comparison(config: ml_collections.ConfigDict) -> str:

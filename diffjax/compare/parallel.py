@@ -85,26 +85,29 @@ def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: 
       os.close(saved[1])
 
 
-def run_parallel(config: ml_collections.ConfigDict, workdir: str,
-                 plan: Sequence[tuple[str, int]], workers: int, log: Callable[[str], None],
-                 on_done: Callable[[int, RunResult], None]) -> None:
-  """Runs ``plan`` ((arm, seed) pairs) in ``workers`` processes; calls ``on_done(index,
-  result)`` in this process as each run finishes, in finishing order.
+Job = tuple[ml_collections.ConfigDict, str, str, int]
+
+
+def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
+                 log: Callable[[str], None], on_done: Callable[[int, RunResult], None]) -> None:
+  """Runs ``jobs`` ((comparison config, workdir, arm, seed), named by ``labels``) in
+  ``workers`` processes; calls ``on_done(index, result)`` in this process as each run
+  finishes, in finishing order.
 
   Raises `ComparisonStopped` when a signal stopped the runs, and a run's own error (after
   stopping the other runs, which save checkpoints) when one failed.
   """
   import jax  # pylint: disable=import-outside-toplevel
   cache_dir = jax.config.jax_compilation_cache_dir or None
-  tags = [f"[{i + 1}/{len(plan)} {run_name(arm, seed)}]" for i, (arm, seed) in enumerate(plan)]
-  logs = [os.path.join(workdir, "runs", run_name(arm, seed), LOG_NAME) for arm, seed in plan]
+  tags = [f"[{i + 1}/{len(jobs)} {labels[i]}]" for i in range(len(jobs))]
+  logs = [os.path.join(wd, "runs", run_name(arm, seed), LOG_NAME) for _, wd, arm, seed in jobs]
   pool = cf.ProcessPoolExecutor(max_workers=workers,
                                 mp_context=multiprocessing.get_context("spawn"),
                                 initializer=_child_init, initargs=(cache_dir,))
   futures: dict[cf.Future, int] = {}
   # Runs are submitted only when a worker is free: none waits in the pool's own queue, where
   # a stop could not reach it.
-  queue = list(range(len(plan)))
+  queue = list(range(len(jobs)))
   pending: set[cf.Future] = set()
   stop: dict[str, Any] = {"signum": None}
 
@@ -121,8 +124,7 @@ def run_parallel(config: ml_collections.ConfigDict, workdir: str,
   def submit_next() -> None:
     if queue:
       i = queue.pop(0)
-      arm, seed = plan[i]
-      f = pool.submit(_child_run, config, workdir, arm, seed, tags[i])
+      f = pool.submit(_child_run, *jobs[i], tags[i])
       futures[f] = i
       pending.add(f)
       log(f"{tags[i]} started in a worker process")
@@ -163,7 +165,7 @@ def run_parallel(config: ml_collections.ConfigDict, workdir: str,
         steps = []
         for i in sorted(futures[f] for f in still):
           step = last_step(os.path.dirname(logs[i]))
-          steps.append(f"{run_name(*plan[i])} " +
+          steps.append(f"{labels[i]} " +
                        (f"step {step:,}" if step is not None else "starting"))
         log(f"compare: running {', '.join(steps)}")
   finally:

@@ -41,20 +41,46 @@ def done_step(run_dir: str) -> int | None:
     return None
 
 
-def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log) -> int:
+DIVERGED = "DIVERGED"
+
+
+def diverged_record(run_dir: str) -> dict[str, Any] | None:
+  """The run's DIVERGED marker ({"step", "error"}), written when a comparison that allows
+  divergence saw the trainer stop on non-finite updates; None otherwise."""
+  text = _read_text(epath.Path(run_dir, DIVERGED))
+  return json.loads(text) if text else None
+
+
+def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log,
+              allow_divergence: bool = False) -> int:
   """Trains (or resumes) one run unless its DONE marker is at the requested step.
 
-  Returns the step reached; raises ComparisonStopped when a signal stopped the training.
+  Returns the step reached; raises ComparisonStopped when a signal stopped the training. With
+  ``allow_divergence`` a run the trainer stops on non-finite updates gets a DIVERGED marker
+  (and is not trained again); without it the error stops the comparison.
   """
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  from diffjax.train.trainer import TrainingError  # pylint: disable=import-outside-toplevel
   num_steps = int(run.num_steps)
   step = done_step(run_dir)
   if step == num_steps:
     log(f"{tag} finished earlier at step {step}: skipping training")
     return step
+  gone = diverged_record(run_dir)
+  if gone is not None and allow_divergence:
+    log(f"{tag} diverged earlier at step {gone['step']}: skipping training")
+    return int(gone["step"])
   what = "resuming" if epath.Path(run_dir, "checkpoints").exists() else "training"
   log(f"{tag} {what} to step {num_steps:,} in {run_dir}")
-  result = train_and_evaluate(run, run_dir)
+  try:
+    result = train_and_evaluate(run, run_dir)
+  except TrainingError as e:
+    if not allow_divergence or "max_skipped_updates" not in str(e):
+      raise
+    reached = last_step(run_dir) or 0
+    write_json(epath.Path(run_dir, DIVERGED), {"step": reached, "error": str(e)})
+    log(f"{tag} DIVERGED at step {reached}: {e}")
+    return reached
   if result.get("stopped"):
     raise ComparisonStopped(f"{os.path.basename(run_dir)} stopped at step {result['step']} by a "
                             "signal")
@@ -164,10 +190,11 @@ def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm:
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
   run = run_config(config, arm, seed)
   t = time.perf_counter()
-  step = train_run(run, run_dir, tag, log)
+  step = train_run(run, run_dir, tag, log, bool(config.get("allow_divergence", False)))
   seconds = {"train": time.perf_counter() - t}
   t = time.perf_counter()
-  ev = evaluate_run(config, run, run_dir, step, tag, log)
+  diverged = diverged_record(run_dir) is not None and done_step(run_dir) is None
+  ev = None if diverged else evaluate_run(config, run, run_dir, step, tag, log)
   seconds["eval"] = time.perf_counter() - t
   return step, ev, seconds
 
@@ -217,9 +244,14 @@ def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any]
     first = steps_to_learn(metrics, learned_below, learned_window)
     scalars["train/steps_to_learn"] = first
     scalars["train/learned"] = float(not math.isnan(first))
+  diverged = diverged_record(run_dir) if not final else None
+  if diverged is not None:
+    scalars["val/final_eval_loss"] = float("nan")
+  scalars["train/skipped_updates"] = float(sum(1 for m in metrics if m.get("train/skipped")))
   model = ModelConfig.from_dict(json.loads(epath.Path(run_dir, "model_config.json").read_text()))
   return {"arm": arm, "seed": seed, "name": run_name(arm, seed), "workdir": run_dir,
           "step": step, "params": count_params(model), "final_metrics": final,
+          "diverged": diverged,
           "metrics": metrics, "eval": {**(ev or {}), "scalars": scalars},
           "eval_file": ev, "train_seconds": final.get("wall_s", seconds["train"]),
           "eval_seconds": seconds["eval"]}

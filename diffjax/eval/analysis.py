@@ -212,6 +212,92 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
           "negative_mass": [float(np.mean(n)) for n in neg]}
 
 
+SQRT2 = float(np.sqrt(2.0))
+
+
+def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
+  """Attention sinks, context RMS and (DIFF V1) the per-head norm's magnification, per layer.
+
+  Measured on ``batches`` (pipeline dicts or token arrays), every layer on the explicit-map path:
+    sink: mean weight on the first token of the row's document over rows with at least one
+      earlier token of their document (`measures.sink_mass`): "combined" is the map that
+      weights the values (A, or A1 - lambda A2), "a1"/"a2" DIFF's two softmax maps;
+    context_rms: the distribution (median, p99, max, mean) over tokens and heads of the RMS
+      of the attention output before any norm or projection;
+    relative_context_rms: the same divided by the RMS of the values the row can see
+      (`measures.visible_value_rms`), and ``above_sqrt2``: the fraction of token-heads above
+      sqrt(2), the bound the V2 write-up gives for sigmoid-scaled differences of unit values;
+    norm_magnification (DIFF V1 with its norm): 1 / sqrt(ms + eps), the factor the per-head
+      RMSNorm scales each head output by;
+    gradient_magnification (DIFF V1): ||dL/d(norm input)|| / ||dL/d(norm output)|| per token
+      and head, L the mean next-token loss of the batch.
+  Returns {"arm", "layers": [...], "summary": {...}} (summary pools the layers).
+  """
+  arm = runner.config.attention
+  cfg = runner.config
+  v1_norm = arm == "diff_v1" and cfg.diff_use_norm
+  acc: list[dict[str, list]] | None = None
+  for batch in batches:
+    inputs, targets, pos, seg, mask = _split_batch(batch)
+    starts = M.document_starts(seg, pos, inputs.shape)
+    rows = M.sink_rows(starts)
+    layers = runner.mechanism_pass(inputs, pos, seg, starts)
+    grads = (runner.norm_gradients(inputs, targets, pos, seg, mask) if arm == "diff_v1"
+             else None)
+    if acc is None:
+      acc = [{k: [] for k in ("rows", "combined", "a1", "a2", "rms", "rel", "mag", "grad")}
+             for _ in layers]
+    for li, layer in enumerate(layers):
+      a = acc[li]
+      a["rows"].append(rows)
+      a["combined"].append(layer["sink_combined"])
+      if "sink1" in layer:
+        a["a1"].append(layer["sink1"])
+        a["a2"].append(layer["sink2"])
+      ctx_rms = M.rms(layer["context"])
+      a["rms"].append(ctx_rms)
+      a["rel"].append(ctx_rms / np.maximum(layer["value_rms"][..., None], 1e-30))
+      if v1_norm:
+        a["mag"].append(M.norm_magnification(layer["context"], cfg.diff_norm_eps))
+      if grads is not None:
+        a["grad"].append(M.gradient_ratio(*grads[li]))
+  if acc is None:
+    raise ValueError("mechanisms needs at least one batch.")
+  out_layers = []
+  pooled: dict[str, list[np.ndarray]] = {k: [] for k in ("rms", "rel", "mag", "grad")}
+  for a in acc:
+    rows = np.concatenate(a["rows"])
+    sink = {"combined": M.sink_mass(np.concatenate(a["combined"]), rows)}
+    if a["a1"]:
+      sink["a1"] = M.sink_mass(np.concatenate(a["a1"]), rows)
+      sink["a2"] = M.sink_mass(np.concatenate(a["a2"]), rows)
+    rel = np.concatenate([x.reshape(-1) for x in a["rel"]])
+    layer = {"sink": sink, "context_rms": M.distribution(np.concatenate(
+        [x.reshape(-1) for x in a["rms"]])), "relative_context_rms": M.distribution(rel),
+             "above_sqrt2": float(np.mean(rel > SQRT2))}
+    for key, name in (("mag", "norm_magnification"), ("grad", "gradient_magnification")):
+      if a[key]:
+        values = np.concatenate([x.reshape(-1) for x in a[key]])
+        layer[name] = M.distribution(values)
+        pooled[key].append(values)
+    pooled["rms"].append(np.concatenate([x.reshape(-1) for x in a["rms"]]))
+    pooled["rel"].append(rel)
+    out_layers.append(layer)
+  summary = {
+      "sink_combined": float(np.mean([l["sink"]["combined"]["mean"] for l in out_layers])),
+      "context_rms": M.distribution(np.concatenate(pooled["rms"])),
+      "relative_context_rms": M.distribution(np.concatenate(pooled["rel"])),
+      "above_sqrt2": float(np.mean(np.concatenate(pooled["rel"]) > SQRT2))}
+  if "a1" in out_layers[0]["sink"]:
+    summary["sink_a1"] = float(np.mean([l["sink"]["a1"]["mean"] for l in out_layers]))
+    summary["sink_a2"] = float(np.mean([l["sink"]["a2"]["mean"] for l in out_layers]))
+  if pooled["mag"]:
+    summary["norm_magnification"] = M.distribution(np.concatenate(pooled["mag"]))
+  if pooled["grad"]:
+    summary["gradient_magnification"] = M.distribution(np.concatenate(pooled["grad"]))
+  return {"arm": arm, "layers": out_layers, "summary": summary}
+
+
 def _row_key_valid(rows_BxR, t: int, seg_BxT=None) -> np.ndarray:
   """(B, R, S) keys a row at position rows[b, r] may attend to (causal, same document)."""
   ok = np.arange(t)[None, None, :] <= rows_BxR[:, :, None]

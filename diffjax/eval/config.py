@@ -45,6 +45,9 @@ class EvalConfig:
     weight_bits, activation_bits, kv_bits: the deployed-quantization setting (W4A8, KV4).
     quantize_head: also quantize the embedding table and LM head (off: they stay float, as
       usual for weight quantization).
+    mechanism_batches: capture batches (of `capture_batch_size` validation rows) measured by
+      the "mechanisms" section: attention-sink mass, context RMS and, for DIFF V1, the
+      per-head norm's magnification of values and gradients.
     seed: seed of every synthetic task.
     sections: which evaluations to run (subset of SECTIONS).
   """
@@ -75,6 +78,7 @@ class EvalConfig:
   activation_bits: int = 8
   kv_bits: int = 4
   quantize_head: bool = False
+  mechanism_batches: int = 4
   seed: int = 1234
   sections: tuple[str, ...] = ()
 
@@ -90,6 +94,8 @@ class EvalConfig:
       if not isinstance(cell, Mapping) or "num_pairs" not in cell:
         raise ValueError(f"mqar_grid cell {cell!r} must be a dict of AssociativeRecallTask "
                          "keyword arguments with at least num_pairs.")
+    if self.mechanism_batches < 1:
+      raise ValueError(f"mechanism_batches={self.mechanism_batches} must be >= 1.")
     if self.logit_granularity not in ("head", "row", "tensor"):
       raise ValueError(f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or "
                        "'tensor'.")
@@ -124,7 +130,7 @@ class EvalConfig:
 
 
 SECTIONS = ("validation", "retrieval", "heatmap", "mqar", "mqar_grid", "allocation", "text",
-            "lowbit", "probes")
+            "mechanisms", "lowbit", "probes")
 
 
 def _jsonable(x):

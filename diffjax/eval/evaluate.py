@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from flax import nnx
 
-from diffjax.eval.analysis import (attention_allocation_by_layer, clamp_probe, low_bit,
+from diffjax.eval.analysis import (attention_allocation_by_layer, clamp_probe, low_bit, mechanisms,
                                    lowbit_settings, text_statistics)
 from diffjax.eval.config import SECTIONS, EvalConfig, _jsonable
 from diffjax.eval.runner import KNOBS, LogitsFn, ModelRunner, quantize_model_weights
@@ -108,6 +108,7 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   run("text", lambda: text_statistics(runner, cap_batches, outlier_sample=cfg.outlier_sample,
                                       probe_rows=cfg.probe_rows, corr_top_k=cfg.corr_top_k,
                                       seed=cfg.seed))
+  run("mechanisms", lambda: mechanisms(runner, cap_batches[:cfg.mechanism_batches]))
   run("lowbit", lambda: low_bit(runner, val_batches, std_task, cfg, n_std_examples))
   run("probes", lambda: clamp_probe(runner, val_batches, std_task, n_std_examples, cfg.batch_size))
   out["meta"]["seconds"] = timings
@@ -183,6 +184,16 @@ def scalars_from_sections(sec: Mapping[str, Any]) -> dict[str, float]:
       s["lambda/mean"] = float(np.mean(lam["layers"]))
     elif lam["kind"] == "sigmoid":
       s["lambda/mean"] = float(np.mean([l["mean"] for l in lam["layers"]]))
+  if "mechanisms" in sec:
+    summ = sec["mechanisms"]["summary"]
+    for key in ("sink_combined", "sink_a1", "sink_a2", "above_sqrt2"):
+      if key in summ:
+        s[f"mechanisms/{key}"] = summ[key]
+    for key in ("context_rms", "relative_context_rms", "norm_magnification",
+                "gradient_magnification"):
+      for stat in ("median", "p99", "max"):
+        if key in summ:
+          s[f"mechanisms/{key}_{stat}"] = summ[key][stat]
   if "lowbit" in sec:
     for name, v in sec["lowbit"].items():
       if name in ("delta", "settings"):

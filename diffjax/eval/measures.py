@@ -418,3 +418,89 @@ def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
     per_head_H = r_BxHxT.sum(axis=(0, 2)) / np.where(used_H > 0, used_H, np.nan)
   mean = float(np.nanmean(per_head_H)) if np.isfinite(per_head_H).any() else float("nan")
   return {"per_head": per_head_H, "mean": mean, "rows_used": used_H}
+
+
+# ----------------------------------------------------------------------------------------------
+# Mechanisms: attention sinks, context RMS, the per-head norm's gradient magnification.
+
+
+def document_starts(segment_ids_BxT=None, positions_BxT=None, shape=None):
+  """(B, T) int: the index of the first token of each token's document.
+
+  From ``segment_ids`` (a new document where the id changes), else from per-document
+  ``positions`` (t - position), else 0 everywhere (one document per row of ``shape``).
+  """
+  if segment_ids_BxT is not None:
+    seg = np.asarray(segment_ids_BxT)
+    t = np.arange(seg.shape[1])[None, :]
+    new = np.concatenate([np.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return np.maximum.accumulate(np.where(new, t, 0), axis=1).astype(np.int32)
+  if positions_BxT is not None:
+    pos = np.asarray(positions_BxT)
+    return (np.arange(pos.shape[1])[None, :] - pos).astype(np.int32)
+  b, t = shape
+  return np.zeros((b, t), np.int32)
+
+
+def sink_rows(starts_BxT) -> np.ndarray:
+  """(B, T) bool: the rows a sink mass averages over, the tokens with at least one earlier
+  token of their document (a document's first token can only attend to itself)."""
+  return np.arange(starts_BxT.shape[1])[None, :] > np.asarray(starts_BxT)
+
+
+def first_token_weight(attn_BxHxTxS, starts_BxT):
+  """(B, H, T): each row's weight on the first token of its document (numpy or jax)."""
+  xp = _xp(attn_BxHxTxS)
+  idx = xp.asarray(starts_BxT)[:, None, :, None]
+  return xp.take_along_axis(attn_BxHxTxS, idx, axis=3)[..., 0]
+
+
+def sink_mass(weight_BxHxT, rows_BxT) -> dict[str, float | list[float]]:
+  """Mean weight on the document's first token over ``rows_BxT`` (see `sink_rows`) and every
+  head: {"mean", "per_head"}. A uniform row over n keys gives 1/n, a row one-hot on the first
+  token 1; for a DIFF map (A1 - lambda A2) the weight can be negative."""
+  w = np.asarray(weight_BxHxT, np.float64)
+  rows = np.broadcast_to(np.asarray(rows_BxT, bool)[:, None, :], w.shape)
+  if not rows.any():
+    return {"mean": float("nan"), "per_head": [float("nan")] * w.shape[1]}
+  per_head = [float(w[:, h][rows[:, h]].mean()) for h in range(w.shape[1])]
+  return {"mean": float(w[rows].mean()), "per_head": per_head}
+
+
+def rms(x, axis=-1) -> np.ndarray:
+  """Root mean square over ``axis`` (float64)."""
+  x = np.asarray(x, np.float64)
+  return np.sqrt(np.mean(x * x, axis=axis))
+
+
+def visible_value_rms(values_BxSxKxD, valid_BxTxS) -> np.ndarray:
+  """(B, T): RMS of the values a row can attend to (its ``valid`` keys, every kv head and
+  channel): the scale a convex mix of those values is measured against."""
+  ms_BxS = np.mean(np.asarray(values_BxSxKxD, np.float64) ** 2, axis=(2, 3))
+  valid = np.asarray(valid_BxTxS, np.float64)
+  return np.sqrt(np.einsum("bts,bs->bt", valid, ms_BxS) / np.maximum(valid.sum(-1), 1.0))
+
+
+def distribution(x) -> dict[str, float]:
+  """{"median", "p99", "max", "mean"} of the finite entries of ``x`` (NaN when none)."""
+  v = np.asarray(x, np.float64).reshape(-1)
+  v = v[np.isfinite(v)]
+  if v.size == 0:
+    return {k: float("nan") for k in ("median", "p99", "max", "mean")}
+  return {"median": float(np.median(v)), "p99": float(np.quantile(v, 0.99)),
+          "max": float(v.max()), "mean": float(v.mean())}
+
+
+def norm_magnification(context_BxTxHxD, eps: float) -> np.ndarray:
+  """(B, T, H): the factor an RMSNorm (no gain) scales each head output by, 1 / sqrt(ms + eps)."""
+  x = np.asarray(context_BxTxHxD, np.float64)
+  return 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+
+
+def gradient_ratio(grad_in_BxTxHxD, grad_out_BxTxHxD) -> np.ndarray:
+  """(B, T, H): ||gradient into a map's input|| / ||gradient at its output|| per token and
+  head (NaN where the output gradient is zero)."""
+  gin = np.linalg.norm(np.asarray(grad_in_BxTxHxD, np.float64), axis=-1)
+  gout = np.linalg.norm(np.asarray(grad_out_BxTxHxD, np.float64), axis=-1)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    return np.where(gout > 0, gin / np.where(gout > 0, gout, 1.0), np.nan)

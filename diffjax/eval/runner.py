@@ -180,6 +180,73 @@ class ModelRunner:
                          jnp.asarray(sample_idx_N), jnp.asarray(row_idx_BxR))
     return jax.tree.map(np.asarray, out)
 
+  def mechanism_pass(self, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT
+                     ) -> list[dict[str, np.ndarray]]:
+    """Per layer: each row's weight on its document's first token (``starts_BxT``) in the
+    combined map (``sink_combined`` [B, H, T]) and, for DIFF, in A1 and A2 (``sink1``,
+    ``sink2``); the attention output before any norm (``context`` [B, T, H, Dv]) and the
+    RMS of the values each row can see (``value_rms`` [B, T])."""
+    if "mechanisms" not in self._fns:
+      def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT):
+        _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
+        t = tokens_BxT.shape[1]
+        valid_BxTxS = jnp.broadcast_to(_causal_valid(t, t, segment_ids_BxT)[:, 0],
+                                       (tokens_BxT.shape[0], t, t)).astype(jnp.float32)
+        out = []
+        for cap in caps:
+          layer = {"sink_combined": M.first_token_weight(_layer_maps(cap)["combined"],
+                                                         starts_BxT),
+                   "context": cap["context"].astype(jnp.float32)}
+          if "probs1" in cap:
+            layer["sink1"] = M.first_token_weight(cap["probs1"], starts_BxT)
+            layer["sink2"] = M.first_token_weight(cap["probs2"], starts_BxT)
+          ms_BxS = jnp.mean(jnp.square(cap["values"].astype(jnp.float32)), axis=(2, 3))
+          layer["value_rms"] = jnp.sqrt(jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxS)
+                                        / jnp.maximum(valid_BxTxS.sum(-1), 1.0))
+          out.append(layer)
+        return out
+      self._fns["mechanisms"] = jax.jit(f)
+    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
+    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
+    out = self._fns["mechanisms"](self.state, jnp.asarray(tokens_BxT), pos, seg,
+                                  jnp.asarray(starts_BxT))
+    return jax.tree.map(np.asarray, out)
+
+  def norm_gradients(self, tokens_BxT, targets_BxT, positions_BxT, segment_ids_BxT, mask_BxT
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """DIFF V1: per layer, the gradients of the mean masked next-token loss into its per-head
+    norm's input and out of its output, ([B, T, H, 2d], [B, T, H, 2d]).
+
+    Zero taps are added before and after each layer's norm (`Hooks.norm`, called in layer
+    order as the unrolled model is traced) and the loss is differentiated by them."""
+    if self.config.attention != "diff_v1":
+      raise ValueError(f"norm_gradients needs a DIFF V1 model; this one is "
+                       f"{self.config.attention!r}.")
+    b, t = np.shape(tokens_BxT)
+    cfg = self.config
+    taps_shape = (b, t, cfg.num_heads, 2 * cfg.head_dim)
+    if "norm_grads" not in self._fns:
+      def loss(taps, state, tokens, targets, positions, segment_ids, mask):
+        seen = {"pre": 0, "post": 0}
+
+        def tap(x, where):
+          i = seen[where]
+          seen[where] += 1
+          return x + taps[where][i].astype(x.dtype)
+
+        logits = self._merge(state)(tokens, positions, segment_ids, hooks=Hooks(norm=tap))
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+      self._fns["norm_grads"] = jax.jit(jax.grad(loss))
+    zeros = [jnp.zeros(taps_shape, jnp.float32) for _ in range(cfg.num_layers)]
+    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
+    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
+    g = self._fns["norm_grads"]({"pre": zeros, "post": zeros}, self.state,
+                                jnp.asarray(tokens_BxT), jnp.asarray(targets_BxT), pos, seg,
+                                jnp.asarray(mask_BxT, jnp.float32))
+    return [(np.asarray(a), np.asarray(z)) for a, z in zip(g["pre"], g["post"])]
+
   def quantized_state(self, bits: int, include_head: bool = False):
     """The model's state with projection kernels absmax-quantized (see `quantize_model_weights`)."""
     return nnx.split(quantize_model_weights(self.model, bits, include_head=include_head))[1]

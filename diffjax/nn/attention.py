@@ -13,7 +13,8 @@ of each row and attends to that row's first ``cache_lengths_B[b] + 1`` slots.
 
 ``capture=True`` (analysis) runs the explicit-map XLA path and also returns the
 float32 (float64 in a float64 model) attention logits and probabilities (and lambda
-for DIFF arms); it is a
+for DIFF arms), the attention output before any norm or projection (``context``,
+[B, T, H, Dv]) and the values it weighted (``values``, [B, S, K, Dv]); it is a
 Python switch, so normal calls pay nothing for it. ``hooks`` (see
 :class:`~diffjax.nn.layers.Hooks`) apply analysis interventions.
 """
@@ -222,6 +223,7 @@ class Attention(_BaselineKVCache, nnx.Module):
       out_BxTxHxD, aux = ref.mha_reference(
           q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
+      aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD)
     else:
       out_BxTxHxD = ops.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
                                               segment_ids=segment_ids_BxT,
@@ -331,14 +333,19 @@ class DiffV1Attention(nnx.Module):
       core_BxTxHxDv, aux = ref.diff_v1_reference(
           *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
           return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
-      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(lam_init, acc)})
+      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(lam_init, acc),
+                         "context": core_BxTxHxDv, "values": v_BxSxKxDv})
     else:
       core_BxTxHxDv = ops.diff_v1_attention_core(*qk, v_BxSxKxDv, lam,
                                                  segment_ids=segment_ids_BxT,
                                                  **opts.kernel_kwargs())
     core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
+    if hooks.norm is not None:
+      core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "pre")
     if self.use_norm:
       core_BxTxHxDv = ref.rms_norm(core_BxTxHxDv, self.norm_scale[...], self.norm_eps)
+    if hooks.norm is not None:
+      core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "post")
     core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - lam_init)).astype(dt)
     y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
     if cache is not None:
@@ -442,7 +449,7 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
           q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=opts.causal,
           segment_ids=segment_ids_BxT, return_aux=True, logits_fn=hooks.logits,
           probs_fn=hooks.probs)
-      aux = dict(aux, **{"lambda": lam_BxTxH})
+      aux = dict(aux, **{"lambda": lam_BxTxH, "context": out_BxTxHxD, "values": v_BxSxKxD})
     else:
       out_BxTxHxD = ops.diff_v2_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH,
                                           segment_ids=segment_ids_BxT, **opts.kernel_kwargs())
@@ -477,4 +484,7 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
       out_BxTxQxD = ops.dot_product_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
                                               segment_ids=segment_ids_BxT,
                                               **opts.kernel_kwargs())
-    return _cross_group_pairs(out_BxTxQxD, lam_BxTxH), aux
+    out_BxTxHxD = _cross_group_pairs(out_BxTxQxD, lam_BxTxH)
+    if aux is not None:
+      aux.update(context=out_BxTxHxD, values=v_BxSxKxD)
+    return out_BxTxHxD, aux

@@ -36,11 +36,16 @@ class Hooks:
       A for the baseline) [B, H, T, S] before it multiplies V.
     kv: applied to keys and values after projection and RoPE (KV-cache quantization).
     activations: applied to the input of every linear projection.
+    norm: DIFF V1 only: called as ``norm(x, "pre")`` on the head outputs [B, T, H, 2d]
+      just before the per-head norm and ``norm(y, "post")`` just after it (before the
+      (1 - lambda_init) scale); returning ``x + tap`` with zero taps makes the gradients
+      into and out of the norm readable (the analysis's gradient magnification).
   """
   logits: Callable[[jax.Array], jax.Array] | None = None
   probs: Callable[[jax.Array], jax.Array] | None = None
   kv: Callable[[jax.Array], jax.Array] | None = None
   activations: Callable[[jax.Array], jax.Array] | None = None
+  norm: Callable[[jax.Array, str], jax.Array] | None = None
 
   @property
   def needs_reference(self) -> bool:

@@ -269,7 +269,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     for s, m in pending:
       if not bool(m["finite"]):
         skipped[0] += 1
-        writer.write(s, {"train/skipped": 1.0, "train/skipped_updates": float(skipped[0])})
+        vals = {"train/skipped": 1.0, "train/skipped_updates": float(skipped[0])}
+        if "batch_hash" in m:
+          vals["data/batch_hash"] = m["batch_hash"]
+        writer.write(s, vals)
         what = (f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
                 f"grad_norm={float(m['grad_norm'])})")
         if skipped[0] > max_skipped:
