@@ -14,9 +14,11 @@ Each point's own comparison (report.md, results.json, paired statistics) lives i
 
 Definitions (stated in the report):
   diverged: the trainer stopped on non-finite updates (more than ``max_skipped_updates``),
-    the final loss is not finite or above the unigram baseline, or after warm-up the train loss averaged over
-    ``report.divergence_window`` consecutive steps exceeds the unigram baseline (the loss of
-    predicting every token by its frequency);
+    the final loss is not finite or above the unigram baseline (the loss of predicting every
+    token by its frequency), or after warm-up the train loss averaged over
+    ``report.divergence_window`` consecutive steps went below the unigram baseline and later
+    back above it (a run that trained, then blew up); ``report.divergence_above_unigram=False``
+    keeps only the non-finite criteria (for runs too short to get below the baseline);
   gradient-norm spike: a step whose global gradient norm (before clipping) exceeds
     ``report.spike_factor`` times the median of the previous ``report.spike_window`` steps'.
 """
@@ -40,8 +42,11 @@ MECHANISM_ROWS = (
     ("mechanisms/sink_a1", "attention-sink mass of A1 (DIFF)"),
     ("mechanisms/sink_a2", "attention-sink mass of A2 (DIFF)"),
     ("mechanisms/context_rms_median", "context RMS, median"),
-    ("mechanisms/relative_context_rms_max", "context RMS / visible value RMS, max"),
-    ("mechanisms/above_sqrt2", "fraction of token-heads with relative context RMS > √2"),
+    ("mechanisms/relative_context_rms_max", "context RMS / RMS of the visible values, max"),
+    ("mechanisms/bounded_context_rms_max",
+     "context RMS / largest RMS among the visible values, max (Transformer ≤ 1, V2 < 2)"),
+    ("mechanisms/above_sqrt2", "fraction of token-heads whose context RMS exceeds √2 x the "
+     "largest visible value RMS"),
     ("mechanisms/norm_magnification_median", "DIFF V1 norm magnification 1/RMS, median"),
     ("mechanisms/norm_magnification_max", "DIFF V1 norm magnification 1/RMS, max"),
     ("mechanisms/gradient_magnification_median", "DIFF V1 gradient magnification, median"),
@@ -76,11 +81,14 @@ def divergence(run: Mapping[str, Any], unigram: float, warmup_steps: int, window
   if math.isfinite(unigram):
     losses = [(int(m["step"]), float(m["train/loss"])) for m in run["metrics"]
               if "train/loss" in m and int(m["step"]) > warmup_steps]
+    below = False
     for k in range(window, len(losses) + 1):
       mean = sum(l for _, l in losses[k - window:k]) / window
-      if mean > unigram:
-        return (f"train loss over {window} steps {mean:.3f} above the unigram baseline "
-                f"{unigram:.3f} at step {losses[k - 1][0]}")
+      if mean < unigram:
+        below = True
+      elif below:
+        return (f"train loss over {window} steps back above the unigram baseline {unigram:.3f} "
+                f"({mean:.3f} at step {losses[k - 1][0]}) after it had been below it")
   return None
 
 
@@ -108,6 +116,8 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
   unigrams = [float(r["final_metrics"]["unigram/loss"]) for _, _, runs in point_runs
               for r in runs if "unigram/loss" in (r["final_metrics"] or {})]
   unigram = unigrams[0] if unigrams else float("nan")
+  if not config.report.get("divergence_above_unigram", True):
+    unigram = float("nan")  # only non-finite runs count as diverged
   values = [v for _, v, _ in point_runs]
 
   records, cells = [], {arm: {} for arm in arms}
@@ -209,8 +219,9 @@ def _report(config, key, arms, values, table, verdict, paired, mech, unigram, fa
            f"`sweep/<{key.split('.')[-1]}=value>/report.md`.", "",
            "Definitions. **Diverged**: the trainer stopped on non-finite updates (more than "
            f"`max_skipped_updates={int(base.get('max_skipped_updates', 0))}` skipped), the "
-           f"final loss is not finite or above the unigram baseline, or after warm-up the train loss averaged over {div_window} "
-           f"consecutive steps exceeds the unigram baseline ({_fmt(unigram)} nats). "
+           f"final loss is not finite or above the unigram baseline ({_fmt(unigram)} nats), or after "
+           f"warm-up the train loss averaged over {div_window} consecutive steps went below the "
+           "unigram baseline and later back above it. "
            f"**Skipped**: updates the trainer refused as non-finite (all seeds). **Spike**: a "
            f"step whose gradient norm before clipping exceeds {factor:g}x the median of the "
            f"previous {spike_window} steps' (mean count per run).", "",

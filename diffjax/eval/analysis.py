@@ -225,8 +225,11 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
     context_rms: the distribution (median, p99, max, mean) over tokens and heads of the RMS
       of the attention output before any norm or projection;
     relative_context_rms: the same divided by the RMS of the values the row can see
-      (`measures.visible_value_rms`), and ``above_sqrt2``: the fraction of token-heads above
-      sqrt(2), the bound the V2 write-up gives for sigmoid-scaled differences of unit values;
+      (`measures.visible_value_rms`);
+    bounded_context_rms: divided instead by the largest RMS among those values
+      (`measures.largest_visible_value_rms`): at most 1 for the Transformer (a convex mix), at
+      most 1 + sigma(lambda) < 2 for DIFF V2; ``above_sqrt2`` is the fraction of token-heads
+      above sqrt(2), the bound the V2 write-up derives for equal-RMS orthogonal values;
     norm_magnification (DIFF V1 with its norm): 1 / sqrt(ms + eps), the factor the per-head
       RMSNorm scales each head output by;
     gradient_magnification (DIFF V1): ||dL/d(norm input)|| / ||dL/d(norm output)|| per token
@@ -245,8 +248,8 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
     grads = (runner.norm_gradients(inputs, targets, pos, seg, mask) if arm == "diff_v1"
              else None)
     if acc is None:
-      acc = [{k: [] for k in ("rows", "combined", "a1", "a2", "rms", "rel", "mag", "grad")}
-             for _ in layers]
+      acc = [{k: [] for k in ("rows", "combined", "a1", "a2", "rms", "rel", "bound", "mag",
+                              "grad")} for _ in layers]
     for li, layer in enumerate(layers):
       a = acc[li]
       a["rows"].append(rows)
@@ -257,6 +260,7 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
       ctx_rms = M.rms(layer["context"])
       a["rms"].append(ctx_rms)
       a["rel"].append(ctx_rms / np.maximum(layer["value_rms"][..., None], 1e-30))
+      a["bound"].append(ctx_rms / np.maximum(layer["value_rms_max"][..., None], 1e-30))
       if v1_norm:
         a["mag"].append(M.norm_magnification(layer["context"], cfg.diff_norm_eps))
       if grads is not None:
@@ -264,7 +268,7 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
   if acc is None:
     raise ValueError("mechanisms needs at least one batch.")
   out_layers = []
-  pooled: dict[str, list[np.ndarray]] = {k: [] for k in ("rms", "rel", "mag", "grad")}
+  pooled: dict[str, list[np.ndarray]] = {k: [] for k in ("rms", "rel", "bound", "mag", "grad")}
   for a in acc:
     rows = np.concatenate(a["rows"])
     sink = {"combined": M.sink_mass(np.concatenate(a["combined"]), rows)}
@@ -272,9 +276,11 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
       sink["a1"] = M.sink_mass(np.concatenate(a["a1"]), rows)
       sink["a2"] = M.sink_mass(np.concatenate(a["a2"]), rows)
     rel = np.concatenate([x.reshape(-1) for x in a["rel"]])
+    bound = np.concatenate([x.reshape(-1) for x in a["bound"]])
     layer = {"sink": sink, "context_rms": M.distribution(np.concatenate(
         [x.reshape(-1) for x in a["rms"]])), "relative_context_rms": M.distribution(rel),
-             "above_sqrt2": float(np.mean(rel > SQRT2))}
+             "bounded_context_rms": M.distribution(bound),
+             "above_sqrt2": float(np.mean(bound > SQRT2))}
     for key, name in (("mag", "norm_magnification"), ("grad", "gradient_magnification")):
       if a[key]:
         values = np.concatenate([x.reshape(-1) for x in a[key]])
@@ -282,12 +288,14 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
         pooled[key].append(values)
     pooled["rms"].append(np.concatenate([x.reshape(-1) for x in a["rms"]]))
     pooled["rel"].append(rel)
+    pooled["bound"].append(bound)
     out_layers.append(layer)
   summary = {
       "sink_combined": float(np.mean([l["sink"]["combined"]["mean"] for l in out_layers])),
       "context_rms": M.distribution(np.concatenate(pooled["rms"])),
       "relative_context_rms": M.distribution(np.concatenate(pooled["rel"])),
-      "above_sqrt2": float(np.mean(np.concatenate(pooled["rel"]) > SQRT2))}
+      "bounded_context_rms": M.distribution(np.concatenate(pooled["bound"])),
+      "above_sqrt2": float(np.mean(np.concatenate(pooled["bound"]) > SQRT2))}
   if "a1" in out_layers[0]["sink"]:
     summary["sink_a1"] = float(np.mean([l["sink"]["a1"]["mean"] for l in out_layers]))
     summary["sink_a2"] = float(np.mean([l["sink"]["a2"]["mean"] for l in out_layers]))

@@ -189,8 +189,8 @@ def scalars_from_sections(sec: Mapping[str, Any]) -> dict[str, float]:
     for key in ("sink_combined", "sink_a1", "sink_a2", "above_sqrt2"):
       if key in summ:
         s[f"mechanisms/{key}"] = summ[key]
-    for key in ("context_rms", "relative_context_rms", "norm_magnification",
-                "gradient_magnification"):
+    for key in ("context_rms", "relative_context_rms", "bounded_context_rms",
+                "norm_magnification", "gradient_magnification"):
       for stat in ("median", "p99", "max"):
         if key in summ:
           s[f"mechanisms/{key}_{stat}"] = summ[key][stat]

@@ -481,6 +481,15 @@ def visible_value_rms(values_BxSxKxD, valid_BxTxS) -> np.ndarray:
   return np.sqrt(np.einsum("bts,bs->bt", valid, ms_BxS) / np.maximum(valid.sum(-1), 1.0))
 
 
+def largest_visible_value_rms(values_BxSxKxD, valid_BxTxS) -> np.ndarray:
+  """(B, T): the largest RMS (over channels) among the values a row can attend to, over its
+  ``valid`` keys and every kv head. A convex mix of values has at most this RMS; a difference
+  A1 V - lambda A2 V at most (1 + |lambda|) times it."""
+  rms_BxSxK = np.sqrt(np.mean(np.asarray(values_BxSxKxD, np.float64) ** 2, axis=3))
+  return np.max(np.where(np.asarray(valid_BxTxS, bool), rms_BxSxK.max(2)[:, None, :], 0.0),
+                axis=-1)
+
+
 def distribution(x) -> dict[str, float]:
   """{"median", "p99", "max", "mean"} of the finite entries of ``x`` (NaN when none)."""
   v = np.asarray(x, np.float64).reshape(-1)

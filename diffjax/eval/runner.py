@@ -184,8 +184,9 @@ class ModelRunner:
                      ) -> list[dict[str, np.ndarray]]:
     """Per layer: each row's weight on its document's first token (``starts_BxT``) in the
     combined map (``sink_combined`` [B, H, T]) and, for DIFF, in A1 and A2 (``sink1``,
-    ``sink2``); the attention output before any norm (``context`` [B, T, H, Dv]) and the
-    RMS of the values each row can see (``value_rms`` [B, T])."""
+    ``sink2``); the attention output before any norm (``context`` [B, T, H, Dv]), the
+    RMS of the values each row can see (``value_rms`` [B, T]) and the largest RMS among them
+    (``value_rms_max`` [B, T], over keys and kv heads)."""
     if "mechanisms" not in self._fns:
       def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT):
         _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
@@ -200,9 +201,11 @@ class ModelRunner:
           if "probs1" in cap:
             layer["sink1"] = M.first_token_weight(cap["probs1"], starts_BxT)
             layer["sink2"] = M.first_token_weight(cap["probs2"], starts_BxT)
-          ms_BxS = jnp.mean(jnp.square(cap["values"].astype(jnp.float32)), axis=(2, 3))
-          layer["value_rms"] = jnp.sqrt(jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxS)
+          ms_BxSxK = jnp.mean(jnp.square(cap["values"].astype(jnp.float32)), axis=3)
+          layer["value_rms"] = jnp.sqrt(jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxSxK.mean(2))
                                         / jnp.maximum(valid_BxTxS.sum(-1), 1.0))
+          layer["value_rms_max"] = jnp.sqrt(jnp.max(valid_BxTxS * ms_BxSxK.max(2)[:, None, :],
+                                                    axis=-1))
           out.append(layer)
         return out
       self._fns["mechanisms"] = jax.jit(f)

@@ -265,9 +265,11 @@ def test_bfloat16_compute_is_close_to_float32(arm):
 
 
 CAPTURE_KEYS = {
-    "transformer": {"logits", "probs", "hidden"},
-    "diff_v1": {"logits1", "logits2", "probs1", "probs2", "lambda", "lambda_init", "hidden"},
-    "diff_v2": {"logits1", "logits2", "probs1", "probs2", "lambda", "hidden"},
+    "transformer": {"logits", "probs", "hidden", "context", "values"},
+    "diff_v1": {"logits1", "logits2", "probs1", "probs2", "lambda", "lambda_init", "hidden",
+                "context", "values"},
+    "diff_v2": {"logits1", "logits2", "probs1", "probs2", "lambda", "hidden", "context",
+                "values"},
 }
 
 

@@ -1,0 +1,168 @@
+"""Comparison variants, divergence recording and sweeps: a miniature learning-rate sweep in
+which one value diverges, counted in the report; the config checks; the report's measures."""
+
+import json
+import math
+
+import pytest
+
+from diffjax import compare
+from diffjax.compare import sweep as sweep_lib
+from diffjax.compare.config import run_config, sweep_points
+from diffjax.model import count_params, resolve_model
+from diffjax.presets import base_config, load_config
+from helpers import REPO
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+
+
+def _mini(values=(3e-3, 1e30), max_skipped=3):
+  base = base_config()
+  base.model.update(dict(arm="transformer", size="custom", d_model=32, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64))
+  base.seq_len, base.global_batch_size, base.num_steps = 32, 4, 8
+  base.log_every, base.eval_every, base.eval_batches = 4, 0, 1
+  base.tensorboard = False
+  base.data.max_documents = 40
+  # No warm-up: at 1e30 the first update leaves the weights near 1e30, every later update is
+  # non-finite and skipped, and the fourth skip (more than 3) stops the run.
+  base.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, decay_steps=8))
+  base.max_skipped_updates = max_skipped
+  base.checkpoint.update(dict(every=8, keep=1, async_save=False))
+  c = compare.comparison_config(base, seeds=(0,), arms=("transformer", "v2_nosig"))
+  c.variants.v2_nosig = dict(arm="diff_v2", model=dict(v2_lambda="identity"))
+  c.allow_divergence = True
+  c.sweep.update(dict(key="optim.lr", values=values, scaled=("optim.min_lr",)))
+  c.eval.overrides = dict(val_batches=1, sections=("validation", "mechanisms"),
+                          mechanism_batches=1)
+  c.report.spike_window = 3
+  # Eight steps do not get below the unigram baseline: only non-finite runs diverge here (the
+  # unigram criteria have their own test below).
+  c.report.divergence_above_unigram = False
+  return c
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("sweep") / "out"
+  results = compare.run_comparison(_mini(), str(workdir), log=lambda _m: None)
+  return workdir, results
+
+
+def test_a_diverged_value_is_recorded_counted_and_reported(swept):
+  workdir, results = swept
+  assert results["schema"] == sweep_lib.SCHEMA and results["key"] == "optim.lr"
+  runs = {(r["point"], r["arm"]): r for r in results["runs"]}
+  for arm in ("transformer", "v2_nosig"):
+    ok, gone = runs[("lr=0.003", arm)], runs[("lr=1e+30", arm)]
+    assert not ok["diverged"] and ok["skipped_updates"] == 0 and ok["step"] == 8
+    assert math.isfinite(ok["final_eval_loss"])
+    assert gone["diverged"] and "non-finite" in gone["why"]
+    assert gone["skipped_updates"] == 4 and gone["final_eval_loss"] is None
+    run_dir = workdir / "sweep" / "lr=1e+30" / "runs" / f"{arm}_seed0"
+    marker = json.loads((run_dir / "DIVERGED").read_text())
+    assert "max_skipped_updates=3" in marker["error"] and marker["step"] == 5
+    assert not (run_dir / "eval.json").exists()
+    # The stable run was evaluated with the mechanism measures.
+    assert "mechanisms/sink_combined" in ok["mechanisms"]
+    cell = results["table"][arm]
+    assert cell["0.003"]["diverged"] == 0 and cell["1e+30"]["diverged"] == 1
+    assert cell["1e+30"]["skipped_updates"] == 4
+    assert results["verdict"][arm]["largest_stable"] == 3e-3
+  assert results["data_check"]["ok"], results["data_check"]
+  report = (workdir / "report.md").read_text()
+  assert "**1/1 diverged**" in report and "1/1 · 4 ·" in report
+  assert "stopped on non-finite updates" in report
+  assert (workdir / "sweep_loss.png").stat().st_size > 0
+  for name in ("lr=0.003", "lr=1e+30"):
+    assert (workdir / "sweep" / name / "report.md").exists()
+
+
+def test_a_rerun_skips_diverged_and_finished_runs(swept, capsys):
+  workdir, _ = swept
+  lines = []
+  compare.run_comparison(_mini(), str(workdir), log=lines.append)
+  assert sum("diverged earlier at step 5: skipping training" in l for l in lines) == 2
+  assert sum("finished earlier at step 8" in l for l in lines) == 2
+
+
+def test_without_allow_divergence_a_diverging_run_stops_the_comparison(tmp_path):
+  c = _mini(values=(1e30, 3e-3))
+  c.allow_divergence = False
+  from diffjax.train.trainer import TrainingError
+  with pytest.raises(TrainingError, match="max_skipped_updates=3"):
+    compare.run_comparison(c, str(tmp_path / "out"), log=lambda _m: None)
+
+
+def test_sweep_points_set_the_key_and_scale_min_lr():
+  points = sweep_points(_mini(values=(1e-3, 3e-2)))
+  assert [n for n, _, _ in points] == ["lr=0.001", "lr=0.03"]
+  for _, value, cfg in points:
+    assert cfg.base.optim.lr == value
+    assert cfg.base.optim.min_lr == pytest.approx(value / 10)
+    assert not cfg.sweep.key
+  assert sweep_points(compare.comparison_config(base_config()))[0][0] == ""
+
+
+def test_a_variant_changes_only_the_fields_it_names():
+  c = _mini()
+  plain, variant = run_config(c, "transformer", 0), run_config(c, "v2_nosig", 0)
+  assert variant.model.arm == "diff_v2" and variant.model.v2_lambda == "identity"
+  v2 = run_config(c, "transformer", 0)
+  v2.model.arm = "diff_v2"
+  a, b = resolve_model(variant.model.to_dict()).config, resolve_model(v2.model.to_dict()).config
+  assert a.replace(v2_lambda="sigmoid") == b and count_params(a) == count_params(b)
+  assert plain.to_dict()["optim"] == variant.to_dict()["optim"]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.variants.update(dict(diff_v1=dict(arm="diff_v2"))), "cannot reuse an arm"),
+    (lambda c: c.variants.update(dict(x=dict(arm="gpt"))), "variants.x.arm='gpt'"),
+    (lambda c: c.variants.update(dict(x=dict(arm="diff_v2", model=dict(size="small")))),
+     "a variant is matched as its arm"),
+    (lambda c: c.variants.v2_nosig.update(dict(model=dict(v2_lambda="tanh"))), "v2_lambda='tanh'"),
+    (lambda c: c.sweep.update(dict(key="optim.learning_rate")), "sweep.key='optim.learning_rate'"),
+    (lambda c: c.sweep.update(dict(values=())), "sweep.values is empty"),
+    (lambda c: c.sweep.update(dict(values=(1e-3, 1e-3))), "repeats a value"),
+    (lambda c: c.sweep.update(dict(scaled=("optim.floor",))), "'optim.floor'"),
+    (lambda c: c.sweep.update(dict(values=(1e-3, -1.0))), "lr=-1"),
+])
+def test_bad_variants_and_sweeps_are_named(edit, needle):
+  c = _mini()
+  edit(c)
+  with pytest.raises(ValueError, match=None) as e:
+    compare.check_comparison_config(c)
+  assert needle.lower() in str(e.value).lower(), str(e.value)
+
+
+def test_spikes_and_unigram_divergence_follow_their_definitions():
+  norms = [1.0] * 10 + [3.5, 1.0, 2.9, 1.0]
+  rows = [{"step": i + 1, "train/grad_norm": g, "train/loss": 2.0} for i, g in enumerate(norms)]
+  assert sweep_lib.spike_steps(rows, 3.0, 5) == [11]
+  run = {"diverged": None, "eval": {"scalars": {"val/final_eval_loss": 2.0}}, "metrics": rows}
+  assert sweep_lib.divergence(run, 3.0, 0, 4) is None
+  high = [dict(r, **{"train/loss": 3.5 if 5 <= r["step"] <= 9 else 2.0}) for r in rows]
+  why = sweep_lib.divergence(dict(run, metrics=high), 3.0, 0, 4)
+  # Windows of 4 from step 4 on are below 3.0; steps 4-7 (2.0, 3.5, 3.5, 3.5) are the first
+  # whose mean, 3.125, is back above it.
+  assert why is not None and "back above the unigram baseline" in why and "3.125 at step 7" in why
+  # A run still above the baseline when warm-up ends, that then trains, did not diverge: only
+  # windows after warm-up count, and the first of them is above it (a slow start).
+  assert sweep_lib.divergence(dict(run, metrics=high), 3.0, 4, 4) is None
+  slow = [dict(r, **{"train/loss": 3.5 if r["step"] <= 6 else 2.0}) for r in rows]
+  assert sweep_lib.divergence(dict(run, metrics=slow), 3.0, 0, 4) is None
+  final_high = dict(run, eval={"scalars": {"val/final_eval_loss": 3.1}})
+  assert "final loss" in sweep_lib.divergence(final_high, 3.0, 0, 4)
+
+
+def test_lr_stability_config_is_valid_and_parameter_matched():
+  config = load_config(f"{REPO}/configs/compare/lr_stability_cpu.py")
+  compare.check_comparison_config(config)
+  assert len(config.seeds) >= 2 and 4 <= len(config.sweep["values"]) <= 6
+  counts = {arm: count_params(resolve_model(run_config(config, arm, 0).model.to_dict()).config)
+            for arm in config.arms}
+  assert counts["diff_v2_cross_group"] == counts["diff_v2"] == counts["diff_v2_no_sigmoid"]
+  for arm in ("diff_v1", "diff_v2"):
+    assert abs(counts[arm] / counts["transformer"] - 1) <= 0.005, counts
+  assert config.base.model.num_kv_heads >= 2  # so a V2 pair can straddle two groups
