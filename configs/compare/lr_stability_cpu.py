@@ -53,6 +53,7 @@ def get_config():
   c.eval.overrides.sections = ("validation", "mechanisms")
   c.eval.overrides.val_batches = 4
   c.report.title = "Learning-rate stability (CPU)"
+  c.report.also_against = ("diff_v2",)  # the ablations are read against V2 itself
   c.report.spike_factor = 3.0
   c.report.spike_window = 50
   c.report.divergence_window = 20

@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 
 from diffjax.compare.config import arm_names, sweep_key
+from diffjax.eval import stats
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare.sweep/1"
@@ -51,6 +52,8 @@ MECHANISM_ROWS = (
     ("mechanisms/norm_magnification_max", "DIFF V1 norm magnification 1/RMS, max"),
     ("mechanisms/gradient_magnification_median", "DIFF V1 gradient magnification, median"),
     ("mechanisms/gradient_magnification_max", "DIFF V1 gradient magnification, max"),
+    ("lambda/largest_abs", "largest |λ| over layers at the end of training (DIFF V1: each "
+     "layer's λ; DIFF V2: each layer's mean λ over a batch)"),
 )
 
 
@@ -132,6 +135,10 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
              "spikes": spike_steps(r["metrics"], factor, spike_window),
              "mechanisms": {k: v for k, v in r["eval"]["scalars"].items()
                             if k.startswith("mechanisms/")}}
+      lams = [abs(float(v)) for k, v in (r["final_metrics"] or {}).items()
+              if k.startswith(("lambda/", "lambda_mean/"))]
+      if lams:
+        rec["mechanisms"]["lambda/largest_abs"] = max(lams)
       records.append(rec)
       cells[r["arm"]].setdefault(_value(value), []).append(rec)
 
@@ -157,11 +164,22 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
                     "best": min(means, key=means.get) if means else None,
                     "best_loss": min(means.values()) if means else None}
 
+  confidence = float(config.report.confidence)
+  references = [baseline] + [a for a in (config.report.get("also_against", ()) or ())
+                             if a in arms and a != baseline]
   paired = {}
-  for name, value, res in point_results:
-    for arm, row in (res.get("summary") or {}).items():
-      d = row.get("paired_eval_loss") or {}
-      paired.setdefault(arm, {})[_value(value)] = d
+  for ref in references:
+    for arm in arms:
+      if arm == ref or (ref != baseline and arm == baseline):
+        continue  # the baseline's own table already pairs it with every arm
+      for v in values:
+        mine = {r["seed"]: r for r in cells[arm].get(_value(v), [])}
+        theirs = {r["seed"]: r for r in cells[ref].get(_value(v), [])}
+        seeds = sorted(set(mine) & set(theirs))
+        loss = lambda r: (r["final_eval_loss"] if r["final_eval_loss"] is not None
+                          and not r["diverged"] else float("nan"))
+        paired.setdefault(ref, {}).setdefault(arm, {})[_value(v)] = stats.paired_difference(
+            [loss(mine[s]) for s in seeds], [loss(theirs[s]) for s in seeds], confidence)
 
   mech = {}
   for k, _ in MECHANISM_ROWS:
@@ -170,7 +188,7 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
         recs = [r for r in cells[arm].get(_value(v), []) if k in r["mechanisms"]]
         if recs:
           mech.setdefault(k, {}).setdefault(arm, {})[_value(v)] = float(
-              np.mean([r["mechanisms"][k] for r in recs]))
+              np.median([r["mechanisms"][k] for r in recs]))
 
   plot = _plot(workdir, key, arms, values, table, unigram)
   lines = _report(config, key, arms, values, table, verdict, paired, mech, unigram, factor,
@@ -188,7 +206,8 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
              "seeds": list(config.seeds), "baseline": baseline, "unigram_loss": unigram,
              "definitions": {"spike_factor": factor, "spike_window": spike_window,
                              "divergence_window": div_window, "warmup_steps": warmup},
-             "table": table, "verdict": verdict, "mechanisms": mech, "runs": records,
+             "table": table, "verdict": verdict, "paired": paired, "mechanisms": mech,
+             "runs": records,
              "points": [{"name": n, "value": v, "workdir": os.path.join(workdir, "sweep", n)}
                         for n, v, _ in point_results]}
   write_json(os.path.join(workdir, "results.json"), _clean(results))
@@ -254,31 +273,30 @@ def _report(config, key, arms, values, table, verdict, paired, mech, unigram, fa
     lines.append(f"| {arm} | " + " | ".join(cells) + " |")
   if plot:
     lines += ["", f"![final loss against {key}]({plot})"]
-  baseline = config.report.baseline
-  lines += ["", f"## Paired difference to {baseline}", "",
-            f"Final eval loss, arm minus {baseline} at matched seeds: mean [confidence interval] "
-            f"and the paired t-test's p (n = seeds that trained in both). One test per arm and "
-            f"value: with {max(len(arms) - 1, 1) * len(values)} tests, about "
-            f"{0.05 * max(len(arms) - 1, 1) * len(values):.1f} would pass p < 0.05 by chance; "
-            "read single small p values with that in mind.", "",
-            f"| arm | {head} |", "|---" * (len(values) + 1) + "|"]
-  for arm in arms:
-    if arm == baseline:
-      continue
-    cells = []
-    for v in values:
-      d = paired.get(arm, {}).get(_value(v)) or {}
-      if d.get("n", 0) >= 2 and math.isfinite(d.get("p", float("nan"))):
-        cells.append(f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] p={d['p']:.2g}")
-      elif d.get("n", 0) >= 1:
-        cells.append(f"{d['mean']:+.3f} (n={d['n']})")
-      else:
-        cells.append("–")
-    lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+  tests = sum(len(by_arm) for by_arm in paired.values()) * len(values)
+  for ref, by_arm in paired.items():
+    lines += ["", f"## Paired difference to {ref}", "",
+              f"Final eval loss, arm minus {ref} at matched seeds (seeds where both trained): "
+              f"mean [{float(config.report.confidence):.0%} interval] and the paired t-test's p. "
+              f"The report makes {tests} such tests; about {0.05 * tests:.1f} would pass "
+              "p < 0.05 by chance, so read a single small p value with that in mind.", "",
+              f"| arm | {head} |", "|---" * (len(values) + 1) + "|"]
+    for arm, by_value in by_arm.items():
+      cells = []
+      for v in values:
+        d = by_value.get(_value(v)) or {}
+        if d.get("n", 0) >= 2 and math.isfinite(d.get("p", float("nan"))):
+          cells.append(f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] p={d['p']:.2g}")
+        elif d.get("n", 0) >= 1:
+          cells.append(f"{d['mean']:+.3f} (n={d['n']})")
+        else:
+          cells.append("–")
+      lines.append(f"| {arm} | " + " | ".join(cells) + " |")
   if mech:
     lines += ["", "## Mechanisms", "",
-              "The eval suite's `mechanisms` section on each trained model (mean over the seeds "
-              "that trained; see docs/evaluation.md for the definitions).", ""]
+              "The eval suite's `mechanisms` section on each trained model, and λ from the "
+              "trainer's final metrics: the median over seeds (diverged seeds included, so a "
+              "blown-up run shows), definitions in docs/evaluation.md.", ""]
     for k, what in MECHANISM_ROWS:
       if k not in mech:
         continue
