@@ -10,15 +10,16 @@ V2 gains? Five arms, parameter-matched (the ablations have exactly V2's paramete
 learning rates from 3e-3 to 1.0 (the cosine floor stays at 1/10 of the peak), 3 seeds per arm
 and rate, every run on the same batches per seed. The range came from single-seed trial runs of
 300 steps: at 3e-3 every arm trains; the Transformer and DIFF V1 degrade from 1e-1 on and end
-near the unigram baseline at 3e-1; at 1.0 every arm is at or above it. Updates the trainer
+near the unigram baseline at 3e-1; at 1.0 every arm is near or above it. Updates the trainer
 finds non-finite are skipped and counted (up to 50 per run, then the run stops and is
 recorded as diverged). The evaluation is the validation loss and the mechanism measures
 (attention-sink mass, context RMS, DIFF V1's norm magnification of values and gradients).
 
 Model: 64 wide, 2 layers, Transformer of 4 heads of 16 with 2 kv heads (grouped-query, so a
 V2 pair can be taken across groups), SwiGLU 176. Budget: 90 runs of 400 steps x 16 x 128 byte
-tokens, three at a time (see configs/compare/retrieval_cpu.py for why three), about 50
-minutes on 2 cores. With an accelerator, set --config.workers=1.
+tokens, three at a time (see configs/compare/retrieval_cpu.py for why three), about 25
+minutes on 2 cores for training, evaluation and report (docs/results/lr_stability_cpu.md).
+With an accelerator, set --config.workers=1.
 """
 
 from diffjax.compare import comparison_config
