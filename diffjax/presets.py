@@ -58,6 +58,7 @@ def model_section(arm: str = "diff_v1", size: str = "default", **values
   m.diff_fixed_lambda = _placeholder(float)
   m.v2_pairing = "group"
   m.v2_lambda = "sigmoid"
+  m.v2_mix_steps = 0
   for k, v in values.items():
     if k not in m:
       raise ValueError(f"model_section: unknown key {k!r}.")

@@ -17,7 +17,7 @@ recorded as diverged). The evaluation is the validation loss and the mechanism m
 
 Model: 64 wide, 2 layers, Transformer of 4 heads of 16 with 2 kv heads (grouped-query, so a
 V2 pair can be taken across groups), SwiGLU 176. Budget: 90 runs of 400 steps x 16 x 128 byte
-tokens, three at a time (see configs/compare/retrieval_cpu.py for why three), about 25
+tokens, three at a time (see configs/compare/retrieval_cpu.py for why three), about 16
 minutes on 2 cores for training, evaluation and report (docs/results/lr_stability_cpu.md).
 With an accelerator, set --config.workers=1.
 """

@@ -37,6 +37,7 @@ class _Point:
     self.name, self.value, self.config, self.workdir = name, value, config, workdir
     self.runs: list[dict[str, Any]] = []
     self.timings: dict[str, Any] = {}
+    self.results: dict[str, Any] = {}
 
 
 def run_comparison(config: ml_collections.ConfigDict, workdir: str,
@@ -110,14 +111,13 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
       log(f"{tag} starting: {left} run{'' if left == 1 else 's'} left, elapsed {elapsed()}")
       finish(i, train_and_evaluate_run(cfg, wd, arm, seed, tag, log))
 
-  results = {}
   for p in points:
     order = {run_name(a, s): k for k, (a, s) in enumerate((a, s) for s in seeds for a in arms)}
     p.runs.sort(key=lambda r: order[r["name"]])
     hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in p.runs}
     data_check = check_batches(hashes, arms, seeds, _checked_steps(p.runs, num_steps))
     p.timings["total"] = time.perf_counter() - t0
-    results = write_outputs(p.config, p.workdir, p.runs, data_check, p.timings)
+    p.results = write_outputs(p.config, p.workdir, p.runs, data_check, p.timings)
     where = f" at {p.name}" if p.name else ""
     if data_check["ok"]:
       log(f"data check{where}: all arms saw identical batches for seeds {list(seeds)}" +
@@ -126,7 +126,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     else:
       _loud(log, [f"DATA MISMATCH{where}: the arms did not see the same batches.",
                   *data_check["problems"], "The comparison is not matched."])
-    p.results = results
+  results = points[0].results
   if len(points) > 1:
     from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
     results = write_sweep_outputs(config, workdir, [(p.name, p.value, p.results) for p in points],

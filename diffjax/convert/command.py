@@ -51,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
   ret.add_argument("--workdir", required=True, help="new diffjax run directory")
   ret.add_argument("--arm", default="diff_v2", choices=("diff_v2", "diff_v1"))
   ret.add_argument("--step", type=int, default=None, help="source checkpoint (default: newest)")
+  ret.add_argument("--init", default="exact", choices=("exact", "mixed"),
+                   help="DIFF V2: 'exact' (second head = first, W_o doubled) or 'mixed' (the "
+                        "subtraction ramped in over --mix_steps)")
+  ret.add_argument("--second", default="copy", choices=("copy", "noise", "zeros"),
+                   help="DIFF V2 mixed in: the second query head of each pair")
+  ret.add_argument("--mix_steps", type=int, default=0,
+                   help="DIFF V2 mixed in: training steps of the ramp (>= 1)")
+  ret.add_argument("--seed", type=int, default=0, help="seed of --second=noise")
   return p
 
 
@@ -58,11 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     if args.command == "retrofit":
-      cfg = retrofit(args.source, args.workdir, arm=args.arm, step=args.step)
+      cfg = retrofit(args.source, args.workdir, arm=args.arm, step=args.step, init=args.init,
+                     second=args.second, mix_steps=args.mix_steps, seed=args.seed)
+      ramp = (f" --config.model.v2_mix_steps={cfg.v2_mix_steps}" if cfg.v2_mix_steps else "")
       print(f"Retrofitted {args.source} into {cfg.attention} ({cfg.num_layers} layers, "
             f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}) in "
             f"{args.workdir}; continue with train.py --config.model.arm={cfg.attention} "
-            f"--config.model.v2_match=heads --config.checkpoint.init_from={args.workdir}")
+            f"--config.model.v2_match=heads{ramp} --config.checkpoint.init_from={args.workdir}")
     elif args.command == "import":
       cfg = hf_to_workdir(args.hf, args.workdir)
       print(f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "

@@ -13,6 +13,14 @@ the first step: the gradients of the pair's two query heads are the same up to t
 -sigma(lambda) (the second map enters with the opposite sign), so training moves them apart.
 Embeddings, norms, the MLP and the LM head are copied.
 
+**DIFF V2, mixed in** (``init="mixed"``). Each pair's first query head is the source head and
+its second one is a copy of it, small noise (std 0.02 x the source head's own) or zeros
+(``second=``); W_lambda is zero, W_o is the source's, and the model config gets
+``v2_mix_steps=N``: the subtraction is scaled by min(step / N, 1), so at step 0 the pair
+computes A V, the source's output, whatever the second head, and from step N on the model is a
+plain V2. The train and eval steps apply the ramp by step (it survives resume: the step is in
+the checkpoint).
+
 **DIFF V1, the closest start.** V1 turns two source heads (2i, 2i+1) into one DIFF head with
 one attention map over a 2d-wide value and a per-head RMSNorm, so no V1 model computes the
 source's function. The start used here keeps as much as the layout allows: q1/k1 of DIFF head
@@ -40,6 +48,8 @@ from diffjax.model import ModelConfig, layout, matched_configs
 from diffjax.ops.reference import lambda_init_for_layer
 
 RETROFIT_ARMS = ("diff_v2", "diff_v1")
+V2_INITS = ("exact", "mixed")
+SECOND_HEADS = ("copy", "noise", "zeros")
 
 
 def retrofit_config(source: ModelConfig, arm: str) -> ModelConfig:
@@ -68,12 +78,34 @@ def retrofit_config(source: ModelConfig, arm: str) -> ModelConfig:
   return cfg
 
 
-def _v2_attention(src: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _v2_attention(src: Mapping[str, np.ndarray], init: str = "exact", second: str = "copy",
+                  rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
   q_ExHxD = np.asarray(src["q"])
-  q_ExHx2xD = np.stack([q_ExHxD, q_ExHxD], axis=2)
   e, h = q_ExHxD.shape[:2]
-  return {"q": q_ExHx2xD, "k": np.asarray(src["k"]), "v": np.asarray(src["v"]),
-          "o": 2 * np.asarray(src["o"]), "w_lambda": np.zeros((e, h), q_ExHxD.dtype)}
+  o = np.asarray(src["o"])
+  if init == "exact":
+    q2, o = q_ExHxD, 2 * o
+  elif second == "copy":
+    q2 = q_ExHxD
+  elif second == "zeros":
+    q2 = np.zeros_like(q_ExHxD)
+  else:
+    scale = 0.02 * np.std(q_ExHxD, axis=0, keepdims=True)
+    q2 = (scale * rng.standard_normal(q_ExHxD.shape)).astype(q_ExHxD.dtype)
+  return {"q": np.stack([q_ExHxD, q2], axis=2), "k": np.asarray(src["k"]),
+          "v": np.asarray(src["v"]), "o": o, "w_lambda": np.zeros((e, h), q_ExHxD.dtype)}
+
+
+def _check_v2_init(arm: str, init: str, second: str, mix_steps: int) -> None:
+  if init not in V2_INITS:
+    raise ConversionError(f"init={init!r} is not one of {V2_INITS}.")
+  if second not in SECOND_HEADS:
+    raise ConversionError(f"second={second!r} is not one of {SECOND_HEADS}.")
+  if init == "mixed" and arm != "diff_v2":
+    raise ConversionError("init='mixed' is a DIFF V2 start; DIFF V1 has its own (no init=).")
+  if init == "mixed" and (isinstance(mix_steps, bool) or int(mix_steps) < 1):
+    raise ConversionError(f"mix_steps={mix_steps!r}: init='mixed' ramps the subtraction in over "
+                          "mix_steps >= 1 training steps.")
 
 
 def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, np.ndarray]:
@@ -95,14 +127,21 @@ def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, 
           "norm_scale": np.full(2 * d, 1.0 / (1.0 - lam_init), f32)}
 
 
-def retrofit_params(source_cfg: ModelConfig, source_params: Mapping[str, Any], arm: str,
-                    ) -> tuple[ModelConfig, dict]:
+def retrofit_params(source_cfg: ModelConfig, source_params: Mapping[str, Any], arm: str, *,
+                    init: str = "exact", second: str = "copy", mix_steps: int = 0,
+                    seed: int = 0) -> tuple[ModelConfig, dict]:
   """``(config, params)`` of the ``arm`` model retrofitted from a Transformer.
 
   ``source_params`` is the per-layer (``blocks``) pure dict of
-  :func:`diffjax.convert.model_params`; the result has the same layout (numpy arrays).
+  :func:`diffjax.convert.model_params`; the result has the same layout (numpy arrays). DIFF V2
+  starts ``init="exact"`` (the default) or ``"mixed"`` (``second`` head, ``mix_steps`` ramp,
+  ``seed`` for the noise); see the module docstring.
   """
+  _check_v2_init(arm, init, second, mix_steps)
   cfg = retrofit_config(source_cfg, arm)
+  if init == "mixed":
+    cfg = dataclasses.replace(cfg, v2_mix_steps=int(mix_steps))
+  rng = np.random.default_rng(seed)
   source_params = layout.convert_layout(source_params, layout.UNSCANNED, source_cfg.num_layers)
   out = {k: v for k, v in source_params.items() if k != "blocks"}
   blocks = source_params["blocks"]
@@ -110,7 +149,8 @@ def retrofit_params(source_cfg: ModelConfig, source_params: Mapping[str, Any], a
   for i in sorted(blocks, key=int):
     block = dict(blocks[i])
     attn = block["attn"]
-    block["attn"] = _v2_attention(attn) if arm == "diff_v2" else _v1_attention(attn, int(i))
+    block["attn"] = (_v2_attention(attn, init, second, rng) if arm == "diff_v2"
+                     else _v1_attention(attn, int(i)))
     new_blocks[i] = block
   out["blocks"] = new_blocks
   return cfg, out
@@ -134,23 +174,28 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
                         "config.json (an HF directory).")
 
 
-def retrofit(source: str, workdir: str, *, arm: str = "diff_v2", step: int | None = None
+def retrofit(source: str, workdir: str, *, arm: str = "diff_v2", step: int | None = None,
+             init: str = "exact", second: str = "copy", mix_steps: int = 0, seed: int = 0
              ) -> ModelConfig:
   """Writes a new workdir (step 0) holding the ``arm`` model retrofitted from ``source``.
 
   ``source`` is a Transformer-arm ``train.py`` workdir (its newest good checkpoint, or
   ``step``) or an HF ``LlamaForCausalLM`` directory. Continue training it with
   ``train.py --config.checkpoint.init_from=<workdir>`` and a config of the same model
-  (``model.arm=<arm>``, ``model.v2_match=heads``, the source's size). Every check runs before
-  anything is written. Returns the new model config.
+  (``model.arm=<arm>``, ``model.v2_match=heads``, the source's size; with ``init="mixed"``
+  also ``model.v2_mix_steps=<mix_steps>``). Every check runs before anything is written.
+  Returns the new model config.
   """
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import build_model, check_new_workdir, write_workdir
   check_new_workdir(workdir)
+  _check_v2_init(arm, init, second, mix_steps)
   src_cfg, src_params, meta = _source(source, step)
-  cfg, params = retrofit_params(src_cfg, src_params, arm)
+  cfg, params = retrofit_params(src_cfg, src_params, arm, init=init, second=second,
+                                mix_steps=mix_steps, seed=seed)
   params = layout.convert_layout(params, layout.SCANNED if cfg.scan_layers else
                                  layout.UNSCANNED, cfg.num_layers)
   model = build_model(cfg, params)  # checks every shape against the config
-  write_workdir(workdir, model, {**meta, "retrofit": arm})
+  write_workdir(workdir, model, {**meta, "retrofit": arm, **(
+      {"init": init, "second": second, "mix_steps": int(mix_steps)} if arm == "diff_v2" else {})})
   return cfg

@@ -61,6 +61,10 @@ class ModelConfig:
   # groups ("across_groups"); lambda = x W_lambda without the sigmoid ("identity").
   v2_pairing: str = "group"
   v2_lambda: str = "sigmoid"
+  # DIFF V2 retrofitted with its second query heads "mixed in": the subtraction is scaled by
+  # min(step / v2_mix_steps, 1), so step 0 is the source Transformer and the model is a plain
+  # V2 from step v2_mix_steps on (0: no ramp). The train and eval steps pass the step.
+  v2_mix_steps: int = 0
 
   def __post_init__(self):
     if self.attention not in ARMS:
@@ -84,6 +88,8 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r} is not one of {REMAT_POLICIES}.")
     if self.attention == "diff_v2":
       check_v2_ablation(self.v2_pairing, self.v2_lambda, self.num_kv_heads)
+    if isinstance(self.v2_mix_steps, bool) or int(self.v2_mix_steps) < 0:
+      raise ValueError(f"v2_mix_steps={self.v2_mix_steps!r} must be an integer >= 0 (0: no ramp).")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"implementation={self.implementation!r} is not one of "
                        f"{IMPLEMENTATIONS}.")
@@ -118,6 +124,13 @@ class ModelConfig:
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+  def v2_mix(self, step) -> Any:
+    """The DIFF V2 subtraction's scale at training ``step`` (a float32 scalar), or None when
+    there is no ramp (``v2_mix_steps == 0`` or another arm): the full subtraction."""
+    if self.attention != "diff_v2" or not self.v2_mix_steps:
+      return None
+    return jnp.clip(jnp.asarray(step, jnp.float32) / float(self.v2_mix_steps), 0.0, 1.0)
 
 
 V2_MATCHING = ("heads", "params")

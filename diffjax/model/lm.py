@@ -52,9 +52,13 @@ class Block(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
-               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None, lambda_init=None):
-    # DIFF V1's lambda_init as data (a scanned stack passes each layer's own).
+               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None, lambda_init=None,
+               v2_mix=None):
+    # DIFF V1's lambda_init as data (a scanned stack passes each layer's own); DIFF V2's
+    # retrofit ramp.
     extra = {} if lambda_init is None else {"lambda_init": lambda_init}
+    if v2_mix is not None and isinstance(self.attn, DiffV2Attention):
+      extra["mix"] = v2_mix
     if cache is not None:
       attn_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
                                     hooks=hooks, cache=cache, cache_lengths_B=cache_lengths_B,
@@ -139,9 +143,10 @@ class DecoderLM(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None):
+               cache_lengths_B=None, v2_mix=None):
     cfg = self.config
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
+    mix = {} if v2_mix is None else {"v2_mix": v2_mix}
     if cache is not None:
       if len(cache) != cfg.num_layers:
         raise ValueError(f"cache has {len(cache)} layers; the model has {cfg.num_layers}.")
@@ -149,28 +154,28 @@ class DecoderLM(nnx.Module):
       for i, layer_cache in enumerate(cache):
         x_BxTxE, layer_cache = self.layer(i)(x_BxTxE, positions_BxT, segment_ids_BxT,
                                              hooks=hooks, cache=layer_cache,
-                                             cache_lengths_B=cache_lengths_B)
+                                             cache_lengths_B=cache_lengths_B, **mix)
         new_cache.append(layer_cache)
       return self._logits(x_BxTxE), new_cache
     if cfg.scan_layers:
       x_BxTxE, captures = self._scan_blocks(x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
-                                            capture)
+                                            capture, mix)
     else:
       captures = []
       for block in self.blocks:
         if capture:
           x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
-                               hooks=hooks)
+                               hooks=hooks, **mix)
           captures.append(aux)
         elif cfg.remat != "none":
           x_BxTxE = _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
-                                 cfg.remat)
+                                 cfg.remat, mix)
         else:
-          x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks)
+          x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks, **mix)
     logits_BxTxV = self._logits(x_BxTxE)
     return (logits_BxTxV, captures) if capture else logits_BxTxV
 
-  def _scan_blocks(self, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, capture):
+  def _scan_blocks(self, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, capture, mix):
     """The stacked blocks under ``lax.scan``; per-layer captures are split out again."""
     cfg = self.config
     graphdef, state = nnx.split(self.layers)
@@ -182,7 +187,7 @@ class DecoderLM(nnx.Module):
     def body(x_BxTxE, xs):
       layer_state, lambda_init = xs
       block = nnx.merge(graphdef, layer_state)
-      extra = {} if lambda_init is None else {"lambda_init": lambda_init}
+      extra = dict(mix) if lambda_init is None else {"lambda_init": lambda_init, **mix}
       if capture:
         return block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks,
                      **extra)
@@ -252,11 +257,11 @@ class DecoderLM(nnx.Module):
     return out
 
 
-def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_name):
+def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_name, mix):
   policy = _REMAT[policy_name]
 
   def run(blk, x, pos, seg):
-    return blk(x, pos, seg, hooks=hooks)
+    return blk(x, pos, seg, hooks=hooks, **mix)
 
   return nnx.remat(run, policy=policy)(block, x_BxTxE, positions_BxT, segment_ids_BxT)
 

@@ -422,7 +422,9 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
   @jax.named_scope("attention_diff_v2")
   def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
                capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None):
+               cache_lengths_B=None, mix: jax.Array | float | None = None):
+    """``mix`` scales the subtraction (lambda times mix): a retrofit's ramp from the source
+    Transformer (0) to plain V2 (1, or None)."""
     opts = self.options
     dt = opts.dtype
     b, t = x_BxTxE.shape[:2]
@@ -433,6 +435,8 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     q_BxTxQxD = _rope(q_BxTxHx2xD.reshape(b, t, 2 * h, d), pos_BxT, opts)
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
+    if mix is not None:
+      lam_BxTxH = lam_BxTxH * jnp.asarray(mix, lam_BxTxH.dtype)
     aux = None
     decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
                                   {"k": k_BxSxKxD, "v": v_BxSxKxD})

@@ -136,6 +136,13 @@ def initial_params(workdir: str, model_cfg: ModelConfig, params_target, sharding
           raise ckpt.CheckpointError(
               f"checkpoint.init_from={workdir!r} holds a model of other shapes "
               f"({', '.join(diffs)}); start from a run of the same architecture.")
+        ramp = int(saved.get("v2_mix_steps", 0) or 0)
+        if ramp != int(now.get("v2_mix_steps", 0) or 0):
+          raise ckpt.CheckpointError(
+              f"checkpoint.init_from={workdir!r} was written for v2_mix_steps={ramp} (a DIFF V2 "
+              f"retrofit {'mixed in over that many steps' if ramp else 'without a ramp'}); this "
+              f"run has v2_mix_steps={now.get('v2_mix_steps', 0)}. Set "
+              f"--config.model.v2_mix_steps={ramp}, or the run starts from another function.")
         return ckpt.restore_params(manager, step, params_target, shardings), step
       except ckpt.CorruptCheckpointError as e:
         message(f"{e}; trying an older step.")

@@ -82,7 +82,7 @@ class TrainSetup:
     batch_sharding: rows over ``data`` x ``fsdp``, the sequence over ``context``.
     init_fn: ``() -> state``, a fresh state laid out with ``state_shardings``.
     train_step: jitted ``(state, batch) -> (state, metrics)``; ``state`` is donated.
-    eval_step: jitted ``(params, batch) -> (loss_sum, token_count)``.
+    eval_step: jitted ``(params, batch, step) -> (loss_sum, token_count)``.
     tx, schedule: the optimizer and its learning-rate schedule.
   """
   model_config: ModelConfig
@@ -194,7 +194,7 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
       in_shardings=(state_shards, batch_shard), out_shardings=(state_shards, None),
       donate_argnums=(0,), compiler_options=options)
   eval_step = jax.jit(with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
-                      in_shardings=(state_shards["params"], batch_shard),
+                      in_shardings=(state_shards["params"], batch_shard, None),
                       compiler_options=options)
   return TrainSetup(
       model_config=model_cfg, mesh=mesh, rules=rules, graphdef=graphdef,

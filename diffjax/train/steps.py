@@ -45,10 +45,15 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
   return graphdef, state
 
 
-def loss_sums(graphdef, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
-  """Sum of masked token cross-entropies (nats) and the number of counted tokens."""
+def loss_sums(graphdef, params, batch: Batch, step=None) -> tuple[jax.Array, jax.Array]:
+  """Sum of masked token cross-entropies (nats) and the number of counted tokens.
+
+  ``step`` sets a retrofitted DIFF V2's ramp (``ModelConfig.v2_mix_steps``); without one, or
+  without a step, the model runs as it is."""
   model = merge_params(graphdef, params)
-  logits_BxTxV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  mix = model.config.v2_mix(step) if step is not None else None
+  logits_BxTxV = model(batch["inputs"], batch["positions"], batch["segment_ids"],
+                       **({} if mix is None else {"v2_mix": mix}))
   ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
   mask_BxT = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
@@ -86,18 +91,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   a NaN learning rate).
   """
   grad_fn = jax.value_and_grad(
-      lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
+      lambda p, mb, step: loss_sums(graphdef, p, mb, step), has_aux=True)
 
   def train_step(state, batch: Batch):
     params = state["params"]
     if grad_accum_steps == 1:
-      (loss_sum, count), grads = grad_fn(params, batch)
+      (loss_sum, count), grads = grad_fn(params, batch, state["step"])
     else:
       micro = _split_micro(batch, grad_accum_steps)
 
       def body(carry, mb):
         g_acc, l_acc, c_acc = carry
-        (l, c), g = grad_fn(params, mb)
+        (l, c), g = grad_fn(params, mb, state["step"])
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, c_acc + c), None
 
       zeros = jax.tree.map(jnp.zeros_like, params)
@@ -127,9 +132,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
 
 
 def make_eval_step(graphdef):
-  """``eval_step(params, batch) -> (loss_sum, token_count)``."""
-  def eval_step(params, batch: Batch):
-    return loss_sums(graphdef, params, batch)
+  """``eval_step(params, batch, step) -> (loss_sum, token_count)``; ``step`` (the training
+  step the parameters are from) matters only to a retrofitted DIFF V2 during its ramp."""
+  def eval_step(params, batch: Batch, step):
+    return loss_sums(graphdef, params, batch, step)
   return eval_step
 
 

@@ -26,6 +26,7 @@ import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
@@ -94,10 +95,10 @@ def _to_global(batch: dict[str, np.ndarray], sharding, row_start: int, global_ro
   return {k: one(v) for k, v in batch.items()}
 
 
-def evaluate_loss(eval_step, params, batches, to_global) -> float:
+def evaluate_loss(eval_step, params, batches, to_global, step: int = 0) -> float:
   total, count = 0.0, 0.0
   for b in batches:
-    s, c = eval_step(params, to_global(b))
+    s, c = eval_step(params, to_global(b), jnp.int32(step))
     total += float(s)
     count += float(c)
   return total / max(count, 1.0)
@@ -244,7 +245,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       return _eval(step, params)
 
   def _eval(step, params):
-    loss = evaluate_loss(eval_step, params, val_batches, to_global)
+    loss = evaluate_loss(eval_step, params, val_batches, to_global, step)
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
     if val_tokens_per_byte is not None:
       vals["eval/bits_per_byte"] = loss * val_tokens_per_byte / math.log(2.0)

@@ -39,8 +39,8 @@ def _tokens(vocab, b=2, t=19, seed=1):
   return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
 
 
-def _retrofitted(source: DecoderLM, arm: str) -> DecoderLM:
-  cfg, params = retrofit_params(source.config, model_params(source), arm)
+def _retrofitted(source: DecoderLM, arm: str, **kw) -> DecoderLM:
+  cfg, params = retrofit_params(source.config, model_params(source), arm, **kw)
   if cfg.scan_layers:
     from diffjax.model import layout  # pylint: disable=import-outside-toplevel
     params = layout.convert_layout(params, layout.SCANNED, cfg.num_layers)
@@ -88,6 +88,96 @@ def test_v2_pair_gradients_differ_by_minus_sigma_so_training_separates_the_heads
                                atol=1e-6 * np.max(np.abs(g)))
     # W_lambda = 0 has a gradient too: lambda moves off 0.5 at once.
     assert np.max(np.abs(np.asarray(grads["blocks"][i]["attn"]["w_lambda"]))) > 0
+
+
+SECONDS = ["copy", "noise", "zeros"]
+
+
+@pytest.mark.parametrize("second", SECONDS)
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_mixed_in_v2_is_the_source_at_step_0_and_plain_v2_after_the_ramp(second, scan_layers):
+  source = _source(scan_layers)
+  v2 = _retrofitted(source, "diff_v2", init="mixed", second=second, mix_steps=10, seed=4)
+  assert v2.config.v2_mix_steps == 10
+  x = _tokens(61)
+  at0 = v2(x, v2_mix=v2.config.v2_mix(0))
+  assert rel_err(at0, source(x)) <= 1e-5, rel_err(at0, source(x))
+  q = np.asarray(model_params(v2)["blocks"][1]["attn"]["q"] if not scan_layers else
+                 model_params(v2)["layers"]["attn"]["q"][1])
+  src_q = np.asarray(model_params(source)["blocks"][1]["attn"]["q"] if not scan_layers else
+                     model_params(source)["layers"]["attn"]["q"][1])
+  np.testing.assert_array_equal(q[:, :, 0], src_q)
+  if second == "copy":
+    np.testing.assert_array_equal(q[:, :, 1], src_q)
+  elif second == "zeros":
+    np.testing.assert_array_equal(q[:, :, 1], 0.0)
+  else:
+    assert 0 < np.std(q[:, :, 1]) < 0.05 * np.std(src_q)
+  # Mid-ramp the subtraction is partly in: neither the source nor plain V2.
+  mid = v2(x, v2_mix=v2.config.v2_mix(5))
+  assert rel_err(mid, source(x)) > 1e-4
+  # From step 10 on (and without a step, outside the trainer) it is the plain V2 module with
+  # these weights, bitwise.
+  plain = build_model(v2.config.replace(v2_mix_steps=0), model_params(v2))
+  for step in (10, 11, 10_000):
+    np.testing.assert_array_equal(np.asarray(v2(x, v2_mix=v2.config.v2_mix(step))),
+                                  np.asarray(plain(x)))
+  np.testing.assert_array_equal(np.asarray(v2(x)), np.asarray(plain(x)))
+
+
+def test_mixed_in_v2_of_the_hf_llama_fixture_gives_transformers_logits():
+  source = load_hf(LLAMA)
+  v2 = _retrofitted(source, "diff_v2", init="mixed", second="zeros", mix_steps=5)
+  ids = jnp.asarray(np.load(os.path.join(LLAMA, "input_ids.npy")), jnp.int32)
+  assert rel_err(v2(ids, v2_mix=v2.config.v2_mix(0)), source(ids)) <= 1e-5
+
+
+def test_bad_mixed_in_settings_are_named():
+  source = _source()
+  for kw, needle in ((dict(init="mixed", mix_steps=0), "mix_steps >= 1"),
+                     (dict(init="warm"), "init='warm'"),
+                     (dict(init="mixed", second="random", mix_steps=3), "second='random'")):
+    with pytest.raises(ConversionError, match=needle):
+      retrofit_params(source.config, model_params(source), "diff_v2", **kw)
+  with pytest.raises(ConversionError, match="DIFF V2 start"):
+    retrofit_params(source.config, model_params(source), "diff_v1", init="mixed", mix_steps=3)
+  with pytest.raises(ValueError, match="v2_mix_steps=-1"):
+    source.config.replace(attention="diff_v2", v2_mix_steps=-1)
+
+
+def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path):
+  """The ramp is applied by step in the train step; a run stopped mid-ramp and resumed trains
+  the uninterrupted run's losses bitwise."""
+  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  source = str(tmp_path / "transformer")
+  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  retro = str(tmp_path / "retro")
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}", "--init=mixed",
+                   "--second=noise", "--mix_steps=6"]) == 0
+
+  def cont(steps):
+    c = tiny_config(arm="diff_v2", steps=steps)
+    c.model.v2_match, c.model.v2_mix_steps = "heads", 6
+    c.checkpoint.init_from = retro
+    c.checkpoint.every = 3
+    c.optim.decay_steps = 8  # one schedule for both runs
+    return c
+
+  wrong = cont(2)
+  wrong.model.v2_mix_steps = 0
+  from diffjax.train.integrity import CheckpointError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(CheckpointError, match="--config.model.v2_mix_steps=6"):
+    train_and_evaluate(wrong, str(tmp_path / "wrong"))
+  whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+  train_and_evaluate(cont(8), whole)
+  train_and_evaluate(cont(3), split)       # stops at step 3, mid-ramp
+  train_and_evaluate(cont(8), split)       # resumes from it
+  a, b = read_metrics(whole), read_metrics(split)
+  assert sorted(a) == sorted(b) == list(range(1, 9))
+  for step in a:
+    assert a[step]["train/loss"] == b[step]["train/loss"], step
+  # The ramp changed the function: step 1 is the source's loss on its batch, later steps not.
+  assert a[1]["train/loss"] != a[8]["train/loss"]
 
 
 def test_v1_start_has_lambda_zero_and_the_source_layout():

@@ -161,7 +161,7 @@ def test_the_train_step_shards_the_sequence_and_refuses_bad_lengths():
   assert float(metrics["loss"]) == pytest.approx(float(want["loss"]), rel=TOL)
   short = {k: v[:, :24] for k, v in packed_batch().items()}  # 24 is not a multiple of 16
   with pytest.raises(ValueError, match="seq_len=24 with a context axis of 8"):
-    setup.eval_step(setup.init_fn()["params"], short)
+    setup.eval_step(setup.init_fn()["params"], short, 0)
 
 
 @sharded

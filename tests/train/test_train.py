@@ -44,9 +44,9 @@ def _count_step_traces(monkeypatch) -> dict[str, int]:
   def build_eval(*args, **kwargs):
     fn = make_eval(*args, **kwargs)
 
-    def eval_step(params, batch):
+    def eval_step(params, batch, step):
       traces["eval"] += 1
-      return fn(params, batch)
+      return fn(params, batch, step)
     return chex.assert_max_traces(eval_step, n=1)
 
   monkeypatch.setattr(setup_lib, "make_train_step", build_train)
