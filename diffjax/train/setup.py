@@ -106,8 +106,8 @@ class TrainSetup:
 
 def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = "ring",
                     context_load_balance: bool = True) -> Callable:
-  """``fn(state_or_params, batch)`` with the activation sharding rules active while it runs
-  (i.e. is traced).
+  """``fn(state_or_params, batch, *rest)`` with the activation sharding rules active while it
+  runs (i.e. is traced).
 
   Under context parallelism with load balancing (a ``context`` mesh axis of size C > 1),
   every [B, T] array of the batch is first put in the zig-zag order of
@@ -115,7 +115,7 @@ def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = 
   attention masks by the original order, RoPE reads the permuted positions, and the loss
   is a sum over tokens, so the step computes what it computes unsharded.
   """
-  def wrapped(first, batch):
+  def wrapped(first, batch, *rest):
     with shd.activation_sharding(mesh, rules, context_strategy=context_strategy,
                                  context_load_balance=context_load_balance):
       cp = shd.context_parallel()
@@ -130,7 +130,7 @@ def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = 
         except ValueError as e:
           raise ValueError(f"seq_len={t} with a context axis of {cp.size}: {e}") from None
         batch = {k: jnp.take(v, perm, axis=1) for k, v in batch.items()}
-      return fn(first, batch)
+      return fn(first, batch, *rest)
   return wrapped
 
 
