@@ -91,8 +91,8 @@ def test_gradients_match_the_reference(pairing, lambda_fn):
   def loss_ref(w, a):
     return jnp.sum(reference_v2(w, a, pos, seg, pairing=pairing, lambda_fn=lambda_fn) * cot)
 
-  g_state, g_x = jax.grad(loss_module, argnums=(0, 1))(state, x)
-  w_grads, want_x = jax.grad(loss_ref, argnums=(0, 1))(_weights(m), x)
+  g_state, g_x = jax.jit(jax.grad(loss_module, argnums=(0, 1)))(state, x)
+  w_grads, want_x = jax.jit(jax.grad(loss_ref, argnums=(0, 1)))(_weights(m), x)
   chex.assert_trees_all_close(g_x, want_x, atol=1e-4, rtol=1e-4)
   for name, want in w_grads.items():
     chex.assert_trees_all_close(g_state[name][...], want, atol=1e-4, rtol=1e-4)
@@ -124,16 +124,18 @@ def test_identity_lambda_is_unbounded_and_sigmoid_is_not():
 
 
 def test_across_groups_decodes_like_its_full_forward():
-  cfg = ModelConfig(attention="diff_v2", vocab_size=19, d_model=E, num_layers=2, num_heads=H,
+  cfg = ModelConfig(attention="diff_v2", vocab_size=19, d_model=E, num_layers=1, num_heads=H,
                     num_kv_heads=K, head_dim=D, mlp_dim=40, v2_pairing="across_groups",
                     v2_lambda="identity")
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 19, (B, T)), jnp.int32)
-  full = model(tokens)
-  _, cache = model(tokens[:, :-1], cache=model.init_cache(B, T),
-                   cache_lengths_B=jnp.zeros((B,), jnp.int32))
-  last, _ = model(tokens[:, -1:], cache=cache, cache_lengths_B=jnp.full((B,), T - 1, jnp.int32),
-                  positions_BxT=jnp.full((B, 1), T - 1, jnp.int32))
+  call = nnx.jit(lambda mod, *a, **kw: mod(*a, **kw))
+  full = call(model, tokens)
+  _, cache = call(model, tokens[:, :-1], cache=model.init_cache(B, T),
+                  cache_lengths_B=jnp.zeros((B,), jnp.int32))
+  last, _ = call(model, tokens[:, -1:], cache=cache,
+                 cache_lengths_B=jnp.full((B,), T - 1, jnp.int32),
+                 positions_BxT=jnp.full((B, 1), T - 1, jnp.int32))
   chex.assert_trees_all_close(last[:, 0], full[:, -1], atol=2e-5, rtol=2e-5)
 
 

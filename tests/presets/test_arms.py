@@ -27,7 +27,7 @@ COMPARE_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "compare", "*.p
 
 def _expected(section: dict, arm: str) -> ModelConfig:
   """The arm matched to the section's baseline, written out independently of resolve_model."""
-  widths = size_widths(section["size"])
+  widths = {} if section["size"] == "custom" else size_widths(section["size"])
   widths.update({k: section[k] for k in WIDTHS if section.get(k) is not None})
   rest = {k: v for k, v in section.items()
           if k not in ("arm", "size", "v2_match", "unmatched", *WIDTHS)}
@@ -61,9 +61,11 @@ def test_every_comparison_trains_matched_arms(path):
   for arm in compare.arm_names(config.arms):
     run = compare.run_config(config, arm, config.seeds[0])
     section = run.model.to_dict()
-    assert section["arm"] == arm
+    # A named variant (e.g. a DIFF V2 ablation) trains its arm, matched as that arm.
+    model_arm = compare.config.base_arm(config, arm)
+    assert section["arm"] == model_arm
     got = resolve_model(section)
-    assert got.matched and got.config == _expected(section, arm), (path, arm)
+    assert got.matched and got.config == _expected(section, model_arm), (path, arm)
 
 
 def test_another_size_or_baseline_width_keeps_every_arm_matched():
