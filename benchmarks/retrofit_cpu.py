@@ -83,7 +83,7 @@ def _curve(workdir: str) -> dict[int, float]:
 
 
 ARMS = (("(a) Transformer, continued", "transformer", {}),
-        ("(b) DIFF V2, retrofitted (exact)", "diff_v2", {}),
+        ("(b) DIFF V2, retrofitted (exact)", "diff_v2", dict(init="exact")),
         ("(b2) DIFF V2, mixed in (second head copied)", "diff_v2",
          dict(init="mixed", second="copy")),
         ("(b3) DIFF V2, mixed in (second head zero)", "diff_v2",
@@ -108,7 +108,7 @@ def _one_seed(args, seed: int, root: str, log) -> tuple[dict, dict, dict]:
       extra = dict(init, mix_steps=args.mix_steps, seed=seed) if init else {}
       retrofit(source, start, arm=arm, **extra)
     cfg = _config(arm, args.cont, args.eval_every, seed, init_from=start)
-    if init:
+    if init.get("init") == "mixed":
       cfg.model.v2_mix_steps = args.mix_steps
     at_start = _val_loss(start, cfg)
     run = os.path.join(root, f"continued_{k}_{arm}")

@@ -51,13 +51,13 @@ def _parser() -> argparse.ArgumentParser:
   ret.add_argument("--workdir", required=True, help="new diffjax run directory")
   ret.add_argument("--arm", default="diff_v2", choices=("diff_v2", "diff_v1"))
   ret.add_argument("--step", type=int, default=None, help="source checkpoint (default: newest)")
-  ret.add_argument("--init", default="exact", choices=("exact", "mixed"),
-                   help="DIFF V2: 'exact' (second head = first, W_o doubled) or 'mixed' (the "
-                        "subtraction ramped in over --mix_steps)")
-  ret.add_argument("--second", default="copy", choices=("copy", "noise", "zeros"),
-                   help="DIFF V2 mixed in: the second query head of each pair")
-  ret.add_argument("--mix_steps", type=int, default=0,
-                   help="DIFF V2 mixed in: training steps of the ramp (>= 1)")
+  ret.add_argument("--init", default=None, choices=("exact", "mixed"),
+                   help="DIFF V2: 'mixed' (the default: the subtraction ramped in over "
+                        "--mix_steps) or 'exact' (second head = first, W_o doubled)")
+  ret.add_argument("--second", default="noise", choices=("copy", "noise", "zeros"),
+                   help="DIFF V2 mixed in: the second query head of each pair (default noise)")
+  ret.add_argument("--mix_steps", type=int, default=100,
+                   help="DIFF V2 mixed in: training steps of the ramp (default 100)")
   ret.add_argument("--seed", type=int, default=0, help="seed of --second=noise")
   return p
 

@@ -50,7 +50,7 @@ def _retrofitted(source: DecoderLM, arm: str, **kw) -> DecoderLM:
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_v2_retrofit_of_a_diffjax_transformer_gives_its_logits(scan_layers):
   source = _source(scan_layers)
-  v2 = _retrofitted(source, "diff_v2")
+  v2 = _retrofitted(source, "diff_v2", init="exact")
   assert v2.config.attention == "diff_v2" and v2.config.num_heads == 4
   assert v2.config.num_kv_heads == 2 and v2.config.mlp_dim == 64
   # The shape train.py builds for model.arm=diff_v2 with v2_match=heads.
@@ -62,7 +62,7 @@ def test_v2_retrofit_of_a_diffjax_transformer_gives_its_logits(scan_layers):
 
 def test_v2_retrofit_of_the_hf_llama_fixture_gives_transformers_logits():
   source = load_hf(LLAMA)
-  v2 = _retrofitted(source, "diff_v2")
+  v2 = _retrofitted(source, "diff_v2", init="exact")
   ids = jnp.asarray(np.load(os.path.join(LLAMA, "input_ids.npy")), jnp.int32)
   hf_logits = np.load(os.path.join(LLAMA, "logits.npy"))
   assert rel_err(v2(ids), source(ids)) <= 1e-5
@@ -70,7 +70,7 @@ def test_v2_retrofit_of_the_hf_llama_fixture_gives_transformers_logits():
 
 
 def test_v2_pair_gradients_differ_by_minus_sigma_so_training_separates_the_heads():
-  v2 = _retrofitted(_source(), "diff_v2")
+  v2 = _retrofitted(_source(), "diff_v2", init="exact")
   graphdef, params = nnx.split(v2)
   x = _tokens(61, seed=3)
 
@@ -140,6 +140,11 @@ def test_bad_mixed_in_settings_are_named():
       retrofit_params(source.config, model_params(source), "diff_v2", **kw)
   with pytest.raises(ConversionError, match="DIFF V2 start"):
     retrofit_params(source.config, model_params(source), "diff_v1", init="mixed", mix_steps=3)
+  # The default V2 start is mixed in: small noise, a 100-step ramp.
+  cfg, params = retrofit_params(source.config, model_params(source), "diff_v2")
+  assert cfg.v2_mix_steps == 100
+  q = np.asarray(params["blocks"][0]["attn"]["q"])
+  assert 0 < np.std(q[:, :, 1]) < 0.05 * np.std(q[:, :, 0])
   with pytest.raises(ValueError, match="v2_mix_steps=-1"):
     source.config.replace(attention="diff_v2", v2_mix_steps=-1)
 
@@ -216,12 +221,15 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
   write_workdir(source, _source(), {})  # a Transformer run's workdir at step 0
   retro = str(tmp_path / "retro")
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
-  assert "--config.checkpoint.init_from=" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "--config.checkpoint.init_from=" in out and "--config.model.v2_mix_steps=100" in out
   src_model, _, _ = load_model(source)
   v2_model, cfg, step = load_model(retro)
   assert step == 0 and cfg.attention == "diff_v2"
   x = _tokens(cfg.vocab_size, t=32)
-  assert rel_err(v2_model(x), src_model(x)) <= 1e-5
+  # The default start is mixed in: the source's function at the ramp's step 0.
+  assert cfg.v2_mix_steps == 100
+  assert rel_err(v2_model(x, v2_mix=cfg.v2_mix(0)), src_model(x)) <= 1e-5
   # The same input again refuses to overwrite; a DIFF source is named; nothing is written.
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 2
   assert "already holds checkpoints" in capsys.readouterr().err
@@ -240,7 +248,7 @@ def test_train_py_continues_a_retrofitted_run(tmp_path):
   retro = str(tmp_path / "retro")
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
   c = tiny_config(arm="diff_v2", steps=2)
-  c.model.v2_match = "heads"
+  c.model.v2_match, c.model.v2_mix_steps = "heads", 100  # the default start's ramp
   c.checkpoint.init_from = retro
   cont = str(tmp_path / "continued")
   train_and_evaluate(c, cont)
