@@ -21,15 +21,15 @@ def _mini(values=(3e-3, 1e30), max_skipped=3):
   base = base_config()
   base.model.update(dict(arm="transformer", size="custom", d_model=32, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64))
-  base.seq_len, base.global_batch_size, base.num_steps = 32, 4, 8
-  base.log_every, base.eval_every, base.eval_batches = 4, 0, 1
+  base.seq_len, base.global_batch_size, base.num_steps = 32, 4, 6
+  base.log_every, base.eval_every, base.eval_batches = 3, 0, 1
   base.tensorboard = False
   base.data.max_documents = 40
   # No warm-up: at 1e30 the first update leaves the weights near 1e30, every later update is
   # non-finite and skipped, and the fourth skip (more than 3) stops the run.
-  base.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, decay_steps=8))
+  base.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, decay_steps=6))
   base.max_skipped_updates = max_skipped
-  base.checkpoint.update(dict(every=8, keep=1, async_save=False))
+  base.checkpoint.update(dict(every=6, keep=1, async_save=False))
   c = compare.comparison_config(base, seeds=(0,), arms=("transformer", "v2_nosig"))
   c.variants.v2_nosig = dict(arm="diff_v2", model=dict(v2_lambda="identity"))
   c.allow_divergence = True
@@ -37,7 +37,7 @@ def _mini(values=(3e-3, 1e30), max_skipped=3):
   c.eval.overrides = dict(val_batches=1, sections=("validation", "mechanisms"),
                           mechanism_batches=1)
   c.report.spike_window = 3
-  # Eight steps do not get below the unigram baseline: only non-finite runs diverge here (the
+  # Six steps do not get below the unigram baseline: only non-finite runs diverge here (the
   # unigram criteria have their own test below).
   c.report.divergence_above_unigram = False
   return c
@@ -56,7 +56,7 @@ def test_a_diverged_value_is_recorded_counted_and_reported(swept):
   runs = {(r["point"], r["arm"]): r for r in results["runs"]}
   for arm in ("transformer", "v2_nosig"):
     ok, gone = runs[("lr=0.003", arm)], runs[("lr=1e+30", arm)]
-    assert not ok["diverged"] and ok["skipped_updates"] == 0 and ok["step"] == 8
+    assert not ok["diverged"] and ok["skipped_updates"] == 0 and ok["step"] == 6
     assert math.isfinite(ok["final_eval_loss"])
     assert gone["diverged"] and "non-finite" in gone["why"]
     assert gone["skipped_updates"] == 4 and gone["final_eval_loss"] is None
@@ -84,7 +84,7 @@ def test_a_rerun_skips_diverged_and_finished_runs(swept, capsys):
   lines = []
   compare.run_comparison(_mini(), str(workdir), log=lines.append)
   assert sum("diverged earlier at step 5: skipping training" in l for l in lines) == 2
-  assert sum("finished earlier at step 8" in l for l in lines) == 2
+  assert sum("finished earlier at step 6" in l for l in lines) == 2
 
 
 def test_without_allow_divergence_a_diverging_run_stops_the_comparison(tmp_path):

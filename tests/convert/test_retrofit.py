@@ -149,6 +149,7 @@ def test_bad_mixed_in_settings_are_named():
     source.config.replace(attention="diff_v2", v2_mix_steps=-1)
 
 
+@pytest.mark.slow  # five training runs; resume itself is checked by tests/train
 def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path):
   """The ramp is applied by step in the train step; a run stopped mid-ramp and resumed trains
   the uninterrupted run's losses bitwise."""
