@@ -130,10 +130,14 @@ def sweep_key(config: ml_collections.ConfigDict) -> str:
   return str(sweep.get("key", "") or "") if sweep is not None else ""
 
 
+def format_value(value: Any) -> str:
+  """A swept value as names and tables show it ("0.003", "1e+30", "8")."""
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def point_name(key: str, value: Any) -> str:
   """The directory name of one sweep point, e.g. "lr=0.003"."""
-  shown = f"{value:g}" if isinstance(value, float) else str(value)
-  return f"{key.split('.')[-1]}={shown}"
+  return f"{key.split('.')[-1]}={format_value(value)}"
 
 
 def sweep_points(config: ml_collections.ConfigDict

@@ -18,14 +18,14 @@ from diffjax.train.records import write_json
 SCHEMA = "diffjax.compare/1"
 
 
-def _clean_json(x: Any) -> Any:
+def clean_json(x: Any) -> Any:
   """NaN and infinities become null so results.json is strict JSON."""
   if isinstance(x, float):
     return x if math.isfinite(x) else None
   if isinstance(x, Mapping):
-    return {str(k): _clean_json(v) for k, v in x.items()}
+    return {str(k): clean_json(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_clean_json(v) for v in x]
+    return [clean_json(v) for v in x]
   return x
 
 
@@ -64,7 +64,7 @@ def write_outputs(config: ml_collections.ConfigDict, workdir: str,
           "curve": curves[r["name"]],
       } for r in runs],
   }
-  write_json(os.path.join(out_dir, "results.json"), _clean_json(results))
+  write_json(os.path.join(out_dir, "results.json"), clean_json(results))
   if remote:
     for name in os.listdir(out_dir):
       epath.Path(workdir, name).write_bytes(epath.Path(out_dir, name).read_bytes())

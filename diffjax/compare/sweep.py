@@ -32,7 +32,8 @@ from typing import Any, Mapping, Sequence
 import ml_collections
 import numpy as np
 
-from diffjax.compare.config import arm_names, sweep_key
+from diffjax.compare.config import arm_names, format_value, sweep_key
+from diffjax.compare.outputs import clean_json
 from diffjax.eval import stats
 from diffjax.train.records import write_json
 
@@ -100,7 +101,7 @@ def _fmt(x: float, digits: int = 4) -> str:
 
 
 def _value(v: Any) -> str:
-  return f"{v:g}" if isinstance(v, float) else str(v)
+  return format_value(v)
 
 
 def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
@@ -210,18 +211,8 @@ def write_sweep_outputs(config: ml_collections.ConfigDict, workdir: str,
              "runs": records,
              "points": [{"name": n, "value": v, "workdir": os.path.join(workdir, "sweep", n)}
                         for n, v, _ in point_results]}
-  write_json(os.path.join(workdir, "results.json"), _clean(results))
+  write_json(os.path.join(workdir, "results.json"), clean_json(results))
   return results
-
-
-def _clean(x: Any) -> Any:
-  if isinstance(x, float):
-    return x if math.isfinite(x) else None
-  if isinstance(x, Mapping):
-    return {str(k): _clean(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_clean(v) for v in x]
-  return x
 
 
 def _report(config, key, arms, values, table, verdict, paired, mech, unigram, factor,

@@ -190,6 +190,25 @@ def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hoo
   return x_BxTxE.shape[1] == 1
 
 
+def _grouped_attention(opts: AttentionOptions, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT,
+                     decoding: bool, cache, cache_lengths_B, explicit: bool, hooks: Hooks,
+                     probs_fn=None):
+  """Grouped-query attention of ``q`` over the baseline's K and V, the way the call needs
+  it: a decode step over the cache, the explicit-map reference (``explicit``: returns its
+  logits and probabilities too), or the dispatched op. Returns (out [B, T, Q, D], maps or
+  None)."""
+  if decoding:
+    return dot_product_attention_decode(
+        q_BxTxQxD, cache["k"], cache["v"], cache_lengths_B + 1,
+        implementation=opts.implementation, interpret=opts.interpret), None
+  if explicit:
+    return ref.mha_reference(
+        q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
+        return_aux=True, logits_fn=hooks.logits, probs_fn=probs_fn)
+  return ops.dot_product_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
+                                   segment_ids=segment_ids_BxT, **opts.kernel_kwargs()), None
+
+
 class Attention(_BaselineKVCache, nnx.Module):
   """Baseline multi-head / grouped-query attention with RoPE and no biases."""
 
@@ -212,22 +231,13 @@ class Attention(_BaselineKVCache, nnx.Module):
     q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
     q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
-    aux = None
     decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
                                   {"k": k_BxSxKxD, "v": v_BxSxKxD})
-    if decoding:
-      out_BxTxHxD = dot_product_attention_decode(
-          q_BxTxHxD, cache["k"], cache["v"], cache_lengths_B + 1,
-          implementation=opts.implementation, interpret=opts.interpret)
-    elif _explicit_maps(capture, hooks):
-      out_BxTxHxD, aux = ref.mha_reference(
-          q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
-          return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
+    out_BxTxHxD, aux = _grouped_attention(opts, q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                          segment_ids_BxT, decoding, cache, cache_lengths_B,
+                                          _explicit_maps(capture, hooks), hooks, hooks.probs)
+    if aux is not None:
       aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD)
-    else:
-      out_BxTxHxD = ops.dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
-                                              segment_ids=segment_ids_BxT,
-                                              **opts.kernel_kwargs())
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
     if cache is not None:
@@ -472,23 +482,13 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     if hooks.probs is not None:
       raise ValueError("v2_pairing='across_groups' has no single combined map (the pair's two "
                        "maps weight different values), so a probs hook is not defined for it.")
+    out_BxTxQxD, maps = _grouped_attention(opts, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
+                                           segment_ids_BxT, decoding, cache, cache_lengths_B,
+                                           _explicit_maps(capture, hooks), hooks)
+    out_BxTxHxD = _cross_group_pairs(out_BxTxQxD, lam_BxTxH)
     aux = None
-    if decoding:
-      out_BxTxQxD = dot_product_attention_decode(
-          q_BxTxQxD, cache["k"], cache["v"], cache_lengths_B + 1,
-          implementation=opts.implementation, interpret=opts.interpret)
-    elif _explicit_maps(capture, hooks):
-      out_BxTxQxD, maps = ref.mha_reference(
-          q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
-          return_aux=True, logits_fn=hooks.logits)
+    if maps is not None:
       aux = {"logits1": maps["logits"][:, :h], "logits2": maps["logits"][:, h:],
              "probs1": maps["probs"][:, :h], "probs2": maps["probs"][:, h:],
-             "lambda": lam_BxTxH}
-    else:
-      out_BxTxQxD = ops.dot_product_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
-                                              segment_ids=segment_ids_BxT,
-                                              **opts.kernel_kwargs())
-    out_BxTxHxD = _cross_group_pairs(out_BxTxQxD, lam_BxTxH)
-    if aux is not None:
-      aux.update(context=out_BxTxHxD, values=v_BxSxKxD)
+             "lambda": lam_BxTxH, "context": out_BxTxHxD, "values": v_BxSxKxD}
     return out_BxTxHxD, aux
