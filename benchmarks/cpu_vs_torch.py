@@ -4,7 +4,7 @@
     pip install -e '.[bench-torch]'        # transformers (and torch, if not installed yet)
     python benchmarks/cpu_vs_torch.py      # the 4-layer LM below, float32, AdamW
     python benchmarks/cpu_vs_torch.py --rounds 11 --batch 16
-    python benchmarks/cpu_vs_torch.py --arms llama,transformer,transformer@user,transformer:xla
+    python benchmarks/cpu_vs_torch.py --arms llama,transformer@user,transformer:xla@user+cpu_setup
 
 The model: a LLaMA-style LM of 4 layers, width 256, SwiGLU 688, vocabulary 256, RMSNorm and
 RoPE; the Transformer has 8 heads of 32, DIFF V1 4 heads of two 32-wide components
@@ -18,7 +18,9 @@ Every arm runs in its own process (two frameworks' thread pools in one process s
 runs second). Each process builds its arm and runs its first step (the diffjax arms compile
 there); then each round asks every arm in turn for one timed step, so slow phases of the machine
 hit all arms alike, with `--pause` seconds between steps for the last arm's threads to go idle.
-The table gives medians over the rounds after `--warmup` rounds.
+The table gives medians over the rounds after `--warmup` rounds; the speed next to
+transformers is the median over rounds of the ratio of the two arms' steps in that round (on a
+machine whose speed drifts, pairing by round cancels the drift that a ratio of medians keeps).
 
 A train step is forward, cross-entropy loss, backward and an AdamW update (lr 1e-3, weight
 decay 0.1):
@@ -27,14 +29,16 @@ decay 0.1):
 - `transformer`, `diff_v1`, `diff_v2`: diffjax's trainer step (`diffjax.train.build_train_setup`,
   the default optimizer settings), as `train.py` runs it;
 - `transformer@user`, `diff_v1@user`, ...: the code a user writes around diffjax's modules: a
-  `DecoderLM`, an `nnx.Optimizer` over `optax.adamw` and one `nnx.jit` step, with only what
-  `diffjax.cpu_setup()` gives (`--user_setup no` leaves that out too).
+  `DecoderLM`, an `nnx.Optimizer` over `optax.adamw` and one `nnx.jit` step, nothing else;
+- `transformer@user+cpu_setup`, ...: the same loop in a script that calls `diffjax.cpu_setup()`
+  first (the trainer's CPU settings, see `diffjax/cpu.py`).
 A diffjax arm may name its attention implementation, as `diff_v1:xla` (the reference
 formulation); the default is `"auto"` (`xla_cpu` on a CPU).
 
 `--malloc`: `framework` (the default) leaves each process as its framework leaves it: glibc's
-own thresholds for torch, freed memory kept for diffjax's trainer (the trainer sets it) and
-for the user loop when `diffjax.cpu_setup()` runs; `keep` or `default` sets every process alike.
+own thresholds for torch and the plain user loop, freed memory kept for diffjax's trainer (the
+trainer sets it) and for the loop that calls `diffjax.cpu_setup()`; `keep` or `default` sets
+every process alike.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ TORCH_ARMS = {"llama": "transformers LlamaForCausalLM",
 DIFFJAX_ARMS = {"transformer": "diffjax Transformer", "diff_v1": "diffjax DIFF V1",
                 "diff_v2": "diffjax DIFF V2"}
 PEER = {"transformer": "llama", "diff_v1": "diffllama"}
+LOOPS = {"trainer": "trainer step", "user": "user's nnx.jit loop",
+         "user+cpu_setup": "user's nnx.jit loop after diffjax.cpu_setup()"}
 
 
 def parse_arm(arm: str) -> tuple[str, str, str]:
-  """'diff_v1:xla@user' -> ('diff_v1', 'xla', 'user'); the loop is 'trainer' or 'user'."""
+  """'diff_v1:xla@user' -> ('diff_v1', 'xla', 'user'); the loop is one of LOOPS."""
   head, _, loop = arm.partition("@")
   name, _, implementation = head.partition(":")
   if name in TORCH_ARMS:
@@ -66,8 +72,8 @@ def parse_arm(arm: str) -> tuple[str, str, str]:
   if name not in DIFFJAX_ARMS:
     raise SystemExit(f"Unknown arm {arm!r}; choose from {sorted(TORCH_ARMS) + sorted(DIFFJAX_ARMS)}, "
                      "a diffjax arm optionally with ':<implementation>' and/or '@user'.")
-  if loop not in ("", "trainer", "user"):
-    raise SystemExit(f"Arm {arm!r}: the loop after '@' is 'trainer' or 'user'.")
+  if loop and loop not in LOOPS:
+    raise SystemExit(f"Arm {arm!r}: the loop after '@' is one of {list(LOOPS)}.")
   return name, implementation or "auto", loop or "trainer"
 
 
@@ -165,15 +171,15 @@ def user_loop_arm(arm: str, batch: int, seq: int, seed: int, implementation: str
   return step, count_params(cfg)
 
 
-def _worker(conn, arm: str, batch: int, seq: int, malloc: str, user_setup: bool) -> None:
+def _worker(conn, arm: str, batch: int, seq: int, malloc: str) -> None:
   """One arm in its own process: build, first step, then one timed step per request."""
   name, implementation, loop = parse_arm(arm)
   if name not in TORCH_ARMS:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if malloc == "keep" or (malloc == "framework" and loop == "trainer"):
-    from diffjax.train.host import keep_freed_memory  # pylint: disable=import-outside-toplevel
+    from diffjax.cpu import keep_freed_memory  # pylint: disable=import-outside-toplevel
     keep_freed_memory()
-  if loop == "user" and user_setup:
+  if loop == "user+cpu_setup":
     import diffjax  # pylint: disable=import-outside-toplevel
     diffjax.cpu_setup(keep_freed_memory=malloc != "default")
   t0 = time.perf_counter()
@@ -201,27 +207,26 @@ def label(arm: str) -> str:
   name, implementation, loop = parse_arm(arm)
   if name in TORCH_ARMS:
     return TORCH_ARMS[name]
-  how = "trainer step" if loop == "trainer" else "user's nnx.jit loop"
-  return f"{DIFFJAX_ARMS[name]}, {how} (implementation={implementation})"
+  return f"{DIFFJAX_ARMS[name]}, {LOOPS[loop]} (implementation={implementation})"
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=256)
-  p.add_argument("--rounds", type=int, default=7, help="timed rounds (one step of each arm)")
+  p.add_argument("--rounds", type=int, default=9, help="timed rounds (one step of each arm)")
   p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first step")
-  p.add_argument("--arms", default="llama,diffllama,transformer,diff_v1,transformer@user,diff_v1@user",
+  p.add_argument("--arms", default="llama,diffllama,transformer,diff_v1,transformer@user,"
+                 "diff_v1@user,transformer@user+cpu_setup,diff_v1@user+cpu_setup",
                  help="comma-separated: llama, diffllama (transformers); transformer, diff_v1, "
                       "diff_v2 (diffjax's trainer step), each optionally with ':<implementation>' "
-                      "and '@user' (a user's own nnx.jit loop), e.g. 'diff_v1:xla@user'")
+                      "and '@user' or '@user+cpu_setup' (a user's own nnx.jit loop, plain or "
+                      "after diffjax.cpu_setup()), e.g. 'diff_v1:xla@user'")
   p.add_argument("--pause", type=float, default=0.05, help="seconds between two arms' steps")
   p.add_argument("--malloc", default="framework", choices=("framework", "keep", "default"),
                  help="glibc malloc thresholds per process: as each framework sets them, or "
-                      "'keep' (freed memory kept, diffjax.train.host.keep_freed_memory) / "
+                      "'keep' (freed memory kept, diffjax.cpu.keep_freed_memory) / "
                       "'default' for every process")
-  p.add_argument("--user_setup", default="yes", choices=("yes", "no"),
-                 help="whether the @user arms call diffjax.cpu_setup() first")
   a = p.parse_args()
   arms = a.arms.split(",")
   for arm in arms:
@@ -231,8 +236,8 @@ def main() -> None:
   try:
     for arm in arms:  # one at a time, so compiles do not overlap
       ours, theirs = ctx.Pipe()
-      proc = ctx.Process(target=_worker, args=(theirs, arm, a.batch, a.seq, a.malloc,
-                                               a.user_setup == "yes"), daemon=True)
+      proc = ctx.Process(target=_worker, args=(theirs, arm, a.batch, a.seq, a.malloc),
+                         daemon=True)
       proc.start()
       procs.append(proc)
       conns[arm] = ours
@@ -241,7 +246,9 @@ def main() -> None:
             f"loss {info[arm]['loss']:.4f}", flush=True)
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for r in range(a.warmup + a.rounds):
-      for arm in arms:
+      # Forward order in even rounds, backward in odd ones: a machine getting slower or
+      # faster during a round favours no arm.
+      for arm in (arms if r % 2 == 0 else arms[::-1]):
         time.sleep(a.pause)
         conns[arm].send("step")
         dt = conns[arm].recv()
@@ -262,14 +269,16 @@ def main() -> None:
   abouts = sorted({info[arm]["about"] for arm in arms})
   print(f"\n{'; '.join(abouts)}; {os.cpu_count()} CPUs; batch {a.batch} x {a.seq}, float32; "
         f"one process per arm, medians of {a.rounds} alternating rounds after {a.warmup}; "
-        f"malloc {a.malloc}; user setup {a.user_setup}\n")
-  print("| arm | params | step ms | tokens/s | first step s | speed vs transformers |")
+        f"malloc {a.malloc}\n")
+  print("| arm | params | step ms | tokens/s | first step s | speed vs transformers, paired by round |")
   print("|---|---|---|---|---|---|")
   med = {arm: statistics.median(ts) for arm, ts in times.items()}
   for arm in arms:
     name = parse_arm(arm)[0]
     peer = arm if name in TORCH_ARMS else PEER.get(name)
-    speed = f"{med[peer] / med[arm]:.2f}" if peer in med else "-"
+    # Paired by round: the median over rounds of (peer's step / this arm's step).
+    speed = (f"{statistics.median(np.divide(times[peer], times[arm])):.2f}" if peer in med
+             else "-")
     print(f"| {label(arm)} | {info[arm]['params']:,} | {med[arm] * 1e3:.0f} | "
           f"{tokens / med[arm]:,.0f} | {info[arm]['first_s']:.1f} | {speed} |")
 

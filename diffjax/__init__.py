@@ -8,9 +8,12 @@ Public API:
     :class:`DiffV2Attention`, :class:`RMSNorm`, :class:`SwiGLU`, :func:`apply_rope`;
   * the LM: :class:`ModelConfig`, :class:`DecoderLM`, :func:`matched_configs`,
     :func:`count_params`, :class:`Hooks` for analysis interventions;
-  * generation with a KV cache: :func:`generate` (from :mod:`diffjax.generation`).
+  * generation with a KV cache: :func:`generate` (from :mod:`diffjax.generation`);
+  * the trainer's CPU settings for a loop of your own: :func:`cpu_setup`,
+    :func:`cpu_compiler_options` (from :mod:`diffjax.cpu`).
 """
 
+from diffjax.cpu import cpu_compiler_options, cpu_setup
 from diffjax.generation import generate
 from diffjax.model import ARMS, DecoderLM, Hooks, ModelConfig, count_params, matched_configs
 from diffjax.nn import (
@@ -36,5 +39,5 @@ __all__ = [
     "ARMS", "DecoderLM", "Hooks", "ModelConfig", "count_params", "matched_configs", "Attention",
     "AttentionOptions", "DiffV1Attention", "DiffV2Attention", "RMSNorm", "SwiGLU", "apply_rope",
     "diff_v1_attention", "diff_v1_attention_core", "diff_v2_attention", "dot_product_attention",
-    "lambda_init_for_layer", "generate",
+    "lambda_init_for_layer", "generate", "cpu_setup", "cpu_compiler_options",
 ]

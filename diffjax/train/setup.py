@@ -14,7 +14,6 @@ trace time too, which is why ``diffjax.aot`` traces the step under
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -24,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from diffjax import sharding as shd
+from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
 from diffjax.train.optim import decay_mask, make_optimizer
@@ -33,32 +33,6 @@ from diffjax.train.steps import create_model, make_eval_step, make_train_step, s
 # and a float32 loss mask, each [batch, seq_len].
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
                 "positions": jnp.int32, "loss_mask": jnp.float32}
-
-
-# XLA options for steps that run on CPU devices. With YNNPACK's matmul fusions off, XLA's
-# CPU compiler runs the model's matmuls as its own dot kernels, which are faster for the
-# model's shapes (`benchmarks/cpu_vs_torch.py` measures the whole step).
-CPU_XLA_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_compiler_options() -> dict[str, Any]:
-  """The entries of :data:`CPU_XLA_OPTIONS` that this jaxlib's CPU compiler accepts.
-
-  Each option is tried once on a one-line program; a jaxlib that does not know an option
-  (a newer or older release) simply runs without it.
-  """
-  cpu = jax.devices("cpu")[0]
-  accepted = {}
-  for name, value in CPU_XLA_OPTIONS.items():
-    try:
-      jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(
-          jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
-      ).compile()
-    except Exception:  # pylint: disable=broad-except
-      continue
-    accepted[name] = value
-  return accepted
 
 
 def compiler_options_for(mesh: Mesh) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ from diffjax.model.flops import flops_per_token, peak_flops
 from diffjax.ops import preflight
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
-from diffjax.train.host import keep_freed_memory
+from diffjax.cpu import keep_freed_memory
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.loading import initial_params
 from diffjax.train.perf import Clock, Profile, Throughput, goodput, goodput_line
@@ -111,7 +111,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   SIGTERM/SIGINT stopped the run after saving, ``{"step", "stopped": True, "train/loss"}``.
 
   On a CPU backend it also makes glibc's ``malloc`` keep freed memory for the next step
-  (:func:`diffjax.train.host.keep_freed_memory`; ``DIFFJAX_KEEP_FREED_MEMORY=0`` opts out).
+  (:func:`diffjax.cpu.keep_freed_memory`; ``DIFFJAX_KEEP_FREED_MEMORY=0`` opts out).
   """
   clock = Clock()
   clock.enter("setup")

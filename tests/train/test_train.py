@@ -357,32 +357,3 @@ def test_task_mix_interleaves_retrieval_examples(tmp_path):
   c.task_mix.task = "sorting"
   with pytest.raises(ValueError, match="sorting"):
     train_and_evaluate(c, str(tmp_path / "bad"))
-
-
-def test_cpu_compiler_options_keep_only_what_the_jaxlib_accepts(monkeypatch):
-  from diffjax import sharding as shd
-  from diffjax.train import setup as setup_lib
-  accepted = setup_lib.cpu_compiler_options()
-  assert set(accepted) <= set(setup_lib.CPU_XLA_OPTIONS)
-  monkeypatch.setattr(setup_lib, "CPU_XLA_OPTIONS",
-                      {**setup_lib.CPU_XLA_OPTIONS, "xla_cpu_no_such_option_here": True})
-  setup_lib.cpu_compiler_options.cache_clear()
-  try:
-    assert setup_lib.cpu_compiler_options() == accepted  # the unknown one is left out
-  finally:
-    setup_lib.cpu_compiler_options.cache_clear()
-  mesh = shd.make_mesh((-1, 1, 1))
-  assert setup_lib.compiler_options_for(mesh) == (accepted or None)
-
-
-def test_keep_freed_memory_applies_on_glibc_and_respects_the_opt_out(monkeypatch):
-  import platform
-  from diffjax.train import host
-  monkeypatch.setenv(host.ENV_VAR, "0")
-  assert host.keep_freed_memory() is False
-  monkeypatch.setattr(host.sys, "platform", "darwin")
-  monkeypatch.delenv(host.ENV_VAR)
-  assert host.keep_freed_memory() is False
-  monkeypatch.setattr(host.sys, "platform", "linux")
-  is_glibc = platform.libc_ver()[0] == "glibc"
-  assert host.keep_freed_memory() is is_glibc
