@@ -1,6 +1,6 @@
 """CPU train-step speed of diffjax next to PyTorch (transformers) on the same model, in one run.
 
-    pip install torch==2.13.0 --index-url <torch's CPU wheel index>   # the CPU build (see below)
+    pip install torch==2.13.0 --index-url <the CPU wheel index of torch>   # the CPU build (see below)
     pip install -e '.[bench-torch]'        # transformers (and torch, if not installed yet)
     python benchmarks/cpu_vs_torch.py      # the 4-layer LM below, float32, AdamW
     python benchmarks/cpu_vs_torch.py --rounds 11 --batch 16
