@@ -124,20 +124,18 @@ def test_steps_recomputed_after_a_restart_are_counted(tmp_path):
   assert (good["steps_trained"], good["steps_recomputed"]) == (1, 1), good
 
 
-def _two_processes(tmp_path, timeout_s: float):
-  port = 20000 + os.getpid() % 20000
+def _two_processes(wd: str, timeout_s: float, num_steps: int = 100000, port_offset: int = 0):
+  port = 20000 + (os.getpid() * 7 + port_offset) % 20000
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
   env.update(JAX_PLATFORMS="cpu", DIFFJAX_COORDINATOR=f"127.0.0.1:{port}",
              DIFFJAX_NUM_PROCESSES="2", PYTHONPATH=REPO)
-  wd = str(tmp_path / "wd")
   args = [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={wd}",
-          "--config.num_steps=100000", "--config.log_every=2", "--config.eval_every=0",
+          f"--config.num_steps={num_steps}", "--config.log_every=2", "--config.eval_every=0",
           "--config.checkpoint.every=4", "--config.global_batch_size=4",
           "--config.seq_len=32", f"--config.distributed.peer_timeout_s={timeout_s}"]
-  procs = [subprocess.Popen(args, cwd=REPO, env={**env, "DIFFJAX_PROCESS_ID": str(i)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  return wd, procs
+  return [subprocess.Popen(args, cwd=REPO, env={**env, "DIFFJAX_PROCESS_ID": str(i)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
 
 
 def _checkpoint_steps(wd) -> list[int]:
@@ -147,29 +145,51 @@ def _checkpoint_steps(wd) -> list[int]:
   return sorted(int(n) for n in os.listdir(root) if n.isdigit())
 
 
-@pytest.mark.slow  # two training processes to their second checkpoint: about a minute
-def test_a_lost_process_is_one_line_and_the_relaunch_status(tmp_path):
-  wd, (p0, p1) = _two_processes(tmp_path, timeout_s=5)
+def _finish(procs, timeout: float) -> list[tuple[str, str]]:
   try:
-    deadline = time.monotonic() + 240
-    while len(_checkpoint_steps(wd)) < 2 and time.monotonic() < deadline:
-      assert p0.poll() is None and p1.poll() is None, (p0.communicate(), p1.communicate())
-      time.sleep(0.5)
-    assert len(_checkpoint_steps(wd)) >= 2, "no checkpoint within 240 s"
-    p1.send_signal(signal.SIGKILL)
-    t_kill = time.monotonic()
-    _, err = p0.communicate(timeout=60)
-    waited = time.monotonic() - t_kill
+    return [p.communicate(timeout=timeout) for p in procs]
   finally:
-    for p in (p0, p1):
+    for p in procs:
       if p.poll() is None:
         p.kill()
         p.communicate()
+
+
+# Two training processes to their second checkpoint, one killed, then both relaunched: about
+# a minute and a half each.
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0], ids=["worker_lost", "coordinator_lost"])
+def test_a_lost_process_is_one_line_the_relaunch_status_and_a_resume(tmp_path, lost):
+  wd = str(tmp_path / "wd")
+  procs = _two_processes(wd, timeout_s=5)
+  survivor = procs[1 - lost]
+  try:
+    deadline = time.monotonic() + 240
+    while len(_checkpoint_steps(wd)) < 2 and time.monotonic() < deadline:
+      assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+      time.sleep(0.5)
+    assert len(_checkpoint_steps(wd)) >= 2, "no checkpoint within 240 s"
+    procs[lost].send_signal(signal.SIGKILL)
+    t_kill = time.monotonic()
+    _, err = survivor.communicate(timeout=60)
+    waited = time.monotonic() - t_kill
+  finally:
+    _finish(procs, timeout=1)
   newest = _checkpoint_steps(wd)[-1]
   lines = [l for l in own_stderr(err) if l.startswith("error:")]
-  assert p0.returncode == 75, err[-3000:]
+  assert survivor.returncode == 75, err[-3000:]
   assert len(lines) == 1, err[-3000:]
-  assert "process 1 of 2 stopped answering" in lines[0], lines
+  assert f"process {lost} of 2 stopped answering" in lines[0], lines
   assert f"step {newest} was the last one written" in lines[0], (lines, newest)
   assert "Check failure" not in err and "Traceback" not in err, err[-3000:]
   assert waited < 30, waited
+
+  # What tpu_setup/babysit.sh does on status 75: the same command again, on every host.
+  relaunched = _two_processes(wd, timeout_s=5, num_steps=newest + 4, port_offset=1)
+  (out0, err0), (_, err1) = _finish(relaunched, timeout=240)
+  assert [p.returncode for p in relaunched] == [0, 0], (err0[-3000:], err1[-3000:])
+  assert f"Resumed from step {newest}" in out0 + err0, (out0 + err0)[-3000:]
+  with open(os.path.join(wd, "goodput.json"), encoding="utf-8") as f:
+    good = json.load(f)
+  assert good["steps_trained"] == 4, good
+  assert _checkpoint_steps(wd)[-1] == newest + 4
