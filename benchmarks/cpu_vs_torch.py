@@ -71,7 +71,8 @@ def parse_arm(arm: str) -> tuple[str, str, str]:
     return name, "", "eager"
   if name not in DIFFJAX_ARMS:
     raise SystemExit(f"Unknown arm {arm!r}; choose from {sorted(TORCH_ARMS) + sorted(DIFFJAX_ARMS)}, "
-                     "a diffjax arm optionally with ':<implementation>' and/or '@user'.")
+                     "a diffjax arm optionally with ':<implementation>' and/or '@<loop>', the loop one of "
+                     f"{list(LOOPS)}.")
   if loop and loop not in LOOPS:
     raise SystemExit(f"Arm {arm!r}: the loop after '@' is one of {list(LOOPS)}.")
   return name, implementation or "auto", loop or "trainer"

@@ -31,6 +31,7 @@ import numpy as np
 from etils import epath
 
 from diffjax import sharding as shd
+from diffjax.cpu import keep_freed_memory
 from diffjax.data import DataConfig, build_datasets, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
@@ -38,7 +39,6 @@ from diffjax.model.flops import flops_per_token, peak_flops
 from diffjax.ops import preflight
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
-from diffjax.cpu import keep_freed_memory
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.loading import initial_params
 from diffjax.train.perf import Clock, Profile, Throughput, goodput, goodput_line
