@@ -16,8 +16,12 @@ Exit status:
   2   a mistake in the flags, the config or the data, or a non-finite loss: one
       ``error:`` line says what to change (rerunning unchanged will not help);
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT after
-      saving a checkpoint: rerun the same command to resume. tpu_setup/babysit.sh
-      relaunches on it.
+      saving a checkpoint, or one of several processes stopped answering (one
+      ``error:`` line names it): rerun the same command to resume.
+      tpu_setup/babysit.sh relaunches on it.
+
+With several processes (a pod, DIFFJAX_COORDINATOR, SLURM) the training runs in a child
+process of this one; see diffjax/train/supervise.py.
 """
 
 import os
@@ -53,6 +57,14 @@ def main(argv) -> int:
     workdir = cli.default_workdir(config_arg, argv)
     print(f"diffjax: training {config_arg} into {workdir} (choose with --config=... and "
           "--workdir=...)", flush=True)
+  from diffjax.train import supervise  # pylint: disable=import-outside-toplevel
+  if supervise.wanted(config):
+    # One of several processes: train in a child, so that even the runtime's abort on losing
+    # process 0 becomes one line and status 75 (diffjax/train/supervise.py).
+    child = [sys.executable, os.path.abspath(__file__), *argv[1:]]
+    if values["workdir"] is None:
+      child.append(f"--workdir={workdir}")
+    return supervise.run(child, workdir)
   # Orbax and grain log every checkpoint step at INFO; keep the terminal for progress.
   logging.set_verbosity(logging.WARNING)
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel

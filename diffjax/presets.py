@@ -109,8 +109,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=_placeholder(list),
                                           context_strategy="ring", context_load_balance=True))
   # peer_timeout_s: a process whose peer stops answering this long says so and exits (75).
+  # supervise: with several processes, train.py trains in a child process, so that a lost
+  # coordinator is said in one line too (diffjax/train/supervise.py).
   c.distributed = ml_collections.ConfigDict(dict(initialize=_placeholder(bool),
-                                                 peer_timeout_s=60.0))
+                                                 peer_timeout_s=60.0, supervise=True))
   # Dense bf16 peak FLOP/s per device for the MFU; None: by device kind (TPU, GPU), no MFU
   # on a CPU unless given.
   c.peak_flops = _placeholder(float)

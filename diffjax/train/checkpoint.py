@@ -40,7 +40,7 @@ from diffjax.train.digest import all_processes_agree, named_leaves
 from diffjax.train.integrity import CheckpointError, CorruptCheckpointError
 
 __all__ = ["CheckpointError", "CorruptCheckpointError", "abstract_like", "check_model_config",
-           "make_manager", "quarantine", "read_meta", "restore", "restore_newest_good",
+           "make_manager", "newest_finished_step", "quarantine", "read_meta", "restore", "restore_newest_good",
            "restore_params", "save"]
 
 
@@ -51,6 +51,16 @@ def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.Checkpoi
   return ocp.CheckpointManager(os.path.abspath(directory) if "://" not in directory
                                else directory, options=options,
                                item_names=("state", "data", "meta"))
+
+
+def newest_finished_step(directory) -> int:
+  """The newest step under ``directory`` whose save finished, as Orbax judges it (on every
+  file system: a renamed directory locally, its commit marker on GCS); -1 when there is none
+  or the directory cannot be read."""
+  try:
+    return max(ocp.path.step.checkpoint_steps(directory), default=-1)
+  except (OSError, ValueError):
+    return -1
 
 
 # --- save ----------------------------------------------------------------------------------------

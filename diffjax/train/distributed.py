@@ -38,7 +38,8 @@ def _on_tpu_vm() -> bool:
   return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def _detected() -> bool:
+def detected() -> bool:
+  """Whether the environment says this is one of several processes (see the module docstring)."""
   # On TPU VMs jax.distributed.initialize() finds the workers from the VM metadata
   # and also works on a single-host slice, so it is always safe to call there.
   if _on_tpu_vm():
@@ -62,7 +63,7 @@ def maybe_initialize(config=None) -> bool:
   if config is not None and "distributed" in config:
     wanted = config.distributed.get("initialize")
   if wanted is None:
-    wanted = _detected()
+    wanted = detected()
   if not wanted:
     return False
   kwargs = {}
@@ -83,10 +84,16 @@ def maybe_initialize(config=None) -> bool:
 _RESUME_STEP: Callable[[], int] = lambda: -1
 
 
-def _resume_text() -> str:
-  step = _RESUME_STEP()
-  return (f"to resume from the newest checkpoint (step {step} was the last one written)"
-          if step >= 0 else "to resume from the newest checkpoint")
+def lost_peer_line(process: int | None, count: int | None, why: str, step: int) -> str:
+  """The one line a process prints when a peer (``process``, None: not known) of ``count``
+  processes stopped answering; ``step`` is the newest checkpoint written (-1: none)."""
+  who = "a peer process" if process is None else f"process {process}"
+  if count:
+    who += f" of {count}"
+  resume = (f"to resume from the newest checkpoint (step {step} was the last one written)"
+            if step >= 0 else "to resume from the newest checkpoint")
+  return (f"error: {who} stopped answering ({why}); this process stops too. Rerun the same "
+          f"command on every host {resume} (exit status {EXIT_PREEMPTED}).")
 
 
 def peer_timeout(config=None) -> float:
@@ -108,10 +115,7 @@ class _Watchdog:
     self.thread.start()
 
   def _lost(self, process: int, why: str) -> None:
-    self.message(
-        f"error: process {process} of {self.n} stopped answering ({why}); this process stops "
-        f"too. Rerun the same command on every host {_resume_text()} "
-        f"(exit status {EXIT_PREEMPTED}).")
+    self.message(lost_peer_line(process, self.n, why, _RESUME_STEP()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access

@@ -301,10 +301,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   def save(step_, state_):
     with clock.phase("checkpoint"):
       ckpt.save(manager, step_, state_, train_iter, meta, force=True)
-      saved_step[0] = step_
 
-  saved_step = [start_step]
-  distributed.watch_peers(lambda: saved_step[0], message=_stderr_line,
+  # A save started but unfinished (an async one, or one a lost peer never joined) is not one
+  # to resume from: the line names the newest finished one.
+  distributed.watch_peers(lambda: ckpt.newest_finished_step(manager.directory),
+                          message=_stderr_line,
                           timeout_s=distributed.peer_timeout(config))
   train_step = None
 

@@ -158,11 +158,7 @@ def _finish(procs, timeout: float) -> list[tuple[str, str]]:
 # Two training processes to their second checkpoint, one killed, then both relaunched: about
 # a minute and a half each.
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", [1, pytest.param(0, marks=pytest.mark.xfail(
-    strict=True, reason="losing process 0 takes the coordination service with it: the runtime's "
-    "client in the other process aborts at its next error poll, before any Python code runs "
-    "(its error callback cannot be replaced from Python in jaxlib 0.10.2)"))],
-    ids=["worker_lost", "coordinator_lost"])
+@pytest.mark.parametrize("lost", [1, 0], ids=["worker_lost", "coordinator_lost"])
 def test_a_lost_process_is_one_line_the_relaunch_status_and_a_resume(tmp_path, lost):
   wd = str(tmp_path / "wd")
   procs = _two_processes(wd, timeout_s=5)
