@@ -39,7 +39,8 @@ logs in the workdir. Rerunning the same command resumes from the newest good che
 
 def main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
-  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
+  from diffjax.train import cli, supervise  # pylint: disable=import-outside-toplevel
+  supervise.follow_parent()  # a supervised child dies with its supervisor
   parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, default_config=DEFAULT_CONFIG, flags=(
       cli.Flag("workdir", None, "directory for checkpoints and metrics "
                                 "[default: runs/<config name>[_<arm>]]"),
@@ -57,7 +58,6 @@ def main(argv) -> int:
     workdir = cli.default_workdir(config_arg, argv)
     print(f"diffjax: training {config_arg} into {workdir} (choose with --config=... and "
           "--workdir=...)", flush=True)
-  from diffjax.train import supervise  # pylint: disable=import-outside-toplevel
   if supervise.wanted(config):
     # One of several processes: train in a child, so that even the runtime's abort on losing
     # process 0 becomes one line and status 75 (diffjax/train/supervise.py).

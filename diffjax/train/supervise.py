@@ -5,7 +5,7 @@ in every other process then aborts at once (a C++ check failure, SIGABRT) before
 of this process can run, so the peer watchdog of :mod:`diffjax.train.distributed` cannot say
 it. train.py therefore runs the training in a child process when the environment says there are
 several processes (``distributed.supervise``, default True; ``DIFFJAX_SUPERVISED=1`` in the
-environment also turns it off, and marks the child). The parent:
+environment also turns it off; the child gets the supervisor's pid there). The parent:
 
 * passes the child's stdout through untouched and its stderr line by line, except that the
   runtime's log lines (``W1203 12:58:23.004 ... file.cc:147] ...``) and what follows them are
@@ -60,11 +60,22 @@ def wanted(config) -> bool:
   return bool(initialize)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def follow_parent() -> None:
+  """In the supervised child: be killed when the supervisor dies (Linux; a no-op elsewhere).
+
+  Called by train.py first thing, rather than between fork and exec, which is unsafe in a
+  process that already runs threads. ``DIFFJAX_SUPERVISED`` holds the supervisor's pid; if
+  it died before this ran, the child exits at once.
+  """
+  parent = os.environ.get(ENV, "")
+  if not parent.isdigit() or int(parent) <= 1:
+    return  # set by the user to turn supervision off: nothing to follow
   try:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except (OSError, AttributeError):  # not Linux: the child outlives a killed parent
-    pass
+    return
+  if os.getppid() != int(parent):
+    os._exit(128 + signal.SIGKILL)  # the supervisor is already gone
 
 
 class _Relay:
@@ -163,7 +174,7 @@ def run(command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S,
         err: TextIO | None = None) -> int:
   """Runs the training ``command`` as a child (see the module docstring); its exit status."""
   err = err or sys.stderr
-  env = {**os.environ, ENV: "1"}
+  env = {**os.environ, ENV: str(os.getpid())}
   children: list[subprocess.Popen] = []
   pending: list[int] = []  # signals that came before the child started
 
@@ -177,7 +188,7 @@ def run(command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S,
   old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     child = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE, text=True,
-                             errors="replace", bufsize=1, preexec_fn=_die_with_parent)
+                             errors="replace", bufsize=1)
   except BaseException:
     for s, h in old.items():
       signal.signal(s, h)

@@ -120,6 +120,7 @@ def test_killing_the_supervisor_kills_the_child(tmp_path):
       import sys
       from diffjax.train import supervise
       sys.exit(supervise.run([sys.executable, "-c",
+          "from diffjax.train import supervise; supervise.follow_parent(); "
           "import os, time, pathlib; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(60)"],
           {str(tmp_path)!r}))""")])
   deadline = time.monotonic() + 30
