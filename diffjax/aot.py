@@ -275,36 +275,33 @@ def aot_report(config, topology: str) -> AotReport:
       pallas_kernels=sum(text.count(call) for call in KERNEL_CALLS[platform]))
 
 
+USAGE = ("usage: python -m diffjax.aot --config=configs/<file>.py[:ARG] "
+         "[--topology=v5p:4x4x4 | --target=h100[:N]] [--config.<key>=<value> ...]")
+SUMMARY = """\
+Compiles the run's real train step ahead of time for a TPU topology (with libtpu) or a GPU
+target (with the [gpu-compile] extra) on this machine, and prints the per-device memory the
+compiler plans, whether it fits and how many of diffjax's kernels the step calls."""
+
+
 def main(argv=None) -> int:
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
-  from diffjax.train.config_utils import explain_flag_error  # pylint: disable=import-outside-toplevel
-  cfg_flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
-                                             lock_config=True)
-  topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5e:2x2, v5p:4x4x4 "
-                             "(default v5e:2x2 when no --target is given).")
-  tgt = flags.DEFINE_string("target", None, "GPU target: h100, h200 or a100, ':N' for N "
-                            "GPUs of one node (h100:8).")
-  argv = list(argv or sys.argv)
-  try:
-    flags.FLAGS(argv)
-    config = cfg_flag.value
-    _ = config is not None and "model" in config
-  except Exception as e:  # absl and ml_collections raise several types for bad flags
-    detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    print(f"error: {explain_flag_error(argv) or 'invalid command line: ' + detail}",
-          file=sys.stderr)
-    return 2
-  if config is None:
-    print("error: --config is required", file=sys.stderr)
-    return 2
-  if topo.value and tgt.value:
+  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
+  parsed = cli.parse(list(argv or sys.argv), usage=USAGE, summary=SUMMARY, flags=(
+      cli.Flag("topology", None, "TPU topology, e.g. v5e:2x2, v5p:4x4x4 [default: v5e:2x2 "
+                                 "when no --target is given]"),
+      cli.Flag("target", None, "GPU target: h100, h200 or a100, ':N' for N GPUs of one node "
+                               "(h100:8)")))
+  if isinstance(parsed, int):
+    return parsed
+  config, values, _ = parsed
+
+  topology, target = values["topology"], values["target"]
+  if topology and target:
     print("error: give --topology (TPU) or --target (GPU), not both", file=sys.stderr)
     return 2
-  where = tgt.value or topo.value or "v5e:2x2"
-  if tgt.value and not gpu_targets.is_gpu_target(tgt.value):
-    print(f"error: --target={tgt.value!r} is not a GPU target; use one of "
+  where = target or topology or "v5e:2x2"
+  if target and not gpu_targets.is_gpu_target(target):
+    print(f"error: --target={target!r} is not a GPU target; use one of "
           f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)", file=sys.stderr)
     return 2
 

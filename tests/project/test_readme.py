@@ -4,20 +4,36 @@
   namespace, in order; each file starts from a fresh one.
 * Every relative link in README.md and docs/**/*.md points at a file or directory that
   exists, and every #anchor at a heading of the file it names.
-* The ```bash blocks: :func:`shell_blocks` returns their command lines, and every ``python``
+* The ```bash blocks: :func:`shell_blocks` returns their command lines, every ``python``
   command in them names a script or module that exists (and a ``--config`` file that
-  exists). Running the commands is left to heavier checks.
+  exists), and every one of them runs here, in this process, as far as it can without the
+  hours of work it starts: ``train.py`` and ``python -m diffjax.compare`` with ``--dry_run``
+  (the config loaded, overridden, matched and checked), the others up to the end of their
+  argument parsing (argparse's ``parse_args`` or ``parse_known_args``, or the config
+  commands' ``cli.parse``, after which ``python -m diffjax.aot``'s config is checked the
+  way ``--dry_run`` checks it) and stopped there, so that a flag a command does not take,
+  a bad value or a config key that does not exist fails the test. Installs (``pip``,
+  ``venv``) are checked for the extras and files they name; the README's two commands are
+  the ones ``.ci/run`` runs.
+* ``--help`` works on every command the docs give.
 
 Blocks that are output, transcripts or signatures use a plain ``` fence and are not read.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import glob
 import importlib.util
+import io
 import os
 import re
+import runpy
 import shlex
+import sys
+import tomllib
+from unittest import mock
 
 import pytest
 from helpers import REPO  # noqa: E402
@@ -72,25 +88,26 @@ def shell_blocks(path: str) -> list[list[str]]:
   return out
 
 
-def python_invocations(command_line: str) -> list[list[str]]:
-  """The argument lists of the ``python ...`` commands in one shell command line (split at
-  ``&&``, ``||``, ``;`` and ``|``; leading ``VAR=value`` assignments skipped)."""
+def commands(command_line: str) -> list[list[str]]:
+  """The words of each command in one shell command line (split at ``&&``, ``||``, ``;``
+  and ``|``; leading ``VAR=value`` assignments skipped)."""
   words = shlex.split(command_line)
-  commands, current = [], []
-  for w in words:
+  out, current = [], []
+  for w in words + ["&&"]:
     if w in _SEPARATORS:
-      commands.append(current)
+      while current and _ENV_ASSIGNMENT.match(current[0]):
+        current = current[1:]
+      if current:
+        out.append(current)
       current = []
     else:
       current.append(w)
-  commands.append(current)
-  out = []
-  for cmd in commands:
-    while cmd and _ENV_ASSIGNMENT.match(cmd[0]):
-      cmd = cmd[1:]
-    if cmd and _PYTHON.match(cmd[0]):
-      out.append(cmd[1:])
   return out
+
+
+def python_invocations(command_line: str) -> list[list[str]]:
+  """The argument lists of the ``python ...`` commands in one shell command line."""
+  return [cmd[1:] for cmd in commands(command_line) if _PYTHON.match(cmd[0])]
 
 
 def _module_exists(name: str) -> bool:
@@ -210,3 +227,195 @@ def test_the_checks_see_what_they_check():
   assert not missing_targets(["train.py", "--config=configs/default.py"])
   assert "docs/getting_started.md" in relative_links(README)
   assert heading_anchors(README) >= {"what-is-exact", "what-has-run-on-hardware"}
+
+
+# ---- Running the shell blocks' commands --------------------------------------------------
+
+# Commands whose own --dry_run does all the checking a run does before its first step.
+_DRY_RUN = {"train.py", "diffjax.compare"}
+
+
+class _Parsed(Exception):
+  """Raised where a command has parsed and checked its arguments: the rest is its work."""
+
+
+def _target(args: list[str]) -> str:
+  """The module (``-m``) or script a ``python`` command runs."""
+  return args[1] if args[0] == "-m" else args[0]
+
+
+@contextlib.contextmanager
+def _stop_after_parsing():
+  """Makes argparse's ``parse_args`` and ``parse_known_args`` and the config commands'
+  ``cli.parse`` raise :class:`_Parsed` once they succeed (a config with a model is checked
+  as --dry_run would)."""
+  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser
+  real_parse_args, real_parse_known_args, real_parse = (
+      parser.parse_args, parser.parse_known_args, cli.parse)
+  inside_parse_args = []
+
+  def parse_args(self, args=None, namespace=None):
+    inside_parse_args.append(True)
+    try:
+      result = real_parse_args(self, args, namespace)
+    finally:
+      inside_parse_args.pop()
+    raise _Parsed(result)
+
+  def parse_known_args(self, args=None, namespace=None):
+    result = real_parse_known_args(self, args, namespace)
+    if inside_parse_args:
+      return result
+    raise _Parsed(result)
+
+  def parse(argv, **kwargs):
+    result = real_parse(argv, **kwargs)
+    if isinstance(result, int):
+      return result
+    if "model" in result[0]:
+      describe_run(result[0])
+    raise _Parsed(result)
+
+  with mock.patch.object(parser, "parse_args", parse_args), \
+       mock.patch.object(parser, "parse_known_args", parse_known_args), \
+       mock.patch.object(cli, "parse", parse):
+    yield
+
+
+def run_in_process(args: list[str], *, stop_after_parsing: bool = True) -> tuple[str, str]:
+  """Runs ``python <args>`` in this process, from the repository root, as ``__main__``.
+
+  Returns how it ended (``"parsed"``, or ``"exit <status>"``) and what it printed. The
+  environment, ``sys.path``, ``sys.argv`` and the working directory are restored after.
+  """
+  saved = (dict(os.environ), list(sys.path), list(sys.argv), os.getcwd(), set(sys.modules))
+  out = io.StringIO()
+  target = _target(args)
+  try:
+    os.chdir(ROOT)
+    sys.argv = [target] + args[2 if args[0] == "-m" else 1:]
+    if args[0] != "-m":
+      sys.path.insert(0, os.path.dirname(os.path.join(ROOT, target)))
+    guard = _stop_after_parsing() if stop_after_parsing else contextlib.nullcontext()
+    with guard, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+      try:
+        if args[0] == "-m":
+          runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+          runpy.run_path(os.path.join(ROOT, target), run_name="__main__")
+        ended = "exit 0"
+      except _Parsed:
+        ended = "parsed"
+      except SystemExit as e:
+        ended = f"exit {0 if e.code is None else e.code}"
+  finally:
+    env, path, argv, cwd, modules = saved
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:], sys.argv[:] = path, argv
+    os.chdir(cwd)
+    for name in set(sys.modules) - modules:  # the scripts' sibling modules (benchmarks/*.py)
+      if not name.startswith(("diffjax", "jax", "jaxlib", "flax")):
+        module_file = getattr(sys.modules[name], "__file__", None) or ""
+        if module_file.startswith(os.path.join(ROOT, "benchmarks")):
+          del sys.modules[name]
+  return ended, out.getvalue()
+
+
+def _pyproject_extras() -> set[str]:
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    return set(tomllib.load(f)["project"]["optional-dependencies"])
+
+
+def _install_problems(cmd: list[str]) -> list[str]:
+  """What a ``pip install`` names that the project does not have (extras, files)."""
+  problems = []
+  for i, w in enumerate(cmd):
+    named = cmd[i + 1] if w in ("-c", "-r") and i + 1 < len(cmd) else None
+    if named and not os.path.isfile(os.path.join(ROOT, named)):
+      problems.append(f"no file {named}")
+    m = re.fullmatch(r"\.\[([\w,\-]+)\]", w)
+    if m:
+      problems += [f"no extra [{e}] in pyproject.toml" for e in m.group(1).split(",")
+                   if e not in _pyproject_extras()]
+  return problems
+
+
+def _run_command(cmd: list[str]) -> str | None:
+  """Runs one command of a shell block as far as these checks do; what went wrong, or None."""
+  if cmd[0] == "." or cmd[:3] in (["python3.11", "-m", "venv"], ["python", "-m", "venv"]):
+    return None  # making and entering a virtual environment
+  if cmd[0] == "pip":
+    return "; ".join(_install_problems(cmd)) or None
+  if not _PYTHON.match(cmd[0]):
+    return f"not a command these checks know how to run: {cmd[0]}"
+  args = cmd[1:]
+  if args[:2] == ["-m", "pytest"]:
+    missing = [a.split("::")[0] for a in args[2:] if a.startswith("tests")
+               and not os.path.exists(os.path.join(ROOT, a.split("::")[0]))]
+    return f"no test path {missing}" if missing else None
+  if missing := missing_targets(args):
+    return ", ".join(missing)
+  dry = _target(args) in _DRY_RUN
+  ended, printed = run_in_process(args + (["--dry_run"] if dry else []),
+                                  stop_after_parsing=not dry)
+  if ended != ("exit 0" if dry else "parsed"):
+    return f"{ended}: {printed.strip()[-600:]}"
+  return None
+
+
+_SHELL_PAGES = [p for p in doc_pages() if shell_blocks(p)]
+
+
+@pytest.mark.parametrize("path", _SHELL_PAGES, ids=_rel)
+def test_shell_block_commands_run(path):
+  failed = {}
+  for lines in shell_blocks(path):
+    for line in lines:
+      for cmd in commands(line):
+        if problem := _run_command(cmd):
+          failed[shlex.join(cmd)] = problem
+  assert not failed, failed
+
+
+def test_the_readme_commands_are_the_ones_ci_runs():
+  with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+    ci = [shlex.join(shlex.split(line)) for line in f if line.strip() and not line.startswith("#")]
+  train_line, test_line = (lines[0] for lines in shell_blocks(README)[:2])
+  install, test = commands(test_line)[2:]
+  assert shlex.join(install).replace("pip install", "pip install -q") in ci
+  assert shlex.join(test) == ci[-1]
+  assert commands(train_line)[2][:4] == install[:4]  # the same constraints
+
+
+def _documented_commands() -> list[str]:
+  found = set()
+  for path in doc_pages():
+    for lines in shell_blocks(path):
+      for line in lines:
+        for args in python_invocations(line):
+          if args and args[0] != "-c" and args[:2] not in (["-m", "pytest"], ["-m", "venv"]):
+            found.add(" ".join(args[:2]) if args[0] == "-m" else args[0])
+  return sorted(found)
+
+
+@pytest.mark.parametrize("command", _documented_commands())
+def test_every_documented_command_answers_help(command):
+  args = command.split() + ["--help"]
+  ended, printed = run_in_process(args, stop_after_parsing=False)
+  assert ended == "exit 0", (ended, printed[-600:])
+  assert "usage" in printed.lower(), printed[:600]
+  if _target(args) in ("train.py", "diffjax.compare", "diffjax.aot"):
+    assert "Configs shipped with diffjax:" in printed and "--config.<key>=<value>" in printed
+
+
+def test_a_broken_command_fails_the_check():
+  # The runner stops commands after parsing, and says when one does not parse.
+  assert _run_command(["python", "train.py", "--config=configs/tiny.py"]) is None
+  assert "modle" in _run_command(["python", "train.py", "--config=configs/tiny.py",
+                                  "--config.modle.arm=diff_v2"])
+  assert "exit 2" in _run_command(["python", "-m", "diffjax.generation", "--no_such_flag=1"])
+  assert "no extra [nope]" in _run_command(["pip", "install", "-e", ".[test,nope]"])
+  assert _run_command(["python", "-m", "diffjax.eval.toy"]) is None  # parsed, not run
