@@ -28,10 +28,10 @@ def own_stderr(text: str) -> list[str]:
 
 
 def tiny_config(arm="diff_v1", steps=6):
-  """A train.py config of a two-layer model that trains in seconds on a CPU."""
+  """A train.py config of a one-layer model that trains in seconds on a CPU."""
   from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
   c = base_config()
-  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=2, mlp_dim=128,
+  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=1, mlp_dim=128,
                       head_dim=16))
   c.seq_len = 32
   c.global_batch_size = 4

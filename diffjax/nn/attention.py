@@ -148,6 +148,19 @@ def _baseline_kv(module, x_BxTxE, pos_BxT, hooks: Hooks) -> tuple[jax.Array, jax
   return k_BxSxKxD, v_BxSxKxD
 
 
+def _init_queries(module, rngs: nnx.Rngs, options: AttentionOptions, d_model: int,
+                  num_heads: int, head_dim: int, *, paired: bool):
+  """Sets ``module.options`` and ``module.q`` (the first parameter drawn): [E, H, D], or
+  [E, H, 2, D] for DIFF's two maps per head (V1) or pair of heads (V2). Returns the weight
+  initialiser the other projections use."""
+  module.options = options
+  init = normal_init(options.init_std)
+  shape, axes = (((d_model, num_heads, 2, head_dim), ("embed", "heads", None, "head_dim"))
+                 if paired else ((d_model, num_heads, head_dim), ("embed", "heads", "head_dim")))
+  module.q = make_param(rngs, init, shape, axes, options.param_dtype)
+  return init
+
+
 class _BaselineKVCache:
   """The baseline's K, V and W_o and their KV cache, which the Transformer and DIFF V2 share."""
 
@@ -215,10 +228,7 @@ class Attention(_BaselineKVCache, nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                options: AttentionOptions = AttentionOptions(), rngs: nnx.Rngs):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
-    self.options = options
-    init = normal_init(options.init_std)
-    self.q = make_param(rngs, init, (d_model, num_heads, head_dim),
-                        ("embed", "heads", "head_dim"), options.param_dtype)
+    init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=False)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
 
   @jax.named_scope("attention_transformer")
@@ -265,15 +275,12 @@ class DiffV1Attention(nnx.Module):
                norm_eps: float = 1e-5, use_norm: bool = True,
                fixed_lambda: float | None = None, rngs: nnx.Rngs):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
-    self.options = options
     self.head_dim = head_dim
     self.lambda_init = ref.lambda_init_for_layer(layer_index)
     self.norm_eps = norm_eps
     self.use_norm = use_norm
     self.fixed_lambda = fixed_lambda
-    init = normal_init(options.init_std)
-    self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
-                        ("embed", "heads", None, "head_dim"), options.param_dtype)
+    init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
     self.k = make_param(rngs, init, (d_model, num_kv_heads, 2, head_dim),
                         ("embed", "kv_heads", None, "head_dim"), options.param_dtype)
     self.v = make_param(rngs, init, (d_model, num_kv_heads, 2 * head_dim),
@@ -409,12 +416,9 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
                lambda_fn: str = "sigmoid", rngs: nnx.Rngs):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
     check_v2_ablation(pairing, lambda_fn, num_kv_heads)
-    self.options = options
     self.pairing = pairing
     self.lambda_fn = lambda_fn
-    init = normal_init(options.init_std)
-    self.q = make_param(rngs, init, (d_model, num_heads, 2, head_dim),
-                        ("embed", "heads", None, "head_dim"), options.param_dtype)
+    init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
     self.w_lambda = make_param(rngs, torch_linear_init(d_model), (d_model, num_heads),
                                ("embed", "heads"), options.param_dtype)

@@ -79,7 +79,7 @@ def test_v2_pair_gradients_differ_by_minus_sigma_so_training_separates_the_heads
     return -jnp.mean(jax.nn.log_softmax(logits)[..., :, :][jnp.arange(2)[:, None],
                                                             jnp.arange(18)[None], x[:, 1:]])
 
-  grads = nnx.to_pure_dict(jax.grad(loss)(params))
+  grads = nnx.to_pure_dict(jax.jit(jax.grad(loss))(params))
   for i in range(3):
     g = np.asarray(grads["blocks"][i]["attn"]["q"])  # [E, H, 2, D]
     assert np.max(np.abs(g[:, :, 0])) > 0

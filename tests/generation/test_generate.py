@@ -33,12 +33,12 @@ def test_cached_logits_equal_full_forward_at_every_position(arm):
   model = _model(arm)
   lens = np.array([3, 9, 1, 6])
   seq_BxT = jax.random.randint(jax.random.key(0), (4, 14), 0, VOCAB)
-  full_BxTxV = model(seq_BxT)
+  full_BxTxV = jax.jit(lambda t: model(t))(seq_BxT)
   # Prefill a ragged batch (left-aligned, garbage past each row's length), then decode
   # every row's own next positions one token at a time.
   cache = model.init_cache(4, 16)
-  prefill_BxTxV, cache = model(seq_BxT[:, :9], cache=cache,
-                               cache_lengths_B=jnp.zeros(4, jnp.int32))
+  prefill_BxTxV, cache = jax.jit(lambda c, t: model(t, cache=c, cache_lengths_B=jnp.zeros(
+      4, jnp.int32)))(cache, seq_BxT[:, :9])
   for b, n in enumerate(lens):
     assert _rel_err(prefill_BxTxV[b, :n], full_BxTxV[b, :n]) <= 1e-5
   pos_B = jnp.asarray(lens)

@@ -69,8 +69,9 @@ def test_scanned_gradients_match_per_layer(arm, remat):
   def loss(m):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(m(x), y))
 
-  g_plain = layout.stack_layers(nnx.to_pure_dict(nnx.grad(loss)(plain)))
-  g_scan = nnx.to_pure_dict(nnx.grad(loss)(scanned))
+  grad = nnx.jit(nnx.grad(loss))  # one program each, not op by op
+  g_plain = layout.stack_layers(nnx.to_pure_dict(grad(plain)))
+  g_scan = nnx.to_pure_dict(grad(scanned))
   names = jax.tree_util.tree_flatten_with_path(g_scan)[0]
   assert len(names) == len(jax.tree.leaves(g_plain))
   for (path, b), a in zip(names, jax.tree.leaves(g_plain)):

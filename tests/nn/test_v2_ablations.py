@@ -70,10 +70,11 @@ def test_forward_matches_the_reference(pairing, lambda_fn):
   m = _module(pairing, lambda_fn)
   x, pos, seg = _x(), jnp.asarray(POS), jnp.asarray(SEG)
   y = nnx.jit(lambda mod, a: mod(a, pos, seg))(m, x)
-  want = reference_v2(_weights(m), x, pos, seg, pairing=pairing, lambda_fn=lambda_fn)
+  want = jax.jit(lambda w, a: reference_v2(w, a, pos, seg, pairing=pairing,
+                                           lambda_fn=lambda_fn))(_weights(m), x)
   chex.assert_trees_all_close(y, want, atol=2e-5, rtol=2e-5)
   # The capture path (explicit maps, used by the analysis) computes the same output.
-  y_cap, aux = m(x, pos, seg, capture=True)
+  y_cap, aux = nnx.jit(lambda mod, a: mod(a, pos, seg, capture=True))(m, x)
   chex.assert_trees_all_close(y_cap, want, atol=2e-5, rtol=2e-5)
   chex.assert_shape([aux["probs1"], aux["probs2"]], [(B, H, T, T)] * 2)
 

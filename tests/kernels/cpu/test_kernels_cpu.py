@@ -38,15 +38,16 @@ def _close(a, b, tol):
 
 
 def _check(fn_a, fn_b, args, tol):
-  out_a, out_b = fn_a(*args), fn_b(*args)
+  # Under jit: one program per function and its gradient, not an eager dispatch per op.
+  out_a, out_b = jax.jit(fn_a)(*args), jax.jit(fn_b)(*args)
   chex.assert_equal_shape([out_a, out_b])
   chex.assert_trees_all_equal_dtypes(out_a, out_b)
   _close(out_a, out_b, tol)
   w = jax.random.normal(jax.random.key(9), out_a.shape, jnp.float32)
   loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
   argnums = tuple(range(len(args)))
-  ga = jax.grad(loss(fn_a), argnums)(*args)
-  gb = jax.grad(loss(fn_b), argnums)(*args)
+  ga = jax.jit(jax.grad(loss(fn_a), argnums))(*args)
+  gb = jax.jit(jax.grad(loss(fn_b), argnums))(*args)
   chex.assert_trees_all_equal_shapes_and_dtypes(ga, tuple(args))
   chex.assert_trees_all_equal_shapes_and_dtypes(gb, tuple(args))
   chex.assert_tree_all_finite((out_a, ga))

@@ -3,17 +3,23 @@
 On an H100/H200 ``python benchmarks/gpu_check.py`` runs the gpu-marked tests, the
 attention and decode benchmarks and train steps of the three arms at real sizes; here
 ``--dry-run`` runs the same sequence at toy sizes (tests only collected), so a broken
-step shows before someone has a GPU for an hour.
+step shows before someone has a GPU for an hour (``pytest -m slow``; run it before a GPU
+session).
 """
 
 import os
 import subprocess
 import sys
+
+import pytest
 from helpers import REPO  # noqa: E402
 
 ROOT = REPO
 
 
+# The dry run goes through every check of the script at toy sizes (the kernels and train steps
+# it times have their own default tests), so it runs with -m slow.
+@pytest.mark.slow
 def test_gpu_check_dry_run_writes_one_table(tmp_path):
   out = tmp_path / "gpu_check.md"
   proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run",
