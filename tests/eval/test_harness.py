@@ -94,7 +94,9 @@ def _close(got, want, what):
   assert abs(got - want) <= RTOL * max(abs(want), 1.0), (what, got, want)
 
 
-@pytest.fixture(scope="module", params=["transformer", "diff_v1", "diff_v2"])
+# The scorer is the same code for every arm; the Transformer's run is under -m slow.
+@pytest.fixture(scope="module", params=[pytest.param("transformer", marks=pytest.mark.slow),
+                                        "diff_v1", "diff_v2"])
 def evaluated(request):
   cwd = os.getcwd()
   os.chdir(REPO)

@@ -246,8 +246,8 @@ KERNEL_SLOW = [
 
 
 @sharded
-@pytest.mark.parametrize("op,implementation", [("diff_v1", "pallas_tpu"),
-                                               ("diff_v2", "pallas_tpu")])
+@pytest.mark.parametrize("op,implementation", [
+    pytest.param("diff_v1", "pallas_tpu", marks=pytest.mark.slow), ("diff_v2", "pallas_tpu")])
 def test_ring_with_kernel_blocks_matches_reference(op, implementation):
   _compare(op, "ring", True, "context2", implementation=implementation)
 
