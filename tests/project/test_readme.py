@@ -317,10 +317,9 @@ def run_in_process(args: list[str], *, stop_after_parsing: bool = True) -> tuple
     sys.path[:], sys.argv[:] = path, argv
     os.chdir(cwd)
     for name in set(sys.modules) - modules:  # the scripts' sibling modules (benchmarks/*.py)
-      if not name.startswith(("diffjax", "jax", "jaxlib", "flax")):
-        module_file = getattr(sys.modules[name], "__file__", None) or ""
-        if module_file.startswith(os.path.join(ROOT, "benchmarks")):
-          del sys.modules[name]
+      module_file = getattr(sys.modules[name], "__file__", None) or ""
+      if module_file.startswith(os.path.join(ROOT, "benchmarks")):
+        del sys.modules[name]
   return ended, out.getvalue()
 
 
@@ -331,7 +330,7 @@ def _pyproject_extras() -> set[str]:
 
 def _install_problems(cmd: list[str]) -> list[str]:
   """What a ``pip install`` names that the project does not have (extras, files)."""
-  problems = []
+  problems, extras = [], _pyproject_extras()
   for i, w in enumerate(cmd):
     named = cmd[i + 1] if w in ("-c", "-r") and i + 1 < len(cmd) else None
     if named and not os.path.isfile(os.path.join(ROOT, named)):
@@ -339,7 +338,7 @@ def _install_problems(cmd: list[str]) -> list[str]:
     m = re.fullmatch(r"\.\[([\w,\-]+)\]", w)
     if m:
       problems += [f"no extra [{e}] in pyproject.toml" for e in m.group(1).split(",")
-                   if e not in _pyproject_extras()]
+                   if e not in extras]
   return problems
 
 
