@@ -41,18 +41,15 @@ def main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
   from diffjax.train import cli, supervise  # pylint: disable=import-outside-toplevel
   supervise.follow_parent()  # a supervised child dies with its supervisor
-  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, default_config=DEFAULT_CONFIG, flags=(
-      cli.Flag("workdir", None, "directory for checkpoints and metrics "
-                                "[default: runs/<config name>[_<arm>]]"),
-      cli.Flag("dry_run", False, "check the config and print the run it resolves to (the "
-                                 "model and its parameter counts), then exit; reads no data")))
+  from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, default_config=DEFAULT_CONFIG,
+                     describe=describe_run, flags=(cli.Flag(
+                         "workdir", None, "directory for checkpoints and metrics "
+                                          "[default: runs/<config name>[_<arm>]]"),))
   if isinstance(parsed, int):
     return parsed
   config, values, config_arg = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
-  if values["dry_run"]:
-    from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
-    return run_guarded(lambda: print(describe_run(config)))
   workdir = values["workdir"]
   if workdir is None:
     workdir = cli.default_workdir(config_arg, argv)

@@ -58,17 +58,19 @@ MiB = 2**20
 
 @dataclasses.dataclass
 class Row:
+  """One kernel pass compiled for one topology (``error`` is empty when it compiled)."""
   topology: str
   kernel: str
   pass_: str
-  ok: bool
   seconds: float
-  args: float = 0.0
-  outs: float = 0.0
-  temp: float = 0.0
-  total: float = 0.0
+  # The compiler's plan per device in MiB: args, outs, temp and their total (less aliasing).
+  mib: dict[str, float] = dataclasses.field(default_factory=dict)
   gflop: float = 0.0
   error: str = ""
+
+  @property
+  def ok(self) -> bool:
+    return not self.error
 
 
 # (units per device for H heads of the row's kind, FLOPs per visible pair / d) for
@@ -137,16 +139,15 @@ def _compile_row(topology: str, mesh: Mesh, kernel: str, pass_: str, args_ns) ->
   try:
     compiled = program.lower(*args).compile()
   except Exception as e:  # pylint: disable=broad-except
-    return Row(topology, kernel, pass_, False, time.perf_counter() - start,
+    return Row(topology, kernel, pass_, time.perf_counter() - start,
                error=f"{type(e).__name__}: {e}")
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
-  row = Row(topology, kernel, pass_, True, seconds)
+  row = Row(topology, kernel, pass_, seconds)
   if mem is not None:
-    row.args = mem.argument_size_in_bytes / MiB
-    row.outs = mem.output_size_in_bytes / MiB
-    row.temp = mem.temp_size_in_bytes / MiB
-    row.total = row.args + row.outs + row.temp - mem.alias_size_in_bytes / MiB
+    row.mib = {"args": mem.argument_size_in_bytes / MiB, "outs": mem.output_size_in_bytes / MiB,
+               "temp": mem.temp_size_in_bytes / MiB}
+    row.mib["total"] = sum(row.mib.values()) - mem.alias_size_in_bytes / MiB
   row.gflop = _model_gflop(kernel, pass_, batch=args_ns.batch_per_device, seq=args_ns.seq,
                            d=args_ns.head_dim, head_shards=mesh.shape["model"])
   return row
@@ -161,8 +162,9 @@ def _print_table(rows: list[Row]) -> None:
   for r in rows:
     gflop = f"{r.gflop:8.1f}"
     if r.ok:
-      print(f"{r.topology:<11} {r.kernel:<11} {r.pass_:<8} {'OK':<8} {r.args:9.1f} "
-            f"{r.outs:8.1f} {r.temp:9.1f} {r.total:10.1f} {gflop} {r.seconds:9.1f}")
+      m = {k: r.mib.get(k, float("nan")) for k in ("args", "outs", "temp", "total")}
+      print(f"{r.topology:<11} {r.kernel:<11} {r.pass_:<8} {'OK':<8} {m['args']:9.1f} "
+            f"{m['outs']:8.1f} {m['temp']:9.1f} {m['total']:10.1f} {gflop} {r.seconds:9.1f}")
     else:
       print(f"{r.topology:<11} {r.kernel:<11} {r.pass_:<8} {'FAILED':<8}")
 

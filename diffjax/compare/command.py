@@ -21,6 +21,7 @@ import sys
 from typing import Sequence
 
 from diffjax.compare.comparison import run_comparison
+from diffjax.compare.config import describe_comparison
 from diffjax.compare.runs import ComparisonStopped
 
 # As train.py: a scheduler can tell "preempted, rerun to continue" from "finished" (0) and
@@ -52,17 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   from diffjax.train import cli  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv if argv is None else argv)
-  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, subdir="compare", flags=(
-      cli.Flag("workdir", None, "directory for the runs and the report (required)"),
-      cli.Flag("dry_run", False, "check the config and print each arm's run (the model it "
-                                 "resolves to and its parameter counts), then exit")))
+  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, subdir="compare",
+                     describe=describe_comparison, flags=(cli.Flag(
+                         "workdir", None, "directory for the runs and the report (required)"),))
   if isinstance(parsed, int):
     return parsed
   config, values, _ = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
-  if values["dry_run"]:
-    from diffjax.compare.config import describe_comparison  # pylint: disable=import-outside-toplevel
-    return run_guarded(lambda: print(describe_comparison(config)))
   if values["workdir"] is None:
     print(f"error: --workdir is required; {USAGE}", file=sys.stderr)
     return 2

@@ -91,6 +91,21 @@ def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
   return jnp.where(jnp.logical_and(mask, any_valid), probs, 0.0)
 
 
+def merge_partials(parts, log_mass, axis: int) -> jax.Array:
+  """Attention over a key range split in pieces, from the pieces' results.
+
+  ``parts`` [..., Dv]: each piece's own softmax-normalised output, the pieces along
+  ``axis``; ``log_mass`` (``parts`` without its last axis): the natural log of each
+  piece's softmax mass (its log-sum-exp), ``-inf`` for a piece that saw no key. Rows no
+  piece saw come out 0. The split-KV decoding kernels merge their splits with this.
+  """
+  top = jnp.max(log_mass, axis=axis, keepdims=True)
+  w = jnp.exp(log_mass - jnp.where(jnp.isfinite(top), top, 0.0))
+  total = jnp.sum(w, axis=axis)
+  out = jnp.sum(w[..., None] * parts, axis=axis)
+  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
 def attention_probs(
     q_BxTxHxD, k_BxSxKxD, *, scale: float, mask, logits_fn=None
 ) -> tuple[jax.Array, jax.Array]:

@@ -38,15 +38,9 @@ from diffjax.data.tasks import (
     RetrievalExample,
     collate,
 )
-from diffjax.data.tokenizers import (
-    ByteTokenizer,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    token_byte_lengths,
-    tokens_per_byte,
-)
+from diffjax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
+                                     Tokenizer, load_tokenizer, token_byte_lengths,
+                                     tokens_per_byte)
 
 __all__ = [
     "BATCH_KEYS", "DataConfig", "Datasets", "build_datasets", "open_corpus",

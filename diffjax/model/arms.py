@@ -44,7 +44,7 @@ class ArmModel:
   config: ModelConfig
   baseline: ModelConfig
   v2_match: str
-  unmatched: dict[str, int]
+  unmatched: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def arm(self) -> str:

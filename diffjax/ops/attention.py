@@ -247,12 +247,10 @@ def diff_v1_attention_decode(
   """DIFF V1 attention (before the per-head norm) of one new token against a cache.
 
   "auto" runs a fused decode kernel, which reads K1, K2 and V once, on TPU
-  (:func:`diffjax.kernels.tpu.diff_v1_decode_pallas_tpu`) and on GPU: the Mosaic GPU kernel
-  on a Hopper for bf16/fp16 (:func:`diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_mosaic`),
-  else the Triton kernel (:func:`diffjax.kernels.gpu.diff_v1_decode`) while jax still
-  supports Triton (before 0.11) and XLA from 0.11 (``implementation="pallas_gpu"`` still
-  selects Triton there). ``block_sizes`` are the chosen kernel's (see
-  :mod:`diffjax.kernels.gpu.fused`). Arguments as in :func:`diff_v1_attention_core` and
+  (:func:`diffjax.kernels.tpu.diff_v1_decode_pallas_tpu`) and on a Hopper GPU for bf16/fp16
+  (:func:`diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`); elsewhere the
+  reference math through XLA. ``block_sizes`` are the chosen kernel's. Arguments as in
+  :func:`diff_v1_attention_core` and
   :func:`dot_product_attention_decode`. Returns [B, 1, H, Dv] in the dtype of q1.
   """
   lam = jnp.asarray(lam)

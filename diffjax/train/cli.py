@@ -14,7 +14,7 @@ import dataclasses
 import glob
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
@@ -75,15 +75,22 @@ def _one_line(e: BaseException) -> str:
   return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
 
 
+DRY_RUN = Flag("dry_run", False, "check the config and print what it resolves to (each run's "
+                                 "model and its parameter counts), then exit; reads no data")
+
+
 def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag] = (),
           default_config: str | None = None, subdir: str | None = None,
-          config_prefix: str = "config"):
+          config_prefix: str = "config", describe: Callable[[Any], str] | None = None):
   """Parses a config command's ``argv`` (argv[0] is the program).
 
   Returns ``(config, values, config_arg)``: the loaded config (overrides applied), the plain
   flags' values by name, and the ``--config`` argument as given; or an int exit status
-  (0 after printing ``--help``, 2 after one ``error:`` line).
+  (0 after printing ``--help``, 2 after one ``error:`` line). With ``describe``, the command
+  also takes ``--dry_run``: print ``describe(config)`` and return its status.
   """
+  if describe is not None:
+    flags = (*flags, DRY_RUN)
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   from diffjax.train.config_utils import explain_flag_error  # pylint: disable=import-outside-toplevel
@@ -124,7 +131,11 @@ def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag
   if len(rest) > 1 or config is None:
     print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
     return 2
-  return config, {name: holder_.value for name, holder_ in plain.items()}, config_arg
+  values = {name: holder_.value for name, holder_ in plain.items()}
+  if values.pop("dry_run", False) and describe is not None:
+    from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+    return run_guarded(lambda: print(describe(config)))
+  return config, values, config_arg
 
 
 def _config_arg(argv: Sequence[str], name: str = "config") -> str | None:

@@ -8,8 +8,10 @@ above it is checked for the whole package in tests/project/test_layering.py.)
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -83,6 +85,19 @@ def test_the_table_names_the_expected_function_for_every_op_and_platform():
   gpu_dir = ROOT / "diffjax" / "kernels" / "gpu"
   for path in gpu_dir.glob("*.py"):
     assert "pallas import triton" not in path.read_text(), path
+
+
+def test_the_docs_dispatch_table_is_the_table():
+  """docs/architecture.md lists the same rows, each naming the function by its import path."""
+  text = (ROOT / "docs" / "architecture.md").read_text()
+  rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \| (\w+) \| `([\w.]+)`", text, re.M)
+  documented = {(op, impl, platform): path for op, impl, platform, path in rows}
+  assert len(documented) == len(rows) == len(EXPECTED_TABLE)
+  assert documented.keys() == EXPECTED_TABLE.keys()
+  for key, path in documented.items():
+    module, name = path.rsplit(".", 1)
+    fn = getattr(importlib.import_module(module), name)
+    assert dispatch.lookup(*key, False).fn is fn, (key, path)
 
 
 # What "auto" runs, per platform, for inputs no kernel refuses (on a GPU: Mosaic GPU

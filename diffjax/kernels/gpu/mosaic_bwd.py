@@ -69,7 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.kernels.gpu.mosaic_common import (
     BLOCK_Q, COMPUTE_WGS, MosaicConfig, accumulate, barriers, bcast_cols, bcast_rows, col,
-    producer_ring, product, row, run_warpgroups, scratch_refs, smem_transforms)
+    pair_refs, producer_ring, product, row, run_warpgroups, scratch_refs, smem_transforms)
 from diffjax.kernels.gpu.mosaic_tiles import (
     BLOCK_KV_BWD, BWD_Q_SUB, ROWS, bwd_swizzle_cap, value_split)
 from diffjax.kernels.gpu.pair_common import LOG2E, NEG, q_blocks
@@ -130,10 +130,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
   def kernel(*refs):
     it = iter(refs)
-    qa_ref = next(it)
-    qb_ref = next(it) if v1 else qa_ref
-    ka_ref = next(it)
-    kb_ref = next(it) if v1 else ka_ref
+    qa_ref, qb_ref, ka_ref, kb_ref = pair_refs(it, v1)
     v_ref, do_ref, rows_ref = next(it), next(it), next(it)
     qseg_ref, kvseg_ref = (next(it), next(it)) if cfg.segments else (None, None)
     dqa_ref = next(it)

@@ -3,7 +3,8 @@
 The static config of a pair call, the warp-specialised launch (two consumer
 warpgroups and one producer, :func:`run_warpgroups`), the producer's ring of
 shared-memory slots (:func:`producer_ring`), swizzled shared-memory tiles for ``wgmma``
-(:func:`smem_tile`), and the register-layout helpers every kernel uses. The kernels are
+(:func:`smem_tile`), the online softmax of a consumer warpgroup (:func:`softmax_start`,
+:func:`softmax_step`, :func:`softmax_finish`), and the register-layout helpers every kernel uses. The kernels are
 in :mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
 :mod:`~diffjax.kernels.gpu.mosaic_decode`; their tiles and budgets in
 :mod:`~diffjax.kernels.gpu.mosaic_tiles`.
@@ -20,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.kernels.gpu import mosaic_interpret
-from diffjax.kernels.gpu.pair_common import PairGeometry
+from diffjax.kernels.gpu.pair_common import EMPTY_LSE, NEG, PairGeometry
 
 BLOCK_Q = 64  # query rows per warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -182,3 +183,51 @@ def accumulate(acc, a, b_ref, cfg):
   def body(acc_ref):
     plgpu.wgmma(acc_ref, a, b_ref)
   return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def pair_refs(refs, v1: bool):
+  """The first query and key refs of a pair kernel's arguments: (qa, qb, ka, kb).
+
+  V1 passes Q1, Q2, K1, K2; V2 passes one Q and one K (its two halves), used twice.
+  """
+  qa = next(refs)
+  qb = next(refs) if v1 else qa
+  ka = next(refs)
+  kb = next(refs) if v1 else ka
+  return qa, qb, ka, kb
+
+
+def softmax_start(rows: int, dv: int):
+  """The online softmax's carry before the first key block: the [rows, dv] accumulator,
+  the running base-2 row maximum and the running row sum."""
+  return (plgpu.layout_cast(jnp.zeros((rows, dv), jnp.float32), plgpu.Layout.WGMMA),
+          row(jnp.full((rows,), NEG, jnp.float32)), row(jnp.zeros((rows,), jnp.float32)))
+
+
+def softmax_step(carry, scores, v_tile, v_ready, consumed, cfg, dtype, *, masked: bool):
+  """Folds one block of base-2 scores into the carry: rescales, waits for the block's V
+  tile (``v_ready``), adds P @ V and frees the ring slot (``consumed``).
+
+  ``masked``: the block may hold rows with every key masked so far (max still NEG); their
+  probabilities are taken against 0 so that they stay 0.
+  """
+  acc, m, l = carry
+  m_new = jnp.maximum(m, scores.max(axis=1))
+  m_ref = jnp.where(m_new == NEG, 0.0, m_new) if masked else m_new
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(scores - bcast_rows(m_ref, scores.shape))
+  l = alpha * l + p.sum(axis=1)
+  acc = acc * bcast_rows(alpha, acc.shape)
+  plgpu.barrier_wait(v_ready)
+  acc = accumulate(acc, p.astype(dtype), v_tile, cfg)
+  plgpu.barrier_arrive(consumed)
+  return acc, m_new, l
+
+
+def softmax_finish(acc, m, l):
+  """(normalised output, base-2 log-sum-exp per row); a row that saw no key gets 0 and
+  EMPTY_LSE."""
+  empty = l == 0.0
+  safe = jnp.where(empty, 1.0, l)
+  return (acc * bcast_rows(1.0 / safe, acc.shape),
+          jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe)))

@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from diffjax.core import reference
 from diffjax.core import validation as _v
 from diffjax.kernels.gpu import mosaic_common as mp
 from diffjax.kernels.gpu import mosaic_tiles as tiles
@@ -138,30 +139,17 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
       plgpu.barrier_wait(q_bar.at[w])
 
       def step(j, carry):
-        acc, m, l = carry
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[w * stages + slot])
         sc = mp.product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
         kpos = start + j * bk + mp.iota((ROWS, bk), 1)
         sc = jnp.where(kpos < kv_len, sc, NEG)
-        m_new = jnp.maximum(m, sc.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - mp.bcast_rows(m_new, sc.shape))
-        l = alpha * l + p.sum(axis=1)
-        acc = acc * mp.bcast_rows(alpha, acc.shape)
-        plgpu.barrier_wait(v_bar.at[slot])
-        acc = mp.accumulate(acc, p.astype(dtype), v_smem.at[slot], cfg)
-        plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_new, l
+        return mp.softmax_step(carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot],
+                               cfg, dtype, masked=False)
 
-      carry = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA),
-               mp.row(jnp.full((ROWS,), NEG, jnp.float32)),
-               mp.row(jnp.zeros((ROWS,), jnp.float32)))
-      acc, m, l = lax.fori_loop(0, n, step, carry)
-      empty = l == 0.0
-      safe = jnp.where(empty, 1.0, l)
-      (o1_ref, o2_ref)[w][bi, kvh, split] = acc * mp.bcast_rows(1.0 / safe, acc.shape)
-      lse_smem[w] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe))
+      out, lse = mp.softmax_finish(*lax.fori_loop(0, n, step, mp.softmax_start(ROWS, dv)))
+      (o1_ref, o2_ref)[w][bi, kvh, split] = out
+      lse_smem[w] = lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(lse_smem.at[w], (lse1_ref, lse2_ref)[w].at[bi, kvh, split])
       plgpu.wait_smem_to_gmem(0)
@@ -204,12 +192,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
 
 def _merge(o, lse):
   """Merges normalised per-split results (axis 2) by their base-2 log-sum-exps."""
-  lse = jnp.where(lse >= EMPTY_LSE, -jnp.inf, lse)
-  top = jnp.max(lse, axis=2, keepdims=True)
-  w = jnp.where(jnp.isfinite(lse), jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  total = jnp.sum(w, axis=2)
-  out = jnp.sum(w[..., None] * o, axis=2)
-  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+  return reference.merge_partials(o, jnp.where(lse >= EMPTY_LSE, -jnp.inf, lse / LOG2E), 2)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
@@ -254,17 +237,11 @@ def diff_v1_decode_pallas_gpu(
     *, scale: float | None = None, block_sizes=None, interpret: bool = False) -> jax.Array:
   """DIFF V1 attention of one new token per sequence against a KV cache, on Mosaic GPU.
 
-  Args:
-    q1_Bx1xHxD, q2_Bx1xHxD: the new token's two query components (T = 1).
-    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv: the cache (S slots; Dv = 2 D in the paper).
-    lam_H: lambda, a scalar or [H].
-    kv_len_B: int [B], valid cache length per sequence (the new token included);
-      positions >= kv_len are ignored, values are clipped to [0, S].
-    scale: score scale, default 1 / sqrt(D).
-    block_sizes: None, a :class:`MosaicDecodeBlockSizes` or a dict of its fields.
-    interpret: run jax's Mosaic GPU interpreter.
-  Returns:
-    [B, 1, H, Dv] in the dtype of q1 (bfloat16 or float16; no gradient).
+  The arguments and the result are those of the TPU kernel,
+  :func:`diffjax.kernels.tpu.diff_v1_decode_pallas_tpu` (both match
+  :func:`diffjax.kernels.gpu.decode.diff_v1_decode_reference`), except: the inputs are
+  bfloat16 or float16; ``block_sizes`` is None, a :class:`MosaicDecodeBlockSizes` or a
+  dict of its fields; ``interpret`` runs jax's Mosaic GPU interpreter. No gradient.
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)

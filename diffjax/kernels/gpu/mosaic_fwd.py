@@ -60,7 +60,7 @@ from diffjax.core import validation as _v
 from diffjax.kernels.gpu import mosaic_common as mc
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
-from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG, kv_blocks
+from diffjax.kernels.gpu.pair_common import LOG2E, NEG, kv_blocks
 
 
 def tile_mask(cfg: mc.MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=None):
@@ -95,10 +95,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
 
   def kernel(*refs):
     it = iter(refs)
-    qa_ref = next(it)
-    qb_ref = next(it) if v1 else qa_ref
-    ka_ref = next(it)
-    kb_ref = next(it) if v1 else ka_ref
+    qa_ref, qb_ref, ka_ref, kb_ref = mc.pair_refs(it, v1)
     v_ref, lam_ref = next(it), next(it)
     qseg_ref, kvseg_ref = (next(it), next(it)) if cfg.segments else (None, None)
     o_ref, o2_ref, lse_a_ref, lse_b_ref = next(it), next(it), next(it), next(it)
@@ -137,7 +134,6 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
         qseg = mc.row(qseg_smem.at[w][...])
 
       def step(j, carry, masked: bool):
-        acc, m, l = carry
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         sc = mc.product((bq, bk), q_smem.at[w],
@@ -148,27 +144,14 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
             plgpu.barrier_wait(kvseg_bar.at[slot])
             kvseg = mc.col(kvseg_smem.at[slot][...])
           sc = jnp.where(tile_mask(cfg, q_start, j * bk, (bq, bk), qseg, kvseg), sc, NEG)
-        m_new = jnp.maximum(m, sc.max(axis=1))
-        m_ref = jnp.where(m_new == NEG, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - mc.bcast_rows(m_ref, sc.shape))
-        l = alpha * l + p.sum(axis=1)
-        acc = acc * mc.bcast_rows(alpha, acc.shape)
-        plgpu.barrier_wait(v_bar.at[slot])
-        acc = mc.accumulate(acc, p.astype(dtype), v_smem.at[slot], cfg)
-        plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_new, l
+        return mc.softmax_step(carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot],
+                               cfg, dtype, masked=masked)
 
-      carry = (plgpu.layout_cast(jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA),
-               mc.row(jnp.full((bq,), NEG, jnp.float32)),
-               mc.row(jnp.zeros((bq,), jnp.float32)))
-      carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-      acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True),
-                                carry)
-      empty = l == 0.0
-      safe = jnp.where(empty, 1.0, l)
-      out = acc * mc.bcast_rows(1.0 / safe, acc.shape)
-      lse_smem.at[w][...] = jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe))
+      carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
+                            mc.softmax_start(bq, dv))
+      carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+      out, lse = mc.softmax_finish(*carry)
+      lse_smem.at[w][...] = lse
       plgpu.commit_smem()
       lse_ref = lse_a_ref if w == 0 else lse_b_ref
       plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, hi, pl.ds(q_start, bq)])

@@ -298,14 +298,16 @@ class MosaicBlockSizes:
   def check(self, d: int, dv: int, variant: str, segments: bool = True,
             itemsize: int = 2) -> None:
     """Raises ValueError if these tiles do not fit one CTA of an H100/H200."""
-    default = lambda: MosaicBlockSizes.default(d, dv, variant, segments, itemsize)
-    smem = forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments,
-                              itemsize)
-    if smem > SMEM_BYTES:
-      raise ValueError(
-          f"{self} needs {smem} bytes of shared memory for d={d}, dv={dv} "
-          f"({variant}); a CTA has {SMEM_BYTES}. Use fewer stages or a smaller block_kv "
-          f"(the default here is {default()}).")
+    def fits(what: str, smem: int, fix: str) -> None:
+      if smem > SMEM_BYTES:
+        default = MosaicBlockSizes.default(d, dv, variant, segments, itemsize)
+        raise ValueError(
+            f"{self}{what} needs {smem} bytes of shared memory for d={d}, dv={dv} "
+            f"({variant}); a CTA has {SMEM_BYTES}. Use {fix} (the default here is "
+            f"{default}).")
+
+    fits("", forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments,
+                                itemsize), "fewer stages or a smaller block_kv")
     regs = consumer_registers(dv, self.block_kv)
     if regs > CONSUMER_REGISTERS:
       raise ValueError(
@@ -317,13 +319,9 @@ class MosaicBlockSizes:
         raise ValueError(f"dq_parts={self.dq_parts} must split d={d} into chunks of whole "
                          f"{swizzle_elems}-element swizzle rows.")
     if self.bwd_stages is not None and self.dq_parts is not None:
-      smem = backward_smem_bytes(d, dv, self.bwd_stages, self.dq_parts, variant, segments,
-                                 itemsize)
-      if smem > SMEM_BYTES:
-        raise ValueError(
-            f"{self}: the backward needs {smem} bytes of shared memory for d={d}, "
-            f"dv={dv} ({variant}); a CTA has {SMEM_BYTES}. Use fewer bwd_stages or more "
-            f"dq_parts (the default here is {default()}).")
+      fits(": the backward", backward_smem_bytes(d, dv, self.bwd_stages, self.dq_parts,
+                                                 variant, segments, itemsize),
+           "fewer bwd_stages or more dq_parts")
 
 
 def check_inputs(variant: str, qs, ks, v) -> None:

@@ -54,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.core import reference
 from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _layout as L
 from diffjax.kernels.tpu._core import Interpret, interpret_mode
@@ -254,12 +255,12 @@ def _block_kv(s: int, blocks: DecodeBlockSizes) -> tuple[int, int]:
 
 def _merge(acc, m, l):
   """Merges the per-split partial softmax results (axis 1): acc [B, splits, 2, C, Dv],
-  m and l [B, splits, 2, C] -> [B, 2, C, Dv]."""
-  m_max = jnp.max(m, axis=1, keepdims=True)
-  w = jnp.exp(m - m_max)  # a split that saw no position has l == 0 and acc == 0
-  total = jnp.sum(w * l, axis=1)
-  out = jnp.sum(w[..., None] * acc, axis=1)
-  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+  m and l [B, splits, 2, C] -> [B, 2, C, Dv]. A split that saw no position has l == 0
+  and acc == 0."""
+  seen = l > 0.0
+  safe = jnp.where(seen, l, 1.0)
+  return reference.merge_partials(acc / safe[..., None],
+                                  jnp.where(seen, m + jnp.log(safe), -jnp.inf), 1)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
