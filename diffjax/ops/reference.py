@@ -12,12 +12,13 @@ from diffjax.core.reference import (
     diff_v2_reference,
     lambda_init_for_layer,
     masked_softmax,
+    merge_partials,
     mha_reference,
     rms_norm,
 )
 
 __all__ = [
     "attention_probs", "build_mask", "diff_v1_lambda", "diff_v1_reference",
-    "diff_v2_reference", "lambda_init_for_layer", "masked_softmax", "mha_reference",
+    "diff_v2_reference", "lambda_init_for_layer", "masked_softmax", "merge_partials", "mha_reference",
     "rms_norm",
 ]

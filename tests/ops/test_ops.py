@@ -711,3 +711,26 @@ class PublicOpsVariantsTest(chex.TestCase):
     out = self.variant(ops.diff_v2_attention_decode)(q, k, v, lam2, kv_len)
     chex.assert_shape(out, (2, 1, 4, 8))
     _check(out, _np_decode(lambda *a: np_diff_v2(*a, causal=True), q, k, v, kv_len, lam2))
+
+
+def test_merge_partials_of_key_ranges_is_attention_over_all_keys():
+  """Softmax attention over S keys equals the merge of its pieces' attentions over uneven
+  key ranges, an empty range (log mass -inf) included; rows no piece saw are zero."""
+  k = jax.random.split(jax.random.key(3), 2)
+  logits = jax.random.normal(k[0], (2, 3, 11)) * 3.0      # [B, T, S]
+  v = jax.random.normal(k[1], (2, 11, 5))                 # [B, S, Dv]
+  full = jnp.einsum("bts,bsd->btd", jax.nn.softmax(logits, -1), v)
+  parts, mass = [], []
+  for lo, hi in ((0, 4), (4, 4), (4, 5), (5, 11)):
+    if lo == hi:  # a piece that saw no key: its output is 0, its mass -inf
+      parts.append(jnp.zeros(full.shape))
+      mass.append(jnp.full(full.shape[:-1], -jnp.inf))
+      continue
+    piece = logits[..., lo:hi]
+    parts.append(jnp.einsum("bts,bsd->btd", jax.nn.softmax(piece, -1), v[:, lo:hi]))
+    mass.append(jax.nn.logsumexp(piece, -1))
+  merged = ref.merge_partials(jnp.stack(parts, 2), jnp.stack(mass, 2), axis=2)
+  np.testing.assert_allclose(merged, full, rtol=1e-5, atol=1e-6)
+  # Every piece empty: zeros, not NaN.
+  none = ref.merge_partials(jnp.zeros((1, 2, 3, 5)), jnp.full((1, 2, 3), -jnp.inf), axis=1)
+  assert np.array_equal(none, np.zeros((1, 3, 5)))
