@@ -132,7 +132,7 @@ def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag
     print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
     return 2
   values = {name: holder_.value for name, holder_ in plain.items()}
-  if values.pop("dry_run", False) and describe is not None:
+  if describe is not None and values.pop("dry_run"):
     from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
     return run_guarded(lambda: print(describe(config)))
   return config, values, config_arg

@@ -4,8 +4,9 @@ The static config of a pair call, the warp-specialised launch (two consumer
 warpgroups and one producer, :func:`run_warpgroups`), the producer's ring of
 shared-memory slots (:func:`producer_ring`), swizzled shared-memory tiles for ``wgmma``
 (:func:`smem_tile`), the online softmax of a consumer warpgroup (:func:`softmax_start`,
-:func:`softmax_step`, :func:`softmax_finish`), and the register-layout helpers every kernel uses. The kernels are
-in :mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
+:func:`softmax_step`, :func:`softmax_finish`), the pair kernels' argument order
+(:func:`pair_refs`), and the register-layout helpers every kernel uses. The kernels are in
+:mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
 :mod:`~diffjax.kernels.gpu.mosaic_decode`; their tiles and budgets in
 :mod:`~diffjax.kernels.gpu.mosaic_tiles`.
 """
