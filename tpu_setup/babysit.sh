@@ -8,11 +8,8 @@
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+trainer_settings
 
-: "${CONFIG:=}"
-: "${WORKDIR:=}"
-: "${RUN_NAME:=}"
-: "${TRAIN_ENV:=}"
 : "${REPO_URL:=}"
 : "${REF:=main}"
 : "${SOURCE_TARBALL:=}"
@@ -29,8 +26,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${TEARDOWN_ON_GIVEUP:=1}"
 : "${SYNC_LOGS:=1}"
 
-OVERRIDES=()
-read -r -a ENV_PAIRS <<<"$TRAIN_ENV"
 
 usage() {
   cat <<EOF
@@ -84,18 +79,10 @@ Example:
 EOF
 }
 
-while (($#)); do
+# babysit_flag "$@": this script's own flags (see parse_flags in common.sh).
+babysit_flag() {
   NSHIFT=1
   case "$1" in
-    -h | --help)
-      usage
-      exit 0
-      ;;
-    --config.*) OVERRIDES+=("$1") ;;
-    --config | --config=*) take_value "$@" && CONFIG="$FLAG_VALUE" ;;
-    --workdir | --workdir=*) take_value "$@" && WORKDIR="$FLAG_VALUE" ;;
-    --run-name | --run-name=*) take_value "$@" && RUN_NAME="$FLAG_VALUE" ;;
-    --env | --env=*) take_value "$@" && ENV_PAIRS+=("$FLAG_VALUE") ;;
     --repo-url | --repo-url=*) take_value "$@" && REPO_URL="$FLAG_VALUE" ;;
     --ref | --ref=*) take_value "$@" && REF="$FLAG_VALUE" ;;
     --interval | --interval=*) take_value "$@" && CHECK_INTERVAL="$FLAG_VALUE" ;;
@@ -110,18 +97,11 @@ while (($#)); do
       ;;
     --no-log-sync) SYNC_LOGS=0 ;;
     --coordinator-env) COORDINATOR_ENV=1 ;;
-    --)
-      shift
-      OVERRIDES+=("$@")
-      break
-      ;;
-    *)
-      parse_common_flag "$@"
-      ((NSHIFT)) || die_usage "unknown argument: $1 (pass trainer flags after --)"
-      ;;
+    *) NSHIFT=0 ;;
   esac
-  shift "$NSHIFT"
-done
+}
+
+parse_flags babysit_flag "$@"
 
 finalize_common
 require_gcloud

@@ -47,13 +47,10 @@ Examples:
 EOF
 }
 
-while (($#)); do
+# bootstrap_flag "$@": this script's own flags (see parse_flags in common.sh).
+bootstrap_flag() {
   NSHIFT=1
   case "$1" in
-    -h | --help)
-      usage
-      exit 0
-      ;;
     --repo-url | --repo-url=*) take_value "$@" && REPO_URL="$FLAG_VALUE" ;;
     --ref | --ref=*) take_value "$@" && REF="$FLAG_VALUE" ;;
     --tarball | --tarball=*) take_value "$@" && SOURCE_TARBALL="$FLAG_VALUE" ;;
@@ -61,13 +58,11 @@ while (($#)); do
     --python | --python=*) take_value "$@" && PYTHON="$FLAG_VALUE" ;;
     --force-install) FORCE_INSTALL=1 ;;
     --worker | --worker=*) take_value "$@" && WORKERS="$FLAG_VALUE" ;;
-    *)
-      parse_common_flag "$@"
-      ((NSHIFT)) || die_usage "unknown argument: $1"
-      ;;
+    *) NSHIFT=0 ;;
   esac
-  shift "$NSHIFT"
-done
+}
+
+parse_flags bootstrap_flag "$@"
 
 finalize_common
 require_gcloud

@@ -223,6 +223,72 @@ parse_common_flag() {
   esac
 }
 
+# trainer_settings: what a script that launches train.py (run.sh, babysit.sh) starts from:
+# the trainer's settings (each may come from the environment; TRAIN_ENV holds KEY=VALUE
+# pairs) and TRAINER_FLAGS=1, so that parse_flags takes the trainer flags.
+# shellcheck disable=SC2034  # read by the calling script
+trainer_settings() {
+  : "${CONFIG:=}"
+  : "${WORKDIR:=}"
+  : "${RUN_NAME:=}"
+  : "${TRAIN_ENV:=}"
+  OVERRIDES=()
+  read -r -a ENV_PAIRS <<<"$TRAIN_ENV"
+  TRAINER_FLAGS=1
+}
+
+# trainer_flag "$@": the flags of the scripts that launch train.py (run.sh, babysit.sh):
+# --config, --config.KEY=VALUE overrides, --workdir, --run-name and --env KEY=VALUE. Sets
+# NSHIFT like parse_common_flag.
+# shellcheck disable=SC2034  # CONFIG, WORKDIR, RUN_NAME are read by the caller
+trainer_flag() {
+  NSHIFT=1
+  case "$1" in
+    --config.*) OVERRIDES+=("$1") ;;
+    --config | --config=*) take_value "$@" && CONFIG="$FLAG_VALUE" ;;
+    --workdir | --workdir=*) take_value "$@" && WORKDIR="$FLAG_VALUE" ;;
+    --run-name | --run-name=*) take_value "$@" && RUN_NAME="$FLAG_VALUE" ;;
+    --env | --env=*)
+      take_value "$@"
+      [[ "$FLAG_VALUE" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die_usage "--env expects KEY=VALUE, got '$FLAG_VALUE'"
+      ENV_PAIRS+=("$FLAG_VALUE")
+      ;;
+    *) NSHIFT=0 ;;
+  esac
+}
+
+# parse_flags OWN "$@": the command-line loop of every script. OWN is the script's
+# function for its own flags: given the remaining arguments it handles "$1" and sets NSHIFT
+# to the number it consumed, 0 when "$1" is not one of its flags; the common flags come
+# next, and anything else is an error. -h/--help prints the script's usage and exits. A
+# script that launches the trainer sets TRAINER_FLAGS=1: it takes the trainer flags of
+# trainer_flag, and everything after "--" goes to the trainer too (OVERRIDES).
+parse_flags() {
+  local own="$1" hint=""
+  shift
+  if is_true "${TRAINER_FLAGS:-0}"; then hint=" (pass trainer flags after --)"; fi
+  while (($#)); do
+    case "$1" in
+      -h | --help)
+        usage
+        exit 0
+        ;;
+      --)
+        if is_true "${TRAINER_FLAGS:-0}"; then
+          shift
+          OVERRIDES+=("$@")
+          break
+        fi
+        ;;
+    esac
+    "$own" "$@"
+    if ((NSHIFT == 0)) && is_true "${TRAINER_FLAGS:-0}"; then trainer_flag "$@"; fi
+    ((NSHIFT)) || parse_common_flag "$@"
+    ((NSHIFT)) || die_usage "unknown argument: $1$hint"
+    shift "$NSHIFT"
+  done
+}
+
 # shellcheck disable=SC2034  # used by the scripts' usage()
 COMMON_USAGE="Common options (each also settable by the environment variable shown):
   --name NAME              TPU VM (node) name                   [TPU_NAME=$TPU_NAME]

@@ -46,13 +46,10 @@ Examples:
 EOF
 }
 
-while (($#)); do
+# create_flag "$@": this script's own flags (see parse_flags in common.sh).
+create_flag() {
   NSHIFT=1
   case "$1" in
-    -h | --help)
-      usage
-      exit 0
-      ;;
     --retries | --retries=*) take_value "$@" && CREATE_RETRIES="$FLAG_VALUE" ;;
     --retry-delay | --retry-delay=*) take_value "$@" && CREATE_RETRY_DELAY="$FLAG_VALUE" ;;
     --wait-timeout | --wait-timeout=*) take_value "$@" && WAIT_TIMEOUT="$FLAG_VALUE" ;;
@@ -61,13 +58,11 @@ while (($#)); do
     --valid-until-duration | --valid-until-duration=*) take_value "$@" && VALID_UNTIL_DURATION="$FLAG_VALUE" ;;
     --extra-args | --extra-args=*) take_value "$@" && CREATE_EXTRA_ARGS="$FLAG_VALUE" ;;
     --recreate) RECREATE=1 ;;
-    *)
-      parse_common_flag "$@"
-      ((NSHIFT)) || die_usage "unknown argument: $1"
-      ;;
+    *) NSHIFT=0 ;;
   esac
-  shift "$NSHIFT"
-done
+}
+
+parse_flags create_flag "$@"
 
 finalize_common
 export_common

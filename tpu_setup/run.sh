@@ -4,11 +4,8 @@
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+trainer_settings
 
-: "${CONFIG:=}"
-: "${WORKDIR:=}"
-: "${RUN_NAME:=}"
-: "${TRAIN_ENV:=}"
 : "${FOLLOW:=0}"
 : "${FOLLOW_WORKER:=0}"
 : "${GRACE_SECONDS:=120}"
@@ -17,8 +14,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${STATUS_TAIL:=5}"
 
 ACTION=launch
-OVERRIDES=()
-read -r -a ENV_PAIRS <<<"$TRAIN_ENV"
 
 usage() {
   cat <<EOF
@@ -71,22 +66,10 @@ Examples:
 EOF
 }
 
-while (($#)); do
+# run_flag "$@": this script's own flags (see parse_flags in common.sh).
+run_flag() {
   NSHIFT=1
   case "$1" in
-    -h | --help)
-      usage
-      exit 0
-      ;;
-    --config.*) OVERRIDES+=("$1") ;;
-    --config | --config=*) take_value "$@" && CONFIG="$FLAG_VALUE" ;;
-    --workdir | --workdir=*) take_value "$@" && WORKDIR="$FLAG_VALUE" ;;
-    --run-name | --run-name=*) take_value "$@" && RUN_NAME="$FLAG_VALUE" ;;
-    --env | --env=*)
-      take_value "$@"
-      [[ "$FLAG_VALUE" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die_usage "--env expects KEY=VALUE, got '$FLAG_VALUE'"
-      ENV_PAIRS+=("$FLAG_VALUE")
-      ;;
     --follow) FOLLOW=1 ;;
     --follow-worker | --follow-worker=*) take_value "$@" && FOLLOW_WORKER="$FLAG_VALUE" ;;
     --tail) ACTION="tail" ;;
@@ -95,18 +78,11 @@ while (($#)); do
     --grace-seconds | --grace-seconds=*) take_value "$@" && GRACE_SECONDS="$FLAG_VALUE" ;;
     --coordinator-env) COORDINATOR_ENV=1 ;;
     --train-script | --train-script=*) take_value "$@" && TRAIN_SCRIPT="$FLAG_VALUE" ;;
-    --)
-      shift
-      OVERRIDES+=("$@")
-      break
-      ;;
-    *)
-      parse_common_flag "$@"
-      ((NSHIFT)) || die_usage "unknown argument: $1 (pass trainer flags after --)"
-      ;;
+    *) NSHIFT=0 ;;
   esac
-  shift "$NSHIFT"
-done
+}
+
+parse_flags run_flag "$@"
 
 finalize_common
 require_gcloud

@@ -27,22 +27,17 @@ Example:
 EOF
 }
 
-while (($#)); do
+# teardown_flag "$@": this script's own flags (see parse_flags in common.sh).
+teardown_flag() {
   NSHIFT=1
   case "$1" in
-    -h | --help)
-      usage
-      exit 0
-      ;;
     -y | --yes) ASSUME_YES=1 ;;
     --delete-timeout | --delete-timeout=*) take_value "$@" && DELETE_TIMEOUT="$FLAG_VALUE" ;;
-    *)
-      parse_common_flag "$@"
-      ((NSHIFT)) || die_usage "unknown argument: $1"
-      ;;
+    *) NSHIFT=0 ;;
   esac
-  shift "$NSHIFT"
-done
+}
+
+parse_flags teardown_flag "$@"
 
 finalize_common
 require_gcloud

@@ -244,7 +244,9 @@ def test_the_command_prints_the_table_and_writes_the_results_json(trained_workdi
 
 @pytest.mark.parametrize("args,needle", [
     (["--workdir={empty}", "--tasks=diffjax_fixture_choice"], "No checkpoints in"),
-    (["--workdir={run}", "--tasks=no_such_task"], "unknown task(s) ['no_such_task']"),
+    # Naming an unknown task makes lm-eval index all of its tasks, which is slow.
+    pytest.param(["--workdir={run}", "--tasks=no_such_task"], "unknown task(s) ['no_such_task']",
+                 marks=pytest.mark.slow),
     (["--workdir={run}", "--tasks=diffjax_fixture_choice", "--tokenizer={bpe}"],
      "is not the one the run was trained with ('byte')"),
 ])
