@@ -261,8 +261,8 @@ trainer_flag() {
 # function for its own flags: given the remaining arguments it handles "$1" and sets NSHIFT
 # to the number it consumed, 0 when "$1" is not one of its flags; the common flags come
 # next, and anything else is an error. -h/--help prints the script's usage and exits. A
-# script that launches the trainer sets TRAINER_FLAGS=1: it takes the trainer flags of
-# trainer_flag, and everything after "--" goes to the trainer too (OVERRIDES).
+# script that launches the trainer calls trainer_settings first: it then takes the flags of
+# trainer_flag too, and everything after "--" goes to the trainer (OVERRIDES).
 parse_flags() {
   local own="$1" hint=""
   shift
