@@ -26,7 +26,6 @@ trainer_settings
 : "${TEARDOWN_ON_GIVEUP:=1}"
 : "${SYNC_LOGS:=1}"
 
-
 usage() {
   cat <<EOF
 Usage: $SCRIPT_NAME --config=configs/NAME.py --workdir=gs://BUCKET/PATH [options] [--config.KEY=VALUE ...] [-- TRAIN_ARGS...]
