@@ -29,8 +29,10 @@ import sys
 
 EXIT_PREEMPTED = 75
 DEFAULT_CONFIG = os.path.join("configs", "default.py")
-USAGE = ("usage: python train.py [--config=configs/<file>.py[:ARG]] [--workdir=<dir>] "
-         "[--config.<key>=<value> ...] [--dry_run]")
+USAGE = (
+  "usage: python train.py [--config=configs/<file>.py[:ARG]] [--workdir=<dir>] "
+  "[--config.<key>=<value> ...] [--dry_run]"
+)
 SUMMARY = """\
 Trains one run of a config: an arm (model.arm: transformer, diff_v1 or diff_v2) matched to the
 Transformer of a size, on the config's data, with checkpoints, metrics.jsonl and TensorBoard
@@ -39,22 +41,38 @@ logs in the workdir. Rerunning the same command resumes from the newest good che
 
 def main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
+
   from diffjax.train import cli, supervise  # pylint: disable=import-outside-toplevel
+
   supervise.follow_parent()  # a supervised child dies with its supervisor
   from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
-  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, default_config=DEFAULT_CONFIG,
-                     describe=describe_run, flags=(cli.Flag(
-                         "workdir", None, "directory for checkpoints and metrics "
-                                          "[default: runs/<config name>[_<arm>]]"),))
+
+  parsed = cli.parse(
+    argv,
+    usage=USAGE,
+    summary=SUMMARY,
+    default_config=DEFAULT_CONFIG,
+    describe=describe_run,
+    flags=(
+      cli.Flag(
+        "workdir",
+        None,
+        "directory for checkpoints and metrics [default: runs/<config name>[_<arm>]]",
+      ),
+    ),
+  )
   if isinstance(parsed, int):
     return parsed
   config, values, config_arg = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+
   workdir = values["workdir"]
   if workdir is None:
     workdir = cli.default_workdir(config_arg, argv)
-    print(f"diffjax: training {config_arg} into {workdir} (choose with --config=... and "
-          "--workdir=...)", flush=True)
+    print(
+      f"diffjax: training {config_arg} into {workdir} (choose with --config=... and --workdir=...)",
+      flush=True,
+    )
   if supervise.wanted(config):
     # One of several processes: train in a child, so that even the runtime's abort on losing
     # process 0 becomes one line and status 75 (diffjax/train/supervise.py).
@@ -65,6 +83,7 @@ def main(argv) -> int:
   # Orbax and grain log every checkpoint step at INFO; keep the terminal for progress.
   logging.set_verbosity(logging.WARNING)
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
   result = {}
   status = run_guarded(lambda: result.update(train_and_evaluate(config, workdir)))
   if status == 0 and result.get("stopped"):

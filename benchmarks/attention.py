@@ -44,7 +44,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +53,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffjax.kernels import gpu as kg  # noqa: E402
-from diffjax.kernels.gpu import mosaic_common  # noqa: E402
-from diffjax.kernels.gpu import stock  # noqa: E402
+from diffjax.kernels.gpu import (
+  mosaic_common,  # noqa: E402
+  stock,  # noqa: E402
+)
 
 
 @dataclasses.dataclass
@@ -62,9 +64,9 @@ class Row:
   name: str
   fn: Callable
   args: tuple
-  fwd_coef: float   # FLOPs per visible query-key pair per unit, in units of d
+  fwd_coef: float  # FLOPs per visible query-key pair per unit, in units of d
   total_coef: float
-  units: int        # units counted by the coefficients (head pairs or DIFF heads)
+  units: int  # units counted by the coefficients (head pairs or DIFF heads)
 
 
 def _inputs(batch, seq, heads, d, dtype, seed=0):
@@ -73,12 +75,21 @@ def _inputs(batch, seq, heads, d, dtype, seed=0):
   n = lambda *shape: jax.random.normal(next(ks), shape, jnp.float32).astype(dtype)
   base_h = 2 * heads
   return {
-      "mha": (n(batch, seq, base_h, d), n(batch, seq, base_h, d), n(batch, seq, base_h, d)),
-      "v1": (n(batch, seq, heads, d), n(batch, seq, heads, d), n(batch, seq, heads, d),
-             n(batch, seq, heads, d), n(batch, seq, heads, 2 * d),
-             jnp.full((heads,), 0.5, jnp.float32)),
-      "v2": (n(batch, seq, 2 * base_h, d), n(batch, seq, base_h, d), n(batch, seq, base_h, d),
-             jax.nn.sigmoid(n(batch, seq, base_h).astype(jnp.float32))),
+    "mha": (n(batch, seq, base_h, d), n(batch, seq, base_h, d), n(batch, seq, base_h, d)),
+    "v1": (
+      n(batch, seq, heads, d),
+      n(batch, seq, heads, d),
+      n(batch, seq, heads, d),
+      n(batch, seq, heads, d),
+      n(batch, seq, heads, 2 * d),
+      jnp.full((heads,), 0.5, jnp.float32),
+    ),
+    "v2": (
+      n(batch, seq, 2 * base_h, d),
+      n(batch, seq, base_h, d),
+      n(batch, seq, base_h, d),
+      jax.nn.sigmoid(n(batch, seq, base_h).astype(jnp.float32)),
+    ),
   }
 
 
@@ -97,18 +108,43 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
   mosaic_rows = []
   if _mosaic_runs_here(mha[0].dtype, interpret):
     mosaic_rows = [
-        Row("V1 fused Mosaic GPU" + tag, lambda *a: kg.diff_v1_pallas_gpu(*a, **fused),
-            inputs["v1"], 12, 32, heads),
-        Row("V2 fused Mosaic GPU" + tag, lambda *a: kg.diff_v2_pallas_gpu(*a, **fused),
-            inputs["v2"], 8, 24, 2 * heads),
+      Row(
+        "V1 fused Mosaic GPU" + tag,
+        lambda *a: kg.diff_v1_pallas_gpu(*a, **fused),
+        inputs["v1"],
+        12,
+        32,
+        heads,
+      ),
+      Row(
+        "V2 fused Mosaic GPU" + tag,
+        lambda *a: kg.diff_v2_pallas_gpu(*a, **fused),
+        inputs["v2"],
+        8,
+        24,
+        2 * heads,
+      ),
     ]
   return [
-      Row(f"baseline flash ({impl})", lambda *a: kg.mha_stock_gpu(*a, causal=True), mha,
-          8, 28, heads),
-      Row("V1 stock (4 calls)", lambda *a: kg.diff_v1_stock_gpu(*a, causal=True),
-          inputs["v1"], 16, 56, heads),
-      Row("V2 stock (1 call)", lambda *a: kg.diff_v2_stock_gpu(*a, causal=True),
-          inputs["v2"], 8, 28, 2 * heads),
+    Row(
+      f"baseline flash ({impl})", lambda *a: kg.mha_stock_gpu(*a, causal=True), mha, 8, 28, heads
+    ),
+    Row(
+      "V1 stock (4 calls)",
+      lambda *a: kg.diff_v1_stock_gpu(*a, causal=True),
+      inputs["v1"],
+      16,
+      56,
+      heads,
+    ),
+    Row(
+      "V2 stock (1 call)",
+      lambda *a: kg.diff_v2_stock_gpu(*a, causal=True),
+      inputs["v2"],
+      8,
+      28,
+      2 * heads,
+    ),
   ] + mosaic_rows
 
 
@@ -128,6 +164,7 @@ def _fwd_bwd(fn):
     out, vjp = jax.vjp(fn, *args)
     # A fixed cotangent (ones) stands in for dL/dout; gradients of every input.
     return vjp(jnp.ones_like(out))
+
   return run
 
 
@@ -138,8 +175,12 @@ def _memory_mib(compiled) -> float | None:
     return None
   if m is None:
     return None
-  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-           - getattr(m, "alias_size_in_bytes", 0))
+  total = (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    + m.temp_size_in_bytes
+    - getattr(m, "alias_size_in_bytes", 0)
+  )
   return total / 2**20
 
 
@@ -149,8 +190,9 @@ def _device_peak_mib() -> float | None:
   return None if peak is None else peak / 2**20
 
 
-def measure(seq: int, batch: int, heads: int, d: int, dtype, *, interpret: bool,
-            warmup: int, iters: int) -> list[dict]:
+def measure(
+  seq: int, batch: int, heads: int, d: int, dtype, *, interpret: bool, warmup: int, iters: int
+) -> list[dict]:
   """One sequence length: per path, ms and TFLOP/s forward and forward+backward, the
   ratio to the baseline, memory; an ``error`` entry for a path that fails."""
   pairs = batch * seq * (seq + 1) / 2  # visible query-key pairs (causal)
@@ -164,35 +206,55 @@ def measure(seq: int, batch: int, heads: int, d: int, dtype, *, interpret: bool,
       t_f = _median_ms(fwd, row.args, warmup, iters)
       t_b = _median_ms(compiled, row.args, warmup, iters)
     except Exception as e:  # pylint: disable=broad-except  (report and go on)
-      out.append({"path": row.name, "error": f"{type(e).__name__}: "
-                                               f"{str(e).splitlines()[0][:90]}"})
+      out.append({"path": row.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
       continue
     if i == 0:  # the baseline
       base = (t_f, t_b)
-    out.append({"path": row.name, "seq": seq, "batch": batch, "fwd_ms": t_f, "fb_ms": t_b,
-                "fwd_tflops": row.fwd_coef * d * pairs * row.units / t_f / 1e9,
-                "fb_tflops": row.total_coef * d * pairs * row.units / t_b / 1e9,
-                "fwd_x": t_f / base[0] if base else None,
-                "fb_x": t_b / base[1] if base else None, "mem_mib": mem})
+    out.append(
+      {
+        "path": row.name,
+        "seq": seq,
+        "batch": batch,
+        "fwd_ms": t_f,
+        "fb_ms": t_b,
+        "fwd_tflops": row.fwd_coef * d * pairs * row.units / t_f / 1e9,
+        "fb_tflops": row.total_coef * d * pairs * row.units / t_b / 1e9,
+        "fwd_x": t_f / base[0] if base else None,
+        "fb_x": t_b / base[1] if base else None,
+        "mem_mib": mem,
+      }
+    )
   return out
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--seq", type=int, nargs="+", default=None,
-                      help="sequence lengths (default 2048 4096 8192 16384; quick: 256)")
-  parser.add_argument("--tokens", type=int, default=16384,
-                      help="tokens per call; batch = tokens // seq")
+  parser.add_argument(
+    "--seq",
+    type=int,
+    nargs="+",
+    default=None,
+    help="sequence lengths (default 2048 4096 8192 16384; quick: 256)",
+  )
+  parser.add_argument(
+    "--tokens", type=int, default=16384, help="tokens per call; batch = tokens // seq"
+  )
   parser.add_argument("--batch", type=int, default=None, help="fixed batch (overrides --tokens)")
   parser.add_argument("--heads", type=int, default=None, help="DIFF V1 heads (default 12)")
   parser.add_argument("--head-dim", type=int, default=None, help="component head dim (128)")
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   parser.add_argument("--warmup", type=int, default=None)
   parser.add_argument("--iters", type=int, default=None)
-  parser.add_argument("--quick", action="store_true",
-                      help="small CPU-friendly sizes: seq 256, batch 1, 2 heads, dim 64")
-  parser.add_argument("--interpret", action="store_true",
-                      help="run the Pallas kernels in the interpreter (default on CPU)")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="small CPU-friendly sizes: seq 256, batch 1, 2 heads, dim 64",
+  )
+  parser.add_argument(
+    "--interpret",
+    action="store_true",
+    help="run the Pallas kernels in the interpreter (default on CPU)",
+  )
   args = parser.parse_args(argv)
 
   on_gpu = jax.default_backend() == "gpu"
@@ -206,38 +268,46 @@ def main(argv=None) -> None:
   dtype = jnp.dtype(args.dtype)
 
   dev = jax.devices()[0]
-  print(f"device: {dev.platform} {dev.device_kind} ({jax.device_count()} device(s)); "
-        f"jax {jax.__version__}; dtype {dtype.name}; causal; warmup {warmup}, "
-        f"median of {iters}")
-  print(f"shapes: head dim d={d}; baseline {2 * heads} heads (kv {2 * heads}); V1 {heads} "
-        f"DIFF heads, V width {2 * d} (kv {heads}); V2 {4 * heads} query heads = "
-        f"{2 * heads} pairs (kv {2 * heads})")
+  print(
+    f"device: {dev.platform} {dev.device_kind} ({jax.device_count()} device(s)); "
+    f"jax {jax.__version__}; dtype {dtype.name}; causal; warmup {warmup}, "
+    f"median of {iters}"
+  )
+  print(
+    f"shapes: head dim d={d}; baseline {2 * heads} heads (kv {2 * heads}); V1 {heads} "
+    f"DIFF heads, V width {2 * d} (kv {heads}); V2 {4 * heads} query heads = "
+    f"{2 * heads} pairs (kv {2 * heads})"
+  )
   if interpret:
-    print("note: Pallas rows run in the interpreter (no GPU): their times are not kernel "
-          "times.")
+    print("note: Pallas rows run in the interpreter (no GPU): their times are not kernel times.")
 
-  header = (f"{'path':<28}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF/s':>10}{'f+b TF/s':>10}"
-            f"{'fwd x':>8}{'f+b x':>8}{'mem MiB':>10}" + (f"{'dev peak':>10}" if on_gpu else ""))
+  header = (
+    f"{'path':<28}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF/s':>10}{'f+b TF/s':>10}"
+    f"{'fwd x':>8}{'f+b x':>8}{'mem MiB':>10}" + (f"{'dev peak':>10}" if on_gpu else "")
+  )
   for seq in seqs:
     batch = batch_fixed or max(1, args.tokens // seq)
     print(f"\nseq {seq}, batch {batch} ({batch * seq} tokens)")
     print(header)
     print("-" * len(header))
-    for r in measure(seq, batch, heads, d, dtype, interpret=interpret, warmup=warmup,
-                     iters=iters):
+    for r in measure(seq, batch, heads, d, dtype, interpret=interpret, warmup=warmup, iters=iters):
       if "error" in r:
         print(f"{r['path']:<28}error: {r['error']}")
         continue
-      ratio = (f"{r['fwd_x']:>8.2f}{r['fb_x']:>8.2f}" if r["fwd_x"] is not None
-               else f"{'n/a':>8}" * 2)
+      ratio = (
+        f"{r['fwd_x']:>8.2f}{r['fb_x']:>8.2f}" if r["fwd_x"] is not None else f"{'n/a':>8}" * 2
+      )
       mem = r["mem_mib"]
-      line = (f"{r['path']:<28}{r['fwd_ms']:>10.2f}{r['fb_ms']:>10.2f}"
-              f"{r['fwd_tflops']:>10.3g}{r['fb_tflops']:>10.3g}{ratio}"
-              f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}")
+      line = (
+        f"{r['path']:<28}{r['fwd_ms']:>10.2f}{r['fb_ms']:>10.2f}"
+        f"{r['fwd_tflops']:>10.3g}{r['fb_tflops']:>10.3g}{ratio}"
+        f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}"
+      )
       if on_gpu:
         peak = _device_peak_mib()
         line += f"{(f'{peak:.0f}' if peak is not None else 'n/a'):>10}"
       print(line, flush=True)
+
 
 if __name__ == "__main__":
   main()

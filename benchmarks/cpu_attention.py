@@ -27,28 +27,38 @@ def main() -> None:
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   from diffjax import ops  # pylint: disable=import-outside-toplevel
 
   b, t = a.batch, a.seq
   keys = iter(jax.random.split(jax.random.key(0), 16))
   rnd = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
   cases = {
-      "Transformer (8 heads)": (ops.dot_product_attention,
-                                (rnd(b, t, 8, 32), rnd(b, t, 8, 32), rnd(b, t, 8, 32))),
-      "DIFF V1 (4 heads x 2 maps)": (ops.diff_v1_attention_core,
-                                     (rnd(b, t, 4, 32), rnd(b, t, 4, 32), rnd(b, t, 4, 32),
-                                      rnd(b, t, 4, 32), rnd(b, t, 4, 64),
-                                      jnp.full((4,), 0.5))),
-      "DIFF V2 (8 pairs)": (ops.diff_v2_attention,
-                            (rnd(b, t, 16, 32), rnd(b, t, 8, 32), rnd(b, t, 8, 32),
-                             jax.nn.sigmoid(rnd(b, t, 8)))),
+    "Transformer (8 heads)": (
+      ops.dot_product_attention,
+      (rnd(b, t, 8, 32), rnd(b, t, 8, 32), rnd(b, t, 8, 32)),
+    ),
+    "DIFF V1 (4 heads x 2 maps)": (
+      ops.diff_v1_attention_core,
+      (
+        rnd(b, t, 4, 32),
+        rnd(b, t, 4, 32),
+        rnd(b, t, 4, 32),
+        rnd(b, t, 4, 32),
+        rnd(b, t, 4, 64),
+        jnp.full((4,), 0.5),
+      ),
+    ),
+    "DIFF V2 (8 pairs)": (
+      ops.diff_v2_attention,
+      (rnd(b, t, 16, 32), rnd(b, t, 8, 32), rnd(b, t, 8, 32), jax.nn.sigmoid(rnd(b, t, 8))),
+    ),
   }
   fns = {}
   for name, (op, args) in cases.items():
     w = rnd(*jax.eval_shape(lambda *x: op(*x, causal=True), *args).shape)
     for impl in ("xla", "xla_cpu"):
-      loss = lambda *x, op=op, impl=impl, w=w: jnp.sum(op(*x, causal=True,
-                                                          implementation=impl) * w)
+      loss = lambda *x, op=op, impl=impl, w=w: jnp.sum(op(*x, causal=True, implementation=impl) * w)
       g = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
       fns[(name, impl)] = (g, args)
   times = {k: [] for k in fns}
@@ -58,8 +68,10 @@ def main() -> None:
       jax.block_until_ready(g(*args))
       if r >= a.warmup:
         times[k].append(time.perf_counter() - t0)
-  print(f"jax {jax.__version__}; batch {b} x {t}, causal, float32, forward+backward, medians "
-        f"of {a.rounds} alternating rounds after {a.warmup}\n")
+  print(
+    f"jax {jax.__version__}; batch {b} x {t}, causal, float32, forward+backward, medians "
+    f"of {a.rounds} alternating rounds after {a.warmup}\n"
+  )
   print("| attention | xla (reference) ms | xla_cpu ms | speed-up |")
   print("|---|---|---|---|")
   for name in cases:

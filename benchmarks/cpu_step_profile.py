@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from cpu_vs_torch import VOCAB, diffjax_config  # the same model (benchmarks/ is on sys.path)
 
 
@@ -42,16 +41,19 @@ def main() -> None:
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   from diffjax.train.steps import create_model, loss_sums, split_params  # pylint: disable=import-outside-toplevel
 
   graphdef, params = split_params(create_model(diffjax_config(a.arm, a.implementation), 0))
   rng = np.random.default_rng(0)
   b, t = a.batch, a.seq
-  batch = {"inputs": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
-           "targets": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
-           "segment_ids": jnp.ones((b, t), jnp.int32),
-           "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
-           "loss_mask": jnp.ones((b, t), jnp.float32)}
+  batch = {
+    "inputs": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
+    "targets": jnp.asarray(rng.integers(0, VOCAB, (b, t)), jnp.int32),
+    "segment_ids": jnp.ones((b, t), jnp.int32),
+    "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
+    "loss_mask": jnp.ones((b, t), jnp.float32),
+  }
   grad = jax.jit(jax.grad(lambda p_, b_: loss_sums(graphdef, p_, b_)[0]))
   for _ in range(2):
     jax.block_until_ready(grad(params, batch))
@@ -76,15 +78,17 @@ def main() -> None:
   for name, ms in per_kernel.items():
     by_kind[name.split(".")[0]] += ms
   total = sum(by_kind.values())
-  print(f"{a.arm}, implementation={a.implementation}, batch {b} x {t}: forward+backward "
-        f"{wall * 1e3:.0f} ms wall per step (traced), kernels {total:.0f} ms summed over threads\n")
+  print(
+    f"{a.arm}, implementation={a.implementation}, batch {b} x {t}: forward+backward "
+    f"{wall * 1e3:.0f} ms wall per step (traced), kernels {total:.0f} ms summed over threads\n"
+  )
   print("| kernel kind | ms per step | share |")
   print("|---|---|---|")
   for kind, ms in sorted(by_kind.items(), key=lambda x: -x[1]):
     if ms >= 0.005 * total:
       print(f"| {kind} | {ms:.1f} | {ms / total:.1%} |")
-  print(f"\nlargest single kernels:")
-  for name, ms in sorted(per_kernel.items(), key=lambda x: -x[1])[:a.top]:
+  print("\nlargest single kernels:")
+  for name, ms in sorted(per_kernel.items(), key=lambda x: -x[1])[: a.top]:
     print(f"  {ms:7.1f} ms  {name}")
   if a.trace_dir is None:
     shutil.rmtree(trace_dir, ignore_errors=True)

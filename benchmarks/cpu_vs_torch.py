@@ -52,13 +52,21 @@ import time
 import numpy as np
 
 WIDTH, LAYERS, FFN, VOCAB, HEAD_DIM = 256, 4, 688, 256, 32
-TORCH_ARMS = {"llama": "transformers LlamaForCausalLM",
-              "diffllama": "transformers DiffLlamaForCausalLM"}
-DIFFJAX_ARMS = {"transformer": "diffjax Transformer", "diff_v1": "diffjax DIFF V1",
-                "diff_v2": "diffjax DIFF V2"}
+TORCH_ARMS = {
+  "llama": "transformers LlamaForCausalLM",
+  "diffllama": "transformers DiffLlamaForCausalLM",
+}
+DIFFJAX_ARMS = {
+  "transformer": "diffjax Transformer",
+  "diff_v1": "diffjax DIFF V1",
+  "diff_v2": "diffjax DIFF V2",
+}
 PEER = {"transformer": "llama", "diff_v1": "diffllama"}
-LOOPS = {"trainer": "trainer step", "user": "user's nnx.jit loop",
-         "user+cpu_setup": "user's nnx.jit loop after diffjax.cpu_setup()"}
+LOOPS = {
+  "trainer": "trainer step",
+  "user": "user's nnx.jit loop",
+  "user+cpu_setup": "user's nnx.jit loop after diffjax.cpu_setup()",
+}
 
 
 def parse_arm(arm: str) -> tuple[str, str, str]:
@@ -70,9 +78,11 @@ def parse_arm(arm: str) -> tuple[str, str, str]:
       raise SystemExit(f"Arm {arm!r}: the transformers arms take no ':implementation' or '@user'.")
     return name, "", "eager"
   if name not in DIFFJAX_ARMS:
-    raise SystemExit(f"Unknown arm {arm!r}; choose from {sorted(TORCH_ARMS) + sorted(DIFFJAX_ARMS)}, "
-                     "a diffjax arm optionally with ':<implementation>' and/or '@<loop>', the loop one of "
-                     f"{list(LOOPS)}.")
+    raise SystemExit(
+      f"Unknown arm {arm!r}; choose from {sorted(TORCH_ARMS) + sorted(DIFFJAX_ARMS)}, "
+      "a diffjax arm optionally with ':<implementation>' and/or '@<loop>', the loop one of "
+      f"{list(LOOPS)}."
+    )
   if loop and loop not in LOOPS:
     raise SystemExit(f"Arm {arm!r}: the loop after '@' is one of {list(LOOPS)}.")
   return name, implementation or "auto", loop or "trainer"
@@ -80,15 +90,32 @@ def parse_arm(arm: str) -> tuple[str, str, str]:
 
 def torch_arm(kind: str, batch: int, seq: int, seed: int):
   import torch  # pylint: disable=import-outside-toplevel
-  from transformers import (DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig,  # pylint: disable=import-outside-toplevel
-                            LlamaForCausalLM)
+  from transformers import (
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    LlamaConfig,  # pylint: disable=import-outside-toplevel
+    LlamaForCausalLM,
+  )
+
   torch.manual_seed(seed)
-  common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                num_attention_heads=8, num_key_value_heads=8, head_dim=HEAD_DIM,
-                max_position_embeddings=seq, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                bos_token_id=None, eos_token_id=None, pad_token_id=None)
-  cls, cfg_cls = ((LlamaForCausalLM, LlamaConfig) if kind == "llama"
-                  else (DiffLlamaForCausalLM, DiffLlamaConfig))
+  common = dict(
+    vocab_size=VOCAB,
+    hidden_size=WIDTH,
+    intermediate_size=FFN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=HEAD_DIM,
+    max_position_embeddings=seq,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
+  cls, cfg_cls = (
+    (LlamaForCausalLM, LlamaConfig) if kind == "llama" else (DiffLlamaForCausalLM, DiffLlamaConfig)
+  )
   model = cls(cfg_cls(**common)).float().train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
   gen = np.random.default_rng(seed)
@@ -108,9 +135,18 @@ def torch_arm(kind: str, batch: int, seq: int, seed: int):
 def diffjax_config(arm: str, implementation: str):
   """The diffjax model of `arm` at the shapes above (also used by cpu_step_profile.py)."""
   from diffjax.model import ModelConfig, matched_configs  # pylint: disable=import-outside-toplevel
-  base = ModelConfig(attention="transformer", vocab_size=VOCAB, d_model=WIDTH, num_layers=LAYERS,
-                     num_heads=8, num_kv_heads=8, head_dim=HEAD_DIM, mlp_dim=FFN,
-                     implementation=implementation)
+
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=VOCAB,
+    d_model=WIDTH,
+    num_layers=LAYERS,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=HEAD_DIM,
+    mlp_dim=FFN,
+    implementation=implementation,
+  )
   return matched_configs(base)[arm]
 
 
@@ -121,18 +157,24 @@ def _tokens(batch: int, seq: int, seed: int) -> np.ndarray:
 def diffjax_arm(arm: str, batch: int, seq: int, seed: int, implementation: str):
   """diffjax's trainer step on the arm's model."""
   import jax  # pylint: disable=import-outside-toplevel
+
   from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
   from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
   from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
   from diffjax.train.setup import build_train_setup  # pylint: disable=import-outside-toplevel
+
   cfg = diffjax_config(arm, implementation)
-  setup = build_train_setup(cfg, base_config().optim, seed=seed,
-                            mesh=shd.make_mesh((-1, 1, 1)), rules=shd.DEFAULT_RULES)
+  setup = build_train_setup(
+    cfg, base_config().optim, seed=seed, mesh=shd.make_mesh((-1, 1, 1)), rules=shd.DEFAULT_RULES
+  )
   ids = _tokens(batch, seq, seed)
-  host = {"inputs": ids[:, :-1], "targets": ids[:, 1:],
-          "segment_ids": np.ones((batch, seq), np.int32),
-          "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
-          "loss_mask": np.ones((batch, seq), np.float32)}
+  host = {
+    "inputs": ids[:, :-1],
+    "targets": ids[:, 1:],
+    "segment_ids": np.ones((batch, seq), np.int32),
+    "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
+    "loss_mask": np.ones((batch, seq), np.float32),
+  }
   data = {k: jax.device_put(v, setup.batch_sharding) for k, v in host.items()}
   box = {"state": setup.init_fn()}
 
@@ -148,7 +190,9 @@ def user_loop_arm(arm: str, batch: int, seq: int, seed: int, implementation: str
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
+
   from diffjax.model import DecoderLM, count_params  # pylint: disable=import-outside-toplevel
+
   cfg = diffjax_config(arm, implementation)
   model = DecoderLM(cfg, rngs=nnx.Rngs(seed))
   optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
@@ -179,25 +223,30 @@ def _worker(conn, arm: str, batch: int, seq: int, malloc: str) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if malloc == "keep" or (malloc == "framework" and loop == "trainer"):
     from diffjax.cpu import keep_freed_memory  # pylint: disable=import-outside-toplevel
+
     keep_freed_memory()
   if loop == "user+cpu_setup":
     import diffjax  # pylint: disable=import-outside-toplevel
+
     diffjax.cpu_setup(keep_freed_memory=malloc != "default")
   t0 = time.perf_counter()
   if name in TORCH_ARMS:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
+
     step, params = torch_arm(name, batch, seq, seed=0)
-    about = (f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
-             f"{transformers.__version__}")
+    about = (
+      f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
+      f"{transformers.__version__}"
+    )
   else:
     import jax  # pylint: disable=import-outside-toplevel
+
     build = diffjax_arm if loop == "trainer" else user_loop_arm
     step, params = build(name, batch, seq, 0, implementation)
     about = f"jax {jax.__version__} ({jax.default_backend()})"
   loss = step()
-  conn.send({"params": params, "first_s": time.perf_counter() - t0, "about": about,
-             "loss": loss})
+  conn.send({"params": params, "first_s": time.perf_counter() - t0, "about": about, "loss": loss})
   while conn.recv() == "step":
     t0 = time.perf_counter()
     step()
@@ -217,17 +266,24 @@ def main() -> None:
   p.add_argument("--seq", type=int, default=256)
   p.add_argument("--rounds", type=int, default=9, help="timed rounds (one step of each arm)")
   p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first step")
-  p.add_argument("--arms", default="llama,diffllama,transformer,diff_v1,transformer@user,"
-                 "diff_v1@user,transformer@user+cpu_setup,diff_v1@user+cpu_setup",
-                 help="comma-separated: llama, diffllama (transformers); transformer, diff_v1, "
-                      "diff_v2 (diffjax's trainer step), each optionally with ':<implementation>' "
-                      "and '@user' or '@user+cpu_setup' (a user's own nnx.jit loop, plain or "
-                      "after diffjax.cpu_setup()), e.g. 'diff_v1:xla@user'")
+  p.add_argument(
+    "--arms",
+    default="llama,diffllama,transformer,diff_v1,transformer@user,"
+    "diff_v1@user,transformer@user+cpu_setup,diff_v1@user+cpu_setup",
+    help="comma-separated: llama, diffllama (transformers); transformer, diff_v1, "
+    "diff_v2 (diffjax's trainer step), each optionally with ':<implementation>' "
+    "and '@user' or '@user+cpu_setup' (a user's own nnx.jit loop, plain or "
+    "after diffjax.cpu_setup()), e.g. 'diff_v1:xla@user'",
+  )
   p.add_argument("--pause", type=float, default=0.05, help="seconds between two arms' steps")
-  p.add_argument("--malloc", default="framework", choices=("framework", "keep", "default"),
-                 help="glibc malloc thresholds per process: as each framework sets them, or "
-                      "'keep' (freed memory kept, diffjax.cpu.keep_freed_memory) / "
-                      "'default' for every process")
+  p.add_argument(
+    "--malloc",
+    default="framework",
+    choices=("framework", "keep", "default"),
+    help="glibc malloc thresholds per process: as each framework sets them, or "
+    "'keep' (freed memory kept, diffjax.cpu.keep_freed_memory) / "
+    "'default' for every process",
+  )
   a = p.parse_args()
   arms = a.arms.split(",")
   for arm in arms:
@@ -237,27 +293,31 @@ def main() -> None:
   try:
     for arm in arms:  # one at a time, so compiles do not overlap
       ours, theirs = ctx.Pipe()
-      proc = ctx.Process(target=_worker, args=(theirs, arm, a.batch, a.seq, a.malloc),
-                         daemon=True)
+      proc = ctx.Process(target=_worker, args=(theirs, arm, a.batch, a.seq, a.malloc), daemon=True)
       proc.start()
       procs.append(proc)
       conns[arm] = ours
       info[arm] = ours.recv()
-      print(f"  {arm}: ready, first step {info[arm]['first_s']:.1f} s, "
-            f"loss {info[arm]['loss']:.4f}", flush=True)
+      print(
+        f"  {arm}: ready, first step {info[arm]['first_s']:.1f} s, loss {info[arm]['loss']:.4f}",
+        flush=True,
+      )
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for r in range(a.warmup + a.rounds):
       # Forward order in even rounds, backward in odd ones: a machine getting slower or
       # faster during a round favours no arm.
-      for arm in (arms if r % 2 == 0 else arms[::-1]):
+      for arm in arms if r % 2 == 0 else arms[::-1]:
         time.sleep(a.pause)
         conns[arm].send("step")
         dt = conns[arm].recv()
         if r >= a.warmup:
           times[arm].append(dt)
       if r >= a.warmup:
-        print(f"  round {r - a.warmup + 1}/{a.rounds}: " +
-              ", ".join(f"{arm} {times[arm][-1] * 1e3:.0f} ms" for arm in arms), flush=True)
+        print(
+          f"  round {r - a.warmup + 1}/{a.rounds}: "
+          + ", ".join(f"{arm} {times[arm][-1] * 1e3:.0f} ms" for arm in arms),
+          flush=True,
+        )
   finally:
     for conn in conns.values():
       try:
@@ -268,20 +328,25 @@ def main() -> None:
       proc.join(timeout=30)
   tokens = a.batch * a.seq
   abouts = sorted({info[arm]["about"] for arm in arms})
-  print(f"\n{'; '.join(abouts)}; {os.cpu_count()} CPUs; batch {a.batch} x {a.seq}, float32; "
-        f"one process per arm, medians of {a.rounds} alternating rounds after {a.warmup}; "
-        f"malloc {a.malloc}\n")
-  print("| arm | params | step ms | tokens/s | first step s | speed vs transformers, paired by round |")
+  print(
+    f"\n{'; '.join(abouts)}; {os.cpu_count()} CPUs; batch {a.batch} x {a.seq}, float32; "
+    f"one process per arm, medians of {a.rounds} alternating rounds after {a.warmup}; "
+    f"malloc {a.malloc}\n"
+  )
+  print(
+    "| arm | params | step ms | tokens/s | first step s | speed vs transformers, paired by round |"
+  )
   print("|---|---|---|---|---|---|")
   med = {arm: statistics.median(ts) for arm, ts in times.items()}
   for arm in arms:
     name = parse_arm(arm)[0]
     peer = arm if name in TORCH_ARMS else PEER.get(name)
     # Paired by round: the median over rounds of (peer's step / this arm's step).
-    speed = (f"{statistics.median(np.divide(times[peer], times[arm])):.2f}" if peer in med
-             else "-")
-    print(f"| {label(arm)} | {info[arm]['params']:,} | {med[arm] * 1e3:.0f} | "
-          f"{tokens / med[arm]:,.0f} | {info[arm]['first_s']:.1f} | {speed} |")
+    speed = f"{statistics.median(np.divide(times[peer], times[arm])):.2f}" if peer in med else "-"
+    print(
+      f"| {label(arm)} | {info[arm]['params']:,} | {med[arm] * 1e3:.0f} | "
+      f"{tokens / med[arm]:,.0f} | {info[arm]['first_s']:.1f} | {speed} |"
+    )
 
 
 if __name__ == "__main__":

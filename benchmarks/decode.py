@@ -40,16 +40,22 @@ def main():
   p.add_argument("--implementation", default="auto")
   a = p.parse_args()
 
-  base = ModelConfig(attention="transformer", vocab_size=a.vocab, **{**size_widths(a.size),
-                                                 "dtype": a.dtype,
-                                                 "implementation": a.implementation})
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=a.vocab,
+    **{**size_widths(a.size), "dtype": a.dtype, "implementation": a.implementation},
+  )
   prompts = np.random.default_rng(0).integers(0, a.vocab, (a.batch, a.context))
   dev = jax.devices()[0]
-  print(f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
-        f"jax {jax.__version__}; size={a.size} context={a.context} new={a.new} "
-        f"batch={a.batch} dtype={a.dtype} implementation={a.implementation}")
-  print("| arm | params | KV bytes/token | ratio | prefill tokens/s | decode ms/step | "
-        "decode tokens/s | ratio to Transformer (decode tokens/s) |")
+  print(
+    f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
+    f"jax {jax.__version__}; size={a.size} context={a.context} new={a.new} "
+    f"batch={a.batch} dtype={a.dtype} implementation={a.implementation}"
+  )
+  print(
+    "| arm | params | KV bytes/token | ratio | prefill tokens/s | decode ms/step | "
+    "decode tokens/s | ratio to Transformer (decode tokens/s) |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   base_kv = base_tps = None
   for arm, cfg in matched_configs(base).items():
@@ -60,9 +66,12 @@ def main():
     step_s = out.decode_seconds / out.decode_steps
     tps = a.batch / step_s
     base_kv, base_tps = base_kv or kv, base_tps or tps
-    print(f"| {arm} | {count_params(cfg):,} | {kv:,} | {kv / base_kv:.3f} | "
-          f"{a.batch * a.context / out.prefill_seconds:,.0f} | {step_s * 1e3:.2f} | "
-          f"{tps:,.0f} | {tps / base_tps:.3f} |", flush=True)
+    print(
+      f"| {arm} | {count_params(cfg):,} | {kv:,} | {kv / base_kv:.3f} | "
+      f"{a.batch * a.context / out.prefill_seconds:,.0f} | {step_s * 1e3:.2f} | "
+      f"{tps:,.0f} | {tps / base_tps:.3f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -46,23 +46,43 @@ class TorchPeer:
 
   def __init__(self, size: str):
     import torch  # pylint: disable=import-outside-toplevel
+
     from diffjax.model.sizes import size_widths  # pylint: disable=import-outside-toplevel
+
     self.torch = torch
     self.widths = size_widths(size)
     self.models = {}
 
   def _model(self, arm: str):
     if arm not in self.models:
-      from transformers import (DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig,  # pylint: disable=import-outside-toplevel
-                                LlamaForCausalLM)
+      from transformers import (
+        DiffLlamaConfig,
+        DiffLlamaForCausalLM,
+        LlamaConfig,  # pylint: disable=import-outside-toplevel
+        LlamaForCausalLM,
+      )
+
       w = self.widths
-      common = dict(vocab_size=VOCAB, hidden_size=w["d_model"], intermediate_size=w["mlp_dim"],
-                    num_hidden_layers=w["num_layers"], num_attention_heads=w["num_heads"],
-                    num_key_value_heads=w["num_kv_heads"], head_dim=w["head_dim"],
-                    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                    bos_token_id=None, eos_token_id=None, pad_token_id=0)
-      cls, cfg_cls = ((LlamaForCausalLM, LlamaConfig) if arm == "transformer"
-                      else (DiffLlamaForCausalLM, DiffLlamaConfig))
+      common = dict(
+        vocab_size=VOCAB,
+        hidden_size=w["d_model"],
+        intermediate_size=w["mlp_dim"],
+        num_hidden_layers=w["num_layers"],
+        num_attention_heads=w["num_heads"],
+        num_key_value_heads=w["num_kv_heads"],
+        head_dim=w["head_dim"],
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
+      cls, cfg_cls = (
+        (LlamaForCausalLM, LlamaConfig)
+        if arm == "transformer"
+        else (DiffLlamaForCausalLM, DiffLlamaConfig)
+      )
       self.torch.manual_seed(0)
       self.models[arm] = cls(cfg_cls(**common)).float().eval()
     return self.models[arm]
@@ -73,8 +93,14 @@ class TorchPeer:
     mask = self.torch.ones_like(ids)
     t0 = time.perf_counter()
     with self.torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+      out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+      )
     seconds = time.perf_counter() - t0
     assert out.shape == (batch, prompt + new), out.shape
     return seconds
@@ -86,6 +112,7 @@ class JaxPeer:
   def __init__(self, size: str):
     from diffjax.model import ModelConfig, matched_configs  # pylint: disable=import-outside-toplevel
     from diffjax.model.sizes import size_widths  # pylint: disable=import-outside-toplevel
+
     base = ModelConfig(attention="transformer", vocab_size=VOCAB, **size_widths(size))
     self.configs = matched_configs(base)
     self.models = {}
@@ -93,12 +120,15 @@ class JaxPeer:
   def _model(self, arm: str):
     if arm not in self.models:
       from flax import nnx  # pylint: disable=import-outside-toplevel
+
       from diffjax.model import DecoderLM  # pylint: disable=import-outside-toplevel
+
       self.models[arm] = DecoderLM(self.configs[arm], rngs=nnx.Rngs(0))
     return self.models[arm]
 
   def run(self, arm: str, batch: int, prompt: int, new: int) -> float:
     import diffjax  # pylint: disable=import-outside-toplevel
+
     model = self._model(arm)
     ids = _prompts(batch, prompt)
     t0 = time.perf_counter()
@@ -128,9 +158,12 @@ def child(peer_name: str, size: str) -> None:
 class _Child:
   def __init__(self, peer_name: str, size: str):
     self.proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), f"--child={peer_name}", f"--size={size}"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+      [sys.executable, os.path.abspath(__file__), f"--child={peer_name}", f"--size={size}"],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+    )
 
   def ask(self, **req) -> dict:
     self.proc.stdin.write(json.dumps(req) + "\n")
@@ -161,38 +194,54 @@ def main() -> None:
   cases = [(arm, b) for arm in ARMS for b in batches]
   peers = {"torch": _Child("torch", a.size), "jax": _Child("jax", a.size)}
   versions = subprocess.run(
-      [sys.executable, "-c", "import torch, transformers, jax; print(f'torch {torch.__version__}, "
-       "transformers {transformers.__version__}, jax {jax.__version__}')"],
-      capture_output=True, text=True, check=True).stdout.strip()
+    [
+      sys.executable,
+      "-c",
+      "import torch, transformers, jax; print(f'torch {torch.__version__}, "
+      "transformers {transformers.__version__}, jax {jax.__version__}')",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
   load = os.getloadavg()[0]
   try:
     first = {}
     for arm, b in cases:
       for name, peer in peers.items():
-        first[name, arm, b] = peer.ask(arm=arm, batch=b, prompt=a.prompt, new=a.new,
-                                       warm=True)["first"]
+        first[name, arm, b] = peer.ask(arm=arm, batch=b, prompt=a.prompt, new=a.new, warm=True)[
+          "first"
+        ]
     times = {(name, arm, b): [] for name in peers for arm, b in cases}
     for r in range(a.rounds):
       order = ("torch", "jax") if r % 2 == 0 else ("jax", "torch")
       for arm, b in cases:
         for name in order:
-          times[name, arm, b].append(peers[name].ask(arm=arm, batch=b, prompt=a.prompt,
-                                                     new=a.new)["seconds"])
+          times[name, arm, b].append(
+            peers[name].ask(arm=arm, batch=b, prompt=a.prompt, new=a.new)["seconds"]
+          )
   finally:
     for peer in peers.values():
       peer.close()
-  print(f"{versions}; {os.cpu_count()} CPUs, load average {load:.2f} at the start, "
-        f"{os.getloadavg()[0]:.2f} at the end; size={a.size} prompt={a.prompt} new={a.new} "
-        f"float32 greedy; medians of {a.rounds} rounds")
-  print("| arm | batch | transformers new tokens/s | diffjax new tokens/s | diffjax / transformers "
-        "| transformers call (ms) | diffjax call (ms) | diffjax first call (s) |")
+  print(
+    f"{versions}; {os.cpu_count()} CPUs, load average {load:.2f} at the start, "
+    f"{os.getloadavg()[0]:.2f} at the end; size={a.size} prompt={a.prompt} new={a.new} "
+    f"float32 greedy; medians of {a.rounds} rounds"
+  )
+  print(
+    "| arm | batch | transformers new tokens/s | diffjax new tokens/s | diffjax / transformers "
+    "| transformers call (ms) | diffjax call (ms) | diffjax first call (s) |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for arm, b in cases:
     t_torch = statistics.median(times["torch", arm, b])
     t_jax = statistics.median(times["jax", arm, b])
     tps_torch, tps_jax = b * a.new / t_torch, b * a.new / t_jax
-    print(f"| {arm} | {b} | {tps_torch:,.0f} | {tps_jax:,.0f} | {tps_jax / tps_torch:.2f} | "
-          f"{t_torch * 1e3:,.1f} | {t_jax * 1e3:,.1f} | {first['jax', arm, b]:.2f} |", flush=True)
+    print(
+      f"| {arm} | {b} | {tps_torch:,.0f} | {tps_jax:,.0f} | {tps_jax / tps_torch:.2f} | "
+      f"{t_torch * 1e3:,.1f} | {t_jax * 1e3:,.1f} | {first['jax', arm, b]:.2f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

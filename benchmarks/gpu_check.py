@@ -44,12 +44,24 @@ from diffjax import ops  # noqa: E402  pylint: disable=wrong-import-position
 from diffjax.model import ModelConfig, matched_configs  # noqa: E402
 from diffjax.model.sizes import size_widths  # noqa: E402
 
-GPU_TESTS = ("tests/kernels/gpu/test_kernels_mosaic_gpu.py", "tests/kernels/gpu/test_kernels_gpu.py")
+GPU_TESTS = (
+  "tests/kernels/gpu/test_kernels_mosaic_gpu.py",
+  "tests/kernels/gpu/test_kernels_gpu.py",
+)
 
 
 def run_tests(dry: bool) -> list[tuple[str, str, str]]:
-  cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         *GPU_TESTS] + (["--collect-only"] if dry else [])
+  cmd = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-m",
+    "gpu",
+    "-p",
+    "no:cacheprovider",
+    *GPU_TESTS,
+  ] + (["--collect-only"] if dry else [])
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
   tail = [l for l in proc.stdout.strip().splitlines() if l.strip()][-1:] or ["no output"]
@@ -62,17 +74,30 @@ def run_attention(dry: bool) -> list[tuple[str, str, str]]:
   on_gpu = jax.default_backend() == "gpu"
   seq, batch, heads, d = (64, 1, 1, 32) if dry else (4096, 4, 12, 128)
   dtype = jnp.float32 if dry and not on_gpu else jnp.bfloat16
-  rows = attention_bench.measure(seq, batch, heads, d, dtype, interpret=not on_gpu,
-                                 warmup=1 if dry else 3, iters=2 if dry else 20)
+  rows = attention_bench.measure(
+    seq,
+    batch,
+    heads,
+    d,
+    dtype,
+    interpret=not on_gpu,
+    warmup=1 if dry else 3,
+    iters=2 if dry else 20,
+  )
   out = []
   case = f"T {seq}, batch {batch}, {heads} DIFF heads, d {d}, {jnp.dtype(dtype).name}"
   for r in rows:
     if "error" in r:
       out.append(("attention", f"{r['path']} ({case})", f"error: {r['error']}"))
       continue
-    out.append(("attention", f"{r['path']} ({case})",
-                f"fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.3g} TF/s x{r['fwd_x']:.2f}; "
-                f"fwd+bwd {r['fb_ms']:.2f} ms {r['fb_tflops']:.3g} TF/s x{r['fb_x']:.2f}"))
+    out.append(
+      (
+        "attention",
+        f"{r['path']} ({case})",
+        f"fwd {r['fwd_ms']:.2f} ms {r['fwd_tflops']:.3g} TF/s x{r['fwd_x']:.2f}; "
+        f"fwd+bwd {r['fb_ms']:.2f} ms {r['fb_tflops']:.3g} TF/s x{r['fb_x']:.2f}",
+      )
+    )
   return out
 
 
@@ -93,15 +118,26 @@ def run_decode(dry: bool) -> list[tuple[str, str, str]]:
   for s in caches:
     ks = jax.random.split(jax.random.key(0), 5)
     n = lambda i, shape: jax.random.normal(ks[i], shape, jnp.float32).astype(dtype)
-    args = (n(0, (batch, 1, heads, d)), n(1, (batch, 1, heads, d)), n(2, (batch, s, heads, d)),
-            n(3, (batch, s, heads, d)), n(4, (batch, s, heads, 2 * d)), 0.3,
-            jnp.full((batch,), s, jnp.int32))
+    args = (
+      n(0, (batch, 1, heads, d)),
+      n(1, (batch, 1, heads, d)),
+      n(2, (batch, s, heads, d)),
+      n(3, (batch, s, heads, d)),
+      n(4, (batch, s, heads, 2 * d)),
+      0.3,
+      jnp.full((batch,), s, jnp.int32),
+    )
     cache_bytes = sum(a.size * a.dtype.itemsize for a in args[2:5])
     for impl in ("auto", "xla"):
       fn = jax.jit(lambda *a, impl=impl: ops.diff_v1_attention_decode(*a, implementation=impl))
       sec = _time(fn, args, 3 if dry else 50)
-      out.append(("decode", f"DIFF V1 {impl}, batch {batch}, cache {s}, {heads} heads, d {d}",
-                  f"{sec * 1e3:.3f} ms/token, {cache_bytes / sec / 1e9:.1f} GB/s of cache"))
+      out.append(
+        (
+          "decode",
+          f"DIFF V1 {impl}, batch {batch}, cache {s}, {heads} heads, d {d}",
+          f"{sec * 1e3:.3f} ms/token, {cache_bytes / sec / 1e9:.1f} GB/s of cache",
+        )
+      )
   return out
 
 
@@ -114,20 +150,25 @@ def run_train(dry: bool) -> list[tuple[str, str, str]]:
   base = ModelConfig(attention="transformer", vocab_size=258, **widths)
   rng = np.random.default_rng(0)
   batch_np = {
-      "inputs": rng.integers(0, 258, (batch, seq)).astype(np.int32),
-      "targets": rng.integers(0, 258, (batch, seq)).astype(np.int32),
-      "segment_ids": np.ones((batch, seq), np.int32),
-      "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
-      "loss_mask": np.ones((batch, seq), np.float32),
+    "inputs": rng.integers(0, 258, (batch, seq)).astype(np.int32),
+    "targets": rng.integers(0, 258, (batch, seq)).astype(np.int32),
+    "segment_ids": np.ones((batch, seq), np.int32),
+    "positions": np.tile(np.arange(seq, dtype=np.int32), (batch, 1)),
+    "loss_mask": np.ones((batch, seq), np.float32),
   }
   out, base_tps = [], None
   for arm, cfg in matched_configs(base).items():
     sec, compile_s = train_bench.bench_arm(cfg, batch_np, steps, 1)
     tps = batch * seq / sec
     base_tps = base_tps or tps
-    out.append(("train step", f"{arm}, size {size}, T {seq}, batch {batch}, {dtype}",
-                f"{sec * 1e3:.1f} ms, {tps:,.0f} tokens/s, x{tps / base_tps:.3f} of the "
-                f"Transformer (compile {compile_s:.0f} s)"))
+    out.append(
+      (
+        "train step",
+        f"{arm}, size {size}, T {seq}, batch {batch}, {dtype}",
+        f"{sec * 1e3:.1f} ms, {tps:,.0f} tokens/s, x{tps / base_tps:.3f} of the "
+        f"Transformer (compile {compile_s:.0f} s)",
+      )
+    )
   return out
 
 
@@ -143,12 +184,14 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   a = p.parse_args(argv)
   dev = jax.devices()[0]
-  head = (f"device: {dev.platform} {dev.device_kind} x{jax.device_count()}; jax "
-          f"{jax.__version__}" + ("; DRY RUN (toy sizes, numbers mean nothing)"
-                                  if a.dry_run else ""))
+  head = (
+    f"device: {dev.platform} {dev.device_kind} x{jax.device_count()}; jax "
+    f"{jax.__version__}" + ("; DRY RUN (toy sizes, numbers mean nothing)" if a.dry_run else "")
+  )
   if not a.dry_run and jax.default_backend() != "gpu":
-    print("error: no GPU here; pass --dry-run to check the command on this machine",
-          file=sys.stderr)
+    print(
+      "error: no GPU here; pass --dry-run to check the command on this machine", file=sys.stderr
+    )
     return 2
   rows = []
   for part in (run_tests, run_attention, run_decode, run_train):

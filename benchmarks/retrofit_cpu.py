@@ -36,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _config(arm: str, steps: int, eval_every: int, seed: int, init_from: str = ""):
   from diffjax.presets import load_config  # pylint: disable=import-outside-toplevel
+
   c = load_config(os.path.join(REPO, "configs", "default.py"))
   c.model.arm = arm
   c.model.v2_match = "heads"
@@ -54,21 +55,30 @@ def _val_loss(workdir: str, config) -> float:
   trainer's step 0 computes it (a mixed-in DIFF V2 with its ramp at 0)."""
   # pylint: disable=import-outside-toplevel
   import jax
+
   from diffjax.data import DataConfig, build_datasets
   from diffjax.eval.scoring import validation_loss
   from diffjax.train import load_model
+
   model, _, _ = load_model(workdir)
   mix = model.config.v2_mix(0)
   forward = jax.jit(lambda t, p, s: model(t, p, s, **({} if mix is None else {"v2_mix": mix})))
   data_cfg = DataConfig.from_dict(config.data.to_dict())
-  data = build_datasets(data_cfg, seq_len=int(config.seq_len),
-                        global_batch_size=int(config.global_batch_size), seed=int(config.seed))
-  return validation_loss(lambda t, p=None, s=None: np.asarray(forward(t, p, s)),
-                         data.val_batches(int(config.eval_batches)))["loss"]
+  data = build_datasets(
+    data_cfg,
+    seq_len=int(config.seq_len),
+    global_batch_size=int(config.global_batch_size),
+    seed=int(config.seed),
+  )
+  return validation_loss(
+    lambda t, p=None, s=None: np.asarray(forward(t, p, s)),
+    data.val_batches(int(config.eval_batches)),
+  )["loss"]
 
 
 def _train(config, workdir: str, log) -> float:
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
   if os.path.exists(os.path.join(workdir, "DONE")):
     log(f"{workdir}: finished earlier, reused")
     return 0.0
@@ -82,15 +92,18 @@ def _curve(workdir: str) -> dict[int, float]:
   return {int(r["step"]): float(r["eval/loss"]) for r in rows if "eval/loss" in r}
 
 
-ARMS = (("(a) Transformer, continued", "transformer", {}),
-        ("(b) DIFF V2, retrofitted (exact)", "diff_v2", dict(init="exact")),
-        ("(b2) DIFF V2, mixed in (second head copied)", "diff_v2",
-         dict(init="mixed", second="copy")),
-        ("(b3) DIFF V2, mixed in (second head zero)", "diff_v2",
-         dict(init="mixed", second="zeros")),
-        ("(b4) DIFF V2, mixed in (second head small noise)", "diff_v2",
-         dict(init="mixed", second="noise")),
-        ("(c) DIFF V1, retrofitted (closest start)", "diff_v1", {}))
+ARMS = (
+  ("(a) Transformer, continued", "transformer", {}),
+  ("(b) DIFF V2, retrofitted (exact)", "diff_v2", dict(init="exact")),
+  ("(b2) DIFF V2, mixed in (second head copied)", "diff_v2", dict(init="mixed", second="copy")),
+  ("(b3) DIFF V2, mixed in (second head zero)", "diff_v2", dict(init="mixed", second="zeros")),
+  (
+    "(b4) DIFF V2, mixed in (second head small noise)",
+    "diff_v2",
+    dict(init="mixed", second="noise"),
+  ),
+  ("(c) DIFF V1, retrofitted (closest start)", "diff_v1", {}),
+)
 SCRATCH = "(d) DIFF V2 from scratch"
 
 
@@ -98,6 +111,7 @@ def _one_seed(args, seed: int, root: str, log) -> tuple[dict, dict, dict]:
   """(rows {label: (at start, after 50, end, seconds)}, curves {label: {step: loss}}, the
   source's pretraining curve) of one seed."""
   from diffjax.convert import retrofit  # pylint: disable=import-outside-toplevel
+
   source = os.path.join(root, "transformer_pretrain")
   log(f"seed {seed}: pretraining the Transformer for {args.pretrain} steps")
   _train(_config("transformer", args.pretrain, args.eval_every, seed), source, log)
@@ -112,8 +126,10 @@ def _one_seed(args, seed: int, root: str, log) -> tuple[dict, dict, dict]:
       cfg.model.v2_mix_steps = args.mix_steps
     at_start = _val_loss(start, cfg)
     run = os.path.join(root, f"continued_{k}_{arm}")
-    log(f"seed {seed} {label}: validation loss at the retrofit point {at_start:.4f}; training "
-        f"{args.cont} steps")
+    log(
+      f"seed {seed} {label}: validation loss at the retrofit point {at_start:.4f}; training "
+      f"{args.cont} steps"
+    )
     seconds = _train(cfg, run, log)
     curve = _curve(run)
     curves[label] = {args.pretrain + s: v for s, v in curve.items()}
@@ -125,20 +141,24 @@ def _one_seed(args, seed: int, root: str, log) -> tuple[dict, dict, dict]:
   seconds = _train(_config("diff_v2", total, args.eval_every, seed), scratch, log)
   curve = _curve(scratch)
   curves[SCRATCH] = curve
-  rows[SCRATCH] = (float("nan"), curve.get(args.pretrain + 50, float("nan")), curve[max(curve)],
-                   seconds)
+  rows[SCRATCH] = (
+    float("nan"),
+    curve.get(args.pretrain + 50, float("nan")),
+    curve[max(curve)],
+    seconds,
+  )
   return rows, curves, _curve(source)
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--workdir", default="runs/retrofit_cpu")
   p.add_argument("--pretrain", type=int, default=400)
   p.add_argument("--cont", type=int, default=300)
   p.add_argument("--eval_every", type=int, default=50)
-  p.add_argument("--mix_steps", type=int, default=100,
-                 help="ramp of the mixed-in DIFF V2 starts")
+  p.add_argument("--mix_steps", type=int, default=100, help="ramp of the mixed-in DIFF V2 starts")
   p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
   args = p.parse_args(argv)
   log = lambda msg: print(f"[retrofit_cpu] {msg}", flush=True)
@@ -151,15 +171,17 @@ def main(argv=None) -> int:
   total = args.pretrain + args.cont
   fmt = lambda v: "–" if not np.isfinite(v) else f"{v:.4f}"
   pre_final = [c[max(c)] for _, _, c in per_seed.values()]
-  lines = [f"Transformer pretrained {args.pretrain} steps (final validation loss "
-           f"{', '.join(f'{v:.4f}' for v in pre_final)} nats/byte), then {args.cont} steps each; "
-           f"mixed-in ramps of {args.mix_steps} steps; seeds {seeds}; "
-           f"{time.perf_counter() - t_start:.0f} s in all. Mean over seeds"
-           + (" (each seed's value in brackets)" if len(seeds) > 1 else ""),
-           "",
-           "| run | val loss at the retrofit point | after 50 more steps | at the end "
-           f"(step {total} in all) | train time (s) |",
-           "|---|---|---|---|---|"]
+  lines = [
+    f"Transformer pretrained {args.pretrain} steps (final validation loss "
+    f"{', '.join(f'{v:.4f}' for v in pre_final)} nats/byte), then {args.cont} steps each; "
+    f"mixed-in ramps of {args.mix_steps} steps; seeds {seeds}; "
+    f"{time.perf_counter() - t_start:.0f} s in all. Mean over seeds"
+    + (" (each seed's value in brackets)" if len(seeds) > 1 else ""),
+    "",
+    "| run | val loss at the retrofit point | after 50 more steps | at the end "
+    f"(step {total} in all) | train time (s) |",
+    "|---|---|---|---|---|",
+  ]
   for label in [a[0] for a in ARMS] + [SCRATCH]:
     vals = np.asarray([per_seed[s][0][label] for s in seeds], np.float64)
     cells = []
@@ -175,11 +197,15 @@ def main(argv=None) -> int:
   with open(os.path.join(args.workdir, "retrofit.md"), "w", encoding="utf-8") as f:
     f.write(table + "\n")
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   fig, ax = plt.subplots(figsize=(7.5, 4.5))
   _, curves, pre = per_seed[seeds[0]]
-  ax.plot(sorted(pre), [pre[s] for s in sorted(pre)], color="gray", label="Transformer, pretraining")
+  ax.plot(
+    sorted(pre), [pre[s] for s in sorted(pre)], color="gray", label="Transformer, pretraining"
+  )
   for label, curve in curves.items():
     steps = sorted(curve)
     ax.plot(steps, [curve[s] for s in steps], label=label)

@@ -27,8 +27,9 @@ from diffjax.train.setup import build_train_setup
 
 def bench_arm(cfg: ModelConfig, batch_np, steps: int, warmup: int):
   """Median step seconds and first-call (compile) seconds of ``cfg``'s train step."""
-  setup = build_train_setup(cfg, base_config().optim, seed=0, mesh=shd.make_mesh((-1, 1, 1)),
-                            rules=shd.DEFAULT_RULES)
+  setup = build_train_setup(
+    cfg, base_config().optim, seed=0, mesh=shd.make_mesh((-1, 1, 1)), rules=shd.DEFAULT_RULES
+  )
   batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch_np.items()}
   step = setup.train_step
   state = setup.init_fn()
@@ -58,27 +59,36 @@ def main():
   p.add_argument("--implementation", default="auto")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--scan_layers", default="off", choices=("off", "on", "both"),
-                 help="run the blocks unrolled, under lax.scan, or both (rows side by side)")
+  p.add_argument(
+    "--scan_layers",
+    default="off",
+    choices=("off", "on", "both"),
+    help="run the blocks unrolled, under lax.scan, or both (rows side by side)",
+  )
   a = p.parse_args()
 
-  base = ModelConfig(attention="transformer", vocab_size=a.vocab, **{**size_widths(a.size),
-                                                 "dtype": a.dtype,
-                                                 "implementation": a.implementation})
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=a.vocab,
+    **{**size_widths(a.size), "dtype": a.dtype, "implementation": a.implementation},
+  )
   rng = np.random.default_rng(0)
   batch = {
-      "inputs": rng.integers(0, a.vocab, (a.batch, a.seq)).astype(np.int32),
-      "targets": rng.integers(0, a.vocab, (a.batch, a.seq)).astype(np.int32),
-      "segment_ids": np.ones((a.batch, a.seq), np.int32),
-      "positions": np.tile(np.arange(a.seq, dtype=np.int32), (a.batch, 1)),
-      "loss_mask": np.ones((a.batch, a.seq), np.float32),
+    "inputs": rng.integers(0, a.vocab, (a.batch, a.seq)).astype(np.int32),
+    "targets": rng.integers(0, a.vocab, (a.batch, a.seq)).astype(np.int32),
+    "segment_ids": np.ones((a.batch, a.seq), np.int32),
+    "positions": np.tile(np.arange(a.seq, dtype=np.int32), (a.batch, 1)),
+    "loss_mask": np.ones((a.batch, a.seq), np.float32),
   }
   dev = jax.devices()[0]
-  print(f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
-        f"jax {jax.__version__}; size={a.size} seq={a.seq} batch={a.batch} dtype={a.dtype} "
-        f"implementation={a.implementation}; median of {a.steps} steps after {a.warmup} warm-up")
-  print("| arm | layers | params | step ms | tokens/s | ratio to Transformer (tokens/s) | "
-        "compile s |")
+  print(
+    f"device: {dev.device_kind} x{jax.device_count()} ({jax.default_backend()}), "
+    f"jax {jax.__version__}; size={a.size} seq={a.seq} batch={a.batch} dtype={a.dtype} "
+    f"implementation={a.implementation}; median of {a.steps} steps after {a.warmup} warm-up"
+  )
+  print(
+    "| arm | layers | params | step ms | tokens/s | ratio to Transformer (tokens/s) | compile s |"
+  )
   print("|---|---|---|---|---|---|---|")
   scans = {"off": (False,), "on": (True,), "both": (False, True)}[a.scan_layers]
   base_tps = {}
@@ -87,8 +97,11 @@ def main():
       t, c = bench_arm(cfg.replace(scan_layers=scan), batch, a.steps, a.warmup)
       tps = a.batch * a.seq / t
       base_tps.setdefault(scan, tps)
-      print(f"| {arm} | {'scanned' if scan else 'unrolled'} | {count_params(cfg):,} | "
-            f"{t * 1e3:.1f} | {tps:,.0f} | {tps / base_tps[scan]:.3f} | {c:.1f} |", flush=True)
+      print(
+        f"| {arm} | {'scanned' if scan else 'unrolled'} | {count_params(cfg):,} | "
+        f"{t * 1e3:.1f} | {tps:,.0f} | {tps / base_tps[scan]:.3f} | {c:.1f} |",
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

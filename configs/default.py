@@ -24,8 +24,11 @@ def get_config():
   c.seq_len = 128
   c.global_batch_size = 16
   c.num_steps = 1000
-  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine",
-                      decay_steps=1000, weight_decay=0.1))
+  c.optim.update(
+    dict(
+      lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=1000, weight_decay=0.1
+    )
+  )
   c.log_every = 50
   c.eval_every = 250
   c.checkpoint.every = 500

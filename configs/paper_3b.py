@@ -34,8 +34,18 @@ def get_config():
   c.seq_len = 4096
   c.global_batch_size = 1024  # 1024 x 4096 = 4M tokens
   c.num_steps = 240_000  # ~1T tokens at 4M tokens a step (the paper trains 3B on 1T tokens)
-  c.optim.update(dict(lr=3.2e-4, min_lr=1.28e-5, warmup_steps=1000, schedule="linear",
-                      decay_steps=240_000, b1=0.9, b2=0.95, weight_decay=0.1))
+  c.optim.update(
+    dict(
+      lr=3.2e-4,
+      min_lr=1.28e-5,
+      warmup_steps=1000,
+      schedule="linear",
+      decay_steps=240_000,
+      b1=0.9,
+      b2=0.95,
+      weight_decay=0.1,
+    )
+  )
   c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
   c.checkpoint.update(dict(every=1000, keep=3))
   c.mesh.shape = (1, -1, 1)

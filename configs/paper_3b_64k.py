@@ -32,8 +32,7 @@ def get_config():
   c.global_batch_size = 16  # 16 x 65,536 = 1M tokens a step
   c.grad_accum_steps = 2  # two micro-batches of 8: room to spare for every arm
   c.num_steps = 1431  # 1.5e9 / 2**20
-  c.optim.update(dict(lr=8e-5, min_lr=8e-5, warmup_steps=0, schedule="constant",
-                      decay_steps=1431))
+  c.optim.update(dict(lr=8e-5, min_lr=8e-5, warmup_steps=0, schedule="constant", decay_steps=1431))
   c.log_every, c.eval_every, c.eval_batches = 10, 200, 4
   c.checkpoint.update(dict(every=100, keep=3))
   c.checkpoint.init_from = None  # required: the 4K run's workdir
@@ -41,6 +40,7 @@ def get_config():
   c.mesh.context_strategy = "ring"
   c.mesh.context_load_balance = True
   # FSDP over both axes: the context axis would otherwise hold 16 copies of the weights.
-  c.mesh.rules = [[name, ("fsdp", "context") if name == "embed" else axes]
-                  for name, axes in DEFAULT_RULES]
+  c.mesh.rules = [
+    [name, ("fsdp", "context") if name == "embed" else axes] for name, axes in DEFAULT_RULES
+  ]
   return c

@@ -17,8 +17,10 @@ from diffjax.presets import base_config
 
 def get_config(size: str = "1.4b"):
   if size not in SWEEP_SIZES:
-    raise ValueError(f"configs/paper_sweep.py:{size}: the sweep's sizes are {SWEEP_SIZES}; e.g. "
-                     "--config=configs/paper_sweep.py:2.8b.")
+    raise ValueError(
+      f"configs/paper_sweep.py:{size}: the sweep's sizes are {SWEEP_SIZES}; e.g. "
+      "--config=configs/paper_sweep.py:2.8b."
+    )
   c = base_config()
   c.model.arm = "diff_v1"
   c.model.size = size
@@ -31,8 +33,18 @@ def get_config(size: str = "1.4b"):
   c.global_batch_size = 128  # 128 x 2048 = 0.25M tokens
   c.num_steps = 40_000
   lr = 7.5e-4 if size in ("6.8b", "13.1b") else 1.5e-3
-  c.optim.update(dict(lr=lr, min_lr=0.0, warmup_steps=375, schedule="linear",
-                      decay_steps=40_000, b1=0.9, b2=0.98, weight_decay=0.05))
+  c.optim.update(
+    dict(
+      lr=lr,
+      min_lr=0.0,
+      warmup_steps=375,
+      schedule="linear",
+      decay_steps=40_000,
+      b1=0.9,
+      b2=0.98,
+      weight_decay=0.05,
+    )
+  )
   c.log_every, c.eval_every, c.eval_batches = 10, 1000, 16
   c.checkpoint.update(dict(every=1000, keep=3))
   c.mesh.shape = (1, -1, 1)

@@ -19,6 +19,5 @@ def get_config():
   c.seq_len = 256
   c.global_batch_size = 16
   c.num_steps = 2000
-  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine",
-                      decay_steps=2000))
+  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=2000))
   return c

@@ -19,8 +19,7 @@ def get_config():
   c.seq_len = 128
   c.global_batch_size = 16
   c.num_steps = 500
-  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine",
-                      decay_steps=500))
+  c.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=50, schedule="cosine", decay_steps=500))
   c.log_every = 50
   c.eval_every = 100
   c.checkpoint.every = 250

@@ -42,16 +42,24 @@ from diffjax.ops import target_platform
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
 from diffjax.train.setup import build_train_setup
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # HBM per chip (GiB) by device kind prefix.
-HBM_GIB = {"TPU v5 lite": 16, "TPU v5e": 16, "TPU v5p": 95, "TPU v5": 95, "TPU v6 lite": 32,
-           "TPU v6e": 32, "TPU v4": 32}
+HBM_GIB = {
+  "TPU v5 lite": 16,
+  "TPU v5e": 16,
+  "TPU v5p": 95,
+  "TPU v5": 95,
+  "TPU v6 lite": 32,
+  "TPU v6e": 32,
+  "TPU v4": 32,
+}
 
 
 # The custom calls of our kernels in a compiled program, by platform.
-KERNEL_CALLS = {"tpu": ('custom_call_target="tpu_custom_call"',),
-                "gpu": ('custom_call_target="mosaic_gpu_v2"',
-                        'custom_call_target="mosaic_gpu"')}
+KERNEL_CALLS = {
+  "tpu": ('custom_call_target="tpu_custom_call"',),
+  "gpu": ('custom_call_target="mosaic_gpu_v2"', 'custom_call_target="mosaic_gpu"'),
+}
 
 
 @dataclasses.dataclass
@@ -84,15 +92,20 @@ class AotReport:
 
   def line(self) -> str:
     fits = "unknown HBM" if self.fits is None else ("fits" if self.fits else "DOES NOT FIT")
-    share = ("" if self.usable_fraction == 1.0 or self.hbm_gib is None else
-             f" ({self.usable_fraction:g} of {self.hbm_gib:.1f})")
+    share = (
+      ""
+      if self.usable_fraction == 1.0 or self.hbm_gib is None
+      else f" ({self.usable_fraction:g} of {self.hbm_gib:.1f})"
+    )
     usable = f"{self.usable_gib:.2f}" if self.usable_gib is not None else "?"
     kernels = "Mosaic GPU" if self.platform == "gpu" else "Pallas"
-    return (f"{self.topology:<12} {self.arm:<12} devices={self.num_devices:<4} "
-            f"mesh={self.mesh} params={self.params/1e6:,.1f}M per-device: "
-            f"args {self.argument_gib:.2f} + out {self.output_gib:.2f} + temp "
-            f"{self.temp_gib:.2f} - aliased {self.alias_gib:.2f} = {self.per_device_gib:.2f} GiB"
-            f" of {usable}{share} GiB -> {fits}; {self.pallas_kernels} {kernels} kernel calls")
+    return (
+      f"{self.topology:<12} {self.arm:<12} devices={self.num_devices:<4} "
+      f"mesh={self.mesh} params={self.params / 1e6:,.1f}M per-device: "
+      f"args {self.argument_gib:.2f} + out {self.output_gib:.2f} + temp "
+      f"{self.temp_gib:.2f} - aliased {self.alias_gib:.2f} = {self.per_device_gib:.2f} GiB"
+      f" of {usable}{share} GiB -> {fits}; {self.pallas_kernels} {kernels} kernel calls"
+    )
 
 
 class DoesNotFit(Exception):
@@ -105,8 +118,9 @@ def fit_options(config, *, needs_gib: float, has_gib: float, target: str) -> str
   accum = int(config.get("grad_accum_steps", 1) or 1)
   batch = int(config.get("global_batch_size", 0) or 0)
   if batch and batch % (2 * accum) == 0:
-    options.append(f"--config.grad_accum_steps={2 * accum} (a microbatch of "
-                   f"{batch // (2 * accum)} rows)")
+    options.append(
+      f"--config.grad_accum_steps={2 * accum} (a microbatch of {batch // (2 * accum)} rows)"
+    )
   if config.model.get("remat", "none") != "full":
     options.append("--config.model.remat=full")
   if gpu_targets.is_gpu_target(target):
@@ -118,16 +132,22 @@ def fit_options(config, *, needs_gib: float, has_gib: float, target: str) -> str
     options.append("XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 when the run starts")
   else:
     options.append(f"a larger slice (more chips than {target})")
-  return (f"{target}: the step needs {needs_gib:.1f} GiB of {has_gib:.2f} GiB per device; "
-          f"to fit try " + ", ".join(options) + ".")
+  return (
+    f"{target}: the step needs {needs_gib:.1f} GiB of {has_gib:.2f} GiB per device; "
+    f"to fit try " + ", ".join(options) + "."
+  )
 
 
 # The TPU compiler's two spellings of "does not fit": "... Used 39.80G of 31.25G hbm" and
 # "... required for HLO temporaries (40.24G) exceeds available HBM (15.75G)".
-_OOM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
-        re.compile(r"required for [^(]*\(([\d.]+)([KMGT]?)\) exceeds available HBM "
-                   r"\(([\d.]+)([KMGT]?)\)"))
-_UNITS = {"": 1 / GIB, "K": 1 / 1024 ** 2, "M": 1 / 1024, "G": 1.0, "T": 1024.0}
+_OOM = (
+  re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+  re.compile(
+    r"required for [^(]*\(([\d.]+)([KMGT]?)\) exceeds available HBM "
+    r"\(([\d.]+)([KMGT]?)\)"
+  ),
+)
+_UNITS = {"": 1 / GIB, "K": 1 / 1024**2, "M": 1 / 1024, "G": 1.0, "T": 1024.0}
 
 
 def parse_out_of_memory(message: str) -> tuple[float, float] | None:
@@ -135,8 +155,7 @@ def parse_out_of_memory(message: str) -> tuple[float, float] | None:
   for pattern in _OOM:
     m = pattern.search(message)
     if m is not None:
-      return (float(m.group(1)) * _UNITS[m.group(2)],
-              float(m.group(3)) * _UNITS[m.group(4)])
+      return (float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)])
   return None
 
 
@@ -156,25 +175,33 @@ def _quiet_libtpu_probe() -> None:
   """
   try:
     from jax._src import hardware_utils  # pylint: disable=import-outside-toplevel
+
     chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
   except Exception:  # pragma: no cover - private API moved: keep libtpu's own behaviour
     return
   if chips:
     return
-  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
-                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+  for key, value in (
+    ("TPU_SKIP_MDS_QUERY", "1"),
+    ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
+    ("TPU_WORKER_HOSTNAMES", "localhost"),
+    ("TPU_WORKER_ID", "0"),
+  ):
     os.environ.setdefault(key, value)
 
 
 def topology_devices(topology: str):
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
   _quiet_libtpu_probe()
   try:
     return topologies.get_topology_desc(topology, "tpu").devices
   except Exception as e:
-    raise ValueError(f"Cannot build TPU topology {topology!r} ({e}). Install libtpu with "
-                     "pip install -e '.[tpu]' and use names like v5e:2x2, v5p:2x2x2, "
-                     "v6e:4x4.") from e
+    raise ValueError(
+      f"Cannot build TPU topology {topology!r} ({e}). Install libtpu with "
+      "pip install -e '.[tpu]' and use names like v5e:2x2, v5p:2x2x2, "
+      "v6e:4x4."
+    ) from e
 
 
 @contextlib.contextmanager
@@ -186,6 +213,7 @@ def without_persistent_cache():
   once per process whether the cache is in use, hence the resets on entry and exit.
   """
   from jax.experimental.compilation_cache import compilation_cache as jax_cc  # pylint: disable=import-outside-toplevel
+
   was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   jax_cc.reset_cache()
@@ -196,8 +224,14 @@ def without_persistent_cache():
     jax_cc.reset_cache()
 
 
-def compile_train_step(config, devices, *, vocab_size: int | None = None,
-                       platform: str = "tpu", gpu_capability: tuple[int, int] | None = None):
+def compile_train_step(
+  config,
+  devices,
+  *,
+  vocab_size: int | None = None,
+  platform: str = "tpu",
+  gpu_capability: tuple[int, int] | None = None,
+):
   """Lowers and compiles the sharded train step of ``config`` for ``devices``.
 
   The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
@@ -212,11 +246,16 @@ def compile_train_step(config, devices, *, vocab_size: int | None = None,
     vocab_size = fixed if fixed > 0 else load_tokenizer(config.data.tokenizer).vocab_size
   model_cfg = resolved_model(config, vocab_size).config
   mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
-  setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
-                            rules=shd.rules_from_config(config.mesh.get("rules")),
-                            grad_accum_steps=config.grad_accum_steps,
-                            global_batch_size=config.global_batch_size,
-                            **mesh_context_options(config))
+  setup = build_train_setup(
+    model_cfg,
+    config.optim,
+    seed=config.seed,
+    mesh=mesh,
+    rules=shd.rules_from_config(config.mesh.get("rules")),
+    grad_accum_steps=config.grad_accum_steps,
+    global_batch_size=config.global_batch_size,
+    **mesh_context_options(config),
+  )
   batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
   # context they are chosen for the target, not for this host's backend.
@@ -230,8 +269,9 @@ def _client_mem_fraction() -> float:
   try:
     return float(value)
   except ValueError:
-    raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be a number in (0, 1]."
-                     ) from None
+    raise ValueError(
+      f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be a number in (0, 1]."
+    ) from None
 
 
 def aot_report(config, topology: str) -> AotReport:
@@ -241,6 +281,7 @@ def aot_report(config, topology: str) -> AotReport:
   for memory.
   """
   from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
+
   gpu = gpu_targets.is_gpu_target(topology)
   if gpu:
     target, count = gpu_targets.parse(topology)
@@ -258,25 +299,39 @@ def aot_report(config, topology: str) -> AotReport:
       raise
     sizes = parse_out_of_memory(str(e))
     if sizes is None:
-      raise DoesNotFit(f"{topology}: the step does not fit ({str(e).splitlines()[0][:200]}); "
-                       + fit_options(config, needs_gib=float("nan"), has_gib=float("nan"),
-                                     target=topology).split("; ", 1)[1]) from None
-    raise DoesNotFit(fit_options(config, needs_gib=sizes[0], has_gib=sizes[1],
-                                 target=topology)) from None
+      raise DoesNotFit(
+        f"{topology}: the step does not fit ({str(e).splitlines()[0][:200]}); "
+        + fit_options(config, needs_gib=float("nan"), has_gib=float("nan"), target=topology).split(
+          "; ", 1
+        )[1]
+      ) from None
+    raise DoesNotFit(
+      fit_options(config, needs_gib=sizes[0], has_gib=sizes[1], target=topology)
+    ) from None
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   platform = kwargs["platform"]
   return AotReport(
-      topology=topology, arm=model_cfg.attention, num_devices=len(devices),
-      mesh=dict(mesh.shape), params=count_params(model_cfg),
-      argument_gib=mem.argument_size_in_bytes / GIB, output_gib=mem.output_size_in_bytes / GIB,
-      temp_gib=mem.temp_size_in_bytes / GIB, alias_gib=mem.alias_size_in_bytes / GIB,
-      hbm_gib=capacity, platform=platform, usable_fraction=fraction,
-      pallas_kernels=sum(text.count(call) for call in KERNEL_CALLS[platform]))
+    topology=topology,
+    arm=model_cfg.attention,
+    num_devices=len(devices),
+    mesh=dict(mesh.shape),
+    params=count_params(model_cfg),
+    argument_gib=mem.argument_size_in_bytes / GIB,
+    output_gib=mem.output_size_in_bytes / GIB,
+    temp_gib=mem.temp_size_in_bytes / GIB,
+    alias_gib=mem.alias_size_in_bytes / GIB,
+    hbm_gib=capacity,
+    platform=platform,
+    usable_fraction=fraction,
+    pallas_kernels=sum(text.count(call) for call in KERNEL_CALLS[platform]),
+  )
 
 
-USAGE = ("usage: python -m diffjax.aot --config=configs/<file>.py[:ARG] "
-         "[--topology=v5p:4x4x4 | --target=h100[:N]] [--config.<key>=<value> ...]")
+USAGE = (
+  "usage: python -m diffjax.aot --config=configs/<file>.py[:ARG] "
+  "[--topology=v5p:4x4x4 | --target=h100[:N]] [--config.<key>=<value> ...]"
+)
 SUMMARY = """\
 Compiles the run's real train step ahead of time for a TPU topology (with libtpu) or a GPU
 target (with the [gpu-compile] extra) on this machine, and prints the per-device memory the
@@ -286,11 +341,22 @@ compiler plans, whether it fits and how many of diffjax's kernels the step calls
 def main(argv=None) -> int:
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
   from diffjax.train import cli  # pylint: disable=import-outside-toplevel
-  parsed = cli.parse(list(argv or sys.argv), usage=USAGE, summary=SUMMARY, flags=(
-      cli.Flag("topology", None, "TPU topology, e.g. v5e:2x2, v5p:4x4x4 [default: v5e:2x2 "
-                                 "when no --target is given]"),
-      cli.Flag("target", None, "GPU target: h100, h200 or a100, ':N' for N GPUs of one node "
-                               "(h100:8)")))
+
+  parsed = cli.parse(
+    list(argv or sys.argv),
+    usage=USAGE,
+    summary=SUMMARY,
+    flags=(
+      cli.Flag(
+        "topology",
+        None,
+        "TPU topology, e.g. v5e:2x2, v5p:4x4x4 [default: v5e:2x2 when no --target is given]",
+      ),
+      cli.Flag(
+        "target", None, "GPU target: h100, h200 or a100, ':N' for N GPUs of one node (h100:8)"
+      ),
+    ),
+  )
   if isinstance(parsed, int):
     return parsed
   config, values, _ = parsed
@@ -301,8 +367,11 @@ def main(argv=None) -> int:
     return 2
   where = target or topology or "v5e:2x2"
   if target and not gpu_targets.is_gpu_target(target):
-    print(f"error: --target={target!r} is not a GPU target; use one of "
-          f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)", file=sys.stderr)
+    print(
+      f"error: --target={target!r} is not a GPU target; use one of "
+      f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)",
+      file=sys.stderr,
+    )
     return 2
 
   def run():
@@ -313,8 +382,11 @@ def main(argv=None) -> int:
       raise SystemExit(1) from None
     print(report.line())
     if report.fits is False:
-      print(fit_options(config, needs_gib=report.per_device_gib, has_gib=report.usable_gib,
-                        target=where))
+      print(
+        fit_options(
+          config, needs_gib=report.per_device_gib, has_gib=report.usable_gib, target=where
+        )
+      )
       raise SystemExit(1)
 
   return run_guarded(run)

@@ -55,15 +55,16 @@ def keep_freed_memory() -> bool:
     return False
   try:
     libc = ctypes.CDLL(None)
-    libc.gnu_get_libc_version  # pylint: disable=pointless-statement  # glibc only
+    _ = libc.gnu_get_libc_version  # glibc only: raises AttributeError elsewhere
     mallopt = libc.mallopt
   except (OSError, AttributeError):
     return False
   return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(
-      mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
+    mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES)
+  )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_compiler_options() -> dict[str, Any]:
   """The entries of :data:`CPU_XLA_OPTIONS` that this jaxlib's CPU compiler accepts.
 
@@ -73,12 +74,13 @@ def cpu_compiler_options() -> dict[str, Any]:
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   cpu = jax.devices("cpu")[0]
   accepted = {}
   for name, value in CPU_XLA_OPTIONS.items():
     try:
       jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(
-          jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(cpu))
       ).compile()
     except Exception:  # pylint: disable=broad-except
       continue
@@ -96,23 +98,28 @@ def _backends_started() -> bool:
   if "jax" not in sys.modules:
     return False
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
   started = getattr(xla_bridge, "backends_are_initialized", None)
   return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", {}))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flags_accepted(flags: tuple[str, ...]) -> bool:
   """Whether a fresh process with ``flags`` in ``XLA_FLAGS`` compiles a CPU program.
 
   XLA aborts a process whose ``XLA_FLAGS`` name a flag it does not know, so the flags are
   tried in a child process (about two seconds, once per process) before this one takes them.
   """
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip(),
+  )
   probe = "import jax; jax.block_until_ready(jax.jit(lambda x: x + 1)(1.0))"
   try:
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+      [sys.executable, "-c", probe], env=env, capture_output=True, timeout=120, check=False
+    )
   except (OSError, subprocess.SubprocessError):
     return False
   return done.returncode == 0
@@ -139,14 +146,16 @@ def cpu_setup(*, keep_freed_memory: bool = True, xla_flags: bool = True) -> dict
   added: list[str] = []
   if xla_flags:
     current = os.environ.get("XLA_FLAGS", "")
-    wanted = tuple(_flag(name, value) for name, value in CPU_XLA_OPTIONS.items()
-                   if f"--{name}" not in current)
+    wanted = tuple(
+      _flag(name, value) for name, value in CPU_XLA_OPTIONS.items() if f"--{name}" not in current
+    )
     if wanted and _backends_started():
       warnings.warn(
-          "diffjax.cpu_setup(): JAX has already started its backends, so XLA_FLAGS can no "
-          "longer change; call cpu_setup() before the first JAX computation, or pass "
-          "compiler_options=diffjax.cpu_compiler_options() to jax.jit / nnx.jit.",
-          stacklevel=2)
+        "diffjax.cpu_setup(): JAX has already started its backends, so XLA_FLAGS can no "
+        "longer change; call cpu_setup() before the first JAX computation, or pass "
+        "compiler_options=diffjax.cpu_compiler_options() to jax.jit / nnx.jit.",
+        stacklevel=2,
+      )
     elif wanted:
       accepted = tuple(flag for flag in wanted if _flags_accepted((flag,)))
       if accepted:

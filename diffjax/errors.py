@@ -9,7 +9,8 @@ checkpoint that does not fit the run. Command-line entry points wrap their work 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class UserError(Exception):

@@ -18,8 +18,9 @@ FIXTURES = os.path.join(TESTS, "fixtures")
 # CUDA plugin's "no driver" line (installed by the ``[gpu-compile]`` extra, loaded by jax
 # even with JAX_PLATFORMS=cpu).
 _LIBRARY_NOISE = re.compile(
-    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
-    r"STDERR|[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] .*)$")
+  r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+  r"STDERR|[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] .*)$"
+)
 
 
 def own_stderr(text: str) -> list[str]:
@@ -30,9 +31,9 @@ def own_stderr(text: str) -> list[str]:
 def tiny_config(arm="diff_v1", steps=6):
   """A train.py config of a one-layer model that trains in seconds on a CPU."""
   from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+
   c = base_config()
-  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=1, mlp_dim=128,
-                      head_dim=16))
+  c.model.update(dict(arm=arm, size="tiny", d_model=64, num_layers=1, mlp_dim=128, head_dim=16))
   c.seq_len = 32
   c.global_batch_size = 4
   c.num_steps = steps
@@ -58,14 +59,19 @@ def write_bpe_tokenizer(path, special_tokens=("</s>",), texts=None, vocab_size=3
   """Trains a byte-level BPE tokenizers file at ``path``; returns the tokenizers object."""
   import tokenizers  # pylint: disable=import-outside-toplevel
   from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                show_progress=False,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(texts or ["the quick brown fox jumps over the lazy dog"] * 20,
-                          trainer=trainer)
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(special_tokens),
+    show_progress=False,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator(
+    texts or ["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer
+  )
   tok.save(str(path))
   return tok
 
@@ -73,9 +79,13 @@ def write_bpe_tokenizer(path, special_tokens=("</s>",), texts=None, vocab_size=3
 def run_python(code: str, timeout: int = 300) -> str:
   """Runs ``code`` in a fresh CPU-only Python from the repository root, with these helpers
   importable (so ``import tests.<area>.test_x`` works); returns its stdout's last line."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=timeout)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p),
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout.strip().splitlines()[-1]

@@ -67,9 +67,11 @@ def errors(x, y) -> tuple[float, float]:
 
 def value_and_vjp(fn, args, ct):
   """(fn(*args), vjp of ct) under one jit, so each case compiles once."""
+
   def run(args, ct):
     out, vjp = jax.vjp(fn, *args)
     return out, vjp(ct)
+
   return jax.jit(run)(tuple(args), ct)
 
 
@@ -93,14 +95,16 @@ def check(triples, dtype, rows: bool = False):
   if rows:
     row_errs = {name: rel_err_rows(a, b) for name, a, b in triples}
     bad.update({f"{n} (rows)": f"{e:.2e}" for n, e in row_errs.items() if not e <= row_tol})
-  assert not bad, f"outside tolerance {tol}: {bad}; all: { {n: f'{e:.1e}' for n, e in errs.items()} }"
+  assert not bad, (
+    f"outside tolerance {tol}: {bad}; all: { {n: f'{e:.1e}' for n, e in errs.items()} }"
+  )
 
 
 def abstract_hopper():
   """An abstract H100 to lower GPU code for on a CPU (jax 0.11 asks for one)."""
   if not hasattr(jax.sharding, "AbstractDevice"):
     return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
-                                       platform="gpu", num_cores=132)
-  return jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((), (), abstract_device=device))
+  device = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132
+  )
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))

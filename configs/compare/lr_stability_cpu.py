@@ -32,8 +32,9 @@ def get_config():
   run = base_config()
   run.model.arm = "transformer"
   run.model.size = "custom"
-  run.model.update(dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        mlp_dim=176))
+  run.model.update(
+    dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=176)
+  )
   run.model.v2_match = "params"
   run.seq_len, run.global_batch_size = 128, 16
   run.num_steps = 400
@@ -42,9 +43,11 @@ def get_config():
   run.checkpoint.every = run.num_steps
   run.max_skipped_updates = 50
   run.tensorboard = False
-  c = comparison_config(run, seeds=(0, 1, 2),
-                        arms=("transformer", "diff_v1", "diff_v2", "diff_v2_cross_group",
-                              "diff_v2_no_sigmoid"))
+  c = comparison_config(
+    run,
+    seeds=(0, 1, 2),
+    arms=("transformer", "diff_v1", "diff_v2", "diff_v2_cross_group", "diff_v2_no_sigmoid"),
+  )
   c.variants.diff_v2_cross_group = dict(arm="diff_v2", model=dict(v2_pairing="across_groups"))
   c.variants.diff_v2_no_sigmoid = dict(arm="diff_v2", model=dict(v2_lambda="identity"))
   c.allow_divergence = True

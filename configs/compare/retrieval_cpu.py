@@ -41,21 +41,39 @@ def get_config():
   run.log_every, run.eval_every = 100, run.num_steps
   run.checkpoint.every = run.num_steps
   run.data.val_fraction = 0.05
-  run.task_mix.update(dict(task="associative_recall", fraction=1.0, num_examples=20_000,
-                           loss="answers", num_pairs=2, num_queries=1, distractors_per_query=0,
-                           grid=(), **_TASK))
+  run.task_mix.update(
+    dict(
+      task="associative_recall",
+      fraction=1.0,
+      num_examples=20_000,
+      loss="answers",
+      num_pairs=2,
+      num_queries=1,
+      distractors_per_query=0,
+      grid=(),
+      **_TASK,
+    )
+  )
   c = comparison_config(run, seeds=(0, 1, 2))
   c.workers = 3
   c.eval.mode = "quick"
   c.eval.overrides.mqar = dict(num_pairs=2, num_queries=1, distractors_per_query=1, **_TASK)
-  c.eval.overrides.mqar_grid = tuple(dict(num_pairs=p, num_queries=1, distractors_per_query=d)
-                                     for p, d in _GRID)
+  c.eval.overrides.mqar_grid = tuple(
+    dict(num_pairs=p, num_queries=1, distractors_per_query=d) for p, d in _GRID
+  )
   c.eval.overrides.mqar_examples = 128
   c.eval.overrides.probe_task = "mqar"
   # "text" runs on the run's own validation examples: the A1/A2 map-correlation probe, outliers
   # and lambda; "probes" is the clamp probe.
-  c.eval.overrides.sections = ("validation", "mqar", "mqar_grid", "allocation", "text",
-                               "lowbit", "probes")
+  c.eval.overrides.sections = (
+    "validation",
+    "mqar",
+    "mqar_grid",
+    "allocation",
+    "text",
+    "lowbit",
+    "probes",
+  )
   c.report.title = "Associative recall among near-duplicate keys (CPU)"
   # Guessing between the two values in context costs ln 2 = 0.69 per answer; runs that match
   # keys end near 0.15. A 25-step mean below 0.35 marks the step a run learned to retrieve.

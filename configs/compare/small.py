@@ -34,8 +34,18 @@ def get_config():
   base.global_batch_size = 64
   base.grad_accum_steps = 4
   base.num_steps = 20_000
-  base.optim.update(dict(lr=1.5e-3, min_lr=1.5e-4, warmup_steps=500, schedule="cosine",
-                         decay_steps=20_000, b1=0.9, b2=0.95, weight_decay=0.1))
+  base.optim.update(
+    dict(
+      lr=1.5e-3,
+      min_lr=1.5e-4,
+      warmup_steps=500,
+      schedule="cosine",
+      decay_steps=20_000,
+      b1=0.9,
+      b2=0.95,
+      weight_decay=0.1,
+    )
+  )
   base.log_every = 50
   base.eval_every = 1000
   base.eval_batches = 16

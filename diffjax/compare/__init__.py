@@ -36,15 +36,35 @@ runs at once in worker processes, ``workers`` > 1, CPU only), `command` (the com
 
 from diffjax.compare.command import main
 from diffjax.compare.comparison import run_comparison
-from diffjax.compare.config import (EVAL_MODES, arm_names, check_comparison_config,
-                                    comparison_config, eval_config, run_config, run_name)
+from diffjax.compare.config import (
+  EVAL_MODES,
+  arm_names,
+  check_comparison_config,
+  comparison_config,
+  eval_config,
+  run_config,
+  run_name,
+)
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import SCHEMA, write_outputs
 from diffjax.compare.runs import ComparisonStopped, done_step
 from diffjax.model import ARMS
 
 __all__ = [
-    "ARMS", "EVAL_MODES", "SCHEMA", "ComparisonStopped", "arm_names",
-    "batch_hashes", "check_batches", "check_comparison_config", "comparison_config", "done_step",
-    "eval_config", "main", "run_comparison", "run_config", "run_name", "write_outputs",
+  "ARMS",
+  "EVAL_MODES",
+  "SCHEMA",
+  "ComparisonStopped",
+  "arm_names",
+  "batch_hashes",
+  "check_batches",
+  "check_comparison_config",
+  "comparison_config",
+  "done_step",
+  "eval_config",
+  "main",
+  "run_comparison",
+  "run_config",
+  "run_name",
+  "write_outputs",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from diffjax.compare.comparison import run_comparison
 from diffjax.compare.config import describe_comparison
@@ -28,8 +28,10 @@ from diffjax.compare.runs import ComparisonStopped
 # from "fix the config" (2).
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
-USAGE = ("usage: python -m diffjax.compare --config=configs/compare/<file>.py[:ARG] "
-         "--workdir=<dir> [--config.<key>=<value> ...] [--dry_run]")
+USAGE = (
+  "usage: python -m diffjax.compare --config=configs/compare/<file>.py[:ARG] "
+  "--workdir=<dir> [--config.<key>=<value> ...] [--dry_run]"
+)
 SUMMARY = """\
 Trains every arm x seed of a comparison config (each arm is base with model.arm set, so every
 arm is matched to the same Transformer), evaluates each run, checks that the arms saw the same
@@ -42,6 +44,7 @@ def _enable_compile_cache(workdir: str) -> None:
   """Points JAX's persistent compilation cache into the workdir unless the user chose one: the
   seeds of one arm compile the same steps, so every run after the first reuses them."""
   import jax  # pylint: disable=import-outside-toplevel
+
   if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR wins
     jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compile_cache"))
 
@@ -50,16 +53,23 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command on ``argv`` (default ``sys.argv``; argv[0] is the program name) and
   returns its exit status."""
   from absl import logging  # pylint: disable=import-outside-toplevel
+
   from diffjax.train import cli  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv if argv is None else argv)
-  parsed = cli.parse(argv, usage=USAGE, summary=SUMMARY, subdir="compare",
-                     describe=describe_comparison, flags=(cli.Flag(
-                         "workdir", None, "directory for the runs and the report (required)"),))
+  parsed = cli.parse(
+    argv,
+    usage=USAGE,
+    summary=SUMMARY,
+    subdir="compare",
+    describe=describe_comparison,
+    flags=(cli.Flag("workdir", None, "directory for the runs and the report (required)"),),
+  )
   if isinstance(parsed, int):
     return parsed
   config, values, _ = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+
   if values["workdir"] is None:
     print(f"error: --workdir is required; {USAGE}", file=sys.stderr)
     return 2
@@ -80,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("stopped: interrupted; rerun the same command to continue.", file=sys.stderr)
     return EXIT_INTERRUPTED
   if code == 0 and not outcome["results"]["data_check"]["ok"]:
-    print("error: the arms did not see the same batches; see the warning in report.md.",
-          file=sys.stderr)
+    print(
+      "error: the arms did not see the same batches; see the warning in report.md.", file=sys.stderr
+    )
     return 1
   return code

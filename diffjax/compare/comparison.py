@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_collections
 from etils import epath
 
-from diffjax.compare.config import (arm_names, check_comparison_config, run_name, sweep_key,
-                                    sweep_points)
+from diffjax.compare.config import (
+  arm_names,
+  check_comparison_config,
+  run_name,
+  sweep_key,
+  sweep_points,
+)
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
@@ -40,8 +46,9 @@ class _Point:
     self.results: dict[str, Any] = {}
 
 
-def run_comparison(config: ml_collections.ConfigDict, workdir: str,
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_comparison(
+  config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
   """Trains, evaluates and reports every arm x seed of ``config`` in ``workdir``.
 
   With a sweep (``sweep.key``), every point's comparison is run in ``workdir/sweep/<point>``
@@ -54,8 +61,10 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
   check_comparison_config(config)
   arms, seeds = arm_names(config.arms), tuple(config.seeds)
   num_steps = int(config.base.num_steps)
-  points = [_Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
-            for name, value, cfg in sweep_points(config)]
+  points = [
+    _Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
+    for name, value, cfg in sweep_points(config)
+  ]
   # Point-major, then seed-major order: an interrupted comparison has complete arm pairs for
   # its first seeds.
   plan = [(p, arm, seed) for p in points for seed in seeds for arm in arms]
@@ -63,13 +72,16 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
   elapsed = lambda: _clock(time.perf_counter() - t0)
   for p in points:
     epath.Path(p.workdir, "runs").mkdir(parents=True, exist_ok=True)
-    write_json(epath.Path(p.workdir, "compare_config.json"),
-               json.loads(p.config.to_json_best_effort()))
+    write_json(
+      epath.Path(p.workdir, "compare_config.json"), json.loads(p.config.to_json_best_effort())
+    )
   if len(points) > 1:
     write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json_best_effort()))
-  swept = (f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else "")
-  log(f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
-      f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}")
+  swept = f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else ""
+  log(
+    f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
+    f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}"
+  )
   label = lambda i: (f"{plan[i][0].name}/" if plan[i][0].name else "") + run_name(*plan[i][1:])
   done = [0]
 
@@ -79,31 +91,50 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     point.timings[run_name(arm, seed)] = seconds
     run_dir = os.path.join(point.workdir, "runs", run_name(arm, seed))
     runs = point.runs
-    runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, int(config.base.log_every),
-                            float(config.report.get("learned_below", 0.0)),
-                            int(config.report.get("learned_window", 25))))
+    runs.append(
+      collect_run(
+        arm,
+        seed,
+        run_dir,
+        step,
+        ev,
+        seconds,
+        int(config.base.log_every),
+        float(config.report.get("learned_below", 0.0)),
+        int(config.report.get("learned_window", 25)),
+      )
+    )
     # Check the data as soon as a pair exists, so a mismatch does not wait for the last run.
     first = next(r for r in runs if r["seed"] == seed)
     if first is not runs[-1]:
-      check = check_batches({(r["arm"], seed): batch_hashes(r["metrics"])
-                             for r in (first, runs[-1])}, [first["arm"], arm], [seed],
-                            _checked_steps([first, runs[-1]], num_steps))
+      check = check_batches(
+        {(r["arm"], seed): batch_hashes(r["metrics"]) for r in (first, runs[-1])},
+        [first["arm"], arm],
+        [seed],
+        _checked_steps([first, runs[-1]], num_steps),
+      )
       if not check["ok"]:
         _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
     final = runs[-1]["final_metrics"]
     done[0] += 1
     left = len(plan) - done[0]
-    state = ("DIVERGED at step " + str(step)) if runs[-1]["diverged"] else (
+    state = (
+      ("DIVERGED at step " + str(step))
+      if runs[-1]["diverged"]
+      else (
         f"train loss {final.get('train/loss', float('nan')):.4f}, eval loss "
-        f"{final.get('eval/loss', float('nan')):.4f}")
-    log(f"[{i + 1}/{len(plan)} {label(i)}] done: {state}; {left} run{'' if left == 1 else 's'} "
-        f"left, elapsed {elapsed()}")
+        f"{final.get('eval/loss', float('nan')):.4f}"
+      )
+    )
+    log(
+      f"[{i + 1}/{len(plan)} {label(i)}] done: {state}; {left} run{'' if left == 1 else 's'} "
+      f"left, elapsed {elapsed()}"
+    )
 
   workers = int(config.get("workers", 1))
   jobs = [(p.config, p.workdir, arm, seed) for p, arm, seed in plan]
   if workers > 1 and len(plan) > 1:
-    run_parallel(jobs, [label(i) for i in range(len(plan))], min(workers, len(plan)), log,
-                 finish)
+    run_parallel(jobs, [label(i) for i in range(len(plan))], min(workers, len(plan)), log, finish)
   else:
     for i, (cfg, wd, arm, seed) in enumerate(jobs):
       tag = f"[{i + 1}/{len(plan)} {label(i)}]"
@@ -120,17 +151,33 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str,
     p.results = write_outputs(p.config, p.workdir, p.runs, data_check, p.timings)
     where = f" at {p.name}" if p.name else ""
     if data_check["ok"]:
-      log(f"data check{where}: all arms saw identical batches for seeds {list(seeds)}" +
-          ("" if data_check["distinct_across_seeds"] else
-           " (but the seeds did not change the data order)"))
+      log(
+        f"data check{where}: all arms saw identical batches for seeds {list(seeds)}"
+        + (
+          ""
+          if data_check["distinct_across_seeds"]
+          else " (but the seeds did not change the data order)"
+        )
+      )
     else:
-      _loud(log, [f"DATA MISMATCH{where}: the arms did not see the same batches.",
-                  *data_check["problems"], "The comparison is not matched."])
+      _loud(
+        log,
+        [
+          f"DATA MISMATCH{where}: the arms did not see the same batches.",
+          *data_check["problems"],
+          "The comparison is not matched.",
+        ],
+      )
   results = points[0].results
   if len(points) > 1:
     from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
-    results = write_sweep_outputs(config, workdir, [(p.name, p.value, p.results) for p in points],
-                                  [(p.name, p.value, p.runs) for p in points])
+
+    results = write_sweep_outputs(
+      config,
+      workdir,
+      [(p.name, p.value, p.results) for p in points],
+      [(p.name, p.value, p.runs) for p in points],
+    )
   log(f"compare: wrote {os.path.join(workdir, 'report.md')} and results.json in {elapsed()}")
   return results
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
@@ -19,8 +20,9 @@ from diffjax.model import ARMS
 EVAL_MODES = ("quick", "full", "none")
 
 
-def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1),
-                      arms: Sequence[str] = ARMS) -> ml_collections.ConfigDict:
+def comparison_config(
+  base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1), arms: Sequence[str] = ARMS
+) -> ml_collections.ConfigDict:
   """A compare config around ``base``, a full run config (its ``model.arm`` is replaced by
   each arm's).
 
@@ -53,12 +55,26 @@ def comparison_config(base: ml_collections.ConfigDict, seeds: Sequence[int] = (0
   c.seeds = tuple(int(s) for s in seeds)
   c.workers = 1
   c.base = base
-  c.eval = ml_collections.ConfigDict(dict(
-      mode="quick", overrides=ml_collections.ConfigDict(), harness_tasks=(),
-      harness_include_path="", harness_limit=0, harness_num_fewshot=0, harness_seed=1234))
-  c.report = ml_collections.ConfigDict(dict(baseline="transformer", confidence=0.95,
-                                            learned_below=0.0, learned_window=25,
-                                            title="Matched comparison"))
+  c.eval = ml_collections.ConfigDict(
+    dict(
+      mode="quick",
+      overrides=ml_collections.ConfigDict(),
+      harness_tasks=(),
+      harness_include_path="",
+      harness_limit=0,
+      harness_num_fewshot=0,
+      harness_seed=1234,
+    )
+  )
+  c.report = ml_collections.ConfigDict(
+    dict(
+      baseline="transformer",
+      confidence=0.95,
+      learned_below=0.0,
+      learned_window=25,
+      title="Matched comparison",
+    )
+  )
   c.variants = ml_collections.ConfigDict()
   c.allow_divergence = False
   c.sweep = ml_collections.ConfigDict(dict(key="", values=(), scaled=()))
@@ -69,8 +85,9 @@ def variants(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
   """The comparison's named variants: {name: {"arm", "model"}} (none by default)."""
   raw = config.get("variants", None)
   raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw or {})
-  return {name: {"arm": v.get("arm"), "model": dict(v.get("model") or {})}
-          for name, v in raw.items()}
+  return {
+    name: {"arm": v.get("arm"), "model": dict(v.get("model") or {})} for name, v in raw.items()
+  }
 
 
 def base_arm(config: ml_collections.ConfigDict, name: str) -> str:
@@ -100,8 +117,7 @@ def _tuples(x: Any) -> Any:
   return x
 
 
-def run_config(config: ml_collections.ConfigDict, arm: str, seed: int
-               ) -> ml_collections.ConfigDict:
+def run_config(config: ml_collections.ConfigDict, arm: str, seed: int) -> ml_collections.ConfigDict:
   """The train config of run (arm, seed): ``base`` with ``model.arm = arm`` and ``seed``."""
   run = copy.deepcopy(config.base)
   variant = variants(config).get(arm)
@@ -140,8 +156,9 @@ def point_name(key: str, value: Any) -> str:
   return f"{key.split('.')[-1]}={format_value(value)}"
 
 
-def sweep_points(config: ml_collections.ConfigDict
-                 ) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
+def sweep_points(
+  config: ml_collections.ConfigDict,
+) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
   """[(point name, value, the comparison at that value)]: one point per ``sweep.values``, each
   a copy of ``config`` with ``base.<sweep.key>`` set (and each ``sweep.scaled`` key scaled by
   value / the base's own value) and no sweep; [("", None, config)] without a sweep."""
@@ -176,8 +193,9 @@ def check_sweep(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"sweep.key={key!r} is not a key of base (e.g. 'optim.lr').") from None
   values = tuple(config.sweep.get("values", ()) or ())
   if not values:
-    raise ValueError(f"sweep.values is empty; give the values of {key}, e.g. "
-                     "--config.sweep.values='(1e-3, 3e-3)'.")
+    raise ValueError(
+      f"sweep.values is empty; give the values of {key}, e.g. --config.sweep.values='(1e-3, 3e-3)'."
+    )
   if len(set(values)) != len(values):
     raise ValueError(f"sweep.values={values} repeats a value.")
   bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
@@ -210,6 +228,7 @@ def eval_config(config: ml_collections.ConfigDict, run: ml_collections.ConfigDic
   its val/loss reproduces the trainer's final eval loss.
   """
   from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
+
   mode = config.eval.mode
   if mode == "none":
     return None
@@ -228,8 +247,10 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
 
   for key in ("arms", "seeds", "base", "eval", "report"):
     if key not in config:
-      raise ValueError(f"The compare config has no {key!r}; build it with "
-                       "diffjax.compare.comparison_config (see configs/compare/tiny.py).")
+      raise ValueError(
+        f"The compare config has no {key!r}; build it with "
+        "diffjax.compare.comparison_config (see configs/compare/tiny.py)."
+      )
   arms = arm_names(config.arms)
   named = variants(config)
   for name, v in named.items():
@@ -239,20 +260,26 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {ARMS}.")
     bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
     if bad:
-      raise ValueError(f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
-                       "set only other model fields (e.g. v2_pairing).")
+      raise ValueError(
+        f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
+        "set only other model fields (e.g. v2_pairing)."
+      )
   if not arms:
     raise ValueError(f"arms is empty; choose one or more of {ARMS}.")
   unknown = [a for a in arms if a not in ARMS and a not in named]
   if unknown:
-    raise ValueError(f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS} or the "
-                     f"variants {sorted(named)}.")
+    raise ValueError(
+      f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS} or the "
+      f"variants {sorted(named)}."
+    )
   if len(set(arms)) != len(arms):
     raise ValueError(f"arms={arms} names an arm twice.")
   seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
   if not seeds:
-    raise ValueError('seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
-                     "more are needed for confidence intervals).")
+    raise ValueError(
+      'seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
+      "more are needed for confidence intervals)."
+    )
   bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
   if bad:
     raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
@@ -260,8 +287,10 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"seeds={seeds} repeats a seed.")
   workers = config.get("workers", 1)
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-    raise ValueError(f"workers={workers!r} must be a positive integer (runs trained at once; "
-                     "more than 1 only on a CPU).")
+    raise ValueError(
+      f"workers={workers!r} must be a positive integer (runs trained at once; "
+      "more than 1 only on a CPU)."
+    )
   if config.eval.mode not in EVAL_MODES:
     raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
   fields = {f.name for f in dataclasses.fields(EvalConfig)}
@@ -271,14 +300,17 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   harness_tasks = harness_task_names(config)
   if harness_tasks:
     if config.eval.mode == "none":
-      raise ValueError(f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
-                       "eval.mode to 'quick' or 'full'.")
+      raise ValueError(
+        f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
+        "eval.mode to 'quick' or 'full'."
+      )
     try:
       from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
     except ImportError as e:
       raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
-    check_tasks(harness_tasks, task_manager(config.eval.get("harness_include_path") or None,
-                                            harness_tasks))
+    check_tasks(
+      harness_tasks, task_manager(config.eval.get("harness_include_path") or None, harness_tasks)
+    )
   if float(config.report.get("learned_below", 0.0)) < 0:
     raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
   if int(config.report.get("learned_window", 25)) < 1:
@@ -296,8 +328,9 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
       try:
         check_config(run)
       except ValueError as e:
-        raise ValueError(f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
-                         ) from None
+        raise ValueError(
+          f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
+        ) from None
       try:
         eval_config(point, run)
       except TypeError as e:
@@ -308,11 +341,15 @@ def describe_comparison(config: ml_collections.ConfigDict) -> str:
   """The comparison's runs, checked as the command checks them: each arm's model (what it is
   matched to and its parameters), the seeds and the shared run settings."""
   from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+
   check_comparison_config(config)
   arms, seeds = arm_names(config.arms), tuple(config.seeds)
-  lines = [f"{len(arms)} arms x {len(seeds)} seeds {seeds}; DIFF V2 matched by "
-           f"{v2_matching(config)} (base.model.v2_match)"]
+  lines = [
+    f"{len(arms)} arms x {len(seeds)} seeds {seeds}; DIFF V2 matched by "
+    f"{v2_matching(config)} (base.model.v2_match)"
+  ]
   for arm in arms:
-    lines.append(f"[{arm}] " + describe_run(run_config(config, arm, seeds[0])).replace(
-        "\n", "\n  "))
+    lines.append(
+      f"[{arm}] " + describe_run(run_config(config, arm, seeds[0])).replace("\n", "\n  ")
+    )
   return "\n".join(lines)

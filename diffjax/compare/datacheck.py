@@ -7,7 +7,8 @@ the same hash at every step.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def batch_hashes(metrics: Sequence[Mapping[str, float]]) -> dict[int, int]:
@@ -16,8 +17,12 @@ def batch_hashes(metrics: Sequence[Mapping[str, float]]) -> dict[int, int]:
   return {int(r["step"]): int(r["data/batch_hash"]) for r in metrics if "data/batch_hash" in r}
 
 
-def check_batches(hashes: Mapping[tuple[str, int], Mapping[int, int]], arms: Sequence[str],
-                  seeds: Sequence[int], num_steps: int) -> dict[str, Any]:
+def check_batches(
+  hashes: Mapping[tuple[str, int], Mapping[int, int]],
+  arms: Sequence[str],
+  seeds: Sequence[int],
+  num_steps: int,
+) -> dict[str, Any]:
   """Compares the logged batch hashes of the runs.
 
   Args:
@@ -41,19 +46,27 @@ def check_batches(hashes: Mapping[tuple[str, int], Mapping[int, int]], arms: Seq
       missing = [s for s in steps if s not in h]
       if missing:
         match = False
-        problems.append(f"seed {seed}: {arm} has no batch hash for {len(missing)} of "
-                        f"{num_steps} steps (first: step {missing[0]}); was it trained without "
-                        "log_batch_hash?")
+        problems.append(
+          f"seed {seed}: {arm} has no batch hash for {len(missing)} of "
+          f"{num_steps} steps (first: step {missing[0]}); was it trained without "
+          "log_batch_hash?"
+        )
         continue
       if arm == ref_arm or any(s not in ref for s in steps):
         continue
       differ = [s for s in steps if h[s] != ref[s]]
       if differ:
         match = False
-        problems.append(f"seed {seed}: {arm} saw different batches than {ref_arm} at "
-                        f"{len(differ)} of {num_steps} steps (first: step {differ[0]}).")
+        problems.append(
+          f"seed {seed}: {arm} saw different batches than {ref_arm} at "
+          f"{len(differ)} of {num_steps} steps (first: step {differ[0]})."
+        )
     per_seed[str(seed)] = {"match": match, "steps_compared": num_steps}
   sequences = {seed: tuple(hashes.get((arms[0], seed), {}).get(s) for s in steps) for seed in seeds}
   distinct = len(set(sequences.values())) == len(seeds)
-  return {"ok": not problems, "problems": problems, "per_seed": per_seed,
-          "distinct_across_seeds": distinct}
+  return {
+    "ok": not problems,
+    "problems": problems,
+    "per_seed": per_seed,
+    "distinct_across_seeds": distinct,
+  }

@@ -6,7 +6,8 @@ import json
 import math
 import os
 import tempfile
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 from etils import epath
@@ -29,9 +30,13 @@ def clean_json(x: Any) -> Any:
   return x
 
 
-def write_outputs(config: ml_collections.ConfigDict, workdir: str,
-                  runs: Sequence[dict[str, Any]], data_check: Mapping[str, Any],
-                  timings: Mapping[str, float]) -> dict[str, Any]:
+def write_outputs(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  runs: Sequence[dict[str, Any]],
+  data_check: Mapping[str, Any],
+  timings: Mapping[str, float],
+) -> dict[str, Any]:
   """report.md and PNGs (via `diffjax.eval.report`, the comparison summary first), then
   results.json; returns the results."""
   from diffjax.eval import aggregate, report  # pylint: disable=import-outside-toplevel
@@ -39,30 +44,52 @@ def write_outputs(config: ml_collections.ConfigDict, workdir: str,
   arms = list(arm_names(config.arms))
   baseline, confidence = config.report.baseline, float(config.report.confidence)
   curves = {r["name"]: loss_curve(r["metrics"], int(config.base.log_every)) for r in runs}
-  report_runs = [{"arm": r["arm"], "seed": r["seed"], "name": f"runs/{r['name']}",
-                  "eval": r["eval"], "curve": curves[r["name"]]} for r in runs]
+  report_runs = [
+    {
+      "arm": r["arm"],
+      "seed": r["seed"],
+      "name": f"runs/{r['name']}",
+      "eval": r["eval"],
+      "curve": curves[r["name"]],
+    }
+    for r in runs
+  ]
   # The report and plots are written with local file calls; a cloud workdir gets copies.
   remote = "://" in workdir
   out_dir = tempfile.mkdtemp(prefix="diffjax_compare_") if remote else workdir
-  title = (f"{config.report.title}: {', '.join(arms)} x seeds "
-           f"{', '.join(str(s) for s in config.seeds)}")
+  title = (
+    f"{config.report.title}: {', '.join(arms)} x seeds {', '.join(str(s) for s in config.seeds)}"
+  )
   preamble, table = summary_section(config, runs, arms, data_check)
   report.write_report(report_runs, out_dir, baseline, confidence, title=title, preamble=preamble)
 
   results = {
-      "schema": SCHEMA, "workdir": workdir, "arms": arms, "seeds": list(config.seeds),
-      "config": json.loads(config.to_json_best_effort()),
-      "data_check": data_check, "summary": table,
-      "aggregate": aggregate.aggregate(report_runs, baseline, confidence),
-      "this_invocation_s": dict(timings),  # seconds spent by this command (0 for skipped work)
-      "runs": [{
-          "arm": r["arm"], "seed": r["seed"], "name": r["name"], "workdir": r["workdir"],
-          "step": r["step"], "params": r["params"], "train_seconds": r["train_seconds"],
-          "eval_seconds": r["eval_seconds"], "final_metrics": r["final_metrics"],
-          "scalars": (r["eval"] or {}).get("scalars", {}),
-          "eval": r["eval_file"],
-          "curve": curves[r["name"]],
-      } for r in runs],
+    "schema": SCHEMA,
+    "workdir": workdir,
+    "arms": arms,
+    "seeds": list(config.seeds),
+    "config": json.loads(config.to_json_best_effort()),
+    "data_check": data_check,
+    "summary": table,
+    "aggregate": aggregate.aggregate(report_runs, baseline, confidence),
+    "this_invocation_s": dict(timings),  # seconds spent by this command (0 for skipped work)
+    "runs": [
+      {
+        "arm": r["arm"],
+        "seed": r["seed"],
+        "name": r["name"],
+        "workdir": r["workdir"],
+        "step": r["step"],
+        "params": r["params"],
+        "train_seconds": r["train_seconds"],
+        "eval_seconds": r["eval_seconds"],
+        "final_metrics": r["final_metrics"],
+        "scalars": (r["eval"] or {}).get("scalars", {}),
+        "eval": r["eval_file"],
+        "curve": curves[r["name"]],
+      }
+      for r in runs
+    ],
   }
   write_json(os.path.join(out_dir, "results.json"), clean_json(results))
   if remote:

@@ -20,17 +20,13 @@ import multiprocessing
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_collections
 
 from diffjax.compare.config import run_name
-from diffjax.compare.runs import (
-    ComparisonStopped,
-    RunResult,
-    last_step,
-    train_and_evaluate_run,
-)
+from diffjax.compare.runs import ComparisonStopped, RunResult, last_step, train_and_evaluate_run
 from diffjax.errors import UserError
 
 PROGRESS_SECONDS = 60.0
@@ -39,8 +35,9 @@ LOG_NAME = "output.log"
 
 def _stop_outside_training(signum: int, frame: Any) -> None:
   del frame
-  raise ComparisonStopped(f"signal {signum} stopped a run outside its training loop (nothing "
-                          "new to save)")
+  raise ComparisonStopped(
+    f"signal {signum} stopped a run outside its training loop (nothing new to save)"
+  )
 
 
 def _child_init(cache_dir: str | None) -> None:
@@ -51,16 +48,20 @@ def _child_init(cache_dir: str | None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, _stop_outside_training)
   from absl import logging  # pylint: disable=import-outside-toplevel
+
   logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=import-outside-toplevel
+
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
 
 
-def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,
-               tag: str) -> RunResult:
+def _child_run(
+  config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int, tag: str
+) -> RunResult:
   """One run in a worker process, its output appended to the run's output.log."""
   import jax  # pylint: disable=import-outside-toplevel
+
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
   os.makedirs(run_dir, exist_ok=True)
   sys.stdout.flush()
@@ -71,11 +72,14 @@ def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: 
     os.dup2(f.fileno(), 2)
     try:
       if jax.default_backend() != "cpu" or jax.process_count() > 1:
-        raise UserError(f"workers={config.workers} trains several runs on one machine at "
-                        f"once, which only a CPU backend allows (this one is "
-                        f"{jax.default_backend()!r}); set --config.workers=1.")
-      return train_and_evaluate_run(config, workdir, arm, seed, tag,
-                                    lambda msg: print(msg, flush=True))
+        raise UserError(
+          f"workers={config.workers} trains several runs on one machine at "
+          f"once, which only a CPU backend allows (this one is "
+          f"{jax.default_backend()!r}); set --config.workers=1."
+        )
+      return train_and_evaluate_run(
+        config, workdir, arm, seed, tag, lambda msg: print(msg, flush=True)
+      )
     finally:
       sys.stdout.flush()
       sys.stderr.flush()
@@ -88,8 +92,13 @@ def _child_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: 
 Job = tuple[ml_collections.ConfigDict, str, str, int]
 
 
-def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
-                 log: Callable[[str], None], on_done: Callable[[int, RunResult], None]) -> None:
+def run_parallel(
+  jobs: Sequence[Job],
+  labels: Sequence[str],
+  workers: int,
+  log: Callable[[str], None],
+  on_done: Callable[[int, RunResult], None],
+) -> None:
   """Runs ``jobs`` ((comparison config, workdir, arm, seed), named by ``labels``) in
   ``workers`` processes; calls ``on_done(index, result)`` in this process as each run
   finishes, in finishing order.
@@ -98,12 +107,16 @@ def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
   stopping the other runs, which save checkpoints) when one failed.
   """
   import jax  # pylint: disable=import-outside-toplevel
+
   cache_dir = jax.config.jax_compilation_cache_dir or None
   tags = [f"[{i + 1}/{len(jobs)} {labels[i]}]" for i in range(len(jobs))]
   logs = [os.path.join(wd, "runs", run_name(arm, seed), LOG_NAME) for _, wd, arm, seed in jobs]
-  pool = cf.ProcessPoolExecutor(max_workers=workers,
-                                mp_context=multiprocessing.get_context("spawn"),
-                                initializer=_child_init, initargs=(cache_dir,))
+  pool = cf.ProcessPoolExecutor(
+    max_workers=workers,
+    mp_context=multiprocessing.get_context("spawn"),
+    initializer=_child_init,
+    initargs=(cache_dir,),
+  )
   futures: dict[cf.Future, int] = {}
   # Runs are submitted only when a worker is free: none waits in the pool's own queue, where
   # a stop could not reach it.
@@ -133,8 +146,10 @@ def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
   stopped: list[str] = []
   error: BaseException | None = None
   try:
-    log(f"compare: {workers} runs at a time, each in its own process; a run's trainer and eval "
-        f"output goes to runs/<arm>_seed<k>/{LOG_NAME}")
+    log(
+      f"compare: {workers} runs at a time, each in its own process; a run's trainer and eval "
+      f"output goes to runs/<arm>_seed<k>/{LOG_NAME}"
+    )
     for _ in range(workers):
       submit_next()
     while pending:
@@ -149,8 +164,10 @@ def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
           continue
         except cf.process.BrokenProcessPool as e:
           if stop["signum"] is None and error is None:
-            error = RuntimeError(f"{tags[i]} a worker process died ({e}); see {logs[i]}. "
-                                 "Rerun the command to continue from the saved checkpoints.")
+            error = RuntimeError(
+              f"{tags[i]} a worker process died ({e}); see {logs[i]}. "
+              "Rerun the command to continue from the saved checkpoints."
+            )
             stop_children()
           continue
         except Exception as e:  # pylint: disable=broad-except
@@ -165,8 +182,7 @@ def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
         steps = []
         for i in sorted(futures[f] for f in still):
           step = last_step(os.path.dirname(logs[i]))
-          steps.append(f"{labels[i]} " +
-                       (f"step {step:,}" if step is not None else "starting"))
+          steps.append(f"{labels[i]} " + (f"step {step:,}" if step is not None else "starting"))
         log(f"compare: running {', '.join(steps)}")
   finally:
     for s, h in old.items():
@@ -175,6 +191,6 @@ def run_parallel(jobs: Sequence[Job], labels: Sequence[str], workers: int,
   if error is not None:
     raise error
   if stopped or stop["signum"] is not None:
-    raise ComparisonStopped("; ".join(stopped) or
-                            f"signal {stop['signum']} stopped the comparison before a run "
-                            "started")
+    raise ComparisonStopped(
+      "; ".join(stopped) or f"signal {stop['signum']} stopped the comparison before a run started"
+    )

@@ -10,7 +10,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ml_collections
 from etils import epath
@@ -51,8 +52,9 @@ def diverged_record(run_dir: str) -> dict[str, Any] | None:
   return json.loads(text) if text else None
 
 
-def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log,
-              allow_divergence: bool = False) -> int:
+def train_run(
+  run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log, allow_divergence: bool = False
+) -> int:
   """Trains (or resumes) one run unless its DONE marker is at the requested step.
 
   Returns the step reached; raises ComparisonStopped when a signal stopped the training. With
@@ -61,6 +63,7 @@ def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log,
   """
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from diffjax.train.trainer import TrainingError  # pylint: disable=import-outside-toplevel
+
   num_steps = int(run.num_steps)
   step = done_step(run_dir)
   if step == num_steps:
@@ -82,8 +85,9 @@ def train_run(run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log,
     log(f"{tag} DIVERGED at step {reached}: {e}")
     return reached
   if result.get("stopped"):
-    raise ComparisonStopped(f"{os.path.basename(run_dir)} stopped at step {result['step']} by a "
-                            "signal")
+    raise ComparisonStopped(
+      f"{os.path.basename(run_dir)} stopped at step {result['step']} by a signal"
+    )
   return int(result["step"])
 
 
@@ -92,29 +96,50 @@ def harness_settings(config: ml_collections.ConfigDict) -> dict[str, Any] | None
   tasks = harness_task_names(config)
   if not tasks:
     return None
-  return {"tasks": list(tasks), "include_path": config.eval.get("harness_include_path") or None,
-          "limit": config.eval.get("harness_limit") or None,
-          "num_fewshot": config.eval.get("harness_num_fewshot"),
-          "seed": int(config.eval.get("harness_seed", 1234))}
+  return {
+    "tasks": list(tasks),
+    "include_path": config.eval.get("harness_include_path") or None,
+    "limit": config.eval.get("harness_limit") or None,
+    "num_fewshot": config.eval.get("harness_num_fewshot"),
+    "seed": int(config.eval.get("harness_seed", 1234)),
+  }
 
 
-def _harness(model, tokenizer, run: ml_collections.ConfigDict, batch_size: int,
-             settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+def _harness(
+  model, tokenizer, run: ml_collections.ConfigDict, batch_size: int, settings: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, float]]:
   """The lm-eval results of ``settings["tasks"]`` on ``model`` and their flat scalars."""
   from diffjax.eval.harness import DiffjaxLM, harness_scalars, run_tasks  # pylint: disable=import-outside-toplevel
-  lm = DiffjaxLM(model=model, tokenizer=tokenizer, max_length=int(run.seq_len),
-                 batch_size=batch_size)
-  results = run_tasks(lm, settings["tasks"], include_path=settings["include_path"],
-                      limit=settings["limit"], num_fewshot=settings["num_fewshot"],
-                      seed=settings["seed"])
-  section = {"settings": dict(settings), "results": results.get("results", {}),
-             "n-shot": results.get("n-shot", {}), "versions": results.get("versions", {})}
+
+  lm = DiffjaxLM(
+    model=model, tokenizer=tokenizer, max_length=int(run.seq_len), batch_size=batch_size
+  )
+  results = run_tasks(
+    lm,
+    settings["tasks"],
+    include_path=settings["include_path"],
+    limit=settings["limit"],
+    num_fewshot=settings["num_fewshot"],
+    seed=settings["seed"],
+  )
+  section = {
+    "settings": dict(settings),
+    "results": results.get("results", {}),
+    "n-shot": results.get("n-shot", {}),
+    "versions": results.get("versions", {}),
+  }
   return section, harness_scalars(results)
 
 
-def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step: int,
-                        quick: bool, log: Log, harness: Mapping[str, Any] | None = None
-                        ) -> dict[str, Any]:
+def evaluate_checkpoint(
+  run: ml_collections.ConfigDict,
+  run_dir: str,
+  cfg,
+  step: int,
+  quick: bool,
+  log: Log,
+  harness: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
   """Evaluates the checkpoint at ``step`` of ``run_dir`` with ``cfg`` and writes eval.json.
 
   Validation batches are the run's own held-out batches (same data config, task mix, sequence
@@ -131,17 +156,31 @@ def evaluate_checkpoint(run: ml_collections.ConfigDict, run_dir: str, cfg, step:
   model, _, step = load_model(run_dir, step=step)
   data_cfg = DataConfig.from_dict(run.data.to_dict())
   source, tokenizer = run_source(run, data_cfg)
-  data = build_datasets(data_cfg, seq_len=int(run.seq_len),
-                        global_batch_size=int(run.global_batch_size), seed=int(run.seed),
-                        source=source, tokenizer=tokenizer)
+  data = build_datasets(
+    data_cfg,
+    seq_len=int(run.seq_len),
+    global_batch_size=int(run.global_batch_size),
+    seed=int(run.seed),
+    source=source,
+    tokenizer=tokenizer,
+  )
   val = data.val_batches(cfg.val_batches)
-  meta = {"seed": int(run.seed), "workdir": os.path.abspath(run_dir) if "://" not in run_dir
-          else run_dir, "step": step, "quick": quick}
+  meta = {
+    "seed": int(run.seed),
+    "workdir": os.path.abspath(run_dir) if "://" not in run_dir else run_dir,
+    "step": step,
+    "quick": quick,
+  }
   result = evaluate_model(model, val, cfg, meta=meta, log=log)
   if harness:
     t0 = time.perf_counter()
-    section, scalars = _harness(model, tokenizer if tokenizer is not None else
-                                data_cfg.tokenizer, run, cfg.batch_size, harness)
+    section, scalars = _harness(
+      model,
+      tokenizer if tokenizer is not None else data_cfg.tokenizer,
+      run,
+      cfg.batch_size,
+      harness,
+    )
     result["sections"]["harness"] = section
     result["scalars"].update(scalars)
     result["meta"]["harness"] = _normalized(dict(harness))
@@ -156,17 +195,27 @@ def _normalized(obj: Any) -> Any:
   return json.loads(json.dumps(obj, allow_nan=True))
 
 
-def _eval_is_current(ev: Mapping[str, Any] | None, step: int, cfg,
-                     harness: Mapping[str, Any] | None = None) -> bool:
+def _eval_is_current(
+  ev: Mapping[str, Any] | None, step: int, cfg, harness: Mapping[str, Any] | None = None
+) -> bool:
   if not ev:
     return False
   meta = ev.get("meta", {})
-  return (meta.get("step") == step and meta.get("eval_config") == _normalized(cfg.to_dict())
-          and meta.get("harness") == (_normalized(dict(harness)) if harness else None))
+  return (
+    meta.get("step") == step
+    and meta.get("eval_config") == _normalized(cfg.to_dict())
+    and meta.get("harness") == (_normalized(dict(harness)) if harness else None)
+  )
 
 
-def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDict,
-                 run_dir: str, step: int, tag: str, log: Log) -> dict[str, Any] | None:
+def evaluate_run(
+  config: ml_collections.ConfigDict,
+  run: ml_collections.ConfigDict,
+  run_dir: str,
+  step: int,
+  tag: str,
+  log: Log,
+) -> dict[str, Any] | None:
   """The run's eval JSON: reused while its step and eval settings match, else recomputed;
   None when the comparison's ``eval.mode`` is "none"."""
   cfg = eval_config(config, run)
@@ -179,12 +228,20 @@ def evaluate_run(config: ml_collections.ConfigDict, run: ml_collections.ConfigDi
     log(f"{tag} eval.json is up to date (step {step}): skipping evaluation")
     return ev
   log(f"{tag} evaluating ({config.eval.mode}) step {step}")
-  return evaluate_checkpoint(run, run_dir, cfg, step, config.eval.mode == "quick",
-                             log=lambda msg: log(f"{tag} eval {msg}"), harness=harness)
+  return evaluate_checkpoint(
+    run,
+    run_dir,
+    cfg,
+    step,
+    config.eval.mode == "quick",
+    log=lambda msg: log(f"{tag} eval {msg}"),
+    harness=harness,
+  )
 
 
-def train_and_evaluate_run(config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int,
-                           tag: str, log: Log) -> RunResult:
+def train_and_evaluate_run(
+  config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int, tag: str, log: Log
+) -> RunResult:
   """Trains (or resumes, or skips) and evaluates run (arm, seed) of ``config`` in
   ``workdir/runs/<arm>_seed<k>``."""
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
@@ -205,8 +262,7 @@ def last_step(run_dir: str) -> int | None:
   return rows[-1]["step"] if rows else None
 
 
-def steps_to_learn(metrics: Sequence[Mapping[str, float]], below: float, window: int
-                   ) -> float:
+def steps_to_learn(metrics: Sequence[Mapping[str, float]], below: float, window: int) -> float:
   """The first step at which the mean train loss over the last ``window`` steps (that one
   included) is below ``below``, or NaN if no step gets there (a run that never learned: the
   statistics then leave it out, and ``train/learned`` counts it as 0)."""
@@ -218,9 +274,17 @@ def steps_to_learn(metrics: Sequence[Mapping[str, float]], below: float, window:
   return float("nan")
 
 
-def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any] | None,
-                seconds: Mapping[str, float], log_every: int, learned_below: float = 0.0,
-                learned_window: int = 25) -> dict[str, Any]:
+def collect_run(
+  arm: str,
+  seed: int,
+  run_dir: str,
+  step: int,
+  ev: dict[str, Any] | None,
+  seconds: Mapping[str, float],
+  log_every: int,
+  learned_below: float = 0.0,
+  learned_window: int = 25,
+) -> dict[str, Any]:
   """One run's record: trainer results, metrics rows (one per step), eval JSON (with trainer
   scalars).
 
@@ -249,9 +313,18 @@ def collect_run(arm: str, seed: int, run_dir: str, step: int, ev: dict[str, Any]
     scalars["val/final_eval_loss"] = float("nan")
   scalars["train/skipped_updates"] = float(sum(1 for m in metrics if m.get("train/skipped")))
   model = ModelConfig.from_dict(json.loads(epath.Path(run_dir, "model_config.json").read_text()))
-  return {"arm": arm, "seed": seed, "name": run_name(arm, seed), "workdir": run_dir,
-          "step": step, "params": count_params(model), "final_metrics": final,
-          "diverged": diverged,
-          "metrics": metrics, "eval": {**(ev or {}), "scalars": scalars},
-          "eval_file": ev, "train_seconds": final.get("wall_s", seconds["train"]),
-          "eval_seconds": seconds["eval"]}
+  return {
+    "arm": arm,
+    "seed": seed,
+    "name": run_name(arm, seed),
+    "workdir": run_dir,
+    "step": step,
+    "params": count_params(model),
+    "final_metrics": final,
+    "diverged": diverged,
+    "metrics": metrics,
+    "eval": {**(ev or {}), "scalars": scalars},
+    "eval_file": ev,
+    "train_seconds": final.get("wall_s", seconds["train"]),
+    "eval_seconds": seconds["eval"],
+  }

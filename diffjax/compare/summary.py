@@ -8,7 +8,8 @@ after the report's title (its ``preamble``).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
@@ -54,46 +55,64 @@ def _paired_cell(d: Mapping[str, float]) -> str:
   return "–"
 
 
-def summary_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str,
-                  confidence: float, log_every: int) -> tuple[list[str], dict[str, Any]]:
+def summary_table(
+  runs: Sequence[Mapping[str, Any]],
+  arms: Sequence[str],
+  baseline: str,
+  confidence: float,
+  log_every: int,
+) -> tuple[list[str], dict[str, Any]]:
   """The per-arm summary (markdown lines, and the same numbers as a dict by arm)."""
-  cols = [(f"train loss (last {log_every} steps)", "train/final_loss"),
-          ("final eval loss", "val/final_eval_loss"),
-          ("retrieval/mean", "retrieval/mean"),
-          ("mqar/accuracy", "mqar/accuracy")]
-  present = [(title, key) for title, key in cols
-             if any(key in (r["eval"] or {}).get("scalars", {}) for r in runs)]
+  cols = [
+    (f"train loss (last {log_every} steps)", "train/final_loss"),
+    ("final eval loss", "val/final_eval_loss"),
+    ("retrieval/mean", "retrieval/mean"),
+    ("mqar/accuracy", "mqar/accuracy"),
+  ]
+  present = [
+    (title, key)
+    for title, key in cols
+    if any(key in (r["eval"] or {}).get("scalars", {}) for r in runs)
+  ]
   by_seed = {(r["arm"], r["seed"]): (r["eval"] or {}).get("scalars", {}) for r in runs}
   table: dict[str, Any] = {}
-  lines = ["| arm | params | seeds | " + " | ".join(t for t, _ in present)
-           + f" | final eval loss − {baseline} (paired) | train time / run |",
-           "|---" * (len(present) + 5) + "|"]
+  lines = [
+    "| arm | params | seeds | "
+    + " | ".join(t for t, _ in present)
+    + f" | final eval loss − {baseline} (paired) | train time / run |",
+    "|---" * (len(present) + 5) + "|",
+  ]
   for arm in arms:
     mine = [r for r in runs if r["arm"] == arm]
     row = {"params": mine[0]["params"] if mine else None, "seeds": [r["seed"] for r in mine]}
     for _, key in present:
-      row[key] = stats.mean_ci([by_seed[(arm, r["seed"])].get(key, float("nan")) for r in mine],
-                               confidence)
+      row[key] = stats.mean_ci(
+        [by_seed[(arm, r["seed"])].get(key, float("nan")) for r in mine], confidence
+      )
     seeds = [r["seed"] for r in mine if (baseline, r["seed"]) in by_seed]
     key = "val/final_eval_loss"
     row["paired_eval_loss"] = stats.paired_difference(
-        [by_seed[(arm, s)].get(key, float("nan")) for s in seeds],
-        [by_seed[(baseline, s)].get(key, float("nan")) for s in seeds], confidence)
+      [by_seed[(arm, s)].get(key, float("nan")) for s in seeds],
+      [by_seed[(baseline, s)].get(key, float("nan")) for s in seeds],
+      confidence,
+    )
     row["train_seconds"] = stats.mean_ci([r["train_seconds"] for r in mine], confidence)
     table[arm] = row
     paired = "(baseline)" if arm == baseline else _paired_cell(row["paired_eval_loss"])
     secs = row["train_seconds"]["mean"]
-    lines.append(f"| {arm} | {row['params']:,} | {len(mine)} | "
-                 + " | ".join(_fmt(row[k]) for _, k in present)
-                 + f" | {paired} | {secs:.0f} s |")
+    lines.append(
+      f"| {arm} | {row['params']:,} | {len(mine)} | "
+      + " | ".join(_fmt(row[k]) for _, k in present)
+      + f" | {paired} | {secs:.0f} s |"
+    )
   return lines, table
 
 
-def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str
-               ) -> list[str]:
+def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str) -> list[str]:
   """Step time, tokens/s and MFU per arm (medians of the trainer's log intervals, from each
   run's final_metrics.json, averaged over seeds); empty when the runs logged none. MFU only
   where the device has a peak (a TPU or GPU kind, or ``peak_flops`` in the config)."""
+
   def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -101,22 +120,27 @@ def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline:
   rows = {}
   for arm in arms:
     finals = [r.get("final_metrics") or {} for r in runs if r["arm"] == arm]
-    rows[arm] = {k: mean([f.get(f"perf/{k}") for f in finals])
-                 for k in ("step_time_s", "tokens_per_s_per_device", "mfu",
-                           "model_flops_per_token")}
+    rows[arm] = {
+      k: mean([f.get(f"perf/{k}") for f in finals])
+      for k in ("step_time_s", "tokens_per_s_per_device", "mfu", "model_flops_per_token")
+    }
   if not any(r["step_time_s"] for r in rows.values()):
     return []
   base = rows.get(baseline, {}).get("step_time_s")
-  lines = ["| arm | step time | vs " + baseline + " | tokens/s per device | "
-           "model GFLOP/token | MFU |", "|---|---|---|---|---|---|"]
+  lines = [
+    "| arm | step time | vs " + baseline + " | tokens/s per device | model GFLOP/token | MFU |",
+    "|---|---|---|---|---|---|",
+  ]
   for arm, r in rows.items():
     if r["step_time_s"] is None:
       continue
     ratio = f"{r['step_time_s'] / base:.3f}x" if base else "-"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (no peak for this device)"
     flops = f"{r['model_flops_per_token'] / 1e9:.4f}" if r["model_flops_per_token"] else "-"
-    lines.append(f"| {arm} | {r['step_time_s'] * 1e3:.1f} ms | {ratio} | "
-                 f"{r['tokens_per_s_per_device']:,.0f} | {flops} | {mfu} |")
+    lines.append(
+      f"| {arm} | {r['step_time_s'] * 1e3:.1f} ms | {ratio} | "
+      f"{r['tokens_per_s_per_device']:,.0f} | {flops} | {mfu} |"
+    )
   return lines
 
 
@@ -126,11 +150,15 @@ def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str
   for r in runs:
     params.setdefault(r["arm"], r["params"])
   counts = ", ".join(f"{arm} {n:,}" for arm, n in params.items() if n is not None)
-  how = {"params": "by parameters (its SwiGLU width shrunk so its total is within 0.5 % of the "
-                   "Transformer's)",
-         "heads": "by heads (the Transformer's widths, plus its extra query heads and W_λ)"}
-  return (f"Arms matched to one Transformer spec; DIFF V2 matched "
-          f"{how.get(v2_matching(config), v2_matching(config))}. Parameters: {counts}.")
+  how = {
+    "params": "by parameters (its SwiGLU width shrunk so its total is within 0.5 % of the "
+    "Transformer's)",
+    "heads": "by heads (the Transformer's widths, plus its extra query heads and W_λ)",
+  }
+  return (
+    f"Arms matched to one Transformer spec; DIFF V2 matched "
+    f"{how.get(v2_matching(config), v2_matching(config))}. Parameters: {counts}."
+  )
 
 
 def _data_phrase(base: ml_collections.ConfigDict) -> str:
@@ -142,14 +170,18 @@ def _data_phrase(base: ml_collections.ConfigDict) -> str:
     return f"`{base.data.kind}` data"
   scored = ", only the answer tokens scored" if mix.get("loss", "all") == "answers" else ""
   if task_only(mix):
-    return (f"`{task}` task examples alone ({int(mix.num_examples):,} examples{scored}; "
-            "no corpus text)")
+    return (
+      f"`{task}` task examples alone ({int(mix.num_examples):,} examples{scored}; no corpus text)"
+    )
   return f"`{base.data.kind}` data with {fraction:.0%} of the tokens from `{task}` examples"
 
 
-def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]],
-                    arms: Sequence[str], data_check: Mapping[str, Any]
-                    ) -> tuple[list[str], dict[str, Any]]:
+def summary_section(
+  config: ml_collections.ConfigDict,
+  runs: Sequence[Mapping[str, Any]],
+  arms: Sequence[str],
+  data_check: Mapping[str, Any],
+) -> tuple[list[str], dict[str, Any]]:
   """Markdown for the top of report.md, and the summary table's numbers by arm.
 
   The section says what was trained, gives the per-arm table and the data check's verdict; when
@@ -160,27 +192,58 @@ def summary_section(config: ml_collections.ConfigDict, runs: Sequence[Mapping[st
   log_every = int(base.log_every)
   lines, table = summary_table(runs, arms, baseline, confidence, log_every)
   tokens = int(base.num_steps) * int(base.global_batch_size) * int(base.seq_len)
-  head = ["## Comparison summary", "",
-          f"{len(runs)} runs; each trained {int(base.num_steps):,} steps x "
-          f"{int(base.global_batch_size)} x {int(base.seq_len)} tokens = {tokens:,} tokens on "
-          f"{_data_phrase(base)}, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
-          f"half-width of the {confidence:.0%} t interval; the paired column is arm minus "
-          f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
-          f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
-          "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
-          "same split).", "", _matching_line(config, runs), ""] + lines + [""]
+  head = (
+    [
+      "## Comparison summary",
+      "",
+      f"{len(runs)} runs; each trained {int(base.num_steps):,} steps x "
+      f"{int(base.global_batch_size)} x {int(base.seq_len)} tokens = {tokens:,} tokens on "
+      f"{_data_phrase(base)}, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
+      f"half-width of the {confidence:.0%} t interval; the paired column is arm minus "
+      f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
+      f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
+      "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
+      "same split).",
+      "",
+      _matching_line(config, runs),
+      "",
+    ]
+    + lines
+    + [""]
+  )
   speed = perf_table(runs, arms, baseline)
   if speed:
-    head += ["Speed (median step time of each run's log intervals, evaluation and checkpoint "
-             "waits excluded; mean over seeds):", ""] + speed + [""]
+    head += (
+      [
+        "Speed (median step time of each run's log intervals, evaluation and checkpoint "
+        "waits excluded; mean over seeds):",
+        "",
+      ]
+      + speed
+      + [""]
+    )
   if data_check["ok"]:
-    head += ["Data check: for every seed all arms saw identical batches at every step "
-             "(batch hashes from metrics.jsonl)" + ("" if data_check["distinct_across_seeds"]
-                                                   else "; note that the seeds did NOT vary the "
-                                                   "data order") + ".", ""]
+    head += [
+      "Data check: for every seed all arms saw identical batches at every step "
+      "(batch hashes from metrics.jsonl)"
+      + (
+        ""
+        if data_check["distinct_across_seeds"]
+        else "; note that the seeds did NOT vary the data order"
+      )
+      + ".",
+      "",
+    ]
   else:
-    head = (["## WARNING: the arms did not see the same data", ""]
-            + [f"- {p}" for p in data_check["problems"]]
-            + ["", "The comparison is not matched; do not read the differences below as "
-               "effects of the attention.", ""] + head)
+    head = (
+      ["## WARNING: the arms did not see the same data", ""]
+      + [f"- {p}" for p in data_check["problems"]]
+      + [
+        "",
+        "The comparison is not matched; do not read the differences below as "
+        "effects of the attention.",
+        "",
+      ]
+      + head
+    )
   return head, table

@@ -12,7 +12,8 @@ so bad input raises :class:`ConversionError` (a ``ValueError``) and leaves no fi
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,11 @@ import numpy as np
 from flax import nnx
 
 from diffjax.convert.files import ConversionError, read_config, read_tensors, write_checkpoint
-from diffjax.convert.hf_config import (DEFAULT_MAX_POSITIONS, hf_config_from_model,
-                                       model_config_from_hf)
+from diffjax.convert.hf_config import (
+  DEFAULT_MAX_POSITIONS,
+  hf_config_from_model,
+  model_config_from_hf,
+)
 from diffjax.convert.weights import hf_from_params, params_from_hf
 from diffjax.model import DecoderLM, ModelConfig, layout
 from diffjax.train import checkpoint as ckpt
@@ -58,9 +62,11 @@ def build_model(cfg: ModelConfig, params: Mapping[str, Any]) -> DecoderLM:
     name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
     got = _lookup(params, path)
     if got is None or tuple(np.shape(got)) != tuple(want.shape):
-      raise ConversionError(f"Parameter {name!r} has shape "
-                            f"{None if got is None else list(np.shape(got))}, but the model "
-                            f"config implies {list(want.shape)}.")
+      raise ConversionError(
+        f"Parameter {name!r} has shape "
+        f"{None if got is None else list(np.shape(got))}, but the model "
+        f"config implies {list(want.shape)}."
+      )
     return jnp.asarray(got, dtype=want.dtype)
 
   values = jax.tree_util.tree_map_with_path(place, target)
@@ -104,10 +110,17 @@ def model_params(model: DecoderLM) -> dict:
   return jax.tree.map(np.asarray, params)
 
 
-def save_hf(model: DecoderLM, path: str, *, dtype: str = "float32",
-            max_shard_size: int | str = "5GB", bos_token_id: int | None = None,
-            eos_token_id: int | None = None, pad_token_id: int | None = None,
-            max_position_embeddings: int = DEFAULT_MAX_POSITIONS) -> list[str]:
+def save_hf(
+  model: DecoderLM,
+  path: str,
+  *,
+  dtype: str = "float32",
+  max_shard_size: int | str = "5GB",
+  bos_token_id: int | None = None,
+  eos_token_id: int | None = None,
+  pad_token_id: int | None = None,
+  max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+) -> list[str]:
   """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint.
 
   Writes ``config.json`` and ``model.safetensors`` (or shards of at most
@@ -118,9 +131,14 @@ def save_hf(model: DecoderLM, path: str, *, dtype: str = "float32",
   if dtype not in _EXPORT_DTYPES:
     raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
   cfg = model.config
-  hf_config = hf_config_from_model(cfg, dtype=dtype, bos_token_id=bos_token_id,
-                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                   max_position_embeddings=max_position_embeddings)
+  hf_config = hf_config_from_model(
+    cfg,
+    dtype=dtype,
+    bos_token_id=bos_token_id,
+    eos_token_id=eos_token_id,
+    pad_token_id=pad_token_id,
+    max_position_embeddings=max_position_embeddings,
+  )
   tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
   return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size)
 
@@ -135,9 +153,14 @@ def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
   check_new_workdir(workdir)
   cfg, params, hf_config = read_hf(path)
   model = build_model(cfg, params)  # checks every shape against the config
-  write_workdir(workdir, model, {
+  write_workdir(
+    workdir,
+    model,
+    {
       "hf_config": {k: hf_config[k] for k in _KEPT_HF_KEYS if k in hf_config},
-      "source": os.path.abspath(path)})
+      "source": os.path.abspath(path),
+    },
+  )
   return cfg
 
 
@@ -165,8 +188,7 @@ def write_workdir(workdir: str, model: DecoderLM, meta: Mapping[str, Any]) -> No
   write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
 
 
-def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export: Any
-                  ) -> list[str]:
+def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export: Any) -> list[str]:
   """Exports the checkpoint of a diffjax workdir (latest step by default) with :func:`save_hf`.
 
   Token ids and ``max_position_embeddings`` default to those kept from the checkpoint the
@@ -174,8 +196,9 @@ def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export:
   ``max_shard_size``.
   """
   model, _, step = load_model(workdir, step=step)
-  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"), keep=1_000_000,
-                              async_save=False)
+  manager = ckpt.make_manager(
+    os.path.join(workdir, "checkpoints"), keep=1_000_000, async_save=False
+  )
   kept = ckpt.read_meta(manager, step).get("hf_config") or {}
   manager.close()
   return save_hf(model, path, **{**kept, **export})

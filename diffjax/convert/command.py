@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
@@ -30,8 +30,11 @@ from diffjax.train.checkpoint import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m diffjax.convert", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.convert",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   sub = p.add_subparsers(dest="command", required=True)
   imp = sub.add_parser("import", help="HF checkpoint directory -> new diffjax workdir")
   imp.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
@@ -43,21 +46,40 @@ def _parser() -> argparse.ArgumentParser:
   exp.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
   exp.add_argument("--max_shard_size", default=None, help="e.g. 5GB (default), 500MB")
   for name in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
-    exp.add_argument(f"--{name}", type=int, default=None,
-                     help="written to config.json (default: the imported checkpoint's, if any)")
+    exp.add_argument(
+      f"--{name}",
+      type=int,
+      default=None,
+      help="written to config.json (default: the imported checkpoint's, if any)",
+    )
   ret = sub.add_parser("retrofit", help="Transformer workdir or HF Llama dir -> new DIFF workdir")
-  ret.add_argument("--source", required=True,
-                   help="a Transformer-arm train.py workdir or an HF LlamaForCausalLM directory")
+  ret.add_argument(
+    "--source",
+    required=True,
+    help="a Transformer-arm train.py workdir or an HF LlamaForCausalLM directory",
+  )
   ret.add_argument("--workdir", required=True, help="new diffjax run directory")
   ret.add_argument("--arm", default="diff_v2", choices=("diff_v2", "diff_v1"))
   ret.add_argument("--step", type=int, default=None, help="source checkpoint (default: newest)")
-  ret.add_argument("--init", default=None, choices=("exact", "mixed"),
-                   help="DIFF V2: 'mixed' (the default: the subtraction ramped in over "
-                        "--mix_steps) or 'exact' (second head = first, W_o doubled)")
-  ret.add_argument("--second", default="noise", choices=("copy", "noise", "zeros"),
-                   help="DIFF V2 mixed in: the second query head of each pair (default noise)")
-  ret.add_argument("--mix_steps", type=int, default=100,
-                   help="DIFF V2 mixed in: training steps of the ramp (default 100)")
+  ret.add_argument(
+    "--init",
+    default=None,
+    choices=("exact", "mixed"),
+    help="DIFF V2: 'mixed' (the default: the subtraction ramped in over "
+    "--mix_steps) or 'exact' (second head = first, W_o doubled)",
+  )
+  ret.add_argument(
+    "--second",
+    default="noise",
+    choices=("copy", "noise", "zeros"),
+    help="DIFF V2 mixed in: the second query head of each pair (default noise)",
+  )
+  ret.add_argument(
+    "--mix_steps",
+    type=int,
+    default=100,
+    help="DIFF V2 mixed in: training steps of the ramp (default 100)",
+  )
   ret.add_argument("--seed", type=int, default=0, help="seed of --second=noise")
   return p
 
@@ -66,22 +88,42 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     if args.command == "retrofit":
-      cfg = retrofit(args.source, args.workdir, arm=args.arm, step=args.step, init=args.init,
-                     second=args.second, mix_steps=args.mix_steps, seed=args.seed)
-      ramp = (f" --config.model.v2_mix_steps={cfg.v2_mix_steps}" if cfg.v2_mix_steps else "")
-      print(f"Retrofitted {args.source} into {cfg.attention} ({cfg.num_layers} layers, "
-            f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}) in "
-            f"{args.workdir}; continue with train.py --config.model.arm={cfg.attention} "
-            f"--config.model.v2_match=heads{ramp} --config.checkpoint.init_from={args.workdir}")
+      cfg = retrofit(
+        args.source,
+        args.workdir,
+        arm=args.arm,
+        step=args.step,
+        init=args.init,
+        second=args.second,
+        mix_steps=args.mix_steps,
+        seed=args.seed,
+      )
+      ramp = f" --config.model.v2_mix_steps={cfg.v2_mix_steps}" if cfg.v2_mix_steps else ""
+      print(
+        f"Retrofitted {args.source} into {cfg.attention} ({cfg.num_layers} layers, "
+        f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}) in "
+        f"{args.workdir}; continue with train.py --config.model.arm={cfg.attention} "
+        f"--config.model.v2_match=heads{ramp} --config.checkpoint.init_from={args.workdir}"
+      )
     elif args.command == "import":
       cfg = hf_to_workdir(args.hf, args.workdir)
-      print(f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
-            f"d_model {cfg.d_model}) into {args.workdir}")
+      print(
+        f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
+        f"d_model {cfg.d_model}) into {args.workdir}"
+      )
     else:
-      export = {k: getattr(args, k) for k in ("dtype", "max_shard_size", "bos_token_id",
-                                              "eos_token_id", "pad_token_id",
-                                              "max_position_embeddings")
-                if getattr(args, k) is not None}
+      export = {
+        k: getattr(args, k)
+        for k in (
+          "dtype",
+          "max_shard_size",
+          "bos_token_id",
+          "eos_token_id",
+          "pad_token_id",
+          "max_position_embeddings",
+        )
+        if getattr(args, k) is not None
+      }
       files = workdir_to_hf(args.workdir, args.hf, step=args.step, **export)
       print(f"Exported {args.workdir} to {args.hf}: {', '.join(files)}")
   except (ConversionError, CheckpointError, ValueError, OSError) as e:

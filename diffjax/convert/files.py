@@ -13,7 +13,8 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can read BF16)
 import numpy as np
@@ -34,12 +35,15 @@ class ConversionError(ValueError):
 def read_config(directory: str) -> dict[str, Any]:
   """The parsed ``config.json`` of a checkpoint directory."""
   if not os.path.isdir(directory):
-    raise ConversionError(f"{directory!r} is not a directory: pass a local Hugging Face "
-                          "checkpoint directory holding config.json and *.safetensors.")
+    raise ConversionError(
+      f"{directory!r} is not a directory: pass a local Hugging Face "
+      "checkpoint directory holding config.json and *.safetensors."
+    )
   path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(path):
-    raise ConversionError(f"{directory!r} has no {CONFIG_FILE}: pass the directory that "
-                          "save_pretrained wrote.")
+    raise ConversionError(
+      f"{directory!r} has no {CONFIG_FILE}: pass the directory that save_pretrained wrote."
+    )
   try:
     with open(path, encoding="utf-8") as f:
       config = json.load(f)
@@ -58,19 +62,26 @@ def _tensor_files(directory: str) -> dict[str, str]:
       with open(index_path, encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-      raise ConversionError(f"{index_path!r} is not a safetensors index with a weight_map "
-                            f"({type(e).__name__}: {e}).") from e
+      raise ConversionError(
+        f"{index_path!r} is not a safetensors index with a weight_map ({type(e).__name__}: {e})."
+      ) from e
     files = {name: os.path.join(directory, fname) for name, fname in weight_map.items()}
     for path in sorted(set(files.values())):
       if not os.path.isfile(path):
-        raise ConversionError(f"{index_path!r} lists {os.path.basename(path)!r}, which is not "
-                              f"in {directory!r}: copy every shard of the checkpoint.")
+        raise ConversionError(
+          f"{index_path!r} lists {os.path.basename(path)!r}, which is not "
+          f"in {directory!r}: copy every shard of the checkpoint."
+        )
     return files
   single = os.path.join(directory, SINGLE_FILE)
   if not os.path.isfile(single):
     others = sorted(f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth")))
-    hint = (f" It holds {others[0]!r}: save the model again with safetensors "
-            "(save_pretrained does by default)." if others else "")
+    hint = (
+      f" It holds {others[0]!r}: save the model again with safetensors "
+      "(save_pretrained does by default)."
+      if others
+      else ""
+    )
     raise ConversionError(f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}.{hint}")
   return {name: single for name in _file_keys(single)}
 
@@ -96,8 +107,10 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
         present = set(f.keys())
         for name in names:
           if name not in present:
-            raise ConversionError(f"The index says {name!r} is in {os.path.basename(path)!r}, "
-                                  "but that file does not hold it.")
+            raise ConversionError(
+              f"The index says {name!r} is in {os.path.basename(path)!r}, "
+              "but that file does not hold it."
+            )
           tensors[name] = f.get_tensor(name)
     except (SafetensorError, OSError) as e:
       raise ConversionError(f"{path!r} is not a readable safetensors file ({e}).") from e
@@ -129,9 +142,13 @@ def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[list[str]
   return shards
 
 
-def write_checkpoint(directory: str, config: Mapping[str, Any],
-                     tensors: Mapping[str, np.ndarray], *, max_shard_size: int | str = "5GB"
-                     ) -> list[str]:
+def write_checkpoint(
+  directory: str,
+  config: Mapping[str, Any],
+  tensors: Mapping[str, np.ndarray],
+  *,
+  max_shard_size: int | str = "5GB",
+) -> list[str]:
   """Writes ``config.json`` and the tensors (sharded past ``max_shard_size``) into ``directory``.
 
   ``directory`` must not exist or be empty; everything is written into a temporary sibling
@@ -139,8 +156,9 @@ def write_checkpoint(directory: str, config: Mapping[str, Any],
   """
   max_bytes = parse_size(max_shard_size)
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-    raise ConversionError(f"{directory!r} already exists and is not an empty directory: "
-                          "choose a new output directory.")
+    raise ConversionError(
+      f"{directory!r} already exists and is not an empty directory: choose a new output directory."
+    )
   parent = os.path.dirname(os.path.abspath(directory))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
@@ -149,20 +167,30 @@ def write_checkpoint(directory: str, config: Mapping[str, Any],
     shards = _shards(tensors, max_bytes)
     names = []
     if len(shards) == 1:
-      save_file({k: np.ascontiguousarray(tensors[k]) for k in shards[0]},
-                os.path.join(tmp, SINGLE_FILE), metadata=FILE_METADATA)
+      save_file(
+        {k: np.ascontiguousarray(tensors[k]) for k in shards[0]},
+        os.path.join(tmp, SINGLE_FILE),
+        metadata=FILE_METADATA,
+      )
       names.append(SINGLE_FILE)
     else:
       weight_map = {}
       for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: np.ascontiguousarray(tensors[k]) for k in shard},
-                  os.path.join(tmp, fname), metadata=FILE_METADATA)
+        save_file(
+          {k: np.ascontiguousarray(tensors[k]) for k in shard},
+          os.path.join(tmp, fname),
+          metadata=FILE_METADATA,
+        )
         weight_map.update({k: fname for k in shard})
         names.append(fname)
-      index = {"metadata": {"total_parameters": int(sum(t.size for t in tensors.values())),
-                            "total_size": int(sum(t.nbytes for t in tensors.values()))},
-               "weight_map": dict(sorted(weight_map.items()))}
+      index = {
+        "metadata": {
+          "total_parameters": int(sum(t.size for t in tensors.values())),
+          "total_size": int(sum(t.nbytes for t in tensors.values())),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+      }
       _write_json(os.path.join(tmp, INDEX_FILE), index)
       names.append(INDEX_FILE)
     _write_json(os.path.join(tmp, CONFIG_FILE), config)

@@ -12,7 +12,8 @@ as transformers' own class ignores fields it does not read.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from diffjax.convert.files import ConversionError
 from diffjax.model import ModelConfig
@@ -35,8 +36,9 @@ def architecture(hf: Mapping[str, Any]) -> str:
     archs = [hf.get("model_type")]
   if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARM_OF:
     raise ConversionError(
-        f"config.json: architectures={archs!r} cannot be imported; diffjax reads "
-        f"{sorted(ARM_OF)} (into attention={sorted(ARM_OF.values())}).")
+      f"config.json: architectures={archs!r} cannot be imported; diffjax reads "
+      f"{sorted(ARM_OF)} (into attention={sorted(ARM_OF.values())})."
+    )
   return archs[0]
 
 
@@ -51,8 +53,12 @@ def _positive_int(hf: Mapping[str, Any], key: str, default: Any = None) -> int:
 
 def _positive_float(hf: Mapping[str, Any], key: str, default: float) -> float:
   value = hf.get(key, default)
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-      or not math.isfinite(value):
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float))
+    or not value > 0
+    or not math.isfinite(value)
+  ):
     raise ConversionError(f"config.json: {key}={value!r} must be a positive number.")
   return float(value)
 
@@ -75,17 +81,25 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     raise ConversionError(f"config.json: {field}={params!r} must be an object.")
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type != "default":
-    raise ConversionError(f"config.json: {field}.rope_type={rope_type!r} cannot be imported "
-                          "exactly: diffjax implements only the default (unscaled) RoPE.")
+    raise ConversionError(
+      f"config.json: {field}.rope_type={rope_type!r} cannot be imported "
+      "exactly: diffjax implements only the default (unscaled) RoPE."
+    )
   unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
   if unknown:
-    raise ConversionError(f"config.json: {field}.{unknown[0]}={params[unknown[0]]!r} cannot be "
-                          "imported: diffjax implements only the default (unscaled) RoPE.")
-  for key, value in (("partial_rotary_factor", params.get("partial_rotary_factor")),
-                     ("partial_rotary_factor", hf.get("partial_rotary_factor"))):
+    raise ConversionError(
+      f"config.json: {field}.{unknown[0]}={params[unknown[0]]!r} cannot be "
+      "imported: diffjax implements only the default (unscaled) RoPE."
+    )
+  for key, value in (
+    ("partial_rotary_factor", params.get("partial_rotary_factor")),
+    ("partial_rotary_factor", hf.get("partial_rotary_factor")),
+  ):
     if value is not None and value != 1.0:
-      raise ConversionError(f"config.json: {key}={value!r} cannot be imported exactly: "
-                            "diffjax rotates the full head dimension.")
+      raise ConversionError(
+        f"config.json: {key}={value!r} cannot be imported exactly: "
+        "diffjax rotates the full head dimension."
+      )
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
   return _positive_float({"rope_theta": theta}, "rope_theta", 10000.0)
 
@@ -98,38 +112,54 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
   """
   bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
   if bad:
-    raise ConversionError(f"{bad[0]}= would change the imported parameters; only "
-                          f"{list(RUNTIME_FIELDS)} may be set when importing.")
+    raise ConversionError(
+      f"{bad[0]}= would change the imported parameters; only "
+      f"{list(RUNTIME_FIELDS)} may be set when importing."
+    )
   arch = architecture(hf)
   arm = ARM_OF[arch]
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads"):
+  for key in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+  ):
     if key not in hf:
       raise ConversionError(f"config.json has no {key!r}, which {arch} needs.")
   hidden = _positive_int(hf, "hidden_size")
   heads = _positive_int(hf, "num_attention_heads")
   kv_heads = _positive_int(hf, "num_key_value_heads", heads)
   if hf.get("head_dim") is None and hidden % heads:
-    raise ConversionError(f"config.json: hidden_size={hidden} is not a multiple of "
-                          f"num_attention_heads={heads} and no head_dim is given.")
+    raise ConversionError(
+      f"config.json: hidden_size={hidden} is not a multiple of "
+      f"num_attention_heads={heads} and no head_dim is given."
+    )
   head_dim = _positive_int(hf, "head_dim", hidden // heads)
   if heads % kv_heads:
-    raise ConversionError(f"config.json: num_attention_heads={heads} is not a multiple of "
-                          f"num_key_value_heads={kv_heads}.")
+    raise ConversionError(
+      f"config.json: num_attention_heads={heads} is not a multiple of "
+      f"num_key_value_heads={kv_heads}."
+    )
   if "quantization_config" in hf:
-    raise ConversionError("config.json: quantization_config is set; diffjax imports only "
-                          "unquantized float weights.")
+    raise ConversionError(
+      "config.json: quantization_config is set; diffjax imports only unquantized float weights."
+    )
   act = hf.get("hidden_act", "silu")
   if act != "silu":
-    raise ConversionError(f"config.json: hidden_act={act!r} cannot be imported exactly: "
-                          "diffjax's MLP is SwiGLU with silu.")
+    raise ConversionError(
+      f"config.json: hidden_act={act!r} cannot be imported exactly: "
+      "diffjax's MLP is SwiGLU with silu."
+    )
   _refuse_true(hf, "attention_bias", "diffjax's projections have no bias")
   if arm == "transformer":
     _refuse_true(hf, "mlp_bias", "diffjax's MLP has no bias")
   dropout = hf.get("attention_dropout", 0.0)
   if dropout not in (0, 0.0, None):
-    raise ConversionError(f"config.json: attention_dropout={dropout!r} cannot be imported "
-                          "exactly: diffjax has no attention dropout.")
+    raise ConversionError(
+      f"config.json: attention_dropout={dropout!r} cannot be imported "
+      "exactly: diffjax has no attention dropout."
+    )
   eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arm == "transformer" else 1e-5)
   tie = hf.get("tie_word_embeddings", False)
   if not isinstance(tie, bool):
@@ -137,27 +167,42 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
   if arm == "diff_v1":
     if heads % 2 or kv_heads % 2:
       raise ConversionError(
-          f"config.json: num_attention_heads={heads} and num_key_value_heads={kv_heads} must "
-          "be even: DiffLlama pairs component heads (i, i + n/2) into DIFF heads.")
+        f"config.json: num_attention_heads={heads} and num_key_value_heads={kv_heads} must "
+        "be even: DiffLlama pairs component heads (i, i + n/2) into DIFF heads."
+      )
     heads, kv_heads = heads // 2, kv_heads // 2
   init_std = hf.get("initializer_range", 0.02)
   fields = dict(
-      attention=arm, vocab_size=_positive_int(hf, "vocab_size"), d_model=hidden,
-      num_layers=_positive_int(hf, "num_hidden_layers"), num_heads=heads,
-      num_kv_heads=kv_heads, head_dim=head_dim,
-      mlp_dim=_positive_int(hf, "intermediate_size"), rope_theta=_rope_theta(hf),
-      rope_style="half", norm_eps=eps, diff_norm_eps=eps, tie_embeddings=tie,
-      init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02)
+    attention=arm,
+    vocab_size=_positive_int(hf, "vocab_size"),
+    d_model=hidden,
+    num_layers=_positive_int(hf, "num_hidden_layers"),
+    num_heads=heads,
+    num_kv_heads=kv_heads,
+    head_dim=head_dim,
+    mlp_dim=_positive_int(hf, "intermediate_size"),
+    rope_theta=_rope_theta(hf),
+    rope_style="half",
+    norm_eps=eps,
+    diff_norm_eps=eps,
+    tie_embeddings=tie,
+    init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02,
+  )
   try:
     return ModelConfig(**fields, **runtime)
   except ValueError as e:
     raise ConversionError(f"config.json maps to an invalid diffjax config: {e}") from e
 
 
-def hf_config_from_model(cfg: ModelConfig, *, dtype: str = "float32",
-                         bos_token_id: int | None = None, eos_token_id: int | None = None,
-                         pad_token_id: int | None = None,
-                         max_position_embeddings: int = DEFAULT_MAX_POSITIONS) -> dict[str, Any]:
+def hf_config_from_model(
+  cfg: ModelConfig,
+  *,
+  dtype: str = "float32",
+  bos_token_id: int | None = None,
+  eos_token_id: int | None = None,
+  pad_token_id: int | None = None,
+  max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+) -> dict[str, Any]:
   """The config.json transformers writes for the same model (its keys, in its format).
 
   Raises :class:`ConversionError` for a model no transformers class computes exactly.
@@ -168,28 +213,28 @@ def hf_config_from_model(cfg: ModelConfig, *, dtype: str = "float32",
   heads = 2 * cfg.num_heads if diff else cfg.num_heads
   kv_heads = 2 * cfg.num_kv_heads if diff else cfg.num_kv_heads
   out: dict[str, Any] = {
-      "architectures": [arch],
-      "attention_bias": False,
-      "attention_dropout": 0.0,
-      "bos_token_id": bos_token_id,
-      "dtype": dtype,
-      "eos_token_id": eos_token_id,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "hidden_size": cfg.d_model,
-      "initializer_range": cfg.init_std,
-      "intermediate_size": cfg.mlp_dim,
-      "max_position_embeddings": max_position_embeddings,
-      "model_type": MODEL_TYPE[arch],
-      "num_attention_heads": heads,
-      "num_hidden_layers": cfg.num_layers,
-      "num_key_value_heads": kv_heads,
-      "pad_token_id": pad_token_id,
-      "rms_norm_eps": cfg.norm_eps,
-      "rope_parameters": {"rope_theta": float(cfg.rope_theta), "rope_type": "default"},
-      "tie_word_embeddings": cfg.tie_embeddings,
-      "use_cache": True,
-      "vocab_size": cfg.vocab_size,
+    "architectures": [arch],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": bos_token_id,
+    "dtype": dtype,
+    "eos_token_id": eos_token_id,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "hidden_size": cfg.d_model,
+    "initializer_range": cfg.init_std,
+    "intermediate_size": cfg.mlp_dim,
+    "max_position_embeddings": max_position_embeddings,
+    "model_type": MODEL_TYPE[arch],
+    "num_attention_heads": heads,
+    "num_hidden_layers": cfg.num_layers,
+    "num_key_value_heads": kv_heads,
+    "pad_token_id": pad_token_id,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_parameters": {"rope_theta": float(cfg.rope_theta), "rope_type": "default"},
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "use_cache": True,
+    "vocab_size": cfg.vocab_size,
   }
   if diff:
     out["lambda_std_dev"] = 0.1  # diffjax draws the lambda vectors from N(0, 0.1^2)
@@ -202,18 +247,26 @@ def hf_config_from_model(cfg: ModelConfig, *, dtype: str = "float32",
 def check_exportable(cfg: ModelConfig) -> None:
   """Raises :class:`ConversionError` naming the first setting no transformers class has."""
   if cfg.attention not in ARCH_OF:
-    raise ConversionError(f"attention={cfg.attention!r} has no transformers class; export "
-                          f"supports {sorted(ARCH_OF)}.")
+    raise ConversionError(
+      f"attention={cfg.attention!r} has no transformers class; export supports {sorted(ARCH_OF)}."
+    )
   if cfg.attention == "transformer" and cfg.d_model % cfg.num_heads:
-    raise ConversionError(f"d_model={cfg.d_model} is not a multiple of num_heads="
-                          f"{cfg.num_heads}, which LlamaConfig requires of hidden_size.")
+    raise ConversionError(
+      f"d_model={cfg.d_model} is not a multiple of num_heads="
+      f"{cfg.num_heads}, which LlamaConfig requires of hidden_size."
+    )
   if cfg.attention == "diff_v1":
     if not cfg.diff_use_norm:
-      raise ConversionError("diff_use_norm=False cannot be exported: DiffLlama always applies "
-                            "the per-head RMSNorm.")
+      raise ConversionError(
+        "diff_use_norm=False cannot be exported: DiffLlama always applies the per-head RMSNorm."
+      )
     if cfg.diff_fixed_lambda is not None:
-      raise ConversionError(f"diff_fixed_lambda={cfg.diff_fixed_lambda} cannot be exported: "
-                            "DiffLlama always learns lambda.")
+      raise ConversionError(
+        f"diff_fixed_lambda={cfg.diff_fixed_lambda} cannot be exported: "
+        "DiffLlama always learns lambda."
+      )
     if cfg.diff_norm_eps != cfg.norm_eps:
-      raise ConversionError(f"diff_norm_eps={cfg.diff_norm_eps} differs from norm_eps="
-                            f"{cfg.norm_eps}; DiffLlama uses one rms_norm_eps for both.")
+      raise ConversionError(
+        f"diff_norm_eps={cfg.diff_norm_eps} differs from norm_eps="
+        f"{cfg.norm_eps}; DiffLlama uses one rms_norm_eps for both."
+      )

@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -63,29 +64,40 @@ def retrofit_config(source: ModelConfig, arm: str) -> ModelConfig:
   ``matched_configs(v2_match="heads")`` gives), V1 with half the heads and kv heads (the
   matched V1 arm)."""
   if source.attention != "transformer":
-    raise ConversionError(f"the source has attention={source.attention!r}: retrofit starts "
-                          "from a Transformer-arm run or an HF LlamaForCausalLM directory.")
+    raise ConversionError(
+      f"the source has attention={source.attention!r}: retrofit starts "
+      "from a Transformer-arm run or an HF LlamaForCausalLM directory."
+    )
   if arm not in RETROFIT_ARMS:
     raise ConversionError(f"arm={arm!r} is not one of {RETROFIT_ARMS}.")
   if arm == "diff_v1" and (source.num_heads % 2 or source.num_kv_heads % 2):
     raise ConversionError(
-        f"num_heads={source.num_heads}, num_kv_heads={source.num_kv_heads}: DIFF V1 pairs the "
-        "source's heads and kv heads, so both must be even.")
+      f"num_heads={source.num_heads}, num_kv_heads={source.num_kv_heads}: DIFF V1 pairs the "
+      "source's heads and kv heads, so both must be even."
+    )
   if source.diff_fixed_lambda is not None:
     raise ConversionError("the source sets diff_fixed_lambda, a DIFF V1 ablation; clear it.")
   # V2 keeps every baseline setting (its query pairs live inside the module); V1 is the matched
   # arm (half the heads and kv heads, the same component width).
-  cfg = (dataclasses.replace(source, attention="diff_v2") if arm == "diff_v2"
-         else matched_configs(source, v2_match="heads")["diff_v1"])
-  if (cfg.mlp_dim, cfg.head_dim, cfg.d_model) != (source.mlp_dim, source.head_dim,
-                                                  source.d_model):
-    raise ConversionError(f"the matched {arm} arm changes the MLP or head width of the source; "
-                          "retrofit needs them equal.")
+  cfg = (
+    dataclasses.replace(source, attention="diff_v2")
+    if arm == "diff_v2"
+    else matched_configs(source, v2_match="heads")["diff_v1"]
+  )
+  if (cfg.mlp_dim, cfg.head_dim, cfg.d_model) != (source.mlp_dim, source.head_dim, source.d_model):
+    raise ConversionError(
+      f"the matched {arm} arm changes the MLP or head width of the source; "
+      "retrofit needs them equal."
+    )
   return cfg
 
 
-def _v2_attention(src: Mapping[str, np.ndarray], init: str = "exact", second: str = "copy",
-                  rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+def _v2_attention(
+  src: Mapping[str, np.ndarray],
+  init: str = "exact",
+  second: str = "copy",
+  rng: np.random.Generator | None = None,
+) -> dict[str, np.ndarray]:
   q_ExHxD = np.asarray(src["q"])
   e, h = q_ExHxD.shape[:2]
   o = np.asarray(src["o"])
@@ -98,16 +110,22 @@ def _v2_attention(src: Mapping[str, np.ndarray], init: str = "exact", second: st
   else:
     scale = 0.02 * np.std(q_ExHxD, axis=0, keepdims=True)
     q2 = (scale * rng.standard_normal(q_ExHxD.shape)).astype(q_ExHxD.dtype)
-  return {"q": np.stack([q_ExHxD, q2], axis=2), "k": np.asarray(src["k"]),
-          "v": np.asarray(src["v"]), "o": o, "w_lambda": np.zeros((e, h), q_ExHxD.dtype)}
+  return {
+    "q": np.stack([q_ExHxD, q2], axis=2),
+    "k": np.asarray(src["k"]),
+    "v": np.asarray(src["v"]),
+    "o": o,
+    "w_lambda": np.zeros((e, h), q_ExHxD.dtype),
+  }
 
 
 def _resolve_init(arm: str, init: str | None) -> str | None:
   """The V2 start (``init``, or the default for V2); None for V1, which has one start."""
   if arm != "diff_v2":
     if init is not None:
-      raise ConversionError(f"init={init!r} is a DIFF V2 start; DIFF V1 has its own (leave init "
-                            "unset).")
+      raise ConversionError(
+        f"init={init!r} is a DIFF V2 start; DIFF V1 has its own (leave init unset)."
+      )
     return None
   return DEFAULT_V2_INIT if init is None else init
 
@@ -120,8 +138,10 @@ def _check_v2_init(arm: str, init: str | None, second: str, mix_steps: int) -> N
   if second not in SECOND_HEADS:
     raise ConversionError(f"second={second!r} is not one of {SECOND_HEADS}.")
   if init == "mixed" and (isinstance(mix_steps, bool) or int(mix_steps) < 1):
-    raise ConversionError(f"mix_steps={mix_steps!r}: init='mixed' ramps the subtraction in over "
-                          "mix_steps >= 1 training steps.")
+    raise ConversionError(
+      f"mix_steps={mix_steps!r}: init='mixed' ramps the subtraction in over "
+      "mix_steps >= 1 training steps."
+    )
 
 
 def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, np.ndarray]:
@@ -129,24 +149,37 @@ def _v1_attention(src: Mapping[str, np.ndarray], layer_index: int) -> dict[str, 
   v_ExKxD, o_NxDxE = np.asarray(src["v"]), np.asarray(src["o"])
   e, n, d = q_ExNxD.shape
   q = np.zeros((e, n // 2, 2, d), q_ExNxD.dtype)
-  q[:, :, 0] = q_ExNxD[:, 0::2]                                   # q1: heads 2i; q2 = 0
-  k = np.stack([k_ExKxD[:, 0::2], k_ExKxD[:, 1::2]], axis=2)      # [E, K/2, 2, d]
+  q[:, :, 0] = q_ExNxD[:, 0::2]  # q1: heads 2i; q2 = 0
+  k = np.stack([k_ExKxD[:, 0::2], k_ExKxD[:, 1::2]], axis=2)  # [E, K/2, 2, d]
   v = np.concatenate([v_ExKxD[:, 0::2], v_ExKxD[:, 1::2]], axis=-1)  # [E, K/2, 2d]
-  o = np.concatenate([o_NxDxE[0::2], o_NxDxE[1::2]], axis=1)      # [N/2, 2d, E]
+  o = np.concatenate([o_NxDxE[0::2], o_NxDxE[1::2]], axis=1)  # [N/2, 2d, E]
   lam_init = lambda_init_for_layer(layer_index)
   # lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init = 1 - (1 + lambda_init) + lambda_init.
   side = math.sqrt(math.log1p(lam_init) / d)
   f32 = np.float32
-  return {"q": q, "k": k, "v": v, "o": o,
-          "lambda_q1": np.zeros(d, f32), "lambda_k1": np.zeros(d, f32),
-          "lambda_q2": np.full(d, side, f32), "lambda_k2": np.full(d, side, f32),
-          "norm_scale": np.full(2 * d, 1.0 / (1.0 - lam_init), f32)}
+  return {
+    "q": q,
+    "k": k,
+    "v": v,
+    "o": o,
+    "lambda_q1": np.zeros(d, f32),
+    "lambda_k1": np.zeros(d, f32),
+    "lambda_q2": np.full(d, side, f32),
+    "lambda_k2": np.full(d, side, f32),
+    "norm_scale": np.full(2 * d, 1.0 / (1.0 - lam_init), f32),
+  }
 
 
-def retrofit_params(source_cfg: ModelConfig, source_params: Mapping[str, Any], arm: str, *,
-                    init: str | None = None, second: str = "noise",
-                    mix_steps: int = DEFAULT_MIX_STEPS, seed: int = 0
-                    ) -> tuple[ModelConfig, dict]:
+def retrofit_params(
+  source_cfg: ModelConfig,
+  source_params: Mapping[str, Any],
+  arm: str,
+  *,
+  init: str | None = None,
+  second: str = "noise",
+  mix_steps: int = DEFAULT_MIX_STEPS,
+  seed: int = 0,
+) -> tuple[ModelConfig, dict]:
   """``(config, params)`` of the ``arm`` model retrofitted from a Transformer.
 
   ``source_params`` is the per-layer (``blocks``) pure dict of
@@ -168,8 +201,9 @@ def retrofit_params(source_cfg: ModelConfig, source_params: Mapping[str, Any], a
   for i in sorted(blocks, key=int):
     block = dict(blocks[i])
     attn = block["attn"]
-    block["attn"] = (_v2_attention(attn, init, second, rng) if arm == "diff_v2"
-                     else _v1_attention(attn, int(i)))
+    block["attn"] = (
+      _v2_attention(attn, init, second, rng) if arm == "diff_v2" else _v1_attention(attn, int(i))
+    )
     new_blocks[i] = block
   out["blocks"] = new_blocks
   return cfg, out
@@ -180,22 +214,35 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import model_params, read_hf
   from diffjax.train.loading import load_model
+
   if not os.path.isdir(path):
-    raise ConversionError(f"source {path!r} is not a directory: give a train.py workdir of the "
-                          "Transformer arm or an HF LlamaForCausalLM directory.")
+    raise ConversionError(
+      f"source {path!r} is not a directory: give a train.py workdir of the "
+      "Transformer arm or an HF LlamaForCausalLM directory."
+    )
   if os.path.isdir(os.path.join(path, "checkpoints")):
     model, cfg, used = load_model(path, step=step)
     return cfg, model_params(model), {"source": os.path.abspath(path), "source_step": used}
   if os.path.isfile(os.path.join(path, "config.json")):
     cfg, params, _ = read_hf(path)
     return cfg, params, {"source": os.path.abspath(path)}
-  raise ConversionError(f"source {path!r} holds neither checkpoints/ (a train.py workdir) nor "
-                        "config.json (an HF directory).")
+  raise ConversionError(
+    f"source {path!r} holds neither checkpoints/ (a train.py workdir) nor "
+    "config.json (an HF directory)."
+  )
 
 
-def retrofit(source: str, workdir: str, *, arm: str = "diff_v2", step: int | None = None,
-             init: str | None = None, second: str = "noise",
-             mix_steps: int = DEFAULT_MIX_STEPS, seed: int = 0) -> ModelConfig:
+def retrofit(
+  source: str,
+  workdir: str,
+  *,
+  arm: str = "diff_v2",
+  step: int | None = None,
+  init: str | None = None,
+  second: str = "noise",
+  mix_steps: int = DEFAULT_MIX_STEPS,
+  seed: int = 0,
+) -> ModelConfig:
   """Writes a new workdir (step 0) holding the ``arm`` model retrofitted from ``source``.
 
   ``source`` is a Transformer-arm ``train.py`` workdir (its newest good checkpoint, or
@@ -207,16 +254,32 @@ def retrofit(source: str, workdir: str, *, arm: str = "diff_v2", step: int | Non
   """
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import build_model, check_new_workdir, write_workdir
+
   check_new_workdir(workdir)
   init = _resolve_init(arm, init)
   _check_v2_init(arm, init, second, mix_steps)
   src_cfg, src_params, meta = _source(source, step)
-  cfg, params = retrofit_params(src_cfg, src_params, arm, init=init, second=second,
-                                mix_steps=mix_steps, seed=seed)
-  params = layout.convert_layout(params, layout.SCANNED if cfg.scan_layers else
-                                 layout.UNSCANNED, cfg.num_layers)
+  cfg, params = retrofit_params(
+    src_cfg, src_params, arm, init=init, second=second, mix_steps=mix_steps, seed=seed
+  )
+  params = layout.convert_layout(
+    params, layout.SCANNED if cfg.scan_layers else layout.UNSCANNED, cfg.num_layers
+  )
   model = build_model(cfg, params)  # checks every shape against the config
-  write_workdir(workdir, model, {**meta, "retrofit": arm, **(
-      {"init": init, **({"second": second, "mix_steps": int(mix_steps)} if init == "mixed"
-                        else {})} if arm == "diff_v2" else {})})
+  write_workdir(
+    workdir,
+    model,
+    {
+      **meta,
+      "retrofit": arm,
+      **(
+        {
+          "init": init,
+          **({"second": second, "mix_steps": int(mix_steps)} if init == "mixed" else {}),
+        }
+        if arm == "diff_v2"
+        else {}
+      ),
+    },
+  )
   return cfg

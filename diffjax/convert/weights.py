@@ -26,7 +26,8 @@ every q·k is unchanged, so the exported model computes the same function.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   if not cfg.tie_embeddings:
     shapes["lm_head.weight"] = (v, e)
   for i in range(cfg.num_layers):
-    shapes.update({
+    shapes.update(
+      {
         _layer(i, "input_layernorm.weight"): (e,),
         _layer(i, "post_attention_layernorm.weight"): (e,),
         _layer(i, "self_attn.q_proj.weight"): (q_out, e),
@@ -61,7 +63,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         _layer(i, "mlp.gate_proj.weight"): (f, e),
         _layer(i, "mlp.up_proj.weight"): (f, e),
         _layer(i, "mlp.down_proj.weight"): (e, f),
-    })
+      }
+    )
     if diff:
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         shapes[_layer(i, f"self_attn.{lam}")] = (d,)
@@ -73,22 +76,29 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
   want = expected_shapes(cfg)
   missing = sorted(set(want) - set(tensors))
   if missing:
-    raise ConversionError(f"The checkpoint has no tensor {missing[0]!r} ({len(missing)} "
-                          "missing in all), which config.json implies.")
+    raise ConversionError(
+      f"The checkpoint has no tensor {missing[0]!r} ({len(missing)} "
+      "missing in all), which config.json implies."
+    )
   extra = sorted(n for n in set(tensors) - set(want) if not _ignorable(n, cfg, tensors))
   if extra:
-    raise ConversionError(f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), "
-                          "which diffjax has no parameter for (a bias or another layer type).")
+    raise ConversionError(
+      f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), "
+      "which diffjax has no parameter for (a bias or another layer type)."
+    )
   for name, shape in want.items():
     got = tuple(tensors[name].shape)
     if got != shape:
-      raise ConversionError(f"Tensor {name!r} has shape {list(got)}, but config.json implies "
-                            f"{list(shape)}: the weights do not belong to this config.")
+      raise ConversionError(
+        f"Tensor {name!r} has shape {list(got)}, but config.json implies "
+        f"{list(shape)}: the weights do not belong to this config."
+      )
   for name in want:
     kind = tensors[name].dtype.kind
     if kind != "f" and tensors[name].dtype.name != "bfloat16":
-      raise ConversionError(f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax "
-                            "imports float weights only.")
+      raise ConversionError(
+        f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax imports float weights only."
+      )
 
 
 def _ignorable(name: str, cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> bool:
@@ -131,8 +141,10 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   """
   check_tensors(cfg, tensors)
   if cfg.rope_style != "half":
-    raise ConversionError(f"rope_style={cfg.rope_style!r}: imported checkpoints rotate halves; "
-                          "build the config with model_config_from_hf.")
+    raise ConversionError(
+      f"rope_style={cfg.rope_style!r}: imported checkpoints rotate halves; "
+      "build the config with model_config_from_hf."
+    )
   t = {name: _f32(x) for name, x in tensors.items()}
   e, d = cfg.d_model, cfg.head_dim
   h, k = cfg.num_heads, cfg.num_kv_heads
@@ -140,35 +152,45 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   for i in range(cfg.num_layers):
     w = functools.partial(lambda i_, name: t[_layer(i_, name)], i)
     if cfg.attention == "transformer":
-      attn = {"q": w("self_attn.q_proj.weight").T.reshape(e, h, d),
-              "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
-              "v": w("self_attn.v_proj.weight").T.reshape(e, k, d),
-              "o": w("self_attn.o_proj.weight").T.reshape(h, d, e)}
+      attn = {
+        "q": w("self_attn.q_proj.weight").T.reshape(e, h, d),
+        "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
+        "v": w("self_attn.v_proj.weight").T.reshape(e, k, d),
+        "o": w("self_attn.o_proj.weight").T.reshape(h, d, e),
+      }
     else:
-      attn = {"q": _to_pairs(w("self_attn.q_proj.weight"), h, d),
-              "k": _to_pairs(w("self_attn.k_proj.weight"), k, d),
-              "v": _to_pairs(w("self_attn.v_proj.weight"), k, d).reshape(e, k, 2 * d),
-              "o": w("self_attn.o_proj.weight").T.reshape(h, 2 * d, e),
-              "norm_scale": np.ones((2 * d,), np.float32)}
+      attn = {
+        "q": _to_pairs(w("self_attn.q_proj.weight"), h, d),
+        "k": _to_pairs(w("self_attn.k_proj.weight"), k, d),
+        "v": _to_pairs(w("self_attn.v_proj.weight"), k, d).reshape(e, k, 2 * d),
+        "o": w("self_attn.o_proj.weight").T.reshape(h, 2 * d, e),
+        "norm_scale": np.ones((2 * d,), np.float32),
+      }
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         attn[lam] = w(f"self_attn.{lam}")
     blocks[i] = {
-        "attn": {name: np.ascontiguousarray(x) for name, x in attn.items()},
-        "attn_norm": {"scale": w("input_layernorm.weight")},
-        "mlp": {"w_gate": np.ascontiguousarray(w("mlp.gate_proj.weight").T),
-                "w_up": np.ascontiguousarray(w("mlp.up_proj.weight").T),
-                "w_down": np.ascontiguousarray(w("mlp.down_proj.weight").T)},
-        "mlp_norm": {"scale": w("post_attention_layernorm.weight")},
+      "attn": {name: np.ascontiguousarray(x) for name, x in attn.items()},
+      "attn_norm": {"scale": w("input_layernorm.weight")},
+      "mlp": {
+        "w_gate": np.ascontiguousarray(w("mlp.gate_proj.weight").T),
+        "w_up": np.ascontiguousarray(w("mlp.up_proj.weight").T),
+        "w_down": np.ascontiguousarray(w("mlp.down_proj.weight").T),
+      },
+      "mlp_norm": {"scale": w("post_attention_layernorm.weight")},
     }
-  params: Params = {"blocks": blocks, "embed": {"embedding": t["model.embed_tokens.weight"]},
-                    "final_norm": {"scale": t["model.norm.weight"]}}
+  params: Params = {
+    "blocks": blocks,
+    "embed": {"embedding": t["model.embed_tokens.weight"]},
+    "final_norm": {"scale": t["model.norm.weight"]},
+  }
   if not cfg.tie_embeddings:
     params["lm_head"] = np.ascontiguousarray(t["lm_head.weight"].T)
   return params
 
 
-def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32
-                   ) -> dict[str, np.ndarray]:
+def hf_from_params(
+  cfg: ModelConfig, params: Params, dtype: Any = np.float32
+) -> dict[str, np.ndarray]:
   """transformers tensors (``dtype``, contiguous) of diffjax parameters ``params``.
 
   ``params`` is the DecoderLM state as a pure dict (arrays of any kind). Raises
@@ -178,8 +200,8 @@ def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32
   e, d = cfg.d_model, cfg.head_dim
   rows = _rope_rows(cfg)
   out: dict[str, np.ndarray] = {
-      "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
-      "model.norm.weight": _f32(params["final_norm"]["scale"]),
+    "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
+    "model.norm.weight": _f32(params["final_norm"]["scale"]),
   }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = _f32(params["lm_head"]).T
@@ -198,7 +220,8 @@ def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32
       o = (a["o"] * a["norm_scale"][None, :, None]).reshape(-1, e).T
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         out[_layer(i, f"self_attn.{lam}")] = a[lam]
-    out.update({
+    out.update(
+      {
         _layer(i, "self_attn.q_proj.weight"): q,
         _layer(i, "self_attn.k_proj.weight"): k,
         _layer(i, "self_attn.v_proj.weight"): v,
@@ -208,5 +231,6 @@ def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32
         _layer(i, "mlp.gate_proj.weight"): _f32(blk["mlp"]["w_gate"]).T,
         _layer(i, "mlp.up_proj.weight"): _f32(blk["mlp"]["w_up"]).T,
         _layer(i, "mlp.down_proj.weight"): _f32(blk["mlp"]["w_down"]).T,
-    })
+      }
+    )
   return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}

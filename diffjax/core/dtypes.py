@@ -29,6 +29,7 @@ def check_float64_enabled(name: str, dtype: Any) -> None:
     return
   if jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
     raise ValueError(
-        f"{name}=float64 needs 64-bit JAX, which is off (JAX would compute in float32): call "
-        "jax.config.update('jax_enable_x64', True) (or set JAX_ENABLE_X64=1) before building "
-        f"the model, or use {name}=float32.")
+      f"{name}=float64 needs 64-bit JAX, which is off (JAX would compute in float32): call "
+      "jax.config.update('jax_enable_x64', True) (or set JAX_ENABLE_X64=1) before building "
+      f"the model, or use {name}=float32."
+    )

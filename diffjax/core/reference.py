@@ -37,14 +37,14 @@ _NEG_INF = float(jnp.finfo(jnp.float32).min) * 0.5
 
 
 def build_mask(
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    *,
-    causal: bool,
-    q_segment_ids_BxT: jax.Array | None,
-    kv_segment_ids_BxS: jax.Array | None,
-    mask: jax.Array | None,
+  batch: int,
+  q_len: int,
+  kv_len: int,
+  *,
+  causal: bool,
+  q_segment_ids_BxT: jax.Array | None,
+  kv_segment_ids_BxS: jax.Array | None,
+  mask: jax.Array | None,
 ) -> jax.Array | None:
   """Returns a boolean mask broadcastable to [B, 1, T, S] (True = attend), or None."""
   out = None
@@ -73,7 +73,8 @@ def _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale: float) -> jax.Array:
   acc = accumulation_dtype(q_BxTxHxD.dtype)
   q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv, g, d)
   logits_BxKxGxTxS = jnp.einsum(
-      "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=acc)
+    "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=acc
+  )
   return logits_BxKxGxTxS.reshape(b, h, t, -1) * jnp.asarray(scale, acc)
 
 
@@ -107,7 +108,7 @@ def merge_partials(parts, log_mass, axis: int) -> jax.Array:
 
 
 def attention_probs(
-    q_BxTxHxD, k_BxSxKxD, *, scale: float, mask, logits_fn=None
+  q_BxTxHxD, k_BxSxKxD, *, scale: float, mask, logits_fn=None
 ) -> tuple[jax.Array, jax.Array]:
   """Returns (logits, probabilities), both float32 [B, H, T, S] (float64 for float64 q).
 
@@ -127,8 +128,11 @@ def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
   g = h // kv
   p_BxKxGxTxS = probs_BxHxTxS.reshape(b, kv, g, t, s).astype(v_BxSxKxDv.dtype)
   out_BxTxKxGxDv = jnp.einsum(
-      "bkgts,bskd->btkgd", p_BxKxGxTxS, v_BxSxKxDv,
-      preferred_element_type=accumulation_dtype(v_BxSxKxDv.dtype))
+    "bkgts,bskd->btkgd",
+    p_BxKxGxTxS,
+    v_BxSxKxDv,
+    preferred_element_type=accumulation_dtype(v_BxSxKxDv.dtype),
+  )
   return out_BxTxKxGxDv.reshape(b, t, h, -1).astype(out_dtype)
 
 
@@ -137,14 +141,25 @@ def _mask_and_scale(q_BxTxHxD, k_BxSxKxD, causal, segment_ids, mask, scale):
   b, t, _, d = q_BxTxHxD.shape
   s = k_BxSxKxD.shape[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  m = build_mask(b, t, s, causal=causal, q_segment_ids_BxT=q_seg,
-                 kv_segment_ids_BxS=kv_seg, mask=mask)
+  m = build_mask(
+    b, t, s, causal=causal, q_segment_ids_BxT=q_seg, kv_segment_ids_BxS=kv_seg, mask=mask
+  )
   return m, _v.default_scale(scale, d)
 
 
 def mha_reference(
-    q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, segment_ids=None,
-    mask=None, scale=None, return_aux=False, logits_fn=None, probs_fn=None):
+  q_BxTxHxD,
+  k_BxSxKxD,
+  v_BxSxKxDv,
+  *,
+  causal=True,
+  segment_ids=None,
+  mask=None,
+  scale=None,
+  return_aux=False,
+  logits_fn=None,
+  probs_fn=None,
+):
   """Baseline multi-head / grouped-query attention.
 
   Returns out [B, T, H, Dv] (dtype of q); with ``return_aux`` also a dict with
@@ -152,8 +167,9 @@ def mha_reference(
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
   m, scale = _mask_and_scale(q_BxTxHxD, k_BxSxKxD, causal, segment_ids, mask, scale)
-  logits_BxHxTxS, probs_BxHxTxS = attention_probs(q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m,
-                                                  logits_fn=logits_fn)
+  logits_BxHxTxS, probs_BxHxTxS = attention_probs(
+    q_BxTxHxD, k_BxSxKxD, scale=scale, mask=m, logits_fn=logits_fn
+  )
   if probs_fn is not None:
     probs_BxHxTxS = probs_fn(probs_BxHxTxS)
   out_BxTxHxDv = _apply_probs(probs_BxHxTxS, v_BxSxKxDv, q_BxTxHxD.dtype)
@@ -162,32 +178,64 @@ def mha_reference(
   return out_BxTxHxDv
 
 
-def _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxHxT, *,
-                  causal, segment_ids, mask, scale, return_aux, logits_fn, probs_fn):
+def _differential(
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_BxHxT,
+  *,
+  causal,
+  segment_ids,
+  mask,
+  scale,
+  return_aux,
+  logits_fn,
+  probs_fn,
+):
   """(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V, the math V1 and V2 share.
 
   ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head).
   """
   m, scale = _mask_and_scale(q1_BxTxHxD, k1_BxSxKxD, causal, segment_ids, mask, scale)
-  logits1_BxHxTxS, p1_BxHxTxS = attention_probs(q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m,
-                                                logits_fn=logits_fn)
-  logits2_BxHxTxS, p2_BxHxTxS = attention_probs(q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m,
-                                                logits_fn=logits_fn)
+  logits1_BxHxTxS, p1_BxHxTxS = attention_probs(
+    q1_BxTxHxD, k1_BxSxKxD, scale=scale, mask=m, logits_fn=logits_fn
+  )
+  logits2_BxHxTxS, p2_BxHxTxS = attention_probs(
+    q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m, logits_fn=logits_fn
+  )
   # One matmul with V on the combined (signed) probabilities.
   p_BxHxTxS = p1_BxHxTxS - lam_BxHxT[..., None] * p2_BxHxTxS
   if probs_fn is not None:
     p_BxHxTxS = probs_fn(p_BxHxTxS)
   out_BxTxHxDv = _apply_probs(p_BxHxTxS, v_BxSxKxDv, q1_BxTxHxD.dtype)
   if return_aux:
-    return out_BxTxHxDv, {"logits1": logits1_BxHxTxS, "logits2": logits2_BxHxTxS,
-                          "probs1": p1_BxHxTxS, "probs2": p2_BxHxTxS}
+    return out_BxTxHxDv, {
+      "logits1": logits1_BxHxTxS,
+      "logits2": logits2_BxHxTxS,
+      "probs1": p1_BxHxTxS,
+      "probs2": p2_BxHxTxS,
+    }
   return out_BxTxHxDv
 
 
 def diff_v1_reference(
-    q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, *,
-    causal=True, segment_ids=None, mask=None, scale=None, return_aux=False,
-    logits_fn=None, probs_fn=None):
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam,
+  *,
+  causal=True,
+  segment_ids=None,
+  mask=None,
+  scale=None,
+  return_aux=False,
+  logits_fn=None,
+  probs_fn=None,
+):
   """DIFF V1 core: ``(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V``.
 
   Args:
@@ -204,15 +252,37 @@ def diff_v1_reference(
   h = q1_BxTxHxD.shape[2]
   acc = accumulation_dtype(q1_BxTxHxD.dtype)
   lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (h,))[None, :, None]
-  return _differential(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxHxT,
-                       causal=causal, segment_ids=segment_ids, mask=mask, scale=scale,
-                       return_aux=return_aux, logits_fn=logits_fn, probs_fn=probs_fn)
+  return _differential(
+    q1_BxTxHxD,
+    q2_BxTxHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_BxHxT,
+    causal=causal,
+    segment_ids=segment_ids,
+    mask=mask,
+    scale=scale,
+    return_aux=return_aux,
+    logits_fn=logits_fn,
+    probs_fn=probs_fn,
+  )
 
 
 def diff_v2_reference(
-    q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
-    segment_ids=None, mask=None, scale=None, return_aux=False, logits_fn=None,
-    probs_fn=None):
+  q_BxTxQxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal=True,
+  segment_ids=None,
+  mask=None,
+  scale=None,
+  return_aux=False,
+  logits_fn=None,
+  probs_fn=None,
+):
   """DIFF V2 core on paired query heads.
 
   Args:
@@ -228,10 +298,21 @@ def diff_v2_reference(
   b, t, q_heads, d = q_BxTxQxD.shape
   q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
   lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q_BxTxQxD.dtype)), (0, 2, 1))
-  return _differential(q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD, k_BxSxKxD,
-                       v_BxSxKxD, lam_BxHxT, causal=causal, segment_ids=segment_ids,
-                       mask=mask, scale=scale, return_aux=return_aux, logits_fn=logits_fn,
-                       probs_fn=probs_fn)
+  return _differential(
+    q_BxTxHx2xD[:, :, :, 0],
+    q_BxTxHx2xD[:, :, :, 1],
+    k_BxSxKxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxHxT,
+    causal=causal,
+    segment_ids=segment_ids,
+    mask=mask,
+    scale=scale,
+    return_aux=return_aux,
+    logits_fn=logits_fn,
+    probs_fn=probs_fn,
+  )
 
 
 def rms_norm(x, gain, eps: float = 1e-5):
@@ -247,6 +328,7 @@ def rms_norm(x, gain, eps: float = 1e-5):
 def lambda_init_for_layer(layer_index: int) -> float:
   """DIFF V1 lambda_init = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
   import math
+
   if layer_index < 0:
     raise ValueError(f"layer_index={layer_index} must be >= 0 (layers count from 0).")
   return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
@@ -260,5 +342,8 @@ def diff_v1_lambda(lq1, lk1, lq2, lk2, lambda_init: float, dtype=jnp.float32) ->
   """
   acc = accumulation_dtype(jnp.result_type(dtype, lq1, lk1, lq2, lk2))
   f = lambda a: a.astype(acc)
-  return (jnp.exp(jnp.sum(f(lq1) * f(lk1))) - jnp.exp(jnp.sum(f(lq2) * f(lk2)))
-          + jnp.asarray(lambda_init, acc))
+  return (
+    jnp.exp(jnp.sum(f(lq1) * f(lk1)))
+    - jnp.exp(jnp.sum(f(lq2) * f(lk2)))
+    + jnp.asarray(lambda_init, acc)
+  )

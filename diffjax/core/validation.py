@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -30,8 +31,10 @@ def _check_same_dtype(**arrays) -> None:
   dtypes = {k: jnp.result_type(v) for k, v in arrays.items()}
   if len(set(dtypes.values())) > 1:
     desc = ", ".join(f"{k}={v}" for k, v in dtypes.items())
-    raise ValueError(f"Inputs must share one dtype; got {desc}. Cast them to one dtype "
-                     "(e.g. all bfloat16) before calling.")
+    raise ValueError(
+      f"Inputs must share one dtype; got {desc}. Cast them to one dtype "
+      "(e.g. all bfloat16) before calling."
+    )
 
 
 def _check_kv(q_name, q, k_name, k, v_name, v, d_value=None) -> None:
@@ -50,8 +53,10 @@ def _check_kv(q_name, q, k_name, k, v_name, v, d_value=None) -> None:
   if dq != dk:
     raise ValueError(f"Query and key head dims differ: {q_name} {dq}, {k_name} {dk}.")
   if hk == 0 or hq % hk:
-    raise ValueError(f"Query heads ({q_name}: {hq}) must be a multiple of kv heads "
-                     f"({k_name}: {hk}) for grouped-query attention.")
+    raise ValueError(
+      f"Query heads ({q_name}: {hq}) must be a multiple of kv heads "
+      f"({k_name}: {hk}) for grouped-query attention."
+    )
   if d_value is not None and dv != d_value:
     raise ValueError(f"{v_name} head dim must be {d_value}; got {dv}.")
 
@@ -70,8 +75,9 @@ def check_diff_v1(q1, q2, k1, k2, v, lam) -> None:
   _check_same_dtype(q1=q1, q2=q2, k1=k1, k2=k2, v=v)
   h = _shape(q1)[2]
   if _shape(lam) not in ((), (h,)):
-    raise ValueError(f"lam must be a scalar or have shape ({h},) (one per head); got shape "
-                     f"{_shape(lam)}.")
+    raise ValueError(
+      f"lam must be a scalar or have shape ({h},) (one per head); got shape {_shape(lam)}."
+    )
 
 
 def check_diff_v2(q, k, v, lam) -> None:
@@ -83,11 +89,14 @@ def check_diff_v2(q, k, v, lam) -> None:
     raise ValueError(f"DIFF V2 needs an even number of query heads (pairs 2i, 2i+1); got {qh}.")
   h = qh // 2
   if h % kh:
-    raise ValueError(f"DIFF V2 pairs ({h}) must be a multiple of kv heads ({kh}) so that both "
-                     "heads of a pair sit in one GQA group.")
+    raise ValueError(
+      f"DIFF V2 pairs ({h}) must be a multiple of kv heads ({kh}) so that both "
+      "heads of a pair sit in one GQA group."
+    )
   if _shape(lam) != (b, t, h):
-    raise ValueError(f"lam must have shape (batch, length, pairs) = {(b, t, h)}; got "
-                     f"{_shape(lam)}.")
+    raise ValueError(
+      f"lam must have shape (batch, length, pairs) = {(b, t, h)}; got {_shape(lam)}."
+    )
 
 
 def split_segment_ids(segment_ids, batch: int, q_len: int, kv_len: int):
@@ -96,8 +105,10 @@ def split_segment_ids(segment_ids, batch: int, q_len: int, kv_len: int):
     return None, None
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
-      raise ValueError("segment_ids must be one [batch, length] array or a pair (q_ids, kv_ids); "
-                       f"got a sequence of {len(segment_ids)}.")
+      raise ValueError(
+        "segment_ids must be one [batch, length] array or a pair (q_ids, kv_ids); "
+        f"got a sequence of {len(segment_ids)}."
+      )
     q_seg, kv_seg = segment_ids
   else:
     q_seg = kv_seg = segment_ids
@@ -120,12 +131,16 @@ def check_decode(q_Bx1xHxD, kv_len_B, op: str, wider: str | None = None) -> None
   b, t = _shape(q_Bx1xHxD)[:2]
   if t != 1:
     hint = f" Use {wider} for T > 1." if wider else ""
-    raise ValueError(f"{op} takes one query token per row (shape [B, 1, H, D]); got q shape "
-                     f"{_shape(q_Bx1xHxD)}.{hint}")
+    raise ValueError(
+      f"{op} takes one query token per row (shape [B, 1, H, D]); got q shape "
+      f"{_shape(q_Bx1xHxD)}.{hint}"
+    )
   kv_len_B = jnp.asarray(kv_len_B)
   if kv_len_B.shape != (b,) or not jnp.issubdtype(kv_len_B.dtype, jnp.integer):
-    raise ValueError(f"kv_len must be an integer array of shape ({b},); got shape "
-                     f"{tuple(kv_len_B.shape)} and dtype {kv_len_B.dtype}.")
+    raise ValueError(
+      f"kv_len must be an integer array of shape ({b},); got shape "
+      f"{tuple(kv_len_B.shape)} and dtype {kv_len_B.dtype}."
+    )
 
 
 def resolve_fields(value: Any, default: Any, cls: type) -> Any:
@@ -139,8 +154,11 @@ def resolve_fields(value: Any, default: Any, cls: type) -> Any:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - fields)
     if unknown:
-      raise ValueError(f"Unknown {cls.__name__} fields {unknown}; expected some of "
-                       f"{sorted(fields)}.")
+      raise ValueError(
+        f"Unknown {cls.__name__} fields {unknown}; expected some of {sorted(fields)}."
+      )
     return dataclasses.replace(default, **dict(value))
-  raise TypeError(f"block_sizes must be None, a {cls.__name__} or a dict of its fields; got "
-                  f"{type(value).__name__}.")
+  raise TypeError(
+    f"block_sizes must be None, a {cls.__name__} or a dict of its fields; got "
+    f"{type(value).__name__}."
+  )

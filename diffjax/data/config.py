@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 KINDS = ("stdlib", "text", "prepared")
 
@@ -52,27 +53,47 @@ class DataConfig:
   prefetch_batches: int
   shards_per_group: int
 
-  def __init__(self, *, kind: str = "stdlib", paths: tuple[str, ...] | list[str] | str = (),
-               tokenizer: str = "byte", val_fraction: float = 0.01, split_seed: int = 0,
-               max_documents: int | None = None, max_tokens: int | None = None,
-               shuffle: bool = True, streams_per_row: int = 16, prefetch_batches: int = 4,
-               shards_per_group: int = 16, **unknown: Any):
+  def __init__(
+    self,
+    *,
+    kind: str = "stdlib",
+    paths: tuple[str, ...] | list[str] | str = (),
+    tokenizer: str = "byte",
+    val_fraction: float = 0.01,
+    split_seed: int = 0,
+    max_documents: int | None = None,
+    max_tokens: int | None = None,
+    shuffle: bool = True,
+    streams_per_row: int = 16,
+    prefetch_batches: int = 4,
+    shards_per_group: int = 16,
+    **unknown: Any,
+  ):
     if unknown:
       raise ValueError(
-          f"Unknown DataConfig keys {sorted(unknown)}; accepted keys are "
-          f"{[f.name for f in dataclasses.fields(DataConfig)]}."
+        f"Unknown DataConfig keys {sorted(unknown)}; accepted keys are "
+        f"{[f.name for f in dataclasses.fields(DataConfig)]}."
       )
     paths = (paths,) if isinstance(paths, str) else tuple(str(p) for p in paths)
-    values = dict(kind=kind, paths=paths, tokenizer=tokenizer, val_fraction=float(val_fraction),
-                  split_seed=int(split_seed), max_documents=max_documents, max_tokens=max_tokens,
-                  shuffle=bool(shuffle), streams_per_row=int(streams_per_row),
-                  prefetch_batches=int(prefetch_batches), shards_per_group=int(shards_per_group))
+    values = dict(
+      kind=kind,
+      paths=paths,
+      tokenizer=tokenizer,
+      val_fraction=float(val_fraction),
+      split_seed=int(split_seed),
+      max_documents=max_documents,
+      max_tokens=max_tokens,
+      shuffle=bool(shuffle),
+      streams_per_row=int(streams_per_row),
+      prefetch_batches=int(prefetch_batches),
+      shards_per_group=int(shards_per_group),
+    )
     for name, value in values.items():
       object.__setattr__(self, name, value)
     self._validate()
 
   @classmethod
-  def from_dict(cls, values: Mapping[str, Any] | None) -> "DataConfig":
+  def from_dict(cls, values: Mapping[str, Any] | None) -> DataConfig:
     """Builds a config from a mapping (a dict, or an ml_collections ConfigDict)."""
     if values is None:
       return cls()
@@ -87,22 +108,27 @@ class DataConfig:
       raise ValueError(f"DataConfig kind={self.kind!r} is not one of {KINDS}.")
     if self.kind == "stdlib" and self.paths:
       raise ValueError(
-          f"DataConfig kind='stdlib' takes no paths, got paths={self.paths}; "
-          "use kind='text' to read files."
+        f"DataConfig kind='stdlib' takes no paths, got paths={self.paths}; "
+        "use kind='text' to read files."
       )
     if self.kind == "prepared":
-      missing = [n for n, v in (("data.paths", self.paths), ("data.tokenizer", self.tokenizer)) if not v]
+      missing = [
+        n for n, v in (("data.paths", self.paths), ("data.tokenizer", self.tokenizer)) if not v
+      ]
       if missing:
         raise ValueError(
-            f"data.kind='prepared' needs data.paths=<directory written by python -m "
-            f"diffjax.data.prepare> and data.tokenizer=<the tokenizer.json it used>; missing: "
-            f"{', '.join(missing)} (e.g. --config.data.paths=\"('data/prepared',)\" "
-            "--config.data.tokenizer=tokenizer.json).")
+          f"data.kind='prepared' needs data.paths=<directory written by python -m "
+          f"diffjax.data.prepare> and data.tokenizer=<the tokenizer.json it used>; missing: "
+          f"{', '.join(missing)} (e.g. --config.data.paths=\"('data/prepared',)\" "
+          "--config.data.tokenizer=tokenizer.json)."
+        )
     if self.kind != "stdlib" and not self.paths:
       raise ValueError(f"DataConfig kind={self.kind!r} needs paths (files, directories or globs).")
     if self.shards_per_group < 1 or self.streams_per_row < 1:
-      raise ValueError(f"data.shards_per_group={self.shards_per_group} and data.streams_per_row="
-                       f"{self.streams_per_row} must be >= 1.")
+      raise ValueError(
+        f"data.shards_per_group={self.shards_per_group} and data.streams_per_row="
+        f"{self.streams_per_row} must be >= 1."
+      )
     if not 0.0 <= self.val_fraction < 1.0:
       raise ValueError(f"DataConfig val_fraction={self.val_fraction} must be in [0, 1).")
     for name in ("max_documents", "max_tokens"):
@@ -110,8 +136,10 @@ class DataConfig:
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"DataConfig {name}={value!r} must be a positive int or None.")
     if self.prefetch_batches < 0:
-      raise ValueError(f"data.prefetch_batches={self.prefetch_batches} must be >= 0 (0 builds "
-                       "batches in the training loop).")
+      raise ValueError(
+        f"data.prefetch_batches={self.prefetch_batches} must be >= 0 (0 builds "
+        "batches in the training loop)."
+      )
 
 
 def check_batch_split(global_batch_size: int, process_index: int, process_count: int) -> None:
@@ -119,9 +147,11 @@ def check_batch_split(global_batch_size: int, process_index: int, process_count:
   if global_batch_size < 1:
     raise ValueError(f"global_batch_size={global_batch_size} must be at least 1.")
   if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count}).")
+    raise ValueError(
+      f"process_index={process_index} must be in [0, process_count={process_count})."
+    )
   if global_batch_size % process_count:
     raise ValueError(
-        f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
-        f"use a multiple of {process_count}."
+      f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}; "
+      f"use a multiple of {process_count}."
     )

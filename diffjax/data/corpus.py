@@ -27,7 +27,8 @@ import os
 import sys
 import sysconfig
 import threading
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -50,11 +51,9 @@ class Corpus(Protocol):
   num_tokens: int
   groups: tuple[int, ...]
 
-  def tokens(self, doc: int) -> np.ndarray:
-    ...
+  def tokens(self, doc: int) -> np.ndarray: ...
 
-  def weights(self, doc: int) -> np.ndarray | None:
-    ...
+  def weights(self, doc: int) -> np.ndarray | None: ...
 
 
 class ShardCorpus:
@@ -88,9 +87,11 @@ class ShardCorpus:
     if len(reader) != shard.num_documents:
       n = len(reader)
       reader.close()
-      raise ValueError(f"Shard {shard.path} holds {n} documents but the manifest says "
-                       f"{shard.num_documents}: the prepared directory is inconsistent; prepare "
-                       "it again.")
+      raise ValueError(
+        f"Shard {shard.path} holds {n} documents but the manifest says "
+        f"{shard.num_documents}: the prepared directory is inconsistent; prepare "
+        "it again."
+      )
     self._open[s] = reader
     while len(self._open) > self.max_open:
       self._open.popitem(last=False)[1].close()
@@ -114,8 +115,9 @@ class ShardCorpus:
     return self.tokens(doc)
 
   def __repr__(self) -> str:
-    return (f"ShardCorpus({self.name!r}, documents={self.num_documents:,}, "
-            f"tokens={self.num_tokens:,})")
+    return (
+      f"ShardCorpus({self.name!r}, documents={self.num_documents:,}, tokens={self.num_tokens:,})"
+    )
 
 
 class SourceCorpus:
@@ -154,8 +156,10 @@ class SourceCorpus:
 def _ids(doc, index: int, name: str) -> np.ndarray:
   arr = np.asarray(doc)
   if arr.ndim != 1:
-    raise ValueError(f"Document {index} of {name!r} has shape {arr.shape}; documents must be 1-D "
-                     "arrays of token ids.")
+    raise ValueError(
+      f"Document {index} of {name!r} has shape {arr.shape}; documents must be 1-D "
+      "arrays of token ids."
+    )
   return arr.astype(np.int32, copy=False)
 
 
@@ -188,14 +192,15 @@ class CappedCorpus:
 
   def tokens(self, doc: int) -> np.ndarray:
     ids = self.corpus.tokens(doc)
-    return ids[:self._last_len] if doc == self.num_documents - 1 and self._last_len is not None \
-        else ids
+    return (
+      ids[: self._last_len] if doc == self.num_documents - 1 and self._last_len is not None else ids
+    )
 
   def weights(self, doc: int) -> np.ndarray | None:
     w = self.corpus.weights(doc)
     if w is None or doc != self.num_documents - 1 or self._last_len is None:
       return w
-    return w[:self._last_len]
+    return w[: self._last_len]
 
   def __len__(self) -> int:
     return self.num_documents
@@ -224,8 +229,9 @@ def capped(corpus: Corpus, max_documents: int | None, max_tokens: int | None) ->
 def cache_root() -> str:
   """The directory prepared copies of the embedded corpus and of text files are cached in:
   ``$DIFFJAX_DATA_CACHE``, else ``~/.cache/diffjax/data``."""
-  return os.path.expanduser(os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "diffjax",
-                                                                      "data"))
+  return os.path.expanduser(
+    os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "diffjax", "data")
+  )
 
 
 def _fingerprint(files: Sequence[str], tokenizer: Tokenizer) -> str:
@@ -239,8 +245,14 @@ def _fingerprint(files: Sequence[str], tokenizer: Tokenizer) -> str:
   return h.hexdigest()[:20]
 
 
-def cached_corpus(files: Sequence[str], tokenizer: Tokenizer, tokenizer_spec: str, name: str,
-                  *, progress: bool = True) -> ShardCorpus:
+def cached_corpus(
+  files: Sequence[str],
+  tokenizer: Tokenizer,
+  tokenizer_spec: str,
+  name: str,
+  *,
+  progress: bool = True,
+) -> ShardCorpus:
   """The prepared copy of ``files`` (one document each) in the cache, preparing it if absent.
 
   Preparation is the one ``python -m diffjax.data.prepare`` runs (resumable, atomic per unit),
@@ -248,6 +260,7 @@ def cached_corpus(files: Sequence[str], tokenizer: Tokenizer, tokenizer_spec: st
   complete. Files already prepared are read back without touching the inputs' contents.
   """
   from diffjax.data.prepare import prepare  # pylint: disable=import-outside-toplevel
+
   directory = os.path.join(cache_root(), f"{name}-{_fingerprint(files, tokenizer)}")
   manifest_file = os.path.join(directory, "manifest.json")
   if not os.path.isfile(manifest_file):
@@ -257,8 +270,11 @@ def cached_corpus(files: Sequence[str], tokenizer: Tokenizer, tokenizer_spec: st
       fcntl.flock(lock, fcntl.LOCK_EX)
       if not os.path.isfile(manifest_file):
         if progress:
-          print(f"diffjax: preparing {name} ({len(files):,} files) into {directory} (once)",
-                file=sys.stderr, flush=True)
+          print(
+            f"diffjax: preparing {name} ({len(files):,} files) into {directory} (once)",
+            file=sys.stderr,
+            flush=True,
+          )
         prepare(list(files), directory, tokenizer_spec, progress=False)
   return ShardCorpus(read_manifest(directory))
 
@@ -281,6 +297,7 @@ def _stdlib_corpus(tokenizer: str):
   files = stdlib_files()
   if not files:
     raise FileNotFoundError(
-        f"No standard-library .py files found under {sysconfig.get_paths()['stdlib']!r}. "
-        "Use data.kind='text' with data.paths=... to train on your own files instead.")
+      f"No standard-library .py files found under {sysconfig.get_paths()['stdlib']!r}. "
+      "Use data.kind='text' with data.paths=... to train on your own files instead."
+    )
   return cached_corpus(files, load_tokenizer(tokenizer), tokenizer, "stdlib")

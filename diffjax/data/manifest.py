@@ -21,7 +21,8 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,9 +83,10 @@ class Manifest:
     want, got = self.tokenizer.get("sha256"), tokenizer_fingerprint(tokenizer)
     if want != got:
       raise ValueError(
-          f"Prepared data {self.directory!r} was tokenized with {self.tokenizer.get('spec')!r} "
-          f"(sha256 {str(want)[:12]}), but data.tokenizer={spec!r} has sha256 {got[:12]}: pass "
-          "the tokenizer used by prepare, or prepare the data again with this one.")
+        f"Prepared data {self.directory!r} was tokenized with {self.tokenizer.get('spec')!r} "
+        f"(sha256 {str(want)[:12]}), but data.tokenizer={spec!r} has sha256 {got[:12]}: pass "
+        "the tokenizer used by prepare, or prepare the data again with this one."
+      )
 
 
 def manifest_path(path: str) -> str:
@@ -97,26 +99,39 @@ def read_manifest(path: str) -> Manifest:
   file = manifest_path(os.path.expanduser(path))
   if not os.path.isfile(file):
     raise FileNotFoundError(
-        f"No prepared corpus at {path!r} ({file} does not exist); create one with "
-        "`python -m diffjax.data.prepare --input ... --output DIR` and pass data.paths=DIR.")
+      f"No prepared corpus at {path!r} ({file} does not exist); create one with "
+      "`python -m diffjax.data.prepare --input ... --output DIR` and pass data.paths=DIR."
+    )
   with open(file) as f:
     raw = json.load(f)
   if raw.get("format") != FORMAT:
-    raise ValueError(f"{file} has format {raw.get('format')!r}, expected {FORMAT!r}; prepare the "
-                     "data again with this version of diffjax.")
+    raise ValueError(
+      f"{file} has format {raw.get('format')!r}, expected {FORMAT!r}; prepare the "
+      "data again with this version of diffjax."
+    )
   directory = os.path.dirname(os.path.abspath(file))
-  shards = tuple(Shard(os.path.join(directory, s["path"]), int(s["num_documents"]),
-                       int(s["num_tokens"])) for s in raw["shards"])
+  shards = tuple(
+    Shard(os.path.join(directory, s["path"]), int(s["num_documents"]), int(s["num_tokens"]))
+    for s in raw["shards"]
+  )
   return Manifest(directory, shards, dict(raw["tokenizer"]))
 
 
-def write_manifest(directory: str, shards: Sequence[dict[str, Any]], tokenizer: dict[str, Any],
-                   extra: dict[str, Any] | None = None) -> str:
+def write_manifest(
+  directory: str,
+  shards: Sequence[dict[str, Any]],
+  tokenizer: dict[str, Any],
+  extra: dict[str, Any] | None = None,
+) -> str:
   """Writes `directory/manifest.json` atomically; shard paths must be relative. Returns its path."""
-  body = {"format": FORMAT, "tokenizer": tokenizer,
-          "num_documents": sum(int(s["num_documents"]) for s in shards),
-          "num_tokens": sum(int(s["num_tokens"]) for s in shards),
-          **(extra or {}), "shards": list(shards)}
+  body = {
+    "format": FORMAT,
+    "tokenizer": tokenizer,
+    "num_documents": sum(int(s["num_documents"]) for s in shards),
+    "num_tokens": sum(int(s["num_tokens"]) for s in shards),
+    **(extra or {}),
+    "shards": list(shards),
+  }
   file = os.path.join(directory, MANIFEST_NAME)
   tmp = file + ".tmp"
   with open(tmp, "w") as f:

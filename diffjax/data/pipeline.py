@@ -92,8 +92,9 @@ class Datasets:
 
   def __post_init__(self):
     self._streams = None
-    self._order = EpochOrder(list(self.corpus.groups), self.seed, self.cfg.shuffle,
-                             self.cfg.shards_per_group)
+    self._order = EpochOrder(
+      list(self.corpus.groups), self.seed, self.cfg.shuffle, self.cfg.shards_per_group
+    )
     self._val_docs = ValidationDocs(self._order.total, self.cfg.val_fraction, self.cfg.split_seed)
     n = self.corpus.num_documents
     if self.cfg.val_fraction == 0:
@@ -106,17 +107,23 @@ class Datasets:
     self.num_train_documents = n - n_val
     if self.num_train_tokens < self.seq_len + 1:
       raise ValueError(
-          f"seq_len + 1 = {self.seq_len + 1} tokens is longer than the training split of "
-          f"{self.corpus.name!r}: {self.num_train_tokens} tokens ({self.num_train_documents} "
-          "documents, one eos each). Use a shorter seq_len or more data.")
+        f"seq_len + 1 = {self.seq_len + 1} tokens is longer than the training split of "
+        f"{self.corpus.name!r}: {self.num_train_tokens} tokens ({self.num_train_documents} "
+        "documents, one eos each). Use a shorter seq_len or more data."
+      )
     if self.num_train_documents < self.global_batch_size:
       raise ValueError(
-          f"Corpus {self.corpus.name!r} has {self.num_train_documents} training documents, fewer "
-          f"than global_batch_size={self.global_batch_size} rows (each row streams its own "
-          "documents); use a smaller batch or more data.")
+        f"Corpus {self.corpus.name!r} has {self.num_train_documents} training documents, fewer "
+        f"than global_batch_size={self.global_batch_size} rows (each row streams its own "
+        "documents); use a smaller batch or more data."
+      )
     self.train_iter = self.new_train_iter()
-    if math.isnan(self.unigram_entropy_nats) and n_val and n <= EXACT_COUNT_DOCUMENTS and \
-        self.corpus.num_tokens <= UNIGRAM_MAX_TOKENS:
+    if (
+      math.isnan(self.unigram_entropy_nats)
+      and n_val
+      and n <= EXACT_COUNT_DOCUMENTS
+      and self.corpus.num_tokens <= UNIGRAM_MAX_TOKENS
+    ):
       self.unigram_entropy_nats = self._unigram()
 
   @property
@@ -161,9 +168,11 @@ class Datasets:
 
   def _lanes(self, slot_fn, streams: int) -> list[Lane]:
     b = self.global_batch_size
-    return [Lane(r + b * s, b * streams, slot_fn, self.corpus, self.tokenizer.eos_id,
-                 self.seq_len)
-            for r in range(*self.rows) for s in range(streams)]
+    return [
+      Lane(r + b * s, b * streams, slot_fn, self.corpus, self.tokenizer.eos_id, self.seq_len)
+      for r in range(*self.rows)
+      for s in range(streams)
+    ]
 
   @property
   def streams_per_row(self) -> int:
@@ -186,8 +195,9 @@ class Datasets:
   def new_train_iter(self) -> StreamingBatchIterator:
     """A fresh iterator from step 0 (restore a saved state into it with `set_state`)."""
     streams = self.streams_per_row
-    return StreamingBatchIterator(self._lanes(self._train_slot, streams), self.rows,
-                                  self.cfg.prefetch_batches, streams)
+    return StreamingBatchIterator(
+      self._lanes(self._train_slot, streams), self.rows, self.cfg.prefetch_batches, streams
+    )
 
   def val_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:
     """The first `num_batches` validation batches: validation documents in corpus order, row r
@@ -198,8 +208,10 @@ class Datasets:
     if num_batches < 0:
       raise ValueError(f"num_batches={num_batches} must be >= 0.")
     if self._val_docs.get(0) is None:
-      raise ValueError(f"No document of {self.corpus.name!r} fell into the validation split "
-                       f"(val_fraction={self.cfg.val_fraction}); raise val_fraction or add data.")
+      raise ValueError(
+        f"No document of {self.corpus.name!r} fell into the validation split "
+        f"(val_fraction={self.cfg.val_fraction}); raise val_fraction or add data."
+      )
     it = StreamingBatchIterator(self._lanes(self._val_slot, 1), self.rows, 0, 1)
     return [next(it) for _ in range(num_batches)]
 
@@ -228,24 +240,35 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, *, progress: bool = True)
   """
   if cfg.kind == "prepared":
     if len(cfg.paths) != 1:
-      raise ValueError(f"data.kind='prepared' takes one path (a prepared directory or its "
-                       f"manifest.json), got data.paths={cfg.paths}.")
+      raise ValueError(
+        f"data.kind='prepared' takes one path (a prepared directory or its "
+        f"manifest.json), got data.paths={cfg.paths}."
+      )
     manifest = read_manifest(cfg.paths[0])
     manifest.check_tokenizer(tokenizer, cfg.tokenizer)
     corpus = ShardCorpus(manifest, max_open=2 * cfg.shards_per_group + 2)
   else:
     files = stdlib_files() if cfg.kind == "stdlib" else resolve_paths(cfg.paths)
     if not files:
-      raise FileNotFoundError("No standard-library .py files found: use data.kind='text' with "
-                              "data.paths=... to train on your own files.")
+      raise FileNotFoundError(
+        "No standard-library .py files found: use data.kind='text' with "
+        "data.paths=... to train on your own files."
+      )
     corpus = cached_corpus(files, tokenizer, cfg.tokenizer, cfg.kind, progress=progress)
   return capped(corpus, cfg.max_documents, cfg.max_tokens)
 
 
-def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: int,
-                   process_index: int = 0, process_count: int = 1, *,
-                   source: DocumentSource | Corpus | None = None,
-                   tokenizer: Tokenizer | None = None) -> Datasets:
+def build_datasets(
+  cfg: DataConfig,
+  seq_len: int,
+  global_batch_size: int,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  *,
+  source: DocumentSource | Corpus | None = None,
+  tokenizer: Tokenizer | None = None,
+) -> Datasets:
   """Opens the corpus and returns the training stream and the validation batches.
 
   Args:
@@ -274,17 +297,28 @@ def build_datasets(cfg: DataConfig, seq_len: int, global_batch_size: int, seed: 
   else:
     corpus = capped(SourceCorpus(source), cfg.max_documents, cfg.max_tokens)
   if corpus.num_documents == 0:
-    raise ValueError(f"Corpus {corpus.name!r} has no documents (max_documents="
-                     f"{cfg.max_documents}, max_tokens={cfg.max_tokens}); point data.paths at "
-                     "non-empty data.")
+    raise ValueError(
+      f"Corpus {corpus.name!r} has no documents (max_documents="
+      f"{cfg.max_documents}, max_tokens={cfg.max_tokens}); point data.paths at "
+      "non-empty data."
+    )
   if cfg.val_fraction > 0 and corpus.num_documents < 2:
     raise ValueError(
-        f"Corpus {corpus.name!r} is too small: {corpus.num_documents} document, but the "
-        f"validation split holds out whole documents (val_fraction={cfg.val_fraction}), so it "
-        "needs at least 2; add documents (kind='text' reads one document per file).")
+      f"Corpus {corpus.name!r} is too small: {corpus.num_documents} document, but the "
+      f"validation split holds out whole documents (val_fraction={cfg.val_fraction}), so it "
+      "needs at least 2; add documents (kind='text' reads one document per file)."
+    )
   _check_ids(corpus, tokenizer)
-  return Datasets(corpus, tokenizer, cfg, seq_len, global_batch_size,
-                  global_batch_size // process_count, process_index, seed)
+  return Datasets(
+    corpus,
+    tokenizer,
+    cfg,
+    seq_len,
+    global_batch_size,
+    global_batch_size // process_count,
+    process_index,
+    seed,
+  )
 
 
 def _check_ids(corpus: Corpus, tokenizer: Tokenizer, sample: int = 64) -> None:
@@ -294,6 +328,7 @@ def _check_ids(corpus: Corpus, tokenizer: Tokenizer, sample: int = 64) -> None:
     ids = corpus.tokens(d)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
       raise ValueError(
-          f"Corpus {corpus.name!r} has token ids in [{int(ids.min())}, {int(ids.max())}] "
-          f"(document {d}), outside [0, vocab_size={tokenizer.vocab_size}) of {tokenizer!r}; use "
-          "the tokenizer that produced the data.")
+        f"Corpus {corpus.name!r} has token ids in [{int(ids.min())}, {int(ids.max())}] "
+        f"(document {d}), outside [0, vocab_size={tokenizer.vocab_size}) of {tokenizer!r}; use "
+        "the tokenizer that produced the data."
+      )

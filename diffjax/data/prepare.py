@@ -32,7 +32,7 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -71,8 +71,9 @@ def _remove_partial(output: str, index: int) -> None:
     os.remove(path)
 
 
-def run_unit(unit: Unit, output: str, shard_tokens: int, text_field: str,
-             tokenizer: Tokenizer | None = None) -> tuple[int, int, int]:
+def run_unit(
+  unit: Unit, output: str, shard_tokens: int, text_field: str, tokenizer: Tokenizer | None = None
+) -> tuple[int, int, int]:
   """Writes the shards of `unit` and its completion marker; returns (index, documents, tokens)."""
   tokenizer = tokenizer or _worker_tokenizer
   _remove_partial(output, unit.index)
@@ -93,8 +94,9 @@ def run_unit(unit: Unit, output: str, shard_tokens: int, text_field: str,
         continue
       if writer is None:
         name = f"shard-{unit.index:05d}-{len(shards):04d}{SUFFIX}"
-        writer = TokenShardWriter(os.path.join(output, "tmp-" + name),
-                                  token_bytes_for(tokenizer.vocab_size))
+        writer = TokenShardWriter(
+          os.path.join(output, "tmp-" + name), token_bytes_for(tokenizer.vocab_size)
+        )
         docs = tokens = 0
       writer.write(ids)
       docs, tokens = docs + 1, tokens + int(ids.size)
@@ -128,17 +130,27 @@ def _check_plan(output: str, plan: dict) -> None:
       old = json.load(f)
     if old != plan:
       changed = sorted(k for k in plan if old.get(k) != plan[k])
-      raise ValueError(f"{output!r} holds a preparation with different {', '.join(changed)}; "
-                       "rerun with the same arguments to resume, or use another --output.")
+      raise ValueError(
+        f"{output!r} holds a preparation with different {', '.join(changed)}; "
+        "rerun with the same arguments to resume, or use another --output."
+      )
     return
   with open(path + ".tmp", "w") as f:
     json.dump(plan, f, indent=1)
   os.replace(path + ".tmp", path)
 
 
-def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", *,
-            shard_tokens: int = 50_000_000, workers: int = 1, text_field: str = "text",
-            files_per_unit: int = 256, progress: bool = True) -> str:
+def prepare(
+  inputs: Sequence[str],
+  output: str,
+  tokenizer: str = "byte",
+  *,
+  shard_tokens: int = 50_000_000,
+  workers: int = 1,
+  text_field: str = "text",
+  files_per_unit: int = 256,
+  progress: bool = True,
+) -> str:
   """Tokenizes `inputs` into shards under `output`; returns the manifest's path.
 
   Raises:
@@ -154,8 +166,15 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", *,
   tok = load_tokenizer(tokenizer)
   fingerprint = tokenizer_fingerprint(tok)
   os.makedirs(output, exist_ok=True)
-  _check_plan(output, {"units": [list(u.files) for u in units], "tokenizer_sha256": fingerprint,
-                       "shard_tokens": shard_tokens, "text_field": text_field})
+  _check_plan(
+    output,
+    {
+      "units": [list(u.files) for u in units],
+      "tokenizer_sha256": fingerprint,
+      "shard_tokens": shard_tokens,
+      "text_field": text_field,
+    },
+  )
   pending = [u for u in units if not os.path.exists(_marker(output, u.index))]
   t0, done_docs, done_tokens = time.perf_counter(), 0, 0
   jobs = [(u, output, shard_tokens, text_field) for u in pending]
@@ -164,8 +183,13 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", *,
     if progress:
       rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
       end = "\n" if i == len(pending) or not sys.stderr.isatty() else ""
-      print(f"\rprepare: {len(units) - len(pending) + i}/{len(units)} units, {done_docs:,} docs, "
-            f"{done_tokens:,} tokens, {rate:,.0f} tokens/s", end=end, file=sys.stderr, flush=True)
+      print(
+        f"\rprepare: {len(units) - len(pending) + i}/{len(units)} units, {done_docs:,} docs, "
+        f"{done_tokens:,} tokens, {rate:,.0f} tokens/s",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+      )
 
   if workers == 1 or len(pending) <= 1:
     for i, job in enumerate(jobs, 1):
@@ -184,31 +208,57 @@ def prepare(inputs: Sequence[str], output: str, tokenizer: str = "byte", *,
       shards.extend(json.load(f)["shards"])
   if not shards:
     raise ValueError(f"Inputs {list(inputs)} hold no non-empty document.")
-  info = {"spec": tokenizer, "sha256": fingerprint, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+  info = {
+    "spec": tokenizer,
+    "sha256": fingerprint,
+    "vocab_size": tok.vocab_size,
+    "eos_id": tok.eos_id,
+  }
   path = write_manifest(output, shards, info)
   m = read_manifest(path)
   if progress:
-    print(f"prepare: wrote {path}: {len(m.shards)} shards, {m.num_documents:,} documents, "
-          f"{m.num_tokens:,} tokens", file=sys.stderr)
+    print(
+      f"prepare: wrote {path}: {len(m.shards)} shards, {m.num_documents:,} documents, "
+      f"{m.num_tokens:,} tokens",
+      file=sys.stderr,
+    )
   return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m diffjax.data.prepare", description=__doc__.split("\n")[0])
-  p.add_argument("--input", action="append", required=True,
-                 help="file, directory, glob, or 'stdlib'; repeat for several")
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.data.prepare", description=__doc__.split("\n")[0]
+  )
+  p.add_argument(
+    "--input",
+    action="append",
+    required=True,
+    help="file, directory, glob, or 'stdlib'; repeat for several",
+  )
   p.add_argument("--output", required=True, help="directory for shards and manifest.json")
   p.add_argument("--tokenizer", default="byte", help="'byte', tokenizer.json or a .model file")
   p.add_argument("--shard_tokens", type=int, default=50_000_000, help="tokens per shard (about)")
-  p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                 help="worker processes (default: CPU count - 1)")
+  p.add_argument(
+    "--workers",
+    type=int,
+    default=max(1, (os.cpu_count() or 2) - 1),
+    help="worker processes (default: CPU count - 1)",
+  )
   p.add_argument("--text_field", default="text", help="JSONL field / Parquet column")
-  p.add_argument("--files_per_unit", type=int, default=256,
-                 help="text files (one document each) per work unit")
+  p.add_argument(
+    "--files_per_unit", type=int, default=256, help="text files (one document each) per work unit"
+  )
   args = p.parse_args(argv)
   try:
-    prepare(args.input, args.output, args.tokenizer, shard_tokens=args.shard_tokens,
-            workers=args.workers, text_field=args.text_field, files_per_unit=args.files_per_unit)
+    prepare(
+      args.input,
+      args.output,
+      args.tokenizer,
+      shard_tokens=args.shard_tokens,
+      workers=args.workers,
+      text_field=args.text_field,
+      files_per_unit=args.files_per_unit,
+    )
   except (ValueError, FileNotFoundError, ImportError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

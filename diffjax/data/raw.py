@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from diffjax.data.sources import resolve_paths, stdlib_files
 
@@ -62,8 +62,10 @@ def require_pyarrow():
   try:
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise ImportError("Reading Parquet needs pyarrow, which is not installed: "
-                      "pip install pyarrow (or convert the files to JSONL).") from None
+    raise ImportError(
+      "Reading Parquet needs pyarrow, which is not installed: "
+      "pip install pyarrow (or convert the files to JSONL)."
+    ) from None
   return pq
 
 
@@ -83,15 +85,19 @@ def iter_documents(unit: Unit, text_field: str = "text") -> Iterator[str | bytes
         try:
           text = json.loads(line)[text_field]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-          raise ValueError(f"{path}:{line_no}: not a JSON object with a {text_field!r} field "
-                           f"({type(e).__name__}: {e}); pass --text_field=<name>.") from None
+          raise ValueError(
+            f"{path}:{line_no}: not a JSON object with a {text_field!r} field "
+            f"({type(e).__name__}: {e}); pass --text_field=<name>."
+          ) from None
         yield text if isinstance(text, str) else str(text)
   else:
     pq = require_pyarrow()
     table = pq.ParquetFile(unit.files[0])
     if text_field not in table.schema_arrow.names:
-      raise ValueError(f"{unit.files[0]} has no column {text_field!r} (columns: "
-                       f"{table.schema_arrow.names}); pass --text_field=<name>.")
+      raise ValueError(
+        f"{unit.files[0]} has no column {text_field!r} (columns: "
+        f"{table.schema_arrow.names}); pass --text_field=<name>."
+      )
     for batch in table.iter_batches(columns=[text_field], batch_size=1024):
       for text in batch.column(0).to_pylist():
         yield text or ""

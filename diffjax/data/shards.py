@@ -36,7 +36,7 @@ SUFFIX = ".tokens"
 _HEADER = struct.Struct("<8sIIQQ")
 HEADER_BYTES = _HEADER.size  # 32
 _DTYPES = {2: "<u2", 4: "<i4"}
-_RANGES = {2: (0, 2**16 - 1), 4: (-2**31, 2**31 - 1)}
+_RANGES = {2: (0, 2**16 - 1), 4: (-(2**31), 2**31 - 1)}
 
 
 def token_bytes_for(vocab_size: int) -> int:
@@ -76,12 +76,16 @@ class TokenShardWriter:
     """Appends one document (a 1-D sequence of token ids in the range of `token_bytes`)."""
     ids_N = np.asarray(ids)
     if ids_N.ndim != 1 or (ids_N.size and not np.issubdtype(ids_N.dtype, np.integer)):
-      raise ValueError(f"A document must be a 1-D sequence of integer token ids; got shape "
-                       f"{ids_N.shape} and dtype {ids_N.dtype} for {self.path}.")
+      raise ValueError(
+        f"A document must be a 1-D sequence of integer token ids; got shape "
+        f"{ids_N.shape} and dtype {ids_N.dtype} for {self.path}."
+      )
     lo, hi = _RANGES[self.token_bytes]
     if ids_N.size and (ids_N.min() < lo or ids_N.max() > hi):
-      raise ValueError(f"Token ids must lie in [{lo}, {hi}] for {self.token_bytes}-byte tokens; got "
-                       f"[{ids_N.min()}, {ids_N.max()}] for {self.path}.")
+      raise ValueError(
+        f"Token ids must lie in [{lo}, {hi}] for {self.token_bytes}-byte tokens; got "
+        f"[{ids_N.min()}, {ids_N.max()}] for {self.path}."
+      )
     self._f.write(ids_N.astype(_DTYPES[self.token_bytes]).tobytes())
     self._offsets.append(self._offsets[-1] + int(ids_N.size))
 
@@ -90,11 +94,12 @@ class TokenShardWriter:
       return
     self._f.write(np.asarray(self._offsets, "<u8").tobytes())
     self._f.seek(0)
-    self._f.write(_HEADER.pack(MAGIC, VERSION, self.token_bytes, self.num_documents,
-                               self.num_tokens))
+    self._f.write(
+      _HEADER.pack(MAGIC, VERSION, self.token_bytes, self.num_documents, self.num_tokens)
+    )
     self._f.close()
 
-  def __enter__(self) -> "TokenShardWriter":
+  def __enter__(self) -> TokenShardWriter:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -110,19 +115,25 @@ class TokenShard:
     try:
       head = os.pread(self._fd, HEADER_BYTES, 0)
       if len(head) < HEADER_BYTES or head[:8] != MAGIC:
-        raise ValueError(f"{self.path} is not a diffjax token shard (bad header); prepare the "
-                         "corpus again with `python -m diffjax.data.prepare`.")
+        raise ValueError(
+          f"{self.path} is not a diffjax token shard (bad header); prepare the "
+          "corpus again with `python -m diffjax.data.prepare`."
+        )
       _, version, self.token_bytes, self.num_documents, self.num_tokens = _HEADER.unpack(head)
       if version != VERSION or self.token_bytes not in _DTYPES:
-        raise ValueError(f"{self.path} has token-shard version {version} with {self.token_bytes}-"
-                         f"byte tokens; this diffjax reads version {VERSION} with 2- or 4-byte "
-                         "tokens. Prepare the corpus again.")
+        raise ValueError(
+          f"{self.path} has token-shard version {version} with {self.token_bytes}-"
+          f"byte tokens; this diffjax reads version {VERSION} with 2- or 4-byte "
+          "tokens. Prepare the corpus again."
+        )
       size = os.fstat(self._fd).st_size
       want = shard_bytes(self.num_documents, self.num_tokens, self.token_bytes)
       if size != want:
-        raise ValueError(f"{self.path} is {size} bytes but its header ({self.num_documents} "
-                         f"documents, {self.num_tokens} tokens) needs {want}: the shard is "
-                         "truncated or damaged; prepare the corpus again.")
+        raise ValueError(
+          f"{self.path} is {size} bytes but its header ({self.num_documents} "
+          f"documents, {self.num_tokens} tokens) needs {want}: the shard is "
+          "truncated or damaged; prepare the corpus again."
+        )
     except BaseException:
       os.close(self._fd)
       raise
@@ -139,8 +150,10 @@ class TokenShard:
       raise IndexError(f"Document {i} is outside {self.path}'s {self.num_documents} documents.")
     start, stop = struct.unpack("<QQ", os.pread(self._fd, 16, self._offsets_at + 8 * i))
     if not start <= stop <= self.num_tokens:
-      raise ValueError(f"{self.path}: document {i} has offsets [{start}, {stop}) outside its "
-                       f"{self.num_tokens} tokens: the shard is damaged; prepare the corpus again.")
+      raise ValueError(
+        f"{self.path}: document {i} has offsets [{start}, {stop}) outside its "
+        f"{self.num_tokens} tokens: the shard is damaged; prepare the corpus again."
+      )
     n = stop - start
     b = self.token_bytes
     data = os.pread(self._fd, b * n, HEADER_BYTES + b * start)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
-
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -61,7 +61,9 @@ def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
   patterns = [os.fspath(p) for p in patterns]
   if not patterns:
     raise ValueError("No paths given. Pass files, directories or globs, e.g. ('data/*.txt',).")
-  accepted = "Accepted: an existing file, a directory (read recursively) or a glob such as 'data/**/*.txt'."
+  accepted = (
+    "Accepted: an existing file, a directory (read recursively) or a glob such as 'data/**/*.txt'."
+  )
   files: list[str] = []
   for pattern in patterns:
     expanded = os.path.expanduser(pattern)
@@ -87,8 +89,9 @@ def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
 # assertion code, and they include deliberately broken inputs (files in legacy encodings, Python 2
 # syntax under lib2to3's test data). `site-packages` is third-party code that depends on what
 # happens to be installed. `__pycache__` holds no sources.
-_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
-                                   "__pycache__"})
+_STDLIB_EXCLUDED_DIRS = frozenset(
+  {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
 
 
 def stdlib_files(root: str | None = None) -> list[str]:
@@ -101,8 +104,11 @@ def stdlib_files(root: str | None = None) -> list[str]:
   found = []
   for dirpath, dirs, files in os.walk(root):
     dirs[:] = [d for d in dirs if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(".")]
-    found.extend(os.path.join(dirpath, f) for f in files
-                 if f.endswith(".py") and not f.startswith("_sysconfigdata"))
+    found.extend(
+      os.path.join(dirpath, f)
+      for f in files
+      if f.endswith(".py") and not f.startswith("_sysconfigdata")
+    )
   return sorted(found)
 
 

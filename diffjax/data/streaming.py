@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grain
 import numpy as np
@@ -102,7 +102,7 @@ class EpochOrder:
     if epoch in self._layouts:
       return self._layouts[epoch]
     perm_S = np.random.default_rng([self.seed, epoch]).permutation(self.counts_S.size)
-    groups = [perm_S[i:i + self.group] for i in range(0, perm_S.size, self.group)]
+    groups = [perm_S[i : i + self.group] for i in range(0, perm_S.size, self.group)]
     inner = [np.concatenate([[0], np.cumsum(self.counts_S[g])]) for g in groups]
     starts_Gp1 = np.concatenate([[0], np.cumsum([o[-1] for o in inner])])
     layout = (groups, inner, starts_Gp1)
@@ -120,7 +120,9 @@ class EpochOrder:
     groups, inner, starts_Gp1 = self._layout(epoch)
     g = int(np.searchsorted(starts_Gp1, k, side="right")) - 1
     n = int(inner[g][-1])
-    j = index_shuffle(int(k - starts_Gp1[g]), n - 1, _seed32(self.seed, epoch, g), 4) if n > 1 else 0
+    j = (
+      index_shuffle(int(k - starts_Gp1[g]), n - 1, _seed32(self.seed, epoch, g), 4) if n > 1 else 0
+    )
     s = int(np.searchsorted(inner[g], j, side="right")) - 1
     shard = int(groups[g][s])
     return int(self.offsets_Sp1[shard] + j - inner[g][s])
@@ -140,8 +142,7 @@ class Lane:
   sharing one token.
   """
 
-  def __init__(self, start: int, stride: int, slot_fn: SlotFn, corpus, eos_id: int,
-               seq_len: int):
+  def __init__(self, start: int, stride: int, slot_fn: SlotFn, corpus, eos_id: int, seq_len: int):
     self.start, self.stride, self.slot_fn, self.corpus = start, stride, slot_fn, corpus
     self.eos_id, self.seq_len = eos_id, seq_len
     self.set_state((0, -1, 0))
@@ -181,10 +182,11 @@ class Lane:
         empty_epochs = 0 if found else empty_epochs + 1
         if empty_epochs > EMPTY_EPOCHS:
           raise ValueError(
-              f"Data stream {self.start} received no training document in {EMPTY_EPOCHS} "
-              f"epochs: the split has too few usable documents for its {self.stride} streams "
-              "(global_batch_size x data.streams_per_row); use a smaller batch, "
-              "data.streams_per_row=1 or more data.")
+            f"Data stream {self.start} received no training document in {EMPTY_EPOCHS} "
+            f"epochs: the split has too few usable documents for its {self.stride} streams "
+            "(global_batch_size x data.streams_per_row); use a smaller batch, "
+            "data.streams_per_row=1 or more data."
+          )
         self.epoch, self.slot, found = self.epoch + 1, -1, False
         continue
       found = found or doc_id >= 0
@@ -197,9 +199,10 @@ class Lane:
     need = self.seq_len + 1
     pieces = []
     while True:
-      piece = self.doc[self.offset:self.offset + need]
-      scored = None if self.doc_weights is None else \
-          self.doc_weights[self.offset:self.offset + need]
+      piece = self.doc[self.offset : self.offset + need]
+      scored = (
+        None if self.doc_weights is None else self.doc_weights[self.offset : self.offset + need]
+      )
       pieces.append((piece, self.offset + piece.size == self.doc.size, scored))
       need -= piece.size
       if need == 0:
@@ -207,8 +210,9 @@ class Lane:
         break
       self._advance()
     tokens_T1 = np.concatenate([p for p, _, _ in pieces])
-    segment_T1 = np.concatenate([np.full(p.size, i + 1, np.int32)
-                                 for i, (p, _, _) in enumerate(pieces)])
+    segment_T1 = np.concatenate(
+      [np.full(p.size, i + 1, np.int32) for i, (p, _, _) in enumerate(pieces)]
+    )
     positions_T1 = np.concatenate([np.arange(p.size, dtype=np.int32) for p, _, _ in pieces])
     eos_T1 = np.zeros(tokens_T1.size, bool)
     ends = np.cumsum([p.size for p, _, _ in pieces]) - 1
@@ -216,16 +220,23 @@ class Lane:
     t = self.seq_len
     loss_mask_T = ~eos_T1[:t]
     if any(w is not None for _, _, w in pieces):
-      scored_T1 = np.concatenate([np.ones(p.size, bool) if w is None else w
-                                  for p, _, w in pieces])
+      scored_T1 = np.concatenate([np.ones(p.size, bool) if w is None else w for p, _, w in pieces])
       loss_mask_T &= scored_T1[1:]
-    return {"inputs": tokens_T1[:t], "targets": tokens_T1[1:], "segment_ids": segment_T1[:t],
-            "positions": positions_T1[:t], "loss_mask": loss_mask_T.astype(np.float32)}
+    return {
+      "inputs": tokens_T1[:t],
+      "targets": tokens_T1[1:],
+      "segment_ids": segment_T1[:t],
+      "positions": positions_T1[:t],
+      "loss_mask": loss_mask_T.astype(np.float32),
+    }
 
 
 def _copy_state(state: dict) -> dict:
-  return {"rows": [int(r) for r in state["rows"]], "batches": int(state["batches"]),
-          "lanes": [[int(v) for v in s] for s in state["lanes"]]}
+  return {
+    "rows": [int(r) for r in state["rows"]],
+    "batches": int(state["batches"]),
+    "lanes": [[int(v) for v in s] for s in state["lanes"]],
+  }
 
 
 def _stack(windows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -257,7 +268,7 @@ class StreamingBatchIterator(grain.DatasetIterator):
 
   def _produce(self) -> tuple[dict[str, np.ndarray], dict]:
     stream = self._produced % self._streams
-    batch = _stack([lane.window() for lane in self._lanes[stream::self._streams]])
+    batch = _stack([lane.window() for lane in self._lanes[stream :: self._streams]])
     return batch, self._snapshot(self._produced + 1)
 
   def _worker(self, stop: threading.Event, q: queue.Queue) -> None:
@@ -280,7 +291,9 @@ class StreamingBatchIterator(grain.DatasetIterator):
     self._produced = self._state["batches"]
     if self._prefetch > 0 and self._thread is None:
       self._stop, self._queue = threading.Event(), queue.Queue(self._prefetch)
-      self._thread = threading.Thread(target=self._worker, args=(self._stop, self._queue), daemon=True)
+      self._thread = threading.Thread(
+        target=self._worker, args=(self._stop, self._queue), daemon=True
+      )
       self._thread.start()
 
   def _halt(self) -> None:
@@ -308,8 +321,9 @@ class StreamingBatchIterator(grain.DatasetIterator):
   def set_state(self, state: dict) -> None:
     if list(state["rows"]) != self._rows:
       raise ValueError(
-          f"The saved data position covers batch rows {state['rows']} but this process reads rows "
-          f"{self._rows}: resume with the same number of processes as the run that saved it.")
+        f"The saved data position covers batch rows {state['rows']} but this process reads rows "
+        f"{self._rows}: resume with the same number of processes as the run that saved it."
+      )
     self._halt()
     for lane, s in zip(self._lanes, state["lanes"]):
       lane.set_state(s)

@@ -9,7 +9,8 @@ and SentencePiece models from a `.model` file.
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -81,8 +82,8 @@ class ByteTokenizer:
     bad = ids_N[(ids_N < 0) | (ids_N >= self.vocab_size)]
     if bad.size:
       raise ValueError(
-          f"ByteTokenizer ids must be in [0, {self.vocab_size}); got {bad[:5].tolist()}. "
-          "Were these ids produced by a different tokenizer?"
+        f"ByteTokenizer ids must be in [0, {self.vocab_size}); got {bad[:5].tolist()}. "
+        "Were these ids produced by a different tokenizer?"
       )
     return ids_N[ids_N < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
@@ -111,7 +112,9 @@ class HFTokenizer:
 
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
-      raise FileNotFoundError(f"HF tokenizer file {self.path!r} does not exist; pass a tokenizer.json path.")
+      raise FileNotFoundError(
+        f"HF tokenizer file {self.path!r} does not exist; pass a tokenizer.json path."
+      )
     self._tok = tokenizers.Tokenizer.from_file(self.path)
     base_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = _first_known_id(self._tok.token_to_id, _HF_EOS_NAMES)
@@ -158,7 +161,7 @@ class SentencePieceTokenizer:
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
-          f"SentencePiece model {self.path!r} does not exist; pass a .model file path."
+        f"SentencePiece model {self.path!r} does not exist; pass a .model file path."
       )
     self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
     base_size = self._sp.get_piece_size()
@@ -198,7 +201,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
   `HFTokenizer`) or a path ending in ".model" (a SentencePiece model, `SentencePieceTokenizer`).
   """
   if not isinstance(spec, str):
-    raise ValueError(f"tokenizer spec must be a string; got {spec!r} of type {type(spec).__name__}.")
+    raise ValueError(
+      f"tokenizer spec must be a string; got {spec!r} of type {type(spec).__name__}."
+    )
   if spec == "byte":
     return ByteTokenizer()
   if spec.endswith(".json"):
@@ -206,8 +211,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
   if spec.endswith(".model"):
     return SentencePieceTokenizer(spec)
   raise ValueError(
-      f"Unknown tokenizer spec {spec!r}. Accepted: 'byte', a path to an HF tokenizers file "
-      "ending in '.json', or a path to a SentencePiece model ending in '.model'."
+    f"Unknown tokenizer spec {spec!r}. Accepted: 'byte', a path to an HF tokenizers file "
+    "ending in '.json', or a path to a SentencePiece model ending in '.model'."
   )
 
 

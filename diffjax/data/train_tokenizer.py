@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from diffjax.data.raw import iter_texts
 from diffjax.model.sizes import PAPER_VOCAB
@@ -25,25 +25,37 @@ def train_bpe(texts: Iterable[str], vocab_size: int = PAPER_VOCAB, min_frequency
   try:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise ImportError("Training a tokenizer needs the tokenizers package: "
-                      "pip install -e '.[tokenizers]'.") from None
+    raise ImportError(
+      "Training a tokenizer needs the tokenizers package: pip install -e '.[tokenizers]'."
+    ) from None
   if vocab_size < 256 + len(SPECIAL_TOKENS):
-    raise ValueError(f"--vocab_size={vocab_size} must be at least {256 + len(SPECIAL_TOKENS)} "
-                     "(256 bytes plus the special tokens).")
+    raise ValueError(
+      f"--vocab_size={vocab_size} must be at least {256 + len(SPECIAL_TOKENS)} "
+      "(256 bytes plus the special tokens)."
+    )
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                special_tokens=list(SPECIAL_TOKENS),
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    min_frequency=min_frequency,
+    special_tokens=list(SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
   tok.train_from_iterator(texts, trainer=trainer)
   return tok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m diffjax.data.train_tokenizer", description=__doc__.split("\n")[0])
-  p.add_argument("--input", action="append", required=True,
-                 help="file, directory, glob, or 'stdlib'; repeat for several")
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.data.train_tokenizer", description=__doc__.split("\n")[0]
+  )
+  p.add_argument(
+    "--input",
+    action="append",
+    required=True,
+    help="file, directory, glob, or 'stdlib'; repeat for several",
+  )
   p.add_argument("--output", default="tokenizer.json")
   p.add_argument("--vocab_size", type=int, default=PAPER_VOCAB)
   p.add_argument("--min_frequency", type=int, default=2)
@@ -56,8 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   tok.save(args.output)
-  print(f"tokenizer: wrote {args.output}: vocabulary {tok.get_vocab_size()} in "
-        f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+  print(
+    f"tokenizer: wrote {args.output}: vocabulary {tok.get_vocab_size()} in "
+    f"{time.perf_counter() - t0:.1f} s",
+    file=sys.stderr,
+  )
   return 0
 
 

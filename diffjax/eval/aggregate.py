@@ -8,7 +8,8 @@ without a seed is averaged but never paired. Statistics come from `diffjax.eval.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from diffjax.eval import stats
 
@@ -16,18 +17,28 @@ BASELINE = "transformer"
 ARM_ORDER = ("transformer", "diff_v1", "diff_v2")
 
 # Metrics the summary states first, in this order.
-HEADLINE = ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy", "mqar_grid/mean",
-            "allocation/answer_signed_share", "allocation/context_signed_share",
-            "outliers/attention_logits_top1", "outliers/hidden_top1", "train/steps_to_learn",
-            "train/learned")
+HEADLINE = (
+  "val/loss",
+  "retrieval/mean",
+  "heatmap/mean",
+  "mqar/accuracy",
+  "mqar_grid/mean",
+  "allocation/answer_signed_share",
+  "allocation/context_signed_share",
+  "outliers/attention_logits_top1",
+  "outliers/hidden_top1",
+  "train/steps_to_learn",
+  "train/learned",
+)
 
 
 def direction(metric: str) -> bool | None:
   """True if higher is better, False if lower is better, None for descriptive metrics."""
   if metric.startswith(("val/", "lowbit/")) and metric.endswith(("loss", "perplexity")):
     return False
-  if metric == "train/steps_to_learn" or (metric.startswith("lowbit/")
-                                          and metric.endswith("/loss_increase")):
+  if metric == "train/steps_to_learn" or (
+    metric.startswith("lowbit/") and metric.endswith("/loss_increase")
+  ):
     return False
   if metric.endswith("accuracy") or metric.startswith(("retrieval/", "heatmap/", "mqar_grid/")):
     return True
@@ -43,8 +54,9 @@ def by_arm(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any
   for r in runs:
     groups.setdefault(r["arm"], []).append(r)
   order = [a for a in ARM_ORDER if a in groups] + sorted(a for a in groups if a not in ARM_ORDER)
-  return {a: sorted(groups[a], key=lambda r: (r.get("seed") is None, r.get("seed") or 0))
-          for a in order}
+  return {
+    a: sorted(groups[a], key=lambda r: (r.get("seed") is None, r.get("seed") or 0)) for a in order
+  }
 
 
 def _seed_key(run: Mapping[str, Any], index: int) -> Any:
@@ -52,8 +64,9 @@ def _seed_key(run: Mapping[str, Any], index: int) -> Any:
   return run.get("seed") if run.get("seed") is not None else f"#{index}"
 
 
-def aggregate(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE,
-              confidence: float = 0.95) -> dict[str, Any]:
+def aggregate(
+  runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE, confidence: float = 0.95
+) -> dict[str, Any]:
   """Per-arm mean/CI of every scalar and paired differences against `baseline`.
 
   Returns {"arms": [..], "metrics": [..], "per_arm": {arm: {metric: mean_ci}},
@@ -64,14 +77,23 @@ def aggregate(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE,
   metrics: list[str] = []
   for arm_runs in groups.values():
     for r in arm_runs:
-      for k in ((r.get("eval") or {}).get("scalars") or {}):
+      for k in (r.get("eval") or {}).get("scalars") or {}:
         if k not in metrics:
           metrics.append(k)
-  values = {arm: {m: {_seed_key(r, i): as_number((r.get("eval") or {}).get("scalars", {}).get(m))
-                      for i, r in enumerate(arm_runs)} for m in metrics}
-            for arm, arm_runs in groups.items()}
-  per_arm = {arm: {m: stats.mean_ci(list(v.values()), confidence) for m, v in vals.items()}
-             for arm, vals in values.items()}
+  values = {
+    arm: {
+      m: {
+        _seed_key(r, i): as_number((r.get("eval") or {}).get("scalars", {}).get(m))
+        for i, r in enumerate(arm_runs)
+      }
+      for m in metrics
+    }
+    for arm, arm_runs in groups.items()
+  }
+  per_arm = {
+    arm: {m: stats.mean_ci(list(v.values()), confidence) for m, v in vals.items()}
+    for arm, vals in values.items()
+  }
   paired = {}
   if baseline in values:
     for arm in values:
@@ -81,10 +103,17 @@ def aggregate(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE,
       for m in metrics:
         a, b = values[arm][m], values[baseline][m]
         seeds = [s for s in a if s in b and not str(s).startswith("#")]
-        paired[arm][m] = stats.paired_difference([a[s] for s in seeds], [b[s] for s in seeds],
-                                                 confidence)
-  return {"arms": list(groups), "metrics": metrics, "per_arm": per_arm, "paired": paired,
-          "baseline": baseline, "confidence": confidence}
+        paired[arm][m] = stats.paired_difference(
+          [a[s] for s in seeds], [b[s] for s in seeds], confidence
+        )
+  return {
+    "arms": list(groups),
+    "metrics": metrics,
+    "per_arm": per_arm,
+    "paired": paired,
+    "baseline": baseline,
+    "confidence": confidence,
+  }
 
 
 def as_number(x: Any) -> float:
@@ -106,11 +135,17 @@ def summary_lines(agg: Mapping[str, Any], alpha: float = 0.05) -> list[str]:
     for m in HEADLINE:
       if m in diffs:
         lines.append(stats.verdict(diffs[m], m, arm, agg["baseline"], direction(m), alpha))
-  n_sig = sum(1 for diffs in agg["paired"].values() for m, d in diffs.items()
-              if d.get("p", float("nan")) < alpha)
+  n_sig = sum(
+    1
+    for diffs in agg["paired"].values()
+    for m, d in diffs.items()
+    if d.get("p", float("nan")) < alpha
+  )
   n_all = sum(1 for diffs in agg["paired"].values() for d in diffs.values() if d["n"] >= 2)
   if n_all:
-    lines.append(f"Across all {n_all} paired comparisons with at least two seeds, {n_sig} have "
-                 f"p < {alpha}; with this many tests about {alpha * n_all:.1f} would by chance "
-                 "alone, so read single significant rows with care.")
+    lines.append(
+      f"Across all {n_all} paired comparisons with at least two seeds, {n_sig} have "
+      f"p < {alpha}; with this many tests about {alpha * n_all:.1f} would by chance "
+      "alone, so read single significant rows with care."
+    )
   return lines

@@ -3,15 +3,16 @@ correlation and clamp probes, and low-bit robustness."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from diffjax.data.tasks import REGION_NAMES, collate
 from diffjax.eval import measures as M
 from diffjax.eval.config import EvalConfig
 from diffjax.eval.runner import ModelRunner
 from diffjax.eval.scoring import _chunks, _split_batch, retrieval_accuracy, validation_loss
-from diffjax.data.tasks import REGION_NAMES, collate
 
 
 def _row_index(rows_BxT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -23,13 +24,14 @@ def _row_index(rows_BxT: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   for b in range(rows.shape[0]):
     pos = np.flatnonzero(rows[b])
     if pos.size:
-      idx[b, :pos.size], idx[b, pos.size:] = pos, pos[-1]
-      ok[b, :pos.size] = True
+      idx[b, : pos.size], idx[b, pos.size :] = pos, pos[-1]
+      ok[b, : pos.size] = True
   return idx, ok
 
 
-def attention_allocation_by_layer(runner: ModelRunner, task, num_examples: int,
-                                  batch_size: int = 2) -> dict[str, Any]:
+def attention_allocation_by_layer(
+  runner: ModelRunner, task, num_examples: int, batch_size: int = 2
+) -> dict[str, Any]:
   """Attention the answer-predicting rows put on each region, per layer (paper Table 3).
 
   Rows: the positions whose logits predict an answer token (`collate`'s prediction_rows).
@@ -54,7 +56,9 @@ def attention_allocation_by_layer(runner: ModelRunner, task, num_examples: int,
       key = "none" if ex.depth is None else f"{ex.depth:g}"
       slot = by_depth_sums.setdefault(key, [None] * len(layers))
       for li, layer in enumerate(layers):
-        raw = _alloc_raw(layer["combined"][b:b + 1], ok_BxR[b:b + 1], batch["regions"][b:b + 1])
+        raw = _alloc_raw(
+          layer["combined"][b : b + 1], ok_BxR[b : b + 1], batch["regions"][b : b + 1]
+        )
         per_layer_sums[li] = add(per_layer_sums[li], raw)
         slot[li] = add(slot[li], raw)
   layers_out = [_alloc_finish(s) for s in per_layer_sums]
@@ -63,20 +67,28 @@ def attention_allocation_by_layer(runner: ModelRunner, task, num_examples: int,
   for key, slots in by_depth_sums.items():
     fin = [_alloc_finish(s) for s in slots]
     by_depth[key] = {k: np.mean([f[k] for f in fin], axis=0).tolist() for k in fin[0]}
-  return {"regions": list(REGION_NAMES), "layers": [{k: np.asarray(v).tolist() for k, v in l.items()}
-                                                    for l in layers_out],
-          "summary": summary, "by_depth": by_depth, "num_examples": int(num_examples)}
+  return {
+    "regions": list(REGION_NAMES),
+    "layers": [{k: np.asarray(v).tolist() for k, v in l.items()} for l in layers_out],
+    "summary": summary,
+    "by_depth": by_depth,
+    "num_examples": int(num_examples),
+  }
 
 
 def _alloc_raw(attn_BxHxRxS, ok_BxR, regions_BxS) -> dict[str, np.ndarray]:
   """Per-head sums over rows (signed and absolute per region, totals, row count)."""
   res = M.attention_allocation(attn_BxHxRxS, ok_BxR, regions_BxS, len(REGION_NAMES))
   n = res["num_rows"]
-  return {"signed": res["signed"] * n, "absolute": res["absolute"] * n,
-          "tot_signed": res["row_total"] * n,
-          "tot_abs": np.abs(np.asarray(attn_BxHxRxS, np.float64) *
-                            np.asarray(ok_BxR, bool)[:, None, :, None]).sum(axis=(0, 2, 3)),
-          "n": np.asarray(float(n))}
+  return {
+    "signed": res["signed"] * n,
+    "absolute": res["absolute"] * n,
+    "tot_signed": res["row_total"] * n,
+    "tot_abs": np.abs(
+      np.asarray(attn_BxHxRxS, np.float64) * np.asarray(ok_BxR, bool)[:, None, :, None]
+    ).sum(axis=(0, 2, 3)),
+    "n": np.asarray(float(n)),
+  }
 
 
 def _alloc_finish(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -85,9 +97,13 @@ def _alloc_finish(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   with np.errstate(divide="ignore", invalid="ignore"):
     signed_share = s["signed"] / s["tot_signed"][:, None]
     abs_share = s["absolute"] / s["tot_abs"][:, None]
-  return {"signed_share": np.nanmean(signed_share, axis=0), "abs_share": np.nanmean(abs_share, axis=0),
-          "signed": (s["signed"] / n).mean(axis=0), "absolute": (s["absolute"] / n).mean(axis=0),
-          "row_total": float((s["tot_signed"] / n).mean())}
+  return {
+    "signed_share": np.nanmean(signed_share, axis=0),
+    "abs_share": np.nanmean(abs_share, axis=0),
+    "signed": (s["signed"] / n).mean(axis=0),
+    "absolute": (s["absolute"] / n).mean(axis=0),
+    "row_total": float((s["tot_signed"] / n).mean()),
+  }
 
 
 def _text_rows(t: int, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -98,9 +114,16 @@ def _text_rows(t: int, count: int, rng: np.random.Generator) -> np.ndarray:
   return np.sort(rng.choice(np.arange(lo, t), count, replace=False)).astype(np.int32)
 
 
-def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_sample: int = 1 << 16,
-                    probe_rows: int = 16, corr_top_k: int = 4, seed: int = 0,
-                    k: int = 100) -> dict[str, Any]:
+def text_statistics(
+  runner: ModelRunner,
+  batches: Sequence[Any],
+  *,
+  outlier_sample: int = 1 << 16,
+  probe_rows: int = 16,
+  corr_top_k: int = 4,
+  seed: int = 0,
+  k: int = 100,
+) -> dict[str, Any]:
   """Outliers (paper Table 5), lambda statistics and the map-correlation probe on text batches.
 
   Returns:
@@ -132,11 +155,15 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
     inputs_BxT, _, positions_BxT, segment_ids_BxT, _ = _split_batch(batch)
     b, t = inputs_BxT.shape
     valid_flat = np.flatnonzero(M.causal_valid_mask(t, t).reshape(-1))
-    sample = valid_flat if valid_flat.size <= outlier_sample else np.sort(
-        rng.choice(valid_flat, outlier_sample, replace=False))
+    sample = (
+      valid_flat
+      if valid_flat.size <= outlier_sample
+      else np.sort(rng.choice(valid_flat, outlier_sample, replace=False))
+    )
     rows_BxR = np.stack([_text_rows(t, probe_rows, rng) for _ in range(b)])
-    layers = runner.text_pass(inputs_BxT, positions_BxT, segment_ids_BxT, sample.astype(np.int32),
-                              rows_BxR, k)
+    layers = runner.text_pass(
+      inputs_BxT, positions_BxT, segment_ids_BxT, sample.astype(np.int32), rows_BxR, k
+    )
     if layer_logit is None:
       n_layers = len(layers)
       layer_logit = [M.OutlierAccumulator(ks=(1,)) for _ in range(n_layers)]
@@ -175,8 +202,9 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
         l1_BxHxRxS, l2_BxHxRxS = layer["logits1"], layer["logits2"]
       if a1_BxHxRxS.shape[1] > 0:
         key_ok_BxRxS = _row_key_valid(rows_BxR, t, seg_BxT)
-        salient_BxHxRxS = M.salient_key_mask(a1_BxHxRxS, corr_top_k, always_BxT,
-                                             row_positions_BxR=rows_BxR)
+        salient_BxHxRxS = M.salient_key_mask(
+          a1_BxHxRxS, corr_top_k, always_BxT, row_positions_BxR=rows_BxR
+        )
         keys_BxHxRxS = key_ok_BxRxS[:, None] & ~salient_BxHxRxS
         corr = M.map_correlation(a1_BxHxRxS, a2_BxHxRxS, keys_BxHxRxS)
         corr_p[li].append(corr["mean"])
@@ -186,14 +214,27 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
       neg[li].append(float(np.minimum(combined_BxHxRxS, 0).sum(-1).mean()))
   if layer_logit is None:
     raise ValueError("text_statistics needs at least one batch.")
-  outliers = {"attention_logits": logit_acc.result(), "hidden": hidden_acc.result(),
-              "layers": [{"logits_top1": l.result()["top1"], "logits_median": l.result()["median"],
-                          "hidden_top1": h.result()["top1"], "hidden_median": h.result()["median"]}
-                         for l, h in zip(layer_logit, layer_hidden)]}
+  outliers = {
+    "attention_logits": logit_acc.result(),
+    "hidden": hidden_acc.result(),
+    "layers": [
+      {
+        "logits_top1": l.result()["top1"],
+        "logits_median": l.result()["median"],
+        "hidden_top1": h.result()["top1"],
+        "hidden_median": h.result()["median"],
+      }
+      for l, h in zip(layer_logit, layer_hidden)
+    ],
+  }
   if arm == "diff_v1":
-    lam = {"kind": "scalar", "layers": [float(v[0][0]) for v in lam_values],
-           "lambda_init": [float(runner.model.layer(i).attn.lambda_init)
-                           for i in range(len(lam_values))]}
+    lam = {
+      "kind": "scalar",
+      "layers": [float(v[0][0]) for v in lam_values],
+      "lambda_init": [
+        float(runner.model.layer(i).attn.lambda_init) for i in range(len(lam_values))
+      ],
+    }
   elif arm == "diff_v2":
     lam = {"kind": "sigmoid", "layers": [_distribution(np.concatenate(v)) for v in lam_values]}
     heads = runner.config.num_heads
@@ -202,14 +243,19 @@ def text_statistics(runner: ModelRunner, batches: Sequence[Any], *, outlier_samp
   else:
     lam = {"kind": "none"}
   nanmean = lambda xs: float(np.nanmean(xs)) if np.isfinite(xs).any() else float("nan")
-  correlation = {"kind": "head_pairs" if arm == "transformer" else "a1_a2",
-                 "probs": [nanmean(np.asarray(c)) for c in corr_p],
-                 "logits": [nanmean(np.asarray(c)) for c in corr_l],
-                 "probs_per_head": [[nanmean(col) for col in np.asarray(c).T] if c else []
-                                    for c in corr_h],
-                 "salient_top_k": int(corr_top_k)}
-  return {"outliers": outliers, "lambda": lam, "correlation": correlation,
-          "negative_mass": [float(np.mean(n)) for n in neg]}
+  correlation = {
+    "kind": "head_pairs" if arm == "transformer" else "a1_a2",
+    "probs": [nanmean(np.asarray(c)) for c in corr_p],
+    "logits": [nanmean(np.asarray(c)) for c in corr_l],
+    "probs_per_head": [[nanmean(col) for col in np.asarray(c).T] if c else [] for c in corr_h],
+    "salient_top_k": int(corr_top_k),
+  }
+  return {
+    "outliers": outliers,
+    "lambda": lam,
+    "correlation": correlation,
+    "negative_mass": [float(np.mean(n)) for n in neg],
+  }
 
 
 SQRT2 = float(np.sqrt(2.0))
@@ -245,11 +291,12 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
     starts = M.document_starts(seg, pos, inputs.shape)
     rows = M.sink_rows(starts)
     layers = runner.mechanism_pass(inputs, pos, seg, starts)
-    grads = (runner.norm_gradients(inputs, targets, pos, seg, mask) if arm == "diff_v1"
-             else None)
+    grads = runner.norm_gradients(inputs, targets, pos, seg, mask) if arm == "diff_v1" else None
     if acc is None:
-      acc = [{k: [] for k in ("rows", "combined", "a1", "a2", "rms", "rel", "bound", "mag",
-                              "grad")} for _ in layers]
+      acc = [
+        {k: [] for k in ("rows", "combined", "a1", "a2", "rms", "rel", "bound", "mag", "grad")}
+        for _ in layers
+      ]
     for li, layer in enumerate(layers):
       a = acc[li]
       a["rows"].append(rows)
@@ -277,10 +324,13 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
       sink["a2"] = M.sink_mass(np.concatenate(a["a2"]), rows)
     rel = np.concatenate([x.reshape(-1) for x in a["rel"]])
     bound = np.concatenate([x.reshape(-1) for x in a["bound"]])
-    layer = {"sink": sink, "context_rms": M.distribution(np.concatenate(
-        [x.reshape(-1) for x in a["rms"]])), "relative_context_rms": M.distribution(rel),
-             "bounded_context_rms": M.distribution(bound),
-             "above_sqrt2": float(np.mean(bound > SQRT2))}
+    layer = {
+      "sink": sink,
+      "context_rms": M.distribution(np.concatenate([x.reshape(-1) for x in a["rms"]])),
+      "relative_context_rms": M.distribution(rel),
+      "bounded_context_rms": M.distribution(bound),
+      "above_sqrt2": float(np.mean(bound > SQRT2)),
+    }
     for key, name in (("mag", "norm_magnification"), ("grad", "gradient_magnification")):
       if a[key]:
         values = np.concatenate([x.reshape(-1) for x in a[key]])
@@ -291,11 +341,12 @@ def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
     pooled["bound"].append(bound)
     out_layers.append(layer)
   summary = {
-      "sink_combined": float(np.mean([l["sink"]["combined"]["mean"] for l in out_layers])),
-      "context_rms": M.distribution(np.concatenate(pooled["rms"])),
-      "relative_context_rms": M.distribution(np.concatenate(pooled["rel"])),
-      "bounded_context_rms": M.distribution(np.concatenate(pooled["bound"])),
-      "above_sqrt2": float(np.mean(np.concatenate(pooled["bound"]) > SQRT2))}
+    "sink_combined": float(np.mean([l["sink"]["combined"]["mean"] for l in out_layers])),
+    "context_rms": M.distribution(np.concatenate(pooled["rms"])),
+    "relative_context_rms": M.distribution(np.concatenate(pooled["rel"])),
+    "bounded_context_rms": M.distribution(np.concatenate(pooled["bound"])),
+    "above_sqrt2": float(np.mean(np.concatenate(pooled["bound"]) > SQRT2)),
+  }
   if "a1" in out_layers[0]["sink"]:
     summary["sink_a1"] = float(np.mean([l["sink"]["a1"]["mean"] for l in out_layers]))
     summary["sink_a2"] = float(np.mean([l["sink"]["a2"]["mean"] for l in out_layers]))
@@ -318,9 +369,12 @@ def _row_key_valid(rows_BxR, t: int, seg_BxT=None) -> np.ndarray:
 def _distribution(v: np.ndarray) -> dict[str, Any]:
   qs = (0.05, 0.25, 0.5, 0.75, 0.95)
   hist, edges = np.histogram(v, bins=20, range=(0.0, 1.0))
-  return {"mean": float(v.mean()), "std": float(v.std()),
-          "quantiles": {f"{q:g}": float(np.quantile(v, q)) for q in qs},
-          "histogram": {"counts": hist.tolist(), "edges": edges.tolist()}}
+  return {
+    "mean": float(v.mean()),
+    "std": float(v.std()),
+    "quantiles": {f"{q:g}": float(np.quantile(v, q)) for q in qs},
+    "histogram": {"counts": hist.tolist(), "edges": edges.tolist()},
+  }
 
 
 def lowbit_settings(cfg: EvalConfig) -> dict[str, dict[str, float]]:
@@ -330,12 +384,15 @@ def lowbit_settings(cfg: EvalConfig) -> dict[str, dict[str, float]]:
   out[f"w{cfg.weight_bits}a{cfg.activation_bits}"] = {"act_bits": cfg.activation_bits}
   out[f"kv{cfg.kv_bits}"] = {"kv_bits": cfg.kv_bits}
   out[f"w{cfg.weight_bits}a{cfg.activation_bits}_kv{cfg.kv_bits}"] = {
-      "act_bits": cfg.activation_bits, "kv_bits": cfg.kv_bits}
+    "act_bits": cfg.activation_bits,
+    "kv_bits": cfg.kv_bits,
+  }
   return out
 
 
-def low_bit(runner: ModelRunner, val_batches: Sequence[Any], task, cfg: EvalConfig,
-            num_examples: int) -> dict[str, Any]:
+def low_bit(
+  runner: ModelRunner, val_batches: Sequence[Any], task, cfg: EvalConfig, num_examples: int
+) -> dict[str, Any]:
   """Loss and retrieval accuracy under quantization.
 
   Settings (names follow cfg's bit widths; defaults shown): "float" (the reference path with no
@@ -351,18 +408,28 @@ def low_bit(runner: ModelRunner, val_batches: Sequence[Any], task, cfg: EvalConf
   for name, knobs in lowbit_settings(cfg).items():
     state = wstate if name.startswith("w") else None
     fn = runner.knob_fn(cfg.logit_granularity, knobs, state)
-    out[name] = {"loss": validation_loss(fn, val_batches)["loss"],
-                 "accuracy": retrieval_accuracy(fn, task, num_examples, cfg.batch_size)["accuracy"]}
-  out["delta"] = {name: {k: out[name][k] - out["float"][k] for k in ("loss", "accuracy")}
-                  for name in out if name != "float"}
-  out["settings"] = {"logit_granularity": cfg.logit_granularity, "weight_bits": cfg.weight_bits,
-                     "activation_bits": cfg.activation_bits, "kv_bits": cfg.kv_bits,
-                     "quantize_head": cfg.quantize_head}
+    out[name] = {
+      "loss": validation_loss(fn, val_batches)["loss"],
+      "accuracy": retrieval_accuracy(fn, task, num_examples, cfg.batch_size)["accuracy"],
+    }
+  out["delta"] = {
+    name: {k: out[name][k] - out["float"][k] for k in ("loss", "accuracy")}
+    for name in out
+    if name != "float"
+  }
+  out["settings"] = {
+    "logit_granularity": cfg.logit_granularity,
+    "weight_bits": cfg.weight_bits,
+    "activation_bits": cfg.activation_bits,
+    "kv_bits": cfg.kv_bits,
+    "quantize_head": cfg.quantize_head,
+  }
   return out
 
 
-def clamp_probe(runner: ModelRunner, val_batches: Sequence[Any], task, num_examples: int,
-                batch_size: int = 8) -> dict[str, Any]:
+def clamp_probe(
+  runner: ModelRunner, val_batches: Sequence[Any], task, num_examples: int, batch_size: int = 8
+) -> dict[str, Any]:
   """Clamp negative entries of the combined map to zero (the "signed weights" falsifier).
 
   Both runs use the reference path, so the deltas isolate the clamp. For the Transformer the
@@ -375,5 +442,11 @@ def clamp_probe(runner: ModelRunner, val_batches: Sequence[Any], task, num_examp
   l0, l1 = validation_loss(base, val_batches)["loss"], validation_loss(clamped, val_batches)["loss"]
   a0 = retrieval_accuracy(base, task, num_examples, batch_size)["accuracy"]
   a1 = retrieval_accuracy(clamped, task, num_examples, batch_size)["accuracy"]
-  return {"loss": l0, "loss_clamped": l1, "loss_delta": l1 - l0, "accuracy": a0,
-          "accuracy_clamped": a1, "accuracy_delta": a1 - a0}
+  return {
+    "loss": l0,
+    "loss_clamped": l1,
+    "loss_delta": l1 - l0,
+    "accuracy": a0,
+    "accuracy_clamped": a1,
+    "accuracy_delta": a1 - a0,
+  }

@@ -20,7 +20,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from diffjax.eval import evaluate as E
 from diffjax.train.records import write_json
@@ -30,17 +31,25 @@ def _overrides(args: Sequence[str], fields: Sequence[str]) -> dict[str, Any]:
   """``{field: value}`` from ``--config.<field>=<value>`` arguments (values are Python
   literals; anything else is a string). Raises SystemExit naming a bad argument."""
   import difflib  # pylint: disable=import-outside-toplevel
+
   out = {}
   for arg in args:
     if not arg.startswith("--config.") or "=" not in arg:
-      raise SystemExit(f"error: unexpected argument {arg!r}; EvalConfig fields are set with "
-                       "--config.<field>=<value>.")
-    key, value = arg[len("--config."):].split("=", 1)
+      raise SystemExit(
+        f"error: unexpected argument {arg!r}; EvalConfig fields are set with "
+        "--config.<field>=<value>."
+      )
+    key, value = arg[len("--config.") :].split("=", 1)
     if key not in fields:
       near = difflib.get_close_matches(key, fields, n=3)
-      raise SystemExit(f"error: unknown EvalConfig field {key!r} in {arg}; "
-                       + (f"did you mean {', '.join(near)}?" if near
-                          else f"the fields are {', '.join(sorted(fields))}."))
+      raise SystemExit(
+        f"error: unknown EvalConfig field {key!r} in {arg}; "
+        + (
+          f"did you mean {', '.join(near)}?"
+          if near
+          else f"the fields are {', '.join(sorted(fields))}."
+        )
+      )
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -54,6 +63,7 @@ def _load(workdir: str, step: int | None):
   """(model, run config, step) from a train.py workdir (`diffjax.train.load_run`)."""
   from diffjax.train import checkpoint as ckpt  # pylint: disable=import-outside-toplevel
   from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
+
   try:
     run = load_run(workdir, step=step)
   except (FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
@@ -63,14 +73,18 @@ def _load(workdir: str, step: int | None):
 
 def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
   from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+
   data_cfg = DataConfig.from_dict(config["data"])
   data = build_datasets(data_cfg, seq_len=seq_len, global_batch_size=batch_size, seed=seed)
   return data.val_batches(count)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m diffjax.eval", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.eval",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
   p.add_argument("--out", default=None, help="output JSON (default: <workdir>/eval.json)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -78,13 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seq_len", type=int, default=None, help="override the run's sequence length")
   p.add_argument("--seed", type=int, default=None, help="the run's seed as recorded in the JSON")
   p.add_argument("--sections", default="", help=f"comma list out of {','.join(E.SECTIONS)}")
-  p.epilog = ("EvalConfig fields: --config.<field>=<value>, e.g. --config.samples_per_depth=50; "
-              "the fields are " + ", ".join(sorted(E.EvalConfig.__dataclass_fields__)) + ".")
+  p.epilog = (
+    "EvalConfig fields: --config.<field>=<value>, e.g. --config.samples_per_depth=50; "
+    "the fields are " + ", ".join(sorted(E.EvalConfig.__dataclass_fields__)) + "."
+  )
   args, extra = p.parse_known_args(argv)
   overrides = _overrides(extra, tuple(E.EvalConfig.__dataclass_fields__))
 
   if not os.path.isdir(args.workdir):
-    raise SystemExit(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
+    raise SystemExit(
+      f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir."
+    )
   t0 = time.time()
   model, config, step = _load(args.workdir, args.step)
   seq_len = args.seq_len or int(config.get("seq_len", 0) or 0)
@@ -97,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     cfg = make(seq_len, **overrides)
   except TypeError as e:
-    raise SystemExit(f"error: bad --config override: {e}.")
+    raise SystemExit(f"error: bad --config override: {e}.") from None
   val = []
   if config.get("data") is not None:
     # The trainer's validation batches: same split, batch size and order, so with the run's
@@ -108,16 +126,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     val = _val_batches(config, seq_len, batch_size, cfg.val_batches, int(seed or 0))
   else:
     print("No data config in the run config: skipping loss-based sections.", file=sys.stderr)
-  meta = {"seed": seed, "workdir": os.path.abspath(args.workdir), "quick": bool(args.quick),
-          "step": step}
+  meta = {
+    "seed": seed,
+    "workdir": os.path.abspath(args.workdir),
+    "quick": bool(args.quick),
+    "step": step,
+  }
   log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
   result = E.evaluate_model(model, val, cfg, meta=meta, log=log)
   out = args.out or os.path.join(args.workdir, "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_json(out, result)
   s = result["scalars"]
-  summary = ", ".join(f"{k}={v:.4g}" for k, v in s.items()
-                      if k in ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy")
-                      and isinstance(v, float) and not math.isnan(v))
+  summary = ", ".join(
+    f"{k}={v:.4g}"
+    for k, v in s.items()
+    if k in ("val/loss", "retrieval/mean", "heatmap/mean", "mqar/accuracy")
+    and isinstance(v, float)
+    and not math.isnan(v)
+  )
   print(f"wrote {out} in {time.time() - t0:.1f}s: {summary}")
   return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from diffjax.data.tasks import DEPTHS, NEEDLE_GRID
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -64,7 +66,8 @@ class EvalConfig:
   standard_needles: tuple[int, int] = (4, 1)
   allocation_examples: int = 20
   mqar: Mapping[str, Any] | None = dataclasses.field(
-      default_factory=lambda: dict(num_pairs=16, num_queries=4, distractors_per_query=1))
+    default_factory=lambda: dict(num_pairs=16, num_queries=4, distractors_per_query=1)
+  )
   mqar_examples: int = 64
   mqar_grid: tuple[Mapping[str, Any], ...] = ()
   probe_task: str = "needle"
@@ -92,36 +95,54 @@ class EvalConfig:
       raise ValueError("probe_task='mqar' needs the mqar settings; set mqar=dict(num_pairs=...).")
     for cell in self.mqar_grid:
       if not isinstance(cell, Mapping) or "num_pairs" not in cell:
-        raise ValueError(f"mqar_grid cell {cell!r} must be a dict of AssociativeRecallTask "
-                         "keyword arguments with at least num_pairs.")
+        raise ValueError(
+          f"mqar_grid cell {cell!r} must be a dict of AssociativeRecallTask "
+          "keyword arguments with at least num_pairs."
+        )
     if self.mechanism_batches < 1:
       raise ValueError(f"mechanism_batches={self.mechanism_batches} must be >= 1.")
     if self.logit_granularity not in ("head", "row", "tensor"):
-      raise ValueError(f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or "
-                       "'tensor'.")
+      raise ValueError(
+        f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or 'tensor'."
+      )
 
   @classmethod
-  def full(cls, seq_len: int, **overrides) -> "EvalConfig":
+  def full(cls, seq_len: int, **overrides) -> EvalConfig:
     """Paper-sized settings around training length `seq_len`: 50 samples a cell, a heatmap at
     1/2, 1, 2 and 4 times the training length."""
-    kw = dict(context_len=seq_len, samples_per_depth=10, allocation_examples=50,
-              heatmap_lengths=tuple(sorted({max(seq_len // 2, 256), seq_len, 2 * seq_len,
-                                            4 * seq_len})))
+    kw = dict(
+      context_len=seq_len,
+      samples_per_depth=10,
+      allocation_examples=50,
+      heatmap_lengths=tuple(sorted({max(seq_len // 2, 256), seq_len, 2 * seq_len, 4 * seq_len})),
+    )
     kw.update(overrides)
     return cls(**kw)
 
   @classmethod
-  def quick(cls, seq_len: int, **overrides) -> "EvalConfig":
+  def quick(cls, seq_len: int, **overrides) -> EvalConfig:
     """A smoke-sized evaluation: seconds per tiny model on a CPU; numbers are noisy.
 
     Retrieval needs room for needles and a question, so contexts are at least 256 tokens even
     when the model trained on shorter windows (RoPE lets it run; it measures extrapolation)."""
     ctx = max(int(seq_len), 256)
-    kw = dict(context_len=ctx, batch_size=5, capture_batch_size=2, samples_per_depth=1,
-              needle_grid=((1, 1), (2, 2)), heatmap_lengths=(ctx, 2 * ctx),
-              heatmap_needles=(2, 1), standard_needles=(2, 1), allocation_examples=5,
-              mqar=dict(num_pairs=8, num_queries=2, distractors_per_query=1), mqar_examples=8,
-              val_batches=2, outlier_sample=1 << 12, probe_rows=4, lowbit_bits=(8, 4))
+    kw = dict(
+      context_len=ctx,
+      batch_size=5,
+      capture_batch_size=2,
+      samples_per_depth=1,
+      needle_grid=((1, 1), (2, 2)),
+      heatmap_lengths=(ctx, 2 * ctx),
+      heatmap_needles=(2, 1),
+      standard_needles=(2, 1),
+      allocation_examples=5,
+      mqar=dict(num_pairs=8, num_queries=2, distractors_per_query=1),
+      mqar_examples=8,
+      val_batches=2,
+      outlier_sample=1 << 12,
+      probe_rows=4,
+      lowbit_bits=(8, 4),
+    )
     kw.update(overrides)
     return cls(**kw)
 
@@ -129,8 +150,18 @@ class EvalConfig:
     return _jsonable(dataclasses.asdict(self))
 
 
-SECTIONS = ("validation", "retrieval", "heatmap", "mqar", "mqar_grid", "allocation", "text",
-            "mechanisms", "lowbit", "probes")
+SECTIONS = (
+  "validation",
+  "retrieval",
+  "heatmap",
+  "mqar",
+  "mqar_grid",
+  "allocation",
+  "text",
+  "mechanisms",
+  "lowbit",
+  "probes",
+)
 
 
 def _jsonable(x):

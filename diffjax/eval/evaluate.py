@@ -14,33 +14,66 @@ it. The pieces, importable from here as well:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from diffjax.eval.analysis import (attention_allocation_by_layer, clamp_probe, low_bit, mechanisms,
-                                   lowbit_settings, text_statistics)
+from diffjax.data.tasks import AssociativeRecallTask, ContextTooShort, MultiNeedleTask
+from diffjax.eval.analysis import (
+  attention_allocation_by_layer,
+  clamp_probe,
+  low_bit,
+  lowbit_settings,
+  mechanisms,
+  text_statistics,
+)
 from diffjax.eval.config import SECTIONS, EvalConfig, _jsonable
 from diffjax.eval.runner import KNOBS, LogitsFn, ModelRunner, quantize_model_weights
-from diffjax.eval.scoring import (associative_recall, associative_recall_grid,
-                                  greedy_exact_match, needle_table, retrieval_accuracy,
-                                  retrieval_heatmap, validation_loss)
-from diffjax.data.tasks import AssociativeRecallTask, ContextTooShort, MultiNeedleTask
+from diffjax.eval.scoring import (
+  associative_recall,
+  associative_recall_grid,
+  greedy_exact_match,
+  needle_table,
+  retrieval_accuracy,
+  retrieval_heatmap,
+  validation_loss,
+)
 
 __all__ = [
-    "EvalConfig", "SECTIONS", "SCHEMA", "KNOBS", "LogitsFn", "ModelRunner",
-    "quantize_model_weights", "evaluate_model", "scalars_from_sections", "validation_loss",
-    "retrieval_accuracy", "needle_table", "retrieval_heatmap", "associative_recall",
-    "associative_recall_grid",
-    "greedy_exact_match", "attention_allocation_by_layer", "text_statistics", "low_bit",
-    "lowbit_settings", "clamp_probe",
+  "EvalConfig",
+  "SECTIONS",
+  "SCHEMA",
+  "KNOBS",
+  "LogitsFn",
+  "ModelRunner",
+  "quantize_model_weights",
+  "evaluate_model",
+  "scalars_from_sections",
+  "validation_loss",
+  "retrieval_accuracy",
+  "needle_table",
+  "retrieval_heatmap",
+  "associative_recall",
+  "associative_recall_grid",
+  "greedy_exact_match",
+  "attention_allocation_by_layer",
+  "text_statistics",
+  "low_bit",
+  "lowbit_settings",
+  "clamp_probe",
 ]
 
 
-def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], cfg: EvalConfig,
-                   meta: Mapping[str, Any] | None = None, filler=None,
-                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def evaluate_model(
+  model: nnx.Module | ModelRunner,
+  val_batches: Sequence[Any],
+  cfg: EvalConfig,
+  meta: Mapping[str, Any] | None = None,
+  filler=None,
+  log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
   """Runs the sections of `cfg` and returns the eval JSON (schema in `diffjax.eval`).
 
   Args:
@@ -56,7 +89,7 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
   model = runner.model
   sections = cfg.sections or SECTIONS
-  val_batches = list(val_batches)[:cfg.val_batches]
+  val_batches = list(val_batches)[: cfg.val_batches]
   fn = runner.logits_fn()
   out: dict[str, Any] = {"schema": SCHEMA, "meta": dict(meta or {}), "sections": {}}
   out["meta"].setdefault("arm", model.config.attention)
@@ -65,8 +98,9 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
   timings = {}
   n_std_examples = max(len(cfg.depths), cfg.allocation_examples)
   if cfg.probe_task == "mqar":
-    std_task = AssociativeRecallTask(**dict(cfg.mqar), num_examples=n_std_examples,
-                                     seed=cfg.seed + 1)
+    std_task = AssociativeRecallTask(
+      **dict(cfg.mqar), num_examples=n_std_examples, seed=cfg.seed + 1
+    )
     out["meta"]["probe_task"] = std_task.name
   else:
     std_task = _needle_task(cfg, n_std_examples, filler)
@@ -85,30 +119,73 @@ def evaluate_model(model: nnx.Module | ModelRunner, val_batches: Sequence[Any], 
     log(f"{name}: {timings[name]:.1f}s")
 
   run("validation", lambda: validation_loss(fn, val_batches))
-  run("retrieval", lambda: needle_table(fn, cfg.context_len, cfg.needle_grid, cfg.samples_per_depth,
-                                        cfg.depths, cfg.seed, cfg.batch_size, filler))
+  run(
+    "retrieval",
+    lambda: needle_table(
+      fn,
+      cfg.context_len,
+      cfg.needle_grid,
+      cfg.samples_per_depth,
+      cfg.depths,
+      cfg.seed,
+      cfg.batch_size,
+      filler,
+    ),
+  )
   if cfg.heatmap_lengths:
     cell = cfg.heatmap_samples or cfg.samples_per_depth
-    run("heatmap", lambda: retrieval_heatmap(fn, cfg.heatmap_lengths, cfg.depths,
-                                             *cfg.heatmap_needles, samples_per_cell=cell,
-                                             seed=cfg.seed + 2, batch_size=cfg.batch_size,
-                                             filler=filler))
+    run(
+      "heatmap",
+      lambda: retrieval_heatmap(
+        fn,
+        cfg.heatmap_lengths,
+        cfg.depths,
+        *cfg.heatmap_needles,
+        samples_per_cell=cell,
+        seed=cfg.seed + 2,
+        batch_size=cfg.batch_size,
+        filler=filler,
+      ),
+    )
   if cfg.mqar is not None:
-    run("mqar", lambda: associative_recall(fn, cfg.mqar_examples, cfg.seed + 3, cfg.batch_size,
-                                           **dict(cfg.mqar)))
+    run(
+      "mqar",
+      lambda: associative_recall(
+        fn, cfg.mqar_examples, cfg.seed + 3, cfg.batch_size, **dict(cfg.mqar)
+      ),
+    )
   if cfg.mqar_grid:
-    common = {k: v for k, v in dict(cfg.mqar or {}).items()
-              if k not in ("num_pairs", "num_queries", "distractors_per_query")}
-    run("mqar_grid", lambda: associative_recall_grid(fn, cfg.mqar_grid, cfg.mqar_examples,
-                                                     cfg.seed + 100, cfg.batch_size, **common))
-  run("allocation", lambda: attention_allocation_by_layer(runner, std_task, cfg.allocation_examples,
-                                                          cfg.capture_batch_size))
+    common = {
+      k: v
+      for k, v in dict(cfg.mqar or {}).items()
+      if k not in ("num_pairs", "num_queries", "distractors_per_query")
+    }
+    run(
+      "mqar_grid",
+      lambda: associative_recall_grid(
+        fn, cfg.mqar_grid, cfg.mqar_examples, cfg.seed + 100, cfg.batch_size, **common
+      ),
+    )
+  run(
+    "allocation",
+    lambda: attention_allocation_by_layer(
+      runner, std_task, cfg.allocation_examples, cfg.capture_batch_size
+    ),
+  )
   cap_batches = [_rebatch(b, cfg.capture_batch_size) for b in val_batches]
   cap_batches = [x for group in cap_batches for x in group]
-  run("text", lambda: text_statistics(runner, cap_batches, outlier_sample=cfg.outlier_sample,
-                                      probe_rows=cfg.probe_rows, corr_top_k=cfg.corr_top_k,
-                                      seed=cfg.seed))
-  run("mechanisms", lambda: mechanisms(runner, cap_batches[:cfg.mechanism_batches]))
+  run(
+    "text",
+    lambda: text_statistics(
+      runner,
+      cap_batches,
+      outlier_sample=cfg.outlier_sample,
+      probe_rows=cfg.probe_rows,
+      corr_top_k=cfg.corr_top_k,
+      seed=cfg.seed,
+    ),
+  )
+  run("mechanisms", lambda: mechanisms(runner, cap_batches[: cfg.mechanism_batches]))
   run("lowbit", lambda: low_bit(runner, val_batches, std_task, cfg, n_std_examples))
   run("probes", lambda: clamp_probe(runner, val_batches, std_task, n_std_examples, cfg.batch_size))
   out["meta"]["seconds"] = timings
@@ -122,21 +199,30 @@ def _needle_task(cfg: EvalConfig, num_examples: int, filler) -> MultiNeedleTask:
   n_std, r_std = cfg.standard_needles
   for n_try in range(n_std, 0, -1):
     try:
-      return MultiNeedleTask(cfg.context_len, n_try, min(r_std, n_try), depths=cfg.depths,
-                             num_examples=num_examples, seed=cfg.seed + 1, filler=filler)
+      return MultiNeedleTask(
+        cfg.context_len,
+        n_try,
+        min(r_std, n_try),
+        depths=cfg.depths,
+        num_examples=num_examples,
+        seed=cfg.seed + 1,
+        filler=filler,
+      )
     except ContextTooShort:
       continue
-  raise ContextTooShort(f"context_len={cfg.context_len} cannot hold even one needle and its "
-                        "question; raise EvalConfig.context_len (e.g. --config.context_len=256).")
+  raise ContextTooShort(
+    f"context_len={cfg.context_len} cannot hold even one needle and its "
+    "question; raise EvalConfig.context_len (e.g. --config.context_len=256)."
+  )
 
 
 def _rebatch(batch, size: int) -> list[Any]:
   """Splits a batch (dict or array) into pieces of at most `size` rows."""
   if isinstance(batch, Mapping):
     n = len(next(iter(batch.values())))
-    return [{k: np.asarray(v)[i:i + size] for k, v in batch.items()} for i in range(0, n, size)]
+    return [{k: np.asarray(v)[i : i + size] for k, v in batch.items()} for i in range(0, n, size)]
   arr = np.asarray(batch)
-  return [arr[i:i + size] for i in range(0, arr.shape[0], size)]
+  return [arr[i : i + size] for i in range(0, arr.shape[0], size)]
 
 
 SCHEMA = "diffjax.eval/1"
@@ -189,8 +275,13 @@ def scalars_from_sections(sec: Mapping[str, Any]) -> dict[str, float]:
     for key in ("sink_combined", "sink_a1", "sink_a2", "above_sqrt2"):
       if key in summ:
         s[f"mechanisms/{key}"] = summ[key]
-    for key in ("context_rms", "relative_context_rms", "bounded_context_rms",
-                "norm_magnification", "gradient_magnification"):
+    for key in (
+      "context_rms",
+      "relative_context_rms",
+      "bounded_context_rms",
+      "norm_magnification",
+      "gradient_magnification",
+    ):
       for stat in ("median", "p99", "max"):
         if key in summ:
           s[f"mechanisms/{key}_{stat}"] = summ[key][stat]

@@ -20,7 +20,7 @@ Its error is at most s / 2 per entry, and it never clips (|x| / s <= 2^(bits-1) 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,8 +51,9 @@ def answer_token_correct(logits_BxTxV, tokens_BxT) -> np.ndarray:
   return correct_BxT
 
 
-def answer_exact_match(logits_BxTxV, tokens_BxT, answer_segments_BxT,
-                       num_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def answer_exact_match(
+  logits_BxTxV, tokens_BxT, answer_segments_BxT, num_segments: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """Teacher-forced exact match of every answer segment (see the module docstring).
 
   Args:
@@ -69,14 +70,17 @@ def answer_exact_match(logits_BxTxV, tokens_BxT, answer_segments_BxT,
   return segment_exact_match(correct_BxT, np.asarray(answer_segments_BxT), num_segments)
 
 
-def segment_exact_match(token_correct_BxT, answer_segments_BxT,
-                        num_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def segment_exact_match(
+  token_correct_BxT, answer_segments_BxT, num_segments: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """Per-segment all-tokens-correct from a (B, T) per-token correctness array; see above."""
   segments_BxT = np.asarray(answer_segments_BxT)
   token_correct_BxT = np.asarray(token_correct_BxT, bool)
   if segments_BxT[:, 0].max(initial=-1) >= 0:
-    raise ValueError("An answer token at position 0 has no logits to predict it; answers must "
-                     "follow at least one prompt token.")
+    raise ValueError(
+      "An answer token at position 0 has no logits to predict it; answers must "
+      "follow at least one prompt token."
+    )
   b = segments_BxT.shape[0]
   r = int(segments_BxT.max(initial=-1)) + 1 if num_segments is None else int(num_segments)
   present_BxR = np.zeros((b, r), bool)
@@ -97,8 +101,12 @@ def retrieval_accuracy(correct_BxR, present_BxR) -> dict[str, float]:
     raise ValueError("No answers to score: every answer_segments entry is -1.")
   has_any_B = present_BxR.any(axis=1)
   all_ok = np.all(correct_BxR | ~present_BxR, axis=1)[has_any_B]
-  return {"accuracy": float(correct_BxR[present_BxR].mean()), "all_correct": float(all_ok.mean()),
-          "num_answers": n, "num_examples": int(has_any_B.sum())}
+  return {
+    "accuracy": float(correct_BxR[present_BxR].mean()),
+    "all_correct": float(all_ok.mean()),
+    "num_answers": n,
+    "num_examples": int(has_any_B.sum()),
+  }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,8 +126,9 @@ def combine_diff_maps(probs1_BxHxTxS, probs2_BxHxTxS, lam) -> np.ndarray:
   raise ValueError(f"lambda must be a scalar or (B, T, H); got shape {lam.shape}.")
 
 
-def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS,
-                         num_regions: int) -> dict[str, np.ndarray]:
+def attention_allocation(
+  attn_BxHxTxS, rows_BxT, regions_BxS, num_regions: int
+) -> dict[str, np.ndarray]:
   """Attention mass that the query rows put on each region of keys, per head.
 
   Args:
@@ -143,8 +152,10 @@ def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS,
   regions_BxS = np.asarray(regions_BxS)
   b, _, t, s = attn_BxHxTxS.shape
   if rows_BxT.shape != (b, t) or regions_BxS.shape != (b, s):
-    raise ValueError(f"rows {rows_BxT.shape} must be (B, T) = {(b, t)} and regions "
-                     f"{regions_BxS.shape} (B, S) = {(b, s)}.")
+    raise ValueError(
+      f"rows {rows_BxT.shape} must be (B, T) = {(b, t)} and regions "
+      f"{regions_BxS.shape} (B, S) = {(b, s)}."
+    )
   n = int(rows_BxT.sum())
   if n == 0:
     raise ValueError("No query rows selected: rows_BxT is all False.")
@@ -157,8 +168,14 @@ def attention_allocation(attn_BxHxTxS, rows_BxT, regions_BxS,
   with np.errstate(divide="ignore", invalid="ignore"):
     signed_share = signed_HxR / total_signed_H[:, None]
     abs_share = abs_HxR / total_abs_H[:, None]
-  return {"signed": signed_HxR / n, "absolute": abs_HxR / n, "signed_share": signed_share,
-          "abs_share": abs_share, "row_total": total_signed_H / n, "num_rows": n}
+  return {
+    "signed": signed_HxR / n,
+    "absolute": abs_HxR / n,
+    "signed_share": signed_share,
+    "abs_share": abs_share,
+    "row_total": total_signed_H / n,
+    "num_rows": n,
+  }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +192,7 @@ def outlier_stats(x, ks: Sequence[int] = (1, 100)) -> dict[str, float]:
   k_max = max(ks)
   if a.size < k_max:
     raise ValueError(f"Need at least {k_max} values for top-{k_max}; got {a.size}.")
-  top = np.sort(np.partition(a, a.size - k_max)[a.size - k_max:])[::-1]
+  top = np.sort(np.partition(a, a.size - k_max)[a.size - k_max :])[::-1]
   out = {f"top{k}": float(top[k - 1]) for k in ks}
   out["median"] = float(np.median(a))
   out["count"] = int(a.size)
@@ -209,7 +226,7 @@ class OutlierAccumulator:
     a = a[np.isfinite(a)]
     if a.size == 0:
       return
-    top = a if a.size <= self.max_k else np.partition(a, a.size - self.max_k)[a.size - self.max_k:]
+    top = a if a.size <= self.max_k else np.partition(a, a.size - self.max_k)[a.size - self.max_k :]
     exact = a.size <= self.max_sample
     sample = a if exact else self._rng.choice(a, self.max_sample, replace=False)
     self.add_summary(top, sample, a.size, exact=exact)
@@ -223,7 +240,7 @@ class OutlierAccumulator:
       return
     self.count += int(count)
     self.exact_median &= bool(exact)
-    self._top = np.sort(np.concatenate([self._top, top[np.isfinite(top)]]))[::-1][:self.max_k]
+    self._top = np.sort(np.concatenate([self._top, top[np.isfinite(top)]]))[::-1][: self.max_k]
     self._sample.append(sample[np.isfinite(sample)])
 
   def result(self) -> dict[str, float]:
@@ -244,6 +261,7 @@ def _xp(x):
   if isinstance(x, np.ndarray) or np.isscalar(x):
     return np
   import jax.numpy as jnp
+
   return jnp
 
 
@@ -336,8 +354,9 @@ def quantize_attention_logits(logits_BxHxTxS, bits, granularity: str = "head"):
   xp = _xp(logits_BxHxTxS)
   t, s = logits_BxHxTxS.shape[-2], logits_BxHxTxS.shape[-1]
   qmax = 2.0 ** (xp.asarray(bits, xp.float32) - 1) - 1
-  return fake_quant(logits_BxHxTxS, qmax, _GRANULARITY_AXES[granularity],
-                    valid=xp.asarray(causal_valid_mask(t, s)))
+  return fake_quant(
+    logits_BxHxTxS, qmax, _GRANULARITY_AXES[granularity], valid=xp.asarray(causal_valid_mask(t, s))
+  )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,8 +369,9 @@ def clamp_negative(probs):
   return xp.maximum(probs, 0)
 
 
-def salient_key_mask(probs1_BxHxTxS, top_k: int = 4, always_BxS=None,
-                     row_positions_BxR=None) -> np.ndarray:
+def salient_key_mask(
+  probs1_BxHxTxS, top_k: int = 4, always_BxS=None, row_positions_BxR=None
+) -> np.ndarray:
   """(B, H, T, S) bool: the keys of each row that count as salient for the correlation probe.
 
   Salient = the top_k keys of A1 in that row, plus every key where `always_BxS` is True (e.g. the
@@ -380,8 +400,9 @@ def salient_key_mask(probs1_BxHxTxS, top_k: int = 4, always_BxS=None,
   return mask_BxHxTxS
 
 
-def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
-                    min_keys: int = 3) -> dict[str, np.ndarray]:
+def map_correlation(
+  a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None, min_keys: int = 3
+) -> dict[str, np.ndarray]:
   """Pearson correlation of A1 and A2 across the selected keys of each row, per head.
 
   Args:
@@ -407,12 +428,13 @@ def map_correlation(a1_BxHxTxS, a2_BxHxTxS, keys_BxHxTxS, rows_BxT=None,
   d1_BxHxTxS = np.where(keys_BxHxTxS, a1_BxHxTxS - mu1_BxHxT[..., None], 0)
   d2_BxHxTxS = np.where(keys_BxHxTxS, a2_BxHxTxS - mu2_BxHxT[..., None], 0)
   cov_BxHxT = (d1_BxHxTxS * d2_BxHxTxS).sum(-1)
-  v1_BxHxT, v2_BxHxT = (d1_BxHxTxS ** 2).sum(-1), (d2_BxHxTxS ** 2).sum(-1)
+  v1_BxHxT, v2_BxHxT = (d1_BxHxTxS**2).sum(-1), (d2_BxHxTxS**2).sum(-1)
   # Relative variance floor: a constant row (e.g. all probabilities equal) has no correlation.
   tiny = 1e-24
   ok_BxHxT = (n_BxHxT >= min_keys) & (v1_BxHxT > tiny) & (v2_BxHxT > tiny)
-  r_BxHxT = np.where(ok_BxHxT, cov_BxHxT / np.sqrt(np.where(ok_BxHxT, v1_BxHxT * v2_BxHxT, 1.0)),
-                     0.0)
+  r_BxHxT = np.where(
+    ok_BxHxT, cov_BxHxT / np.sqrt(np.where(ok_BxHxT, v1_BxHxT * v2_BxHxT, 1.0)), 0.0
+  )
   used_H = ok_BxHxT.sum(axis=(0, 2))
   with np.errstate(invalid="ignore"):
     per_head_H = r_BxHxT.sum(axis=(0, 2)) / np.where(used_H > 0, used_H, np.nan)
@@ -486,8 +508,7 @@ def largest_visible_value_rms(values_BxSxKxD, valid_BxTxS) -> np.ndarray:
   ``valid`` keys and every kv head. A convex mix of values has at most this RMS; a difference
   A1 V - lambda A2 V at most (1 + |lambda|) times it."""
   rms_BxSxK = np.sqrt(np.mean(np.asarray(values_BxSxKxD, np.float64) ** 2, axis=3))
-  return np.max(np.where(np.asarray(valid_BxTxS, bool), rms_BxSxK.max(2)[:, None, :], 0.0),
-                axis=-1)
+  return np.max(np.where(np.asarray(valid_BxTxS, bool), rms_BxSxK.max(2)[:, None, :], 0.0), axis=-1)
 
 
 def distribution(x) -> dict[str, float]:
@@ -496,8 +517,12 @@ def distribution(x) -> dict[str, float]:
   v = v[np.isfinite(v)]
   if v.size == 0:
     return {k: float("nan") for k in ("median", "p99", "max", "mean")}
-  return {"median": float(np.median(v)), "p99": float(np.quantile(v, 0.99)),
-          "max": float(v.max()), "mean": float(v.mean())}
+  return {
+    "median": float(np.median(v)),
+    "p99": float(np.quantile(v, 0.99)),
+    "max": float(v.max()),
+    "mean": float(v.mean()),
+  }
 
 
 def norm_magnification(context_BxTxHxD, eps: float) -> np.ndarray:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,21 +56,29 @@ def _finite(x) -> bool:
     return False
 
 
-def make_plots(groups: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str
-               ) -> list[tuple[str, str]]:
+def make_plots(
+  groups: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str
+) -> list[tuple[str, str]]:
   """Writes every plot the data allows into ``out_dir``; returns [(file name, caption)].
 
   ``groups`` maps each arm to its runs (the structure `diffjax.eval.report` documents), in the
   order the plots show them; `diffjax.eval.aggregate.by_arm` builds it.
   """
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")  # files only: no display needed
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   colors = _colors(groups)
   made = []
-  for fn in (_plot_loss, _plot_heatmap, _plot_mqar_grid, _plot_allocation, _plot_lambda,
-             _plot_lowbit):
+  for fn in (
+    _plot_loss,
+    _plot_heatmap,
+    _plot_mqar_grid,
+    _plot_allocation,
+    _plot_lambda,
+    _plot_lowbit,
+  ):
     res = fn(plt, groups, colors, out_dir)
     if res:
       made.append(res)
@@ -104,12 +113,21 @@ def _plot_loss(plt, groups, colors, out_dir):
     if band is not None:
       steps, mean, lo, hi, _ = band
       yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
-      ax.errorbar(steps, mean, yerr=yerr, color=colors[arm], marker="o", ls="--", ms=4,
-                  label=f"{arm} eval")
-  _label(ax, "step", "loss (nats/token)",
-         "Loss over training: mean over seeds, band = 95% t interval (range at n=2)")
-  return _save(fig, out_dir, "loss_curves.png",
-               "Training and validation loss per arm (mean over seeds with band).")
+      ax.errorbar(
+        steps, mean, yerr=yerr, color=colors[arm], marker="o", ls="--", ms=4, label=f"{arm} eval"
+      )
+  _label(
+    ax,
+    "step",
+    "loss (nats/token)",
+    "Loss over training: mean over seeds, band = 95% t interval (range at n=2)",
+  )
+  return _save(
+    fig,
+    out_dir,
+    "loss_curves.png",
+    "Training and validation loss per arm (mean over seeds with band).",
+  )
 
 
 def _sections(r, name):
@@ -123,7 +141,11 @@ def _plot_heatmap(plt, groups, colors, out_dir):
     if maps:
       ref = maps[0]
       same = [m for m in maps if m["lengths"] == ref["lengths"] and m["depths"] == ref["depths"]]
-      data[arm] = (np.mean([np.asarray(m["accuracy"], float) for m in same], axis=0), ref, len(same))
+      data[arm] = (
+        np.mean([np.asarray(m["accuracy"], float) for m in same], axis=0),
+        ref,
+        len(same),
+      )
   if not data:
     return None
   fig, axes = plt.subplots(1, len(data), figsize=(4.2 * len(data), 3.6), squeeze=False)
@@ -141,8 +163,10 @@ def _plot_heatmap(plt, groups, colors, out_dir):
     ax.set_title(f"{arm} (N={n_needles}, R={n_q}, n={n})", fontsize=9)
   fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
   fig.savefig(os.path.join(out_dir, "retrieval_heatmap.png"), dpi=120, bbox_inches="tight")
-  return ("retrieval_heatmap.png",
-          "Multi-needle retrieval accuracy by depth and context length (mean over seeds).")
+  return (
+    "retrieval_heatmap.png",
+    "Multi-needle retrieval accuracy by depth and context length (mean over seeds).",
+  )
 
 
 def _plot_mqar_grid(plt, groups, colors, out_dir):
@@ -158,8 +182,7 @@ def _plot_mqar_grid(plt, groups, colors, out_dir):
   if not data:
     return None
   dis = sorted({d for cells in data.values() for _, d in cells})
-  fig, axes = plt.subplots(1, len(dis), figsize=(3.6 * len(dis), 3.4), squeeze=False,
-                           sharey=True)
+  fig, axes = plt.subplots(1, len(dis), figsize=(3.6 * len(dis), 3.4), squeeze=False, sharey=True)
   for ax, d in zip(axes[0], dis):
     for arm, cells in data.items():
       pairs = sorted(p for p, dd in cells if dd == d)
@@ -178,9 +201,13 @@ def _plot_mqar_grid(plt, groups, colors, out_dir):
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("exact-match accuracy")
   axes[0][0].legend(fontsize=8)
-  return _save(fig, out_dir, "mqar_grid.png",
-               "Associative recall accuracy by difficulty, mean over seeds (band: "
-               "95% t interval with 3 or more seeds, the range with 2).")
+  return _save(
+    fig,
+    out_dir,
+    "mqar_grid.png",
+    "Associative recall accuracy by difficulty, mean over seeds (band: "
+    "95% t interval with 3 or more seeds, the range with 2).",
+  )
 
 
 def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
@@ -204,8 +231,9 @@ def _plot_allocation(plt, groups, colors, out_dir):
     al = [_sections(r, "allocation") for r in rs if _sections(r, "allocation")]
     if al:
       names = al[0]["regions"]
-      rows[arm] = {k: np.asarray([a["summary"][k] for a in al], float)
-                   for k in ("signed_share", "abs_share")}
+      rows[arm] = {
+        k: np.asarray([a["summary"][k] for a in al], float) for k in ("signed_share", "abs_share")
+      }
       rows[arm]["names"] = names
   if not rows:
     return None
@@ -216,17 +244,28 @@ def _plot_allocation(plt, groups, colors, out_dir):
       mean, lo, hi = _band(d[key])
       x = np.arange(len(d["names"])) + i * width - 0.4 + width / 2
       yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
-      ax.bar(x, mean, width, yerr=yerr, color=colors[arm], label=f"{arm} (n={d[key].shape[0]})",
-             capsize=3)
+      ax.bar(
+        x,
+        mean,
+        width,
+        yerr=yerr,
+        color=colors[arm],
+        label=f"{arm} (n={d[key].shape[0]})",
+        capsize=3,
+      )
     ax.set_xticks(range(len(d["names"])), d["names"])
     ax.axhline(0, color="black", lw=0.6)
     ax.set_title("signed share (sums to 1)" if key == "signed_share" else "absolute share")
     ax.grid(axis="y", alpha=0.3)
   axes[0].set_ylabel("attention of answer-predicting rows")
   axes[0].legend(fontsize=8)
-  return _save(fig, out_dir, "allocation.png",
-               "Attention allocation by region, mean over layers and seeds "
-               "(error bars: 95% t interval; range at n=2).")
+  return _save(
+    fig,
+    out_dir,
+    "allocation.png",
+    "Attention allocation by region, mean over layers and seeds "
+    "(error bars: 95% t interval; range at n=2).",
+  )
 
 
 def _plot_lambda(plt, groups, colors, out_dir):
@@ -262,9 +301,12 @@ def _plot_lambda(plt, groups, colors, out_dir):
     ax.set_title(arm)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-  return _save(fig, out_dir, "lambda.png",
-               "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 "
-               "sigmoid(lambda) on evaluation text.")
+  return _save(
+    fig,
+    out_dir,
+    "lambda.png",
+    "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 sigmoid(lambda) on evaluation text.",
+  )
 
 
 def _plot_lowbit(plt, groups, colors, out_dir):
@@ -273,9 +315,11 @@ def _plot_lowbit(plt, groups, colors, out_dir):
     lbs = [_sections(r, "lowbit") for r in rs if _sections(r, "lowbit")]
     if not lbs:
       continue
-    bits = sorted({int(k[len("logits"):]) for k in lbs[0] if k.startswith("logits")}, reverse=True)
+    bits = sorted({int(k[len("logits") :]) for k in lbs[0] if k.startswith("logits")}, reverse=True)
     if bits:
-      vals = np.asarray([[lb.get(f"logits{b}", {}).get("loss", np.nan) for b in bits] for lb in lbs])
+      vals = np.asarray(
+        [[lb.get(f"logits{b}", {}).get("loss", np.nan) for b in bits] for lb in lbs]
+      )
       base = np.asarray([lb["float"]["loss"] for lb in lbs])
       series[arm] = (bits, vals, base)
   if not series:
@@ -284,9 +328,24 @@ def _plot_lowbit(plt, groups, colors, out_dir):
   for arm, (bits, vals, base) in series.items():
     mean, lo, hi = _band(vals)
     yerr = None if lo is None else np.vstack([mean - lo, hi - mean])
-    ax.errorbar([str(b) for b in bits], mean, yerr=yerr, color=colors[arm], marker="o",
-                capsize=3, label=f"{arm} (float {np.mean(base):.3f}, n={len(vals)})")
-  _label(ax, "attention-logit bits (absmax)", "validation loss",
-         "Loss with only the attention logits quantized")
-  return _save(fig, out_dir, "lowbit.png",
-               "Validation loss when only attention logits are quantized (mean over seeds).")
+    ax.errorbar(
+      [str(b) for b in bits],
+      mean,
+      yerr=yerr,
+      color=colors[arm],
+      marker="o",
+      capsize=3,
+      label=f"{arm} (float {np.mean(base):.3f}, n={len(vals)})",
+    )
+  _label(
+    ax,
+    "attention-logit bits (absmax)",
+    "validation loss",
+    "Loss with only the attention logits quantized",
+  )
+  return _save(
+    fig,
+    out_dir,
+    "lowbit.png",
+    "Validation loss when only attention logits are quantized (mean over seeds).",
+  )

@@ -33,7 +33,8 @@ import argparse
 import json
 import math
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from diffjax.eval import plots, stats
 from diffjax.eval.aggregate import BASELINE, aggregate, as_number, by_arm, summary_lines
@@ -59,8 +60,10 @@ def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
       ev = _read_json(eval_path) if os.path.isfile(eval_path) else None
       curve = read_metrics(path) if os.path.isfile(os.path.join(path, METRICS_FILE)) else None
       if ev is None and curve is None:
-        raise FileNotFoundError(f"{path!r} has neither eval.json nor metrics.jsonl; run "
-                                "`python -m diffjax.eval --workdir=...` on it first.")
+        raise FileNotFoundError(
+          f"{path!r} has neither eval.json nor metrics.jsonl; run "
+          "`python -m diffjax.eval --workdir=...` on it first."
+        )
     elif os.path.isfile(path):
       ev, curve = _read_json(path), None
     else:
@@ -71,8 +74,9 @@ def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
       cfg_path = os.path.join(path, "model_config.json") if os.path.isdir(path) else None
       arm = _read_json(cfg_path).get("attention") if cfg_path and os.path.isfile(cfg_path) else None
     if arm is None:
-      raise ValueError(f"Cannot tell the arm of {path!r}: no meta.arm in eval.json and no "
-                       "model_config.json.")
+      raise ValueError(
+        f"Cannot tell the arm of {path!r}: no meta.arm in eval.json and no model_config.json."
+      )
     runs.append({"arm": arm, "seed": meta.get("seed"), "name": path, "eval": ev, "curve": curve})
   return runs
 
@@ -93,23 +97,34 @@ def _fmt(x: float, digits: int = 4) -> str:
 
 
 def _by_count(x: Mapping[str, float], one, more) -> str:
-  """"–" without values, ``one()`` with a single value, ``more()`` with two or more."""
+  """ "–" without values, ``one()`` with a single value, ``more()`` with two or more."""
   return "–" if x["n"] == 0 else one() if x["n"] < 2 else more()
 
 
 def _fmt_ci(c: Mapping[str, float]) -> str:
-  return _by_count(c, lambda: f"{_fmt(c['mean'])} (n=1)",
-                   lambda: f"{_fmt(c['mean'])} ± {_fmt(c['half_width'], 2)} (n={c['n']})")
+  return _by_count(
+    c,
+    lambda: f"{_fmt(c['mean'])} (n=1)",
+    lambda: f"{_fmt(c['mean'])} ± {_fmt(c['half_width'], 2)} (n={c['n']})",
+  )
 
 
 def _fmt_diff(d: Mapping[str, float]) -> str:
-  return _by_count(d, lambda: f"{d['mean']:+.3g} (n=1, no test)", lambda: (
-      f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}] p={_fmt(d['p'], 2)} (n={d['n']})"))
+  return _by_count(
+    d,
+    lambda: f"{d['mean']:+.3g} (n=1, no test)",
+    lambda: f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}] p={_fmt(d['p'], 2)} (n={d['n']})",
+  )
 
 
-def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str = BASELINE,
-                 confidence: float = 0.95, title: str = "diffjax evaluation report",
-                 preamble: Sequence[str] = ()) -> str:
+def write_report(
+  runs: Sequence[Mapping[str, Any]],
+  out_dir: str,
+  baseline: str = BASELINE,
+  confidence: float = 0.95,
+  title: str = "diffjax evaluation report",
+  preamble: Sequence[str] = (),
+) -> str:
   """Writes report.md and the PNG plots into `out_dir`; returns the report's path.
 
   Args:
@@ -138,8 +153,12 @@ def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str 
   md.append("")
   pct = f"{confidence:.0%}"
   if agg["metrics"]:
-    md += ["## Results per arm", "",
-           f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).", ""]
+    md += [
+      "## Results per arm",
+      "",
+      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
+      "",
+    ]
     md.append("| metric | " + " | ".join(arms) + " |")
     md.append("|---" * (len(arms) + 1) + "|")
     for m in agg["metrics"]:
@@ -147,9 +166,13 @@ def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str 
     md.append("")
   if agg["paired"]:
     others = list(agg["paired"])
-    md += [f"## Paired differences against {baseline}", "",
-           f"Arm minus {baseline} at matched seeds: mean [{pct} t interval], two-sided paired "
-           "t-test p-value.", ""]
+    md += [
+      f"## Paired differences against {baseline}",
+      "",
+      f"Arm minus {baseline} at matched seeds: mean [{pct} t interval], two-sided paired "
+      "t-test p-value.",
+      "",
+    ]
     md.append("| metric | " + " | ".join(others) + " |")
     md.append("|---" * (len(others) + 1) + "|")
     for m in agg["metrics"]:
@@ -161,21 +184,25 @@ def write_report(runs: Sequence[Mapping[str, Any]], out_dir: str, baseline: str 
     md += ["## Figures", ""]
     for name, caption in figures:
       md += [f"![{caption}]({name})", "", f"*{caption}*", ""]
-  md += ["## How to read this", "",
-         "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
-         "greedy-decoding exact match; the table cells average the answer depths.",
-         "- Attention allocation: rows that predict an answer token; `signed_share` divides "
-         "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
-         "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
-         "For the Transformer both are the same.",
-         "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
-         "DIFF) and over every block's output; medians may be estimated from a sample.",
-         "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
-         "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
-         "per token, and keys/values per token and head.",
-         "- Probes: clamp = loss change when negative attention weights are set to zero; map "
-         "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
-         "Transformer, of query heads 2i and 2i+1, as a control).", ""]
+  md += [
+    "## How to read this",
+    "",
+    "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
+    "greedy-decoding exact match; the table cells average the answer depths.",
+    "- Attention allocation: rows that predict an answer token; `signed_share` divides "
+    "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
+    "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
+    "For the Transformer both are the same.",
+    "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
+    "DIFF) and over every block's output; medians may be estimated from a sample.",
+    "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
+    "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
+    "per token, and keys/values per token and head.",
+    "- Probes: clamp = loss change when negative attention weights are set to zero; map "
+    "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
+    "Transformer, of query heads 2i and 2i+1, as a control).",
+    "",
+  ]
   path = os.path.join(out_dir, "report.md")
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(md))
@@ -188,19 +215,30 @@ def _needle_table_md(runs) -> list[str]:
   cells: list[str] = []
   for rs in groups.values():
     for r in rs:
-      for c in (((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {}).get("cells", {}):
+      for c in (((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {}).get(
+        "cells", {}
+      ):
         if c not in cells:
           cells.append(c)
   if not cells:
     return []
-  md = ["## Multi-needle retrieval (mean accuracy over seeds)", "",
-        "| arm | " + " | ".join(c.replace("_", ", ") for c in cells) + " |",
-        "|---" * (len(cells) + 1) + "|"]
+  md = [
+    "## Multi-needle retrieval (mean accuracy over seeds)",
+    "",
+    "| arm | " + " | ".join(c.replace("_", ", ") for c in cells) + " |",
+    "|---" * (len(cells) + 1) + "|",
+  ]
   for arm, rs in groups.items():
     row = []
     for c in cells:
-      vals = [as_number((((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {})
-                        .get("cells", {}).get(c)) for r in rs]
+      vals = [
+        as_number(
+          (((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {})
+          .get("cells", {})
+          .get(c)
+        )
+        for r in rs
+      ]
       ci = stats.mean_ci(vals)
       row.append(_fmt(ci["mean"], 3))
     md.append(f"| {arm} | " + " | ".join(row) + " |")
@@ -214,12 +252,16 @@ def _mqar_grid_md(agg: Mapping[str, Any], pct: str) -> list[str]:
   if not cells:
     return []
   arms, others = agg["arms"], list(agg["paired"])
-  md = ["## Associative recall by difficulty", "",
-        f"Exact-match accuracy per cell (P: key-value pairs, D: near-duplicate distractor pairs "
-        f"per queried key): mean ± half-width of the {pct} t interval over seeds, then each "
-        f"arm minus {agg['baseline']} at matched seeds [{pct} interval], paired t-test p.", "",
-        "| cell | " + " | ".join(arms) + "".join(f" | {a} − {agg['baseline']}" for a in others)
-        + " |", "|---" * (1 + len(arms) + len(others)) + "|"]
+  md = [
+    "## Associative recall by difficulty",
+    "",
+    f"Exact-match accuracy per cell (P: key-value pairs, D: near-duplicate distractor pairs "
+    f"per queried key): mean ± half-width of the {pct} t interval over seeds, then each "
+    f"arm minus {agg['baseline']} at matched seeds [{pct} interval], paired t-test p.",
+    "",
+    "| cell | " + " | ".join(arms) + "".join(f" | {a} − {agg['baseline']}" for a in others) + " |",
+    "|---" * (1 + len(arms) + len(others)) + "|",
+  ]
   for m in cells + ["mqar_grid/mean"]:
     row = [_fmt_ci(agg["per_arm"][a][m]) for a in arms]
     row += [_fmt_diff(agg["paired"][a][m]) for a in others]
@@ -228,8 +270,11 @@ def _mqar_grid_md(agg: Mapping[str, Any], pct: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m diffjax.eval.report", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.eval.report",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("runs", nargs="+", help="run directories or eval JSON files")
   p.add_argument("--out", required=True, help="output directory for report.md and PNGs")
   p.add_argument("--baseline", default=BASELINE, help="arm the others are paired against")

@@ -15,7 +15,8 @@ hook); it materialises [B, H, T, S] maps per layer inside the compiled function,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +64,10 @@ class ModelRunner:
 
   def __init__(self, model: nnx.Module):
     if getattr(model.config, "scan_layers", False):
-      raise ValueError("The analysis reads layers one by one: pass an unrolled model "
-                       "(scan_layers=False; diffjax.train.load_model returns one).")
+      raise ValueError(
+        "The analysis reads layers one by one: pass an unrolled model "
+        "(scan_layers=False; diffjax.train.load_model returns one)."
+      )
     self.model = model
     self.config = model.config
     self.graphdef, self.state = nnx.split(model)
@@ -77,33 +80,43 @@ class ModelRunner:
     """tokens (B, T) [, positions, segment_ids] -> float32 numpy logits (B, T, V)."""
     key = ("logits", name)
     if key not in self._fns:
+
       def f(state, tokens, positions, segment_ids):
         model = self._merge(state)
-        return model(tokens, positions, segment_ids, hooks=hooks) if hooks is not None else \
-            model(tokens, positions, segment_ids)
+        return (
+          model(tokens, positions, segment_ids, hooks=hooks)
+          if hooks is not None
+          else model(tokens, positions, segment_ids)
+        )
+
       self._fns[key] = jax.jit(f)
     jf = self._fns[key]
 
     def apply(tokens, positions=None, segment_ids=None):
       return np.asarray(jf(self.state, jnp.asarray(tokens), positions, segment_ids))
+
     return apply
 
-  def knob_fn(self, granularity: str = "head", knobs: Mapping[str, float] | None = None,
-              state=None) -> LogitsFn:
+  def knob_fn(
+    self, granularity: str = "head", knobs: Mapping[str, float] | None = None, state=None
+  ) -> LogitsFn:
     """A `LogitsFn` on the reference path with interventions set by numbers, not code, so one
     compiled function serves every setting (see `Knobs`): logits_bits, act_bits, kv_bits
     (0 = off) and clamp (1 = clamp negative attention weights). `state` replaces the model's
     parameters (e.g. quantized weights of the same model)."""
     key = ("knobs", granularity)
     if key not in self._fns:
+
       def f(state, tokens, positions, segment_ids, k):
         qmax = lambda bits: jnp.where(bits > 1, 2.0 ** (bits - 1) - 1, 0.0)
         hooks = Hooks(
-            logits=lambda x: M.quantize_attention_logits(x, k["logits_bits"], granularity),
-            probs=lambda p: jnp.where(k["clamp"] > 0, jnp.maximum(p, 0), p),
-            kv=lambda x: M.fake_quant(x, qmax(k["kv_bits"]), axis=-1),
-            activations=lambda x: M.fake_quant(x, qmax(k["act_bits"]), axis=-1))
+          logits=lambda x: M.quantize_attention_logits(x, k["logits_bits"], granularity),
+          probs=lambda p: jnp.where(k["clamp"] > 0, jnp.maximum(p, 0), p),
+          kv=lambda x: M.fake_quant(x, qmax(k["kv_bits"]), axis=-1),
+          activations=lambda x: M.fake_quant(x, qmax(k["act_bits"]), axis=-1),
+        )
         return self._merge(state)(tokens, positions, segment_ids, hooks=hooks)
+
       self._fns[key] = jax.jit(f)
     jf = self._fns[key]
     k = {name: jnp.float32(0.0) for name in KNOBS}
@@ -115,45 +128,56 @@ class ModelRunner:
 
     def apply(tokens, positions=None, segment_ids=None):
       return np.asarray(jf(st, jnp.asarray(tokens), positions, segment_ids, k))
+
     return apply
 
   def rows(self, tokens_BxT, idx_BxR) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
     """Logits and, per layer, attention rows `idx_BxR` of every map: probs/logits (transformer)
     or probs1/probs2/logits1/logits2 and the combined map (B, H, R, S); lambda; lambda_init."""
     if "rows" not in self._fns:
+
       def f(state, tokens_BxT, idx_BxR):
         logits_BxTxV, caps = self._merge(state)(tokens_BxT, capture=True)
         # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
         take = lambda x_BxHxTxS: jnp.take_along_axis(x_BxHxTxS, idx_BxR[:, None, :, None], axis=2)
         out = []
         for cap in caps:
-          layer = {k: take(v) for k, v in cap.items()
-                   if k in ("probs", "logits", "probs1", "probs2", "logits1", "logits2")}
+          layer = {
+            k: take(v)
+            for k, v in cap.items()
+            if k in ("probs", "logits", "probs1", "probs2", "logits1", "logits2")
+          }
           layer["combined"] = take(_layer_maps(cap)["combined"])
           if "lambda" in cap:
             lam = cap["lambda"]  # a scalar (DIFF V1) or [B, T, H] (DIFF V2)
-            layer["lambda"] = (lam if lam.ndim == 0 else
-                               jnp.take_along_axis(lam, idx_BxR[:, :, None], axis=1))
+            layer["lambda"] = (
+              lam if lam.ndim == 0 else jnp.take_along_axis(lam, idx_BxR[:, :, None], axis=1)
+            )
           if "lambda_init" in cap:
             layer["lambda_init"] = cap["lambda_init"]
           out.append(layer)
         return logits_BxTxV, out
+
       self._fns["rows"] = jax.jit(f)
     logits, layers = self._fns["rows"](self.state, jnp.asarray(tokens_BxT), jnp.asarray(idx_BxR))
     return np.asarray(logits), jax.tree.map(np.asarray, layers)
 
-  def text_pass(self, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR, k: int):
+  def text_pass(
+    self, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR, k: int
+  ):
     """Per layer: top-k |attention logits| over valid entries, |logits| at flat (t*S + s)
     indices `sample_idx_N`, |hidden|, lambda, and maps at rows `row_idx_BxR`."""
     key = ("text", k)
     if key not in self._fns:
+
       def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR):
         _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
         b, t = tokens_BxT.shape
         valid_Bx1xTxT = _causal_valid(t, t, segment_ids_BxT)
         # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
-        take = lambda x_BxHxTxS: jnp.take_along_axis(x_BxHxTxS, row_idx_BxR[:, None, :, None],
-                                                     axis=2)
+        take = lambda x_BxHxTxS: jnp.take_along_axis(
+          x_BxHxTxS, row_idx_BxR[:, None, :, None], axis=2
+        )
         out = []
         for cap in caps:
           maps = _layer_maps(cap)
@@ -164,8 +188,12 @@ class ModelRunner:
             tops.append(jax.lax.top_k(abs_BxHxTxT.reshape(-1), k)[0])
             flat_BxHxTT = abs_BxHxTxT.reshape(b, abs_BxHxTxT.shape[1], t * t)
             samples.append(flat_BxHxTT[:, :, sample_idx_N].reshape(-1))
-          layer = {"logit_top": jnp.concatenate(tops), "logit_sample": jnp.concatenate(samples),
-                   "hidden": cap["hidden"], "combined": take(maps["combined"])}
+          layer = {
+            "logit_top": jnp.concatenate(tops),
+            "logit_sample": jnp.concatenate(samples),
+            "hidden": cap["hidden"],
+            "combined": take(maps["combined"]),
+          }
           for name in ("probs1", "probs2", "logits1", "logits2", "probs", "logits"):
             if name in cap:
               layer[name] = take(cap[name])
@@ -173,62 +201,81 @@ class ModelRunner:
             layer["lambda"] = cap["lambda"]
           out.append(layer)
         return out
+
       self._fns[key] = jax.jit(f)
     seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
     pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    out = self._fns[key](self.state, jnp.asarray(tokens_BxT), pos, seg,
-                         jnp.asarray(sample_idx_N), jnp.asarray(row_idx_BxR))
+    out = self._fns[key](
+      self.state,
+      jnp.asarray(tokens_BxT),
+      pos,
+      seg,
+      jnp.asarray(sample_idx_N),
+      jnp.asarray(row_idx_BxR),
+    )
     return jax.tree.map(np.asarray, out)
 
-  def mechanism_pass(self, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT
-                     ) -> list[dict[str, np.ndarray]]:
+  def mechanism_pass(
+    self, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT
+  ) -> list[dict[str, np.ndarray]]:
     """Per layer: each row's weight on its document's first token (``starts_BxT``) in the
     combined map (``sink_combined`` [B, H, T]) and, for DIFF, in A1 and A2 (``sink1``,
     ``sink2``); the attention output before any norm (``context`` [B, T, H, Dv]), the
     RMS of the values each row can see (``value_rms`` [B, T]) and the largest RMS among them
     (``value_rms_max`` [B, T], over keys and kv heads)."""
     if "mechanisms" not in self._fns:
+
       def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT):
         _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
         t = tokens_BxT.shape[1]
-        valid_BxTxS = jnp.broadcast_to(_causal_valid(t, t, segment_ids_BxT)[:, 0],
-                                       (tokens_BxT.shape[0], t, t)).astype(jnp.float32)
+        valid_BxTxS = jnp.broadcast_to(
+          _causal_valid(t, t, segment_ids_BxT)[:, 0], (tokens_BxT.shape[0], t, t)
+        ).astype(jnp.float32)
         out = []
         for cap in caps:
-          layer = {"sink_combined": M.first_token_weight(_layer_maps(cap)["combined"],
-                                                         starts_BxT),
-                   "context": cap["context"].astype(jnp.float32)}
+          layer = {
+            "sink_combined": M.first_token_weight(_layer_maps(cap)["combined"], starts_BxT),
+            "context": cap["context"].astype(jnp.float32),
+          }
           if "probs1" in cap:
             layer["sink1"] = M.first_token_weight(cap["probs1"], starts_BxT)
             layer["sink2"] = M.first_token_weight(cap["probs2"], starts_BxT)
           ms_BxSxK = jnp.mean(jnp.square(cap["values"].astype(jnp.float32)), axis=3)
-          layer["value_rms"] = jnp.sqrt(jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxSxK.mean(2))
-                                        / jnp.maximum(valid_BxTxS.sum(-1), 1.0))
-          layer["value_rms_max"] = jnp.sqrt(jnp.max(valid_BxTxS * ms_BxSxK.max(2)[:, None, :],
-                                                    axis=-1))
+          layer["value_rms"] = jnp.sqrt(
+            jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxSxK.mean(2))
+            / jnp.maximum(valid_BxTxS.sum(-1), 1.0)
+          )
+          layer["value_rms_max"] = jnp.sqrt(
+            jnp.max(valid_BxTxS * ms_BxSxK.max(2)[:, None, :], axis=-1)
+          )
           out.append(layer)
         return out
+
       self._fns["mechanisms"] = jax.jit(f)
     seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
     pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    out = self._fns["mechanisms"](self.state, jnp.asarray(tokens_BxT), pos, seg,
-                                  jnp.asarray(starts_BxT))
+    out = self._fns["mechanisms"](
+      self.state, jnp.asarray(tokens_BxT), pos, seg, jnp.asarray(starts_BxT)
+    )
     return jax.tree.map(np.asarray, out)
 
-  def norm_gradients(self, tokens_BxT, targets_BxT, positions_BxT, segment_ids_BxT, mask_BxT
-                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+  def norm_gradients(
+    self, tokens_BxT, targets_BxT, positions_BxT, segment_ids_BxT, mask_BxT
+  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """DIFF V1: per layer, the gradients of the mean masked next-token loss into its per-head
     norm's input and out of its output, ([B, T, H, 2d], [B, T, H, 2d]).
 
     Zero taps are added before and after each layer's norm (`Hooks.norm`, called in layer
     order as the unrolled model is traced) and the loss is differentiated by them."""
     if self.config.attention != "diff_v1":
-      raise ValueError(f"norm_gradients needs a DIFF V1 model; this one is "
-                       f"{self.config.attention!r}.")
+      raise ValueError(
+        f"norm_gradients needs a DIFF V1 model; this one is {self.config.attention!r}."
+      )
     b, t = np.shape(tokens_BxT)
     cfg = self.config
     taps_shape = (b, t, cfg.num_heads, 2 * cfg.head_dim)
     if "norm_grads" not in self._fns:
+
       def loss(taps, state, tokens, targets, positions, segment_ids, mask):
         seen = {"pre": 0, "post": 0}
 
@@ -241,13 +288,20 @@ class ModelRunner:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
       self._fns["norm_grads"] = jax.jit(jax.grad(loss))
     zeros = [jnp.zeros(taps_shape, jnp.float32) for _ in range(cfg.num_layers)]
     seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
     pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    g = self._fns["norm_grads"]({"pre": zeros, "post": zeros}, self.state,
-                                jnp.asarray(tokens_BxT), jnp.asarray(targets_BxT), pos, seg,
-                                jnp.asarray(mask_BxT, jnp.float32))
+    g = self._fns["norm_grads"](
+      {"pre": zeros, "post": zeros},
+      self.state,
+      jnp.asarray(tokens_BxT),
+      jnp.asarray(targets_BxT),
+      pos,
+      seg,
+      jnp.asarray(mask_BxT, jnp.float32),
+    )
     return [(np.asarray(a), np.asarray(z)) for a, z in zip(g["pre"], g["post"])]
 
   def quantized_state(self, bits: int, include_head: bool = False):
@@ -266,8 +320,9 @@ def _input_axes(names: tuple) -> tuple[int, ...]:
   return tuple(own[:-1]) if names[-1] == "embed" else (own[0],)
 
 
-def quantize_model_weights(model: nnx.Module, bits: int = 4, *,
-                           include_head: bool = False) -> nnx.Module:
+def quantize_model_weights(
+  model: nnx.Module, bits: int = 4, *, include_head: bool = False
+) -> nnx.Module:
   """Returns a copy of `model` with every projection kernel (a weight matrix by its logical axes,
   `diffjax.nn.layers.is_weight_matrix`, in scanned and unrolled models alike) fake-quantized per
   output channel (absmax over its input axes).

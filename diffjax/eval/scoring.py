@@ -8,14 +8,21 @@ answers right, or always wrong) tests them without any network.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from diffjax.data.tasks import (
+  DEPTHS,
+  NEEDLE_GRID,
+  AssociativeRecallTask,
+  ContextTooShort,
+  MultiNeedleTask,
+  collate,
+)
 from diffjax.eval import measures as M
 from diffjax.eval.runner import LogitsFn
-from diffjax.data.tasks import (DEPTHS, NEEDLE_GRID, AssociativeRecallTask, ContextTooShort,
-                                MultiNeedleTask, collate)
 
 Batch = Mapping[str, np.ndarray]
 
@@ -65,8 +72,9 @@ def _chunks(n: int, size: int):
     yield range(start, min(start + size, n))
 
 
-def retrieval_accuracy(fn: LogitsFn, task, num_examples: int | None = None,
-                       batch_size: int = 8) -> dict[str, Any]:
+def retrieval_accuracy(
+  fn: LogitsFn, task, num_examples: int | None = None, batch_size: int = 8
+) -> dict[str, Any]:
   """Teacher-forced exact-match accuracy of `task` (see `measures.answer_exact_match`).
 
   Returns "accuracy" (over answers), "all_correct" (over examples), counts, and "by_depth":
@@ -82,9 +90,10 @@ def retrieval_accuracy(fn: LogitsFn, task, num_examples: int | None = None,
     if len(exs) < batch_size and n > batch_size:
       # Pad a short last batch with copies so a jitted model keeps its compiled shape.
       tokens = np.concatenate([tokens, np.repeat(tokens[:1], batch_size - len(exs), axis=0)])
-    logits = fn(tokens)[:len(exs)]
-    c, p = M.answer_exact_match(logits, batch["tokens"], batch["answer_segments"],
-                                num_segments=int(task.num_queries))
+    logits = fn(tokens)[: len(exs)]
+    c, p = M.answer_exact_match(
+      logits, batch["tokens"], batch["answer_segments"], num_segments=int(task.num_queries)
+    )
     correct.append(c)
     present.append(p)
     depth_of += [ex.depth for ex in exs]
@@ -100,9 +109,16 @@ def retrieval_accuracy(fn: LogitsFn, task, num_examples: int | None = None,
   return out
 
 
-def needle_table(fn: LogitsFn, context_len: int, grid: Sequence[tuple[int, int]] = NEEDLE_GRID,
-                 samples_per_depth: int = 10, depths: Sequence[float] = DEPTHS, seed: int = 0,
-                 batch_size: int = 8, filler=None) -> dict[str, Any]:
+def needle_table(
+  fn: LogitsFn,
+  context_len: int,
+  grid: Sequence[tuple[int, int]] = NEEDLE_GRID,
+  samples_per_depth: int = 10,
+  depths: Sequence[float] = DEPTHS,
+  seed: int = 0,
+  batch_size: int = 8,
+  filler=None,
+) -> dict[str, Any]:
   """Accuracy per (N, R) cell at one context length, averaged over depths (paper Table 2).
 
   Returns {"context_len", "cells": {"N{n}_R{r}": accuracy}, "by_depth": {cell: {depth: acc}},
@@ -112,22 +128,41 @@ def needle_table(fn: LogitsFn, context_len: int, grid: Sequence[tuple[int, int]]
   cells, by_depth, skipped = {}, {}, {}
   for n, r in grid:
     try:
-      task = MultiNeedleTask(context_len, n, r, depths=depths,
-                             num_examples=samples_per_depth * len(depths), seed=seed, filler=filler)
+      task = MultiNeedleTask(
+        context_len,
+        n,
+        r,
+        depths=depths,
+        num_examples=samples_per_depth * len(depths),
+        seed=seed,
+        filler=filler,
+      )
     except ContextTooShort as e:
       skipped[f"N{n}_R{r}"] = str(e)
       continue
     res = retrieval_accuracy(fn, task, batch_size=batch_size)
     cells[f"N{n}_R{r}"] = res["accuracy"]
     by_depth[f"N{n}_R{r}"] = res["by_depth"]
-  return {"context_len": int(context_len), "cells": cells, "by_depth": by_depth,
-          "mean": float(np.mean(list(cells.values()))) if cells else float("nan"),
-          "skipped": skipped}
+  return {
+    "context_len": int(context_len),
+    "cells": cells,
+    "by_depth": by_depth,
+    "mean": float(np.mean(list(cells.values()))) if cells else float("nan"),
+    "skipped": skipped,
+  }
 
 
-def retrieval_heatmap(fn: LogitsFn, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
-                      num_needles: int = 4, num_queries: int = 1, samples_per_cell: int = 10,
-                      seed: int = 0, batch_size: int = 8, filler=None) -> dict[str, Any]:
+def retrieval_heatmap(
+  fn: LogitsFn,
+  lengths: Sequence[int],
+  depths: Sequence[float] = DEPTHS,
+  num_needles: int = 4,
+  num_queries: int = 1,
+  samples_per_cell: int = 10,
+  seed: int = 0,
+  batch_size: int = 8,
+  filler=None,
+) -> dict[str, Any]:
   """Accuracy per (depth, context length) cell (paper Figure 5).
 
   Returns {"lengths": [...], "depths": [...], "accuracy": [[depth-major rows]],
@@ -137,30 +172,51 @@ def retrieval_heatmap(fn: LogitsFn, lengths: Sequence[int], depths: Sequence[flo
   fits = []
   for length in lengths:
     try:
-      MultiNeedleTask(int(length), num_needles, num_queries, depths=(0.0,), num_examples=1,
-                      seed=seed, filler=filler)
+      MultiNeedleTask(
+        int(length),
+        num_needles,
+        num_queries,
+        depths=(0.0,),
+        num_examples=1,
+        seed=seed,
+        filler=filler,
+      )
       fits.append(int(length))
     except ContextTooShort:
       pass
   skipped = [int(x) for x in lengths if int(x) not in fits]
   lengths = fits
   if not lengths:
-    raise ContextTooShort(f"No heatmap length in {skipped} fits {num_needles} needles and "
-                          f"{num_queries} queries.")
+    raise ContextTooShort(
+      f"No heatmap length in {skipped} fits {num_needles} needles and {num_queries} queries."
+    )
   acc = np.zeros((len(depths), len(lengths)))
   for j, length in enumerate(lengths):
     for i, depth in enumerate(depths):
-      task = MultiNeedleTask(int(length), num_needles, num_queries, depths=(depth,),
-                             num_examples=samples_per_cell, seed=seed + 7919 * i, filler=filler)
+      task = MultiNeedleTask(
+        int(length),
+        num_needles,
+        num_queries,
+        depths=(depth,),
+        num_examples=samples_per_cell,
+        seed=seed + 7919 * i,
+        filler=filler,
+      )
       acc[i, j] = retrieval_accuracy(fn, task, batch_size=batch_size)["accuracy"]
-  return {"lengths": [int(x) for x in lengths], "depths": [float(d) for d in depths],
-          "accuracy": acc.tolist(), "mean_by_length": acc.mean(axis=0).tolist(),
-          "mean": float(acc.mean()), "needles": [int(num_needles), int(num_queries)],
-          "skipped_lengths": skipped}
+  return {
+    "lengths": [int(x) for x in lengths],
+    "depths": [float(d) for d in depths],
+    "accuracy": acc.tolist(),
+    "mean_by_length": acc.mean(axis=0).tolist(),
+    "mean": float(acc.mean()),
+    "needles": [int(num_needles), int(num_queries)],
+    "skipped_lengths": skipped,
+  }
 
 
-def associative_recall(fn: LogitsFn, num_examples: int = 64, seed: int = 0, batch_size: int = 8,
-                       **task_kwargs) -> dict[str, Any]:
+def associative_recall(
+  fn: LogitsFn, num_examples: int = 64, seed: int = 0, batch_size: int = 8, **task_kwargs
+) -> dict[str, Any]:
   """MQAR accuracy (teacher-forced exact match of each queried value)."""
   task = AssociativeRecallTask(num_examples=num_examples, seed=seed, **task_kwargs)
   out = retrieval_accuracy(fn, task, batch_size=batch_size)
@@ -175,9 +231,14 @@ def mqar_cell_name(cell: Mapping[str, Any]) -> str:
   return name + (f"_Q{int(cell['num_queries'])}" if "num_queries" in cell else "")
 
 
-def associative_recall_grid(fn: LogitsFn, grid: Sequence[Mapping[str, Any]],
-                            num_examples: int = 64, seed: int = 0, batch_size: int = 8,
-                            **common) -> dict[str, Any]:
+def associative_recall_grid(
+  fn: LogitsFn,
+  grid: Sequence[Mapping[str, Any]],
+  num_examples: int = 64,
+  seed: int = 0,
+  batch_size: int = 8,
+  **common,
+) -> dict[str, Any]:
   """MQAR accuracy on every cell of a difficulty grid (each a dict of `AssociativeRecallTask`
   arguments over `common`); cell c draws its examples from seed `seed + c`.
 
@@ -191,11 +252,14 @@ def associative_recall_grid(fn: LogitsFn, grid: Sequence[Mapping[str, Any]],
     r = associative_recall(fn, num_examples, seed + c, batch_size, **kw)
     name = mqar_cell_name(cell)
     if name in cells:
-      raise ValueError(f"mqar_grid has two cells named {name!r}; give each cell distinct "
-                       "settings.")
+      raise ValueError(f"mqar_grid has two cells named {name!r}; give each cell distinct settings.")
     order.append(name)
-    cells[name] = {"accuracy": r["accuracy"], "all_correct": r["all_correct"],
-                   "sequence_len": r["sequence_len"], "settings": kw}
+    cells[name] = {
+      "accuracy": r["accuracy"],
+      "all_correct": r["all_correct"],
+      "sequence_len": r["sequence_len"],
+      "settings": kw,
+    }
   return {"cells": cells, "order": order, "num_examples": int(num_examples)}
 
 

@@ -13,7 +13,7 @@ fraction) so scipy is not a dependency; the tests compare it with scipy.stats.t.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,8 +51,9 @@ def betainc(a: float, b: float, x: float) -> float:
     raise ValueError(f"betainc needs 0 <= x <= 1; got {x=}.")
   if x in (0.0, 1.0):
     return x
-  log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-               + a * math.log(x) + b * math.log1p(-x))
+  log_front = (
+    math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+  )
   if x < (a + 1.0) / (a + b + 2.0):
     return math.exp(log_front) * _betacf(a, b, x) / a
   return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
@@ -126,12 +127,20 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict[str, floa
   std = float(v.std(ddof=1))
   sem = std / math.sqrt(n)
   half = t_ppf(0.5 + confidence / 2.0, n - 1) * sem
-  return {"mean": mean, "std": std, "sem": sem, "half_width": half, "lo": mean - half,
-          "hi": mean + half, "n": n}
+  return {
+    "mean": mean,
+    "std": std,
+    "sem": sem,
+    "half_width": half,
+    "lo": mean - half,
+    "hi": mean + half,
+    "n": n,
+  }
 
 
-def paired_difference(arm: Sequence[float], baseline: Sequence[float],
-                      confidence: float = 0.95) -> dict[str, float]:
+def paired_difference(
+  arm: Sequence[float], baseline: Sequence[float], confidence: float = 0.95
+) -> dict[str, float]:
   """Paired differences arm - baseline over matched seeds, with a two-sided paired t-test.
 
   Args:
@@ -159,8 +168,14 @@ def paired_difference(arm: Sequence[float], baseline: Sequence[float],
   return out
 
 
-def verdict(diff: dict[str, float], metric: str, arm: str, baseline: str = "transformer",
-            higher_is_better: bool | None = None, alpha: float = 0.05) -> str:
+def verdict(
+  diff: dict[str, float],
+  metric: str,
+  arm: str,
+  baseline: str = "transformer",
+  higher_is_better: bool | None = None,
+  alpha: float = 0.05,
+) -> str:
   """One sentence that states what a `paired_difference` result supports, and no more.
 
   "Better"/"worse" is said only when `higher_is_better` is given and p < alpha; otherwise the
@@ -170,18 +185,24 @@ def verdict(diff: dict[str, float], metric: str, arm: str, baseline: str = "tran
   if n == 0:
     return f"{metric}: no paired seeds for {arm} and {baseline}."
   if n < 2:
-    return (f"{metric}: one paired seed only ({arm} - {baseline} = {mean:+.4g}); "
-            "no significance test is possible.")
+    return (
+      f"{metric}: one paired seed only ({arm} - {baseline} = {mean:+.4g}); "
+      "no significance test is possible."
+    )
   ci = f"{mean:+.4g} [{diff['lo']:+.4g}, {diff['hi']:+.4g}]"
   if diff.get("zero_spread"):
     if mean == 0:
       return f"{metric}: {arm} and {baseline} are identical at all n={n} seeds."
     sign_p = 2.0 ** (1 - n)
-    return (f"{metric}: {arm} - {baseline} = {mean:+.4g} at every one of n={n} seeds (no spread, "
-            f"so no t-test; a two-sided sign test gives p={sign_p:.2g}).")
+    return (
+      f"{metric}: {arm} - {baseline} = {mean:+.4g} at every one of n={n} seeds (no spread, "
+      f"so no t-test; a two-sided sign test gives p={sign_p:.2g})."
+    )
   if not (p < alpha):
-    return (f"{metric}: no significant difference between {arm} and {baseline} at n={n} seeds "
-            f"(difference {ci}, p={p:.2g}).")
+    return (
+      f"{metric}: no significant difference between {arm} and {baseline} at n={n} seeds "
+      f"(difference {ci}, p={p:.2g})."
+    )
   direction = "higher" if mean > 0 else "lower"
   if higher_is_better is None:
     judged = direction
@@ -189,5 +210,6 @@ def verdict(diff: dict[str, float], metric: str, arm: str, baseline: str = "tran
     judged = "better" if (mean > 0) == higher_is_better else "worse"
     judged = f"{judged} ({direction})"
   small = "; two seeds make this a lead to re-test, not a result" if n == 2 else ""
-  return (f"{metric}: {arm} is {judged} than {baseline} (difference {ci}, p={p:.2g}, "
-          f"n={n} seeds{small}).")
+  return (
+    f"{metric}: {arm} is {judged} than {baseline} (difference {ci}, p={p:.2g}, n={n} seeds{small})."
+  )

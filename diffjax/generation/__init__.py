@@ -11,14 +11,22 @@ continuation of a prompt (:mod:`diffjax.generation.command`).
 from diffjax.generation.engine import CACHE_MULTIPLE, Generation, generate
 from diffjax.generation.programs import cache_info, clear_cache
 from diffjax.generation.sampling import (
-    LogitsProcessor,
-    SamplingOptions,
-    choose_tokens,
-    top_k_filter,
-    top_p_filter,
+  LogitsProcessor,
+  SamplingOptions,
+  choose_tokens,
+  top_k_filter,
+  top_p_filter,
 )
 
 __all__ = [
-    "CACHE_MULTIPLE", "Generation", "generate", "cache_info", "clear_cache", "LogitsProcessor",
-    "SamplingOptions", "choose_tokens", "top_k_filter", "top_p_filter",
+  "CACHE_MULTIPLE",
+  "Generation",
+  "generate",
+  "cache_info",
+  "clear_cache",
+  "LogitsProcessor",
+  "SamplingOptions",
+  "choose_tokens",
+  "top_k_filter",
+  "top_p_filter",
 ]

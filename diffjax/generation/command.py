@@ -17,7 +17,7 @@ import argparse
 import codecs
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,8 +29,11 @@ from diffjax.train.loading import load_run
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m diffjax.generation", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.generation",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--workdir", required=True, help="a train.py run directory")
   p.add_argument("--prompt", required=True, help="the text to continue")
   p.add_argument("--max_new_tokens", type=int, default=200)
@@ -40,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   p.add_argument("--max_length", type=int, default=None, help="KV cache slots")
-  p.add_argument("--tokenizer", default=None,
-                 help="tokenizer spec (default: the run's own, else 'byte')")
+  p.add_argument(
+    "--tokenizer", default=None, help="tokenizer spec (default: the run's own, else 'byte')"
+  )
   return p
 
 
@@ -65,7 +69,7 @@ class _Stream:
     else:  # decode the whole continuation: pieces may merge across tokens
       self.ids.append(tok)
       text = self.tokenizer.decode(self.ids)
-      piece, self.text = text[len(self.text):], text
+      piece, self.text = text[len(self.text) :], text
     self.out.write(piece)
     self.out.flush()
 
@@ -77,39 +81,55 @@ class _Stream:
 
 
 def _main(args: argparse.Namespace) -> None:
-  SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed)  # refuses bad options before anything loads
+  SamplingOptions(
+    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+  )  # refuses bad options before anything loads
   if args.max_new_tokens < 1:
     raise ValueError(f"--max_new_tokens={args.max_new_tokens} must be at least 1.")
   if not os.path.isdir(args.workdir):
-    raise FileNotFoundError(f"--workdir={args.workdir!r} is not a directory: pass the "
-                            "--workdir of a train.py run.")
+    raise FileNotFoundError(
+      f"--workdir={args.workdir!r} is not a directory: pass the --workdir of a train.py run."
+    )
   run = load_run(args.workdir, args.step)
   model, cfg, step = run.model, run.model_config, run.step
-  tokenizer = load_tokenizer(args.tokenizer or (run.config.get("data") or {}).get("tokenizer",
-                                                                                  "byte"))
+  tokenizer = load_tokenizer(
+    args.tokenizer or (run.config.get("data") or {}).get("tokenizer", "byte")
+  )
   if tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
-                     f"{cfg.vocab_size}: pass the run's --tokenizer.")
+    raise ValueError(
+      f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+      f"{cfg.vocab_size}: pass the run's --tokenizer."
+    )
   prompt = tokenizer.encode(args.prompt)
   if not len(prompt):
     raise ValueError("--prompt is empty: give at least one character to continue.")
   stream = _Stream(tokenizer)
   sys.stdout.write(args.prompt)
   sys.stdout.flush()
-  out = generate(model, [prompt.tolist()], max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 seed=args.seed, stop_tokens=[tokenizer.eos_id], max_length=args.max_length,
-                 on_tokens=stream)
+  out = generate(
+    model,
+    [prompt.tolist()],
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    stop_tokens=[tokenizer.eos_id],
+    max_length=args.max_length,
+    on_tokens=stream,
+  )
   stream.close()
   n_prompt, n_new = out.prompt_tokens[0], len(out.tokens[0])
   decode_tok = out.decode_steps
-  print(f"[{cfg.attention}, step {step}] prefill {n_prompt} tokens in "
-        f"{out.prefill_seconds * 1e3:.1f} ms ({n_prompt / out.prefill_seconds:,.0f} tokens/s); "
-        f"decode {decode_tok} tokens in {out.decode_seconds:.2f} s "
-        f"({decode_tok / max(out.decode_seconds, 1e-9):,.1f} tokens/s); "
-        f"{n_new} new tokens{' (stopped at end of document)' if out.stopped[0] else ''}; "
-        f"compile {out.compile_seconds:.1f} s", file=sys.stderr)
+  print(
+    f"[{cfg.attention}, step {step}] prefill {n_prompt} tokens in "
+    f"{out.prefill_seconds * 1e3:.1f} ms ({n_prompt / out.prefill_seconds:,.0f} tokens/s); "
+    f"decode {decode_tok} tokens in {out.decode_seconds:.2f} s "
+    f"({decode_tok / max(out.decode_seconds, 1e-9):,.1f} tokens/s); "
+    f"{n_new} new tokens{' (stopped at end of document)' if out.stopped[0] else ''}; "
+    f"compile {out.compile_seconds:.1f} s",
+    file=sys.stderr,
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
 from diffjax import sharding as shd
-from diffjax.generation.programs import (CACHE_MULTIPLE, MIN_PROMPT_BUCKET, MIN_STOP_SLOTS,
-                                        ProgramKey, bucket, cache_info, get_programs, round_up)
+from diffjax.generation.programs import (
+  CACHE_MULTIPLE,
+  MIN_PROMPT_BUCKET,
+  MIN_STOP_SLOTS,
+  ProgramKey,
+  bucket,
+  cache_info,
+  get_programs,
+  round_up,
+)
 from diffjax.generation.sampling import LogitsProcessor, SamplingOptions
 from diffjax.model import DecoderLM
 from diffjax.ops import preflight as kernel_preflight
@@ -44,6 +52,7 @@ class Generation:
       exclude compilation.
     decode_steps: decode steps run (each generates one token per unfinished row).
   """
+
   tokens: list[list[int]]
   stopped: list[bool]
   prompt_tokens: list[int]
@@ -64,29 +73,47 @@ def _as_rows(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
     lens = np.array([len(r) for r in rows], np.int32)
     arr = np.zeros((len(rows), max(1, int(lens.max()))), np.int64)
     for i, r in enumerate(rows):
-      arr[i, :len(r)] = r
+      arr[i, : len(r)] = r
   else:
     arr = np.asarray(prompts)
     if arr.ndim != 2:
-      raise ValueError(f"prompts must be a list of token-id lists or a [B, T] array; got an "
-                       f"array of shape {arr.shape}.")
-    lens = (np.full((arr.shape[0],), arr.shape[1], np.int32) if lengths is None
-            else np.asarray(lengths, np.int32))
+      raise ValueError(
+        f"prompts must be a list of token-id lists or a [B, T] array; got an "
+        f"array of shape {arr.shape}."
+      )
+    lens = (
+      np.full((arr.shape[0],), arr.shape[1], np.int32)
+      if lengths is None
+      else np.asarray(lengths, np.int32)
+    )
     if lens.shape != (arr.shape[0],) or (lens > arr.shape[1]).any():
-      raise ValueError(f"lengths must be {arr.shape[0]} values <= {arr.shape[1]}; got "
-                       f"{lens.tolist()}.")
+      raise ValueError(
+        f"lengths must be {arr.shape[0]} values <= {arr.shape[1]}; got {lens.tolist()}."
+      )
   if (lens < 1).any():
     raise ValueError(f"every prompt needs at least one token; lengths are {lens.tolist()}.")
   return arr, lens
 
 
-def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, stop_tokens: Sequence[int] | int = (),
-             processors: Sequence[LogitsProcessor] = (), max_length: int | None = None,
-             pad_id: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None,
-             on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
-             preflight: bool = True) -> Generation:
+def generate(
+  model: DecoderLM,
+  prompts,
+  *,
+  lengths=None,
+  max_new_tokens: int = 64,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  stop_tokens: Sequence[int] | int = (),
+  processors: Sequence[LogitsProcessor] = (),
+  max_length: int | None = None,
+  pad_id: int = 0,
+  mesh: jax.sharding.Mesh | None = None,
+  rules=None,
+  on_tokens: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+  preflight: bool = True,
+) -> Generation:
   """Generates up to ``max_new_tokens`` tokens after each prompt, with a KV cache.
 
   The prefill and the whole decode loop run as two compiled programs, kept per model
@@ -126,8 +153,10 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   prompt_BxT, lens_B = _as_rows(prompts, lengths)
   vocab = model.config.vocab_size
   if prompt_BxT.size and (prompt_BxT.min() < 0 or prompt_BxT.max() >= vocab):
-    raise ValueError(f"prompt token ids must be in [0, {vocab}); got ids from "
-                     f"{prompt_BxT.min()} to {prompt_BxT.max()}.")
+    raise ValueError(
+      f"prompt token ids must be in [0, {vocab}); got ids from "
+      f"{prompt_BxT.min()} to {prompt_BxT.max()}."
+    )
   if not 0 <= pad_id < vocab:
     raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab}).")
   longest = int(lens_B.max())
@@ -135,12 +164,16 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   if max_length is None:
     max_length = round_up(width + max_new_tokens, CACHE_MULTIPLE)
   if longest > max_length:
-    raise ValueError(f"a prompt of {longest} tokens does not fit the cache of "
-                     f"max_length={max_length} slots: shorten the prompt or raise max_length.")
+    raise ValueError(
+      f"a prompt of {longest} tokens does not fit the cache of "
+      f"max_length={max_length} slots: shorten the prompt or raise max_length."
+    )
   width = min(width, max_length)
   b = prompt_BxT.shape[0]
-  rules = tuple((name, None if name == "length" else axes)  # decoding keeps rows whole
-                for name, axes in (rules or shd.DEFAULT_RULES))
+  rules = tuple(
+    (name, None if name == "length" else axes)  # decoding keeps rows whole
+    for name, axes in (rules or shd.DEFAULT_RULES)
+  )
   rows = round_up(bucket(b), shd.batch_rows_multiple(mesh, rules))
   # Padding rows hold one pad token and are never active.
   prompt_np = np.full((rows, width), pad_id, np.int32)
@@ -149,7 +182,7 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   lens_np[:b] = lens_B
   valid_np = np.arange(rows) < b
   stops_np = np.full(bucket(len(stops), MIN_STOP_SLOTS), -1, np.int32)
-  stops_np[:len(stops)] = stops
+  stops_np[: len(stops)] = stops
 
   graphdef, params = nnx.split(model)
   if mesh is not None:
@@ -159,11 +192,18 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   leaves, treedef = jax.tree.flatten(params)
   leaves = tuple(leaves)
   key = ProgramKey(
-      graphdef=graphdef, treedef=treedef,
-      leaves=tuple((tuple(a.shape), a.dtype, getattr(a, "sharding", None)) for a in leaves),
-      batch=rows, prompt_len=width, max_length=int(max_length), stop_slots=len(stops_np),
-      options=dataclasses.replace(options, seed=0), processors=tuple(processors),
-      mesh=mesh, rules=rules if mesh is not None else None)
+    graphdef=graphdef,
+    treedef=treedef,
+    leaves=tuple((tuple(a.shape), a.dtype, getattr(a, "sharding", None)) for a in leaves),
+    batch=rows,
+    prompt_len=width,
+    max_length=int(max_length),
+    stop_slots=len(stops_np),
+    options=dataclasses.replace(options, seed=0),
+    processors=tuple(processors),
+    mesh=mesh,
+    rules=rules if mesh is not None else None,
+  )
   before = cache_info()["compiled"]
   programs = get_programs(key)
   compile_s = programs.compile_seconds if cache_info()["compiled"] > before else 0.0
@@ -171,31 +211,39 @@ def generate(model: DecoderLM, prompts, *, lengths=None, max_new_tokens: int = 6
   rng = jax.random.key(options.seed)
   i32 = np.int32
   t0 = time.perf_counter()
-  state = programs.prefill(leaves, prompt_np, lens_np, valid_np, i32(max_new_tokens), stops_np,
-                           rng)
+  state = programs.prefill(leaves, prompt_np, lens_np, valid_np, i32(max_new_tokens), stops_np, rng)
   jax.block_until_ready(state["tok_B"])
   prefill_s = time.perf_counter() - t0
 
   t0 = time.perf_counter()
   if on_tokens is None:
-    state = programs.decode(leaves, state, i32(max_length), i32(max_new_tokens), stops_np, rng,
-                            i32(pad_id))
+    state = programs.decode(
+      leaves, state, i32(max_length), i32(max_new_tokens), stops_np, rng, i32(pad_id)
+    )
   else:
     done = 0  # steps already passed to on_tokens
     while True:
       step, active, trace, kept = jax.device_get(
-          (state["step"], state["active_B"], state["trace_BxW"], state["kept_BxW"]))
+        (state["step"], state["active_B"], state["trace_BxW"], state["kept_BxW"])
+      )
       for s in range(done, int(step) + 1):
         on_tokens(s, trace[:b, s], kept[:b, s])
       done = int(step) + 1
       if not active.any():
         break
-      state = programs.decode(leaves, state, i32(step + STREAM_EVERY), i32(max_new_tokens),
-                              stops_np, rng, i32(pad_id))
+      state = programs.decode(
+        leaves, state, i32(step + STREAM_EVERY), i32(max_new_tokens), stops_np, rng, i32(pad_id)
+      )
   out, count, stopped, step = jax.device_get(
-      (state["out_BxW"], state["count_B"], state["stopped_B"], state["step"]))
+    (state["out_BxW"], state["count_B"], state["stopped_B"], state["step"])
+  )
   decode_s = time.perf_counter() - t0
-  return Generation(tokens=[out[i, :count[i]].tolist() for i in range(b)],
-                    stopped=[bool(x) for x in stopped[:b]], prompt_tokens=lens_B.tolist(),
-                    compile_seconds=compile_s, prefill_seconds=prefill_s,
-                    decode_seconds=decode_s, decode_steps=int(step))
+  return Generation(
+    tokens=[out[i, : count[i]].tolist() for i in range(b)],
+    stopped=[bool(x) for x in stopped[:b]],
+    prompt_tokens=lens_B.tolist(),
+    compile_seconds=compile_s,
+    prefill_seconds=prefill_s,
+    decode_seconds=decode_s,
+    decode_steps=int(step),
+  )

@@ -28,7 +28,8 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ def round_up(n: int, multiple: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
   """Everything a compiled program depends on (hashable; equal keys share programs)."""
+
   graphdef: Any
   treedef: Any
   leaves: tuple[tuple[tuple[int, ...], Any, Any], ...]  # (shape, dtype, sharding)
@@ -77,12 +79,12 @@ class ProgramKey:
 @dataclasses.dataclass
 class Programs:
   prefill: Callable  # (leaves, prompt_BxT, lens_B, valid_B, max_new, stops_S, key) -> state
-  decode: Callable   # (leaves, state, step_end, max_new, stops_S, key, pad) -> state
+  decode: Callable  # (leaves, state, step_end, max_new, stops_S, key, pad) -> state
   compile_seconds: float
 
 
 _LOCK = threading.Lock()
-_PROGRAMS: "collections.OrderedDict[ProgramKey, Programs]" = collections.OrderedDict()
+_PROGRAMS: collections.OrderedDict[ProgramKey, Programs] = collections.OrderedDict()
 _COUNTS = {"compiled": 0, "reused": 0}
 
 
@@ -127,8 +129,11 @@ def _absorb(state: dict, max_new, stops_S, max_length: int) -> dict:
   rows_B = jnp.arange(tok_B.shape[0])
   width = state["out_BxW"].shape[1]
   col_B = jnp.minimum(count_B, width - 1)
-  out_BxW = state["out_BxW"].at[rows_B, col_B].set(
-      jnp.where(keep_B, tok_B, state["out_BxW"][rows_B, col_B]))
+  out_BxW = (
+    state["out_BxW"]
+    .at[rows_B, col_B]
+    .set(jnp.where(keep_B, tok_B, state["out_BxW"][rows_B, col_B]))
+  )
   count_B = count_B + keep_B.astype(count_B.dtype)
   step = state["step"]
   trace_BxW = jax.lax.dynamic_update_slice(state["trace_BxW"], tok_B[:, None], (0, step))
@@ -136,8 +141,15 @@ def _absorb(state: dict, max_new, stops_S, max_length: int) -> dict:
   # A row's next write goes to slot pos_B: it must stay inside the cache.
   active_B = keep_B & (count_B < max_new) & (state["pos_B"] < max_length)
   stopped_B = state["stopped_B"] | (state["active_B"] & is_stop_B)
-  return {**state, "active_B": active_B, "stopped_B": stopped_B, "count_B": count_B,
-          "out_BxW": out_BxW, "trace_BxW": trace_BxW, "kept_BxW": kept_BxW}
+  return {
+    **state,
+    "active_B": active_B,
+    "stopped_B": stopped_B,
+    "count_B": count_B,
+    "out_BxW": out_BxW,
+    "trace_BxW": trace_BxW,
+    "kept_BxW": kept_BxW,
+  }
 
 
 def _functions(key: ProgramKey):
@@ -152,13 +164,22 @@ def _functions(key: ProgramKey):
     cache = model.init_cache(batch, max_length)
     logits_BxTxV, cache = model(prompt_BxT, cache=cache, cache_lengths_B=jnp.zeros_like(lens_B))
     last_BxV = jnp.take_along_axis(logits_BxTxV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-    tok_B = choose_tokens(last_BxV, jax.random.fold_in(rng, 0), jnp.int32(0), options,
-                          key.processors)
+    tok_B = choose_tokens(
+      last_BxV, jax.random.fold_in(rng, 0), jnp.int32(0), options, key.processors
+    )
     zeros_BxW = jnp.zeros((batch, max_length), jnp.int32)
-    state = {"cache": cache, "tok_B": tok_B, "pos_B": lens_B, "active_B": valid_B,
-             "stopped_B": jnp.zeros_like(valid_B), "count_B": jnp.zeros_like(lens_B),
-             "out_BxW": zeros_BxW, "trace_BxW": zeros_BxW,
-             "kept_BxW": jnp.zeros((batch, max_length), bool), "step": jnp.int32(0)}
+    state = {
+      "cache": cache,
+      "tok_B": tok_B,
+      "pos_B": lens_B,
+      "active_B": valid_B,
+      "stopped_B": jnp.zeros_like(valid_B),
+      "count_B": jnp.zeros_like(lens_B),
+      "out_BxW": zeros_BxW,
+      "trace_BxW": zeros_BxW,
+      "kept_BxW": jnp.zeros((batch, max_length), bool),
+      "step": jnp.int32(0),
+    }
     return _absorb(state, max_new, stops_S, max_length)
 
   def decode(leaves, state, step_end, max_new, stops_S, rng, pad):
@@ -171,12 +192,19 @@ def _functions(key: ProgramKey):
       step = s["step"] + 1
       active_B, pos_B = s["active_B"], s["pos_B"]
       feed_B = jnp.where(active_B, s["tok_B"], pad)
-      logits_Bx1xV, cache = model(feed_B[:, None], pos_B[:, None], cache=s["cache"],
-                                  cache_lengths_B=pos_B)
-      tok_B = choose_tokens(logits_Bx1xV[:, 0], jax.random.fold_in(rng, step), step, options,
-                            key.processors)
-      s = {**s, "cache": cache, "tok_B": tok_B, "pos_B": pos_B + active_B.astype(pos_B.dtype),
-           "step": step}
+      logits_Bx1xV, cache = model(
+        feed_B[:, None], pos_B[:, None], cache=s["cache"], cache_lengths_B=pos_B
+      )
+      tok_B = choose_tokens(
+        logits_Bx1xV[:, 0], jax.random.fold_in(rng, step), step, options, key.processors
+      )
+      s = {
+        **s,
+        "cache": cache,
+        "tok_B": tok_B,
+        "pos_B": pos_B + active_B.astype(pos_B.dtype),
+        "step": step,
+      }
       return _absorb(s, max_new, stops_S, max_length)
 
     return jax.lax.while_loop(more, one_step, state)
@@ -187,25 +215,36 @@ def _functions(key: ProgramKey):
 def _compile(key: ProgramKey) -> Programs:
   t0 = time.perf_counter()
   prefill, decode = _functions(key)
-  leaves = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-                 for shape, dtype, sharding in key.leaves)
+  leaves = tuple(
+    jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in key.leaves
+  )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   b, s = key.batch, key.stop_slots
-  context = (shd.activation_sharding(key.mesh, key.rules) if key.mesh is not None
-             else _no_context())
+  context = shd.activation_sharding(key.mesh, key.rules) if key.mesh is not None else _no_context()
   with context:
-    prefill_fn = jax.jit(prefill).lower(
-        leaves, i32(b, key.prompt_len), i32(b), jax.ShapeDtypeStruct((b,), bool), i32(),
-        i32(s), rng).compile()
+    prefill_fn = (
+      jax.jit(prefill)
+      .lower(
+        leaves, i32(b, key.prompt_len), i32(b), jax.ShapeDtypeStruct((b,), bool), i32(), i32(s), rng
+      )
+      .compile()
+    )
     # The decode loop takes the state laid out as the prefill leaves it, and updates it in
     # place (donated).
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                         prefill_fn.out_info)
-    decode_fn = jax.jit(decode, donate_argnums=1).lower(
-        leaves, state, i32(), i32(), i32(s), rng, i32()).compile()
-  return Programs(prefill=_placing(prefill_fn, skip=1), decode=_placing(decode_fn, skip=2),
-                  compile_seconds=time.perf_counter() - t0)
+    state = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prefill_fn.out_info
+    )
+    decode_fn = (
+      jax.jit(decode, donate_argnums=1)
+      .lower(leaves, state, i32(), i32(), i32(s), rng, i32())
+      .compile()
+    )
+  return Programs(
+    prefill=_placing(prefill_fn, skip=1),
+    decode=_placing(decode_fn, skip=2),
+    compile_seconds=time.perf_counter() - t0,
+  )
 
 
 def _placing(compiled, skip: int):
@@ -216,6 +255,7 @@ def _placing(compiled, skip: int):
   def call(*args):
     head, rest = args[:skip], args[skip:]
     return compiled(*head, *jax.device_put(rest, shardings[skip:]))
+
   return call
 
 

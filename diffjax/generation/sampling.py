@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ class SamplingOptions:
       (nucleus sampling; 1.0 or None: all).
     seed: the random seed; the same seed, prompts and options give the same tokens.
   """
+
   temperature: float = 0.0
   top_k: int | None = None
   top_p: float | None = None
@@ -68,9 +69,13 @@ def top_p_filter(logits_BxV: jax.Array, p: float) -> jax.Array:
   return jnp.where(logits_BxV < threshold_Bx1, -jnp.inf, logits_BxV)
 
 
-def choose_tokens(logits_BxV: jax.Array, key: jax.Array, step: jax.Array,
-                  options: SamplingOptions,
-                  processors: Sequence[LogitsProcessor] = ()) -> jax.Array:
+def choose_tokens(
+  logits_BxV: jax.Array,
+  key: jax.Array,
+  step: jax.Array,
+  options: SamplingOptions,
+  processors: Sequence[LogitsProcessor] = (),
+) -> jax.Array:
   """The next token of each row, int32 [B].
 
   Args:

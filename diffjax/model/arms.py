@@ -19,10 +19,17 @@ evaluation all go through it, so changing the arm always re-derives the widths.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from diffjax.model.config import (ARMS, DEFAULT_V2_MATCH, V2_MATCHING, ModelConfig, count_params,
-                                  matched_configs)
+from diffjax.model.config import (
+  ARMS,
+  DEFAULT_V2_MATCH,
+  V2_MATCHING,
+  ModelConfig,
+  count_params,
+  matched_configs,
+)
 from diffjax.model.sizes import CUSTOM, WIDTHS, size_widths
 
 # Keys of a run's model section that are not ModelConfig fields.
@@ -41,6 +48,7 @@ class ArmModel:
     v2_match: how DIFF V2 is matched.
     unmatched: the explicit arm widths applied after matching ({} when matched).
   """
+
   config: ModelConfig
   baseline: ModelConfig
   v2_match: str
@@ -64,15 +72,21 @@ class ArmModel:
   def describe(self) -> str:
     """One line: the arm, what it is matched to, and its parameters."""
     counts = self.param_counts()
-    base = (f"the Transformer of {self.baseline.d_model} x {self.baseline.num_layers} layers, "
-            f"{self.baseline.num_heads} heads of {self.baseline.head_dim}")
+    base = (
+      f"the Transformer of {self.baseline.d_model} x {self.baseline.num_layers} layers, "
+      f"{self.baseline.num_heads} heads of {self.baseline.head_dim}"
+    )
     if self.matched:
-      return (f"arm={self.arm} matched to {base} (v2_match={self.v2_match}): "
-              f"{counts['this run']:,} parameters (Transformer {counts['transformer']:,})")
+      return (
+        f"arm={self.arm} matched to {base} (v2_match={self.v2_match}): "
+        f"{counts['this run']:,} parameters (Transformer {counts['transformer']:,})"
+      )
     sets = ", ".join(f"{k}={v}" for k, v in sorted(self.unmatched.items()))
-    return (f"arm={self.arm} UNMATCHED ({sets} set explicitly): {counts['this run']:,} "
-            f"parameters, while the {self.arm} arm matched to {base} has "
-            f"{counts[self.arm]:,} and the Transformer {counts['transformer']:,}")
+    return (
+      f"arm={self.arm} UNMATCHED ({sets} set explicitly): {counts['this run']:,} "
+      f"parameters, while the {self.arm} arm matched to {base} has "
+      f"{counts[self.arm]:,} and the Transformer {counts['transformer']:,}"
+    )
 
 
 def _clean(value: Any) -> Any:
@@ -93,9 +107,11 @@ def resolve_model(section: Mapping[str, Any], vocab_size: int | None = None) -> 
   """
   section = {k: _clean(v) for k, v in section.items()}
   if "attention" in section:
-    raise ValueError(f"model.attention={section['attention']!r}: a run chooses its arm with "
-                     "model.arm (--config.model.arm=diff_v2), which re-derives the arm's widths "
-                     "from the baseline it is matched to.")
+    raise ValueError(
+      f"model.attention={section['attention']!r}: a run chooses its arm with "
+      "model.arm (--config.model.arm=diff_v2), which re-derives the arm's widths "
+      "from the baseline it is matched to."
+    )
   arm = section.get("arm")
   if arm not in ARMS:
     raise ValueError(f"model.arm={arm!r} is not one of {ARMS}; set --config.model.arm=<arm>.")
@@ -107,9 +123,11 @@ def resolve_model(section: Mapping[str, Any], vocab_size: int | None = None) -> 
   widths.update({k: int(section[k]) for k in WIDTHS if section.get(k) is not None})
   missing = [k for k in WIDTHS if k not in widths]
   if missing:
-    raise ValueError(f"model.size={size!r} leaves {missing} unset; name a size "
-                     f"(--config.model.size=default) or set each width "
-                     f"(--config.model.{missing[0]}=<int>).")
+    raise ValueError(
+      f"model.size={size!r} leaves {missing} unset; name a size "
+      f"(--config.model.size=default) or set each width "
+      f"(--config.model.{missing[0]}=<int>)."
+    )
   unmatched = {k: int(v) for k, v in (section.get("unmatched") or {}).items() if v is not None}
   bad = sorted(set(unmatched) - set(WIDTHS))
   if bad:
@@ -119,8 +137,14 @@ def resolve_model(section: Mapping[str, Any], vocab_size: int | None = None) -> 
   if vocab == -1 and vocab_size is not None:
     vocab = int(vocab_size)
   try:
-    baseline = ModelConfig.from_dict({**passed, **widths, "attention": "transformer",
-                                      "vocab_size": _MATCH_VOCAB if vocab == -1 else vocab})
+    baseline = ModelConfig.from_dict(
+      {
+        **passed,
+        **widths,
+        "attention": "transformer",
+        "vocab_size": _MATCH_VOCAB if vocab == -1 else vocab,
+      }
+    )
     arm_cfg = matched_configs(baseline, v2_match=v2_match)[arm]
     # Only a width that differs from the matched one unmatches the run.
     unmatched = {k: v for k, v in unmatched.items() if getattr(arm_cfg, k) != v}

@@ -12,7 +12,8 @@ Head counts are those of the arm itself:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -24,13 +25,18 @@ from diffjax.ops.dispatch import IMPLEMENTATIONS
 ARMS = ("transformer", "diff_v1", "diff_v2")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # float64 needs 64-bit JAX (jax_enable_x64); it then runs end to end in float64.
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-           "float64": jnp.float64}
+_DTYPES = {
+  "float32": jnp.float32,
+  "bfloat16": jnp.bfloat16,
+  "float16": jnp.float16,
+  "float64": jnp.float64,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A LLaMA-style decoder LM whose attention is one of :data:`ARMS`."""
+
   attention: str = "diff_v1"
   vocab_size: int = 258
   d_model: int = 256
@@ -69,13 +75,22 @@ class ModelConfig:
   def __post_init__(self):
     if self.attention not in ARMS:
       raise ValueError(f"attention={self.attention!r} is not one of {ARMS}.")
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_dim"):
+    for name in (
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "mlp_dim",
+    ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"{name}={getattr(self, name)} must be a positive integer.")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+      raise ValueError(
+        f"num_heads={self.num_heads} must be a multiple of "
+        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)."
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
     if self.rope_style not in ROPE_STYLES:
@@ -91,8 +106,7 @@ class ModelConfig:
     if isinstance(self.v2_mix_steps, bool) or int(self.v2_mix_steps) < 0:
       raise ValueError(f"v2_mix_steps={self.v2_mix_steps!r} must be an integer >= 0 (0: no ramp).")
     if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"implementation={self.implementation!r} is not one of "
-                       f"{IMPLEMENTATIONS}.")
+      raise ValueError(f"implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.")
 
   @property
   def compute_dtype(self):
@@ -108,7 +122,7 @@ class ModelConfig:
     return 2 * self.head_dim if self.attention == "diff_v1" else self.head_dim
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+  def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
     """Builds a config from a mapping (e.g. ``config.model.to_dict()``)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields)
@@ -122,7 +136,7 @@ class ModelConfig:
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def v2_mix(self, step) -> Any:
@@ -141,8 +155,9 @@ DEFAULT_V2_MATCH = "params"
 PARAM_MATCH_TOLERANCE = 0.005
 
 
-def matched_configs(baseline: ModelConfig, *,
-                    v2_match: str = DEFAULT_V2_MATCH) -> dict[str, ModelConfig]:
+def matched_configs(
+  baseline: ModelConfig, *, v2_match: str = DEFAULT_V2_MATCH
+) -> dict[str, ModelConfig]:
   """The three arms matched to one baseline spec.
 
   DIFF V1 halves the heads and kv heads and keeps the component width d (value 2d),
@@ -157,30 +172,36 @@ def matched_configs(baseline: ModelConfig, *,
     * ``"heads"``: the same heads and everything else as the baseline (V2 is larger).
   """
   if baseline.attention != "transformer":
-    raise ValueError(f"matched_configs takes the transformer spec; got "
-                     f"attention={baseline.attention!r}.")
+    raise ValueError(
+      f"matched_configs takes the transformer spec; got attention={baseline.attention!r}."
+    )
   if v2_match not in V2_MATCHING:
     raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
   if baseline.num_heads % 2 or baseline.num_kv_heads % 2:
     raise ValueError(
-        f"DIFF V1 pairs baseline heads, so num_heads={baseline.num_heads} and "
-        f"num_kv_heads={baseline.num_kv_heads} must both be even.")
-  v1 = baseline.replace(attention="diff_v1", num_heads=baseline.num_heads // 2,
-                        num_kv_heads=baseline.num_kv_heads // 2)
+      f"DIFF V1 pairs baseline heads, so num_heads={baseline.num_heads} and "
+      f"num_kv_heads={baseline.num_kv_heads} must both be even."
+    )
+  v1 = baseline.replace(
+    attention="diff_v1", num_heads=baseline.num_heads // 2, num_kv_heads=baseline.num_kv_heads // 2
+  )
   v2 = baseline.replace(attention="diff_v2")
   if v2_match == "params":
     h, d = baseline.num_heads, baseline.head_dim
     mlp_dim = baseline.mlp_dim - round((h * d + h) / 3)
     if mlp_dim < 1:
       raise ValueError(
-          f"Cannot match DIFF V2's parameters by its FFN: mlp_dim={baseline.mlp_dim} is smaller "
-          f"than the {round((h * d + h) / 3)} columns its extra query heads cost; use "
-          "v2_match='heads' or a wider FFN.")
+        f"Cannot match DIFF V2's parameters by its FFN: mlp_dim={baseline.mlp_dim} is smaller "
+        f"than the {round((h * d + h) / 3)} columns its extra query heads cost; use "
+        "v2_match='heads' or a wider FFN."
+      )
     v2 = v2.replace(mlp_dim=mlp_dim)
     n_base, n_v2 = count_params(baseline), count_params(v2)
     if abs(n_v2 - n_base) > PARAM_MATCH_TOLERANCE * n_base:  # pragma: no cover - arithmetic
-      raise ValueError(f"DIFF V2 with mlp_dim={mlp_dim} has {n_v2:,} parameters against the "
-                       f"Transformer's {n_base:,}, more than 0.5 % apart.")
+      raise ValueError(
+        f"DIFF V2 with mlp_dim={mlp_dim} has {n_v2:,} parameters against the "
+        f"Transformer's {n_base:,}, more than 0.5 % apart."
+      )
   return {"transformer": baseline, "diff_v1": v1, "diff_v2": v2}
 
 

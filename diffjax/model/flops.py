@@ -42,6 +42,7 @@ class FlopsPerToken:
     model: forward + backward of both (3x the forward): what MFU divides by.
     hardware: ``model`` plus what the model's ``remat`` policy recomputes.
   """
+
   matmul_forward: float
   attention_forward: float
   model: float
@@ -84,12 +85,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> F
 # Dense bf16 peak FLOP/s per chip or GPU, by device kind (the vendors' figures, without
 # sparsity). Matched as prefixes of ``jax.Device.device_kind``.
 PEAK_FLOPS = (
-    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
-    ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12), ("TPU v5", 459e12),
-    ("TPU v4", 275e12),
-    ("NVIDIA H200", 989e12), ("NVIDIA H100", 989e12),
-    ("NVIDIA A100", 312e12),
+  ("TPU v6 lite", 918e12),
+  ("TPU v6e", 918e12),
+  ("TPU v5 lite", 197e12),
+  ("TPU v5e", 197e12),
+  ("TPU v5p", 459e12),
+  ("TPU v5", 459e12),
+  ("TPU v4", 275e12),
+  ("NVIDIA H200", 989e12),
+  ("NVIDIA H100", 989e12),
+  ("NVIDIA A100", 312e12),
 )
 
 

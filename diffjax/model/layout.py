@@ -12,7 +12,8 @@ and converted on restore (:mod:`diffjax.train.checkpoint`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +65,9 @@ def stack_layers(tree: Any, stack: Callable[[list[Any]], Any] | None = None) -> 
   return _rewrite(tree, convert)
 
 
-def unstack_layers(tree: Any, num_layers: int,
-                   take: Callable[[Any, int], Any] | None = None) -> Any:
+def unstack_layers(
+  tree: Any, num_layers: int, take: Callable[[Any, int], Any] | None = None
+) -> Any:
   """``{"layers": stacked}`` to ``{"blocks": {i: block_i}}`` wherever it occurs in ``tree``.
 
   ``take(leaf, i)`` returns layer ``i`` of a stacked leaf (default ``leaf[i]``).
@@ -78,19 +80,27 @@ def unstack_layers(tree: Any, num_layers: int,
     stacked = d[SCANNED]
     for leaf in jax.tree.leaves(stacked):
       if not jnp.shape(leaf) or jnp.shape(leaf)[0] != num_layers:
-        raise ValueError(f"A stacked layer leaf of shape {jnp.shape(leaf)} does not lead with "
-                         f"num_layers={num_layers}.")
+        raise ValueError(
+          f"A stacked layer leaf of shape {jnp.shape(leaf)} does not lead with "
+          f"num_layers={num_layers}."
+        )
     out = {k: v for k, v in d.items() if k != SCANNED}
-    out[UNSCANNED] = {i: jax.tree.map(lambda x, i=i: take(x, i), stacked)
-                      for i in range(num_layers)}
+    out[UNSCANNED] = {
+      i: jax.tree.map(lambda x, i=i: take(x, i), stacked) for i in range(num_layers)
+    }
     return out
 
   return _rewrite(tree, convert)
 
 
-def convert_layout(tree: Any, layout: str, num_layers: int, *,
-                   stack: Callable[[list[Any]], Any] | None = None,
-                   take: Callable[[Any, int], Any] | None = None) -> Any:
+def convert_layout(
+  tree: Any,
+  layout: str,
+  num_layers: int,
+  *,
+  stack: Callable[[list[Any]], Any] | None = None,
+  take: Callable[[Any, int], Any] | None = None,
+) -> Any:
   """``tree`` in ``layout`` (``"blocks"`` or ``"layers"``); unchanged if already there."""
   if layout not in (UNSCANNED, SCANNED):
     raise ValueError(f"layout={layout!r} must be {UNSCANNED!r} or {SCANNED!r}.")

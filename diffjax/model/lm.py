@@ -10,64 +10,102 @@ from diffjax.core.dtypes import accumulation_dtype
 from diffjax.core.reference import lambda_init_for_layer
 from diffjax.model.config import ModelConfig
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
-from diffjax.nn.layers import (NO_HOOKS, Embed, Hooks, RMSNorm, SwiGLU, make_param, matmul,
-                               normal_init, stack_modules)
+from diffjax.nn.layers import (
+  NO_HOOKS,
+  Embed,
+  Hooks,
+  RMSNorm,
+  SwiGLU,
+  make_param,
+  matmul,
+  normal_init,
+  stack_modules,
+)
 from diffjax.sharding import constrain
 
 _REMAT = {
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "full": None,
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 
 def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Module:
   """The attention module of one layer for ``cfg.attention``."""
-  opts = AttentionOptions(rope_theta=cfg.rope_theta, rope_style=cfg.rope_style,
-                          dtype=cfg.compute_dtype, init_std=cfg.init_std,
-                          implementation=cfg.implementation, block_sizes=cfg.block_sizes,
-                          interpret=cfg.interpret, param_dtype=cfg.weight_dtype)
+  opts = AttentionOptions(
+    rope_theta=cfg.rope_theta,
+    rope_style=cfg.rope_style,
+    dtype=cfg.compute_dtype,
+    init_std=cfg.init_std,
+    implementation=cfg.implementation,
+    block_sizes=cfg.block_sizes,
+    interpret=cfg.interpret,
+    param_dtype=cfg.weight_dtype,
+  )
   args = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
   if cfg.attention == "transformer":
     return Attention(*args, options=opts, rngs=rngs)
   if cfg.attention == "diff_v1":
-    return DiffV1Attention(*args, layer_index=layer_index, options=opts,
-                           norm_eps=cfg.diff_norm_eps, use_norm=cfg.diff_use_norm,
-                           fixed_lambda=cfg.diff_fixed_lambda, rngs=rngs)
-  return DiffV2Attention(*args, options=opts, pairing=cfg.v2_pairing, lambda_fn=cfg.v2_lambda,
-                         rngs=rngs)
+    return DiffV1Attention(
+      *args,
+      layer_index=layer_index,
+      options=opts,
+      norm_eps=cfg.diff_norm_eps,
+      use_norm=cfg.diff_use_norm,
+      fixed_lambda=cfg.diff_fixed_lambda,
+      rngs=rngs,
+    )
+  return DiffV2Attention(
+    *args, options=opts, pairing=cfg.v2_pairing, lambda_fn=cfg.v2_lambda, rngs=rngs
+  )
 
 
 class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
-                             param_dtype=cfg.weight_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=cfg.weight_dtype)
     self.attn = make_attention(cfg, layer_index, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
-                            param_dtype=cfg.weight_dtype)
-    self.mlp = SwiGLU(cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs,
-                      param_dtype=cfg.weight_dtype)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=cfg.weight_dtype)
+    self.mlp = SwiGLU(
+      cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs, param_dtype=cfg.weight_dtype
+    )
     self.dtype = cfg.compute_dtype
 
-  def __call__(self, x_BxTxE, positions_BxT, segment_ids_BxT, *, capture=False,
-               hooks: Hooks = NO_HOOKS, cache=None, cache_lengths_B=None, lambda_init=None,
-               v2_mix=None):
+  def __call__(
+    self,
+    x_BxTxE,
+    positions_BxT,
+    segment_ids_BxT,
+    *,
+    capture=False,
+    hooks: Hooks = NO_HOOKS,
+    cache=None,
+    cache_lengths_B=None,
+    lambda_init=None,
+    v2_mix=None,
+  ):
     # DIFF V1's lambda_init as data (a scanned stack passes each layer's own); DIFF V2's
     # retrofit ramp.
     extra = {} if lambda_init is None else {"lambda_init": lambda_init}
     if v2_mix is not None and isinstance(self.attn, DiffV2Attention):
       extra["mix"] = v2_mix
     if cache is not None:
-      attn_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT,
-                                    hooks=hooks, cache=cache, cache_lengths_B=cache_lengths_B,
-                                    **extra)
+      attn_BxTxE, cache = self.attn(
+        self.attn_norm(x_BxTxE),
+        positions_BxT,
+        segment_ids_BxT,
+        hooks=hooks,
+        cache=cache,
+        cache_lengths_B=cache_lengths_B,
+        **extra,
+      )
       h_BxTxE = x_BxTxE + attn_BxTxE
       h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
       return constrain(h_BxTxE, ("batch", "length", "embed")), cache
-    out = self.attn(self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT, capture=capture,
-                    hooks=hooks, **extra)
+    out = self.attn(
+      self.attn_norm(x_BxTxE), positions_BxT, segment_ids_BxT, capture=capture, hooks=hooks, **extra
+    )
     attn_BxTxE, aux = out if capture else (out, None)
     h_BxTxE = x_BxTxE + attn_BxTxE
     h_BxTxE = h_BxTxE + self.mlp(self.mlp_norm(h_BxTxE), self.dtype, hooks)
@@ -106,19 +144,26 @@ class DecoderLM(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.config = cfg
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs,
-                       param_dtype=cfg.weight_dtype)
+    self.embed = Embed(
+      cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, param_dtype=cfg.weight_dtype
+    )
     # Built one by one in both layouts, so a scanned model starts from the same draws.
     blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
     if cfg.scan_layers:
       self.layers = stack_modules(blocks, axis_name="layers")
     else:
       self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
-    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs,
-                              param_dtype=cfg.weight_dtype)
+    self.final_norm = RMSNorm(
+      cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=cfg.weight_dtype
+    )
     if not cfg.tie_embeddings:
-      self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
-                                ("embed", "vocab"), cfg.weight_dtype)
+      self.lm_head = make_param(
+        rngs,
+        normal_init(cfg.init_std),
+        (cfg.d_model, cfg.vocab_size),
+        ("embed", "vocab"),
+        cfg.weight_dtype,
+      )
 
   def layer(self, i: int) -> Block:
     """Block ``i``. For a scanned model, a copy of layer ``i``'s slice of the stack
@@ -138,12 +183,22 @@ class DecoderLM(nnx.Module):
   def init_cache(self, batch: int, max_length: int, dtype=None) -> list[dict[str, jax.Array]]:
     """An empty KV cache: one dict per layer (see the attention modules' ``init_cache``),
     ``max_length`` slots per row, in ``dtype`` (default: the compute dtype)."""
-    return [self.layer(i).attn.init_cache(batch, max_length, dtype)
-            for i in range(self.config.num_layers)]
+    return [
+      self.layer(i).attn.init_cache(batch, max_length, dtype) for i in range(self.config.num_layers)
+    ]
 
-  def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None, v2_mix=None):
+  def __call__(
+    self,
+    tokens_BxT,
+    positions_BxT=None,
+    segment_ids_BxT=None,
+    *,
+    capture: bool = False,
+    hooks: Hooks = NO_HOOKS,
+    cache=None,
+    cache_lengths_B=None,
+    v2_mix=None,
+  ):
     cfg = self.config
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
     mix = {} if v2_mix is None else {"v2_mix": v2_mix}
@@ -152,24 +207,33 @@ class DecoderLM(nnx.Module):
         raise ValueError(f"cache has {len(cache)} layers; the model has {cfg.num_layers}.")
       new_cache = []
       for i, layer_cache in enumerate(cache):
-        x_BxTxE, layer_cache = self.layer(i)(x_BxTxE, positions_BxT, segment_ids_BxT,
-                                             hooks=hooks, cache=layer_cache,
-                                             cache_lengths_B=cache_lengths_B, **mix)
+        x_BxTxE, layer_cache = self.layer(i)(
+          x_BxTxE,
+          positions_BxT,
+          segment_ids_BxT,
+          hooks=hooks,
+          cache=layer_cache,
+          cache_lengths_B=cache_lengths_B,
+          **mix,
+        )
         new_cache.append(layer_cache)
       return self._logits(x_BxTxE), new_cache
     if cfg.scan_layers:
-      x_BxTxE, captures = self._scan_blocks(x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
-                                            capture, mix)
+      x_BxTxE, captures = self._scan_blocks(
+        x_BxTxE, positions_BxT, segment_ids_BxT, hooks, capture, mix
+      )
     else:
       captures = []
       for block in self.blocks:
         if capture:
-          x_BxTxE, aux = block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True,
-                               hooks=hooks, **mix)
+          x_BxTxE, aux = block(
+            x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks, **mix
+          )
           captures.append(aux)
         elif cfg.remat != "none":
-          x_BxTxE = _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks,
-                                 cfg.remat, mix)
+          x_BxTxE = _remat_block(
+            block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, cfg.remat, mix
+          )
         else:
           x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks, **mix)
     logits_BxTxV = self._logits(x_BxTxE)
@@ -181,16 +245,17 @@ class DecoderLM(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     lambda_inits_L = None
     if cfg.attention == "diff_v1":
-      lambda_inits_L = jnp.asarray([lambda_init_for_layer(i) for i in range(cfg.num_layers)],
-                                   accumulation_dtype(cfg.compute_dtype))
+      lambda_inits_L = jnp.asarray(
+        [lambda_init_for_layer(i) for i in range(cfg.num_layers)],
+        accumulation_dtype(cfg.compute_dtype),
+      )
 
     def body(x_BxTxE, xs):
       layer_state, lambda_init = xs
       block = nnx.merge(graphdef, layer_state)
       extra = dict(mix) if lambda_init is None else {"lambda_init": lambda_init, **mix}
       if capture:
-        return block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks,
-                     **extra)
+        return block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks, **extra)
       return block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks, **extra), None
 
     if cfg.remat != "none" and not capture:
@@ -220,9 +285,12 @@ class DecoderLM(nnx.Module):
     x_BxTxE = self.embed(tokens_BxT, self.config.compute_dtype)
     return constrain(x_BxTxE, ("batch", "length", "embed")), positions_BxT
 
-  def lambda_summary(self, tokens_BxT: jax.Array | None = None,
-                     positions_BxT: jax.Array | None = None,
-                     segment_ids_BxT: jax.Array | None = None) -> dict[str, jax.Array]:
+  def lambda_summary(
+    self,
+    tokens_BxT: jax.Array | None = None,
+    positions_BxT: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
+  ) -> dict[str, jax.Array]:
     """The differential attention's lambda per layer, for logging.
 
     Args:
@@ -264,4 +332,3 @@ def _remat_block(block, x_BxTxE, positions_BxT, segment_ids_BxT, hooks, policy_n
     return blk(x, pos, seg, hooks=hooks, **mix)
 
   return nnx.remat(run, policy=policy)(block, x_BxTxE, positions_BxT, segment_ids_BxT)
-

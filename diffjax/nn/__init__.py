@@ -6,6 +6,16 @@ from diffjax.nn.rope import apply_rope
 from diffjax.sharding import activation_sharding, constrain, logical_to_spec
 
 __all__ = [
-    "Attention", "AttentionOptions", "DiffV1Attention", "DiffV2Attention", "Embed", "Hooks",
-    "RMSNorm", "SwiGLU", "activation_sharding", "constrain", "logical_to_spec", "apply_rope",
+  "Attention",
+  "AttentionOptions",
+  "DiffV1Attention",
+  "DiffV2Attention",
+  "Embed",
+  "Hooks",
+  "RMSNorm",
+  "SwiGLU",
+  "activation_sharding",
+  "constrain",
+  "logical_to_spec",
+  "apply_rope",
 ]

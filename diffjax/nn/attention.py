@@ -29,16 +29,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
-from diffjax.ops.attention import (
-    diff_v1_attention_decode,
-    diff_v2_attention_decode,
-    dot_product_attention_decode,
-)
 from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
-from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, \
-    torch_linear_init
+from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, torch_linear_init
 from diffjax.nn.rope import ROPE_STYLES, apply_rope
 from diffjax.ops import reference as ref
+from diffjax.ops.attention import (
+  diff_v1_attention_decode,
+  diff_v2_attention_decode,
+  dot_product_attention_decode,
+)
 from diffjax.sharding import constrain, context_parallel
 
 
@@ -49,9 +48,11 @@ def _explicit_maps(capture: bool, hooks: Hooks) -> bool:
     return False
   cp = context_parallel()
   if cp is not None:
-    raise ValueError("capture=True and logits/probs hooks need the whole sequence on one "
-                     f"device; the active mesh shards it over {cp.axis!r} ({cp.size}). Run "
-                     "the analysis without context parallelism.")
+    raise ValueError(
+      "capture=True and logits/probs hooks need the whole sequence on one "
+      f"device; the active mesh shards it over {cp.axis!r} ({cp.size}). Run "
+      "the analysis without context parallelism."
+    )
   return True
 
 
@@ -72,6 +73,7 @@ class AttentionOptions:
     param_dtype: dtype of the projection matrices (float32 by default); DIFF V1's
       lambda vectors and norm gain are float32, or float64 with float64 here.
   """
+
   rope_theta: float = 10000.0
   rope_style: str = "interleaved"
   dtype: Any = jnp.float32
@@ -89,14 +91,19 @@ class AttentionOptions:
     check_float64_enabled("param_dtype", self.param_dtype)
 
   def kernel_kwargs(self) -> dict[str, Any]:
-    return dict(causal=self.causal, implementation=self.implementation,
-                block_sizes=self.block_sizes, interpret=self.interpret)
+    return dict(
+      causal=self.causal,
+      implementation=self.implementation,
+      block_sizes=self.block_sizes,
+      interpret=self.interpret,
+    )
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, d_model: int, head_dim: int) -> None:
   if num_heads <= 0 or num_kv_heads <= 0 or head_dim <= 0 or d_model <= 0:
-    raise ValueError(f"Sizes must be positive: {d_model=}, {num_heads=}, {num_kv_heads=}, "
-                     f"{head_dim=}.")
+    raise ValueError(
+      f"Sizes must be positive: {d_model=}, {num_heads=}, {num_kv_heads=}, {head_dim=}."
+    )
   if num_heads % num_kv_heads:
     raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}.")
 
@@ -123,8 +130,9 @@ def _cache_arrays(shapes: dict[str, tuple[int, int, int, int]], dtype) -> dict[s
   return {name: constrain(jnp.zeros(shape, dtype), CACHE_AXES) for name, shape in shapes.items()}
 
 
-def _write_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array],
-                 lengths_B: jax.Array) -> dict[str, jax.Array]:
+def _write_cache(
+  cache: dict[str, jax.Array], new: dict[str, jax.Array], lengths_B: jax.Array
+) -> dict[str, jax.Array]:
   """Writes the T new positions of each row at slots lengths_B[b] .. lengths_B[b] + T - 1.
 
   A scatter into the given arrays: under jit with the cache donated it runs in place.
@@ -133,8 +141,13 @@ def _write_cache(cache: dict[str, jax.Array], new: dict[str, jax.Array],
   b, t = next(iter(new.values())).shape[:2]
   rows_BxT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
   slots_BxT = lengths_B.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  return {name: constrain(cache[name].at[rows_BxT, slots_BxT].set(
-      new[name].astype(cache[name].dtype), mode="drop"), CACHE_AXES) for name in cache}
+  return {
+    name: constrain(
+      cache[name].at[rows_BxT, slots_BxT].set(new[name].astype(cache[name].dtype), mode="drop"),
+      CACHE_AXES,
+    )
+    for name in cache
+  }
 
 
 def _baseline_kv(module, x_BxTxE, pos_BxT, hooks: Hooks) -> tuple[jax.Array, jax.Array]:
@@ -148,15 +161,26 @@ def _baseline_kv(module, x_BxTxE, pos_BxT, hooks: Hooks) -> tuple[jax.Array, jax
   return k_BxSxKxD, v_BxSxKxD
 
 
-def _init_queries(module, rngs: nnx.Rngs, options: AttentionOptions, d_model: int,
-                  num_heads: int, head_dim: int, *, paired: bool):
+def _init_queries(
+  module,
+  rngs: nnx.Rngs,
+  options: AttentionOptions,
+  d_model: int,
+  num_heads: int,
+  head_dim: int,
+  *,
+  paired: bool,
+):
   """Sets ``module.options`` and ``module.q`` (the first parameter drawn): [E, H, D], or
   [E, H, 2, D] for DIFF's two maps per head (V1) or pair of heads (V2). Returns the weight
   initialiser the other projections use."""
   module.options = options
   init = normal_init(options.init_std)
-  shape, axes = (((d_model, num_heads, 2, head_dim), ("embed", "heads", None, "head_dim"))
-                 if paired else ((d_model, num_heads, head_dim), ("embed", "heads", "head_dim")))
+  shape, axes = (
+    ((d_model, num_heads, 2, head_dim), ("embed", "heads", None, "head_dim"))
+    if paired
+    else ((d_model, num_heads, head_dim), ("embed", "heads", "head_dim"))
+  )
   module.q = make_param(rngs, init, shape, axes, options.param_dtype)
   return init
 
@@ -164,16 +188,20 @@ def _init_queries(module, rngs: nnx.Rngs, options: AttentionOptions, d_model: in
 class _BaselineKVCache:
   """The baseline's K, V and W_o and their KV cache, which the Transformer and DIFF V2 share."""
 
-  def _baseline_kvo(self, rngs: nnx.Rngs, init, d_model: int, num_heads: int,
-                    num_kv_heads: int, head_dim: int) -> None:
+  def _baseline_kvo(
+    self, rngs: nnx.Rngs, init, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int
+  ) -> None:
     """Creates ``k``, ``v`` and ``o`` (after ``q``: the order fixes the initial draws)."""
     dtype = self.options.param_dtype
-    self.k = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), dtype)
-    self.v = make_param(rngs, init, (d_model, num_kv_heads, head_dim),
-                        ("embed", "kv_heads", "head_dim"), dtype)
-    self.o = make_param(rngs, init, (num_heads, head_dim, d_model),
-                        ("heads", "head_dim", "embed"), dtype)
+    self.k = make_param(
+      rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
+    )
+    self.v = make_param(
+      rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
+    )
+    self.o = make_param(
+      rngs, init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), dtype
+    )
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
     """An empty cache: ``{"k", "v"}``, each [batch, max_length, K, D] in ``dtype``
@@ -183,8 +211,9 @@ class _BaselineKVCache:
     return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
 
 
-def _cache_step(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks,
-                new: dict[str, jax.Array]) -> tuple[bool, dict | None]:
+def _cache_step(
+  x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks, new: dict[str, jax.Array]
+) -> tuple[bool, dict | None]:
   """(whether this call decodes one token, the cache with ``new`` written) for a cached call;
   (False, None) without a cache."""
   if cache is None:
@@ -196,56 +225,107 @@ def _cache_step(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks,
 def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks) -> bool:
   """True for a decode step (T == 1), False for a prefill; refuses what cannot mix."""
   if capture or hooks.needs_reference:
-    raise ValueError("capture=True and reference hooks analyse a full forward; call without "
-                     "cache= for them.")
+    raise ValueError(
+      "capture=True and reference hooks analyse a full forward; call without cache= for them."
+    )
   if cache_lengths_B is None:
     raise ValueError("cache= needs cache_lengths_B (int [B]: the filled slots of each row).")
   return x_BxTxE.shape[1] == 1
 
 
-def _grouped_attention(opts: AttentionOptions, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT,
-                     decoding: bool, cache, cache_lengths_B, explicit: bool, hooks: Hooks,
-                     probs_fn=None):
+def _grouped_attention(
+  opts: AttentionOptions,
+  q_BxTxQxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  segment_ids_BxT,
+  decoding: bool,
+  cache,
+  cache_lengths_B,
+  explicit: bool,
+  hooks: Hooks,
+  probs_fn=None,
+):
   """Grouped-query attention of ``q`` over the baseline's K and V, the way the call needs
   it: a decode step over the cache, the explicit-map reference (``explicit``: returns its
   logits and probabilities too), or the dispatched op. Returns (out [B, T, Q, D], maps or
   None)."""
   if decoding:
     return dot_product_attention_decode(
-        q_BxTxQxD, cache["k"], cache["v"], cache_lengths_B + 1,
-        implementation=opts.implementation, interpret=opts.interpret), None
+      q_BxTxQxD,
+      cache["k"],
+      cache["v"],
+      cache_lengths_B + 1,
+      implementation=opts.implementation,
+      interpret=opts.interpret,
+    ), None
   if explicit:
     return ref.mha_reference(
-        q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, causal=opts.causal, segment_ids=segment_ids_BxT,
-        return_aux=True, logits_fn=hooks.logits, probs_fn=probs_fn)
-  return ops.dot_product_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
-                                   segment_ids=segment_ids_BxT, **opts.kernel_kwargs()), None
+      q_BxTxQxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      causal=opts.causal,
+      segment_ids=segment_ids_BxT,
+      return_aux=True,
+      logits_fn=hooks.logits,
+      probs_fn=probs_fn,
+    )
+  return ops.dot_product_attention(
+    q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, segment_ids=segment_ids_BxT, **opts.kernel_kwargs()
+  ), None
 
 
 class Attention(_BaselineKVCache, nnx.Module):
   """Baseline multi-head / grouped-query attention with RoPE and no biases."""
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               options: AttentionOptions = AttentionOptions(), rngs: nnx.Rngs):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    options: AttentionOptions = AttentionOptions(),
+    rngs: nnx.Rngs,
+  ):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
     init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=False)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
 
   @jax.named_scope("attention_transformer")
-  def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None):
+  def __call__(
+    self,
+    x_BxTxE,
+    positions_BxT=None,
+    segment_ids_BxT=None,
+    *,
+    capture: bool = False,
+    hooks: Hooks = NO_HOOKS,
+    cache=None,
+    cache_lengths_B=None,
+  ):
     opts = self.options
     dt = opts.dtype
     pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
     q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
-    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
-                                  {"k": k_BxSxKxD, "v": v_BxSxKxD})
-    out_BxTxHxD, aux = _grouped_attention(opts, q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
-                                          segment_ids_BxT, decoding, cache, cache_lengths_B,
-                                          _explicit_maps(capture, hooks), hooks, hooks.probs)
+    decoding, cache = _cache_step(
+      x_BxTxE, cache, cache_lengths_B, capture, hooks, {"k": k_BxSxKxD, "v": v_BxSxKxD}
+    )
+    out_BxTxHxD, aux = _grouped_attention(
+      opts,
+      q_BxTxHxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      segment_ids_BxT,
+      decoding,
+      cache,
+      cache_lengths_B,
+      _explicit_maps(capture, hooks),
+      hooks,
+      hooks.probs,
+    )
     if aux is not None:
       aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD)
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
@@ -270,10 +350,20 @@ class DiffV1Attention(nnx.Module):
   ablations.
   """
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               layer_index: int, options: AttentionOptions = AttentionOptions(),
-               norm_eps: float = 1e-5, use_norm: bool = True,
-               fixed_lambda: float | None = None, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    layer_index: int,
+    options: AttentionOptions = AttentionOptions(),
+    norm_eps: float = 1e-5,
+    use_norm: bool = True,
+    fixed_lambda: float | None = None,
+    rngs: nnx.Rngs,
+  ):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
     self.head_dim = head_dim
     self.lambda_init = ref.lambda_init_for_layer(layer_index)
@@ -281,12 +371,27 @@ class DiffV1Attention(nnx.Module):
     self.use_norm = use_norm
     self.fixed_lambda = fixed_lambda
     init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
-    self.k = make_param(rngs, init, (d_model, num_kv_heads, 2, head_dim),
-                        ("embed", "kv_heads", None, "head_dim"), options.param_dtype)
-    self.v = make_param(rngs, init, (d_model, num_kv_heads, 2 * head_dim),
-                        ("embed", "kv_heads", "head_dim"), options.param_dtype)
-    self.o = make_param(rngs, init, (num_heads, 2 * head_dim, d_model),
-                        ("heads", "head_dim", "embed"), options.param_dtype)
+    self.k = make_param(
+      rngs,
+      init,
+      (d_model, num_kv_heads, 2, head_dim),
+      ("embed", "kv_heads", None, "head_dim"),
+      options.param_dtype,
+    )
+    self.v = make_param(
+      rngs,
+      init,
+      (d_model, num_kv_heads, 2 * head_dim),
+      ("embed", "kv_heads", "head_dim"),
+      options.param_dtype,
+    )
+    self.o = make_param(
+      rngs,
+      init,
+      (num_heads, 2 * head_dim, d_model),
+      ("heads", "head_dim", "embed"),
+      options.param_dtype,
+    )
     lam_init = normal_init(0.1)
     # lambda vectors and the norm gain stay float32 (bfloat16 would coarsen lambda),
     # or float64 in a float64 model.
@@ -295,8 +400,9 @@ class DiffV1Attention(nnx.Module):
     self.lambda_k1 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
     self.lambda_q2 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
     self.lambda_k2 = make_param(rngs, lam_init, (head_dim,), ("norm",), small_dtype)
-    self.norm_scale = make_param(rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",),
-                                 small_dtype)
+    self.norm_scale = make_param(
+      rngs, nnx.initializers.ones, (2 * head_dim,), ("norm",), small_dtype
+    )
 
   def lambda_value(self, lambda_init: jax.Array | float | None = None) -> jax.Array:
     """The layer's current lambda: a float32 scalar (float64 in a float64 model).
@@ -308,21 +414,39 @@ class DiffV1Attention(nnx.Module):
     if self.fixed_lambda is not None:
       return jnp.asarray(self.fixed_lambda, acc)
     lam_init = self.lambda_init if lambda_init is None else lambda_init
-    return ref.diff_v1_lambda(self.lambda_q1[...], self.lambda_k1[...], self.lambda_q2[...],
-                              self.lambda_k2[...], lam_init, dtype=acc)
+    return ref.diff_v1_lambda(
+      self.lambda_q1[...],
+      self.lambda_k1[...],
+      self.lambda_q2[...],
+      self.lambda_k2[...],
+      lam_init,
+      dtype=acc,
+    )
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
     """An empty cache: ``{"k1", "k2"}`` [batch, max_length, K, D] and ``"v"``
     [batch, max_length, K, 2D], in ``dtype`` (default: the compute dtype)."""
     _, k, _, d = self.k.shape
-    shapes = {"k1": (batch, max_length, k, d), "k2": (batch, max_length, k, d),
-              "v": (batch, max_length, k, self.v.shape[-1])}
+    shapes = {
+      "k1": (batch, max_length, k, d),
+      "k2": (batch, max_length, k, d),
+      "v": (batch, max_length, k, self.v.shape[-1]),
+    }
     return _cache_arrays(shapes, dtype or self.options.dtype)
 
   @jax.named_scope("attention_diff_v1")
-  def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None, lambda_init: jax.Array | float | None = None):
+  def __call__(
+    self,
+    x_BxTxE,
+    positions_BxT=None,
+    segment_ids_BxT=None,
+    *,
+    capture: bool = False,
+    hooks: Hooks = NO_HOOKS,
+    cache=None,
+    cache_lengths_B=None,
+    lambda_init: jax.Array | float | None = None,
+  ):
     opts = self.options
     dt = opts.dtype
     acc = accumulation_dtype(dt)
@@ -340,22 +464,50 @@ class DiffV1Attention(nnx.Module):
     lam = self.lambda_value(lam_init)
     qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
     aux = None
-    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
-                                  {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv})
+    decoding, cache = _cache_step(
+      x_BxTxE,
+      cache,
+      cache_lengths_B,
+      capture,
+      hooks,
+      {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
+    )
     if decoding:
       core_BxTxHxDv = diff_v1_attention_decode(
-          q1_BxTxHxD, q2_BxTxHxD, cache["k1"], cache["k2"], cache["v"], lam,
-          cache_lengths_B + 1, implementation=opts.implementation, interpret=opts.interpret)
+        q1_BxTxHxD,
+        q2_BxTxHxD,
+        cache["k1"],
+        cache["k2"],
+        cache["v"],
+        lam,
+        cache_lengths_B + 1,
+        implementation=opts.implementation,
+        interpret=opts.interpret,
+      )
     elif _explicit_maps(capture, hooks):
       core_BxTxHxDv, aux = ref.diff_v1_reference(
-          *qk, v_BxSxKxDv, lam, causal=opts.causal, segment_ids=segment_ids_BxT,
-          return_aux=True, logits_fn=hooks.logits, probs_fn=hooks.probs)
-      aux = dict(aux, **{"lambda": lam, "lambda_init": jnp.asarray(lam_init, acc),
-                         "context": core_BxTxHxDv, "values": v_BxSxKxDv})
+        *qk,
+        v_BxSxKxDv,
+        lam,
+        causal=opts.causal,
+        segment_ids=segment_ids_BxT,
+        return_aux=True,
+        logits_fn=hooks.logits,
+        probs_fn=hooks.probs,
+      )
+      aux = dict(
+        aux,
+        **{
+          "lambda": lam,
+          "lambda_init": jnp.asarray(lam_init, acc),
+          "context": core_BxTxHxDv,
+          "values": v_BxSxKxDv,
+        },
+      )
     else:
-      core_BxTxHxDv = ops.diff_v1_attention_core(*qk, v_BxSxKxDv, lam,
-                                                 segment_ids=segment_ids_BxT,
-                                                 **opts.kernel_kwargs())
+      core_BxTxHxDv = ops.diff_v1_attention_core(
+        *qk, v_BxSxKxDv, lam, segment_ids=segment_ids_BxT, **opts.kernel_kwargs()
+      )
     core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
     if hooks.norm is not None:
       core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "pre")
@@ -382,8 +534,10 @@ def check_v2_ablation(pairing: str, lambda_fn: str, num_kv_heads: int) -> None:
   if lambda_fn not in V2_LAMBDAS:
     raise ValueError(f"v2_lambda={lambda_fn!r} is not one of {V2_LAMBDAS}.")
   if pairing == "across_groups" and num_kv_heads < 2:
-    raise ValueError(f"v2_pairing='across_groups' pairs query heads from different kv groups, "
-                     f"which needs num_kv_heads >= 2 (got {num_kv_heads}).")
+    raise ValueError(
+      f"v2_pairing='across_groups' pairs query heads from different kv groups, "
+      f"which needs num_kv_heads >= 2 (got {num_kv_heads})."
+    )
 
 
 def _cross_group_pairs(out_BxTxQxD, lam_BxTxH):
@@ -411,17 +565,31 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     * ``lambda_fn="identity"``: lambda = x W_lambda, unbounded (no sigmoid).
   """
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               options: AttentionOptions = AttentionOptions(), pairing: str = "group",
-               lambda_fn: str = "sigmoid", rngs: nnx.Rngs):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    options: AttentionOptions = AttentionOptions(),
+    pairing: str = "group",
+    lambda_fn: str = "sigmoid",
+    rngs: nnx.Rngs,
+  ):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
     check_v2_ablation(pairing, lambda_fn, num_kv_heads)
     self.pairing = pairing
     self.lambda_fn = lambda_fn
     init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
-    self.w_lambda = make_param(rngs, torch_linear_init(d_model), (d_model, num_heads),
-                               ("embed", "heads"), options.param_dtype)
+    self.w_lambda = make_param(
+      rngs,
+      torch_linear_init(d_model),
+      (d_model, num_heads),
+      ("embed", "heads"),
+      options.param_dtype,
+    )
 
   def lambda_value(self, x_BxTxE: jax.Array, hooks: Hooks = NO_HOOKS) -> jax.Array:
     """lambda = sigmoid(x W_lambda) per token and pair, [B, T, H] in float32 (float64);
@@ -434,9 +602,18 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     return jax.nn.sigmoid(lam_logits_BxTxH)
 
   @jax.named_scope("attention_diff_v2")
-  def __call__(self, x_BxTxE, positions_BxT=None, segment_ids_BxT=None, *,
-               capture: bool = False, hooks: Hooks = NO_HOOKS, cache=None,
-               cache_lengths_B=None, mix: jax.Array | float | None = None):
+  def __call__(
+    self,
+    x_BxTxE,
+    positions_BxT=None,
+    segment_ids_BxT=None,
+    *,
+    capture: bool = False,
+    hooks: Hooks = NO_HOOKS,
+    cache=None,
+    cache_lengths_B=None,
+    mix: jax.Array | float | None = None,
+  ):
     """``mix`` scales the subtraction (lambda times mix): a retrofit's ramp from the source
     Transformer (0) to plain V2 (1, or None)."""
     opts = self.options
@@ -452,47 +629,104 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     if mix is not None:
       lam_BxTxH = lam_BxTxH * jnp.asarray(mix, lam_BxTxH.dtype)
     aux = None
-    decoding, cache = _cache_step(x_BxTxE, cache, cache_lengths_B, capture, hooks,
-                                  {"k": k_BxSxKxD, "v": v_BxSxKxD})
+    decoding, cache = _cache_step(
+      x_BxTxE, cache, cache_lengths_B, capture, hooks, {"k": k_BxSxKxD, "v": v_BxSxKxD}
+    )
     if self.pairing == "across_groups":
-      out_BxTxHxD, aux = self._across_groups(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH,
-                                             segment_ids_BxT, decoding, cache,
-                                             cache_lengths_B, capture, hooks)
+      out_BxTxHxD, aux = self._across_groups(
+        q_BxTxQxD,
+        k_BxSxKxD,
+        v_BxSxKxD,
+        lam_BxTxH,
+        segment_ids_BxT,
+        decoding,
+        cache,
+        cache_lengths_B,
+        capture,
+        hooks,
+      )
     elif decoding:
       out_BxTxHxD = diff_v2_attention_decode(
-          q_BxTxQxD, cache["k"], cache["v"], lam_BxTxH, cache_lengths_B + 1,
-          implementation=opts.implementation, interpret=opts.interpret)
+        q_BxTxQxD,
+        cache["k"],
+        cache["v"],
+        lam_BxTxH,
+        cache_lengths_B + 1,
+        implementation=opts.implementation,
+        interpret=opts.interpret,
+      )
     elif _explicit_maps(capture, hooks):
       out_BxTxHxD, aux = ref.diff_v2_reference(
-          q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=opts.causal,
-          segment_ids=segment_ids_BxT, return_aux=True, logits_fn=hooks.logits,
-          probs_fn=hooks.probs)
+        q_BxTxQxD,
+        k_BxSxKxD,
+        v_BxSxKxD,
+        lam_BxTxH,
+        causal=opts.causal,
+        segment_ids=segment_ids_BxT,
+        return_aux=True,
+        logits_fn=hooks.logits,
+        probs_fn=hooks.probs,
+      )
       aux = dict(aux, **{"lambda": lam_BxTxH, "context": out_BxTxHxD, "values": v_BxSxKxD})
     else:
-      out_BxTxHxD = ops.diff_v2_attention(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH,
-                                          segment_ids=segment_ids_BxT, **opts.kernel_kwargs())
+      out_BxTxHxD = ops.diff_v2_attention(
+        q_BxTxQxD,
+        k_BxSxKxD,
+        v_BxSxKxD,
+        lam_BxTxH,
+        segment_ids=segment_ids_BxT,
+        **opts.kernel_kwargs(),
+      )
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
     if cache is not None:
       return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE
 
-  def _across_groups(self, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, segment_ids_BxT,
-                     decoding, cache, cache_lengths_B, capture, hooks):
+  def _across_groups(
+    self,
+    q_BxTxQxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxTxH,
+    segment_ids_BxT,
+    decoding,
+    cache,
+    cache_lengths_B,
+    capture,
+    hooks,
+  ):
     """The cross-group ablation: grouped-query attention over the 2h query heads, then
     pair i = heads i and i + h. Returns (out [B, T, H, D], aux or None)."""
     opts = self.options
     h = lam_BxTxH.shape[-1]
     if hooks.probs is not None:
-      raise ValueError("v2_pairing='across_groups' has no single combined map (the pair's two "
-                       "maps weight different values), so a probs hook is not defined for it.")
-    out_BxTxQxD, maps = _grouped_attention(opts, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD,
-                                           segment_ids_BxT, decoding, cache, cache_lengths_B,
-                                           _explicit_maps(capture, hooks), hooks)
+      raise ValueError(
+        "v2_pairing='across_groups' has no single combined map (the pair's two "
+        "maps weight different values), so a probs hook is not defined for it."
+      )
+    out_BxTxQxD, maps = _grouped_attention(
+      opts,
+      q_BxTxQxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      segment_ids_BxT,
+      decoding,
+      cache,
+      cache_lengths_B,
+      _explicit_maps(capture, hooks),
+      hooks,
+    )
     out_BxTxHxD = _cross_group_pairs(out_BxTxQxD, lam_BxTxH)
     aux = None
     if maps is not None:
-      aux = {"logits1": maps["logits"][:, :h], "logits2": maps["logits"][:, h:],
-             "probs1": maps["probs"][:, :h], "probs2": maps["probs"][:, h:],
-             "lambda": lam_BxTxH, "context": out_BxTxHxD, "values": v_BxSxKxD}
+      aux = {
+        "logits1": maps["logits"][:, :h],
+        "logits2": maps["logits"][:, h:],
+        "probs1": maps["probs"][:, :h],
+        "probs2": maps["probs"][:, h:],
+        "lambda": lam_BxTxH,
+        "context": out_BxTxHxD,
+        "values": v_BxSxKxD,
+      }
     return out_BxTxHxD, aux

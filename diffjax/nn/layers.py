@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-import jax
 import flax
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -41,6 +41,7 @@ class Hooks:
       (1 - lambda_init) scale); returning ``x + tap`` with zero taps makes the gradients
       into and out of the norm readable (the analysis's gradient magnification).
   """
+
   logits: Callable[[jax.Array], jax.Array] | None = None
   probs: Callable[[jax.Array], jax.Array] | None = None
   kv: Callable[[jax.Array], jax.Array] | None = None
@@ -56,8 +57,11 @@ class Hooks:
 NO_HOOKS = Hooks()
 
 # Flax renamed the variable metadata key for logical axis names; use the current one.
-_SHARDING_KEY = "out_sharding" if tuple(
-    int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12) else "sharding_names"
+_SHARDING_KEY = (
+  "out_sharding"
+  if tuple(int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12)
+  else "sharding_names"
+)
 
 
 # Logical axes that say what a parameter is: per-channel vectors (RMSNorm gains, DIFF V1's
@@ -99,8 +103,10 @@ def stack_modules(modules: Sequence[nnx.Module], axis_name: str = "layers") -> n
   for path, first in flats[0].items():
     shapes = {tuple(f[path].shape) for f in flats if path in f}
     if len(shapes) != 1 or any(path not in f for f in flats):
-      raise ValueError(f"Cannot stack variable {'/'.join(map(str, path))}: the modules differ "
-                       f"in it (shapes {sorted(shapes)}).")
+      raise ValueError(
+        f"Cannot stack variable {'/'.join(map(str, path))}: the modules differ "
+        f"in it (shapes {sorted(shapes)})."
+      )
     meta = dict(first.get_metadata())
     names = meta.get(_SHARDING_KEY)
     if names is not None:
@@ -111,8 +117,9 @@ def stack_modules(modules: Sequence[nnx.Module], axis_name: str = "layers") -> n
   return nnx.merge(graphdef, nnx.from_flat_state(stacked))
 
 
-def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None],
-               dtype=jnp.float32) -> nnx.Param:
+def make_param(
+  rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None], dtype=jnp.float32
+) -> nnx.Param:
   """Creates an ``nnx.Param`` with logical axis names and no eager placement."""
   if len(shape) != len(names):
     raise ValueError(f"shape {tuple(shape)} and logical names {tuple(names)} differ in rank.")
@@ -127,17 +134,21 @@ def normal_init(std: float):
 def torch_linear_init(fan_in: int):
   """PyTorch's default nn.Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
   bound = 1.0 / math.sqrt(fan_in)
-  return nnx.initializers.uniform_range(-bound, bound) if hasattr(
-      nnx.initializers, "uniform_range") else _uniform(bound)
+  return (
+    nnx.initializers.uniform_range(-bound, bound)
+    if hasattr(nnx.initializers, "uniform_range")
+    else _uniform(bound)
+  )
 
 
 def _uniform(bound: float):
   def init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
   return init
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rows_form(spec: str) -> tuple[int, bool] | None:
   """``(n_contract, w_transposed)`` if ``spec`` reads ``x[..., C] w[C, O] -> y[..., O]``
   (or ``x[..., c] w[o, c] -> y[..., o]`` with a 2-D ``w``), else None."""
@@ -146,7 +157,7 @@ def _rows_form(spec: str) -> tuple[int, bool] | None:
   if len(set(xs)) != len(xs) or len(set(ws)) != len(ws):
     return None
   for n in range(1, min(len(xs), len(ws)) + 1):
-    lead, contracted = xs[:len(xs) - n], xs[len(xs) - n:]
+    lead, contracted = xs[: len(xs) - n], xs[len(xs) - n :]
     if ws[:n] == contracted and out == lead + ws[n:] and not set(lead) & set(ws):
       return n, False
   if len(ws) == 2 and ws[1] == xs[-1] and out == xs[:-1] + ws[0] and ws[0] not in xs:
@@ -183,11 +194,19 @@ class RMSNorm(nnx.Module):
   ``param_dtype`` is float64.
   """
 
-  def __init__(self, dim: int, *, eps: float = 1e-5, rngs: nnx.Rngs,
-               names: Sequence[str | None] = ("norm",), param_dtype=jnp.float32):
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    rngs: nnx.Rngs,
+    names: Sequence[str | None] = ("norm",),
+    param_dtype=jnp.float32,
+  ):
     self.eps = eps
-    self.scale = make_param(rngs, nnx.initializers.ones, (dim,), names,
-                            accumulation_dtype(param_dtype))
+    self.scale = make_param(
+      rngs, nnx.initializers.ones, (dim,), names, accumulation_dtype(param_dtype)
+    )
 
   def __call__(self, x):
     return rms_norm(x, self.scale[...], self.eps)
@@ -196,10 +215,12 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
   """Token embedding table [vocab, embed]."""
 
-  def __init__(self, vocab_size: int, dim: int, *, init_std: float, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
-    self.embedding = make_param(rngs, normal_init(init_std), (vocab_size, dim),
-                                ("vocab", "embed"), param_dtype)
+  def __init__(
+    self, vocab_size: int, dim: int, *, init_std: float, rngs: nnx.Rngs, param_dtype=jnp.float32
+  ):
+    self.embedding = make_param(
+      rngs, normal_init(init_std), (vocab_size, dim), ("vocab", "embed"), param_dtype
+    )
 
   def __call__(self, tokens_BxT, dtype):
     return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(dtype)
@@ -212,8 +233,9 @@ class Embed(nnx.Module):
 class SwiGLU(nnx.Module):
   """LLaMA MLP: down(silu(x W_gate) * (x W_up)), no biases."""
 
-  def __init__(self, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
+  def __init__(
+    self, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs, param_dtype=jnp.float32
+  ):
     init = normal_init(init_std)
     self.w_gate = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
     self.w_up = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)

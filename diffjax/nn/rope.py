@@ -37,8 +37,13 @@ def _cos_sin(angles_BxTxF: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.cos(angles_BxTxF), jnp.sin(angles_BxTxF)
 
 
-def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, *, theta: float = 10000.0,
-               style: str = "interleaved") -> jax.Array:
+def apply_rope(
+  x_BxTxHxD: jax.Array,
+  positions_BxT: jax.Array,
+  *,
+  theta: float = 10000.0,
+  style: str = "interleaved",
+) -> jax.Array:
   """Rotates every D-wide head vector by its position.
 
   The angles and the rotation run in float32 (float64 for float64 x); the result has
@@ -59,6 +64,6 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, *, theta: float =
     r2 = x1 * sin + x2 * cos
     out = jnp.stack([r1, r2], axis=-1).reshape(x.shape)
   else:
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
   return out.astype(x_BxTxHxD.dtype)

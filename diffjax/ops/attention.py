@@ -29,16 +29,22 @@ from diffjax.core import reference as ref
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
 from diffjax.ops.context_parallel import context_parallel_attention
-from diffjax.ops.dispatch import (call_decode_kernel, call_kernel, mosaic_gpu_decodes,
-                                  mosaic_gpu_takes, resolve)
+from diffjax.ops.dispatch import (
+  call_decode_kernel,
+  call_kernel,
+  mosaic_gpu_decodes,
+  mosaic_gpu_takes,
+  resolve,
+)
 
 
 def _is_float64(x: jax.Array) -> bool:
   return jnp.result_type(x) == jnp.float64
 
 
-def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale, implementation,
-                      block_sizes, interpret):
+def _sequence_sharded(
+  op: str, arrays, *, mask, causal, segment_ids, scale, implementation, block_sizes, interpret
+):
   """The op's output under context parallelism (the active rules shard ``length`` over a
   mesh axis of size > 1), else None. There every implementation runs the exact math of
   :mod:`diffjax.ops.context_parallel`: the fused kernels per ring block when the
@@ -48,29 +54,51 @@ def _sequence_sharded(op: str, arrays, *, mask, causal, segment_ids, scale, impl
   if cp is None:
     return None
   if mask is not None:
-    raise ValueError("An explicit mask is not supported when the sequence is sharded over "
-                     f"the {cp.axis!r} mesh axis; use causal and segment_ids, or a mesh "
-                     "whose context axis is 1.")
+    raise ValueError(
+      "An explicit mask is not supported when the sequence is sharded over "
+      f"the {cp.axis!r} mesh axis; use causal and segment_ids, or a mesh "
+      "whose context axis is 1."
+    )
   block_impl = "xla"
   if op != "mha" and cp.strategy == "ring":
-    chosen = resolve(op, implementation, has_mask=False, interpret=interpret,
-                     float64=_is_float64(arrays[0]))
+    chosen = resolve(
+      op, implementation, has_mask=False, interpret=interpret, float64=_is_float64(arrays[0])
+    )
     block_impl = chosen if chosen in ("pallas_tpu", "pallas_gpu") else "xla"
   _, rules = sharding.current()
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("batch", "heads"), rules)[1]
   return context_parallel_attention(
-      op, arrays, mesh=cp.mesh, context_axis=cp.axis, batch_axis=batch_axis,
-      head_axis=head_axis, strategy=cp.strategy, load_balance=cp.load_balance, causal=causal,
-      segment_ids=segment_ids, scale=scale, implementation=block_impl,
-      block_sizes=block_sizes if block_impl != "xla" else None, interpret=interpret)
+    op,
+    arrays,
+    mesh=cp.mesh,
+    context_axis=cp.axis,
+    batch_axis=batch_axis,
+    head_axis=head_axis,
+    strategy=cp.strategy,
+    load_balance=cp.load_balance,
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    implementation=block_impl,
+    block_sizes=block_sizes if block_impl != "xla" else None,
+    interpret=interpret,
+  )
 
 
 def dot_product_attention(
-    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, *,
-    causal: bool = True, segment_ids=None, mask: jax.Array | None = None,
-    scale: float | None = None, implementation: str = "auto", block_sizes=None,
-    interpret: bool = False) -> jax.Array:
+  q_BxTxHxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  *,
+  causal: bool = True,
+  segment_ids=None,
+  mask: jax.Array | None = None,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """Baseline multi-head / grouped-query attention.
 
   Args:
@@ -86,27 +114,64 @@ def dot_product_attention(
     inputs, which always take the XLA path).
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  out = _sequence_sharded("mha", (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv), mask=mask, causal=causal,
-                          segment_ids=segment_ids, scale=scale, implementation=implementation,
-                          block_sizes=block_sizes, interpret=interpret)
+  out = _sequence_sharded(
+    "mha",
+    (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv),
+    mask=mask,
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   if out is not None:
     return out
-  impl = resolve("mha", implementation, has_mask=mask is not None, interpret=interpret,
-                 float64=_is_float64(q_BxTxHxD))
+  impl = resolve(
+    "mha",
+    implementation,
+    has_mask=mask is not None,
+    interpret=interpret,
+    float64=_is_float64(q_BxTxHxD),
+  )
   if impl == "xla":
-    return ref.mha_reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, causal=causal,
-                             segment_ids=segment_ids, mask=mask, scale=scale)
-  return call_kernel("mha", impl, (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv), causal=causal,
-               segment_ids=segment_ids, scale=scale, block_sizes=block_sizes,
-               interpret=interpret)
+    return ref.mha_reference(
+      q_BxTxHxD,
+      k_BxSxKxD,
+      v_BxSxKxDv,
+      causal=causal,
+      segment_ids=segment_ids,
+      mask=mask,
+      scale=scale,
+    )
+  return call_kernel(
+    "mha",
+    impl,
+    (q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv),
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
 def diff_v1_attention_core(
-    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam: jax.Array | float, *,
-    causal: bool = True, segment_ids=None, mask: jax.Array | None = None,
-    scale: float | None = None, implementation: str = "auto", block_sizes=None,
-    interpret: bool = False) -> jax.Array:
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam: jax.Array | float,
+  *,
+  causal: bool = True,
+  segment_ids=None,
+  mask: jax.Array | None = None,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V1 differential attention before the per-head norm.
 
   ``out_h = (softmax(q1_h k1_g^T * scale) - lam * softmax(q2_h k2_g^T * scale)) V_g``
@@ -123,43 +188,82 @@ def diff_v1_attention_core(
   """
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  out = _sequence_sharded("diff_v1", (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
-                                      v_BxSxKxDv, lam), mask=mask, causal=causal,
-                          segment_ids=segment_ids, scale=scale, implementation=implementation,
-                          block_sizes=block_sizes, interpret=interpret)
+  out = _sequence_sharded(
+    "diff_v1",
+    (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam),
+    mask=mask,
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   if out is not None:
     return out
-  impl = resolve("diff_v1", implementation, has_mask=mask is not None, interpret=interpret,
-                 float64=_is_float64(q1_BxTxHxD),
-                 mosaic=mosaic_gpu_takes(
-                     "diff_v1", (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
-                     segments=segment_ids is not None, block_sizes=block_sizes,
-                     interpret=interpret))
+  impl = resolve(
+    "diff_v1",
+    implementation,
+    has_mask=mask is not None,
+    interpret=interpret,
+    float64=_is_float64(q1_BxTxHxD),
+    mosaic=mosaic_gpu_takes(
+      "diff_v1",
+      (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+      segments=segment_ids is not None,
+      block_sizes=block_sizes,
+      interpret=interpret,
+    ),
+  )
   if impl == "xla":
-    return ref.diff_v1_reference(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
-                                 v_BxSxKxDv, lam, causal=causal, segment_ids=segment_ids,
-                                 mask=mask, scale=scale)
+    return ref.diff_v1_reference(
+      q1_BxTxHxD,
+      q2_BxTxHxD,
+      k1_BxSxKxD,
+      k2_BxSxKxD,
+      v_BxSxKxDv,
+      lam,
+      causal=causal,
+      segment_ids=segment_ids,
+      mask=mask,
+      scale=scale,
+    )
   h = q1_BxTxHxD.shape[2]
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
-  return call_kernel("diff_v1", impl,
-               (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H),
-               causal=causal, segment_ids=segment_ids, scale=scale,
-               block_sizes=block_sizes, interpret=interpret)
+  return call_kernel(
+    "diff_v1",
+    impl,
+    (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H),
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
 def diff_v1_attention(
-    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam: jax.Array | float, *,
-    norm_gain: jax.Array | None, lambda_init: float, eps: float = 1e-5,
-    **kwargs) -> jax.Array:
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam: jax.Array | float,
+  *,
+  norm_gain: jax.Array | None,
+  lambda_init: float,
+  eps: float = 1e-5,
+  **kwargs,
+) -> jax.Array:
   """DIFF V1 head outputs with the per-head RMSNorm and the (1 - lambda_init) scale.
 
   ``norm_gain`` has shape [Dv] (shared by the heads of the layer) or is None for a
   gain-free norm. Other arguments as in :func:`diff_v1_attention_core`.
   Returns [B, T, H, Dv] in the dtype of q1.
   """
-  out_BxTxHxDv = diff_v1_attention_core(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD,
-                                        v_BxSxKxDv, lam, **kwargs)
+  out_BxTxHxDv = diff_v1_attention_core(
+    q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, **kwargs
+  )
   dv = out_BxTxHxDv.shape[-1]
   if norm_gain is not None and tuple(jnp.shape(norm_gain)) != (dv,):
     raise ValueError(f"norm_gain must have shape ({dv},); got {tuple(jnp.shape(norm_gain))}.")
@@ -169,10 +273,19 @@ def diff_v1_attention(
 
 
 def diff_v2_attention(
-    q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
-    lam_BxTxH: jax.Array, *, causal: bool = True, segment_ids=None,
-    mask: jax.Array | None = None, scale: float | None = None,
-    implementation: str = "auto", block_sizes=None, interpret: bool = False) -> jax.Array:
+  q_BxTxQxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_BxTxH: jax.Array,
+  *,
+  causal: bool = True,
+  segment_ids=None,
+  mask: jax.Array | None = None,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V2 differential attention on paired query heads.
 
   Args:
@@ -185,28 +298,60 @@ def diff_v2_attention(
     ``softmax(q_2i K^T s) V - lam_i * softmax(q_2i+1 K^T s) V``.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  out = _sequence_sharded("diff_v2", (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH), mask=mask,
-                          causal=causal, segment_ids=segment_ids, scale=scale,
-                          implementation=implementation, block_sizes=block_sizes,
-                          interpret=interpret)
+  out = _sequence_sharded(
+    "diff_v2",
+    (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH),
+    mask=mask,
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   if out is not None:
     return out
-  impl = resolve("diff_v2", implementation, has_mask=mask is not None, interpret=interpret,
-                 float64=_is_float64(q_BxTxQxD),
-                 mosaic=mosaic_gpu_takes("diff_v2", (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD),
-                                         segments=segment_ids is not None,
-                                         block_sizes=block_sizes, interpret=interpret))
+  impl = resolve(
+    "diff_v2",
+    implementation,
+    has_mask=mask is not None,
+    interpret=interpret,
+    float64=_is_float64(q_BxTxQxD),
+    mosaic=mosaic_gpu_takes(
+      "diff_v2",
+      (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD),
+      segments=segment_ids is not None,
+      block_sizes=block_sizes,
+      interpret=interpret,
+    ),
+  )
   if impl == "xla":
-    return ref.diff_v2_reference(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=causal,
-                                 segment_ids=segment_ids, mask=mask, scale=scale)
-  return call_kernel("diff_v2", impl, (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH),
-               causal=causal, segment_ids=segment_ids, scale=scale,
-               block_sizes=block_sizes, interpret=interpret)
+    return ref.diff_v2_reference(
+      q_BxTxQxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      lam_BxTxH,
+      causal=causal,
+      segment_ids=segment_ids,
+      mask=mask,
+      scale=scale,
+    )
+  return call_kernel(
+    "diff_v2",
+    impl,
+    (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH),
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
 # Decoding: one new token per row attends to a KV cache of S slots, of which the first
 # kv_len[b] are valid (the new token's own key and value included). Slots at or past
 # kv_len are never attended, so rows of different lengths share one cache array.
+
 
 def _length_mask(kv_len_B: jax.Array, s: int) -> jax.Array:
   """[B, 1, 1, S]: slot j of row b is visible when j < kv_len[b]."""
@@ -215,9 +360,16 @@ def _length_mask(kv_len_B: jax.Array, s: int) -> jax.Array:
 
 
 def dot_product_attention_decode(
-    q_Bx1xHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, kv_len_B: jax.Array,
-    *, scale: float | None = None, implementation: str = "auto", block_sizes=None,
-    interpret: bool = False) -> jax.Array:
+  q_Bx1xHxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """Baseline attention of one new token per row against a KV cache.
 
   Args:
@@ -230,20 +382,46 @@ def dot_product_attention_decode(
   """
   _v.check_mha(q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD)
   _v.check_decode(q_Bx1xHxD, kv_len_B, "decode attention")
-  impl = resolve("mha_decode", implementation, has_mask=False, interpret=interpret,
-                 float64=_is_float64(q_Bx1xHxD))
+  impl = resolve(
+    "mha_decode",
+    implementation,
+    has_mask=False,
+    interpret=interpret,
+    float64=_is_float64(q_Bx1xHxD),
+  )
   if impl == "xla":
-    return ref.mha_reference(q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD, causal=False,
-                             mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]), scale=scale)
-  return call_decode_kernel("mha_decode", impl, (q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD, kv_len_B),
-                            scale=scale, block_sizes=block_sizes, interpret=interpret)
+    return ref.mha_reference(
+      q_Bx1xHxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      causal=False,
+      mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]),
+      scale=scale,
+    )
+  return call_decode_kernel(
+    "mha_decode",
+    impl,
+    (q_Bx1xHxD, k_BxSxKxD, v_BxSxKxD, kv_len_B),
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
 def diff_v1_attention_decode(
-    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam: jax.Array | float,
-    kv_len_B: jax.Array, *, scale: float | None = None, implementation: str = "auto",
-    block_sizes=None, interpret: bool = False) -> jax.Array:
+  q1_Bx1xHxD: jax.Array,
+  q2_Bx1xHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam: jax.Array | float,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V1 attention (before the per-head norm) of one new token against a cache.
 
   "auto" runs a fused decode kernel, which reads K1, K2 and V once, on TPU
@@ -256,28 +434,62 @@ def diff_v1_attention_decode(
   lam = jnp.asarray(lam)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "decode attention")
-  impl = resolve("diff_v1_decode", implementation, has_mask=False, interpret=interpret,
-                 float64=_is_float64(q1_Bx1xHxD),
-                 mosaic=mosaic_gpu_decodes(
-                     (q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
-                     block_sizes=block_sizes, interpret=interpret))
+  impl = resolve(
+    "diff_v1_decode",
+    implementation,
+    has_mask=False,
+    interpret=interpret,
+    float64=_is_float64(q1_Bx1xHxD),
+    mosaic=mosaic_gpu_decodes(
+      (q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+      block_sizes=block_sizes,
+      interpret=interpret,
+    ),
+  )
   if impl == "xla":
-    return ref.diff_v1_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                                 lam, causal=False,
-                                 mask=_length_mask(kv_len_B, k1_BxSxKxD.shape[1]), scale=scale)
+    return ref.diff_v1_reference(
+      q1_Bx1xHxD,
+      q2_Bx1xHxD,
+      k1_BxSxKxD,
+      k2_BxSxKxD,
+      v_BxSxKxDv,
+      lam,
+      causal=False,
+      mask=_length_mask(kv_len_B, k1_BxSxKxD.shape[1]),
+      scale=scale,
+    )
   h = q1_Bx1xHxD.shape[2]
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
   return call_decode_kernel(
-      "diff_v1_decode", impl,
-      (q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
-       jnp.asarray(kv_len_B, jnp.int32)),
-      scale=scale, block_sizes=block_sizes, interpret=interpret)
+    "diff_v1_decode",
+    impl,
+    (
+      q1_Bx1xHxD,
+      q2_Bx1xHxD,
+      k1_BxSxKxD,
+      k2_BxSxKxD,
+      v_BxSxKxDv,
+      lam_H,
+      jnp.asarray(kv_len_B, jnp.int32),
+    ),
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
 def diff_v2_attention_decode(
-    q_Bx1xQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
-    lam_Bx1xH: jax.Array, kv_len_B: jax.Array, *, scale: float | None = None,
-    implementation: str = "auto", block_sizes=None, interpret: bool = False) -> jax.Array:
+  q_Bx1xQxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_Bx1xH: jax.Array,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  implementation: str = "auto",
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V2 attention of one new token per row against the (baseline's) KV cache.
 
   Arguments as in :func:`diff_v2_attention` and :func:`dot_product_attention_decode`.
@@ -285,11 +497,28 @@ def diff_v2_attention_decode(
   """
   _v.check_diff_v2(q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH)
   _v.check_decode(q_Bx1xQxD, kv_len_B, "decode attention")
-  impl = resolve("diff_v2_decode", implementation, has_mask=False, interpret=interpret,
-                 float64=_is_float64(q_Bx1xQxD))
+  impl = resolve(
+    "diff_v2_decode",
+    implementation,
+    has_mask=False,
+    interpret=interpret,
+    float64=_is_float64(q_Bx1xQxD),
+  )
   if impl == "xla":
-    return ref.diff_v2_reference(q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, causal=False,
-                                 mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]), scale=scale)
-  return call_decode_kernel("diff_v2_decode", impl,
-                            (q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B),
-                            scale=scale, block_sizes=block_sizes, interpret=interpret)
+    return ref.diff_v2_reference(
+      q_Bx1xQxD,
+      k_BxSxKxD,
+      v_BxSxKxD,
+      lam_Bx1xH,
+      causal=False,
+      mask=_length_mask(kv_len_B, k_BxSxKxD.shape[1]),
+      scale=scale,
+    )
+  return call_decode_kernel(
+    "diff_v2_decode",
+    impl,
+    (q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B),
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )

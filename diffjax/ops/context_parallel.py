@@ -39,7 +39,7 @@ Computation runs in float32 (float64 for float64 inputs,
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,13 @@ from diffjax.ops import dispatch
 from diffjax.ops import ring_blocks as rb
 from diffjax.ops.ring import make_ring
 
-__all__ = ["OPS", "STRATEGIES", "context_parallel_attention", "inverse_permutation",
-           "zigzag_permutation"]
+__all__ = [
+  "OPS",
+  "STRATEGIES",
+  "context_parallel_attention",
+  "inverse_permutation",
+  "zigzag_permutation",
+]
 
 OPS = ("mha", "diff_v1", "diff_v2")
 STRATEGIES = ("ring", "all_gather")
@@ -64,6 +69,7 @@ AxisName = str | tuple[str, ...] | None
 
 # ------------------------------------------------------------------------------------------
 # Sequence order.
+
 
 def zigzag_permutation(length: int, num_shards: int) -> np.ndarray:
   """The load-balanced causal order of ``length`` positions over ``num_shards`` shards.
@@ -80,9 +86,11 @@ def zigzag_permutation(length: int, num_shards: int) -> np.ndarray:
   if num_shards <= 0:
     raise ValueError(f"num_shards must be positive; got {num_shards}.")
   if length <= 0 or length % (2 * num_shards):
-    raise ValueError(f"The load-balanced order needs the length ({length}) to be a positive "
-                     f"multiple of 2 * num_shards = {2 * num_shards} (two equal chunks per "
-                     "shard). Pad the sequence or use load_balance=False.")
+    raise ValueError(
+      f"The load-balanced order needs the length ({length}) to be a positive "
+      f"multiple of 2 * num_shards = {2 * num_shards} (two equal chunks per "
+      "shard). Pad the sequence or use load_balance=False."
+    )
   chunk = length // (2 * num_shards)
   chunks_CxL = np.arange(length, dtype=np.int32).reshape(2 * num_shards, chunk)
   order = [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
@@ -117,6 +125,7 @@ def _original_positions(shard, num_shards: int, t_local: int, load_balance: bool
 # ------------------------------------------------------------------------------------------
 # The global-view op.
 
+
 def _axis_names(axes: AxisName) -> tuple[str, ...]:
   if axes is None:
     return ()
@@ -127,8 +136,10 @@ def _axis_size(mesh: Mesh, axes: AxisName, what: str) -> int:
   names = _axis_names(axes)
   for n in names:
     if n not in mesh.shape:
-      raise ValueError(f"{what}={axes!r} names mesh axis {n!r}, which the mesh (axes "
-                       f"{tuple(mesh.shape)}) does not have.")
+      raise ValueError(
+        f"{what}={axes!r} names mesh axis {n!r}, which the mesh (axes "
+        f"{tuple(mesh.shape)}) does not have."
+      )
   return math.prod(mesh.shape[n] for n in names)
 
 
@@ -137,8 +148,10 @@ def _check_inputs(op: str, arrays: Sequence[jax.Array]) -> None:
   if op not in counts:
     raise ValueError(f"Unknown op {op!r}; expected one of {OPS}.")
   if len(arrays) != counts[op]:
-    raise ValueError(f"op {op!r} takes {counts[op]} arrays (the positional arguments of its "
-                     f"reference function); got {len(arrays)}.")
+    raise ValueError(
+      f"op {op!r} takes {counts[op]} arrays (the positional arguments of its "
+      f"reference function); got {len(arrays)}."
+    )
   {"mha": _v.check_mha, "diff_v1": _v.check_diff_v1, "diff_v2": _v.check_diff_v2}[op](*arrays)
 
 
@@ -147,35 +160,53 @@ def _ring_blocks_of(op: str, implementation: str, strategy: str, interpret, dtyp
   ``implementation``, or None for the XLA blocks (``"xla"``, or no such kernel or none
   with per-block functions in this installation); raises when the choice cannot run."""
   if implementation not in BLOCK_IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r} is not one of "
-                     f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring).")
+    raise ValueError(
+      f"implementation={implementation!r} is not one of "
+      f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring)."
+    )
   if implementation == "xla":
     return None
   name = f"implementation={implementation!r}"
   if op == "mha":
-    raise ValueError(f"{name} runs the fused DIFF kernels per ring block; the baseline "
-                     "('mha') has no fused kernel of ours. Use implementation='xla'.")
+    raise ValueError(
+      f"{name} runs the fused DIFF kernels per ring block; the baseline "
+      "('mha') has no fused kernel of ours. Use implementation='xla'."
+    )
   if strategy != "ring":
-    raise ValueError(f"{name} runs the kernels per block of the ring; strategy={strategy!r} "
-                     "has no blocks. Use strategy='ring' or implementation='xla'.")
+    raise ValueError(
+      f"{name} runs the kernels per block of the ring; strategy={strategy!r} "
+      "has no blocks. Use strategy='ring' or implementation='xla'."
+    )
   if jnp.dtype(dtype) == jnp.float64:
-    raise ValueError("The kernels accumulate in float32; float64 inputs need "
-                     "implementation='xla'.")
+    raise ValueError("The kernels accumulate in float32; float64 inputs need implementation='xla'.")
   platform = implementation.removeprefix("pallas_")
   # Compiling ahead of time for a TPU on a CPU host counts as the TPU (target_platform).
   if not interpret and platform not in (jax.default_backend(), dispatch.current_platform()):
-    raise ValueError(f"{name} needs a {platform.upper()} (the backend is "
-                     f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
-                     "in the Pallas interpreter, or use implementation='xla'.")
+    raise ValueError(
+      f"{name} needs a {platform.upper()} (the backend is "
+      f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
+      "in the Pallas interpreter, or use implementation='xla'."
+    )
   return rb.registered_ring_blocks(op, implementation)
 
 
 def context_parallel_attention(
-    op: str, arrays: Sequence[jax.Array], *, mesh: Mesh, context_axis: str = "context",
-    batch_axis: AxisName = None, head_axis: AxisName = None, strategy: str = "ring",
-    load_balance: bool = True, causal: bool = True, segment_ids: jax.Array | None = None,
-    scale: float | None = None, implementation: str = "xla", block_sizes=None,
-    interpret=False) -> jax.Array:
+  op: str,
+  arrays: Sequence[jax.Array],
+  *,
+  mesh: Mesh,
+  context_axis: str = "context",
+  batch_axis: AxisName = None,
+  head_axis: AxisName = None,
+  strategy: str = "ring",
+  load_balance: bool = True,
+  causal: bool = True,
+  segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  implementation: str = "xla",
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
   """Exact self-attention with the sequence axis sharded over ``context_axis``.
 
   Args:
@@ -218,12 +249,16 @@ def context_parallel_attention(
   b, t, _, d = q.shape
   kh = k.shape[2]
   if k.shape[1] != t:
-    raise ValueError(f"Context-parallel attention is self-attention: queries and keys must "
-                     f"have the same length; got {t} and {k.shape[1]}.")
+    raise ValueError(
+      f"Context-parallel attention is self-attention: queries and keys must "
+      f"have the same length; got {t} and {k.shape[1]}."
+    )
   if segment_ids is not None:
     if isinstance(segment_ids, (tuple, list)):
-      raise ValueError("Context-parallel attention takes one [batch, length] segment id array "
-                       "(self-attention), not a (q_ids, kv_ids) pair.")
+      raise ValueError(
+        "Context-parallel attention takes one [batch, length] segment id array "
+        "(self-attention), not a (q_ids, kv_ids) pair."
+      )
     segment_ids = jnp.asarray(segment_ids)
     _v.split_segment_ids(segment_ids, b, t, t)
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
@@ -234,18 +269,24 @@ def context_parallel_attention(
   head_shards = _axis_size(mesh, head_axis, "head_axis")
   used = [context_axis, *_axis_names(batch_axis), *_axis_names(head_axis)]
   if len(set(used)) != len(used):
-    raise ValueError(f"context_axis, batch_axis and head_axis must name different mesh axes; "
-                     f"got {context_axis!r}, {batch_axis!r}, {head_axis!r}.")
+    raise ValueError(
+      f"context_axis, batch_axis and head_axis must name different mesh axes; "
+      f"got {context_axis!r}, {batch_axis!r}, {head_axis!r}."
+    )
   parts = 2 * c if load_balance else c
   if t % parts:
-    raise ValueError(f"The length ({t}) must be a multiple of {parts} ("
-                     f"{'2 * ' if load_balance else ''}the context axis size {c}"
-                     f"{', two chunks per shard' if load_balance else ''}).")
+    raise ValueError(
+      f"The length ({t}) must be a multiple of {parts} ("
+      f"{'2 * ' if load_balance else ''}the context axis size {c}"
+      f"{', two chunks per shard' if load_balance else ''})."
+    )
   if b % batch_shards:
     raise ValueError(f"The batch ({b}) must be a multiple of the batch shards ({batch_shards}).")
   if kh % head_shards:
-    raise ValueError(f"num_kv_heads={kh} must be a multiple of the head shards ({head_shards}) "
-                     "so that every shard holds whole kv groups with the heads that read them.")
+    raise ValueError(
+      f"num_kv_heads={kh} must be a multiple of the head shards ({head_shards}) "
+      "so that every shard holds whole kv groups with the heads that read them."
+    )
   scale = _v.default_scale(scale, d)
   acc = accumulation_dtype(q.dtype)
 
@@ -302,11 +343,27 @@ def context_parallel_attention(
       blocks = rb.xla_blocks(op, scale)
     else:
       blocks = rb.kernel_blocks(
-          kernel, version=1 if op == "diff_v1" else 2, d=d, dv=v_.shape[3], heads=heads,
-          kv_heads=v_.shape[2], segmented=with_seg, scale=scale, block_sizes=block_sizes,
-          interpret=interpret)
-    ring = make_ring(blocks, axis=context_axis, num_shards=c, load_balance=load_balance,
-                     causal=causal, length=tl, heads=heads, interpret=interpret)
+        kernel,
+        version=1 if op == "diff_v1" else 2,
+        d=d,
+        dv=v_.shape[3],
+        heads=heads,
+        kv_heads=v_.shape[2],
+        segmented=with_seg,
+        scale=scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+      )
+    ring = make_ring(
+      blocks,
+      axis=context_axis,
+      num_shards=c,
+      load_balance=load_balance,
+      causal=causal,
+      length=tl,
+      heads=heads,
+      interpret=interpret,
+    )
     return ring(qs, ks, v_, None if lam_BxTxH is None else lam_BxTxH.astype(acc), seg)
 
   per_device = per_device_all_gather if strategy == "all_gather" else per_device_ring

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ class _Unavailable:
     # A missing optional dependency (the Pallas dialect of a backend, libtpu's splash
     # attention) is worth a warning; a stripped-down install without the package is not.
     if not str(error).startswith("No module named 'diffjax"):
-      warnings.warn(f"{name} kernels unavailable: {error}")
+      warnings.warn(f"{name} kernels unavailable: {error}", stacklevel=2)
 
   def __getattr__(self, attr: str) -> None:
     return None
@@ -73,22 +74,22 @@ except ImportError as e:  # pragma: no cover
 # CPU "auto" takes the "xla_cpu" row (plain XLA laid out for CPU caches). This table
 # and the rules below are the only place a GPU backend is chosen.
 BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
-    # op        implementation  platform  function
-    ("mha",     "xla_cpu",      "cpu",    cpu_kernels.mha_xla_cpu),
-    ("diff_v1", "xla_cpu",      "cpu",    cpu_kernels.diff_v1_xla_cpu),
-    ("diff_v2", "xla_cpu",      "cpu",    cpu_kernels.diff_v2_xla_cpu),
-    ("mha",     "stock",        "tpu",    tpu_kernels.mha_stock_tpu),
-    ("diff_v1", "pallas_tpu",   "tpu",    tpu_kernels.diff_v1_pallas_tpu),
-    ("diff_v1", "stock",        "tpu",    tpu_kernels.diff_v1_stock_tpu),
-    ("diff_v2", "pallas_tpu",   "tpu",    tpu_kernels.diff_v2_pallas_tpu),
-    ("diff_v2", "stock",        "tpu",    tpu_kernels.diff_v2_stock_tpu),
-    ("mha",     "stock",        "gpu",    gpu_stock.mha_stock_gpu),
-    ("diff_v1", "pallas_gpu",   "gpu",    gpu_mosaic.diff_v1_pallas_gpu),
-    ("diff_v1", "stock",        "gpu",    gpu_stock.diff_v1_stock_gpu),
-    ("diff_v2", "pallas_gpu",   "gpu",    gpu_mosaic.diff_v2_pallas_gpu),
-    ("diff_v2", "stock",        "gpu",    gpu_stock.diff_v2_stock_gpu),
-    ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
-    ("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
+  # op        implementation  platform  function
+  ("mha", "xla_cpu", "cpu", cpu_kernels.mha_xla_cpu),
+  ("diff_v1", "xla_cpu", "cpu", cpu_kernels.diff_v1_xla_cpu),
+  ("diff_v2", "xla_cpu", "cpu", cpu_kernels.diff_v2_xla_cpu),
+  ("mha", "stock", "tpu", tpu_kernels.mha_stock_tpu),
+  ("diff_v1", "pallas_tpu", "tpu", tpu_kernels.diff_v1_pallas_tpu),
+  ("diff_v1", "stock", "tpu", tpu_kernels.diff_v1_stock_tpu),
+  ("diff_v2", "pallas_tpu", "tpu", tpu_kernels.diff_v2_pallas_tpu),
+  ("diff_v2", "stock", "tpu", tpu_kernels.diff_v2_stock_tpu),
+  ("mha", "stock", "gpu", gpu_stock.mha_stock_gpu),
+  ("diff_v1", "pallas_gpu", "gpu", gpu_mosaic.diff_v1_pallas_gpu),
+  ("diff_v1", "stock", "gpu", gpu_stock.diff_v1_stock_gpu),
+  ("diff_v2", "pallas_gpu", "gpu", gpu_mosaic.diff_v2_pallas_gpu),
+  ("diff_v2", "stock", "gpu", gpu_stock.diff_v2_stock_gpu),
+  ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
+  ("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
 )
 
 
@@ -104,8 +105,9 @@ class _Impl:
 _REGISTRY: dict[tuple[str, str], list[_Impl]] = {}
 
 
-def register_implementation(op: str, implementation: str, fn: Callable[..., Any],
-                            platforms: tuple[str, ...]) -> None:
+def register_implementation(
+  op: str, implementation: str, fn: Callable[..., Any], platforms: tuple[str, ...]
+) -> None:
   """Registers a fast path for ``op`` ("mha", "diff_v1" or "diff_v2").
 
   ``fn`` receives the op's array arguments positionally and the keywords
@@ -116,10 +118,13 @@ def register_implementation(op: str, implementation: str, fn: Callable[..., Any]
   if op not in OPS + DECODE_OPS:
     raise ValueError(f"Unknown op {op!r}; expected one of {OPS + DECODE_OPS}.")
   if implementation not in ("xla_cpu", "pallas_tpu", "pallas_gpu", "stock"):
-    raise ValueError(f"Cannot register implementation {implementation!r}; expected "
-                     "'xla_cpu', 'pallas_tpu', 'pallas_gpu' or 'stock'.")
-  entries = [e for e in _REGISTRY.get((op, implementation), [])
-             if not set(e.platforms) & set(platforms)]
+    raise ValueError(
+      f"Cannot register implementation {implementation!r}; expected "
+      "'xla_cpu', 'pallas_tpu', 'pallas_gpu' or 'stock'."
+    )
+  entries = [
+    e for e in _REGISTRY.get((op, implementation), []) if not set(e.platforms) & set(platforms)
+  ]
   _REGISTRY[(op, implementation)] = entries + [_Impl(fn, tuple(platforms))]
 
 
@@ -150,8 +155,7 @@ HOPPER = (9, 0)
 
 
 @contextlib.contextmanager
-def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None
-                    ) -> Iterator[None]:
+def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None) -> Iterator[None]:
   """Resolves implementations for ``platform`` instead of the host backend.
 
   Used when compiling ahead of time for TPU topologies or GPU targets on a CPU machine,
@@ -211,27 +215,34 @@ def mosaic_gpu_refusal(op: str, arrays, *, segments: bool) -> str | None:
     dtype = _common_dtype(arrays[:5])
   else:
     q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
-    dtype = _common_dtype(arrays[:5 if op == "diff_v1" else 3])
+    dtype = _common_dtype(arrays[: 5 if op == "diff_v1" else 3])
   if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return ("the inputs are not all bfloat16 or all float16 (got "
-            f"{sorted({jnp.dtype(x.dtype).name for x in arrays[:5 if op != 'diff_v2' else 3]})})")
+    return (
+      "the inputs are not all bfloat16 or all float16 (got "
+      f"{sorted({jnp.dtype(x.dtype).name for x in arrays[: 5 if op != 'diff_v2' else 3]})})"
+    )
   d, dv = q.shape[-1], v.shape[-1]
   if decode:
     group = q.shape[2] // max(k.shape[2], 1)
     if d % 16 or dv % 16 or group > gpu_mosaic_decode.ROWS:
-      return (f"head dims ({d}, {dv}) must be multiples of 16 and at most "
-              f"{gpu_mosaic_decode.ROWS} query heads may share a kv group (got {group})")
+      return (
+        f"head dims ({d}, {dv}) must be multiples of 16 and at most "
+        f"{gpu_mosaic_decode.ROWS} query heads may share a kv group (got {group})"
+      )
   elif not gpu_mosaic_tiles.fits(op[-2:], dtype, d, dv, segments):
-    return (f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
-            "tiles fit one CTA's shared memory")
+    return (
+      f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
+      "tiles fit one CTA's shared memory"
+    )
   capability = gpu_capability()
   if capability != HOPPER:
     return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
   return None
 
 
-def mosaic_gpu_takes(op: str, arrays, *, segments: bool, block_sizes=None,
-                     interpret: bool = False) -> bool:
+def mosaic_gpu_takes(
+  op: str, arrays, *, segments: bool, block_sizes=None, interpret: bool = False
+) -> bool:
   """Whether ``pallas_gpu`` runs on these arrays of ``op`` ("diff_v1"/"diff_v2"); False
   off a GPU platform (where "auto" does not ask), True in interpret mode for inputs the
   kernels take wherever they would run."""
@@ -279,8 +290,15 @@ def _fallback(op: str, platform: str) -> str:
   return "stock" if lookup(op, "stock", platform, False) is not None else "xla"
 
 
-def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
-            float64: bool = False, mosaic: bool = False) -> str:
+def resolve(
+  op: str,
+  implementation: str,
+  *,
+  has_mask: bool,
+  interpret: bool,
+  float64: bool = False,
+  mosaic: bool = False,
+) -> str:
   """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
   "stock".
 
@@ -296,8 +314,11 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
   if implementation == "xla":
     return "xla"
   platform = current_platform()
-  if ((op, platform) in _DEMOTED and not interpret
-      and implementation in ("auto", "pallas", f"pallas_{platform}", "xla_cpu")):
+  if (
+    (op, platform) in _DEMOTED
+    and not interpret
+    and implementation in ("auto", "pallas", f"pallas_{platform}", "xla_cpu")
+  ):
     return "xla" if (has_mask or float64) else _fallback(op, platform)
   if implementation == "auto":
     if has_mask or float64:
@@ -306,50 +327,74 @@ def resolve(op: str, implementation: str, *, has_mask: bool, interpret: bool,
       return "xla_cpu" if lookup(op, "xla_cpu", platform, False) is not None else "xla"
     if platform not in ("tpu", "gpu"):
       return "xla"
-    if (lookup(op, f"pallas_{platform}", platform, False) is not None
-        and (platform == "tpu" or mosaic)):
+    if lookup(op, f"pallas_{platform}", platform, False) is not None and (
+      platform == "tpu" or mosaic
+    ):
       return f"pallas_{platform}"
     # The baseline has no kernel of ours: its stock path is the standard flash kernel.
     # On a GPU, inputs the Mosaic GPU kernels do not take (float32, widths they do not
     # tile, a GPU other than a Hopper) run the DIFF ops' stock paths (cuDNN flash
     # attention calls), and decoding runs XLA.
-    if ((op == "mha" or platform == "gpu")
-        and lookup(op, "stock", platform, False) is not None):
+    if (op == "mha" or platform == "gpu") and lookup(op, "stock", platform, False) is not None:
       return "stock"
     return "xla"
   if implementation == "pallas":
     if platform not in ("tpu", "gpu"):
       raise ValueError(
-          f"implementation='pallas' picks the kernel of the current backend, but the backend "
-          f"is {platform!r}. Use implementation='pallas_tpu' or 'pallas_gpu' with "
-          "interpret=True to run a kernel in the interpreter here, or 'xla'.")
+        f"implementation='pallas' picks the kernel of the current backend, but the backend "
+        f"is {platform!r}. Use implementation='pallas_tpu' or 'pallas_gpu' with "
+        "interpret=True to run a kernel in the interpreter here, or 'xla'."
+      )
     implementation = f"pallas_{platform}"
   if (op, implementation) not in _REGISTRY:
     raise ValueError(f"No {implementation!r} implementation of {op!r} is available.")
   if has_mask:
-    raise ValueError(f"implementation={implementation!r} supports causal and segment-id masks "
-                     "only; pass mask=None or use implementation='xla'.")
+    raise ValueError(
+      f"implementation={implementation!r} supports causal and segment-id masks "
+      "only; pass mask=None or use implementation='xla'."
+    )
   if float64:
-    raise ValueError(f"implementation={implementation!r} computes in float32; float64 inputs "
-                     "need implementation='xla' (or 'auto', which picks it).")
+    raise ValueError(
+      f"implementation={implementation!r} computes in float32; float64 inputs "
+      "need implementation='xla' (or 'auto', which picks it)."
+    )
   if lookup(op, implementation, platform, interpret) is None:
     where = sorted({p for e in _REGISTRY[(op, implementation)] for p in e.platforms})
     raise ValueError(
-        f"implementation={implementation!r} for {op!r} runs on {where}, but the "
-        f"current backend is {platform!r}. Use 'xla'"
-        + (", or interpret=True to run the kernel in the Pallas interpreter." if
-           implementation != "stock" else "."))
-  if (implementation == "pallas_gpu" and platform == "gpu" and not interpret
-      and gpu_capability() != HOPPER):
+      f"implementation={implementation!r} for {op!r} runs on {where}, but the "
+      f"current backend is {platform!r}. Use 'xla'"
+      + (
+        ", or interpret=True to run the kernel in the Pallas interpreter."
+        if implementation != "stock"
+        else "."
+      )
+    )
+  if (
+    implementation == "pallas_gpu"
+    and platform == "gpu"
+    and not interpret
+    and gpu_capability() != HOPPER
+  ):
     major, minor = gpu_capability()
-    raise ValueError(f"implementation='pallas_gpu' runs Mosaic GPU kernels for Hopper "
-                     f"(sm_90); this GPU is sm_{major}{minor}. Use implementation='auto' "
-                     "or 'stock' (cuDNN flash attention calls).")
+    raise ValueError(
+      f"implementation='pallas_gpu' runs Mosaic GPU kernels for Hopper "
+      f"(sm_90); this GPU is sm_{major}{minor}. Use implementation='auto' "
+      "or 'stock' (cuDNN flash attention calls)."
+    )
   return implementation
 
 
-def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, causal: bool,
-                segment_ids, scale: float | None, block_sizes, interpret: bool) -> jax.Array:
+def call_kernel(
+  op: str,
+  implementation: str,
+  arrays: tuple[jax.Array, ...],
+  *,
+  causal: bool,
+  segment_ids,
+  scale: float | None,
+  block_sizes,
+  interpret: bool,
+) -> jax.Array:
   """Runs the registered ``implementation`` of ``op`` on ``arrays`` (resolved already).
 
   Under :func:`diffjax.sharding.activation_sharding` the kernel runs per device
@@ -361,8 +406,9 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
   s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
   q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
   d = jnp.shape(arrays[0])[-1]
-  kwargs = dict(causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes,
-                interpret=interpret)
+  kwargs = dict(
+    causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes, interpret=interpret
+  )
   active = sharding.current()
   if active is None:
     return impl.fn(*arrays, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
@@ -370,8 +416,7 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("heads",), rules)[0]
   has_seg = q_seg is not None
-  in_specs, out_spec = sharding.partition_specs(op, batch_axis, head_axis,
-                                                segment_ids=has_seg)
+  in_specs, out_spec = sharding.partition_specs(op, batch_axis, head_axis, segment_ids=has_seg)
 
   def per_device(*args):
     if has_seg:
@@ -381,12 +426,20 @@ def call_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *, 
     return impl.fn(*xs, q_segment_ids=qs, kv_segment_ids=ks, **kwargs)
 
   args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
-  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                       check_vma=False)(*args)
+  return jax.shard_map(
+    per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
+  )(*args)
 
 
-def call_decode_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ...], *,
-                       scale: float | None, block_sizes, interpret: bool) -> jax.Array:
+def call_decode_kernel(
+  op: str,
+  implementation: str,
+  arrays: tuple[jax.Array, ...],
+  *,
+  scale: float | None,
+  block_sizes,
+  interpret: bool,
+) -> jax.Array:
   """Runs the registered ``implementation`` of a decode op (resolved already).
 
   ``arrays`` are the op's arrays with the int [B] cache lengths last. Under
@@ -394,8 +447,11 @@ def call_decode_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ..
   ``jax.shard_map``: batch rows over the batch axes, whole kv groups over ``tensor``.
   """
   impl = lookup(op, implementation, current_platform(), interpret)
-  kwargs = dict(scale=_v.default_scale(scale, jnp.shape(arrays[0])[-1]),
-                block_sizes=block_sizes, interpret=interpret)
+  kwargs = dict(
+    scale=_v.default_scale(scale, jnp.shape(arrays[0])[-1]),
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   active = sharding.current()
   if active is None:
     return impl.fn(*arrays, **kwargs)
@@ -405,5 +461,10 @@ def call_decode_kernel(op: str, implementation: str, arrays: tuple[jax.Array, ..
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("heads",), rules)[0]
   in_specs, out_spec = sharding.decode_partition_specs(batch_axis, head_axis)
-  return jax.shard_map(lambda *a: impl.fn(*a, **kwargs), mesh=mesh, in_specs=in_specs,
-                       out_specs=out_spec, check_vma=False)(*arrays)
+  return jax.shard_map(
+    lambda *a: impl.fn(*a, **kwargs),
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_spec,
+    check_vma=False,
+  )(*arrays)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,11 @@ from diffjax.ops import dispatch
 PLATFORMS = ("gpu", "tpu")
 FUSED = ("pallas_tpu", "pallas_gpu")
 # Relative error (max |kernel - xla| / max |xla|, output and every gradient) allowed.
-TOLERANCE = {jnp.dtype(jnp.float32): 1e-3, jnp.dtype(jnp.bfloat16): 5e-2,
-             jnp.dtype(jnp.float16): 1e-2}
+TOLERANCE = {
+  jnp.dtype(jnp.float32): 1e-3,
+  jnp.dtype(jnp.bfloat16): 5e-2,
+  jnp.dtype(jnp.float16): 1e-2,
+}
 _SEQ = 256  # queries and keys of the check: four 64-row blocks, causal
 # What this process has checked already: (platform, op, dtype, head dim, group, impl).
 _DONE: dict[tuple, Check | None] = {}
@@ -42,6 +45,7 @@ _DONE: dict[tuple, Check | None] = {}
 @dataclasses.dataclass(frozen=True)
 class Check:
   """One kernel's preflight: ``ok``, or the ``reason`` it was switched to ``fallback``."""
+
   op: str
   implementation: str
   device: str
@@ -53,10 +57,14 @@ class Check:
 
   def line(self) -> str:
     if self.ok:
-      return (f"preflight: {self.op} ({self.implementation}) on {self.device}: ok "
-              f"(max relative error {self.error:.1e}, {self.seconds:.1f} s)")
-    return (f"preflight: {self.op} ({self.implementation}) on {self.device} failed: "
-            f"{self.reason}; {self.op} runs on the {self.fallback} path from here on.")
+      return (
+        f"preflight: {self.op} ({self.implementation}) on {self.device}: ok "
+        f"(max relative error {self.error:.1e}, {self.seconds:.1f} s)"
+      )
+    return (
+      f"preflight: {self.op} ({self.implementation}) on {self.device} failed: "
+      f"{self.reason}; {self.op} runs on the {self.fallback} path from here on."
+    )
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -79,19 +87,34 @@ def _inputs(op: str, dtype, d: int, group: int):
     arrays = (n(0, (b, t, h, d)), n(1, (b, t, kh, d)), n(2, (b, t, kh, d)))
     fn = lambda impl, *a: attn.dot_product_attention(*a, implementation=impl)
   elif op == "diff_v1":
-    arrays = (n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, t, kh, d)),
-              n(3, (b, t, kh, d)), n(4, (b, t, kh, 2 * d)),
-              jnp.linspace(0.2, 0.8, h).astype(jnp.float32))
+    arrays = (
+      n(0, (b, t, h, d)),
+      n(1, (b, t, h, d)),
+      n(2, (b, t, kh, d)),
+      n(3, (b, t, kh, d)),
+      n(4, (b, t, kh, 2 * d)),
+      jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
+    )
     fn = lambda impl, *a: attn.diff_v1_attention_core(*a, implementation=impl)
   elif op == "diff_v2":
-    arrays = (n(0, (b, t, 2 * h, d)), n(1, (b, t, kh, d)), n(2, (b, t, kh, d)),
-              jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))))
+    arrays = (
+      n(0, (b, t, 2 * h, d)),
+      n(1, (b, t, kh, d)),
+      n(2, (b, t, kh, d)),
+      jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
+    )
     fn = lambda impl, *a: attn.diff_v2_attention(*a, implementation=impl)
   elif op == "diff_v1_decode":
     s = _SEQ
-    arrays = (n(0, (b, 1, h, d)), n(1, (b, 1, h, d)), n(2, (b, s, kh, d)),
-              n(3, (b, s, kh, d)), n(4, (b, s, kh, 2 * d)),
-              jnp.linspace(0.2, 0.8, h).astype(jnp.float32), jnp.array([s - 7], jnp.int32))
+    arrays = (
+      n(0, (b, 1, h, d)),
+      n(1, (b, 1, h, d)),
+      n(2, (b, s, kh, d)),
+      n(3, (b, s, kh, d)),
+      n(4, (b, s, kh, 2 * d)),
+      jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
+      jnp.array([s - 7], jnp.int32),
+    )
     fn = lambda impl, *a: attn.diff_v1_attention_decode(*a, implementation=impl)
     return arrays, fn, False
   else:
@@ -107,11 +130,13 @@ def _run(fn, impl: str, arrays, differentiable: bool):
   def loss_and_grads(*a):
     out, vjp = jax.vjp(lambda *x: fn(impl, *x), *a)
     return (out, *vjp(jnp.ones_like(out)))
+
   return jax.jit(loss_and_grads)(*arrays)
 
 
-def check_op(op: str, *, dtype, head_dim: int, group: int = 1,
-             implementation: str = "auto") -> Check | None:
+def check_op(
+  op: str, *, dtype, head_dim: int, group: int = 1, implementation: str = "auto"
+) -> Check | None:
   """Runs the fused kernel ``op`` resolves to against XLA; None when none is chosen."""
   dtype = jnp.dtype(dtype)
   arrays, fn, differentiable = _inputs(op, dtype, head_dim, group)
@@ -120,8 +145,7 @@ def check_op(op: str, *, dtype, head_dim: int, group: int = 1,
   else:
     mosaic = dispatch.mosaic_gpu_takes(op, arrays, segments=False)
   try:
-    impl = dispatch.resolve(op, implementation, has_mask=False, interpret=False,
-                            mosaic=mosaic)
+    impl = dispatch.resolve(op, implementation, has_mask=False, interpret=False, mosaic=mosaic)
   except ValueError:
     return None  # the run itself reports a choice that cannot run here
   if impl not in FUSED:
@@ -139,8 +163,9 @@ def check_op(op: str, *, dtype, head_dim: int, group: int = 1,
     if not err <= tol:
       worst = int(np.argmax(errs))
       name = "the output" if worst == 0 else f"gradient {worst} of {len(errs) - 1}"
-      reason = (f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} "
-                f"tolerance is {tol:g})")
+      reason = (
+        f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} tolerance is {tol:g})"
+      )
   except Exception as e:  # pylint: disable=broad-except  (any failure demotes the kernel)
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     reason = f"{type(e).__name__}: {first[:200]}"
@@ -151,9 +176,14 @@ def check_op(op: str, *, dtype, head_dim: int, group: int = 1,
   return Check(op, impl, where, False, seconds, reason=reason, fallback=fallback, error=err)
 
 
-def preflight_model(model_cfg, *, decode: bool = False, enabled: bool = True,
-                    log: Callable[[str], None] | None = print,
-                    platforms: tuple[str, ...] | None = None) -> list[Check]:
+def preflight_model(
+  model_cfg,
+  *,
+  decode: bool = False,
+  enabled: bool = True,
+  log: Callable[[str], None] | None = print,
+  platforms: tuple[str, ...] | None = None,
+) -> list[Check]:
   """Preflights the fused kernels of ``model_cfg``'s attention (and decoding).
 
   ``model_cfg``: a :class:`diffjax.model.ModelConfig` (its ``attention``, ``dtype``,
@@ -172,13 +202,23 @@ def preflight_model(model_cfg, *, decode: bool = False, enabled: bool = True,
   ops = [op] + (["diff_v1_decode"] if decode and op == "diff_v1" else [])
   checks = []
   for name in ops:
-    key = (dispatch.current_platform(), name, jnp.dtype(model_cfg.compute_dtype).name,
-           model_cfg.head_dim, min(group, 4), model_cfg.implementation)
+    key = (
+      dispatch.current_platform(),
+      name,
+      jnp.dtype(model_cfg.compute_dtype).name,
+      model_cfg.head_dim,
+      min(group, 4),
+      model_cfg.implementation,
+    )
     fresh = key not in _DONE
     if fresh:
-      _DONE[key] = check_op(name, dtype=model_cfg.compute_dtype,
-                            head_dim=model_cfg.head_dim, group=min(group, 4),
-                            implementation=model_cfg.implementation)
+      _DONE[key] = check_op(
+        name,
+        dtype=model_cfg.compute_dtype,
+        head_dim=model_cfg.head_dim,
+        group=min(group, 4),
+        implementation=model_cfg.implementation,
+      )
     result = _DONE[key]
     if result is None:
       continue

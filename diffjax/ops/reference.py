@@ -5,20 +5,27 @@ The code lives in :mod:`diffjax.core.reference`, below both the ops and the kern
 """
 
 from diffjax.core.reference import (
-    attention_probs,
-    build_mask,
-    diff_v1_lambda,
-    diff_v1_reference,
-    diff_v2_reference,
-    lambda_init_for_layer,
-    masked_softmax,
-    merge_partials,
-    mha_reference,
-    rms_norm,
+  attention_probs,
+  build_mask,
+  diff_v1_lambda,
+  diff_v1_reference,
+  diff_v2_reference,
+  lambda_init_for_layer,
+  masked_softmax,
+  merge_partials,
+  mha_reference,
+  rms_norm,
 )
 
 __all__ = [
-    "attention_probs", "build_mask", "diff_v1_lambda", "diff_v1_reference",
-    "diff_v2_reference", "lambda_init_for_layer", "masked_softmax", "merge_partials", "mha_reference",
-    "rms_norm",
+  "attention_probs",
+  "build_mask",
+  "diff_v1_lambda",
+  "diff_v1_reference",
+  "diff_v2_reference",
+  "lambda_init_for_layer",
+  "masked_softmax",
+  "merge_partials",
+  "mha_reference",
+  "rms_norm",
 ]

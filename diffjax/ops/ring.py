@@ -43,7 +43,8 @@ step. ``d lam = -rowsum(dO * O_2)`` needs no block.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,7 @@ class BlockFunctions:
     head_major: the layout above.
     interpreter_barrier: in interpret mode every device must call at every step.
   """
+
   config: Callable[[int, int, bool], Any]
   forward: Callable[..., tuple]
   backward: Callable[..., tuple]
@@ -149,8 +151,17 @@ def _around_the_ring(step, block, carry, axis: str, num_shards: int, lagging: in
   return step(num_shards - 1, block, carry)
 
 
-def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balance: bool,
-              causal: bool, length: int, heads: int, interpret=False):
+def make_ring(
+  blocks: BlockFunctions,
+  *,
+  axis: str,
+  num_shards: int,
+  load_balance: bool,
+  causal: bool,
+  length: int,
+  heads: int,
+  interpret=False,
+):
   """The ring attention of one device, a ``custom_vjp`` function.
 
   ``ring(qs, ks, v, lam, seg)`` on the device's local token-major arrays (the op's
@@ -187,8 +198,9 @@ def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balanc
     if earlier is later:
       return part(earlier, block)
     src = jnp.mod(me - step_index, num_shards)
-    return jax.lax.cond(src < me, lambda blk: part(earlier, blk),
-                        lambda blk: part(later, blk), block)
+    return jax.lax.cond(
+      src < me, lambda blk: part(earlier, blk), lambda blk: part(later, blk), block
+    )
 
   def local(qs, lam):
     acc = accumulation_dtype(qs[0].dtype)
@@ -198,9 +210,15 @@ def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balanc
   def block_args(case, qs_k, lam_BxHxT, seg, block):
     q_rows, k_rows, plan = case
     ks_blk, v_blk, seg_blk = block[:3]
-    return (plan, tuple(_rows(q, ax, q_rows) for q in qs_k),
-            tuple(_rows(k, ax, k_rows) for k in ks_blk), _rows(v_blk, ax, k_rows),
-            _rows(lam_BxHxT, 2, q_rows), _rows(seg, 1, q_rows), _rows(seg_blk, 1, k_rows))
+    return (
+      plan,
+      tuple(_rows(q, ax, q_rows) for q in qs_k),
+      tuple(_rows(k, ax, k_rows) for k in ks_blk),
+      _rows(v_blk, ax, k_rows),
+      _rows(lam_BxHxT, 2, q_rows),
+      _rows(seg, 1, q_rows),
+      _rows(seg_blk, 1, k_rows),
+    )
 
   def forward(qs, ks, v, lam, seg):
     me = jax.lax.axis_index(axis)
@@ -212,15 +230,21 @@ def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balanc
       if case is None:
         if skip_calls_a_block:  # the interpreter's device barrier: call, keep nothing
           outs, lse = part(earlier, block)
-          return (tuple(jnp.where(jnp.isnan(o), 0.0, 0.0) for o in outs),
-                  jnp.where(jnp.isnan(lse), _EMPTY, _EMPTY))
-        return (tuple(jnp.zeros(o_shape, acc) for _ in range(maps)),
-                jnp.full((b, h, maps, t), _EMPTY, acc))
+          return (
+            tuple(jnp.where(jnp.isnan(o), 0.0, 0.0) for o in outs),
+            jnp.where(jnp.isnan(lse), _EMPTY, _EMPTY),
+          )
+        return (
+          tuple(jnp.zeros(o_shape, acc) for _ in range(maps)),
+          jnp.full((b, h, maps, t), _EMPTY, acc),
+        )
       *outs, lse = blocks.forward(*block_args(case, qs_k, lam_BxHxT, seg, block))
       q_rows = case[0]
       lse = jnp.where(jnp.isinf(lse), _EMPTY, lse.astype(acc))
-      return (tuple(_pad_rows(o.astype(acc), ax, q_rows, t) for o in outs),
-              _pad_rows(lse, 3, q_rows, t, _EMPTY))
+      return (
+        tuple(_pad_rows(o.astype(acc), ax, q_rows, t) for o in outs),
+        _pad_rows(lse, 3, q_rows, t, _EMPTY),
+      )
 
     def merge(a, b_):
       (outs_a, lse_a), (outs_b, lse_b) = a, b_
@@ -228,8 +252,10 @@ def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balanc
       wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
       total = wa + wb
       col = lambda x, i: blocks.per_row(x[:, :, i])
-      outs = tuple((oa * col(wa, i) + ob * col(wb, i)) / col(total, i)
-                   for i, (oa, ob) in enumerate(zip(outs_a, outs_b)))
+      outs = tuple(
+        (oa * col(wa, i) + ob * col(wb, i)) / col(total, i)
+        for i, (oa, ob) in enumerate(zip(outs_a, outs_b))
+      )
       return outs, m + jnp.log(total)
 
     def step(i, block, stats):
@@ -255,17 +281,25 @@ def make_ring(blocks: BlockFunctions, *, axis: str, num_shards: int, load_balanc
       ks_blk, v_blk = block[:2]
       if case is None:
         if skip_calls_a_block:  # the interpreter's device barrier: call, keep nothing
-          return jax.tree.map(lambda x: jnp.where(jnp.isnan(x), 0.0, 0.0),
-                              part(earlier, block))
-        return (tuple(jnp.zeros(q.shape, acc) for q in qs_k),
-                tuple(jnp.zeros(k.shape, acc) for k in ks_blk), jnp.zeros(v_blk.shape, acc))
+          return jax.tree.map(lambda x: jnp.where(jnp.isnan(x), 0.0, 0.0), part(earlier, block))
+        return (
+          tuple(jnp.zeros(q.shape, acc) for q in qs_k),
+          tuple(jnp.zeros(k.shape, acc) for k in ks_blk),
+          jnp.zeros(v_blk.shape, acc),
+        )
       q_rows, k_rows = case[:2]
       dqs, dks, dv = blocks.backward(
-          *block_args(case, qs_k, lam_BxHxT, seg, block), _rows(d_out, ax, q_rows),
-          _rows(lse, 3, q_rows), *(_rows(dl, 2, q_rows) for dl in deltas))
+        *block_args(case, qs_k, lam_BxHxT, seg, block),
+        _rows(d_out, ax, q_rows),
+        _rows(lse, 3, q_rows),
+        *(_rows(dl, 2, q_rows) for dl in deltas),
+      )
       up = lambda x, rows: _pad_rows(x.astype(acc), ax, rows, t)
-      return (tuple(up(dq, q_rows) for dq in dqs), tuple(up(dk, k_rows) for dk in dks),
-              up(dv, k_rows))
+      return (
+        tuple(up(dq, q_rows) for dq in dqs),
+        tuple(up(dk, k_rows) for dk in dks),
+        up(dv, k_rows),
+      )
 
     add = lambda a, b_: jax.tree.map(jnp.add, a, b_)
 

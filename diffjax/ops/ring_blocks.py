@@ -39,6 +39,7 @@ _KEY_OF_MAP = {"mha": (0,), "diff_v1": (0, 1), "diff_v2": (0, 0)}
 # ------------------------------------------------------------------------------------------
 # XLA blocks.
 
+
 @dataclasses.dataclass(frozen=True)
 class _XlaPlan:
   op: str
@@ -111,8 +112,9 @@ def _xla_forward(plan: _XlaPlan, qs, ks, v, lam, q_seg, kv_seg):
   return (*outs, jnp.stack(lses, axis=2))
 
 
-def _xla_backward(plan: _XlaPlan, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHxMxT,
-                  *deltas_BxHxT):
+def _xla_backward(
+  plan: _XlaPlan, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHxMxT, *deltas_BxHxT
+):
   acc = accumulation_dtype(qs[0].dtype)
   kh = v.shape[2]
   mask = _mask(plan, q_seg, kv_seg)
@@ -136,14 +138,11 @@ def _xla_backward(plan: _XlaPlan, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, ls
       p = -per_group(lam_BxHxT) * p
       ds = -per_group(lam_BxHxT) * ds
     ds = ds.astype(k.dtype)
-    dqs.append(jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=acc)
-               .reshape(q.shape))
-    dks[kidx] = dks[kidx] + jnp.einsum("bkgts,btkgd->bskd", ds, q_g,
-                                       preferred_element_type=acc)
+    dqs.append(jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=acc).reshape(q.shape))
+    dks[kidx] = dks[kidx] + jnp.einsum("bkgts,btkgd->bskd", ds, q_g, preferred_element_type=acc)
     p_combined = p if p_combined is None else p_combined + p
   # dV = (P_1 - lam P_2)^T dO: one matmul on the combined probabilities.
-  dv = jnp.einsum("bkgts,btkgd->bskd", p_combined.astype(v.dtype), do_g,
-                  preferred_element_type=acc)
+  dv = jnp.einsum("bkgts,btkgd->bskd", p_combined.astype(v.dtype), do_g, preferred_element_type=acc)
   if plan.op == "diff_v2":
     dqs = [jnp.stack(dqs, axis=3).reshape(qs[0].shape)]
   return tuple(dqs), tuple(dks), dv
@@ -152,12 +151,16 @@ def _xla_backward(plan: _XlaPlan, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, ls
 def xla_blocks(op: str, scale: float) -> BlockFunctions:
   """The XLA blocks of ``op`` ("mha", "diff_v1" or "diff_v2"), token-major."""
   return BlockFunctions(
-      config=lambda t, s, causal: _XlaPlan(op, t, s, bool(causal), float(scale)),
-      forward=_xla_forward, backward=_xla_backward, maps=len(_KEY_OF_MAP[op]))
+    config=lambda t, s, causal: _XlaPlan(op, t, s, bool(causal), float(scale)),
+    forward=_xla_forward,
+    backward=_xla_backward,
+    maps=len(_KEY_OF_MAP[op]),
+  )
 
 
 # ------------------------------------------------------------------------------------------
 # Kernel blocks.
+
 
 def registered_ring_blocks(op: str, implementation: str) -> Any | None:
   """The ``ring_blocks`` of the kernel the dispatch table registers for ``op`` and
@@ -167,19 +170,43 @@ def registered_ring_blocks(op: str, implementation: str) -> Any | None:
   return None if impl is None else getattr(impl.fn, "ring_blocks", None)
 
 
-def kernel_blocks(ring_blocks: Any, *, version: int, d: int, dv: int, heads: int,
-                  kv_heads: int, segmented: bool, scale: float, block_sizes=None,
-                  interpret=False) -> BlockFunctions:
+def kernel_blocks(
+  ring_blocks: Any,
+  *,
+  version: int,
+  d: int,
+  dv: int,
+  heads: int,
+  kv_heads: int,
+  segmented: bool,
+  scale: float,
+  block_sizes=None,
+  interpret=False,
+) -> BlockFunctions:
   """A kernel's per-block functions (``ring_blocks``, see the module docstring) for DIFF
   V1 (``version=1``) or V2 (``version=2``) blocks of ``heads`` DIFF heads (V2: pairs)."""
 
   def config(t, s, causal):
     return ring_blocks.block_config(
-        version=version, t=t, s=s, d=d, dv=dv, heads=heads, kv_heads=kv_heads,
-        causal=causal, segmented=segmented, scale=scale, block_sizes=block_sizes,
-        interpret=interpret)
+      version=version,
+      t=t,
+      s=s,
+      d=d,
+      dv=dv,
+      heads=heads,
+      kv_heads=kv_heads,
+      causal=causal,
+      segmented=segmented,
+      scale=scale,
+      block_sizes=block_sizes,
+      interpret=interpret,
+    )
 
   return BlockFunctions(
-      config=config, forward=ring_blocks.block_forward, backward=ring_blocks.block_backward,
-      maps=2, head_major=bool(getattr(ring_blocks, "HEAD_MAJOR", False)),
-      interpreter_barrier=bool(getattr(ring_blocks, "INTERPRETER_BARRIER", False)))
+    config=config,
+    forward=ring_blocks.block_forward,
+    backward=ring_blocks.block_backward,
+    maps=2,
+    head_major=bool(getattr(ring_blocks, "HEAD_MAJOR", False)),
+    interpreter_barrier=bool(getattr(ring_blocks, "INTERPRETER_BARRIER", False)),
+  )

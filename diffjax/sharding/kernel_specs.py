@@ -34,15 +34,17 @@ def _segments(batch_axis: AxisName, segment_ids: bool) -> tuple[P, ...]:
   return (P(batch_axis, None), P(batch_axis, None)) if segment_ids else ()
 
 
-def mha_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model", *,
-                        segment_ids: bool = False) -> Specs:
+def mha_partition_specs(
+  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+) -> Specs:
   """Specs for a baseline kernel ``(q, k, v[, q_seg, kv_seg])``."""
   x = _heads(batch_axis, head_axis)
   return (x, x, x, *_segments(batch_axis, segment_ids)), x
 
 
-def diff_v1_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model", *,
-                            segment_ids: bool = False) -> Specs:
+def diff_v1_partition_specs(
+  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+) -> Specs:
   """Specs for a DIFF V1 kernel ``(q1, q2, k1, k2, v, lam_H[, q_seg, kv_seg])``.
 
   Args:
@@ -56,8 +58,9 @@ def diff_v1_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName =
   return (x, x, x, x, x, P(head_axis), *_segments(batch_axis, segment_ids)), x
 
 
-def diff_v2_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model", *,
-                            segment_ids: bool = False) -> Specs:
+def diff_v2_partition_specs(
+  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+) -> Specs:
   """Specs for a DIFF V2 kernel ``(q, k, v, lam[, q_seg, kv_seg])``.
 
   The 2H query heads split into contiguous blocks of whole pairs; lambda [B, T, H]
@@ -68,8 +71,7 @@ def diff_v2_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName =
   return (x, x, x, lam_BxTxH, *_segments(batch_axis, segment_ids)), x
 
 
-def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model"
-                           ) -> Specs:
+def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model") -> Specs:
   """Specs for DIFF V1 decoding ``(q1, q2, k1, k2, v, lam_H, kv_len_B)``.
 
   The head axis size must divide K.
@@ -78,12 +80,16 @@ def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = 
   return (x, x, x, x, x, P(head_axis), P(batch_axis)), x
 
 
-_BY_OP = {"mha": mha_partition_specs, "diff_v1": diff_v1_partition_specs,
-          "diff_v2": diff_v2_partition_specs}
+_BY_OP = {
+  "mha": mha_partition_specs,
+  "diff_v1": diff_v1_partition_specs,
+  "diff_v2": diff_v2_partition_specs,
+}
 
 
-def partition_specs(op: str, batch_axis: AxisName, head_axis: AxisName, *,
-                    segment_ids: bool = False) -> Specs:
+def partition_specs(
+  op: str, batch_axis: AxisName, head_axis: AxisName, *, segment_ids: bool = False
+) -> Specs:
   """The specs of ``op`` ("mha", "diff_v1" or "diff_v2")."""
   if op not in _BY_OP:
     raise ValueError(f"Unknown op {op!r}; expected one of {tuple(_BY_OP)}.")
@@ -93,5 +99,7 @@ def partition_specs(op: str, batch_axis: AxisName, head_axis: AxisName, *,
 def check_head_sharding(num_kv_heads: int, head_shards: int) -> None:
   """Raises if ``head_shards`` would split a kv group away from its query heads."""
   if head_shards <= 0 or num_kv_heads % head_shards:
-    raise ValueError(f"{num_kv_heads=} must be a multiple of {head_shards=} so that every "
-                     "shard holds whole kv groups with the query heads that read them.")
+    raise ValueError(
+      f"{num_kv_heads=} must be a multiple of {head_shards=} so that every "
+      "shard holds whole kv groups with the query heads that read them."
+    )

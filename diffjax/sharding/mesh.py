@@ -9,7 +9,8 @@ meshes whose tensor axis would split them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +28,10 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
   if len(shape) == len(MESH_AXES) - 1:  # (data, fsdp, tensor): no context parallelism
     shape = shape + (1,)
   if len(shape) != len(MESH_AXES):
-    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes "
-                     f"{MESH_AXES} (or {len(MESH_AXES) - 1}, leaving context at 1).")
+    raise ValueError(
+      f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes "
+      f"{MESH_AXES} (or {len(MESH_AXES) - 1}, leaving context at 1)."
+    )
   if shape.count(-1) > 1:
     raise ValueError(f"mesh shape {shape} may contain at most one -1 ('the rest').")
   if any(s == 0 or s < -1 for s in shape):
@@ -36,18 +39,21 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:
     if num_devices % known:
-      raise ValueError(f"mesh shape {shape}: {num_devices} devices are not divisible by the "
-                       f"fixed axes' product {known}.")
+      raise ValueError(
+        f"mesh shape {shape}: {num_devices} devices are not divisible by the "
+        f"fixed axes' product {known}."
+      )
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if int(np.prod(shape)) != num_devices:
-    raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} "
-                     f"devices but {num_devices} are available. Set mesh.shape so the product "
-                     "equals the device count, or use -1 for one axis.")
+    raise ValueError(
+      f"mesh shape {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} "
+      f"devices but {num_devices} are available. Set mesh.shape so the product "
+      "equals the device count, or use -1 for one axis."
+    )
   return shape
 
 
-def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | None = None
-              ) -> Mesh:
+def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
   """A mesh with axes :data:`MESH_AXES` (data, fsdp, tensor, context) over ``devices``
   (default: all of them). A 3-entry ``shape`` leaves the context axis at 1."""
   devices = list(jax.devices()) if devices is None else list(devices)
@@ -59,34 +65,45 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | Non
   return Mesh(arr, MESH_AXES)
 
 
-def validate_mesh_for_model(mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None
-                            ) -> None:
+def validate_mesh_for_model(
+  mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None
+) -> None:
   """Clear errors for meshes that would split heads, kv groups or the batch.
 
   ``model_cfg`` is a :class:`diffjax.model.ModelConfig` (read by field name only).
   """
   t = mesh.shape["tensor"]
-  what = {"transformer": "attention heads", "diff_v1": "DIFF V1 heads (each with both "
-          "components and its 2d value)", "diff_v2": "DIFF V2 pairs"}[model_cfg.attention]
+  what = {
+    "transformer": "attention heads",
+    "diff_v1": "DIFF V1 heads (each with both components and its 2d value)",
+    "diff_v2": "DIFF V2 pairs",
+  }[model_cfg.attention]
   if model_cfg.num_heads % t:
-    raise ValueError(f"The tensor axis ({t}) must divide the {model_cfg.num_heads} "
-                     f"{what}; a shard must hold whole heads. Change mesh.shape.")
+    raise ValueError(
+      f"The tensor axis ({t}) must divide the {model_cfg.num_heads} "
+      f"{what}; a shard must hold whole heads. Change mesh.shape."
+    )
   if model_cfg.num_kv_heads % t:
-    raise ValueError(f"The tensor axis ({t}) must divide num_kv_heads="
-                     f"{model_cfg.num_kv_heads} so each shard holds whole kv groups with the "
-                     "heads that read them. Change mesh.shape.")
+    raise ValueError(
+      f"The tensor axis ({t}) must divide num_kv_heads="
+      f"{model_cfg.num_kv_heads} so each shard holds whole kv groups with the "
+      "heads that read them. Change mesh.shape."
+    )
   for name, size in (("mlp_dim", model_cfg.mlp_dim), ("vocab_size", model_cfg.vocab_size)):
     if size % t:
-      raise ValueError(f"The tensor axis ({t}) must divide {name}={size}. Change mesh.shape "
-                       f"or {name}.")
+      raise ValueError(
+        f"The tensor axis ({t}) must divide {name}={size}. Change mesh.shape or {name}."
+      )
   f = mesh.shape["fsdp"]
   if model_cfg.d_model % f:
     raise ValueError(f"The fsdp axis ({f}) must divide d_model={model_cfg.d_model}.")
   if global_batch_size is not None:
     rows = mesh.shape["data"] * f
     if global_batch_size % rows:
-      raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
-                       f"data*fsdp={rows} (the batch is split over both axes).")
+      raise ValueError(
+        f"global_batch_size={global_batch_size} must be divisible by "
+        f"data*fsdp={rows} (the batch is split over both axes)."
+      )
 
 
 def logical_param_specs(graphdef_state: nnx.State) -> Any:
@@ -102,17 +119,23 @@ def param_shardings(param_state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_R
     names = tuple(spec) if isinstance(spec, PartitionSpec) else ()
     return NamedSharding(mesh, spec_for_mesh(logical_to_spec(names, rules), mesh))
 
-  return jax.tree.map(to_sharding, specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+  return jax.tree.map(
+    to_sharding, specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None
+  )
 
 
-def state_shardings(tx: optax.GradientTransformation, abstract_state: dict, param_shards: dict,
-                    mesh: Mesh) -> dict:
+def state_shardings(
+  tx: optax.GradientTransformation, abstract_state: dict, param_shards: dict, mesh: Mesh
+) -> dict:
   """Shardings of the whole train state: optimizer moments follow their params."""
   replicated = NamedSharding(mesh, PartitionSpec())
   opt = optax.tree_map_params(
-      tx, lambda _, s: s, abstract_state["opt_state"], param_shards,
-      transform_non_params=lambda _: replicated)
+    tx,
+    lambda _, s: s,
+    abstract_state["opt_state"],
+    param_shards,
+    transform_non_params=lambda _: replicated,
+  )
   return {"params": param_shards, "opt_state": opt, "step": replicated, "rng": replicated}
 
 
@@ -141,15 +164,19 @@ def process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tupl
   rows (same slot) and each device takes its part of the sequence from them.
   """
   b = int(global_shape[0])
-  rows = {(s[0].start or 0, b if s[0].stop is None else s[0].stop)
-          for s in sharding.addressable_devices_indices_map(tuple(global_shape)).values()}
+  rows = {
+    (s[0].start or 0, b if s[0].stop is None else s[0].stop)
+    for s in sharding.addressable_devices_indices_map(tuple(global_shape)).values()
+  }
   start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
   size = stop - start
   covered = set()
   for r0, r1 in rows:
     covered.update(range(r0, r1))
   if covered != set(range(start, stop)) or b % size or start % size:
-    raise ValueError(f"This process's devices hold rows {sorted(rows)} of the {b}-row batch, "
-                     "which are not one aligned block; choose a mesh whose batch axes split the "
-                     "processes evenly.")
+    raise ValueError(
+      f"This process's devices hold rows {sorted(rows)} of the {b}-row batch, "
+      "which are not one aligned block; choose a mesh whose batch axes split the "
+      "processes evenly."
+    )
   return start // size, b // size

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,18 +35,18 @@ MESH_AXES = ("data", "fsdp", "tensor", "context")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    # Activations' sequence axis; a context axis of size 1 (the default) leaves it whole.
-    ("length", "context"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("norm", None),
-    # The leading axis of scanned (stacked) layer parameters stays whole.
-    ("layers", None),
+  ("batch", ("data", "fsdp")),
+  # Activations' sequence axis; a context axis of size 1 (the default) leaves it whole.
+  ("length", "context"),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("norm", None),
+  # The leading axis of scanned (stacked) layer parameters stays whole.
+  ("layers", None),
 )
 
 Rules = Sequence[tuple[str, Any]]
@@ -65,8 +66,10 @@ def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None)
     else:
       bad = [axes] if axes is not None and axes not in MESH_AXES else []
     if bad:
-      raise ValueError(f"Sharding rule {name!r} -> {axes!r} names unknown mesh axes {bad}; "
-                       f"the mesh axes are {MESH_AXES}.")
+      raise ValueError(
+        f"Sharding rule {name!r} -> {axes!r} names unknown mesh axes {bad}; "
+        f"the mesh axes are {MESH_AXES}."
+      )
     out.append((name, axes))
   return tuple(out)
 
@@ -125,6 +128,7 @@ class ContextParallel:
       device an equal share of the causal work; the train and eval steps permute their
       batches into it (the loss is a sum over tokens, so it is unchanged).
   """
+
   mesh: jax.sharding.Mesh
   axis: str
   size: int
@@ -133,17 +137,20 @@ class ContextParallel:
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: jax.sharding.Mesh, rules: Rules, *,
-                        context_strategy: str = "ring",
-                        context_load_balance: bool = True) -> Iterator[None]:
+def activation_sharding(
+  mesh: jax.sharding.Mesh,
+  rules: Rules,
+  *,
+  context_strategy: str = "ring",
+  context_load_balance: bool = True,
+) -> Iterator[None]:
   """Within this context (at trace time), :func:`constrain` applies the rules.
 
   ``context_strategy`` and ``context_load_balance`` configure attention when the rules
   shard ``length`` over a mesh axis of size > 1 (see :class:`ContextParallel`).
   """
   if context_strategy not in CONTEXT_STRATEGIES:
-    raise ValueError(f"context_strategy={context_strategy!r} is not one of "
-                     f"{CONTEXT_STRATEGIES}.")
+    raise ValueError(f"context_strategy={context_strategy!r} is not one of {CONTEXT_STRATEGIES}.")
   prev = getattr(_STATE, "value", None), getattr(_STATE, "context", None)
   _STATE.value = (mesh, tuple(rules))
   _STATE.context = (context_strategy, bool(context_load_balance))
@@ -169,8 +176,10 @@ def context_parallel() -> ContextParallel | None:
   if axes is None:
     return None
   if not isinstance(axes, str):
-    raise ValueError(f"The sequence axis 'length' maps to several mesh axes {axes}; context "
-                     "parallelism takes one axis.")
+    raise ValueError(
+      f"The sequence axis 'length' maps to several mesh axes {axes}; context "
+      "parallelism takes one axis."
+    )
   size = int(mesh.shape.get(axes, 1))
   if size == 1:
     return None

@@ -10,7 +10,20 @@ from diffjax.train.steps import init_state, loss_sums, make_eval_step, make_trai
 from diffjax.train.trainer import TrainingError, train_and_evaluate
 
 __all__ = [
-    "CheckpointError", "load_model", "TrainingError", "learning_rate_schedule", "make_optimizer", "init_state",
-    "loss_sums", "make_eval_step", "make_train_step", "train_and_evaluate", "TrainSetup",
-    "build_train_setup", "METRICS_FILE", "read_metrics", "initial_params", "with_mesh_rules",
+  "CheckpointError",
+  "load_model",
+  "TrainingError",
+  "learning_rate_schedule",
+  "make_optimizer",
+  "init_state",
+  "loss_sums",
+  "make_eval_step",
+  "make_train_step",
+  "train_and_evaluate",
+  "TrainSetup",
+  "build_train_setup",
+  "METRICS_FILE",
+  "read_metrics",
+  "initial_params",
+  "with_mesh_rules",
 ]

@@ -26,7 +26,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grain
 import jax
@@ -39,18 +40,34 @@ from diffjax.train import integrity
 from diffjax.train.digest import all_processes_agree, named_leaves
 from diffjax.train.integrity import CheckpointError, CorruptCheckpointError
 
-__all__ = ["CheckpointError", "CorruptCheckpointError", "abstract_like", "check_model_config",
-           "make_manager", "newest_finished_step", "quarantine", "read_meta", "restore", "restore_newest_good",
-           "restore_params", "save"]
+__all__ = [
+  "CheckpointError",
+  "CorruptCheckpointError",
+  "abstract_like",
+  "check_model_config",
+  "make_manager",
+  "newest_finished_step",
+  "quarantine",
+  "read_meta",
+  "restore",
+  "restore_newest_good",
+  "restore_params",
+  "save",
+]
 
 
 def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
-      cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(os.path.abspath(directory) if "://" not in directory
-                               else directory, options=options,
-                               item_names=("state", "data", "meta"))
+    max_to_keep=keep,
+    enable_async_checkpointing=async_save,
+    create=True,
+    cleanup_tmp_directories=True,
+  )
+  return ocp.CheckpointManager(
+    os.path.abspath(directory) if "://" not in directory else directory,
+    options=options,
+    item_names=("state", "data", "meta"),
+  )
 
 
 def newest_finished_step(directory) -> int:
@@ -65,15 +82,24 @@ def newest_finished_step(directory) -> int:
 
 # --- save ----------------------------------------------------------------------------------------
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta: dict,
-         *, force: bool = False) -> bool:
+
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  state: Any,
+  data_iter,
+  meta: dict,
+  *,
+  force: bool = False,
+) -> bool:
   """Saves ``state``, the iterator and ``meta`` (plus their digests) as ``step``.
 
   Raises ``CheckpointError`` without writing anything if a floating leaf of ``state``
   is not finite. Returns what ``manager.save`` returns (whether a save started).
   """
-  record = integrity.make_record(manager.directory, manager.latest_step(), step, state,
-                                 data_iter, meta)
+  record = integrity.make_record(
+    manager.directory, manager.latest_step(), step, state, data_iter, meta
+  )
   args = {"state": ocp.args.StandardSave(state)}
   if data_iter is not None:
     args["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -82,6 +108,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, data_iter, meta:
 
 
 # --- restore -------------------------------------------------------------------------------------
+
 
 def _is_abandoned_read_noise(unraisable) -> bool:
   """Reports left behind by a restore that failed part-way (see ``_quiet_abandoned_reads``)."""
@@ -97,8 +124,9 @@ class _AbandonedTaskFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     text = record.getMessage()
-    abandoned = ("Task exception was never retrieved" in text
-                 or "Task was destroyed but it is pending" in text)
+    abandoned = (
+      "Task exception was never retrieved" in text or "Task was destroyed but it is pending" in text
+    )
     return not (abandoned and f"{os.sep}orbax{os.sep}" in text)
 
 
@@ -171,11 +199,17 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
 def check_model_config(saved: dict, current: dict, directory) -> None:
   """Refuses to resume when the model changed (parameters would not fit). A key the saved
   config lacks (a field added since it was written) counts as that field's default."""
-  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-              if f.default is not dataclasses.MISSING}
+  defaults = {
+    f.name: f.default
+    for f in dataclasses.fields(ModelConfig)
+    if f.default is not dataclasses.MISSING
+  }
   saved = {**{k: v for k, v in defaults.items() if k in current and k not in saved}, **saved}
-  diffs = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-           if saved.get(k) != current.get(k)}
+  diffs = {
+    k: (saved.get(k), current.get(k))
+    for k in sorted(set(saved) | set(current))
+    if saved.get(k) != current.get(k)
+  }
   # Settings that do not change parameters may differ between runs.
   # scan_layers changes the tree's layout only; restore converts it.
   for k in ("implementation", "block_sizes", "interpret", "remat", "dtype", "scan_layers"):
@@ -183,16 +217,18 @@ def check_model_config(saved: dict, current: dict, directory) -> None:
   if diffs:
     desc = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
     raise CheckpointError(
-        f"The model config differs from the checkpoint in {directory}: {desc}. Use a new "
-        "--workdir for a different model, or restore the original settings.")
+      f"The model config differs from the checkpoint in {directory}: {desc}. Use a new "
+      "--workdir for a different model, or restore the original settings."
+    )
 
 
 def _sds_stack(xs: list[Any]) -> jax.ShapeDtypeStruct:
   x = xs[0]
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh,
-                                          jax.sharding.PartitionSpec(None, *sharding.spec))
+    sharding = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)
+    )
   return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
 
 
@@ -200,8 +236,9 @@ def _sds_take(x: Any, i: int) -> jax.ShapeDtypeStruct:
   del i
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh,
-                                          jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    sharding = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:])
+    )
   return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
 
 
@@ -231,8 +268,9 @@ def _saved_layout_target(record: dict, target: Any) -> tuple[Any, Callable[[Any]
   return read, back
 
 
-def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
-                     check_meta: Callable[[dict], None]) -> Any:
+def _restore_checked(
+  manager, step: int, abstract_state: Any, data_iter, check_meta: Callable[[dict], None]
+) -> Any:
   """Restores and verifies one step."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
@@ -241,9 +279,10 @@ def _restore_checked(manager, step: int, abstract_state: Any, data_iter,
   integrity.check_structure(manager.directory, step, record, names, abstract_leaves)
   if data_iter is not None and "data" not in record:
     raise CheckpointError(
-        f"Checkpoint step {step} in {manager.directory} was saved without a data-iterator "
-        "state, so a run cannot continue its data from it; start a new --workdir with "
-        "checkpoint.init_from naming it to take its weights.")
+      f"Checkpoint step {step} in {manager.directory} was saved without a data-iterator "
+      "state, so a run cannot continue its data from it; start a new --workdir with "
+      "checkpoint.init_from naming it to take its weights."
+    )
   args = {"state": ocp.args.StandardRestore(abstract_state)}
   if data_iter is not None:
     args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
@@ -272,9 +311,14 @@ def quarantine(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.
   return dest
 
 
-def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, data_iter, *,
-                        check_meta: Callable[[dict], None],
-                        message: Callable[[str], None]) -> tuple[int | None, Any]:
+def restore_newest_good(
+  manager: ocp.CheckpointManager,
+  abstract_state: Any,
+  data_iter,
+  *,
+  check_meta: Callable[[dict], None],
+  message: Callable[[str], None],
+) -> tuple[int | None, Any]:
   """Restores the newest step that reads and verifies, moving unusable newer ones aside.
 
   ``check_meta(meta)`` runs first for each candidate; a ``CheckpointError`` it raises
@@ -294,7 +338,8 @@ def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, dat
       failure = e
     if not all_processes_agree(failure is None):
       failure = failure or CorruptCheckpointError(
-          manager.directory, step, "unreadable", "another process could not read it")
+        manager.directory, step, "unreadable", "another process could not read it"
+      )
       dest = quarantine(manager, step, failure.reason)
       moved.append(f"step {step} to {dest} ({failure.reason})")
       message(f"{failure}; moved it to {dest} and trying the previous step.")
@@ -302,13 +347,15 @@ def restore_newest_good(manager: ocp.CheckpointManager, abstract_state: Any, dat
     return step, state
   if moved:
     raise CheckpointError(
-        f"No usable checkpoint in {manager.directory}: moved {', '.join(moved)}. Rerun to "
-        "start from scratch, or move a step back to inspect it.")
+      f"No usable checkpoint in {manager.directory}: moved {', '.join(moved)}. Rerun to "
+      "start from scratch, or move a step back to inspect it."
+    )
   return None, None
 
 
-def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any,
-                   shardings: Any = None) -> Any:
+def restore_params(
+  manager: ocp.CheckpointManager, step: int, params_target: Any, shardings: Any = None
+) -> Any:
   """Restores and verifies only the parameters of a step (for evaluation, or to start a
   run from another run's weights).
 
@@ -320,8 +367,9 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
   if shardings is None:
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: one, params_target)
-  placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                        params_target, shardings)
+  placed = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), params_target, shardings
+  )
   target, to_target_layout = _saved_layout_target(record, {"params": placed})
   params_target = target["params"]
   names, leaves = named_leaves({"params": params_target})
@@ -329,22 +377,30 @@ def restore_params(manager: ocp.CheckpointManager, step: int, params_target: Any
   abstract = params_target
   _quiet_abandoned_reads()
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(
+    restored = manager.restore(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
-            item={"params": abstract},
-            restore_args={"params": jax.tree.map(
-                lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)},
-            partial_restore=True)))
+          item={"params": abstract},
+          restore_args={
+            "params": jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+          },
+          partial_restore=True,
+        )
+      ),
+    )
   except Exception as e:  # orbax and tensorstore raise several types for damaged files
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   params = restored["state"]["params"]
-  integrity.verify(manager.directory, step, record, names, named_leaves({"params": params})[1],
-                   None)
+  integrity.verify(
+    manager.directory, step, record, names, named_leaves({"params": params})[1], None
+  )
   return to_target_layout({"params": params})["params"]
 
 
 def abstract_like(state: Any, shardings: Any = None) -> Any:
   if shardings is None:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state, shardings)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+  )

@@ -14,7 +14,8 @@ import dataclasses
 import glob
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
@@ -35,6 +36,7 @@ Overrides: --config.<key>=<value> sets any key of the config (values are Python 
 @dataclasses.dataclass(frozen=True)
 class Flag:
   """A plain (non-config) flag of a command: ``--name=<value>``."""
+
   name: str
   default: Any
   help: str
@@ -52,19 +54,25 @@ def shipped_configs(pattern: str = "*.py") -> list[tuple[str, str]]:
   return out
 
 
-def help_text(usage: str, summary: str, flags: Sequence[Flag], configs: str = "*.py",
-              subdir: str | None = None) -> str:
+def help_text(
+  usage: str, summary: str, flags: Sequence[Flag], configs: str = "*.py", subdir: str | None = None
+) -> str:
   """The ``--help`` text: usage, summary, flags, the shipped configs and the override grammar."""
   lines = [usage, "", summary.strip(), "", "Flags:"]
   lines.append("  --config=<file>.py[:ARG]  the run's config file")
   for f in flags:
     spelled = f"--{f.name}" if isinstance(f.default, bool) else f"--{f.name}=<value>"
-    lines.append(f"  {spelled}  {f.help}" + (f" [default: {f.default}]"
-                                             if f.default not in (None, "", False) else ""))
+    lines.append(
+      f"  {spelled}  {f.help}"
+      + (f" [default: {f.default}]" if f.default not in (None, "", False) else "")
+    )
   lines += ["", "Configs shipped with diffjax:"]
-  found = [c for c in shipped_configs(configs)
-           if (subdir is None and os.sep + "compare" + os.sep not in c[0])
-           or (subdir is not None and (os.sep + subdir + os.sep) in c[0])]
+  found = [
+    c
+    for c in shipped_configs(configs)
+    if (subdir is None and os.sep + "compare" + os.sep not in c[0])
+    or (subdir is not None and (os.sep + subdir + os.sep) in c[0])
+  ]
   width = max((len(p) for p, _ in found), default=0)
   lines += [f"  {p:<{width}}  {d}" for p, d in found]
   lines += ["", OVERRIDE_HELP.rstrip()]
@@ -75,13 +83,25 @@ def _one_line(e: BaseException) -> str:
   return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
 
 
-DRY_RUN = Flag("dry_run", False, "check the config and print what it resolves to (each run's "
-                                 "model and its parameter counts), then exit; reads no data")
+DRY_RUN = Flag(
+  "dry_run",
+  False,
+  "check the config and print what it resolves to (each run's "
+  "model and its parameter counts), then exit; reads no data",
+)
 
 
-def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag] = (),
-          default_config: str | None = None, subdir: str | None = None,
-          config_prefix: str = "config", describe: Callable[[Any], str] | None = None):
+def parse(
+  argv: Sequence[str],
+  *,
+  usage: str,
+  summary: str,
+  flags: Sequence[Flag] = (),
+  default_config: str | None = None,
+  subdir: str | None = None,
+  config_prefix: str = "config",
+  describe: Callable[[Any], str] | None = None,
+):
   """Parses a config command's ``argv`` (argv[0] is the program).
 
   Returns ``(config, values, config_arg)``: the loaded config (overrides applied), the plain
@@ -93,6 +113,7 @@ def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag
     flags = (*flags, DRY_RUN)
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
   from diffjax.train.config_utils import explain_flag_error  # pylint: disable=import-outside-toplevel
 
   argv = list(argv)
@@ -107,19 +128,27 @@ def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag
     config_arg = default_config
     argv.insert(1, "--config=" + os.path.join(REPO_ROOT, default_config))
   fv = absl_flags.FlagValues()
-  holder = config_flags.DEFINE_config_file(config_prefix, None, "the run's config file",
-                                           flag_values=fv, lock_config=True, sys_argv=argv)
+  holder = config_flags.DEFINE_config_file(
+    config_prefix, None, "the run's config file", flag_values=fv, lock_config=True, sys_argv=argv
+  )
   plain = {}
   for f in flags:
-    define = (absl_flags.DEFINE_bool if isinstance(f.default, bool)
-              else absl_flags.DEFINE_integer if isinstance(f.default, int)
-              else absl_flags.DEFINE_string)
+    define = (
+      absl_flags.DEFINE_bool
+      if isinstance(f.default, bool)
+      else absl_flags.DEFINE_integer
+      if isinstance(f.default, int)
+      else absl_flags.DEFINE_string
+    )
     plain[f.name] = define(f.name, f.default, f.help, flag_values=fv)
   try:
     rest = fv(argv)
   except Exception as e:  # absl and ml_collections raise several types for bad flags
-    print(f"error: {explain_flag_error(argv, config_prefix) or 'invalid command line: ' + _one_line(e)}"
-          f" ({usage})", file=sys.stderr)
+    print(
+      f"error: {explain_flag_error(argv, config_prefix) or 'invalid command line: ' + _one_line(e)}"
+      f" ({usage})",
+      file=sys.stderr,
+    )
     return 2
   try:
     config = holder.value
@@ -134,6 +163,7 @@ def parse(argv: Sequence[str], *, usage: str, summary: str, flags: Sequence[Flag
   values = {name: holder_.value for name, holder_ in plain.items()}
   if describe is not None and values.pop("dry_run"):
     from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+
     return run_guarded(lambda: print(describe(config)))
   return config, values, config_arg
 

@@ -10,33 +10,46 @@ from __future__ import annotations
 import difflib
 import math
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from diffjax.model import ArmModel, resolve_model
 from diffjax.sharding import CONTEXT_STRATEGIES
 
-REQUIRED = ("model", "data", "optim", "checkpoint", "mesh", "seed", "seq_len",
-            "global_batch_size", "grad_accum_steps", "num_steps", "log_every", "eval_every",
-            "eval_batches")
+REQUIRED = (
+  "model",
+  "data",
+  "optim",
+  "checkpoint",
+  "mesh",
+  "seed",
+  "seq_len",
+  "global_batch_size",
+  "grad_accum_steps",
+  "num_steps",
+  "log_every",
+  "eval_every",
+  "eval_batches",
+)
 
 # Float options and the range each must lie in: (key, low, high, low_open, high_open);
 # None is an unbounded side. Every one must also be finite: a NaN learning rate, say,
 # gives NaN parameters while the loss still looks finite.
 _FLOAT_RANGES = (
-    ("optim.lr", 0.0, None, True, False),
-    ("optim.min_lr", 0.0, None, False, False),
-    ("optim.b1", 0.0, 1.0, False, True),
-    ("optim.b2", 0.0, 1.0, False, True),
-    ("optim.eps", 0.0, None, True, False),
-    ("optim.weight_decay", 0.0, None, False, False),
-    ("optim.clip_norm", 0.0, None, False, False),  # 0 (or None) disables clipping
-    ("task_mix.fraction", 0.0, 1.0, False, False),
-    ("data.val_fraction", 0.0, 1.0, False, True),
-    ("model.rope_theta", 0.0, None, True, False),
-    ("model.norm_eps", 0.0, None, True, False),
-    ("model.diff_norm_eps", 0.0, None, True, False),
-    ("model.init_std", 0.0, None, True, False),
-    ("model.diff_fixed_lambda", None, None, False, False),
+  ("optim.lr", 0.0, None, True, False),
+  ("optim.min_lr", 0.0, None, False, False),
+  ("optim.b1", 0.0, 1.0, False, True),
+  ("optim.b2", 0.0, 1.0, False, True),
+  ("optim.eps", 0.0, None, True, False),
+  ("optim.weight_decay", 0.0, None, False, False),
+  ("optim.clip_norm", 0.0, None, False, False),  # 0 (or None) disables clipping
+  ("task_mix.fraction", 0.0, 1.0, False, False),
+  ("data.val_fraction", 0.0, 1.0, False, True),
+  ("model.rope_theta", 0.0, None, True, False),
+  ("model.norm_eps", 0.0, None, True, False),
+  ("model.diff_norm_eps", 0.0, None, True, False),
+  ("model.init_std", 0.0, None, True, False),
+  ("model.diff_fixed_lambda", None, None, False, False),
 )
 
 
@@ -74,9 +87,11 @@ def check_float_options(config) -> None:
       x = float(value)
     except (TypeError, ValueError):
       raise ValueError(f"{key}={value!r} must be a number {want}.") from None
-    bad = (not math.isfinite(x)
-           or (low is not None and (x <= low if low_open else x < low))
-           or (high is not None and (x >= high if high_open else x > high)))
+    bad = (
+      not math.isfinite(x)
+      or (low is not None and (x <= low if low_open else x < low))
+      or (high is not None and (x >= high if high_open else x > high))
+    )
     if bad:
       where = "" if want == "a finite number" else f", {want}"
       raise ValueError(f"{key}={x} must be a finite number{where}; set --config.{key}=<value>.")
@@ -94,19 +109,29 @@ def check_config(config) -> None:
   if missing:
     raise ValueError(f"Config is missing keys {missing}; start from configs/default.py.")
   resolve_model(config.model.to_dict())
-  for k in ("seq_len", "global_batch_size", "grad_accum_steps", "num_steps", "log_every",
-            "eval_batches"):
+  for k in (
+    "seq_len",
+    "global_batch_size",
+    "grad_accum_steps",
+    "num_steps",
+    "log_every",
+    "eval_batches",
+  ):
     if int(config[k]) <= 0:
       raise ValueError(f"{k}={config[k]} must be a positive integer.")
   skips = config.get("max_skipped_updates", 0)
   if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
-    raise ValueError(f"max_skipped_updates={skips!r} must be an integer >= 0 (updates skipped "
-                     "as non-finite before the run stops; 0 stops at the first).")
+    raise ValueError(
+      f"max_skipped_updates={skips!r} must be an integer >= 0 (updates skipped "
+      "as non-finite before the run stops; 0 stops at the first)."
+    )
   if int(config.eval_every) < 0:
     raise ValueError(f"eval_every={config.eval_every} must be >= 0 (0 disables periodic eval).")
   if int(config.checkpoint.every) <= 0 or int(config.checkpoint.keep) <= 0:
-    raise ValueError(f"checkpoint.every={config.checkpoint.every} and checkpoint.keep="
-                     f"{config.checkpoint.keep} must be positive.")
+    raise ValueError(
+      f"checkpoint.every={config.checkpoint.every} and checkpoint.keep="
+      f"{config.checkpoint.keep} must be positive."
+    )
   check_float_options(config)
   lr, min_lr = float(config.optim.lr), float(config.optim.min_lr)
   if min_lr > lr:
@@ -119,15 +144,19 @@ def check_config(config) -> None:
   if context > 1:
     chunk = 2 * context if mesh_context_options(config)["context_load_balance"] else context
     if int(config.seq_len) % chunk:
-      raise ValueError(f"seq_len={config.seq_len} must be a multiple of {chunk} to shard the "
-                       f"sequence over a context axis of {context}"
-                       f"{' in load-balanced halves' if chunk > context else ''}.")
+      raise ValueError(
+        f"seq_len={config.seq_len} must be a multiple of {chunk} to shard the "
+        f"sequence over a context axis of {context}"
+        f"{' in load-balanced halves' if chunk > context else ''}."
+      )
 
 
 def mesh_context_options(config) -> dict[str, Any]:
   """The ``mesh`` section's context-parallel settings, as keyword arguments of the setup."""
-  return {"context_strategy": config.mesh.context_strategy,
-          "context_load_balance": bool(config.mesh.context_load_balance)}
+  return {
+    "context_strategy": config.mesh.context_strategy,
+    "context_load_balance": bool(config.mesh.context_load_balance),
+  }
 
 
 def resolved_model(config, tokenizer_vocab: int) -> ArmModel:
@@ -135,9 +164,11 @@ def resolved_model(config, tokenizer_vocab: int) -> ArmModel:
   tokenizer's vocabulary."""
   arm_model = resolve_model(config.model.to_dict(), vocab_size=tokenizer_vocab)
   if arm_model.config.vocab_size < tokenizer_vocab:
-    raise ValueError(f"model.vocab_size={arm_model.config.vocab_size} is smaller than the "
-                     f"tokenizer's vocabulary ({tokenizer_vocab}); set it to -1 to use the "
-                     "tokenizer's.")
+    raise ValueError(
+      f"model.vocab_size={arm_model.config.vocab_size} is smaller than the "
+      f"tokenizer's vocabulary ({tokenizer_vocab}); set it to -1 to use the "
+      "tokenizer's."
+    )
   return arm_model
 
 
@@ -162,7 +193,7 @@ def unknown_key(config, dotted: str) -> str | None:
   node, parts = config, dotted.split(".")
   for i, part in enumerate(parts):
     if not hasattr(node, "keys") or isinstance(node, dict) or part not in node:
-      return ".".join(parts[:i + 1])
+      return ".".join(parts[: i + 1])
     node = node[part]
   return None
 
@@ -188,7 +219,7 @@ def override_keys(argv: Sequence[str], flag: str = "config") -> list[tuple[str, 
   for arg in argv:
     for start in (f"--{flag}.", f"-{flag}."):
       if arg.startswith(start):
-        out.append((arg[len(start):].split("=", 1)[0], arg))
+        out.append((arg[len(start) :].split("=", 1)[0], arg))
         break
   return out
 
@@ -202,19 +233,23 @@ def unknown_override_message(config, argv: Sequence[str], flag: str = "config") 
     if bad is None:
       continue
     if bad.endswith("model.attention"):
-      return (f"unknown config key {key!r} in {arg}: a run's arm is --{flag}."
-              f"{bad.removesuffix('attention')}arm=<transformer|diff_v1|diff_v2>, which derives "
-              "the arm's widths from the Transformer it is matched to.")
+      return (
+        f"unknown config key {key!r} in {arg}: a run's arm is --{flag}."
+        f"{bad.removesuffix('attention')}arm=<transformer|diff_v1|diff_v2>, which derives "
+        "the arm's widths from the Transformer it is matched to."
+      )
     parent = bad.rsplit(".", 1)[0] if "." in bad else ""
     _, node = _get(config, parent) if parent else (True, config)
     if parent and (not hasattr(node, "keys") or isinstance(node, dict)):
-      return (f"unknown config key {key!r} in {arg}: {parent} is a value, not a section; "
-              f"set it with --{flag}.{parent}=<value>.")
+      return (
+        f"unknown config key {key!r} in {arg}: {parent} is a value, not a section; "
+        f"set it with --{flag}.{parent}=<value>."
+      )
     # A typo in one part: the same key with that part corrected, then near spellings.
     parts, depth = key.split("."), bad.count(".")
     near = []
     for fix in difflib.get_close_matches(parts[depth], list(node.keys()), n=3, cutoff=0.6):
-      fixed = ".".join(parts[:depth] + [fix] + parts[depth + 1:])
+      fixed = ".".join(parts[:depth] + [fix] + parts[depth + 1 :])
       if unknown_key(config, fixed) is None:
         near.append(fixed)
     near += [k for k in suggest_keys(config, bad) if k not in near]
@@ -223,8 +258,11 @@ def unknown_override_message(config, argv: Sequence[str], flag: str = "config") 
       hint = "did you mean " + " or ".join(f"--{flag}.{k}" for k in near) + "?"
     else:
       scope = f"{parent}." if parent else ""
-      hint = (f"the keys{' of ' + parent if parent else ''} are "
-              + ", ".join(f"{scope}{k}" for k in node.keys()) + ".")
+      hint = (
+        f"the keys{' of ' + parent if parent else ''} are "
+        + ", ".join(f"{scope}{k}" for k in node.keys())
+        + "."
+      )
     return f"unknown config key {key!r} in {arg}; {hint}"
   return None
 
@@ -238,6 +276,7 @@ def explain_flag_error(argv: Sequence[str], flag: str = "config") -> str | None:
   """
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
   prefixes = (f"--{flag}.", f"-{flag}.")
   plain = [a for a in argv if not a.startswith(prefixes)]
   values = absl_flags.FlagValues()
@@ -263,16 +302,20 @@ def describe_run(config) -> str:
   if vocab == -1:
     try:
       from diffjax.data import load_tokenizer  # pylint: disable=import-outside-toplevel
+
       vocab = load_tokenizer(config.data.tokenizer).vocab_size
     except Exception:  # pylint: disable=broad-except  # a tokenizer path given at launch
       vocab = -1
   arm_model = resolve_model(config.model.to_dict(), vocab_size=None if vocab == -1 else vocab)
   m = arm_model.config
-  widths = (f"d_model={m.d_model} num_layers={m.num_layers} num_heads={m.num_heads} "
-            f"num_kv_heads={m.num_kv_heads} head_dim={m.head_dim} mlp_dim={m.mlp_dim} "
-            f"vocab_size={m.vocab_size if vocab != -1 else 'the tokenizer' + chr(39) + 's'}")
+  widths = (
+    f"d_model={m.d_model} num_layers={m.num_layers} num_heads={m.num_heads} "
+    f"num_kv_heads={m.num_kv_heads} head_dim={m.head_dim} mlp_dim={m.mlp_dim} "
+    f"vocab_size={m.vocab_size if vocab != -1 else 'the tokenizer' + chr(39) + 's'}"
+  )
   data = config.data
-  return "\n".join([
+  return "\n".join(
+    [
       "model: " + arm_model.describe(),
       f"  {m.attention} widths: {widths}",
       f"run: seq_len={config.seq_len} global_batch_size={config.global_batch_size} "
@@ -281,4 +324,6 @@ def describe_run(config) -> str:
       f"lr={config.optim.lr} ({config.optim.schedule}, warmup {config.optim.warmup_steps}) "
       f"seed={config.seed} mesh={tuple(config.mesh.shape)}",
       f"data: kind={data.kind} paths={tuple(data.paths)} tokenizer={data.tokenizer!r} "
-      f"val_fraction={data.val_fraction}"])
+      f"val_fraction={data.val_fraction}",
+    ]
+  )

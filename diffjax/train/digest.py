@@ -91,8 +91,12 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
 def _scan_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
   """Per leaf: its digest (uint32[N, 2]) and whether all its values are finite (bool[N])."""
   digests_Nx2 = jnp.stack([_leaf_digest(x) for x in leaves])
-  finite_N = jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
-                        else jnp.bool_(True) for x in leaves])
+  finite_N = jnp.stack(
+    [
+      jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+      for x in leaves
+    ]
+  )
   return digests_Nx2, finite_N
 
 
@@ -100,6 +104,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
   if x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -114,8 +119,11 @@ def scan(leaves: list[Any]) -> tuple[list[str], np.ndarray]:
 
 def sha256(obj: Any) -> str:
   """Hex SHA-256 of bytes, or of a JSON-able object in a canonical form (sorted keys)."""
-  blob = obj if isinstance(obj, bytes) else json.dumps(
-      json.loads(json.dumps(obj)), sort_keys=True).encode()
+  blob = (
+    obj
+    if isinstance(obj, bytes)
+    else json.dumps(json.loads(json.dumps(obj)), sort_keys=True).encode()
+  )
   return hashlib.sha256(blob).hexdigest()
 
 
@@ -124,8 +132,10 @@ def per_process(hexdigest: str) -> dict[str, str]:
   if jax.process_count() == 1:
     return {"0": hexdigest}
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  rows = np.asarray(multihost_utils.process_allgather(
-      np.frombuffer(bytes.fromhex(hexdigest), np.uint8)))
+
+  rows = np.asarray(
+    multihost_utils.process_allgather(np.frombuffer(bytes.fromhex(hexdigest), np.uint8))
+  )
   return {str(i): bytes(row.astype(np.uint8)).hex() for i, row in enumerate(rows)}
 
 
@@ -134,4 +144,5 @@ def all_processes_agree(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
   return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())

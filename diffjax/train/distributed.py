@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -69,9 +69,11 @@ def maybe_initialize(config=None) -> bool:
   kwargs = {}
   coord = os.environ.get("DIFFJAX_COORDINATOR")
   if coord:
-    kwargs = dict(coordinator_address=coord,
-                  num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
-                  process_id=int(os.environ["DIFFJAX_PROCESS_ID"]))
+    kwargs = dict(
+      coordinator_address=coord,
+      num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
+      process_id=int(os.environ["DIFFJAX_PROCESS_ID"]),
+    )
   timeout = peer_timeout(config)
   # The runtime aborts the survivors of a lost peer after its own heartbeat timeout; keep it
   # well above the watchdog's, so the watchdog's one line and exit status come first.
@@ -90,10 +92,15 @@ def lost_peer_line(process: int | None, count: int | None, why: str, step: int) 
   who = "a peer process" if process is None else f"process {process}"
   if count:
     who += f" of {count}"
-  resume = (f"to resume from the newest checkpoint (step {step} was the last one written)"
-            if step >= 0 else "to resume from the newest checkpoint")
-  return (f"error: {who} stopped answering ({why}); this process stops too. Rerun the same "
-          f"command on every host {resume} (exit status {EXIT_PREEMPTED}).")
+  resume = (
+    f"to resume from the newest checkpoint (step {step} was the last one written)"
+    if step >= 0
+    else "to resume from the newest checkpoint"
+  )
+  return (
+    f"error: {who} stopped answering ({why}); this process stops too. Rerun the same "
+    f"command on every host {resume} (exit status {EXIT_PREEMPTED})."
+  )
 
 
 def peer_timeout(config=None) -> float:
@@ -104,9 +111,11 @@ def peer_timeout(config=None) -> float:
 
 
 class _Watchdog:
-  def __init__(self, resume_step: Callable[[], int], message: Callable[[str], None],
-               timeout_s: float):
+  def __init__(
+    self, resume_step: Callable[[], int], message: Callable[[str], None], timeout_s: float
+  ):
     from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+
     self.client = jax_distributed.global_state.client
     self.me, self.n = jax.process_index(), jax.process_count()
     self.resume_step, self.message, self.timeout = resume_step, message, timeout_s
@@ -150,8 +159,9 @@ class _Watchdog:
 _WATCHDOG: _Watchdog | None = None
 
 
-def watch_peers(resume_step: Callable[[], int], message: Callable[[str], None],
-                timeout_s: float | None = None) -> None:
+def watch_peers(
+  resume_step: Callable[[], int], message: Callable[[str], None], timeout_s: float | None = None
+) -> None:
   """Starts the lost-host watchdog (see the module docstring) when this is one of several
   processes; ``resume_step()`` names the newest checkpoint the line points to."""
   global _WATCHDOG, _RESUME_STEP

@@ -26,8 +26,16 @@ from etils import epath
 from diffjax.errors import UserError
 from diffjax.train.digest import dtype_name, named_leaves, per_process, scan, sha256
 
-__all__ = ["FORMAT", "CheckpointError", "CorruptCheckpointError", "check_structure",
-           "make_record", "quarantine", "split_meta", "verify"]
+__all__ = [
+  "FORMAT",
+  "CheckpointError",
+  "CorruptCheckpointError",
+  "check_structure",
+  "make_record",
+  "quarantine",
+  "split_meta",
+  "verify",
+]
 
 FORMAT = 1
 
@@ -48,8 +56,9 @@ class CorruptCheckpointError(CheckpointError):
     self.step, self.reason, self.detail = step, reason, detail
 
 
-def make_record(directory, latest: int | None, step: int, state: Any, data_iter,
-                meta: dict) -> dict:
+def make_record(
+  directory, latest: int | None, step: int, state: Any, data_iter, meta: dict
+) -> dict:
   """The integrity record of ``state``, the iterator (or None) and ``meta``.
 
   Raises ``CheckpointError`` if a floating leaf of ``state`` is not finite: such a
@@ -60,17 +69,23 @@ def make_record(directory, latest: int | None, step: int, state: Any, data_iter,
   digests, finite = scan(leaves)
   bad = [n for n, ok in zip(names, finite) if not ok]
   if bad:
-    kept = (f"the newest checkpoint, step {latest} in {directory}, is kept"
-            if latest is not None else f"{directory} holds no checkpoint yet")
+    kept = (
+      f"the newest checkpoint, step {latest} in {directory}, is kept"
+      if latest is not None
+      else f"{directory} holds no checkpoint yet"
+    )
     what = "Parameters" if bad[0].startswith("params") else "The optimizer state"
     verb = "are" if what == "Parameters" else "is"
     more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
     raise CheckpointError(
-        f"{what} at step {step} {verb} not finite ({bad[0]}{more}); not saved; {kept}. "
-        "Lower optim.lr or check the data.")
-  record = {"format": FORMAT, "meta": sha256(meta),
-            "leaves": {n: [list(np.shape(x)), dtype_name(x), d]
-                       for n, x, d in zip(names, leaves, digests)}}
+      f"{what} at step {step} {verb} not finite ({bad[0]}{more}); not saved; {kept}. "
+      "Lower optim.lr or check the data."
+    )
+  record = {
+    "format": FORMAT,
+    "meta": sha256(meta),
+    "leaves": {n: [list(np.shape(x)), dtype_name(x), d] for n, x, d in zip(names, leaves, digests)},
+  }
   if data_iter is not None:
     record["data"] = per_process(sha256(data_iter.get_state()))
   return record
@@ -83,64 +98,82 @@ def split_meta(directory, step: int, raw: Any) -> tuple[dict, dict]:
   and ``CheckpointError`` if it holds no record of this format.
   """
   if not isinstance(raw, dict):
-    raise CorruptCheckpointError(directory, step, "unreadable",
-                                 f"meta holds {type(raw).__name__}, not a JSON object")
+    raise CorruptCheckpointError(
+      directory, step, "unreadable", f"meta holds {type(raw).__name__}, not a JSON object"
+    )
   meta = {k: v for k, v in raw.items() if k != "integrity"}
   record = raw.get("integrity")
   seen = record.get("format") if isinstance(record, dict) else None
   if seen != FORMAT:
     found = "no integrity record" if record is None else f"integrity record format {seen!r}"
     raise CheckpointError(
-        f"Checkpoint step {step} in {directory} has {found}; diffjax saves format {FORMAT} "
-        "and restores only steps it can verify. Move the step out of that directory to resume "
-        "from the one before it, or use a new --workdir.")
+      f"Checkpoint step {step} in {directory} has {found}; diffjax saves format {FORMAT} "
+      "and restores only steps it can verify. Move the step out of that directory to resume "
+      "from the one before it, or use a new --workdir."
+    )
   if record.get("meta") != sha256(meta):
-    raise CorruptCheckpointError(directory, step, "digest-mismatch",
-                                 "content digest mismatch in meta")
+    raise CorruptCheckpointError(
+      directory, step, "digest-mismatch", "content digest mismatch in meta"
+    )
   return meta, record
 
 
-def check_structure(directory, step: int, record: dict, names: list[str], leaves: list[Any],
-                    prefix: str = "") -> None:
+def check_structure(
+  directory, step: int, record: dict, names: list[str], leaves: list[Any], prefix: str = ""
+) -> None:
   """Refuses a target whose leaves differ from the saved ones (not a corruption)."""
   saved = {n: v for n, v in record["leaves"].items() if n.startswith(prefix)}
   target = dict(zip(names, leaves))
   only_saved = [n for n in saved if n not in target]
   only_now = [n for n in target if n not in saved]
-  reshaped = [f"{n} {tuple(saved[n][0])} vs {tuple(np.shape(x))}" for n, x in target.items()
-              if n in saved and tuple(saved[n][0]) != tuple(np.shape(x))]
+  reshaped = [
+    f"{n} {tuple(saved[n][0])} vs {tuple(np.shape(x))}"
+    for n, x in target.items()
+    if n in saved and tuple(saved[n][0]) != tuple(np.shape(x))
+  ]
   if only_saved or only_now or reshaped:
-    parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
-             for label, items in (("only in the checkpoint", only_saved),
-                                  ("only in this run", only_now), ("shape", reshaped)) if items]
+    parts = [
+      f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+      for label, items in (
+        ("only in the checkpoint", only_saved),
+        ("only in this run", only_now),
+        ("shape", reshaped),
+      )
+      if items
+    ]
     raise CheckpointError(
-        f"Checkpoint step {step} in {directory} holds a different model or optimizer "
-        f"state ({'; '.join(parts)}), e.g. optim.clip_norm switched on or off. Restore the "
-        "original settings, or use a new --workdir.")
+      f"Checkpoint step {step} in {directory} holds a different model or optimizer "
+      f"state ({'; '.join(parts)}), e.g. optim.clip_norm switched on or off. Restore the "
+      "original settings, or use a new --workdir."
+    )
 
 
-def verify(directory, step: int, record: dict, names: list[str], leaves: list[Any],
-           data_iter) -> None:
+def verify(
+  directory, step: int, record: dict, names: list[str], leaves: list[Any], data_iter
+) -> None:
   """Raises ``CorruptCheckpointError`` unless the restored leaves and iterator match."""
   digests, finite = scan(leaves)
   saved = record["leaves"]
   # A leaf restored into another dtype was cast, so its bits cannot match: skip it.
-  wrong = [n for n, x, d in zip(names, leaves, digests)
-           if saved[n][1] == dtype_name(x) and saved[n][2] != d]
+  wrong = [
+    n
+    for n, x, d in zip(names, leaves, digests)
+    if saved[n][1] == dtype_name(x) and saved[n][2] != d
+  ]
   if wrong:
     more = f" and {len(wrong) - 1} more leaves" if len(wrong) > 1 else ""
-    raise CorruptCheckpointError(directory, step, "digest-mismatch",
-                                 f"content digest mismatch in {wrong[0]}{more}")
+    raise CorruptCheckpointError(
+      directory, step, "digest-mismatch", f"content digest mismatch in {wrong[0]}{more}"
+    )
   # A run on more processes than saved the step has no iterator digest for the new ones.
   expected = record.get("data", {}).get(str(jax.process_index()))
-  if data_iter is not None and expected is not None and \
-      sha256(data_iter.get_state()) != expected:
-    raise CorruptCheckpointError(directory, step, "digest-mismatch",
-                                 "content digest mismatch in the data iterator state")
+  if data_iter is not None and expected is not None and sha256(data_iter.get_state()) != expected:
+    raise CorruptCheckpointError(
+      directory, step, "digest-mismatch", "content digest mismatch in the data iterator state"
+    )
   bad = [n for n, ok in zip(names, finite) if not ok]
   if bad:
-    raise CorruptCheckpointError(directory, step, "not-finite",
-                                 f"{bad[0]} holds non-finite values")
+    raise CorruptCheckpointError(directory, step, "not-finite", f"{bad[0]} holds non-finite values")
 
 
 def quarantine(directory, step: int, reason: str) -> epath.Path:
@@ -156,5 +189,6 @@ def quarantine(directory, step: int, reason: str) -> epath.Path:
     (directory / str(step)).rename(dest)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
     multihost_utils.sync_global_devices(f"diffjax_quarantine_{step}")
   return dest

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from etils import epath
 from flax import nnx
@@ -23,14 +24,14 @@ def _stderr_line(text: str) -> None:
 class LoadedRun:
   """A trained model with what its run was: ``config`` is the run config (a dict) the run was
   launched with (its data, sequence length, seed, tokenizer), as saved in the checkpoint."""
+
   model: DecoderLM
   model_config: ModelConfig
   config: dict[str, Any]
   step: int
 
 
-def _load_step(manager, step: int, model_overrides: dict
-               ) -> tuple[DecoderLM, ModelConfig, dict]:
+def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig, dict]:
   """The verified model of one step and its meta; ``CorruptCheckpointError`` if unusable."""
   meta = ckpt.read_meta(manager, step)
   # Analysis reads blocks one by one: load unscanned unless asked (the layout converts).
@@ -44,9 +45,13 @@ def _load_step(manager, step: int, model_overrides: dict
   return nnx.merge(graphdef, state), cfg, meta
 
 
-def load_model(workdir: str, step: int | None = None, *,
-               message: Callable[[str], None] | None = None, **model_overrides
-               ) -> tuple[DecoderLM, ModelConfig, int]:
+def load_model(
+  workdir: str,
+  step: int | None = None,
+  *,
+  message: Callable[[str], None] | None = None,
+  **model_overrides,
+) -> tuple[DecoderLM, ModelConfig, int]:
   """Returns ``(model, model_config, step)`` from the checkpoints of ``workdir``.
 
   The parameters are checked against the digests saved with them. ``step`` defaults
@@ -60,22 +65,29 @@ def load_model(workdir: str, step: int | None = None, *,
   return run.model, run.model_config, run.step
 
 
-def load_run(workdir: str, step: int | None = None, *,
-             message: Callable[[str], None] | None = None, **model_overrides) -> LoadedRun:
+def load_run(
+  workdir: str,
+  step: int | None = None,
+  *,
+  message: Callable[[str], None] | None = None,
+  **model_overrides,
+) -> LoadedRun:
   """:func:`load_model`, with the run config the checkpoint was saved with."""
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
   if not epath.Path(directory).is_dir():  # local paths and gs:// alike
-    raise FileNotFoundError(f"No checkpoints in {directory!r}: pass the --workdir of a "
-                            "train.py run.")
+    raise FileNotFoundError(
+      f"No checkpoints in {directory!r}: pass the --workdir of a train.py run."
+    )
   manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
   try:
     steps = manager.all_steps()
     if not steps:
       raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
     if step is not None and step not in steps:
-      raise ValueError(f"step={step} is not among the checkpoints of {directory!r}: "
-                       f"{sorted(steps)}.")
+      raise ValueError(
+        f"step={step} is not among the checkpoints of {directory!r}: {sorted(steps)}."
+      )
     skipped = []
     for candidate in [step] if step is not None else sorted(steps, reverse=True):
       try:
@@ -87,20 +99,34 @@ def load_run(workdir: str, step: int | None = None, *,
         message(f"{e}; skipping it.")
         continue
       return LoadedRun(model, cfg, dict(meta.get("config") or {}), candidate)
-    raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r}: "
-                               f"{', '.join(skipped)}.")
+    raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r}: {', '.join(skipped)}.")
   finally:
     manager.close()
 
 
 # The model settings that fix the parameters' shapes; a run may start from the weights of
 # another that agrees on these (e.g. a long-context run with another rope_theta).
-SHAPE_FIELDS = ("attention", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "mlp_dim", "tie_embeddings")
+SHAPE_FIELDS = (
+  "attention",
+  "vocab_size",
+  "d_model",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "mlp_dim",
+  "tie_embeddings",
+)
 
 
-def initial_params(workdir: str, model_cfg: ModelConfig, params_target, shardings, *,
-                   message: Callable[[str], None] | None = None):
+def initial_params(
+  workdir: str,
+  model_cfg: ModelConfig,
+  params_target,
+  shardings,
+  *,
+  message: Callable[[str], None] | None = None,
+):
   """The newest verified parameters of the run in ``workdir``, to start another run from.
 
   Args:
@@ -119,8 +145,10 @@ def initial_params(workdir: str, model_cfg: ModelConfig, params_target, sharding
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
   if not epath.Path(directory).is_dir():  # local paths and gs:// alike
-    raise FileNotFoundError(f"checkpoint.init_from={workdir!r} has no checkpoints directory "
-                            f"{directory!r}; pass the --workdir of a train.py run.")
+    raise FileNotFoundError(
+      f"checkpoint.init_from={workdir!r} has no checkpoints directory "
+      f"{directory!r}; pass the --workdir of a train.py run."
+    )
   manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
   try:
     steps = sorted(manager.all_steps(), reverse=True)
@@ -130,19 +158,24 @@ def initial_params(workdir: str, model_cfg: ModelConfig, params_target, sharding
       try:
         saved = ckpt.read_meta(manager, step).get("model_config", {})
         now = model_cfg.to_dict()
-        diffs = [f"{k}: saved {saved.get(k)!r} vs now {now[k]!r}" for k in SHAPE_FIELDS
-                 if saved.get(k, now[k]) != now[k]]
+        diffs = [
+          f"{k}: saved {saved.get(k)!r} vs now {now[k]!r}"
+          for k in SHAPE_FIELDS
+          if saved.get(k, now[k]) != now[k]
+        ]
         if diffs:
           raise ckpt.CheckpointError(
-              f"checkpoint.init_from={workdir!r} holds a model of other shapes "
-              f"({', '.join(diffs)}); start from a run of the same architecture.")
+            f"checkpoint.init_from={workdir!r} holds a model of other shapes "
+            f"({', '.join(diffs)}); start from a run of the same architecture."
+          )
         ramp = int(saved.get("v2_mix_steps", 0) or 0)
         if ramp != int(now.get("v2_mix_steps", 0) or 0):
           raise ckpt.CheckpointError(
-              f"checkpoint.init_from={workdir!r} was written for v2_mix_steps={ramp} (a DIFF V2 "
-              f"retrofit {'mixed in over that many steps' if ramp else 'without a ramp'}); this "
-              f"run has v2_mix_steps={now.get('v2_mix_steps', 0)}. Set "
-              f"--config.model.v2_mix_steps={ramp}, or the run starts from another function.")
+            f"checkpoint.init_from={workdir!r} was written for v2_mix_steps={ramp} (a DIFF V2 "
+            f"retrofit {'mixed in over that many steps' if ramp else 'without a ramp'}); this "
+            f"run has v2_mix_steps={now.get('v2_mix_steps', 0)}. Set "
+            f"--config.model.v2_mix_steps={ramp}, or the run starts from another function."
+          )
         return ckpt.restore_params(manager, step, params_target, shardings), step
       except ckpt.CorruptCheckpointError as e:
         message(f"{e}; trying an older step.")

@@ -11,7 +11,6 @@ model.
 
 from __future__ import annotations
 
-
 import optax
 from flax import nnx
 
@@ -30,11 +29,14 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
   if cfg.schedule not in SCHEDULES:
     raise ValueError(f"optim.schedule={cfg.schedule!r} is not one of {SCHEDULES}.")
   if lr <= 0 or min_lr < 0 or min_lr > lr:
-    raise ValueError(f"Need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={lr}, "
-                     f"min_lr={min_lr}.")
+    raise ValueError(
+      f"Need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={lr}, min_lr={min_lr}."
+    )
   if warmup < 0 or total < warmup:
-    raise ValueError(f"Need 0 <= optim.warmup_steps <= decay steps; got warmup_steps={warmup},"
-                     f" decay_steps={total}.")
+    raise ValueError(
+      f"Need 0 <= optim.warmup_steps <= decay steps; got warmup_steps={warmup},"
+      f" decay_steps={total}."
+    )
   warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
   span = max(total - warmup, 1)
   if cfg.schedule == "cosine":
@@ -67,9 +69,11 @@ def decay_mask(state: nnx.State | nnx.Module) -> dict:
   for path, var in nnx.to_flat_state(state):
     names = logical_names(var)
     if names is None:
-      raise ValueError(f"Parameter {'/'.join(map(str, path))} has no logical axis names, so "
-                       "weight decay cannot tell a matrix from a norm gain; create it with "
-                       "diffjax.nn.layers.make_param.")
+      raise ValueError(
+        f"Parameter {'/'.join(map(str, path))} has no logical axis names, so "
+        "weight decay cannot tell a matrix from a norm gain; create it with "
+        "diffjax.nn.layers.make_param."
+      )
     node = mask
     for key in path[:-1]:
       node = node.setdefault(key, {})
@@ -85,8 +89,9 @@ def model_decay_mask(model_cfg: ModelConfig) -> dict:
   return decay_mask(nnx.state(model, nnx.Param))
 
 
-def make_optimizer(cfg, model: ModelConfig | dict) -> tuple[optax.GradientTransformation,
-                                                             optax.Schedule]:
+def make_optimizer(
+  cfg, model: ModelConfig | dict
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW (paper betas by config) with global-norm clipping; returns (tx, schedule).
 
   Args:
@@ -99,6 +104,14 @@ def make_optimizer(cfg, model: ModelConfig | dict) -> tuple[optax.GradientTransf
   parts = []
   if cfg.clip_norm and cfg.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(float(cfg.clip_norm)))
-  parts.append(optax.adamw(schedule, b1=float(cfg.b1), b2=float(cfg.b2), eps=float(cfg.eps),
-                           weight_decay=float(cfg.weight_decay), mask=mask))
+  parts.append(
+    optax.adamw(
+      schedule,
+      b1=float(cfg.b1),
+      b2=float(cfg.b2),
+      eps=float(cfg.eps),
+      weight_decay=float(cfg.weight_decay),
+      mask=mask,
+    )
+  )
   return optax.chain(*parts), schedule

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -76,8 +77,15 @@ def device_memory() -> dict[str, int]:
 class Throughput:
   """Per-interval performance metrics (see the module docstring)."""
 
-  def __init__(self, clock: Clock, *, tokens_per_step: int, model_flops_per_token: float,
-               num_devices: int, peak_flops_per_device: float | None):
+  def __init__(
+    self,
+    clock: Clock,
+    *,
+    tokens_per_step: int,
+    model_flops_per_token: float,
+    num_devices: int,
+    peak_flops_per_device: float | None,
+  ):
     self.clock = clock
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = model_flops_per_token
@@ -106,12 +114,15 @@ class Throughput:
     step_time = (elapsed - spent["eval"] - spent["checkpoint"] - spent["profile"]) / steps
     self.step_times.append(step_time)
     tokens_per_s = self.tokens_per_step / step_time
-    out = {"perf/step_time_s": step_time, "perf/tokens_per_s": tokens_per_s,
-           "perf/tokens_per_s_per_device": tokens_per_s / self.num_devices,
-           "perf/model_flops_per_token": self.flops_per_token,
-           "perf/data_frac": spent["data"] / elapsed,
-           "perf/checkpoint_frac": spent["checkpoint"] / elapsed,
-           "perf/eval_frac": spent["eval"] / elapsed}
+    out = {
+      "perf/step_time_s": step_time,
+      "perf/tokens_per_s": tokens_per_s,
+      "perf/tokens_per_s_per_device": tokens_per_s / self.num_devices,
+      "perf/model_flops_per_token": self.flops_per_token,
+      "perf/data_frac": spent["data"] / elapsed,
+      "perf/checkpoint_frac": spent["checkpoint"] / elapsed,
+      "perf/eval_frac": spent["eval"] / elapsed,
+    }
     if self.peak:
       out["perf/mfu"] = self._mfu(tokens_per_s)
     out.update({f"perf/{k}": v for k, v in device_memory().items()})
@@ -124,8 +135,11 @@ class Throughput:
       return {}
     times = sorted(self.step_times)
     median = times[len(times) // 2]
-    out = {"step_time_s": median, "tokens_per_s": self.tokens_per_step / median,
-           "tokens_per_s_per_device": self.tokens_per_step / median / self.num_devices}
+    out = {
+      "step_time_s": median,
+      "tokens_per_s": self.tokens_per_step / median,
+      "tokens_per_s_per_device": self.tokens_per_step / median / self.num_devices,
+    }
     if self.peak:
       out["mfu"] = self._mfu(out["tokens_per_s"])
     return out
@@ -150,9 +164,11 @@ def goodput(clock: Clock, *, steps_trained: int, steps_recomputed: int) -> dict[
 def goodput_line(summary: dict[str, Any]) -> str:
   """The goodput summary as one line for the log."""
   parts = [f"{p} {summary[p + '_s']:.1f}s" for p in PHASES if summary[p + "_s"] >= 0.05]
-  return (f"goodput: {summary['goodput']:.1%} of {summary['wall_s']:.1f}s training "
-          f"({', '.join(parts)}); {summary['steps_trained']} steps trained, "
-          f"{summary['steps_recomputed']} recomputed after a restart")
+  return (
+    f"goodput: {summary['goodput']:.1%} of {summary['wall_s']:.1f}s training "
+    f"({', '.join(parts)}); {summary['steps_trained']} steps trained, "
+    f"{summary['steps_recomputed']} recomputed after a restart"
+  )
 
 
 class Profile:
@@ -164,8 +180,10 @@ class Profile:
     section = config.get("profile") or {}
     steps = tuple(section.get("steps") or ())
     if steps and (len(steps) != 2 or not 1 <= int(steps[0]) <= int(steps[1])):
-      raise ValueError(f"profile.steps={steps!r} must be (first, last) with 1 <= first <= last, "
-                       "e.g. --config.profile.steps=\"(10, 12)\".")
+      raise ValueError(
+        f"profile.steps={steps!r} must be (first, last) with 1 <= first <= last, "
+        'e.g. --config.profile.steps="(10, 12)".'
+      )
     self.steps = tuple(int(s) for s in steps) if enabled else ()
     self.hlo = bool(section.get("dump_hlo", False)) and enabled
     self.directory = os.path.join(workdir, "profile")

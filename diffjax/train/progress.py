@@ -24,8 +24,15 @@ def _fmt_time(seconds: float) -> str:
 class Progress:
   """Step, loss, tokens/s and ETA; a redrawn line on a TTY, log lines otherwise."""
 
-  def __init__(self, total_steps: int, start_step: int, *, log_every: int,
-               enabled: bool = True, stream: TextIO | None = None):
+  def __init__(
+    self,
+    total_steps: int,
+    start_step: int,
+    *,
+    log_every: int,
+    enabled: bool = True,
+    stream: TextIO | None = None,
+  ):
     self.total = total_steps
     self.start = start_step
     self.log_every = max(1, log_every)
@@ -50,8 +57,10 @@ class Progress:
     self._t_last, self._tokens_last = now, self.tokens
     done = step - self.start
     eta = (now - self.t0) / max(done, 1) * (self.total - step)
-    msg = (f"step {step}/{self.total} loss {loss:.4f} tok/s {rate:,.0f} "
-           f"elapsed {_fmt_time(now - self.t0)} eta {_fmt_time(eta)}{self.extra}{extra}")
+    msg = (
+      f"step {step}/{self.total} loss {loss:.4f} tok/s {rate:,.0f} "
+      f"elapsed {_fmt_time(now - self.t0)} eta {_fmt_time(eta)}{self.extra}{extra}"
+    )
     if self.tty:
       width = 24
       filled = int(width * step / max(self.total, 1))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from etils import epath
 
@@ -94,8 +95,14 @@ class MetricsWriter:
   events are written only for local workdirs.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
-               upload_every_s: float = 60.0):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    enabled: bool = True,
+    tensorboard: bool = True,
+    upload_every_s: float = 60.0,
+  ):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
@@ -115,6 +122,7 @@ class MetricsWriter:
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
       except ImportError:
         self._tb = None

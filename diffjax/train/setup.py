@@ -14,7 +14,8 @@ trace time too, which is why ``diffjax.aot`` traces the step under
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,13 @@ from diffjax.train.steps import create_model, make_eval_step, make_train_step, s
 
 # The arrays of one batch (see diffjax.data): int32 tokens, segments and positions,
 # and a float32 loss mask, each [batch, seq_len].
-BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
-                "positions": jnp.int32, "loss_mask": jnp.float32}
+BATCH_DTYPES = {
+  "inputs": jnp.int32,
+  "targets": jnp.int32,
+  "segment_ids": jnp.int32,
+  "positions": jnp.int32,
+  "loss_mask": jnp.float32,
+}
 
 
 def compiler_options_for(mesh: Mesh) -> dict[str, Any] | None:
@@ -59,6 +65,7 @@ class TrainSetup:
     eval_step: jitted ``(params, batch, step) -> (loss_sum, token_count)``.
     tx, schedule: the optimizer and its learning-rate schedule.
   """
+
   model_config: ModelConfig
   mesh: Mesh
   rules: tuple
@@ -74,12 +81,20 @@ class TrainSetup:
 
   def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """A global batch of ``[batch_size, seq_len]`` arrays as sharded shape structs."""
-    return {k: jax.ShapeDtypeStruct((batch_size, seq_len), d, sharding=self.batch_sharding)
-            for k, d in BATCH_DTYPES.items()}
+    return {
+      k: jax.ShapeDtypeStruct((batch_size, seq_len), d, sharding=self.batch_sharding)
+      for k, d in BATCH_DTYPES.items()
+    }
 
 
-def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = "ring",
-                    context_load_balance: bool = True) -> Callable:
+def with_mesh_rules(
+  fn: Callable,
+  mesh: Mesh,
+  rules,
+  *,
+  context_strategy: str = "ring",
+  context_load_balance: bool = True,
+) -> Callable:
   """``fn(state_or_params, batch, *rest)`` with the activation sharding rules active while it
   runs (i.e. is traced).
 
@@ -89,29 +104,42 @@ def with_mesh_rules(fn: Callable, mesh: Mesh, rules, *, context_strategy: str = 
   attention masks by the original order, RoPE reads the permuted positions, and the loss
   is a sum over tokens, so the step computes what it computes unsharded.
   """
+
   def wrapped(first, batch, *rest):
-    with shd.activation_sharding(mesh, rules, context_strategy=context_strategy,
-                                 context_load_balance=context_load_balance):
+    with shd.activation_sharding(
+      mesh, rules, context_strategy=context_strategy, context_load_balance=context_load_balance
+    ):
       cp = shd.context_parallel()
       if cp is not None and cp.load_balance:
         t = next(iter(batch.values())).shape[1]
         bad = {k: tuple(v.shape) for k, v in batch.items() if v.ndim != 2 or v.shape[1] != t}
         if bad:
-          raise ValueError(f"Under context parallelism every batch array is [batch, {t}] "
-                           f"(it is put in the load-balanced order); got {bad}.")
+          raise ValueError(
+            f"Under context parallelism every batch array is [batch, {t}] "
+            f"(it is put in the load-balanced order); got {bad}."
+          )
         try:
           perm = zigzag_permutation(t, cp.size)
         except ValueError as e:
           raise ValueError(f"seq_len={t} with a context axis of {cp.size}: {e}") from None
         batch = {k: jnp.take(v, perm, axis=1) for k, v in batch.items()}
       return fn(first, batch, *rest)
+
   return wrapped
 
 
-def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mesh, rules,
-                      grad_accum_steps: int = 1,
-                      global_batch_size: int | None = None, context_strategy: str = "ring",
-                      context_load_balance: bool = True) -> TrainSetup:
+def build_train_setup(
+  model_cfg: ModelConfig,
+  optim_cfg,
+  *,
+  seed: int,
+  mesh: Mesh,
+  rules,
+  grad_accum_steps: int = 1,
+  global_batch_size: int | None = None,
+  context_strategy: str = "ring",
+  context_load_balance: bool = True,
+) -> TrainSetup:
   """Builds the state layout and the jitted steps of ``model_cfg`` on ``mesh``.
 
   Args:
@@ -139,8 +167,10 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
   if grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
   if global_batch_size is not None and global_batch_size % grad_accum_steps:
-    raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
-                     f"grad_accum_steps={grad_accum_steps}.")
+    raise ValueError(
+      f"global_batch_size={global_batch_size} must be divisible by "
+      f"grad_accum_steps={grad_accum_steps}."
+    )
   # The model's structure and parameter layout, without allocating parameters.
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
@@ -150,28 +180,47 @@ def build_train_setup(model_cfg: ModelConfig, optim_cfg, *, seed: int, mesh: Mes
 
   def init():
     _, params = split_params(create_model(model_cfg, seed))
-    return {"params": params, "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(seed))}
+    return {
+      "params": params,
+      "opt_state": tx.init(params),
+      "step": jnp.zeros((), jnp.int32),
+      "rng": jax.random.key_data(jax.random.key(seed)),
+    }
 
   shapes = jax.eval_shape(init)
   state_shards = shd.state_shardings(tx, shapes, param_shards, mesh)
   abstract_state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shards)
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shards
+  )
   batch_shard = shd.batch_sharding(mesh, rules)
 
   rule_kw = dict(context_strategy=context_strategy, context_load_balance=context_load_balance)
   options = compiler_options_for(mesh)
   train_step = jax.jit(
-      with_mesh_rules(make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules,
-                      **rule_kw),
-      in_shardings=(state_shards, batch_shard), out_shardings=(state_shards, None),
-      donate_argnums=(0,), compiler_options=options)
-  eval_step = jax.jit(with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
-                      in_shardings=(state_shards["params"], batch_shard, None),
-                      compiler_options=options)
+    with_mesh_rules(
+      make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules, **rule_kw
+    ),
+    in_shardings=(state_shards, batch_shard),
+    out_shardings=(state_shards, None),
+    donate_argnums=(0,),
+    compiler_options=options,
+  )
+  eval_step = jax.jit(
+    with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
+    in_shardings=(state_shards["params"], batch_shard, None),
+    compiler_options=options,
+  )
   return TrainSetup(
-      model_config=model_cfg, mesh=mesh, rules=rules, graphdef=graphdef,
-      abstract_state=abstract_state, state_shardings=state_shards, batch_sharding=batch_shard,
-      init_fn=jax.jit(init, out_shardings=state_shards), train_step=train_step,
-      eval_step=eval_step, tx=tx, schedule=schedule)
+    model_config=model_cfg,
+    mesh=mesh,
+    rules=rules,
+    graphdef=graphdef,
+    abstract_state=abstract_state,
+    state_shardings=state_shards,
+    batch_sharding=batch_shard,
+    init_fn=jax.jit(init, out_shardings=state_shards),
+    train_step=train_step,
+    eval_step=eval_step,
+    tx=tx,
+    schedule=schedule,
+  )

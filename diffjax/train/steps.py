@@ -7,7 +7,8 @@ Orbax all see an ordinary pytree.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +38,10 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
   model = create_model(cfg, seed)
   graphdef, params = split_params(model)
   state = {
-      "params": params,
-      "opt_state": tx.init(params),
-      "step": jnp.zeros((), jnp.int32),
-      "rng": jax.random.key_data(jax.random.key(seed)),
+    "params": params,
+    "opt_state": tx.init(params),
+    "step": jnp.zeros((), jnp.int32),
+    "rng": jax.random.key_data(jax.random.key(seed)),
   }
   return graphdef, state
 
@@ -52,8 +53,12 @@ def loss_sums(graphdef, params, batch: Batch, step=None) -> tuple[jax.Array, jax
   without a step, the model runs as it is."""
   model = merge_params(graphdef, params)
   mix = model.config.v2_mix(step) if step is not None else None
-  logits_BxTxV = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                       **({} if mix is None else {"v2_mix": mix}))
+  logits_BxTxV = model(
+    batch["inputs"],
+    batch["positions"],
+    batch["segment_ids"],
+    **({} if mix is None else {"v2_mix": mix}),
+  )
   ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
   mask_BxT = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
@@ -62,9 +67,11 @@ def loss_sums(graphdef, params, batch: Batch, step=None) -> tuple[jax.Array, jax
 def _split_micro(batch: Batch, accum: int) -> Batch:
   def f(x):
     if x.shape[0] % accum:
-      raise ValueError(f"Batch of {x.shape[0]} rows does not split into "
-                       f"grad_accum_steps={accum} micro-batches.")
+      raise ValueError(
+        f"Batch of {x.shape[0]} rows does not split into grad_accum_steps={accum} micro-batches."
+      )
     return x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+
   return jax.tree.map(f, batch)
 
 
@@ -76,8 +83,9 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callable,
-                    grad_accum_steps: int = 1):
+def make_train_step(
+  graphdef, tx: optax.GradientTransformation, schedule: Callable, grad_accum_steps: int = 1
+):
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
   Gradients of the token-summed loss are accumulated over ``grad_accum_steps``
@@ -90,8 +98,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
   update itself matters: a finite loss and gradient can still give NaN parameters (e.g.
   a NaN learning rate).
   """
-  grad_fn = jax.value_and_grad(
-      lambda p, mb, step: loss_sums(graphdef, p, mb, step), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, mb, step: loss_sums(graphdef, p, mb, step), has_aux=True)
 
   def train_step(state, batch: Batch):
     params = state["params"]
@@ -107,7 +114,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
 
       zeros = jax.tree.map(jnp.zeros_like, params)
       (grads, loss_sum, count), _ = jax.lax.scan(
-          body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+        body, (zeros, jnp.float32(0), jnp.float32(0)), micro
+      )
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grads)
     loss = loss_sum / denom
@@ -119,13 +127,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
     finite = jnp.logical_and(finite, _all_finite((new_params, new_opt)))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {
-        "params": keep(new_params, params),
-        "opt_state": keep(new_opt, state["opt_state"]),
-        "step": state["step"] + 1,
-        "rng": state["rng"],
+      "params": keep(new_params, params),
+      "opt_state": keep(new_opt, state["opt_state"]),
+      "step": state["step"] + 1,
+      "rng": state["rng"],
     }
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-               "tokens": count, "finite": finite}
+    metrics = {
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "lr": schedule(state["step"]),
+      "tokens": count,
+      "finite": finite,
+    }
     return new_state, metrics
 
   return train_step
@@ -134,8 +147,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: Callab
 def make_eval_step(graphdef):
   """``eval_step(params, batch, step) -> (loss_sum, token_count)``; ``step`` (the training
   step the parameters are from) matters only to a retrofitted DIFF V2 during its ramp."""
+
   def eval_step(params, batch: Batch, step):
     return loss_sums(graphdef, params, batch, step)
+
   return eval_step
 
 

@@ -23,7 +23,6 @@ The parent starts no JAX backend and holds no device: the child is the process t
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 import re
@@ -32,7 +31,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 ENV = "DIFFJAX_SUPERVISED"
 # How long the runtime's log lines are held before they are printed (an abort follows its
@@ -56,6 +56,7 @@ def wanted(config) -> bool:
   initialize = section.get("initialize") if section is not None else None
   if initialize is None:
     from diffjax.train import distributed  # pylint: disable=import-outside-toplevel
+
     initialize = distributed.detected()
   return bool(initialize)
 
@@ -149,8 +150,10 @@ def lost_process(text: str, me: int | None) -> int | None:
 def newest_checkpoint(workdir: str) -> int:
   """The newest finished checkpoint step under ``<workdir>/checkpoints`` (-1: none)."""
   from diffjax.train import checkpoint  # pylint: disable=import-outside-toplevel
-  return checkpoint.newest_finished_step(os.path.join(workdir, "checkpoints")
-                                         if "://" not in workdir else f"{workdir}/checkpoints")
+
+  return checkpoint.newest_finished_step(
+    os.path.join(workdir, "checkpoints") if "://" not in workdir else f"{workdir}/checkpoints"
+  )
 
 
 def _keep_log(workdir: str, me: int | None, lines: list[str]) -> str:
@@ -158,20 +161,23 @@ def _keep_log(workdir: str, me: int | None, lines: list[str]) -> str:
   text = "".join(lines)
   try:
     from etils import epath  # pylint: disable=import-outside-toplevel
+
     path = epath.Path(workdir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return os.fspath(path)
   except Exception:  # pylint: disable=broad-except  # the workdir cannot be written: use /tmp
     import tempfile  # pylint: disable=import-outside-toplevel
+
     path = os.path.join(tempfile.gettempdir(), name)
     with open(path, "w", encoding="utf-8") as f:
       f.write(text)
     return path
 
 
-def run(command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S,
-        err: TextIO | None = None) -> int:
+def run(
+  command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S, err: TextIO | None = None
+) -> int:
   """Runs the training ``command`` as a child (see the module docstring); its exit status."""
   err = err or sys.stderr
   env = {**os.environ, ENV: str(os.getpid())}
@@ -187,8 +193,9 @@ def run(command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S,
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    child = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE, text=True,
-                             errors="replace", bufsize=1)
+    child = subprocess.Popen(
+      list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
+    )
   except BaseException:
     for s, h in old.items():
       signal.signal(s, h)
@@ -211,9 +218,14 @@ def run(command: Sequence[str], workdir: str, *, hold_s: float = HOLD_S,
   if status == -signal.SIGABRT and fatal:
     me = _me()
     from diffjax.train.distributed import lost_peer_line  # pylint: disable=import-outside-toplevel
+
     log = _keep_log(workdir, me, held)
-    line = lost_peer_line(lost_process("".join(held), me), _count(),
-                          "the distributed runtime ended this process", newest_checkpoint(workdir))
+    line = lost_peer_line(
+      lost_process("".join(held), me),
+      _count(),
+      "the distributed runtime ended this process",
+      newest_checkpoint(workdir),
+    )
     err.write(f"{line} The runtime's message: {log}\n")
     err.flush()
     return EXIT_PREEMPTED

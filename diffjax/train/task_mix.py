@@ -46,8 +46,9 @@ class InterleavedSource:
     total = n1 + n2
     steps = np.floor(np.arange(total + 1) * (n2 / max(total, 1)))
     self._is_second = np.diff(steps) > 0
-    self._rank = np.where(self._is_second, np.cumsum(self._is_second) - 1,
-                          np.cumsum(~self._is_second) - 1)
+    self._rank = np.where(
+      self._is_second, np.cumsum(self._is_second) - 1, np.cumsum(~self._is_second) - 1
+    )
 
   def __len__(self) -> int:
     return int(self._is_second.size)
@@ -92,34 +93,61 @@ def mixed_source(corpus: DocumentSource | None, mix, tokenizer, seed: int) -> Do
   if loss not in ("all", "answers"):
     raise ValueError(f"task_mix.loss={loss!r} must be 'all' or 'answers'.")
   if loss == "answers" and fraction != 1.0:
-    raise ValueError(f"task_mix.loss='answers' scores task answers only, so it needs task "
-                     f"examples alone (task_mix.fraction=1); got fraction={fraction}.")
+    raise ValueError(
+      f"task_mix.loss='answers' scores task answers only, so it needs task "
+      f"examples alone (task_mix.fraction=1); got fraction={fraction}."
+    )
   if task == "multi_needle" and corpus is None:
-    raise ValueError("task_mix.task='multi_needle' hides its needles in corpus text; it cannot "
-                     "train on task examples alone (fraction=1). Use a fraction below 1.")
+    raise ValueError(
+      "task_mix.task='multi_needle' hides its needles in corpus text; it cannot "
+      "train on task examples alone (fraction=1). Use a fraction below 1."
+    )
   from diffjax.data import tasks  # pylint: disable=import-outside-toplevel
+
   seed = TRAIN_SEED_OFFSET + int(seed)
   if task == "multi_needle":
     make = lambda n: tasks.MultiNeedleTask(
-        int(mix.context_len), int(mix.num_needles), int(mix.num_queries), num_examples=n,
-        seed=seed, filler=corpus, tokenizer=tokenizer)
+      int(mix.context_len),
+      int(mix.num_needles),
+      int(mix.num_queries),
+      num_examples=n,
+      seed=seed,
+      filler=corpus,
+      tokenizer=tokenizer,
+    )
   else:
-    lengths = dict(key_len=int(mix.get("key_len", 3)), value_len=int(mix.get("value_len", 3)),
-                   separator=str(mix.get("separator", ":")))
+    lengths = dict(
+      key_len=int(mix.get("key_len", 3)),
+      value_len=int(mix.get("value_len", 3)),
+      separator=str(mix.get("separator", ":")),
+    )
     grid = mix.get("grid") or ()
     if grid:
       make = lambda n: tasks.AssociativeRecallMix(
-          [tuple(g) for g in grid], int(mix.num_queries), num_examples=n, seed=seed,
-          tokenizer=tokenizer, **lengths)
+        [tuple(g) for g in grid],
+        int(mix.num_queries),
+        num_examples=n,
+        seed=seed,
+        tokenizer=tokenizer,
+        **lengths,
+      )
     else:
       make = lambda n: tasks.AssociativeRecallTask(
-          int(mix.num_pairs), int(mix.num_queries), int(mix.get("distractors_per_query", 1)),
-          num_examples=n, seed=seed, tokenizer=tokenizer, **lengths)
+        int(mix.num_pairs),
+        int(mix.num_queries),
+        int(mix.get("distractors_per_query", 1)),
+        num_examples=n,
+        seed=seed,
+        tokenizer=tokenizer,
+        **lengths,
+      )
   if fraction == 1.0:
     n = int(mix.get("num_examples", 0) or 0)
     if n <= 0:
-      raise ValueError(f"task_mix.fraction=1 trains on task examples alone; set "
-                       f"task_mix.num_examples to how many (> 0), got {n}.")
+      raise ValueError(
+        f"task_mix.fraction=1 trains on task examples alone; set "
+        f"task_mix.num_examples to how many (> 0), got {n}."
+      )
     return tasks.AnswersOnly(make(n)) if loss == "answers" else make(n)
   corpus_tokens = sum(int(np.size(corpus[i])) for i in range(len(corpus)))
   per_example = max(int(np.size(make(1)[0])), 1)

@@ -81,17 +81,23 @@ class _StopFlag:
       signal.signal(s, h)
 
 
-def _to_global(batch: dict[str, np.ndarray], sharding, row_start: int, global_rows: int
-               ) -> dict[str, jax.Array]:
+def _to_global(
+  batch: dict[str, np.ndarray], sharding, row_start: int, global_rows: int
+) -> dict[str, jax.Array]:
   """Assembles the global batch from each process's whole rows ``[row_start, ...)``; each
   device takes its block (a part of the sequence, under context parallelism)."""
+
   def one(local):
     local = np.asarray(local)
     shape = (global_rows, local.shape[1])
     return jax.make_array_from_callback(
-        shape, sharding, lambda idx: local[(slice((idx[0].start or 0) - row_start,
-                                                  (idx[0].stop or global_rows) - row_start),
-                                            idx[1])])
+      shape,
+      sharding,
+      lambda idx: local[
+        (slice((idx[0].start or 0) - row_start, (idx[0].stop or global_rows) - row_start), idx[1])
+      ],
+    )
+
   return {k: one(v) for k, v in batch.items()}
 
 
@@ -125,41 +131,53 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   mesh = shd.make_mesh(tuple(config.mesh.shape))
   rules = shd.rules_from_config(config.mesh.get("rules"))
   batch_shard = shd.batch_sharding(mesh, rules)
-  row_slot, row_slots = shd.process_rows(batch_shard,
-                                         (config.global_batch_size, config.seq_len))
+  row_slot, row_slots = shd.process_rows(batch_shard, (config.global_batch_size, config.seq_len))
   row_start = row_slot * (config.global_batch_size // row_slots)
 
   # 1. Data first: a bad path or corpus fails before the workdir is touched.
   data_cfg = DataConfig.from_dict(config.data.to_dict())
   source, tokenizer = run_source(config, data_cfg)
-  data = build_datasets(data_cfg, seq_len=config.seq_len,
-                        global_batch_size=config.global_batch_size, seed=config.seed,
-                        process_index=row_slot, process_count=row_slots, source=source,
-                        tokenizer=tokenizer)
+  data = build_datasets(
+    data_cfg,
+    seq_len=config.seq_len,
+    global_batch_size=config.global_batch_size,
+    seed=config.seed,
+    process_index=row_slot,
+    process_count=row_slots,
+    source=source,
+    tokenizer=tokenizer,
+  )
   arm_model = resolved_model(config, data.tokenizer.vocab_size)
   model_cfg = arm_model.config
 
   # 2. Mesh, state layout and the compiled steps (compiled on first use).
-  setup = build_train_setup(model_cfg, config.optim, seed=config.seed, mesh=mesh,
-                            rules=rules,
-                            grad_accum_steps=config.grad_accum_steps,
-                            global_batch_size=config.global_batch_size,
-                            **mesh_context_options(config))
+  setup = build_train_setup(
+    model_cfg,
+    config.optim,
+    seed=config.seed,
+    mesh=mesh,
+    rules=rules,
+    grad_accum_steps=config.grad_accum_steps,
+    global_batch_size=config.global_batch_size,
+    **mesh_context_options(config),
+  )
   graphdef = setup.graphdef
 
   # 3. Restore or initialise.
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-  manager = ckpt.make_manager(os.path.join(workdir, "checkpoints"),
-                              keep=config.checkpoint.keep,
-                              async_save=config.checkpoint.async_save)
+  manager = ckpt.make_manager(
+    os.path.join(workdir, "checkpoints"),
+    keep=config.checkpoint.keep,
+    async_save=config.checkpoint.async_save,
+  )
   meta = {"model_config": model_cfg.to_dict(), "config": json.loads(config.to_json_best_effort())}
   train_iter = data.new_train_iter()
   progress = Progress(config.num_steps, 0, log_every=config.log_every, enabled=is_main)
   # Each fused kernel the model chose, once on this device against XLA before the steps
   # trace it: one that fails is switched to the stock path, said and recorded.
   checks = preflight.preflight_model(
-      model_cfg, enabled=bool(config.get("kernels", {}).get("preflight", True)),
-      log=progress.message)
+    model_cfg, enabled=bool(config.get("kernels", {}).get("preflight", True)), log=progress.message
+  )
   if is_main and checks:
     write_json(os.path.join(workdir, "preflight.json"), [c.as_dict() for c in checks])
 
@@ -167,29 +185,37 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   def check_meta(saved: dict) -> None:
     # A changed model config is refused (the parameters would not fit), not skipped.
-    ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"],
-                            manager.directory)
+    ckpt.check_model_config(saved.get("model_config", {}), meta["model_config"], manager.directory)
 
   clock.enter("restore")
-  latest, state = ckpt.restore_newest_good(manager, setup.abstract_state, train_iter,
-                                           check_meta=check_meta, message=progress.message)
+  latest, state = ckpt.restore_newest_good(
+    manager, setup.abstract_state, train_iter, check_meta=check_meta, message=progress.message
+  )
   if latest is not None:
     progress.start = latest
     progress.message(f"Resumed from step {latest} in {manager.directory}")
   else:
     if "init_from" in config.checkpoint and config.checkpoint.init_from is None:
-      raise ValueError("checkpoint.init_from is required by this config to start a run: pass "
-                       "the --workdir of the run to start from "
-                       "(--config.checkpoint.init_from=PATH).")
+      raise ValueError(
+        "checkpoint.init_from is required by this config to start a run: pass "
+        "the --workdir of the run to start from "
+        "(--config.checkpoint.init_from=PATH)."
+      )
     state = setup.init_fn()
     init_from = config.checkpoint.get("init_from") or ""
     if init_from:
-      params, from_step = initial_params(init_from, model_cfg, state["params"],
-                                         setup.state_shardings["params"],
-                                         message=progress.message)
+      params, from_step = initial_params(
+        init_from,
+        model_cfg,
+        state["params"],
+        setup.state_shardings["params"],
+        message=progress.message,
+      )
       state = dict(state, params=params)
-      progress.message(f"Initialised the parameters from step {from_step} of {init_from} "
-                       "(fresh optimizer state and data order)")
+      progress.message(
+        f"Initialised the parameters from step {from_step} of {init_from} "
+        "(fresh optimizer state and data order)"
+      )
   start_step = int(state["step"])
   clock.leave("restore")
   # Steps an earlier attempt trained past the checkpoint this one resumes from.
@@ -199,40 +225,54 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # The steps after the restored one run again: drop their old metrics lines so
     # metrics.jsonl keeps one line per step. A finished run's final evaluation also
     # runs again, so its old eval line goes too.
-    rewrite_metrics(workdir, lambda row: row["step"] < start_step or (
-        row["step"] == start_step and (start_step < config.num_steps or "train/loss" in row)))
+    rewrite_metrics(
+      workdir,
+      lambda row: (
+        row["step"] < start_step
+        or (row["step"] == start_step and (start_step < config.num_steps or "train/loss" in row))
+      ),
+    )
   n_params = count_params(model_cfg)
   # Updates skipped as non-finite so far (the steps kept in metrics.jsonl), and how many the
   # run may skip before it stops.
   max_skipped = int(config.get("max_skipped_updates", 0))
-  skipped = [sum(1 for r in read_metrics(workdir) if r.get("train/skipped"))
-             if is_main else 0]
+  skipped = [sum(1 for r in read_metrics(workdir) if r.get("train/skipped")) if is_main else 0]
   if is_main:
     write_json(os.path.join(workdir, "model_config.json"), model_cfg.to_dict())
     progress.message("diffjax: " + arm_model.describe())
     progress.message(
-        f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
-        f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
-        # A streamed corpus is never read whole, so it has no unigram baseline (nan).
-        + (f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats "
-           if math.isfinite(data.unigram_entropy_nats) else "")
-        + f"workdir={workdir}")
+      f"diffjax: arm={model_cfg.attention} params={n_params:,} devices={jax.device_count()} "
+      f"mesh={dict(mesh.shape)} train_tokens={data.num_train_tokens:,} "
+      # A streamed corpus is never read whole, so it has no unigram baseline (nan).
+      + (
+        f"unigram_val_loss={data.unigram_entropy_nats:.4f} nats "
+        if math.isfinite(data.unigram_entropy_nats)
+        else ""
+      )
+      + f"workdir={workdir}"
+    )
 
   # 4. Steps.
   eval_step = setup.eval_step
   tokens_per_step = config.global_batch_size * config.seq_len
   flops = flops_per_token(model_cfg, config.seq_len)
   peak = config.get("peak_flops") or peak_flops(jax.devices()[0].device_kind)
-  throughput = Throughput(clock, tokens_per_step=tokens_per_step,
-                          model_flops_per_token=flops.model, num_devices=jax.device_count(),
-                          peak_flops_per_device=peak)
+  throughput = Throughput(
+    clock,
+    tokens_per_step=tokens_per_step,
+    model_flops_per_token=flops.model,
+    num_devices=jax.device_count(),
+    peak_flops_per_device=peak,
+  )
   profile = Profile(config, workdir, enabled=is_main, clock=clock)
   # Under the mesh rules like the steps (for DIFF V2 it runs the blocks over a batch).
-  lambda_fn = jax.jit(with_mesh_rules(lambda p, b: lambda_summary(graphdef, p, b), mesh, rules,
-                                      **mesh_context_options(config)))
+  lambda_fn = jax.jit(
+    with_mesh_rules(
+      lambda p, b: lambda_summary(graphdef, p, b), mesh, rules, **mesh_context_options(config)
+    )
+  )
   val_batches = data.val_batches(config.eval_batches)
-  writer = MetricsWriter(workdir, enabled=is_main,
-                         tensorboard=config.get("tensorboard", True))
+  writer = MetricsWriter(workdir, enabled=is_main, tensorboard=config.get("tensorboard", True))
   # Bits per byte compares runs across tokenizers: the validation targets' tokens per byte,
   # counted once on the host (for byte tokens exactly 1, so it is the loss in bits).
   val_tokens_per_byte = tokens_per_byte(val_batches, data.tokenizer)
@@ -274,28 +314,36 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         if "batch_hash" in m:
           vals["data/batch_hash"] = m["batch_hash"]
         writer.write(s, vals)
-        what = (f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
-                f"grad_norm={float(m['grad_norm'])})")
+        what = (
+          f"Non-finite loss, gradient or update at step {s} (loss={float(m['loss'])}, "
+          f"grad_norm={float(m['grad_norm'])})"
+        )
         if skipped[0] > max_skipped:
           writer.close()  # the skipped step's line is kept
           raise TrainingError(
-              f"{what}: {skipped[0]} skipped update{'s' if skipped[0] > 1 else ''}, more than "
-              f"max_skipped_updates={max_skipped}. The update was skipped and the last good "
-              f"checkpoint in {manager.directory} is intact; lower optim.lr, check the data, "
-              "or allow more skips (--config.max_skipped_updates=N).")
+            f"{what}: {skipped[0]} skipped update{'s' if skipped[0] > 1 else ''}, more than "
+            f"max_skipped_updates={max_skipped}. The update was skipped and the last good "
+            f"checkpoint in {manager.directory} is intact; lower optim.lr, check the data, "
+            "or allow more skips (--config.max_skipped_updates=N)."
+          )
         progress.message(f"{what}: update skipped ({skipped[0]} of at most {max_skipped})")
         continue
       last_train_loss = float(m["loss"])
-      vals = {"train/loss": last_train_loss, "train/grad_norm": float(m["grad_norm"]),
-              "train/lr": float(m["lr"]), "train/tokens": float(m["tokens"])}
+      vals = {
+        "train/loss": last_train_loss,
+        "train/grad_norm": float(m["grad_norm"]),
+        "train/lr": float(m["lr"]),
+        "train/tokens": float(m["tokens"]),
+      }
       if "batch_hash" in m:
         vals["data/batch_hash"] = m["batch_hash"]
       writer.write(s, vals)
     perf = throughput.interval(pending[-1][0])
     if perf:
       writer.write(pending[-1][0], perf)
-      progress.extra = (f" step {perf['perf/step_time_s']:.3f}s"
-                        + (f" mfu {perf['perf/mfu']:.1%}" if "perf/mfu" in perf else ""))
+      progress.extra = f" step {perf['perf/step_time_s']:.3f}s" + (
+        f" mfu {perf['perf/mfu']:.1%}" if "perf/mfu" in perf else ""
+      )
     pending.clear()
 
   def save(step_, state_):
@@ -304,9 +352,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # A save started but unfinished (an async one, or one a lost peer never joined) is not one
   # to resume from: the line names the newest finished one.
-  distributed.watch_peers(lambda: ckpt.newest_finished_step(manager.directory),
-                          message=_stderr_line,
-                          timeout_s=distributed.peer_timeout(config))
+  distributed.watch_peers(
+    lambda: ckpt.newest_finished_step(manager.directory),
+    message=_stderr_line,
+    timeout_s=distributed.peer_timeout(config),
+  )
   train_step = None
 
   with _StopFlag() as stop:
@@ -328,7 +378,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           # with an option that also keeps a persistent compilation cache from answering.
           with clock.phase("profile"):
             train_step = setup.train_step.lower(state, batch).compile(
-                {"xla_embed_ir_in_executable": True})
+              {"xla_embed_ir_in_executable": True}
+            )
         with clock.phase("train"):
           state, metrics = train_step(state, batch)
         step += 1
@@ -341,8 +392,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         if is_log or is_save or stop.signum is not None:
           with clock.phase("train"):  # waits for the queued steps
             flush_metrics()
-        progress.update(step, float(metrics["loss"]) if progress.tty or is_log else 0.0,
-                        float(tokens_per_step))
+        progress.update(
+          step, float(metrics["loss"]) if progress.tty or is_log else 0.0, float(tokens_per_step)
+        )
         if config.eval_every and step % config.eval_every == 0 and step < config.num_steps:
           last_eval = run_eval(step, state["params"])
           progress.message(f"step {step}: eval loss {last_eval['eval/loss']:.4f}")
@@ -351,8 +403,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         if stop.signum is not None:
           with clock.phase("checkpoint"):
             manager.wait_until_finished()
-          progress.message(f"Signal {stop.signum}: saved step {step}; rerun the same command "
-                           "to resume.")
+          progress.message(
+            f"Signal {stop.signum}: saved step {step}; rerun the same command to resume."
+          )
           writer.close()
           return {"step": step, "stopped": True, "train/loss": last_train_loss}
       with clock.phase("train"):
@@ -373,19 +426,29 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     last_eval = run_eval(step, state["params"])
   distributed.stop_watching()
   summary = goodput(clock, steps_trained=step - start_step, steps_recomputed=recomputed)
-  result = {"step": step, "train/loss": last_train_loss, **last_eval,
-            "unigram/loss": data.unigram_entropy_nats, "params": n_params,
-            "train/skipped_updates": skipped[0],
-            "wall_s": summary["wall_s"],
-            **{f"perf/{k}": v for k, v in throughput.summary().items()},
-            "perf/model_flops_per_token": flops.model,
-            "perf/hardware_flops_per_token": flops.hardware}
+  result = {
+    "step": step,
+    "train/loss": last_train_loss,
+    **last_eval,
+    "unigram/loss": data.unigram_entropy_nats,
+    "params": n_params,
+    "train/skipped_updates": skipped[0],
+    "wall_s": summary["wall_s"],
+    **{f"perf/{k}": v for k, v in throughput.summary().items()},
+    "perf/model_flops_per_token": flops.model,
+    "perf/hardware_flops_per_token": flops.hardware,
+  }
   if checks:
     result["preflight/fallbacks"] = sum(not c.ok for c in checks)
   if is_main:
-    progress.message("final: " + " ".join(
-        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
-        if not k.startswith("lambda")))
+    progress.message(
+      "final: "
+      + " ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in result.items()
+        if not k.startswith("lambda")
+      )
+    )
     progress.message(goodput_line(summary))
     write_json(os.path.join(workdir, "goodput.json"), summary)
     write_json(os.path.join(workdir, "final_metrics.json"), result)

@@ -17,8 +17,9 @@ try:
 except ImportError:
   _HAS_LIBTPU = False
 needs_libtpu = pytest.mark.skipif(not _HAS_LIBTPU, reason="the [tpu] extra is not installed")
-needs_gpu_compile = pytest.mark.skipif(targets.available() is not None and not os.environ.get("CI"),
-                                       reason=f"{targets.available()}")
+needs_gpu_compile = pytest.mark.skipif(
+  targets.available() is not None and not os.environ.get("CI"), reason=f"{targets.available()}"
+)
 
 
 def _tiny(arm="diff_v1"):
@@ -30,15 +31,26 @@ def _tiny(arm="diff_v1"):
 def _cli(*args, env_extra=None):
   env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_") and k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
-  return subprocess.run([sys.executable, "-m", "diffjax.aot", *args], capture_output=True,
-                        text=True, env=env, timeout=900)
+  return subprocess.run(
+    [sys.executable, "-m", "diffjax.aot", *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=900,
+  )
 
 
 # The arms differ only in attention, whose TPU compiles the kernel and sharding tests cover;
 # one arm runs by default.
 @needs_libtpu
-@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1",
-                                 pytest.param("diff_v2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "arm",
+  [
+    pytest.param("transformer", marks=pytest.mark.slow),
+    "diff_v1",
+    pytest.param("diff_v2", marks=pytest.mark.slow),
+  ],
+)
 def test_tiny_configs_compile_for_v5e_2x2(arm):
   cfg = _tiny(arm)
   cfg.mesh.shape = (2, 2, 1)
@@ -72,9 +84,14 @@ def test_hbm_table_and_bad_topology():
 def test_cli_compiles_scanned_context_parallel_step_without_libtpu_probe_noise():
   """The command a user runs first: quiet start-up on a machine without TPUs, and the
   scanned, sequence-sharded (ring) step compiles for a real topology."""
-  r = _cli("--config=configs/tiny.py", "--config.model.arm=diff_v1", "--topology=v5e:2x2",
-           "--config.mesh.shape=(1,1,1,4)", "--config.model.scan_layers=True",
-           "--config.seq_len=64")
+  r = _cli(
+    "--config=configs/tiny.py",
+    "--config.model.arm=diff_v1",
+    "--topology=v5e:2x2",
+    "--config.mesh.shape=(1,1,1,4)",
+    "--config.model.scan_layers=True",
+    "--config.seq_len=64",
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert "mesh={'data': 1, 'fsdp': 1, 'tensor': 1, 'context': 4}" in r.stdout, r.stdout
   assert "fits" in r.stdout
@@ -97,10 +114,13 @@ def test_a_tpu_step_that_does_not_fit_is_one_line_with_options():
 
 
 def test_out_of_memory_messages_and_options():
-  assert parse_out_of_memory("... Used 39.80G of 31.25G hbm. Exceeded hbm capacity") == \
-      (39.8, 31.25)
-  assert parse_out_of_memory("the total memory required for HLO temporaries (40.24G) "
-                             "exceeds available HBM (15.75G).") == (40.24, 15.75)
+  assert parse_out_of_memory("... Used 39.80G of 31.25G hbm. Exceeded hbm capacity") == (
+    39.8,
+    31.25,
+  )
+  assert parse_out_of_memory(
+    "the total memory required for HLO temporaries (40.24G) exceeds available HBM (15.75G)."
+  ) == (40.24, 15.75)
   assert parse_out_of_memory("INTERNAL: something else") is None
   cfg = load_config("configs/paper_3b.py")
   cfg.global_batch_size = 256
@@ -114,10 +134,14 @@ def test_out_of_memory_messages_and_options():
 
 
 @needs_gpu_compile
-@pytest.mark.parametrize("target,mosaic", [
+@pytest.mark.parametrize(
+  "target,mosaic",
+  [
     ("h100", True),
     # about 35 s: the dispatch test checks an A100's choice of the stock path cheaply
-    pytest.param("a100", False, marks=pytest.mark.slow)])
+    pytest.param("a100", False, marks=pytest.mark.slow),
+  ],
+)
 def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
   # bf16, head dim 32 (V1's value 64): the Mosaic GPU kernels take it on an H100; an
   # A100 (sm_80) takes the stock path, which compiles none of ours.
@@ -135,8 +159,12 @@ def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
 @needs_gpu_compile
 @pytest.mark.slow  # about 35 s; the TPU case above covers the one-line answer by default
 def test_a_gpu_step_that_does_not_fit_is_one_line_with_options():
-  r = _cli("--config=configs/tiny.py", "--target=h200", "--config.model.dtype=bfloat16",
-           env_extra={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.000001"})
+  r = _cli(
+    "--config=configs/tiny.py",
+    "--target=h200",
+    "--config.model.dtype=bfloat16",
+    env_extra={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.000001"},
+  )
   assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
   report, advice = [l for l in r.stdout.splitlines() if l.strip()]
   assert report.startswith("h200") and "DOES NOT FIT" in report

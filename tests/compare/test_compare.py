@@ -10,15 +10,16 @@ import sys
 import time
 
 import pytest
+from helpers import REPO
 
 from diffjax import compare
 from diffjax.model import resolve_model
 from diffjax.presets import base_config, load_config
-from helpers import REPO
 
 # ml_collections loads config files with importlib's deprecated load_module().
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+  "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
+)
 
 ARMS = ("transformer", "diff_v1")
 SEEDS = (0, 1)
@@ -54,9 +55,20 @@ def get_config():
 def _cli(config_path, workdir, *extra, timeout=600):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run(
-      [sys.executable, "-m", "diffjax.compare", f"--config={config_path}",
-       f"--workdir={workdir}", *extra],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    [
+      sys.executable,
+      "-m",
+      "diffjax.compare",
+      f"--config={config_path}",
+      f"--workdir={workdir}",
+      *extra,
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +89,9 @@ def _run_dir(workdir, arm, seed):
 
 def _hashes(run_dir):
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-  return [r["data/batch_hash"] for r in sorted(rows, key=lambda r: r["step"])
-          if "data/batch_hash" in r]
+  return [
+    r["data/batch_hash"] for r in sorted(rows, key=lambda r: r["step"]) if "data/batch_hash" in r
+  ]
 
 
 def test_report_results_and_plots(compared):
@@ -167,8 +180,14 @@ def _losses(run_dir):
 def test_rerun_skips_finished_runs(compared):
   workdir, config_path, _ = compared
   runs = [_run_dir(workdir, a, s) for s in SEEDS for a in ARMS]
-  before = {d: ((d / "metrics.jsonl").read_bytes(), (d / "eval.json").stat().st_mtime_ns,
-                sorted(os.listdir(d / "checkpoints"))) for d in runs}
+  before = {
+    d: (
+      (d / "metrics.jsonl").read_bytes(),
+      (d / "eval.json").stat().st_mtime_ns,
+      sorted(os.listdir(d / "checkpoints")),
+    )
+    for d in runs
+  }
   r = _cli(config_path, workdir)
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.count("skipping training") == len(runs), r.stdout
@@ -185,8 +204,9 @@ def test_unfinished_run_resumes_from_its_checkpoint(compared):
   workdir, config_path, _ = compared
   run_dir = _run_dir(workdir, "diff_v1", 1)
   (run_dir / "DONE").unlink()  # as if killed after its last checkpoint
-  train_rows = [l for l in (run_dir / "metrics.jsonl").read_text().splitlines()
-                if "train/loss" in l]
+  train_rows = [
+    l for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "train/loss" in l
+  ]
   r = _cli(config_path, workdir)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "[4/4 diff_v1_seed1] resuming to step" in r.stdout, r.stdout
@@ -203,8 +223,13 @@ def test_parallel_workers_train_what_the_serial_loop_trains(compared, tmp_path):
   redone = [_run_dir(copy, a, 1) for a in ARMS]
   for d in redone:
     shutil.rmtree(d)
-  r = _cli(config_path, copy, "--config.workers=2", "--config.report.learned_below=100.0",
-           "--config.report.learned_window=2")
+  r = _cli(
+    config_path,
+    copy,
+    "--config.workers=2",
+    "--config.report.learned_below=100.0",
+    "--config.report.learned_window=2",
+  )
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert "2 runs at a time" in r.stdout, r.stdout
   for arm in ARMS:
@@ -224,23 +249,38 @@ def test_parallel_workers_train_what_the_serial_loop_trains(compared, tmp_path):
   results = json.loads((copy / "results.json").read_text())
   assert [r["name"] for r in results["runs"]] == [f"{a}_seed{s}" for s in SEEDS for a in ARMS]
   # Every loss is below 100, so each run "learned" at its first full 2-step window.
-  assert all(r["scalars"]["train/steps_to_learn"] == 2.0 and r["scalars"]["train/learned"] == 1.0
-             for r in results["runs"])
+  assert all(
+    r["scalars"]["train/steps_to_learn"] == 2.0 and r["scalars"]["train/learned"] == 1.0
+    for r in results["runs"]
+  )
   assert "train/steps_to_learn" in (copy / "report.md").read_text()
   assert results["data_check"]["ok"] is True
 
 
 def test_sigterm_stops_parallel_workers_after_they_save(tmp_path):
   config_path = tmp_path / "long.py"
-  config_path.write_text(MINI_CONFIG.replace(f"= 32, 4, {STEPS}", "= 32, 4, 5000")
-                         .replace(f"decay_steps={STEPS}", "decay_steps=5000")
-                         .replace("seeds=(0, 1)", "seeds=(0,)"))
+  config_path.write_text(
+    MINI_CONFIG.replace(f"= 32, 4, {STEPS}", "= 32, 4, 5000")
+    .replace(f"decay_steps={STEPS}", "decay_steps=5000")
+    .replace("seeds=(0, 1)", "seeds=(0,)")
+  )
   workdir = tmp_path / "out"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(
-      [sys.executable, "-m", "diffjax.compare", f"--config={config_path}",
-       f"--workdir={workdir}", "--config.workers=2"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      "-m",
+      "diffjax.compare",
+      f"--config={config_path}",
+      f"--workdir={workdir}",
+      "--config.workers=2",
+    ],
+    cwd=REPO,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   metrics = [_run_dir(workdir, a, 0) / "metrics.jsonl" for a in ARMS]
   deadline = time.time() + 300
   while not all(m.exists() and m.stat().st_size > 0 for m in metrics):
@@ -325,6 +365,7 @@ def test_retrieval_config_is_valid_matched_and_queries_one_key():
   compare.check_comparison_config(config)
   assert len(config.seeds) >= 3 and config.base.model.v2_match == "params"
   from diffjax.model import count_params
+
   counts = {}
   for arm in compare.ARMS:
     run = compare.run_config(config, arm, 0)
@@ -343,13 +384,18 @@ def test_retrieval_config_is_valid_matched_and_queries_one_key():
 
 def test_check_batches_reports_mismatch_and_missing_hashes():
   same = {s: 100 + s for s in range(1, 5)}
-  hashes = {("transformer", 0): same, ("diff_v1", 0): {**same, 3: 999},
-            ("transformer", 1): {s: 200 + s for s in range(1, 5)},
-            ("diff_v1", 1): {s: 200 + s for s in range(1, 4)}}
+  hashes = {
+    ("transformer", 0): same,
+    ("diff_v1", 0): {**same, 3: 999},
+    ("transformer", 1): {s: 200 + s for s in range(1, 5)},
+    ("diff_v1", 1): {s: 200 + s for s in range(1, 4)},
+  }
   check = compare.check_batches(hashes, ["transformer", "diff_v1"], [0, 1], 4)
   assert not check["ok"]
-  assert check["per_seed"] == {"0": {"match": False, "steps_compared": 4},
-                               "1": {"match": False, "steps_compared": 4}}
+  assert check["per_seed"] == {
+    "0": {"match": False, "steps_compared": 4},
+    "1": {"match": False, "steps_compared": 4},
+  }
   assert any("seed 0" in p and "diff_v1" in p and "step 3" in p for p in check["problems"])
   assert any("seed 1" in p and "no batch hash" in p and "step 4" in p for p in check["problems"])
   good = {k: v for k, v in hashes.items() if k[1] == 0}
@@ -358,7 +404,9 @@ def test_check_batches_reports_mismatch_and_missing_hashes():
   assert check["ok"] and not check["problems"]
 
 
-@pytest.mark.parametrize("override,needle", [
+@pytest.mark.parametrize(
+  "override,needle",
+  [
     ("--config.arms=('transformer', 'gpt')", "unknown arm(s) ['gpt']"),
     ("--config.arms=()", "arms is empty"),
     ("--config.seeds=()", "seeds is empty"),
@@ -366,11 +414,13 @@ def test_check_batches_reports_mismatch_and_missing_hashes():
     ("--config.eval.mode=fast", "eval.mode='fast'"),
     ("--config.workers=0", "workers=0 must be a positive integer"),
     ("--config.base.model.attention=diff_v1", "a run's arm is --config.base.model.arm="),
-])
+  ],
+)
 def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
   workdir = tmp_path / "wd"
-  code = compare.main(["compare", f"--config={REPO}/configs/compare/tiny.py",
-                       f"--workdir={workdir}", override])
+  code = compare.main(
+    ["compare", f"--config={REPO}/configs/compare/tiny.py", f"--workdir={workdir}", override]
+  )
   err = capsys.readouterr().err
   assert code == 2, err
   lines = [l for l in err.splitlines() if l.startswith("error:")]
@@ -386,8 +436,9 @@ def test_a_run_stopped_by_a_signal_exits_with_the_preempted_status(tmp_path, mon
     raise compare.ComparisonStopped("transformer_seed0 stopped at step 3 by a signal")
 
   monkeypatch.setattr(command, "run_comparison", stopped)
-  code = compare.main(["compare", f"--config={REPO}/configs/compare/tiny.py",
-                       f"--workdir={tmp_path / 'wd'}"])
+  code = compare.main(
+    ["compare", f"--config={REPO}/configs/compare/tiny.py", f"--workdir={tmp_path / 'wd'}"]
+  )
   assert code == 75
   assert "rerun the same command to continue" in capsys.readouterr().err
 
@@ -407,8 +458,14 @@ def test_module_entry_point_reports_unknown_arm(tmp_path):
 def test_v2_matched_by_params_differs_only_in_ffn_width():
   from diffjax.model import ModelConfig, count_params, matched_configs  # pylint: disable=import-outside-toplevel
   from diffjax.model.sizes import size_widths  # pylint: disable=import-outside-toplevel
-  for size, vocab in (("tiny", 258), ("small", 258), ("350m", 258), ("3b", 100288),
-                      ("830m", 100288)):
+
+  for size, vocab in (
+    ("tiny", 258),
+    ("small", 258),
+    ("350m", 258),
+    ("3b", 100288),
+    ("830m", 100288),
+  ):
     base = ModelConfig(attention="transformer", vocab_size=vocab, **size_widths(size))
     by_heads = matched_configs(base, v2_match="heads")
     by_params = matched_configs(base, v2_match="params")
@@ -425,26 +482,32 @@ def test_v2_matched_by_params_differs_only_in_ffn_width():
     assert count_params(by_heads["diff_v2"]) - n_base == base.num_layers * (e * h * d + e * h)
   with pytest.raises(ValueError, match="v2_match"):
     matched_configs(base, v2_match="flops")
-  tiny_ffn = ModelConfig(attention="transformer", vocab_size=258,
-                         **{**size_widths("tiny"), "mlp_dim": 8})
+  tiny_ffn = ModelConfig(
+    attention="transformer", vocab_size=258, **{**size_widths("tiny"), "mlp_dim": 8}
+  )
   with pytest.raises(ValueError, match="mlp_dim=8"):
     matched_configs(tiny_ffn, v2_match="params")
 
 
 def test_summary_names_what_the_runs_trained_on():
   from diffjax.compare.summary import _data_phrase
+
   base = base_config()
   assert _data_phrase(base) == f"`{base.data.kind}` data"
   base.task_mix.update(dict(task="associative_recall", fraction=0.25))
-  assert _data_phrase(base) == (f"`{base.data.kind}` data with 25% of the tokens from "
-                                "`associative_recall` examples")
+  assert _data_phrase(base) == (
+    f"`{base.data.kind}` data with 25% of the tokens from `associative_recall` examples"
+  )
   base.task_mix.update(dict(fraction=1.0, num_examples=20_000, loss="answers"))
-  assert _data_phrase(base) == ("`associative_recall` task examples alone (20,000 examples, "
-                                "only the answer tokens scored; no corpus text)")
+  assert _data_phrase(base) == (
+    "`associative_recall` task examples alone (20,000 examples, "
+    "only the answer tokens scored; no corpus text)"
+  )
 
 
 def test_steps_to_learn_is_the_first_window_below_the_threshold():
   from diffjax.compare.runs import steps_to_learn
+
   losses = [0.7] * 10 + [0.2] * 10  # steps 1..20
   rows = [{"step": i + 1, "train/loss": v} for i, v in enumerate(losses)]
   # Window 4: the mean of steps 10-13 is 0.325, the first below; of steps 9-12, 0.45.

@@ -5,22 +5,33 @@ import json
 import math
 
 import pytest
+from helpers import REPO
 
 from diffjax import compare
 from diffjax.compare import sweep as sweep_lib
 from diffjax.compare.config import run_config, sweep_points
 from diffjax.model import count_params, resolve_model
 from diffjax.presets import base_config, load_config
-from helpers import REPO
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
+  "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
+)
 
 
 def _mini(values=(3e-3, 1e30), max_skipped=3):
   base = base_config()
-  base.model.update(dict(arm="transformer", size="custom", d_model=32, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64))
+  base.model.update(
+    dict(
+      arm="transformer",
+      size="custom",
+      d_model=32,
+      num_layers=1,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=8,
+      mlp_dim=64,
+    )
+  )
   base.seq_len, base.global_batch_size, base.num_steps = 32, 4, 6
   base.log_every, base.eval_every, base.eval_batches = 3, 0, 1
   base.tensorboard = False
@@ -34,8 +45,7 @@ def _mini(values=(3e-3, 1e30), max_skipped=3):
   c.variants.v2_nosig = dict(arm="diff_v2", model=dict(v2_lambda="identity"))
   c.allow_divergence = True
   c.sweep.update(dict(key="optim.lr", values=values, scaled=("optim.min_lr",)))
-  c.eval.overrides = dict(val_batches=1, sections=("validation", "mechanisms"),
-                          mechanism_batches=1)
+  c.eval.overrides = dict(val_batches=1, sections=("validation", "mechanisms"), mechanism_batches=1)
   c.report.spike_window = 3
   # Six steps do not get below the unigram baseline: only non-finite runs diverge here (the
   # unigram criteria have their own test below).
@@ -91,6 +101,7 @@ def test_without_allow_divergence_a_diverging_run_stops_the_comparison(tmp_path)
   c = _mini(values=(1e30, 3e-3))
   c.allow_divergence = False
   from diffjax.train.trainer import TrainingError
+
   with pytest.raises(TrainingError, match="max_skipped_updates=3"):
     compare.run_comparison(c, str(tmp_path / "out"), log=lambda _m: None)
 
@@ -116,18 +127,23 @@ def test_a_variant_changes_only_the_fields_it_names():
   assert plain.to_dict()["optim"] == variant.to_dict()["optim"]
 
 
-@pytest.mark.parametrize("edit,needle", [
+@pytest.mark.parametrize(
+  "edit,needle",
+  [
     (lambda c: c.variants.update(dict(diff_v1=dict(arm="diff_v2"))), "cannot reuse an arm"),
     (lambda c: c.variants.update(dict(x=dict(arm="gpt"))), "variants.x.arm='gpt'"),
-    (lambda c: c.variants.update(dict(x=dict(arm="diff_v2", model=dict(size="small")))),
-     "a variant is matched as its arm"),
+    (
+      lambda c: c.variants.update(dict(x=dict(arm="diff_v2", model=dict(size="small")))),
+      "a variant is matched as its arm",
+    ),
     (lambda c: c.variants.v2_nosig.update(dict(model=dict(v2_lambda="tanh"))), "v2_lambda='tanh'"),
     (lambda c: c.sweep.update(dict(key="optim.learning_rate")), "sweep.key='optim.learning_rate'"),
     (lambda c: c.sweep.update(dict(values=())), "sweep.values is empty"),
     (lambda c: c.sweep.update(dict(values=(1e-3, 1e-3))), "repeats a value"),
     (lambda c: c.sweep.update(dict(scaled=("optim.floor",))), "'optim.floor'"),
     (lambda c: c.sweep.update(dict(values=(1e-3, -1.0))), "lr=-1"),
-])
+  ],
+)
 def test_bad_variants_and_sweeps_are_named(edit, needle):
   c = _mini()
   edit(c)
@@ -160,8 +176,10 @@ def test_lr_stability_config_is_valid_and_parameter_matched():
   config = load_config(f"{REPO}/configs/compare/lr_stability_cpu.py")
   compare.check_comparison_config(config)
   assert len(config.seeds) >= 2 and 4 <= len(config.sweep["values"]) <= 6
-  counts = {arm: count_params(resolve_model(run_config(config, arm, 0).model.to_dict()).config)
-            for arm in config.arms}
+  counts = {
+    arm: count_params(resolve_model(run_config(config, arm, 0).model.to_dict()).config)
+    for arm in config.arms
+  }
   assert counts["diff_v2_cross_group"] == counts["diff_v2"] == counts["diff_v2_no_sigmoid"]
   for arm in ("diff_v1", "diff_v2"):
     assert abs(counts[arm] / counts["transformer"] - 1) <= 0.005, counts

@@ -19,16 +19,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import FIXTURES as TESTS_FIXTURES  # noqa: E402
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from diffjax.convert import (ConversionError, build_model, expected_shapes, load_hf,
-                             model_config_from_hf, model_params, save_hf)
+from diffjax.convert import (
+  ConversionError,
+  build_model,
+  expected_shapes,
+  load_hf,
+  model_config_from_hf,
+  model_params,
+  save_hf,
+)
 from diffjax.convert.command import main as cli_main
 from diffjax.convert.files import read_tensors
 from diffjax.model import DecoderLM, ModelConfig
-
-from helpers import FIXTURES as TESTS_FIXTURES  # noqa: E402
 
 FIXTURES = os.path.join(TESTS_FIXTURES, "hf")
 KINDS = ("llama", "diffllama")
@@ -119,8 +125,8 @@ def padded_logits(model: DecoderLM, ids) -> np.ndarray:
   a row's tokens cannot change the logits of the positions before it.
   """
   buf = np.zeros((2, WIDTH), np.int32)
-  buf[:ids.shape[0], :ids.shape[1]] = ids
-  return logits_of(model, buf)[:ids.shape[0], :ids.shape[1]]
+  buf[: ids.shape[0], : ids.shape[1]] = ids
+  return logits_of(model, buf)[: ids.shape[0], : ids.shape[1]]
 
 
 def test_import_reproduces_transformers_logits(imported):
@@ -137,7 +143,7 @@ def test_greedy_decoding_reproduces_transformers_generate(imported):
   kind, model = imported
   prompt, expected = npy(kind, "prompt_ids"), npy(kind, "greedy_ids")
   tokens = np.zeros_like(expected)
-  tokens[:, :prompt.shape[1]] = prompt
+  tokens[:, : prompt.shape[1]] = prompt
   for t in range(prompt.shape[1], expected.shape[1]):
     tokens[:, t] = np.argmax(padded_logits(model, tokens)[:, t - 1], axis=-1)
   np.testing.assert_array_equal(tokens, expected)
@@ -147,9 +153,17 @@ def test_import_accepts_the_older_config_format(tmp_path):
   # transformers 4.x wrote rope_theta at the top level and rope_scaling: null.
   src = copy_fixture("llama", tmp_path)
   theta = fixture_config("llama")["rope_parameters"]["rope_theta"]
-  edit_config(src, rope_parameters=_DELETE, rope_theta=theta, rope_scaling=None, dtype=_DELETE,
-              torch_dtype="float32", transformers_version="4.46.0", mlp_bias=None,
-              _name_or_path="local/llama")
+  edit_config(
+    src,
+    rope_parameters=_DELETE,
+    rope_theta=theta,
+    rope_scaling=None,
+    dtype=_DELETE,
+    torch_dtype="float32",
+    transformers_version="4.46.0",
+    mlp_bias=None,
+    _name_or_path="local/llama",
+  )
   model = load_hf(src)
   assert model.config.rope_theta == theta
   err = np.max(np.abs(padded_logits(model, npy("llama", "input_ids")) - npy("llama", "logits")))
@@ -162,8 +176,9 @@ def test_import_reads_bfloat16_tensors(tmp_path):
   bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
   save_file(bf16, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
   params = model_params(load_hf(src))
-  np.testing.assert_array_equal(params["embed"]["embedding"],
-                                bf16["model.embed_tokens.weight"].astype(np.float32))
+  np.testing.assert_array_equal(
+    params["embed"]["embedding"], bf16["model.embed_tokens.weight"].astype(np.float32)
+  )
 
 
 # ------------------------------------------------------------------------------ export
@@ -187,8 +202,7 @@ def test_export_then_import_is_the_identity(imported, tmp_path):
   assert set(index["weight_map"]) == set(original)
   assert index["metadata"]["total_size"] == sum(v.nbytes for v in original.values())
   if kind == "diffllama":
-    with open(os.path.join(fixture(kind), "model.safetensors.index.json"),
-              encoding="utf-8") as f:
+    with open(os.path.join(fixture(kind), "model.safetensors.index.json"), encoding="utf-8") as f:
       assert set(index["metadata"]) == set(json.load(f)["metadata"])
 
 
@@ -204,9 +218,20 @@ def test_export_has_the_names_shapes_and_config_keys_transformers_writes(kind, t
     exported_cfg = json.load(f)
   want_cfg = fixture_config(kind)
   assert set(exported_cfg) == set(want_cfg) - INFORMATIONAL_KEYS
-  for key in ("architectures", "model_type", "hidden_size", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters",
-              "tie_word_embeddings", "vocab_size", "intermediate_size", "num_hidden_layers"):
+  for key in (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "vocab_size",
+    "intermediate_size",
+    "num_hidden_layers",
+  ):
     assert exported_cfg[key] == want_cfg[key], key
   exported, original = read_tensors(out), read_tensors(fixture(kind))
   assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
@@ -219,9 +244,20 @@ def test_export_has_the_names_shapes_and_config_keys_transformers_writes(kind, t
 def test_export_of_a_trained_layout_keeps_the_function(arm, tie, tmp_path):
   # diffjax's default interleaved RoPE is reordered to halves and DIFF V1's per-head gain
   # is folded into o_proj; importing the export must compute the same logits.
-  cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=1, num_heads=4,
-                    num_kv_heads=2, head_dim=8, mlp_dim=48, rope_style="interleaved",
-                    tie_embeddings=tie, init_std=0.15, implementation="xla")
+  cfg = ModelConfig(
+    attention=arm,
+    vocab_size=64,
+    d_model=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=48,
+    rope_style="interleaved",
+    tie_embeddings=tie,
+    init_std=0.15,
+    implementation="xla",
+  )
   model = random_model(cfg, 3)
   out = os.path.join(tmp_path, "out")
   save_hf(model, out)
@@ -247,11 +283,14 @@ def test_export_in_bfloat16_rounds_each_tensor(imported, tmp_path):
 
 
 def test_export_refuses_what_transformers_cannot_compute(tmp_path):
-  base = dict(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2,
-              head_dim=8, mlp_dim=32)
-  cases = {"'diff_v2'": ModelConfig(attention="diff_v2", **base),
-           "diff_use_norm": ModelConfig(attention="diff_v1", diff_use_norm=False, **base),
-           "diff_norm_eps": ModelConfig(attention="diff_v1", diff_norm_eps=1e-6, **base)}
+  base = dict(
+    vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=32
+  )
+  cases = {
+    "'diff_v2'": ModelConfig(attention="diff_v2", **base),
+    "diff_use_norm": ModelConfig(attention="diff_v1", diff_use_norm=False, **base),
+    "diff_norm_eps": ModelConfig(attention="diff_v1", diff_norm_eps=1e-6, **base),
+  }
   for field, cfg in cases.items():
     out = os.path.join(tmp_path, "out")
     with pytest.raises(ConversionError, match=field):
@@ -264,6 +303,7 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path):
 
 def test_cli_import_writes_a_workdir_that_load_model_reads_and_export_restores(tmp_path):
   from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
+
   workdir, out = os.path.join(tmp_path, "run"), os.path.join(tmp_path, "out")
   assert cli_main(["import", "--hf", fixture("diffllama"), "--workdir", workdir]) == 0
   # export reads the workdir with load_model: the fixture's tensors must come back exactly.
@@ -283,8 +323,9 @@ def test_cli_import_writes_a_workdir_that_load_model_reads_and_export_restores(t
 
 def _bad_input(tmp_path, capsys, argv) -> str:
   """Runs the CLI on bad input: exit 2, exactly one error line, nothing written."""
-  target = argv[argv.index("--workdir") + 1] if argv[0] == "import" else \
-      argv[argv.index("--hf") + 1]
+  target = (
+    argv[argv.index("--workdir") + 1] if argv[0] == "import" else argv[argv.index("--hf") + 1]
+  )
   assert cli_main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: "), err
@@ -294,52 +335,65 @@ def _bad_input(tmp_path, capsys, argv) -> str:
 
 def test_bad_directories_give_one_error_line_and_write_nothing(tmp_path, capsys):
   run = os.path.join(tmp_path, "run")
-  line = _bad_input(tmp_path, capsys, ["import", "--hf", str(tmp_path / "nope"),
-                                       "--workdir", run])
+  line = _bad_input(tmp_path, capsys, ["import", "--hf", str(tmp_path / "nope"), "--workdir", run])
   assert "nope" in line and "not a directory" in line
   empty = tmp_path / "empty"
   empty.mkdir()
-  assert "config.json" in _bad_input(tmp_path, capsys,
-                                     ["import", "--hf", str(empty), "--workdir", run])
+  assert "config.json" in _bad_input(
+    tmp_path, capsys, ["import", "--hf", str(empty), "--workdir", run]
+  )
   src = copy_fixture("llama", tmp_path)
   with open(os.path.join(src, "config.json"), "w", encoding="utf-8") as f:
     f.write('{"architectures": ["LlamaForCausalLM"], ')
-  assert "not valid JSON" in _bad_input(tmp_path, capsys,
-                                        ["import", "--hf", src, "--workdir", run])
+  assert "not valid JSON" in _bad_input(tmp_path, capsys, ["import", "--hf", src, "--workdir", run])
   src = copy_fixture("llama", tmp_path, "noweights")
   os.remove(os.path.join(src, "model.safetensors"))
-  assert "model.safetensors" in _bad_input(tmp_path, capsys,
-                                           ["import", "--hf", src, "--workdir", run])
+  assert "model.safetensors" in _bad_input(
+    tmp_path, capsys, ["import", "--hf", src, "--workdir", run]
+  )
   src = copy_fixture("diffllama", tmp_path, "noshard")
   os.remove(os.path.join(src, "model-00002-of-00003.safetensors"))
-  assert "model-00002-of-00003" in _bad_input(tmp_path, capsys,
-                                              ["import", "--hf", src, "--workdir", run])
-  line = _bad_input(tmp_path, capsys, ["export", "--workdir", str(tmp_path / "norun"),
-                                       "--hf", os.path.join(tmp_path, "out")])
+  assert "model-00002-of-00003" in _bad_input(
+    tmp_path, capsys, ["import", "--hf", src, "--workdir", run]
+  )
+  line = _bad_input(
+    tmp_path,
+    capsys,
+    ["export", "--workdir", str(tmp_path / "norun"), "--hf", os.path.join(tmp_path, "out")],
+  )
   assert "norun" in line
 
 
-@pytest.mark.parametrize("kind,changes,named", [
+@pytest.mark.parametrize(
+  "kind,changes,named",
+  [
     ("llama", {"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
     ("llama", {"attention_bias": True}, "attention_bias"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "rope_type"),
-    ("llama", {"rope_parameters": _DELETE, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     "rope_scaling.rope_type='linear'"),
+    (
+      "llama",
+      {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+      "rope_type",
+    ),
+    (
+      "llama",
+      {"rope_parameters": _DELETE, "rope_scaling": {"type": "linear", "factor": 2.0}},
+      "rope_scaling.rope_type='linear'",
+    ),
     ("llama", {"hidden_size": "48"}, "hidden_size"),
     ("llama", {"intermediate_size": 96}, "mlp.gate_proj.weight"),  # shapes no longer fit
     ("diffllama", {"num_key_value_heads": 8}, "self_attn.k_proj.weight"),
     ("diffllama", {"num_attention_heads": 6, "num_key_value_heads": 3}, "even"),
     ("diffllama", {"tie_word_embeddings": False}, "lm_head.weight"),
-])
-def test_unmappable_configs_are_refused_naming_the_field(kind, changes, named, tmp_path,
-                                                         capsys):
+  ],
+)
+def test_unmappable_configs_are_refused_naming_the_field(kind, changes, named, tmp_path, capsys):
   src = copy_fixture(kind, tmp_path)
   edit_config(src, **changes)
-  line = _bad_input(tmp_path, capsys, ["import", "--hf", src,
-                                       "--workdir", os.path.join(tmp_path, "run")])
+  line = _bad_input(
+    tmp_path, capsys, ["import", "--hf", src, "--workdir", os.path.join(tmp_path, "run")]
+  )
   assert named in line, line
 
 
@@ -356,8 +410,9 @@ def test_unexpected_or_misshapen_tensors_are_refused(tmp_path, capsys):
   save_file(tensors, path, metadata={"format": "pt"})
   line = _bad_input(tmp_path, capsys, ["import", "--hf", src, "--workdir", str(tmp_path / "r")])
   assert "model.layers.1.self_attn.o_proj.weight" in line and "[48, 30]" in line
-  assert set(expected_shapes(model_config_from_hf(fixture_config("llama")))) == \
-      set(read_tensors(fixture("llama")))
+  assert set(expected_shapes(model_config_from_hf(fixture_config("llama")))) == set(
+    read_tensors(fixture("llama"))
+  )
 
 
 def test_a_tied_checkpoint_may_repeat_the_table_as_lm_head_but_not_differ(tmp_path, capsys):

@@ -16,22 +16,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import FIXTURES, read_metrics, tiny_config
+from kernel_checks import rel_err
 
-from diffjax.convert import (ConversionError, build_model, load_hf, model_params, retrofit,
-                             retrofit_params)
+from diffjax.convert import ConversionError, build_model, load_hf, model_params, retrofit_params
 from diffjax.convert.command import main as cli_main
 from diffjax.model import DecoderLM, ModelConfig, matched_configs
 from diffjax.train import load_model
-from helpers import FIXTURES, read_metrics, tiny_config
-from kernel_checks import rel_err
 
 LLAMA = os.path.join(FIXTURES, "hf", "llama")
 
 
 def _source(scan_layers=False, seed=0) -> DecoderLM:
-  cfg = ModelConfig(attention="transformer", d_model=32, num_layers=3, num_heads=4,
-                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=61,
-                    scan_layers=scan_layers)
+  cfg = ModelConfig(
+    attention="transformer",
+    d_model=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=61,
+    scan_layers=scan_layers,
+  )
   return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
 
 
@@ -43,6 +50,7 @@ def _retrofitted(source: DecoderLM, arm: str, **kw) -> DecoderLM:
   cfg, params = retrofit_params(source.config, model_params(source), arm, **kw)
   if cfg.scan_layers:
     from diffjax.model import layout  # pylint: disable=import-outside-toplevel
+
     params = layout.convert_layout(params, layout.SCANNED, cfg.num_layers)
   return build_model(cfg, params)
 
@@ -76,22 +84,23 @@ def test_v2_pair_gradients_differ_by_minus_sigma_so_training_separates_the_heads
 
   def loss(p):
     logits = nnx.merge(graphdef, p)(x[:, :-1])
-    return -jnp.mean(jax.nn.log_softmax(logits)[..., :, :][jnp.arange(2)[:, None],
-                                                            jnp.arange(18)[None], x[:, 1:]])
+    return -jnp.mean(
+      jax.nn.log_softmax(logits)[..., :, :][jnp.arange(2)[:, None], jnp.arange(18)[None], x[:, 1:]]
+    )
 
   grads = nnx.to_pure_dict(jax.jit(jax.grad(loss))(params))
   for i in range(3):
     g = np.asarray(grads["blocks"][i]["attn"]["q"])  # [E, H, 2, D]
     assert np.max(np.abs(g[:, :, 0])) > 0
     # The second head's map enters with -sigma(lambda) = -0.5.
-    np.testing.assert_allclose(g[:, :, 1], -0.5 * g[:, :, 0], rtol=1e-4,
-                               atol=1e-6 * np.max(np.abs(g)))
+    np.testing.assert_allclose(
+      g[:, :, 1], -0.5 * g[:, :, 0], rtol=1e-4, atol=1e-6 * np.max(np.abs(g))
+    )
     # W_lambda = 0 has a gradient too: lambda moves off 0.5 at once.
     assert np.max(np.abs(np.asarray(grads["blocks"][i]["attn"]["w_lambda"]))) > 0
 
 
-@pytest.mark.parametrize("second,scan_layers", [("copy", False), ("noise", False),
-                                                ("zeros", True)])
+@pytest.mark.parametrize("second,scan_layers", [("copy", False), ("noise", False), ("zeros", True)])
 def test_mixed_in_v2_is_the_source_at_step_0_and_plain_v2_after_the_ramp(second, scan_layers):
   source = _source(scan_layers)
   v2 = _retrofitted(source, "diff_v2", init="mixed", second=second, mix_steps=10, seed=4)
@@ -116,11 +125,13 @@ def test_mixed_in_v2_is_the_source_at_step_0_and_plain_v2_after_the_ramp(second,
   params = model_params(v2)
   if scan_layers:
     from diffjax.model import layout  # pylint: disable=import-outside-toplevel
+
     params = layout.convert_layout(params, layout.SCANNED, v2.config.num_layers)
   plain = build_model(v2.config.replace(v2_mix_steps=0), params)
   for step in (10, 11, 10_000):
-    np.testing.assert_array_equal(np.asarray(v2(x, v2_mix=v2.config.v2_mix(step))),
-                                  np.asarray(plain(x)))
+    np.testing.assert_array_equal(
+      np.asarray(v2(x, v2_mix=v2.config.v2_mix(step))), np.asarray(plain(x))
+    )
   np.testing.assert_array_equal(np.asarray(v2(x)), np.asarray(plain(x)))
 
 
@@ -133,9 +144,11 @@ def test_mixed_in_v2_of_the_hf_llama_fixture_gives_transformers_logits():
 
 def test_bad_mixed_in_settings_are_named():
   source = _source()
-  for kw, needle in ((dict(init="mixed", mix_steps=0), "mix_steps >= 1"),
-                     (dict(init="warm"), "init='warm'"),
-                     (dict(init="mixed", second="random", mix_steps=3), "second='random'")):
+  for kw, needle in (
+    (dict(init="mixed", mix_steps=0), "mix_steps >= 1"),
+    (dict(init="warm"), "init='warm'"),
+    (dict(init="mixed", second="random", mix_steps=3), "second='random'"),
+  ):
     with pytest.raises(ConversionError, match=needle):
       retrofit_params(source.config, model_params(source), "diff_v2", **kw)
   with pytest.raises(ConversionError, match="DIFF V2 start"):
@@ -154,11 +167,23 @@ def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path):
   """The ramp is applied by step in the train step; a run stopped mid-ramp and resumed trains
   the uninterrupted run's losses bitwise."""
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
   source = str(tmp_path / "transformer")
   train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
   retro = str(tmp_path / "retro")
-  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}", "--init=mixed",
-                   "--second=noise", "--mix_steps=6"]) == 0
+  assert (
+    cli_main(
+      [
+        "retrofit",
+        f"--source={source}",
+        f"--workdir={retro}",
+        "--init=mixed",
+        "--second=noise",
+        "--mix_steps=6",
+      ]
+    )
+    == 0
+  )
 
   def cont(steps):
     c = tiny_config(arm="diff_v2", steps=steps)
@@ -171,12 +196,13 @@ def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path):
   wrong = cont(2)
   wrong.model.v2_mix_steps = 0
   from diffjax.train.integrity import CheckpointError  # pylint: disable=import-outside-toplevel
+
   with pytest.raises(CheckpointError, match="--config.model.v2_mix_steps=6"):
     train_and_evaluate(wrong, str(tmp_path / "wrong"))
   whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
   train_and_evaluate(cont(8), whole)
-  train_and_evaluate(cont(3), split)       # stops at step 3, mid-ramp
-  train_and_evaluate(cont(8), split)       # resumes from it
+  train_and_evaluate(cont(3), split)  # stops at step 3, mid-ramp
+  train_and_evaluate(cont(8), split)  # resumes from it
   a, b = read_metrics(whole), read_metrics(split)
   assert sorted(a) == sorted(b) == list(range(1, 9))
   for step in a:
@@ -203,14 +229,34 @@ def test_v1_start_has_lambda_zero_and_the_source_layout():
 
 
 def test_sources_that_cannot_be_retrofitted_are_named():
-  v1 = DecoderLM(ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
-                             num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=61),
-                 rngs=nnx.Rngs(0))
+  v1 = DecoderLM(
+    ModelConfig(
+      attention="diff_v1",
+      d_model=32,
+      num_layers=1,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=8,
+      mlp_dim=64,
+      vocab_size=61,
+    ),
+    rngs=nnx.Rngs(0),
+  )
   with pytest.raises(ConversionError, match="attention='diff_v1'"):
     retrofit_params(v1.config, model_params(v1), "diff_v2")
-  odd = DecoderLM(ModelConfig(attention="transformer", d_model=24, num_layers=1, num_heads=3,
-                              num_kv_heads=3, head_dim=8, mlp_dim=64, vocab_size=61),
-                  rngs=nnx.Rngs(0))
+  odd = DecoderLM(
+    ModelConfig(
+      attention="transformer",
+      d_model=24,
+      num_layers=1,
+      num_heads=3,
+      num_kv_heads=3,
+      head_dim=8,
+      mlp_dim=64,
+      vocab_size=61,
+    ),
+    rngs=nnx.Rngs(0),
+  )
   with pytest.raises(ConversionError, match="num_heads=3, num_kv_heads=3"):
     retrofit_params(odd.config, model_params(odd), "diff_v1")
   retrofit_params(odd.config, model_params(odd), "diff_v2")  # any head count pairs in V2
@@ -218,6 +264,7 @@ def test_sources_that_cannot_be_retrofitted_are_named():
 
 def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_path, capsys):
   from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
+
   source = str(tmp_path / "transformer")
   write_workdir(source, _source(), {})  # a Transformer run's workdir at step 0
   retro = str(tmp_path / "retro")
@@ -244,6 +291,7 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
 @pytest.mark.slow  # two training runs; the retrofit itself is checked above
 def test_train_py_continues_a_retrofitted_run(tmp_path):
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
   source = str(tmp_path / "transformer")
   train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
   retro = str(tmp_path / "retro")

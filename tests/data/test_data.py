@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from diffjax.data import (
-    AnswersOnly,
-    AssociativeRecallTask,
-    ByteTokenizer,
-    DataConfig,
-    HFTokenizer,
-    ShardCorpus,
-    build_datasets,
-    resolve_paths,
-    stdlib_files,
+  AnswersOnly,
+  AssociativeRecallTask,
+  ByteTokenizer,
+  DataConfig,
+  HFTokenizer,
+  ShardCorpus,
+  build_datasets,
+  resolve_paths,
+  stdlib_files,
 )
 from diffjax.data import corpus as corpus_lib
 from diffjax.data.manifest import read_manifest
@@ -48,15 +48,20 @@ class ListSource:
 def marked_docs(num_docs: int, seed: int = 0, max_len: int = 60) -> list[np.ndarray]:
   """Documents whose first token is a unique id (d < 200) and whose other tokens are >= 200."""
   rng = np.random.default_rng(seed)
-  return [np.concatenate([[d % 200], rng.integers(200, 256, size=int(rng.integers(1, max_len)))]
-                         ).astype(np.int32) for d in range(num_docs)]
+  return [
+    np.concatenate([[d % 200], rng.integers(200, 256, size=int(rng.integers(1, max_len)))]).astype(
+      np.int32
+    )
+    for d in range(num_docs)
+  ]
 
 
 def build(docs, seq_len=16, batch=4, seed=0, **cfg):
   cfg.setdefault("val_fraction", 0.0)
   cfg.setdefault("prefetch_batches", 0)
-  return build_datasets(DataConfig(**cfg), seq_len, batch, seed, source=ListSource(docs),
-                        tokenizer=ByteTokenizer())
+  return build_datasets(
+    DataConfig(**cfg), seq_len, batch, seed, source=ListSource(docs), tokenizer=ByteTokenizer()
+  )
 
 
 def take(iterator, n):
@@ -80,15 +85,18 @@ def windows_by_hand(docs, seq_len):
   out = []
   for w in range((len(stream) - 1) // seq_len):
     lo = w * seq_len
-    seg = np.array(seg_of[lo:lo + seq_len])
-    pos = np.array(pos_of[lo:lo + seq_len])
-    out.append({
-        "inputs": np.array(stream[lo:lo + seq_len], np.int32),
-        "targets": np.array(stream[lo + 1:lo + seq_len + 1], np.int32),
+    seg = np.array(seg_of[lo : lo + seq_len])
+    pos = np.array(pos_of[lo : lo + seq_len])
+    out.append(
+      {
+        "inputs": np.array(stream[lo : lo + seq_len], np.int32),
+        "targets": np.array(stream[lo + 1 : lo + seq_len + 1], np.int32),
         "segment_ids": (seg - seg[0] + 1).astype(np.int32),
         # The running document counts from the window's first token.
         "positions": np.where(seg == seg[0], pos - pos[0], pos).astype(np.int32),
-        "loss_mask": (~np.array(is_eos[lo:lo + seq_len])).astype(np.float32)})
+        "loss_mask": (~np.array(is_eos[lo : lo + seq_len])).astype(np.float32),
+      }
+    )
   return out
 
 
@@ -195,6 +203,7 @@ def test_resume_is_exact(stop):
 def test_resume_through_an_orbax_checkpoint(tmp_path):
   import grain  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   docs = marked_docs(40)
   data = build(docs, seed=3)
   take(data.train_iter, 5)
@@ -252,8 +261,14 @@ def test_caps_limit_documents_and_tokens():
 def test_answers_only_task_data_scores_exactly_the_answer_tokens():
   task = AssociativeRecallTask(6, 2, 1, num_examples=24, seed=4)
   cfg = DataConfig(val_fraction=0.2, shuffle=False, prefetch_batches=0)
-  data = build_datasets(cfg, seq_len=64, global_batch_size=2, seed=0, source=AnswersOnly(task),
-                        tokenizer=ByteTokenizer())
+  data = build_datasets(
+    cfg,
+    seq_len=64,
+    global_batch_size=2,
+    seed=0,
+    source=AnswersOnly(task),
+    tokenizer=ByteTokenizer(),
+  )
   digits = set(range(ord("0"), ord("9") + 1))
   scored = 0
   for batch in take(data.train_iter, 40):
@@ -277,8 +292,9 @@ def test_stdlib_corpus_is_prepared_once_and_holds_the_files(tmp_path, monkeypatc
   monkeypatch.setenv(corpus_lib.CACHE_ENV, str(tmp_path / "cache"))
   files = stdlib_files()
   assert len(files) > 300 and files == sorted(files)
-  parts = {p for f in files
-           for p in os.path.relpath(f, os.path.dirname(os.__file__)).split(os.sep)[:-1]}
+  parts = {
+    p for f in files for p in os.path.relpath(f, os.path.dirname(os.__file__)).split(os.sep)[:-1]
+  }
   assert not parts & {"test", "tests", "idle_test", "site-packages"}
   data = build_datasets(DataConfig(), seq_len=256, global_batch_size=8, seed=0)
   assert isinstance(data.corpus, ShardCorpus)
@@ -287,8 +303,10 @@ def test_stdlib_corpus_is_prepared_once_and_holds_the_files(tmp_path, monkeypatc
   assert data.corpus.num_documents == len(nonempty)
   i = nonempty.index(os.path.join(os.path.dirname(os.__file__), "os.py"))
   with open(nonempty[i], "rb") as f:
-    assert data.corpus.tokens(i).tobytes() == np.frombuffer(f.read(), np.uint8).astype(
-        np.int32).tobytes()
+    assert (
+      data.corpus.tokens(i).tobytes()
+      == np.frombuffer(f.read(), np.uint8).astype(np.int32).tobytes()
+    )
   assert data.num_train_tokens > 5_000_000 and data.num_val_documents >= 1
   assert 2.0 < data.unigram_entropy_nats < math.log(256)
 
@@ -316,13 +334,20 @@ def test_text_files_are_prepared_again_when_one_changes(tmp_path, monkeypatch):
 
 def test_text_corpus_end_to_end_with_an_hf_tokenizer(tmp_path, monkeypatch):
   from helpers import write_bpe_tokenizer  # pylint: disable=import-outside-toplevel
+
   monkeypatch.setenv(corpus_lib.CACHE_ENV, str(tmp_path / "cache"))
   write_bpe_tokenizer(tmp_path / "tok.json", ["<pad>", "</s>"])
   (tmp_path / "docs").mkdir()
   for i in range(30):
-    (tmp_path / "docs" / f"{i:02d}.txt").write_text(f"document {i}: the quick brown fox " * (i % 5 + 1))
-  cfg = DataConfig(kind="text", paths=[str(tmp_path / "docs")], tokenizer=str(tmp_path / "tok.json"),
-                   val_fraction=0.1)
+    (tmp_path / "docs" / f"{i:02d}.txt").write_text(
+      f"document {i}: the quick brown fox " * (i % 5 + 1)
+    )
+  cfg = DataConfig(
+    kind="text",
+    paths=[str(tmp_path / "docs")],
+    tokenizer=str(tmp_path / "tok.json"),
+    val_fraction=0.1,
+  )
   data = build_datasets(cfg, 8, 2, 0)
   batch = next(data.train_iter)
   tok = data.tokenizer
@@ -342,8 +367,14 @@ def prepared(tmp_path_factory):
   for i in range(60):
     body = f"doc{i:04d} " + "".join(rng.choice(list("abcdefgh \n"), size=int(rng.integers(0, 115))))
     (tmp / "raw" / f"{i:04d}.txt").write_text(body)
-  prepare([str(tmp / "raw")], str(tmp / "out"), "byte", shard_tokens=700, files_per_unit=16,
-          progress=False)
+  prepare(
+    [str(tmp / "raw")],
+    str(tmp / "out"),
+    "byte",
+    shard_tokens=700,
+    files_per_unit=16,
+    progress=False,
+  )
   return str(tmp / "out")
 
 
@@ -353,11 +384,17 @@ def test_a_prepared_directory_streams_like_the_same_documents_in_memory(prepared
   assert len(m.shards) > 4 and len(docs) == 60
   cfg = dict(shards_per_group=2, prefetch_batches=0, streams_per_row=2, val_fraction=0.1)
   streamed = build_datasets(DataConfig(kind="prepared", paths=(prepared,), **cfg), 32, 4, 0)
-  in_memory = build_datasets(DataConfig(**cfg), 32, 4, 0,
-                             source=corpus_lib.ShardCorpus(read_manifest(prepared)),
-                             tokenizer=ByteTokenizer())
-  assert all(same(a, b) for a, b in zip(take(streamed.train_iter, 8),
-                                        take(in_memory.train_iter, 8)))
+  in_memory = build_datasets(
+    DataConfig(**cfg),
+    32,
+    4,
+    0,
+    source=corpus_lib.ShardCorpus(read_manifest(prepared)),
+    tokenizer=ByteTokenizer(),
+  )
+  assert all(
+    same(a, b) for a, b in zip(take(streamed.train_iter, 8), take(in_memory.train_iter, 8))
+  )
 
 
 def test_the_shard_corpus_keeps_at_most_max_open_shards(prepared):
@@ -395,8 +432,16 @@ def test_a_prepared_corpus_of_another_tokenizer_is_refused_in_one_line(prepared,
 
 def test_config_from_configdict_and_unknown_keys():
   import ml_collections  # pylint: disable=import-outside-toplevel
-  cd = ml_collections.ConfigDict({"kind": "text", "paths": ["a.txt"], "tokenizer": "byte",
-                                  "val_fraction": 0.05, "max_tokens": 1000})
+
+  cd = ml_collections.ConfigDict(
+    {
+      "kind": "text",
+      "paths": ["a.txt"],
+      "tokenizer": "byte",
+      "val_fraction": 0.05,
+      "max_tokens": 1000,
+    }
+  )
   cfg = DataConfig(**cd.to_dict())
   assert cfg == DataConfig.from_dict(cd) and cfg.paths == ("a.txt",) and cfg.max_tokens == 1000
   with pytest.raises(ValueError, match=r"\['seq_length'\].*accepted keys"):
@@ -417,12 +462,22 @@ def test_bad_pipeline_inputs_name_the_values(tmp_path, monkeypatch):
   monkeypatch.setenv(corpus_lib.CACHE_ENV, str(tmp_path / "cache"))
   docs = marked_docs(10, max_len=5)
   with pytest.raises(ValueError, match="global_batch_size=6.*process_count=4"):
-    build_datasets(DataConfig(val_fraction=0.0), 4, 6, 0, 0, 4, source=ListSource(docs),
-                   tokenizer=ByteTokenizer())
+    build_datasets(
+      DataConfig(val_fraction=0.0),
+      4,
+      6,
+      0,
+      0,
+      4,
+      source=ListSource(docs),
+      tokenizer=ByteTokenizer(),
+    )
   with pytest.raises(ValueError, match="no documents"):
     build([], batch=1)
   with pytest.raises(FileNotFoundError, match="nothing_here"):
-    build_datasets(DataConfig(kind="text", paths=[str(tmp_path / "nothing_here" / "*.txt")]), 4, 2, 0)
+    build_datasets(
+      DataConfig(kind="text", paths=[str(tmp_path / "nothing_here" / "*.txt")]), 4, 2, 0
+    )
   with pytest.raises(ValueError, match=r"\[0, 300\].*vocab_size=258"):
     build([np.array([0, 300])] * 4)
   with pytest.raises(ValueError, match="No validation data"):

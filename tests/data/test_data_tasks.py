@@ -11,16 +11,27 @@ import numpy as np
 import pytest
 
 from diffjax.data import ByteTokenizer, DocumentSource
-from diffjax.data.tasks import (ANSWER, CONTEXT, QUERY, SINK, AssociativeRecallMix,
-                                AssociativeRecallTask, ContextTooShort, MultiNeedleTask)
+from diffjax.data.tasks import (
+  ANSWER,
+  CONTEXT,
+  QUERY,
+  SINK,
+  AssociativeRecallMix,
+  AssociativeRecallTask,
+  ContextTooShort,
+  MultiNeedleTask,
+)
 
 TOK = ByteTokenizer()
-_TEXT = ("the quick brown fox jumps over the lazy dog while a river runs past the old mill "
-         "and nobody writes any numbers down in this place at all ")
+_TEXT = (
+  "the quick brown fox jumps over the lazy dog while a river runs past the old mill "
+  "and nobody writes any numbers down in this place at all "
+)
 
 
 class _Documents(list):
   """A small in-memory filler source (no digits, so needles are the only numbers)."""
+
   name = "filler"
 
 
@@ -62,7 +73,7 @@ def test_answer_needle_sits_at_the_requested_depth_with_the_right_answer(depth):
       np.testing.assert_array_equal(ex.tokens[slice(*ex.answer_spans[r])], ex.answers[r])
       assert TOK.decode(ex.answers[r]) == ex.values[r] and len(ex.values[r]) == 7
       s0, e0 = ex.needle_spans[r]
-      assert np.all(ex.regions[max(s0, 1):e0] == ANSWER)  # token 0 is always the sink
+      assert np.all(ex.regions[max(s0, 1) : e0] == ANSWER)  # token 0 is always the sink
       assert np.all(ex.answer_segments[slice(*ex.answer_spans[r])] == r)
     assert len(ex.distractor_spans) == 4 and len(set(ex.keys)) == 2
     assert ex.prompt_len == ex.answer_spans[0][0]
@@ -72,16 +83,23 @@ def test_answer_needle_sits_at_the_requested_depth_with_the_right_answer(depth):
 
 def test_training_with_a_task_mix_does_not_import_the_evaluation_package():
   # The tasks are data: training (which mixes them into the corpus) must not pull in evaluation.
-  code = ("import sys\n"
-          "from diffjax.data import ByteTokenizer, MultiNeedleTask\n"
-          "from diffjax.train.task_mix import mixed_source\n"
-          "import ml_collections\n"
-          "mix = ml_collections.ConfigDict(dict(task='associative_recall', fraction=0.5,\n"
-          "                                     num_pairs=4, num_queries=1))\n"
-          "mixed_source(MultiNeedleTask(300, num_examples=2), mix, ByteTokenizer(), seed=0)\n"
-          "print(sorted(m for m in sys.modules if m.startswith('diffjax.eval')))\n")
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  code = (
+    "import sys\n"
+    "from diffjax.data import ByteTokenizer, MultiNeedleTask\n"
+    "from diffjax.train.task_mix import mixed_source\n"
+    "import ml_collections\n"
+    "mix = ml_collections.ConfigDict(dict(task='associative_recall', fraction=0.5,\n"
+    "                                     num_pairs=4, num_queries=1))\n"
+    "mixed_source(MultiNeedleTask(300, num_examples=2), mix, ByteTokenizer(), seed=0)\n"
+    "print(sorted(m for m in sys.modules if m.startswith('diffjax.eval')))\n"
+  )
+  r = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
@@ -107,8 +125,9 @@ def test_collate_marks_the_rows_that_predict_answers():
 
 
 def test_associative_recall_has_near_miss_distractors_and_right_answers():
-  task = AssociativeRecallTask(num_pairs=12, num_queries=3, distractors_per_query=2, num_examples=4,
-                               seed=5)
+  task = AssociativeRecallTask(
+    num_pairs=12, num_queries=3, distractors_per_query=2, num_examples=4, seed=5
+  )
   ex = task.example(1)
   np.testing.assert_array_equal(task[1], task.example(1).tokens)
   text = TOK.decode(ex.tokens)
@@ -125,8 +144,15 @@ def test_associative_recall_has_near_miss_distractors_and_right_answers():
 
 
 def test_associative_recall_without_a_separator_keeps_the_draws_and_the_answers():
-  kw = dict(num_pairs=5, num_queries=3, distractors_per_query=1, num_examples=3, seed=2,
-            key_len=2, value_len=1)
+  kw = dict(
+    num_pairs=5,
+    num_queries=3,
+    distractors_per_query=1,
+    num_examples=3,
+    seed=2,
+    key_len=2,
+    value_len=1,
+  )
   plain, bare = AssociativeRecallTask(**kw), AssociativeRecallTask(**kw, separator="")
   for i in range(3):
     a, b = plain.example(i), bare.example(i)
@@ -135,7 +161,7 @@ def test_associative_recall_without_a_separator_keeps_the_draws_and_the_answers(
     for r, key in enumerate(b.keys):
       assert TOK.decode(b.tokens[slice(*b.answer_spans[r])]) == b.values[r]
       # The answer follows its key directly.
-      assert TOK.decode(b.tokens[b.answer_spans[r][0] - 2:b.answer_spans[r][0]]) == key
+      assert TOK.decode(b.tokens[b.answer_spans[r][0] - 2 : b.answer_spans[r][0]]) == key
   for bad in ("a", "1", " ", "\n", 3):
     with pytest.raises(ValueError, match="separator="):
       AssociativeRecallTask(**kw, separator=bad)
@@ -161,7 +187,8 @@ def test_recall_mix_cycles_its_settings_with_right_answers_and_independent_draws
   twice = AssociativeRecallMix([(8, 1), (8, 1)], num_examples=2, seed=3)
   assert not np.array_equal(twice[0], twice[1])
   plain = AssociativeRecallTask(8, 4, 1, num_examples=1, seed=3)
-  np.testing.assert_array_equal(plain[0], AssociativeRecallTask(8, 4, 1, num_examples=1, seed=3,
-                                                                stream=0)[0])
+  np.testing.assert_array_equal(
+    plain[0], AssociativeRecallTask(8, 4, 1, num_examples=1, seed=3, stream=0)[0]
+  )
   with pytest.raises(ValueError, match="settings"):
     AssociativeRecallMix([], num_examples=1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import write_bpe_tokenizer
 
 from diffjax.data import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer
-from helpers import write_bpe_tokenizer
 
 
 def test_byte_tokenizer_round_trip_non_ascii():
@@ -37,7 +37,10 @@ def test_hf_tokenizer_round_trip_and_special_ids(tmp_path):
   assert tok.eos_id not in ids  # encode adds no special tokens; packing appends eos itself
   assert tok.decode(np.concatenate([ids, [tok.eos_id, tok.pad_id]])) == text
   assert tok.vocab_size == raw.get_vocab_size()
-  assert [a.tolist() for a in tok.encode_batch([text, "fox"])] == [ids.tolist(), tok.encode("fox").tolist()]
+  assert [a.tolist() for a in tok.encode_batch([text, "fox"])] == [
+    ids.tolist(),
+    tok.encode("fox").tolist(),
+  ]
 
 
 def test_hf_tokenizer_without_specials_appends_ids(tmp_path):
@@ -51,10 +54,18 @@ def test_hf_tokenizer_without_specials_appends_ids(tmp_path):
 def test_sentencepiece_round_trip(tmp_path):
   spm = pytest.importorskip("sentencepiece")
   corpus = tmp_path / "corpus.txt"
-  corpus.write_text(("the quick brown fox jumps over the lazy dog\n"
-                     "pack my box with five dozen liquor jugs\n") * 10)
-  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
-                                 model_type="bpe", character_coverage=1.0, minloglevel=2, pad_id=3)
+  corpus.write_text(
+    ("the quick brown fox jumps over the lazy dog\npack my box with five dozen liquor jugs\n") * 10
+  )
+  spm.SentencePieceTrainer.train(
+    input=str(corpus),
+    model_prefix=str(tmp_path / "sp"),
+    vocab_size=60,
+    model_type="bpe",
+    character_coverage=1.0,
+    minloglevel=2,
+    pad_id=3,
+  )
   tok = load_tokenizer(str(tmp_path / "sp.model"))
   assert isinstance(tok, SentencePieceTokenizer)
   text = "the lazy fox packs my jugs"
@@ -69,6 +80,7 @@ def test_token_byte_lengths_count_the_bytes_of_the_text(tmp_path):
   """Summed over an encoding, the lengths give the text's UTF-8 size (the bits-per-byte
   denominator); specials count one byte, as eos does for byte tokens."""
   from diffjax.data import token_byte_lengths
+
   text = "The lazy fox \u2014 d\u00e9j\u00e0 \u65e5\u672c!\n  two  spaces\t\u2603"
   byte = token_byte_lengths(ByteTokenizer())
   assert byte.shape == (258,) and np.all(byte == 1)
@@ -93,4 +105,3 @@ def test_load_tokenizer_rejects_unknown_spec_and_missing_file(tmp_path):
 
 
 # --- sources -------------------------------------------------------------------------------
-

@@ -8,14 +8,13 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import REPO, own_stderr
 
 from diffjax.data import prepare as prepare_lib
 from diffjax.data import stdlib_files
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
 from diffjax.data.shards import TokenShard, shard_documents
-from helpers import REPO, own_stderr
-
 
 
 def _inputs(tmp_path):
@@ -30,13 +29,17 @@ def _inputs(tmp_path):
 
 
 def _shard_bytes(out):
-  return {p: open(os.path.join(out, p), "rb").read() for p in sorted(os.listdir(out))
-          if p.endswith(".tokens")}
+  return {
+    p: open(os.path.join(out, p), "rb").read()
+    for p in sorted(os.listdir(out))
+    if p.endswith(".tokens")
+  }
 
 
 def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
-  out = prepare([_inputs(tmp_path)], str(tmp_path / "p"), shard_tokens=300, files_per_unit=8,
-                progress=False)
+  out = prepare(
+    [_inputs(tmp_path)], str(tmp_path / "p"), shard_tokens=300, files_per_unit=8, progress=False
+  )
   m = read_manifest(out)
   assert m.num_documents == 55 and len(m.shards) > 5
   docs = [bytes(d.astype(np.uint8)).decode() for s in m.shards for d in shard_documents(s.path)]
@@ -47,7 +50,9 @@ def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
 
 def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):
   src = _inputs(tmp_path)
-  clean = prepare([src], str(tmp_path / "clean"), shard_tokens=300, files_per_unit=8, progress=False)
+  clean = prepare(
+    [src], str(tmp_path / "clean"), shard_tokens=300, files_per_unit=8, progress=False
+  )
   out = str(tmp_path / "broken")
   real = prepare_lib.iter_documents
 
@@ -69,7 +74,9 @@ def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):
   assert strip(resumed) == strip(clean)
   before = open(resumed).read()
   prepare([src], out, shard_tokens=300, files_per_unit=8, progress=False)  # idempotent
-  assert open(resumed).read() == before and _shard_bytes(out) == _shard_bytes(os.path.dirname(clean))
+  assert open(resumed).read() == before and _shard_bytes(out) == _shard_bytes(
+    os.path.dirname(clean)
+  )
 
 
 def test_other_arguments_on_same_output_are_refused(tmp_path):
@@ -88,13 +95,26 @@ def test_bad_jsonl_line_named(tmp_path):
 def test_parquet_without_pyarrow_is_one_clear_error(tmp_path):
   try:
     import pyarrow  # noqa: F401
+
     pytest.skip("pyarrow is installed")
   except ImportError:
     pass
   (tmp_path / "a.parquet").write_bytes(b"PAR1")
-  r = subprocess.run([sys.executable, "-m", "diffjax.data.prepare", "--input", str(tmp_path / "a.parquet"),
-                      "--output", str(tmp_path / "p")], capture_output=True, text=True,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "diffjax.data.prepare",
+      "--input",
+      str(tmp_path / "a.parquet"),
+      "--output",
+      str(tmp_path / "p"),
+    ],
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    cwd=REPO,
+  )
   assert r.returncode == 2 and len(own_stderr(r.stderr)) == 1, r.stderr
   assert "pip install pyarrow" in r.stderr
 
@@ -103,6 +123,7 @@ def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
   pytest.importorskip("tokenizers")
   from diffjax.data import DataConfig, build_datasets, load_tokenizer
   from diffjax.data.train_tokenizer import train_bpe
+
   src = _inputs(tmp_path)
   tok = train_bpe(["text file json doc " * 5, "another line of text"] * 20, vocab_size=300)
   tok.save(str(tmp_path / "tok.json"))
@@ -119,11 +140,15 @@ def test_trained_tokenizer_prepares_and_mismatch_is_refused(tmp_path):
 def _bpe_corpus(tmp_path):
   """A byte-level BPE tokenizer of 1,000 ids trained on 30 stdlib files, and the files prepared."""
   from diffjax.data.train_tokenizer import train_bpe
+
   files = stdlib_files()[:30]
   tok_path = str(tmp_path / "tok.json")
-  train_bpe([open(f, encoding="utf-8", errors="replace").read() for f in files],
-            vocab_size=1000).save(tok_path)
-  return tok_path, prepare(files, str(tmp_path / "p"), tok_path, shard_tokens=50_000, progress=False)
+  train_bpe(
+    [open(f, encoding="utf-8", errors="replace").read() for f in files], vocab_size=1000
+  ).save(tok_path)
+  return tok_path, prepare(
+    files, str(tmp_path / "p"), tok_path, shard_tokens=50_000, progress=False
+  )
 
 
 def _tokens_per_byte_by_decoding(batches, tok):
@@ -139,6 +164,7 @@ def _tokens_per_byte_by_decoding(batches, tok):
 def test_tokens_per_byte_of_bpe_batches_matches_decoding_them(tmp_path):
   pytest.importorskip("tokenizers")
   from diffjax.data import DataConfig, build_datasets, load_tokenizer, tokens_per_byte
+
   tok_path, out = _bpe_corpus(tmp_path)
   tok = load_tokenizer(tok_path)
   data = build_datasets(DataConfig(kind="prepared", paths=(out,), tokenizer=tok_path), 64, 4, 0)
@@ -146,8 +172,14 @@ def test_tokens_per_byte_of_bpe_batches_matches_decoding_them(tmp_path):
   want = _tokens_per_byte_by_decoding(batches, tok)
   assert want < 0.5  # BPE: over two bytes per token
   assert tokens_per_byte(batches, tok) == pytest.approx(want, rel=1e-12)
-  byte_batches = build_datasets(DataConfig(kind="prepared", paths=(prepare(
-      stdlib_files()[:12], str(tmp_path / "b"), progress=False),)), 64, 4, 0).val_batches(1)
+  byte_batches = build_datasets(
+    DataConfig(
+      kind="prepared", paths=(prepare(stdlib_files()[:12], str(tmp_path / "b"), progress=False),)
+    ),
+    64,
+    4,
+    0,
+  ).val_batches(1)
   assert tokens_per_byte(byte_batches, load_tokenizer("byte")) == 1.0
 
 
@@ -157,9 +189,12 @@ def test_bits_per_byte_of_a_bpe_run_counts_the_text_bytes(tmp_path):
   targets' tokens per byte (eos counted as one byte), here recounted by decoding them."""
   pytest.importorskip("tokenizers")
   import math  # pylint: disable=import-outside-toplevel
+
   from helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
   from diffjax.data import DataConfig, build_datasets, load_tokenizer
   from diffjax.train.trainer import train_and_evaluate
+
   tok_path, out = _bpe_corpus(tmp_path)
   c = tiny_config(steps=2)
   c.data.kind, c.data.paths, c.data.max_documents = "prepared", (os.path.dirname(out),), None
@@ -177,9 +212,12 @@ def test_bits_per_byte_of_a_bpe_run_counts_the_text_bytes(tmp_path):
 def test_paper_configs_need_both_paths():
   from diffjax.data import DataConfig
   from diffjax.presets import load_config
+
   configs = os.path.join(REPO, "configs")
-  for c in (load_config(os.path.join(configs, "paper_3b.py")),
-            load_config(os.path.join(configs, "paper_sweep.py"), "830m")):
+  for c in (
+    load_config(os.path.join(configs, "paper_3b.py")),
+    load_config(os.path.join(configs, "paper_sweep.py"), "830m"),
+  ):
     with pytest.raises(ValueError, match="missing: data.paths, data.tokenizer"):
       DataConfig.from_dict(c.data)
     c.data.tokenizer = "tok.json"
@@ -189,9 +227,12 @@ def test_paper_configs_need_both_paths():
 
 def test_train_on_prepared_stdlib_resumes_exactly(tmp_path):
   from helpers import read_metrics, tiny_config  # pylint: disable=import-outside-toplevel
+
   from diffjax.train.trainer import train_and_evaluate
-  out = prepare(stdlib_files()[:40], str(tmp_path / "p"), shard_tokens=50_000, files_per_unit=10,
-                progress=False)
+
+  out = prepare(
+    stdlib_files()[:40], str(tmp_path / "p"), shard_tokens=50_000, files_per_unit=10, progress=False
+  )
 
   def config(steps):
     c = tiny_config(steps=steps)
@@ -206,5 +247,8 @@ def test_train_on_prepared_stdlib_resumes_exactly(tmp_path):
   a, b = read_metrics(str(tmp_path / "straight")), read_metrics(str(tmp_path / "resumed"))
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]
   for s in a:
-    assert a[s]["train/loss"] == b[s]["train/loss"] and a[s]["data/batch_hash"] == b[s]["data/batch_hash"]
+    assert (
+      a[s]["train/loss"] == b[s]["train/loss"]
+      and a[s]["data/batch_hash"] == b[s]["data/batch_hash"]
+    )
   assert straight["eval/loss"] == resumed["eval/loss"]

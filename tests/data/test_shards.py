@@ -5,14 +5,21 @@ import os
 import numpy as np
 import pytest
 
-from diffjax.data.shards import (HEADER_BYTES, TokenShard, TokenShardWriter, shard_bytes,
-                                 shard_documents)
+from diffjax.data.shards import (
+  HEADER_BYTES,
+  TokenShard,
+  TokenShardWriter,
+  shard_bytes,
+  shard_documents,
+)
 
 
 def _docs(seed=0, n=40, lo=-5, hi=2**31 - 1):
   rng = np.random.default_rng(seed)
-  return [rng.integers(lo, hi, size=int(rng.integers(0, 90)), dtype=np.int64, endpoint=True)
-          for _ in range(n)]
+  return [
+    rng.integers(lo, hi, size=int(rng.integers(0, 90)), dtype=np.int64, endpoint=True)
+    for _ in range(n)
+  ]
 
 
 def _write(path, docs, token_bytes=4):
@@ -25,7 +32,7 @@ def _write(path, docs, token_bytes=4):
 @pytest.mark.parametrize("token_bytes", [2, 4])
 def test_round_trip_in_any_order_and_exact_size(tmp_path, token_bytes):
   docs = _docs(hi=2**16 - 1 if token_bytes == 2 else 2**31 - 1, lo=0 if token_bytes == 2 else -5)
-  docs[1][:3] = [0, 2**16 - 1, 2**15] if token_bytes == 2 else [-2**31, 2**31 - 1, 0]
+  docs[1][:3] = [0, 2**16 - 1, 2**15] if token_bytes == 2 else [-(2**31), 2**31 - 1, 0]
   path = _write(tmp_path / "a.tokens", docs, token_bytes)
   assert os.path.getsize(path) == shard_bytes(len(docs), sum(d.size for d in docs), token_bytes)
   shard = TokenShard(path)
@@ -75,7 +82,7 @@ def test_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
   else:  # document 3's end offset beyond the tokens
     n = sum(d.size for d in docs)
     at = HEADER_BYTES + 4 * n + 8 * 4
-    raw[at:at + 8] = (n + 100).to_bytes(8, "little")
+    raw[at : at + 8] = (n + 100).to_bytes(8, "little")
   open(path, "wb").write(bytes(raw))
   with pytest.raises(ValueError, match=str(path).replace(".", r"\.")):
     shard = TokenShard(path)

@@ -20,12 +20,18 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from diffjax.data import ByteTokenizer  # noqa: E402
+from diffjax.data.tasks import (
+  ANSWER,
+  CONTEXT,
+  QUERY,
+  SINK,
+  AssociativeRecallTask,  # noqa: E402
+  MultiNeedleTask,
+)
+from diffjax.eval import evaluate as E  # noqa: E402
 from diffjax.eval import measures as M  # noqa: E402
 from diffjax.eval import report as R  # noqa: E402
 from diffjax.eval import stats as S  # noqa: E402
-from diffjax.eval import evaluate as E  # noqa: E402
-from diffjax.data.tasks import (ANSWER, CONTEXT, QUERY, SINK, AssociativeRecallTask,  # noqa: E402
-                                MultiNeedleTask)
 from diffjax.model import DecoderLM, ModelConfig, matched_configs  # noqa: E402
 
 # flax warns about its own deprecated metadata names when models are built; not ours to fix.
@@ -40,8 +46,10 @@ class _Filler:
   name = "filler"
 
   def __init__(self):
-    text = ("the quick brown fox jumps over the lazy dog while a river runs past the old mill "
-            "and nobody writes any numbers down in this place at all ")
+    text = (
+      "the quick brown fox jumps over the lazy dog while a river runs past the old mill "
+      "and nobody writes any numbers down in this place at all "
+    )
     self.docs = [TOK.encode(text * (i + 2)) for i in range(5)]
 
   def __len__(self):
@@ -73,13 +81,14 @@ def _oracle(sequences, wrong=(), vocab=258):
       for t in range(tokens.shape[1]):
         nxt = 0
         for i, s in enumerate(seqs):
-          if t + 1 < s.size and np.array_equal(s[:t + 1], tokens[b, :t + 1]):
+          if t + 1 < s.size and np.array_equal(s[: t + 1], tokens[b, : t + 1]):
             nxt = int(s[t + 1])
             if (i, t + 1) in bad:
               nxt = (nxt + 1) % 256
             break
         out[b, t, nxt] = 1.0
     return out
+
   return fn
 
 
@@ -132,11 +141,24 @@ def test_teacher_forced_exact_match_equals_greedy_decoding():
 
 
 def test_needle_table_and_heatmap_shapes_and_values():
-  table = E.needle_table(_perfect, 300, grid=((1, 1), (2, 2), (6, 2)), samples_per_depth=1,
-                         depths=(0.0, 1.0), filler=FILLER)
+  table = E.needle_table(
+    _perfect,
+    300,
+    grid=((1, 1), (2, 2), (6, 2)),
+    samples_per_depth=1,
+    depths=(0.0, 1.0),
+    filler=FILLER,
+  )
   assert table["cells"] == {"N1_R1": 1.0, "N2_R2": 1.0} and "N6_R2" in table["skipped"]
-  heat = E.retrieval_heatmap(_wrong, [120, 200, 300], depths=(0.0, 0.5), num_needles=1,
-                             num_queries=1, samples_per_cell=2, filler=FILLER)
+  heat = E.retrieval_heatmap(
+    _wrong,
+    [120, 200, 300],
+    depths=(0.0, 0.5),
+    num_needles=1,
+    num_queries=1,
+    samples_per_cell=2,
+    filler=FILLER,
+  )
   assert heat["lengths"] == [200, 300] and heat["skipped_lengths"] == [120]
   assert np.asarray(heat["accuracy"]).shape == (2, 2) and heat["mean"] == 0.0
 
@@ -227,8 +249,11 @@ def test_quantizer_16_bit_is_nearly_identity_and_zero_stays_zero():
   assert not np.any(M.quantize_absmax(np.zeros((3, 3), np.float32), 4))
   # Also on jax arrays, under jit, with a traced grid size (qmax 0 = off).
   xj = jnp.asarray(x)
-  np.testing.assert_allclose(jax.jit(lambda a: M.quantize_absmax(a, 4, axis=-1))(xj),
-                             M.quantize_absmax(x, 4, axis=-1), rtol=1e-6)
+  np.testing.assert_allclose(
+    jax.jit(lambda a: M.quantize_absmax(a, 4, axis=-1))(xj),
+    M.quantize_absmax(x, 4, axis=-1),
+    rtol=1e-6,
+  )
   np.testing.assert_array_equal(jax.jit(lambda a, qm: M.fake_quant(a, qm))(xj, 0.0), x)
 
 
@@ -259,7 +284,9 @@ def test_attention_logit_quantizer_ignores_masked_entries():
   np.testing.assert_array_equal(q_loud[..., valid], q[..., valid])
   np.testing.assert_array_equal(q_loud[..., ~valid], loud[..., ~valid])
   scale = np.abs(np.where(valid, x, 0)).max(axis=(-2, -1), keepdims=True) / 7
-  assert np.all(np.abs(q - x)[..., valid] <= (scale / 2 * (1 + 1e-5) + 1e-7).repeat(15).reshape(1, 2, 15))
+  assert np.all(
+    np.abs(q - x)[..., valid] <= (scale / 2 * (1 + 1e-5) + 1e-7).repeat(15).reshape(1, 2, 15)
+  )
   row = M.quantize_attention_logits(x, 4, "row")
   assert not np.array_equal(row, q)
 
@@ -323,11 +350,13 @@ def test_confidence_interval_and_paired_test_on_known_data():
   arm, base = [3.10, 3.05, 3.20, 3.00], [3.15, 3.12, 3.22, 3.07]
   d = S.paired_difference(arm, base)
   ref = st.ttest_rel(arm, base)
-  assert d["t"] == pytest.approx(ref.statistic, rel=1e-9) and d["p"] == pytest.approx(ref.pvalue, rel=1e-8)
+  assert d["t"] == pytest.approx(ref.statistic, rel=1e-9) and d["p"] == pytest.approx(
+    ref.pvalue, rel=1e-8
+  )
   assert d["mean"] == pytest.approx(-0.0525)
   one = S.mean_ci([1.5])
   assert one["mean"] == 1.5 and math.isnan(one["half_width"])
-  assert S.mean_ci([]) ["n"] == 0 and S.mean_ci([1.0, float("nan"), 3.0])["n"] == 2
+  assert S.mean_ci([])["n"] == 0 and S.mean_ci([1.0, float("nan"), 3.0])["n"] == 2
 
 
 def test_verdicts_claim_only_what_the_numbers_support():
@@ -349,8 +378,15 @@ def test_verdicts_claim_only_what_the_numbers_support():
 # Tiny models. Every model-level test uses T = 256 and batch 2, so the compiled functions of
 # the shared runners are reused across tests.
 
-_BASE = ModelConfig(attention="transformer", d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=8, mlp_dim=64)
+_BASE = ModelConfig(
+  attention="transformer",
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=64,
+)
 T = 256
 
 
@@ -386,8 +422,8 @@ def runners():
 @pytest.fixture(scope="module")
 def text_batches():
   """Two (2, T + 1) token batches of real text (inputs are (2, T))."""
-  corpus = TOK.encode(("def f(x):\n    return x * 2  # doubles\n" * 40))
-  return [corpus[i * 600:i * 600 + 2 * (T + 1)].reshape(2, T + 1) for i in range(2)]
+  corpus = TOK.encode("def f(x):\n    return x * 2  # doubles\n" * 40)
+  return [corpus[i * 600 : i * 600 + 2 * (T + 1)].reshape(2, T + 1) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -398,18 +434,20 @@ def needle_task():
 def test_weight_quantization_is_per_output_channel_and_leaves_the_original(runners):
   model = runners["diff_v1"].model
   q = E.quantize_model_weights(model, 4)
-  w = np.asarray(model.blocks[0].attn.o[...])   # (H, 2d, E): output axis last
+  w = np.asarray(model.blocks[0].attn.o[...])  # (H, 2d, E): output axis last
   qw = np.asarray(q.blocks[0].attn.o[...])
   np.testing.assert_allclose(np.abs(qw).max(axis=(0, 1)), np.abs(w).max(axis=(0, 1)), rtol=1e-6)
   levels = qw / (np.abs(w).max(axis=(0, 1)) / 7)
   np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
   wq = np.asarray(model.blocks[1].attn.q[...])  # (E, H, 2, d): input axis first
-  np.testing.assert_allclose(np.abs(np.asarray(q.blocks[1].attn.q[...])).max(0), np.abs(wq).max(0),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    np.abs(np.asarray(q.blocks[1].attn.q[...])).max(0), np.abs(wq).max(0), rtol=1e-6
+  )
   np.testing.assert_array_equal(q.embed.embedding[...], model.embed.embedding[...])
   np.testing.assert_array_equal(q.lm_head[...], model.lm_head[...])
-  np.testing.assert_array_equal(np.asarray(q.blocks[0].attn.lambda_q1[...]),
-                                np.asarray(model.blocks[0].attn.lambda_q1[...]))
+  np.testing.assert_array_equal(
+    np.asarray(q.blocks[0].attn.lambda_q1[...]), np.asarray(model.blocks[0].attn.lambda_q1[...])
+  )
   assert not np.array_equal(np.asarray(model.blocks[0].attn.o[...]), qw)
 
 
@@ -417,13 +455,30 @@ def test_weight_quantization_is_the_same_for_scanned_and_unrolled_models():
   """The scanned model's stacked kernels are quantized per layer, its stacked norm gains and
   lambda vectors not at all: the result is the unrolled model's, stacked."""
   from flax import nnx
+
   from diffjax.model import DecoderLM, ModelConfig, layout
-  cfg = ModelConfig(attention="diff_v1", vocab_size=40, d_model=32, num_layers=2, num_heads=2,
-                    num_kv_heads=2, head_dim=8, mlp_dim=40)
-  plain = nnx.to_pure_dict(nnx.state(E.quantize_model_weights(
-      DecoderLM(cfg, rngs=nnx.Rngs(params=0)), 4), nnx.Param))
-  scanned = nnx.to_pure_dict(nnx.state(E.quantize_model_weights(
-      DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=0)), 4), nnx.Param))
+
+  cfg = ModelConfig(
+    attention="diff_v1",
+    vocab_size=40,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=40,
+  )
+  plain = nnx.to_pure_dict(
+    nnx.state(E.quantize_model_weights(DecoderLM(cfg, rngs=nnx.Rngs(params=0)), 4), nnx.Param)
+  )
+  scanned = nnx.to_pure_dict(
+    nnx.state(
+      E.quantize_model_weights(
+        DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=0)), 4
+      ),
+      nnx.Param,
+    )
+  )
   for a, b in zip(jax.tree.leaves(layout.stack_layers(plain)), jax.tree.leaves(scanned)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -455,15 +510,23 @@ def test_validation_loss_matches_a_direct_computation(runners, text_batches):
   # Pipeline-style dicts honour the loss mask.
   mask = np.zeros((2, 5), np.float32)
   mask[0, :3] = 1
-  fake = lambda tokens, *unused: np.zeros(tokens.shape + (4,), np.float32)  # uniform: ln 4 per token
-  batch = {"inputs": np.zeros((2, 5), np.int32), "targets": np.ones((2, 5), np.int32),
-           "loss_mask": mask, "segment_ids": np.ones((2, 5), np.int32),
-           "positions": np.tile(np.arange(5), (2, 1))}
+  fake = lambda tokens, *unused: np.zeros(
+    tokens.shape + (4,), np.float32
+  )  # uniform: ln 4 per token
+  batch = {
+    "inputs": np.zeros((2, 5), np.int32),
+    "targets": np.ones((2, 5), np.int32),
+    "loss_mask": mask,
+    "segment_ids": np.ones((2, 5), np.int32),
+    "positions": np.tile(np.arange(5), (2, 1)),
+  }
   res = E.validation_loss(fake, [batch])
   assert res["tokens"] == 3 and res["loss"] == pytest.approx(math.log(4))
 
 
-def test_clamp_probe_is_zero_for_softmax_and_moves_signed_attention(runners, text_batches, needle_task):
+def test_clamp_probe_is_zero_for_softmax_and_moves_signed_attention(
+  runners, text_batches, needle_task
+):
   base = E.clamp_probe(runners["transformer"], text_batches, needle_task, 2, batch_size=2)
   assert base["loss_delta"] == 0.0 and base["accuracy_delta"] == 0.0
   res = E.clamp_probe(runners["diff_v1"], text_batches, needle_task, 2, batch_size=2)
@@ -517,10 +580,20 @@ def test_attention_allocation_by_layer_on_a_real_model(runners, needle_task):
 
 
 def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monkeypatch):
-  cfg = E.EvalConfig.quick(T, batch_size=2, capture_batch_size=2, samples_per_depth=1,
-                           depths=(0.0, 1.0), needle_grid=((1, 1), (2, 1)), heatmap_lengths=(T,),
-                           heatmap_needles=(2, 1), lowbit_bits=(4,), allocation_examples=2,
-                           mqar=dict(num_pairs=4, num_queries=2), mqar_examples=2)
+  cfg = E.EvalConfig.quick(
+    T,
+    batch_size=2,
+    capture_batch_size=2,
+    samples_per_depth=1,
+    depths=(0.0, 1.0),
+    needle_grid=((1, 1), (2, 1)),
+    heatmap_lengths=(T,),
+    heatmap_needles=(2, 1),
+    lowbit_bits=(4,),
+    allocation_examples=2,
+    mqar=dict(num_pairs=4, num_queries=2),
+    mqar_examples=2,
+  )
   out = E.evaluate_model(runners["diff_v2"], text_batches, cfg, meta={"seed": 3}, filler=FILLER)
   assert out["schema"] == "diffjax.eval/1" and out["meta"]["arm"] == "diff_v2"
   # Every section but the recall grid, which runs only when cells are given (tested below).
@@ -530,27 +603,58 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
   assert s["lowbit/float/loss"] == pytest.approx(s["val/loss"], rel=1e-4)
   for name in ("logits4", "w4a8", "kv4", "w4a8_kv4"):  # what quantizing adds to the float loss
     assert s[f"lowbit/{name}/loss_increase"] == pytest.approx(
-        s[f"lowbit/{name}/loss"] - s["lowbit/float/loss"], abs=1e-6), name
+      s[f"lowbit/{name}/loss"] - s["lowbit/float/loss"], abs=1e-6
+    ), name
   assert "lowbit/float/loss_increase" not in s
-  for key in ("retrieval/N1_R1", "heatmap/len256", "mqar/accuracy", "lowbit/logits4/loss",
-              "lowbit/w4a8_kv4/loss", "allocation/answer_signed_share", "probe/clamp_loss_delta",
-              "outliers/attention_logits_top1", "lambda/mean", "probe/map_correlation_mean"):
+  for key in (
+    "retrieval/N1_R1",
+    "heatmap/len256",
+    "mqar/accuracy",
+    "lowbit/logits4/loss",
+    "lowbit/w4a8_kv4/loss",
+    "allocation/answer_signed_share",
+    "probe/clamp_loss_delta",
+    "outliers/attention_logits_top1",
+    "lambda/mean",
+    "probe/map_correlation_mean",
+  ):
     assert key in s and math.isfinite(s[key]), key
   json.loads(json.dumps(out))
 
   # The CLI on a run directory, with the checkpoint loader replaced by an in-memory model.
   from diffjax.eval import command
   from diffjax.train import loading
-  run_config = {"seq_len": 64, "seed": 3,
-                "data": {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2}}
+
+  run_config = {
+    "seq_len": 64,
+    "seed": 3,
+    "data": {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2},
+  }
   model = runners["transformer"].model
-  monkeypatch.setattr(loading, "load_run", lambda workdir, step=None: loading.LoadedRun(
-      model, model.config, run_config, 7))
+  monkeypatch.setattr(
+    loading,
+    "load_run",
+    lambda workdir, step=None: loading.LoadedRun(model, model.config, run_config, 7),
+  )
   dest = tmp_path / "eval.json"
-  assert command.main(["--workdir", str(tmp_path), "--out", str(dest), "--quick", "--sections",
-                   "validation,retrieval", "--config.needle_grid=((1, 1),)",
-                   "--config.depths=(0.5,)", "--config.batch_size=2",
-                   "--config.val_batches=1"]) == 0
+  assert (
+    command.main(
+      [
+        "--workdir",
+        str(tmp_path),
+        "--out",
+        str(dest),
+        "--quick",
+        "--sections",
+        "validation,retrieval",
+        "--config.needle_grid=((1, 1),)",
+        "--config.depths=(0.5,)",
+        "--config.batch_size=2",
+        "--config.val_batches=1",
+      ]
+    )
+    == 0
+  )
   written = json.loads(dest.read_text())
   assert written["meta"]["seed"] == 3 and written["meta"]["arm"] == "transformer"
   assert written["meta"]["step"] == 7
@@ -565,32 +669,60 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
 def _fake_eval(arm, seed, rng):
   """A synthetic eval JSON: diff_v1's loss is lower than the Transformer's by about 0.1 at every
   seed; diff_v2's differs by +0.02, -0.03, +0.015 (no consistent difference)."""
-  shift = {"transformer": (0.0, 0.0, 0.0), "diff_v1": (-0.1, -0.095, -0.105),
-           "diff_v2": (0.02, -0.03, 0.015)}[arm][seed]
+  shift = {
+    "transformer": (0.0, 0.0, 0.0),
+    "diff_v1": (-0.1, -0.095, -0.105),
+    "diff_v2": (0.02, -0.03, 0.015),
+  }[arm][seed]
   loss = 3.0 + 0.05 * seed + shift
-  acc = float(np.clip(0.6 + (0.2 if arm != "transformer" else 0) + 0.05 * rng.standard_normal(), 0, 1))
+  acc = float(
+    np.clip(0.6 + (0.2 if arm != "transformer" else 0) + 0.05 * rng.standard_normal(), 0, 1)
+  )
   lam_layers = [0.2 + 0.1 * i + 0.01 * seed for i in range(3)]
   sections = {
-      "validation": {"loss": loss, "perplexity": math.exp(loss), "tokens": 100},
-      "retrieval": {"context_len": 256, "cells": {"N1_R1": 1.0, "N4_R2": acc}, "mean": (1 + acc) / 2},
-      "heatmap": {"lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "needles": [4, 1],
-                  "accuracy": rng.random((3, 2)).tolist(), "mean_by_length": [0.5, 0.4], "mean": 0.45},
-      "allocation": {"regions": ["sink", "context", "answer", "query"],
-                     "summary": {"signed_share": [0.2, 0.5, 0.1, 0.2], "abs_share": [0.2, 0.5, 0.1, 0.2]},
-                     "layers": []},
-      "text": {"lambda": ({"kind": "scalar", "layers": lam_layers, "lambda_init": [0.2, 0.36, 0.47]}
-                          if arm == "diff_v1" else
-                          {"kind": "sigmoid", "layers": [{"mean": 0.5, "quantiles": {"0.05": 0.3, "0.95": 0.7}}] * 3}
-                          if arm == "diff_v2" else {"kind": "none"})},
-      "lowbit": {"float": {"loss": loss, "accuracy": acc},
-                 "logits8": {"loss": loss + 0.01, "accuracy": acc},
-                 "logits4": {"loss": loss + (0.5 if arm == "transformer" else 0.1), "accuracy": acc}},
+    "validation": {"loss": loss, "perplexity": math.exp(loss), "tokens": 100},
+    "retrieval": {"context_len": 256, "cells": {"N1_R1": 1.0, "N4_R2": acc}, "mean": (1 + acc) / 2},
+    "heatmap": {
+      "lengths": [256, 512],
+      "depths": [0.0, 0.5, 1.0],
+      "needles": [4, 1],
+      "accuracy": rng.random((3, 2)).tolist(),
+      "mean_by_length": [0.5, 0.4],
+      "mean": 0.45,
+    },
+    "allocation": {
+      "regions": ["sink", "context", "answer", "query"],
+      "summary": {"signed_share": [0.2, 0.5, 0.1, 0.2], "abs_share": [0.2, 0.5, 0.1, 0.2]},
+      "layers": [],
+    },
+    "text": {
+      "lambda": (
+        {"kind": "scalar", "layers": lam_layers, "lambda_init": [0.2, 0.36, 0.47]}
+        if arm == "diff_v1"
+        else {
+          "kind": "sigmoid",
+          "layers": [{"mean": 0.5, "quantiles": {"0.05": 0.3, "0.95": 0.7}}] * 3,
+        }
+        if arm == "diff_v2"
+        else {"kind": "none"}
+      )
+    },
+    "lowbit": {
+      "float": {"loss": loss, "accuracy": acc},
+      "logits8": {"loss": loss + 0.01, "accuracy": acc},
+      "logits4": {"loss": loss + (0.5 if arm == "transformer" else 0.1), "accuracy": acc},
+    },
   }
   from diffjax.eval.evaluate import scalars_from_sections
+
   sections_for_scalars = {k: v for k, v in sections.items() if k != "text"}
   sections_for_scalars["allocation"] = sections["allocation"]
-  return {"schema": "diffjax.eval/1", "meta": {"arm": arm, "seed": seed}, "sections": sections,
-          "scalars": scalars_from_sections(sections_for_scalars)}
+  return {
+    "schema": "diffjax.eval/1",
+    "meta": {"arm": arm, "seed": seed},
+    "sections": sections,
+    "scalars": scalars_from_sections(sections_for_scalars),
+  }
 
 
 def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
@@ -621,7 +753,13 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
   assert "val/loss: diff_v1 is better (lower) than transformer" in text
   assert "val/loss: no significant difference between diff_v2 and transformer at n=3 seeds" in text
   assert "| transformer | 1 |" in text  # the (N, R) table row
-  for name in ("loss_curves.png", "retrieval_heatmap.png", "allocation.png", "lambda.png", "lowbit.png"):
+  for name in (
+    "loss_curves.png",
+    "retrieval_heatmap.png",
+    "allocation.png",
+    "lambda.png",
+    "lowbit.png",
+  ):
     data = (out / name).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     assert f"]({name})" in text
@@ -632,9 +770,16 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
 
 def test_report_curve_has_one_row_per_step_after_a_resume(tmp_path):
   # A resumed run's metrics.jsonl may repeat the steps trained again; the later line counts.
-  (tmp_path / "eval.json").write_text(json.dumps(_fake_eval("diff_v1", 0, np.random.default_rng(0))))
-  lines = [{"step": 1, "train/loss": 3.0}, {"step": 2, "train/loss": 2.9},
-           {"step": 2, "eval/loss": 3.1}, {"step": 2, "train/loss": 2.5}, {"step": 3, "train/loss": 2.4}]
+  (tmp_path / "eval.json").write_text(
+    json.dumps(_fake_eval("diff_v1", 0, np.random.default_rng(0)))
+  )
+  lines = [
+    {"step": 1, "train/loss": 3.0},
+    {"step": 2, "train/loss": 2.9},
+    {"step": 2, "eval/loss": 3.1},
+    {"step": 2, "train/loss": 2.5},
+    {"step": 3, "train/loss": 2.4},
+  ]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
   curve = R.load_results([str(tmp_path)])[0]["curve"]
   assert [r["step"] for r in curve] == [1, 2, 3]
@@ -642,8 +787,16 @@ def test_report_curve_has_one_row_per_step_after_a_resume(tmp_path):
 
 
 def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
-  runs = [{"arm": arm, "seed": 0, "name": arm, "eval": _fake_eval(arm, 0, np.random.default_rng(0)),
-           "curve": None} for arm in ("transformer", "diff_v1")]
+  runs = [
+    {
+      "arm": arm,
+      "seed": 0,
+      "name": arm,
+      "eval": _fake_eval(arm, 0, np.random.default_rng(0)),
+      "curve": None,
+    }
+    for arm in ("transformer", "diff_v1")
+  ]
   preamble = ["## Comparison summary", "", "| arm | params |", "|---|---|", "| diff_v1 | 1 |"]
   text = open(R.write_report(runs, str(tmp_path), title="T", preamble=preamble)).read()
   assert text.startswith("# T\n\n## Comparison summary\n\n| arm | params |\n"), text[:200]
@@ -658,17 +811,34 @@ def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
 
 def test_task_only_training_data_and_its_errors():
   import ml_collections
+
   from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source, task_only
-  mix = ml_collections.ConfigDict(dict(
-      task="associative_recall", fraction=1.0, num_pairs=8, num_queries=2,
-      distractors_per_query=1, key_len=3, value_len=3, grid=((4, 0), (8, 2)), num_examples=6,
-      context_len=0, num_needles=0))
+
+  mix = ml_collections.ConfigDict(
+    dict(
+      task="associative_recall",
+      fraction=1.0,
+      num_pairs=8,
+      num_queries=2,
+      distractors_per_query=1,
+      key_len=3,
+      value_len=3,
+      grid=((4, 0), (8, 2)),
+      num_examples=6,
+      context_len=0,
+      num_needles=0,
+    )
+  )
   assert task_only(mix)
   src = mixed_source(None, mix, TOK, seed=1)
   assert len(src) == 6 and src.seed == TRAIN_SEED_OFFSET + 1
   # No leakage: no training example equals an example of the evaluation grid's seeds.
-  evals = {TOK.decode(E.AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
-           for s in range(1234, 1234 + 120) for p, d in ((4, 0), (8, 2)) for i in range(2)}
+  evals = {
+    TOK.decode(E.AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
+    for s in range(1234, 1234 + 120)
+    for p, d in ((4, 0), (8, 2))
+    for i in range(2)
+  }
   assert not evals & {TOK.decode(src[i]) for i in range(6)}
   mix.num_examples = 0
   with pytest.raises(ValueError, match="num_examples"):
@@ -695,11 +865,18 @@ def test_recall_grid_scores_each_cell_and_names_it():
 
 
 def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
-  cfg = E.EvalConfig.quick(T, batch_size=2, capture_batch_size=2, allocation_examples=2,
-                           mqar=dict(num_pairs=4, num_queries=2, distractors_per_query=1),
-                           mqar_examples=2, mqar_grid=(dict(num_pairs=2, distractors_per_query=1),),
-                           probe_task="mqar", lowbit_bits=(4,),
-                           sections=("mqar_grid", "allocation", "probes", "text"))
+  cfg = E.EvalConfig.quick(
+    T,
+    batch_size=2,
+    capture_batch_size=2,
+    allocation_examples=2,
+    mqar=dict(num_pairs=4, num_queries=2, distractors_per_query=1),
+    mqar_examples=2,
+    mqar_grid=(dict(num_pairs=2, distractors_per_query=1),),
+    probe_task="mqar",
+    lowbit_bits=(4,),
+    sections=("mqar_grid", "allocation", "probes", "text"),
+  )
   out = E.evaluate_model(runners["diff_v1"], text_batches, cfg)
   assert out["meta"]["probe_task"].startswith("mqar(P=4,Q=2,D=1")
   s = out["scalars"]
@@ -715,6 +892,7 @@ def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
 
 def test_report_tables_and_plots_the_recall_grid(tmp_path):
   from diffjax.eval.evaluate import scalars_from_sections
+
   runs = []
   for arm, base in (("transformer", 0.5), ("diff_v1", 0.7)):
     for seed in range(3):
@@ -723,12 +901,22 @@ def test_report_tables_and_plots_the_recall_grid(tmp_path):
         for d in (0, 2):
           name = f"P{p}_D{d}"
           order.append(name)
-          cells[name] = {"accuracy": base + 0.01 * seed - 0.1 * (p == 16), "all_correct": 0.0,
-                         "sequence_len": 10 * p,
-                         "settings": {"num_pairs": p, "distractors_per_query": d}}
+          cells[name] = {
+            "accuracy": base + 0.01 * seed - 0.1 * (p == 16),
+            "all_correct": 0.0,
+            "sequence_len": 10 * p,
+            "settings": {"num_pairs": p, "distractors_per_query": d},
+          }
       sec = {"mqar_grid": {"cells": cells, "order": order, "num_examples": 8}}
-      runs.append({"arm": arm, "seed": seed, "name": f"{arm}_s{seed}", "curve": None,
-                   "eval": {"sections": sec, "scalars": scalars_from_sections(sec)}})
+      runs.append(
+        {
+          "arm": arm,
+          "seed": seed,
+          "name": f"{arm}_s{seed}",
+          "curve": None,
+          "eval": {"sections": sec, "scalars": scalars_from_sections(sec)},
+        }
+      )
   path = R.write_report(runs, str(tmp_path))
   text = open(path).read()
   assert "## Associative recall by difficulty" in text
@@ -739,6 +927,7 @@ def test_report_tables_and_plots_the_recall_grid(tmp_path):
 
 def test_directions_of_training_and_low_bit_measures():
   from diffjax.eval.aggregate import direction
+
   assert direction("lowbit/kv4/loss_increase") is False  # less added loss is better
   assert direction("lowbit/kv4/loss") is False and direction("lowbit/kv4/accuracy") is True
   assert direction("train/steps_to_learn") is False and direction("train/learned") is True

@@ -21,6 +21,7 @@ from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 
+from helpers import REPO, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -28,7 +29,6 @@ from diffjax.eval.harness import DiffjaxLM, TokenScorer, cut_at_stops, run_tasks
 from diffjax.eval.harness import command as harness_command  # noqa: E402
 from diffjax.generation import generate  # noqa: E402
 from diffjax.model import DecoderLM, ModelConfig  # noqa: E402
-from helpers import REPO, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
 
 FIXTURES = os.path.join("tests", "fixtures", "harness")  # data_files are relative to the repo
 TASKS = ["diffjax_fixture_choice", "diffjax_fixture_perplexity", "diffjax_fixture_generate"]
@@ -37,8 +37,16 @@ RTOL = 1e-5
 
 
 def tiny_model(arm: str, vocab: int = 258, seed: int = 0) -> DecoderLM:
-  cfg = ModelConfig(attention=arm, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                    head_dim=8, mlp_dim=64, vocab_size=vocab)
+  cfg = ModelConfig(
+    attention=arm,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=vocab,
+  )
   return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
 
 
@@ -49,22 +57,25 @@ def _plain_forward(model: DecoderLM):
   """The model's own forward of one unpadded row, jitted (one compile per length)."""
   if id(model) not in _FORWARDS:
     graphdef, state = nnx.split(model)
-    fn = jax.jit(lambda s, x: jax.nn.log_softmax(
-        nnx.merge(graphdef, s)(x).astype(jnp.float32), axis=-1))
+    fn = jax.jit(
+      lambda s, x: jax.nn.log_softmax(nnx.merge(graphdef, s)(x).astype(jnp.float32), axis=-1)
+    )
     _FORWARDS[id(model)] = (model, lambda x: fn(state, x))
   return _FORWARDS[id(model)][1]
 
 
 def plain_loglikelihood(model: DecoderLM, context, continuation, max_length=MAX_LENGTH):
   """(sum of log p(continuation), greedy?) from one unpadded forward, float32."""
-  whole = (list(context) + list(continuation))[-(max_length + 1):]
+  whole = (list(context) + list(continuation))[-(max_length + 1) :]
   inputs = jnp.asarray([whole[:-1]], jnp.int32)
   logp = np.asarray(_plain_forward(model)(inputs))[0]
   n, k = len(whole) - 1, len(continuation)
   rows = np.arange(n - k, n)
   targets = np.asarray(whole[1:])[rows]
-  return (float(np.sum(logp[rows, targets], dtype=np.float64)),
-          bool(np.all(np.argmax(logp[rows], axis=-1) == targets)))
+  return (
+    float(np.sum(logp[rows, targets], dtype=np.float64)),
+    bool(np.all(np.argmax(logp[rows], axis=-1) == targets)),
+  )
 
 
 class Recording(DiffjaxLM):
@@ -95,15 +106,17 @@ def _close(got, want, what):
 
 
 # The scorer is the same code for every arm; the Transformer's run is under -m slow.
-@pytest.fixture(scope="module", params=[pytest.param("transformer", marks=pytest.mark.slow),
-                                        "diff_v1", "diff_v2"])
+@pytest.fixture(
+  scope="module", params=[pytest.param("transformer", marks=pytest.mark.slow), "diff_v1", "diff_v2"]
+)
 def evaluated(request):
   cwd = os.getcwd()
   os.chdir(REPO)
   try:
     model = tiny_model(request.param)
-    lm = Recording(model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=4,
-                   max_gen_toks=12)
+    lm = Recording(
+      model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=4, max_gen_toks=12
+    )
     results = run_tasks(lm, TASKS, include_path=FIXTURES, bootstrap_iters=0)
   finally:
     os.chdir(cwd)
@@ -123,7 +136,7 @@ def test_every_loglikelihood_request_equals_the_plain_forward(evaluated):
     _close(logp, want, (arm, ctx[-8:], cont))
     assert greedy == want_greedy
   # The harness's accuracy follows from those log-likelihoods.
-  by_question = [lm.pairs[i:i + 3] for i in range(0, 18, 3)]
+  by_question = [lm.pairs[i : i + 3] for i in range(0, 18, 3)]
   acc = np.mean([int(np.argmax([p[2][0] for p in q]) == 0) for q in by_question])
   assert results["results"]["diffjax_fixture_choice"]["acc,none"] == pytest.approx(acc)
 
@@ -134,8 +147,10 @@ def test_rolling_perplexity_scores_each_token_once_in_the_harness_windows(evalua
   assert any(len(lm.tok_encode(text)) > 2 * MAX_LENGTH for text, _ in lm.rolling)
   for text, total in lm.rolling:
     tokens = lm.tok_encode(text)
-    windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
-        tokens, lm.eot_token_id, MAX_LENGTH, 1)]
+    windows = [
+      lm_utils.make_disjoint_window(w)
+      for w in lm_utils.get_rolling_token_windows(tokens, lm.eot_token_id, MAX_LENGTH, 1)
+    ]
     assert sum(len(cont) for _, cont in windows) == len(tokens)
     want = sum(plain_loglikelihood(model, ctx, cont)[0] for ctx, cont in windows)
     _close(total, want, (arm, text[:20]))
@@ -146,7 +161,7 @@ def test_greedy_generate_until_equals_generate_with_the_same_stops(evaluated):
   assert len(lm.generations) == 5
   for (context, kwargs), text in lm.generations:
     assert kwargs["until"] == ["\n"] and kwargs["max_gen_toks"] == 12
-    prompt = lm.tok_encode(context)[-(MAX_LENGTH - 12):]
+    prompt = lm.tok_encode(context)[-(MAX_LENGTH - 12) :]
     out = generate(model, [prompt], max_new_tokens=12, stop_tokens=[lm.eot_token_id])
     assert text == cut_at_stops(lm.tok_decode(out.tokens[0]), ["\n"])
     assert "\n" not in text
@@ -156,8 +171,10 @@ def test_a_stream_of_lengths_compiles_one_forward_per_bucket():
   model = tiny_model("diff_v1")
   scorer = TokenScorer(model, max_length=40, batch_size=3)
   rng = np.random.default_rng(0)
-  requests = [(rng.integers(0, 258, int(n)).tolist(), rng.integers(0, 258, 2).tolist())
-              for n in rng.integers(1, 60, 25)]
+  requests = [
+    (rng.integers(0, 258, int(n)).tolist(), rng.integers(0, 258, 2).tolist())
+    for n in rng.integers(1, 60, 25)
+  ]
   got = scorer.score(requests)
   # Widths 16, 32 and the context (40), three rows each.
   assert scorer.compiled_shapes == {(3, 16), (3, 32), (3, 40)}
@@ -186,27 +203,35 @@ def _write_bpe(path):
 def _write_sentencepiece(path):
   spm = pytest.importorskip("sentencepiece")
   text = path.parent / "spm.txt"
-  text.write_text("".join(f"the number {i} follows {i - 1} and precedes {i + 1}\n"
-                          for i in range(300)))
-  spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(path)[:-len(".model")],
-                                 vocab_size=120, model_type="bpe")
+  text.write_text(
+    "".join(f"the number {i} follows {i - 1} and precedes {i + 1}\n" for i in range(300))
+  )
+  spm.SentencePieceTrainer.train(
+    input=str(text), model_prefix=str(path)[: -len(".model")], vocab_size=120, model_type="bpe"
+  )
   return str(path)
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
 def test_tokenizers_follow_the_harness_conventions(kind, tmp_path):
-  spec = {"byte": lambda: "byte", "bpe": lambda: _write_bpe(tmp_path / "tok.json"),
-          "sentencepiece": lambda: _write_sentencepiece(tmp_path / "sp.model")}[kind]()
-  lm = DiffjaxLM(model=tiny_model("diff_v2", vocab=320), tokenizer=spec, max_length=MAX_LENGTH,
-                 batch_size=2)
+  spec = {
+    "byte": lambda: "byte",
+    "bpe": lambda: _write_bpe(tmp_path / "tok.json"),
+    "sentencepiece": lambda: _write_sentencepiece(tmp_path / "sp.model"),
+  }[kind]()
+  lm = DiffjaxLM(
+    model=tiny_model("diff_v2", vocab=320), tokenizer=spec, max_length=MAX_LENGTH, batch_size=2
+  )
   pairs = [("def add(a, b):", " return a + b"), ("", "the number 7"), ("x = ", "5")]
-  out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)],
-                         disable_tqdm=True)
+  out = lm.loglikelihood(
+    [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True
+  )
   for (context, continuation), (logp, _) in zip(pairs, out):
     if context:  # the continuation is what encoding the pair adds to encoding the context
       ctx = lm.tok_encode(context.rstrip())
-      cont = lm.tok_encode(context.rstrip() + context[len(context.rstrip()):]
-                           + continuation)[len(ctx):]
+      cont = lm.tok_encode(context.rstrip() + context[len(context.rstrip()) :] + continuation)[
+        len(ctx) :
+      ]
     else:
       ctx, cont = [lm.eot_token_id], lm.tok_encode(continuation)
     _close(logp, plain_loglikelihood(lm.model, ctx, cont)[0], (kind, context))
@@ -215,6 +240,7 @@ def test_tokenizers_follow_the_harness_conventions(kind, tmp_path):
 @pytest.fixture(scope="module")
 def trained_workdir(tmp_path_factory):
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
   c = tiny_config("diff_v1", steps=2)
   c.model.update(dict(d_model=32, num_layers=1, mlp_dim=64, head_dim=8))
   c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
@@ -225,14 +251,23 @@ def trained_workdir(tmp_path_factory):
   return workdir
 
 
-def test_the_command_prints_the_table_and_writes_the_results_json(trained_workdir, capsys,
-                                                                  monkeypatch):
+def test_the_command_prints_the_table_and_writes_the_results_json(
+  trained_workdir, capsys, monkeypatch
+):
   monkeypatch.chdir(REPO)
   out = os.path.join(trained_workdir, "h.json")
-  rc = harness_command.main([f"--workdir={trained_workdir}", f"--include_path={FIXTURES}",
-                             "--tasks=diffjax_fixture_choice,diffjax_fixture_generate",
-                             "--limit=3", "--batch_size=2", "--max_gen_toks=4",
-                             "--bootstrap_iters=0", f"--output={out}"])
+  rc = harness_command.main(
+    [
+      f"--workdir={trained_workdir}",
+      f"--include_path={FIXTURES}",
+      "--tasks=diffjax_fixture_choice,diffjax_fixture_generate",
+      "--limit=3",
+      "--batch_size=2",
+      "--max_gen_toks=4",
+      "--bootstrap_iters=0",
+      f"--output={out}",
+    ]
+  )
   captured = capsys.readouterr()
   assert rc == 0, captured.err[-2000:]
   assert "|diffjax_fixture_choice  |" in captured.out and "|acc " in captured.out
@@ -242,20 +277,26 @@ def test_the_command_prints_the_table_and_writes_the_results_json(trained_workdi
   assert 0.0 <= results["results"]["diffjax_fixture_choice"]["acc,none"] <= 1.0
 
 
-@pytest.mark.parametrize("args,needle", [
+@pytest.mark.parametrize(
+  "args,needle",
+  [
     (["--workdir={empty}", "--tasks=diffjax_fixture_choice"], "No checkpoints in"),
     # Naming an unknown task makes lm-eval index all of its tasks, which is slow.
-    pytest.param(["--workdir={run}", "--tasks=no_such_task"], "unknown task(s) ['no_such_task']",
-                 marks=pytest.mark.slow),
-    (["--workdir={run}", "--tasks=diffjax_fixture_choice", "--tokenizer={bpe}"],
-     "is not the one the run was trained with ('byte')"),
-])
-def test_bad_input_is_one_error_line(args, needle, trained_workdir, tmp_path, capsys,
-                                     monkeypatch):
+    pytest.param(
+      ["--workdir={run}", "--tasks=no_such_task"],
+      "unknown task(s) ['no_such_task']",
+      marks=pytest.mark.slow,
+    ),
+    (
+      ["--workdir={run}", "--tasks=diffjax_fixture_choice", "--tokenizer={bpe}"],
+      "is not the one the run was trained with ('byte')",
+    ),
+  ],
+)
+def test_bad_input_is_one_error_line(args, needle, trained_workdir, tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(REPO)
   (tmp_path / "empty").mkdir()
-  names = dict(empty=str(tmp_path / "empty"), run=trained_workdir,
-               bpe=str(tmp_path / "other.json"))
+  names = dict(empty=str(tmp_path / "empty"), run=trained_workdir, bpe=str(tmp_path / "other.json"))
   argv = [a.format(**names) for a in args] + [f"--include_path={FIXTURES}"]
   rc = harness_command.main(argv)
   err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
@@ -266,56 +307,78 @@ def test_bad_input_is_one_error_line(args, needle, trained_workdir, tmp_path, ca
 def _sharded_child():
   jax.config.update("jax_num_cpu_devices", 8)
   from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+
   assert jax.device_count() == 8
   out = {}
   rng = np.random.default_rng(3)
-  requests = [(rng.integers(0, 64, int(n)).tolist(), rng.integers(0, 64, 3).tolist())
-              for n in (5, 17, 30, 2, 11)]
+  requests = [
+    (rng.integers(0, 64, int(n)).tolist(), rng.integers(0, 64, 3).tolist())
+    for n in (5, 17, 30, 2, 11)
+  ]
   for arm in ("transformer", "diff_v1", "diff_v2"):
-    heads = dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else \
-        dict(num_heads=8, num_kv_heads=4)
-    cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2, head_dim=4,
-                      mlp_dim=64, implementation="xla", **heads)
+    heads = (
+      dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else dict(num_heads=8, num_kv_heads=4)
+    )
+    cfg = ModelConfig(
+      attention=arm,
+      vocab_size=64,
+      d_model=32,
+      num_layers=2,
+      head_dim=4,
+      mlp_dim=64,
+      implementation="xla",
+      **heads,
+    )
     model = DecoderLM(cfg, rngs=nnx.Rngs(3))
     single = TokenScorer(model, max_length=32, batch_size=4).score(requests)
     scorer = TokenScorer(model, max_length=32, batch_size=4, mesh=shd.make_mesh((2, 2, 2)))
     sharded = scorer.score(requests)
-    split = [len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
-             for leaf in jax.tree.leaves(scorer._state) if leaf.ndim >= 2]  # pylint: disable=protected-access
+    split = [
+      len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+      for leaf in jax.tree.leaves(scorer._state)
+      if leaf.ndim >= 2
+    ]  # pylint: disable=protected-access
     out[arm] = bool(any(split)) and all(
-        abs(a[0] - b[0]) <= 1e-5 * max(1.0, abs(b[0])) and a[1] == b[1]
-        for a, b in zip(sharded, single))
+      abs(a[0] - b[0]) <= 1e-5 * max(1.0, abs(b[0])) and a[1] == b[1]
+      for a, b in zip(sharded, single)
+    )
   print(json.dumps(out))
 
 
 @pytest.mark.slow  # a child process with 8 CPU devices
 def test_scores_on_a_mesh_equal_one_device_with_parameters_left_sharded():
   last = run_python("import tests.eval.test_harness as t; t._sharded_child()")
-  assert json.loads(last) == {
-      "transformer": True, "diff_v1": True, "diff_v2": True}
+  assert json.loads(last) == {"transformer": True, "diff_v1": True, "diff_v2": True}
 
 
 def test_an_imported_hf_directory_brings_its_tokenizer_and_context(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   import shutil  # pylint: disable=import-outside-toplevel
+
   from tokenizers import models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
   hf_dir = tmp_path / "llama"
   shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf", "llama"), hf_dir)
   words = ["</s>", "[UNK]"] + [f"w{i}" for i in range(60)]
-  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                              unk_token="[UNK]"))
+  tok = tokenizers.Tokenizer(
+    models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+  )
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.save(str(hf_dir / "tokenizer.json"))
   lm = DiffjaxLM(hf_dir=str(hf_dir), batch_size=2)
   assert lm.max_length == 2048 and lm.eot_token_id == 0  # max_position_embeddings, </s>
   assert lm.model.config.num_kv_heads == 2 and lm.model.config.vocab_size == 96
   pairs = [("w1 w2 w3", " w4 w5"), ("w7", " w8"), ("", "w9 w10")]
-  out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)],
-                         disable_tqdm=True)
+  out = lm.loglikelihood(
+    [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True
+  )
   for (context, continuation), (logp, _) in zip(pairs, out):
     ctx = lm.tok_encode(context) if context else [lm.eot_token_id]
-    cont = lm.tok_encode(context + continuation)[len(lm.tok_encode(context)):] if context \
-        else lm.tok_encode(continuation)
+    cont = (
+      lm.tok_encode(context + continuation)[len(lm.tok_encode(context)) :]
+      if context
+      else lm.tok_encode(continuation)
+    )
     _close(logp, plain_loglikelihood(lm.model, ctx, cont, lm.max_length)[0], context)
 
 
@@ -323,10 +386,18 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
   model = tiny_model("diff_v1")
   lm = DiffjaxLM(model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=2, seed=5)
   contexts = ["def f(x):", "import os\n"]
-  got = lm.generate_texts(contexts, until=["\n\n"], max_gen_toks=10, do_sample=True,
-                          temperature=0.9, top_k=20)
-  out = generate(model, [lm.tok_encode(c) for c in contexts], max_new_tokens=10,
-                 temperature=0.9, top_k=20, seed=5, stop_tokens=[lm.eot_token_id])
+  got = lm.generate_texts(
+    contexts, until=["\n\n"], max_gen_toks=10, do_sample=True, temperature=0.9, top_k=20
+  )
+  out = generate(
+    model,
+    [lm.tok_encode(c) for c in contexts],
+    max_new_tokens=10,
+    temperature=0.9,
+    top_k=20,
+    seed=5,
+    stop_tokens=[lm.eot_token_id],
+  )
   assert got == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
   greedy = lm.generate_texts(contexts, max_gen_toks=10)
   assert greedy != got  # sampling at temperature 0.9 is not the greedy path

@@ -32,8 +32,9 @@ def test_document_starts_from_segments_positions_or_neither():
   pos = np.array([[0, 1, 2, 0, 1, 0]])
   np.testing.assert_array_equal(M.document_starts(positions_BxT=pos), [[0, 0, 0, 3, 3, 5]])
   np.testing.assert_array_equal(M.document_starts(shape=(2, 3)), np.zeros((2, 3)))
-  np.testing.assert_array_equal(M.sink_rows(M.document_starts(seg))[0],
-                                [False, True, True, False, True, False])
+  np.testing.assert_array_equal(
+    M.sink_rows(M.document_starts(seg))[0], [False, True, True, False, True, False]
+  )
 
 
 def test_sink_mass_of_uniform_attention_is_the_mean_of_one_over_row_length():
@@ -59,27 +60,30 @@ def test_sink_mass_follows_packed_documents_and_one_hot_sinks():
   assert M.sink_mass(M.first_token_weight(one_hot, starts), M.sink_rows(starts))["mean"] == 1.0
   # A DIFF map can put negative weight on the sink: A1 one-hot on it, lambda A2 more so.
   diff = one_hot - 1.5 * one_hot
-  assert M.sink_mass(M.first_token_weight(diff, starts),
-                     M.sink_rows(starts))["mean"] == pytest.approx(-0.5)
+  assert M.sink_mass(M.first_token_weight(diff, starts), M.sink_rows(starts))[
+    "mean"
+  ] == pytest.approx(-0.5)
   # jax arrays take the same path (the runner computes the weights on device).
-  np.testing.assert_allclose(np.asarray(M.first_token_weight(jnp.asarray(attn), starts)),
-                             M.first_token_weight(attn, starts), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(M.first_token_weight(jnp.asarray(attn), starts)),
+    M.first_token_weight(attn, starts),
+    rtol=1e-6,
+  )
 
 
 def test_context_rms_of_uniform_attention_over_orthogonal_unit_values():
   """n orthogonal values of RMS 1 mixed uniformly have RMS 1/sqrt(n): the norm then magnifies
   by sqrt(n) (the V2 write-up's ~100x for near-uniform attention over 10^4 tokens)."""
   t, d = 8, 8
-  v = np.sqrt(d) * np.eye(t, d)[None, :, None, :]          # [1, S, 1, D], RMS 1 each
+  v = np.sqrt(d) * np.eye(t, d)[None, :, None, :]  # [1, S, 1, D], RMS 1 each
   attn, valid = _uniform_causal(1, 1, t)
-  ctx = np.einsum("bhts,bskd->bthd", attn, v)               # [1, T, 1, D]
+  ctx = np.einsum("bhts,bskd->bthd", attn, v)  # [1, T, 1, D]
   rows = np.arange(1, t + 1)
   np.testing.assert_allclose(M.rms(ctx)[0, :, 0], 1.0 / np.sqrt(rows), rtol=1e-12)
   np.testing.assert_allclose(M.visible_value_rms(v, valid)[0], np.ones(t), rtol=1e-12)
   np.testing.assert_allclose(M.norm_magnification(ctx, 0.0)[0, :, 0], np.sqrt(rows), rtol=1e-12)
   far = np.full((1, 1, 1, d), 1.0 / math.sqrt(10_000))
-  assert M.norm_magnification(far, 1e-5)[0, 0, 0] == pytest.approx(100.0 / math.sqrt(1.1),
-                                                                   rel=1e-9)
+  assert M.norm_magnification(far, 1e-5)[0, 0, 0] == pytest.approx(100.0 / math.sqrt(1.1), rel=1e-9)
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
@@ -89,7 +93,7 @@ def test_v2_difference_of_one_hot_maps_stays_within_sqrt2(lam):
   d = 4
   v = np.sqrt(d) * np.eye(2, d)[None, :, None, :]
   a1 = np.array([1.0, 0.0])
-  for a2, want in ((np.array([0.0, 1.0]), math.sqrt(1 + lam ** 2)), (a1, 1 - lam)):
+  for a2, want in ((np.array([0.0, 1.0]), math.sqrt(1 + lam**2)), (a1, 1 - lam)):
     ctx = np.einsum("s,sd->d", a1 - lam * a2, v[0, :, 0])
     assert M.rms(ctx) == pytest.approx(want, abs=1e-12)
     assert M.rms(ctx) <= math.sqrt(2) + 1e-12
@@ -97,12 +101,13 @@ def test_v2_difference_of_one_hot_maps_stays_within_sqrt2(lam):
 
 def test_largest_visible_value_rms_bounds_a_convex_mix():
   v = np.zeros((1, 3, 2, 2))
-  v[0, 0, 0] = [3.0, 4.0]                                   # RMS sqrt(12.5)
-  v[0, 1, 1] = [1.0, 1.0]                                   # RMS 1
+  v[0, 0, 0] = [3.0, 4.0]  # RMS sqrt(12.5)
+  v[0, 1, 1] = [1.0, 1.0]  # RMS 1
   valid = np.tril(np.ones((3, 3), bool))[None]
-  np.testing.assert_allclose(M.largest_visible_value_rms(v, valid)[0],
-                             [math.sqrt(12.5)] * 3, rtol=1e-12)
-  late = valid & (np.arange(3)[None, None, :] > 0)          # rows that cannot see key 0
+  np.testing.assert_allclose(
+    M.largest_visible_value_rms(v, valid)[0], [math.sqrt(12.5)] * 3, rtol=1e-12
+  )
+  late = valid & (np.arange(3)[None, None, :] > 0)  # rows that cannot see key 0
   np.testing.assert_allclose(M.largest_visible_value_rms(v, late)[0], [0.0, 1.0, 1.0])
 
 
@@ -117,8 +122,17 @@ def test_distribution_and_gradient_ratio():
 
 
 def _model(arm, **kw):
-  cfg = ModelConfig(attention=arm, vocab_size=23, d_model=32, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, mlp_dim=48, **kw)
+  cfg = ModelConfig(
+    attention=arm,
+    vocab_size=23,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=48,
+    **kw,
+  )
   return DecoderLM(cfg, rngs=nnx.Rngs(0))
 
 
@@ -127,18 +141,34 @@ def _batch():
   tokens = rng.integers(0, 23, (2, 13))
   seg = np.array([[0] * 5 + [1] * 8, [0] * 13])
   pos = np.array([list(range(5)) + list(range(8)), list(range(13))])
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg[:, :-1],
-          "positions": pos[:, :-1], "loss_mask": np.ones((2, 12), np.float32)}
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segment_ids": seg[:, :-1],
+    "positions": pos[:, :-1],
+    "loss_mask": np.ones((2, 12), np.float32),
+  }
 
 
-@pytest.mark.parametrize("arm,kw", [("transformer", {}), ("diff_v1", {}), ("diff_v2", {}),
-                                    ("diff_v2", dict(v2_pairing="across_groups"))])
+@pytest.mark.parametrize(
+  "arm,kw",
+  [
+    ("transformer", {}),
+    ("diff_v1", {}),
+    ("diff_v2", {}),
+    ("diff_v2", dict(v2_pairing="across_groups")),
+  ],
+)
 def test_mechanisms_of_a_model_match_its_captured_maps(arm, kw):
   model = _model(arm, **kw)
   batch = _batch()
   out = mechanisms(ModelRunner(model), [batch])
-  _, caps = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]),
-                  jnp.asarray(batch["segment_ids"]), capture=True)
+  _, caps = model(
+    jnp.asarray(batch["inputs"]),
+    jnp.asarray(batch["positions"]),
+    jnp.asarray(batch["segment_ids"]),
+    capture=True,
+  )
   starts = M.document_starts(batch["segment_ids"])
   rows = M.sink_rows(starts)
   for layer, cap in zip(out["layers"], caps):
@@ -149,10 +179,11 @@ def test_mechanisms_of_a_model_match_its_captured_maps(arm, kw):
       lam = lam if lam.ndim == 0 else np.transpose(lam, (0, 2, 1))[..., None]
       combined = np.asarray(cap["probs1"], np.float64) - lam * np.asarray(cap["probs2"])
       assert layer["sink"]["a1"]["mean"] == pytest.approx(
-          M.sink_mass(M.first_token_weight(np.asarray(cap["probs1"]), starts), rows)["mean"],
-          rel=1e-5)
+        M.sink_mass(M.first_token_weight(np.asarray(cap["probs1"]), starts), rows)["mean"], rel=1e-5
+      )
     assert layer["sink"]["combined"]["mean"] == pytest.approx(
-        M.sink_mass(M.first_token_weight(combined, starts), rows)["mean"], rel=1e-4, abs=1e-6)
+      M.sink_mass(M.first_token_weight(combined, starts), rows)["mean"], rel=1e-4, abs=1e-6
+    )
     ctx = np.asarray(cap["context"], np.float64)
     assert layer["context_rms"]["max"] == pytest.approx(M.rms(ctx).max(), rel=1e-5)
     assert ("gradient_magnification" in layer) == (arm == "diff_v1")
@@ -173,10 +204,15 @@ def test_v1_norm_gradients_are_the_chain_rule_through_its_norm():
   model = _model("diff_v1")
   batch = _batch()
   runner = ModelRunner(model)
-  grads = runner.norm_gradients(batch["inputs"], batch["targets"], batch["positions"],
-                                batch["segment_ids"], batch["loss_mask"])
-  _, caps = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]),
-                  jnp.asarray(batch["segment_ids"]), capture=True)
+  grads = runner.norm_gradients(
+    batch["inputs"], batch["targets"], batch["positions"], batch["segment_ids"], batch["loss_mask"]
+  )
+  _, caps = model(
+    jnp.asarray(batch["inputs"]),
+    jnp.asarray(batch["positions"]),
+    jnp.asarray(batch["segment_ids"]),
+    capture=True,
+  )
   for i, ((g_pre, g_post), cap) in enumerate(zip(grads, caps)):
     attn = model.layer(i).attn
     _, vjp = jax.vjp(lambda x: rms_norm(x, attn.norm_scale[...], attn.norm_eps), cap["context"])
@@ -185,4 +221,5 @@ def test_v1_norm_gradients_are_the_chain_rule_through_its_norm():
     assert np.abs(g_post).max() > 0
   with pytest.raises(ValueError, match="DIFF V1"):
     ModelRunner(_model("transformer")).norm_gradients(
-        batch["inputs"], batch["targets"], None, None, batch["loss_mask"])
+      batch["inputs"], batch["targets"], None, None, batch["loss_mask"]
+    )

@@ -9,14 +9,14 @@ from diffjax.eval import toy
 # (n, rho) -> (share single, share diff, needle weight single, needle weight diff); None where
 # the table does not print the value.
 PUBLISHED = {
-    (32, 0.0): (0.324, 0.274, 0.324, 0.300),
-    (32, 0.5): (0.324, 0.329, 0.324, 0.299),
-    (32, 0.9): (0.324, 0.468, 0.324, 0.299),
-    (32, 0.99): (0.324, 0.620, 0.324, 0.299),
-    (128, 0.9): (0.121, 0.246, None, None),
-    (512, 0.9): (0.036, 0.087, None, None),
-    (2048, 0.9): (0.010, 0.025, None, None),
-    (8192, 0.9): (0.002, 0.007, None, None),
+  (32, 0.0): (0.324, 0.274, 0.324, 0.300),
+  (32, 0.5): (0.324, 0.329, 0.324, 0.299),
+  (32, 0.9): (0.324, 0.468, 0.324, 0.299),
+  (32, 0.99): (0.324, 0.620, 0.324, 0.299),
+  (128, 0.9): (0.121, 0.246, None, None),
+  (512, 0.9): (0.036, 0.087, None, None),
+  (2048, 0.9): (0.010, 0.025, None, None),
+  (8192, 0.9): (0.002, 0.007, None, None),
 }
 
 
@@ -24,8 +24,9 @@ PUBLISHED = {
 def test_reproduces_the_published_table(n, rho):
   r = toy.trial(n, rho)
   got = (r.share_single, r.share_diff, r.weight_single, r.weight_diff)
-  for name, want, value in zip(("share single", "share diff", "weight single", "weight diff"),
-                               PUBLISHED[(n, rho)], got):
+  for name, want, value in zip(
+    ("share single", "share diff", "weight single", "weight diff"), PUBLISHED[(n, rho)], got
+  ):
     if want is not None:
       assert round(value, 3) == want, (n, rho, name, value, want)
 
@@ -38,7 +39,7 @@ def test_matches_a_float64_numpy_loop():
   for c, e in noise:
     z1 = c.copy()
     z1[0] += 3.0
-    z2 = rho * c + np.sqrt(1 - rho ** 2) * e
+    z2 = rho * c + np.sqrt(1 - rho**2) * e
     a1 = np.exp(z1 - z1.max()) / np.exp(z1 - z1.max()).sum()
     a2 = np.exp(z2 - z2.max()) / np.exp(z2 - z2.max()).sum()
     d = a1 - lam * a2

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import REPO, own_stderr, run_python
+from kernel_checks import rel_err as _rel_err
 
 from diffjax.generation import SamplingOptions, generate, top_k_filter, top_p_filter
 from diffjax.model import DecoderLM, ModelConfig
-from helpers import REPO, own_stderr, run_python
-from kernel_checks import rel_err as _rel_err
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
 VOCAB = 61
@@ -22,13 +22,24 @@ VOCAB = 61
 
 def _model(arm: str, **kw) -> DecoderLM:
   # GQA: 4 query heads over 2 kv heads in every arm.
-  cfg = ModelConfig(attention=arm, vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, mlp_dim=64, implementation="xla", **kw)
+  cfg = ModelConfig(
+    attention=arm,
+    vocab_size=VOCAB,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    implementation="xla",
+    **kw,
+  )
   return DecoderLM(cfg, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1",
-                                 "diff_v2"])
+@pytest.mark.parametrize(
+  "arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1", "diff_v2"]
+)
 def test_cached_logits_equal_full_forward_at_every_position(arm):
   model = _model(arm)
   lens = np.array([3, 9, 1, 6])
@@ -37,8 +48,9 @@ def test_cached_logits_equal_full_forward_at_every_position(arm):
   # Prefill a ragged batch (left-aligned, garbage past each row's length), then decode
   # every row's own next positions one token at a time.
   cache = model.init_cache(4, 16)
-  prefill_BxTxV, cache = jax.jit(lambda c, t: model(t, cache=c, cache_lengths_B=jnp.zeros(
-      4, jnp.int32)))(cache, seq_BxT[:, :9])
+  prefill_BxTxV, cache = jax.jit(
+    lambda c, t: model(t, cache=c, cache_lengths_B=jnp.zeros(4, jnp.int32))
+  )(cache, seq_BxT[:, :9])
   for b, n in enumerate(lens):
     assert _rel_err(prefill_BxTxV[b, :n], full_BxTxV[b, :n]) <= 1e-5
   pos_B = jnp.asarray(lens)
@@ -56,6 +68,7 @@ def _next_logits_fn(model, width: int = 24):
 
   def next_logits(seq):
     return forward(jnp.asarray([list(seq) + [0] * (width - len(seq))]))[len(seq) - 1]
+
   return next_logits
 
 
@@ -64,7 +77,7 @@ def _greedy_by_full_forward(model, prompt, n):
   seq = list(prompt)
   for _ in range(n):
     seq.append(int(jnp.argmax(next_logits(seq))))
-  return seq[len(prompt):]
+  return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("arm", ARMS)
@@ -90,7 +103,8 @@ class _BackendCompiles:
   def __enter__(self):
     self.count = 0
     self._listener = lambda event, *a, **k: setattr(
-        self, "count", self.count + (event == "/jax/core/compile/backend_compile_duration"))
+      self, "count", self.count + (event == "/jax/core/compile/backend_compile_duration")
+    )
     jax.monitoring.register_event_duration_secs_listener(self._listener)
     return self
 
@@ -100,6 +114,7 @@ class _BackendCompiles:
 
 def test_a_stream_of_calls_compiles_one_program_per_bucket_and_same_structure_models_share_it():
   from diffjax.generation import programs
+
   programs.clear_cache()
   model = _model("diff_v1")
   rng = np.random.default_rng(0)
@@ -173,12 +188,15 @@ def test_processors_run_on_every_step():
     streamed.extend(int(t) for t, a in zip(toks, active) if a)
 
   # More steps than the loop runs between two returns to the host (STREAM_EVERY).
-  out = generate(model, [[1, 2, 3]], max_new_tokens=20, processors=[ban_greedy_choice],
-                 on_tokens=on_tokens)
+  out = generate(
+    model, [[1, 2, 3]], max_new_tokens=20, processors=[ban_greedy_choice], on_tokens=on_tokens
+  )
   assert 7 not in out.tokens[0] and len(out.tokens[0]) == 20
   assert seen == list(range(20)) and streamed == out.tokens[0]
-  assert generate(model, [[1, 2, 3]], max_new_tokens=20,
-                  processors=[ban_greedy_choice]).tokens == out.tokens
+  assert (
+    generate(model, [[1, 2, 3]], max_new_tokens=20, processors=[ban_greedy_choice]).tokens
+    == out.tokens
+  )
 
 
 def test_each_row_stops_at_its_own_stop_token():
@@ -187,20 +205,24 @@ def test_each_row_stops_at_its_own_stop_token():
   free = generate(model, prompts, max_new_tokens=10).tokens
   stop = free[0][2]  # the third token of row 0
   out = generate(model, prompts, max_new_tokens=10, stop_tokens=[stop])
-  assert out.tokens[0] == free[0][:free[0].index(stop)]
+  assert out.tokens[0] == free[0][: free[0].index(stop)]
   assert out.stopped[0]
-  row1 = free[1][:free[1].index(stop)] if stop in free[1] else free[1]
+  row1 = free[1][: free[1].index(stop)] if stop in free[1] else free[1]
   assert out.tokens[1] == row1
 
 
 def test_prompt_longer_than_the_cache_is_one_clear_error():
-  with pytest.raises(ValueError, match=r"prompt of 20 tokens does not fit the cache of "
-                                       r"max_length=16"):
+  with pytest.raises(
+    ValueError,
+    match=r"prompt of 20 tokens does not fit the cache of "
+    r"max_length=16",
+  ):
     generate(_model("transformer"), [list(range(20))], max_length=16)
 
 
 def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_path, capsys):
   from diffjax.generation.command import main  # pylint: disable=import-outside-toplevel
+
   empty = tmp_path / "empty"
   empty.mkdir()
   assert main([f"--workdir={empty}", "--prompt=hi"]) == 2
@@ -209,17 +231,27 @@ def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_
   assert not list(empty.iterdir())
   # The documented command name, in a fresh process.
   missing = tmp_path / "missing"
-  r = subprocess.run([sys.executable, "-m", "diffjax.generation", f"--workdir={missing}",
-                      "--prompt=hi"],
-                     capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                     cwd=REPO, timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "diffjax.generation", f"--workdir={missing}", "--prompt=hi"],
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    cwd=REPO,
+    timeout=300,
+  )
   assert r.returncode == 2 and len(own_stderr(r.stderr)) == 1, r.stderr
   assert "is not a directory" in r.stderr and str(missing) in r.stderr and not missing.exists()
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_k=0), "top_k=0"),
-    (dict(top_p=1.5), "top_p=1.5"), (dict(max_new_tokens=0), "max_new_tokens=0")])
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_k=0), "top_k=0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+  ],
+)
 def test_bad_sampling_options_are_refused(kw, match):
   with pytest.raises(ValueError, match=match):
     generate(_model("transformer"), [[1, 2]], **kw)
@@ -233,14 +265,24 @@ def test_sampling_options_validate():
 def _sharded_child():
   jax.config.update("jax_num_cpu_devices", 8)
   from diffjax import sharding as shd
+
   assert jax.device_count() == 8
   out = {}
   for arm in ARMS:
     # kv heads 4 for the baseline and V2, 2 kv groups for V1: tensor = 2 divides both.
-    heads = dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else \
-        dict(num_heads=8, num_kv_heads=4)
-    cfg = ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2, head_dim=4,
-                      mlp_dim=64, implementation="xla", **heads)
+    heads = (
+      dict(num_heads=4, num_kv_heads=2) if arm == "diff_v1" else dict(num_heads=8, num_kv_heads=4)
+    )
+    cfg = ModelConfig(
+      attention=arm,
+      vocab_size=64,
+      d_model=32,
+      num_layers=2,
+      head_dim=4,
+      mlp_dim=64,
+      implementation="xla",
+      **heads,
+    )
     model = DecoderLM(cfg, rngs=nnx.Rngs(3))
     prompts = [[5, 8, 13], [1, 2, 3, 4, 5, 6, 7], [40], [9, 9]]
     single = generate(model, prompts, max_new_tokens=8).tokens
@@ -260,6 +302,8 @@ def test_v1_decode_dispatches_to_the_gpu_kernel_on_a_gpu():
   # The kernel's numbers against the reference: tests/kernels/gpu/test_kernels_mosaic_gpu.py (interpreter).
   from diffjax import ops
   from diffjax.ops import dispatch
+
   with ops.target_platform("gpu"):
-    assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == \
-        ("xla" if dispatch.triton_deprecated() else "pallas_gpu")
+    assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == (
+      "xla" if dispatch.triton_deprecated() else "pallas_gpu"
+    )

@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from kernel_checks import rel_err
 
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.ops import dispatch
 from diffjax.presets import base_config
 from diffjax.train.optim import make_optimizer
 from diffjax.train.steps import init_state, loss_sums, make_train_step, split_params
-from kernel_checks import rel_err
 
 STEPS = 3
 # Per-step loss agreement, float32: the kernels reorder the softmax sums (online
@@ -29,21 +29,34 @@ GRAD_RTOL = 1e-4
 
 
 def _cfg(arm, implementation):
-  return ModelConfig(attention=arm, vocab_size=64, d_model=32, num_layers=2,
-                     num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-                     implementation=implementation, interpret=implementation != "xla")
+  return ModelConfig(
+    attention=arm,
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    mlp_dim=64,
+    implementation=implementation,
+    interpret=implementation != "xla",
+  )
 
 
 def _batch():
   rng = np.random.default_rng(1)
   seg = np.array([[1] * 20 + [2] * 12, [1] * 32], np.int32)
   pos = np.array([list(range(20)) + list(range(12)), list(range(32))], np.int32)
-  return {"inputs": rng.integers(0, 64, (2, 32)).astype(np.int32),
-          "targets": rng.integers(0, 64, (2, 32)).astype(np.int32),
-          "segment_ids": seg, "positions": pos, "loss_mask": np.ones((2, 32), np.float32)}
+  return {
+    "inputs": rng.integers(0, 64, (2, 32)).astype(np.int32),
+    "targets": rng.integers(0, 64, (2, 32)).astype(np.int32),
+    "segment_ids": seg,
+    "positions": pos,
+    "loss_mask": np.ones((2, 32), np.float32),
+  }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _xla_grads(arm) -> dict:
   return _grads(arm, "xla")
 
@@ -68,11 +81,13 @@ def _grad_errors(got: dict, want: dict) -> dict[str, float]:
 def _doubled_dk(fn, k_index):
   """``fn`` with the same output and twice the true cotangent of argument ``k_index`` (dK):
   a second call through which only that argument is differentiated adds its gradient again."""
+
   def mutated(*arrays, **kw):
     sg = jax.lax.stop_gradient
     only_k = [a if i == k_index else sg(a) for i, a in enumerate(arrays)]
     extra = fn(*only_k, **kw)
     return fn(*arrays, **kw) + (extra - sg(extra))
+
   return mutated
 
 
@@ -98,7 +113,8 @@ def test_a_kernel_with_a_doubled_dk_fails_the_gradient_check(arm, monkeypatch):
   # dK feeds the key projection of every layer, and through the residual stream all that
   # precedes it: the check must see the key kernels at least.
   assert {k for k in bad if "['attn']['k']" in k} == {
-      f"['blocks'][{i}]['attn']['k']" for i in range(2)}, bad
+    f"['blocks'][{i}]['attn']['k']" for i in range(2)
+  }, bad
 
 
 def _losses(arm, implementation):

@@ -36,15 +36,26 @@ TOL = 1e-5
 B, T = 4, 32
 sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
 
-BASE = ModelConfig(attention="transformer", vocab_size=48, d_model=32, num_layers=2,
-                   num_heads=4, num_kv_heads=4, head_dim=8, mlp_dim=48)
+BASE = ModelConfig(
+  attention="transformer",
+  vocab_size=48,
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=4,
+  head_dim=8,
+  mlp_dim=48,
+)
 ARMS = matched_configs(BASE, v2_match="heads")
 MESHES = ((1, 1, 1, 8), (2, 1, 2, 2), (1, 2, 1, 4))
 STRATEGIES = ("ring", "all_gather")
 # The default run: every arm, mesh and strategy appears once; the rest of the grid (and the
 # sequential order, which tests/ops/test_context_parallel.py checks at the op level) is slow.
-FAST = [("transformer", MESHES[0], "ring"), ("diff_v1", MESHES[1], "ring"),
-        ("diff_v2", MESHES[2], "all_gather")]
+FAST = [
+  ("transformer", MESHES[0], "ring"),
+  ("diff_v1", MESHES[1], "ring"),
+  ("diff_v2", MESHES[2], "all_gather"),
+]
 SLOW = [(a, m, s) for a in ARMS for m in MESHES for s in STRATEGIES if (a, m, s) not in FAST]
 
 
@@ -58,13 +69,18 @@ def packed_batch(seed: int = 0) -> dict[str, np.ndarray]:
     t, doc = 0, 1
     while t < T:
       n = int(rng.integers(3, 14))
-      seg[b, t:t + n], pos[b, t:t + n] = doc, np.arange(min(n, T - t))
+      seg[b, t : t + n], pos[b, t : t + n] = doc, np.arange(min(n, T - t))
       t, doc = t + n, doc + 1
   toks = rng.integers(0, BASE.vocab_size, size=(B, T + 1)).astype(np.int32)
   mask = np.ones((B, T), np.float32)
   mask[-1, -5:] = 0.0
-  return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
-          "loss_mask": mask}
+  return {
+    "inputs": toks[:, :-1],
+    "targets": toks[:, 1:],
+    "segment_ids": seg,
+    "positions": pos,
+    "loss_mask": mask,
+  }
 
 
 def mean_loss_and_grads(cfg: ModelConfig, mesh_shape, strategy: str, load_balance: bool = True):
@@ -74,6 +90,7 @@ def mean_loss_and_grads(cfg: ModelConfig, mesh_shape, strategy: str, load_balanc
     def loss(p):
       total, count = loss_sums(graphdef, p, batch)
       return total / count
+
     return jax.value_and_grad(loss)(p)
 
   if mesh_shape is None:
@@ -82,9 +99,10 @@ def mean_loss_and_grads(cfg: ModelConfig, mesh_shape, strategy: str, load_balanc
   mesh = shd.make_mesh(mesh_shape, devices=jax.devices()[:n])
   rules = shd.DEFAULT_RULES
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  fn = jax.jit(with_mesh_rules(f, mesh, rules, context_strategy=strategy,
-                               context_load_balance=load_balance),
-               in_shardings=(replicated, shd.batch_sharding(mesh, rules)))
+  fn = jax.jit(
+    with_mesh_rules(f, mesh, rules, context_strategy=strategy, context_load_balance=load_balance),
+    in_shardings=(replicated, shd.batch_sharding(mesh, rules)),
+  )
   return fn(params, packed_batch())
 
 
@@ -105,8 +123,9 @@ def check(arm: str, mesh_shape, strategy: str, load_balance: bool = True, **mode
   device with the XLA attention."""
   cfg = ARMS[arm]
   want_loss, want_grads = mean_loss_and_grads(cfg.replace(implementation="xla"), None, strategy)
-  got_loss, got_grads = mean_loss_and_grads(cfg.replace(**model_kw), mesh_shape, strategy,
-                                            load_balance)
+  got_loss, got_grads = mean_loss_and_grads(
+    cfg.replace(**model_kw), mesh_shape, strategy, load_balance
+  )
   assert abs(float(got_loss) - float(want_loss)) <= TOL * abs(float(want_loss))
   flat = jax.tree_util.tree_flatten_with_path(want_grads)[0]
   floor = FLOOR * max(float(np.max(np.abs(np.asarray(g)))) for _, g in flat)
@@ -148,15 +167,16 @@ def test_without_load_balancing_too():
 def test_the_train_step_shards_the_sequence_and_refuses_bad_lengths():
   cfg = ARMS["diff_v1"]
   optim = base_config().optim
-  setup = build_train_setup(cfg, optim, seed=0, mesh=shd.make_mesh((1, 1, 1, 8)),
-                            rules=shd.DEFAULT_RULES)
+  setup = build_train_setup(
+    cfg, optim, seed=0, mesh=shd.make_mesh((1, 1, 1, 8)), rules=shd.DEFAULT_RULES
+  )
   assert tuple(setup.batch_sharding.spec) == (("data", "fsdp"), "context")
   state = setup.init_fn()
   batch = jax.device_put(packed_batch(), setup.batch_sharding)
   _, metrics = setup.train_step(state, batch)
-  one = build_train_setup(cfg, optim, seed=0, mesh=shd.make_mesh((1, 1, 1, 1),
-                                                                  jax.devices()[:1]),
-                          rules=shd.DEFAULT_RULES)
+  one = build_train_setup(
+    cfg, optim, seed=0, mesh=shd.make_mesh((1, 1, 1, 1), jax.devices()[:1]), rules=shd.DEFAULT_RULES
+  )
   _, want = one.train_step(one.init_fn(), packed_batch())
   assert float(metrics["loss"]) == pytest.approx(float(want["loss"]), rel=TOL)
   short = {k: v[:, :24] for k, v in packed_batch().items()}  # 24 is not a multiple of 16
@@ -188,8 +208,9 @@ def test_config_checks_name_the_context_settings():
   assert shd.resolve_mesh_shape((-1, 1, 1), 4) == (4, 1, 1, 1)
   assert shd.resolve_mesh_shape((1, 1, 1, -1), 4) == (1, 1, 1, 4)
   with pytest.raises(ValueError, match="context_strategy"):
-    with shd.activation_sharding(shd.make_mesh((1, 1, 1), jax.devices()[:1]), shd.DEFAULT_RULES,
-                                 context_strategy="tree"):
+    with shd.activation_sharding(
+      shd.make_mesh((1, 1, 1), jax.devices()[:1]), shd.DEFAULT_RULES, context_strategy="tree"
+    ):
       pass
 
 
@@ -197,7 +218,8 @@ def test_config_checks_name_the_context_settings():
 # Drivers (parent process).
 
 test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
-    __file__, _CHILD_ENV, timeout=1800)
+  __file__, _CHILD_ENV, timeout=1800
+)
 
 
 class _FakeSharding:

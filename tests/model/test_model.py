@@ -22,8 +22,16 @@ T = 12
 
 def base_config(**kw) -> ModelConfig:
   """A tiny transformer spec; matched_configs derives the DIFF arms from it."""
-  fields = dict(attention="transformer", vocab_size=VOCAB, d_model=E, num_layers=LAYERS,
-                num_heads=4, num_kv_heads=2, head_dim=D, mlp_dim=MLP)
+  fields = dict(
+    attention="transformer",
+    vocab_size=VOCAB,
+    d_model=E,
+    num_layers=LAYERS,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=D,
+    mlp_dim=MLP,
+  )
   fields.update(kw)
   return ModelConfig(**fields)
 
@@ -32,7 +40,7 @@ def arm_config(arm, **kw) -> ModelConfig:
   return matched_configs(base_config(**kw))[arm]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_for(cfg: ModelConfig, seed: int = 0) -> DecoderLM:
   """One model per (config, seed); tests only read it."""
   return DecoderLM(cfg, rngs=nnx.Rngs(seed))
@@ -69,10 +77,9 @@ def forward_capture(model, tokens):
 # --------------------------------------------------------------------------------------
 
 COUNT_BASES = {
-    "mha": dict(num_heads=4, num_kv_heads=4, num_layers=2),
-    "gqa": dict(num_heads=4, num_kv_heads=2, num_layers=3),
-    "gqa_tied": dict(num_heads=8, num_kv_heads=2, head_dim=4, num_layers=2,
-                     tie_embeddings=True),
+  "mha": dict(num_heads=4, num_kv_heads=4, num_layers=2),
+  "gqa": dict(num_heads=4, num_kv_heads=2, num_layers=3),
+  "gqa_tied": dict(num_heads=8, num_kv_heads=2, head_dim=4, num_layers=2, tie_embeddings=True),
 }
 
 
@@ -92,8 +99,7 @@ def test_count_params_matches_the_built_model(base):
   # DIFF V2 adds the second query of each pair (E h d) and W_lambda (E h) per layer.
   assert actual["diff_v2"] - actual["transformer"] == (e * h * d + e * h) * layers
   if b.tie_embeddings:
-    untied = nnx.eval_shape(lambda: DecoderLM(b.replace(tie_embeddings=False),
-                                              rngs=nnx.Rngs(0)))
+    untied = nnx.eval_shape(lambda: DecoderLM(b.replace(tie_embeddings=False), rngs=nnx.Rngs(0)))
     assert num_params(untied) - actual["transformer"] == e * b.vocab_size
 
 
@@ -117,7 +123,9 @@ def test_matched_configs_errors():
     matched_configs(base_config(attention="diff_v1", num_heads=2, num_kv_heads=1))
 
 
-@pytest.mark.parametrize("bad,fragments", [
+@pytest.mark.parametrize(
+  "bad,fragments",
+  [
     (dict(attention="diff_v3"), ["diff_v3"]),
     (dict(d_model=0), ["d_model", r"\b0\b"]),
     (dict(d_model=-32), ["d_model", "-32"]),
@@ -128,7 +136,8 @@ def test_matched_configs_errors():
     (dict(rope_style="neox"), ["neox"]),
     (dict(head_dim=7), [r"\b7\b"]),
     (dict(implementation="cuda"), ["cuda"]),
-])
+  ],
+)
 def test_model_config_rejects_bad_values(bad, fragments):
   with pytest.raises(ValueError) as info:
     base_config(**bad)
@@ -150,8 +159,9 @@ def test_param_dtype_sets_the_dtype_of_the_weight_matrices():
   """
   cfg = arm_config("diff_v1", param_dtype="bfloat16")
   abstract = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
-  dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))
-            if len(x.shape) >= 2}
+  dtypes = {
+    str(x.dtype) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)) if len(x.shape) >= 2
+  }
   assert dtypes == {"bfloat16"}, f"param_dtype='bfloat16' gave weight matrices of {dtypes}"
 
 
@@ -170,8 +180,7 @@ def influence_matrix(model, tokens_T, positions_T=None, segment_ids_T=None):
   assert not model.config.tie_embeddings
   assert len(set(np.asarray(tokens_T).tolist())) == len(tokens_T)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  w_V = jnp.asarray(np.random.default_rng(1).standard_normal(model.config.vocab_size),
-                    jnp.float32)
+  w_V = jnp.asarray(np.random.default_rng(1).standard_normal(model.config.vocab_size), jnp.float32)
   tokens = jnp.asarray(tokens_T)[None]
   pos = None if positions_T is None else jnp.asarray(positions_T)[None]
   seg = None if segment_ids_T is None else jnp.asarray(segment_ids_T)[None]
@@ -180,6 +189,7 @@ def influence_matrix(model, tokens_T, positions_T=None, segment_ids_T=None):
   def influence(params_):
     def outputs(p):
       return nnx.merge(graphdef, p, rest)(tokens, pos, seg)[0] @ w_V  # [T]
+
     jac = jax.jacrev(outputs)(params_)
     j_TxVxE = jac["embed"]["embedding"][...]
     return jnp.linalg.norm(j_TxVxE[:, tokens[0]], axis=-1)  # [T, T]
@@ -230,8 +240,14 @@ def test_packed_document_matches_the_document_alone():
 
 
 # jit and eager share every line; one arm runs by default, the others with -m slow.
-@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1",
-                                 pytest.param("diff_v2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "arm",
+  [
+    pytest.param("transformer", marks=pytest.mark.slow),
+    "diff_v1",
+    pytest.param("diff_v2", marks=pytest.mark.slow),
+  ],
+)
 def test_jit_and_eager_agree(arm):
   model = model_for(arm_config(arm))
   tokens, _ = tokens_and_targets(5)
@@ -265,11 +281,19 @@ def test_bfloat16_compute_is_close_to_float32(arm):
 
 
 CAPTURE_KEYS = {
-    "transformer": {"logits", "probs", "hidden", "context", "values"},
-    "diff_v1": {"logits1", "logits2", "probs1", "probs2", "lambda", "lambda_init", "hidden",
-                "context", "values"},
-    "diff_v2": {"logits1", "logits2", "probs1", "probs2", "lambda", "hidden", "context",
-                "values"},
+  "transformer": {"logits", "probs", "hidden", "context", "values"},
+  "diff_v1": {
+    "logits1",
+    "logits2",
+    "probs1",
+    "probs2",
+    "lambda",
+    "lambda_init",
+    "hidden",
+    "context",
+    "values",
+  },
+  "diff_v2": {"logits1", "logits2", "probs1", "probs2", "lambda", "hidden", "context", "values"},
 }
 
 
@@ -296,18 +320,20 @@ def test_capture_returns_the_same_logits_and_per_layer_maps(arm):
     if arm == "diff_v1":
       chex.assert_shape(cap["lambda"], ())
       assert float(cap["lambda"]) == pytest.approx(float(block.attn.lambda_value()), abs=1e-7)
-      assert float(cap["lambda_init"]) == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * layer),
-                                                        abs=1e-6)
+      assert float(cap["lambda_init"]) == pytest.approx(
+        0.8 - 0.6 * math.exp(-0.3 * layer), abs=1e-6
+      )
     if arm == "diff_v2":
       chex.assert_shape(cap["lambda"], (b, T, h))
       lam = np.asarray(cap["lambda"])
       assert ((lam > 0) & (lam < 1)).all()
   # The last hidden state, through the final norm and the head, gives the logits.
   x = np.asarray(caps[-1]["hidden"], np.float64)
-  x = x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + cfg.norm_eps)
+  x = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + cfg.norm_eps)
   x = x * np.asarray(model.final_norm.scale[...], np.float64)
-  np.testing.assert_allclose(x @ np.asarray(model.lm_head[...], np.float64), logits,
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    x @ np.asarray(model.lm_head[...], np.float64), logits, atol=1e-4, rtol=1e-4
+  )
 
 
 def _loss(model, tokens, targets):
@@ -319,7 +345,7 @@ def _loss(model, tokens, targets):
 _loss_and_grad = nnx.jit(nnx.value_and_grad(_loss))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_loss_and_grads(arm):
   tokens, targets = tokens_and_targets(8)
   loss, grads = _loss_and_grad(model_for(arm_config(arm)), tokens, targets)
@@ -327,15 +353,22 @@ def _reference_loss_and_grads(arm):
 
 
 # The remat wrapper is the same for every arm; each policy runs on a DIFF arm.
-@pytest.mark.parametrize("arm,policy", [pytest.param("diff_v1", "full", marks=pytest.mark.slow),
-                                        ("diff_v1", "dots"),
-                                        ("diff_v2", "full")])
+@pytest.mark.parametrize(
+  "arm,policy",
+  [
+    pytest.param("diff_v1", "full", marks=pytest.mark.slow),
+    ("diff_v1", "dots"),
+    ("diff_v2", "full"),
+  ],
+)
 def test_remat_gives_the_same_loss_and_gradients(arm, policy):
   ref_loss, ref_grads = _reference_loss_and_grads(arm)
   model = model_for(arm_config(arm, remat=policy))
   model_plain = model_for(arm_config(arm))
-  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                              nnx.to_pure_dict(nnx.state(model_plain, nnx.Param)))
+  chex.assert_trees_all_equal(
+    nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    nnx.to_pure_dict(nnx.state(model_plain, nnx.Param)),
+  )
   tokens, targets = tokens_and_targets(8)
   loss, grads = _loss_and_grad(model, tokens, targets)
   assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
@@ -398,10 +431,10 @@ def test_lambda_summary_reports_each_diff_layer(arm):
     # lambda depends on the parameters only: the same with or without a batch.
     assert set(got) == set(without_tokens) == {f"lambda/layer_{i}" for i in layers}
     for i in layers:
-      assert float(got[f"lambda/layer_{i}"]) == pytest.approx(float(caps[i]["lambda"]),
-                                                              abs=1e-7)
+      assert float(got[f"lambda/layer_{i}"]) == pytest.approx(float(caps[i]["lambda"]), abs=1e-7)
       assert float(without_tokens[f"lambda/layer_{i}"]) == pytest.approx(
-          float(caps[i]["lambda"]), abs=1e-7)
+        float(caps[i]["lambda"]), abs=1e-7
+      )
   else:
     # lambda is per token: its mean over the batch, and nothing without one.
     assert without_tokens == {}

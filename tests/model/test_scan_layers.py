@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from kernel_checks import rel_err
 
 from diffjax import sharding as shd
 from diffjax.model import DecoderLM, ModelConfig, layout
@@ -16,22 +17,42 @@ from diffjax.nn.layers import Hooks
 from diffjax.train import checkpoint as ckpt
 from diffjax.train.loading import load_model
 from diffjax.train.setup import build_train_setup
-from kernel_checks import rel_err
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
-OPTIM = dict(lr=1e-3, min_lr=0.0, warmup_steps=0, schedule="constant", decay_steps=10,
-             b1=0.9, b2=0.95, weight_decay=0.1, eps=1e-8, clip_norm=1.0)
+OPTIM = dict(
+  lr=1e-3,
+  min_lr=0.0,
+  warmup_steps=0,
+  schedule="constant",
+  decay_steps=10,
+  b1=0.9,
+  b2=0.95,
+  weight_decay=0.1,
+  eps=1e-8,
+  clip_norm=1.0,
+)
 
 
 def small(arm: str, **kw) -> ModelConfig:
-  return ModelConfig(attention=arm, vocab_size=40, d_model=32, num_layers=3, num_heads=2,
-                     num_kv_heads=2, head_dim=8, mlp_dim=40, **kw)
+  return ModelConfig(
+    attention=arm,
+    vocab_size=40,
+    d_model=32,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=40,
+    **kw,
+  )
 
 
 def pair(arm: str, **kw) -> tuple[DecoderLM, DecoderLM]:
   cfg = small(arm, **kw)
-  return (DecoderLM(cfg, rngs=nnx.Rngs(params=3)),
-          DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=3)))
+  return (
+    DecoderLM(cfg, rngs=nnx.Rngs(params=3)),
+    DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=3)),
+  )
 
 
 def tokens(b=2, t=11, seed=0):
@@ -59,9 +80,14 @@ def test_scanned_model_has_the_same_parameters_and_outputs(arm):
   assert max_rel(plain(x, pos, seg), scanned(x, pos, seg)) < 1e-6
 
 
-@pytest.mark.parametrize("arm,remat", [
-    pytest.param("transformer", "none", marks=pytest.mark.slow), ("diff_v1", "dots"),
-    pytest.param("diff_v2", "full", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "arm,remat",
+  [
+    pytest.param("transformer", "none", marks=pytest.mark.slow),
+    ("diff_v1", "dots"),
+    pytest.param("diff_v2", "full", marks=pytest.mark.slow),
+  ],
+)
 def test_scanned_gradients_match_per_layer(arm, remat):
   plain, scanned = pair(arm, remat=remat)
   x, y = tokens(seed=1), tokens(seed=2)
@@ -98,8 +124,7 @@ def test_capture_and_hooks_work_inside_the_scan(arm):
   plain, scanned = pair(arm)
   x = tokens(seed=4)
   hooks = Hooks(logits=lambda s: jnp.round(s * 8) / 8, kv=lambda a: a * 0.5)
-  (l_plain, c_plain), (l_scan, c_scan) = (m(x, capture=True, hooks=hooks)
-                                          for m in (plain, scanned))
+  (l_plain, c_plain), (l_scan, c_scan) = (m(x, capture=True, hooks=hooks) for m in (plain, scanned))
   assert max_rel(l_plain, l_scan) < 1e-5
   assert len(c_scan) == 3
   for a, b in zip(c_plain, c_scan):
@@ -156,15 +181,21 @@ def test_layout_conversion_round_trips_and_refuses_bad_trees():
 def _setup(cfg: ModelConfig):
   mesh = shd.make_mesh((1, 1, 1), jax.devices()[:1])
   import ml_collections  # pylint: disable=import-outside-toplevel
-  return build_train_setup(cfg, ml_collections.ConfigDict(OPTIM), seed=0, mesh=mesh,
-                           rules=shd.DEFAULT_RULES)
+
+  return build_train_setup(
+    cfg, ml_collections.ConfigDict(OPTIM), seed=0, mesh=mesh, rules=shd.DEFAULT_RULES
+  )
 
 
 def _batch(seed: int) -> dict:
   x = np.asarray(tokens(b=2, t=12, seed=seed), np.int32)
-  return {"inputs": x, "targets": np.roll(x, -1, axis=1), "segment_ids": np.ones_like(x),
-          "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
-          "loss_mask": np.ones(x.shape, np.float32)}
+  return {
+    "inputs": x,
+    "targets": np.roll(x, -1, axis=1),
+    "segment_ids": np.ones_like(x),
+    "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
+    "loss_mask": np.ones(x.shape, np.float32),
+  }
 
 
 # Saving unrolled and restoring scanned, then loading that checkpoint unrolled, converts
@@ -183,11 +214,14 @@ def test_checkpoints_load_across_layouts(tmp_path, save_scanned):
   manager.wait_until_finished()
   messages = []
   step, restored = ckpt.restore_newest_good(
-      manager, loader.abstract_state, None,
-      check_meta=lambda m: ckpt.check_model_config(m["model_config"],
-                                                   cfg.replace(scan_layers=not save_scanned)
-                                                   .to_dict(), directory),
-      message=messages.append)
+    manager,
+    loader.abstract_state,
+    None,
+    check_meta=lambda m: ckpt.check_model_config(
+      m["model_config"], cfg.replace(scan_layers=not save_scanned).to_dict(), directory
+    ),
+    message=messages.append,
+  )
   manager.close()
   assert step == 1 and not messages
   want = "blocks" if save_scanned else "layers"

@@ -87,8 +87,7 @@ def np_attention_module(m, x, pos, seg, style):
 def np_diff_v1_module(m, x, pos, seg, style, layer_index):
   wq, wk, wv, wo = (_np(m.q[...]), _np(m.k[...]), _np(m.v[...]), _np(m.o[...]))
   gain = _np(m.norm_scale[...])
-  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2,
-                                                m.lambda_k2))
+  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2))
   lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
   lam = math.exp(lq1 @ lk1) - math.exp(lq2 @ lk2) + lambda_init
   x = _np(x)
@@ -108,7 +107,7 @@ def np_diff_v1_module(m, x, pos, seg, style, layer_index):
       a1 = np_softmax_rows(q1[b, :, h] @ k1[b, :, g].T / math.sqrt(d), allowed[b])
       a2 = np_softmax_rows(q2[b, :, h] @ k2[b, :, g].T / math.sqrt(d), allowed[b])
       o = (a1 - lam * a2) @ v[b, :, g]  # [T, 2d]
-      o = o / np.sqrt(np.mean(o ** 2, axis=-1, keepdims=True) + 1e-5) * gain
+      o = o / np.sqrt(np.mean(o**2, axis=-1, keepdims=True) + 1e-5) * gain
       o = o * (1.0 - lambda_init)
       y[b] += o @ wo[h]
   return y
@@ -133,7 +132,7 @@ def np_diff_v2_module(m, x, pos, seg, style):
       g = i // per_group
       a1 = np_softmax_rows(q1[b, :, i] @ k[b, :, g].T / math.sqrt(d), allowed[b])
       a2 = np_softmax_rows(q2[b, :, i] @ k[b, :, g].T / math.sqrt(d), allowed[b])
-      o = a1 @ v[b, :, g] - lam[b, :, i:i + 1] * (a2 @ v[b, :, g])
+      o = a1 @ v[b, :, g] - lam[b, :, i : i + 1] * (a2 @ v[b, :, g])
       y[b] += o @ wo[i]
   return y
 
@@ -164,8 +163,7 @@ def test_rope_preserves_norms(style):
   x = rng.standard_normal((2, 6, 2, 32)).astype(np.float32)
   pos = rng.integers(0, 2000, (2, 6)).astype(np.int32)
   out = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), style=style))
-  np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1),
-                             rtol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
   assert np.abs(out - x).max() > 0.1  # it did rotate
 
 
@@ -176,9 +174,11 @@ def test_rope_scores_depend_only_on_relative_position(style):
   q = rng.standard_normal(d).astype(np.float32)
   k = rng.standard_normal(d).astype(np.float32)
   # (query position, key position) pairs; rows of a column share the offset m - n.
-  pairs = [[(5, 2), (8, 5), (40, 37), (103, 100)],
-           [(3, 3), (0, 0), (77, 77), (12, 12)],
-           [(2, 9), (10, 17), (50, 57), (0, 7)]]
+  pairs = [
+    [(5, 2), (8, 5), (40, 37), (103, 100)],
+    [(3, 3), (0, 0), (77, 77), (12, 12)],
+    [(2, 9), (10, 17), (50, 57), (0, 7)],
+  ]
 
   def score(m, n):
     qm = apply_rope(jnp.asarray(q)[None, None, None], jnp.full((1, 1), m), style=style)
@@ -232,8 +232,7 @@ def test_lambda_init_schedule():
 def test_diff_v1_lambda_at_init(layer_index):
   m = DiffV1Attention(64, 2, 2, 128, layer_index=layer_index, rngs=nnx.Rngs(4))
   assert m.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * layer_index))
-  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2,
-                                                m.lambda_k2))
+  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2))
   expected = math.exp(lq1 @ lk1) - math.exp(lq2 @ lk2) + m.lambda_init
   lam = m.lambda_value()
   chex.assert_shape(lam, ())
@@ -292,44 +291,52 @@ def _np_args(packed):
 def test_attention_module_matches_numpy(packed, style):
   opts = AttentionOptions(rope_style=style, init_std=0.3)
   m = Attention(E, 4, 2, 8, options=opts, rngs=nnx.Rngs(6))
-  chex.assert_shape([m.q[...], m.k[...], m.v[...], m.o[...]],
-                    [(E, 4, 8), (E, 2, 8), (E, 2, 8), (4, 8, E)])
+  chex.assert_shape(
+    [m.q[...], m.k[...], m.v[...], m.o[...]], [(E, 4, 8), (E, 2, 8), (E, 2, 8), (4, 8, E)]
+  )
   x = _inputs(7)
   y = _call(m, x, packed)
   chex.assert_shape(y, (B, T, E))
   pos, seg = _np_args(packed)
-  chex.assert_trees_all_close(_np(y), np_attention_module(m, x, pos, seg, style),
-                              atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close(
+    _np(y), np_attention_module(m, x, pos, seg, style), atol=1e-4, rtol=1e-4
+  )
 
 
 @pytest.mark.parametrize("packed,style", CASES)
 def test_diff_v1_module_matches_numpy(packed, style):
   opts = AttentionOptions(rope_style=style, init_std=0.3)
   m = DiffV1Attention(E, 2, 1, 4, layer_index=2, options=opts, rngs=nnx.Rngs(8))
-  chex.assert_shape([m.q[...], m.k[...], m.v[...], m.o[...], m.norm_scale[...]],
-                    [(E, 2, 2, 4), (E, 1, 2, 4), (E, 1, 8), (2, 8, E), (8,)])
+  chex.assert_shape(
+    [m.q[...], m.k[...], m.v[...], m.o[...], m.norm_scale[...]],
+    [(E, 2, 2, 4), (E, 1, 2, 4), (E, 1, 8), (2, 8, E), (8,)],
+  )
   rng = np.random.default_rng(9)
   m.norm_scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, 8), jnp.float32)
   x = _inputs(10)
   y = _call(m, x, packed)
   chex.assert_shape(y, (B, T, E))
   pos, seg = _np_args(packed)
-  chex.assert_trees_all_close(_np(y), np_diff_v1_module(m, x, pos, seg, style, layer_index=2),
-                              atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close(
+    _np(y), np_diff_v1_module(m, x, pos, seg, style, layer_index=2), atol=1e-4, rtol=1e-4
+  )
 
 
 @pytest.mark.parametrize("packed,style", CASES)
 def test_diff_v2_module_matches_numpy(packed, style):
   opts = AttentionOptions(rope_style=style, init_std=0.3)
   m = DiffV2Attention(E, 4, 2, 4, options=opts, rngs=nnx.Rngs(11))
-  chex.assert_shape([m.q[...], m.k[...], m.v[...], m.o[...], m.w_lambda[...]],
-                    [(E, 4, 2, 4), (E, 2, 4), (E, 2, 4), (4, 4, E), (E, 4)])
+  chex.assert_shape(
+    [m.q[...], m.k[...], m.v[...], m.o[...], m.w_lambda[...]],
+    [(E, 4, 2, 4), (E, 2, 4), (E, 2, 4), (4, 4, E), (E, 4)],
+  )
   x = _inputs(12)
   y = _call(m, x, packed)
   chex.assert_shape(y, (B, T, E))
   pos, seg = _np_args(packed)
-  chex.assert_trees_all_close(_np(y), np_diff_v2_module(m, x, pos, seg, style),
-                              atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close(
+    _np(y), np_diff_v2_module(m, x, pos, seg, style), atol=1e-4, rtol=1e-4
+  )
 
 
 def test_diff_v1_module_ablations():
@@ -337,18 +344,22 @@ def test_diff_v1_module_ablations():
   opts = AttentionOptions(init_std=0.3)
   x = _inputs(13)
   full = DiffV1Attention(E, 2, 1, 4, layer_index=1, options=opts, rngs=nnx.Rngs(14))
-  fixed = DiffV1Attention(E, 2, 1, 4, layer_index=1, options=opts, fixed_lambda=0.5,
-                          rngs=nnx.Rngs(14))
+  fixed = DiffV1Attention(
+    E, 2, 1, 4, layer_index=1, options=opts, fixed_lambda=0.5, rngs=nnx.Rngs(14)
+  )
   assert float(fixed.lambda_value()) == 0.5
   assert abs(float(full.lambda_value()) - 0.5) > 1e-3
   assert np.abs(np.asarray(_call(full, x, False)) - np.asarray(_call(fixed, x, False))).max() > 1e-4
-  no_norm = DiffV1Attention(E, 2, 1, 4, layer_index=1, options=opts, use_norm=False,
-                            rngs=nnx.Rngs(14))
+  no_norm = DiffV1Attention(
+    E, 2, 1, 4, layer_index=1, options=opts, use_norm=False, rngs=nnx.Rngs(14)
+  )
   no_norm.norm_scale[...] = jnp.full((8,), 3.0)  # a gain has no effect without the norm
-  assert np.abs(np.asarray(_call(full, x, False))
-                - np.asarray(_call(no_norm, x, False))).max() > 1e-4
-  twice = DiffV1Attention(E, 2, 1, 4, layer_index=1, options=opts, use_norm=False,
-                          rngs=nnx.Rngs(14))
+  assert (
+    np.abs(np.asarray(_call(full, x, False)) - np.asarray(_call(no_norm, x, False))).max() > 1e-4
+  )
+  twice = DiffV1Attention(
+    E, 2, 1, 4, layer_index=1, options=opts, use_norm=False, rngs=nnx.Rngs(14)
+  )
   chex.assert_trees_all_close(_call(no_norm, x, False), _call(twice, x, False), atol=1e-6)
 
 
@@ -369,18 +380,27 @@ def _grads(m, x, seed):
 
 
 def test_gradients_reach_diff_v1_lambda_and_norm_gain():
-  m = DiffV1Attention(E, 2, 1, 4, layer_index=1, options=AttentionOptions(init_std=0.3),
-                      rngs=nnx.Rngs(15))
+  m = DiffV1Attention(
+    E, 2, 1, 4, layer_index=1, options=AttentionOptions(init_std=0.3), rngs=nnx.Rngs(15)
+  )
   g = _grads(m, _inputs(16), 17)
-  for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "norm_scale", "q", "k",
-               "v", "o"):
+  for name in (
+    "lambda_q1",
+    "lambda_k1",
+    "lambda_q2",
+    "lambda_k2",
+    "norm_scale",
+    "q",
+    "k",
+    "v",
+    "o",
+  ):
     arr = np.asarray(g[name][...])
     assert np.isfinite(arr).all(), name
     assert np.abs(arr).min() > 0, f"{name} has zero gradient entries: {arr}"
   # Chain rule through lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init:
   # dL/dlq1 = dL/dlam exp(lq1.lk1) lk1 and dL/dlq2 = -dL/dlam exp(lq2.lk2) lk2.
-  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2,
-                                                m.lambda_k2))
+  lq1, lk1, lq2, lk2 = (_np(p[...]) for p in (m.lambda_q1, m.lambda_k1, m.lambda_q2, m.lambda_k2))
   dlam_1 = _np(g["lambda_q1"][...]) / (math.exp(lq1 @ lk1) * lk1)
   dlam_2 = -_np(g["lambda_q2"][...]) / (math.exp(lq2 @ lk2) * lk2)
   dlam_3 = _np(g["lambda_k1"][...]) / (math.exp(lq1 @ lk1) * lq1)
@@ -406,28 +426,49 @@ def test_gradients_reach_diff_v2_lambda_projection():
 LOGICAL_NAMES = {"embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "norm"}
 
 EXPECTED_NAMES = {
-    "transformer": {
-        "q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
-        "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed")},
-    "diff_v1": {
-        "q": ("embed", "heads", None, "head_dim"), "k": ("embed", "kv_heads", None, "head_dim"),
-        "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed")},
-    "diff_v2": {
-        "q": ("embed", "heads", None, "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
-        "v": ("embed", "kv_heads", "head_dim"), "o": ("heads", "head_dim", "embed"),
-        "w_lambda": ("embed", "heads")},
+  "transformer": {
+    "q": ("embed", "heads", "head_dim"),
+    "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("heads", "head_dim", "embed"),
+  },
+  "diff_v1": {
+    "q": ("embed", "heads", None, "head_dim"),
+    "k": ("embed", "kv_heads", None, "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("heads", "head_dim", "embed"),
+  },
+  "diff_v2": {
+    "q": ("embed", "heads", None, "head_dim"),
+    "k": ("embed", "kv_heads", "head_dim"),
+    "v": ("embed", "kv_heads", "head_dim"),
+    "o": ("heads", "head_dim", "embed"),
+    "w_lambda": ("embed", "heads"),
+  },
 }
 EXPECTED_LM_NAMES = {
-    ("embed", "embedding"): ("vocab", "embed"), ("lm_head",): ("embed", "vocab"),
-    ("final_norm", "scale"): ("norm",), ("attn_norm", "scale"): ("norm",),
-    ("mlp_norm", "scale"): ("norm",), ("mlp", "w_gate"): ("embed", "mlp"),
-    ("mlp", "w_up"): ("embed", "mlp"), ("mlp", "w_down"): ("mlp", "embed"),
+  ("embed", "embedding"): ("vocab", "embed"),
+  ("lm_head",): ("embed", "vocab"),
+  ("final_norm", "scale"): ("norm",),
+  ("attn_norm", "scale"): ("norm",),
+  ("mlp_norm", "scale"): ("norm",),
+  ("mlp", "w_gate"): ("embed", "mlp"),
+  ("mlp", "w_up"): ("embed", "mlp"),
+  ("mlp", "w_down"): ("mlp", "embed"),
 }
 
 
 def _tiny_lm(arm):
-  cfg = ModelConfig(attention=arm, vocab_size=11, d_model=16, num_layers=1, num_heads=2,
-                    num_kv_heads=1, head_dim=4, mlp_dim=24)
+  cfg = ModelConfig(
+    attention=arm,
+    vocab_size=11,
+    d_model=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    mlp_dim=24,
+  )
   return nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))  # metadata, no values
 
 
@@ -460,7 +501,7 @@ def test_params_carry_documented_logical_axis_names(arm):
         assert names == EXPECTED_NAMES[arm][leaf], f"{path}: {names}"
         attn_seen.add(leaf)
     for suffix, expected in EXPECTED_LM_NAMES.items():
-      if path[-len(suffix):] == suffix:
+      if path[-len(suffix) :] == suffix:
         assert names == expected, f"{path}: {names}"
         lm_seen.add(suffix)
   assert attn_seen == set(EXPECTED_NAMES[arm])

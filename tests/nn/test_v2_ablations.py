@@ -43,14 +43,22 @@ def reference_v2(w, x, pos, seg, *, pairing, lambda_fn):
   y = 0.0
   for i in range(H):
     first, second = (2 * i, 2 * i + 1) if pairing == "group" else (i, i + H)
-    o = head(first) - lam[:, :, i:i + 1] * head(second)
+    o = head(first) - lam[:, :, i : i + 1] * head(second)
     y = y + jnp.einsum("btd,de->bte", o, w["o"][i])
   return y
 
 
 def _module(pairing="group", lambda_fn="sigmoid", seed=3):
-  return DiffV2Attention(E, H, K, D, options=AttentionOptions(init_std=0.3), pairing=pairing,
-                         lambda_fn=lambda_fn, rngs=nnx.Rngs(seed))
+  return DiffV2Attention(
+    E,
+    H,
+    K,
+    D,
+    options=AttentionOptions(init_std=0.3),
+    pairing=pairing,
+    lambda_fn=lambda_fn,
+    rngs=nnx.Rngs(seed),
+  )
 
 
 def _weights(m):
@@ -61,8 +69,12 @@ def _x(seed=4):
   return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, E)), jnp.float32)
 
 
-VARIANTS = [("group", "sigmoid"), ("across_groups", "sigmoid"), ("group", "identity"),
-            ("across_groups", "identity")]
+VARIANTS = [
+  ("group", "sigmoid"),
+  ("across_groups", "sigmoid"),
+  ("group", "identity"),
+  ("across_groups", "identity"),
+]
 
 
 @pytest.mark.parametrize("pairing,lambda_fn", VARIANTS)
@@ -70,8 +82,9 @@ def test_forward_matches_the_reference(pairing, lambda_fn):
   m = _module(pairing, lambda_fn)
   x, pos, seg = _x(), jnp.asarray(POS), jnp.asarray(SEG)
   y = nnx.jit(lambda mod, a: mod(a, pos, seg))(m, x)
-  want = jax.jit(lambda w, a: reference_v2(w, a, pos, seg, pairing=pairing,
-                                           lambda_fn=lambda_fn))(_weights(m), x)
+  want = jax.jit(lambda w, a: reference_v2(w, a, pos, seg, pairing=pairing, lambda_fn=lambda_fn))(
+    _weights(m), x
+  )
   chex.assert_trees_all_close(y, want, atol=2e-5, rtol=2e-5)
   # The capture path (explicit maps, used by the analysis) computes the same output.
   y_cap, aux = nnx.jit(lambda mod, a: mod(a, pos, seg, capture=True))(m, x)
@@ -118,38 +131,54 @@ def test_identity_lambda_is_unbounded_and_sigmoid_is_not():
   m_id, m_sig = _module(lambda_fn="identity"), _module()
   x = 50.0 * _x()
   lam_id, lam_sig = np.asarray(m_id.lambda_value(x)), np.asarray(m_sig.lambda_value(x))
-  np.testing.assert_allclose(lam_id, np.einsum("bte,eh->bth", x, m_id.w_lambda[...]),
-                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(
+    lam_id, np.einsum("bte,eh->bth", x, m_id.w_lambda[...]), rtol=1e-5, atol=1e-4
+  )
   assert lam_id.max() > 1.0 and lam_id.min() < 0.0
   assert 0.0 <= lam_sig.min() and lam_sig.max() <= 1.0
 
 
 def test_across_groups_decodes_like_its_full_forward():
-  cfg = ModelConfig(attention="diff_v2", vocab_size=19, d_model=E, num_layers=1, num_heads=H,
-                    num_kv_heads=K, head_dim=D, mlp_dim=40, v2_pairing="across_groups",
-                    v2_lambda="identity")
+  cfg = ModelConfig(
+    attention="diff_v2",
+    vocab_size=19,
+    d_model=E,
+    num_layers=1,
+    num_heads=H,
+    num_kv_heads=K,
+    head_dim=D,
+    mlp_dim=40,
+    v2_pairing="across_groups",
+    v2_lambda="identity",
+  )
   model = DecoderLM(cfg, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 19, (B, T)), jnp.int32)
   call = nnx.jit(lambda mod, *a, **kw: mod(*a, **kw))
   full = call(model, tokens)
-  _, cache = call(model, tokens[:, :-1], cache=model.init_cache(B, T),
-                  cache_lengths_B=jnp.zeros((B,), jnp.int32))
-  last, _ = call(model, tokens[:, -1:], cache=cache,
-                 cache_lengths_B=jnp.full((B,), T - 1, jnp.int32),
-                 positions_BxT=jnp.full((B, 1), T - 1, jnp.int32))
+  _, cache = call(
+    model, tokens[:, :-1], cache=model.init_cache(B, T), cache_lengths_B=jnp.zeros((B,), jnp.int32)
+  )
+  last, _ = call(
+    model,
+    tokens[:, -1:],
+    cache=cache,
+    cache_lengths_B=jnp.full((B,), T - 1, jnp.int32),
+    positions_BxT=jnp.full((B, 1), T - 1, jnp.int32),
+  )
   chex.assert_trees_all_close(last[:, 0], full[:, -1], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(pairing="halves"), "v2_pairing='halves'"),
-    (dict(lambda_fn="tanh"), "v2_lambda='tanh'"),
-])
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [(dict(pairing="halves"), "v2_pairing='halves'"), (dict(lambda_fn="tanh"), "v2_lambda='tanh'")],
+)
 def test_bad_options_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
     DiffV2Attention(E, H, K, D, rngs=nnx.Rngs(0), **kwargs)
   cfg = dict(attention="diff_v2", num_heads=4, num_kv_heads=2)
-  cfg.update({"v2_" + ("pairing" if "pairing" in kwargs else "lambda"): next(iter(
-      kwargs.values()))})
+  cfg.update(
+    {"v2_" + ("pairing" if "pairing" in kwargs else "lambda"): next(iter(kwargs.values()))}
+  )
   with pytest.raises(ValueError, match=match):
     ModelConfig(**cfg)
 

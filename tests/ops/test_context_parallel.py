@@ -17,9 +17,9 @@ below 1e-6).
 from __future__ import annotations
 
 import os
+import re
 
 from multidevice import XLA_FLAGS, eight_device_drivers
-import re
 
 _CHILD_ENV = "DIFFJAX_CONTEXT_PARALLEL_CHILD"
 IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
@@ -30,10 +30,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from kernel_checks import rel_err as _rel_err  # noqa: E402
 
 from diffjax.core import reference as ref  # noqa: E402
 from diffjax.ops import context_parallel as cp  # noqa: E402
-from kernel_checks import rel_err as _rel_err  # noqa: E402
 
 TOL = 1e-5
 AXES = ("data", "fsdp", "tensor", "context")
@@ -44,25 +44,29 @@ sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child pr
 # a batch axis the batch is replicated over fsdp, which checks that replicated inputs get
 # their gradients once.
 LAYOUTS = {
-    "context8": ((1, 1, 1, 8), None, None),
-    "all4": ((2, 1, 2, 2), ("data", "fsdp"), "tensor"),
-    "fsdp2_context4": ((1, 2, 1, 4), None, None),
-    "fsdp2_batch": ((1, 2, 1, 4), "fsdp", None),
-    # The kernel cases run the TPU interpreter on every device, so they use fewer.
-    "context2": ((1, 1, 1, 2), None, None),
-    "batch2_context2": ((2, 1, 1, 2), "data", None),
+  "context8": ((1, 1, 1, 8), None, None),
+  "all4": ((2, 1, 2, 2), ("data", "fsdp"), "tensor"),
+  "fsdp2_context4": ((1, 2, 1, 4), None, None),
+  "fsdp2_batch": ((1, 2, 1, 4), "fsdp", None),
+  # The kernel cases run the TPU interpreter on every device, so they use fewer.
+  "context2": ((1, 1, 1, 2), None, None),
+  "batch2_context2": ((2, 1, 1, 2), "data", None),
 }
 # One case per (op, strategy); together they use every layout and both load-balance settings.
 FAST = [
-    ("mha", "ring", True, "context8"),
-    ("diff_v1", "ring", True, "all4"),
-    ("diff_v2", "ring", False, "fsdp2_context4"),
-    ("diff_v2", "all_gather", True, "context8"),
+  ("mha", "ring", True, "context8"),
+  ("diff_v1", "ring", True, "all4"),
+  ("diff_v2", "ring", False, "fsdp2_context4"),
+  ("diff_v2", "all_gather", True, "context8"),
 ]
-SLOW = [(op, strategy, lb, layout)
-        for op in ("mha", "diff_v1", "diff_v2") for strategy in ("ring", "all_gather")
-        for lb in (True, False) for layout in ("context8", "all4", "fsdp2_context4")
-        if (op, strategy, lb, layout) not in FAST]
+SLOW = [
+  (op, strategy, lb, layout)
+  for op in ("mha", "diff_v1", "diff_v2")
+  for strategy in ("ring", "all_gather")
+  for lb in (True, False)
+  for layout in ("context8", "all4", "fsdp2_context4")
+  if (op, strategy, lb, layout) not in FAST
+]
 SLOW.append(("diff_v1", "all_gather", True, "fsdp2_batch"))
 
 
@@ -80,12 +84,14 @@ def _inputs(op, t, *, scalar_lam=False, dtype=jnp.float32, seed=0):
     return (n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D)), (0, 1, 2), ref.mha_reference
   if op == "diff_v1":
     lam = jnp.asarray(0.37) if scalar_lam else jnp.linspace(0.2, 0.8, H)
-    arrays = (n(B, t, H, D), n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D),
-              n(B, t, KV, 2 * D), lam)
+    arrays = (n(B, t, H, D), n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D), n(B, t, KV, 2 * D), lam)
     return arrays, (0, 1, 2, 3, 4), ref.diff_v1_reference
   lam_BxTxH = jax.nn.sigmoid(n(B, t, H).astype(jnp.float32))
-  return (n(B, t, 2 * H, D), n(B, t, KV, D), n(B, t, KV, D), lam_BxTxH), (0, 1, 2, 3), \
-      ref.diff_v2_reference
+  return (
+    (n(B, t, 2 * H, D), n(B, t, KV, D), n(B, t, KV, D), lam_BxTxH),
+    (0, 1, 2, 3),
+    ref.diff_v2_reference,
+  )
 
 
 def _packed_segments(t):
@@ -94,8 +100,20 @@ def _packed_segments(t):
   return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=True,
-             scalar_lam=False, dtype=jnp.float32, tol=TOL, implementation="xla"):
+def _compare(
+  op,
+  strategy,
+  load_balance,
+  layout,
+  *,
+  t=32,
+  causal=True,
+  segments=True,
+  scalar_lam=False,
+  dtype=jnp.float32,
+  tol=TOL,
+  implementation="xla",
+):
   shape, batch_axis, head_axis = LAYOUTS[layout]
   mesh = _mesh(shape)
   c = mesh.shape["context"]
@@ -103,8 +121,7 @@ def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=
   seg = _packed_segments(t) if segments else None
   perm = cp.zigzag_permutation(t, c) if load_balance else np.arange(t)
   inv = cp.inverse_permutation(perm)
-  permute = lambda xs, order: tuple(x[:, order] if i in per_token else x
-                                    for i, x in enumerate(xs))
+  permute = lambda xs, order: tuple(x[:, order] if i in per_token else x for i, x in enumerate(xs))
 
   ref_args = tuple(a.astype(jnp.float32) for a in arrays)
   out_ref = ref_fn(*ref_args, causal=causal, segment_ids=seg)
@@ -113,10 +130,18 @@ def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=
 
   def cp_loss(*xs):
     out = cp.context_parallel_attention(
-        op, xs, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis, strategy=strategy,
-        load_balance=load_balance, causal=causal,
-        segment_ids=None if seg is None else seg[:, perm], implementation=implementation,
-        interpret=implementation != "xla")
+      op,
+      xs,
+      mesh=mesh,
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      strategy=strategy,
+      load_balance=load_balance,
+      causal=causal,
+      segment_ids=None if seg is None else seg[:, perm],
+      implementation=implementation,
+      interpret=implementation != "xla",
+    )
     return jnp.sum(out.astype(jnp.float32) * ct[:, perm]), out
 
   def ref_loss(*xs):
@@ -124,7 +149,8 @@ def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=
     return jnp.sum(out * ct), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(cp_loss, argnums, has_aux=True))(
-      *permute(arrays, perm))
+    *permute(arrays, perm)
+  )
   _, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums, has_aux=True))(*ref_args)
   assert out.dtype == dtype
   errs = {"out": _rel_err(out[:, inv], out_ref)}
@@ -137,6 +163,7 @@ def _compare(op, strategy, load_balance, layout, *, t=32, causal=True, segments=
 
 # ------------------------------------------------------------------------------------------
 # The order, on any number of devices.
+
 
 def test_zigzag_permutation_values():
   perm = cp.zigzag_permutation(8, 2)
@@ -155,21 +182,25 @@ def test_shard_positions_follow_the_permutation():
     perm = cp.zigzag_permutation(t, c)
     tl = t // c
     for i in range(c):
-      np.testing.assert_array_equal(cp._original_positions(i, c, tl, True),
-                                    perm[i * tl:(i + 1) * tl])
-      np.testing.assert_array_equal(cp._original_positions(i, c, tl, False),
-                                    np.arange(i * tl, (i + 1) * tl))
+      np.testing.assert_array_equal(
+        cp._original_positions(i, c, tl, True), perm[i * tl : (i + 1) * tl]
+      )
+      np.testing.assert_array_equal(
+        cp._original_positions(i, c, tl, False), np.arange(i * tl, (i + 1) * tl)
+      )
 
 
 def test_ring_takes_the_per_block_kernel_the_dispatch_table_registers(monkeypatch):
   from diffjax.kernels.tpu import blocks as tpu_blocks
   from diffjax.ops import dispatch
   from diffjax.ops import ring_blocks as rb
+
   assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
   assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is tpu_blocks
   assert rb.registered_ring_blocks("mha", "pallas_tpu") is None  # no kernel registered
-  blocks = rb.kernel_blocks(tpu_blocks, version=2, d=8, dv=8, heads=2, kv_heads=1,
-                            segmented=False, scale=0.5)
+  blocks = rb.kernel_blocks(
+    tpu_blocks, version=2, d=8, dv=8, heads=2, kv_heads=1, segmented=False, scale=0.5
+  )
   assert blocks.maps == 2 and blocks.head_major and blocks.interpreter_barrier
   # A kernel registered without per-block functions leaves the ring its XLA blocks.
   monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
@@ -190,6 +221,7 @@ def test_permutation_errors():
 # ------------------------------------------------------------------------------------------
 # Sharded checks (8 devices, in the child process).
 
+
 @sharded
 @pytest.mark.parametrize("op,strategy,load_balance,layout", FAST)
 def test_matches_reference(op, strategy, load_balance, layout):
@@ -205,8 +237,7 @@ def test_matches_reference_more(op, strategy, load_balance, layout):
 
 @sharded
 def test_ring_scalar_lambda_no_causal_no_segments():
-  _compare("diff_v1", "ring", True, "fsdp2_context4", causal=False, segments=False,
-           scalar_lam=True)
+  _compare("diff_v1", "ring", True, "fsdp2_context4", causal=False, segments=False, scalar_lam=True)
 
 
 @sharded
@@ -235,19 +266,21 @@ def test_ring_bfloat16(op):
 # tests/kernels/gpu/test_kernels_mosaic_gpu.py checks one of their ring blocks against the whole
 # attention, and the ring that merges blocks is one code path for every block kind.
 KERNEL_SLOW = [
-    ("diff_v1", True, "context2", True),
-    ("diff_v2", True, "context2", True),
-    ("diff_v2", True, "fsdp2_context4", True),
-    ("diff_v1", False, "fsdp2_context4", True),
-    ("diff_v2", False, "batch2_context2", True),
-    ("diff_v1", True, "batch2_context2", False),
-    ("diff_v2", True, "context2", False),
+  ("diff_v1", True, "context2", True),
+  ("diff_v2", True, "context2", True),
+  ("diff_v2", True, "fsdp2_context4", True),
+  ("diff_v1", False, "fsdp2_context4", True),
+  ("diff_v2", False, "batch2_context2", True),
+  ("diff_v1", True, "batch2_context2", False),
+  ("diff_v2", True, "context2", False),
 ]
 
 
 @sharded
-@pytest.mark.parametrize("op,implementation", [
-    pytest.param("diff_v1", "pallas_tpu", marks=pytest.mark.slow), ("diff_v2", "pallas_tpu")])
+@pytest.mark.parametrize(
+  "op,implementation",
+  [pytest.param("diff_v1", "pallas_tpu", marks=pytest.mark.slow), ("diff_v2", "pallas_tpu")],
+)
 def test_ring_with_kernel_blocks_matches_reference(op, implementation):
   _compare(op, "ring", True, "context2", implementation=implementation)
 
@@ -256,8 +289,9 @@ def test_ring_with_kernel_blocks_matches_reference(op, implementation):
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["pallas_tpu"])
 @pytest.mark.parametrize("op,load_balance,layout,causal", KERNEL_SLOW)
-def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout, causal,
-                                                        implementation):
+def test_ring_with_kernel_blocks_matches_reference_more(
+  op, load_balance, layout, causal, implementation
+):
   _compare(op, "ring", load_balance, layout, causal=causal, implementation=implementation)
 
 
@@ -266,8 +300,9 @@ def test_ring_with_kernel_blocks_matches_reference_more(op, load_balance, layout
 @pytest.mark.parametrize("implementation", ["pallas_tpu"])
 @pytest.mark.parametrize("op", ["diff_v1", "diff_v2"])
 def test_ring_with_kernel_blocks_bfloat16(op, implementation):
-  _compare(op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2,
-           implementation=implementation)
+  _compare(
+    op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2, implementation=implementation
+  )
 
 
 def _collectives(op, strategy) -> set[str]:
@@ -276,8 +311,9 @@ def _collectives(op, strategy) -> set[str]:
   seg = _packed_segments(32)
 
   def loss(*xs):
-    out = cp.context_parallel_attention(op, xs, mesh=mesh, head_axis="tensor",
-                                        strategy=strategy, segment_ids=seg)
+    out = cp.context_parallel_attention(
+      op, xs, mesh=mesh, head_axis="tensor", strategy=strategy, segment_ids=seg
+    )
     return jnp.sum(out)
 
   text = jax.jit(jax.grad(loss, tuple(range(len(arrays))))).lower(*arrays).as_text()
@@ -335,4 +371,5 @@ def test_argument_errors():
 # Drivers (parent process).
 
 test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
-    __file__, _CHILD_ENV, timeout=1200)
+  __file__, _CHILD_ENV, timeout=1200
+)

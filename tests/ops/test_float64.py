@@ -16,25 +16,27 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_modules import (  # the NumPy float64 definitions of the modules
+  np_attention_module,
+  np_diff_v1_module,
+  np_diff_v2_module,
+)
 
 from diffjax import ops
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.nn import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
-from test_modules import (  # the NumPy float64 definitions of the modules
-    np_attention_module,
-    np_diff_v1_module,
-    np_diff_v2_module,
-)
 
 X64_HINT = r"jax\.config\.update\('jax_enable_x64', True\)"
 
 
 def test_float64_without_64_bit_jax_is_refused_in_options_and_config():
   assert not jax.config.jax_enable_x64, "the test suite runs with 64-bit JAX off"
-  for make, name in ((lambda: AttentionOptions(dtype=jnp.float64), "dtype"),
-                     (lambda: AttentionOptions(param_dtype=np.float64), "param_dtype"),
-                     (lambda: ModelConfig(dtype="float64"), "dtype"),
-                     (lambda: ModelConfig(param_dtype="float64"), "param_dtype")):
+  for make, name in (
+    (lambda: AttentionOptions(dtype=jnp.float64), "dtype"),
+    (lambda: AttentionOptions(param_dtype=np.float64), "param_dtype"),
+    (lambda: ModelConfig(dtype="float64"), "dtype"),
+    (lambda: ModelConfig(param_dtype="float64"), "param_dtype"),
+  ):
     with pytest.raises(ValueError, match=f"{name}=float64 .*{X64_HINT}"):
       make()
 
@@ -71,9 +73,18 @@ def test_float64_modules_match_numpy_to_rounding(arm):
 @pytest.mark.parametrize("arm", [pytest.param("diff_v1", marks=pytest.mark.slow), "diff_v2"])
 def test_float64_lm_gradient_matches_finite_differences(arm):
   with jax.enable_x64(True):
-    cfg = ModelConfig(attention=arm, vocab_size=32, d_model=16, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=8, mlp_dim=32, dtype="float64",
-                      param_dtype="float64")
+    cfg = ModelConfig(
+      attention=arm,
+      vocab_size=32,
+      d_model=16,
+      num_layers=2,
+      num_heads=2,
+      num_kv_heads=1,
+      head_dim=8,
+      mlp_dim=32,
+      dtype="float64",
+      param_dtype="float64",
+    )
     graphdef, params = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(1)
     tokens_BxT = jnp.asarray(rng.integers(0, 32, (2, 12)), jnp.int32)
@@ -82,20 +93,21 @@ def test_float64_lm_gradient_matches_finite_differences(arm):
     @jax.jit
     def loss(p):
       logits_BxTxV = nnx.merge(graphdef, p)(tokens_BxT)
-      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
-                                                                      targets_BxT))
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT))
 
     # A random direction through every parameter, lambda's included, at about the
     # parameters' own scale (larger steps make the O(eps^2) term dominate).
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    u = jax.tree.unflatten(treedef, [0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                     for k, x in zip(keys, leaves)])
+    u = jax.tree.unflatten(
+      treedef, [0.05 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    )
     step = lambda s: jax.tree.map(lambda p, d: p + s * d, params, u)
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
     assert value.dtype == jnp.float64
-    analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads),
-                                                          jax.tree.leaves(u)))
+    analytic = sum(
+      float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(u))
+    )
     eps = 1e-5
     numeric = (float(loss(step(eps))) - float(loss(step(-eps)))) / (2 * eps)
     # Central differences are exact to O(eps^2), about 1e-9 here; rounding in float64
@@ -117,5 +129,6 @@ def test_kernels_leave_float64_to_xla():
         got = ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.3)
       np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="implementation='pallas_gpu' computes in float32"):
-      ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.3, implementation="pallas_gpu",
-                                 interpret=True)
+      ops.diff_v1_attention_core(
+        q1, q2, k1, k2, v, 0.3, implementation="pallas_gpu", interpret=True
+      )

@@ -30,8 +30,17 @@ RTOL = 2e-5
 # --------------------------------------------------------------------------------------
 
 
-def np_probs(q_BxTxHxD, k_BxSxKxD, kv_group, *, causal, q_seg_BxT=None, kv_seg_BxS=None,
-             mask_BxHxTxS=None, scale=None):
+def np_probs(
+  q_BxTxHxD,
+  k_BxSxKxD,
+  kv_group,
+  *,
+  causal,
+  q_seg_BxT=None,
+  kv_seg_BxS=None,
+  mask_BxHxTxS=None,
+  scale=None,
+):
   """Attention probabilities [B, H, T, S] in float64, one row at a time.
 
   ``kv_group(h)`` names the kv head that query head h reads. Query i sits at absolute
@@ -127,27 +136,44 @@ def _normal(rng, shape, dtype=np.float32):
 
 
 def mha_inputs(rng, b, t, s, h, kv, d, dv=None):
-  return (_normal(rng, (b, t, h, d)), _normal(rng, (b, s, kv, d)),
-          _normal(rng, (b, s, kv, dv or d)))
+  return (
+    _normal(rng, (b, t, h, d)),
+    _normal(rng, (b, s, kv, d)),
+    _normal(rng, (b, s, kv, dv or d)),
+  )
 
 
 def v1_inputs(rng, b, t, s, h, kv, d):
-  return (_normal(rng, (b, t, h, d)), _normal(rng, (b, t, h, d)), _normal(rng, (b, s, kv, d)),
-          _normal(rng, (b, s, kv, d)), _normal(rng, (b, s, kv, 2 * d)))
+  return (
+    _normal(rng, (b, t, h, d)),
+    _normal(rng, (b, t, h, d)),
+    _normal(rng, (b, s, kv, d)),
+    _normal(rng, (b, s, kv, d)),
+    _normal(rng, (b, s, kv, 2 * d)),
+  )
 
 
 def v2_inputs(rng, b, t, s, pairs, kv, d):
   lam = rng.uniform(0.05, 0.95, (b, t, pairs)).astype(np.float32)
-  return (_normal(rng, (b, t, 2 * pairs, d)), _normal(rng, (b, s, kv, d)),
-          _normal(rng, (b, s, kv, d)), lam)
+  return (
+    _normal(rng, (b, t, 2 * pairs, d)),
+    _normal(rng, (b, s, kv, d)),
+    _normal(rng, (b, s, kv, d)),
+    lam,
+  )
 
 
 def packed_segments(rng, b, length, docs=3):
   """Sorted segment ids [B, L] with up to ``docs`` documents per row."""
   seg = np.zeros((b, length), np.int32)
   for row in range(b):
-    cuts = np.sort(rng.choice(np.arange(1, max(length, 2)), size=min(docs - 1, length - 1),
-                              replace=False)) if length > 1 else []
+    cuts = (
+      np.sort(
+        rng.choice(np.arange(1, max(length, 2)), size=min(docs - 1, length - 1), replace=False)
+      )
+      if length > 1
+      else []
+    )
     for c in cuts:
       seg[row, c:] += 1
   return seg
@@ -156,7 +182,8 @@ def packed_segments(rng, b, length, docs=3):
 def _is_array(v):
   arrays = (np.ndarray, jax.Array)
   return isinstance(v, arrays) or (
-      isinstance(v, tuple) and v and all(isinstance(e, arrays) for e in v))
+    isinstance(v, tuple) and v and all(isinstance(e, arrays) for e in v)
+  )
 
 
 def run(op, *args, **kwargs):
@@ -180,10 +207,15 @@ def _check(actual, expected, atol=ATOL, rtol=RTOL):
 # (batch, length, kv_heads, n_rep, dim, causal): n_rep 1, 2, 4 with and without the causal
 # mask at length 7, length 1, and one long case kept small in heads and width.
 CASES = [
-    (2, 7, 2, 1, 8, True), (2, 7, 2, 2, 8, True), (2, 7, 2, 4, 8, True),
-    (2, 7, 2, 1, 8, False), (2, 7, 2, 2, 8, False), (2, 7, 2, 4, 8, False),
-    (2, 1, 2, 4, 8, True), (2, 1, 2, 2, 8, False),
-    (1, 200, 1, 2, 4, True),
+  (2, 7, 2, 1, 8, True),
+  (2, 7, 2, 2, 8, True),
+  (2, 7, 2, 4, 8, True),
+  (2, 7, 2, 1, 8, False),
+  (2, 7, 2, 2, 8, False),
+  (2, 7, 2, 4, 8, False),
+  (2, 1, 2, 4, 8, True),
+  (2, 1, 2, 2, 8, False),
+  (1, 200, 1, 2, 4, True),
 ]
 
 
@@ -203,8 +235,7 @@ def test_diff_v1_matches_loops(b, length, kv, n_rep, d, causal):
   h = kv * n_rep
   q1, q2, k1, k2, v = v1_inputs(rng, b, length, length, h, kv, d)
   # One lambda per head when there are several heads per group, else one for the layer.
-  lam = (np.float32(0.63) if n_rep == 1
-         else rng.uniform(-0.3, 1.2, (h,)).astype(np.float32))
+  lam = np.float32(0.63) if n_rep == 1 else rng.uniform(-0.3, 1.2, (h,)).astype(np.float32)
   out = run(ops.diff_v1_attention_core, q1, q2, k1, k2, v, lam, causal=causal)
   chex.assert_shape(out, (b, length, h, 2 * d))
   chex.assert_type(out, jnp.float32)
@@ -243,9 +274,10 @@ def test_diff_v2_pairs_read_their_own_group():
 
 
 @pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
-@pytest.mark.parametrize("b,length,kv,n_rep,d,causal", [(2, 7, 2, 2, 8, True),
-                                                        (2, 7, 2, 2, 8, False),
-                                                        (1, 200, 1, 2, 4, True)])
+@pytest.mark.parametrize(
+  "b,length,kv,n_rep,d,causal",
+  [(2, 7, 2, 2, 8, True), (2, 7, 2, 2, 8, False), (1, 200, 1, 2, 4, True)],
+)
 def test_segment_ids_match_loops(op, b, length, kv, n_rep, d, causal):
   rng = np.random.default_rng(5)
   seg = packed_segments(rng, b, length, docs=3 if length < 50 else 5)
@@ -258,8 +290,7 @@ def test_segment_ids_match_loops(op, b, length, kv, n_rep, d, causal):
   elif op == "diff_v1":
     q1, q2, k1, k2, v = v1_inputs(rng, b, length, length, h, kv, d)
     lam = rng.uniform(0.1, 0.9, (h,)).astype(np.float32)
-    out = run(ops.diff_v1_attention_core, q1, q2, k1, k2, v, lam, causal=causal,
-              segment_ids=seg)
+    out = run(ops.diff_v1_attention_core, q1, q2, k1, k2, v, lam, causal=causal, segment_ids=seg)
     expected = np_diff_v1(q1, q2, k1, k2, v, lam, **mask_kw)
   else:
     q, k, v, lam = v2_inputs(rng, b, length, length, h, kv, d)
@@ -278,7 +309,7 @@ def test_fewer_queries_than_keys(op, with_segments):
   mask_kw = dict(causal=True)
   if with_segments:
     kv_seg = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2]], np.int32)
-    q_seg = kv_seg[:, s - t:]
+    q_seg = kv_seg[:, s - t :]
     seg = (q_seg, kv_seg)
     mask_kw.update(q_seg_BxT=q_seg, kv_seg_BxS=kv_seg)
   if op == "mha":
@@ -342,11 +373,13 @@ def test_cpu_implementation_is_the_default_on_cpu():
   rng = np.random.default_rng(9)
   q, k, v, lam = v2_inputs(rng, 1, 5, 5, 2, 1, 8)
   auto = run(ops.diff_v2_attention, q, k, v, lam)
-  chex.assert_trees_all_close(run(ops.diff_v2_attention, q, k, v, lam, implementation="xla_cpu"),
-                              auto, atol=0, rtol=0)
+  chex.assert_trees_all_close(
+    run(ops.diff_v2_attention, q, k, v, lam, implementation="xla_cpu"), auto, atol=0, rtol=0
+  )
   # The reference path agrees to float32 rounding (the two paths sum in different orders).
-  chex.assert_trees_all_close(run(ops.diff_v2_attention, q, k, v, lam, implementation="xla"),
-                              auto, atol=1e-6, rtol=1e-5)
+  chex.assert_trees_all_close(
+    run(ops.diff_v2_attention, q, k, v, lam, implementation="xla"), auto, atol=1e-6, rtol=1e-5
+  )
 
 
 @pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
@@ -401,9 +434,9 @@ def test_diff_v2_rows_sum_to_one_minus_lambda_per_token():
   b, t, kv, pairs, d = 2, 8, 1, 2, 8
   q, k, v, lam = v2_inputs(rng, b, t, t, pairs, kv, d)
   _, aux = ref.diff_v2_reference(q, k, v, lam, return_aux=True)
-  combined = (np.asarray(aux["probs1"], np.float64)
-              - np.transpose(lam, (0, 2, 1))[..., None].astype(np.float64)
-              * np.asarray(aux["probs2"], np.float64))
+  combined = np.asarray(aux["probs1"], np.float64) - np.transpose(lam, (0, 2, 1))[..., None].astype(
+    np.float64
+  ) * np.asarray(aux["probs2"], np.float64)
   np.testing.assert_allclose(combined.sum(-1), 1.0 - np.transpose(lam, (0, 2, 1)), atol=1e-5)
 
 
@@ -446,9 +479,9 @@ def test_fully_masked_rows_give_zeros():
   q1, q2, k1, k2, v1 = v1_inputs(rng, b, t, t, h, kv, d)
   qv2, k2v, v2v, lam = v2_inputs(rng, b, t, t, h, kv, d)
   outs = [
-      run(ops.dot_product_attention, q, k, v, causal=False, mask=mask),
-      run(ops.diff_v1_attention_core, q1, q2, k1, k2, v1, 0.7, causal=False, mask=mask),
-      run(ops.diff_v2_attention, qv2, k2v, v2v, lam, causal=False, mask=mask),
+    run(ops.dot_product_attention, q, k, v, causal=False, mask=mask),
+    run(ops.diff_v1_attention_core, q1, q2, k1, k2, v1, 0.7, causal=False, mask=mask),
+    run(ops.diff_v2_attention, qv2, k2v, v2v, lam, causal=False, mask=mask),
   ]
   for out in outs:
     out = np.asarray(out)
@@ -459,8 +492,7 @@ def test_fully_masked_rows_give_zeros():
   # A query whose segment has no key (decoding, T < S) gives zeros too.
   kv_seg = np.array([[0, 0, 0, 0, 0]], np.int32)
   q_seg = np.array([[0, 9]], np.int32)
-  out = np.asarray(run(ops.dot_product_attention, q[:, :2], k, v,
-                       segment_ids=(q_seg, kv_seg)))
+  out = np.asarray(run(ops.dot_product_attention, q[:, :2], k, v, segment_ids=(q_seg, kv_seg)))
   np.testing.assert_array_equal(out[0, 1], 0.0)
   assert np.abs(out[0, 0]).max() > 1e-3
 
@@ -473,7 +505,7 @@ def test_fully_masked_rows_have_zero_gradients():
 
   def f(q1_, k1_):
     out = ops.diff_v1_attention_core(q1_, q2, k1, k2, v, 0.4, causal=False, mask=mask)
-    return jnp.sum(out ** 2)
+    return jnp.sum(out**2)
 
   gq, gk = jax.jit(jax.grad(f, argnums=(0, 1)))(q1, k1)
   assert np.isfinite(np.asarray(gq)).all() and np.isfinite(np.asarray(gk)).all()
@@ -488,10 +520,9 @@ def test_diff_v1_attention_is_rmsnorm_times_gain_times_one_minus_lambda_init(wit
   q1, q2, k1, k2, v = v1_inputs(rng, b, t, t, h, kv, d)
   lam, lambda_init = 0.6, ref.lambda_init_for_layer(2)
   gain = rng.uniform(0.5, 1.5, (2 * d,)).astype(np.float32) if with_gain else None
-  out = run(ops.diff_v1_attention, q1, q2, k1, k2, v, lam, norm_gain=gain,
-            lambda_init=lambda_init)
+  out = run(ops.diff_v1_attention, q1, q2, k1, k2, v, lam, norm_gain=gain, lambda_init=lambda_init)
   core = np_diff_v1(q1, q2, k1, k2, v, lam, causal=True)
-  normed = core / np.sqrt(np.mean(core ** 2, axis=-1, keepdims=True) + 1e-5)
+  normed = core / np.sqrt(np.mean(core**2, axis=-1, keepdims=True) + 1e-5)
   if with_gain:
     normed = normed * gain.astype(np.float64)
   _check(out, normed * (1.0 - lambda_init), atol=1e-4, rtol=1e-4)
@@ -526,23 +557,28 @@ def test_error_heads_not_divisible_by_kv_heads():
   rng = np.random.default_rng(20)
   q, k, v = _f32(rng, 1, 5, 6, 8), _f32(rng, 1, 5, 4, 8), _f32(rng, 1, 5, 4, 8)
   _raises_naming(lambda: ops.dot_product_attention(q, k, v), r"\b6\b", r"\b4\b")
-  _raises_naming(lambda: ops.diff_v1_attention_core(q, q, k, k, _f32(rng, 1, 5, 4, 16), 0.5),
-                 r"\b6\b", r"\b4\b")
+  _raises_naming(
+    lambda: ops.diff_v1_attention_core(q, q, k, k, _f32(rng, 1, 5, 4, 16), 0.5), r"\b6\b", r"\b4\b"
+  )
 
 
 def test_error_lambda_of_the_wrong_shape():
   rng = np.random.default_rng(21)
   q1, q2, k1, k2, v = v1_inputs(rng, 1, 5, 5, 2, 1, 8)
-  _raises_naming(lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, v, np.ones(3, np.float32)),
-                 re.escape("(3,)"))
   _raises_naming(
-      lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, v, np.ones((1, 2), np.float32)),
-      re.escape("(1, 2)"))
+    lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, v, np.ones(3, np.float32)), re.escape("(3,)")
+  )
+  _raises_naming(
+    lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, v, np.ones((1, 2), np.float32)),
+    re.escape("(1, 2)"),
+  )
   q, k, v2, _ = v2_inputs(rng, 1, 5, 5, 2, 1, 8)
-  _raises_naming(lambda: ops.diff_v2_attention(q, k, v2, np.ones((1, 5, 4), np.float32)),
-                 re.escape("(1, 5, 4)"))
-  _raises_naming(lambda: ops.diff_v2_attention(q, k, v2, np.ones((1, 2), np.float32)),
-                 re.escape("(1, 2)"))
+  _raises_naming(
+    lambda: ops.diff_v2_attention(q, k, v2, np.ones((1, 5, 4), np.float32)), re.escape("(1, 5, 4)")
+  )
+  _raises_naming(
+    lambda: ops.diff_v2_attention(q, k, v2, np.ones((1, 2), np.float32)), re.escape("(1, 2)")
+  )
 
 
 def test_error_mismatched_dtypes():
@@ -552,66 +588,76 @@ def test_error_mismatched_dtypes():
   v = _f32(rng, 1, 5, 1, 8)
   _raises_naming(lambda: ops.dot_product_attention(q, k_bf, v), "float32", "bfloat16")
   v_wide = _f32(rng, 1, 5, 1, 16)
-  _raises_naming(lambda: ops.diff_v1_attention_core(q, q, k_bf, k_bf, v_wide, 0.5),
-                 "float32", "bfloat16")
+  _raises_naming(
+    lambda: ops.diff_v1_attention_core(q, q, k_bf, k_bf, v_wide, 0.5), "float32", "bfloat16"
+  )
   q_pairs = _f32(rng, 1, 5, 4, 8)
   _raises_naming(
-      lambda: ops.diff_v2_attention(q_pairs, k_bf, v, np.ones((1, 5, 2), np.float32)),
-      "float32", "bfloat16")
+    lambda: ops.diff_v2_attention(q_pairs, k_bf, v, np.ones((1, 5, 2), np.float32)),
+    "float32",
+    "bfloat16",
+  )
 
 
 def test_error_mismatched_shapes():
   rng = np.random.default_rng(23)
   q1, _, k1, k2, v = v1_inputs(rng, 1, 5, 5, 2, 1, 8)
   q2_short = _f32(rng, 1, 4, 2, 8)
-  _raises_naming(lambda: ops.diff_v1_attention_core(q1, q2_short, k1, k2, v, 0.5),
-                 re.escape("(1, 5, 2, 8)"), re.escape("(1, 4, 2, 8)"))
+  _raises_naming(
+    lambda: ops.diff_v1_attention_core(q1, q2_short, k1, k2, v, 0.5),
+    re.escape("(1, 5, 2, 8)"),
+    re.escape("(1, 4, 2, 8)"),
+  )
   # Batch mismatch between queries and keys/values.
   q = _f32(rng, 2, 5, 2, 8)
   k, vv = _f32(rng, 3, 5, 1, 8), _f32(rng, 3, 5, 1, 8)
   _raises_naming(lambda: ops.dot_product_attention(q, k, vv), r"\b2\b", r"\b3\b")
-  _raises_naming(lambda: ops.diff_v1_attention_core(q, q, k, k, _f32(rng, 3, 5, 1, 16), 0.5),
-                 r"\b2\b", r"\b3\b")
   _raises_naming(
-      lambda: ops.diff_v2_attention(_f32(rng, 2, 5, 4, 8), k, vv, np.ones((2, 5, 2), np.float32)),
-      r"\b2\b", r"\b3\b")
+    lambda: ops.diff_v1_attention_core(q, q, k, k, _f32(rng, 3, 5, 1, 16), 0.5), r"\b2\b", r"\b3\b"
+  )
+  _raises_naming(
+    lambda: ops.diff_v2_attention(_f32(rng, 2, 5, 4, 8), k, vv, np.ones((2, 5, 2), np.float32)),
+    r"\b2\b",
+    r"\b3\b",
+  )
 
 
 def test_error_diff_v2_odd_query_heads():
   rng = np.random.default_rng(24)
   q, k, v = _f32(rng, 1, 5, 5, 8), _f32(rng, 1, 5, 1, 8), _f32(rng, 1, 5, 1, 8)
-  _raises_naming(lambda: ops.diff_v2_attention(q, k, v, np.ones((1, 5, 2), np.float32)),
-                 r"\b5\b")
+  _raises_naming(lambda: ops.diff_v2_attention(q, k, v, np.ones((1, 5, 2), np.float32)), r"\b5\b")
 
 
 def test_error_diff_v2_pairs_not_a_multiple_of_kv_heads():
   rng = np.random.default_rng(25)
   # 6 query heads = 3 pairs over 2 kv heads: a pair would straddle two groups.
   q, k, v = _f32(rng, 1, 5, 6, 8), _f32(rng, 1, 5, 2, 8), _f32(rng, 1, 5, 2, 8)
-  _raises_naming(lambda: ops.diff_v2_attention(q, k, v, np.ones((1, 5, 3), np.float32)),
-                 r"\b3\b", r"\b2\b")
+  _raises_naming(
+    lambda: ops.diff_v2_attention(q, k, v, np.ones((1, 5, 3), np.float32)), r"\b3\b", r"\b2\b"
+  )
 
 
 def test_error_unknown_implementation():
   rng = np.random.default_rng(26)
   q, k, v = mha_inputs(rng, 1, 4, 4, 2, 1, 8)
-  _raises_naming(lambda: ops.dot_product_attention(q, k, v, implementation="triton"),
-                 "triton")
+  _raises_naming(lambda: ops.dot_product_attention(q, k, v, implementation="triton"), "triton")
   q1, q2, k1, k2, vw = v1_inputs(rng, 1, 4, 4, 2, 1, 8)
   _raises_naming(
-      lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, vw, 0.5, implementation="flash"),
-      "flash")
+    lambda: ops.diff_v1_attention_core(q1, q2, k1, k2, vw, 0.5, implementation="flash"), "flash"
+  )
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU refusal")
 def test_error_pallas_on_cpu():
   rng = np.random.default_rng(27)
   q, k, v, lam = v2_inputs(rng, 1, 4, 4, 2, 1, 8)
-  _raises_naming(lambda: ops.diff_v2_attention(q, k, v, lam, implementation="pallas"),
-                 "pallas", "cpu")
+  _raises_naming(
+    lambda: ops.diff_v2_attention(q, k, v, lam, implementation="pallas"), "pallas", "cpu"
+  )
   qm, km, vm = mha_inputs(rng, 1, 4, 4, 2, 1, 8)
-  _raises_naming(lambda: ops.dot_product_attention(qm, km, vm, implementation="pallas"),
-                 "pallas", "cpu")
+  _raises_naming(
+    lambda: ops.dot_product_attention(qm, km, vm, implementation="pallas"), "pallas", "cpu"
+  )
 
 
 def test_error_lambda_init_for_negative_layer():
@@ -627,8 +673,8 @@ def _np_decode(np_op, q_Bx1, k_BxS, v_BxS, kv_len_B, *rest):
   """Row b of a decode op: causal attention of its one query over its first kv_len[b] slots."""
   rows = []
   for b, n in enumerate(kv_len_B):
-    row_rest = [r[b:b + 1] if getattr(r, "ndim", 0) == 3 else r for r in rest]
-    rows.append(np_op(q_Bx1[b:b + 1], k_BxS[b:b + 1, :n], v_BxS[b:b + 1, :n], *row_rest))
+    row_rest = [r[b : b + 1] if getattr(r, "ndim", 0) == 3 else r for r in rest]
+    rows.append(np_op(q_Bx1[b : b + 1], k_BxS[b : b + 1, :n], v_BxS[b : b + 1, :n], *row_rest))
   return np.concatenate(rows, axis=0)
 
 
@@ -658,8 +704,10 @@ class PublicOpsVariantsTest(chex.TestCase):
     chex.assert_type(out, jnp.float32)
     _check(out, np_mha(q, k, v, causal=True, q_seg_BxT=seg, kv_seg_BxS=seg))
     self._grads_match_reference(
-        lambda q, k, v: ops.dot_product_attention(q, k, v, segment_ids=seg),
-        lambda q, k, v: ref.mha_reference(q, k, v, causal=True, segment_ids=seg), (q, k, v))
+      lambda q, k, v: ops.dot_product_attention(q, k, v, segment_ids=seg),
+      lambda q, k, v: ref.mha_reference(q, k, v, causal=True, segment_ids=seg),
+      (q, k, v),
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_diff_v1_attention(self):
@@ -668,18 +716,21 @@ class PublicOpsVariantsTest(chex.TestCase):
     lam = rng.uniform(-0.3, 1.2, (4,)).astype(np.float32)
     gain = rng.uniform(0.5, 1.5, (16,)).astype(np.float32)
     core = self.variant(lambda *a: ops.diff_v1_attention_core(*a, causal=False))(
-        q1, q2, k1, k2, v, lam)
+      q1, q2, k1, k2, v, lam
+    )
     chex.assert_shape(core, (2, 5, 4, 16))
     _check(core, np_diff_v1(q1, q2, k1, k2, v, lam, causal=False))
     full = lambda *a: ops.diff_v1_attention(*a, norm_gain=gain, lambda_init=0.2)
     out = self.variant(full)(q1, q2, k1, k2, v, lam)
     want = np_diff_v1(q1, q2, k1, k2, v, lam, causal=True)
-    want = want / np.sqrt(np.mean(want ** 2, axis=-1, keepdims=True) + 1e-5) * gain * 0.8
+    want = want / np.sqrt(np.mean(want**2, axis=-1, keepdims=True) + 1e-5) * gain * 0.8
     chex.assert_type(out, jnp.float32)
     _check(out, want, atol=1e-4, rtol=1e-4)
     self._grads_match_reference(
-        full, lambda *a: ref.rms_norm(ref.diff_v1_reference(*a, causal=True), gain, 1e-5) * 0.8,
-        (q1, q2, k1, k2, v, lam))
+      full,
+      lambda *a: ref.rms_norm(ref.diff_v1_reference(*a, causal=True), gain, 1e-5) * 0.8,
+      (q1, q2, k1, k2, v, lam),
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_diff_v2_attention(self):
@@ -690,7 +741,8 @@ class PublicOpsVariantsTest(chex.TestCase):
     chex.assert_type(out, jnp.float32)
     _check(out, np_diff_v2(q, k, v, lam, causal=True))
     self._grads_match_reference(
-        ops.diff_v2_attention, lambda *a: ref.diff_v2_reference(*a, causal=True), (q, k, v, lam))
+      ops.diff_v2_attention, lambda *a: ref.diff_v2_reference(*a, causal=True), (q, k, v, lam)
+    )
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_decode_ops(self):
@@ -704,8 +756,18 @@ class PublicOpsVariantsTest(chex.TestCase):
     lam = rng.uniform(0.1, 0.9, (4,)).astype(np.float32)
     out = self.variant(ops.diff_v1_attention_decode)(q1, q2, k1, k2, vw, lam, kv_len)
     chex.assert_shape(out, (2, 1, 4, 16))
-    rows = [np_diff_v1(q1[b:b + 1], q2[b:b + 1], k1[b:b + 1, :n], k2[b:b + 1, :n],
-                       vw[b:b + 1, :n], lam, causal=True) for b, n in enumerate(kv_len)]
+    rows = [
+      np_diff_v1(
+        q1[b : b + 1],
+        q2[b : b + 1],
+        k1[b : b + 1, :n],
+        k2[b : b + 1, :n],
+        vw[b : b + 1, :n],
+        lam,
+        causal=True,
+      )
+      for b, n in enumerate(kv_len)
+    ]
     _check(out, np.concatenate(rows))
     q, k, v, lam2 = v2_inputs(rng, 2, 1, 9, 4, 2, 8)
     out = self.variant(ops.diff_v2_attention_decode)(q, k, v, lam2, kv_len)
@@ -717,8 +779,8 @@ def test_merge_partials_of_key_ranges_is_attention_over_all_keys():
   """Softmax attention over S keys equals the merge of its pieces' attentions over uneven
   key ranges, an empty range (log mass -inf) included; rows no piece saw are zero."""
   k = jax.random.split(jax.random.key(3), 2)
-  logits = jax.random.normal(k[0], (2, 3, 11)) * 3.0      # [B, T, S]
-  v = jax.random.normal(k[1], (2, 11, 5))                 # [B, S, Dv]
+  logits = jax.random.normal(k[0], (2, 3, 11)) * 3.0  # [B, T, S]
+  v = jax.random.normal(k[1], (2, 11, 5))  # [B, S, Dv]
   full = jnp.einsum("bts,bsd->btd", jax.nn.softmax(logits, -1), v)
   parts, mass = [], []
   for lo, hi in ((0, 4), (4, 4), (4, 5), (5, 11)):

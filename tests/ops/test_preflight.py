@@ -28,8 +28,9 @@ def _isolated(monkeypatch):
 
 
 def _xla_v1(q1, q2, k1, k2, v, lam, **kw):
-  return attn.diff_v1_attention_core(q1, q2, k1, k2, v, lam, causal=kw["causal"],
-                                     implementation="xla")
+  return attn.diff_v1_attention_core(
+    q1, q2, k1, k2, v, lam, causal=kw["causal"], implementation="xla"
+  )
 
 
 def _raises(*args, **kwargs):
@@ -40,11 +41,14 @@ def _off_by_a_tenth(*args, **kwargs):
   return 1.1 * _xla_v1(*args, **kwargs)
 
 
-@pytest.mark.parametrize("kernel,ok,reason", [
+@pytest.mark.parametrize(
+  "kernel,ok,reason",
+  [
     (_xla_v1, True, None),
     (_raises, False, "RuntimeError: INTERNAL: ptxas exited"),
     (_off_by_a_tenth, False, "differs from XLA by 1.00e-01"),
-])
+  ],
+)
 def test_a_failing_kernel_is_switched_to_the_stock_path(kernel, ok, reason):
   ops.register_implementation("diff_v1", "pallas_tpu", kernel, platforms=("tpu",))
   with ops.target_platform("tpu"):
@@ -69,6 +73,7 @@ def test_a_failing_kernel_is_switched_to_the_stock_path(kernel, ok, reason):
 
 def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
   from diffjax.model import ModelConfig
+
   cfg = ModelConfig(attention="diff_v1", head_dim=16, num_heads=2, num_kv_heads=1)
   ops.register_implementation("diff_v1", "pallas_tpu", _raises, platforms=("tpu",))
   assert preflight.preflight_model(cfg) == []  # the CPU: plain XLA, nothing to check
@@ -83,6 +88,7 @@ def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
 
 def _tiny(tmp, preflight_on: bool):
   from helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
   c = tiny_config("diff_v1", steps=2)
   c.model.num_layers = 1
   c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
@@ -93,9 +99,11 @@ def _tiny(tmp, preflight_on: bool):
 
 
 @pytest.mark.parametrize("preflight_on", [True, False])
-def test_a_training_run_goes_on_with_the_stock_path_and_says_so(tmp_path, monkeypatch,
-                                                                capsys, preflight_on):
+def test_a_training_run_goes_on_with_the_stock_path_and_says_so(
+  tmp_path, monkeypatch, capsys, preflight_on
+):
   from diffjax.train import train_and_evaluate
+
   calls = []
 
   def wrong_cpu_kernel(*args, **kwargs):

@@ -14,13 +14,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO  # noqa: E402
 
 from diffjax import compare
 from diffjax.model import ARMS, ModelConfig, count_params, matched_configs, resolve_model
 from diffjax.model.sizes import SIZES, WIDTHS, size_widths
 from diffjax.presets import base_config, load_config
 from diffjax.train.config_utils import describe_run
-from helpers import REPO  # noqa: E402
 
 RUN_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
 COMPARE_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "compare", "*.py")))
@@ -30,8 +30,9 @@ def _expected(section: dict, arm: str) -> ModelConfig:
   """The arm matched to the section's baseline, written out independently of resolve_model."""
   widths = {} if section["size"] == "custom" else size_widths(section["size"])
   widths.update({k: section[k] for k in WIDTHS if section.get(k) is not None})
-  rest = {k: v for k, v in section.items()
-          if k not in ("arm", "size", "v2_match", "unmatched", *WIDTHS)}
+  rest = {
+    k: v for k, v in section.items() if k not in ("arm", "size", "v2_match", "unmatched", *WIDTHS)
+  }
   if rest["vocab_size"] == -1:
     rest["vocab_size"] = 258
   base = ModelConfig(attention="transformer", **widths, **rest)
@@ -109,14 +110,21 @@ def test_a_run_config_refuses_model_attention_and_names_model_arm():
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    timeout=300,
+  )
 
 
 def _train_main():
   """train.py's ``main``, loaded from the script (it is not a module of the package)."""
-  spec = importlib.util.spec_from_file_location("diffjax_train_script",
-                                                os.path.join(REPO, "train.py"))
+  spec = importlib.util.spec_from_file_location(
+    "diffjax_train_script", os.path.join(REPO, "train.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.main
@@ -131,17 +139,26 @@ def _in_process(capsys, main, *argv):
 
 def test_the_command_lines_print_matched_and_unmatched_runs(capsys):
   train = _train_main()
-  status, out, err = _in_process(capsys, train, "train.py", "--config=configs/tiny.py",
-                                 "--config.model.arm=diff_v2", "--dry_run")
+  status, out, err = _in_process(
+    capsys, train, "train.py", "--config=configs/tiny.py", "--config.model.arm=diff_v2", "--dry_run"
+  )
   assert status == 0, err[-2000:]
-  want = resolve_model({**load_config(os.path.join(REPO, "configs", "tiny.py")).model.to_dict(),
-                        "arm": "diff_v2"})
+  want = resolve_model(
+    {**load_config(os.path.join(REPO, "configs", "tiny.py")).model.to_dict(), "arm": "diff_v2"}
+  )
   assert "arm=diff_v2 matched to" in out and f"mlp_dim={want.config.mlp_dim}" in out
-  status, out, _ = _in_process(capsys, train, "train.py", "--config=configs/tiny.py",
-                               "--config.model.unmatched.head_dim=16", "--dry_run")
+  status, out, _ = _in_process(
+    capsys,
+    train,
+    "train.py",
+    "--config=configs/tiny.py",
+    "--config.model.unmatched.head_dim=16",
+    "--dry_run",
+  )
   assert status == 0 and "arm=diff_v1 UNMATCHED (head_dim=16" in out, out
-  status, out, err = _in_process(capsys, compare.main, "diffjax.compare",
-                                 "--config=configs/compare/tiny.py", "--dry_run")
+  status, out, err = _in_process(
+    capsys, compare.main, "diffjax.compare", "--config=configs/compare/tiny.py", "--dry_run"
+  )
   assert status == 0, err[-2000:]
   assert all(f"[{arm}] model: arm={arm} matched to" in out for arm in ARMS), out
   assert "UNMATCHED" not in out

@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import REPO  # noqa: E402
 
 from diffjax.model import DecoderLM, count_params, resolve_model
 from diffjax.model.sizes import PAPER_SIZES, PAPER_VOCAB, SIZES
 from diffjax.presets import model_section, param_table
-from helpers import REPO  # noqa: E402
 
 DOCS = os.path.join(REPO, "docs")
 
@@ -54,8 +54,9 @@ def test_arm_differences_are_the_closed_forms(size):
 
 
 def test_v2_by_parameters_is_exact_for_every_size_but_micro_350m_and_830m():
-  inexact = {s for s in SIZES if count_params(_arm(s, "diff_v2")) != count_params(
-      _arm(s, "transformer"))}
+  inexact = {
+    s for s in SIZES if count_params(_arm(s, "diff_v2")) != count_params(_arm(s, "transformer"))
+  }
   assert inexact == {"micro", "350m", "830m"}
 
 

@@ -11,7 +11,6 @@ import ast
 import os
 
 import pytest
-
 from helpers import REPO
 
 ROOT = REPO
@@ -19,17 +18,22 @@ PKG = os.path.join(ROOT, "diffjax")
 
 # Lowest first. A module may import modules of its own layer or of lower layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("diffjax.errors", "diffjax.core", "diffjax.sharding", "diffjax.cpu"),
-    ("diffjax.kernels",),
-    ("diffjax.ops",),
-    ("diffjax.nn",),
-    ("diffjax.model",),
-    ("diffjax.data",),
-    ("diffjax.presets", "diffjax.train"),
-    ("diffjax.eval",),
-    # The lm-eval model generates and loads HF directories, so it sits above both.
-    ("diffjax.compare", "diffjax.aot", "diffjax.generation",
-     "diffjax.convert", "diffjax.eval.harness"),
+  ("diffjax.errors", "diffjax.core", "diffjax.sharding", "diffjax.cpu"),
+  ("diffjax.kernels",),
+  ("diffjax.ops",),
+  ("diffjax.nn",),
+  ("diffjax.model",),
+  ("diffjax.data",),
+  ("diffjax.presets", "diffjax.train"),
+  ("diffjax.eval",),
+  # The lm-eval model generates and loads HF directories, so it sits above both.
+  (
+    "diffjax.compare",
+    "diffjax.aot",
+    "diffjax.generation",
+    "diffjax.convert",
+    "diffjax.eval.harness",
+  ),
 )
 
 
@@ -57,16 +61,20 @@ def _imports(path: str, name: str, modules: dict[str, str]) -> set[str]:
       if node.level:
         base = name.split(".")
         base = base if is_pkg else base[:-1]
-        base = base[:len(base) - node.level + 1]
+        base = base[: len(base) - node.level + 1]
         mod = ".".join(base + ([node.module] if node.module else []))
       else:
         mod = node.module or ""
       # `from pkg import sub` names a submodule when one exists.
-      targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
-                 for a in node.names]
-    elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", ""))
-          in ("import_module", "__import__") and node.args
-          and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+      targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+    elif (
+      isinstance(node, ast.Call)
+      and getattr(node.func, "attr", getattr(node.func, "id", ""))
+      in ("import_module", "__import__")
+      and node.args
+      and isinstance(node.args[0], ast.Constant)
+      and isinstance(node.args[0].value, str)
+    ):
       targets = [node.args[0].value]  # importlib.import_module("diffjax.x")
     else:
       continue
@@ -151,10 +159,20 @@ def test_checker_sees_lazy_and_relative_imports(tmp_path):
   pkg = tmp_path / "diffjax" / "sub"
   pkg.mkdir(parents=True)
   (pkg / "__init__.py").write_text("")
-  (pkg / "a.py").write_text("import importlib\ndef f():\n  from . import b\n  import diffjax.other\n"
-                            "  importlib.import_module('diffjax.third')\n")
+  (pkg / "a.py").write_text(
+    "import importlib\ndef f():\n  from . import b\n  import diffjax.other\n"
+    "  importlib.import_module('diffjax.third')\n"
+  )
   (pkg / "b.py").write_text("")
-  modules = {"diffjax.sub": str(pkg / "__init__.py"), "diffjax.sub.a": str(pkg / "a.py"),
-             "diffjax.sub.b": str(pkg / "b.py"), "diffjax.other": "x", "diffjax.third": "y"}
+  modules = {
+    "diffjax.sub": str(pkg / "__init__.py"),
+    "diffjax.sub.a": str(pkg / "a.py"),
+    "diffjax.sub.b": str(pkg / "b.py"),
+    "diffjax.other": "x",
+    "diffjax.third": "y",
+  }
   assert _imports(str(pkg / "a.py"), "diffjax.sub.a", modules) == {
-      "diffjax.sub.b", "diffjax.other", "diffjax.third"}
+    "diffjax.sub.b",
+    "diffjax.other",
+    "diffjax.third",
+  }

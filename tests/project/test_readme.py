@@ -220,10 +220,14 @@ def test_the_checks_see_what_they_check():
   # The readers find the README's blocks and links, so an empty scan cannot pass.
   assert shell_blocks(README) and all(shell_blocks(README))
   assert python_invocations("JAX_PLATFORMS=cpu python -m diffjax.aot --x=1 && python3.11 t.py") == [
-      ["-m", "diffjax.aot", "--x=1"], ["t.py"]]
+    ["-m", "diffjax.aot", "--x=1"],
+    ["t.py"],
+  ]
   assert missing_targets(["-m", "diffjax.no_such_module"]) == ["module diffjax.no_such_module"]
   assert missing_targets(["no_such_script.py", "--config=configs/nope.py:diff_v1"]) == [
-      "script no_such_script.py", "config configs/nope.py"]
+    "script no_such_script.py",
+    "config configs/nope.py",
+  ]
   assert not missing_targets(["train.py", "--config=configs/default.py"])
   assert "docs/getting_started.md" in relative_links(README)
   assert heading_anchors(README) >= {"what-is-exact", "what-has-run-on-hardware"}
@@ -251,9 +255,13 @@ def _stop_after_parsing():
   as --dry_run would)."""
   from diffjax.train import cli  # pylint: disable=import-outside-toplevel
   from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+
   parser = argparse.ArgumentParser
   real_parse_args, real_parse_known_args, real_parse = (
-      parser.parse_args, parser.parse_known_args, cli.parse)
+    parser.parse_args,
+    parser.parse_known_args,
+    cli.parse,
+  )
   inside_parse_args = []
 
   def parse_args(self, args=None, namespace=None):
@@ -278,9 +286,11 @@ def _stop_after_parsing():
       describe_run(result[0])
     raise _Parsed(result)
 
-  with mock.patch.object(parser, "parse_args", parse_args), \
-       mock.patch.object(parser, "parse_known_args", parse_known_args), \
-       mock.patch.object(cli, "parse", parse):
+  with (
+    mock.patch.object(parser, "parse_args", parse_args),
+    mock.patch.object(parser, "parse_known_args", parse_known_args),
+    mock.patch.object(cli, "parse", parse),
+  ):
     yield
 
 
@@ -295,7 +305,7 @@ def run_in_process(args: list[str], *, stop_after_parsing: bool = True) -> tuple
   target = _target(args)
   try:
     os.chdir(ROOT)
-    sys.argv = [target] + args[2 if args[0] == "-m" else 1:]
+    sys.argv = [target] + args[2 if args[0] == "-m" else 1 :]
     if args[0] != "-m":
       sys.path.insert(0, os.path.dirname(os.path.join(ROOT, target)))
     guard = _stop_after_parsing() if stop_after_parsing else contextlib.nullcontext()
@@ -337,8 +347,9 @@ def _install_problems(cmd: list[str]) -> list[str]:
       problems.append(f"no file {named}")
     m = re.fullmatch(r"\.\[([\w,\-]+)\]", w)
     if m:
-      problems += [f"no extra [{e}] in pyproject.toml" for e in m.group(1).split(",")
-                   if e not in extras]
+      problems += [
+        f"no extra [{e}] in pyproject.toml" for e in m.group(1).split(",") if e not in extras
+      ]
   return problems
 
 
@@ -352,14 +363,16 @@ def _run_command(cmd: list[str]) -> str | None:
     return f"not a command these checks know how to run: {cmd[0]}"
   args = cmd[1:]
   if args[:2] == ["-m", "pytest"]:
-    missing = [a.split("::")[0] for a in args[2:] if a.startswith("tests")
-               and not os.path.exists(os.path.join(ROOT, a.split("::")[0]))]
+    missing = [
+      a.split("::")[0]
+      for a in args[2:]
+      if a.startswith("tests") and not os.path.exists(os.path.join(ROOT, a.split("::")[0]))
+    ]
     return f"no test path {missing}" if missing else None
   if missing := missing_targets(args):
     return ", ".join(missing)
   dry = _target(args) in _DRY_RUN
-  ended, printed = run_in_process(args + (["--dry_run"] if dry else []),
-                                  stop_after_parsing=not dry)
+  ended, printed = run_in_process(args + (["--dry_run"] if dry else []), stop_after_parsing=not dry)
   if ended != ("exit 0" if dry else "parsed"):
     return f"{ended}: {printed.strip()[-600:]}"
   return None
@@ -413,8 +426,9 @@ def test_every_documented_command_answers_help(command):
 def test_a_broken_command_fails_the_check():
   # The runner stops commands after parsing, and says when one does not parse.
   assert _run_command(["python", "train.py", "--config=configs/tiny.py"]) is None
-  assert "modle" in _run_command(["python", "train.py", "--config=configs/tiny.py",
-                                  "--config.modle.arm=diff_v2"])
+  assert "modle" in _run_command(
+    ["python", "train.py", "--config=configs/tiny.py", "--config.modle.arm=diff_v2"]
+  )
   assert "exit 2" in _run_command(["python", "-m", "diffjax.generation", "--no_such_flag=1"])
   assert "no extra [nope]" in _run_command(["pip", "install", "-e", ".[test,nope]"])
   assert _run_command(["python", "-m", "diffjax.eval.toy"]) is None  # parsed, not run

@@ -27,6 +27,7 @@ PARAM_ATOL = 1e-5
 
 def _child_main():
   import jax
+
   jax.config.update("jax_num_cpu_devices", 8)
   import jax.numpy as jnp
   import numpy as np
@@ -40,18 +41,25 @@ def _child_main():
   from diffjax.train.steps import create_model, make_train_step
 
   assert jax.device_count() == 8, jax.devices()
-  base = ModelConfig(attention="transformer", vocab_size=64, d_model=32, num_layers=1,
-                     num_heads=16, num_kv_heads=16, head_dim=8, mlp_dim=64)
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=64,
+    d_model=32,
+    num_layers=1,
+    num_heads=16,
+    num_kv_heads=16,
+    head_dim=8,
+    mlp_dim=64,
+  )
   ocfg = base_config().optim
   ocfg.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10, eps=1e-3))
   rng = np.random.default_rng(0)
   batch_np = {
-      "inputs": rng.integers(0, 64, (8, 16)).astype(np.int32),
-      "targets": rng.integers(0, 64, (8, 16)).astype(np.int32),
-      "segment_ids": np.repeat(np.array([[1] * 10 + [2] * 6]), 8, 0).astype(np.int32),
-      "positions": np.repeat(np.array([list(range(10)) + list(range(6))]), 8, 0).astype(
-          np.int32),
-      "loss_mask": np.ones((8, 16), np.float32),
+    "inputs": rng.integers(0, 64, (8, 16)).astype(np.int32),
+    "targets": rng.integers(0, 64, (8, 16)).astype(np.int32),
+    "segment_ids": np.repeat(np.array([[1] * 10 + [2] * 6]), 8, 0).astype(np.int32),
+    "positions": np.repeat(np.array([list(range(10)) + list(range(6))]), 8, 0).astype(np.int32),
+    "loss_mask": np.ones((8, 16), np.float32),
   }
   out = {}
 
@@ -69,16 +77,23 @@ def _child_main():
     # axis names, Adam moments like their params, the rest replicated.
     graphdef, param_state = nnx.split(create_model(cfg, 0))
     params = nnx.to_pure_dict(param_state)
-    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-             "rng": jax.random.key_data(jax.random.key(0))}
+    state = {
+      "params": params,
+      "opt_state": tx.init(params),
+      "step": jnp.zeros((), jnp.int32),
+      "rng": jax.random.key_data(jax.random.key(0)),
+    }
     param_shards = shd.param_shardings(param_state, mesh, rules)
     shards = shd.state_shardings(tx, jax.eval_shape(lambda: state), param_shards, mesh)
     state = jax.device_put(state, shards)
     bs = shd.batch_sharding(mesh, rules)
     batch = {k: jax.device_put(v, bs) for k, v in batch_np.items()}
     with shd.activation_sharding(mesh, rules):
-      step = jax.jit(make_train_step(graphdef, tx, schedule), in_shardings=(shards, bs),
-                     out_shardings=(shards, None))
+      step = jax.jit(
+        make_train_step(graphdef, tx, schedule),
+        in_shardings=(shards, bs),
+        out_shardings=(shards, None),
+      )
       state, metrics = step(state, batch)
     return state, metrics, shards, mesh
 
@@ -89,8 +104,10 @@ def _child_main():
       shape = tuple(shape)
       state, metrics, shards, mesh = run(cfg, shape)
       params = jax.tree.map(np.asarray, state["params"])
-      diff = max(float(np.max(np.abs(a - b))) for a, b in
-                 zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
+      diff = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))
+      )
       # Every parameter and its Adam moments carry the intended sharding.
       spec_ok = True
       # q is [E, heads, (2,) d]: embed over fsdp, heads over tensor, the rest whole;
@@ -99,21 +116,32 @@ def _child_main():
       q = state["params"]["blocks"][0]["attn"]["q"]
       got_q = spec(q, q.ndim)
       want_local = (q.shape[0] // f, q.shape[1] // t) + q.shape[2:]
-      if (got_q[:2] != ("fsdp", "tensor") or any(got_q[2:])
-          or q.addressable_shards[0].data.shape != want_local):
+      if (
+        got_q[:2] != ("fsdp", "tensor")
+        or any(got_q[2:])
+        or q.addressable_shards[0].data.shape != want_local
+      ):
         spec_ok = False
       mu = state["opt_state"][1][0].mu["blocks"][0]["attn"]["q"]
       if spec(mu, mu.ndim) != got_q or mu.addressable_shards[0].data.shape != want_local:
         spec_ok = False
       emb = state["params"]["embed"]["embedding"]
-      if (spec(emb, 2) != ("tensor", "fsdp")
-          or emb.addressable_shards[0].data.shape != (emb.shape[0] // t, emb.shape[1] // f)):
+      if spec(emb, 2) != ("tensor", "fsdp") or emb.addressable_shards[0].data.shape != (
+        emb.shape[0] // t,
+        emb.shape[1] // f,
+      ):
         spec_ok = False
       out[f"{arm}:{shape}"] = dict(
-          loss=float(metrics["loss"]), ref_loss=float(ref_metrics["loss"]), max_param_diff=diff,
-          grad_norm=float(metrics["grad_norm"]), ref_grad_norm=float(ref_metrics["grad_norm"]),
-          spec_ok=spec_ok, q_spec=str(got_q), mu_spec=str(mu.sharding.spec),
-          emb_spec=str(emb.sharding.spec))
+        loss=float(metrics["loss"]),
+        ref_loss=float(ref_metrics["loss"]),
+        max_param_diff=diff,
+        grad_norm=float(metrics["grad_norm"]),
+        ref_grad_norm=float(ref_metrics["grad_norm"]),
+        spec_ok=spec_ok,
+        q_spec=str(got_q),
+        mu_spec=str(mu.sharding.spec),
+        emb_spec=str(emb.sharding.spec),
+      )
 
   # A checkpoint saved on one mesh restores onto another with identical values.
   cfg = matched_configs(base)["diff_v1"]
@@ -123,20 +151,24 @@ def _child_main():
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path, state_a)
     ckptr.wait_until_finished()
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          state_a, shards_b)
+    target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state_a, shards_b
+    )
     restored = ckptr.restore(path, target)
-  same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-             zip(jax.tree.leaves(state_a), jax.tree.leaves(restored)))
+  same = all(
+    np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(restored))
+  )
   on_b = restored["params"]["blocks"][0]["attn"]["q"].sharding.mesh.shape == mesh_b.shape
   out["restore_across_meshes"] = dict(identical=same, on_new_mesh=bool(on_b))
 
   # Clear errors for bad meshes.
   errs = {}
   for name, fn in {
-      "device_count": lambda: shd.make_mesh((3, 1, 1)),
-      "heads": lambda: shd.validate_mesh_for_model(
-          shd.make_mesh((1, 1, 8)), cfg.replace(num_heads=12, num_kv_heads=4), 8),
+    "device_count": lambda: shd.make_mesh((3, 1, 1)),
+    "heads": lambda: shd.validate_mesh_for_model(
+      shd.make_mesh((1, 1, 8)), cfg.replace(num_heads=12, num_kv_heads=4), 8
+    ),
   }.items():
     try:
       fn()
@@ -150,21 +182,38 @@ def _child_main():
 @pytest.fixture(scope="module")
 def results(request, tmp_path_factory):
   # Only the meshes of the selected tests are run (the child compiles every arm per mesh).
-  meshes = sorted({tuple(item.callspec.params["shape"]) for item in request.session.items
-                   if item.module is request.module and hasattr(item, "callspec")
-                   and "shape" in item.callspec.params})
+  meshes = sorted(
+    {
+      tuple(item.callspec.params["shape"])
+      for item in request.session.items
+      if item.module is request.module
+      and hasattr(item, "callspec")
+      and "shape" in item.callspec.params
+    }
+  )
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                      str(tmp_path_factory.mktemp("shard")), json.dumps(meshes)],
-                     capture_output=True, text=True, env=env, timeout=900)
+  r = subprocess.run(
+    [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--child",
+      str(tmp_path_factory.mktemp("shard")),
+      json.dumps(meshes),
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=900,
+  )
   line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
   assert r.returncode == 0 and line, r.stderr[-4000:]
-  return json.loads(line[0][len("RESULT "):])
+  return json.loads(line[0][len("RESULT ") :])
 
 
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
-@pytest.mark.parametrize("shape", [s if s in FAST_MESHES else pytest.param(s, marks=pytest.mark.slow)
-                                   for s in MESHES])
+@pytest.mark.parametrize(
+  "shape", [s if s in FAST_MESHES else pytest.param(s, marks=pytest.mark.slow) for s in MESHES]
+)
 def test_sharded_step_matches_single_device(results, arm, shape):
   r = results[f"{arm}:{shape}"]
   assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * abs(r["ref_loss"]), r

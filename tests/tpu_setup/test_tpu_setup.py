@@ -34,9 +34,14 @@ def test_shellcheck_clean():
 
 @pytest.mark.slow  # about 90 s on 2 cores; test_shellcheck_clean and the unit checks run by default
 def test_selftest_dry_runs():
-  r = subprocess.run(["bash", os.path.join(ROOT, "tpu_setup", "selftest.sh")],
-                     capture_output=True, text=True, cwd=ROOT, timeout=600,
-                     env={**os.environ, "SELFTEST_BOOTSTRAP": "0"})
+  r = subprocess.run(
+    ["bash", os.path.join(ROOT, "tpu_setup", "selftest.sh")],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env={**os.environ, "SELFTEST_BOOTSTRAP": "0"},
+  )
   assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
   summary = re.findall(r"^(\d+) checks, (\d+) failed$", r.stdout, re.M)
   assert len(summary) == 1, r.stdout[-2000:]
@@ -47,12 +52,29 @@ def test_selftest_dry_runs():
 def _babysit_dry(tmp_path, exits):
   """One dry-run check of a READY TPU whose train.py is not running and last exited
   with status ``exits``."""
-  env = {**os.environ, "DRY_RUN_STATE": "READY", "DRY_RUN_TRAINING": "NONE",
-         "DRY_RUN_EXITS": exits, "TMPDIR": str(tmp_path)}
+  env = {
+    **os.environ,
+    "DRY_RUN_STATE": "READY",
+    "DRY_RUN_TRAINING": "NONE",
+    "DRY_RUN_EXITS": exits,
+    "TMPDIR": str(tmp_path),
+  }
   return subprocess.run(
-      ["bash", os.path.join(ROOT, "tpu_setup", "babysit.sh"), "--dry-run", "--zone=us-west4-a",
-       "--name=my-v5e", "--config=configs/default.py", "--workdir=gs://b/t"],
-      capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    [
+      "bash",
+      os.path.join(ROOT, "tpu_setup", "babysit.sh"),
+      "--dry-run",
+      "--zone=us-west4-a",
+      "--name=my-v5e",
+      "--config=configs/default.py",
+      "--workdir=gs://b/t",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=120,
+    env=env,
+  )
 
 
 def test_babysit_relaunches_a_preempted_run_and_gives_up_on_a_user_error(tmp_path):
@@ -76,17 +98,29 @@ def test_launch_appends_the_trainer_exit_status_to_the_log(tmp_path):
   record_dir.mkdir()
   trainer = "diffjax_exit_status_trainer.py"  # unique, so no real run can match
   r = subprocess.run(
-      ["bash", os.path.join(ROOT, "tpu_setup", "run.sh"), "--dry-run", "--zone=us-west4-a",
-       "--name=my-v5e", f"--train-script={trainer}", "--config=configs/default.py",
-       "--workdir=gs://b/exit", "--grace-seconds=5"],
-      capture_output=True, text=True, cwd=ROOT, timeout=120,
-      env={**os.environ, "DRY_RUN_RECORD_DIR": str(record_dir)})
+    [
+      "bash",
+      os.path.join(ROOT, "tpu_setup", "run.sh"),
+      "--dry-run",
+      "--zone=us-west4-a",
+      "--name=my-v5e",
+      f"--train-script={trainer}",
+      "--config=configs/default.py",
+      "--workdir=gs://b/exit",
+      "--grace-seconds=5",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=120,
+    env={**os.environ, "DRY_RUN_RECORD_DIR": str(record_dir)},
+  )
   assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
   script = None
   for rec in record_dir.iterdir():
     for arg in rec.read_bytes().split(b"\0"):
       if arg.startswith(b"--command="):
-        script = arg[len(b"--command="):].decode()
+        script = arg[len(b"--command=") :].decode()
   assert script is not None
   home, fakebin = tmp_path / "home", tmp_path / "bin"
   (home / "diffjax").mkdir(parents=True)
@@ -94,15 +128,15 @@ def test_launch_appends_the_trainer_exit_status_to_the_log(tmp_path):
   fakebin.mkdir()
   os.symlink(os.path.realpath(sys.executable), home / "diffjax-venv" / "bin" / "python")
   (home / "diffjax" / trainer).write_text(
-      "import sys, time\nprint('stand-in trainer', flush=True)\ntime.sleep(4)\nsys.exit(75)\n")
+    "import sys, time\nprint('stand-in trainer', flush=True)\ntime.sleep(4)\nsys.exit(75)\n"
+  )
   # The worker's tools that differ here: sudo runs the command, no metadata server.
   (fakebin / "sudo").write_text('#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n')
   (fakebin / "curl").write_text("#!/bin/sh\nexit 22\n")
   for f in fakebin.iterdir():
     f.chmod(0o755)
   env = {**os.environ, "HOME": str(home), "PATH": f"{fakebin}:{os.environ['PATH']}"}
-  r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
-                     timeout=120)
+  r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
   assert r.returncode == 0 and "started" in r.stdout, (r.stdout + r.stderr)[-3000:]
   logs = list((home / "diffjax-logs").glob("exit-host*.log"))
   assert len(logs) == 1

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
-from diffjax.train import checkpoint as ckpt
 from helpers import TESTS
 from multidevice import XLA_FLAGS
+
+from diffjax.train import checkpoint as ckpt
 
 NOISE = ("Traceback", "Event loop is closed", "tensorstore_spec", "TensorStore(")
 
@@ -33,14 +33,18 @@ def tiny_state(seed: int) -> dict:
   """A train-state-like pytree: float params in two dtypes, optimizer moments, counters."""
   rng = np.random.default_rng(seed)
   return {
-      "params": {"w_DxF": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
-                 "b_F": jnp.asarray(rng.normal(size=(64,)), jnp.float32),
-                 "emb_VxD": jnp.asarray(rng.normal(size=(32, 16)), jnp.bfloat16)},
-      "opt_state": {"mu_DxF": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32) * 1e-3,
-                    "count": jnp.asarray(seed, jnp.int32)},
-      "step": jnp.asarray(seed, jnp.int32),
-      # Random bits do not compress: this leaf's bytes sit verbatim in a data file.
-      "rng": jnp.asarray(rng.integers(0, 2**32, size=(512,), dtype=np.uint32)),
+    "params": {
+      "w_DxF": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
+      "b_F": jnp.asarray(rng.normal(size=(64,)), jnp.float32),
+      "emb_VxD": jnp.asarray(rng.normal(size=(32, 16)), jnp.bfloat16),
+    },
+    "opt_state": {
+      "mu_DxF": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32) * 1e-3,
+      "count": jnp.asarray(seed, jnp.int32),
+    },
+    "step": jnp.asarray(seed, jnp.int32),
+    # Random bits do not compress: this leaf's bytes sit verbatim in a data file.
+    "rng": jnp.asarray(rng.integers(0, 2**32, size=(512,), dtype=np.uint32)),
   }
 
 
@@ -70,14 +74,18 @@ def write_two_steps(directory: str, async_save: bool = False) -> dict:
 def bitwise_equal(a, b) -> bool:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   return len(la) == len(lb) and all(
-      x.dtype == y.dtype and x.shape == y.shape
-      and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+    x.dtype == y.dtype and x.shape == y.shape and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    for x, y in zip(la, lb)
+  )
 
 
 def corrupt(step_dir: str, kind: str, raw_leaf: np.ndarray | None = None) -> None:
   """Damages one complete step directory the way disks and copies do."""
-  state_files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
-                 if os.path.isfile(f)]
+  state_files = [
+    f
+    for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
+    if os.path.isfile(f)
+  ]
   if kind == "truncate":  # a data chunk cut short (a partial copy, a full disk)
     data = max((f for f in state_files if f"{os.sep}d{os.sep}" in f), key=os.path.getsize)
     with open(data, "rb") as f:
@@ -114,13 +122,16 @@ def corrupt(step_dir: str, kind: str, raw_leaf: np.ndarray | None = None) -> Non
 
 def remesh_scenario(root: str) -> dict:
   """Saves a state sharded on a 2x4 mesh and restores it onto 8x1 and unsharded targets."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   devices = np.asarray(jax.devices()[:8])
   assert devices.size == 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
   def place(state, mesh, spec):
     return jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, spec if x.ndim == 2 else P())), state)
+      lambda x: jax.device_put(x, NamedSharding(mesh, spec if x.ndim == 2 else P())), state
+    )
 
   mesh_a = jax.sharding.Mesh(devices.reshape(2, 4), ("x", "y"))
   mesh_b = jax.sharding.Mesh(devices.reshape(8, 1), ("x", "y"))
@@ -130,12 +141,18 @@ def remesh_scenario(root: str) -> dict:
   ckpt.save(manager, 1, state, None, meta_for(1), force=True)
   manager.wait_until_finished()
   out = {}
-  for name, target in (("8x1", place(tiny_state(0), mesh_b, P("x", None))),
-                       ("unsharded", tiny_state(0))):
+  for name, target in (
+    ("8x1", place(tiny_state(0), mesh_b, P("x", None))),
+    ("unsharded", tiny_state(0)),
+  ):
     messages = []
     step, back = ckpt.restore_newest_good(
-        manager, ckpt.abstract_like(target, jax.tree.map(lambda x: x.sharding, target)), None,
-        check_meta=lambda m: None, message=messages.append)
+      manager,
+      ckpt.abstract_like(target, jax.tree.map(lambda x: x.sharding, target)),
+      None,
+      check_meta=lambda m: None,
+      message=messages.append,
+    )
     out[name] = dict(step=step, equal=bitwise_equal(back, state), messages=messages)
   manager.close()
   return out
@@ -147,33 +164,54 @@ def scenario(kind: str, root: str) -> dict:
   states = write_two_steps(directory)
   kinds = kind.split("+")
   for k in kinds:
-    corrupt(os.path.join(directory, "2" if k != "truncate1" else "1"),
-            k.replace("truncate1", "truncate"), np.asarray(states[2]["rng"]))
+    corrupt(
+      os.path.join(directory, "2" if k != "truncate1" else "1"),
+      k.replace("truncate1", "truncate"),
+      np.asarray(states[2]["rng"]),
+    )
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   it = batches_iter()
   messages, seen_meta = [], []
   out = {}
   try:
     step, state = ckpt.restore_newest_good(
-        manager, ckpt.abstract_like(tiny_state(0)), it, check_meta=seen_meta.append,
-        message=messages.append)
-    out.update(step=step, equal_to_step1=bitwise_equal(state, states[1]),
-               next_batch=np.asarray(next(it)).tolist(), last_meta=seen_meta[-1])
+      manager,
+      ckpt.abstract_like(tiny_state(0)),
+      it,
+      check_meta=seen_meta.append,
+      message=messages.append,
+    )
+    out.update(
+      step=step,
+      equal_to_step1=bitwise_equal(state, states[1]),
+      next_batch=np.asarray(next(it)).tolist(),
+      last_meta=seen_meta[-1],
+    )
   except ckpt.CheckpointError as e:
     out.update(error=str(e))
   manager.close()
   gc.collect()  # reports of abandoned reads, if any, come out now rather than at some later time
-  out.update(messages=messages, steps_left=sorted(int(p) for p in os.listdir(directory)
-                                                  if p.isdigit()))
+  out.update(
+    messages=messages, steps_left=sorted(int(p) for p in os.listdir(directory) if p.isdigit())
+  )
   return out
 
 
 def run_scenario(kind: str, tmp_path) -> tuple[dict, str]:
   # The script imports the shared helpers of tests/.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
-             PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
-  r = subprocess.run([sys.executable, os.path.abspath(__file__), kind, str(tmp_path)],
-                     capture_output=True, text=True, timeout=180, env=env)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=XLA_FLAGS,
+    PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p),
+  )
+  r = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), kind, str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=180,
+    env=env,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -191,9 +229,15 @@ def moved_copies(tmp_path) -> list[str]:
   return found
 
 
-@pytest.mark.parametrize("kind,needle", [
-    ("truncate", "step 2"), pytest.param("manifests", "step 2", marks=pytest.mark.slow),
-    ("flip", "digest"), pytest.param("iterator", "data iterator", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "kind,needle",
+  [
+    ("truncate", "step 2"),
+    pytest.param("manifests", "step 2", marks=pytest.mark.slow),
+    ("flip", "digest"),
+    pytest.param("iterator", "data iterator", marks=pytest.mark.slow),
+  ],
+)
 def test_corrupt_newest_step_moves_aside_and_falls_back(tmp_path, kind, needle):
   out, stderr = run_scenario(kind, tmp_path)
   assert "error" not in out, out
@@ -237,8 +281,13 @@ def test_async_saves_verify(tmp_path):
   states = write_two_steps(directory, async_save=True)
   manager = ckpt.make_manager(directory, keep=5, async_save=True)
   it, messages = batches_iter(), []
-  step, state = ckpt.restore_newest_good(manager, ckpt.abstract_like(tiny_state(0)), it,
-                                         check_meta=lambda m: None, message=messages.append)
+  step, state = ckpt.restore_newest_good(
+    manager,
+    ckpt.abstract_like(tiny_state(0)),
+    it,
+    check_meta=lambda m: None,
+    message=messages.append,
+  )
   manager.close()
   assert step == 2 and bitwise_equal(state, states[2]) and messages == []
   assert np.asarray(next(it)).tolist() == [8, 9, 10, 11]
@@ -246,8 +295,13 @@ def test_async_saves_verify(tmp_path):
 
 def test_empty_directory_returns_none(tmp_path):
   manager = ckpt.make_manager(str(tmp_path / "checkpoints"), keep=5, async_save=False)
-  got = ckpt.restore_newest_good(manager, ckpt.abstract_like(tiny_state(0)), batches_iter(),
-                                 check_meta=lambda m: None, message=print)
+  got = ckpt.restore_newest_good(
+    manager,
+    ckpt.abstract_like(tiny_state(0)),
+    batches_iter(),
+    check_meta=lambda m: None,
+    message=print,
+  )
   assert got == (None, None)
 
 
@@ -260,8 +314,9 @@ def test_changed_model_config_refusal_moves_nothing(tmp_path):
 
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   with pytest.raises(ckpt.CheckpointError, match="model config differs"):
-    ckpt.restore_newest_good(manager, ckpt.abstract_like(tiny_state(0)), batches_iter(),
-                             check_meta=refuse, message=print)
+    ckpt.restore_newest_good(
+      manager, ckpt.abstract_like(tiny_state(0)), batches_iter(), check_meta=refuse, message=print
+    )
   assert sorted(manager.all_steps()) == [1, 2]
   assert moved_copies(tmp_path) == []
 
@@ -274,8 +329,9 @@ def test_changed_state_structure_is_refused_not_moved(tmp_path):
   target["opt_state"]["clip"] = jnp.zeros((3,), jnp.float32)
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   with pytest.raises(ckpt.CheckpointError, match="clip") as e:
-    ckpt.restore_newest_good(manager, ckpt.abstract_like(target), batches_iter(),
-                             check_meta=lambda m: None, message=print)
+    ckpt.restore_newest_good(
+      manager, ckpt.abstract_like(target), batches_iter(), check_meta=lambda m: None, message=print
+    )
   assert "\n" not in str(e.value)
   assert sorted(manager.all_steps()) == [1, 2]
   assert moved_copies(tmp_path) == []
@@ -287,14 +343,25 @@ def test_checkpoint_without_integrity_record_is_refused_naming_the_fix(tmp_path)
   write_two_steps(directory)
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   it = batches_iter()
-  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(tiny_state(3)),
-                                          meta=ocp.args.JsonSave(meta_for(3)),
-                                          data=grain.checkpoint.CheckpointSave(it)))
+  manager.save(
+    3,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(tiny_state(3)),
+      meta=ocp.args.JsonSave(meta_for(3)),
+      data=grain.checkpoint.CheckpointSave(it),
+    ),
+  )
   manager.wait_until_finished()
-  for read in (lambda: ckpt.read_meta(manager, 3),
-               lambda: ckpt.restore_newest_good(manager, ckpt.abstract_like(tiny_state(0)),
-                                                batches_iter(), check_meta=lambda m: None,
-                                                message=print)):
+  for read in (
+    lambda: ckpt.read_meta(manager, 3),
+    lambda: ckpt.restore_newest_good(
+      manager,
+      ckpt.abstract_like(tiny_state(0)),
+      batches_iter(),
+      check_meta=lambda m: None,
+      message=print,
+    ),
+  ):
     with pytest.raises(ckpt.CheckpointError) as e:
       read()
     msg = str(e.value)
@@ -330,10 +397,20 @@ def test_non_finite_state_is_not_saved(tmp_path, where):
 def test_load_model_falls_back_without_moving_and_refuses_an_explicit_corrupt_step(tmp_path):
   from diffjax.model import ModelConfig
   from diffjax.presets import base_config
-  from diffjax.train import load_model, steps as steps_lib
+  from diffjax.train import load_model
+  from diffjax.train import steps as steps_lib
   from diffjax.train.optim import make_optimizer
-  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
-                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+
+  cfg = ModelConfig(
+    attention="diff_v1",
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=40,
+  )
   tx, _ = make_optimizer(base_config().optim, cfg)
   directory = tmp_path / "checkpoints"
   manager = ckpt.make_manager(str(directory), keep=5, async_save=False)

@@ -5,12 +5,12 @@ import platform
 import warnings
 
 import pytest
+from helpers import run_python
 
 import diffjax
 from diffjax import cpu
 from diffjax import sharding as shd
 from diffjax.train import setup as setup_lib
-from helpers import run_python
 
 # The compiled text of a small matmul program, and what cpu_setup() returned, in a fresh process.
 _PROBE = """
@@ -33,8 +33,9 @@ def _probe(with_setup: bool) -> dict:
 def test_cpu_compiler_options_keep_only_what_the_jaxlib_accepts(monkeypatch):
   accepted = cpu.cpu_compiler_options()
   assert set(accepted) <= set(cpu.CPU_XLA_OPTIONS)
-  monkeypatch.setattr(cpu, "CPU_XLA_OPTIONS",
-                      {**cpu.CPU_XLA_OPTIONS, "xla_cpu_no_such_option_here": True})
+  monkeypatch.setattr(
+    cpu, "CPU_XLA_OPTIONS", {**cpu.CPU_XLA_OPTIONS, "xla_cpu_no_such_option_here": True}
+  )
   cpu.cpu_compiler_options.cache_clear()
   try:
     assert cpu.cpu_compiler_options() == accepted  # the unknown one is left out
@@ -60,8 +61,10 @@ def test_cpu_setup_gives_a_users_own_jit_the_trainers_compiler_options():
   if not cpu.cpu_compiler_options():
     pytest.skip("this jaxlib has none of CPU_XLA_OPTIONS")
   plain, setup = _probe(with_setup=False), _probe(with_setup=True)
-  expected = [f"--{name}=" + (str(v).lower() if isinstance(v, bool) else str(v))
-              for name, v in cpu.CPU_XLA_OPTIONS.items()]
+  expected = [
+    f"--{name}=" + (str(v).lower() if isinstance(v, bool) else str(v))
+    for name, v in cpu.CPU_XLA_OPTIONS.items()
+  ]
   assert setup["setup"]["xla_flags"] == expected
   assert setup["setup"]["keep_freed_memory"] is (platform.libc_ver()[0] == "glibc")
   assert all(flag in setup["XLA_FLAGS"].split() for flag in expected)
@@ -87,6 +90,7 @@ def test_cpu_setup_leaves_out_flags_xla_does_not_know(monkeypatch):
 
 def test_cpu_setup_after_jax_started_warns_and_changes_nothing(monkeypatch):
   import jax  # pylint: disable=import-outside-toplevel
+
   jax.devices()  # the test process's backends are up
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   with pytest.warns(UserWarning, match="before the first JAX computation"):

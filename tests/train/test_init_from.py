@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import REPO  # noqa: E402
 
 from diffjax.model import layout
 from diffjax.presets import base_config, load_config
@@ -16,14 +17,11 @@ from diffjax.train import CheckpointError, load_model
 from diffjax.train.config_utils import check_config
 from diffjax.train.loading import initial_params
 from diffjax.train.trainer import train_and_evaluate
-from helpers import REPO  # noqa: E402
-
 
 
 def config(steps: int):
   c = base_config()
-  c.model.update(dict(arm="diff_v1", size="tiny", d_model=32, num_layers=2, mlp_dim=64,
-                      head_dim=8))
+  c.model.update(dict(arm="diff_v1", size="tiny", d_model=32, num_layers=2, mlp_dim=64, head_dim=8))
   c.seq_len, c.global_batch_size, c.num_steps = 32, 2, steps
   c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
   c.data.max_documents = 30
@@ -49,8 +47,10 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
 
   # The parameters it started from are the first run's, stacked for the scanned model.
   from diffjax.model import ModelConfig  # pylint: disable=import-outside-toplevel
-  cfg = ModelConfig.from_dict({**saved.config.to_dict(), "scan_layers": True,
-                               "rope_theta": 640_000.0})
+
+  cfg = ModelConfig.from_dict(
+    {**saved.config.to_dict(), "scan_layers": True, "rope_theta": 640_000.0}
+  )
   target = layout.stack_layers(want)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params, step = initial_params(first, cfg, target, jax.tree.map(lambda _: one, target))
@@ -76,5 +76,6 @@ def test_the_64k_config_needs_init_from_to_start(tmp_path):
   t.checkpoint.init_from = None
   with pytest.raises(ValueError, match="checkpoint.init_from is required"):
     train_and_evaluate(t, str(tmp_path / "fresh"))
-  assert not (tmp_path / "fresh" / "checkpoints").exists() or \
-      not any((tmp_path / "fresh" / "checkpoints").iterdir())
+  assert not (tmp_path / "fresh" / "checkpoints").exists() or not any(
+    (tmp_path / "fresh" / "checkpoints").iterdir()
+  )

@@ -15,22 +15,31 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import REPO  # noqa: E402
+from kernel_checks import rel_err
 
 from diffjax import presets
 from diffjax.model import ARMS, DecoderLM, ModelConfig, layout, resolve_model
 from diffjax.model.sizes import SWEEP_SIZES
-from diffjax.train.optim import decay_mask, make_optimizer, model_decay_mask
 from diffjax.train import steps as steps_lib
-from helpers import REPO  # noqa: E402
-from kernel_checks import rel_err
+from diffjax.train.optim import decay_mask, make_optimizer, model_decay_mask
 
 # Leaves that are per-channel vectors in every arm that has them.
 VECTORS = {"scale", "norm_scale", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"}
 
 
 def small(arm: str, **kw) -> ModelConfig:
-  return ModelConfig(attention=arm, vocab_size=40, d_model=32, num_layers=3, num_heads=2,
-                     num_kv_heads=2, head_dim=8, mlp_dim=40, **kw)
+  return ModelConfig(
+    attention=arm,
+    vocab_size=40,
+    d_model=32,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=40,
+    **kw,
+  )
 
 
 def rank_mask(params):
@@ -45,8 +54,10 @@ def abstract_params(cfg: ModelConfig) -> dict:
 
 
 def flat(tree) -> dict[tuple, object]:
-  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def unrolled_to_scanned_paths(tree_unrolled: dict) -> dict[tuple, set]:
@@ -113,33 +124,44 @@ def test_a_zero_gradient_step_leaves_norm_gains_and_lambda_unchanged(arm):
     old = flat(params)
     for path in old:
       if path[-1] in VECTORS:
-        np.testing.assert_array_equal(np.asarray(new[path]), np.asarray(old[path]),
-                                      err_msg=str(path))
+        np.testing.assert_array_equal(
+          np.asarray(new[path]), np.asarray(old[path]), err_msg=str(path)
+        )
       else:  # decay moves every matrix towards zero
         assert float(jnp.max(jnp.abs(new[path] - old[path]))) > 0, path
     # The rank rule moves the stacked vectors of the scanned model.
-    moved = [p for p, v in flat(_zero_grad_update(rank_mask(params), params)).items()
-             if p[-1] in VECTORS and not np.array_equal(np.asarray(v), np.asarray(old[p]))]
+    moved = [
+      p
+      for p, v in flat(_zero_grad_update(rank_mask(params), params)).items()
+      if p[-1] in VECTORS and not np.array_equal(np.asarray(v), np.asarray(old[p]))
+    ]
     assert bool(moved) == scan, moved
 
 
 def _train(cfg: ModelConfig, steps: int, mask_fn=None) -> dict:
   """``steps`` AdamW steps (weight decay 0.1) of ``cfg`` on fixed random batches."""
   ocfg = presets.base_config().optim
-  ocfg.update(dict(lr=3e-3, min_lr=0.0, warmup_steps=0, schedule="constant", decay_steps=10,
-                   weight_decay=0.1))
+  ocfg.update(
+    dict(lr=3e-3, min_lr=0.0, warmup_steps=0, schedule="constant", decay_steps=10, weight_decay=0.1)
+  )
   graphdef, params = steps_lib.split_params(DecoderLM(cfg, rngs=nnx.Rngs(params=0)))
   tx, schedule = make_optimizer(ocfg, cfg if mask_fn is None else mask_fn(params))
   step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule))
-  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-           "rng": jax.random.key_data(jax.random.key(0))}
+  state = {
+    "params": params,
+    "opt_state": tx.init(params),
+    "step": jnp.zeros((), jnp.int32),
+    "rng": jax.random.key_data(jax.random.key(0)),
+  }
   rng = np.random.default_rng(0)
   for _ in range(steps):
-    batch = {"inputs": rng.integers(0, 40, (4, 16)).astype(np.int32),
-             "targets": rng.integers(0, 40, (4, 16)).astype(np.int32),
-             "segment_ids": np.ones((4, 16), np.int32),
-             "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
-             "loss_mask": np.ones((4, 16), np.float32)}
+    batch = {
+      "inputs": rng.integers(0, 40, (4, 16)).astype(np.int32),
+      "targets": rng.integers(0, 40, (4, 16)).astype(np.int32),
+      "segment_ids": np.ones((4, 16), np.int32),
+      "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
+      "loss_mask": np.ones((4, 16), np.float32),
+    }
     state, metrics = step(state, batch)
     chex.assert_tree_all_finite(metrics)
   return jax.tree.map(np.asarray, state["params"])
@@ -153,8 +175,9 @@ def _max_rel_diff(mask=None, arm="diff_v1", steps=4) -> float:
 
 # DIFF V1 (norm gains, its norm scale and λ vectors) and V2 (its λ projection) carry the
 # leaves the rank rule got wrong; the baseline's norm gains are the same kind as theirs.
-@pytest.mark.parametrize("arm", [pytest.param("transformer", marks=pytest.mark.slow),
-                                 "diff_v1", "diff_v2"])
+@pytest.mark.parametrize(
+  "arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1", "diff_v2"]
+)
 def test_scanned_and_unrolled_runs_reach_the_same_parameters(arm):
   # Float32 round-off only: the two layouts run the same arithmetic in another order.
   assert _max_rel_diff(arm=arm) < 1e-5
@@ -167,10 +190,14 @@ def test_scanned_and_unrolled_runs_differ_under_the_rank_rule():
 
 def _preset_models() -> list[tuple[str, ModelConfig]]:
   configs = os.path.join(REPO, "configs")
-  runs = [("paper_3b", presets.load_config(os.path.join(configs, "paper_3b.py"))),
-          ("paper_3b_64k", presets.load_config(os.path.join(configs, "paper_3b_64k.py")))]
-  runs += [(f"paper_sweep {s}", presets.load_config(os.path.join(configs, "paper_sweep.py"), s))
-           for s in SWEEP_SIZES]
+  runs = [
+    ("paper_3b", presets.load_config(os.path.join(configs, "paper_3b.py"))),
+    ("paper_3b_64k", presets.load_config(os.path.join(configs, "paper_3b_64k.py"))),
+  ]
+  runs += [
+    (f"paper_sweep {s}", presets.load_config(os.path.join(configs, "paper_sweep.py"), s))
+    for s in SWEEP_SIZES
+  ]
   out = []
   for name, run in runs:
     for arm in ARMS:
@@ -188,9 +215,16 @@ def test_paper_presets_decay_the_same_leaves_as_their_unrolled_versions():
   models = _preset_models()
   assert all(cfg.scan_layers for _, cfg in models)
   for name, cfg in models:
-    shrunk = cfg.replace(d_model=64, num_layers=2, mlp_dim=96, vocab_size=64,
-                         num_heads=min(cfg.num_heads, 4), num_kv_heads=min(cfg.num_kv_heads, 4),
-                         head_dim=16, dtype="float32")
+    shrunk = cfg.replace(
+      d_model=64,
+      num_layers=2,
+      mlp_dim=96,
+      vocab_size=64,
+      num_heads=min(cfg.num_heads, 4),
+      num_kv_heads=min(cfg.num_kv_heads, 4),
+      head_dim=16,
+      dtype="float32",
+    )
     assert layout_mismatches(MASKS["roles"], shrunk) == [], name
     assert layout_mismatches(MASKS["rank"], shrunk), name
 

@@ -13,6 +13,7 @@ import time
 
 import jax
 import pytest
+from helpers import REPO, own_stderr, tiny_config
 
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig, matched_configs
@@ -20,7 +21,6 @@ from diffjax.model.flops import flops_per_token, peak_flops
 from diffjax.presets import base_config
 from diffjax.train.setup import build_train_setup
 from diffjax.train.trainer import train_and_evaluate
-from helpers import REPO, own_stderr, tiny_config
 
 B, T = 4, 64
 
@@ -40,9 +40,18 @@ def test_flops_per_token_match_xla_cost_analysis(remat):
   # causal=False. XLA also counts the elementwise work (softmax, norms, SwiGLU's gate, AdamW):
   # our count is of matmuls only, so XLA's may be up to 10% above it, never below by more than
   # rounding (3%).
-  base = ModelConfig(attention="transformer", vocab_size=256, d_model=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256,
-                     implementation="xla", remat=remat)
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=256,
+    d_model=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    mlp_dim=256,
+    implementation="xla",
+    remat=remat,
+  )
   ratios = {}
   for arm, cfg in matched_configs(base).items():
     ours = flops_per_token(cfg, T, causal=False)
@@ -56,8 +65,16 @@ def test_flops_per_token_match_xla_cost_analysis(remat):
 def test_flops_table_and_peaks():
   # DIFF V1 has the Transformer's weights and its attention cost (8d per DIFF head = 2 x 4d);
   # a V2 pair costs 6d where the baseline head costs 4d.
-  base = ModelConfig(attention="transformer", vocab_size=1000, d_model=256, num_layers=2,
-                     num_heads=8, num_kv_heads=8, head_dim=32, mlp_dim=512)
+  base = ModelConfig(
+    attention="transformer",
+    vocab_size=1000,
+    d_model=256,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=32,
+    mlp_dim=512,
+  )
   arms = matched_configs(base, v2_match="heads")
   f = {a: flops_per_token(c, 512) for a, c in arms.items()}
   assert f["diff_v1"].attention_forward == pytest.approx(f["transformer"].attention_forward)
@@ -83,16 +100,23 @@ def test_a_run_logs_perf_goodput_and_a_profile_with_named_scopes(tmp_path):
   for r in perf:
     assert r["perf/step_time_s"] > 0 and r["perf/tokens_per_s"] > 0
     assert r["perf/mfu"] == pytest.approx(
-        r["perf/tokens_per_s"] * r["perf/model_flops_per_token"] / 1e12)
+      r["perf/tokens_per_s"] * r["perf/model_flops_per_token"] / 1e12
+    )
     assert 0 <= r["perf/data_frac"] < 1 and 0 <= r["perf/checkpoint_frac"] < 1
-  for key in ("perf/step_time_s", "perf/mfu", "perf/model_flops_per_token",
-              "perf/hardware_flops_per_token"):
+  for key in (
+    "perf/step_time_s",
+    "perf/mfu",
+    "perf/model_flops_per_token",
+    "perf/hardware_flops_per_token",
+  ):
     assert result[key] > 0, key
 
   with open(os.path.join(wd, "goodput.json"), encoding="utf-8") as f:
     good = json.load(f)
-  phases = sum(good[f"{p}_s"] for p in
-               ("setup", "restore", "compile", "data", "train", "eval", "checkpoint", "profile"))
+  phases = sum(
+    good[f"{p}_s"]
+    for p in ("setup", "restore", "compile", "data", "train", "eval", "checkpoint", "profile")
+  )
   # The phases cover all but the bookkeeping between them (writing metrics lines, the final
   # summary): within 5% of the wall time.
   assert 0 <= good["wall_s"] - phases == pytest.approx(good["unaccounted_s"])
@@ -127,15 +151,36 @@ def test_steps_recomputed_after_a_restart_are_counted(tmp_path):
 def _two_processes(wd: str, timeout_s: float, num_steps: int = 100000, port_offset: int = 0):
   port = 20000 + (os.getpid() * 7 + port_offset) % 20000
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-  env.update(JAX_PLATFORMS="cpu", DIFFJAX_COORDINATOR=f"127.0.0.1:{port}",
-             DIFFJAX_NUM_PROCESSES="2", PYTHONPATH=REPO)
-  args = [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={wd}",
-          f"--config.num_steps={num_steps}", "--config.log_every=2", "--config.eval_every=0",
-          "--config.checkpoint.every=4", "--config.global_batch_size=4",
-          "--config.seq_len=32", f"--config.distributed.peer_timeout_s={timeout_s}"]
-  return [subprocess.Popen(args, cwd=REPO, env={**env, "DIFFJAX_PROCESS_ID": str(i)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-          for i in range(2)]
+  env.update(
+    JAX_PLATFORMS="cpu",
+    DIFFJAX_COORDINATOR=f"127.0.0.1:{port}",
+    DIFFJAX_NUM_PROCESSES="2",
+    PYTHONPATH=REPO,
+  )
+  args = [
+    sys.executable,
+    "train.py",
+    "--config=configs/tiny.py",
+    f"--workdir={wd}",
+    f"--config.num_steps={num_steps}",
+    "--config.log_every=2",
+    "--config.eval_every=0",
+    "--config.checkpoint.every=4",
+    "--config.global_batch_size=4",
+    "--config.seq_len=32",
+    f"--config.distributed.peer_timeout_s={timeout_s}",
+  ]
+  return [
+    subprocess.Popen(
+      args,
+      cwd=REPO,
+      env={**env, "DIFFJAX_PROCESS_ID": str(i)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
 
 
 def _checkpoint_steps(wd) -> list[int]:

@@ -43,11 +43,14 @@ def test_the_runtime_abort_becomes_one_line_and_the_relaunch_status(tmp_path, mo
   for step in (4, 8):  # two finished checkpoints and one save that never finished
     (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
   (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-1").mkdir()
-  status, err = _run(f"""
+  status, err = _run(
+    f"""
       import os, sys
       print("step 10: loss 2.5", file=sys.stderr, flush=True)
       sys.stderr.write({_ABORT!r}); sys.stderr.flush()
-      os.abort()""", str(tmp_path))
+      os.abort()""",
+    str(tmp_path),
+  )
   assert status == 75, err
   lines = err.splitlines()
   assert lines[0] == "step 10: loss 2.5", lines
@@ -61,7 +64,8 @@ def test_the_runtime_abort_becomes_one_line_and_the_relaunch_status(tmp_path, mo
 
 
 def test_runtime_warnings_that_no_abort_follows_are_printed(tmp_path):
-  status, err = _run("""
+  status, err = _run(
+    """
       import sys, time
       print("W1203 12:58:23.004166   25947 coordination_service_agent.cc:10] a passing warning",
             file=sys.stderr, flush=True)
@@ -69,19 +73,27 @@ def test_runtime_warnings_that_no_abort_follows_are_printed(tmp_path):
       time.sleep(1.0)
       print("later", file=sys.stderr, flush=True)
       time.sleep(1.0)
-      sys.exit(3)""", str(tmp_path), hold_s=0.3)
+      sys.exit(3)""",
+    str(tmp_path),
+    hold_s=0.3,
+  )
   assert status == 3
   assert err.splitlines() == [
-      "W1203 12:58:23.004166   25947 coordination_service_agent.cc:10] a passing warning",
-      "its second line", "later"], err
+    "W1203 12:58:23.004166   25947 coordination_service_agent.cc:10] a passing warning",
+    "its second line",
+    "later",
+  ], err
 
 
 def test_a_child_that_aborts_for_another_reason_keeps_its_message_and_status(tmp_path):
-  status, err = _run("""
+  status, err = _run(
+    """
       import os, sys
       print("F1203 12:58:23.004232   25947 some_kernel.cc:80] Check failed: x == y",
             file=sys.stderr, flush=True)
-      os.abort()""", str(tmp_path))
+      os.abort()""",
+    str(tmp_path),
+  )
   assert status == 128 + signal.SIGABRT
   assert "Check failed: x == y" in err and "error:" not in err
   assert not list(tmp_path.iterdir())
@@ -116,13 +128,19 @@ def test_sigterm_to_the_supervisor_reaches_the_child(tmp_path):
 
 def test_killing_the_supervisor_kills_the_child(tmp_path):
   pid_file = tmp_path / "child.pid"
-  parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+  parent = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      textwrap.dedent(f"""
       import sys
       from diffjax.train import supervise
       sys.exit(supervise.run([sys.executable, "-c",
           "from diffjax.train import supervise; supervise.follow_parent(); "
           "import os, time, pathlib; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(60)"],
-          {str(tmp_path)!r}))""")])
+          {str(tmp_path)!r}))"""),
+    ]
+  )
   deadline = time.monotonic() + 30
   while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -143,16 +161,27 @@ def test_killing_the_supervisor_kills_the_child(tmp_path):
 
 def test_which_process_the_runtime_blames():
   assert supervise.lost_process(_ABORT, me=1) == 0
-  assert supervise.lost_process("task /job:jax_worker/replica:0/task:2 is unhealthy; "
-                                "/job:jax_worker/replica:0/task:1", me=1) == 2
+  assert (
+    supervise.lost_process(
+      "task /job:jax_worker/replica:0/task:2 is unhealthy; /job:jax_worker/replica:0/task:1", me=1
+    )
+    == 2
+  )
   assert supervise.lost_process("something else", me=1) is None
 
 
 def test_supervision_is_wanted_only_for_several_processes(monkeypatch):
   from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+
   c = base_config()
-  for key in ("DIFFJAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS",
-              "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS", supervise.ENV):
+  for key in (
+    "DIFFJAX_COORDINATOR",
+    "JAX_COORDINATOR_ADDRESS",
+    "SLURM_NTASKS",
+    "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    supervise.ENV,
+  ):
     monkeypatch.delenv(key, raising=False)
   monkeypatch.setattr("diffjax.train.distributed.detected", lambda: False)
   assert not supervise.wanted(c)

@@ -12,15 +12,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import REPO, read_metrics, tiny_config  # noqa: E402
 
+from diffjax.model import ModelConfig
 from diffjax.presets import base_config
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import steps as steps_lib
 from diffjax.train.optim import learning_rate_schedule, make_optimizer
 from diffjax.train.records import read_metrics as read_rows
 from diffjax.train.trainer import TrainingError, train_and_evaluate
-from diffjax.model import ModelConfig
-from helpers import REPO, read_metrics, tiny_config  # noqa: E402
 
 EXIT_PREEMPTED = 75  # train.py's status after a SIGTERM save (documented there)
 
@@ -29,6 +29,7 @@ def _count_step_traces(monkeypatch) -> dict[str, int]:
   """Counts the traces of the train and eval steps the trainer builds; more than one per
   run fails at once (``chex.assert_max_traces``)."""
   from diffjax.train import setup as setup_lib  # pylint: disable=import-outside-toplevel
+
   traces = {"train": 0, "eval": 0}
   make_train, make_eval = setup_lib.make_train_step, setup_lib.make_eval_step
 
@@ -39,6 +40,7 @@ def _count_step_traces(monkeypatch) -> dict[str, int]:
     def train_step(state, batch):
       traces["train"] += 1  # the Python body runs only while jax traces it
       return fn(state, batch)
+
     return chex.assert_max_traces(train_step, n=1)
 
   def build_eval(*args, **kwargs):
@@ -47,6 +49,7 @@ def _count_step_traces(monkeypatch) -> dict[str, int]:
     def eval_step(params, batch, step):
       traces["eval"] += 1
       return fn(params, batch, step)
+
     return chex.assert_max_traces(eval_step, n=1)
 
   monkeypatch.setattr(setup_lib, "make_train_step", build_train)
@@ -76,8 +79,9 @@ def test_resume_is_exact(tmp_path, monkeypatch):
   chex.clear_trace_counter()
   train_and_evaluate(_with_evals(tiny_config(steps=6)), resumed)  # restored from step 3
   assert traces == {"train": 3, "eval": 3}
-  evals = [r for r in map(json.loads, open(os.path.join(straight, "metrics.jsonl")))
-           if "eval/loss" in r]
+  evals = [
+    r for r in map(json.loads, open(os.path.join(straight, "metrics.jsonl"))) if "eval/loss" in r
+  ]
   assert len(evals) >= 3
   a, b = read_metrics(straight), read_metrics(resumed)
   assert sorted(a) == sorted(b) == list(range(1, 7))
@@ -126,8 +130,9 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
     train_and_evaluate(c, wd)
   m = ckpt.make_manager(os.path.join(wd, "checkpoints"), keep=5, async_save=False)
   assert m.latest_step() == 3
-  params = m.restore(3, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore()))["state"]["params"]
+  params = m.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"][
+    "params"
+  ]
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
@@ -148,7 +153,9 @@ def test_skipped_updates_are_counted_and_limited(tmp_path):
   assert result["step"] == 3 and result["train/skipped_updates"] == 2
   rows = read_rows(wd)
   assert [(r["step"], r["train/skipped_updates"]) for r in rows if r.get("train/skipped")] == [
-      (2, 1), (3, 2)]
+    (2, 1),
+    (3, 2),
+  ]
   assert [r["step"] for r in rows if "train/loss" in r] == [1]
   # Resumed from step 3 with two skips on record: steps 4, 5 and 6 make five, one too many.
   with pytest.raises(TrainingError, match="5 skipped updates, more than max_skipped_updates=4"):
@@ -161,8 +168,7 @@ def test_default_schedule_values():
   c = base_config().optim
   c.update(dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110, schedule="cosine"))
   s = learning_rate_schedule(c)
-  np.testing.assert_allclose([float(s(0)), float(s(5)), float(s(10))], [0.0, 0.5, 1.0],
-                             atol=1e-6)
+  np.testing.assert_allclose([float(s(0)), float(s(5)), float(s(10))], [0.0, 0.5, 1.0], atol=1e-6)
   np.testing.assert_allclose(float(s(60)), 0.1 + 0.9 * 0.5, atol=1e-6)  # halfway: cos = 0
   np.testing.assert_allclose([float(s(110)), float(s(500))], [0.1, 0.1], atol=1e-6)
   c.schedule = "linear"
@@ -174,19 +180,27 @@ def test_default_schedule_values():
 
 
 def _state_and_batch(accum):
-  cfg = ModelConfig(attention="diff_v2", d_model=32, num_layers=1, num_heads=2,
-                    num_kv_heads=1, head_dim=8, mlp_dim=64, vocab_size=50)
+  cfg = ModelConfig(
+    attention="diff_v2",
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=50,
+  )
   c = base_config().optim
   c.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
   tx, sched = make_optimizer(c, cfg)
   graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
   rng = np.random.default_rng(0)
   batch = {
-      "inputs": rng.integers(0, 50, (8, 12)).astype(np.int32),
-      "targets": rng.integers(0, 50, (8, 12)).astype(np.int32),
-      "segment_ids": np.ones((8, 12), np.int32),
-      "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
-      "loss_mask": (rng.random((8, 12)) > 0.2).astype(np.float32),
+    "inputs": rng.integers(0, 50, (8, 12)).astype(np.int32),
+    "targets": rng.integers(0, 50, (8, 12)).astype(np.int32),
+    "segment_ids": np.ones((8, 12), np.int32),
+    "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
+    "loss_mask": (rng.random((8, 12)) > 0.2).astype(np.float32),
   }
   step = jax.jit(steps_lib.make_train_step(graphdef, tx, sched, accum))
   return step(state, batch)
@@ -205,16 +219,24 @@ def test_grad_accumulation_equals_large_batch():
 
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
 def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
-  cfg = ModelConfig(attention=arm, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                    head_dim=8, mlp_dim=64, vocab_size=50)
+  cfg = ModelConfig(
+    attention=arm,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=50,
+  )
   graphdef, params = steps_lib.split_params(steps_lib.create_model(cfg, seed=0))
   rng = np.random.default_rng(1)
   batch = {
-      "inputs": rng.integers(0, 50, (2, 10)).astype(np.int32),
-      "targets": rng.integers(0, 50, (2, 10)).astype(np.int32),
-      "segment_ids": np.ones((2, 10), np.int32),
-      "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1)),
-      "loss_mask": np.ones((2, 10), np.float32),
+    "inputs": rng.integers(0, 50, (2, 10)).astype(np.int32),
+    "targets": rng.integers(0, 50, (2, 10)).astype(np.int32),
+    "segment_ids": np.ones((2, 10), np.int32),
+    "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1)),
+    "loss_mask": np.ones((2, 10), np.float32),
   }
   grads = jax.jit(jax.grad(lambda p: steps_lib.loss_sums(graphdef, p, batch)[0]))(params)
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
@@ -225,8 +247,16 @@ def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
 
 
 def test_checkpoint_round_trip(tmp_path):
-  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=2, num_heads=2,
-                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+  cfg = ModelConfig(
+    attention="diff_v1",
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=40,
+  )
   tx, _ = make_optimizer(base_config().optim, cfg)
   _, state = steps_lib.init_state(cfg, tx, seed=3)
   m = ckpt.make_manager(str(tmp_path / "ck"), keep=2, async_save=True)
@@ -240,22 +270,40 @@ def test_checkpoint_round_trip(tmp_path):
 
 def _cli(args, workdir, timeout=240):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join(REPO, "train.py"),
-                         "--config=" + os.path.join(REPO, "configs/default.py"),
-                         f"--workdir={workdir}", *args], capture_output=True, text=True,
-                        env=env, timeout=timeout, cwd=REPO)
+  return subprocess.run(
+    [
+      sys.executable,
+      os.path.join(REPO, "train.py"),
+      "--config=" + os.path.join(REPO, "configs/default.py"),
+      f"--workdir={workdir}",
+      *args,
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+    cwd=REPO,
+  )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--config.data.kind=text", "--config.data.paths=('/no/such/dir/*.txt',)"],
-     "/no/such/dir/*.txt"),
-    pytest.param(["--config.data.kind=text", "--config.data.paths=('{empty}',)"], "empty",
-                 marks=pytest.mark.slow),
+@pytest.mark.parametrize(
+  "args,needle",
+  [
+    (
+      ["--config.data.kind=text", "--config.data.paths=('/no/such/dir/*.txt',)"],
+      "/no/such/dir/*.txt",
+    ),
+    pytest.param(
+      ["--config.data.kind=text", "--config.data.paths=('{empty}',)"],
+      "empty",
+      marks=pytest.mark.slow,
+    ),
     (["--config.seq_len=100000000"], "100000001"),
     pytest.param(["--config.model.arm=gpt"], "'gpt'", marks=pytest.mark.slow),
     (["--config.model.no_such_key=1"], "no_such_key"),
     pytest.param(["--config.num_steps=abc"], "abc", marks=pytest.mark.slow),
-])
+  ],
+)
 def test_bad_input_one_error_line(tmp_path, args, needle):
   empty = tmp_path / "empty.txt"
   empty.write_text("")
@@ -270,18 +318,34 @@ def test_bad_input_one_error_line(tmp_path, args, needle):
 
 
 # A one-layer model on 40 documents: fast enough to start, train and stop in a test.
-SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
-             "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
-             "--config.data.max_documents=40", "--config.eval_every=0",
-             "--config.tensorboard=False"]
+SMALL_RUN = [
+  "--config.model.num_layers=1",
+  "--config.model.d_model=64",
+  "--config.model.mlp_dim=128",
+  "--config.seq_len=32",
+  "--config.global_batch_size=2",
+  "--config.data.max_documents=40",
+  "--config.eval_every=0",
+  "--config.tensorboard=False",
+]
 
 
 def _start_endless_run(workdir, flags, stdout):
   return subprocess.Popen(
-      [sys.executable, os.path.join(REPO, "train.py"),
-       "--config=" + os.path.join(REPO, "configs/default.py"), f"--workdir={workdir}",
-       "--config.num_steps=100000", *flags], env=dict(os.environ, JAX_PLATFORMS="cpu"),
-      cwd=REPO, stdout=stdout, stderr=subprocess.DEVNULL, text=True)
+    [
+      sys.executable,
+      os.path.join(REPO, "train.py"),
+      "--config=" + os.path.join(REPO, "configs/default.py"),
+      f"--workdir={workdir}",
+      "--config.num_steps=100000",
+      *flags,
+    ],
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    cwd=REPO,
+    stdout=stdout,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
 
 
 def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
@@ -335,6 +399,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
 def test_task_mix_interleaves_retrieval_examples(tmp_path):
   from diffjax.data import DataConfig, load_tokenizer, open_corpus, stdlib_files
   from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source
+
   c = tiny_config(steps=2)
   c.task_mix.update(dict(task="multi_needle", fraction=0.25, context_len=256, num_needles=1))
   # A corpus of 40 real source files keeps the example count (and the test) small.

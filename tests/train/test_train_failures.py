@@ -12,18 +12,24 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import REPO  # noqa: E402
+from helpers import tiny_config as shared_tiny_config  # noqa: E402
 
 from diffjax.model import ModelConfig
 from diffjax.train import steps as steps_lib
 from diffjax.train.trainer import train_and_evaluate
-from helpers import REPO  # noqa: E402
-from helpers import tiny_config as shared_tiny_config  # noqa: E402
 
 # A one-layer model on 40 documents: starts, trains and stops within a test.
-SMALL_RUN = ["--config.model.num_layers=1", "--config.model.d_model=64",
-             "--config.model.mlp_dim=128", "--config.seq_len=32", "--config.global_batch_size=2",
-             "--config.data.max_documents=40", "--config.eval_every=0",
-             "--config.tensorboard=False"]
+SMALL_RUN = [
+  "--config.model.num_layers=1",
+  "--config.model.d_model=64",
+  "--config.model.mlp_dim=128",
+  "--config.seq_len=32",
+  "--config.global_batch_size=2",
+  "--config.data.max_documents=40",
+  "--config.eval_every=0",
+  "--config.tensorboard=False",
+]
 
 
 def tiny_config(steps=4):
@@ -42,8 +48,14 @@ def train_cli(args, cwd=REPO, timeout=240, config=True, workdir=None):
     argv.append("--config=" + os.path.join(REPO, "configs/default.py"))
   if workdir is not None:
     argv.append(f"--workdir={workdir}")
-  return subprocess.run(argv + list(args), capture_output=True, text=True, cwd=cwd,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=timeout)
+  return subprocess.run(
+    argv + list(args),
+    capture_output=True,
+    text=True,
+    cwd=cwd,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=timeout,
+  )
 
 
 def error_line(r):
@@ -54,12 +66,22 @@ def error_line(r):
 
 # --- options that must be finite, or in range ---------------------------------------------------
 
-@pytest.mark.parametrize("key,value", [
-    ("optim.lr", math.nan), ("optim.lr", math.inf), ("optim.min_lr", math.nan),
-    ("optim.b1", math.nan), ("optim.b2", 1.0), ("optim.eps", math.inf),
-    ("optim.weight_decay", math.nan), ("optim.clip_norm", math.nan),
-    ("task_mix.fraction", math.nan), ("data.val_fraction", math.nan),
-])
+
+@pytest.mark.parametrize(
+  "key,value",
+  [
+    ("optim.lr", math.nan),
+    ("optim.lr", math.inf),
+    ("optim.min_lr", math.nan),
+    ("optim.b1", math.nan),
+    ("optim.b2", 1.0),
+    ("optim.eps", math.inf),
+    ("optim.weight_decay", math.nan),
+    ("optim.clip_norm", math.nan),
+    ("task_mix.fraction", math.nan),
+    ("data.val_fraction", math.nan),
+  ],
+)
 def test_non_finite_or_out_of_range_options_are_refused(tmp_path, key, value):
   c = tiny_config()
   section, name = key.split(".")
@@ -72,8 +94,9 @@ def test_non_finite_or_out_of_range_options_are_refused(tmp_path, key, value):
 
 def test_nan_lr_on_the_command_line_is_one_error_line(tmp_path):
   wd = tmp_path / "run"
-  r = train_cli(["--config.optim.lr=nan", "--config.checkpoint.every=1", *SMALL_RUN],
-                workdir=wd, timeout=120)
+  r = train_cli(
+    ["--config.optim.lr=nan", "--config.checkpoint.every=1", *SMALL_RUN], workdir=wd, timeout=120
+  )
   line = error_line(r)
   assert "optim.lr=nan" in line and "finite" in line, line
   assert not (wd / "checkpoints").exists()
@@ -81,8 +104,16 @@ def test_nan_lr_on_the_command_line_is_one_error_line(tmp_path):
 
 def test_a_non_finite_update_is_not_applied():
   """A finite loss and gradient with a NaN learning rate: the step must refuse the update."""
-  cfg = ModelConfig(attention="diff_v1", d_model=32, num_layers=1, num_heads=2,
-                    num_kv_heads=2, head_dim=8, mlp_dim=64, vocab_size=40)
+  cfg = ModelConfig(
+    attention="diff_v1",
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=40,
+  )
   tx = optax.adamw(math.nan)
   graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
   before = jax.tree.map(np.asarray, state["params"])
@@ -102,13 +133,19 @@ def test_a_non_finite_update_is_not_applied():
 
 # --- unknown keys -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag,wanted", [
+
+@pytest.mark.parametrize(
+  "flag,wanted",
+  [
     ("--config.num_step=5", ["'num_step'", "num_steps"]),
-    pytest.param("--config.optim.lrr=1e-3", ["'optim.lrr'", "optim.lr"],
-                 marks=pytest.mark.slow),
-    pytest.param("--config.foo=1", ["'foo'", "num_steps"],  # nothing close: the top-level keys
-                 marks=pytest.mark.slow),
-])
+    pytest.param("--config.optim.lrr=1e-3", ["'optim.lrr'", "optim.lr"], marks=pytest.mark.slow),
+    pytest.param(
+      "--config.foo=1",
+      ["'foo'", "num_steps"],  # nothing close: the top-level keys
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
 def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
   line = error_line(train_cli([flag], workdir=tmp_path / "run", timeout=120))
   for w in wanted:
@@ -117,6 +154,7 @@ def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
 
 
 # --- resume keeps one metrics line per step -----------------------------------------------------
+
 
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -142,6 +180,7 @@ def test_resume_keeps_one_metrics_line_per_step(tmp_path):
 
 
 # --- preemption and the default run --------------------------------------------------------------
+
 
 def test_default_command_trains_the_default_config_into_runs_default(tmp_path):
   r = train_cli(["--config.num_steps=2", *SMALL_RUN], cwd=tmp_path, config=False)

@@ -16,12 +16,30 @@ One file per task: `multi_needle` (`MultiNeedleTask`, the paper's Section 3.3 se
 
 from diffjax.data.tasks.answers_only import AnswersOnly
 from diffjax.data.tasks.associative_recall import AssociativeRecallMix, AssociativeRecallTask
-from diffjax.data.tasks.common import (ANSWER, CONTEXT, QUERY, REGION_NAMES, SINK,
-                                       RetrievalExample, collate)
+from diffjax.data.tasks.common import (
+  ANSWER,
+  CONTEXT,
+  QUERY,
+  REGION_NAMES,
+  SINK,
+  RetrievalExample,
+  collate,
+)
 from diffjax.data.tasks.multi_needle import DEPTHS, NEEDLE_GRID, ContextTooShort, MultiNeedleTask
 
 __all__ = [
-    "ANSWER", "CONTEXT", "DEPTHS", "NEEDLE_GRID", "QUERY", "REGION_NAMES", "SINK", "AnswersOnly",
-    "AssociativeRecallMix", "AssociativeRecallTask", "ContextTooShort", "MultiNeedleTask",
-    "RetrievalExample", "collate",
+  "ANSWER",
+  "CONTEXT",
+  "DEPTHS",
+  "NEEDLE_GRID",
+  "QUERY",
+  "REGION_NAMES",
+  "SINK",
+  "AnswersOnly",
+  "AssociativeRecallMix",
+  "AssociativeRecallTask",
+  "ContextTooShort",
+  "MultiNeedleTask",
+  "RetrievalExample",
+  "collate",
 ]

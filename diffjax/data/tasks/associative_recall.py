@@ -7,12 +7,21 @@ model that matches keys only approximately retrieves the wrong value.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from diffjax.data.tasks.common import (ANSWER, CONTEXT, QUERY, SINK, Builder, RetrievalExample,
-                                       TaskBase, digits, draws)
+from diffjax.data.tasks.common import (
+  ANSWER,
+  CONTEXT,
+  QUERY,
+  SINK,
+  Builder,
+  RetrievalExample,
+  TaskBase,
+  digits,
+  draws,
+)
 from diffjax.data.tokenizers import ByteTokenizer, Tokenizer
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -44,34 +53,53 @@ class AssociativeRecallTask(TaskBase):
       so even a plain recall must match letters one and two tokens back.
   """
 
-  def __init__(self, num_pairs: int = 16, num_queries: int = 4, distractors_per_query: int = 1,
-               num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
-               tokenizer: Tokenizer | None = None, bos: bool = False, stream: int = 0,
-               separator: str = ":"):
+  def __init__(
+    self,
+    num_pairs: int = 16,
+    num_queries: int = 4,
+    distractors_per_query: int = 1,
+    num_examples: int = 64,
+    seed: int = 0,
+    *,
+    key_len: int = 3,
+    value_len: int = 3,
+    tokenizer: Tokenizer | None = None,
+    bos: bool = False,
+    stream: int = 0,
+    separator: str = ":",
+  ):
     if not 1 <= num_queries <= num_pairs:
       raise ValueError(f"Need 1 <= num_queries <= num_pairs; got {num_pairs=}, {num_queries=}.")
     if key_len < 2 or value_len < 1 or distractors_per_query < 0:
-      raise ValueError(f"Need key_len >= 2, value_len >= 1, distractors_per_query >= 0; got "
-                       f"{key_len=}, {value_len=}, {distractors_per_query=}.")
+      raise ValueError(
+        f"Need key_len >= 2, value_len >= 1, distractors_per_query >= 0; got "
+        f"{key_len=}, {value_len=}, {distractors_per_query=}."
+      )
     total_keys = num_pairs + num_queries * distractors_per_query
-    if total_keys > 26 ** key_len // 4:
-      raise ValueError(f"{total_keys} keys do not fit comfortably in {key_len}-letter keys; "
-                       "raise key_len.")
+    if total_keys > 26**key_len // 4:
+      raise ValueError(
+        f"{total_keys} keys do not fit comfortably in {key_len}-letter keys; raise key_len."
+      )
     if distractors_per_query > key_len * 25:
-      raise ValueError(f"{distractors_per_query=} exceeds the {key_len * 25} one-letter "
-                       "variants of a key.")
+      raise ValueError(
+        f"{distractors_per_query=} exceeds the {key_len * 25} one-letter variants of a key."
+      )
     self.num_pairs, self.num_queries = int(num_pairs), int(num_queries)
     self.distractors_per_query = int(distractors_per_query)
     self.key_len, self.value_len = int(key_len), int(value_len)
     self.num_examples, self.seed, self.bos = int(num_examples), int(seed), bool(bos)
     self.stream = int(stream)
     if not isinstance(separator, str) or any(ch.isalnum() or ch in " \n" for ch in separator):
-      raise ValueError(f"separator={separator!r} must be a string without letters, digits, "
-                       "spaces or newlines (they would run into keys, values and pairs).")
+      raise ValueError(
+        f"separator={separator!r} must be a string without letters, digits, "
+        "spaces or newlines (they would run into keys, values and pairs)."
+      )
     self.separator = separator
     self.tokenizer = tokenizer or ByteTokenizer()
-    self.name = (f"mqar(P={self.num_pairs},Q={self.num_queries},D={self.distractors_per_query},"
-                 f"seed={self.seed}" + ("" if separator == ":" else f",sep={separator!r}") + ")")
+    self.name = (
+      f"mqar(P={self.num_pairs},Q={self.num_queries},D={self.distractors_per_query},"
+      f"seed={self.seed}" + ("" if separator == ":" else f",sep={separator!r}") + ")"
+    )
     self.example(0)
 
   def _key(self, rng) -> str:
@@ -95,7 +123,7 @@ class AssociativeRecallTask(TaskBase):
       while made < self.distractors_per_query:
         pos = int(rng.integers(self.key_len))
         letter = _LETTERS[int(rng.integers(26))]
-        k = keys[j][:pos] + letter + keys[j][pos + 1:]
+        k = keys[j][:pos] + letter + keys[j][pos + 1 :]
         if k in used:
           continue
         used.add(k)
@@ -129,11 +157,16 @@ class AssociativeRecallTask(TaskBase):
       answer_spans.append(b.add(enc(pairs[j][1]), QUERY))
       b.add(enc(" "), QUERY)
     return b.example(
-        answer_spans, needle_spans=tuple(needle_span[j] for j in queried),
-        value_spans=tuple(value_span[j] for j in queried), distractor_spans=tuple(distractors),
-        depth=None, depth_query=None,
-        needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
-        keys=tuple(keys[j] for j in queried), values=tuple(pairs[j][1] for j in queried))
+      answer_spans,
+      needle_spans=tuple(needle_span[j] for j in queried),
+      value_spans=tuple(value_span[j] for j in queried),
+      distractor_spans=tuple(distractors),
+      depth=None,
+      depth_query=None,
+      needle_depths=tuple(pos_of[j] / max(len(pairs) - 1, 1) for j in queried),
+      keys=tuple(keys[j] for j in queried),
+      values=tuple(pairs[j][1] for j in queried),
+    )
 
 
 class AssociativeRecallMix(TaskBase):
@@ -150,18 +183,42 @@ class AssociativeRecallMix(TaskBase):
       `AssociativeRecallTask`.
   """
 
-  def __init__(self, settings: Sequence[tuple[int, int]], num_queries: int = 4,
-               num_examples: int = 64, seed: int = 0, *, key_len: int = 3, value_len: int = 3,
-               tokenizer: Tokenizer | None = None, bos: bool = False, separator: str = ":"):
+  def __init__(
+    self,
+    settings: Sequence[tuple[int, int]],
+    num_queries: int = 4,
+    num_examples: int = 64,
+    seed: int = 0,
+    *,
+    key_len: int = 3,
+    value_len: int = 3,
+    tokenizer: Tokenizer | None = None,
+    bos: bool = False,
+    separator: str = ":",
+  ):
     settings = [tuple(int(v) for v in s) for s in settings]
     if not settings or any(len(s) != 2 for s in settings):
-      raise ValueError(f"settings={settings!r} must be a non-empty list of "
-                       "(num_pairs, distractors_per_query) pairs.")
+      raise ValueError(
+        f"settings={settings!r} must be a non-empty list of "
+        "(num_pairs, distractors_per_query) pairs."
+      )
     self.tokenizer = tokenizer or ByteTokenizer()
-    self.tasks = [AssociativeRecallTask(p, min(int(num_queries), p), d, 1, seed, key_len=key_len,
-                                        value_len=value_len, tokenizer=self.tokenizer, bos=bos,
-                                        stream=k + 1, separator=separator)
-                  for k, (p, d) in enumerate(settings)]
+    self.tasks = [
+      AssociativeRecallTask(
+        p,
+        min(int(num_queries), p),
+        d,
+        1,
+        seed,
+        key_len=key_len,
+        value_len=value_len,
+        tokenizer=self.tokenizer,
+        bos=bos,
+        stream=k + 1,
+        separator=separator,
+      )
+      for k, (p, d) in enumerate(settings)
+    ]
     self.settings = settings
     self.num_queries = max(t.num_queries for t in self.tasks)
     self.num_examples, self.seed = int(num_examples), int(seed)

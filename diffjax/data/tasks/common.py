@@ -20,7 +20,7 @@ Region labels (`RetrievalExample.regions`, one per token) used for attention all
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -104,9 +104,14 @@ class Builder:
     for r, (s, e) in enumerate(answer_spans):
       segs[s:e] = r
     return RetrievalExample(
-        tokens=tokens, answer_segments=segs, regions=regions, prompt_len=answer_spans[0][0],
-        answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
-        answer_spans=tuple(answer_spans), **fields)
+      tokens=tokens,
+      answer_segments=segs,
+      regions=regions,
+      prompt_len=answer_spans[0][0],
+      answers=tuple(tokens[s:e].copy() for s, e in answer_spans),
+      answer_spans=tuple(answer_spans),
+      **fields,
+    )
 
 
 def draws(seed: int, index: int, *stream: int) -> np.random.Generator:
@@ -137,8 +142,9 @@ class TaskBase:
   def __getitem__(self, index: int) -> np.ndarray:
     """Example `index` as a training document: its (L,) int32 tokens."""
     if not -self.num_examples <= index < self.num_examples:
-      raise IndexError(f"example index {index} out of range for {self.num_examples} examples "
-                       f"of {self.name}")
+      raise IndexError(
+        f"example index {index} out of range for {self.num_examples} examples of {self.name}"
+      )
     return self.example(index % self.num_examples).tokens
 
   def examples(self, indices: Sequence[int] | None = None) -> list[RetrievalExample]:
@@ -175,6 +181,11 @@ def collate(examples: Sequence[RetrievalExample], pad_id: int) -> dict[str, np.n
     valid[i, :n] = True
   rows = np.zeros((b, length), bool)
   rows[:, :-1] = segs[:, 1:] >= 0
-  return dict(tokens=tokens, answer_segments=segs, regions=regions, valid=valid,
-              prediction_rows=rows,
-              num_queries=np.asarray([ex.num_queries for ex in examples], np.int32))
+  return dict(
+    tokens=tokens,
+    answer_segments=segs,
+    regions=regions,
+    valid=valid,
+    prediction_rows=rows,
+    num_queries=np.asarray([ex.num_queries for ex in examples], np.int32),
+  )

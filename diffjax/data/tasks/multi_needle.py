@@ -11,14 +11,23 @@ tokenizer `context_len` is the length in bytes.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from diffjax.data.corpus import stdlib_corpus
 from diffjax.data.sources import DocumentSource
-from diffjax.data.tasks.common import (ANSWER, CONTEXT, QUERY, SINK, Builder, RetrievalExample,
-                                       TaskBase, digits, draws)
+from diffjax.data.tasks.common import (
+  ANSWER,
+  CONTEXT,
+  QUERY,
+  SINK,
+  Builder,
+  RetrievalExample,
+  TaskBase,
+  digits,
+  draws,
+)
 from diffjax.data.tokenizers import ByteTokenizer, Tokenizer
 
 # The paper's (num_needles, num_queries) grid at a fixed context length (Table 2).
@@ -27,12 +36,66 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 # Needle keys: place names written for this module. Short ASCII words so every key is a few bytes.
 _KEYS = (
-    "Oslo", "Lima", "Cairo", "Quito", "Dakar", "Hanoi", "Perth", "Turin", "Seville", "Nagoya",
-    "Lagos", "Bergen", "Tromso", "Kyoto", "Porto", "Zagreb", "Tbilisi", "Malmo", "Lyon", "Graz",
-    "Leeds", "Cork", "Accra", "Davao", "Cusco", "Tunis", "Sendai", "Izmir", "Gdansk", "Brno",
-    "Riga", "Tartu", "Aarhus", "Ghent", "Bremen", "Basel", "Padua", "Split", "Varna", "Kazan",
-    "Omsk", "Recife", "Natal", "Salta", "Osaka", "Busan", "Daegu", "Pune", "Surat", "Nagpur",
-    "Kochi", "Medan", "Cebu", "Hobart", "Darwin", "Nelson", "Regina", "Halifax", "Tucson", "Boise",
+  "Oslo",
+  "Lima",
+  "Cairo",
+  "Quito",
+  "Dakar",
+  "Hanoi",
+  "Perth",
+  "Turin",
+  "Seville",
+  "Nagoya",
+  "Lagos",
+  "Bergen",
+  "Tromso",
+  "Kyoto",
+  "Porto",
+  "Zagreb",
+  "Tbilisi",
+  "Malmo",
+  "Lyon",
+  "Graz",
+  "Leeds",
+  "Cork",
+  "Accra",
+  "Davao",
+  "Cusco",
+  "Tunis",
+  "Sendai",
+  "Izmir",
+  "Gdansk",
+  "Brno",
+  "Riga",
+  "Tartu",
+  "Aarhus",
+  "Ghent",
+  "Bremen",
+  "Basel",
+  "Padua",
+  "Split",
+  "Varna",
+  "Kazan",
+  "Omsk",
+  "Recife",
+  "Natal",
+  "Salta",
+  "Osaka",
+  "Busan",
+  "Daegu",
+  "Pune",
+  "Surat",
+  "Nagpur",
+  "Kochi",
+  "Medan",
+  "Cebu",
+  "Hobart",
+  "Darwin",
+  "Nelson",
+  "Regina",
+  "Halifax",
+  "Tucson",
+  "Boise",
 )
 
 
@@ -63,8 +126,9 @@ class _Filler:
       nxt = np.asarray(self.source[doc], np.int32)
       empty_run = empty_run + 1 if nxt.size == 0 else 0
       if empty_run > n:
-        raise ValueError(f"Filler source {getattr(self.source, 'name', self.source)!r} has "
-                         "only empty documents.")
+        raise ValueError(
+          f"Filler source {getattr(self.source, 'name', self.source)!r} has only empty documents."
+        )
       parts += [self.separator, nxt]
       have += self.separator.size + nxt.size
     return np.concatenate(parts)[:length]
@@ -90,13 +154,24 @@ class MultiNeedleTask(TaskBase):
     ValueError: N, R or depths out of range, or a context too short for the needles and question.
   """
 
-  def __init__(self, context_len: int, num_needles: int = 1, num_queries: int = 1,
-               depths: Sequence[float] = DEPTHS, num_examples: int = 50, seed: int = 0, *,
-               num_digits: int = 7, filler: DocumentSource | None = None,
-               tokenizer: Tokenizer | None = None, bos: bool = False):
+  def __init__(
+    self,
+    context_len: int,
+    num_needles: int = 1,
+    num_queries: int = 1,
+    depths: Sequence[float] = DEPTHS,
+    num_examples: int = 50,
+    seed: int = 0,
+    *,
+    num_digits: int = 7,
+    filler: DocumentSource | None = None,
+    tokenizer: Tokenizer | None = None,
+    bos: bool = False,
+  ):
     if not 1 <= num_queries <= num_needles <= len(_KEYS):
-      raise ValueError(f"Need 1 <= num_queries <= num_needles <= {len(_KEYS)}; got "
-                       f"{num_needles=}, {num_queries=}.")
+      raise ValueError(
+        f"Need 1 <= num_queries <= num_needles <= {len(_KEYS)}; got {num_needles=}, {num_queries=}."
+      )
     depths = tuple(float(d) for d in depths)
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
       raise ValueError(f"depths must be a non-empty list of values in [0, 1]; got {depths}.")
@@ -107,10 +182,13 @@ class MultiNeedleTask(TaskBase):
     self.depths, self.num_examples, self.seed = depths, int(num_examples), int(seed)
     self.num_digits, self.bos = int(num_digits), bool(bos)
     self.tokenizer = tokenizer or ByteTokenizer()
-    self._filler = _Filler(filler if filler is not None else stdlib_corpus(),
-                           self.tokenizer.encode("\n"))
-    self.name = (f"multi_needle(len={self.context_len},N={self.num_needles},R={self.num_queries},"
-                 f"seed={self.seed})")
+    self._filler = _Filler(
+      filler if filler is not None else stdlib_corpus(), self.tokenizer.encode("\n")
+    )
+    self.name = (
+      f"multi_needle(len={self.context_len},N={self.num_needles},R={self.num_queries},"
+      f"seed={self.seed})"
+    )
     # Fail now, not at the first example, when the context cannot hold needles and question.
     self.example(0)
 
@@ -124,24 +202,34 @@ class MultiNeedleTask(TaskBase):
     keys = [_KEYS[k] for k in key_ids]
     values = [digits(rng, self.num_digits) for _ in keys]
     # Needle j (j < R) is queried; needle 0 is the answer needle placed at `depth`.
-    needles = [(self._enc(f"\nThe secret number for {k} is "), self._enc(v), self._enc(".\n"))
-               for k, v in zip(keys, values)]
+    needles = [
+      (self._enc(f"\nThe secret number for {k} is "), self._enc(v), self._enc(".\n"))
+      for k, v in zip(keys, values)
+    ]
     query_order = rng.permutation(self.num_queries)
     asked = [keys[j] for j in query_order]
     question = self._enc("\n\nWhat are the secret numbers for " + ", ".join(asked) + "?\n")
-    answer_parts = [(self._enc(f"The secret number for {keys[j]} is "), self._enc(values[j]),
-                     self._enc(". ")) for j in query_order]
-    fixed = (int(self.bos) + sum(sum(p.size for p in n) for n in needles) + question.size
-             + sum(sum(p.size for p in a) for a in answer_parts))
+    answer_parts = [
+      (self._enc(f"The secret number for {keys[j]} is "), self._enc(values[j]), self._enc(". "))
+      for j in query_order
+    ]
+    fixed = (
+      int(self.bos)
+      + sum(sum(p.size for p in n) for n in needles)
+      + question.size
+      + sum(sum(p.size for p in a) for a in answer_parts)
+    )
     filler_len = self.context_len - fixed
     if filler_len < 0:
       raise ContextTooShort(
-          f"context_len={self.context_len} is too short for {self.num_needles} needles and "
-          f"{self.num_queries} queries ({fixed} tokens without filler); use a longer context "
-          "or fewer needles.")
+        f"context_len={self.context_len} is too short for {self.num_needles} needles and "
+        f"{self.num_queries} queries ({fixed} tokens without filler); use a longer context "
+        "or fewer needles."
+      )
     filler = self._filler.take(draws(self.seed, index, 2), filler_len)
-    cuts = [int(round(depth * filler_len))] + [int(c) for c in rng.integers(0, filler_len + 1,
-                                                                             self.num_needles - 1)]
+    cuts = [int(round(depth * filler_len))] + [
+      int(c) for c in rng.integers(0, filler_len + 1, self.num_needles - 1)
+    ]
     order = sorted(range(self.num_needles), key=lambda j: (cuts[j], j))
 
     b = Builder()
@@ -150,7 +238,7 @@ class MultiNeedleTask(TaskBase):
     needle_span, value_span, needle_depth = {}, {}, {}
     prev = 0
     for j in order:
-      b.add(filler[prev:cuts[j]], CONTEXT)
+      b.add(filler[prev : cuts[j]], CONTEXT)
       prev = cuts[j]
       region = ANSWER if j < self.num_queries else CONTEXT
       needle_depth[j] = cuts[j] / max(filler_len, 1)
@@ -166,12 +254,15 @@ class MultiNeedleTask(TaskBase):
       answer_spans.append(b.add(value, QUERY))
       b.add(suffix, QUERY)
     ex = b.example(
-        answer_spans,
-        needle_spans=tuple(needle_span[int(j)] for j in query_order),
-        value_spans=tuple(value_span[int(j)] for j in query_order),
-        distractor_spans=tuple(needle_span[j] for j in range(self.num_queries, self.num_needles)),
-        depth=depth, depth_query=int(np.flatnonzero(query_order == 0)[0]),
-        needle_depths=tuple(needle_depth[int(j)] for j in query_order),
-        keys=tuple(asked), values=tuple(values[int(j)] for j in query_order))
+      answer_spans,
+      needle_spans=tuple(needle_span[int(j)] for j in query_order),
+      value_spans=tuple(value_span[int(j)] for j in query_order),
+      distractor_spans=tuple(needle_span[j] for j in range(self.num_queries, self.num_needles)),
+      depth=depth,
+      depth_query=int(np.flatnonzero(query_order == 0)[0]),
+      needle_depths=tuple(needle_depth[int(j)] for j in query_order),
+      keys=tuple(asked),
+      values=tuple(values[int(j)] for j in query_order),
+    )
     assert ex.tokens.size == self.context_len, (ex.tokens.size, self.context_len)
     return ex

@@ -17,8 +17,14 @@ import importlib
 
 from diffjax.eval.harness.scorer import TokenScorer, length_bucket
 
-_LAZY = {"DiffjaxLM": "model", "cut_at_stops": "model", "run_tasks": "tasks",
-         "harness_scalars": "tasks", "check_tasks": "tasks", "task_manager": "tasks"}
+_LAZY = {
+  "DiffjaxLM": "model",
+  "cut_at_stops": "model",
+  "run_tasks": "tasks",
+  "harness_scalars": "tasks",
+  "check_tasks": "tasks",
+  "task_manager": "tasks",
+}
 
 
 def __getattr__(name):
@@ -27,5 +33,13 @@ def __getattr__(name):
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DiffjaxLM", "TokenScorer", "check_tasks", "cut_at_stops", "harness_scalars",
-           "length_bucket", "run_tasks", "task_manager"]
+__all__ = [
+  "DiffjaxLM",
+  "TokenScorer",
+  "check_tasks",
+  "cut_at_stops",
+  "harness_scalars",
+  "length_bucket",
+  "run_tasks",
+  "task_manager",
+]

@@ -25,31 +25,37 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from diffjax.errors import run_guarded
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m diffjax.eval.harness", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m diffjax.eval.harness",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a train.py run directory")
   src.add_argument("--hf_dir", help="an HF Llama/DiffLlama directory")
   p.add_argument("--tasks", required=True, help="comma-separated task names or YAML files")
   p.add_argument("--include_path", default=None, help="a directory of task YAML files")
-  p.add_argument("--limit", type=float, default=None,
-                 help="examples per task (a count, or a fraction below 1)")
+  p.add_argument(
+    "--limit", type=float, default=None, help="examples per task (a count, or a fraction below 1)"
+  )
   p.add_argument("--num_fewshot", type=int, default=None)
   p.add_argument("--batch_size", type=int, default=8)
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-  p.add_argument("--max_length", type=int, default=None,
-                 help="context length (default: the run's seq_len)")
+  p.add_argument(
+    "--max_length", type=int, default=None, help="context length (default: the run's seq_len)"
+  )
   p.add_argument("--max_gen_toks", type=int, default=256)
   p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the run's own)")
   p.add_argument("--seed", type=int, default=1234)
-  p.add_argument("--bootstrap_iters", type=int, default=1000,
-                 help="resamples for the standard errors (0: none)")
+  p.add_argument(
+    "--bootstrap_iters", type=int, default=1000, help="resamples for the standard errors (0: none)"
+  )
   p.add_argument("--output", default=None, help="results JSON (default: <workdir>/harness.json)")
   p.add_argument("--log_samples", action="store_true", help="keep per-example outputs")
   return p
@@ -58,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> None:
   # Imported here so that --help and argument errors need no lm-eval.
   from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
+
   from diffjax.eval.harness import DiffjaxLM, run_tasks  # pylint: disable=import-outside-toplevel
 
   limit = args.limit
@@ -67,24 +74,43 @@ def _main(args: argparse.Namespace) -> None:
     limit = int(limit) if limit >= 1 else limit
   tasks = [t.strip() for t in args.tasks.split(",")]
   t0 = time.perf_counter()
-  lm = DiffjaxLM(args.workdir, hf_dir=args.hf_dir, tokenizer=args.tokenizer, step=args.step,
-                 max_length=args.max_length, batch_size=args.batch_size,
-                 max_gen_toks=args.max_gen_toks)
-  results = run_tasks(lm, tasks, include_path=args.include_path, limit=limit,
-                      num_fewshot=args.num_fewshot, seed=args.seed,
-                      log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
+  lm = DiffjaxLM(
+    args.workdir,
+    hf_dir=args.hf_dir,
+    tokenizer=args.tokenizer,
+    step=args.step,
+    max_length=args.max_length,
+    batch_size=args.batch_size,
+    max_gen_toks=args.max_gen_toks,
+  )
+  results = run_tasks(
+    lm,
+    tasks,
+    include_path=args.include_path,
+    limit=limit,
+    num_fewshot=args.num_fewshot,
+    seed=args.seed,
+    log_samples=args.log_samples,
+    bootstrap_iters=args.bootstrap_iters,
+  )
   seconds = time.perf_counter() - t0
   print(make_table(results))
-  results["diffjax"] = {"source": args.workdir or args.hf_dir, "arm": lm.model.config.attention,
-                        "max_length": lm.max_length, "seconds": seconds,
-                        "compiled_shapes": sorted(map(list, lm.scorer.compiled_shapes))}
+  results["diffjax"] = {
+    "source": args.workdir or args.hf_dir,
+    "arm": lm.model.config.attention,
+    "max_length": lm.max_length,
+    "seconds": seconds,
+    "compiled_shapes": sorted(map(list, lm.scorer.compiled_shapes)),
+  }
   out = args.output or os.path.join(args.workdir or args.hf_dir, "harness.json")
   tmp = out + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1, default=str)
   os.replace(tmp, out)
-  print(f"[{lm.model.config.attention}] {len(tasks)} task(s) in {seconds:.1f} s; results in {out}",
-        file=sys.stderr)
+  print(
+    f"[{lm.model.config.attention}] {len(tasks)} task(s) in {seconds:.1f} s; results in {out}",
+    file=sys.stderr,
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

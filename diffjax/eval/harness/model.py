@@ -11,16 +11,18 @@ with as much context as fits), and generates through :func:`diffjax.generation.g
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 try:
-  from lm_eval.api.model import TemplateLM
   from lm_eval import utils as lm_utils
+  from lm_eval.api.model import TemplateLM
 except ImportError as e:  # pragma: no cover - the message is the point
-  raise ImportError("diffjax.eval.harness needs lm-eval: pip install -e '.[harness]' "
-                    "(it does not need torch).") from e
+  raise ImportError(
+    "diffjax.eval.harness needs lm-eval: pip install -e '.[harness]' (it does not need torch)."
+  ) from e
 from tqdm import tqdm
 
 from diffjax.data import Tokenizer, load_tokenizer
@@ -34,23 +36,29 @@ DEFAULT_MAX_GEN_TOKS = 256
 _GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 
 
-def _load(workdir: str | None, hf_dir: str | None, step: int | None
-          ) -> tuple[DecoderLM, str | None, int | None]:
+def _load(
+  workdir: str | None, hf_dir: str | None, step: int | None
+) -> tuple[DecoderLM, str | None, int | None]:
   """(model, the run's tokenizer spec, its context length) from a run or HF dir."""
   if workdir is not None:
     from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
+
     if not os.path.isdir(workdir):
-      raise FileNotFoundError(f"workdir={workdir!r} is not a directory: pass the --workdir "
-                              "of a train.py run.")
+      raise FileNotFoundError(
+        f"workdir={workdir!r} is not a directory: pass the --workdir of a train.py run."
+      )
     run = load_run(workdir, step)
     spec = (run.config.get("data") or {}).get("tokenizer", "byte")
     seq_len = run.config.get("seq_len")
     return run.model, spec, int(seq_len) if seq_len else None
   from diffjax.convert import load_hf  # pylint: disable=import-outside-toplevel
   from diffjax.convert.files import read_config  # pylint: disable=import-outside-toplevel
+
   if not os.path.isdir(hf_dir):
-    raise FileNotFoundError(f"hf_dir={hf_dir!r} is not a directory: pass a directory with "
-                            "config.json and safetensors weights.")
+    raise FileNotFoundError(
+      f"hf_dir={hf_dir!r} is not a directory: pass a directory with "
+      "config.json and safetensors weights."
+    )
   model = load_hf(hf_dir)
   spec = os.path.join(hf_dir, "tokenizer.json")
   positions = read_config(hf_dir).get("max_position_embeddings")
@@ -80,37 +88,60 @@ class DiffjaxLM(TemplateLM):
 
   backend = "causal"
 
-  def __init__(self, workdir: str | None = None, *, hf_dir: str | None = None,
-               model: DecoderLM | None = None, tokenizer: Tokenizer | str | None = None,
-               step: int | None = None, max_length: int | None = None,
-               batch_size: int | str = 8, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-               seed: int = 0, mesh=None, rules=None, device: Any = None,
-               max_batch_size: Any = None):
+  def __init__(
+    self,
+    workdir: str | None = None,
+    *,
+    hf_dir: str | None = None,
+    model: DecoderLM | None = None,
+    tokenizer: Tokenizer | str | None = None,
+    step: int | None = None,
+    max_length: int | None = None,
+    batch_size: int | str = 8,
+    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+    seed: int = 0,
+    mesh=None,
+    rules=None,
+    device: Any = None,
+    max_batch_size: Any = None,
+  ):
     super().__init__()
     del device, max_batch_size
-    given = [n for n, v in (("workdir", workdir), ("hf_dir", hf_dir), ("model", model))
-             if v is not None]
+    given = [
+      n for n, v in (("workdir", workdir), ("hf_dir", hf_dir), ("model", model)) if v is not None
+    ]
     if len(given) != 1:
       raise ValueError(f"give exactly one of workdir=, hf_dir= or model=; got {given or 'none'}.")
     run_spec, context = None, None
     if model is None:
       model, run_spec, context = _load(workdir, hf_dir, step)
-    if isinstance(tokenizer, str) and run_spec is not None and workdir is not None \
-        and os.path.abspath(tokenizer) != os.path.abspath(run_spec) and tokenizer != run_spec:
-      raise ValueError(f"tokenizer={tokenizer!r} is not the one the run was trained with "
-                       f"({run_spec!r}): leave it out to use the run's own.")
+    if (
+      isinstance(tokenizer, str)
+      and run_spec is not None
+      and workdir is not None
+      and os.path.abspath(tokenizer) != os.path.abspath(run_spec)
+      and tokenizer != run_spec
+    ):
+      raise ValueError(
+        f"tokenizer={tokenizer!r} is not the one the run was trained with "
+        f"({run_spec!r}): leave it out to use the run's own."
+      )
     tokenizer = tokenizer if tokenizer is not None else run_spec
     if tokenizer is None:
-      raise ValueError("no tokenizer: pass tokenizer= ('byte', a tokenizers .json or a "
-                       "sentencepiece .model).")
+      raise ValueError(
+        "no tokenizer: pass tokenizer= ('byte', a tokenizers .json or a sentencepiece .model)."
+      )
     self.tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if self.tok.vocab_size > model.config.vocab_size:
-      raise ValueError(f"the tokenizer has {self.tok.vocab_size} ids but the model only "
-                       f"{model.config.vocab_size}: it is not this model's tokenizer.")
+      raise ValueError(
+        f"the tokenizer has {self.tok.vocab_size} ids but the model only "
+        f"{model.config.vocab_size}: it is not this model's tokenizer."
+      )
     if isinstance(batch_size, str):
       if not batch_size.isdigit():
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer ('auto' is not "
-                         "supported).")
+        raise ValueError(
+          f"batch_size={batch_size!r} must be a positive integer ('auto' is not supported)."
+        )
       batch_size = int(batch_size)
     self.model = model
     self.max_length_ = int(max_length or context or DEFAULT_MAX_LENGTH)
@@ -118,8 +149,9 @@ class DiffjaxLM(TemplateLM):
     self.max_gen_toks = int(max_gen_toks)
     self.seed = int(seed)
     self.mesh, self.rules = mesh, rules
-    self.scorer = TokenScorer(model, max_length=self.max_length_, batch_size=self.batch_size,
-                              mesh=mesh, rules=rules)
+    self.scorer = TokenScorer(
+      model, max_length=self.max_length_, batch_size=self.batch_size, mesh=mesh, rules=rules
+    )
 
   # -- what TemplateLM asks for ------------------------------------------------------------
 
@@ -135,16 +167,16 @@ class DiffjaxLM(TemplateLM):
   def tokenizer_name(self) -> str:
     return repr(self.tok)
 
-  def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs
-                 ) -> list[int]:
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
     del add_special_tokens, kwargs  # diffjax tokenizers add no special tokens
     return [int(t) for t in self.tok.encode(string)]
 
   def tok_decode(self, tokens: Sequence[int]) -> str:
     return self.tok.decode(np.asarray(tokens, np.int32))
 
-  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
-                            ) -> list[tuple[float, bool]]:
+  def _loglikelihood_tokens(
+    self, requests, disable_tqdm: bool = False, **kwargs
+  ) -> list[tuple[float, bool]]:
     del kwargs
     bar = tqdm(total=len(requests), desc="diffjax loglikelihood", disable=disable_tqdm)
     out = self.scorer.score([(ctx, cont) for _, ctx, cont in requests], progress=bar.update)
@@ -157,8 +189,11 @@ class DiffjaxLM(TemplateLM):
   def rolling_windows(self, text: str) -> list[tuple[list[int], list[int]]]:
     """The harness's disjoint rolling windows of ``text`` (every token predicted once)."""
     windows = lm_utils.get_rolling_token_windows(
-        token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-        max_seq_len=self.max_length, context_len=1)
+      token_list=self.tok_encode(text),
+      prefix_token=self.prefix_token_id,
+      max_seq_len=self.max_length,
+      context_len=1,
+    )
     return [lm_utils.make_disjoint_window(w) for w in windows]
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -187,8 +222,8 @@ class DiffjaxLM(TemplateLM):
       kwargs = dict(requests[members[0]].args[1])
       contexts = [requests[i].args[0] for i in members]
       for start in range(0, len(members), self.batch_size):
-        chunk = members[start:start + self.batch_size]
-        texts = self.generate_texts(contexts[start:start + self.batch_size], **kwargs)
+        chunk = members[start : start + self.batch_size]
+        texts = self.generate_texts(contexts[start : start + self.batch_size], **kwargs)
         for i, text in zip(chunk, texts):
           out[i] = text
           self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -198,24 +233,42 @@ class DiffjaxLM(TemplateLM):
 
   # -- generation ----------------------------------------------------------------------------
 
-  def generate_texts(self, contexts: Sequence[str], *, until=None, max_gen_toks=None,
-                     do_sample: bool = False, temperature: float = 0.0, top_k=None,
-                     top_p=None, **unknown) -> list[str]:
+  def generate_texts(
+    self,
+    contexts: Sequence[str],
+    *,
+    until=None,
+    max_gen_toks=None,
+    do_sample: bool = False,
+    temperature: float = 0.0,
+    top_k=None,
+    top_p=None,
+    **unknown,
+  ) -> list[str]:
     """Continuations of ``contexts`` cut before the first of ``until`` (strings), as the
     harness's ``generate_until`` defines them."""
     if unknown:
-      raise ValueError(f"generation options {sorted(unknown)} are not supported; the model "
-                       f"reads {sorted(_GEN_KEYS)}.")
+      raise ValueError(
+        f"generation options {sorted(unknown)} are not supported; the model "
+        f"reads {sorted(_GEN_KEYS)}."
+      )
     stops = [until] if isinstance(until, str) else list(until or [])
     new = int(max_gen_toks or self.max_gen_toks)
     keep = max(1, self.max_length - new)
     prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-keep:] for c in contexts]
     sampled = bool(do_sample) and float(temperature or 0.0) > 0
-    result = generate(self.model, prompts, max_new_tokens=new,
-                      temperature=float(temperature) if sampled else 0.0,
-                      top_k=top_k if sampled else None, top_p=top_p if sampled else None,
-                      seed=self.seed, stop_tokens=[self.eot_token_id], mesh=self.mesh,
-                      rules=self.rules)
+    result = generate(
+      self.model,
+      prompts,
+      max_new_tokens=new,
+      temperature=float(temperature) if sampled else 0.0,
+      top_k=top_k if sampled else None,
+      top_p=top_p if sampled else None,
+      seed=self.seed,
+      stop_tokens=[self.eot_token_id],
+      mesh=self.mesh,
+      rules=self.rules,
+    )
     return [cut_at_stops(self.tok_decode(tokens), stops) for tokens in result.tokens]
 
 
@@ -232,8 +285,9 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
 
 def _register() -> None:
   """Registers :class:`DiffjaxLM` as ``"diffjax"`` with the harness (once)."""
-  from lm_eval.api import registry  # pylint: disable=import-outside-toplevel
   import lm_eval.models  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  from lm_eval.api import registry  # pylint: disable=import-outside-toplevel
+
   if "diffjax" not in registry.model_registry.keys():
     registry.register_model("diffjax")(DiffjaxLM)
 

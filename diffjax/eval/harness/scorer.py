@@ -13,7 +13,7 @@ pad, so padding cannot reach a score (the tests check this against unpadded forw
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +55,15 @@ class TokenScorer:
       their logical axes), as :func:`diffjax.generation.generate` does.
   """
 
-  def __init__(self, model: DecoderLM, *, max_length: int, batch_size: int = 8,
-               mesh: jax.sharding.Mesh | None = None, rules=None):
+  def __init__(
+    self,
+    model: DecoderLM,
+    *,
+    max_length: int,
+    batch_size: int = 8,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+  ):
     if not isinstance(max_length, (int, np.integer)) or max_length < 1:
       raise ValueError(f"max_length={max_length!r} must be a positive integer.")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -64,15 +71,15 @@ class TokenScorer:
     self.model = model
     self.max_length = int(max_length)
     self.mesh = mesh
-    self.rules = tuple((name, None if name == "length" else axes)
-                       for name, axes in (rules or shd.DEFAULT_RULES))
+    self.rules = tuple(
+      (name, None if name == "length" else axes) for name, axes in (rules or shd.DEFAULT_RULES)
+    )
     multiple = shd.batch_rows_multiple(mesh, self.rules)
     self.batch_size = -(-int(batch_size) // multiple) * multiple
     self._graphdef, state = nnx.split(model)
     if mesh is not None:
       with shd.activation_sharding(mesh, self.rules):
-        pure = jax.device_put(nnx.to_pure_dict(state),
-                              shd.param_shardings(state, mesh, self.rules))
+        pure = jax.device_put(nnx.to_pure_dict(state), shd.param_shardings(state, mesh, self.rules))
       nnx.replace_by_pure_dict(state, pure)
       spec = shd.spec_for_mesh(shd.logical_to_spec(("batch", "length"), self.rules), mesh)
       self._rows_sharding = jax.sharding.NamedSharding(mesh, spec)
@@ -88,8 +95,11 @@ class TokenScorer:
     with shd.activation_sharding(self.mesh, self.rules):
       return jax.device_get(self._fn(self._state, x, y))
 
-  def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-            progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+  def score(
+    self,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    progress: Callable[[int], None] | None = None,
+  ) -> list[tuple[float, bool]]:
     """(log-likelihood of the continuation, whether greedy decoding gives it) per request.
 
     Each request is ``(context_ids, continuation_ids)``; the context must not be empty
@@ -101,36 +111,43 @@ class TokenScorer:
     for i, (context, continuation) in enumerate(requests):
       context, continuation = list(map(int, context)), list(map(int, continuation))
       if not context:
-        raise ValueError(f"request {i} has an empty context: pass at least one token (the "
-                         "end-of-document token for a continuation with no context).")
+        raise ValueError(
+          f"request {i} has an empty context: pass at least one token (the "
+          "end-of-document token for a continuation with no context)."
+        )
       if len(continuation) > self.max_length:
-        raise ValueError(f"request {i}: a continuation of {len(continuation)} tokens does not "
-                         f"fit the model's context of max_length={self.max_length}.")
-      whole = (context + continuation)[-(self.max_length + 1):]
+        raise ValueError(
+          f"request {i}: a continuation of {len(continuation)} tokens does not "
+          f"fit the model's context of max_length={self.max_length}."
+        )
+      whole = (context + continuation)[-(self.max_length + 1) :]
       if min(whole) < 0 or max(whole) >= vocab:
         raise ValueError(f"request {i} holds token ids outside [0, {vocab}).")
       prepared.append((whole, len(continuation)))
     results: list[tuple[float, bool]] = [(0.0, True)] * len(prepared)
     # Longest first (the first batch shows the worst memory use at once), by bucket.
-    order = sorted((i for i, (_, k) in enumerate(prepared) if k),
-                   key=lambda i: -len(prepared[i][0]))
+    order = sorted(
+      (i for i, (_, k) in enumerate(prepared) if k), key=lambda i: -len(prepared[i][0])
+    )
     by_bucket: dict[int, list[int]] = {}
     for i in order:
       by_bucket.setdefault(length_bucket(len(prepared[i][0]) - 1, self.max_length), []).append(i)
     for width, members in by_bucket.items():
       for start in range(0, len(members), self.batch_size):
-        rows = members[start:start + self.batch_size]
+        rows = members[start : start + self.batch_size]
         inputs = np.zeros((self.batch_size, width), np.int32)
         targets = np.zeros((self.batch_size, width), np.int32)
         for r, i in enumerate(rows):
           whole = prepared[i][0]
-          inputs[r, :len(whole) - 1] = whole[:-1]
-          targets[r, :len(whole) - 1] = whole[1:]
+          inputs[r, : len(whole) - 1] = whole[:-1]
+          targets[r, : len(whole) - 1] = whole[1:]
         logp, greedy = self._run(inputs, targets)
         for r, i in enumerate(rows):
           n, k = len(prepared[i][0]) - 1, prepared[i][1]
-          results[i] = (float(np.sum(logp[r, n - k:n], dtype=np.float64)),
-                        bool(np.all(greedy[r, n - k:n])))
+          results[i] = (
+            float(np.sum(logp[r, n - k : n], dtype=np.float64)),
+            bool(np.all(greedy[r, n - k : n])),
+          )
         if progress is not None:
           progress(len(rows))
     if progress is not None and len(order) < len(prepared):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,19 +34,24 @@ def _manager(paths: tuple[str, ...], defaults: bool) -> TaskManager:
   return TaskManager(include_path=list(paths) or None, include_defaults=defaults)
 
 
-def task_manager(include_path: str | Sequence[str] | None = None,
-                 tasks: Sequence[str] = ()) -> TaskManager:
+def task_manager(
+  include_path: str | Sequence[str] | None = None, tasks: Sequence[str] = ()
+) -> TaskManager:
   """The harness's task index with ``include_path`` added, built once per path.
 
   Indexing the harness's own thousands of task files takes seconds; when every one of
   ``tasks`` is defined under ``include_path``, only that path is indexed.
   """
-  paths = [] if not include_path else (
-      [include_path] if isinstance(include_path, str) else list(include_path))
+  paths = (
+    []
+    if not include_path
+    else ([include_path] if isinstance(include_path, str) else list(include_path))
+  )
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
-    raise FileNotFoundError(f"include_path {missing} does not exist: pass directories or "
-                            "YAML files of task definitions.")
+    raise FileNotFoundError(
+      f"include_path {missing} does not exist: pass directories or YAML files of task definitions."
+    )
   key = tuple(os.path.abspath(p) for p in paths)
   if key and tasks:
     own = _manager(key, False)
@@ -62,23 +68,41 @@ def check_tasks(names: Sequence[str], manager: TaskManager) -> list[str]:
   known = set(manager.all_tasks)
   unknown = [n for n in names if n not in known and not os.path.isfile(n)]
   if unknown:
-    raise ValueError(f"unknown task(s) {unknown}: not in the harness's index or the "
-                     "include path; list them with `lm_eval ls tasks`, or pass "
-                     "--include_path=DIR with their YAML files.")
+    raise ValueError(
+      f"unknown task(s) {unknown}: not in the harness's index or the "
+      "include path; list them with `lm_eval ls tasks`, or pass "
+      "--include_path=DIR with their YAML files."
+    )
   return names
 
 
-def run_tasks(lm: DiffjaxLM, tasks: Sequence[str], *, include_path=None,
-              limit: int | float | None = None, num_fewshot: int | None = None,
-              seed: int = 1234, log_samples: bool = False,
-              bootstrap_iters: int = 1000) -> dict[str, Any]:
+def run_tasks(
+  lm: DiffjaxLM,
+  tasks: Sequence[str],
+  *,
+  include_path=None,
+  limit: int | float | None = None,
+  num_fewshot: int | None = None,
+  seed: int = 1234,
+  log_samples: bool = False,
+  bootstrap_iters: int = 1000,
+) -> dict[str, Any]:
   """The harness's results dict (``results``, ``configs``, ``versions``, ...) of ``tasks``."""
   manager = task_manager(include_path, tasks)
   names = check_tasks(list(tasks), manager)
   results = evaluator.simple_evaluate(
-      model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-      log_samples=log_samples, bootstrap_iters=bootstrap_iters, random_seed=seed,
-      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    model=lm,
+    tasks=names,
+    num_fewshot=num_fewshot,
+    limit=limit,
+    task_manager=manager,
+    log_samples=log_samples,
+    bootstrap_iters=bootstrap_iters,
+    random_seed=seed,
+    numpy_random_seed=seed,
+    torch_random_seed=seed,
+    fewshot_random_seed=seed,
+  )
   if results is None:  # another rank in a multi-process harness run
     return {}
   return dict(results)
@@ -91,8 +115,11 @@ def harness_scalars(results: Mapping[str, Any]) -> dict[str, float]:
   for task, metrics in sorted((results.get("results") or {}).items()):
     for key, value in metrics.items():
       metric = key.split(",")[0]
-      if metric in ("alias", "sample_len") or "_stderr" in metric \
-          or not isinstance(value, (int, float)):
+      if (
+        metric in ("alias", "sample_len")
+        or "_stderr" in metric
+        or not isinstance(value, (int, float))
+      ):
         continue
       if isinstance(value, bool) or (isinstance(value, float) and math.isnan(value)):
         continue

@@ -38,8 +38,9 @@ def _to_rows(q_BxTxHxD: jax.Array, kv_heads: int) -> jax.Array:
   """[B, T, H, D] -> [B, K, G*T, D]: the G query heads of kv group k stacked as rows."""
   b, t, h, d = q_BxTxHxD.shape
   g = h // kv_heads
-  return q_BxTxHxD.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(
-      b, kv_heads, g * t, d)
+  return (
+    q_BxTxHxD.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+  )
 
 
 def _from_rows(o_BxKxRxD: jax.Array, t: int) -> jax.Array:
@@ -70,15 +71,22 @@ def _query_blocks(t: int, s: int, causal: bool) -> list[tuple[int, int, int]]:
   n = min(-(-t // Q_BLOCK), MAX_Q_BLOCKS)
   size = -(-t // n)
   offset = s - t  # queries are the last t of s positions
-  return [(t0, min(t, t0 + size), max(1, min(s, min(t, t0 + size) + offset)))
-          for t0 in range(0, t, size)]
+  return [
+    (t0, min(t, t0 + size), max(1, min(s, min(t, t0 + size) + offset))) for t0 in range(0, t, size)
+  ]
 
 
 def _visible(t: int, s: int, causal: bool, q_seg_T, kv_seg_S):
   """Boolean [T, S] for one batch row (None: everything visible): the reference's mask."""
-  m = build_mask(1, t, s, causal=causal,
-                 q_segment_ids_BxT=None if q_seg_T is None else q_seg_T[None],
-                 kv_segment_ids_BxS=None if kv_seg_S is None else kv_seg_S[None], mask=None)
+  m = build_mask(
+    1,
+    t,
+    s,
+    causal=causal,
+    q_segment_ids_BxT=None if q_seg_T is None else q_seg_T[None],
+    kv_segment_ids_BxS=None if kv_seg_S is None else kv_seg_S[None],
+    mask=None,
+  )
   return None if m is None else jnp.broadcast_to(m, (1, 1, t, s))[0, 0]
 
 
@@ -119,17 +127,20 @@ def _blocked(fn, rows, keys, visible_TxS, *, t: int, causal: bool):
   # The last block sees every key (e == s): it starts the key sums, the others add to
   # their prefix.
   for t0, t1, e in reversed(_query_blocks(t, s, causal)):
-    row_out, key_out = fn(tuple(_block(x, t, g, t0, t1) for x in rows),
-                          tuple(x if e == s else x[:, :e] for x in keys),
-                          _block_visible(visible_TxS, g, t0, t1, e))
+    row_out, key_out = fn(
+      tuple(_block(x, t, g, t0, t1) for x in rows),
+      tuple(x if e == s else x[:, :e] for x in keys),
+      _block_visible(visible_TxS, g, t0, t1, e),
+    )
     row_parts.append(row_out)
     if key_sums is None:
       key_sums = key_out
     else:
       key_sums = tuple(a.at[:, :e].add(b) for a, b in zip(key_sums, key_out))
   row_parts.reverse()
-  return tuple(_unblock([p[i] for p in row_parts], t, g)
-               for i in range(len(row_parts[0]))), key_sums
+  return tuple(
+    _unblock([p[i] for p in row_parts], t, g) for i in range(len(row_parts[0]))
+  ), key_sums
 
 
 def _scores(q_KxRxD, k_KxSxD, visible, scale):
@@ -155,17 +166,20 @@ def _probs(q_KxRxD, k_KxSxD, visible, scale):
 
 
 def _apply(p_KxRxS, v_KxSxDv):
-  return jnp.einsum("krs,ksd->krd", p_KxRxS.astype(v_KxSxDv.dtype), v_KxSxDv,
-                    preferred_element_type=p_KxRxS.dtype)
+  return jnp.einsum(
+    "krs,ksd->krd", p_KxRxS.astype(v_KxSxDv.dtype), v_KxSxDv, preferred_element_type=p_KxRxS.dtype
+  )
 
 
 def _grad_matmuls(ds_KxRxS, q_KxRxD, k_KxSxD):
   """dQ = dS K and dK = dS^T Q, float32 (float64)."""
   acc = ds_KxRxS.dtype
-  dq = jnp.einsum("krs,ksd->krd", ds_KxRxS.astype(k_KxSxD.dtype), k_KxSxD,
-                  preferred_element_type=acc)
-  dk = jnp.einsum("krs,krd->ksd", ds_KxRxS.astype(q_KxRxD.dtype), q_KxRxD,
-                  preferred_element_type=acc)
+  dq = jnp.einsum(
+    "krs,ksd->krd", ds_KxRxS.astype(k_KxSxD.dtype), k_KxSxD, preferred_element_type=acc
+  )
+  dk = jnp.einsum(
+    "krs,krd->ksd", ds_KxRxS.astype(q_KxRxD.dtype), q_KxRxD, preferred_element_type=acc
+  )
   return dq, dk
 
 
@@ -216,8 +230,7 @@ def _pair_backward(rows, keys, visible, *, scale):
   c = jnp.asarray(scale, acc)
   dq1, dk1 = _grad_matmuls(p1 * (dp - d1[..., None]) * c, q1, k1)
   dq2, dk2 = _grad_matmuls(-lam * p2 * (dp - d2[..., None]) * c, q2, k2)
-  dv = jnp.einsum("krs,krd->ksd", (p1 - lam * p2).astype(do.dtype), do,
-                  preferred_element_type=acc)
+  dv = jnp.einsum("krs,krd->ksd", (p1 - lam * p2).astype(do.dtype), do, preferred_element_type=acc)
   return (dq1, dq2, -d2), (dk1, dk2, dv)
 
 
@@ -238,7 +251,7 @@ def _over_batch(fn, rows, keys, q_seg, kv_seg, *, t, causal, maps):
   nr, nk = len(rows), len(keys)
 
   def one(a):
-    r, k, seg = a[:nr], a[nr:nr + nk], a[nr + nk:]
+    r, k, seg = a[:nr], a[nr : nr + nk], a[nr + nk :]
     visible = _visible(t, k[0].shape[1], causal, *(seg if seg else (None, None)))
     return _blocked(fn, r, k, visible, t=t, causal=causal)
 
@@ -252,21 +265,35 @@ def _cast_like(grads, like):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale):
-  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal,
-                     scale)[0]
+  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale)[0]
 
 
 def _attend_fwd(q, k, v, q_seg, kv_seg, t, causal, scale):
-  (o, lse), _ = _over_batch(functools.partial(_single_forward, scale=scale), (q,), (k, v),
-                            q_seg, kv_seg, t=t, causal=causal, maps=1)
+  (o, lse), _ = _over_batch(
+    functools.partial(_single_forward, scale=scale),
+    (q,),
+    (k, v),
+    q_seg,
+    kv_seg,
+    t=t,
+    causal=causal,
+    maps=1,
+  )
   return o, (q, k, v, q_seg, kv_seg, o, lse)
 
 
 def _attend_bwd(t, causal, scale, res, do):
   q, k, v, q_seg, kv_seg, o, lse = res
-  (dq,), (dk, dv) = _over_batch(functools.partial(_single_backward, scale=scale),
-                                (q, o, lse, do), (k, v), q_seg, kv_seg, t=t, causal=causal,
-                                maps=1)
+  (dq,), (dk, dv) = _over_batch(
+    functools.partial(_single_backward, scale=scale),
+    (q, o, lse, do),
+    (k, v),
+    q_seg,
+    kv_seg,
+    t=t,
+    causal=causal,
+    maps=1,
+  )
   return (*_cast_like((dq, dk, dv), (q, k, v)), None, None)
 
 
@@ -279,76 +306,176 @@ def _attend_pair(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
 
 
 def _attend_pair_fwd(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
-  (o, lse1, lse2), _ = _over_batch(functools.partial(_pair_forward, scale=scale),
-                                   (q1, q2, lam), (k1, k2, v), q_seg, kv_seg, t=t,
-                                   causal=causal, maps=2)
+  (o, lse1, lse2), _ = _over_batch(
+    functools.partial(_pair_forward, scale=scale),
+    (q1, q2, lam),
+    (k1, k2, v),
+    q_seg,
+    kv_seg,
+    t=t,
+    causal=causal,
+    maps=2,
+  )
   return o, (q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2)
 
 
 def _attend_pair_bwd(t, causal, scale, res, do):
   q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2 = res
   (dq1, dq2, dlam), (dk1, dk2, dv) = _over_batch(
-      functools.partial(_pair_backward, scale=scale), (q1, q2, lam, lse1, lse2, do),
-      (k1, k2, v), q_seg, kv_seg, t=t, causal=causal, maps=2)
+    functools.partial(_pair_backward, scale=scale),
+    (q1, q2, lam, lse1, lse2, do),
+    (k1, k2, v),
+    q_seg,
+    kv_seg,
+    t=t,
+    causal=causal,
+    maps=2,
+  )
   return (*_cast_like((dq1, dq2, dlam, dk1, dk2, dv), (q1, q2, lam, k1, k2, v)), None, None)
 
 
 _attend_pair.defvjp(_attend_pair_fwd, _attend_pair_bwd)
 
 
-def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_segment_ids,
-               scale) -> jax.Array:
+def _attention(
+  q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_segment_ids, scale
+) -> jax.Array:
   """softmax(q k^T scale) V for each query head and its kv group: [B, T, H, Dv]."""
   t, kv = q_BxTxHxD.shape[1], k_BxSxKxD.shape[2]
-  o = _attend(_to_rows(q_BxTxHxD, kv), _head_major(k_BxSxKxD), _head_major(v_BxSxKxDv),
-              q_segment_ids, kv_segment_ids, t, bool(causal), float(scale))
+  o = _attend(
+    _to_rows(q_BxTxHxD, kv),
+    _head_major(k_BxSxKxD),
+    _head_major(v_BxSxKxDv),
+    q_segment_ids,
+    kv_segment_ids,
+    t,
+    bool(causal),
+    float(scale),
+  )
   return _from_rows(o, t)
 
 
-def _pair_attention(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_BxTxH, *,
-                    causal, q_segment_ids, kv_segment_ids, scale) -> jax.Array:
+def _pair_attention(
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_BxTxH,
+  *,
+  causal,
+  q_segment_ids,
+  kv_segment_ids,
+  scale,
+) -> jax.Array:
   """``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V`` per head: [B, T, H, Dv]."""
   t, kv = q1_BxTxHxD.shape[1], k1_BxSxKxD.shape[2]
   acc = accumulation_dtype(q1_BxTxHxD.dtype)
   lam_rows = _to_rows(lam_BxTxH.astype(acc)[..., None], kv)[..., 0]  # [B, K, G*T]
-  o = _attend_pair(_to_rows(q1_BxTxHxD, kv), _to_rows(q2_BxTxHxD, kv), lam_rows,
-                   _head_major(k1_BxSxKxD), _head_major(k2_BxSxKxD), _head_major(v_BxSxKxDv),
-                   q_segment_ids, kv_segment_ids, t, bool(causal), float(scale))
+  o = _attend_pair(
+    _to_rows(q1_BxTxHxD, kv),
+    _to_rows(q2_BxTxHxD, kv),
+    lam_rows,
+    _head_major(k1_BxSxKxD),
+    _head_major(k2_BxSxKxD),
+    _head_major(v_BxSxKxDv),
+    q_segment_ids,
+    kv_segment_ids,
+    t,
+    bool(causal),
+    float(scale),
+  )
   return _from_rows(o, t)
 
 
-def mha_xla_cpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal=True, q_segment_ids=None,
-            kv_segment_ids=None, scale=None, block_sizes=None, interpret=False) -> jax.Array:
+def mha_xla_cpu(
+  q_BxTxHxD,
+  k_BxSxKxD,
+  v_BxSxKxDv,
+  *,
+  causal=True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale=None,
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
   """Baseline attention; arguments as :func:`diffjax.ops.dot_product_attention`'s kernels."""
   del block_sizes, interpret
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
   scale = _v.default_scale(scale, q_BxTxHxD.shape[-1])
-  return _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, causal=causal,
-                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale)
+  return _attention(
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxDv,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=scale,
+  )
 
 
-def diff_v1_xla_cpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
-                causal=True, q_segment_ids=None, kv_segment_ids=None, scale=None,
-                block_sizes=None, interpret=False) -> jax.Array:
+def diff_v1_xla_cpu(
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal=True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale=None,
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
   """DIFF V1 core ``(A(q1, k1) - λ_h A(q2, k2)) V``, before the per-head norm."""
   del block_sizes, interpret
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   b, t, h, d = q1_BxTxHxD.shape
   lam_BxTxH = jnp.broadcast_to(jnp.asarray(lam_H), (b, t, h))
-  return _pair_attention(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                         lam_BxTxH, causal=causal, q_segment_ids=q_segment_ids,
-                         kv_segment_ids=kv_segment_ids, scale=_v.default_scale(scale, d))
+  return _pair_attention(
+    q1_BxTxHxD,
+    q2_BxTxHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_BxTxH,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=_v.default_scale(scale, d),
+  )
 
 
-def diff_v2_xla_cpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal=True,
-                q_segment_ids=None, kv_segment_ids=None, scale=None, block_sizes=None,
-                interpret=False) -> jax.Array:
+def diff_v2_xla_cpu(
+  q_BxTxQxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal=True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale=None,
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
   """DIFF V2 core on paired query heads: ``(A(q_2i) - λ_i A(q_2i+1)) V``."""
   del block_sizes, interpret
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, q_heads, d = q_BxTxQxD.shape
   q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
-  return _pair_attention(q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1], k_BxSxKxD,
-                         k_BxSxKxD, v_BxSxKxD, lam_BxTxH, causal=causal,
-                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                         scale=_v.default_scale(scale, d))
+  return _pair_attention(
+    q_BxTxHx2xD[:, :, :, 0],
+    q_BxTxHx2xD[:, :, :, 1],
+    k_BxSxKxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxTxH,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=_v.default_scale(scale, d),
+  )

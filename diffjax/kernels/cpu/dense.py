@@ -39,7 +39,7 @@ def _rows_matmul_fwd(x_NxC, w, w_transposed):
 
 def _rows_matmul_bwd(w_transposed, res, dy_NxO):
   x_NxC, w = res
-  dx = _mm(dy_NxO, w, 1, 0 if w_transposed else 1)               # [N, C]
+  dx = _mm(dy_NxO, w, 1, 0 if w_transposed else 1)  # [N, C]
   dw = _mm(dy_NxO, x_NxC, 0, 0) if w_transposed else _mm(x_NxC, dy_NxO, 0, 0)
   return dx.astype(x_NxC.dtype), dw.astype(w.dtype)
 
@@ -47,8 +47,9 @@ def _rows_matmul_bwd(w_transposed, res, dy_NxO):
 _rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
 
 
-def project(x: jax.Array, w: jax.Array, n_contract: int, *, w_transposed: bool = False
-            ) -> jax.Array:
+def project(
+  x: jax.Array, w: jax.Array, n_contract: int, *, w_transposed: bool = False
+) -> jax.Array:
   """``y[..., O...] = sum_C x[..., C...] w[C..., O...]`` through row-major 2-D matmuls.
 
   Args:
@@ -60,7 +61,7 @@ def project(x: jax.Array, w: jax.Array, n_contract: int, *, w_transposed: bool =
   """
   if x.dtype != w.dtype:
     raise ValueError(f"project needs one dtype; got x {x.dtype} and w {w.dtype}.")
-  lead, contracted = x.shape[:x.ndim - n_contract], x.shape[x.ndim - n_contract:]
+  lead, contracted = x.shape[: x.ndim - n_contract], x.shape[x.ndim - n_contract :]
   c = math.prod(contracted)
   if w_transposed:
     if w.ndim != 2 or n_contract != 1 or w.shape[1] != c:

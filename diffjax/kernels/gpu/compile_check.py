@@ -52,6 +52,7 @@ class Case:
     segments: segment ids passed (training ops only).
     batch, seq, kv_heads: shapes; decode reads a cache of ``seq`` slots.
   """
+
   op: str
   d: int
   group: int
@@ -75,8 +76,10 @@ class Case:
 
   def label(self) -> str:
     seg = " seg" if self.segments else ""
-    return (f"{self.op} d{self.d} g{self.group} {self.dtype[:4]}{seg} "
-            f"B{self.batch} T{self.seq} H{self.heads}")
+    return (
+      f"{self.op} d{self.d} g{self.group} {self.dtype[:4]}{seg} "
+      f"B{self.batch} T{self.seq} H{self.heads}"
+    )
 
 
 PAPER_3B = dict(batch=1, seq=4096, kv_heads=12)  # 12 DIFF heads (24 for V2's query heads)
@@ -87,19 +90,20 @@ def cases(scope: str = "default") -> list[Case]:
   """The cases of ``scope`` ("default" or "full")."""
   if scope not in SCOPES:
     raise ValueError(f"scope={scope!r} must be one of {SCOPES}.")
-  out = [Case("diff_v1", 128, 1, "bfloat16", True, **PAPER_3B),
-         Case("diff_v2", 128, 1, "bfloat16", True, **PAPER_3B),
-         Case("diff_v1_decode", 128, 1, "bfloat16", False, batch=8, seq=4096, kv_heads=12)]
+  out = [
+    Case("diff_v1", 128, 1, "bfloat16", True, **PAPER_3B),
+    Case("diff_v2", 128, 1, "bfloat16", True, **PAPER_3B),
+    Case("diff_v1_decode", 128, 1, "bfloat16", False, batch=8, seq=4096, kv_heads=12),
+  ]
   if scope == "widths":  # the presets' kernels at every head dim
     for op, d in itertools.product(("diff_v1", "diff_v2"), (64, 80, 96)):
       out.append(Case(op, d, 1, "bfloat16", True))
   if scope == "full":
     for op, d, group, dtype, seg in itertools.product(
-        ("diff_v1", "diff_v2"), (64, 80, 96, 128), (1, 3), ("bfloat16", "float16"),
-        (True, False)):
+      ("diff_v1", "diff_v2"), (64, 80, 96, 128), (1, 3), ("bfloat16", "float16"), (True, False)
+    ):
       out.append(Case(op, d, group, dtype, seg))
-    for d, group, dtype in itertools.product((64, 80, 96, 128), (1, 3),
-                                             ("bfloat16", "float16")):
+    for d, group, dtype in itertools.product((64, 80, 96, 128), (1, 3), ("bfloat16", "float16")):
       out.append(Case("diff_v1_decode", d, group, dtype, False, batch=4, seq=1024))
   return list(dict.fromkeys(out))
 
@@ -116,18 +120,24 @@ def _program(case: Case, devices):
   if case.op == "diff_v1_decode":
     q, k, v = arr((b, 1, h, d)), arr((b, t, kh, d)), arr((b, t, kh, case.dv))
     fn = lambda q1, q2, k1, k2, v, lam, n: mosaic_decode.diff_v1_decode_pallas_gpu(
-        q1, q2, k1, k2, v, lam, n)
+      q1, q2, k1, k2, v, lam, n
+    )
     return jax.jit(fn), (q, q, k, k, v, arr((h,), jnp.float32), arr((b,), jnp.int32))
   if case.op == "diff_v1":
     q, k, v = arr((b, t, h, d)), arr((b, t, kh, d)), arr((b, t, kh, case.dv))
-    loss = lambda q1, q2, k1, k2, v, lam, ids: mosaic.diff_v1_pallas_gpu(
-        q1, q2, k1, k2, v, lam, q_segment_ids=ids, kv_segment_ids=ids).astype(
-            jnp.float32).sum()
+    loss = lambda q1, q2, k1, k2, v, lam, ids: (
+      mosaic.diff_v1_pallas_gpu(q1, q2, k1, k2, v, lam, q_segment_ids=ids, kv_segment_ids=ids)
+      .astype(jnp.float32)
+      .sum()
+    )
     args, argnums = (q, q, k, k, v, arr((h,), jnp.float32), ids), (0, 1, 2, 3, 4, 5)
   else:
     q, k, v = arr((b, t, 2 * h, d)), arr((b, t, kh, d)), arr((b, t, kh, d))
-    loss = lambda q, k, v, lam, ids: mosaic.diff_v2_pallas_gpu(
-        q, k, v, lam, q_segment_ids=ids, kv_segment_ids=ids).astype(jnp.float32).sum()
+    loss = lambda q, k, v, lam, ids: (
+      mosaic.diff_v2_pallas_gpu(q, k, v, lam, q_segment_ids=ids, kv_segment_ids=ids)
+      .astype(jnp.float32)
+      .sum()
+    )
     args, argnums = (q, k, v, arr((b, t, h), jnp.float32), ids), (0, 1, 2, 3)
   return jax.jit(jax.grad(loss, argnums=argnums)), args
 
@@ -141,20 +151,23 @@ def model_smem(case: Case, kernel: str) -> int:
   """The tiling model's shared memory for ``kernel`` of ``case``."""
   itemsize = jnp.dtype(case.dtype).itemsize
   if kernel == "decode":
-    return mosaic_decode.decode_smem_bytes(case.d, case.dv, mosaic_decode.decode_stages(
-        case.d, case.dv, itemsize), itemsize)
-  blocks = mosaic_tiles.MosaicBlockSizes.default(case.d, case.dv, case.variant,
-                                                 case.segments, itemsize)
+    return mosaic_decode.decode_smem_bytes(
+      case.d, case.dv, mosaic_decode.decode_stages(case.d, case.dv, itemsize), itemsize
+    )
+  blocks = mosaic_tiles.MosaicBlockSizes.default(
+    case.d, case.dv, case.variant, case.segments, itemsize
+  )
   if kernel == "forward":
-    return mosaic_tiles.forward_smem_bytes(case.d, case.dv, blocks.block_kv, blocks.stages,
-                                           case.variant, case.segments, itemsize)
-  return mosaic_tiles.backward_smem_bytes(case.d, case.dv, blocks.bwd_stages,
-                                          blocks.dq_parts, case.variant, case.segments,
-                                          itemsize)
+    return mosaic_tiles.forward_smem_bytes(
+      case.d, case.dv, blocks.block_kv, blocks.stages, case.variant, case.segments, itemsize
+    )
+  return mosaic_tiles.backward_smem_bytes(
+    case.d, case.dv, blocks.bwd_stages, blocks.dq_parts, case.variant, case.segments, itemsize
+  )
 
 
 def kernel_role(name: str) -> str:
-  """"forward", "backward" or "decode" from a Mosaic GPU kernel's name."""
+  """ "forward", "backward" or "decode" from a Mosaic GPU kernel's name."""
   for role, suffix in _NAMES.items():
     if name.endswith(suffix):
       return role
@@ -164,6 +177,7 @@ def kernel_role(name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One compiled kernel of one case."""
+
   case: Case
   kernel: str
   report: ptxas.KernelReport
@@ -172,10 +186,15 @@ class Row:
   model_registers: int | None
 
   def as_dict(self) -> dict:
-    return {"case": dataclasses.asdict(self.case), "label": self.case.label(),
-            "kernel": self.kernel, **dataclasses.asdict(self.report),
-            "model_smem": self.model_smem, "smem_limit": self.smem_limit,
-            "model_registers": self.model_registers}
+    return {
+      "case": dataclasses.asdict(self.case),
+      "label": self.case.label(),
+      "kernel": self.kernel,
+      **dataclasses.asdict(self.report),
+      "model_smem": self.model_smem,
+      "smem_limit": self.smem_limit,
+      "model_registers": self.model_registers,
+    }
 
 
 def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[Row], dict]:
@@ -201,32 +220,44 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
       reports.update({r.digest: r for r in new_reports})
     for k in kernels:
       role = kernel_role(k.name)
-      regs = (mosaic_tiles.backward_registers(case.d, case.dv) if role == "backward"
-              else None)
-      rows.append(Row(case, role, reports[k.digest], model_smem(case, role),
-                      tgt.smem_per_block, regs))
+      regs = mosaic_tiles.backward_registers(case.d, case.dv) if role == "backward" else None
+      rows.append(
+        Row(case, role, reports[k.digest], model_smem(case, role), tgt.smem_per_block, regs)
+      )
     if log is not None:
-      for r in rows[-len(kernels):]:
+      for r in rows[-len(kernels) :]:
         rep = r.report
-        log(f"{case.label()} {r.kernel}: {rep.registers} registers, spills "
-            f"{rep.spill_stores}/{rep.spill_loads}, stack {rep.stack_bytes}, smem "
-            f"{rep.smem_bytes} (model {r.model_smem}); {time.perf_counter() - t0:.0f} s")
-  stats = {"cases": len(case_list), "kernels": len(rows), "distinct": len(reports),
-           "lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1),
-           "total_s": round(time.perf_counter() - t0, 1), "target": tgt.name,
-           "jax": jax.__version__}
+        log(
+          f"{case.label()} {r.kernel}: {rep.registers} registers, spills "
+          f"{rep.spill_stores}/{rep.spill_loads}, stack {rep.stack_bytes}, smem "
+          f"{rep.smem_bytes} (model {r.model_smem}); {time.perf_counter() - t0:.0f} s"
+        )
+  stats = {
+    "cases": len(case_list),
+    "kernels": len(rows),
+    "distinct": len(reports),
+    "lower_s": round(lower_s, 1),
+    "compile_s": round(compile_s, 1),
+    "total_s": round(time.perf_counter() - t0, 1),
+    "target": tgt.name,
+    "jax": jax.__version__,
+  }
   return rows, stats
 
 
 def markdown(rows: list[Row]) -> str:
   """The table of registers, spills and shared memory per kernel and case."""
-  lines = ["| case | kernel | registers | spill stores / loads (bytes) | shared memory "
-           "(model) / limit |", "|---|---|---|---|---|"]
+  lines = [
+    "| case | kernel | registers | spill stores / loads (bytes) | shared memory (model) / limit |",
+    "|---|---|---|---|---|",
+  ]
   for r in rows:
     rep = r.report
-    lines.append(f"| {r.case.label()} | {r.kernel} | {rep.registers} | {rep.spill_stores} / "
-                 f"{rep.spill_loads} | {rep.smem_bytes:,} ({r.model_smem:,}) / "
-                 f"{r.smem_limit:,} |")
+    lines.append(
+      f"| {r.case.label()} | {r.kernel} | {rep.registers} | {rep.spill_stores} / "
+      f"{rep.spill_loads} | {rep.smem_bytes:,} ({r.model_smem:,}) / "
+      f"{r.smem_limit:,} |"
+    )
   return "\n".join(lines)
 
 
@@ -238,8 +269,10 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   tgt = targets.get(a.target)
   if not tgt.hopper:
-    print(f"{tgt.name}: sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]} is not a "
-          "Hopper; the dispatcher runs the stock path there and compiles no kernel of ours.")
+    print(
+      f"{tgt.name}: sm_{tgt.compute_capability[0]}{tgt.compute_capability[1]} is not a "
+      "Hopper; the dispatcher runs the stock path there and compiles no kernel of ours."
+    )
     return 0
   rows, stats = check(cases(a.scope), a.target, log=lambda m: print(m, file=sys.stderr))
   if a.json:

@@ -14,8 +14,17 @@ import jax.numpy as jnp
 from diffjax.core import reference as ref
 
 
-def diff_v1_decode_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                             lam_H, kv_len_B, *, scale: float | None = None) -> jax.Array:
+def diff_v1_decode_reference(
+  q1_Bx1xHxD,
+  q2_Bx1xHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  kv_len_B,
+  *,
+  scale: float | None = None,
+) -> jax.Array:
   """Plain-JAX decode: the reference masked by ``kv_len_B`` (clipped to [0, S]).
 
   Returns [B, 1, H, Dv] in the dtype of q1.
@@ -23,5 +32,14 @@ def diff_v1_decode_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_B
   s = k1_BxSxKxD.shape[1]
   kv_len_B = jnp.clip(jnp.asarray(kv_len_B, jnp.int32), 0, s)
   mask_Bx1x1xS = (jnp.arange(s)[None, :] < kv_len_B[:, None])[:, None, None, :]
-  return ref.diff_v1_reference(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                               lam_H, causal=False, mask=mask_Bx1x1xS, scale=scale)
+  return ref.diff_v1_reference(
+    q1_Bx1xHxD,
+    q2_Bx1xHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_H,
+    causal=False,
+    mask=mask_Bx1x1xS,
+    scale=scale,
+  )

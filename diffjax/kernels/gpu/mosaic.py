@@ -38,8 +38,18 @@ def _pair_bwd(cfg, res, do):
   qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse_a, lse_b = res
   d_a, d_b = pc.row_terms(do, o, o2, lam_BxHxT)
   rows = jnp.stack([lse_a, lse_b, d_a, d_b, lam_BxHxT], axis=2)
-  dqs, dks, dvv = mb.backward(cfg, qs, ks, v, do.astype(v.dtype), rows, q_seg, kv_seg,
-                              stages=cfg.bwd_stages, dq_parts=cfg.dq_parts)
+  dqs, dks, dvv = mb.backward(
+    cfg,
+    qs,
+    ks,
+    v,
+    do.astype(v.dtype),
+    rows,
+    q_seg,
+    kv_seg,
+    stages=cfg.bwd_stages,
+    dq_parts=cfg.dq_parts,
+  )
   dqs = tuple(dq.astype(q.dtype) for dq, q in zip(dqs, qs))
   if cfg.variant == "v2":
     dks = ((dks[0] + dks[1]).astype(ks[0].dtype),)
@@ -49,21 +59,34 @@ def _pair_bwd(cfg, res, do):
 _pair.defvjp(_pair_fwd, _pair_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks",
-                                             "interpret"))
-def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks,
-            interpret):
+@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret"))
+def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret):
   t, s = qs[0].shape[1], ks[0].shape[1]
   tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, blocks.block_kv)
-  cfg = mc.MosaicConfig(variant=variant, causal=causal, scale=scale, q_len=t, kv_len=s,
-                        group=lam_BxHxT.shape[1] // ks[0].shape[2],
-                        segments=q_seg is not None, block_kv=blocks.block_kv,
-                        stages=blocks.stages, interpret=interpret,
-                        bwd_stages=blocks.bwd_stages, dq_parts=blocks.dq_parts)
+  cfg = mc.MosaicConfig(
+    variant=variant,
+    causal=causal,
+    scale=scale,
+    q_len=t,
+    kv_len=s,
+    group=lam_BxHxT.shape[1] // ks[0].shape[2],
+    segments=q_seg is not None,
+    block_kv=blocks.block_kv,
+    stages=blocks.stages,
+    interpret=interpret,
+    bwd_stages=blocks.bwd_stages,
+    dq_parts=blocks.dq_parts,
+  )
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  out = _pair(tuple(pc.pad_axis(q, 1, tp) for q in qs),
-              tuple(pc.pad_axis(k, 1, sp) for k in ks), pc.pad_axis(v, 1, sp),
-              pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp), q_seg, kv_seg, cfg)
+  out = _pair(
+    tuple(pc.pad_axis(q, 1, tp) for q in qs),
+    tuple(pc.pad_axis(k, 1, sp) for k in ks),
+    pc.pad_axis(v, 1, sp),
+    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
+    q_seg,
+    kv_seg,
+    cfg,
+  )
   return out[:, :t]
 
 
@@ -73,18 +96,28 @@ def _blocks(variant, qs, ks, v, q_seg, block_sizes):
   itemsize = jnp.dtype(qs[0].dtype).itemsize
   segments = q_seg is not None
   blocks = _v.resolve_fields(
-      block_sizes, tiles.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
-      tiles.MosaicBlockSizes)
+    block_sizes,
+    tiles.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
+    tiles.MosaicBlockSizes,
+  )
   return blocks.resolved(d, dv, variant, segments, itemsize)
 
 
 def diff_v1_pallas_gpu(
-    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, *,
-    causal: bool = True, q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-    block_sizes: tiles.MosaicBlockSizes | dict | None = None,
-    interpret: bool = False) -> jax.Array:
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: tiles.MosaicBlockSizes | dict | None = None,
+  interpret: bool = False,
+) -> jax.Array:
   """Fused DIFF V1 attention core (before the per-head norm) on Mosaic GPU, differentiable.
 
   Args:
@@ -112,18 +145,36 @@ def diff_v1_pallas_gpu(
   qs, ks = (q1_BxTxHxD, q2_BxTxHxD), (k1_BxSxKxD, k2_BxSxKxD)
   blocks = _blocks("v1", qs, ks, v_BxSxKxDv, q_seg, block_sizes)
   lam_BxHxT = jnp.broadcast_to(
-      jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t))
-  return _padded(qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, variant="v1",
-                 causal=bool(causal), scale=_v.default_scale(scale, d), blocks=blocks,
-                 interpret=bool(interpret))
+    jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
+  )
+  return _padded(
+    qs,
+    ks,
+    v_BxSxKxDv,
+    lam_BxHxT,
+    q_seg,
+    kv_seg,
+    variant="v1",
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=bool(interpret),
+  )
 
 
 def diff_v2_pallas_gpu(
-    q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
-    lam_BxTxH: jax.Array, *, causal: bool = True, q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-    block_sizes: tiles.MosaicBlockSizes | dict | None = None,
-    interpret: bool = False) -> jax.Array:
+  q_BxTxQxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_BxTxH: jax.Array,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: tiles.MosaicBlockSizes | dict | None = None,
+  interpret: bool = False,
+) -> jax.Array:
   """Fused DIFF V2 attention on paired query heads on Mosaic GPU, differentiable.
 
   Args:
@@ -142,9 +193,19 @@ def diff_v2_pallas_gpu(
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes)
   lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
-  return _padded((q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxHxT, q_seg, kv_seg,
-                 variant="v2", causal=bool(causal), scale=_v.default_scale(scale, d),
-                 blocks=blocks, interpret=bool(interpret)).astype(q_BxTxQxD.dtype)
+  return _padded(
+    (q_BxTxQxD,),
+    (k_BxSxKxD,),
+    v_BxSxKxD,
+    lam_BxHxT,
+    q_seg,
+    kv_seg,
+    variant="v2",
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=bool(interpret),
+  ).astype(q_BxTxQxD.dtype)
 
 
 # The context-parallel ring (diffjax.ops.ring) runs these kernels per key block through

@@ -68,10 +68,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.kernels.gpu.mosaic_common import (
-    BLOCK_Q, COMPUTE_WGS, MosaicConfig, accumulate, barriers, bcast_cols, bcast_rows, col,
-    pair_refs, producer_ring, product, row, run_warpgroups, scratch_refs, smem_transforms)
+  BLOCK_Q,
+  COMPUTE_WGS,
+  MosaicConfig,
+  accumulate,
+  barriers,
+  bcast_cols,
+  bcast_rows,
+  col,
+  pair_refs,
+  producer_ring,
+  product,
+  row,
+  run_warpgroups,
+  scratch_refs,
+  smem_transforms,
+)
 from diffjax.kernels.gpu.mosaic_tiles import (
-    BLOCK_KV_BWD, BWD_Q_SUB, ROWS, bwd_swizzle_cap, value_split)
+  BLOCK_KV_BWD,
+  BWD_Q_SUB,
+  ROWS,
+  bwd_swizzle_cap,
+  value_split,
+)
 from diffjax.kernels.gpu.pair_common import LOG2E, NEG, q_blocks
 
 
@@ -93,8 +112,7 @@ def _mask_scores_t(cfg: MosaicConfig, s_t, q_start, kv_start, qseg=None, kvseg=N
   return jnp.where(bcast_rows(kpos < cfg.kv_len, s_t.shape), s_t, NEG)
 
 
-def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: int,
-             dq_parts: int):
+def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: int, dq_parts: int):
   """All gradients of the pair on padded inputs.
 
   Args:
@@ -136,9 +154,27 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     dqa_ref = next(it)
     dqb_ref = next(it) if v1 else dqa_ref
     dka_ref, dkb_ref, dv_ref = next(it), next(it), next(it)
-    (k_smem, v_smem, q_smem, do_smem, rows_smem, qseg_smem, kvseg_smem, xdp_smem,
-     xp_smem, dq_smem, zero_smem, res_bar, q_bar, do_bar, row_bar, qseg_bar, consumed, x_bar,
-     r_bar) = it
+    (
+      k_smem,
+      v_smem,
+      q_smem,
+      do_smem,
+      rows_smem,
+      qseg_smem,
+      kvseg_smem,
+      xdp_smem,
+      xp_smem,
+      dq_smem,
+      zero_smem,
+      res_bar,
+      q_bar,
+      do_bar,
+      row_bar,
+      qseg_bar,
+      consumed,
+      x_bar,
+      r_bar,
+    ) = it
 
     kvh = lax.axis_index("kv_heads")
     kv_start = lax.axis_index("kv_seq") * bk
@@ -213,8 +249,9 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
           # the swap, and dV is accumulated before dP is formed.
           plgpu.barrier_arrive(x_bar)
           plgpu.barrier_wait(x_bar)
-          p_comb = (tile(xp_smem.at[0, :, cols]).astype(jnp.float32)
-                    - tile(xp_smem.at[1, :, cols]).astype(jnp.float32))  # P_a - lam P_b
+          p_comb = tile(xp_smem.at[0, :, cols]).astype(jnp.float32) - tile(
+            xp_smem.at[1, :, cols]
+          ).astype(jnp.float32)  # P_a - lam P_b
           dv_acc = accumulate(dv_acc, p_comb.astype(dtype), do_q.at[cols], cfg)
           dp_t = tile(xdp_smem.at[0]) + tile(xdp_smem.at[1])
           plgpu.barrier_arrive(r_bar)
@@ -228,17 +265,21 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
         for part in range(dq_parts):
           # dQ = dS K one column chunk at a time: q_width / 2 accumulator registers
           # a thread next to dK and dV.
-          dq = product((bq, q_width), xp_smem.at[w + zero].transpose((1, 0)),
-                        k_w.at[:, pl.ds(part * q_width, q_width)])
+          dq = product(
+            (bq, q_width),
+            xp_smem.at[w + zero].transpose((1, 0)),
+            k_w.at[:, pl.ds(part * q_width, q_width)],
+          )
           if part + 1 == dq_parts:
             plgpu.barrier_arrive(consumed.at[slot])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           dq_smem[w] = dq
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
-              dq_smem.at[w],
-              dq_out.at[bi, pl.ds(q_start, bq), head, pl.ds(part * q_width, q_width)],
-              reduction_op="add")
+            dq_smem.at[w],
+            dq_out.at[bi, pl.ds(q_start, bq), head, pl.ds(part * q_width, q_width)],
+            reduction_op="add",
+          )
         return dk, dv_acc
 
       # One loop over every (head, query block) the CTA visits, in the producer's
@@ -248,8 +289,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
         hl = lax.div(n, per_head)
         return step(n, carry, hl, i_start + lax.rem(n, per_head), masked)
 
-      zeros = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32),
-                                          plgpu.Layout.WGMMA)
+      zeros = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv_acc = lax.fori_loop(0, total, visit, (zeros(d), zeros(width_w)))
       dv_ref[(*keys, pl.ds(starts[w], width_w))] = dv_acc.astype(dv_ref.dtype)
       dk_ref = dka_ref if w == 0 else dkb_ref
@@ -262,11 +302,11 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       if v1:
         plgpu.copy_gmem_to_smem(kb_ref.at[keys], k_smem.at[1], res_bar.at[1])
       for w in range(COMPUTE_WGS):
-        plgpu.copy_gmem_to_smem(v_ref.at[(*keys, pl.ds(starts[w], widths[w]))],
-                                v_smem[w].at[0], res_bar.at[2 + w])
+        plgpu.copy_gmem_to_smem(
+          v_ref.at[(*keys, pl.ds(starts[w], widths[w]))], v_smem[w].at[0], res_bar.at[2 + w]
+        )
       if cfg.segments:
-        plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(kv_start, bk)], kvseg_smem,
-                                res_bar.at[4])
+        plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(kv_start, bk)], kvseg_smem, res_bar.at[4])
 
       def load(n, slot):
         hl = lax.div(n, per_head)
@@ -274,16 +314,21 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
         rows_q = pl.ds(i * bq, bq)
         for w in range(COMPUTE_WGS):
           q_ref, head = q_head(hl, w)
-          plgpu.copy_gmem_to_smem(q_ref.at[bi, rows_q, head], q_smem[w].at[slot],
-                                  q_bar.at[w * stages + slot])
           plgpu.copy_gmem_to_smem(
-              do_ref.at[bi, rows_q, kvh * g + hl, pl.ds(starts[w], widths[w])],
-              do_smem[w].at[slot], do_bar.at[w * stages + slot])
-        plgpu.copy_gmem_to_smem(rows_ref.at[bi, kvh * g + hl, pl.ds(0, ROWS), rows_q],
-                                rows_smem.at[slot], row_bar.at[slot])
+            q_ref.at[bi, rows_q, head], q_smem[w].at[slot], q_bar.at[w * stages + slot]
+          )
+          plgpu.copy_gmem_to_smem(
+            do_ref.at[bi, rows_q, kvh * g + hl, pl.ds(starts[w], widths[w])],
+            do_smem[w].at[slot],
+            do_bar.at[w * stages + slot],
+          )
+        plgpu.copy_gmem_to_smem(
+          rows_ref.at[bi, kvh * g + hl, pl.ds(0, ROWS), rows_q],
+          rows_smem.at[slot],
+          row_bar.at[slot],
+        )
         if cfg.segments:
-          plgpu.copy_gmem_to_smem(qseg_ref.at[bi, rows_q], qseg_smem.at[slot],
-                                  qseg_bar.at[slot])
+          plgpu.copy_gmem_to_smem(qseg_ref.at[bi, rows_q], qseg_smem.at[slot], qseg_bar.at[slot])
 
       producer_ring(load, total, stages, consumed)
 
@@ -294,50 +339,59 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   # then takes at most a 64-byte swizzle (32 bf16 elements).
   cap = bwd_swizzle_cap(jnp.dtype(dtype).itemsize)
   smem = lambda shape, width, dt=dtype: plgpu.SMEM(
-      shape, dt, transforms=smem_transforms(width, dt, cap if dt == dtype else 128))
+    shape, dt, transforms=smem_transforms(width, dt, cap if dt == dtype else 128)
+  )
   bars = barriers
   seg = cfg.segments
   scratch = [
-      smem((2 if v1 else 1, bk, d), d),                           # k_smem
-      [smem((1, bk, w), v_tile) for w in widths],                 # v_smem halves
-      # One buffer per warpgroup (and per V/dO half below) rather than a stacked
-      # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
-      [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],     # q_smem
-      [smem((stages, bq, w), v_tile) for w in widths],            # do_smem halves
-      plgpu.SMEM((stages, ROWS, bq), jnp.float32),                # rows_smem
-      plgpu.SMEM((stages, bq), jnp.int32) if seg else None,       # qseg_smem
-      plgpu.SMEM((bk,), jnp.int32) if seg else None,              # kvseg_smem
-      smem((COMPUTE_WGS, bk, sub), sub, jnp.float32),             # xdp_smem
-      # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
-      # must be K's (the widest that divides a row of d).
-      plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype, cap)),
-      smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),     # dq_smem
-      plgpu.SMEM((COMPUTE_WGS,), jnp.int32),                      # zero_smem
-      bars(5),                                                    # res_bar
-      bars(COMPUTE_WGS * stages),                                 # q_bar [w * stages + slot]
-      bars(COMPUTE_WGS * stages),                                 # do_bar
-      bars(stages),                                               # row_bar
-      bars(stages) if seg else None,                              # qseg_bar
-      bars(stages, arrivals=COMPUTE_WGS),                         # consumed
-      bars(arrivals=COMPUTE_WGS),                                 # x_bar
-      bars(arrivals=COMPUTE_WGS),                                 # r_bar
+    smem((2 if v1 else 1, bk, d), d),  # k_smem
+    [smem((1, bk, w), v_tile) for w in widths],  # v_smem halves
+    # One buffer per warpgroup (and per V/dO half below) rather than a stacked
+    # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
+    [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],  # q_smem
+    [smem((stages, bq, w), v_tile) for w in widths],  # do_smem halves
+    plgpu.SMEM((stages, ROWS, bq), jnp.float32),  # rows_smem
+    plgpu.SMEM((stages, bq), jnp.int32) if seg else None,  # qseg_smem
+    plgpu.SMEM((bk,), jnp.int32) if seg else None,  # kvseg_smem
+    smem((COMPUTE_WGS, bk, sub), sub, jnp.float32),  # xdp_smem
+    # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
+    # must be K's (the widest that divides a row of d).
+    plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype, cap)),
+    smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),  # dq_smem
+    plgpu.SMEM((COMPUTE_WGS,), jnp.int32),  # zero_smem
+    bars(5),  # res_bar
+    bars(COMPUTE_WGS * stages),  # q_bar [w * stages + slot]
+    bars(COMPUTE_WGS * stages),  # do_bar
+    bars(stages),  # row_bar
+    bars(stages) if seg else None,  # qseg_bar
+    bars(stages, arrivals=COMPUTE_WGS),  # consumed
+    bars(arrivals=COMPUTE_WGS),  # x_bar
+    bars(arrivals=COMPUTE_WGS),  # r_bar
   ]
   args = list(qs) + list(ks) + [v, do, rows] + ([q_seg, kv_seg] if seg else [])
-  dk_type = (jax.ShapeDtypeStruct(ks[0].shape, dtype) if v1
-             else jax.ShapeDtypeStruct(ks[0].shape, jnp.float32))
+  dk_type = (
+    jax.ShapeDtypeStruct(ks[0].shape, dtype)
+    if v1
+    else jax.ShapeDtypeStruct(ks[0].shape, jnp.float32)
+  )
   out_type = [dk_type, dk_type, jax.ShapeDtypeStruct(v.shape, dtype)]
-  dq_refs = [jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM)
-             for q in qs]
+  dq_refs = [jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM) for q in qs]
 
   def body(*refs):
     pl.run_scoped(
-        lambda *scr: kernel(*refs, *scratch_refs(list(scr), scratch)),
-        *[x for x in scratch if x is not None], collective_axes="wg")
+      lambda *scr: kernel(*refs, *scratch_refs(list(scr), scratch)),
+      *[x for x in scratch if x is not None],
+      collective_axes="wg",
+    )
 
-  mesh = plgpu.Mesh(grid=(kh, s // bk, b), grid_names=("kv_heads", "kv_seq", "batch"),
-                    num_threads=COMPUTE_WGS + 1, thread_name="wg")
-  dka, dkb, dvv = pl.kernel(body, out_type=out_type, mesh=mesh,
-                            name=f"diff_{cfg.variant}_bwd_mgpu", **cfg.kernel_kwargs())(
-                                *args, *dq_refs)
+  mesh = plgpu.Mesh(
+    grid=(kh, s // bk, b),
+    grid_names=("kv_heads", "kv_seq", "batch"),
+    num_threads=COMPUTE_WGS + 1,
+    thread_name="wg",
+  )
+  dka, dkb, dvv = pl.kernel(
+    body, out_type=out_type, mesh=mesh, name=f"diff_{cfg.variant}_bwd_mgpu", **cfg.kernel_kwargs()
+  )(*args, *dq_refs)
   dqs = tuple(r[...] for r in dq_refs)
   return dqs, (dka, dkb), dvv

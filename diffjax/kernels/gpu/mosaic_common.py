@@ -47,6 +47,7 @@ class MosaicConfig(PairGeometry):
     interpret: run in the Mosaic GPU interpreter.
     bwd_stages, dq_parts: the backward's tiles (:class:`MosaicBlockSizes`).
   """
+
   variant: str
   causal: bool
   scale: float
@@ -78,8 +79,10 @@ def swizzle_bytes(width: int, itemsize: int, max_swizzle: int = 128) -> int:
   for swizzle in (128, 64, 32):
     if swizzle <= max_swizzle and row % swizzle == 0:
       return swizzle
-  raise ValueError(f"A row of {width} elements of {itemsize} bytes ({row} bytes) is not a "
-                   "multiple of 32 bytes; use a head dim that is a multiple of 16.")
+  raise ValueError(
+    f"A row of {width} elements of {itemsize} bytes ({row} bytes) is not a "
+    "multiple of 32 bytes; use a head dim that is a multiple of 16."
+  )
 
 
 def smem_transforms(width: int, dtype, max_swizzle: int = 128) -> tuple:
@@ -133,6 +136,7 @@ def producer_ring(load, n, stages: int, consumed) -> None:
     plgpu.barrier_wait(consumed.at[slot])
     load(j, slot)
     return carry
+
   lax.fori_loop(jnp.int32(stages), jnp.maximum(n, stages), refill, None)
   for i in range(stages):
     pl.when(i < n)(functools.partial(plgpu.barrier_wait, consumed.at[i]))
@@ -164,9 +168,11 @@ def bcast_cols(x, shape):
 
 def product(shape, a, b_ref):
   """``a @ b_ref`` into a fresh float32 accumulator (a: smem ref or registers)."""
+
   def body(acc_ref):
     plgpu.wgmma(acc_ref, a, b_ref)
     return acc_ref[...]
+
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
@@ -183,6 +189,7 @@ def accumulate(acc, a, b_ref, cfg):
 
   def body(acc_ref):
     plgpu.wgmma(acc_ref, a, b_ref)
+
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
@@ -201,8 +208,11 @@ def pair_refs(refs, v1: bool):
 def softmax_start(rows: int, dv: int):
   """The online softmax's carry before the first key block: the [rows, dv] accumulator,
   the running base-2 row maximum and the running row sum."""
-  return (plgpu.layout_cast(jnp.zeros((rows, dv), jnp.float32), plgpu.Layout.WGMMA),
-          row(jnp.full((rows,), NEG, jnp.float32)), row(jnp.zeros((rows,), jnp.float32)))
+  return (
+    plgpu.layout_cast(jnp.zeros((rows, dv), jnp.float32), plgpu.Layout.WGMMA),
+    row(jnp.full((rows,), NEG, jnp.float32)),
+    row(jnp.zeros((rows,), jnp.float32)),
+  )
 
 
 def softmax_step(carry, scores, v_tile, v_ready, consumed, cfg, dtype, *, masked: bool):
@@ -230,5 +240,4 @@ def softmax_finish(acc, m, l):
   EMPTY_LSE."""
   empty = l == 0.0
   safe = jnp.where(empty, 1.0, l)
-  return (acc * bcast_rows(1.0 / safe, acc.shape),
-          jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe)))
+  return (acc * bcast_rows(1.0 / safe, acc.shape), jnp.where(empty, EMPTY_LSE, m + jnp.log2(safe)))

@@ -82,6 +82,7 @@ class MosaicDecodeBlockSizes:
       extent of the P V wgmma at a 128-byte swizzle) and the ring depth is the most that
       fits shared memory (:func:`decode_stages`), so only the split count is free.
   """
+
   num_splits: int | None = None
 
   def __post_init__(self):
@@ -118,9 +119,28 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
   splits = cfg.splits
   c = cfg.scale * LOG2E
 
-  def kernel(q1_ref, q2_ref, k1_ref, k2_ref, v_ref, len_ref, o1_ref, o2_ref, lse1_ref,
-             lse2_ref, q_smem, k_smem, v_smem, lse_smem, len_smem, q_bar, k_bar, v_bar,
-             len_bar, consumed):
+  def kernel(
+    q1_ref,
+    q2_ref,
+    k1_ref,
+    k2_ref,
+    v_ref,
+    len_ref,
+    o1_ref,
+    o2_ref,
+    lse1_ref,
+    lse2_ref,
+    q_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    len_smem,
+    q_bar,
+    k_bar,
+    v_bar,
+    len_bar,
+    consumed,
+  ):
     kvh = lax.axis_index("kv_heads")
     split = lax.axis_index("splits")
     bi = lax.axis_index("batch")
@@ -144,8 +164,9 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
         sc = mp.product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
         kpos = start + j * bk + mp.iota((ROWS, bk), 1)
         sc = jnp.where(kpos < kv_len, sc, NEG)
-        return mp.softmax_step(carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot],
-                               cfg, dtype, masked=False)
+        return mp.softmax_step(
+          carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot], cfg, dtype, masked=False
+        )
 
       out, lse = mp.softmax_finish(*lax.fori_loop(0, n, step, mp.softmax_start(ROWS, dv)))
       (o1_ref, o2_ref)[w][bi, kvh, split] = out
@@ -162,8 +183,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
       def load(j, slot):
         rows = (bi, pl.ds(start + j * bk, bk), kvh)
         for w, k_ref in enumerate((k1_ref, k2_ref)):
-          plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem[w].at[slot],
-                                  k_bar.at[w * stages + slot])
+          plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem[w].at[slot], k_bar.at[w * stages + slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
       mp.producer_ring(load, n, stages, consumed)
@@ -173,21 +193,30 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
   smem = lambda shape, width: mp.smem_tile(shape, width, dtype)
   bars = mp.barriers
   scratch = [
-      [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],          # q_smem
-      [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],    # k_smem (K1, K2)
-      smem((stages, bk, dv), dv),                                   # v_smem
-      plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),              # lse_smem
-      plgpu.SMEM((LENS,), jnp.int32),                               # len_smem
-      bars(mp.COMPUTE_WGS), bars(mp.COMPUTE_WGS * stages), bars(stages), bars(),
-      bars(stages, mp.COMPUTE_WGS),
+    [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],  # q_smem
+    [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],  # k_smem (K1, K2)
+    smem((stages, bk, dv), dv),  # v_smem
+    plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),  # lse_smem
+    plgpu.SMEM((LENS,), jnp.int32),  # len_smem
+    bars(mp.COMPUTE_WGS),
+    bars(mp.COMPUTE_WGS * stages),
+    bars(stages),
+    bars(),
+    bars(stages, mp.COMPUTE_WGS),
   ]
   acc = jax.ShapeDtypeStruct((b, kh, splits, ROWS, dv), jnp.float32)
   lse = jax.ShapeDtypeStruct((b, kh, splits, ROWS), jnp.float32)
   return plgpu.kernel(
-      kernel, out_type=[acc, acc, lse, lse], scratch_types=scratch,
-      grid=(kh, splits, b), grid_names=("kv_heads", "splits", "batch"),
-      num_threads=mp.COMPUTE_WGS + 1, thread_name="wg", kernel_name="diff_v1_decode_mgpu",
-      **mp.launch_kwargs(cfg.interpret))(q1, q2, k1, k2, v, lens)
+    kernel,
+    out_type=[acc, acc, lse, lse],
+    scratch_types=scratch,
+    grid=(kh, splits, b),
+    grid_names=("kv_heads", "splits", "batch"),
+    num_threads=mp.COMPUTE_WGS + 1,
+    thread_name="wg",
+    kernel_name="diff_v1_decode_mgpu",
+    **mp.launch_kwargs(cfg.interpret),
+  )(q1, q2, k1, k2, v, lens)
 
 
 def _merge(o, lse):
@@ -208,10 +237,14 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, splits, interpret):
   rows = lambda q: pc.pad_axis(q.reshape(b, kh, g, d), 2, ROWS)
   lens = pc.pad_axis(jnp.clip(kv_len.astype(jnp.int32), 0, s)[:, None], 1, LENS)
   itemsize = jnp.dtype(q1.dtype).itemsize
-  cfg = DecodeConfig(scale=scale, split_len=split_len, splits=-(-sp // split_len),
-                     stages=decode_stages(d, dv, itemsize), interpret=interpret)
-  o1, o2, lse1, lse2 = decode_partials(cfg, rows(q1), rows(q2), pad(k1), pad(k2), pad(v),
-                                       lens)
+  cfg = DecodeConfig(
+    scale=scale,
+    split_len=split_len,
+    splits=-(-sp // split_len),
+    stages=decode_stages(d, dv, itemsize),
+    interpret=interpret,
+  )
+  o1, o2, lse1, lse2 = decode_partials(cfg, rows(q1), rows(q2), pad(k1), pad(k2), pad(v), lens)
   out1, out2 = _merge(o1, lse1)[:, :, :g], _merge(o2, lse2)[:, :, :g]  # [B, K, G, Dv]
   lam = lam_H.astype(jnp.float32).reshape(kh, g)[None, :, :, None]
   return (out1 - lam * out2).reshape(b, 1, h, dv).astype(q1.dtype)
@@ -221,8 +254,10 @@ def check_decode_inputs(q1, k1, v) -> None:
   """Clear errors for inputs the Mosaic GPU decode kernel does not take."""
   dtypes = {jnp.dtype(x.dtype) for x in (q1, k1, v)}
   if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError("The Mosaic GPU decode kernel takes bfloat16 or float16 q, k and v of "
-                     "one dtype; float32 decodes with implementation='xla'.")
+    raise ValueError(
+      "The Mosaic GPU decode kernel takes bfloat16 or float16 q, k and v of "
+      "one dtype; float32 decodes with implementation='xla'."
+    )
   h, kh = q1.shape[2], k1.shape[2]
   if h // kh > ROWS:
     raise ValueError(f"{h // kh} query heads per kv group; the kernel takes at most {ROWS}.")
@@ -232,9 +267,18 @@ def check_decode_inputs(q1, k1, v) -> None:
 
 
 def diff_v1_decode_pallas_gpu(
-    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array, kv_len_B: jax.Array,
-    *, scale: float | None = None, block_sizes=None, interpret: bool = False) -> jax.Array:
+  q1_Bx1xHxD: jax.Array,
+  q2_Bx1xHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V1 attention of one new token per sequence against a KV cache, on Mosaic GPU.
 
   The arguments and the result are those of the TPU kernel,
@@ -245,14 +289,22 @@ def diff_v1_decode_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_gpu",
-                  wider="diff_v1_pallas_gpu")
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_gpu", wider="diff_v1_pallas_gpu")
   check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv)
   b, _, h, d = q1_Bx1xHxD.shape
   s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
   blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
   splits = blocks.num_splits or num_splits(b, kh, s)
   splits = min(splits, -(-s // BLOCK_KV))
-  return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                 jnp.broadcast_to(lam_H, (h,)), jnp.asarray(kv_len_B),
-                 scale=_v.default_scale(scale, d), splits=splits, interpret=bool(interpret))
+  return _decode(
+    q1_Bx1xHxD,
+    q2_Bx1xHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    jnp.broadcast_to(lam_H, (h,)),
+    jnp.asarray(kv_len_B),
+    scale=_v.default_scale(scale, d),
+    splits=splits,
+    interpret=bool(interpret),
+  )

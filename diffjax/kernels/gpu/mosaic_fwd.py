@@ -99,9 +99,26 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
     v_ref, lam_ref = next(it), next(it)
     qseg_ref, kvseg_ref = (next(it), next(it)) if cfg.segments else (None, None)
     o_ref, o2_ref, lse_a_ref, lse_b_ref = next(it), next(it), next(it), next(it)
-    (q_smem, ka_smem, kb_smem, v_smem, x_smem, lam_smem, lse_smem, qseg_smem,
-     kvseg_smem, q_bar, row_bar, ka_bar, kb_bar, v_bar, kvseg_bar, consumed,
-     x_bar, x_free) = it
+    (
+      q_smem,
+      ka_smem,
+      kb_smem,
+      v_smem,
+      x_smem,
+      lam_smem,
+      lse_smem,
+      qseg_smem,
+      kvseg_smem,
+      q_bar,
+      row_bar,
+      ka_bar,
+      kb_bar,
+      v_bar,
+      kvseg_bar,
+      consumed,
+      x_bar,
+      x_free,
+    ) = it
 
     bi = lax.axis_index("batch")
     hi = lax.axis_index("heads")
@@ -116,17 +133,13 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       # 64,512 of the SM's 65,536; a consumer holds a [64, Dv] float32 accumulator
       # (128 registers a thread at Dv = 256) next to the [64, 64] score tile.
       plgpu.set_max_registers(232, action="increase")
-      q_ref, k_smem, k_bar = ((qa_ref, ka_smem, ka_bar) if w == 0
-                              else (qb_ref, kb_smem, kb_bar))
+      q_ref, k_smem, k_bar = (qa_ref, ka_smem, ka_bar) if w == 0 else (qb_ref, kb_smem, kb_bar)
       head = hi if v1 else 2 * hi + w
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], q_smem.at[w],
-                              q_bar.at[w])
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], q_smem.at[w], q_bar.at[w])
       if cfg.segments:
-        plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem.at[w],
-                                row_bar.at[w])
+        plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem.at[w], row_bar.at[w])
       elif w == 0:
-        plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem,
-                                row_bar.at[0])
+        plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem, row_bar.at[0])
       plgpu.barrier_wait(q_bar.at[w])
       qseg = None
       if cfg.segments:
@@ -136,19 +149,20 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       def step(j, carry, masked: bool):
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
-        sc = mc.product((bq, bk), q_smem.at[w],
-                      k_smem.at[slot].transpose((1, 0))) * c
+        sc = mc.product((bq, bk), q_smem.at[w], k_smem.at[slot].transpose((1, 0))) * c
         if masked:
           kvseg = None
           if cfg.segments:
             plgpu.barrier_wait(kvseg_bar.at[slot])
             kvseg = mc.col(kvseg_smem.at[slot][...])
           sc = jnp.where(tile_mask(cfg, q_start, j * bk, (bq, bk), qseg, kvseg), sc, NEG)
-        return mc.softmax_step(carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot],
-                               cfg, dtype, masked=masked)
+        return mc.softmax_step(
+          carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot], cfg, dtype, masked=masked
+        )
 
-      carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
-                            mc.softmax_start(bq, dv))
+      carry = lax.fori_loop(
+        0, n_full, functools.partial(step, masked=False), mc.softmax_start(bq, dv)
+      )
       carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
       out, lse = mc.softmax_finish(*carry)
       lse_smem.at[w][...] = lse
@@ -162,13 +176,12 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
         for part in range(parts):
           if part:
             plgpu.barrier_wait(x_free)
-          x_smem[...] = out[:, part * width:(part + 1) * width]
+          x_smem[...] = out[:, part * width : (part + 1) * width]
           plgpu.barrier_arrive(x_bar)
         o2_ref[rows] = out.astype(dtype)
       else:
         if cfg.segments:  # the lambda copy was issued after the segment ids
-          plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem,
-                                  row_bar.at[0])
+          plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem, row_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
         lam = mc.row(lam_smem[...])
         for part in range(parts):
@@ -176,9 +189,10 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
           o2 = plgpu.layout_cast(x_smem[...], plgpu.Layout.WGMMA)
           if part + 1 < parts:
             plgpu.barrier_arrive(x_free)
-          o1 = out[:, part * width:(part + 1) * width]
+          o1 = out[:, part * width : (part + 1) * width]
           o_ref[(*rows, pl.ds(part * width, width))] = (
-              o1 - mc.bcast_rows(lam, o1.shape) * o2).astype(dtype)
+            o1 - mc.bcast_rows(lam, o1.shape) * o2
+          ).astype(dtype)
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
@@ -191,8 +205,9 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
           plgpu.copy_gmem_to_smem(kb_ref.at[keys], kb_smem.at[slot], kb_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
         if cfg.segments:
-          plgpu.copy_gmem_to_smem(kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot],
-                                  kvseg_bar.at[slot])
+          plgpu.copy_gmem_to_smem(
+            kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_bar.at[slot]
+          )
 
       mc.producer_ring(load, n_end, stages, consumed)
 
@@ -202,40 +217,57 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   bars = mc.barriers
   seg = cfg.segments
   scratch = [
-      smem((mc.COMPUTE_WGS, bq, d), d),                       # q_smem
-      smem((stages, bk, d), d),                            # ka_smem
-      smem((stages, bk, d), d) if v1 else None,            # kb_smem
-      smem((stages, bk, dv), dv),                          # v_smem
-      smem((bq, width), width, jnp.float32),               # x_smem: O2 for warpgroup 0
-      plgpu.SMEM((bq,), jnp.float32),                      # lam_smem
-      plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.float32),          # lse_smem
-      plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.int32) if seg else None,
-      plgpu.SMEM((stages, bk), jnp.int32) if seg else None,
-      bars(mc.COMPUTE_WGS), bars(mc.COMPUTE_WGS), bars(stages),
-      bars(stages) if v1 else None, bars(stages), bars(stages) if seg else None,
-      bars(stages, mc.COMPUTE_WGS), bars(), bars() if parts > 1 else None,
+    smem((mc.COMPUTE_WGS, bq, d), d),  # q_smem
+    smem((stages, bk, d), d),  # ka_smem
+    smem((stages, bk, d), d) if v1 else None,  # kb_smem
+    smem((stages, bk, dv), dv),  # v_smem
+    smem((bq, width), width, jnp.float32),  # x_smem: O2 for warpgroup 0
+    plgpu.SMEM((bq,), jnp.float32),  # lam_smem
+    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.float32),  # lse_smem
+    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.int32) if seg else None,
+    plgpu.SMEM((stages, bk), jnp.int32) if seg else None,
+    bars(mc.COMPUTE_WGS),
+    bars(mc.COMPUTE_WGS),
+    bars(stages),
+    bars(stages) if v1 else None,
+    bars(stages),
+    bars(stages) if seg else None,
+    bars(stages, mc.COMPUTE_WGS),
+    bars(),
+    bars() if parts > 1 else None,
   ]
   q_args = list(qs)
   args = q_args + list(ks) + [v, lam_BxHxT] + ([q_seg, kv_seg] if seg else [])
   out_type = [jax.ShapeDtypeStruct((b, t, h, dv), dtype)] * 2 + [
-      jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
+    jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+  ] * 2
   return plgpu.kernel(
-      lambda *refs: kernel(*refs[:len(args) + 4], *mc.scratch_refs(refs[len(args) + 4:],
-                                                                 scratch)),
-      out_type=out_type,
-      scratch_types=[x for x in scratch if x is not None],
-      grid=(h, t // bq, b),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=mc.COMPUTE_WGS + 1,
-      thread_name="wg",
-      kernel_name=f"diff_{cfg.variant}_fwd_mgpu",
-      **cfg.kernel_kwargs(),
+    lambda *refs: kernel(*refs[: len(args) + 4], *mc.scratch_refs(refs[len(args) + 4 :], scratch)),
+    out_type=out_type,
+    scratch_types=[x for x in scratch if x is not None],
+    grid=(h, t // bq, b),
+    grid_names=("heads", "q_seq", "batch"),
+    num_threads=mc.COMPUTE_WGS + 1,
+    thread_name="wg",
+    kernel_name=f"diff_{cfg.variant}_fwd_mgpu",
+    **cfg.kernel_kwargs(),
   )(*args)
 
 
-def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, *,
-                   causal: bool = True, scale: float | None = None, block_sizes=None,
-                   interpret: bool = False):
+def forward_padded(
+  variant: str,
+  qs,
+  ks,
+  v,
+  lam_BxHxT,
+  q_seg=None,
+  kv_seg=None,
+  *,
+  causal: bool = True,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+):
   """:func:`forward` on unpadded inputs: pads the lengths, runs, slices the padding off.
 
   Args are as in :func:`forward`, with any lengths T and S; ``lam_BxHxT`` is float32
@@ -250,19 +282,35 @@ def forward_padded(variant: str, qs, ks, v, lam_BxHxT, q_seg=None, kv_seg=None, 
   itemsize = jnp.dtype(qs[0].dtype).itemsize
   segments = q_seg is not None
   blocks = _v.resolve_fields(
-      block_sizes, tiles.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
-      tiles.MosaicBlockSizes)
+    block_sizes,
+    tiles.MosaicBlockSizes.default(d, dv, variant, segments, itemsize),
+    tiles.MosaicBlockSizes,
+  )
   blocks.check(d, dv, variant, q_seg is not None, itemsize)
   block_kv, stages = blocks.block_kv, blocks.stages
   tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, block_kv)
-  cfg = mc.MosaicConfig(variant=variant, causal=bool(causal),
-                        scale=float(scale) if scale is not None else d ** -0.5, q_len=t,
-                        kv_len=s, group=h // ks[0].shape[2], segments=q_seg is not None,
-                        block_kv=block_kv, stages=stages, interpret=bool(interpret))
+  cfg = mc.MosaicConfig(
+    variant=variant,
+    causal=bool(causal),
+    scale=float(scale) if scale is not None else d**-0.5,
+    q_len=t,
+    kv_len=s,
+    group=h // ks[0].shape[2],
+    segments=q_seg is not None,
+    block_kv=block_kv,
+    stages=stages,
+    interpret=bool(interpret),
+  )
   qs = tuple(pc.pad_axis(q, 1, tp) for q in qs)
   ks = tuple(pc.pad_axis(k, 1, sp) for k in ks)
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  o, o2, lse_a, lse_b = forward(cfg, qs, ks, pc.pad_axis(v, 1, sp),
-                                pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
-                                q_seg, kv_seg)
+  o, o2, lse_a, lse_b = forward(
+    cfg,
+    qs,
+    ks,
+    pc.pad_axis(v, 1, sp),
+    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
+    q_seg,
+    kv_seg,
+  )
   return o[:, :t], o2[:, :t], lse_a[:, :, :t], lse_b[:, :, :t]

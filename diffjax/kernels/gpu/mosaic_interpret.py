@@ -54,28 +54,33 @@ def params():
   """The interpreter's parameters (``InterpretGPUParams``), with the extension installed."""
   install()
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
   return InterpretGPUParams()
 
 
 def check_threads(num_threads: int) -> None:
   """Raises if the CPU client cannot run ``num_threads`` warpgroups at once."""
   cpu = jax.devices("cpu")
-  pool = max(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else (os.cpu_count() or 1), len(cpu))
+  pool = max(
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+    len(cpu),
+  )
   if pool < num_threads:
     raise RuntimeError(
-        f"The Mosaic GPU interpreter runs each of this kernel's {num_threads} "
-        f"warpgroups as its own computation, but this CPU client runs {pool} at once "
-        f"({len(cpu)} host device(s) on a machine with fewer cores), so the kernel "
-        "would stall in a barrier wait. Start the process with "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={max(num_threads, 8)} (or "
-        f"jax.config.update('jax_num_cpu_devices', {max(num_threads, 8)}) before the "
-        "first jax call).")
+      f"The Mosaic GPU interpreter runs each of this kernel's {num_threads} "
+      f"warpgroups as its own computation, but this CPU client runs {pool} at once "
+      f"({len(cpu)} host device(s) on a machine with fewer cores), so the kernel "
+      "would stall in a barrier wait. Start the process with "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={max(num_threads, 8)} (or "
+      f"jax.config.update('jax_num_cpu_devices', {max(num_threads, 8)}) before the "
+      "first jax call)."
+    )
 
 
 def reset():
   """Clears the interpreter's simulated memory (needed after a kernel raised)."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
   gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
@@ -97,6 +102,7 @@ def install() -> None:
 def _install_layout_cast():
   from jax._src.interpreters import mlir
   from jax._src.pallas.mosaic_gpu import core as gpu_core
+
   mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
 
 
@@ -113,7 +119,8 @@ def _read_operand(shared_memory, key_array, transforms, thread, logging_info):
   while transforms and isinstance(transforms[0], indexing.NDIndexer):
     leading.append(transforms.pop(0))
   value, _, _ = shared_memory.get_buffer_content(
-      key, interpret_utils.to_range(leading), thread, logging_info=logging_info)
+    key, interpret_utils.to_range(leading), thread, logging_info=logging_info
+  )
   value = np.asarray(value)
   for t in transforms:
     if isinstance(t, state_types.TransposeTransform):
@@ -125,9 +132,21 @@ def _read_operand(shared_memory, key_array, transforms, thread, logging_info):
   return value
 
 
-def _wgmma_callback(*, device_id, grid_point_coords, thread_id, acc_key, acc_transforms,
-                    acc_dtype, a_key, a_value, a_transforms, b_key, b_transforms,
-                    source_info=None):
+def _wgmma_callback(
+  *,
+  device_id,
+  grid_point_coords,
+  thread_id,
+  acc_key,
+  acc_transforms,
+  acc_dtype,
+  a_key,
+  a_value,
+  a_transforms,
+  b_key,
+  b_transforms,
+  source_info=None,
+):
   from jax._src.pallas.mosaic.interpret import utils as interpret_utils
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
@@ -135,35 +154,42 @@ def _wgmma_callback(*, device_id, grid_point_coords, thread_id, acc_key, acc_tra
   shared_memory = gpu_callbacks._get_shared_memory()
   thread = shared_memory.get_global_thread_id(device_id, thread_id)
   info = interpret_utils.GPULoggingInfo(
-      device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
-      thread_id=thread_id, source_info=source_info)
+    device_id=device_id,
+    grid_point_coords=tuple(int(x) for x in grid_point_coords),
+    thread_id=thread_id,
+    source_info=source_info,
+  )
   to_int = lambda ts: jax.tree.map(int, ts)
-  a = (np.asarray(a_value) if a_key is None
-       else _read_operand(shared_memory, a_key, to_int(a_transforms), thread, info))
+  a = (
+    np.asarray(a_value)
+    if a_key is None
+    else _read_operand(shared_memory, a_key, to_int(a_transforms), thread, info)
+  )
   b = _read_operand(shared_memory, b_key, to_int(b_transforms), thread, info)
   acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_key)
   acc_range = interpret_utils.to_range(
-      to_int(gpu_callbacks._remove_noop_transforms(tuple(acc_transforms))))
-  acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread,
-                                               logging_info=info)
+    to_int(gpu_callbacks._remove_noop_transforms(tuple(acc_transforms)))
+  )
+  acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
   shared_memory.store_buffer_content(
-      acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread,
-      logging_info=info)
+    acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), thread, logging_info=info
+  )
 
 
 def _operand_transforms(eqn, leaves):
   """The (acc, a, b) transforms of a ``wgmma_ref_p`` equation from its flat leaves."""
   empty = jax.tree.structure([])
   return jax.tree.unflatten(
-      jax.tree_util.treedef_tuple(tuple(
-          eqn.params[f"{name}_transforms_tree"] or empty for name in ("acc", "a", "b"))),
-      leaves)
+    jax.tree_util.treedef_tuple(
+      tuple(eqn.params[f"{name}_transforms_tree"] or empty for name in ("acc", "a", "b"))
+    ),
+    leaves,
+  )
 
 
 def _install_wgmma():
   from jax._src import callback
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-  from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
   from jax._src.state import types as state_types
 
   def interpret_wgmma(self, eqn, token, get_invals):
@@ -173,16 +199,36 @@ def _install_wgmma():
 
     def run(token, device_id, grid_point_coords, thread_id, acc, a, b, acc_t, a_t, b_t):
       _wgmma_callback(
-          device_id=device_id, grid_point_coords=grid_point_coords, thread_id=thread_id,
-          acc_key=acc, acc_transforms=acc_t, acc_dtype=eqn.invars[0].aval.dtype,
-          a_key=a if a_is_ref else None, a_value=None if a_is_ref else a,
-          a_transforms=a_t, b_key=b, b_transforms=b_t, source_info=eqn.source_info)
+        device_id=device_id,
+        grid_point_coords=grid_point_coords,
+        thread_id=thread_id,
+        acc_key=acc,
+        acc_transforms=acc_t,
+        acc_dtype=eqn.invars[0].aval.dtype,
+        a_key=a if a_is_ref else None,
+        a_value=None if a_is_ref else a,
+        a_transforms=a_t,
+        b_key=b,
+        b_transforms=b_t,
+        source_info=eqn.source_info,
+      )
       return token
 
     return callback.io_callback(
-        run, gpu_callbacks.TOKEN_SHAPE_DTYPE, token, self.device_info.device_id,
-        self.grid_point_coords, self.thread_id, acc, a, b, acc_t, a_t, b_t,
-        ordered=True), []
+      run,
+      gpu_callbacks.TOKEN_SHAPE_DTYPE,
+      token,
+      self.device_info.device_id,
+      self.grid_point_coords,
+      self.thread_id,
+      acc,
+      a,
+      b,
+      acc_t,
+      a_t,
+      b_t,
+      ordered=True,
+    ), []
 
   jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
 
@@ -218,6 +264,7 @@ def _install_reduce_add():
     dst = gpu_callbacks.HostAllocationKey.from_array(kw["dst_allocation_key_as_array"])
     if "mesh_location" in kw:  # jax 0.11
       from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
+
       thread = kw["thread"]
       info = memory.GPULoggingInfo(kw["mesh_location"], thread, kw["source_info"])
       src_range = shared.access(src, ints(kw["src_transforms"]))
@@ -226,16 +273,19 @@ def _install_reduce_add():
       thread_id = int(kw["thread_id"])
       thread = shared.get_global_thread_id(int(kw["device_id"]), thread_id)
       info = interpret_utils.GPULoggingInfo(
-          device_id=int(kw["device_id"]),
-          grid_point_coords=tuple(int(x) for x in kw["grid_point_coords"]),
-          thread_id=thread_id, source_info=kw["source_info"])
+        device_id=int(kw["device_id"]),
+        grid_point_coords=tuple(int(x) for x in kw["grid_point_coords"]),
+        thread_id=thread_id,
+        source_info=kw["source_info"],
+      )
       src_range = interpret_utils.to_range(ints(kw["src_transforms"]))
       dst_range = interpret_utils.to_range(ints(kw["dst_transforms"]))
     with _REDUCE_LOCK:
       val, _, _ = shared.get_buffer_content(src, src_range, thread, logging_info=info)
       old, _, _ = shared.get_buffer_content(dst, dst_range, thread, logging_info=info)
-      shared.store_buffer_content(dst, dst_range, np.asarray(old) + np.asarray(val),
-                                  thread, logging_info=info)
+      shared.store_buffer_content(
+        dst, dst_range, np.asarray(old) + np.asarray(val), thread, logging_info=info
+      )
     return kw["token"]
 
   copy._diffjax_reduce_add = True
@@ -250,27 +300,41 @@ def needs_extension() -> bool:
 def _install_register_wgmma_011():
   """jax 0.11: a register A operand for the interpreter's wgmma (the rest is native)."""
   from jax._src import callback
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-  from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
   from jax._src.pallas.mosaic_gpu.interpret import shared_memory as memory
   from jax._src.state import types as state_types
 
   native = jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p
 
-  def run(*, token, mesh_location, thread, acc_key, acc_transforms, a_value, b_key,
-          b_transforms, source_info=None):
+  def run(
+    *,
+    token,
+    mesh_location,
+    thread,
+    acc_key,
+    acc_transforms,
+    a_value,
+    b_key,
+    b_transforms,
+    source_info=None,
+  ):
     shared = gpu_callbacks._get_shared_memory()
     info = memory.GPULoggingInfo(mesh_location, thread, source_info)
     ints = lambda ts: jax.tree.map(int, gpu_callbacks._remove_noop_transforms(ts))
     b_key = gpu_callbacks.HostAllocationKey.from_array(b_key)
     acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_key)
-    b, _, _ = shared.get_buffer_content(b_key, shared.access(b_key, ints(b_transforms)),
-                                        thread, logging_info=info)
+    b, _, _ = shared.get_buffer_content(
+      b_key, shared.access(b_key, ints(b_transforms)), thread, logging_info=info
+    )
     acc_range = shared.access(acc_key, ints(acc_transforms))
     acc, _, _ = shared.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
     shared.store_buffer_content(
-        acc_key, acc_range, acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype),
-        thread, logging_info=info)
+      acc_key,
+      acc_range,
+      acc + np.matmul(np.asarray(a_value), b, dtype=acc.dtype),
+      thread,
+      logging_info=info,
+    )
     return token
 
   def interpret_wgmma(self, eqn, token, get_invals):
@@ -281,9 +345,17 @@ def _install_register_wgmma_011():
     acc, acc_t = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_t)
     b, b_t = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, b, b_t)
     return callback.io_callback(
-        functools.partial(run, source_info=eqn.source_info),
-        gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
-        thread=self.thread, acc_key=acc, acc_transforms=acc_t, a_value=a, b_key=b,
-        b_transforms=b_t, ordered=True), []
+      functools.partial(run, source_info=eqn.source_info),
+      gpu_callbacks.TOKEN_SHAPE_DTYPE,
+      token=token,
+      mesh_location=self.mesh_location,
+      thread=self.thread,
+      acc_key=acc,
+      acc_transforms=acc_t,
+      a_value=a,
+      b_key=b,
+      b_transforms=b_t,
+      ordered=True,
+    ), []
 
   jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma

@@ -32,8 +32,7 @@ from diffjax.kernels.gpu import mosaic_fwd as mf
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
 
-__all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config",
-           "block_forward"]
+__all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config", "block_forward"]
 
 HEAD_MAJOR = False  # token-major, as the ops lay arrays out
 INTERPRETER_BARRIER = False  # the Mosaic GPU interpreter holds no device barrier
@@ -42,6 +41,7 @@ INTERPRETER_BARRIER = False  # the Mosaic GPU interpreter holds no device barrie
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
   """One block call: the kernels' config and the padded lengths."""
+
   cfg: mc.MosaicConfig
   t: int
   s: int
@@ -49,31 +49,62 @@ class BlockConfig:
   sp: int
 
 
-def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, kv_heads: int,
-                 causal: bool, segmented: bool, scale: float, block_sizes=None,
-                 interpret=False) -> BlockConfig:
+def block_config(
+  *,
+  version: int,
+  t: int,
+  s: int,
+  d: int,
+  dv: int,
+  heads: int,
+  kv_heads: int,
+  causal: bool,
+  segmented: bool,
+  scale: float,
+  block_sizes=None,
+  interpret=False,
+) -> BlockConfig:
   """The static plan of one block call: T queries (the last T of S keys when causal)
   against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``; ``heads``: pairs)."""
   if version not in (1, 2):
     raise ValueError(f"version must be 1 or 2; got {version!r}.")
   variant = f"v{version}"
-  blocks = _v.resolve_fields(block_sizes,
-                             tiles.MosaicBlockSizes.default(d, dv, variant, segmented),
-                             tiles.MosaicBlockSizes).resolved(d, dv, variant, segmented)
-  cfg = mc.MosaicConfig(variant=variant, causal=bool(causal), scale=float(scale), q_len=t,
-                        kv_len=s, group=heads // kv_heads, segments=bool(segmented),
-                        block_kv=blocks.block_kv, stages=blocks.stages,
-                        interpret=bool(interpret), bwd_stages=blocks.bwd_stages,
-                        dq_parts=blocks.dq_parts)
-  return BlockConfig(cfg=cfg, t=t, s=s, tp=pc.round_up(t, mc.BLOCK_Q),
-                     sp=pc.round_up(s, max(blocks.block_kv, tiles.BLOCK_KV_BWD)))
+  blocks = _v.resolve_fields(
+    block_sizes, tiles.MosaicBlockSizes.default(d, dv, variant, segmented), tiles.MosaicBlockSizes
+  ).resolved(d, dv, variant, segmented)
+  cfg = mc.MosaicConfig(
+    variant=variant,
+    causal=bool(causal),
+    scale=float(scale),
+    q_len=t,
+    kv_len=s,
+    group=heads // kv_heads,
+    segments=bool(segmented),
+    block_kv=blocks.block_kv,
+    stages=blocks.stages,
+    interpret=bool(interpret),
+    bwd_stages=blocks.bwd_stages,
+    dq_parts=blocks.dq_parts,
+  )
+  return BlockConfig(
+    cfg=cfg,
+    t=t,
+    s=s,
+    tp=pc.round_up(t, mc.BLOCK_Q),
+    sp=pc.round_up(s, max(blocks.block_kv, tiles.BLOCK_KV_BWD)),
+  )
 
 
 def _pad(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, plan.tp, plan.sp)
-  return (tuple(pc.pad_axis(q, 1, plan.tp) for q in qs),
-          tuple(pc.pad_axis(k, 1, plan.sp) for k in ks), pc.pad_axis(v, 1, plan.sp),
-          pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, plan.tp), q_seg, kv_seg)
+  return (
+    tuple(pc.pad_axis(q, 1, plan.tp) for q in qs),
+    tuple(pc.pad_axis(k, 1, plan.sp) for k in ks),
+    pc.pad_axis(v, 1, plan.sp),
+    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, plan.tp),
+    q_seg,
+    kv_seg,
+  )
 
 
 def block_forward(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
@@ -91,8 +122,9 @@ def block_forward(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   return o1, o2, lse
 
 
-def block_backward(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out,
-                   lse_BxHx2xT, d1_BxHxT, d2_BxHxT):
+def block_backward(
+  plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHx2xT, d1_BxHxT, d2_BxHxT
+):
   """One block's share of the gradients of q, k and v, in their dtypes.
 
   Args:
@@ -107,15 +139,25 @@ def block_backward(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out
   lse2 = jnp.where(jnp.isinf(lse_BxHx2xT), pc.EMPTY_LSE, lse_BxHx2xT * pc.LOG2E)
   # Padded query rows: no probability (empty log-sum-exp) and a zero cotangent.
   lse2 = pc.pad_axis(lse2.astype(jnp.float32), 3, plan.tp, pc.EMPTY_LSE)
-  rows = jnp.stack([lse2[:, :, 0], lse2[:, :, 1],
-                    pc.pad_axis(d1_BxHxT.astype(jnp.float32), 2, plan.tp),
-                    pc.pad_axis(d2_BxHxT.astype(jnp.float32), 2, plan.tp), lam_p], axis=2)
+  rows = jnp.stack(
+    [
+      lse2[:, :, 0],
+      lse2[:, :, 1],
+      pc.pad_axis(d1_BxHxT.astype(jnp.float32), 2, plan.tp),
+      pc.pad_axis(d2_BxHxT.astype(jnp.float32), 2, plan.tp),
+      lam_p,
+    ],
+    axis=2,
+  )
   do = pc.pad_axis(d_out.astype(v.dtype), 1, plan.tp)
-  dqs, dks, dv = mb.backward(cfg, qs_p, ks_p, v_p, do, rows, q_seg_p, kv_seg_p,
-                             stages=cfg.bwd_stages, dq_parts=cfg.dq_parts)
+  dqs, dks, dv = mb.backward(
+    cfg, qs_p, ks_p, v_p, do, rows, q_seg_p, kv_seg_p, stages=cfg.bwd_stages, dq_parts=cfg.dq_parts
+  )
   t, s = plan.t, plan.s
   if cfg.variant == "v2":
     dks = (dks[0] + dks[1],)
-  return (tuple(dq[:, :t].astype(q.dtype) for dq, q in zip(dqs, qs)),
-          tuple(dk[:, :s].astype(k.dtype) for dk, k in zip(dks, ks)),
-          dv[:, :s].astype(v.dtype))
+  return (
+    tuple(dq[:, :t].astype(q.dtype) for dq, q in zip(dqs, qs)),
+    tuple(dk[:, :s].astype(k.dtype) for dk, k in zip(dks, ks)),
+    dv[:, :s].astype(v.dtype),
+  )

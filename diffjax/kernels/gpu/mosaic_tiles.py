@@ -35,6 +35,7 @@ def _buffers(*nbytes: int) -> int:
 # ----------------------------------------------------------------------------------
 # Forward.
 
+
 def exchange_parts(dv: int) -> int:
   """Column chunks in which O2 crosses to warpgroup 0: two of 128 from Dv = 256 on.
 
@@ -44,20 +45,28 @@ def exchange_parts(dv: int) -> int:
   return 2 if dv >= 256 and dv % 256 == 0 else 1
 
 
-def forward_smem_bytes(d: int, dv: int, block_kv: int, stages: int, variant: str,
-                       segments: bool = True, itemsize: int = 2) -> int:
+def forward_smem_bytes(
+  d: int,
+  dv: int,
+  block_kv: int,
+  stages: int,
+  variant: str,
+  segments: bool = True,
+  itemsize: int = 2,
+) -> int:
   """Shared memory the forward kernel is launched with, in bytes."""
   v1 = variant == "v1"
   keys = _buffers(stages * block_kv * d * itemsize) * (2 if v1 else 1)
   buffers = keys + _buffers(
-      COMPUTE_WGS * BLOCK_Q * d * itemsize,            # Q of both maps
-      stages * block_kv * dv * itemsize,               # V ring
-      BLOCK_Q * dv // exchange_parts(dv) * 4,          # O2 crossing to warpgroup 0
-      BLOCK_Q * 4, COMPUTE_WGS * BLOCK_Q * 4,          # lambda, log-sum-exps
-      COMPUTE_WGS * BLOCK_Q * 4 if segments else 0,    # query segment ids
-      stages * block_kv * 4 if segments else 0)        # key segment ids
-  bars = (2 * COMPUTE_WGS + stages * (3 + v1 + segments) + 1
-          + (exchange_parts(dv) > 1))
+    COMPUTE_WGS * BLOCK_Q * d * itemsize,  # Q of both maps
+    stages * block_kv * dv * itemsize,  # V ring
+    BLOCK_Q * dv // exchange_parts(dv) * 4,  # O2 crossing to warpgroup 0
+    BLOCK_Q * 4,
+    COMPUTE_WGS * BLOCK_Q * 4,  # lambda, log-sum-exps
+    COMPUTE_WGS * BLOCK_Q * 4 if segments else 0,  # query segment ids
+    stages * block_kv * 4 if segments else 0,
+  )  # key segment ids
+  bars = 2 * COMPUTE_WGS + stages * (3 + v1 + segments) + 1 + (exchange_parts(dv) > 1)
   return buffers + bars * BARRIER_BYTES + KERNEL_SMEM_EXTRA
 
 
@@ -70,8 +79,9 @@ def forward_smem_bytes(d: int, dv: int, block_kv: int, stages: int, variant: str
 _CANDIDATES = ((64, 3), (64, 2), (64, 1))
 
 
-def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
-                   itemsize: int = 2) -> tuple[int, int]:
+def forward_blocks(
+  d: int, dv: int, variant: str, segments: bool = True, itemsize: int = 2
+) -> tuple[int, int]:
   """(block_kv, stages) of the forward kernel: the first candidate within ``SMEM_BYTES``.
 
   Examples (bf16): V1 d 64 / Dv 128 -> (64, 3); V2 d 128 -> (64, 3); V1 d 128 / Dv 256
@@ -80,9 +90,11 @@ def forward_blocks(d: int, dv: int, variant: str, segments: bool = True,
   for block_kv, stages in _CANDIDATES:
     if forward_smem_bytes(d, dv, block_kv, stages, variant, segments, itemsize) <= SMEM_BYTES:
       return block_kv, stages
-  raise ValueError(f"No block size fits shared memory for d={d}, dv={dv} ({variant}); "
-                   "the smallest needs "
-                   f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes.")
+  raise ValueError(
+    f"No block size fits shared memory for d={d}, dv={dv} ({variant}); "
+    "the smallest needs "
+    f"{forward_smem_bytes(d, dv, 64, 1, variant, segments, itemsize)} bytes."
+  )
 
 
 # Registers a forward/decode consumer thread may hold (set_max_registers) and what is
@@ -128,8 +140,9 @@ def value_split(dv: int) -> tuple[int, int]:
     raise ValueError(f"value dim {dv} must be a multiple of 16.")
   first = pc.round_up(dv // 2, 16)
   if first >= dv:
-    raise ValueError(f"value dim {dv} is too small to split between two warpgroups "
-                     "(it needs at least 32).")
+    raise ValueError(
+      f"value dim {dv} is too small to split between two warpgroups (it needs at least 32)."
+    )
   return first, dv - first
 
 
@@ -147,24 +160,26 @@ def dq_parts(d: int, itemsize: int = 2) -> int:
   return 1
 
 
-def backward_smem_bytes(d: int, dv: int, stages: int, parts: int, variant: str,
-                        segments: bool = True, itemsize: int = 2) -> int:
+def backward_smem_bytes(
+  d: int, dv: int, stages: int, parts: int, variant: str, segments: bool = True, itemsize: int = 2
+) -> int:
   """Shared memory the backward kernel is launched with, in bytes."""
   bq, bk = BLOCK_Q, BLOCK_KV_BWD
   keys = 2 if variant == "v1" else 1
   widths = value_split(dv)
   buffers = _buffers(
-      keys * bk * d * itemsize,                        # K_a (K_b), loaded once
-      *(bk * w * itemsize for w in widths),            # V halves, loaded once
-      *(stages * bq * d * itemsize for _ in range(COMPUTE_WGS)),  # Q ring per map
-      *(stages * bq * w * itemsize for w in widths),   # dO halves ring
-      stages * ROWS * bq * 4,                          # row terms
-      stages * bq * 4 if segments else 0,              # query segment ids
-      bk * 4 if segments else 0,                       # key segment ids
-      COMPUTE_WGS * bk * BWD_Q_SUB * 4,                # dP halves crossing
-      COMPUTE_WGS * bk * bq * itemsize,                # P crossing, then dS^T
-      COMPUTE_WGS * bq * (d // parts) * 4,             # dQ chunk on its way to HBM
-      COMPUTE_WGS * 4)                                 # an opaque zero per warpgroup
+    keys * bk * d * itemsize,  # K_a (K_b), loaded once
+    *(bk * w * itemsize for w in widths),  # V halves, loaded once
+    *(stages * bq * d * itemsize for _ in range(COMPUTE_WGS)),  # Q ring per map
+    *(stages * bq * w * itemsize for w in widths),  # dO halves ring
+    stages * ROWS * bq * 4,  # row terms
+    stages * bq * 4 if segments else 0,  # query segment ids
+    bk * 4 if segments else 0,  # key segment ids
+    COMPUTE_WGS * bk * BWD_Q_SUB * 4,  # dP halves crossing
+    COMPUTE_WGS * bk * bq * itemsize,  # P crossing, then dS^T
+    COMPUTE_WGS * bq * (d // parts) * 4,  # dQ chunk on its way to HBM
+    COMPUTE_WGS * 4,
+  )  # an opaque zero per warpgroup
   bars = 5 + stages * (2 * COMPUTE_WGS + 2 + segments) + 2
   return buffers + bars * BARRIER_BYTES
 
@@ -207,12 +222,12 @@ def backward_step_bytes(d: int, dv: int, variant: str, itemsize: int = 2) -> dic
   pairs = bq * bk
   v1 = variant == "v1"
   return {
-      "key_major": q_reads + dq,
-      "key_major_l2_miss": q_reads + 2 * dq,
-      "query_major": kv_reads + bk * (keys * d + dv) * 4,
-      "two_pass": q_reads + kv_reads,
-      "one_pass_flops": (20 if v1 else 16) * pairs * d,
-      "two_pass_flops": (28 if v1 else 22) * pairs * d,
+    "key_major": q_reads + dq,
+    "key_major_l2_miss": q_reads + 2 * dq,
+    "query_major": kv_reads + bk * (keys * d + dv) * 4,
+    "two_pass": q_reads + kv_reads,
+    "one_pass_flops": (20 if v1 else 16) * pairs * d,
+    "two_pass_flops": (28 if v1 else 22) * pairs * d,
   }
 
 
@@ -221,17 +236,19 @@ def backward_step_bytes(d: int, dv: int, variant: str, itemsize: int = 2) -> dic
 _BWD_STAGES = (2, 1)
 
 
-def backward_blocks(d: int, dv: int, variant: str, segments: bool = True,
-                    itemsize: int = 2) -> tuple[int, int]:
+def backward_blocks(
+  d: int, dv: int, variant: str, segments: bool = True, itemsize: int = 2
+) -> tuple[int, int]:
   """(stages, dq_parts) of the backward kernel: the deepest ring within shared memory."""
   parts = dq_parts(d, itemsize)
   for stages in _BWD_STAGES:
     if backward_smem_bytes(d, dv, stages, parts, variant, segments, itemsize) <= SMEM_BYTES:
       return stages, parts
   raise ValueError(
-      f"No backward tiling fits shared memory for d={d}, dv={dv} ({variant}): the "
-      f"smallest needs {backward_smem_bytes(d, dv, 1, parts, variant, segments, itemsize)} "
-      f"bytes of {SMEM_BYTES}.")
+    f"No backward tiling fits shared memory for d={d}, dv={dv} ({variant}): the "
+    f"smallest needs {backward_smem_bytes(d, dv, 1, parts, variant, segments, itemsize)} "
+    f"bytes of {SMEM_BYTES}."
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +269,7 @@ class MosaicBlockSizes:
   :meth:`check` rejects a choice that exceeds shared memory or the consumer's
   registers, naming both numbers; :meth:`resolved` fills the backward fields left None.
   """
+
   block_kv: int = 64
   stages: int = 3
   bwd_stages: int | None = None
@@ -265,8 +283,10 @@ class MosaicBlockSizes:
       if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}={value!r} must be an int.")
     if self.block_kv % 64 or not 64 <= self.block_kv <= 256:
-      raise ValueError(f"block_kv={self.block_kv} must be 64, 128, 192 or 256 (a multiple "
-                       "of 64 for the P V wgmma, at most 256 for the S = Q K^T wgmma).")
+      raise ValueError(
+        f"block_kv={self.block_kv} must be 64, 128, 192 or 256 (a multiple "
+        "of 64 for the P V wgmma, at most 256 for the S = Q K^T wgmma)."
+      )
     if not 1 <= self.stages <= 4:
       raise ValueError(f"stages={self.stages} must be in [1, 4].")
     if self.bwd_stages is not None and not 1 <= self.bwd_stages <= 4:
@@ -275,53 +295,70 @@ class MosaicBlockSizes:
       raise ValueError(f"dq_parts={self.dq_parts} must be 1, 2, 3 or 4 (or None).")
 
   @classmethod
-  def default(cls, d: int, dv: int, variant: str, segments: bool = True,
-              itemsize: int = 2) -> "MosaicBlockSizes":
+  def default(
+    cls, d: int, dv: int, variant: str, segments: bool = True, itemsize: int = 2
+  ) -> MosaicBlockSizes:
     try:
       backward = backward_blocks(d, dv, variant, segments, itemsize)
     except ValueError:  # a forward-only caller may still run; resolved() names the bytes
       backward = (None, None)
     return cls(*forward_blocks(d, dv, variant, segments, itemsize), *backward)
 
-  def resolved(self, d: int, dv: int, variant: str, segments: bool = True,
-               itemsize: int = 2) -> "MosaicBlockSizes":
+  def resolved(
+    self, d: int, dv: int, variant: str, segments: bool = True, itemsize: int = 2
+  ) -> MosaicBlockSizes:
     """These tiles with the backward fields filled in, after :meth:`check`."""
     parts = self.dq_parts or dq_parts(d, itemsize)
     stages = self.bwd_stages
     if stages is None:
-      stages = next((s for s in _BWD_STAGES if backward_smem_bytes(
-          d, dv, s, parts, variant, segments, itemsize) <= SMEM_BYTES), 1)
+      stages = next(
+        (
+          s
+          for s in _BWD_STAGES
+          if backward_smem_bytes(d, dv, s, parts, variant, segments, itemsize) <= SMEM_BYTES
+        ),
+        1,
+      )
     out = dataclasses.replace(self, bwd_stages=stages, dq_parts=parts)
     out.check(d, dv, variant, segments, itemsize)
     return out
 
-  def check(self, d: int, dv: int, variant: str, segments: bool = True,
-            itemsize: int = 2) -> None:
+  def check(self, d: int, dv: int, variant: str, segments: bool = True, itemsize: int = 2) -> None:
     """Raises ValueError if these tiles do not fit one CTA of an H100/H200."""
+
     def fits(what: str, smem: int, fix: str) -> None:
       if smem > SMEM_BYTES:
         default = MosaicBlockSizes.default(d, dv, variant, segments, itemsize)
         raise ValueError(
-            f"{self}{what} needs {smem} bytes of shared memory for d={d}, dv={dv} "
-            f"({variant}); a CTA has {SMEM_BYTES}. Use {fix} (the default here is "
-            f"{default}).")
+          f"{self}{what} needs {smem} bytes of shared memory for d={d}, dv={dv} "
+          f"({variant}); a CTA has {SMEM_BYTES}. Use {fix} (the default here is "
+          f"{default})."
+        )
 
-    fits("", forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments,
-                                itemsize), "fewer stages or a smaller block_kv")
+    fits(
+      "",
+      forward_smem_bytes(d, dv, self.block_kv, self.stages, variant, segments, itemsize),
+      "fewer stages or a smaller block_kv",
+    )
     regs = consumer_registers(dv, self.block_kv)
     if regs > CONSUMER_REGISTERS:
       raise ValueError(
-          f"{self} needs about {regs} registers a consumer thread at dv={dv}; the kernel "
-          f"gives each {CONSUMER_REGISTERS}. Use a smaller block_kv.")
+        f"{self} needs about {regs} registers a consumer thread at dv={dv}; the kernel "
+        f"gives each {CONSUMER_REGISTERS}. Use a smaller block_kv."
+      )
     if self.dq_parts is not None:
       swizzle_elems = swizzle_bytes(d, itemsize, bwd_swizzle_cap(itemsize)) // itemsize
       if d % self.dq_parts or (d // self.dq_parts) % swizzle_elems:
-        raise ValueError(f"dq_parts={self.dq_parts} must split d={d} into chunks of whole "
-                         f"{swizzle_elems}-element swizzle rows.")
+        raise ValueError(
+          f"dq_parts={self.dq_parts} must split d={d} into chunks of whole "
+          f"{swizzle_elems}-element swizzle rows."
+        )
     if self.bwd_stages is not None and self.dq_parts is not None:
-      fits(": the backward", backward_smem_bytes(d, dv, self.bwd_stages, self.dq_parts,
-                                                 variant, segments, itemsize),
-           "fewer bwd_stages or more dq_parts")
+      fits(
+        ": the backward",
+        backward_smem_bytes(d, dv, self.bwd_stages, self.dq_parts, variant, segments, itemsize),
+        "fewer bwd_stages or more dq_parts",
+      )
 
 
 def check_inputs(variant: str, qs, ks, v) -> None:
@@ -330,14 +367,14 @@ def check_inputs(variant: str, qs, ks, v) -> None:
     raise ValueError(f"variant={variant!r} must be 'v1' or 'v2'.")
   if len(qs) != (2 if variant == "v1" else 1) or len(ks) != len(qs):
     wanted = "(q1, q2) and (k1, k2)" if variant == "v1" else "(q,) and (k,)"
-    raise ValueError(f"{variant} takes {wanted}; got {len(qs)} query and {len(ks)} key "
-                     "arrays.")
+    raise ValueError(f"{variant} takes {wanted}; got {len(qs)} query and {len(ks)} key arrays.")
   dtypes = {jnp.dtype(x.dtype) for x in (*qs, *ks, v)}
   if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(
-        f"The Mosaic GPU kernels take bfloat16 or float16 q, k and v of one dtype; got "
-        f"{sorted({jnp.dtype(x.dtype).name for x in (*qs, *ks, v)})}. Cast them, or use "
-        "implementation='stock' (jax.nn.dot_product_attention), which takes float32.")
+      f"The Mosaic GPU kernels take bfloat16 or float16 q, k and v of one dtype; got "
+      f"{sorted({jnp.dtype(x.dtype).name for x in (*qs, *ks, v)})}. Cast them, or use "
+      "implementation='stock' (jax.nn.dot_product_attention), which takes float32."
+    )
   for name, width in (("head dim", qs[0].shape[-1]), ("value dim", v.shape[-1])):
     if width % 16:
       raise ValueError(f"{name} {width} must be a multiple of 16 (wgmma's K step).")
@@ -356,5 +393,3 @@ def fits(variant: str, dtype, d: int, dv: int, segments: bool) -> bool:
   except ValueError:
     return False
   return True
-
-

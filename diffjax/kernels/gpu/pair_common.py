@@ -107,17 +107,21 @@ def pad_axis(x, axis: int, size: int, value=0):
 def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int, kv_len: int):
   """Both or neither; returns int32 arrays [B, T] and [B, S] (or Nones)."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("Pass both q_segment_ids [batch, q_len] and kv_segment_ids "
-                     "[batch, kv_len], or neither; got only "
-                     f"{'q' if kv_segment_ids is None else 'kv'}_segment_ids.")
+    raise ValueError(
+      "Pass both q_segment_ids [batch, q_len] and kv_segment_ids "
+      "[batch, kv_len], or neither; got only "
+      f"{'q' if kv_segment_ids is None else 'kv'}_segment_ids."
+    )
   if q_segment_ids is None:
     return None, None
   if tuple(q_segment_ids.shape) != (batch, q_len):
-    raise ValueError(f"q_segment_ids must have shape {(batch, q_len)}; got "
-                     f"{tuple(q_segment_ids.shape)}.")
+    raise ValueError(
+      f"q_segment_ids must have shape {(batch, q_len)}; got {tuple(q_segment_ids.shape)}."
+    )
   if tuple(kv_segment_ids.shape) != (batch, kv_len):
-    raise ValueError(f"kv_segment_ids must have shape {(batch, kv_len)}; got "
-                     f"{tuple(kv_segment_ids.shape)}.")
+    raise ValueError(
+      f"kv_segment_ids must have shape {(batch, kv_len)}; got {tuple(kv_segment_ids.shape)}."
+    )
   return q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 

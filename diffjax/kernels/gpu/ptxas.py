@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 _KERNEL_SUFFIX = "_mosaic_gpu_kernel"
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -42,6 +42,7 @@ class MosaicKernel:
     digest: sha256 of the kernel's serialized module: equal digests, equal kernels.
     smem_bytes: dynamic shared memory it is launched with.
   """
+
   name: str
   digest: str
   smem_bytes: int
@@ -50,6 +51,7 @@ class MosaicKernel:
 @dataclasses.dataclass(frozen=True)
 class KernelReport:
   """One compiled kernel: what Mosaic GPU allocated and what ptxas reported."""
+
   name: str
   digest: str
   smem_bytes: int
@@ -74,6 +76,7 @@ def _walk(op) -> Iterator:
 def _launch_smem(module) -> int:
   """The ``dynamicSharedMemorySize`` of the module's ``gpu.launch``."""
   from jaxlib.mlir import ir  # pylint: disable=import-outside-toplevel
+
   for op in _walk(module.operation):
     if op.operation.name == "gpu.launch":
       # Operands: async deps, grid (3), block (3), cluster (0 or 3), dynamic smem.
@@ -89,6 +92,7 @@ def _deserialize(module_bytes: bytes):
   from jax._src.lib import mosaic_gpu_dialect
   from jax.experimental.mosaic.gpu import core as mgpu_core
   from jaxlib.mlir import ir
+
   ctx = jax_mlir.make_ir_context()
   mosaic_gpu_dialect.register_dialect(ctx)
   with ctx:
@@ -100,6 +104,7 @@ def _deserialize(module_bytes: bytes):
 def mosaic_kernels(lowered) -> list[MosaicKernel]:
   """The Mosaic GPU kernels of a ``jax.stages.Lowered`` program, in program order."""
   from jaxlib.mlir import ir  # pylint: disable=import-outside-toplevel
+
   module = lowered.compiler_ir("stablehlo")
   found = []
   for op in _walk(module.operation):
@@ -112,8 +117,11 @@ def mosaic_kernels(lowered) -> list[MosaicKernel]:
     blob = ir.StringAttr(config["module"]).value_bytes
     kernel = _deserialize(blob)
     name = ir.StringAttr(kernel.operation.attributes["sym_name"]).value
-    found.append(MosaicKernel(name=name, digest=hashlib.sha256(blob).hexdigest(),
-                              smem_bytes=_launch_smem(kernel)))
+    found.append(
+      MosaicKernel(
+        name=name, digest=hashlib.sha256(blob).hexdigest(), smem_bytes=_launch_smem(kernel)
+      )
+    )
   return found
 
 
@@ -142,8 +150,9 @@ def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
     if m := _ENTRY.search(line):
       current = found.setdefault(m.group(1), {})
     elif current is not None and (m := _PROPS.search(line)):
-      current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                     spill_loads=int(m.group(3)))
+      current.update(
+        stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+      )
     elif current is not None and (m := _USED.search(line)):
       current["registers"] = int(m.group(1))
   return found
@@ -173,11 +182,18 @@ def compile_with_report(lowered):
   for kernel in kernels:
     entry = by_entry.get(kernel.name + _KERNEL_SUFFIX)
     if entry is None or "registers" not in entry:
-      raise RuntimeError(f"ptxas printed no report for kernel {kernel.name!r}; got entries "
-                         f"{sorted(by_entry)}.")
-    reports.append(KernelReport(name=kernel.name, digest=kernel.digest,
-                                smem_bytes=kernel.smem_bytes, registers=entry["registers"],
-                                stack_bytes=entry.get("stack", 0),
-                                spill_stores=entry.get("spill_stores", 0),
-                                spill_loads=entry.get("spill_loads", 0)))
+      raise RuntimeError(
+        f"ptxas printed no report for kernel {kernel.name!r}; got entries {sorted(by_entry)}."
+      )
+    reports.append(
+      KernelReport(
+        name=kernel.name,
+        digest=kernel.digest,
+        smem_bytes=kernel.smem_bytes,
+        registers=entry["registers"],
+        stack_bytes=entry.get("stack", 0),
+        spill_stores=entry.get("spill_stores", 0),
+        spill_loads=entry.get("spill_loads", 0),
+      )
+    )
   return compiled, reports

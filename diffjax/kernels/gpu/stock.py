@@ -49,12 +49,19 @@ def _mask(b: int, t: int, s: int, *, causal: bool, q_seg, kv_seg):
 
 
 def pick_implementation(q, k, v, mask=None, is_causal=False) -> str:
-  """"cudnn" when on a GPU and cuDNN accepts this call at trace time, else "xla"."""
+  """ "cudnn" when on a GPU and cuDNN accepts this call at trace time, else "xla"."""
   if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
     return "xla"
   try:
-    jax.eval_shape(lambda q, k, v, m: jax.nn.dot_product_attention(
-        q, k, v, mask=m, is_causal=is_causal, implementation="cudnn"), q, k, v, mask)
+    jax.eval_shape(
+      lambda q, k, v, m: jax.nn.dot_product_attention(
+        q, k, v, mask=m, is_causal=is_causal, implementation="cudnn"
+      ),
+      q,
+      k,
+      v,
+      mask,
+    )
   except (ValueError, NotImplementedError, TypeError, RuntimeError):
     return "xla"
   return "cudnn"
@@ -64,33 +71,62 @@ def _attend(q, k, v, *, mask, is_causal, scale, implementation):
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not one of {_IMPLEMENTATIONS}.")
   impl = implementation or pick_implementation(q, k, v, mask, is_causal)
-  out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
-                                     implementation=impl)
+  out = jax.nn.dot_product_attention(
+    q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=impl
+  )
   if mask is not None:  # rows with no visible key are zero, as in the reference
     any_visible_Bx1xTx1 = jnp.any(mask, axis=-1, keepdims=True)
     out = jnp.where(jnp.transpose(any_visible_Bx1xTx1, (0, 2, 1, 3)), out, 0)
   return out
 
 
-def mha_stock_gpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, *, causal: bool = True,
-                  q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                  block_sizes=None, interpret: bool = False,
-                  implementation: str | None = None) -> jax.Array:
+def mha_stock_gpu(
+  q_BxTxHxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+  implementation: str | None = None,
+) -> jax.Array:
   """Baseline attention, one ``jax.nn.dot_product_attention`` call. Returns [B, T, H, D]."""
   del block_sizes, interpret
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
   b, t, _, d = q_BxTxHxD.shape
-  mask, is_causal = _mask(b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids,
-                          kv_seg=kv_segment_ids)
-  return _attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask=mask, is_causal=is_causal,
-                 scale=_v.default_scale(scale, d), implementation=implementation)
+  mask, is_causal = _mask(
+    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  )
+  return _attend(
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    mask=mask,
+    is_causal=is_causal,
+    scale=_v.default_scale(scale, d),
+    implementation=implementation,
+  )
 
 
-def diff_v1_stock_gpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
-                      *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
-                      scale: float | None = None, block_sizes=None,
-                      interpret: bool = False,
-                      implementation: str | None = None) -> jax.Array:
+def diff_v1_stock_gpu(
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+  implementation: str | None = None,
+) -> jax.Array:
   """DIFF V1 with stock calls: 2 maps x (Dv / D) value chunks (4 calls for Dv = 2D).
 
   Returns [B, T, H, Dv] in the dtype of q1.
@@ -106,18 +142,37 @@ def diff_v1_stock_gpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv
   v_pad = jnp.pad(v_BxSxKxDv, [(0, 0)] * 3 + [(0, chunks * d - dv)])
   maps = []
   for q, k in ((q1_BxTxHxD, k1_BxSxKxD), (q2_BxTxHxD, k2_BxSxKxD)):
-    parts = [_attend(q, k, v_pad[..., i * d:(i + 1) * d], mask=mask, is_causal=is_causal,
-                     scale=scale, implementation=implementation) for i in range(chunks)]
+    parts = [
+      _attend(
+        q,
+        k,
+        v_pad[..., i * d : (i + 1) * d],
+        mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        implementation=implementation,
+      )
+      for i in range(chunks)
+    ]
     maps.append(jnp.concatenate(parts, axis=-1)[..., :dv].astype(jnp.float32))
   lam = jnp.broadcast_to(lam_H.astype(jnp.float32), (h,))[None, None, :, None]
   return (maps[0] - lam * maps[1]).astype(q1_BxTxHxD.dtype)
 
 
-def diff_v2_stock_gpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *,
-                      causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
-                      scale: float | None = None, block_sizes=None,
-                      interpret: bool = False,
-                      implementation: str | None = None) -> jax.Array:
+def diff_v2_stock_gpu(
+  q_BxTxQxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+  implementation: str | None = None,
+) -> jax.Array:
   """DIFF V2 with one stock call over 2H heads, then the pair combination.
 
   Returns [B, T, H, D] in the dtype of q.
@@ -125,10 +180,18 @@ def diff_v2_stock_gpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *,
   del block_sizes, interpret
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, qh, d = q_BxTxQxD.shape
-  mask, is_causal = _mask(b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids,
-                          kv_seg=kv_segment_ids)
-  o = _attend(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, mask=mask, is_causal=is_causal,
-              scale=_v.default_scale(scale, d), implementation=implementation)
+  mask, is_causal = _mask(
+    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  )
+  o = _attend(
+    q_BxTxQxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    mask=mask,
+    is_causal=is_causal,
+    scale=_v.default_scale(scale, d),
+    implementation=implementation,
+  )
   o_BxTxHx2xD = o.reshape(b, t, qh // 2, 2, -1).astype(jnp.float32)
   lam = lam_BxTxH.astype(jnp.float32)[..., None]
   return (o_BxTxHx2xD[..., 0, :] - lam * o_BxTxHx2xD[..., 1, :]).astype(q_BxTxQxD.dtype)

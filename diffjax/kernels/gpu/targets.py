@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class GpuTarget:
     clock_ghz: boost clock.
     l2_bytes: L2 cache.
   """
+
   name: str
   device_kind: str
   compute_capability: tuple[int, int]
@@ -93,17 +94,42 @@ device_description_str: "{self.device_kind}"
 
 
 TARGETS: dict[str, GpuTarget] = {
-    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3", (9, 0), sms=132,
-                      smem_per_block=232_448, smem_per_sm=233_472,
-                      memory_bytes=84_942_979_072, bandwidth=3_352_320_000_000,
-                      clock_ghz=1.98, l2_bytes=52_428_800),
-    "h200": GpuTarget("h200", "NVIDIA H200", (9, 0), sms=132, smem_per_block=232_448,
-                      smem_per_sm=233_472, memory_bytes=150_754_820_096,
-                      bandwidth=4_800_000_000_000, clock_ghz=1.98, l2_bytes=52_428_800),
-    "a100": GpuTarget("a100", "NVIDIA A100-SXM4-80GB", (8, 0), sms=108,
-                      smem_per_block=166_912, smem_per_sm=167_936,
-                      memory_bytes=85_899_345_920, bandwidth=2_039_000_000_000,
-                      clock_ghz=1.41, l2_bytes=41_943_040),
+  "h100": GpuTarget(
+    "h100",
+    "NVIDIA H100 80GB HBM3",
+    (9, 0),
+    sms=132,
+    smem_per_block=232_448,
+    smem_per_sm=233_472,
+    memory_bytes=84_942_979_072,
+    bandwidth=3_352_320_000_000,
+    clock_ghz=1.98,
+    l2_bytes=52_428_800,
+  ),
+  "h200": GpuTarget(
+    "h200",
+    "NVIDIA H200",
+    (9, 0),
+    sms=132,
+    smem_per_block=232_448,
+    smem_per_sm=233_472,
+    memory_bytes=150_754_820_096,
+    bandwidth=4_800_000_000_000,
+    clock_ghz=1.98,
+    l2_bytes=52_428_800,
+  ),
+  "a100": GpuTarget(
+    "a100",
+    "NVIDIA A100-SXM4-80GB",
+    (8, 0),
+    sms=108,
+    smem_per_block=166_912,
+    smem_per_sm=167_936,
+    memory_bytes=85_899_345_920,
+    bandwidth=2_039_000_000_000,
+    clock_ghz=1.41,
+    l2_bytes=41_943_040,
+  ),
 }
 
 
@@ -121,14 +147,16 @@ def is_gpu_target(name: str) -> bool:
 
 
 def parse(spec: str) -> tuple[GpuTarget, int]:
-  """"h100" -> (H100, 1); "h100:8" -> (H100, 8 devices, one node)."""
+  """ "h100" -> (H100, 1); "h100:8" -> (H100, 8 devices, one node)."""
   name, _, count = spec.partition(":")
   target = get(name)
   if not count:
     return target, 1
   if not count.isdigit() or int(count) < 1:
-    raise ValueError(f"GPU target {spec!r}: the device count after ':' must be a positive "
-                     "integer, e.g. h100:8 for an 8-GPU node.")
+    raise ValueError(
+      f"GPU target {spec!r}: the device count after ':' must be a positive "
+      "integer, e.g. h100:8 for an 8-GPU node."
+    )
   return target, int(count)
 
 
@@ -153,8 +181,10 @@ def use_pip_ptxas() -> str:
   """
   path = ptxas_dir()
   if path is None:
-    raise RuntimeError("ptxas not found: install the GPU compile extra with "
-                       "pip install -e '.[gpu-compile]' (nvidia-cuda-nvcc-cu12).")
+    raise RuntimeError(
+      "ptxas not found: install the GPU compile extra with "
+      "pip install -e '.[gpu-compile]' (nvidia-cuda-nvcc-cu12)."
+    )
   entries = os.environ.get("PATH", "").split(os.pathsep)
   if not entries or entries[0] != path:
     os.environ["PATH"] = os.pathsep.join([path] + [e for e in entries if e != path])
@@ -166,8 +196,10 @@ def available() -> str | None:
   try:
     import jax_plugins.xla_cuda12  # noqa: F401  pylint: disable=import-outside-toplevel
   except ImportError:
-    return ("the CUDA plugin is not installed (pip install -e '.[gpu-compile]': "
-            "jax-cuda12-plugin and jax-cuda12-pjrt at the jax version)")
+    return (
+      "the CUDA plugin is not installed (pip install -e '.[gpu-compile]': "
+      "jax-cuda12-plugin and jax-cuda12-pjrt at the jax version)"
+    )
   if ptxas_dir() is None:
     return "ptxas is not installed (pip install -e '.[gpu-compile]': nvidia-cuda-nvcc-cu12)"
   return None
@@ -187,6 +219,8 @@ def devices(target: GpuTarget | str, num_devices: int = 1):
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   use_pip_ptxas()
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{num_devices}",
-                                          target_config=target.target_config())
+
+  topology = topologies.get_topology_desc(
+    platform="cuda", topology=f"1x1x{num_devices}", target_config=target.target_config()
+  )
   return topology.devices

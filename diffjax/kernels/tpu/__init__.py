@@ -29,14 +29,23 @@ from diffjax.kernels.tpu.decode import cache_length_multiple, diff_v1_decode_pal
 from diffjax.kernels.tpu.diff_attention import diff_v1_pallas_tpu, diff_v2_pallas_tpu
 from diffjax.kernels.tpu.stock import diff_v1_stock_tpu, diff_v2_stock_tpu, mha_stock_tpu
 from diffjax.sharding.kernel_specs import (
-    check_head_sharding,
-    diff_v1_partition_specs,
-    diff_v2_partition_specs,
+  check_head_sharding,
+  diff_v1_partition_specs,
+  diff_v2_partition_specs,
 )
 
 __all__ = [
-    "BlockSizes", "check_head_sharding", "resolve_block_sizes", "diff_v1_pallas_tpu",
-    "diff_v2_pallas_tpu", "diff_v1_partition_specs", "diff_v2_partition_specs",
-    "diff_v1_stock_tpu", "diff_v2_stock_tpu", "mha_stock_tpu", "DecodeBlockSizes",
-    "cache_length_multiple", "diff_v1_decode_pallas_tpu",
+  "BlockSizes",
+  "check_head_sharding",
+  "resolve_block_sizes",
+  "diff_v1_pallas_tpu",
+  "diff_v2_pallas_tpu",
+  "diff_v1_partition_specs",
+  "diff_v2_partition_specs",
+  "diff_v1_stock_tpu",
+  "diff_v2_stock_tpu",
+  "mha_stock_tpu",
+  "DecodeBlockSizes",
+  "cache_length_multiple",
+  "diff_v1_decode_pallas_tpu",
 ]

@@ -74,24 +74,37 @@ def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
   tp, bq = plan.q_len_padded, plan.block_q
   if plan.dq_chunk is not None:
     if plan.dq_chunk % bq:
-      raise ValueError(f"dq_chunk={plan.dq_chunk} must be a multiple of the backward "
-                       f"query tile ({bq}).")
+      raise ValueError(
+        f"dq_chunk={plan.dq_chunk} must be a multiple of the backward query tile ({bq})."
+      )
     return min(plan.dq_chunk, tp)
   most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize) // bq * bq
   n = -(-tp // max(most, bq))
   return L.round_up(-(-tp // n), bq)
 
 
-def step_vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int,
-                    *, out_item: int, partials_in: bool) -> int:
+def step_vmem_bytes(
+  bq: int,
+  bk: int,
+  d: int,
+  dv: int,
+  itemsize: int,
+  key_components: int,
+  *,
+  out_item: int,
+  partials_in: bool,
+) -> int:
   """The backward's VMEM estimate for one step, without the chunk's dQ: both buffers of
   every tile (Q, K, V, dO, the stats slab, the dK/dV outputs in ``out_item`` bytes and,
   with ``partials_in``, the previous chunk's float32 partial sums), the float32 dK/dV
   accumulators and eight float32 [bq, bk] temporaries."""
   kv_tile = key_components * bk * d + bk * dv
-  tiles = (2 * itemsize * (2 * bq * d + kv_tile + bq * dv) + 2 * out_item * kv_tile
-           + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
-           + (2 * 4 * kv_tile if partials_in else 0))
+  tiles = (
+    2 * itemsize * (2 * bq * d + kv_tile + bq * dv)
+    + 2 * out_item * kv_tile
+    + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
+    + (2 * 4 * kv_tile if partials_in else 0)
+  )
   return tiles + 4 * (kv_tile + 8 * bq * bk)
 
 
@@ -100,6 +113,7 @@ class Chunk:
   """One kernel call: query tiles [first, first + num_q_blocks), key tiles
   [0, num_kv_blocks); the previous chunk's partial dK/dV cover key tiles
   [0, prev_kv_blocks) (0: the first chunk); ``final``: writes the input dtype."""
+
   first: int
   num_q_blocks: int
   num_kv_blocks: int
@@ -132,7 +146,7 @@ def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
   kv group's heads, then the chunk's query tiles visited with that key tile
   (``Plan.visited_tiles``; every key tile of the call has one)."""
   nq = chunk.num_q_blocks
-  seen = plan.visited_tiles()[chunk.first:chunk.first + nq, :chunk.num_kv_blocks]
+  seen = plan.visited_tiles()[chunk.first : chunk.first + nq, : chunk.num_kv_blocks]
   j, t = [], []
   for jj in range(chunk.num_kv_blocks):
     rows = np.flatnonzero(seen[:, jj])
@@ -198,7 +212,7 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     """Accumulates dK and dV of tile (i, j); returns its dQ_1, dQ_2 [block_q, D]."""
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     stats = jnp.transpose(stats_ref[...])  # [bq, ROW_STATS]
-    lam = stats[:, _LAM:_LAM + 1] if plan.lam_rows else lam_ref[h]
+    lam = stats[:, _LAM : _LAM + 1] if plan.lam_rows else lam_ref[h]
     q1, q2 = q_refs[0][...], q_refs[1][...]
     k1, k2 = k_refs[0][...], k_refs[-1][...]
     v, do = v_ref[...], do_ref[...]
@@ -209,12 +223,12 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
         s = jnp.where(keep, s, L.MASK_VALUE)
       return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
 
-    p1 = probs(q1, k1, stats[:, _LSE1:_LSE1 + 1])
-    p2 = probs(q2, k2, stats[:, _LSE2:_LSE2 + 1])
+    p1 = probs(q1, k1, stats[:, _LSE1 : _LSE1 + 1])
+    p2 = probs(q2, k2, stats[:, _LSE2 : _LSE2 + 1])
     dp = L.dot_nt(do, v)
     dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
-    ds1 = (p1 * (dp - stats[:, _D1:_D1 + 1])).astype(q1.dtype)
-    ds2 = ((-lam) * p2 * (dp - stats[:, _D2:_D2 + 1])).astype(q2.dtype)
+    ds1 = (p1 * (dp - stats[:, _D1 : _D1 + 1])).astype(q1.dtype)
+    ds2 = ((-lam) * p2 * (dp - stats[:, _D2 : _D2 + 1])).astype(q2.dtype)
     if plan.shared_k:
       dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
     else:
@@ -297,33 +311,39 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     call_args.append(lam)
   if plan.segmented:
-    in_specs += [_spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
-                 _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j))]
+    in_specs += [
+      _spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
+      _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
+    ]
     call_args += [q_seg, kv_seg]
   for c in range(2):
-    in_specs.append(_tile(bq, d, lambda b_, g_, j, t, c=c: (
-        b_, plan.q_head(c, head(g_, t))[1], q_block(j, t))))
+    in_specs.append(
+      _tile(bq, d, lambda b_, g_, j, t, c=c: (b_, plan.q_head(c, head(g_, t))[1], q_block(j, t)))
+    )
     call_args.append(qs[plan.q_head(c, 0)[0]])
   key_tile = lambda width: _tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   in_specs += [key_tile(d)] * n_k + [
-      key_tile(dv_width),
-      _tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
-      _spec((None, None, None, ROW_STATS, bq),
-            lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)),
+    key_tile(dv_width),
+    _tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
+    _spec(
+      (None, None, None, ROW_STATS, bq), lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)
+    ),
   ]
   call_args += [*ks, v, do, stats]
   if chunk.prev_kv_blocks:
     last_prev = chunk.prev_kv_blocks - 1
     # Key tiles the previous chunk did not see keep its last block (no copy).
-    prev_tile = lambda width: _tile(bk, width,
-                                    lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev)))
+    prev_tile = lambda width: _tile(
+      bk, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
+    )
     in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
     call_args += list(prev[0]) + [prev[1]]
   out_kv = (ks[0].dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
   sp_c = nkv * bk
   out_specs = [key_tile(d)] * n_k + [key_tile(dv_width)]
-  out_shape = ([jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, d), out_kv[0])] * n_k
-               + [jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, dv_width), out_kv[1])])
+  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, d), out_kv[0])] * n_k + [
+    jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, dv_width), out_kv[1])
+  ]
   # dQ: the kv group's heads over the chunk. The index moves only with the leading axis,
   # so the block stays in VMEM over the (j, t) sweep.
   if plan.q_in_one_array:
@@ -333,43 +353,51 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     out_specs += [plan.group_spec(rows, d, g, lambda bg, *_: (bg // n_kv, bg % n_kv))] * 2
     out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, rows, d), dtype)] * 2
   scratch = [
-      pltpu.VMEM((n_k, bk, d), jnp.float32),
-      pltpu.VMEM((bk, dv_width), jnp.float32),
-      pltpu.VMEM((g, 2, rows, d), jnp.float32),
+    pltpu.VMEM((n_k, bk, d), jnp.float32),
+    pltpu.VMEM((bk, dv_width), jnp.float32),
+    pltpu.VMEM((g, 2, rows, d), jnp.float32),
   ]
 
   itemsize = dtype.itemsize
   kv_tile = n_k * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
-  vmem = (step_vmem_bytes(bq, bk, d, dv_width, itemsize, n_k, out_item=out_item,
-                          partials_in=bool(chunk.prev_kv_blocks))
-          + rows * dq_row_bytes(g, d, itemsize))
+  vmem = step_vmem_bytes(
+    bq, bk, d, dv_width, itemsize, n_k, out_item=out_item, partials_in=bool(chunk.prev_kv_blocks)
+  ) + rows * dq_row_bytes(g, d, itemsize)
   visible = 0.5 if plan.causal else 1.0
   steps = b * h * nq * nkv * visible  # visible (query tile, key tile) pairs, roughly
   cost = pl.CostEstimate(
-      flops=int(steps * bq * bk * (12 * d + 4 * dv_width)),
-      transcendentals=int(steps * bq * bk * 2),
-      bytes_accessed=int(b * n_kv * nkv * kv_tile * (itemsize + out_item)
-                         + (4 * b * n_kv * chunk.prev_kv_blocks * kv_tile)
-                         + b * h * 2 * rows * d * itemsize
-                         + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)))
+    flops=int(steps * bq * bk * (12 * d + 4 * dv_width)),
+    transcendentals=int(steps * bq * bk * 2),
+    bytes_accessed=int(
+      b * n_kv * nkv * kv_tile * (itemsize + out_item)
+      + (4 * b * n_kv * chunk.prev_kv_blocks * kv_tile)
+      + b * h * 2 * rows * d * itemsize
+      + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)
+    ),
+  )
   n_prefetch = 2 if plan.causal else 0
   if plan.causal:
     call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args
   outs = pl.pallas_call(
-      functools.partial(_backward_kernel, plan=plan, chunk=chunk),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=n_prefetch, grid=grid, in_specs=in_specs,
-          out_specs=out_specs, scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
-          vmem_limit_bytes=L.vmem_limit(vmem)),
-      cost_estimate=cost,
-      interpret=interpret,
-      name="diff_attention_bwd",
+    functools.partial(_backward_kernel, plan=plan, chunk=chunk),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=n_prefetch,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+    ),
+    out_shape=out_shape,
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
+      vmem_limit_bytes=L.vmem_limit(vmem),
+    ),
+    cost_estimate=cost,
+    interpret=interpret,
+    name="diff_attention_bwd",
   )(*call_args)
-  return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1:])
+  return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1 :])
 
 
 def backward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
@@ -393,8 +421,9 @@ def backward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, 
   dq_parts, prev = [], None
   for chunk in chunks(plan, rows):
     n_rows = chunk.num_q_blocks * plan.block_q
-    dks, dv, dqs = _backward_chunk(plan, chunk, n_rows, args, prev, widths=widths,
-                                   interpret=interpret)
+    dks, dv, dqs = _backward_chunk(
+      plan, chunk, n_rows, args, prev, widths=widths, interpret=interpret
+    )
     dq_parts.append(dqs)
     prev = (dks, dv)
   if len(dq_parts) == 1:

@@ -45,19 +45,31 @@ def interpret_mode(interpret: Interpret):
   raise TypeError(f"interpret must be a bool or pltpu.InterpretParams; got {interpret!r}.")
 
 
-def make_config(*, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k,
-                lam_rows, interpret) -> CoreConfig:
+def make_config(
+  *, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k, lam_rows, interpret
+) -> CoreConfig:
   """The forward and backward plans of one call: T queries against S keys of H heads
   (V1 DIFF heads or V2 pairs) over K kv groups, with the block sizes resolved for D."""
   bs = resolve_block_sizes(block_sizes, d)
-  common = dict(q_len=t, kv_len=s, causal=bool(causal), segmented=segmented,
-                scale=float(_v.default_scale(scale, d)), shared_k=shared_k,
-                lam_rows=lam_rows, heads=h, kv_heads=kv_heads)
+  common = dict(
+    q_len=t,
+    kv_len=s,
+    causal=bool(causal),
+    segmented=segmented,
+    scale=float(_v.default_scale(scale, d)),
+    shared_k=shared_k,
+    lam_rows=lam_rows,
+    heads=h,
+    kv_heads=kv_heads,
+  )
   return CoreConfig(
-      fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
-      bwd=L.make_plan(block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd,
-                      dq_chunk=bs.dq_chunk, **common),
-      interpret=interpret_mode(interpret), widths=(d, dv))
+    fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
+    bwd=L.make_plan(
+      block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd, dq_chunk=bs.dq_chunk, **common
+    ),
+    interpret=interpret_mode(interpret),
+    widths=(d, dv),
+  )
 
 
 def _pad_axis(x, axis: int, length: int):
@@ -100,12 +112,23 @@ def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: boo
   plan = cfg.fwd
   t = qs[0].shape[plan.seq_axis]
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
-  lam_in = (L.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q,
-                            plan.q_len_padded)
-            if plan.lam_rows else lam.astype(jnp.float32))
-  out, o2, lse = fwd_kernel.forward(plan, qp, kp, vp, lam_in, q_seg_p, kv_seg_p,
-                                    widths=cfg.widths, save_residuals=save_residuals,
-                                    interpret=cfg.interpret)
+  lam_in = (
+    L.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q, plan.q_len_padded)
+    if plan.lam_rows
+    else lam.astype(jnp.float32)
+  )
+  out, o2, lse = fwd_kernel.forward(
+    plan,
+    qp,
+    kp,
+    vp,
+    lam_in,
+    q_seg_p,
+    kv_seg_p,
+    widths=cfg.widths,
+    save_residuals=save_residuals,
+    interpret=cfg.interpret,
+  )
   out = _slice_axis(out, plan.seq_axis, t)
   if not save_residuals:
     return out, None, None
@@ -136,8 +159,9 @@ def _diff_core_fwd(cfg, qs, ks, v, lam, q_seg, kv_seg):
   return out, (qs, ks, v, lam, q_seg, kv_seg, out, o2, lse)
 
 
-def backward_with_stats(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_BxHx2xT,
-                        d1_BxHxT, d2_BxHxT):
+def backward_with_stats(
+  cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, lse_BxHx2xT, d1_BxHxT, d2_BxHxT
+):
   """The backward kernel given the softmax row statistics: both maps' log-sum-exps
   [B, H, 2, T] and row terms ``D_m = rowsum(dO * O_m)`` [B, H, T] (float32).
 
@@ -151,18 +175,39 @@ def backward_with_stats(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, d_out, l
   lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   zeros = jnp.zeros_like(d2_BxHxT)
   stats_BxHx8xT = jnp.stack(
-      [lse_BxHx2xT[:, :, 0], lse_BxHx2xT[:, :, 1], d1_BxHxT.astype(jnp.float32),
-       d2_BxHxT.astype(jnp.float32), lam_rows, zeros, zeros, zeros], axis=2)
+    [
+      lse_BxHx2xT[:, :, 0],
+      lse_BxHx2xT[:, :, 1],
+      d1_BxHxT.astype(jnp.float32),
+      d2_BxHxT.astype(jnp.float32),
+      lam_rows,
+      zeros,
+      zeros,
+      zeros,
+    ],
+    axis=2,
+  )
   assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   tp = plan.q_len_padded
   dqs, dks, dv = bwd_kernel.backward(
-      plan, qp, kp, vp, None if plan.lam_rows else lam.astype(jnp.float32),
-      q_seg_p, kv_seg_p, _pad_axis(d_out, ax, tp),
-      L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp), widths=cfg.widths,
-      interpret=cfg.interpret)
-  return (tuple(_slice_axis(dq, ax, t) for dq in dqs),
-          tuple(_slice_axis(dk, ax, s) for dk in dks), _slice_axis(dv, ax, s))
+    plan,
+    qp,
+    kp,
+    vp,
+    None if plan.lam_rows else lam.astype(jnp.float32),
+    q_seg_p,
+    kv_seg_p,
+    _pad_axis(d_out, ax, tp),
+    L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp),
+    widths=cfg.widths,
+    interpret=cfg.interpret,
+  )
+  return (
+    tuple(_slice_axis(dq, ax, t) for dq in dqs),
+    tuple(_slice_axis(dk, ax, s) for dk in dks),
+    _slice_axis(dv, ax, s),
+  )
 
 
 def _diff_core_bwd(cfg, residuals, d_out):
@@ -172,8 +217,9 @@ def _diff_core_bwd(cfg, residuals, d_out):
   # Softmax-backward row terms of the two maps; out = O_1 - lam O_2 gives O_1.
   d2 = _row_sums(d_out, o2)
   d1 = _row_sums(d_out, out) + _lam_rows(plan, lam, b, plan.heads, t) * d2
-  dqs, dks, dv = backward_with_stats(cfg, qs, ks, v, lam, q_seg, kv_seg, d_out,
-                                     L.tiles_to_rows(lse, t), d1, d2)
+  dqs, dks, dv = backward_with_stats(
+    cfg, qs, ks, v, lam, q_seg, kv_seg, d_out, L.tiles_to_rows(lse, t), d1, d2
+  )
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
   dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))
   return dqs, dks, dv, dlam.astype(lam.dtype), None, None

@@ -97,8 +97,19 @@ def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components:
   return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
 
 
-def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, int],
-            save_residuals: bool, interpret):
+def forward(
+  plan: L.Plan,
+  qs,
+  ks,
+  v,
+  lam,
+  q_seg,
+  kv_seg,
+  *,
+  widths: tuple[int, int],
+  save_residuals: bool,
+  interpret,
+):
   """Runs the forward kernel on padded head-major arrays (``_layout``).
 
   Args:
@@ -141,8 +152,10 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   args.append(lam)
   if plan.segmented:
-    in_specs += [_spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-                 _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j))]
+    in_specs += [
+      _spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+      _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
+    ]
     args += [q_seg, kv_seg]
   for c in range(2):
     array, _ = plan.q_head(c, 0)
@@ -157,41 +170,60 @@ def forward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, *, widths: tuple[int, i
   out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
   out_specs = [row_spec]
   if save_residuals:
-    out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
-                  jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32)]
-    out_specs += [row_spec,
-                  _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0))]
-  scratch = [pltpu.VMEM((2, bq, 1), jnp.float32), pltpu.VMEM((2, bq, 1), jnp.float32),
-             pltpu.VMEM((2, bq, dv), jnp.float32)]
+    out_shape += [
+      jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
+      jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32),
+    ]
+    out_specs += [
+      row_spec,
+      _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)),
+    ]
+  scratch = [
+    pltpu.VMEM((2, bq, 1), jnp.float32),
+    pltpu.VMEM((2, bq, 1), jnp.float32),
+    pltpu.VMEM((2, bq, dv), jnp.float32),
+  ]
 
   itemsize = dtype.itemsize
   vmem = vmem_bytes(bq, bk, d, dv, itemsize, len(ks))
   visible = 0.5 if plan.causal else 1.0
   kv_size = sum(k.size for k in ks) + v.size
   cost = pl.CostEstimate(
-      flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
-      transcendentals=int(visible * b * h * tp * sp * 2),
-      bytes_accessed=int(itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
-                         + itemsize * kv_size * plan.num_q_blocks * g))
+    flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
+    transcendentals=int(visible * b * h * tp * sp * 2),
+    bytes_accessed=int(
+      itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
+      + itemsize * kv_size * plan.num_q_blocks * g
+    ),
+  )
   if plan.causal:
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=scratch)
+      num_scalar_prefetch=2,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+    )
     semantics = ("parallel", "arbitrary")
     args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
   else:
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=scratch)
+      num_scalar_prefetch=0,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+    )
     semantics = ("parallel", "parallel", "arbitrary")
   outs = pl.pallas_call(
-      functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
-      grid_spec=grid_spec,
-      out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=semantics, vmem_limit_bytes=L.vmem_limit(vmem)),
-      cost_estimate=cost,
-      interpret=interpret,
-      name="diff_attention_fwd",
+    functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
+    grid_spec=grid_spec,
+    out_shape=out_shape,
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=semantics, vmem_limit_bytes=L.vmem_limit(vmem)
+    ),
+    cost_estimate=cost,
+    interpret=interpret,
+    name="diff_attention_fwd",
   )(*args)
   return (*outs, None, None)[:3]

@@ -121,14 +121,16 @@ class Plan:
   def spec(self, rows: int, width: int, index_map):
     """BlockSpec of a (rows, width) tile of one head of a [B, N, T, width] array;
     ``index_map(*grid)`` gives (batch, head, row block)."""
-    return pl.BlockSpec((None, None, rows, width),
-                        lambda *grid: (lambda b, h, r: (b, h, r, 0))(*index_map(*grid)))
+    return pl.BlockSpec(
+      (None, None, rows, width), lambda *grid: (lambda b, h, r: (b, h, r, 0))(*index_map(*grid))
+    )
 
   def group_spec(self, rows: int, width: int, heads: int, index_map):
     """BlockSpec of ``heads`` consecutive heads over ``rows`` rows from row 0;
     ``index_map(*grid)`` gives (batch, block of heads)."""
-    return pl.BlockSpec((None, heads, rows, width),
-                        lambda *grid: (lambda b, g: (b, g, 0, 0))(*index_map(*grid)))
+    return pl.BlockSpec(
+      (None, heads, rows, width), lambda *grid: (lambda b, g: (b, g, 0, 0))(*index_map(*grid))
+    )
 
   @staticmethod
   def shape(batch: int, heads: int, length: int, width: int) -> tuple[int, ...]:
@@ -169,8 +171,7 @@ class Plan:
     (its last visible key tile) writes the outputs.
     """
     i, j = np.nonzero(self.visited_tiles())  # row-major: query tile outer
-    return i.astype(np.int32), pack_kv_step(j, run_edges(i, first=True),
-                                            run_edges(i, first=False))
+    return i.astype(np.int32), pack_kv_step(j, run_edges(i, first=True), run_edges(i, first=False))
 
   def tile_cases(self, i, j):
     """(condition, apply_mask) pairs that together cover the visible tiles.
@@ -183,8 +184,10 @@ class Plan:
       return [(visible, False)]
     if self.causal and not self.segmented:
       below = j * self.block_kv + (self.block_kv - 1) <= i * self.block_q + self.causal_offset
-      return [(jnp.logical_and(visible, below), False),
-              (jnp.logical_and(visible, jnp.logical_not(below)), True)]
+      return [
+        (jnp.logical_and(visible, below), False),
+        (jnp.logical_and(visible, jnp.logical_not(below)), True),
+      ]
     return [(visible, True)]
 
   def mask(self, i, j, q_seg_ref, kv_seg_ref):
@@ -195,8 +198,7 @@ class Plan:
     k_pos = j * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     keep = None
     if self.causal:
-      q_pos = (i * self.block_q + self.causal_offset
-               + jax.lax.broadcasted_iota(jnp.int32, shape, 0))
+      q_pos = i * self.block_q + self.causal_offset + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
       keep = k_pos <= q_pos
     if self.masks_kv_padding:
       in_range = k_pos < self.kv_len
@@ -225,8 +227,11 @@ def pack_kv_step(j: np.ndarray, first: np.ndarray, last: np.ndarray) -> np.ndarr
 
 def unpack_kv_step(word):
   """(j, first, last) of a :func:`pack_kv_step` word read in a kernel or index map."""
-  return (jax.lax.shift_right_logical(word, 2), jnp.bitwise_and(word, 1) == 1,
-          jnp.bitwise_and(word, 2) == 2)
+  return (
+    jax.lax.shift_right_logical(word, 2),
+    jnp.bitwise_and(word, 1) == 1,
+    jnp.bitwise_and(word, 2) == 2,
+  )
 
 
 def pop_step_tables(refs: list):
@@ -238,15 +243,38 @@ def pop_step_tables(refs: list):
   return (row_steps[step], *unpack_kv_step(kv_steps[step]))
 
 
-def make_plan(*, q_len: int, kv_len: int, block_q: int, block_kv: int, causal: bool,
-              segmented: bool, scale: float, shared_k: bool, lam_rows: bool,
-              heads: int, kv_heads: int, dq_chunk: int | None = None) -> Plan:
+def make_plan(
+  *,
+  q_len: int,
+  kv_len: int,
+  block_q: int,
+  block_kv: int,
+  causal: bool,
+  segmented: bool,
+  scale: float,
+  shared_k: bool,
+  lam_rows: bool,
+  heads: int,
+  kv_heads: int,
+  dq_chunk: int | None = None,
+) -> Plan:
   """Shrinks the tiles to the sequence (16-row and 128-lane granularity)."""
   block_q = min(block_q, round_up(q_len, 16))
   block_kv = min(block_kv, round_up(kv_len, 128))
-  return Plan(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
-              causal=causal, segmented=segmented, scale=float(scale), shared_k=shared_k,
-              lam_rows=lam_rows, heads=heads, kv_heads=kv_heads, dq_chunk=dq_chunk)
+  return Plan(
+    q_len=q_len,
+    kv_len=kv_len,
+    block_q=block_q,
+    block_kv=block_kv,
+    causal=causal,
+    segmented=segmented,
+    scale=float(scale),
+    shared_k=shared_k,
+    lam_rows=lam_rows,
+    heads=heads,
+    kv_heads=kv_heads,
+    dq_chunk=dq_chunk,
+  )
 
 
 def rows_to_tiles(x_BxHxRxT, block: int, padded: int):
@@ -265,22 +293,22 @@ def tiles_to_rows(x_BxHxNxRxBlock, length: int):
 
 def dot_nt(a, b):
   """a [m, k] @ b[n, k]^T with float32 accumulation."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32,
-                             precision=_precision(a))
+  return jax.lax.dot_general(
+    a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=_precision(a)
+  )
 
 
 def dot_tn(a, b):
   """a[k, m]^T @ b [k, n] with float32 accumulation."""
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32,
-                             precision=_precision(a))
+  return jax.lax.dot_general(
+    a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=_precision(a)
+  )
 
 
 def dot_nn(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32,
-                             precision=_precision(a))
+  return jax.lax.dot_general(
+    a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=_precision(a)
+  )
 
 
 def _precision(a):
@@ -299,6 +327,7 @@ def grid_specs(plan, coords):
   coordinates, ``coords(*grid_indices)`` (the grid may be a flattened schedule of them).
   ``spec(block_shape, index_map)`` is a plain BlockSpec; ``tile(rows, width, index_map)`` the
   layout ``plan``'s tile of ``rows`` x ``width``."""
+
   def spec(block_shape, index_map):
     return pl.BlockSpec(block_shape, lambda *grid: index_map(*coords(*grid)))
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from diffjax.core import validation as _v
 
@@ -45,21 +46,26 @@ class BlockSizes:
     for name in ("block_q", "block_q_bwd"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0 or value % _SUBLANES:
-        raise ValueError(f"{name}={value!r} must be a positive multiple of {_SUBLANES} "
-                         "(the TPU sublane count).")
+        raise ValueError(
+          f"{name}={value!r} must be a positive multiple of {_SUBLANES} (the TPU sublane count)."
+        )
     for name in ("block_kv", "block_kv_bwd"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0 or value % _LANES:
-        raise ValueError(f"{name}={value!r} must be a positive multiple of {_LANES} "
-                         "(the TPU lane count).")
+        raise ValueError(
+          f"{name}={value!r} must be a positive multiple of {_LANES} (the TPU lane count)."
+        )
     n = self.dq_chunk
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0
-                          or n % self.block_q_bwd):
-      raise ValueError(f"dq_chunk={n!r} must be None (decided from the sequence length) "
-                       f"or a positive multiple of block_q_bwd={self.block_q_bwd}.")
+    if n is not None and (
+      isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % self.block_q_bwd
+    ):
+      raise ValueError(
+        f"dq_chunk={n!r} must be None (decided from the sequence length) "
+        f"or a positive multiple of block_q_bwd={self.block_q_bwd}."
+      )
 
   @classmethod
-  def get_default(cls, head_dim: int, generation: str | None = None) -> "BlockSizes":
+  def get_default(cls, head_dim: int, generation: str | None = None) -> BlockSizes:
     """Default tiles for a component head width, per TPU generation.
 
     ``generation`` is "v5e", "v5p" or "v6e"; None takes the generation of
@@ -120,13 +126,16 @@ def _base_tiles(head_dim: int) -> tuple[int, int, int, int]:
 
 def _fwd_vmem(bq: int, bk: int, head_dim: int) -> int:
   from diffjax.kernels.tpu import _forward  # pylint: disable=g-import-not-at-top
+
   return _forward.vmem_bytes(bq, bk, head_dim, 2 * head_dim, 4, 2)
 
 
 def _bwd_vmem(bq: int, bk: int, head_dim: int) -> int:
   from diffjax.kernels.tpu import _backward  # pylint: disable=g-import-not-at-top
-  return _backward.step_vmem_bytes(bq, bk, head_dim, 2 * head_dim, 4, 2, out_item=4,
-                                   partials_in=True)
+
+  return _backward.step_vmem_bytes(
+    bq, bk, head_dim, 2 * head_dim, 4, 2, out_item=4, partials_in=True
+  )
 
 
 def _candidates(tile: tuple[int, int]) -> list[tuple[int, int]]:
@@ -151,10 +160,11 @@ def _first_fitting(tile: tuple[int, int], mxu: int, vmem, budget: int) -> tuple[
 
 
 def tpu_generation(device_kind: str | None = None) -> str | None:
-  """"v5e", "v5p" or "v6e" from a device kind ("TPU v5 lite", "TPU v5p", "TPU v6 lite",
+  """ "v5e", "v5p" or "v6e" from a device kind ("TPU v5 lite", "TPU v5p", "TPU v6 lite",
   ...); None takes ``jax.devices()[0]`` and gives None off a TPU or for other chips."""
   if device_kind is None:
     import jax  # pylint: disable=g-import-not-at-top
+
     device = jax.devices()[0]
     if device.platform != "tpu":
       return None
@@ -169,8 +179,9 @@ def tpu_generation(device_kind: str | None = None) -> str | None:
   return None
 
 
-def resolve_block_sizes(block_sizes: "BlockSizes | Mapping[str, Any] | None",
-                        head_dim: int) -> BlockSizes:
+def resolve_block_sizes(
+  block_sizes: BlockSizes | Mapping[str, Any] | None, head_dim: int
+) -> BlockSizes:
   """Accepts None (per-head-dim defaults), a BlockSizes, or a dict of its fields.
 
   A dict may give only some fields; the others come from the defaults for ``head_dim``.
@@ -202,20 +213,29 @@ class DecodeBlockSizes:
 
   def __post_init__(self):
     value = self.block_kv
-    if (isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % _LANES
-        or value > _MAX_DECODE_BLOCK):
-      raise ValueError(f"block_kv={value!r} must be a positive multiple of {_LANES} (the TPU "
-                       f"lane count) of at most {_MAX_DECODE_BLOCK}.")
+    if (
+      isinstance(value, bool)
+      or not isinstance(value, int)
+      or value <= 0
+      or value % _LANES
+      or value > _MAX_DECODE_BLOCK
+    ):
+      raise ValueError(
+        f"block_kv={value!r} must be a positive multiple of {_LANES} (the TPU "
+        f"lane count) of at most {_MAX_DECODE_BLOCK}."
+      )
     n = self.num_splits
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
       raise ValueError(f"num_splits={n!r} must be None or a positive int.")
 
   @classmethod
-  def get_default(cls, head_dim: int, value_dim: int, kv_heads: int,
-                  itemsize: int) -> "DecodeBlockSizes":
+  def get_default(
+    cls, head_dim: int, value_dim: int, kv_heads: int, itemsize: int
+  ) -> DecodeBlockSizes:
     """The largest block (power of two times 128) whose cache tiles stay within 4 MiB."""
-    per_position = itemsize * kv_heads * (2 * _round_up(head_dim, _LANES)
-                                          + _round_up(value_dim, _LANES))
+    per_position = (
+      itemsize * kv_heads * (2 * _round_up(head_dim, _LANES) + _round_up(value_dim, _LANES))
+    )
     block = _MAX_DECODE_BLOCK
     while block > _LANES and block * per_position > _DECODE_TILE_BYTES:
       block //= 2
@@ -226,9 +246,14 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def resolve_decode_block_sizes(block_sizes: "DecodeBlockSizes | Mapping[str, Any] | None", *,
-                               head_dim: int, value_dim: int, kv_heads: int,
-                               itemsize: int) -> DecodeBlockSizes:
+def resolve_decode_block_sizes(
+  block_sizes: DecodeBlockSizes | Mapping[str, Any] | None,
+  *,
+  head_dim: int,
+  value_dim: int,
+  kv_heads: int,
+  itemsize: int,
+) -> DecodeBlockSizes:
   """None (defaults for the cache shape), a DecodeBlockSizes, or a dict of its fields."""
   default = DecodeBlockSizes.get_default(head_dim, value_dim, kv_heads, itemsize)
   return _v.resolve_fields(block_sizes, default, DecodeBlockSizes)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from diffjax.kernels.tpu import _layout as L
-# The custom_vjp's own pieces, shared with the whole-attention path.
-from diffjax.kernels.tpu._core import (  # pylint: disable=protected-access
-    CoreConfig, _forward as core_forward, _lam_rows, backward_with_stats, make_config)
 
-__all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config",
-           "block_forward"]
+# The custom_vjp's own pieces, shared with the whole-attention path.
+from diffjax.kernels.tpu._core import CoreConfig, _lam_rows, backward_with_stats, make_config  # pylint: disable=protected-access
+from diffjax.kernels.tpu._core import _forward as core_forward
+
+__all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config", "block_forward"]
 
 # What the ring needs to know of these kernels: they take head-major arrays, and the TPU
 # interpreter holds every device at a barrier in each call, so in the interpreter all
@@ -38,16 +38,40 @@ HEAD_MAJOR = True
 INTERPRETER_BARRIER = True
 
 
-def block_config(*, version: int, t: int, s: int, d: int, dv: int, heads: int, kv_heads: int,
-                 causal: bool, segmented: bool, scale: float, block_sizes=None,
-                 interpret=False) -> CoreConfig:
+def block_config(
+  *,
+  version: int,
+  t: int,
+  s: int,
+  d: int,
+  dv: int,
+  heads: int,
+  kv_heads: int,
+  causal: bool,
+  segmented: bool,
+  scale: float,
+  block_sizes=None,
+  interpret=False,
+) -> CoreConfig:
   """The static plan of one block call: T queries (the last T of S keys when causal)
   against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``)."""
   if version not in (1, 2):
     raise ValueError(f"version must be 1 or 2; got {version!r}.")
-  return make_config(t=t, s=s, d=d, dv=dv, h=heads, kv_heads=kv_heads, causal=causal,
-                     segmented=segmented, scale=scale, block_sizes=block_sizes,
-                     shared_k=version == 2, lam_rows=version == 2, interpret=interpret)
+  return make_config(
+    t=t,
+    s=s,
+    d=d,
+    dv=dv,
+    h=heads,
+    kv_heads=kv_heads,
+    causal=causal,
+    segmented=segmented,
+    scale=scale,
+    block_sizes=block_sizes,
+    shared_k=version == 2,
+    lam_rows=version == 2,
+    interpret=interpret,
+  )
 
 
 def _lam(cfg: CoreConfig, lam_BxHxT):
@@ -74,8 +98,9 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   return o1, o2, L.tiles_to_rows(lse, t)
 
 
-def block_backward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHx2xT,
-                   d1_BxHxT, d2_BxHxT):
+def block_backward(
+  cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, lse_BxHx2xT, d1_BxHxT, d2_BxHxT
+):
   """One block's share of the gradients of q, k and v.
 
   Args:
@@ -88,5 +113,6 @@ def block_backward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg, d_out, 
     ``(dqs, dks, dv)`` like ``qs``, ``ks`` and ``v`` in their dtypes. The gradient of
     lambda is not the block's: it is ``-D_2`` of the whole attention.
   """
-  return backward_with_stats(cfg, qs, ks, v, _lam(cfg, lam_BxHxT), q_seg, kv_seg, d_out,
-                             lse_BxHx2xT, d1_BxHxT, d2_BxHxT)
+  return backward_with_stats(
+    cfg, qs, ks, v, _lam(cfg, lam_BxHxT), q_seg, kv_seg, d_out, lse_BxHx2xT, d1_BxHxT, d2_BxHxT
+  )

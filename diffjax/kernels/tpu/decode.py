@@ -83,8 +83,11 @@ def cache_view(kv_heads: int, width: int, itemsize: int) -> str:
   return KSD
 
 
-def cache_length_multiple(head_dim: int | None = None, value_dim: int | None = None,
-                          block_sizes: DecodeBlockSizes | dict | None = None) -> int:
+def cache_length_multiple(
+  head_dim: int | None = None,
+  value_dim: int | None = None,
+  block_sizes: DecodeBlockSizes | dict | None = None,
+) -> int:
   """The multiple a KV cache's length should have so that decoding reads it in place.
 
   128 whatever the head dims and block sizes (arguments accepted for symmetry with
@@ -150,8 +153,9 @@ def _online_softmax(s, m_prev, l_prev, axis: int):
   return m_next, alpha * l_prev + jnp.sum(p, axis=axis, keepdims=True), alpha, p
 
 
-def _accumulate_groups(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len,
-                       masked: bool):
+def _accumulate_groups(
+  plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len, masked: bool
+):
   """Scores [rows, block_kv] per kv group and map; one tile of each group at a time."""
   bk, gp = plan.block_kv, plan.rows
   if masked:  # the block holding the row's last valid position
@@ -180,8 +184,9 @@ def _accumulate_groups(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref,
       l_ref[c, rows, :] = l
 
 
-def _accumulate_flat(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len,
-                     masked: bool):
+def _accumulate_flat(
+  plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, start, kv_len, masked: bool
+):
   """Row-major tiles [block_kv, K, X] as [block_kv * K, X]: row r is position r // K
   of group r % K. One product per map scores every row against the query rows of
   all groups ([block_kv * K, K * rows], transposed), and the rows of other groups
@@ -207,8 +212,20 @@ def _accumulate_flat(plan: _Plan, q_ref, k_refs, v_ref, m_ref, l_ref, acc_ref, s
     l_ref[c] = l
 
 
-def _decode_kernel(len_ref, q_ref, k1_ref, k2_ref, v_ref, acc_out_ref, ml_out_ref, m_ref, l_ref,
-                   acc_ref, *, plan: _Plan):
+def _decode_kernel(
+  len_ref,
+  q_ref,
+  k1_ref,
+  k2_ref,
+  v_ref,
+  acc_out_ref,
+  ml_out_ref,
+  m_ref,
+  l_ref,
+  acc_ref,
+  *,
+  plan: _Plan,
+):
   b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bk = plan.block_kv
   start = (split * plan.blocks_per_split + j) * bk
@@ -220,13 +237,23 @@ def _decode_kernel(len_ref, q_ref, k1_ref, k2_ref, v_ref, acc_out_ref, ml_out_re
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  accumulate = functools.partial(_accumulate_flat if plan.flat else _accumulate_groups, plan,
-                                 q_ref, (k1_ref, k2_ref), v_ref, m_ref, l_ref, acc_ref, start,
-                                 kv_len)
+  accumulate = functools.partial(
+    _accumulate_flat if plan.flat else _accumulate_groups,
+    plan,
+    q_ref,
+    (k1_ref, k2_ref),
+    v_ref,
+    m_ref,
+    l_ref,
+    acc_ref,
+    start,
+    kv_len,
+  )
   whole = start + bk <= kv_len
   pl.when(whole)(functools.partial(accumulate, masked=False))
   pl.when(jnp.logical_and(start < kv_len, jnp.logical_not(whole)))(
-      functools.partial(accumulate, masked=True))
+    functools.partial(accumulate, masked=True)
+  )
 
   @pl.when(j == plan.blocks_per_split - 1)
   def _finish():
@@ -259,8 +286,9 @@ def _merge(acc, m, l):
   and acc == 0."""
   seen = l > 0.0
   safe = jnp.where(seen, l, 1.0)
-  return reference.merge_partials(acc / safe[..., None],
-                                  jnp.where(seen, m + jnp.log(safe), -jnp.inf), 1)
+  return reference.merge_partials(
+    acc / safe[..., None], jnp.where(seen, m + jnp.log(safe), -jnp.inf), 1
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
@@ -278,9 +306,16 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   splits = blocks.num_splits if blocks.num_splits is not None else (2 if b == 1 else 1)
   splits = max(1, min(splits, n_blocks))
   per_split = pl.cdiv(n_blocks, splits)
-  plan = _Plan(block_kv=bk, blocks_per_split=per_split, splits=splits, kv_heads=kh, rows=gp,
-               scale=float(scale), k_view=cache_view(kh, d, itemsize),
-               v_view=cache_view(kh, dv, itemsize))
+  plan = _Plan(
+    block_kv=bk,
+    blocks_per_split=per_split,
+    splits=splits,
+    kv_heads=kh,
+    rows=gp,
+    scale=float(scale),
+    k_view=cache_view(kh, d, itemsize),
+    v_view=cache_view(kh, dv, itemsize),
+  )
   cols = plan.columns
 
   # [B, 1, H, D] x2 -> [B, 2, K * Gp, D]; head h is row h % G of group h // G.
@@ -289,50 +324,66 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, s)
 
   kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=per_split)
+
   def cache_spec(view: str, width: int):
     if view == SKD:
-      return pl.BlockSpec((None, bk, kh, width),
-                          lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0))
+      return pl.BlockSpec(
+        (None, bk, kh, width), lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0)
+      )
     if view == KSD:
-      return pl.BlockSpec((None, kh, bk, width),
-                          lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0))
-    return pl.BlockSpec((None, kh, width, bk),
-                        lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens)))
+      return pl.BlockSpec(
+        (None, kh, bk, width), lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0)
+      )
+    return pl.BlockSpec(
+      (None, kh, width, bk), lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens))
+    )
 
-  out_spec = lambda shape: pl.BlockSpec((None, None, *shape),
-                                        lambda bi, si, j, lens: (bi, si) + (0,) * len(shape))
+  out_spec = lambda shape: pl.BlockSpec(
+    (None, None, *shape), lambda bi, si, j, lens: (bi, si) + (0,) * len(shape)
+  )
   if plan.flat:  # row statistics and transposed accumulators
     stat_shape, acc_shape, ml_shape = (2, 1, cols), (2, dv, cols), (2, 2, cols)
   else:
     stat_shape, acc_shape, ml_shape = (2, cols, 1), (2, cols, dv), (2, cols, 2)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(b, splits, per_split),
-      in_specs=[pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
-                cache_spec(plan.k_view, d), cache_spec(plan.k_view, d),
-                cache_spec(plan.v_view, dv)],
-      out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
-      scratch_shapes=[pltpu.VMEM(stat_shape, jnp.float32), pltpu.VMEM(stat_shape, jnp.float32),
-                      pltpu.VMEM(acc_shape, jnp.float32)])
+    num_scalar_prefetch=1,
+    grid=(b, splits, per_split),
+    in_specs=[
+      pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.v_view, dv),
+    ],
+    out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
+    scratch_shapes=[
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(acc_shape, jnp.float32),
+    ],
+  )
   tiles = 2 * itemsize * bk * kh * (2 * L.round_up(d, _LANES) + L.round_up(dv, _LANES))
-  work = (bk * kh * L.round_up(cols, _LANES) if plan.flat
-          else L.round_up(gp, 8) * L.round_up(bk, _LANES))  # one map's scores
-  vmem = tiles + 4 * (3 * 2 * L.round_up(cols, 8) * (L.round_up(dv, _LANES) + 2 * _LANES)
-                      + 6 * work)
+  work = (
+    bk * kh * L.round_up(cols, _LANES) if plan.flat else L.round_up(gp, 8) * L.round_up(bk, _LANES)
+  )  # one map's scores
+  vmem = tiles + 4 * (
+    3 * 2 * L.round_up(cols, 8) * (L.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
+  )
   cache_bytes = itemsize * b * sp * kh * (2 * d + dv)
   acc, ml = pl.pallas_call(
-      functools.partial(_decode_kernel, plan=plan),
-      grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((b, splits, *acc_shape), jnp.float32),
-                 jax.ShapeDtypeStruct((b, splits, *ml_shape), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=L.vmem_limit(vmem)),
-      cost_estimate=pl.CostEstimate(flops=4 * b * h * s * (d + dv),
-                                    transcendentals=2 * b * h * s,
-                                    bytes_accessed=int(cache_bytes)),
-      interpret=interpret,
-      name="diff_v1_decode",
+    functools.partial(_decode_kernel, plan=plan),
+    grid_spec=grid_spec,
+    out_shape=[
+      jax.ShapeDtypeStruct((b, splits, *acc_shape), jnp.float32),
+      jax.ShapeDtypeStruct((b, splits, *ml_shape), jnp.float32),
+    ],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=L.vmem_limit(vmem)
+    ),
+    cost_estimate=pl.CostEstimate(
+      flops=4 * b * h * s * (d + dv), transcendentals=2 * b * h * s, bytes_accessed=int(cache_bytes)
+    ),
+    interpret=interpret,
+    name="diff_v1_decode",
   )(kv_len, q, _to_view(k1, plan.k_view), _to_view(k2, plan.k_view), _to_view(v, plan.v_view))
   if plan.flat:
     acc, m, l = acc.swapaxes(-1, -2), ml[..., 0, :], ml[..., 1, :]
@@ -345,11 +396,18 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
 
 
 def diff_v1_decode_pallas_tpu(
-    q1_Bx1xHxD: jax.Array, q2_Bx1xHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float,
-    kv_len_B: jax.Array, *, scale: float | None = None,
-    block_sizes: DecodeBlockSizes | dict | None = None,
-    interpret: Interpret = False) -> jax.Array:
+  q1_Bx1xHxD: jax.Array,
+  q2_Bx1xHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array | float,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  block_sizes: DecodeBlockSizes | dict | None = None,
+  interpret: Interpret = False,
+) -> jax.Array:
   """DIFF V1 attention of one new token per sequence against a KV cache, on a TPU.
 
   Args:
@@ -370,10 +428,22 @@ def diff_v1_decode_pallas_tpu(
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_tpu", wider="diff_v1_pallas_tpu")
   b, _, h, d = q1_Bx1xHxD.shape
   kv_len_B = jnp.asarray(kv_len_B)
-  blocks = resolve_decode_block_sizes(block_sizes, head_dim=d,
-                                      value_dim=v_BxSxKxDv.shape[3],
-                                      kv_heads=k1_BxSxKxD.shape[2],
-                                      itemsize=k1_BxSxKxD.dtype.itemsize)
-  return _decode(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv,
-                 jnp.broadcast_to(lam_H, (h,)), kv_len_B, scale=_v.default_scale(scale, d),
-                 blocks=blocks, interpret=interpret_mode(interpret))
+  blocks = resolve_decode_block_sizes(
+    block_sizes,
+    head_dim=d,
+    value_dim=v_BxSxKxDv.shape[3],
+    kv_heads=k1_BxSxKxD.shape[2],
+    itemsize=k1_BxSxKxD.dtype.itemsize,
+  )
+  return _decode(
+    q1_Bx1xHxD,
+    q2_Bx1xHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    jnp.broadcast_to(lam_H, (h,)),
+    kv_len_B,
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=interpret_mode(interpret),
+  )

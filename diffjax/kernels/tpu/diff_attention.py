@@ -13,7 +13,8 @@ PartitionSpecs to run them under ``jax.shard_map`` over batch and heads.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +27,30 @@ from diffjax.kernels.tpu.block_sizes import BlockSizes
 
 def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
   if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("Pass both q_segment_ids and kv_segment_ids, or neither; got "
-                     f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
-                     f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}.")
+    raise ValueError(
+      "Pass both q_segment_ids and kv_segment_ids, or neither; got "
+      f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
+      f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
+    )
   if q_segment_ids is not None:
     _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
 
 
 def diff_v1_pallas_tpu(
-    q1_BxTxHxD: jax.Array, q2_BxTxHxD: jax.Array, k1_BxSxKxD: jax.Array,
-    k2_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, lam_H: jax.Array | float, *,
-    causal: bool = True, q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-    block_sizes: BlockSizes | Mapping[str, Any] | None = None,
-    interpret: Interpret = False) -> jax.Array:
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxHxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array | float,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: BlockSizes | Mapping[str, Any] | None = None,
+  interpret: Interpret = False,
+) -> jax.Array:
   """DIFF V1 attention core, ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V``.
 
   Args:
@@ -61,12 +72,33 @@ def diff_v1_pallas_tpu(
   b, t, h, d = q1_BxTxHxD.shape
   s, kv_heads = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = make_config(t=t, s=s, d=d, dv=v_BxSxKxDv.shape[-1], h=h, kv_heads=kv_heads,
-                causal=causal, segmented=q_segment_ids is not None, scale=scale,
-                block_sizes=block_sizes, shared_k=False, lam_rows=False, interpret=interpret)
+  cfg = make_config(
+    t=t,
+    s=s,
+    d=d,
+    dv=v_BxSxKxDv.shape[-1],
+    h=h,
+    kv_heads=kv_heads,
+    causal=causal,
+    segmented=q_segment_ids is not None,
+    scale=scale,
+    block_sizes=block_sizes,
+    shared_k=False,
+    lam_rows=False,
+    interpret=interpret,
+  )
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
-  return _diff_v1(cfg, q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
-                  q_segment_ids, kv_segment_ids)
+  return _diff_v1(
+    cfg,
+    q1_BxTxHxD,
+    q2_BxTxHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_H,
+    q_segment_ids,
+    kv_segment_ids,
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -74,17 +106,25 @@ def _diff_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
   # [B, T, N, D] -> [B, N, T, D] per component, never stacked: a bitcast for the TPU
   # compiler's layout of these arrays (see ``_layout``).
   heads = lambda x: x.transpose(0, 2, 1, 3)
-  out_BxHxTxDv = diff_core(cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v),
-                           lam_H, q_seg, kv_seg)
+  out_BxHxTxDv = diff_core(
+    cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg
+  )
   return out_BxHxTxDv.transpose(0, 2, 1, 3)
 
 
 def diff_v2_pallas_tpu(
-    q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array,
-    lam_BxTxH: jax.Array, *, causal: bool = True,
-    q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-    scale: float | None = None, block_sizes: BlockSizes | Mapping[str, Any] | None = None,
-    interpret: Interpret = False) -> jax.Array:
+  q_BxTxQxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_BxTxH: jax.Array,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: BlockSizes | Mapping[str, Any] | None = None,
+  interpret: Interpret = False,
+) -> jax.Array:
   """DIFF V2 attention on paired query heads.
 
   Args:
@@ -101,11 +141,22 @@ def diff_v2_pallas_tpu(
   b, t, qh, d = q_BxTxQxD.shape
   s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
   _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = make_config(t=t, s=s, d=d, dv=v_BxSxKxD.shape[-1], h=qh // 2, kv_heads=kv_heads,
-                causal=causal, segmented=q_segment_ids is not None, scale=scale,
-                block_sizes=block_sizes, shared_k=True, lam_rows=True, interpret=interpret)
-  return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
-                  kv_segment_ids)
+  cfg = make_config(
+    t=t,
+    s=s,
+    d=d,
+    dv=v_BxSxKxD.shape[-1],
+    h=qh // 2,
+    kv_heads=kv_heads,
+    causal=causal,
+    segmented=q_segment_ids is not None,
+    scale=scale,
+    block_sizes=block_sizes,
+    shared_k=True,
+    lam_rows=True,
+    interpret=interpret,
+  )
+  return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

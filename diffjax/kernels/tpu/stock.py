@@ -29,16 +29,35 @@ def _splash_blocks(block_sizes, tp: int, sp: int) -> splash.BlockSizes:
   if isinstance(block_sizes, splash.BlockSizes):
     return block_sizes
   if block_sizes is not None:
-    raise TypeError("The stock path takes None or a splash_attention.BlockSizes; got "
-                    f"{type(block_sizes).__name__}.")
+    raise TypeError(
+      "The stock path takes None or a splash_attention.BlockSizes; got "
+      f"{type(block_sizes).__name__}."
+    )
   bq, bk = min(512, tp), min(512, sp)
-  return splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
-                           block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
-                           block_kv_dq=bk)
+  return splash.BlockSizes(
+    block_q=bq,
+    block_kv=bk,
+    block_kv_compute=bk,
+    block_q_dkv=bq,
+    block_kv_dkv=bk,
+    block_kv_dkv_compute=bk,
+    block_q_dq=bq,
+    block_kv_dq=bk,
+  )
 
 
-def _attend(q_BxHxTxD, k_BxKxSxD, v_BxKxSxDv, q_seg, kv_seg, *, causal: bool, scale: float,
-            block_sizes, interpret: bool):
+def _attend(
+  q_BxHxTxD,
+  k_BxKxSxD,
+  v_BxKxSxDv,
+  q_seg,
+  kv_seg,
+  *,
+  causal: bool,
+  scale: float,
+  block_sizes,
+  interpret: bool,
+):
   """Splash attention over [B, heads, len, dim] arrays; returns [B, H, T, Dv]."""
   b, h, t, _ = q_BxHxTxD.shape
   s = k_BxKxSxD.shape[2]
@@ -60,38 +79,80 @@ def _attend(q_BxHxTxD, k_BxKxSxD, v_BxKxSxDv, q_seg, kv_seg, *, causal: bool, sc
     head_mask = splash.CausalMask((tp, sp), offset=s - t)
   else:
     head_mask = splash.FullMask((tp, sp))
-  kernel = splash.make_splash_mha(splash.MultiHeadMask([head_mask] * h), block_sizes=blocks,
-                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+  kernel = splash.make_splash_mha(
+    splash.MultiHeadMask([head_mask] * h),
+    block_sizes=blocks,
+    head_shards=1,
+    q_seq_shards=1,
+    interpret=interpret,
+  )
   out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_seg, kv_seg))
   return out[:, :, :t]
 
 
-def mha_stock_tpu(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal: bool = True,
-                  q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                  block_sizes=None, interpret: bool = False) -> jax.Array:
+def mha_stock_tpu(
+  q_BxTxHxD,
+  k_BxSxKxD,
+  v_BxSxKxDv,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """Baseline attention (MHA / GQA) as one splash-attention call: the matched peer.
 
   Returns [B, T, H, Dv] in the dtype of q.
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
   d = q_BxTxHxD.shape[-1]
-  return _mha_stock(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, q_segment_ids, kv_segment_ids,
-                    causal=bool(causal), scale=_v.default_scale(scale, d),
-                    block_sizes=block_sizes, interpret=bool(interpret))
+  return _mha_stock(
+    q_BxTxHxD,
+    k_BxSxKxD,
+    v_BxSxKxDv,
+    q_segment_ids,
+    kv_segment_ids,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    block_sizes=block_sizes,
+    interpret=bool(interpret),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
 def _mha_stock(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
   heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  out = _attend(heads_first(q), heads_first(k), heads_first(v), q_seg, kv_seg, causal=causal,
-                scale=scale, block_sizes=block_sizes, interpret=interpret)
+  out = _attend(
+    heads_first(q),
+    heads_first(k),
+    heads_first(v),
+    q_seg,
+    kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   return heads_first(out).astype(q.dtype)
 
 
-def diff_v1_stock_tpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, *,
-                      causal: bool = True, q_segment_ids=None, kv_segment_ids=None,
-                      scale: float | None = None, block_sizes=None,
-                      interpret: bool = False) -> jax.Array:
+def diff_v1_stock_tpu(
+  q1_BxTxHxD,
+  q2_BxTxHxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V1 as two splash-attention calls with the 2D-wide value, then a subtraction.
 
   Arguments and result as in :func:`diffjax.kernels.tpu.diff_v1_pallas_tpu`;
@@ -101,18 +162,36 @@ def diff_v1_stock_tpu(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   h, d = q1_BxTxHxD.shape[2:]
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
-  return _diff_v1_stock(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H,
-                        q_segment_ids, kv_segment_ids, causal=bool(causal),
-                        scale=_v.default_scale(scale, d), block_sizes=block_sizes,
-                        interpret=bool(interpret))
+  return _diff_v1_stock(
+    q1_BxTxHxD,
+    q2_BxTxHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_H,
+    q_segment_ids,
+    kv_segment_ids,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    block_sizes=block_sizes,
+    interpret=bool(interpret),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
-def _diff_v1_stock(q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, block_sizes,
-                   interpret):
+def _diff_v1_stock(
+  q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
+):
   heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  attend = functools.partial(_attend, q_seg=q_seg, kv_seg=kv_seg, causal=causal, scale=scale,
-                             block_sizes=block_sizes, interpret=interpret)
+  attend = functools.partial(
+    _attend,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   v_h = heads_first(v)
   o1 = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
   o2 = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
@@ -120,26 +199,53 @@ def _diff_v1_stock(q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, bl
   return heads_first(out_BxHxTxDv).astype(q1.dtype)
 
 
-def diff_v2_stock_tpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, *, causal: bool = True,
-                      q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                      block_sizes=None, interpret: bool = False) -> jax.Array:
+def diff_v2_stock_tpu(
+  q_BxTxQxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
   """DIFF V2 as one splash-attention call over the 2H query heads, then pair combining.
 
   Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_pallas_tpu`.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   d = q_BxTxQxD.shape[-1]
-  return _diff_v2_stock(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids,
-                        kv_segment_ids, causal=bool(causal), scale=_v.default_scale(scale, d),
-                        block_sizes=block_sizes, interpret=bool(interpret))
+  return _diff_v2_stock(
+    q_BxTxQxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxTxH,
+    q_segment_ids,
+    kv_segment_ids,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    block_sizes=block_sizes,
+    interpret=bool(interpret),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
 def _diff_v2_stock(q, k, v, lam, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
   heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  o_BxQxTxD = _attend(heads_first(q), heads_first(k), heads_first(v), q_seg, kv_seg,
-                      causal=causal, scale=scale, block_sizes=block_sizes,
-                      interpret=interpret).astype(jnp.float32)
+  o_BxQxTxD = _attend(
+    heads_first(q),
+    heads_first(k),
+    heads_first(v),
+    q_seg,
+    kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  ).astype(jnp.float32)
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
   out_BxHxTxD = o_BxQxTxD[:, 0::2] - lam_BxHxT[..., None] * o_BxQxTxD[:, 1::2]
   return heads_first(out_BxHxTxD).astype(q.dtype)

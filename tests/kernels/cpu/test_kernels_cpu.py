@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import rel_err
 
 from diffjax import ops
 from diffjax.core import reference as ref
 from diffjax.kernels.cpu import diff_v1_xla_cpu, diff_v2_xla_cpu, mha_xla_cpu
 from diffjax.ops import dispatch
-from kernel_checks import rel_err
 
 # (B, T, S, H, K, D, Dv): GQA groups of 1, 3 and 2, T != S, odd sizes.
 SHAPES = [(2, 13, 13, 6, 2, 8, 16), (1, 7, 11, 3, 1, 5, 5), (3, 16, 16, 4, 4, 8, 8)]
@@ -66,18 +66,30 @@ def _slow(*case):
   return pytest.param(*case, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("shape,causal,seg", [
-    (SHAPES[0], True, "self"), (SHAPES[0], False, "pair"), _slow(SHAPES[1], True, "pair"),
-    (SHAPES[1], False, "none"), _slow(SHAPES[2], True, "none"), (SHAPES[2], False, "self")])
+@pytest.mark.parametrize(
+  "shape,causal,seg",
+  [
+    (SHAPES[0], True, "self"),
+    (SHAPES[0], False, "pair"),
+    _slow(SHAPES[1], True, "pair"),
+    (SHAPES[1], False, "none"),
+    _slow(SHAPES[2], True, "none"),
+    (SHAPES[2], False, "self"),
+  ],
+)
 def test_mha_matches_reference(shape, causal, seg):
   b, t, s, h, k, d, dv = shape
   ids = _segments(b, t, s, seg)
-  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
+  q_seg, kv_seg = ids if isinstance(ids, tuple) else (ids, ids)
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32)
-  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=causal, q_segment_ids=q_seg,
-                                  kv_segment_ids=kv_seg),
-         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=causal, segment_ids=ids),
-         args, 2e-5)
+  _check(
+    lambda q, kk, v: mha_xla_cpu(
+      q, kk, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    ),
+    lambda q, kk, v: ref.mha_reference(q, kk, v, causal=causal, segment_ids=ids),
+    args,
+    2e-5,
+  )
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2])
@@ -85,14 +97,19 @@ def test_mha_matches_reference(shape, causal, seg):
 def test_diff_v1_matches_reference(shape, seg):
   b, t, s, h, k, d, dv = shape
   ids = _segments(b, t, s, seg)
-  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
-  args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
-                 jnp.float32)
+  q_seg, kv_seg = ids if isinstance(ids, tuple) else (ids, ids)
+  args = _arrays(
+    [(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5, jnp.float32
+  )
   lam = jnp.linspace(0.2, 0.9, h)
-  _check(lambda *x: diff_v1_xla_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
-                                kv_segment_ids=kv_seg),
-         lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
-         (*args, lam), 3e-5)
+  _check(
+    lambda *x: diff_v1_xla_cpu(
+      *x[:5], x[5], causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    ),
+    lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
+    (*args, lam),
+    3e-5,
+  )
 
 
 @pytest.mark.parametrize("shape", [_slow(SHAPES[0]), SHAPES[1]])
@@ -101,15 +118,23 @@ def test_diff_v2_matches_reference(shape):
   ids = _segments(b, t, s, "pair")
   args = _arrays([(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d), (b, t, h)], 4, jnp.float32)
   args[3] = jax.nn.sigmoid(args[3])
-  _check(lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
-         lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids), args, 3e-5)
+  _check(
+    lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
+    lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids),
+    args,
+    3e-5,
+  )
 
 
 def test_bfloat16_within_bfloat16_rounding():
   b, t, s, h, k, d, dv = SHAPES[0]
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.bfloat16, seed=3)
-  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True),
-         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True), args, 3e-2)
+  _check(
+    lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True),
+    lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True),
+    args,
+    3e-2,
+  )
 
 
 def test_rows_with_no_visible_key_are_zero_with_finite_gradients():
@@ -129,12 +154,14 @@ def test_auto_runs_it_on_cpu_and_keeps_masks_and_float64_on_the_reference():
     assert dispatch.resolve(op, "auto", has_mask=False, interpret=False, float64=True) == "xla"
   q, kk, v = _arrays([(2, 9, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8)], 3, jnp.float32)
   _close(ops.dot_product_attention(q, kk, v), ref.mha_reference(q, kk, v), 2e-5)
-  _close(ops.dot_product_attention(q, kk, v, implementation="xla_cpu"),
-         ref.mha_reference(q, kk, v), 2e-5)
+  _close(
+    ops.dot_product_attention(q, kk, v, implementation="xla_cpu"), ref.mha_reference(q, kk, v), 2e-5
+  )
 
 
 def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch):
   from diffjax.kernels.cpu import attention as cpu_attention
+
   b, t, s, h, k, d, dv = SHAPES[2]  # B = 3
   ids = _segments(b, t, s, "self")
   args = _arrays([(b, t, h, d), (b, s, k, d), (b, s, k, dv)], 3, jnp.float32, seed=5)
@@ -142,26 +169,34 @@ def test_several_rows_per_step_and_a_remainder_give_the_same_result(monkeypatch)
   one_row = 4 * k * t * s
   monkeypatch.setattr(cpu_attention, "SCORE_BYTES_PER_STEP", 2 * one_row)  # 2 rows, then 1
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d))) == 2
-  _check(f, lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids), args,
-         2e-5)
+  _check(f, lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids), args, 2e-5)
   # The pair path holds two maps' scores per step: one row per step here, then the rest.
   q2 = _arrays([(b, t, h, d)], 1, jnp.float32, seed=6)[0]
   assert cpu_attention._rows_per_step(jnp.zeros((b, k, t, d)), jnp.zeros((b, k, s, d)), 2) == 1
   lam = jnp.linspace(0.3, 0.6, h)
-  _check(lambda q, q2, kk, v: diff_v1_xla_cpu(q, q2, kk, kk, v, lam, causal=True, q_segment_ids=ids,
-                                          kv_segment_ids=ids),
-         lambda q, q2, kk, v: ref.diff_v1_reference(q, q2, kk, kk, v, lam, causal=True,
-                                                    segment_ids=ids),
-         (args[0], q2, args[1], args[2]), 3e-5)
+  _check(
+    lambda q, q2, kk, v: diff_v1_xla_cpu(
+      q, q2, kk, kk, v, lam, causal=True, q_segment_ids=ids, kv_segment_ids=ids
+    ),
+    lambda q, q2, kk, v: ref.diff_v1_reference(q, q2, kk, kk, v, lam, causal=True, segment_ids=ids),
+    (args[0], q2, args[1], args[2]),
+    3e-5,
+  )
 
 
-@pytest.mark.parametrize("t,s,seg", [(13, 13, "self"),
-                                     pytest.param(7, 11, "pair", marks=pytest.mark.slow),
-                                     pytest.param(11, 6, "none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "t,s,seg",
+  [
+    (13, 13, "self"),
+    pytest.param(7, 11, "pair", marks=pytest.mark.slow),
+    pytest.param(11, 6, "none", marks=pytest.mark.slow),
+  ],
+)
 def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
   """Causal rows run in query blocks against only the keys they can see; blocks of 4 give
   uneven last blocks, T < S, and (T > S) rows that see no key at all."""
   from diffjax.kernels.cpu import attention as cpu_attention
+
   monkeypatch.setattr(cpu_attention, "Q_BLOCK", 4)
   blocks = cpu_attention._query_blocks(t, s, True)
   assert len(blocks) == -(-t // 4) and blocks[-1][:2] == ((len(blocks) - 1) * 4, t)
@@ -169,31 +204,42 @@ def test_causal_query_blocks_match_reference(monkeypatch, t, s, seg):
   assert len(cpu_attention._query_blocks(4000, 4000, True)) == cpu_attention.MAX_Q_BLOCKS
   b, h, k, d, dv = 2, 6, 2, 8, 16
   ids = _segments(b, t, s, seg) if seg != "self" or t == s else None
-  q_seg, kv_seg = (ids if isinstance(ids, tuple) else (ids, ids))
-  args = _arrays([(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5,
-                 jnp.float32, seed=11)
+  q_seg, kv_seg = ids if isinstance(ids, tuple) else (ids, ids)
+  args = _arrays(
+    [(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5, jnp.float32, seed=11
+  )
   lam = jnp.linspace(0.2, 0.9, h)
-  _check(lambda *x: diff_v1_xla_cpu(*x[:5], x[5], causal=True, q_segment_ids=q_seg,
-                                kv_segment_ids=kv_seg),
-         lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
-         (*args, lam), 3e-5)
-  _check(lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True, q_segment_ids=q_seg,
-                                  kv_segment_ids=kv_seg),
-         lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids),
-         args[::2][:1] + [args[2], args[4]], 2e-5)
+  _check(
+    lambda *x: diff_v1_xla_cpu(
+      *x[:5], x[5], causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    ),
+    lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
+    (*args, lam),
+    3e-5,
+  )
+  _check(
+    lambda q, kk, v: mha_xla_cpu(q, kk, v, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg),
+    lambda q, kk, v: ref.mha_reference(q, kk, v, causal=True, segment_ids=ids),
+    args[::2][:1] + [args[2], args[4]],
+    2e-5,
+  )
 
 
-@pytest.mark.parametrize("spec,x_shape,w_shape", [
-    ("bte,ehd->bthd", (2, 5, 6), (6, 3, 4)),       # query projection, 3-D kernel
-    ("bthd,hde->bte", (2, 5, 3, 4), (3, 4, 7)),    # output projection, two contracted axes
+@pytest.mark.parametrize(
+  "spec,x_shape,w_shape",
+  [
+    ("bte,ehd->bthd", (2, 5, 6), (6, 3, 4)),  # query projection, 3-D kernel
+    ("bthd,hde->bte", (2, 5, 3, 4), (3, 4, 7)),  # output projection, two contracted axes
     ("bte,ehsd->bthsd", (1, 3, 6), (6, 2, 2, 3)),  # DIFF V1 query components
-    ("bte,ve->btv", (2, 5, 6), (9, 6)),            # tied LM head: a transposed 2-D weight
+    ("bte,ve->btv", (2, 5, 6), (9, 6)),  # tied LM head: a transposed 2-D weight
     ("bte,ef->btf", (3, 1, 6), (6, 5)),
-])
+  ],
+)
 def test_cpu_matmul_matches_einsum_forward_and_gradients(spec, x_shape, w_shape):
   """The projections' CPU path (row-major 2-D matmuls with hand-written gradients) against
   jnp.einsum and its autodiff."""
   from diffjax.nn import layers
+
   assert layers._rows_form(spec) is not None
   x, w = _arrays([x_shape, w_shape], 2, jnp.float32, seed=4)
   ours = lambda x, w: layers.matmul(spec, x, w, jnp.float32)
@@ -205,6 +251,7 @@ def test_cpu_matmul_matches_einsum_forward_and_gradients(spec, x_shape, w_shape)
 
 def test_cpu_matmul_keeps_einsum_for_other_specs_and_dtypes():
   from diffjax.nn import layers
+
   for spec in ("btd,bsd->bts", "bte,te->bt", "bte,ee->bte"):
     assert layers._rows_form(spec) is None, spec
   assert layers._rows_form("bte,te->b") == (2, False)
@@ -216,6 +263,7 @@ def test_cpu_matmul_keeps_einsum_for_other_specs_and_dtypes():
 def test_cpu_rope_tables_match_the_plain_expressions():
   """On a CPU the RoPE cos/sin come from a loop over batch rows; the values are the same."""
   from diffjax.nn import rope
+
   pos = jnp.asarray(np.random.default_rng(0).integers(0, 500, (3, 7)), jnp.int32)
   x = _arrays([(3, 7, 2, 8)], 1, jnp.float32)[0]
   angles = pos.astype(jnp.float32)[..., None] * rope.rope_frequencies(8, 10000.0)[None, None]
@@ -242,7 +290,8 @@ def test_diff_bfloat16_forward_and_every_gradient_within_bfloat16_rounding(varia
   else:
     shapes = [(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d)]
     args = _arrays(shapes, 3, jnp.bfloat16, seed=4) + [
-        jax.nn.sigmoid(jax.random.normal(jax.random.key(5), (b, t, h)))]
+      jax.nn.sigmoid(jax.random.normal(jax.random.key(5), (b, t, h)))
+    ]
     fast = lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
     want = lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids)
   f32 = [a.astype(jnp.float32) for a in args]

@@ -22,9 +22,14 @@ ROOT = REPO
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_one_table(tmp_path):
   out = tmp_path / "gpu_check.md"
-  proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run",
-                         f"--out={out}"], capture_output=True, text=True, cwd=ROOT,
-                        timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/gpu_check.py", "--dry-run", f"--out={out}"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=900,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   text = out.read_text()
   assert "DRY RUN" in text.splitlines()[0]
@@ -40,6 +45,12 @@ def test_gpu_check_dry_run_writes_one_table(tmp_path):
 
 
 def test_gpu_check_refuses_a_real_run_without_a_gpu():
-  proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], capture_output=True,
-                        text=True, cwd=ROOT, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  proc = subprocess.run(
+    [sys.executable, "benchmarks/gpu_check.py"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert proc.returncode == 2 and "--dry-run" in proc.stderr.splitlines()[-1]

@@ -28,17 +28,22 @@ from diffjax.kernels.gpu import ptxas, targets
 
 _MISSING = targets.available()
 # CI installs the extra: there a missing package is a failure, not a skip.
-pytestmark = pytest.mark.skipif(_MISSING is not None and not os.environ.get("CI"),
-                                reason=f"deviceless GPU compiles need {_MISSING}")
+pytestmark = pytest.mark.skipif(
+  _MISSING is not None and not os.environ.get("CI"),
+  reason=f"deviceless GPU compiles need {_MISSING}",
+)
 
 
 def _gate(scope: str, timeout: int) -> dict:
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
   env.update(JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
   proc = subprocess.run(
-      [sys.executable, "-m", "diffjax.kernels.gpu.compile_check", f"--scope={scope}",
-       "--json"], capture_output=True, text=True, env=env, timeout=timeout)
+    [sys.executable, "-m", "diffjax.kernels.gpu.compile_check", f"--scope={scope}", "--json"],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -49,13 +54,16 @@ def problems(rows: list[dict]) -> list[str]:
   for r in rows:
     name = f"{r['label']} {r['kernel']}"
     if r["spill_stores"] or r["spill_loads"] or r["stack_bytes"]:
-      out.append(f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes, stack "
-                 f"{r['stack_bytes']}")
+      out.append(
+        f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes, stack {r['stack_bytes']}"
+      )
     if r["smem_bytes"] > r["smem_limit"]:
       out.append(f"{name}: shared memory {r['smem_bytes']} > {r['smem_limit']}")
     if r["smem_bytes"] != r["model_smem"]:
-      out.append(f"{name}: the tiling model counts {r['model_smem']} bytes of shared "
-                 f"memory, Mosaic GPU allocates {r['smem_bytes']}")
+      out.append(
+        f"{name}: the tiling model counts {r['model_smem']} bytes of shared "
+        f"memory, Mosaic GPU allocates {r['smem_bytes']}"
+      )
     if r["model_registers"] is not None and r["model_registers"] > 240:
       out.append(f"{name}: the register model says {r['model_registers']} > 240")
   return out
@@ -74,9 +82,15 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   # 3B layer and V1 decoding; no two kernels share a module text.
   assert (stats["cases"], stats["kernels"], stats["distinct"]) == (3, 5, 5)
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
-  assert kinds == sorted([("diff_v1", "forward"), ("diff_v1", "backward"),
-                          ("diff_v2", "forward"), ("diff_v2", "backward"),
-                          ("diff_v1_decode", "decode")])
+  assert kinds == sorted(
+    [
+      ("diff_v1", "forward"),
+      ("diff_v1", "backward"),
+      ("diff_v2", "forward"),
+      ("diff_v2", "backward"),
+      ("diff_v1_decode", "decode"),
+    ]
+  )
   assert all(r["registers"] > 0 for r in rows)
 
 
@@ -99,9 +113,9 @@ ptxas info    : Function properties for b_mosaic_gpu_kernel
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 40 registers, used 1 barriers"""
   assert ptxas.parse_ptxas(text) == {
-      "a_mosaic_gpu_kernel": dict(stack=432, spill_stores=816, spill_loads=1028,
-                                  registers=168),
-      "b_mosaic_gpu_kernel": dict(stack=0, spill_stores=0, spill_loads=0, registers=40)}
+    "a_mosaic_gpu_kernel": dict(stack=432, spill_stores=816, spill_loads=1028, registers=168),
+    "b_mosaic_gpu_kernel": dict(stack=0, spill_stores=0, spill_loads=0, registers=40),
+  }
 
 
 def test_target_configs_describe_the_gpus():

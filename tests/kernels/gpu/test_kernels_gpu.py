@@ -12,11 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from kernel_checks import normal, rel_err, rel_err_rows, tolerance
 
 from diffjax import ops
 from diffjax.kernels import gpu as kg
 from diffjax.ops import reference as ref
-from kernel_checks import normal, rel_err, rel_err_rows, tolerance
 
 
 def _segments(b, t, s):
@@ -24,25 +24,34 @@ def _segments(b, t, s):
   pos = jnp.arange(s)
   kv = (pos >= s // 3).astype(jnp.int32) + (pos >= (2 * s) // 3 + 5).astype(jnp.int32)
   kv = jnp.stack([kv, jnp.roll(kv, 7)])[:b]
-  return kv[:, s - t:], kv
+  return kv[:, s - t :], kv
 
 
 def _v1_inputs(b, t, s, h, kh, d, dv, dtype, seed=0):
   ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  return (normal(ks[0], (b, t, h, d), dtype), normal(ks[1], (b, t, h, d), dtype),
-          normal(ks[2], (b, s, kh, d), dtype), normal(ks[3], (b, s, kh, d), dtype),
-          normal(ks[4], (b, s, kh, dv), dtype),
-          jnp.linspace(0.15, 0.85, h).astype(jnp.float32))
+  return (
+    normal(ks[0], (b, t, h, d), dtype),
+    normal(ks[1], (b, t, h, d), dtype),
+    normal(ks[2], (b, s, kh, d), dtype),
+    normal(ks[3], (b, s, kh, d), dtype),
+    normal(ks[4], (b, s, kh, dv), dtype),
+    jnp.linspace(0.15, 0.85, h).astype(jnp.float32),
+  )
 
 
 def _v2_inputs(b, t, s, h, kh, d, dtype, seed=1):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return (normal(ks[0], (b, t, 2 * h, d), dtype), normal(ks[1], (b, s, kh, d), dtype),
-          normal(ks[2], (b, s, kh, d), dtype), jax.nn.sigmoid(normal(ks[3], (b, t, h))))
+  return (
+    normal(ks[0], (b, t, 2 * h, d), dtype),
+    normal(ks[1], (b, s, kh, d), dtype),
+    normal(ks[2], (b, s, kh, d), dtype),
+    jax.nn.sigmoid(normal(ks[3], (b, t, h))),
+  )
 
 
-@pytest.mark.parametrize("t,s,seg", [pytest.param(64, 64, False, marks=pytest.mark.slow),
-                                     (40, 64, True)])
+@pytest.mark.parametrize(
+  "t,s,seg", [pytest.param(64, 64, False, marks=pytest.mark.slow), (40, 64, True)]
+)
 def test_stock_paths_compose_like_the_reference(t, s, seg):
   b = 2
   q_seg, kv_seg = _segments(b, t, s) if seg else (None, None)
@@ -54,17 +63,21 @@ def test_stock_paths_compose_like_the_reference(t, s, seg):
   @jax.jit
   def run():
     return {
-        "v1": (kg.diff_v1_stock_gpu(q1, q2, k1, k2, v, lam, **kw),
-               ref.diff_v1_reference(q1, q2, k1, k2, v, lam, segment_ids=segs)),
-        "v2": (kg.diff_v2_stock_gpu(q, k, v2, lam2, **kw),
-               ref.diff_v2_reference(q, k, v2, lam2, segment_ids=segs)),
-        "mha": (kg.mha_stock_gpu(q, k, v2, **kw),
-                ref.mha_reference(q, k, v2, segment_ids=segs)),
+      "v1": (
+        kg.diff_v1_stock_gpu(q1, q2, k1, k2, v, lam, **kw),
+        ref.diff_v1_reference(q1, q2, k1, k2, v, lam, segment_ids=segs),
+      ),
+      "v2": (
+        kg.diff_v2_stock_gpu(q, k, v2, lam2, **kw),
+        ref.diff_v2_reference(q, k, v2, lam2, segment_ids=segs),
+      ),
+      "mha": (kg.mha_stock_gpu(q, k, v2, **kw), ref.mha_reference(q, k, v2, segment_ids=segs)),
     }
 
   results = run()
-  errs = {name: (rel_err(got, want), rel_err_rows(got, want))
-          for name, (got, want) in results.items()}
+  errs = {
+    name: (rel_err(got, want), rel_err_rows(got, want)) for name, (got, want) in results.items()
+  }
   assert all(max(e) <= tolerance(jnp.float32) for e in errs.values()), errs
   # The check can fail: V1 with the second map's sign flipped (lambda -> -lambda).
   flipped = kg.diff_v1_stock_gpu(q1, q2, k1, k2, v, -lam, **kw)

@@ -29,17 +29,18 @@ from jax.experimental import pallas as pl
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
-from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
+from helpers import TESTS  # noqa: E402  (kernel_checks lives there)
+from kernel_checks import abstract_hopper  # noqa: E402
+
 from diffjax.kernels.gpu import mosaic  # noqa: E402
 from diffjax.kernels.gpu import mosaic_bwd as mb  # noqa: E402
 from diffjax.kernels.gpu import mosaic_common as mc  # noqa: E402
 from diffjax.kernels.gpu import mosaic_decode as md  # noqa: E402
 from diffjax.kernels.gpu import mosaic_fwd as mf  # noqa: E402
+from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
 from diffjax.kernels.gpu import mosaic_tiles as tiles  # noqa: E402
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E  # noqa: E402
-from kernel_checks import abstract_hopper  # noqa: E402
 
-from helpers import TESTS  # noqa: E402  (kernel_checks lives there)
 KIB = 1024
 
 
@@ -57,8 +58,9 @@ def _operands(m=64, k=64, n=64):
 
 
 def test_interpreter_layout_cast_is_identity():
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 32), jnp.float32),
-                     interpret=mi.params())
+  @functools.partial(
+    plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 32), jnp.float32), interpret=mi.params()
+  )
   def kernel(x_ref, o_ref):
     o_ref[...] = plgpu.layout_cast(x_ref[...], plgpu.Layout.WGMMA) * 2.0
 
@@ -72,10 +74,14 @@ def test_interpreter_wgmma_transposed_and_register_operands(a_in_registers):
   tr = mc.smem_transforms(64, jnp.bfloat16)
 
   @functools.partial(
-      plgpu.kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-      scratch_types=[plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tr),
-                     plgpu.SMEM((2, 64, 64), jnp.bfloat16, transforms=tr)],
-      interpret=mi.params())
+    plgpu.kernel,
+    out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    scratch_types=[
+      plgpu.SMEM((64, 64), jnp.bfloat16, transforms=tr),
+      plgpu.SMEM((2, 64, 64), jnp.bfloat16, transforms=tr),
+    ],
+    interpret=mi.params(),
+  )
   def kernel(a_ref, b_ref, o_ref, a_smem, b_smem):
     a_smem[...] = a_ref[...]
     b_smem[1] = b_ref[...]
@@ -86,6 +92,7 @@ def test_interpreter_wgmma_transposed_and_register_operands(a_in_registers):
       plgpu.wgmma(acc_ref, lhs, b_smem.at[1].transpose((1, 0)))
       plgpu.wgmma(acc_ref, lhs, b_smem.at[1].transpose((1, 0)))
       return acc_ref[...]
+
     o_ref[...] = pl.run_scoped(body, plgpu.ACC((64, 64), jnp.float32))
 
   want = 2.0 * (np.asarray(a, np.float32) @ np.asarray(b, np.float32).T)
@@ -108,9 +115,12 @@ def test_interpreter_reduce_add_copies_sum_every_cta():
   @jax.jit
   def run(x):
     acc = jax.new_ref(jnp.ones((1, 64, 32), jnp.float32), memory_space=plgpu.GMEM)
-    pl.kernel(lambda *refs: pl.run_scoped(lambda *scr: kernel(*refs, *scr), *scratch),
-              out_type=(), mesh=plgpu.Mesh(grid=(4,), grid_names=("g",)),
-              interpret=mi.params())(x, acc)
+    pl.kernel(
+      lambda *refs: pl.run_scoped(lambda *scr: kernel(*refs, *scr), *scratch),
+      out_type=(),
+      mesh=plgpu.Mesh(grid=(4,), grid_names=("g",)),
+      interpret=mi.params(),
+    )(x, acc)
     return acc[...]
 
   np.testing.assert_allclose(run(x)[0], 1.0 + np.asarray(x).sum(0), rtol=1e-6, atol=1e-6)
@@ -160,8 +170,14 @@ def _forward_smem(d, dv, stages, v1, seg, item=2):
   log-sum-exps, segment ids; each buffer at a 1 KiB boundary; 8 bytes a barrier; the
   2 KiB plgpu.kernel adds."""
   half = 2 if dv >= 256 else 1
-  bufs = [2 * 64 * d * item, stages * 64 * d * item, stages * 64 * dv * item,
-          64 * dv // half * 4, 64 * 4, 2 * 64 * 4]
+  bufs = [
+    2 * 64 * d * item,
+    stages * 64 * d * item,
+    stages * 64 * dv * item,
+    64 * dv // half * 4,
+    64 * 4,
+    2 * 64 * 4,
+  ]
   bufs += [stages * 64 * d * item] if v1 else []
   bufs += [2 * 64 * 4, stages * 64 * 4] if seg else []
   bars = 2 + 2 + stages + (stages if v1 else 0) + stages + (stages if seg else 0) + stages
@@ -174,27 +190,46 @@ def _backward_smem(d, dv, stages, parts, v1, seg, item=2):
   dO halves, five row terms and query ids; key ids; the dP halves (float32, 32-query
   sub-tile) and P / dS (64 queries) crossing; the dQ chunk; an int per warpgroup."""
   half = dv // 2  # the halves of the cases below are equal
-  bufs = [(2 if v1 else 1) * 64 * d * item, 64 * half * item, 64 * half * item,
-          stages * 64 * d * item, stages * 64 * d * item,
-          stages * 64 * half * item, stages * 64 * half * item, stages * 5 * 64 * 4,
-          2 * 64 * 32 * 4, 2 * 64 * 64 * item, 2 * 64 * (d // parts) * 4, 2 * 4]
+  bufs = [
+    (2 if v1 else 1) * 64 * d * item,
+    64 * half * item,
+    64 * half * item,
+    stages * 64 * d * item,
+    stages * 64 * d * item,
+    stages * 64 * half * item,
+    stages * 64 * half * item,
+    stages * 5 * 64 * 4,
+    2 * 64 * 32 * 4,
+    2 * 64 * 64 * item,
+    2 * 64 * (d // parts) * 4,
+    2 * 4,
+  ]
   bufs += [stages * 64 * 4, 64 * 4] if seg else []
   bars = 5 + 2 * stages + 2 * stages + stages + (stages if seg else 0) + stages + 2
   return sum(map(_align, bufs)) + 8 * bars
 
 
-@pytest.mark.parametrize("d,v1,seg,itemsize", [(128, True, True, 2), (128, False, True, 2),
-                                               (64, True, False, 2), (96, True, True, 2),
-                                               (128, True, False, 2)])
+@pytest.mark.parametrize(
+  "d,v1,seg,itemsize",
+  [
+    (128, True, True, 2),
+    (128, False, True, 2),
+    (64, True, False, 2),
+    (96, True, True, 2),
+    (128, True, False, 2),
+  ],
+)
 def test_shared_memory_models_in_closed_form(d, v1, seg, itemsize):
   dv = 2 * d if v1 else d
   variant = "v1" if v1 else "v2"
   bk, stages = tiles.forward_blocks(d, dv, variant, seg, itemsize)
-  assert tiles.forward_smem_bytes(d, dv, bk, stages, variant, seg, itemsize) == \
-      _forward_smem(d, dv, stages, v1, seg, itemsize)
+  assert tiles.forward_smem_bytes(d, dv, bk, stages, variant, seg, itemsize) == _forward_smem(
+    d, dv, stages, v1, seg, itemsize
+  )
   b_stages, parts = tiles.backward_blocks(d, dv, variant, seg, itemsize)
-  assert tiles.backward_smem_bytes(d, dv, b_stages, parts, variant, seg, itemsize) == \
-      _backward_smem(d, dv, b_stages, parts, v1, seg, itemsize)
+  assert tiles.backward_smem_bytes(
+    d, dv, b_stages, parts, variant, seg, itemsize
+  ) == _backward_smem(d, dv, b_stages, parts, v1, seg, itemsize)
 
 
 def test_default_tiles_follow_from_the_budget():
@@ -209,8 +244,9 @@ def test_default_tiles_follow_from_the_budget():
   # The backward: dQ in 32-column chunks where d allows (d 128: 4; d 80: whole), the
   # deepest ring that fits: V1 d 128 one slot, V2 d 128 two.
   assert [tiles.dq_parts(d) for d in (64, 80, 96, 128)] == [2, 1, 3, 4]
-  assert _backward_smem(128, 256, 2, 4, True, True) > limit >= \
-      _backward_smem(128, 256, 1, 4, True, True)
+  assert (
+    _backward_smem(128, 256, 2, 4, True, True) > limit >= _backward_smem(128, 256, 1, 4, True, True)
+  )
   assert tiles.backward_blocks(128, 256, "v1") == (1, 4)
   assert _backward_smem(128, 128, 2, 4, False, True) <= limit
   assert tiles.backward_blocks(128, 128, "v2") == (2, 4)
@@ -227,8 +263,9 @@ def test_default_tiles_follow_from_the_budget():
 
 def test_block_sizes_validate_against_the_budgets():
   # Backward fields left None are filled from the budget, around the ones given.
-  assert tiles.MosaicBlockSizes(64, 2).resolved(128, 256, "v1") == \
-      tiles.MosaicBlockSizes(64, 2, 1, 4)
+  assert tiles.MosaicBlockSizes(64, 2).resolved(128, 256, "v1") == tiles.MosaicBlockSizes(
+    64, 2, 1, 4
+  )
   assert tiles.MosaicBlockSizes(dq_parts=1).resolved(64, 128, "v1").bwd_stages == 2
   with pytest.raises(ValueError, match="the backward needs .* bytes"):
     tiles.MosaicBlockSizes(64, 2, bwd_stages=2).resolved(128, 256, "v1")
@@ -236,10 +273,12 @@ def test_block_sizes_validate_against_the_budgets():
     tiles.MosaicBlockSizes(dq_parts=5)
   with pytest.raises(ValueError, match="dq_parts=2 must split d=80"):
     tiles.MosaicBlockSizes(64, 2, 1, 2).check(80, 160, "v1")
-  for bad, match in [(dict(block_kv=96), "block_kv=96 must be 64, 128"),
-                     (dict(block_kv=320), "block_kv=320"),
-                     (dict(stages=0), r"stages=0 must be in \[1, 4\]"),
-                     (dict(stages=True), "stages=True must be an int")]:
+  for bad, match in [
+    (dict(block_kv=96), "block_kv=96 must be 64, 128"),
+    (dict(block_kv=320), "block_kv=320"),
+    (dict(stages=0), r"stages=0 must be in \[1, 4\]"),
+    (dict(stages=True), "stages=True must be an int"),
+  ]:
     with pytest.raises(ValueError, match=match):
       tiles.MosaicBlockSizes(**bad)
   with pytest.raises(ValueError, match="shared memory for d=128, dv=256.*default here is"):
@@ -260,8 +299,12 @@ def test_backward_byte_model_behind_the_design():
   def model(d, dv, keys):
     q_reads = 64 * (2 * d + dv) * 2 + 5 * 64 * 4
     kv_reads = 64 * (keys * d + dv) * 2
-    return {"key_major": q_reads + 2 * 64 * d * 4, "two_pass": q_reads + kv_reads,
-            "query_major": kv_reads + 64 * (keys * d + dv) * 4}
+    return {
+      "key_major": q_reads + 2 * 64 * d * 4,
+      "two_pass": q_reads + kv_reads,
+      "query_major": kv_reads + 64 * (keys * d + dv) * 4,
+    }
+
   v1 = tiles.backward_step_bytes(128, 256, "v1")
   assert {k: v1[k] for k in ("key_major", "two_pass", "query_major")} == model(128, 256, 2)
   # For V1 the one-pass key-major loop moves the bytes of a two-pass backward and fewer
@@ -271,7 +314,8 @@ def test_backward_byte_model_behind_the_design():
   assert v1["two_pass_flops"] / v1["one_pass_flops"] == 28 / 20
   v2 = tiles.backward_step_bytes(128, 128, "v2")
   assert {k: v2[k] for k in ("key_major", "query_major")} == {
-      k: model(128, 128, 1)[k] for k in ("key_major", "query_major")}
+    k: model(128, 128, 1)[k] for k in ("key_major", "query_major")
+  }
   assert v2["query_major"] < v2["key_major"]
 
 
@@ -279,13 +323,26 @@ def test_backward_over_shared_memory_is_refused_by_the_lowering():
   # The budget is real: two ring slots at V1 d 128 do not fit, and Mosaic GPU says so
   # (the tiling choice avoids exactly this).
   t = 256
-  cfg = mc.MosaicConfig(variant="v1", causal=True, scale=0.1, q_len=t, kv_len=t, group=1,
-                        segments=False, block_kv=64, stages=2, interpret=False)
+  cfg = mc.MosaicConfig(
+    variant="v1",
+    causal=True,
+    scale=0.1,
+    q_len=t,
+    kv_len=t,
+    group=1,
+    segments=False,
+    block_kv=64,
+    stages=2,
+    interpret=False,
+  )
   S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
   q, v = S((1, t, 1, 128), bf), S((1, t, 1, 256), bf)
   rows = S((1, 1, 5, t), jnp.float32)
-  fn = jax.jit(lambda q1, q2, k1, k2, v, do, rows: mb.backward(
-      cfg, (q1, q2), (k1, k2), v, do, rows, None, None, stages=2, dq_parts=1))
+  fn = jax.jit(
+    lambda q1, q2, k1, k2, v, do, rows: mb.backward(
+      cfg, (q1, q2), (k1, k2), v, do, rows, None, None, stages=2, dq_parts=1
+    )
+  )
   assert tiles.backward_smem_bytes(128, 256, 2, 1, "v1", False) > tiles.SMEM_BYTES
   with abstract_hopper(), pytest.raises(Exception, match="exceeds available shared memory"):
     fn.trace(q, q, q, q, v, v, rows).lower(lowering_platforms=("cuda",))
@@ -300,8 +357,13 @@ def test_mosaic_entry_points_reject_bad_input():
   with pytest.raises(ValueError, match="share one dtype"):
     mosaic.diff_v1_pallas_gpu(q, q, q, f32(q), v, 0.5)
   with pytest.raises(ValueError, match="Pass both q_segment_ids"):
-    mosaic.diff_v2_pallas_gpu(jnp.zeros((1, 64, 4, 64), jnp.bfloat16), q, q,
-                              jnp.zeros((1, 64, 2)), q_segment_ids=jnp.zeros((1, 64), int))
+    mosaic.diff_v2_pallas_gpu(
+      jnp.zeros((1, 64, 4, 64), jnp.bfloat16),
+      q,
+      q,
+      jnp.zeros((1, 64, 2)),
+      q_segment_ids=jnp.zeros((1, 64), int),
+    )
   with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
     mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64})
 
@@ -394,15 +456,20 @@ _CHILD = textwrap.dedent("""
 
 def _run_child(child: str, cases, timeout: int):
   # Three warpgroups need three CPU-client threads at once (see mosaic_interpret).
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   try:
-    proc = subprocess.run([sys.executable, "-c", child.format(cases=cases, tests=TESTS)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+      [sys.executable, "-c", child.format(cases=cases, tests=TESTS)],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env=env,
+    )
   except subprocess.TimeoutExpired:
     pytest.fail(f"{cases}: the Mosaic GPU interpreter did not finish in {timeout} s")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   import json
+
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -417,21 +484,24 @@ def test_forward_and_every_gradient_match_reference_in_interpreter():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [
+@pytest.mark.parametrize(
+  "case",
+  [
     # variant, batch, query length, DIFF heads (V1) or pairs (V2), kv heads, head dim,
     # causal, segment ids, then optionally the kv length and the dtype
     ("v1", 1, 200, 2, 2, 64, True, False),
-    ("v1", 1, 384, 3, 1, 64, True, False),     # n_rep 3, causal block skipping
-    ("v1", 1, 200, 2, 1, 128, True, True),     # Dv 256: one slot, dQ in four chunks
-    ("v1", 1, 200, 2, 2, 80, False, True),     # d 80 unpadded (32-byte swizzle)
-    ("v1", 1, 200, 3, 1, 96, True, True),      # d 96: three dQ chunks
+    ("v1", 1, 384, 3, 1, 64, True, False),  # n_rep 3, causal block skipping
+    ("v1", 1, 200, 2, 1, 128, True, True),  # Dv 256: one slot, dQ in four chunks
+    ("v1", 1, 200, 2, 2, 80, False, True),  # d 80 unpadded (32-byte swizzle)
+    ("v1", 1, 200, 3, 1, 96, True, True),  # d 96: three dQ chunks
     ("v2", 1, 384, 2, 1, 128, True, True),
-    ("v2", 1, 200, 3, 1, 80, True, False),     # Dv 80: halves of 48 and 32
+    ("v2", 1, 200, 3, 1, 80, True, False),  # Dv 80: halves of 48 and 32
     ("v2", 2, 200, 2, 1, 64, False, False),
-    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),   # queries after a prefix
+    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),  # queries after a prefix
     ("v2", 1, 200, 2, 1, 128, True, True, 200, "float16"),
     ("v2", 1, 100, 2, 2, 64, True, False, 300),
-])
+  ],
+)
 def test_gradients_match_reference_in_interpreter_slow(case):
   (result,) = _run_child(_CHILD, [case], timeout=1200)
   print(result["case"], result["errors"])
@@ -447,8 +517,9 @@ def test_decode_tiles_and_merge():
   # Shared memory in closed form: both maps' 64-row query tiles, the K1, K2 and V ring,
   # the log-sum-exps and the 32 lengths, each at 1 KiB; 8 bytes a barrier; 2 KiB more.
   for d, stages in [(64, 4), (128, 2)]:
-    bufs = [64 * d * 2] * 2 + [stages * 64 * d * 2] * 2 + [stages * 64 * 2 * d * 2,
-                                                            2 * 64 * 4, 32 * 4]
+    bufs = (
+      [64 * d * 2] * 2 + [stages * 64 * d * 2] * 2 + [stages * 64 * 2 * d * 2, 2 * 64 * 4, 32 * 4]
+    )
     bars = 2 + 2 * stages + stages + 1 + stages
     assert md.decode_smem_bytes(d, 2 * d, stages) == sum(map(_align, bufs)) + 8 * bars + 2 * KIB
     assert md.decode_smem_bytes(d, 2 * d, stages) <= tiles.SMEM_BYTES
@@ -521,12 +592,15 @@ _DECODE_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [
+@pytest.mark.parametrize(
+  "case",
+  [
     # batch, cache slots, heads, kv heads, head dim, splits, kv_len per row, dtype
-    (2, 200, 4, 2, 64, 2, [150, 0], "bfloat16"),     # padded cache, an empty row
-    (2, 256, 3, 1, 128, 3, [256, 70], "bfloat16"),   # GQA 3, Dv 256, uneven splits
+    (2, 200, 4, 2, 64, 2, [150, 0], "bfloat16"),  # padded cache, an empty row
+    (2, 256, 3, 1, 128, 3, [256, 70], "bfloat16"),  # GQA 3, Dv 256, uneven splits
     (1, 320, 2, 2, 64, 1, [193], "float16"),
-])
+  ],
+)
 def test_decode_matches_reference_in_interpreter(case):
   (result,) = _run_child(_DECODE_CHILD, [case], timeout=600)
   print(result["case"], result["errors"])
@@ -535,6 +609,7 @@ def test_decode_matches_reference_in_interpreter(case):
 
 # ----------------------------------------------------------------------------------
 # A Hopper GPU: compile and run (pytest -m gpu). Timings are the benchmark's.
+
 
 def _on_hopper() -> bool:
   if jax.default_backend() != "gpu":
@@ -547,15 +622,23 @@ _needs_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs an H100/H200 
 
 @pytest.mark.gpu
 @_needs_hopper
-@pytest.mark.parametrize("variant,d,n_rep,segments,dtype", [
-    ("v1", 128, 1, True, "bfloat16"), ("v1", 64, 2, False, "bfloat16"),
-    ("v1", 80, 3, True, "bfloat16"), ("v1", 96, 1, True, "float16"),
-    ("v2", 128, 1, True, "bfloat16"), ("v2", 64, 2, False, "bfloat16"),
+@pytest.mark.parametrize(
+  "variant,d,n_rep,segments,dtype",
+  [
+    ("v1", 128, 1, True, "bfloat16"),
+    ("v1", 64, 2, False, "bfloat16"),
+    ("v1", 80, 3, True, "bfloat16"),
+    ("v1", 96, 1, True, "float16"),
+    ("v2", 128, 1, True, "bfloat16"),
+    ("v2", 64, 2, False, "bfloat16"),
     ("v2", 80, 1, False, "float16"),
-])
+  ],
+)
 def test_hopper_kernels_match_reference(variant, d, n_rep, segments, dtype):
-  from diffjax.core import reference as ref
   from kernel_checks import check, value_and_vjp
+
+  from diffjax.core import reference as ref
+
   b, t, kh = 2, 1000, 2
   h = kh * n_rep
   dt, f32 = jnp.dtype(dtype), jnp.float32
@@ -566,14 +649,24 @@ def test_hopper_kernels_match_reference(variant, d, n_rep, segments, dtype):
     seg = jnp.stack([jnp.arange(t) // 300, jnp.arange(t) // 700]).astype(jnp.int32)
   kw = dict(q_segment_ids=seg, kv_segment_ids=seg)
   if variant == "v1":
-    args = [n(0, (b, t, h, d)), n(1, (b, t, h, d)), n(2, (b, t, kh, d)), n(3, (b, t, kh, d)),
-            n(4, (b, t, kh, 2 * d)), jnp.linspace(0.2, 0.8, h)]
+    args = [
+      n(0, (b, t, h, d)),
+      n(1, (b, t, h, d)),
+      n(2, (b, t, kh, d)),
+      n(3, (b, t, kh, d)),
+      n(4, (b, t, kh, 2 * d)),
+      jnp.linspace(0.2, 0.8, h),
+    ]
     kern = lambda *a: mosaic.diff_v1_pallas_gpu(*a, **kw)
     want = lambda *a: ref.diff_v1_reference(*[x.astype(f32) for x in a], segment_ids=seg)
     names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
   else:
-    args = [n(0, (b, t, 2 * h, d)), n(2, (b, t, kh, d)), n(4, (b, t, kh, d)),
-            jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))]
+    args = [
+      n(0, (b, t, 2 * h, d)),
+      n(2, (b, t, kh, d)),
+      n(4, (b, t, kh, d)),
+      jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
+    ]
     kern = lambda *a: mosaic.diff_v2_pallas_gpu(*a, **kw)
     want = lambda *a: ref.diff_v2_reference(*[x.astype(f32) for x in a], segment_ids=seg)
     names = ["out", "dq", "dk", "dv", "dlam"]
@@ -586,9 +679,9 @@ def test_hopper_kernels_match_reference(variant, d, n_rep, segments, dtype):
   if variant == "v1":
     # V1's d lambda, one number per head summed over every token, against its own
     # size: the interpreter test derives the bound; here 4 u of its terms' spread.
-    o2 = ref.diff_v1_reference(*[x.astype(f32) for x in (args[1], args[1], args[3],
-                                                          args[3], args[4])], 0.0,
-                               segment_ids=seg)
+    o2 = ref.diff_v1_reference(
+      *[x.astype(f32) for x in (args[1], args[1], args[3], args[3], args[4])], 0.0, segment_ids=seg
+    )
     terms = jnp.transpose(ct.astype(f32) * o2, (2, 0, 1, 3)).reshape(h, -1)
     u = 2.0 ** -(8 if dt == jnp.bfloat16 else 11)
     tol = 8 * u * np.sqrt(np.sum(np.asarray(terms, np.float64) ** 2, axis=1))
@@ -600,8 +693,10 @@ def test_hopper_kernels_match_reference(variant, d, n_rep, segments, dtype):
 @pytest.mark.gpu
 @_needs_hopper
 def test_hopper_decode_matches_reference():
-  from diffjax.kernels.gpu import decode
   from kernel_checks import rel_err, tolerance
+
+  from diffjax.kernels.gpu import decode
+
   b, s, kh, h, d = 2, 32768, 4, 8, 128
   bf = jnp.bfloat16
   keys = jax.random.split(jax.random.key(5), 5)
@@ -612,7 +707,8 @@ def test_hopper_decode_matches_reference():
   kv_len = jnp.array([s, 5000], jnp.int32)
   out = jax.jit(md.diff_v1_decode_pallas_gpu)(q1, q2, k1, k2, v, lam, kv_len)
   want = decode.diff_v1_decode_reference(
-      *[x.astype(jnp.float32) for x in (q1, q2, k1, k2, v)], lam, kv_len)
+    *[x.astype(jnp.float32) for x in (q1, q2, k1, k2, v)], lam, kv_len
+  )
   assert rel_err(out, want) <= tolerance(bf)
 
 

@@ -23,22 +23,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REPO  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu
+from kernel_checks import TOL, assert_like_inputs  # noqa: E402
+from kernel_checks import check as _check
+from kernel_checks import normal as _normal
+from kernel_checks import rel_err as _rel_err
+from kernel_checks import value_and_vjp as _value_and_vjp
 
 from diffjax import ops
 from diffjax.aot import without_persistent_cache
 from diffjax.kernels import tpu as kt
 from diffjax.ops import reference as ref
-from kernel_checks import TOL, assert_like_inputs, check as _check, normal as _normal, rel_err as _rel_err, value_and_vjp as _value_and_vjp  # noqa: E402
-from helpers import REPO  # noqa: E402
 
 V1_GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dlam")
 V2_GRADS = ("dq", "dk", "dv", "dlam")
 # Several query and key tiles per sequence, and backward tiles unlike the forward's.
 SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
 WIDE = kt.BlockSizes(block_q=128, block_kv=256, block_q_bwd=128, block_kv_bwd=128)
-
-
 
 
 def _segments(b, t, s, *, unmatched_row: bool = False):
@@ -50,30 +52,51 @@ def _segments(b, t, s, *, unmatched_row: bool = False):
   pos = jnp.arange(s)
   kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
   kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
-  q = kv[:, s - t:]
+  q = kv[:, s - t :]
   if unmatched_row:
     q = q.at[0, 0].set(-7)
   return q, kv
 
 
-
-
 def _v1_inputs(b, t, s, h, kh, d, dtype, seed=0):
   ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  return (_normal(ks[0], (b, t, h, d), dtype), _normal(ks[1], (b, t, h, d), dtype),
-          _normal(ks[2], (b, s, kh, d), dtype), _normal(ks[3], (b, s, kh, d), dtype),
-          _normal(ks[4], (b, s, kh, 2 * d), dtype),
-          jax.random.uniform(ks[5], (h,), jnp.float32, 0.1, 0.9))
+  return (
+    _normal(ks[0], (b, t, h, d), dtype),
+    _normal(ks[1], (b, t, h, d), dtype),
+    _normal(ks[2], (b, s, kh, d), dtype),
+    _normal(ks[3], (b, s, kh, d), dtype),
+    _normal(ks[4], (b, s, kh, 2 * d), dtype),
+    jax.random.uniform(ks[5], (h,), jnp.float32, 0.1, 0.9),
+  )
 
 
 def _v2_inputs(b, t, s, h, kh, d, dtype, seed=1):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return (_normal(ks[0], (b, t, 2 * h, d), dtype), _normal(ks[1], (b, s, kh, d), dtype),
-          _normal(ks[2], (b, s, kh, d), dtype), jax.nn.sigmoid(_normal(ks[3], (b, t, h))))
+  return (
+    _normal(ks[0], (b, t, 2 * h, d), dtype),
+    _normal(ks[1], (b, s, kh, d), dtype),
+    _normal(ks[2], (b, s, kh, d), dtype),
+    jax.nn.sigmoid(_normal(ks[3], (b, t, h))),
+  )
 
 
-def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
-         unmatched=False, fn=None, interpret=True):
+def _run(
+  version,
+  t,
+  s,
+  rep,
+  d,
+  causal,
+  seg,
+  dtype,
+  *,
+  b=2,
+  kh=2,
+  blocks=SMALL,
+  unmatched=False,
+  fn=None,
+  interpret=True,
+):
   """Compares output and every gradient of a V1/V2 fast path with the reference."""
   h = kh * rep
   q_seg, kv_seg = _segments(b, t, s, unmatched_row=unmatched) if seg else (None, None)
@@ -86,12 +109,19 @@ def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
     args, names, dv = _v2_inputs(b, t, s, h, kh, d, dtype), V2_GRADS, d
     fn = fn or kt.diff_v2_pallas_tpu
     refn = lambda *a: ref.diff_v2_reference(*a, causal=causal, segment_ids=segs)
-  kern = lambda *a: fn(*a, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                       block_sizes=blocks, interpret=interpret)
+  kern = lambda *a: fn(
+    *a,
+    causal=causal,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+    block_sizes=blocks,
+    interpret=interpret,
+  )
   ct = _normal(jax.random.PRNGKey(7), (b, t, h, dv), dtype)
   out, grads = _value_and_vjp(kern, args, ct)
-  ref_out, ref_grads = _value_and_vjp(refn, [a.astype(jnp.float32) for a in args],
-                                      ct.astype(jnp.float32))
+  ref_out, ref_grads = _value_and_vjp(
+    refn, [a.astype(jnp.float32) for a in args], ct.astype(jnp.float32)
+  )
   assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
   _check([("out", out, ref_out)] + list(zip(names, grads, ref_grads)), dtype)
   # Rows that see no key give exact zeros (output and dq), not a tolerance-sized value.
@@ -99,7 +129,7 @@ def _run(version, t, s, rep, d, causal, seg, dtype, *, b=2, kh=2, blocks=SMALL,
     np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
     np.testing.assert_array_equal(np.asarray(grads[0][0, 0]), 0.0)
   if causal and t > s:
-    np.testing.assert_array_equal(np.asarray(out[:, :t - s]), 0.0)
+    np.testing.assert_array_equal(np.asarray(out[:, : t - s]), 0.0)
   return out, grads
 
 
@@ -113,18 +143,18 @@ def _slow(*case):
 
 
 V1_CASES = [
-    # t,   s,  rep, d, causal, seg,  dtype,        blocks
-    _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
-    _slow(384, 384, 2, 8, True, True, jnp.float32, SMALL),
-    _slow(200, 200, 4, 16, True, True, jnp.float32, WIDE),
-    _slow(384, 384, 1, 24, False, False, jnp.float32, None),
-    (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
-    _slow(200, 200, 2, 16, False, True, jnp.bfloat16, SMALL),
-    _slow(200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
-    _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
-    # Three query heads per kv head; T off every tile; documents end inside tiles. The
-    # default V2 case (150, 230, 3) runs the same group arithmetic of the shared layout.
-    _slow(150, 150, 3, 16, True, True, jnp.float32, SMALL),
+  # t,   s,  rep, d, causal, seg,  dtype,        blocks
+  _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
+  _slow(384, 384, 2, 8, True, True, jnp.float32, SMALL),
+  _slow(200, 200, 4, 16, True, True, jnp.float32, WIDE),
+  _slow(384, 384, 1, 24, False, False, jnp.float32, None),
+  (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
+  _slow(200, 200, 2, 16, False, True, jnp.bfloat16, SMALL),
+  _slow(200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
+  _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
+  # Three query heads per kv head; T off every tile; documents end inside tiles. The
+  # default V2 case (150, 230, 3) runs the same group arithmetic of the shared layout.
+  _slow(150, 150, 3, 16, True, True, jnp.float32, SMALL),
 ]
 
 
@@ -135,13 +165,13 @@ def test_diff_v1_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
 
 
 V2_CASES = [
-    _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
-    _slow(384, 384, 2, 16, True, True, jnp.float32, WIDE),
-    _slow(200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
-    _slow(200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
-    _slow(200, 200, 2, 16, True, True, jnp.bfloat16, None),
-    _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
-    (150, 230, 3, 8, True, True, jnp.bfloat16, SMALL),  # three pairs per kv head
+  _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
+  _slow(384, 384, 2, 16, True, True, jnp.float32, WIDE),
+  _slow(200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
+  _slow(200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
+  _slow(200, 200, 2, 16, True, True, jnp.bfloat16, None),
+  _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
+  (150, 230, 3, 8, True, True, jnp.bfloat16, SMALL),  # three pairs per kv head
 ]
 
 
@@ -152,8 +182,7 @@ def test_diff_v2_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("causal,seg", [(True, False), (True, True), (False, True),
-                                        (False, False)])
+@pytest.mark.parametrize("causal,seg", [(True, False), (True, True), (False, True), (False, False)])
 @pytest.mark.parametrize("rep", [1, 2, 4])
 @pytest.mark.parametrize("t", [200, 384])
 @pytest.mark.parametrize("version", [1, 2])
@@ -170,11 +199,14 @@ def test_paper_head_dims_slow(version, d, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("blocks", [
+@pytest.mark.parametrize(
+  "blocks",
+  [
     kt.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=128),
     kt.BlockSizes(block_q=128, block_kv=128, block_q_bwd=16, block_kv_bwd=256),
     {"block_q": 40, "block_kv_bwd": 384},
-])
+  ],
+)
 @pytest.mark.parametrize("version", [1, 2])
 def test_block_size_sweep_slow(version, blocks):
   _run(version, 300, 300, 2, 16, True, True, jnp.float32, blocks=blocks)
@@ -200,16 +232,16 @@ def _chunked(dq_chunk, tiles=SMALL):
 
 
 CHUNK_CASES = [
-    # version, dq_chunk, t, s, causal, seg, dtype
-    # T = 130 pads to 5 tiles of 32: chunks of 2, 2, 1 tiles seeing 2, 3, 3 key tiles.
-    (1, 64, 130, 300, True, True, jnp.float32),
-    # The chunk loop is the same for V2; V2's own paths (shared K, per-token lambda) run
-    # in the default V2 cases above.
-    _slow(2, 96, 136, 264, True, True, jnp.float32),
-    _slow(1, 32, 200, 136, True, False, jnp.bfloat16),  # T > S, one tile per chunk
-    _slow(2, 64, 200, 136, True, False, jnp.bfloat16),
-    _slow(1, 96, 150, 400, False, True, jnp.float32),
-    _slow(2, 32, 150, 400, False, False, jnp.float32),
+  # version, dq_chunk, t, s, causal, seg, dtype
+  # T = 130 pads to 5 tiles of 32: chunks of 2, 2, 1 tiles seeing 2, 3, 3 key tiles.
+  (1, 64, 130, 300, True, True, jnp.float32),
+  # The chunk loop is the same for V2; V2's own paths (shared K, per-token lambda) run
+  # in the default V2 cases above.
+  _slow(2, 96, 136, 264, True, True, jnp.float32),
+  _slow(1, 32, 200, 136, True, False, jnp.bfloat16),  # T > S, one tile per chunk
+  _slow(2, 64, 200, 136, True, False, jnp.bfloat16),
+  _slow(1, 96, 150, 400, False, True, jnp.float32),
+  _slow(2, 32, 150, 400, False, False, jnp.float32),
 ]
 
 
@@ -221,11 +253,22 @@ def test_query_chunks_match_reference(version, dq_chunk, t, s, causal, seg, dtyp
 
 def _bwd_plan(t, heads=12, kv_heads=12, d=128, causal=True, s=None, **kw):
   from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+
   bs = kt.resolve_block_sizes(kw, d)
-  return L.make_plan(q_len=t, kv_len=s or t, block_q=bs.block_q_bwd,
-                     block_kv=bs.block_kv_bwd, causal=causal, segmented=False, scale=1.0,
-                     shared_k=False, lam_rows=False, heads=heads, kv_heads=kv_heads,
-                     dq_chunk=bs.dq_chunk)
+  return L.make_plan(
+    q_len=t,
+    kv_len=s or t,
+    block_q=bs.block_q_bwd,
+    block_kv=bs.block_kv_bwd,
+    causal=causal,
+    segmented=False,
+    scale=1.0,
+    shared_k=False,
+    lam_rows=False,
+    heads=heads,
+    kv_heads=kv_heads,
+    dq_chunk=bs.dq_chunk,
+  )
 
 
 def test_chunk_rule():
@@ -246,8 +289,10 @@ def test_chunk_rule():
   assert rows(_bwd_plan(1024, dq_chunk=512)) == 512
   assert rows(_bwd_plan(1024, dq_chunk=4096)) == 1024
   plan = _bwd_plan(32768)
-  got = [(c.first, c.num_q_blocks, c.num_kv_blocks, c.prev_kv_blocks, c.final)
-         for c in bwd.chunks(plan, rows(plan))]
+  got = [
+    (c.first, c.num_q_blocks, c.num_kv_blocks, c.prev_kv_blocks, c.final)
+    for c in bwd.chunks(plan, rows(plan))
+  ]
   assert got == [(0, 22, 44, 0, False), (22, 22, 88, 44, False), (44, 20, 128, 88, True)]
   full = _bwd_plan(1000, causal=False, dq_chunk=512)
   assert [c.num_kv_blocks for c in bwd.chunks(full, 512)] == [4, 4]
@@ -269,22 +314,35 @@ def _brute_visible(t, s, bq, bk):
   return tiles
 
 
-@pytest.mark.parametrize("t,s,bq,bk,heads,kv_heads,dq_chunk", [
+@pytest.mark.parametrize(
+  "t,s,bq,bk,heads,kv_heads,dq_chunk",
+  [
     (4096, 4096, 512, 512, 1, 1, None),  # the forward's default tiles at 4K: 36 of 64
     (4096, 4096, 512, 256, 1, 1, None),  # the backward's at d = 128: 72 of 128
     (200, 200, 64, 128, 2, 1, None),  # T off the tile
     (200, 456, 32, 128, 3, 1, 64),  # S > T (the offset), several chunks, three heads
     (456, 200, 64, 128, 1, 1, 128),  # T > S: leading query tiles see only key tile 0
     (1000, 1300, 128, 256, 2, 2, 256),
-])
-def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv_heads,
-                                                         dq_chunk):
+  ],
+)
+def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv_heads, dq_chunk):
   from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
   from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
 
-  plan = L.make_plan(q_len=t, kv_len=s, block_q=bq, block_kv=bk, causal=True,
-                     segmented=False, scale=1.0, shared_k=False, lam_rows=False,
-                     heads=heads, kv_heads=kv_heads, dq_chunk=dq_chunk)
+  plan = L.make_plan(
+    q_len=t,
+    kv_len=s,
+    block_q=bq,
+    block_kv=bk,
+    causal=True,
+    segmented=False,
+    scale=1.0,
+    shared_k=False,
+    lam_rows=False,
+    heads=heads,
+    kv_heads=kv_heads,
+    dq_chunk=dq_chunk,
+  )
   want = _brute_visible(t, s, plan.block_q, plan.block_kv)
   if t == s == 4096:
     assert (want.size, want.sum()) == {512: (64, 36), 256: (128, 72)}[bk]
@@ -295,8 +353,9 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
   assert sorted(zip(q_steps.tolist(), j.tolist())) == list(zip(*np.nonzero(want)))
   assert len(q_steps) == want.sum()
   np.testing.assert_array_equal(first, j == 0)
-  np.testing.assert_array_equal(last, j == want.shape[1] - 1 - np.argmax(want[q_steps, ::-1],
-                                                                          axis=1))
+  np.testing.assert_array_equal(
+    last, j == want.shape[1] - 1 - np.argmax(want[q_steps, ::-1], axis=1)
+  )
   # Backward: per call, key tile outer, the group's heads, then the chunk's visible query
   # tiles; the first and last step of each key tile flagged.
   g = heads // kv_heads
@@ -306,7 +365,7 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
     j, first, last = (np.asarray(x) for x in L.unpack_kv_step(jnp.asarray(kv_steps)))
     i = chunk.first + t_steps % chunk.num_q_blocks
     assert np.all(want[i, j]) and np.all(np.diff(j) >= 0)
-    sub = want[chunk.first:chunk.first + chunk.num_q_blocks, :chunk.num_kv_blocks]
+    sub = want[chunk.first : chunk.first + chunk.num_q_blocks, : chunk.num_kv_blocks]
     assert len(t_steps) == g * sub.sum()
     assert len(set(zip(t_steps.tolist(), j.tolist()))) == len(t_steps)
     starts = np.flatnonzero(np.diff(j, prepend=-1))
@@ -325,25 +384,42 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
 def _races_found() -> bool:
   """Whether the interpreter's race detector found a race; fails if it did not run at all."""
   from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # pylint: disable=g-import-not-at-top
+
   assert ipc.races is not None, "the interpreter ran without race detection"
   return bool(ipc.races.races_found)
 
 
-@pytest.mark.parametrize("version,t,s,rep,dq_chunk,d", [
+@pytest.mark.parametrize(
+  "version,t,s,rep,dq_chunk,d",
+  [
     (1, 64, 384, 1, None, 8),  # one chunk, head-major
     # Several heads and query tiles per group, causal skipping, two chunks.
     pytest.param(2, 200, 256, 2, 128, 8, marks=pytest.mark.slow),
     pytest.param(2, 200, 256, 2, None, 8, marks=pytest.mark.slow),
     # The paper's head width.
     pytest.param(1, 200, 256, 2, 128, 128, marks=pytest.mark.slow),
-])
+  ],
+)
 def test_no_races_in_interpreter(version, t, s, rep, dq_chunk, d):
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
   pltpu.reset_tpu_interpret_mode_state()
-  blocks = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128,
-                         dq_chunk=dq_chunk)
-  _run(version, t, s, rep, d, True, version == 2, jnp.float32, b=2, kh=1, blocks=blocks,
-       interpret=params)
+  blocks = kt.BlockSizes(
+    block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128, dq_chunk=dq_chunk
+  )
+  _run(
+    version,
+    t,
+    s,
+    rep,
+    d,
+    True,
+    version == 2,
+    jnp.float32,
+    b=2,
+    kh=1,
+    blocks=blocks,
+    interpret=params,
+  )
   assert not _races_found()
 
 
@@ -360,8 +436,11 @@ def test_block_sizes_validation_names_values():
     kt.BlockSizes(block_q_bwd=0)
   with pytest.raises(ValueError, match="block_kv_bwd='256' must be a positive multiple"):
     kt.BlockSizes(block_kv_bwd="256")
-  with pytest.raises(ValueError, match=r"dq_chunk=100 must be None \(decided from the "
-                     r"sequence length\) or a positive multiple of block_q_bwd=64"):
+  with pytest.raises(
+    ValueError,
+    match=r"dq_chunk=100 must be None \(decided from the "
+    r"sequence length\) or a positive multiple of block_q_bwd=64",
+  ):
     kt.BlockSizes(block_q_bwd=64, dq_chunk=100)
   with pytest.raises(ValueError, match="dq_chunk=True must be None"):
     kt.BlockSizes(dq_chunk=True)
@@ -373,8 +452,7 @@ def test_block_sizes_validation_names_values():
   with pytest.raises(ValueError, match="dq_chunk=0 must be None"):
     kt.diff_v1_pallas_tpu(*args, block_sizes={"dq_chunk": 0}, interpret=True)
   with pytest.raises(ValueError, match="Pass both q_segment_ids and kv_segment_ids"):
-    kt.diff_v1_pallas_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32),
-                             interpret=True)
+    kt.diff_v1_pallas_tpu(*args, q_segment_ids=jnp.zeros((1, 32), jnp.int32), interpret=True)
 
 
 def test_block_sizes_defaults_and_dict_overrides():
@@ -383,8 +461,8 @@ def test_block_sizes_defaults_and_dict_overrides():
     # Forward float32 accumulators of both maps stay well inside VMEM for Dv = 2 D.
     assert 2 * bs.block_q * 2 * d * 4 <= 2 * 2**20, (d, bs)
   assert kt.resolve_block_sizes({"block_q": 16}, 128) == kt.BlockSizes(
-      block_q=16, **{k: v for k, v in vars(kt.BlockSizes.get_default(128)).items()
-                     if k != "block_q"})
+    block_q=16, **{k: v for k, v in vars(kt.BlockSizes.get_default(128)).items() if k != "block_q"}
+  )
   assert kt.resolve_block_sizes(None, 64) == kt.BlockSizes.get_default(64)
 
 
@@ -396,12 +474,18 @@ def test_block_sizes_per_generation_fit_the_vmem_budget():
 
   base = {d: kt.BlockSizes.get_default(d, "v4") for d in (64, 128, 256, 512)}
   # Off a TPU and for a generation not in the table: the generation-free tiles.
-  assert base[128] == kt.BlockSizes(block_q=512, block_kv=512, block_q_bwd=512,
-                                    block_kv_bwd=256)
+  assert base[128] == kt.BlockSizes(block_q=512, block_kv=512, block_q_bwd=512, block_kv_bwd=256)
   assert kt.BlockSizes.get_default(128) == base[128]
   assert B.tpu_generation() is None
-  kinds = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v5": "v5p",
-           "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU v4": None}
+  kinds = {
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5p": "v5p",
+    "TPU v5": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "TPU v4": None,
+  }
   assert {k: B.tpu_generation(k) for k in kinds} == kinds
   fwd_budget = 64 * 2**20 / 1.5  # the most _layout.vmem_limit grants, over its headroom
   assert L.vmem_limit(fwd_budget) <= 64 * 2**20 and L.vmem_limit(fwd_budget + 8) == 64 * 2**20
@@ -411,14 +495,17 @@ def test_block_sizes_per_generation_fit_the_vmem_budget():
       bs = kt.BlockSizes.get_default(d, gen)
       # The kernels' own estimates in the widest case (V1, value 2 d, float32, partials).
       assert fwd.vmem_bytes(bs.block_q, bs.block_kv, d, 2 * d, 4, 2) <= fwd_budget, (gen, d)
-      assert bwd.step_vmem_bytes(bs.block_q_bwd, bs.block_kv_bwd, d, 2 * d, 4, 2, out_item=4,
-                                 partials_in=True) <= bwd_budget, (gen, d)
+      assert (
+        bwd.step_vmem_bytes(
+          bs.block_q_bwd, bs.block_kv_bwd, d, 2 * d, 4, 2, out_item=4, partials_in=True
+        )
+        <= bwd_budget
+      ), (gen, d)
       if d <= 256:  # the base tiles fit every generation and are MXU-aligned
         assert bs == kt.BlockSizes.get_default(d, "v4"), (gen, d)
         assert all(getattr(bs, f) % mxu == 0 for f in ("block_kv", "block_kv_bwd"))
   # A wide head shrinks the backward key tile (the base 256x256 does not fit).
-  assert bwd.step_vmem_bytes(256, 256, 512, 1024, 4, 2, out_item=4,
-                             partials_in=True) > bwd_budget
+  assert bwd.step_vmem_bytes(256, 256, 512, 1024, 4, 2, out_item=4, partials_in=True) > bwd_budget
   assert kt.BlockSizes.get_default(512, "v5e").block_kv_bwd == 128
 
 
@@ -432,20 +519,21 @@ def test_dispatcher_pallas_tpu_equals_xla():
   kw = dict(causal=True, segment_ids=seg)
 
   def v1_loss(lam, impl, **extra):
-    out = ops.diff_v1_attention_core(q1, q2, k1, k2, v, lam, implementation=impl, **kw,
-                                     **extra)
-    return jnp.sum(out ** 2), out
+    out = ops.diff_v1_attention_core(q1, q2, k1, k2, v, lam, implementation=impl, **kw, **extra)
+    return jnp.sum(out**2), out
 
   # The dispatcher broadcasts a scalar lambda to [H]; its gradient must come back.
-  run = lambda impl, **e: jax.jit(jax.value_and_grad(
-      lambda l: v1_loss(l, impl, **e), has_aux=True))(jnp.float32(0.4))
+  run = lambda impl, **e: jax.jit(
+    jax.value_and_grad(lambda l: v1_loss(l, impl, **e), has_aux=True)
+  )(jnp.float32(0.4))
   (_, got), dlam = run("pallas_tpu", interpret=True)
   (_, want), dlam_want = run("xla")
   assert _rel_err(got, want) <= TOL[jnp.float32]
   assert _rel_err(dlam, dlam_want) <= TOL[jnp.float32]
   # Without differentiation the forward kernel skips its residual outputs.
-  primal = ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.4, implementation="pallas_tpu",
-                                      interpret=True, **kw)
+  primal = ops.diff_v1_attention_core(
+    q1, q2, k1, k2, v, 0.4, implementation="pallas_tpu", interpret=True, **kw
+  )
   assert _rel_err(primal, want) <= TOL[jnp.float32]
   q, k, v2, lam = _v2_inputs(2, 72, 72, 2, 1, 16, jnp.float32)
   a = ops.diff_v2_attention(q, k, v2, lam, implementation="pallas_tpu", interpret=True, **kw)
@@ -474,6 +562,7 @@ def test_stock_splash_paths_match_reference(version, seg):
 
 def _v5e_mesh():
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   # Compiling for a described topology touches no TPU; let a concurrent libtpu user
   # (another test process) not hold this one off with its lock file.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -489,13 +578,13 @@ def test_aot_compile_v5e_fwd_bwd():
   mesh = _v5e_mesh()
   P = jax.sharding.PartitionSpec
   sds = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
-      shape, dt, sharding=jax.sharding.NamedSharding(mesh, spec))
+    shape, dt, sharding=jax.sharding.NamedSharding(mesh, spec)
+  )
   b, t, h, d = 2, 640, 4, 128  # 640: padded and masked key tail with 256-wide tiles
   one_chunk = kt.BlockSizes(block_q=256, block_kv=256, block_q_bwd=128, block_kv_bwd=256)
   for version in (1, 2):
     # V2's backward in three query chunks (256, 256, 128 rows) with dK/dV partials.
-    blocks = one_chunk if version == 1 else kt.BlockSizes(**{**vars(one_chunk),
-                                                             "dq_chunk": 256})
+    blocks = one_chunk if version == 1 else kt.BlockSizes(**{**vars(one_chunk), "dq_chunk": 256})
     if version == 1:
       in_specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
       x = sds((b, t, h, d), in_specs[0])
@@ -503,18 +592,22 @@ def test_aot_compile_v5e_fwd_bwd():
       fn = kt.diff_v1_pallas_tpu
     else:
       in_specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
-      args = (sds((b, t, 2 * h, d), in_specs[0]), sds((b, t, h, d), in_specs[1]),
-              sds((b, t, h, d), in_specs[2]), sds((b, t, h), in_specs[3], jnp.float32))
+      args = (
+        sds((b, t, 2 * h, d), in_specs[0]),
+        sds((b, t, h, d), in_specs[1]),
+        sds((b, t, h, d), in_specs[2]),
+        sds((b, t, h), in_specs[3], jnp.float32),
+      )
       fn = kt.diff_v2_pallas_tpu
     seg = sds((b, t), P("data", None), jnp.int32)
 
     def per_device(*a, fn=fn, blocks=blocks):
       *xs, q_seg, kv_seg = a
-      return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                block_sizes=blocks)
+      return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_sizes=blocks)
 
-    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                            check_vma=False)
+    sharded = jax.shard_map(
+      per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
+    )
     loss = lambda *a: jnp.sum(sharded(*a).astype(jnp.float32))
     n = len(args)
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(n))))
@@ -531,13 +624,14 @@ def test_aot_v1_forward_needs_no_layout_passes():
   mesh = _v5e_mesh()
   device = mesh.devices.flat[0]
   sds = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
-      shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
+    shape, dt, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
   b, t, h, d = 1, 1024, 6, 128
   args = (sds((b, t, h, d)),) * 4 + (sds((b, t, h, 2 * d)), sds((h,), jnp.float32))
   fn = jax.jit(lambda *a: kt.diff_v1_pallas_tpu(*a, causal=True))
   with jax.default_device(device), without_persistent_cache():
     text = fn.lower(*args).compile().as_text()
-  entry = text[text.find("ENTRY"):]
+  entry = text[text.find("ENTRY") :]
   assert "diff_attention_fwd" in entry
   assert not re.findall(r"= \S+ (?:copy|transpose|fusion|concatenate)\(", entry), entry
 
@@ -596,7 +690,13 @@ def test_shard_map_on_four_cpu_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   root = REPO
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env,
-                        capture_output=True, text=True, timeout=600, check=False)
+  proc = subprocess.run(
+    [sys.executable, "-c", _SHARD_MAP_SCRIPT],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "ERRS" in proc.stdout

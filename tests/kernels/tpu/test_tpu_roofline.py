@@ -17,8 +17,14 @@ from diffjax.kernels.tpu import roofline as R
 
 
 def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_chunk=None):
-  return R.Tiles(block_q=bq, block_kv=bk, block_q_bwd=bq_bwd, block_kv_bwd=bk_bwd,
-                 splash=splash, dq_chunk=dq_chunk)
+  return R.Tiles(
+    block_q=bq,
+    block_kv=bk,
+    block_q_bwd=bq_bwd,
+    block_kv_bwd=bk_bwd,
+    splash=splash,
+    dq_chunk=dq_chunk,
+  )
 
 
 def _kernel(ops, name):
@@ -38,8 +44,10 @@ def test_transformer_forward_flops_non_causal_and_causal():
   # Causal at T = 32K with 512 tiles: 64 * 65 / 2 of 64 * 64 tiles are computed.
   full = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=False)
   causal = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=True)
-  ratio = (_kernel(R.transformer_ops(causal, _tiles())["fwd"], "splash fwd").flops
-           / _kernel(R.transformer_ops(full, _tiles())["fwd"], "splash fwd").flops)
+  ratio = (
+    _kernel(R.transformer_ops(causal, _tiles())["fwd"], "splash fwd").flops
+    / _kernel(R.transformer_ops(full, _tiles())["fwd"], "splash fwd").flops
+  )
   assert ratio == pytest.approx(65 / 128)
   assert 0.5 < ratio < 0.51
 
@@ -64,14 +72,32 @@ def test_fused_and_splash_backward_flops_per_pair():
 
 def test_visited_tiles_match_the_kernels_plan():
   for t, bq, bk in ((1000, 256, 128), (2048, 512, 256), (640, 128, 512)):
-    plan = L.make_plan(q_len=t, kv_len=t, block_q=bq, block_kv=bk, causal=True,
-                       segmented=False, scale=1.0, shared_k=False, lam_rows=False,
-                       heads=1, kv_heads=1)
+    plan = L.make_plan(
+      q_len=t,
+      kv_len=t,
+      block_q=bq,
+      block_kv=bk,
+      causal=True,
+      segmented=False,
+      scale=1.0,
+      shared_k=False,
+      lam_rows=False,
+      heads=1,
+      kv_heads=1,
+    )
     bq_m, bk_m, tp, sp = R.fused_tiles(t, bq, bk)
-    assert (bq_m, bk_m, tp, sp) == (plan.block_q, plan.block_kv, plan.q_len_padded,
-                                    plan.kv_len_padded)
-    want = np.array([[bool(plan.block_visible(i, j)) for j in range(plan.num_kv_blocks)]
-                     for i in range(plan.num_q_blocks)])
+    assert (bq_m, bk_m, tp, sp) == (
+      plan.block_q,
+      plan.block_kv,
+      plan.q_len_padded,
+      plan.kv_len_padded,
+    )
+    want = np.array(
+      [
+        [bool(plan.block_visible(i, j)) for j in range(plan.num_kv_blocks)]
+        for i in range(plan.num_q_blocks)
+      ]
+    )
     np.testing.assert_array_equal(R.visited_tiles(tp, sp, bq_m, bk_m, True), want)
 
 
@@ -87,9 +113,19 @@ def test_count_fetches():
 
 def test_chunks_follow_the_kernels_rule():
   for t in (1000, 4096, 8192, 12288, 12289, 16384, 32768):
-    plan = L.make_plan(q_len=t, kv_len=t, block_q=512, block_kv=256, causal=True,
-                       segmented=False, scale=1.0, shared_k=False, lam_rows=False,
-                       heads=12, kv_heads=12)
+    plan = L.make_plan(
+      q_len=t,
+      kv_len=t,
+      block_q=512,
+      block_kv=256,
+      causal=True,
+      segmented=False,
+      scale=1.0,
+      shared_k=False,
+      lam_rows=False,
+      heads=12,
+      kv_heads=12,
+    )
     shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
     want = B.chunks(plan, B.chunk_rows(plan, 128, 2))
     assert R.bwd_chunks(shape, _tiles(), 1) == want, t
@@ -123,7 +159,9 @@ def test_chunked_backward_by_hand():
   # Two chunks of two 256-row tiles: chunk 0 sees key tiles 0, 1, chunk 1 all four.
   chunks = R.bwd_chunks(shape, tiles, 1)
   assert [(c.first, c.num_q_blocks, c.num_kv_blocks, c.final) for c in chunks] == [
-      (0, 2, 2, False), (2, 2, 4, True)]
+    (0, 2, 2, False),
+    (2, 2, 4, True),
+  ]
   op = _kernel(R.fused_ops(shape, tiles, 1)["bwd"], "diff_attention_bwd")
   kv_tile = 256 * (2 * d + 2 * d)  # K1, K2 and the 2d-wide V of one key tile
   assert op.detail["K,V"] == (2 + 4) * kv_tile * 2
@@ -138,8 +176,7 @@ def test_chunked_backward_by_hand():
   # Only the visited tiles are grid steps: chunk 0 (0, 0), (1, 0), (1, 1); chunk 1 the
   # three of tile 2 and the four of tile 3 (not every step, 2 x 2 + 2 x 4).
   assert op.steps == 3 + 7
-  concat = next(o for o in R.fused_ops(shape, tiles, 1)["bwd"]
-                if o.name.startswith("dQ chunks"))
+  concat = next(o for o in R.fused_ops(shape, tiles, 1)["bwd"] if o.name.startswith("dQ chunks"))
   assert concat.read == concat.written == 2 * t * d * 2
 
 
@@ -173,8 +210,11 @@ def test_lane_dense_row_statistics_by_hand():
     assert bwd.detail["stats"] == steps * 8 * 128 * 4
     stats = next(o for o in fused["bwd"] if o.name.startswith("stats slabs"))
     assert stats.written == 2 * heads * 8 * 8 * 128 * 4
-    assert stats.read == (2 * heads * 4 * 8 * 256 * 4 + 2 * 2 * heads * t * 4
-                          + (2 * heads * t * 4 if version == 2 else 0))
+    assert stats.read == (
+      2 * heads * 4 * 8 * 256 * 4
+      + 2 * 2 * heads * t * 4
+      + (2 * heads * t * 4 if version == 2 else 0)
+    )
     # The forward's lse slabs are not sliced to T after the kernel; o2 is.
     assert any(o.name == "o2 sliced to T" for o in fused["fwd"])
     assert not any("lse" in o.name and "sliced" in o.name for o in fused["fwd"])
@@ -206,7 +246,8 @@ def test_target_grid_visits_only_tiles_with_visible_keys(t):
     assert target.flops <= fused.flops
     total = lambda ops: sum(o.bytes for o in ops)
     assert total(R.target_ops(shape, tiles, version)["bwd"]) < total(
-        R.fused_ops(shape, tiles, version)["bwd"])
+      R.fused_ops(shape, tiles, version)["bwd"]
+    )
     assert target.bytes < fused.bytes
 
 
@@ -241,11 +282,22 @@ def test_section_prints_every_generation_and_arm():
 
 def test_splash_tables_match_splash_mask_info():
   t, block = 1024, 256
-  blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                             block_q_dkv=block, block_kv_dkv=block,
-                             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-  kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((t, t))] * 2),
-                                  block_sizes=blocks, head_shards=1, q_seq_shards=1)
+  blocks = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  kernel = splash.make_splash_mha(
+    splash.MultiHeadMask([splash.CausalMask((t, t))] * 2),
+    block_sizes=blocks,
+    head_shards=1,
+    q_seq_shards=1,
+  )
   mask = R.visited_tiles(t, t, block, block, True)
   rows, width = R.splash_rows(mask)
   cols, _ = R.splash_cols(mask)

@@ -58,16 +58,32 @@ import numpy as np
 
 from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _layout as kernel_layout
-from diffjax.kernels.tpu.roofline.model import (F32, I32, KERNEL, LAYOUT, SUBLANES, Op, Shape,
-                                                Tiles, count_fetches, fused_bwd_tile_flops,
-                                                fused_tiles, fwd_tile_flops, lanes, round_up,
-                                                tiles_with_visible_keys, visited_tiles, xla_op)
+from diffjax.kernels.tpu.roofline.model import (
+  F32,
+  I32,
+  KERNEL,
+  LAYOUT,
+  SUBLANES,
+  Op,
+  Shape,
+  Tiles,
+  count_fetches,
+  fused_bwd_tile_flops,
+  fused_tiles,
+  fwd_tile_flops,
+  lanes,
+  round_up,
+  tiles_with_visible_keys,
+  visited_tiles,
+  xla_op,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Flavour:
   """V1 (two key components, value 2d, lambda per head) or V2 (one key, value d,
   lambda per row, 2H pairs)."""
+
   version: int
   heads: int  # DIFF heads (V1) or pairs (V2)
   key_components: int
@@ -110,11 +126,11 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
   kv_fetch = b * h * kv_per_head
   rows = b * h * tp
   detail = {
-      "Q": rows * 2 * d * s,
-      "K,V": kv_fetch * bk * (fl.key_components * d + fl.dv) * s,
-      "out": rows * fl.dv * s,
-      "o2": rows * fl.dv * s,
-      "lse": rows * 2 * F32 if target else slab_bytes(b * h * nq, 2, bq),
+    "Q": rows * 2 * d * s,
+    "K,V": kv_fetch * bk * (fl.key_components * d + fl.dv) * s,
+    "out": rows * fl.dv * s,
+    "o2": rows * fl.dv * s,
+    "lse": rows * 2 * F32 if target else slab_bytes(b * h * nq, 2, bq),
   }
   reads = ["Q", "K,V"]
   if version == 2:
@@ -124,24 +140,37 @@ def fused_fwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
     detail["lambda (SMEM)"] = h * F32
     reads.append("lambda (SMEM)")
   if shape.segmented:
-    detail["segment ids"] = (b * h * tp * (1 if target else lanes(1)) * I32
-                             + kv_fetch * bk * I32)
+    detail["segment ids"] = b * h * tp * (1 if target else lanes(1)) * I32 + kv_fetch * bk * I32
     reads.append("segment ids")
   flops = b * h * int(mask.sum()) * fwd_tile_flops(bq, bk, d, fl.dv, 2)
-  return Op(f"V{version}: diff_attention_fwd" + (" (target)" if target else ""), KERNEL,
-            read=sum(detail[k] for k in reads),
-            written=sum(v for k, v in detail.items() if k not in reads),
-            flops=flops, steps=steps, detail=detail)
+  return Op(
+    f"V{version}: diff_attention_fwd" + (" (target)" if target else ""),
+    KERNEL,
+    read=sum(detail[k] for k in reads),
+    written=sum(v for k, v in detail.items() if k not in reads),
+    flops=flops,
+    steps=steps,
+    detail=detail,
+  )
 
 
 def bwd_plan(shape: Shape, tiles: Tiles, version: int) -> Any:
   """The backward's ``_layout.Plan`` at this shape (kv heads equal to heads)."""
   fl = flavour(version, shape)
   return kernel_layout.make_plan(
-      q_len=shape.seq, kv_len=shape.seq, block_q=tiles.block_q_bwd,
-      block_kv=tiles.block_kv_bwd, causal=shape.causal, segmented=shape.segmented,
-      scale=1.0, shared_k=version == 2, lam_rows=version == 2, heads=fl.heads,
-      kv_heads=fl.heads, dq_chunk=tiles.dq_chunk)
+    q_len=shape.seq,
+    kv_len=shape.seq,
+    block_q=tiles.block_q_bwd,
+    block_kv=tiles.block_kv_bwd,
+    causal=shape.causal,
+    segmented=shape.segmented,
+    scale=1.0,
+    shared_k=version == 2,
+    lam_rows=version == 2,
+    heads=fl.heads,
+    kv_heads=fl.heads,
+    dq_chunk=tiles.dq_chunk,
+  )
 
 
 def bwd_chunks(shape: Shape, tiles: Tiles, version: int) -> list[Any]:
@@ -177,32 +206,45 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
   else:
     mask = visited_tiles(tp, sp, bq, bk, shape.causal)
     calls = bwd_chunks(shape, tiles, version)
-    q_per_head = sum(count_fetches(_bwd_q_index(c.num_q_blocks, c.num_kv_blocks, c.first,
-                                                bq, bk, shape.causal)) for c in calls)
+    q_per_head = sum(
+      count_fetches(_bwd_q_index(c.num_q_blocks, c.num_kv_blocks, c.first, bq, bk, shape.causal))
+      for c in calls
+    )
     kv_per_head = sum(c.num_kv_blocks for c in calls)
     # The kernel's own step tables: only the visited tiles of each call (causal).
     plan = bwd_plan(shape, tiles, version)
-    steps = b * h * sum(len(bwd_kernel.chunk_steps(plan, c)[0]) if shape.causal
-                        else c.num_q_blocks * c.num_kv_blocks for c in calls)
+    steps = (
+      b
+      * h
+      * sum(
+        len(bwd_kernel.chunk_steps(plan, c)[0])
+        if shape.causal
+        else c.num_q_blocks * c.num_kv_blocks
+        for c in calls
+      )
+    )
     stat_words = 8 * lanes(bq) / bq
     # Every chunk but the last writes float32 partial dK, dV over its key tiles; the
     # next reads them back.
     partial_tiles = sum(c.num_kv_blocks for c in calls if not c.final)
     if partial_tiles:
-      partial = {"dK,dV f32 partials written": b * h * partial_tiles * kv_tile * F32,
-                 "dK,dV f32 partials read": b * h * partial_tiles * kv_tile * F32}
+      partial = {
+        "dK,dV f32 partials written": b * h * partial_tiles * kv_tile * F32,
+        "dK,dV f32 partials read": b * h * partial_tiles * kv_tile * F32,
+      }
   q_fetch = b * h * q_per_head
   detail = {
-      "K,V": b * h * kv_per_head * kv_tile * s,
-      "Q": q_fetch * 2 * bq * d * s,
-      "dO": q_fetch * bq * fl.dv * s,
-      "stats": int(q_fetch * bq * stat_words * F32),
+    "K,V": b * h * kv_per_head * kv_tile * s,
+    "Q": q_fetch * 2 * bq * d * s,
+    "dO": q_fetch * bq * fl.dv * s,
+    "stats": int(q_fetch * bq * stat_words * F32),
   }
   if version == 1:
     detail["lambda (SMEM)"] = h * F32
   if shape.segmented:
-    detail["segment ids"] = (q_fetch * bq * (1 if target else lanes(1)) * I32
-                             + b * h * kv_per_head * bk * I32)
+    detail["segment ids"] = (
+      q_fetch * bq * (1 if target else lanes(1)) * I32 + b * h * kv_per_head * bk * I32
+    )
   if "dK,dV f32 partials read" in partial:
     detail["dK,dV f32 partials read"] = partial["dK,dV f32 partials read"]
   read = sum(detail.values())
@@ -214,15 +256,21 @@ def fused_bwd_kernel(shape: Shape, tiles: Tiles, version: int, *, target: bool =
   detail["dQ (once, input dtype)"] = b * h * 2 * (shape.seq if target else tp) * d * s
   written = sum(detail.values()) - read
   flops = b * h * int(mask.sum()) * fused_bwd_tile_flops(bq, bk, d, fl.dv)
-  return Op(f"V{version}: diff_attention_bwd" + (" (target)" if target else ""), KERNEL,
-            read=read, written=written, flops=flops, steps=steps, detail=detail)
+  return Op(
+    f"V{version}: diff_attention_bwd" + (" (target)" if target else ""),
+    KERNEL,
+    read=read,
+    written=written,
+    flops=flops,
+    steps=steps,
+    detail=detail,
+  )
 
 
 def fused_ops(shape: Shape, tiles: Tiles, version: int) -> dict[str, list[Op]]:
   """The fused path: kernels, the XLA ops of ``_core`` and the wrapper layouts."""
   fl = flavour(version, shape)
-  s, b, t, d, h, dv = (shape.itemsize, shape.batch, shape.seq, shape.head_dim, fl.heads,
-                       fl.dv)
+  s, b, t, d, h, dv = (shape.itemsize, shape.batch, shape.seq, shape.head_dim, fl.heads, fl.dv)
   bqf, _, tpf, spf = fused_tiles(t, tiles.block_q, tiles.block_kv)
   bqb, _, tpb, spb = fused_tiles(t, tiles.block_q_bwd, tiles.block_kv_bwd)
   rows = b * h * t
@@ -235,42 +283,56 @@ def fused_ops(shape: Shape, tiles: Tiles, version: int) -> dict[str, list[Op]]:
   fwd = [fused_fwd_kernel(shape, tiles, version)]
   pad = lambda full, padded: full * padded // t  # elements once padded along T
   layout_f = [
-      xla_op("q (each component) to [B, H, T, d]", q_in * s, pad(q_in, tpf) * s, LAYOUT),
-      xla_op("k components to [B, H, C, S, d]" if version == 1 else "k to [B, H, S, d]",
-             k_in * s, pad(k_in, spf) * s, LAYOUT),
-      xla_op("v to [B, H, S, dv]", v_in * s, pad(v_in, spf) * s, LAYOUT),
-      xla_op("out to [B, T, H, dv]", v_in * s, v_in * s, LAYOUT),
+    xla_op("q (each component) to [B, H, T, d]", q_in * s, pad(q_in, tpf) * s, LAYOUT),
+    xla_op(
+      "k components to [B, H, C, S, d]" if version == 1 else "k to [B, H, S, d]",
+      k_in * s,
+      pad(k_in, spf) * s,
+      LAYOUT,
+    ),
+    xla_op("v to [B, H, S, dv]", v_in * s, pad(v_in, spf) * s, LAYOUT),
+    xla_op("out to [B, T, H, dv]", v_in * s, v_in * s, LAYOUT),
   ]
   if version == 2:
     layout_f.append(xla_op("lam to [B, H, T]", row_f32, row_f32, LAYOUT))
-    fwd.append(xla_op("lam rows to lane-dense slabs", row_f32,
-                      slab_bytes(b * h * tpf // bqf, 1, bqf)))
+    fwd.append(
+      xla_op("lam rows to lane-dense slabs", row_f32, slab_bytes(b * h * tpf // bqf, 1, bqf))
+    )
   if tpf != t:
     fwd.append(xla_op("o2 sliced to T", b * h * tpf * dv * s, rows * dv * s))
 
   bwd = [
-      xla_op("row terms D1, D2 = rowsum(dO out, dO o2)", 3 * rows * dv * s, 2 * row_f32),
-      xla_op("stats slabs [B, H, Tp / block_q, 8, block_q]",
-             lse_bytes + 2 * row_f32 + (row_f32 if version == 2 else 0),
-             slab_bytes(b * h * tpb // bqb, 8, bqb)),
+    xla_op("row terms D1, D2 = rowsum(dO out, dO o2)", 3 * rows * dv * s, 2 * row_f32),
+    xla_op(
+      "stats slabs [B, H, Tp / block_q, 8, block_q]",
+      lse_bytes + 2 * row_f32 + (row_f32 if version == 2 else 0),
+      slab_bytes(b * h * tpb // bqb, 8, bqb),
+    ),
   ]
   if tpb != t:
-    bwd.append(xla_op("q, dO padded to the backward tile",
-                      (q_in + v_in) * s, pad(q_in + v_in, tpb) * s))
+    bwd.append(
+      xla_op("q, dO padded to the backward tile", (q_in + v_in) * s, pad(q_in + v_in, tpb) * s)
+    )
   if spb != t:
-    bwd.append(xla_op("k, v padded to the backward tile", (k_in + v_in) * s,
-                      pad(k_in + v_in, spb) * s))
+    bwd.append(
+      xla_op("k, v padded to the backward tile", (k_in + v_in) * s, pad(k_in + v_in, spb) * s)
+    )
   bwd.append(fused_bwd_kernel(shape, tiles, version))
   dq_elements = b * h * 2 * d
   if len(bwd_chunks(shape, tiles, version)) > 1 or tpb != t:
-    bwd.append(xla_op("dQ chunks concatenated (and sliced to T)", dq_elements * tpb * s,
-                      dq_elements * t * s))
+    bwd.append(
+      xla_op("dQ chunks concatenated (and sliced to T)", dq_elements * tpb * s, dq_elements * t * s)
+    )
   layout_b = [
-      xla_op("dO to [B, H, T, dv]", v_in * s, v_in * s, LAYOUT),
-      xla_op("dq back to [B, T, H, d]" + (" x2" if version == 1 else " (4H heads)"),
-             q_in * s, q_in * s, LAYOUT),
-      xla_op("dk back", k_in * s, k_in * s, LAYOUT),
-      xla_op("dv back", v_in * s, v_in * s, LAYOUT),
+    xla_op("dO to [B, H, T, dv]", v_in * s, v_in * s, LAYOUT),
+    xla_op(
+      "dq back to [B, T, H, d]" + (" x2" if version == 1 else " (4H heads)"),
+      q_in * s,
+      q_in * s,
+      LAYOUT,
+    ),
+    xla_op("dk back", k_in * s, k_in * s, LAYOUT),
+    xla_op("dv back", v_in * s, v_in * s, LAYOUT),
   ]
   if version == 2:
     layout_b.append(xla_op("dlam to [B, T, H]", row_f32, row_f32, LAYOUT))
@@ -284,8 +346,12 @@ def target_ops(shape: Shape, tiles: Tiles, version: int) -> dict[str, list[Op]]:
   _, _, tpb, _ = fused_tiles(t, tiles.block_q_bwd, tiles.block_kv_bwd)
   rows = b * h * t
   stat_words = 4 if version == 1 else 5
-  stats = xla_op("row terms and lane-dense stats",
-                 3 * rows * dv * s + rows * 2 * F32 + (rows * F32 if version == 2 else 0),
-                 b * h * tpb * stat_words * F32)
-  return {"fwd": [fused_fwd_kernel(shape, tiles, version, target=True)],
-          "bwd": [stats, fused_bwd_kernel(shape, tiles, version, target=True)]}
+  stats = xla_op(
+    "row terms and lane-dense stats",
+    3 * rows * dv * s + rows * 2 * F32 + (rows * F32 if version == 2 else 0),
+    b * h * tpb * stat_words * F32,
+  )
+  return {
+    "fwd": [fused_fwd_kernel(shape, tiles, version, target=True)],
+    "bwd": [stats, fused_bwd_kernel(shape, tiles, version, target=True)],
+  }

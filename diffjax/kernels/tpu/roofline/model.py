@@ -22,6 +22,7 @@ PARTS = (KERNEL, XLA, LAYOUT)
 @dataclasses.dataclass(frozen=True)
 class Chip:
   """One TPU chip: HBM bandwidth and dense bf16 peak."""
+
   hbm_bytes_per_s: float
   bf16_flops_per_s: float
 
@@ -29,9 +30,9 @@ class Chip:
 # Google's published per-chip figures (Cloud TPU system architecture pages): HBM
 # bandwidth and peak dense bf16 compute of one chip.
 GENERATIONS: dict[str, Chip] = {
-    "v5e": Chip(hbm_bytes_per_s=819e9, bf16_flops_per_s=197e12),
-    "v5p": Chip(hbm_bytes_per_s=2765e9, bf16_flops_per_s=459e12),
-    "v6e": Chip(hbm_bytes_per_s=1640e9, bf16_flops_per_s=918e12),
+  "v5e": Chip(hbm_bytes_per_s=819e9, bf16_flops_per_s=197e12),
+  "v5p": Chip(hbm_bytes_per_s=2765e9, bf16_flops_per_s=459e12),
+  "v6e": Chip(hbm_bytes_per_s=1640e9, bf16_flops_per_s=918e12),
 }
 
 
@@ -48,6 +49,7 @@ def lanes(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Shape:
   """One attention layer: B sequences of T tokens, H DIFF heads of width d."""
+
   batch: int
   diff_heads: int
   head_dim: int
@@ -61,6 +63,7 @@ class Shape:
 class Tiles:
   """Fused forward and backward tiles (as BlockSizes), the backward's query rows per call
   (``BlockSizes.dq_chunk``: None lets the kernel's rule decide) and splash's tile."""
+
   block_q: int
   block_kv: int
   block_q_bwd: int
@@ -72,6 +75,7 @@ class Tiles:
 @dataclasses.dataclass
 class Op:
   """One kernel or XLA op: HBM bytes read and written, MXU FLOPs, grid steps."""
+
   name: str
   part: str
   read: int = 0
@@ -155,7 +159,7 @@ def splash_rows(mask: np.ndarray) -> tuple[np.ndarray, int]:
   table = np.zeros((mask.shape[0], width), np.int64)
   for i, row in enumerate(mask):
     cols = np.nonzero(row)[0]
-    table[i, :len(cols)] = cols
+    table[i, : len(cols)] = cols
   return table, width
 
 
@@ -166,7 +170,7 @@ def splash_cols(mask: np.ndarray) -> tuple[np.ndarray, int]:
   table = np.zeros((mask.shape[1], width), np.int64)
   for j in range(mask.shape[1]):
     rows = np.nonzero(mask[:, j])[0]
-    table[j, width - len(rows):] = rows
+    table[j, width - len(rows) :] = rows
   return table, width
 
 

@@ -23,10 +23,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from diffjax.kernels.tpu.roofline.model import (F32, I32, KERNEL, LANES, LAYOUT, SUBLANES, Op,
-                                                Shape, Tiles, count_fetches, fwd_tile_flops,
-                                                splash_bwd_tile_flops, splash_cols, splash_rows,
-                                                splash_tiles, visited_tiles, xla_op)
+from diffjax.kernels.tpu.roofline.model import (
+  F32,
+  I32,
+  KERNEL,
+  LANES,
+  LAYOUT,
+  SUBLANES,
+  Op,
+  Shape,
+  Tiles,
+  count_fetches,
+  fwd_tile_flops,
+  splash_bwd_tile_flops,
+  splash_cols,
+  splash_rows,
+  splash_tiles,
+  visited_tiles,
+  xla_op,
+)
 
 
 def splash_inputs_ops(shape: Shape, tiles: Tiles) -> tuple[list[Op], list[Op]]:
@@ -36,12 +51,15 @@ def splash_inputs_ops(shape: Shape, tiles: Tiles) -> tuple[list[Op], list[Op]]:
   b = shape.batch
   fwd = b * (tp * LANES + SUBLANES * sp) * I32 + tp * LANES * I32
   dkv = b * (SUBLANES * tp + sp * LANES) * I32 + SUBLANES * tp * I32
-  return ([xla_op("splash segment ids and positions (fwd, dQ)", 0, fwd)],
-          [xla_op("splash segment ids and positions (dK/dV)", 0, dkv)])
+  return (
+    [xla_op("splash segment ids and positions (fwd, dQ)", 0, fwd)],
+    [xla_op("splash segment ids and positions (dK/dV)", 0, dkv)],
+  )
 
 
-def splash_call_ops(shape: Shape, tiles: Tiles, *, q_heads: int, kv_heads: int, dv: int,
-                    label: str) -> tuple[list[Op], list[Op]]:
+def splash_call_ops(
+  shape: Shape, tiles: Tiles, *, q_heads: int, kv_heads: int, dv: int, label: str
+) -> tuple[list[Op], list[Op]]:
   """Forward and backward ops of one splash call (kernels and their XLA helpers)."""
   s, b, d = shape.itemsize, shape.batch, shape.head_dim
   bq, tp, sp = splash_tiles(shape.seq, tiles.splash)
@@ -62,20 +80,25 @@ def splash_call_ops(shape: Shape, tiles: Tiles, *, q_heads: int, kv_heads: int, 
   # kv segment ids, (8, bk) int32, indexed by the table alone (no head).
   kv_seg = b * count_fetches(np.broadcast_to(rows, (q_heads, nq, width))) * SUBLANES * bk * I32
   fwd_flops = b * q_heads * visible * fwd_tile_flops(bq, bk, d, dv, 1)
-  fwd = Op(f"{label}: splash fwd", KERNEL, flops=fwd_flops,
-           steps=b * q_heads * nq * width)
-  fwd.detail = {"Q": row_fetch * bq * d * s, "K,V": kv_fetch * kv_tile,
-                "segment ids, positions": row_fetch * seg_rows + kv_seg,
-                "O": b * q_heads * tp * dv * s,
-                "logsumexp (128 lanes)": b * q_heads * tp * LANES * F32}
+  fwd = Op(f"{label}: splash fwd", KERNEL, flops=fwd_flops, steps=b * q_heads * nq * width)
+  fwd.detail = {
+    "Q": row_fetch * bq * d * s,
+    "K,V": kv_fetch * kv_tile,
+    "segment ids, positions": row_fetch * seg_rows + kv_seg,
+    "O": b * q_heads * tp * dv * s,
+    "logsumexp (128 lanes)": b * q_heads * tp * LANES * F32,
+  }
   fwd.read = fwd.detail["Q"] + fwd.detail["K,V"] + fwd.detail["segment ids, positions"]
   fwd.written = fwd.detail["O"] + fwd.detail["logsumexp (128 lanes)"]
 
   lse_padded = b * q_heads * tp * LANES * F32
   rows_f32 = b * q_heads * tp * F32
   di = xla_op(f"{label}: di = rowsum(O dO)", 2 * b * q_heads * tp * dv * s, rows_f32)
-  reshape = xla_op(f"{label}: logsumexp, di reshaped for the backward kernels",
-                 2 * lse_padded + rows_f32, 2 * rows_f32 + 2 * SUBLANES * rows_f32)
+  reshape = xla_op(
+    f"{label}: logsumexp, di reshaped for the backward kernels",
+    2 * lse_padded + rows_f32,
+    2 * rows_f32 + 2 * SUBLANES * rows_f32,
+  )
 
   # dK/dV kernel: grid (kv tile, head, w); Q-side index (head, table), K/V (head // g, j).
   cols, width_dkv = splash_cols(mask)
@@ -86,35 +109,41 @@ def splash_call_ops(shape: Shape, tiles: Tiles, *, q_heads: int, kv_heads: int, 
   seg_fetch = b * count_fetches(q_side)  # q segment ids and positions: no head index
   kv_once = b * count_fetches(h3 // group, j_idx)
   dkv_flops, dq_flops = splash_bwd_tile_flops(bq, bk, d, dv)
-  dkv = Op(f"{label}: splash dK/dV", KERNEL, flops=b * q_heads * visible * dkv_flops,
-           steps=b * nkv * q_heads * width_dkv)
+  dkv = Op(
+    f"{label}: splash dK/dV",
+    KERNEL,
+    flops=b * q_heads * visible * dkv_flops,
+    steps=b * nkv * q_heads * width_dkv,
+  )
   dkv.detail = {
-      "K,V": kv_once * kv_tile,
-      "Q, dO": q_fetch * bq * (d + dv) * s,
-      "lse, di (8 rows)": q_fetch * 2 * SUBLANES * bq * F32,
-      "segment ids, positions": seg_fetch * 2 * SUBLANES * bq * I32
-                                + b * nkv * bk * LANES * I32,
-      "dK, dV": kv_once * kv_tile,
+    "K,V": kv_once * kv_tile,
+    "Q, dO": q_fetch * bq * (d + dv) * s,
+    "lse, di (8 rows)": q_fetch * 2 * SUBLANES * bq * F32,
+    "segment ids, positions": seg_fetch * 2 * SUBLANES * bq * I32 + b * nkv * bk * LANES * I32,
+    "dK, dV": kv_once * kv_tile,
   }
   dkv.read = sum(v for k, v in dkv.detail.items() if k != "dK, dV")
   dkv.written = dkv.detail["dK, dV"]
 
-  dq = Op(f"{label}: splash dQ", KERNEL, flops=b * q_heads * visible * dq_flops,
-          steps=b * q_heads * nq * width)
+  dq = Op(
+    f"{label}: splash dQ",
+    KERNEL,
+    flops=b * q_heads * visible * dq_flops,
+    steps=b * q_heads * nq * width,
+  )
   dq.detail = {
-      "Q, dO": row_fetch * bq * (d + dv) * s,
-      "lse, di": row_fetch * 2 * bq * F32,
-      "segment ids, positions": row_fetch * seg_rows + kv_seg,
-      "K,V": kv_fetch * kv_tile,
-      "dQ": b * q_heads * tp * d * s,
+    "Q, dO": row_fetch * bq * (d + dv) * s,
+    "lse, di": row_fetch * 2 * bq * F32,
+    "segment ids, positions": row_fetch * seg_rows + kv_seg,
+    "K,V": kv_fetch * kv_tile,
+    "dQ": b * q_heads * tp * d * s,
   }
   dq.read = sum(v for k, v in dq.detail.items() if k != "dQ")
   dq.written = dq.detail["dQ"]
   return [fwd], [di, reshape, dkv, dq]
 
 
-def _transpose(name: str, elements: int, itemsize: int, n_in: int = 1,
-               padded: float = 1.0) -> Op:
+def _transpose(name: str, elements: int, itemsize: int, n_in: int = 1, padded: float = 1.0) -> Op:
   """A layout pass: reads ``n_in`` arrays of ``elements`` and writes one, ``padded``
   times longer when the pass also pads T to the tile."""
   return xla_op(name, n_in * elements * itemsize, int(elements * padded) * itemsize, LAYOUT)
@@ -128,13 +157,18 @@ def transformer_ops(shape: Shape, tiles: Tiles) -> dict[str, list[Op]]:
   pad = splash_tiles(t, tiles.splash)[1] / t
   seg_f, seg_b = splash_inputs_ops(shape, tiles)
   fwd, bwd = splash_call_ops(shape, tiles, q_heads=heads, kv_heads=heads, dv=d, label="attn")
-  layout_f = [_transpose("q (x scale) to [B, H, T, d]", n, s, padded=pad),
-              _transpose("k to [B, H, T, d]", n, s, padded=pad),
-              _transpose("v to [B, H, T, d]", n, s, padded=pad),
-              _transpose("out to [B, T, H, d]", n, s)]
-  layout_b = [_transpose("dO to [B, H, T, d]", n, s, padded=pad),
-              _transpose("dq (x scale) to [B, T, H, d]", n, s),
-              _transpose("dk to [B, T, H, d]", n, s), _transpose("dv to [B, T, H, d]", n, s)]
+  layout_f = [
+    _transpose("q (x scale) to [B, H, T, d]", n, s, padded=pad),
+    _transpose("k to [B, H, T, d]", n, s, padded=pad),
+    _transpose("v to [B, H, T, d]", n, s, padded=pad),
+    _transpose("out to [B, T, H, d]", n, s),
+  ]
+  layout_b = [
+    _transpose("dO to [B, H, T, d]", n, s, padded=pad),
+    _transpose("dq (x scale) to [B, T, H, d]", n, s),
+    _transpose("dk to [B, T, H, d]", n, s),
+    _transpose("dv to [B, T, H, d]", n, s),
+  ]
   return {"fwd": seg_f + fwd + layout_f, "bwd": seg_b + bwd + layout_b}
 
 
@@ -147,16 +181,23 @@ def v1_stock_ops(shape: Shape, tiles: Tiles) -> dict[str, list[Op]]:
   f1, b1 = splash_call_ops(shape, tiles, q_heads=h, kv_heads=h, dv=2 * d, label="map 1")
   f2, b2 = splash_call_ops(shape, tiles, q_heads=h, kv_heads=h, dv=2 * d, label="map 2")
   combine_f = xla_op("out = o1 - lam o2, to [B, T, H, 2d]", 2 * nv * s, nv * s)
-  combine_b = xla_op("do1 = dO, do2 = -lam dO, dlam = -sum(dO o2)", 2 * nv * s,
-                   int(2 * nv * pad) * s)
-  layout_f = [_transpose("q1, q2 (x scale) to head-major", 2 * nq, s, padded=pad),
-              _transpose("k1, k2 to head-major", 2 * nq, s, padded=pad),
-              _transpose("v to head-major (shared by both calls)", nv, s, padded=pad)]
-  layout_b = [_transpose("dq1, dq2 (x scale) back", 2 * nq, s),
-              _transpose("dk1, dk2 back", 2 * nq, s),
-              _transpose("dv = dv1 + dv2, back", nv, s, n_in=2)]
-  return {"fwd": seg_f + f1 + f2 + [combine_f] + layout_f,
-          "bwd": seg_b + [combine_b] + b1 + b2 + layout_b}
+  combine_b = xla_op(
+    "do1 = dO, do2 = -lam dO, dlam = -sum(dO o2)", 2 * nv * s, int(2 * nv * pad) * s
+  )
+  layout_f = [
+    _transpose("q1, q2 (x scale) to head-major", 2 * nq, s, padded=pad),
+    _transpose("k1, k2 to head-major", 2 * nq, s, padded=pad),
+    _transpose("v to head-major (shared by both calls)", nv, s, padded=pad),
+  ]
+  layout_b = [
+    _transpose("dq1, dq2 (x scale) back", 2 * nq, s),
+    _transpose("dk1, dk2 back", 2 * nq, s),
+    _transpose("dv = dv1 + dv2, back", nv, s, n_in=2),
+  ]
+  return {
+    "fwd": seg_f + f1 + f2 + [combine_f] + layout_f,
+    "bwd": seg_b + [combine_b] + b1 + b2 + layout_b,
+  }
 
 
 def v2_stock_ops(shape: Shape, tiles: Tiles) -> dict[str, list[Op]]:
@@ -169,16 +210,23 @@ def v2_stock_ops(shape: Shape, tiles: Tiles) -> dict[str, list[Op]]:
   lam_rows = b * pairs * t * F32
   pad = splash_tiles(t, tiles.splash)[1] / t
   seg_f, seg_b = splash_inputs_ops(shape, tiles)
-  fwd, bwd = splash_call_ops(shape, tiles, q_heads=2 * pairs, kv_heads=pairs, dv=d,
-                             label="pairs")
+  fwd, bwd = splash_call_ops(shape, tiles, q_heads=2 * pairs, kv_heads=pairs, dv=d, label="pairs")
   combine_f = xla_op("out = o_even - lam o_odd, to [B, T, H, d]", 2 * n * s + lam_rows, n * s)
-  combine_b = xla_op("do_even = dO, do_odd = -lam dO, dlam = -sum(dO o_odd)",
-                   2 * n * s + lam_rows, int(2 * n * pad) * s + lam_rows)
-  layout_f = [_transpose("q (x scale) to head-major", 2 * n, s, padded=pad),
-              _transpose("k to head-major", n, s, padded=pad),
-              _transpose("v to head-major", n, s, padded=pad),
-              xla_op("lam to [B, H, T]", lam_user, lam_rows, LAYOUT)]
-  layout_b = [_transpose("dq (x scale) back", 2 * n, s), _transpose("dk back", n, s),
-              _transpose("dv back", n, s), xla_op("dlam to [B, T, H]", lam_rows, lam_user, LAYOUT)]
-  return {"fwd": seg_f + fwd + [combine_f] + layout_f,
-          "bwd": seg_b + [combine_b] + bwd + layout_b}
+  combine_b = xla_op(
+    "do_even = dO, do_odd = -lam dO, dlam = -sum(dO o_odd)",
+    2 * n * s + lam_rows,
+    int(2 * n * pad) * s + lam_rows,
+  )
+  layout_f = [
+    _transpose("q (x scale) to head-major", 2 * n, s, padded=pad),
+    _transpose("k to head-major", n, s, padded=pad),
+    _transpose("v to head-major", n, s, padded=pad),
+    xla_op("lam to [B, H, T]", lam_user, lam_rows, LAYOUT),
+  ]
+  layout_b = [
+    _transpose("dq (x scale) back", 2 * n, s),
+    _transpose("dk back", n, s),
+    _transpose("dv back", n, s),
+    xla_op("dlam to [B, T, H]", lam_rows, lam_user, LAYOUT),
+  ]
+  return {"fwd": seg_f + fwd + [combine_f] + layout_f, "bwd": seg_b + [combine_b] + bwd + layout_b}

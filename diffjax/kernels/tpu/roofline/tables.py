@@ -23,19 +23,20 @@ ARMS = (TRANSFORMER, V1_STOCK, V2_STOCK, V1_FUSED, V2_FUSED, V1_TARGET, V2_TARGE
 def arm_ops(shape: Shape, tiles: Tiles) -> dict[str, dict[str, list[Op]]]:
   """Every arm's forward and backward ops at one shape."""
   return {
-      TRANSFORMER: transformer_ops(shape, tiles),
-      V1_STOCK: v1_stock_ops(shape, tiles),
-      V2_STOCK: v2_stock_ops(shape, tiles),
-      V1_FUSED: fused_ops(shape, tiles, 1),
-      V2_FUSED: fused_ops(shape, tiles, 2),
-      V1_TARGET: target_ops(shape, tiles, 1),
-      V2_TARGET: target_ops(shape, tiles, 2),
+    TRANSFORMER: transformer_ops(shape, tiles),
+    V1_STOCK: v1_stock_ops(shape, tiles),
+    V2_STOCK: v2_stock_ops(shape, tiles),
+    V1_FUSED: fused_ops(shape, tiles, 1),
+    V2_FUSED: fused_ops(shape, tiles, 2),
+    V1_TARGET: target_ops(shape, tiles, 1),
+    V2_TARGET: target_ops(shape, tiles, 2),
   }
 
 
 @dataclasses.dataclass
 class Row:
   """One line of a table: an arm's pass (or part of it) summed over its ops."""
+
   arm: str
   pass_: str
   part: str
@@ -51,9 +52,15 @@ class Row:
 
 def summarize(name: str, pass_: str, part: str, ops: list[Op]) -> Row:
   """Totals of a group of ops; the bound of a sequence of ops is the sum of theirs."""
-  return Row(name, pass_, part, sum(o.bytes for o in ops), sum(o.flops for o in ops),
-             sum(o.steps for o in ops),
-             {g: 1e6 * sum(o.bound_s(c) for o in ops) for g, c in GENERATIONS.items()})
+  return Row(
+    name,
+    pass_,
+    part,
+    sum(o.bytes for o in ops),
+    sum(o.flops for o in ops),
+    sum(o.steps for o in ops),
+    {g: 1e6 * sum(o.bound_s(c) for o in ops) for g, c in GENERATIONS.items()},
+  )
 
 
 def arm_rows(arm: str, passes: dict[str, list[Op]]) -> list[Row]:
@@ -73,28 +80,37 @@ def arm_rows(arm: str, passes: dict[str, list[Op]]) -> list[Row]:
 def ratios(arms: dict[str, dict[str, list[Op]]]) -> dict[str, float]:
   """The headline ratios (bytes, all passes) and their kernels-only variants."""
   total = lambda arm, kernels_only=False: sum(
-      o.bytes for p in ("fwd", "bwd") for o in arms[arm][p]
-      if not kernels_only or o.part == KERNEL)
+    o.bytes for p in ("fwd", "bwd") for o in arms[arm][p] if not kernels_only or o.part == KERNEL
+  )
   bwd = lambda arm: sum(o.bytes for o in arms[arm]["bwd"])
   return {
-      "fused_v1_over_splash_transformer": total(V1_FUSED) / total(TRANSFORMER),
-      "fused_v1_over_splash_transformer_kernels_only":
-          total(V1_FUSED, True) / total(TRANSFORMER, True),
-      "fused_v2_over_splash_transformer": total(V2_FUSED) / total(TRANSFORMER),
-      "target_v1_bwd_over_fused_v1_bwd": bwd(V1_TARGET) / bwd(V1_FUSED),
-      "target_v2_bwd_over_fused_v2_bwd": bwd(V2_TARGET) / bwd(V2_FUSED),
+    "fused_v1_over_splash_transformer": total(V1_FUSED) / total(TRANSFORMER),
+    "fused_v1_over_splash_transformer_kernels_only": total(V1_FUSED, True)
+    / total(TRANSFORMER, True),
+    "fused_v2_over_splash_transformer": total(V2_FUSED) / total(TRANSFORMER),
+    "target_v1_bwd_over_fused_v1_bwd": bwd(V1_TARGET) / bwd(V1_FUSED),
+    "target_v2_bwd_over_fused_v2_bwd": bwd(V2_TARGET) / bwd(V2_FUSED),
   }
 
 
 def markdown_table(rows: list[Row], step_us: float) -> str:
   """The rows as a markdown table; ``step_us`` is the assumed cost of one grid step."""
   gens = list(GENERATIONS)
-  head = (["arm", "pass", "part", "HBM MB", "MXU GFLOP", "FLOP/B", "grid steps", "step us"]
-          + [f"{g} us" for g in gens])
+  head = ["arm", "pass", "part", "HBM MB", "MXU GFLOP", "FLOP/B", "grid steps", "step us"] + [
+    f"{g} us" for g in gens
+  ]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
-    cells = [r.arm, r.pass_, r.part, f"{r.bytes / 1e6:,.1f}", f"{r.flops / 1e9:,.1f}",
-             f"{r.intensity:,.0f}", f"{r.steps:,}", f"{r.steps * step_us:,.0f}"]
+    cells = [
+      r.arm,
+      r.pass_,
+      r.part,
+      f"{r.bytes / 1e6:,.1f}",
+      f"{r.flops / 1e9:,.1f}",
+      f"{r.intensity:,.0f}",
+      f"{r.steps:,}",
+      f"{r.steps * step_us:,.0f}",
+    ]
     cells += [f"{r.bound_us[g]:,.0f}" for g in gens]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
@@ -109,22 +125,26 @@ def seq_section(shape: Shape, tiles: Tiles, step_us: float) -> tuple[str, dict[s
   n_calls = len(bwd_chunks(shape, tiles, 1))
   t = shape.seq
   ratio_line = (
-      f"Ratios at T = {t} (HBM bytes, all passes): fused DIFF V1 fwd+bwd / splash "
-      f"Transformer fwd+bwd = {rat['fused_v1_over_splash_transformer']:.2f} (kernels "
-      f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}), fused DIFF V2 "
-      f"= {rat['fused_v2_over_splash_transformer']:.2f}; target / fused backward "
-      f"= {rat['target_v1_bwd_over_fused_v1_bwd']:.2f} (V1), "
-      f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2). The fused V1 backward "
-      f"runs {n_calls} query chunk{'s' if n_calls > 1 else ''} at this length.")
+    f"Ratios at T = {t} (HBM bytes, all passes): fused DIFF V1 fwd+bwd / splash "
+    f"Transformer fwd+bwd = {rat['fused_v1_over_splash_transformer']:.2f} (kernels "
+    f"only {rat['fused_v1_over_splash_transformer_kernels_only']:.2f}), fused DIFF V2 "
+    f"= {rat['fused_v2_over_splash_transformer']:.2f}; target / fused backward "
+    f"= {rat['target_v1_bwd_over_fused_v1_bwd']:.2f} (V1), "
+    f"{rat['target_v2_bwd_over_fused_v2_bwd']:.2f} (V2). The fused V1 backward "
+    f"runs {n_calls} query chunk{'s' if n_calls > 1 else ''} at this length."
+  )
   kernel = lambda arm: next(o for o in arms[arm]["bwd"] if o.part == KERNEL)
   by = lambda arm: ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in kernel(arm).detail.items())
-  bytes_line = (f"Fused V1 backward kernel, MB by array: fused: {by(V1_FUSED)}; target: "
-                f"{by(V1_TARGET)}.")
+  bytes_line = (
+    f"Fused V1 backward kernel, MB by array: fused: {by(V1_FUSED)}; target: {by(V1_TARGET)}."
+  )
   text = f"\n## T = {t}\n\n{markdown_table(rows, step_us)}\n\n{ratio_line}\n{bytes_line}"
   figures = {
-      "rows": [dataclasses.asdict(r) | {"flop_per_byte": r.intensity} for r in rows],
-      "ops": {arm: {p: [dataclasses.asdict(o) for o in ops] for p, ops in passes.items()}
-              for arm, passes in arms.items()},
-      "ratios": rat,
+    "rows": [dataclasses.asdict(r) | {"flop_per_byte": r.intensity} for r in rows],
+    "ops": {
+      arm: {p: [dataclasses.asdict(o) for o in ops] for p, ops in passes.items()}
+      for arm, passes in arms.items()
+    },
+    "ratios": rat,
   }
   return text, figures
