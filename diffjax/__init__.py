@@ -6,6 +6,8 @@ Public API:
     (each with ``implementation=``), and the reference math in ``diffjax.ops.reference``;
   * Flax NNX modules: :class:`Attention`, :class:`DiffV1Attention`,
     :class:`DiffV2Attention`, :class:`RMSNorm`, :class:`SwiGLU`, :func:`apply_rope`;
+  * the arms (:mod:`diffjax.arms`): one spec per attention variant, and your own with
+    ``diffjax.arms.register``;
   * the LM: :class:`ModelConfig`, :class:`DecoderLM`, :func:`matched_configs`,
     :func:`count_params`, :class:`Hooks` for analysis interventions;
   * generation with a KV cache: :func:`generate` (from :mod:`diffjax.generation`);
@@ -13,6 +15,7 @@ Public API:
     :func:`cpu_compiler_options` (from :mod:`diffjax.cpu`).
 """
 
+from diffjax import arms
 from diffjax.cpu import cpu_compiler_options, cpu_setup
 from diffjax.generation import generate
 from diffjax.model import ARMS, DecoderLM, Hooks, ModelConfig, count_params, matched_configs
@@ -36,6 +39,7 @@ from diffjax.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+  "arms",
   "ARMS",
   "DecoderLM",
   "Hooks",

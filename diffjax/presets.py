@@ -17,8 +17,9 @@ import sys
 
 import ml_collections
 
+from diffjax import arms
+from diffjax.core.config import DEFAULT_V2_MATCH
 from diffjax.model import count_params, resolve_model
-from diffjax.model.config import DEFAULT_V2_MATCH
 from diffjax.model.flops import flops_per_token
 from diffjax.model.sizes import PAPER_SIZES, PAPER_VOCAB, WIDTHS
 

@@ -23,6 +23,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from diffjax import arms
+from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
 from diffjax.convert.retrofit import retrofit
@@ -59,26 +61,30 @@ def _parser() -> argparse.ArgumentParser:
     help="a Transformer-arm train.py workdir or an HF LlamaForCausalLM directory",
   )
   ret.add_argument("--workdir", required=True, help="new diffjax run directory")
-  ret.add_argument("--arm", default="diff_v2", choices=("diff_v2", "diff_v1"))
+  ret.add_argument(
+    "--arm",
+    default="diff_v2",
+    choices=tuple(a.name for a in arms.all_arms() if a.retrofit is not None),
+  )
   ret.add_argument("--step", type=int, default=None, help="source checkpoint (default: newest)")
   ret.add_argument(
     "--init",
     default=None,
-    choices=("exact", "mixed"),
+    choices=V2_INITS,
     help="DIFF V2: 'mixed' (the default: the subtraction ramped in over "
     "--mix_steps) or 'exact' (second head = first, W_o doubled)",
   )
   ret.add_argument(
     "--second",
-    default="noise",
-    choices=("copy", "noise", "zeros"),
+    default=None,
+    choices=SECOND_HEADS,
     help="DIFF V2 mixed in: the second query head of each pair (default noise)",
   )
   ret.add_argument(
     "--mix_steps",
     type=int,
-    default=100,
-    help="DIFF V2 mixed in: training steps of the ramp (default 100)",
+    default=None,
+    help=f"DIFF V2 mixed in: training steps of the ramp (default {DEFAULT_MIX_STEPS})",
   )
   ret.add_argument("--seed", type=int, default=0, help="seed of --second=noise")
   return p

@@ -1,7 +1,9 @@
 """Hugging Face ``config.json`` <-> :class:`~diffjax.model.ModelConfig`.
 
-``LlamaForCausalLM`` maps to ``attention="transformer"`` and ``DiffLlamaForCausalLM`` to
-``attention="diff_v1"``, both with ``rope_style="half"`` (transformers rotates halves). A
+Each arm names the transformers class that holds it exactly
+(:attr:`diffjax.arms.ArmSpec.hf_architecture`): ``LlamaForCausalLM`` is the Transformer and
+``DiffLlamaForCausalLM`` DIFF V1, both with ``rope_style="half"`` (transformers rotates
+halves). A
 DiffLlama config counts component heads: ``num_attention_heads`` = 2H for H DIFF heads and
 ``num_key_value_heads`` = 2 H_kv. A field whose value diffjax does not model (a bias, another
 activation, a RoPE scaling type, ...) is refused with an error naming it; fields that do not
@@ -15,15 +17,31 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from diffjax import arms
 from diffjax.convert.files import ConversionError
 from diffjax.model import ModelConfig
 
-ARM_OF = {"LlamaForCausalLM": "transformer", "DiffLlamaForCausalLM": "diff_v1"}
-ARCH_OF = {arm: arch for arch, arm in ARM_OF.items()}
-MODEL_TYPE = {"LlamaForCausalLM": "llama", "DiffLlamaForCausalLM": "diffllama"}
+LLAMA, DIFFLLAMA = "LlamaForCausalLM", "DiffLlamaForCausalLM"
+MODEL_TYPE = {LLAMA: "llama", DIFFLLAMA: "diffllama"}
 # Settings that leave the parameters unchanged, which a caller may choose when importing.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "implementation", "block_sizes", "interpret", "remat")
 DEFAULT_MAX_POSITIONS = 2048
+
+
+def arm_of() -> dict[str, str]:
+  """transformers class -> the arm it holds, for every registered arm that has one."""
+  return {a.hf_architecture: a.name for a in arms.all_arms() if a.hf_architecture in MODEL_TYPE}
+
+
+def architecture_of(cfg: ModelConfig) -> str:
+  """The transformers class of ``cfg``'s arm; raises for an arm that has none."""
+  arch = arms.get(cfg.attention).hf_architecture
+  if arch not in MODEL_TYPE:
+    raise ConversionError(
+      f"attention={cfg.attention!r} has no transformers class; export supports "
+      f"{sorted(arm_of().values())}."
+    )
+  return arch
 
 
 def architecture(hf: Mapping[str, Any]) -> str:
@@ -34,10 +52,10 @@ def architecture(hf: Mapping[str, Any]) -> str:
     if hf.get("model_type") in by_type:
       return by_type[hf["model_type"]]
     archs = [hf.get("model_type")]
-  if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARM_OF:
+  if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in arm_of():
     raise ConversionError(
       f"config.json: architectures={archs!r} cannot be imported; diffjax reads "
-      f"{sorted(ARM_OF)} (into attention={sorted(ARM_OF.values())})."
+      f"{sorted(arm_of())} (into attention={sorted(arm_of().values())})."
     )
   return archs[0]
 
@@ -117,7 +135,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
       f"{list(RUNTIME_FIELDS)} may be set when importing."
     )
   arch = architecture(hf)
-  arm = ARM_OF[arch]
+  arm = arm_of()[arch]
   for key in (
     "vocab_size",
     "hidden_size",
@@ -152,7 +170,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
       "diffjax's MLP is SwiGLU with silu."
     )
   _refuse_true(hf, "attention_bias", "diffjax's projections have no bias")
-  if arm == "transformer":
+  if arch == LLAMA:
     _refuse_true(hf, "mlp_bias", "diffjax's MLP has no bias")
   dropout = hf.get("attention_dropout", 0.0)
   if dropout not in (0, 0.0, None):
@@ -160,11 +178,11 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
       f"config.json: attention_dropout={dropout!r} cannot be imported "
       "exactly: diffjax has no attention dropout."
     )
-  eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arm == "transformer" else 1e-5)
+  eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arch == LLAMA else 1e-5)
   tie = hf.get("tie_word_embeddings", False)
   if not isinstance(tie, bool):
     raise ConversionError(f"config.json: tie_word_embeddings={tie!r} must be true or false.")
-  if arm == "diff_v1":
+  if arch == DIFFLLAMA:
     if heads % 2 or kv_heads % 2:
       raise ConversionError(
         f"config.json: num_attention_heads={heads} and num_key_value_heads={kv_heads} must "
@@ -208,8 +226,8 @@ def hf_config_from_model(
   Raises :class:`ConversionError` for a model no transformers class computes exactly.
   """
   check_exportable(cfg)
-  arch = ARCH_OF[cfg.attention]
-  diff = cfg.attention == "diff_v1"
+  arch = architecture_of(cfg)
+  diff = arch == DIFFLLAMA
   heads = 2 * cfg.num_heads if diff else cfg.num_heads
   kv_heads = 2 * cfg.num_kv_heads if diff else cfg.num_kv_heads
   out: dict[str, Any] = {
@@ -246,16 +264,13 @@ def hf_config_from_model(
 
 def check_exportable(cfg: ModelConfig) -> None:
   """Raises :class:`ConversionError` naming the first setting no transformers class has."""
-  if cfg.attention not in ARCH_OF:
-    raise ConversionError(
-      f"attention={cfg.attention!r} has no transformers class; export supports {sorted(ARCH_OF)}."
-    )
-  if cfg.attention == "transformer" and cfg.d_model % cfg.num_heads:
+  arch = architecture_of(cfg)
+  if arch == LLAMA and cfg.d_model % cfg.num_heads:
     raise ConversionError(
       f"d_model={cfg.d_model} is not a multiple of num_heads="
       f"{cfg.num_heads}, which LlamaConfig requires of hidden_size."
     )
-  if cfg.attention == "diff_v1":
+  if arch == DIFFLLAMA:
     if not cfg.diff_use_norm:
       raise ConversionError(
         "diff_use_norm=False cannot be exported: DiffLlama always applies the per-head RMSNorm."

@@ -6,10 +6,10 @@ heads. The parameter tree is the pure dict of ``nnx.state(DecoderLM)``: ``embed.
 ``blocks[i].{attn_norm,mlp_norm}.scale``, ``blocks[i].attn.*``, ``blocks[i].mlp.w_{gate,up,down}``,
 ``final_norm.scale`` and ``lm_head`` (absent when the embeddings are tied).
 
-Llama (``attention="transformer"``): q [E, H, d] is ``q_proj.weight.T`` reshaped, likewise
+Llama (the Transformer arm): q [E, H, d] is ``q_proj.weight.T`` reshaped, likewise
 k, v [E, K, d]; o [H, d, E] is ``o_proj.weight.T`` reshaped.
 
-DiffLlama (``attention="diff_v1"``): transformers pairs component head i with head i + H
+DiffLlama (DIFF V1): transformers pairs component head i with head i + H
 (halves) where diffjax keeps the two components of DIFF head i together (q [E, H, 2, d]);
 key and value heads g and g + H_kv likewise form kv group g (k [E, K, 2, d], and v [E, K, 2d]
 is the two value halves side by side). DiffLlama's per-head norm has no gain: export folds
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from diffjax.convert.files import ConversionError
-from diffjax.convert.hf_config import check_exportable
+from diffjax.convert.hf_config import LLAMA, architecture_of, check_exportable
 from diffjax.model import ModelConfig
 
 Params = dict[str, Any]
@@ -45,7 +45,7 @@ def _layer(i: int, name: str) -> str:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The tensor names and shapes of the transformers checkpoint for ``cfg``."""
   e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-  diff = cfg.attention == "diff_v1"
+  diff = architecture_of(cfg) != LLAMA
   q_out = (2 if diff else 1) * cfg.num_heads * d
   kv_out = (2 if diff else 1) * cfg.num_kv_heads * d
   shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
@@ -151,7 +151,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   blocks = {}
   for i in range(cfg.num_layers):
     w = functools.partial(lambda i_, name: t[_layer(i_, name)], i)
-    if cfg.attention == "transformer":
+    if architecture_of(cfg) == LLAMA:
       attn = {
         "q": w("self_attn.q_proj.weight").T.reshape(e, h, d),
         "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
@@ -208,7 +208,7 @@ def hf_from_params(
   for i in range(cfg.num_layers):
     blk = params["blocks"][i]
     a = {name: _f32(x) for name, x in blk["attn"].items()}
-    if cfg.attention == "transformer":
+    if architecture_of(cfg) == LLAMA:
       q = a["q"][..., rows].reshape(e, -1).T
       k = a["k"][..., rows].reshape(e, -1).T
       v = a["v"].reshape(e, -1).T

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from diffjax import arms
 from diffjax import sharding as shd
 from diffjax.generation.programs import (
   CACHE_MULTIPLE,
@@ -33,7 +34,6 @@ from diffjax.generation.programs import (
 )
 from diffjax.generation.sampling import LogitsProcessor, SamplingOptions
 from diffjax.model import DecoderLM
-from diffjax.ops import preflight as kernel_preflight
 
 # With on_tokens, the decode loop hands its tokens to the host every this many steps.
 STREAM_EVERY = 8
@@ -146,7 +146,7 @@ def generate(
   """
   options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   if preflight:  # once per process: the fused attention and decode kernels on this device
-    kernel_preflight.preflight_model(model.config, decode=True)
+    arms.preflight(model.config, decode=True)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer.")
   stops = [int(t) for t in ([stop_tokens] if np.isscalar(stop_tokens) else stop_tokens)]

@@ -1,10 +1,22 @@
-"""The LLaMA-style decoder LM and its typed configuration."""
+"""The LLaMA-style decoder LM, matched arms and parameter counts.
 
+``ARMS`` names the builtin arms; :func:`diffjax.arms.names` lists every registered one.
+"""
+
+from diffjax import arms
+from diffjax.core.config import ModelConfig
 from diffjax.model import layout, sizes
-from diffjax.model.arms import ArmModel, resolve_model
-from diffjax.model.config import ARMS, ModelConfig, attention_params, count_params, matched_configs
 from diffjax.model.lm import Block, DecoderLM, make_attention
+from diffjax.model.matching import (
+  ArmModel,
+  attention_params,
+  count_params,
+  matched_configs,
+  resolve_model,
+)
 from diffjax.nn.layers import Hooks
+
+ARMS = arms.names()
 
 __all__ = [
   "ARMS",

@@ -4,12 +4,9 @@ Counted as 2 FLOPs per multiply-add, per token of a training sequence of ``seq_l
 
   * matmuls with weights: every projection, the SwiGLU MLP and the LM head (the embedding
     lookup is a gather, not a matmul): 2 x weights per token forward;
-  * attention, per query token and visible key (causal: (T + 1) / 2 keys on average), per head:
-      - Transformer: scores q.k (2d) and P V (2d): 4d per head;
-      - DIFF V1: two maps of d-wide components (2 x 2d) and the combined map times the 2d-wide
-        value (4d): 8d per DIFF head, the same as the two baseline heads it replaces;
-      - DIFF V2: two query heads' scores (2 x 2d) and the combined map times the d-wide value
-        (2d): 6d per pair, where the baseline's head costs 4d;
+  * attention, per query token and visible key (causal: (T + 1) / 2 keys on average): what
+    the arm says (:attr:`diffjax.arms.ArmSpec.attention_flops`; the Transformer 4d per head,
+    DIFF V1 8d per DIFF head, DIFF V2 6d per pair);
   * backward: twice the forward (a gradient for the inputs and one for the weights).
 
 *Model* FLOPs are those of the math above (forward and backward), whatever runs them; they are
@@ -26,10 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffjax.model.config import ModelConfig, attention_params
-
-# FLOPs per query-key pair per head, forward, in units of the head dim d.
-_ATTENTION_D_UNITS = {"transformer": 4, "diff_v1": 8, "diff_v2": 6}
+from diffjax import arms
+from diffjax.core.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +52,13 @@ def matmul_weights(cfg: ModelConfig) -> int:
   """Weights that take part in a matmul per token: projections, MLP, LM head (or the tied
   embedding used as the head); not the norm gains, lambda vectors or the embedding lookup."""
   e = cfg.d_model
-  attn = attention_params(cfg)
-  if cfg.attention == "diff_v1":
-    attn -= 6 * cfg.head_dim  # lambda's four d-vectors and the 2d norm gain
+  attn = arms.get(cfg.attention).matmul_params(cfg)
   return cfg.num_layers * (attn + 3 * e * cfg.mlp_dim) + e * cfg.vocab_size
 
 
 def attention_flops_per_pair(cfg: ModelConfig) -> int:
   """Forward FLOPs per query token and visible key, summed over the layer's heads."""
-  return _ATTENTION_D_UNITS[cfg.attention] * cfg.head_dim * cfg.num_heads
+  return arms.get(cfg.attention).attention_flops(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> FlopsPerToken:

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from diffjax import arms
+from diffjax.core.config import ModelConfig
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.core.reference import lambda_init_for_layer
-from diffjax.model.config import ModelConfig
-from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
+from diffjax.nn.attention import AttentionOptions
 from diffjax.nn.layers import (
   NO_HOOKS,
   Embed,
@@ -31,7 +31,7 @@ _REMAT = {
 
 
 def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Module:
-  """The attention module of one layer for ``cfg.attention``."""
+  """The attention module of one layer: what ``cfg.attention``'s arm builds."""
   opts = AttentionOptions(
     rope_theta=cfg.rope_theta,
     rope_style=cfg.rope_style,
@@ -42,22 +42,7 @@ def make_attention(cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs) -> nnx.Mo
     interpret=cfg.interpret,
     param_dtype=cfg.weight_dtype,
   )
-  args = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-  if cfg.attention == "transformer":
-    return Attention(*args, options=opts, rngs=rngs)
-  if cfg.attention == "diff_v1":
-    return DiffV1Attention(
-      *args,
-      layer_index=layer_index,
-      options=opts,
-      norm_eps=cfg.diff_norm_eps,
-      use_norm=cfg.diff_use_norm,
-      fixed_lambda=cfg.diff_fixed_lambda,
-      rngs=rngs,
-    )
-  return DiffV2Attention(
-    *args, options=opts, pairing=cfg.v2_pairing, lambda_fn=cfg.v2_lambda, rngs=rngs
-  )
+  return arms.get(cfg.attention).build(cfg, layer_index, opts, rngs)
 
 
 class Block(nnx.Module):
@@ -71,6 +56,7 @@ class Block(nnx.Module):
       cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs, param_dtype=cfg.weight_dtype
     )
     self.dtype = cfg.compute_dtype
+    self.ramp = arms.get(cfg.attention).ramp
 
   def __call__(
     self,
@@ -82,13 +68,13 @@ class Block(nnx.Module):
     hooks: Hooks = NO_HOOKS,
     cache=None,
     cache_lengths_B=None,
-    lambda_init=None,
     v2_mix=None,
+    **layer_constants,
   ):
-    # DIFF V1's lambda_init as data (a scanned stack passes each layer's own); DIFF V2's
-    # retrofit ramp.
-    extra = {} if lambda_init is None else {"lambda_init": lambda_init}
-    if v2_mix is not None and isinstance(self.attn, DiffV2Attention):
+    # The arm's per-layer constants as data (a scanned stack passes each layer's own, e.g.
+    # DIFF V1's lambda_init), and a retrofit's ramp for an arm that takes one.
+    extra = dict(layer_constants)
+    if v2_mix is not None and self.ramp:
       extra["mix"] = v2_mix
     if cache is not None:
       attn_BxTxE, cache = self.attn(
@@ -143,6 +129,7 @@ class DecoderLM(nnx.Module):
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    arms.get(cfg.attention).check(cfg)  # the arm's own fields (an unknown arm says so)
     self.config = cfg
     self.embed = Embed(
       cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, rngs=rngs, param_dtype=cfg.weight_dtype
@@ -176,8 +163,9 @@ class DecoderLM(nnx.Module):
       return self.blocks[i]
     graphdef, state = nnx.split(self.layers)
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-    if isinstance(block.attn, DiffV1Attention):
-      block.attn.lambda_init = lambda_init_for_layer(i)
+    # The stack was built from layer 0: give the copy layer i's own constants.
+    for name, values in arms.get(self.config.attention).layer_constants(self.config).items():
+      setattr(block.attn, name, values[i])
     return block
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> list[dict[str, jax.Array]]:
@@ -243,24 +231,25 @@ class DecoderLM(nnx.Module):
     """The stacked blocks under ``lax.scan``; per-layer captures are split out again."""
     cfg = self.config
     graphdef, state = nnx.split(self.layers)
-    lambda_inits_L = None
-    if cfg.attention == "diff_v1":
-      lambda_inits_L = jnp.asarray(
-        [lambda_init_for_layer(i) for i in range(cfg.num_layers)],
-        accumulation_dtype(cfg.compute_dtype),
-      )
+    # The arm's per-layer constants (DIFF V1's lambda_init) are scanned with the layers as
+    # data: the stacked module was built from layer 0.
+    acc = accumulation_dtype(cfg.compute_dtype)
+    constants_L = {
+      name: jnp.asarray(values, acc)
+      for name, values in arms.get(cfg.attention).layer_constants(cfg).items()
+    }
 
     def body(x_BxTxE, xs):
-      layer_state, lambda_init = xs
+      layer_state, constants = xs
       block = nnx.merge(graphdef, layer_state)
-      extra = dict(mix) if lambda_init is None else {"lambda_init": lambda_init, **mix}
+      extra = {**constants, **mix}
       if capture:
         return block(x_BxTxE, positions_BxT, segment_ids_BxT, capture=True, hooks=hooks, **extra)
       return block(x_BxTxE, positions_BxT, segment_ids_BxT, hooks=hooks, **extra), None
 
     if cfg.remat != "none" and not capture:
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x_BxTxE, stacked = jax.lax.scan(body, x_BxTxE, (state, lambda_inits_L))
+    x_BxTxE, stacked = jax.lax.scan(body, x_BxTxE, (state, constants_L))
     if not capture:
       return x_BxTxE, []
     return x_BxTxE, [jax.tree.map(lambda a: a[i], stacked) for i in range(cfg.num_layers)]
@@ -294,34 +283,29 @@ class DecoderLM(nnx.Module):
     """The differential attention's lambda per layer, for logging.
 
     Args:
-      tokens_BxT, positions_BxT, segment_ids_BxT: a batch, as for ``__call__``; only
-        DIFF V2 needs it (its lambda depends on the input).
+      tokens_BxT, positions_BxT, segment_ids_BxT: a batch, as for ``__call__``; only an
+        arm whose lambda depends on the input (DIFF V2) needs it.
     Returns:
-      ``{"lambda/layer_<i>": lambda}`` (scalar) for each DIFF V1 layer, and
-      ``{"lambda_mean/layer_<i>": mean of sigmoid(x W_lambda)}`` over the batch's
-      B x T tokens and the pairs for each DIFF V2 layer when ``tokens_BxT`` is given.
-      Empty for the Transformer.
+      ``{"lambda/layer_<i>": lambda}`` for an arm with one lambda per layer (DIFF V1:
+      ``lambda_value()``), ``{"lambda_mean/layer_<i>": mean of its lambda}`` over the batch's
+      B x T tokens and the heads for an arm with a lambda per token (DIFF V2:
+      ``lambda_value(x)`` of the layer's normed input) when ``tokens_BxT`` is given, and
+      nothing for the Transformer (the arm's ``lambda_report``).
     """
-    out = {}
-    v2_layers = []
+    report = arms.get(self.config.attention).lambda_report
     blocks = [self.layer(i) for i in range(self.config.num_layers)]
-    for i, block in enumerate(blocks):
-      if isinstance(block.attn, DiffV1Attention):
-        out[f"lambda/layer_{i}"] = block.attn.lambda_value()
-      elif isinstance(block.attn, DiffV2Attention):
-        v2_layers.append(i)
-    if tokens_BxT is None or not v2_layers:
-      return out
-    # V2's lambda reads each layer's normed input: run the blocks up to the last V2
-    # layer on the normal path (no attention maps are materialised).
+    if report == "scalar":
+      return {f"lambda/layer_{i}": b.attn.lambda_value() for i, b in enumerate(blocks)}
+    if report == "none" or tokens_BxT is None:
+      return {}
+    # The lambda reads each layer's normed input: run the blocks on the normal path (no
+    # attention maps are materialised), the last one only up to its lambda.
+    out = {}
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
     for i, block in enumerate(blocks):
-      if i in v2_layers:
-        lam_BxTxH = block.attn.lambda_value(block.attn_norm(x_BxTxE))
-        out[f"lambda_mean/layer_{i}"] = jnp.mean(lam_BxTxH)
-      if i == v2_layers[-1]:
-        break
-      x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT)
+      out[f"lambda_mean/layer_{i}"] = jnp.mean(block.attn.lambda_value(block.attn_norm(x_BxTxE)))
+      if i + 1 < len(blocks):
+        x_BxTxE = block(x_BxTxE, positions_BxT, segment_ids_BxT)
     return out
 
 

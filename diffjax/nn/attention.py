@@ -29,9 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
+from diffjax.core.config import ROPE_STYLES, V2_LAMBDAS, V2_PAIRINGS
 from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, torch_linear_init
-from diffjax.nn.rope import ROPE_STYLES, apply_rope
+from diffjax.nn.rope import apply_rope
 from diffjax.ops import reference as ref
 from diffjax.ops.attention import (
   diff_v1_attention_decode,
@@ -520,10 +521,6 @@ class DiffV1Attention(nnx.Module):
     if cache is not None:
       return y_BxTxE, cache
     return (y_BxTxE, aux) if capture else y_BxTxE
-
-
-V2_PAIRINGS = ("group", "across_groups")
-V2_LAMBDAS = ("sigmoid", "identity")
 
 
 def check_v2_ablation(pairing: str, lambda_fn: str, num_kv_heads: int) -> None:

@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from diffjax.core.dtypes import accumulation_dtype
+from diffjax.core.platform import current_platform
 from diffjax.kernels.cpu import dense as cpu_dense
-from diffjax.ops import dispatch
 from diffjax.ops.reference import rms_norm
 
 
@@ -173,7 +173,7 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   gradients, which XLA's CPU compiler runs without transposing cotangents).
   """
   acc = accumulation_dtype(dtype)
-  if np.dtype(dtype) == acc and dispatch.current_platform() == "cpu":
+  if np.dtype(dtype) == acc and current_platform() == "cpu":
     form = _rows_form(spec)
     if form is not None:
       return cpu_dense.project(x.astype(dtype), w.astype(dtype), form[0], w_transposed=form[1])

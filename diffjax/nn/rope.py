@@ -10,10 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from diffjax.core.config import ROPE_STYLES
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.ops import dispatch
-
-ROPE_STYLES = ("interleaved", "half")
+from diffjax.core.platform import current_platform
 
 
 def rope_frequencies(head_dim: int, theta: float, dtype=jnp.float32) -> jax.Array:
@@ -32,7 +31,7 @@ def _cos_sin(angles_BxTxF: jax.Array) -> tuple[jax.Array, jax.Array]:
   memory, and the loops of every layer are merged into one (the same values, computed once).
   Elsewhere the plain expressions.
   """
-  if dispatch.current_platform() == "cpu":
+  if current_platform() == "cpu":
     return jax.lax.map(lambda a: (jnp.cos(a), jnp.sin(a)), angles_BxTxF)
   return jnp.cos(angles_BxTxF), jnp.sin(angles_BxTxF)
 

@@ -45,26 +45,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from diffjax.core import reference as ref
-from diffjax.core import validation as _v
+from diffjax import sharding
+from diffjax.core import validation
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.ops import dispatch
-from diffjax.ops import ring_blocks as rb
+from diffjax.core.op_specs import OpSpec
+from diffjax.ops import dispatch, ring_blocks
 from diffjax.ops.ring import make_ring
 
 __all__ = [
-  "OPS",
   "STRATEGIES",
   "context_parallel_attention",
   "inverse_permutation",
   "zigzag_permutation",
 ]
 
-OPS = ("mha", "diff_v1", "diff_v2")
 STRATEGIES = ("ring", "all_gather")
-BLOCK_IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 AxisName = str | tuple[str, ...] | None
 
 # ------------------------------------------------------------------------------------------
@@ -143,55 +139,56 @@ def _axis_size(mesh: Mesh, axes: AxisName, what: str) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
-def _check_inputs(op: str, arrays: Sequence[jax.Array]) -> None:
-  counts = {"mha": 3, "diff_v1": 6, "diff_v2": 4}
-  if op not in counts:
-    raise ValueError(f"Unknown op {op!r}; expected one of {OPS}.")
-  if len(arrays) != counts[op]:
+def _spec(op: OpSpec | str, arrays) -> OpSpec:
+  spec = op if isinstance(op, OpSpec) else dispatch.OPS.get(op)
+  if spec is None or spec.decode:
+    raise ValueError(f"Unknown op {op!r}; expected one of {tuple(dispatch.OPS)} (no decode op).")
+  if len(arrays) != len(spec.arrays):
     raise ValueError(
-      f"op {op!r} takes {counts[op]} arrays (the positional arguments of its "
-      f"reference function); got {len(arrays)}."
+      f"op {spec.name!r} takes {len(spec.arrays)} arrays {spec.arrays} (the positional "
+      f"arguments of its reference function); got {len(arrays)}."
     )
-  {"mha": _v.check_mha, "diff_v1": _v.check_diff_v1, "diff_v2": _v.check_diff_v2}[op](*arrays)
+  spec.check(*arrays)
+  return spec
 
 
-def _ring_blocks_of(op: str, implementation: str, strategy: str, interpret, dtype):
-  """The per-block functions of the kernel the dispatch table registers for ``op`` and
-  ``implementation``, or None for the XLA blocks (``"xla"``, or no such kernel or none
-  with per-block functions in this installation); raises when the choice cannot run."""
-  if implementation not in BLOCK_IMPLEMENTATIONS:
+def _ring_row(spec: OpSpec, implementation: str, strategy: str, interpret, probe: dict):
+  """The dispatch row whose per-block functions compute the ring, or None for the XLA
+  blocks: the first candidate of ``implementation`` that is not refused, when it has
+  per-block functions (its ``block_config`` may refuse the block with
+  ``NotImplementedError``); raises when a kernel asked for by name refuses."""
+  rows = dispatch.candidates(spec.name, implementation, interpret)
+  named = implementation not in ("auto", "xla")
+  if named and strategy != "ring":
     raise ValueError(
-      f"implementation={implementation!r} is not one of "
-      f"{BLOCK_IMPLEMENTATIONS} (what computes each block of the ring)."
+      f"implementation={implementation!r} runs the kernels per block of the ring; "
+      f"strategy={strategy!r} has no blocks. Use strategy='ring' or implementation='xla'."
     )
-  if implementation == "xla":
-    return None
-  name = f"implementation={implementation!r}"
-  if op == "mha":
+  tried = []
+  for row in rows:
+    if row == dispatch.XLA or strategy != "ring":
+      break
+    if row.ring_blocks is None:  # a kernel without per-block functions: XLA blocks
+      break
+    reason = dispatch.refusal(row, probe["query"], None)
+    if reason is None:
+      try:
+        row.ring_blocks.block_config(**row.ring_options, **probe["config"])
+        return row
+      except NotImplementedError as e:
+        reason = str(e)
+    tried.append(f"{row.name} refuses: {reason}")
+  if named and tried:
     raise ValueError(
-      f"{name} runs the fused DIFF kernels per ring block; the baseline "
-      "('mha') has no fused kernel of ours. Use implementation='xla'."
+      f"implementation={implementation!r} cannot compute the ring blocks of {spec.name!r} ("
+      + "; ".join(tried)
+      + "). Use implementation='xla'."
     )
-  if strategy != "ring":
-    raise ValueError(
-      f"{name} runs the kernels per block of the ring; strategy={strategy!r} "
-      "has no blocks. Use strategy='ring' or implementation='xla'."
-    )
-  if jnp.dtype(dtype) == jnp.float64:
-    raise ValueError("The kernels accumulate in float32; float64 inputs need implementation='xla'.")
-  platform = implementation.removeprefix("pallas_")
-  # Compiling ahead of time for a TPU on a CPU host counts as the TPU (target_platform).
-  if not interpret and platform not in (jax.default_backend(), dispatch.current_platform()):
-    raise ValueError(
-      f"{name} needs a {platform.upper()} (the backend is "
-      f"{jax.default_backend()!r}); pass interpret=True to run the kernels "
-      "in the Pallas interpreter, or use implementation='xla'."
-    )
-  return rb.registered_ring_blocks(op, implementation)
+  return None
 
 
 def context_parallel_attention(
-  op: str,
+  op: OpSpec | str,
   arrays: Sequence[jax.Array],
   *,
   mesh: Mesh,
@@ -210,7 +207,8 @@ def context_parallel_attention(
   """Exact self-attention with the sequence axis sharded over ``context_axis``.
 
   Args:
-    op: "mha", "diff_v1" or "diff_v2".
+    op: the op's :class:`~diffjax.core.op_specs.OpSpec`, or its name ("mha", "diff_v1",
+      "diff_v2", or one an arm registered).
     arrays: the positional arguments of the op's reference function:
       mha ``(q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv])``; diff_v1 ``(q1, q2, k1, k2, v,
       lam)`` with lam a scalar or [H]; diff_v2 ``(q [B,T,2H,D], k, v, lam [B,T,H])``.
@@ -229,41 +227,75 @@ def context_parallel_attention(
     causal: causal masking by original position.
     segment_ids: None or int [B, T] (packed documents; same order as the inputs).
     scale: score scale, default 1/sqrt(D).
-    implementation: what computes each ring step: "xla" (the score tile of the block,
-      any op and dtype), "pallas_tpu" or "pallas_gpu" (the per-block functions of the
-      DIFF V1 / V2 kernel the dispatch table registers for that platform, or the XLA
-      blocks if it has none; ring strategy only; off that platform only with
-      ``interpret=True``).
+    implementation: what computes each ring step, chosen as the ops choose
+      (:mod:`diffjax.ops.dispatch`): a kernel with per-block functions (the fused DIFF
+      kernels on TPU and GPU) runs them; anything else (XLA, a kernel without them) runs
+      the XLA score tile of the block, any op and dtype. A kernel named explicitly must
+      run on this platform (or ``interpret=True``) and take the blocks.
     block_sizes, interpret: passed to the kernels.
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
   """
   arrays = tuple(jnp.asarray(a) for a in arrays)
-  _check_inputs(op, arrays)
+  spec = _spec(op, arrays)
   if strategy not in STRATEGIES:
     raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
-  kernel = _ring_blocks_of(op, implementation, strategy, interpret, arrays[0].dtype)
   if not isinstance(context_axis, str):
     raise ValueError(f"context_axis must be one mesh axis name; got {context_axis!r}.")
-  q, k = arrays[0], arrays[2 if op == "diff_v1" else 1]
-  b, t, _, d = q.shape
-  kh = k.shape[2]
+  q, v = spec.query(arrays), arrays[spec.value]
+  segment_ids = _check_segment_ids(segment_ids, q.shape[0], q.shape[1])
+  c = _check_layout(spec, arrays, mesh, context_axis, batch_axis, head_axis, load_balance)
+  scale = validation.default_scale(scale, q.shape[-1])
+  arrays = spec.to_kernel(arrays)
+  heads = spec.split_maps(tuple(arrays[i] for i in spec.queries))[0].shape[2]
+  probe = {
+    "query": q,
+    "config": dict(
+      t=q.shape[1] // c, s=q.shape[1] // c, d=q.shape[-1], dv=v.shape[-1], heads=heads,
+      kv_heads=v.shape[2], causal=causal, segmented=segment_ids is not None, scale=scale,
+      block_sizes=block_sizes, interpret=interpret, dtype=q.dtype,
+    ),
+  }
+  row = _ring_row(spec, implementation, strategy, interpret, probe)
+  with_seg = segment_ids is not None
+  in_specs, x_spec = sharding.kernel_partition_specs(
+    spec.axes, batch_axis, head_axis, segment_ids=with_seg, length_axis=context_axis
+  )
+  if strategy == "all_gather":
+    per_device = _all_gather_fn(spec, c, context_axis, load_balance, causal, scale, with_seg)
+  else:
+    per_device = _ring_fn(spec, row, probe["config"], c, context_axis, load_balance, with_seg)
+  fn = jax.shard_map(
+    per_device, mesh=mesh, in_specs=in_specs[: len(arrays) + with_seg], out_specs=x_spec,
+    check_vma=False,
+  )
+  return fn(*arrays, *((segment_ids,) if with_seg else ()))
+
+
+def _check_segment_ids(segment_ids, b: int, t: int):
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    raise ValueError(
+      "Context-parallel attention takes one [batch, length] segment id array "
+      "(self-attention), not a (q_ids, kv_ids) pair."
+    )
+  segment_ids = jnp.asarray(segment_ids)
+  validation.split_segment_ids(segment_ids, b, t, t)
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}.")
+  return segment_ids
+
+
+def _check_layout(spec, arrays, mesh, context_axis, batch_axis, head_axis, load_balance) -> int:
+  """The context axis size C, after checking that the mesh splits the arrays evenly."""
+  q, k = spec.query(arrays), spec.key(arrays)
+  b, t = q.shape[:2]
   if k.shape[1] != t:
     raise ValueError(
       f"Context-parallel attention is self-attention: queries and keys must "
       f"have the same length; got {t} and {k.shape[1]}."
     )
-  if segment_ids is not None:
-    if isinstance(segment_ids, (tuple, list)):
-      raise ValueError(
-        "Context-parallel attention takes one [batch, length] segment id array "
-        "(self-attention), not a (q_ids, kv_ids) pair."
-      )
-    segment_ids = jnp.asarray(segment_ids)
-    _v.split_segment_ids(segment_ids, b, t, t)
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-      raise ValueError(f"segment_ids must be integers; got dtype {segment_ids.dtype}.")
-
   c = _axis_size(mesh, context_axis, "context_axis")
   batch_shards = _axis_size(mesh, batch_axis, "batch_axis")
   head_shards = _axis_size(mesh, head_axis, "head_axis")
@@ -282,78 +314,56 @@ def context_parallel_attention(
     )
   if b % batch_shards:
     raise ValueError(f"The batch ({b}) must be a multiple of the batch shards ({batch_shards}).")
-  if kh % head_shards:
+  if k.shape[2] % head_shards:
     raise ValueError(
-      f"num_kv_heads={kh} must be a multiple of the head shards ({head_shards}) "
+      f"num_kv_heads={k.shape[2]} must be a multiple of the head shards ({head_shards}) "
       "so that every shard holds whole kv groups with the heads that read them."
     )
-  scale = _v.default_scale(scale, d)
-  acc = accumulation_dtype(q.dtype)
+  return c
 
-  x_spec = P(batch_axis, context_axis, head_axis, None)
-  seg_spec = P(batch_axis, context_axis)
-  if op == "mha":
-    specs = (x_spec,) * 3
-  elif op == "diff_v1":
-    h = q.shape[2]
-    lam_H = jnp.broadcast_to(arrays[5].astype(acc), (h,))
-    arrays = (*arrays[:5], lam_H)
-    specs = (x_spec,) * 5 + (P(head_axis),)
-  else:
-    specs = (x_spec,) * 3 + (P(batch_axis, context_axis, head_axis),)
-  with_seg = segment_ids is not None
-  if with_seg:
-    arrays = (*arrays, segment_ids)
-    specs = (*specs, seg_spec)
 
-  def per_device_all_gather(*local):
+def _all_gather_fn(spec, c, context_axis, load_balance, causal, scale, with_seg):
+  """One device's attention after gathering the whole sequence's keys and values."""
+  gathered = set(spec.keys) | {spec.value}
+
+  def per_device(*local):
     seg = local[-1] if with_seg else None
     xs = local[:-1] if with_seg else local
-    me = jax.lax.axis_index(context_axis)
     t_local = xs[0].shape[1]
-    q_pos = _original_positions(me, c, t_local, load_balance)
+    t = t_local * c
+    q_pos = _original_positions(jax.lax.axis_index(context_axis), c, t_local, load_balance)
     # The gathered keys are in the inputs' order: the permutation itself.
     k_pos = jnp.asarray(zigzag_permutation(t, c) if load_balance else np.arange(t), jnp.int32)
     gather = lambda x: jax.lax.all_gather(x, context_axis, axis=1, tiled=True)
     mask = (k_pos[None, :] <= q_pos[:, None]) if causal else None
     segs = None if seg is None else (seg, gather(seg))
-    kw = dict(causal=False, segment_ids=segs, mask=mask, scale=scale)
-    if op == "mha":
-      q_, k_, v_ = xs
-      return ref.mha_reference(q_, gather(k_), gather(v_), **kw)
-    if op == "diff_v1":
-      q1, q2, k1, k2, v_, lam_ = xs
-      return ref.diff_v1_reference(q1, q2, gather(k1), gather(k2), gather(v_), lam_, **kw)
-    q_, k_, v_, lam_ = xs
-    return ref.diff_v2_reference(q_, gather(k_), gather(v_), lam_, **kw)
+    xs = tuple(gather(x) if i in gathered else x for i, x in enumerate(xs))
+    return spec.reference(*xs, causal=False, segment_ids=segs, mask=mask, scale=scale)
 
-  def per_device_ring(*local):
+  return per_device
+
+
+def _ring_fn(spec, row, config, c, context_axis, load_balance, with_seg):
+  """One device's ring attention: key and value blocks pass around the context axis, each
+  computed by ``row``'s per-block functions (XLA's without a row)."""
+  causal, interpret = config["causal"], config["interpret"]
+
+  def per_device(*local):
     seg = local[-1] if with_seg else None
     xs = local[:-1] if with_seg else local
     bl, tl = xs[0].shape[:2]
-    if op == "diff_v1":
-      q1, q2, k1, k2, v_, lam_H = xs
-      qs, ks, heads = (q1, q2), (k1, k2), q1.shape[2]
-      lam_BxTxH = jnp.broadcast_to(lam_H[None, None, :], (bl, tl, heads))
+    qs = tuple(xs[i] for i in spec.queries)
+    ks = tuple(xs[i] for i in spec.keys)
+    heads = spec.split_maps(qs)[0].shape[2]  # this shard's
+    if row is None:
+      blocks = ring_blocks.xla_blocks(spec, config["scale"])
     else:
-      qs, ks, v_ = (xs[0],), (xs[1],), xs[2]
-      heads = xs[0].shape[2] // (2 if op == "diff_v2" else 1)
-      lam_BxTxH = xs[3] if op == "diff_v2" else None
-    if kernel is None:
-      blocks = rb.xla_blocks(op, scale)
-    else:
-      blocks = rb.kernel_blocks(
-        kernel,
-        version=1 if op == "diff_v1" else 2,
-        d=d,
-        dv=v_.shape[3],
-        heads=heads,
-        kv_heads=v_.shape[2],
-        segmented=with_seg,
-        scale=scale,
-        block_sizes=block_sizes,
-        interpret=interpret,
-      )
+      local_dims = dict(heads=heads, kv_heads=xs[spec.value].shape[2])
+      blocks = ring_blocks.kernel_blocks(row, **{**config, **local_dims})
+    lam = None
+    if spec.lam is not None:
+      lam = spec.lam_per_token(xs[spec.lam], bl, tl, heads)
+      lam = lam.astype(accumulation_dtype(qs[0].dtype))
     ring = make_ring(
       blocks,
       axis=context_axis,
@@ -364,8 +374,6 @@ def context_parallel_attention(
       heads=heads,
       interpret=interpret,
     )
-    return ring(qs, ks, v_, None if lam_BxTxH is None else lam_BxTxH.astype(acc), seg)
+    return ring(qs, ks, xs[spec.value], lam, seg)
 
-  per_device = per_device_all_gather if strategy == "all_gather" else per_device_ring
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=False)
-  return fn(*arrays)
+  return per_device

@@ -1,13 +1,21 @@
-"""Which function runs for an op, an ``implementation=`` and a platform.
+"""Which function computes an op: per op and platform an ordered list of implementations;
+the first that accepts the inputs runs.
 
-The kernel packages know nothing of the ops: this module imports each of them (a
-package this installation cannot import is left out with a warning) and lists their
-functions in :data:`BUILTIN_KERNELS`, the one table of what runs where. Users add
-their own paths with :func:`register_implementation`.
+The kernel packages know nothing of the ops: this module imports each of them (a package
+this installation cannot import is left out with a warning) and lists their functions in
+:data:`BUILTIN_KERNELS`, one :class:`Implementation` row each, in order of preference
+per op and platform. A kernel that cannot take some inputs (a dtype, a width, a GPU
+generation) raises ``NotImplementedError(reason)`` from its own wrapper; ``"auto"`` then
+tries the next row and ends with the reference math through XLA, which takes everything.
+An implementation asked for by name that refuses says why in one line. Users add rows
+with :func:`register_implementation`.
 
-:func:`resolve` turns the ``implementation`` a caller asked for into the one that
-runs (the rules are in :mod:`diffjax.ops.attention`); :func:`call_kernel` runs a
-registered function, inside ``jax.shard_map`` when a mesh is active.
+Every row is called the same way: the op's arrays (:attr:`OpSpec.to_kernel` of them)
+positionally, then ``causal, q_segment_ids, kv_segment_ids, scale, block_sizes,
+interpret`` (decode ops: ``scale, block_sizes, interpret``). A row takes no explicit
+``mask`` and computes in float32, so calls with a mask or float64 inputs go to XLA.
+Under :func:`diffjax.sharding.activation_sharding` a row runs per device inside
+``jax.shard_map`` with the PartitionSpecs its op's logical axes give.
 """
 
 from __future__ import annotations
@@ -16,27 +24,39 @@ import contextlib
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from diffjax import sharding
-from diffjax.core import validation as _v
+from diffjax.core import op_specs, validation
+from diffjax.core.config import IMPLEMENTATIONS
+from diffjax.core.op_specs import OpSpec
+from diffjax.core.platform import current_platform, gpu_capability, target_platform
 
-IMPLEMENTATIONS = ("auto", "xla", "xla_cpu", "pallas", "pallas_tpu", "pallas_gpu", "stock")
-OPS = ("mha", "diff_v1", "diff_v2")
-# One query token per row against a KV cache with a valid length per row.
-DECODE_OPS = ("mha_decode", "diff_v1_decode", "diff_v2_decode")
+__all__ = [
+  "BUILTIN_KERNELS",
+  "IMPLEMENTATIONS",
+  "Implementation",
+  "choose",
+  "current_platform",
+  "demote",
+  "gpu_capability",
+  "markdown_table",
+  "register_implementation",
+  "register_op",
+  "rows",
+  "run",
+  "target_platform",
+]
 
 
 class _Unavailable:
   """Stands for a kernel module this installation cannot import: its functions are None."""
 
   def __init__(self, name: str, error: ImportError):
-    self.name = name
-    self.error = error
     # A missing optional dependency (the Pallas dialect of a backend, libtpu's splash
     # attention) is worth a warning; a stripped-down install without the package is not.
     if not str(error).startswith("No module named 'diffjax"):
@@ -52,8 +72,9 @@ except ImportError as e:  # pragma: no cover
   cpu_kernels = _Unavailable("diffjax.kernels.cpu", e)
 try:
   from diffjax.kernels import tpu as tpu_kernels
+  from diffjax.kernels.tpu import blocks as tpu_blocks
 except ImportError as e:  # pragma: no cover - depends on the installed jax
-  tpu_kernels = _Unavailable("diffjax.kernels.tpu", e)
+  tpu_kernels = tpu_blocks = _Unavailable("diffjax.kernels.tpu", e)
 try:
   from diffjax.kernels.gpu import stock as gpu_stock
 except ImportError as e:  # pragma: no cover
@@ -62,223 +83,164 @@ try:
   # Mosaic GPU may be missing from a jax; the stock GPU paths stay regardless.
   from diffjax.kernels.gpu import mosaic as gpu_mosaic
   from diffjax.kernels.gpu import mosaic_decode as gpu_mosaic_decode
-  from diffjax.kernels.gpu import mosaic_tiles as gpu_mosaic_tiles
+  from diffjax.kernels.gpu import mosaic_ring as gpu_mosaic_ring
 except ImportError as e:  # pragma: no cover
   gpu_mosaic = _Unavailable("diffjax.kernels.gpu.mosaic (Mosaic GPU)", e)
-  gpu_mosaic_decode = gpu_mosaic_tiles = gpu_mosaic
-
-# Every kernel that ships with diffjax. "auto" on a TPU takes the "pallas_tpu" row; on a
-# GPU the "pallas_gpu" row when the Mosaic GPU kernels take the inputs (a Hopper,
-# bf16/fp16, widths they tile: :func:`mosaic_gpu_takes`), else the "stock" row
-# (cuDNN flash attention calls; decoding: XLA); the baseline takes "stock" on both; on a
-# CPU "auto" takes the "xla_cpu" row (plain XLA laid out for CPU caches). This table
-# and the rules below are the only place a GPU backend is chosen.
-BUILTIN_KERNELS: tuple[tuple[str, str, str, Callable[..., Any] | None], ...] = (
-  # op        implementation  platform  function
-  ("mha", "xla_cpu", "cpu", cpu_kernels.mha_xla_cpu),
-  ("diff_v1", "xla_cpu", "cpu", cpu_kernels.diff_v1_xla_cpu),
-  ("diff_v2", "xla_cpu", "cpu", cpu_kernels.diff_v2_xla_cpu),
-  ("mha", "stock", "tpu", tpu_kernels.mha_stock_tpu),
-  ("diff_v1", "pallas_tpu", "tpu", tpu_kernels.diff_v1_pallas_tpu),
-  ("diff_v1", "stock", "tpu", tpu_kernels.diff_v1_stock_tpu),
-  ("diff_v2", "pallas_tpu", "tpu", tpu_kernels.diff_v2_pallas_tpu),
-  ("diff_v2", "stock", "tpu", tpu_kernels.diff_v2_stock_tpu),
-  ("mha", "stock", "gpu", gpu_stock.mha_stock_gpu),
-  ("diff_v1", "pallas_gpu", "gpu", gpu_mosaic.diff_v1_pallas_gpu),
-  ("diff_v1", "stock", "gpu", gpu_stock.diff_v1_stock_gpu),
-  ("diff_v2", "pallas_gpu", "gpu", gpu_mosaic.diff_v2_pallas_gpu),
-  ("diff_v2", "stock", "gpu", gpu_stock.diff_v2_stock_gpu),
-  ("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
-  ("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
-)
+  gpu_mosaic_decode = gpu_mosaic_ring = gpu_mosaic
 
 
 @dataclasses.dataclass(frozen=True)
-class _Impl:
+class Implementation:
+  """One row of the dispatch table.
+
+  Attributes:
+    op: the op's name (:attr:`OpSpec.name`).
+    name: the ``implementation=`` value that names it.
+    fn: the function (see the module docstring for how it is called).
+    platforms: where it runs.
+    interpretable: a Pallas kernel that runs anywhere with ``interpret=True``.
+    ring_blocks: its per-block functions for the context-parallel ring (the protocol of
+      :mod:`diffjax.ops.ring_blocks`), or None: the ring then runs XLA blocks.
+    ring_options: keyword arguments the ring blocks' ``block_config`` takes for this op.
+  """
+
+  op: str
+  name: str
   fn: Callable[..., Any]
   platforms: tuple[str, ...]
+  interpretable: bool = False
+  ring_blocks: Any = None
+  ring_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def qualified_name(self) -> str:
+    return f"{self.fn.__module__}.{self.fn.__name__}"
 
 
-# (op, implementation) -> the registered _Impls (one per platform set; "stock" has a
-# TPU and a GPU entry). "pallas_tpu"/"pallas_gpu" run on their own platform, or
-# anywhere in interpret mode.
-_REGISTRY: dict[tuple[str, str], list[_Impl]] = {}
+def _row(op, name, platform, fn, ring=None, **ring_options) -> Implementation | None:
+  if fn is None:
+    return None
+  return Implementation(op, name, fn, (platform,), name.startswith("pallas_"), ring, ring_options)
+
+
+# Every kernel that ships with diffjax, in order of preference per op and platform: "auto"
+# takes the first row of the platform that accepts the inputs, then XLA. On a CPU the
+# "xla_cpu" rows (plain XLA laid out for CPU caches); on a TPU the fused Pallas kernels,
+# the baseline's splash attention, and the stock DIFF paths for a kernel the preflight
+# switched off; on a GPU the Mosaic GPU kernels (a Hopper, bf16/fp16, widths they tile),
+# else the stock paths (cuDNN flash attention calls).
+_ALL_ROWS = (
+  _row("mha", "xla_cpu", "cpu", cpu_kernels.mha_xla_cpu),
+  _row("diff_v1", "xla_cpu", "cpu", cpu_kernels.diff_v1_xla_cpu),
+  _row("diff_v2", "xla_cpu", "cpu", cpu_kernels.diff_v2_xla_cpu),
+  _row("mha", "stock", "tpu", tpu_kernels.mha_stock_tpu),
+  _row("diff_v1", "pallas_tpu", "tpu", tpu_kernels.diff_v1_pallas_tpu, tpu_blocks, version=1),
+  _row("diff_v1", "stock", "tpu", tpu_kernels.diff_v1_stock_tpu),
+  _row("diff_v2", "pallas_tpu", "tpu", tpu_kernels.diff_v2_pallas_tpu, tpu_blocks, version=2),
+  _row("diff_v2", "stock", "tpu", tpu_kernels.diff_v2_stock_tpu),
+  _row("mha", "stock", "gpu", gpu_stock.mha_stock_gpu),
+  _row("diff_v1", "pallas_gpu", "gpu", gpu_mosaic.diff_v1_pallas_gpu, gpu_mosaic_ring, version=1),
+  _row("diff_v1", "stock", "gpu", gpu_stock.diff_v1_stock_gpu),
+  _row("diff_v2", "pallas_gpu", "gpu", gpu_mosaic.diff_v2_pallas_gpu, gpu_mosaic_ring, version=2),
+  _row("diff_v2", "stock", "gpu", gpu_stock.diff_v2_stock_gpu),
+  _row("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
+  _row("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
+)
+BUILTIN_KERNELS: tuple[Implementation, ...] = tuple(r for r in _ALL_ROWS if r is not None)
+
+# The ops the table serves, by name (an arm with an op of its own registers it).
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in op_specs.BUILTIN_OPS}
+# op -> its rows, in order of preference.
+_TABLE: dict[str, list[Implementation]] = {}
+# Names a row may have: what a caller can ask for by name.
+_NAMED = tuple(n for n in IMPLEMENTATIONS if n not in ("auto", "xla", "pallas"))
+
+
+def register_op(spec: OpSpec) -> None:
+  """Makes ``spec`` known to the table, so implementations can be registered for it."""
+  OPS[spec.name] = spec
 
 
 def register_implementation(
-  op: str, implementation: str, fn: Callable[..., Any], platforms: tuple[str, ...]
+  op: str,
+  implementation: str,
+  fn: Callable[..., Any],
+  platforms: tuple[str, ...],
+  *,
+  ring_blocks: Any = None,
+  ring_options: Mapping[str, Any] | None = None,
 ) -> None:
-  """Registers a fast path for ``op`` ("mha", "diff_v1" or "diff_v2").
+  """Registers ``fn`` as ``implementation`` of ``op`` on ``platforms``.
 
-  ``fn`` receives the op's array arguments positionally and the keywords
-  ``causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret``. It
-  replaces what was registered for the same op and implementation on any of
-  ``platforms``.
+  It replaces what was registered for the same op and implementation on any of
+  ``platforms`` (in its place in the order of preference); a new row comes after the
+  op's existing rows. ``fn`` is called as the module docstring says, and may raise
+  ``NotImplementedError(reason)`` for inputs it does not take.
   """
-  if op not in OPS + DECODE_OPS:
-    raise ValueError(f"Unknown op {op!r}; expected one of {OPS + DECODE_OPS}.")
-  if implementation not in ("xla_cpu", "pallas_tpu", "pallas_gpu", "stock"):
+  if op not in OPS:
+    raise ValueError(f"Unknown op {op!r}; expected one of {tuple(OPS)} (or register_op it).")
+  if implementation not in _NAMED:
     raise ValueError(
-      f"Cannot register implementation {implementation!r}; expected "
-      "'xla_cpu', 'pallas_tpu', 'pallas_gpu' or 'stock'."
+      f"Cannot register implementation {implementation!r}; expected one of {_NAMED}."
     )
-  entries = [
-    e for e in _REGISTRY.get((op, implementation), []) if not set(e.platforms) & set(platforms)
+  pallas = implementation.startswith("pallas_")
+  new = Implementation(
+    op, implementation, fn, tuple(platforms), pallas, ring_blocks, dict(ring_options or {})
+  )
+  rows_ = _TABLE.setdefault(op, [])
+  same = [
+    i
+    for i, r in enumerate(rows_)
+    if r.name == implementation and set(r.platforms) & set(platforms)
   ]
-  _REGISTRY[(op, implementation)] = entries + [_Impl(fn, tuple(platforms))]
-
-
-for _op, _implementation, _platform_name, _fn in BUILTIN_KERNELS:
-  if _fn is not None:
-    register_implementation(_op, _implementation, _fn, platforms=(_platform_name,))
-
-
-def triton_deprecated() -> bool:
-  """True: diffjax has no Triton kernels (the Pallas Triton backend is deprecated from
-  jax 0.11). Kept for callers that still ask; every GPU kernel is Mosaic GPU."""
-  return True
-
-
-def lookup(op: str, implementation: str, platform: str, interpret: bool) -> _Impl | None:
-  """The registered function for ``platform``, or (interpreted kernels) any platform's."""
-  entries = _REGISTRY.get((op, implementation), [])
-  for impl in entries:
-    if platform in impl.platforms:
-      return impl
-  if interpret and implementation != "stock" and entries:
-    return entries[0]
-  return None
-
-
-_TARGET = threading.local()
-HOPPER = (9, 0)
-
-
-@contextlib.contextmanager
-def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None) -> Iterator[None]:
-  """Resolves implementations for ``platform`` instead of the host backend.
-
-  Used when compiling ahead of time for TPU topologies or GPU targets on a CPU machine,
-  so that ``"auto"`` and ``"pallas"`` pick that platform's kernels. ``gpu_capability``:
-  the compute capability of the target GPU ((9, 0) for an H100/H200, (8, 0) for an
-  A100); None means the attached GPUs', or a Hopper when none is attached.
-  """
-  if platform not in ("cpu", "gpu", "tpu"):
-    raise ValueError(f"platform={platform!r} must be 'cpu', 'gpu' or 'tpu'.")
-  prev = getattr(_TARGET, "value", None)
-  _TARGET.value = (platform, gpu_capability)
-  try:
-    yield
-  finally:
-    _TARGET.value = prev
-
-
-def current_platform() -> str:
-  """The platform implementations resolve for: a :func:`target_platform`, or the backend."""
-  target = getattr(_TARGET, "value", None)
-  return target[0] if target else jax.default_backend()
-
-
-def gpu_capability() -> tuple[int, int]:
-  """The compute capability the GPU code is for: a :func:`target_platform`'s, else the
-  attached GPUs' lowest, else a Hopper's (lowering ahead of time with no GPU attached)."""
-  target = getattr(_TARGET, "value", None)
-  if target and target[1] is not None:
-    return tuple(target[1])
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    return HOPPER
-  found = []
-  for dev in devices:
-    major, _, minor = str(getattr(dev, "compute_capability", "9.0")).partition(".")
-    found.append((int(major), int(minor or 0)))
-  return min(found) if found else HOPPER
-
-
-def _common_dtype(arrays):
-  dtypes = {jnp.dtype(x.dtype) for x in arrays}
-  return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def mosaic_gpu_refusal(op: str, arrays, *, segments: bool) -> str | None:
-  """Why the Mosaic GPU kernels do not take these arrays of ``op`` (None: they do).
-
-  They take bf16 or fp16 arrays of one dtype, head and value dims that are multiples of
-  16 whose tiles fit an H100's shared memory, on a Hopper (sm_90).
-  """
-  if getattr(gpu_mosaic_tiles, "fits", None) is None:
-    return f"this jax ({jax.__version__}) has no Mosaic GPU"
-  decode = op.endswith("_decode")
-  if decode:
-    q, k, v = arrays[0], arrays[2], arrays[4]
-    dtype = _common_dtype(arrays[:5])
+  if same:
+    rows_[same[0]] = new
+    for i in reversed(same[1:]):
+      del rows_[i]
   else:
-    q, v = arrays[0], arrays[4 if op == "diff_v1" else 2]
-    dtype = _common_dtype(arrays[: 5 if op == "diff_v1" else 3])
-  if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return (
-      "the inputs are not all bfloat16 or all float16 (got "
-      f"{sorted({jnp.dtype(x.dtype).name for x in arrays[: 5 if op != 'diff_v2' else 3]})})"
-    )
-  d, dv = q.shape[-1], v.shape[-1]
-  if decode:
-    group = q.shape[2] // max(k.shape[2], 1)
-    if d % 16 or dv % 16 or group > gpu_mosaic_decode.ROWS:
-      return (
-        f"head dims ({d}, {dv}) must be multiples of 16 and at most "
-        f"{gpu_mosaic_decode.ROWS} query heads may share a kv group (got {group})"
-      )
-  elif not gpu_mosaic_tiles.fits(op[-2:], dtype, d, dv, segments):
-    return (
-      f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
-      "tiles fit one CTA's shared memory"
-    )
-  capability = gpu_capability()
-  if capability != HOPPER:
-    return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
-  return None
+    rows_.append(new)
 
 
-def mosaic_gpu_takes(
-  op: str, arrays, *, segments: bool, block_sizes=None, interpret: bool = False
-) -> bool:
-  """Whether ``pallas_gpu`` runs on these arrays of ``op`` ("diff_v1"/"diff_v2"); False
-  off a GPU platform (where "auto" does not ask), True in interpret mode for inputs the
-  kernels take wherever they would run."""
-  del block_sizes
-  if op not in ("diff_v1", "diff_v2") or (current_platform() != "gpu" and not interpret):
-    return False
-  return mosaic_gpu_refusal(op, arrays, segments=segments) is None
+for _r in BUILTIN_KERNELS:
+  _TABLE.setdefault(_r.op, []).append(_r)
 
 
-def mosaic_gpu_decodes(arrays, block_sizes=None, interpret: bool = False) -> bool:
-  """Whether ``pallas_gpu`` decodes DIFF V1 (q1, q2, k1, k2, v, ...) on these arrays
-  (False off a GPU platform)."""
-  del block_sizes
-  if current_platform() != "gpu" and not interpret:
-    return False
-  return mosaic_gpu_refusal("diff_v1_decode", arrays, segments=False) is None
+def rows(op: str) -> list[Implementation]:
+  """The rows of ``op``, in order of preference (a copy)."""
+  return list(_TABLE.get(op, ()))
 
 
-# (op, platform) -> why its fused kernel is off for this process (see demote).
-_DEMOTED: dict[tuple[str, str], str] = {}
+def markdown_table() -> str:
+  """The built-in rows as the markdown table of docs/architecture.md."""
+  lines = ["| op | implementation | platform | function |", "|---|---|---|---|"]
+  for r in BUILTIN_KERNELS:
+    lines.append(f"| `{r.op}` | `{r.name}` | {r.platforms[0]} | `{r.qualified_name}` |")
+  return "\n".join(lines)
 
 
-def demote(op: str, reason: str, platform: str | None = None) -> str:
-  """Turns ``op``'s fused kernel off on ``platform`` (default: the current one) for the
-  rest of the process: "auto", "pallas" and the named fused implementation then resolve
-  to the stock path, or to XLA where the platform has none. Returns that fallback.
+# ------------------------------------------------------------------------------------------
+# Rows switched off for this process (the preflight), and the record of what ran.
+
+# (op, platform, implementation) -> why it was switched off.
+_DEMOTED: dict[tuple[str, str, str], str] = {}
+_RECORD = threading.local()
+
+
+def demote(op: str, implementation: str, reason: str, platform: str | None = None) -> str:
+  """Switches ``implementation`` of ``op`` off on ``platform`` (default: the current one)
+  for the rest of the process: it refuses every input, so ``"auto"`` (and a call naming
+  it) takes the next row. Returns the name of that row ("xla" when none is left).
 
   :mod:`diffjax.ops.preflight` calls it for a kernel that failed on the real device.
   """
   platform = platform or current_platform()
-  _DEMOTED[(op, platform)] = reason
-  return _fallback(op, platform)
+  _DEMOTED[(op, platform, implementation)] = reason
+  left = [r.name for r in _platform_rows(op, platform) if not _demoted(r, platform)]
+  return left[0] if left else "xla"
 
 
-def demoted() -> dict[tuple[str, str], str]:
-  """The (op, platform) pairs turned off by :func:`demote`, with their reasons."""
+def demoted() -> dict[tuple[str, str, str], str]:
+  """The (op, platform, implementation) rows switched off by :func:`demote`, with why."""
   return dict(_DEMOTED)
 
 
@@ -286,185 +248,194 @@ def clear_demotions() -> None:
   _DEMOTED.clear()
 
 
-def _fallback(op: str, platform: str) -> str:
-  return "stock" if lookup(op, "stock", platform, False) is not None else "xla"
+def _demoted(row: Implementation, platform: str) -> str | None:
+  return _DEMOTED.get((row.op, platform, row.name))
 
 
-def resolve(
-  op: str,
-  implementation: str,
-  *,
-  has_mask: bool,
-  interpret: bool,
-  float64: bool = False,
-  mosaic: bool = False,
-) -> str:
-  """The implementation that runs: "xla", "xla_cpu", "pallas_tpu", "pallas_gpu" or
-  "stock".
+@contextlib.contextmanager
+def recording() -> Iterator[list[str]]:
+  """Collects the name of every implementation that runs (is traced) in the block."""
+  prev = getattr(_RECORD, "names", None)
+  _RECORD.names = names = []
+  try:
+    yield names
+  finally:
+    _RECORD.names = prev
 
-  ``float64``: the inputs are float64, which only the XLA path computes in float64
-  (the kernels accumulate in float32), so "auto" takes it and a named kernel refuses.
-  ``mosaic``: the Mosaic GPU kernels take these inputs (:func:`mosaic_gpu_takes`,
-  :func:`mosaic_gpu_decodes`); on a GPU "auto" then takes ``pallas_gpu``, and
-  otherwise the stock path (XLA for decoding).
-  Raises ValueError, naming what can run instead, when the choice cannot run here.
-  """
+
+def _record(name: str) -> None:
+  names = getattr(_RECORD, "names", None)
+  if names is not None:
+    names.append(name)
+
+
+# ------------------------------------------------------------------------------------------
+# Choosing and running.
+
+XLA = "xla"
+
+
+def _platform_rows(op: str, platform: str) -> list[Implementation]:
+  return [r for r in _TABLE.get(op, ()) if platform in r.platforms]
+
+
+def candidates(op: str, implementation: str, interpret: bool) -> list[Implementation | str]:
+  """What ``implementation`` may run for ``op`` here, in the order tried (``"xla"``: the
+  reference math). Raises ValueError when the choice names nothing that can run here."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}.")
-  if implementation == "xla":
-    return "xla"
   platform = current_platform()
-  if (
-    (op, platform) in _DEMOTED
-    and not interpret
-    and implementation in ("auto", "pallas", f"pallas_{platform}", "xla_cpu")
-  ):
-    return "xla" if (has_mask or float64) else _fallback(op, platform)
+  if implementation == XLA:
+    return [XLA]
   if implementation == "auto":
-    if has_mask or float64:
-      return "xla"
-    if platform == "cpu":
-      return "xla_cpu" if lookup(op, "xla_cpu", platform, False) is not None else "xla"
-    if platform not in ("tpu", "gpu"):
-      return "xla"
-    if lookup(op, f"pallas_{platform}", platform, False) is not None and (
-      platform == "tpu" or mosaic
-    ):
-      return f"pallas_{platform}"
-    # The baseline has no kernel of ours: its stock path is the standard flash kernel.
-    # On a GPU, inputs the Mosaic GPU kernels do not take (float32, widths they do not
-    # tile, a GPU other than a Hopper) run the DIFF ops' stock paths (cuDNN flash
-    # attention calls), and decoding runs XLA.
-    if (op == "mha" or platform == "gpu") and lookup(op, "stock", platform, False) is not None:
-      return "stock"
-    return "xla"
+    return [*_platform_rows(op, platform), XLA]
   if implementation == "pallas":
     if platform not in ("tpu", "gpu"):
       raise ValueError(
-        f"implementation='pallas' picks the kernel of the current backend, but the backend "
+        "implementation='pallas' picks the kernel of the current backend, but the backend "
         f"is {platform!r}. Use implementation='pallas_tpu' or 'pallas_gpu' with "
         "interpret=True to run a kernel in the interpreter here, or 'xla'."
       )
     implementation = f"pallas_{platform}"
-  if (op, implementation) not in _REGISTRY:
+  named = [r for r in _TABLE.get(op, ()) if r.name == implementation]
+  if not named:
     raise ValueError(f"No {implementation!r} implementation of {op!r} is available.")
-  if has_mask:
+  here = [r for r in named if platform in r.platforms]
+  if not here and interpret and named[0].interpretable:
+    here = named[:1]
+  if not here:
+    where = sorted({p for r in named for p in r.platforms})
     raise ValueError(
-      f"implementation={implementation!r} supports causal and segment-id masks "
-      "only; pass mask=None or use implementation='xla'."
-    )
-  if float64:
-    raise ValueError(
-      f"implementation={implementation!r} computes in float32; float64 inputs "
-      "need implementation='xla' (or 'auto', which picks it)."
-    )
-  if lookup(op, implementation, platform, interpret) is None:
-    where = sorted({p for e in _REGISTRY[(op, implementation)] for p in e.platforms})
-    raise ValueError(
-      f"implementation={implementation!r} for {op!r} runs on {where}, but the "
-      f"current backend is {platform!r}. Use 'xla'"
+      f"implementation={implementation!r} for {op!r} runs on {where}, but the current "
+      f"backend is {platform!r}. Use 'xla'"
       + (
         ", or interpret=True to run the kernel in the Pallas interpreter."
-        if implementation != "stock"
+        if named[0].interpretable
         else "."
       )
     )
-  if (
-    implementation == "pallas_gpu"
-    and platform == "gpu"
-    and not interpret
-    and gpu_capability() != HOPPER
-  ):
-    major, minor = gpu_capability()
-    raise ValueError(
-      f"implementation='pallas_gpu' runs Mosaic GPU kernels for Hopper "
-      f"(sm_90); this GPU is sm_{major}{minor}. Use implementation='auto' "
-      "or 'stock' (cuDNN flash attention calls)."
-    )
-  return implementation
+  if all(_demoted(r, platform) for r in here):
+    # The preflight switched the kernel off: the call takes what "auto" takes instead.
+    return [*_platform_rows(op, platform), XLA]
+  return here
 
 
-def call_kernel(
-  op: str,
+def refusal(row: Implementation, query, mask) -> str | None:
+  """Why ``row`` cannot take this call before it is asked (the calling convention)."""
+  demoted_ = _demoted(row, current_platform())
+  if demoted_ is not None:
+    return f"switched off on this device by the preflight ({demoted_})"
+  if mask is not None:
+    return "it takes causal and segment-id masks only, not an explicit mask"
+  if jnp.result_type(query) == jnp.float64:
+    return "it computes in float32; float64 inputs run on the XLA path"
+  return None
+
+
+def run(
+  spec: OpSpec,
   implementation: str,
-  arrays: tuple[jax.Array, ...],
+  arrays: tuple,
   *,
-  causal: bool,
-  segment_ids,
-  scale: float | None,
-  block_sizes,
-  interpret: bool,
+  causal: bool = True,
+  segment_ids=None,
+  mask=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
 ) -> jax.Array:
-  """Runs the registered ``implementation`` of ``op`` on ``arrays`` (resolved already).
+  """Computes ``spec`` on ``arrays`` (checked already) with the first of the candidates of
+  ``implementation`` that accepts them."""
+  call = (causal, segment_ids, scale, block_sizes, interpret)
+  tried = []
+  for row in candidates(spec.name, implementation, interpret):
+    if row == XLA:
+      _record(XLA)
+      if spec.decode:
+        return spec.reference(*arrays, scale=scale)
+      return spec.reference(
+        *arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale
+      )
+    reason = refusal(row, spec.query(arrays), mask)
+    if reason is None:
+      try:
+        out = _call(row, spec, arrays, *call)
+      except NotImplementedError as e:
+        reason = str(e) or type(e).__name__
+      else:
+        _record(row.name)
+        return out
+    tried.append(f"{row.name} refuses: {reason}")
+  raise _refused(spec, implementation, tried)
 
-  Under :func:`diffjax.sharding.activation_sharding` the kernel runs per device
-  inside ``jax.shard_map``: each device gets its batch rows and whole heads with their
-  kv groups (:mod:`diffjax.sharding.kernel_specs`).
-  """
-  impl = lookup(op, implementation, current_platform(), interpret)
-  b, t = jnp.shape(arrays[0])[:2]
-  s = jnp.shape(arrays[2 if op == "diff_v1" else 1])[1]
-  q_seg, kv_seg = _v.split_segment_ids(segment_ids, b, t, s)
-  d = jnp.shape(arrays[0])[-1]
-  kwargs = dict(
-    causal=causal, scale=_v.default_scale(scale, d), block_sizes=block_sizes, interpret=interpret
+
+def choose(
+  spec: OpSpec, implementation: str, arrays: tuple, *, mask=None, segment_ids=None, **kwargs
+) -> str:
+  """The name of what :func:`run` runs for these arrays (``"xla"`` for the reference math),
+  found by tracing the candidates abstractly. A candidate that accepts the inputs but then
+  fails to trace is the one chosen (its failure is the caller's to report)."""
+  causal, scale = kwargs.get("causal", True), kwargs.get("scale")
+  interpret = kwargs.get("interpret", False)
+  call = (causal, segment_ids, scale, kwargs.get("block_sizes"), interpret)
+  tried = []
+  for row in candidates(spec.name, implementation, interpret):
+    if row == XLA:
+      return XLA
+    reason = refusal(row, spec.query(arrays), mask)
+    if reason is None:
+      try:
+        jax.eval_shape(lambda *a, row=row: _call(row, spec, a, *call), *arrays)
+        return row.name
+      except NotImplementedError as e:
+        reason = str(e) or type(e).__name__
+      except Exception:  # noqa: BLE001  (it took the inputs; running it is what fails)
+        return row.name
+    tried.append(f"{row.name} refuses: {reason}")
+  raise _refused(spec, implementation, tried)
+
+
+def _refused(spec: OpSpec, implementation: str, tried: list[str]) -> ValueError:
+  return ValueError(
+    f"implementation={implementation!r} cannot compute {spec.name!r} on these inputs ("
+    + "; ".join(tried)
+    + "). Use implementation='auto' (it takes what can run) or 'xla'."
   )
-  active = sharding.current()
-  if active is None:
-    return impl.fn(*arrays, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
-  mesh, rules = active
-  batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
-  head_axis = sharding.logical_to_spec(("heads",), rules)[0]
-  has_seg = q_seg is not None
-  in_specs, out_spec = sharding.partition_specs(op, batch_axis, head_axis, segment_ids=has_seg)
-
-  def per_device(*args):
-    if has_seg:
-      *xs, qs, ks = args
-    else:
-      xs, qs, ks = args, None, None
-    return impl.fn(*xs, q_segment_ids=qs, kv_segment_ids=ks, **kwargs)
-
-  args = tuple(arrays) + ((q_seg, kv_seg) if has_seg else ())
-  return jax.shard_map(
-    per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
-  )(*args)
 
 
-def call_decode_kernel(
-  op: str,
-  implementation: str,
-  arrays: tuple[jax.Array, ...],
-  *,
-  scale: float | None,
-  block_sizes,
-  interpret: bool,
-) -> jax.Array:
-  """Runs the registered ``implementation`` of a decode op (resolved already).
-
-  ``arrays`` are the op's arrays with the int [B] cache lengths last. Under
-  :func:`diffjax.sharding.activation_sharding` the kernel runs per device inside
-  ``jax.shard_map``: batch rows over the batch axes, whole kv groups over ``tensor``.
-  """
-  impl = lookup(op, implementation, current_platform(), interpret)
+def _call(row, spec, arrays, causal, segment_ids, scale, block_sizes, interpret):
+  """``row.fn`` on the op's arrays, per device under ``shard_map`` when a mesh is active."""
+  arrays = spec.to_kernel(tuple(arrays))
+  q, k = arrays[spec.queries[0]], arrays[spec.keys[0]]
   kwargs = dict(
-    scale=_v.default_scale(scale, jnp.shape(arrays[0])[-1]),
+    scale=validation.default_scale(scale, jnp.shape(q)[-1]),
     block_sizes=block_sizes,
     interpret=interpret,
   )
+  segs = ()
+  if not spec.decode:
+    b, t = jnp.shape(q)[:2]
+    segs = validation.split_segment_ids(segment_ids, b, t, jnp.shape(k)[1])
+    kwargs["causal"] = causal
+    if segs[0] is None:
+      segs = ()
+
+  def per_device(*args):
+    n = len(args) - len(segs)
+    seg_kw = dict(zip(("q_segment_ids", "kv_segment_ids"), args[n:]))
+    if not spec.decode:
+      seg_kw = {"q_segment_ids": None, "kv_segment_ids": None, **seg_kw}
+    return row.fn(*args[:n], **seg_kw, **kwargs)
+
   active = sharding.current()
   if active is None:
-    return impl.fn(*arrays, **kwargs)
-  if op != "diff_v1_decode":
-    raise ValueError(f"No PartitionSpecs for {op!r} under a mesh; use implementation='xla'.")
+    return per_device(*arrays, *segs)
   mesh, rules = active
   batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
   head_axis = sharding.logical_to_spec(("heads",), rules)[0]
-  in_specs, out_spec = sharding.decode_partition_specs(batch_axis, head_axis)
+  in_specs, out_spec = sharding.kernel_partition_specs(
+    spec.axes, batch_axis, head_axis, segment_ids=bool(segs)
+  )
   return jax.shard_map(
-    lambda *a: impl.fn(*a, **kwargs),
-    mesh=mesh,
-    in_specs=in_specs,
-    out_specs=out_spec,
-    check_vma=False,
-  )(*arrays)
+    per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
+  )(*arrays, *segs)

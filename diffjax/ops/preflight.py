@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.ops import attention as attn
-from diffjax.ops import dispatch
+from diffjax.core.op_specs import OpSpec
+from diffjax.ops import attention, dispatch
 
 # Platforms whose fused kernels are checked, and the implementations that count as fused.
 PLATFORMS = ("gpu", "tpu")
@@ -77,75 +77,33 @@ def _rel(x, y) -> float:
   return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
 
 
-def _inputs(op: str, dtype, d: int, group: int):
-  """(arrays, call(implementation) -> value or (value, grads)) for a small case of op."""
-  keys = jax.random.split(jax.random.key(0), 8)
-  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
-  b, t, kh = 1, _SEQ, 1
-  h = group
-  if op == "mha":
-    arrays = (n(0, (b, t, h, d)), n(1, (b, t, kh, d)), n(2, (b, t, kh, d)))
-    fn = lambda impl, *a: attn.dot_product_attention(*a, implementation=impl)
-  elif op == "diff_v1":
-    arrays = (
-      n(0, (b, t, h, d)),
-      n(1, (b, t, h, d)),
-      n(2, (b, t, kh, d)),
-      n(3, (b, t, kh, d)),
-      n(4, (b, t, kh, 2 * d)),
-      jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
-    )
-    fn = lambda impl, *a: attn.diff_v1_attention_core(*a, implementation=impl)
-  elif op == "diff_v2":
-    arrays = (
-      n(0, (b, t, 2 * h, d)),
-      n(1, (b, t, kh, d)),
-      n(2, (b, t, kh, d)),
-      jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
-    )
-    fn = lambda impl, *a: attn.diff_v2_attention(*a, implementation=impl)
-  elif op == "diff_v1_decode":
-    s = _SEQ
-    arrays = (
-      n(0, (b, 1, h, d)),
-      n(1, (b, 1, h, d)),
-      n(2, (b, s, kh, d)),
-      n(3, (b, s, kh, d)),
-      n(4, (b, s, kh, 2 * d)),
-      jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
-      jnp.array([s - 7], jnp.int32),
-    )
-    fn = lambda impl, *a: attn.diff_v1_attention_decode(*a, implementation=impl)
-    return arrays, fn, False
-  else:
-    raise ValueError(f"No preflight for op {op!r}.")
-  return arrays, fn, True
-
-
-def _run(fn, impl: str, arrays, differentiable: bool):
+def _run(spec: OpSpec, impl: str, arrays):
   """The value and (training ops) the gradients of every float input, under one jit."""
-  if not differentiable:
-    return (jax.jit(lambda *a: fn(impl, *a))(*arrays),)
+
+  def call(*a):
+    if spec.decode:
+      return attention.run_decode_op(spec, a, implementation=impl)
+    return attention.run_op(spec, a, implementation=impl)
+
+  if spec.decode:
+    return (jax.jit(call)(*arrays),)
 
   def loss_and_grads(*a):
-    out, vjp = jax.vjp(lambda *x: fn(impl, *x), *a)
+    out, vjp = jax.vjp(call, *a)
     return (out, *vjp(jnp.ones_like(out)))
 
   return jax.jit(loss_and_grads)(*arrays)
 
 
 def check_op(
-  op: str, *, dtype, head_dim: int, group: int = 1, implementation: str = "auto"
+  op: OpSpec | str, *, dtype, head_dim: int, group: int = 1, implementation: str = "auto"
 ) -> Check | None:
   """Runs the fused kernel ``op`` resolves to against XLA; None when none is chosen."""
+  spec = op if isinstance(op, OpSpec) else dispatch.OPS[op]
   dtype = jnp.dtype(dtype)
-  arrays, fn, differentiable = _inputs(op, dtype, head_dim, group)
-  if op == "diff_v1_decode":
-    mosaic = dispatch.mosaic_gpu_decodes(arrays)
-  else:
-    mosaic = dispatch.mosaic_gpu_takes(op, arrays, segments=False)
+  arrays = spec.example(dtype, head_dim, group, _SEQ)
   try:
-    impl = dispatch.resolve(op, implementation, has_mask=False, interpret=False, mosaic=mosaic)
+    impl = dispatch.choose(spec, implementation, arrays)
   except ValueError:
     return None  # the run itself reports a choice that cannot run here
   if impl not in FUSED:
@@ -155,8 +113,8 @@ def check_op(
   t0 = time.perf_counter()
   reason, err = None, None
   try:
-    got = _run(fn, impl, arrays, differentiable)
-    want = _run(fn, "xla", arrays, differentiable)
+    got = _run(spec, impl, arrays)
+    want = _run(spec, "xla", arrays)
     errs = [_rel(g, w) for g, w in zip(got, want)]
     err = max(errs)
     tol = TOLERANCE.get(dtype, 1e-3)
@@ -164,59 +122,61 @@ def check_op(
       worst = int(np.argmax(errs))
       name = "the output" if worst == 0 else f"gradient {worst} of {len(errs) - 1}"
       reason = (
-        f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} tolerance is {tol:g})"
+        f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} "
+        f"tolerance is {tol:g})"
       )
-  except Exception as e:  # pylint: disable=broad-except  (any failure demotes the kernel)
+  except Exception as e:  # noqa: BLE001  (any failure switches the kernel off)
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     reason = f"{type(e).__name__}: {first[:200]}"
   seconds = time.perf_counter() - t0
   if reason is None:
-    return Check(op, impl, where, True, seconds, error=err)
-  fallback = dispatch.demote(op, reason)
-  return Check(op, impl, where, False, seconds, reason=reason, fallback=fallback, error=err)
+    return Check(spec.name, impl, where, True, seconds, error=err)
+  fallback = dispatch.demote(spec.name, impl, reason)
+  return Check(
+    spec.name, impl, where, False, seconds, reason=reason, fallback=fallback, error=err
+  )
 
 
 def preflight_model(
   model_cfg,
+  ops: Sequence[OpSpec],
   *,
-  decode: bool = False,
   enabled: bool = True,
   log: Callable[[str], None] | None = print,
   platforms: tuple[str, ...] | None = None,
 ) -> list[Check]:
-  """Preflights the fused kernels of ``model_cfg``'s attention (and decoding).
+  """Preflights the fused kernels that ``ops`` (the ops of ``model_cfg``'s arm, see
+  :func:`diffjax.arms.preflight`) resolve to at the model's dtype and widths.
 
-  ``model_cfg``: a :class:`diffjax.model.ModelConfig` (its ``attention``, ``dtype``,
-  ``head_dim``, head counts and ``implementation`` decide what runs). Nothing runs when
+  ``model_cfg``: a :class:`diffjax.model.ModelConfig` (its ``dtype``, ``head_dim``, head
+  counts, ``implementation`` and ``interpret`` decide what runs). Nothing runs when
   ``enabled`` is False, on a platform outside ``platforms`` (default :data:`PLATFORMS`),
-  or in interpret mode.
-  Prints one line per failing kernel through ``log``. A process checks each (op,
-  dtype, widths) once; later calls return the first result.
+  or in interpret mode. Prints one line per failing kernel through ``log``. A process
+  checks each (op, dtype, widths) once; later calls return the first result.
   """
   if not enabled or getattr(model_cfg, "interpret", False):
     return []
   if dispatch.current_platform() not in (PLATFORMS if platforms is None else platforms):
     return []
-  op = {"transformer": "mha", "diff_v1": "diff_v1", "diff_v2": "diff_v2"}[model_cfg.attention]
-  group = max(1, model_cfg.num_heads // max(model_cfg.num_kv_heads, 1))
-  ops = [op] + (["diff_v1_decode"] if decode and op == "diff_v1" else [])
+  group = min(max(1, model_cfg.num_heads // max(model_cfg.num_kv_heads, 1)), 4)
+  dtype = jnp.dtype(model_cfg.compute_dtype)
   checks = []
-  for name in ops:
+  for spec in ops:
     key = (
       dispatch.current_platform(),
-      name,
-      jnp.dtype(model_cfg.compute_dtype).name,
+      spec.name,
+      dtype.name,
       model_cfg.head_dim,
-      min(group, 4),
+      group,
       model_cfg.implementation,
     )
     fresh = key not in _DONE
     if fresh:
       _DONE[key] = check_op(
-        name,
-        dtype=model_cfg.compute_dtype,
+        spec,
+        dtype=dtype,
         head_dim=model_cfg.head_dim,
-        group=min(group, 4),
+        group=group,
         implementation=model_cfg.implementation,
       )
     result = _DONE[key]

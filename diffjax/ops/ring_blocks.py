@@ -6,13 +6,12 @@ Two kinds of :class:`~diffjax.ops.ring.BlockFunctions`:
     [T, S] tile per head (T queries, S keys of the block), so choose the context axis so
     that tile fits.
   * :func:`kernel_blocks`: a fused kernel's per-block forward and backward with
-    log-sum-exps. A kernel offers them through the function the dispatch table
-    (:mod:`diffjax.ops.dispatch`) registers for ``(op, "pallas_<platform>")``: that
-    function's ``ring_blocks`` attribute is a namespace with ``block_config``,
-    ``block_forward`` and ``block_backward`` (the protocol of
-    :mod:`diffjax.kernels.tpu.blocks`) and optionally ``HEAD_MAJOR`` and
-    ``INTERPRETER_BARRIER`` (both False when absent). :func:`registered_ring_blocks`
-    finds it; a kernel without it runs the XLA blocks in the ring.
+    log-sum-exps. A row of the dispatch table (:class:`diffjax.ops.dispatch.Implementation`)
+    offers them as its ``ring_blocks``: a namespace with ``block_config`` (which may refuse
+    a block with ``NotImplementedError``), ``block_forward`` and ``block_backward`` (the
+    protocol of :mod:`diffjax.kernels.tpu.blocks`) and optionally ``HEAD_MAJOR`` and
+    ``INTERPRETER_BARRIER`` (both False when absent); the row's ``ring_options`` go to
+    ``block_config``. A row without them runs the XLA blocks in the ring.
 """
 
 from __future__ import annotations
@@ -25,15 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.ops import dispatch
+from diffjax.core.op_specs import OpSpec
 from diffjax.ops.ring import BlockFunctions
 
-__all__ = ["kernel_blocks", "registered_ring_blocks", "xla_blocks"]
+__all__ = ["kernel_blocks", "xla_blocks"]
 
 _NEG_INF = float(np.finfo(np.float32).min) * 0.5
-# Which key array each softmax map reads: the baseline has one map; DIFF V1 two maps with
-# their own keys; DIFF V2 two maps on the same keys.
-_KEY_OF_MAP = {"mha": (0,), "diff_v1": (0, 1), "diff_v2": (0, 0)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -42,20 +38,11 @@ _KEY_OF_MAP = {"mha": (0,), "diff_v1": (0, 1), "diff_v2": (0, 0)}
 
 @dataclasses.dataclass(frozen=True)
 class _XlaPlan:
-  op: str
+  spec: OpSpec
   t: int
   s: int
   causal: bool
   scale: float
-
-
-def _query_maps(plan: _XlaPlan, qs) -> list[jax.Array]:
-  """Each map's queries [B, T, H, D]: DIFF V2 holds pair i's two maps in heads 2i, 2i + 1."""
-  if plan.op != "diff_v2":
-    return list(qs)
-  b, t, qh, d = qs[0].shape
-  q_BxTxHx2xD = qs[0].reshape(b, t, qh // 2, 2, d)
-  return [q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]]
 
 
 def _mask(plan: _XlaPlan, q_seg_BxT, kv_seg_BxS):
@@ -94,7 +81,7 @@ def _xla_forward(plan: _XlaPlan, qs, ks, v, lam, q_seg, kv_seg):
   kh = v.shape[2]
   mask = _mask(plan, q_seg, kv_seg)
   outs, lses = [], []
-  for q, kidx in zip(_query_maps(plan, qs), _KEY_OF_MAP[plan.op]):
+  for q, kidx in zip(plan.spec.split_maps(qs), plan.spec.map_keys):
     b, t, h, _ = q.shape
     s = _scores(_groups(q, kh), ks[kidx], plan.scale, acc)
     if mask is not None:
@@ -119,7 +106,7 @@ def _xla_backward(
   kh = v.shape[2]
   mask = _mask(plan, q_seg, kv_seg)
   scale = jnp.asarray(plan.scale, acc)
-  qs_maps = _query_maps(plan, qs)
+  qs_maps = plan.spec.split_maps(qs)
   b, t, h, _ = qs_maps[0].shape
   per_group = lambda x_BxHxT: x_BxHxT.reshape(b, kh, h // kh, t)[..., None]
   do_g = _groups(d_out.astype(v.dtype), kh)
@@ -128,7 +115,7 @@ def _xla_backward(
   dp = jnp.einsum("btkgd,bskd->bkgts", do_g, v, preferred_element_type=acc)
   dks = [jnp.zeros(k.shape, acc) for k in ks]
   dqs, p_combined = [], None
-  for mi, (q, kidx) in enumerate(zip(qs_maps, _KEY_OF_MAP[plan.op])):
+  for mi, (q, kidx) in enumerate(zip(qs_maps, plan.spec.map_keys)):
     q_g, k = _groups(q, kh), ks[kidx]
     p = jnp.exp(_scores(q_g, k, plan.scale, acc) - per_group(lse_BxHxMxT[:, :, mi]))
     if mask is not None:
@@ -143,18 +130,16 @@ def _xla_backward(
     p_combined = p if p_combined is None else p_combined + p
   # dV = (P_1 - lam P_2)^T dO: one matmul on the combined probabilities.
   dv = jnp.einsum("bkgts,btkgd->bskd", p_combined.astype(v.dtype), do_g, preferred_element_type=acc)
-  if plan.op == "diff_v2":
-    dqs = [jnp.stack(dqs, axis=3).reshape(qs[0].shape)]
-  return tuple(dqs), tuple(dks), dv
+  return tuple(plan.spec.join_maps(dqs)), tuple(dks), dv
 
 
-def xla_blocks(op: str, scale: float) -> BlockFunctions:
-  """The XLA blocks of ``op`` ("mha", "diff_v1" or "diff_v2"), token-major."""
+def xla_blocks(spec: OpSpec, scale: float) -> BlockFunctions:
+  """The XLA blocks of the op ``spec``, token-major."""
   return BlockFunctions(
-    config=lambda t, s, causal: _XlaPlan(op, t, s, bool(causal), float(scale)),
+    config=lambda t, s, causal: _XlaPlan(spec, t, s, bool(causal), float(scale)),
     forward=_xla_forward,
     backward=_xla_backward,
-    maps=len(_KEY_OF_MAP[op]),
+    maps=spec.maps,
   )
 
 
@@ -162,48 +147,21 @@ def xla_blocks(op: str, scale: float) -> BlockFunctions:
 # Kernel blocks.
 
 
-def registered_ring_blocks(op: str, implementation: str) -> Any | None:
-  """The ``ring_blocks`` of the kernel the dispatch table registers for ``op`` and
-  ``implementation`` ("pallas_tpu" or "pallas_gpu") on its platform; None when no kernel
-  is registered or it has no per-block functions."""
-  impl = dispatch.lookup(op, implementation, implementation.removeprefix("pallas_"), False)
-  return None if impl is None else getattr(impl.fn, "ring_blocks", None)
+def kernel_blocks(row: Any, **config: Any) -> BlockFunctions:
+  """The per-block functions of the dispatch row ``row`` (see the module docstring).
 
+  ``config``: the keyword arguments of the rows' ``block_config`` that stay fixed over the
+  ring (``d, dv, heads, kv_heads, segmented, scale, block_sizes, interpret, dtype``); the
+  block's ``t``, ``s`` and ``causal`` vary per call and are dropped from it.
+  """
+  ring_blocks = row.ring_blocks
+  fixed = {k: v for k, v in config.items() if k not in ("t", "s", "causal")}
 
-def kernel_blocks(
-  ring_blocks: Any,
-  *,
-  version: int,
-  d: int,
-  dv: int,
-  heads: int,
-  kv_heads: int,
-  segmented: bool,
-  scale: float,
-  block_sizes=None,
-  interpret=False,
-) -> BlockFunctions:
-  """A kernel's per-block functions (``ring_blocks``, see the module docstring) for DIFF
-  V1 (``version=1``) or V2 (``version=2``) blocks of ``heads`` DIFF heads (V2: pairs)."""
-
-  def config(t, s, causal):
-    return ring_blocks.block_config(
-      version=version,
-      t=t,
-      s=s,
-      d=d,
-      dv=dv,
-      heads=heads,
-      kv_heads=kv_heads,
-      causal=causal,
-      segmented=segmented,
-      scale=scale,
-      block_sizes=block_sizes,
-      interpret=interpret,
-    )
+  def block_config(t, s, causal):
+    return ring_blocks.block_config(**row.ring_options, **fixed, t=t, s=s, causal=causal)
 
   return BlockFunctions(
-    config=config,
+    config=block_config,
     forward=ring_blocks.block_forward,
     backward=ring_blocks.block_backward,
     maps=2,

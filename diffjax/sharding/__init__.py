@@ -16,8 +16,8 @@ from diffjax.sharding.kernel_specs import (
   decode_partition_specs,
   diff_v1_partition_specs,
   diff_v2_partition_specs,
+  kernel_partition_specs,
   mha_partition_specs,
-  partition_specs,
 )
 from diffjax.sharding.mesh import (
   batch_rows_multiple,
@@ -63,8 +63,8 @@ __all__ = [
   "logical_to_spec",
   "make_mesh",
   "mha_partition_specs",
+  "kernel_partition_specs",
   "param_shardings",
-  "partition_specs",
   "process_rows",
   "resolve_mesh_shape",
   "rules_from_config",

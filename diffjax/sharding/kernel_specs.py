@@ -21,79 +21,62 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from diffjax.core import op_specs
+
 AxisName = str | tuple[str, ...] | None
 Specs = tuple[tuple[P, ...], P]
 
 
-def _heads(batch_axis: AxisName, head_axis: AxisName) -> P:
-  """[B, T, heads, D]: batch and heads split."""
-  return P(batch_axis, None, head_axis, None)
-
-
-def _segments(batch_axis: AxisName, segment_ids: bool) -> tuple[P, ...]:
-  return (P(batch_axis, None), P(batch_axis, None)) if segment_ids else ()
+def kernel_partition_specs(
+  axes, batch_axis: AxisName = "data", head_axis: AxisName = "model", *,
+  segment_ids: bool = False, length_axis: AxisName = None
+) -> Specs:
+  """Specs for a kernel whose positional arrays have the logical ``axes`` of an op
+  (:attr:`diffjax.core.op_specs.OpSpec.axes`): ``batch`` over ``batch_axis``, ``heads`` in
+  contiguous blocks over ``head_axis``, ``length`` over ``length_axis`` (context
+  parallelism; None: whole), every other axis whole. With ``segment_ids`` the two segment-id
+  arrays [B, T] and [B, S] follow. The output is [B, T, heads, Dv].
+  """
+  mesh_axis = {"batch": batch_axis, "heads": head_axis, "length": length_axis}
+  ins = tuple(P(*(mesh_axis.get(a) for a in names)) for names in axes)
+  seg = (P(batch_axis, length_axis),) * 2 if segment_ids else ()
+  return (*ins, *seg), P(batch_axis, length_axis, head_axis, None)
 
 
 def mha_partition_specs(
   batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
 ) -> Specs:
   """Specs for a baseline kernel ``(q, k, v[, q_seg, kv_seg])``."""
-  x = _heads(batch_axis, head_axis)
-  return (x, x, x, *_segments(batch_axis, segment_ids)), x
+  return kernel_partition_specs(op_specs.MHA.axes, batch_axis, head_axis, segment_ids=segment_ids)
 
 
 def diff_v1_partition_specs(
   batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
 ) -> Specs:
-  """Specs for a DIFF V1 kernel ``(q1, q2, k1, k2, v, lam_H[, q_seg, kv_seg])``.
-
-  Args:
-    batch_axis, head_axis: mesh axis names (or tuples of names, or None) that shard
-      the batch and the heads. The head axis size must divide K (kv groups).
-    segment_ids: append specs for ``q_segment_ids, kv_segment_ids``.
-  Returns:
-    ``(in_specs, out_spec)``; ``lam_H`` is split with the heads.
-  """
-  x = _heads(batch_axis, head_axis)
-  return (x, x, x, x, x, P(head_axis), *_segments(batch_axis, segment_ids)), x
+  """Specs for a DIFF V1 kernel ``(q1, q2, k1, k2, v, lam_H[, q_seg, kv_seg])``; ``lam_H``
+  splits with the heads. The head axis size must divide K (kv groups)."""
+  return kernel_partition_specs(
+    op_specs.DIFF_V1.axes, batch_axis, head_axis, segment_ids=segment_ids
+  )
 
 
 def diff_v2_partition_specs(
   batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
 ) -> Specs:
-  """Specs for a DIFF V2 kernel ``(q, k, v, lam[, q_seg, kv_seg])``.
-
-  The 2H query heads split into contiguous blocks of whole pairs; lambda [B, T, H]
-  splits its pair axis the same way. The head axis size must divide K.
-  """
-  x = _heads(batch_axis, head_axis)
-  lam_BxTxH = P(batch_axis, None, head_axis)
-  return (x, x, x, lam_BxTxH, *_segments(batch_axis, segment_ids)), x
+  """Specs for a DIFF V2 kernel ``(q, k, v, lam[, q_seg, kv_seg])``: the 2H query heads in
+  contiguous blocks of whole pairs, lambda [B, T, H] likewise. The head axis size must
+  divide K."""
+  return kernel_partition_specs(
+    op_specs.DIFF_V2.axes, batch_axis, head_axis, segment_ids=segment_ids
+  )
 
 
-def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model") -> Specs:
-  """Specs for DIFF V1 decoding ``(q1, q2, k1, k2, v, lam_H, kv_len_B)``.
-
-  The head axis size must divide K.
-  """
-  x = _heads(batch_axis, head_axis)
-  return (x, x, x, x, x, P(head_axis), P(batch_axis)), x
-
-
-_BY_OP = {
-  "mha": mha_partition_specs,
-  "diff_v1": diff_v1_partition_specs,
-  "diff_v2": diff_v2_partition_specs,
-}
-
-
-def partition_specs(
-  op: str, batch_axis: AxisName, head_axis: AxisName, *, segment_ids: bool = False
+def decode_partition_specs(
+  batch_axis: AxisName = "data", head_axis: AxisName = "model"
 ) -> Specs:
-  """The specs of ``op`` ("mha", "diff_v1" or "diff_v2")."""
-  if op not in _BY_OP:
-    raise ValueError(f"Unknown op {op!r}; expected one of {tuple(_BY_OP)}.")
-  return _BY_OP[op](batch_axis, head_axis, segment_ids=segment_ids)
+  """Specs for DIFF V1 decoding ``(q1, q2, k1, k2, v, lam_H, kv_len_B)``. The head axis size
+  must divide K."""
+  return kernel_partition_specs(op_specs.DIFF_V1_DECODE.axes, batch_axis, head_axis)
 
 
 def check_head_sharding(num_kv_heads: int, head_shards: int) -> None:

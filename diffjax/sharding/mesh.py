@@ -66,18 +66,16 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | Non
 
 
 def validate_mesh_for_model(
-  mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None
+  mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None, heads: str = "heads"
 ) -> None:
   """Clear errors for meshes that would split heads, kv groups or the batch.
 
-  ``model_cfg`` is a :class:`diffjax.model.ModelConfig` (read by field name only).
+  ``model_cfg`` is a :class:`diffjax.model.ModelConfig` (read by field name only);
+  ``heads`` says what one of its ``num_heads`` is (the arm's
+  :attr:`~diffjax.arms.ArmSpec.heads`, e.g. "DIFF V2 pairs").
   """
   t = mesh.shape["tensor"]
-  what = {
-    "transformer": "attention heads",
-    "diff_v1": "DIFF V1 heads (each with both components and its 2d value)",
-    "diff_v2": "DIFF V2 pairs",
-  }[model_cfg.attention]
+  what = heads
   if model_cfg.num_heads % t:
     raise ValueError(
       f"The tensor axis ({t}) must divide the {model_cfg.num_heads} "

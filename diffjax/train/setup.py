@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from diffjax import arms
 from diffjax import sharding as shd
 from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
@@ -163,7 +164,9 @@ def build_train_setup(
       not split into ``grad_accum_steps`` micro-batches, or a bad optimizer setting.
   """
   rules = tuple(rules)
-  shd.validate_mesh_for_model(mesh, model_cfg, global_batch_size)
+  shd.validate_mesh_for_model(
+    mesh, model_cfg, global_batch_size, heads=arms.get(model_cfg.attention).heads
+  )
   if grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
   if global_batch_size is not None and global_batch_size % grad_accum_steps:

@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from diffjax import arms
 from diffjax import sharding as shd
 from diffjax.cpu import keep_freed_memory
 from diffjax.data import DataConfig, build_datasets, tokens_per_byte
 from diffjax.errors import UserError
 from diffjax.model import count_params
 from diffjax.model.flops import flops_per_token, peak_flops
-from diffjax.ops import preflight
 from diffjax.train import checkpoint as ckpt
 from diffjax.train import distributed
 from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
@@ -175,7 +175,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   progress = Progress(config.num_steps, 0, log_every=config.log_every, enabled=is_main)
   # Each fused kernel the model chose, once on this device against XLA before the steps
   # trace it: one that fails is switched to the stock path, said and recorded.
-  checks = preflight.preflight_model(
+  checks = arms.preflight(
     model_cfg, enabled=bool(config.get("kernels", {}).get("preflight", True)), log=progress.message
   )
   if is_main and checks:
@@ -289,7 +289,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
     if val_tokens_per_byte is not None:
       vals["eval/bits_per_byte"] = loss * val_tokens_per_byte / math.log(2.0)
-    if model_cfg.attention != "transformer":
+    if arms.get(model_cfg.attention).lambda_report != "none":
       b = to_global(val_batches[0])
       vals.update({k: float(v) for k, v in lambda_fn(params, b).items()})
     writer.write(step, vals)

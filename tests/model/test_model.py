@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import diffjax
 from diffjax.model import ARMS, DecoderLM, Hooks, ModelConfig, count_params, matched_configs
 
 # One layer keeps compiles short; the capture and parameter-count tests use two.
@@ -109,7 +110,8 @@ def test_matched_configs_shapes():
   v1, v2 = arms["diff_v1"], arms["diff_v2"]
   assert (v1.attention, v1.num_heads, v1.num_kv_heads, v1.head_dim) == ("diff_v1", 2, 1, D)
   assert (v2.attention, v2.num_heads, v2.num_kv_heads, v2.head_dim) == ("diff_v2", 4, 2, D)
-  assert v1.value_head_dim == 2 * D and v2.value_head_dim == D
+  assert diffjax.arms.get("diff_v1").value_head_dim(v1) == 2 * D
+  assert diffjax.arms.get("diff_v2").value_head_dim(v2) == D
 
 
 def test_matched_configs_errors():
@@ -126,7 +128,6 @@ def test_matched_configs_errors():
 @pytest.mark.parametrize(
   "bad,fragments",
   [
-    (dict(attention="diff_v3"), ["diff_v3"]),
     (dict(d_model=0), ["d_model", r"\b0\b"]),
     (dict(d_model=-32), ["d_model", "-32"]),
     (dict(num_heads=6, num_kv_heads=4), [r"\b6\b", r"\b4\b"]),
@@ -143,6 +144,13 @@ def test_model_config_rejects_bad_values(bad, fragments):
     base_config(**bad)
   for frag in fragments:
     assert re.search(frag, str(info.value)), (frag, str(info.value))
+
+
+def test_an_unknown_arm_is_named_where_the_model_is_built():
+  cfg = base_config(attention="diff_v3")  # a name some module may still register
+  for build in (lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), lambda: count_params(cfg)):
+    with pytest.raises(ValueError, match="Unknown arm 'diff_v3'; the arms are .*'diff_v2'"):
+      build()
 
 
 def test_model_config_from_dict():

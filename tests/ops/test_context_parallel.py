@@ -190,23 +190,45 @@ def test_shard_positions_follow_the_permutation():
       )
 
 
-def test_ring_takes_the_per_block_kernel_the_dispatch_table_registers(monkeypatch):
+def _probe(dtype, d=64):
+  """The local shapes the ring asks its candidate kernels about."""
+  config = dict(t=128, s=128, d=d, dv=2 * d, heads=2, kv_heads=1, causal=True, segmented=False,
+                scale=0.125, block_sizes=None, interpret=False, dtype=dtype)
+  return {"query": jnp.zeros((1, 128, 2, d), dtype), "config": config}
+
+
+def test_ring_takes_the_per_block_kernel_of_the_row_that_accepts(monkeypatch):
+  from diffjax.core import op_specs
+  from diffjax.kernels.gpu import mosaic_ring
   from diffjax.kernels.tpu import blocks as tpu_blocks
   from diffjax.ops import dispatch
   from diffjax.ops import ring_blocks as rb
 
-  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
-  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is tpu_blocks
-  assert rb.registered_ring_blocks("mha", "pallas_tpu") is None  # no kernel registered
-  blocks = rb.kernel_blocks(
-    tpu_blocks, version=2, d=8, dv=8, heads=2, kv_heads=1, segmented=False, scale=0.5
-  )
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  with dispatch.target_platform("tpu"):
+    row = cp._ring_row(op_specs.DIFF_V2, "auto", "ring", False, _probe(f32))
+    assert row.name == "pallas_tpu" and row.ring_blocks is tpu_blocks
+    # The baseline's first TPU row (splash attention) has no per-block functions.
+    assert cp._ring_row(op_specs.MHA, "auto", "ring", False, _probe(f32)) is None
+    # The all-gather strategy has no blocks at all.
+    assert cp._ring_row(op_specs.DIFF_V1, "auto", "all_gather", False, _probe(f32)) is None
+  blocks = rb.kernel_blocks(row, **_probe(f32)["config"])
   assert blocks.maps == 2 and blocks.head_major and blocks.interpreter_barrier
+  # A kernel whose blocks refuse the inputs: "auto" takes the XLA blocks, a name says why.
+  with dispatch.target_platform("gpu"):
+    assert cp._ring_row(op_specs.DIFF_V1, "auto", "ring", False, _probe(bf16)).ring_blocks is (
+      mosaic_ring
+    )
+    assert cp._ring_row(op_specs.DIFF_V1, "auto", "ring", False, _probe(f32)) is None
+    with pytest.raises(ValueError, match="pallas_gpu refuses: .*bfloat16 or float16"):
+      cp._ring_row(op_specs.DIFF_V1, "pallas_gpu", "ring", False, _probe(f32))
   # A kernel registered without per-block functions leaves the ring its XLA blocks.
-  monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+  monkeypatch.setattr(dispatch, "_TABLE", {k: list(v) for k, v in dispatch._TABLE.items()})
   dispatch.register_implementation("diff_v2", "pallas_tpu", lambda *a, **k: None, ("tpu",))
-  assert rb.registered_ring_blocks("diff_v2", "pallas_tpu") is None
-  assert rb.registered_ring_blocks("diff_v1", "pallas_tpu") is tpu_blocks
+  with dispatch.target_platform("tpu"):
+    assert cp._ring_row(op_specs.DIFF_V2, "auto", "ring", False, _probe(f32)) is None
+    v1 = cp._ring_row(op_specs.DIFF_V1, "auto", "ring", False, _probe(f32))
+    assert v1.ring_blocks is tpu_blocks and v1.ring_options == {"version": 1}
 
 
 def test_permutation_errors():
@@ -355,8 +377,10 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="Unknown op"):
     cp.context_parallel_attention("diff_v3", arrays, mesh=mesh)
   with pytest.raises(ValueError, match="is not one of"):
+    call(arrays, implementation="splash")
+  with pytest.raises(ValueError, match="the backend is 'cpu'"):
     call(arrays, implementation="pallas")
-  with pytest.raises(ValueError, match="baseline"):
+  with pytest.raises(ValueError, match="No 'pallas_tpu' implementation of 'mha'"):
     call(arrays, implementation="pallas_tpu", interpret=True)
   v1, _, _ = _inputs("diff_v1", 32)
   call_v1 = lambda **kw: cp.context_parallel_attention("diff_v1", v1, mesh=mesh, **kw)

@@ -1,9 +1,9 @@
 """The dispatch table says which kernel runs where; kernels load without the ops.
 
-Expectations are written out here, not read back from the table: which function each
-(op, implementation, platform) names, what "auto" picks per platform and input, and
-why a GPU input is refused by the Mosaic GPU kernels. (That no package imports a layer
-above it is checked for the whole package in tests/project/test_layering.py.)
+"auto" is checked by what runs: each op's example inputs traced under a target platform,
+recording the implementation that ran; the Mosaic GPU kernels refuse what they cannot take
+and say why. (That no package imports a layer above it is checked for the whole package in
+tests/project/test_layering.py; that each kernel computes its op, in tests/kernels.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -21,45 +20,11 @@ import numpy as np
 import pytest
 
 from diffjax import ops, sharding
+from diffjax.core import op_specs
+from diffjax.kernels.gpu import mosaic
 from diffjax.ops import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-# (op, implementation, platform) -> "module.function" of what must run there.
-EXPECTED_TABLE = {
-  ("mha", "xla_cpu", "cpu"): "diffjax.kernels.cpu.mha_xla_cpu",
-  ("diff_v1", "xla_cpu", "cpu"): "diffjax.kernels.cpu.diff_v1_xla_cpu",
-  ("diff_v2", "xla_cpu", "cpu"): "diffjax.kernels.cpu.diff_v2_xla_cpu",
-  ("mha", "stock", "tpu"): "diffjax.kernels.tpu.mha_stock_tpu",
-  ("diff_v1", "pallas_tpu", "tpu"): "diffjax.kernels.tpu.diff_v1_pallas_tpu",
-  ("diff_v1", "stock", "tpu"): "diffjax.kernels.tpu.diff_v1_stock_tpu",
-  ("diff_v2", "pallas_tpu", "tpu"): "diffjax.kernels.tpu.diff_v2_pallas_tpu",
-  ("diff_v2", "stock", "tpu"): "diffjax.kernels.tpu.diff_v2_stock_tpu",
-  ("diff_v1_decode", "pallas_tpu", "tpu"): "diffjax.kernels.tpu.diff_v1_decode_pallas_tpu",
-  ("mha", "stock", "gpu"): "diffjax.kernels.gpu.stock.mha_stock_gpu",
-  ("diff_v1", "stock", "gpu"): "diffjax.kernels.gpu.stock.diff_v1_stock_gpu",
-  ("diff_v2", "stock", "gpu"): "diffjax.kernels.gpu.stock.diff_v2_stock_gpu",
-  ("diff_v1", "pallas_gpu", "gpu"): "diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu",
-  ("diff_v2", "pallas_gpu", "gpu"): "diffjax.kernels.gpu.mosaic.diff_v2_pallas_gpu",
-  (
-    "diff_v1_decode",
-    "pallas_gpu",
-    "gpu",
-  ): "diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu",
-}
-
-
-def _qualified(fn) -> str:
-  import importlib
-
-  name = fn.__name__
-  # A package may re-export a function of one of its modules: accept the package's name
-  # when that is where the table's entry is spelled.
-  for spelled in EXPECTED_TABLE.values():
-    mod, _, attr = spelled.rpartition(".")
-    if attr == name and getattr(importlib.import_module(mod), attr, None) is fn:
-      return spelled
-  return f"{fn.__module__}.{name}"
 
 
 def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
@@ -67,85 +32,78 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
   code = (
     "import diffjax.kernels.tpu as kt, diffjax.kernels.gpu as kg\n"
     "from diffjax.ops import dispatch\n"
-    "assert dispatch.lookup('diff_v1', 'pallas_tpu', 'tpu', False).fn is "
-    "kt.diff_v1_pallas_tpu\n"
-    "assert dispatch.lookup('diff_v1', 'pallas_gpu', 'gpu', False).fn is "
-    "kg.diff_v1_pallas_gpu\n"
+    "fns = {r.name: r.fn for r in dispatch.rows('diff_v1')}\n"
+    "assert fns['pallas_tpu'] is kt.diff_v1_pallas_tpu\n"
+    "assert fns['pallas_gpu'] is kg.diff_v1_pallas_gpu\n"
     "print('OK')\n"
   )
   proc = subprocess.run(
-    [sys.executable, "-c", code],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-    cwd=ROOT,
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    check=False, cwd=ROOT,
   )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_the_table_names_the_expected_function_for_every_op_and_platform():
-  got = {}
-  for op, implementation, platform, fn in dispatch.BUILTIN_KERNELS:
-    assert fn is not None, f"{op}/{implementation}/{platform} is missing here"
-    assert (op, implementation, platform) not in got, "a row appears twice"
-    got[(op, implementation, platform)] = _qualified(fn)
-    # What the registry answers for the row is the same function.
-    assert dispatch.lookup(op, implementation, platform, False).fn is fn
-  assert got == EXPECTED_TABLE
+def test_every_row_names_an_importable_function_once():
+  seen = set()
+  for row in dispatch.BUILTIN_KERNELS:
+    key = (row.op, row.name, row.platforms)
+    assert key not in seen, f"{key} appears twice"
+    seen.add(key)
+    module, name = row.qualified_name.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is row.fn
+    assert row.op in dispatch.OPS and row in dispatch.rows(row.op)
+    # Pallas kernels run in an interpreter off their platform; the stock and CPU paths not.
+    assert row.interpretable == row.name.startswith("pallas_")
   # No Triton kernel is left anywhere in the GPU package.
-  gpu_dir = ROOT / "diffjax" / "kernels" / "gpu"
-  for path in gpu_dir.glob("*.py"):
+  for path in (ROOT / "diffjax" / "kernels" / "gpu").glob("*.py"):
     assert "pallas import triton" not in path.read_text(), path
 
 
-def test_the_docs_dispatch_table_is_the_table():
-  """docs/architecture.md lists the same rows, each naming the function by its import path."""
-  text = (ROOT / "docs" / "architecture.md").read_text()
-  rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \| (\w+) \| `([\w.]+)`", text, re.M)
-  documented = {(op, impl, platform): path for op, impl, platform, path in rows}
-  assert len(documented) == len(rows) == len(EXPECTED_TABLE)
-  assert documented.keys() == EXPECTED_TABLE.keys()
-  for key, path in documented.items():
-    module, name = path.rsplit(".", 1)
-    fn = getattr(importlib.import_module(module), name)
-    assert dispatch.lookup(*key, False).fn is fn, (key, path)
+def test_the_docs_dispatch_table_is_the_code_s():
+  """docs/architecture.md shows the table :func:`dispatch.markdown_table` writes."""
+  assert dispatch.markdown_table() in (ROOT / "docs" / "architecture.md").read_text()
 
 
-# What "auto" runs, per platform, for inputs no kernel refuses (on a GPU: Mosaic GPU
-# takes them; see the next test for inputs it refuses).
+def _example(spec, dtype=jnp.bfloat16, d=64, group=2):
+  return spec.example(dtype, d, group, 128)
+
+
+# What "auto" runs, per platform, for inputs no kernel refuses (bf16, widths the Mosaic GPU
+# kernels tile, a Hopper).
 AUTO = {
-  "cpu": {"mha": "xla_cpu", "diff_v1": "xla_cpu", "diff_v2": "xla_cpu"},
+  "cpu": {"mha": "xla_cpu", "diff_v1": "xla_cpu", "diff_v2": "xla_cpu", "diff_v1_decode": "xla"},
   "tpu": {
     "mha": "stock",
     "diff_v1": "pallas_tpu",
     "diff_v2": "pallas_tpu",
     "diff_v1_decode": "pallas_tpu",
+    "diff_v2_decode": "xla",
   },
   "gpu": {
     "mha": "stock",
     "diff_v1": "pallas_gpu",
     "diff_v2": "pallas_gpu",
     "diff_v1_decode": "pallas_gpu",
+    "mha_decode": "xla",
   },
 }
 
 
 @pytest.mark.parametrize("platform", sorted(AUTO))
-def test_auto_picks_the_platform_kernel(platform):
+def test_auto_runs_the_platform_kernel(platform):
   for op, want in AUTO[platform].items():
+    spec = dispatch.OPS[op]
     with ops.target_platform(platform):
-      assert dispatch.resolve(op, "auto", has_mask=False, interpret=False, mosaic=True) == want, op
+      assert dispatch.choose(spec, "auto", _example(spec)) == want, op
+      if spec.decode:
+        continue
       # An explicit mask or float64 inputs need the XLA path everywhere.
-      assert dispatch.resolve(op, "auto", has_mask=True, interpret=False) == "xla"
-      assert dispatch.resolve(op, "auto", has_mask=False, interpret=False, float64=True) == "xla"
-
-
-def _v1_arrays(dtype, d=64, dv=None, h=4, kh=2, t=128):
-  q = jax.ShapeDtypeStruct((1, t, h, d), dtype)
-  k = jax.ShapeDtypeStruct((1, t, kh, d), dtype)
-  return (q, q, k, k, jax.ShapeDtypeStruct((1, t, kh, dv or 2 * d), dtype), 0.3)
+      mask = jnp.ones((128, 128), bool)
+      assert dispatch.choose(spec, "auto", _example(spec), mask=mask) == "xla"
+  with ops.target_platform(platform), jax.enable_x64(True):
+    f64 = _example(op_specs.DIFF_V2, jnp.float64)
+    assert dispatch.choose(op_specs.DIFF_V2, "auto", f64) == "xla"
 
 
 @pytest.mark.parametrize(
@@ -153,7 +111,7 @@ def _v1_arrays(dtype, d=64, dv=None, h=4, kh=2, t=128):
   [
     (dict(dtype=jnp.bfloat16), None),
     (dict(dtype=jnp.float16, d=128), None),
-    (dict(dtype=jnp.float32), "not all bfloat16 or all float16"),
+    (dict(dtype=jnp.float32), "bfloat16 or float16 inputs of one dtype"),
     (dict(dtype=jnp.bfloat16, d=72), "multiples of 16"),
     (dict(dtype=jnp.bfloat16, d=256), "fit one CTA's shared memory"),
     (dict(dtype=jnp.bfloat16, capability=(8, 0)), "sm_80, not a Hopper"),
@@ -162,45 +120,48 @@ def _v1_arrays(dtype, d=64, dv=None, h=4, kh=2, t=128):
 def test_gpu_inputs_the_mosaic_kernels_refuse_take_the_stock_path(case, refusal):
   case = dict(case)
   capability = case.pop("capability", None)
-  arrays = _v1_arrays(**case)
+  arrays = _example(op_specs.DIFF_V1, **case)
+  seg = jnp.ones((1, 128), jnp.int32)
   with ops.target_platform("gpu", gpu_capability=capability):
-    got = dispatch.mosaic_gpu_refusal("diff_v1", arrays, segments=True)
-    takes = dispatch.mosaic_gpu_takes("diff_v1", arrays, segments=True)
-    auto = dispatch.resolve("diff_v1", "auto", has_mask=False, interpret=False, mosaic=takes)
+    got = mosaic.refusal("v1", [x.dtype for x in arrays[:5]], arrays[0].shape[-1],
+                         arrays[4].shape[-1], True)
+    auto = dispatch.choose(op_specs.DIFF_V1, "auto", arrays, segment_ids=seg)
+    if refusal is not None:
+      # Asked for by name, the kernel says why in one line.
+      with pytest.raises(ValueError, match="pallas_gpu refuses: .*" + refusal) as info:
+        dispatch.choose(op_specs.DIFF_V1, "pallas_gpu", arrays, segment_ids=seg)
+      assert "\n" not in str(info.value) and "implementation='auto'" in str(info.value)
   if refusal is None:
-    assert got is None and takes and auto == "pallas_gpu"
+    assert got is None and auto == "pallas_gpu"
   else:
-    assert refusal in got and not takes and auto == "stock", got
+    assert refusal in got and auto == "stock", got
   # Mixed dtypes are refused too.
-  q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
-  mixed = (
-    q,
-    q,
-    q,
-    jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.float16),
-    jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.bfloat16),
-    0.3,
-  )
+  bf16, f16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
   with ops.target_platform("gpu"):
-    assert not dispatch.mosaic_gpu_takes("diff_v1", mixed, segments=False)
+    assert "of one dtype" in mosaic.refusal("v1", [bf16, bf16, f16], 64, 128, False)
 
 
-def test_pallas_gpu_by_name_on_another_gpu_names_the_fix():
+def test_the_decode_kernel_refuses_another_gpu_and_decoding_takes_xla():
+  arrays = _example(op_specs.DIFF_V1_DECODE)
   with ops.target_platform("gpu", gpu_capability=(8, 0)):
-    with pytest.raises(ValueError, match="sm_80.*'auto' or 'stock'"):
-      dispatch.resolve("diff_v2", "pallas_gpu", has_mask=False, interpret=False)
-    assert (
-      dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False, mosaic=False)
-      == "xla"
-    )
+    assert dispatch.choose(op_specs.DIFF_V1_DECODE, "auto", arrays) == "xla"
+    with pytest.raises(ValueError, match="sm_80, not a Hopper.*'auto'"):
+      dispatch.choose(op_specs.DIFF_V1_DECODE, "pallas_gpu", arrays)
   with ops.target_platform("gpu"):
-    assert (
-      dispatch.resolve("diff_v2", "pallas_gpu", has_mask=False, interpret=False) == "pallas_gpu"
-    )
+    assert dispatch.choose(op_specs.DIFF_V1_DECODE, "pallas_gpu", arrays) == "pallas_gpu"
+
+
+def test_a_kernel_off_its_platform_names_the_fix():
+  arrays = _example(op_specs.DIFF_V2, jnp.float32)
+  with pytest.raises(ValueError, match="runs on \\['tpu'\\].*interpret=True"):
+    dispatch.choose(op_specs.DIFF_V2, "pallas_tpu", arrays)
+  with pytest.raises(ValueError, match="the backend is 'cpu'.*'pallas_tpu' or 'pallas_gpu'"):
+    dispatch.choose(op_specs.DIFF_V2, "pallas", arrays)
+  assert dispatch.choose(op_specs.DIFF_V2, "pallas_tpu", arrays, interpret=True) == "pallas_tpu"
 
 
 def test_a_registered_implementation_runs_in_place_of_the_builtin(monkeypatch):
-  monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+  monkeypatch.setattr(dispatch, "_TABLE", {k: list(v) for k, v in dispatch._TABLE.items()})
   calls = []
 
   def mine(q, k, v, **kwargs):
@@ -211,13 +172,20 @@ def test_a_registered_implementation_runs_in_place_of_the_builtin(monkeypatch):
   q = jnp.ones((1, 4, 2, 8))
   out = ops.dot_product_attention(q, q, q, implementation="stock")
   np.testing.assert_array_equal(out, 0.0)
-  assert calls == [
-    ["block_sizes", "causal", "interpret", "kv_segment_ids", "q_segment_ids", "scale"]
-  ]
-  # The GPU and TPU stock entries are kept next to the new CPU one.
+  assert calls == [["block_sizes", "causal", "interpret", "kv_segment_ids", "q_segment_ids", "scale"]]
+  # The GPU and TPU stock rows are kept next to the new CPU one.
   from diffjax.kernels.gpu import stock
 
-  assert dispatch.lookup("mha", "stock", "gpu", False).fn is stock.mha_stock_gpu
+  assert [r.fn for r in dispatch.rows("mha") if r.platforms == ("gpu",)] == [stock.mha_stock_gpu]
+  # A row that refuses hands "auto" on to the next one: the CPU row now refuses, so the stock
+  # row registered above runs.
+  def refuses(*args, **kwargs):
+    raise NotImplementedError("not these")
+
+  ops.register_implementation("mha", "xla_cpu", refuses, platforms=("cpu",))
+  with dispatch.recording() as ran:
+    ops.dot_product_attention(q, q, q)
+  assert ran == ["stock"] and len(calls) == 2
 
 
 def test_register_rejects_unknown_names():

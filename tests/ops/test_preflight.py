@@ -15,16 +15,22 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diffjax import ops
+from diffjax import arms, ops
+from diffjax.core import op_specs
 from diffjax.ops import attention as attn
 from diffjax.ops import dispatch, preflight
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
-  monkeypatch.setattr(dispatch, "_REGISTRY", {k: list(v) for k, v in dispatch._REGISTRY.items()})
+  monkeypatch.setattr(dispatch, "_TABLE", {k: list(v) for k, v in dispatch._TABLE.items()})
   monkeypatch.setattr(dispatch, "_DEMOTED", {})
   monkeypatch.setattr(preflight, "_DONE", {})
+
+
+def _chosen(op, implementation="auto"):
+  spec = dispatch.OPS[op]
+  return dispatch.choose(spec, implementation, spec.example(jnp.float32, 16, 2, 128))
 
 
 def _xla_v1(q1, q2, k1, k2, v, lam, **kw):
@@ -52,10 +58,10 @@ def _off_by_a_tenth(*args, **kwargs):
 def test_a_failing_kernel_is_switched_to_the_stock_path(kernel, ok, reason):
   ops.register_implementation("diff_v1", "pallas_tpu", kernel, platforms=("tpu",))
   with ops.target_platform("tpu"):
-    assert dispatch.resolve("diff_v1", "auto", has_mask=False, interpret=False) == "pallas_tpu"
+    assert _chosen("diff_v1") == "pallas_tpu"
     check = preflight.check_op("diff_v1", dtype=jnp.float32, head_dim=16, group=2)
-    after = dispatch.resolve("diff_v1", "auto", has_mask=False, interpret=False)
-    named = dispatch.resolve("diff_v1", "pallas_tpu", has_mask=False, interpret=False)
+    after = _chosen("diff_v1")
+    named = _chosen("diff_v1", "pallas_tpu")
   assert check.ok == ok and check.implementation == "pallas_tpu"
   assert check.device.startswith("cpu:")
   if ok:
@@ -68,7 +74,7 @@ def test_a_failing_kernel_is_switched_to_the_stock_path(kernel, ok, reason):
   assert "runs on the stock path" in line
   # The other ops keep their kernels.
   with ops.target_platform("tpu"):
-    assert dispatch.resolve("diff_v2", "auto", has_mask=False, interpret=False) == "pallas_tpu"
+    assert _chosen("diff_v2") == "pallas_tpu"
 
 
 def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
@@ -76,13 +82,16 @@ def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
 
   cfg = ModelConfig(attention="diff_v1", head_dim=16, num_heads=2, num_kv_heads=1)
   ops.register_implementation("diff_v1", "pallas_tpu", _raises, platforms=("tpu",))
-  assert preflight.preflight_model(cfg) == []  # the CPU: plain XLA, nothing to check
+  assert arms.preflight(cfg) == []  # the CPU: plain XLA, nothing to check
   with ops.target_platform("tpu"):
-    assert preflight.preflight_model(cfg, enabled=False) == []
+    assert arms.preflight(cfg, enabled=False) == []
     lines = []
-    (check,) = preflight.preflight_model(cfg, log=lines.append)
+    (check,) = arms.preflight(cfg, log=lines.append)
     # Checked once per process: a second call returns the first result.
-    assert preflight.preflight_model(cfg, log=lines.append) == [check]
+    assert arms.preflight(cfg, log=lines.append) == [check]
+    # The arm's decode op is checked too when asked: DIFF V1 decodes with a TPU kernel.
+    assert [c.op for c in arms.preflight(cfg, decode=True, log=None)] == ["diff_v1",
+                                                                          "diff_v1_decode"]
   assert not check.ok and lines == [check.line()]
 
 
@@ -130,6 +139,7 @@ def test_a_training_run_goes_on_with_the_stock_path_and_says_so(
   assert jnp.isfinite(result["train/loss"])
   printed = out.out + out.err
   assert "preflight: diff_v1 (xla_cpu) on cpu" in printed and "runs on the xla path" in printed
-  # Only the preflight traced the broken kernel (once, under its jit): the steps took XLA.
-  assert len(calls) == 1
+  # Only the preflight traced the broken kernel (once to see that it takes the inputs, once
+  # under its jit): the steps took XLA.
+  assert len(calls) == 2
   assert jax.default_backend() == "cpu"

@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
   ("diffjax.kernels",),
   ("diffjax.ops",),
   ("diffjax.nn",),
+  ("diffjax.arms",),
   ("diffjax.model",),
   ("diffjax.data",),
   ("diffjax.presets", "diffjax.train"),

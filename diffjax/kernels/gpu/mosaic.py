@@ -16,12 +16,39 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
+from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic_bwd as mb
 from diffjax.kernels.gpu import mosaic_common as mc
 from diffjax.kernels.gpu import mosaic_fwd as mf
-from diffjax.kernels.gpu import mosaic_ring
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
+
+
+def refusal(variant: str, dtypes, d: int, dv: int, segments: bool) -> str | None:
+  """Why the Mosaic GPU kernels do not take inputs of these dtypes and widths (None: they
+  do). They take bf16 or fp16 arrays of one dtype, head and value dims that are multiples
+  of 16 whose tiles fit one CTA's shared memory, on a Hopper (sm_90)."""
+  names = sorted({jnp.dtype(x).name for x in dtypes})
+  if len(names) != 1 or names[0] not in ("bfloat16", "float16"):
+    return (
+      f"they take bfloat16 or float16 inputs of one dtype (got {names}); cast them, or use "
+      "implementation='stock' (jax.nn.dot_product_attention), which takes float32"
+    )
+  if not tiles.fits(variant, names[0], d, dv, segments):
+    return (
+      f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
+      "tiles fit one CTA's shared memory"
+    )
+  capability = gpu_capability()
+  if capability != HOPPER:
+    return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
+  return None
+
+
+def _refuse(variant: str, qs, ks, v, segments: bool) -> None:
+  reason = refusal(variant, [x.dtype for x in (*qs, *ks, v)], qs[0].shape[-1], v.shape[-1], segments)
+  if reason is not None:
+    raise NotImplementedError(f"the Mosaic GPU kernels refuse these inputs: {reason}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -91,6 +118,7 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
 
 
 def _blocks(variant, qs, ks, v, q_seg, block_sizes):
+  _refuse(variant, qs, ks, v, q_seg is not None)
   tiles.check_inputs(variant, qs, ks, v)
   d, dv = qs[0].shape[3], v.shape[3]
   itemsize = jnp.dtype(qs[0].dtype).itemsize
@@ -207,8 +235,3 @@ def diff_v2_pallas_gpu(
     interpret=bool(interpret),
   ).astype(q_BxTxQxD.dtype)
 
-
-# The context-parallel ring (diffjax.ops.ring) runs these kernels per key block through
-# the functions the dispatch table finds on the entry points.
-diff_v1_pallas_gpu.ring_blocks = mosaic_ring
-diff_v2_pallas_gpu.ring_blocks = mosaic_ring

@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from diffjax.core import reference
 from diffjax.core import validation as _v
+from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic_common as mp
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
@@ -250,20 +251,23 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, splits, interpret):
   return (out1 - lam * out2).reshape(b, 1, h, dv).astype(q1.dtype)
 
 
-def check_decode_inputs(q1, k1, v) -> None:
-  """Clear errors for inputs the Mosaic GPU decode kernel does not take."""
-  dtypes = {jnp.dtype(x.dtype) for x in (q1, k1, v)}
+def check_decode_inputs(q1, k1, v, *others) -> None:
+  """Raises NotImplementedError naming what the Mosaic GPU decode kernel does not take:
+  bf16 or fp16 arrays of one dtype, widths that are multiples of 16, at most
+  :data:`ROWS` query heads per kv group, a Hopper (sm_90)."""
+  dtypes = {jnp.dtype(x.dtype) for x in (q1, k1, v, *others)}
+  reason = None
   if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(
-      "The Mosaic GPU decode kernel takes bfloat16 or float16 q, k and v of "
-      "one dtype; float32 decodes with implementation='xla'."
-    )
-  h, kh = q1.shape[2], k1.shape[2]
-  if h // kh > ROWS:
-    raise ValueError(f"{h // kh} query heads per kv group; the kernel takes at most {ROWS}.")
-  for name, width in (("head dim", q1.shape[-1]), ("value dim", v.shape[-1])):
-    if width % 16:
-      raise ValueError(f"{name} {width} must be a multiple of 16 (wgmma's K step).")
+    reason = "it takes bfloat16 or float16 q, k and v of one dtype; float32 decodes with 'xla'"
+  elif q1.shape[2] // k1.shape[2] > ROWS:
+    reason = f"{q1.shape[2] // k1.shape[2]} query heads per kv group; it takes at most {ROWS}"
+  elif q1.shape[-1] % 16 or v.shape[-1] % 16:
+    reason = f"head dims ({q1.shape[-1]}, {v.shape[-1]}) must be multiples of 16 (wgmma's K step)"
+  elif gpu_capability() != HOPPER:
+    major, minor = gpu_capability()
+    reason = f"the GPU is sm_{major}{minor}, not a Hopper (sm_90)"
+  if reason is not None:
+    raise NotImplementedError(f"the Mosaic GPU decode kernel refuses these inputs: {reason}")
 
 
 def diff_v1_decode_pallas_gpu(
@@ -290,7 +294,7 @@ def diff_v1_decode_pallas_gpu(
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_gpu", wider="diff_v1_pallas_gpu")
-  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv)
+  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv, q2_Bx1xHxD, k2_BxSxKxD)
   b, _, h, d = q1_Bx1xHxD.shape
   s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
   blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)

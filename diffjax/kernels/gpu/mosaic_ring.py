@@ -31,6 +31,7 @@ from diffjax.kernels.gpu import mosaic_common as mc
 from diffjax.kernels.gpu import mosaic_fwd as mf
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
+from diffjax.kernels.gpu.mosaic import refusal
 
 __all__ = ["HEAD_MAJOR", "INTERPRETER_BARRIER", "block_backward", "block_config", "block_forward"]
 
@@ -63,12 +64,18 @@ def block_config(
   scale: float,
   block_sizes=None,
   interpret=False,
+  dtype=None,
 ) -> BlockConfig:
   """The static plan of one block call: T queries (the last T of S keys when causal)
-  against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``; ``heads``: pairs)."""
+  against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``; ``heads``: pairs).
+  Raises NotImplementedError for inputs of ``dtype`` and widths the kernels do not take."""
   if version not in (1, 2):
     raise ValueError(f"version must be 1 or 2; got {version!r}.")
   variant = f"v{version}"
+  if dtype is not None:
+    reason = refusal(variant, [dtype], d, dv, segmented)
+    if reason is not None:
+      raise NotImplementedError(f"the Mosaic GPU kernels refuse these blocks: {reason}")
   blocks = _v.resolve_fields(
     block_sizes, tiles.MosaicBlockSizes.default(d, dv, variant, segmented), tiles.MosaicBlockSizes
   ).resolved(d, dv, variant, segmented)

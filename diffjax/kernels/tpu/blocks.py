@@ -52,9 +52,12 @@ def block_config(
   scale: float,
   block_sizes=None,
   interpret=False,
+  dtype=None,
 ) -> CoreConfig:
   """The static plan of one block call: T queries (the last T of S keys when causal)
-  against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``)."""
+  against S keys, of DIFF V1 (``version=1``) or V2 (``version=2``). The kernels take every
+  float ``dtype`` the ops pass them."""
+  del dtype
   if version not in (1, 2):
     raise ValueError(f"version must be 1 or 2; got {version!r}.")
   return make_config(

@@ -1,8 +1,10 @@
-"""From a run's ``model`` section to the model it trains: one arm, matched to one baseline.
+"""Matched arms and parameter counts, and a run's ``model`` section resolved to its model.
 
-A run names its arm and the Transformer it is matched to, never the arm's own widths:
+:func:`matched_configs` derives every arm from one Transformer spec (each arm's own rule,
+:attr:`diffjax.arms.ArmSpec.match`); :func:`count_params` counts the LM's parameters from a
+config. A run names its arm and the Transformer it is matched to, never the arm's own widths:
 
-  * ``arm``: "transformer", "diff_v1" or "diff_v2";
+  * ``arm``: a registered arm (:func:`diffjax.arms.names`);
   * ``size``: a named baseline size (:mod:`diffjax.model.sizes`) or "custom";
   * the baseline widths ``d_model, num_layers, num_heads, num_kv_heads, head_dim, mlp_dim``:
     None takes the size's; a value replaces it (every arm follows, still matched);
@@ -22,15 +24,44 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from diffjax.model.config import (
-  ARMS,
-  DEFAULT_V2_MATCH,
-  V2_MATCHING,
-  ModelConfig,
-  count_params,
-  matched_configs,
-)
+from diffjax import arms
+from diffjax.core.config import DEFAULT_V2_MATCH, V2_MATCHING, ModelConfig
 from diffjax.model.sizes import CUSTOM, WIDTHS, size_widths
+
+
+def matched_configs(
+  baseline: ModelConfig, *, v2_match: str = DEFAULT_V2_MATCH, names=None
+) -> dict[str, ModelConfig]:
+  """The arms (``names``, default every registered arm) matched to one Transformer spec.
+
+  DIFF V1 halves the heads and kv heads and keeps the component width d (value 2d), so its
+  projections have the baseline's shapes (+6d parameters per layer). DIFF V2 keeps the
+  baseline's heads and doubles the query heads inside the module, which adds E·h·d + E·h
+  parameters per layer. ``v2_match`` says what V2 is matched on: ``"params"`` (the default:
+  the SwiGLU width shrinks so the total is within 0.5 % of the Transformer's; the paper
+  compares at matched parameters) or ``"heads"`` (the same heads and widths, V2 is larger).
+  """
+  if not arms.get(baseline.attention).is_baseline:
+    raise ValueError(
+      f"matched_configs takes the {arms.BASELINE} spec; got attention={baseline.attention!r}."
+    )
+  if v2_match not in V2_MATCHING:
+    raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
+  return {name: arms.get(name).match(baseline, v2_match) for name in names or arms.names()}
+
+
+def attention_params(cfg: ModelConfig) -> int:
+  """Parameters of one attention layer."""
+  return arms.get(cfg.attention).attention_params(cfg)
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Total parameters of the LM, computed from the config (no model is built)."""
+  e = cfg.d_model
+  per_layer = attention_params(cfg) + 3 * e * cfg.mlp_dim + 2 * e
+  head = 0 if cfg.tie_embeddings else e * cfg.vocab_size
+  return cfg.vocab_size * e + cfg.num_layers * per_layer + e + head
+
 
 # Keys of a run's model section that are not ModelConfig fields.
 RUN_KEYS = ("arm", "size", "v2_match", "unmatched")
@@ -63,9 +94,14 @@ class ArmModel:
     return not self.unmatched
 
   def param_counts(self) -> dict[str, int]:
-    """Parameters of this model and of the matched arms of its baseline."""
-    arms = matched_configs(self.baseline, v2_match=self.v2_match)
-    counts = {arm: count_params(cfg) for arm, cfg in arms.items()}
+    """Parameters of this model and of the arms its baseline matches (an arm that cannot
+    be matched to it, e.g. DIFF V1 for odd head counts, is left out)."""
+    counts = {}
+    for name in arms.names():
+      try:
+        counts[name] = count_params(arms.get(name).match(self.baseline, self.v2_match))
+      except ValueError:
+        continue
     counts["this run"] = count_params(self.config)
     return counts
 
@@ -79,13 +115,13 @@ class ArmModel:
     if self.matched:
       return (
         f"arm={self.arm} matched to {base} (v2_match={self.v2_match}): "
-        f"{counts['this run']:,} parameters (Transformer {counts['transformer']:,})"
+        f"{counts['this run']:,} parameters (Transformer {counts[arms.BASELINE]:,})"
       )
     sets = ", ".join(f"{k}={v}" for k, v in sorted(self.unmatched.items()))
     return (
       f"arm={self.arm} UNMATCHED ({sets} set explicitly): {counts['this run']:,} "
       f"parameters, while the {self.arm} arm matched to {base} has "
-      f"{counts[self.arm]:,} and the Transformer {counts['transformer']:,}"
+      f"{counts.get(self.arm, 0):,} and the Transformer {counts[arms.BASELINE]:,}"
     )
 
 
@@ -113,8 +149,10 @@ def resolve_model(section: Mapping[str, Any], vocab_size: int | None = None) -> 
       "from the baseline it is matched to."
     )
   arm = section.get("arm")
-  if arm not in ARMS:
-    raise ValueError(f"model.arm={arm!r} is not one of {ARMS}; set --config.model.arm=<arm>.")
+  if arm not in arms.names():
+    raise ValueError(
+      f"model.arm={arm!r} is not one of {arms.names()}; set --config.model.arm=<arm>."
+    )
   v2_match = section.get("v2_match") or DEFAULT_V2_MATCH
   if v2_match not in V2_MATCHING:
     raise ValueError(f"model.v2_match={v2_match!r} must be one of {V2_MATCHING}.")
@@ -141,15 +179,16 @@ def resolve_model(section: Mapping[str, Any], vocab_size: int | None = None) -> 
       {
         **passed,
         **widths,
-        "attention": "transformer",
+        "attention": arms.BASELINE,
         "vocab_size": _MATCH_VOCAB if vocab == -1 else vocab,
       }
     )
-    arm_cfg = matched_configs(baseline, v2_match=v2_match)[arm]
+    arm_cfg = matched_configs(baseline, v2_match=v2_match, names=(arm,))[arm]
     # Only a width that differs from the matched one unmatches the run.
     unmatched = {k: v for k, v in unmatched.items() if getattr(arm_cfg, k) != v}
     if unmatched:
       arm_cfg = arm_cfg.replace(**unmatched)
+    arms.get(arm).check(arm_cfg)
   except ValueError as e:
     raise ValueError(f"model (arm={arm}, size={size}): {e}") from None
   return ArmModel(arm_cfg, baseline, v2_match, unmatched)
