@@ -17,7 +17,6 @@ import sys
 
 import ml_collections
 
-from diffjax import arms
 from diffjax.core.config import DEFAULT_V2_MATCH
 from diffjax.model import count_params, resolve_model
 from diffjax.model.flops import flops_per_token

@@ -49,9 +49,7 @@ def match(baseline, v2_match: str):
       f"num_kv_heads={baseline.num_kv_heads} must both be even."
     )
   return baseline.replace(
-    attention="diff_v1",
-    num_heads=baseline.num_heads // 2,
-    num_kv_heads=baseline.num_kv_heads // 2,
+    attention="diff_v1", num_heads=baseline.num_heads // 2, num_kv_heads=baseline.num_kv_heads // 2
   )
 
 

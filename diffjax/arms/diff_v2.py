@@ -65,8 +65,9 @@ def match(baseline, v2_match: str):
   return v2.replace(mlp_dim=mlp_dim)
 
 
-def retrofit_config(source, *, init: str = DEFAULT_V2_INIT, second: str = "noise",
-                    mix_steps: int = DEFAULT_MIX_STEPS):
+def retrofit_config(
+  source, *, init: str = DEFAULT_V2_INIT, second: str = "noise", mix_steps: int = DEFAULT_MIX_STEPS
+):
   """V2 with the source's heads; ``init="mixed"`` ramps the subtraction in over
   ``mix_steps`` training steps (``v2_mix_steps``)."""
   if init not in V2_INITS:
@@ -82,8 +83,15 @@ def retrofit_config(source, *, init: str = DEFAULT_V2_INIT, second: str = "noise
   return cfg.replace(v2_mix_steps=int(mix_steps)) if init == "mixed" else cfg
 
 
-def retrofit_attention(src, layer_index: int, rng, *, init: str = DEFAULT_V2_INIT,
-                       second: str = "noise", mix_steps: int = DEFAULT_MIX_STEPS) -> dict:
+def retrofit_attention(
+  src,
+  layer_index: int,
+  rng,
+  *,
+  init: str = DEFAULT_V2_INIT,
+  second: str = "noise",
+  mix_steps: int = DEFAULT_MIX_STEPS,
+) -> dict:
   """Exact: each source query head becomes both heads of its pair, W_lambda is zero (so
   sigmoid(lambda) = 0.5) and W_o is doubled: the pair computes A V - 0.5 A V, and the doubled
   W_o returns the source's output. Mixed in: the pair's first head is the source head, the

@@ -169,8 +169,11 @@ def get(name: str, module: str | None = None) -> ArmSpec:
 
 def names() -> tuple[str, ...]:
   """The registered arms' names: the builtin ones first, then others in registration order."""
-  return tuple(sorted(_ARMS, key=lambda n: _BUILTIN_ORDER.index(n) if n in _BUILTIN_ORDER
-                      else len(_BUILTIN_ORDER)))
+  return tuple(
+    sorted(
+      _ARMS, key=lambda n: _BUILTIN_ORDER.index(n) if n in _BUILTIN_ORDER else len(_BUILTIN_ORDER)
+    )
+  )
 
 
 def all_arms() -> tuple[ArmSpec, ...]:

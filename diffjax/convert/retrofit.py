@@ -67,12 +67,7 @@ def retrofit_config(source: ModelConfig, arm: str, **options) -> ModelConfig:
 
 
 def retrofit_params(
-  source_cfg: ModelConfig,
-  source_params: Mapping[str, Any],
-  arm: str,
-  *,
-  seed: int = 0,
-  **options,
+  source_cfg: ModelConfig, source_params: Mapping[str, Any], arm: str, *, seed: int = 0, **options
 ) -> tuple[ModelConfig, dict]:
   """``(config, params)`` of the ``arm`` model retrofitted from a Transformer.
 
@@ -119,7 +114,12 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
 
 
 def retrofit(
-  source: str, workdir: str, *, arm: str = "diff_v2", step: int | None = None, seed: int = 0,
+  source: str,
+  workdir: str,
+  *,
+  arm: str = "diff_v2",
+  step: int | None = None,
+  seed: int = 0,
   **options,
 ) -> ModelConfig:
   """Writes a new workdir (step 0) holding the ``arm`` model retrofitted from ``source``.

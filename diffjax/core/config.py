@@ -107,9 +107,7 @@ class ModelConfig:
     _one_of("v2_pairing", self.v2_pairing, V2_PAIRINGS)
     _one_of("v2_lambda", self.v2_lambda, V2_LAMBDAS)
     if isinstance(self.v2_mix_steps, bool) or int(self.v2_mix_steps) < 0:
-      raise ValueError(
-        f"v2_mix_steps={self.v2_mix_steps!r} must be an integer >= 0 (0: no ramp)."
-      )
+      raise ValueError(f"v2_mix_steps={self.v2_mix_steps!r} must be an integer >= 0 (0: no ramp).")
     _one_of("implementation", self.implementation, IMPLEMENTATIONS)
 
   @property

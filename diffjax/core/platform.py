@@ -19,9 +19,7 @@ _TARGET = threading.local()
 
 
 @contextlib.contextmanager
-def target_platform(
-  platform: str, gpu_capability: tuple[int, int] | None = None
-) -> Iterator[None]:
+def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None) -> Iterator[None]:
   """Resolves implementations for ``platform`` instead of the host backend.
 
   Used when compiling ahead of time for TPU topologies or GPU targets on a CPU machine,

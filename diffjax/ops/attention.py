@@ -102,20 +102,12 @@ def run_decode_op(
   arrays = tuple(arrays)
   spec.check(*arrays)
   return dispatch.run(
-    spec,
-    implementation,
-    arrays,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
+    spec, implementation, arrays, scale=scale, block_sizes=block_sizes, interpret=interpret
   )
 
 
 def dot_product_attention(
-  q_BxTxHxD: jax.Array,
-  k_BxSxKxD: jax.Array,
-  v_BxSxKxDv: jax.Array,
-  **kwargs,
+  q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxDv: jax.Array, **kwargs
 ) -> jax.Array:
   """Baseline multi-head / grouped-query attention.
 
@@ -194,11 +186,7 @@ def diff_v1_attention(
 
 
 def diff_v2_attention(
-  q_BxTxQxD: jax.Array,
-  k_BxSxKxD: jax.Array,
-  v_BxSxKxD: jax.Array,
-  lam_BxTxH: jax.Array,
-  **kwargs,
+  q_BxTxQxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, lam_BxTxH: jax.Array, **kwargs
 ) -> jax.Array:
   """DIFF V2 differential attention on paired query heads.
 
@@ -221,11 +209,7 @@ def diff_v2_attention(
 
 
 def dot_product_attention_decode(
-  q_Bx1xHxD: jax.Array,
-  k_BxSxKxD: jax.Array,
-  v_BxSxKxD: jax.Array,
-  kv_len_B: jax.Array,
-  **kwargs,
+  q_Bx1xHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, kv_len_B: jax.Array, **kwargs
 ) -> jax.Array:
   """Baseline attention of one new token per row against a KV cache.
 

@@ -53,12 +53,7 @@ from diffjax.core.op_specs import OpSpec
 from diffjax.ops import dispatch, ring_blocks
 from diffjax.ops.ring import make_ring
 
-__all__ = [
-  "STRATEGIES",
-  "context_parallel_attention",
-  "inverse_permutation",
-  "zigzag_permutation",
-]
+__all__ = ["STRATEGIES", "context_parallel_attention", "inverse_permutation", "zigzag_permutation"]
 
 STRATEGIES = ("ring", "all_gather")
 AxisName = str | tuple[str, ...] | None
@@ -251,9 +246,18 @@ def context_parallel_attention(
   probe = {
     "query": q,
     "config": dict(
-      t=q.shape[1] // c, s=q.shape[1] // c, d=q.shape[-1], dv=v.shape[-1], heads=heads,
-      kv_heads=v.shape[2], causal=causal, segmented=segment_ids is not None, scale=scale,
-      block_sizes=block_sizes, interpret=interpret, dtype=q.dtype,
+      t=q.shape[1] // c,
+      s=q.shape[1] // c,
+      d=q.shape[-1],
+      dv=v.shape[-1],
+      heads=heads,
+      kv_heads=v.shape[2],
+      causal=causal,
+      segmented=segment_ids is not None,
+      scale=scale,
+      block_sizes=block_sizes,
+      interpret=interpret,
+      dtype=q.dtype,
     ),
   }
   row = _ring_row(spec, implementation, strategy, interpret, probe)
@@ -266,7 +270,10 @@ def context_parallel_attention(
   else:
     per_device = _ring_fn(spec, row, probe["config"], c, context_axis, load_balance, with_seg)
   fn = jax.shard_map(
-    per_device, mesh=mesh, in_specs=in_specs[: len(arrays) + with_seg], out_specs=x_spec,
+    per_device,
+    mesh=mesh,
+    in_specs=in_specs[: len(arrays) + with_seg],
+    out_specs=x_spec,
     check_vma=False,
   )
   return fn(*arrays, *((segment_ids,) if with_seg else ()))

@@ -189,9 +189,7 @@ def register_implementation(
   )
   rows_ = _TABLE.setdefault(op, [])
   same = [
-    i
-    for i, r in enumerate(rows_)
-    if r.name == implementation and set(r.platforms) & set(platforms)
+    i for i, r in enumerate(rows_) if r.name == implementation and set(r.platforms) & set(platforms)
   ]
   if same:
     rows_[same[0]] = new
@@ -353,9 +351,7 @@ def run(
       _record(XLA)
       if spec.decode:
         return spec.reference(*arrays, scale=scale)
-      return spec.reference(
-        *arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale
-      )
+      return spec.reference(*arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale)
     reason = refusal(row, spec.query(arrays), mask)
     if reason is None:
       try:

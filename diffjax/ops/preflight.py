@@ -122,8 +122,7 @@ def check_op(
       worst = int(np.argmax(errs))
       name = "the output" if worst == 0 else f"gradient {worst} of {len(errs) - 1}"
       reason = (
-        f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} "
-        f"tolerance is {tol:g})"
+        f"{name} differs from XLA by {err:.2e} (relative; the {dtype.name} tolerance is {tol:g})"
       )
   except Exception as e:  # noqa: BLE001  (any failure switches the kernel off)
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -132,9 +131,7 @@ def check_op(
   if reason is None:
     return Check(spec.name, impl, where, True, seconds, error=err)
   fallback = dispatch.demote(spec.name, impl, reason)
-  return Check(
-    spec.name, impl, where, False, seconds, reason=reason, fallback=fallback, error=err
-  )
+  return Check(spec.name, impl, where, False, seconds, reason=reason, fallback=fallback, error=err)
 
 
 def preflight_model(

@@ -28,8 +28,12 @@ Specs = tuple[tuple[P, ...], P]
 
 
 def kernel_partition_specs(
-  axes, batch_axis: AxisName = "data", head_axis: AxisName = "model", *,
-  segment_ids: bool = False, length_axis: AxisName = None
+  axes,
+  batch_axis: AxisName = "data",
+  head_axis: AxisName = "model",
+  *,
+  segment_ids: bool = False,
+  length_axis: AxisName = None,
 ) -> Specs:
   """Specs for a kernel whose positional arrays have the logical ``axes`` of an op
   (:attr:`diffjax.core.op_specs.OpSpec.axes`): ``batch`` over ``batch_axis``, ``heads`` in
@@ -71,9 +75,7 @@ def diff_v2_partition_specs(
   )
 
 
-def decode_partition_specs(
-  batch_axis: AxisName = "data", head_axis: AxisName = "model"
-) -> Specs:
+def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model") -> Specs:
   """Specs for DIFF V1 decoding ``(q1, q2, k1, k2, v, lam_H, kv_len_B)``. The head axis size
   must divide K."""
   return kernel_partition_specs(op_specs.DIFF_V1_DECODE.axes, batch_axis, head_axis)

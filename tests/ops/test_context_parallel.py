@@ -192,8 +192,20 @@ def test_shard_positions_follow_the_permutation():
 
 def _probe(dtype, d=64):
   """The local shapes the ring asks its candidate kernels about."""
-  config = dict(t=128, s=128, d=d, dv=2 * d, heads=2, kv_heads=1, causal=True, segmented=False,
-                scale=0.125, block_sizes=None, interpret=False, dtype=dtype)
+  config = dict(
+    t=128,
+    s=128,
+    d=d,
+    dv=2 * d,
+    heads=2,
+    kv_heads=1,
+    causal=True,
+    segmented=False,
+    scale=0.125,
+    block_sizes=None,
+    interpret=False,
+    dtype=dtype,
+  )
   return {"query": jnp.zeros((1, 128, 2, d), dtype), "config": config}
 
 

@@ -38,8 +38,13 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
     "print('OK')\n"
   )
   proc = subprocess.run(
-    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-    check=False, cwd=ROOT,
+    [sys.executable, "-c", code],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+    cwd=ROOT,
   )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
@@ -123,8 +128,9 @@ def test_gpu_inputs_the_mosaic_kernels_refuse_take_the_stock_path(case, refusal)
   arrays = _example(op_specs.DIFF_V1, **case)
   seg = jnp.ones((1, 128), jnp.int32)
   with ops.target_platform("gpu", gpu_capability=capability):
-    got = mosaic.refusal("v1", [x.dtype for x in arrays[:5]], arrays[0].shape[-1],
-                         arrays[4].shape[-1], True)
+    got = mosaic.refusal(
+      "v1", [x.dtype for x in arrays[:5]], arrays[0].shape[-1], arrays[4].shape[-1], True
+    )
     auto = dispatch.choose(op_specs.DIFF_V1, "auto", arrays, segment_ids=seg)
     if refusal is not None:
       # Asked for by name, the kernel says why in one line.
@@ -172,11 +178,14 @@ def test_a_registered_implementation_runs_in_place_of_the_builtin(monkeypatch):
   q = jnp.ones((1, 4, 2, 8))
   out = ops.dot_product_attention(q, q, q, implementation="stock")
   np.testing.assert_array_equal(out, 0.0)
-  assert calls == [["block_sizes", "causal", "interpret", "kv_segment_ids", "q_segment_ids", "scale"]]
+  assert calls == [
+    ["block_sizes", "causal", "interpret", "kv_segment_ids", "q_segment_ids", "scale"]
+  ]
   # The GPU and TPU stock rows are kept next to the new CPU one.
   from diffjax.kernels.gpu import stock
 
   assert [r.fn for r in dispatch.rows("mha") if r.platforms == ("gpu",)] == [stock.mha_stock_gpu]
+
   # A row that refuses hands "auto" on to the next one: the CPU row now refuses, so the stock
   # row registered above runs.
   def refuses(*args, **kwargs):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import pytest
 
 from diffjax import arms, ops
-from diffjax.core import op_specs
 from diffjax.ops import attention as attn
 from diffjax.ops import dispatch, preflight
 
@@ -90,8 +89,10 @@ def test_nothing_is_checked_on_a_cpu_or_when_switched_off():
     # Checked once per process: a second call returns the first result.
     assert arms.preflight(cfg, log=lines.append) == [check]
     # The arm's decode op is checked too when asked: DIFF V1 decodes with a TPU kernel.
-    assert [c.op for c in arms.preflight(cfg, decode=True, log=None)] == ["diff_v1",
-                                                                          "diff_v1_decode"]
+    assert [c.op for c in arms.preflight(cfg, decode=True, log=None)] == [
+      "diff_v1",
+      "diff_v1_decode",
+    ]
   assert not check.ok and lines == [check.line()]
 
 

@@ -46,7 +46,9 @@ def refusal(variant: str, dtypes, d: int, dv: int, segments: bool) -> str | None
 
 
 def _refuse(variant: str, qs, ks, v, segments: bool) -> None:
-  reason = refusal(variant, [x.dtype for x in (*qs, *ks, v)], qs[0].shape[-1], v.shape[-1], segments)
+  reason = refusal(
+    variant, [x.dtype for x in (*qs, *ks, v)], qs[0].shape[-1], v.shape[-1], segments
+  )
   if reason is not None:
     raise NotImplementedError(f"the Mosaic GPU kernels refuse these inputs: {reason}")
 
@@ -234,4 +236,3 @@ def diff_v2_pallas_gpu(
     blocks=blocks,
     interpret=bool(interpret),
   ).astype(q_BxTxQxD.dtype)
-
