@@ -72,6 +72,64 @@ def _read_json(path: str) -> dict:
 # Markdown.
 
 
+# The report's last section: what the measures mean.
+_HOW_TO_READ = [
+  "## How to read this",
+  "",
+  "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
+  "greedy-decoding exact match; the table cells average the answer depths.",
+  "- Attention allocation: rows that predict an answer token; `signed_share` divides "
+  "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
+  "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
+  "For the Transformer both are the same.",
+  "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
+  "DIFF) and over every block's output; medians may be estimated from a sample.",
+  "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
+  "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
+  "per token, and keys/values per token and head.",
+  "- Probes: clamp = loss change when negative attention weights are set to zero; map "
+  "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
+  "Transformer, of query heads 2i and 2i+1, as a control).",
+  "",
+]
+
+
+def _results_tables(agg: Mapping[str, Any]) -> list[str]:
+  """Every scalar per arm (mean ± interval), then the paired differences against the
+  baseline."""
+  arms, pct = agg["arms"], f"{agg['confidence']:.0%}"
+  md = []
+  if agg["metrics"]:
+    md += [
+      "## Results per arm",
+      "",
+      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
+      "",
+    ]
+    md.append("| metric | " + " | ".join(arms) + " |")
+    md.append("|---" * (len(arms) + 1) + "|")
+    for m in agg["metrics"]:
+      md.append(f"| {m} | " + " | ".join(display.fmt_ci(agg["per_arm"][a][m]) for a in arms) + " |")
+    md.append("")
+  if agg["paired"]:
+    others = list(agg["paired"])
+    md += [
+      f"## Paired differences against {agg['baseline']}",
+      "",
+      f"Arm minus {agg['baseline']} at matched seeds: mean [{pct} t interval], two-sided paired "
+      "t-test p-value.",
+      "",
+    ]
+    md.append("| metric | " + " | ".join(others) + " |")
+    md.append("|---" * (len(others) + 1) + "|")
+    for m in agg["metrics"]:
+      md.append(
+        f"| {m} | " + " | ".join(display.fmt_diff(agg["paired"][a][m]) for a in others) + " |"
+      )
+    md.append("")
+  return md
+
+
 def write_report(
   runs: Sequence[Mapping[str, Any]],
   out_dir: str,
@@ -107,35 +165,7 @@ def write_report(
   md += ["## Summary", ""]
   md += [f"- {line}" for line in summary_lines(agg)] or ["- No scalar results."]
   md.append("")
-  pct = f"{confidence:.0%}"
-  if agg["metrics"]:
-    md += [
-      "## Results per arm",
-      "",
-      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(arms) + " |")
-    md.append("|---" * (len(arms) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(f"| {m} | " + " | ".join(display.fmt_ci(agg["per_arm"][a][m]) for a in arms) + " |")
-    md.append("")
-  if agg["paired"]:
-    others = list(agg["paired"])
-    md += [
-      f"## Paired differences against {baseline}",
-      "",
-      f"Arm minus {baseline} at matched seeds: mean [{pct} t interval], two-sided paired "
-      "t-test p-value.",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(others) + " |")
-    md.append("|---" * (len(others) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(
-        f"| {m} | " + " | ".join(display.fmt_diff(agg["paired"][a][m]) for a in others) + " |"
-      )
-    md.append("")
+  md += _results_tables(agg)
   for section in sections.registered():
     if section.table is not None:
       md += section.table(groups, agg)
@@ -143,25 +173,7 @@ def write_report(
     md += ["## Figures", ""]
     for name, caption in figures:
       md += [f"![{caption}]({name})", "", f"*{caption}*", ""]
-  md += [
-    "## How to read this",
-    "",
-    "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
-    "greedy-decoding exact match; the table cells average the answer depths.",
-    "- Attention allocation: rows that predict an answer token; `signed_share` divides "
-    "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
-    "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
-    "For the Transformer both are the same.",
-    "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
-    "DIFF) and over every block's output; medians may be estimated from a sample.",
-    "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
-    "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
-    "per token, and keys/values per token and head.",
-    "- Probes: clamp = loss change when negative attention weights are set to zero; map "
-    "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
-    "Transformer, of query heads 2i and 2i+1, as a control).",
-    "",
-  ]
+  md += _HOW_TO_READ
   path = os.path.join(out_dir, "report.md")
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(md))
