@@ -109,7 +109,7 @@ def greedy_exact_match(fn: LogitsFn, batch: Batch) -> tuple[np.ndarray, np.ndarr
   For each answer segment, the sequence up to the segment's start is the prompt (gold tokens,
   including earlier answers and the template between answers); the model then generates as many
   tokens as the answer has, feeding back its own tokens. Returns (correct_BxR, present_BxR) like
-  `measures.answer_exact_match`, which it equals (see the measures module docstring); this slower
+  `measures.answer_exact_match`, which it equals (see its docstring); this slower
   function exists to check that claim.
   """
   tokens = np.asarray(batch["tokens"])
