@@ -2,10 +2,11 @@
 (schema "diffjax.eval/1", docs/evaluation.md); the CLI (`python -m diffjax.eval`) writes it.
 
 The sections' functions stay importable from here: `validation_loss`, `retrieval_accuracy` and
-`greedy_exact_match` (`diffjax.eval.scoring`), `needle_table`, `retrieval_heatmap`,
+`greedy_exact_match` (`diffjax.eval.scoring`); `needle_table`, `retrieval_heatmap`,
 `associative_recall`, `associative_recall_grid`, `attention_allocation_by_layer`,
-`text_statistics`, `low_bit`, `lowbit_settings`, `clamp_probe` (`diffjax.eval.sections`), and
-`ModelRunner`, `quantize_model_weights` (`diffjax.eval.runner`).
+`text_statistics`, `mechanisms`, `low_bit`, `lowbit_settings` and `clamp_probe` (each from its
+module of `diffjax.eval.sections`); `ModelRunner` and `quantize_model_weights`
+(`diffjax.eval.runner`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from diffjax.eval.sections import SECTIONS, Context
 from diffjax.eval.sections.allocation import attention_allocation_by_layer
 from diffjax.eval.sections.heatmap import retrieval_heatmap
 from diffjax.eval.sections.lowbit import low_bit, lowbit_settings
+from diffjax.eval.sections.mechanisms import mechanisms
 from diffjax.eval.sections.mqar import associative_recall
 from diffjax.eval.sections.mqar_grid import associative_recall_grid
 from diffjax.eval.sections.probes import clamp_probe
@@ -51,6 +53,7 @@ __all__ = [
   "greedy_exact_match",
   "attention_allocation_by_layer",
   "text_statistics",
+  "mechanisms",
   "low_bit",
   "lowbit_settings",
   "clamp_probe",
