@@ -2,7 +2,7 @@
 baseline arm, and plain-language verdicts.
 
 A run is a dict {"arm", "seed", "name", "eval" (eval JSON or None), "curve" (metrics rows or
-None)} (see `diffjax.eval.report`). Runs of different arms with the same seed are paired; a run
+None)} (`diffjax.eval.report.load_results`). Runs of different arms with the same seed are paired; a run
 without a seed is averaged but never paired. Statistics come from `diffjax.eval.stats`.
 """
 

@@ -150,6 +150,20 @@ def test_registry_errors_name_the_section_and_the_fix(toy):
   assert sections.SECTIONS[0] == "validation" and sections.SECTIONS[-1] == "probes"
 
 
+def test_metrics_no_section_produces_take_their_direction_from_a_registered_table(monkeypatch):
+  monkeypatch.setattr(aggregate, "_METRIC_TABLES", list(aggregate._METRIC_TABLES))
+  assert aggregate.direction("tool/errors") is None
+  aggregate.register_metrics(
+    {"tool/errors": sections.LOWER_IS_BETTER, "tool/*": sections.HIGHER_IS_BETTER},
+    headline=("tool/errors",),
+  )
+  assert aggregate.direction("tool/errors") is False and aggregate.direction("tool/f1") is True
+  assert aggregate.HEADLINE[-1] == "tool/errors"
+  # A section's own directions come first: "val/loss" stays the validation section's.
+  aggregate.register_metrics({"val/*": sections.HIGHER_IS_BETTER})
+  assert aggregate.direction("val/loss") is False
+
+
 def test_the_config_accepts_only_registered_sections():
   with pytest.raises(ValueError, match=r"Unknown eval sections \['toy'\].*register"):
     EvalConfig(sections=("toy",))
