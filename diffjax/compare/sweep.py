@@ -465,7 +465,7 @@ def _plot(
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  from diffjax.eval.plots import _colors  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.display import colors as _colors  # pylint: disable=import-outside-toplevel
 
   colors = _colors(arms)
   fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -2,49 +2,77 @@
 baseline arm, and plain-language verdicts.
 
 A run is a dict {"arm", "seed", "name", "eval" (eval JSON or None), "curve" (metrics rows or
-None)} (see `diffjax.eval.report`). Runs of different arms with the same seed are paired; a run
+None)} (`diffjax.eval.report.load_results`). Runs of different arms with the same seed are paired; a run
 without a seed is averaged but never paired. Statistics come from `diffjax.eval.stats`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diffjax.eval import stats
+from diffjax.eval import sections, stats
+from diffjax.eval.display import as_number
 
 BASELINE = "transformer"
 ARM_ORDER = ("transformer", "diff_v1", "diff_v2")
 
-# Metrics the summary states first, in this order.
-HEADLINE = (
-  "val/loss",
-  "retrieval/mean",
-  "heatmap/mean",
-  "mqar/accuracy",
-  "mqar_grid/mean",
-  "allocation/answer_signed_share",
-  "allocation/context_signed_share",
-  "outliers/attention_logits_top1",
-  "outliers/hidden_top1",
-  "train/steps_to_learn",
-  "train/learned",
-)
+# Scalars that no evaluation section produces, with their directions and the ones the summary
+# states first (after the sections' headline scalars). `diffjax.compare` adds these to each
+# run's eval scalars (`diffjax.compare.runs.collect_run`).
+COMPARISON_METRICS: dict[str, sections.Direction] = {
+  "train/final_loss": sections.DESCRIPTIVE,
+  "val/final_eval_loss": sections.LOWER_IS_BETTER,
+  "train/steps_to_learn": sections.LOWER_IS_BETTER,
+  "train/learned": sections.HIGHER_IS_BETTER,
+  "train/skipped_updates": sections.DESCRIPTIVE,
+}
+COMPARISON_HEADLINE = ("train/steps_to_learn", "train/learned")
+
+# Tables of such scalars: `register_metrics` adds one.
+_METRIC_TABLES: list[tuple[Mapping[str, sections.Direction], tuple[str, ...]]] = [
+  (COMPARISON_METRICS, COMPARISON_HEADLINE)
+]
 
 
-def direction(metric: str) -> bool | None:
-  """True if higher is better, False if lower is better, None for descriptive metrics."""
-  if metric.startswith(("val/", "lowbit/")) and metric.endswith(("loss", "perplexity")):
-    return False
-  if metric == "train/steps_to_learn" or (
-    metric.startswith("lowbit/") and metric.endswith("/loss_increase")
-  ):
-    return False
-  if metric.endswith("accuracy") or metric.startswith(("retrieval/", "heatmap/", "mqar_grid/")):
-    return True
-  if metric == "train/learned":
-    return True
+def register_metrics(
+  directions: Mapping[str, sections.Direction], headline: Sequence[str] = ()
+) -> None:
+  """Declares scalars that no section produces (added to the eval JSON's scalars by your own
+  code): their directions ({fnmatch pattern: HIGHER_IS_BETTER, LOWER_IS_BETTER or
+  DESCRIPTIVE}) and the ones the summary states first, after those already declared."""
+  _METRIC_TABLES.append((dict(directions), tuple(headline)))
+
+
+def direction(metric: str) -> sections.Direction:
+  """True if higher is better, False if lower is better, None for descriptive metrics: as the
+  section that reports `metric` says (`Section.directions`), or a table of `register_metrics`;
+  None for a metric neither names."""
+  for section in sections.registered():
+    matched, d = section.direction(metric)
+    if matched:
+      return d
+  for directions, _ in _METRIC_TABLES:
+    for pattern, d in directions.items():
+      if fnmatch.fnmatchcase(metric, pattern):
+        return d
   return None
+
+
+def headline() -> tuple[str, ...]:
+  """The metrics the summary states first, in order: the registered sections' headline
+  scalars, in section order, then those of `register_metrics`."""
+  names = [m for section in sections.registered() for m in section.headline]
+  names += [m for _, table_headline in _METRIC_TABLES for m in table_headline]
+  return tuple(names)
+
+
+def __getattr__(name: str):
+  # HEADLINE reads the registry when asked, so sections registered later count.
+  if name == "HEADLINE":
+    return headline()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def by_arm(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -116,14 +144,6 @@ def aggregate(
   }
 
 
-def as_number(x: Any) -> float:
-  """float(x), or NaN for a missing or non-numeric value (a metric some run lacks)."""
-  try:
-    return float(x)
-  except (TypeError, ValueError):
-    return float("nan")
-
-
 def summary_lines(agg: Mapping[str, Any], alpha: float = 0.05) -> list[str]:
   """Plain-language verdicts for the headline metrics (only those some run has)."""
   lines = []
@@ -132,7 +152,7 @@ def summary_lines(agg: Mapping[str, Any], alpha: float = 0.05) -> list[str]:
     lines.append(f"No {base} runs, so no paired comparisons; the tables give each arm alone.")
     return lines
   for arm, diffs in agg["paired"].items():
-    for m in HEADLINE:
+    for m in headline():
       if m in diffs:
         lines.append(stats.verdict(diffs[m], m, arm, agg["baseline"], direction(m), alpha))
   n_sig = sum(

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from diffjax.data.tasks import DEPTHS, NEEDLE_GRID
+from diffjax.eval.registry import section_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,8 @@ class EvalConfig:
       the "mechanisms" section: attention-sink mass, context RMS and, for DIFF V1, the
       per-head norm's magnification of values and gradients.
     seed: seed of every synthetic task.
-    sections: which evaluations to run (subset of SECTIONS).
+    sections: which evaluations to run, by name (`diffjax.eval.sections`); empty: every
+      registered section.
   """
 
   context_len: int = 512
@@ -86,9 +88,12 @@ class EvalConfig:
   sections: tuple[str, ...] = ()
 
   def __post_init__(self):
-    unknown = set(self.sections) - set(SECTIONS)
+    unknown = set(self.sections) - set(section_names())
     if unknown:
-      raise ValueError(f"Unknown eval sections {sorted(unknown)}; choose from {SECTIONS}.")
+      raise ValueError(
+        f"Unknown eval sections {sorted(unknown)}; choose from {section_names()} "
+        "(or register yours with diffjax.eval.sections.register first)."
+      )
     if self.probe_task not in ("needle", "mqar"):
       raise ValueError(f"probe_task={self.probe_task!r} must be 'needle' or 'mqar'.")
     if self.probe_task == "mqar" and self.mqar is None:
@@ -148,20 +153,6 @@ class EvalConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return _jsonable(dataclasses.asdict(self))
-
-
-SECTIONS = (
-  "validation",
-  "retrieval",
-  "heatmap",
-  "mqar",
-  "mqar_grid",
-  "allocation",
-  "text",
-  "mechanisms",
-  "lowbit",
-  "probes",
-)
 
 
 def _jsonable(x):

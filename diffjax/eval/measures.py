@@ -1,21 +1,8 @@
 """Evaluation measures as pure array functions (numpy in, numpy or python numbers out).
 
-Nothing here calls a model; `diffjax.eval.evaluate` feeds these functions with logits, attention
-maps and hidden states. Shape letters: B batch, T query positions, S key positions, H heads,
-V vocabulary, E width.
-
-Retrieval scoring. `answer_exact_match` scores an answer by teacher forcing: the answer is
-correct when the argmax of the logits at every answer position (the logits at t - 1 predict the
-token at t) equals the answer token. For exact match of a whole answer this is identical to
-greedy decoding from the prompt: if every teacher-forced argmax is right, greedy decoding feeds
-back exactly the answer tokens and reproduces them; if the first wrong argmax is at answer token
-j, greedy decoding has reproduced the first j tokens and then emits the same wrong token. One
-forward pass per batch therefore gives the greedy exact-match accuracy
-(`diffjax.eval.evaluate.greedy_exact_match` checks this by decoding).
-
-Quantization. `quantize_absmax` is symmetric round-to-nearest absmax quantization with a scale per
-slice (`axis` names the reduced axes): q(x) = round(x / s) * s, s = max|x| / (2^(bits-1) - 1).
-Its error is at most s / 2 per entry, and it never clips (|x| / s <= 2^(bits-1) - 1).
+Nothing here calls a model; the sections feed these functions with logits, attention maps and
+hidden states. Shape letters: B batch, T query positions, S key positions, H heads, V
+vocabulary, E width.
 """
 
 from __future__ import annotations
@@ -54,7 +41,15 @@ def answer_token_correct(logits_BxTxV, tokens_BxT) -> np.ndarray:
 def answer_exact_match(
   logits_BxTxV, tokens_BxT, answer_segments_BxT, num_segments: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Teacher-forced exact match of every answer segment (see the module docstring).
+  """Teacher-forced exact match of every answer segment.
+
+  An answer is correct when the argmax of the logits at every answer position (the logits at
+  t - 1 predict the token at t) equals the answer token. For exact match of a whole answer this
+  is identical to greedy decoding from the prompt: if every teacher-forced argmax is right,
+  greedy decoding feeds back exactly the answer tokens and reproduces them; if the first wrong
+  argmax is at answer token j, greedy decoding has reproduced the first j tokens and then emits
+  the same wrong token. One forward pass per batch therefore gives the greedy exact-match
+  accuracy (`diffjax.eval.scoring.greedy_exact_match` checks this by decoding).
 
   Args:
     logits_BxTxV: next-token logits of the whole sequence (prompt and answers).
@@ -267,6 +262,9 @@ def _xp(x):
 
 def quantize_absmax(x, bits: int, axis: int | Sequence[int] | None = None):
   """Symmetric round-to-nearest absmax fake quantization (returns x's dtype).
+
+  q(x) = round(x / s) * s with s = max|x| / (2^(bits-1) - 1) per slice: the error is at most
+  s / 2 per entry, and nothing is clipped (|x| / s <= 2^(bits-1) - 1).
 
   Args:
     x: numpy or jax array.

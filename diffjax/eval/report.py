@@ -3,41 +3,23 @@
     python -m diffjax.eval.report runs/transformer_s0 runs/diff_v1_s0 ... --out=report/
 
 Each positional argument is a run directory (holding eval.json from `python -m diffjax.eval`
-and, optionally, the trainer's metrics.jsonl) or an eval JSON file.
-
-Input structure (`load_results` builds it; `write_report` takes it), a list of runs:
-
-    [{"arm": "transformer",             # from eval["meta"]["arm"]
-      "seed": 0,                        # from eval["meta"]["seed"]; runs of different arms
-                                        # with the same seed are paired
-      "name": "runs/transformer_s0",    # shown in the run list
-      "eval": {... eval JSON, schema "diffjax.eval/1" ...},      # optional
-      "curve": [{"step": 50, "train/loss": 3.1, "eval/loss": 3.2}, ...]},   # optional
-     ...]
-
-Outputs in `out_dir`: report.md and the PNGs of `diffjax.eval.plots` (each only when some run
-has its data). `write_report` takes a `preamble`, markdown placed right after the title (a
-comparison puts its own summary there).
-
-Statistics (`diffjax.eval.aggregate`, `diffjax.eval.stats`): each arm's scalar is reported as
-mean ± half-width of the two-sided 95% t interval over seeds (n shown; no interval with one
-seed); each non-baseline arm is compared with the baseline by paired differences over the seeds
-both have, with a paired t-test. The summary sentences come from `stats.verdict`: "better/worse"
-only with p < 0.05 and a metric whose direction is known, "no significant difference"
-otherwise, and the seed count always.
+and, optionally, the trainer's metrics.jsonl) or an eval JSON file. Each arm's scalars are
+reported as mean ± half-width of the two-sided 95% t interval over seeds, each other arm is
+compared with the baseline by paired differences over the seeds both have (paired t-test), and
+the summary says "better" or "worse" only with p < 0.05 for a metric whose direction is known.
+The runs' structure and the report's contents: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diffjax.eval import plots, stats
-from diffjax.eval.aggregate import BASELINE, aggregate, as_number, by_arm, summary_lines
+from diffjax.eval import display, plots, sections
+from diffjax.eval.aggregate import BASELINE, aggregate, by_arm, summary_lines
 from diffjax.train.records import METRICS_FILE, read_metrics
 
 __all__ = ["BASELINE", "aggregate", "load_results", "write_report"]
@@ -90,31 +72,62 @@ def _read_json(path: str) -> dict:
 # Markdown.
 
 
-def _fmt(x: float, digits: int = 4) -> str:
-  if x is None or not math.isfinite(x):
-    return "n/a"
-  return f"{x:.{digits}g}"
+# The report's last section: what the measures mean.
+_HOW_TO_READ = [
+  "## How to read this",
+  "",
+  "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
+  "greedy-decoding exact match; the table cells average the answer depths.",
+  "- Attention allocation: rows that predict an answer token; `signed_share` divides "
+  "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
+  "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
+  "For the Transformer both are the same.",
+  "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
+  "DIFF) and over every block's output; medians may be estimated from a sample.",
+  "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
+  "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
+  "per token, and keys/values per token and head.",
+  "- Probes: clamp = loss change when negative attention weights are set to zero; map "
+  "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
+  "Transformer, of query heads 2i and 2i+1, as a control).",
+  "",
+]
 
 
-def _by_count(x: Mapping[str, float], one, more) -> str:
-  """ "–" without values, ``one()`` with a single value, ``more()`` with two or more."""
-  return "–" if x["n"] == 0 else one() if x["n"] < 2 else more()
-
-
-def _fmt_ci(c: Mapping[str, float]) -> str:
-  return _by_count(
-    c,
-    lambda: f"{_fmt(c['mean'])} (n=1)",
-    lambda: f"{_fmt(c['mean'])} ± {_fmt(c['half_width'], 2)} (n={c['n']})",
-  )
-
-
-def _fmt_diff(d: Mapping[str, float]) -> str:
-  return _by_count(
-    d,
-    lambda: f"{d['mean']:+.3g} (n=1, no test)",
-    lambda: f"{d['mean']:+.3g} [{d['lo']:+.3g}, {d['hi']:+.3g}] p={_fmt(d['p'], 2)} (n={d['n']})",
-  )
+def _results_tables(agg: Mapping[str, Any]) -> list[str]:
+  """Every scalar per arm (mean ± interval), then the paired differences against the
+  baseline."""
+  arms, pct = agg["arms"], f"{agg['confidence']:.0%}"
+  md = []
+  if agg["metrics"]:
+    md += [
+      "## Results per arm",
+      "",
+      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
+      "",
+    ]
+    md.append("| metric | " + " | ".join(arms) + " |")
+    md.append("|---" * (len(arms) + 1) + "|")
+    for m in agg["metrics"]:
+      md.append(f"| {m} | " + " | ".join(display.fmt_ci(agg["per_arm"][a][m]) for a in arms) + " |")
+    md.append("")
+  if agg["paired"]:
+    others = list(agg["paired"])
+    md += [
+      f"## Paired differences against {agg['baseline']}",
+      "",
+      f"Arm minus {agg['baseline']} at matched seeds: mean [{pct} t interval], two-sided paired "
+      "t-test p-value.",
+      "",
+    ]
+    md.append("| metric | " + " | ".join(others) + " |")
+    md.append("|---" * (len(others) + 1) + "|")
+    for m in agg["metrics"]:
+      md.append(
+        f"| {m} | " + " | ".join(display.fmt_diff(agg["paired"][a][m]) for a in others) + " |"
+      )
+    md.append("")
+  return md
 
 
 def write_report(
@@ -128,7 +141,8 @@ def write_report(
   """Writes report.md and the PNG plots into `out_dir`; returns the report's path.
 
   Args:
-    runs: the runs (see the module docstring).
+    runs: [{"arm", "seed", "name", "eval" (eval JSON or None), "curve" (metrics rows or
+      None)}], as `load_results` returns them.
     out_dir: created if missing.
     baseline: the arm the others are paired against.
     confidence: of the t intervals.
@@ -151,122 +165,19 @@ def write_report(
   md += ["## Summary", ""]
   md += [f"- {line}" for line in summary_lines(agg)] or ["- No scalar results."]
   md.append("")
-  pct = f"{confidence:.0%}"
-  if agg["metrics"]:
-    md += [
-      "## Results per arm",
-      "",
-      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(arms) + " |")
-    md.append("|---" * (len(arms) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(f"| {m} | " + " | ".join(_fmt_ci(agg["per_arm"][a][m]) for a in arms) + " |")
-    md.append("")
-  if agg["paired"]:
-    others = list(agg["paired"])
-    md += [
-      f"## Paired differences against {baseline}",
-      "",
-      f"Arm minus {baseline} at matched seeds: mean [{pct} t interval], two-sided paired "
-      "t-test p-value.",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(others) + " |")
-    md.append("|---" * (len(others) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(f"| {m} | " + " | ".join(_fmt_diff(agg["paired"][a][m]) for a in others) + " |")
-    md.append("")
-  for table in (_needle_table_md(runs), _mqar_grid_md(agg, pct)):
-    md += table
+  md += _results_tables(agg)
+  for section in sections.registered():
+    if section.table is not None:
+      md += section.table(groups, agg)
   if figures:
     md += ["## Figures", ""]
     for name, caption in figures:
       md += [f"![{caption}]({name})", "", f"*{caption}*", ""]
-  md += [
-    "## How to read this",
-    "",
-    "- Retrieval accuracy is teacher-forced exact match of every answer token, which equals "
-    "greedy-decoding exact match; the table cells average the answer depths.",
-    "- Attention allocation: rows that predict an answer token; `signed_share` divides "
-    "each region's signed sum of A1 - lambda A2 by the rows' signed total (regions sum to "
-    "1, the paper's Figure 1 normalisation); `abs_share` uses |weights| and is in [0, 1]. "
-    "For the Transformer both are the same.",
-    "- Outliers: k-th largest |value| over causally valid attention scores (both maps for "
-    "DIFF) and over every block's output; medians may be estimated from a sample.",
-    "- Low-bit: absmax round-to-nearest; logits-only settings quantize just the attention "
-    "scores; w/a/kv settings quantize projection weights per output channel, their inputs "
-    "per token, and keys/values per token and head.",
-    "- Probes: clamp = loss change when negative attention weights are set to zero; map "
-    "correlation = Pearson correlation of A1 and A2 over non-salient keys (for the "
-    "Transformer, of query heads 2i and 2i+1, as a control).",
-    "",
-  ]
+  md += _HOW_TO_READ
   path = os.path.join(out_dir, "report.md")
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(md))
   return path
-
-
-def _needle_table_md(runs) -> list[str]:
-  """The (N, R) retrieval table with one row per arm (means over seeds)."""
-  groups = by_arm(runs)
-  cells: list[str] = []
-  for rs in groups.values():
-    for r in rs:
-      for c in (((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {}).get(
-        "cells", {}
-      ):
-        if c not in cells:
-          cells.append(c)
-  if not cells:
-    return []
-  md = [
-    "## Multi-needle retrieval (mean accuracy over seeds)",
-    "",
-    "| arm | " + " | ".join(c.replace("_", ", ") for c in cells) + " |",
-    "|---" * (len(cells) + 1) + "|",
-  ]
-  for arm, rs in groups.items():
-    row = []
-    for c in cells:
-      vals = [
-        as_number(
-          (((r.get("eval") or {}).get("sections") or {}).get("retrieval") or {})
-          .get("cells", {})
-          .get(c)
-        )
-        for r in rs
-      ]
-      ci = stats.mean_ci(vals)
-      row.append(_fmt(ci["mean"], 3))
-    md.append(f"| {arm} | " + " | ".join(row) + " |")
-  return md + [""]
-
-
-def _mqar_grid_md(agg: Mapping[str, Any], pct: str) -> list[str]:
-  """The associative-recall grid: per cell each arm's mean ± interval and the paired
-  differences against the baseline."""
-  cells = [m for m in agg["metrics"] if m.startswith("mqar_grid/") and m != "mqar_grid/mean"]
-  if not cells:
-    return []
-  arms, others = agg["arms"], list(agg["paired"])
-  md = [
-    "## Associative recall by difficulty",
-    "",
-    f"Exact-match accuracy per cell (P: key-value pairs, D: near-duplicate distractor pairs "
-    f"per queried key): mean ± half-width of the {pct} t interval over seeds, then each "
-    f"arm minus {agg['baseline']} at matched seeds [{pct} interval], paired t-test p.",
-    "",
-    "| cell | " + " | ".join(arms) + "".join(f" | {a} − {agg['baseline']}" for a in others) + " |",
-    "|---" * (1 + len(arms) + len(others)) + "|",
-  ]
-  for m in cells + ["mqar_grid/mean"]:
-    row = [_fmt_ci(agg["per_arm"][a][m]) for a in arms]
-    row += [_fmt_diff(agg["paired"][a][m]) for a in others]
-    md.append(f"| {m.split('/', 1)[1]} | " + " | ".join(row) + " |")
-  return md + [""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

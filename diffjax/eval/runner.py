@@ -5,8 +5,8 @@ so many evaluations of one model share compiles:
   * `logits_fn(hooks)`: tokens -> logits, the model's normal (fast) path or any `Hooks`;
   * `knob_fn(knobs)`: the reference path with quantization and clamping set by numbers
     (`KNOBS`), so every low-bit setting and the clamp probe reuse one compiled function;
-  * `rows(tokens, idx)`: attention maps of selected query rows (allocation);
-  * `text_pass(...)`: device-side reductions for outliers, lambda and the correlation probe.
+  * `norm_gradients(...)`: DIFF V1's gradients on either side of its per-head norm;
+  * `compiled(key, build)`: any other pass, kept under its key (the sections' own passes).
 
 Analysis passes run the model's explicit-map reference path (`capture=True` or a logits/probs
 hook); it materialises [B, H, T, S] maps per layer inside the compiled function, so keep
@@ -15,7 +15,7 @@ hook); it materialises [B, H, T, S] maps per layer inside the compiled function,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.eval import measures as M
+from diffjax.eval import measures
 from diffjax.model import Hooks
 from diffjax.nn.layers import STACKED_AXIS, is_weight_matrix, logical_names
 
@@ -33,16 +33,16 @@ LogitsFn = Callable[..., Any]
 KNOBS = ("logits_bits", "act_bits", "kv_bits", "clamp")
 
 
-def _causal_valid(t: int, s: int, segment_ids_BxT=None):
+def causal_valid(t: int, s: int, segment_ids_BxT=None):
   """(1 or B, 1, T, S) bool: the entries a causal (and, with segment ids, packed) map may use."""
-  valid_1x1xTxS = jnp.asarray(M.causal_valid_mask(t, s))[None, None]
+  valid_1x1xTxS = jnp.asarray(measures.causal_valid_mask(t, s))[None, None]
   if segment_ids_BxT is None:
     return valid_1x1xTxS
   seg_BxT = jnp.asarray(segment_ids_BxT)
   return valid_1x1xTxS & (seg_BxT[:, None, :, None] == seg_BxT[:, None, None, :])
 
 
-def _layer_maps(cap: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+def layer_maps(cap: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
   """The combined map and its parts for one layer's captures ([B, H, T, S] each)."""
   if "probs" in cap:
     return {"combined": cap["probs"], "logits": [cap["logits"]]}
@@ -58,8 +58,8 @@ def _layer_maps(cap: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 class ModelRunner:
   """Jitted forward passes of one NNX model, compiled once per (kind, shape).
 
-  `logits_fn(hooks)` gives a `LogitsFn`; `rows(tokens, idx)` returns attention rows;
-  `text_pass(...)` returns the reductions of `text_statistics`.
+  `logits_fn(hooks)` and `knob_fn(knobs)` give a `LogitsFn`; `compiled(key, build)` keeps any
+  other pass (a jitted function of `state` that calls `merge(state)`).
   """
 
   def __init__(self, model: nnx.Module):
@@ -73,8 +73,18 @@ class ModelRunner:
     self.graphdef, self.state = nnx.split(model)
     self._fns: dict[Any, Callable] = {}
 
-  def _merge(self, state):
+  def merge(self, state) -> nnx.Module:
+    """The model with `state` (e.g. the traced `self.state` inside a jitted pass) as its
+    parameters."""
     return nnx.merge(self.graphdef, state)
+
+  def compiled(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+    """`build()`, called the first time `key` is asked for and kept: a pass of this model (a
+    jitted function of `self.state` and arrays) is compiled once per runner and input shape,
+    however many sections and evaluations use it."""
+    if key not in self._fns:
+      self._fns[key] = build()
+    return self._fns[key]
 
   def logits_fn(self, hooks: Hooks | None = None, name: str = "plain") -> LogitsFn:
     """tokens (B, T) [, positions, segment_ids] -> float32 numpy logits (B, T, V)."""
@@ -82,7 +92,7 @@ class ModelRunner:
     if key not in self._fns:
 
       def f(state, tokens, positions, segment_ids):
-        model = self._merge(state)
+        model = self.merge(state)
         return (
           model(tokens, positions, segment_ids, hooks=hooks)
           if hooks is not None
@@ -110,12 +120,12 @@ class ModelRunner:
       def f(state, tokens, positions, segment_ids, k):
         qmax = lambda bits: jnp.where(bits > 1, 2.0 ** (bits - 1) - 1, 0.0)
         hooks = Hooks(
-          logits=lambda x: M.quantize_attention_logits(x, k["logits_bits"], granularity),
+          logits=lambda x: measures.quantize_attention_logits(x, k["logits_bits"], granularity),
           probs=lambda p: jnp.where(k["clamp"] > 0, jnp.maximum(p, 0), p),
-          kv=lambda x: M.fake_quant(x, qmax(k["kv_bits"]), axis=-1),
-          activations=lambda x: M.fake_quant(x, qmax(k["act_bits"]), axis=-1),
+          kv=lambda x: measures.fake_quant(x, qmax(k["kv_bits"]), axis=-1),
+          activations=lambda x: measures.fake_quant(x, qmax(k["act_bits"]), axis=-1),
         )
-        return self._merge(state)(tokens, positions, segment_ids, hooks=hooks)
+        return self.merge(state)(tokens, positions, segment_ids, hooks=hooks)
 
       self._fns[key] = jax.jit(f)
     jf = self._fns[key]
@@ -131,134 +141,6 @@ class ModelRunner:
 
     return apply
 
-  def rows(self, tokens_BxT, idx_BxR) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
-    """Logits and, per layer, attention rows `idx_BxR` of every map: probs/logits (transformer)
-    or probs1/probs2/logits1/logits2 and the combined map (B, H, R, S); lambda; lambda_init."""
-    if "rows" not in self._fns:
-
-      def f(state, tokens_BxT, idx_BxR):
-        logits_BxTxV, caps = self._merge(state)(tokens_BxT, capture=True)
-        # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
-        take = lambda x_BxHxTxS: jnp.take_along_axis(x_BxHxTxS, idx_BxR[:, None, :, None], axis=2)
-        out = []
-        for cap in caps:
-          layer = {
-            k: take(v)
-            for k, v in cap.items()
-            if k in ("probs", "logits", "probs1", "probs2", "logits1", "logits2")
-          }
-          layer["combined"] = take(_layer_maps(cap)["combined"])
-          if "lambda" in cap:
-            lam = cap["lambda"]  # a scalar (DIFF V1) or [B, T, H] (DIFF V2)
-            layer["lambda"] = (
-              lam if lam.ndim == 0 else jnp.take_along_axis(lam, idx_BxR[:, :, None], axis=1)
-            )
-          if "lambda_init" in cap:
-            layer["lambda_init"] = cap["lambda_init"]
-          out.append(layer)
-        return logits_BxTxV, out
-
-      self._fns["rows"] = jax.jit(f)
-    logits, layers = self._fns["rows"](self.state, jnp.asarray(tokens_BxT), jnp.asarray(idx_BxR))
-    return np.asarray(logits), jax.tree.map(np.asarray, layers)
-
-  def text_pass(
-    self, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR, k: int
-  ):
-    """Per layer: top-k |attention logits| over valid entries, |logits| at flat (t*S + s)
-    indices `sample_idx_N`, |hidden|, lambda, and maps at rows `row_idx_BxR`."""
-    key = ("text", k)
-    if key not in self._fns:
-
-      def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR):
-        _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
-        b, t = tokens_BxT.shape
-        valid_Bx1xTxT = _causal_valid(t, t, segment_ids_BxT)
-        # [B, H, T, S] -> [B, H, R, S]: the selected query rows of a map.
-        take = lambda x_BxHxTxS: jnp.take_along_axis(
-          x_BxHxTxS, row_idx_BxR[:, None, :, None], axis=2
-        )
-        out = []
-        for cap in caps:
-          maps = _layer_maps(cap)
-          tops, samples = [], []
-          for logits_BxHxTxT in maps["logits"]:
-            # Masked entries become -1, below every |logit|, so top_k never picks them.
-            abs_BxHxTxT = jnp.where(valid_Bx1xTxT, jnp.abs(logits_BxHxTxT), -1.0)
-            tops.append(jax.lax.top_k(abs_BxHxTxT.reshape(-1), k)[0])
-            flat_BxHxTT = abs_BxHxTxT.reshape(b, abs_BxHxTxT.shape[1], t * t)
-            samples.append(flat_BxHxTT[:, :, sample_idx_N].reshape(-1))
-          layer = {
-            "logit_top": jnp.concatenate(tops),
-            "logit_sample": jnp.concatenate(samples),
-            "hidden": cap["hidden"],
-            "combined": take(maps["combined"]),
-          }
-          for name in ("probs1", "probs2", "logits1", "logits2", "probs", "logits"):
-            if name in cap:
-              layer[name] = take(cap[name])
-          if "lambda" in cap:
-            layer["lambda"] = cap["lambda"]
-          out.append(layer)
-        return out
-
-      self._fns[key] = jax.jit(f)
-    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    out = self._fns[key](
-      self.state,
-      jnp.asarray(tokens_BxT),
-      pos,
-      seg,
-      jnp.asarray(sample_idx_N),
-      jnp.asarray(row_idx_BxR),
-    )
-    return jax.tree.map(np.asarray, out)
-
-  def mechanism_pass(
-    self, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT
-  ) -> list[dict[str, np.ndarray]]:
-    """Per layer: each row's weight on its document's first token (``starts_BxT``) in the
-    combined map (``sink_combined`` [B, H, T]) and, for DIFF, in A1 and A2 (``sink1``,
-    ``sink2``); the attention output before any norm (``context`` [B, T, H, Dv]), the
-    RMS of the values each row can see (``value_rms`` [B, T]) and the largest RMS among them
-    (``value_rms_max`` [B, T], over keys and kv heads)."""
-    if "mechanisms" not in self._fns:
-
-      def f(state, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT):
-        _, caps = self._merge(state)(tokens_BxT, positions_BxT, segment_ids_BxT, capture=True)
-        t = tokens_BxT.shape[1]
-        valid_BxTxS = jnp.broadcast_to(
-          _causal_valid(t, t, segment_ids_BxT)[:, 0], (tokens_BxT.shape[0], t, t)
-        ).astype(jnp.float32)
-        out = []
-        for cap in caps:
-          layer = {
-            "sink_combined": M.first_token_weight(_layer_maps(cap)["combined"], starts_BxT),
-            "context": cap["context"].astype(jnp.float32),
-          }
-          if "probs1" in cap:
-            layer["sink1"] = M.first_token_weight(cap["probs1"], starts_BxT)
-            layer["sink2"] = M.first_token_weight(cap["probs2"], starts_BxT)
-          ms_BxSxK = jnp.mean(jnp.square(cap["values"].astype(jnp.float32)), axis=3)
-          layer["value_rms"] = jnp.sqrt(
-            jnp.einsum("bts,bs->bt", valid_BxTxS, ms_BxSxK.mean(2))
-            / jnp.maximum(valid_BxTxS.sum(-1), 1.0)
-          )
-          layer["value_rms_max"] = jnp.sqrt(
-            jnp.max(valid_BxTxS * ms_BxSxK.max(2)[:, None, :], axis=-1)
-          )
-          out.append(layer)
-        return out
-
-      self._fns["mechanisms"] = jax.jit(f)
-    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    out = self._fns["mechanisms"](
-      self.state, jnp.asarray(tokens_BxT), pos, seg, jnp.asarray(starts_BxT)
-    )
-    return jax.tree.map(np.asarray, out)
-
   def norm_gradients(
     self, tokens_BxT, targets_BxT, positions_BxT, segment_ids_BxT, mask_BxT
   ) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -267,7 +149,7 @@ class ModelRunner:
 
     Zero taps are added before and after each layer's norm (`Hooks.norm`, called in layer
     order as the unrolled model is traced) and the loss is differentiated by them."""
-    if self.config.attention != "diff_v1":
+    if not _has_norm_taps(self.config):
       raise ValueError(
         f"norm_gradients needs a DIFF V1 model; this one is {self.config.attention!r}."
       )
@@ -284,7 +166,7 @@ class ModelRunner:
           seen[where] += 1
           return x + taps[where][i].astype(x.dtype)
 
-        logits = self._merge(state)(tokens, positions, segment_ids, hooks=Hooks(norm=tap))
+        logits = self.merge(state)(tokens, positions, segment_ids, hooks=Hooks(norm=tap))
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -307,6 +189,11 @@ class ModelRunner:
   def quantized_state(self, bits: int, include_head: bool = False):
     """The model's state with projection kernels absmax-quantized (see `quantize_model_weights`)."""
     return nnx.split(quantize_model_weights(self.model, bits, include_head=include_head))[1]
+
+
+def _has_norm_taps(config) -> bool:
+  """Whether `Hooks.norm` taps the model: DIFF V1, the arm with a per-head norm."""
+  return config.attention == "diff_v1"
 
 
 def _input_axes(names: tuple) -> tuple[int, ...]:
@@ -338,5 +225,5 @@ def quantize_model_weights(
       continue
     # In numpy: eager jax would compile a few kernels per distinct kernel shape.
     w = np.asarray(node[...])
-    node[...] = jnp.asarray(M.quantize_absmax(w, bits, axis=_input_axes(names)))
+    node[...] = jnp.asarray(measures.quantize_absmax(w, bits, axis=_input_axes(names)))
   return qmodel

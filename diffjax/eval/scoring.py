@@ -8,20 +8,13 @@ answers right, or always wrong) tests them without any network.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from diffjax.data.tasks import (
-  DEPTHS,
-  NEEDLE_GRID,
-  AssociativeRecallTask,
-  ContextTooShort,
-  MultiNeedleTask,
-  collate,
-)
-from diffjax.eval import measures as M
+from diffjax.data.tasks import collate
+from diffjax.eval import measures
 from diffjax.eval.runner import LogitsFn
 
 Batch = Mapping[str, np.ndarray]
@@ -31,7 +24,7 @@ Batch = Mapping[str, np.ndarray]
 # Loss.
 
 
-def _split_batch(batch) -> tuple[np.ndarray, np.ndarray, Any, Any, np.ndarray]:
+def split_batch(batch) -> tuple[np.ndarray, np.ndarray, Any, Any, np.ndarray]:
   """(inputs, targets, positions, segment_ids, loss_mask) from a pipeline dict or a token array."""
   if isinstance(batch, Mapping):
     inputs = np.asarray(batch["inputs"])
@@ -52,9 +45,9 @@ def validation_loss(fn: LogitsFn, batches: Iterable[Any]) -> dict[str, float]:
   """
   total, count = 0.0, 0.0
   for batch in batches:
-    inputs, targets, pos, seg, mask = _split_batch(batch)
+    inputs, targets, pos, seg, mask = split_batch(batch)
     logits = fn(inputs, pos, seg) if (pos is not None or seg is not None) else fn(inputs)
-    nll = M.token_nll(logits, targets)
+    nll = measures.token_nll(logits, targets)
     total += float((nll * mask).sum())
     count += float(mask.sum())
   if count == 0:
@@ -67,7 +60,8 @@ def validation_loss(fn: LogitsFn, batches: Iterable[Any]) -> dict[str, float]:
 # Retrieval.
 
 
-def _chunks(n: int, size: int):
+def chunks(n: int, size: int):
+  """Example indices 0..n-1 in ranges of at most `size`."""
   for start in range(0, n, max(size, 1)):
     yield range(start, min(start + size, n))
 
@@ -83,7 +77,7 @@ def retrieval_accuracy(
   """
   n = task.num_examples if num_examples is None else int(num_examples)
   correct, present, depth_of = [], [], []
-  for idx in _chunks(n, batch_size):
+  for idx in chunks(n, batch_size):
     exs = task.examples(idx)
     batch = collate(exs, pad_id=int(task.tokenizer.pad_id))
     tokens = batch["tokens"]
@@ -91,14 +85,14 @@ def retrieval_accuracy(
       # Pad a short last batch with copies so a jitted model keeps its compiled shape.
       tokens = np.concatenate([tokens, np.repeat(tokens[:1], batch_size - len(exs), axis=0)])
     logits = fn(tokens)[: len(exs)]
-    c, p = M.answer_exact_match(
+    c, p = measures.answer_exact_match(
       logits, batch["tokens"], batch["answer_segments"], num_segments=int(task.num_queries)
     )
     correct.append(c)
     present.append(p)
     depth_of += [ex.depth for ex in exs]
   correct_all, present_all = np.concatenate(correct), np.concatenate(present)
-  out = M.retrieval_accuracy(correct_all, present_all)
+  out = measures.retrieval_accuracy(correct_all, present_all)
   if any(d is not None for d in depth_of):
     depth_arr = np.asarray([np.nan if d is None else d for d in depth_of])
     by_depth = {}
@@ -109,167 +103,13 @@ def retrieval_accuracy(
   return out
 
 
-def needle_table(
-  fn: LogitsFn,
-  context_len: int,
-  grid: Sequence[tuple[int, int]] = NEEDLE_GRID,
-  samples_per_depth: int = 10,
-  depths: Sequence[float] = DEPTHS,
-  seed: int = 0,
-  batch_size: int = 8,
-  filler=None,
-) -> dict[str, Any]:
-  """Accuracy per (N, R) cell at one context length, averaged over depths (paper Table 2).
-
-  Returns {"context_len", "cells": {"N{n}_R{r}": accuracy}, "by_depth": {cell: {depth: acc}},
-  "mean": mean over cells, "skipped": {cell: reason}} (cells whose needles and question do not
-  fit in `context_len` are skipped, not failed).
-  """
-  cells, by_depth, skipped = {}, {}, {}
-  for n, r in grid:
-    try:
-      task = MultiNeedleTask(
-        context_len,
-        n,
-        r,
-        depths=depths,
-        num_examples=samples_per_depth * len(depths),
-        seed=seed,
-        filler=filler,
-      )
-    except ContextTooShort as e:
-      skipped[f"N{n}_R{r}"] = str(e)
-      continue
-    res = retrieval_accuracy(fn, task, batch_size=batch_size)
-    cells[f"N{n}_R{r}"] = res["accuracy"]
-    by_depth[f"N{n}_R{r}"] = res["by_depth"]
-  return {
-    "context_len": int(context_len),
-    "cells": cells,
-    "by_depth": by_depth,
-    "mean": float(np.mean(list(cells.values()))) if cells else float("nan"),
-    "skipped": skipped,
-  }
-
-
-def retrieval_heatmap(
-  fn: LogitsFn,
-  lengths: Sequence[int],
-  depths: Sequence[float] = DEPTHS,
-  num_needles: int = 4,
-  num_queries: int = 1,
-  samples_per_cell: int = 10,
-  seed: int = 0,
-  batch_size: int = 8,
-  filler=None,
-) -> dict[str, Any]:
-  """Accuracy per (depth, context length) cell (paper Figure 5).
-
-  Returns {"lengths": [...], "depths": [...], "accuracy": [[depth-major rows]],
-  "mean_by_length": [...], "mean": float, "needles": [N, R]}. Lengths too short for the
-  needles are dropped (listed under "skipped_lengths").
-  """
-  fits = []
-  for length in lengths:
-    try:
-      MultiNeedleTask(
-        int(length),
-        num_needles,
-        num_queries,
-        depths=(0.0,),
-        num_examples=1,
-        seed=seed,
-        filler=filler,
-      )
-      fits.append(int(length))
-    except ContextTooShort:
-      pass
-  skipped = [int(x) for x in lengths if int(x) not in fits]
-  lengths = fits
-  if not lengths:
-    raise ContextTooShort(
-      f"No heatmap length in {skipped} fits {num_needles} needles and {num_queries} queries."
-    )
-  acc = np.zeros((len(depths), len(lengths)))
-  for j, length in enumerate(lengths):
-    for i, depth in enumerate(depths):
-      task = MultiNeedleTask(
-        int(length),
-        num_needles,
-        num_queries,
-        depths=(depth,),
-        num_examples=samples_per_cell,
-        seed=seed + 7919 * i,
-        filler=filler,
-      )
-      acc[i, j] = retrieval_accuracy(fn, task, batch_size=batch_size)["accuracy"]
-  return {
-    "lengths": [int(x) for x in lengths],
-    "depths": [float(d) for d in depths],
-    "accuracy": acc.tolist(),
-    "mean_by_length": acc.mean(axis=0).tolist(),
-    "mean": float(acc.mean()),
-    "needles": [int(num_needles), int(num_queries)],
-    "skipped_lengths": skipped,
-  }
-
-
-def associative_recall(
-  fn: LogitsFn, num_examples: int = 64, seed: int = 0, batch_size: int = 8, **task_kwargs
-) -> dict[str, Any]:
-  """MQAR accuracy (teacher-forced exact match of each queried value)."""
-  task = AssociativeRecallTask(num_examples=num_examples, seed=seed, **task_kwargs)
-  out = retrieval_accuracy(fn, task, batch_size=batch_size)
-  out["sequence_len"] = int(task.example(0).tokens.size)
-  out["task"] = task.name
-  return out
-
-
-def mqar_cell_name(cell: Mapping[str, Any]) -> str:
-  """The scalar name of an associative-recall grid cell: P{pairs}_D{distractors}[_Q{q}]."""
-  name = f"P{int(cell['num_pairs'])}_D{int(cell.get('distractors_per_query', 1))}"
-  return name + (f"_Q{int(cell['num_queries'])}" if "num_queries" in cell else "")
-
-
-def associative_recall_grid(
-  fn: LogitsFn,
-  grid: Sequence[Mapping[str, Any]],
-  num_examples: int = 64,
-  seed: int = 0,
-  batch_size: int = 8,
-  **common,
-) -> dict[str, Any]:
-  """MQAR accuracy on every cell of a difficulty grid (each a dict of `AssociativeRecallTask`
-  arguments over `common`); cell c draws its examples from seed `seed + c`.
-
-  Returns {"cells": {name: {"accuracy", "all_correct", "sequence_len", "settings"}},
-  "order": [names in grid order], "num_examples"}.
-  """
-  cells, order = {}, []
-  for c, cell in enumerate(grid):
-    kw = {**common, **dict(cell)}
-    kw.setdefault("num_queries", min(4, int(kw["num_pairs"])))
-    r = associative_recall(fn, num_examples, seed + c, batch_size, **kw)
-    name = mqar_cell_name(cell)
-    if name in cells:
-      raise ValueError(f"mqar_grid has two cells named {name!r}; give each cell distinct settings.")
-    order.append(name)
-    cells[name] = {
-      "accuracy": r["accuracy"],
-      "all_correct": r["all_correct"],
-      "sequence_len": r["sequence_len"],
-      "settings": kw,
-    }
-  return {"cells": cells, "order": order, "num_examples": int(num_examples)}
-
-
 def greedy_exact_match(fn: LogitsFn, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
   """Exact match by greedy decoding (one forward per generated token, no cache).
 
   For each answer segment, the sequence up to the segment's start is the prompt (gold tokens,
   including earlier answers and the template between answers); the model then generates as many
   tokens as the answer has, feeding back its own tokens. Returns (correct_BxR, present_BxR) like
-  `measures.answer_exact_match`, which it equals (see the measures module docstring); this slower
+  `measures.answer_exact_match`, which it equals (see its docstring); this slower
   function exists to check that claim.
   """
   tokens = np.asarray(batch["tokens"])

@@ -1,22 +1,8 @@
 """The one-row noise-cancelling toy: when does subtracting a second softmax map help?
 
-One query row over ``n`` keys: key 0 is the needle, the rest are distractors. Map 1 sees
-the needle (logit ``gap`` above the noise), map 2 sees only noise, and the two maps' noise
-has correlation ``rho``::
-
-    c, e ~ N(0, 1)^n            (numpy.random.default_rng(seed).standard_normal((2, n)))
-    z1 = sigma * c,  z1[0] += gap
-    z2 = sigma * (rho * c + sqrt(1 - rho^2) * e)
-    single row: a1 = softmax(z1);   differential row: d = a1 - lam * softmax(z2)
-
-and reports the needle's share of the row's absolute weight, |w[0]| / sum |w|, and its
-weight w[0], averaged over ``draws`` seeds. The draws come from NumPy's ``default_rng``
-with seeds 0..draws-1 so the numbers can be checked against a plain NumPy version; the
-maps are computed in JAX.
-
-:func:`lambda_study` extends it with what a single λ cannot do: the λ that maximises each
-row's needle share (a per-row, per-token λ, as DIFF V2's σ(W_λ x) allows within (0, 1)),
-against the best single λ for all rows (DIFF V1: one λ per layer).
+`trial` gives the needle's share of one row's absolute weight with one softmax map and with the
+difference of two maps whose noise is correlated; `lambda_study` compares one λ for all rows
+with a λ chosen per row. The model, its seeds and its numbers: docs/evaluation.md.
 
   python -m diffjax.eval.toy          # the table, then the λ study
 """

@@ -13,8 +13,8 @@ from flax import nnx
 
 from diffjax.core.reference import rms_norm
 from diffjax.eval import measures as M
-from diffjax.eval.analysis import mechanisms
 from diffjax.eval.runner import ModelRunner
+from diffjax.eval.sections.mechanisms import mechanisms
 from diffjax.model import DecoderLM, ModelConfig
 
 

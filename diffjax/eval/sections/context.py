@@ -1,0 +1,40 @@
+"""`Context`: what `evaluate_model` hands every section's `run`, built once per evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from diffjax.data.tasks import AssociativeRecallTask, MultiNeedleTask
+from diffjax.eval.config import EvalConfig
+from diffjax.eval.runner import LogitsFn, ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """The model and the data of one evaluation.
+
+  Attributes:
+    runner: the model's jitted passes (`ModelRunner`); `runner.model` and `runner.config` are
+      the model and its `ModelConfig`.
+    logits_fn: tokens -> logits on the model's normal path (`runner.logits_fn()`).
+    config: the `EvalConfig`.
+    val_batches: the first `config.val_batches` validation batches (pipeline dicts or (B, T+1)
+      token arrays); may be empty (sections with `needs_validation` are then skipped).
+    capture_batches: the same rows split into batches of at most `config.capture_batch_size`,
+      for passes that capture attention maps.
+    standard_task: the task of attention allocation, low-bit accuracy and the clamp probe
+      (`config.probe_task`: multi-needle retrieval or associative recall).
+    standard_examples: how many of its examples those sections score.
+    filler: the documents needles are hidden in (None: the standard-library corpus).
+  """
+
+  runner: ModelRunner
+  logits_fn: LogitsFn
+  config: EvalConfig
+  val_batches: Sequence[Any]
+  capture_batches: Sequence[Any]
+  standard_task: MultiNeedleTask | AssociativeRecallTask
+  standard_examples: int
+  filler: Any = None
