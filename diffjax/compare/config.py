@@ -15,6 +15,8 @@ from typing import Any
 
 import ml_collections
 
+from diffjax.arms import BASELINE
+from diffjax.arms import names as registered_arms
 from diffjax.model import ARMS
 
 EVAL_MODES = ("quick", "full", "none")
@@ -68,7 +70,7 @@ def comparison_config(
   )
   c.report = ml_collections.ConfigDict(
     dict(
-      baseline="transformer",
+      baseline=BASELINE,
       confidence=0.95,
       learned_below=0.0,
       learned_window=25,
@@ -254,10 +256,10 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   arms = arm_names(config.arms)
   named = variants(config)
   for name, v in named.items():
-    if name in ARMS:
+    if name in registered_arms():
       raise ValueError(f"variants.{name}: a variant cannot reuse an arm's name; rename it.")
-    if v["arm"] not in ARMS:
-      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {ARMS}.")
+    if v["arm"] not in registered_arms():
+      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {registered_arms()}.")
     bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
     if bad:
       raise ValueError(
@@ -265,11 +267,11 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
         "set only other model fields (e.g. v2_pairing)."
       )
   if not arms:
-    raise ValueError(f"arms is empty; choose one or more of {ARMS}.")
-  unknown = [a for a in arms if a not in ARMS and a not in named]
+    raise ValueError(f"arms is empty; choose one or more of {registered_arms()}.")
+  unknown = [a for a in arms if a not in registered_arms() and a not in named]
   if unknown:
     raise ValueError(
-      f"Unknown arm(s) {unknown} in arms={arms}; choose from {ARMS} or the "
+      f"Unknown arm(s) {unknown} in arms={arms}; choose from {registered_arms()} or the "
       f"variants {sorted(named)}."
     )
   if len(set(arms)) != len(arms):

@@ -12,11 +12,11 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diffjax import arms
 from diffjax.eval import sections, stats
 from diffjax.eval.display import as_number
 
-BASELINE = "transformer"
-ARM_ORDER = ("transformer", "diff_v1", "diff_v2")
+BASELINE = arms.BASELINE
 
 # Scalars that no evaluation section produces, with their directions and the ones the summary
 # states first (after the sections' headline scalars). `diffjax.compare` adds these to each
@@ -76,12 +76,13 @@ def __getattr__(name: str):
 
 
 def by_arm(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-  """Runs grouped by arm: the known arms first (ARM_ORDER), then others by name; each arm's
+  """Runs grouped by arm: the registered arms first (in `diffjax.arms.names()` order), then others by name; each arm's
   runs sorted by seed, seedless runs last."""
   groups: dict[str, list] = {}
   for r in runs:
     groups.setdefault(r["arm"], []).append(r)
-  order = [a for a in ARM_ORDER if a in groups] + sorted(a for a in groups if a not in ARM_ORDER)
+  known = arms.names()
+  order = [a for a in known if a in groups] + sorted(a for a in groups if a not in known)
   return {
     a: sorted(groups[a], key=lambda r: (r.get("seed") is None, r.get("seed") or 0)) for a in order
   }

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from diffjax import arms as arms_registry
 from diffjax.eval import stats
 
 # ----------------------------------------------------------------------------------------------
@@ -35,8 +36,8 @@ def section_result(run: Mapping[str, Any], name: str) -> Any:
 
 
 def colors(arms: Iterable[str]) -> dict[str, str]:
-  """A matplotlib colour per arm: fixed ones for the three arms, then others in turn."""
-  palette = {"transformer": "tab:gray", "diff_v1": "tab:blue", "diff_v2": "tab:orange"}
+  """A matplotlib colour per arm: the registered arms' own, then others in turn."""
+  palette = {a.name: a.color for a in arms_registry.all_arms()}
   extra = iter(["tab:green", "tab:red", "tab:purple", "tab:brown"])
   return {a: palette.get(a) or next(extra, "black") for a in arms}
 

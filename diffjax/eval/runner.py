@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import arms
 from diffjax.eval import measures
 from diffjax.model import Hooks
 from diffjax.nn.layers import STACKED_AXIS, is_weight_matrix, logical_names
@@ -192,8 +193,8 @@ class ModelRunner:
 
 
 def _has_norm_taps(config) -> bool:
-  """Whether `Hooks.norm` taps the model: DIFF V1, the arm with a per-head norm."""
-  return config.attention == "diff_v1"
+  """Whether `Hooks.norm` taps the model: an arm with a per-head norm (DIFF V1)."""
+  return arms.get(config.attention).head_norm
 
 
 def _input_axes(names: tuple) -> tuple[int, ...]:

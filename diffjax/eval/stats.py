@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.stats
 
+from diffjax import arms
+
 
 def t_cdf(t: float, df: float) -> float:
   """P(T <= t) for Student's t with `df` > 0 degrees of freedom."""
@@ -107,7 +109,7 @@ def verdict(
   diff: dict[str, float],
   metric: str,
   arm: str,
-  baseline: str = "transformer",
+  baseline: str = arms.BASELINE,
   higher_is_better: bool | None = None,
   alpha: float = 0.05,
 ) -> str:

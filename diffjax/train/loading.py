@@ -11,6 +11,7 @@ from typing import Any
 from etils import epath
 from flax import nnx
 
+from diffjax import arms
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.train import checkpoint as ckpt
 from diffjax.train.steps import create_model
@@ -34,6 +35,8 @@ class LoadedRun:
 def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig, dict]:
   """The verified model of one step and its meta; ``CorruptCheckpointError`` if unusable."""
   meta = ckpt.read_meta(manager, step)
+  # An arm of the user's own is registered by the module the run recorded.
+  arms.get(meta["model_config"].get("attention", ""), module=meta.get("arm_module"))
   # Analysis reads blocks one by one: load unscanned unless asked (the layout converts).
   cfg = ModelConfig.from_dict({**meta["model_config"], "scan_layers": False, **model_overrides})
   with nnx.use_eager_sharding(False):

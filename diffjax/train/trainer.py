@@ -170,7 +170,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     keep=config.checkpoint.keep,
     async_save=config.checkpoint.async_save,
   )
-  meta = {"model_config": model_cfg.to_dict(), "config": json.loads(config.to_json_best_effort())}
+  meta = {
+    "model_config": model_cfg.to_dict(),
+    "config": json.loads(config.to_json_best_effort()),
+    # The module that registered the arm: what loading the run imports to know the arm.
+    "arm_module": arms.module_of(model_cfg.attention),
+  }
   train_iter = data.new_train_iter()
   progress = Progress(config.num_steps, 0, log_every=config.log_every, enabled=is_main)
   # Each fused kernel the model chose, once on this device against XLA before the steps

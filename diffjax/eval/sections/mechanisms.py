@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffjax import arms
 from diffjax.eval import measures
 from diffjax.eval.registry import DESCRIPTIVE, Section
 from diffjax.eval.runner import ModelRunner, causal_valid, layer_maps
@@ -33,15 +34,15 @@ _POOLED = {
 
 
 def _measures_norm_magnification(config) -> bool:
-  """Whether the model has the per-head norm whose 1/RMS the section reports (DIFF V1 with its
-  norm)."""
-  return config.attention == "diff_v1" and config.diff_use_norm
+  """Whether the model has the per-head norm whose 1/RMS the section reports (an arm with a
+  per-head norm, DIFF V1, with its norm on)."""
+  return arms.get(config.attention).head_norm and config.diff_use_norm
 
 
 def _norm_gradients(runner: ModelRunner, inputs, targets, positions, segment_ids, mask):
   """The gradients into and out of each layer's per-head norm (`ModelRunner.norm_gradients`)
-  for DIFF V1, None for the other arms."""
-  if runner.config.attention != "diff_v1":
+  for an arm with one (DIFF V1), None for the others."""
+  if not arms.get(runner.config.attention).head_norm:
     return None
   return runner.norm_gradients(inputs, targets, positions, segment_ids, mask)
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffjax import arms
 from diffjax.eval import display, measures
 from diffjax.eval.registry import DESCRIPTIVE, Section
 from diffjax.eval.runner import ModelRunner, causal_valid, layer_maps
@@ -23,9 +24,9 @@ from diffjax.eval.sections.context import Context
 
 def _paired_maps(arm: str, layer: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
   """The maps the correlation probe pairs at the sampled rows, (a1, a2, logits1, logits2) each
-  [B, H', R, S]: A1 and A2 of each DIFF head, or for the Transformer its query heads 2i and
-  2i+1 as would-be pairs (a control)."""
-  if arm == "transformer":
+  [B, H', R, S]: A1 and A2 of each DIFF head, or for an arm with one map per head (the
+  Transformer) its query heads 2i and 2i+1 as would-be pairs (a control)."""
+  if arms.get(arm).maps == 1:
     probs_BxHxRxS, logits_BxHxRxS = layer["probs"], layer["logits"]
     h2 = probs_BxHxRxS.shape[1] // 2 * 2
     return (
@@ -39,22 +40,22 @@ def _paired_maps(arm: str, layer: Mapping[str, np.ndarray]) -> tuple[np.ndarray,
 
 def _pairing_kind(arm: str) -> str:
   """The JSON's name for what `_paired_maps` pairs."""
-  return "head_pairs" if arm == "transformer" else "a1_a2"
+  return "head_pairs" if arms.get(arm).maps == 1 else "a1_a2"
 
 
 def _lambda_summary(runner: ModelRunner, lam_values: list[list[np.ndarray]]) -> dict[str, Any]:
-  """lambda per layer: DIFF V1's scalar (with lambda_init), DIFF V2's distribution of
-  sigmoid(lambda) over tokens and heads, or {"kind": "none"} for the Transformer."""
-  arm = runner.config.attention
-  if arm == "diff_v1":
+  """lambda per layer, as the arm reports it (:attr:`diffjax.arms.ArmSpec.lambda_report`):
+  one scalar per layer (DIFF V1, with its per-layer constants such as lambda_init), the
+  distribution of a squashed lambda over tokens and heads (DIFF V2), or {"kind": "none"}."""
+  arm = arms.get(runner.config.attention)
+  if arm.lambda_report == "scalar":
+    constants = arm.layer_constants(runner.config)
     return {
       "kind": "scalar",
       "layers": [float(v[0][0]) for v in lam_values],
-      "lambda_init": [
-        float(runner.model.layer(i).attn.lambda_init) for i in range(len(lam_values))
-      ],
+      **{name: [float(x) for x in values] for name, values in constants.items()},
     }
-  if arm == "diff_v2":
+  if arm.lambda_report == "sigmoid":
     lam = {"kind": "sigmoid", "layers": [_distribution(np.concatenate(v)) for v in lam_values]}
     heads = runner.config.num_heads
     for li, v in enumerate(lam_values):
