@@ -296,14 +296,3 @@ def _sharded_child():
 def test_sharded_generation_gives_the_single_device_tokens():
   last = run_python("import tests.generation.test_generate as t; t._sharded_child()")
   assert json.loads(last) == {a: True for a in ARMS}
-
-
-def test_v1_decode_dispatches_to_the_gpu_kernel_on_a_gpu():
-  # The kernel's numbers against the reference: tests/kernels/gpu/test_kernels_mosaic_gpu.py (interpreter).
-  from diffjax import ops
-  from diffjax.ops import dispatch
-
-  with ops.target_platform("gpu"):
-    assert dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == (
-      "xla" if dispatch.triton_deprecated() else "pallas_gpu"
-    )

@@ -103,11 +103,10 @@ def test_kernel_gradients_match_xla_for_every_parameter(arm):
 
 @pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
 def test_a_kernel_with_a_doubled_dk_fails_the_gradient_check(arm, monkeypatch):
-  key = (arm, "pallas_tpu")
-  impl = dispatch._REGISTRY[key][0]  # pylint: disable=protected-access
-  k_index = 2 if arm == "diff_v1" else 1  # V1: q1, q2, k1, k2, v, lam; V2: q, k, v, lam
-  mutated = dispatch._Impl(_doubled_dk(impl.fn, k_index), impl.platforms)  # pylint: disable=protected-access
-  monkeypatch.setitem(dispatch._REGISTRY, key, [mutated])  # pylint: disable=protected-access
+  (row,) = [r for r in dispatch.rows(arm) if r.name == "pallas_tpu"]
+  k_index = dispatch.OPS[arm].keys[0]  # V1: q1, q2, k1, k2, v, lam; V2: q, k, v, lam
+  monkeypatch.setattr(dispatch, "_TABLE", {k: list(v) for k, v in dispatch._TABLE.items()})
+  dispatch.register_implementation(arm, "pallas_tpu", _doubled_dk(row.fn, k_index), row.platforms)
   errs = _grad_errors(_grads(arm, "pallas_tpu"), _xla_grads(arm))
   bad = {k for k, e in errs.items() if not e <= GRAD_RTOL}
   # dK feeds the key projection of every layer, and through the residual stream all that

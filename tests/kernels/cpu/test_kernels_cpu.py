@@ -149,9 +149,13 @@ def test_rows_with_no_visible_key_are_zero_with_finite_gradients():
 def test_auto_runs_it_on_cpu_and_keeps_masks_and_float64_on_the_reference():
   assert jax.default_backend() == "cpu"
   for op in ("mha", "diff_v1", "diff_v2"):
-    assert dispatch.resolve(op, "auto", has_mask=False, interpret=False) == "xla_cpu"
-    assert dispatch.resolve(op, "auto", has_mask=True, interpret=False) == "xla"
-    assert dispatch.resolve(op, "auto", has_mask=False, interpret=False, float64=True) == "xla"
+    spec = dispatch.OPS[op]
+    arrays = spec.example(jnp.float32, 8, 2, 16)
+    assert dispatch.choose(spec, "auto", arrays) == "xla_cpu"
+    assert dispatch.choose(spec, "auto", arrays, mask=jnp.ones((16, 16), bool)) == "xla"
+    with jax.enable_x64(True):
+      f64 = spec.example(jnp.float64, 8, 2, 16)
+      assert dispatch.choose(spec, "auto", f64) == "xla"
   q, kk, v = _arrays([(2, 9, 4, 8), (2, 9, 2, 8), (2, 9, 2, 8)], 3, jnp.float32)
   _close(ops.dot_product_attention(q, kk, v), ref.mha_reference(q, kk, v), 2e-5)
   _close(

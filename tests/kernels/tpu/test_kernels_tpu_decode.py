@@ -189,15 +189,13 @@ def test_decode_rejects_bad_arguments():
 
 
 def test_auto_on_tpu_and_pallas_tpu_run_the_kernel_and_match_xla():
-  with ops.target_platform("tpu"):
-    assert (
-      dispatch.resolve("diff_v1_decode", "auto", has_mask=False, interpret=False) == "pallas_tpu"
-    )
-  assert (
-    dispatch.lookup("diff_v1_decode", "pallas_tpu", "tpu", False).fn is kt.diff_v1_decode_pallas_tpu
-  )
   q1, q2, k1, k2, v, _ = _inputs(3, 128, 6, 2, 16, 32, seed=2)
   args = (q1, q2, k1, k2, v, 0.3, jnp.array([1, 77, 128]))
+  spec = dispatch.OPS["diff_v1_decode"]
+  with ops.target_platform("tpu"):
+    assert dispatch.choose(spec, "auto", (*args[:5], jnp.asarray(0.3), args[6])) == "pallas_tpu"
+  (row,) = [r for r in dispatch.rows("diff_v1_decode") if r.name == "pallas_tpu"]
+  assert row.fn is kt.diff_v1_decode_pallas_tpu
   got = ops.diff_v1_attention_decode(*args, implementation="pallas_tpu", interpret=True)
   want = ops.diff_v1_attention_decode(*args, implementation="xla")
   assert rel_err(got, want) <= F32_TOL
