@@ -194,7 +194,12 @@ _DOCS_WITH_PYTHON = [p for p in doc_pages(recursive=False)[1:] if python_blocks(
 
 
 @pytest.mark.parametrize("path", _DOCS_WITH_PYTHON, ids=_rel)
-def test_docs_python_examples_run(path):
+def test_docs_python_examples_run(path, monkeypatch):
+  # An example may register an arm: the registry is restored afterwards.
+  from diffjax.arms import spec
+
+  monkeypatch.setattr(spec, "_ARMS", dict(spec._ARMS))
+  monkeypatch.setattr(spec, "_MODULES", dict(spec._MODULES))
   namespace: dict = {}
   for block in python_blocks(path):
     exec(compile(block, _rel(path), "exec"), namespace)  # pylint: disable=exec-used
