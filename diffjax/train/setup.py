@@ -27,6 +27,7 @@ from diffjax import sharding as shd
 from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
+from diffjax.train.config import OptimConfig
 from diffjax.train.optim import decay_mask, make_optimizer
 from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
 
@@ -130,7 +131,7 @@ def with_mesh_rules(
 
 def build_train_setup(
   model_cfg: ModelConfig,
-  optim_cfg,
+  optim_cfg: OptimConfig,
   *,
   seed: int,
   mesh: Mesh,
@@ -144,7 +145,7 @@ def build_train_setup(
 
   Args:
     model_cfg: the model.
-    optim_cfg: the ``optim`` section of a run config (see ``make_optimizer``).
+    optim_cfg: the run's ``optim`` section (see ``make_optimizer``).
     seed: initialisation seed (also the state's RNG key).
     mesh: a mesh with axes ``data``, ``fsdp``, ``tensor``, ``context``
       (``diffjax.sharding.make_mesh``).
