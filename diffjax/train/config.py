@@ -343,7 +343,7 @@ class CheckpointConfig(_Section):
   # A train.py workdir whose newest parameters a fresh run starts from (fresh optimizer state,
   # step 0); ignored once this run has a checkpoint of its own. "": none. None: a config that
   # requires one (a run without a checkpoint then stops, naming the flag).
-  init_from: str | None = ""
+  init_from: str | None = dataclasses.field(default="", metadata={"placeholder": True})
 
   def _check(self) -> None:
     if self.every <= 0 or self.keep <= 0:
@@ -477,8 +477,7 @@ def model_section(
   for f in dataclasses.fields(ModelConfig):
     if f.name in ("attention", "vocab_size", *WIDTHS):
       continue
-    value = getattr(_MODEL_DEFAULTS, f.name)
-    m[f.name] = _config_value(value, hints[f.name], f)
+    _set_value(m, f.name, getattr(_MODEL_DEFAULTS, f.name), hints[f.name], f)
   for k, v in values.items():
     if k not in m:
       raise ValueError(f"model_section: unknown key {k!r}.")
@@ -671,16 +670,21 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-def _config_value(value: Any, hint: Any, field: dataclasses.Field) -> Any:
-  """A ConfigDict value for a field: a placeholder of the field's type for None."""
-  if value is None:
-    return ml_collections.config_dict.placeholder(
+def _set_value(c: ml_collections.ConfigDict, name: str, value: Any, hint: Any, field) -> None:
+  """Sets ``c[name]`` for a field: None (and a field marked ``placeholder``) as a placeholder
+  of the field's type, so that a config may set it to None and back."""
+  if value is None or field.metadata.get("placeholder"):
+    c[name] = ml_collections.config_dict.placeholder(
       field.metadata.get("config_type") or _config_type(hint)
     )
-  return value
+    if value is None:
+      return
+  c[name] = value
 
 
 def _to_config_dict(obj: Any) -> ml_collections.ConfigDict:
+  if isinstance(obj, RunConfig) and obj.data is None:
+    raise ValueError("The run's data is named at launch: set data.paths (and data.tokenizer).")
   c = ml_collections.ConfigDict()
   hints = _hints(type(obj))
   for f in dataclasses.fields(obj):
@@ -695,7 +699,7 @@ def _to_config_dict(obj: Any) -> ml_collections.ConfigDict:
     elif isinstance(obj, MeshConfig) and f.name == "rules" and value is not None:
       c.rules = [list(r) for r in value]
     else:
-      c[f.name] = _config_value(value, hints[f.name], f)
+      _set_value(c, f.name, value, hints[f.name], f)
   return c
 
 
@@ -706,12 +710,13 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def check_config(config: Any) -> RunConfig:
-  """Validates a run config (a ConfigDict or a RunConfig) before anything is read or written;
-  returns the :class:`RunConfig` it resolves to.
+  """Validates a run config (a ConfigDict or a RunConfig) as a dry run does: everything but a
+  data section whose corpus is named at launch (``data_at_launch``); returns the
+  :class:`RunConfig` it resolves to.
 
   Raises:
     ValueError: a missing section, a model section that does not resolve (an unknown arm
       or size, a bad width), a non-positive count, or a float option that is not finite or
       out of its range; the message names the value.
   """
-  return RunConfig.from_config(config)
+  return RunConfig.from_config(config, data_at_launch=True)
