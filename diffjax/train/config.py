@@ -1,11 +1,12 @@
-"""The run config: typed sections, checked once, and the ConfigDict that config files edit.
+"""The run config: one typed object per run, and the ConfigDict that config files edit.
 
 A run is configured by a Python file whose ``get_config()`` returns an ``ml_collections``
-ConfigDict (``configs/``). It starts from :func:`base_config`, which is generated from the
-dataclasses below, so every key has its default written once, here, with a comment saying what
-it is. A command resolves the file's ConfigDict into a :class:`RunConfig` once
-(:meth:`RunConfig.from_config`), which checks every value and names a bad one with the flag that
-fixes it; below that, each module takes its section (``run.optim``, ``run.task_mix``, ...).
+ConfigDict (``configs/``). It starts from :func:`base_config`, which is generated from
+:class:`RunConfig` and its sections (:mod:`diffjax.train.sections`), so every key has its default
+written once, with a comment saying what it is. A command resolves the file's ConfigDict into a
+RunConfig once (:meth:`RunConfig.from_config`), which checks every value and names a bad one
+with the flag that fixes it; below that, each module takes its section (``run.optim``,
+``run.task_mix``, ...).
 
 ``data`` is :class:`diffjax.data.DataConfig`. ``model`` stays a mapping, the one
 :func:`diffjax.model.resolve_model` turns into a ModelConfig: its keys (:func:`model_section`)
@@ -16,26 +17,32 @@ are the ModelConfig fields with their defaults, the baseline widths, and the run
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import math
 import numbers
-import types
-import typing
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import ml_collections
 
 from diffjax.data import DataConfig
 from diffjax.model import ModelConfig, resolve_model
 from diffjax.model.config import DEFAULT_V2_MATCH
-from diffjax.model.sizes import WIDTHS
-from diffjax.sharding import CONTEXT_STRATEGIES, rules_from_config
+from diffjax.model.sizes import CUSTOM, WIDTHS
+from diffjax.train.sections import (
+  CheckpointConfig,
+  DistributedConfig,
+  KernelsConfig,
+  MeshConfig,
+  OptimConfig,
+  ProfileConfig,
+  Section,
+  TaskMixConfig,
+  check_floats,
+  field_hints,
+  plain,
+  refuse_unknown,
+  set_config_value,
+)
 
-SCHEDULES = ("cosine", "linear", "constant")
-# Tasks of diffjax.data.tasks that training can mix in ("none": text alone).
-TASKS = ("none", "multi_needle", "associative_recall")
 # Keys a run config must state (the other keys keep their defaults when a config lacks them).
 REQUIRED = (
   "model",
@@ -52,397 +59,6 @@ REQUIRED = (
   "eval_every",
   "eval_batches",
 )
-
-# Float options and the range each must lie in: (key, low, high, low_open, high_open);
-# None is an unbounded side. Every one must also be finite: a NaN learning rate, say,
-# gives NaN parameters while the loss still looks finite.
-FLOAT_RANGES = (
-  ("optim.lr", 0.0, None, True, False),
-  ("optim.min_lr", 0.0, None, False, False),
-  ("optim.b1", 0.0, 1.0, False, True),
-  ("optim.b2", 0.0, 1.0, False, True),
-  ("optim.eps", 0.0, None, True, False),
-  ("optim.weight_decay", 0.0, None, False, False),
-  ("optim.clip_norm", 0.0, None, False, False),  # 0 (or None) disables clipping
-  ("task_mix.fraction", 0.0, 1.0, False, False),
-  ("data.val_fraction", 0.0, 1.0, False, True),
-  ("model.rope_theta", 0.0, None, True, False),
-  ("model.norm_eps", 0.0, None, True, False),
-  ("model.diff_norm_eps", 0.0, None, True, False),
-  ("model.init_std", 0.0, None, True, False),
-  ("model.diff_fixed_lambda", None, None, False, False),
-  ("distributed.peer_timeout_s", 0.0, None, True, False),
-)
-
-
-# ----------------------------------------------------------------------------------------------
-# Checks shared by the sections.
-
-
-def _range_text(low, high, low_open: bool, high_open: bool) -> str:
-  if low is not None and high is not None:
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-  if low is not None:
-    return f"{'>' if low_open else '>='} {low:g}"
-  if high is not None:
-    return f"{'<' if high_open else '<='} {high:g}"
-  return "a finite number"
-
-
-def check_floats(prefix: str, values: Mapping[str, Any]) -> None:
-  """Refuses the non-finite or out-of-range float options of one section (``prefix``, e.g.
-  "optim") among ``values`` (those present and not None), by :data:`FLOAT_RANGES`.
-
-  Raises:
-    ValueError: naming the key, the value seen and the allowed range.
-  """
-  for key, low, high, low_open, high_open in FLOAT_RANGES:
-    section, _, name = key.rpartition(".")
-    if section != prefix or values.get(name) is None:
-      continue
-    value = values[name]
-    want = _range_text(low, high, low_open, high_open)
-    try:
-      x = float(value)
-    except (TypeError, ValueError):
-      raise ValueError(f"{key}={value!r} must be a number {want}.") from None
-    bad = (
-      not math.isfinite(x)
-      or (low is not None and (x <= low if low_open else x < low))
-      or (high is not None and (x >= high if high_open else x > high))
-    )
-    if bad:
-      where = "" if want == "a finite number" else f", {want}"
-      raise ValueError(f"{key}={x} must be a finite number{where}; set --config.{key}=<value>.")
-
-
-def _config_type(hint: Any) -> type:
-  """The ConfigDict type of a field annotated ``hint`` (``int | None`` -> int)."""
-  args = [a for a in typing.get_args(hint) if a is not type(None)]
-  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-    hint = args[0]
-  origin = typing.get_origin(hint) or hint
-  return dict if origin is Mapping else origin
-
-
-def _optional(hint: Any) -> bool:
-  return type(None) in typing.get_args(hint)
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-  return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-  """``value`` as the type of its annotation ``hint``; ValueError naming ``key`` otherwise."""
-  if value is None:
-    if _optional(hint):
-      return None
-    raise ValueError(f"{key}=None must be set; set --config.{key}=<value>.")
-  kind = _config_type(hint)
-  if kind is bool:
-    if isinstance(value, (str, float)) or value not in (0, 1):
-      raise ValueError(f"{key}={value!r} must be True or False.")
-    return bool(value)
-  if kind is int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-      raise ValueError(f"{key}={value!r} must be an integer; set --config.{key}=<int>.")
-    return int(value)
-  if kind is float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-      raise ValueError(f"{key}={value!r} must be a number; set --config.{key}=<value>.")
-    return float(value)
-  if kind is str and not isinstance(value, str):
-    raise ValueError(f"{key}={value!r} must be a string.")
-  if kind is tuple:
-    if isinstance(value, Mapping):  # a table given as a dict: its (key, value) pairs
-      return tuple(value.items())
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-      raise ValueError(f"{key}={value!r} must be a tuple.")
-    return tuple(value)
-  return value
-
-
-def _plain(section: Any) -> dict[str, Any]:
-  """A config section (ConfigDict or mapping) as a plain dict of plain values."""
-  to_dict = getattr(section, "to_dict", None)
-  return dict(to_dict() if to_dict is not None else section)
-
-
-def _refuse_unknown(prefix: str, given, known) -> None:
-  unknown = [k for k in given if k not in known]
-  if not unknown:
-    return
-  where = f"{prefix}." if prefix else ""
-  near = difflib.get_close_matches(unknown[0], list(known), n=1)
-  hint = f"did you mean {where}{near[0]}? " if near else ""
-  raise ValueError(
-    f"{where}{unknown[0]} is not a run config key; {hint}the keys of "
-    f"{prefix or 'a run config'} are {', '.join(known)}."
-  )
-
-
-class _Section:
-  """A run config section: a frozen dataclass whose values are checked when it is built.
-
-  Building one checks its float options against :data:`FLOAT_RANGES`, gives every value the
-  type of its annotation (naming a value that has none of it) and runs the section's own
-  ``_check``. ``prefix`` is the section's key in the run config.
-  """
-
-  prefix: ClassVar[str] = ""
-
-  def __post_init__(self):
-    names = [f.name for f in dataclasses.fields(self)]
-    check_floats(self.prefix, {n: getattr(self, n) for n in names})
-    hints = _hints(type(self))
-    for n in names:
-      key = f"{self.prefix}.{n}" if self.prefix else n
-      object.__setattr__(self, n, _coerce(key, getattr(self, n), hints[n]))
-    self._check()
-
-  def _check(self) -> None:
-    """The section's own checks, on values of the annotated types."""
-
-  @classmethod
-  def from_config(cls, section: Any):
-    """The section as it is, or built from its mapping (a ConfigDict section or a dict): keys
-    it lacks keep their defaults; a key it does not have is refused, naming the keys it has."""
-    if isinstance(section, cls):
-      return section
-    values = _plain(section)
-    _refuse_unknown(cls.prefix, values, [f.name for f in dataclasses.fields(cls)])
-    return cls(**values)
-
-
-# ----------------------------------------------------------------------------------------------
-# The sections.
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
-  """AdamW with a linear warm-up, a decay to a floor, and global-norm clipping."""
-
-  prefix: ClassVar[str] = "optim"
-
-  # Peak learning rate, reached at the end of the warm-up.
-  lr: float = 3e-3
-  # The learning rate the decay ends at, and stays at.
-  min_lr: float = 3e-4
-  # Steps of the linear warm-up from 0 to lr.
-  warmup_steps: int = 50
-  # The decay after the warm-up: "cosine", "linear" or "constant" (lr throughout).
-  schedule: str = "cosine"
-  # The step at which the decay reaches min_lr.
-  decay_steps: int = 1000
-  # AdamW's decay rates of the first and second moments.
-  b1: float = 0.9
-  b2: float = 0.95
-  # AdamW's epsilon, added to the root of the second moment.
-  eps: float = 1e-8
-  # Decoupled weight decay of the weight matrices (never of norm gains or lambda vectors).
-  weight_decay: float = 0.1
-  # The global gradient norm is clipped to this; 0 (or None) does not clip.
-  clip_norm: float | None = 1.0
-
-  def _check(self) -> None:
-    if self.min_lr > self.lr:
-      raise ValueError(f"optim.min_lr={self.min_lr} must be <= optim.lr={self.lr}.")
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"optim.schedule={self.schedule!r} is not one of {SCHEDULES}.")
-    if self.warmup_steps < 0 or self.decay_steps < self.warmup_steps:
-      raise ValueError(
-        f"Need 0 <= optim.warmup_steps <= decay steps; got warmup_steps={self.warmup_steps},"
-        f" decay_steps={self.decay_steps}."
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskMixConfig(_Section):
-  """Synthetic retrieval examples mixed into the training data (diffjax/train/task_mix.py).
-
-  The keys of the other task are ignored: multi_needle reads context_len, num_needles and
-  num_queries; associative_recall reads num_pairs, num_queries, distractors_per_query, key_len,
-  value_len, separator and grid.
-  """
-
-  prefix: ClassVar[str] = "task_mix"
-
-  # The task of diffjax.data.tasks mixed in: "none", "multi_needle" or "associative_recall".
-  task: str = "none"
-  # The share of training tokens from task examples; 1: task examples alone, no corpus.
-  fraction: float = 0.0
-  # multi_needle: tokens per example.
-  context_len: int = 512
-  # multi_needle: needles hidden per example.
-  num_needles: int = 2
-  # Questions asked per example.
-  num_queries: int = 1
-  # associative_recall: key-value pairs in context.
-  num_pairs: int = 16
-  # associative_recall: pairs whose key resembles a queried key, per query.
-  distractors_per_query: int = 1
-  # associative_recall: tokens of a key, and of a value.
-  key_len: int = 3
-  value_len: int = 3
-  # associative_recall: the text between a key and its value ("": none).
-  separator: str = ":"
-  # associative_recall: (num_pairs, distractors_per_query) settings mixed in equal shares
-  # instead of the two keys above; empty: those keys.
-  grid: tuple[tuple[int, int], ...] = ()
-  # With fraction 1: how many task examples to train on (> 0).
-  num_examples: int = 0
-  # The tokens scored: "all", or "answers" (task examples alone only).
-  loss: str = "all"
-
-  @property
-  def task_only(self) -> bool:
-    """True when the run trains on task examples alone (fraction 1): no corpus is read."""
-    return self.task != "none" and self.fraction == 1.0
-
-  def _check(self) -> None:
-    object.__setattr__(self, "grid", tuple(tuple(int(v) for v in g) for g in self.grid))
-    if self.task not in TASKS:
-      raise ValueError(f"task_mix.task={self.task!r} is not one of {TASKS}.")
-    if self.task == "none" or self.fraction == 0.0:
-      return
-    if not 0.0 < self.fraction <= 1.0:
-      raise ValueError(f"task_mix.fraction={self.fraction} must be in (0, 1].")
-    if self.loss not in ("all", "answers"):
-      raise ValueError(f"task_mix.loss={self.loss!r} must be 'all' or 'answers'.")
-    if self.loss == "answers" and self.fraction != 1.0:
-      raise ValueError(
-        f"task_mix.loss='answers' scores task answers only, so it needs task "
-        f"examples alone (task_mix.fraction=1); got fraction={self.fraction}."
-      )
-    if self.task == "multi_needle" and self.fraction == 1.0:
-      raise ValueError(
-        "task_mix.task='multi_needle' hides its needles in corpus text; it cannot "
-        "train on task examples alone (fraction=1). Use a fraction below 1."
-      )
-    if self.fraction == 1.0 and self.num_examples <= 0:
-      raise ValueError(
-        f"task_mix.fraction=1 trains on task examples alone; set "
-        f"task_mix.num_examples to how many (> 0), got {self.num_examples}."
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
-  """Orbax checkpoints of the train state and the data position (diffjax/train/checkpoint.py)."""
-
-  prefix: ClassVar[str] = "checkpoint"
-
-  # Save every this many steps (and at the end, and on SIGTERM/SIGINT).
-  every: int = 500
-  # The newest checkpoints kept.
-  keep: int = 2
-  # Write in the background while training goes on.
-  async_save: bool = True
-  # A train.py workdir whose newest parameters a fresh run starts from (fresh optimizer state,
-  # step 0); ignored once this run has a checkpoint of its own. "": none. None: a config that
-  # requires one (a run without a checkpoint then stops, naming the flag).
-  init_from: str | None = dataclasses.field(default="", metadata={"placeholder": True})
-
-  def _check(self) -> None:
-    if self.every <= 0 or self.keep <= 0:
-      raise ValueError(
-        f"checkpoint.every={self.every} and checkpoint.keep={self.keep} must be positive."
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
-  """The device mesh and how arrays are laid out on it (docs/scaling.md)."""
-
-  prefix: ClassVar[str] = "mesh"
-
-  # (data, fsdp, tensor[, context]); one entry may be -1 ("the rest").
-  shape: tuple[int, ...] = (-1, 1, 1)
-  # The logical-axis rules table as [name, mesh axes] pairs (or a dict); None:
-  # diffjax.sharding's. Kept as the normalised table.
-  rules: tuple | None = dataclasses.field(default=None, metadata={"config_type": list})
-  # Attention over a context axis larger than 1: "ring" or "all_gather".
-  context_strategy: str = "ring"
-  # Split each sequence into 2 x context chunks in zig-zag order, so every device holds an
-  # equal share of the causal work.
-  context_load_balance: bool = True
-
-  def _check(self) -> None:
-    object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-    if self.rules is not None:
-      object.__setattr__(self, "rules", rules_from_config(self.rules))
-    if self.context_strategy not in CONTEXT_STRATEGIES:
-      raise ValueError(
-        f"mesh.context_strategy={self.context_strategy!r} is not one of {CONTEXT_STRATEGIES}."
-      )
-
-  @property
-  def logical_rules(self) -> tuple:
-    """The rules table the run uses (diffjax.sharding's when ``rules`` is None)."""
-    return rules_from_config(self.rules)
-
-  @property
-  def context(self) -> int:
-    """The size of the context axis (1 for a 3-entry shape)."""
-    return self.shape[3] if len(self.shape) == 4 else 1
-
-  def context_options(self) -> dict[str, Any]:
-    """The context-parallel settings, as keyword arguments of the train step's setup."""
-    return {
-      "context_strategy": self.context_strategy,
-      "context_load_balance": self.context_load_balance,
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig(_Section):
-  """Several processes: start-up, lost peers, supervision (diffjax/train/distributed.py)."""
-
-  prefix: ClassVar[str] = "distributed"
-
-  # Call jax.distributed.initialize(); None: when the environment says there are several
-  # processes (TPU VMs, SLURM, DIFFJAX_COORDINATOR).
-  initialize: bool | None = None
-  # A process whose peer stops answering this long says so and exits (75).
-  peer_timeout_s: float = 60.0
-  # With several processes, train.py trains in a child process, so that a lost coordinator
-  # is said in one line too (diffjax/train/supervise.py).
-  supervise: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileConfig(_Section):
-  """Profiler traces and the train step's HLO (diffjax/train/perf.py), on process 0."""
-
-  prefix: ClassVar[str] = "profile"
-
-  # (first, last): a profiler trace of those steps (1-based, inclusive); (): none.
-  steps: tuple[int, ...] = ()
-  # Write the compiled train step's HLO to <workdir>/train_step.hlo.txt.
-  dump_hlo: bool = False
-
-  def _check(self) -> None:
-    steps = self.steps
-    if steps and (len(steps) != 2 or not 1 <= int(steps[0]) <= int(steps[1])):
-      raise ValueError(
-        f"profile.steps={steps!r} must be (first, last) with 1 <= first <= last, "
-        'e.g. --config.profile.steps="(10, 12)".'
-      )
-    object.__setattr__(self, "steps", tuple(int(s) for s in steps))
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelsConfig(_Section):
-  """Checks of the fused kernels the model chose (diffjax/ops/preflight.py)."""
-
-  prefix: ClassVar[str] = "kernels"
-
-  # On a GPU or TPU, run each fused kernel once against XLA before the first step; a failing
-  # one is switched to the stock path.
-  preflight: bool = True
-
 
 # ----------------------------------------------------------------------------------------------
 # The model section.
@@ -473,11 +89,11 @@ def model_section(
     {k: ml_collections.config_dict.placeholder(int) for k in WIDTHS}
   )
   m.vocab_size = TOKENIZER_VOCAB
-  hints = _hints(ModelConfig)
+  hints = field_hints(ModelConfig)
   for f in dataclasses.fields(ModelConfig):
     if f.name in ("attention", "vocab_size", *WIDTHS):
       continue
-    _set_value(m, f.name, getattr(_MODEL_DEFAULTS, f.name), hints[f.name], f)
+    set_config_value(m, f.name, getattr(_MODEL_DEFAULTS, f.name), hints[f.name], f)
   for k, v in values.items():
     if k not in m:
       raise ValueError(f"model_section: unknown key {k!r}.")
@@ -498,7 +114,7 @@ def _default_model() -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(_Section):
+class RunConfig(Section):
   """One training run: its schedule and batch, and a section per concern.
 
   Build it with :meth:`from_config` from a config file's ConfigDict (what commands do), or
@@ -552,7 +168,7 @@ class RunConfig(_Section):
 
   def __post_init__(self):
     # In the order a reader checks a config: the model, the schedule, then each section.
-    model = _plain(self.model)
+    model = plain(self.model)
     model["unmatched"] = dict(model.get("unmatched") or {})
     object.__setattr__(self, "model", model)
     resolve_model(model)
@@ -586,7 +202,7 @@ class RunConfig(_Section):
     for name, section in _SECTIONS.items():
       object.__setattr__(self, name, section.from_config(getattr(self, name)))
     if self.data is not None and not isinstance(self.data, DataConfig):
-      data = _plain(self.data)
+      data = plain(self.data)
       check_floats("data", data)
       object.__setattr__(self, "data", DataConfig.from_dict(data))
     if self.data is not None:
@@ -627,26 +243,25 @@ class RunConfig(_Section):
     """
     if isinstance(config, cls):
       return config
-    values = _plain(config)
-    if data_at_launch and isinstance(values.get("data"), Mapping):
+    values = plain(config)
+    missing = [k for k in REQUIRED if k not in values]
+    if missing:
+      raise ValueError(f"Config is missing keys {missing}; start from configs/default.py.")
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "source_json"]
+    refuse_unknown("", values, known)
+    for name in (*_SECTIONS, "data"):
+      value = values.get(name, {})
+      if not isinstance(value, (Mapping, Section, DataConfig)) and value is not None:
+        raise ValueError(f"{name}={value!r} must be a section of keys.")
+    source = config if hasattr(config, "to_json_best_effort") else ml_collections.ConfigDict(values)
+    source_json = source.to_json_best_effort()
+    if data_at_launch and isinstance(values["data"], Mapping):
       check_floats("data", values["data"])
       try:
         values["data"] = DataConfig.from_dict(values["data"])
       except ValueError:
         values["data"] = None
-    missing = [k for k in REQUIRED if k not in values]
-    if missing:
-      raise ValueError(f"Config is missing keys {missing}; start from configs/default.py.")
-    known = [f.name for f in dataclasses.fields(cls) if f.name != "source_json"]
-    _refuse_unknown("", values, known)
-    for name in (*_SECTIONS, "data"):
-      value = values.get(name, {})
-      if not isinstance(value, (Mapping, _Section, DataConfig)) and value is not None:
-        raise ValueError(f"{name}={value!r} must be a section of keys.")
-    source = (
-      ml_collections.ConfigDict(values) if not hasattr(config, "to_json_best_effort") else config
-    )
-    return cls(**values, source_json=source.to_json_best_effort())
+    return cls(**values, source_json=source_json)
 
   def to_config_dict(self) -> ml_collections.ConfigDict:
     """The run as the ConfigDict a config file would give (keys, types and order of
@@ -659,7 +274,7 @@ class RunConfig(_Section):
 
 
 # The typed sections of a run, in the order they are checked.
-_SECTIONS: dict[str, type[_Section]] = {
+_SECTIONS: dict[str, type[Section]] = {
   "checkpoint": CheckpointConfig,
   "optim": OptimConfig,
   "task_mix": TaskMixConfig,
@@ -670,36 +285,24 @@ _SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-def _set_value(c: ml_collections.ConfigDict, name: str, value: Any, hint: Any, field) -> None:
-  """Sets ``c[name]`` for a field: None (and a field marked ``placeholder``) as a placeholder
-  of the field's type, so that a config may set it to None and back."""
-  if value is None or field.metadata.get("placeholder"):
-    c[name] = ml_collections.config_dict.placeholder(
-      field.metadata.get("config_type") or _config_type(hint)
-    )
-    if value is None:
-      return
-  c[name] = value
-
-
 def _to_config_dict(obj: Any) -> ml_collections.ConfigDict:
   if isinstance(obj, RunConfig) and obj.data is None:
     raise ValueError("The run's data is named at launch: set data.paths (and data.tokenizer).")
   c = ml_collections.ConfigDict()
-  hints = _hints(type(obj))
+  hints = field_hints(type(obj))
   for f in dataclasses.fields(obj):
     if f.name == "source_json":
       continue
     value = getattr(obj, f.name)
     if isinstance(obj, RunConfig) and f.name == "model":
-      rest = {k: v for k, v in value.items() if k not in ("arm", "size")}
-      c.model = model_section(value.get("arm"), value.get("size", "default"), **rest)
+      # A section without a size names its widths itself (resolve_model's "custom").
+      c.model = model_section(**{"size": CUSTOM, **value})
     elif dataclasses.is_dataclass(value):
       c[f.name] = _to_config_dict(value)
     elif isinstance(obj, MeshConfig) and f.name == "rules" and value is not None:
       c.rules = [list(r) for r in value]
     else:
-      _set_value(c, f.name, value, hints[f.name], f)
+      set_config_value(c, f.name, value, hints[f.name], f)
   return c
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import jax
 
-from diffjax.train.config import DistributedConfig
+from diffjax.train.sections import DistributedConfig
 
 _DONE = False
 EXIT_PREEMPTED = 75

@@ -16,7 +16,7 @@ from flax import nnx
 
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.nn.layers import is_weight_matrix, logical_names
-from diffjax.train.config import OptimConfig
+from diffjax.train.sections import OptimConfig
 
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from diffjax.train.config import ProfileConfig
+from diffjax.train.sections import ProfileConfig
 
 PHASES = ("setup", "restore", "compile", "data", "train", "eval", "checkpoint", "profile")
 

@@ -27,8 +27,8 @@ from diffjax import sharding as shd
 from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
-from diffjax.train.config import OptimConfig
 from diffjax.train.optim import decay_mask, make_optimizer
+from diffjax.train.sections import OptimConfig
 from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
 
 # The arrays of one batch (see diffjax.data): int32 tokens, segments and positions,

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from diffjax.train.config import DistributedConfig
+from diffjax.train.sections import DistributedConfig
 
 ENV = "DIFFJAX_SUPERVISED"
 # How long the runtime's log lines are held before they are printed (an abort follows its

@@ -1,6 +1,6 @@
 """Mixing synthetic retrieval tasks into language-model training data.
 
-The run's ``task_mix`` section (:class:`diffjax.train.config.TaskMixConfig`, which checks it)
+The run's ``task_mix`` section (:class:`diffjax.train.sections.TaskMixConfig`, which checks it)
 names a task of :mod:`diffjax.data.tasks` and the share of training tokens that come from it.
 Task examples join the corpus as documents, so they are packed, shuffled and split exactly like
 text. Training examples are drawn from a seed range the evaluation suite never uses, so no
@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from diffjax.data import DataConfig, DocumentSource, load_tokenizer, open_corpus
-from diffjax.train.config import TASKS, TaskMixConfig
+from diffjax.train.sections import TASKS, TaskMixConfig
 
 __all__ = [
   "TASKS",

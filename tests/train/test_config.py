@@ -19,16 +19,16 @@ from diffjax import cli
 from diffjax.model import ModelConfig
 from diffjax.model.sizes import WIDTHS
 from diffjax.presets import base_config, load_config, model_section
-from diffjax.train.config import (
+from diffjax.train.config import RunConfig
+from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS
+from diffjax.train.sections import (
   CheckpointConfig,
   DistributedConfig,
   MeshConfig,
   OptimConfig,
   ProfileConfig,
-  RunConfig,
   TaskMixConfig,
 )
-from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS
 
 
 def _fields(c, prefix: str = "") -> dict[str, list[str]]:

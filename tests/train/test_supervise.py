@@ -171,7 +171,7 @@ def test_which_process_the_runtime_blames():
 
 
 def test_supervision_is_wanted_only_for_several_processes(monkeypatch):
-  from diffjax.train.config import DistributedConfig  # pylint: disable=import-outside-toplevel
+  from diffjax.train.sections import DistributedConfig  # pylint: disable=import-outside-toplevel
 
   c = DistributedConfig()
   for key in (
