@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import sys
+import textwrap
 import time
 import types
 from collections.abc import Sequence
@@ -77,10 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary=SUMMARY,
     flags=FLAGS,
     fields=fields,
-    overrides_help="Overrides: --config.<field>=<value> sets an EvalConfig field (a Python "
-    "literal), e.g. --config.samples_per_depth=50; the fields are "
-    + ", ".join(sorted(fields))
-    + ".",
+    overrides_help=textwrap.fill(
+      "Overrides: --config.<field>=<value> sets an EvalConfig field (a Python literal), e.g. "
+      "--config.samples_per_depth=50; the fields are " + ", ".join(sorted(fields)) + ".",
+      width=96,
+    ),
   )
   if isinstance(parsed, int):
     return parsed
