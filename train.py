@@ -42,17 +42,20 @@ logs in the workdir. Rerunning the same command resumes from the newest good che
 def main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
 
-  from diffjax.train import cli, supervise  # pylint: disable=import-outside-toplevel
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
+  from diffjax.train import supervise  # pylint: disable=import-outside-toplevel
 
   supervise.follow_parent()  # a supervised child dies with its supervisor
-  from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
+  from diffjax.train import config_utils  # pylint: disable=import-outside-toplevel
 
   parsed = cli.parse(
     argv,
     usage=USAGE,
     summary=SUMMARY,
     default_config=DEFAULT_CONFIG,
-    describe=describe_run,
+    describe=config_utils.describe_run,
+    overrides_help=config_utils.OVERRIDE_HELP,
+    renamed=config_utils.RENAMED_KEYS,
     flags=(
       cli.Flag(
         "workdir",
@@ -65,15 +68,22 @@ def main(argv) -> int:
     return parsed
   config, values, config_arg = parsed
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config import RunConfig  # pylint: disable=import-outside-toplevel
 
   workdir = values["workdir"]
   if workdir is None:
-    workdir = cli.default_workdir(config_arg, argv)
+    workdir = config_utils.default_workdir(config_arg, argv)
     print(
       f"diffjax: training {config_arg} into {workdir} (choose with --config=... and --workdir=...)",
       flush=True,
     )
-  if supervise.wanted(config):
+  # The one place the config is resolved into its typed sections (and checked).
+  resolved = []
+  status = run_guarded(lambda: resolved.append(RunConfig.from_config(config)))
+  if status:
+    return status
+  run = resolved[0]
+  if supervise.wanted(run.distributed):
     # One of several processes: train in a child, so that even the runtime's abort on losing
     # process 0 becomes one line and status 75 (diffjax/train/supervise.py).
     child = [sys.executable, os.path.abspath(__file__), *argv[1:]]
@@ -85,7 +95,7 @@ def main(argv) -> int:
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
   result = {}
-  status = run_guarded(lambda: result.update(train_and_evaluate(config, workdir)))
+  status = run_guarded(lambda: result.update(train_and_evaluate(run, workdir)))
   if status == 0 and result.get("stopped"):
     return EXIT_PREEMPTED
   return status

@@ -38,8 +38,10 @@ import jax
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
 from diffjax.kernels.gpu import targets as gpu_targets
+from diffjax.model import resolve_model
 from diffjax.ops import target_platform
-from diffjax.train.config_utils import check_config, mesh_context_options, resolved_model
+from diffjax.train.config import RunConfig
+from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS, resolved_model
 from diffjax.train.setup import build_train_setup
 
 GIB = 1024**3
@@ -112,16 +114,15 @@ class DoesNotFit(Exception):
   """A step that needs more memory per device than the target has; ``str`` is one line."""
 
 
-def fit_options(config, *, needs_gib: float, has_gib: float, target: str) -> str:
+def fit_options(run: RunConfig, *, needs_gib: float, has_gib: float, target: str) -> str:
   """One line: what the step needs, and settings that would make it fit."""
   options = []
-  accum = int(config.get("grad_accum_steps", 1) or 1)
-  batch = int(config.get("global_batch_size", 0) or 0)
-  if batch and batch % (2 * accum) == 0:
+  accum, batch = run.grad_accum_steps, run.global_batch_size
+  if batch % (2 * accum) == 0:
     options.append(
       f"--config.grad_accum_steps={2 * accum} (a microbatch of {batch // (2 * accum)} rows)"
     )
-  if config.model.get("remat", "none") != "full":
+  if resolve_model(run.model).config.remat != "full":
     options.append("--config.model.remat=full")
   if gpu_targets.is_gpu_target(target):
     tgt, count = gpu_targets.parse(target)
@@ -225,38 +226,43 @@ def without_persistent_cache():
 
 
 def compile_train_step(
-  config,
+  run: RunConfig,
   devices,
   *,
   vocab_size: int | None = None,
   platform: str = "tpu",
   gpu_capability: tuple[int, int] | None = None,
 ):
-  """Lowers and compiles the sharded train step of ``config`` for ``devices``.
+  """Lowers and compiles the sharded train step of ``run`` for ``devices``.
 
   The step is the trainer's own (``diffjax.train.setup.build_train_setup``).
   ``platform``/``gpu_capability``: what the attention implementations resolve for.
   Returns ``(compiled, model_config, mesh)``.
   """
-  check_config(config)
   if vocab_size is None:
     # A config that fixes its vocabulary (the paper presets) compiles without the
     # tokenizer file it will train with.
-    fixed = int(config.model.get("vocab_size", -1))
-    vocab_size = fixed if fixed > 0 else load_tokenizer(config.data.tokenizer).vocab_size
-  model_cfg = resolved_model(config, vocab_size).config
-  mesh = shd.make_mesh(tuple(config.mesh.shape), devices=devices)
+    vocab_size = run.fixed_vocab_size
+    if vocab_size is None:
+      if run.data is None:
+        raise ValueError(
+          "model.vocab_size=-1 takes the tokenizer's vocabulary, and the data section names "
+          "none yet: set --config.data.tokenizer (with data.paths) or --config.model.vocab_size."
+        )
+      vocab_size = load_tokenizer(run.data.tokenizer).vocab_size
+  model_cfg = resolved_model(run.model, vocab_size).config
+  mesh = shd.make_mesh(run.mesh.shape, devices=devices)
   setup = build_train_setup(
     model_cfg,
-    config.optim,
-    seed=config.seed,
+    run.optim,
+    seed=run.seed,
     mesh=mesh,
-    rules=shd.rules_from_config(config.mesh.get("rules")),
-    grad_accum_steps=config.grad_accum_steps,
-    global_batch_size=config.global_batch_size,
-    **mesh_context_options(config),
+    rules=run.mesh.logical_rules,
+    grad_accum_steps=run.grad_accum_steps,
+    global_batch_size=run.global_batch_size,
+    **run.mesh.context_options(),
   )
-  batch = setup.abstract_batch(config.global_batch_size, config.seq_len)
+  batch = setup.abstract_batch(run.global_batch_size, run.seq_len)
   # Kernels resolve when the step is traced, which happens in .lower(): inside this
   # context they are chosen for the target, not for this host's backend.
   with without_persistent_cache(), target_platform(platform, gpu_capability=gpu_capability):
@@ -274,8 +280,9 @@ def _client_mem_fraction() -> float:
     ) from None
 
 
-def aot_report(config, topology: str) -> AotReport:
-  """Compiles the step for a TPU topology ("v5p:4x4x4") or GPU target ("h100", "h100:8").
+def aot_report(run: RunConfig, topology: str) -> AotReport:
+  """Compiles the step of ``run`` for a TPU topology ("v5p:4x4x4") or GPU target ("h100",
+  "h100:8").
 
   Raises :class:`DoesNotFit` (one line, with options) when the compiler refuses the step
   for memory.
@@ -293,7 +300,7 @@ def aot_report(config, topology: str) -> AotReport:
     kwargs = dict(platform="tpu")
     capacity, fraction = hbm_for(devices[0].device_kind), 1.0
   try:
-    compiled, model_cfg, mesh = compile_train_step(config, devices, **kwargs)
+    compiled, model_cfg, mesh = compile_train_step(run, devices, **kwargs)
   except Exception as e:  # the compilers raise JaxRuntimeError (XlaRuntimeError before)
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -301,12 +308,12 @@ def aot_report(config, topology: str) -> AotReport:
     if sizes is None:
       raise DoesNotFit(
         f"{topology}: the step does not fit ({str(e).splitlines()[0][:200]}); "
-        + fit_options(config, needs_gib=float("nan"), has_gib=float("nan"), target=topology).split(
+        + fit_options(run, needs_gib=float("nan"), has_gib=float("nan"), target=topology).split(
           "; ", 1
         )[1]
       ) from None
     raise DoesNotFit(
-      fit_options(config, needs_gib=sizes[0], has_gib=sizes[1], target=topology)
+      fit_options(run, needs_gib=sizes[0], has_gib=sizes[1], target=topology)
     ) from None
   mem = compiled.memory_analysis()
   text = compiled.as_text()
@@ -339,13 +346,15 @@ compiler plans, whether it fits and how many of diffjax's kernels the step calls
 
 
 def main(argv=None) -> int:
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
   from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
-  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
 
   parsed = cli.parse(
     list(argv or sys.argv),
     usage=USAGE,
     summary=SUMMARY,
+    overrides_help=OVERRIDE_HELP,
+    renamed=RENAMED_KEYS,
     flags=(
       cli.Flag(
         "topology",
@@ -375,17 +384,17 @@ def main(argv=None) -> int:
     return 2
 
   def run():
+    # A compile reads no data: a corpus named at launch need not be named here.
+    spec = RunConfig.from_config(config, data_at_launch=True)
     try:
-      report = aot_report(config, where)
+      report = aot_report(spec, where)
     except DoesNotFit as e:
       print(str(e))
       raise SystemExit(1) from None
     print(report.line())
     if report.fits is False:
       print(
-        fit_options(
-          config, needs_gib=report.per_device_gib, has_gib=report.usable_gib, target=where
-        )
+        fit_options(spec, needs_gib=report.per_device_gib, has_gib=report.usable_gib, target=where)
       )
       raise SystemExit(1)
 

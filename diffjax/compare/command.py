@@ -54,13 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   returns its exit status."""
   from absl import logging  # pylint: disable=import-outside-toplevel
 
-  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv if argv is None else argv)
   parsed = cli.parse(
     argv,
     usage=USAGE,
     summary=SUMMARY,
+    overrides_help=OVERRIDE_HELP,
+    renamed=RENAMED_KEYS,
     subdir="compare",
     describe=describe_comparison,
     flags=(cli.Flag("workdir", None, "directory for the runs and the report (required)"),),

@@ -22,6 +22,7 @@ from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
 from diffjax.compare.runs import RunResult, collect_run, train_and_evaluate_run
+from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 
@@ -60,7 +61,8 @@ def run_comparison(
   log = log or (lambda msg: print(msg, flush=True))
   check_comparison_config(config)
   arms, seeds = arm_names(config.arms), tuple(config.seeds)
-  num_steps = int(config.base.num_steps)
+  base = RunConfig.from_config(config.base)
+  num_steps = base.num_steps
   points = [
     _Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
     for name, value, cfg in sweep_points(config)
@@ -99,7 +101,7 @@ def run_comparison(
         step,
         ev,
         seconds,
-        int(config.base.log_every),
+        base.log_every,
         float(config.report.get("learned_below", 0.0)),
         int(config.report.get("learned_window", 25)),
       )

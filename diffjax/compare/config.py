@@ -18,6 +18,7 @@ import ml_collections
 from diffjax.arms import BASELINE
 from diffjax.arms import names as registered_arms
 from diffjax.model import ARMS
+from diffjax.train.config import RunConfig
 
 EVAL_MODES = ("quick", "full", "none")
 
@@ -222,8 +223,9 @@ def run_name(arm: str, seed: int) -> str:
   return f"{arm}_seed{seed}"
 
 
-def eval_config(config: ml_collections.ConfigDict, run: ml_collections.ConfigDict):
-  """The `EvalConfig` of a run, or None when ``eval.mode`` is "none".
+def eval_config(config: ml_collections.ConfigDict, run: RunConfig):
+  """The `EvalConfig` of a run (its resolved run config), or None when ``eval.mode`` is
+  "none".
 
   As in ``python -m diffjax.eval``: quick or full sizes around the run's sequence length; a
   full evaluation uses the trainer's ``eval_batches`` validation batches unless overridden, so
@@ -236,16 +238,15 @@ def eval_config(config: ml_collections.ConfigDict, run: ml_collections.ConfigDic
     return None
   overrides = _tuples(config.eval.overrides.to_dict())
   if mode == "full" and "val_batches" not in overrides:
-    overrides["val_batches"] = int(run.eval_batches)
+    overrides["val_batches"] = run.eval_batches
   make = EvalConfig.quick if mode == "quick" else EvalConfig.full
-  return make(int(run.seq_len), **overrides)
+  return make(run.seq_len, **overrides)
 
 
 def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first problem; nothing is written before this passes."""
   from diffjax.data import DataConfig  # pylint: disable=import-outside-toplevel
   from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
-  from diffjax.train.config_utils import check_config  # pylint: disable=import-outside-toplevel
 
   for key in ("arms", "seeds", "base", "eval", "report"):
     if key not in config:
@@ -326,9 +327,8 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   check_sweep(config)
   for name, _, point in sweep_points(config):
     for arm in arms:
-      run = run_config(point, arm, seeds[0])
       try:
-        check_config(run)
+        run = RunConfig.from_config(run_config(point, arm, seeds[0]))
       except ValueError as e:
         raise ValueError(
           f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"

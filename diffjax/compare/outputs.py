@@ -14,6 +14,7 @@ from etils import epath
 
 from diffjax.compare.config import arm_names
 from diffjax.compare.summary import loss_curve, summary_section
+from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare/1"
@@ -43,7 +44,8 @@ def write_outputs(
 
   arms = list(arm_names(config.arms))
   baseline, confidence = config.report.baseline, float(config.report.confidence)
-  curves = {r["name"]: loss_curve(r["metrics"], int(config.base.log_every)) for r in runs}
+  log_every = RunConfig.from_config(config.base).log_every
+  curves = {r["name"]: loss_curve(r["metrics"], log_every) for r in runs}
   report_runs = [
     {
       "arm": r["arm"],

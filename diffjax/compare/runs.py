@@ -18,6 +18,7 @@ from etils import epath
 
 from diffjax.compare.config import eval_config, harness_task_names, run_config, run_name
 from diffjax.model import ModelConfig, count_params
+from diffjax.train.config import RunConfig
 from diffjax.train.records import read_metrics, write_json
 
 Log = Callable[[str], None]
@@ -53,7 +54,7 @@ def diverged_record(run_dir: str) -> dict[str, Any] | None:
 
 
 def train_run(
-  run: ml_collections.ConfigDict, run_dir: str, tag: str, log: Log, allow_divergence: bool = False
+  run: RunConfig, run_dir: str, tag: str, log: Log, allow_divergence: bool = False
 ) -> int:
   """Trains (or resumes) one run unless its DONE marker is at the requested step.
 
@@ -64,7 +65,7 @@ def train_run(
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from diffjax.train.trainer import TrainingError  # pylint: disable=import-outside-toplevel
 
-  num_steps = int(run.num_steps)
+  num_steps = run.num_steps
   step = done_step(run_dir)
   if step == num_steps:
     log(f"{tag} finished earlier at step {step}: skipping training")
@@ -106,14 +107,12 @@ def harness_settings(config: ml_collections.ConfigDict) -> dict[str, Any] | None
 
 
 def _harness(
-  model, tokenizer, run: ml_collections.ConfigDict, batch_size: int, settings: Mapping[str, Any]
+  model, tokenizer, run: RunConfig, batch_size: int, settings: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, float]]:
   """The lm-eval results of ``settings["tasks"]`` on ``model`` and their flat scalars."""
   from diffjax.eval.harness import DiffjaxLM, harness_scalars, run_tasks  # pylint: disable=import-outside-toplevel
 
-  lm = DiffjaxLM(
-    model=model, tokenizer=tokenizer, max_length=int(run.seq_len), batch_size=batch_size
-  )
+  lm = DiffjaxLM(model=model, tokenizer=tokenizer, max_length=run.seq_len, batch_size=batch_size)
   results = run_tasks(
     lm,
     settings["tasks"],
@@ -132,7 +131,7 @@ def _harness(
 
 
 def evaluate_checkpoint(
-  run: ml_collections.ConfigDict,
+  run: RunConfig,
   run_dir: str,
   cfg,
   step: int,
@@ -148,25 +147,24 @@ def evaluate_checkpoint(
   (:func:`harness_settings`) adds lm-eval tasks: their results go in the ``harness`` section
   and their metrics in the scalars as ``harness/<task>/<metric>``.
   """
-  from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+  from diffjax.data import build_datasets  # pylint: disable=import-outside-toplevel
   from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
   from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
   from diffjax.train.task_mix import run_source  # pylint: disable=import-outside-toplevel
 
   model, _, step = load_model(run_dir, step=step)
-  data_cfg = DataConfig.from_dict(run.data.to_dict())
-  source, tokenizer = run_source(run, data_cfg)
+  source, tokenizer = run_source(run.task_mix, run.data, run.seed)
   data = build_datasets(
-    data_cfg,
-    seq_len=int(run.seq_len),
-    global_batch_size=int(run.global_batch_size),
-    seed=int(run.seed),
+    run.data,
+    seq_len=run.seq_len,
+    global_batch_size=run.global_batch_size,
+    seed=run.seed,
     source=source,
     tokenizer=tokenizer,
   )
   val = data.val_batches(cfg.val_batches)
   meta = {
-    "seed": int(run.seed),
+    "seed": run.seed,
     "workdir": os.path.abspath(run_dir) if "://" not in run_dir else run_dir,
     "step": step,
     "quick": quick,
@@ -176,7 +174,7 @@ def evaluate_checkpoint(
     t0 = time.perf_counter()
     section, scalars = _harness(
       model,
-      tokenizer if tokenizer is not None else data_cfg.tokenizer,
+      tokenizer if tokenizer is not None else run.data.tokenizer,
       run,
       cfg.batch_size,
       harness,
@@ -209,12 +207,7 @@ def _eval_is_current(
 
 
 def evaluate_run(
-  config: ml_collections.ConfigDict,
-  run: ml_collections.ConfigDict,
-  run_dir: str,
-  step: int,
-  tag: str,
-  log: Log,
+  config: ml_collections.ConfigDict, run: RunConfig, run_dir: str, step: int, tag: str, log: Log
 ) -> dict[str, Any] | None:
   """The run's eval JSON: reused while its step and eval settings match, else recomputed;
   None when the comparison's ``eval.mode`` is "none"."""
@@ -245,7 +238,7 @@ def train_and_evaluate_run(
   """Trains (or resumes, or skips) and evaluates run (arm, seed) of ``config`` in
   ``workdir/runs/<arm>_seed<k>``."""
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
-  run = run_config(config, arm, seed)
+  run = RunConfig.from_config(run_config(config, arm, seed))
   t = time.perf_counter()
   step = train_run(run, run_dir, tag, log, bool(config.get("allow_divergence", False)))
   seconds = {"train": time.perf_counter() - t}

@@ -15,7 +15,7 @@ import ml_collections
 
 from diffjax.compare.config import v2_matching
 from diffjax.eval import stats
-from diffjax.train.task_mix import task_only
+from diffjax.train.config import RunConfig
 
 
 def loss_curve(metrics: Sequence[Mapping[str, float]], every: int) -> list[dict[str, float]]:
@@ -161,19 +161,17 @@ def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str
   )
 
 
-def _data_phrase(base: ml_collections.ConfigDict) -> str:
+def _data_phrase(base: RunConfig) -> str:
   """What the runs trained on, as the summary's first line says it."""
-  mix = base.get("task_mix", None)
-  task = mix.get("task", "none") if mix is not None else "none"
-  fraction = float(mix.get("fraction", 0.0)) if mix is not None else 0.0
-  if task == "none" or fraction == 0.0:
+  mix = base.task_mix
+  if mix.task == "none" or mix.fraction == 0.0:
     return f"`{base.data.kind}` data"
-  scored = ", only the answer tokens scored" if mix.get("loss", "all") == "answers" else ""
-  if task_only(mix):
+  scored = ", only the answer tokens scored" if mix.loss == "answers" else ""
+  if mix.task_only:
     return (
-      f"`{task}` task examples alone ({int(mix.num_examples):,} examples{scored}; no corpus text)"
+      f"`{mix.task}` task examples alone ({mix.num_examples:,} examples{scored}; no corpus text)"
     )
-  return f"`{base.data.kind}` data with {fraction:.0%} of the tokens from `{task}` examples"
+  return f"`{base.data.kind}` data with {mix.fraction:.0%} of the tokens from `{mix.task}` examples"
 
 
 def summary_section(
@@ -187,21 +185,21 @@ def summary_section(
   The section says what was trained, gives the per-arm table and the data check's verdict; when
   the arms did not see the same batches a warning comes first, before anything else.
   """
-  base = config.base
+  base = RunConfig.from_config(config.base)
   baseline, confidence = config.report.baseline, float(config.report.confidence)
-  log_every = int(base.log_every)
+  log_every = base.log_every
   lines, table = summary_table(runs, arms, baseline, confidence, log_every)
-  tokens = int(base.num_steps) * int(base.global_batch_size) * int(base.seq_len)
+  tokens = base.num_steps * base.tokens_per_step
   head = (
     [
       "## Comparison summary",
       "",
-      f"{len(runs)} runs; each trained {int(base.num_steps):,} steps x "
-      f"{int(base.global_batch_size)} x {int(base.seq_len)} tokens = {tokens:,} tokens on "
+      f"{len(runs)} runs; each trained {base.num_steps:,} steps x "
+      f"{base.global_batch_size} x {base.seq_len} tokens = {tokens:,} tokens on "
       f"{_data_phrase(base)}, evaluation mode `{config.eval.mode}`. Mean over seeds ± "
       f"half-width of the {confidence:.0%} t interval; the paired column is arm minus "
       f"{baseline} at matched seeds. Losses are the trainer's: train averaged over the last "
-      f"{log_every} steps, eval on its {int(base.eval_batches)} validation batches "
+      f"{log_every} steps, eval on its {base.eval_batches} validation batches "
       "at the last step (the eval suite's val/loss below uses its own `val_batches` of the "
       "same split).",
       "",

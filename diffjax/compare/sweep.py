@@ -36,6 +36,7 @@ import numpy as np
 from diffjax.compare.config import arm_names, format_value, sweep_key
 from diffjax.compare.outputs import clean_json
 from diffjax.eval import stats
+from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare.sweep/1"
@@ -134,7 +135,7 @@ def write_sweep_outputs(
   factor = float(config.report.get("spike_factor", 3.0))
   spike_window = int(config.report.get("spike_window", 50))
   div_window = int(config.report.get("divergence_window", 20))
-  warmup = int(config.base.optim.warmup_steps)
+  warmup = RunConfig.from_config(config.base).optim.warmup_steps
   unigrams = [
     float(r["final_metrics"]["unigram/loss"])
     for _, _, runs in point_runs
@@ -317,21 +318,21 @@ def _report(
   point_runs,
   plot,
 ) -> list[str]:
-  base = config.base
+  base = RunConfig.from_config(config.base)
   seeds = list(config.seeds)
-  tokens = int(base.num_steps) * int(base.global_batch_size) * int(base.seq_len)
+  tokens = base.num_steps * base.tokens_per_step
   head = " | ".join(f"{key.split('.')[-1]}={_value(v)}" for v in values)
   lines = [
     f"# {config.report.title}",
     "",
     f"{len(arms)} arms x {len(seeds)} seeds {seeds} x {len(values)} values of `{key}`; "
-    f"each run {int(base.num_steps):,} steps x {int(base.global_batch_size)} x "
-    f"{int(base.seq_len)} tokens = {tokens:,} tokens, warm-up {warmup} steps. Each "
+    f"each run {base.num_steps:,} steps x {base.global_batch_size} x "
+    f"{base.seq_len} tokens = {tokens:,} tokens, warm-up {warmup} steps. Each "
     f"value's full comparison (paired statistics, data check, per-run evaluation) is in "
     f"`sweep/<{key.split('.')[-1]}=value>/report.md`.",
     "",
     "Definitions. **Diverged**: the trainer stopped on non-finite updates (more than "
-    f"`max_skipped_updates={int(base.get('max_skipped_updates', 0))}` skipped), the "
+    f"`max_skipped_updates={base.max_skipped_updates}` skipped), the "
     f"final loss is not finite or above the unigram baseline ({_fmt(unigram)} nats), or after "
     f"warm-up the train loss averaged over {div_window} consecutive steps went below the "
     "unigram baseline and later back above it. "

@@ -7,56 +7,26 @@
 The model comes from `diffjax.train.load_model(workdir, step)`; validation batches are the run's
 own held-out batches (its data config, sequence length, batch size and seed; the first
 `val_batches` of them, by default the run's `eval_batches`), so val/loss reproduces the
-trainer's final eval/loss. `--config.KEY=VALUE` overrides an `EvalConfig` field (VALUE is a
-Python literal), as `--config.<key>=<value>` overrides a run config in train.py. Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
+trainer's final eval/loss. The command line is train.py's (`diffjax.cli`): `--config.KEY=VALUE`
+overrides an `EvalConfig` field (VALUE is a Python literal), and a mistake is one `error:` line
+with exit status 2. Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import math
 import os
 import sys
+import textwrap
 import time
+import types
 from collections.abc import Sequence
 from typing import Any
 
-from diffjax.eval import evaluate as E
+from diffjax import cli
+from diffjax.eval import evaluate
 from diffjax.train.records import write_json
-
-
-def _overrides(args: Sequence[str], fields: Sequence[str]) -> dict[str, Any]:
-  """``{field: value}`` from ``--config.<field>=<value>`` arguments (values are Python
-  literals; anything else is a string). Raises SystemExit naming a bad argument."""
-  import difflib  # pylint: disable=import-outside-toplevel
-
-  out = {}
-  for arg in args:
-    if not arg.startswith("--config.") or "=" not in arg:
-      raise SystemExit(
-        f"error: unexpected argument {arg!r}; EvalConfig fields are set with "
-        "--config.<field>=<value>."
-      )
-    key, value = arg[len("--config.") :].split("=", 1)
-    if key not in fields:
-      near = difflib.get_close_matches(key, fields, n=3)
-      raise SystemExit(
-        f"error: unknown EvalConfig field {key!r} in {arg}; "
-        + (
-          f"did you mean {', '.join(near)}?"
-          if near
-          else f"the fields are {', '.join(sorted(fields))}."
-        )
-      )
-    try:
-      out[key] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      out[key] = value
-    if isinstance(out[key], list):
-      out[key] = tuple(tuple(v) if isinstance(v, list) else v for v in out[key])
-  return out
 
 
 def _load(workdir: str, step: int | None):
@@ -79,26 +49,48 @@ def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: i
   return data.val_batches(count)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(
-    prog="python -m diffjax.eval",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
-  p.add_argument("--out", default=None, help="output JSON (default: <workdir>/eval.json)")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  p.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU, noisy")
-  p.add_argument("--seq_len", type=int, default=None, help="override the run's sequence length")
-  p.add_argument("--seed", type=int, default=None, help="the run's seed as recorded in the JSON")
-  p.add_argument("--sections", default="", help=f"comma list out of {','.join(E.SECTIONS)}")
-  p.epilog = (
-    "EvalConfig fields: --config.<field>=<value>, e.g. --config.samples_per_depth=50; "
-    "the fields are " + ", ".join(sorted(E.EvalConfig.__dataclass_fields__)) + "."
-  )
-  args, extra = p.parse_known_args(argv)
-  overrides = _overrides(extra, tuple(E.EvalConfig.__dataclass_fields__))
+USAGE = (
+  "usage: python -m diffjax.eval --workdir=<run> [--out=<file>] [--quick] [--step=N] "
+  "[--sections=a,b] [--config.<field>=<value> ...]"
+)
+SUMMARY = """\
+Evaluates a training run's checkpoint (the newest by default) with the evaluation suite and
+writes its eval JSON: the validation loss on the run's own held-out batches, retrieval, the
+heatmap, associative recall, attention allocation, low-bit inference, mechanisms, probes."""
+FLAGS = (
+  cli.Flag("workdir", None, "run directory holding checkpoints/ (required)"),
+  cli.Flag("out", None, "output JSON [default: <workdir>/eval.json]"),
+  cli.Flag("step", None, "checkpoint step [default: the newest]", kind=int),
+  cli.Flag("quick", False, "small sizes: seconds on a CPU, noisy"),
+  cli.Flag("seq_len", None, "override the run's sequence length", kind=int),
+  cli.Flag("seed", None, "the run's seed as recorded in the JSON", kind=int),
+  cli.Flag("sections", "", f"comma list out of {','.join(evaluate.SECTIONS)}"),
+)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command on ``argv`` (default: ``sys.argv[1:]``, without the program name) and
+  returns its exit status."""
+  fields = tuple(evaluate.EvalConfig.__dataclass_fields__)
+  parsed = cli.parse(
+    ["diffjax.eval", *(sys.argv[1:] if argv is None else argv)],
+    usage=USAGE,
+    summary=SUMMARY,
+    flags=FLAGS,
+    fields=fields,
+    overrides_help=textwrap.fill(
+      "Overrides: --config.<field>=<value> sets an EvalConfig field (a Python literal), e.g. "
+      "--config.samples_per_depth=50; the fields are " + ", ".join(sorted(fields)) + ".",
+      width=96,
+    ),
+  )
+  if isinstance(parsed, int):
+    return parsed
+  overrides, values, _ = parsed
+  if values["workdir"] is None:
+    print(f"error: --workdir is required; {USAGE}", file=sys.stderr)
+    return 2
+  args = types.SimpleNamespace(**values)
   if not os.path.isdir(args.workdir):
     raise SystemExit(
       f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir."
@@ -111,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   seed = args.seed if args.seed is not None else config.get("seed")
   if args.sections:
     overrides["sections"] = tuple(s.strip() for s in args.sections.split(",") if s.strip())
-  make = E.EvalConfig.quick if args.quick else E.EvalConfig.full
+  make = evaluate.EvalConfig.quick if args.quick else evaluate.EvalConfig.full
   try:
     cfg = make(seq_len, **overrides)
   except TypeError as e:
@@ -133,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "step": step,
   }
   log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
-  result = E.evaluate_model(model, val, cfg, meta=meta, log=log)
+  result = evaluate.evaluate_model(model, val, cfg, meta=meta, log=log)
   out = args.out or os.path.join(args.workdir, "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_json(out, result)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffjax.data import ByteTokenizer, load_tokenizer
+from diffjax.data import ByteTokenizer, DataConfig, load_tokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
 from diffjax.generation.sampling import SamplingOptions
@@ -92,9 +92,9 @@ def _main(args: argparse.Namespace) -> None:
     )
   run = load_run(args.workdir, args.step)
   model, cfg, step = run.model, run.model_config, run.step
-  tokenizer = load_tokenizer(
-    args.tokenizer or (run.config.get("data") or {}).get("tokenizer", "byte")
-  )
+  # The run's tokenizer, as its checkpoint saved the config (the data default where it has none).
+  saved = run.config.get("data") or {}
+  tokenizer = load_tokenizer(args.tokenizer or saved.get("tokenizer", DataConfig().tokenizer))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(
       f"the tokenizer has {tokenizer.vocab_size} ids but the model only "

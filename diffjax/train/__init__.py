@@ -1,7 +1,8 @@
-"""Training: optimizer, train/eval steps, their setup on a mesh, checkpoints, records and
-the loop."""
+"""Training: the typed run config, optimizer, train/eval steps, their setup on a mesh,
+checkpoints, records and the trainer."""
 
 from diffjax.train.checkpoint import CheckpointError
+from diffjax.train.config import RunConfig, base_config
 from diffjax.train.loading import initial_params, load_model
 from diffjax.train.optim import learning_rate_schedule, make_optimizer
 from diffjax.train.records import METRICS_FILE, read_metrics
@@ -11,6 +12,8 @@ from diffjax.train.trainer import TrainingError, train_and_evaluate
 
 __all__ = [
   "CheckpointError",
+  "RunConfig",
+  "base_config",
   "load_model",
   "TrainingError",
   "learning_rate_schedule",

@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 import jax
 
+from diffjax.train.sections import DistributedConfig
+
 _DONE = False
 EXIT_PREEMPTED = 75
-DEFAULT_PEER_TIMEOUT_S = 60.0
 _HEARTBEAT_KEY = "diffjax/heartbeat/"
 
 
@@ -54,14 +55,14 @@ def detected() -> bool:
   return bool(os.environ.get("DIFFJAX_COORDINATOR") or os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
-def maybe_initialize(config=None) -> bool:
-  """Initialises the distributed runtime once if needed; returns whether it did."""
+def maybe_initialize(section: DistributedConfig | None = None) -> bool:
+  """Initialises the distributed runtime once if needed (``section.initialize``, or as
+  :func:`detected` says when that is None); returns whether it did."""
   global _DONE
   if _DONE:
     return True
-  wanted = None
-  if config is not None and "distributed" in config:
-    wanted = config.distributed.get("initialize")
+  section = section or DistributedConfig()
+  wanted = section.initialize
   if wanted is None:
     wanted = detected()
   if not wanted:
@@ -74,7 +75,7 @@ def maybe_initialize(config=None) -> bool:
       num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
       process_id=int(os.environ["DIFFJAX_PROCESS_ID"]),
     )
-  timeout = peer_timeout(config)
+  timeout = section.peer_timeout_s
   # The runtime aborts the survivors of a lost peer after its own heartbeat timeout; keep it
   # well above the watchdog's, so the watchdog's one line and exit status come first.
   kwargs["heartbeat_timeout_seconds"] = int(max(100, 3 * timeout))
@@ -101,13 +102,6 @@ def lost_peer_line(process: int | None, count: int | None, why: str, step: int) 
     f"error: {who} stopped answering ({why}); this process stops too. Rerun the same "
     f"command on every host {resume} (exit status {EXIT_PREEMPTED})."
   )
-
-
-def peer_timeout(config=None) -> float:
-  """``distributed.peer_timeout_s`` of the config (default 60 s)."""
-  section = config.get("distributed") if config is not None and "distributed" in config else None
-  value = section.get("peer_timeout_s") if section is not None else None
-  return float(value) if value else DEFAULT_PEER_TIMEOUT_S
 
 
 class _Watchdog:
@@ -160,15 +154,16 @@ _WATCHDOG: _Watchdog | None = None
 
 
 def watch_peers(
-  resume_step: Callable[[], int], message: Callable[[str], None], timeout_s: float | None = None
+  resume_step: Callable[[], int], message: Callable[[str], None], timeout_s: float
 ) -> None:
   """Starts the lost-host watchdog (see the module docstring) when this is one of several
-  processes; ``resume_step()`` names the newest checkpoint the line points to."""
+  processes; ``resume_step()`` names the newest checkpoint the line points to, and a peer
+  silent for ``timeout_s`` seconds is lost."""
   global _WATCHDOG, _RESUME_STEP
   _RESUME_STEP = resume_step
   if _WATCHDOG is not None or not _DONE or jax.process_count() == 1:
     return
-  _WATCHDOG = _Watchdog(resume_step, message, timeout_s or DEFAULT_PEER_TIMEOUT_S)
+  _WATCHDOG = _Watchdog(resume_step, message, timeout_s)
 
 
 def wait_for_lost_peer() -> None:

@@ -16,27 +16,15 @@ from flax import nnx
 
 from diffjax.model import DecoderLM, ModelConfig
 from diffjax.nn.layers import is_weight_matrix, logical_names
+from diffjax.train.sections import OptimConfig
 
-SCHEDULES = ("cosine", "linear", "constant")
 
-
-def learning_rate_schedule(cfg) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
   """Linear warm-up from 0 to ``lr`` over ``warmup_steps``, then decay to ``min_lr``
-  at ``decay_steps`` (default: the run's ``num_steps``) and stay there."""
-  lr, min_lr = float(cfg.lr), float(cfg.min_lr)
-  warmup = int(cfg.warmup_steps)
-  total = int(cfg.decay_steps)
-  if cfg.schedule not in SCHEDULES:
-    raise ValueError(f"optim.schedule={cfg.schedule!r} is not one of {SCHEDULES}.")
-  if lr <= 0 or min_lr < 0 or min_lr > lr:
-    raise ValueError(
-      f"Need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={lr}, min_lr={min_lr}."
-    )
-  if warmup < 0 or total < warmup:
-    raise ValueError(
-      f"Need 0 <= optim.warmup_steps <= decay steps; got warmup_steps={warmup},"
-      f" decay_steps={total}."
-    )
+  at ``decay_steps`` and stay there. (A mapping of the section's keys is resolved, and
+  checked, first.)"""
+  cfg = OptimConfig.from_config(cfg)
+  lr, min_lr, warmup, total = cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps
   warm = optax.linear_schedule(0.0, lr, max(warmup, 1))
   span = max(total - warmup, 1)
   if cfg.schedule == "cosine":
@@ -90,28 +78,24 @@ def model_decay_mask(model_cfg: ModelConfig) -> dict:
 
 
 def make_optimizer(
-  cfg, model: ModelConfig | dict
+  cfg: OptimConfig, model: ModelConfig | dict
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW (paper betas by config) with global-norm clipping; returns (tx, schedule).
 
   Args:
-    cfg: the ``optim`` section of a run config.
+    cfg: the run's ``optim`` section (a mapping of its keys is resolved, and checked, first).
     model: the model config whose parameters the optimizer updates (the decay mask is
       derived from it), or a decay mask from :func:`decay_mask`.
   """
+  cfg = OptimConfig.from_config(cfg)
   mask = model_decay_mask(model) if isinstance(model, ModelConfig) else model
   schedule = learning_rate_schedule(cfg)
   parts = []
   if cfg.clip_norm and cfg.clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(float(cfg.clip_norm)))
+    parts.append(optax.clip_by_global_norm(cfg.clip_norm))
   parts.append(
     optax.adamw(
-      schedule,
-      b1=float(cfg.b1),
-      b2=float(cfg.b2),
-      eps=float(cfg.eps),
-      weight_decay=float(cfg.weight_decay),
-      mask=mask,
+      schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
     )
   )
   return optax.chain(*parts), schedule

@@ -29,6 +29,8 @@ from typing import Any
 
 import jax
 
+from diffjax.train.sections import ProfileConfig
+
 PHASES = ("setup", "restore", "compile", "data", "train", "eval", "checkpoint", "profile")
 
 
@@ -176,16 +178,11 @@ class Profile:
   ``<workdir>/profile`` (TensorBoard's profile plugin or XProf reads it); ``profile.dump_hlo``:
   the compiled train step's HLO in ``<workdir>/train_step.hlo.txt``. Process 0 only."""
 
-  def __init__(self, config, workdir: str, *, enabled: bool, clock: Clock | None = None):
-    section = config.get("profile") or {}
-    steps = tuple(section.get("steps") or ())
-    if steps and (len(steps) != 2 or not 1 <= int(steps[0]) <= int(steps[1])):
-      raise ValueError(
-        f"profile.steps={steps!r} must be (first, last) with 1 <= first <= last, "
-        'e.g. --config.profile.steps="(10, 12)".'
-      )
-    self.steps = tuple(int(s) for s in steps) if enabled else ()
-    self.hlo = bool(section.get("dump_hlo", False)) and enabled
+  def __init__(
+    self, section: ProfileConfig, workdir: str, *, enabled: bool, clock: Clock | None = None
+  ):
+    self.steps = section.steps if enabled else ()
+    self.hlo = section.dump_hlo and enabled
     self.directory = os.path.join(workdir, "profile")
     self.workdir = workdir
     self._tracing = False

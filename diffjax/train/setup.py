@@ -29,6 +29,7 @@ from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
 from diffjax.train.optim import decay_mask, make_optimizer
+from diffjax.train.sections import OptimConfig
 from diffjax.train.steps import create_model, make_eval_step, make_train_step, split_params
 
 # The arrays of one batch (see diffjax.data): int32 tokens, segments and positions,
@@ -131,7 +132,7 @@ def with_mesh_rules(
 
 def build_train_setup(
   model_cfg: ModelConfig,
-  optim_cfg,
+  optim_cfg: OptimConfig,
   *,
   seed: int,
   mesh: Mesh,
@@ -145,7 +146,7 @@ def build_train_setup(
 
   Args:
     model_cfg: the model.
-    optim_cfg: the ``optim`` section of a run config (see ``make_optimizer``).
+    optim_cfg: the run's ``optim`` section (see ``make_optimizer``).
     seed: initialisation seed (also the state's RNG key).
     mesh: a mesh with axes ``data``, ``fsdp``, ``tensor``, ``context``
       (``diffjax.sharding.make_mesh``).

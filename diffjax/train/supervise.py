@@ -34,6 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from diffjax.train.sections import DistributedConfig
+
 ENV = "DIFFJAX_SUPERVISED"
 # How long the runtime's log lines are held before they are printed (an abort follows its
 # first line within milliseconds).
@@ -46,14 +48,14 @@ _LEADER_GONE = ("Failed to send RPC to coordination service", "leader task")
 _TASK = re.compile(r"/task:(\d+)")
 
 
-def wanted(config) -> bool:
-  """Whether train.py should supervise its training (see the module docstring)."""
+def wanted(section: DistributedConfig) -> bool:
+  """Whether train.py should supervise its training (see the module docstring), by the run's
+  ``distributed`` section."""
   if os.environ.get(ENV):
     return False
-  section = config.get("distributed") if "distributed" in config else None
-  if section is not None and section.get("supervise") is False:
+  if not section.supervise:
     return False
-  initialize = section.get("initialize") if section is not None else None
+  initialize = section.initialize
   if initialize is None:
     from diffjax.train import distributed  # pylint: disable=import-outside-toplevel
 

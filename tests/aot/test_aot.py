@@ -10,6 +10,7 @@ import pytest
 from diffjax.aot import DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
 from diffjax.kernels.gpu import targets
 from diffjax.presets import load_config
+from diffjax.train.config import RunConfig
 
 _HAS_LIBTPU = True
 try:
@@ -54,7 +55,7 @@ def _cli(*args, env_extra=None):
 def test_tiny_configs_compile_for_v5e_2x2(arm):
   cfg = _tiny(arm)
   cfg.mesh.shape = (2, 2, 1)
-  report = aot_report(cfg, "v5e:2x2")
+  report = aot_report(RunConfig.from_config(cfg), "v5e:2x2")
   assert report.num_devices == 4
   assert report.mesh == {"data": 2, "fsdp": 2, "tensor": 1, "context": 1}
   assert report.hbm_gib == 16.0
@@ -70,14 +71,14 @@ def test_tiny_configs_compile_for_v5e_2x2(arm):
 def test_xla_implementation_compiles_without_kernels():
   cfg = _tiny("diff_v2")
   cfg.model.implementation = "xla"
-  assert aot_report(cfg, "v5e:2x2").pallas_kernels == 0
+  assert aot_report(RunConfig.from_config(cfg), "v5e:2x2").pallas_kernels == 0
 
 
 @needs_libtpu
 def test_hbm_table_and_bad_topology():
   assert hbm_for("TPU v5p") == 95.0 and hbm_for("TPU v5 lite") == 16.0
   with pytest.raises(ValueError, match="v9z"):
-    aot_report(_tiny(), "v9z:2x2")
+    aot_report(RunConfig.from_config(_tiny()), "v9z:2x2")
 
 
 @needs_libtpu
@@ -106,7 +107,7 @@ def test_a_tpu_step_that_does_not_fit_is_one_line_with_options():
   cfg = _tiny()
   cfg.global_batch_size, cfg.seq_len = 2048, 4096
   with pytest.raises(DoesNotFit) as caught:
-    aot_report(cfg, "v5e:2x2")
+    aot_report(RunConfig.from_config(cfg), "v5e:2x2")
   line = str(caught.value)
   assert line.startswith("v5e:2x2: the step needs ") and "GiB of 15.75 GiB per device" in line
   assert "--config.grad_accum_steps=2" in line and "--config.model.remat=full" in line
@@ -124,11 +125,15 @@ def test_out_of_memory_messages_and_options():
   assert parse_out_of_memory("INTERNAL: something else") is None
   cfg = load_config("configs/paper_3b.py")
   cfg.global_batch_size = 256
-  line = fit_options(cfg, needs_gib=39.8, has_gib=31.25, target="v6e:8x8")
+  line = fit_options(
+    RunConfig.from_config(cfg, data_at_launch=True), needs_gib=39.8, has_gib=31.25, target="v6e:8x8"
+  )
   assert line.startswith("v6e:8x8: the step needs 39.8 GiB of 31.25 GiB per device; to fit try")
   assert "--config.grad_accum_steps=2 (a microbatch of 128 rows)" in line
   assert "--config.model.remat=full" in line and "a larger slice" in line and "\n" not in line
-  gpu = fit_options(cfg, needs_gib=95.2, has_gib=59.3, target="h100")
+  gpu = fit_options(
+    RunConfig.from_config(cfg, data_at_launch=True), needs_gib=95.2, has_gib=59.3, target="h100"
+  )
   assert "--target=h100:8" in gpu and "--target=h200" in gpu
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in gpu
 
@@ -148,7 +153,7 @@ def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
   cfg = _tiny("diff_v1")
   cfg.model.dtype = "bfloat16"
   cfg.seq_len = 128
-  report = aot_report(cfg, target)
+  report = aot_report(RunConfig.from_config(cfg), target)
   assert report.platform == "gpu" and report.num_devices == 1
   assert report.hbm_gib == pytest.approx(targets.get(target).memory_gib)
   assert report.usable_fraction == 0.75 and report.fits

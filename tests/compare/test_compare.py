@@ -15,6 +15,7 @@ from helpers import REPO
 from diffjax import compare
 from diffjax.model import resolve_model
 from diffjax.presets import base_config, load_config
+from diffjax.train.config import RunConfig
 
 # ml_collections loads config files with importlib's deprecated load_module().
 pytestmark = pytest.mark.filterwarnings(
@@ -373,7 +374,9 @@ def test_retrieval_config_is_valid_matched_and_queries_one_key():
     mix = run.task_mix
     assert (mix.fraction, mix.loss, mix.num_queries, mix.separator) == (1.0, "answers", 1, "")
   assert abs(counts["diff_v2"] / counts["transformer"] - 1) <= 0.005, counts
-  ev = compare.eval_config(config, compare.run_config(config, "transformer", 0))
+  ev = compare.eval_config(
+    config, RunConfig.from_config(compare.run_config(config, "transformer", 0))
+  )
   assert ev.probe_task == "mqar" and ev.mqar["separator"] == ""
   cells = [(c["num_pairs"], c["distractors_per_query"]) for c in ev.mqar_grid]
   # The trained setting, near-duplicate distractors and longer contexts; one key asked each,
@@ -493,13 +496,13 @@ def test_summary_names_what_the_runs_trained_on():
   from diffjax.compare.summary import _data_phrase
 
   base = base_config()
-  assert _data_phrase(base) == f"`{base.data.kind}` data"
+  assert _data_phrase(RunConfig.from_config(base)) == f"`{base.data.kind}` data"
   base.task_mix.update(dict(task="associative_recall", fraction=0.25))
-  assert _data_phrase(base) == (
+  assert _data_phrase(RunConfig.from_config(base)) == (
     f"`{base.data.kind}` data with 25% of the tokens from `associative_recall` examples"
   )
   base.task_mix.update(dict(fraction=1.0, num_examples=20_000, loss="answers"))
-  assert _data_phrase(base) == (
+  assert _data_phrase(RunConfig.from_config(base)) == (
     "`associative_recall` task examples alone (20,000 examples, "
     "only the answer tokens scored; no corpus text)"
   )

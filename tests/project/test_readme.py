@@ -258,7 +258,7 @@ def _stop_after_parsing():
   """Makes argparse's ``parse_args`` and ``parse_known_args`` and the config commands'
   ``cli.parse`` raise :class:`_Parsed` once they succeed (a config with a model is checked
   as --dry_run would)."""
-  from diffjax.train import cli  # pylint: disable=import-outside-toplevel
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
   from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
 
   parser = argparse.ArgumentParser

@@ -171,9 +171,9 @@ def test_which_process_the_runtime_blames():
 
 
 def test_supervision_is_wanted_only_for_several_processes(monkeypatch):
-  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+  from diffjax.train.sections import DistributedConfig  # pylint: disable=import-outside-toplevel
 
-  c = base_config()
+  c = DistributedConfig()
   for key in (
     "DIFFJAX_COORDINATOR",
     "JAX_COORDINATOR_ADDRESS",
@@ -187,8 +187,6 @@ def test_supervision_is_wanted_only_for_several_processes(monkeypatch):
   assert not supervise.wanted(c)
   monkeypatch.setattr("diffjax.train.distributed.detected", lambda: True)
   assert supervise.wanted(c)
-  c.distributed.supervise = False
-  assert not supervise.wanted(c)
-  c.distributed.supervise = True
+  assert not supervise.wanted(DistributedConfig(supervise=False))
   monkeypatch.setenv(supervise.ENV, "1")  # the child itself
   assert not supervise.wanted(c)

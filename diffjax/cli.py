@@ -1,0 +1,469 @@
+"""The command line every diffjax command shares, and loading config files.
+
+One grammar: ``--config=configs/<file>.py[:ARG]`` names a config file (``ARG`` goes to its
+``get_config``), ``--config.<key>=<value>`` sets any key it defines, ``--<flag>=<value>`` sets a
+command's own flags and ``--help`` prints the usage. A command without a config file (``python
+-m diffjax.eval``) takes the same ``--config.<key>=<value>`` for the fields it names. A mistake
+gets one ``error:`` line naming the flag or key (with the nearest valid keys) and exit status 2.
+
+This module knows no config schema: a command passes its own override help and renamed keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import glob
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
+HELP_FLAGS = ("-h", "--help", "--helpfull", "-help")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """A plain (non-config) flag of a command: ``--name=<value>``.
+
+  Attributes:
+    name: the flag's name.
+    default: its value when not given; a bool makes a switch (``--name``).
+    help: one line for ``--help``.
+    kind: the value's type where ``default`` does not say it (an int flag with a None default);
+      None: the default's type, a string for None.
+  """
+
+  name: str
+  default: Any
+  help: str
+  kind: type | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RenamedKey:
+  """A config key that is not a key any more, and the line that names its replacement.
+
+  Attributes:
+    old: the old dotted key; it also matches under a prefix (``base.model.attention``).
+    new: the key to use instead, at the same place as ``old``.
+    text: the explanation; ``{new}`` there becomes ``--<flag>.<prefix><new>``.
+  """
+
+  old: str
+  new: str
+  text: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Config files.
+
+
+def load_config(path: str, arg: str | None = None):
+  """``get_config(arg)`` (or ``get_config()``) of the config file at ``path``.
+
+  For config files that build on another one (a comparison on a run config).
+  """
+  path = os.path.abspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"No config file at {path}.")
+  name = "diffjax_config_" + "".join(ch if ch.isalnum() else "_" for ch in path)
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module.get_config() if arg is None else module.get_config(arg)
+
+
+def shipped_configs(pattern: str = "*.py") -> list[tuple[str, str]]:
+  """(path relative to the repository, first line of its docstring) of each shipped config."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(CONFIGS_DIR, "**", pattern), recursive=True)):
+    try:
+      doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+    except SyntaxError:
+      doc = ""
+    out.append((os.path.relpath(path, REPO_ROOT), doc.strip().splitlines()[0] if doc else ""))
+  return out
+
+
+def help_text(
+  usage: str,
+  summary: str,
+  flags: Sequence[Flag],
+  configs: str = "*.py",
+  subdir: str | None = None,
+  overrides_help: str = "",
+  with_config_file: bool = True,
+) -> str:
+  """The ``--help`` text: usage, summary, flags, the shipped configs (for a command that reads
+  a config file) and the override grammar."""
+  lines = [usage, "", summary.strip(), "", "Flags:"]
+  if with_config_file:
+    lines.append("  --config=<file>.py[:ARG]  the run's config file")
+  for f in flags:
+    spelled = f"--{f.name}" if isinstance(f.default, bool) else f"--{f.name}=<value>"
+    lines.append(
+      f"  {spelled}  {f.help}"
+      + (f" [default: {f.default}]" if f.default not in (None, "", False) else "")
+    )
+  if with_config_file:
+    lines += ["", "Configs shipped with diffjax:"]
+    found = [
+      c
+      for c in shipped_configs(configs)
+      if (subdir is None and os.sep + "compare" + os.sep not in c[0])
+      or (subdir is not None and (os.sep + subdir + os.sep) in c[0])
+    ]
+    width = max((len(p) for p, _ in found), default=0)
+    lines += [f"  {p:<{width}}  {d}" for p, d in found]
+  if overrides_help:
+    lines += ["", overrides_help.rstrip()]
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Unknown --config.<key> overrides.
+
+
+def _is_section(value: Any) -> bool:
+  """A ConfigDict section (a dict value is a value, not a section)."""
+  return hasattr(value, "keys") and not isinstance(value, dict)
+
+
+def _get(config, dotted: str) -> tuple[bool, Any]:
+  node = config
+  for part in dotted.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      return False, None
+    node = node[part]
+  return True, node
+
+
+def flat_keys(config, prefix: str = "") -> Iterator[str]:
+  """Every value key of a (nested) ConfigDict as a dotted path (sections are descended
+  into, not listed)."""
+  for k in config.keys():
+    path = f"{prefix}{k}"
+    value = config[k]
+    if _is_section(value):
+      yield from flat_keys(value, path + ".")
+    else:
+      yield path
+
+
+def unknown_key(config, dotted: str) -> str | None:
+  """The first prefix of ``dotted`` that is not a key of ``config``, or None if all are."""
+  node, parts = config, dotted.split(".")
+  for i, part in enumerate(parts):
+    if not _is_section(node) or part not in node:
+      return ".".join(parts[: i + 1])
+    node = node[part]
+  return None
+
+
+def suggest_keys(config, key: str, n: int = 3) -> list[str]:
+  """The valid dotted keys nearest to ``key`` (by spelling of the whole path or of its
+  last part), at most ``n``."""
+  keys = list(flat_keys(config))
+  close = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+  if len(close) < n:
+    last = key.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+      by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    for leaf in difflib.get_close_matches(last, list(by_leaf), n=n, cutoff=0.75):
+      close += [k for k in by_leaf[leaf] if k not in close]
+  return close[:n]
+
+
+def override_keys(argv: Sequence[str], flag: str = "config") -> list[tuple[str, str]]:
+  """``(key, argument)`` of every ``--<flag>.<key>[=value]`` argument in ``argv``."""
+  out = []
+  for arg in argv:
+    for start in (f"--{flag}.", f"-{flag}."):
+      if arg.startswith(start):
+        out.append((arg[len(start) :].split("=", 1)[0], arg))
+        break
+  return out
+
+
+def _renamed_message(
+  key: str, arg: str, bad: str, renamed: Sequence[RenamedKey], flag: str
+) -> str | None:
+  for r in renamed:
+    if bad == r.old or bad.endswith("." + r.old):
+      prefix = bad.removesuffix(r.old)
+      return f"unknown config key {key!r} in {arg}: " + r.text.format(
+        new=f"--{flag}.{prefix}{r.new}"
+      )
+  return None
+
+
+def unknown_override_message(
+  config, argv: Sequence[str], flag: str = "config", renamed: Sequence[RenamedKey] = ()
+) -> str | None:
+  """One line naming the first ``--config.<key>`` override whose key ``config`` lacks,
+  with the nearest valid keys (or the keys of its section if none is near; a key of
+  ``renamed`` names its replacement); None if every override names an existing key."""
+  for key, arg in override_keys(argv, flag):
+    bad = unknown_key(config, key)
+    if bad is None:
+      continue
+    said = _renamed_message(key, arg, bad, renamed, flag)
+    if said is not None:
+      return said
+    parent = bad.rsplit(".", 1)[0] if "." in bad else ""
+    _, node = _get(config, parent) if parent else (True, config)
+    if parent and not _is_section(node):
+      return (
+        f"unknown config key {key!r} in {arg}: {parent} is a value, not a section; "
+        f"set it with --{flag}.{parent}=<value>."
+      )
+    # A typo in one part: the same key with that part corrected, then near spellings.
+    parts, depth = key.split("."), bad.count(".")
+    near = []
+    for fix in difflib.get_close_matches(parts[depth], list(node.keys()), n=3, cutoff=0.6):
+      fixed = ".".join(parts[:depth] + [fix] + parts[depth + 1 :])
+      if unknown_key(config, fixed) is None:
+        near.append(fixed)
+    near += [k for k in suggest_keys(config, bad) if k not in near]
+    near = near[:3]
+    if near:
+      hint = "did you mean " + " or ".join(f"--{flag}.{k}" for k in near) + "?"
+    else:
+      scope = f"{parent}." if parent else ""
+      hint = (
+        f"the keys{' of ' + parent if parent else ''} are "
+        + ", ".join(f"{scope}{k}" for k in node.keys())
+        + "."
+      )
+    return f"unknown config key {key!r} in {arg}; {hint}"
+  return None
+
+
+def explain_flag_error(
+  argv: Sequence[str], flag: str = "config", renamed: Sequence[RenamedKey] = ()
+) -> str | None:
+  """After a failed flag parse: :func:`unknown_override_message` for ``argv``.
+
+  Loads the config file named by ``--<flag>=`` alone (without the overrides) to learn
+  its keys. Returns None when the config cannot be loaded or every key exists (the
+  parse failed for another reason, e.g. a value of the wrong type).
+  """
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
+  prefixes = (f"--{flag}.", f"-{flag}.")
+  plain = [a for a in argv if not a.startswith(prefixes)]
+  values = absl_flags.FlagValues()
+  holder = config_flags.DEFINE_config_file(flag, None, "", flag_values=values)
+  # ml_collections reads the overrides from sys.argv too: hide them while loading.
+  saved, sys.argv = sys.argv, plain
+  try:
+    values(plain, known_only=True)
+    config = holder.value
+  except Exception:  # pylint: disable=broad-except  # the caller reports the original error
+    return None
+  finally:
+    sys.argv = saved
+  return None if config is None else unknown_override_message(config, argv, flag, renamed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing.
+
+
+def _one_line(e: BaseException) -> str:
+  return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
+DRY_RUN = Flag(
+  "dry_run",
+  False,
+  "check the config and print what it resolves to (each run's "
+  "model and its parameter counts), then exit; reads no data",
+)
+
+
+def _define_flags(fv, flags: Sequence[Flag]) -> dict[str, Any]:
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+
+  holders = {}
+  for f in flags:
+    kind = f.kind or (type(f.default) if f.default is not None else str)
+    define = (
+      absl_flags.DEFINE_bool
+      if kind is bool
+      else absl_flags.DEFINE_integer
+      if kind is int
+      else absl_flags.DEFINE_float
+      if kind is float
+      else absl_flags.DEFINE_string
+    )
+    holders[f.name] = define(f.name, f.default, f.help, flag_values=fv)
+  return holders
+
+
+def parse(
+  argv: Sequence[str],
+  *,
+  usage: str,
+  summary: str,
+  flags: Sequence[Flag] = (),
+  default_config: str | None = None,
+  subdir: str | None = None,
+  config_prefix: str = "config",
+  describe: Callable[[Any], str] | None = None,
+  overrides_help: str = "",
+  renamed: Sequence[RenamedKey] = (),
+  fields: Sequence[str] | None = None,
+):
+  """Parses a command's ``argv`` (argv[0] is the program).
+
+  Args:
+    argv: the command line.
+    usage, summary: the first lines of ``--help`` (and ``usage`` of every error line).
+    flags: the command's plain flags.
+    default_config: the config file when no ``--config=`` is given (None: it is required).
+    subdir: the folder of ``configs/`` whose files ``--help`` lists (None: the run configs).
+    config_prefix: the flag that names the config (``config``).
+    describe: with it, the command also takes ``--dry_run``: print ``describe(config)`` and
+      return its status.
+    overrides_help: the override grammar's lines in ``--help``.
+    renamed: keys that are no longer keys, each answered with the line naming its successor.
+    fields: a command without a config file: ``--config.<field>=<value>`` sets one of these
+      names (the value a Python literal, else a string; lists become tuples).
+
+  Returns:
+    ``(config, values, config_arg)``: the loaded config (overrides applied), the plain flags'
+    values by name, and the ``--config`` argument as given; with ``fields``, ``(overrides,
+    values, None)`` where ``overrides`` holds the fields given. Or an int exit status: 0 after
+    printing ``--help``, 2 after one ``error:`` line.
+  """
+  if describe is not None:
+    flags = (*flags, DRY_RUN)
+  argv = list(argv)
+  if any(a in HELP_FLAGS for a in argv[1:]):
+    print(
+      help_text(
+        usage,
+        summary,
+        flags,
+        subdir=subdir,
+        overrides_help=overrides_help,
+        with_config_file=fields is None,
+      )
+    )
+    return 0
+  if fields is not None:
+    return _parse_fields(argv, usage, flags, fields, config_prefix)
+  return _parse_config_file(argv, usage, flags, default_config, config_prefix, describe, renamed)
+
+
+def _parse_config_file(argv, usage, flags, default_config, config_prefix, describe, renamed):
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
+  config_arg = _config_arg(argv[1:], config_prefix)
+  if config_arg is None:
+    if default_config is None:
+      print(f"error: --{config_prefix} is required; {usage}", file=sys.stderr)
+      return 2
+    config_arg = default_config
+    argv.insert(1, f"--{config_prefix}=" + os.path.join(REPO_ROOT, default_config))
+  fv = absl_flags.FlagValues()
+  holder = config_flags.DEFINE_config_file(
+    config_prefix, None, "the run's config file", flag_values=fv, lock_config=True, sys_argv=argv
+  )
+  plain = _define_flags(fv, flags)
+  try:
+    rest = fv(argv)
+  except Exception as e:  # absl and ml_collections raise several types for bad flags
+    why = explain_flag_error(argv, config_prefix, renamed)
+    print(f"error: {why or 'invalid command line: ' + _one_line(e)} ({usage})", file=sys.stderr)
+    return 2
+  try:
+    config = holder.value
+    _ = config is not None and "model" in config  # loading errors surface on first access
+  except Exception as e:  # a config file that is missing or fails to import
+    detail = str(e).splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+    print(f"error: cannot load --{config_prefix}={config_arg}: {detail}", file=sys.stderr)
+    return 2
+  if len(rest) > 1 or config is None:
+    print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
+    return 2
+  values = {name: holder_.value for name, holder_ in plain.items()}
+  if describe is not None and values.pop("dry_run"):
+    from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+
+    return run_guarded(lambda: print(describe(config)))
+  return config, values, config_arg
+
+
+def _literal(value: str) -> Any:
+  """A ``--config.<field>=`` value: a Python literal (lists become tuples), else the string."""
+  try:
+    out = ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return value
+  if isinstance(out, list):
+    out = tuple(tuple(v) if isinstance(v, list) else v for v in out)
+  return out
+
+
+def field_overrides(
+  argv: Sequence[str], fields: Sequence[str], flag: str = "config"
+) -> tuple[dict[str, Any], str | None]:
+  """``({field: value}, None)`` from the ``--<flag>.<field>=<value>`` arguments of ``argv``,
+  or ``({}, error)``: one line naming an override without a value or of an unknown field
+  (with the nearest fields)."""
+  out = {}
+  for key, arg in override_keys(argv, flag):
+    if "=" not in arg:
+      return {}, f"{arg} has no value; set it with --{flag}.{key}=<value>."
+    if key not in fields:
+      near = difflib.get_close_matches(key, list(fields), n=3)
+      hint = (
+        "did you mean " + " or ".join(f"--{flag}.{k}" for k in near) + "?"
+        if near
+        else f"the keys are {', '.join(sorted(fields))}."
+      )
+      return {}, f"unknown config key {key!r} in {arg}; {hint}"
+    out[key] = _literal(arg.split("=", 1)[1])
+  return out, None
+
+
+def _parse_fields(argv, usage, flags, fields, config_prefix):
+  from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
+
+  overrides, error = field_overrides(argv[1:], fields, config_prefix)
+  if error is not None:
+    print(f"error: {error} ({usage})", file=sys.stderr)
+    return 2
+  prefixes = (f"--{config_prefix}.", f"-{config_prefix}.")
+  fv = absl_flags.FlagValues()
+  plain = _define_flags(fv, flags)
+  try:
+    rest = fv([a for a in argv if not a.startswith(prefixes)])
+  except Exception as e:  # absl raises several types for bad flags
+    print(f"error: invalid command line: {_one_line(e)} ({usage})", file=sys.stderr)
+    return 2
+  if len(rest) > 1:
+    print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
+    return 2
+  return overrides, {name: holder.value for name, holder in plain.items()}, None
+
+
+def _config_arg(argv: Sequence[str], name: str = "config") -> str | None:
+  """The value of ``--config`` in ``argv`` (``--config=X`` or ``--config X``), or None."""
+  for i, a in enumerate(argv):
+    if a.startswith(f"--{name}="):
+      return a.split("=", 1)[1]
+    if a == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None

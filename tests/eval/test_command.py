@@ -1,0 +1,68 @@
+"""``python -m diffjax.eval`` speaks the shared command line: its flags, ``--config.<field>=``
+for the EvalConfig fields, ``--help``, and one ``error:`` line with status 2 for a mistake
+(before any checkpoint is read)."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffjax.eval import command
+from diffjax.eval.config import EvalConfig
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+  status = command.main(list(argv))
+  out = capsys.readouterr()
+  return status, out.out, out.err
+
+
+def test_help_lists_the_flags_and_the_fields(capsys):
+  status, out, _ = _run(capsys, "--help")
+  assert status == 0
+  for flag in ("--workdir", "--out", "--step", "--quick", "--seq_len", "--seed", "--sections"):
+    assert flag in out, flag
+  assert "--config.<field>=<value>" in out and "samples_per_depth" in out
+  assert "Configs shipped" not in out  # the command reads no config file
+
+
+@pytest.mark.parametrize(
+  "argv,wanted",
+  [
+    (
+      ["--workdir=/nowhere", "--config.samples_per_dept=5"],
+      "did you mean --config.samples_per_depth",
+    ),
+    (["--workdir=/nowhere", "--config.depths"], "--config.depths has no value"),
+    (["--workdir=/nowhere", "--step=last"], "invalid command line"),
+    (["--quick"], "--workdir is required"),
+    (["--workdir=/nowhere", "extra"], "unexpected arguments ['extra']"),
+  ],
+)
+def test_a_mistake_is_one_error_line_with_status_2(capsys, argv, wanted):
+  status, _, err = _run(capsys, *argv)
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+  assert wanted in lines[0], lines[0]
+
+
+def test_field_values_are_python_literals_and_lists_become_tuples():
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
+
+  fields = tuple(EvalConfig.__dataclass_fields__)
+  got, error = cli.field_overrides(
+    [
+      "--config.needle_grid=[[1, 1], [2, 2]]",
+      "--config.probe_task=mqar",
+      "--config.samples_per_depth=3",
+      "--config.mqar={'num_pairs': 4}",
+    ],
+    fields,
+  )
+  assert error is None
+  assert got == {
+    "needle_grid": ((1, 1), (2, 2)),
+    "probe_task": "mqar",
+    "samples_per_depth": 3,
+    "mqar": {"num_pairs": 4},
+  }
+  EvalConfig.quick(64, **got)  # what the command builds from them
