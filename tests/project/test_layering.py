@@ -18,7 +18,7 @@ PKG = os.path.join(ROOT, "diffjax")
 
 # Lowest first. A module may import modules of its own layer or of lower layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
-  ("diffjax.errors", "diffjax.core", "diffjax.sharding", "diffjax.cpu"),
+  ("diffjax.errors", "diffjax.hardware", "diffjax.core", "diffjax.sharding", "diffjax.cpu"),
   ("diffjax.kernels",),
   ("diffjax.ops",),
   ("diffjax.nn",),
