@@ -14,9 +14,9 @@ a GPU without one).
 
 A record matches the devices whose ``jax.Device.device_kind`` starts with one of its
 ``device_kinds`` (case-insensitive; the longest match wins, so "TPU v5 lite" is a v5e and
-"TPU v5" a v5p). The figures are the vendors' published ones (dense, without sparsity),
-except where a field says otherwise (a GPU's memory is what the device reports, a little
-under the marketed size). This module imports nothing from diffjax: any layer may read it.
+"TPU v5" a v5p). The figures are the vendors' published ones (dense, without sparsity);
+the H100's and H200's memory is what such a device reports, a little under the marketed
+size. This module imports nothing from diffjax: any layer may read it.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ def launch_kwargs(interpret: bool) -> dict:
   """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel.
 
   ``interpret``: jax's Mosaic GPU interpreter (``InterpretGPUParams``) on the CPU, as jax
-  ships it; jax 0.10 and 0.11 interpret only part of what these kernels use (see
-  :func:`accumulate` and the kernels' docstrings).
+  ships it; jax 0.10 and 0.11 interpret only part of what these kernels use (the module
+  docstring says what, and what the interpreted tests therefore leave unchecked).
   """
   if interpret:
     check_threads(COMPUTE_WGS + 1)
