@@ -12,7 +12,9 @@ chosen so every call sees the same number of tokens (``--tokens``, 16K by defaul
   V1/V2 fused      diffjax.kernels.gpu.diff_v1_pallas_gpu / diff_v2_pallas_gpu (Mosaic
                    GPU, Hopper: fused forward and one fused backward); on a GPU for
                    bf16 and fp16, in the interpreter only with 3 or more host devices
-                   (XLA_FLAGS=--xla_force_host_platform_device_count=8)
+                   (XLA_FLAGS=--xla_force_host_platform_device_count=8), with the
+                   test suite's additions to jax's Mosaic GPU interpreter installed
+                   (tests/kernels/gpu/mosaic_interpret.py)
 
 Columns: forward and forward+backward milliseconds (medians after warm-up, with
 ``block_until_ready``), achieved TFLOP/s, time relative to the baseline, and memory.
@@ -100,6 +102,15 @@ def _mosaic_runs_here(dtype, interpret: bool) -> bool:
   return not interpret or len(jax.devices("cpu")) >= mosaic_common.COMPUTE_WGS + 1
 
 
+def _install_interpreter_additions() -> None:
+  """What jax's Mosaic GPU interpreter lacks for these kernels, as the tests add it."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "tests", "kernels", "gpu"))
+  import mosaic_interpret  # pylint: disable=import-outside-toplevel
+
+  mosaic_interpret.install()
+
+
 def _rows(inputs, heads, interpret: bool) -> list[Row]:
   mha = inputs["mha"]
   impl = stock.pick_implementation(*mha, is_causal=True)
@@ -107,6 +118,8 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
   fused = dict(causal=True, interpret=interpret)
   mosaic_rows = []
   if _mosaic_runs_here(mha[0].dtype, interpret):
+    if interpret:
+      _install_interpreter_additions()
     mosaic_rows = [
       Row(
         "V1 fused Mosaic GPU" + tag,

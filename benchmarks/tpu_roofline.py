@@ -1,6 +1,6 @@
 """HBM traffic and MXU FLOPs of the TPU attention kernels, and the time they bound.
 
-Prints the tables of the roofline MODEL in :mod:`diffjax.kernels.tpu.roofline` (what it
+Prints the tables of the roofline MODEL in ``tools/tpu_roofline`` (what it
 counts and why is written there): for one attention layer, per arm (the splash
 Transformer, the stock DIFF paths, the fused DIFF kernels and a design target), the HBM
 bytes, MXU FLOPs and grid steps, and the lower bound they set per TPU generation.
@@ -30,13 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from diffjax.kernels.tpu.block_sizes import BlockSizes  # noqa: E402
-from diffjax.kernels.tpu.roofline import (
-  GENERATIONS,
-  Shape,
-  Tiles,
-  cross_check,  # noqa: E402
-  seq_section,
-)
+from tools.tpu_roofline import GENERATIONS, Shape, Tiles, cross_check, seq_section  # noqa: E402
 
 
 def _parse_seqs(text: str) -> list[int]:
@@ -125,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "Per-generation columns: lower bound sum over ops of max(bytes / HBM bandwidth, "
     "FLOPs / bf16 peak), in us, without the step overhead. "
     + ", ".join(
-      f"{g}: {c.hbm_bytes_per_s / 1e9:,.0f} GB/s, {c.bf16_flops_per_s / 1e12:,.0f} TFLOP/s"
+      f"{g}: {c.hbm_bytes_per_s / 1e9:,.0f} GB/s, {c.flops('bfloat16') / 1e12:,.0f} TFLOP/s"
       for g, c in GENERATIONS.items()
     )
     + ". * fused target: a design target that no kernel implements yet."
@@ -133,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   report: dict[str, Any] = {
     "config": vars(a) | {"tiles": dataclasses.asdict(tiles)},
-    "generations": {g: dataclasses.asdict(c) for g, c in GENERATIONS.items()},
+    "generations": {
+      g: {"hbm_bytes_per_s": c.hbm_bytes_per_s, "bf16_flops_per_s": c.flops("bfloat16")}
+      for g, c in GENERATIONS.items()
+    },
     "results": {},
   }
   for seq in a.seq:

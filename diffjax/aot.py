@@ -35,6 +35,7 @@ import sys
 
 import jax
 
+from diffjax import hardware
 from diffjax import sharding as shd
 from diffjax.data import load_tokenizer
 from diffjax.kernels.gpu import targets as gpu_targets
@@ -45,16 +46,6 @@ from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS, resolved_mod
 from diffjax.train.setup import build_train_setup
 
 GIB = 1024**3
-# HBM per chip (GiB) by device kind prefix.
-HBM_GIB = {
-  "TPU v5 lite": 16,
-  "TPU v5e": 16,
-  "TPU v5p": 95,
-  "TPU v5": 95,
-  "TPU v6 lite": 32,
-  "TPU v6e": 32,
-  "TPU v4": 32,
-}
 
 
 # The custom calls of our kernels in a compiled program, by platform.
@@ -161,10 +152,9 @@ def parse_out_of_memory(message: str) -> tuple[float, float] | None:
 
 
 def hbm_for(device_kind: str) -> float | None:
-  for prefix in sorted(HBM_GIB, key=len, reverse=True):
-    if device_kind.startswith(prefix):
-      return float(HBM_GIB[prefix])
-  return None
+  """HBM of one device of ``device_kind`` in GiB (:mod:`diffjax.hardware`), or None."""
+  accelerator = hardware.for_device_kind(device_kind)
+  return None if accelerator is None else accelerator.hbm_gib
 
 
 def _quiet_libtpu_probe() -> None:
@@ -294,7 +284,7 @@ def aot_report(run: RunConfig, topology: str) -> AotReport:
     target, count = gpu_targets.parse(topology)
     devices = gpu_targets.devices(target, count)
     kwargs = dict(platform="gpu", gpu_capability=target.compute_capability)
-    capacity, fraction = target.memory_gib, _client_mem_fraction()
+    capacity, fraction = target.hbm_gib, _client_mem_fraction()
   else:
     devices = topology_devices(topology)
     kwargs = dict(platform="tpu")

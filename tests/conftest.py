@@ -5,7 +5,14 @@ Only settings every test file can live with belong here; a file that needs more
 """
 
 import os
+import sys
 import tempfile
+
+# The tools beside the package (tools/ at the repository root, not installed) import as
+# `tools` in the tests, however pytest was started.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.append(_REPO)
 
 # libtpu may be installed; without this, JAX start-up probes for a TPU first.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import jax
 
-HOPPER = (9, 0)  # the compute capability the Mosaic GPU kernels are written for
+from diffjax.hardware import HOPPER  # the compute capability the Mosaic GPU kernels are for
 
 _TARGET = threading.local()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffjax import arms
+from diffjax import arms, hardware
 from diffjax.core.config import ModelConfig
 
 
@@ -76,25 +76,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> F
 
 
 # Dense bf16 peak FLOP/s per chip or GPU, by device kind (the vendors' figures, without
-# sparsity). Matched as prefixes of ``jax.Device.device_kind``.
-PEAK_FLOPS = (
-  ("TPU v6 lite", 918e12),
-  ("TPU v6e", 918e12),
-  ("TPU v5 lite", 197e12),
-  ("TPU v5e", 197e12),
-  ("TPU v5p", 459e12),
-  ("TPU v5", 459e12),
-  ("TPU v4", 275e12),
-  ("NVIDIA H200", 989e12),
-  ("NVIDIA H100", 989e12),
-  ("NVIDIA A100", 312e12),
+# sparsity), as (prefix of ``jax.Device.device_kind``, peak) pairs: the hardware table's.
+PEAK_FLOPS = tuple(
+  (kind, a.dense_flops_per_s["bfloat16"])
+  for a in hardware.ACCELERATORS.values()
+  for kind in a.device_kinds
 )
 
 
 def peak_flops(device_kind: str) -> float | None:
-  """The dense bf16 peak of a device kind, or None when it is not in :data:`PEAK_FLOPS`
-  (a CPU: give ``peak_flops`` in the run config to see an MFU there)."""
-  for prefix, peak in PEAK_FLOPS:
-    if device_kind.startswith(prefix):
-      return peak
-  return None
+  """The dense bf16 peak of a device kind (:func:`diffjax.hardware.peak_flops`), or None
+  when it has none (a CPU: give ``peak_flops`` in the run config to see an MFU there)."""
+  return hardware.peak_flops(device_kind)

@@ -155,7 +155,7 @@ def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
   cfg.seq_len = 128
   report = aot_report(RunConfig.from_config(cfg), target)
   assert report.platform == "gpu" and report.num_devices == 1
-  assert report.hbm_gib == pytest.approx(targets.get(target).memory_gib)
+  assert report.hbm_gib == pytest.approx(targets.get(target).hbm_gib)
   assert report.usable_fraction == 0.75 and report.fits
   assert (report.pallas_kernels > 0) == mosaic, report
   assert "Mosaic GPU kernel calls" in report.line()

@@ -18,7 +18,14 @@ PKG = os.path.join(ROOT, "diffjax")
 
 # Lowest first. A module may import modules of its own layer or of lower layers.
 LAYERS: tuple[tuple[str, ...], ...] = (
-  ("diffjax.errors", "diffjax.core", "diffjax.sharding", "diffjax.cpu", "diffjax.cli"),
+  (
+    "diffjax.errors",
+    "diffjax.hardware",
+    "diffjax.core",
+    "diffjax.sharding",
+    "diffjax.cpu",
+    "diffjax.cli",
+  ),
   ("diffjax.kernels",),
   ("diffjax.ops",),
   ("diffjax.nn",),

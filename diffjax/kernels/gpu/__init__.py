@@ -16,11 +16,7 @@ which also decides which inputs each takes; this package imports nothing from
 
 Tiles and budgets: :mod:`~diffjax.kernels.gpu.mosaic_tiles` (:class:`MosaicBlockSizes`).
 Compiling for a GPU on a machine without one: :mod:`~diffjax.kernels.gpu.targets`
-(H100, H200, A100 target descriptions), :mod:`~diffjax.kernels.gpu.ptxas` (registers,
-spills and shared memory of each compiled kernel) and
-:mod:`~diffjax.kernels.gpu.compile_check` (every kernel the dispatcher can choose,
-compiled and checked). :mod:`~diffjax.kernels.gpu.mosaic_interpret` lets jax's Mosaic
-GPU interpreter run the kernels on a CPU.
+(the GPUs of :mod:`diffjax.hardware` as XLA target descriptions and compile-only devices).
 """
 
 from diffjax.kernels.gpu.decode import diff_v1_decode_reference

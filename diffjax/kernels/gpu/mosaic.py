@@ -162,7 +162,8 @@ def diff_v1_pallas_gpu(
     block_sizes: None (the deepest tiles that fit shared memory), a
       :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes` or a dict of its fields.
     interpret: run jax's Mosaic GPU interpreter (CPU; see
-      :mod:`diffjax.kernels.gpu.mosaic_interpret` for the host devices it needs).
+      :mod:`diffjax.kernels.gpu.mosaic_common` for the host devices it needs and what it
+      does not check).
   Returns:
     [B, T, H, Dv] in the dtype of q1; inputs are bfloat16 or float16 of one dtype.
     Rows that see no key are zero. Softmax and all accumulation run in float32.

@@ -55,6 +55,12 @@ is ``-d_b``, formed outside the kernel.
 
 V2's dK is the sum of both warpgroups' partial sums; each writes its float32 partial
 and the wrapper adds them (a [S, d] sum per kv head, small next to the kernel's reads).
+
+Interpreted on a CPU, dK and dV accumulate through a fresh zero accumulator per step
+instead of in place, and the reduce-adds of dQ come from the test suite's additions to
+jax's interpreter: the interpreted tests check every gradient's values, not the in-place
+accumulation, the wgmma waits or the register budget (the list is in
+:mod:`diffjax.kernels.gpu.mosaic_common`).
 """
 
 from __future__ import annotations
@@ -86,7 +92,9 @@ from diffjax.kernels.gpu.mosaic_common import (
 )
 from diffjax.kernels.gpu.mosaic_tiles import (
   BLOCK_KV_BWD,
+  BWD_PRODUCER_REGISTERS,
   BWD_Q_SUB,
+  BWD_REGISTERS,
   ROWS,
   bwd_swizzle_cap,
   value_split,
@@ -195,9 +203,9 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       return qa_ref, 2 * head + w
 
     def consumer(w: int):
-      # 2 x 128 consumer threads at 232 registers and 128 producer threads at 40 use
+      # 2 x 128 consumer threads at 240 registers and 128 producer threads at 24 use
       # 64,512 of the SM's 65,536 (see backward_registers).
-      plgpu.set_max_registers(240, action="increase")
+      plgpu.set_max_registers(BWD_REGISTERS, action="increase")
       do_w, width_w = do_smem[w], widths[w]
       plgpu.barrier_wait(res_bar.at[w if v1 else 0])
       plgpu.barrier_wait(res_bar.at[2 + w])
@@ -297,7 +305,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
-      plgpu.set_max_registers(24, action="decrease")
+      plgpu.set_max_registers(BWD_PRODUCER_REGISTERS, action="decrease")
       plgpu.copy_gmem_to_smem(ka_ref.at[keys], k_smem.at[0], res_bar.at[0])
       if v1:
         plgpu.copy_gmem_to_smem(kb_ref.at[keys], k_smem.at[1], res_bar.at[1])

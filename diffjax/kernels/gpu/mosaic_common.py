@@ -9,19 +9,40 @@ shared-memory slots (:func:`producer_ring`), swizzled shared-memory tiles for ``
 :mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
 :mod:`~diffjax.kernels.gpu.mosaic_decode`; their tiles and budgets in
 :mod:`~diffjax.kernels.gpu.mosaic_tiles`.
+
+Interpreted (``interpret=True``, :func:`launch_kwargs`), the kernels run in jax's Mosaic GPU
+interpreter on a CPU: each warpgroup a CPU computation (:func:`check_threads`), shared
+memory, barriers and TMA copies simulated. jax 0.10 and 0.11 interpret only part of what
+the kernels use (jax 0.10 has no register layout casts and no transposed ``wgmma``
+operands, neither has a register ``wgmma`` operand nor a reduce-add TMA copy); the test
+suite adds those before it interprets a kernel (``tests/kernels/gpu/mosaic_interpret.py``).
+The interpreted tests check the values every kernel computes, against the reference. They
+do not check, and only the compiled kernels on a Hopper do (the ``gpu``-marked tests, and
+``python -m tools.gpu_compile`` for registers, spills and shared memory):
+
+* the in-place accumulation of :func:`accumulate` (``pl.run_state`` over
+  ``plgpu.ACC.init``): the interpreter cannot run ``run_state``, so there each
+  ``acc + a @ b`` (the forward's and decoding's P V, the backward's dK and dV) is a
+  product in a fresh zero accumulator added to ``acc`` afterwards: the same value from
+  another program;
+* asynchrony: a ``wgmma`` completes where it is issued (``wgmma_wait`` and
+  ``commit_group`` do nothing), so a missing or misplaced wait goes unseen;
+* registers: ``set_max_registers`` does nothing and a register layout is the identity
+  on values, so register pressure and layouts are ptxas's and Mosaic GPU's to check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from diffjax.kernels.gpu import mosaic_interpret
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, NEG, PairGeometry
 
 BLOCK_Q = 64  # query rows per warpgroup: the M of one wgmma
@@ -66,11 +87,52 @@ class MosaicConfig(PairGeometry):
 
 
 def launch_kwargs(interpret: bool) -> dict:
-  """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel."""
+  """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel.
+
+  ``interpret``: jax's Mosaic GPU interpreter (``InterpretGPUParams``) on the CPU, as jax
+  ships it; jax 0.10 and 0.11 interpret only part of what these kernels use (the module
+  docstring says what, and what the interpreted tests therefore leave unchecked).
+  """
   if interpret:
-    mosaic_interpret.check_threads(COMPUTE_WGS + 1)
-    return dict(interpret=mosaic_interpret.params())
+    check_threads(COMPUTE_WGS + 1)
+    return dict(interpret=_interpret_params())
   return dict(compiler_params=plgpu.CompilerParams(approx_math=False))
+
+
+def _interpret_params():
+  """jax's parameters of its Mosaic GPU interpreter, with their defaults."""
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:  # jax 0.10 names them only in a private module
+    from jax._src.pallas.mosaic_gpu.interpret import params as gpu_params  # pylint: disable=import-outside-toplevel
+
+    params = gpu_params.InterpretGPUParams
+  return params()
+
+
+def check_threads(num_threads: int) -> None:
+  """Raises if the CPU client cannot run ``num_threads`` warpgroups at once.
+
+  The Mosaic GPU interpreter runs each warpgroup of a CTA as its own CPU computation, and
+  a warpgroup blocked in a barrier wait holds its thread of the CPU client's pool. That
+  pool has ``max(CPU cores, host devices)`` threads, so a kernel with a producer and two
+  consumer warpgroups needs at least three, or it stalls for good; this turns the stall
+  into an error that names the fix.
+  """
+  cpu = jax.devices("cpu")
+  pool = max(
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+    len(cpu),
+  )
+  if pool < num_threads:
+    raise RuntimeError(
+      f"The Mosaic GPU interpreter runs each of this kernel's {num_threads} "
+      f"warpgroups as its own computation, but this CPU client runs {pool} at once "
+      f"({len(cpu)} host device(s) on a machine with fewer cores), so the kernel "
+      "would stall in a barrier wait. Start the process with "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={max(num_threads, 8)} (or "
+      f"jax.config.update('jax_num_cpu_devices', {max(num_threads, 8)}) before the "
+      "first jax call)."
+    )
 
 
 def swizzle_bytes(width: int, itemsize: int, max_swizzle: int = 128) -> int:
@@ -180,9 +242,10 @@ def accumulate(acc, a, b_ref, cfg):
   """``acc + a @ b_ref`` with ``acc`` kept in the wgmma accumulator registers.
 
   Compiled kernels accumulate in place (``pl.run_state`` with ``plgpu.ACC.init``).
-  The Mosaic GPU interpreter (jax 0.10.2 and 0.11.2 alike) cannot run ``run_state``
-  accumulators; there the product goes to a fresh zero accumulator and is added,
-  which is the value the interpreter's in-place ``wgmma`` (``acc + a @ b``) computes.
+  The Mosaic GPU interpreter (jax 0.10 and 0.11 alike) cannot run ``run_state``
+  accumulators; there the product goes to a fresh zero accumulator and is added, which
+  is the value the in-place ``wgmma`` (``acc + a @ b``) computes. So the interpreted
+  tests check this value, never the in-place program (see the module docstring).
   """
   if cfg.interpret:
     return acc + product(acc.shape, a, b_ref)

@@ -153,7 +153,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
       return kv_len, jnp.clip(lax.div(kv_len - start + bk - 1, bk), 0, cfg.split_len // bk)
 
     def consumer(w: int):
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(tiles.CONSUMER_REGISTERS, action="increase")
       q_ref = (q1_ref, q2_ref)[w]
       plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem[w], q_bar.at[w])
       kv_len, n = blocks()
@@ -177,7 +177,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(tiles.PRODUCER_REGISTERS, action="decrease")
       plgpu.copy_gmem_to_smem(len_ref.at[bi], len_smem, len_bar.at[0])
       _, n = blocks()
 

@@ -40,8 +40,9 @@ true length. Inputs are bf16 or
 fp16: a tf32 ``wgmma`` takes only K-major shared-memory operands, and the V tile enters
 P V with its value dim contiguous (MN-major). float32 runs on the stock path.
 
-On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``, see
-:mod:`diffjax.kernels.gpu.mosaic_interpret`), and their lowering to Mosaic GPU IR runs
+On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``; what it
+leaves unchecked, the in-place P V accumulation among it, is listed in
+:mod:`diffjax.kernels.gpu.mosaic_common`), and their lowering to Mosaic GPU IR runs
 without a GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``; jax 0.11
 wants an abstract GPU device for it, ``jax.sharding.use_abstract_mesh``).
 """
@@ -132,7 +133,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       # Registers: 2 x 128 consumer threads at 232 and 128 producer threads at 40 use
       # 64,512 of the SM's 65,536; a consumer holds a [64, Dv] float32 accumulator
       # (128 registers a thread at Dv = 256) next to the [64, 64] score tile.
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(tiles.CONSUMER_REGISTERS, action="increase")
       q_ref, k_smem, k_bar = (qa_ref, ka_smem, ka_bar) if w == 0 else (qb_ref, kb_smem, kb_bar)
       head = hi if v1 else 2 * hi + w
       plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, bq), head], q_smem.at[w], q_bar.at[w])
@@ -196,7 +197,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(tiles.PRODUCER_REGISTERS, action="decrease")
 
       def load(j, slot):
         keys = (bi, pl.ds(j * bk, bk), kvh)

@@ -5,9 +5,9 @@ opt-in) and registers per consumer thread (``set_max_registers``: 232 in the for
 and decode kernels, 240 in the backward, whose producer runs at 24). The shared-memory
 models here count what the kernels allocate, buffer by buffer (each aligned to 1 KiB,
 as Mosaic GPU places them) plus 8 bytes per barrier; the compile check
-(:mod:`diffjax.kernels.gpu.compile_check`) compares them with the size Mosaic GPU
-launches each kernel with. Register counts are estimates; ``ptxas`` decides, and the
-compile check fails on any spill.
+(``python -m tools.gpu_compile``) compares them with the size Mosaic GPU launches each
+kernel with. Register counts are estimates; ``ptxas`` decides, and the compile check
+fails on any spill. The hardware's figures come from :mod:`diffjax.hardware`.
 
 :class:`MosaicBlockSizes` is the user-facing choice, validated against both budgets.
 """
@@ -18,10 +18,16 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from diffjax import hardware
 from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.mosaic_common import BLOCK_Q, COMPUTE_WGS, swizzle_bytes
 
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on an H100/H200
+# What the kernels are tiled for: an H100 (an H200 has the same SMs).
+_HOPPER_GPU = hardware.get("h100")
+SMEM_BYTES = _HOPPER_GPU.smem_per_block  # shared memory one CTA may opt in to: 227 KiB
+# Registers of an SM, shared by the CTA's three warpgroups as ``set_max_registers`` splits
+# them (two consumers and a producer of 128 threads each).
+REGISTERS_PER_SM = _HOPPER_GPU.registers_per_sm
 SMEM_ALIGN = 1024  # Mosaic GPU places every scratch buffer at a multiple of 1 KiB
 BARRIER_BYTES = 8
 # What plgpu.kernel adds to its scratch buffers (pl.kernel with run_scoped adds nothing).
@@ -97,9 +103,12 @@ def forward_blocks(
   )
 
 
-# Registers a forward/decode consumer thread may hold (set_max_registers) and what is
-# not tiles: the row statistics, indices, addresses. An estimate from the tile shapes.
+# Registers a forward/decode consumer thread may hold (set_max_registers), its producer's,
+# and what is not tiles: the row statistics, indices, addresses (an estimate from the tile
+# shapes). 2 x 128 consumer threads at 232 and 128 producer threads at 40 use 64,512 of
+# REGISTERS_PER_SM.
 CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 _REGISTER_OVERHEAD = 32
 
 
@@ -122,7 +131,8 @@ ROWS = 5  # per-row terms the backward reads: lse_a, lse_b, d_a, d_b, lam
 # operands of the dK and dV products, so every backward tile takes at most a 64-byte
 # swizzle (one swizzle serves both operands of a wgmma).
 BWD_Q_SUB = 32
-BWD_REGISTERS = 240  # per consumer thread; the producer runs at 24
+BWD_REGISTERS = 240  # per consumer thread: with the producer's 24, 64,512 of REGISTERS_PER_SM
+BWD_PRODUCER_REGISTERS = 24
 _BWD_OVERHEAD = 40  # indices, barrier and TMA addresses, the row vectors of a sub-tile
 
 

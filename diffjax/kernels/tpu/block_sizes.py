@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from diffjax import hardware
 from diffjax.core import validation as _v
 
 # The score tile [block_q, block_kv] puts keys on the 128-wide lane axis and
@@ -97,16 +98,17 @@ class BlockSizes:
     base = _base_tiles(head_dim)
     if generation is None:
       generation = tpu_generation()
-    mxu = _MXU_WIDTH.get(generation)
-    if mxu is None:
+    if generation not in GENERATIONS:
       return cls(*base)
+    mxu = hardware.get(generation).mxu_width
     fwd = _first_fitting(base[:2], mxu, lambda q, k: _fwd_vmem(q, k, head_dim), _FWD_BUDGET)
     bwd = _first_fitting(base[2:], mxu, lambda q, k: _bwd_vmem(q, k, head_dim), _BWD_BUDGET)
     return cls(*fwd, *bwd)
 
 
-# Width of one MXU (its square systolic array) per TPU generation.
-_MXU_WIDTH = {"v5e": 128, "v5p": 128, "v6e": 256}
+# The generations whose tiles follow their MXU width (:mod:`diffjax.hardware`): those with
+# the 64 MiB of VMEM per core the kernels request (``_layout.vmem_limit``).
+GENERATIONS = ("v5e", "v5p", "v6e")
 # VMEM the kernels request at most (``_layout.vmem_limit``) over its 1.5 headroom; the
 # backward leaves 24 MiB of that to a query chunk's dQ (``_backward.DQ_VMEM_BUDGET``).
 _FWD_BUDGET = 64 * 2**20 * 2 // 3
@@ -161,7 +163,8 @@ def _first_fitting(tile: tuple[int, int], mxu: int, vmem, budget: int) -> tuple[
 
 def tpu_generation(device_kind: str | None = None) -> str | None:
   """ "v5e", "v5p" or "v6e" from a device kind ("TPU v5 lite", "TPU v5p", "TPU v6 lite",
-  ...); None takes ``jax.devices()[0]`` and gives None off a TPU or for other chips."""
+  ...; :func:`diffjax.hardware.for_device_kind`); None takes ``jax.devices()[0]`` and gives
+  None off a TPU or for other chips."""
   if device_kind is None:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -169,14 +172,8 @@ def tpu_generation(device_kind: str | None = None) -> str | None:
     if device.platform != "tpu":
       return None
     device_kind = device.device_kind
-  kind = device_kind.lower().replace(" ", "")
-  if "v6" in kind:
-    return "v6e"
-  if "v5lite" in kind or "v5e" in kind:
-    return "v5e"
-  if "v5p" in kind or kind.endswith("v5"):
-    return "v5p"
-  return None
+  chip = hardware.for_device_kind(device_kind)
+  return chip.name if chip is not None and chip.name in GENERATIONS else None
 
 
 def resolve_block_sizes(

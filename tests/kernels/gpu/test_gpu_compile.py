@@ -3,7 +3,7 @@
 No GPU is needed: with the ``[gpu-compile]`` extra (the CUDA plugin and ptxas), XLA
 compiles for compile-only devices described by a target config
 (:mod:`diffjax.kernels.gpu.targets`) and runs ptxas on each Mosaic GPU kernel. The gate
-(:mod:`diffjax.kernels.gpu.compile_check`, in a fresh process: XLA's optimisation level
+(``python -m tools.gpu_compile``, in a fresh process: XLA's optimisation level
 at its default, no persistent compilation cache) fails on any spill, on shared memory
 over the limit, and on a tiling model that disagrees with what Mosaic GPU allocates.
 
@@ -23,8 +23,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO
 
-from diffjax.kernels.gpu import ptxas, targets
+from diffjax import hardware
+from diffjax.kernels.gpu import targets
+from tools.gpu_compile import ptxas
 
 _MISSING = targets.available()
 # CI installs the extra: there a missing package is a failure, not a skip.
@@ -38,7 +41,8 @@ def _gate(scope: str, timeout: int) -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
   env.update(JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
   proc = subprocess.run(
-    [sys.executable, "-m", "diffjax.kernels.gpu.compile_check", f"--scope={scope}", "--json"],
+    [sys.executable, "-m", "tools.gpu_compile", f"--scope={scope}", "--json"],
+    cwd=REPO,
     capture_output=True,
     text=True,
     env=env,
@@ -122,8 +126,13 @@ def test_target_configs_describe_the_gpus():
   h100, h200, a100 = (targets.get(n) for n in ("h100", "H200", "a100"))
   assert h100.hopper and h200.hopper and not a100.hopper
   assert h100.smem_per_block == h200.smem_per_block == 227 * 1024
-  assert round(h200.memory_gib) == 140 and round(h100.memory_gib) == 79
-  assert "major: 8" in a100.target_config() and "core_count: 108" in a100.target_config()
+  assert round(h200.hbm_gib) == 140 and round(h100.hbm_gib) == 79
+  proto = targets.target_config(a100)
+  assert "major: 8" in proto and "core_count: 108" in proto and "fpus_per_core: 64" in proto
+  assert f"device_memory_size: {a100.hbm_bytes}\n" in proto
+  assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in targets.target_config(h100)
+  # The targets are the hardware table's GPUs, the same records.
+  assert targets.TARGETS == {n: hardware.get(n) for n in hardware.names("gpu")}
   assert targets.parse("h100:8") == (h100, 8) and targets.parse("h200") == (h200, 1)
   with pytest.raises(ValueError, match="one of \\['a100', 'h100', 'h200'\\]"):
     targets.get("v100")

@@ -1,6 +1,7 @@
 """Mosaic GPU kernels (Hopper) checked on a CPU.
 
-* The interpreter extension (:mod:`diffjax.kernels.gpu.mosaic_interpret`) against numpy.
+* The tests' additions to jax's Mosaic GPU interpreter (``mosaic_interpret.py`` beside
+  this file, installed before any kernel is interpreted) against numpy.
 * The tiles and their budgets (:mod:`diffjax.kernels.gpu.mosaic_tiles`): shared memory
   recomputed here in closed form from the tile sizes and dtypes, the byte model behind
   the backward's design, block-size validation. (What Mosaic GPU and ptxas make of the
@@ -8,7 +9,7 @@
 * The forward and every gradient of :func:`diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu`
   / ``diff_v2_pallas_gpu``, and V1 decoding, against the float32 reference in jax's
   Mosaic GPU interpreter, in a child process (it needs eight host devices, see
-  ``mosaic_interpret.check_threads``): one small case per variant by default, the wider
+  ``mosaic_common.check_threads``): one small case per variant by default, the wider
   product under ``slow``. Each output is measured over the whole array and row by row,
   with per-dtype tolerances (``kernel_checks``); V1's d lambda against a tolerance
   derived from its own terms. The checks are shown to fail on broken results.
@@ -29,15 +30,16 @@ from jax.experimental import pallas as pl
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
+import mosaic_interpret as mi  # noqa: E402  (beside this file)
 from helpers import TESTS  # noqa: E402  (kernel_checks lives there)
 from kernel_checks import abstract_hopper  # noqa: E402
 
+from diffjax import hardware  # noqa: E402
 from diffjax.kernels.gpu import mosaic  # noqa: E402
 from diffjax.kernels.gpu import mosaic_bwd as mb  # noqa: E402
 from diffjax.kernels.gpu import mosaic_common as mc  # noqa: E402
 from diffjax.kernels.gpu import mosaic_decode as md  # noqa: E402
 from diffjax.kernels.gpu import mosaic_fwd as mf  # noqa: E402
-from diffjax.kernels.gpu import mosaic_interpret as mi  # noqa: E402
 from diffjax.kernels.gpu import mosaic_tiles as tiles  # noqa: E402
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E  # noqa: E402
 
@@ -140,10 +142,10 @@ def test_interpreter_thread_check(monkeypatch):
   monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
   monkeypatch.setattr(jax, "devices", lambda *_: [object()])
   with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count=8"):
-    mi.check_threads(3)
-  mi.check_threads(2)
+    mc.check_threads(3)
+  mc.check_threads(2)
   monkeypatch.setattr(jax, "devices", lambda *_: [object()] * 8)
-  mi.check_threads(3)
+  mc.check_threads(3)
 
 
 def test_forward_padded_rejects_what_the_kernels_do_not_take():
@@ -259,6 +261,21 @@ def test_default_tiles_follow_from_the_budget():
   # The register estimate the backward's tiling is kept within (ptxas has the last
   # word: tests/kernels/gpu/test_gpu_compile.py fails on any spill).
   assert tiles.backward_registers(128, 256) == 64 + 64 + 3 * 16 + 40 <= tiles.BWD_REGISTERS
+
+
+def test_budgets_are_the_hopper_gpus_of_the_hardware_table():
+  h100, h200 = hardware.get("h100"), hardware.get("h200")
+  assert tiles.SMEM_BYTES == h100.smem_per_block == h200.smem_per_block == 227 * KIB
+  # The warpgroups' register splits (set_max_registers: two consumers and a producer of
+  # 128 threads each) fit one SM's registers, each within the per-thread limit.
+  for consumer, producer in [
+    (tiles.CONSUMER_REGISTERS, tiles.PRODUCER_REGISTERS),
+    (tiles.BWD_REGISTERS, tiles.BWD_PRODUCER_REGISTERS),
+  ]:
+    used = 128 * (mc.COMPUTE_WGS * consumer + producer)
+    assert used == 64_512 <= tiles.REGISTERS_PER_SM == h100.registers_per_sm == 65_536
+    assert max(consumer, producer) <= hardware.MAX_REGISTERS_PER_THREAD
+    assert consumer % 8 == producer % 8 == 0  # setmaxnreg takes multiples of 8
 
 
 def test_block_sizes_validate_against_the_budgets():
@@ -378,6 +395,9 @@ _CHILD = textwrap.dedent("""
     from diffjax.core import reference as ref
     from diffjax.kernels.gpu import mosaic
     sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {tests!r} + '/kernels/gpu')
+    import mosaic_interpret
+    mosaic_interpret.install()
     import kernel_checks as kc
 
     def dlam_check(dlam, dlam_ref, terms_HxN, dtype):
@@ -456,7 +476,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _run_child(child: str, cases, timeout: int):
-  # Three warpgroups need three CPU-client threads at once (see mosaic_interpret).
+  # Three warpgroups need three CPU-client threads at once (see mosaic_common.check_threads).
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
   try:
     proc = subprocess.run(
@@ -567,6 +587,9 @@ _DECODE_CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from diffjax.kernels.gpu import decode, mosaic_decode as md
     sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {tests!r} + '/kernels/gpu')
+    import mosaic_interpret
+    mosaic_interpret.install()
     import kernel_checks as kc
     results = []
     for case in {cases!r}:
@@ -721,6 +744,9 @@ _RING_CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from diffjax.kernels.gpu import mosaic, mosaic_ring as mr
     sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {tests!r} + '/kernels/gpu')
+    import mosaic_interpret
+    mosaic_interpret.install()
     import kernel_checks as kc
     results = []
     for variant in {cases!r}:

@@ -1,4 +1,4 @@
-"""The TPU roofline model (diffjax.kernels.tpu.roofline, printed by
+"""The TPU roofline model (tools/tpu_roofline, printed by
 benchmarks/tpu_roofline.py): FLOP counts, the fused backward's dQ traffic (resident in
 VMEM per query chunk), the target's grid and traffic, and the printed section. No TPU
 compile."""
@@ -13,7 +13,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from diffjax.kernels.tpu import _backward as B
 from diffjax.kernels.tpu import _layout as L
-from diffjax.kernels.tpu import roofline as R
+from tools import tpu_roofline as R
 
 
 def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_chunk=None):

@@ -1,7 +1,7 @@
-"""The units of the TPU roofline model: chips, shapes, tiles, ops, and the counts every
+"""The units of the TPU roofline model: shapes, tiles, ops, and the counts every
 kernel's traffic is built from (visited tiles, block fetches, FLOPs per tile).
 
-See :mod:`diffjax.kernels.tpu.roofline` for what the model counts and why.
+See :mod:`tools.tpu_roofline` for what the model counts and why.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from diffjax import hardware
 
 LANES = 128
 SUBLANES = 8
@@ -19,21 +21,9 @@ KERNEL, XLA, LAYOUT = "kernels", "XLA ops", "wrapper layout passes"
 PARTS = (KERNEL, XLA, LAYOUT)
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """One TPU chip: HBM bandwidth and dense bf16 peak."""
-
-  hbm_bytes_per_s: float
-  bf16_flops_per_s: float
-
-
-# Google's published per-chip figures (Cloud TPU system architecture pages): HBM
-# bandwidth and peak dense bf16 compute of one chip.
-GENERATIONS: dict[str, Chip] = {
-  "v5e": Chip(hbm_bytes_per_s=819e9, bf16_flops_per_s=197e12),
-  "v5p": Chip(hbm_bytes_per_s=2765e9, bf16_flops_per_s=459e12),
-  "v6e": Chip(hbm_bytes_per_s=1640e9, bf16_flops_per_s=918e12),
-}
+# The chips the tables have a column for, with their HBM bandwidth and dense bf16 peak
+# from the hardware table (Google's published per-chip figures).
+GENERATIONS: dict[str, hardware.Tpu] = {name: hardware.get(name) for name in ("v5e", "v5p", "v6e")}
 
 
 def round_up(x: int, m: int) -> int:
@@ -88,8 +78,8 @@ class Op:
   def bytes(self) -> int:
     return self.read + self.written
 
-  def bound_s(self, chip: Chip) -> float:
-    return max(self.bytes / chip.hbm_bytes_per_s, self.flops / chip.bf16_flops_per_s)
+  def bound_s(self, chip: hardware.Tpu) -> float:
+    return max(self.bytes / chip.hbm_bytes_per_s, self.flops / chip.flops("bfloat16"))
 
 
 def xla_op(name: str, read: int, written: int, part: str = XLA) -> Op:

@@ -10,8 +10,8 @@ import re
 import time
 from typing import Any
 
-from diffjax.kernels.tpu.roofline.fused import flavour, fused_fwd_kernel, fused_ops
-from diffjax.kernels.tpu.roofline.model import F32, KERNEL, Op, Shape, Tiles
+from tools.tpu_roofline.fused import flavour, fused_fwd_kernel, fused_ops
+from tools.tpu_roofline.model import F32, KERNEL, Op, Shape, Tiles
 
 
 def _hlo_facts(text: str) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from diffjax.kernels.tpu.roofline.fused import bwd_chunks, fused_ops, target_ops
-from diffjax.kernels.tpu.roofline.model import GENERATIONS, KERNEL, PARTS, Op, Shape, Tiles
-from diffjax.kernels.tpu.roofline.splash import transformer_ops, v1_stock_ops, v2_stock_ops
+from tools.tpu_roofline.fused import bwd_chunks, fused_ops, target_ops
+from tools.tpu_roofline.model import GENERATIONS, KERNEL, PARTS, Op, Shape, Tiles
+from tools.tpu_roofline.splash import transformer_ops, v1_stock_ops, v2_stock_ops
 
 TRANSFORMER = "Transformer, splash"
 V1_STOCK = "DIFF V1, stock"

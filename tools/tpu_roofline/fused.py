@@ -58,7 +58,7 @@ import numpy as np
 
 from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _layout as kernel_layout
-from diffjax.kernels.tpu.roofline.model import (
+from tools.tpu_roofline.model import (
   F32,
   I32,
   KERNEL,

@@ -6,7 +6,9 @@ moves in HBM and the matmul FLOPs the MXU executes, and the roofline lower bound
 generation, sum over ops of max(bytes / HBM bandwidth, FLOPs / bf16 peak). Real kernels
 are slower (pipeline bubbles, VPU and EUP work, the exp of every score, DMA
 descriptors); the bound says how far apart two designs must be at best.
-``benchmarks/tpu_roofline.py`` prints the tables.
+``python benchmarks/tpu_roofline.py`` (from the repository root) prints the tables; a
+tool beside the package, not part of it, it reads the kernels' own code and the chips of
+:mod:`diffjax.hardware`.
 
 Arms, for B sequences of T tokens and DIFF heads H of component width d (d_model =
 2 H d): the Transformer has 2H heads of width d; DIFF V1 has H heads (Q1, Q2, K1, K2
@@ -50,17 +52,17 @@ What is counted (from the code in ``diffjax/kernels/tpu`` and jax's splash atten
     the sequence as ``_layout.make_plan`` does (:class:`Tiles` overrides them).
 
 Generations: per-chip HBM bandwidth and dense bf16 peak FLOP/s as Google publishes
-them. A float32 model still divides by the bf16 peak, so its compute bound stays a
+them (:mod:`diffjax.hardware`, the v5e, v5p and v6e). A float32 model still divides by the bf16 peak, so its compute bound stays a
 lower bound.
 
-Modules: :mod:`.model` (chips, shapes, tiles, ops and the counts they are built from),
+Modules: :mod:`.model` (the chips, shapes, tiles, ops and the counts they are built from),
 :mod:`.splash` and :mod:`.fused` (each arm's ops), :mod:`.tables` (rows, ratios, the
 markdown), :mod:`.cross_check` (the model against the TPU compiler, ahead of time with
 libtpu).
 """
 
-from diffjax.kernels.tpu.roofline.cross_check import compiled_bytes, cross_check
-from diffjax.kernels.tpu.roofline.fused import (
+from tools.tpu_roofline.cross_check import compiled_bytes, cross_check
+from tools.tpu_roofline.fused import (
   bwd_chunks,
   flavour,
   fused_bwd_kernel,
@@ -68,13 +70,12 @@ from diffjax.kernels.tpu.roofline.fused import (
   fused_ops,
   target_ops,
 )
-from diffjax.kernels.tpu.roofline.model import (
+from tools.tpu_roofline.model import (
   GENERATIONS,
   KERNEL,
   LAYOUT,
   PARTS,
   XLA,
-  Chip,
   Op,
   Shape,
   Tiles,
@@ -86,8 +87,8 @@ from diffjax.kernels.tpu.roofline.model import (
   tiles_with_visible_keys,
   visited_tiles,
 )
-from diffjax.kernels.tpu.roofline.splash import transformer_ops, v1_stock_ops, v2_stock_ops
-from diffjax.kernels.tpu.roofline.tables import (
+from tools.tpu_roofline.splash import transformer_ops, v1_stock_ops, v2_stock_ops
+from tools.tpu_roofline.tables import (
   ARMS,
   TRANSFORMER,
   V1_FUSED,
@@ -118,7 +119,6 @@ __all__ = [
   "V2_STOCK",
   "V2_TARGET",
   "XLA",
-  "Chip",
   "Op",
   "Row",
   "Shape",

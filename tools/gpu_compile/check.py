@@ -1,16 +1,18 @@
 """Every GPU kernel the dispatcher can choose, compiled for a GPU on a machine without one.
 
-  python -m diffjax.kernels.gpu.compile_check [--target=h100] [--scope=default|full]
+  python -m tools.gpu_compile [--target=h100] [--scope=default|widths|full] [--json]
 
-For each case (kernel, variant, head dim, GQA group, dtype, segment ids) this lowers the
-public entry point for the target's compile-only devices (:mod:`.targets`): the forward
+(from the repository root, with the ``[gpu-compile]`` extra installed). For each case
+(kernel, variant, head dim, GQA group, dtype, segment ids) this lowers the public entry
+point for the target's compile-only devices (:mod:`diffjax.kernels.gpu.targets`): the forward
 with every gradient (:func:`~diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu` /
 ``diff_v2_pallas_gpu`` under ``jax.grad``: the forward and the fused backward kernel)
 and decoding (:func:`~diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`).
 Kernels are deduplicated by the digest of their Mosaic GPU module (the same text gives
 the same ptxas result), each distinct program is compiled once through XLA and ptxas,
 and the table reports per kernel: registers, spill stores/loads, shared memory as
-launched next to the tiling model's count (:mod:`.mosaic_tiles`), and the limit.
+launched next to the tiling model's count (:mod:`diffjax.kernels.gpu.mosaic_tiles`), and
+the limit (:mod:`diffjax.hardware`), read back by :mod:`tools.gpu_compile.ptxas`.
 
 The default scope is the kernels the paper presets run (the 3B layer: d 128, 12 heads,
 T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096); ``widths`` adds V1 and V2 at
@@ -34,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.kernels.gpu import mosaic, mosaic_decode, mosaic_tiles, ptxas, targets
+from diffjax.kernels.gpu import mosaic, mosaic_decode, mosaic_tiles, targets
+from tools.gpu_compile import ptxas
 
 KERNELS = ("forward", "backward", "decode")
 _NAMES = {"forward": "fwd_mgpu", "decode": "decode_mgpu"}
@@ -262,7 +265,9 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+    prog="python -m tools.gpu_compile", description=__doc__.splitlines()[0]
+  )
   p.add_argument("--target", default="h100", help=f"one of {sorted(targets.TARGETS)}")
   p.add_argument("--scope", default="default", choices=SCOPES)
   p.add_argument("--json", action="store_true", help="print the rows as JSON, last line")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diffjax.kernels.tpu.roofline.model import (
+from tools.tpu_roofline.model import (
   F32,
   I32,
   KERNEL,

@@ -1,9 +1,10 @@
-"""Run the Mosaic GPU kernels in jax's Mosaic GPU interpreter on a CPU.
+"""What jax's Mosaic GPU interpreter lacks for the Hopper kernels, added for the tests.
 
 jax ships an interpreter for Mosaic GPU kernels (``InterpretGPUParams``, private to
 ``jax._src`` in jax 0.10.2): it simulates shared memory, warpgroups, TMA copies and
-barriers on the host. In jax 0.10.2 it lacks four things the Hopper attention kernels
-use; :func:`install` adds them, once per process, with the semantics the hardware has:
+barriers on the host, and the kernels' ``interpret=True`` runs it as jax ships it. In
+jax 0.10.2 it lacks four things the kernels use; :func:`install` adds them, once per
+process, with the semantics the hardware has:
 
 * ``plgpu.layout_cast`` is the identity on values: a register layout changes where
   elements live, never their values;
@@ -13,34 +14,25 @@ use; :func:`install` adds them, once per process, with the semantics the hardwar
   destination becomes destination + source, atomically with respect to other CTAs).
 
 The product is ``acc + a @ b`` in the accumulator's dtype, as the interpreter computes
-it for plain shared-memory operands.
+it for plain shared-memory operands. jax 0.11's interpreter has the first two natively
+but neither a register A operand nor the reduce-add copy; there :func:`install` adds
+only those two.
 
 ``pl.run_state`` accumulators (``plgpu.ACC.init``) run in neither jax 0.10.2's nor
-0.11.2's interpreter and are not added here: the kernels in
-:mod:`diffjax.kernels.gpu.mosaic_fwd` and ``mosaic_bwd`` accumulate through
-:func:`~diffjax.kernels.gpu.mosaic_common.accumulate`, which on the interpreter forms
-``acc + (a @ b)`` from a zero-initialised ``run_scoped`` accumulator: the same value
-the hardware's in-place accumulation gives. jax 0.11's interpreter has the other two
-(layout casts, transposed operands) natively but neither a register A operand nor the
-reduce-add copy; there :func:`install` adds only those two.
+0.11.2's interpreter and are not added here: interpreted, the kernels accumulate through
+a zero-initialised ``run_scoped`` accumulator instead
+(:func:`diffjax.kernels.gpu.mosaic_common.accumulate`, whose module docstring lists what
+the interpreted tests leave to the compiled ones).
 
-Threads. The interpreter runs each warpgroup of a CTA as its own CPU computation, and a
-warpgroup blocked in a barrier wait holds its thread of the CPU client's pool. That
-pool has ``max(CPU cores, host devices)`` threads, so a kernel with a producer and two
-consumer warpgroups needs at least three, or it stalls for good.
-:func:`check_threads` turns that stall into an error that names the fix
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8`` or
-``jax.config.update("jax_num_cpu_devices", 8)`` before jax starts).
-
-Everything here is used only when a kernel runs with ``interpret=True``; it changes
-nothing for compiled kernels. The extension is tested on its own against numpy
-(``tests/kernels/gpu/test_kernels_mosaic_gpu.py``).
+A test installs this before it interprets a kernel: :func:`params` does it and returns
+the interpreter's parameters; a child process calls :func:`install` before its first
+kernel call. Nothing here changes a compiled kernel. The additions are tested on their
+own against numpy (``test_kernels_mosaic_gpu.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import jax
@@ -56,25 +48,6 @@ def params():
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
   return InterpretGPUParams()
-
-
-def check_threads(num_threads: int) -> None:
-  """Raises if the CPU client cannot run ``num_threads`` warpgroups at once."""
-  cpu = jax.devices("cpu")
-  pool = max(
-    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
-    len(cpu),
-  )
-  if pool < num_threads:
-    raise RuntimeError(
-      f"The Mosaic GPU interpreter runs each of this kernel's {num_threads} "
-      f"warpgroups as its own computation, but this CPU client runs {pool} at once "
-      f"({len(cpu)} host device(s) on a machine with fewer cores), so the kernel "
-      "would stall in a barrier wait. Start the process with "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count={max(num_threads, 8)} (or "
-      f"jax.config.update('jax_num_cpu_devices', {max(num_threads, 8)}) before the "
-      "first jax call)."
-    )
 
 
 def reset():
