@@ -1,18 +1,9 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) in JAX / Flax NNX.
 
-Public API:
-  * ops (arrays in, arrays out): :func:`dot_product_attention`,
-    :func:`diff_v1_attention_core`, :func:`diff_v1_attention`, :func:`diff_v2_attention`
-    (each with ``implementation=``), and the reference math in ``diffjax.ops.reference``;
-  * Flax NNX modules: :class:`Attention`, :class:`DiffV1Attention`,
-    :class:`DiffV2Attention`, :class:`RMSNorm`, :class:`SwiGLU`, :func:`apply_rope`;
-  * the arms (:mod:`diffjax.arms`): one spec per attention variant, and your own with
-    ``diffjax.arms.register``;
-  * the LM: :class:`ModelConfig`, :class:`DecoderLM`, :func:`matched_configs`,
-    :func:`count_params`, :class:`Hooks` for analysis interventions;
-  * generation with a KV cache: :func:`generate` (from :mod:`diffjax.generation`);
-  * the trainer's CPU settings for a loop of your own: :func:`cpu_setup`,
-    :func:`cpu_compiler_options` (from :mod:`diffjax.cpu`).
+The public API: the attention ops (``diffjax.ops``), the NNX modules (``diffjax.nn``), the arms
+(``diffjax.arms``), the LM (``ModelConfig``, ``DecoderLM``, ``matched_configs``,
+``count_params``), generation with a KV cache (``generate``) and the trainer's CPU settings
+(``cpu_setup``); docs/model.md#public-api lists them.
 """
 
 from diffjax import arms

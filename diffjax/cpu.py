@@ -1,27 +1,9 @@
-"""CPU settings for training with diffjax: what the trainer applies, and a helper for your own loop.
+"""The CPU settings the trainer applies, and :func:`cpu_setup` for a training loop of your own.
 
-Two settings make a CPU train step faster without changing what it computes:
-
-* **malloc keeps freed memory** (:func:`keep_freed_memory`). XLA's CPU runtime allocates a
-  step's temporaries with ``malloc`` and frees them when the step ends. With glibc's
-  defaults, large blocks come from fresh ``mmap`` pages and freed memory at the top of the
-  heap goes back to the kernel, so every step pays page faults to touch its buffers again
-  (an elementwise kernel writing a fresh buffer runs at about half speed). Raising glibc's
-  mmap and trim thresholds to 1 GiB keeps that memory for the next step; the process then
-  holds on to its peak memory, as a caching allocator would.
-* **No YNNPACK matmul fusions** (:data:`CPU_XLA_OPTIONS`). With them off, XLA's CPU compiler
-  runs the model's matmuls as its own dot kernels, which are faster for the model's shapes.
-
-The trainer applies both on a CPU backend (the first as a process setting, the second as
-compiler options of its train and eval steps). A training loop of your own gets them from
-one call, made before JAX first touches a device::
-
-    import diffjax
-    diffjax.cpu_setup()          # before the first jax computation
-    ...                          # build the model, nnx.jit the step as usual
-
-Or pass :func:`cpu_compiler_options` as ``compiler_options=`` to ``jax.jit`` / ``nnx.jit``.
-``DIFFJAX_KEEP_FREED_MEMORY=0`` leaves ``malloc`` alone everywhere.
+glibc's ``malloc`` keeps freed memory for the next step (:func:`keep_freed_memory`), and XLA runs
+the matmuls without YNNPACK fusions (:data:`CPU_XLA_OPTIONS`); neither changes what a step
+computes. Call :func:`cpu_setup` before JAX first touches a device, or pass
+:func:`cpu_compiler_options` to ``jax.jit``; docs/kernels_tpu.md#the-cpu-path explains both.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The accelerators diffjax knows, one frozen record each: what every other module reads.
 
-One :class:`Tpu` or :class:`Gpu` per device kind, keyed by a short name ("v5e", "h100").
-Each record holds the figures its readers need: the dense peak FLOP/s per dtype (what MFU
-divides by, the roofline's compute bound), HBM capacity and bandwidth (the ahead-of-time
-compile's "fits", the roofline's memory bound), and the platform's own figures: a TPU's
-MXU width and VMEM (the Pallas TPU tiles), a GPU's compute capability, SMs, shared memory,
-registers, L2 and clock (the Mosaic GPU tiles, the XLA target description that compiles for
-a GPU without one).
-
-  hardware.get("v5p").hbm_bytes                            # 95 GiB
-  hardware.for_device_kind("NVIDIA H100 80GB HBM3").name   # "h100"
-  hardware.peak_flops("TPU v6 lite")                       # 918e12, dense bfloat16
-
-A record matches the devices whose ``jax.Device.device_kind`` starts with one of its
-``device_kinds`` (case-insensitive; the longest match wins, so "TPU v5 lite" is a v5e and
-"TPU v5" a v5p). The figures are the vendors' published ones (dense, without sparsity);
-the H100's and H200's memory is what such a device reports, a little under the marketed
-size. This module imports nothing from diffjax: any layer may read it.
+A :class:`Tpu` or :class:`Gpu` per device kind, keyed by a short name ("v5e", "h100") and found
+by ``jax.Device.device_kind`` prefix (:func:`for_device_kind`; the longest match wins): dense
+peak FLOP/s per dtype, HBM and its bandwidth, and the platform's own figures (MXU width and
+VMEM; compute capability, SMs, shared memory, registers). The figures are the vendors'
+(dense, without sparsity). Imports nothing from diffjax.
 """
 
 from __future__ import annotations

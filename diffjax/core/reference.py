@@ -1,28 +1,10 @@
-"""Plain-JAX reference math for baseline, DIFF V1 and DIFF V2 attention.
+"""Plain-JAX reference math for baseline, DIFF V1 and DIFF V2 attention (public as
+:mod:`diffjax.ops.reference`): the single source of truth every fast path is tested against.
 
-This file is the single source of truth for the arithmetic. Every fast path (the
-Pallas kernels, the "stock" multi-call path) is tested against these functions. It
-sits on the ground floor so that the ops and the kernels can both use it; users
-import it as :mod:`diffjax.ops.reference`.
-
-Conventions (shape letters in names):
-  B batch, T query length, S key length, H query heads, K kv heads (groups),
-  G = H // K query heads per kv group, D component head dim, Dv value head dim.
-Query head h reads kv group h // G (grouped-query attention).
-Scores are ``q . k * scale`` with ``scale = 1/sqrt(D)`` by default, computed with
-float32 accumulation; the softmax always runs in float32 whatever the input dtype,
-except for float64 inputs, which run in float64 throughout
-(:func:`diffjax.core.dtypes.accumulation_dtype`).
-
-Masking: a query attends to a key when every mask that is given allows it:
-  * causal: query i sits at absolute position ``i + (S - T)`` (queries are the last T
-    positions, which covers both training, T == S, and decoding against a cache);
-  * segment ids: query and key carry the same segment id (packed sequences);
-  * ``mask``: an explicit boolean array broadcastable to [B, H, T, S].
-A query row with no allowed key produces a zero output (and zero probabilities).
-
-``logits_fn`` and ``probs_fn`` are analysis hooks (quantizing the scores, clamping
-the combined map); the fast paths do not support them.
+Shapes are in the names (B batch, T queries, S keys, H query heads, K kv heads, G = H // K,
+D head dim, Dv value dim); query head h reads kv group h // G. Scores and softmax run in float32
+(float64 for float64 inputs); causal queries are the last T of the S positions; a row that sees
+no key gives zeros. docs/model.md#functional-ops has the conventions.
 """
 
 from __future__ import annotations

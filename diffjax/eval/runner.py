@@ -1,16 +1,10 @@
 """Jitted forward passes of one NNX model for evaluation, and weight quantization.
 
-`ModelRunner` compiles each kind of pass once per input shape and keeps the compiled functions,
-so many evaluations of one model share compiles:
-  * `logits_fn(hooks)`: tokens -> logits, the model's normal (fast) path or any `Hooks`;
-  * `knob_fn(knobs)`: the reference path with quantization and clamping set by numbers
-    (`KNOBS`), so every low-bit setting and the clamp probe reuse one compiled function;
-  * `norm_gradients(...)`: DIFF V1's gradients on either side of its per-head norm;
-  * `compiled(key, build)`: any other pass, kept under its key (the sections' own passes).
-
-Analysis passes run the model's explicit-map reference path (`capture=True` or a logits/probs
-hook); it materialises [B, H, T, S] maps per layer inside the compiled function, so keep
-`capture_batch_size * T * T * heads` modest.
+:class:`ModelRunner` compiles each kind of pass once per input shape and keeps it: the normal
+logits, the reference path with quantization and clamping set by numbers (``KNOBS``), the
+gradients around a per-head norm, and the sections' own passes (``compiled``). Analysis
+passes materialise [B, H, T, S] maps per layer: keep ``capture_batch_size * T * T * heads``
+modest.
 """
 
 from __future__ import annotations

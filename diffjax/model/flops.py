@@ -1,22 +1,9 @@
 """FLOPs per token of a model, from its config: what MFU divides by.
 
-Counted as 2 FLOPs per multiply-add, per token of a training sequence of ``seq_len`` tokens:
-
-  * matmuls with weights: every projection, the SwiGLU MLP and the LM head (the embedding
-    lookup is a gather, not a matmul): 2 x weights per token forward;
-  * attention, per query token and visible key (causal: (T + 1) / 2 keys on average): what
-    the arm says (:attr:`diffjax.arms.ArmSpec.attention_flops`; the Transformer 4d per head,
-    DIFF V1 8d per DIFF head, DIFF V2 6d per pair);
-  * backward: twice the forward (a gradient for the inputs and one for the weights).
-
-*Model* FLOPs are those of the math above (forward and backward), whatever runs them; they are
-what MFU counts, so arms and implementations compare. *Hardware* FLOPs add what rematerialisation
-recomputes: ``remat="full"`` recomputes the blocks' forward (not the LM head), ``"dots_no_batch"``
-the attention score and value products (they have batch dimensions), ``"dots"`` nothing of note.
-(On a CPU in float32 the projections run through a custom-gradient matmul that the dot policies
-do not see, so there ``"dots"`` and ``"dots_no_batch"`` recompute them too.) A fused kernel's
-own recomputation (a flash backward recomputes the scores) is not counted: it is the kernel's
-business, and the step time shows its cost.
+2 FLOPs per multiply-add: the weight matmuls (projections, MLP, LM head), the attention per
+query token and visible key (the arm's :attr:`~diffjax.arms.ArmSpec.attention_flops`), and a
+backward of twice the forward. *Model* FLOPs are that math whatever runs it; *hardware* FLOPs
+add what ``remat`` recomputes. docs/training.md#speed-mfu-and-where-the-time-goes has the rules.
 """
 
 from __future__ import annotations

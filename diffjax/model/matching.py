@@ -1,21 +1,10 @@
 """Matched arms and parameter counts, and a run's ``model`` section resolved to its model.
 
-:func:`matched_configs` derives every arm from one Transformer spec (each arm's own rule,
-:attr:`diffjax.arms.ArmSpec.match`); :func:`count_params` counts the LM's parameters from a
-config. A run names its arm and the Transformer it is matched to, never the arm's own widths:
-
-  * ``arm``: a registered arm (:func:`diffjax.arms.names`);
-  * ``size``: a named baseline size (:mod:`diffjax.model.sizes`) or "custom";
-  * the baseline widths ``d_model, num_layers, num_heads, num_kv_heads, head_dim, mlp_dim``:
-    None takes the size's; a value replaces it (every arm follows, still matched);
-  * ``v2_match``: how DIFF V2 is matched (:func:`diffjax.model.matched_configs`);
-  * ``unmatched``: widths of the arm itself, applied after matching. Allowed, but the run is
-    then not matched to its baseline, and :meth:`ArmModel.describe` says so with the counts;
-  * every other key is a :class:`~diffjax.model.ModelConfig` field passed through as it is.
-
-:func:`resolve_model` is the one place that turns such a section into a
-:class:`~diffjax.model.ModelConfig`: training, comparisons, ahead-of-time compiles and
-evaluation all go through it, so changing the arm always re-derives the widths.
+:func:`matched_configs` derives every arm from one Transformer spec (each arm's
+:attr:`~diffjax.arms.ArmSpec.match`); :func:`count_params` counts the LM's parameters from a
+config; :func:`resolve_model` is the one place that turns a run's ``model`` section (its
+``arm``, ``size``, baseline widths, ``v2_match``, ``unmatched`` widths; docs/training.md) into
+the arm's :class:`~diffjax.model.ModelConfig`, so changing the arm re-derives its widths.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Flax NNX attention modules: the baseline, DIFF V1 and DIFF V2.
 
-All three share the call signature
-
-    out_BxTxE = module(x_BxTxE, positions_BxT=None, segment_ids_BxT=None)
-    out_BxTxE, aux = module(x_BxTxE, ..., capture=True)
-
-With ``cache=`` (generation; each module's ``init_cache`` makes an empty one) the call
-returns ``(out_BxTxE, new_cache)``: a prefill (T > 1, the cache empty) runs the normal
-attention path on the prompt and writes its keys and values into slots 0..T-1; a
-decode step (T == 1) writes the token's key and value at slot ``cache_lengths_B[b]``
-of each row and attends to that row's first ``cache_lengths_B[b] + 1`` slots.
-
-``capture=True`` (analysis) runs the explicit-map XLA path and also returns the
-float32 (float64 in a float64 model) attention logits and probabilities (and lambda
-for DIFF arms), the attention output before any norm or projection (``context``,
-[B, T, H, Dv]) and the values it weighted (``values``, [B, S, K, Dv]); it is a
-Python switch, so normal calls pay nothing for it. ``hooks`` (see
-:class:`~diffjax.nn.layers.Hooks`) apply analysis interventions.
+All three are called as ``module(x_BxTxE, positions_BxT=None, segment_ids_BxT=None)``; with
+``capture=True`` they also return their maps (analysis, on the explicit-map XLA path), and with
+``cache=`` they prefill or decode against a KV cache (``init_cache`` makes an empty one).
+docs/model.md#flax-nnx-modules describes the calls.
 """
 
 from __future__ import annotations

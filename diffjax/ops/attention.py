@@ -1,21 +1,10 @@
 """Functional attention ops: baseline (MHA/GQA), DIFF V1 and DIFF V2.
 
-Every op takes an ``implementation=`` argument:
-
-  * ``"xla"``: the plain-JAX reference math (:mod:`diffjax.ops.reference`); runs
-    everywhere and supports every mask.
-  * ``"pallas"``: the fused Pallas kernel for the current backend; ``"pallas_tpu"``
-    and ``"pallas_gpu"`` name a backend explicitly (with ``interpret=True`` they run
-    in the Pallas interpreter on any machine, which is how CPU tests check them).
-  * ``"stock"``: composes existing attention kernels the way the authors' code does
-    (several calls of a standard attention kernel), as the peer the fused kernel
-    must beat.
-  * ``"auto"`` (default): the first implementation of the platform that accepts the
-    inputs (:mod:`diffjax.ops.dispatch`), else XLA.
-
 Each named op is :func:`run_op` (or :func:`run_decode_op`) of its
-:class:`~diffjax.core.op_specs.OpSpec`; an arm with an op of its own calls those with
-its spec.
+:class:`~diffjax.core.op_specs.OpSpec`: checked, dispatched by ``implementation=``
+(``"auto"``, ``"xla"``, ``"xla_cpu"``, ``"pallas"``, ``"pallas_tpu"``, ``"pallas_gpu"``,
+``"stock"``: docs/architecture.md#dispatch-which-function-runs), per device under an active
+mesh, and over a sharded sequence under context parallelism.
 """
 
 from __future__ import annotations

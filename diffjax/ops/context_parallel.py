@@ -1,39 +1,10 @@
 """Context-parallel attention: the sequence axis of q, k and v sharded over a mesh axis.
 
-For long sequences the length axis is split over C devices (the mesh axis named
-``context``); every device holds T / C query and key positions. Two strategies compute
-exact self-attention (the math of :mod:`diffjax.core.reference`) for the baseline, DIFF
-V1 and DIFF V2:
-
-  * ``"all_gather"``: each device gathers the whole sequence's keys and values (with
-    their segment ids) and attends with its own queries. Simple; K and V of the full
-    sequence sit on every device.
-  * ``"ring"``: the key/value blocks travel around the ring of C devices
-    (``jax.lax.ppermute``), one hop per step, and each softmax map keeps its own
-    online-softmax statistics, combined only at the end (:mod:`diffjax.ops.ring`). A
-    device holds its T / C queries and one T / C block of keys and values at a time.
-    What computes each block is ``implementation``: ``"xla"`` scores the block as one
-    tile per head (choose C so that a [T / C, T / C] tile fits); ``"pallas_tpu"`` or
-    ``"pallas_gpu"`` (what the ops choose for DIFF V1 and V2 on a TPU or GPU) runs the
-    per-block functions of the kernel that the dispatch table registers, or the XLA
-    blocks when that kernel has none (:mod:`diffjax.ops.ring_blocks`).
-
-Load balance. With causal masking, the late positions attend to many more keys than
-the early ones, so contiguous shards give the last device most of the work. With
-``load_balance=True`` the caller holds the sequence in the order of
-:func:`zigzag_permutation` (2C chunks; shard i holds chunks i and 2C-1-i), which gives
-every device the same amount of unmasked work. All per-token arrays (tokens,
-positions, segment ids, DIFF V2's lambda) go in that order and the output comes out in
-it; the causal mask still follows the original order: the ring derives which part of
-each key block a device's queries see from the two shard indices, the gather from the
-original positions of its queries.
-
-The batch and head axes may be sharded as well (``batch_axis``, ``head_axis``), heads
-in contiguous blocks that keep kv groups whole, as in
-:mod:`diffjax.sharding.kernel_specs`.
-
-Computation runs in float32 (float64 for float64 inputs,
-:func:`diffjax.core.dtypes.accumulation_dtype`); the output has the dtype of q.
+Exact self-attention of any op (:class:`~diffjax.core.op_specs.OpSpec`) with its T positions
+split over the C devices of the ``context`` axis, by a ring of key/value blocks
+(:mod:`diffjax.ops.ring`) or by gathering the keys and values; with ``load_balance`` the
+caller holds the sequence in :func:`zigzag_permutation` order. docs/scaling.md#context-parallelism
+describes the strategies, the order and what computes each block.
 """
 
 from __future__ import annotations

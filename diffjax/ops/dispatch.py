@@ -1,21 +1,13 @@
 """Which function computes an op: per op and platform an ordered list of implementations;
 the first that accepts the inputs runs.
 
-The kernel packages know nothing of the ops: this module imports each of them (a package
-this installation cannot import is left out with a warning) and lists their functions in
-:data:`BUILTIN_KERNELS`, one :class:`Implementation` row each, in order of preference
-per op and platform. A kernel that cannot take some inputs (a dtype, a width, a GPU
-generation) raises ``NotImplementedError(reason)`` from its own wrapper; ``"auto"`` then
-tries the next row and ends with the reference math through XLA, which takes everything.
-An implementation asked for by name that refuses says why in one line. Users add rows
-with :func:`register_implementation`.
-
-Every row is called the same way: the op's arrays (:attr:`OpSpec.to_kernel` of them)
-positionally, then ``causal, q_segment_ids, kv_segment_ids, scale, block_sizes,
-interpret`` (decode ops: ``scale, block_sizes, interpret``). A row takes no explicit
-``mask`` and computes in float32, so calls with a mask or float64 inputs go to XLA.
-Under :func:`diffjax.sharding.activation_sharding` a row runs per device inside
-``jax.shard_map`` with the PartitionSpecs its op's logical axes give.
+:data:`BUILTIN_KERNELS` lists the kernel packages' functions, one :class:`Implementation` row
+each, in order of preference. A kernel refuses inputs it cannot take by raising
+``NotImplementedError(reason)`` from its own wrapper; ``"auto"`` then tries the next row and
+ends with the reference math through XLA. Rows take the op's arrays positionally, then
+``causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret`` (decode ops:
+``scale, block_sizes, interpret``), no explicit mask and no float64 (those run on XLA).
+docs/architecture.md#dispatch-which-function-runs shows the table.
 """
 
 from __future__ import annotations

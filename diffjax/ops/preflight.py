@@ -1,18 +1,9 @@
 """Kernel preflight: each fused kernel a run chose, run once on the real device first.
 
-A fused kernel that has only been checked in an interpreter or compiled ahead of time
-meets the hardware for the first time in a user's run. Before the first step,
-:func:`preflight_model` runs every fused kernel the model's attention resolves to
-(``pallas_tpu`` / ``pallas_gpu``; decoding too for generation) once, forward and
-backward, on a small input of the run's dtype and head widths, against the XLA path
-on the same inputs. A kernel that fails to compile or run, or whose result is off by
-more than the dtype's tolerance, is switched off for the rest of the process
-(:func:`diffjax.ops.dispatch.demote`: its op takes the stock path, XLA where a platform
-has none) and one line names the kernel, the device and the reason. The run records
-the results (the trainer writes them to ``preflight.json`` and its final metrics).
-
-On a CPU nothing runs: the CPU paths are plain XLA. ``kernels.preflight=False`` in a
-run's config skips the check.
+Before the first step every fused kernel the model's ops resolve to runs once, forward and
+backward, against the XLA path on a small input of the run's dtype and widths; one that fails
+or is off by more than the dtype's tolerance is switched off for the process
+(:func:`diffjax.ops.dispatch.demote`) and named in one line. docs/kernels_gpu.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """The ring of context-parallel attention: one device's forward, backward and custom_vjp.
 
-The sequence is split over the C devices of a mesh axis. Each device keeps its own
-queries and passes key/value blocks to the next device (``jax.lax.ppermute``), one hop
-per step, so after C steps it has seen every block. What runs on each block is a
-parameter, :class:`BlockFunctions`: the XLA score tile of :mod:`diffjax.ops.ring_blocks`,
-or a fused kernel's per-block forward and backward (TPU: :mod:`diffjax.kernels.tpu.blocks`).
-
-Every softmax map keeps its own statistics across the blocks: a normalized output
-``O_s`` and a log-sum-exp ``m_s + log l_s`` per row (the baseline has one map, DIFF two),
-merged block by block as flash attention merges tiles. The maps are combined only at
-the end, ``O = O_1 - lam O_2`` with the normalized outputs: the combined map cannot be
-merged across blocks, and DIFF V1's per-head RMSNorm (applied by the op after this
-output, on the query's own shard) is not linear either.
-
-Which part of a block a device's queries see follows from the shard indices alone.
-With device ``me`` holding its queries and the keys from shard ``src``:
-
-  * ``src == me`` (the first step): the local causal mask. With the load-balanced
-    (zig-zag) order the local tokens are chunks ``me`` and ``2C - 1 - me``, and the causal
-    mask of the original positions is still the causal mask of the local order.
-  * ``src < me``: contiguous shards: every key is visible to every query. Zig-zag: the
-    block's first chunk (``src``) is visible to every query; its second chunk
-    (``2C - 1 - src``) comes after both query chunks, so it is skipped.
-  * ``src > me``: contiguous shards: nothing is visible, the step is skipped. Zig-zag:
-    the queries' first chunk (``me``) sees nothing; their second chunk
-    (``2C - 1 - me``) sees the whole block.
-
-Each case is one block call, causal only for the first step; segment ids still mask
-inside every call. Without causal masking every step is a full-block call.
-
-The TPU interpreter (``interpret=True``, how CPU tests run the TPU kernels) holds every
-device at a barrier in each kernel call, so all devices must make the same number of
-calls: there a skipped step runs a block's kernel and discards its result. Elsewhere a
-skipped step calls nothing.
-
-The backward is a ring too: each block call gets the merged statistics of the whole
-attention (both maps' log-sum-exps and ``D_s = rowsum(dO * O_s)``) and returns its share
-of dQ, dK and dV; dK and dV travel with their block and reach its owner after the last
-step. ``d lam = -rowsum(dO * O_2)`` needs no block.
+Key and value blocks pass around the C devices of a mesh axis (``jax.lax.ppermute``); every
+softmax map keeps its own online-softmax statistics across the blocks, and the maps are
+combined (``O = O_1 - lam O_2``) only at the end. Which part of a block a device's queries
+see follows from the two shard indices; docs/scaling.md#context-parallelism has the cases,
+the backward ring and the TPU interpreter's barrier.
 """
 
 from __future__ import annotations

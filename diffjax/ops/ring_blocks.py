@@ -1,17 +1,10 @@
 """What computes one block of the context-parallel ring (:mod:`diffjax.ops.ring`).
 
-Two kinds of :class:`~diffjax.ops.ring.BlockFunctions`:
-
-  * :func:`xla_blocks`: plain XLA for any op and dtype. Each call scores the block as one
-    [T, S] tile per head (T queries, S keys of the block), so choose the context axis so
-    that tile fits.
-  * :func:`kernel_blocks`: a fused kernel's per-block forward and backward with
-    log-sum-exps. A row of the dispatch table (:class:`diffjax.ops.dispatch.Implementation`)
-    offers them as its ``ring_blocks``: a namespace with ``block_config`` (which may refuse
-    a block with ``NotImplementedError``), ``block_forward`` and ``block_backward`` (the
-    protocol of :mod:`diffjax.kernels.tpu.blocks`) and optionally ``HEAD_MAJOR`` and
-    ``INTERPRETER_BARRIER`` (both False when absent); the row's ``ring_options`` go to
-    ``block_config``. A row without them runs the XLA blocks in the ring.
+:func:`xla_blocks` scores a block as one [T, S] tile per head, for any op and dtype;
+:func:`kernel_blocks` runs a dispatch row's ``ring_blocks``: a namespace with
+``block_config`` (which may refuse a block with ``NotImplementedError``), ``block_forward``
+and ``block_backward`` (the protocol of :mod:`diffjax.kernels.tpu.blocks`) and optionally
+``HEAD_MAJOR`` and ``INTERPRETER_BARRIER``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """PartitionSpecs that run the per-device attention kernels under ``jax.shard_map``.
 
-The kernels (TPU and GPU alike) see whole heads: a DIFF V1 head with its two
-components, a V2 pair (query heads 2i and 2i+1), and the kv group they read.
-Sharding the head axes in contiguous blocks keeps all of that on one shard whenever
-the mesh's head axis divides the number of kv heads K: shard r then holds kv groups
-[r K/n, (r+1) K/n) and exactly the query heads (or pairs) that read them. Batch
-shards freely; sequence and head dim stay whole.
-
-Every function returns ``(in_specs, out_spec)`` in the kernel's positional argument
-order, with the two segment-id arrays appended when ``segment_ids=True``. Pass
-``check_vma=False`` to ``jax.shard_map`` (Pallas calls carry no varying-axis rules)::
-
-  in_specs, out_spec = diff_v1_partition_specs("data", "model", segment_ids=True)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                     check_vma=False)
-  out = fn(q1, q2, k1, k2, v, lam_H, q_seg, kv_seg)
+The kernels see whole heads (a DIFF V1 head with both components, a V2 pair) with the kv group
+they read: heads split in contiguous blocks, which keeps them whole when the head axis divides
+the kv heads; batch splits freely. Every function returns ``(in_specs, out_spec)`` in the
+kernel's argument order (segment ids appended with ``segment_ids=True``); pass
+``check_vma=False`` to ``jax.shard_map``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Logical axis names to mesh axes: the rules table and the active mesh.
 
-The model names every parameter axis (``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``mlp``, ``vocab``, ``norm``, ``layers``) and activation axis (``batch``,
-``length``, ...). One rules table maps those names to the mesh axes ``data``,
-``fsdp``, ``tensor`` and ``context``:
-
-  * batch over ``data`` and ``fsdp``;
-  * the sequence of activations (and of batches) over ``context`` (context
-    parallelism; attention then runs as in :mod:`diffjax.ops.context_parallel`);
-  * parameters and optimizer state FSDP-sharded over ``fsdp`` along ``embed``;
-  * attention heads, kv heads, MLP hidden and vocabulary over ``tensor``;
-  * the leading ``layers`` axis of scanned parameters stays whole.
-
-Modules call :func:`constrain` on their activations with logical names; it is a
-no-op unless a mesh and a rules table are active (see :func:`activation_sharding`),
-so the modules run unchanged on one device and in users' own models. The ops read
-the same context (:func:`current`) to run kernels per device under ``shard_map``.
+One table (:data:`DEFAULT_RULES`, docs/scaling.md#mesh-axes-and-the-rules-table) maps the
+model's logical axis names to the mesh axes ``data``, ``fsdp``, ``tensor`` and ``context``.
+Modules call :func:`constrain` on their activations, a no-op unless
+:func:`activation_sharding` makes a mesh and rules active; the ops read the same context
+(:func:`current`) to run kernels per device under ``shard_map``.
 """
 
 from __future__ import annotations

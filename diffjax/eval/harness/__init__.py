@@ -1,16 +1,9 @@
-"""lm-evaluation-harness scores for diffjax models, all three arms, offline.
+"""lm-evaluation-harness scores for diffjax models, every arm, offline.
 
-    python -m diffjax.eval.harness --workdir=runs/default \\
-        --include_path=tests/fixtures/harness --tasks=diffjax_fixture_choice [--limit=N]
-
-:class:`DiffjaxLM` (``lm_eval.api.model.TemplateLM``, registered as ``"diffjax"`` in the
-harness's model registry when :mod:`diffjax.eval.harness.model` is imported) scores
-log-likelihoods through :class:`TokenScorer` (length buckets, one compiled forward each),
-rolling perplexity windows the harness's way, and generates with
-:func:`diffjax.generation.generate`. :func:`run_tasks` runs tasks; :func:`harness_scalars`
-flattens their results for comparison reports. The model and the task runner need the
-``[harness]`` extra (lm-eval, without torch); they load on first use, so the scorer and
-``--help`` do not.
+:class:`DiffjaxLM` (registered as ``"diffjax"`` in the harness's model registry) scores
+log-likelihoods through :class:`TokenScorer`, rolling perplexity and generation;
+:func:`run_tasks` runs tasks. The model and the task runner need the ``[harness]`` extra and
+load on first use. docs/evaluation.md#lm-evaluation-harness-tasks describes the command.
 """
 
 import importlib

@@ -1,21 +1,10 @@
 """``python -m diffjax.eval.harness``: lm-eval tasks on a trained run, printed as the harness's table.
 
-    python -m diffjax.eval.harness --workdir=runs/default --tasks=hellaswag,arc_easy \\
-        [--include_path=DIR] [--limit=N] [--num_fewshot=K] [--batch_size=B] [--step=N]
-        [--max_length=N] [--tokenizer=SPEC] [--output=results.json] [--seed=1234]
+    python -m diffjax.eval.harness --workdir=runs/default --tasks=hellaswag,arc_easy [--limit=N]
     python -m diffjax.eval.harness --hf_dir=exported/ --tasks=...
 
-Loads the newest good checkpoint of the ``train.py`` workdir (or ``--step``; or an HF
-Llama/DiffLlama directory with ``--hf_dir``) and its tokenizer, runs the tasks through
-:class:`~diffjax.eval.harness.DiffjaxLM`, prints the harness's results table and writes the
-harness's results JSON to ``--output`` (default ``<workdir>/harness.json``). Nothing is
-downloaded: real tasks read the local datasets cache (``HF_DATASETS_OFFLINE=1`` is set), and
-``--include_path`` adds task YAML files of your own (``dataset_path: json`` with local
-``data_files``). A mistake in the arguments prints one ``error:`` line and exits 2.
-
-``lm_eval --model diffjax`` does not work from the harness's own command: it finds only the
-models it ships or ones a module it imports registers, and it loads no plug-in entry points
-for models. This command takes the same task flags.
+Offline: real tasks read the local datasets cache, ``--include_path`` adds task YAML files of
+your own. docs/evaluation.md describes the flags and the output.
 """
 
 from __future__ import annotations
