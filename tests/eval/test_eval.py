@@ -28,10 +28,12 @@ from diffjax.data.tasks import (
   AssociativeRecallTask,  # noqa: E402
   MultiNeedleTask,
 )
-from diffjax.eval import evaluate as E  # noqa: E402
-from diffjax.eval import measures as M  # noqa: E402
-from diffjax.eval import report as R  # noqa: E402
-from diffjax.eval import stats as S  # noqa: E402
+from diffjax.eval import (
+  evaluate,  # noqa: E402
+  measures,  # noqa: E402
+  report,  # noqa: E402
+  stats,  # noqa: E402
+)
 from diffjax.model import DecoderLM, ModelConfig, matched_configs  # noqa: E402
 
 # flax warns about its own deprecated metadata names when models are built; not ours to fix.
@@ -107,11 +109,11 @@ def _wrong(tokens, *unused):
 
 def test_perfect_model_scores_one_and_wrong_model_scores_zero():
   task = MultiNeedleTask(400, 4, 2, num_examples=5, seed=2, filler=FILLER)
-  assert E.retrieval_accuracy(_perfect, task, batch_size=2)["accuracy"] == 1.0
-  res = E.retrieval_accuracy(_wrong, task, batch_size=2)
+  assert evaluate.retrieval_accuracy(_perfect, task, batch_size=2)["accuracy"] == 1.0
+  res = evaluate.retrieval_accuracy(_wrong, task, batch_size=2)
   assert res["accuracy"] == 0.0 and res["all_correct"] == 0.0 and res["num_answers"] == 10
   mq = AssociativeRecallTask(num_pairs=6, num_queries=2, num_examples=3)
-  assert E.retrieval_accuracy(_perfect, mq)["accuracy"] == 1.0
+  assert evaluate.retrieval_accuracy(_perfect, mq)["accuracy"] == 1.0
 
 
 def test_one_wrong_digit_fails_only_its_answer():
@@ -120,9 +122,9 @@ def test_one_wrong_digit_fails_only_its_answer():
   logits = _perfect(batch["tokens"])
   pos = np.flatnonzero(batch["answer_segments"][0] == 1)[3]  # 4th digit of answer 1, example 0
   logits[0, pos - 1] = np.roll(logits[0, pos - 1], 1)
-  correct, present = M.answer_exact_match(logits, batch["tokens"], batch["answer_segments"])
+  correct, present = measures.answer_exact_match(logits, batch["tokens"], batch["answer_segments"])
   np.testing.assert_array_equal(correct, [[True, False], [True, True]])
-  acc = M.retrieval_accuracy(correct, present)
+  acc = measures.retrieval_accuracy(correct, present)
   assert acc["accuracy"] == 0.75 and acc["all_correct"] == 0.5
 
 
@@ -133,15 +135,15 @@ def test_teacher_forced_exact_match_equals_greedy_decoding():
   ans = [np.flatnonzero(batch["answer_segments"][b] >= 0) for b in range(3)]
   # Example 0 right, example 1 wrong at its first digit, example 2 wrong at its last digit.
   fn = _oracle(seqs, wrong=[(1, int(ans[1][0])), (2, int(ans[2][-1]))])
-  tf, present = M.answer_exact_match(fn(seqs), seqs, batch["answer_segments"])
-  greedy, present_g = E.greedy_exact_match(fn, batch)
+  tf, present = measures.answer_exact_match(fn(seqs), seqs, batch["answer_segments"])
+  greedy, present_g = evaluate.greedy_exact_match(fn, batch)
   np.testing.assert_array_equal(tf[:, 0], [True, False, False])
   np.testing.assert_array_equal(tf, greedy)
   np.testing.assert_array_equal(present, present_g)
 
 
 def test_needle_table_and_heatmap_shapes_and_values():
-  table = E.needle_table(
+  table = evaluate.needle_table(
     _perfect,
     300,
     grid=((1, 1), (2, 2), (6, 2)),
@@ -150,7 +152,7 @@ def test_needle_table_and_heatmap_shapes_and_values():
     filler=FILLER,
   )
   assert table["cells"] == {"N1_R1": 1.0, "N2_R2": 1.0} and "N6_R2" in table["skipped"]
-  heat = E.retrieval_heatmap(
+  heat = evaluate.retrieval_heatmap(
     _wrong,
     [120, 200, 300],
     depths=(0.0, 0.5),
@@ -173,7 +175,7 @@ def test_attention_allocation_on_a_hand_built_map():
   rows = np.array([[False, False, False, False, False, True]])
   plain = np.zeros((1, 1, 6, 6))
   plain[0, 0, 5] = [0.1, 0.2, 0.1, 0.3, 0.2, 0.1]
-  res = M.attention_allocation(plain, rows, regions, 4)
+  res = measures.attention_allocation(plain, rows, regions, 4)
   np.testing.assert_allclose(res["signed"][0], [0.1, 0.3, 0.5, 0.1])
   np.testing.assert_allclose(res["signed_share"][0], [0.1, 0.3, 0.5, 0.1])
   np.testing.assert_allclose(res["abs_share"][0], [0.1, 0.3, 0.5, 0.1])
@@ -182,23 +184,23 @@ def test_attention_allocation_on_a_hand_built_map():
   a2 = np.array([0.2, 0.3, 0.3, 0.0, 0.0, 0.2])
   diff = np.zeros((1, 1, 6, 6))
   diff[0, 0, 5] = a1 - 0.5 * a2  # [0, -0.1, -0.1, 0.4, 0.3, 0]
-  res = M.attention_allocation(diff, rows, regions, 4)
+  res = measures.attention_allocation(diff, rows, regions, 4)
   np.testing.assert_allclose(res["signed"][0], [0.0, -0.2, 0.7, 0.0], atol=1e-12)
   np.testing.assert_allclose(res["absolute"][0], [0.0, 0.2, 0.7, 0.0], atol=1e-12)
   np.testing.assert_allclose(res["row_total"], [0.5])
   np.testing.assert_allclose(res["signed_share"][0], [0.0, -0.4, 1.4, 0.0], atol=1e-12)
   np.testing.assert_allclose(res["abs_share"][0], [0.0, 2 / 9, 7 / 9, 0.0], atol=1e-12)
   with pytest.raises(ValueError, match="No query rows"):
-    M.attention_allocation(diff, np.zeros_like(rows), regions, 4)
+    measures.attention_allocation(diff, np.zeros_like(rows), regions, 4)
 
 
 def test_combine_diff_maps_v1_scalar_and_v2_per_token():
   rng = np.random.default_rng(0)
   p1, p2 = rng.random((2, 2, 3, 4, 4))
-  np.testing.assert_allclose(M.combine_diff_maps(p1, p2, 0.8), p1 - 0.8 * p2, atol=1e-6)
+  np.testing.assert_allclose(measures.combine_diff_maps(p1, p2, 0.8), p1 - 0.8 * p2, atol=1e-6)
   lam_BxTxH = rng.random((2, 4, 3))
   want = p1 - np.transpose(lam_BxTxH, (0, 2, 1))[..., None] * p2
-  np.testing.assert_allclose(M.combine_diff_maps(p1, p2, lam_BxTxH), want, atol=1e-6)
+  np.testing.assert_allclose(measures.combine_diff_maps(p1, p2, lam_BxTxH), want, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,20 +209,20 @@ def test_combine_diff_maps_v1_scalar_and_v2_per_token():
 
 def test_outlier_stats_on_a_known_array():
   x = np.arange(1, 1002, dtype=np.float64) * np.where(np.arange(1001) % 2, -1, 1)
-  out = M.outlier_stats(x.reshape(7, 11, 13))
+  out = measures.outlier_stats(x.reshape(7, 11, 13))
   assert out["top1"] == 1001 and out["top100"] == 902 and out["median"] == 501
-  acc = M.OutlierAccumulator(ks=(1, 100))
+  acc = measures.OutlierAccumulator(ks=(1, 100))
   for chunk in np.array_split(x, 9):
     acc.add(chunk)
   res = acc.result()
   assert (res["top1"], res["top100"], res["median"], res["exact_median"]) == (1001, 902, 501, True)
-  sampled = M.OutlierAccumulator(ks=(1, 100), max_sample=50)
+  sampled = measures.OutlierAccumulator(ks=(1, 100), max_sample=50)
   for chunk in np.array_split(x, 4):
     sampled.add(chunk)
   res = sampled.result()
   assert res["top1"] == 1001 and res["top100"] == 902 and not res["exact_median"]
   assert 300 < res["median"] < 700
-  masked = M.OutlierAccumulator(ks=(1,))
+  masked = measures.OutlierAccumulator(ks=(1,))
   masked.add(np.array([[5.0, -100.0], [2.0, 3.0]]), mask=np.array([[True, False], [True, True]]))
   assert masked.result()["top1"] == 5.0
 
@@ -229,8 +231,8 @@ def test_outlier_stats_on_a_known_array():
 @pytest.mark.parametrize("axis", [None, -1, 0, (0, 1)])
 def test_absmax_quantizer_error_is_within_its_bound(bits, axis):
   x = np.random.default_rng(bits).standard_normal((6, 5, 8)).astype(np.float32) * 3
-  q = M.quantize_absmax(x, bits, axis=axis)
-  bound = M.absmax_error_bound(x, bits, axis=axis)
+  q = measures.quantize_absmax(x, bits, axis=axis)
+  bound = measures.absmax_error_bound(x, bits, axis=axis)
   assert q.dtype == x.dtype and q.shape == x.shape
   assert np.all(np.abs(x - q) <= bound * (1 + 1e-5) + 1e-7)
   assert np.abs(x - q).max() > 0
@@ -245,31 +247,33 @@ def test_absmax_quantizer_error_is_within_its_bound(bits, axis):
 
 def test_quantizer_16_bit_is_nearly_identity_and_zero_stays_zero():
   x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
-  np.testing.assert_allclose(M.quantize_absmax(x, 16, axis=-1), x, atol=np.abs(x).max() / 32767)
-  assert not np.any(M.quantize_absmax(np.zeros((3, 3), np.float32), 4))
+  np.testing.assert_allclose(
+    measures.quantize_absmax(x, 16, axis=-1), x, atol=np.abs(x).max() / 32767
+  )
+  assert not np.any(measures.quantize_absmax(np.zeros((3, 3), np.float32), 4))
   # Also on jax arrays, under jit, with a traced grid size (qmax 0 = off).
   xj = jnp.asarray(x)
   np.testing.assert_allclose(
-    jax.jit(lambda a: M.quantize_absmax(a, 4, axis=-1))(xj),
-    M.quantize_absmax(x, 4, axis=-1),
+    jax.jit(lambda a: measures.quantize_absmax(a, 4, axis=-1))(xj),
+    measures.quantize_absmax(x, 4, axis=-1),
     rtol=1e-6,
   )
-  np.testing.assert_array_equal(jax.jit(lambda a, qm: M.fake_quant(a, qm))(xj, 0.0), x)
+  np.testing.assert_array_equal(jax.jit(lambda a, qm: measures.fake_quant(a, qm))(xj, 0.0), x)
 
 
 def test_w4_a8_kv4_helpers_use_their_granularity():
   rng = np.random.default_rng(1)
   w = rng.standard_normal((16, 8)).astype(np.float32)
   w[:, 3] *= 100.0  # one loud output channel must not coarsen the others
-  qw = M.quantize_weight_per_channel(w, 4)
+  qw = measures.quantize_weight_per_channel(w, 4)
   for j in range(8):
     assert np.abs(w[:, j] - qw[:, j]).max() <= np.abs(w[:, j]).max() / 7 / 2 * (1 + 1e-5)
   x = rng.standard_normal((2, 5, 16)).astype(np.float32)
   x[0, 0] *= 1000.0  # one loud token must not coarsen the others
-  qx = M.quantize_activation_per_token(x, 8)
+  qx = measures.quantize_activation_per_token(x, 8)
   assert np.abs(x[1, 2] - qx[1, 2]).max() <= np.abs(x[1, 2]).max() / 127 / 2 * (1 + 1e-5)
   kv = rng.standard_normal((2, 5, 3, 8)).astype(np.float32)
-  qkv = M.quantize_kv_per_head_token(kv, 4)
+  qkv = measures.quantize_kv_per_head_token(kv, 4)
   err = np.abs(kv - qkv).max(-1)
   assert np.all(err <= np.abs(kv).max(-1) / 7 / 2 * (1 + 1e-5))
 
@@ -277,17 +281,17 @@ def test_w4_a8_kv4_helpers_use_their_granularity():
 def test_attention_logit_quantizer_ignores_masked_entries():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((1, 2, 5, 5)).astype(np.float32)
-  valid = M.causal_valid_mask(5, 5)
+  valid = measures.causal_valid_mask(5, 5)
   loud = np.where(valid, x, 1e4).astype(np.float32)  # huge scores above the diagonal
-  q_loud = M.quantize_attention_logits(loud, 4, "head")
-  q = M.quantize_attention_logits(x, 4, "head")
+  q_loud = measures.quantize_attention_logits(loud, 4, "head")
+  q = measures.quantize_attention_logits(x, 4, "head")
   np.testing.assert_array_equal(q_loud[..., valid], q[..., valid])
   np.testing.assert_array_equal(q_loud[..., ~valid], loud[..., ~valid])
   scale = np.abs(np.where(valid, x, 0)).max(axis=(-2, -1), keepdims=True) / 7
   assert np.all(
     np.abs(q - x)[..., valid] <= (scale / 2 * (1 + 1e-5) + 1e-7).repeat(15).reshape(1, 2, 15)
   )
-  row = M.quantize_attention_logits(x, 4, "row")
+  row = measures.quantize_attention_logits(x, 4, "row")
   assert not np.array_equal(row, q)
 
 
@@ -297,12 +301,12 @@ def test_attention_logit_quantizer_ignores_masked_entries():
 
 def test_clamp_negative_and_correlation_on_hand_built_maps():
   p = np.array([0.5, -0.2, 0.1, -0.0, 0.3])
-  np.testing.assert_array_equal(M.clamp_negative(p), [0.5, 0.0, 0.1, 0.0, 0.3])
+  np.testing.assert_array_equal(measures.clamp_negative(p), [0.5, 0.0, 0.1, 0.0, 0.3])
   rng = np.random.default_rng(0)
   a1 = rng.random((1, 2, 3, 10))
   a2 = np.stack([3 * a1[:, 0] + 1, 2 - a1[:, 1]], axis=1)  # head 0: r = +1, head 1: r = -1
   keys = np.ones(a1.shape, bool)
-  res = M.map_correlation(a1, a2, keys)
+  res = measures.map_correlation(a1, a2, keys)
   np.testing.assert_allclose(res["per_head"], [1.0, -1.0], atol=1e-12)
   assert res["mean"] == pytest.approx(0.0, abs=1e-12)
   # Noise shared only on non-salient keys: the top-k key differs wildly, the rest are equal.
@@ -310,18 +314,18 @@ def test_clamp_negative_and_correlation_on_hand_built_maps():
   b2 = b1.copy()
   top = int(b1[0, 0, 0].argmax())
   b2[..., top] = -5.0
-  sal = M.salient_key_mask(b1, top_k=1)
+  sal = measures.salient_key_mask(b1, top_k=1)
   assert sal[0, 0, 0, top] and sal[0, 0, 0, -1]  # top-1 and the query's own position
-  corr_all = M.map_correlation(b1, b2, np.ones_like(sal))["mean"]
-  corr_ns = M.map_correlation(b1, b2, ~sal)["mean"]
+  corr_all = measures.map_correlation(b1, b2, np.ones_like(sal))["mean"]
+  corr_ns = measures.map_correlation(b1, b2, ~sal)["mean"]
   assert corr_ns == pytest.approx(1.0) and corr_all < 0.9
   # Rows with fewer than min_keys keys are skipped.
-  few = M.map_correlation(b1, b2, np.zeros_like(sal))
+  few = measures.map_correlation(b1, b2, np.zeros_like(sal))
   assert few["rows_used"][0] == 0 and math.isnan(few["mean"])
   always = np.zeros((1, 12), bool)
   always[0, 0] = True
-  assert M.salient_key_mask(b1, 0, always)[0, 0, 0, 0]
-  rows_sal = M.salient_key_mask(b1, 0, row_positions_BxR=np.array([[4]]))
+  assert measures.salient_key_mask(b1, 0, always)[0, 0, 0, 0]
+  rows_sal = measures.salient_key_mask(b1, 0, row_positions_BxR=np.array([[4]]))
   assert rows_sal[0, 0, 0].tolist() == [i == 4 for i in range(12)]
 
 
@@ -333,45 +337,45 @@ def test_t_distribution_matches_scipy():
   st = pytest.importorskip("scipy.stats")
   for df in (1, 2, 3, 7, 30):
     for t in (-6.0, -1.3, 0.0, 0.7, 2.5, 12.0):
-      assert S.t_cdf(t, df) == pytest.approx(st.t.cdf(t, df), abs=1e-11)
+      assert stats.t_cdf(t, df) == pytest.approx(st.t.cdf(t, df), abs=1e-11)
     for q in (0.6, 0.9, 0.975, 0.995):
-      assert S.t_ppf(q, df) == pytest.approx(st.t.ppf(q, df), rel=1e-8)
+      assert stats.t_ppf(q, df) == pytest.approx(st.t.ppf(q, df), rel=1e-8)
 
 
 def test_confidence_interval_and_paired_test_on_known_data():
   st = pytest.importorskip("scipy.stats")
   x = [2.0, 4.0, 9.0, 5.0]
-  ci = S.mean_ci(x)
+  ci = stats.mean_ci(x)
   lo, hi = st.t.interval(0.95, 3, loc=np.mean(x), scale=st.sem(x))
   assert (ci["mean"], ci["n"]) == (5.0, 4)
   assert ci["lo"] == pytest.approx(lo, rel=1e-9) and ci["hi"] == pytest.approx(hi, rel=1e-9)
   # Hand check without scipy: t_{0.975, 3} = 3.182446305284263.
   assert ci["half_width"] == pytest.approx(3.182446305284263 * np.std(x, ddof=1) / 2, rel=1e-9)
   arm, base = [3.10, 3.05, 3.20, 3.00], [3.15, 3.12, 3.22, 3.07]
-  d = S.paired_difference(arm, base)
+  d = stats.paired_difference(arm, base)
   ref = st.ttest_rel(arm, base)
   assert d["t"] == pytest.approx(ref.statistic, rel=1e-9) and d["p"] == pytest.approx(
     ref.pvalue, rel=1e-8
   )
   assert d["mean"] == pytest.approx(-0.0525)
-  one = S.mean_ci([1.5])
+  one = stats.mean_ci([1.5])
   assert one["mean"] == 1.5 and math.isnan(one["half_width"])
-  assert S.mean_ci([])["n"] == 0 and S.mean_ci([1.0, float("nan"), 3.0])["n"] == 2
+  assert stats.mean_ci([])["n"] == 0 and stats.mean_ci([1.0, float("nan"), 3.0])["n"] == 2
 
 
 def test_verdicts_claim_only_what_the_numbers_support():
-  noisy = S.paired_difference([3.0, 3.2], [3.1, 3.05])
-  text = S.verdict(noisy, "val/loss", "diff_v1", higher_is_better=False)
+  noisy = stats.paired_difference([3.0, 3.2], [3.1, 3.05])
+  text = stats.verdict(noisy, "val/loss", "diff_v1", higher_is_better=False)
   assert "no significant difference" in text and "n=2" in text
-  clear = S.paired_difference([2.90, 2.91, 2.89, 2.90, 2.92], [3.00, 3.02, 2.99, 3.01, 3.01])
-  text = S.verdict(clear, "val/loss", "diff_v1", higher_is_better=False)
+  clear = stats.paired_difference([2.90, 2.91, 2.89, 2.90, 2.92], [3.00, 3.02, 2.99, 3.01, 3.01])
+  text = stats.verdict(clear, "val/loss", "diff_v1", higher_is_better=False)
   assert "better (lower)" in text and "n=5" in text
-  assert "better" not in S.verdict(clear, "outliers/top1", "diff_v1", higher_is_better=None)
-  assert "worse" in S.verdict(clear, "retrieval/mean", "diff_v1", higher_is_better=True)
-  same = S.paired_difference([1.0, 0.0], [0.0, -1.0])  # +1 at both seeds: no spread
-  text = S.verdict(same, "retrieval/mean", "diff_v1", higher_is_better=True)
+  assert "better" not in stats.verdict(clear, "outliers/top1", "diff_v1", higher_is_better=None)
+  assert "worse" in stats.verdict(clear, "retrieval/mean", "diff_v1", higher_is_better=True)
+  same = stats.paired_difference([1.0, 0.0], [0.0, -1.0])  # +1 at both seeds: no spread
+  text = stats.verdict(same, "retrieval/mean", "diff_v1", higher_is_better=True)
   assert "better" not in text and "p=0.5" in text and math.isnan(same["p"])
-  assert "one paired seed" in S.verdict(S.paired_difference([1.0], [0.5]), "m", "diff_v2")
+  assert "one paired seed" in stats.verdict(stats.paired_difference([1.0], [0.5]), "m", "diff_v2")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +420,9 @@ def _fast_model(cfg: ModelConfig, seed: int) -> DecoderLM:
 @pytest.fixture(scope="module")
 def runners():
   arms = matched_configs(_BASE)
-  return {arm: E.ModelRunner(_fast_model(cfg, i)) for i, (arm, cfg) in enumerate(arms.items())}
+  return {
+    arm: evaluate.ModelRunner(_fast_model(cfg, i)) for i, (arm, cfg) in enumerate(arms.items())
+  }
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +439,7 @@ def needle_task():
 
 def test_weight_quantization_is_per_output_channel_and_leaves_the_original(runners):
   model = runners["diff_v1"].model
-  q = E.quantize_model_weights(model, 4)
+  q = evaluate.quantize_model_weights(model, 4)
   w = np.asarray(model.blocks[0].attn.o[...])  # (H, 2d, E): output axis last
   qw = np.asarray(q.blocks[0].attn.o[...])
   np.testing.assert_allclose(np.abs(qw).max(axis=(0, 1)), np.abs(w).max(axis=(0, 1)), rtol=1e-6)
@@ -469,11 +475,13 @@ def test_weight_quantization_is_the_same_for_scanned_and_unrolled_models():
     mlp_dim=40,
   )
   plain = nnx.to_pure_dict(
-    nnx.state(E.quantize_model_weights(DecoderLM(cfg, rngs=nnx.Rngs(params=0)), 4), nnx.Param)
+    nnx.state(
+      evaluate.quantize_model_weights(DecoderLM(cfg, rngs=nnx.Rngs(params=0)), 4), nnx.Param
+    )
   )
   scanned = nnx.to_pure_dict(
     nnx.state(
-      E.quantize_model_weights(
+      evaluate.quantize_model_weights(
         DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=0)), 4
       ),
       nnx.Param,
@@ -498,7 +506,7 @@ def test_knobs_off_match_the_plain_model_and_quantization_changes_it(runners, te
 
 def test_validation_loss_matches_a_direct_computation(runners, text_batches):
   fn = runners["transformer"].logits_fn()
-  res = E.validation_loss(fn, text_batches)
+  res = evaluate.validation_loss(fn, text_batches)
   nll = []
   for tokens in text_batches:
     logits = fn(tokens[:, :-1]).astype(np.float64)
@@ -520,23 +528,23 @@ def test_validation_loss_matches_a_direct_computation(runners, text_batches):
     "segment_ids": np.ones((2, 5), np.int32),
     "positions": np.tile(np.arange(5), (2, 1)),
   }
-  res = E.validation_loss(fake, [batch])
+  res = evaluate.validation_loss(fake, [batch])
   assert res["tokens"] == 3 and res["loss"] == pytest.approx(math.log(4))
 
 
 def test_clamp_probe_is_zero_for_softmax_and_moves_signed_attention(
   runners, text_batches, needle_task
 ):
-  base = E.clamp_probe(runners["transformer"], text_batches, needle_task, 2, batch_size=2)
+  base = evaluate.clamp_probe(runners["transformer"], text_batches, needle_task, 2, batch_size=2)
   assert base["loss_delta"] == 0.0 and base["accuracy_delta"] == 0.0
-  res = E.clamp_probe(runners["diff_v1"], text_batches, needle_task, 2, batch_size=2)
+  res = evaluate.clamp_probe(runners["diff_v1"], text_batches, needle_task, 2, batch_size=2)
   assert abs(res["loss_delta"]) > 1e-4 and math.isfinite(res["loss_clamped"])
 
 
 def test_text_statistics_report_lambda_outliers_and_correlation(runners, text_batches):
   kw = dict(outlier_sample=1 << 12, probe_rows=4)  # the quick config's sizes: shared compiles
   runner = runners["diff_v1"]
-  res = E.text_statistics(runner, text_batches, **kw)
+  res = evaluate.text_statistics(runner, text_batches, **kw)
   lam = [float(b.attn.lambda_value()) for b in runner.model.blocks]
   np.testing.assert_allclose(res["lambda"]["layers"], lam, rtol=1e-6)
   np.testing.assert_allclose(res["lambda"]["lambda_init"], [0.2, 0.8 - 0.6 * math.exp(-0.3)])
@@ -544,7 +552,7 @@ def test_text_statistics_report_lambda_outliers_and_correlation(runners, text_ba
   # Top |attention logit| and |hidden| equal a direct search over every captured map.
   capture = nnx.jit(lambda m, t: m(t, capture=True)[1])
   best, hidden_best = 0.0, 0.0
-  valid = M.causal_valid_mask(T, T)
+  valid = measures.causal_valid_mask(T, T)
   for tokens in text_batches:
     for cap in capture(runner.model, jnp.asarray(tokens[:, :-1])):
       for name in ("logits1", "logits2"):
@@ -555,19 +563,19 @@ def test_text_statistics_report_lambda_outliers_and_correlation(runners, text_ba
   assert res["outliers"]["attention_logits"]["top100"] < best
   assert len(res["correlation"]["probs"]) == 2
   assert all(-1.0 <= c <= 1.0 for c in res["correlation"]["probs"] + res["correlation"]["logits"])
-  v2 = E.text_statistics(runners["diff_v2"], text_batches[:1], **kw)
+  v2 = evaluate.text_statistics(runners["diff_v2"], text_batches[:1], **kw)
   assert v2["lambda"]["kind"] == "sigmoid"
   for layer in v2["lambda"]["layers"]:
     assert 0.0 < layer["mean"] < 1.0
     assert sum(layer["histogram"]["counts"]) == 2 * T * _BASE.num_heads  # every token and pair
-  tr = E.text_statistics(runners["transformer"], text_batches[:1], **kw)
+  tr = evaluate.text_statistics(runners["transformer"], text_batches[:1], **kw)
   assert tr["lambda"] == {"kind": "none"} and tr["correlation"]["kind"] == "head_pairs"
   assert max(tr["negative_mass"]) == 0.0
 
 
 def test_attention_allocation_by_layer_on_a_real_model(runners, needle_task):
   for arm in ("transformer", "diff_v1"):
-    res = E.attention_allocation_by_layer(runners[arm], needle_task, 2, batch_size=2)
+    res = evaluate.attention_allocation_by_layer(runners[arm], needle_task, 2, batch_size=2)
     assert len(res["layers"]) == 2 and res["regions"] == ["sink", "context", "answer", "query"]
     for layer in res["layers"]:
       assert sum(layer["signed_share"]) == pytest.approx(1.0, abs=1e-4)
@@ -580,7 +588,7 @@ def test_attention_allocation_by_layer_on_a_real_model(runners, needle_task):
 
 
 def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monkeypatch):
-  cfg = E.EvalConfig.quick(
+  cfg = evaluate.EvalConfig.quick(
     T,
     batch_size=2,
     capture_batch_size=2,
@@ -594,10 +602,12 @@ def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monk
     mqar=dict(num_pairs=4, num_queries=2),
     mqar_examples=2,
   )
-  out = E.evaluate_model(runners["diff_v2"], text_batches, cfg, meta={"seed": 3}, filler=FILLER)
+  out = evaluate.evaluate_model(
+    runners["diff_v2"], text_batches, cfg, meta={"seed": 3}, filler=FILLER
+  )
   assert out["schema"] == "diffjax.eval/1" and out["meta"]["arm"] == "diff_v2"
   # Every section but the recall grid, which runs only when cells are given (tested below).
-  assert out["meta"]["seed"] == 3 and set(out["sections"]) == set(E.SECTIONS) - {"mqar_grid"}
+  assert out["meta"]["seed"] == 3 and set(out["sections"]) == set(evaluate.SECTIONS) - {"mqar_grid"}
   s = out["scalars"]
   assert s["val/loss"] == out["sections"]["validation"]["loss"] > 0
   assert s["lowbit/float/loss"] == pytest.approx(s["val/loss"], rel=1e-4)
@@ -741,13 +751,13 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
           f.write(json.dumps(row) + "\n")
         f.write("not json\n")
       run_dirs.append(str(d))
-  runs = R.load_results(run_dirs)
+  runs = report.load_results(run_dirs)
   assert len(runs) == 9 and runs[0]["curve"][1]["step"] == 10
-  agg = R.aggregate(runs)
+  agg = report.aggregate(runs)
   d1 = agg["paired"]["diff_v1"]["val/loss"]
   assert d1["n"] == 3 and d1["mean"] == pytest.approx(-0.1, abs=0.02) and d1["p"] < 0.05
   out = tmp_path / "report"
-  path = R.write_report(runs, str(out))
+  path = report.write_report(runs, str(out))
   text = open(path).read()
   assert "| val/loss |" in text and "± " in text and "(n=3)" in text
   assert "val/loss: diff_v1 is better (lower) than transformer" in text
@@ -764,7 +774,7 @@ def test_report_writes_markdown_and_plots_from_synthetic_results(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     assert f"]({name})" in text
   # Runs without a Transformer: no paired claims.
-  solo = R.write_report([r for r in runs if r["arm"] == "diff_v1"], str(tmp_path / "solo"))
+  solo = report.write_report([r for r in runs if r["arm"] == "diff_v1"], str(tmp_path / "solo"))
   assert "no paired comparisons" in open(solo).read()
 
 
@@ -781,7 +791,7 @@ def test_report_curve_has_one_row_per_step_after_a_resume(tmp_path):
     {"step": 3, "train/loss": 2.4},
   ]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-  curve = R.load_results([str(tmp_path)])[0]["curve"]
+  curve = report.load_results([str(tmp_path)])[0]["curve"]
   assert [r["step"] for r in curve] == [1, 2, 3]
   assert curve[1] == {"step": 2, "train/loss": 2.5, "eval/loss": 3.1}
 
@@ -798,7 +808,7 @@ def test_report_places_the_preamble_between_the_title_and_the_runs(tmp_path):
     for arm in ("transformer", "diff_v1")
   ]
   preamble = ["## Comparison summary", "", "| arm | params |", "|---|---|", "| diff_v1 | 1 |"]
-  text = open(R.write_report(runs, str(tmp_path), title="T", preamble=preamble)).read()
+  text = open(report.write_report(runs, str(tmp_path), title="T", preamble=preamble)).read()
   assert text.startswith("# T\n\n## Comparison summary\n\n| arm | params |\n"), text[:200]
   assert text.index("| diff_v1 | 1 |") < text.index("## Runs") < text.index("## Summary")
   assert text.count("## Comparison summary") == 1
@@ -834,7 +844,7 @@ def test_task_only_training_data_and_its_errors():
   assert len(src) == 6 and src.seed == TRAIN_SEED_OFFSET + 1
   # No leakage: no training example equals an example of the evaluation grid's seeds.
   evals = {
-    TOK.decode(E.AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
+    TOK.decode(evaluate.AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
     for s in range(1234, 1234 + 120)
     for p, d in ((4, 0), (8, 2))
     for i in range(2)
@@ -850,22 +860,22 @@ def test_task_only_training_data_and_its_errors():
 
 def test_recall_grid_scores_each_cell_and_names_it():
   grid = (dict(num_pairs=4, distractors_per_query=0), dict(num_pairs=8, distractors_per_query=2))
-  res = E.associative_recall_grid(_perfect, grid, num_examples=3, seed=5, batch_size=2)
+  res = evaluate.associative_recall_grid(_perfect, grid, num_examples=3, seed=5, batch_size=2)
   assert res["order"] == ["P4_D0", "P8_D2"]
   assert all(res["cells"][c]["accuracy"] == 1.0 for c in res["order"])
   assert res["cells"]["P8_D2"]["sequence_len"] > res["cells"]["P4_D0"]["sequence_len"]
-  wrong = E.associative_recall_grid(_wrong, grid, num_examples=3, seed=5, batch_size=2)
+  wrong = evaluate.associative_recall_grid(_wrong, grid, num_examples=3, seed=5, batch_size=2)
   assert all(wrong["cells"][c]["accuracy"] == 0.0 for c in wrong["order"])
   with pytest.raises(ValueError, match="two cells named"):
-    E.associative_recall_grid(_perfect, grid + grid[:1], num_examples=1)
+    evaluate.associative_recall_grid(_perfect, grid + grid[:1], num_examples=1)
   with pytest.raises(ValueError, match="probe_task"):
-    E.EvalConfig(probe_task="text")
+    evaluate.EvalConfig(probe_task="text")
   with pytest.raises(ValueError, match="num_pairs"):
-    E.EvalConfig(mqar_grid=(dict(distractors_per_query=1),))
+    evaluate.EvalConfig(mqar_grid=(dict(distractors_per_query=1),))
 
 
 def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
-  cfg = E.EvalConfig.quick(
+  cfg = evaluate.EvalConfig.quick(
     T,
     batch_size=2,
     capture_batch_size=2,
@@ -877,7 +887,7 @@ def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
     lowbit_bits=(4,),
     sections=("mqar_grid", "allocation", "probes", "text"),
   )
-  out = E.evaluate_model(runners["diff_v1"], text_batches, cfg)
+  out = evaluate.evaluate_model(runners["diff_v1"], text_batches, cfg)
   assert out["meta"]["probe_task"].startswith("mqar(P=4,Q=2,D=1")
   s = out["scalars"]
   assert 0.0 <= s["mqar_grid/P2_D1"] <= 1.0 and s["mqar_grid/mean"] == s["mqar_grid/P2_D1"]
@@ -917,7 +927,7 @@ def test_report_tables_and_plots_the_recall_grid(tmp_path):
           "eval": {"sections": sec, "scalars": scalars_from_sections(sec)},
         }
       )
-  path = R.write_report(runs, str(tmp_path))
+  path = report.write_report(runs, str(tmp_path))
   text = open(path).read()
   assert "## Associative recall by difficulty" in text
   row = next(l for l in text.splitlines() if l.startswith("| P16_D2 |"))

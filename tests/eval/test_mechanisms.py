@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from diffjax.core.reference import rms_norm
-from diffjax.eval import measures as M
+from diffjax.eval import measures
 from diffjax.eval.runner import ModelRunner
 from diffjax.eval.sections.mechanisms import mechanisms
 from diffjax.model import DecoderLM, ModelConfig
@@ -28,20 +28,20 @@ def _uniform_causal(b, h, t, seg=None):
 
 def test_document_starts_from_segments_positions_or_neither():
   seg = np.array([[0, 0, 0, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
-  np.testing.assert_array_equal(M.document_starts(seg), [[0, 0, 0, 3, 3, 5], [0] * 6])
+  np.testing.assert_array_equal(measures.document_starts(seg), [[0, 0, 0, 3, 3, 5], [0] * 6])
   pos = np.array([[0, 1, 2, 0, 1, 0]])
-  np.testing.assert_array_equal(M.document_starts(positions_BxT=pos), [[0, 0, 0, 3, 3, 5]])
-  np.testing.assert_array_equal(M.document_starts(shape=(2, 3)), np.zeros((2, 3)))
+  np.testing.assert_array_equal(measures.document_starts(positions_BxT=pos), [[0, 0, 0, 3, 3, 5]])
+  np.testing.assert_array_equal(measures.document_starts(shape=(2, 3)), np.zeros((2, 3)))
   np.testing.assert_array_equal(
-    M.sink_rows(M.document_starts(seg))[0], [False, True, True, False, True, False]
+    measures.sink_rows(measures.document_starts(seg))[0], [False, True, True, False, True, False]
   )
 
 
 def test_sink_mass_of_uniform_attention_is_the_mean_of_one_over_row_length():
   t = 7
   attn, _ = _uniform_causal(2, 3, t)
-  starts = M.document_starts(shape=(2, t))
-  got = M.sink_mass(M.first_token_weight(attn, starts), M.sink_rows(starts))
+  starts = measures.document_starts(shape=(2, t))
+  got = measures.sink_mass(measures.first_token_weight(attn, starts), measures.sink_rows(starts))
   # Rows 1..6 see 2..7 keys: mean of 1/2, ..., 1/7.
   want = np.mean([1.0 / (r + 1) for r in range(1, t)])
   assert got["mean"] == pytest.approx(want, rel=1e-12)
@@ -51,22 +51,27 @@ def test_sink_mass_of_uniform_attention_is_the_mean_of_one_over_row_length():
 def test_sink_mass_follows_packed_documents_and_one_hot_sinks():
   seg = np.array([[0, 0, 0, 1, 1, 1, 1]])
   attn, _ = _uniform_causal(1, 2, 7, seg)
-  starts = M.document_starts(seg)
-  got = M.sink_mass(M.first_token_weight(attn, starts), M.sink_rows(starts))
+  starts = measures.document_starts(seg)
+  got = measures.sink_mass(measures.first_token_weight(attn, starts), measures.sink_rows(starts))
   # Document 1: rows 1, 2 (1/2, 1/3); document 2: rows 4, 5, 6 (1/2, 1/3, 1/4).
   assert got["mean"] == pytest.approx(np.mean([1 / 2, 1 / 3, 1 / 2, 1 / 3, 1 / 4]), rel=1e-12)
   one_hot = np.zeros_like(attn)
   one_hot[..., np.arange(7), starts[0]] = 1.0
-  assert M.sink_mass(M.first_token_weight(one_hot, starts), M.sink_rows(starts))["mean"] == 1.0
+  assert (
+    measures.sink_mass(measures.first_token_weight(one_hot, starts), measures.sink_rows(starts))[
+      "mean"
+    ]
+    == 1.0
+  )
   # A DIFF map can put negative weight on the sink: A1 one-hot on it, lambda A2 more so.
   diff = one_hot - 1.5 * one_hot
-  assert M.sink_mass(M.first_token_weight(diff, starts), M.sink_rows(starts))[
+  assert measures.sink_mass(measures.first_token_weight(diff, starts), measures.sink_rows(starts))[
     "mean"
   ] == pytest.approx(-0.5)
   # jax arrays take the same path (the runner computes the weights on device).
   np.testing.assert_allclose(
-    np.asarray(M.first_token_weight(jnp.asarray(attn), starts)),
-    M.first_token_weight(attn, starts),
+    np.asarray(measures.first_token_weight(jnp.asarray(attn), starts)),
+    measures.first_token_weight(attn, starts),
     rtol=1e-6,
   )
 
@@ -79,11 +84,15 @@ def test_context_rms_of_uniform_attention_over_orthogonal_unit_values():
   attn, valid = _uniform_causal(1, 1, t)
   ctx = np.einsum("bhts,bskd->bthd", attn, v)  # [1, T, 1, D]
   rows = np.arange(1, t + 1)
-  np.testing.assert_allclose(M.rms(ctx)[0, :, 0], 1.0 / np.sqrt(rows), rtol=1e-12)
-  np.testing.assert_allclose(M.visible_value_rms(v, valid)[0], np.ones(t), rtol=1e-12)
-  np.testing.assert_allclose(M.norm_magnification(ctx, 0.0)[0, :, 0], np.sqrt(rows), rtol=1e-12)
+  np.testing.assert_allclose(measures.rms(ctx)[0, :, 0], 1.0 / np.sqrt(rows), rtol=1e-12)
+  np.testing.assert_allclose(measures.visible_value_rms(v, valid)[0], np.ones(t), rtol=1e-12)
+  np.testing.assert_allclose(
+    measures.norm_magnification(ctx, 0.0)[0, :, 0], np.sqrt(rows), rtol=1e-12
+  )
   far = np.full((1, 1, 1, d), 1.0 / math.sqrt(10_000))
-  assert M.norm_magnification(far, 1e-5)[0, 0, 0] == pytest.approx(100.0 / math.sqrt(1.1), rel=1e-9)
+  assert measures.norm_magnification(far, 1e-5)[0, 0, 0] == pytest.approx(
+    100.0 / math.sqrt(1.1), rel=1e-9
+  )
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
@@ -95,8 +104,8 @@ def test_v2_difference_of_one_hot_maps_stays_within_sqrt2(lam):
   a1 = np.array([1.0, 0.0])
   for a2, want in ((np.array([0.0, 1.0]), math.sqrt(1 + lam**2)), (a1, 1 - lam)):
     ctx = np.einsum("s,sd->d", a1 - lam * a2, v[0, :, 0])
-    assert M.rms(ctx) == pytest.approx(want, abs=1e-12)
-    assert M.rms(ctx) <= math.sqrt(2) + 1e-12
+    assert measures.rms(ctx) == pytest.approx(want, abs=1e-12)
+    assert measures.rms(ctx) <= math.sqrt(2) + 1e-12
 
 
 def test_largest_visible_value_rms_bounds_a_convex_mix():
@@ -105,19 +114,19 @@ def test_largest_visible_value_rms_bounds_a_convex_mix():
   v[0, 1, 1] = [1.0, 1.0]  # RMS 1
   valid = np.tril(np.ones((3, 3), bool))[None]
   np.testing.assert_allclose(
-    M.largest_visible_value_rms(v, valid)[0], [math.sqrt(12.5)] * 3, rtol=1e-12
+    measures.largest_visible_value_rms(v, valid)[0], [math.sqrt(12.5)] * 3, rtol=1e-12
   )
   late = valid & (np.arange(3)[None, None, :] > 0)  # rows that cannot see key 0
-  np.testing.assert_allclose(M.largest_visible_value_rms(v, late)[0], [0.0, 1.0, 1.0])
+  np.testing.assert_allclose(measures.largest_visible_value_rms(v, late)[0], [0.0, 1.0, 1.0])
 
 
 def test_distribution_and_gradient_ratio():
-  d = M.distribution(np.array([1.0, 2.0, 3.0, np.nan, 100.0]))
+  d = measures.distribution(np.array([1.0, 2.0, 3.0, np.nan, 100.0]))
   assert d["median"] == 2.5 and d["max"] == 100.0 and d["mean"] == pytest.approx(26.5)
-  assert math.isnan(M.distribution(np.array([np.nan]))["median"])
+  assert math.isnan(measures.distribution(np.array([np.nan]))["median"])
   g_in = np.array([[[[3.0, 4.0]], [[1.0, 0.0]]]])
   g_out = np.array([[[[1.0, 0.0]], [[0.0, 0.0]]]])
-  r = M.gradient_ratio(g_in, g_out)
+  r = measures.gradient_ratio(g_in, g_out)
   assert r[0, 0, 0] == 5.0 and math.isnan(r[0, 1, 0])
 
 
@@ -169,8 +178,8 @@ def test_mechanisms_of_a_model_match_its_captured_maps(arm, kw):
     jnp.asarray(batch["segment_ids"]),
     capture=True,
   )
-  starts = M.document_starts(batch["segment_ids"])
-  rows = M.sink_rows(starts)
+  starts = measures.document_starts(batch["segment_ids"])
+  rows = measures.sink_rows(starts)
   for layer, cap in zip(out["layers"], caps):
     if arm == "transformer":
       combined = np.asarray(cap["probs"])
@@ -179,13 +188,18 @@ def test_mechanisms_of_a_model_match_its_captured_maps(arm, kw):
       lam = lam if lam.ndim == 0 else np.transpose(lam, (0, 2, 1))[..., None]
       combined = np.asarray(cap["probs1"], np.float64) - lam * np.asarray(cap["probs2"])
       assert layer["sink"]["a1"]["mean"] == pytest.approx(
-        M.sink_mass(M.first_token_weight(np.asarray(cap["probs1"]), starts), rows)["mean"], rel=1e-5
+        measures.sink_mass(measures.first_token_weight(np.asarray(cap["probs1"]), starts), rows)[
+          "mean"
+        ],
+        rel=1e-5,
       )
     assert layer["sink"]["combined"]["mean"] == pytest.approx(
-      M.sink_mass(M.first_token_weight(combined, starts), rows)["mean"], rel=1e-4, abs=1e-6
+      measures.sink_mass(measures.first_token_weight(combined, starts), rows)["mean"],
+      rel=1e-4,
+      abs=1e-6,
     )
     ctx = np.asarray(cap["context"], np.float64)
-    assert layer["context_rms"]["max"] == pytest.approx(M.rms(ctx).max(), rel=1e-5)
+    assert layer["context_rms"]["max"] == pytest.approx(measures.rms(ctx).max(), rel=1e-5)
     assert ("gradient_magnification" in layer) == (arm == "diff_v1")
     # A convex mix of values has at most the largest value's RMS; DIFF V2's difference with
     # sigma(lambda) < 1 at most twice it (DIFF V1's lambda is not bounded by 1).
