@@ -16,16 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
+from diffjax.core import op_specs
 from diffjax.core.config import ROPE_STYLES, V2_LAMBDAS, V2_PAIRINGS
 from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, torch_linear_init
 from diffjax.nn.rope import apply_rope
 from diffjax.ops import reference as ref
-from diffjax.ops.attention import (
-  diff_v1_attention_decode,
-  diff_v2_attention_decode,
-  dot_product_attention_decode,
-)
 from diffjax.sharding import constrain, context_parallel
 
 
@@ -199,17 +195,6 @@ class _BaselineKVCache:
     return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
 
 
-def _cache_step(
-  x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks, new: dict[str, jax.Array]
-) -> tuple[bool, dict | None]:
-  """(whether this call decodes one token, the cache with ``new`` written) for a cached call;
-  (False, None) without a cache."""
-  if cache is None:
-    return False, None
-  decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
-  return decoding, _write_cache(cache, new, cache_lengths_B)
-
-
 def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks) -> bool:
   """True for a decode step (T == 1), False for a prefill; refuses what cannot mix."""
   if capture or hooks.needs_reference:
@@ -221,46 +206,55 @@ def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hoo
   return x_BxTxE.shape[1] == 1
 
 
-def _grouped_attention(
-  opts: AttentionOptions,
-  q_BxTxQxD,
-  k_BxSxKxD,
-  v_BxSxKxD,
-  segment_ids_BxT,
-  decoding: bool,
-  cache,
-  cache_lengths_B,
-  explicit: bool,
-  hooks: Hooks,
-  probs_fn=None,
-):
-  """Grouped-query attention of ``q`` over the baseline's K and V, the way the call needs
-  it: a decode step over the cache, the explicit-map reference (``explicit``: returns its
-  logits and probabilities too), or the dispatched op. Returns (out [B, T, Q, D], maps or
-  None)."""
-  if decoding:
-    return dot_product_attention_decode(
-      q_BxTxQxD,
-      cache["k"],
-      cache["v"],
-      cache_lengths_B + 1,
-      implementation=opts.implementation,
-      interpret=opts.interpret,
-    ), None
-  if explicit:
-    return ref.mha_reference(
-      q_BxTxQxD,
-      k_BxSxKxD,
-      v_BxSxKxD,
-      causal=opts.causal,
-      segment_ids=segment_ids_BxT,
-      return_aux=True,
-      logits_fn=hooks.logits,
-      probs_fn=probs_fn,
-    )
-  return ops.dot_product_attention(
-    q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, segment_ids=segment_ids_BxT, **opts.kernel_kwargs()
-  ), None
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """How one module call attends: a decode step over its cache, the explicit-map reference
+  (analysis: returns the maps too), or the dispatched op."""
+
+  opts: AttentionOptions
+  segment_ids_BxT: Any
+  hooks: Hooks
+  explicit: bool = False
+  decoding: bool = False
+  cache: dict | None = None
+  cache_lengths_B: Any = None
+  cache_names: tuple[str, ...] = ()  # the op's keys, then its value
+
+  @classmethod
+  def start(cls, module, x_BxTxE, segment_ids_BxT, capture, hooks, cache, cache_lengths_B, new):
+    """The call, with ``new`` (the call's keys and values by cache name) written to the cache
+    when there is one."""
+    if cache is None:
+      return cls(module.options, segment_ids_BxT, hooks, _explicit_maps(capture, hooks))
+    decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
+    cache = _write_cache(cache, new, cache_lengths_B)
+    opts = module.options
+    return cls(opts, segment_ids_BxT, hooks, False, decoding, cache, cache_lengths_B, tuple(new))
+
+  def attend(self, spec, decode_spec, arrays, probs_fn=None):
+    """``spec`` on its ``arrays``: (out, maps or None). Decoding reads the op's keys and value
+    from the cache."""
+    if self.decoding:
+      cached = dict(zip((*spec.keys, spec.value), (self.cache[n] for n in self.cache_names)))
+      arrays = tuple(cached.get(i, x) for i, x in enumerate(arrays))
+      kw = dict(implementation=self.opts.implementation, interpret=self.opts.interpret)
+      return ops.run_decode_op(decode_spec, (*arrays, self.cache_lengths_B + 1), **kw), None
+    if self.explicit:
+      return spec.reference(
+        *arrays,
+        causal=self.opts.causal,
+        segment_ids=self.segment_ids_BxT,
+        return_aux=True,
+        logits_fn=self.hooks.logits,
+        probs_fn=probs_fn,
+      )
+    kw = self.opts.kernel_kwargs()
+    return ops.run_op(spec, arrays, segment_ids=self.segment_ids_BxT, **kw), None
+
+  def result(self, y_BxTxE, aux, capture: bool):
+    if self.cache is not None:
+      return y_BxTxE, self.cache
+    return (y_BxTxE, aux) if capture else y_BxTxE
 
 
 class Attention(_BaselineKVCache, nnx.Module):
@@ -298,29 +292,23 @@ class Attention(_BaselineKVCache, nnx.Module):
     q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
     q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
-    decoding, cache = _cache_step(
-      x_BxTxE, cache, cache_lengths_B, capture, hooks, {"k": k_BxSxKxD, "v": v_BxSxKxD}
-    )
-    out_BxTxHxD, aux = _grouped_attention(
-      opts,
-      q_BxTxHxD,
-      k_BxSxKxD,
-      v_BxSxKxD,
+    call = _Call.start(
+      self,
+      x_BxTxE,
       segment_ids_BxT,
-      decoding,
+      capture,
+      hooks,
       cache,
       cache_lengths_B,
-      _explicit_maps(capture, hooks),
-      hooks,
-      hooks.probs,
+      {"k": k_BxSxKxD, "v": v_BxSxKxD},
+    )
+    out_BxTxHxD, aux = call.attend(
+      op_specs.MHA, op_specs.MHA_DECODE, (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD), hooks.probs
     )
     if aux is not None:
       aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD)
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
-    y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
-    if cache is not None:
-      return y_BxTxE, cache
-    return (y_BxTxE, aux) if capture else y_BxTxE
+    return call.result(project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
 
 
 class DiffV1Attention(nnx.Module):
@@ -450,52 +438,21 @@ class DiffV1Attention(nnx.Module):
       k1_BxSxKxD, k2_BxSxKxD = hooks.kv(k1_BxSxKxD), hooks.kv(k2_BxSxKxD)
       v_BxSxKxDv = hooks.kv(v_BxSxKxDv)
     lam = self.lambda_value(lam_init)
-    qk = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD)
-    aux = None
-    decoding, cache = _cache_step(
+    call = _Call.start(
+      self,
       x_BxTxE,
-      cache,
-      cache_lengths_B,
+      segment_ids_BxT,
       capture,
       hooks,
+      cache,
+      cache_lengths_B,
       {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
     )
-    if decoding:
-      core_BxTxHxDv = diff_v1_attention_decode(
-        q1_BxTxHxD,
-        q2_BxTxHxD,
-        cache["k1"],
-        cache["k2"],
-        cache["v"],
-        lam,
-        cache_lengths_B + 1,
-        implementation=opts.implementation,
-        interpret=opts.interpret,
-      )
-    elif _explicit_maps(capture, hooks):
-      core_BxTxHxDv, aux = ref.diff_v1_reference(
-        *qk,
-        v_BxSxKxDv,
-        lam,
-        causal=opts.causal,
-        segment_ids=segment_ids_BxT,
-        return_aux=True,
-        logits_fn=hooks.logits,
-        probs_fn=hooks.probs,
-      )
-      aux = dict(
-        aux,
-        **{
-          "lambda": lam,
-          "lambda_init": jnp.asarray(lam_init, acc),
-          "context": core_BxTxHxDv,
-          "values": v_BxSxKxDv,
-        },
-      )
-    else:
-      core_BxTxHxDv = ops.diff_v1_attention_core(
-        *qk, v_BxSxKxDv, lam, segment_ids=segment_ids_BxT, **opts.kernel_kwargs()
-      )
+    arrays = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+    core_BxTxHxDv, aux = call.attend(op_specs.DIFF_V1, op_specs.DIFF_V1_DECODE, arrays, hooks.probs)
+    if aux is not None:
+      aux = dict(aux, context=core_BxTxHxDv, values=v_BxSxKxDv, **{"lambda": lam})
+      aux["lambda_init"] = jnp.asarray(lam_init, acc)
     core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
     if hooks.norm is not None:
       core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "pre")
@@ -504,10 +461,7 @@ class DiffV1Attention(nnx.Module):
     if hooks.norm is not None:
       core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "post")
     core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - lam_init)).astype(dt)
-    y_BxTxE = project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks)
-    if cache is not None:
-      return y_BxTxE, cache
-    return (y_BxTxE, aux) if capture else y_BxTxE
+    return call.result(project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
 
 
 def check_v2_ablation(pairing: str, lambda_fn: str, num_kv_heads: int) -> None:
@@ -612,95 +566,37 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     if mix is not None:
       lam_BxTxH = lam_BxTxH * jnp.asarray(mix, lam_BxTxH.dtype)
-    aux = None
-    decoding, cache = _cache_step(
-      x_BxTxE, cache, cache_lengths_B, capture, hooks, {"k": k_BxSxKxD, "v": v_BxSxKxD}
+    call = _Call.start(
+      self,
+      x_BxTxE,
+      segment_ids_BxT,
+      capture,
+      hooks,
+      cache,
+      cache_lengths_B,
+      {"k": k_BxSxKxD, "v": v_BxSxKxD},
     )
     if self.pairing == "across_groups":
-      out_BxTxHxD, aux = self._across_groups(
-        q_BxTxQxD,
-        k_BxSxKxD,
-        v_BxSxKxD,
-        lam_BxTxH,
-        segment_ids_BxT,
-        decoding,
-        cache,
-        cache_lengths_B,
-        capture,
-        hooks,
-      )
-    elif decoding:
-      out_BxTxHxD = diff_v2_attention_decode(
-        q_BxTxQxD,
-        cache["k"],
-        cache["v"],
-        lam_BxTxH,
-        cache_lengths_B + 1,
-        implementation=opts.implementation,
-        interpret=opts.interpret,
-      )
-    elif _explicit_maps(capture, hooks):
-      out_BxTxHxD, aux = ref.diff_v2_reference(
-        q_BxTxQxD,
-        k_BxSxKxD,
-        v_BxSxKxD,
-        lam_BxTxH,
-        causal=opts.causal,
-        segment_ids=segment_ids_BxT,
-        return_aux=True,
-        logits_fn=hooks.logits,
-        probs_fn=hooks.probs,
-      )
-      aux = dict(aux, **{"lambda": lam_BxTxH, "context": out_BxTxHxD, "values": v_BxSxKxD})
+      out_BxTxHxD, aux = self._across_groups(call, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
     else:
-      out_BxTxHxD = ops.diff_v2_attention(
-        q_BxTxQxD,
-        k_BxSxKxD,
-        v_BxSxKxD,
-        lam_BxTxH,
-        segment_ids=segment_ids_BxT,
-        **opts.kernel_kwargs(),
-      )
+      arrays = (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+      out_BxTxHxD, aux = call.attend(op_specs.DIFF_V2, op_specs.DIFF_V2_DECODE, arrays, hooks.probs)
+      if aux is not None:
+        aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD, **{"lambda": lam_BxTxH})
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
-    y_BxTxE = project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks)
-    if cache is not None:
-      return y_BxTxE, cache
-    return (y_BxTxE, aux) if capture else y_BxTxE
+    return call.result(project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
 
-  def _across_groups(
-    self,
-    q_BxTxQxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
-    lam_BxTxH,
-    segment_ids_BxT,
-    decoding,
-    cache,
-    cache_lengths_B,
-    capture,
-    hooks,
-  ):
+  def _across_groups(self, call: _Call, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH):
     """The cross-group ablation: grouped-query attention over the 2h query heads, then
     pair i = heads i and i + h. Returns (out [B, T, H, D], aux or None)."""
-    opts = self.options
     h = lam_BxTxH.shape[-1]
-    if hooks.probs is not None:
+    if call.hooks.probs is not None:
       raise ValueError(
         "v2_pairing='across_groups' has no single combined map (the pair's two "
         "maps weight different values), so a probs hook is not defined for it."
       )
-    out_BxTxQxD, maps = _grouped_attention(
-      opts,
-      q_BxTxQxD,
-      k_BxSxKxD,
-      v_BxSxKxD,
-      segment_ids_BxT,
-      decoding,
-      cache,
-      cache_lengths_B,
-      _explicit_maps(capture, hooks),
-      hooks,
-    )
+    arrays = (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD)
+    out_BxTxQxD, maps = call.attend(op_specs.MHA, op_specs.MHA_DECODE, arrays)
     out_BxTxHxD = _cross_group_pairs(out_BxTxQxD, lam_BxTxH)
     aux = None
     if maps is not None:
