@@ -173,35 +173,25 @@ def context_parallel_attention(
   """Exact self-attention with the sequence axis sharded over ``context_axis``.
 
   Args:
-    op: the op's :class:`~diffjax.core.op_specs.OpSpec`, or its name ("mha", "diff_v1",
-      "diff_v2", or one an arm registered).
-    arrays: the positional arguments of the op's reference function:
-      mha ``(q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv])``; diff_v1 ``(q1, q2, k1, k2, v,
-      lam)`` with lam a scalar or [H]; diff_v2 ``(q [B,T,2H,D], k, v, lam [B,T,H])``.
-      Self-attention only: keys and queries have the same length T.
+    op: the op's :class:`~diffjax.core.op_specs.OpSpec`, or its name.
+    arrays: the op's positional arrays (self-attention: keys as long as the queries, T).
     mesh: the device mesh.
-    context_axis: the mesh axis that shards the length axis (C devices; T must be a
-      multiple of C, of 2C with ``load_balance``).
-    batch_axis, head_axis: mesh axis names (or tuples of names, or None) that shard the
-      batch and the heads. Heads split in contiguous blocks, so the head axis size must
-      divide K (kv heads): every shard holds whole kv groups with their query heads.
-    strategy: "ring" (K/V blocks pass around the devices; one T / C block at a time) or
-      "all_gather" (every device gathers the full K/V).
-    load_balance: the inputs (every per-token array, segment ids included) are in the
-      order of :func:`zigzag_permutation` ``(T, C)``, and so is the output. The causal
-      mask follows the original order either way.
-    causal: causal masking by original position.
-    segment_ids: None or int [B, T] (packed documents; same order as the inputs).
-    scale: score scale, default 1/sqrt(D).
-    implementation: what computes each ring step, chosen as the ops choose
-      (:mod:`diffjax.ops.dispatch`): a kernel with per-block functions (the fused DIFF
-      kernels on TPU and GPU) runs them; anything else (XLA, a kernel without them) runs
-      the XLA score tile of the block, any op and dtype. A kernel named explicitly must
-      run on this platform (or ``interpret=True``) and take the blocks.
+    context_axis: the mesh axis that shards the length (C devices; T a multiple of C, of
+      2C with ``load_balance``).
+    batch_axis, head_axis: mesh axis names (or tuples, or None) that shard the batch and
+      the heads (in contiguous blocks: the head axis size must divide the kv heads).
+    strategy: "ring" (key/value blocks pass around the devices) or "all_gather".
+    load_balance: the inputs (every per-token array, segment ids included) and the output
+      are in :func:`zigzag_permutation` order; the causal mask follows the original order.
+    causal, segment_ids, scale: as in :func:`diffjax.ops.run_op` (one [B, T] id array).
+    implementation: chosen as the ops choose; a row with per-block functions computes each
+      block of the ring, anything else the XLA tile. A kernel named explicitly must run here
+      (or with ``interpret=True``) and take the blocks.
     block_sizes, interpret: passed to the kernels.
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
   """
+"
   arrays = tuple(jnp.asarray(a) for a in arrays)
   spec = _spec(op, arrays)
   if strategy not in STRATEGIES:

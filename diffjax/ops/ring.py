@@ -145,11 +145,8 @@ def make_ring(
   """
   if load_balance and length % 2:
     raise ValueError(f"The zig-zag order needs an even local length; got {length}.")
-  t, h, maps = length, heads, blocks.maps
-  ax = blocks.seq_axis
-  skip_calls_a_block = bool(interpret) and blocks.interpreter_barrier
+  t = length
   every, half = slice(0, t), t // 2
-
   # (query rows, key rows, plan) of the first step and of the later steps' two cases
   # (``src < me`` and ``src > me``; None: nothing visible).
   first = (every, every, blocks.config(t, t, causal))
@@ -160,23 +157,58 @@ def make_ring(
     later = (slice(half, t), every, blocks.config(t - half, t, False))
   else:
     earlier, later = (every, every, blocks.config(t, t, False)), None
+  plan = _Ring(
+    blocks,
+    axis,
+    num_shards,
+    t,
+    heads,
+    bool(interpret) and blocks.interpreter_barrier,
+    first,
+    earlier,
+    later,
+  )
 
-  def by_source(me, step_index, part, block):
-    if earlier is later:
-      return part(earlier, block)
-    src = jnp.mod(me - step_index, num_shards)
+  @jax.custom_vjp
+  def ring(qs, ks, v, lam, seg):
+    return plan.forward(qs, ks, v, lam, seg)[0]
+
+  ring.defvjp(plan.forward, plan.backward)
+  return ring
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The static plan of one device's ring (:func:`make_ring`) and its forward and backward."""
+
+  blocks: BlockFunctions
+  axis: str
+  num_shards: int
+  t: int
+  h: int
+  skip_calls_a_block: bool  # the interpreter's device barrier: a skipped step still calls
+  first: tuple
+  earlier: tuple
+  later: tuple | None
+
+  def by_source(self, me, step_index, part, block):
+    """``part`` of the block that arrives at ``step_index``, by the shard it comes from."""
+    if self.earlier is self.later:
+      return part(self.earlier, block)
+    src = jnp.mod(me - step_index, self.num_shards)
     return jax.lax.cond(
-      src < me, lambda blk: part(earlier, blk), lambda blk: part(later, blk), block
+      src < me, lambda blk: part(self.earlier, blk), lambda blk: part(self.later, blk), block
     )
 
-  def local(qs, lam):
+  def local(self, qs, lam):
     acc = accumulation_dtype(qs[0].dtype)
     lam_BxHxT = None if lam is None else jnp.transpose(lam.astype(acc), (0, 2, 1))
-    return acc, tuple(blocks.layout(q) for q in qs), lam_BxHxT
+    return acc, tuple(self.blocks.layout(q) for q in qs), lam_BxHxT
 
-  def block_args(case, qs_k, lam_BxHxT, seg, block):
+  def block_args(self, case, qs_k, lam_BxHxT, seg, block):
     q_rows, k_rows, plan = case
     ks_blk, v_blk, seg_blk = block[:3]
+    ax = self.blocks.seq_axis
     return (
       plan,
       tuple(_rows(q, ax, q_rows) for q in qs_k),
@@ -187,16 +219,17 @@ def make_ring(
       _rows(seg_blk, 1, k_rows),
     )
 
-  def forward(qs, ks, v, lam, seg):
-    me = jax.lax.axis_index(axis)
-    acc, qs_k, lam_BxHxT = local(qs, lam)
+  def forward(self, qs, ks, v, lam, seg):
+    blocks, t, h, maps, ax = self.blocks, self.t, self.h, self.blocks.maps, self.blocks.seq_axis
+    me = jax.lax.axis_index(self.axis)
+    acc, qs_k, lam_BxHxT = self.local(qs, lam)
     b, dv = qs[0].shape[0], v.shape[-1]
     o_shape = (b, h, t, dv) if blocks.head_major else (b, t, h, dv)
 
     def part(case, block):
       if case is None:
-        if skip_calls_a_block:  # the interpreter's device barrier: call, keep nothing
-          outs, lse = part(earlier, block)
+        if self.skip_calls_a_block:  # call, keep nothing
+          outs, lse = part(self.earlier, block)
           return (
             tuple(jnp.where(jnp.isnan(o), 0.0, 0.0) for o in outs),
             jnp.where(jnp.isnan(lse), _EMPTY, _EMPTY),
@@ -205,40 +238,28 @@ def make_ring(
           tuple(jnp.zeros(o_shape, acc) for _ in range(maps)),
           jnp.full((b, h, maps, t), _EMPTY, acc),
         )
-      *outs, lse = blocks.forward(*block_args(case, qs_k, lam_BxHxT, seg, block))
-      q_rows = case[0]
+      *outs, lse = blocks.forward(*self.block_args(case, qs_k, lam_BxHxT, seg, block))
       lse = jnp.where(jnp.isinf(lse), _EMPTY, lse.astype(acc))
       return (
-        tuple(_pad_rows(o.astype(acc), ax, q_rows, t) for o in outs),
-        _pad_rows(lse, 3, q_rows, t, _EMPTY),
+        tuple(_pad_rows(o.astype(acc), ax, case[0], t) for o in outs),
+        _pad_rows(lse, 3, case[0], t, _EMPTY),
       )
-
-    def merge(a, b_):
-      (outs_a, lse_a), (outs_b, lse_b) = a, b_
-      m = jnp.maximum(lse_a, lse_b)
-      wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-      total = wa + wb
-      col = lambda x, i: blocks.per_row(x[:, :, i])
-      outs = tuple(
-        (oa * col(wa, i) + ob * col(wb, i)) / col(total, i)
-        for i, (oa, ob) in enumerate(zip(outs_a, outs_b))
-      )
-      return outs, m + jnp.log(total)
 
     def step(i, block, stats):
-      return block, merge(stats, by_source(me, i, part, block))
+      return block, _merge(blocks, stats, self.by_source(me, i, part, block))
 
     kv = (tuple(blocks.layout(k) for k in ks), blocks.layout(v), seg)
-    _, (outs, lse) = _around_the_ring(step, kv, part(first, kv), axis, num_shards)
+    _, (outs, lse) = _around_the_ring(step, kv, part(self.first, kv), self.axis, self.num_shards)
     lse = jnp.where(lse <= 0.5 * _EMPTY, jnp.inf, lse)  # rows that saw no key at all
     combined = outs[0] if maps == 1 else outs[0] - blocks.per_row(lam_BxHxT) * outs[1]
     out = blocks.layout(combined).astype(qs[0].dtype)
     return out, (qs, ks, v, lam, seg, outs, lse)
 
-  def backward(res, d_out_BxTxHxDv):
+  def backward(self, res, d_out_BxTxHxDv):
+    blocks, t, ax = self.blocks, self.t, self.blocks.seq_axis
     qs, ks, v, lam, seg, outs, lse = res
-    me = jax.lax.axis_index(axis)
-    acc, qs_k, lam_BxHxT = local(qs, lam)
+    me = jax.lax.axis_index(self.axis)
+    acc, qs_k, lam_BxHxT = self.local(qs, lam)
     d_out = blocks.layout(d_out_BxTxHxDv)
     d_out_acc = d_out.astype(acc)
     deltas = tuple(blocks.row_sums(d_out_acc * o) for o in outs)
@@ -247,8 +268,9 @@ def make_ring(
     def part(case, block):
       ks_blk, v_blk = block[:2]
       if case is None:
-        if skip_calls_a_block:  # the interpreter's device barrier: call, keep nothing
-          return jax.tree.map(lambda x: jnp.where(jnp.isnan(x), 0.0, 0.0), part(earlier, block))
+        if self.skip_calls_a_block:  # call, keep nothing
+          zero = lambda x: jnp.where(jnp.isnan(x), 0.0, 0.0)
+          return jax.tree.map(zero, part(self.earlier, block))
         return (
           tuple(jnp.zeros(q.shape, acc) for q in qs_k),
           tuple(jnp.zeros(k.shape, acc) for k in ks_blk),
@@ -256,38 +278,43 @@ def make_ring(
         )
       q_rows, k_rows = case[:2]
       dqs, dks, dv = blocks.backward(
-        *block_args(case, qs_k, lam_BxHxT, seg, block),
+        *self.block_args(case, qs_k, lam_BxHxT, seg, block),
         _rows(d_out, ax, q_rows),
         _rows(lse, 3, q_rows),
         *(_rows(dl, 2, q_rows) for dl in deltas),
       )
       up = lambda x, rows: _pad_rows(x.astype(acc), ax, rows, t)
-      return (
-        tuple(up(dq, q_rows) for dq in dqs),
-        tuple(up(dk, k_rows) for dk in dks),
-        up(dv, k_rows),
-      )
+      dqs = tuple(up(dq, q_rows) for dq in dqs)
+      return dqs, tuple(up(dk, k_rows) for dk in dks), up(dv, k_rows)
 
     add = lambda a, b_: jax.tree.map(jnp.add, a, b_)
 
     def step(i, block, dqs):
-      dq_s, dk_s, dv_s = by_source(me, i, part, block[:3])
+      dq_s, dk_s, dv_s = self.by_source(me, i, part, block[:3])
       return (*block[:3], add(block[3], dk_s), block[4] + dv_s), add(dqs, dq_s)
 
     kv = (tuple(blocks.layout(k) for k in ks), blocks.layout(v), seg)
-    dqs, dks, dv = part(first, kv)
-    block, dqs = _around_the_ring(step, (*kv, dks, dv), dqs, axis, num_shards, lagging=2)
+    dqs, dks, dv = part(self.first, kv)
+    block, dqs = _around_the_ring(step, (*kv, dks, dv), dqs, self.axis, self.num_shards, lagging=2)
     dks, dv = block[3:]
-    if num_shards > 1:  # a block's accumulators finish one device before its owner
-      dks, dv = shift_to_next((dks, dv), axis, num_shards)
+    if self.num_shards > 1:  # a block's accumulators finish one device before its owner
+      dks, dv = shift_to_next((dks, dv), self.axis, self.num_shards)
     dqs = tuple(blocks.layout(dq).astype(q.dtype) for dq, q in zip(dqs, qs))
     dks = tuple(blocks.layout(dk).astype(k.dtype) for dk, k in zip(dks, ks))
-    dlam = None if maps == 1 else jnp.transpose(-deltas[1], (0, 2, 1)).astype(lam.dtype)
+    dlam = None if blocks.maps == 1 else jnp.transpose(-deltas[1], (0, 2, 1)).astype(lam.dtype)
     return dqs, dks, blocks.layout(dv).astype(v.dtype), dlam, None
 
-  @jax.custom_vjp
-  def ring(qs, ks, v, lam, seg):
-    return forward(qs, ks, v, lam, seg)[0]
 
-  ring.defvjp(forward, backward)
-  return ring
+def _merge(blocks: BlockFunctions, a, b):
+  """Two blocks' (normalized outputs, log-sum-exps) merged map by map, as flash attention
+  merges tiles."""
+  (outs_a, lse_a), (outs_b, lse_b) = a, b
+  m = jnp.maximum(lse_a, lse_b)
+  wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  total = wa + wb
+  col = lambda x, i: blocks.per_row(x[:, :, i])
+  outs = tuple(
+    (oa * col(wa, i) + ob * col(wb, i)) / col(total, i)
+    for i, (oa, ob) in enumerate(zip(outs_a, outs_b))
+  )
+  return outs, m + jnp.log(total)
