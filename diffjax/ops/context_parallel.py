@@ -191,7 +191,6 @@ def context_parallel_attention(
   Returns:
     [B, T, H, Dv] in the dtype of the queries, in the inputs' (permuted) order.
   """
-"
   arrays = tuple(jnp.asarray(a) for a in arrays)
   spec = _spec(op, arrays)
   if strategy not in STRATEGIES:
