@@ -48,7 +48,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 # Rows of the row-statistics slabs (columns once transposed in the kernel).
 _LSE1, _LSE2, _D1, _D2, _LAM = 0, 1, 2, 3, 4
@@ -64,10 +64,10 @@ _LANES = 128
 def dq_row_bytes(group: int, head_dim: int, itemsize: int) -> int:
   """VMEM bytes per query row of a chunk's dQ: the float32 accumulator and the two
   output buffers in the input dtype, [G, 2, ., D] each with D on (padded to) 128 lanes."""
-  return group * 2 * L.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
+  return group * 2 * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
 
 
-def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
+def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int) -> int:
   """Query rows per chunk (a multiple of the tile): ``plan.dq_chunk`` when set, else
   the fewest chunks whose dQ fits DQ_VMEM_BUDGET, of balanced length. At least one
   tile, so a kv group too wide for the budget still runs, past it."""
@@ -80,7 +80,7 @@ def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
     return min(plan.dq_chunk, tp)
   most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize) // bq * bq
   n = -(-tp // max(most, bq))
-  return L.round_up(-(-tp // n), bq)
+  return layout.round_up(-(-tp // n), bq)
 
 
 def step_vmem_bytes(
@@ -102,7 +102,7 @@ def step_vmem_bytes(
   tiles = (
     2 * itemsize * (2 * bq * d + kv_tile + bq * dv)
     + 2 * out_item * kv_tile
-    + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
+    + 2 * 4 * ROW_STATS * layout.round_up(bq, _LANES)
     + (2 * 4 * kv_tile if partials_in else 0)
   )
   return tiles + 4 * (kv_tile + 8 * bq * bk)
@@ -121,7 +121,7 @@ class Chunk:
   final: bool
 
 
-def chunks(plan: L.Plan, rows: int) -> list[Chunk]:
+def chunks(plan: layout.Plan, rows: int) -> list[Chunk]:
   """The calls that cover the padded queries with chunks of ``rows`` rows."""
   per = rows // plan.block_q
   out, prev = [], 0
@@ -139,7 +139,7 @@ def chunks(plan: L.Plan, rows: int) -> list[Chunk]:
   return out
 
 
-def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+def chunk_steps(plan: layout.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
   """The causal grid of one call: int32 scalar-prefetch tables, per step the inner index
   t = head * chunk.num_q_blocks + (query tile - chunk.first) and the key tile with the
   flags of its first and last step (``_layout.pack_kv_step``). Key tile outer, then the
@@ -155,17 +155,17 @@ def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
       t.append(head * nq + rows)
       j.append(np.full(len(rows), jj))
   t, j = np.concatenate(t), np.concatenate(j)
-  first = L.run_edges(j, first=True)
-  last = L.run_edges(j, first=False)
-  return t.astype(np.int32), L.pack_kv_step(j, first, last)
+  first = layout.run_edges(j, first=True)
+  last = layout.run_edges(j, first=False)
+  return t.astype(np.int32), layout.pack_kv_step(j, first, last)
 
 
-def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
+def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
   refs = list(refs)
   nq = chunk.num_q_blocks
   inner = plan.group * nq
   if plan.causal:
-    t, j, kv_first, kv_last = L.pop_step_tables(refs)
+    t, j, kv_first, kv_last = layout.pop_step_tables(refs)
   else:
     j, t = pl.program_id(1), pl.program_id(2)
     kv_first, kv_last = t == 0, t == inner - 1
@@ -218,23 +218,23 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     v, do = v_ref[...], do_ref[...]
 
     def probs(q, k, lse):
-      s = L.dot_nt(q, k) * plan.scale
+      s = layout.dot_nt(q, k) * plan.scale
       if keep is not None:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
 
     p1 = probs(q1, k1, stats[:, _LSE1 : _LSE1 + 1])
     p2 = probs(q2, k2, stats[:, _LSE2 : _LSE2 + 1])
-    dp = L.dot_nt(do, v)
-    dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
+    dp = layout.dot_nt(do, v)
+    dv_acc[...] += layout.dot_tn((p1 - lam * p2).astype(do.dtype), do)
     ds1 = (p1 * (dp - stats[:, _D1 : _D1 + 1])).astype(q1.dtype)
     ds2 = ((-lam) * p2 * (dp - stats[:, _D2 : _D2 + 1])).astype(q2.dtype)
     if plan.shared_k:
-      dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
+      dk_acc[0] += layout.dot_tn(ds1, q1) + layout.dot_tn(ds2, q2)
     else:
-      dk_acc[0] += L.dot_tn(ds1, q1)
-      dk_acc[1] += L.dot_tn(ds2, q2)
-    return L.dot_nn(ds1, k1) * plan.scale, L.dot_nn(ds2, k2) * plan.scale
+      dk_acc[0] += layout.dot_tn(ds1, q1)
+      dk_acc[1] += layout.dot_tn(ds2, q2)
+    return layout.dot_nn(ds1, k1) * plan.scale, layout.dot_nn(ds2, k2) * plan.scale
 
   # The last key tile that adds to query tile i (always visited, see Plan.block_visible).
   last_j = plan.last_visible_kv_block(i) if plan.causal else plan.num_kv_blocks - 1
@@ -273,7 +273,7 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
+def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
   """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
   the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
   sums over its key tiles otherwise."""
@@ -291,14 +291,14 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     grid = (b * n_kv, len(t_steps))
 
     def coords(bg, step, t_ref, kv_ref):
-      return bg // n_kv, bg % n_kv, L.unpack_kv_step(kv_ref[step])[0], t_ref[step]
+      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
   else:
     grid = (b * n_kv, nkv, g * nq)
 
     def coords(bg, j, t):
       return bg // n_kv, bg % n_kv, j, t
 
-  _spec, _tile = L.grid_specs(plan, coords)
+  _spec, _tile = layout.grid_specs(plan, coords)
 
   def q_block(j, t):
     return chunk.first + t % nq
@@ -391,7 +391,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     out_shape=out_shape,
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
-      vmem_limit_bytes=L.vmem_limit(vmem),
+      vmem_limit_bytes=layout.vmem_limit(vmem),
     ),
     cost_estimate=cost,
     interpret=interpret,
@@ -400,7 +400,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1 :])
 
 
-def backward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
+def backward(plan: layout.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
   """Runs the backward kernel on padded head-major arrays, one call per query chunk.
 
   Args:

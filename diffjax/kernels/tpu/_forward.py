@@ -27,13 +27,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 
-def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
+def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
   refs = list(refs)
   if plan.causal:
-    i, j, first, last = L.pop_step_tables(refs)
+    i, j, first, last = layout.pop_step_tables(refs)
   else:
     i, j = pl.program_id(1), pl.program_id(2)
     first, last = j == 0, j == plan.num_kv_blocks - 1
@@ -49,7 +49,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
 
   @pl.when(first)
   def _init():
-    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -57,15 +57,15 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     v = v_ref[...]
     for c in range(2):
-      s = L.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
+      s = layout.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
       if keep is not None:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       m_prev = m_ref[c]
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
       alpha = jnp.exp(m_prev - m_next)
       p = jnp.exp(s - m_next)
       l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[c] = alpha * acc_ref[c] + L.dot_nn(p.astype(v.dtype), v)
+      acc_ref[c] = alpha * acc_ref[c] + layout.dot_nn(p.astype(v.dtype), v)
       m_ref[c] = m_next
 
   for condition, apply_mask in plan.tile_cases(i, j):
@@ -76,7 +76,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
     outs, lses = [], []
     for c in range(2):
       m, l = m_ref[c], l_ref[c]
-      seen = m > 0.5 * L.MASK_VALUE  # the row met at least one visible key
+      seen = m > 0.5 * layout.MASK_VALUE  # the row met at least one visible key
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       outs.append(acc_ref[c] * inv_l)
       lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
@@ -98,7 +98,7 @@ def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components:
 
 
 def forward(
-  plan: L.Plan,
+  plan: layout.Plan,
   qs,
   ks,
   v,
@@ -136,14 +136,14 @@ def forward(
     grid = (b * h, len(q_steps))
 
     def coords(bh, step, q_ref, kv_ref):
-      return bh // h, bh % h, q_ref[step], L.unpack_kv_step(kv_ref[step])[0]
+      return bh // h, bh % h, q_ref[step], layout.unpack_kv_step(kv_ref[step])[0]
   else:
     grid = (b * h, plan.num_q_blocks, plan.num_kv_blocks)
 
     def coords(bh, i, j):
       return bh // h, bh % h, i, j
 
-  _spec, _tile = L.grid_specs(plan, coords)
+  _spec, _tile = layout.grid_specs(plan, coords)
 
   in_specs, args = [], []
   if plan.lam_rows:
@@ -220,7 +220,7 @@ def forward(
     grid_spec=grid_spec,
     out_shape=out_shape,
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=semantics, vmem_limit_bytes=L.vmem_limit(vmem)
+      dimension_semantics=semantics, vmem_limit_bytes=layout.vmem_limit(vmem)
     ),
     cost_estimate=cost,
     interpret=interpret,

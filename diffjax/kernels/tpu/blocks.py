@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 # The custom_vjp's own pieces, shared with the whole-attention path.
 from diffjax.kernels.tpu._core import CoreConfig, _lam_rows, backward_with_stats, make_config  # pylint: disable=protected-access
@@ -98,7 +98,7 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   o2 = o2.astype(jnp.float32)
   lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   o1 = out.astype(jnp.float32) + lam_rows[..., None] * o2
-  return o1, o2, L.tiles_to_rows(lse, t)
+  return o1, o2, layout.tiles_to_rows(lse, t)
 
 
 def block_backward(

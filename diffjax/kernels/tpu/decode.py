@@ -56,7 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.core import reference
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 from diffjax.kernels.tpu._core import Interpret, interpret_mode
 from diffjax.kernels.tpu.block_sizes import DecodeBlockSizes, resolve_decode_block_sizes
 
@@ -173,12 +173,12 @@ def _accumulate_groups(
     for c, k_ref in enumerate(k_refs):
       k = _group_tile(k_ref, plan.k_view, g)
       q = q_ref[c, rows, :]
-      s = (L.dot_nn(q, k) if plan.k_view == KDS else L.dot_nt(q, k)) * plan.scale
+      s = (layout.dot_nn(q, k) if plan.k_view == KDS else layout.dot_nt(q, k)) * plan.scale
       if masked:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       m, l, alpha, p = _online_softmax(s, m_ref[c, rows, :], l_ref[c, rows, :], axis=1)
       p = p.astype(v.dtype)
-      pv = L.dot_nt(p, v) if plan.v_view == KDS else L.dot_nn(p, v)
+      pv = layout.dot_nt(p, v) if plan.v_view == KDS else layout.dot_nn(p, v)
       acc_ref[c, rows, :] = alpha * acc_ref[c, rows, :] + pv
       m_ref[c, rows, :] = m
       l_ref[c, rows, :] = l
@@ -205,9 +205,9 @@ def _accumulate_flat(
     v = jnp.where(start + lax.div(v_row, kh) < kv_len, v, jnp.zeros_like(v))
   for c, k_ref in enumerate(k_refs):
     k = k_ref[...].reshape(n, k_ref.shape[-1])
-    s = jnp.where(keep, L.dot_nt(k, q_ref[c]) * plan.scale, L.MASK_VALUE)
+    s = jnp.where(keep, layout.dot_nt(k, q_ref[c]) * plan.scale, layout.MASK_VALUE)
     m, l, alpha, p = _online_softmax(s, m_ref[c], l_ref[c], axis=0)
-    acc_ref[c] = alpha * acc_ref[c] + L.dot_tn(v, p.astype(v.dtype))
+    acc_ref[c] = alpha * acc_ref[c] + layout.dot_tn(v, p.astype(v.dtype))
     m_ref[c] = m
     l_ref[c] = l
 
@@ -233,7 +233,7 @@ def _decode_kernel(
 
   @pl.when(j == 0)
   def _init():
-    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -273,7 +273,7 @@ def _block_kv(s: int, blocks: DecodeBlockSizes) -> tuple[int, int]:
   """(block, padded length): the block divides the padded length."""
   if s <= blocks.block_kv:
     return s, s
-  sp = L.round_up(s, _LANES)
+  sp = layout.round_up(s, _LANES)
   bk = blocks.block_kv
   while sp % bk:
     bk -= _LANES
@@ -297,7 +297,7 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
   g = h // kh
   itemsize = k1.dtype.itemsize
-  gp = L.round_up(g, 8 * max(1, 4 // q1.dtype.itemsize))
+  gp = layout.round_up(g, 8 * max(1, 4 // q1.dtype.itemsize))
   bk, sp = _block_kv(s, blocks)
   if sp != s:  # a copy of the cache: see cache_length_multiple
     pad = lambda x: jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
@@ -361,12 +361,14 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
       pltpu.VMEM(acc_shape, jnp.float32),
     ],
   )
-  tiles = 2 * itemsize * bk * kh * (2 * L.round_up(d, _LANES) + L.round_up(dv, _LANES))
+  tiles = 2 * itemsize * bk * kh * (2 * layout.round_up(d, _LANES) + layout.round_up(dv, _LANES))
   work = (
-    bk * kh * L.round_up(cols, _LANES) if plan.flat else L.round_up(gp, 8) * L.round_up(bk, _LANES)
+    bk * kh * layout.round_up(cols, _LANES)
+    if plan.flat
+    else layout.round_up(gp, 8) * layout.round_up(bk, _LANES)
   )  # one map's scores
   vmem = tiles + 4 * (
-    3 * 2 * L.round_up(cols, 8) * (L.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
+    3 * 2 * layout.round_up(cols, 8) * (layout.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
   )
   cache_bytes = itemsize * b * sp * kh * (2 * d + dv)
   acc, ml = pl.pallas_call(
@@ -377,7 +379,8 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
       jax.ShapeDtypeStruct((b, splits, *ml_shape), jnp.float32),
     ],
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=L.vmem_limit(vmem)
+      dimension_semantics=("parallel", "parallel", "arbitrary"),
+      vmem_limit_bytes=layout.vmem_limit(vmem),
     ),
     cost_estimate=pl.CostEstimate(
       flops=4 * b * h * s * (d + dv), transcendentals=2 * b * h * s, bytes_accessed=int(cache_bytes)
