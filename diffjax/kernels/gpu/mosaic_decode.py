@@ -1,18 +1,8 @@
 """DIFF V1 decoding on Mosaic GPU (Hopper): one query token against a KV cache.
 
-Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
-V once per kv group (the baseline's cache traffic), in place: the cache is not copied
-or padded when its length is a multiple of 64 (:func:`cache_length_multiple`).
-
-Layout (flash-decoding). One CTA per (kv group, cache split, batch row), three
-warpgroups as in :mod:`diffjax.kernels.gpu.mosaic_fwd`: a producer TMA-copies the
-split's K1, K2 and V blocks into a ring of shared-memory slots, stopping at the row's
-``kv_len``; warpgroup 0 runs map 1 and warpgroup 1 map 2 over the same V tile. The
-rows of their [64, d] query tiles are the G query heads of the group (zero rows
-beyond G: a wgmma is 64 rows tall, and the tensor cores' spare rows cost nothing in a
-kernel bound by the cache reads). Each CTA writes, per map, its split's normalised
-float32 output and base-2 log-sum-exp; XLA merges the splits exactly and forms
-``O1 - lam O2``.
+Flash-decoding: a CTA per (kv group, cache split, batch row) reads the split's K1, K2
+and V once, in place when the cache length is a multiple of 64
+(:func:`cache_length_multiple`), and XLA merges the splits. Layout: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -101,6 +91,25 @@ class DecodeConfig:
   interpret: bool
 
 
+def _scratch(dtype, d: int, dv: int, stages: int) -> list:
+  """The decode kernel's shared-memory buffers and barriers, in its argument order."""
+  bk = BLOCK_KV
+  smem = lambda shape, width: mp.smem_tile(shape, width, dtype)
+  bars = mp.barriers
+  return [
+    [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],  # q_smem
+    [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],  # k_smem (K1, K2)
+    smem((stages, bk, dv), dv),  # v_smem
+    plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),  # lse_smem
+    plgpu.SMEM((LENS,), jnp.int32),  # len_smem
+    bars(mp.COMPUTE_WGS),  # q_bar
+    bars(mp.COMPUTE_WGS * stages),  # k_bar [w * stages + slot]
+    bars(stages),  # v_bar
+    bars(),  # len_bar
+    bars(stages, mp.COMPUTE_WGS),  # consumed
+  ]
+
+
 def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
   """Per-split partial results.
 
@@ -113,6 +122,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
     (o1, o2) float32 [B, K, splits, 64, Dv], normalised per split, and (lse1, lse2)
     float32 [B, K, splits, 64] in base 2 (``EMPTY_LSE`` for a split with no valid row).
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   b, kh, _, d = q1.shape
   dv = v.shape[3]
   dtype = q1.dtype
@@ -191,26 +201,12 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
 
     mp.run_warpgroups(consumer, producer)
 
-  smem = lambda shape, width: mp.smem_tile(shape, width, dtype)
-  bars = mp.barriers
-  scratch = [
-    [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],  # q_smem
-    [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],  # k_smem (K1, K2)
-    smem((stages, bk, dv), dv),  # v_smem
-    plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),  # lse_smem
-    plgpu.SMEM((LENS,), jnp.int32),  # len_smem
-    bars(mp.COMPUTE_WGS),
-    bars(mp.COMPUTE_WGS * stages),
-    bars(stages),
-    bars(),
-    bars(stages, mp.COMPUTE_WGS),
-  ]
   acc = jax.ShapeDtypeStruct((b, kh, splits, ROWS, dv), jnp.float32)
   lse = jax.ShapeDtypeStruct((b, kh, splits, ROWS), jnp.float32)
   return plgpu.kernel(
     kernel,
     out_type=[acc, acc, lse, lse],
-    scratch_types=scratch,
+    scratch_types=_scratch(dtype, d, dv, stages),
     grid=(kh, splits, b),
     grid_names=("kv_heads", "splits", "batch"),
     num_threads=mp.COMPUTE_WGS + 1,
