@@ -1,40 +1,9 @@
 """Backward kernel: one pass over the tiles for every gradient of both maps.
 
-With P_c the probabilities of map c, dO the output cotangent and the row terms
-D_1 = rowsum(dO * O_1), D_2 = rowsum(dO * O_2) (computed by the wrapper):
-
-  dP   = dO V^T                              one matmul shared by both maps
-  dV   = (P_1 - lam P_2)^T dO                one matmul on the signed probabilities
-  dS_1 = P_1 * (dP - D_1)
-  dS_2 = -lam P_2 * (dP - D_2)               (dP_2 = -lam dP)
-  dQ_c = scale dS_c K_c,   dK_c = scale dS_c^T Q_c
-
-The queries are split into chunks of whole tiles (:func:`chunk_rows`), one kernel call
-each, so that a chunk's dQ always fits VMEM. Grid of a call (B * K, key tiles the chunk
-sees, G * chunk tiles): the key tile j is the outer sequential axis, and the inner axis
-walks every query tile of the chunk for every head of the kv group, so dK_c and dV
-accumulate in VMEM over the group's heads (GQA) and are written once per key tile.
-A causal call flattens the last two axes into one over the visited steps instead, in
-the same order (key tile, head, query tile), read from scalar-prefetched step tables
-(:func:`chunk_steps`): the query tiles that see a key of the tile, so masked tiles cost
-no grid step; the tables flag each key tile's first and last step.
-
-dQ needs a sum over key tiles instead. It accumulates in a float32 VMEM scratch
-[G, 2, chunk, D] for the kv group's whole sweep; each query tile is converted to the
-input dtype into the output blocks after its last visible key tile, and the pipeline
-writes those blocks (the group's heads over the chunk, per query component: [G, chunk,
-D] of dQ1 and dQ2 for V1, [2G, chunk, D] of V2's query heads; the index moves only with
-the leading axis) to HBM once per (batch, kv group). The first key tile (always
-visited) writes the scratch instead of adding, so nothing needs initialising.
-
-With several chunks, every chunk but the last writes dK and dV as float32 partial sums
-over the key tiles it sees; the next chunk reads them in as its accumulators' start
-(its key range is never shorter: a later query sees at least the keys an earlier one
-does), and the last writes the final gradients in the input dtype. One chunk (every
-sequence whose dQ block fits, e.g. up to T = 12288 at D = 128 in bfloat16 with one head
-per kv group) moves no partial sums.
-
-V2 pairs share one key: both dS_c^T Q_c land in one dK.
+With D_c = rowsum(dO * O_c): dP = dO V^T (shared), dV = (P_1 - lam P_2)^T dO,
+dS_1 = P_1 (dP - D_1), dS_2 = -lam P_2 (dP - D_2), dQ_c = s dS_c K_c, dK_c = s dS_c^T Q_c.
+The queries go in chunks of whole tiles, one call each, so that a chunk's dQ stays in
+VMEM (:func:`chunk_rows`). The grid, the chunks and the causal steps: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations

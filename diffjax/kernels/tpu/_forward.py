@@ -1,21 +1,8 @@
 """Forward kernel: both softmax maps of a DIFF head (or V2 pair) in one pass.
 
-Grid (B * H, Tp / block_q, Sp / block_kv) without a causal mask; the last axis walks
-key tiles and carries two online-softmax states (running max m_c, running sum l_c,
-unnormalised output acc_c for map c = 1, 2). Each step loads the K/V tiles once for
-both maps. A query tile's last step writes
-
-  out = acc_1 / l_1 - lam * acc_2 / l_2     (lambda subtraction fused)
-  o2  = acc_2 / l_2                        (for the backward's row terms)
-  lse = [m_1 + log l_1, m_2 + log l_2]     (log-sum-exps, +inf on fully masked rows)
-
-A causal grid is (B * H, visited tiles) instead: the tiles that hold a visible key
-(and every query tile's first key tile, so a fully masked row still gets its outputs),
-query tile outer, key tile inner, read from scalar-prefetched step tables
-(``Plan.forward_steps``); masked tiles cost no grid step.
-
-lse is written lane-dense, one (2, block_q) slab per query tile (see ``_layout``); V2's
-lambda is read the same way, a (1, block_q) slab.
+Each step loads the K/V tiles once for both maps' online softmax; a query tile's last step
+writes ``out = acc_1 / l_1 - lam acc_2 / l_2`` and, for the backward, ``o2`` and the
+lane-dense log-sum-exps. The grid and its causal form: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,9 @@
 """DIFF V1 decoding on TPUs: one query token per row against a KV cache (Pallas, Mosaic).
 
-Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
-V of every cache row once, the bytes of the baseline's two kv heads of width D per
-kv group, and shares each loaded tile between both maps and every query head of a
-kv group.
-
-Grid (B, splits, blocks per split). A program's tiles hold ``block_kv`` positions of
-all kv groups of one batch row; the last grid axis walks the row's cache blocks and
-carries an online softmax per map, kv group and head. The cache length per row is
-prefetched into SMEM: the index maps clamp the block index to the row's last block
-that holds a valid position, so the steps past ``kv_len`` re-use the block already
-in VMEM (no DMA) and skip their compute. Each (row, split) writes its unnormalised
-partial results, which XLA merges exactly (one split unless the batch has one row,
-where two splits give both cores of a megacore chip work); lambda is applied there.
-
-Cache layouts. XLA stores a [B, S, K, X] cache array in the TPU's default layout
-for its shape, which is not always row-major: when X is not a multiple of 128 the
-positions are the minor (lane) dimension, and when it is, the groups come before the
-positions unless K is 2, 4 or a multiple of 8 (or 1 in a 32-bit type). The kernel
-reads each cache array through the view whose row-major layout is that default one
-([B, K, X, S], [B, K, S, X] or [B, S, K, X], see :func:`cache_view`), so that the
-transposition is a bitcast and the cache is read in place. A cache in another
-layout is still computed correctly, after XLA transposes it (a copy).
-
-Two forms of the step. When K1, K2 and V are all row-major, a tile holds the groups
-of a position side by side in its sublanes; the kernel then scores the tile as one
-[block_kv * K, X] matrix against the query rows of every group and masks the pairs
-of different groups (:func:`_accumulate_flat`), which costs the matrix unit nothing
-extra in passes over the tile and gathers no rows. Otherwise it loops over the kv
-groups (:func:`_accumulate_groups`), each reading its [block_kv, X] (or transposed)
-tile directly; a row-major V next to a transposed K (X = D not a multiple of 128,
-Dv = 2 D one) is the one case where a group's rows are picked out of the tiles, which
-takes the compiler longer.
-
-Cache lengths. The cache is read in place when its length S is a multiple of 128
-(:func:`cache_length_multiple`; the kernel then takes the largest multiple of 128 at
-most ``block_kv`` that divides S as its block) or at most ``block_kv`` (one block).
-Any other length is padded to a multiple of 128 first, a copy of the whole cache on
-every call.
-
-The query rows of a kv group are padded to the sublane tile (8 rows, 16 for 16-bit
-types) and its outputs sliced back; the cache is never padded in its head dims.
+The kernel reads K1, K2 and V of every cache row once, shares each tile between both
+maps and every query head of a kv group, reads each cache array through the view that
+matches its TPU layout (:func:`cache_view`), and leaves merging its splits and applying
+lambda to XLA. Grid, views, the two forms of a step, cache lengths: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations
@@ -62,7 +25,7 @@ from diffjax.kernels.tpu.block_sizes import DecodeBlockSizes, resolve_decode_blo
 
 _LANES = 128
 
-# How a kernel reads a cache array [B, S, K, X] (see the module docstring): the view
+# How a kernel reads a cache array [B, S, K, X] (docs/kernels_tpu.md): the view
 # names the order of (kv group K, positions S, width X) after the batch axis.
 SKD, KSD, KDS = "skd", "ksd", "kds"
 
