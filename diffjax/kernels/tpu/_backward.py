@@ -130,6 +130,7 @@ def chunk_steps(plan: layout.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray
 
 
 def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
+  # One function: its stages share the refs popped here and read top to bottom.
   refs = list(refs)
   nq = chunk.num_q_blocks
   inner = plan.group * nq
@@ -242,32 +243,13 @@ def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
-  """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
-  the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
-  sums over its key tiles otherwise."""
+def _in_specs(plan: layout.Plan, chunk: Chunk, spec, tile, args, prev, widths):
+  """The call's input BlockSpecs and arrays, in the kernel's argument order; ``spec`` and
+  ``tile`` are :func:`_layout.grid_specs` makers of the call's grid."""
   lam, qs, ks, v, do, stats, q_seg, kv_seg = args
   d, dv_width = widths
-  b, h, n_kv = qs[0].shape[0], plan.heads, plan.kv_heads
-  n_k = len(ks)
   bq, bk, g = plan.block_q, plan.block_kv, plan.group
-  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
-  dtype = qs[0].dtype
-
-  # Batch and kv groups share the leading parallel axis (see the forward).
-  if plan.causal:
-    t_steps, kv_steps = chunk_steps(plan, chunk)
-    grid = (b * n_kv, len(t_steps))
-
-    def coords(bg, step, t_ref, kv_ref):
-      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
-  else:
-    grid = (b * n_kv, nkv, g * nq)
-
-    def coords(bg, j, t):
-      return bg // n_kv, bg % n_kv, j, t
-
-  _spec, _tile = layout.grid_specs(plan, coords)
+  nq, n_k = chunk.num_q_blocks, len(ks)
 
   def q_block(j, t):
     return chunk.first + t % nq
@@ -281,20 +263,20 @@ def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, w
     call_args.append(lam)
   if plan.segmented:
     in_specs += [
-      _spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
-      _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
+      spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
+      spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
     ]
     call_args += [q_seg, kv_seg]
   for c in range(2):
     in_specs.append(
-      _tile(bq, d, lambda b_, g_, j, t, c=c: (b_, plan.q_head(c, head(g_, t))[1], q_block(j, t)))
+      tile(bq, d, lambda b_, g_, j, t, c=c: (b_, plan.q_head(c, head(g_, t))[1], q_block(j, t)))
     )
     call_args.append(qs[plan.q_head(c, 0)[0]])
-  key_tile = lambda width: _tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
+  key_tile = lambda width: tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   in_specs += [key_tile(d)] * n_k + [
     key_tile(dv_width),
-    _tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
-    _spec(
+    tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
+    spec(
       (None, None, None, ROW_STATS, bq), lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)
     ),
   ]
@@ -302,13 +284,24 @@ def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, w
   if chunk.prev_kv_blocks:
     last_prev = chunk.prev_kv_blocks - 1
     # Key tiles the previous chunk did not see keep its last block (no copy).
-    prev_tile = lambda width: _tile(
+    prev_tile = lambda width: tile(
       bk, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
     )
     in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
     call_args += list(prev[0]) + [prev[1]]
+  return in_specs, call_args
+
+
+def _outputs(plan: layout.Plan, chunk: Chunk, tile, rows: int, qs, ks, v, widths):
+  """The call's output BlockSpecs and shapes: dK (one per key array) and dV over the key
+  tiles the chunk sees, then dQ over its ``rows``."""
+  d, dv_width = widths
+  b, h, n_kv = qs[0].shape[0], plan.heads, plan.kv_heads
+  bk, g, n_k = plan.block_kv, plan.group, len(ks)
+  dtype = qs[0].dtype
   out_kv = (ks[0].dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
-  sp_c = nkv * bk
+  sp_c = chunk.num_kv_blocks * bk
+  key_tile = lambda width: tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   out_specs = [key_tile(d)] * n_k + [key_tile(dv_width)]
   out_shape = [jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, d), out_kv[0])] * n_k + [
     jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, dv_width), out_kv[1])
@@ -321,13 +314,15 @@ def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, w
   else:
     out_specs += [plan.group_spec(rows, d, g, lambda bg, *_: (bg // n_kv, bg % n_kv))] * 2
     out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, rows, d), dtype)] * 2
-  scratch = [
-    pltpu.VMEM((n_k, bk, d), jnp.float32),
-    pltpu.VMEM((bk, dv_width), jnp.float32),
-    pltpu.VMEM((g, 2, rows, d), jnp.float32),
-  ]
+  return out_specs, out_shape
 
-  itemsize = dtype.itemsize
+
+def _vmem_and_cost(plan: layout.Plan, chunk: Chunk, rows: int, b: int, n_k: int, widths, itemsize):
+  """The call's VMEM estimate in bytes and its cost estimate."""
+  d, dv_width = widths
+  bq, bk, g = plan.block_q, plan.block_kv, plan.group
+  h, n_kv = plan.heads, plan.kv_heads
+  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
   kv_tile = n_k * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
   vmem = step_vmem_bytes(
@@ -345,6 +340,43 @@ def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, w
       + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)
     ),
   )
+  return vmem, cost
+
+
+def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
+  """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
+  the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
+  sums over its key tiles otherwise."""
+  qs, ks, v = args[1:4]
+  d, dv_width = widths
+  b, n_kv = qs[0].shape[0], plan.kv_heads
+  n_k = len(ks)
+  g = plan.group
+  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
+  dtype = qs[0].dtype
+
+  # Batch and kv groups share the leading parallel axis (see the forward).
+  if plan.causal:
+    t_steps, kv_steps = chunk_steps(plan, chunk)
+    grid = (b * n_kv, len(t_steps))
+
+    def coords(bg, step, t_ref, kv_ref):
+      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
+  else:
+    grid = (b * n_kv, nkv, g * nq)
+
+    def coords(bg, j, t):
+      return bg // n_kv, bg % n_kv, j, t
+
+  spec, tile = layout.grid_specs(plan, coords)
+  in_specs, call_args = _in_specs(plan, chunk, spec, tile, args, prev, widths)
+  out_specs, out_shape = _outputs(plan, chunk, tile, rows, qs, ks, v, widths)
+  scratch = [
+    pltpu.VMEM((n_k, plan.block_kv, d), jnp.float32),
+    pltpu.VMEM((plan.block_kv, dv_width), jnp.float32),
+    pltpu.VMEM((g, 2, rows, d), jnp.float32),
+  ]
+  vmem, cost = _vmem_and_cost(plan, chunk, rows, b, n_k, widths, dtype.itemsize)
   n_prefetch = 2 if plan.causal else 0
   if plan.causal:
     call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args

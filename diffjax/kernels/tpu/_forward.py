@@ -84,6 +84,69 @@ def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components:
   return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
 
 
+def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths):
+  """The call's input BlockSpecs and arrays, in the kernel's argument order; ``spec`` and
+  ``tile`` are :func:`_layout.grid_specs` makers of the call's grid."""
+  d, dv = widths
+  bq, bk, g = plan.block_q, plan.block_kv, plan.group
+  in_specs, args = [], []
+  if plan.lam_rows:
+    in_specs.append(spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
+  else:
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  args.append(lam)
+  if plan.segmented:
+    in_specs += [
+      spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+      spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
+    ]
+    args += [q_seg, kv_seg]
+  for c in range(2):
+    array, _ = plan.q_head(c, 0)
+    in_specs.append(tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
+    args.append(qs[array])
+  for k in ks:
+    in_specs.append(tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, j)))
+    args.append(k)
+  in_specs.append(tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, j)))
+  args.append(v)
+  return in_specs, args
+
+
+def _outputs(plan: layout.Plan, spec, tile, b: int, tp: int, dv: int, dtype, save_residuals: bool):
+  """The call's output shapes and BlockSpecs: out, then o2 and lse with ``save_residuals``."""
+  h, bq = plan.heads, plan.block_q
+  row_spec = tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
+  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
+  out_specs = [row_spec]
+  if save_residuals:
+    out_shape += [
+      jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
+      jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32),
+    ]
+    out_specs += [row_spec, spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0))]
+  return out_shape, out_specs
+
+
+def _cost(plan: layout.Plan, qs, ks, v, widths, save_residuals: bool) -> pl.CostEstimate:
+  """The call's FLOPs, exponentials and HBM bytes, for XLA's scheduling."""
+  ax = plan.seq_axis
+  b, tp, sp = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  d, dv = widths
+  h, g = plan.heads, plan.group
+  itemsize = qs[0].dtype.itemsize
+  visible = 0.5 if plan.causal else 1.0
+  kv_size = sum(k.size for k in ks) + v.size
+  return pl.CostEstimate(
+    flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
+    transcendentals=int(visible * b * h * tp * sp * 2),
+    bytes_accessed=int(
+      itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
+      + itemsize * kv_size * plan.num_q_blocks * g
+    ),
+  )
+
+
 def forward(
   plan: layout.Plan,
   qs,
@@ -112,7 +175,7 @@ def forward(
   ax = plan.seq_axis
   b, tp, sp = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
   d, dv = widths
-  h, bq, bk, g = plan.heads, plan.block_q, plan.block_kv, plan.group
+  h, bq, bk = plan.heads, plan.block_q, plan.block_kv
   dtype = qs[0].dtype
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
 
@@ -130,78 +193,26 @@ def forward(
     def coords(bh, i, j):
       return bh // h, bh % h, i, j
 
-  _spec, _tile = layout.grid_specs(plan, coords)
-
-  in_specs, args = [], []
-  if plan.lam_rows:
-    in_specs.append(_spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
-  else:
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-  args.append(lam)
-  if plan.segmented:
-    in_specs += [
-      _spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-      _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
-    ]
-    args += [q_seg, kv_seg]
-  for c in range(2):
-    array, _ = plan.q_head(c, 0)
-    in_specs.append(_tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
-    args.append(qs[array])
-  for k in ks:
-    in_specs.append(_tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, j)))
-    args.append(k)
-  in_specs.append(_tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, j)))
-  args.append(v)
-  row_spec = _tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
-  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
-  out_specs = [row_spec]
-  if save_residuals:
-    out_shape += [
-      jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
-      jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32),
-    ]
-    out_specs += [
-      row_spec,
-      _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)),
-    ]
+  spec, tile = layout.grid_specs(plan, coords)
+  in_specs, args = _in_specs(plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths)
+  out_shape, out_specs = _outputs(plan, spec, tile, b, tp, dv, dtype, save_residuals)
   scratch = [
     pltpu.VMEM((2, bq, 1), jnp.float32),
     pltpu.VMEM((2, bq, 1), jnp.float32),
     pltpu.VMEM((2, bq, dv), jnp.float32),
   ]
-
-  itemsize = dtype.itemsize
-  vmem = vmem_bytes(bq, bk, d, dv, itemsize, len(ks))
-  visible = 0.5 if plan.causal else 1.0
-  kv_size = sum(k.size for k in ks) + v.size
-  cost = pl.CostEstimate(
-    flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
-    transcendentals=int(visible * b * h * tp * sp * 2),
-    bytes_accessed=int(
-      itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
-      + itemsize * kv_size * plan.num_q_blocks * g
-    ),
-  )
+  vmem = vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks))
   if plan.causal:
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    )
-    semantics = ("parallel", "arbitrary")
     args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
-  else:
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=0,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    )
-    semantics = ("parallel", "parallel", "arbitrary")
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=2 if plan.causal else 0,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=scratch,
+  )
+  # The last axis carries the online softmax from step to step; the others are independent.
+  semantics = ("parallel",) * (len(grid) - 1) + ("arbitrary",)
   outs = pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
     grid_spec=grid_spec,
@@ -209,7 +220,7 @@ def forward(
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=semantics, vmem_limit_bytes=layout.vmem_limit(vmem)
     ),
-    cost_estimate=cost,
+    cost_estimate=_cost(plan, qs, ks, v, widths, save_residuals),
     interpret=interpret,
     name="diff_attention_fwd",
   )(*args)

@@ -254,6 +254,70 @@ def _merge(acc, m, l):
   )
 
 
+def _block_shapes(plan: _Plan, dv: int):
+  """(row statistics, accumulator, m and l output) blocks of one (row, split): in the flat
+  form the statistics are rows and the accumulators transposed, else columns."""
+  cols = plan.columns
+  if plan.flat:
+    return (2, 1, cols), (2, dv, cols), (2, 2, cols)
+  return (2, cols, 1), (2, cols, dv), (2, cols, 2)
+
+
+def _grid_spec(plan: _Plan, b: int, d: int, dv: int) -> pltpu.PrefetchScalarGridSpec:
+  """Grid (B, splits, blocks per split) over the prefetched cache lengths, and its blocks."""
+  bk, kh, cols = plan.block_kv, plan.kv_heads, plan.columns
+  kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=plan.blocks_per_split)
+
+  def cache_spec(view: str, width: int):
+    if view == SKD:
+      return pl.BlockSpec(
+        (None, bk, kh, width), lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0)
+      )
+    if view == KSD:
+      return pl.BlockSpec(
+        (None, kh, bk, width), lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0)
+      )
+    return pl.BlockSpec(
+      (None, kh, width, bk), lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens))
+    )
+
+  out_spec = lambda shape: pl.BlockSpec(
+    (None, None, *shape), lambda bi, si, j, lens: (bi, si) + (0,) * len(shape)
+  )
+  stat_shape, acc_shape, ml_shape = _block_shapes(plan, dv)
+  return pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
+    grid=(b, plan.splits, plan.blocks_per_split),
+    in_specs=[
+      pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.v_view, dv),
+    ],
+    out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
+    scratch_shapes=[
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(acc_shape, jnp.float32),
+    ],
+  )
+
+
+def _vmem_bytes(plan: _Plan, d: int, dv: int, itemsize: int) -> int:
+  """VMEM estimate of one step: both buffers of the cache tiles, the float32 softmax state
+  and accumulators, and six float32 score-sized temporaries."""
+  bk, kh, cols, gp = plan.block_kv, plan.kv_heads, plan.columns, plan.rows
+  tiles = 2 * itemsize * bk * kh * (2 * layout.round_up(d, _LANES) + layout.round_up(dv, _LANES))
+  work = (
+    bk * kh * layout.round_up(cols, _LANES)
+    if plan.flat
+    else layout.round_up(gp, 8) * layout.round_up(bk, _LANES)
+  )  # one map's scores
+  return tiles + 4 * (
+    3 * 2 * layout.round_up(cols, 8) * (layout.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
+  )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   b, _, h, d = q1.shape
@@ -286,53 +350,9 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).reshape(b, 2, cols, d)
   kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, s)
 
-  kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=per_split)
-
-  def cache_spec(view: str, width: int):
-    if view == SKD:
-      return pl.BlockSpec(
-        (None, bk, kh, width), lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0)
-      )
-    if view == KSD:
-      return pl.BlockSpec(
-        (None, kh, bk, width), lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0)
-      )
-    return pl.BlockSpec(
-      (None, kh, width, bk), lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens))
-    )
-
-  out_spec = lambda shape: pl.BlockSpec(
-    (None, None, *shape), lambda bi, si, j, lens: (bi, si) + (0,) * len(shape)
-  )
-  if plan.flat:  # row statistics and transposed accumulators
-    stat_shape, acc_shape, ml_shape = (2, 1, cols), (2, dv, cols), (2, 2, cols)
-  else:
-    stat_shape, acc_shape, ml_shape = (2, cols, 1), (2, cols, dv), (2, cols, 2)
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=1,
-    grid=(b, splits, per_split),
-    in_specs=[
-      pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
-      cache_spec(plan.k_view, d),
-      cache_spec(plan.k_view, d),
-      cache_spec(plan.v_view, dv),
-    ],
-    out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
-    scratch_shapes=[
-      pltpu.VMEM(stat_shape, jnp.float32),
-      pltpu.VMEM(stat_shape, jnp.float32),
-      pltpu.VMEM(acc_shape, jnp.float32),
-    ],
-  )
-  tiles = 2 * itemsize * bk * kh * (2 * layout.round_up(d, _LANES) + layout.round_up(dv, _LANES))
-  work = (
-    bk * kh * layout.round_up(cols, _LANES)
-    if plan.flat
-    else layout.round_up(gp, 8) * layout.round_up(bk, _LANES)
-  )  # one map's scores
-  vmem = tiles + 4 * (
-    3 * 2 * layout.round_up(cols, 8) * (layout.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
-  )
+  grid_spec = _grid_spec(plan, b, d, dv)
+  _, acc_shape, ml_shape = _block_shapes(plan, dv)
+  vmem = _vmem_bytes(plan, d, dv, itemsize)
   cache_bytes = itemsize * b * sp * kh * (2 * d + dv)
   acc, ml = pl.pallas_call(
     functools.partial(_decode_kernel, plan=plan),
