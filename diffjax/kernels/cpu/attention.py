@@ -1,25 +1,9 @@
-"""Attention for the CPU: the same math as the reference, laid out for a CPU's caches.
+"""Attention for the CPU: the reference's math laid out for a CPU's caches.
 
-The reference (:mod:`diffjax.core.reference`) computes scores for the whole batch as
-[B, H, T, S] tensors in token-major einsums and lets autodiff differentiate its masked
-softmax. On a CPU that costs several passes over tensors far larger than the caches, several
-times the time of a CPU flash attention.
-
-Here ``lax.map`` walks the batch a few rows at a time (as many as keep one step's scores,
-[rows, K, G*T, S], within `SCORE_BYTES_PER_STEP`), queries are head-major with the G query
-heads of a kv group stacked as rows of one matmul, the forward keeps only the output and the
-row log-sum-exp, and the backward is written out (scores recomputed from the saved
-log-sum-exp, ``delta = rowsum(dO * O)``). ``benchmarks/cpu_attention.py`` times it against the
-reference (docs/results/cpu_attention.md).
-
-DIFF V1 and V2 run both softmax maps of a head (or pair) in the same pass and, as the
-reference, one PV matmul on the signed map ``(P1 - λ P2) V``; the backward shares one
-``dP = dO V^T`` and one ``dV = (P1 - λ P2)^T dO`` between the maps and returns λ's gradient
-``-rowsum(P2 * dP)`` per row. Causal rows run in query blocks against only the keys they
-can see (:data:`Q_BLOCK`).
-
-Numerics as the reference: scores and softmax in float32 (float64 for float64 inputs), the
-probabilities cast to the value dtype for the PV matmul, rows with no visible key give zeros.
+A few batch rows at a time (one step's scores within :data:`SCORE_BYTES_PER_STEP`),
+head-major, the query heads of a kv group stacked as the rows of one matmul; causal rows
+in query blocks (:data:`Q_BLOCK`); DIFF's two maps in one pass; a hand-written backward
+from the saved log-sum-exps. Numerics and timings: docs/kernels_tpu.md (the CPU path).
 """
 
 from __future__ import annotations

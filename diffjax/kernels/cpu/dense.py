@@ -1,17 +1,9 @@
 """Dense projections for CPUs: the same product as ``einsum``, with hand-written 2-D gradients.
 
-``project(x, w, n_contract)`` computes ``y[..., o] = sum_c x[..., c] w[c, o]`` where the last
-``n_contract`` axes of ``x`` meet the first ``n_contract`` axes of ``w`` (``"bte,ehd->bthd"``,
-``"bthd,hde->bte"``, ...). Left to autodiff, XLA's CPU compiler often lays the cotangents
-out transposed for the weight gradient and fuses that transpose into the elementwise
-backward of the activation (SwiGLU's SiLU, the residual adds): a strided write that can cost
-more than the matmul it feeds. Here every array is flattened to rows first and the backward
-is two row-major matmuls, ``dx = dy w^T`` and ``dw = x^T dy``, which XLA runs without
-any copy.
-
-The arithmetic is that of autodiff up to the order of float additions inside each matmul.
-Used by :func:`diffjax.nn.layers.matmul` (every projection and the LM head) for float32 and
-float64 on a CPU; other platforms and dtypes keep the ``einsum``.
+``project(x, w, n_contract)`` contracts the last ``n_contract`` axes of ``x`` with the first
+ones of ``w`` (``"bte,ehd->bthd"``, ...) on arrays flattened to rows; its backward is two
+row-major matmuls, ``dx = dy w^T`` and ``dw = x^T dy``. :func:`diffjax.nn.layers.matmul`
+uses it for float32 and float64 on a CPU; why: docs/kernels_tpu.md (the CPU path).
 """
 
 from __future__ import annotations

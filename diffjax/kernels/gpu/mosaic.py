@@ -161,9 +161,8 @@ def diff_v1_pallas_gpu(
     scale: score scale, default 1 / sqrt(D).
     block_sizes: None (the deepest tiles that fit shared memory), a
       :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes` or a dict of its fields.
-    interpret: run jax's Mosaic GPU interpreter (CPU; see
-      :mod:`diffjax.kernels.gpu.mosaic_common` for the host devices it needs and what it
-      does not check).
+    interpret: run jax's Mosaic GPU interpreter (CPU; the host devices it needs and what
+      it does not check: docs/kernels_gpu.md).
   Returns:
     [B, T, H, Dv] in the dtype of q1; inputs are bfloat16 or float16 of one dtype.
     Rows that see no key are zero. Softmax and all accumulation run in float32.

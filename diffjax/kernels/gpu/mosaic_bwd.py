@@ -1,66 +1,9 @@
 """The fused backward of the DIFF pair on Mosaic GPU (Hopper, sm_90).
 
-One kernel computes every gradient of ``out = P_a V - lam P_b V`` (dQ_a, dQ_b, dK_a,
-dK_b or the shared dK of V2, and dV) at the 32d arithmetic of the fused path: per
-(query, key) pair it recomputes the two score tiles (4d FLOPs), forms one shared
-``dP = dO V^T`` (4d) and one ``dV += (P_a - lam P_b)^T dO`` (4d), and the key and
-query gradients of both maps (8d). The loop is key-major: a CTA owns 64 keys of one
-kv group and walks every query block (and every query head of the group) that sees
-them, so dK and dV stay in registers for the whole loop. dQ is added into float32
-arrays in HBM with TMA reduce-adds (``copy_smem_to_gmem(..., reduction_op="add")``)
-in the same step: no second pass over the keys.
-
-Warpgroups. One CTA per (kv group, 64 keys, batch row), three warpgroups:
-
-* warpgroup 2 (producer) TMA-copies the CTA's key and value tiles once, then each
-  step's query tiles, dO and the per-row terms into a ring of ``stages`` slots;
-* warpgroup w in {0, 1} owns map w (V1: map a reads Q1/K1, map b reads Q2/K2; V2: the
-  pair's even and odd query heads on the shared K). Each step it forms its transposed
-  score tile ``S_w^T = K_w Q_w^T`` [keys, queries] and probabilities ``P_w^T``, and half
-  of the shared product: ``V[:, half_w] dO[:, half_w]^T``. The two warpgroups swap
-  their halves of dP (float32) and their probabilities (``P_a``, ``lam P_b``, in the
-  input dtype) through shared memory, so each holds the whole dP and ``P_a - lam P_b``
-  without computing either twice. Warpgroup w then accumulates column half w of dV
-  (``(P_a - lam P_b)^T dO[:, half_w]``), its own dK (``dS_w^T Q_w``), and its dQ
-  contribution ``dS_w K_w``, which goes through shared memory to a TMA reduce-add.
-
-Registers. The whole backward has to fit 240 registers a consumer thread (the producer
-runs at 24) without a spill, next to dK and the dV half, which live in registers for
-the whole loop (V1 d 128: 64 + 64). Splitting dV by columns and the maps by
-warpgroups is what makes that possible at all (dK1, dK2 and the whole dV in one
-warpgroup would need 256). What keeps the rest within it, each measured with ptxas:
-
-* a step's 64 queries are worked in two sub-tiles of 32: the score, probability and
-  dP tiles of a sub-tile take 16 registers each, not 32. The cost: twice the swaps
-  (barriers) per step, 32-wide S and dP products, and a swizzle of at most 64 bytes on
-  every tile (the sub-tile is the K extent of the MN-major Q and dO operands);
-* dQ = dS K is formed in 32-column chunks (16 registers), each reduce-added on its own;
-* only the kept probability lives across the swap: both warpgroups read the combined
-  probabilities and the whole dP back from shared memory, and dV is accumulated
-  before dP is formed;
-* masks are built from per-key and per-query vectors at the compare, never from
-  [keys, queries] index tiles (loop-invariant, so the compiler would keep them live);
-* every shared-memory operand's wgmma descriptor is formed in the step (through a
-  zero the compiler cannot fold): constant descriptors, all of them with one ring slot,
-  were hoisted out of the loop and held in registers across it;
-* one loop body for masked and unmasked steps, and V1's lambda read like V2's (a
-  per-query vector from the row terms): a second body, or a scalar shared-memory read
-  per step, each cost hundreds of spilled bytes.
-
-Row terms. ``rows`` packs, per (batch, head, query), float32 (lse_a, lse_b, d_a, d_b,
-lam): the base-2 log-sum-exps the forward saved, ``d_a = rowsum(dO O_1)``,
-``d_b = rowsum(dO O_2)`` (:func:`~diffjax.kernels.gpu.pair_common.row_terms`) and
-lambda. Then ``dS_a = P_a (dP - d_a)`` and ``dS_b = -lam P_b (dP - d_b)``; d lambda
-is ``-d_b``, formed outside the kernel.
-
-V2's dK is the sum of both warpgroups' partial sums; each writes its float32 partial
-and the wrapper adds them (a [S, d] sum per kv head, small next to the kernel's reads).
-
-Interpreted on a CPU, dK and dV accumulate through a fresh zero accumulator per step
-instead of in place, and the reduce-adds of dQ come from the test suite's additions to
-jax's interpreter: the interpreted tests check every gradient's values, not the in-place
-accumulation, the wgmma waits or the register budget (the list is in
-:mod:`diffjax.kernels.gpu.mosaic_common`).
+One kernel computes every gradient of ``out = P_a V - lam P_b V`` (dQ_a, dQ_b, dK_a and
+dK_b or V2's shared dK, dV) at 32d: a CTA owns 64 keys of one kv group and walks every
+query block that sees them, with dK and dV in registers, and reduce-adds dQ into float32
+arrays in HBM. Its warpgroups, row terms and register budget: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -120,6 +63,49 @@ def _mask_scores_t(cfg: MosaicConfig, s_t, q_start, kv_start, qseg=None, kvseg=N
   return jnp.where(bcast_rows(kpos < cfg.kv_len, s_t.shape), s_t, NEG)
 
 
+def _scratch(cfg: MosaicConfig, dtype, d: int, widths, stages: int, q_width: int) -> list:
+  """The backward kernel's shared-memory buffers and barriers, in the order the kernel
+  unpacks them (None for those a call without segment ids or V2 does without)."""
+  v1, seg = cfg.variant == "v1", cfg.segments
+  bq, bk, sub = BLOCK_Q, BLOCK_KV_BWD, BWD_Q_SUB
+  # The V and dO halves are TMA boxes inside rows of Dv: one swizzle tile must divide
+  # both halves (and so Dv and the second half's offset).
+  v_tile = math.gcd(*widths)
+  # Sub-tiles of 32 queries are the K extent of the MN-major dO and Q operands of the
+  # dV and dK products, and one swizzle serves both operands of a wgmma: every tile
+  # then takes at most a 64-byte swizzle (32 bf16 elements).
+  cap = bwd_swizzle_cap(jnp.dtype(dtype).itemsize)
+  smem = lambda shape, width, dt=dtype: plgpu.SMEM(
+    shape, dt, transforms=smem_transforms(width, dt, cap if dt == dtype else 128)
+  )
+  bars = barriers
+  return [
+    smem((2 if v1 else 1, bk, d), d),  # k_smem
+    [smem((1, bk, w), v_tile) for w in widths],  # v_smem halves
+    # One buffer per warpgroup (and per V/dO half below) rather than a stacked
+    # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
+    [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],  # q_smem
+    [smem((stages, bq, w), v_tile) for w in widths],  # do_smem halves
+    plgpu.SMEM((stages, ROWS, bq), jnp.float32),  # rows_smem
+    plgpu.SMEM((stages, bq), jnp.int32) if seg else None,  # qseg_smem
+    plgpu.SMEM((bk,), jnp.int32) if seg else None,  # kvseg_smem
+    smem((COMPUTE_WGS, bk, sub), sub, jnp.float32),  # xdp_smem
+    # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
+    # must be K's (the widest that divides a row of d).
+    plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype, cap)),
+    smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),  # dq_smem
+    plgpu.SMEM((COMPUTE_WGS,), jnp.int32),  # zero_smem
+    bars(5),  # res_bar
+    bars(COMPUTE_WGS * stages),  # q_bar [w * stages + slot]
+    bars(COMPUTE_WGS * stages),  # do_bar
+    bars(stages),  # row_bar
+    bars(stages) if seg else None,  # qseg_bar
+    bars(stages, arrivals=COMPUTE_WGS),  # consumed
+    bars(arrivals=COMPUTE_WGS),  # x_bar
+    bars(arrivals=COMPUTE_WGS),  # r_bar
+  ]
+
+
 def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: int, dq_parts: int):
   """All gradients of the pair on padded inputs.
 
@@ -136,6 +122,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
     (dqs, dks, dv): dqs float32 like qs; V1 dks = (dK1, dK2) in the input dtype, V2
     dks = (float32 partial of warpgroup 0, of warpgroup 1); dv in the input dtype.
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   v1 = cfg.variant == "v1"
   b, t, _, d = qs[0].shape
   s, kh, dv = ks[0].shape[1], ks[0].shape[2], v.shape[3]
@@ -150,11 +137,9 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
   q_width = d // dq_parts
   sub = BWD_Q_SUB
   n_sub = bq // sub
-  # The V and dO halves are TMA boxes inside rows of Dv: one swizzle tile must divide
-  # both halves (and so Dv and the second half's offset).
-  v_tile = math.gcd(*widths)
 
   def kernel(*refs):
+    # One function: the producer and both consumers close over the refs unpacked here.
     it = iter(refs)
     qa_ref, qb_ref, ka_ref, kb_ref = pair_refs(it, v1)
     v_ref, do_ref, rows_ref = next(it), next(it), next(it)
@@ -203,6 +188,7 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       return qa_ref, 2 * head + w
 
     def consumer(w: int):
+      # One function: the step body and its sub-tiles share this warpgroup's buffers.
       # 2 x 128 consumer threads at 240 registers and 128 producer threads at 24 use
       # 64,512 of the SM's 65,536 (see backward_registers).
       plgpu.set_max_registers(BWD_REGISTERS, action="increase")
@@ -342,40 +328,8 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
     run_warpgroups(consumer, producer)
 
-  # Sub-tiles of 32 queries are the K extent of the MN-major dO and Q operands of the
-  # dV and dK products, and one swizzle serves both operands of a wgmma: every tile
-  # then takes at most a 64-byte swizzle (32 bf16 elements).
-  cap = bwd_swizzle_cap(jnp.dtype(dtype).itemsize)
-  smem = lambda shape, width, dt=dtype: plgpu.SMEM(
-    shape, dt, transforms=smem_transforms(width, dt, cap if dt == dtype else 128)
-  )
-  bars = barriers
+  scratch = _scratch(cfg, dtype, d, widths, stages, q_width)
   seg = cfg.segments
-  scratch = [
-    smem((2 if v1 else 1, bk, d), d),  # k_smem
-    [smem((1, bk, w), v_tile) for w in widths],  # v_smem halves
-    # One buffer per warpgroup (and per V/dO half below) rather than a stacked
-    # one: a constant index in a wgmma operand breaks jax 0.11's run_state lowering.
-    [smem((stages, bq, d), d) for _ in range(COMPUTE_WGS)],  # q_smem
-    [smem((stages, bq, w), v_tile) for w in widths],  # do_smem halves
-    plgpu.SMEM((stages, ROWS, bq), jnp.float32),  # rows_smem
-    plgpu.SMEM((stages, bq), jnp.int32) if seg else None,  # qseg_smem
-    plgpu.SMEM((bk,), jnp.int32) if seg else None,  # kvseg_smem
-    smem((COMPUTE_WGS, bk, sub), sub, jnp.float32),  # xdp_smem
-    # xp_smem holds P for the swap, then dS^T, the A operand of dQ = dS K: its swizzle
-    # must be K's (the widest that divides a row of d).
-    plgpu.SMEM((COMPUTE_WGS, bk, bq), dtype, transforms=smem_transforms(d, dtype, cap)),
-    smem((COMPUTE_WGS, bq, q_width), q_width, jnp.float32),  # dq_smem
-    plgpu.SMEM((COMPUTE_WGS,), jnp.int32),  # zero_smem
-    bars(5),  # res_bar
-    bars(COMPUTE_WGS * stages),  # q_bar [w * stages + slot]
-    bars(COMPUTE_WGS * stages),  # do_bar
-    bars(stages),  # row_bar
-    bars(stages) if seg else None,  # qseg_bar
-    bars(stages, arrivals=COMPUTE_WGS),  # consumed
-    bars(arrivals=COMPUTE_WGS),  # x_bar
-    bars(arrivals=COMPUTE_WGS),  # r_bar
-  ]
   args = list(qs) + list(ks) + [v, do, rows] + ([q_seg, kv_seg] if seg else [])
   dk_type = (
     jax.ShapeDtypeStruct(ks[0].shape, dtype)

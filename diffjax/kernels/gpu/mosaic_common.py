@@ -1,34 +1,9 @@
 """What the Mosaic GPU kernels (forward, backward, decode) share.
 
-The static config of a pair call, the warp-specialised launch (two consumer
-warpgroups and one producer, :func:`run_warpgroups`), the producer's ring of
-shared-memory slots (:func:`producer_ring`), swizzled shared-memory tiles for ``wgmma``
-(:func:`smem_tile`), the online softmax of a consumer warpgroup (:func:`softmax_start`,
-:func:`softmax_step`, :func:`softmax_finish`), the pair kernels' argument order
-(:func:`pair_refs`), and the register-layout helpers every kernel uses. The kernels are in
-:mod:`~diffjax.kernels.gpu.mosaic_fwd`, :mod:`~diffjax.kernels.gpu.mosaic_bwd` and
-:mod:`~diffjax.kernels.gpu.mosaic_decode`; their tiles and budgets in
-:mod:`~diffjax.kernels.gpu.mosaic_tiles`.
-
-Interpreted (``interpret=True``, :func:`launch_kwargs`), the kernels run in jax's Mosaic GPU
-interpreter on a CPU: each warpgroup a CPU computation (:func:`check_threads`), shared
-memory, barriers and TMA copies simulated. jax 0.10 and 0.11 interpret only part of what
-the kernels use (jax 0.10 has no register layout casts and no transposed ``wgmma``
-operands, neither has a register ``wgmma`` operand nor a reduce-add TMA copy); the test
-suite adds those before it interprets a kernel (``tests/kernels/gpu/mosaic_interpret.py``).
-The interpreted tests check the values every kernel computes, against the reference. They
-do not check, and only the compiled kernels on a Hopper do (the ``gpu``-marked tests, and
-``python -m tools.gpu_compile`` for registers, spills and shared memory):
-
-* the in-place accumulation of :func:`accumulate` (``pl.run_state`` over
-  ``plgpu.ACC.init``): the interpreter cannot run ``run_state``, so there each
-  ``acc + a @ b`` (the forward's and decoding's P V, the backward's dK and dV) is a
-  product in a fresh zero accumulator added to ``acc`` afterwards: the same value from
-  another program;
-* asynchrony: a ``wgmma`` completes where it is issued (``wgmma_wait`` and
-  ``commit_group`` do nothing), so a missing or misplaced wait goes unseen;
-* registers: ``set_max_registers`` does nothing and a register layout is the identity
-  on values, so register pressure and layouts are ptxas's and Mosaic GPU's to check.
+The static config of a pair call, the warp-specialised launch (:func:`run_warpgroups`),
+the producer's ring of shared-memory slots (:func:`producer_ring`), swizzled tiles
+(:func:`smem_tile`), the consumers' online softmax, ``wgmma`` products and the
+register-layout helpers. What the interpreter leaves unchecked: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -90,8 +65,8 @@ def launch_kwargs(interpret: bool) -> dict:
   """Keyword arguments of ``plgpu.kernel`` / ``pl.kernel`` for a three-warpgroup kernel.
 
   ``interpret``: jax's Mosaic GPU interpreter (``InterpretGPUParams``) on the CPU, as jax
-  ships it; jax 0.10 and 0.11 interpret only part of what these kernels use (the module
-  docstring says what, and what the interpreted tests therefore leave unchecked).
+  ships it; jax 0.10 and 0.11 interpret only part of what these kernels use
+  (docs/kernels_gpu.md says what, and what the interpreted tests leave unchecked).
   """
   if interpret:
     check_threads(COMPUTE_WGS + 1)
@@ -245,7 +220,7 @@ def accumulate(acc, a, b_ref, cfg):
   The Mosaic GPU interpreter (jax 0.10 and 0.11 alike) cannot run ``run_state``
   accumulators; there the product goes to a fresh zero accumulator and is added, which
   is the value the in-place ``wgmma`` (``acc + a @ b``) computes. So the interpreted
-  tests check this value, never the in-place program (see the module docstring).
+  tests check this value, never the in-place program (docs/kernels_gpu.md).
   """
   if cfg.interpret:
     return acc + product(acc.shape, a, b_ref)

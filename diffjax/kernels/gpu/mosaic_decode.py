@@ -1,18 +1,8 @@
 """DIFF V1 decoding on Mosaic GPU (Hopper): one query token against a KV cache.
 
-Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
-V once per kv group (the baseline's cache traffic), in place: the cache is not copied
-or padded when its length is a multiple of 64 (:func:`cache_length_multiple`).
-
-Layout (flash-decoding). One CTA per (kv group, cache split, batch row), three
-warpgroups as in :mod:`diffjax.kernels.gpu.mosaic_fwd`: a producer TMA-copies the
-split's K1, K2 and V blocks into a ring of shared-memory slots, stopping at the row's
-``kv_len``; warpgroup 0 runs map 1 and warpgroup 1 map 2 over the same V tile. The
-rows of their [64, d] query tiles are the G query heads of the group (zero rows
-beyond G: a wgmma is 64 rows tall, and the tensor cores' spare rows cost nothing in a
-kernel bound by the cache reads). Each CTA writes, per map, its split's normalised
-float32 output and base-2 log-sum-exp; XLA merges the splits exactly and forms
-``O1 - lam O2``.
+Flash-decoding: a CTA per (kv group, cache split, batch row) reads the split's K1, K2
+and V once, in place when the cache length is a multiple of 64
+(:func:`cache_length_multiple`), and XLA merges the splits. Layout: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -29,13 +19,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from diffjax.core import reference
 from diffjax.core import validation as _v
 from diffjax.core.platform import HOPPER, gpu_capability
-from diffjax.kernels.gpu import mosaic_common as mp
+from diffjax.kernels.gpu import mosaic_common as mc
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.pair_common import EMPTY_LSE, LOG2E, NEG
 
 BLOCK_KV = 64  # cache rows per step (the key extent of the P V wgmma: 64 at a 128B swizzle)
-ROWS = mp.BLOCK_Q  # query rows of a tile: the heads of one kv group, zero-padded
+ROWS = mc.BLOCK_Q  # query rows of a tile: the heads of one kv group, zero-padded
 LENS = 32  # kv_len is copied as 32 int32 (one 128-byte TMA box) per batch row
 # CTAs to aim for when choosing cache splits: a wave on an H100/H200 (132 SMs, one CTA
 # each at this shared memory).
@@ -46,11 +36,11 @@ def decode_smem_bytes(d: int, dv: int, stages: int, itemsize: int = 2) -> int:
   """Shared memory the decode kernel is launched with, in bytes (buffers aligned to
   1 KiB, 8 bytes a barrier, as :mod:`~diffjax.kernels.gpu.mosaic_tiles` counts)."""
   align = lambda n: pc.round_up(n, tiles.SMEM_ALIGN)
-  q = mp.COMPUTE_WGS * align(ROWS * d * itemsize)
-  keys = mp.COMPUTE_WGS * align(stages * BLOCK_KV * d * itemsize)
+  q = mc.COMPUTE_WGS * align(ROWS * d * itemsize)
+  keys = mc.COMPUTE_WGS * align(stages * BLOCK_KV * d * itemsize)
   values = align(stages * BLOCK_KV * dv * itemsize)
-  rows = align(mp.COMPUTE_WGS * ROWS * 4) + align(LENS * 4)
-  bars = mp.COMPUTE_WGS + mp.COMPUTE_WGS * stages + stages + 1 + stages
+  rows = align(mc.COMPUTE_WGS * ROWS * 4) + align(LENS * 4)
+  bars = mc.COMPUTE_WGS + mc.COMPUTE_WGS * stages + stages + 1 + stages
   return q + keys + values + rows + bars * tiles.BARRIER_BYTES + tiles.KERNEL_SMEM_EXTRA
 
 
@@ -101,6 +91,25 @@ class DecodeConfig:
   interpret: bool
 
 
+def _scratch(dtype, d: int, dv: int, stages: int) -> list:
+  """The decode kernel's shared-memory buffers and barriers, in its argument order."""
+  bk = BLOCK_KV
+  smem = lambda shape, width: mc.smem_tile(shape, width, dtype)
+  bars = mc.barriers
+  return [
+    [smem((ROWS, d), d) for _ in range(mc.COMPUTE_WGS)],  # q_smem
+    [smem((stages, bk, d), d) for _ in range(mc.COMPUTE_WGS)],  # k_smem (K1, K2)
+    smem((stages, bk, dv), dv),  # v_smem
+    plgpu.SMEM((mc.COMPUTE_WGS, ROWS), jnp.float32),  # lse_smem
+    plgpu.SMEM((LENS,), jnp.int32),  # len_smem
+    bars(mc.COMPUTE_WGS),  # q_bar
+    bars(mc.COMPUTE_WGS * stages),  # k_bar [w * stages + slot]
+    bars(stages),  # v_bar
+    bars(),  # len_bar
+    bars(stages, mc.COMPUTE_WGS),  # consumed
+  ]
+
+
 def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
   """Per-split partial results.
 
@@ -113,6 +122,7 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
     (o1, o2) float32 [B, K, splits, 64, Dv], normalised per split, and (lse1, lse2)
     float32 [B, K, splits, 64] in base 2 (``EMPTY_LSE`` for a split with no valid row).
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   b, kh, _, d = q1.shape
   dv = v.shape[3]
   dtype = q1.dtype
@@ -162,14 +172,14 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
       def step(j, carry):
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[w * stages + slot])
-        sc = mp.product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
-        kpos = start + j * bk + mp.iota((ROWS, bk), 1)
+        sc = mc.product((ROWS, bk), q_smem[w], k_smem[w].at[slot].transpose((1, 0))) * c
+        kpos = start + j * bk + mc.iota((ROWS, bk), 1)
         sc = jnp.where(kpos < kv_len, sc, NEG)
-        return mp.softmax_step(
+        return mc.softmax_step(
           carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot], cfg, dtype, masked=False
         )
 
-      out, lse = mp.softmax_finish(*lax.fori_loop(0, n, step, mp.softmax_start(ROWS, dv)))
+      out, lse = mc.softmax_finish(*lax.fori_loop(0, n, step, mc.softmax_start(ROWS, dv)))
       (o1_ref, o2_ref)[w][bi, kvh, split] = out
       lse_smem[w] = lse
       plgpu.commit_smem()
@@ -187,36 +197,22 @@ def decode_partials(cfg: DecodeConfig, q1, q2, k1, k2, v, lens):
           plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem[w].at[slot], k_bar.at[w * stages + slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
-      mp.producer_ring(load, n, stages, consumed)
+      mc.producer_ring(load, n, stages, consumed)
 
-    mp.run_warpgroups(consumer, producer)
+    mc.run_warpgroups(consumer, producer)
 
-  smem = lambda shape, width: mp.smem_tile(shape, width, dtype)
-  bars = mp.barriers
-  scratch = [
-    [smem((ROWS, d), d) for _ in range(mp.COMPUTE_WGS)],  # q_smem
-    [smem((stages, bk, d), d) for _ in range(mp.COMPUTE_WGS)],  # k_smem (K1, K2)
-    smem((stages, bk, dv), dv),  # v_smem
-    plgpu.SMEM((mp.COMPUTE_WGS, ROWS), jnp.float32),  # lse_smem
-    plgpu.SMEM((LENS,), jnp.int32),  # len_smem
-    bars(mp.COMPUTE_WGS),
-    bars(mp.COMPUTE_WGS * stages),
-    bars(stages),
-    bars(),
-    bars(stages, mp.COMPUTE_WGS),
-  ]
   acc = jax.ShapeDtypeStruct((b, kh, splits, ROWS, dv), jnp.float32)
   lse = jax.ShapeDtypeStruct((b, kh, splits, ROWS), jnp.float32)
   return plgpu.kernel(
     kernel,
     out_type=[acc, acc, lse, lse],
-    scratch_types=scratch,
+    scratch_types=_scratch(dtype, d, dv, stages),
     grid=(kh, splits, b),
     grid_names=("kv_heads", "splits", "batch"),
-    num_threads=mp.COMPUTE_WGS + 1,
+    num_threads=mc.COMPUTE_WGS + 1,
     thread_name="wg",
     kernel_name="diff_v1_decode_mgpu",
-    **mp.launch_kwargs(cfg.interpret),
+    **mc.launch_kwargs(cfg.interpret),
   )(q1, q2, k1, k2, v, lens)
 
 

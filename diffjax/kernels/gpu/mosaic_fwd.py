@@ -1,50 +1,10 @@
 """The forward kernel of the DIFF pair on Mosaic GPU (Hopper, sm_90).
 
-Flash attention over a pair of softmax maps that share one value (masking and
-log-sum-exp conventions in :mod:`diffjax.kernels.gpu.pair_common`):
-
     out_t = softmax(qa_t Ka^T s) V - lam_t * softmax(qb_t Kb^T s) V
 
-V1: Ka = K1, Kb = K2, one lambda per head. V2: heads 2i and 2i+1 of one query array,
-Ka = Kb = K, one lambda per token.
-
-Forward kernel (:func:`forward`). One CTA per (head or pair, 64 query rows, batch
-row), three warpgroups:
-
-* warpgroup 2 is the producer: it TMA-copies the Ka, Kb (V1 only) and V tiles of
-  each key block into a ring of ``stages`` shared-memory slots, each slot guarded by
-  a "ready" barrier per buffer and one "consumed" barrier;
-* warpgroup 0 runs map a and warpgroup 1 map b over the same 64 query rows. Each
-  keeps one float32 accumulator of width Dv in registers (two of them do not fit one
-  warpgroup's registers at Dv = 256) and its own online softmax, and both multiply the
-  same V tile from shared memory: V is read from HBM once per key block. S = Q K^T is
-  a ``wgmma`` from shared memory with K transposed in place; P V takes P from registers.
-* at the end warpgroup 1 hands its normalised output to warpgroup 0 in float32
-  through shared memory (in two column halves at Dv >= 256, see
-  :func:`~diffjax.kernels.gpu.mosaic_tiles.exchange_parts`) and writes the second
-  output O2; warpgroup 0 combines ``O1 - lam O2`` in float32.
-
-Key blocks above the causal diagonal are never loaded or visited. Blocks that need no
-mask (fully visible, no segment ids, no padded keys) skip the mask arithmetic.
-
-The residuals (O2 and both log-sum-exps) are what the fused backward
-(:mod:`diffjax.kernels.gpu.mosaic_bwd`) reads; :mod:`diffjax.kernels.gpu.mosaic`
-wraps both in a ``jax.custom_vjp``, and ``implementation="pallas_gpu"`` runs them on a
-Hopper for bf16/fp16 inputs (the dispatch table, :mod:`diffjax.ops.dispatch`).
-
-Shapes. Head dims are used as they are (64, 80, 96, 128, ...: any multiple of 16);
-the shared-memory swizzle is the widest of 128/64/32 bytes that divides a row. The
-query length is padded to a multiple of 64 and the key length to a multiple of the
-key block by the caller (:func:`forward_padded` does it); padded keys are masked by the
-true length. Inputs are bf16 or
-fp16: a tf32 ``wgmma`` takes only K-major shared-memory operands, and the V tile enters
-P V with its value dim contiguous (MN-major). float32 runs on the stock path.
-
-On a CPU the kernels run in jax's Mosaic GPU interpreter (``interpret=True``; what it
-leaves unchecked, the in-place P V accumulation among it, is listed in
-:mod:`diffjax.kernels.gpu.mosaic_common`), and their lowering to Mosaic GPU IR runs
-without a GPU (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``; jax 0.11
-wants an abstract GPU device for it, ``jax.sharding.use_abstract_mesh``).
+V1: Ka = K1, Kb = K2, one lambda per head; V2: heads 2i and 2i+1 of one query array on
+one K, one lambda per token. It also saves O2 and both log-sum-exps for
+:mod:`~diffjax.kernels.gpu.mosaic_bwd`. Warpgroups and shapes: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -76,6 +36,35 @@ def tile_mask(cfg: mc.MosaicConfig, q_start, kv_start, shape, qseg=None, kvseg=N
   return mask
 
 
+def _scratch(cfg: mc.MosaicConfig, dtype, d: int, dv: int, stages: int, width: int, parts: int):
+  """The forward kernel's shared-memory buffers and barriers, in the order the kernel
+  unpacks them (None for those a call without segment ids, V2 or one O2 part does without)."""
+  v1, seg = cfg.variant == "v1", cfg.segments
+  bq, bk = mc.BLOCK_Q, cfg.block_kv
+  smem = lambda shape, width, dt=dtype: mc.smem_tile(shape, width, dt)
+  bars = mc.barriers
+  return [
+    smem((mc.COMPUTE_WGS, bq, d), d),  # q_smem
+    smem((stages, bk, d), d),  # ka_smem
+    smem((stages, bk, d), d) if v1 else None,  # kb_smem
+    smem((stages, bk, dv), dv),  # v_smem
+    smem((bq, width), width, jnp.float32),  # x_smem: O2 for warpgroup 0
+    plgpu.SMEM((bq,), jnp.float32),  # lam_smem
+    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.float32),  # lse_smem
+    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.int32) if seg else None,  # qseg_smem
+    plgpu.SMEM((stages, bk), jnp.int32) if seg else None,  # kvseg_smem
+    bars(mc.COMPUTE_WGS),  # q_bar
+    bars(mc.COMPUTE_WGS),  # row_bar
+    bars(stages),  # ka_bar
+    bars(stages) if v1 else None,  # kb_bar
+    bars(stages),  # v_bar
+    bars(stages) if seg else None,  # kvseg_bar
+    bars(stages, mc.COMPUTE_WGS),  # consumed
+    bars(),  # x_bar
+    bars() if parts > 1 else None,  # x_free
+  ]
+
+
 def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   """Runs the forward kernel.
 
@@ -83,6 +72,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   Lengths are padded (queries to 64, keys to ``block_kv``). Returns (out, o2) in the
   query dtype [B, T, H, Dv] and (lse_a, lse_b) float32 [B, H, T], base 2.
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   b, t, _, d = qs[0].shape
   s, dv = ks[0].shape[1], v.shape[3]
   h = lam_BxHxT.shape[1]
@@ -95,6 +85,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   width = dv // parts
 
   def kernel(*refs):
+    # One function: the producer and both consumers close over the refs unpacked here.
     it = iter(refs)
     qa_ref, qb_ref, ka_ref, kb_ref = mc.pair_refs(it, v1)
     v_ref, lam_ref = next(it), next(it)
@@ -214,29 +205,8 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
 
     mc.run_warpgroups(consumer, producer)
 
-  smem = lambda shape, width, dt=dtype: mc.smem_tile(shape, width, dt)
-  bars = mc.barriers
+  scratch = _scratch(cfg, dtype, d, dv, stages, width, parts)
   seg = cfg.segments
-  scratch = [
-    smem((mc.COMPUTE_WGS, bq, d), d),  # q_smem
-    smem((stages, bk, d), d),  # ka_smem
-    smem((stages, bk, d), d) if v1 else None,  # kb_smem
-    smem((stages, bk, dv), dv),  # v_smem
-    smem((bq, width), width, jnp.float32),  # x_smem: O2 for warpgroup 0
-    plgpu.SMEM((bq,), jnp.float32),  # lam_smem
-    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.float32),  # lse_smem
-    plgpu.SMEM((mc.COMPUTE_WGS, bq), jnp.int32) if seg else None,
-    plgpu.SMEM((stages, bk), jnp.int32) if seg else None,
-    bars(mc.COMPUTE_WGS),
-    bars(mc.COMPUTE_WGS),
-    bars(stages),
-    bars(stages) if v1 else None,
-    bars(stages),
-    bars(stages) if seg else None,
-    bars(stages, mc.COMPUTE_WGS),
-    bars(),
-    bars() if parts > 1 else None,
-  ]
   q_args = list(qs)
   args = q_args + list(ks) + [v, lam_BxHxT] + ([q_seg, kv_seg] if seg else [])
   out_type = [jax.ShapeDtypeStruct((b, t, h, dv), dtype)] * 2 + [

@@ -1,22 +1,10 @@
-"""The Mosaic GPU kernels as one block of a larger attention, with results that merge.
+"""The Mosaic GPU kernels as one block of the context-parallel ring, with results that merge.
 
-Ring attention (:mod:`diffjax.ops.ring`) splits the keys of a query block over several
-calls, one per key block that arrives, and merges each softmax map on its own; this
-module is the protocol it takes from a kernel (see :mod:`diffjax.ops.ring_blocks`),
-for the Mosaic GPU forward and fused backward:
-
-  * :func:`block_forward` runs the forward kernel and returns both maps' normalized
-    outputs and natural-log log-sum-exps (``O_1 = out + lam O_2`` recovered from the
-    combined output, exact up to the rounding of ``out`` and ``O_2`` to q's dtype);
-  * :func:`block_backward` runs the fused backward with the row terms of the *whole*
-    attention (merged log-sum-exps, ``D_m = rowsum(dO * O_m)``), so the block's
-    probabilities are the whole softmax restricted to the block and the blocks'
-    gradients add up to the whole attention's.
-
-Arrays are token-major, as the kernels take them: queries V1 ``(q1, q2)`` [B, T, H, D] /
-V2 ``(q,)`` [B, T, 2H, D], keys [B, S, K, D], v [B, S, K, Dv]; lambda float32 [B, H, T];
-log-sum-exps float32 [B, H, 2, T], ``+inf`` on rows that see no key. Inputs are bf16 or
-fp16 (the ring takes these blocks only where the dispatcher chose the Mosaic GPU kernels).
+The protocol of :mod:`diffjax.ops.ring_blocks` for the forward and the fused backward
+(docs/kernels_gpu.md). Arrays are token-major, as the kernels take them: queries V1
+``(q1, q2)`` [B, T, H, D] / V2 ``(q,)`` [B, T, 2H, D], keys [B, S, K, D], v [B, S, K,
+Dv]; lambda float32 [B, H, T]; log-sum-exps float32 [B, H, 2, T], ``+inf`` on rows that
+see no key. Inputs are bf16 or fp16.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Tiles of the Mosaic GPU kernels and the budgets that choose them.
 
-Two budgets decide a tiling on an H100/H200: shared memory per CTA (227 KiB with
-opt-in) and registers per consumer thread (``set_max_registers``: 232 in the forward
-and decode kernels, 240 in the backward, whose producer runs at 24). The shared-memory
-models here count what the kernels allocate, buffer by buffer (each aligned to 1 KiB,
-as Mosaic GPU places them) plus 8 bytes per barrier; the compile check
-(``python -m tools.gpu_compile``) compares them with the size Mosaic GPU launches each
-kernel with. Register counts are estimates; ``ptxas`` decides, and the compile check
-fails on any spill. The hardware's figures come from :mod:`diffjax.hardware`.
-
-:class:`MosaicBlockSizes` is the user-facing choice, validated against both budgets.
+Shared memory per CTA and registers per consumer thread of an H100/H200 (figures from
+:mod:`diffjax.hardware`): the shared-memory models of what each kernel allocates, the
+register estimates, and :class:`MosaicBlockSizes`, validated against both. How the
+models are checked against Mosaic GPU and ptxas: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations

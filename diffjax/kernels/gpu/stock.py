@@ -1,29 +1,9 @@
-"""The stock GPU paths: DIFF attention composed from standard attention calls.
+"""The stock GPU paths: DIFF attention composed from ``jax.nn.dot_product_attention`` calls.
 
-These are the peers the fused kernels must beat, written the way the authors' code
-runs on stock kernels, with ``jax.nn.dot_product_attention`` (cuDNN flash attention
-on a GPU when it accepts the call, XLA otherwise):
-
-* baseline (``mha_stock_gpu``): one call.
-* DIFF V1 (``diff_v1_stock_gpu``): ``jax.nn.dot_product_attention`` requires the value
-  width to equal the query/key width D, and V1's value is 2D wide. So V is split into
-  D-wide halves and each map is computed against each half: **4 calls** (the unilm
-  ``multihead_flashdiff_2`` path), ``out = [A1 V_a, A1 V_b] - lam [A2 V_a, A2 V_b]``.
-  It recomputes each softmax twice and reads V twice per map (brief section 3: 2x
-  the baseline's FLOPs).
-* DIFF V2 (``diff_v2_stock_gpu``): one call over the 2H query heads (GQA maps heads 2i
-  and 2i+1 to kv head i // (H / K), the pair's group), then
-  ``out_i = o_2i - lam_i o_2i+1``.
-
-Masks. Causal with T == S uses the kernel's own causal mask. With T != S the
-queries are the last T positions (bottom-right aligned) while
-``jax.nn.dot_product_attention``'s ``is_causal`` is top-left aligned, so an explicit
-boolean mask is passed instead, as for segment ids (cuDNN then receives it as a
-bias). Rows with no visible key are set to zero to match the reference.
-
-``implementation=None`` picks cuDNN on a GPU when it accepts the shapes and dtypes
-(bfloat16/float16) and XLA otherwise; pass ``"xla"`` to force the XLA path, which
-is how the CPU tests check the composition against the reference.
+The peers the fused kernels must beat, as the authors' code runs on stock kernels (cuDNN
+flash attention when it accepts a call, XLA otherwise): one call for the baseline, four
+for DIFF V1, one over the 2H query heads for DIFF V2. Why four, and the masks:
+docs/kernels_gpu.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """GPUs to compile for without one: the GPUs of :mod:`diffjax.hardware` as XLA targets.
 
-With the CUDA plugin installed (``pip install -e '.[gpu-compile]'``: ``jax-cuda12-plugin``
-and ``jax-cuda12-pjrt`` at the jax version, ``nvidia-cuda-nvcc-cu12`` for ``ptxas``),
-``jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`` turns a
-``GpuTargetConfig`` text proto into compile-only devices: compiling for them runs XLA's
-GPU pipeline and ``ptxas`` on a machine with no GPU and no driver, so register spills,
-shared-memory overflows and ptxas errors show up there. :func:`target_config` writes the
-proto from a GPU's record in the hardware table, :func:`devices` builds the devices (what
-``python -m diffjax.aot --target=h100`` compiles for) and :func:`use_pip_ptxas` puts the
-pip package's ``ptxas`` first on ``PATH`` (Mosaic GPU looks for it nowhere else).
-
-cuDNN is not needed to compile and is described only because the proto asks for a version.
+:func:`target_config` writes a GPU's ``GpuTargetConfig`` text proto, :func:`devices`
+turns it into compile-only devices (with the CUDA plugin of the ``[gpu-compile]`` extra)
+and :func:`use_pip_ptxas` puts the pip package's ``ptxas`` first on ``PATH``. What
+compiling for them shows: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -24,7 +17,8 @@ TARGETS: dict[str, hardware.Gpu] = {name: hardware.get(name) for name in hardwar
 
 
 def target_config(gpu: hardware.Gpu) -> str:
-  """The ``GpuTargetConfig`` text proto of ``gpu``."""
+  """The ``GpuTargetConfig`` text proto of ``gpu`` (compiling needs no cuDNN; the proto
+  names a version only because it asks for one)."""
   major, minor = gpu.compute_capability
   return f"""gpu_device_info {{
   threads_per_block_limit: {hardware.MAX_THREADS_PER_BLOCK}

@@ -1,27 +1,10 @@
-"""TPU (Mosaic) Pallas kernels for DIFF V1 and DIFF V2 attention.
+"""TPU (Mosaic) Pallas kernels for DIFF V1 and DIFF V2 attention, and their stock peers.
 
-The ops run these for the TPU platform (the table is
-:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`):
-
-  * ``("diff_v1", "pallas_tpu")`` and ``("diff_v2", "pallas_tpu")``: the fused
-    kernels of :mod:`diffjax.kernels.tpu.diff_attention`;
-  * ``("diff_v1", "stock")`` and ``("diff_v2", "stock")``: the authors' composition
-    of standard attention calls, here jax's splash attention
-    (:mod:`diffjax.kernels.tpu.stock`), as the peer the fused kernels must beat;
-  * ``("mha", "stock")``: one splash call, the baseline's flash kernel (what
-    ``implementation="auto"`` runs for the Transformer arm on a TPU);
-  * ``("diff_v1_decode", "pallas_tpu")``: one new token against a KV cache
-    (:mod:`diffjax.kernels.tpu.decode`), reading K1, K2 and V once.
-This package imports nothing from :mod:`diffjax.ops`.
-
-Public API: :func:`diff_v1_pallas_tpu`, :func:`diff_v2_pallas_tpu`,
-:class:`BlockSizes`, :func:`diff_v1_partition_specs`, :func:`diff_v2_partition_specs`
-(with :func:`check_head_sharding`; one copy for every kernel, in
-:mod:`diffjax.sharding.kernel_specs`),
-:func:`diff_v1_stock_tpu`, :func:`diff_v2_stock_tpu`, the baseline peer
-:func:`mha_stock_tpu` (one splash call), and the decode kernel
-:func:`diff_v1_decode_pallas_tpu` with its :class:`DecodeBlockSizes` and
-:func:`cache_length_multiple`.
+The fused forward and backward (:mod:`.diff_attention`), the V1 decode kernel
+(:mod:`.decode`), their tiles (:mod:`.block_sizes`) and the splash-attention peers
+(:mod:`.stock`). Which one runs for an op is the dispatch table's choice
+(docs/architecture.md; this package imports nothing from :mod:`diffjax.ops`); how they
+work: docs/kernels_tpu.md.
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, DecodeBlockSizes, resolve_block_sizes

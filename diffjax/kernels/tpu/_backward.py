@@ -1,40 +1,9 @@
 """Backward kernel: one pass over the tiles for every gradient of both maps.
 
-With P_c the probabilities of map c, dO the output cotangent and the row terms
-D_1 = rowsum(dO * O_1), D_2 = rowsum(dO * O_2) (computed by the wrapper):
-
-  dP   = dO V^T                              one matmul shared by both maps
-  dV   = (P_1 - lam P_2)^T dO                one matmul on the signed probabilities
-  dS_1 = P_1 * (dP - D_1)
-  dS_2 = -lam P_2 * (dP - D_2)               (dP_2 = -lam dP)
-  dQ_c = scale dS_c K_c,   dK_c = scale dS_c^T Q_c
-
-The queries are split into chunks of whole tiles (:func:`chunk_rows`), one kernel call
-each, so that a chunk's dQ always fits VMEM. Grid of a call (B * K, key tiles the chunk
-sees, G * chunk tiles): the key tile j is the outer sequential axis, and the inner axis
-walks every query tile of the chunk for every head of the kv group, so dK_c and dV
-accumulate in VMEM over the group's heads (GQA) and are written once per key tile.
-A causal call flattens the last two axes into one over the visited steps instead, in
-the same order (key tile, head, query tile), read from scalar-prefetched step tables
-(:func:`chunk_steps`): the query tiles that see a key of the tile, so masked tiles cost
-no grid step; the tables flag each key tile's first and last step.
-
-dQ needs a sum over key tiles instead. It accumulates in a float32 VMEM scratch
-[G, 2, chunk, D] for the kv group's whole sweep; each query tile is converted to the
-input dtype into the output blocks after its last visible key tile, and the pipeline
-writes those blocks (the group's heads over the chunk, per query component: [G, chunk,
-D] of dQ1 and dQ2 for V1, [2G, chunk, D] of V2's query heads; the index moves only with
-the leading axis) to HBM once per (batch, kv group). The first key tile (always
-visited) writes the scratch instead of adding, so nothing needs initialising.
-
-With several chunks, every chunk but the last writes dK and dV as float32 partial sums
-over the key tiles it sees; the next chunk reads them in as its accumulators' start
-(its key range is never shorter: a later query sees at least the keys an earlier one
-does), and the last writes the final gradients in the input dtype. One chunk (every
-sequence whose dQ block fits, e.g. up to T = 12288 at D = 128 in bfloat16 with one head
-per kv group) moves no partial sums.
-
-V2 pairs share one key: both dS_c^T Q_c land in one dK.
+With D_c = rowsum(dO * O_c): dP = dO V^T (shared), dV = (P_1 - lam P_2)^T dO,
+dS_1 = P_1 (dP - D_1), dS_2 = -lam P_2 (dP - D_2), dQ_c = s dS_c K_c, dK_c = s dS_c^T Q_c.
+The queries go in chunks of whole tiles, one call each, so that a chunk's dQ stays in
+VMEM (:func:`chunk_rows`). The grid, the chunks and the causal steps: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations
@@ -48,7 +17,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 # Rows of the row-statistics slabs (columns once transposed in the kernel).
 _LSE1, _LSE2, _D1, _D2, _LAM = 0, 1, 2, 3, 4
@@ -64,10 +33,10 @@ _LANES = 128
 def dq_row_bytes(group: int, head_dim: int, itemsize: int) -> int:
   """VMEM bytes per query row of a chunk's dQ: the float32 accumulator and the two
   output buffers in the input dtype, [G, 2, ., D] each with D on (padded to) 128 lanes."""
-  return group * 2 * L.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
+  return group * 2 * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
 
 
-def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
+def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int) -> int:
   """Query rows per chunk (a multiple of the tile): ``plan.dq_chunk`` when set, else
   the fewest chunks whose dQ fits DQ_VMEM_BUDGET, of balanced length. At least one
   tile, so a kv group too wide for the budget still runs, past it."""
@@ -80,7 +49,7 @@ def chunk_rows(plan: L.Plan, head_dim: int, itemsize: int) -> int:
     return min(plan.dq_chunk, tp)
   most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize) // bq * bq
   n = -(-tp // max(most, bq))
-  return L.round_up(-(-tp // n), bq)
+  return layout.round_up(-(-tp // n), bq)
 
 
 def step_vmem_bytes(
@@ -102,7 +71,7 @@ def step_vmem_bytes(
   tiles = (
     2 * itemsize * (2 * bq * d + kv_tile + bq * dv)
     + 2 * out_item * kv_tile
-    + 2 * 4 * ROW_STATS * L.round_up(bq, _LANES)
+    + 2 * 4 * ROW_STATS * layout.round_up(bq, _LANES)
     + (2 * 4 * kv_tile if partials_in else 0)
   )
   return tiles + 4 * (kv_tile + 8 * bq * bk)
@@ -121,7 +90,7 @@ class Chunk:
   final: bool
 
 
-def chunks(plan: L.Plan, rows: int) -> list[Chunk]:
+def chunks(plan: layout.Plan, rows: int) -> list[Chunk]:
   """The calls that cover the padded queries with chunks of ``rows`` rows."""
   per = rows // plan.block_q
   out, prev = [], 0
@@ -139,7 +108,7 @@ def chunks(plan: L.Plan, rows: int) -> list[Chunk]:
   return out
 
 
-def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+def chunk_steps(plan: layout.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
   """The causal grid of one call: int32 scalar-prefetch tables, per step the inner index
   t = head * chunk.num_q_blocks + (query tile - chunk.first) and the key tile with the
   flags of its first and last step (``_layout.pack_kv_step``). Key tile outer, then the
@@ -155,17 +124,18 @@ def chunk_steps(plan: L.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
       t.append(head * nq + rows)
       j.append(np.full(len(rows), jj))
   t, j = np.concatenate(t), np.concatenate(j)
-  first = L.run_edges(j, first=True)
-  last = L.run_edges(j, first=False)
-  return t.astype(np.int32), L.pack_kv_step(j, first, last)
+  first = layout.run_edges(j, first=True)
+  last = layout.run_edges(j, first=False)
+  return t.astype(np.int32), layout.pack_kv_step(j, first, last)
 
 
-def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
+def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
+  # One function: its stages share the refs popped here and read top to bottom.
   refs = list(refs)
   nq = chunk.num_q_blocks
   inner = plan.group * nq
   if plan.causal:
-    t, j, kv_first, kv_last = L.pop_step_tables(refs)
+    t, j, kv_first, kv_last = layout.pop_step_tables(refs)
   else:
     j, t = pl.program_id(1), pl.program_id(2)
     kv_first, kv_last = t == 0, t == inner - 1
@@ -218,23 +188,23 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     v, do = v_ref[...], do_ref[...]
 
     def probs(q, k, lse):
-      s = L.dot_nt(q, k) * plan.scale
+      s = layout.dot_nt(q, k) * plan.scale
       if keep is not None:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
 
     p1 = probs(q1, k1, stats[:, _LSE1 : _LSE1 + 1])
     p2 = probs(q2, k2, stats[:, _LSE2 : _LSE2 + 1])
-    dp = L.dot_nt(do, v)
-    dv_acc[...] += L.dot_tn((p1 - lam * p2).astype(do.dtype), do)
+    dp = layout.dot_nt(do, v)
+    dv_acc[...] += layout.dot_tn((p1 - lam * p2).astype(do.dtype), do)
     ds1 = (p1 * (dp - stats[:, _D1 : _D1 + 1])).astype(q1.dtype)
     ds2 = ((-lam) * p2 * (dp - stats[:, _D2 : _D2 + 1])).astype(q2.dtype)
     if plan.shared_k:
-      dk_acc[0] += L.dot_tn(ds1, q1) + L.dot_tn(ds2, q2)
+      dk_acc[0] += layout.dot_tn(ds1, q1) + layout.dot_tn(ds2, q2)
     else:
-      dk_acc[0] += L.dot_tn(ds1, q1)
-      dk_acc[1] += L.dot_tn(ds2, q2)
-    return L.dot_nn(ds1, k1) * plan.scale, L.dot_nn(ds2, k2) * plan.scale
+      dk_acc[0] += layout.dot_tn(ds1, q1)
+      dk_acc[1] += layout.dot_tn(ds2, q2)
+    return layout.dot_nn(ds1, k1) * plan.scale, layout.dot_nn(ds2, k2) * plan.scale
 
   # The last key tile that adds to query tile i (always visited, see Plan.block_visible).
   last_j = plan.last_visible_kv_block(i) if plan.causal else plan.num_kv_blocks - 1
@@ -273,32 +243,13 @@ def _backward_kernel(*refs, plan: L.Plan, chunk: Chunk):
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
-  """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
-  the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
-  sums over its key tiles otherwise."""
+def _in_specs(plan: layout.Plan, chunk: Chunk, spec, tile, args, prev, widths):
+  """The call's input BlockSpecs and arrays, in the kernel's argument order; ``spec`` and
+  ``tile`` are :func:`_layout.grid_specs` makers of the call's grid."""
   lam, qs, ks, v, do, stats, q_seg, kv_seg = args
   d, dv_width = widths
-  b, h, n_kv = qs[0].shape[0], plan.heads, plan.kv_heads
-  n_k = len(ks)
   bq, bk, g = plan.block_q, plan.block_kv, plan.group
-  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
-  dtype = qs[0].dtype
-
-  # Batch and kv groups share the leading parallel axis (see the forward).
-  if plan.causal:
-    t_steps, kv_steps = chunk_steps(plan, chunk)
-    grid = (b * n_kv, len(t_steps))
-
-    def coords(bg, step, t_ref, kv_ref):
-      return bg // n_kv, bg % n_kv, L.unpack_kv_step(kv_ref[step])[0], t_ref[step]
-  else:
-    grid = (b * n_kv, nkv, g * nq)
-
-    def coords(bg, j, t):
-      return bg // n_kv, bg % n_kv, j, t
-
-  _spec, _tile = L.grid_specs(plan, coords)
+  nq, n_k = chunk.num_q_blocks, len(ks)
 
   def q_block(j, t):
     return chunk.first + t % nq
@@ -312,20 +263,20 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     call_args.append(lam)
   if plan.segmented:
     in_specs += [
-      _spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
-      _spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
+      spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
+      spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
     ]
     call_args += [q_seg, kv_seg]
   for c in range(2):
     in_specs.append(
-      _tile(bq, d, lambda b_, g_, j, t, c=c: (b_, plan.q_head(c, head(g_, t))[1], q_block(j, t)))
+      tile(bq, d, lambda b_, g_, j, t, c=c: (b_, plan.q_head(c, head(g_, t))[1], q_block(j, t)))
     )
     call_args.append(qs[plan.q_head(c, 0)[0]])
-  key_tile = lambda width: _tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
+  key_tile = lambda width: tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   in_specs += [key_tile(d)] * n_k + [
     key_tile(dv_width),
-    _tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
-    _spec(
+    tile(bq, dv_width, lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t))),
+    spec(
       (None, None, None, ROW_STATS, bq), lambda b_, g_, j, t: (b_, head(g_, t), q_block(j, t), 0, 0)
     ),
   ]
@@ -333,13 +284,24 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   if chunk.prev_kv_blocks:
     last_prev = chunk.prev_kv_blocks - 1
     # Key tiles the previous chunk did not see keep its last block (no copy).
-    prev_tile = lambda width: _tile(
+    prev_tile = lambda width: tile(
       bk, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
     )
     in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
     call_args += list(prev[0]) + [prev[1]]
+  return in_specs, call_args
+
+
+def _outputs(plan: layout.Plan, chunk: Chunk, tile, rows: int, qs, ks, v, widths):
+  """The call's output BlockSpecs and shapes: dK (one per key array) and dV over the key
+  tiles the chunk sees, then dQ over its ``rows``."""
+  d, dv_width = widths
+  b, h, n_kv = qs[0].shape[0], plan.heads, plan.kv_heads
+  bk, g, n_k = plan.block_kv, plan.group, len(ks)
+  dtype = qs[0].dtype
   out_kv = (ks[0].dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
-  sp_c = nkv * bk
+  sp_c = chunk.num_kv_blocks * bk
+  key_tile = lambda width: tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   out_specs = [key_tile(d)] * n_k + [key_tile(dv_width)]
   out_shape = [jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, d), out_kv[0])] * n_k + [
     jax.ShapeDtypeStruct(plan.shape(b, n_kv, sp_c, dv_width), out_kv[1])
@@ -352,13 +314,15 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   else:
     out_specs += [plan.group_spec(rows, d, g, lambda bg, *_: (bg // n_kv, bg % n_kv))] * 2
     out_shape += [jax.ShapeDtypeStruct(plan.shape(b, h, rows, d), dtype)] * 2
-  scratch = [
-    pltpu.VMEM((n_k, bk, d), jnp.float32),
-    pltpu.VMEM((bk, dv_width), jnp.float32),
-    pltpu.VMEM((g, 2, rows, d), jnp.float32),
-  ]
+  return out_specs, out_shape
 
-  itemsize = dtype.itemsize
+
+def _vmem_and_cost(plan: layout.Plan, chunk: Chunk, rows: int, b: int, n_k: int, widths, itemsize):
+  """The call's VMEM estimate in bytes and its cost estimate."""
+  d, dv_width = widths
+  bq, bk, g = plan.block_q, plan.block_kv, plan.group
+  h, n_kv = plan.heads, plan.kv_heads
+  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
   kv_tile = n_k * bk * d + bk * dv_width
   out_item = itemsize if chunk.final else 4
   vmem = step_vmem_bytes(
@@ -376,6 +340,43 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
       + steps * bq * (itemsize * (2 * d + dv_width) + 4 * ROW_STATS)
     ),
   )
+  return vmem, cost
+
+
+def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
+  """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
+  the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
+  sums over its key tiles otherwise."""
+  qs, ks, v = args[1:4]
+  d, dv_width = widths
+  b, n_kv = qs[0].shape[0], plan.kv_heads
+  n_k = len(ks)
+  g = plan.group
+  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
+  dtype = qs[0].dtype
+
+  # Batch and kv groups share the leading parallel axis (see the forward).
+  if plan.causal:
+    t_steps, kv_steps = chunk_steps(plan, chunk)
+    grid = (b * n_kv, len(t_steps))
+
+    def coords(bg, step, t_ref, kv_ref):
+      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
+  else:
+    grid = (b * n_kv, nkv, g * nq)
+
+    def coords(bg, j, t):
+      return bg // n_kv, bg % n_kv, j, t
+
+  spec, tile = layout.grid_specs(plan, coords)
+  in_specs, call_args = _in_specs(plan, chunk, spec, tile, args, prev, widths)
+  out_specs, out_shape = _outputs(plan, chunk, tile, rows, qs, ks, v, widths)
+  scratch = [
+    pltpu.VMEM((n_k, plan.block_kv, d), jnp.float32),
+    pltpu.VMEM((plan.block_kv, dv_width), jnp.float32),
+    pltpu.VMEM((g, 2, rows, d), jnp.float32),
+  ]
+  vmem, cost = _vmem_and_cost(plan, chunk, rows, b, n_k, widths, dtype.itemsize)
   n_prefetch = 2 if plan.causal else 0
   if plan.causal:
     call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args
@@ -391,7 +392,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
     out_shape=out_shape,
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
-      vmem_limit_bytes=L.vmem_limit(vmem),
+      vmem_limit_bytes=layout.vmem_limit(vmem),
     ),
     cost_estimate=cost,
     interpret=interpret,
@@ -400,7 +401,7 @@ def _backward_chunk(plan: L.Plan, chunk: Chunk, rows: int, args, prev, *, widths
   return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1 :])
 
 
-def backward(plan: L.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
+def backward(plan: layout.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, widths, interpret):
   """Runs the backward kernel on padded head-major arrays, one call per query chunk.
 
   Args:

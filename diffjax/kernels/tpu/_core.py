@@ -18,14 +18,14 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _forward as fwd_kernel
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 from diffjax.kernels.tpu.block_sizes import resolve_block_sizes
 
 
 @dataclasses.dataclass(frozen=True)
 class CoreConfig:
-  fwd: L.Plan
-  bwd: L.Plan
+  fwd: layout.Plan
+  bwd: layout.Plan
   interpret: Any  # False, or the interpreter parameters
   widths: tuple[int, int]  # (D, Dv) of one head
 
@@ -63,8 +63,8 @@ def make_config(
     kv_heads=kv_heads,
   )
   return CoreConfig(
-    fwd=L.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
-    bwd=L.make_plan(
+    fwd=layout.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
+    bwd=layout.make_plan(
       block_q=bs.block_q_bwd, block_kv=bs.block_kv_bwd, dq_chunk=bs.dq_chunk, **common
     ),
     interpret=interpret_mode(interpret),
@@ -84,7 +84,7 @@ def _slice_axis(x, axis: int, length: int):
   return x if x.shape[axis] == length else jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
 
-def _prepare(plan: L.Plan, qs, ks, v, q_seg, kv_seg):
+def _prepare(plan: layout.Plan, qs, ks, v, q_seg, kv_seg):
   tp, sp, ax = plan.q_len_padded, plan.kv_len_padded, plan.seq_axis
   qs = tuple(_pad_axis(q, ax, tp) for q in qs)
   ks = tuple(_pad_axis(k, ax, sp) for k in ks)
@@ -95,7 +95,7 @@ def _prepare(plan: L.Plan, qs, ks, v, q_seg, kv_seg):
   return qs, ks, v, q_seg, kv_seg
 
 
-def _lam_rows(plan: L.Plan, lam, batch: int, heads: int, length: int):
+def _lam_rows(plan: layout.Plan, lam, batch: int, heads: int, length: int):
   """lambda per row [B, H, length] in float32 (V1 broadcasts its [H])."""
   lam = lam.astype(jnp.float32)
   if plan.lam_rows:
@@ -113,7 +113,7 @@ def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: boo
   t = qs[0].shape[plan.seq_axis]
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   lam_in = (
-    L.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q, plan.q_len_padded)
+    layout.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q, plan.q_len_padded)
     if plan.lam_rows
     else lam.astype(jnp.float32)
   )
@@ -199,7 +199,7 @@ def backward_with_stats(
     q_seg_p,
     kv_seg_p,
     _pad_axis(d_out, ax, tp),
-    L.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp),
+    layout.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp),
     widths=cfg.widths,
     interpret=cfg.interpret,
   )
@@ -218,7 +218,7 @@ def _diff_core_bwd(cfg, residuals, d_out):
   d2 = _row_sums(d_out, o2)
   d1 = _row_sums(d_out, out) + _lam_rows(plan, lam, b, plan.heads, t) * d2
   dqs, dks, dv = backward_with_stats(
-    cfg, qs, ks, v, lam, q_seg, kv_seg, d_out, L.tiles_to_rows(lse, t), d1, d2
+    cfg, qs, ks, v, lam, q_seg, kv_seg, d_out, layout.tiles_to_rows(lse, t), d1, d2
   )
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
   dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))

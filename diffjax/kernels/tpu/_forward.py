@@ -1,21 +1,8 @@
 """Forward kernel: both softmax maps of a DIFF head (or V2 pair) in one pass.
 
-Grid (B * H, Tp / block_q, Sp / block_kv) without a causal mask; the last axis walks
-key tiles and carries two online-softmax states (running max m_c, running sum l_c,
-unnormalised output acc_c for map c = 1, 2). Each step loads the K/V tiles once for
-both maps. A query tile's last step writes
-
-  out = acc_1 / l_1 - lam * acc_2 / l_2     (lambda subtraction fused)
-  o2  = acc_2 / l_2                        (for the backward's row terms)
-  lse = [m_1 + log l_1, m_2 + log l_2]     (log-sum-exps, +inf on fully masked rows)
-
-A causal grid is (B * H, visited tiles) instead: the tiles that hold a visible key
-(and every query tile's first key tile, so a fully masked row still gets its outputs),
-query tile outer, key tile inner, read from scalar-prefetched step tables
-(``Plan.forward_steps``); masked tiles cost no grid step.
-
-lse is written lane-dense, one (2, block_q) slab per query tile (see ``_layout``); V2's
-lambda is read the same way, a (1, block_q) slab.
+Each step loads the K/V tiles once for both maps' online softmax; a query tile's last step
+writes ``out = acc_1 / l_1 - lam acc_2 / l_2`` and, for the backward, ``o2`` and the
+lane-dense log-sum-exps. The grid and its causal form: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations
@@ -27,13 +14,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 
-def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
+def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
   refs = list(refs)
   if plan.causal:
-    i, j, first, last = L.pop_step_tables(refs)
+    i, j, first, last = layout.pop_step_tables(refs)
   else:
     i, j = pl.program_id(1), pl.program_id(2)
     first, last = j == 0, j == plan.num_kv_blocks - 1
@@ -49,7 +36,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
 
   @pl.when(first)
   def _init():
-    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -57,15 +44,15 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     v = v_ref[...]
     for c in range(2):
-      s = L.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
+      s = layout.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
       if keep is not None:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       m_prev = m_ref[c]
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
       alpha = jnp.exp(m_prev - m_next)
       p = jnp.exp(s - m_next)
       l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[c] = alpha * acc_ref[c] + L.dot_nn(p.astype(v.dtype), v)
+      acc_ref[c] = alpha * acc_ref[c] + layout.dot_nn(p.astype(v.dtype), v)
       m_ref[c] = m_next
 
   for condition, apply_mask in plan.tile_cases(i, j):
@@ -76,7 +63,7 @@ def _forward_kernel(*refs, plan: L.Plan, save_residuals: bool):
     outs, lses = [], []
     for c in range(2):
       m, l = m_ref[c], l_ref[c]
-      seen = m > 0.5 * L.MASK_VALUE  # the row met at least one visible key
+      seen = m > 0.5 * layout.MASK_VALUE  # the row met at least one visible key
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       outs.append(acc_ref[c] * inv_l)
       lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
@@ -97,8 +84,71 @@ def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components:
   return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
 
 
+def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths):
+  """The call's input BlockSpecs and arrays, in the kernel's argument order; ``spec`` and
+  ``tile`` are :func:`_layout.grid_specs` makers of the call's grid."""
+  d, dv = widths
+  bq, bk, g = plan.block_q, plan.block_kv, plan.group
+  in_specs, args = [], []
+  if plan.lam_rows:
+    in_specs.append(spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
+  else:
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  args.append(lam)
+  if plan.segmented:
+    in_specs += [
+      spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
+      spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
+    ]
+    args += [q_seg, kv_seg]
+  for c in range(2):
+    array, _ = plan.q_head(c, 0)
+    in_specs.append(tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
+    args.append(qs[array])
+  for k in ks:
+    in_specs.append(tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, j)))
+    args.append(k)
+  in_specs.append(tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, j)))
+  args.append(v)
+  return in_specs, args
+
+
+def _outputs(plan: layout.Plan, spec, tile, b: int, tp: int, dv: int, dtype, save_residuals: bool):
+  """The call's output shapes and BlockSpecs: out, then o2 and lse with ``save_residuals``."""
+  h, bq = plan.heads, plan.block_q
+  row_spec = tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
+  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
+  out_specs = [row_spec]
+  if save_residuals:
+    out_shape += [
+      jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
+      jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32),
+    ]
+    out_specs += [row_spec, spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0))]
+  return out_shape, out_specs
+
+
+def _cost(plan: layout.Plan, qs, ks, v, widths, save_residuals: bool) -> pl.CostEstimate:
+  """The call's FLOPs, exponentials and HBM bytes, for XLA's scheduling."""
+  ax = plan.seq_axis
+  b, tp, sp = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  d, dv = widths
+  h, g = plan.heads, plan.group
+  itemsize = qs[0].dtype.itemsize
+  visible = 0.5 if plan.causal else 1.0
+  kv_size = sum(k.size for k in ks) + v.size
+  return pl.CostEstimate(
+    flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
+    transcendentals=int(visible * b * h * tp * sp * 2),
+    bytes_accessed=int(
+      itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
+      + itemsize * kv_size * plan.num_q_blocks * g
+    ),
+  )
+
+
 def forward(
-  plan: L.Plan,
+  plan: layout.Plan,
   qs,
   ks,
   v,
@@ -125,7 +175,7 @@ def forward(
   ax = plan.seq_axis
   b, tp, sp = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
   d, dv = widths
-  h, bq, bk, g = plan.heads, plan.block_q, plan.block_kv, plan.group
+  h, bq, bk = plan.heads, plan.block_q, plan.block_kv
   dtype = qs[0].dtype
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
 
@@ -136,93 +186,41 @@ def forward(
     grid = (b * h, len(q_steps))
 
     def coords(bh, step, q_ref, kv_ref):
-      return bh // h, bh % h, q_ref[step], L.unpack_kv_step(kv_ref[step])[0]
+      return bh // h, bh % h, q_ref[step], layout.unpack_kv_step(kv_ref[step])[0]
   else:
     grid = (b * h, plan.num_q_blocks, plan.num_kv_blocks)
 
     def coords(bh, i, j):
       return bh // h, bh % h, i, j
 
-  _spec, _tile = L.grid_specs(plan, coords)
-
-  in_specs, args = [], []
-  if plan.lam_rows:
-    in_specs.append(_spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
-  else:
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-  args.append(lam)
-  if plan.segmented:
-    in_specs += [
-      _spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-      _spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
-    ]
-    args += [q_seg, kv_seg]
-  for c in range(2):
-    array, _ = plan.q_head(c, 0)
-    in_specs.append(_tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))
-    args.append(qs[array])
-  for k in ks:
-    in_specs.append(_tile(bk, d, lambda b_, h_, i, j: (b_, h_ // g, j)))
-    args.append(k)
-  in_specs.append(_tile(bk, dv, lambda b_, h_, i, j: (b_, h_ // g, j)))
-  args.append(v)
-  row_spec = _tile(bq, dv, lambda b_, h_, i, j: (b_, h_, i))
-  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype)]
-  out_specs = [row_spec]
-  if save_residuals:
-    out_shape += [
-      jax.ShapeDtypeStruct(plan.shape(b, h, tp, dv), dtype),
-      jax.ShapeDtypeStruct((b, h, plan.num_q_blocks, 2, bq), jnp.float32),
-    ]
-    out_specs += [
-      row_spec,
-      _spec((None, None, None, 2, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)),
-    ]
+  spec, tile = layout.grid_specs(plan, coords)
+  in_specs, args = _in_specs(plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths)
+  out_shape, out_specs = _outputs(plan, spec, tile, b, tp, dv, dtype, save_residuals)
   scratch = [
     pltpu.VMEM((2, bq, 1), jnp.float32),
     pltpu.VMEM((2, bq, 1), jnp.float32),
     pltpu.VMEM((2, bq, dv), jnp.float32),
   ]
-
-  itemsize = dtype.itemsize
-  vmem = vmem_bytes(bq, bk, d, dv, itemsize, len(ks))
-  visible = 0.5 if plan.causal else 1.0
-  kv_size = sum(k.size for k in ks) + v.size
-  cost = pl.CostEstimate(
-    flops=int(visible * b * h * tp * sp * (4 * d + 4 * dv)),
-    transcendentals=int(visible * b * h * tp * sp * 2),
-    bytes_accessed=int(
-      itemsize * (2 * b * h * tp * d + b * h * tp * (1 + save_residuals) * dv)
-      + itemsize * kv_size * plan.num_q_blocks * g
-    ),
-  )
+  vmem = vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks))
   if plan.causal:
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    )
-    semantics = ("parallel", "arbitrary")
     args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
-  else:
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=0,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    )
-    semantics = ("parallel", "parallel", "arbitrary")
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=2 if plan.causal else 0,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=scratch,
+  )
+  # The last axis carries the online softmax from step to step; the others are independent.
+  semantics = ("parallel",) * (len(grid) - 1) + ("arbitrary",)
   outs = pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
     grid_spec=grid_spec,
     out_shape=out_shape,
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=semantics, vmem_limit_bytes=L.vmem_limit(vmem)
+      dimension_semantics=semantics, vmem_limit_bytes=layout.vmem_limit(vmem)
     ),
-    cost_estimate=cost,
+    cost_estimate=_cost(plan, qs, ks, v, widths, save_residuals),
     interpret=interpret,
     name="diff_attention_fwd",
   )(*args)

@@ -1,27 +1,10 @@
-"""Static description of one kernel call and the masks it applies.
+"""Static description of one kernel call (:class:`Plan`), its masks and the operands' layout.
 
-The kernels take every operand head-major, [B, N, Tp, width], one component at a time
-(a (rows, width) tile of one head per block):
-
-  queries   V1: q1 and q2 (N = H); V2: one array of the 2H query heads, component c
-            of pair h is head 2h + c.
-  keys      V1: k1 and k2; V2: k (N = K kv groups). values v (N = K, width Dv).
-  q_seg  [B, Tp, 1] int32,  kv_seg [B, 1, Sp] int32   (only with segment ids)
-
-The wrappers transpose the callers' [B, T, N, width] arrays into this layout, one array
-per component and never stacked: the TPU compiler lays a [B, T, N, width] array out
-with N major to T (N is small), so these transposes, and the ones back, compile to
-bitcasts (no HBM pass) at a jit boundary. Reading [B, T, N * width] blocks directly
-would instead cost two relayout copies per operand there.
-
-Tp and Sp are the query and key lengths padded to a multiple of the tile.
-
-Row statistics (the log-sum-exps, the backward's row terms, V2's lambda) are float32
-and lane-dense, one slab per query tile: [B, H, Tp / block_q, R, block_q] with the rows
-of the tile on the lanes (:func:`rows_to_tiles`). A tile's block (R, block_q) is the
-whole of the array's last two dimensions, so any block_q is a legal block, and HBM
-holds R rounded up to 8 sublanes per row instead of a minor dimension padded to 128
-lanes. The kernels transpose the small slab to columns when they need them.
+Every operand is head-major, [B, N, Tp, width], one component per array: V1 q1, q2 (N = H)
+and k1, k2; V2 one array of the 2H query heads (component c of pair h is head 2h + c) and
+k; v (N = K). Tp, Sp: the lengths padded to the tile. Segment ids: q_seg [B, Tp, 1] and
+kv_seg [B, 1, Sp] int32. Row statistics: lane-dense slabs [B, H, Tp / block_q, R, block_q]
+(:func:`rows_to_tiles`). Why this layout: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations

@@ -25,12 +25,9 @@ class BlockSizes:
     block_q_bwd: query rows per backward tile (a multiple of 8).
     block_kv_bwd: key rows per backward tile (a multiple of 128).
     dq_chunk: query rows per backward kernel call (a positive multiple of
-      block_q_bwd). The backward keeps a chunk's dQ in VMEM for a kv group's whole
-      sweep and passes float32 dK/dV partial sums from one chunk to the next. None
-      (default): the fewest chunks whose dQ (float32 accumulator and two output
-      buffers) fits 24 MiB (``_backward.DQ_VMEM_BUDGET``; at D = 128 in bfloat16 with
-      one head per kv group, one chunk up to T = 12288). A larger value than the
-      default may exceed the VMEM limit; a smaller one is for tests.
+      block_q_bwd). None (default): the fewest chunks whose dQ fits 24 MiB of VMEM
+      (``_backward.DQ_VMEM_BUDGET``). A larger value than the default may exceed the
+      VMEM limit; a smaller one is for tests.
 
   A tile longer than the (8- or 128-rounded) sequence is shrunk to it, so the
   defaults also serve short sequences. Sequences that are not a multiple of the
@@ -70,30 +67,10 @@ class BlockSizes:
     """Default tiles for a component head width, per TPU generation.
 
     ``generation`` is "v5e", "v5p" or "v6e"; None takes the generation of
-    ``jax.devices()[0]`` on a TPU (:func:`tpu_generation`). Off a TPU, or for a
-    generation not in the table below, the generation-free tiles (:func:`_base_tiles`).
-
-    For a known generation each pass takes the first candidate whose VMEM estimate
-    (the kernels' own, ``_forward.vmem_bytes`` and ``_backward.step_vmem_bytes``, for the
-    widest case: DIFF V1 with a 2 d value, float32, the backward reading and writing
-    float32 dK/dV partial sums) fits the pass's budget: the 64 MiB the kernels request
-    at most (``_layout.vmem_limit``) over its 1.5 headroom, 42.7 MiB, and for the
-    backward 18.7 MiB after the 24 MiB for a chunk's dQ (``_backward.DQ_VMEM_BUDGET``).
-    The candidates are the base tiles, then halvings (the key side first) down to
-    128; a candidate whose sides are multiples of the generation's MXU width wins over
-    one that is not:
-
-      generation  MXU      fwd q x kv (d <= 64, <= 128, 256)  bwd q x kv (the same d)
-      v5e         128x128  512x1024, 512x512, 256x512         512x512, 512x256, 256x256
-      v5p         128x128  the same                           the same
-      v6e         256x256  the same                           the same
-
-    The kernels already assume at least 64 MiB of VMEM per core on all three
-    (``_layout.vmem_limit``), so the budget is the same for each and the base tiles fit
-    it (at most about 13 MiB forward and 12.5 MiB backward, at d = 64); they are multiples of
-    256 as well, which suits v6e's MXU. Only heads wider than 256 shrink (d = 512:
-    backward 256x128 on every generation). The choice follows the budget, not timings
-    on the chips.
+    ``jax.devices()[0]`` on a TPU (:func:`tpu_generation`). Off a TPU, or for another
+    generation, the generation-free tiles (:func:`_base_tiles`). For a known generation,
+    each pass takes the first candidate (:func:`_candidates`) whose VMEM estimate fits its
+    budget, MXU-aligned ones first (docs/kernels_tpu.md, "Default tiles").
     """
     base = _base_tiles(head_dim)
     if generation is None:

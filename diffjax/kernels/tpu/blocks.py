@@ -1,29 +1,16 @@
-"""The fused DIFF kernels as one block of a larger attention, with results that merge.
+"""The fused DIFF kernels as one block of the context-parallel ring, with results that merge.
 
-Ring attention (:mod:`diffjax.ops.ring`) splits the keys of a query block
-over several calls, one per key block that arrives. Merging the calls needs each softmax
-map on its own, which the fused kernel combines before it writes:
-
-  * :func:`block_forward` runs the forward kernel and returns both maps' normalized
-    outputs and log-sum-exps. ``O_2`` and the log-sum-exps are what the kernel already
-    writes for its backward; ``O_1 = out + lam O_2`` is recovered from the combined
-    output (exact up to the rounding of ``out`` and ``O_2`` to q's dtype).
-  * :func:`block_backward` runs the backward kernel with row statistics of the *whole*
-    attention (the merged log-sum-exps and ``D_m = rowsum(dO * O_m)`` of the merged
-    outputs). With those, the block's probabilities are the whole softmax restricted to
-    the block, so the gradients of all blocks add up to the whole attention's.
-
-Arrays are in the kernels' head-major layout (:mod:`diffjax.kernels.tpu._layout`):
-queries V1 ``(q1, q2)`` [B, H, T, D] / V2 ``(q,)`` [B, 2H, T, D], keys V1 ``(k1, k2)`` /
-V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda float32 [B, H, T] (V1 reads row 0 of
-batch 0: its lambda is one per head).
+The protocol of :mod:`diffjax.ops.ring_blocks` (docs/scaling.md). Arrays are head-major
+(:mod:`~diffjax.kernels.tpu._layout`): queries V1 ``(q1, q2)`` [B, H, T, D] / V2 ``(q,)``
+[B, 2H, T, D], keys V1 ``(k1, k2)`` / V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda
+float32 [B, H, T] (V1 reads row 0 of batch 0: its lambda is one per head).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 
 # The custom_vjp's own pieces, shared with the whole-attention path.
 from diffjax.kernels.tpu._core import CoreConfig, _lam_rows, backward_with_stats, make_config  # pylint: disable=protected-access
@@ -98,7 +85,7 @@ def block_forward(cfg: CoreConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   o2 = o2.astype(jnp.float32)
   lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   o1 = out.astype(jnp.float32) + lam_rows[..., None] * o2
-  return o1, o2, L.tiles_to_rows(lse, t)
+  return o1, o2, layout.tiles_to_rows(lse, t)
 
 
 def block_backward(

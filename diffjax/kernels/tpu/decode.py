@@ -1,46 +1,9 @@
 """DIFF V1 decoding on TPUs: one query token per row against a KV cache (Pallas, Mosaic).
 
-Decoding is memory-bound: its cost is reading the cache. This kernel reads K1, K2 and
-V of every cache row once, the bytes of the baseline's two kv heads of width D per
-kv group, and shares each loaded tile between both maps and every query head of a
-kv group.
-
-Grid (B, splits, blocks per split). A program's tiles hold ``block_kv`` positions of
-all kv groups of one batch row; the last grid axis walks the row's cache blocks and
-carries an online softmax per map, kv group and head. The cache length per row is
-prefetched into SMEM: the index maps clamp the block index to the row's last block
-that holds a valid position, so the steps past ``kv_len`` re-use the block already
-in VMEM (no DMA) and skip their compute. Each (row, split) writes its unnormalised
-partial results, which XLA merges exactly (one split unless the batch has one row,
-where two splits give both cores of a megacore chip work); lambda is applied there.
-
-Cache layouts. XLA stores a [B, S, K, X] cache array in the TPU's default layout
-for its shape, which is not always row-major: when X is not a multiple of 128 the
-positions are the minor (lane) dimension, and when it is, the groups come before the
-positions unless K is 2, 4 or a multiple of 8 (or 1 in a 32-bit type). The kernel
-reads each cache array through the view whose row-major layout is that default one
-([B, K, X, S], [B, K, S, X] or [B, S, K, X], see :func:`cache_view`), so that the
-transposition is a bitcast and the cache is read in place. A cache in another
-layout is still computed correctly, after XLA transposes it (a copy).
-
-Two forms of the step. When K1, K2 and V are all row-major, a tile holds the groups
-of a position side by side in its sublanes; the kernel then scores the tile as one
-[block_kv * K, X] matrix against the query rows of every group and masks the pairs
-of different groups (:func:`_accumulate_flat`), which costs the matrix unit nothing
-extra in passes over the tile and gathers no rows. Otherwise it loops over the kv
-groups (:func:`_accumulate_groups`), each reading its [block_kv, X] (or transposed)
-tile directly; a row-major V next to a transposed K (X = D not a multiple of 128,
-Dv = 2 D one) is the one case where a group's rows are picked out of the tiles, which
-takes the compiler longer.
-
-Cache lengths. The cache is read in place when its length S is a multiple of 128
-(:func:`cache_length_multiple`; the kernel then takes the largest multiple of 128 at
-most ``block_kv`` that divides S as its block) or at most ``block_kv`` (one block).
-Any other length is padded to a multiple of 128 first, a copy of the whole cache on
-every call.
-
-The query rows of a kv group are padded to the sublane tile (8 rows, 16 for 16-bit
-types) and its outputs sliced back; the cache is never padded in its head dims.
+The kernel reads K1, K2 and V of every cache row once, shares each tile between both
+maps and every query head of a kv group, reads each cache array through the view that
+matches its TPU layout (:func:`cache_view`), and leaves merging its splits and applying
+lambda to XLA. Grid, views, the two forms of a step, cache lengths: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations
@@ -56,13 +19,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.core import reference
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu import _layout as L
+from diffjax.kernels.tpu import _layout as layout
 from diffjax.kernels.tpu._core import Interpret, interpret_mode
 from diffjax.kernels.tpu.block_sizes import DecodeBlockSizes, resolve_decode_block_sizes
 
 _LANES = 128
 
-# How a kernel reads a cache array [B, S, K, X] (see the module docstring): the view
+# How a kernel reads a cache array [B, S, K, X] (docs/kernels_tpu.md): the view
 # names the order of (kv group K, positions S, width X) after the batch axis.
 SKD, KSD, KDS = "skd", "ksd", "kds"
 
@@ -173,12 +136,12 @@ def _accumulate_groups(
     for c, k_ref in enumerate(k_refs):
       k = _group_tile(k_ref, plan.k_view, g)
       q = q_ref[c, rows, :]
-      s = (L.dot_nn(q, k) if plan.k_view == KDS else L.dot_nt(q, k)) * plan.scale
+      s = (layout.dot_nn(q, k) if plan.k_view == KDS else layout.dot_nt(q, k)) * plan.scale
       if masked:
-        s = jnp.where(keep, s, L.MASK_VALUE)
+        s = jnp.where(keep, s, layout.MASK_VALUE)
       m, l, alpha, p = _online_softmax(s, m_ref[c, rows, :], l_ref[c, rows, :], axis=1)
       p = p.astype(v.dtype)
-      pv = L.dot_nt(p, v) if plan.v_view == KDS else L.dot_nn(p, v)
+      pv = layout.dot_nt(p, v) if plan.v_view == KDS else layout.dot_nn(p, v)
       acc_ref[c, rows, :] = alpha * acc_ref[c, rows, :] + pv
       m_ref[c, rows, :] = m
       l_ref[c, rows, :] = l
@@ -205,9 +168,9 @@ def _accumulate_flat(
     v = jnp.where(start + lax.div(v_row, kh) < kv_len, v, jnp.zeros_like(v))
   for c, k_ref in enumerate(k_refs):
     k = k_ref[...].reshape(n, k_ref.shape[-1])
-    s = jnp.where(keep, L.dot_nt(k, q_ref[c]) * plan.scale, L.MASK_VALUE)
+    s = jnp.where(keep, layout.dot_nt(k, q_ref[c]) * plan.scale, layout.MASK_VALUE)
     m, l, alpha, p = _online_softmax(s, m_ref[c], l_ref[c], axis=0)
-    acc_ref[c] = alpha * acc_ref[c] + L.dot_tn(v, p.astype(v.dtype))
+    acc_ref[c] = alpha * acc_ref[c] + layout.dot_tn(v, p.astype(v.dtype))
     m_ref[c] = m
     l_ref[c] = l
 
@@ -233,7 +196,7 @@ def _decode_kernel(
 
   @pl.when(j == 0)
   def _init():
-    m_ref[...] = jnp.full(m_ref.shape, L.MASK_VALUE, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -273,7 +236,7 @@ def _block_kv(s: int, blocks: DecodeBlockSizes) -> tuple[int, int]:
   """(block, padded length): the block divides the padded length."""
   if s <= blocks.block_kv:
     return s, s
-  sp = L.round_up(s, _LANES)
+  sp = layout.round_up(s, _LANES)
   bk = blocks.block_kv
   while sp % bk:
     bk -= _LANES
@@ -291,13 +254,77 @@ def _merge(acc, m, l):
   )
 
 
+def _block_shapes(plan: _Plan, dv: int):
+  """(row statistics, accumulator, m and l output) blocks of one (row, split): in the flat
+  form the statistics are rows and the accumulators transposed, else columns."""
+  cols = plan.columns
+  if plan.flat:
+    return (2, 1, cols), (2, dv, cols), (2, 2, cols)
+  return (2, cols, 1), (2, cols, dv), (2, cols, 2)
+
+
+def _grid_spec(plan: _Plan, b: int, d: int, dv: int) -> pltpu.PrefetchScalarGridSpec:
+  """Grid (B, splits, blocks per split) over the prefetched cache lengths, and its blocks."""
+  bk, kh, cols = plan.block_kv, plan.kv_heads, plan.columns
+  kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=plan.blocks_per_split)
+
+  def cache_spec(view: str, width: int):
+    if view == SKD:
+      return pl.BlockSpec(
+        (None, bk, kh, width), lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0)
+      )
+    if view == KSD:
+      return pl.BlockSpec(
+        (None, kh, bk, width), lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0)
+      )
+    return pl.BlockSpec(
+      (None, kh, width, bk), lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens))
+    )
+
+  out_spec = lambda shape: pl.BlockSpec(
+    (None, None, *shape), lambda bi, si, j, lens: (bi, si) + (0,) * len(shape)
+  )
+  stat_shape, acc_shape, ml_shape = _block_shapes(plan, dv)
+  return pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1,
+    grid=(b, plan.splits, plan.blocks_per_split),
+    in_specs=[
+      pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.k_view, d),
+      cache_spec(plan.v_view, dv),
+    ],
+    out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
+    scratch_shapes=[
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(stat_shape, jnp.float32),
+      pltpu.VMEM(acc_shape, jnp.float32),
+    ],
+  )
+
+
+def _vmem_bytes(plan: _Plan, d: int, dv: int, itemsize: int) -> int:
+  """VMEM estimate of one step: both buffers of the cache tiles, the float32 softmax state
+  and accumulators, and six float32 score-sized temporaries."""
+  bk, kh, cols, gp = plan.block_kv, plan.kv_heads, plan.columns, plan.rows
+  tiles = 2 * itemsize * bk * kh * (2 * layout.round_up(d, _LANES) + layout.round_up(dv, _LANES))
+  work = (
+    bk * kh * layout.round_up(cols, _LANES)
+    if plan.flat
+    else layout.round_up(gp, 8) * layout.round_up(bk, _LANES)
+  )  # one map's scores
+  return tiles + 4 * (
+    3 * 2 * layout.round_up(cols, 8) * (layout.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
+  )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   b, _, h, d = q1.shape
   s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
   g = h // kh
   itemsize = k1.dtype.itemsize
-  gp = L.round_up(g, 8 * max(1, 4 // q1.dtype.itemsize))
+  gp = layout.round_up(g, 8 * max(1, 4 // q1.dtype.itemsize))
   bk, sp = _block_kv(s, blocks)
   if sp != s:  # a copy of the cache: see cache_length_multiple
     pad = lambda x: jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
@@ -323,51 +350,9 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).reshape(b, 2, cols, d)
   kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, s)
 
-  kv_block = functools.partial(_kv_block, block_kv=bk, blocks_per_split=per_split)
-
-  def cache_spec(view: str, width: int):
-    if view == SKD:
-      return pl.BlockSpec(
-        (None, bk, kh, width), lambda bi, si, j, lens: (bi, kv_block(bi, si, j, lens), 0, 0)
-      )
-    if view == KSD:
-      return pl.BlockSpec(
-        (None, kh, bk, width), lambda bi, si, j, lens: (bi, 0, kv_block(bi, si, j, lens), 0)
-      )
-    return pl.BlockSpec(
-      (None, kh, width, bk), lambda bi, si, j, lens: (bi, 0, 0, kv_block(bi, si, j, lens))
-    )
-
-  out_spec = lambda shape: pl.BlockSpec(
-    (None, None, *shape), lambda bi, si, j, lens: (bi, si) + (0,) * len(shape)
-  )
-  if plan.flat:  # row statistics and transposed accumulators
-    stat_shape, acc_shape, ml_shape = (2, 1, cols), (2, dv, cols), (2, 2, cols)
-  else:
-    stat_shape, acc_shape, ml_shape = (2, cols, 1), (2, cols, dv), (2, cols, 2)
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=1,
-    grid=(b, splits, per_split),
-    in_specs=[
-      pl.BlockSpec((None, 2, cols, d), lambda bi, si, j, lens: (bi, 0, 0, 0)),
-      cache_spec(plan.k_view, d),
-      cache_spec(plan.k_view, d),
-      cache_spec(plan.v_view, dv),
-    ],
-    out_specs=[out_spec(acc_shape), out_spec(ml_shape)],
-    scratch_shapes=[
-      pltpu.VMEM(stat_shape, jnp.float32),
-      pltpu.VMEM(stat_shape, jnp.float32),
-      pltpu.VMEM(acc_shape, jnp.float32),
-    ],
-  )
-  tiles = 2 * itemsize * bk * kh * (2 * L.round_up(d, _LANES) + L.round_up(dv, _LANES))
-  work = (
-    bk * kh * L.round_up(cols, _LANES) if plan.flat else L.round_up(gp, 8) * L.round_up(bk, _LANES)
-  )  # one map's scores
-  vmem = tiles + 4 * (
-    3 * 2 * L.round_up(cols, 8) * (L.round_up(dv, _LANES) + 2 * _LANES) + 6 * work
-  )
+  grid_spec = _grid_spec(plan, b, d, dv)
+  _, acc_shape, ml_shape = _block_shapes(plan, dv)
+  vmem = _vmem_bytes(plan, d, dv, itemsize)
   cache_bytes = itemsize * b * sp * kh * (2 * d + dv)
   acc, ml = pl.pallas_call(
     functools.partial(_decode_kernel, plan=plan),
@@ -377,7 +362,8 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
       jax.ShapeDtypeStruct((b, splits, *ml_shape), jnp.float32),
     ],
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=L.vmem_limit(vmem)
+      dimension_semantics=("parallel", "parallel", "arbitrary"),
+      vmem_limit_bytes=layout.vmem_limit(vmem),
     ),
     cost_estimate=pl.CostEstimate(
       flops=4 * b * h * s * (d + dv), transcendentals=2 * b * h * s, bytes_accessed=int(cache_bytes)

@@ -1,13 +1,9 @@
 """Fused DIFF V1 and DIFF V2 attention for TPU (Pallas, Mosaic TPU).
 
-One ``pallas_call`` computes both softmax maps of a DIFF head (V1) or of a V2 head
-pair per tile, sharing the K/V tile loads, and fuses the lambda subtraction; one
-more computes every gradient, sharing dP = dO V^T and dV between the maps
-(:mod:`diffjax.kernels.tpu._forward`, :mod:`diffjax.kernels.tpu._backward`).
-The plain-JAX reference for both is :mod:`diffjax.core.reference`.
-
-Both functions work on one device; :mod:`diffjax.sharding.kernel_specs` gives the
-PartitionSpecs to run them under ``jax.shard_map`` over batch and heads.
+One ``pallas_call`` computes both softmax maps of a DIFF head (V1) or head pair (V2) per
+tile and applies lambda (:mod:`._forward`); one more computes every gradient
+(:mod:`._backward`). Both are checked against :mod:`diffjax.core.reference` and run on one
+device; :mod:`diffjax.sharding.kernel_specs` gives their PartitionSpecs for ``shard_map``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The authors' composition of stock attention calls, on TPU with splash attention.
 
-This is the peer the fused kernels are measured against, not a path to train with:
-
-  * V1 (unilm ``multihead_flashdiff_1``): two attention calls, one per map, both
-    with the 2D-wide value, then ``out = o_1 - lam o_2``. V is read twice and the
-    backward runs two full attention backwards.
-  * V2 (unilm ``multihead_flashdiffv2``): one call over all 2H query heads, then
-    ``out_i = o_2i - lam_i o_2i+1``.
-
-Splash attention needs tile multiples, so the wrappers pad and hide padded keys
-behind a segment id no real query carries. Splash leaves fully masked rows
-undefined (the reference gives zeros); with causal masking and T <= S there are none.
+The peer the fused kernels are measured against, not a path to train with: two splash
+calls for DIFF V1 (one per map), one over the 2H query heads for DIFF V2, one for the
+baseline. Padding and fully masked rows: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations

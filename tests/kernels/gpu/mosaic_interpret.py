@@ -21,7 +21,7 @@ only those two.
 ``pl.run_state`` accumulators (``plgpu.ACC.init``) run in neither jax 0.10.2's nor
 0.11.2's interpreter and are not added here: interpreted, the kernels accumulate through
 a zero-initialised ``run_scoped`` accumulator instead
-(:func:`diffjax.kernels.gpu.mosaic_common.accumulate`, whose module docstring lists what
+(:func:`diffjax.kernels.gpu.mosaic_common.accumulate`; docs/kernels_gpu.md lists what
 the interpreted tests leave to the compiled ones).
 
 A test installs this before it interprets a kernel: :func:`params` does it and returns
