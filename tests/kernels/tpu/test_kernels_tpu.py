@@ -252,10 +252,10 @@ def test_query_chunks_match_reference(version, dq_chunk, t, s, causal, seg, dtyp
 
 
 def _bwd_plan(t, heads=12, kv_heads=12, d=128, causal=True, s=None, **kw):
-  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as layout  # pylint: disable=g-import-not-at-top
 
   bs = kt.resolve_block_sizes(kw, d)
-  return L.make_plan(
+  return layout.make_plan(
     q_len=t,
     kv_len=s or t,
     block_q=bs.block_q_bwd,
@@ -275,7 +275,7 @@ def test_chunk_rule():
   """One chunk while dQ fits the budget: the paper's 3B layer (12 heads of d = 128, one
   per kv group) up to T = 12288 in bfloat16; longer sequences take balanced chunks."""
   from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
-  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as layout  # pylint: disable=g-import-not-at-top
 
   rows = lambda plan, itemsize=2: bwd.chunk_rows(plan, 128, itemsize)
   assert bwd.dq_row_bytes(1, 128, 2) == 2 * 128 * (4 + 4)
@@ -297,9 +297,9 @@ def test_chunk_rule():
   full = _bwd_plan(1000, causal=False, dq_chunk=512)
   assert [c.num_kv_blocks for c in bwd.chunks(full, 512)] == [4, 4]
   # The VMEM limit the kernel asks for stays within what v5e, v5p and v6e have.
-  assert L.vmem_limit(2 * bwd.DQ_VMEM_BUDGET) <= 64 * 2**20
+  assert layout.vmem_limit(2 * bwd.DQ_VMEM_BUDGET) <= 64 * 2**20
   with pytest.raises(ValueError, match="must be a multiple of the backward query tile"):
-    bwd.chunk_rows(L.dataclasses.replace(plan, dq_chunk=100), 128, 2)
+    bwd.chunk_rows(layout.dataclasses.replace(plan, dq_chunk=100), 128, 2)
 
 
 def _brute_visible(t, s, bq, bk):
@@ -327,9 +327,9 @@ def _brute_visible(t, s, bq, bk):
 )
 def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv_heads, dq_chunk):
   from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
-  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as layout  # pylint: disable=g-import-not-at-top
 
-  plan = L.make_plan(
+  plan = layout.make_plan(
     q_len=t,
     kv_len=s,
     block_q=bq,
@@ -349,7 +349,7 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
   # Forward: the visible tiles row by row; a query tile starts on key tile 0 and ends
   # on its last visible one.
   q_steps, kv_steps = plan.forward_steps()
-  j, first, last = (np.asarray(x) for x in L.unpack_kv_step(jnp.asarray(kv_steps)))
+  j, first, last = (np.asarray(x) for x in layout.unpack_kv_step(jnp.asarray(kv_steps)))
   assert sorted(zip(q_steps.tolist(), j.tolist())) == list(zip(*np.nonzero(want)))
   assert len(q_steps) == want.sum()
   np.testing.assert_array_equal(first, j == 0)
@@ -362,7 +362,7 @@ def test_causal_grids_visit_only_tiles_with_visible_keys(t, s, bq, bk, heads, kv
   total = 0
   for chunk in bwd.chunks(plan, bwd.chunk_rows(plan, 16, 4)):
     t_steps, kv_steps = bwd.chunk_steps(plan, chunk)
-    j, first, last = (np.asarray(x) for x in L.unpack_kv_step(jnp.asarray(kv_steps)))
+    j, first, last = (np.asarray(x) for x in layout.unpack_kv_step(jnp.asarray(kv_steps)))
     i = chunk.first + t_steps % chunk.num_q_blocks
     assert np.all(want[i, j]) and np.all(np.diff(j) >= 0)
     sub = want[chunk.first : chunk.first + chunk.num_q_blocks, : chunk.num_kv_blocks]
@@ -469,14 +469,14 @@ def test_block_sizes_defaults_and_dict_overrides():
 def test_block_sizes_per_generation_fit_the_vmem_budget():
   from diffjax.kernels.tpu import _backward as bwd  # pylint: disable=g-import-not-at-top
   from diffjax.kernels.tpu import _forward as fwd  # pylint: disable=g-import-not-at-top
-  from diffjax.kernels.tpu import _layout as L  # pylint: disable=g-import-not-at-top
-  from diffjax.kernels.tpu import block_sizes as B  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import _layout as layout  # pylint: disable=g-import-not-at-top
+  from diffjax.kernels.tpu import block_sizes as tpu_block_sizes  # pylint: disable=g-import-not-at-top
 
   base = {d: kt.BlockSizes.get_default(d, "v4") for d in (64, 128, 256, 512)}
   # Off a TPU and for a generation not in the table: the generation-free tiles.
   assert base[128] == kt.BlockSizes(block_q=512, block_kv=512, block_q_bwd=512, block_kv_bwd=256)
   assert kt.BlockSizes.get_default(128) == base[128]
-  assert B.tpu_generation() is None
+  assert tpu_block_sizes.tpu_generation() is None
   kinds = {
     "TPU v5 lite": "v5e",
     "TPU v5e": "v5e",
@@ -486,9 +486,11 @@ def test_block_sizes_per_generation_fit_the_vmem_budget():
     "TPU v6e": "v6e",
     "TPU v4": None,
   }
-  assert {k: B.tpu_generation(k) for k in kinds} == kinds
+  assert {k: tpu_block_sizes.tpu_generation(k) for k in kinds} == kinds
   fwd_budget = 64 * 2**20 / 1.5  # the most _layout.vmem_limit grants, over its headroom
-  assert L.vmem_limit(fwd_budget) <= 64 * 2**20 and L.vmem_limit(fwd_budget + 8) == 64 * 2**20
+  assert (
+    layout.vmem_limit(fwd_budget) <= 64 * 2**20 and layout.vmem_limit(fwd_budget + 8) == 64 * 2**20
+  )
   bwd_budget = fwd_budget - bwd.DQ_VMEM_BUDGET
   for gen, mxu in (("v5e", 128), ("v5p", 128), ("v6e", 256)):
     for d in (64, 96, 128, 256, 512, 1024):

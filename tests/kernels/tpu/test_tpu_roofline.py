@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from diffjax.kernels.tpu import _backward as B
-from diffjax.kernels.tpu import _layout as L
-from tools import tpu_roofline as R
+from diffjax.kernels.tpu import _backward as backward
+from diffjax.kernels.tpu import _layout as layout
+from tools import tpu_roofline as roofline
 
 
 def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_chunk=None):
-  return R.Tiles(
+  return roofline.Tiles(
     block_q=bq,
     block_kv=bk,
     block_q_bwd=bq_bwd,
@@ -28,7 +28,7 @@ def _tiles(bq=512, bk=512, bq_bwd=512, bk_bwd=256, splash=512, dq_chunk=None):
 
 
 def _kernel(ops, name):
-  return next(o for o in ops if o.part == R.KERNEL and o.name.endswith(name))
+  return next(o for o in ops if o.part == roofline.KERNEL and o.name.endswith(name))
 
 
 # ----------------------------------------------------------------------------------
@@ -37,16 +37,16 @@ def _kernel(ops, name):
 
 def test_transformer_forward_flops_non_causal_and_causal():
   b, h, d, t = 2, 2, 64, 1024  # 2 DIFF heads -> 4 Transformer heads
-  shape = R.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
-  fwd = _kernel(R.transformer_ops(shape, _tiles(splash=256))["fwd"], "splash fwd")
+  shape = roofline.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
+  fwd = _kernel(roofline.transformer_ops(shape, _tiles(splash=256))["fwd"], "splash fwd")
   assert fwd.flops == 4 * b * (2 * h) * t * t * d  # Q K^T and P V, 2 FLOPs per MAC
 
   # Causal at T = 32K with 512 tiles: 64 * 65 / 2 of 64 * 64 tiles are computed.
-  full = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=False)
-  causal = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=True)
+  full = roofline.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=False)
+  causal = roofline.Shape(batch=1, diff_heads=12, head_dim=128, seq=32768, causal=True)
   ratio = (
-    _kernel(R.transformer_ops(causal, _tiles())["fwd"], "splash fwd").flops
-    / _kernel(R.transformer_ops(full, _tiles())["fwd"], "splash fwd").flops
+    _kernel(roofline.transformer_ops(causal, _tiles())["fwd"], "splash fwd").flops
+    / _kernel(roofline.transformer_ops(full, _tiles())["fwd"], "splash fwd").flops
   )
   assert ratio == pytest.approx(65 / 128)
   assert 0.5 < ratio < 0.51
@@ -54,17 +54,17 @@ def test_transformer_forward_flops_non_causal_and_causal():
 
 def test_fused_and_splash_backward_flops_per_pair():
   b, h, d, t = 1, 3, 64, 512
-  shape = R.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
+  shape = roofline.Shape(batch=b, diff_heads=h, head_dim=d, seq=t, causal=False)
   tiles = _tiles(bq=128, bk=128, bq_bwd=128, bk_bwd=128, splash=128)
   pairs = b * t * t
-  v1 = R.fused_ops(shape, tiles, 1)
+  v1 = roofline.fused_ops(shape, tiles, 1)
   # V1 per DIFF head: forward 2 maps x (2d + 2 x 2d); backward 12d + 4 x 2d.
   assert _kernel(v1["fwd"], "diff_attention_fwd").flops == h * pairs * 12 * d
   assert _kernel(v1["bwd"], "diff_attention_bwd").flops == h * pairs * 20 * d
-  v2 = R.fused_ops(shape, tiles, 2)  # 2H pairs, value width d
+  v2 = roofline.fused_ops(shape, tiles, 2)  # 2H pairs, value width d
   assert _kernel(v2["fwd"], "diff_attention_fwd").flops == 2 * h * pairs * 8 * d
   assert _kernel(v2["bwd"], "diff_attention_bwd").flops == 2 * h * pairs * 16 * d
-  mha = R.transformer_ops(shape, tiles)["bwd"]
+  mha = roofline.transformer_ops(shape, tiles)["bwd"]
   # Splash recomputes Q K^T and dP in both backward kernels: 8d + 6d per head.
   assert _kernel(mha, "splash dK/dV").flops == 2 * h * pairs * 8 * d
   assert _kernel(mha, "splash dQ").flops == 2 * h * pairs * 6 * d
@@ -72,7 +72,7 @@ def test_fused_and_splash_backward_flops_per_pair():
 
 def test_visited_tiles_match_the_kernels_plan():
   for t, bq, bk in ((1000, 256, 128), (2048, 512, 256), (640, 128, 512)):
-    plan = L.make_plan(
+    plan = layout.make_plan(
       q_len=t,
       kv_len=t,
       block_q=bq,
@@ -85,7 +85,7 @@ def test_visited_tiles_match_the_kernels_plan():
       heads=1,
       kv_heads=1,
     )
-    bq_m, bk_m, tp, sp = R.fused_tiles(t, bq, bk)
+    bq_m, bk_m, tp, sp = roofline.fused_tiles(t, bq, bk)
     assert (bq_m, bk_m, tp, sp) == (
       plan.block_q,
       plan.block_kv,
@@ -98,13 +98,13 @@ def test_visited_tiles_match_the_kernels_plan():
         for i in range(plan.num_q_blocks)
       ]
     )
-    np.testing.assert_array_equal(R.visited_tiles(tp, sp, bq_m, bk_m, True), want)
+    np.testing.assert_array_equal(roofline.visited_tiles(tp, sp, bq_m, bk_m, True), want)
 
 
 def test_count_fetches():
-  assert R.count_fetches([0, 0, 1, 1, 0]) == 3
-  assert R.count_fetches([0, 0, 0], [0, 1, 1]) == 2
-  assert R.count_fetches([]) == 0
+  assert roofline.count_fetches([0, 0, 1, 1, 0]) == 3
+  assert roofline.count_fetches([0, 0, 0], [0, 1, 1]) == 2
+  assert roofline.count_fetches([]) == 0
 
 
 # ----------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_count_fetches():
 
 def test_chunks_follow_the_kernels_rule():
   for t in (1000, 4096, 8192, 12288, 12289, 16384, 32768):
-    plan = L.make_plan(
+    plan = layout.make_plan(
       q_len=t,
       kv_len=t,
       block_q=512,
@@ -126,20 +126,20 @@ def test_chunks_follow_the_kernels_rule():
       heads=12,
       kv_heads=12,
     )
-    shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
-    want = B.chunks(plan, B.chunk_rows(plan, 128, 2))
-    assert R.bwd_chunks(shape, _tiles(), 1) == want, t
-  n = lambda t, **kw: len(R.bwd_chunks(R.Shape(1, 12, 128, t), _tiles(**kw), 1))
+    shape = roofline.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
+    want = backward.chunks(plan, backward.chunk_rows(plan, 128, 2))
+    assert roofline.bwd_chunks(shape, _tiles(), 1) == want, t
+  n = lambda t, **kw: len(roofline.bwd_chunks(roofline.Shape(1, 12, 128, t), _tiles(**kw), 1))
   assert n(4096) == n(8192) == n(12288) == 1 and n(32768) == 3
   assert n(4096, dq_chunk=1024) == 4
 
 
 def test_dq_written_once_in_one_chunk_by_hand():
   d = 128
-  shape = R.Shape(batch=2, diff_heads=3, head_dim=d, seq=1000, causal=True)
+  shape = roofline.Shape(batch=2, diff_heads=3, head_dim=d, seq=1000, causal=True)
   tiles = _tiles()  # backward 512 x 256: T = 1000 pads to 1024 rows
   for version, heads in ((1, 3), (2, 6)):
-    ops = R.fused_ops(shape, tiles, version)["bwd"]
+    ops = roofline.fused_ops(shape, tiles, version)["bwd"]
     op = _kernel(ops, "diff_attention_bwd")
     # Each (batch, kv group of one head) writes its [2, 1024, d] block once, in bf16.
     want = 2 * heads * 2 * 1024 * d * 2
@@ -154,15 +154,15 @@ def test_dq_written_once_in_one_chunk_by_hand():
 
 def test_chunked_backward_by_hand():
   d, t = 128, 1024
-  shape = R.Shape(batch=1, diff_heads=1, head_dim=d, seq=t, causal=True)
+  shape = roofline.Shape(batch=1, diff_heads=1, head_dim=d, seq=t, causal=True)
   tiles = _tiles(bq_bwd=256, bk_bwd=256, dq_chunk=512)
   # Two chunks of two 256-row tiles: chunk 0 sees key tiles 0, 1, chunk 1 all four.
-  chunks = R.bwd_chunks(shape, tiles, 1)
+  chunks = roofline.bwd_chunks(shape, tiles, 1)
   assert [(c.first, c.num_q_blocks, c.num_kv_blocks, c.final) for c in chunks] == [
     (0, 2, 2, False),
     (2, 2, 4, True),
   ]
-  op = _kernel(R.fused_ops(shape, tiles, 1)["bwd"], "diff_attention_bwd")
+  op = _kernel(roofline.fused_ops(shape, tiles, 1)["bwd"], "diff_attention_bwd")
   kv_tile = 256 * (2 * d + 2 * d)  # K1, K2 and the 2d-wide V of one key tile
   assert op.detail["K,V"] == (2 + 4) * kv_tile * 2
   assert op.detail["dK,dV f32 partials written"] == 2 * kv_tile * 4
@@ -176,7 +176,9 @@ def test_chunked_backward_by_hand():
   # Only the visited tiles are grid steps: chunk 0 (0, 0), (1, 0), (1, 1); chunk 1 the
   # three of tile 2 and the four of tile 3 (not every step, 2 x 2 + 2 x 4).
   assert op.steps == 3 + 7
-  concat = next(o for o in R.fused_ops(shape, tiles, 1)["bwd"] if o.name.startswith("dQ chunks"))
+  concat = next(
+    o for o in roofline.fused_ops(shape, tiles, 1)["bwd"] if o.name.startswith("dQ chunks")
+  )
   assert concat.read == concat.written == 2 * t * d * 2
 
 
@@ -184,8 +186,8 @@ def test_headline_ratios_at_the_3b_layer():
   """Fused V1 within 1.3x of splash's bytes and the target's backward below the fused
   one's, at T = 4K, 8K and 32K."""
   for t in (4096, 8192, 32768):
-    shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
-    rat = R.ratios(R.arm_ops(shape, _tiles()))
+    shape = roofline.Shape(batch=1, diff_heads=12, head_dim=128, seq=t)
+    rat = roofline.ratios(roofline.arm_ops(shape, _tiles()))
     assert rat["fused_v1_over_splash_transformer"] <= 1.3, (t, rat)
     assert rat["fused_v1_over_splash_transformer_kernels_only"] <= 1.3, (t, rat)
     assert rat["target_v1_bwd_over_fused_v1_bwd"] < 1, (t, rat)
@@ -194,10 +196,10 @@ def test_headline_ratios_at_the_3b_layer():
 
 def test_lane_dense_row_statistics_by_hand():
   d, t = 128, 1000
-  shape = R.Shape(batch=2, diff_heads=3, head_dim=d, seq=t, causal=False)
+  shape = roofline.Shape(batch=2, diff_heads=3, head_dim=d, seq=t, causal=False)
   tiles = _tiles(bq=256, bq_bwd=128)  # T pads to 1024: 4 forward, 8 backward tiles
   for version, heads in ((1, 3), (2, 6)):
-    fused = R.fused_ops(shape, tiles, version)
+    fused = roofline.fused_ops(shape, tiles, version)
     fwd = _kernel(fused["fwd"], "diff_attention_fwd")
     # lse: a (2, 256) slab per (batch, head, q tile), 2 rows on 8 sublanes, not
     # [B, H, Tp, 2] padded to 128 lanes.
@@ -227,35 +229,35 @@ def test_lane_dense_row_statistics_by_hand():
 @pytest.mark.parametrize("t", [1000, 4096, 8192])
 def test_target_grid_visits_only_tiles_with_visible_keys(t):
   bq, bk = 512, 256
-  shape = R.Shape(batch=2, diff_heads=3, head_dim=128, seq=t, causal=True)
+  shape = roofline.Shape(batch=2, diff_heads=3, head_dim=128, seq=t, causal=True)
   tiles = _tiles(bq_bwd=bq, bk_bwd=bk)
   nq, nkv = -(-t // bq), -(-t // bk)
   q_pos, k_pos = np.arange(nq * bq)[:, None], np.arange(nkv * bk)[None, :]
   dense = (k_pos <= q_pos) & (q_pos < t) & (k_pos < t)
   any_visible = int(dense.reshape(nq, bq, nkv, bk).any(axis=(1, 3)).sum())
   for version, heads in ((1, 3), (2, 6)):
-    fused = _kernel(R.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
-    target = _kernel(R.target_ops(shape, tiles, version)["bwd"], "(target)")
+    fused = _kernel(roofline.fused_ops(shape, tiles, version)["bwd"], "diff_attention_bwd")
+    target = _kernel(roofline.target_ops(shape, tiles, version)["bwd"], "(target)")
     assert target.steps == 2 * heads * any_visible
     # The kernels' causal grids visit the same tiles (self-attention: the first key tile
     # holds a visible key for every query tile), not every step of the square.
     assert fused.steps == target.steps < 2 * heads * nq * nkv
-    fwd = _kernel(R.fused_ops(shape, tiles, version)["fwd"], "diff_attention_fwd")
-    fwd_target = _kernel(R.target_ops(shape, tiles, version)["fwd"], "(target)")
+    fwd = _kernel(roofline.fused_ops(shape, tiles, version)["fwd"], "diff_attention_fwd")
+    fwd_target = _kernel(roofline.target_ops(shape, tiles, version)["fwd"], "(target)")
     assert fwd.steps == fwd_target.steps < 2 * heads * nq * nkv * 2
     assert target.flops <= fused.flops
     total = lambda ops: sum(o.bytes for o in ops)
-    assert total(R.target_ops(shape, tiles, version)["bwd"]) < total(
-      R.fused_ops(shape, tiles, version)["bwd"]
+    assert total(roofline.target_ops(shape, tiles, version)["bwd"]) < total(
+      roofline.fused_ops(shape, tiles, version)["bwd"]
     )
     assert target.bytes < fused.bytes
 
 
 def test_target_moves_fewer_bytes_without_a_mask_too():
-  shape = R.Shape(batch=1, diff_heads=2, head_dim=128, seq=2048, causal=False)
+  shape = roofline.Shape(batch=1, diff_heads=2, head_dim=128, seq=2048, causal=False)
   for version in (1, 2):
-    fused = sum(o.bytes for o in R.fused_ops(shape, _tiles(), version)["bwd"])
-    target = sum(o.bytes for o in R.target_ops(shape, _tiles(), version)["bwd"])
+    fused = sum(o.bytes for o in roofline.fused_ops(shape, _tiles(), version)["bwd"])
+    target = sum(o.bytes for o in roofline.target_ops(shape, _tiles(), version)["bwd"])
     assert target < fused
 
 
@@ -264,20 +266,20 @@ def test_target_moves_fewer_bytes_without_a_mask_too():
 
 
 def test_section_prints_every_generation_and_arm():
-  shape = R.Shape(batch=1, diff_heads=12, head_dim=128, seq=1024)
-  text, figures = R.seq_section(shape, _tiles(), step_us=0.35)
+  shape = roofline.Shape(batch=1, diff_heads=12, head_dim=128, seq=1024)
+  text, figures = roofline.seq_section(shape, _tiles(), step_us=0.35)
   assert text.startswith("\n## T = 1024\n")
   header = next(line for line in text.splitlines() if line.startswith("| arm |"))
-  for gen in R.GENERATIONS:
+  for gen in roofline.GENERATIONS:
     assert f"| {gen} us" in header
-  for arm in R.ARMS:
+  for arm in roofline.ARMS:
     assert f"| {arm} | fwd+bwd | total |" in text
   assert "fused DIFF V1 fwd+bwd / splash Transformer fwd+bwd" in text
   assert "runs 1 query chunk at this length" in text
   assert "target / fused backward" in text and "before" not in text
   saved = json.loads(json.dumps(figures, default=str))
-  assert saved["ratios"] == R.ratios(R.arm_ops(shape, _tiles()))
-  assert {row["arm"] for row in saved["rows"]} == set(R.ARMS)
+  assert saved["ratios"] == roofline.ratios(roofline.arm_ops(shape, _tiles()))
+  assert {row["arm"] for row in saved["rows"]} == set(roofline.ARMS)
 
 
 def test_splash_tables_match_splash_mask_info():
@@ -298,9 +300,9 @@ def test_splash_tables_match_splash_mask_info():
     head_shards=1,
     q_seq_shards=1,
   )
-  mask = R.visited_tiles(t, t, block, block, True)
-  rows, width = R.splash_rows(mask)
-  cols, _ = R.splash_cols(mask)
+  mask = roofline.visited_tiles(t, t, block, block, True)
+  rows, width = roofline.splash_rows(mask)
+  cols, _ = roofline.splash_cols(mask)
   assert width == t // block  # a causal square keeps the full grid width
   np.testing.assert_array_equal(np.asarray(kernel.fwd_mask_info.data_next[0]), rows)
   np.testing.assert_array_equal(np.asarray(kernel.dq_mask_info.data_next[0]), rows)
