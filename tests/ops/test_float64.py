@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_modules import (  # the NumPy float64 definitions of the modules
+from numpy_modules import (  # the NumPy float64 definitions of the modules
   np_attention_module,
   np_diff_v1_module,
   np_diff_v2_module,
@@ -128,7 +128,7 @@ def test_kernels_leave_float64_to_xla():
       with ops.target_platform(platform):
         got = ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.3)
       np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="implementation='pallas_gpu' computes in float32"):
+    with pytest.raises(ValueError, match="pallas_gpu refuses: it computes in float32"):
       ops.diff_v1_attention_core(
         q1, q2, k1, k2, v, 0.3, implementation="pallas_gpu", interpret=True
       )
