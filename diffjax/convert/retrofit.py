@@ -121,11 +121,8 @@ def retrofit(
 
   ``source`` is a Transformer-arm ``train.py`` workdir (its newest good checkpoint, or
   ``step``) or an HF ``LlamaForCausalLM`` directory; ``options`` are the arm's own (see
-  :func:`retrofit_params`). Continue training it with
-  ``train.py --config.checkpoint.init_from=<workdir>`` and a config of the same model
-  (``model.arm=<arm>``, ``model.v2_match=heads``, the source's size, and the
-  ``model.v2_mix_steps`` of a ramped start). Every check runs before anything is written.
-  Returns the new model config.
+  :func:`retrofit_params`). Continuing it with ``train.py``: docs/hf_conversion.md. Every
+  check runs before anything is written. Returns the new model config.
   """
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import build_model, check_new_workdir, write_workdir

@@ -95,11 +95,8 @@ def with_mesh_rules(
   runs (i.e. is traced). The rules are entered inside the function, so they apply whenever it
   is traced (the first call or ``.lower()``), not only while a context is open around ``jax.jit``.
 
-  Under context parallelism with load balancing (a ``context`` mesh axis of size C > 1),
-  every [B, T] array of the batch is first put in the zig-zag order of
-  :func:`diffjax.ops.context_parallel.zigzag_permutation` (T must be a multiple of 2C);
-  attention masks by the original order, RoPE reads the permuted positions, and the loss
-  is a sum over tokens, so the step computes what it computes unsharded.
+  Under context parallelism with load balancing, every [B, T] array of the batch is first put
+  in zig-zag order (:func:`diffjax.ops.context_parallel.zigzag_permutation`; docs/scaling.md).
   """
 
   def wrapped(first, batch, *rest):
