@@ -1,28 +1,10 @@
 """Ahead-of-time compile of the real train step for a TPU topology or a GPU, on any machine.
 
-  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4 \
-      [--config.mesh.shape="(1,-1,1)" --config.global_batch_size=256 ...]
-  python -m diffjax.aot --config=configs/paper_3b.py --target=h100 \
-      --config.global_batch_size=8 --config.grad_accum_steps=4
+  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4
   python -m diffjax.aot --config=configs/paper_3b.py --target=h100:8   # an 8-GPU node
 
-TPU: with libtpu installed (``pip install -e '.[tpu]'``) this runs the TPU compiler on
-a CPU machine (``jax.experimental.topologies``). GPU (``--target`` h100, h200 or a100,
-``:N`` for N GPUs in one node): with the ``[gpu-compile]`` extra it runs XLA's GPU
-compiler and ptxas for compile-only devices (:mod:`diffjax.kernels.gpu.targets`). Either
-way it lowers and compiles the jitted, sharded train step (parameters, optimizer state,
-batch shardings and donation as in training) for those devices, then prints the
-per-device memory the compiler reports, whether it fits, and how many of our kernels
-the step calls. Nothing is allocated. Set ``JAX_PLATFORMS=cpu`` to keep start-up quiet.
-
-Attention implementations resolve for the target: ``implementation="auto"`` compiles
-the fused Pallas TPU kernels (inside ``shard_map``) on a TPU and the Mosaic GPU kernels
-on an H100/H200 (an A100 takes the stock path), ``"xla"`` the plain path. A GPU's
-stock path compiles XLA's attention here: cuDNN is not consulted without a GPU.
-
-On a GPU, JAX lets a process use ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.75 by default)
-of the device's memory: "fits" is judged against that share. A step that does not fit
-is one line naming what it needs and what would make it fit, with exit status 1.
+What it compiles and prints: docs/scaling.md, "Check before you rent"; GPU targets and how
+"fits" is judged there: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations

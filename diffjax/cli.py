@@ -1,12 +1,8 @@
 """The command line every diffjax command shares, and loading config files.
 
-One grammar: ``--config=configs/<file>.py[:ARG]`` names a config file (``ARG`` goes to its
-``get_config``), ``--config.<key>=<value>`` sets any key it defines, ``--<flag>=<value>`` sets a
-command's own flags and ``--help`` prints the usage. A command without a config file (``python
--m diffjax.eval``) takes the same ``--config.<key>=<value>`` for the fields it names. A mistake
-gets one ``error:`` line naming the flag or key (with the nearest valid keys) and exit status 2.
-
-This module knows no config schema: a command passes its own override help and renamed keys.
+``--config=configs/<file>.py[:ARG]``, ``--config.<key>=<value>``, a command's own flags and
+``--help`` (docs/training.md); a mistake is one ``error:`` line and exit status 2. This module
+knows no config schema: a command passes its own override help and renamed keys.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The command line of the matched comparison.
+"""The command line of the matched comparison (`python -m diffjax.compare`).
 
-  python -m diffjax.compare --config=configs/compare/tiny.py --workdir=runs/compare_tiny
-      [--config.seeds="(0, 1, 2)" --config.base.num_steps=2000 --config.eval.mode=full ...]
-
-Trains every arm x seed of the config (runs/<arm>_seed<k> in the workdir; finished runs are
-skipped, unfinished ones resume), evaluates each run, checks from the logged batch hashes that
-the arms at each seed saw the same batches, and writes report.md, PNG plots and results.json
-into the workdir. --config.<key>=<value> sets any key the config file defines.
-
-Exit status: 0 done; 1 the arms did not see the same batches (the report says so at the top);
-2 a mistake in the command line or the config (one `error:` line, nothing written); 75 (as
-train.py) SIGTERM or SIGINT stopped a run after it saved a checkpoint: rerun the same command to
-continue; 130 interrupted outside a run's training.
+Exit status: 0 done; 1 the arms did not see the same batches; 2 a mistake in the command line
+or the config; 75 a signal stopped a run after it saved (rerun to continue); 130 interrupted
+outside a run's training.
 """
 
 from __future__ import annotations

@@ -46,6 +46,56 @@ class _Point:
     self.timings: dict[str, Any] = {}
     self.results: dict[str, Any] = {}
 
+  def add_run(self, arm: str, seed: int, result: RunResult, base: RunConfig, log) -> dict:
+    """Adds a finished run's record and returns it; checks its batches against the seed's
+    first run as soon as that pair exists, so a mismatch does not wait for the last run."""
+    step, ev, seconds = result
+    self.timings[run_name(arm, seed)] = seconds
+    run_dir = os.path.join(self.workdir, "runs", run_name(arm, seed))
+    report = self.config.report
+    learned = float(report.get("learned_below", 0.0)), int(report.get("learned_window", 25))
+    runs = self.runs
+    runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, base.log_every, *learned))
+    first = next(r for r in runs if r["seed"] == seed)
+    if first is not runs[-1]:
+      check = check_batches(
+        {(r["arm"], seed): batch_hashes(r["metrics"]) for r in (first, runs[-1])},
+        [first["arm"], arm],
+        [seed],
+        _checked_steps([first, runs[-1]], base.num_steps),
+      )
+      if not check["ok"]:
+        _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
+    return runs[-1]
+
+  def write(self, arms: Sequence[str], seeds: Sequence[int], num_steps: int, t0: float, log):
+    """Checks the data over all the runs and writes the report and results.json."""
+    order = {run_name(a, s): k for k, (a, s) in enumerate((a, s) for s in seeds for a in arms)}
+    self.runs.sort(key=lambda r: order[r["name"]])
+    hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in self.runs}
+    data_check = check_batches(hashes, arms, seeds, _checked_steps(self.runs, num_steps))
+    self.timings["total"] = time.perf_counter() - t0
+    self.results = write_outputs(self.config, self.workdir, self.runs, data_check, self.timings)
+    where = f" at {self.name}" if self.name else ""
+    if data_check["ok"]:
+      log(
+        f"data check{where}: all arms saw identical batches for seeds {list(seeds)}"
+        + (
+          ""
+          if data_check["distinct_across_seeds"]
+          else " (but the seeds did not change the data order)"
+        )
+      )
+    else:
+      _loud(
+        log,
+        [
+          f"DATA MISMATCH{where}: the arms did not see the same batches.",
+          *data_check["problems"],
+          "The comparison is not matched.",
+        ],
+      )
+
 
 def run_comparison(
   config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
@@ -72,6 +122,31 @@ def run_comparison(
   plan = [(p, arm, seed) for p in points for seed in seeds for arm in arms]
   t0 = time.perf_counter()
   elapsed = lambda: _clock(time.perf_counter() - t0)
+  _write_configs(config, workdir, points)
+  swept = f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else ""
+  log(
+    f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
+    f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}"
+  )
+  _train_all(config, base, plan, elapsed, log)
+  for p in points:
+    p.write(arms, seeds, num_steps, t0, log)
+  results = points[0].results
+  if len(points) > 1:
+    from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
+
+    results = write_sweep_outputs(
+      config,
+      workdir,
+      [(p.name, p.value, p.results) for p in points],
+      [(p.name, p.value, p.runs) for p in points],
+    )
+  log(f"compare: wrote {os.path.join(workdir, 'report.md')} and results.json in {elapsed()}")
+  return results
+
+
+def _write_configs(config: ml_collections.ConfigDict, workdir: str, points: list[_Point]) -> None:
+  """Each point's runs/ and compare_config.json, and a sweep's own config in ``workdir``."""
   for p in points:
     epath.Path(p.workdir, "runs").mkdir(parents=True, exist_ok=True)
     write_json(
@@ -79,50 +154,32 @@ def run_comparison(
     )
   if len(points) > 1:
     write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json_best_effort()))
-  swept = f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else ""
-  log(
-    f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
-    f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}"
-  )
+
+
+Plan = Sequence[tuple[_Point, str, int]]
+
+
+def _train_all(
+  config: ml_collections.ConfigDict,
+  base: RunConfig,
+  plan: Plan,
+  elapsed: Callable[[], str],
+  log: Callable[[str], None],
+) -> None:
+  """Trains and evaluates every run of ``plan``, in worker processes when ``workers`` > 1,
+  adding each finished run to its point."""
   label = lambda i: (f"{plan[i][0].name}/" if plan[i][0].name else "") + run_name(*plan[i][1:])
   done = [0]
 
   def finish(i: int, result: RunResult) -> None:
     point, arm, seed = plan[i]
-    step, ev, seconds = result
-    point.timings[run_name(arm, seed)] = seconds
-    run_dir = os.path.join(point.workdir, "runs", run_name(arm, seed))
-    runs = point.runs
-    runs.append(
-      collect_run(
-        arm,
-        seed,
-        run_dir,
-        step,
-        ev,
-        seconds,
-        base.log_every,
-        float(config.report.get("learned_below", 0.0)),
-        int(config.report.get("learned_window", 25)),
-      )
-    )
-    # Check the data as soon as a pair exists, so a mismatch does not wait for the last run.
-    first = next(r for r in runs if r["seed"] == seed)
-    if first is not runs[-1]:
-      check = check_batches(
-        {(r["arm"], seed): batch_hashes(r["metrics"]) for r in (first, runs[-1])},
-        [first["arm"], arm],
-        [seed],
-        _checked_steps([first, runs[-1]], num_steps),
-      )
-      if not check["ok"]:
-        _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
-    final = runs[-1]["final_metrics"]
+    run = point.add_run(arm, seed, result, base, log)
     done[0] += 1
     left = len(plan) - done[0]
+    final = run["final_metrics"]
     state = (
-      ("DIVERGED at step " + str(step))
-      if runs[-1]["diverged"]
+      ("DIVERGED at step " + str(result[0]))
+      if run["diverged"]
       else (
         f"train loss {final.get('train/loss', float('nan')):.4f}, eval loss "
         f"{final.get('eval/loss', float('nan')):.4f}"
@@ -143,45 +200,6 @@ def run_comparison(
       left = len(plan) - i
       log(f"{tag} starting: {left} run{'' if left == 1 else 's'} left, elapsed {elapsed()}")
       finish(i, train_and_evaluate_run(cfg, wd, arm, seed, tag, log))
-
-  for p in points:
-    order = {run_name(a, s): k for k, (a, s) in enumerate((a, s) for s in seeds for a in arms)}
-    p.runs.sort(key=lambda r: order[r["name"]])
-    hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in p.runs}
-    data_check = check_batches(hashes, arms, seeds, _checked_steps(p.runs, num_steps))
-    p.timings["total"] = time.perf_counter() - t0
-    p.results = write_outputs(p.config, p.workdir, p.runs, data_check, p.timings)
-    where = f" at {p.name}" if p.name else ""
-    if data_check["ok"]:
-      log(
-        f"data check{where}: all arms saw identical batches for seeds {list(seeds)}"
-        + (
-          ""
-          if data_check["distinct_across_seeds"]
-          else " (but the seeds did not change the data order)"
-        )
-      )
-    else:
-      _loud(
-        log,
-        [
-          f"DATA MISMATCH{where}: the arms did not see the same batches.",
-          *data_check["problems"],
-          "The comparison is not matched.",
-        ],
-      )
-  results = points[0].results
-  if len(points) > 1:
-    from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
-
-    results = write_sweep_outputs(
-      config,
-      workdir,
-      [(p.name, p.value, p.results) for p in points],
-      [(p.name, p.value, p.runs) for p in points],
-    )
-  log(f"compare: wrote {os.path.join(workdir, 'report.md')} and results.json in {elapsed()}")
-  return results
 
 
 def _checked_steps(runs: Sequence[dict[str, Any]], num_steps: int) -> int:

@@ -27,32 +27,7 @@ def comparison_config(
   base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1), arms: Sequence[str] = ARMS
 ) -> ml_collections.ConfigDict:
   """A compare config around ``base``, a full run config (its ``model.arm`` is replaced by
-  each arm's).
-
-  Fields: ``arms``, ``seeds``, ``base`` (``base.seed`` is replaced by each seed and
-  ``base.log_batch_hash`` is forced on; ``base.model.v2_match`` says how DIFF V2 is matched
-  to the Transformer), ``eval.mode`` ("quick", "full" or "none"), ``eval.overrides``
-  (`diffjax.eval.config.EvalConfig` fields; add keys in the config file to make them
-  overridable from the command line), ``report.baseline``, ``report.confidence``,
-  ``eval.harness_tasks`` (lm-eval task names or YAML files, run on every arm and seed and
-  reported as ``harness/<task>/<metric>`` scalars; needs the ``[harness]`` extra) with
-  ``eval.harness_include_path`` (a directory of task YAML files), ``eval.harness_limit``
-  (examples per task, 0: all), ``eval.harness_num_fewshot`` and ``eval.harness_seed``,
-  ``variants`` (named arms beyond the three: ``{name: {"arm": <arm>, "model": {ModelConfig
-  field: value}}}``, e.g. a DIFF V2 ablation; list the name in ``arms``; a variant is matched
-  like its arm and changes only the fields it names), ``allow_divergence`` (a run that stops
-  on non-finite updates, more than ``base.max_skipped_updates``, is recorded as diverged, with
-  no evaluation, instead of stopping the comparison), ``sweep.key`` and ``sweep.values`` (a
-  dotted ``base`` key, e.g. "optim.lr", and its values: the whole comparison runs once per
-  value, in ``sweep/<name>=<value>/``, and a sweep report compares the values; keys in
-  ``sweep.scaled`` keep their ratio to the swept key, e.g. "optim.min_lr"), ``report.title``,
-  ``report.learned_below`` (a train loss that marks a run as having learned
-  its task, e.g. about half the loss of guessing among the values in context; when > 0 the report
-  gives each run's ``train/steps_to_learn``, the first step whose mean train loss over the last
-  ``report.learned_window`` steps is below it, and ``train/learned``), ``workers`` (runs
-  trained at once, each in its own process; more than 1 only on a CPU backend, where a small
-  model leaves cores idle: see `diffjax.compare.parallel`).
-  """
+  each arm's, its ``seed`` by each seed's); docs/evaluation.md lists the fields."""
   c = ml_collections.ConfigDict()
   c.arms = tuple(arms)
   c.seeds = tuple(int(s) for s in seeds)
@@ -246,7 +221,6 @@ def eval_config(config: ml_collections.ConfigDict, run: RunConfig):
 def check_comparison_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first problem; nothing is written before this passes."""
   from diffjax.data import DataConfig  # pylint: disable=import-outside-toplevel
-  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
 
   for key in ("arms", "seeds", "base", "eval", "report"):
     if key not in config:
@@ -254,66 +228,15 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
         f"The compare config has no {key!r}; build it with "
         "diffjax.compare.comparison_config (see configs/compare/tiny.py)."
       )
-  arms = arm_names(config.arms)
-  named = variants(config)
-  for name, v in named.items():
-    if name in registered_arms():
-      raise ValueError(f"variants.{name}: a variant cannot reuse an arm's name; rename it.")
-    if v["arm"] not in registered_arms():
-      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {registered_arms()}.")
-    bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
-    if bad:
-      raise ValueError(
-        f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
-        "set only other model fields (e.g. v2_pairing)."
-      )
-  if not arms:
-    raise ValueError(f"arms is empty; choose one or more of {registered_arms()}.")
-  unknown = [a for a in arms if a not in registered_arms() and a not in named]
-  if unknown:
-    raise ValueError(
-      f"Unknown arm(s) {unknown} in arms={arms}; choose from {registered_arms()} or the "
-      f"variants {sorted(named)}."
-    )
-  if len(set(arms)) != len(arms):
-    raise ValueError(f"arms={arms} names an arm twice.")
-  seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
-  if not seeds:
-    raise ValueError(
-      'seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
-      "more are needed for confidence intervals)."
-    )
-  bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-  if bad:
-    raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
-  if len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds={seeds} repeats a seed.")
+  arms = _check_arms(config)
+  seeds = _check_seeds(config)
   workers = config.get("workers", 1)
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise ValueError(
       f"workers={workers!r} must be a positive integer (runs trained at once; "
       "more than 1 only on a CPU)."
     )
-  if config.eval.mode not in EVAL_MODES:
-    raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
-  fields = {f.name for f in dataclasses.fields(EvalConfig)}
-  unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
-  if unknown:
-    raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
-  harness_tasks = harness_task_names(config)
-  if harness_tasks:
-    if config.eval.mode == "none":
-      raise ValueError(
-        f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
-        "eval.mode to 'quick' or 'full'."
-      )
-    try:
-      from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-      raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
-    check_tasks(
-      harness_tasks, task_manager(config.eval.get("harness_include_path") or None, harness_tasks)
-    )
+  _check_eval(config)
   if float(config.report.get("learned_below", 0.0)) < 0:
     raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
   if int(config.report.get("learned_window", 25)) < 1:
@@ -337,6 +260,75 @@ def check_comparison_config(config: ml_collections.ConfigDict) -> None:
         eval_config(point, run)
       except TypeError as e:
         raise ValueError(f"Bad eval.overrides: {e}.") from e
+
+
+def _check_arms(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The arms, once the variants and the arm names are valid."""
+  arms = arm_names(config.arms)
+  named = variants(config)
+  for name, v in named.items():
+    if name in registered_arms():
+      raise ValueError(f"variants.{name}: a variant cannot reuse an arm's name; rename it.")
+    if v["arm"] not in registered_arms():
+      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {registered_arms()}.")
+    bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
+    if bad:
+      raise ValueError(
+        f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
+        "set only other model fields (e.g. v2_pairing)."
+      )
+  if not arms:
+    raise ValueError(f"arms is empty; choose one or more of {registered_arms()}.")
+  unknown = [a for a in arms if a not in registered_arms() and a not in named]
+  if unknown:
+    raise ValueError(
+      f"Unknown arm(s) {unknown} in arms={arms}; choose from {registered_arms()} or the "
+      f"variants {sorted(named)}."
+    )
+  if len(set(arms)) != len(arms):
+    raise ValueError(f"arms={arms} names an arm twice.")
+  return arms
+
+
+def _check_seeds(config: ml_collections.ConfigDict) -> tuple[Any, ...]:
+  seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
+  if not seeds:
+    raise ValueError(
+      'seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
+      "more are needed for confidence intervals)."
+    )
+  bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+  if bad:
+    raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
+  if len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds={seeds} repeats a seed.")
+  return seeds
+
+
+def _check_eval(config: ml_collections.ConfigDict) -> None:
+  """The eval mode, the EvalConfig overrides and the lm-eval tasks."""
+  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
+
+  if config.eval.mode not in EVAL_MODES:
+    raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
+  fields = {f.name for f in dataclasses.fields(EvalConfig)}
+  unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
+  if unknown:
+    raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
+  harness_tasks = harness_task_names(config)
+  if harness_tasks:
+    if config.eval.mode == "none":
+      raise ValueError(
+        f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
+        "eval.mode to 'quick' or 'full'."
+      )
+    try:
+      from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
+    check_tasks(
+      harness_tasks, task_manager(config.eval.get("harness_include_path") or None, harness_tasks)
+    )
 
 
 def describe_comparison(config: ml_collections.ConfigDict) -> str:

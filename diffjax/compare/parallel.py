@@ -1,16 +1,8 @@
 """Several runs of a comparison at once, each in its own process (``workers`` > 1, CPU only).
 
-A small model does not keep two CPU cores busy: XLA runs its step on about one core, so runs
-side by side finish sooner than one after the other (on a 2-core machine two or three "micro"
-runs at once train 1.3-1.4x more tokens per second in total than one). Each run is exactly
-what the serial loop trains: the same config, data order and step function, in a process of
-its own. A child writes its trainer and
-eval output to ``runs/<arm>_seed<k>/output.log``; the parent prints when runs start and finish
-and, every minute, the step each running run has reached.
-
-Signals: SIGTERM or SIGINT to the parent is passed on to the children as SIGTERM; runs in
-training save a checkpoint and stop (rerunning the command resumes them), queued runs are not
-started, and the parent raises `ComparisonStopped`.
+Each run is exactly what the serial loop trains, in a process of its own; its output goes to
+``runs/<arm>_seed<k>/output.log``. SIGTERM or SIGINT to the parent reaches the children as
+SIGTERM: training runs save and stop, queued runs never start. See docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -92,6 +84,89 @@ def _child_run(
 Job = tuple[ml_collections.ConfigDict, str, str, int]
 
 
+class _Pool:
+  """The worker processes, the runs not yet started, and what has stopped or failed so far."""
+
+  def __init__(self, jobs: Sequence[Job], labels: Sequence[str], workers: int, log: Callable):
+    import jax  # pylint: disable=import-outside-toplevel
+
+    cache_dir = jax.config.jax_compilation_cache_dir or None
+    self.jobs, self.labels, self.log = jobs, labels, log
+    self.tags = [f"[{i + 1}/{len(jobs)} {labels[i]}]" for i in range(len(jobs))]
+    self.logs = [
+      os.path.join(wd, "runs", run_name(arm, seed), LOG_NAME) for _, wd, arm, seed in jobs
+    ]
+    self.pool = cf.ProcessPoolExecutor(
+      max_workers=workers,
+      mp_context=multiprocessing.get_context("spawn"),
+      initializer=_child_init,
+      initargs=(cache_dir,),
+    )
+    self.futures: dict[cf.Future, int] = {}
+    # Runs are submitted only when a worker is free: none waits in the pool's own queue, where
+    # a stop could not reach it.
+    self.queue = list(range(len(jobs)))
+    self.pending: set[cf.Future] = set()
+    self.signum: int | None = None
+    self.stopped: list[str] = []
+    self.error: BaseException | None = None
+
+  def stop_children(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
+    del frame
+    self.signum = self.signum or signum
+    self.queue.clear()  # queued runs never start
+    for p in list((getattr(self.pool, "_processes", None) or {}).values()):
+      try:
+        os.kill(p.pid, signal.SIGTERM)
+      except OSError:
+        pass
+
+  def submit_next(self) -> None:
+    if self.queue:
+      i = self.queue.pop(0)
+      f = self.pool.submit(_child_run, *self.jobs[i], self.tags[i])
+      self.futures[f] = i
+      self.pending.add(f)
+      self.log(f"{self.tags[i]} started in a worker process")
+
+  def result(self, f: cf.Future) -> RunResult | None:
+    """The run's result, or None when it stopped or failed (recorded; the others are stopped)."""
+    i = self.futures[f]
+    try:
+      return f.result()
+    except ComparisonStopped as e:
+      self.stopped.append(str(e))
+    except cf.process.BrokenProcessPool as e:
+      if self.signum is None and self.error is None:
+        self.error = RuntimeError(
+          f"{self.tags[i]} a worker process died ({e}); see {self.logs[i]}. "
+          "Rerun the command to continue from the saved checkpoints."
+        )
+        self.stop_children()
+    except Exception as e:  # pylint: disable=broad-except
+      if self.error is None:
+        self.error = e
+        self.log(f"{self.tags[i]} failed: {e}; stopping the other runs (see {self.logs[i]})")
+        self.stop_children()
+    return None
+
+  def log_progress(self, running: set[cf.Future]) -> None:
+    steps = []
+    for i in sorted(self.futures[f] for f in running):
+      step = last_step(os.path.dirname(self.logs[i]))
+      steps.append(f"{self.labels[i]} " + (f"step {step:,}" if step is not None else "starting"))
+    self.log(f"compare: running {', '.join(steps)}")
+
+  def raise_if_stopped(self) -> None:
+    if self.error is not None:
+      raise self.error
+    if self.stopped or self.signum is not None:
+      raise ComparisonStopped(
+        "; ".join(self.stopped)
+        or f"signal {self.signum} stopped the comparison before a run started"
+      )
+
+
 def run_parallel(
   jobs: Sequence[Job],
   labels: Sequence[str],
@@ -106,91 +181,27 @@ def run_parallel(
   Raises `ComparisonStopped` when a signal stopped the runs, and a run's own error (after
   stopping the other runs, which save checkpoints) when one failed.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-
-  cache_dir = jax.config.jax_compilation_cache_dir or None
-  tags = [f"[{i + 1}/{len(jobs)} {labels[i]}]" for i in range(len(jobs))]
-  logs = [os.path.join(wd, "runs", run_name(arm, seed), LOG_NAME) for _, wd, arm, seed in jobs]
-  pool = cf.ProcessPoolExecutor(
-    max_workers=workers,
-    mp_context=multiprocessing.get_context("spawn"),
-    initializer=_child_init,
-    initargs=(cache_dir,),
-  )
-  futures: dict[cf.Future, int] = {}
-  # Runs are submitted only when a worker is free: none waits in the pool's own queue, where
-  # a stop could not reach it.
-  queue = list(range(len(jobs)))
-  pending: set[cf.Future] = set()
-  stop: dict[str, Any] = {"signum": None}
-
-  def stop_children(signum: int = signal.SIGTERM, frame: Any = None) -> None:
-    del frame
-    stop["signum"] = stop["signum"] or signum
-    queue.clear()  # queued runs never start
-    for p in list((getattr(pool, "_processes", None) or {}).values()):
-      try:
-        os.kill(p.pid, signal.SIGTERM)
-      except OSError:
-        pass
-
-  def submit_next() -> None:
-    if queue:
-      i = queue.pop(0)
-      f = pool.submit(_child_run, *jobs[i], tags[i])
-      futures[f] = i
-      pending.add(f)
-      log(f"{tags[i]} started in a worker process")
-
-  old = {s: signal.signal(s, stop_children) for s in (signal.SIGTERM, signal.SIGINT)}
-  stopped: list[str] = []
-  error: BaseException | None = None
+  pool = _Pool(jobs, labels, workers, log)
+  old = {s: signal.signal(s, pool.stop_children) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     log(
       f"compare: {workers} runs at a time, each in its own process; a run's trainer and eval "
       f"output goes to runs/<arm>_seed<k>/{LOG_NAME}"
     )
     for _ in range(workers):
-      submit_next()
-    while pending:
-      done, still = cf.wait(pending, timeout=PROGRESS_SECONDS, return_when=cf.FIRST_COMPLETED)
-      pending.difference_update(done)
-      for f in sorted(done, key=futures.get):
-        i = futures[f]
-        try:
-          result = f.result()
-        except ComparisonStopped as e:
-          stopped.append(str(e))
-          continue
-        except cf.process.BrokenProcessPool as e:
-          if stop["signum"] is None and error is None:
-            error = RuntimeError(
-              f"{tags[i]} a worker process died ({e}); see {logs[i]}. "
-              "Rerun the command to continue from the saved checkpoints."
-            )
-            stop_children()
-          continue
-        except Exception as e:  # pylint: disable=broad-except
-          if error is None:
-            error = e
-            log(f"{tags[i]} failed: {e}; stopping the other runs (see {logs[i]})")
-            stop_children()
-          continue
-        on_done(i, result)
-        submit_next()
-      if not done and stop["signum"] is None:
-        steps = []
-        for i in sorted(futures[f] for f in still):
-          step = last_step(os.path.dirname(logs[i]))
-          steps.append(f"{labels[i]} " + (f"step {step:,}" if step is not None else "starting"))
-        log(f"compare: running {', '.join(steps)}")
+      pool.submit_next()
+    while pool.pending:
+      done, still = cf.wait(pool.pending, timeout=PROGRESS_SECONDS, return_when=cf.FIRST_COMPLETED)
+      pool.pending.difference_update(done)
+      for f in sorted(done, key=pool.futures.get):
+        result = pool.result(f)
+        if result is not None:
+          on_done(pool.futures[f], result)
+          pool.submit_next()
+      if not done and pool.signum is None:
+        pool.log_progress(still)
   finally:
     for s, h in old.items():
       signal.signal(s, h)
-    pool.shutdown(wait=True, cancel_futures=True)
-  if error is not None:
-    raise error
-  if stopped or stop["signum"] is not None:
-    raise ComparisonStopped(
-      "; ".join(stopped) or f"signal {stop['signum']} stopped the comparison before a run started"
-    )
+    pool.pool.shutdown(wait=True, cancel_futures=True)
+  pool.raise_if_stopped()

@@ -1,30 +1,13 @@
 """The sweep report: one comparison per value of a swept key (e.g. the peak learning rate).
 
-Each point's own comparison (report.md, results.json, paired statistics) lives in
-``sweep/<key>=<value>/``; this module writes the report across points in the workdir:
-
-  * per arm and value: the final validation loss over seeds (mean, min, max), how many seeds
-    diverged, updates the trainer skipped as non-finite, and gradient-norm spikes;
-  * per arm: the largest value at which every seed trained, and the value with the lowest mean
-    loss;
-  * the paired difference of each arm to the baseline at each value (from the point's own
-    statistics), and the mechanism measures of the eval suite (attention sinks, context RMS,
-    DIFF V1's norm magnification) by value;
-  * a plot of final loss against the value, one line per arm, with the seed spread.
-
-Definitions (stated in the report):
-  diverged: the trainer stopped on non-finite updates (more than ``max_skipped_updates``),
-    the final loss is not finite or above the unigram baseline (the loss of predicting every
-    token by its frequency), or after warm-up the train loss averaged over
-    ``report.divergence_window`` consecutive steps went below the unigram baseline and later
-    back above it (a run that trained, then blew up); ``report.divergence_above_unigram=False``
-    keeps only the non-finite criteria (for runs too short to get below the baseline);
-  gradient-norm spike: a step whose global gradient norm (before clipping) exceeds
-    ``report.spike_factor`` times the median of the previous ``report.spike_window`` steps'.
+Each point's own comparison lives in ``sweep/<key>=<value>/``; this module writes report.md,
+sweep_loss.png and results.json across the points. What the report holds and its definitions
+(diverged, skipped, spike): docs/evaluation.md, "Learning-rate stability".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -121,21 +104,24 @@ def _value(v: Any) -> str:
   return format_value(v)
 
 
-def write_sweep_outputs(
-  config: ml_collections.ConfigDict,
-  workdir: str,
-  point_results: Sequence[tuple[str, Any, Mapping[str, Any]]],
-  point_runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]],
-) -> dict[str, Any]:
-  """report.md, sweep_loss.png and results.json across the sweep's points; returns the
-  results."""
-  key = sweep_key(config)
-  arms = list(arm_names(config.arms))
-  baseline = config.report.baseline
-  factor = float(config.report.get("spike_factor", 3.0))
-  spike_window = int(config.report.get("spike_window", 50))
-  div_window = int(config.report.get("divergence_window", 20))
-  warmup = RunConfig.from_config(config.base).optim.warmup_steps
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+  """The settings every table of the sweep report is built from."""
+
+  key: str
+  arms: list[str]
+  values: list[Any]
+  baseline: str
+  factor: float  # report.spike_factor
+  spike_window: int
+  div_window: int  # report.divergence_window
+  warmup: int
+  unigram: float  # NaN: only non-finite runs count as diverged
+
+
+def _settings(
+  config: ml_collections.ConfigDict, point_runs: Sequence[tuple[str, Any, Sequence[Mapping]]]
+) -> _Sweep:
   unigrams = [
     float(r["final_metrics"]["unigram/loss"])
     for _, _, runs in point_runs
@@ -145,124 +131,149 @@ def write_sweep_outputs(
   unigram = unigrams[0] if unigrams else float("nan")
   if not config.report.get("divergence_above_unigram", True):
     unigram = float("nan")  # only non-finite runs count as diverged
-  values = [v for _, v, _ in point_runs]
+  return _Sweep(
+    key=sweep_key(config),
+    arms=list(arm_names(config.arms)),
+    values=[v for _, v, _ in point_runs],
+    baseline=config.report.baseline,
+    factor=float(config.report.get("spike_factor", 3.0)),
+    spike_window=int(config.report.get("spike_window", 50)),
+    div_window=int(config.report.get("divergence_window", 20)),
+    warmup=RunConfig.from_config(config.base).optim.warmup_steps,
+    unigram=unigram,
+  )
 
-  records, cells = [], {arm: {} for arm in arms}
-  for name, value, runs in point_runs:
-    for r in runs:
-      why = divergence(r, unigram, warmup, div_window)
-      loss = float(r["eval"]["scalars"].get("val/final_eval_loss", float("nan")))
-      rec = {
-        "point": name,
-        "value": value,
-        "arm": r["arm"],
-        "seed": r["seed"],
-        "step": r["step"],
-        "final_eval_loss": loss if math.isfinite(loss) else None,
-        "diverged": why is not None,
-        "why": why,
-        "skipped_updates": int(r["eval"]["scalars"].get("train/skipped_updates", 0)),
-        "spikes": spike_steps(r["metrics"], factor, spike_window),
-        "mechanisms": {
-          k: v for k, v in r["eval"]["scalars"].items() if k.startswith("mechanisms/")
-        },
-      }
-      lams = [
-        abs(float(v))
-        for k, v in (r["final_metrics"] or {}).items()
-        if k.startswith(("lambda/", "lambda_mean/"))
-      ]
-      if lams:
-        rec["mechanisms"]["lambda/largest_abs"] = max(lams)
-      records.append(rec)
-      cells[r["arm"]].setdefault(_value(value), []).append(rec)
 
-  def cell_stats(recs):
-    trained = [r["final_eval_loss"] for r in recs if not r["diverged"]]
-    return {
-      "n": len(recs),
-      "diverged": sum(r["diverged"] for r in recs),
-      "mean": float(np.mean(trained)) if trained else float("nan"),
-      "min": float(np.min(trained)) if trained else float("nan"),
-      "max": float(np.max(trained)) if trained else float("nan"),
-      "skipped_updates": sum(r["skipped_updates"] for r in recs),
-      "spikes_per_run": float(np.mean([len(r["spikes"]) for r in recs])) if recs else 0.0,
-    }
-
-  table = {
-    arm: {_value(v): cell_stats(cells[arm].get(_value(v), [])) for v in values} for arm in arms
+def _record(s: _Sweep, name: str, value: Any, r: Mapping[str, Any]) -> dict[str, Any]:
+  """One run's row of results.json: its loss, divergence, skips, spikes and mechanisms."""
+  why = divergence(r, s.unigram, s.warmup, s.div_window)
+  loss = float(r["eval"]["scalars"].get("val/final_eval_loss", float("nan")))
+  rec = {
+    "point": name,
+    "value": value,
+    "arm": r["arm"],
+    "seed": r["seed"],
+    "step": r["step"],
+    "final_eval_loss": loss if math.isfinite(loss) else None,
+    "diverged": why is not None,
+    "why": why,
+    "skipped_updates": int(r["eval"]["scalars"].get("train/skipped_updates", 0)),
+    "spikes": spike_steps(r["metrics"], s.factor, s.spike_window),
+    "mechanisms": {k: v for k, v in r["eval"]["scalars"].items() if k.startswith("mechanisms/")},
   }
+  lams = [
+    abs(float(v))
+    for k, v in (r["final_metrics"] or {}).items()
+    if k.startswith(("lambda/", "lambda_mean/"))
+  ]
+  if lams:
+    rec["mechanisms"]["lambda/largest_abs"] = max(lams)
+  return rec
+
+
+def _cell_stats(recs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """One arm at one value over its seeds; diverged seeds are counted, not averaged."""
+  trained = [r["final_eval_loss"] for r in recs if not r["diverged"]]
+  return {
+    "n": len(recs),
+    "diverged": sum(r["diverged"] for r in recs),
+    "mean": float(np.mean(trained)) if trained else float("nan"),
+    "min": float(np.min(trained)) if trained else float("nan"),
+    "max": float(np.max(trained)) if trained else float("nan"),
+    "skipped_updates": sum(r["skipped_updates"] for r in recs),
+    "spikes_per_run": float(np.mean([len(r["spikes"]) for r in recs])) if recs else 0.0,
+  }
+
+
+def _verdicts(s: _Sweep, table: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+  """Per arm: the largest value at which every seed trained and the value of lowest mean loss."""
   verdict = {}
-  for arm in arms:
-    stable = [
-      v for v in values if table[arm][_value(v)]["n"] and table[arm][_value(v)]["diverged"] == 0
-    ]
+  for arm in s.arms:
+    cells = {v: table[arm][_value(v)] for v in s.values}
+    stable = [v for v, c in cells.items() if c["n"] and c["diverged"] == 0]
     means = {
-      v: table[arm][_value(v)]["mean"]
-      for v in values
-      if math.isfinite(table[arm][_value(v)]["mean"]) and table[arm][_value(v)]["diverged"] == 0
+      v: c["mean"] for v, c in cells.items() if math.isfinite(c["mean"]) and c["diverged"] == 0
     }
     verdict[arm] = {
       "largest_stable": max(stable) if stable else None,
       "best": min(means, key=means.get) if means else None,
       "best_loss": min(means.values()) if means else None,
     }
+  return verdict
 
+
+def _paired(
+  config: ml_collections.ConfigDict, s: _Sweep, cells: Mapping[str, Mapping[str, list]]
+) -> dict[str, Any]:
+  """{reference: {arm: {value: paired difference of final loss over matched seeds}}}."""
   confidence = float(config.report.confidence)
-  references = [baseline] + [
-    a for a in (config.report.get("also_against", ()) or ()) if a in arms and a != baseline
+  references = [s.baseline] + [
+    a for a in (config.report.get("also_against", ()) or ()) if a in s.arms and a != s.baseline
   ]
+  loss = lambda r: (
+    r["final_eval_loss"] if r["final_eval_loss"] is not None and not r["diverged"] else float("nan")
+  )
   paired = {}
   for ref in references:
-    for arm in arms:
-      if arm == ref or (ref != baseline and arm == baseline):
+    for arm in s.arms:
+      if arm == ref or (ref != s.baseline and arm == s.baseline):
         continue  # the baseline's own table already pairs it with every arm
-      for v in values:
+      for v in s.values:
         mine = {r["seed"]: r for r in cells[arm].get(_value(v), [])}
         theirs = {r["seed"]: r for r in cells[ref].get(_value(v), [])}
         seeds = sorted(set(mine) & set(theirs))
-        loss = lambda r: (
-          r["final_eval_loss"]
-          if r["final_eval_loss"] is not None and not r["diverged"]
-          else float("nan")
-        )
         paired.setdefault(ref, {}).setdefault(arm, {})[_value(v)] = stats.paired_difference(
-          [loss(mine[s]) for s in seeds], [loss(theirs[s]) for s in seeds], confidence
+          [loss(mine[k]) for k in seeds], [loss(theirs[k]) for k in seeds], confidence
         )
+  return paired
 
+
+def _mechanisms(s: _Sweep, cells: Mapping[str, Mapping[str, list]]) -> dict[str, Any]:
+  """{scalar: {arm: {value: median over seeds}}} of the `MECHANISM_ROWS` some run has."""
   mech = {}
   for k, _ in MECHANISM_ROWS:
-    for arm in arms:
-      for v in values:
+    for arm in s.arms:
+      for v in s.values:
         recs = [r for r in cells[arm].get(_value(v), []) if k in r["mechanisms"]]
         if recs:
           mech.setdefault(k, {}).setdefault(arm, {})[_value(v)] = float(
             np.median([r["mechanisms"][k] for r in recs])
           )
+  return mech
 
-  plot = _plot(workdir, key, arms, values, table, unigram)
-  lines = _report(
-    config,
-    key,
-    arms,
-    values,
-    table,
-    verdict,
-    paired,
-    mech,
-    unigram,
-    factor,
-    spike_window,
-    div_window,
-    warmup,
-    point_runs,
-    plot,
-  )
+
+def _data_check(point_results: Sequence[tuple[str, Any, Mapping[str, Any]]]) -> dict[str, Any]:
+  """The points' data checks as one: ok only if every point's is."""
   checks = [(n, res.get("data_check") or {}) for n, _, res in point_results]
-  data_check = {
+  return {
     "ok": all(c.get("ok", False) for _, c in checks),
     "problems": [f"{n}: {p}" for n, c in checks for p in c.get("problems", [])],
   }
+
+
+def write_sweep_outputs(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  point_results: Sequence[tuple[str, Any, Mapping[str, Any]]],
+  point_runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]],
+) -> dict[str, Any]:
+  """report.md, sweep_loss.png and results.json across the sweep's points; returns the
+  results."""
+  s = _settings(config, point_runs)
+  records, cells = [], {arm: {} for arm in s.arms}
+  for name, value, runs in point_runs:
+    for r in runs:
+      records.append(_record(s, name, value, r))
+      cells[r["arm"]].setdefault(_value(value), []).append(records[-1])
+  table = {
+    arm: {_value(v): _cell_stats(cells[arm].get(_value(v), [])) for v in s.values} for arm in s.arms
+  }
+  verdict = _verdicts(s, table)
+  paired = _paired(config, s, cells)
+  mech = _mechanisms(s, cells)
+  plot = _plot(workdir, s.key, s.arms, s.values, table, s.unigram)
+  lines = _report(config, s, table, verdict, paired, mech, records, plot)
+  data_check = _data_check(point_results)
   if not data_check["ok"]:
     lines[1:1] = (
       ["", "## WARNING: the arms did not see the same data", ""]
@@ -274,18 +285,18 @@ def write_sweep_outputs(
   results = {
     "schema": SCHEMA,
     "workdir": workdir,
-    "key": key,
-    "values": values,
-    "arms": arms,
+    "key": s.key,
+    "values": s.values,
+    "arms": s.arms,
     "data_check": data_check,
     "seeds": list(config.seeds),
-    "baseline": baseline,
-    "unigram_loss": unigram,
+    "baseline": s.baseline,
+    "unigram_loss": s.unigram,
     "definitions": {
-      "spike_factor": factor,
-      "spike_window": spike_window,
-      "divergence_window": div_window,
-      "warmup_steps": warmup,
+      "spike_factor": s.factor,
+      "spike_window": s.spike_window,
+      "divergence_window": s.div_window,
+      "warmup_steps": s.warmup,
     },
     "table": table,
     "verdict": verdict,
@@ -301,56 +312,51 @@ def write_sweep_outputs(
   return results
 
 
-def _report(
-  config,
-  key,
-  arms,
-  values,
-  table,
-  verdict,
-  paired,
-  mech,
-  unigram,
-  factor,
-  spike_window,
-  div_window,
-  warmup,
-  point_runs,
-  plot,
-) -> list[str]:
+def _header(s: _Sweep) -> list[str]:
+  """A table's header: one column per swept value."""
+  head = " | ".join(f"{s.key.split('.')[-1]}={_value(v)}" for v in s.values)
+  return [f"| arm | {head} |", "|---" * (len(s.values) + 1) + "|"]
+
+
+def _introduction(config: ml_collections.ConfigDict, s: _Sweep) -> list[str]:
+  """The title, what was run, and the report's definitions."""
   base = RunConfig.from_config(config.base)
   seeds = list(config.seeds)
   tokens = base.num_steps * base.tokens_per_step
-  head = " | ".join(f"{key.split('.')[-1]}={_value(v)}" for v in values)
-  lines = [
+  short = s.key.split(".")[-1]
+  return [
     f"# {config.report.title}",
     "",
-    f"{len(arms)} arms x {len(seeds)} seeds {seeds} x {len(values)} values of `{key}`; "
+    f"{len(s.arms)} arms x {len(seeds)} seeds {seeds} x {len(s.values)} values of `{s.key}`; "
     f"each run {base.num_steps:,} steps x {base.global_batch_size} x "
-    f"{base.seq_len} tokens = {tokens:,} tokens, warm-up {warmup} steps. Each "
+    f"{base.seq_len} tokens = {tokens:,} tokens, warm-up {s.warmup} steps. Each "
     f"value's full comparison (paired statistics, data check, per-run evaluation) is in "
-    f"`sweep/<{key.split('.')[-1]}=value>/report.md`.",
+    f"`sweep/<{short}=value>/report.md`.",
     "",
     "Definitions. **Diverged**: the trainer stopped on non-finite updates (more than "
     f"`max_skipped_updates={base.max_skipped_updates}` skipped), the "
-    f"final loss is not finite or above the unigram baseline ({_fmt(unigram)} nats), or after "
-    f"warm-up the train loss averaged over {div_window} consecutive steps went below the "
+    f"final loss is not finite or above the unigram baseline ({_fmt(s.unigram)} nats), or after "
+    f"warm-up the train loss averaged over {s.div_window} consecutive steps went below the "
     "unigram baseline and later back above it. "
     f"**Skipped**: updates the trainer refused as non-finite (all seeds). **Spike**: a "
-    f"step whose gradient norm before clipping exceeds {factor:g}x the median of the "
-    f"previous {spike_window} steps' (mean count per run).",
+    f"step whose gradient norm before clipping exceeds {s.factor:g}x the median of the "
+    f"previous {s.spike_window} steps' (mean count per run).",
     "",
+  ]
+
+
+def _loss_table(s: _Sweep, table: Mapping[str, Any]) -> list[str]:
+  lines = [
     "## Final validation loss",
     "",
     "Mean over the seeds that trained [min, max]; diverged seeds are left out of the "
     "mean and counted.",
     "",
-    f"| arm | {head} |",
-    "|---" * (len(values) + 1) + "|",
+    *_header(s),
   ]
-  for arm in arms:
+  for arm in s.arms:
     row = []
-    for v in values:
+    for v in s.values:
       c = table[arm][_value(v)]
       txt = (
         f"{_fmt(c['mean'])} [{_fmt(c['min'])}, {_fmt(c['max'])}]"
@@ -361,37 +367,42 @@ def _report(
         txt += f" **{c['diverged']}/{c['n']} diverged**"
       row.append(txt)
     lines.append(f"| {arm} | " + " | ".join(row) + " |")
-  lines += [
+  return lines
+
+
+def _stability_tables(
+  s: _Sweep, table: Mapping[str, Any], verdict: Mapping[str, Any], plot: str | None
+) -> list[str]:
+  lines = [
     "",
     "## Stability",
     "",
-    f"| arm | largest {key} where every seed trained | "
-    f"{key} with the lowest mean loss | that loss |",
+    f"| arm | largest {s.key} where every seed trained | "
+    f"{s.key} with the lowest mean loss | that loss |",
     "|---|---|---|---|",
   ]
-  for arm in arms:
+  for arm in s.arms:
     v = verdict[arm]
     lines.append(
       f"| {arm} | {_value(v['largest_stable']) if v['largest_stable'] is not None else 'none'}"
       f" | {_value(v['best']) if v['best'] is not None else '–'} | "
       f"{_fmt(v['best_loss']) if v['best_loss'] is not None else '–'} |"
     )
-  lines += [
-    "",
-    "Diverged seeds / skipped updates / gradient-norm spikes per run:",
-    "",
-    f"| arm | {head} |",
-    "|---" * (len(values) + 1) + "|",
-  ]
-  for arm in arms:
+  lines += ["", "Diverged seeds / skipped updates / gradient-norm spikes per run:", "", *_header(s)]
+  for arm in s.arms:
     cells = [
       f"{c['diverged']}/{c['n']} · {c['skipped_updates']} · {c['spikes_per_run']:.1f}"
-      for c in (table[arm][_value(v)] for v in values)
+      for c in (table[arm][_value(v)] for v in s.values)
     ]
     lines.append(f"| {arm} | " + " | ".join(cells) + " |")
   if plot:
-    lines += ["", f"![final loss against {key}]({plot})"]
-  tests = sum(len(by_arm) for by_arm in paired.values()) * len(values)
+    lines += ["", f"![final loss against {s.key}]({plot})"]
+  return lines
+
+
+def _paired_tables(config: ml_collections.ConfigDict, s: _Sweep, paired: Mapping) -> list[str]:
+  lines = []
+  tests = sum(len(by_arm) for by_arm in paired.values()) * len(s.values)
   for ref, by_arm in paired.items():
     lines += [
       "",
@@ -402,12 +413,11 @@ def _report(
       f"The report makes {tests} such tests; about {0.05 * tests:.1f} would pass "
       "p < 0.05 by chance, so read a single small p value with that in mind.",
       "",
-      f"| arm | {head} |",
-      "|---" * (len(values) + 1) + "|",
+      *_header(s),
     ]
     for arm, by_value in by_arm.items():
       cells = []
-      for v in values:
+      for v in s.values:
         d = by_value.get(_value(v)) or {}
         if d.get("n", 0) >= 2 and math.isfinite(d.get("p", float("nan"))):
           cells.append(f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] p={d['p']:.2g}")
@@ -416,34 +426,52 @@ def _report(
         else:
           cells.append("–")
       lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-  if mech:
-    lines += [
-      "",
-      "## Mechanisms",
-      "",
-      "The eval suite's `mechanisms` section on each trained model, and λ from the "
-      "trainer's final metrics: the median over seeds (diverged seeds included, so a "
-      "blown-up run shows), definitions in docs/evaluation.md.",
-      "",
-    ]
-    for k, what in MECHANISM_ROWS:
-      if k not in mech:
-        continue
-      lines += [f"**{what}** (`{k}`)", "", f"| arm | {head} |", "|---" * (len(values) + 1) + "|"]
-      for arm in arms:
-        if arm in mech[k]:
-          lines.append(
-            f"| {arm} | "
-            + " | ".join(_fmt(mech[k][arm].get(_value(v), float("nan")), 3) for v in values)
-            + " |"
-          )
-      lines.append("")
+  return lines
+
+
+def _mechanism_tables(s: _Sweep, mech: Mapping[str, Any]) -> list[str]:
+  if not mech:
+    return []
+  lines = [
+    "",
+    "## Mechanisms",
+    "",
+    "The eval suite's `mechanisms` section on each trained model, and λ from the "
+    "trainer's final metrics: the median over seeds (diverged seeds included, so a "
+    "blown-up run shows), definitions in docs/evaluation.md.",
+    "",
+  ]
+  for k, what in MECHANISM_ROWS:
+    if k not in mech:
+      continue
+    lines += [f"**{what}** (`{k}`)", "", *_header(s)]
+    for arm in s.arms:
+      if arm in mech[k]:
+        lines.append(
+          f"| {arm} | "
+          + " | ".join(_fmt(mech[k][arm].get(_value(v), float("nan")), 3) for v in s.values)
+          + " |"
+        )
+    lines.append("")
+  return lines
+
+
+def _report(
+  config: ml_collections.ConfigDict,
+  s: _Sweep,
+  table: Mapping[str, Any],
+  verdict: Mapping[str, Any],
+  paired: Mapping[str, Any],
+  mech: Mapping[str, Any],
+  records: Sequence[Mapping[str, Any]],
+  plot: str | None,
+) -> list[str]:
+  """The sweep's report.md, as lines."""
+  lines = _introduction(config, s) + _loss_table(s, table)
+  lines += _stability_tables(s, table, verdict, plot)
+  lines += _paired_tables(config, s, paired) + _mechanism_tables(s, mech)
   notes = [
-    f"- {r['arm']} seed {r['seed']} at {n}: {why}"
-    for n, _, runs in point_runs
-    for r in runs
-    for why in [divergence(r, unigram, warmup, div_window)]
-    if why
+    f"- {r['arm']} seed {r['seed']} at {r['point']}: {r['why']}" for r in records if r["why"]
   ]
   if notes:
     lines += ["## Diverged runs", ""] + notes + [""]

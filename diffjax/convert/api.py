@@ -1,12 +1,8 @@
-"""Import and export of Hugging Face checkpoints: models in memory and ``train.py`` workdirs.
+"""Import and export of Hugging Face checkpoints: models in memory (`load_hf`, `save_hf`) and
+``train.py`` workdirs (`hf_to_workdir`, `workdir_to_hf`).
 
-    model = load_hf("path/to/hf_dir")                 # LlamaForCausalLM or DiffLlamaForCausalLM
-    save_hf(model, "path/to/out_dir")                 # loadable by transformers' from_pretrained
-    hf_to_workdir("path/to/hf_dir", "runs/imported")  # then diffjax.train.load_model(...)
-    workdir_to_hf("runs/default", "path/to/out_dir")
-
-Every check (config fields, tensor names, shapes, dtypes) runs before anything is written,
-so bad input raises :class:`ConversionError` (a ``ValueError``) and leaves no files behind.
+Every check runs before anything is written, so bad input raises :class:`ConversionError`
+(a ``ValueError``) and leaves no files behind.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Hugging Face ``config.json`` <-> :class:`~diffjax.model.ModelConfig`.
 
-Each arm names the transformers class that holds it exactly
-(:attr:`diffjax.arms.ArmSpec.hf_architecture`): ``LlamaForCausalLM`` is the Transformer and
-``DiffLlamaForCausalLM`` DIFF V1, both with ``rope_style="half"`` (transformers rotates
-halves). A
-DiffLlama config counts component heads: ``num_attention_heads`` = 2H for H DIFF heads and
-``num_key_value_heads`` = 2 H_kv. A field whose value diffjax does not model (a bias, another
-activation, a RoPE scaling type, ...) is refused with an error naming it; fields that do not
-change the function (token ids, ``max_position_embeddings``, ``use_cache``, ...) are ignored,
-as transformers' own class ignores fields it does not read.
+A field whose value diffjax does not model (a bias, another activation, a RoPE scaling type,
+...) is refused naming it; fields that do not change the function are ignored. The mapping of
+each field: docs/hf_conversion.md.
 """
 
 from __future__ import annotations
@@ -122,20 +116,8 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
   return _positive_float({"rope_theta": theta}, "rope_theta", 10000.0)
 
 
-def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
-  """The diffjax config of a ``LlamaForCausalLM`` or ``DiffLlamaForCausalLM`` config.json.
-
-  ``runtime`` sets fields that leave the parameters unchanged (see :data:`RUNTIME_FIELDS`).
-  Raises :class:`ConversionError` naming the first field that cannot be mapped exactly.
-  """
-  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-  if bad:
-    raise ConversionError(
-      f"{bad[0]}= would change the imported parameters; only "
-      f"{list(RUNTIME_FIELDS)} may be set when importing."
-    )
-  arch = architecture(hf)
-  arm = arm_of()[arch]
+def _attention_shape(hf: Mapping[str, Any], arch: str) -> tuple[int, int, int, int]:
+  """(hidden size, attention heads, kv heads, head width) as config.json counts them."""
   for key in (
     "vocab_size",
     "hidden_size",
@@ -159,6 +141,12 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
       f"config.json: num_attention_heads={heads} is not a multiple of "
       f"num_key_value_heads={kv_heads}."
     )
+  return hidden, heads, kv_heads, head_dim
+
+
+def _refuse_unmodelled(hf: Mapping[str, Any], arch: str) -> None:
+  """Refuses what diffjax does not model: quantized weights, another activation, biases,
+  attention dropout."""
   if "quantization_config" in hf:
     raise ConversionError(
       "config.json: quantization_config is set; diffjax imports only unquantized float weights."
@@ -178,6 +166,24 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
       f"config.json: attention_dropout={dropout!r} cannot be imported "
       "exactly: diffjax has no attention dropout."
     )
+
+
+def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
+  """The diffjax config of a ``LlamaForCausalLM`` or ``DiffLlamaForCausalLM`` config.json.
+
+  ``runtime`` sets fields that leave the parameters unchanged (see :data:`RUNTIME_FIELDS`).
+  Raises :class:`ConversionError` naming the first field that cannot be mapped exactly.
+  """
+  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+  if bad:
+    raise ConversionError(
+      f"{bad[0]}= would change the imported parameters; only "
+      f"{list(RUNTIME_FIELDS)} may be set when importing."
+    )
+  arch = architecture(hf)
+  arm = arm_of()[arch]
+  hidden, heads, kv_heads, head_dim = _attention_shape(hf, arch)
+  _refuse_unmodelled(hf, arch)
   eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arch == LLAMA else 1e-5)
   tie = hf.get("tie_word_embeddings", False)
   if not isinstance(tie, bool):

@@ -1,12 +1,7 @@
 """Starting an arm from a trained Transformer: DIFF V2 exactly, DIFF V1 as close as its layout
-allows.
+allows (`retrofit` on a workdir or an HF Llama directory, `retrofit_params` on arrays).
 
-    cfg, params = retrofit_params(source_cfg, source_params, "diff_v2", init="exact")
-    retrofit("runs/transformer", "runs/retro_v2", arm="diff_v2")          # a train.py workdir
-    retrofit("path/to/llama_dir", "runs/retro_v2", arm="diff_v2")         # or an HF Llama dir
-
-Each arm's rule is its :attr:`diffjax.arms.ArmSpec.retrofit` (the starts are described there
-and in docs/hf_conversion.md); embeddings, norms, the MLP and the LM head are copied.
+Each arm's rule is its :attr:`diffjax.arms.ArmSpec.retrofit`; the starts: docs/hf_conversion.md.
 """
 
 from __future__ import annotations
@@ -74,7 +69,7 @@ def retrofit_params(
   ``source_params`` is the per-layer (``blocks``) pure dict of
   :func:`diffjax.convert.model_params`; the result has the same layout (numpy arrays).
   ``options`` are the arm's own (DIFF V2: ``init`` "mixed" (the default) or "exact",
-  ``second`` head and ``mix_steps`` ramp; see the module docstring); ``seed`` draws any
+  ``second`` head and ``mix_steps`` ramp; docs/hf_conversion.md); ``seed`` draws any
   noise.
   """
   cfg = retrofit_config(source_cfg, arm, **options)
@@ -126,11 +121,8 @@ def retrofit(
 
   ``source`` is a Transformer-arm ``train.py`` workdir (its newest good checkpoint, or
   ``step``) or an HF ``LlamaForCausalLM`` directory; ``options`` are the arm's own (see
-  :func:`retrofit_params`). Continue training it with
-  ``train.py --config.checkpoint.init_from=<workdir>`` and a config of the same model
-  (``model.arm=<arm>``, ``model.v2_match=heads``, the source's size, and the
-  ``model.v2_mix_steps`` of a ramped start). Every check runs before anything is written.
-  Returns the new model config.
+  :func:`retrofit_params`). Continuing it with ``train.py``: docs/hf_conversion.md. Every
+  check runs before anything is written. Returns the new model config.
   """
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import build_model, check_new_workdir, write_workdir

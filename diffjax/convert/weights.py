@@ -1,26 +1,8 @@
 """Hugging Face tensors <-> diffjax parameters, as numpy arrays (no framework needed).
 
-transformers stores a Linear as ``weight [out, in]`` (y = x Wᵀ); diffjax stores kernels
-``[in, ...out]`` (y = x W), so every projection is transposed and its output axis split into
-heads. The parameter tree is the pure dict of ``nnx.state(DecoderLM)``: ``embed.embedding``,
-``blocks[i].{attn_norm,mlp_norm}.scale``, ``blocks[i].attn.*``, ``blocks[i].mlp.w_{gate,up,down}``,
-``final_norm.scale`` and ``lm_head`` (absent when the embeddings are tied).
-
-Llama (the Transformer arm): q [E, H, d] is ``q_proj.weight.T`` reshaped, likewise
-k, v [E, K, d]; o [H, d, E] is ``o_proj.weight.T`` reshaped.
-
-DiffLlama (DIFF V1): transformers pairs component head i with head i + H
-(halves) where diffjax keeps the two components of DIFF head i together (q [E, H, 2, d]);
-key and value heads g and g + H_kv likewise form kv group g (k [E, K, 2, d], and v [E, K, 2d]
-is the two value halves side by side). DiffLlama's per-head norm has no gain: export folds
-diffjax's gain into the input columns of ``o_proj`` (exact, as the norm's output is
-multiplied by the gain just before o), import sets the gain to ones. The lambda vectors
-carry over as they are.
-
-RoPE: transformers rotates halves (diffjax ``rope_style="half"``), so import keeps rows as
-they are. Exporting a model trained with ``rope_style="interleaved"`` reorders the rows of
-every query and key head, pair (2i, 2i+1) -> (i, i + d/2); rotation pairs then coincide and
-every q·k is unchanged, so the exported model computes the same function.
+Projections are transposed and split into heads; DiffLlama's halves become diffjax's DIFF
+heads, its gainless norm takes diffjax's gain folded into ``o_proj``, and an interleaved-RoPE
+model's q/k rows are reordered on export. Each layout: docs/hf_conversion.md.
 """
 
 from __future__ import annotations

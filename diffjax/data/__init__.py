@@ -1,18 +1,6 @@
 """Data: tokenizers, corpora, the one streamed, checkpointable training pipeline, and the
-synthetic retrieval tasks (multi-needle retrieval in real text, associative recall), which serve
-both as training sources and as evaluation sets.
-
-Typical use:
-
-    from diffjax.data import DataConfig, build_datasets
-    data = build_datasets(DataConfig(), seq_len=256, global_batch_size=32, seed=0)
-    batch = next(data.train_iter)      # dict of (32, 256) numpy arrays
-    val = data.val_batches(4)          # the same 4 batches on every call and for every seed
-
-    from diffjax.data import MultiNeedleTask
-    task = MultiNeedleTask(context_len=512, num_needles=4, num_queries=2, num_examples=100)
-    tokens = task[0]                   # (L,) int32: a document like any other source's
-    batch = task.batch([0, 1, 2])      # tokens, answer spans and regions stacked for a model
+synthetic retrieval tasks, which serve both as training sources and as evaluation sets.
+See docs/data.md.
 """
 
 from diffjax.data.config import DataConfig

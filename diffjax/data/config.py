@@ -14,11 +14,7 @@ class DataConfig:
   """Where the training data comes from.
 
   Attributes:
-    kind: "stdlib" (the Python standard library's sources, needs no files), "text" (files,
-      directories or globs: JSONL and Parquet rows or one document per other file), both
-      prepared into shards on first use and cached (`diffjax.data.corpus.cached_corpus`); or
-      "prepared" (the shards `python -m diffjax.data.prepare` wrote, for corpora of any size).
-      Every kind is then streamed the same way (`diffjax.data.streaming`).
+    kind: "stdlib", "text" or "prepared" (docs/data.md, "Corpora").
     paths: files, directories or globs for "text"; the prepared directory (or its
       manifest.json) for "prepared"; must be empty for "stdlib".
     tokenizer: "byte", or a path to an HF tokenizers ".json" or a SentencePiece ".model"; for

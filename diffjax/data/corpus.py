@@ -1,19 +1,8 @@
 """What the training pipeline reads: documents by global id, from shards or from memory.
 
-Every run streams a :class:`Corpus` (:mod:`diffjax.data.pipeline`):
-
-  * a prepared corpus (``data.kind="prepared"``): the ``.tokens`` shards that
-    ``python -m diffjax.data.prepare`` wrote (:class:`ShardCorpus`);
-  * the embedded corpus (``data.kind="stdlib"``) and text files (``data.kind="text"``): prepared
-    into shards on first use, in a cache directory keyed by what was read and how
-    (:func:`cached_corpus`), then streamed exactly like a prepared corpus;
-  * a document source in memory, e.g. a synthetic retrieval task mixed into training
-    (:class:`SourceCorpus`).
-
-A corpus has ``num_documents`` documents numbered in a fixed order, grouped into ``groups``
-(the shards: an epoch visits them in groups, see :class:`diffjax.data.streaming.EpochOrder`);
-``tokens(d)`` returns document d's ids and ``weights(d)`` its per-token loss weights or None.
-``data.max_documents`` and ``data.max_tokens`` keep a prefix (:func:`capped`).
+A prepared corpus's shards (:class:`ShardCorpus`); the embedded corpus and text files, prepared
+into the data cache on first use (:func:`cached_corpus`) and then read like a prepared corpus; or
+a document source in memory such as a task mixed into training (:class:`SourceCorpus`).
 """
 
 from __future__ import annotations
@@ -44,7 +33,10 @@ _CACHE_VERSION = 1
 
 
 class Corpus(Protocol):
-  """Documents by global id (see the module docstring)."""
+  """Documents by global id, ``num_documents`` of them in a fixed order, grouped into ``groups``
+  (the shards; an epoch visits them in groups, `diffjax.data.streaming.EpochOrder`).
+  ``tokens(d)`` is document d's ids, ``weights(d)`` its per-token loss weights or None;
+  `capped` keeps a prefix (``data.max_documents``, ``data.max_tokens``)."""
 
   name: str
   num_documents: int

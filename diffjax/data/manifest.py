@@ -1,18 +1,6 @@
 """The manifest of a prepared corpus: which shards hold how many documents and tokens, and
-which tokenizer produced them.
-
-`python -m diffjax.data.prepare` writes `manifest.json` next to its shards; the streaming
-pipeline reads only this file at start-up (no pass over the shards), so start-up time does not
-grow with the corpus. Layout:
-
-    {"format": "diffjax-prepared/1",
-     "tokenizer": {"spec": "tokenizer.json", "sha256": "...", "vocab_size": 100288, "eos_id": 0},
-     "num_documents": D, "num_tokens": N,
-     "shards": [{"path": "shard-00000-0000.tokens", "num_documents": d, "num_tokens": n}, ...]}
-
-Shard paths are relative to the manifest's directory, so a prepared directory can be moved.
-Shards are `.tokens` files (`diffjax.data.shards`).
-Global document ids number the documents of the shards in manifest order.
+which tokenizer produced them. `python -m diffjax.data.prepare` writes `manifest.json` next to
+its shards, and it is all the pipeline reads at start-up; its layout: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """From a `DataConfig` to checkpointable training batches and fixed validation batches.
 
-One pipeline for every corpus: the configured corpus (`diffjax.data.corpus`: a prepared
-directory, or the embedded corpus and text files prepared on first use, or a source in memory)
-is streamed by `diffjax.data.streaming`, with one validation rule (a keyed hash of each
-document's global id, `data.val_fraction` of the documents, whatever the training seed).
-
-Batch format: a dict of numpy arrays with leading dim b = global_batch_size // process_count:
-  inputs (b, T) int32, targets (b, T) int32, segment_ids (b, T) int32, positions (b, T) int32,
-  loss_mask (b, T) float32 (see `diffjax.data.streaming`). Process p of P yields rows
-  [p*B/P, (p+1)*B/P) of every global batch.
+Every corpus (`diffjax.data.corpus`) is streamed by `diffjax.data.streaming` with one
+validation rule; the batch format: docs/data.md, "How batches are made".
 """
 
 from __future__ import annotations

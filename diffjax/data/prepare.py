@@ -3,24 +3,8 @@
     python -m diffjax.data.prepare --input corpus/ --input extra.jsonl \
         --output data/prepared --tokenizer tokenizer.json --shard_tokens 50000000 --workers 8
 
-Inputs: JSONL (`--text_field`, default "text"; `.jsonl`, `.jsonl.gz`, `.json`, `.ndjson`),
-Parquet (`.parquet`, the `--text_field` column; needs pyarrow) and any other file as one text
-document; directories are read recursively and globs expanded; `stdlib` names the default
-corpus (the standard library's .py files, as `data.kind="stdlib"`).
-
-Each shard is a `.tokens` file (`diffjax.data.shards`): documents of little-endian token ids (2
-bytes each for vocabularies of up to 65,536 ids, else 4; no eos: the trainer appends it) and an
-offset table; empty documents are dropped. Random
-access to single documents is what the streaming pipeline needs to give every batch row its own
-documents, and a shard opens in O(1) (a 32-byte header), so the first batch of a 1B-token corpus
-comes as fast as that of a 10M one (the module docstring of `shards` says why not ArrayRecord).
-
-Resumable and idempotent: documents are assigned to shards deterministically (work unit u, one
-input file or a run of text files, writes shards `shard-<u>-<part>`, a new part after
-`--shard_tokens` tokens); a shard is written under a temporary name and renamed, and a unit's
-completion marker `unit-<u>.done.json` is written last. A rerun skips finished units and redoes
-the others from scratch, so an interruption never duplicates or loses a document. The manifest
-(shards, documents and tokens per shard, the tokenizer's SHA-256) is written at the end.
+Resumable and idempotent: work units write their shards deterministically and a unit's marker
+last, so a rerun skips finished units and redoes the others. Inputs, layout: docs/data.md.
 """
 
 from __future__ import annotations
@@ -176,44 +160,59 @@ def prepare(
     },
   )
   pending = [u for u in units if not os.path.exists(_marker(output, u.index))]
-  t0, done_docs, done_tokens = time.perf_counter(), 0, 0
   jobs = [(u, output, shard_tokens, text_field) for u in pending]
+  _run_units(jobs, len(units), tokenizer, tok, workers, progress)
+  return _write_manifest(output, units, inputs, tokenizer, tok, fingerprint, progress)
+
+
+def _run_units(
+  jobs: list[tuple], num_units: int, spec: str, tok: Tokenizer, workers: int, progress: bool
+) -> None:
+  """Runs the unfinished units' ``jobs``, in ``workers`` processes when there are several,
+  printing progress to stderr after each."""
+  t0, done_docs, done_tokens = time.perf_counter(), 0, 0
 
   def report(i: int) -> None:
     if progress:
       rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
-      end = "\n" if i == len(pending) or not sys.stderr.isatty() else ""
+      end = "\n" if i == len(jobs) or not sys.stderr.isatty() else ""
       print(
-        f"\rprepare: {len(units) - len(pending) + i}/{len(units)} units, {done_docs:,} docs, "
+        f"\rprepare: {num_units - len(jobs) + i}/{num_units} units, {done_docs:,} docs, "
         f"{done_tokens:,} tokens, {rate:,.0f} tokens/s",
         end=end,
         file=sys.stderr,
         flush=True,
       )
 
-  if workers == 1 or len(pending) <= 1:
+  if workers == 1 or len(jobs) <= 1:
     for i, job in enumerate(jobs, 1):
       _, d, n = run_unit(*job, tokenizer=tok)
       done_docs, done_tokens = done_docs + d, done_tokens + n
       report(i)
   else:
-    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer,)) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,)) as pool:
       for i, (_, d, n) in enumerate(pool.imap_unordered(_run_unit_star, jobs), 1):
         done_docs, done_tokens = done_docs + d, done_tokens + n
         report(i)
 
+
+def _write_manifest(
+  output: str,
+  units: Sequence[Unit],
+  inputs: Sequence[str],
+  spec: str,
+  tok: Tokenizer,
+  fingerprint: str,
+  progress: bool,
+) -> str:
+  """Gathers every unit's shards from its marker into manifest.json; returns its path."""
   shards: list[dict] = []
   for u in units:
     with open(_marker(output, u.index)) as f:
       shards.extend(json.load(f)["shards"])
   if not shards:
     raise ValueError(f"Inputs {list(inputs)} hold no non-empty document.")
-  info = {
-    "spec": tokenizer,
-    "sha256": fingerprint,
-    "vocab_size": tok.vocab_size,
-    "eos_id": tok.eos_id,
-  }
+  info = {"spec": spec, "sha256": fingerprint, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
   path = write_manifest(output, shards, info)
   m = read_manifest(path)
   if progress:

@@ -1,26 +1,7 @@
 """The token-shard file that `python -m diffjax.data.prepare` writes and the streaming pipeline
 reads: documents of token ids with an offset table, readable at random in O(1).
 
-Layout of a `.tokens` file (all integers little-endian):
-
-    header   32 bytes   magic b"DJXTOKS\\0", u32 version (1), u32 bytes per token b (2 or 4),
-                        u64 documents D, u64 tokens N
-    tokens   b N bytes  every document's ids, concatenated (uint16 when b = 2, which `prepare`
-                        uses for vocabularies of at most 65,536 ids, else int32; no eos: the
-                        trainer adds it)
-    offsets  8 (D + 1)  u64 token offsets: document i is tokens[offsets[i]:offsets[i + 1]]
-
-Why not ArrayRecord: opening an ArrayRecord file
-parses its whole chunk index, about 1 ms for a 50M-token shard grouped 8 records to a chunk and
-6 ms with one record per chunk, and the first batch of a large corpus opens a whole group of
-shards, so start-up grew with the corpus. Opening a `.tokens` file reads 32 bytes and reading a
-document is two `pread`s (its two offsets, then its tokens), so neither depends on the shard's
-size, no index is held in memory and nothing is memory-mapped (resident memory stays the
-reader's buffers). The file size is checked against the header on open and every offset pair
-against the header on read, so a truncated or overwritten shard is refused with its path.
-The price is disk: the ids are stored as they are, and ArrayRecord's zstd chunks stored the
-standard library's byte tokens 3.9x and its 4,096-id BPE tokens 1.8x smaller than these 2-byte
-ids (24.3 vs 6.2 MB, 7.0 vs 4.0 MB).
+The layout of a `.tokens` file and why not ArrayRecord: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Document sources: random-access sequences of tokenized documents, and where files are.
 
-A `DocumentSource` is anything with `name`, `__len__` and `__getitem__(i) -> (N,) int32 array`
-(optionally `weighted(i) -> (tokens, 0/1 loss weights)`): a synthetic task (for example a
-retrieval benchmark generator) only has to implement these to be trained or evaluated on
-(`diffjax.data.build_datasets(..., source=...)`).
-
-Here: `resolve_paths` (files, directories, globs) and `stdlib_files` (the default corpus's
-files; `diffjax.data.corpus.stdlib_corpus` opens the corpus itself).
+A `DocumentSource` (docs/data.md) can be trained or evaluated on like any corpus. Here too:
+`resolve_paths` (files, directories, globs) and `stdlib_files` (the default corpus's files).
 """
 
 from __future__ import annotations

@@ -1,45 +1,9 @@
 """Streaming batches from a corpus (`diffjax.data.corpus`): memory bounded by buffers, start-up
 independent of corpus size, exact resume, the same global batch for any number of processes.
 
-Design. Every row r of the global batch (B rows) is fed by S *streams* (`data.streams_per_row`),
-and batch n takes row r's window from stream n mod S, so consecutive batches of a row come from
-S different documents (one long document does not fill a row for hundreds of steps). Stream
-(r, s) is a *lane*: a packed token stream of the documents at epoch positions k, k + L, k + 2L, ...
-with k = r + B*s and L = B*S lanes in all. Epoch e visits every document once in a seeded order
-built without materialising a permutation of the corpus:
-
-  1. the corpus's groups (its shards) are permuted with numpy's generator seeded (seed, e);
-  2. consecutive permuted groups are taken `shards_per_group` at a time; inside such a run the
-     documents of all its groups are permuted lazily with grain's `index_shuffle` (O(1) memory,
-     any size), so a batch mixes the documents of several shards, and only that many are open.
-
-Each lane appends eos after each document and cuts windows of T + 1 tokens, consecutive windows
-sharing one token. Per window (all (T,) int32 unless said otherwise):
-  inputs       the window's first T tokens; targets: its last T (the next token);
-  segment_ids  1, 2, 3, ... : which document of the window each input belongs to; an eos belongs
-               to the document it closes. Attention must stay within a segment.
-  positions    index of the input inside its document, restarting at 0 at each document start
-               (a document already running when the window starts counts from the window's
-               first token: attention cannot reach before the window, and RoPE depends only on
-               differences);
-  loss_mask    (T,) float32: 0 where the input is an eos (its target is the first token of the
-               next, unrelated document), 1 elsewhere; a corpus with per-token loss weights
-               (e.g. a retrieval task scored on its answers) also zeroes the positions whose
-               target has weight 0, an eos target included.
-
-A lane whose documents run out starts its next epoch; lanes are independent of each other and
-of the process count, so process p (rows [p*b, (p+1)*b)) reads only the documents of its own
-lanes and the union of the processes' rows is the single-process batch.
-
-Validation documents are chosen by a keyed hash of the global document id (`doc_is_val`), for
-every corpus alike, so neither split reads anything to decide; training lanes skip them,
-validation lanes read them in corpus order, scanning ids only as far as needed.
-
-Iterator state: per lane (epoch, slot, offset), the rows it covers and the batch count; a resume
-must use the same process count (the rows are checked). Why not grain's
-`ConcatThenSplitIterDataset` / `FirstFitPackIterDataset`: they pack whatever a process reads, so
-the global batch would depend on the process count and a lane's position could not be written
-as three integers.
+Each row of the global batch takes its windows from S streams (lanes) in turn; lane (r, s) packs
+the documents at epoch positions k, k + L, k + 2L, ... (k = r + B*s, L = B*S lanes). The epoch
+order, the window fields and the validation rule: docs/data.md, "How batches are made".
 """
 
 from __future__ import annotations

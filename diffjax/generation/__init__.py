@@ -1,11 +1,7 @@
 """Text generation with a KV cache for every arm: :func:`generate` and sampling.
 
-:func:`generate` compiles its prefill and decode loop once per model structure and
-bucketed shape and keeps them (:mod:`diffjax.generation.programs`; :func:`cache_info`
-counts them).
-
 ``python -m diffjax.generation --workdir=RUN --prompt=...`` streams a trained run's
-continuation of a prompt (:mod:`diffjax.generation.command`).
+continuation of a prompt. See docs/generation.md.
 """
 
 from diffjax.generation.engine import CACHE_MULTIPLE, Generation, generate

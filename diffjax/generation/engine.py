@@ -1,13 +1,8 @@
 """Cached generation for any :class:`~diffjax.model.DecoderLM`: prefill, then one token a step.
 
-Layout of a ragged batch: prompts are left-aligned (row b's prompt fills positions
-0..len_b-1; the rest of the prefill input is padding) and each row carries its own
-length. Cache slot j of row b holds position j of that row, so RoPE positions and
-the next write slot are both the row's current length; a row never attends to a
-slot at or past its length, so padding and other rows cannot leak in. The cache is
-preallocated for ``max_length`` slots (a multiple of :data:`CACHE_MULTIPLE`, so the
-GPU and TPU decode kernels read it in place) and updated in place: the decode loop
-runs on the device (one ``while_loop``, stopping rows there) and donates it.
+Prompts are left-aligned and each row keeps its own length, which is both its RoPE position
+and its next cache slot, so padding and other rows never leak in; the cache layout and the
+decode loop: docs/generation.md.
 """
 
 from __future__ import annotations
@@ -116,11 +111,8 @@ def generate(
 ) -> Generation:
   """Generates up to ``max_new_tokens`` tokens after each prompt, with a KV cache.
 
-  The prefill and the whole decode loop run as two compiled programs, kept per model
-  structure and bucketed shape (:mod:`diffjax.generation.programs`): the batch and the
-  prompt width are padded to powers of two (prompts to at least 16 tokens), the cache to
-  a multiple of :data:`CACHE_MULTIPLE`, so repeated calls, and calls on other models of
-  the same structure, compile nothing. Padding rows and columns never reach a kept row.
+  Runs two compiled programs kept per model structure and bucketed shape, so repeated calls
+  compile nothing (docs/generation.md, "Compiled once").
 
   Args:
     model: any DecoderLM (its parameters are not changed).
@@ -143,10 +135,42 @@ def generate(
       (:mod:`diffjax.ops.preflight`; a failing one is switched to the stock path).
   Returns:
     A :class:`Generation`.
+  Raises:
+    ValueError: a bad prompt, length, token id, ``max_new_tokens`` or ``max_length``.
   """
   options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
   if preflight:  # once per process: the fused attention and decode kernels on this device
     arms.preflight(model.config, decode=True)
+  stops, prompt_BxT, lens_B = _checked(model, prompts, lengths, max_new_tokens, stop_tokens, pad_id)
+  batch = _pad_batch(prompt_BxT, lens_B, stops, max_new_tokens, max_length, pad_id, mesh, rules)
+  programs, leaves, compile_s = _programs(model, batch, options, processors, mesh)
+  rng = jax.random.key(options.seed)
+  t0 = time.perf_counter()
+  state = programs.prefill(
+    leaves, *batch.prefill_inputs, np.int32(max_new_tokens), batch.stops_np, rng
+  )
+  jax.block_until_ready(state["tok_B"])
+  prefill_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  state = _decode(programs, leaves, state, batch, max_new_tokens, pad_id, rng, on_tokens)
+  out, count, stopped, step = jax.device_get(
+    (state["out_BxW"], state["count_B"], state["stopped_B"], state["step"])
+  )
+  decode_s = time.perf_counter() - t0
+  b = batch.rows
+  return Generation(
+    tokens=[out[i, : count[i]].tolist() for i in range(b)],
+    stopped=[bool(x) for x in stopped[:b]],
+    prompt_tokens=lens_B.tolist(),
+    compile_seconds=compile_s,
+    prefill_seconds=prefill_s,
+    decode_seconds=decode_s,
+    decode_steps=int(step),
+  )
+
+
+def _checked(model, prompts, lengths, max_new_tokens, stop_tokens, pad_id):
+  """(stop tokens, prompts as rows, their lengths); ValueError naming what is wrong."""
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer.")
   stops = [int(t) for t in ([stop_tokens] if np.isscalar(stop_tokens) else stop_tokens)]
@@ -159,6 +183,29 @@ def generate(
     )
   if not 0 <= pad_id < vocab:
     raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab}).")
+  return stops, prompt_BxT, lens_B
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+  """The inputs padded to their buckets."""
+
+  rows: int  # the caller's rows; the arrays have more when the batch is padded
+  prompt_np: np.ndarray  # int32 [rows', width]
+  lens_np: np.ndarray  # int32 [rows']
+  valid_np: np.ndarray  # bool [rows']: False on padding rows
+  stops_np: np.ndarray  # int32 stop-token slots, -1 where unused
+  max_length: int
+  rules: tuple
+
+  @property
+  def prefill_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return self.prompt_np, self.lens_np, self.valid_np
+
+
+def _pad_batch(prompt_BxT, lens_B, stops, max_new_tokens, max_length, pad_id, mesh, rules):
+  """Pads rows, prompt width, cache and stop tokens to their buckets; ValueError when a prompt
+  does not fit ``max_length``."""
   longest = int(lens_B.max())
   width = bucket(longest, MIN_PROMPT_BUCKET)
   if max_length is None:
@@ -180,14 +227,20 @@ def generate(
   prompt_np[:b, :longest] = prompt_BxT[:, :longest]
   lens_np = np.ones(rows, np.int32)
   lens_np[:b] = lens_B
-  valid_np = np.arange(rows) < b
   stops_np = np.full(bucket(len(stops), MIN_STOP_SLOTS), -1, np.int32)
   stops_np[: len(stops)] = stops
+  return _Batch(b, prompt_np, lens_np, np.arange(rows) < b, stops_np, int(max_length), rules)
 
+
+def _programs(model, batch: _Batch, options, processors, mesh):
+  """(the compiled programs, the parameter leaves laid out for them, seconds spent compiling
+  now: 0 when a kept program served)."""
   graphdef, params = nnx.split(model)
   if mesh is not None:
-    with shd.activation_sharding(mesh, rules):
-      pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
+    with shd.activation_sharding(mesh, batch.rules):
+      pure = jax.device_put(
+        nnx.to_pure_dict(params), shd.param_shardings(params, mesh, batch.rules)
+      )
     nnx.replace_by_pure_dict(params, pure)
   leaves, treedef = jax.tree.flatten(params)
   leaves = tuple(leaves)
@@ -195,55 +248,40 @@ def generate(
     graphdef=graphdef,
     treedef=treedef,
     leaves=tuple((tuple(a.shape), a.dtype, getattr(a, "sharding", None)) for a in leaves),
-    batch=rows,
-    prompt_len=width,
-    max_length=int(max_length),
-    stop_slots=len(stops_np),
+    batch=batch.prompt_np.shape[0],
+    prompt_len=batch.prompt_np.shape[1],
+    max_length=batch.max_length,
+    stop_slots=len(batch.stops_np),
     options=dataclasses.replace(options, seed=0),
     processors=tuple(processors),
     mesh=mesh,
-    rules=rules if mesh is not None else None,
+    rules=batch.rules if mesh is not None else None,
   )
   before = cache_info()["compiled"]
   programs = get_programs(key)
   compile_s = programs.compile_seconds if cache_info()["compiled"] > before else 0.0
+  return programs, leaves, compile_s
 
-  rng = jax.random.key(options.seed)
+
+def _decode(programs, leaves, state, batch: _Batch, max_new_tokens, pad_id, rng, on_tokens):
+  """Runs the decode loop to its end; with ``on_tokens``, in slices of :data:`STREAM_EVERY`
+  steps, handing every step's tokens to it in order."""
   i32 = np.int32
-  t0 = time.perf_counter()
-  state = programs.prefill(leaves, prompt_np, lens_np, valid_np, i32(max_new_tokens), stops_np, rng)
-  jax.block_until_ready(state["tok_B"])
-  prefill_s = time.perf_counter() - t0
-
-  t0 = time.perf_counter()
   if on_tokens is None:
-    state = programs.decode(
-      leaves, state, i32(max_length), i32(max_new_tokens), stops_np, rng, i32(pad_id)
+    return programs.decode(
+      leaves, state, i32(batch.max_length), i32(max_new_tokens), batch.stops_np, rng, i32(pad_id)
     )
-  else:
-    done = 0  # steps already passed to on_tokens
-    while True:
-      step, active, trace, kept = jax.device_get(
-        (state["step"], state["active_B"], state["trace_BxW"], state["kept_BxW"])
-      )
-      for s in range(done, int(step) + 1):
-        on_tokens(s, trace[:b, s], kept[:b, s])
-      done = int(step) + 1
-      if not active.any():
-        break
-      state = programs.decode(
-        leaves, state, i32(step + STREAM_EVERY), i32(max_new_tokens), stops_np, rng, i32(pad_id)
-      )
-  out, count, stopped, step = jax.device_get(
-    (state["out_BxW"], state["count_B"], state["stopped_B"], state["step"])
-  )
-  decode_s = time.perf_counter() - t0
-  return Generation(
-    tokens=[out[i, : count[i]].tolist() for i in range(b)],
-    stopped=[bool(x) for x in stopped[:b]],
-    prompt_tokens=lens_B.tolist(),
-    compile_seconds=compile_s,
-    prefill_seconds=prefill_s,
-    decode_seconds=decode_s,
-    decode_steps=int(step),
-  )
+  b = batch.rows
+  done = 0  # steps already passed to on_tokens
+  while True:
+    step, active, trace, kept = jax.device_get(
+      (state["step"], state["active_B"], state["trace_BxW"], state["kept_BxW"])
+    )
+    for s in range(done, int(step) + 1):
+      on_tokens(s, trace[:b, s], kept[:b, s])
+    done = int(step) + 1
+    if not active.any():
+      return state
+    state = programs.decode(
+      leaves, state, i32(step + STREAM_EVERY), i32(max_new_tokens), batch.stops_np, rng, i32(pad_id)
+    )

@@ -1,25 +1,7 @@
 """The compiled prefill and decode programs of :func:`~diffjax.generation.generate`, kept per
-shape so that a stream of calls compiles a handful of programs, not one per call.
-
-A program is compiled for a :class:`ProgramKey`: the model's structure (its graph
-definition and the shape, dtype and placement of every parameter, not their values),
-the bucketed batch, prompt and cache sizes, the number of stop-token slots, the sampling
-options without the seed, the logits processors (by identity) and the mesh. Models of
-one structure share the programs; the parameters, prompts, lengths, seed, stop tokens,
-``max_new_tokens`` and pad token are all runtime inputs.
-
-The state the programs pass along (a dict of arrays, batch first):
-
-  cache            the KV cache, one dict per layer
-  tok_B            the token each row chose at the current step
-  pos_B            each row's next cache slot (its length so far)
-  active_B         still generating
-  stopped_B        ended at a stop token
-  count_B          tokens kept (the stop token that ends a row is not kept)
-  out_BxW          the kept tokens, left-aligned (W = the cache length bounds them)
-  trace_BxW        every step's token of every row (for streaming)
-  kept_BxW         whether the row kept that step's token
-  step             the current step (0: the prefill's token)
+:class:`ProgramKey` (model structure, bucketed shapes, sampling options without the seed,
+processors, mesh) so that a stream of calls compiles a handful of programs, not one per call.
+What the key holds and how shapes are bucketed: docs/generation.md, "Compiled once".
 """
 
 from __future__ import annotations
@@ -168,17 +150,18 @@ def _functions(key: ProgramKey):
       last_BxV, jax.random.fold_in(rng, 0), jnp.int32(0), options, key.processors
     )
     zeros_BxW = jnp.zeros((batch, max_length), jnp.int32)
+    # The state both programs pass along, batch first.
     state = {
-      "cache": cache,
-      "tok_B": tok_B,
-      "pos_B": lens_B,
-      "active_B": valid_B,
-      "stopped_B": jnp.zeros_like(valid_B),
-      "count_B": jnp.zeros_like(lens_B),
-      "out_BxW": zeros_BxW,
-      "trace_BxW": zeros_BxW,
-      "kept_BxW": jnp.zeros((batch, max_length), bool),
-      "step": jnp.int32(0),
+      "cache": cache,  # one dict per layer
+      "tok_B": tok_B,  # the token each row chose at the current step
+      "pos_B": lens_B,  # each row's next cache slot (its length so far)
+      "active_B": valid_B,  # still generating
+      "stopped_B": jnp.zeros_like(valid_B),  # ended at a stop token
+      "count_B": jnp.zeros_like(lens_B),  # tokens kept (a row's final stop token is not)
+      "out_BxW": zeros_BxW,  # the kept tokens, left-aligned
+      "trace_BxW": zeros_BxW,  # every step's token of every row (for streaming)
+      "kept_BxW": jnp.zeros((batch, max_length), bool),  # whether the row kept that token
+      "step": jnp.int32(0),  # 0: the prefill's token
     }
     return _absorb(state, max_new, stops_S, max_length)
 

@@ -1,22 +1,8 @@
 """Orbax checkpoints holding the train state, the data iterator and the run's configs.
 
-One checkpoint step directory holds three items:
-  * ``state``: params, optimizer state, step and RNG (``StandardSave``);
-  * ``data``: the grain iterator state, so a resumed run continues with exactly the
-    next batch;
-  * ``meta``: the model config and the full run config as JSON, plus the integrity record
-    of the step (:mod:`diffjax.train.integrity`: digests of every state leaf, of the
-    iterator state and of the rest of ``meta``).
-Orbax writes each step into a temporary directory and renames it when complete, so
-a process killed mid-save leaves the previous complete step as the latest one.
-
-``save`` refuses a state whose floating leaves are not all finite. Resume order
-(``restore_newest_good``), newest step first: read ``meta`` and check its digest, let the
-caller compare model configs, compare the saved leaf names and shapes with the target
-(refused, nothing moved), restore ``state`` into the abstract (optionally sharded)
-target and the iterator, then recompute and compare the digests. A step that cannot be
-read or does not verify is moved aside (:func:`diffjax.train.integrity.quarantine`) and
-the previous step is tried.
+A step holds ``state``, ``data`` (the iterator) and ``meta`` (the configs and the integrity
+record); ``save`` refuses a state that is not finite, and ``restore_newest_good`` resumes from
+the newest step that verifies. The items and the resume order: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Multi-process start-up for TPU pods and multi-node GPU jobs.
+"""Multi-process start-up for TPU pods and multi-node GPU jobs, and the lost-host watchdog.
 
-``jax.distributed.initialize()`` is called when the environment says this is one of
-several processes: on Cloud TPU VMs (their chips appear as /dev/accel* or /dev/vfio/N;
-JAX reads the worker list from the VM metadata), on GKE TPU pods
-(``TPU_WORKER_HOSTNAMES`` lists more than one worker, or ``MEGASCALE_*`` is set), under SLURM with several tasks, or when
-``JAX_COORDINATOR_ADDRESS``/``DIFFJAX_COORDINATOR`` with ``DIFFJAX_NUM_PROCESSES`` and
-``DIFFJAX_PROCESS_ID`` are given (multi-node GPU without a scheduler). Setting
-``distributed.initialize=True|False`` in the config overrides the detection.
-
-A lost host is said plainly: every process writes a heartbeat to the runtime's key-value
-store, and a watchdog thread (:func:`watch_peers`) that sees a peer's heartbeat stop for
-``distributed.peer_timeout_s`` seconds (or loses the coordinator, which runs in process 0)
-prints one line naming the process and the step the run resumes from, and exits with status 75
-(EX_TEMPFAIL), on which ``tpu_setup/babysit.sh`` relaunches. The runtime's own heartbeat
-timeout is set well above that, so its abort (a C++ check failure) does not come first.
+``jax.distributed.initialize()`` is called when the environment says this is one of several
+processes (docs/scaling.md); a watchdog (:func:`watch_peers`) that sees a peer's heartbeat stop
+prints one line and exits with status 75 (docs/training.md, "A lost host").
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ def _on_tpu_vm() -> bool:
 
 
 def detected() -> bool:
-  """Whether the environment says this is one of several processes (see the module docstring)."""
+  """Whether the environment says this is one of several processes (docs/scaling.md)."""
   # On TPU VMs jax.distributed.initialize() finds the workers from the VM metadata
   # and also works on a single-host slice, so it is always safe to call there.
   if _on_tpu_vm():

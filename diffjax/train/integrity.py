@@ -1,18 +1,8 @@
 """The integrity record of a checkpoint step, its checks on restore, and the quarantine.
 
-``save`` stores a record in the step's ``meta`` item (:func:`make_record`): per state leaf
-its shape, dtype and a 64-bit content digest (:mod:`diffjax.train.digest`), a SHA-256 of the
-iterator state of every process, and a SHA-256 of the rest of ``meta``. Every step this
-diffjax saves holds one; a step without it cannot be verified and is refused
-(:func:`split_meta`).
-
-On restore, newest step first: the meta digest (:func:`split_meta`), the saved leaf names
-and shapes against the target (:func:`check_structure`: a changed model or optimizer is the
-user's to fix, so nothing is moved), then the restored leaves' and iterator's digests
-(:func:`verify`). A step that cannot be read or does not verify raises
-:class:`CorruptCheckpointError`; the caller moves it to
-``<checkpoints>_quarantine/<step>-<reason>`` beside the checkpoint directory
-(:func:`quarantine`), where the manager does not look, so nothing saved is lost.
+A step that cannot be read or does not verify raises :class:`CorruptCheckpointError`; the
+caller moves it to ``<checkpoints>_quarantine/<step>-<reason>`` (:func:`quarantine`), where
+the manager does not look. What the record holds and the order of the checks: docs/training.md.
 """
 
 from __future__ import annotations

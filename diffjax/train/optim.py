@@ -1,12 +1,7 @@
 """Optimizer: AdamW with warm-up, cosine or linear decay to a floor, and clipping.
 
-Weight decay applies to the weight matrices (projections, MLP, embedding, LM head,
-DIFF V2's W_lambda) and never to the per-channel vectors: RMSNorm gains, DIFF V1's
-per-head norm gain and its four lambda vectors. What a parameter is comes from its
-logical axis names (every model parameter carries them, see ``diffjax.nn.layers``),
-not from its rank: a scanned model stacks each per-layer vector into an
-``(layers, d)`` array, and a rank test would decay it there but not in the unrolled
-model.
+Weight decay reaches the weight matrices and never the per-channel vectors, told by each
+parameter's logical axis names, not its rank, so scanned and unrolled models decay alike.
 """
 
 from __future__ import annotations

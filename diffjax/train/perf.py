@@ -1,22 +1,8 @@
 """Where a run's time goes: step time, tokens/s, MFU, device memory and the goodput summary.
 
-A :class:`Clock` accumulates wall time into named phases (``setup``, ``restore``, ``compile``,
-``data``, ``train``, ``eval``, ``checkpoint``, ``profile``: starting and stopping a trace) as
-the trainer enters them; between log lines
-:class:`Throughput` turns the steps and tokens of the interval into the metrics below. Only
-phases the trainer waits for count: an asynchronous checkpoint write that overlaps training is
-in ``train``, its final wait in ``checkpoint``.
-
-Metrics per log interval (``perf/...`` in metrics.jsonl and TensorBoard):
-  step_time_s            wall time per step over the interval (data wait included; evaluation,
-                         checkpoint waits and starting/stopping a profile excluded);
-  tokens_per_s           global tokens per second, and ``tokens_per_s_per_device``;
-  model_flops_per_token  from the config (`diffjax.model.flops`);
-  mfu                    model FLOPs per second over the devices' peak (a TPU/GPU kind in
-                         `diffjax.model.flops.PEAK_FLOPS`, or ``peak_flops`` in the config);
-  data_frac, checkpoint_frac, eval_frac  shares of the interval spent waiting for batches,
-                         saving and evaluating;
-  memory_bytes_in_use, memory_peak_bytes  device 0's allocator, where the backend reports it.
+A :class:`Clock` accumulates wall time into named phases as the trainer enters them; between
+log lines :class:`Throughput` turns the interval's steps and tokens into the ``perf/...``
+metrics (docs/training.md, "Speed, MFU and where the time goes").
 """
 
 from __future__ import annotations
@@ -77,7 +63,7 @@ def device_memory() -> dict[str, int]:
 
 
 class Throughput:
-  """Per-interval performance metrics (see the module docstring)."""
+  """Per-interval ``perf/...`` metrics (the table in docs/training.md)."""
 
   def __init__(
     self,

@@ -1,11 +1,7 @@
 """A run's files on disk: ``metrics.jsonl`` (write, read, trim on resume) and JSON files.
 
-Paths may be local or cloud URIs (``gs://...``, through ``etils.epath``). Only
-process 0 writes; the trainer passes ``enabled=False`` elsewhere.
-
-``metrics.jsonl`` holds one JSON object per line, ``{"step": int, name: float, ...}``.
-A step may have several lines (the train values and, on evaluation steps, the eval
-values are written separately); :func:`read_metrics` merges them into one row per step.
+Paths may be local or cloud URIs (``gs://...``, through ``etils.epath``). Only process 0
+writes; the trainer passes ``enabled=False`` elsewhere. The metrics format: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """One place that turns (model config, optimizer config, mesh) into a compiled train step.
 
-The trainer, the ahead-of-time compiler (``diffjax.aot``) and the train-step
-benchmark all build their step here, so what they run, compile or time is the same
-program: the same state layout, shardings, donation and sharding constraints.
-
-The activation sharding rules are entered *inside* the jitted functions, so they
-apply whenever the step is traced (on the first call, or on ``.lower()``), not only
-while some context is open around ``jax.jit``. Attention implementations resolve at
-trace time too, which is why ``diffjax.aot`` traces the step under
-``diffjax.ops.target_platform("tpu")``.
+The trainer, the ahead-of-time compiler (``diffjax.aot``) and the train-step benchmark all
+build their step here, so what they run, compile or time is the same program: the same state
+layout, shardings, donation and sharding constraints.
 """
 
 from __future__ import annotations
@@ -98,13 +92,11 @@ def with_mesh_rules(
   context_load_balance: bool = True,
 ) -> Callable:
   """``fn(state_or_params, batch, *rest)`` with the activation sharding rules active while it
-  runs (i.e. is traced).
+  runs (i.e. is traced). The rules are entered inside the function, so they apply whenever it
+  is traced (the first call or ``.lower()``), not only while a context is open around ``jax.jit``.
 
-  Under context parallelism with load balancing (a ``context`` mesh axis of size C > 1),
-  every [B, T] array of the batch is first put in the zig-zag order of
-  :func:`diffjax.ops.context_parallel.zigzag_permutation` (T must be a multiple of 2C);
-  attention masks by the original order, RoPE reads the permuted positions, and the loss
-  is a sum over tokens, so the step computes what it computes unsharded.
+  Under context parallelism with load balancing, every [B, T] array of the batch is first put
+  in zig-zag order (:func:`diffjax.ops.context_parallel.zigzag_permutation`; docs/scaling.md).
   """
 
   def wrapped(first, batch, *rest):
@@ -128,6 +120,23 @@ def with_mesh_rules(
       return fn(first, batch, *rest)
 
   return wrapped
+
+
+def _check_batch(
+  model_cfg: ModelConfig, mesh: Mesh, global_batch_size: int | None, grad_accum_steps: int
+) -> None:
+  """Refuses a mesh that does not divide the model or the batch, and a batch that does not
+  split into ``grad_accum_steps`` micro-batches."""
+  shd.validate_mesh_for_model(
+    mesh, model_cfg, global_batch_size, heads=arms.get(model_cfg.attention).heads
+  )
+  if grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
+  if global_batch_size is not None and global_batch_size % grad_accum_steps:
+    raise ValueError(
+      f"global_batch_size={global_batch_size} must be divisible by "
+      f"grad_accum_steps={grad_accum_steps}."
+    )
 
 
 def build_train_setup(
@@ -165,16 +174,7 @@ def build_train_setup(
       not split into ``grad_accum_steps`` micro-batches, or a bad optimizer setting.
   """
   rules = tuple(rules)
-  shd.validate_mesh_for_model(
-    mesh, model_cfg, global_batch_size, heads=arms.get(model_cfg.attention).heads
-  )
-  if grad_accum_steps < 1:
-    raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
-  if global_batch_size is not None and global_batch_size % grad_accum_steps:
-    raise ValueError(
-      f"global_batch_size={global_batch_size} must be divisible by "
-      f"grad_accum_steps={grad_accum_steps}."
-    )
+  _check_batch(model_cfg, mesh, global_batch_size, grad_accum_steps)
   # The model's structure and parameter layout, without allocating parameters.
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
@@ -197,23 +197,12 @@ def build_train_setup(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shards
   )
   batch_shard = shd.batch_sharding(mesh, rules)
-
   rule_kw = dict(context_strategy=context_strategy, context_load_balance=context_load_balance)
-  options = compiler_options_for(mesh)
-  train_step = jax.jit(
-    with_mesh_rules(
-      make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules, **rule_kw
-    ),
-    in_shardings=(state_shards, batch_shard),
-    out_shardings=(state_shards, None),
-    donate_argnums=(0,),
-    compiler_options=options,
+  train_fn = with_mesh_rules(
+    make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules, **rule_kw
   )
-  eval_step = jax.jit(
-    with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw),
-    in_shardings=(state_shards["params"], batch_shard, None),
-    compiler_options=options,
-  )
+  eval_fn = with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw)
+  train_step, eval_step = _jit_steps(train_fn, eval_fn, mesh, state_shards, batch_shard)
   return TrainSetup(
     model_config=model_cfg,
     mesh=mesh,
@@ -228,3 +217,21 @@ def build_train_setup(
     tx=tx,
     schedule=schedule,
   )
+
+
+def _jit_steps(
+  train_fn: Callable, eval_fn: Callable, mesh: Mesh, state_shards: Any, batch_shard: NamedSharding
+) -> tuple[Any, Any]:
+  """The jitted train step (the state donated) and eval step, laid out for ``mesh``."""
+  options = compiler_options_for(mesh)
+  train_step = jax.jit(
+    train_fn,
+    in_shardings=(state_shards, batch_shard),
+    out_shardings=(state_shards, None),
+    donate_argnums=(0,),
+    compiler_options=options,
+  )
+  eval_step = jax.jit(
+    eval_fn, in_shardings=(state_shards["params"], batch_shard, None), compiler_options=options
+  )
+  return train_step, eval_step

@@ -88,15 +88,10 @@ def make_train_step(
 ):
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
-  Gradients of the token-summed loss are accumulated over ``grad_accum_steps``
-  micro-batches and divided by the total token count, so the update equals the one
-  from a single large batch. If the loss, the gradient norm, or any updated parameter
-  or optimizer-state value is not finite, the update is skipped (parameters and
-  optimizer state are returned unchanged; the step counter still advances, as the batch
-  was used) and ``metrics["finite"]`` is False: the host counts it and, past
-  ``max_skipped_updates``, stops the run with the last good state intact. Checking the
-  update itself matters: a finite loss and gradient can still give NaN parameters (e.g.
-  a NaN learning rate).
+  Gradients are accumulated over ``grad_accum_steps`` micro-batches as one large batch. An
+  update that is not finite is skipped and ``metrics["finite"]`` is False (docs/training.md,
+  "Non-finite updates"); the update itself is checked because a finite loss and gradient can
+  still give NaN parameters (e.g. a NaN learning rate).
   """
   grad_fn = jax.value_and_grad(lambda p, mb, step: loss_sums(graphdef, p, mb, step), has_aux=True)
 

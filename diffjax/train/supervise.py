@@ -1,24 +1,8 @@
 """train.py as a thin supervisor of its training process, when it is one of several.
 
-Losing process 0 takes the coordination service with it, and the distributed runtime's client
-in every other process then aborts at once (a C++ check failure, SIGABRT) before any Python code
-of this process can run, so the peer watchdog of :mod:`diffjax.train.distributed` cannot say
-it. train.py therefore runs the training in a child process when the environment says there are
-several processes (``distributed.supervise``, default True; ``DIFFJAX_SUPERVISED=1`` in the
-environment also turns it off; the child gets the supervisor's pid there). The parent:
-
-* passes the child's stdout through untouched and its stderr line by line, except that the
-  runtime's log lines (``W1203 12:58:23.004 ... file.cc:147] ...``) and what follows them are
-  held for :data:`HOLD_S` seconds: if the child keeps running they are printed as they were;
-* when the child dies of SIGABRT after the runtime's "detected fatal errors" line, writes what it
-  held (the runtime's message and stack) to ``<workdir>/runtime_abort.process<N>.txt``, prints
-  the same one line the watchdog prints (which process stopped answering, the newest checkpoint
-  step in the workdir) and exits with status 75, on which ``tpu_setup/babysit.sh`` relaunches;
-* forwards SIGTERM and SIGINT to the child (which saves a checkpoint and exits with 75), and
-  returns the child's exit status otherwise (128 + N for a child killed by signal N). On Linux
-  the child is killed if the parent dies, so a ``kill -9`` of train.py stops the training too.
-
-The parent starts no JAX backend and holds no device: the child is the process that trains.
+Losing process 0 makes the runtime abort every other process before Python can say why, so
+train.py trains in a child and reports such an abort itself: one line, the runtime's message in
+``<workdir>/runtime_abort.process<N>.txt``, exit status 75 (docs/training.md, "A lost host").
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Mixing synthetic retrieval tasks into language-model training data.
 
-The run's ``task_mix`` section (:class:`diffjax.train.sections.TaskMixConfig`, which checks it)
-names a task of :mod:`diffjax.data.tasks` and the share of training tokens that come from it.
-Task examples join the corpus as documents, so they are packed, shuffled and split exactly like
-text. Training examples are drawn from a seed range the evaluation suite never uses, so no
-evaluation example is trained on.
-
-``fraction = 1.0`` trains on task examples alone: the corpus is not read and
-``task_mix.num_examples`` examples are made. With task examples alone, ``task_mix.loss =
-"answers"`` scores only the answer tokens (``"all"``, the default, scores every token, as for
-text). An associative-recall ``grid`` of (num_pairs, distractors_per_query) settings mixes those
-settings in equal shares (``AssociativeRecallMix``).
+The run's ``task_mix`` section names a task of :mod:`diffjax.data.tasks` and the share of
+training tokens that come from it; its examples join the corpus as documents (docs/training.md,
+"Retrieval tasks in training").
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """``train_and_evaluate``: the trainer behind ``train.py``, one method per phase.
 
-A :class:`Trainer` runs one :class:`~diffjax.train.config.RunConfig` in a workdir:
-  1. ``_setup``: the processes and the mesh, then the data (bad input fails here, before
-     anything is written to the workdir), the model, its state layout and compiled steps, and
-     the workdir's checkpoint manager;
-  2. ``_restore_or_init``: the newest good checkpoint if the workdir has one (model config
-     checked first), else a fresh state (or another run's parameters, ``checkpoint.init_from``);
-  3. ``_reconcile_records``: metrics.jsonl keeps one line per step across restarts;
-  4. ``_train``: train steps, metrics, periodic evaluation, periodic and on-signal saves;
-  5. ``_finish``: final save, final evaluation, the goodput summary, ``DONE`` marker.
-
-Every phase runs under a :class:`diffjax.train.perf.Clock`, so the log lines carry the step
-time, tokens/s, MFU and where the time went (``perf/...``), and the run ends with the goodput
-summary (``goodput.json``). ``profile.steps=(a, b)`` writes a profiler trace of steps a..b on
-process 0 and ``profile.dump_hlo`` the compiled train step's HLO.
+A :class:`Trainer` runs one :class:`~diffjax.train.config.RunConfig` in a workdir through
+``_setup``, ``_restore_or_init``, ``_reconcile_records``, ``_train`` and ``_finish``, each under
+a :class:`diffjax.train.perf.Clock` phase (docs/training.md).
 """
 
 from __future__ import annotations
@@ -131,8 +120,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
 
 class Trainer:
-  """One training run of ``run`` in ``workdir``; :meth:`run` goes through the phases of the
-  module docstring. Each phase leaves what the later ones use as attributes."""
+  """One training run of ``run`` in ``workdir``; :meth:`run` goes through the phases in order.
+  Each phase leaves what the later ones use as attributes."""
 
   def __init__(self, run: RunConfig, workdir: str):
     self.cfg = run

@@ -1,17 +1,7 @@
 """Synthetic retrieval tasks: multi-needle retrieval in real text, and associative recall.
 
-Each task is a deterministic function of (seed, example index) and serves two purposes:
-
-  * training data: a task is a `diffjax.data.DocumentSource`, so it can be mixed into the
-    training pipeline like any corpus (`AnswersOnly` scores only its answers);
-  * evaluation: `task.example(i)` returns a `RetrievalExample` that also knows where the answers
-    are (which tokens are scored, where the answer needle sits in the context, which tokens are
-    the question), and `task.batch(indices)` stacks examples into arrays for a model.
-
-One file per task: `multi_needle` (`MultiNeedleTask`, the paper's Section 3.3 setup),
-`associative_recall` (`AssociativeRecallTask`, MQAR with near-miss distractors, and
-`AssociativeRecallMix` over several settings), `answers_only` (`AnswersOnly`); what they share
-(region labels, `RetrievalExample`, `collate`) is in `common`.
+One file per task (`multi_needle`, `associative_recall`, `answers_only`); what they share is
+in `common`. Each is a training source and an evaluation set: docs/data.md.
 """
 
 from diffjax.data.tasks.answers_only import AnswersOnly

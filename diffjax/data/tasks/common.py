@@ -1,20 +1,8 @@
 """What the retrieval tasks share: region labels, the example record, the token builder, the
 seeded draws, the task base class and `collate`.
 
-Every task is a deterministic function of (seed, example index), so the same examples come back
-on every machine that has the same filler corpus. A task is a `diffjax.data.DocumentSource`
-(`name`, `__len__`, `__getitem__(i) -> (L,) int32`) that also knows where its answers are:
-`task.example(i)` returns a `RetrievalExample`, and `task.batch(indices)` stacks examples for a
-model.
-
-Sequences are built by concatenating separately tokenized pieces (`Builder`), so every recorded
-span is exact in tokens for any tokenizer. With the byte tokenizer one token is one byte.
-
-Region labels (`RetrievalExample.regions`, one per token) used for attention allocation:
-  0 SINK     the first token of the sequence (the attention sink of a causal model);
-  1 CONTEXT  filler text and every needle or pair that is not queried (the "noise");
-  2 ANSWER   the queried needles (the whole sentence, or the whole "key:value" pair);
-  3 QUERY    the question and the answer part at the end.
+Sequences are built from separately tokenized pieces (`Builder`), so every recorded span is
+exact in tokens for any tokenizer. The region labels: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Multi-needle retrieval in real text (the paper's Section 3.3 setup).
 
-N needle sentences "The secret number for <key> is <digits>." are hidden in filler text cut from
-a real corpus (by default the Python standard library's sources); R of them are asked for at the
-end. The first queried needle (the "answer needle", asked for by query `depth_query`, a random one
-of the R questions) is placed at a controlled depth of the context (0.0 = right after the start,
-1.0 = right before the question); every other needle, queried or not, sits at a uniformly random
-depth. The answer to query r is the digits of the needle that query r names. With the byte
-tokenizer `context_len` is the length in bytes.
+N needle sentences hidden in filler text from a real corpus, R of them asked for at the end; the
+answer needle sits at a chosen depth, the others at random depths (docs/data.md).
 """
 
 from __future__ import annotations
