@@ -23,13 +23,8 @@ from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
 from diffjax.compare.runs import RunResult, collect_run, train_and_evaluate_run
 from diffjax.train.config import RunConfig
+from diffjax.train.progress import format_duration
 from diffjax.train.records import write_json
-
-
-def _clock(seconds: float) -> str:
-  m, s = divmod(int(seconds), 60)
-  h, m = divmod(m, 60)
-  return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 def _loud(log: Callable[[str], None], lines: Sequence[str]) -> None:
@@ -121,7 +116,7 @@ def run_comparison(
   # its first seeds.
   plan = [(p, arm, seed) for p in points for seed in seeds for arm in arms]
   t0 = time.perf_counter()
-  elapsed = lambda: _clock(time.perf_counter() - t0)
+  elapsed = lambda: format_duration(time.perf_counter() - t0)
   _write_configs(config, workdir, points)
   swept = f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else ""
   log(

@@ -13,7 +13,8 @@ import time
 from typing import TextIO
 
 
-def _fmt_time(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+  """H:MM:SS (MM:SS under an hour); "?" for a time not known."""
   if not math.isfinite(seconds) or seconds < 0:
     return "?"
   m, s = divmod(int(seconds), 60)
@@ -59,7 +60,7 @@ class Progress:
     eta = (now - self.t0) / max(done, 1) * (self.total - step)
     msg = (
       f"step {step}/{self.total} loss {loss:.4f} tok/s {rate:,.0f} "
-      f"elapsed {_fmt_time(now - self.t0)} eta {_fmt_time(eta)}{self.extra}{extra}"
+      f"elapsed {format_duration(now - self.t0)} eta {format_duration(eta)}{self.extra}{extra}"
     )
     if self.tty:
       width = 24
