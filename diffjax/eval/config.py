@@ -54,6 +54,9 @@ class EvalConfig:
     seed: seed of every synthetic task.
     sections: which evaluations to run, by name (`diffjax.eval.sections`); empty: every
       registered section.
+    options: settings of sections by name, for a section that brings its own
+      (`--config.options="{'top1': {'k': 5}}"`; a section reads its own with
+      `context.options(name)`).
   """
 
   context_len: int = 512
@@ -86,9 +89,10 @@ class EvalConfig:
   mechanism_batches: int = 4
   seed: int = 1234
   sections: tuple[str, ...] = ()
+  options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    unknown = set(self.sections) - set(section_names())
+    unknown = (set(self.sections) | set(self.options)) - set(section_names())
     if unknown:
       raise ValueError(
         f"Unknown eval sections {sorted(unknown)}; choose from {section_names()} "

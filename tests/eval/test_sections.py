@@ -173,3 +173,14 @@ def test_the_config_accepts_only_registered_sections():
   finally:
     sections.unregister("toy")
   assert aggregate.direction("toy/accuracy") is None  # gone with its section
+
+
+def test_options_reach_their_section_and_name_only_sections():
+  from diffjax.eval.config import EvalConfig
+
+  with pytest.raises(ValueError, match=r"Unknown eval sections \['nope'\]"):
+    EvalConfig(options={"nope": {"k": 1}})
+  cfg = EvalConfig(options={"validation": {"k": 3}})
+  assert cfg.options["validation"] == {"k": 3} and cfg.to_dict()["options"] == {
+    "validation": {"k": 3}
+  }

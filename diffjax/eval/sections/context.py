@@ -38,3 +38,7 @@ class Context:
   standard_task: MultiNeedleTask | AssociativeRecallTask
   standard_examples: int
   filler: Any = None
+
+  def options(self, section: str) -> dict[str, Any]:
+    """The settings ``config.options`` gives the section called ``section`` ({} if none)."""
+    return dict(self.config.options.get(section, {}))
