@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from diffjax.compare.comparison import run_comparison
-from diffjax.compare.config import describe_comparison
+from diffjax.compare.config import ComparisonConfig, describe_comparison
 from diffjax.compare.runs import ComparisonStopped
 
 # As train.py: a scheduler can tell "preempted, rerun to continue" from "finished" (0) and
@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   outcome = {}
 
   def go():
-    outcome["results"] = run_comparison(config, workdir)
+    # The config is resolved (and checked) here, once; nothing is written before that.
+    outcome["results"] = run_comparison(ComparisonConfig.from_config(config), workdir)
 
   try:
     code = run_guarded(go)

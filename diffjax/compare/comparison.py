@@ -8,16 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ml_collections
 from etils import epath
 
-from diffjax.compare.config import (
-  arm_names,
-  check_comparison_config,
-  run_name,
-  sweep_key,
-  sweep_points,
-)
+from diffjax.compare.config import ComparisonConfig, run_name, sweep_points
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
@@ -35,7 +28,7 @@ def _loud(log: Callable[[str], None], lines: Sequence[str]) -> None:
 class _Point:
   """One comparison (the whole one, or one sweep point): its config, workdir and runs."""
 
-  def __init__(self, name: str, value: Any, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, name: str, value: Any, config: ComparisonConfig, workdir: str):
     self.name, self.value, self.config, self.workdir = name, value, config, workdir
     self.runs: list[dict[str, Any]] = []
     self.timings: dict[str, Any] = {}
@@ -48,7 +41,7 @@ class _Point:
     self.timings[run_name(arm, seed)] = seconds
     run_dir = os.path.join(self.workdir, "runs", run_name(arm, seed))
     report = self.config.report
-    learned = float(report.get("learned_below", 0.0)), int(report.get("learned_window", 25))
+    learned = report.learned_below, report.learned_window
     runs = self.runs
     runs.append(collect_run(arm, seed, run_dir, step, ev, seconds, base.log_every, *learned))
     first = next(r for r in runs if r["seed"] == seed)
@@ -93,9 +86,10 @@ class _Point:
 
 
 def run_comparison(
-  config: ml_collections.ConfigDict, workdir: str, log: Callable[[str], None] | None = None
+  config: ComparisonConfig | Any, workdir: str, log: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-  """Trains, evaluates and reports every arm x seed of ``config`` in ``workdir``.
+  """Trains, evaluates and reports every arm x seed of ``config`` (a ComparisonConfig, or the
+  ConfigDict of a comparison config file, resolved first) in ``workdir``.
 
   With a sweep (``sweep.key``), every point's comparison is run in ``workdir/sweep/<point>``
   (all points' runs share the workers) and the sweep report is written in ``workdir``.
@@ -104,9 +98,9 @@ def run_comparison(
   before anything is written, and `ComparisonStopped` when a signal stopped a run.
   """
   log = log or (lambda msg: print(msg, flush=True))
-  check_comparison_config(config)
-  arms, seeds = arm_names(config.arms), tuple(config.seeds)
-  base = RunConfig.from_config(config.base)
+  config = ComparisonConfig.from_config(config)
+  arms, seeds = config.arms, config.seeds
+  base = config.base_run
   num_steps = base.num_steps
   points = [
     _Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
@@ -118,7 +112,7 @@ def run_comparison(
   t0 = time.perf_counter()
   elapsed = lambda: format_duration(time.perf_counter() - t0)
   _write_configs(config, workdir, points)
-  swept = f" x {len(points)} values of {sweep_key(config)}" if sweep_key(config) else ""
+  swept = f" x {len(points)} values of {config.sweep.key}" if config.sweep.key else ""
   log(
     f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
     f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}"
@@ -140,22 +134,20 @@ def run_comparison(
   return results
 
 
-def _write_configs(config: ml_collections.ConfigDict, workdir: str, points: list[_Point]) -> None:
+def _write_configs(config: ComparisonConfig, workdir: str, points: list[_Point]) -> None:
   """Each point's runs/ and compare_config.json, and a sweep's own config in ``workdir``."""
   for p in points:
     epath.Path(p.workdir, "runs").mkdir(parents=True, exist_ok=True)
-    write_json(
-      epath.Path(p.workdir, "compare_config.json"), json.loads(p.config.to_json_best_effort())
-    )
+    write_json(epath.Path(p.workdir, "compare_config.json"), json.loads(p.config.to_json()))
   if len(points) > 1:
-    write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json_best_effort()))
+    write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json()))
 
 
 Plan = Sequence[tuple[_Point, str, int]]
 
 
 def _train_all(
-  config: ml_collections.ConfigDict,
+  config: ComparisonConfig,
   base: RunConfig,
   plan: Plan,
   elapsed: Callable[[], str],
@@ -185,7 +177,7 @@ def _train_all(
       f"left, elapsed {elapsed()}"
     )
 
-  workers = int(config.get("workers", 1))
+  workers = config.workers
   jobs = [(p.config, p.workdir, arm, seed) for p, arm, seed in plan]
   if workers > 1 and len(plan) > 1:
     run_parallel(jobs, [label(i) for i in range(len(plan))], min(workers, len(plan)), log, finish)

@@ -1,111 +1,329 @@
-"""The compare config: building it, checking it, and deriving each run's train and eval config.
+"""The comparison config: one typed object per comparison, the ConfigDict that config files edit,
+and each run's train config.
 
-A compare config holds ``arms``, ``seeds``, one ``base`` run config, and ``eval`` / ``report``
-settings. Run (arm, seed k) is ``base`` with ``model.arm`` set to the arm and ``seed = k``: every
-arm is resolved from the same baseline by `diffjax.model.resolve_model`, so the arms are matched
-(``base.model.v2_match`` says how DIFF V2 is).
+A comparison is configured by a Python file whose ``get_config()`` returns an ``ml_collections``
+ConfigDict (``configs/compare/``). It starts from :func:`comparison_config`, which is generated
+from :class:`ComparisonConfig` and its sections (:mod:`diffjax.compare.sections`), so every key
+has its default written once, with a comment saying what it is. The command resolves the file's
+ConfigDict into a ComparisonConfig once (:meth:`ComparisonConfig.from_config`), which checks
+every value, and every arm's run at every sweep point, before anything is written; below that,
+each module takes the ComparisonConfig or the section it needs.
+
+``base`` stays a run config's ConfigDict: run (arm, seed k) is ``base`` with ``model.arm`` set
+to the arm and ``seed = k`` (:func:`run_config`), resolved through
+:class:`diffjax.train.config.RunConfig` like any run. Every arm is resolved from the same
+baseline by `diffjax.model.resolve_model`, so the arms are matched (``base.model.v2_match`` says
+how DIFF V2 is).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
-from diffjax.arms import BASELINE
 from diffjax.arms import names as registered_arms
+from diffjax.compare.sections import (
+  KIND,
+  ComparisonEval,
+  ComparisonReport,
+  ComparisonSweep,
+  Variant,
+  eval_config,
+  names,
+)
+from diffjax.data import DataConfig
 from diffjax.model import ARMS
 from diffjax.train.config import RunConfig
+from diffjax.train.sections import Section, field_hints, plain, refuse_unknown, set_config_value
 
-EVAL_MODES = ("quick", "full", "none")
+# Keys a comparison config must state (the other keys keep their defaults when it lacks them).
+REQUIRED = ("arms", "seeds", "base", "eval", "report")
+
+
+def arm_names(value: Any) -> tuple[str, ...]:
+  """Arm names; "a,b" (how --config.arms=a,b arrives) counts as two."""
+  return names(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparisonConfig(Section):
+  """One comparison: its arms and seeds, the run they all train, and a section per concern.
+
+  Build it with :meth:`from_config` from a config file's ConfigDict (what the command does), or
+  with keywords, where a section may be given as a mapping of its keys. Either way every value
+  is checked here, every arm's run at every sweep point included; a bad one raises ValueError
+  naming it.
+  """
+
+  kind: ClassVar[str] = KIND
+
+  # The arms trained: registered arms (diffjax.arms) or variants; "a,b" counts as two.
+  arms: tuple[str, ...] = ARMS
+  # Every arm is trained once per seed (base.seed = k); two or more give confidence intervals.
+  seeds: tuple[int, ...] = (0, 1)
+  # Runs trained at once, each in its own process (more than 1 only on a CPU).
+  workers: int = 1
+  # The run config every arm trains (configs/default.py's keys); model.arm and seed are each
+  # run's own.
+  base: ml_collections.ConfigDict = dataclasses.field(kw_only=True)
+  eval: ComparisonEval = dataclasses.field(default_factory=ComparisonEval)
+  report: ComparisonReport = dataclasses.field(default_factory=ComparisonReport)
+  # Named arms beyond the registered ones, {name: Variant}; none by default.
+  variants: Mapping[str, Variant] = dataclasses.field(default_factory=dict)
+  # A run the trainer stops on non-finite updates is recorded as diverged (a DIVERGED marker,
+  # no evaluation) instead of stopping the comparison.
+  allow_divergence: bool = False
+  sweep: ComparisonSweep = dataclasses.field(default_factory=ComparisonSweep)
+  # The JSON of the ConfigDict this was resolved from, as compare_config.json and results.json
+  # hold it ("": none; then the JSON of to_config_dict()).
+  source_json: str = dataclasses.field(default="", compare=False, repr=False)
+
+  def __post_init__(self):
+    # In the order a reader checks a comparison: the arms (and variants), the seeds and the
+    # workers; then the sections, base's data, the sweep and every run.
+    variants = {
+      name: Variant.from_config(name, v) for name, v in plain(self.variants or {}).items()
+    }
+    object.__setattr__(self, "variants", variants)
+    object.__setattr__(self, "arms", self._checked_arms())
+    object.__setattr__(self, "seeds", self._checked_seeds())
+    workers = self.workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+      raise ValueError(
+        f"workers={workers!r} must be a positive integer (runs trained at once; "
+        "more than 1 only on a CPU)."
+      )
+    super().__post_init__()
+
+  def _checked_arms(self) -> tuple[str, ...]:
+    arms = arm_names(self.arms)
+    if not arms:
+      raise ValueError(f"arms is empty; choose one or more of {registered_arms()}.")
+    unknown = [a for a in arms if a not in registered_arms() and a not in self.variants]
+    if unknown:
+      raise ValueError(
+        f"Unknown arm(s) {unknown} in arms={arms}; choose from {registered_arms()} or the "
+        f"variants {sorted(self.variants)}."
+      )
+    if len(set(arms)) != len(arms):
+      raise ValueError(f"arms={arms} names an arm twice.")
+    return arms
+
+  def _checked_seeds(self) -> tuple[int, ...]:
+    seeds = self.seeds
+    seeds = tuple(seeds) if not isinstance(seeds, (int, str)) else (seeds,)
+    if not seeds:
+      raise ValueError(
+        'seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
+        "more are needed for confidence intervals)."
+      )
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad:
+      raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
+    if len(set(seeds)) != len(seeds):
+      raise ValueError(f"seeds={seeds} repeats a seed.")
+    return seeds
+
+  def _check(self) -> None:
+    for name in ("eval", "report", "sweep"):
+      value = getattr(self, name)
+      if not isinstance(value, Section) and not hasattr(value, "keys"):
+        raise ValueError(f"{name}={value!r} must be a section of keys.")
+    object.__setattr__(self, "eval", ComparisonEval.from_config(self.eval))
+    object.__setattr__(self, "report", ComparisonReport.from_config(self.report))
+    if not isinstance(self.base, ml_collections.ConfigDict):
+      if not isinstance(self.base, Mapping):
+        raise ValueError(f"base={self.base!r} must be a run config (configs/default.py's keys).")
+      object.__setattr__(self, "base", ml_collections.ConfigDict(plain(self.base)))
+    try:
+      DataConfig.from_dict(self.base.data.to_dict())
+    except ValueError as e:
+      raise ValueError(f"base.data: {e} Set it with --config.base.data.<key>=<value>.") from e
+    object.__setattr__(self, "sweep", ComparisonSweep.from_config(self.sweep))
+    self._check_sweep()
+    self._check_runs()
+
+  def _check_runs(self) -> None:
+    """Resolves every arm's run (at the first seed) at every sweep point, and its evaluation."""
+    for name, _, base in _point_bases(self):
+      for arm in self.arms:
+        try:
+          run = RunConfig.from_config(_run_config(base, self.variants.get(arm), arm, self.seeds[0]))
+        except ValueError as e:
+          raise ValueError(
+            f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
+          ) from None
+        try:
+          eval_config(self.eval, run)
+        except TypeError as e:
+          raise ValueError(f"Bad eval.overrides: {e}.") from e
+
+  def _check_sweep(self) -> None:
+    """Refuses a sweep whose key is not in ``base``, whose values are empty, repeated or not
+    numbers, or whose scaled keys are missing or cannot scale."""
+    key = self.sweep.key
+    if not key:
+      return
+    try:
+      holder, last = _dotted(self.base, key)
+    except (KeyError, TypeError, AttributeError):
+      raise ValueError(f"sweep.key={key!r} is not a key of base (e.g. 'optim.lr').") from None
+    values = self.sweep.values
+    if not values:
+      raise ValueError(
+        f"sweep.values is empty; give the values of {key}, e.g. "
+        "--config.sweep.values='(1e-3, 3e-3)'."
+      )
+    if len(set(values)) != len(values):
+      raise ValueError(f"sweep.values={values} repeats a value.")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+      raise ValueError(f"sweep.values={values} must be numbers; got {bad}.")
+    for scaled in self.sweep.scaled:
+      try:
+        _dotted(self.base, scaled)
+      except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"sweep.scaled names {scaled!r}, which is not a key of base.") from None
+      if not float(holder[last]):
+        raise ValueError(f"sweep.scaled needs base.{key} non-zero (it is the scale's reference).")
+
+  @classmethod
+  def from_config(cls, config: Any) -> ComparisonConfig:
+    """A ComparisonConfig as it is, or resolved from a comparison config file's ConfigDict (or a
+    dict of the same keys): every key of :data:`REQUIRED` must be there, the others keep their
+    defaults, and a key a comparison config does not have is refused, naming the keys it has.
+
+    Raises:
+      ValueError: naming the first missing, unknown or bad key.
+    """
+    if isinstance(config, cls):
+      return config
+    values = {k: config[k] for k in config.keys()}
+    for key in REQUIRED:
+      if key not in values:
+        raise ValueError(
+          f"The compare config has no {key!r}; build it with "
+          "diffjax.compare.comparison_config (see configs/compare/tiny.py)."
+        )
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "source_json"]
+    refuse_unknown("", values, known, KIND)
+    # A copy: the runs' configs are derived from base, which the caller's config must not move.
+    values["base"] = copy.deepcopy(values["base"])
+    source = config if hasattr(config, "to_json_best_effort") else ml_collections.ConfigDict(values)
+    return cls(**values, source_json=source.to_json_best_effort())
+
+  def to_config_dict(self) -> ml_collections.ConfigDict:
+    """The comparison as the ConfigDict a config file would give: the keys, types and order of
+    :func:`comparison_config`, and a key it leaves out where it differs from its default."""
+    return _config_dict(type(self), _given(self))
+
+  def to_json(self) -> str:
+    """The JSON that compare_config.json and results.json hold: the ConfigDict's this was
+    resolved from, as it was given."""
+    return self.source_json or self.to_config_dict().to_json_best_effort()
+
+  @property
+  def base_run(self) -> RunConfig:
+    """``base`` resolved: the schedule, batch and data every run shares."""
+    return RunConfig.from_config(self.base)
+
+  @property
+  def v2_match(self) -> str:
+    """How the comparison matches DIFF V2 (``base.model.v2_match``)."""
+    return str(self.base.model.v2_match)
+
+  def base_arm(self, name: str) -> str:
+    """The model arm of ``name``: the name itself for a registered arm, a variant's ``arm``."""
+    variant = self.variants.get(name)
+    return name if variant is None else variant.arm
+
+
+def _default(f: dataclasses.Field) -> Any:
+  return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _given(section: Any) -> dict[str, Any]:
+  """A section's values: those of its keys that comparison_config() leaves out only where they
+  differ from their defaults."""
+  return {
+    f.name: getattr(section, f.name)
+    for f in dataclasses.fields(section)
+    if not (f.metadata.get("added") and getattr(section, f.name) == _default(f))
+  }
+
+
+def _config_dict(cls: type, values: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The ConfigDict of ``cls`` (the comparison or one of its sections) holding ``values``, a
+  key's default where ``values`` lacks it; a key marked ``ADDED`` (:mod:`diffjax.compare.sections`) only where ``values`` has
+  it."""
+  c = ml_collections.ConfigDict()
+  hints = field_hints(cls)
+  for f in dataclasses.fields(cls):
+    if f.name == "source_json" or (f.name not in values and f.metadata.get("added")):
+      continue
+    if f.name not in values and dataclasses.is_dataclass(hints[f.name]):
+      c[f.name] = _config_dict(hints[f.name], {})
+      continue
+    value = values[f.name] if f.name in values else _default(f)
+    if dataclasses.is_dataclass(value):
+      c[f.name] = _config_dict(type(value), _given(value))
+    elif isinstance(value, Mapping):
+      c[f.name] = ml_collections.ConfigDict(
+        {k: _given(v) if dataclasses.is_dataclass(v) else v for k, v in value.items()}
+      )
+    else:
+      set_config_value(c, f.name, value, hints[f.name], f)
+  return c
 
 
 def comparison_config(
   base: ml_collections.ConfigDict, seeds: Sequence[int] = (0, 1), arms: Sequence[str] = ARMS
 ) -> ml_collections.ConfigDict:
   """A compare config around ``base``, a full run config (its ``model.arm`` is replaced by
-  each arm's, its ``seed`` by each seed's); docs/evaluation.md lists the fields."""
-  c = ml_collections.ConfigDict()
-  c.arms = tuple(arms)
-  c.seeds = tuple(int(s) for s in seeds)
-  c.workers = 1
-  c.base = base
-  c.eval = ml_collections.ConfigDict(
-    dict(
-      mode="quick",
-      overrides=ml_collections.ConfigDict(),
-      harness_tasks=(),
-      harness_include_path="",
-      harness_limit=0,
-      harness_num_fewshot=0,
-      harness_seed=1234,
-    )
-  )
-  c.report = ml_collections.ConfigDict(
-    dict(
-      baseline=BASELINE,
-      confidence=0.95,
-      learned_below=0.0,
-      learned_window=25,
-      title="Matched comparison",
-    )
-  )
-  c.variants = ml_collections.ConfigDict()
-  c.allow_divergence = False
-  c.sweep = ml_collections.ConfigDict(dict(key="", values=(), scaled=()))
-  return c
+  each arm's, its ``seed`` by each seed's); every other key has its :class:`ComparisonConfig`
+  default. docs/evaluation.md lists the fields."""
+  values = {"arms": tuple(arms), "seeds": tuple(int(s) for s in seeds), "base": base}
+  return _config_dict(ComparisonConfig, values)
 
 
-def variants(config: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
-  """The comparison's named variants: {name: {"arm", "model"}} (none by default)."""
-  raw = config.get("variants", None)
-  raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(raw or {})
-  return {
-    name: {"arm": v.get("arm"), "model": dict(v.get("model") or {})} for name, v in raw.items()
-  }
+def check_comparison_config(config: Any) -> ComparisonConfig:
+  """The :class:`ComparisonConfig` a compare config (a ConfigDict, or a ComparisonConfig)
+  resolves to; raises ValueError naming the first problem. Nothing is written before this
+  passes."""
+  return ComparisonConfig.from_config(config)
 
 
-def base_arm(config: ml_collections.ConfigDict, name: str) -> str:
-  """The model arm of ``name``: the name itself for the three arms, a variant's ``arm``."""
-  return variants(config).get(name, {}).get("arm", name)
-
-
-def harness_task_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The comparison's lm-eval tasks ("a,b" counts as two; none by default)."""
-  value = config.eval.get("harness_tasks", ()) or ()
-  items = (value,) if isinstance(value, str) else tuple(value)
-  return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
-
-
-def arm_names(value: Any) -> tuple[str, ...]:
-  """Arm names; "a,b" (how --config.arms=a,b arrives) counts as two."""
-  items = (value,) if isinstance(value, str) else tuple(value)
-  return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
-
-
-def _tuples(x: Any) -> Any:
-  """Lists to tuples, recursively (EvalConfig fields are tuples)."""
-  if isinstance(x, (list, tuple)):
-    return tuple(_tuples(v) for v in x)
-  if isinstance(x, Mapping):
-    return {k: _tuples(v) for k, v in x.items()}
-  return x
-
-
-def run_config(config: ml_collections.ConfigDict, arm: str, seed: int) -> ml_collections.ConfigDict:
-  """The train config of run (arm, seed): ``base`` with ``model.arm = arm`` and ``seed``."""
-  run = copy.deepcopy(config.base)
-  variant = variants(config).get(arm)
+def _run_config(
+  base: ml_collections.ConfigDict, variant: Variant | None, arm: str, seed: int
+) -> ml_collections.ConfigDict:
+  run = copy.deepcopy(base)
   with run.unlocked():
-    run.model.arm = arm if variant is None else variant["arm"]
-    for key, value in (variant or {}).get("model", {}).items():
+    run.model.arm = arm if variant is None else variant.arm
+    for key, value in (variant.model if variant is not None else {}).items():
       run.model[key] = value
     run.seed = int(seed)
     run.log_batch_hash = True
   return run
+
+
+def run_config(config: ComparisonConfig, arm: str, seed: int) -> ml_collections.ConfigDict:
+  """The train config of run (arm, seed): ``base`` with ``model.arm = arm`` (a variant's arm
+  and model fields) and ``seed``, logging its batch hashes."""
+  return _run_config(config.base, config.variants.get(arm), arm, seed)
+
+
+def run_name(arm: str, seed: int) -> str:
+  """The run's directory name under <workdir>/runs."""
+  return f"{arm}_seed{seed}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweep points.
 
 
 def _dotted(node: Any, key: str) -> tuple[Any, str]:
@@ -118,12 +336,6 @@ def _dotted(node: Any, key: str) -> tuple[Any, str]:
   return node, parts[-1]
 
 
-def sweep_key(config: ml_collections.ConfigDict) -> str:
-  """The swept ``base`` key, or "" without a sweep."""
-  sweep = config.get("sweep", None)
-  return str(sweep.get("key", "") or "") if sweep is not None else ""
-
-
 def format_value(value: Any) -> str:
   """A swept value as names and tables show it ("0.003", "1e+30", "8")."""
   return f"{value:g}" if isinstance(value, float) else str(value)
@@ -134,213 +346,54 @@ def point_name(key: str, value: Any) -> str:
   return f"{key.split('.')[-1]}={format_value(value)}"
 
 
-def sweep_points(
-  config: ml_collections.ConfigDict,
-) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
-  """[(point name, value, the comparison at that value)]: one point per ``sweep.values``, each
-  a copy of ``config`` with ``base.<sweep.key>`` set (and each ``sweep.scaled`` key scaled by
-  value / the base's own value) and no sweep; [("", None, config)] without a sweep."""
-  key = sweep_key(config)
+def _point_bases(config: ComparisonConfig) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
+  """[(point name, value, base at that value)]: ``base.<sweep.key>`` set to each value and each
+  ``sweep.scaled`` key scaled by value / base's own value; [("", None, base)] without a sweep."""
+  key = config.sweep.key
   if not key:
-    return [("", None, config)]
+    return [("", None, config.base)]
   holder, last = _dotted(config.base, key)
   base_value = holder[last]
   points = []
-  for value in config.sweep["values"]:
-    point = copy.deepcopy(config)
-    with point.unlocked():
-      h, k = _dotted(point.base, key)
+  for value in config.sweep.values:
+    base = copy.deepcopy(config.base)
+    with base.unlocked():
+      h, k = _dotted(base, key)
       h[k] = value
-      for scaled in config.sweep.get("scaled", ()) or ():
-        sh, sk = _dotted(point.base, scaled)
+      for scaled in config.sweep.scaled:
+        sh, sk = _dotted(base, scaled)
         sh[sk] = float(sh[sk]) * float(value) / float(base_value)
-      point.sweep = ml_collections.ConfigDict(dict(key="", values=(), scaled=()))
-    points.append((point_name(key, value), value, point))
+    points.append((point_name(key, value), value, base))
   return points
 
 
-def check_sweep(config: ml_collections.ConfigDict) -> None:
-  """Refuses a sweep whose key is not in ``base``, whose values are empty, repeated or not
-  numbers, or whose scaled keys are missing or cannot scale."""
-  key = sweep_key(config)
-  if not key:
-    return
-  try:
-    holder, last = _dotted(config.base, key)
-  except (KeyError, TypeError, AttributeError):
-    raise ValueError(f"sweep.key={key!r} is not a key of base (e.g. 'optim.lr').") from None
-  values = tuple(config.sweep.get("values", ()) or ())
-  if not values:
-    raise ValueError(
-      f"sweep.values is empty; give the values of {key}, e.g. --config.sweep.values='(1e-3, 3e-3)'."
-    )
-  if len(set(values)) != len(values):
-    raise ValueError(f"sweep.values={values} repeats a value.")
-  bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
-  if bad:
-    raise ValueError(f"sweep.values={values} must be numbers; got {bad}.")
-  for scaled in config.sweep.get("scaled", ()) or ():
-    try:
-      _dotted(config.base, scaled)
-    except (KeyError, TypeError, AttributeError):
-      raise ValueError(f"sweep.scaled names {scaled!r}, which is not a key of base.") from None
-    if not float(holder[last]):
-      raise ValueError(f"sweep.scaled needs base.{key} non-zero (it is the scale's reference).")
+def sweep_points(config: ComparisonConfig) -> list[tuple[str, Any, ComparisonConfig]]:
+  """[(point name, value, the comparison at that value)]: one point per ``sweep.values``, each
+  ``config`` with that base (:func:`_point_bases`) and no sweep; [("", None, config)] without a
+  sweep. A point's JSON is the comparison's with its base and an empty sweep."""
+  if not config.sweep.key:
+    return [("", None, config)]
+  no_sweep = ComparisonSweep()
+  points = []
+  for name, value, base in _point_bases(config):
+    source = json.loads(config.to_json())
+    source["base"] = json.loads(base.to_json_best_effort())
+    source["sweep"] = json.loads(_config_dict(ComparisonSweep, {}).to_json_best_effort())
+    point = dataclasses.replace(config, base=base, sweep=no_sweep, source_json=json.dumps(source))
+    points.append((name, value, point))
+  return points
 
 
-def v2_matching(config: ml_collections.ConfigDict) -> str:
-  """How the comparison matches DIFF V2 (``base.model.v2_match``)."""
-  return str(config.base.model.v2_match)
-
-
-def run_name(arm: str, seed: int) -> str:
-  """The run's directory name under <workdir>/runs."""
-  return f"{arm}_seed{seed}"
-
-
-def eval_config(config: ml_collections.ConfigDict, run: RunConfig):
-  """The `EvalConfig` of a run (its resolved run config), or None when ``eval.mode`` is
-  "none".
-
-  As in ``python -m diffjax.eval``: quick or full sizes around the run's sequence length; a
-  full evaluation uses the trainer's ``eval_batches`` validation batches unless overridden, so
-  its val/loss reproduces the trainer's final eval loss.
-  """
-  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
-
-  mode = config.eval.mode
-  if mode == "none":
-    return None
-  overrides = _tuples(config.eval.overrides.to_dict())
-  if mode == "full" and "val_batches" not in overrides:
-    overrides["val_batches"] = run.eval_batches
-  make = EvalConfig.quick if mode == "quick" else EvalConfig.full
-  return make(run.seq_len, **overrides)
-
-
-def check_comparison_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first problem; nothing is written before this passes."""
-  from diffjax.data import DataConfig  # pylint: disable=import-outside-toplevel
-
-  for key in ("arms", "seeds", "base", "eval", "report"):
-    if key not in config:
-      raise ValueError(
-        f"The compare config has no {key!r}; build it with "
-        "diffjax.compare.comparison_config (see configs/compare/tiny.py)."
-      )
-  arms = _check_arms(config)
-  seeds = _check_seeds(config)
-  workers = config.get("workers", 1)
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-    raise ValueError(
-      f"workers={workers!r} must be a positive integer (runs trained at once; "
-      "more than 1 only on a CPU)."
-    )
-  _check_eval(config)
-  if float(config.report.get("learned_below", 0.0)) < 0:
-    raise ValueError(f"report.learned_below={config.report.learned_below} must be >= 0 (0: off).")
-  if int(config.report.get("learned_window", 25)) < 1:
-    raise ValueError(f"report.learned_window={config.report.learned_window} must be >= 1.")
-  if not 0.0 < float(config.report.confidence) < 1.0:
-    raise ValueError(f"report.confidence={config.report.confidence} must be in (0, 1).")
-  try:
-    DataConfig.from_dict(config.base.data.to_dict())
-  except ValueError as e:
-    raise ValueError(f"base.data: {e} Set it with --config.base.data.<key>=<value>.") from e
-  check_sweep(config)
-  for name, _, point in sweep_points(config):
-    for arm in arms:
-      try:
-        run = RunConfig.from_config(run_config(point, arm, seeds[0]))
-      except ValueError as e:
-        raise ValueError(
-          f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
-        ) from None
-      try:
-        eval_config(point, run)
-      except TypeError as e:
-        raise ValueError(f"Bad eval.overrides: {e}.") from e
-
-
-def _check_arms(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The arms, once the variants and the arm names are valid."""
-  arms = arm_names(config.arms)
-  named = variants(config)
-  for name, v in named.items():
-    if name in registered_arms():
-      raise ValueError(f"variants.{name}: a variant cannot reuse an arm's name; rename it.")
-    if v["arm"] not in registered_arms():
-      raise ValueError(f"variants.{name}.arm={v['arm']!r} must be one of {registered_arms()}.")
-    bad = sorted(set(v["model"]) & {"arm", "size", "v2_match", "unmatched"})
-    if bad:
-      raise ValueError(
-        f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
-        "set only other model fields (e.g. v2_pairing)."
-      )
-  if not arms:
-    raise ValueError(f"arms is empty; choose one or more of {registered_arms()}.")
-  unknown = [a for a in arms if a not in registered_arms() and a not in named]
-  if unknown:
-    raise ValueError(
-      f"Unknown arm(s) {unknown} in arms={arms}; choose from {registered_arms()} or the "
-      f"variants {sorted(named)}."
-    )
-  if len(set(arms)) != len(arms):
-    raise ValueError(f"arms={arms} names an arm twice.")
-  return arms
-
-
-def _check_seeds(config: ml_collections.ConfigDict) -> tuple[Any, ...]:
-  seeds = tuple(config.seeds) if not isinstance(config.seeds, (int, str)) else (config.seeds,)
-  if not seeds:
-    raise ValueError(
-      'seeds is empty; give at least one, e.g. --config.seeds="(0, 1)" (two or '
-      "more are needed for confidence intervals)."
-    )
-  bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-  if bad:
-    raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
-  if len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds={seeds} repeats a seed.")
-  return seeds
-
-
-def _check_eval(config: ml_collections.ConfigDict) -> None:
-  """The eval mode, the EvalConfig overrides and the lm-eval tasks."""
-  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
-
-  if config.eval.mode not in EVAL_MODES:
-    raise ValueError(f"eval.mode={config.eval.mode!r} must be one of {EVAL_MODES}.")
-  fields = {f.name for f in dataclasses.fields(EvalConfig)}
-  unknown = sorted(set(config.eval.overrides.to_dict()) - fields)
-  if unknown:
-    raise ValueError(f"Unknown eval.overrides {unknown}; EvalConfig fields are {sorted(fields)}.")
-  harness_tasks = harness_task_names(config)
-  if harness_tasks:
-    if config.eval.mode == "none":
-      raise ValueError(
-        f"eval.harness_tasks={harness_tasks} needs an evaluation: set "
-        "eval.mode to 'quick' or 'full'."
-      )
-    try:
-      from diffjax.eval.harness import check_tasks, task_manager  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-      raise ValueError(f"eval.harness_tasks needs lm-eval: {e}") from e
-    check_tasks(
-      harness_tasks, task_manager(config.eval.get("harness_include_path") or None, harness_tasks)
-    )
-
-
-def describe_comparison(config: ml_collections.ConfigDict) -> str:
+def describe_comparison(config: Any) -> str:
   """The comparison's runs, checked as the command checks them: each arm's model (what it is
   matched to and its parameters), the seeds and the shared run settings."""
   from diffjax.train.config_utils import describe_run  # pylint: disable=import-outside-toplevel
 
-  check_comparison_config(config)
-  arms, seeds = arm_names(config.arms), tuple(config.seeds)
+  config = ComparisonConfig.from_config(config)
+  arms, seeds = config.arms, config.seeds
   lines = [
     f"{len(arms)} arms x {len(seeds)} seeds {seeds}; DIFF V2 matched by "
-    f"{v2_matching(config)} (base.model.v2_match)"
+    f"{config.v2_match} (base.model.v2_match)"
   ]
   for arm in arms:
     lines.append(

@@ -9,12 +9,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_collections
 from etils import epath
 
-from diffjax.compare.config import arm_names
+from diffjax.compare.config import ComparisonConfig
 from diffjax.compare.summary import loss_curve, summary_section
-from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare/1"
@@ -32,7 +30,7 @@ def clean_json(x: Any) -> Any:
 
 
 def write_outputs(
-  config: ml_collections.ConfigDict,
+  config: ComparisonConfig,
   workdir: str,
   runs: Sequence[dict[str, Any]],
   data_check: Mapping[str, Any],
@@ -42,9 +40,9 @@ def write_outputs(
   results.json; returns the results."""
   from diffjax.eval import aggregate, report  # pylint: disable=import-outside-toplevel
 
-  arms = list(arm_names(config.arms))
-  baseline, confidence = config.report.baseline, float(config.report.confidence)
-  log_every = RunConfig.from_config(config.base).log_every
+  arms = list(config.arms)
+  baseline, confidence = config.report.baseline, config.report.confidence
+  log_every = config.base_run.log_every
   curves = {r["name"]: loss_curve(r["metrics"], log_every) for r in runs}
   report_runs = [
     {
@@ -70,7 +68,7 @@ def write_outputs(
     "workdir": workdir,
     "arms": arms,
     "seeds": list(config.seeds),
-    "config": json.loads(config.to_json_best_effort()),
+    "config": json.loads(config.to_json()),
     "data_check": data_check,
     "summary": table,
     "aggregate": aggregate.aggregate(report_runs, baseline, confidence),

@@ -15,9 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ml_collections
-
-from diffjax.compare.config import run_name
+from diffjax.compare.config import ComparisonConfig, run_name
 from diffjax.compare.runs import ComparisonStopped, RunResult, last_step, train_and_evaluate_run
 from diffjax.errors import UserError
 
@@ -48,9 +46,7 @@ def _child_init(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
 
 
-def _child_run(
-  config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int, tag: str
-) -> RunResult:
+def _child_run(config: ComparisonConfig, workdir: str, arm: str, seed: int, tag: str) -> RunResult:
   """One run in a worker process, its output appended to the run's output.log."""
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -81,7 +77,7 @@ def _child_run(
       os.close(saved[1])
 
 
-Job = tuple[ml_collections.ConfigDict, str, str, int]
+Job = tuple[ComparisonConfig, str, str, int]
 
 
 class _Pool:

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import ml_collections
 from etils import epath
 
-from diffjax.compare.config import eval_config, harness_task_names, run_config, run_name
+from diffjax.compare.config import ComparisonConfig, run_config, run_name
+from diffjax.compare.sections import ComparisonEval, eval_config
 from diffjax.model import ModelConfig, count_params
 from diffjax.train.config import RunConfig
 from diffjax.train.records import read_metrics, write_json
@@ -92,20 +92,6 @@ def train_run(
   return int(result["step"])
 
 
-def harness_settings(config: ml_collections.ConfigDict) -> dict[str, Any] | None:
-  """The comparison's lm-eval settings (``eval.harness_*``), or None without tasks."""
-  tasks = harness_task_names(config)
-  if not tasks:
-    return None
-  return {
-    "tasks": list(tasks),
-    "include_path": config.eval.get("harness_include_path") or None,
-    "limit": config.eval.get("harness_limit") or None,
-    "num_fewshot": config.eval.get("harness_num_fewshot"),
-    "seed": int(config.eval.get("harness_seed", 1234)),
-  }
-
-
 def _harness(
   model, tokenizer, run: RunConfig, batch_size: int, settings: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -144,7 +130,7 @@ def evaluate_checkpoint(
   Validation batches are the run's own held-out batches (same data config, task mix, sequence
   length and batch size). Text alone does not depend on the seed, so every run is scored on the
   same text; task examples are drawn per seed, so runs of one seed share them. ``harness``
-  (:func:`harness_settings`) adds lm-eval tasks: their results go in the ``harness`` section
+  (:attr:`ComparisonEval.harness`) adds lm-eval tasks: their results go in the ``harness`` section
   and their metrics in the scalars as ``harness/<task>/<metric>``.
   """
   from diffjax.data import build_datasets  # pylint: disable=import-outside-toplevel
@@ -207,44 +193,44 @@ def _eval_is_current(
 
 
 def evaluate_run(
-  config: ml_collections.ConfigDict, run: RunConfig, run_dir: str, step: int, tag: str, log: Log
+  section: ComparisonEval, run: RunConfig, run_dir: str, step: int, tag: str, log: Log
 ) -> dict[str, Any] | None:
   """The run's eval JSON: reused while its step and eval settings match, else recomputed;
   None when the comparison's ``eval.mode`` is "none"."""
-  cfg = eval_config(config, run)
+  cfg = eval_config(section, run)
   if cfg is None:
     return None
   path = epath.Path(run_dir, "eval.json")
   ev = json.loads(path.read_text()) if path.exists() else None
-  harness = harness_settings(config)
+  harness = section.harness
   if _eval_is_current(ev, step, cfg, harness):
     log(f"{tag} eval.json is up to date (step {step}): skipping evaluation")
     return ev
-  log(f"{tag} evaluating ({config.eval.mode}) step {step}")
+  log(f"{tag} evaluating ({section.mode}) step {step}")
   return evaluate_checkpoint(
     run,
     run_dir,
     cfg,
     step,
-    config.eval.mode == "quick",
+    section.mode == "quick",
     log=lambda msg: log(f"{tag} eval {msg}"),
     harness=harness,
   )
 
 
 def train_and_evaluate_run(
-  config: ml_collections.ConfigDict, workdir: str, arm: str, seed: int, tag: str, log: Log
+  config: ComparisonConfig, workdir: str, arm: str, seed: int, tag: str, log: Log
 ) -> RunResult:
   """Trains (or resumes, or skips) and evaluates run (arm, seed) of ``config`` in
   ``workdir/runs/<arm>_seed<k>``."""
   run_dir = os.path.join(workdir, "runs", run_name(arm, seed))
   run = RunConfig.from_config(run_config(config, arm, seed))
   t = time.perf_counter()
-  step = train_run(run, run_dir, tag, log, bool(config.get("allow_divergence", False)))
+  step = train_run(run, run_dir, tag, log, config.allow_divergence)
   seconds = {"train": time.perf_counter() - t}
   t = time.perf_counter()
   diverged = diverged_record(run_dir) is not None and done_step(run_dir) is None
-  ev = None if diverged else evaluate_run(config, run, run_dir, step, tag, log)
+  ev = None if diverged else evaluate_run(config.eval, run, run_dir, step, tag, log)
   seconds["eval"] = time.perf_counter() - t
   return step, ev, seconds
 

@@ -11,9 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_collections
-
-from diffjax.compare.config import v2_matching
+from diffjax.compare.config import ComparisonConfig
 from diffjax.eval import stats
 from diffjax.train.config import RunConfig
 
@@ -144,7 +142,7 @@ def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline:
   return lines
 
 
-def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str, Any]]) -> str:
+def _matching_line(config: ComparisonConfig, runs: Sequence[Mapping[str, Any]]) -> str:
   """Which matching made the arms, and their parameter counts."""
   params = {}
   for r in runs:
@@ -157,7 +155,7 @@ def _matching_line(config: ml_collections.ConfigDict, runs: Sequence[Mapping[str
   }
   return (
     f"Arms matched to one Transformer spec; DIFF V2 matched "
-    f"{how.get(v2_matching(config), v2_matching(config))}. Parameters: {counts}."
+    f"{how.get(config.v2_match, config.v2_match)}. Parameters: {counts}."
   )
 
 
@@ -175,7 +173,7 @@ def _data_phrase(base: RunConfig) -> str:
 
 
 def summary_section(
-  config: ml_collections.ConfigDict,
+  config: ComparisonConfig,
   runs: Sequence[Mapping[str, Any]],
   arms: Sequence[str],
   data_check: Mapping[str, Any],
@@ -185,8 +183,8 @@ def summary_section(
   The section says what was trained, gives the per-arm table and the data check's verdict; when
   the arms did not see the same batches a warning comes first, before anything else.
   """
-  base = RunConfig.from_config(config.base)
-  baseline, confidence = config.report.baseline, float(config.report.confidence)
+  base = config.base_run
+  baseline, confidence = config.report.baseline, config.report.confidence
   log_every = base.log_every
   lines, table = summary_table(runs, arms, baseline, confidence, log_every)
   tokens = base.num_steps * base.tokens_per_step

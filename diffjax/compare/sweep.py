@@ -13,13 +13,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_collections
 import numpy as np
 
-from diffjax.compare.config import arm_names, format_value, sweep_key
+from diffjax.compare.config import ComparisonConfig, format_value
 from diffjax.compare.outputs import clean_json
+from diffjax.compare.sections import ComparisonReport
 from diffjax.eval import stats
-from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare.sweep/1"
@@ -120,7 +119,7 @@ class _Sweep:
 
 
 def _settings(
-  config: ml_collections.ConfigDict, point_runs: Sequence[tuple[str, Any, Sequence[Mapping]]]
+  config: ComparisonConfig, point_runs: Sequence[tuple[str, Any, Sequence[Mapping]]]
 ) -> _Sweep:
   unigrams = [
     float(r["final_metrics"]["unigram/loss"])
@@ -129,17 +128,18 @@ def _settings(
     if "unigram/loss" in (r["final_metrics"] or {})
   ]
   unigram = unigrams[0] if unigrams else float("nan")
-  if not config.report.get("divergence_above_unigram", True):
+  report = config.report
+  if not report.divergence_above_unigram:
     unigram = float("nan")  # only non-finite runs count as diverged
   return _Sweep(
-    key=sweep_key(config),
-    arms=list(arm_names(config.arms)),
+    key=config.sweep.key,
+    arms=list(config.arms),
     values=[v for _, v, _ in point_runs],
-    baseline=config.report.baseline,
-    factor=float(config.report.get("spike_factor", 3.0)),
-    spike_window=int(config.report.get("spike_window", 50)),
-    div_window=int(config.report.get("divergence_window", 20)),
-    warmup=RunConfig.from_config(config.base).optim.warmup_steps,
+    baseline=report.baseline,
+    factor=report.spike_factor,
+    spike_window=report.spike_window,
+    div_window=report.divergence_window,
+    warmup=config.base_run.optim.warmup_steps,
     unigram=unigram,
   )
 
@@ -203,13 +203,11 @@ def _verdicts(s: _Sweep, table: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _paired(
-  config: ml_collections.ConfigDict, s: _Sweep, cells: Mapping[str, Mapping[str, list]]
+  report: ComparisonReport, s: _Sweep, cells: Mapping[str, Mapping[str, list]]
 ) -> dict[str, Any]:
   """{reference: {arm: {value: paired difference of final loss over matched seeds}}}."""
-  confidence = float(config.report.confidence)
-  references = [s.baseline] + [
-    a for a in (config.report.get("also_against", ()) or ()) if a in s.arms and a != s.baseline
-  ]
+  confidence = report.confidence
+  references = [s.baseline] + [a for a in report.also_against if a in s.arms and a != s.baseline]
   loss = lambda r: (
     r["final_eval_loss"] if r["final_eval_loss"] is not None and not r["diverged"] else float("nan")
   )
@@ -252,7 +250,7 @@ def _data_check(point_results: Sequence[tuple[str, Any, Mapping[str, Any]]]) -> 
 
 
 def write_sweep_outputs(
-  config: ml_collections.ConfigDict,
+  config: ComparisonConfig,
   workdir: str,
   point_results: Sequence[tuple[str, Any, Mapping[str, Any]]],
   point_runs: Sequence[tuple[str, Any, Sequence[Mapping[str, Any]]]],
@@ -269,7 +267,7 @@ def write_sweep_outputs(
     arm: {_value(v): _cell_stats(cells[arm].get(_value(v), [])) for v in s.values} for arm in s.arms
   }
   verdict = _verdicts(s, table)
-  paired = _paired(config, s, cells)
+  paired = _paired(config.report, s, cells)
   mech = _mechanisms(s, cells)
   plot = _plot(workdir, s.key, s.arms, s.values, table, s.unigram)
   lines = _report(config, s, table, verdict, paired, mech, records, plot)
@@ -318,9 +316,9 @@ def _header(s: _Sweep) -> list[str]:
   return [f"| arm | {head} |", "|---" * (len(s.values) + 1) + "|"]
 
 
-def _introduction(config: ml_collections.ConfigDict, s: _Sweep) -> list[str]:
+def _introduction(config: ComparisonConfig, s: _Sweep) -> list[str]:
   """The title, what was run, and the report's definitions."""
-  base = RunConfig.from_config(config.base)
+  base = config.base_run
   seeds = list(config.seeds)
   tokens = base.num_steps * base.tokens_per_step
   short = s.key.split(".")[-1]
@@ -400,7 +398,7 @@ def _stability_tables(
   return lines
 
 
-def _paired_tables(config: ml_collections.ConfigDict, s: _Sweep, paired: Mapping) -> list[str]:
+def _paired_tables(report: ComparisonReport, s: _Sweep, paired: Mapping) -> list[str]:
   lines = []
   tests = sum(len(by_arm) for by_arm in paired.values()) * len(s.values)
   for ref, by_arm in paired.items():
@@ -409,7 +407,7 @@ def _paired_tables(config: ml_collections.ConfigDict, s: _Sweep, paired: Mapping
       f"## Paired difference to {ref}",
       "",
       f"Final eval loss, arm minus {ref} at matched seeds (seeds where both trained): "
-      f"mean [{float(config.report.confidence):.0%} interval] and the paired t-test's p. "
+      f"mean [{report.confidence:.0%} interval] and the paired t-test's p. "
       f"The report makes {tests} such tests; about {0.05 * tests:.1f} would pass "
       "p < 0.05 by chance, so read a single small p value with that in mind.",
       "",
@@ -457,7 +455,7 @@ def _mechanism_tables(s: _Sweep, mech: Mapping[str, Any]) -> list[str]:
 
 
 def _report(
-  config: ml_collections.ConfigDict,
+  config: ComparisonConfig,
   s: _Sweep,
   table: Mapping[str, Any],
   verdict: Mapping[str, Any],
@@ -469,7 +467,7 @@ def _report(
   """The sweep's report.md, as lines."""
   lines = _introduction(config, s) + _loss_table(s, table)
   lines += _stability_tables(s, table, verdict, plot)
-  lines += _paired_tables(config, s, paired) + _mechanism_tables(s, mech)
+  lines += _paired_tables(config.report, s, paired) + _mechanism_tables(s, mech)
   notes = [
     f"- {r['arm']} seed {r['seed']} at {r['point']}: {r['why']}" for r in records if r["why"]
   ]

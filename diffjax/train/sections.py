@@ -157,9 +157,9 @@ def set_config_value(c: ml_collections.ConfigDict, name: str, value: Any, hint: 
   c[name] = value
 
 
-def refuse_unknown(prefix: str, given, known) -> None:
-  """Refuses a key of ``given`` that is not in ``known`` (the keys of section ``prefix``),
-  naming the nearest one and all of them."""
+def refuse_unknown(prefix: str, given, known, kind: str = "run config") -> None:
+  """Refuses a key of ``given`` that is not in ``known`` (the keys of section ``prefix`` of a
+  ``kind``), naming the nearest one and all of them."""
   unknown = [k for k in given if k not in known]
   if not unknown:
     return
@@ -167,20 +167,22 @@ def refuse_unknown(prefix: str, given, known) -> None:
   near = difflib.get_close_matches(unknown[0], list(known), n=1)
   hint = f"did you mean {where}{near[0]}? " if near else ""
   raise ValueError(
-    f"{where}{unknown[0]} is not a run config key; {hint}the keys of "
-    f"{prefix or 'a run config'} are {', '.join(known)}."
+    f"{where}{unknown[0]} is not a {kind} key; {hint}the keys of "
+    f"{prefix or 'a ' + kind} are {', '.join(known)}."
   )
 
 
 class Section:
-  """A run config section: a frozen dataclass whose values are checked when it is built.
+  """A config section (of a run or a comparison): a frozen dataclass whose values are checked
+  when it is built.
 
   Building one checks its float options against :data:`FLOAT_RANGES`, gives every value the
   type of its annotation (naming a value that has none of it) and runs the section's own
-  ``_check``. ``prefix`` is the section's key in the run config.
+  ``_check``. ``prefix`` is the section's key in its config, ``kind`` what that config is.
   """
 
   prefix: ClassVar[str] = ""
+  kind: ClassVar[str] = "run config"
 
   def __post_init__(self):
     names = [f.name for f in dataclasses.fields(self)]
@@ -201,7 +203,7 @@ class Section:
     if isinstance(section, cls):
       return section
     values = plain(section)
-    refuse_unknown(cls.prefix, values, [f.name for f in dataclasses.fields(cls)])
+    refuse_unknown(cls.prefix, values, [f.name for f in dataclasses.fields(cls)], cls.kind)
     return cls(**values)
 
 

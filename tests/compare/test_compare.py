@@ -339,8 +339,8 @@ def test_batch_mismatch_is_reported_loudly(compared, tmp_path):
 def test_run_configs_differ_only_in_the_arm_and_seed():
   base = base_config()
   base.model.update(dict(arm="transformer", size="tiny"))
-  config = compare.comparison_config(base, seeds=(3, 4))
-  assert compare.config.v2_matching(config) == "params"  # the one default
+  config = compare.check_comparison_config(compare.comparison_config(base, seeds=(3, 4)))
+  assert config.v2_match == "params"  # the one default
   runs = {arm: compare.run_config(config, arm, 4) for arm in compare.ARMS}
   for arm, run in runs.items():
     assert run.model.arm == arm and run.seed == 4 and run.log_batch_hash
@@ -350,20 +350,76 @@ def test_run_configs_differ_only_in_the_arm_and_seed():
     model = {k: v for k, v in run.model.to_dict().items() if k != "arm"}
     assert model == {k: v for k, v in base.model.to_dict().items() if k != "arm"}, arm
     assert resolve_model(run.model.to_dict()).matched, arm
-  assert config.base.seed == 0, "run_config must not change the base config"
+  assert config.base.seed == 0 and base.seed == 0, "run_config must not change the base config"
+
+
+def test_the_typed_config_gives_back_the_config_it_was_resolved_from():
+  # comparison_config() is generated from ComparisonConfig: a resolved config file gives back
+  # its ConfigDict, and the JSON a comparison writes is the file's.
+  for name in ("tiny", "retrieval_cpu", "lr_stability_cpu"):
+    c = load_config(f"{REPO}/configs/compare/{name}.py")
+    typed = compare.check_comparison_config(c)
+    assert json.loads(typed.to_json()) == json.loads(c.to_json_best_effort()), name
+    if name != "lr_stability_cpu":  # it sets sweep-report keys at their defaults
+      again = typed.to_config_dict().to_json_best_effort()
+      assert json.loads(again) == json.loads(c.to_json_best_effort()), name
+  assert compare.check_comparison_config(typed) is typed
+  assert (typed.report.spike_factor, typed.report.also_against) == (3.0, ("diff_v2",))
+  assert typed.variants["diff_v2_no_sigmoid"].model == {"v2_lambda": "identity"}
+
+
+@pytest.mark.parametrize(
+  "edit,needle",
+  [
+    (
+      lambda c: c.report.update(dict(learned_windows=5)),
+      "report.learned_windows is not a comparison config key; did you mean report.learned_window?",
+    ),
+    (
+      lambda c: c.update(dict(worker=2)),
+      "worker is not a comparison config key; did you mean workers?",
+    ),
+    (lambda c: c.variants.update(dict(x=dict(arm="diff_v2", modle={}))), "variants.x.modle"),
+  ],
+)
+def test_a_key_the_comparison_does_not_have_is_named(edit, needle):
+  c = load_config(f"{REPO}/configs/compare/tiny.py")
+  edit(c)
+  with pytest.raises(ValueError) as e:
+    compare.check_comparison_config(c)
+  assert needle in str(e.value), str(e.value)
+
+
+def test_a_comparison_built_in_code_is_checked_too():
+  base = load_config(f"{REPO}/configs/compare/tiny.py").base
+  with pytest.raises(ValueError, match="allow_divergence='yes' must be True or False"):
+    compare.ComparisonConfig(base=base, allow_divergence="yes")
+  with pytest.raises(ValueError, match="report.confidence=1.5 must be in"):
+    compare.ComparisonConfig(base=base, report=dict(confidence=1.5))
+  config = compare.ComparisonConfig(base=base, arms="transformer,diff_v1", seeds=3)
+  assert (config.arms, config.seeds, config.workers) == (("transformer", "diff_v1"), (3,), 1)
+  # Without a file to give back, its JSON is that of the ConfigDict it stands for.
+  assert config.to_json() == config.to_config_dict().to_json_best_effort()
+  assert json.loads(config.to_json())["report"] == json.loads(
+    compare.comparison_config(base).report.to_json_best_effort()
+  )
 
 
 def test_paper_3b_runs_are_the_paper_config_with_each_arm():
+  # The corpus is named at launch; the same paths on both sides.
+  data = dict(paths=("/data/prepared",), tokenizer="tokenizer.json")
   config = load_config(f"{REPO}/configs/compare/paper_3b.py")
+  config.base.data.update(data)
+  config = compare.check_comparison_config(config)
   for arm in compare.ARMS:
     want = load_config(f"{REPO}/configs/paper_3b.py")
+    want.data.update(data)
     want.model.arm, want.seed, want.log_batch_hash = arm, 7, True
     assert compare.run_config(config, arm, 7).to_dict() == want.to_dict(), arm
 
 
 def test_retrieval_config_is_valid_matched_and_queries_one_key():
-  config = load_config(f"{REPO}/configs/compare/retrieval_cpu.py")
-  compare.check_comparison_config(config)
+  config = compare.check_comparison_config(load_config(f"{REPO}/configs/compare/retrieval_cpu.py"))
   assert len(config.seeds) >= 3 and config.base.model.v2_match == "params"
   from diffjax.model import count_params
 
@@ -375,7 +431,7 @@ def test_retrieval_config_is_valid_matched_and_queries_one_key():
     assert (mix.fraction, mix.loss, mix.num_queries, mix.separator) == (1.0, "answers", 1, "")
   assert abs(counts["diff_v2"] / counts["transformer"] - 1) <= 0.005, counts
   ev = compare.eval_config(
-    config, RunConfig.from_config(compare.run_config(config, "transformer", 0))
+    config.eval, RunConfig.from_config(compare.run_config(config, "transformer", 0))
   )
   assert ev.probe_task == "mqar" and ev.mqar["separator"] == ""
   cells = [(c["num_pairs"], c["distractors_per_query"]) for c in ev.mqar_grid]

@@ -107,17 +107,22 @@ def test_without_allow_divergence_a_diverging_run_stops_the_comparison(tmp_path)
 
 
 def test_sweep_points_set_the_key_and_scale_min_lr():
-  points = sweep_points(_mini(values=(1e-3, 3e-2)))
+  points = sweep_points(compare.check_comparison_config(_mini(values=(1e-3, 3e-2))))
   assert [n for n, _, _ in points] == ["lr=0.001", "lr=0.03"]
   for _, value, cfg in points:
     assert cfg.base.optim.lr == value
     assert cfg.base.optim.min_lr == pytest.approx(value / 10)
     assert not cfg.sweep.key
-  assert sweep_points(compare.comparison_config(base_config()))[0][0] == ""
+    # A point's compare_config.json: the comparison's, at its base and without a sweep.
+    written = json.loads(cfg.to_json())
+    assert written["sweep"] == {"key": "", "values": [], "scaled": []}
+    assert written["base"]["optim"]["lr"] == value and written["report"]["spike_window"] == 3
+  plain = compare.check_comparison_config(compare.comparison_config(base_config()))
+  assert sweep_points(plain) == [("", None, plain)]
 
 
 def test_a_variant_changes_only_the_fields_it_names():
-  c = _mini()
+  c = compare.check_comparison_config(_mini())
   plain, variant = run_config(c, "transformer", 0), run_config(c, "v2_nosig", 0)
   assert variant.model.arm == "diff_v2" and variant.model.v2_lambda == "identity"
   v2 = run_config(c, "transformer", 0)
@@ -173,9 +178,10 @@ def test_spikes_and_unigram_divergence_follow_their_definitions():
 
 
 def test_lr_stability_config_is_valid_and_parameter_matched():
-  config = load_config(f"{REPO}/configs/compare/lr_stability_cpu.py")
-  compare.check_comparison_config(config)
-  assert len(config.seeds) >= 2 and 4 <= len(config.sweep["values"]) <= 6
+  config = compare.check_comparison_config(
+    load_config(f"{REPO}/configs/compare/lr_stability_cpu.py")
+  )
+  assert len(config.seeds) >= 2 and 4 <= len(config.sweep.values) <= 6
   counts = {
     arm: count_params(resolve_model(run_config(config, arm, 0).model.to_dict()).config)
     for arm in config.arms

@@ -59,12 +59,12 @@ def test_every_comparison_trains_matched_arms(path):
   if config.base.data.kind == "prepared":  # the corpus is named at launch
     config.base.data.paths = ("/data/prepared",)
     config.base.data.tokenizer = config.base.data.tokenizer or "tokenizer.json"
-  compare.check_comparison_config(config)
-  for arm in compare.arm_names(config.arms):
+  config = compare.check_comparison_config(config)
+  for arm in config.arms:
     run = compare.run_config(config, arm, config.seeds[0])
     section = run.model.to_dict()
     # A named variant (e.g. a DIFF V2 ablation) trains its arm, matched as that arm.
-    model_arm = compare.config.base_arm(config, arm)
+    model_arm = config.base_arm(arm)
     assert section["arm"] == model_arm
     got = resolve_model(section)
     assert got.matched and got.config == _expected(section, model_arm), (path, arm)
