@@ -212,7 +212,7 @@ class ComparisonConfig(Section):
         )
     known = [f.name for f in dataclasses.fields(cls) if f.name != "source_json"]
     refuse_unknown("", values, known, KIND)
-    # A copy: the runs' configs are derived from base, which the caller's config must not move.
+    # A copy, so that changing the caller's ConfigDict afterwards changes no run of this one.
     values["base"] = copy.deepcopy(values["base"])
     source = config if hasattr(config, "to_json_best_effort") else ml_collections.ConfigDict(values)
     return cls(**values, source_json=source.to_json_best_effort())
