@@ -31,6 +31,11 @@ def _same(xs):
   return tuple(xs)
 
 
+def _join_same(dqs, qs):
+  del qs
+  return tuple(dqs)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
   """One attention op.
@@ -47,7 +52,8 @@ class OpSpec:
     lam: the index of lambda, or None (one softmax map).
     map_keys: for each softmax map, the position in ``keys`` of the keys it reads.
     split_maps: the query arrays -> each map's queries [B, T, H, D] (H: output heads).
-    join_maps: each map's query gradient -> the query arrays' gradients.
+    join_maps: ``(each map's query gradient, the query arrays)`` -> the query arrays'
+      gradients.
     lam_per_token: ``(lam, batch, length, heads) -> [B, T, H]`` lambda in float32 (float64).
     to_kernel: the arrays as the kernels take them (DIFF V1: lambda as float32 [H]).
     example: ``(dtype, head_dim, group, length) -> arrays``: a small valid input with one kv
@@ -66,7 +72,7 @@ class OpSpec:
   lam: int | None = None
   map_keys: tuple[int, ...] = (0,)
   split_maps: Callable[[tuple], list] = _same
-  join_maps: Callable[[list], tuple] = _same
+  join_maps: Callable[[list, tuple], tuple] = _join_same
   lam_per_token: Callable[..., jax.Array] | None = None
   to_kernel: Callable[[tuple], tuple] = _same
   example: Callable[..., tuple] | None = None
@@ -166,7 +172,8 @@ def _v2_split(qs):
   return [q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]]
 
 
-def _v2_join(dqs):
+def _v2_join(dqs, qs):
+  del qs
   b, t, h, d = dqs[0].shape
   return (jnp.stack(dqs, axis=3).reshape(b, t, 2 * h, d),)
 
@@ -202,6 +209,94 @@ DIFF_V2 = OpSpec(
   join_maps=_v2_join,
   lam_per_token=_v2_lam_per_token,
   example=_v2_example,
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Grouped differential attention: r signal heads share one noise head (r = 1: DIFF V1/V2).
+# The ring and the stock paths run the noise map once per signal head (split_maps repeats
+# it, join_maps sums its gradient over the group); the reference and the kernels that take
+# the grouped form run it once per group.
+
+
+def _split_grouped(qs):
+  """(signal [B, T, H, D], noise [B, T, N, D]) -> each map's queries: the noise heads
+  repeated over their groups of r = H / N signal heads."""
+  q1, q2 = qs
+  return [q1, jnp.repeat(q2, q1.shape[2] // q2.shape[2], axis=2)]
+
+
+def _join_grouped(dqs, qs):
+  """The repeated noise heads' gradients summed over each group."""
+  dq1, dq2_rep = dqs
+  b, t, h, d = dq2_rep.shape
+  n = qs[1].shape[2]
+  return (dq1, dq2_rep.reshape(b, t, n, h // n, d).sum(axis=3))
+
+
+def _example_noise(group: int) -> int:
+  """The noise heads of an example with ``group`` signal heads per kv group (r <= 4)."""
+  return group // next(r for r in (4, 3, 2, 1) if group % r == 0)
+
+
+def _gda_v1_example(dtype, d: int, group: int, t: int):
+  n = _normal(dtype)
+  return (
+    n(0, (1, t, group, d)),
+    n(1, (1, t, _example_noise(group), d)),
+    n(2, (1, t, 1, d)),
+    n(3, (1, t, 1, d)),
+    n(4, (1, t, 1, 2 * d)),
+    jnp.linspace(0.2, 0.8, group).astype(jnp.float32),
+  )
+
+
+GDA_V1 = OpSpec(
+  name="gda_v1",
+  arrays=("q1", "q2", "k1", "k2", "v", "lam"),
+  axes=(TOKENS,) * 5 + (("heads",),),
+  reference=ref.gda_v1_reference,
+  check=validation.check_gda_v1,
+  queries=(0, 1),
+  keys=(2, 3),
+  value=4,
+  lam=5,
+  map_keys=(0, 1),
+  split_maps=_split_grouped,
+  join_maps=_join_grouped,
+  lam_per_token=_v1_lam_per_token,
+  to_kernel=_v1_to_kernel,
+  example=_gda_v1_example,
+)
+
+
+def _gda_v2_example(dtype, d: int, group: int, t: int):
+  n = _normal(dtype)
+  keys = jax.random.split(jax.random.key(0), 8)
+  return (
+    n(0, (1, t, group, d)),
+    n(1, (1, t, _example_noise(group), d)),
+    n(2, (1, t, 1, d)),
+    n(3, (1, t, 1, d)),
+    jax.nn.sigmoid(jax.random.normal(keys[5], (1, t, group))),
+  )
+
+
+GDA_V2 = OpSpec(
+  name="gda_v2",
+  arrays=("q1", "q2", "k", "v", "lam"),
+  axes=(TOKENS,) * 4 + (("batch", "length", "heads"),),
+  reference=ref.gda_v2_reference,
+  check=validation.check_gda_v2,
+  queries=(0, 1),
+  keys=(2,),
+  value=3,
+  lam=4,
+  map_keys=(0, 0),
+  split_maps=_split_grouped,
+  join_maps=_join_grouped,
+  lam_per_token=_v2_lam_per_token,
+  example=_gda_v2_example,
 )
 
 
@@ -255,5 +350,18 @@ def _decode_of(spec: OpSpec) -> OpSpec:
 MHA_DECODE = _decode_of(MHA)
 DIFF_V1_DECODE = _decode_of(DIFF_V1)
 DIFF_V2_DECODE = _decode_of(DIFF_V2)
+GDA_V1_DECODE = _decode_of(GDA_V1)
+GDA_V2_DECODE = _decode_of(GDA_V2)
 
-BUILTIN_OPS = (MHA, DIFF_V1, DIFF_V2, MHA_DECODE, DIFF_V1_DECODE, DIFF_V2_DECODE)
+BUILTIN_OPS = (
+  MHA,
+  DIFF_V1,
+  DIFF_V2,
+  GDA_V1,
+  GDA_V2,
+  MHA_DECODE,
+  DIFF_V1_DECODE,
+  DIFF_V2_DECODE,
+  GDA_V1_DECODE,
+  GDA_V2_DECODE,
+)

@@ -1,4 +1,4 @@
-"""Plain-JAX reference math for baseline, DIFF V1 and DIFF V2 attention (public as
+"""Plain-JAX reference math for baseline, DIFF V1, DIFF V2 and grouped differential attention (public as
 :mod:`diffjax.ops.reference`): the single source of truth every fast path is tested against.
 
 Shapes are in the names (B batch, T queries, S keys, H query heads, K kv heads, G = H // K,
@@ -178,7 +178,9 @@ def _differential(
 ):
   """(softmax(q1 k1^T s) - lam * softmax(q2 k2^T s)) V, the math V1 and V2 share.
 
-  ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head).
+  ``lam_BxHxT`` broadcasts to [B, H, T] (a scalar, per head, or per token and head). ``q2``
+  may have fewer heads than ``q1`` (grouped differential attention): its H / H2 maps are
+  each repeated over a group of H2 consecutive ``q1`` heads, like GQA repeats keys.
   """
   m, scale = _mask_and_scale(q1_BxTxHxD, k1_BxSxKxD, causal, segment_ids, mask, scale)
   logits1_BxHxTxS, p1_BxHxTxS = attention_probs(
@@ -187,6 +189,10 @@ def _differential(
   logits2_BxHxTxS, p2_BxHxTxS = attention_probs(
     q2_BxTxHxD, k2_BxSxKxD, scale=scale, mask=m, logits_fn=logits_fn
   )
+  group = q1_BxTxHxD.shape[2] // q2_BxTxHxD.shape[2]
+  if group > 1:  # each noise map once, then repeated over its signal heads
+    logits2_BxHxTxS = jnp.repeat(logits2_BxHxTxS, group, axis=1)
+    p2_BxHxTxS = jnp.repeat(p2_BxHxTxS, group, axis=1)
   # One matmul with V on the combined (signed) probabilities.
   p_BxHxTxS = p1_BxHxTxS - lam_BxHxT[..., None] * p2_BxHxTxS
   if probs_fn is not None:
@@ -297,6 +303,122 @@ def diff_v2_reference(
   )
 
 
+def gda_v1_reference(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam,
+  *,
+  causal=True,
+  segment_ids=None,
+  mask=None,
+  scale=None,
+  return_aux=False,
+  logits_fn=None,
+  probs_fn=None,
+):
+  """Grouped differential attention, V1 style (GDA, arXiv 2510.06949; Motif-2).
+
+  Args:
+    q1_BxTxHxD: H signal query heads.
+    q2_BxTxNxD: N = H / r noise query heads; noise head n serves signal heads n r ..
+      n r + r - 1 (r = 1 is DIFF V1).
+    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv: K kv groups; N must be a multiple of K, so each
+      group of r signal heads and its noise head read one kv group.
+    lam: scalar or [H], as DIFF V1.
+  Returns:
+    [B, T, H, Dv]: ``(softmax(q1_h k1^T s) - lam_h softmax(q2_{h // r} k2^T s)) V``, before
+    the per-head norm. With ``return_aux`` the maps as DIFF V1's, the noise maps repeated
+    over their groups ([B, H, T, S]).
+  """
+  _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  h = q1_BxTxHxD.shape[2]
+  acc = accumulation_dtype(q1_BxTxHxD.dtype)
+  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (h,))[None, :, None]
+  return _differential(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_BxHxT,
+    causal=causal,
+    segment_ids=segment_ids,
+    mask=mask,
+    scale=scale,
+    return_aux=return_aux,
+    logits_fn=logits_fn,
+    probs_fn=probs_fn,
+  )
+
+
+def split_groups(q_BxTxQxD, noise_heads: int) -> tuple[jax.Array, jax.Array]:
+  """Grouped query heads -> (signal [B, T, H, D], noise [B, T, N, D]).
+
+  The Q = N (r + 1) query heads come in N groups of r signal heads followed by their
+  noise head (Motif's layout; r = 1 is DIFF V1's components and DIFF V2's pairs 2i, 2i+1).
+  """
+  b, t, q_heads, d = q_BxTxQxD.shape
+  if noise_heads <= 0 or q_heads % noise_heads or q_heads == noise_heads:
+    raise ValueError(
+      f"{q_heads} query heads cannot form {noise_heads} groups of r signal heads and one "
+      "noise head."
+    )
+  q_BxTxNxGxD = q_BxTxQxD.reshape(b, t, noise_heads, q_heads // noise_heads, d)
+  return (
+    q_BxTxNxGxD[:, :, :, :-1].reshape(b, t, q_heads - noise_heads, d),
+    q_BxTxNxGxD[:, :, :, -1],
+  )
+
+
+def gda_v2_reference(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal=True,
+  segment_ids=None,
+  mask=None,
+  scale=None,
+  return_aux=False,
+  logits_fn=None,
+  probs_fn=None,
+):
+  """Grouped differential attention, V2 style (Motif 3's combine on ordinary keys).
+
+  Args:
+    q1_BxTxHxD: H signal query heads; q2_BxTxNxD: N = H / r noise query heads, noise head
+      n serving signal heads n r .. n r + r - 1 (:func:`split_groups` splits Motif's
+      grouped layout); N a multiple of K, so a group reads one kv group.
+    k_BxSxKxD, v_BxSxKxD: the baseline's keys and values.
+    lam_BxTxH: per token and signal head, already squashed (sigmoid) by the caller.
+  Returns:
+    [B, T, H, D]: ``softmax(q1_h K^T s) V - lam_h softmax(q2_{h // r} K^T s) V``; r = 1
+    is DIFF V2 on the pairs (q1_i, q2_i).
+  """
+  _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q1_BxTxHxD.dtype)), (0, 2, 1))
+  return _differential(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    k_BxSxKxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxHxT,
+    causal=causal,
+    segment_ids=segment_ids,
+    mask=mask,
+    scale=scale,
+    return_aux=return_aux,
+    logits_fn=logits_fn,
+    probs_fn=probs_fn,
+  )
+
+
 def rms_norm(x, gain, eps: float = 1e-5):
   """RMSNorm over the last axis in float32 (float64 for float64 x); returns the dtype of x."""
   acc = accumulation_dtype(x.dtype)
@@ -307,13 +429,17 @@ def rms_norm(x, gain, eps: float = 1e-5):
   return y.astype(x.dtype)
 
 
-def lambda_init_for_layer(layer_index: int) -> float:
-  """DIFF V1 lambda_init = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
+def lambda_init_for_layer(layer_index: int, offset: int = 0) -> float:
+  """DIFF V1 lambda_init = 0.8 - 0.6 * exp(-0.3 * (l + offset)), l counted from 0.
+
+  ``offset`` 0 is the DIFF paper's code; Motif's models use -1 (their layer 0 starts at
+  lambda_init = 0.8 - 0.6 e^0.3, just below 0).
+  """
   import math
 
   if layer_index < 0:
     raise ValueError(f"layer_index={layer_index} must be >= 0 (layers count from 0).")
-  return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+  return 0.8 - 0.6 * math.exp(-0.3 * (layer_index + offset))
 
 
 def diff_v1_lambda(lq1, lk1, lq2, lk2, lambda_init: float, dtype=jnp.float32) -> jax.Array:

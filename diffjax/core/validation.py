@@ -99,6 +99,57 @@ def check_diff_v2(q, k, v, lam) -> None:
     )
 
 
+def _check_groups(signal: int, noise: int, kv: int, what: str) -> None:
+  if noise <= 0 or signal % noise:
+    raise ValueError(
+      f"{what}: the signal heads ({signal}) must be a multiple of the noise heads ({noise}), "
+      "r signal heads per noise head."
+    )
+  if noise % kv:
+    raise ValueError(
+      f"{what}: the noise heads ({noise}) must be a multiple of the kv heads ({kv}), so that "
+      "each group of signal heads and its noise head read one kv group."
+    )
+
+
+def _check_noise_queries(q1, q2, what: str) -> None:
+  _check_rank4("q2", q2)
+  b, t, _, d = _shape(q1)
+  if _shape(q2)[:2] != (b, t) or _shape(q2)[3] != d:
+    raise ValueError(
+      f"{what}: q2 must be [batch, length, noise heads, dim] with batch, length and dim "
+      f"{(b, t, d)} of q1; got {_shape(q2)}."
+    )
+
+
+def check_gda_v1(q1, q2, k1, k2, v, lam) -> None:
+  what = "grouped differential attention"
+  _check_kv("q1", q1, "k1", k1, "v", v)
+  _check_noise_queries(q1, q2, what)
+  if _shape(k1) != _shape(k2):
+    raise ValueError(f"k1 and k2 shapes differ: {_shape(k1)} vs {_shape(k2)}.")
+  h = _shape(q1)[2]
+  _check_groups(h, _shape(q2)[2], _shape(k1)[2], what)
+  _check_same_dtype(q1=q1, q2=q2, k1=k1, k2=k2, v=v)
+  if _shape(lam) not in ((), (h,)):
+    raise ValueError(
+      f"lam must be a scalar or have shape ({h},) (one per signal head); got shape {_shape(lam)}."
+    )
+
+
+def check_gda_v2(q1, q2, k, v, lam) -> None:
+  what = "grouped DIFF V2"
+  _check_kv("q1", q1, "k", k, "v", v)
+  _check_noise_queries(q1, q2, what)
+  _check_groups(_shape(q1)[2], _shape(q2)[2], _shape(k)[2], what)
+  _check_same_dtype(q1=q1, q2=q2, k=k, v=v)
+  b, t, h, _ = _shape(q1)
+  if _shape(lam) != (b, t, h):
+    raise ValueError(
+      f"lam must have shape (batch, length, signal heads) = {(b, t, h)}; got {_shape(lam)}."
+    )
+
+
 def split_segment_ids(segment_ids, batch: int, q_len: int, kv_len: int):
   """Accepts None, one [B, T] array (self-attention) or a (q [B,T], kv [B,S]) pair."""
   if segment_ids is None:

@@ -192,6 +192,44 @@ def diff_v2_attention(
   return run_op(op_specs.DIFF_V2, (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH), **kwargs)
 
 
+def gda_v1_attention_core(
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxNxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam: jax.Array | float,
+  **kwargs,
+) -> jax.Array:
+  """Grouped differential attention (V1 style, Motif-2) before the per-head norm.
+
+  ``out_h = (softmax(q1_h k1^T s) - lam_h softmax(q2_{h // r} k2^T s)) V``: the N = H / r
+  noise heads each serve r consecutive signal heads (r = 1 is DIFF V1). N must be a
+  multiple of K. Other arguments as in :func:`diff_v1_attention_core`.
+  Returns [B, T, H, Dv] in the dtype of q1.
+  """
+  arrays = (q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, jnp.asarray(lam))
+  return run_op(op_specs.GDA_V1, arrays, **kwargs)
+
+
+def gda_v2_attention(
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxNxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_BxTxH: jax.Array,
+  **kwargs,
+) -> jax.Array:
+  """Grouped differential attention, V2 style (Motif 3's combine on ordinary keys).
+
+  ``out_h = softmax(q1_h K^T s) V - lam_h softmax(q2_{h // r} K^T s) V`` with ``lam_BxTxH``
+  already squashed; r = H / N (r = 1 is DIFF V2 with q1, q2 the pairs' heads). Returns
+  [B, T, H, D] in the dtype of q1.
+  """
+  arrays = (q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  return run_op(op_specs.GDA_V2, arrays, **kwargs)
+
+
 # Decoding: one new token per row attends to a KV cache of S slots, of which the first
 # kv_len[b] are valid (the new token's own key and value included). Slots at or past
 # kv_len are never attended, so rows of different lengths share one cache array.
@@ -248,3 +286,21 @@ def diff_v2_attention_decode(
   and values); ``lam_Bx1xH`` the new token's lambda per pair. Returns [B, 1, H, D]."""
   arrays = (q_Bx1xQxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B)
   return run_decode_op(op_specs.DIFF_V2_DECODE, arrays, **kwargs)
+
+
+def gda_v1_attention_decode(
+  q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam, kv_len_B, **kwargs
+) -> jax.Array:
+  """Grouped differential attention (V1 style) of one new token against a cache of K1,
+  K2 and V. Returns [B, 1, H, Dv]."""
+  arrays = (q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, jnp.asarray(lam))
+  return run_decode_op(op_specs.GDA_V1_DECODE, (*arrays, kv_len_B), **kwargs)
+
+
+def gda_v2_attention_decode(
+  q1_Bx1xHxD, q2_Bx1xNxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B, **kwargs
+) -> jax.Array:
+  """Grouped DIFF V2 attention of one new token against the baseline's cache. Returns
+  [B, 1, H, D]."""
+  arrays = (q1_Bx1xHxD, q2_Bx1xNxD, k_BxSxKxD, v_BxSxKxD, lam_Bx1xH, kv_len_B)
+  return run_decode_op(op_specs.GDA_V2_DECODE, arrays, **kwargs)

@@ -10,11 +10,14 @@ from diffjax.core.reference import (
   diff_v1_lambda,
   diff_v1_reference,
   diff_v2_reference,
+  gda_v1_reference,
+  gda_v2_reference,
   lambda_init_for_layer,
   masked_softmax,
   merge_partials,
   mha_reference,
   rms_norm,
+  split_groups,
 )
 
 __all__ = [
@@ -23,7 +26,10 @@ __all__ = [
   "diff_v1_lambda",
   "diff_v1_reference",
   "diff_v2_reference",
+  "gda_v1_reference",
+  "gda_v2_reference",
   "lambda_init_for_layer",
+  "split_groups",
   "masked_softmax",
   "merge_partials",
   "mha_reference",

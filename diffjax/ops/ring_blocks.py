@@ -123,7 +123,7 @@ def _xla_backward(
     p_combined = p if p_combined is None else p_combined + p
   # dV = (P_1 - lam P_2)^T dO: one matmul on the combined probabilities.
   dv = jnp.einsum("bkgts,btkgd->bskd", p_combined.astype(v.dtype), do_g, preferred_element_type=acc)
-  return tuple(plan.spec.join_maps(dqs)), tuple(dks), dv
+  return tuple(plan.spec.join_maps(dqs, qs)), tuple(dks), dv
 
 
 def xla_blocks(spec: OpSpec, scale: float) -> BlockFunctions:
