@@ -2,11 +2,13 @@
 
 :mod:`diffjax.arms.spec` says what an arm is and holds the registry; the builtin arms are
 :mod:`~diffjax.arms.transformer` (the baseline), :mod:`~diffjax.arms.diff_v1` and
-:mod:`~diffjax.arms.diff_v2`. ``diffjax.arms.get(cfg.attention)`` answers every question the
+:mod:`~diffjax.arms.diff_v2`, and the grouped forms :mod:`~diffjax.arms.gda_v1` and
+:mod:`~diffjax.arms.gda_v2`. ``diffjax.arms.get(cfg.attention)`` answers every question the
 rest of the package has about an arm.
 """
 
-from diffjax.arms import diff_v1, diff_v2, transformer  # noqa: F401  (they register the arms)
+# They register the arms, in this order.
+from diffjax.arms import diff_v1, diff_v2, gda_v1, gda_v2, transformer  # noqa: F401
 from diffjax.arms.spec import (
   BASELINE,
   LAMBDA_REPORTS,

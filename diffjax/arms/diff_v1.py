@@ -31,6 +31,7 @@ def build(cfg, layer_index: int, options, rngs):
     norm_eps=cfg.diff_norm_eps,
     use_norm=cfg.diff_use_norm,
     fixed_lambda=cfg.diff_fixed_lambda,
+    lambda_init_offset=cfg.diff_lambda_init_offset,
     rngs=rngs,
   )
 
@@ -112,7 +113,9 @@ SPEC = register(
     match=match,
     lambda_report="scalar",
     layer_constants=lambda cfg: {
-      "lambda_init": [lambda_init_for_layer(i) for i in range(cfg.num_layers)]
+      "lambda_init": [
+        lambda_init_for_layer(i, cfg.diff_lambda_init_offset) for i in range(cfg.num_layers)
+      ]
     },
     head_norm=True,
     hf_architecture="DiffLlamaForCausalLM",

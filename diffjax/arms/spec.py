@@ -26,7 +26,7 @@ from diffjax.ops import dispatch
 # The arm every other arm is matched to and compared against.
 BASELINE = "transformer"
 # The order reports and tables list the builtin arms in.
-_BUILTIN_ORDER = (BASELINE, "diff_v1", "diff_v2")
+_BUILTIN_ORDER = (BASELINE, "diff_v1", "diff_v2", "gda_v1", "gda_v2")
 # What the evaluation reports about lambda (diffjax.eval): nothing, one value per layer, or a
 # distribution over tokens and heads of a squashed lambda.
 LAMBDA_REPORTS = ("none", "scalar", "sigmoid")

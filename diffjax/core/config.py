@@ -69,6 +69,11 @@ class ModelConfig:
   # DIFF V1 ablations (paper Table 6): drop the per-head norm; a constant lambda.
   diff_use_norm: bool = True
   diff_fixed_lambda: float | None = None
+  # lambda_init = 0.8 - 0.6 exp(-0.3 (l + offset)) for layer l from 0: 0 is the DIFF code's,
+  # -1 Motif's (DIFF V1 and V1-style grouped attention).
+  diff_lambda_init_offset: int = 0
+  # Grouped differential attention (arms gda_v1, gda_v2): signal heads per noise head, r.
+  gda_ratio: int = 4
   # DIFF V2 ablations of its write-up: pair query heads i and i + h, which read different kv
   # groups ("across_groups"); lambda = x W_lambda without the sigmoid ("identity").
   v2_pairing: str = "group"
@@ -106,6 +111,11 @@ class ModelConfig:
     _one_of("remat", self.remat, REMAT_POLICIES)
     _one_of("v2_pairing", self.v2_pairing, V2_PAIRINGS)
     _one_of("v2_lambda", self.v2_lambda, V2_LAMBDAS)
+    for name in ("gda_ratio", "diff_lambda_init_offset"):
+      if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be an integer.")
+    if self.gda_ratio < 1:
+      raise ValueError(f"gda_ratio={self.gda_ratio} must be >= 1 (signal heads per noise head).")
     if isinstance(self.v2_mix_steps, bool) or int(self.v2_mix_steps) < 0:
       raise ValueError(f"v2_mix_steps={self.v2_mix_steps!r} must be an integer >= 0 (0: no ramp).")
     _one_of("implementation", self.implementation, IMPLEMENTATIONS)

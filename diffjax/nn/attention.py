@@ -154,14 +154,16 @@ def _init_queries(
   head_dim: int,
   *,
   paired: bool,
+  group: int = 2,
 ):
   """Sets ``module.options`` and ``module.q`` (the first parameter drawn): [E, H, D], or
-  [E, H, 2, D] for DIFF's two maps per head (V1) or pair of heads (V2). Returns the weight
-  initialiser the other projections use."""
+  [E, H, group, D] for DIFF's two maps per head (V1) or pair of heads (V2), and for the
+  grouped forms' groups of r signal heads and a noise head (H: the groups, group = r + 1).
+  Returns the weight initialiser the other projections use."""
   module.options = options
   init = normal_init(options.init_std)
   shape, axes = (
-    ((d_model, num_heads, 2, head_dim), ("embed", "heads", None, "head_dim"))
+    ((d_model, num_heads, group, head_dim), ("embed", "heads", None, "head_dim"))
     if paired
     else ((d_model, num_heads, head_dim), ("embed", "heads", "head_dim"))
   )
@@ -323,8 +325,18 @@ class DiffV1Attention(nnx.Module):
   lambda_init = 0.8 - 0.6 exp(-0.3 layer_index). Head outputs pass an RMSNorm over
   2d channels (eps 1e-5, a gain shared by the heads) and are scaled by
   (1 - lambda_init). ``use_norm=False`` and ``fixed_lambda`` serve the paper's
-  ablations.
+  ablations; ``lambda_init_offset`` shifts l (Motif's models: -1).
   """
+
+  OP, DECODE_OP = op_specs.DIFF_V1, op_specs.DIFF_V1_DECODE
+
+  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
+    return _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
+
+  def _queries(self, x_BxTxE, pos_BxT, hooks):
+    """The two query components [B, T, H, D] (RoPE applied)."""
+    q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", self.options.dtype, hooks)
+    return tuple(_rope(q_BxTxHx2xD[:, :, :, s], pos_BxT, self.options) for s in (0, 1))
 
   def __init__(
     self,
@@ -338,15 +350,16 @@ class DiffV1Attention(nnx.Module):
     norm_eps: float = 1e-5,
     use_norm: bool = True,
     fixed_lambda: float | None = None,
+    lambda_init_offset: int = 0,
     rngs: nnx.Rngs,
   ):
     _check_heads(num_heads, num_kv_heads, d_model, head_dim)
     self.head_dim = head_dim
-    self.lambda_init = ref.lambda_init_for_layer(layer_index)
+    self.lambda_init = ref.lambda_init_for_layer(layer_index, lambda_init_offset)
     self.norm_eps = norm_eps
     self.use_norm = use_norm
     self.fixed_lambda = fixed_lambda
-    init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
+    init = self._init_q(rngs, options, d_model, num_heads, head_dim)
     self.k = make_param(
       rngs,
       init,
@@ -428,11 +441,10 @@ class DiffV1Attention(nnx.Module):
     acc = accumulation_dtype(dt)
     lam_init = self.lambda_init if lambda_init is None else lambda_init
     pos_BxT = _positions(x_BxTxE, positions_BxT)
-    q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
+    q1_BxTxHxD, q2_BxTxHxD = self._queries(x_BxTxE, pos_BxT, hooks)
     k_BxSxKx2xD = project(x_BxTxE, self.k, "bte,eksd->btksd", dt, hooks)
     # Dv = 2·D: one value per kv group, twice the width of a query/key component.
     v_BxSxKxDv = project(x_BxTxE, self.v, "bte,ekd->btkd", dt, hooks)
-    q1_BxTxHxD, q2_BxTxHxD = (_rope(q_BxTxHx2xD[:, :, :, s], pos_BxT, opts) for s in (0, 1))
     k1_BxSxKxD, k2_BxSxKxD = (_rope(k_BxSxKx2xD[:, :, :, s], pos_BxT, opts) for s in (0, 1))
     if hooks.kv is not None:
       k1_BxSxKxD, k2_BxSxKxD = hooks.kv(k1_BxSxKxD), hooks.kv(k2_BxSxKxD)
@@ -449,7 +461,7 @@ class DiffV1Attention(nnx.Module):
       {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
     )
     arrays = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-    core_BxTxHxDv, aux = call.attend(op_specs.DIFF_V1, op_specs.DIFF_V1_DECODE, arrays, hooks.probs)
+    core_BxTxHxDv, aux = call.attend(self.OP, self.DECODE_OP, arrays, hooks.probs)
     if aux is not None:
       aux = dict(aux, context=core_BxTxHxDv, values=v_BxSxKxDv, **{"lambda": lam})
       aux["lambda_init"] = jnp.asarray(lam_init, acc)
@@ -503,6 +515,8 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     * ``lambda_fn="identity"``: lambda = x W_lambda, unbounded (no sigmoid).
   """
 
+  OP, DECODE_OP = op_specs.DIFF_V2, op_specs.DIFF_V2_DECODE
+
   def __init__(
     self,
     d_model: int,
@@ -519,7 +533,7 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     check_v2_ablation(pairing, lambda_fn, num_kv_heads)
     self.pairing = pairing
     self.lambda_fn = lambda_fn
-    init = _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
+    init = self._init_q(rngs, options, d_model, num_heads, head_dim)
     self._baseline_kvo(rngs, init, d_model, num_heads, num_kv_heads, head_dim)
     self.w_lambda = make_param(
       rngs,
@@ -528,6 +542,13 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
       ("embed", "heads"),
       options.param_dtype,
     )
+
+  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
+    return _init_queries(self, rngs, options, d_model, num_heads, head_dim, paired=True)
+
+  def _arrays(self, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH):
+    """The op's arrays from the RoPE'd query heads [B, T, Q, D]."""
+    return (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
 
   def lambda_value(self, x_BxTxE: jax.Array, hooks: Hooks = NO_HOOKS) -> jax.Array:
     """lambda = sigmoid(x W_lambda) per token and pair, [B, T, H] in float32 (float64);
@@ -558,10 +579,11 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     dt = opts.dtype
     b, t = x_BxTxE.shape[:2]
     pos_BxT = _positions(x_BxTxE, positions_BxT)
-    q_BxTxHx2xD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
-    h, d = q_BxTxHx2xD.shape[2], q_BxTxHx2xD.shape[4]
-    # Flattening [H, 2] puts the pair's heads at 2i and 2i+1 (Q = 2H query heads).
-    q_BxTxQxD = _rope(q_BxTxHx2xD.reshape(b, t, 2 * h, d), pos_BxT, opts)
+    q_BxTxHxGxD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", dt, hooks)
+    h, g, d = q_BxTxHxGxD.shape[2:]
+    # Flattening [H, 2] puts the pair's heads at 2i and 2i+1 (Q = 2H query heads); the
+    # grouped form's [N, r + 1] its groups' heads, the noise head last.
+    q_BxTxQxD = _rope(q_BxTxHxGxD.reshape(b, t, h * g, d), pos_BxT, opts)
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     if mix is not None:
@@ -579,8 +601,8 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     if self.pairing == "across_groups":
       out_BxTxHxD, aux = self._across_groups(call, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
     else:
-      arrays = (q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-      out_BxTxHxD, aux = call.attend(op_specs.DIFF_V2, op_specs.DIFF_V2_DECODE, arrays, hooks.probs)
+      arrays = self._arrays(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+      out_BxTxHxD, aux = call.attend(self.OP, self.DECODE_OP, arrays, hooks.probs)
       if aux is not None:
         aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD, **{"lambda": lam_BxTxH})
     out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
@@ -610,3 +632,92 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
         "values": v_BxSxKxD,
       }
     return out_BxTxHxD, aux
+
+
+def check_gda_heads(num_heads: int, ratio: int, num_kv_heads: int) -> None:
+  """Refuses a grouped arm's head counts that do not form groups: ``num_heads`` signal
+  heads, ``ratio`` r of them per noise head, the noise heads a multiple of the kv heads."""
+  if isinstance(ratio, bool) or int(ratio) < 1:
+    raise ValueError(f"gda_ratio={ratio!r} must be an integer >= 1 (signal heads per noise head).")
+  if num_heads % ratio:
+    raise ValueError(
+      f"num_heads={num_heads} signal heads cannot form groups of gda_ratio={ratio}; "
+      "num_heads must be a multiple of gda_ratio."
+    )
+  if (num_heads // ratio) % num_kv_heads:
+    raise ValueError(
+      f"The {num_heads // ratio} noise heads (num_heads={num_heads} / gda_ratio={ratio}) must "
+      f"be a multiple of num_kv_heads={num_kv_heads}, so that each group of signal heads and "
+      "its noise head read one kv group."
+    )
+
+
+class GroupedDiffV1Attention(DiffV1Attention):
+  """Grouped differential attention, V1 style (GDA, arXiv 2510.06949; Motif-2).
+
+  ``num_heads`` signal heads H share N = H / ``ratio`` noise heads: noise head n serves
+  signal heads n r .. n r + r - 1 and its map is repeated over them, like GQA repeats keys.
+  Everything else is DIFF V1's: K1, K2 and a 2d-wide V per kv group, the lambda
+  re-parameterisation, the per-head RMSNorm with a shared gain and the (1 - lambda_init)
+  scale. The query kernel is Motif's layout [E, N, r + 1, d] (each group's r signal heads,
+  then its noise head); ``ratio=1`` is :class:`DiffV1Attention` exactly (same parameters,
+  same draws, same outputs).
+  """
+
+  OP, DECODE_OP = op_specs.GDA_V1, op_specs.GDA_V1_DECODE
+
+  def __init__(
+    self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *, ratio: int, **kw
+  ):
+    check_gda_heads(num_heads, ratio, num_kv_heads)
+    self.ratio = int(ratio)
+    super().__init__(d_model, num_heads, num_kv_heads, head_dim, **kw)
+
+  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
+    n = num_heads // self.ratio
+    return _init_queries(
+      self, rngs, options, d_model, n, head_dim, paired=True, group=self.ratio + 1
+    )
+
+  def _queries(self, x_BxTxE, pos_BxT, hooks):
+    """(signal [B, T, H, D], noise [B, T, N, D]), RoPE applied."""
+    q_BxTxNxGxD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", self.options.dtype, hooks)
+    b, t, n, g, d = q_BxTxNxGxD.shape
+    q1_BxTxHxD = q_BxTxNxGxD[:, :, :, : g - 1].reshape(b, t, n * (g - 1), d)
+    q2_BxTxNxD = q_BxTxNxGxD[:, :, :, g - 1]
+    return _rope(q1_BxTxHxD, pos_BxT, self.options), _rope(q2_BxTxNxD, pos_BxT, self.options)
+
+
+class GroupedDiffV2Attention(DiffV2Attention):
+  """Grouped differential attention, V2 style (Motif 3's combine on the baseline's keys).
+
+  One attention over all N (r + 1) query heads, then each group's r signal heads minus
+  sigmoid(x W_lambda) times the group's noise head: ``num_heads`` H signal (output) heads,
+  N = H / ``ratio`` noise heads, W_lambda: E -> H, no per-head norm; keys, values, W_o and
+  the KV cache are the baseline's. The query kernel is [E, N, r + 1, d] (the noise head of
+  a group last); ``ratio=1`` is :class:`DiffV2Attention` exactly.
+  """
+
+  OP, DECODE_OP = op_specs.GDA_V2, op_specs.GDA_V2_DECODE
+
+  def __init__(
+    self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *, ratio: int, **kw
+  ):
+    check_gda_heads(num_heads, ratio, num_kv_heads)
+    if kw.get("pairing", "group") != "group":
+      raise ValueError(
+        f"v2_pairing={kw['pairing']!r}: the grouped form keeps a group in one kv group; "
+        "only v2_pairing='group' applies."
+      )
+    self.ratio = int(ratio)
+    super().__init__(d_model, num_heads, num_kv_heads, head_dim, **kw)
+
+  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
+    n = num_heads // self.ratio
+    return _init_queries(
+      self, rngs, options, d_model, n, head_dim, paired=True, group=self.ratio + 1
+    )
+
+  def _arrays(self, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH):
+    q1_BxTxHxD, q2_BxTxNxD = ref.split_groups(q_BxTxQxD, self.q.shape[1])
+    return (q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)

@@ -125,6 +125,8 @@ _ALL_ROWS = (
   _row("mha", "xla_cpu", "cpu", cpu_kernels.mha_xla_cpu),
   _row("diff_v1", "xla_cpu", "cpu", cpu_kernels.diff_v1_xla_cpu),
   _row("diff_v2", "xla_cpu", "cpu", cpu_kernels.diff_v2_xla_cpu),
+  _row("gda_v1", "xla_cpu", "cpu", cpu_kernels.gda_v1_xla_cpu),
+  _row("gda_v2", "xla_cpu", "cpu", cpu_kernels.gda_v2_xla_cpu),
   _row("mha", "stock", "tpu", tpu_kernels.mha_stock_tpu),
   _row("diff_v1", "pallas_tpu", "tpu", tpu_kernels.diff_v1_pallas_tpu, tpu_blocks, version=1),
   _row("diff_v1", "stock", "tpu", tpu_kernels.diff_v1_stock_tpu),

@@ -463,3 +463,75 @@ def diff_v2_xla_cpu(
     kv_segment_ids=kv_segment_ids,
     scale=_v.default_scale(scale, d),
   )
+
+
+def _repeat_noise(q1_BxTxHxD, q2_BxTxNxD):
+  """The noise heads repeated over their groups of r signal heads (r = 1: unchanged); the
+  gradient of the repeat sums each group's."""
+  r = q1_BxTxHxD.shape[2] // q2_BxTxNxD.shape[2]
+  return q2_BxTxNxD if r == 1 else jnp.repeat(q2_BxTxNxD, r, axis=2)
+
+
+def gda_v1_xla_cpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal=True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale=None,
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
+  """Grouped differential attention (V1 style) as DIFF V1 on the repeated noise heads;
+  r = 1 is :func:`diff_v1_xla_cpu` exactly."""
+  _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  return diff_v1_xla_cpu(
+    q1_BxTxHxD,
+    _repeat_noise(q1_BxTxHxD, q2_BxTxNxD),
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    lam_H,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
+
+
+def gda_v2_xla_cpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal=True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale=None,
+  block_sizes=None,
+  interpret=False,
+) -> jax.Array:
+  """Grouped DIFF V2 on the repeated noise heads; r = 1 computes as :func:`diff_v2_xla_cpu`."""
+  del block_sizes, interpret
+  _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  return _pair_attention(
+    q1_BxTxHxD,
+    _repeat_noise(q1_BxTxHxD, q2_BxTxNxD),
+    k_BxSxKxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxTxH,
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=_v.default_scale(scale, q1_BxTxHxD.shape[-1]),
+  )

@@ -1,0 +1,101 @@
+"""Grouped differential attention, V2 style (Motif 3's combine, on the baseline's keys).
+
+One attention over N (r + 1) query heads, then each group's r signal heads minus
+sigmoid(x W_lambda) times the group's noise head (r = ``gda_ratio``): ``num_heads`` H signal
+(output) heads, N = H / r noise heads, W_lambda: E -> H, no per-head norm; keys, values, W_o
+and the KV cache are the baseline's. The query kernel [E, N, r + 1, d] puts a group's noise
+head last. r = 1 is DIFF V2 exactly. Matched to a Transformer it keeps the baseline's heads
+as signal heads and adds N noise heads (V2 adds H), with the baseline's kv heads where they
+divide N; "by params" the SwiGLU width pays for the extra weights. Motif 3's latent keys, MoE and hyper-connections are not
+part of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from diffjax.arms.gda_v1 import pay_by_ffn
+from diffjax.arms.spec import ArmSpec, register
+from diffjax.core import op_specs
+from diffjax.core.config import V2_MATCHING
+from diffjax.nn.attention import GroupedDiffV2Attention, check_gda_heads, check_v2_ablation
+
+
+def build(cfg, layer_index: int, options, rngs):
+  del layer_index
+  return GroupedDiffV2Attention(
+    cfg.d_model,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    ratio=cfg.gda_ratio,
+    options=options,
+    pairing=cfg.v2_pairing,
+    lambda_fn=cfg.v2_lambda,
+    rngs=rngs,
+  )
+
+
+def noise_heads(cfg) -> int:
+  return cfg.num_heads // cfg.gda_ratio
+
+
+def attention_params(cfg) -> int:
+  e, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  return e * (h + noise_heads(cfg)) * d + 2 * e * k * d + h * d * e + e * h
+
+
+def match(baseline, v2_match: str):
+  """The baseline's H_b heads as signal heads and N = H_b / r noise heads, with
+  gcd(K_b, N) kv heads (the baseline's when they divide N); by "params" the SwiGLU width
+  pays for the difference (within 0.5 % of the Transformer's parameters), by "heads"
+  nothing else changes."""
+  if v2_match not in V2_MATCHING:
+    raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
+  h, r = baseline.num_heads, baseline.gda_ratio
+  if h % r:
+    raise ValueError(
+      f"Grouped DIFF V2 at gda_ratio={r} keeps the baseline's num_heads={h} as signal heads "
+      f"in groups of {r}, so num_heads must be a multiple of {r}."
+    )
+  cfg = baseline.replace(attention="gda_v2", num_kv_heads=math.gcd(baseline.num_kv_heads, h // r))
+  if v2_match == "heads":
+    return cfg
+  return pay_by_ffn(baseline, cfg, attention_params, "grouped DIFF V2")
+
+
+def _check(cfg) -> None:
+  check_v2_ablation(cfg.v2_pairing, cfg.v2_lambda, cfg.num_kv_heads)
+  if cfg.v2_pairing != "group":
+    raise ValueError(
+      f"v2_pairing={cfg.v2_pairing!r}: grouped DIFF V2 keeps each group in one kv group; "
+      "only v2_pairing='group' applies."
+    )
+  check_gda_heads(cfg.num_heads, cfg.gda_ratio, cfg.num_kv_heads)
+
+
+SPEC = register(
+  ArmSpec(
+    name="gda_v2",
+    title="GDA (V2)",
+    build=build,
+    op=op_specs.GDA_V2,
+    decode_op=op_specs.GDA_V2_DECODE,
+    heads="grouped DIFF V2 signal heads",
+    value_head_dim=lambda cfg: cfg.head_dim,
+    attention_params=attention_params,
+    matmul_params=attention_params,
+    # Scores of H signal and N noise heads (2d each) and the combined map times the d-wide
+    # value (2d per signal head): 4 d H + 2 d N (6 d H at r = 1, DIFF V2's).
+    attention_flops=lambda cfg: (
+      4 * cfg.head_dim * cfg.num_heads + 2 * cfg.head_dim * noise_heads(cfg)
+    ),
+    match=match,
+    lambda_report="sigmoid",
+    check=_check,
+    ramp=True,
+    color="tab:red",
+  )
+)
+
+__all__ = ["SPEC", "build", "match", "noise_heads"]
