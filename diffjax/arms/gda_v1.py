@@ -116,6 +116,7 @@ SPEC = register(
     },
     head_norm=True,
     color="tab:green",
+    by_default=False,
   )
 )
 

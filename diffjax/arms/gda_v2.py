@@ -95,6 +95,7 @@ SPEC = register(
     check=_check,
     ramp=True,
     color="tab:red",
+    by_default=False,
   )
 )
 

@@ -84,6 +84,9 @@ class ArmSpec:
       None (:mod:`diffjax.convert`).
     retrofit: how it starts from a trained Transformer, or None.
     color: its color in the report's plots.
+    by_default: whether comparisons, ``matched_configs()`` and the preset tables include it
+      when not given their arms (the grouped arms, which only some head counts match, ask
+      to be named).
   """
 
   name: str
@@ -105,6 +108,7 @@ class ArmSpec:
   hf_architecture: str | None = None
   retrofit: Retrofit | None = None
   color: str = "tab:purple"
+  by_default: bool = True
 
   def __post_init__(self):
     if self.lambda_report not in LAMBDA_REPORTS:
@@ -174,6 +178,11 @@ def names() -> tuple[str, ...]:
       _ARMS, key=lambda n: _BUILTIN_ORDER.index(n) if n in _BUILTIN_ORDER else len(_BUILTIN_ORDER)
     )
   )
+
+
+def default_names() -> tuple[str, ...]:
+  """The arms taken when none are named (:attr:`ArmSpec.by_default`), in :func:`names` order."""
+  return tuple(n for n in names() if _ARMS[n].by_default)
 
 
 def all_arms() -> tuple[ArmSpec, ...]:

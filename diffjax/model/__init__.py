@@ -1,6 +1,7 @@
 """The LLaMA-style decoder LM, matched arms and parameter counts.
 
-``ARMS`` names the builtin arms; :func:`diffjax.arms.names` lists every registered one.
+``ARMS`` names the arms a comparison trains unless told (the Transformer, DIFF V1 and DIFF
+V2); :func:`diffjax.arms.names` lists every registered one, the grouped arms included.
 """
 
 from diffjax import arms
@@ -16,7 +17,7 @@ from diffjax.model.matching import (
 )
 from diffjax.nn.layers import Hooks
 
-ARMS = arms.names()
+ARMS = arms.default_names()
 
 __all__ = [
   "ARMS",

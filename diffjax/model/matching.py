@@ -29,6 +29,8 @@ def matched_configs(
   parameters per layer. ``v2_match`` says what V2 is matched on: ``"params"`` (the default:
   the SwiGLU width shrinks so the total is within 0.5 % of the Transformer's; the paper
   compares at matched parameters) or ``"heads"`` (the same heads and widths, V2 is larger).
+  ``names`` defaults to :func:`diffjax.arms.default_names`; the grouped arms are matched
+  when named (diffjax.arms.gda_v1 and gda_v2 give their rules).
   """
   if not arms.get(baseline.attention).is_baseline:
     raise ValueError(
@@ -36,7 +38,7 @@ def matched_configs(
     )
   if v2_match not in V2_MATCHING:
     raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
-  return {name: arms.get(name).match(baseline, v2_match) for name in names or arms.names()}
+  return {name: arms.get(name).match(baseline, v2_match) for name in names or arms.default_names()}
 
 
 def attention_params(cfg: ModelConfig) -> int:

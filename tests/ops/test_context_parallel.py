@@ -58,10 +58,12 @@ FAST = [
   ("diff_v1", "ring", True, "all4"),
   ("diff_v2", "ring", False, "fsdp2_context4"),
   ("diff_v2", "all_gather", True, "context8"),
+  ("gda_v1", "ring", True, "all4"),
+  ("gda_v2", "all_gather", False, "fsdp2_context4"),
 ]
 SLOW = [
   (op, strategy, lb, layout)
-  for op in ("mha", "diff_v1", "diff_v2")
+  for op in ("mha", "diff_v1", "diff_v2", "gda_v1", "gda_v2")
   for strategy in ("ring", "all_gather")
   for lb in (True, False)
   for layout in ("context8", "all4", "fsdp2_context4")
@@ -87,6 +89,20 @@ def _inputs(op, t, *, scalar_lam=False, dtype=jnp.float32, seed=0):
     arrays = (n(B, t, H, D), n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D), n(B, t, KV, 2 * D), lam)
     return arrays, (0, 1, 2, 3, 4), ref.diff_v1_reference
   lam_BxTxH = jax.nn.sigmoid(n(B, t, H).astype(jnp.float32))
+  if op == "gda_v1":  # r = 2: each of the KV noise heads serves two signal heads
+    lam = jnp.asarray(0.37) if scalar_lam else jnp.linspace(0.2, 0.8, H)
+    arrays = (
+      n(B, t, H, D),
+      n(B, t, KV, D),
+      n(B, t, KV, D),
+      n(B, t, KV, D),
+      n(B, t, KV, 2 * D),
+      lam,
+    )
+    return arrays, (0, 1, 2, 3, 4), ref.gda_v1_reference
+  if op == "gda_v2":
+    arrays = (n(B, t, H, D), n(B, t, KV, D), n(B, t, KV, D), n(B, t, KV, D), lam_BxTxH)
+    return arrays, (0, 1, 2, 3, 4), ref.gda_v2_reference
   return (
     (n(B, t, 2 * H, D), n(B, t, KV, D), n(B, t, KV, D), lam_BxTxH),
     (0, 1, 2, 3),
