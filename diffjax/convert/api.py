@@ -167,6 +167,7 @@ def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
   check_new_workdir(workdir)
   cfg, params, hf_config = read_hf(path)
   model = build_model(cfg, params)  # checks every shape against the config
+  del params  # the model holds its own copy; a large checkpoint needs the memory back
   write_workdir(
     workdir,
     model,

@@ -6,11 +6,12 @@
     python -m diffjax.convert retrofit --source=runs/transformer --workdir=runs/retro_v2
         [--arm=diff_v2|diff_v1] [--step=N]
 
-`import` reads a LlamaForCausalLM (-> the Transformer arm) or DiffLlamaForCausalLM (-> DIFF
-V1) directory holding config.json and *.safetensors (one file, or shards with their index)
-and writes a workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read.
-`export` writes the latest (or --step) checkpoint of a Transformer or DIFF V1 workdir as a
-directory transformers' `from_pretrained` loads. `retrofit` turns a Transformer (a workdir of
+`import` reads a LlamaForCausalLM (-> the Transformer arm), DiffLlamaForCausalLM (-> DIFF
+V1) or MotifForCausalLM (Motif-2 -> gda_v1 with a PolyNorm MLP, docs/motif.md) directory
+holding config.json and *.safetensors (one file, or shards with their index) and writes a
+workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `export` writes the
+latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdir as a
+directory in the source's layout (transformers' `from_pretrained` loads the first two). `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
 function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
 continue it with `train.py --config.checkpoint.init_from=<workdir>`. A problem with the input
@@ -39,7 +40,11 @@ def _parser() -> argparse.ArgumentParser:
   )
   sub = p.add_subparsers(dest="command", required=True)
   imp = sub.add_parser("import", help="HF checkpoint directory -> new diffjax workdir")
-  imp.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+  imp.add_argument(
+    "--hf",
+    required=True,
+    help="directory with config.json and *.safetensors (Llama, DiffLlama or Motif-2)",
+  )
   imp.add_argument("--workdir", required=True, help="new diffjax run directory")
   exp = sub.add_parser("export", help="diffjax workdir -> new HF checkpoint directory")
   exp.add_argument("--workdir", required=True, help="diffjax run directory with checkpoints/")
