@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from diffjax import arms
 from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
+from diffjax.convert import motif
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
 from diffjax.convert.retrofit import retrofit
@@ -122,6 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
         f"d_model {cfg.d_model}) into {args.workdir}"
       )
+      if motif.is_motif_model(cfg):
+        print(
+          f"Continue it with train.py {motif.train_flags(cfg)} "
+          f"--config.checkpoint.init_from={args.workdir} (and the checkpoint's tokenizer.json "
+          "as --config.data.tokenizer)"
+        )
     else:
       export = {
         k: getattr(args, k)

@@ -16,6 +16,7 @@ halves. Sources of each convention and the memory a real checkpoint needs: docs/
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from diffjax.convert.hf_config import (
   _rope_theta,
 )
 from diffjax.model import ModelConfig
+from diffjax.model.sizes import WIDTHS
 
 MOTIF = "MotifForCausalLM"
 MODEL_TYPE = "motif"
@@ -454,3 +456,30 @@ def parameter_count(hf: Mapping[str, Any]) -> int:
   per_layer = attn + 3 * e * f + 4 + 2 * e
   head = 0 if hf.get("tie_word_embeddings", False) else v * e
   return v * e + layers * per_layer + e + head
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_overrides(cfg: ModelConfig) -> dict[str, Any]:
+  """The ``model`` section keys with which ``train.py`` builds ``cfg`` again (to continue an
+  imported checkpoint with ``checkpoint.init_from``): the arm, every width set as the arm's
+  own (``unmatched``: an imported model is matched to no Transformer) and every other field
+  that differs from its default. Keys are relative to ``config.model``."""
+  out: dict[str, Any] = {"arm": cfg.attention, "size": "custom"}
+  for w in WIDTHS:
+    out[w] = getattr(cfg, w)
+    out[f"unmatched.{w}"] = getattr(cfg, w)
+  defaults = ModelConfig()
+  for f in dataclasses.fields(ModelConfig):
+    if f.name in ("attention", *WIDTHS, *RUNTIME_FIELDS):
+      continue
+    value = getattr(cfg, f.name)
+    if f.name == "vocab_size" or value != getattr(defaults, f.name):
+      out[f.name] = value
+  return out
+
+
+def train_flags(cfg: ModelConfig) -> str:
+  """:func:`train_overrides` as ``train.py`` flags."""
+  return " ".join(f"--config.model.{k}={v}" for k, v in train_overrides(cfg).items())

@@ -385,3 +385,46 @@ def test_unsupported_motif_configs_are_one_error_line_naming_the_field(
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
   assert not os.path.exists(run)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@needs_gda
+def test_train_py_continues_an_imported_motif_checkpoint(tmp_path, capsys):
+  from diffjax.model.matching import resolve_model  # pylint: disable=import-outside-toplevel
+  from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
+  from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
+  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
+  hf = {**GROUPED, "vocab_size": 258, "num_hidden_layers": 2}  # the byte tokenizer's vocabulary
+  src = write_motif(str(tmp_path / "src"), hf, motif_tensors(hf, 5))
+  run = str(tmp_path / "imported")
+  assert cli_main(["import", f"--hf={src}", f"--workdir={run}"]) == 0
+  printed = capsys.readouterr().out
+  imported, cfg, _ = load_model(run)
+  assert motif.train_flags(cfg) in printed
+  c = base_config()
+  for key, value in motif.train_overrides(cfg).items():
+    if key.startswith("unmatched."):
+      c.model.unmatched[key.split(".", 1)[1]] = value
+    else:
+      c.model[key] = value
+  assert resolve_model(c.model.to_dict()).config == cfg  # the flags rebuild the imported model
+  c.seq_len, c.global_batch_size, c.num_steps = 16, 2, 2
+  c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
+  c.data.max_documents = 20
+  c.checkpoint.update(dict(every=2, keep=1, async_save=False, init_from=run))
+  out = str(tmp_path / "continued")
+  result = train_and_evaluate(c, out)
+  assert f"Initialised the parameters from step 0 of {run}" in capsys.readouterr().out
+  assert result["step"] == 2
+  trained, _, _ = load_model(out)
+  before, after = model_params(imported), model_params(trained)
+  assert jax.tree.structure(before) == jax.tree.structure(after)
+  # Training moved the attention and PolyNorm's own parameters too.
+  for name in ("q", "lambda_q1", "norm_scale"):
+    assert not np.array_equal(before["blocks"][0]["attn"][name], after["blocks"][0]["attn"][name])
+  assert not np.array_equal(
+    before["blocks"][0]["mlp"]["poly_weight"], after["blocks"][0]["mlp"]["poly_weight"]
+  )
