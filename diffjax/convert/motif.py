@@ -463,20 +463,45 @@ def parameter_count(hf: Mapping[str, Any]) -> int:
 
 def train_overrides(cfg: ModelConfig) -> dict[str, Any]:
   """The ``model`` section keys with which ``train.py`` builds ``cfg`` again (to continue an
-  imported checkpoint with ``checkpoint.init_from``): the arm, every width set as the arm's
-  own (``unmatched``: an imported model is matched to no Transformer) and every other field
-  that differs from its default. Keys are relative to ``config.model``."""
-  out: dict[str, Any] = {"arm": cfg.attention, "size": "custom"}
+  imported checkpoint with ``checkpoint.init_from``); keys are relative to ``config.model``.
+
+  The baseline widths are the checkpoint's own counts (``num_attention_heads`` = signal +
+  noise heads, ``num_key_value_heads`` = 2 K), which the arm's matching "by heads" turns
+  into ``cfg``'s; a width it derives otherwise is set as the arm's own (``unmatched``). Every
+  other field that differs from its default is set as well.
+  """
+  from diffjax.model.matching import resolve_model  # pylint: disable=import-outside-toplevel
+
+  base: dict[str, Any] = {"arm": cfg.attention, "size": "custom", "v2_match": "heads"}
   for w in WIDTHS:
-    out[w] = getattr(cfg, w)
-    out[f"unmatched.{w}"] = getattr(cfg, w)
+    base[w] = getattr(cfg, w)
   defaults = ModelConfig()
   for f in dataclasses.fields(ModelConfig):
     if f.name in ("attention", *WIDTHS, *RUNTIME_FIELDS):
       continue
     value = getattr(cfg, f.name)
     if f.name == "vocab_size" or value != getattr(defaults, f.name):
-      out[f.name] = value
+      base[f.name] = value
+  # Baseline head counts to try: Motif's own (which "heads" matching inverts), then the same
+  # query heads with fewer kv heads where a Transformer cannot have Motif's (40 and 16).
+  candidates = [(cfg.num_heads, cfg.num_kv_heads)]
+  if cfg.attention == ARM:
+    heads = cfg.num_heads + cfg.num_heads // cfg.gda_ratio
+    kv = [2 * cfg.num_kv_heads] + [k for k in range(heads, 1, -1) if heads % k == 0 and k % 2 == 0]
+    candidates = [(heads, k) for k in kv] + candidates
+  out = dict(base)
+  derived = None
+  for heads, kv_heads in candidates:
+    trial = {**base, "num_heads": heads, "num_kv_heads": kv_heads}
+    try:
+      derived = resolve_model(trial).config
+    except ValueError:
+      continue
+    out = trial
+    break
+  for w in WIDTHS:
+    if derived is None or getattr(derived, w) != getattr(cfg, w):
+      out[f"unmatched.{w}"] = getattr(cfg, w)
   return out
 
 

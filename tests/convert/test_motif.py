@@ -391,6 +391,7 @@ def test_unsupported_motif_configs_are_one_error_line_naming_the_field(
 
 
 @needs_gda
+@pytest.mark.slow  # one training run (about 30 s on 2 cores, mostly compiling)
 def test_train_py_continues_an_imported_motif_checkpoint(tmp_path, capsys):
   from diffjax.model.matching import resolve_model  # pylint: disable=import-outside-toplevel
   from diffjax.presets import base_config  # pylint: disable=import-outside-toplevel
