@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from diffjax.convert import motif
 from diffjax.convert.files import ConversionError, read_config, read_tensors, write_checkpoint
 from diffjax.convert.hf_config import (
   DEFAULT_MAX_POSITIONS,
@@ -38,6 +39,9 @@ _KEPT_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_e
 def read_hf(path: str, **runtime: Any) -> tuple[ModelConfig, dict, dict]:
   """``(model_config, params, hf_config)`` of a checkpoint directory; params as numpy."""
   hf_config = read_config(path)
+  if motif.is_motif(hf_config):
+    cfg = motif.model_config_from_hf(hf_config, **runtime)
+    return cfg, motif.params_from_hf(cfg, read_tensors(path)), hf_config
   cfg = model_config_from_hf(hf_config, **runtime)
   params = params_from_hf(cfg, read_tensors(path))
   return cfg, params, hf_config
@@ -82,7 +86,8 @@ def _lookup(tree: Mapping[str, Any], path) -> Any:
 
 
 def load_hf(path: str, **runtime: Any) -> DecoderLM:
-  """Imports a local ``LlamaForCausalLM`` / ``DiffLlamaForCausalLM`` checkpoint directory.
+  """Imports a local ``LlamaForCausalLM`` / ``DiffLlamaForCausalLM`` / ``MotifForCausalLM``
+  checkpoint directory.
 
   Args:
     path: a directory with ``config.json`` and ``model.safetensors`` or sharded
@@ -92,7 +97,8 @@ def load_hf(path: str, **runtime: Any) -> DecoderLM:
 
   Returns:
     A :class:`DecoderLM` (``attention="transformer"`` for Llama, ``"diff_v1"`` for
-    DiffLlama, ``rope_style="half"``) whose float32 logits equal transformers'.
+    DiffLlama, ``"gda_v1"`` with a PolyNorm MLP for Motif-2, ``rope_style="half"``) whose
+    float32 logits equal the source's.
   """
   cfg, params, _ = read_hf(path, **runtime)
   return build_model(cfg, params)
@@ -117,7 +123,8 @@ def save_hf(
   pad_token_id: int | None = None,
   max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
 ) -> list[str]:
-  """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint.
+  """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint, or a
+  model with a PolyNorm MLP (``gda_v1``, imported from Motif-2) as a Motif checkpoint.
 
   Writes ``config.json`` and ``model.safetensors`` (or shards of at most
   ``max_shard_size`` with ``model.safetensors.index.json``) into ``path``, which must not
@@ -127,6 +134,17 @@ def save_hf(
   if dtype not in _EXPORT_DTYPES:
     raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
   cfg = model.config
+  if motif.is_motif_model(cfg):
+    hf_config = motif.hf_config_from_model(
+      cfg,
+      dtype=dtype,
+      bos_token_id=bos_token_id,
+      eos_token_id=eos_token_id,
+      pad_token_id=pad_token_id,
+      max_position_embeddings=max_position_embeddings,
+    )
+    tensors = motif.hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
+    return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size)
   hf_config = hf_config_from_model(
     cfg,
     dtype=dtype,
@@ -149,6 +167,7 @@ def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
   check_new_workdir(workdir)
   cfg, params, hf_config = read_hf(path)
   model = build_model(cfg, params)  # checks every shape against the config
+  del params  # the model holds its own copy; a large checkpoint needs the memory back
   write_workdir(
     workdir,
     model,

@@ -6,11 +6,12 @@
     python -m diffjax.convert retrofit --source=runs/transformer --workdir=runs/retro_v2
         [--arm=diff_v2|diff_v1] [--step=N]
 
-`import` reads a LlamaForCausalLM (-> the Transformer arm) or DiffLlamaForCausalLM (-> DIFF
-V1) directory holding config.json and *.safetensors (one file, or shards with their index)
-and writes a workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read.
-`export` writes the latest (or --step) checkpoint of a Transformer or DIFF V1 workdir as a
-directory transformers' `from_pretrained` loads. `retrofit` turns a Transformer (a workdir of
+`import` reads a LlamaForCausalLM (-> the Transformer arm), DiffLlamaForCausalLM (-> DIFF
+V1) or MotifForCausalLM (Motif-2 -> gda_v1 with a PolyNorm MLP, docs/motif.md) directory
+holding config.json and *.safetensors (one file, or shards with their index) and writes a
+workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `export` writes the
+latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdir as a
+directory in the source's layout (transformers' `from_pretrained` loads the first two). `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
 function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
 continue it with `train.py --config.checkpoint.init_from=<workdir>`. A problem with the input
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 from diffjax import arms
 from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
+from diffjax.convert import motif
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
 from diffjax.convert.retrofit import retrofit
@@ -39,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
   )
   sub = p.add_subparsers(dest="command", required=True)
   imp = sub.add_parser("import", help="HF checkpoint directory -> new diffjax workdir")
-  imp.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+  imp.add_argument(
+    "--hf",
+    required=True,
+    help="directory with config.json and *.safetensors (Llama, DiffLlama or Motif-2)",
+  )
   imp.add_argument("--workdir", required=True, help="new diffjax run directory")
   exp = sub.add_parser("export", help="diffjax workdir -> new HF checkpoint directory")
   exp.add_argument("--workdir", required=True, help="diffjax run directory with checkpoints/")
@@ -117,6 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Imported {args.hf} as attention={cfg.attention!r} ({cfg.num_layers} layers, "
         f"d_model {cfg.d_model}) into {args.workdir}"
       )
+      if motif.is_motif_model(cfg):
+        print(
+          f"Continue it with train.py {motif.train_flags(cfg)} "
+          f"--config.checkpoint.init_from={args.workdir} (and the checkpoint's tokenizer.json "
+          "as --config.data.tokenizer)"
+        )
     else:
       export = {
         k: getattr(args, k)

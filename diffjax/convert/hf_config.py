@@ -49,7 +49,8 @@ def architecture(hf: Mapping[str, Any]) -> str:
   if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in arm_of():
     raise ConversionError(
       f"config.json: architectures={archs!r} cannot be imported; diffjax reads "
-      f"{sorted(arm_of())} (into attention={sorted(arm_of().values())})."
+      f"{sorted(arm_of())} (into attention={sorted(arm_of().values())}) and "
+      "MotifForCausalLM (docs/motif.md)."
     )
   return archs[0]
 
@@ -271,6 +272,10 @@ def hf_config_from_model(
 def check_exportable(cfg: ModelConfig) -> None:
   """Raises :class:`ConversionError` naming the first setting no transformers class has."""
   arch = architecture_of(cfg)
+  if cfg.mlp_activation != "swiglu":
+    raise ConversionError(
+      f"mlp_activation={cfg.mlp_activation!r} cannot be exported as {arch}: its MLP is SwiGLU."
+    )
   if arch == LLAMA and cfg.d_model % cfg.num_heads:
     raise ConversionError(
       f"d_model={cfg.d_model} is not a multiple of num_heads="

@@ -20,6 +20,8 @@ ROPE_STYLES = ("interleaved", "half")
 # What computes attention (diffjax.ops.dispatch): "auto" picks per platform and input.
 IMPLEMENTATIONS = ("auto", "xla", "xla_cpu", "pallas", "pallas_tpu", "pallas_gpu", "stock")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# The MLP's gate activation: LLaMA's silu, or Motif's PolyNorm (3 weights and a bias per layer).
+MLP_ACTIVATIONS = ("swiglu", "polynorm")
 # float64 needs 64-bit JAX (jax_enable_x64); it then runs end to end in float64.
 DTYPES = {
   "float32": jnp.float32,
@@ -56,6 +58,7 @@ class ModelConfig:
   norm_eps: float = 1e-5
   diff_norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  mlp_activation: str = "swiglu"  # one of MLP_ACTIVATIONS
   init_std: float = 0.02
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -109,6 +112,7 @@ class ModelConfig:
       _one_of(name, getattr(self, name), tuple(DTYPES))
       check_float64_enabled(name, DTYPES[getattr(self, name)])
     _one_of("remat", self.remat, REMAT_POLICIES)
+    _one_of("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
     _one_of("v2_pairing", self.v2_pairing, V2_PAIRINGS)
     _one_of("v2_lambda", self.v2_lambda, V2_LAMBDAS)
     for name in ("gda_ratio", "diff_lambda_init_offset"):

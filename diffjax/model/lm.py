@@ -15,7 +15,7 @@ from diffjax.nn.layers import (
   Embed,
   Hooks,
   RMSNorm,
-  SwiGLU,
+  make_mlp,
   make_param,
   matmul,
   normal_init,
@@ -52,8 +52,13 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=cfg.weight_dtype)
     self.attn = make_attention(cfg, layer_index, rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, param_dtype=cfg.weight_dtype)
-    self.mlp = SwiGLU(
-      cfg.d_model, cfg.mlp_dim, init_std=cfg.init_std, rngs=rngs, param_dtype=cfg.weight_dtype
+    self.mlp = make_mlp(
+      cfg.mlp_activation,
+      cfg.d_model,
+      cfg.mlp_dim,
+      init_std=cfg.init_std,
+      rngs=rngs,
+      param_dtype=cfg.weight_dtype,
     )
     self.dtype = cfg.compute_dtype
     self.ramp = arms.get(cfg.attention).ramp

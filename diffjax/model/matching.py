@@ -49,7 +49,9 @@ def attention_params(cfg: ModelConfig) -> int:
 def count_params(cfg: ModelConfig) -> int:
   """Total parameters of the LM, computed from the config (no model is built)."""
   e = cfg.d_model
-  per_layer = attention_params(cfg) + 3 * e * cfg.mlp_dim + 2 * e
+  # PolyNorm's 3 weights and bias per layer (mlp_activation="polynorm").
+  poly = 4 if cfg.mlp_activation == "polynorm" else 0
+  per_layer = attention_params(cfg) + 3 * e * cfg.mlp_dim + 2 * e + poly
   head = 0 if cfg.tie_embeddings else e * cfg.vocab_size
   return cfg.vocab_size * e + cfg.num_layers * per_layer + e + head
 

@@ -1,7 +1,7 @@
-"""Flax NNX modules: attention (baseline, DIFF V1, DIFF V2), RoPE, norms, MLP."""
+"""Flax NNX modules: attention (baseline, DIFF V1, DIFF V2), RoPE, norms, MLPs."""
 
 from diffjax.nn.attention import Attention, AttentionOptions, DiffV1Attention, DiffV2Attention
-from diffjax.nn.layers import Embed, Hooks, RMSNorm, SwiGLU
+from diffjax.nn.layers import Embed, Hooks, PolyNormGLU, RMSNorm, SwiGLU, poly_norm
 from diffjax.nn.rope import apply_rope
 from diffjax.sharding import activation_sharding, constrain, logical_to_spec
 
@@ -12,10 +12,12 @@ __all__ = [
   "DiffV2Attention",
   "Embed",
   "Hooks",
+  "PolyNormGLU",
   "RMSNorm",
   "SwiGLU",
   "activation_sharding",
   "constrain",
   "logical_to_spec",
   "apply_rope",
+  "poly_norm",
 ]

@@ -1,4 +1,5 @@
-"""Basic Flax NNX layers shared by every arm: projections, RMSNorm, SwiGLU, embedding.
+"""Basic Flax NNX layers shared by every arm: projections, RMSNorm, the MLPs (SwiGLU and
+Motif's PolyNorm-gated MLP), embedding.
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``kv_heads``,
 ``head_dim``, ``mlp``, ``vocab``, ``norm``); :mod:`diffjax.sharding` maps them to
@@ -248,3 +249,72 @@ class SwiGLU(nnx.Module):
     up_BxTxF = project(x_BxTxE, self.w_up, "bte,ef->btf", dtype, hooks)
     h_BxTxF = (jax.nn.silu(gate_BxTxF.astype(acc)) * up_BxTxF.astype(acc)).astype(dtype)
     return project(h_BxTxF, self.w_down, "btf,fe->bte", dtype, hooks)
+
+
+# Motif's PolyNorm epsilon (a constant of the activation, not a config field there either).
+POLYNORM_EPS = 1e-6
+
+
+def poly_norm(x, weight_3, bias_1, eps: float = POLYNORM_EPS) -> jax.Array:
+  """PolyNorm (arXiv 2411.03884): ``w0 n(x^3) + w1 n(x^2) + w2 n(x) + b``.
+
+  ``n(y) = y / sqrt(mean(y^2) + eps)`` over the last axis. Computed in float32 (float64 for
+  float64 ``x``) and returned in that dtype: the caller casts once, after the gate product.
+  """
+  acc = accumulation_dtype(x.dtype)
+  x = x.astype(acc)
+  w, b = weight_3.astype(acc), bias_1.astype(acc)
+
+  def n(y):
+    return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+
+  x2 = x * x
+  return w[0] * n(x2 * x) + w[1] * n(x2) + w[2] * n(x) + b[0]
+
+
+class PolyNormGLU(nnx.Module):
+  """Motif's MLP: down(PolyNorm(x W_gate) * (x W_up)), no biases in the projections.
+
+  The projections are SwiGLU's (same names, shapes and init); PolyNorm adds ``poly_weight``
+  [3] (initialised to 1/3 each) and ``poly_bias`` [1] (0), float32 like the norm gains.
+  """
+
+  def __init__(
+    self,
+    dim: int,
+    hidden: int,
+    *,
+    init_std: float,
+    rngs: nnx.Rngs,
+    param_dtype=jnp.float32,
+    eps: float = POLYNORM_EPS,
+  ):
+    init = normal_init(init_std)
+    self.w_gate = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+    self.w_up = make_param(rngs, init, (dim, hidden), ("embed", "mlp"), param_dtype)
+    self.w_down = make_param(rngs, init, (hidden, dim), ("mlp", "embed"), param_dtype)
+    vec = accumulation_dtype(param_dtype)
+    self.poly_weight = make_param(
+      rngs, nnx.initializers.constant(1.0 / 3.0), (3,), (VECTOR_AXIS,), vec
+    )
+    self.poly_bias = make_param(rngs, nnx.initializers.zeros, (1,), (VECTOR_AXIS,), vec)
+    self.eps = eps
+
+  @jax.named_scope("mlp")
+  def __call__(self, x_BxTxE, dtype, hooks: Hooks = NO_HOOKS):
+    acc = accumulation_dtype(dtype)
+    gate_BxTxF = project(x_BxTxE, self.w_gate, "bte,ef->btf", dtype, hooks)
+    up_BxTxF = project(x_BxTxE, self.w_up, "bte,ef->btf", dtype, hooks)
+    act_BxTxF = poly_norm(gate_BxTxF, self.poly_weight[...], self.poly_bias[...], self.eps)
+    h_BxTxF = (act_BxTxF.astype(acc) * up_BxTxF.astype(acc)).astype(dtype)
+    return project(h_BxTxF, self.w_down, "btf,fe->bte", dtype, hooks)
+
+
+def make_mlp(
+  activation: str, dim: int, hidden: int, *, init_std: float, rngs: nnx.Rngs, param_dtype
+) -> nnx.Module:
+  """The MLP named by ``ModelConfig.mlp_activation``: ``"swiglu"`` or ``"polynorm"``."""
+  cls = {"swiglu": SwiGLU, "polynorm": PolyNormGLU}.get(activation)
+  if cls is None:
+    raise ValueError(f"mlp_activation={activation!r} is not one of ('swiglu', 'polynorm').")
+  return cls(dim, hidden, init_std=init_std, rngs=rngs, param_dtype=param_dtype)

@@ -118,6 +118,7 @@ SHAPE_FIELDS = (
   "num_kv_heads",
   "head_dim",
   "mlp_dim",
+  "mlp_activation",
   "tie_embeddings",
 )
 

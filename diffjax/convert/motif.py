@@ -1,0 +1,510 @@
+"""Motif-2 checkpoints (``MotifForCausalLM``: Motif-2.6B, Motif-2-12.7B) <-> the ``gda_v1`` arm.
+
+Motif-2 is a LLaMA-style decoder with grouped differential attention and a PolyNorm-gated MLP.
+Its layout is diffjax's up to transposes and reshapes, so both directions are exact:
+
+- ``q_proj`` rows are ``num_noise_heads`` groups of r signal heads followed by their noise head
+  (``num_attention_heads`` = signal + noise heads): diffjax's q ``[E, Hn, r + 1, d]``;
+- ``k_proj`` / ``v_proj`` rows are kv heads 2g + s, component s of diff kv group g: diffjax's
+  k ``[E, K, 2, d]`` and v ``[E, K, 2d]`` (the two value components side by side);
+- ``o_proj`` reads the signal heads' 2d-wide outputs in order: o ``[Hs, 2d, E]``;
+- ``subln.weight`` is the per-head norm's gain, ``mlp.act_fn.{weight,bias}`` PolyNorm's.
+
+lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)) (``diff_lambda_init_offset=-1``), RoPE rotates
+halves. Sources of each convention and the memory a real checkpoint needs: docs/motif.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from diffjax.convert.files import ConversionError
+from diffjax.convert.hf_config import (
+  RUNTIME_FIELDS,
+  _positive_float,
+  _positive_int,
+  _refuse_true,
+  _rope_theta,
+)
+from diffjax.model import ModelConfig
+from diffjax.model.sizes import WIDTHS
+
+MOTIF = "MotifForCausalLM"
+MODEL_TYPE = "motif"
+ARM = "gda_v1"
+# Motif counts layers from 1 in lambda_init: 0.8 - 0.6 exp(-0.3 (l - 1)) for 0-based l.
+LAMBDA_INIT_OFFSET = -1
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+# Defaults of the keys a Motif config.json may leave out (those of the Motif loaders).
+DEFAULT_RMS_EPS = 1e-6
+DEFAULT_ATTN_RMS_EPS = 1e-5
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_MAX_POSITIONS = 8192
+
+Params = dict[str, Any]
+
+
+def is_motif(hf: Mapping[str, Any]) -> bool:
+  """Whether a config.json describes a Motif checkpoint (by class or ``model_type``)."""
+  archs = hf.get("architectures")
+  if isinstance(archs, list) and archs:
+    return MOTIF in archs
+  return hf.get("model_type") == MODEL_TYPE
+
+
+def is_motif_model(cfg: ModelConfig) -> bool:
+  """Whether a model exports as Motif: the only checkpoints with a PolyNorm MLP."""
+  return cfg.mlp_activation == "polynorm"
+
+
+# ------------------------------------------------------------------------------- config
+
+
+def _heads(hf: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+  """(signal heads Hs, noise heads Hn, ratio r, diff kv groups K, head dim d) of a config."""
+  hidden = _positive_int(hf, "hidden_size")
+  heads = _positive_int(hf, "num_attention_heads")
+  kv_heads = _positive_int(hf, "num_key_value_heads", heads)
+  if hf.get("num_noise_heads") is None and heads % 2:
+    raise ConversionError(
+      f"config.json: num_attention_heads={heads} is odd and num_noise_heads is not given "
+      "(it defaults to half the heads)."
+    )
+  noise = _positive_int(hf, "num_noise_heads", heads // 2)
+  if heads % noise or heads == noise:
+    raise ConversionError(
+      f"config.json: num_attention_heads={heads} must be a multiple of num_noise_heads="
+      f"{noise} and larger: the heads form {noise} groups of r signal heads and a noise head."
+    )
+  if kv_heads % 2:
+    raise ConversionError(
+      f"config.json: num_key_value_heads={kv_heads} must be even: kv heads 2g and 2g + 1 "
+      "are the two components of kv group g."
+    )
+  groups = kv_heads // 2
+  if noise % groups:
+    raise ConversionError(
+      f"config.json: num_noise_heads={noise} must be a multiple of num_key_value_heads / 2 = "
+      f"{groups}, so that each group of heads reads one kv group."
+    )
+  if hf.get("head_dim") is None and hidden % heads:
+    raise ConversionError(
+      f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+      "and no head_dim is given."
+    )
+  head_dim = _positive_int(hf, "head_dim", hidden // heads)
+  signal = heads - noise
+  return signal, noise, signal // noise, groups, head_dim
+
+
+def _refuse_unmodelled(hf: Mapping[str, Any]) -> None:
+  """Refuses the Motif settings diffjax does not compute, naming the field."""
+  if "quantization_config" in hf:
+    raise ConversionError(
+      "config.json: quantization_config is set; diffjax imports only unquantized float weights."
+    )
+  act = hf.get("hidden_act", "poly_norm")
+  if act != "poly_norm":
+    raise ConversionError(
+      f"config.json: hidden_act={act!r} cannot be imported: Motif's MLP is PolyNorm-gated "
+      "(hidden_act='poly_norm')."
+    )
+  for key in ("attention_bias", "use_bias", "qkv_bias", "mlp_bias"):
+    _refuse_true(hf, key, "diffjax's projections have no bias")
+  # A window is inert only where use_sliding_window says false (Qwen2-style configs).
+  use_window = hf.get("use_sliding_window")
+  if use_window or (use_window is None and hf.get("sliding_window") is not None):
+    raise ConversionError(
+      f"config.json: sliding_window={hf.get('sliding_window')!r} (use_sliding_window="
+      f"{hf.get('use_sliding_window')!r}) cannot be imported: diffjax attends to every "
+      "earlier token."
+    )
+  scaling = hf.get("rope_scaling")
+  if scaling is not None:
+    raise ConversionError(
+      f"config.json: rope_scaling={scaling!r} cannot be imported: diffjax implements only "
+      "the default (unscaled) RoPE."
+    )
+  k_ratio = hf.get("k_ratio", 1)
+  if k_ratio not in (1, None):
+    raise ConversionError(
+      f"config.json: k_ratio={k_ratio!r} cannot be imported: diffjax reads kv heads in pairs "
+      "(k_ratio=1)."
+    )
+  if hf.get("is_causal", True) is False:
+    raise ConversionError("config.json: is_causal=false cannot be imported: diffjax is causal.")
+  dropout = hf.get("attention_dropout", 0.0)
+  if dropout not in (0, 0.0, None):
+    raise ConversionError(
+      f"config.json: attention_dropout={dropout!r} cannot be imported exactly: diffjax has no "
+      "attention dropout."
+    )
+
+
+def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
+  """The diffjax config (arm ``gda_v1``) of a Motif-2 config.json.
+
+  ``runtime`` sets fields that leave the parameters unchanged (``RUNTIME_FIELDS``). Raises
+  :class:`ConversionError` naming the first field that cannot be mapped exactly.
+  """
+  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+  if bad:
+    raise ConversionError(
+      f"{bad[0]}= would change the imported parameters; only {list(RUNTIME_FIELDS)} may be "
+      "set when importing."
+    )
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+    if key not in hf:
+      raise ConversionError(f"config.json has no {key!r}, which {MOTIF} needs.")
+  if "num_attention_heads" not in hf:
+    raise ConversionError(f"config.json has no 'num_attention_heads', which {MOTIF} needs.")
+  _refuse_unmodelled(hf)
+  signal, _, ratio, groups, head_dim = _heads(hf)
+  tie = hf.get("tie_word_embeddings", False)
+  if not isinstance(tie, bool):
+    raise ConversionError(f"config.json: tie_word_embeddings={tie!r} must be true or false.")
+  init_std = hf.get("initializer_range", 0.02)
+  fields = dict(
+    attention=ARM,
+    vocab_size=_positive_int(hf, "vocab_size"),
+    d_model=_positive_int(hf, "hidden_size"),
+    num_layers=_positive_int(hf, "num_hidden_layers"),
+    num_heads=signal,
+    num_kv_heads=groups,
+    head_dim=head_dim,
+    mlp_dim=_positive_int(hf, "intermediate_size"),
+    gda_ratio=ratio,
+    diff_lambda_init_offset=LAMBDA_INIT_OFFSET,
+    mlp_activation="polynorm",
+    rope_theta=_rope_theta({"rope_theta": hf.get("rope_theta", DEFAULT_ROPE_THETA)}),
+    rope_style="half",
+    norm_eps=_positive_float(hf, "rms_norm_eps", DEFAULT_RMS_EPS),
+    diff_norm_eps=_positive_float(hf, "attn_rms_norm_eps", DEFAULT_ATTN_RMS_EPS),
+    tie_embeddings=tie,
+    init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02,
+  )
+  try:
+    return ModelConfig(**fields, **runtime)
+  except (TypeError, ValueError) as e:
+    raise ConversionError(f"config.json maps to an invalid diffjax config: {e}") from e
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+  """Raises :class:`ConversionError` naming the first setting Motif's model does not have."""
+  if cfg.attention != ARM:
+    raise ConversionError(
+      f"attention={cfg.attention!r} with mlp_activation='polynorm' cannot be exported: Motif "
+      f"checkpoints hold attention={ARM!r}."
+    )
+  offset = getattr(cfg, "diff_lambda_init_offset", 0)
+  if offset != LAMBDA_INIT_OFFSET:
+    raise ConversionError(
+      f"diff_lambda_init_offset={offset} cannot be exported: Motif's lambda_init is "
+      f"0.8 - 0.6 exp(-0.3 (l - 1)) (offset {LAMBDA_INIT_OFFSET})."
+    )
+  if not cfg.diff_use_norm:
+    raise ConversionError(
+      "diff_use_norm=False cannot be exported: Motif always applies the per-head norm."
+    )
+  if cfg.diff_fixed_lambda is not None:
+    raise ConversionError(
+      f"diff_fixed_lambda={cfg.diff_fixed_lambda} cannot be exported: Motif learns lambda."
+    )
+
+
+def hf_config_from_model(
+  cfg: ModelConfig,
+  *,
+  dtype: str = "float32",
+  bos_token_id: int | None = None,
+  eos_token_id: int | None = None,
+  pad_token_id: int | None = None,
+  max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+) -> dict[str, Any]:
+  """The config.json of a Motif checkpoint of ``cfg`` (the keys the Motif loaders read).
+
+  ``num_noise_heads`` is written only for grouped models (r > 1): without it the loaders
+  take half the heads, which is the balanced (Motif-2.6B) layout.
+  """
+  check_exportable(cfg)
+  ratio = cfg.gda_ratio
+  noise = cfg.num_heads // ratio
+  out: dict[str, Any] = {
+    "architectures": [MOTIF],
+    "attention_dropout": 0.0,
+    "attn_rms_norm_eps": cfg.diff_norm_eps,
+    "bos_token_id": bos_token_id,
+    "eos_token_id": eos_token_id,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "poly_norm",
+    "hidden_size": cfg.d_model,
+    "initializer_range": cfg.init_std,
+    "intermediate_size": cfg.mlp_dim,
+    "max_position_embeddings": max_position_embeddings,
+    "model_type": MODEL_TYPE,
+    "num_attention_heads": cfg.num_heads + noise,
+    "num_hidden_layers": cfg.num_layers,
+    "num_key_value_heads": 2 * cfg.num_kv_heads,
+    "pad_token_id": pad_token_id,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_scaling": None,
+    "rope_theta": float(cfg.rope_theta),
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "torch_dtype": dtype,
+    "use_bias": False,
+    "use_cache": True,
+    "vocab_size": cfg.vocab_size,
+  }
+  if ratio > 1:
+    out["num_noise_heads"] = noise
+  return out
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+def _layer(i: int, name: str) -> str:
+  return f"model.layers.{i}.{name}"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """The tensor names and shapes of the Motif checkpoint of ``cfg``."""
+  e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  signal = cfg.num_heads
+  heads = signal + signal // cfg.gda_ratio
+  kv_heads = 2 * cfg.num_kv_heads
+  shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = (v, e)
+  for i in range(cfg.num_layers):
+    shapes.update(
+      {
+        _layer(i, "input_layernorm.weight"): (e,),
+        _layer(i, "post_attention_layernorm.weight"): (e,),
+        _layer(i, "self_attn.q_proj.weight"): (heads * d, e),
+        _layer(i, "self_attn.k_proj.weight"): (kv_heads * d, e),
+        _layer(i, "self_attn.v_proj.weight"): (kv_heads * d, e),
+        _layer(i, "self_attn.o_proj.weight"): (e, 2 * signal * d),
+        _layer(i, "self_attn.subln.weight"): (2 * d,),
+        _layer(i, "mlp.gate_proj.weight"): (f, e),
+        _layer(i, "mlp.up_proj.weight"): (f, e),
+        _layer(i, "mlp.down_proj.weight"): (e, f),
+        _layer(i, "mlp.act_fn.weight"): (3,),
+        _layer(i, "mlp.act_fn.bias"): (1,),
+      }
+    )
+    for lam in LAMBDAS:
+      shapes[_layer(i, f"self_attn.{lam}")] = (d,)
+  return shapes
+
+
+def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
+  """Raises :class:`ConversionError` for a missing, unexpected or misshapen tensor."""
+  want = expected_shapes(cfg)
+  missing = sorted(set(want) - set(tensors))
+  if missing:
+    raise ConversionError(
+      f"The checkpoint has no tensor {missing[0]!r} ({len(missing)} missing in all), which "
+      "config.json implies."
+    )
+
+  def ignorable(name: str) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+      return True
+    if name == "lm_head.weight" and cfg.tie_embeddings:
+      return np.array_equal(tensors[name], tensors["model.embed_tokens.weight"])
+    return False
+
+  extra = sorted(n for n in set(tensors) - set(want) if not ignorable(n))
+  if extra:
+    raise ConversionError(
+      f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), which diffjax "
+      "has no parameter for (a bias or another layer type)."
+    )
+  for name, shape in want.items():
+    got = tuple(tensors[name].shape)
+    if got != shape:
+      raise ConversionError(
+        f"Tensor {name!r} has shape {list(got)}, but config.json implies {list(shape)}: the "
+        "weights do not belong to this config."
+      )
+    if tensors[name].dtype.kind != "f" and tensors[name].dtype.name != "bfloat16":
+      raise ConversionError(
+        f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax imports float weights only."
+      )
+
+
+def _f32(x) -> np.ndarray:
+  return np.asarray(x, dtype=np.float32)
+
+
+def _rope_rows(cfg: ModelConfig) -> np.ndarray:
+  """Row order within a head that turns diffjax's RoPE layout into Motif's (halves)."""
+  d = cfg.head_dim
+  if cfg.rope_style == "half":
+    return np.arange(d)
+  return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Params:
+  """diffjax parameters (float32 numpy, the DecoderLM state's pure-dict layout) of Motif
+  tensors; checks names and shapes first. ``cfg`` comes from :func:`model_config_from_hf`."""
+  check_tensors(cfg, tensors)
+  if cfg.rope_style != "half":
+    raise ConversionError(
+      f"rope_style={cfg.rope_style!r}: Motif checkpoints rotate halves; build the config "
+      "with model_config_from_hf."
+    )
+  e, d = cfg.d_model, cfg.head_dim
+  signal, groups = cfg.num_heads, cfg.num_kv_heads
+  ratio = cfg.gda_ratio
+
+  def w(i: int, name: str) -> np.ndarray:
+    return _f32(tensors[_layer(i, name)])
+
+  def c(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x)
+
+  blocks = {}
+  for i in range(cfg.num_layers):
+    attn = {
+      # Rows: groups of r signal heads then their noise head; kv heads 2g + s.
+      "q": c(w(i, "self_attn.q_proj.weight").T.reshape(e, signal // ratio, ratio + 1, d)),
+      "k": c(w(i, "self_attn.k_proj.weight").T.reshape(e, groups, 2, d)),
+      "v": c(w(i, "self_attn.v_proj.weight").T.reshape(e, groups, 2 * d)),
+      "o": c(w(i, "self_attn.o_proj.weight").T.reshape(signal, 2 * d, e)),
+      "norm_scale": w(i, "self_attn.subln.weight"),
+    }
+    for lam in LAMBDAS:
+      attn[lam] = w(i, f"self_attn.{lam}")
+    blocks[i] = {
+      "attn": attn,
+      "attn_norm": {"scale": w(i, "input_layernorm.weight")},
+      "mlp": {
+        "w_gate": c(w(i, "mlp.gate_proj.weight").T),
+        "w_up": c(w(i, "mlp.up_proj.weight").T),
+        "w_down": c(w(i, "mlp.down_proj.weight").T),
+        "poly_weight": w(i, "mlp.act_fn.weight"),
+        "poly_bias": w(i, "mlp.act_fn.bias"),
+      },
+      "mlp_norm": {"scale": w(i, "post_attention_layernorm.weight")},
+    }
+  params: Params = {
+    "blocks": blocks,
+    "embed": {"embedding": _f32(tensors["model.embed_tokens.weight"])},
+    "final_norm": {"scale": _f32(tensors["model.norm.weight"])},
+  }
+  if not cfg.tie_embeddings:
+    params["lm_head"] = c(_f32(tensors["lm_head.weight"]).T)
+  return params
+
+
+def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32) -> dict:
+  """Motif tensors (``dtype``, contiguous) of diffjax parameters (the DecoderLM state as a
+  pure dict, per-layer ``blocks``). An interleaved-RoPE model's q/k rows are reordered to
+  halves within each head, which keeps every q.k."""
+  check_exportable(cfg)
+  e = cfg.d_model
+  rows = _rope_rows(cfg)
+  out: dict[str, np.ndarray] = {
+    "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
+    "model.norm.weight": _f32(params["final_norm"]["scale"]),
+  }
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = _f32(params["lm_head"]).T
+  for i in range(cfg.num_layers):
+    blk = params["blocks"][i]
+    a = {name: _f32(x) for name, x in blk["attn"].items()}
+    m = {name: _f32(x) for name, x in blk["mlp"].items()}
+    out.update(
+      {
+        _layer(i, "self_attn.q_proj.weight"): a["q"][..., rows].reshape(e, -1).T,
+        _layer(i, "self_attn.k_proj.weight"): a["k"][..., rows].reshape(e, -1).T,
+        _layer(i, "self_attn.v_proj.weight"): a["v"].reshape(e, -1).T,
+        _layer(i, "self_attn.o_proj.weight"): a["o"].reshape(-1, e).T,
+        _layer(i, "self_attn.subln.weight"): a["norm_scale"],
+        _layer(i, "input_layernorm.weight"): _f32(blk["attn_norm"]["scale"]),
+        _layer(i, "post_attention_layernorm.weight"): _f32(blk["mlp_norm"]["scale"]),
+        _layer(i, "mlp.gate_proj.weight"): m["w_gate"].T,
+        _layer(i, "mlp.up_proj.weight"): m["w_up"].T,
+        _layer(i, "mlp.down_proj.weight"): m["w_down"].T,
+        _layer(i, "mlp.act_fn.weight"): m["poly_weight"],
+        _layer(i, "mlp.act_fn.bias"): m["poly_bias"],
+      }
+    )
+    for lam in LAMBDAS:
+      out[_layer(i, f"self_attn.{lam}")] = a[lam]
+  return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}
+
+
+# ------------------------------------------------------------------------------- sizes
+
+
+def parameter_count(hf: Mapping[str, Any]) -> int:
+  """Parameters of the Motif checkpoint a config.json describes (its tensors' sizes)."""
+  _refuse_unmodelled(hf)
+  signal, noise, _, groups, d = _heads(hf)
+  e = _positive_int(hf, "hidden_size")
+  f = _positive_int(hf, "intermediate_size")
+  v = _positive_int(hf, "vocab_size")
+  layers = _positive_int(hf, "num_hidden_layers")
+  attn = e * (signal + noise) * d + 2 * e * 2 * groups * d + 2 * signal * d * e + 6 * d
+  per_layer = attn + 3 * e * f + 4 + 2 * e
+  head = 0 if hf.get("tie_word_embeddings", False) else v * e
+  return v * e + layers * per_layer + e + head
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_overrides(cfg: ModelConfig) -> dict[str, Any]:
+  """The ``model`` section keys with which ``train.py`` builds ``cfg`` again (to continue an
+  imported checkpoint with ``checkpoint.init_from``); keys are relative to ``config.model``.
+
+  The baseline widths are the checkpoint's own counts (``num_attention_heads`` = signal +
+  noise heads, ``num_key_value_heads`` = 2 K), which the arm's matching "by heads" turns
+  into ``cfg``'s; a width it derives otherwise is set as the arm's own (``unmatched``). Every
+  other field that differs from its default is set as well.
+  """
+  from diffjax.model.matching import resolve_model  # pylint: disable=import-outside-toplevel
+
+  base: dict[str, Any] = {"arm": cfg.attention, "size": "custom", "v2_match": "heads"}
+  for w in WIDTHS:
+    base[w] = getattr(cfg, w)
+  defaults = ModelConfig()
+  for f in dataclasses.fields(ModelConfig):
+    if f.name in ("attention", *WIDTHS, *RUNTIME_FIELDS):
+      continue
+    value = getattr(cfg, f.name)
+    if f.name == "vocab_size" or value != getattr(defaults, f.name):
+      base[f.name] = value
+  # Baseline head counts to try: Motif's own (which "heads" matching inverts), then the same
+  # query heads with fewer kv heads where a Transformer cannot have Motif's (40 and 16).
+  candidates = [(cfg.num_heads, cfg.num_kv_heads)]
+  if cfg.attention == ARM:
+    heads = cfg.num_heads + cfg.num_heads // cfg.gda_ratio
+    kv = [2 * cfg.num_kv_heads] + [k for k in range(heads, 1, -1) if heads % k == 0 and k % 2 == 0]
+    candidates = [(heads, k) for k in kv] + candidates
+  out = dict(base)
+  derived = None
+  for heads, kv_heads in candidates:
+    trial = {**base, "num_heads": heads, "num_kv_heads": kv_heads}
+    try:
+      derived = resolve_model(trial).config
+    except ValueError:
+      continue
+    out = trial
+    break
+  for w in WIDTHS:
+    if derived is None or getattr(derived, w) != getattr(cfg, w):
+      out[f"unmatched.{w}"] = getattr(cfg, w)
+  return out
+
+
+def train_flags(cfg: ModelConfig) -> str:
+  """:func:`train_overrides` as ``train.py`` flags."""
+  return " ".join(f"--config.model.{k}={v}" for k, v in train_overrides(cfg).items())
