@@ -9,8 +9,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diffjax import arms
 from diffjax.cli import RenamedKey
-from diffjax.model import ARMS, ArmModel, resolve_model
+from diffjax.model import ArmModel, resolve_model
 from diffjax.train.config import RunConfig, check_config
 
 __all__ = [
@@ -39,7 +40,9 @@ RENAMED_KEYS = (
   RenamedKey(
     old="model.attention",
     new="model.arm",
-    text="a run's arm is {new}=<" + "|".join(ARMS) + ">, which derives the arm's widths from "
+    text="a run's arm is {new}=<"
+    + "|".join(arms.names())
+    + ">, which derives the arm's widths from "
     "the Transformer it is matched to.",
   ),
 )

@@ -77,7 +77,14 @@ def _example(spec, dtype=jnp.bfloat16, d=64, group=2):
 # What "auto" runs, per platform, for inputs no kernel refuses (bf16, widths the Mosaic GPU
 # kernels tile, a Hopper).
 AUTO = {
-  "cpu": {"mha": "xla_cpu", "diff_v1": "xla_cpu", "diff_v2": "xla_cpu", "diff_v1_decode": "xla"},
+  "cpu": {
+    "mha": "xla_cpu",
+    "diff_v1": "xla_cpu",
+    "diff_v2": "xla_cpu",
+    "gda_v1": "xla_cpu",
+    "gda_v2": "xla_cpu",
+    "diff_v1_decode": "xla",
+  },
   "tpu": {
     "mha": "stock",
     "diff_v1": "pallas_tpu",

@@ -184,4 +184,4 @@ def test_a_renamed_key_names_its_successor(capsys):
   assert _parse("--config=configs/tiny.py", "--config.model.attention=diff_v2") == 2
   line = capsys.readouterr().err.strip()
   assert line.startswith("error: unknown config key 'model.attention'")
-  assert "a run's arm is --config.model.arm=<transformer|diff_v1|diff_v2>" in line
+  assert "a run's arm is --config.model.arm=<transformer|diff_v1|diff_v2|gda_v1|gda_v2>" in line
