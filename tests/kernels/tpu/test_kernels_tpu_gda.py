@@ -8,6 +8,9 @@ test_kernels_tpu.py (``kernel_checks.TOL``). r: signal heads per noise head.
 
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ import pytest
 from kernel_checks import TOL, assert_like_inputs, check, normal, rel_err, value_and_vjp
 
 from diffjax import ops
+from diffjax.aot import without_persistent_cache
 from diffjax.core import op_specs
 from diffjax.kernels import tpu as kt
 from diffjax.ops import reference as ref
@@ -236,3 +240,42 @@ def test_decode_matches_reference(b, s, r, kh, nk, d, dv, block_kv, lens, dtype)
     block_sizes={"block_kv": block_kv},
   )  # fmt: skip
   np.testing.assert_array_equal(np.asarray(via_ops), np.asarray(got))
+
+
+def test_aot_compile_decode_motif_layer_reads_the_cache_in_place():
+  """gda_v1 decoding at a Motif-2-12.7B layer (32 signal, 8 noise heads, 8 kv groups,
+  d = 128, Dv = 256, a 4096-slot bfloat16 cache) compiles with Mosaic for v5p, and the
+  kernel reads the cache arrays as they are (no copy or transpose of a cache array)."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    topo = topologies.get_topology_desc("v5p:2x2x1", "tpu")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"no TPU compiler here (install jax[tpu] / libtpu): {e}")
+  device = topo.devices[0]
+  b, s, h, n, kh, d, dv = 8, 4096, 32, 8, 8, 128, 256
+  sds = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
+    shape, dt, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  args = (
+    sds((b, 1, h, d)),
+    sds((b, 1, n, d)),
+    sds((b, s, kh, d)),
+    sds((b, s, kh, d)),
+    sds((b, s, kh, dv)),
+    sds((h,), jnp.float32),
+    sds((b,), jnp.int32),
+  )
+  with jax.default_device(device), without_persistent_cache():
+    hlo = jax.jit(kt.gda_v1_decode_pallas_tpu).lower(*args).compile().as_text()
+  assert "diff_v1_decode" in hlo
+  cache = b * s * kh * d
+  copies = [
+    line.strip()[:200]
+    for line in hlo.splitlines()
+    if ("copy" in line or "transpose" in line)
+    and (m := re.search(r"= \(?\w+\[([\d,]+)\]", line))
+    and np.prod([int(x) for x in m.group(1).split(",")]) >= cache
+  ]
+  assert not copies, copies
