@@ -148,6 +148,29 @@ def test_r1_is_bitwise_the_diff_kernel(version):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("version,dq_chunk", [(1, None), (2, 64)])
+def test_no_races_in_interpreter_slow(version, dq_chunk):
+  """Two simulated cores take the parallel axis (batch x noise heads, batch x kv groups);
+  the race detector finds nothing, with one or several backward calls."""
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
+  params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+  pltpu.reset_tpu_interpret_mode_state()
+  blocks = kt.BlockSizes(
+    block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128, dq_chunk=dq_chunk
+  )
+  fn = kt.gda_v1_pallas_tpu if version == 1 else kt.gda_v2_pallas_tpu
+  b, t, r, kh, d = 2, 130, 2, 1, 8
+  args = _inputs(version, b, t, t, kh * 2 * r, kh * 2, kh, d, jnp.float32)
+  kern = lambda *a: fn(*a, causal=True, block_sizes=blocks, interpret=params)
+  ct = normal(jax.random.PRNGKey(7), (b, t, kh * 2 * r, 2 * d if version == 1 else d))
+  value_and_vjp(kern, args, ct)
+  assert ipc.races is not None, "the interpreter ran without race detection"
+  assert not ipc.races.races_found
+
+
 def _pallas_outputs(jaxpr) -> dict[str, list[tuple]]:
   """name -> output shapes of every pallas_call in ``jaxpr`` (nested jaxprs included)."""
   found = {}
