@@ -126,7 +126,7 @@ def test_gda_query_chunks_and_default_tiles_slow(version):
   _run(version, 384, 384, 4, 128, True, True, jnp.bfloat16, b=1, kh=1, blocks=None)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_r1_is_bitwise_the_diff_kernel(version):
   """r = 1 runs the DIFF kernel: the same bits, output and gradients."""
   b, t, h, kh, d = 1, 72, 2, 1, 16
@@ -199,9 +199,9 @@ def test_noise_map_once_per_group():
   assert bwd[-2:] == [(b, h, t, d), (b, n, t, d)]  # dq1, dq2
 
 
-def test_dispatch_rows_and_stock_paths():
-  """implementation="pallas_tpu" (interpreted) and the stock splash paths of both ops
-  equal the XLA reference through the ops API; a scalar lambda's gradient comes back."""
+def test_dispatch_rows_match_xla():
+  """implementation="pallas_tpu" (interpreted) of both ops equals the XLA reference through
+  the ops API; a scalar lambda's gradient comes back."""
   b, t, h, n, kh, d = 1, 136, 4, 2, 2, 16
   seg = jnp.stack([jnp.arange(t) // 60]).astype(jnp.int32)
   q1, q2, k1, k2, v, _ = _inputs(1, b, t, t, h, n, kh, d, jnp.float32)
@@ -219,7 +219,11 @@ def test_dispatch_rows_and_stock_paths():
   a = ops.gda_v2_attention(*x2, implementation="pallas_tpu", interpret=True, segment_ids=seg)
   want2 = ops.gda_v2_attention(*x2, implementation="xla", segment_ids=seg)
   assert rel_err(a, want2) <= TOL[jnp.float32]
-  # The stock rows (splash attention in its interpreter), forward and gradients.
+
+
+@pytest.mark.slow
+def test_stock_paths_match_reference_slow():
+  # Splash attention in its interpreter, forward and gradients.
   _run(1, 200, 200, 2, 16, True, True, jnp.float32, b=1, blocks=None, fn=kt.gda_v1_stock_tpu)
   _run(2, 200, 200, 3, 16, True, False, jnp.float32, b=1, blocks=None, fn=kt.gda_v2_stock_tpu)
 
@@ -235,7 +239,7 @@ def test_dispatch_rows_and_stock_paths():
     (3, 384, 2, 2, 1, 128, 256, 256, (0, 200, 384), jnp.float32),
     # Two noise heads per group and r = 3 (G = 6 query rows of map 1, 2 of map 2),
     # narrow widths (the "kds" views), one row in two splits.
-    (1, 512, 3, 2, 2, 32, 64, 128, (300,), jnp.float32),
+    _slow(1, 512, 3, 2, 2, 32, 64, 128, (300,), jnp.float32),
     _slow(2, 200, 4, 1, 1, 64, 128, 128, (1, 200), jnp.bfloat16),
   ],
 )
@@ -265,7 +269,8 @@ def test_decode_matches_reference(b, s, r, kh, nk, d, dv, block_kv, lens, dtype)
   np.testing.assert_array_equal(np.asarray(via_ops), np.asarray(got))
 
 
-def test_aot_compile_decode_motif_layer_reads_the_cache_in_place():
+@pytest.mark.slow
+def test_aot_compile_decode_motif_layer_reads_the_cache_in_place_slow():
   """gda_v1 decoding at a Motif-2-12.7B layer (32 signal, 8 noise heads, 8 kv groups,
   d = 128, Dv = 256, a 4096-slot bfloat16 cache) compiles with Mosaic for v5p, and the
   kernel reads the cache arrays as they are (no copy or transpose of a cache array)."""
