@@ -318,8 +318,9 @@ def _vmem_bytes(plan: _Plan, d: int, dv: int, itemsize: int) -> int:
   )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
-def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
+def _decode_maps(q1, q2, k1, k2, v, kv_len, *, scale, blocks, interpret):
+  """Both maps of every query head over the cache: [B, 2, K, G, Dv] float32 (map 0: q1
+  on K1, map 1: q2 on K2; q1, q2 [B, 1, H, D], head h in row h % G of group h // G)."""
   b, _, h, d = q1.shape
   s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
   g = h // kh
@@ -375,7 +376,15 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
     acc, m, l = acc.swapaxes(-1, -2), ml[..., 0, :], ml[..., 1, :]
   else:
     m, l = ml[..., 0], ml[..., 1]
-  o = _merge(acc, m, l).reshape(b, 2, kh, gp, dv)[:, :, :, :g]  # [B, 2, K, G, Dv]
+  return _merge(acc, m, l).reshape(b, 2, kh, gp, dv)[:, :, :, :g]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
+  b, _, h, _ = q1.shape
+  kh, dv = k1.shape[2], v.shape[3]
+  g = h // kh
+  o = _decode_maps(q1, q2, k1, k2, v, kv_len, scale=scale, blocks=blocks, interpret=interpret)
   lam_KxG = lam_H.astype(jnp.float32).reshape(kh, g)
   out = o[:, 0] - lam_KxG[None, :, :, None] * o[:, 1]
   return out.reshape(b, 1, h, dv).astype(q1.dtype)

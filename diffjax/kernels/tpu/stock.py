@@ -241,3 +241,104 @@ def _diff_v2_stock(q, k, v, lam, q_seg, kv_seg, *, causal, scale, block_sizes, i
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
   out_BxHxTxD = o_BxQxTxD[:, 0::2] - lam_BxHxT[..., None] * o_BxQxTxD[:, 1::2]
   return heads_first(out_BxHxTxD).astype(q.dtype)
+
+
+def gda_v1_stock_tpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped differential attention (V1 style) as two splash calls: the H signal heads on
+  K1 and the N noise heads on K2 (each noise map once), combined per group.
+
+  Arguments and result as in :func:`diffjax.kernels.tpu.gda_v1_pallas_tpu`;
+  ``block_sizes`` is None or a ``splash_attention.BlockSizes``.
+  """
+  lam = jnp.asarray(lam_H)
+  _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
+  h, d = q1_BxTxHxD.shape[2:]
+  return _gda_stock(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    jnp.broadcast_to(lam.astype(jnp.float32), (h,))[None, :, None],
+    q_segment_ids,
+    kv_segment_ids,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    block_sizes=block_sizes,
+    interpret=bool(interpret),
+  )
+
+
+def gda_v2_stock_tpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped differential attention (V2 style) as two splash calls on K: the signal heads
+  and the noise heads (each noise map once), combined per group.
+
+  Arguments and result as in :func:`diffjax.kernels.tpu.gda_v2_pallas_tpu`.
+  """
+  _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  d = q1_BxTxHxD.shape[-1]
+  return _gda_stock(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    k_BxSxKxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    lam_BxTxH.astype(jnp.float32).transpose(0, 2, 1),
+    q_segment_ids,
+    kv_segment_ids,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    block_sizes=block_sizes,
+    interpret=bool(interpret),
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
+def _gda_stock(
+  q1, q2, k1, k2, v, lam_BxHxT, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
+):
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  attend = functools.partial(
+    _attend,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
+  v_h = heads_first(v)
+  o1_BxHxTxDv = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
+  o2_BxNxTxDv = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
+  b, h, t, dv = o1_BxHxTxDv.shape
+  n = o2_BxNxTxDv.shape[1]
+  lam_BxNxRxT = jnp.broadcast_to(lam_BxHxT, (b, h, t)).reshape(b, n, h // n, t)
+  out = o1_BxHxTxDv.reshape(b, n, h // n, t, dv) - lam_BxNxRxT[..., None] * o2_BxNxTxDv[:, :, None]
+  return heads_first(out.reshape(b, h, t, dv)).astype(q1.dtype)

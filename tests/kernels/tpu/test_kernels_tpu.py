@@ -619,6 +619,35 @@ def test_aot_compile_v5e_fwd_bwd():
     assert "diff_attention_fwd" in text and "diff_attention_bwd" in text, version
 
 
+# V2 style reuses the V1 kernel bodies with one key array; its compile (about 30 s) is slow.
+@pytest.mark.parametrize("version", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_aot_compile_gda_motif_layer(version):
+  """Grouped differential attention at a Motif-2-12.7B layer (32 signal heads, 8 noise
+  heads, 8 kv groups, d = 128, sequence 4096, bfloat16; r = 4), forward and backward with
+  the default tiles, compiles with Mosaic for one v5e chip: the tiles and the group's
+  r + 1 maps fit VMEM, and the noise residual stays per noise head."""
+  mesh = _v5e_mesh()
+  device = mesh.devices.flat[0]
+  sds = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(
+    shape, dt, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  b, t, h, n, kh, d = 1, 4096, 32, 8, 8, 128
+  q1, q2, k = sds((b, t, h, d)), sds((b, t, n, d)), sds((b, t, kh, d))
+  if version == 1:
+    dv, fn = 2 * d, kt.gda_v1_pallas_tpu
+    args = (q1, q2, k, k, sds((b, t, kh, dv)), sds((h,), jnp.float32))
+  else:
+    dv, fn = d, kt.gda_v2_pallas_tpu
+    args = (q1, q2, k, k, sds((b, t, h), jnp.float32))
+  loss = lambda *a: jnp.sum(fn(*a, causal=True).astype(jnp.float32))
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+  with jax.default_device(device), without_persistent_cache():
+    text = grad.lower(*args).compile().as_text()
+  assert "gda_attention_fwd" in text and "gda_attention_bwd" in text
+  # The forward's residual o2 is [B, N, T, Dv]: the noise output once per group.
+  assert re.search(rf"bf16\[{b},{n},{t},{dv}\]", text)
+
+
 def test_aot_v1_forward_needs_no_layout_passes():
   """The wrappers' per-component transposes compile to bitcasts: the V1 forward for one v5e
   chip (6 DIFF heads of d = 128, the 3B layer over two model shards) has no XLA op

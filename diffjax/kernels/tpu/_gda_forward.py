@@ -1,0 +1,201 @@
+"""Forward kernel of grouped differential attention: r signal maps and one noise map.
+
+One program per (batch, noise head n, query tile): the r signal heads n r .. n r + r - 1
+and their noise head n read one kv group, so each step loads the K/V tiles once for r + 1
+online softmaxes (signal heads on K1, the noise head on K2; V2: both on K). A query tile's
+last step writes ``out_c = acc_c / l_c - lam_c acc_n / l_n`` for the r signal heads and,
+for the backward, the noise map's output ``o2`` (once per group) and the r + 1
+log-sum-exps. Layout and grid as the DIFF forward (:mod:`._forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from diffjax.kernels.tpu import _layout as layout
+
+
+def _forward_kernel(*refs, plan, save_residuals: bool):
+  refs = list(refs)
+  r = plan.signal
+  if plan.causal:
+    i, j, first, last = layout.pop_step_tables(refs)
+  else:
+    i, j = pl.program_id(1), pl.program_id(2)
+    first, last = j == 0, j == plan.num_kv_blocks - 1
+  lam_ref = refs.pop(0)
+  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
+  q1_ref, q2_ref = refs.pop(0), refs.pop(0)  # [r, bq, D] and [bq, D]
+  k1_ref = refs.pop(0)
+  k2_ref = k1_ref if plan.shared_k else refs.pop(0)
+  v_ref, out_ref = refs.pop(0), refs.pop(0)
+  o2_ref, lse_ref = (refs.pop(0), refs.pop(0)) if save_residuals else (None, None)
+  m_ref, l_ref, acc_ref = refs  # map c < r: signal head c of the group; map r: the noise
+
+  n = pl.program_id(0) % plan.heads
+
+  @pl.when(first)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def accumulate(apply_mask: bool):
+    keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
+    v = v_ref[...]
+    k1 = k1_ref[...]
+    k2 = k1 if plan.shared_k else k2_ref[...]
+    for c in range(r + 1):
+      q, k = (q1_ref[c], k1) if c < r else (q2_ref[...], k2)
+      s = layout.dot_nt(q, k) * plan.scale
+      if keep is not None:
+        s = jnp.where(keep, s, layout.MASK_VALUE)
+      m_prev = m_ref[c]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      alpha = jnp.exp(m_prev - m_next)
+      p = jnp.exp(s - m_next)
+      l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
+      acc_ref[c] = alpha * acc_ref[c] + layout.dot_nn(p.astype(v.dtype), v)
+      m_ref[c] = m_next
+
+  for condition, apply_mask in plan.tile_cases(i, j):
+    pl.when(condition)(functools.partial(accumulate, apply_mask))
+
+  @pl.when(last)
+  def _finish():
+    outs, lses = [], []
+    for c in range(r + 1):
+      m, l = m_ref[c], l_ref[c]
+      seen = m > 0.5 * layout.MASK_VALUE  # the row met at least one visible key
+      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      outs.append(acc_ref[c] * inv_l)
+      lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
+    for c in range(r):
+      # V2: lambda rows [r, 1, bq] -> [bq, 1]; V1: one float32 per signal head in SMEM.
+      lam = jnp.transpose(lam_ref[c]) if plan.lam_rows else lam_ref[n * r + c]
+      out_ref[c] = (outs[c] - lam * outs[r]).astype(out_ref.dtype)
+    if save_residuals:
+      o2_ref[...] = outs[r].astype(o2_ref.dtype)
+      # Column c of a [bq, 128] tile holds lse_c; transposed, its first r + 1 rows.
+      lane = jax.lax.broadcasted_iota(jnp.int32, (plan.block_q, 128), 1)
+      tile = jnp.zeros((plan.block_q, 128), jnp.float32)
+      for c in range(r + 1):
+        tile = jnp.where(lane == c, lses[c], tile)
+      lse_ref[...] = jnp.transpose(tile)[: r + 1]
+
+
+def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int, r: int):
+  """The forward's VMEM estimate for one step: both buffers of every tile (r + 1 query
+  heads, the key components, V, r + 1 output rows) and the float32 softmax states, scores
+  and probabilities."""
+  tiles = 2 * itemsize * ((r + 1) * bq * d + key_components * bk * d + bk * dv + (r + 1) * bq * dv)
+  return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
+
+
+def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool, interpret):
+  """Runs the forward kernel on padded head-major arrays.
+
+  Args:
+    plan: a grouped plan (``heads`` = N noise heads, ``signal`` = r).
+    q1 [B, H, Tp, D], q2 [B, N, Tp, D], ks (V1: k1, k2; V2: k) [B, K, Sp, D],
+      v [B, K, Sp, Dv]; lam float32 [H] (V1) or lane-dense rows [B, H, Tp / block_q, 1,
+      block_q] (V2); q_seg [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None.
+  Returns:
+    out [B, H, Tp, Dv] in q's dtype; with ``save_residuals`` also o2 [B, N, Tp, Dv] and
+    the log-sum-exps float32 [B, N, Tp / block_q, r + 1, block_q] (rows: the r signal
+    maps, then the noise map), else None, None.
+  """
+  ax = plan.seq_axis
+  b, tp, sp = q1.shape[0], q1.shape[ax], ks[0].shape[ax]
+  d, dv = widths
+  n_heads, r, g = plan.heads, plan.signal, plan.group
+  bq, bk = plan.block_q, plan.block_kv
+  dtype = q1.dtype
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q1.shape, v.shape, plan)
+
+  # Batch and noise heads share the leading parallel axis (a megacore splits it).
+  if plan.causal:
+    q_steps, kv_steps = plan.forward_steps()
+    grid = (b * n_heads, len(q_steps))
+
+    def coords(bn, step, q_ref, kv_ref):
+      return bn // n_heads, bn % n_heads, q_ref[step], layout.unpack_kv_step(kv_ref[step])[0]
+  else:
+    grid = (b * n_heads, plan.num_q_blocks, plan.num_kv_blocks)
+
+    def coords(bn, i, j):
+      return bn // n_heads, bn % n_heads, i, j
+
+  spec, tile = layout.grid_specs(plan, coords)
+  signal = lambda width: spec((None, r, bq, width), lambda b_, n_, i, j: (b_, n_, i, 0))
+  in_specs, args = [], []
+  if plan.lam_rows:
+    in_specs.append(spec((None, r, None, 1, bq), lambda b_, n_, i, j: (b_, n_, i, 0, 0)))
+  else:
+    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  args.append(lam)
+  if plan.segmented:
+    in_specs += [
+      spec((None, bq, 1), lambda b_, n_, i, j: (b_, i, 0)),
+      spec((None, 1, bk), lambda b_, n_, i, j: (b_, 0, j)),
+    ]
+    args += [q_seg, kv_seg]
+  in_specs += [signal(d), tile(bq, d, lambda b_, n_, i, j: (b_, n_, i))]
+  args += [q1, q2]
+  kv_tile = lambda width: tile(bk, width, lambda b_, n_, i, j: (b_, n_ // g, j))
+  in_specs += [kv_tile(d)] * len(ks) + [kv_tile(dv)]
+  args += [*ks, v]
+
+  out_shape = [jax.ShapeDtypeStruct(plan.shape(b, n_heads * r, tp, dv), dtype)]
+  out_specs = [signal(dv)]
+  if save_residuals:
+    out_shape += [
+      jax.ShapeDtypeStruct(plan.shape(b, n_heads, tp, dv), dtype),
+      jax.ShapeDtypeStruct((b, n_heads, plan.num_q_blocks, r + 1, bq), jnp.float32),
+    ]
+    out_specs += [
+      tile(bq, dv, lambda b_, n_, i, j: (b_, n_, i)),
+      spec((None, None, None, r + 1, bq), lambda b_, n_, i, j: (b_, n_, i, 0, 0)),
+    ]
+  scratch = [
+    pltpu.VMEM((r + 1, bq, 1), jnp.float32),
+    pltpu.VMEM((r + 1, bq, 1), jnp.float32),
+    pltpu.VMEM((r + 1, bq, dv), jnp.float32),
+  ]
+  if plan.causal:
+    args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
+  visible = 0.5 if plan.causal else 1.0
+  pairs = visible * b * n_heads * (r + 1) * tp * sp  # scored (query, key) pairs
+  cost = pl.CostEstimate(
+    flops=int(pairs * (2 * d + 2 * dv)),
+    transcendentals=int(pairs),
+    bytes_accessed=int(
+      dtype.itemsize * (b * n_heads * (r + 1) * tp * (d + (1 + save_residuals) * dv))
+      + dtype.itemsize * (sum(k.size for k in ks) + v.size) * plan.num_q_blocks * g
+    ),
+  )
+  outs = pl.pallas_call(
+    functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2 if plan.causal else 0,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+    ),
+    out_shape=out_shape,
+    compiler_params=pltpu.CompilerParams(
+      # The last axis carries the online softmax from step to step.
+      dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+      vmem_limit_bytes=layout.vmem_limit(vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks), r)),
+    ),
+    cost_estimate=cost,
+    interpret=interpret,
+    name="gda_attention_fwd",
+  )(*args)
+  return (*outs, None, None)[:3]
