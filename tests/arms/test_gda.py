@@ -80,7 +80,10 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("h,r,k,t,s,causal", SHAPES)
+@pytest.mark.parametrize(
+  "h,r,k,t,s,causal",
+  [p if i % 3 == 0 else pytest.param(*p, marks=pytest.mark.slow) for i, p in enumerate(SHAPES)],
+)
 def test_grouped_forms_equal_a_float64_numpy_version(h, r, k, t, s, causal):
   with jax.enable_x64(True):
     n, d, b = h // r, 4, 2
@@ -270,11 +273,11 @@ def test_decoding_with_a_cache_equals_the_full_forward(arm):
 def test_grouped_arms_match_the_transformer_by_parameters(ratio):
   base = ModelConfig(
     attention="transformer",
-    num_heads=40,
+    num_heads=60,
     num_kv_heads=4,
-    d_model=160,
+    d_model=240,
     head_dim=8,
-    mlp_dim=432,
+    mlp_dim=640,
     num_layers=2,
     gda_ratio=ratio,
   )
@@ -284,8 +287,8 @@ def test_grouped_arms_match_the_transformer_by_parameters(ratio):
   for name in ("gda_v1", "gda_v2"):
     assert abs(count_params(cfgs[name]) - n_t) / n_t < 0.005, name
   g1, g2 = cfgs["gda_v1"], cfgs["gda_v2"]
-  assert g1.num_heads + g1.num_heads // ratio == 40  # V1's head budget re-split r : 1
-  assert g2.num_heads == 40
+  assert g1.num_heads + g1.num_heads // ratio == 60  # V1's head budget re-split r : 1
+  assert g2.num_heads == 60
   if ratio == 1:  # r = 1 is matched as DIFF V1 and V2 are
     assert g1.replace(attention="diff_v1", gda_ratio=1) == cfgs["diff_v1"].replace(gda_ratio=1)
     assert g2.replace(attention="diff_v2") == cfgs["diff_v2"]

@@ -17,7 +17,7 @@ from helpers import REPO  # noqa: E402
 
 from diffjax.model import DecoderLM, count_params, resolve_model
 from diffjax.model.sizes import PAPER_SIZES, PAPER_VOCAB, SIZES
-from diffjax.presets import model_section, param_table
+from diffjax.presets import grouped_table, model_section, param_table
 
 DOCS = os.path.join(REPO, "docs")
 
@@ -32,6 +32,7 @@ def test_the_docs_table_is_the_codes():
   table = param_table()
   assert table in text, "docs/model.md's parameter table differs from `python -m diffjax.presets`"
   assert len(table.splitlines()) == 2 + len(PAPER_SIZES)
+  assert grouped_table() in text, "docs/model.md's grouped-arm table differs from the code's"
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
