@@ -135,6 +135,8 @@ _ALL_ROWS = (
   _row("diff_v1", "stock", "gpu", gpu_stock.diff_v1_stock_gpu),
   _row("diff_v2", "pallas_gpu", "gpu", gpu_mosaic.diff_v2_pallas_gpu, gpu_mosaic_ring, version=2),
   _row("diff_v2", "stock", "gpu", gpu_stock.diff_v2_stock_gpu),
+  _row("gda_v1", "stock", "gpu", gpu_stock.gda_v1_stock_gpu),
+  _row("gda_v2", "stock", "gpu", gpu_stock.gda_v2_stock_gpu),
   _row("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
   _row("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
 )

@@ -7,7 +7,13 @@ docs/kernels_gpu.md.
 """
 
 from diffjax.kernels.gpu.decode import diff_v1_decode_reference
-from diffjax.kernels.gpu.stock import diff_v1_stock_gpu, diff_v2_stock_gpu, mha_stock_gpu
+from diffjax.kernels.gpu.stock import (
+  diff_v1_stock_gpu,
+  diff_v2_stock_gpu,
+  gda_v1_stock_gpu,
+  gda_v2_stock_gpu,
+  mha_stock_gpu,
+)
 from diffjax.sharding.kernel_specs import (
   decode_partition_specs,
   diff_v1_partition_specs,
@@ -21,6 +27,8 @@ __all__ = [
   "diff_v2_partition_specs",
   "diff_v1_stock_gpu",
   "diff_v2_stock_gpu",
+  "gda_v1_stock_gpu",
+  "gda_v2_stock_gpu",
   "mha_stock_gpu",
 ]
 
