@@ -1,0 +1,604 @@
+"""Grouped differential attention (GDA) on Mosaic GPU (Hopper): the noise map once per group.
+
+    out_h = softmax(q1_h K1^T s) V - lam_h softmax(q2_{h // r} K2^T s) V
+
+for r signal heads per noise head (V1 style: K1, K2 and one lambda per head; V2 style: one
+K, lambda per token). r = 1 is DIFF V1 / V2 and runs their kernels (:mod:`.mosaic`).
+
+Forward (this module's kernel). One CTA per (noise head, 64 queries, batch), two consumer
+warpgroups and a TMA producer, like the pair kernel. The group's r + 1 maps (its noise head,
+then its r signal heads) are dealt to the consumers in ceil((r + 1) / 2) rounds; in each
+round both consumers run a full online softmax over the same K/V tiles, which the producer
+streams once per round through one ring (K2 only in the first round, where warpgroup 1 runs
+the noise map). The noise output is normalised once, kept in shared memory in the input
+dtype ([64, Dv], in column parts) and combined into every signal head of the group:
+``o_j = acc1_j / l1_j - lam_j O2``. With r + 1 odd one consumer idles through the last
+round, releasing each ring slot as it arrives. It saves O2 per noise head and both maps'
+log-sum-exps for the backward. Shared memory: Q of both consumers, the K1 (K2) and V ring,
+O2; registers per consumer as the pair kernel's (a [64, Dv] float32 accumulator).
+
+Backward (:mod:`.mosaic_bwd`, the pair kernel with ``noise_group = r``). The grouped
+gradients are the pair's summed over the group: the pair (signal head h, noise head h // r)
+with dO_h and lam_h is exactly head h's share, so the fused backward walks the H signal
+heads of each kv group with map b reading noise head h // r. dK2 and dV accumulate over the
+group in registers (dV on the combined probabilities, ``(P1 - lam P2)^T dO``), and dQ2 is
+reduce-added at noise head h // r, which sums it over the group in the kernel. The noise
+scores are recomputed once per signal head there (8 r matmuls a group and tile against
+5 (r + 1) for a backward that forms the noise map once with ``sum_j lam_j dO_j``); that
+saves registers for dK1, dK2 and dV at d 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from diffjax.core import validation as _v
+from diffjax.core.platform import HOPPER, gpu_capability
+from diffjax.kernels.gpu import mosaic
+from diffjax.kernels.gpu import mosaic_bwd as mb
+from diffjax.kernels.gpu import mosaic_common as mc
+from diffjax.kernels.gpu import mosaic_tiles as tiles
+from diffjax.kernels.gpu import pair_common as pc
+from diffjax.kernels.gpu.mosaic_fwd import tile_mask
+from diffjax.kernels.gpu.pair_common import LOG2E, NEG, kv_blocks
+
+# Signal heads per noise head the kernel unrolls its rounds for (Motif-2: 4).
+MAX_GROUP = 8
+
+
+def rounds(r: int) -> int:
+  """Rounds of the forward for r signal heads a noise head: ceil((r + 1) / 2)."""
+  return (r + 2) // 2
+
+
+def _item(k: int, w: int, r: int) -> int | None:
+  """The map warpgroup w runs in round k: -1 the noise head, j >= 0 signal head j of the
+  group, None idle. Warpgroup 1 runs the noise map first, so warpgroup 0's first signal
+  head waits for it only at its end."""
+  i = 2 * k + (1 - w)
+  return None if i > r else i - 1
+
+
+def forward_smem_bytes(
+  d: int,
+  dv: int,
+  block_kv: int,
+  stages: int,
+  shared_k: bool,
+  segments: bool = True,
+  itemsize: int = 2,
+) -> int:
+  """Shared memory the grouped forward kernel is launched with, in bytes."""
+  keys = tiles._buffers(stages * block_kv * d * itemsize) * (1 if shared_k else 2)
+  buffers = keys + tiles._buffers(
+    mc.COMPUTE_WGS * mc.BLOCK_Q * d * itemsize,  # Q of each consumer's map
+    stages * block_kv * dv * itemsize,  # V ring
+    mc.BLOCK_Q * dv * itemsize,  # O2, kept for the group
+    mc.COMPUTE_WGS * mc.BLOCK_Q * 4,  # lambda per consumer
+    mc.COMPUTE_WGS * mc.BLOCK_Q * 4,  # log-sum-exps
+    mc.COMPUTE_WGS * mc.BLOCK_Q * 4 if segments else 0,  # query segment ids
+    stages * block_kv * 4 if segments else 0,  # key segment ids
+  )
+  bars = (
+    2 * mc.COMPUTE_WGS
+    + (mc.COMPUTE_WGS if segments else 0)
+    + stages * (3 + (not shared_k) + segments)
+    + 1
+  )
+  return buffers + bars * tiles.BARRIER_BYTES + tiles.KERNEL_SMEM_EXTRA
+
+
+def forward_stages(
+  d: int, dv: int, shared_k: bool, segments: bool = True, itemsize: int = 2
+) -> int:
+  """Ring slots of the grouped forward (64-key steps): the deepest of 3, 2, 1 that fits.
+
+  Examples (bf16): V1 style d 128 / Dv 256 -> 2; V2 style d 128 -> 3; d 64 -> 3.
+  """
+  for stages in (3, 2, 1):
+    if forward_smem_bytes(d, dv, 64, stages, shared_k, segments, itemsize) <= tiles.SMEM_BYTES:
+      return stages
+  raise ValueError(
+    f"No ring fits shared memory for d={d}, dv={dv}: one slot needs "
+    f"{forward_smem_bytes(d, dv, 64, 1, shared_k, segments, itemsize)} bytes of "
+    f"{tiles.SMEM_BYTES}."
+  )
+
+
+def _scratch(cfg: mc.MosaicConfig, dtype, d, dv, stages, shared_k, parts):
+  seg = cfg.segments
+  bq, bk, wgs = mc.BLOCK_Q, cfg.block_kv, mc.COMPUTE_WGS
+  width = dv // parts
+  smem = lambda shape, width, dt=dtype: mc.smem_tile(shape, width, dt)
+  bars = mc.barriers
+  return [
+    smem((wgs, bq, d), d),  # q_smem
+    smem((stages, bk, d), d),  # ka_smem (K1, or the one K)
+    None if shared_k else smem((stages, bk, d), d),  # kb_smem (K2)
+    smem((stages, bk, dv), dv),  # v_smem
+    smem((parts, bq, width), width),  # x_smem: O2 of the group
+    plgpu.SMEM((wgs, bq), jnp.float32),  # lam_smem
+    plgpu.SMEM((wgs, bq), jnp.float32),  # lse_smem
+    plgpu.SMEM((wgs, bq), jnp.int32) if seg else None,  # qseg_smem
+    plgpu.SMEM((stages, bk), jnp.int32) if seg else None,  # kvseg_smem
+    bars(wgs),  # q_bar
+    bars(wgs),  # lam_bar
+    bars(wgs) if seg else None,  # row_bar (query segment ids)
+    bars(stages),  # ka_bar
+    None if shared_k else bars(stages),  # kb_bar
+    bars(stages),  # v_bar
+    bars(stages) if seg else None,  # kvseg_bar
+    bars(stages, wgs),  # consumed
+    bars(),  # x_bar: O2 is in shared memory
+  ]
+
+
+def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
+  """Runs the grouped forward kernel on padded inputs.
+
+  Args:
+    cfg: ``noise_group`` r > 1; ``block_kv`` 64.
+    q1 [B, T, H, D], q2 [B, T, N, D] (H = N r); ks: (K1, K2) or (K,), [B, S, K, D];
+    v [B, S, K, Dv]; lam_BxHxT float32; segment ids int32 [B, T], [B, S] or None.
+  Returns:
+    (out [B, T, H, Dv], o2 [B, T, N, Dv]) in the input dtype and (lse1 [B, H, T],
+    lse2 [B, N, T]) float32, base 2.
+  """
+  b, t, h, d = q1.shape
+  n_noise = q2.shape[2]
+  s, kh, dv = ks[0].shape[1], ks[0].shape[2], v.shape[3]
+  r = cfg.noise_group
+  per_kv = n_noise // kh
+  dtype = q1.dtype
+  bq, bk = mc.BLOCK_Q, cfg.block_kv
+  stages = max(1, min(cfg.stages, s // bk))
+  c = cfg.scale * LOG2E
+  shared_k = len(ks) == 1
+  parts = tiles.exchange_parts(dv)
+  width = dv // parts
+  n_rounds = rounds(r)
+  seg = cfg.segments
+
+  def kernel(*refs):
+    # One function: the producer and both consumers close over the refs unpacked here.
+    it = iter(refs)
+    q1_ref, q2_ref, ka_ref = next(it), next(it), next(it)
+    kb_ref = ka_ref if shared_k else next(it)
+    v_ref, lam_ref = next(it), next(it)
+    qseg_ref, kvseg_ref = (next(it), next(it)) if seg else (None, None)
+    o_ref, o2_ref, lse1_ref, lse2_ref = next(it), next(it), next(it), next(it)
+    (
+      q_smem,
+      ka_smem,
+      kb_smem,
+      v_smem,
+      x_smem,
+      lam_smem,
+      lse_smem,
+      qseg_smem,
+      kvseg_smem,
+      q_bar,
+      lam_bar,
+      row_bar,
+      ka_bar,
+      kb_bar,
+      v_bar,
+      kvseg_bar,
+      consumed,
+      x_bar,
+    ) = it
+
+    bi = lax.axis_index("batch")
+    ni = lax.axis_index("heads")
+    q_start = lax.axis_index("q_seq") * bq
+    kvh = lax.div(ni, jnp.int32(per_kv))
+    n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
+
+    def consumer(w: int):
+      # Registers as the pair kernel's consumers (tiles.CONSUMER_REGISTERS).
+      plgpu.set_max_registers(tiles.CONSUMER_REGISTERS, action="increase")
+      qseg = None
+      if seg:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[bi, pl.ds(q_start, bq)], qseg_smem.at[w], row_bar.at[w])
+        plgpu.barrier_wait(row_bar.at[w])
+        qseg = mc.row(qseg_smem.at[w][...])
+      o2_ready = False
+      for k in range(n_rounds):
+        j = _item(k, w, r)
+        base = k * n_end  # the ring's step count at the start of this round
+        if j is None:
+          # Idle: release each slot once it is loaded, so the other consumer's steps
+          # complete; waiting every barrier keeps this warpgroup's phases in step.
+          def idle(i, carry, base=base):
+            slot = lax.rem(base + i, jnp.int32(stages))
+            plgpu.barrier_wait(ka_bar.at[slot])
+            if seg:
+              plgpu.barrier_wait(kvseg_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+          lax.fori_loop(0, n_end, idle, None)
+          continue
+        noise = j < 0
+        head = ni if noise else ni * r + j
+        rows = (bi, pl.ds(q_start, bq), head)
+        plgpu.copy_gmem_to_smem((q2_ref if noise else q1_ref).at[rows], q_smem.at[w], q_bar.at[w])
+        if not noise:
+          plgpu.copy_gmem_to_smem(
+            lam_ref.at[bi, head, pl.ds(q_start, bq)], lam_smem.at[w], lam_bar.at[w]
+          )
+        plgpu.barrier_wait(q_bar.at[w])
+        use_kb = noise and not shared_k
+        k_smem = kb_smem if use_kb else ka_smem
+
+        def step(i, carry, masked: bool, base=base, use_kb=use_kb, k_smem=k_smem):
+          slot = lax.rem(base + i, jnp.int32(stages))
+          plgpu.barrier_wait(ka_bar.at[slot])  # waited by both, used by the K1 maps
+          if use_kb:
+            plgpu.barrier_wait(kb_bar.at[slot])
+          sc = mc.product((bq, bk), q_smem.at[w], k_smem.at[slot].transpose((1, 0))) * c
+          if masked:
+            kvseg = None
+            if seg:
+              plgpu.barrier_wait(kvseg_bar.at[slot])
+              kvseg = mc.col(kvseg_smem.at[slot][...])
+            sc = jnp.where(tile_mask(cfg, q_start, i * bk, (bq, bk), qseg, kvseg), sc, NEG)
+          return mc.softmax_step(
+            carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot], cfg, dtype, masked=masked
+          )
+
+        carry = lax.fori_loop(
+          0, n_full, functools.partial(step, masked=False), mc.softmax_start(bq, dv)
+        )
+        carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+        out, lse = mc.softmax_finish(*carry)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last round's lse was read
+        lse_smem.at[w][...] = lse
+        plgpu.commit_smem()
+        lse_ref = lse2_ref if noise else lse1_ref
+        plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, head, pl.ds(q_start, bq)])
+        if noise:
+          for part in range(parts):
+            x_smem.at[part][...] = out[:, part * width : (part + 1) * width].astype(dtype)
+          plgpu.barrier_arrive(x_bar)
+          o2_ref[rows] = out.astype(dtype)
+          continue
+        plgpu.barrier_wait(lam_bar.at[w])
+        lam = mc.row(lam_smem.at[w][...])
+        if not o2_ready:
+          plgpu.barrier_wait(x_bar)
+          o2_ready = True
+        for part in range(parts):
+          o2 = plgpu.layout_cast(x_smem.at[part][...], plgpu.Layout.WGMMA).astype(jnp.float32)
+          o1 = out[:, part * width : (part + 1) * width]
+          o_ref[(*rows, pl.ds(part * width, width))] = (
+            o1 - mc.bcast_rows(lam, o1.shape) * o2
+          ).astype(dtype)
+      plgpu.wait_smem_to_gmem(0)
+
+    def producer():
+      plgpu.set_max_registers(tiles.PRODUCER_REGISTERS, action="decrease")
+
+      def load(g, slot):
+        j = lax.rem(g, n_end)
+        keys = (bi, pl.ds(j * bk, bk), kvh)
+        plgpu.copy_gmem_to_smem(ka_ref.at[keys], ka_smem.at[slot], ka_bar.at[slot])
+        if not shared_k:  # K2 only for the first round's noise map
+
+          @pl.when(g < n_end)
+          def _():
+            plgpu.copy_gmem_to_smem(kb_ref.at[keys], kb_smem.at[slot], kb_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+        if seg:
+          plgpu.copy_gmem_to_smem(
+            kvseg_ref.at[bi, pl.ds(j * bk, bk)], kvseg_smem.at[slot], kvseg_bar.at[slot]
+          )
+
+      mc.producer_ring(load, n_rounds * n_end, stages, consumed)
+
+    mc.run_warpgroups(consumer, producer)
+
+  scratch = _scratch(cfg, dtype, d, dv, stages, shared_k, parts)
+  args = [q1, q2, *ks, v, lam_BxHxT] + ([q_seg, kv_seg] if seg else [])
+  out_type = [
+    jax.ShapeDtypeStruct((b, t, h, dv), dtype),
+    jax.ShapeDtypeStruct((b, t, n_noise, dv), dtype),
+    jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+    jax.ShapeDtypeStruct((b, n_noise, t), jnp.float32),
+  ]
+  n_args = len(args) + len(out_type)
+  return plgpu.kernel(
+    lambda *refs: kernel(*refs[:n_args], *mc.scratch_refs(refs[n_args:], scratch)),
+    out_type=out_type,
+    scratch_types=[x for x in scratch if x is not None],
+    grid=(n_noise, t // bq, b),
+    grid_names=("heads", "q_seq", "batch"),
+    num_threads=mc.COMPUTE_WGS + 1,
+    thread_name="wg",
+    kernel_name=f"gda_{cfg.variant}_fwd_mgpu",
+    **cfg.kernel_kwargs(),
+  )(*args)
+
+
+# ----------------------------------------------------------------------------------
+# Differentiation: the forward above, the pair backward with noise_group = r.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _grouped(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  return forward(cfg, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
+
+
+def _grouped_fwd(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  o, o2, lse1, lse2 = forward(cfg, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg)
+  return o, (q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2)
+
+
+def _grouped_bwd(cfg, res, do):
+  q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2 = res
+  b, t, h, dv = o.shape
+  n, r = o2.shape[2], cfg.noise_group
+  do32 = do.astype(jnp.float32)
+  # Row terms per signal head h: d_b = rowsum(dO_h O2_{h // r}), d_a = rowsum(dO_h O) +
+  # lam d_b (pc.row_terms, without repeating O2 in memory).
+  d_o = jnp.einsum("bthd,bthd->bht", do32, o.astype(jnp.float32))
+  d_b = jnp.einsum(
+    "btnrd,btnd->bnrt", do32.reshape(b, t, n, r, dv), o2.astype(jnp.float32)
+  ).reshape(b, h, t)
+  rows = jnp.stack([lse1, jnp.repeat(lse2, r, axis=1), d_o + lam_BxHxT * d_b, d_b, lam_BxHxT], 2)
+  pair_ks = ks if len(ks) == 2 else (ks[0], ks[0])
+  dqs, dks, dvv = mb.backward(
+    dataclasses.replace(cfg, variant="v1"),
+    (q1, q2),
+    pair_ks,
+    v,
+    do.astype(v.dtype),
+    rows,
+    q_seg,
+    kv_seg,
+    stages=cfg.bwd_stages,
+    dq_parts=cfg.dq_parts,
+  )
+  dq1, dq2 = (dq.astype(q.dtype) for dq, q in zip(dqs, (q1, q2)))
+  if len(ks) == 1:
+    dks = ((dks[0].astype(jnp.float32) + dks[1].astype(jnp.float32)).astype(ks[0].dtype),)
+  return dq1, dq2, tuple(dks), dvv, -d_b, None, None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  stages: int
+  bwd_stages: int
+  dq_parts: int
+
+
+def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> str | None:
+  """Why the grouped kernels do not take these inputs (None: they do)."""
+  names = sorted({jnp.dtype(x).name for x in dtypes})
+  if len(names) != 1 or names[0] not in ("bfloat16", "float16"):
+    return (
+      f"they take bfloat16 or float16 inputs of one dtype (got {names}); cast them, or use "
+      "implementation='stock', which takes float32"
+    )
+  if r > MAX_GROUP:
+    return f"r={r} signal heads a noise head is more than the {MAX_GROUP} the forward unrolls"
+  itemsize = jnp.dtype(names[0]).itemsize
+  ok = d % 16 == 0 and dv % 16 == 0 and dv >= 32
+  try:
+    if ok:
+      forward_stages(d, dv, shared_k, segments, itemsize)
+      tiles.backward_blocks(d, dv, "v1", segments, itemsize)
+  except ValueError:
+    ok = False
+  if not ok:
+    return (
+      f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
+      "tiles fit one CTA's shared memory"
+    )
+  capability = gpu_capability()
+  if capability != HOPPER:
+    return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
+  return None
+
+
+def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
+  d, dv = q1.shape[3], v.shape[3]
+  r = q1.shape[2] // q2.shape[2]
+  reason = refusal([x.dtype for x in (q1, q2, *ks, v)], d, dv, r, len(ks) == 1, segments)
+  if reason is not None:
+    raise NotImplementedError(f"the grouped Mosaic GPU kernels refuse these inputs: {reason}")
+  itemsize = jnp.dtype(q1.dtype).itemsize
+  stages = forward_stages(d, dv, len(ks) == 1, segments, itemsize)
+  bwd_stages, parts = tiles.backward_blocks(d, dv, "v1", segments, itemsize)
+  if block_sizes is not None:
+    fields = block_sizes if isinstance(block_sizes, dict) else dataclasses.asdict(block_sizes)
+    unknown = set(fields) - {"stages", "bwd_stages", "dq_parts", "block_kv"}
+    if unknown or fields.get("block_kv", 64) != 64:
+      raise ValueError(
+        f"block_sizes={block_sizes!r}: the grouped kernels take stages, bwd_stages and "
+        "dq_parts (block_kv is 64)."
+      )
+    stages = fields.get("stages") or stages
+    bwd_stages = fields.get("bwd_stages") or bwd_stages
+    parts = fields.get("dq_parts") or parts
+    smem = forward_smem_bytes(d, dv, 64, stages, len(ks) == 1, segments, itemsize)
+    if smem > tiles.SMEM_BYTES:
+      raise ValueError(
+        f"stages={stages} needs {smem} bytes of shared memory for d={d}, dv={dv}; a CTA "
+        f"has {tiles.SMEM_BYTES}."
+      )
+    tiles.MosaicBlockSizes(64, 1, bwd_stages, parts).check(d, dv, "v1", segments, itemsize)
+  return _Tiles(stages, bwd_stages, parts)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret"))
+def _padded(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret):
+  t, s = q1.shape[1], ks[0].shape[1]
+  tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, 64)
+  cfg = mc.MosaicConfig(
+    variant=variant,
+    causal=causal,
+    scale=scale,
+    q_len=t,
+    kv_len=s,
+    group=q1.shape[2] // ks[0].shape[2],
+    segments=q_seg is not None,
+    block_kv=64,
+    stages=blocks.stages,
+    interpret=interpret,
+    bwd_stages=blocks.bwd_stages,
+    dq_parts=blocks.dq_parts,
+    noise_group=q1.shape[2] // q2.shape[2],
+  )
+  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
+  out = _grouped(
+    pc.pad_axis(q1, 1, tp),
+    pc.pad_axis(q2, 1, tp),
+    tuple(pc.pad_axis(k, 1, sp) for k in ks),
+    pc.pad_axis(v, 1, sp),
+    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
+    q_seg,
+    kv_seg,
+    cfg,
+  )
+  return out[:, :t]
+
+
+def gda_v1_pallas_gpu(
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxNxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: tiles.MosaicBlockSizes | dict | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped differential attention, V1 style, on Mosaic GPU, differentiable.
+
+  Args:
+    q1_BxTxHxD: H signal query heads; q2_BxTxNxD: N = H / r noise heads, noise head n
+      serving signal heads n r .. n r + r - 1; N a multiple of K.
+    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv: the K kv groups' keys and value.
+    lam_H: a scalar or float [H]; used in float32.
+    causal, q_segment_ids, kv_segment_ids, scale, interpret: as
+      :func:`~diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu`.
+    block_sizes: None, or ``stages`` (the forward's ring), ``bwd_stages``, ``dq_parts``
+      as a dict or :class:`~diffjax.kernels.gpu.mosaic_tiles.MosaicBlockSizes`.
+  Returns:
+    [B, T, H, Dv] in the dtype of q1 (bfloat16 or float16 inputs of one dtype). r = 1
+    runs :func:`~diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu`.
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  b, t, h, d = q1_BxTxHxD.shape
+  kw = dict(
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=scale,
+    interpret=interpret,
+  )
+  if q2_BxTxNxD.shape[2] == h:
+    return mosaic.diff_v1_pallas_gpu(
+      q1_BxTxHxD,
+      q2_BxTxNxD,
+      k1_BxSxKxD,
+      k2_BxSxKxD,
+      v_BxSxKxDv,
+      lam_H,
+      block_sizes=block_sizes,
+      **kw,
+    )
+  s = k1_BxSxKxD.shape[1]
+  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
+  ks = (k1_BxSxKxD, k2_BxSxKxD)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes)
+  lam_BxHxT = jnp.broadcast_to(
+    jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
+  )
+  return _padded(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    ks,
+    v_BxSxKxDv,
+    lam_BxHxT,
+    q_seg,
+    kv_seg,
+    variant="v1",
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=bool(interpret),
+  )
+
+
+def gda_v2_pallas_gpu(
+  q1_BxTxHxD: jax.Array,
+  q2_BxTxNxD: jax.Array,
+  k_BxSxKxD: jax.Array,
+  v_BxSxKxD: jax.Array,
+  lam_BxTxH: jax.Array,
+  *,
+  causal: bool = True,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  scale: float | None = None,
+  block_sizes: tiles.MosaicBlockSizes | dict | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped differential attention, V2 style (one K, lambda per token), on Mosaic GPU.
+
+  Args as :func:`gda_v1_pallas_gpu`, with the baseline's k, v and ``lam_BxTxH`` (already
+  squashed) per token and signal head. Returns [B, T, H, D] in the dtype of q1. r = 1
+  runs :func:`~diffjax.kernels.gpu.mosaic.diff_v2_pallas_gpu` on the interleaved pairs.
+  """
+  _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, h, d = q1_BxTxHxD.shape
+  kw = dict(
+    causal=causal,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=scale,
+    interpret=interpret,
+  )
+  if q2_BxTxNxD.shape[2] == h:
+    q_BxTxQxD = jnp.stack([q1_BxTxHxD, q2_BxTxNxD], axis=3).reshape(b, t, 2 * h, d)
+    return mosaic.diff_v2_pallas_gpu(
+      q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, block_sizes=block_sizes, **kw
+    )
+  s = k_BxSxKxD.shape[1]
+  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
+  ks = (k_BxSxKxD,)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes)
+  return _padded(
+    q1_BxTxHxD,
+    q2_BxTxNxD,
+    ks,
+    v_BxSxKxD,
+    jnp.transpose(lam_BxTxH, (0, 2, 1)),
+    q_seg,
+    kv_seg,
+    variant="v2",
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=bool(interpret),
+  ).astype(q1_BxTxHxD.dtype)
