@@ -34,7 +34,12 @@ __all__ = [
 
 try:
   from diffjax.kernels.gpu.mosaic import diff_v1_pallas_gpu, diff_v2_pallas_gpu
-  from diffjax.kernels.gpu.mosaic_decode import MosaicDecodeBlockSizes, diff_v1_decode_pallas_gpu
+  from diffjax.kernels.gpu.mosaic_decode import (
+    MosaicDecodeBlockSizes,
+    diff_v1_decode_pallas_gpu,
+    gda_v1_decode_pallas_gpu,
+  )
+  from diffjax.kernels.gpu.mosaic_gda import gda_v1_pallas_gpu, gda_v2_pallas_gpu
   from diffjax.kernels.gpu.mosaic_tiles import MosaicBlockSizes
 except ImportError:  # pragma: no cover - a jax without Mosaic GPU
   pass
@@ -45,4 +50,7 @@ else:
     "diff_v1_decode_pallas_gpu",
     "diff_v1_pallas_gpu",
     "diff_v2_pallas_gpu",
+    "gda_v1_decode_pallas_gpu",
+    "gda_v1_pallas_gpu",
+    "gda_v2_pallas_gpu",
   ]
