@@ -19,7 +19,7 @@ the limit (:mod:`diffjax.hardware`), read back by :mod:`tools.gpu_compile.ptxas`
 The default scope is the kernels the paper presets run (the 3B layer: d 128, 12 heads,
 T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096) and the grouped ops at
 Motif-2-12.7B's layer (32 signal heads, 8 noise heads, 8 kv heads, d 128, T 4096, bf16,
-segment ids); ``widths`` adds V1 and V2 at
+segment ids; V1-style decoding at batch 8); ``widths`` adds V1 and V2 at
 d 64, 80 and 96; ``full`` adds every head dim 64/80/96/128 with GQA 1 and 3, bf16 and
 fp16, segment ids on and off, and decoding at each.
 
@@ -52,8 +52,8 @@ class Case:
   """One entry-point call: its kernels are compiled together.
 
   Attributes:
-    op: "diff_v1", "diff_v2", "gda_v1", "gda_v2" (forward + every gradient) or
-      "diff_v1_decode".
+    op: "diff_v1", "diff_v2", "gda_v1", "gda_v2" (forward + every gradient),
+      "diff_v1_decode" or "gda_v1_decode".
     d: head dim (V1's value dim is 2 d).
     group: query heads (V1: DIFF heads, V2: pairs, GDA: signal heads) per kv group.
     dtype: "bfloat16" or "float16".
@@ -109,6 +109,7 @@ def cases(scope: str = "default") -> list[Case]:
     Case("diff_v1_decode", 128, 1, "bfloat16", False, batch=8, seq=4096, kv_heads=12),
     Case("gda_v1", 128, 4, "bfloat16", True, **MOTIF_2),
     Case("gda_v2", 128, 4, "bfloat16", True, **MOTIF_2),
+    Case("gda_v1_decode", 128, 4, "bfloat16", False, **dict(MOTIF_2, batch=8)),
   ]
   if scope == "widths":  # the presets' kernels at every head dim
     for op, d in itertools.product(("diff_v1", "diff_v2"), (64, 80, 96)):
@@ -137,12 +138,15 @@ def _program(case: Case, devices):
   b, t, kh, d = case.batch, case.seq, case.kv_heads, case.d
   h = case.heads
   ids = arr((b, t), jnp.int32) if case.segments else None
-  if case.op == "diff_v1_decode":
+  if case.op in ("diff_v1_decode", "gda_v1_decode"):
     q, k, v = arr((b, 1, h, d)), arr((b, t, kh, d)), arr((b, t, kh, case.dv))
-    fn = lambda q1, q2, k1, k2, v, lam, n: mosaic_decode.diff_v1_decode_pallas_gpu(
-      q1, q2, k1, k2, v, lam, n
+    q2 = arr((b, 1, h // case.r, d))
+    fn = (
+      mosaic_decode.gda_v1_decode_pallas_gpu
+      if case.op == "gda_v1_decode"
+      else mosaic_decode.diff_v1_decode_pallas_gpu
     )
-    return jax.jit(fn), (q, q, k, k, v, arr((h,), jnp.float32), arr((b,), jnp.int32))
+    return jax.jit(fn), (q, q2, k, k, v, arr((h,), jnp.float32), arr((b,), jnp.int32))
   if case.op in ("gda_v1", "gda_v2"):
     q1, q2 = arr((b, t, h, d)), arr((b, t, h // case.r, d))
     k, v = arr((b, t, kh, d)), arr((b, t, kh, case.dv))

@@ -83,10 +83,11 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   rows, stats = default_gate["rows"], default_gate["stats"]
   print(stats)
   assert not problems(rows), "\n".join(problems(rows))
-  # Five entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
-  # 3B layer, V1 decoding, and the grouped V1 and V2 styles at Motif-2's layer (the
-  # grouped forward and the pair backward with r 4); no two kernels share a module text.
-  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (5, 9, 9)
+  # Six entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
+  # 3B layer, V1 decoding, and at Motif-2's layer the grouped V1 and V2 styles (the
+  # grouped forward and the pair backward with r 4) and grouped decoding; no two kernels
+  # share a module text.
+  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (6, 10, 10)
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
   assert kinds == sorted(
     [
@@ -99,6 +100,7 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
       ("gda_v1", "backward"),
       ("gda_v2", "forward"),
       ("gda_v2", "backward"),
+      ("gda_v1_decode", "decode"),
     ]
   )
   assert all(r["registers"] > 0 for r in rows)
@@ -152,5 +154,5 @@ def test_every_kernel_of_the_full_matrix_compiles_without_spills():
   print(gate["stats"])
   assert not problems(gate["rows"]), "\n".join(problems(gate["rows"]))
   # 64 training cases (2 kernels each), 16 decode cases and 32 grouped cases (2 kernels
-  # each), plus the default five.
-  assert gate["stats"]["kernels"] == 64 * 2 + 16 + 32 * 2 + 9
+  # each), plus the default six.
+  assert gate["stats"]["kernels"] == 64 * 2 + 16 + 32 * 2 + 10
