@@ -40,7 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.kernels.gpu import mosaic, mosaic_decode, mosaic_gda, mosaic_tiles, targets
+from diffjax.kernels.gpu import (
+  mosaic,
+  mosaic_decode,
+  mosaic_gda,
+  mosaic_gda_bwd,
+  mosaic_tiles,
+  targets,
+)
 from tools.gpu_compile import ptxas
 
 KERNELS = ("forward", "backward", "decode")
@@ -197,11 +204,8 @@ def model_smem(case: Case, kernel: str) -> int:
       return mosaic_gda.forward_smem_bytes(
         case.d, case.dv, 64, stages, shared_k, case.segments, itemsize
       )
-    # The pair backward in its V1 form (V2 style passes K as both K1 and K2).
-    stages, parts = mosaic_tiles.backward_blocks(case.d, case.dv, "v1", case.segments, itemsize)
-    return mosaic_tiles.backward_smem_bytes(
-      case.d, case.dv, stages, parts, "v1", case.segments, itemsize
-    )
+    stages, parts = mosaic_gda_bwd.blocks(case.d, case.dv, case.segments, itemsize)
+    return mosaic_gda_bwd.smem_bytes(case.d, case.dv, stages, parts, case.segments, itemsize)
   blocks = mosaic_tiles.MosaicBlockSizes.default(
     case.d, case.dv, case.variant, case.segments, itemsize
   )
@@ -268,7 +272,12 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
       reports.update({r.digest: r for r in new_reports})
     for k in kernels:
       role = kernel_role(k.name)
-      regs = mosaic_tiles.backward_registers(case.d, case.dv) if role == "backward" else None
+      regs = None
+      if role == "backward":
+        grouped = case.op.startswith("gda") and case.r > 1
+        regs = (mosaic_gda_bwd.registers if grouped else mosaic_tiles.backward_registers)(
+          case.d, case.dv
+        )
       rows.append(
         Row(case, role, reports[k.digest], model_smem(case, role), tgt.smem_per_block, regs)
       )

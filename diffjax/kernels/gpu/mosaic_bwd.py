@@ -184,8 +184,6 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
       """(query array, head index) of map w for local head hl of this kv group."""
       head = kvh * g + hl
       if v1:
-        if w == 1 and cfg.noise_group > 1:  # a grouped noise head serves r heads
-          return qb_ref, lax.div(head, jnp.int32(cfg.noise_group))
         return (qa_ref, qb_ref)[w], head
       return qa_ref, 2 * head + w
 

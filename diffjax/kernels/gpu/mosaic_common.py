@@ -43,8 +43,7 @@ class MosaicConfig(PairGeometry):
     interpret: run in the Mosaic GPU interpreter.
     bwd_stages, dq_parts: the backward's tiles (:class:`MosaicBlockSizes`).
     noise_group: r, the signal heads that share one noise head (grouped differential
-      attention; 1 for DIFF V1 / V2). The backward reads map b's queries, and
-      reduce-adds their gradient, at head h // r: the r steps of a group sum it there.
+      attention, :mod:`~diffjax.kernels.gpu.mosaic_gda`); 1 for DIFF V1 / V2.
   """
 
   variant: str

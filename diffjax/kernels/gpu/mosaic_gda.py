@@ -17,15 +17,13 @@ round, releasing each ring slot as it arrives. It saves O2 per noise head and bo
 log-sum-exps for the backward. Shared memory: Q of both consumers, the K1 (K2) and V ring,
 O2; registers per consumer as the pair kernel's (a [64, Dv] float32 accumulator).
 
-Backward (:mod:`.mosaic_bwd`, the pair kernel with ``noise_group = r``). The grouped
-gradients are the pair's summed over the group: the pair (signal head h, noise head h // r)
-with dO_h and lam_h is exactly head h's share, so the fused backward walks the H signal
-heads of each kv group with map b reading noise head h // r. dK2 and dV accumulate over the
-group in registers (dV on the combined probabilities, ``(P1 - lam P2)^T dO``), and dQ2 is
-reduce-added at noise head h // r, which sums it over the group in the kernel. The noise
-scores are recomputed once per signal head there (8 r matmuls a group and tile against
-5 (r + 1) for a backward that forms the noise map once with ``sum_j lam_j dO_j``); that
-saves registers for dK1, dK2 and dV at d 128.
+Backward (:mod:`.mosaic_gda_bwd`). The gradients are those of H + N independent maps over
+one V: signal head j with dO_j against K1, noise head n with ``-G_n``, ``G_n = sum_j lam_j
+dO_j`` over its group, against K2 (``dV = sum_j P1_j^T dO_j - sum_n P2_n^T G_n``). The
+wrapper forms G_n (input dtype) and each map's softmax row term; the kernel runs every map's
+flash backward once, so the noise map is formed once per group there too (5 (r + 1)
+products a group and tile, against 8 r for the pair backward per signal head), and dK2,
+dV and dQ2 sum over the group inside the kernel.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from diffjax.core import validation as _v
 from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic
-from diffjax.kernels.gpu import mosaic_bwd as mb
 from diffjax.kernels.gpu import mosaic_common as mc
+from diffjax.kernels.gpu import mosaic_gda_bwd as gb
 from diffjax.kernels.gpu import mosaic_tiles as tiles
 from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.mosaic_fwd import tile_mask
@@ -347,31 +345,37 @@ def _grouped_bwd(cfg, res, do):
   q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2 = res
   b, t, h, dv = o.shape
   n, r = o2.shape[2], cfg.noise_group
+  dtype = v.dtype
   do32 = do.astype(jnp.float32)
-  # Row terms per signal head h: d_b = rowsum(dO_h O2_{h // r}), d_a = rowsum(dO_h O) +
-  # lam d_b (pc.row_terms, without repeating O2 in memory).
-  d_o = jnp.einsum("bthd,bthd->bht", do32, o.astype(jnp.float32))
-  d_b = jnp.einsum(
-    "btnrd,btnd->bnrt", do32.reshape(b, t, n, r, dv), o2.astype(jnp.float32)
-  ).reshape(b, h, t)
-  rows = jnp.stack([lse1, jnp.repeat(lse2, r, axis=1), d_o + lam_BxHxT * d_b, d_b, lam_BxHxT], 2)
-  pair_ks = ks if len(ks) == 2 else (ks[0], ks[0])
-  dqs, dks, dvv = mb.backward(
-    dataclasses.replace(cfg, variant="v1"),
-    (q1, q2),
-    pair_ks,
+  o2_32 = o2.astype(jnp.float32)
+  do_BxTxNxRxDv = do32.reshape(b, t, n, r, dv)
+  # Signal head h: d_b = rowsum(dO_h O2_{h // r}) (minus its d lambda), and its row term
+  # d_a = rowsum(dO_h O1_h) = rowsum(dO_h O) + lam d_b.
+  d_b = jnp.einsum("btnrd,btnd->bnrt", do_BxTxNxRxDv, o2_32).reshape(b, h, t)
+  d_a = jnp.einsum("bthd,bthd->bht", do32, o.astype(jnp.float32)) + lam_BxHxT * d_b
+  # Noise head n: its dO is G_n = -sum_j lam_j dO_j over the group, its row term
+  # rowsum(G_n O2) (of the rounded G_n the kernel reads).
+  lam_BxTxNxR = jnp.transpose(lam_BxHxT, (0, 2, 1)).reshape(b, t, n, r)
+  g = (-jnp.einsum("btnrd,btnr->btnd", do_BxTxNxRxDv, lam_BxTxNxR)).astype(dtype)
+  d_g = jnp.einsum("btnd,btnd->bnt", g.astype(jnp.float32), o2_32)
+  (dq1, dq2), (dk1, dk2), dvv = gb.backward(
+    cfg,
+    q1,
+    q2,
+    ks[0],
+    ks[-1],
     v,
-    do.astype(v.dtype),
-    rows,
+    do.astype(dtype),
+    g,
+    jnp.stack([lse1, d_a], axis=2),
+    jnp.stack([lse2, d_g], axis=2),
     q_seg,
     kv_seg,
     stages=cfg.bwd_stages,
     dq_parts=cfg.dq_parts,
   )
-  dq1, dq2 = (dq.astype(q.dtype) for dq, q in zip(dqs, (q1, q2)))
-  if len(ks) == 1:
-    dks = ((dks[0].astype(jnp.float32) + dks[1].astype(jnp.float32)).astype(ks[0].dtype),)
-  return dq1, dq2, tuple(dks), dvv, -d_b, None, None
+  dks = (dk1.astype(dtype), dk2.astype(dtype)) if len(ks) == 2 else ((dk1 + dk2).astype(dtype),)
+  return dq1.astype(q1.dtype), dq2.astype(q2.dtype), dks, dvv, -d_b, None, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -399,7 +403,7 @@ def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> 
   try:
     if ok:
       forward_stages(d, dv, shared_k, segments, itemsize)
-      tiles.backward_blocks(d, dv, "v1", segments, itemsize)
+      gb.blocks(d, dv, segments, itemsize)
   except ValueError:
     ok = False
   if not ok:
@@ -421,7 +425,7 @@ def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
     raise NotImplementedError(f"the grouped Mosaic GPU kernels refuse these inputs: {reason}")
   itemsize = jnp.dtype(q1.dtype).itemsize
   stages = forward_stages(d, dv, len(ks) == 1, segments, itemsize)
-  bwd_stages, parts = tiles.backward_blocks(d, dv, "v1", segments, itemsize)
+  bwd_stages, parts = gb.blocks(d, dv, segments, itemsize)
   if block_sizes is not None:
     fields = block_sizes if isinstance(block_sizes, dict) else dataclasses.asdict(block_sizes)
     unknown = set(fields) - {"stages", "bwd_stages", "dq_parts", "block_kv"}
@@ -439,7 +443,12 @@ def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
         f"stages={stages} needs {smem} bytes of shared memory for d={d}, dv={dv}; a CTA "
         f"has {tiles.SMEM_BYTES}."
       )
-    tiles.MosaicBlockSizes(64, 1, bwd_stages, parts).check(d, dv, "v1", segments, itemsize)
+    bwd = gb.smem_bytes(d, dv, bwd_stages, parts, segments, itemsize)
+    if bwd > tiles.SMEM_BYTES or d % parts:
+      raise ValueError(
+        f"bwd_stages={bwd_stages}, dq_parts={parts} need {bwd} bytes of shared memory for "
+        f"d={d}, dv={dv} (a CTA has {tiles.SMEM_BYTES}), and dq_parts must divide d."
+      )
   return _Tiles(stages, bwd_stages, parts)
 
 

@@ -26,6 +26,7 @@ from diffjax import ops
 from diffjax.core import op_specs
 from diffjax.kernels.gpu import mosaic, mosaic_tiles
 from diffjax.kernels.gpu import mosaic_gda as mg
+from diffjax.kernels.gpu import mosaic_gda_bwd as gb
 from diffjax.ops import dispatch
 
 
@@ -105,6 +106,14 @@ def test_shared_memory_model_and_stages():
   for d, dv, shared in ((64, 128, False), (128, 256, False), (128, 128, True)):
     stages = mg.forward_stages(d, dv, shared)
     assert mg.forward_smem_bytes(d, dv, 64, stages, shared) <= mosaic_tiles.SMEM_BYTES
+  # The backward: Q, dO halves and row terms per map, both keys, V halves, the crossing
+  # tile and dQ chunks; one ring slot at V1 style d 128 / Dv 256, two below.
+  assert gb.blocks(128, 256, True) == (1, 4) and gb.blocks(128, 128, True) == (2, 4)
+  assert gb.blocks(64, 128, True) == (2, 2)
+  assert gb.smem_bytes(128, 256, 1, 4, True) <= mosaic_tiles.SMEM_BYTES
+  assert [gb.key_split(d) for d in (64, 80, 96, 128)] == [(32, 32), (48, 32), (64, 32), (64, 64)]
+  assert gb.registers(128, 256) == 184 <= gb.CONSUMER_REGISTERS
+  assert 2 * 128 * gb.CONSUMER_REGISTERS + 128 * gb.PRODUCER_REGISTERS == 168 * 384
   # Rounds: the noise map and r signal maps over two consumers.
   assert [mg.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
   assert [mg._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]
@@ -123,6 +132,7 @@ _CHILD = textwrap.dedent("""
     import kernel_checks as kc
     from diffjax.core import reference as ref
     from diffjax.kernels.gpu import mosaic_gda as mg
+from diffjax.kernels.gpu import mosaic_gda_bwd as gb
 
     results = []
     for case in {cases!r}:
