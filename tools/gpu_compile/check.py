@@ -9,7 +9,7 @@ with every gradient (:func:`~diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu` /
 ``diff_v2_pallas_gpu`` under ``jax.grad``: the forward and the fused backward kernel)
 and decoding (:func:`~diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`);
 grouped differential attention (:func:`~diffjax.kernels.gpu.mosaic_gda.gda_v1_pallas_gpu` /
-``gda_v2_pallas_gpu`` under ``jax.grad``: the grouped forward and the pair backward).
+``gda_v2_pallas_gpu`` under ``jax.grad``: the grouped forward and backward).
 Kernels are deduplicated by the digest of their Mosaic GPU module (the same text gives
 the same ptxas result), each distinct program is compiled once through XLA and ptxas,
 and the table reports per kernel: registers, spill stores/loads, shared memory as

@@ -328,7 +328,7 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
 
 
 # ----------------------------------------------------------------------------------
-# Differentiation: the forward above, the pair backward with noise_group = r.
+# Differentiation: the forward above and the grouped backward (mosaic_gda_bwd).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

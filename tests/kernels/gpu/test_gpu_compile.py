@@ -85,7 +85,7 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   assert not problems(rows), "\n".join(problems(rows))
   # Six entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
   # 3B layer, V1 decoding, and at Motif-2's layer the grouped V1 and V2 styles (the
-  # grouped forward and the pair backward with r 4) and grouped decoding; no two kernels
+  # grouped forward and backward with r 4) and grouped decoding; no two kernels
   # share a module text.
   assert (stats["cases"], stats["kernels"], stats["distinct"]) == (6, 10, 10)
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
