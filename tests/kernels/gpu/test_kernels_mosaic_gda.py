@@ -132,7 +132,6 @@ _CHILD = textwrap.dedent("""
     import kernel_checks as kc
     from diffjax.core import reference as ref
     from diffjax.kernels.gpu import mosaic_gda as mg
-from diffjax.kernels.gpu import mosaic_gda_bwd as gb
 
     results = []
     for case in {cases!r}:
