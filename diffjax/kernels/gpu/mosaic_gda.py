@@ -426,29 +426,35 @@ def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
   itemsize = jnp.dtype(q1.dtype).itemsize
   stages = forward_stages(d, dv, len(ks) == 1, segments, itemsize)
   bwd_stages, parts = gb.blocks(d, dv, segments, itemsize)
-  if block_sizes is not None:
-    fields = block_sizes if isinstance(block_sizes, dict) else dataclasses.asdict(block_sizes)
-    unknown = set(fields) - {"stages", "bwd_stages", "dq_parts", "block_kv"}
-    if unknown or fields.get("block_kv", 64) != 64:
-      raise ValueError(
-        f"block_sizes={block_sizes!r}: the grouped kernels take stages, bwd_stages and "
-        "dq_parts (block_kv is 64)."
-      )
-    stages = fields.get("stages") or stages
-    bwd_stages = fields.get("bwd_stages") or bwd_stages
-    parts = fields.get("dq_parts") or parts
-    smem = forward_smem_bytes(d, dv, 64, stages, len(ks) == 1, segments, itemsize)
-    if smem > tiles.SMEM_BYTES:
-      raise ValueError(
-        f"stages={stages} needs {smem} bytes of shared memory for d={d}, dv={dv}; a CTA "
-        f"has {tiles.SMEM_BYTES}."
-      )
-    bwd = gb.smem_bytes(d, dv, bwd_stages, parts, segments, itemsize)
-    if bwd > tiles.SMEM_BYTES or d % parts:
-      raise ValueError(
-        f"bwd_stages={bwd_stages}, dq_parts={parts} need {bwd} bytes of shared memory for "
-        f"d={d}, dv={dv} (a CTA has {tiles.SMEM_BYTES}), and dq_parts must divide d."
-      )
+  if block_sizes is None:
+    return _Tiles(stages, bwd_stages, parts)
+  default = tiles.MosaicBlockSizes(64, stages, bwd_stages, parts)
+  blocks = _v.resolve_fields(block_sizes, default, tiles.MosaicBlockSizes)
+  if blocks.block_kv != 64:
+    raise ValueError(
+      f"block_kv={blocks.block_kv}: the grouped kernels step 64 keys at a time (block_kv is "
+      "64); their tiles are stages, bwd_stages and dq_parts."
+    )
+  stages = blocks.stages
+  bwd_stages, parts = blocks.bwd_stages or bwd_stages, blocks.dq_parts or parts
+  smem = forward_smem_bytes(d, dv, 64, stages, len(ks) == 1, segments, itemsize)
+  if smem > tiles.SMEM_BYTES:
+    raise ValueError(
+      f"stages={stages} needs {smem} bytes of shared memory for d={d}, dv={dv}; a CTA has "
+      f"{tiles.SMEM_BYTES}. Use fewer stages (the default here is {default.stages})."
+    )
+  swizzle = mc.swizzle_bytes(d, itemsize, tiles.bwd_swizzle_cap(itemsize)) // itemsize
+  if d % parts or (d // parts) % swizzle:
+    raise ValueError(
+      f"dq_parts={parts} must split d={d} into chunks of whole {swizzle}-element swizzle rows."
+    )
+  bwd = gb.smem_bytes(d, dv, bwd_stages, parts, segments, itemsize)
+  if bwd > tiles.SMEM_BYTES:
+    raise ValueError(
+      f"bwd_stages={bwd_stages}, dq_parts={parts} need {bwd} bytes of shared memory for "
+      f"d={d}, dv={dv}; a CTA has {tiles.SMEM_BYTES}. Use fewer bwd_stages (the default "
+      f"here is {default.bwd_stages})."
+    )
   return _Tiles(stages, bwd_stages, parts)
 
 

@@ -74,6 +74,10 @@ def test_refusals_name_the_value():
     mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_kv": 128})
   with pytest.raises(ValueError, match="needs .* bytes of shared memory for d=128"):
     mg.gda_v1_pallas_gpu(*_gda_v1(d=128), block_sizes={"stages": 3})
+  with pytest.raises(ValueError, match="dq_parts=3 must split d=64"):
+    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"dq_parts": 3})
+  with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
+    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_q": 64})
 
 
 def test_r1_runs_the_diff_kernels(monkeypatch):
