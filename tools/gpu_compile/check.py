@@ -45,6 +45,7 @@ from diffjax.kernels.gpu import (
   mosaic_decode,
   mosaic_gda,
   mosaic_gda_bwd,
+  mosaic_gda_fwd,
   mosaic_tiles,
   targets,
 )
@@ -200,8 +201,8 @@ def model_smem(case: Case, kernel: str) -> int:
   if case.op.startswith("gda") and case.r > 1:
     shared_k = case.variant == "v2"
     if kernel == "forward":
-      stages = mosaic_gda.forward_stages(case.d, case.dv, shared_k, case.segments, itemsize)
-      return mosaic_gda.forward_smem_bytes(
+      stages = mosaic_gda_fwd.forward_stages(case.d, case.dv, shared_k, case.segments, itemsize)
+      return mosaic_gda_fwd.forward_smem_bytes(
         case.d, case.dv, 64, stages, shared_k, case.segments, itemsize
       )
     stages, parts = mosaic_gda_bwd.blocks(case.d, case.dv, case.segments, itemsize)

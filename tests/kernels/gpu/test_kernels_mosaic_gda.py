@@ -27,6 +27,7 @@ from diffjax.core import op_specs
 from diffjax.kernels.gpu import mosaic, mosaic_tiles
 from diffjax.kernels.gpu import mosaic_gda as mg
 from diffjax.kernels.gpu import mosaic_gda_bwd as gb
+from diffjax.kernels.gpu import mosaic_gda_fwd as gf
 from diffjax.ops import dispatch
 
 
@@ -119,8 +120,8 @@ def test_shared_memory_model_and_stages():
   assert gb.registers(128, 256) == 184 <= gb.CONSUMER_REGISTERS
   assert 2 * 128 * gb.CONSUMER_REGISTERS + 128 * gb.PRODUCER_REGISTERS == 168 * 384
   # Rounds: the noise map and r signal maps over two consumers.
-  assert [mg.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
-  assert [mg._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]
+  assert [gf.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
+  assert [gf._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]
 
 
 # ----------------------------------------------------------------------------------
