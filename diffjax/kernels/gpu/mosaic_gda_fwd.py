@@ -39,6 +39,16 @@ def _item(k: int, w: int, r: int) -> int | None:
   return None if i > r else i - 1
 
 
+def o2_parts(dv: int) -> int:
+  """Column chunks in which O2 is kept and combined into a signal head: the fewest of at
+  most 128 columns (a multiple of 16), so a chunk of O2 in float32 is at most 64 registers a
+  thread beside the [64, Dv] accumulator. Dv 256 -> 2 (128); Dv 192 -> 2 (96); Dv 128 -> 1."""
+  for parts in (1, 2, 3, 4):
+    if dv % parts == 0 and dv // parts <= 128 and (dv // parts) % 16 == 0:
+      return parts
+  return 1
+
+
 def forward_smem_bytes(
   d: int,
   dv: int,
@@ -134,7 +144,7 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // bk))
   c = cfg.scale * LOG2E
   shared_k = len(ks) == 1
-  parts = tiles.exchange_parts(dv)
+  parts = o2_parts(dv)
   width = dv // parts
   n_rounds = rounds(r)
   seg = cfg.segments
@@ -172,7 +182,8 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
     ni = lax.axis_index("heads")
     q_start = lax.axis_index("q_seq") * bq
     kvh = lax.div(ni, jnp.int32(per_kv))
-    n_full, n_end = kv_blocks(cfg, q_start, bq, bk)
+    _, n_end = kv_blocks(cfg, q_start, bq, bk)
+    any_mask = cfg.causal or seg or cfg.kv_len % bk != 0
 
     def consumer(w: int):
       # Registers as the pair kernel's consumers (tiles.CONSUMER_REGISTERS).
@@ -228,10 +239,12 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
             carry, sc, v_smem.at[slot], v_bar.at[slot], consumed.at[slot], cfg, dtype, masked=masked
           )
 
+        # One loop a round with one step body, masked whenever the call has a mask: the
+        # rounds are unrolled, and an unmasked copy of the body beside the masked one in
+        # each round made ptxas spill (d 96, r 2 and 4).
         carry = lax.fori_loop(
-          0, n_full, functools.partial(step, masked=False), mc.softmax_start(bq, dv)
+          0, n_end, functools.partial(step, masked=any_mask), mc.softmax_start(bq, dv)
         )
-        carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
         out, lse = mc.softmax_finish(*carry)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last round's lse was read
         lse_smem.at[w][...] = lse

@@ -119,6 +119,7 @@ def test_shared_memory_model_and_stages():
   assert [gb.key_split(d) for d in (64, 80, 96, 128)] == [(32, 32), (48, 32), (64, 32), (64, 64)]
   assert gb.registers(128, 256) == 184 <= gb.CONSUMER_REGISTERS
   assert 2 * 128 * gb.CONSUMER_REGISTERS + 128 * gb.PRODUCER_REGISTERS == 168 * 384
+  assert [gf.o2_parts(dv) for dv in (64, 128, 160, 192, 256)] == [1, 1, 2, 2, 2]
   # Rounds: the noise map and r signal maps over two consumers.
   assert [gf.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
   assert [gf._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]
