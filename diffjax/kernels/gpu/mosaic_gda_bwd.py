@@ -168,6 +168,8 @@ def backward(
   widths = tiles.value_split(dv)
   starts = (0, widths[0])
   k_widths = key_split(d, jnp.dtype(dtype).itemsize)
+  itemsize, cap = jnp.dtype(dtype).itemsize, tiles.bwd_swizzle_cap(jnp.dtype(dtype).itemsize)
+  p_from_smem = swizzle_bytes(d, itemsize, cap) == swizzle_bytes(math.gcd(*widths), itemsize, cap)
   k_starts = (0, k_widths[0])
   c = cfg.scale * LOG2E
   q_width = d // dq_parts
@@ -264,9 +266,12 @@ def backward(
           # Both maps' P reach both warpgroups (x_bar: both written; r_bar: both read).
           plgpu.barrier_arrive(x_bar)
           plgpu.barrier_wait(x_bar)
-          for x in range(wgs):  # A operands straight from shared memory
+          for x in range(wgs):
+            # P^T dO with P straight from shared memory where its swizzle is dO's (a wgmma
+            # takes one swizzle for both operands), else through registers.
+            p_x = xp_smem.at[x, :, cols]
             dv_acc = accumulate(
-              dv_acc, xp_smem.at[x, :, cols], do_smem[x][w].at[slot].at[cols], cfg
+              dv_acc, p_x if p_from_smem else tile(p_x), do_smem[x][w].at[slot].at[cols], cfg
             )
           plgpu.barrier_arrive(r_bar)
           # dP = dO V^T of this warpgroup's map, over both V halves.

@@ -215,6 +215,7 @@ def test_forward_and_every_gradient_match_reference_in_interpreter():
     ("v2", 2, 200, 4, 2, 2, 64, False, False, "bfloat16"),  # r 2, GQA over two kv heads
     ("v1", 1, 128, 4, 1, 1, 128, True, True, "bfloat16"),  # Dv 256: two slots, O2 in parts
     ("v2", 1, 200, 6, 2, 1, 80, True, False, "bfloat16"),  # r 3 (no idle round), d 80
+    ("v2", 1, 64, 4, 1, 1, 96, True, True, "bfloat16"),  # d 96: P^T dO through registers
     ("v1", 1, 130, 6, 2, 2, 64, True, False, "float16"),  # r 3, fp16, a partial block
     ("v1", 1, 64, 2, 2, 1, 64, True, True, "bfloat16"),  # r 1: the DIFF V1 kernels
     ("v2", 1, 64, 2, 2, 1, 64, True, True, "bfloat16"),  # r 1: the DIFF V2 kernels
