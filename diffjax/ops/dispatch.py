@@ -75,10 +75,12 @@ try:
   # Mosaic GPU may be missing from a jax; the stock GPU paths stay regardless.
   from diffjax.kernels.gpu import mosaic as gpu_mosaic
   from diffjax.kernels.gpu import mosaic_decode as gpu_mosaic_decode
+  from diffjax.kernels.gpu import mosaic_gda as gpu_mosaic_gda
   from diffjax.kernels.gpu import mosaic_ring as gpu_mosaic_ring
 except ImportError as e:  # pragma: no cover
   gpu_mosaic = _Unavailable("diffjax.kernels.gpu.mosaic (Mosaic GPU)", e)
   gpu_mosaic_decode = gpu_mosaic_ring = gpu_mosaic
+  gpu_mosaic_gda = gpu_mosaic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +144,13 @@ _ALL_ROWS = (
   _row("diff_v1", "stock", "gpu", gpu_stock.diff_v1_stock_gpu),
   _row("diff_v2", "pallas_gpu", "gpu", gpu_mosaic.diff_v2_pallas_gpu, gpu_mosaic_ring, version=2),
   _row("diff_v2", "stock", "gpu", gpu_stock.diff_v2_stock_gpu),
+  _row("gda_v1", "pallas_gpu", "gpu", gpu_mosaic_gda.gda_v1_pallas_gpu),
+  _row("gda_v1", "stock", "gpu", gpu_stock.gda_v1_stock_gpu),
+  _row("gda_v2", "pallas_gpu", "gpu", gpu_mosaic_gda.gda_v2_pallas_gpu),
+  _row("gda_v2", "stock", "gpu", gpu_stock.gda_v2_stock_gpu),
   _row("diff_v1_decode", "pallas_tpu", "tpu", tpu_kernels.diff_v1_decode_pallas_tpu),
   _row("diff_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.diff_v1_decode_pallas_gpu),
+  _row("gda_v1_decode", "pallas_gpu", "gpu", gpu_mosaic_decode.gda_v1_decode_pallas_gpu),
 )
 BUILTIN_KERNELS: tuple[Implementation, ...] = tuple(r for r in _ALL_ROWS if r is not None)
 

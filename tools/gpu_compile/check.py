@@ -7,7 +7,9 @@
 point for the target's compile-only devices (:mod:`diffjax.kernels.gpu.targets`): the forward
 with every gradient (:func:`~diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu` /
 ``diff_v2_pallas_gpu`` under ``jax.grad``: the forward and the fused backward kernel)
-and decoding (:func:`~diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`).
+and decoding (:func:`~diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`);
+grouped differential attention (:func:`~diffjax.kernels.gpu.mosaic_gda.gda_v1_pallas_gpu` /
+``gda_v2_pallas_gpu`` under ``jax.grad``: the grouped forward and backward).
 Kernels are deduplicated by the digest of their Mosaic GPU module (the same text gives
 the same ptxas result), each distinct program is compiled once through XLA and ptxas,
 and the table reports per kernel: registers, spill stores/loads, shared memory as
@@ -15,7 +17,9 @@ launched next to the tiling model's count (:mod:`diffjax.kernels.gpu.mosaic_tile
 the limit (:mod:`diffjax.hardware`), read back by :mod:`tools.gpu_compile.ptxas`.
 
 The default scope is the kernels the paper presets run (the 3B layer: d 128, 12 heads,
-T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096); ``widths`` adds V1 and V2 at
+T 4096, bf16, segment ids; V1 decoding at batch 8 x 4,096) and the grouped ops at
+Motif-2-12.7B's layer (32 signal heads, 8 noise heads, 8 kv heads, d 128, T 4096, bf16,
+segment ids; V1-style decoding at batch 8); ``widths`` adds V1 and V2 at
 d 64, 80 and 96; ``full`` adds every head dim 64/80/96/128 with GQA 1 and 3, bf16 and
 fp16, segment ids on and off, and decoding at each.
 
@@ -36,7 +40,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.kernels.gpu import mosaic, mosaic_decode, mosaic_tiles, targets
+from diffjax.kernels.gpu import (
+  mosaic,
+  mosaic_decode,
+  mosaic_gda,
+  mosaic_gda_bwd,
+  mosaic_gda_fwd,
+  mosaic_tiles,
+  targets,
+)
 from tools.gpu_compile import ptxas
 
 KERNELS = ("forward", "backward", "decode")
@@ -48,12 +60,14 @@ class Case:
   """One entry-point call: its kernels are compiled together.
 
   Attributes:
-    op: "diff_v1", "diff_v2" (forward + every gradient) or "diff_v1_decode".
+    op: "diff_v1", "diff_v2", "gda_v1", "gda_v2" (forward + every gradient),
+      "diff_v1_decode" or "gda_v1_decode".
     d: head dim (V1's value dim is 2 d).
-    group: query heads (V1: DIFF heads, V2: pairs) per kv group.
+    group: query heads (V1: DIFF heads, V2: pairs, GDA: signal heads) per kv group.
     dtype: "bfloat16" or "float16".
     segments: segment ids passed (training ops only).
     batch, seq, kv_heads: shapes; decode reads a cache of ``seq`` slots.
+    r: signal heads per noise head (GDA only).
   """
 
   op: str
@@ -64,10 +78,11 @@ class Case:
   batch: int = 1
   seq: int = 256
   kv_heads: int = 2
+  r: int = 1
 
   @property
   def variant(self) -> str:
-    return "v2" if self.op == "diff_v2" else "v1"
+    return "v2" if self.op in ("diff_v2", "gda_v2") else "v1"
 
   @property
   def dv(self) -> int:
@@ -79,13 +94,16 @@ class Case:
 
   def label(self) -> str:
     seg = " seg" if self.segments else ""
+    r = f" r{self.r}" if self.op.startswith("gda") else ""
     return (
-      f"{self.op} d{self.d} g{self.group} {self.dtype[:4]}{seg} "
+      f"{self.op} d{self.d} g{self.group}{r} {self.dtype[:4]}{seg} "
       f"B{self.batch} T{self.seq} H{self.heads}"
     )
 
 
 PAPER_3B = dict(batch=1, seq=4096, kv_heads=12)  # 12 DIFF heads (24 for V2's query heads)
+# Motif-2-12.7B: 32 signal heads over 8 kv heads (group 4), one noise head per kv head (r 4).
+MOTIF_2 = dict(batch=1, seq=4096, kv_heads=8, r=4)
 SCOPES = ("default", "widths", "full")
 
 
@@ -97,6 +115,9 @@ def cases(scope: str = "default") -> list[Case]:
     Case("diff_v1", 128, 1, "bfloat16", True, **PAPER_3B),
     Case("diff_v2", 128, 1, "bfloat16", True, **PAPER_3B),
     Case("diff_v1_decode", 128, 1, "bfloat16", False, batch=8, seq=4096, kv_heads=12),
+    Case("gda_v1", 128, 4, "bfloat16", True, **MOTIF_2),
+    Case("gda_v2", 128, 4, "bfloat16", True, **MOTIF_2),
+    Case("gda_v1_decode", 128, 4, "bfloat16", False, **dict(MOTIF_2, batch=8)),
   ]
   if scope == "widths":  # the presets' kernels at every head dim
     for op, d in itertools.product(("diff_v1", "diff_v2"), (64, 80, 96)):
@@ -108,6 +129,11 @@ def cases(scope: str = "default") -> list[Case]:
       out.append(Case(op, d, group, dtype, seg))
     for d, group, dtype in itertools.product((64, 80, 96, 128), (1, 3), ("bfloat16", "float16")):
       out.append(Case("diff_v1_decode", d, group, dtype, False, batch=4, seq=1024))
+    # Grouped: r 2 and 4 (two noise heads a kv group at r 2), every head dim.
+    for op, d, (group, r), seg in itertools.product(
+      ("gda_v1", "gda_v2"), (64, 80, 96, 128), ((4, 2), (4, 4)), (True, False)
+    ):
+      out.append(Case(op, d, group, "bfloat16", seg, r=r))
   return list(dict.fromkeys(out))
 
 
@@ -120,12 +146,27 @@ def _program(case: Case, devices):
   b, t, kh, d = case.batch, case.seq, case.kv_heads, case.d
   h = case.heads
   ids = arr((b, t), jnp.int32) if case.segments else None
-  if case.op == "diff_v1_decode":
+  if case.op in ("diff_v1_decode", "gda_v1_decode"):
     q, k, v = arr((b, 1, h, d)), arr((b, t, kh, d)), arr((b, t, kh, case.dv))
-    fn = lambda q1, q2, k1, k2, v, lam, n: mosaic_decode.diff_v1_decode_pallas_gpu(
-      q1, q2, k1, k2, v, lam, n
+    q2 = arr((b, 1, h // case.r, d))
+    fn = (
+      mosaic_decode.gda_v1_decode_pallas_gpu
+      if case.op == "gda_v1_decode"
+      else mosaic_decode.diff_v1_decode_pallas_gpu
     )
-    return jax.jit(fn), (q, q, k, k, v, arr((h,), jnp.float32), arr((b,), jnp.int32))
+    return jax.jit(fn), (q, q2, k, k, v, arr((h,), jnp.float32), arr((b,), jnp.int32))
+  if case.op in ("gda_v1", "gda_v2"):
+    q1, q2 = arr((b, t, h, d)), arr((b, t, h // case.r, d))
+    k, v = arr((b, t, kh, d)), arr((b, t, kh, case.dv))
+    fn = mosaic_gda.gda_v1_pallas_gpu if case.op == "gda_v1" else mosaic_gda.gda_v2_pallas_gpu
+    loss = lambda *a: (
+      fn(*a[:-1], q_segment_ids=a[-1], kv_segment_ids=a[-1]).astype(jnp.float32).sum()
+    )
+    if case.op == "gda_v1":
+      args = (q1, q2, k, k, v, arr((h,), jnp.float32), ids)
+    else:
+      args = (q1, q2, k, v, arr((b, t, h), jnp.float32), ids)
+    return jax.jit(jax.grad(loss, argnums=tuple(range(len(args) - 1)))), args
   if case.op == "diff_v1":
     q, k, v = arr((b, t, h, d)), arr((b, t, kh, d)), arr((b, t, kh, case.dv))
     loss = lambda q1, q2, k1, k2, v, lam, ids: (
@@ -157,6 +198,15 @@ def model_smem(case: Case, kernel: str) -> int:
     return mosaic_decode.decode_smem_bytes(
       case.d, case.dv, mosaic_decode.decode_stages(case.d, case.dv, itemsize), itemsize
     )
+  if case.op.startswith("gda") and case.r > 1:
+    shared_k = case.variant == "v2"
+    if kernel == "forward":
+      stages = mosaic_gda_fwd.forward_stages(case.d, case.dv, shared_k, case.segments, itemsize)
+      return mosaic_gda_fwd.forward_smem_bytes(
+        case.d, case.dv, 64, stages, shared_k, case.segments, itemsize
+      )
+    stages, parts = mosaic_gda_bwd.blocks(case.d, case.dv, case.segments, itemsize)
+    return mosaic_gda_bwd.smem_bytes(case.d, case.dv, stages, parts, case.segments, itemsize)
   blocks = mosaic_tiles.MosaicBlockSizes.default(
     case.d, case.dv, case.variant, case.segments, itemsize
   )
@@ -223,7 +273,12 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
       reports.update({r.digest: r for r in new_reports})
     for k in kernels:
       role = kernel_role(k.name)
-      regs = mosaic_tiles.backward_registers(case.d, case.dv) if role == "backward" else None
+      regs = None
+      if role == "backward":
+        grouped = case.op.startswith("gda") and case.r > 1
+        regs = (mosaic_gda_bwd.registers if grouped else mosaic_tiles.backward_registers)(
+          case.d, case.dv
+        )
       rows.append(
         Row(case, role, reports[k.digest], model_smem(case, role), tgt.smem_per_block, regs)
       )

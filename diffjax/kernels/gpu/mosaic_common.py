@@ -42,6 +42,8 @@ class MosaicConfig(PairGeometry):
     stages: shared-memory slots of the forward kernel's K/V ring.
     interpret: run in the Mosaic GPU interpreter.
     bwd_stages, dq_parts: the backward's tiles (:class:`MosaicBlockSizes`).
+    noise_group: r, the signal heads that share one noise head (grouped differential
+      attention, :mod:`~diffjax.kernels.gpu.mosaic_gda`); 1 for DIFF V1 / V2.
   """
 
   variant: str
@@ -56,6 +58,7 @@ class MosaicConfig(PairGeometry):
   interpret: bool
   bwd_stages: int = 1
   dq_parts: int = 1
+  noise_group: int = 1
 
   def kernel_kwargs(self) -> dict:
     return launch_kwargs(self.interpret)

@@ -3,6 +3,11 @@
 Flash-decoding: a CTA per (kv group, cache split, batch row) reads the split's K1, K2
 and V once, in place when the cache length is a multiple of 64
 (:func:`cache_length_multiple`), and XLA merges the splits. Layout: docs/kernels_gpu.md.
+
+Grouped differential attention (V1 style) decodes with the same kernel: the query rows of
+map 1 are the group's signal heads, those of map 2 its N / K noise heads (each noise map
+once per kv group), and the merged noise outputs are repeated over their r signal heads
+before ``o1 - lam o2`` (:func:`gda_v1_decode_pallas_gpu`).
 """
 
 from __future__ import annotations
@@ -226,12 +231,13 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, splits, interpret):
   b, _, h, d = q1.shape
   s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
   g = h // kh
+  g2 = q2.shape[2] // kh  # noise heads per kv group (g for DIFF V1)
   # A cache whose length is a multiple of 64 is read in place; another is padded (a
   # copy) to one. Query rows: [B, 1, H, d] -> [B, K, 64, d] (a copy of B x H x d).
   sp = pc.round_up(s, BLOCK_KV)
   split_len = pc.round_up(-(-sp // splits), BLOCK_KV)
   pad = lambda x: pc.pad_axis(x, 1, sp)
-  rows = lambda q: pc.pad_axis(q.reshape(b, kh, g, d), 2, ROWS)
+  rows = lambda q: pc.pad_axis(q.reshape(b, kh, q.shape[2] // kh, d), 2, ROWS)
   lens = pc.pad_axis(jnp.clip(kv_len.astype(jnp.int32), 0, s)[:, None], 1, LENS)
   itemsize = jnp.dtype(q1.dtype).itemsize
   cfg = DecodeConfig(
@@ -242,7 +248,9 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, splits, interpret):
     interpret=interpret,
   )
   o1, o2, lse1, lse2 = decode_partials(cfg, rows(q1), rows(q2), pad(k1), pad(k2), pad(v), lens)
-  out1, out2 = _merge(o1, lse1)[:, :, :g], _merge(o2, lse2)[:, :, :g]  # [B, K, G, Dv]
+  out1, out2 = _merge(o1, lse1)[:, :, :g], _merge(o2, lse2)[:, :, :g2]  # [B, K, G, Dv]
+  if g2 != g:  # each noise head's output over its r signal heads
+    out2 = jnp.repeat(out2, g // g2, axis=2)
   lam = lam_H.astype(jnp.float32).reshape(kh, g)[None, :, :, None]
   return (out1 - lam * out2).reshape(b, 1, h, dv).astype(q1.dtype)
 
@@ -299,6 +307,48 @@ def diff_v1_decode_pallas_gpu(
   return _decode(
     q1_Bx1xHxD,
     q2_Bx1xHxD,
+    k1_BxSxKxD,
+    k2_BxSxKxD,
+    v_BxSxKxDv,
+    jnp.broadcast_to(lam_H, (h,)),
+    jnp.asarray(kv_len_B),
+    scale=_v.default_scale(scale, d),
+    splits=splits,
+    interpret=bool(interpret),
+  )
+
+
+def gda_v1_decode_pallas_gpu(
+  q1_Bx1xHxD: jax.Array,
+  q2_Bx1xNxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Grouped differential attention (V1 style) of one new token against a KV cache.
+
+  As :func:`diff_v1_decode_pallas_gpu` with N = H / r noise heads in ``q2_Bx1xNxD``: a
+  CTA per (kv group, cache split, batch row) reads K1, K2 and V once for the group's
+  signal and noise heads. Returns [B, 1, H, Dv] in the dtype of q1. No gradient.
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_gda_v1(q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "gda_v1_decode_pallas_gpu", wider="gda_v1_pallas_gpu")
+  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv, q2_Bx1xNxD, k2_BxSxKxD)
+  b, _, h, d = q1_Bx1xHxD.shape
+  s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
+  blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
+  splits = blocks.num_splits or num_splits(b, kh, s)
+  splits = min(splits, -(-s // BLOCK_KV))
+  return _decode(
+    q1_Bx1xHxD,
+    q2_Bx1xNxD,
     k1_BxSxKxD,
     k2_BxSxKxD,
     v_BxSxKxDv,

@@ -2,8 +2,10 @@
 
 The peers the fused kernels must beat, as the authors' code runs on stock kernels (cuDNN
 flash attention when it accepts a call, XLA otherwise): one call for the baseline, four
-for DIFF V1, one over the 2H query heads for DIFF V2. Why four, and the masks:
-docs/kernels_gpu.md.
+for DIFF V1, one over the 2H query heads for DIFF V2. Grouped differential attention runs
+the H signal heads in one call (per value chunk) and the N noise heads in one, so each
+noise map is computed once per group and its output repeated over the group's r signal
+heads. Why four, and the masks: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations
@@ -115,28 +117,46 @@ def diff_v1_stock_gpu(
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   b, t, h, d = q1_BxTxHxD.shape
-  s, dv = k1_BxSxKxD.shape[1], v_BxSxKxDv.shape[3]
+  s = k1_BxSxKxD.shape[1]
   mask, is_causal = _mask(b, t, s, causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids)
   scale = _v.default_scale(scale, d)
-  chunks = -(-dv // d)
-  v_pad = jnp.pad(v_BxSxKxDv, [(0, 0)] * 3 + [(0, chunks * d - dv)])
-  maps = []
-  for q, k in ((q1_BxTxHxD, k1_BxSxKxD), (q2_BxTxHxD, k2_BxSxKxD)):
-    parts = [
-      _attend(
-        q,
-        k,
-        v_pad[..., i * d : (i + 1) * d],
-        mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        implementation=implementation,
-      )
-      for i in range(chunks)
-    ]
-    maps.append(jnp.concatenate(parts, axis=-1)[..., :dv].astype(jnp.float32))
+  maps = [
+    _chunked(q, k, v_BxSxKxDv, mask=mask, is_causal=is_causal, scale=scale, impl=implementation)
+    for q, k in ((q1_BxTxHxD, k1_BxSxKxD), (q2_BxTxHxD, k2_BxSxKxD))
+  ]
   lam = jnp.broadcast_to(lam_H.astype(jnp.float32), (h,))[None, None, :, None]
   return (maps[0] - lam * maps[1]).astype(q1_BxTxHxD.dtype)
+
+
+def _chunked(q, k, v, *, mask, is_causal, scale, impl):
+  """Attention with a value wider than the head dim: one call per D-wide value chunk
+  (cuDNN takes equal q, k and v widths). Returns [B, T, heads of q, Dv] in float32."""
+  d, dv = q.shape[3], v.shape[3]
+  chunks = -(-dv // d)
+  v_pad = jnp.pad(v, [(0, 0)] * 3 + [(0, chunks * d - dv)])
+  parts = [
+    _attend(
+      q,
+      k,
+      v_pad[..., i * d : (i + 1) * d],
+      mask=mask,
+      is_causal=is_causal,
+      scale=scale,
+      implementation=impl,
+    )
+    for i in range(chunks)
+  ]
+  return jnp.concatenate(parts, axis=-1)[..., :dv].astype(jnp.float32)
+
+
+def _grouped_combine(o1_BxTxHxDv, o2_BxTxNxDv, lam_BxTxH, dtype):
+  """o1 - lam * o2 with each noise head's output repeated over its r signal heads."""
+  b, t, h, dv = o1_BxTxHxDv.shape
+  n = o2_BxTxNxDv.shape[2]
+  o1_BxTxNxRxDv = o1_BxTxHxDv.reshape(b, t, n, h // n, dv)
+  lam = lam_BxTxH.astype(jnp.float32).reshape(lam_BxTxH.shape[:2] + (n, h // n, 1))
+  out = o1_BxTxNxRxDv - lam * o2_BxTxNxDv[:, :, :, None, :]
+  return out.reshape(b, t, h, dv).astype(dtype)
 
 
 def diff_v2_stock_gpu(
@@ -175,3 +195,75 @@ def diff_v2_stock_gpu(
   o_BxTxHx2xD = o.reshape(b, t, qh // 2, 2, -1).astype(jnp.float32)
   lam = lam_BxTxH.astype(jnp.float32)[..., None]
   return (o_BxTxHx2xD[..., 0, :] - lam * o_BxTxHx2xD[..., 1, :]).astype(q_BxTxQxD.dtype)
+
+
+def gda_v1_stock_gpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k1_BxSxKxD,
+  k2_BxSxKxD,
+  v_BxSxKxDv,
+  lam_H,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+  implementation: str | None = None,
+) -> jax.Array:
+  """Grouped differential attention (V1 style) with stock calls.
+
+  The H signal heads (q1 against k1) and the N = H / r noise heads (q2 against k2) each
+  take one call per D-wide chunk of the value: the noise maps once per group, their
+  outputs repeated over each group's r signal heads, ``o = o1 - lam * o2``. Gradients
+  are autodiff's through those calls (the repeat sums the noise heads' over the group).
+  Returns [B, T, H, Dv] in the dtype of q1.
+  """
+  del block_sizes, interpret
+  lam_H = jnp.asarray(lam_H)
+  _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  b, t, h, d = q1_BxTxHxD.shape
+  mask, is_causal = _mask(
+    b, t, k1_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  )
+  kw = dict(mask=mask, is_causal=is_causal, scale=_v.default_scale(scale, d), impl=implementation)
+  o1 = _chunked(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, **kw)
+  o2 = _chunked(q2_BxTxNxD, k2_BxSxKxD, v_BxSxKxDv, **kw)
+  lam_1x1xH = jnp.broadcast_to(lam_H.astype(jnp.float32), (h,))[None, None, :]
+  return _grouped_combine(o1, o2, lam_1x1xH, q1_BxTxHxD.dtype)
+
+
+def gda_v2_stock_gpu(
+  q1_BxTxHxD,
+  q2_BxTxNxD,
+  k_BxSxKxD,
+  v_BxSxKxD,
+  lam_BxTxH,
+  *,
+  causal: bool = True,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool = False,
+  implementation: str | None = None,
+) -> jax.Array:
+  """Grouped differential attention (V2 style) with stock calls: one over the H signal
+  heads, one over the N noise heads (each noise map once per group), then
+  ``o = o1 - lam * o2`` with o2 repeated over each group. Returns [B, T, H, D] in the
+  dtype of q1.
+  """
+  del block_sizes, interpret
+  _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
+  b, t, _, d = q1_BxTxHxD.shape
+  mask, is_causal = _mask(
+    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  )
+  kw = dict(
+    mask=mask, is_causal=is_causal, scale=_v.default_scale(scale, d), implementation=implementation
+  )
+  o1 = _attend(q1_BxTxHxD, k_BxSxKxD, v_BxSxKxD, **kw).astype(jnp.float32)
+  o2 = _attend(q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, **kw).astype(jnp.float32)
+  return _grouped_combine(o1, o2, lam_BxTxH, q1_BxTxHxD.dtype)

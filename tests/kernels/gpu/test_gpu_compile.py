@@ -8,9 +8,10 @@ at its default, no persistent compilation cache) fails on any spill, on shared m
 over the limit, and on a tiling model that disagrees with what Mosaic GPU allocates.
 
 Default run: the kernels of the paper presets (3B layer: V1 and V2 forward + fused
-backward, V1 decoding; about 45 s on 2 cores).
-``slow``: every head dim 64/80/96/128 x GQA 1/3 x bf16/fp16 x segment ids on/off
-(about 15 minutes). The A100 (sm_80) takes the stock path, which compiles no kernel of
+backward, V1 decoding) and the grouped ops at Motif-2-12.7B's layer (r 4; about 70 s on
+2 cores).
+``slow``: every head dim 64/80/96/128 x GQA 1/3 x bf16/fp16 x segment ids on/off, and the
+grouped ops at r 2 and 4 (about 25 minutes). The A100 (sm_80) takes the stock path, which compiles no kernel of
 ours (tests/ops/test_dispatch.py checks that choice).
 """
 
@@ -82,9 +83,11 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   rows, stats = default_gate["rows"], default_gate["stats"]
   print(stats)
   assert not problems(rows), "\n".join(problems(rows))
-  # Three entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
-  # 3B layer and V1 decoding; no two kernels share a module text.
-  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (3, 5, 5)
+  # Six entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
+  # 3B layer, V1 decoding, and at Motif-2's layer the grouped V1 and V2 styles (the
+  # grouped forward and backward with r 4) and grouped decoding; no two kernels
+  # share a module text.
+  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (6, 10, 10)
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
   assert kinds == sorted(
     [
@@ -93,6 +96,11 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
       ("diff_v2", "forward"),
       ("diff_v2", "backward"),
       ("diff_v1_decode", "decode"),
+      ("gda_v1", "forward"),
+      ("gda_v1", "backward"),
+      ("gda_v2", "forward"),
+      ("gda_v2", "backward"),
+      ("gda_v1_decode", "decode"),
     ]
   )
   assert all(r["registers"] > 0 for r in rows)
@@ -140,10 +148,11 @@ def test_target_configs_describe_the_gpus():
     targets.parse("h100:x")
 
 
-@pytest.mark.slow  # about 80 programs at 10 s each on 2 cores
+@pytest.mark.slow  # about 110 programs at 10 s each on 2 cores
 def test_every_kernel_of_the_full_matrix_compiles_without_spills():
   gate = _gate("full", timeout=3600)
   print(gate["stats"])
   assert not problems(gate["rows"]), "\n".join(problems(gate["rows"]))
-  # 64 training cases (2 kernels each) and 16 decode cases, plus the default three.
-  assert gate["stats"]["kernels"] == 64 * 2 + 16 + 5
+  # 64 training cases (2 kernels each), 16 decode cases and 32 grouped cases (2 kernels
+  # each), plus the default six.
+  assert gate["stats"]["kernels"] == 64 * 2 + 16 + 32 * 2 + 10

@@ -107,3 +107,61 @@ def test_gpu_stock_paths_match_reference(dtype):
   got = jax.jit(kg.diff_v2_stock_gpu)(q, k, v, lam)
   want = ref.diff_v2_reference(*[a.astype(jnp.float32) for a in (q, k, v, lam)])
   assert rel_err(got, want) <= tolerance(dtype), rel_err(got, want)
+
+
+def _gda_inputs(b, t, s, h, n, kh, d, dv, dtype, seed=2):
+  """Grouped inputs: H signal heads, N noise heads, K kv groups; V1 lambda per head and
+  V2 lambda per token and head."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  return (
+    normal(ks[0], (b, t, h, d), dtype),
+    normal(ks[1], (b, t, n, d), dtype),
+    normal(ks[2], (b, s, kh, d), dtype),
+    normal(ks[3], (b, s, kh, d), dtype),
+    normal(ks[4], (b, s, kh, dv), dtype),
+    jnp.linspace(0.15, 0.85, h).astype(jnp.float32),
+    jax.nn.sigmoid(normal(ks[5], (b, t, h))),
+  )
+
+
+@pytest.mark.parametrize(
+  "h,n,kh,seg",
+  [
+    (4, 2, 2, True),  # r 2, two kv groups
+    (8, 2, 1, False),  # r 4, one kv group
+    pytest.param(4, 4, 2, True, marks=pytest.mark.slow),  # r 1: DIFF V1 / V2
+    pytest.param(8, 4, 2, False, marks=pytest.mark.slow),  # r 2, two noise heads a group
+  ],
+)
+def test_grouped_stock_paths_match_reference_with_every_gradient(h, n, kh, seg):
+  b, t, s, d = 2, 40, 64, 16
+  q_seg, kv_seg = _segments(b, t, s) if seg else (None, None)
+  kw = dict(causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="xla")
+  segs = None if q_seg is None else (q_seg, kv_seg)
+  q1, q2, k1, k2, v, lam, lam_tok = _gda_inputs(b, t, s, h, n, kh, d, 2 * d, jnp.float32)
+  ct = normal(jax.random.PRNGKey(9), (b, t, h, 2 * d), jnp.float32)
+  v1_args, v2_args = (q1, q2, k1, k2, v, lam), (q1, q2, k1, v[..., :d], lam_tok)
+  cases = {
+    "gda_v1": (
+      lambda *a: kg.gda_v1_stock_gpu(*a, **kw),
+      lambda *a: ref.gda_v1_reference(*a, segment_ids=segs),
+      v1_args,
+      ct,
+    ),
+    "gda_v2": (
+      lambda *a: kg.gda_v2_stock_gpu(*a, **kw),
+      lambda *a: ref.gda_v2_reference(*a, segment_ids=segs),
+      v2_args,
+      ct[..., :d],
+    ),
+  }
+  for name, (got_fn, want_fn, args, cot) in cases.items():
+    got, got_vjp = jax.vjp(jax.jit(got_fn), *args)
+    want, want_vjp = jax.vjp(want_fn, *args)
+    errs = {"out": rel_err(got, want)}
+    for i, (g, w) in enumerate(zip(got_vjp(cot), want_vjp(cot))):
+      errs[f"d{i}"] = rel_err(g, w)
+    assert all(e <= tolerance(jnp.float32) for e in errs.values()), (name, errs)
+  # The check can fail: the noise map of the wrong group (noise heads swapped).
+  swapped = kg.gda_v1_stock_gpu(q1, q2[:, :, ::-1], k1, k2, v, lam, **kw)
+  assert rel_err(swapped, cases["gda_v1"][1](*v1_args)) > 10 * tolerance(jnp.float32)
