@@ -9,12 +9,14 @@
 Without --config the default config (configs/default.py) is trained; without --workdir the
 run writes to runs/<config name>[_<config argument>][_<arm>] under the current directory
 (the arm when --config.model.arm is given).
-Rerunning the same command resumes from the latest checkpoint in the workdir.
+Rerunning the same command resumes from the latest checkpoint in the workdir; a run that
+already finished is left unchanged (a larger --config.num_steps extends it). One training
+writes a workdir at a time: a second one in the same workdir is refused.
 
 Exit status:
   0   the run finished (the workdir holds a DONE marker), or --help / --dry_run;
-  2   a mistake in the flags, the config or the data, or a non-finite loss: one
-      ``error:`` line says what to change (rerunning unchanged will not help);
+  2   a mistake in the flags, the config or the data, a non-finite loss, or another
+      training holding the workdir: one ``error:`` line says what to change;
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT after
       saving a checkpoint, or one of several processes stopped answering (one
       ``error:`` line names it): rerun the same command to resume.
