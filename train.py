@@ -17,9 +17,10 @@ Exit status:
   0   the run finished (the workdir holds a DONE marker), or --help / --dry_run;
   2   a mistake in the flags, the config or the data, a non-finite loss, or another
       training holding the workdir: one ``error:`` line says what to change;
-  75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT after
-      saving a checkpoint, or one of several processes stopped answering (one
-      ``error:`` line names it): rerun the same command to resume.
+  75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
+      while training after saving a checkpoint, during start-up (config, data,
+      restore, compile) at once, with one line; or one of several processes stopped
+      answering (one ``error:`` line names it): rerun the same command to resume.
       tpu_setup/babysit.sh relaunches on it.
 
 With several processes (a pod, DIFFJAX_COORDINATOR, SLURM) the training runs in a child
@@ -27,6 +28,7 @@ process of this one; see diffjax/train/supervise.py.
 """
 
 import os
+import signal
 import sys
 
 EXIT_PREEMPTED = 75
@@ -41,7 +43,34 @@ Transformer of a size, on the config's data, with checkpoints, metrics.jsonl and
 logs in the workdir. Rerunning the same command resumes from the newest good checkpoint."""
 
 
+def _raise_interrupt(signum, frame):
+  del frame
+  raise KeyboardInterrupt(signum)
+
+
 def main(argv) -> int:
+  """Runs the command; SIGINT or SIGTERM before the training loop (which saves and stops on
+  them itself) ends it with one line and status 75, and the next run resumes."""
+  # SIGTERM stops start-up as Ctrl-C does (by default it would kill the process silently).
+  signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    return _main(argv)
+  except KeyboardInterrupt as e:
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+    print(
+      f"diffjax: stopped by signal {int(signum)} before training; rerun the same command to "
+      "resume from the newest complete checkpoint.",
+      file=sys.stderr,
+      flush=True,
+    )
+    sys.stdout.flush()
+    # No interpreter shutdown: the runtime's threads may be mid-compile or mid-read, and
+    # tearing them down from here can crash. Files this attempt wrote are whole (written
+    # through renames) and the workdir's lock goes with the process.
+    os._exit(EXIT_PREEMPTED)
+
+
+def _main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
 
   from diffjax import cli  # pylint: disable=import-outside-toplevel
