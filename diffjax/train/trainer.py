@@ -293,6 +293,7 @@ class Trainer:
         state["params"],
         self.setup.state_shardings["params"],
         message=self.progress.message,
+        allowed_changes=self.cfg.checkpoint.init_changes,
       )
       state = dict(state, params=params)
       self.progress.message(
