@@ -60,6 +60,7 @@ def _run_printed(command: str, cwd) -> subprocess.CompletedProcess:
   )
 
 
+@pytest.mark.slow  # a fresh training process; the same path is checked by a default test
 def test_the_printed_command_continues_a_workdir_retrofit(source, tmp_path, capsys, monkeypatch):
   command = _retrofit([f"--source={source}", "--workdir=retro"], tmp_path, capsys, monkeypatch)
   for setting in ("rope_style=half", "rope_theta=2000.0", "norm_eps=1e-06", "--config="):
@@ -98,6 +99,7 @@ def test_init_from_refuses_a_setting_that_changes_the_function(source, tmp_path,
     train_and_evaluate(c, str(tmp_path / "changed"))
 
 
+@pytest.mark.slow  # a fresh training process; the same path is checked by a default test
 def test_the_refusal_is_one_error_line_in_train_py(source, tmp_path, capsys):
   assert convert_main(["retrofit", f"--source={source}", f"--workdir={tmp_path / 'r'}"]) == 0
   capsys.readouterr()

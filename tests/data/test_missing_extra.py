@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO, own_stderr, tiny_config, write_bpe_tokenizer  # noqa: E402
 
 from diffjax.errors import MissingExtra, import_extra
@@ -68,6 +69,7 @@ def test_train_with_an_hf_tokenizer_and_no_extra_is_one_line(tmp_path):
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # a fresh training process; the same path is checked by a default test
 def test_generation_with_an_hf_tokenizer_and_no_extra_is_one_line(tmp_path):
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
