@@ -40,7 +40,9 @@ USAGE = (
 SUMMARY = """\
 Trains one run of a config: an arm (model.arm: transformer, diff_v1 or diff_v2) matched to the
 Transformer of a size, on the config's data, with checkpoints, metrics.jsonl and TensorBoard
-logs in the workdir. Rerunning the same command resumes from the newest good checkpoint."""
+logs in the workdir. Rerunning the same command resumes from the newest good checkpoint; a
+finished run is left unchanged (a larger --config.num_steps extends it), and a second training
+in a workdir that one is writing is refused."""
 
 
 def _raise_interrupt(signum, frame):
@@ -58,8 +60,8 @@ def main(argv) -> int:
   except KeyboardInterrupt as e:
     signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
     print(
-      f"diffjax: stopped by signal {int(signum)} before training; rerun the same command to "
-      "resume from the newest complete checkpoint.",
+      f"diffjax: stopped by signal {int(signum)}; rerun the same command to resume from the "
+      "newest complete checkpoint.",
       file=sys.stderr,
       flush=True,
     )
