@@ -9,15 +9,18 @@
 Without --config the default config (configs/default.py) is trained; without --workdir the
 run writes to runs/<config name>[_<config argument>][_<arm>] under the current directory
 (the arm when --config.model.arm is given).
-Rerunning the same command resumes from the latest checkpoint in the workdir.
+Rerunning the same command resumes from the latest checkpoint in the workdir; a run that
+already finished is left unchanged (a larger --config.num_steps extends it). One training
+writes a workdir at a time: a second one in the same workdir is refused.
 
 Exit status:
   0   the run finished (the workdir holds a DONE marker), or --help / --dry_run;
-  2   a mistake in the flags, the config or the data, or a non-finite loss: one
-      ``error:`` line says what to change (rerunning unchanged will not help);
-  75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT after
-      saving a checkpoint, or one of several processes stopped answering (one
-      ``error:`` line names it): rerun the same command to resume.
+  2   a mistake in the flags, the config or the data, a non-finite loss, or another
+      training holding the workdir: one ``error:`` line says what to change;
+  75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
+      while training after saving a checkpoint, during start-up (config, data,
+      restore, compile) at once, with one line; or one of several processes stopped
+      answering (one ``error:`` line names it): rerun the same command to resume.
       tpu_setup/babysit.sh relaunches on it.
 
 With several processes (a pod, DIFFJAX_COORDINATOR, SLURM) the training runs in a child
@@ -25,6 +28,7 @@ process of this one; see diffjax/train/supervise.py.
 """
 
 import os
+import signal
 import sys
 
 EXIT_PREEMPTED = 75
@@ -36,10 +40,39 @@ USAGE = (
 SUMMARY = """\
 Trains one run of a config: an arm (model.arm: transformer, diff_v1 or diff_v2) matched to the
 Transformer of a size, on the config's data, with checkpoints, metrics.jsonl and TensorBoard
-logs in the workdir. Rerunning the same command resumes from the newest good checkpoint."""
+logs in the workdir. Rerunning the same command resumes from the newest good checkpoint; a
+finished run is left unchanged (a larger --config.num_steps extends it), and a second training
+in a workdir that one is writing is refused."""
+
+
+def _raise_interrupt(signum, frame):
+  del frame
+  raise KeyboardInterrupt(signum)
 
 
 def main(argv) -> int:
+  """Runs the command; SIGINT or SIGTERM before the training loop (which saves and stops on
+  them itself) ends it with one line and status 75, and the next run resumes."""
+  # SIGTERM stops start-up as Ctrl-C does (by default it would kill the process silently).
+  signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    return _main(argv)
+  except KeyboardInterrupt as e:
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+    print(
+      f"diffjax: stopped by signal {int(signum)}; rerun the same command to resume from the "
+      "newest complete checkpoint.",
+      file=sys.stderr,
+      flush=True,
+    )
+    sys.stdout.flush()
+    # No interpreter shutdown: the runtime's threads may be mid-compile or mid-read, and
+    # tearing them down from here can crash. Files this attempt wrote are whole (written
+    # through renames) and the workdir's lock goes with the process.
+    os._exit(EXIT_PREEMPTED)
+
+
+def _main(argv) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
 
   from diffjax import cli  # pylint: disable=import-outside-toplevel

@@ -36,6 +36,7 @@ def get_config():
   c.log_every, c.eval_every, c.eval_batches = 10, 200, 4
   c.checkpoint.update(dict(every=100, keep=3))
   c.checkpoint.init_from = None  # required: the 4K run's workdir
+  c.checkpoint.init_changes = ("rope_theta",)  # the 4K run's weights, under the longer RoPE
   c.mesh.shape = (1, 4, 1, 16)
   c.mesh.context_strategy = "ring"
   c.mesh.context_load_balance = True

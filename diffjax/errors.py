@@ -8,6 +8,7 @@ checkpoint that does not fit the run. Command-line entry points wrap their work 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,29 @@ from typing import Any
 
 class UserError(Exception):
   """A problem the user must act on; its message says what was seen and what to do."""
+
+
+class MissingExtra(UserError, ImportError):
+  """An optional package that one of diffjax's extras installs is not installed."""
+
+
+def import_extra(module: str, extra: str, needed_for: str):
+  """``import module``, or :class:`MissingExtra` naming the extra to install when it is absent.
+
+  Args:
+    module: the optional package (``"tokenizers"``).
+    extra: the diffjax extra that installs it (``"tokenizers"``: ``pip install -e '.[tokenizers]'``).
+    needed_for: what needs it, the start of the message (``"reading the HF tokenizer x.json"``).
+  """
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    if getattr(e, "name", None) not in (module, module.split(".")[0]):
+      raise  # the package is there but broken: its own error says more
+    raise MissingExtra(
+      f"{needed_for} needs the {module.split('.')[0]!r} package, which is not installed; "
+      f"install diffjax's [{extra}] extra: pip install -e '.[{extra}]'."
+    ) from None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

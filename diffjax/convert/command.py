@@ -14,7 +14,8 @@ latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdi
 directory in the source's layout (transformers' `from_pretrained` loads the first two). `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
 function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
-continue it with `train.py --config.checkpoint.init_from=<workdir>`. A problem with the input
+and prints the `train.py` command that continues it (`--config.checkpoint.init_from=<workdir>`
+with the source's model settings). A problem with the input
 prints one `error:` line and writes nothing.
 """
 
@@ -29,7 +30,7 @@ from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
 from diffjax.convert import motif
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
 from diffjax.convert.files import ConversionError
-from diffjax.convert.retrofit import retrofit
+from diffjax.convert.retrofit import retrofit_run
 from diffjax.train.checkpoint import CheckpointError
 
 
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     if args.command == "retrofit":
-      cfg = retrofit(
+      cfg, command = retrofit_run(
         args.source,
         args.workdir,
         arm=args.arm,
@@ -110,12 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         mix_steps=args.mix_steps,
         seed=args.seed,
       )
-      ramp = f" --config.model.v2_mix_steps={cfg.v2_mix_steps}" if cfg.v2_mix_steps else ""
       print(
         f"Retrofitted {args.source} into {cfg.attention} ({cfg.num_layers} layers, "
         f"{cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}) in "
-        f"{args.workdir}; continue with train.py --config.model.arm={cfg.attention} "
-        f"--config.model.v2_match=heads{ramp} --config.checkpoint.init_from={args.workdir}"
+        f"{args.workdir}; continue it with:\n  {command}"
       )
     elif args.command == "import":
       cfg = hf_to_workdir(args.hf, args.workdir)

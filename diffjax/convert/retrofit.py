@@ -7,6 +7,7 @@ Each arm's rule is its :attr:`diffjax.arms.ArmSpec.retrofit`; the starts: docs/h
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,10 +87,12 @@ def retrofit_params(
 
 
 def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
-  """(config, per-layer params, description) of a Transformer workdir or HF directory."""
+  """(config, per-layer params, description) of a Transformer workdir or HF directory; the
+  description also holds the source run's config (``run_config``) or its HF directory's
+  tokenizer file (``tokenizer``), for the command that continues the retrofit."""
   # pylint: disable=import-outside-toplevel
   from diffjax.convert.api import model_params, read_hf
-  from diffjax.train.loading import load_model
+  from diffjax.train.loading import load_run
 
   if not os.path.isdir(path):
     raise ConversionError(
@@ -97,15 +100,119 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
       "Transformer arm or an HF LlamaForCausalLM directory."
     )
   if os.path.isdir(os.path.join(path, "checkpoints")):
-    model, cfg, used = load_model(path, step=step)
-    return cfg, model_params(model), {"source": os.path.abspath(path), "source_step": used}
+    run = load_run(path, step=step)
+    return (
+      run.model_config,
+      model_params(run.model),
+      {"source": os.path.abspath(path), "source_step": run.step, "run_config": run.config},
+    )
   if os.path.isfile(os.path.join(path, "config.json")):
     cfg, params, _ = read_hf(path)
-    return cfg, params, {"source": os.path.abspath(path)}
+    tokenizer = os.path.join(path, "tokenizer.json")
+    described = {"source": os.path.abspath(path)}
+    if os.path.isfile(tokenizer):
+      described["tokenizer"] = os.path.abspath(tokenizer)
+    return cfg, params, described
   raise ConversionError(
     f"source {path!r} holds neither checkpoints/ (a train.py workdir) nor "
     "config.json (an HF directory)."
   )
+
+
+# The model settings the continuing run must state as the source has them: the widths (the
+# run's arm is matched to a Transformer of these), the vocabulary and the settings that change
+# what the weights compute (diffjax.train.loading.FUNCTION_FIELDS, which init_from checks).
+_SOURCE_WIDTHS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+_SOURCE_SETTINGS = ("vocab_size", "tie_embeddings", "rope_style", "rope_theta", "norm_eps")
+
+
+def _shown_path(path: str) -> str:
+  """``path`` relative to the working directory when it lies below it, else absolute."""
+  rel = os.path.relpath(path)
+  return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
+def continue_command(
+  source_cfg: ModelConfig, cfg: ModelConfig, workdir: str, described: Mapping[str, Any]
+) -> str:
+  """The ``train.py`` command line that continues the retrofit in ``workdir`` into
+  ``<workdir>_continued``: the default config with the source's model (widths, vocabulary,
+  RoPE and norm settings), the arm, and for a workdir source its sequence length and data.
+
+  Every setting ``checkpoint.init_from`` checks is stated, so the command runs as printed
+  (from any directory); append overrides of the schedule or batch as wanted.
+  """
+  # pylint: disable=import-outside-toplevel
+  from diffjax.cli import REPO_ROOT, load_config
+  from diffjax.train.loading import FUNCTION_FIELDS
+
+  config_file = os.path.join(REPO_ROOT, "configs", "default.py")
+  base = load_config(config_file).model
+  model: dict[str, Any] = {"arm": cfg.attention, "size": "custom"}
+  model.update({k: getattr(source_cfg, k) for k in _SOURCE_WIDTHS + _SOURCE_SETTINGS})
+  # The arm's own settings where the retrofit's differ from the config's.
+  model.update(
+    {
+      k: getattr(cfg, k)
+      for k in FUNCTION_FIELDS
+      if k not in model and k in base and getattr(cfg, k) != base[k]
+    }
+  )
+  model["v2_match"] = "heads"  # the retrofit keeps the source's heads (V1: half of them)
+  if cfg.v2_mix_steps:
+    model["v2_mix_steps"] = cfg.v2_mix_steps
+  overrides = [(f"model.{k}", v) for k, v in model.items()]
+  run = described.get("run_config") or {}
+  if run.get("seq_len"):
+    overrides.append(("seq_len", int(run["seq_len"])))
+  data = run.get("data") or {}
+  for key in ("kind", "paths", "tokenizer"):
+    if data.get(key) not in (None, "", [], ()):
+      value = data[key]
+      overrides.append((f"data.{key}", tuple(value) if isinstance(value, list) else value))
+  if described.get("tokenizer"):
+    overrides.append(("data.tokenizer", described["tokenizer"]))
+  overrides.append(("checkpoint.init_from", _shown_path(workdir)))
+
+  def flag(key: str, value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return shlex.quote(f"--config.{key}={text}")
+
+  return " ".join(
+    [
+      "python",
+      shlex.quote(_shown_path(os.path.join(REPO_ROOT, "train.py"))),
+      shlex.quote(f"--config={_shown_path(config_file)}"),
+      shlex.quote(f"--workdir={_shown_path(workdir.rstrip(os.sep))}_continued"),
+      *(flag(k, v) for k, v in overrides),
+    ]
+  )
+
+
+def retrofit_run(
+  source: str,
+  workdir: str,
+  *,
+  arm: str = "diff_v2",
+  step: int | None = None,
+  seed: int = 0,
+  **options,
+) -> tuple[ModelConfig, str]:
+  """:func:`retrofit`, and the :func:`continue_command` that trains the result further."""
+  # pylint: disable=import-outside-toplevel
+  from diffjax.convert.api import build_model, check_new_workdir, write_workdir
+
+  check_new_workdir(workdir)
+  used = _options(arm, options)
+  src_cfg, src_params, described = _source(source, step)
+  cfg, params = retrofit_params(src_cfg, src_params, arm, seed=seed, **options)
+  params = layout.convert_layout(
+    params, layout.SCANNED if cfg.scan_layers else layout.UNSCANNED, cfg.num_layers
+  )
+  model = build_model(cfg, params)  # checks every shape against the config
+  meta = {k: v for k, v in described.items() if k in ("source", "source_step")}
+  write_workdir(workdir, model, {**meta, "retrofit": arm, **used})
+  return cfg, continue_command(src_cfg, cfg, workdir, described)
 
 
 def retrofit(
@@ -121,19 +228,8 @@ def retrofit(
 
   ``source`` is a Transformer-arm ``train.py`` workdir (its newest good checkpoint, or
   ``step``) or an HF ``LlamaForCausalLM`` directory; ``options`` are the arm's own (see
-  :func:`retrofit_params`). Continuing it with ``train.py``: docs/hf_conversion.md. Every
-  check runs before anything is written. Returns the new model config.
+  :func:`retrofit_params`). Continuing it with ``train.py``: :func:`continue_command`,
+  docs/hf_conversion.md. Every check runs before anything is written. Returns the new model
+  config.
   """
-  # pylint: disable=import-outside-toplevel
-  from diffjax.convert.api import build_model, check_new_workdir, write_workdir
-
-  check_new_workdir(workdir)
-  used = _options(arm, options)
-  src_cfg, src_params, meta = _source(source, step)
-  cfg, params = retrofit_params(src_cfg, src_params, arm, seed=seed, **options)
-  params = layout.convert_layout(
-    params, layout.SCANNED if cfg.scan_layers else layout.UNSCANNED, cfg.num_layers
-  )
-  model = build_model(cfg, params)  # checks every shape against the config
-  write_workdir(workdir, model, {**meta, "retrofit": arm, **used})
-  return cfg
+  return retrofit_run(source, workdir, arm=arm, step=step, seed=seed, **options)[0]

@@ -14,6 +14,7 @@ import numpy as np
 from diffjax.data.config import DataConfig, check_batch_split
 from diffjax.data.corpus import Corpus, ShardCorpus, SourceCorpus, cached_corpus, capped
 from diffjax.data.manifest import read_manifest
+from diffjax.data.raw import CHUNK_BYTES, is_single_text_file
 from diffjax.data.sources import DocumentSource, resolve_paths, stdlib_files
 from diffjax.data.streaming import EpochOrder, Lane, StreamingBatchIterator, doc_hashes, doc_is_val
 from diffjax.data.tokenizers import Tokenizer, load_tokenizer
@@ -247,7 +248,10 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, *, progress: bool = True)
         "No standard-library .py files found: use data.kind='text' with "
         "data.paths=... to train on your own files."
       )
-    corpus = cached_corpus(files, tokenizer, cfg.tokenizer, cfg.kind, progress=progress)
+    # A single text file is split into documents (diffjax.data.raw.split_text): its own name,
+    # so that no copy prepared as one document is reused.
+    name = cfg.kind + ("-split" if is_single_text_file(files) else "")
+    corpus = cached_corpus(files, tokenizer, cfg.tokenizer, name, progress=progress)
   return capped(corpus, cfg.max_documents, cfg.max_tokens)
 
 
@@ -296,10 +300,13 @@ def build_datasets(
       "non-empty data."
     )
   if cfg.val_fraction > 0 and corpus.num_documents < 2:
+    # The user's paths, not the cache directory they were prepared into.
+    label = ", ".join(cfg.paths) if source is None and cfg.paths else corpus.name
     raise ValueError(
-      f"Corpus {corpus.name!r} is too small: {corpus.num_documents} document, but the "
+      f"Corpus {label!r} is too small: {corpus.num_documents} document, but the "
       f"validation split holds out whole documents (val_fraction={cfg.val_fraction}), so it "
-      "needs at least 2; add documents (kind='text' reads one document per file)."
+      "needs at least 2; add documents (kind='text' reads one document per file; a single "
+      f"file is split at blank lines, else into chunks of {CHUNK_BYTES // 1024} KiB of lines)."
     )
   _check_ids(corpus, tokenizer)
   return Datasets(

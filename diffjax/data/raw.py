@@ -1,6 +1,9 @@
 """Raw corpora for `prepare` and the tokenizer trainer: JSONL (a text field), Parquet (a text
 column) and plain text files (one document per file), split into deterministic work units.
 
+A corpus that is one plain text file is split into documents (`split_text`): at blank lines,
+or, when it has none, into chunks of about `CHUNK_BYTES` ending at line ends.
+
 A work unit is one JSONL or Parquet file, or up to `files_per_unit` consecutive text files;
 units are numbered in input order, so the n-th document of the corpus is the same on every run.
 """
@@ -10,17 +13,22 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 from collections.abc import Iterator, Sequence
 
 from diffjax.data.sources import resolve_paths, stdlib_files
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+# The documents of a single-file text corpus without blank lines: chunks of about this size.
+CHUNK_BYTES = 64 * 1024
+_BLANK_LINES = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")
 
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-  """Files read together into consecutive shards. kind: "jsonl", "parquet" or "text"."""
+  """Files read together into consecutive shards. kind: "jsonl", "parquet", "text" (a document
+  per file) or "text_split" (the one file of a single-file text corpus, split by `split_text`)."""
 
   index: int
   kind: str
@@ -35,11 +43,43 @@ def file_kind(path: str) -> str:
   return "text"
 
 
+def is_single_text_file(files: Sequence[str]) -> bool:
+  """Whether ``files`` is a corpus of one plain text file (which `split_text` splits)."""
+  return len(files) == 1 and file_kind(files[0]) == "text"
+
+
+def split_text(data: bytes) -> list[bytes]:
+  """The documents of a single-file text corpus: its paragraphs (the text between blank lines);
+  when it has no blank line, consecutive chunks of whole lines of at least `CHUNK_BYTES` (the
+  last may be shorter; a line longer than that is cut at a character boundary)."""
+  paragraphs = [p for p in _BLANK_LINES.split(data) if p.strip()]
+  if len(paragraphs) >= 2:
+    return paragraphs
+  docs, start = [], 0
+  while start < len(data):
+    end = min(start + CHUNK_BYTES, len(data))
+    if end < len(data):
+      # To the end of the line, unless the line runs on past twice the size: then here, but
+      # not inside a character.
+      newline = data.find(b"\n", end, start + 2 * CHUNK_BYTES)
+      if newline >= 0:
+        end = newline + 1
+      else:
+        while end > start + 1 and (data[end] & 0xC0) == 0x80:
+          end -= 1
+    if data[start:end].strip():
+      docs.append(data[start:end])
+    start = end
+  return docs
+
+
 def plan_units(inputs: Sequence[str], files_per_unit: int = 256) -> list[Unit]:
   """Work units of `inputs` (files, directories, globs, or "stdlib" for the default corpus)."""
   files: list[str] = []
   for spec in inputs:
     files.extend(stdlib_files() if spec == "stdlib" else resolve_paths([spec]))
+  if is_single_text_file(files):
+    return [Unit(0, "text_split", (files[0],))]
   units: list[Unit] = []
   run: list[str] = []
   for path in files:
@@ -75,6 +115,9 @@ def iter_documents(unit: Unit, text_field: str = "text") -> Iterator[str | bytes
     for path in unit.files:
       with open(path, "rb") as f:
         yield f.read()
+  elif unit.kind == "text_split":
+    with open(unit.files[0], "rb") as f:
+      yield from split_text(f.read())
   elif unit.kind == "jsonl":
     path = unit.files[0]
     opener = gzip.open if path.endswith(".gz") else open

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from diffjax.errors import import_extra
+
 TokenIds = Sequence[int] | np.ndarray
 
 # Names an HF tokenizer file may use for its end-of-document and padding tokens, tried in order.
@@ -108,13 +110,12 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str | os.PathLike):
-    import tokenizers  # Optional dependency: only needed for this tokenizer.
-
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
         f"HF tokenizer file {self.path!r} does not exist; pass a tokenizer.json path."
       )
+    tokenizers = import_extra("tokenizers", "tokenizers", f"reading the HF tokenizer {self.path}")
     self._tok = tokenizers.Tokenizer.from_file(self.path)
     base_size = self._tok.get_vocab_size(with_added_tokens=True)
     eos = _first_known_id(self._tok.token_to_id, _HF_EOS_NAMES)
@@ -156,13 +157,14 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, path: str | os.PathLike):
-    import sentencepiece  # Optional dependency: only needed for this tokenizer.
-
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
         f"SentencePiece model {self.path!r} does not exist; pass a .model file path."
       )
+    sentencepiece = import_extra(
+      "sentencepiece", "tokenizers", f"reading the SentencePiece model {self.path}"
+    )
     self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
     base_size = self._sp.get_piece_size()
     next_free = base_size

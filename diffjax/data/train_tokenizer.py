@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from diffjax.data.raw import iter_texts
+from diffjax.errors import import_extra
 from diffjax.model.sizes import PAPER_VOCAB
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")
@@ -22,12 +23,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<pad>")
 
 def train_bpe(texts: Iterable[str], vocab_size: int = PAPER_VOCAB, min_frequency: int = 2):
   """Returns a trained byte-level BPE `tokenizers.Tokenizer` of at most `vocab_size` ids."""
-  try:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ImportError(
-      "Training a tokenizer needs the tokenizers package: pip install -e '.[tokenizers]'."
-    ) from None
+  import_extra("tokenizers", "tokenizers", "training a tokenizer")
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
   if vocab_size < 256 + len(SPECIAL_TOKENS):
     raise ValueError(
       f"--vocab_size={vocab_size} must be at least {256 + len(SPECIAL_TOKENS)} "

@@ -14,19 +14,26 @@ with exit status 2. Then aggregate runs with `python -m diffjax.eval.report RUN 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import difflib
 import math
 import os
 import sys
 import textwrap
 import time
 import types
-from collections.abc import Sequence
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffjax import cli
 from diffjax.eval import evaluate
 from diffjax.train.records import write_json
+
+
+class BadInput(Exception):
+  """A mistake on the command line or in the run: printed as one ``error:`` line, status 2."""
 
 
 def _load(workdir: str, step: int | None):
@@ -37,8 +44,68 @@ def _load(workdir: str, step: int | None):
   try:
     run = load_run(workdir, step=step)
   except (FileNotFoundError, ValueError, ckpt.CheckpointError) as e:
-    raise SystemExit(f"error: cannot load a model from {workdir!r}: {e}") from e
+    raise BadInput(f"cannot load a model from {workdir!r}: {e}") from None
   return run.model, run.config, run.step
+
+
+def _fits(value: Any, hint: Any) -> bool:
+  """Whether ``value`` (a parsed Python literal) has the type ``hint`` of an EvalConfig field."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if hint is Any:
+    return True
+  if origin in (typing.Union, types.UnionType):
+    return any(_fits(value, a) for a in args)
+  if hint is type(None):
+    return value is None
+  if hint is bool:
+    return isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is str:
+    return isinstance(value, str)
+  if origin is tuple:
+    if not isinstance(value, tuple):
+      return False
+    if len(args) == 2 and args[1] is Ellipsis:
+      return all(_fits(v, args[0]) for v in value)
+    return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
+  if origin in (dict, Mapping, collections.abc.Mapping):
+    return isinstance(value, Mapping) and all(_fits(v, args[1]) for v in value.values())
+  return True
+
+
+def check_overrides(overrides: Mapping[str, Any]) -> None:
+  """Raises :class:`BadInput` naming the first ``--config.<field>=`` value whose type is not
+  the EvalConfig field's, and any section name that is not a registered section, before
+  anything is loaded."""
+  hints = typing.get_type_hints(evaluate.EvalConfig)
+  for name, value in overrides.items():
+    if not _fits(value, hints[name]):
+      kind = getattr(hints[name], "__name__", None) if isinstance(hints[name], type) else None
+      kind = kind or str(hints[name]).replace("typing.", "").replace("collections.abc.", "")
+      example = _example(evaluate.EvalConfig.__dataclass_fields__[name])
+      raise BadInput(
+        f"--config.{name}={value!r} must be of type {kind}"
+        + (f"; e.g. --config.{name}={example}." if example else " (a Python literal).")
+      )
+  names = evaluate.sections.section_names()
+  for section in (*overrides.get("sections", ()), *overrides.get("options", {})):
+    if section not in names:
+      near = difflib.get_close_matches(section, names, n=1)
+      hint = f"did you mean {near[0]!r}? " if near else ""
+      raise BadInput(
+        f"unknown eval section {section!r}; {hint}the sections are {', '.join(names)}."
+      )
+
+
+def _example(field: dataclasses.Field) -> str | None:
+  """The field's default as a command-line value (None when it shows nothing: empty, None)."""
+  default = field.default
+  if default is dataclasses.MISSING:
+    default = field.default_factory()  # type: ignore[misc]
+  return repr(default).replace(" ", "") if default not in (None, (), {}) else None
 
 
 def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
@@ -87,27 +154,32 @@ def main(argv: Sequence[str] | None = None) -> int:
   if isinstance(parsed, int):
     return parsed
   overrides, values, _ = parsed
-  if values["workdir"] is None:
-    print(f"error: --workdir is required; {USAGE}", file=sys.stderr)
+  try:
+    return _run(overrides, types.SimpleNamespace(**values))
+  except BadInput as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
     return 2
-  args = types.SimpleNamespace(**values)
+
+
+def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
+  if args.workdir is None:
+    raise BadInput(f"--workdir is required; {USAGE}")
+  if args.sections:
+    overrides["sections"] = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+  check_overrides(overrides)  # before the model is loaded: a typo costs no waiting
   if not os.path.isdir(args.workdir):
-    raise SystemExit(
-      f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir."
-    )
+    raise BadInput(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
   t0 = time.time()
   model, config, step = _load(args.workdir, args.step)
   seq_len = args.seq_len or int(config.get("seq_len", 0) or 0)
   if seq_len <= 0:
-    raise SystemExit("The run config has no seq_len; pass --seq_len.")
+    raise BadInput("the run config has no seq_len; pass --seq_len=N.")
   seed = args.seed if args.seed is not None else config.get("seed")
-  if args.sections:
-    overrides["sections"] = tuple(s.strip() for s in args.sections.split(",") if s.strip())
   make = evaluate.EvalConfig.quick if args.quick else evaluate.EvalConfig.full
   try:
     cfg = make(seq_len, **overrides)
-  except TypeError as e:
-    raise SystemExit(f"error: bad --config override: {e}.") from None
+  except (TypeError, ValueError) as e:
+    raise BadInput(f"bad --config override: {e}") from None
   val = []
   if config.get("data") is not None:
     # The trainer's validation batches: same split, batch size and order, so with the run's

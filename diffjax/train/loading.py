@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from etils import epath
@@ -108,7 +108,7 @@ def load_run(
 
 
 # The model settings that fix the parameters' shapes; a run may start from the weights of
-# another that agrees on these (e.g. a long-context run with another rope_theta).
+# another only when they agree on these.
 SHAPE_FIELDS = (
   "attention",
   "vocab_size",
@@ -123,6 +123,37 @@ SHAPE_FIELDS = (
 )
 
 
+# The model settings that change what the same parameters compute: a run started from another's
+# weights must agree on these too, unless its checkpoint.init_changes names them (e.g. a
+# long-context run with another rope_theta).
+FUNCTION_FIELDS = (
+  "rope_style",
+  "rope_theta",
+  "norm_eps",
+  "diff_norm_eps",
+  "diff_use_norm",
+  "diff_fixed_lambda",
+  "v2_pairing",
+  "v2_lambda",
+)
+
+
+def _function_change(
+  workdir: str, saved: dict, now: dict, allowed: Sequence[str]
+) -> ckpt.CheckpointError | None:
+  """The refusal of the first function setting that differs from the init_from run's."""
+  for k in FUNCTION_FIELDS:
+    if k in allowed or k not in saved or saved[k] == now.get(k):
+      continue
+    return ckpt.CheckpointError(
+      f"checkpoint.init_from={workdir!r} was trained with model.{k}={saved[k]!r} but this run "
+      f"has model.{k}={now.get(k)!r}, which changes what its weights compute: set "
+      f"--config.model.{k}={saved[k]!r}, or allow the change with "
+      f"--config.checkpoint.init_changes=\"('{k}',)\"."
+    )
+  return None
+
+
 def initial_params(
   workdir: str,
   model_cfg: ModelConfig,
@@ -130,13 +161,15 @@ def initial_params(
   shardings,
   *,
   message: Callable[[str], None] | None = None,
+  allowed_changes: Sequence[str] = (),
 ):
   """The newest verified parameters of the run in ``workdir``, to start another run from.
 
   Args:
     workdir: a ``train.py`` workdir (its ``checkpoints/``).
     model_cfg: the new run's model; it must agree with the saved one on
-      :data:`SHAPE_FIELDS` (other settings, e.g. ``rope_theta``, may change).
+      :data:`SHAPE_FIELDS`, and on :data:`FUNCTION_FIELDS` but ``allowed_changes``
+      (others, e.g. ``scan_layers``, may change).
     params_target: the new run's parameter tree (arrays or shape structs).
     shardings: the new run's parameter shardings (the parameters are read onto them,
       converting between scanned and unrolled layers if the runs differ).
@@ -144,7 +177,8 @@ def initial_params(
     ``(params, step)``.
   Raises:
     FileNotFoundError: no checkpoints in ``workdir``.
-    CheckpointError: a model of other shapes, or no step that reads and verifies.
+    CheckpointError: a model of other shapes or of another function, or no step that reads
+      and verifies.
   """
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
@@ -172,6 +206,9 @@ def initial_params(
             f"checkpoint.init_from={workdir!r} holds a model of other shapes "
             f"({', '.join(diffs)}); start from a run of the same architecture."
           )
+        changed = _function_change(workdir, saved, now, allowed_changes)
+        if changed is not None:
+          raise changed
         ramp = int(saved.get("v2_mix_steps", 0) or 0)
         if ramp != int(now.get("v2_mix_steps", 0) or 0):
           raise ckpt.CheckpointError(

@@ -335,12 +335,24 @@ class CheckpointConfig(Section):
   # step 0); ignored once this run has a checkpoint of its own. "": none. None: a config that
   # requires one (a run without a checkpoint then stops, naming the flag).
   init_from: str | None = dataclasses.field(default="", metadata={"placeholder": True})
+  # The model settings that change the function (diffjax.train.loading.FUNCTION_FIELDS, e.g.
+  # rope_theta for a longer context) which this run may set otherwise than the init_from run;
+  # any other difference is refused, naming the value to set.
+  init_changes: tuple[str, ...] = ()
 
   def _check(self) -> None:
     if self.every <= 0 or self.keep <= 0:
       raise ValueError(
         f"checkpoint.every={self.every} and checkpoint.keep={self.keep} must be positive."
       )
+    from diffjax.train.loading import FUNCTION_FIELDS  # pylint: disable=import-outside-toplevel
+
+    bad = [f for f in self.init_changes if f not in FUNCTION_FIELDS]
+    if bad:
+      raise ValueError(
+        f"checkpoint.init_changes names {bad[0]!r}, which is not one of {FUNCTION_FIELDS}."
+      )
+    object.__setattr__(self, "init_changes", tuple(self.init_changes))
 
 
 @dataclasses.dataclass(frozen=True)

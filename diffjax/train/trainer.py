@@ -38,6 +38,7 @@ from diffjax.train.records import MetricsWriter, read_metrics, rewrite_metrics, 
 from diffjax.train.setup import build_train_setup, with_mesh_rules
 from diffjax.train.steps import lambda_summary
 from diffjax.train.task_mix import run_source
+from diffjax.train.workdir import DONE_FILE, WorkdirLock, done_step, finished_result
 
 
 def _stderr_line(text: str) -> None:
@@ -134,28 +135,62 @@ class Trainer:
     self.pending: list[tuple[int, dict]] = []
 
   def run(self) -> dict[str, Any]:
-    """Trains (or resumes) the run and returns :func:`train_and_evaluate`'s result."""
+    """Trains (or resumes) the run and returns :func:`train_and_evaluate`'s result.
+
+    A run that already finished (its DONE marker at or past ``num_steps``) is left as it is:
+    one line says so and its recorded final metrics are returned.
+    """
     with self.clock.phase("setup"):
-      self._setup()
-    with self.clock.phase("restore"):
-      self._restore_or_init()
-    self._reconcile_records()
-    self._prepare_loop()
-    with _StopFlag() as stop:
-      stopped = self._train(stop)
-      if stopped is not None:
-        return stopped
-      self._final_save_and_eval()
-    return self._finish()
+      self._start()
+    if self._finished():
+      return self._leave_finished()
+    # The process that writes the records holds the workdir's lock from its first write on.
+    self.lock = WorkdirLock(self.workdir, enabled=self.is_main)
+    try:
+      with self.clock.phase("setup"):
+        self._setup()
+      if self._finished():  # another process finished it while this one prepared its data
+        return self._leave_finished()
+      with self.clock.phase("restore"):
+        self._restore_or_init()
+      self._reconcile_records()
+      self._prepare_loop()
+      with _StopFlag() as stop:
+        stopped = self._train(stop)
+        if stopped is not None:
+          return stopped
+        self._final_save_and_eval()
+      return self._finish()
+    finally:
+      self.lock.release()
+
+  # ---- 0. a run that has finished ------------------------------------------------------------
+
+  def _finished(self) -> bool:
+    done = done_step(self.workdir)
+    return done is not None and done >= self.cfg.num_steps
+
+  def _leave_finished(self) -> dict[str, Any]:
+    done = done_step(self.workdir)
+    if self.is_main:
+      print(
+        f"diffjax: the run in {self.workdir} already finished at step {done} "
+        f"(num_steps={self.cfg.num_steps}); nothing to do, its files are unchanged "
+        "(raise --config.num_steps to train further).",
+        flush=True,
+      )
+    return finished_result(self.workdir)
 
   # ---- 1. setup ------------------------------------------------------------------------------
 
-  def _setup(self) -> None:
-    cfg = self.cfg
-    distributed.maybe_initialize(cfg.distributed)
+  def _start(self) -> None:
+    distributed.maybe_initialize(self.cfg.distributed)
     if jax.default_backend() == "cpu":
       keep_freed_memory()
     self.is_main = jax.process_index() == 0
+
+  def _setup(self) -> None:
+    cfg = self.cfg
     # The mesh decides which rows each process loads (processes of one context group share
     # theirs); building it touches nothing.
     self.mesh = shd.make_mesh(cfg.mesh.shape)
@@ -191,7 +226,11 @@ class Trainer:
       **cfg.mesh.context_options(),
     )
 
+    self.lock.acquire()  # refuses a second training before it writes anything
     epath.Path(self.workdir).mkdir(parents=True, exist_ok=True)
+    if self.is_main and done_step(self.workdir) is not None and not self._finished():
+      # Training past an earlier num_steps: the run is not finished until the new one.
+      epath.Path(self.workdir, DONE_FILE).unlink()
     self.manager = ckpt.make_manager(
       os.path.join(self.workdir, "checkpoints"),
       keep=cfg.checkpoint.keep,
@@ -254,6 +293,7 @@ class Trainer:
         state["params"],
         self.setup.state_shardings["params"],
         message=self.progress.message,
+        allowed_changes=self.cfg.checkpoint.init_changes,
       )
       state = dict(state, params=params)
       self.progress.message(
@@ -532,7 +572,7 @@ class Trainer:
       write_json(os.path.join(self.workdir, "goodput.json"), summary)
       write_json(os.path.join(self.workdir, "final_metrics.json"), result)
       # The completion marker: tpu_setup/babysit.sh stops relaunching when it appears.
-      epath.Path(self.workdir, "DONE").write_text(f"{step}\n")
+      epath.Path(self.workdir, DONE_FILE).write_text(f"{step}\n")
     self.writer.close()
     self.manager.close()
     return result

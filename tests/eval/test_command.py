@@ -36,6 +36,18 @@ def test_help_lists_the_flags_and_the_fields(capsys):
     (["--workdir=/nowhere", "--step=last"], "invalid command line"),
     (["--quick"], "--workdir is required"),
     (["--workdir=/nowhere", "extra"], "unexpected arguments ['extra']"),
+    (
+      ["--workdir=/nowhere", "--config.samples_per_depth=abc"],
+      "--config.samples_per_depth='abc' must be of type int; e.g. --config.samples_per_depth=10",
+    ),
+    (["--workdir=/nowhere", "--config.heatmap_lengths=256"], "heatmap_lengths=256 must be"),
+    (["--workdir=/nowhere", "--config.heatmap_samples=None"], "is not a directory"),
+    (
+      ["--workdir=/nowhere", "--sections=retrievl"],
+      "unknown eval section 'retrievl'; did you mean 'retrieval'?",
+    ),
+    (["--workdir=/nowhere", "--config.options={'heatmapp': {}}"], "'heatmapp'"),
+    (["--workdir=/nowhere"], "'/nowhere' is not a directory"),
   ],
 )
 def test_a_mistake_is_one_error_line_with_status_2(capsys, argv, wanted):
@@ -66,3 +78,28 @@ def test_field_values_are_python_literals_and_lists_become_tuples():
     "mqar": {"num_pairs": 4},
   }
   EvalConfig.quick(64, **got)  # what the command builds from them
+
+
+def test_a_step_the_run_lacks_is_one_error_line_with_status_2(tmp_path):
+  """In a fresh process: the exit status and the whole stderr, not only the first line."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  from helpers import REPO, own_stderr, tiny_config  # pylint: disable=import-outside-toplevel
+
+  from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
+  wd = tmp_path / "run"
+  train_and_evaluate(tiny_config(steps=2), str(wd))
+  r = subprocess.run(
+    [sys.executable, "-m", "diffjax.eval", f"--workdir={wd}", "--step=7", "--quick"],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=120,
+  )
+  lines = [line for line in own_stderr(r.stderr) if line.strip()]
+  assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+  assert "step=7 is not among the checkpoints" in lines[0] and "[2]" in lines[0], lines[0]

@@ -403,3 +403,45 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
   assert greedy != got  # sampling at temperature 0.9 is not the greedy path
   with pytest.raises(ValueError, match=r"\['num_beams'\] are not supported"):
     lm.generate_texts(contexts, num_beams=4)
+
+
+def test_a_task_without_local_data_fails_fast_naming_its_dataset(tmp_path):
+  """In a fresh process, as a user runs it: no download is tried, the line names the dataset."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "tasks").mkdir()
+  (tmp_path / "tasks" / "remote.yaml").write_text(
+    "task: diffjax_remote_only\n"
+    "dataset_path: diffjax-nobody/no-such-dataset\n"
+    "test_split: test\n"
+    "output_type: multiple_choice\n"
+    'doc_to_text: "{{question}}"\n'
+    'doc_to_choice: "{{choices}}"\n'
+    'doc_to_target: "{{answer}}"\n'
+  )
+  env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+  t0 = time.time()
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "diffjax.eval.harness",
+      f"--workdir={tmp_path / 'no_run'}",
+      "--tasks=diffjax_remote_only",
+      f"--include_path={tmp_path / 'tasks'}",
+      "--limit=5",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=dict(env, JAX_PLATFORMS="cpu", HF_DATASETS_CACHE=str(tmp_path / "cache")),
+    timeout=120,
+  )
+  err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert r.returncode == 2 and len(err) == 1, (r.returncode, r.stderr[-3000:])
+  assert "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert "'diffjax-nobody/no-such-dataset'" in err[0] and "--include_path" in err[0], err[0]
+  assert str(tmp_path / "cache") in err[0], err[0]
+  assert time.time() - t0 < 60

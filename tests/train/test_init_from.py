@@ -35,10 +35,12 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
   saved, _, _ = load_model(first)
   want = nnx.to_pure_dict(nnx.state(saved))
 
-  # A longer-context run of the same shapes: other rope_theta and seq_len, scanned layers.
+  # A longer-context run of the same shapes: other rope_theta (allowed by init_changes) and
+  # seq_len, scanned layers.
   c = config(1)
   c.model.rope_theta, c.model.scan_layers, c.seq_len = 640_000.0, True, 64
   c.checkpoint.init_from = first
+  c.checkpoint.init_changes = ("rope_theta",)
   second = str(tmp_path / "second")
   result = train_and_evaluate(c, second)
   out = capsys.readouterr().out
@@ -53,12 +55,16 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
   )
   target = layout.stack_layers(want)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params, step = initial_params(first, cfg, target, jax.tree.map(lambda _: one, target))
+  params, step = initial_params(
+    first, cfg, target, jax.tree.map(lambda _: one, target), allowed_changes=("rope_theta",)
+  )
   assert step == 2
   for a, b in zip(jax.tree.leaves(target), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  # Other shapes, or no checkpoints, are refused by name.
+  # Another rope_theta not allowed, other shapes, or no checkpoints, are refused by name.
+  with pytest.raises(CheckpointError, match=r"--config\.model\.rope_theta=10000\.0"):
+    initial_params(first, cfg, target, None)
   with pytest.raises(CheckpointError, match="d_model: saved 32 vs now 48"):
     initial_params(first, cfg.replace(d_model=48), target, None)
   with pytest.raises(FileNotFoundError, match="init_from"):

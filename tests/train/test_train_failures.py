@@ -172,11 +172,10 @@ def test_resume_keeps_one_metrics_line_per_step(tmp_path):
   eval_steps = [r["step"] for r in rows if "eval/loss" in r]
   assert train_steps == [1, 2, 3, 4], train_steps
   assert eval_steps == [2, 4], eval_steps  # periodic at 2, final at 4; the old final at 3 is gone
-  # Rerunning a finished run repeats only its final evaluation, which replaces the old one.
-  train_and_evaluate(tiny_config(steps=4), str(wd))
-  again = _rows(wd)
-  assert [r["step"] for r in again if "train/loss" in r] == [1, 2, 3, 4]
-  assert [r["step"] for r in again if "eval/loss" in r] == [2, 4]
+  # Rerunning a finished run changes nothing, and returns its recorded final metrics.
+  result = train_and_evaluate(tiny_config(steps=4), str(wd))
+  assert _rows(wd) == rows
+  assert result["step"] == 4 and result["eval/loss"] == rows[-1]["eval/loss"]
 
 
 # --- preemption and the default run --------------------------------------------------------------

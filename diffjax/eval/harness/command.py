@@ -4,7 +4,8 @@
     python -m diffjax.eval.harness --hf_dir=exported/ --tasks=...
 
 Offline: real tasks read the local datasets cache, ``--include_path`` adds task YAML files of
-your own. docs/evaluation.md describes the flags and the output.
+your own. A task whose dataset is not there stops before the model loads, with one line naming
+the dataset and how to give a local copy. docs/evaluation.md describes the flags and the output.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import time
 from collections.abc import Sequence
 
 from diffjax.errors import run_guarded
+
+# Nothing is fetched at run time; the datasets library reads these when it is first imported,
+# which lm-eval's own modules may do before diffjax.eval.harness.tasks is.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +61,7 @@ def _main(args: argparse.Namespace) -> None:
   from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
 
   from diffjax.eval.harness import DiffjaxLM, run_tasks  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.harness.tasks import check_task_data  # pylint: disable=import-outside-toplevel
 
   limit = args.limit
   if limit is not None:
@@ -63,6 +70,8 @@ def _main(args: argparse.Namespace) -> None:
     limit = int(limit) if limit >= 1 else limit
   tasks = [t.strip() for t in args.tasks.split(",")]
   t0 = time.perf_counter()
+  # Every task's data is found before the model is loaded: a missing one fails in seconds.
+  check_task_data(tasks, args.include_path)
   lm = DiffjaxLM(
     args.workdir,
     hf_dir=args.hf_dir,

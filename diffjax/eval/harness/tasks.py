@@ -76,6 +76,45 @@ def check_tasks(names: Sequence[str], manager: TaskManager) -> list[str]:
   return names
 
 
+def _dataset_of(manager: TaskManager, name: str) -> str:
+  """The dataset a task reads, as its YAML names it (``path`` or ``path/name``), if it can tell."""
+  entry = manager.task_index.get(name)
+  try:
+    cfg = manager._factory._load_full_config(entry)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except  # only for the message
+    cfg = (entry.cfg if entry is not None else None) or {}
+  path, sub = cfg.get("dataset_path"), cfg.get("dataset_name")
+  return f"{path!r}" + (f" (subset {sub!r})" if sub else "") if path else "its dataset"
+
+
+def check_task_data(
+  tasks: Sequence[str], include_path: str | Sequence[str] | None = None
+) -> list[str]:
+  """Loads each of ``tasks`` (with its data) before any model is: a task whose dataset is not
+  available offline is one clear error naming the dataset and how to give a local copy.
+
+  Returns the task names (as :func:`check_tasks`).
+  """
+  import datasets  # pylint: disable=import-outside-toplevel
+
+  manager = task_manager(include_path, tasks)
+  names = check_tasks(list(tasks), manager)
+  for name in names:
+    try:
+      manager.load([name])
+    except (ConnectionError, FileNotFoundError) as e:
+      if isinstance(e, FileNotFoundError) and "dataset" not in str(e).lower():
+        raise
+      raise ValueError(
+        f"task {name!r} reads the dataset {_dataset_of(manager, name)}, which is not in the "
+        f"local datasets cache ({datasets.config.HF_DATASETS_CACHE}), and nothing is downloaded "
+        "here: copy the dataset into that cache (or point HF_DATASETS_CACHE at a cache that has "
+        "it), or give the task as YAML with dataset_path: json and dataset_kwargs.data_files "
+        "naming local files (--include_path=DIR; docs/evaluation.md)."
+      ) from None
+  return names
+
+
 def run_tasks(
   lm: DiffjaxLM,
   tasks: Sequence[str],
