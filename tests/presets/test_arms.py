@@ -36,7 +36,7 @@ def _expected(section: dict, arm: str) -> ModelConfig:
   if rest["vocab_size"] == -1:
     rest["vocab_size"] = 258
   base = ModelConfig(attention="transformer", **widths, **rest)
-  return matched_configs(base, v2_match=section["v2_match"])[arm]
+  return matched_configs(base, v2_match=section["v2_match"], names=(arm,))[arm]
 
 
 def _load(path):
