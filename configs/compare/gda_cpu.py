@@ -17,7 +17,9 @@ width pays for the differences (python -m diffjax.compare --config=... --dry_run
 arm's widths and parameters).
 
 Budget: 18 runs of 800 steps x 32 x 64 tokens, each followed by the evaluation, three at a
-time (``workers=3``). With an accelerator, set --config.workers=1.
+time (``workers=3``): 59 minutes on a shared 2-core CPU, where 17 of the 18 runs did not learn
+to retrieve (docs/results/compare_gda.md); --config.base.global_batch_size=64 (the retrieval
+comparison's) is the next step. With an accelerator, set --config.workers=1.
 """
 
 from diffjax.compare import comparison_config
