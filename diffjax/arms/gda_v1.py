@@ -67,7 +67,7 @@ def match(baseline, v2_match: str):
   """The baseline's H_b query heads split r : 1 into H signal and
   N noise heads (the total V1 has), with gcd(K_b / 2, N) kv groups (V1's K_b / 2 when they
   divide N); by "params" the SwiGLU width pays for the difference (within 0.5 % of the
-  Transformer's parameters; tests/model checks it), by "heads" nothing else changes."""
+  Transformer's parameters; tests/arms/test_gda.py checks it), by "heads" nothing else changes."""
   if v2_match not in V2_MATCHING:
     raise ValueError(f"v2_match={v2_match!r} must be one of {V2_MATCHING}.")
   r, hb, kb = baseline.gda_ratio, baseline.num_heads, baseline.num_kv_heads
