@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, own_stderr  # noqa: E402
 
 EXIT_PREEMPTED = 75
