@@ -208,6 +208,19 @@ def _differential(
   return out_BxTxHxDv
 
 
+def _per_head_lambda(q1, q2, k1, k2, v, lam, **kw):
+  """DIFF V1's form (and its grouped one): lam a scalar or [H], in the accumulation dtype."""
+  acc = accumulation_dtype(q1.dtype)
+  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (q1.shape[2],))[None, :, None]
+  return _differential(q1, q2, k1, k2, v, lam_BxHxT, **kw)
+
+
+def _per_token_lambda(q1, q2, k, v, lam_BxTxH, **kw):
+  """DIFF V2's form (and its grouped one): one key array, lam [B, T, H]."""
+  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q1.dtype)), (0, 2, 1))
+  return _differential(q1, q2, k, k, v, lam_BxHxT, **kw)
+
+
 def diff_v1_reference(
   q1_BxTxHxD,
   q2_BxTxHxD,
@@ -237,16 +250,13 @@ def diff_v1_reference(
     also ``logits1``, ``logits2``, ``probs1``, ``probs2`` (float32 [B, H, T, S]).
   """
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  h = q1_BxTxHxD.shape[2]
-  acc = accumulation_dtype(q1_BxTxHxD.dtype)
-  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (h,))[None, :, None]
-  return _differential(
+  return _per_head_lambda(
     q1_BxTxHxD,
     q2_BxTxHxD,
     k1_BxSxKxD,
     k2_BxSxKxD,
     v_BxSxKxDv,
-    lam_BxHxT,
+    lam,
     causal=causal,
     segment_ids=segment_ids,
     mask=mask,
@@ -285,14 +295,12 @@ def diff_v2_reference(
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, q_heads, d = q_BxTxQxD.shape
   q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
-  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q_BxTxQxD.dtype)), (0, 2, 1))
-  return _differential(
+  return _per_token_lambda(
     q_BxTxHx2xD[:, :, :, 0],
     q_BxTxHx2xD[:, :, :, 1],
     k_BxSxKxD,
-    k_BxSxKxD,
     v_BxSxKxD,
-    lam_BxHxT,
+    lam_BxTxH,
     causal=causal,
     segment_ids=segment_ids,
     mask=mask,
@@ -334,16 +342,13 @@ def gda_v1_reference(
     over their groups ([B, H, T, S]).
   """
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  h = q1_BxTxHxD.shape[2]
-  acc = accumulation_dtype(q1_BxTxHxD.dtype)
-  lam_BxHxT = jnp.broadcast_to(jnp.asarray(lam, acc), (h,))[None, :, None]
-  return _differential(
+  return _per_head_lambda(
     q1_BxTxHxD,
     q2_BxTxNxD,
     k1_BxSxKxD,
     k2_BxSxKxD,
     v_BxSxKxDv,
-    lam_BxHxT,
+    lam,
     causal=causal,
     segment_ids=segment_ids,
     mask=mask,
@@ -401,14 +406,12 @@ def gda_v2_reference(
     is DIFF V2 on the pairs (q1_i, q2_i).
   """
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  lam_BxHxT = jnp.transpose(lam_BxTxH.astype(accumulation_dtype(q1_BxTxHxD.dtype)), (0, 2, 1))
-  return _differential(
+  return _per_token_lambda(
     q1_BxTxHxD,
     q2_BxTxNxD,
     k_BxSxKxD,
-    k_BxSxKxD,
     v_BxSxKxD,
-    lam_BxHxT,
+    lam_BxTxH,
     causal=causal,
     segment_ids=segment_ids,
     mask=mask,
