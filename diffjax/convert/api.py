@@ -8,7 +8,8 @@ Every check runs before anything is written, so bad input raises :class:`Convers
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from diffjax.convert import motif
+from diffjax.convert import motif, tokenizer_files
 from diffjax.convert.files import ConversionError, read_config, read_tensors, write_checkpoint
 from diffjax.convert.hf_config import (
   DEFAULT_MAX_POSITIONS,
@@ -25,15 +26,24 @@ from diffjax.convert.hf_config import (
   model_config_from_hf,
 )
 from diffjax.convert.weights import hf_from_params, params_from_hf
+from diffjax.data import Tokenizer, load_tokenizer
 from diffjax.model import DecoderLM, ModelConfig, layout
 from diffjax.train import checkpoint as ckpt
-from diffjax.train.loading import load_model
+from diffjax.train.loading import load_run
 from diffjax.train.records import write_json
 
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Keys of the source config.json kept with an imported workdir, so that exporting it again
 # restores them (diffjax itself has no use for them).
 _KEPT_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# An imported checkpoint's tokenizer files, copied into an export of its workdir.
+_HF_TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer.model",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "generation_config.json",
+)
 
 
 def read_hf(path: str, **runtime: Any) -> tuple[ModelConfig, dict, dict]:
@@ -122,39 +132,61 @@ def save_hf(
   eos_token_id: int | None = None,
   pad_token_id: int | None = None,
   max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+  tokenizer: Tokenizer | None = None,
+  copy_files: Sequence[str] = (),
 ) -> list[str]:
   """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint, or a
   model with a PolyNorm MLP (``gda_v1``, imported from Motif-2) as a Motif checkpoint.
 
   Writes ``config.json`` and ``model.safetensors`` (or shards of at most
   ``max_shard_size`` with ``model.safetensors.index.json``) into ``path``, which must not
-  exist or be empty. The token ids and ``max_position_embeddings`` only go into
-  config.json (diffjax does not use them). Returns the file names written.
+  exist or be empty. With ``tokenizer`` (the one the model was trained with) the directory
+  also gets that tokenizer in transformers' form (:mod:`diffjax.convert.tokenizer_files`),
+  its special-token ids in config.json (given ids win) and a ``generation_config.json``;
+  ``copy_files`` are copied in as they are (an imported checkpoint's tokenizer files).
+  ``max_position_embeddings`` should be the context the model was trained at: evaluators take
+  it as the longest input. Returns the file names written.
   """
   if dtype not in _EXPORT_DTYPES:
     raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
   cfg = model.config
+  ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+  if tokenizer is not None:
+    if tokenizer.vocab_size > cfg.vocab_size:
+      raise ConversionError(
+        f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} ids but the model only "
+        f"{cfg.vocab_size}: pass the tokenizer the model was trained with."
+      )
+    ids = {
+      **tokenizer_files.token_ids(tokenizer),
+      **{k: v for k, v in ids.items() if v is not None},
+    }
+  settings = dict(dtype=dtype, max_position_embeddings=max_position_embeddings, **ids)
   if motif.is_motif_model(cfg):
-    hf_config = motif.hf_config_from_model(
-      cfg,
-      dtype=dtype,
-      bos_token_id=bos_token_id,
-      eos_token_id=eos_token_id,
-      pad_token_id=pad_token_id,
-      max_position_embeddings=max_position_embeddings,
-    )
+    hf_config = motif.hf_config_from_model(cfg, **settings)
     tensors = motif.hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
-    return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size)
-  hf_config = hf_config_from_model(
-    cfg,
-    dtype=dtype,
-    bos_token_id=bos_token_id,
-    eos_token_id=eos_token_id,
-    pad_token_id=pad_token_id,
-    max_position_embeddings=max_position_embeddings,
-  )
-  tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
-  return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size)
+  else:
+    hf_config = hf_config_from_model(cfg, **settings)
+    tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
+
+  def extra(directory: str) -> list[str]:
+    names = []
+    for source in copy_files:
+      shutil.copyfile(source, os.path.join(directory, os.path.basename(source)))
+      names.append(os.path.basename(source))
+    if tokenizer is not None:
+      names += tokenizer_files.write_tokenizer_files(
+        directory, tokenizer, model_max_length=max_position_embeddings
+      )
+    if ids["eos_token_id"] is not None and tokenizer_files.GENERATION_CONFIG not in names:
+      write_json(
+        os.path.join(directory, tokenizer_files.GENERATION_CONFIG),
+        tokenizer_files.generation_config(ids),
+      )
+      names.append(tokenizer_files.GENERATION_CONFIG)
+    return names
+
+  return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size, extra=extra)
 
 
 def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
@@ -203,17 +235,43 @@ def write_workdir(workdir: str, model: DecoderLM, meta: Mapping[str, Any]) -> No
   write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
 
 
-def workdir_to_hf(workdir: str, path: str, *, step: int | None = None, **export: Any) -> list[str]:
+def workdir_to_hf(
+  workdir: str, path: str, *, step: int | None = None, tokenizer: str | None = None, **export: Any
+) -> list[str]:
   """Exports the checkpoint of a diffjax workdir (latest step by default) with :func:`save_hf`.
 
-  Token ids and ``max_position_embeddings`` default to those kept from the checkpoint the
-  workdir was imported from, if any; ``export`` overrides them and sets ``dtype`` and
-  ``max_shard_size``.
+  The export carries what an evaluator needs: the run's tokenizer (``tokenizer``: a spec for
+  :func:`~diffjax.data.load_tokenizer`, ``"none"`` for no tokenizer files, default the run's own;
+  a workdir imported from an HF directory gets that directory's tokenizer files when it still has
+  them), its special-token ids, and ``max_position_embeddings`` = the context the run trained at
+  (``seq_len``). ``export`` overrides the ids and the context and sets ``dtype`` and
+  ``max_shard_size``; an imported workdir defaults to the values kept from its source.
   """
-  model, _, step = load_model(workdir, step=step)
+  run = load_run(workdir, step)
   manager = ckpt.make_manager(
     os.path.join(workdir, "checkpoints"), keep=1_000_000, async_save=False
   )
-  kept = ckpt.read_meta(manager, step).get("hf_config") or {}
+  meta = ckpt.read_meta(manager, run.step)
   manager.close()
-  return save_hf(model, path, **{**kept, **export})
+  kept = dict(meta.get("hf_config") or {})
+  if run.config.get("seq_len"):
+    kept["max_position_embeddings"] = int(run.config["seq_len"])
+  spec = tokenizer
+  if spec is None and run.config:
+    spec = (run.config.get("data") or {}).get("tokenizer", "byte")
+  copy_files: list[str] = []
+  if spec is None and meta.get("source"):
+    copy_files = [
+      os.path.join(meta["source"], name)
+      for name in _HF_TOKENIZER_FILES
+      if os.path.isfile(os.path.join(meta["source"], name))
+    ]
+  loaded = None
+  if spec is not None and spec != "none":
+    if spec != "byte" and not os.path.isfile(spec):
+      raise ConversionError(
+        f"the tokenizer {spec!r} is not found from {os.getcwd()!r}: pass --tokenizer=PATH (or "
+        "--tokenizer=none to export without tokenizer files)."
+      )
+    loaded = load_tokenizer(spec)
+  return save_hf(run.model, path, **{**kept, **export}, tokenizer=loaded, copy_files=copy_files)

@@ -2,7 +2,7 @@
 
     python -m diffjax.convert import --hf=path/to/llama_dir --workdir=runs/imported
     python -m diffjax.convert export --workdir=runs/default --hf=path/to/out_dir [--step=N]
-        [--dtype=bfloat16] [--max_shard_size=5GB] [--eos_token_id=256]
+        [--dtype=bfloat16] [--max_shard_size=5GB] [--tokenizer=none]
     python -m diffjax.convert retrofit --source=runs/transformer --workdir=runs/retro_v2
         [--arm=diff_v2|diff_v1] [--step=N]
 
@@ -11,7 +11,10 @@ V1) or MotifForCausalLM (Motif-2 -> gda_v1 with a PolyNorm MLP, docs/motif.md) d
 holding config.json and *.safetensors (one file, or shards with their index) and writes a
 workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `export` writes the
 latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdir as a
-directory in the source's layout (transformers' `from_pretrained` loads the first two). `retrofit` turns a Transformer (a workdir of
+directory in the source's layout (transformers' `from_pretrained` loads the first two), with
+the run's tokenizer in transformers' form, its special-token ids, a generation config and
+max_position_embeddings = the context the run trained at, so `lm_eval --model hf` and
+`python -m diffjax.eval.harness --hf_dir` evaluate it as it was trained. `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
 function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
 and prints the `train.py` command that continues it (`--config.checkpoint.init_from=<workdir>`
@@ -54,12 +57,19 @@ def _parser() -> argparse.ArgumentParser:
   exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   exp.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
   exp.add_argument("--max_shard_size", default=None, help="e.g. 5GB (default), 500MB")
+  exp.add_argument(
+    "--tokenizer",
+    default=None,
+    help="tokenizer written with the weights: 'byte', a tokenizers .json, a SentencePiece "
+    ".model, or 'none' (default: the run's own)",
+  )
   for name in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
     exp.add_argument(
       f"--{name}",
       type=int,
       default=None,
-      help="written to config.json (default: the imported checkpoint's, if any)",
+      help="written to config.json (default: the run's tokenizer and seq_len, or the "
+      "imported checkpoint's)",
     )
   ret = sub.add_parser("retrofit", help="Transformer workdir or HF Llama dir -> new DIFF workdir")
   ret.add_argument(
@@ -138,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "eos_token_id",
           "pad_token_id",
           "max_position_embeddings",
+          "tokenizer",
         )
         if getattr(args, k) is not None
       }

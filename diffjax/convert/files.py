@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can read BF16)
@@ -148,11 +148,14 @@ def write_checkpoint(
   tensors: Mapping[str, np.ndarray],
   *,
   max_shard_size: int | str = "5GB",
+  extra: Callable[[str], list[str]] | None = None,
 ) -> list[str]:
   """Writes ``config.json`` and the tensors (sharded past ``max_shard_size``) into ``directory``.
 
   ``directory`` must not exist or be empty; everything is written into a temporary sibling
-  and renamed at the end, so a failure leaves no partial checkpoint. Returns the file names.
+  and renamed at the end, so a failure leaves no partial checkpoint. ``extra(tmp)`` writes
+  further files (the tokenizer's) into that sibling and returns their names. Returns the file
+  names.
   """
   max_bytes = parse_size(max_shard_size)
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
@@ -195,6 +198,8 @@ def write_checkpoint(
       names.append(INDEX_FILE)
     _write_json(os.path.join(tmp, CONFIG_FILE), config)
     names.append(CONFIG_FILE)
+    if extra is not None:
+      names.extend(extra(tmp))
     if os.path.isdir(directory):
       os.rmdir(directory)  # empty, checked above
     os.replace(tmp, directory)

@@ -218,7 +218,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
   )
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
   """The printable stand-in of every byte in byte-level BPE token strings, mapped to the byte.
 
   Bytes that are printable Latin-1 (33-126, 161-172, 174-255) stand for themselves; the other
@@ -254,7 +254,7 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray | None:
     tok = tokenizer._tok  # pylint: disable=protected-access
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     byte_level = type(tok.decoder).__name__ == "ByteLevel"
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     for i in range(tokenizer._base_size):  # pylint: disable=protected-access
       piece = tok.id_to_token(i)
       if piece is None or piece in special:

@@ -10,8 +10,10 @@ takes several windows; batches of four mix lengths.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,10 @@ from helpers import REPO, run_python, tiny_config, write_bpe_tokenizer  # noqa: 
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from diffjax.data.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.eval.harness import DiffjaxLM, TokenScorer, cut_at_stops, run_tasks  # noqa: E402
 from diffjax.eval.harness import command as harness_command  # noqa: E402
+from diffjax.eval.harness.model import generation_options  # noqa: E402
 from diffjax.generation import generate  # noqa: E402
 from diffjax.model import DecoderLM, ModelConfig  # noqa: E402
 
@@ -401,7 +405,7 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
   assert got == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
   greedy = lm.generate_texts(contexts, max_gen_toks=10)
   assert greedy != got  # sampling at temperature 0.9 is not the greedy path
-  with pytest.raises(ValueError, match=r"\['num_beams'\] are not supported"):
+  with pytest.raises(ValueError, match=r"num_beams=4 is not supported \(only num_beams=1 is\)"):
     lm.generate_texts(contexts, num_beams=4)
 
 
@@ -445,3 +449,216 @@ def test_a_task_without_local_data_fails_fast_naming_its_dataset(tmp_path):
   assert "'diffjax-nobody/no-such-dataset'" in err[0] and "--include_path" in err[0], err[0]
   assert str(tmp_path / "cache") in err[0], err[0]
   assert time.time() - t0 < 60
+
+
+# -------------------------------------------------- lm-eval's options and command-line habits
+
+
+def _generation_task(directory, name, **options):
+  """The fixture generation task again as ``name``, with ``options`` as its generation_kwargs."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(REPO, FIXTURES, "generate.yaml"), encoding="utf-8") as f:
+    spec = yaml.safe_load(f)
+  spec["task"] = name
+  spec["dataset_kwargs"]["data_files"]["test"] = os.path.join(REPO, FIXTURES, "generate.jsonl")
+  spec["generation_kwargs"] = {"until": ["\n"], **options}
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, f"{name}.yaml"), "w", encoding="utf-8") as f:
+    yaml.safe_dump(spec, f)
+  return str(directory)
+
+
+def test_generation_options_are_lm_evals_aliases_or_one_error_naming_the_task():
+  options = generation_options({"max_new_tokens": 5, "num_beams": 1, "until": "\n"}, task="t")
+  assert options == {"until": ["\n"], "max_gen_toks": 5, "do_sample": False}
+  assert generation_options({"max_tokens": 7})["max_gen_toks"] == 7
+  assert generation_options({"max_completion_tokens": 3})["max_gen_toks"] == 3
+  assert generation_options({})["max_gen_toks"] is None  # the model's own --max_gen_toks
+  for bad, needle in (
+    ({"num_beams": 4}, "task 'qa': generation option num_beams=4 is not supported"),
+    ({"repetition_penalty": 1.3}, "repetition_penalty=1.3 is not supported"),
+    ({"min_p": 0.1}, "generation option min_p=0.1 is not supported"),
+  ):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+      generation_options(bad, task="qa")
+
+
+def test_a_task_with_max_new_tokens_and_num_beams_1_runs(tmp_path):
+  include = _generation_task(
+    tmp_path / "tasks", "diffjax_new_tokens", max_new_tokens=5, num_beams=1
+  )
+  lm = Recording(model=tiny_model("diff_v1"), tokenizer="byte", max_length=MAX_LENGTH, batch_size=4)
+  results = run_tasks(lm, ["diffjax_new_tokens"], include_path=include, bootstrap_iters=0)
+  assert "diffjax_new_tokens" in results["results"] and len(lm.generations) == 5
+  for (context, _), text in lm.generations:
+    assert text == lm.generate_texts([context], until=["\n"], max_gen_toks=5)[0]
+    assert len(text.encode("utf-8", "surrogateescape")) <= 5 * 3  # 5 byte tokens, U+FFFD each
+
+
+def test_an_option_the_model_cannot_honour_fails_before_any_request(tmp_path):
+  include = _generation_task(tmp_path / "tasks", "diffjax_beams", num_beams=4)
+  lm = Recording(model=tiny_model("diff_v1"), tokenizer="byte", max_length=MAX_LENGTH, batch_size=4)
+  with pytest.raises(ValueError, match=r"task 'diffjax_beams': generation option num_beams=4"):
+    run_tasks(
+      lm,
+      ["diffjax_fixture_choice", "diffjax_beams"],
+      include_path=[os.path.join(REPO, FIXTURES), include],
+    )
+  assert lm.pairs == [] and lm.generations == []  # the choice task's requests never ran
+
+
+@pytest.mark.parametrize(
+  "extra,needle",
+  [
+    # A workdir with no checkpoint: each line must come before the model is loaded.
+    (["--tasks=diffjax_beams"], "task 'diffjax_beams': generation option num_beams=4"),
+    (
+      ["--tasks=diffjax_fixture_generate", "--gen_kwargs=num_beams=3"],
+      "task 'diffjax_fixture_generate': generation option num_beams=3",
+    ),
+    (["--tasks=diffjax_fixture_choice", "--gen_kwargs=oops"], "'oops' is not KEY=VALUE"),
+    (["--tasks=diffjax_fixture_choice", "--use_cache=/no/such/dir/c"], "--use_cache="),
+  ],
+)
+def test_bad_generation_options_are_one_line_before_the_model_loads(
+  extra, needle, tmp_path, capsys, monkeypatch
+):
+  monkeypatch.chdir(REPO)
+  include = _generation_task(tmp_path / "tasks", "diffjax_beams", num_beams=4)
+  (tmp_path / "empty").mkdir()
+  argv = [f"--workdir={tmp_path / 'empty'}", f"--include_path={FIXTURES}", *extra]
+  if "--tasks=diffjax_beams" in extra:
+    argv[1] = f"--include_path={include}"
+  rc = harness_command.main(argv)
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+  assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_batch_size_auto_halves_while_the_device_runs_out_of_memory(monkeypatch):
+  scorer = TokenScorer(tiny_model("diff_v1"), max_length=MAX_LENGTH, batch_size=1)
+  real, tried = scorer._run, []  # pylint: disable=protected-access
+
+  def limited(inputs, targets):
+    tried.append(inputs.shape[0])
+    if inputs.shape[0] > 8:
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    return real(inputs, targets)
+
+  monkeypatch.setattr(scorer, "_run", limited)
+  assert scorer.fit_batch_size(48) == 8 and scorer.batch_size == 8
+  assert tried == [32, 16, 8]
+  monkeypatch.setattr(scorer, "_run", lambda *a: (_ for _ in ()).throw(RuntimeError("other")))
+  with pytest.raises(RuntimeError, match="other"):  # anything but memory is not swallowed
+    scorer.fit_batch_size(4)
+  with pytest.raises(ValueError, match="auto"):
+    DiffjaxLM(model=tiny_model("diff_v1"), tokenizer="byte", batch_size="big")
+
+
+def _samples(directory, task):
+  (path,) = glob.glob(os.path.join(directory, "*", f"samples_{task}_*.jsonl"))
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_output_path_samples_gen_kwargs_auto_batch_and_the_answer_cache(
+  trained_workdir, tmp_path, capsys, monkeypatch
+):
+  monkeypatch.chdir(REPO)
+  argv = [
+    f"--workdir={trained_workdir}",
+    f"--include_path={FIXTURES}",
+    "--tasks=diffjax_fixture_choice,diffjax_fixture_generate",
+    "--limit=3",
+    "--batch_size=auto",
+    "--max_batch_size=16",
+    "--gen_kwargs=max_gen_toks=3",
+    "--bootstrap_iters=0",
+    f"--output={tmp_path / 'h.json'}",
+    f"--output_path={tmp_path / 'out'}",
+    "--log_samples",
+    f"--use_cache={tmp_path / 'answers'}",
+  ]
+  assert harness_command.main(argv) == 0, capsys.readouterr().err[-2000:]
+  err = capsys.readouterr().err
+  assert "context 32 tokens (the run's seq_len), batch 16" in err
+  first = json.loads((tmp_path / "h.json").read_text())
+  assert first["diffjax"]["batch_size"] == 16
+  (results,) = glob.glob(str(tmp_path / "out" / "*" / "results_*.json"))
+  assert json.loads(open(results, encoding="utf-8").read())["results"] == first["results"]
+  choice = _samples(tmp_path / "out", "diffjax_fixture_choice")
+  generated = _samples(tmp_path / "out", "diffjax_fixture_generate")
+  assert len(choice) == 3 and len(generated) == 3
+  tok = ByteTokenizer()
+  for sample in generated:  # --gen_kwargs=max_gen_toks=3 over the task's 12
+    text = sample["resps"][0][0]
+    assert len(tok.encode(text.replace("\ufffd", "?"))) <= 3, text
+  assert os.path.isfile(tmp_path / "answers_rank0.db")
+
+  # The same command again answers every request from the cache: the model is never asked.
+  def refuse(*args, **kwargs):
+    raise AssertionError("the model was asked although the cache holds the answer")
+
+  monkeypatch.setattr(TokenScorer, "score", refuse)
+  monkeypatch.setattr(DiffjaxLM, "generate_texts", refuse)
+  assert harness_command.main(argv) == 0, capsys.readouterr().err[-2000:]
+  assert json.loads((tmp_path / "h.json").read_text())["results"] == first["results"]
+
+
+def test_predict_only_keeps_the_outputs_and_computes_no_metric(
+  trained_workdir, tmp_path, capsys, monkeypatch
+):
+  monkeypatch.chdir(REPO)
+  rc = harness_command.main(
+    [
+      f"--workdir={trained_workdir}",
+      f"--include_path={FIXTURES}",
+      "--tasks=diffjax_fixture_choice",
+      "--limit=2",
+      "--predict_only",
+      f"--output={tmp_path / 'h.json'}",
+      f"--output_path={tmp_path / 'out'}",
+    ]
+  )
+  assert rc == 0, capsys.readouterr().err[-2000:]
+  metrics = json.loads((tmp_path / "h.json").read_text())["results"]["diffjax_fixture_choice"]
+  assert not any(k.startswith(("acc,", "acc_norm,")) for k in metrics), metrics
+  samples = _samples(tmp_path / "out", "diffjax_fixture_choice")
+  assert len(samples) == 2 and all(len(s["resps"]) == 3 for s in samples)
+
+
+def test_an_export_is_evaluated_at_the_runs_context_with_the_runs_tokenizer(
+  trained_workdir, tmp_path, monkeypatch
+):
+  from diffjax.convert.command import main as convert_main  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.chdir(REPO)
+  out = str(tmp_path / "hf")
+  assert convert_main(["export", f"--workdir={trained_workdir}", f"--hf={out}"]) == 0
+  config = json.loads(open(os.path.join(out, "config.json"), encoding="utf-8").read())
+  assert config["max_position_embeddings"] == 32  # the run's seq_len
+  assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+    None,
+    256,
+    257,
+  )
+  generation = json.loads(
+    open(os.path.join(out, "generation_config.json"), encoding="utf-8").read()
+  )
+  assert generation["eos_token_id"] == 256 and generation["do_sample"] is False
+  from_run = DiffjaxLM(trained_workdir, batch_size=4)
+  from_hf = DiffjaxLM(hf_dir=out, batch_size=4)
+  assert from_hf.max_length == from_run.max_length == 32
+  assert "max_position_embeddings" in from_hf.context_source
+  assert isinstance(from_hf.tok, ByteTokenizer)
+  requests = [
+    ("def add(a, b):", " return a + b"),
+    ("The standard library provides modules for files, processes", " and text."),
+  ]
+  instances = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)]
+  for (a, ga), (b, gb) in zip(
+    from_run.loglikelihood(instances, disable_tqdm=True),
+    from_hf.loglikelihood(instances, disable_tqdm=True),
+  ):
+    _close(b, a, "export vs run")
+    assert ga == gb

@@ -2,6 +2,8 @@
 
     python -m diffjax.eval.harness --workdir=runs/default --tasks=hellaswag,arc_easy [--limit=N]
     python -m diffjax.eval.harness --hf_dir=exported/ --tasks=...
+    python -m diffjax.eval.harness --workdir=runs/default --tasks=... --batch_size=auto \
+        --gen_kwargs=max_new_tokens=32 --output_path=results/ --log_samples
 
 Offline: real tasks read the local datasets cache, ``--include_path`` adds task YAML files of
 your own. A task whose dataset is not there stops before the model loads, with one line naming
@@ -40,19 +42,51 @@ def _parser() -> argparse.ArgumentParser:
     "--limit", type=float, default=None, help="examples per task (a count, or a fraction below 1)"
   )
   p.add_argument("--num_fewshot", type=int, default=None)
-  p.add_argument("--batch_size", type=int, default=8)
+  p.add_argument(
+    "--batch_size",
+    default="8",
+    help="rows per forward pass, or 'auto' (also 'auto:N'): the largest power of two up to "
+    "--max_batch_size that fits the device's memory",
+  )
+  p.add_argument("--max_batch_size", type=int, default=64, help="the ceiling of --batch_size=auto")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   p.add_argument(
-    "--max_length", type=int, default=None, help="context length (default: the run's seq_len)"
+    "--max_length",
+    type=int,
+    default=None,
+    help="context length (default: the run's seq_len, or config.json's max_position_embeddings)",
   )
   p.add_argument("--max_gen_toks", type=int, default=256)
+  p.add_argument(
+    "--gen_kwargs",
+    default=None,
+    help="generation options over every generation task's own, as KEY=VALUE[,KEY=VALUE...] "
+    "(e.g. max_new_tokens=32,temperature=0)",
+  )
   p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the run's own)")
   p.add_argument("--seed", type=int, default=1234)
   p.add_argument(
     "--bootstrap_iters", type=int, default=1000, help="resamples for the standard errors (0: none)"
   )
   p.add_argument("--output", default=None, help="results JSON (default: <workdir>/harness.json)")
+  p.add_argument(
+    "--output_path",
+    default=None,
+    help="also write lm-eval's output files into this directory: <source>/results_<date>.json, "
+    "and samples_<task>_<date>.jsonl with --log_samples or --predict_only",
+  )
   p.add_argument("--log_samples", action="store_true", help="keep per-example outputs")
+  p.add_argument(
+    "--predict_only",
+    action="store_true",
+    help="keep the model's outputs (as --log_samples) and compute no metric",
+  )
+  p.add_argument(
+    "--use_cache",
+    default=None,
+    help="path prefix of a SQLite cache of the model's answers (<prefix>_rank0.db); a rerun "
+    "answers the requests it holds without the model",
+  )
   return p
 
 
@@ -61,7 +95,7 @@ def _main(args: argparse.Namespace) -> None:
   from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
 
   from diffjax.eval.harness import DiffjaxLM, run_tasks  # pylint: disable=import-outside-toplevel
-  from diffjax.eval.harness.tasks import check_task_data  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.harness.tasks import check_task_data, parse_gen_kwargs  # pylint: disable=import-outside-toplevel
 
   limit = args.limit
   if limit is not None:
@@ -69,9 +103,16 @@ def _main(args: argparse.Namespace) -> None:
       raise ValueError(f"--limit={limit:g} must be positive.")
     limit = int(limit) if limit >= 1 else limit
   tasks = [t.strip() for t in args.tasks.split(",")]
+  gen_kwargs = parse_gen_kwargs(args.gen_kwargs)
+  if args.use_cache is not None and not os.path.isdir(os.path.dirname(args.use_cache) or "."):
+    raise ValueError(
+      f"--use_cache={args.use_cache!r}: its directory does not exist; create it or pass a path "
+      "prefix in an existing directory."
+    )
   t0 = time.perf_counter()
-  # Every task's data is found before the model is loaded: a missing one fails in seconds.
-  check_task_data(tasks, args.include_path)
+  # Every task's data and generation options are checked before the model is loaded: a
+  # problem fails in seconds.
+  check_task_data(tasks, args.include_path, gen_kwargs)
   lm = DiffjaxLM(
     args.workdir,
     hf_dir=args.hf_dir,
@@ -79,8 +120,20 @@ def _main(args: argparse.Namespace) -> None:
     step=args.step,
     max_length=args.max_length,
     batch_size=args.batch_size,
+    max_batch_size=args.max_batch_size,
     max_gen_toks=args.max_gen_toks,
   )
+  arm = lm.model.config.attention
+  print(
+    f"[{arm}] context {lm.max_length} tokens ({lm.context_source}), batch {lm.batch_size}",
+    file=sys.stderr,
+  )
+  source = args.workdir or args.hf_dir
+  tracker = None
+  if args.output_path:
+    from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
+
+    tracker = EvaluationTracker(output_path=args.output_path)
   results = run_tasks(
     lm,
     tasks,
@@ -90,25 +143,37 @@ def _main(args: argparse.Namespace) -> None:
     seed=args.seed,
     log_samples=args.log_samples,
     bootstrap_iters=args.bootstrap_iters,
+    gen_kwargs=gen_kwargs,
+    predict_only=args.predict_only,
+    use_cache=args.use_cache,
+    evaluation_tracker=tracker,
+    model_args={"path": source},
+    checked=True,
   )
   seconds = time.perf_counter() - t0
   print(make_table(results))
   results["diffjax"] = {
-    "source": args.workdir or args.hf_dir,
-    "arm": lm.model.config.attention,
+    "source": source,
+    "arm": arm,
     "max_length": lm.max_length,
+    "context_from": lm.context_source,
+    "batch_size": lm.batch_size,
     "seconds": seconds,
     "compiled_shapes": sorted(map(list, lm.scorer.compiled_shapes)),
   }
-  out = args.output or os.path.join(args.workdir or args.hf_dir, "harness.json")
+  out = args.output or os.path.join(source, "harness.json")
   tmp = out + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1, default=str)
   os.replace(tmp, out)
-  print(
-    f"[{lm.model.config.attention}] {len(tasks)} task(s) in {seconds:.1f} s; results in {out}",
-    file=sys.stderr,
-  )
+  where = out
+  if tracker is not None:
+    samples = results.pop("samples", None)
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in results.get("configs", {}) if samples else ():
+      tracker.save_results_samples(task_name=task, samples=samples[task])
+    where += f" and {args.output_path}"
+  print(f"[{arm}] {len(tasks)} task(s) in {seconds:.1f} s; results in {where}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

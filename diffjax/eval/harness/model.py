@@ -19,6 +19,7 @@ import numpy as np
 try:
   from lm_eval import utils as lm_utils
   from lm_eval.api.model import TemplateLM
+  from lm_eval.models import utils as lm_model_utils
 except ImportError as e:  # pragma: no cover - the message is the point
   raise ImportError(
     "diffjax.eval.harness needs lm-eval: pip install -e '.[harness]' (it does not need torch)."
@@ -32,8 +33,42 @@ from diffjax.model import DecoderLM
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_MAX_GEN_TOKS = 256
-# gen_kwargs keys the harness's tasks pass that this model reads.
-_GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
+DEFAULT_MAX_BATCH_SIZE = 64
+# Generation options this model reads, after lm-eval's own normalisation (which maps
+# max_new_tokens, max_tokens and max_completion_tokens to max_gen_toks).
+_GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+# Options lm-eval's hf model passes on to transformers, accepted at the value that changes
+# nothing (one greedy or sampled sequence).
+_GEN_NO_OPS = {"num_beams": 1, "repetition_penalty": 1.0, "num_return_sequences": 1}
+
+
+def generation_options(gen_kwargs: dict[str, Any], task: str | None = None) -> dict[str, Any]:
+  """A task's ``generation_kwargs`` as :meth:`DiffjaxLM.generate_texts` reads them.
+
+  The aliases lm-eval's backends accept are mapped as lm-eval maps them; an option this model
+  cannot honour is a ``ValueError`` naming the task and the option.
+  """
+  options = dict(lm_model_utils.normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS))
+  if not any(k in gen_kwargs for k in _MAX_TOKEN_ALIASES):
+    options["max_gen_toks"] = None  # the model's own default (--max_gen_toks)
+  where = f"task {task!r}: " if task else ""
+  for key, value in list(options.items()):
+    if key in _GEN_KEYS:
+      continue
+    if key in _GEN_NO_OPS and value == _GEN_NO_OPS[key]:
+      del options[key]
+      continue
+    fix = f" (only {key}={_GEN_NO_OPS[key]!r} is)" if key in _GEN_NO_OPS else ""
+    raise ValueError(
+      f"{where}generation option {key}={value!r} is not supported{fix}; diffjax reads "
+      f"{', '.join(_GEN_KEYS)} (max_gen_toks also as {', '.join(_MAX_TOKEN_ALIASES[1:])}) and "
+      f"{', '.join(f'{k}={v!r}' for k, v in _GEN_NO_OPS.items())}: drop it from the task's "
+      "generation_kwargs or from --gen_kwargs."
+    )
+  return options
+
+
+_MAX_TOKEN_ALIASES = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
 
 def _load(
@@ -53,6 +88,7 @@ def _load(
     return run.model, spec, int(seq_len) if seq_len else None
   from diffjax.convert import load_hf  # pylint: disable=import-outside-toplevel
   from diffjax.convert.files import read_config  # pylint: disable=import-outside-toplevel
+  from diffjax.convert.tokenizer_files import tokenizer_spec  # pylint: disable=import-outside-toplevel
 
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(
@@ -60,9 +96,8 @@ def _load(
       "config.json and safetensors weights."
     )
   model = load_hf(hf_dir)
-  spec = os.path.join(hf_dir, "tokenizer.json")
   positions = read_config(hf_dir).get("max_position_embeddings")
-  return model, spec if os.path.isfile(spec) else None, positions
+  return model, tokenizer_spec(hf_dir), positions
 
 
 class DiffjaxLM(TemplateLM):
@@ -79,11 +114,14 @@ class DiffjaxLM(TemplateLM):
     max_length: the longest input scored or generated from (default: the run's ``seq_len``,
       the HF config's ``max_position_embeddings``, else 2048). Longer requests lose tokens
       from the left.
-    batch_size: rows per forward pass (and per generation call).
     max_gen_toks: new tokens for a generation task that does not say.
     seed: the sampling seed of sampled generation.
     mesh, rules: evaluate sharded over a device mesh (no parameter is gathered).
-    device, max_batch_size: accepted for the harness's command line; not used.
+    batch_size: rows per forward pass (and per generation call), or ``"auto"`` (also
+      lm-eval's ``"auto:N"``): the largest power of two up to ``max_batch_size`` (default 64)
+      whose forward at the full context fits the device's memory
+      (:meth:`TokenScorer.fit_batch_size`), found once.
+    device: accepted for the harness's command line; not used.
   """
 
   backend = "causal"
@@ -106,7 +144,7 @@ class DiffjaxLM(TemplateLM):
     max_batch_size: Any = None,
   ):
     super().__init__()
-    del device, max_batch_size
+    del device
     given = [
       n for n, v in (("workdir", workdir), ("hf_dir", hf_dir), ("model", model)) if v is not None
     ]
@@ -129,7 +167,9 @@ class DiffjaxLM(TemplateLM):
     tokenizer = tokenizer if tokenizer is not None else run_spec
     if tokenizer is None:
       raise ValueError(
-        "no tokenizer: pass tokenizer= ('byte', a tokenizers .json or a sentencepiece .model)."
+        "no tokenizer: the directory holds neither tokenizer.json nor tokenizer.model (an export "
+        "by `python -m diffjax.convert export` carries the run's); pass --tokenizer=SPEC "
+        "(tokenizer= in Python): 'byte', a tokenizers .json or a sentencepiece .model."
       )
     self.tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     if self.tok.vocab_size > model.config.vocab_size:
@@ -137,14 +177,18 @@ class DiffjaxLM(TemplateLM):
         f"the tokenizer has {self.tok.vocab_size} ids but the model only "
         f"{model.config.vocab_size}: it is not this model's tokenizer."
       )
-    if isinstance(batch_size, str):
-      if not batch_size.isdigit():
-        raise ValueError(
-          f"batch_size={batch_size!r} must be a positive integer ('auto' is not supported)."
-        )
-      batch_size = int(batch_size)
+    auto, batch_size = _parse_batch_size(batch_size)
     self.model = model
     self.max_length_ = int(max_length or context or DEFAULT_MAX_LENGTH)
+    self.context_source = (
+      "max_length="
+      if max_length
+      else (
+        ("the run's seq_len" if workdir else "config.json's max_position_embeddings")
+        if context
+        else f"the default {DEFAULT_MAX_LENGTH}"
+      )
+    )
     self.batch_size = int(batch_size)
     self.max_gen_toks = int(max_gen_toks)
     self.seed = int(seed)
@@ -152,6 +196,9 @@ class DiffjaxLM(TemplateLM):
     self.scorer = TokenScorer(
       model, max_length=self.max_length_, batch_size=self.batch_size, mesh=mesh, rules=rules
     )
+    if auto:
+      limit = int(max_batch_size) if max_batch_size else DEFAULT_MAX_BATCH_SIZE
+      self.batch_size = self.scorer.fit_batch_size(limit)
 
   # -- what TemplateLM asks for ------------------------------------------------------------
 
@@ -219,7 +266,7 @@ class DiffjaxLM(TemplateLM):
     out: list[str] = [""] * len(requests)
     bar = tqdm(total=len(requests), desc="diffjax generate_until", disable=disable_tqdm)
     for members in groups.values():
-      kwargs = dict(requests[members[0]].args[1])
+      kwargs = generation_options(requests[members[0]].args[1])
       contexts = [requests[i].args[0] for i in members]
       for start in range(0, len(members), self.batch_size):
         chunk = members[start : start + self.batch_size]
@@ -248,10 +295,7 @@ class DiffjaxLM(TemplateLM):
     """Continuations of ``contexts`` cut before the first of ``until`` (strings), as the
     harness's ``generate_until`` defines them."""
     if unknown:
-      raise ValueError(
-        f"generation options {sorted(unknown)} are not supported; the model "
-        f"reads {sorted(_GEN_KEYS)}."
-      )
+      generation_options(unknown)  # raises naming the first it cannot honour
     stops = [until] if isinstance(until, str) else list(until or [])
     new = int(max_gen_toks or self.max_gen_toks)
     keep = max(1, self.max_length - new)
@@ -270,6 +314,24 @@ class DiffjaxLM(TemplateLM):
       rules=self.rules,
     )
     return [cut_at_stops(self.tok_decode(tokens), stops) for tokens in result.tokens]
+
+
+def _parse_batch_size(batch_size: int | str) -> tuple[bool, int]:
+  """(auto?, rows) of an int, a digit string, ``"auto"`` or lm-eval's ``"auto:N"``."""
+  if isinstance(batch_size, str):
+    text = batch_size.strip().lower()
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()):
+      return True, 1
+    if not text.isdigit() or int(text) < 1:
+      raise ValueError(
+        f"batch_size={batch_size!r} must be a positive integer or 'auto' (also 'auto:N')."
+      )
+    return False, int(text)
+  if (
+    isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
+  ):
+    raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'auto'.")
+  return False, int(batch_size)
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:

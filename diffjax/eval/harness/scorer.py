@@ -13,6 +13,7 @@ pad, so padding cannot reach a score (the tests check this against unpadded forw
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -42,6 +43,16 @@ def _token_scores(graphdef, state, inputs_BxT, targets_BxT):
   target_logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
   greedy_BxT = jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
   return target_logp_BxT, greedy_BxT
+
+
+def _device_memory_limit() -> int | None:
+  """Bytes the first device may allocate, when it says (GPUs and TPUs do, CPUs do not)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def _free_host_bytes() -> int:
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class TokenScorer:
@@ -86,6 +97,38 @@ class TokenScorer:
     self._state = state
     self._fn = jax.jit(lambda s, x, y: _token_scores(self._graphdef, s, x, y))
     self.compiled_shapes: set[tuple[int, int]] = set()
+
+  def fit_batch_size(self, limit: int) -> int:
+    """Sets and returns the largest batch whose forward at the full context runs.
+
+    Tries the largest power of two up to ``limit`` (a multiple of the mesh's batch rows) and
+    halves it while the device runs out of memory. A device that reports no memory limit (a
+    CPU) cannot fail that way before the host does, so there a batch must also keep the
+    forward's largest arrays (the logits and their log-softmax, the per-layer activations)
+    within half the free host memory.
+    """
+    if not isinstance(limit, (int, np.integer)) or limit < 1:
+      raise ValueError(f"max_batch_size={limit!r} must be a positive integer.")
+    multiple = shd.batch_rows_multiple(self.mesh, self.rules)
+    rows = max(multiple, 1 << (int(limit).bit_length() - 1))
+    cfg = self.model.config
+    budget = None if _device_memory_limit() else _free_host_bytes() // 2
+    while True:
+      forward_bytes = rows * self.max_length * (3 * cfg.vocab_size + 16 * cfg.d_model) * 4
+      if budget is None or forward_bytes <= budget or rows <= multiple:
+        try:
+          zeros = np.zeros((rows, self.max_length), np.int32)
+          self._run(zeros, zeros)
+          break
+        except Exception as e:  # pylint: disable=broad-except  # re-raised unless memory
+          text = str(e)
+          if rows <= multiple or not (
+            "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+          ):
+            raise
+      rows = max(multiple, rows // 2)
+    self.batch_size = rows
+    return rows
 
   def _run(self, inputs_BxT: np.ndarray, targets_BxT: np.ndarray):
     self.compiled_shapes.add(inputs_BxT.shape)

@@ -25,8 +25,9 @@ os.environ.setdefault("DISABLE_MULTIPROC", "1")
 # pylint: disable=wrong-import-position
 from lm_eval import evaluator
 from lm_eval.tasks import TaskManager
+from lm_eval.utils import simple_parse_args_string
 
-from diffjax.eval.harness.model import DiffjaxLM
+from diffjax.eval.harness.model import DiffjaxLM, generation_options
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,11 +88,36 @@ def _dataset_of(manager: TaskManager, name: str) -> str:
   return f"{path!r}" + (f" (subset {sub!r})" if sub else "") if path else "its dataset"
 
 
+def _generation_checked(loaded: Mapping[str, Any], gen_kwargs: Mapping[str, Any] | None) -> None:
+  """Every generation task's options (with ``gen_kwargs`` over them) are ones the model reads."""
+  for name, task in (loaded.get("tasks") or {}).items():
+    if task.get_config("output_type") == "generate_until":
+      options = dict(task.get_config("generation_kwargs") or {})
+      generation_options({**options, **(gen_kwargs or {})}, task=name)
+
+
+def parse_gen_kwargs(gen_kwargs: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+  """lm-eval's ``--gen_kwargs`` form (``"temperature=0,top_p=0.9"``) or a dict, as a dict."""
+  if gen_kwargs is None or isinstance(gen_kwargs, Mapping):
+    return dict(gen_kwargs) if gen_kwargs else None
+  bad = [piece for piece in gen_kwargs.split(",") if piece.strip() and "=" not in piece]
+  if bad:
+    raise ValueError(
+      f"gen_kwargs={gen_kwargs!r}: {bad[0]!r} is not KEY=VALUE; write e.g. "
+      "--gen_kwargs=max_new_tokens=32,temperature=0."
+    )
+  parsed = simple_parse_args_string(gen_kwargs)
+  return parsed or None
+
+
 def check_task_data(
-  tasks: Sequence[str], include_path: str | Sequence[str] | None = None
+  tasks: Sequence[str],
+  include_path: str | Sequence[str] | None = None,
+  gen_kwargs: Mapping[str, Any] | None = None,
 ) -> list[str]:
   """Loads each of ``tasks`` (with its data) before any model is: a task whose dataset is not
-  available offline is one clear error naming the dataset and how to give a local copy.
+  available offline is one clear error naming the dataset and how to give a local copy, and
+  so is a generation option the model cannot honour (``gen_kwargs`` over the task's own).
 
   Returns the task names (as :func:`check_tasks`).
   """
@@ -101,7 +127,7 @@ def check_task_data(
   names = check_tasks(list(tasks), manager)
   for name in names:
     try:
-      manager.load([name])
+      loaded = manager.load([name])
     except (ConnectionError, FileNotFoundError) as e:
       if isinstance(e, FileNotFoundError) and "dataset" not in str(e).lower():
         raise
@@ -112,6 +138,7 @@ def check_task_data(
         "it), or give the task as YAML with dataset_path: json and dataset_kwargs.data_files "
         "naming local files (--include_path=DIR; docs/evaluation.md)."
       ) from None
+    _generation_checked(loaded, gen_kwargs)
   return names
 
 
@@ -125,18 +152,41 @@ def run_tasks(
   seed: int = 1234,
   log_samples: bool = False,
   bootstrap_iters: int = 1000,
+  gen_kwargs: str | Mapping[str, Any] | None = None,
+  predict_only: bool = False,
+  use_cache: str | None = None,
+  evaluation_tracker=None,
+  model_args: Mapping[str, Any] | None = None,
+  checked: bool = False,
 ) -> dict[str, Any]:
-  """The harness's results dict (``results``, ``configs``, ``versions``, ...) of ``tasks``."""
+  """The harness's results dict (``results``, ``configs``, ``versions``, ...) of ``tasks``.
+
+  ``gen_kwargs`` (lm-eval's ``--gen_kwargs``) update every generation task's options;
+  ``predict_only`` keeps the outputs (``samples``) and computes no metric; ``use_cache`` is
+  the path prefix of lm-eval's SQLite cache of model answers (``<use_cache>_rank0.db``: a
+  rerun answers the requests it holds without the model); ``evaluation_tracker`` (an
+  ``lm_eval.loggers.EvaluationTracker``) records the run for its output files. Every
+  generation option is checked before any request runs (``checked``: already done by
+  :func:`check_task_data`).
+  """
   manager = task_manager(include_path, tasks)
   names = check_tasks(list(tasks), manager)
+  gen_kwargs = parse_gen_kwargs(gen_kwargs)
+  if not checked:
+    _generation_checked(manager.load(names), gen_kwargs)
   results = evaluator.simple_evaluate(
     model=lm,
+    model_args=dict(model_args or {}),
     tasks=names,
     num_fewshot=num_fewshot,
     limit=limit,
     task_manager=manager,
-    log_samples=log_samples,
-    bootstrap_iters=bootstrap_iters,
+    log_samples=log_samples or predict_only,
+    bootstrap_iters=0 if predict_only else bootstrap_iters,
+    gen_kwargs=gen_kwargs,
+    predict_only=predict_only,
+    use_cache=use_cache,
+    evaluation_tracker=evaluation_tracker,
     random_seed=seed,
     numpy_random_seed=seed,
     torch_random_seed=seed,
