@@ -8,8 +8,10 @@ model was trained on.
   reads the directory back with its own byte tokenizer.
 - an HF ``tokenizers`` file: copied, with the end-of-document and padding tokens added when
   diffjax appended them after the file's vocabulary.
-- a SentencePiece model: ``tokenizer.model`` for transformers' ``LlamaTokenizer`` with no
-  beginning- or end-of-sequence token added, as diffjax encodes.
+- a SentencePiece model: refused. transformers' tokenizers built from a ``.model`` file do not
+  apply SentencePiece's whitespace normalisation (runs of spaces, newlines), so they would encode
+  some text to other ids than the model saw; export such a run with ``--tokenizer=none`` and give
+  the evaluator the ``.model`` file (``--tokenizer`` of ``python -m diffjax.eval.harness``).
 
 A diffjax tokenizer adds no special tokens and has no beginning-of-sequence token, so exports
 set ``bos_token_id`` to null and lm-eval prefixes empty contexts with the end-of-document token,
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 from diffjax.data import Tokenizer
@@ -36,7 +37,7 @@ from diffjax.errors import import_extra
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-SENTENCEPIECE_MODEL = "tokenizer.model"
+SENTENCEPIECE_MODEL = "tokenizer.model"  # an imported checkpoint's, read back
 GENERATION_CONFIG = "generation_config.json"
 # tokenizer_config.json key naming the diffjax tokenizer an export was written from.
 MARKER = "diffjax_tokenizer"
@@ -128,22 +129,6 @@ def _hf_file_with_specials(tokenizer: HFTokenizer) -> tuple[str, str, str]:
   return tok.to_str(), names[tokenizer.eos_id], names[tokenizer.pad_id]
 
 
-def _sentencepiece_specials(tokenizer: SentencePieceTokenizer) -> tuple[str, str, dict]:
-  """(eos string, pad string, tokenizer_config's added_tokens_decoder for appended ids)."""
-  sp = tokenizer._sp  # pylint: disable=protected-access
-  base = sp.get_piece_size()
-  names, added = {}, {}
-  for token_id, fallback in ((tokenizer.eos_id, EOS_TOKEN), (tokenizer.pad_id, PAD_TOKEN)):
-    if token_id < base:
-      names[token_id] = sp.id_to_piece(token_id)
-    else:
-      names[token_id] = fallback
-      entry = _added(token_id, fallback)
-      del entry["id"]
-      added[str(token_id)] = entry
-  return names[tokenizer.eos_id], names[tokenizer.pad_id], added
-
-
 def write_tokenizer_files(
   directory: str, tokenizer: Tokenizer, *, model_max_length: int
 ) -> list[str]:
@@ -171,12 +156,11 @@ def write_tokenizer_files(
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     written.append(TOKENIZER_JSON)
   elif isinstance(tokenizer, SentencePieceTokenizer):
-    eos, pad, added = _sentencepiece_specials(tokenizer)
-    shutil.copyfile(tokenizer.path, os.path.join(directory, SENTENCEPIECE_MODEL))
-    config.update(tokenizer_class="LlamaTokenizer", legacy=True)
-    if added:
-      config["added_tokens_decoder"] = added
-    written.append(SENTENCEPIECE_MODEL)
+    raise ValueError(
+      f"the run's SentencePiece tokenizer {tokenizer.path!r} has no exact transformers form "
+      "(transformers does not apply its whitespace normalisation): export with "
+      "--tokenizer=none and evaluate with that .model file as the tokenizer."
+    )
   else:
     raise ValueError(
       f"tokenizer {tokenizer!r} has no transformers form here: export with --tokenizer=none."
