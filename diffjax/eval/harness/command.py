@@ -2,8 +2,8 @@
 
     python -m diffjax.eval.harness --workdir=runs/default --tasks=hellaswag,arc_easy [--limit=N]
     python -m diffjax.eval.harness --hf_dir=exported/ --tasks=...
-    python -m diffjax.eval.harness --workdir=runs/default --tasks=... --batch_size=auto \
-        --gen_kwargs=max_new_tokens=32 --output_path=results/ --log_samples
+    python -m diffjax.eval.harness --workdir=runs/default --tasks=... --batch_size=auto
+        --gen_kwargs=max_gen_toks=32 --output_path=results/ --log_samples
 
 Offline: real tasks read the local datasets cache, ``--include_path`` adds task YAML files of
 your own. A task whose dataset is not there stops before the model loads, with one line naming
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     "--gen_kwargs",
     default=None,
     help="generation options over every generation task's own, as KEY=VALUE[,KEY=VALUE...] "
-    "(e.g. max_new_tokens=32,temperature=0)",
+    "(e.g. max_gen_toks=32,temperature=0)",
   )
   p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the run's own)")
   p.add_argument("--seed", type=int, default=1234)
