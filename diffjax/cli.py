@@ -7,6 +7,7 @@ knows no config schema: a command passes its own override help and renamed keys.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -54,6 +55,15 @@ class RenamedKey:
   old: str
   new: str
   text: str
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """``argparse.ArgumentParser`` for the commands without a config file: a mistake in the
+  arguments is one ``error:`` line naming it and where the usage is, and exit status 2 (not
+  the usage block argparse prints). Its subcommands' parsers are of this class too."""
+
+  def error(self, message: str):
+    self.exit(2, f"error: {message} (see {self.prog} --help).\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from diffjax import arms
+from diffjax import arms, cli
 from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
 from diffjax.convert import motif
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
@@ -35,7 +35,7 @@ from diffjax.train.checkpoint import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.convert",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,

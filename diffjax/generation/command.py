@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from diffjax import cli
 from diffjax.data import ByteTokenizer, DataConfig, load_tokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
@@ -29,7 +30,7 @@ from diffjax.train.loading import load_run
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.generation",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
