@@ -13,7 +13,7 @@ workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `expo
 latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdir as a
 directory in the source's layout (transformers' `from_pretrained` loads the first two). `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
-function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
+function, or a DIFF V1 workdir started with lambda = 0 (no V1 model computes it) (`diffjax.convert.retrofit`);
 and prints the `train.py` command that continues it (`--config.checkpoint.init_from=<workdir>`
 with the source's model settings). A problem with the input
 prints one `error:` line and writes nothing.

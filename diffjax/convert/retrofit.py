@@ -1,5 +1,5 @@
-"""Starting an arm from a trained Transformer: DIFF V2 exactly, DIFF V1 as close as its layout
-allows (`retrofit` on a workdir or an HF Llama directory, `retrofit_params` on arrays).
+"""Starting an arm from a trained Transformer: DIFF V2 exactly, DIFF V1 from a start with
+lambda = 0 (`retrofit` on a workdir or an HF Llama directory, `retrofit_params` on arrays).
 
 Each arm's rule is its :attr:`diffjax.arms.ArmSpec.retrofit`; the starts: docs/hf_conversion.md.
 """
