@@ -18,8 +18,9 @@ Exit status:
   2   a mistake in the flags, the config or the data, a non-finite loss, or another
       training holding the workdir: one ``error:`` line says what to change;
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
-      while training after saving a checkpoint, during start-up (config, data,
-      restore, compile) at once, with one line; or one of several processes stopped
+      while training (the first compile included) after saving that step, at the end
+      after the final save, during start-up (config, data, restore) at once, with one
+      line; or one of several processes stopped
       answering (one ``error:`` line names it): rerun the same command to resume.
       tpu_setup/babysit.sh relaunches on it.
 
@@ -54,7 +55,10 @@ def main(argv) -> int:
   """Runs the command; SIGINT or SIGTERM before the training loop (which saves and stops on
   them itself) ends it with one line and status 75, and the next run resumes."""
   # SIGTERM stops start-up as Ctrl-C does (by default it would kill the process silently).
+  # SIGINT is set too: Python raises KeyboardInterrupt on it only when the process did not
+  # inherit it ignored, and a job started in the background of a script inherits it so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
+  signal.signal(signal.SIGINT, _raise_interrupt)
   try:
     return _main(argv)
   except KeyboardInterrupt as e:

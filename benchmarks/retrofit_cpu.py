@@ -10,7 +10,7 @@ steps, then
   (b) retrofitted to DIFF V2 (``diffjax.convert.retrofit``, exact: the source's function) and
       continued; (b2)-(b4) the same with the second query heads mixed in over ``--mix_steps``
       (copied, zero, small noise; also the source's function at step 0),
-  (c) retrofitted to DIFF V1 (the closest start its layout allows) and continued,
+  (c) retrofitted to DIFF V1 (the lambda = 0 start) and continued,
 
 each for ``--cont`` steps from the source's weights (``checkpoint.init_from``: a fresh
 optimizer and learning-rate schedule, the same data order as the source's first steps), and
@@ -102,7 +102,7 @@ ARMS = (
     "diff_v2",
     dict(init="mixed", second="noise"),
   ),
-  ("(c) DIFF V1, retrofitted (closest start)", "diff_v1", {}),
+  ("(c) DIFF V1, retrofitted (lambda = 0 start)", "diff_v1", {}),
 )
 SCRATCH = "(d) DIFF V2 from scratch"
 

@@ -7,12 +7,14 @@ knows no config schema: a command passes its own override help and renamed keys.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
 import glob
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -55,6 +57,15 @@ class RenamedKey:
   text: str
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """``argparse.ArgumentParser`` for the commands without a config file: a mistake in the
+  arguments is one ``error:`` line naming it and where the usage is, and exit status 2 (not
+  the usage block argparse prints). Its subcommands' parsers are of this class too."""
+
+  def error(self, message: str):
+    self.exit(2, f"error: {message} (see {self.prog} --help).\n")
+
+
 # ----------------------------------------------------------------------------------------------
 # Config files.
 
@@ -75,15 +86,22 @@ def load_config(path: str, arg: str | None = None):
   return module.get_config() if arg is None else module.get_config(arg)
 
 
+def first_sentence(doc: str) -> str:
+  """The first sentence of a docstring's first paragraph, its lines joined (the whole
+  paragraph when it holds one sentence)."""
+  paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split()) if doc else ""
+  return re.split(r"(?<=\.)\s+(?=[A-Z])", paragraph, maxsplit=1)[0]
+
+
 def shipped_configs(pattern: str = "*.py") -> list[tuple[str, str]]:
-  """(path relative to the repository, first line of its docstring) of each shipped config."""
+  """(path relative to the repository, first sentence of its docstring) of each shipped config."""
   out = []
   for path in sorted(glob.glob(os.path.join(CONFIGS_DIR, "**", pattern), recursive=True)):
     try:
       doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
     except SyntaxError:
       doc = ""
-    out.append((os.path.relpath(path, REPO_ROOT), doc.strip().splitlines()[0] if doc else ""))
+    out.append((os.path.relpath(path, REPO_ROOT), first_sentence(doc)))
   return out
 
 

@@ -65,7 +65,7 @@ def retrofit_config(source):
 
 
 def retrofit_attention(src, layer_index: int, rng=None) -> dict:
-  """The closest V1 start from a Transformer layer (no V1 computes the source's function).
+  """A V1 start from a Transformer layer with lambda = 0 (no V1 computes the source's function).
 
   q1/k1 of DIFF head i are source head 2i's query and key, q2 is zero (its map is then
   uniform over the visible keys) and k2 is head 2i+1's key; the value of kv group g is

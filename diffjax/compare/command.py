@@ -29,6 +29,16 @@ arm is matched to the same Transformer), evaluates each run, checks that the arm
 batches, and writes report.md, plots and results.json into the workdir. Keys of the runs are
 under --config.base.<key> (e.g. --config.base.num_steps=2000), the arms and seeds are
 --config.arms and --config.seeds."""
+OVERRIDE_HELP = """\
+Overrides: --config.<key>=<value> sets any key of the comparison config (values are Python
+literals); the runs' keys are under base:
+  --config.arms="('transformer','diff_v2')"  the arms compared (each matched to base's
+                                             Transformer)
+  --config.seeds="(0,1,2)"                   the seeds every arm trains with
+  --config.base.model.size=small             the Transformer size every arm is matched to
+  --config.base.model.v2_match=heads         how DIFF V2 is matched: params (default) or heads
+  --config.base.num_steps=2000 --config.base.optim.lr=1e-3 --config.eval.mode=quick
+"""
 
 
 def _enable_compile_cache(workdir: str) -> None:
@@ -46,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
 
   from diffjax import cli  # pylint: disable=import-outside-toplevel
-  from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS  # pylint: disable=import-outside-toplevel
+  from diffjax.train.config_utils import RENAMED_KEYS  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv if argv is None else argv)
   parsed = cli.parse(

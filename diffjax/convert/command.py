@@ -16,7 +16,7 @@ the run's tokenizer in transformers' form, its special-token ids, a generation c
 max_position_embeddings = the context the run trained at, so `lm_eval --model hf` and
 `python -m diffjax.eval.harness --hf_dir` evaluate it as it was trained. `retrofit` turns a Transformer (a workdir of
 the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
-function, or a DIFF V1 workdir as close to it as V1's layout allows (`diffjax.convert.retrofit`);
+function, or a DIFF V1 workdir started with lambda = 0 (no V1 model computes it) (`diffjax.convert.retrofit`);
 and prints the `train.py` command that continues it (`--config.checkpoint.init_from=<workdir>`
 with the source's model settings). A problem with the input
 prints one `error:` line and writes nothing.
@@ -28,7 +28,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from diffjax import arms
+from diffjax import arms, cli
 from diffjax.arms.diff_v2 import DEFAULT_MIX_STEPS, SECOND_HEADS, V2_INITS
 from diffjax.convert import motif
 from diffjax.convert.api import hf_to_workdir, workdir_to_hf
@@ -38,7 +38,7 @@ from diffjax.train.checkpoint import CheckpointError
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.convert",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,5 +1,5 @@
-"""Starting an arm from a trained Transformer: DIFF V2 exactly, DIFF V1 as close as its layout
-allows (`retrofit` on a workdir or an HF Llama directory, `retrofit_params` on arrays).
+"""Starting an arm from a trained Transformer: DIFF V2 exactly, DIFF V1 from a start with
+lambda = 0 (`retrofit` on a workdir or an HF Llama directory, `retrofit_params` on arrays).
 
 Each arm's rule is its :attr:`diffjax.arms.ArmSpec.retrofit`; the starts: docs/hf_conversion.md.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,16 @@ def _options(arm: str, options: Mapping[str, Any]) -> dict[str, Any]:
       + (f"only {sorted(rule.options)}" if rule.options else "no options")
       + " (leave the others unset)."
     )
-  return {**rule.options, **given}
+  used = {**rule.options, **given}
+  if used.get("init") == "exact":
+    # The exact start has no ramp and copies the first head: these would be ignored.
+    for name in ("second", "mix_steps"):
+      if name in given:
+        raise ConversionError(
+          f"{name}={given[name]!r} applies to init='mixed' only (init='exact' starts the second "
+          f"head as a copy of the first, with no ramp): leave --{name} out or use --init=mixed."
+        )
+  return used
 
 
 def retrofit_config(source: ModelConfig, arm: str, **options) -> ModelConfig:
@@ -107,6 +117,11 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
       {"source": os.path.abspath(path), "source_step": run.step, "run_config": run.config},
     )
   if os.path.isfile(os.path.join(path, "config.json")):
+    if step is not None:
+      raise ConversionError(
+        f"--step={step} picks a checkpoint of a train.py workdir, but source {path!r} is an HF "
+        "directory, which holds one: leave --step out."
+      )
     cfg, params, _ = read_hf(path)
     tokenizer = os.path.join(path, "tokenizer.json")
     described = {"source": os.path.abspath(path)}
@@ -200,9 +215,9 @@ def retrofit_run(
 ) -> tuple[ModelConfig, str]:
   """:func:`retrofit`, and the :func:`continue_command` that trains the result further."""
   # pylint: disable=import-outside-toplevel
-  from diffjax.convert.api import build_model, check_new_workdir, write_workdir
+  from diffjax.convert.api import build_model, write_workdir
 
-  check_new_workdir(workdir)
+  _check_target(source, workdir)
   used = _options(arm, options)
   src_cfg, src_params, described = _source(source, step)
   cfg, params = retrofit_params(src_cfg, src_params, arm, seed=seed, **options)
@@ -211,8 +226,40 @@ def retrofit_run(
   )
   model = build_model(cfg, params)  # checks every shape against the config
   meta = {k: v for k, v in described.items() if k in ("source", "source_step")}
-  write_workdir(workdir, model, {**meta, "retrofit": arm, **used})
+  # Written beside the workdir and renamed onto it when whole: a retrofit stopped while
+  # writing leaves only the partial copy, which the next attempt removes.
+  partial = _partial_dir(workdir)
+  shutil.rmtree(partial, ignore_errors=True)
+  write_workdir(partial, model, {**meta, "retrofit": arm, **used})
+  os.rename(partial, workdir)  # onto a missing or empty directory
   return cfg, continue_command(src_cfg, cfg, workdir, described)
+
+
+def _partial_dir(workdir: str) -> str:
+  """Where :func:`retrofit_run` writes ``workdir`` before renaming it into place."""
+  parent, name = os.path.split(os.path.abspath(workdir))
+  return os.path.join(parent, f".{name}.retrofit-partial")
+
+
+def _check_target(source: str, workdir: str) -> None:
+  """Refuses a ``workdir`` that is the source or lies inside it, holds checkpoints, or holds
+  anything else."""
+  from diffjax.convert.api import check_new_workdir  # pylint: disable=import-outside-toplevel
+
+  src, target = os.path.realpath(source), os.path.realpath(workdir)
+  if target == src or target.startswith(src + os.sep):
+    where = "the source directory" if target == src else "inside the source"
+    raise ConversionError(
+      f"--workdir={workdir!r} is {where} {source!r}: give a new directory for the retrofitted run."
+    )
+  check_new_workdir(workdir)
+  held = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []
+  if held:
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    raise ConversionError(
+      f"--workdir={workdir!r} is not empty (it holds {shown}): give a new or empty directory "
+      "for the retrofitted run."
+    )
 
 
 def retrofit(

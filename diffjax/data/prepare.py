@@ -9,7 +9,6 @@ last, so a rerun skips finished units and redoes the others. Inputs, layout: doc
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import multiprocessing
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from diffjax import cli
 from diffjax.data.manifest import read_manifest, tokenizer_fingerprint, write_manifest
 from diffjax.data.raw import Unit, iter_documents, plan_units, require_pyarrow
 from diffjax.data.shards import SUFFIX, TokenShardWriter, token_bytes_for
@@ -225,9 +225,7 @@ def _write_manifest(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(
-    prog="python -m diffjax.data.prepare", description=__doc__.split("\n")[0]
-  )
+  p = cli.ArgumentParser(prog="python -m diffjax.data.prepare", description=__doc__.split("\n")[0])
   p.add_argument(
     "--input",
     action="append",

@@ -9,11 +9,11 @@ Inputs as for `python -m diffjax.data.prepare` (JSONL, Parquet, text files, dire
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterable, Sequence
 
+from diffjax import cli
 from diffjax.data.raw import iter_texts
 from diffjax.errors import import_extra
 from diffjax.model.sizes import PAPER_VOCAB
@@ -45,7 +45,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = PAPER_VOCAB, min_frequency
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.data.train_tokenizer", description=__doc__.split("\n")[0]
   )
   p.add_argument(

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diffjax import cli
 from diffjax.eval import display, plots, sections
 from diffjax.eval.aggregate import BASELINE, aggregate, by_arm, summary_lines
 from diffjax.train.records import METRICS_FILE, read_metrics
@@ -181,7 +182,7 @@ def write_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.eval.report",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from diffjax import cli
 from diffjax.data import ByteTokenizer, DataConfig, load_tokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
@@ -29,20 +30,29 @@ from diffjax.train.loading import load_run
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.generation",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--workdir", required=True, help="a train.py run directory")
   p.add_argument("--prompt", required=True, help="the text to continue")
-  p.add_argument("--max_new_tokens", type=int, default=200)
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-  p.add_argument("--top_k", type=int, default=None)
-  p.add_argument("--top_p", type=float, default=None)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to add (default 200)")
+  p.add_argument(
+    "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+  )
+  p.add_argument("--top_k", type=int, default=None, help="sample from the k likeliest tokens")
+  p.add_argument(
+    "--top_p", type=float, default=None, help="sample from the likeliest tokens of mass p"
+  )
+  p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-  p.add_argument("--max_length", type=int, default=None, help="KV cache slots")
+  p.add_argument(
+    "--max_length",
+    type=int,
+    default=None,
+    help="KV cache slots (default: the padded prompt + new tokens)",
+  )
   p.add_argument(
     "--tokenizer", default=None, help="tokenizer spec (default: the run's own, else 'byte')"
   )

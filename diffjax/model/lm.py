@@ -131,6 +131,11 @@ class DecoderLM(nnx.Module):
   normal attention path; slots 0..T-1 are written); a call with T == 1 is a decode
   step that writes slot ``cache_lengths_B[b]`` and attends to the row's filled slots.
   Pass the positions (each row's own) explicitly when decoding.
+
+  Retrofit ramp: ``v2_mix`` scales a ramping arm's subtraction (``ModelConfig.v2_mix``);
+  a call without it uses the attribute ``v2_mix_at`` if set (a float: the loaders set it
+  to the ramp at the checkpoint's step, so the model computes what the trainer computed
+  there), else the full subtraction.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -194,6 +199,8 @@ class DecoderLM(nnx.Module):
   ):
     cfg = self.config
     x_BxTxE, positions_BxT = self._embed(tokens_BxT, positions_BxT)
+    if v2_mix is None:
+      v2_mix = getattr(self, "v2_mix_at", None)
     mix = {} if v2_mix is None else {"v2_mix": v2_mix}
     if cache is not None:
       if len(cache) != cfg.num_layers:

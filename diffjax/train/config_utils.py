@@ -30,7 +30,7 @@ Overrides: --config.<key>=<value> sets any key of the config (values are Python 
                                       model.d_model/num_heads/... baseline widths)
   --config.model.size=small           another baseline size (model.sizes)
   --config.model.v2_match=heads       how DIFF V2 is matched: params (default) or heads
-  --config.model.unmatched.num_heads=2  an arm width set on purpose: the run is then
+  --config.model.unmatched.mlp_dim=256  an arm width set on purpose: the run is then
                                       reported as UNMATCHED, with its parameter counts
   --config.num_steps=2000 --config.optim.lr=1e-3 --config.data.paths="('corpus/',)"
 """

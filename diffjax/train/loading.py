@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from etils import epath
 from flax import nnx
 
@@ -45,7 +46,12 @@ def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, Mo
   params = ckpt.restore_params(manager, step, nnx.to_pure_dict(abstract_state))
   state = nnx.State(abstract_state)
   nnx.replace_by_pure_dict(state, params)
-  return nnx.merge(graphdef, state), cfg, meta
+  model = nnx.merge(graphdef, state)
+  if cfg.v2_mix_steps and step < cfg.v2_mix_steps:
+    # A retrofit inside its ramp computes what the trainer computed at this step (the
+    # subtraction scaled by step / v2_mix_steps, in float32 as the train and eval steps do).
+    model.v2_mix_at = float(np.float32(step) / np.float32(cfg.v2_mix_steps))
+  return model, cfg, meta
 
 
 def load_model(
@@ -202,9 +208,16 @@ def initial_params(
           if saved.get(k, now[k]) != now[k]
         ]
         if diffs:
+          fix = "start from a run of the same architecture"
+          if saved.get("vocab_size", now["vocab_size"]) != now["vocab_size"]:
+            fix = (
+              f"set --config.model.vocab_size={saved['vocab_size']} and train with the tokenizer "
+              "that run used (--config.data.tokenizer=<its spec or tokenizer.json>)"
+              + (", and the same architecture" if len(diffs) > 1 else "")
+            )
           raise ckpt.CheckpointError(
             f"checkpoint.init_from={workdir!r} holds a model of other shapes "
-            f"({', '.join(diffs)}); start from a run of the same architecture."
+            f"({', '.join(diffs)}); {fix}."
           )
         changed = _function_change(workdir, saved, now, allowed_changes)
         if changed is not None:

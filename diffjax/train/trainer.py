@@ -159,7 +159,11 @@ class Trainer:
         stopped = self._train(stop)
         if stopped is not None:
           return stopped
-        self._final_save_and_eval()
+        self._final_save()
+        if stop.signum is None:
+          self.last_eval = self._evaluate(self.state["params"])
+        if stop.signum is not None:  # the last step is saved; the rerun evaluates it
+          return self._stop(stop)
       return self._finish()
     finally:
       self.lock.release()
@@ -532,12 +536,11 @@ class Trainer:
 
   # ---- 5. the end ----------------------------------------------------------------------------
 
-  def _final_save_and_eval(self) -> None:
+  def _final_save(self) -> None:
     if self.manager.latest_step() != self.step:
       self._save()
     with self.clock.phase("checkpoint"):
       self.manager.wait_until_finished()
-    self.last_eval = self._evaluate(self.state["params"])
 
   def _finish(self) -> dict[str, Any]:
     distributed.stop_watching()

@@ -279,6 +279,9 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
   # The default start is mixed in: the source's function at the ramp's step 0.
   assert cfg.v2_mix_steps == 100
   assert rel_err(v2_model(x, v2_mix=cfg.v2_mix(0)), src_model(x)) <= 1e-5
+  # Loaded, it computes what the trainer computes at its step (evaluation, generation).
+  assert v2_model.v2_mix_at == 0.0 and rel_err(v2_model(x), src_model(x)) <= 1e-5
+  assert rel_err(v2_model(x, v2_mix=1.0), src_model(x)) > 1e-3
   # The same input again refuses to overwrite; a DIFF source is named; nothing is written.
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 2
   assert "already holds checkpoints" in capsys.readouterr().err
@@ -287,6 +290,50 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
   assert cli_main(["retrofit", f"--source={tmp_path / 'none'}", f"--workdir={tmp_path / 'y'}"]) == 2
   assert "is not a directory" in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+def test_the_command_refuses_in_one_line_what_it_would_ignore_or_overwrite(tmp_path, capsys):
+  from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
+
+  source = str(tmp_path / "transformer")
+  write_workdir(source, _source(), {})
+  busy = tmp_path / "busy"
+  busy.mkdir()
+  (busy / "notes.txt").write_text("mine")
+  refused = [
+    ([f"--source={source}", f"--workdir={source}"], "is the source directory"),
+    ([f"--source={LLAMA}", f"--workdir={LLAMA}"], "is the source directory"),
+    ([f"--source={LLAMA}", f"--workdir={LLAMA}/retro"], "inside the source"),
+    ([f"--source={source}", f"--workdir={busy}"], "is not empty (it holds notes.txt)"),
+    ([f"--source={LLAMA}", f"--workdir={tmp_path / 'a'}", "--step=3"], "leave --step out"),
+    (
+      [f"--source={source}", f"--workdir={tmp_path / 'b'}", "--init=exact", "--second=copy"],
+      "second='copy' applies to init='mixed' only",
+    ),
+    (
+      [f"--source={source}", f"--workdir={tmp_path / 'c'}", "--init=exact", "--mix_steps=5"],
+      "leave --mix_steps out or use --init=mixed",
+    ),
+    (
+      [f"--source={source}", f"--workdir={tmp_path / 'd'}", "--arm=diff_v1", "--second=copy"],
+      "the diff_v1 retrofit takes no options",
+    ),
+  ]
+  for args, said in refused:
+    assert cli_main(["retrofit", *args]) == 2, args
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], (args, err)
+  assert sorted(os.listdir(tmp_path)) == ["busy", "transformer"]
+  assert os.listdir(busy) == ["notes.txt"] and not os.path.exists(os.path.join(LLAMA, "retro"))
+
+  # A retrofit stopped while writing leaves its partial copy beside the workdir (never the
+  # workdir itself): the next attempt clears it and writes the whole workdir.
+  partial = tmp_path / ".retro.retrofit-partial"
+  (partial / "checkpoints" / "0.orbax-checkpoint-tmp-1").mkdir(parents=True)
+  retro = tmp_path / "retro"
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
+  assert not partial.exists() and sorted(os.listdir(retro)) == ["checkpoints", "model_config.json"]
+  assert load_model(str(retro))[2] == 0
 
 
 @pytest.mark.slow  # two training runs; the retrofit itself is checked above

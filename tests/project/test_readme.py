@@ -437,3 +437,90 @@ def test_a_broken_command_fails_the_check():
   assert "exit 2" in _run_command(["python", "-m", "diffjax.generation", "--no_such_flag=1"])
   assert "no extra [nope]" in _run_command(["pip", "install", "-e", ".[test,nope]"])
   assert _run_command(["python", "-m", "diffjax.eval.toy"]) is None  # parsed, not run
+
+
+# ---- The examples --help gives ------------------------------------------------------------
+
+# Each config command with a config file its examples can run on.
+_HELP_COMMANDS = {
+  "train.py": "configs/default.py",
+  "-m diffjax.compare": "configs/compare/tiny.py",
+  "-m diffjax.aot": "configs/default.py",
+  "-m diffjax.eval": None,
+}
+
+
+def help_examples(text: str) -> list[list[str]]:
+  """The override examples of a ``--help`` text: after its ``Overrides:`` line, the
+  ``--config.<key>=<value>`` words of each line (placeholders in ``<>`` left out), one list
+  per line that has any."""
+  _, _, after = text.partition("Overrides:")
+  out = []
+  for line in after.splitlines():
+    words = [shlex.split(w.rstrip(";,"))[0] for w in re.findall(r"--config\.\S+", line)]
+    words = [w for w in words if "<" not in w]
+    if words:
+      out.append(words)
+  return out
+
+
+@pytest.mark.parametrize("command", sorted(_HELP_COMMANDS))
+def test_every_override_example_in_help_runs(command):
+  args = command.split()
+  ended, printed = run_in_process(args + ["--help"], stop_after_parsing=False)
+  assert ended == "exit 0", printed[-600:]
+  examples = help_examples(printed)
+  assert examples, printed
+  config = _HELP_COMMANDS[command]
+  failed = {}
+  for words in examples:
+    cmd = ["python", *args, *([f"--config={config}"] if config else []), *words]
+    if problem := _run_command(cmd):
+      failed[shlex.join(words)] = problem
+  assert not failed, failed
+
+
+def test_help_examples_are_found_and_a_bad_one_fails():
+  text = "Flags:\n  --config.x=1\nOverrides: --config.<key>=<value>, the runs' keys\n  --config.a=1 b --config.c='(1,2)';\n"
+  assert help_examples(text) == [["--config.a=1", "--config.c=(1,2)"]]
+  bad = [
+    "python",
+    "-m",
+    "diffjax.compare",
+    "--config=configs/compare/tiny.py",
+    "--config.model.arm=diff_v2",
+  ]
+  assert "model" in _run_command(bad)
+
+
+def test_help_lists_each_config_by_a_whole_sentence():
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
+
+  described = dict(cli.shipped_configs())
+  assert described and all(d.endswith(".") for d in described.values()), described
+  assert cli.first_sentence("A b\nc d. E f.\n\nG.") == "A b c d."
+
+
+_INLINE_CODE = re.compile(r"`(python3?(?:\.\d+)? [^`\n]+)`")
+
+
+def inline_python_commands(path: str) -> list[str]:
+  """The ``python ...`` commands the prose of ``path`` names in inline code spans."""
+  return _INLINE_CODE.findall(_FENCE.sub("", _read(path)))
+
+
+def test_python_commands_named_in_the_prose_exist():
+  missing = {}
+  for path in doc_pages():
+    for command_line in inline_python_commands(path):
+      try:
+        invocations = python_invocations(command_line)
+      except ValueError:  # a fragment with an unclosed quote: nothing to check
+        continue
+      for args in invocations:
+        # A config file of the reader's own may be named; the program must exist.
+        if m := [t for t in missing_targets(args) if not t.startswith("config ")]:
+          missing.setdefault(_rel(path), []).append(f"{command_line!r}: {', '.join(m)}")
+  assert not missing, missing
+  assert inline_python_commands(README), "the README names commands in its prose"
+  assert missing_targets(["-m", "diffjax.generate"]) == ["module diffjax.generate"]

@@ -67,6 +67,11 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
     initial_params(first, cfg, target, None)
   with pytest.raises(CheckpointError, match="d_model: saved 32 vs now 48"):
     initial_params(first, cfg.replace(d_model=48), target, None)
+  # Another vocabulary: the line says what to set.
+  with pytest.raises(
+    CheckpointError, match=r"set --config\.model\.vocab_size=\d+ and train with the tokenizer"
+  ):
+    initial_params(first, cfg.replace(vocab_size=cfg.vocab_size + 1), target, None)
   with pytest.raises(FileNotFoundError, match="init_from"):
     initial_params(str(tmp_path / "nowhere"), cfg, target, None)
 

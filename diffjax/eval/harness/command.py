@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from diffjax import cli
 from diffjax.errors import run_guarded
 
 # Nothing is fetched at run time; the datasets library reads these when it is first imported,
@@ -28,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = cli.ArgumentParser(
     prog="python -m diffjax.eval.harness",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
