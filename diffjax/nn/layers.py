@@ -14,12 +14,12 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import compat
 from diffjax.core.dtypes import accumulation_dtype
 from diffjax.core.platform import current_platform
 from diffjax.kernels.cpu import dense as cpu_dense
@@ -57,12 +57,7 @@ class Hooks:
 
 NO_HOOKS = Hooks()
 
-# Flax renamed the variable metadata key for logical axis names; use the current one.
-_SHARDING_KEY = (
-  "out_sharding"
-  if tuple(int(p) for p in flax.__version__.split(".")[:2]) >= (0, 12)
-  else "sharding_names"
-)
+_SHARDING_KEY = compat.FLAX_SHARDING_KEY
 
 
 # Logical axes that say what a parameter is: per-channel vectors (RMSNorm gains, DIFF V1's

@@ -20,6 +20,7 @@ PKG = os.path.join(ROOT, "diffjax")
 LAYERS: tuple[tuple[str, ...], ...] = (
   (
     "diffjax.errors",
+    "diffjax.compat",
     "diffjax.hardware",
     "diffjax.core",
     "diffjax.sharding",
