@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import difflib
 import glob
 import importlib.util
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS_DIR = os.path.join(REPO_ROOT, "configs")
@@ -481,3 +483,50 @@ def _config_arg(argv: Sequence[str], name: str = "config") -> str | None:
     if a == f"--{name}" and i + 1 < len(argv):
       return argv[i + 1]
   return None
+
+
+# Stopping a long-running command (compare, eval) with Ctrl-C, kill -INT or kill -TERM.
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def _raise_interrupt(signum, frame):
+  del frame
+  raise KeyboardInterrupt(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+  """Inside, SIGINT and SIGTERM raise ``KeyboardInterrupt(signum)``; the handlers before are
+  restored on the way out.
+
+  SIGINT is set because Python raises KeyboardInterrupt on it only when the process did not
+  inherit it ignored, and a job started in the background of a script inherits it so (Ctrl-C
+  and ``kill -INT`` would then do nothing); SIGTERM so that it stops the command the same way
+  rather than killing it without a word. Code inside that installs its own handlers (the
+  trainer's save-and-stop) has them while it runs.
+  """
+  old = {}
+  for s in (signal.SIGINT, signal.SIGTERM):
+    try:
+      old[s] = signal.signal(s, _raise_interrupt)
+    except ValueError:  # not the main thread: signals are not ours to take
+      pass
+  try:
+    yield
+  finally:
+    for s, h in old.items():
+      signal.signal(s, h)
+
+
+def interrupt_signal(e: KeyboardInterrupt) -> int:
+  """The signal number a `stop_signals_raise` interrupt carries (SIGINT for a plain Ctrl-C)."""
+  return e.args[0] if e.args and isinstance(e.args[0], int) else int(signal.SIGINT)
+
+
+def exit_now(code: int) -> NoReturn:
+  """Flushes stdout and stderr and ends the process with ``code`` at once, without the
+  interpreter's shutdown: after an interrupt the runtime's threads may be mid-compile or
+  mid-read, and tearing them down from there can crash."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)

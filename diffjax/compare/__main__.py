@@ -2,7 +2,11 @@
 
 import sys
 
-from diffjax.compare.command import main
+from diffjax import cli
+from diffjax.compare.command import EXIT_INTERRUPTED, main
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  if code == EXIT_INTERRUPTED:
+    cli.exit_now(code)  # no interpreter shutdown in the middle of an interrupted compile
+  sys.exit(code)

@@ -1,8 +1,10 @@
 """The command line of the matched comparison (`python -m diffjax.compare`).
 
 Exit status: 0 done; 1 the arms did not see the same batches; 2 a mistake in the command line
-or the config; 75 a signal stopped a run after it saved (rerun to continue); 130 interrupted
-outside a run's training.
+or the config; 75 a signal stopped a run after it saved (rerun to continue); 130 SIGINT (Ctrl-C)
+or SIGTERM stopped the command outside a run's training (start-up, evaluation, the report), with
+one line (rerun to continue). Both signals are answered even when the command inherited SIGINT
+ignored, as a job started in the background of a script does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from diffjax.compare.runs import ComparisonStopped
 # As train.py: a scheduler can tell "preempted, rerun to continue" from "finished" (0) and
 # from "fix the config" (2).
 EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 USAGE = (
   "usage: python -m diffjax.compare --config=configs/compare/<file>.py[:ARG] "
   "--workdir=<dir> [--config.<key>=<value> ...] [--dry_run]"
@@ -52,7 +54,24 @@ def _enable_compile_cache(workdir: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command on ``argv`` (default ``sys.argv``; argv[0] is the program name) and
-  returns its exit status."""
+  returns its exit status; SIGINT and SIGTERM outside a run's training return
+  `EXIT_INTERRUPTED` with one line."""
+  from diffjax import cli  # pylint: disable=import-outside-toplevel
+
+  with cli.stop_signals_raise():
+    try:
+      return _main(argv)
+    except KeyboardInterrupt as e:
+      print(
+        f"stopped: interrupted by signal {cli.interrupt_signal(e)}; rerun the same command to "
+        "continue.",
+        file=sys.stderr,
+        flush=True,
+      )
+      return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
   from absl import logging  # pylint: disable=import-outside-toplevel
 
   from diffjax import cli  # pylint: disable=import-outside-toplevel
@@ -91,9 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ComparisonStopped as e:
     print(f"stopped: {e}; rerun the same command to continue.", file=sys.stderr)
     return EXIT_PREEMPTED
-  except KeyboardInterrupt:
-    print("stopped: interrupted; rerun the same command to continue.", file=sys.stderr)
-    return EXIT_INTERRUPTED
   if code == 0 and not outcome["results"]["data_check"]["ok"]:
     print(
       "error: the arms did not see the same batches; see the warning in report.md.", file=sys.stderr

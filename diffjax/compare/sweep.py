@@ -484,7 +484,9 @@ def _plot(
   table: Mapping[str, Any],
   unigram: float,
 ) -> str | None:
-  """sweep_loss.png: final loss against the swept value (log scale), one line per arm."""
+  """sweep_loss.png: final loss against the swept value (log scale), one line per arm, under a
+  strip with one row per arm that marks each value where seeds of that arm diverged (x, with
+  the count of diverged seeds), so arms that diverged at the same value stay apart."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -495,10 +497,21 @@ def _plot(
   from diffjax.eval.display import colors as _colors  # pylint: disable=import-outside-toplevel
 
   colors = _colors(arms)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
   xs = np.asarray([float(v) for v in values])
+  cells = {arm: [table[arm][_value(v)] for v in values] for arm in arms}
+  gone = [a for a in arms if any(c["diverged"] for c in cells[a])]
+  if gone:
+    fig, (strip, ax) = plt.subplots(
+      2,
+      1,
+      sharex=True,
+      figsize=(7, 4.5 + 0.2 * len(gone)),
+      gridspec_kw={"height_ratios": [0.45 + 0.25 * len(gone), 4.0]},
+    )
+  else:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
   for arm in arms:
-    c = [table[arm][_value(v)] for v in values]
+    c = cells[arm]
     mean = np.asarray([x["mean"] for x in c])
     lo = np.asarray([x["min"] for x in c])
     hi = np.asarray([x["max"] for x in c])
@@ -512,16 +525,36 @@ def _plot(
       label=arm,
       color=colors[arm],
     )
-    gone = [x for x, cc in zip(xs, c) if cc["diverged"]]
-    if gone and math.isfinite(unigram):
-      ax.scatter(gone, [unigram] * len(gone), marker="x", s=60, color=colors[arm])
   if math.isfinite(unigram):
-    ax.axhline(unigram, color="black", lw=0.8, ls="--", label="unigram baseline (x: diverged)")
+    ax.axhline(unigram, color="black", lw=0.8, ls="--", label="unigram baseline")
   ax.set_xscale("log")
   ax.set_xlabel(key)
   ax.set_ylabel("final validation loss (nats)")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
+  if gone:
+    # One row per arm that diverged anywhere, top to bottom in the legend's order.
+    for row, arm in enumerate(gone):
+      y = len(gone) - 1 - row
+      at = [(x, cc) for x, cc in zip(xs, cells[arm]) if cc["diverged"]]
+      strip.scatter([x for x, _ in at], [y] * len(at), marker="x", s=40, color=colors[arm])
+      for x, cc in at:
+        strip.annotate(
+          f"{cc['diverged']}/{cc['n']}",
+          (x, y),
+          xytext=(6, 0),
+          textcoords="offset points",
+          va="center",
+          fontsize=7,
+          color=colors[arm],
+        )
+    strip.set_ylim(-0.6, len(gone) - 0.4)
+    strip.set_yticks(range(len(gone)), list(reversed(gone)), fontsize=7)
+    for tick, arm in zip(strip.get_yticklabels(), reversed(gone)):
+      tick.set_color(colors[arm])
+    strip.set_title("x: seeds diverged (diverged/all), one row per arm", fontsize=8)
+    strip.grid(alpha=0.3, axis="x")
+    strip.tick_params(axis="x", which="both", labelbottom=False)
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, "sweep_loss.png"), dpi=120)
   plt.close(fig)

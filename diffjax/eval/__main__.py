@@ -2,7 +2,11 @@
 
 import sys
 
+from diffjax import cli
 from diffjax.eval.command import main
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  if code == cli.EXIT_INTERRUPTED:
+    cli.exit_now(code)  # no interpreter shutdown in the middle of an interrupted compile
+  sys.exit(code)

@@ -9,7 +9,9 @@ own held-out batches (its data config, sequence length, batch size and seed; the
 `val_batches` of them, by default the run's `eval_batches`), so val/loss reproduces the
 trainer's final eval/loss. The command line is train.py's (`diffjax.cli`): `--config.KEY=VALUE`
 overrides an `EvalConfig` field (VALUE is a Python literal), and a mistake is one `error:` line
-with exit status 2. Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
+with exit status 2. Ctrl-C (SIGINT) or SIGTERM stops it with one line and status 130, the output
+JSON not written (also when the command inherited SIGINT ignored, as a background job of a script
+does). Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ FLAGS = (
   cli.Flag("workdir", None, "run directory holding checkpoints/ (required)"),
   cli.Flag("out", None, "output JSON [default: <workdir>/eval.json]"),
   cli.Flag("step", None, "checkpoint step [default: the newest]", kind=int),
-  cli.Flag("quick", False, "small sizes: seconds on a CPU, noisy"),
+  cli.Flag("quick", False, "small sizes, noisy numbers: 1-2 minutes on a CPU"),
   cli.Flag("seq_len", None, "override the run's sequence length", kind=int),
   cli.Flag("seed", None, "the run's seed as recorded in the JSON", kind=int),
   cli.Flag("sections", "", f"comma list out of {','.join(evaluate.SECTIONS)}"),
@@ -154,11 +156,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   if isinstance(parsed, int):
     return parsed
   overrides, values, _ = parsed
-  try:
-    return _run(overrides, types.SimpleNamespace(**values))
-  except BadInput as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
+  with cli.stop_signals_raise():
+    try:
+      return _run(overrides, types.SimpleNamespace(**values))
+    except BadInput as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      return 2
+    except KeyboardInterrupt as e:
+      print(
+        f"stopped: interrupted by signal {cli.interrupt_signal(e)}; nothing was written.",
+        file=sys.stderr,
+        flush=True,
+      )
+      return cli.EXIT_INTERRUPTED
 
 
 def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:

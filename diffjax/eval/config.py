@@ -130,7 +130,7 @@ class EvalConfig:
 
   @classmethod
   def quick(cls, seq_len: int, **overrides) -> EvalConfig:
-    """A smoke-sized evaluation: seconds per tiny model on a CPU; numbers are noisy.
+    """A smoke-sized evaluation: seconds per section, 1-2 minutes in all on a CPU; noisy numbers.
 
     Retrieval needs room for needles and a question, so contexts are at least 256 tokens even
     when the model trained on shorter windows (RoPE lets it run; it measures extrapolation)."""

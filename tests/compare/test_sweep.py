@@ -190,3 +190,45 @@ def test_lr_stability_config_is_valid_and_parameter_matched():
   for arm in ("diff_v1", "diff_v2"):
     assert abs(counts[arm] / counts["transformer"] - 1) <= 0.005, counts
   assert config.base.model.num_kv_heads >= 2  # so a V2 pair can straddle two groups
+
+
+def test_the_plot_keeps_arms_that_diverged_at_the_same_value_apart(tmp_path, monkeypatch):
+  """Two arms diverge at the same two values (one of them on every seed): each arm's diverged
+  markers are drawn at their own places, with the count of diverged seeds beside them."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+
+  matplotlib.use("Agg")
+  from matplotlib.collections import PathCollection  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  drawn = []
+  save = Figure.savefig
+  monkeypatch.setattr(
+    Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))
+  )
+
+  def cell(mean, diverged):
+    return {"n": 3, "diverged": diverged, "mean": mean, "min": mean - 0.1, "max": mean + 0.1}
+
+  nan = float("nan")
+  values = [0.01, 0.1, 1.0]
+  table = {
+    "transformer": {"0.01": cell(2.0, 0), "0.1": cell(2.5, 2), "1": cell(nan, 3)},
+    "diff_v2": {"0.01": cell(1.9, 0), "0.1": cell(nan, 3), "1": cell(nan, 3)},
+    "diff_v1": {"0.01": cell(2.2, 0), "0.1": cell(2.6, 0), "1": cell(2.9, 0)},
+  }
+  assert sweep_lib._plot(str(tmp_path), "optim.lr", list(table), values, table, 3.2)
+  assert (tmp_path / "sweep_loss.png").stat().st_size > 0
+  (fig,) = drawn
+  fig.canvas.draw()
+  marks = []  # display positions of every diverged marker
+  for ax in fig.axes:
+    for coll in ax.collections:
+      if isinstance(coll, PathCollection):
+        marks += [tuple(p) for p in coll.get_offset_transform().transform(coll.get_offsets())]
+  assert len(marks) == 4, marks  # two values for each of the two arms that diverged
+  for i, a in enumerate(marks):
+    for b in marks[i + 1 :]:
+      assert abs(a[0] - b[0]) + abs(a[1] - b[1]) > 10, (a, b)  # apart by more than a marker
+  texts = sorted(t.get_text() for ax in fig.axes for t in ax.texts)
+  assert texts == ["2/3", "3/3", "3/3", "3/3"], texts

@@ -31,6 +31,7 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 import tomllib
 from unittest import mock
@@ -191,10 +192,36 @@ def test_readme_python_examples_run():
 
 
 _DOCS_WITH_PYTHON = [p for p in doc_pages(recursive=False)[1:] if python_blocks(p)]
+# JAX reads the number of CPU devices once, when it starts: a page whose examples set it runs
+# them in a fresh process, with no device count from the tests' environment.
+_SETS_DEVICES = "jax_num_cpu_devices"
+
+
+def needs_own_process(path: str) -> bool:
+  return any(_SETS_DEVICES in block for block in python_blocks(path))
+
+
+def _run_in_own_process(path: str, tmp_path) -> None:
+  script = tmp_path / "example.py"
+  script.write_text("\n".join(python_blocks(path)))  # one namespace, the blocks in order
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+  env["XLA_FLAGS"] = " ".join(
+    f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
+  )
+  env.update(
+    JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, (ROOT, env.get("PYTHONPATH"))))
+  )
+  proc = subprocess.run(
+    [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, f"{_rel(path)}: " + proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("path", _DOCS_WITH_PYTHON, ids=_rel)
-def test_docs_python_examples_run(path, monkeypatch):
+def test_docs_python_examples_run(path, monkeypatch, tmp_path):
+  if needs_own_process(path):
+    _run_in_own_process(path, tmp_path)
+    return
   # An example may register an arm: the registry is restored afterwards.
   from diffjax.arms import spec
 
@@ -236,6 +263,9 @@ def test_the_checks_see_what_they_check():
   assert not missing_targets(["train.py", "--config=configs/default.py"])
   assert "docs/getting_started.md" in relative_links(README)
   assert heading_anchors(README) >= {"what-is-exact", "what-has-run-on-hardware"}
+  # The sharding example (8 CPU devices) runs in a process of its own.
+  scaling = os.path.join(DOCS, "scaling.md")
+  assert scaling in _DOCS_WITH_PYTHON and needs_own_process(scaling)
 
 
 # ---- Running the shell blocks' commands --------------------------------------------------

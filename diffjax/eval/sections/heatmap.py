@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -107,6 +108,16 @@ def scalars(result: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
+def _length_label(length: int) -> str:
+  """A context length as a tick label: 256, 1K, 32K."""
+  return f"{length // 1024}K" if length >= 1024 and length % 1024 == 0 else str(length)
+
+
+# Panel sizes (inches): each length's column gets _COLUMN_IN up to a panel of _PANEL_MAX_IN; past
+# that every second (third, ...) length is labelled, and cells too narrow for a number get none.
+_COLUMN_IN, _PANEL_MIN_IN, _PANEL_MAX_IN, _NUMBER_MIN_IN = 0.5, 3.2, 6.5, 0.32
+
+
 def plot(plt, groups, colors, out_dir):
   """retrieval_heatmap.png: accuracy by depth x length, one panel per arm (mean over seeds)."""
   del colors  # one colour map for every arm
@@ -124,14 +135,31 @@ def plot(plt, groups, colors, out_dir):
       )
   if not data:
     return None
-  fig, axes = plt.subplots(1, len(data), figsize=(4.2 * len(data), 3.6), squeeze=False)
+  columns = max(len(ref["lengths"]) for _, ref, _ in data.values())
+  panel_in = min(max(_COLUMN_IN * columns + 0.8, _PANEL_MIN_IN), _PANEL_MAX_IN)
+  column_in = (panel_in - 0.8) / columns
+  every = math.ceil(_COLUMN_IN / column_in - 1e-9)  # label every this many lengths
+  # The layout engine keeps each panel's tick labels clear of its neighbours.
+  fig, axes = plt.subplots(
+    1, len(data), figsize=(panel_in * len(data) + 1.0, 3.6), squeeze=False, layout="constrained"
+  )
+  first_depths = next(iter(data.values()))[1]["depths"]
   for k, (ax, (arm, (acc, ref, n))) in enumerate(zip(axes[0], data.items())):
     im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(ref["lengths"])), [str(x) for x in ref["lengths"]])
+    lengths = ref["lengths"]
+    ax.set_xticks(
+      range(len(lengths)),
+      [_length_label(x) if j % every == 0 else "" for j, x in enumerate(lengths)],
+      fontsize=8,
+    )
+    # Panels with the first panel's depths share its depth labels.
+    shared = k > 0 and ref["depths"] == first_depths
     ax.set_yticks(range(len(ref["depths"])), [f"{d:.0%}" for d in ref["depths"]])
-    for i in range(acc.shape[0]):
-      for j in range(acc.shape[1]):
-        ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.tick_params(axis="y", labelleft=not shared)
+    if column_in >= _NUMBER_MIN_IN:
+      for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+          ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xlabel("context length (tokens)")
     if k == 0:
       ax.set_ylabel("answer depth")
