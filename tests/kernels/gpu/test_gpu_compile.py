@@ -26,7 +26,7 @@ import sys
 import pytest
 from helpers import REPO
 
-from diffjax import hardware
+from diffjax import compat, hardware
 from diffjax.kernels.gpu import targets
 from tools.gpu_compile import ptxas
 
@@ -87,22 +87,20 @@ def test_every_default_kernel_compiles_without_spills_within_shared_memory(defau
   # 3B layer, V1 decoding, and at Motif-2's layer the grouped V1 and V2 styles (the
   # grouped forward and backward with r 4) and grouped decoding; no two kernels
   # share a module text.
-  assert (stats["cases"], stats["kernels"], stats["distinct"]) == (6, 10, 10)
+  decode = [("diff_v1_decode", "decode"), ("gda_v1_decode", "decode")]
+  training = [
+    (op, kernel)
+    for op in ("diff_v1", "diff_v2", "gda_v1", "gda_v2")
+    for kernel in ("forward", "backward")
+  ]
   kinds = sorted((r["case"]["op"], r["kernel"]) for r in rows)
-  assert kinds == sorted(
-    [
-      ("diff_v1", "forward"),
-      ("diff_v1", "backward"),
-      ("diff_v2", "forward"),
-      ("diff_v2", "backward"),
-      ("diff_v1_decode", "decode"),
-      ("gda_v1", "forward"),
-      ("gda_v1", "backward"),
-      ("gda_v2", "forward"),
-      ("gda_v2", "backward"),
-      ("gda_v1_decode", "decode"),
-    ]
-  )
+  if compat.MOSAIC_GPU_TRAINING_REFUSAL is None:
+    assert (stats["cases"], stats["kernels"], stats["distinct"]) == (6, 10, 10)
+    assert kinds == sorted(training + decode)
+  else:  # jax 0.12: the training kernels refuse (diffjax.compat), decoding compiles
+    assert stats["training_kernels_refused"] == compat.MOSAIC_GPU_TRAINING_REFUSAL
+    assert (stats["cases"], stats["kernels"], stats["distinct"]) == (2, 2, 2)
+    assert kinds == sorted(decode)
   assert all(r["registers"] > 0 for r in rows)
 
 
