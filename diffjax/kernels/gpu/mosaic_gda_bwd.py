@@ -269,7 +269,8 @@ def backward(
           for x in range(wgs):
             # P^T dO with P straight from shared memory where its swizzle is dO's (a wgmma
             # takes one swizzle for both operands), else through registers.
-            p_x = xp_smem.at[x, :, cols]
+            # At an opaque index: jax 0.11 lowers no in-place product reading a literal index.
+            p_x = xp_smem.at[x + zero, :, cols]
             dv_acc = accumulate(
               dv_acc, p_x if p_from_smem else tile(p_x), do_smem[x][w].at[slot].at[cols], cfg
             )
@@ -295,7 +296,7 @@ def backward(
           for x in range(wgs):
             dk = accumulate(
               dk,
-              xp_smem.at[x, :, cols],
+              xp_smem.at[x + zero, :, cols],
               q_smem[x].at[slot].at[cols, pl.ds(k_starts[w], k_widths[w])],
               cfg,
             )

@@ -79,10 +79,19 @@ def default_gate():
   return _gate("default", timeout=900)
 
 
+# What one jax's lowering is known to leave to ptxas (docs/kernels_gpu.md): jax 0.11.2's grouped
+# V1 backward at Motif-2's layer spills 16 bytes (0 on jax 0.10.2). Listed exactly, so that a
+# change either way fails the gate.
+KNOWN_PROBLEMS = {
+  (0, 11): ["gda_v1 d128 g4 r4 bflo seg B1 T4096 H32 backward: spills 16/164 bytes, stack 8"]
+}
+
+
 def test_every_default_kernel_compiles_without_spills_within_shared_memory(default_gate):
   rows, stats = default_gate["rows"], default_gate["stats"]
   print(stats)
-  assert not problems(rows), "\n".join(problems(rows))
+  found, known = problems(rows), KNOWN_PROBLEMS.get(compat.JAX_VERSION[:2], [])
+  assert sorted(found) == sorted(known), "\n".join(found)
   # Six entry-point programs: V1 and V2 forward + gradients (two kernels each) at the
   # 3B layer, V1 decoding, and at Motif-2's layer the grouped V1 and V2 styles (the
   # grouped forward and backward with r 4) and grouped decoding; no two kernels
