@@ -219,5 +219,11 @@ def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
     and isinstance(v, float)
     and not math.isnan(v)
   )
-  print(f"wrote {out} in {time.time() - t0:.1f}s: {summary}")
+  measured = ""
+  if val:
+    trained = config.get("eval_batches")
+    measured = f"; val/loss over {len(val)} validation batch(es)" + (
+      f", not the {trained} of the trainer's eval/loss" if trained and trained != len(val) else ""
+    )
+  print(f"wrote {out} in {time.time() - t0:.1f}s: {summary}{measured}")
   return 0

@@ -104,7 +104,17 @@ def _main(args: argparse.Namespace) -> None:
   model, cfg, step = run.model, run.model_config, run.step
   # The run's tokenizer, as its checkpoint saved the config (the data default where it has none).
   saved = run.config.get("data") or {}
-  tokenizer = load_tokenizer(args.tokenizer or saved.get("tokenizer", DataConfig().tokenizer))
+  own = saved.get("tokenizer", DataConfig().tokenizer)
+  if (
+    args.tokenizer
+    and args.tokenizer != own
+    and os.path.abspath(args.tokenizer) != os.path.abspath(own)
+  ):
+    raise ValueError(
+      f"--tokenizer={args.tokenizer!r} is not the one the run was trained with ({own!r}): "
+      "leave it out to use the run's own."
+    )
+  tokenizer = load_tokenizer(args.tokenizer or own)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(
       f"the tokenizer has {tokenizer.vocab_size} ids but the model only "

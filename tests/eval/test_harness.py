@@ -662,3 +662,29 @@ def test_an_export_is_evaluated_at_the_runs_context_with_the_runs_tokenizer(
   ):
     _close(b, a, "export vs run")
     assert ga == gb
+
+
+def test_eval_says_how_many_validation_batches_and_generation_refuses_another_tokenizer(
+  trained_workdir, tmp_path, capsys, monkeypatch
+):
+  """Two commands beside the harness on the same run: ``python -m diffjax.eval`` says what its
+  val/loss measured, and generation takes only the run's tokenizer."""
+  from diffjax.eval.command import main as eval_main  # pylint: disable=import-outside-toplevel
+  from diffjax.generation.command import main as generate_main  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.chdir(REPO)
+  argv = [
+    f"--workdir={trained_workdir}",
+    f"--out={tmp_path / 'e.json'}",
+    "--config.context_len=256",
+  ]
+  assert eval_main([*argv, "--config.sections=('validation',)", "--config.val_batches=2"]) == 0
+  out = capsys.readouterr().out
+  assert "val/loss over 2 validation batch(es), not the 1 of the trainer's eval/loss" in out, out
+  assert eval_main([*argv, "--config.sections=('validation',)"]) == 0
+  out = capsys.readouterr().out
+  assert "val/loss over 1 validation batch(es)" in out and "not the" not in out, out
+  write_bpe_tokenizer(tmp_path / "other.json")
+  rc = generate_main([argv[0], "--prompt=hi", f"--tokenizer={tmp_path / 'other.json'}"])
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+  assert rc == 2 and len(err) == 1 and "is not the one the run was trained with ('byte')" in err[0]
