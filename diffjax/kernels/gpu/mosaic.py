@@ -88,8 +88,14 @@ def _pair_bwd(cfg, res, do):
 _pair.defvjp(_pair_fwd, _pair_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret"))
-def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret):
+@functools.partial(
+  jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret", "core")
+)
+def _padded(
+  qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret, core=_pair
+):
+  """Pads the lengths to the tiles, runs ``core`` (the pair kernels, or the grouped ones of
+  :mod:`.mosaic_gda` with q2 of fewer heads) and slices the padding off."""
   t, s = qs[0].shape[1], ks[0].shape[1]
   tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, blocks.block_kv)
   cfg = mc.MosaicConfig(
@@ -105,9 +111,10 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
     interpret=interpret,
     bwd_stages=blocks.bwd_stages,
     dq_parts=blocks.dq_parts,
+    noise_group=qs[0].shape[2] // qs[-1].shape[2],
   )
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  out = _pair(
+  out = core(
     tuple(pc.pad_axis(q, 1, tp) for q in qs),
     tuple(pc.pad_axis(k, 1, sp) for k in ks),
     pc.pad_axis(v, 1, sp),

@@ -46,10 +46,12 @@ def interpret_mode(interpret: Interpret):
 
 
 def make_config(
-  *, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k, lam_rows, interpret
-) -> CoreConfig:
+  *, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k, lam_rows, interpret,
+  signal=1,
+) -> CoreConfig:  # fmt: skip
   """The forward and backward plans of one call: T queries against S keys of H heads
-  (V1 DIFF heads or V2 pairs) over K kv groups, with the block sizes resolved for D."""
+  (V1 DIFF heads or V2 pairs; grouped: the noise heads, each with ``signal`` signal
+  heads) over K kv groups, with the block sizes resolved for D."""
   bs = resolve_block_sizes(block_sizes, d)
   common = dict(
     q_len=t,
@@ -61,6 +63,7 @@ def make_config(
     lam_rows=lam_rows,
     heads=h,
     kv_heads=kv_heads,
+    signal=signal,
   )
   return CoreConfig(
     fwd=layout.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
@@ -108,7 +111,10 @@ def _row_sums(x, y):
   return jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=-1)
 
 
-def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: bool):
+def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: bool, kernel=None):
+  """Pads the inputs to the forward tiles, runs ``kernel`` (default: the DIFF forward,
+  :func:`._forward.forward`) and slices its outputs back; (out, o2, lse) with
+  ``save_residuals``, else (out, None, None)."""
   plan = cfg.fwd
   t = qs[0].shape[plan.seq_axis]
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
@@ -117,7 +123,7 @@ def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: boo
     if plan.lam_rows
     else lam.astype(jnp.float32)
   )
-  out, o2, lse = fwd_kernel.forward(
+  out, o2, lse = (kernel or fwd_kernel.forward)(
     plan,
     qp,
     kp,
