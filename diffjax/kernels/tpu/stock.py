@@ -82,37 +82,6 @@ def _attend(
   return out[:, :, :t]
 
 
-def _heads_first(x):
-  return x.transpose(0, 2, 1, 3)  # [B, T, N, D] <-> [B, N, T, D]
-
-
-def _two_maps(q1, q2, k1, k2, v, q_seg, kv_seg, causal, scale, block_sizes, interpret):
-  """Both maps' outputs [B, heads of q, T, Dv] in float32, one splash call each."""
-  attend = functools.partial(
-    _attend,
-    q_seg=q_seg,
-    kv_seg=kv_seg,
-    causal=causal,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  v_h = _heads_first(v)
-  o1 = attend(_heads_first(q1), _heads_first(k1), v_h).astype(jnp.float32)
-  return o1, attend(_heads_first(q2), _heads_first(k2), v_h).astype(jnp.float32)
-
-
-def _run(jitted, *arrays, d: int, causal, scale, block_sizes, interpret):
-  """``jitted(*arrays, ...)`` with the options in their static form (scale resolved for D)."""
-  return jitted(
-    *arrays,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
-  )
-
-
 def mha_stock_tpu(
   q_BxTxHxD,
   k_BxSxKxD,
@@ -130,18 +99,17 @@ def mha_stock_tpu(
   Returns [B, T, H, Dv] in the dtype of q.
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  return _run(
-    _mha_stock,
+  d = q_BxTxHxD.shape[-1]
+  return _mha_stock(
     q_BxTxHxD,
     k_BxSxKxD,
     v_BxSxKxDv,
     q_segment_ids,
     kv_segment_ids,
-    d=q_BxTxHxD.shape[-1],
-    causal=causal,
-    scale=scale,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
     block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret),
   )
 
 
@@ -185,21 +153,20 @@ def diff_v1_stock_tpu(
   lam = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   h, d = q1_BxTxHxD.shape[2:]
-  return _run(
-    _diff_v1_stock,
+  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
+  return _diff_v1_stock(
     q1_BxTxHxD,
     q2_BxTxHxD,
     k1_BxSxKxD,
     k2_BxSxKxD,
     v_BxSxKxDv,
-    jnp.broadcast_to(lam.astype(jnp.float32), (h,)),
+    lam_H,
     q_segment_ids,
     kv_segment_ids,
-    d=d,
-    causal=causal,
-    scale=scale,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
     block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret),
   )
 
 
@@ -207,9 +174,21 @@ def diff_v1_stock_tpu(
 def _diff_v1_stock(
   q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
 ):
-  o1, o2 = _two_maps(q1, q2, k1, k2, v, q_seg, kv_seg, causal, scale, block_sizes, interpret)
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  attend = functools.partial(
+    _attend,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
+  v_h = heads_first(v)
+  o1 = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
+  o2 = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
   out_BxHxTxDv = o1 - lam_H[None, :, None, None] * o2
-  return _heads_first(out_BxHxTxDv).astype(q1.dtype)
+  return heads_first(out_BxHxTxDv).astype(q1.dtype)
 
 
 def diff_v2_stock_tpu(
@@ -230,19 +209,18 @@ def diff_v2_stock_tpu(
   Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_pallas_tpu`.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  return _run(
-    _diff_v2_stock,
+  d = q_BxTxQxD.shape[-1]
+  return _diff_v2_stock(
     q_BxTxQxD,
     k_BxSxKxD,
     v_BxSxKxD,
     lam_BxTxH,
     q_segment_ids,
     kv_segment_ids,
-    d=q_BxTxQxD.shape[-1],
-    causal=causal,
-    scale=scale,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
     block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret),
   )
 
 
@@ -289,8 +267,7 @@ def gda_v1_stock_tpu(
   lam = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   h, d = q1_BxTxHxD.shape[2:]
-  return _run(
-    _gda_stock,
+  return _gda_stock(
     q1_BxTxHxD,
     q2_BxTxNxD,
     k1_BxSxKxD,
@@ -299,11 +276,10 @@ def gda_v1_stock_tpu(
     jnp.broadcast_to(lam.astype(jnp.float32), (h,))[None, :, None],
     q_segment_ids,
     kv_segment_ids,
-    d=d,
-    causal=causal,
-    scale=scale,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
     block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret),
   )
 
 
@@ -327,8 +303,8 @@ def gda_v2_stock_tpu(
   Arguments and result as in :func:`diffjax.kernels.tpu.gda_v2_pallas_tpu`.
   """
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  return _run(
-    _gda_stock,
+  d = q1_BxTxHxD.shape[-1]
+  return _gda_stock(
     q1_BxTxHxD,
     q2_BxTxNxD,
     k_BxSxKxD,
@@ -337,11 +313,10 @@ def gda_v2_stock_tpu(
     lam_BxTxH.astype(jnp.float32).transpose(0, 2, 1),
     q_segment_ids,
     kv_segment_ids,
-    d=q1_BxTxHxD.shape[-1],
-    causal=causal,
-    scale=scale,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, d),
     block_sizes=block_sizes,
-    interpret=interpret,
+    interpret=bool(interpret),
   )
 
 
@@ -349,11 +324,21 @@ def gda_v2_stock_tpu(
 def _gda_stock(
   q1, q2, k1, k2, v, lam_BxHxT, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
 ):
-  o1_BxHxTxDv, o2_BxNxTxDv = _two_maps(
-    q1, q2, k1, k2, v, q_seg, kv_seg, causal, scale, block_sizes, interpret
+  heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  attend = functools.partial(
+    _attend,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+    causal=causal,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
   )
+  v_h = heads_first(v)
+  o1_BxHxTxDv = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
+  o2_BxNxTxDv = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
   b, h, t, dv = o1_BxHxTxDv.shape
   n = o2_BxNxTxDv.shape[1]
   lam_BxNxRxT = jnp.broadcast_to(lam_BxHxT, (b, h, t)).reshape(b, n, h // n, t)
   out = o1_BxHxTxDv.reshape(b, n, h // n, t, dv) - lam_BxNxRxT[..., None] * o2_BxNxTxDv[:, :, None]
-  return _heads_first(out.reshape(b, h, t, dv)).astype(q1.dtype)
+  return heads_first(out.reshape(b, h, t, dv)).astype(q1.dtype)
