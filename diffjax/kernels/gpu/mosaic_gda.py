@@ -208,7 +208,7 @@ def gda_v1_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
+  b, t, h, _ = q1_BxTxHxD.shape
   kw = dict(
     causal=causal,
     q_segment_ids=q_segment_ids,
@@ -234,19 +234,9 @@ def gda_v1_pallas_gpu(
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
-  return mosaic._padded(
-    (q1_BxTxHxD, q2_BxTxNxD),
-    ks,
-    v_BxSxKxDv,
-    lam_BxHxT,
-    q_seg,
-    kv_seg,
-    variant="v1",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
-    core=_grouped,
+  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
+  return mosaic.run(
+    "v1", qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped
   )
 
 
@@ -288,17 +278,7 @@ def gda_v2_pallas_gpu(
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k_BxSxKxD,)
   blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes)
-  return mosaic._padded(
-    (q1_BxTxHxD, q2_BxTxNxD),
-    ks,
-    v_BxSxKxD,
-    jnp.transpose(lam_BxTxH, (0, 2, 1)),
-    q_seg,
-    kv_seg,
-    variant="v2",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
-    core=_grouped,
-  ).astype(q1_BxTxHxD.dtype)
+  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
+  lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
+  out = mosaic.run("v2", qs, ks, v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped)
+  return out.astype(q1_BxTxHxD.dtype)

@@ -28,87 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu import _core
-from diffjax.kernels.tpu import _gda_backward as bwd_kernel
-from diffjax.kernels.tpu import _gda_forward as fwd_kernel
-from diffjax.kernels.tpu import _layout as layout
-from diffjax.kernels.tpu._core import CoreConfig, Interpret, _pad_axis, _prepare, _slice_axis
+from diffjax.kernels.tpu._core import Interpret, diff_core
 from diffjax.kernels.tpu.block_sizes import BlockSizes
 from diffjax.kernels.tpu.diff_attention import call_config, diff_v1_pallas_tpu, diff_v2_pallas_tpu
-
-
-def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: bool):
-  return _core._forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals, fwd_kernel.forward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gda_core(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
-  """Grouped differential attention on head-major arrays.
-
-  Args:
-    cfg: plans whose heads are the N noise heads, each with ``signal`` = r signal heads,
-      the interpreter setting and the head widths.
-    qs: q1 [B, H, T, D] and q2 [B, N, T, D]; ks (V1: k1, k2; V2: k) [B, K, S, D];
-    v [B, K, S, Dv]; lam float32 [H] (V1) or [B, H, T] (V2); q_seg, kv_seg int [B, T] and
-    [B, S], or None.
-  Returns:
-    [B, H, T, Dv] in q1's dtype.
-  """
-  return _forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=False)[0]
-
-
-def _gda_core_fwd(cfg, qs, ks, v, lam, q_seg, kv_seg):
-  out, o2, lse = _forward(cfg, qs, ks, v, lam, q_seg, kv_seg, save_residuals=True)
-  return out, (qs, ks, v, lam, q_seg, kv_seg, out, o2, lse)
-
-
-def _gda_core_bwd(cfg, residuals, d_out):
-  qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
-  plan = cfg.bwd
-  ax = plan.seq_axis
-  b, h, t, dv = d_out.shape
-  n, r, s = qs[1].shape[1], plan.signal, ks[0].shape[ax]
-  f32 = lambda x: x.astype(jnp.float32)
-  lam_BxNxRxT = _core._lam_rows(plan, lam, b, h, t).reshape(b, n, r, t)
-  do_BxNxRxTxDv = f32(d_out).reshape(b, n, r, t, dv)
-  # Softmax-backward row terms: D2_c = rowsum(dO_c * O2) against the group's one noise
-  # output; O1_c = out_c + lam_c O2 gives D1_c.
-  d2 = jnp.sum(do_BxNxRxTxDv * f32(o2)[:, :, None], axis=-1)
-  d1 = jnp.sum(do_BxNxRxTxDv * f32(out).reshape(b, n, r, t, dv), axis=-1) + lam_BxNxRxT * d2
-  d_lam = jnp.sum(lam_BxNxRxT * d2, axis=2, keepdims=True)
-  rows_of = bwd_kernel.stat_rows(r)
-  parts = [layout.tiles_to_rows(lse, t), d1, d_lam, lam_BxNxRxT]
-  pad = rows_of["rows"] - rows_of["lam"] - r
-  stats = jnp.concatenate(parts + [jnp.zeros((b, n, pad, t), jnp.float32)], axis=2)
-  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
-  tp = plan.q_len_padded
-  dq1, dq2, dks, dv_ = bwd_kernel.backward(
-    plan,
-    qp,
-    kp,
-    vp,
-    q_seg_p,
-    kv_seg_p,
-    _pad_axis(d_out, ax, tp),
-    layout.rows_to_tiles(stats, plan.block_q, tp),
-    widths=cfg.widths,
-    interpret=cfg.interpret,
-  )
-  # d out_c / d lam_c = -O2: d lam = -rowsum(dO_c * O2) per row (summed for V1).
-  dlam = -d2.reshape(b, h, t)
-  if lam.ndim == 1:
-    dlam = jnp.sum(dlam, axis=(0, 2))
-  return (
-    (_slice_axis(dq1, ax, t), _slice_axis(dq2, ax, t)),
-    tuple(_slice_axis(dk, ax, s) for dk in dks),
-    _slice_axis(dv_, ax, s),
-    dlam.astype(lam.dtype),
-    None,
-    None,
-  )
-
-
-gda_core.defvjp(_gda_core_fwd, _gda_core_bwd)
 
 
 def gda_v1_pallas_tpu(
@@ -172,7 +94,7 @@ def gda_v1_pallas_tpu(
 @functools.partial(jax.jit, static_argnums=(0,))
 def _gda_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
   heads = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, D] <-> [B, N, T, D]
-  out = gda_core(
+  out = diff_core(
     cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg
   )
   return heads(out)
@@ -226,5 +148,5 @@ def gda_v2_pallas_tpu(
 def _gda_v2(cfg, q1, q2, k, v, lam, q_seg, kv_seg):
   heads = lambda x: x.transpose(0, 2, 1, 3)
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
-  out = gda_core(cfg, (heads(q1), heads(q2)), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
+  out = diff_core(cfg, (heads(q1), heads(q2)), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
   return heads(out)
