@@ -30,17 +30,17 @@ DQ_VMEM_BUDGET = 24 * 2**20
 _LANES = 128
 
 
-def dq_row_bytes(group: int, head_dim: int, itemsize: int) -> int:
+def dq_row_bytes(group: int, head_dim: int, itemsize: int, r: int = 1) -> int:
   """VMEM bytes per query row of a chunk's dQ: the float32 accumulator and the two
-  output buffers in the input dtype, [G, 2, ., D] each with D on (padded to) 128 lanes."""
-  return group * 2 * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
+  output buffers in the input dtype, [G, r + 1, ., D] each with D on (padded to) 128 lanes
+  (r: the grouped kernel's signal heads a noise head; DIFF: 1, two components a head)."""
+  return group * (r + 1) * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
 
 
-def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int, row_bytes: int | None = None):
+def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int) -> int:
   """Query rows per chunk (a multiple of the tile): ``plan.dq_chunk`` when set, else
   the fewest chunks whose dQ fits DQ_VMEM_BUDGET, of balanced length. At least one
-  tile, so a kv group too wide for the budget still runs, past it. ``row_bytes``: the
-  dQ's VMEM per query row (default :func:`dq_row_bytes` of the plan's group)."""
+  tile, so a kv group too wide for the budget still runs, past it."""
   tp, bq = plan.q_len_padded, plan.block_q
   if plan.dq_chunk is not None:
     if plan.dq_chunk % bq:
@@ -48,8 +48,7 @@ def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int, row_bytes: int |
         f"dq_chunk={plan.dq_chunk} must be a multiple of the backward query tile ({bq})."
       )
     return min(plan.dq_chunk, tp)
-  row_bytes = row_bytes or dq_row_bytes(plan.group, head_dim, itemsize)
-  most = DQ_VMEM_BUDGET // row_bytes // bq * bq
+  most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize, plan.signal) // bq * bq
   n = -(-tp // max(most, bq))
   return layout.round_up(-(-tp // n), bq)
 
@@ -64,19 +63,22 @@ def step_vmem_bytes(
   *,
   out_item: int,
   partials_in: bool,
+  r: int = 1,
 ) -> int:
   """The backward's VMEM estimate for one step, without the chunk's dQ: both buffers of
-  every tile (Q, K, V, dO, the stats slab, the dK/dV outputs in ``out_item`` bytes and,
-  with ``partials_in``, the previous chunk's float32 partial sums), the float32 dK/dV
-  accumulators and eight float32 [bq, bk] temporaries."""
+  every tile (the r + 1 query heads, K, V, r dO rows, the stats slab, the dK/dV outputs in
+  ``out_item`` bytes and, with ``partials_in``, the previous chunk's float32 partial sums),
+  the float32 dK/dV accumulators and r + 7 float32 [bq, bk] temporaries (r: the grouped
+  kernel's signal heads a noise head; DIFF: 1)."""
   kv_tile = key_components * bk * d + bk * dv
+  stat_rows = layout.round_up(3 * r + 2, 8)  # ROW_STATS for DIFF
   tiles = (
-    2 * itemsize * (2 * bq * d + kv_tile + bq * dv)
+    2 * itemsize * ((r + 1) * bq * d + kv_tile + r * bq * dv)
     + 2 * out_item * kv_tile
-    + 2 * 4 * ROW_STATS * layout.round_up(bq, _LANES)
+    + 2 * 4 * stat_rows * layout.round_up(bq, _LANES)
     + (2 * 4 * kv_tile if partials_in else 0)
   )
-  return tiles + 4 * (kv_tile + 8 * bq * bk)
+  return tiles + 4 * (kv_tile + (r + 7) * bq * bk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,12 +57,12 @@ def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
       lse_ref[...] = jnp.transpose(jnp.where(lane == 0, lses[0], lses[1]))[:2]
 
 
-def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int) -> int:
-  """The forward's VMEM estimate for one step: both buffers of every tile (two query
-  components, the key components, V, the outputs) and the float32 softmax states,
-  scores and probabilities."""
-  tiles = 2 * itemsize * (2 * bq * d + key_components * bk * d + bk * dv + 2 * bq * dv)
-  return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
+def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int, r: int = 1):
+  """The forward's VMEM estimate for one step: both buffers of every tile (the r + 1 query
+  heads, the key components, V, r + 1 output rows) and the float32 softmax states, scores
+  and probabilities (r: the grouped kernel's signal heads a noise head; DIFF: 1)."""
+  tiles = 2 * itemsize * ((r + 1) * bq * d + key_components * bk * d + bk * dv + (r + 1) * bq * dv)
+  return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
 
 
 def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths):

@@ -26,8 +26,6 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.kernels.tpu import _backward as diff_bwd
 from diffjax.kernels.tpu import _layout as layout
 
-_LANES = 128
-
 
 def stat_rows(r: int) -> dict[str, int]:
   """The first row of each statistic in the row-statistics slabs (``"rows"``: their
@@ -35,13 +33,6 @@ def stat_rows(r: int) -> dict[str, int]:
   rows = {"lse": 0, "d1": r + 1, "d_lam": 2 * r + 1, "lam": 2 * r + 2}
   rows["rows"] = layout.round_up(3 * r + 2, 8)
   return rows
-
-
-def dq_row_bytes(plan, head_dim: int, itemsize: int) -> int:
-  """VMEM bytes per query row of a chunk's dQ: the float32 accumulators and the two output
-  buffers of the kv group's (r + 1) N / K query heads, D on (padded to) 128 lanes."""
-  heads = plan.group * (plan.signal + 1)
-  return heads * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
 
 
 def _backward_kernel(*refs, plan, chunk):
@@ -119,20 +110,6 @@ def _backward_kernel(*refs, plan, chunk):
   pl.when(kv_last)(functools.partial(write, plan, chunk, dk_refs, dv_ref, *kv_refs))
 
 
-def step_vmem_bytes(plan, d: int, dv: int, itemsize: int, n_k: int, out_item: int, prev: bool):
-  """The backward's VMEM estimate for one step without the chunk's dQ (as
-  :func:`diffjax.kernels.tpu._backward.step_vmem_bytes` for r + 1 query heads)."""
-  bq, bk, r = plan.block_q, plan.block_kv, plan.signal
-  kv_tile = n_k * bk * d + bk * dv
-  tiles = (
-    2 * itemsize * ((r + 1) * bq * d + kv_tile + r * bq * dv)
-    + 2 * out_item * kv_tile
-    + 2 * 4 * stat_rows(r)["rows"] * layout.round_up(bq, _LANES)
-    + (2 * 4 * kv_tile if prev else 0)
-  )
-  return tiles + 4 * (kv_tile + (r + 7) * bq * bk)
-
-
 def _backward_chunk(plan, chunk, n_rows: int, prev, *, args, widths, interpret):
   (q1, q2), ks, v, do, stats, q_seg, kv_seg = args
   d, dv_width = widths
@@ -182,9 +159,17 @@ def _backward_chunk(plan, chunk, n_rows: int, prev, *, args, widths, interpret):
   ]
   itemsize = q1.dtype.itemsize
   out_item = itemsize if chunk.final else 4
-  vmem = step_vmem_bytes(
-    plan, d, dv_width, itemsize, n_k, out_item, bool(chunk.prev_kv_blocks)
-  ) + n_rows * dq_row_bytes(plan, d, itemsize)
+  vmem = diff_bwd.step_vmem_bytes(
+    bq,
+    bk,
+    d,
+    dv_width,
+    itemsize,
+    n_k,
+    out_item=out_item,
+    partials_in=bool(chunk.prev_kv_blocks),
+    r=r,
+  ) + n_rows * diff_bwd.dq_row_bytes(g, d, itemsize, r)
   visible = 0.5 if plan.causal else 1.0
   steps = b * plan.heads * nq * nkv * visible
   kv_bytes = n_k * bk * d + bk * dv_width
@@ -235,8 +220,7 @@ def backward(plan, qs, ks, v, q_seg, kv_seg, do, stats, *, widths, interpret):
   q1, q2 = qs
   ax = plan.seq_axis
   assert q1.shape[ax] == plan.q_len_padded and v.shape[ax] == plan.kv_len_padded, plan
-  d, itemsize = widths[0], q1.dtype.itemsize
-  rows = diff_bwd.chunk_rows(plan, d, itemsize, row_bytes=dq_row_bytes(plan, d, itemsize))
+  rows = diff_bwd.chunk_rows(plan, widths[0], q1.dtype.itemsize)
   args = (qs, ks, v, do, stats, q_seg, kv_seg)
   call_chunk = functools.partial(
     _backward_chunk, plan, args=args, widths=widths, interpret=interpret

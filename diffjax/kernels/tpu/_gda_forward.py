@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.kernels.tpu import _forward as diff_fwd
 from diffjax.kernels.tpu import _layout as layout
 
 
@@ -67,14 +68,6 @@ def _forward_kernel(*refs, plan, save_residuals: bool):
       for c in range(r + 1):
         tile = jnp.where(lane == c, lses[c], tile)
       lse_ref[...] = jnp.transpose(tile)[: r + 1]
-
-
-def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int, r: int):
-  """The forward's VMEM estimate for one step: both buffers of every tile (r + 1 query
-  heads, the key components, V, r + 1 output rows) and the float32 softmax states, scores
-  and probabilities."""
-  tiles = 2 * itemsize * ((r + 1) * bq * d + key_components * bk * d + bk * dv + (r + 1) * bq * dv)
-  return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
 
 
 def forward(plan, qs, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool, interpret):
@@ -153,7 +146,7 @@ def forward(plan, qs, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool
     ],
     # The last axis carries the online softmax from step to step.
     semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
-    vmem=vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks), r),
+    vmem=diff_fwd.vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks), r),
     cost=cost,
     interpret=interpret,
     name="gda_attention_fwd",
