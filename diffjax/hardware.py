@@ -113,6 +113,34 @@ def _flops(**by_dtype: float) -> Mapping[str, float]:
   return types.MappingProxyType(by_dtype)
 
 
+_H100 = Gpu(
+  name="h100",
+  platform="gpu",
+  device_kinds=("NVIDIA H100",),
+  device_description="NVIDIA H100 80GB HBM3",
+  dense_flops_per_s=_flops(bfloat16=989e12, float16=989e12),
+  hbm_bytes=84_942_979_072,
+  hbm_bytes_per_s=3_352_320_000_000,
+  compute_capability=HOPPER,
+  sms=132,
+  fp32_cores_per_sm=128,
+  smem_per_block=227 * KIB,
+  smem_per_sm=228 * KIB,
+  registers_per_sm=65536,
+  registers_per_block=65536,
+  l2_bytes=50 * MIB,
+  clock_ghz=1.98,
+)
+# The H200 is the H100's chip with more and faster HBM.
+_H200 = dataclasses.replace(
+  _H100,
+  name="h200",
+  device_kinds=("NVIDIA H200",),
+  device_description="NVIDIA H200",
+  hbm_bytes=150_754_820_096,
+  hbm_bytes_per_s=4_800_000_000_000,
+)
+
 _TABLE: tuple[Accelerator, ...] = (
   Tpu(
     name="v4",
@@ -158,42 +186,8 @@ _TABLE: tuple[Accelerator, ...] = (
     vmem_bytes=128 * MIB,
     tensorcores=1,
   ),
-  Gpu(
-    name="h100",
-    platform="gpu",
-    device_kinds=("NVIDIA H100",),
-    device_description="NVIDIA H100 80GB HBM3",
-    dense_flops_per_s=_flops(bfloat16=989e12, float16=989e12),
-    hbm_bytes=84_942_979_072,
-    hbm_bytes_per_s=3_352_320_000_000,
-    compute_capability=HOPPER,
-    sms=132,
-    fp32_cores_per_sm=128,
-    smem_per_block=227 * KIB,
-    smem_per_sm=228 * KIB,
-    registers_per_sm=65536,
-    registers_per_block=65536,
-    l2_bytes=50 * MIB,
-    clock_ghz=1.98,
-  ),
-  Gpu(
-    name="h200",
-    platform="gpu",
-    device_kinds=("NVIDIA H200",),
-    device_description="NVIDIA H200",
-    dense_flops_per_s=_flops(bfloat16=989e12, float16=989e12),
-    hbm_bytes=150_754_820_096,
-    hbm_bytes_per_s=4_800_000_000_000,
-    compute_capability=HOPPER,
-    sms=132,
-    fp32_cores_per_sm=128,
-    smem_per_block=227 * KIB,
-    smem_per_sm=228 * KIB,
-    registers_per_sm=65536,
-    registers_per_block=65536,
-    l2_bytes=50 * MIB,
-    clock_ghz=1.98,
-  ),
+  _H100,
+  _H200,
   Gpu(
     name="a100",
     platform="gpu",

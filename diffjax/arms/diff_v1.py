@@ -20,12 +20,14 @@ from diffjax.core.reference import lambda_init_for_layer
 from diffjax.nn.attention import DiffV1Attention
 
 
-def build(cfg, layer_index: int, options, rngs):
-  return DiffV1Attention(
+def build(cfg, layer_index: int, options, rngs, attention=DiffV1Attention, **kw):
+  """The layer's module; ``attention`` and ``kw``: the grouped form's class and ratio."""
+  return attention(
     cfg.d_model,
     cfg.num_heads,
     cfg.num_kv_heads,
     cfg.head_dim,
+    **kw,
     layer_index=layer_index,
     options=options,
     norm_eps=cfg.diff_norm_eps,

@@ -26,13 +26,15 @@ DEFAULT_V2_INIT = "mixed"
 DEFAULT_MIX_STEPS = 100
 
 
-def build(cfg, layer_index: int, options, rngs):
+def build(cfg, layer_index: int, options, rngs, attention=DiffV2Attention, **kw):
+  """The layer's module; ``attention`` and ``kw``: the grouped form's class and ratio."""
   del layer_index
-  return DiffV2Attention(
+  return attention(
     cfg.d_model,
     cfg.num_heads,
     cfg.num_kv_heads,
     cfg.head_dim,
+    **kw,
     options=options,
     pairing=cfg.v2_pairing,
     lambda_fn=cfg.v2_lambda,

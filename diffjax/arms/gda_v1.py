@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from diffjax.arms import diff_v1
 from diffjax.arms import spec as arms_spec
 from diffjax.arms.spec import ArmSpec, register
 from diffjax.core import op_specs
@@ -25,20 +26,8 @@ from diffjax.nn.attention import GroupedDiffV1Attention, check_gda_heads
 
 
 def build(cfg, layer_index: int, options, rngs):
-  return GroupedDiffV1Attention(
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.num_kv_heads,
-    cfg.head_dim,
-    ratio=cfg.gda_ratio,
-    layer_index=layer_index,
-    options=options,
-    norm_eps=cfg.diff_norm_eps,
-    use_norm=cfg.diff_use_norm,
-    fixed_lambda=cfg.diff_fixed_lambda,
-    lambda_init_offset=cfg.diff_lambda_init_offset,
-    rngs=rngs,
-  )
+  attention, ratio = GroupedDiffV1Attention, cfg.gda_ratio
+  return diff_v1.build(cfg, layer_index, options, rngs, attention=attention, ratio=ratio)
 
 
 def noise_heads(cfg) -> int:

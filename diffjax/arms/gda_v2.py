@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from diffjax.arms import diff_v2
 from diffjax.arms.gda_v1 import pay_by_ffn
 from diffjax.arms.spec import ArmSpec, register
 from diffjax.core import op_specs
@@ -22,18 +23,8 @@ from diffjax.nn.attention import GroupedDiffV2Attention, check_gda_heads, check_
 
 
 def build(cfg, layer_index: int, options, rngs):
-  del layer_index
-  return GroupedDiffV2Attention(
-    cfg.d_model,
-    cfg.num_heads,
-    cfg.num_kv_heads,
-    cfg.head_dim,
-    ratio=cfg.gda_ratio,
-    options=options,
-    pairing=cfg.v2_pairing,
-    lambda_fn=cfg.v2_lambda,
-    rngs=rngs,
-  )
+  attention, ratio = GroupedDiffV2Attention, cfg.gda_ratio
+  return diff_v2.build(cfg, layer_index, options, rngs, attention=attention, ratio=ratio)
 
 
 def noise_heads(cfg) -> int:

@@ -133,11 +133,11 @@ def _v1_to_kernel(arrays):
   return (*rest, jnp.broadcast_to(jnp.asarray(lam).astype(acc), (rest[0].shape[2],)))
 
 
-def _v1_example(dtype, d: int, group: int, t: int):
+def _v1_example(dtype, d: int, group: int, t: int, noise: int | None = None):
   n = _normal(dtype)
   return (
     n(0, (1, t, group, d)),
-    n(1, (1, t, group, d)),
+    n(1, (1, t, noise or group, d)),
     n(2, (1, t, 1, d)),
     n(3, (1, t, 1, d)),
     n(4, (1, t, 1, 2 * d)),
@@ -240,32 +240,17 @@ def _example_noise(group: int) -> int:
 
 
 def _gda_v1_example(dtype, d: int, group: int, t: int):
-  n = _normal(dtype)
-  return (
-    n(0, (1, t, group, d)),
-    n(1, (1, t, _example_noise(group), d)),
-    n(2, (1, t, 1, d)),
-    n(3, (1, t, 1, d)),
-    n(4, (1, t, 1, 2 * d)),
-    jnp.linspace(0.2, 0.8, group).astype(jnp.float32),
-  )
+  return _v1_example(dtype, d, group, t, noise=_example_noise(group))
 
 
-GDA_V1 = OpSpec(
+# DIFF V1's arrays, with q2 of N heads.
+GDA_V1 = dataclasses.replace(
+  DIFF_V1,
   name="gda_v1",
-  arrays=("q1", "q2", "k1", "k2", "v", "lam"),
-  axes=(TOKENS,) * 5 + (("heads",),),
   reference=ref.gda_v1_reference,
   check=validation.check_gda_v1,
-  queries=(0, 1),
-  keys=(2, 3),
-  value=4,
-  lam=5,
-  map_keys=(0, 1),
   split_maps=_split_grouped,
   join_maps=_join_grouped,
-  lam_per_token=_v1_lam_per_token,
-  to_kernel=_v1_to_kernel,
   example=_gda_v1_example,
 )
 

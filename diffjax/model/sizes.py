@@ -20,56 +20,25 @@ def llama_ffn(d_model: int, multiple: int = 256) -> int:
 WIDTHS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 # (d_model, layers, baseline heads, kv heads, head dim, mlp_dim); mlp_dim None: llama_ffn.
-SIZES: dict[str, dict[str, int]] = {
+_TABLE: dict[str, tuple[int, int, int, int, int, int | None]] = {
   # CPU sizes. "micro" learns associative recall in minutes (configs/compare/retrieval_cpu.py).
-  "micro": dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, mlp_dim=176),
-  "tiny": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32, mlp_dim=352),
-  "default": dict(d_model=192, num_layers=3, num_heads=6, num_kv_heads=6, head_dim=32, mlp_dim=512),
-  "small": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=32, mlp_dim=688),
+  "micro": (64, 2, 4, 4, 16, 176),
+  "tiny": (128, 2, 4, 4, 32, 352),
+  "default": (192, 3, 6, 6, 32, 512),
+  "small": (256, 4, 8, 8, 32, 688),
   # One-GPU size (~350M parameters with a 100K vocabulary).
-  "350m": dict(
-    d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816
-  ),
+  "350m": (1024, 24, 16, 16, 64, 2816),
   # arXiv 2410.05258 section 3: 3B (FFN given), and the scaling sweep (FFN 8/3 d rounded).
-  "3b": dict(
-    d_model=3072, num_layers=28, num_heads=24, num_kv_heads=24, head_dim=128, mlp_dim=8192
-  ),
+  "3b": (3072, 28, 24, 24, 128, 8192),
   # d = d_model / (2 * DIFF heads): 96 for 830M, 128 for the others.
-  "830m": dict(
-    d_model=1536, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=96, mlp_dim=llama_ffn(1536)
-  ),
-  "1.4b": dict(
-    d_model=2048,
-    num_layers=24,
-    num_heads=16,
-    num_kv_heads=16,
-    head_dim=128,
-    mlp_dim=llama_ffn(2048),
-  ),
-  "2.8b": dict(
-    d_model=2560,
-    num_layers=32,
-    num_heads=20,
-    num_kv_heads=20,
-    head_dim=128,
-    mlp_dim=llama_ffn(2560),
-  ),
-  "6.8b": dict(
-    d_model=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=32,
-    head_dim=128,
-    mlp_dim=llama_ffn(4096),
-  ),
-  "13.1b": dict(
-    d_model=5120,
-    num_layers=40,
-    num_heads=40,
-    num_kv_heads=40,
-    head_dim=128,
-    mlp_dim=llama_ffn(5120),
-  ),
+  "830m": (1536, 24, 16, 16, 96, None),
+  "1.4b": (2048, 24, 16, 16, 128, None),
+  "2.8b": (2560, 32, 20, 20, 128, None),
+  "6.8b": (4096, 32, 32, 32, 128, None),
+  "13.1b": (5120, 40, 40, 40, 128, None),
+}
+SIZES: dict[str, dict[str, int]] = {
+  name: dict(zip(WIDTHS, (*row[:5], row[5] or llama_ffn(row[0])))) for name, row in _TABLE.items()
 }
 PAPER_SIZES = ("3b", "830m", "1.4b", "2.8b", "6.8b", "13.1b")
 SWEEP_SIZES = ("830m", "1.4b", "2.8b", "6.8b", "13.1b")

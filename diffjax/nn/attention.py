@@ -652,7 +652,18 @@ def check_gda_heads(num_heads: int, ratio: int, num_kv_heads: int) -> None:
     )
 
 
-class GroupedDiffV1Attention(DiffV1Attention):
+class _GroupedQueries:
+  """The grouped forms' query kernel [E, N, r + 1, d]: each group's r = ``ratio`` signal
+  heads, then its noise head."""
+
+  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
+    n = num_heads // self.ratio
+    return _init_queries(
+      self, rngs, options, d_model, n, head_dim, paired=True, group=self.ratio + 1
+    )
+
+
+class GroupedDiffV1Attention(_GroupedQueries, DiffV1Attention):
   """Grouped differential attention, V1 style (GDA, arXiv 2510.06949; Motif-2).
 
   ``num_heads`` signal heads H share N = H / ``ratio`` noise heads: noise head n serves
@@ -673,12 +684,6 @@ class GroupedDiffV1Attention(DiffV1Attention):
     self.ratio = int(ratio)
     super().__init__(d_model, num_heads, num_kv_heads, head_dim, **kw)
 
-  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
-    n = num_heads // self.ratio
-    return _init_queries(
-      self, rngs, options, d_model, n, head_dim, paired=True, group=self.ratio + 1
-    )
-
   def _queries(self, x_BxTxE, pos_BxT, hooks):
     """(signal [B, T, H, D], noise [B, T, N, D]), RoPE applied."""
     q_BxTxNxGxD = project(x_BxTxE, self.q, "bte,ehsd->bthsd", self.options.dtype, hooks)
@@ -688,7 +693,7 @@ class GroupedDiffV1Attention(DiffV1Attention):
     return _rope(q1_BxTxHxD, pos_BxT, self.options), _rope(q2_BxTxNxD, pos_BxT, self.options)
 
 
-class GroupedDiffV2Attention(DiffV2Attention):
+class GroupedDiffV2Attention(_GroupedQueries, DiffV2Attention):
   """Grouped differential attention, V2 style (Motif 3's combine on the baseline's keys).
 
   One attention over all N (r + 1) query heads, then each group's r signal heads minus
@@ -711,12 +716,6 @@ class GroupedDiffV2Attention(DiffV2Attention):
       )
     self.ratio = int(ratio)
     super().__init__(d_model, num_heads, num_kv_heads, head_dim, **kw)
-
-  def _init_q(self, rngs, options, d_model, num_heads, head_dim):
-    n = num_heads // self.ratio
-    return _init_queries(
-      self, rngs, options, d_model, n, head_dim, paired=True, group=self.ratio + 1
-    )
 
   def _arrays(self, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH):
     q1_BxTxHxD, q2_BxTxNxD = ref.split_groups(q_BxTxQxD, self.q.shape[1])

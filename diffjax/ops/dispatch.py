@@ -243,15 +243,6 @@ def demote(op: str, implementation: str, reason: str, platform: str | None = Non
   return left[0] if left else "xla"
 
 
-def demoted() -> dict[tuple[str, str, str], str]:
-  """The (op, platform, implementation) rows switched off by :func:`demote`, with why."""
-  return dict(_DEMOTED)
-
-
-def clear_demotions() -> None:
-  _DEMOTED.clear()
-
-
 def _demoted(row: Implementation, platform: str) -> str | None:
   return _DEMOTED.get((row.op, platform, row.name))
 

@@ -247,78 +247,52 @@ def _cast_like(grads, like):
   return tuple(g.astype(x.dtype) for g, x in zip(grads, like))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attend(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale):
-  return _attend_fwd(q_BxKxRxD, k_BxKxSxD, v_BxKxSxDv, q_seg_BxT, kv_seg_BxS, t, causal, scale)[0]
+# (forward, backward, maps, the first row output the backward reads) of one map or a pair.
+_KINDS = {
+  "single": (_single_forward, _single_backward, 1, 0),
+  "pair": (_pair_forward, _pair_backward, 2, 1),
+}
 
 
-def _attend_fwd(q, k, v, q_seg, kv_seg, t, causal, scale):
-  (o, lse), _ = _over_batch(
-    functools.partial(_single_forward, scale=scale),
-    (q,),
-    (k, v),
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6, 7))
+def _attend(kind: str, rows, keys, q_seg_BxT, kv_seg_BxS, t, causal, scale):
+  """Attention of ``kind`` over [B, K, G*T, ...] rows (single: q; pair: q1, q2, lam) and
+  [B, K, S, ...] keys (single: k, v; pair: k1, k2, v); returns [B, K, G*T, Dv]."""
+  return _attend_fwd(kind, rows, keys, q_seg_BxT, kv_seg_BxS, t, causal, scale)[0]
+
+
+def _attend_fwd(kind, rows, keys, q_seg, kv_seg, t, causal, scale):
+  forward, _, maps, saved = _KINDS[kind]
+  outs, _ = _over_batch(
+    functools.partial(forward, scale=scale),
+    rows,
+    keys,
     q_seg,
     kv_seg,
     t=t,
     causal=causal,
-    maps=1,
+    maps=maps,
   )
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
+  return outs[0], (rows, keys, q_seg, kv_seg, outs[saved:])
 
 
-def _attend_bwd(t, causal, scale, res, do):
-  q, k, v, q_seg, kv_seg, o, lse = res
-  (dq,), (dk, dv) = _over_batch(
-    functools.partial(_single_backward, scale=scale),
-    (q, o, lse, do),
-    (k, v),
+def _attend_bwd(kind, t, causal, scale, res, do):
+  rows, keys, q_seg, kv_seg, saved = res
+  _, backward, maps, _ = _KINDS[kind]
+  row_grads, key_grads = _over_batch(
+    functools.partial(backward, scale=scale),
+    (*rows, *saved, do),
+    keys,
     q_seg,
     kv_seg,
     t=t,
     causal=causal,
-    maps=1,
+    maps=maps,
   )
-  return (*_cast_like((dq, dk, dv), (q, k, v)), None, None)
+  return _cast_like(row_grads, rows), _cast_like(key_grads, keys), None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _attend_pair(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
-  return _attend_pair_fwd(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale)[0]
-
-
-def _attend_pair_fwd(q1, q2, lam, k1, k2, v, q_seg, kv_seg, t, causal, scale):
-  (o, lse1, lse2), _ = _over_batch(
-    functools.partial(_pair_forward, scale=scale),
-    (q1, q2, lam),
-    (k1, k2, v),
-    q_seg,
-    kv_seg,
-    t=t,
-    causal=causal,
-    maps=2,
-  )
-  return o, (q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2)
-
-
-def _attend_pair_bwd(t, causal, scale, res, do):
-  q1, q2, lam, k1, k2, v, q_seg, kv_seg, lse1, lse2 = res
-  (dq1, dq2, dlam), (dk1, dk2, dv) = _over_batch(
-    functools.partial(_pair_backward, scale=scale),
-    (q1, q2, lam, lse1, lse2, do),
-    (k1, k2, v),
-    q_seg,
-    kv_seg,
-    t=t,
-    causal=causal,
-    maps=2,
-  )
-  return (*_cast_like((dq1, dq2, dlam, dk1, dk2, dv), (q1, q2, lam, k1, k2, v)), None, None)
-
-
-_attend_pair.defvjp(_attend_pair_fwd, _attend_pair_bwd)
 
 
 def _attention(
@@ -327,9 +301,9 @@ def _attention(
   """softmax(q k^T scale) V for each query head and its kv group: [B, T, H, Dv]."""
   t, kv = q_BxTxHxD.shape[1], k_BxSxKxD.shape[2]
   o = _attend(
-    _to_rows(q_BxTxHxD, kv),
-    _head_major(k_BxSxKxD),
-    _head_major(v_BxSxKxDv),
+    "single",
+    (_to_rows(q_BxTxHxD, kv),),
+    (_head_major(k_BxSxKxD), _head_major(v_BxSxKxDv)),
     q_segment_ids,
     kv_segment_ids,
     t,
@@ -356,13 +330,10 @@ def _pair_attention(
   t, kv = q1_BxTxHxD.shape[1], k1_BxSxKxD.shape[2]
   acc = accumulation_dtype(q1_BxTxHxD.dtype)
   lam_rows = _to_rows(lam_BxTxH.astype(acc)[..., None], kv)[..., 0]  # [B, K, G*T]
-  o = _attend_pair(
-    _to_rows(q1_BxTxHxD, kv),
-    _to_rows(q2_BxTxHxD, kv),
-    lam_rows,
-    _head_major(k1_BxSxKxD),
-    _head_major(k2_BxSxKxD),
-    _head_major(v_BxSxKxDv),
+  o = _attend(
+    "pair",
+    (_to_rows(q1_BxTxHxD, kv), _to_rows(q2_BxTxHxD, kv), lam_rows),
+    (_head_major(k1_BxSxKxD), _head_major(k2_BxSxKxD), _head_major(v_BxSxKxDv)),
     q_segment_ids,
     kv_segment_ids,
     t,

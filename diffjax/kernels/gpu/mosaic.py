@@ -91,8 +91,14 @@ def _pair_bwd(cfg, res, do):
 _pair.defvjp(_pair_fwd, _pair_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret"))
-def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret):
+@functools.partial(
+  jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret", "core")
+)
+def _padded(
+  qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret, core=_pair
+):
+  """Pads the lengths to the tiles, runs ``core`` (the pair kernels, or the grouped ones of
+  :mod:`.mosaic_gda` with q2 of fewer heads) and slices the padding off."""
   t, s = qs[0].shape[1], ks[0].shape[1]
   tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, blocks.block_kv)
   cfg = mc.MosaicConfig(
@@ -108,9 +114,10 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
     interpret=interpret,
     bwd_stages=blocks.bwd_stages,
     dq_parts=blocks.dq_parts,
+    noise_group=qs[0].shape[2] // qs[-1].shape[2],
   )
   q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  out = _pair(
+  out = core(
     tuple(pc.pad_axis(q, 1, tp) for q in qs),
     tuple(pc.pad_axis(k, 1, sp) for k in ks),
     pc.pad_axis(v, 1, sp),
@@ -120,6 +127,25 @@ def _padded(qs, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, bloc
     cfg,
   )
   return out[:, :t]
+
+
+def run(variant, qs, ks, v, lam_BxHxT, q_seg, kv_seg, blocks, *, causal, scale, interpret,
+        core=_pair):  # fmt: skip
+  """:func:`_padded` with the options in their static form (scale resolved for D)."""
+  return _padded(
+    qs,
+    ks,
+    v,
+    lam_BxHxT,
+    q_seg,
+    kv_seg,
+    variant=variant,
+    causal=bool(causal),
+    scale=_v.default_scale(scale, qs[0].shape[-1]),
+    blocks=blocks,
+    interpret=bool(interpret),
+    core=core,
+  )
 
 
 def _blocks(variant, qs, ks, v, q_seg, block_sizes, interpret):
@@ -172,7 +198,7 @@ def diff_v1_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
+  b, t, h, _ = q1_BxTxHxD.shape
   s = k1_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   qs, ks = (q1_BxTxHxD, q2_BxTxHxD), (k1_BxSxKxD, k2_BxSxKxD)
@@ -180,19 +206,8 @@ def diff_v1_pallas_gpu(
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
-  return _padded(
-    qs,
-    ks,
-    v_BxSxKxDv,
-    lam_BxHxT,
-    q_seg,
-    kv_seg,
-    variant="v1",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
-  )
+  opts = dict(causal=causal, scale=scale, interpret=interpret)
+  return run("v1", qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, blocks, **opts)
 
 
 def diff_v2_pallas_gpu(
@@ -221,21 +236,11 @@ def diff_v2_pallas_gpu(
     [B, T, H, D] in the dtype of q. Rows that see no key are zero.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, _, d = q_BxTxQxD.shape
+  b, t = q_BxTxQxD.shape[:2]
   s = k_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes, interpret)
   lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
-  return _padded(
-    (q_BxTxQxD,),
-    (k_BxSxKxD,),
-    v_BxSxKxD,
-    lam_BxHxT,
-    q_seg,
-    kv_seg,
-    variant="v2",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
-  ).astype(q_BxTxQxD.dtype)
+  opts = dict(causal=causal, scale=scale, interpret=interpret)
+  out = run("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts)
+  return out.astype(q_BxTxQxD.dtype)

@@ -274,6 +274,29 @@ def check_decode_inputs(q1, k1, v, *others) -> None:
     raise NotImplementedError(f"the Mosaic GPU decode kernel refuses these inputs: {reason}")
 
 
+def _checked_decode(q1, q2, k1, k2, v, lam_H, kv_len_B, *, scale, block_sizes, interpret):
+  """The decode kernel's call after the op's own checks: checks what the kernel takes and
+  picks the splits."""
+  check_decode_inputs(q1, k1, v, q2, k2)
+  b, _, h, d = q1.shape
+  s, kh = k1.shape[1], k1.shape[2]
+  blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
+  splits = blocks.num_splits or num_splits(b, kh, s)
+  splits = min(splits, -(-s // BLOCK_KV))
+  return _decode(
+    q1,
+    q2,
+    k1,
+    k2,
+    v,
+    jnp.broadcast_to(lam_H, (h,)),
+    jnp.asarray(kv_len_B),
+    scale=_v.default_scale(scale, d),
+    splits=splits,
+    interpret=bool(interpret),
+  )
+
+
 def diff_v1_decode_pallas_gpu(
   q1_Bx1xHxD: jax.Array,
   q2_Bx1xHxD: jax.Array,
@@ -298,24 +321,10 @@ def diff_v1_decode_pallas_gpu(
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_gpu", wider="diff_v1_pallas_gpu")
-  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv, q2_Bx1xHxD, k2_BxSxKxD)
-  b, _, h, d = q1_Bx1xHxD.shape
-  s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
-  blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
-  splits = blocks.num_splits or num_splits(b, kh, s)
-  splits = min(splits, -(-s // BLOCK_KV))
-  return _decode(
-    q1_Bx1xHxD,
-    q2_Bx1xHxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    jnp.broadcast_to(lam_H, (h,)),
-    jnp.asarray(kv_len_B),
-    scale=_v.default_scale(scale, d),
-    splits=splits,
-    interpret=bool(interpret),
-  )
+  return _checked_decode(
+    q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    scale=scale, block_sizes=block_sizes, interpret=interpret,
+  )  # fmt: skip
 
 
 def gda_v1_decode_pallas_gpu(
@@ -340,21 +349,7 @@ def gda_v1_decode_pallas_gpu(
   lam_H = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "gda_v1_decode_pallas_gpu", wider="gda_v1_pallas_gpu")
-  check_decode_inputs(q1_Bx1xHxD, k1_BxSxKxD, v_BxSxKxDv, q2_Bx1xNxD, k2_BxSxKxD)
-  b, _, h, d = q1_Bx1xHxD.shape
-  s, kh = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
-  blocks = _v.resolve_fields(block_sizes, MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes)
-  splits = blocks.num_splits or num_splits(b, kh, s)
-  splits = min(splits, -(-s // BLOCK_KV))
-  return _decode(
-    q1_Bx1xHxD,
-    q2_Bx1xNxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    jnp.broadcast_to(lam_H, (h,)),
-    jnp.asarray(kv_len_B),
-    scale=_v.default_scale(scale, d),
-    splits=splits,
-    interpret=bool(interpret),
-  )
+  return _checked_decode(
+    q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    scale=scale, block_sizes=block_sizes, interpret=interpret,
+  )  # fmt: skip

@@ -49,18 +49,18 @@ from diffjax.kernels.gpu.mosaic_gda_fwd import MAX_GROUP, forward_smem_bytes, fo
 # Differentiation: the forward above and the grouped backward (mosaic_gda_bwd).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _grouped(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
-  return gf.forward(cfg, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _grouped(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  return gf.forward(cfg, *qs, ks, v, lam_BxHxT, q_seg, kv_seg)[0]
 
 
-def _grouped_fwd(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
-  o, o2, lse1, lse2 = gf.forward(cfg, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg)
-  return o, (q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2)
+def _grouped_fwd(qs, ks, v, lam_BxHxT, q_seg, kv_seg, cfg):
+  o, o2, lse1, lse2 = gf.forward(cfg, *qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  return o, (qs, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2)
 
 
 def _grouped_bwd(cfg, res, do):
-  q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2 = res
+  (q1, q2), ks, v, lam_BxHxT, q_seg, kv_seg, o, o2, lse1, lse2 = res
   b, t, h, dv = o.shape
   n, r = o2.shape[2], cfg.noise_group
   dtype = v.dtype
@@ -93,7 +93,7 @@ def _grouped_bwd(cfg, res, do):
     dq_parts=cfg.dq_parts,
   )
   dks = (dk1.astype(dtype), dk2.astype(dtype)) if len(ks) == 2 else ((dk1 + dk2).astype(dtype),)
-  return dq1.astype(q1.dtype), dq2.astype(q2.dtype), dks, dvv, -d_b, None, None
+  return (dq1.astype(q1.dtype), dq2.astype(q2.dtype)), dks, dvv, -d_b, None, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -104,6 +104,7 @@ class _Tiles:
   stages: int
   bwd_stages: int
   dq_parts: int
+  block_kv: int = 64  # the grouped kernels step 64 keys at a time
 
 
 def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> str | None:
@@ -178,39 +179,6 @@ def _tiles(q1, q2, ks, v, segments, block_sizes, interpret) -> _Tiles:
   return _Tiles(stages, bwd_stages, parts)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "causal", "scale", "blocks", "interpret"))
-def _padded(q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg, *, variant, causal, scale, blocks, interpret):
-  t, s = q1.shape[1], ks[0].shape[1]
-  tp, sp = pc.round_up(t, mc.BLOCK_Q), pc.round_up(s, 64)
-  cfg = mc.MosaicConfig(
-    variant=variant,
-    causal=causal,
-    scale=scale,
-    q_len=t,
-    kv_len=s,
-    group=q1.shape[2] // ks[0].shape[2],
-    segments=q_seg is not None,
-    block_kv=64,
-    stages=blocks.stages,
-    interpret=interpret,
-    bwd_stages=blocks.bwd_stages,
-    dq_parts=blocks.dq_parts,
-    noise_group=q1.shape[2] // q2.shape[2],
-  )
-  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  out = _grouped(
-    pc.pad_axis(q1, 1, tp),
-    pc.pad_axis(q2, 1, tp),
-    tuple(pc.pad_axis(k, 1, sp) for k in ks),
-    pc.pad_axis(v, 1, sp),
-    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
-    q_seg,
-    kv_seg,
-    cfg,
-  )
-  return out[:, :t]
-
-
 def gda_v1_pallas_gpu(
   q1_BxTxHxD: jax.Array,
   q2_BxTxNxD: jax.Array,
@@ -243,7 +211,7 @@ def gda_v1_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
+  b, t, h, _ = q1_BxTxHxD.shape
   kw = dict(
     causal=causal,
     q_segment_ids=q_segment_ids,
@@ -269,19 +237,9 @@ def gda_v1_pallas_gpu(
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
-  return _padded(
-    q1_BxTxHxD,
-    q2_BxTxNxD,
-    ks,
-    v_BxSxKxDv,
-    lam_BxHxT,
-    q_seg,
-    kv_seg,
-    variant="v1",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
+  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
+  return mosaic.run(
+    "v1", qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped
   )
 
 
@@ -323,17 +281,7 @@ def gda_v2_pallas_gpu(
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k_BxSxKxD,)
   blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes, interpret)
-  return _padded(
-    q1_BxTxHxD,
-    q2_BxTxNxD,
-    ks,
-    v_BxSxKxD,
-    jnp.transpose(lam_BxTxH, (0, 2, 1)),
-    q_seg,
-    kv_seg,
-    variant="v2",
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=bool(interpret),
-  ).astype(q1_BxTxHxD.dtype)
+  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
+  lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
+  out = mosaic.run("v2", qs, ks, v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped)
+  return out.astype(q1_BxTxHxD.dtype)

@@ -30,10 +30,11 @@ DQ_VMEM_BUDGET = 24 * 2**20
 _LANES = 128
 
 
-def dq_row_bytes(group: int, head_dim: int, itemsize: int) -> int:
+def dq_row_bytes(group: int, head_dim: int, itemsize: int, r: int = 1) -> int:
   """VMEM bytes per query row of a chunk's dQ: the float32 accumulator and the two
-  output buffers in the input dtype, [G, 2, ., D] each with D on (padded to) 128 lanes."""
-  return group * 2 * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
+  output buffers in the input dtype, [G, r + 1, ., D] each with D on (padded to) 128 lanes
+  (r: the grouped kernel's signal heads a noise head; DIFF: 1, two components a head)."""
+  return group * (r + 1) * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
 
 
 def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int) -> int:
@@ -47,7 +48,7 @@ def chunk_rows(plan: layout.Plan, head_dim: int, itemsize: int) -> int:
         f"dq_chunk={plan.dq_chunk} must be a multiple of the backward query tile ({bq})."
       )
     return min(plan.dq_chunk, tp)
-  most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize) // bq * bq
+  most = DQ_VMEM_BUDGET // dq_row_bytes(plan.group, head_dim, itemsize, plan.signal) // bq * bq
   n = -(-tp // max(most, bq))
   return layout.round_up(-(-tp // n), bq)
 
@@ -62,19 +63,22 @@ def step_vmem_bytes(
   *,
   out_item: int,
   partials_in: bool,
+  r: int = 1,
 ) -> int:
   """The backward's VMEM estimate for one step, without the chunk's dQ: both buffers of
-  every tile (Q, K, V, dO, the stats slab, the dK/dV outputs in ``out_item`` bytes and,
-  with ``partials_in``, the previous chunk's float32 partial sums), the float32 dK/dV
-  accumulators and eight float32 [bq, bk] temporaries."""
+  every tile (the r + 1 query heads, K, V, r dO rows, the stats slab, the dK/dV outputs in
+  ``out_item`` bytes and, with ``partials_in``, the previous chunk's float32 partial sums),
+  the float32 dK/dV accumulators and r + 7 float32 [bq, bk] temporaries (r: the grouped
+  kernel's signal heads a noise head; DIFF: 1)."""
   kv_tile = key_components * bk * d + bk * dv
+  stat_rows = layout.round_up(3 * r + 2, 8)  # ROW_STATS for DIFF
   tiles = (
-    2 * itemsize * (2 * bq * d + kv_tile + bq * dv)
+    2 * itemsize * ((r + 1) * bq * d + kv_tile + r * bq * dv)
     + 2 * out_item * kv_tile
-    + 2 * 4 * ROW_STATS * layout.round_up(bq, _LANES)
+    + 2 * 4 * stat_rows * layout.round_up(bq, _LANES)
     + (2 * 4 * kv_tile if partials_in else 0)
   )
-  return tiles + 4 * (kv_tile + 8 * bq * bk)
+  return tiles + 4 * (kv_tile + (r + 7) * bq * bk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +133,96 @@ def chunk_steps(plan: layout.Plan, chunk: Chunk) -> tuple[np.ndarray, np.ndarray
   return t.astype(np.int32), layout.pack_kv_step(j, first, last)
 
 
+def backward_grid(plan: layout.Plan, chunk: Chunk, batch: int):
+  """The grid of one call, its block coordinates and scalar-prefetch tables: batch and kv
+  groups share the leading parallel axis (see :func:`_layout.forward_grid`), then key tiles
+  and the inner index t (causal: the flat schedule of :func:`chunk_steps`);
+  ``coords(*grid)`` gives (batch, kv group, key tile, t)."""
+  n_kv = plan.kv_heads
+  if plan.causal:
+    t_steps, kv_steps = chunk_steps(plan, chunk)
+
+    def coords(bg, step, t_ref, kv_ref):
+      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
+
+    return (batch * n_kv, len(t_steps)), coords, [jnp.asarray(t_steps), jnp.asarray(kv_steps)]
+
+  def coords(bg, j, t):
+    return bg // n_kv, bg % n_kv, j, t
+
+  return (batch * n_kv, chunk.num_kv_blocks, plan.group * chunk.num_q_blocks), coords, []
+
+
+def step_tables(plan: layout.Plan, chunk: Chunk, refs: list):
+  """Pops a kernel's step tables (causal) and reads its step: (t, key tile j, first and
+  last step of the key tile)."""
+  if plan.causal:
+    return layout.pop_step_tables(refs)
+  j, t = pl.program_id(1), pl.program_id(2)
+  return t, j, t == 0, t == plan.group * chunk.num_q_blocks - 1
+
+
+def init_kv_accumulators(chunk: Chunk, j, dk_prev, dv_prev, dk_acc, dv_acc):
+  """Starts key tile j's dK and dV: zero, or the previous chunk's partial sums."""
+
+  def zero():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  if dk_prev is None:
+    zero()
+    return
+
+  @pl.when(j < chunk.prev_kv_blocks)
+  def _():
+    for c, ref in enumerate(dk_prev):
+      dk_acc[c] = ref[...]
+    dv_acc[...] = dv_prev[...]
+
+  pl.when(j >= chunk.prev_kv_blocks)(zero)
+
+
+def write_kv_grads(plan: layout.Plan, chunk: Chunk, dk_refs, dv_ref, dk_acc, dv_acc):
+  """Writes key tile j's dK and dV after its last step."""
+  for c, ref in enumerate(dk_refs):
+    # The last chunk writes the gradient, the others the unscaled float32 partial.
+    ref[...] = (dk_acc[c] * plan.scale).astype(ref.dtype) if chunk.final else dk_acc[c]
+  dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def previous_partials(plan: layout.Plan, chunk: Chunk, tile, widths, n_k: int, prev):
+  """BlockSpecs and arrays of the previous chunk's partial dK, dV (none for the first)."""
+  if not chunk.prev_kv_blocks:
+    return [], []
+  d, dv_width = widths
+  last_prev = chunk.prev_kv_blocks - 1
+  # Key tiles the previous chunk did not see keep its last block (no copy).
+  prev_tile = lambda width: tile(
+    plan.block_kv, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
+  )
+  return [prev_tile(d)] * n_k + [prev_tile(dv_width)], list(prev[0]) + [prev[1]]
+
+
+def run_chunks(plan: layout.Plan, rows: int, call_chunk):
+  """Runs ``call_chunk(chunk, n_rows, prev)`` -> (dks, dv, dqs) over the chunks of
+  ``rows`` query rows, each after the one whose partial dK, dV it continues; returns
+  (dqs over all rows, dks, dv)."""
+  dq_parts, prev = [], None
+  for chunk in chunks(plan, rows):
+    dks, dv, dqs = call_chunk(chunk, chunk.num_q_blocks * plan.block_q, prev)
+    dq_parts.append(dqs)
+    prev = (dks, dv)
+  if len(dq_parts) == 1:
+    return dq_parts[0], dks, dv
+  dqs = tuple(jnp.concatenate(parts, axis=plan.seq_axis) for parts in zip(*dq_parts))
+  return dqs, dks, dv
+
+
 def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
   # One function: its stages share the refs popped here and read top to bottom.
   refs = list(refs)
   nq = chunk.num_q_blocks
-  inner = plan.group * nq
-  if plan.causal:
-    t, j, kv_first, kv_last = layout.pop_step_tables(refs)
-  else:
-    j, t = pl.program_id(1), pl.program_id(2)
-    kv_first, kv_last = t == 0, t == inner - 1
+  t, j, kv_first, kv_last = step_tables(plan, chunk, refs)
   lam_ref = None if plan.lam_rows else refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
   n_k = 1 if plan.shared_k else 2
@@ -160,23 +244,8 @@ def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
   i = chunk.first + t % nq  # the query tile in the whole sequence (masks)
   rows = pl.ds(pl.multiple_of(t % nq * plan.block_q, plan.block_q), plan.block_q)
 
-  @pl.when(kv_first)
-  def _init_kv_accumulators():
-    def zero():
-      dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-      dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    if dk_prev is None:
-      zero()
-      return
-
-    @pl.when(j < chunk.prev_kv_blocks)
-    def _():
-      for c, ref in enumerate(dk_prev):
-        dk_acc[c] = ref[...]
-      dv_acc[...] = dv_prev[...]
-
-    pl.when(j >= chunk.prev_kv_blocks)(zero)
+  kv_refs = (dk_acc, dv_acc)
+  pl.when(kv_first)(functools.partial(init_kv_accumulators, chunk, j, dk_prev, dv_prev, *kv_refs))
 
   def gradients(apply_mask: bool):
     """Accumulates dK and dV of tile (i, j); returns its dQ_1, dQ_2 [block_q, D]."""
@@ -187,14 +256,8 @@ def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
     k1, k2 = k_refs[0][...], k_refs[-1][...]
     v, do = v_ref[...], do_ref[...]
 
-    def probs(q, k, lse):
-      s = layout.dot_nt(q, k) * plan.scale
-      if keep is not None:
-        s = jnp.where(keep, s, layout.MASK_VALUE)
-      return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
-
-    p1 = probs(q1, k1, stats[:, _LSE1 : _LSE1 + 1])
-    p2 = probs(q2, k2, stats[:, _LSE2 : _LSE2 + 1])
+    p1 = layout.probs(plan, q1, k1, keep, stats[:, _LSE1 : _LSE1 + 1])
+    p2 = layout.probs(plan, q2, k2, keep, stats[:, _LSE2 : _LSE2 + 1])
     dp = layout.dot_nt(do, v)
     dv_acc[...] += layout.dot_tn((p1 - lam * p2).astype(do.dtype), do)
     ds1 = (p1 * (dp - stats[:, _D1 : _D1 + 1])).astype(q1.dtype)
@@ -235,12 +298,7 @@ def _backward_kernel(*refs, plan: layout.Plan, chunk: Chunk):
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(step, apply_mask))
 
-  @pl.when(kv_last)
-  def _write_kv_grads():
-    for c, ref in enumerate(dk_refs):
-      # The last chunk writes the gradient, the others the unscaled float32 partial.
-      ref[...] = (dk_acc[c] * plan.scale).astype(ref.dtype) if chunk.final else dk_acc[c]
-    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+  pl.when(kv_last)(functools.partial(write_kv_grads, plan, chunk, dk_refs, dv_ref, *kv_refs))
 
 
 def _in_specs(plan: layout.Plan, chunk: Chunk, spec, tile, args, prev, widths):
@@ -262,10 +320,7 @@ def _in_specs(plan: layout.Plan, chunk: Chunk, spec, tile, args, prev, widths):
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     call_args.append(lam)
   if plan.segmented:
-    in_specs += [
-      spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(j, t), 0)),
-      spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
-    ]
+    in_specs += layout.segment_specs(plan, spec, lambda g_, j, t: q_block(j, t), lambda g_, j, t: j)
     call_args += [q_seg, kv_seg]
   for c in range(2):
     in_specs.append(
@@ -281,15 +336,8 @@ def _in_specs(plan: layout.Plan, chunk: Chunk, spec, tile, args, prev, widths):
     ),
   ]
   call_args += [*ks, v, do, stats]
-  if chunk.prev_kv_blocks:
-    last_prev = chunk.prev_kv_blocks - 1
-    # Key tiles the previous chunk did not see keep its last block (no copy).
-    prev_tile = lambda width: tile(
-      bk, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
-    )
-    in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
-    call_args += list(prev[0]) + [prev[1]]
-  return in_specs, call_args
+  prev_specs, prev_args = previous_partials(plan, chunk, tile, widths, n_k, prev)
+  return in_specs + prev_specs, call_args + prev_args
 
 
 def _outputs(plan: layout.Plan, chunk: Chunk, tile, rows: int, qs, ks, v, widths):
@@ -343,61 +391,37 @@ def _vmem_and_cost(plan: layout.Plan, chunk: Chunk, rows: int, b: int, n_k: int,
   return vmem, cost
 
 
-def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, args, prev, *, widths, interpret):
+def _backward_chunk(plan: layout.Plan, chunk: Chunk, rows: int, prev, *, args, widths, interpret):
   """One kernel call; returns (dks, dv, dqs): dks and dqs tuples like ks and qs, dq over
   the chunk's rows in q's dtype; the final dK, dV for the last chunk, float32 partial
   sums over its key tiles otherwise."""
   qs, ks, v = args[1:4]
   d, dv_width = widths
-  b, n_kv = qs[0].shape[0], plan.kv_heads
-  n_k = len(ks)
-  g = plan.group
-  nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
-  dtype = qs[0].dtype
-
-  # Batch and kv groups share the leading parallel axis (see the forward).
-  if plan.causal:
-    t_steps, kv_steps = chunk_steps(plan, chunk)
-    grid = (b * n_kv, len(t_steps))
-
-    def coords(bg, step, t_ref, kv_ref):
-      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
-  else:
-    grid = (b * n_kv, nkv, g * nq)
-
-    def coords(bg, j, t):
-      return bg // n_kv, bg % n_kv, j, t
-
+  b, n_k, dtype = qs[0].shape[0], len(ks), qs[0].dtype
+  grid, coords, prefetch = backward_grid(plan, chunk, b)
   spec, tile = layout.grid_specs(plan, coords)
   in_specs, call_args = _in_specs(plan, chunk, spec, tile, args, prev, widths)
   out_specs, out_shape = _outputs(plan, chunk, tile, rows, qs, ks, v, widths)
-  scratch = [
-    pltpu.VMEM((n_k, plan.block_kv, d), jnp.float32),
-    pltpu.VMEM((plan.block_kv, dv_width), jnp.float32),
-    pltpu.VMEM((g, 2, rows, d), jnp.float32),
-  ]
   vmem, cost = _vmem_and_cost(plan, chunk, rows, b, n_k, widths, dtype.itemsize)
-  n_prefetch = 2 if plan.causal else 0
-  if plan.causal:
-    call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args
-  outs = pl.pallas_call(
+  outs = layout.call(
     functools.partial(_backward_kernel, plan=plan, chunk=chunk),
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=n_prefetch,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    ),
+    call_args,
+    grid=grid,
+    prefetch=prefetch,
+    in_specs=in_specs,
+    out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
-      vmem_limit_bytes=layout.vmem_limit(vmem),
-    ),
-    cost_estimate=cost,
+    scratch=[
+      pltpu.VMEM((n_k, plan.block_kv, d), jnp.float32),
+      pltpu.VMEM((plan.block_kv, dv_width), jnp.float32),
+      pltpu.VMEM((plan.group, 2, rows, d), jnp.float32),
+    ],
+    semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
+    vmem=vmem,
+    cost=cost,
     interpret=interpret,
     name="diff_attention_bwd",
-  )(*call_args)
+  )
   return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1 :])
 
 
@@ -419,15 +443,7 @@ def backward(plan: layout.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, wid
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
   rows = chunk_rows(plan, widths[0], qs[0].dtype.itemsize)
   args = (lam, qs, ks, v, do, stats, q_seg, kv_seg)
-  dq_parts, prev = [], None
-  for chunk in chunks(plan, rows):
-    n_rows = chunk.num_q_blocks * plan.block_q
-    dks, dv, dqs = _backward_chunk(
-      plan, chunk, n_rows, args, prev, widths=widths, interpret=interpret
-    )
-    dq_parts.append(dqs)
-    prev = (dks, dv)
-  if len(dq_parts) == 1:
-    return dq_parts[0], dks, dv
-  dqs = tuple(jnp.concatenate(parts, axis=ax) for parts in zip(*dq_parts))
-  return dqs, dks, dv
+  call_chunk = functools.partial(
+    _backward_chunk, plan, args=args, widths=widths, interpret=interpret
+  )
+  return run_chunks(plan, rows, call_chunk)

@@ -1,8 +1,10 @@
 """custom_vjp around the two kernels, on the head-major layout without padding.
 
-Shared by DIFF V1 and V2 (see :mod:`diffjax.kernels.tpu._layout` for the layout); the
-public wrappers only transpose their arguments into it. Padding to the tiles happens
-here, separately for the forward and the backward tiles.
+Shared by DIFF V1 and V2 and their grouped forms (whose plans have ``signal`` r > 1: the
+kernels of :mod:`._gda_forward` and :mod:`._gda_backward`); see
+:mod:`diffjax.kernels.tpu._layout` for the layout. The public wrappers only transpose their
+arguments into it. Padding to the tiles happens here, separately for the forward and the
+backward tiles.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.core import validation as _v
 from diffjax.kernels.tpu import _backward as bwd_kernel
 from diffjax.kernels.tpu import _forward as fwd_kernel
+from diffjax.kernels.tpu import _gda_backward as gda_bwd
+from diffjax.kernels.tpu import _gda_forward as gda_fwd
 from diffjax.kernels.tpu import _layout as layout
 from diffjax.kernels.tpu.block_sizes import resolve_block_sizes
 
@@ -46,10 +50,12 @@ def interpret_mode(interpret: Interpret):
 
 
 def make_config(
-  *, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k, lam_rows, interpret
-) -> CoreConfig:
+  *, t, s, d, dv, h, kv_heads, causal, segmented, scale, block_sizes, shared_k, lam_rows, interpret,
+  signal=1,
+) -> CoreConfig:  # fmt: skip
   """The forward and backward plans of one call: T queries against S keys of H heads
-  (V1 DIFF heads or V2 pairs) over K kv groups, with the block sizes resolved for D."""
+  (V1 DIFF heads or V2 pairs; grouped: the noise heads, each with ``signal`` signal
+  heads) over K kv groups, with the block sizes resolved for D."""
   bs = resolve_block_sizes(block_sizes, d)
   common = dict(
     q_len=t,
@@ -61,6 +67,7 @@ def make_config(
     lam_rows=lam_rows,
     heads=h,
     kv_heads=kv_heads,
+    signal=signal,
   )
   return CoreConfig(
     fwd=layout.make_plan(block_q=bs.block_q, block_kv=bs.block_kv, **common),
@@ -109,6 +116,9 @@ def _row_sums(x, y):
 
 
 def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: bool):
+  """Pads the inputs to the forward tiles, runs the forward kernel (grouped: with r signal
+  heads a noise head) and slices its outputs back; (out, o2, lse) with ``save_residuals``,
+  else (out, None, None)."""
   plan = cfg.fwd
   t = qs[0].shape[plan.seq_axis]
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
@@ -117,7 +127,7 @@ def _forward(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg, save_residuals: boo
     if plan.lam_rows
     else lam.astype(jnp.float32)
   )
-  out, o2, lse = fwd_kernel.forward(
+  out, o2, lse = (gda_fwd if plan.signal > 1 else fwd_kernel).forward(
     plan,
     qp,
     kp,
@@ -143,8 +153,9 @@ def diff_core(cfg: CoreConfig, qs, ks, v, lam, q_seg, kv_seg):
   Args:
     cfg: the forward and backward plans, the interpreter setting and the head widths.
     qs: the query arrays (V1: q1, q2 [B, H, T, D]; V2: one [B, 2H, T, D] of the pairs'
-      query heads); ks: the key arrays (V1: k1, k2; V2: k) [B, K, S, D]; v
-      [B, K, S, Dv].
+      query heads; grouped, the plans' heads the N noise heads of ``signal`` r signal
+      heads each: q1 [B, H, T, D] and q2 [B, N, T, D]); ks: the key arrays (V1: k1, k2;
+      V2: k) [B, K, S, D]; v [B, K, S, Dv].
     lam: float32 [H] (V1) or [B, H, T] (V2).
     q_seg, kv_seg: int [B, T] and [B, S], or None.
   Returns:
@@ -211,6 +222,8 @@ def backward_with_stats(
 
 
 def _diff_core_bwd(cfg, residuals, d_out):
+  if cfg.bwd.signal > 1:
+    return _grouped_bwd(cfg, residuals, d_out)
   qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
   plan = cfg.bwd
   b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
@@ -223,6 +236,53 @@ def _diff_core_bwd(cfg, residuals, d_out):
   # d out / d lam = -O_2, so d lam = -rowsum(dO * O_2) per row (summed for V1).
   dlam = -d2 if plan.lam_rows else -jnp.sum(d2, axis=(0, 2))
   return dqs, dks, dv, dlam.astype(lam.dtype), None, None
+
+
+def _grouped_bwd(cfg, residuals, d_out):
+  """The backward of grouped attention (r signal heads a noise head, :mod:`._gda_backward`)."""
+  qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
+  plan = cfg.bwd
+  ax = plan.seq_axis
+  b, h, t, dv = d_out.shape
+  n, r, s = qs[1].shape[1], plan.signal, ks[0].shape[ax]
+  f32 = lambda x: x.astype(jnp.float32)
+  lam_BxNxRxT = _lam_rows(plan, lam, b, h, t).reshape(b, n, r, t)
+  do_BxNxRxTxDv = f32(d_out).reshape(b, n, r, t, dv)
+  # Softmax-backward row terms: D2_c = rowsum(dO_c * O2) against the group's one noise
+  # output; O1_c = out_c + lam_c O2 gives D1_c.
+  d2 = jnp.sum(do_BxNxRxTxDv * f32(o2)[:, :, None], axis=-1)
+  d1 = jnp.sum(do_BxNxRxTxDv * f32(out).reshape(b, n, r, t, dv), axis=-1) + lam_BxNxRxT * d2
+  d_lam = jnp.sum(lam_BxNxRxT * d2, axis=2, keepdims=True)
+  rows_of = gda_bwd.stat_rows(r)
+  parts = [layout.tiles_to_rows(lse, t), d1, d_lam, lam_BxNxRxT]
+  pad = rows_of["rows"] - rows_of["lam"] - r
+  stats = jnp.concatenate(parts + [jnp.zeros((b, n, pad, t), jnp.float32)], axis=2)
+  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
+  tp = plan.q_len_padded
+  dq1, dq2, dks, dv_ = gda_bwd.backward(
+    plan,
+    qp,
+    kp,
+    vp,
+    q_seg_p,
+    kv_seg_p,
+    _pad_axis(d_out, ax, tp),
+    layout.rows_to_tiles(stats, plan.block_q, tp),
+    widths=cfg.widths,
+    interpret=cfg.interpret,
+  )
+  # d out_c / d lam_c = -O2: d lam = -rowsum(dO_c * O2) per row (summed for V1).
+  dlam = -d2.reshape(b, h, t)
+  if lam.ndim == 1:
+    dlam = jnp.sum(dlam, axis=(0, 2))
+  return (
+    (_slice_axis(dq1, ax, t), _slice_axis(dq2, ax, t)),
+    tuple(_slice_axis(dk, ax, s) for dk in dks),
+    _slice_axis(dv_, ax, s),
+    dlam.astype(lam.dtype),
+    None,
+    None,
+  )
 
 
 diff_core.defvjp(_diff_core_fwd, _diff_core_bwd)

@@ -33,40 +33,21 @@ def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
   m_ref, l_ref, acc_ref = refs[-3:]
 
   h = pl.program_id(0) % plan.heads
-
-  @pl.when(first)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+  pl.when(first)(functools.partial(layout.init_softmax, m_ref, l_ref, acc_ref))
 
   def accumulate(apply_mask: bool):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
     v = v_ref[...]
     for c in range(2):
-      s = layout.dot_nt(q_refs[c][...], k_refs[c][...]) * plan.scale
-      if keep is not None:
-        s = jnp.where(keep, s, layout.MASK_VALUE)
-      m_prev = m_ref[c]
-      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_next)
-      p = jnp.exp(s - m_next)
-      l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[c] = alpha * acc_ref[c] + layout.dot_nn(p.astype(v.dtype), v)
-      m_ref[c] = m_next
+      s = layout.scores(plan, q_refs[c][...], k_refs[c][...], keep)
+      layout.online_softmax_step(m_ref, l_ref, acc_ref, c, s, v)
 
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(accumulate, apply_mask))
 
   @pl.when(last)
   def _finish():
-    outs, lses = [], []
-    for c in range(2):
-      m, l = m_ref[c], l_ref[c]
-      seen = m > 0.5 * layout.MASK_VALUE  # the row met at least one visible key
-      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      outs.append(acc_ref[c] * inv_l)
-      lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
+    outs, lses = zip(*(layout.finish_softmax(m_ref, l_ref, acc_ref, c) for c in range(2)))
     lam = jnp.transpose(lam_ref[...]) if plan.lam_rows else lam_ref[h]  # [bq, 1]
     out_ref[...] = (outs[0] - lam * outs[1]).astype(out_ref.dtype)
     if save_residuals:
@@ -76,12 +57,12 @@ def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
       lse_ref[...] = jnp.transpose(jnp.where(lane == 0, lses[0], lses[1]))[:2]
 
 
-def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int) -> int:
-  """The forward's VMEM estimate for one step: both buffers of every tile (two query
-  components, the key components, V, the outputs) and the float32 softmax states,
-  scores and probabilities."""
-  tiles = 2 * itemsize * (2 * bq * d + key_components * bk * d + bk * dv + 2 * bq * dv)
-  return tiles + 4 * (2 * bq * dv + 4 * bq * 128 + 4 * bq * bk)
+def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int, r: int = 1):
+  """The forward's VMEM estimate for one step: both buffers of every tile (the r + 1 query
+  heads, the key components, V, r + 1 output rows) and the float32 softmax states, scores
+  and probabilities (r: the grouped kernel's signal heads a noise head; DIFF: 1)."""
+  tiles = 2 * itemsize * ((r + 1) * bq * d + key_components * bk * d + bk * dv + (r + 1) * bq * dv)
+  return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
 
 
 def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths):
@@ -96,10 +77,7 @@ def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widt
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   args.append(lam)
   if plan.segmented:
-    in_specs += [
-      spec((None, bq, 1), lambda b_, h_, i, j: (b_, i, 0)),
-      spec((None, 1, bk), lambda b_, h_, i, j: (b_, 0, j)),
-    ]
+    in_specs += layout.segment_specs(plan, spec, lambda h_, i, j: i, lambda h_, i, j: j)
     args += [q_seg, kv_seg]
   for c in range(2):
     array, _ = plan.q_head(c, 0)
@@ -179,49 +157,28 @@ def forward(
   dtype = qs[0].dtype
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
 
-  # The grid merges batch and heads into one leading parallel axis, so that a megacore
-  # chip can split it between its two cores even when B == 1.
-  if plan.causal:
-    q_steps, kv_steps = plan.forward_steps()
-    grid = (b * h, len(q_steps))
-
-    def coords(bh, step, q_ref, kv_ref):
-      return bh // h, bh % h, q_ref[step], layout.unpack_kv_step(kv_ref[step])[0]
-  else:
-    grid = (b * h, plan.num_q_blocks, plan.num_kv_blocks)
-
-    def coords(bh, i, j):
-      return bh // h, bh % h, i, j
-
+  grid, coords, prefetch = layout.forward_grid(plan, b, h)
   spec, tile = layout.grid_specs(plan, coords)
   in_specs, args = _in_specs(plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths)
   out_shape, out_specs = _outputs(plan, spec, tile, b, tp, dv, dtype, save_residuals)
-  scratch = [
-    pltpu.VMEM((2, bq, 1), jnp.float32),
-    pltpu.VMEM((2, bq, 1), jnp.float32),
-    pltpu.VMEM((2, bq, dv), jnp.float32),
-  ]
-  vmem = vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks))
-  if plan.causal:
-    args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=2 if plan.causal else 0,
+  outs = layout.call(
+    functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
+    args,
     grid=grid,
+    prefetch=prefetch,
     in_specs=in_specs,
     out_specs=out_specs,
-    scratch_shapes=scratch,
-  )
-  # The last axis carries the online softmax from step to step; the others are independent.
-  semantics = ("parallel",) * (len(grid) - 1) + ("arbitrary",)
-  outs = pl.pallas_call(
-    functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
-    grid_spec=grid_spec,
     out_shape=out_shape,
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=semantics, vmem_limit_bytes=layout.vmem_limit(vmem)
-    ),
-    cost_estimate=_cost(plan, qs, ks, v, widths, save_residuals),
+    scratch=[
+      pltpu.VMEM((2, bq, 1), jnp.float32),
+      pltpu.VMEM((2, bq, 1), jnp.float32),
+      pltpu.VMEM((2, bq, dv), jnp.float32),
+    ],
+    # The last axis carries the online softmax from step to step; the others are independent.
+    semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+    vmem=vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks)),
+    cost=_cost(plan, qs, ks, v, widths, save_residuals),
     interpret=interpret,
     name="diff_attention_fwd",
-  )(*args)
+  )
   return (*outs, None, None)[:3]

@@ -26,8 +26,6 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.kernels.tpu import _backward as diff_bwd
 from diffjax.kernels.tpu import _layout as layout
 
-_LANES = 128
-
 
 def stat_rows(r: int) -> dict[str, int]:
   """The first row of each statistic in the row-statistics slabs (``"rows"``: their
@@ -37,37 +35,11 @@ def stat_rows(r: int) -> dict[str, int]:
   return rows
 
 
-def dq_row_bytes(plan, head_dim: int, itemsize: int) -> int:
-  """VMEM bytes per query row of a chunk's dQ: the float32 accumulators and the two output
-  buffers of the kv group's (r + 1) N / K query heads, D on (padded to) 128 lanes."""
-  heads = plan.group * (plan.signal + 1)
-  return heads * layout.round_up(head_dim, _LANES) * (4 + 2 * itemsize)
-
-
-def chunk_rows(plan, head_dim: int, itemsize: int) -> int:
-  """Query rows per call, as :func:`diffjax.kernels.tpu._backward.chunk_rows` with the
-  grouped dQ."""
-  tp, bq = plan.q_len_padded, plan.block_q
-  if plan.dq_chunk is not None:
-    if plan.dq_chunk % bq:
-      raise ValueError(
-        f"dq_chunk={plan.dq_chunk} must be a multiple of the backward query tile ({bq})."
-      )
-    return min(plan.dq_chunk, tp)
-  most = diff_bwd.DQ_VMEM_BUDGET // dq_row_bytes(plan, head_dim, itemsize) // bq * bq
-  n = -(-tp // max(most, bq))
-  return layout.round_up(-(-tp // n), bq)
-
-
 def _backward_kernel(*refs, plan, chunk):
   refs = list(refs)
   r, nq = plan.signal, chunk.num_q_blocks
   rows_of = stat_rows(r)
-  if plan.causal:
-    t, j, kv_first, kv_last = layout.pop_step_tables(refs)
-  else:
-    j, t = pl.program_id(1), pl.program_id(2)
-    kv_first, kv_last = t == 0, t == plan.group * nq - 1
+  t, j, kv_first, kv_last = diff_bwd.step_tables(plan, chunk, refs)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
   n_k = 1 if plan.shared_k else 2
   take = lambda n: tuple(refs.pop(0) for _ in range(n))
@@ -84,23 +56,9 @@ def _backward_kernel(*refs, plan, chunk):
   i = chunk.first + t % nq  # the query tile in the whole sequence (masks)
   rows = pl.ds(pl.multiple_of(t % nq * plan.block_q, plan.block_q), plan.block_q)
 
-  @pl.when(kv_first)
-  def _init_kv_accumulators():
-    def zero():
-      dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-      dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-    if dk_prev is None:
-      zero()
-      return
-
-    @pl.when(j < chunk.prev_kv_blocks)
-    def _():
-      for c, ref in enumerate(dk_prev):
-        dk_acc[c] = ref[...]
-      dv_acc[...] = dv_prev[...]
-
-    pl.when(j >= chunk.prev_kv_blocks)(zero)
+  kv_refs = (dk_acc, dv_acc)
+  init = diff_bwd.init_kv_accumulators
+  pl.when(kv_first)(functools.partial(init, chunk, j, dk_prev, dv_prev, *kv_refs))
 
   def add_dq(acc, index, value):
     # Key tile 0 is the first visited one of every query tile.
@@ -118,19 +76,14 @@ def _backward_kernel(*refs, plan, chunk):
     col = lambda row: stats[:, row : row + 1]
     k1, k2 = k_refs[0][...], k_refs[-1][...]
     v, q2 = v_ref[...], q2_ref[...]
+    probs = functools.partial(layout.probs, plan, keep=keep)
 
-    def probs(q, k, lse):
-      s = layout.dot_nt(q, k) * plan.scale
-      if keep is not None:
-        s = jnp.where(keep, s, layout.MASK_VALUE)
-      return jnp.exp(s - lse)  # masked entries and fully masked rows give 0
-
-    p2 = probs(q2, k2, col(rows_of["lse"] + r))
+    p2 = probs(q2, k2, lse=col(rows_of["lse"] + r))
     dp_lam = None
     for c in range(r):
       q1, do = q1_ref[c], do_ref[c]
       lam = col(rows_of["lam"] + c)
-      p1 = probs(q1, k1, col(rows_of["lse"] + c))
+      p1 = probs(q1, k1, lse=col(rows_of["lse"] + c))
       dp = layout.dot_nt(do, v)
       dv_acc[...] += layout.dot_tn((p1 - lam * p2).astype(do.dtype), do)
       ds1 = (p1 * (dp - col(rows_of["d1"] + c))).astype(q1.dtype)
@@ -153,48 +106,19 @@ def _backward_kernel(*refs, plan, chunk):
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(step, apply_mask))
 
-  @pl.when(kv_last)
-  def _write_kv_grads():
-    for c, ref in enumerate(dk_refs):
-      # The last chunk writes the gradient, the others the unscaled float32 partial.
-      ref[...] = (dk_acc[c] * plan.scale).astype(ref.dtype) if chunk.final else dk_acc[c]
-    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+  write = diff_bwd.write_kv_grads
+  pl.when(kv_last)(functools.partial(write, plan, chunk, dk_refs, dv_ref, *kv_refs))
 
 
-def step_vmem_bytes(plan, d: int, dv: int, itemsize: int, n_k: int, out_item: int, prev: bool):
-  """The backward's VMEM estimate for one step without the chunk's dQ (as
-  :func:`diffjax.kernels.tpu._backward.step_vmem_bytes` for r + 1 query heads)."""
-  bq, bk, r = plan.block_q, plan.block_kv, plan.signal
-  kv_tile = n_k * bk * d + bk * dv
-  tiles = (
-    2 * itemsize * ((r + 1) * bq * d + kv_tile + r * bq * dv)
-    + 2 * out_item * kv_tile
-    + 2 * 4 * stat_rows(r)["rows"] * layout.round_up(bq, _LANES)
-    + (2 * 4 * kv_tile if prev else 0)
-  )
-  return tiles + 4 * (kv_tile + (r + 7) * bq * bk)
-
-
-def _backward_chunk(plan, chunk, n_rows: int, args, prev, *, widths, interpret):
-  q1, q2, ks, v, do, stats, q_seg, kv_seg = args
+def _backward_chunk(plan, chunk, n_rows: int, prev, *, args, widths, interpret):
+  (q1, q2), ks, v, do, stats, q_seg, kv_seg = args
   d, dv_width = widths
   b, n_kv = q1.shape[0], plan.kv_heads
   r, g, n_k = plan.signal, plan.group, len(ks)
   bq, bk = plan.block_q, plan.block_kv
   nq, nkv = chunk.num_q_blocks, chunk.num_kv_blocks
 
-  if plan.causal:
-    t_steps, kv_steps = diff_bwd.chunk_steps(plan, chunk)
-    grid = (b * n_kv, len(t_steps))
-
-    def coords(bg, step, t_ref, kv_ref):
-      return bg // n_kv, bg % n_kv, layout.unpack_kv_step(kv_ref[step])[0], t_ref[step]
-  else:
-    grid = (b * n_kv, nkv, g * nq)
-
-    def coords(bg, j, t):
-      return bg // n_kv, bg % n_kv, j, t
-
+  grid, coords, prefetch = diff_bwd.backward_grid(plan, chunk, b)
   spec, tile = layout.grid_specs(plan, coords)
   q_block = lambda t: chunk.first + t % nq
   noise = lambda g_, t: g_ * g + t // nq  # the noise head in the whole layer
@@ -203,10 +127,7 @@ def _backward_chunk(plan, chunk, n_rows: int, args, prev, *, widths, interpret):
   )
   in_specs, call_args = [], []
   if plan.segmented:
-    in_specs += [
-      spec((None, bq, 1), lambda b_, g_, j, t: (b_, q_block(t), 0)),
-      spec((None, 1, bk), lambda b_, g_, j, t: (b_, 0, j)),
-    ]
+    in_specs += layout.segment_specs(plan, spec, lambda g_, j, t: q_block(t), lambda g_, j, t: j)
     call_args += [q_seg, kv_seg]
   key_tile = lambda width: tile(bk, width, lambda b_, g_, j, t: (b_, g_, j))
   in_specs += [
@@ -221,14 +142,8 @@ def _backward_chunk(plan, chunk, n_rows: int, args, prev, *, widths, interpret):
     ),
   ]
   call_args += [q1, q2, *ks, v, do, stats]
-  if chunk.prev_kv_blocks:
-    last_prev = chunk.prev_kv_blocks - 1
-    # Key tiles the previous chunk did not see keep its last block (no copy).
-    prev_tile = lambda width: tile(
-      bk, width, lambda b_, g_, j, t: (b_, g_, jnp.minimum(j, last_prev))
-    )
-    in_specs += [prev_tile(d)] * n_k + [prev_tile(dv_width)]
-    call_args += list(prev[0]) + [prev[1]]
+  prev_specs, prev_args = diff_bwd.previous_partials(plan, chunk, tile, widths, n_k, prev)
+  in_specs, call_args = in_specs + prev_specs, call_args + prev_args
 
   out_kv = (ks[0].dtype, v.dtype) if chunk.final else (jnp.float32, jnp.float32)
   sp_c = nkv * bk
@@ -242,17 +157,19 @@ def _backward_chunk(plan, chunk, n_rows: int, args, prev, *, widths, interpret):
     jax.ShapeDtypeStruct(plan.shape(b, plan.heads * r, n_rows, d), q1.dtype),
     jax.ShapeDtypeStruct(plan.shape(b, plan.heads, n_rows, d), q2.dtype),
   ]
-  scratch = [
-    pltpu.VMEM((n_k, bk, d), jnp.float32),
-    pltpu.VMEM((bk, dv_width), jnp.float32),
-    pltpu.VMEM((g * r, n_rows, d), jnp.float32),
-    pltpu.VMEM((g, n_rows, d), jnp.float32),
-  ]
   itemsize = q1.dtype.itemsize
   out_item = itemsize if chunk.final else 4
-  vmem = step_vmem_bytes(
-    plan, d, dv_width, itemsize, n_k, out_item, bool(chunk.prev_kv_blocks)
-  ) + n_rows * dq_row_bytes(plan, d, itemsize)
+  vmem = diff_bwd.step_vmem_bytes(
+    bq,
+    bk,
+    d,
+    dv_width,
+    itemsize,
+    n_k,
+    out_item=out_item,
+    partials_in=bool(chunk.prev_kv_blocks),
+    r=r,
+  ) + n_rows * diff_bwd.dq_row_bytes(g, d, itemsize, r)
   visible = 0.5 if plan.causal else 1.0
   steps = b * plan.heads * nq * nkv * visible
   kv_bytes = n_k * bk * d + bk * dv_width
@@ -265,34 +182,34 @@ def _backward_chunk(plan, chunk, n_rows: int, args, prev, *, widths, interpret):
       + steps * bq * (itemsize * ((r + 1) * d + r * dv_width) + 4 * stats.shape[3])
     ),
   )
-  if plan.causal:
-    call_args = [jnp.asarray(t_steps), jnp.asarray(kv_steps)] + call_args
-  outs = pl.pallas_call(
+  outs = layout.call(
     functools.partial(_backward_kernel, plan=plan, chunk=chunk),
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2 if plan.causal else 0,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    ),
+    call_args,
+    grid=grid,
+    prefetch=prefetch,
+    in_specs=in_specs,
+    out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
-      vmem_limit_bytes=layout.vmem_limit(vmem),
-    ),
-    cost_estimate=cost,
+    scratch=[
+      pltpu.VMEM((n_k, bk, d), jnp.float32),
+      pltpu.VMEM((bk, dv_width), jnp.float32),
+      pltpu.VMEM((g * r, n_rows, d), jnp.float32),
+      pltpu.VMEM((g, n_rows, d), jnp.float32),
+    ],
+    semantics=("parallel",) + ("arbitrary",) * (len(grid) - 1),
+    vmem=vmem,
+    cost=cost,
     interpret=interpret,
     name="gda_attention_bwd",
-  )(*call_args)
+  )
   return tuple(outs[:n_k]), outs[n_k], tuple(outs[n_k + 1 :])
 
 
-def backward(plan, q1, q2, ks, v, q_seg, kv_seg, do, stats, *, widths, interpret):
+def backward(plan, qs, ks, v, q_seg, kv_seg, do, stats, *, widths, interpret):
   """Runs the backward kernel on padded head-major arrays, one call per query chunk.
 
   Args:
-    q1 [B, H, Tp, D], q2 [B, N, Tp, D], ks, v, q_seg, kv_seg, widths: as for
+    qs (q1 [B, H, Tp, D], q2 [B, N, Tp, D]), ks, v, q_seg, kv_seg, widths: as for
       :func:`diffjax.kernels.tpu._gda_forward.forward`.
     do: [B, H, Tp, Dv] output cotangent in q's dtype.
     stats: float32 lane-dense slabs [B, N, Tp / block_q, R, block_q], rows as
@@ -300,17 +217,13 @@ def backward(plan, q1, q2, ks, v, q_seg, kv_seg, do, stats, *, widths, interpret
   Returns:
     (dq1, dq2, dks, dv) over Tp query rows, in the inputs' dtypes.
   """
+  q1, q2 = qs
   ax = plan.seq_axis
   assert q1.shape[ax] == plan.q_len_padded and v.shape[ax] == plan.kv_len_padded, plan
-  rows = chunk_rows(plan, widths[0], q1.dtype.itemsize)
-  args = (q1, q2, ks, v, do, stats, q_seg, kv_seg)
-  dq_parts, prev = [], None
-  for chunk in diff_bwd.chunks(plan, rows):
-    n_rows = chunk.num_q_blocks * plan.block_q
-    dks, dv, dqs = _backward_chunk(
-      plan, chunk, n_rows, args, prev, widths=widths, interpret=interpret
-    )
-    dq_parts.append(dqs)
-    prev = (dks, dv)
-  dq1, dq2 = (jnp.concatenate(parts, axis=ax) for parts in zip(*dq_parts))
+  rows = diff_bwd.chunk_rows(plan, widths[0], q1.dtype.itemsize)
+  args = (qs, ks, v, do, stats, q_seg, kv_seg)
+  call_chunk = functools.partial(
+    _backward_chunk, plan, args=args, widths=widths, interpret=interpret
+  )
+  (dq1, dq2), dks, dv = diff_bwd.run_chunks(plan, rows, call_chunk)
   return dq1, dq2, dks, dv

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.kernels.tpu import _forward as diff_fwd
 from diffjax.kernels.tpu import _layout as layout
 
 
@@ -38,12 +39,7 @@ def _forward_kernel(*refs, plan, save_residuals: bool):
   m_ref, l_ref, acc_ref = refs  # map c < r: signal head c of the group; map r: the noise
 
   n = pl.program_id(0) % plan.heads
-
-  @pl.when(first)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+  pl.when(first)(functools.partial(layout.init_softmax, m_ref, l_ref, acc_ref))
 
   def accumulate(apply_mask: bool):
     keep = plan.mask(i, j, q_seg_ref, kv_seg_ref) if apply_mask else None
@@ -52,29 +48,14 @@ def _forward_kernel(*refs, plan, save_residuals: bool):
     k2 = k1 if plan.shared_k else k2_ref[...]
     for c in range(r + 1):
       q, k = (q1_ref[c], k1) if c < r else (q2_ref[...], k2)
-      s = layout.dot_nt(q, k) * plan.scale
-      if keep is not None:
-        s = jnp.where(keep, s, layout.MASK_VALUE)
-      m_prev = m_ref[c]
-      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_next)
-      p = jnp.exp(s - m_next)
-      l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[c] = alpha * acc_ref[c] + layout.dot_nn(p.astype(v.dtype), v)
-      m_ref[c] = m_next
+      layout.online_softmax_step(m_ref, l_ref, acc_ref, c, layout.scores(plan, q, k, keep), v)
 
   for condition, apply_mask in plan.tile_cases(i, j):
     pl.when(condition)(functools.partial(accumulate, apply_mask))
 
   @pl.when(last)
   def _finish():
-    outs, lses = [], []
-    for c in range(r + 1):
-      m, l = m_ref[c], l_ref[c]
-      seen = m > 0.5 * layout.MASK_VALUE  # the row met at least one visible key
-      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      outs.append(acc_ref[c] * inv_l)
-      lses.append(jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf))
+    outs, lses = zip(*(layout.finish_softmax(m_ref, l_ref, acc_ref, c) for c in range(r + 1)))
     for c in range(r):
       # V2: lambda rows [r, 1, bq] -> [bq, 1]; V1: one float32 per signal head in SMEM.
       lam = jnp.transpose(lam_ref[c]) if plan.lam_rows else lam_ref[n * r + c]
@@ -89,20 +70,12 @@ def _forward_kernel(*refs, plan, save_residuals: bool):
       lse_ref[...] = jnp.transpose(tile)[: r + 1]
 
 
-def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components: int, r: int):
-  """The forward's VMEM estimate for one step: both buffers of every tile (r + 1 query
-  heads, the key components, V, r + 1 output rows) and the float32 softmax states, scores
-  and probabilities."""
-  tiles = 2 * itemsize * ((r + 1) * bq * d + key_components * bk * d + bk * dv + (r + 1) * bq * dv)
-  return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
-
-
-def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool, interpret):
+def forward(plan, qs, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool, interpret):
   """Runs the forward kernel on padded head-major arrays.
 
   Args:
     plan: a grouped plan (``heads`` = N noise heads, ``signal`` = r).
-    q1 [B, H, Tp, D], q2 [B, N, Tp, D], ks (V1: k1, k2; V2: k) [B, K, Sp, D],
+    qs: q1 [B, H, Tp, D] and q2 [B, N, Tp, D]; ks (V1: k1, k2; V2: k) [B, K, Sp, D],
       v [B, K, Sp, Dv]; lam float32 [H] (V1) or lane-dense rows [B, H, Tp / block_q, 1,
       block_q] (V2); q_seg [B, Tp, 1] / kv_seg [B, 1, Sp] int32 or None.
   Returns:
@@ -110,6 +83,7 @@ def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: 
     the log-sum-exps float32 [B, N, Tp / block_q, r + 1, block_q] (rows: the r signal
     maps, then the noise map), else None, None.
   """
+  q1, q2 = qs
   ax = plan.seq_axis
   b, tp, sp = q1.shape[0], q1.shape[ax], ks[0].shape[ax]
   d, dv = widths
@@ -118,19 +92,7 @@ def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: 
   dtype = q1.dtype
   assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (q1.shape, v.shape, plan)
 
-  # Batch and noise heads share the leading parallel axis (a megacore splits it).
-  if plan.causal:
-    q_steps, kv_steps = plan.forward_steps()
-    grid = (b * n_heads, len(q_steps))
-
-    def coords(bn, step, q_ref, kv_ref):
-      return bn // n_heads, bn % n_heads, q_ref[step], layout.unpack_kv_step(kv_ref[step])[0]
-  else:
-    grid = (b * n_heads, plan.num_q_blocks, plan.num_kv_blocks)
-
-    def coords(bn, i, j):
-      return bn // n_heads, bn % n_heads, i, j
-
+  grid, coords, prefetch = layout.forward_grid(plan, b, n_heads)
   spec, tile = layout.grid_specs(plan, coords)
   signal = lambda width: spec((None, r, bq, width), lambda b_, n_, i, j: (b_, n_, i, 0))
   in_specs, args = [], []
@@ -140,10 +102,7 @@ def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: 
     in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
   args.append(lam)
   if plan.segmented:
-    in_specs += [
-      spec((None, bq, 1), lambda b_, n_, i, j: (b_, i, 0)),
-      spec((None, 1, bk), lambda b_, n_, i, j: (b_, 0, j)),
-    ]
+    in_specs += layout.segment_specs(plan, spec, lambda n_, i, j: i, lambda n_, i, j: j)
     args += [q_seg, kv_seg]
   in_specs += [signal(d), tile(bq, d, lambda b_, n_, i, j: (b_, n_, i))]
   args += [q1, q2]
@@ -162,13 +121,6 @@ def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: 
       tile(bq, dv, lambda b_, n_, i, j: (b_, n_, i)),
       spec((None, None, None, r + 1, bq), lambda b_, n_, i, j: (b_, n_, i, 0, 0)),
     ]
-  scratch = [
-    pltpu.VMEM((r + 1, bq, 1), jnp.float32),
-    pltpu.VMEM((r + 1, bq, 1), jnp.float32),
-    pltpu.VMEM((r + 1, bq, dv), jnp.float32),
-  ]
-  if plan.causal:
-    args = [jnp.asarray(q_steps), jnp.asarray(kv_steps)] + args
   visible = 0.5 if plan.causal else 1.0
   pairs = visible * b * n_heads * (r + 1) * tp * sp  # scored (query, key) pairs
   cost = pl.CostEstimate(
@@ -179,23 +131,24 @@ def forward(plan, q1, q2, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: 
       + dtype.itemsize * (sum(k.size for k in ks) + v.size) * plan.num_q_blocks * g
     ),
   )
-  outs = pl.pallas_call(
+  outs = layout.call(
     functools.partial(_forward_kernel, plan=plan, save_residuals=save_residuals),
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2 if plan.causal else 0,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=scratch,
-    ),
+    args,
+    grid=grid,
+    prefetch=prefetch,
+    in_specs=in_specs,
+    out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=pltpu.CompilerParams(
-      # The last axis carries the online softmax from step to step.
-      dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
-      vmem_limit_bytes=layout.vmem_limit(vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks), r)),
-    ),
-    cost_estimate=cost,
+    scratch=[
+      pltpu.VMEM((r + 1, bq, 1), jnp.float32),
+      pltpu.VMEM((r + 1, bq, 1), jnp.float32),
+      pltpu.VMEM((r + 1, bq, dv), jnp.float32),
+    ],
+    # The last axis carries the online softmax from step to step.
+    semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+    vmem=diff_fwd.vmem_bytes(bq, bk, d, dv, dtype.itemsize, len(ks), r),
+    cost=cost,
     interpret=interpret,
     name="gda_attention_fwd",
-  )(*args)
+  )
   return (*outs, None, None)[:3]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 # Finite stand-in for -inf: a masked score becomes this, so that exp(mask - max)
 # stays 0 for rows with a real key and a fully masked row keeps max == MASK.
@@ -40,9 +41,10 @@ class Plan:
     lam_rows: lambda varies per token (lane-dense row slabs, V2) instead of per head
       (float32 [H] in SMEM, V1).
     group: query heads per kv group, G = H // K.
-    heads, kv_heads: H (DIFF heads / V2 pairs) and K.
+    heads, kv_heads: H (DIFF heads / V2 pairs; grouped: the N noise heads) and K.
     dq_chunk: query rows per backward call (a multiple of block_q), or None to take
       the fewest calls whose dQ fits VMEM (:func:`diffjax.kernels.tpu._backward.chunk_rows`).
+    signal: grouped attention's r signal heads per noise head (1 for DIFF).
   """
 
   q_len: int
@@ -57,6 +59,7 @@ class Plan:
   heads: int
   kv_heads: int
   dq_chunk: int | None = None
+  signal: int = 1
 
   @property
   def group(self) -> int:
@@ -240,6 +243,7 @@ def make_plan(
   heads: int,
   kv_heads: int,
   dq_chunk: int | None = None,
+  signal: int = 1,
 ) -> Plan:
   """Shrinks the tiles to the sequence (16-row and 128-lane granularity)."""
   block_q = min(block_q, round_up(q_len, 16))
@@ -257,6 +261,7 @@ def make_plan(
     heads=heads,
     kv_heads=kv_heads,
     dq_chunk=dq_chunk,
+    signal=signal,
   )
 
 
@@ -318,3 +323,100 @@ def grid_specs(plan, coords):
     return plan.spec(rows, width, lambda *grid: index_map(*coords(*grid)))
 
   return spec, tile
+
+
+# Pieces of the kernels shared by DIFF and grouped attention.
+
+
+def init_softmax(m_ref, l_ref, acc_ref):
+  """Starts the online softmax states (running max, sum and output) of a query tile."""
+  m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+  acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def scores(plan, q, k, keep):
+  """The scaled scores q k^T of a tile [block_q, block_kv], masked ones at MASK_VALUE."""
+  s = dot_nt(q, k) * plan.scale
+  if keep is not None:
+    s = jnp.where(keep, s, MASK_VALUE)
+  return s
+
+
+def probs(plan, q, k, keep, lse):
+  """The softmax probabilities of a tile from its rows' log-sum-exps ``lse`` [block_q, 1];
+  masked entries and fully masked rows give 0."""
+  return jnp.exp(scores(plan, q, k, keep) - lse)
+
+
+def online_softmax_step(m_ref, l_ref, acc_ref, c: int, s, v):
+  """Adds a key tile's scores ``s`` and values ``v`` to map c's online softmax."""
+  m_prev = m_ref[c]
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+  alpha = jnp.exp(m_prev - m_next)
+  p = jnp.exp(s - m_next)
+  l_ref[c] = alpha * l_ref[c] + jnp.sum(p, axis=1, keepdims=True)
+  acc_ref[c] = alpha * acc_ref[c] + dot_nn(p.astype(v.dtype), v)
+  m_ref[c] = m_next
+
+
+def finish_softmax(m_ref, l_ref, acc_ref, c: int):
+  """Map c's normalised output [block_q, Dv] and log-sum-exp [block_q, 1]; a row that met
+  no visible key gets 0 and inf."""
+  m, l = m_ref[c], l_ref[c]
+  seen = m > 0.5 * MASK_VALUE  # the row met at least one visible key
+  inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+  out = acc_ref[c] * inv_l
+  return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+def forward_grid(plan, batch: int, heads: int):
+  """The forward's grid, block coordinates and scalar-prefetch tables.
+
+  Batch and heads share the leading parallel axis, so that a megacore chip can split it
+  between its two cores even when B == 1. A causal grid walks the visited tiles
+  (:meth:`Plan.forward_steps`); ``coords(*grid)`` gives (batch, head, query tile, key tile).
+  """
+  if plan.causal:
+    q_steps, kv_steps = plan.forward_steps()
+
+    def coords(bh, step, q_ref, kv_ref):
+      return bh // heads, bh % heads, q_ref[step], unpack_kv_step(kv_ref[step])[0]
+
+    return (batch * heads, len(q_steps)), coords, [jnp.asarray(q_steps), jnp.asarray(kv_steps)]
+
+  def coords(bh, i, j):
+    return bh // heads, bh % heads, i, j
+
+  return (batch * heads, plan.num_q_blocks, plan.num_kv_blocks), coords, []
+
+
+def segment_specs(plan, spec, q_block, kv_block):
+  """BlockSpecs of q_seg [B, Tp, 1] and kv_seg [B, 1, Sp]: the tiles of query block
+  ``q_block(*coords)`` and key block ``kv_block(*coords)``."""
+  return [
+    spec((None, plan.block_q, 1), lambda b_, *c: (b_, q_block(*c), 0)),
+    spec((None, 1, plan.block_kv), lambda b_, *c: (b_, 0, kv_block(*c))),
+  ]
+
+
+def call(kernel, args, *, grid, prefetch, in_specs, out_specs, out_shape, scratch, semantics,
+         vmem, cost, interpret, name):  # fmt: skip
+  """``pallas_call`` of ``kernel`` on ``prefetch`` (scalar-prefetch tables) and ``args``."""
+  return pl.pallas_call(
+    kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch),
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+    ),
+    out_shape=out_shape,
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=semantics, vmem_limit_bytes=vmem_limit(vmem)
+    ),
+    cost_estimate=cost,
+    interpret=interpret,
+    name=name,
+  )(*prefetch, *args)

@@ -4,6 +4,12 @@ The kernel reads K1, K2 and V of every cache row once, shares each tile between 
 maps and every query head of a kv group, reads each cache array through the view that
 matches its TPU layout (:func:`cache_view`), and leaves merging its splits and applying
 lambda to XLA. Grid, views, the two forms of a step, cache lengths: docs/kernels_tpu.md.
+
+Grouped differential attention (V1 style) runs the same kernel with the noise heads in its
+second map: map 1 holds a kv group's G = H / K signal heads (on K1), map 2 its N / K noise
+heads (on K2), padded to the G rows of map 1. Each cache tile serves every signal and noise
+head of the group; each noise map is computed once, and lambda combines it with its r
+signal heads after the splits are merged. r = 1 is the DIFF V1 decode.
 """
 
 from __future__ import annotations
@@ -390,6 +396,45 @@ def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   return out.reshape(b, 1, h, dv).astype(q1.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def _gda_decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
+  b, _, h, d = q1.shape
+  n, kh, dv = q2.shape[2], k1.shape[2], v.shape[3]
+  g, nk = h // kh, n // kh  # signal and noise heads per kv group
+  # Noise head m of group k goes to row m of the group's G rows; the rest are zeros.
+  q2_rows = jnp.pad(q2.reshape(b, 1, kh, nk, d), ((0, 0),) * 3 + ((0, g - nk), (0, 0)))
+  o = _decode_maps(
+    q1, q2_rows.reshape(b, 1, h, d), k1, k2, v, kv_len, scale=scale, blocks=blocks,
+    interpret=interpret,
+  )  # fmt: skip
+  # Signal head c of group k (c < G) takes noise row c // r of that group.
+  noise_KxGxDv = jnp.repeat(o[:, 1, :, :nk], h // n, axis=2)
+  lam_KxG = lam_H.astype(jnp.float32).reshape(kh, g)
+  out = o[:, 0] - lam_KxG[None, :, :, None] * noise_KxGxDv
+  return out.reshape(b, 1, h, dv).astype(q1.dtype)
+
+
+def _checked_decode(q1, q2, k1, k2, v, lam_H, kv_len_B, *, scale, block_sizes, interpret):
+  """The kernel's call after the op's own checks: the block sizes resolved, lambda per head
+  (grouped: q2 of fewer heads than q1)."""
+  b, _, h, d = q1.shape
+  blocks = resolve_decode_block_sizes(
+    block_sizes, head_dim=d, value_dim=v.shape[3], kv_heads=k1.shape[2], itemsize=k1.dtype.itemsize
+  )
+  return (_decode if q2.shape[2] == h else _gda_decode)(
+    q1,
+    q2,
+    k1,
+    k2,
+    v,
+    jnp.broadcast_to(lam_H, (h,)),
+    jnp.asarray(kv_len_B),
+    scale=_v.default_scale(scale, d),
+    blocks=blocks,
+    interpret=interpret_mode(interpret),
+  )
+
+
 def diff_v1_decode_pallas_tpu(
   q1_Bx1xHxD: jax.Array,
   q2_Bx1xHxD: jax.Array,
@@ -421,24 +466,40 @@ def diff_v1_decode_pallas_tpu(
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
   _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_tpu", wider="diff_v1_pallas_tpu")
-  b, _, h, d = q1_Bx1xHxD.shape
-  kv_len_B = jnp.asarray(kv_len_B)
-  blocks = resolve_decode_block_sizes(
-    block_sizes,
-    head_dim=d,
-    value_dim=v_BxSxKxDv.shape[3],
-    kv_heads=k1_BxSxKxD.shape[2],
-    itemsize=k1_BxSxKxD.dtype.itemsize,
-  )
-  return _decode(
-    q1_Bx1xHxD,
-    q2_Bx1xHxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    jnp.broadcast_to(lam_H, (h,)),
-    kv_len_B,
-    scale=_v.default_scale(scale, d),
-    blocks=blocks,
-    interpret=interpret_mode(interpret),
-  )
+  return _checked_decode(
+    q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    scale=scale, block_sizes=block_sizes, interpret=interpret,
+  )  # fmt: skip
+
+
+def gda_v1_decode_pallas_tpu(
+  q1_Bx1xHxD: jax.Array,
+  q2_Bx1xNxD: jax.Array,
+  k1_BxSxKxD: jax.Array,
+  k2_BxSxKxD: jax.Array,
+  v_BxSxKxDv: jax.Array,
+  lam_H: jax.Array | float,
+  kv_len_B: jax.Array,
+  *,
+  scale: float | None = None,
+  block_sizes: DecodeBlockSizes | dict | None = None,
+  interpret: Interpret = False,
+) -> jax.Array:
+  """Grouped differential attention (V1 style) of one new token per sequence against a KV
+  cache, on a TPU.
+
+  Args:
+    q1_Bx1xHxD: the new token's H signal query heads; q2_Bx1xNxD: its N = H / r noise
+      heads (noise head n serves signal heads n r .. n r + r - 1); N a multiple of K.
+    k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B, scale, block_sizes, interpret:
+      as :func:`diff_v1_decode_pallas_tpu`.
+  Returns:
+    [B, 1, H, Dv] in the dtype of q1; a row with ``kv_len == 0`` is zero. No gradient.
+  """
+  lam_H = jnp.asarray(lam_H)
+  _v.check_gda_v1(q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
+  _v.check_decode(q1_Bx1xHxD, kv_len_B, "gda_v1_decode_pallas_tpu", wider="gda_v1_pallas_tpu")
+  return _checked_decode(
+    q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    scale=scale, block_sizes=block_sizes, interpret=interpret,
+  )  # fmt: skip

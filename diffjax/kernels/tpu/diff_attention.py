@@ -21,7 +21,14 @@ from diffjax.kernels.tpu._core import Interpret, diff_core, make_config
 from diffjax.kernels.tpu.block_sizes import BlockSizes
 
 
-def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
+def call_config(
+  q, k, v, heads: int, *, shared_k: bool, q_segment_ids, kv_segment_ids, signal: int = 1, **kw
+):
+  """Checks the segment ids and gives the plans of a call of queries q [B, T, ., D] against
+  keys k [B, S, K, D] and values v [B, S, K, Dv] (V1: k1; V2 and its grouped form:
+  ``shared_k``, lambda per row). ``kw``: causal, scale, block_sizes and interpret."""
+  b, t, _, d = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError(
       "Pass both q_segment_ids and kv_segment_ids, or neither; got "
@@ -30,6 +37,19 @@ def _check_segments(q_segment_ids, kv_segment_ids, b, t, s):
     )
   if q_segment_ids is not None:
     _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
+  return make_config(
+    t=t,
+    s=s,
+    d=d,
+    dv=v.shape[-1],
+    h=heads,
+    kv_heads=kv_heads,
+    segmented=q_segment_ids is not None,
+    shared_k=shared_k,
+    lam_rows=shared_k,
+    signal=signal,
+    **kw,
+  )
 
 
 def diff_v1_pallas_tpu(
@@ -65,22 +85,18 @@ def diff_v1_pallas_tpu(
   """
   lam = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  b, t, h, d = q1_BxTxHxD.shape
-  s, kv_heads = k1_BxSxKxD.shape[1], k1_BxSxKxD.shape[2]
-  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = make_config(
-    t=t,
-    s=s,
-    d=d,
-    dv=v_BxSxKxDv.shape[-1],
-    h=h,
-    kv_heads=kv_heads,
+  h = q1_BxTxHxD.shape[2]
+  cfg = call_config(
+    q1_BxTxHxD,
+    k1_BxSxKxD,
+    v_BxSxKxDv,
+    h,
+    shared_k=False,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
     causal=causal,
-    segmented=q_segment_ids is not None,
     scale=scale,
     block_sizes=block_sizes,
-    shared_k=False,
-    lam_rows=False,
     interpret=interpret,
   )
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
@@ -134,22 +150,17 @@ def diff_v2_pallas_tpu(
     [B, T, H, Dv]: ``softmax(q_2i K^T s) V - lam_i softmax(q_2i+1 K^T s) V`` in q's dtype.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, qh, d = q_BxTxQxD.shape
-  s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
-  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = make_config(
-    t=t,
-    s=s,
-    d=d,
-    dv=v_BxSxKxD.shape[-1],
-    h=qh // 2,
-    kv_heads=kv_heads,
+  cfg = call_config(
+    q_BxTxQxD,
+    k_BxSxKxD,
+    v_BxSxKxD,
+    q_BxTxQxD.shape[2] // 2,
+    shared_k=True,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
     causal=causal,
-    segmented=q_segment_ids is not None,
     scale=scale,
     block_sizes=block_sizes,
-    shared_k=True,
-    lam_rows=True,
     interpret=interpret,
   )
   return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids)

@@ -20,7 +20,6 @@ bitwise DIFF V1 / V2.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -29,162 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu import _gda_backward as bwd_kernel
-from diffjax.kernels.tpu import _gda_forward as fwd_kernel
-from diffjax.kernels.tpu import _layout as layout
-from diffjax.kernels.tpu._core import (
-  CoreConfig,
-  Interpret,
-  _pad_axis,
-  _prepare,
-  _slice_axis,
-  interpret_mode,
-)
-from diffjax.kernels.tpu.block_sizes import BlockSizes, resolve_block_sizes
-from diffjax.kernels.tpu.diff_attention import (
-  _check_segments,
-  diff_v1_pallas_tpu,
-  diff_v2_pallas_tpu,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedPlan(layout.Plan):
-  """A :class:`~diffjax.kernels.tpu._layout.Plan` whose heads are the N noise heads, each
-  with ``signal`` = r signal heads (``group``: noise heads per kv group)."""
-
-  signal: int = 1
-
-
-def _config(*, t, s, d, dv, h, n, kv_heads, causal, segmented, scale, block_sizes, shared_k,
-            lam_rows, interpret) -> CoreConfig:  # fmt: skip
-  bs = resolve_block_sizes(block_sizes, d)
-  common = dict(
-    q_len=t,
-    kv_len=s,
-    causal=bool(causal),
-    segmented=segmented,
-    scale=float(_v.default_scale(scale, d)),
-    shared_k=shared_k,
-    lam_rows=lam_rows,
-    heads=n,
-    kv_heads=kv_heads,
-  )
-
-  def plan(block_q, block_kv, **kw):
-    base = layout.make_plan(block_q=block_q, block_kv=block_kv, **common, **kw)
-    return GroupedPlan(**vars(base), signal=h // n)
-
-  return CoreConfig(
-    fwd=plan(bs.block_q, bs.block_kv),
-    bwd=plan(bs.block_q_bwd, bs.block_kv_bwd, dq_chunk=bs.dq_chunk),
-    interpret=interpret_mode(interpret),
-    widths=(d, dv),
-  )
-
-
-def _lam_rows(lam, b: int, h: int, t: int):
-  """lambda per signal head and row, float32 [B, H, T] (V1 broadcasts its [H])."""
-  lam = lam.astype(jnp.float32)
-  return lam if lam.ndim == 3 else jnp.broadcast_to(lam[None, :, None], (b, h, t))
-
-
-def _forward(cfg: CoreConfig, q1, q2, ks, v, lam, q_seg, kv_seg, save_residuals: bool):
-  plan = cfg.fwd
-  t = q1.shape[plan.seq_axis]
-  (q1p, q2p), kp, vp, q_seg_p, kv_seg_p = _prepare(plan, (q1, q2), ks, v, q_seg, kv_seg)
-  lam_in = (
-    layout.rows_to_tiles(lam.astype(jnp.float32)[:, :, None], plan.block_q, plan.q_len_padded)
-    if plan.lam_rows
-    else lam.astype(jnp.float32)
-  )
-  out, o2, lse = fwd_kernel.forward(
-    plan,
-    q1p,
-    q2p,
-    kp,
-    vp,
-    lam_in,
-    q_seg_p,
-    kv_seg_p,
-    widths=cfg.widths,
-    save_residuals=save_residuals,
-    interpret=cfg.interpret,
-  )
-  out = _slice_axis(out, plan.seq_axis, t)
-  if not save_residuals:
-    return out, None, None
-  return out, _slice_axis(o2, plan.seq_axis, t), lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gda_core(cfg: CoreConfig, q1, q2, ks, v, lam, q_seg, kv_seg):
-  """Grouped differential attention on head-major arrays.
-
-  Args:
-    cfg: plans of :class:`GroupedPlan`, the interpreter setting and the head widths.
-    q1 [B, H, T, D], q2 [B, N, T, D]; ks (V1: k1, k2; V2: k) [B, K, S, D]; v [B, K, S, Dv];
-    lam float32 [H] (V1) or [B, H, T] (V2); q_seg, kv_seg int [B, T] and [B, S], or None.
-  Returns:
-    [B, H, T, Dv] in q1's dtype.
-  """
-  return _forward(cfg, q1, q2, ks, v, lam, q_seg, kv_seg, save_residuals=False)[0]
-
-
-def _gda_core_fwd(cfg, q1, q2, ks, v, lam, q_seg, kv_seg):
-  out, o2, lse = _forward(cfg, q1, q2, ks, v, lam, q_seg, kv_seg, save_residuals=True)
-  return out, (q1, q2, ks, v, lam, q_seg, kv_seg, out, o2, lse)
-
-
-def _gda_core_bwd(cfg, residuals, d_out):
-  q1, q2, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
-  plan = cfg.bwd
-  ax = plan.seq_axis
-  b, h, t, dv = d_out.shape
-  n, r, s = q2.shape[1], plan.signal, ks[0].shape[ax]
-  f32 = lambda x: x.astype(jnp.float32)
-  lam_BxNxRxT = _lam_rows(lam, b, h, t).reshape(b, n, r, t)
-  do_BxNxRxTxDv = f32(d_out).reshape(b, n, r, t, dv)
-  # Softmax-backward row terms: D2_c = rowsum(dO_c * O2) against the group's one noise
-  # output; O1_c = out_c + lam_c O2 gives D1_c.
-  d2 = jnp.sum(do_BxNxRxTxDv * f32(o2)[:, :, None], axis=-1)
-  d1 = jnp.sum(do_BxNxRxTxDv * f32(out).reshape(b, n, r, t, dv), axis=-1) + lam_BxNxRxT * d2
-  d_lam = jnp.sum(lam_BxNxRxT * d2, axis=2, keepdims=True)
-  rows_of = bwd_kernel.stat_rows(r)
-  parts = [layout.tiles_to_rows(lse, t), d1, d_lam, lam_BxNxRxT]
-  pad = rows_of["rows"] - rows_of["lam"] - r
-  stats = jnp.concatenate(parts + [jnp.zeros((b, n, pad, t), jnp.float32)], axis=2)
-  (q1p, q2p), kp, vp, q_seg_p, kv_seg_p = _prepare(plan, (q1, q2), ks, v, q_seg, kv_seg)
-  tp = plan.q_len_padded
-  dq1, dq2, dks, dv_ = bwd_kernel.backward(
-    plan,
-    q1p,
-    q2p,
-    kp,
-    vp,
-    q_seg_p,
-    kv_seg_p,
-    _pad_axis(d_out, ax, tp),
-    layout.rows_to_tiles(stats, plan.block_q, tp),
-    widths=cfg.widths,
-    interpret=cfg.interpret,
-  )
-  # d out_c / d lam_c = -O2: d lam = -rowsum(dO_c * O2) per row (summed for V1).
-  dlam = -d2.reshape(b, h, t)
-  if lam.ndim == 1:
-    dlam = jnp.sum(dlam, axis=(0, 2))
-  return (
-    _slice_axis(dq1, ax, t),
-    _slice_axis(dq2, ax, t),
-    tuple(_slice_axis(dk, ax, s) for dk in dks),
-    _slice_axis(dv_, ax, s),
-    dlam.astype(lam.dtype),
-    None,
-    None,
-  )
-
-
-gda_core.defvjp(_gda_core_fwd, _gda_core_bwd)
+from diffjax.kernels.tpu._core import Interpret, diff_core
+from diffjax.kernels.tpu.block_sizes import BlockSizes
+from diffjax.kernels.tpu.diff_attention import call_config, diff_v1_pallas_tpu, diff_v2_pallas_tpu
 
 
 def gda_v1_pallas_tpu(
@@ -216,7 +62,7 @@ def gda_v1_pallas_tpu(
   """
   lam = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  b, t, h, d = q1_BxTxHxD.shape
+  h = q1_BxTxHxD.shape[2]
   n = q2_BxTxNxD.shape[2]
   kw = dict(
     causal=causal,
@@ -230,24 +76,7 @@ def gda_v1_pallas_tpu(
     return diff_v1_pallas_tpu(
       q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, **kw
     )
-  s, kv_heads = k1_BxSxKxD.shape[1:3]
-  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(
-    t=t,
-    s=s,
-    d=d,
-    dv=v_BxSxKxDv.shape[-1],
-    h=h,
-    n=n,
-    kv_heads=kv_heads,
-    causal=causal,
-    segmented=q_segment_ids is not None,
-    scale=scale,
-    block_sizes=block_sizes,
-    shared_k=False,
-    lam_rows=False,
-    interpret=interpret,
-  )
+  cfg = call_config(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, n, shared_k=False, signal=h // n, **kw)
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
   return _gda_v1(
     cfg,
@@ -265,7 +94,9 @@ def gda_v1_pallas_tpu(
 @functools.partial(jax.jit, static_argnums=(0,))
 def _gda_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
   heads = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, D] <-> [B, N, T, D]
-  out = gda_core(cfg, heads(q1), heads(q2), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg)
+  out = diff_core(
+    cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg
+  )
   return heads(out)
 
 
@@ -307,24 +138,7 @@ def gda_v2_pallas_tpu(
   if n == h:  # DIFF V2 takes the pairs as heads 2i, 2i + 1 of one array
     q = jnp.stack([q1_BxTxHxD, q2_BxTxNxD], axis=3).reshape(b, t, 2 * h, d)
     return diff_v2_pallas_tpu(q, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, **kw)
-  s, kv_heads = k_BxSxKxD.shape[1:3]
-  _check_segments(q_segment_ids, kv_segment_ids, b, t, s)
-  cfg = _config(
-    t=t,
-    s=s,
-    d=d,
-    dv=v_BxSxKxD.shape[-1],
-    h=h,
-    n=n,
-    kv_heads=kv_heads,
-    causal=causal,
-    segmented=q_segment_ids is not None,
-    scale=scale,
-    block_sizes=block_sizes,
-    shared_k=True,
-    lam_rows=True,
-    interpret=interpret,
-  )
+  cfg = call_config(q1_BxTxHxD, k_BxSxKxD, v_BxSxKxD, n, shared_k=True, signal=h // n, **kw)
   return _gda_v2(
     cfg, q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids
   )
@@ -334,5 +148,5 @@ def gda_v2_pallas_tpu(
 def _gda_v2(cfg, q1, q2, k, v, lam, q_seg, kv_seg):
   heads = lambda x: x.transpose(0, 2, 1, 3)
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
-  out = gda_core(cfg, heads(q1), heads(q2), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
+  out = diff_core(cfg, (heads(q1), heads(q2)), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
   return heads(out)
