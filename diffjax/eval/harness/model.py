@@ -37,6 +37,7 @@ DEFAULT_MAX_BATCH_SIZE = 64
 # Generation options this model reads, after lm-eval's own normalisation (which maps
 # max_new_tokens, max_tokens and max_completion_tokens to max_gen_toks).
 _GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+_MAX_TOKEN_ALIASES = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 # Options lm-eval's hf model passes on to transformers, accepted at the value that changes
 # nothing (one greedy or sampled sequence).
 _GEN_NO_OPS = {"num_beams": 1, "repetition_penalty": 1.0, "num_return_sequences": 1}
@@ -66,9 +67,6 @@ def generation_options(gen_kwargs: dict[str, Any], task: str | None = None) -> d
       "generation_kwargs or from --gen_kwargs."
     )
   return options
-
-
-_MAX_TOKEN_ALIASES = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
 
 def _load(
