@@ -102,7 +102,8 @@ class DiffjaxLM(TemplateLM):
   """A diffjax model as an lm-eval ``TemplateLM`` (registered as ``"diffjax"``).
 
   Give one of ``workdir`` (a ``train.py`` run: its newest good checkpoint, or ``step``, and
-  its tokenizer), ``hf_dir`` (an HF Llama/DiffLlama directory, its ``tokenizer.json``) or
+  its tokenizer), ``hf_dir`` (an HF Llama/DiffLlama directory, its tokenizer files and
+  ``max_position_embeddings``, as an export writes them) or
   ``model`` with ``tokenizer``.
 
   Args:
