@@ -19,7 +19,13 @@ import numpy as np
 from flax import nnx
 
 from diffjax.convert import motif, tokenizer_files
-from diffjax.convert.files import ConversionError, read_config, read_tensors, write_checkpoint
+from diffjax.convert.files import (
+  ConversionError,
+  read_config,
+  read_tensors,
+  write_checkpoint,
+  write_json_file,
+)
 from diffjax.convert.hf_config import (
   DEFAULT_MAX_POSITIONS,
   hf_config_from_model,
@@ -179,7 +185,7 @@ def save_hf(
         directory, tokenizer, model_max_length=max_position_embeddings
       )
     if ids["eos_token_id"] is not None and tokenizer_files.GENERATION_CONFIG not in names:
-      write_json(
+      write_json_file(
         os.path.join(directory, tokenizer_files.GENERATION_CONFIG),
         tokenizer_files.generation_config(ids),
       )

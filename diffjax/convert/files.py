@@ -194,9 +194,9 @@ def write_checkpoint(
         },
         "weight_map": dict(sorted(weight_map.items())),
       }
-      _write_json(os.path.join(tmp, INDEX_FILE), index)
+      write_json_file(os.path.join(tmp, INDEX_FILE), index)
       names.append(INDEX_FILE)
-    _write_json(os.path.join(tmp, CONFIG_FILE), config)
+    write_json_file(os.path.join(tmp, CONFIG_FILE), config)
     names.append(CONFIG_FILE)
     if extra is not None:
       names.extend(extra(tmp))
@@ -209,7 +209,8 @@ def write_checkpoint(
   return sorted(names)
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json_file(path: str, obj: Any) -> None:
+  """A JSON file of a checkpoint directory, as transformers writes them (sorted keys, indent 2)."""
   with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
+    json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
     f.write("\n")

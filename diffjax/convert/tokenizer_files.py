@@ -25,6 +25,7 @@ import json
 import os
 from typing import Any
 
+from diffjax.convert.files import write_json_file
 from diffjax.data import Tokenizer
 from diffjax.data.tokenizers import (
   ByteTokenizer,
@@ -145,7 +146,7 @@ def write_tokenizer_files(
   }
   written = []
   if isinstance(tokenizer, ByteTokenizer):
-    _write_json(os.path.join(directory, TOKENIZER_JSON), byte_tokenizer_json())
+    write_json_file(os.path.join(directory, TOKENIZER_JSON), byte_tokenizer_json())
     eos, pad = EOS_TOKEN, PAD_TOKEN
     config.update(tokenizer_class="PreTrainedTokenizerFast", **{MARKER: "byte"})
     written.append(TOKENIZER_JSON)
@@ -166,8 +167,8 @@ def write_tokenizer_files(
       f"tokenizer {tokenizer!r} has no transformers form here: export with --tokenizer=none."
     )
   config.update(eos_token=eos, pad_token=pad)
-  _write_json(os.path.join(directory, TOKENIZER_CONFIG), config)
-  _write_json(os.path.join(directory, SPECIAL_TOKENS_MAP), {"eos_token": eos, "pad_token": pad})
+  write_json_file(os.path.join(directory, TOKENIZER_CONFIG), config)
+  write_json_file(os.path.join(directory, SPECIAL_TOKENS_MAP), {"eos_token": eos, "pad_token": pad})
   return written + [TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP]
 
 
@@ -186,9 +187,3 @@ def tokenizer_spec(directory: str) -> str | None:
     if os.path.isfile(os.path.join(directory, name)):
       return os.path.join(directory, name)
   return None
-
-
-def _write_json(path: str, obj: Any) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
-    f.write("\n")
