@@ -23,6 +23,12 @@ _LIBRARY_NOISE = re.compile(
 )
 
 
+# The outer limit of a wait on another process. A test waits for an event (a file written,
+# a line printed, a process ended), never for a wall-clock budget: on a loaded 2-core machine
+# a fresh Python takes many times longer to import the package than on an idle one.
+WAIT_LIMIT_S = 900
+
+
 def own_stderr(text: str) -> list[str]:
   """The lines of ``text`` (a child's stderr) that the libraries' start-up notices are not."""
   return [line for line in text.splitlines() if not _LIBRARY_NOISE.match(line)]
@@ -76,7 +82,7 @@ def write_bpe_tokenizer(path, special_tokens=("</s>",), texts=None, vocab_size=3
   return tok
 
 
-def run_python(code: str, timeout: int = 300) -> str:
+def run_python(code: str, timeout: int = WAIT_LIMIT_S) -> str:
   """Runs ``code`` in a fresh CPU-only Python from the repository root, with these helpers
   importable (so ``import tests.<area>.test_x`` works); returns its stdout's last line."""
   env = dict(
@@ -89,3 +95,27 @@ def run_python(code: str, timeout: int = 300) -> str:
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout.strip().splitlines()[-1]
+
+
+def wait_until(condition, what: str, procs=(), limit_s: float = WAIT_LIMIT_S, poll_s: float = 0.1):
+  """Returns once ``condition()`` is true; fails naming ``what`` if one of ``procs`` (Popen
+  objects that must stay alive meanwhile) ends first, or after ``limit_s`` seconds."""
+  import time  # pylint: disable=import-outside-toplevel
+
+  start = time.monotonic()
+  while not condition():
+    for proc in procs:
+      if proc.poll() is not None:
+        raise AssertionError(f"{what}: the process ended first, with status {proc.returncode}")
+    if time.monotonic() - start > limit_s:
+      raise AssertionError(f"{what}: not within {limit_s:.0f} s")
+    time.sleep(poll_s)
+
+
+def write_atomically(path: str, text: str) -> str:
+  """Python source (one line) that writes ``text`` to ``path`` whole: a temporary file, then a
+  rename, so a reader never sees it half-written. For children's code strings."""
+  return (
+    f"import os as _o; _p = {str(path)!r}; open(_p + '.tmp', 'w').write({text}); "
+    "_o.replace(_p + '.tmp', _p)"
+  )

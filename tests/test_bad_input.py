@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, own_stderr
+from helpers import REPO, WAIT_LIMIT_S, own_stderr
+
+pytestmark = pytest.mark.integration
 
 # (id, arguments after ``python``, what the line must name: the value, then the fix).
 # ``{tmp}`` is a fresh directory; nothing there exists unless a case makes it.
@@ -104,7 +106,7 @@ def _run(args: list[str], tmp) -> subprocess.CompletedProcess:
     text=True,
     cwd=REPO,
     env=env,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
   )
 
 

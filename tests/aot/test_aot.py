@@ -13,6 +13,8 @@ from diffjax.kernels.gpu import targets
 from diffjax.presets import load_config
 from diffjax.train.config import RunConfig
 
+pytestmark = pytest.mark.integration
+
 _HAS_LIBTPU = True
 try:
   import libtpu  # noqa: F401  pylint: disable=unused-import

@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import REPO, read_metrics
+from helpers import REPO, WAIT_LIMIT_S, read_metrics
 
 import diffjax
 from diffjax import arms
@@ -48,6 +48,8 @@ CONFIG = """
 import toy_arm  # registers the arm
 from diffjax.presets import base_config
 
+pytestmark = pytest.mark.integration
+
 
 def get_config():
   c = base_config()
@@ -63,7 +65,7 @@ def get_config():
 """
 
 
-def _run(args, env, timeout=300):
+def _run(args, env, timeout=WAIT_LIMIT_S):
   return subprocess.run(
     [sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
   )

@@ -7,10 +7,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import REPO
+from helpers import REPO, WAIT_LIMIT_S, wait_until
 
 from diffjax import compare
 from diffjax.model import resolve_model
@@ -18,9 +17,12 @@ from diffjax.presets import base_config, load_config
 from diffjax.train.config import RunConfig
 
 # ml_collections loads config files with importlib's deprecated load_module().
-pytestmark = pytest.mark.filterwarnings(
-  "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
-)
+pytestmark = [
+  pytest.mark.integration,
+  pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
+  ),
+]
 
 ARMS = ("transformer", "diff_v1")
 SEEDS = (0, 1)
@@ -53,7 +55,7 @@ def get_config():
 """
 
 
-def _cli(config_path, workdir, *extra, timeout=600):
+def _cli(config_path, workdir, *extra, timeout=WAIT_LIMIT_S):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run(
     [
@@ -283,12 +285,13 @@ def test_sigterm_stops_parallel_workers_after_they_save(tmp_path):
     text=True,
   )
   metrics = [_run_dir(workdir, a, 0) / "metrics.jsonl" for a in ARMS]
-  deadline = time.time() + 300
-  while not all(m.exists() and m.stat().st_size > 0 for m in metrics):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()
-    time.sleep(0.5)
+  wait_until(
+    lambda: all(m.exists() and m.stat().st_size > 0 for m in metrics),
+    "both workers' first metrics",
+    procs=[proc],
+  )
   proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=300)
+  out, err = proc.communicate(timeout=WAIT_LIMIT_S)
   assert proc.returncode == 75, out[-3000:] + err[-3000:]
   assert "rerun the same command to continue" in err
   for arm in ARMS:
@@ -509,7 +512,9 @@ def test_help_prints_usage_and_exits_zero(capsys):
 
 
 def test_module_entry_point_reports_unknown_arm(tmp_path):
-  r = _cli(f"{REPO}/configs/compare/tiny.py", tmp_path / "wd", "--config.arms=gpt", timeout=120)
+  r = _cli(
+    f"{REPO}/configs/compare/tiny.py", tmp_path / "wd", "--config.arms=gpt", timeout=WAIT_LIMIT_S
+  )
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].startswith("error: Unknown arm(s) ['gpt']"), r.stderr
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, own_stderr, tiny_config
+from helpers import REPO, WAIT_LIMIT_S, own_stderr, tiny_config
 
 EXIT_INTERRUPTED = 130
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -18,6 +18,8 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 CONFIG = """
 from diffjax.compare import comparison_config
 from diffjax.presets import base_config
+
+pytestmark = pytest.mark.integration
 
 
 def get_config():
@@ -63,7 +65,7 @@ def _signal_when(argv, line_part, signum, cwd):
     if line_part in line:
       proc.send_signal(signum)
       break
-  out, _ = proc.communicate(timeout=300)
+  out, _ = proc.communicate(timeout=WAIT_LIMIT_S)
   return proc.returncode, "".join(seen) + out
 
 
@@ -86,7 +88,12 @@ def test_a_signal_while_the_comparison_evaluates_is_one_line_and_status_130(tmp_
   assert not (tmp_path / "w" / "report.md").exists()
   if signum == signal.SIGINT:  # the rerun keeps the trained run and finishes the comparison
     again = subprocess.run(
-      [sys.executable, *argv], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300
+      [sys.executable, *argv],
+      capture_output=True,
+      text=True,
+      env=ENV,
+      cwd=REPO,
+      timeout=WAIT_LIMIT_S,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "finished earlier at step 2: skipping training" in again.stdout, again.stdout[-2000:]

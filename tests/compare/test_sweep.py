@@ -13,9 +13,12 @@ from diffjax.compare.config import run_config, sweep_points
 from diffjax.model import count_params, resolve_model
 from diffjax.presets import base_config, load_config
 
-pytestmark = pytest.mark.filterwarnings(
-  "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
-)
+pytestmark = [
+  pytest.mark.integration,
+  pytest.mark.filterwarnings(
+    "ignore:the load_module\\(\\) method is deprecated:DeprecationWarning"
+  ),
+]
 
 
 def _mini(values=(3e-3, 1e30), max_skipped=3):

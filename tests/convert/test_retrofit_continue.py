@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, own_stderr, tiny_config
+from helpers import REPO, WAIT_LIMIT_S, own_stderr, tiny_config
 
 from diffjax.convert.command import main as convert_main
 from diffjax.train import train_and_evaluate
 from diffjax.train.integrity import CheckpointError
+
+pytestmark = pytest.mark.integration
 
 # Not the defaults (interleaved, 10000, 1e-5): the printed command must carry them.
 SOURCE_MODEL = dict(rope_style="half", rope_theta=2000.0, norm_eps=1e-6)
@@ -56,7 +58,7 @@ def _run_printed(command: str, cwd) -> subprocess.CompletedProcess:
     text=True,
     cwd=cwd,
     env=env,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
   )
 
 
@@ -125,7 +127,7 @@ def test_the_refusal_is_one_error_line_in_train_py(source, tmp_path, capsys):
     text=True,
     cwd=REPO,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    timeout=240,
+    timeout=WAIT_LIMIT_S,
   )
   lines = [line for line in own_stderr(r.stderr) if line.strip()]
   assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import WAIT_LIMIT_S
 
 from diffjax.data import ByteTokenizer, DocumentSource
 from diffjax.data.tasks import (
@@ -97,7 +98,7 @@ def test_training_with_a_task_mix_does_not_import_the_evaluation_package():
     [sys.executable, "-c", code],
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   assert r.returncode == 0, r.stderr[-2000:]

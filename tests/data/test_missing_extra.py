@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, own_stderr, tiny_config, write_bpe_tokenizer  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, own_stderr, tiny_config, write_bpe_tokenizer  # noqa: E402
 
 from diffjax.errors import MissingExtra, import_extra
 
@@ -31,7 +31,7 @@ def _without_tokenizers(argv, module=None, path=None):
     text=True,
     cwd=REPO,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    timeout=180,
+    timeout=WAIT_LIMIT_S,
   )
 
 

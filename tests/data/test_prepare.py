@@ -225,6 +225,7 @@ def test_paper_configs_need_both_paths():
       DataConfig.from_dict(c.data)
 
 
+@pytest.mark.integration
 def test_train_on_prepared_stdlib_resumes_exactly(tmp_path):
   from helpers import read_metrics, tiny_config  # pylint: disable=import-outside-toplevel
 

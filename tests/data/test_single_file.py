@@ -45,6 +45,7 @@ def _text_config(path):
   return c
 
 
+@pytest.mark.integration
 def test_a_single_text_file_trains(tmp_path):
   book = tmp_path / "book.txt"
   paragraph = "".join(f"line {i} of a paragraph of the book\n" for i in range(20))

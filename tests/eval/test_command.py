@@ -5,6 +5,7 @@ for the EvalConfig fields, ``--help``, and one ``error:`` line with status 2 for
 from __future__ import annotations
 
 import pytest
+from helpers import WAIT_LIMIT_S
 
 from diffjax.eval import command
 from diffjax.eval.config import EvalConfig
@@ -80,6 +81,7 @@ def test_field_values_are_python_literals_and_lists_become_tuples():
   EvalConfig.quick(64, **got)  # what the command builds from them
 
 
+@pytest.mark.integration
 def test_a_step_the_run_lacks_is_one_error_line_with_status_2(tmp_path):
   """In a fresh process: the exit status and the whole stderr, not only the first line."""
   import os  # pylint: disable=import-outside-toplevel
@@ -98,7 +100,7 @@ def test_a_step_the_run_lacks_is_one_error_line_with_status_2(tmp_path):
     text=True,
     cwd=REPO,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    timeout=120,
+    timeout=WAIT_LIMIT_S,
   )
   lines = [line for line in own_stderr(r.stderr) if line.strip()]
   assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])

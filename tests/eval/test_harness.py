@@ -23,7 +23,7 @@ from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 
-from helpers import REPO, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -409,6 +409,7 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
     lm.generate_texts(contexts, num_beams=4)
 
 
+@pytest.mark.integration
 def test_a_task_without_local_data_fails_fast_naming_its_dataset(tmp_path):
   """In a fresh process, as a user runs it: no download is tried, the line names the dataset."""
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -441,7 +442,7 @@ def test_a_task_without_local_data_fails_fast_naming_its_dataset(tmp_path):
     text=True,
     cwd=REPO,
     env=dict(env, JAX_PLATFORMS="cpu", HF_DATASETS_CACHE=str(tmp_path / "cache")),
-    timeout=120,
+    timeout=WAIT_LIMIT_S,
   )
   err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
   assert r.returncode == 2 and len(err) == 1, (r.returncode, r.stderr[-3000:])
@@ -561,6 +562,7 @@ def _samples(directory, task):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.integration
 def test_output_path_samples_gen_kwargs_auto_batch_and_the_answer_cache(
   trained_workdir, tmp_path, capsys, monkeypatch
 ):

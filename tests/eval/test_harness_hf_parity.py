@@ -19,7 +19,7 @@ pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 for _module in ("torch", "transformers", "accelerate"):
   pytest.importorskip(_module, reason="lm-eval's hf model needs torch, transformers, accelerate")
 
-from helpers import REPO, tiny_config  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, tiny_config  # noqa: E402
 
 from diffjax.convert.command import main as convert_main  # noqa: E402
 from diffjax.eval.harness import command as harness_command  # noqa: E402
@@ -76,7 +76,7 @@ def test_lm_eval_hf_on_the_export_equals_the_harness_on_the_run(arm, tmp_path, m
     text=True,
     cwd=REPO,
     env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="0"),
-    timeout=600,
+    timeout=WAIT_LIMIT_S,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   mine, theirs = _samples(tmp_path / "ours"), _samples(tmp_path / "theirs")

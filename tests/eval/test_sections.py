@@ -90,6 +90,7 @@ def _batches(seed: int = 0) -> list[np.ndarray]:
   return [rng.integers(0, VOCAB, (2, 17)) for _ in range(2)]
 
 
+@pytest.mark.integration
 def test_a_registered_section_runs_reports_scalars_and_reads_in_the_json(toy):
   model = _model("diff_v1")
   cfg = EvalConfig(sections=("validation", "toy"), val_batches=1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO, own_stderr, run_python
+from helpers import REPO, WAIT_LIMIT_S, own_stderr, run_python
 from kernel_checks import rel_err as _rel_err
 
 from diffjax.generation import SamplingOptions, generate, top_k_filter, top_p_filter
@@ -220,6 +220,7 @@ def test_prompt_longer_than_the_cache_is_one_clear_error():
     generate(_model("transformer"), [list(range(20))], max_length=16)
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_path, capsys):
   from diffjax.generation.command import main  # pylint: disable=import-outside-toplevel
 
@@ -237,7 +238,7 @@ def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_
     text=True,
     env={**os.environ, "JAX_PLATFORMS": "cpu"},
     cwd=REPO,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
   )
   assert r.returncode == 2 and len(own_stderr(r.stderr)) == 1, r.stderr
   assert "is not a directory" in r.stderr and str(missing) in r.stderr and not missing.exists()

@@ -101,6 +101,7 @@ def test_kernel_gradients_match_xla_for_every_parameter(arm):
     assert np.all(np.isfinite(leaf)) and np.max(np.abs(leaf)) > 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
 def test_a_kernel_with_a_doubled_dk_fails_the_gradient_check(arm, monkeypatch):
   (row,) = [r for r in dispatch.rows(arm) if r.name == "pallas_tpu"]

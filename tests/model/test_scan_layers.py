@@ -200,6 +200,7 @@ def _batch(seed: int) -> dict:
 
 # Saving unrolled and restoring scanned, then loading that checkpoint unrolled, converts
 # both ways; -m slow adds the scanned writer.
+@pytest.mark.integration
 @pytest.mark.parametrize("save_scanned", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpoints_load_across_layouts(tmp_path, save_scanned):
   cfg = small("diff_v1")

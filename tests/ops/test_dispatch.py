@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import WAIT_LIMIT_S
 
 from diffjax import compat, ops, sharding
 from diffjax.core import op_specs
@@ -42,7 +43,7 @@ def test_a_kernel_package_imports_first_in_a_fresh_interpreter():
     env=env,
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
     check=False,
     cwd=ROOT,
   )

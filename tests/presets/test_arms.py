@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 
 from diffjax import compare
 from diffjax.model import ARMS, ModelConfig, count_params, matched_configs, resolve_model
@@ -116,7 +116,7 @@ def _cli(*args):
     capture_output=True,
     text=True,
     env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
   )
 
 
@@ -137,6 +137,7 @@ def _in_process(capsys, main, *argv):
   return status, captured.out, captured.err
 
 
+@pytest.mark.integration
 def test_the_command_lines_print_matched_and_unmatched_runs(capsys):
   train = _train_main()
   status, out, err = _in_process(

@@ -37,7 +37,7 @@ import tomllib
 from unittest import mock
 
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 
 ROOT = REPO
 README = os.path.join(ROOT, "README.md")
@@ -179,6 +179,7 @@ def broken_links(path: str) -> list[str]:
   return broken
 
 
+@pytest.mark.integration
 def test_readme_python_examples_run():
   blocks = python_blocks(README)
   assert len(blocks) >= 2
@@ -212,11 +213,17 @@ def _run_in_own_process(path: str, tmp_path) -> None:
     JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, (ROOT, env.get("PYTHONPATH"))))
   )
   proc = subprocess.run(
-    [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, str(script)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=WAIT_LIMIT_S,
   )
   assert proc.returncode == 0, f"{_rel(path)}: " + proc.stderr[-4000:]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path", _DOCS_WITH_PYTHON, ids=_rel)
 def test_docs_python_examples_run(path, monkeypatch, tmp_path):
   if needs_own_process(path):

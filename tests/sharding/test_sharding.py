@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8)]
 # The default run checks the mesh that uses all three axes; ``-m slow`` adds pure data,
 # fsdp x tensor and pure tensor parallelism.

@@ -6,10 +6,11 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 ROOT = REPO
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "tpu_setup", "*.sh")))
@@ -39,7 +40,7 @@ def test_selftest_dry_runs():
     capture_output=True,
     text=True,
     cwd=ROOT,
-    timeout=600,
+    timeout=WAIT_LIMIT_S,
     env={**os.environ, "SELFTEST_BOOTSTRAP": "0"},
   )
   assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -72,7 +73,7 @@ def _babysit_dry(tmp_path, exits):
     capture_output=True,
     text=True,
     cwd=ROOT,
-    timeout=120,
+    timeout=WAIT_LIMIT_S,
     env=env,
   )
 
@@ -112,7 +113,7 @@ def test_launch_appends_the_trainer_exit_status_to_the_log(tmp_path):
     capture_output=True,
     text=True,
     cwd=ROOT,
-    timeout=120,
+    timeout=WAIT_LIMIT_S,
     env={**os.environ, "DRY_RUN_RECORD_DIR": str(record_dir)},
   )
   assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -136,13 +137,13 @@ def test_launch_appends_the_trainer_exit_status_to_the_log(tmp_path):
   for f in fakebin.iterdir():
     f.chmod(0o755)
   env = {**os.environ, "HOME": str(home), "PATH": f"{fakebin}:{os.environ['PATH']}"}
-  r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+  r = subprocess.run(
+    ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=WAIT_LIMIT_S
+  )
   assert r.returncode == 0 and "started" in r.stdout, (r.stdout + r.stderr)[-3000:]
   logs = list((home / "diffjax-logs").glob("exit-host*.log"))
   assert len(logs) == 1
-  deadline = time.time() + 30
-  while time.time() < deadline and " exit " not in logs[0].read_text():
-    time.sleep(0.5)
+  wait_until(lambda: " exit " in logs[0].read_text(), "the exit line in the host's log")
   lines = logs[0].read_text().splitlines()
   assert "stand-in trainer" in lines and lines[-1].startswith("=== "), lines
   assert lines[-1].endswith(" exit 75"), lines

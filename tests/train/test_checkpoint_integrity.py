@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import TESTS
+from helpers import TESTS, WAIT_LIMIT_S
 from multidevice import XLA_FLAGS
 
 from diffjax.train import checkpoint as ckpt
@@ -209,7 +209,7 @@ def run_scenario(kind: str, tmp_path) -> tuple[dict, str]:
     [sys.executable, os.path.abspath(__file__), kind, str(tmp_path)],
     capture_output=True,
     text=True,
-    timeout=180,
+    timeout=WAIT_LIMIT_S,
     env=env,
   )
   assert r.returncode == 0, r.stderr[-3000:]

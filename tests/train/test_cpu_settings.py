@@ -57,6 +57,7 @@ def test_keep_freed_memory_applies_on_glibc_and_respects_the_opt_out(monkeypatch
   assert cpu.keep_freed_memory() is is_glibc
 
 
+@pytest.mark.integration
 def test_cpu_setup_gives_a_users_own_jit_the_trainers_compiler_options():
   if not cpu.cpu_compiler_options():
     pytest.skip("this jaxlib has none of CPU_XLA_OPTIONS")

@@ -29,6 +29,7 @@ def config(steps: int):
   return c
 
 
+@pytest.mark.integration
 def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
   first = str(tmp_path / "first")
   train_and_evaluate(config(2), first)

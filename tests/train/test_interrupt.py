@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, own_stderr  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, own_stderr  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 EXIT_PREEMPTED = 75
 SMALL_RUN = [
@@ -56,7 +58,7 @@ def _signal_when(line_start, args, cwd, signum=signal.SIGINT, *, on_stderr=False
     if line.startswith(line_start):
       proc.send_signal(signum)
       break
-  out, err = proc.communicate(timeout=240)
+  out, err = proc.communicate(timeout=WAIT_LIMIT_S)
   if on_stderr:
     return proc.returncode, out, "".join(seen) + err
   return proc.returncode, "".join(seen) + out, err
@@ -69,7 +71,7 @@ def _train(args, cwd):
     text=True,
     env=ENV,
     cwd=cwd,
-    timeout=240,
+    timeout=WAIT_LIMIT_S,
   )
 
 
@@ -111,7 +113,7 @@ def test_ctrl_c_while_the_data_are_prepared_is_status_75_and_the_rerun_trains(tm
     text=True,
     env=env,
     cwd=tmp_path,
-    timeout=240,
+    timeout=WAIT_LIMIT_S,
   )
   assert again.returncode == 0, again.stderr[-3000:]
   assert (wd / "DONE").read_text().strip() == "3"

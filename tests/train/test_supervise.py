@@ -11,9 +11,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
+
+import pytest
+from helpers import wait_until, write_atomically
 
 from diffjax.train import supervise
+
+pytestmark = pytest.mark.integration
 
 # The lines jaxlib 0.10.2 prints when the coordination service (in process 0) is gone, then
 # its check-failure stack; the stand-in child aborts after them as the runtime does.
@@ -112,10 +116,10 @@ def test_sigterm_to_the_supervisor_reaches_the_child(tmp_path):
       sys.exit(75)"""
 
   def terminate_when_ready():
-    deadline = time.monotonic() + 30
-    while not ready.exists() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGTERM)
+    try:
+      wait_until(ready.exists, "the child's ready file")
+    finally:  # the supervisor must end either way; a missing file fails the status check
+      os.kill(os.getpid(), signal.SIGTERM)
 
   before = signal.getsignal(signal.SIGTERM)
   killer = threading.Thread(target=terminate_when_ready)
@@ -126,8 +130,23 @@ def test_sigterm_to_the_supervisor_reaches_the_child(tmp_path):
   assert signal.getsignal(signal.SIGTERM) is before  # the supervisor's handler is gone
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
 def test_killing_the_supervisor_kills_the_child(tmp_path):
   pid_file = tmp_path / "child.pid"
+  # The child writes its process id whole (a rename), then sleeps far longer than any wait
+  # here, so only its supervisor's death can end it.
+  grandchild = (
+    "from diffjax.train import supervise; supervise.follow_parent(); import os, time; "
+    + write_atomically(str(pid_file), "str(os.getpid())")
+    + "; time.sleep(3600)"
+  )
   parent = subprocess.Popen(
     [
       sys.executable,
@@ -135,28 +154,23 @@ def test_killing_the_supervisor_kills_the_child(tmp_path):
       textwrap.dedent(f"""
       import sys
       from diffjax.train import supervise
-      sys.exit(supervise.run([sys.executable, "-c",
-          "from diffjax.train import supervise; supervise.follow_parent(); "
-          "import os, time, pathlib; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(60)"],
-          {str(tmp_path)!r}))"""),
+      sys.exit(supervise.run([sys.executable, "-c", {grandchild!r}], {str(tmp_path)!r}))"""),
     ]
   )
-  deadline = time.monotonic() + 30
-  while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-    time.sleep(0.05)
+  try:
+    wait_until(pid_file.exists, "the supervised child's process id", procs=[parent])
+  finally:
+    if not pid_file.exists():
+      parent.kill()
+      parent.wait()
   child = int(pid_file.read_text())
   parent.kill()
   parent.wait()
-  deadline = time.monotonic() + 10
-  while time.monotonic() < deadline:
-    try:
-      os.kill(child, 0)
-    except ProcessLookupError:
-      break
-    time.sleep(0.05)
-  else:
-    os.kill(child, signal.SIGKILL)
-    raise AssertionError("the child outlived its supervisor")
+  try:
+    wait_until(lambda: not _alive(child), "the child's end after its supervisor was killed")
+  finally:
+    if _alive(child):
+      os.kill(child, signal.SIGKILL)
 
 
 def test_which_process_the_runtime_blames():

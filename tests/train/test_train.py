@@ -5,14 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import chex
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import REPO, read_metrics, tiny_config  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, read_metrics, tiny_config, wait_until  # noqa: E402
 
 from diffjax.model import ModelConfig
 from diffjax.presets import base_config
@@ -268,7 +267,7 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _cli(args, workdir, timeout=240):
+def _cli(args, workdir, timeout=WAIT_LIMIT_S):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run(
     [
@@ -286,6 +285,7 @@ def _cli(args, workdir, timeout=240):
   )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "args,needle",
   [
@@ -309,7 +309,7 @@ def test_bad_input_one_error_line(tmp_path, args, needle):
   empty.write_text("")
   args = [a.replace("{empty}", str(empty)) for a in args]
   wd = tmp_path / "wd"
-  r = _cli(args, str(wd), timeout=120)
+  r = _cli(args, str(wd), timeout=WAIT_LIMIT_S)
   assert r.returncode == 2, r.stderr[-2000:]
   err_lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
   assert len(err_lines) == 1, r.stderr[-2000:]
@@ -348,17 +348,17 @@ def _start_endless_run(workdir, flags, stdout):
   )
 
 
+@pytest.mark.integration
 def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
   wd = tmp_path / "wd"
   small = SMALL_RUN + ["--config.checkpoint.keep=100", "--config.checkpoint.every=1"]
   proc = _start_endless_run(wd, small, stdout=subprocess.DEVNULL)
   ckdir = wd / "checkpoints"
-  deadline = time.time() + 180
-  while time.time() < deadline:
-    done = [p for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.exists() else []
-    if len(done) >= 3:
-      break
-    time.sleep(0.2)
+  wait_until(
+    lambda: ckdir.exists() and len([p for p in ckdir.glob("*") if p.name.isdigit()]) >= 3,
+    "three checkpoints",
+    procs=[proc],
+  )
   proc.send_signal(signal.SIGKILL)  # saves run every step: very likely mid-save
   proc.wait()
   complete = sorted(int(p.name) for p in ckdir.glob("*") if p.name.isdigit())
@@ -373,17 +373,18 @@ def test_sigkill_during_saves_restarts_from_complete_checkpoint(tmp_path):
   assert max(rows) == target
 
 
+@pytest.mark.integration
 def test_sigterm_saves_and_resume_continues(tmp_path):
   wd = tmp_path / "wd"
   small = SMALL_RUN + ["--config.checkpoint.every=1000000", "--config.log_every=1"]
   proc = _start_endless_run(wd, small, stdout=subprocess.PIPE)
-  deadline = time.time() + 180
-  while time.time() < deadline:
-    if (wd / "metrics.jsonl").exists() and len(read_metrics(str(wd))) >= 3:
-      break
-    time.sleep(0.2)
+  wait_until(
+    lambda: (wd / "metrics.jsonl").exists() and len(read_metrics(str(wd))) >= 3,
+    "three logged steps",
+    procs=[proc],
+  )
   proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=120)
+  out, _ = proc.communicate(timeout=WAIT_LIMIT_S)
   # A distinct status, so a scheduler can tell "stopped, rerun to resume" from "finished".
   assert proc.returncode == EXIT_PREEMPTED, out[-2000:]
   assert "saved step" in out, out[-2000:]

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 from helpers import tiny_config as shared_tiny_config  # noqa: E402
 
 from diffjax.model import ModelConfig
@@ -42,7 +42,7 @@ def tiny_config(steps=4):
   return c
 
 
-def train_cli(args, cwd=REPO, timeout=240, config=True, workdir=None):
+def train_cli(args, cwd=REPO, timeout=WAIT_LIMIT_S, config=True, workdir=None):
   argv = [sys.executable, os.path.join(REPO, "train.py")]
   if config:
     argv.append("--config=" + os.path.join(REPO, "configs/default.py"))
@@ -92,10 +92,13 @@ def test_non_finite_or_out_of_range_options_are_refused(tmp_path, key, value):
   assert not (wd / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_nan_lr_on_the_command_line_is_one_error_line(tmp_path):
   wd = tmp_path / "run"
   r = train_cli(
-    ["--config.optim.lr=nan", "--config.checkpoint.every=1", *SMALL_RUN], workdir=wd, timeout=120
+    ["--config.optim.lr=nan", "--config.checkpoint.every=1", *SMALL_RUN],
+    workdir=wd,
+    timeout=WAIT_LIMIT_S,
   )
   line = error_line(r)
   assert "optim.lr=nan" in line and "finite" in line, line
@@ -134,6 +137,7 @@ def test_a_non_finite_update_is_not_applied():
 # --- unknown keys -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "flag,wanted",
   [
@@ -147,7 +151,7 @@ def test_a_non_finite_update_is_not_applied():
   ],
 )
 def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
-  line = error_line(train_cli([flag], workdir=tmp_path / "run", timeout=120))
+  line = error_line(train_cli([flag], workdir=tmp_path / "run", timeout=WAIT_LIMIT_S))
   for w in wanted:
     assert w in line, line
   assert not (tmp_path / "run").exists()
@@ -181,6 +185,7 @@ def test_resume_keeps_one_metrics_line_per_step(tmp_path):
 # --- preemption and the default run --------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_default_command_trains_the_default_config_into_runs_default(tmp_path):
   r = train_cli(["--config.num_steps=2", *SMALL_RUN], cwd=tmp_path, config=False)
   assert r.returncode == 0, r.stderr[-3000:]

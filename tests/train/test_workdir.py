@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 
-from helpers import REPO, own_stderr  # noqa: E402
+import pytest
+from helpers import REPO, WAIT_LIMIT_S, own_stderr  # noqa: E402
 
 from diffjax.train.workdir import WorkdirBusy, WorkdirLock
+
+pytestmark = pytest.mark.integration
 
 # A one-layer model on 40 documents: starts, trains and stops within a test.
 SMALL_RUN = [
@@ -30,7 +33,7 @@ SMALL_RUN = [
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
-def _train(workdir, *args, timeout=240):
+def _train(workdir, *args, timeout=WAIT_LIMIT_S):
   return subprocess.run(
     [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={workdir}", *SMALL_RUN, *args],
     capture_output=True,
@@ -62,7 +65,7 @@ def _hashes(workdir):
   return out
 
 
-def _wait_for_steps(proc, n, timeout=180):
+def _wait_for_steps(proc, n, timeout=WAIT_LIMIT_S):
   """Reads ``proc``'s stdout until its progress line reaches step ``n``."""
   deadline = time.time() + timeout
   for line in proc.stdout:
@@ -101,7 +104,7 @@ def test_a_second_trainer_in_the_same_workdir_is_refused(tmp_path):
   first = _start(wd, "--config.num_steps=100000", "--config.checkpoint.every=1000000")
   try:
     _wait_for_steps(first, 2)
-    second = _train(wd, "--config.num_steps=100000", timeout=120)
+    second = _train(wd, "--config.num_steps=100000", timeout=WAIT_LIMIT_S)
     errors = [line for line in own_stderr(second.stderr) if line.startswith("error:")]
     assert second.returncode == 2 and len(errors) == 1, (second.returncode, second.stderr[-2000:])
     assert f"pid {first.pid}" in errors[0] and socket.gethostname() in errors[0], errors[0]
@@ -109,7 +112,7 @@ def test_a_second_trainer_in_the_same_workdir_is_refused(tmp_path):
     _wait_for_steps(first, 4)
   finally:
     first.send_signal(signal.SIGTERM)
-    out, _ = first.communicate(timeout=120)
+    out, _ = first.communicate(timeout=WAIT_LIMIT_S)
   assert first.returncode == 75, out[-2000:]
   assert "saved step" in out
 

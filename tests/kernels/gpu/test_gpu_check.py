@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 ROOT = REPO
 
@@ -50,7 +52,7 @@ def test_gpu_check_refuses_a_real_run_without_a_gpu():
     capture_output=True,
     text=True,
     cwd=ROOT,
-    timeout=300,
+    timeout=WAIT_LIMIT_S,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   assert proc.returncode == 2 and "--dry-run" in proc.stderr.splitlines()[-1]

@@ -32,10 +32,13 @@ from tools.gpu_compile import ptxas
 
 _MISSING = targets.available()
 # CI installs the extra: there a missing package is a failure, not a skip.
-pytestmark = pytest.mark.skipif(
-  _MISSING is not None and not os.environ.get("CI"),
-  reason=f"deviceless GPU compiles need {_MISSING}",
-)
+pytestmark = [
+  pytest.mark.integration,
+  pytest.mark.skipif(
+    _MISSING is not None and not os.environ.get("CI"),
+    reason=f"deviceless GPU compiles need {_MISSING}",
+  ),
+]
 
 
 def _gate(scope: str, timeout: int) -> dict:

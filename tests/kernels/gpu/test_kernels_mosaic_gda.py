@@ -196,6 +196,7 @@ def _run_child(cases, timeout: int):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_forward_and_every_gradient_match_reference_in_interpreter():
   # One 64-query block per variant in the default run (about 30 s each): V1 style at r 2
   # (the idle round) with segment ids; V2 style at r 4 (three rounds).
@@ -301,6 +302,7 @@ def _run_decode_child(cases, timeout: int):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "case",
   [

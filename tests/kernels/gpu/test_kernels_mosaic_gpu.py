@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 import mosaic_interpret as mi  # noqa: E402  (beside this file)
-from helpers import TESTS  # noqa: E402  (kernel_checks lives there)
+from helpers import TESTS, WAIT_LIMIT_S  # noqa: E402  (kernel_checks lives there)
 from kernel_checks import abstract_hopper  # noqa: E402
 
 from diffjax import hardware  # noqa: E402
@@ -495,12 +495,13 @@ def _run_child(child: str, cases, timeout: int):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 def test_forward_and_every_gradient_match_reference_in_interpreter():
   # One small case per variant in the default run (the interpreter takes about 40 s a
   # variant): causal with segment ids, d 64 (two 32-column dQ chunks, two query
   # sub-tiles), one 64-query block.
   cases = [("v1", 1, 64, 1, 1, 64, True, True), ("v2", 1, 64, 1, 1, 64, True, True)]
-  for result in _run_child(_CHILD, cases, timeout=600):
+  for result in _run_child(_CHILD, cases, timeout=WAIT_LIMIT_S):
     print(result["case"], result["errors"])
     assert not result["bad"], result
 
@@ -627,7 +628,7 @@ _DECODE_CHILD = textwrap.dedent("""
   ],
 )
 def test_decode_matches_reference_in_interpreter(case):
-  (result,) = _run_child(_DECODE_CHILD, [case], timeout=600)
+  (result,) = _run_child(_DECODE_CHILD, [case], timeout=WAIT_LIMIT_S)
   print(result["case"], result["errors"])
   assert not result["bad"], result
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu
 from kernel_checks import TOL, assert_like_inputs  # noqa: E402
 from kernel_checks import check as _check
@@ -728,7 +728,7 @@ def test_shard_map_on_four_cpu_devices():
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=WAIT_LIMIT_S,
     check=False,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
