@@ -46,3 +46,35 @@ import jax  # noqa: E402  (must follow the environment setting)
 
 # Broadcasting between arrays of different ranks must be spelled out in the library.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+  """``trained_run(arm="diff_v1", steps=2, small=False)``: the workdir of a tiny trained run
+  (``helpers.tiny_config``; ``small`` narrows it further, ``helpers.small_run_config``),
+  trained once per test process for each set of arguments and shared by the tests that read
+  one (evaluation, the harness, conversion). Its files are made read-only: a test that
+  writes into a run copies it first."""
+  from helpers import small_run_config, tiny_config  # pylint: disable=import-outside-toplevel
+
+  from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+
+  runs = {}
+
+  def get(arm: str = "diff_v1", steps: int = 2, small: bool = False) -> str:
+    key = (arm, steps, small)
+    if key not in runs:
+      config = (small_run_config if small else tiny_config)(arm, steps=steps)
+      workdir = str(tmp_path_factory.mktemp(f"run-{arm}-{steps}{'-small' if small else ''}"))
+      train_and_evaluate(config, workdir)
+      for root, dirs, files in os.walk(workdir):
+        for name in files + dirs:
+          path = os.path.join(root, name)
+          os.chmod(path, os.stat(path).st_mode & ~0o222)
+      runs[key] = workdir
+    return runs[key]
+
+  return get

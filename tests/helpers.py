@@ -54,6 +54,17 @@ def tiny_config(arm="diff_v1", steps=6):
   return c
 
 
+def small_run_config(arm="diff_v1", steps=2):
+  """:func:`tiny_config` narrowed further (width 32, head dim 8, batch 2, one eval batch): the
+  run that the harness and export tests evaluate many times over."""
+  c = tiny_config(arm, steps=steps)
+  c.model.update(dict(d_model=32, num_layers=1, mlp_dim=64, head_dim=8))
+  c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
+  c.optim.warmup_steps = 1
+  c.checkpoint.update(dict(every=2, keep=1))
+  return c
+
+
 def read_metrics(workdir):
   """A run's metrics.jsonl train rows by step."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:

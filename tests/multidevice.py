@@ -71,9 +71,7 @@ def eight_device_drivers(test_file: str, child_env: str, timeout: int):
   @in_child
   @pytest.mark.integration
   def test_on_eight_devices():
-    run_in_child(
-      test_file, child_env, "not slow and not gpu and not tpu", timeout=timeout
-    )
+    run_in_child(test_file, child_env, "not slow and not gpu and not tpu", timeout=timeout)
 
   @in_child
   @pytest.mark.slow

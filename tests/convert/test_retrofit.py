@@ -164,13 +164,12 @@ def test_bad_mixed_in_settings_are_named():
 
 
 @pytest.mark.slow  # five training runs; resume itself is checked by tests/train
-def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path):
+def test_a_resume_mid_ramp_gives_the_uninterrupted_losses(tmp_path, trained_run):
   """The ramp is applied by step in the train step; a run stopped mid-ramp and resumed trains
   the uninterrupted run's losses bitwise."""
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
-  source = str(tmp_path / "transformer")
-  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  source = trained_run("transformer", steps=3)
   retro = str(tmp_path / "retro")
   assert (
     cli_main(
@@ -337,11 +336,10 @@ def test_the_command_refuses_in_one_line_what_it_would_ignore_or_overwrite(tmp_p
 
 
 @pytest.mark.slow  # two training runs; the retrofit itself is checked above
-def test_train_py_continues_a_retrofitted_run(tmp_path):
+def test_train_py_continues_a_retrofitted_run(tmp_path, trained_run):
   from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
-  source = str(tmp_path / "transformer")
-  train_and_evaluate(tiny_config(arm="transformer", steps=3), source)
+  source = trained_run("transformer", steps=3)
   retro = str(tmp_path / "retro")
   assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}"]) == 0
   c = tiny_config(arm="diff_v2", steps=2)

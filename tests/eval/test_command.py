@@ -82,18 +82,15 @@ def test_field_values_are_python_literals_and_lists_become_tuples():
 
 
 @pytest.mark.integration
-def test_a_step_the_run_lacks_is_one_error_line_with_status_2(tmp_path):
+def test_a_step_the_run_lacks_is_one_error_line_with_status_2(trained_run):
   """In a fresh process: the exit status and the whole stderr, not only the first line."""
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
 
-  from helpers import REPO, own_stderr, tiny_config  # pylint: disable=import-outside-toplevel
+  from helpers import REPO, own_stderr  # pylint: disable=import-outside-toplevel
 
-  from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
-
-  wd = tmp_path / "run"
-  train_and_evaluate(tiny_config(steps=2), str(wd))
+  wd = trained_run("diff_v1")
   r = subprocess.run(
     [sys.executable, "-m", "diffjax.eval", f"--workdir={wd}", "--step=7", "--quick"],
     capture_output=True,

@@ -23,7 +23,7 @@ from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 
-from helpers import REPO, WAIT_LIMIT_S, run_python, tiny_config, write_bpe_tokenizer  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, run_python, write_bpe_tokenizer  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -242,17 +242,8 @@ def test_tokenizers_follow_the_harness_conventions(kind, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained_workdir(tmp_path_factory):
-  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
-
-  c = tiny_config("diff_v1", steps=2)
-  c.model.update(dict(d_model=32, num_layers=1, mlp_dim=64, head_dim=8))
-  c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
-  c.optim.warmup_steps = 1
-  c.checkpoint.update(dict(every=2, keep=1))
-  workdir = str(tmp_path_factory.mktemp("harness") / "run")
-  train_and_evaluate(c, workdir)
-  return workdir
+def trained_workdir(trained_run):
+  return trained_run("diff_v1", small=True)
 
 
 def test_the_command_prints_the_table_and_writes_the_results_json(

@@ -19,7 +19,7 @@ pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 for _module in ("torch", "transformers", "accelerate"):
   pytest.importorskip(_module, reason="lm-eval's hf model needs torch, transformers, accelerate")
 
-from helpers import REPO, WAIT_LIMIT_S, tiny_config  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 
 from diffjax.convert.command import main as convert_main  # noqa: E402
 from diffjax.eval.harness import command as harness_command  # noqa: E402
@@ -44,16 +44,11 @@ def _number(resp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1"])
-def test_lm_eval_hf_on_the_export_equals_the_harness_on_the_run(arm, tmp_path, monkeypatch):
-  from diffjax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
-
+def test_lm_eval_hf_on_the_export_equals_the_harness_on_the_run(
+  arm, tmp_path, monkeypatch, trained_run
+):
   monkeypatch.chdir(REPO)
-  c = tiny_config(arm, steps=2)
-  c.model.update(dict(d_model=32, num_layers=1, mlp_dim=64, head_dim=8))
-  c.global_batch_size, c.eval_batches, c.data.max_documents = 2, 1, 20
-  c.optim.warmup_steps = 1
-  workdir, exported = str(tmp_path / "run"), str(tmp_path / "hf")
-  train_and_evaluate(c, workdir)
+  workdir, exported = trained_run(arm, small=True), str(tmp_path / "hf")
   assert convert_main(["export", f"--workdir={workdir}", f"--hf={exported}"]) == 0
 
   common = [f"--include_path={FIXTURES}", f"--tasks={TASKS}", "--log_samples", "--batch_size=4"]
