@@ -437,11 +437,16 @@ def test_shell_block_commands_run(path):
 def test_the_readme_commands_are_the_ones_ci_runs():
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
     ci = [shlex.join(shlex.split(line)) for line in f if line.strip() and not line.startswith("#")]
-  train_line, test_line = (lines[0] for lines in shell_blocks(README)[:2])
-  install, test = commands(test_line)[2:]
+  (train_line,), (test_line, full_line) = shell_blocks(README)[:2]
+  install, unit = commands(test_line)[2:]
   assert shlex.join(install).replace("pip install", "pip install -q") in ci
-  # The main set's suite is the README's command; the newer sets (their own venvs) follow it.
-  assert shlex.join(test) in ci and ci.index(shlex.join(test)) < ci.index("deactivate")
+  # The README's full suite is the unit tier, then the rest; on the main set CI runs both, in
+  # that order, before the newer sets (their own venvs) follow.
+  full = [shlex.join(c) for c in commands(full_line)]
+  assert full[0] == shlex.join(unit) and len(full) == 2, full
+  assert "integration" in full[1] and "slow" in full[1], full
+  at = [ci.index(c) for c in full]
+  assert at == sorted(at) and at[-1] < ci.index("deactivate"), (at, ci)
   assert commands(train_line)[2][:4] == install[:4]  # the same constraints
 
 
