@@ -73,10 +73,12 @@ def test_train_with_an_hf_tokenizer_and_no_extra_is_one_line(tmp_path):
 def test_generation_with_an_hf_tokenizer_and_no_extra_is_one_line(tmp_path):
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
-  wd = tmp_path / "run"
-  train_and_evaluate(tiny_config(steps=2), str(wd))
   tok = tmp_path / "tok.json"
   write_bpe_tokenizer(tok)
+  wd = tmp_path / "run"
+  c = tiny_config(steps=2)
+  c.data.tokenizer = str(tok)  # the run's own tokenizer: generation needs the extra to read it
+  train_and_evaluate(c, str(wd))
   r = _without_tokenizers(
     [f"--workdir={wd}", f"--tokenizer={tok}", "--prompt=hello", "--max_new_tokens=2"],
     module="diffjax.generation",
