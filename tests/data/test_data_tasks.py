@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import WAIT_LIMIT_S
+from helpers import WAIT_LIMIT_S, filler_source
 
 from diffjax.data import ByteTokenizer, DocumentSource
 from diffjax.data.tasks import (
@@ -24,19 +24,7 @@ from diffjax.data.tasks import (
 )
 
 TOK = ByteTokenizer()
-_TEXT = (
-  "the quick brown fox jumps over the lazy dog while a river runs past the old mill "
-  "and nobody writes any numbers down in this place at all "
-)
-
-
-class _Documents(list):
-  """A small in-memory filler source (no digits, so needles are the only numbers)."""
-
-  name = "filler"
-
-
-FILLER = _Documents(TOK.encode(_TEXT * (i + 2)) for i in range(5))
+FILLER = filler_source()
 
 
 def test_needle_task_is_deterministic_and_a_document_source():
