@@ -1,8 +1,10 @@
-"""Helpers shared by the test files: paths, small training and model configs, metrics, a tokenizer
-file, filler text, and the output checks of commands run in a fresh process."""
+"""Helpers shared by the test files: paths and the shipped configs, small training and model
+configs, metrics, a tokenizer file, filler text, and the output checks of commands run in a fresh
+process."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -163,3 +165,8 @@ def filler_source():
 
   tok = ByteTokenizer()
   return _Documents(tok.encode(_FILLER_TEXT * (i + 2)) for i in range(5))
+
+
+# The shipped run configs and comparison configs.
+RUN_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+COMPARE_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "compare", "*.py")))
