@@ -93,6 +93,8 @@ def test_training_with_a_task_mix_does_not_import_the_evaluation_package():
   assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
+# The filter of the evaluation tests it came from (flax's own deprecation warnings).
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_task_only_training_data_and_its_errors():
   import ml_collections
 
