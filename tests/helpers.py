@@ -1,8 +1,10 @@
-"""Helpers shared by the test files: paths, and the output checks of commands run in a fresh
+"""Helpers shared by the test files: paths and the shipped configs, small training and model
+configs, metrics, a tokenizer file, filler text, and the output checks of commands run in a fresh
 process."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -130,3 +132,52 @@ def write_atomically(path: str, text: str) -> str:
     f"import os as _o; _p = {str(path)!r}; open(_p + '.tmp', 'w').write({text}); "
     "_o.replace(_p + '.tmp', _p)"
   )
+
+
+def metrics_rows(workdir) -> list[dict]:
+  """Every row of a run's metrics.jsonl, in file order."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def small_model_config(arm: str, **kw):
+  """A three-layer ModelConfig of width 32 and vocabulary 40 (the scanned-layer and weight-decay
+  tests' model)."""
+  from diffjax.model import ModelConfig  # pylint: disable=import-outside-toplevel
+
+  return ModelConfig(
+    attention=arm,
+    vocab_size=40,
+    d_model=32,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=40,
+    **kw,
+  )
+
+
+class _Documents(list):
+  """A small in-memory filler source (no digits, so needles are the only numbers)."""
+
+  name = "filler"
+
+
+_FILLER_TEXT = (
+  "the quick brown fox jumps over the lazy dog while a river runs past the old mill "
+  "and nobody writes any numbers down in this place at all "
+)
+
+
+def filler_source():
+  """Five documents of byte-tokenized filler text for the retrieval tasks (a DocumentSource)."""
+  from diffjax.data import ByteTokenizer  # pylint: disable=import-outside-toplevel
+
+  tok = ByteTokenizer()
+  return _Documents(tok.encode(_FILLER_TEXT * (i + 2)) for i in range(5))
+
+
+# The shipped run configs and comparison configs.
+RUN_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+COMPARE_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "compare", "*.py")))

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel test files: tolerances, error measures, one-jit vjp."""
+"""Helpers shared by the kernel test files: tolerances, error measures, one-jit vjp, packed
+segment ids and slow cases."""
 
 import contextlib
 
@@ -6,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Relative max error of a kernel against the float32 reference on the same inputs:
 # float32 to rounding; bfloat16 at the size of the reference's own bfloat16 error
@@ -108,3 +110,24 @@ def abstract_hopper():
     device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132
   )
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def packed_segment_ids(b, t, s, *, unmatched_row: bool = False):
+  """Three packed documents of uneven length per batch row; queries are the last T keys.
+
+  With ``unmatched_row`` query 0 of batch 0 carries an id no key has (a row that
+  sees nothing: zero output, zero gradient).
+  """
+  pos = jnp.arange(s)
+  kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
+  kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
+  q = kv[:, s - t :]
+  if unmatched_row:
+    q = q.at[0, 0].set(-7)
+  return q, kv
+
+
+def slow_case(*case):
+  """A parametrized case marked ``slow`` (one whose coverage the default cases repeat); it runs
+  with ``-m slow``."""
+  return pytest.param(*case, marks=pytest.mark.slow)

@@ -17,7 +17,6 @@ import pytest
 from flax import nnx
 
 from diffjax import arms, ops
-from diffjax.core import reference as ref
 from diffjax.model import DecoderLM, ModelConfig, count_params, matched_configs
 from diffjax.model.flops import flops_per_token
 
@@ -327,10 +326,3 @@ def test_unmatchable_baselines_are_refused_naming_the_fix():
     matched_configs(base, names=("gda_v1",))
   with pytest.raises(ValueError, match="multiple of 4"):
     matched_configs(base, names=("gda_v2",))
-
-
-def test_split_groups_is_motifs_layout():
-  q = jnp.arange(2 * 10).reshape(1, 1, 10, 2).astype(jnp.float32)  # 2 groups of 4 + 1
-  signal, noise = ref.split_groups(q, 2)
-  np.testing.assert_array_equal(signal[0, 0, :, 0], [0, 2, 4, 6, 10, 12, 14, 16])
-  np.testing.assert_array_equal(noise[0, 0, :, 0], [8, 18])

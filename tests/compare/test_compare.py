@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, wait_until
+from helpers import REPO, WAIT_LIMIT_S, metrics_rows, wait_until
 
 from diffjax import compare
 from diffjax.model import resolve_model
@@ -91,7 +91,7 @@ def _run_dir(workdir, arm, seed):
 
 
 def _hashes(run_dir):
-  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rows = metrics_rows(run_dir)
   return [
     r["data/batch_hash"] for r in sorted(rows, key=lambda r: r["step"]) if "data/batch_hash" in r
   ]
@@ -176,7 +176,7 @@ def test_arms_share_batches_and_seeds_differ(compared):
 
 
 def _losses(run_dir):
-  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  rows = metrics_rows(run_dir)
   return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
 
 

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import WAIT_LIMIT_S
+from helpers import WAIT_LIMIT_S, filler_source
 
 from diffjax.data import ByteTokenizer, DocumentSource
 from diffjax.data.tasks import (
@@ -24,19 +24,7 @@ from diffjax.data.tasks import (
 )
 
 TOK = ByteTokenizer()
-_TEXT = (
-  "the quick brown fox jumps over the lazy dog while a river runs past the old mill "
-  "and nobody writes any numbers down in this place at all "
-)
-
-
-class _Documents(list):
-  """A small in-memory filler source (no digits, so needles are the only numbers)."""
-
-  name = "filler"
-
-
-FILLER = _Documents(TOK.encode(_TEXT * (i + 2)) for i in range(5))
+FILLER = filler_source()
 
 
 def test_needle_task_is_deterministic_and_a_document_source():
@@ -103,6 +91,47 @@ def test_training_with_a_task_mix_does_not_import_the_evaluation_package():
   )
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+# The filter of the evaluation tests it came from (flax's own deprecation warnings).
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_task_only_training_data_and_its_errors():
+  import ml_collections
+
+  from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source, task_only
+
+  mix = ml_collections.ConfigDict(
+    dict(
+      task="associative_recall",
+      fraction=1.0,
+      num_pairs=8,
+      num_queries=2,
+      distractors_per_query=1,
+      key_len=3,
+      value_len=3,
+      grid=((4, 0), (8, 2)),
+      num_examples=6,
+      context_len=0,
+      num_needles=0,
+    )
+  )
+  assert task_only(mix)
+  src = mixed_source(None, mix, TOK, seed=1)
+  assert len(src) == 6 and src.seed == TRAIN_SEED_OFFSET + 1
+  # No leakage: no training example equals an example of the evaluation grid's seeds.
+  evals = {
+    TOK.decode(AssociativeRecallTask(p, min(4, p), d, num_examples=20, seed=s)[i])
+    for s in range(1234, 1234 + 120)
+    for p, d in ((4, 0), (8, 2))
+    for i in range(2)
+  }
+  assert not evals & {TOK.decode(src[i]) for i in range(6)}
+  mix.num_examples = 0
+  with pytest.raises(ValueError, match="num_examples"):
+    mixed_source(None, mix, TOK, seed=1)
+  mix.task, mix.num_examples = "multi_needle", 4
+  with pytest.raises(ValueError, match="fraction below 1"):
+    mixed_source(None, mix, TOK, seed=1)
 
 
 def test_needle_task_rejects_a_context_too_short():

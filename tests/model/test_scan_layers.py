@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import small_model_config
 from kernel_checks import rel_err
 
 from diffjax import sharding as shd
@@ -33,22 +34,8 @@ OPTIM = dict(
 )
 
 
-def small(arm: str, **kw) -> ModelConfig:
-  return ModelConfig(
-    attention=arm,
-    vocab_size=40,
-    d_model=32,
-    num_layers=3,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=8,
-    mlp_dim=40,
-    **kw,
-  )
-
-
 def pair(arm: str, **kw) -> tuple[DecoderLM, DecoderLM]:
-  cfg = small(arm, **kw)
+  cfg = small_model_config(arm, **kw)
   return (
     DecoderLM(cfg, rngs=nnx.Rngs(params=3)),
     DecoderLM(cfg.replace(scan_layers=True), rngs=nnx.Rngs(params=3)),
@@ -203,7 +190,7 @@ def _batch(seed: int) -> dict:
 @pytest.mark.integration
 @pytest.mark.parametrize("save_scanned", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpoints_load_across_layouts(tmp_path, save_scanned):
-  cfg = small("diff_v1")
+  cfg = small_model_config("diff_v1")
   saver = _setup(cfg.replace(scan_layers=save_scanned))
   loader = _setup(cfg.replace(scan_layers=not save_scanned))
   state = saver.init_fn()

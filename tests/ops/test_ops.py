@@ -1,14 +1,13 @@
 """The functional attention ops against plain NumPy float64 loops.
 
-The NumPy code below is written from the definitions (brief section 2), not from
-diffjax.ops.reference: explicit loops over batch, head, query and key, the mask
+The NumPy loops (tests/numpy_ops.py) are written from the definitions (brief section 2), not
+from diffjax.ops.reference: explicit loops over batch, head, query and key, the mask
 decided key by key, and a softmax per row. Sizes stay small so that the loops are
 quick; the length-200 cases use one or two heads of width 4.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 import chex
@@ -16,167 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numpy_ops import (
+  check,
+  mha_inputs,
+  normal,
+  np_diff_v1,
+  np_diff_v2,
+  np_mha,
+  packed_segments,
+  v1_inputs,
+  v2_inputs,
+)
 
 from diffjax import ops
 from diffjax.ops import reference as ref
 
-# float32 JAX against float64 NumPy.
-ATOL = 2e-5
-RTOL = 2e-5
-
-
 # --------------------------------------------------------------------------------------
-# NumPy float64 definitions.
+# Running the ops.
 # --------------------------------------------------------------------------------------
-
-
-def np_probs(
-  q_BxTxHxD,
-  k_BxSxKxD,
-  kv_group,
-  *,
-  causal,
-  q_seg_BxT=None,
-  kv_seg_BxS=None,
-  mask_BxHxTxS=None,
-  scale=None,
-):
-  """Attention probabilities [B, H, T, S] in float64, one row at a time.
-
-  ``kv_group(h)`` names the kv head that query head h reads. Query i sits at absolute
-  position i + S - T. A row with no allowed key stays all zero.
-  """
-  q = np.asarray(q_BxTxHxD, np.float64)
-  k = np.asarray(k_BxSxKxD, np.float64)
-  b_len, t_len, h_len, d = q.shape
-  s_len = k.shape[1]
-  scale = 1.0 / math.sqrt(d) if scale is None else scale
-  probs = np.zeros((b_len, h_len, t_len, s_len))
-  for b in range(b_len):
-    for h in range(h_len):
-      g = kv_group(h)
-      for i in range(t_len):
-        pos_i = i + s_len - t_len
-        keys = []
-        for j in range(s_len):
-          if causal and j > pos_i:
-            continue
-          if q_seg_BxT is not None and q_seg_BxT[b, i] != kv_seg_BxS[b, j]:
-            continue
-          if mask_BxHxTxS is not None and not mask_BxHxTxS[b, h, i, j]:
-            continue
-          keys.append(j)
-        if not keys:
-          continue
-        scores = np.array([scale * float(np.dot(q[b, i, h], k[b, j, g])) for j in keys])
-        e = np.exp(scores - scores.max())
-        probs[b, h, i, keys] = e / e.sum()
-  return probs
-
-
-def np_apply(probs_BxHxTxS, v_BxSxKxDv, kv_group):
-  """out[b, i, h] = sum_j probs[b, h, i, j] v[b, j, kv_group(h)], float64 [B, T, H, Dv]."""
-  v = np.asarray(v_BxSxKxDv, np.float64)
-  b_len, h_len, t_len, _ = probs_BxHxTxS.shape
-  out = np.zeros((b_len, t_len, h_len, v.shape[-1]))
-  for b in range(b_len):
-    for h in range(h_len):
-      g = kv_group(h)
-      for i in range(t_len):
-        out[b, i, h] = probs_BxHxTxS[b, h, i] @ v[b, :, g]
-  return out
-
-
-def np_mha(q, k, v, **mask_kw):
-  g = q.shape[2] // k.shape[2]
-  group = lambda h: h // g
-  return np_apply(np_probs(q, k, group, **mask_kw), v, group)
-
-
-def np_diff_v1(q1, q2, k1, k2, v, lam, **mask_kw):
-  """(A1 - lam_h A2) V per DIFF head h; lam a scalar or one per head."""
-  h_len = q1.shape[2]
-  g = h_len // k1.shape[2]
-  group = lambda h: h // g
-  lam_H = np.broadcast_to(np.asarray(lam, np.float64), (h_len,))
-  p1 = np_probs(q1, k1, group, **mask_kw)
-  p2 = np_probs(q2, k2, group, **mask_kw)
-  p = np.zeros_like(p1)
-  for h in range(h_len):
-    p[:, h] = p1[:, h] - lam_H[h] * p2[:, h]
-  return np_apply(p, v, group)
-
-
-def np_diff_v2(q_BxTxQxD, k, v, lam_BxTxH, **mask_kw):
-  """Pair i: softmax(q_2i K) V - lam_i softmax(q_2i+1 K) V, kv head i // (h / h_kv)."""
-  q = np.asarray(q_BxTxQxD, np.float64)
-  pairs = q.shape[2] // 2
-  per_group = pairs // k.shape[2]
-  group = lambda i: i // per_group
-  q_first = np.stack([q[:, :, 2 * i] for i in range(pairs)], axis=2)
-  q_second = np.stack([q[:, :, 2 * i + 1] for i in range(pairs)], axis=2)
-  p1 = np_probs(q_first, k, group, **mask_kw)
-  p2 = np_probs(q_second, k, group, **mask_kw)
-  lam = np.asarray(lam_BxTxH, np.float64)
-  p = np.zeros_like(p1)
-  for b in range(p.shape[0]):
-    for i in range(pairs):
-      for t in range(p.shape[2]):
-        p[b, i, t] = p1[b, i, t] - lam[b, t, i] * p2[b, i, t]
-  return np_apply(p, v, group)
-
-
-# --------------------------------------------------------------------------------------
-# Inputs.
-# --------------------------------------------------------------------------------------
-
-
-def _normal(rng, shape, dtype=np.float32):
-  return rng.standard_normal(shape).astype(dtype)
-
-
-def mha_inputs(rng, b, t, s, h, kv, d, dv=None):
-  return (
-    _normal(rng, (b, t, h, d)),
-    _normal(rng, (b, s, kv, d)),
-    _normal(rng, (b, s, kv, dv or d)),
-  )
-
-
-def v1_inputs(rng, b, t, s, h, kv, d):
-  return (
-    _normal(rng, (b, t, h, d)),
-    _normal(rng, (b, t, h, d)),
-    _normal(rng, (b, s, kv, d)),
-    _normal(rng, (b, s, kv, d)),
-    _normal(rng, (b, s, kv, 2 * d)),
-  )
-
-
-def v2_inputs(rng, b, t, s, pairs, kv, d):
-  lam = rng.uniform(0.05, 0.95, (b, t, pairs)).astype(np.float32)
-  return (
-    _normal(rng, (b, t, 2 * pairs, d)),
-    _normal(rng, (b, s, kv, d)),
-    _normal(rng, (b, s, kv, d)),
-    lam,
-  )
-
-
-def packed_segments(rng, b, length, docs=3):
-  """Sorted segment ids [B, L] with up to ``docs`` documents per row."""
-  seg = np.zeros((b, length), np.int32)
-  for row in range(b):
-    cuts = (
-      np.sort(
-        rng.choice(np.arange(1, max(length, 2)), size=min(docs - 1, length - 1), replace=False)
-      )
-      if length > 1
-      else []
-    )
-    for c in cuts:
-      seg[row, c:] += 1
-  return seg
 
 
 def _is_array(v):
@@ -194,10 +50,6 @@ def run(op, *args, **kwargs):
   arrays = {k: v for k, v in kwargs.items() if _is_array(v)}
   static = {k: v for k, v in kwargs.items() if not _is_array(v)}
   return jax.jit(lambda a, kw: op(*a, **kw, **static))(args, arrays)
-
-
-def _check(actual, expected, atol=ATOL, rtol=RTOL):
-  chex.assert_trees_all_close(np.asarray(actual, np.float64), expected, atol=atol, rtol=rtol)
 
 
 # --------------------------------------------------------------------------------------
@@ -226,7 +78,7 @@ def test_mha_matches_loops(b, length, kv, n_rep, d, causal):
   out = run(ops.dot_product_attention, q, k, v, causal=causal)
   chex.assert_shape(out, (b, length, kv * n_rep, d))
   chex.assert_type(out, jnp.float32)
-  _check(out, np_mha(q, k, v, causal=causal))
+  check(out, np_mha(q, k, v, causal=causal))
 
 
 @pytest.mark.parametrize("b,length,kv,n_rep,d,causal", CASES)
@@ -239,14 +91,14 @@ def test_diff_v1_matches_loops(b, length, kv, n_rep, d, causal):
   out = run(ops.diff_v1_attention_core, q1, q2, k1, k2, v, lam, causal=causal)
   chex.assert_shape(out, (b, length, h, 2 * d))
   chex.assert_type(out, jnp.float32)
-  _check(out, np_diff_v1(q1, q2, k1, k2, v, lam, causal=causal))
+  check(out, np_diff_v1(q1, q2, k1, k2, v, lam, causal=causal))
 
 
 def test_diff_v1_python_float_lambda():
   rng = np.random.default_rng(2)
   q1, q2, k1, k2, v = v1_inputs(rng, 1, 5, 5, 2, 1, 8)
   out = ops.diff_v1_attention_core(q1, q2, k1, k2, v, 0.37)
-  _check(out, np_diff_v1(q1, q2, k1, k2, v, 0.37, causal=True))
+  check(out, np_diff_v1(q1, q2, k1, k2, v, 0.37, causal=True))
 
 
 @pytest.mark.parametrize("b,length,kv,n_rep,d,causal", CASES)
@@ -257,7 +109,7 @@ def test_diff_v2_matches_loops(b, length, kv, n_rep, d, causal):
   out = run(ops.diff_v2_attention, q, k, v, lam, causal=causal)
   chex.assert_shape(out, (b, length, pairs, d))
   chex.assert_type(out, jnp.float32)
-  _check(out, np_diff_v2(q, k, v, lam, causal=causal))
+  check(out, np_diff_v2(q, k, v, lam, causal=causal))
 
 
 def test_diff_v2_pairs_read_their_own_group():
@@ -296,7 +148,7 @@ def test_segment_ids_match_loops(op, b, length, kv, n_rep, d, causal):
     q, k, v, lam = v2_inputs(rng, b, length, length, h, kv, d)
     out = run(ops.diff_v2_attention, q, k, v, lam, causal=causal, segment_ids=seg)
     expected = np_diff_v2(q, k, v, lam, **mask_kw)
-  _check(out, expected)
+  check(out, expected)
 
 
 @pytest.mark.parametrize("with_segments", [False, True])
@@ -325,7 +177,7 @@ def test_fewer_queries_than_keys(op, with_segments):
     out = run(ops.diff_v2_attention, q, k, v, lam, segment_ids=seg)
     expected = np_diff_v2(q, k, v, lam, **mask_kw)
   chex.assert_shape(out, expected.shape)
-  _check(out, expected)
+  check(out, expected)
 
 
 def _random_mask(rng, b, h, t, s):
@@ -354,7 +206,7 @@ def test_explicit_mask_matches_loops(op, causal):
     q, k, v, lam = v2_inputs(rng, b, t, t, h, kv, d)
     out = run(ops.diff_v2_attention, q, k, v, lam, causal=causal, mask=mask)
     expected = np_diff_v2(q, k, v, lam, **mask_kw)
-  _check(out, expected)
+  check(out, expected)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -366,7 +218,7 @@ def test_explicit_mask_of_lower_rank_broadcasts(causal):
   mask_TxS = rng.random((t, t)) < 0.7
   out = run(ops.dot_product_attention, q, k, v, causal=causal, mask=mask_TxS)
   full = np.broadcast_to(mask_TxS, (b, h, t, t))
-  _check(out, np_mha(q, k, v, causal=causal, mask_BxHxTxS=full))
+  check(out, np_mha(q, k, v, causal=causal, mask_BxHxTxS=full))
 
 
 def test_cpu_implementation_is_the_default_on_cpu():
@@ -403,41 +255,12 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_float64(op):
     expected = np_diff_v2(*up(*arrs), lam, causal=True)
   chex.assert_type(out, jnp.bfloat16)
   # bf16 has an 8-bit mantissa; probabilities are rounded to bf16 before P @ V.
-  _check(np.asarray(jnp.asarray(out, jnp.float32)), expected, atol=3e-2, rtol=3e-2)
+  check(np.asarray(jnp.asarray(out, jnp.float32)), expected, atol=3e-2, rtol=3e-2)
 
 
 # --------------------------------------------------------------------------------------
 # Properties.
 # --------------------------------------------------------------------------------------
-
-
-def test_diff_v1_rows_sum_to_one_minus_lambda_and_can_be_negative():
-  rng = np.random.default_rng(11)
-  b, t, kv, h, d = 2, 8, 1, 4, 8
-  q1, q2, k1, k2, v = v1_inputs(rng, b, t, t, h, kv, d)
-  lam_H = np.array([0.2, 0.5, 0.8, 1.1], np.float32)
-  _, aux = ref.diff_v1_reference(q1, q2, k1, k2, v, lam_H, return_aux=True)
-  p1, p2 = np.asarray(aux["probs1"], np.float64), np.asarray(aux["probs2"], np.float64)
-  group = lambda hh: hh // (h // kv)
-  _check(p1, np_probs(q1, k1, group, causal=True))
-  _check(p2, np_probs(q2, k2, group, causal=True))
-  combined = p1 - lam_H[None, :, None, None].astype(np.float64) * p2
-  row_sums = combined.sum(-1)
-  expected = np.broadcast_to((1.0 - lam_H.astype(np.float64))[None, :, None], row_sums.shape)
-  np.testing.assert_allclose(row_sums, expected, atol=1e-5)
-  # Signed attention: some entries are negative.
-  assert combined.min() < -1e-3
-
-
-def test_diff_v2_rows_sum_to_one_minus_lambda_per_token():
-  rng = np.random.default_rng(12)
-  b, t, kv, pairs, d = 2, 8, 1, 2, 8
-  q, k, v, lam = v2_inputs(rng, b, t, t, pairs, kv, d)
-  _, aux = ref.diff_v2_reference(q, k, v, lam, return_aux=True)
-  combined = np.asarray(aux["probs1"], np.float64) - np.transpose(lam, (0, 2, 1))[..., None].astype(
-    np.float64
-  ) * np.asarray(aux["probs2"], np.float64)
-  np.testing.assert_allclose(combined.sum(-1), 1.0 - np.transpose(lam, (0, 2, 1)), atol=1e-5)
 
 
 @pytest.mark.parametrize("n_rep", [1, 2])
@@ -525,7 +348,7 @@ def test_diff_v1_attention_is_rmsnorm_times_gain_times_one_minus_lambda_init(wit
   normed = core / np.sqrt(np.mean(core**2, axis=-1, keepdims=True) + 1e-5)
   if with_gain:
     normed = normed * gain.astype(np.float64)
-  _check(out, normed * (1.0 - lambda_init), atol=1e-4, rtol=1e-4)
+  check(out, normed * (1.0 - lambda_init), atol=1e-4, rtol=1e-4)
 
 
 def test_diff_v1_attention_rejects_a_gain_of_the_wrong_width():
@@ -550,7 +373,7 @@ def _raises_naming(fn, *fragments):
 
 
 def _f32(rng, *shape):
-  return _normal(rng, shape)
+  return normal(rng, shape)
 
 
 def test_error_heads_not_divisible_by_kv_heads():
@@ -702,7 +525,7 @@ class PublicOpsVariantsTest(chex.TestCase):
     out = self.variant(op)(q, k, v, seg)
     chex.assert_shape(out, (2, 6, 4, 8))
     chex.assert_type(out, jnp.float32)
-    _check(out, np_mha(q, k, v, causal=True, q_seg_BxT=seg, kv_seg_BxS=seg))
+    check(out, np_mha(q, k, v, causal=True, q_seg_BxT=seg, kv_seg_BxS=seg))
     self._grads_match_reference(
       lambda q, k, v: ops.dot_product_attention(q, k, v, segment_ids=seg),
       lambda q, k, v: ref.mha_reference(q, k, v, causal=True, segment_ids=seg),
@@ -719,13 +542,13 @@ class PublicOpsVariantsTest(chex.TestCase):
       q1, q2, k1, k2, v, lam
     )
     chex.assert_shape(core, (2, 5, 4, 16))
-    _check(core, np_diff_v1(q1, q2, k1, k2, v, lam, causal=False))
+    check(core, np_diff_v1(q1, q2, k1, k2, v, lam, causal=False))
     full = lambda *a: ops.diff_v1_attention(*a, norm_gain=gain, lambda_init=0.2)
     out = self.variant(full)(q1, q2, k1, k2, v, lam)
     want = np_diff_v1(q1, q2, k1, k2, v, lam, causal=True)
     want = want / np.sqrt(np.mean(want**2, axis=-1, keepdims=True) + 1e-5) * gain * 0.8
     chex.assert_type(out, jnp.float32)
-    _check(out, want, atol=1e-4, rtol=1e-4)
+    check(out, want, atol=1e-4, rtol=1e-4)
     self._grads_match_reference(
       full,
       lambda *a: ref.rms_norm(ref.diff_v1_reference(*a, causal=True), gain, 1e-5) * 0.8,
@@ -739,7 +562,7 @@ class PublicOpsVariantsTest(chex.TestCase):
     out = self.variant(ops.diff_v2_attention)(q, k, v, lam)
     chex.assert_shape(out, (2, 7, 4, 8))
     chex.assert_type(out, jnp.float32)
-    _check(out, np_diff_v2(q, k, v, lam, causal=True))
+    check(out, np_diff_v2(q, k, v, lam, causal=True))
     self._grads_match_reference(
       ops.diff_v2_attention, lambda *a: ref.diff_v2_reference(*a, causal=True), (q, k, v, lam)
     )
@@ -751,7 +574,7 @@ class PublicOpsVariantsTest(chex.TestCase):
     q, k, v = mha_inputs(rng, 2, 1, 9, 4, 2, 8)
     out = self.variant(ops.dot_product_attention_decode)(q, k, v, kv_len)
     chex.assert_shape(out, (2, 1, 4, 8))
-    _check(out, _np_decode(lambda *a: np_mha(*a, causal=True), q, k, v, kv_len))
+    check(out, _np_decode(lambda *a: np_mha(*a, causal=True), q, k, v, kv_len))
     q1, q2, k1, k2, vw = v1_inputs(rng, 2, 1, 9, 4, 2, 8)
     lam = rng.uniform(0.1, 0.9, (4,)).astype(np.float32)
     out = self.variant(ops.diff_v1_attention_decode)(q1, q2, k1, k2, vw, lam, kv_len)
@@ -768,31 +591,8 @@ class PublicOpsVariantsTest(chex.TestCase):
       )
       for b, n in enumerate(kv_len)
     ]
-    _check(out, np.concatenate(rows))
+    check(out, np.concatenate(rows))
     q, k, v, lam2 = v2_inputs(rng, 2, 1, 9, 4, 2, 8)
     out = self.variant(ops.diff_v2_attention_decode)(q, k, v, lam2, kv_len)
     chex.assert_shape(out, (2, 1, 4, 8))
-    _check(out, _np_decode(lambda *a: np_diff_v2(*a, causal=True), q, k, v, kv_len, lam2))
-
-
-def test_merge_partials_of_key_ranges_is_attention_over_all_keys():
-  """Softmax attention over S keys equals the merge of its pieces' attentions over uneven
-  key ranges, an empty range (log mass -inf) included; rows no piece saw are zero."""
-  k = jax.random.split(jax.random.key(3), 2)
-  logits = jax.random.normal(k[0], (2, 3, 11)) * 3.0  # [B, T, S]
-  v = jax.random.normal(k[1], (2, 11, 5))  # [B, S, Dv]
-  full = jnp.einsum("bts,bsd->btd", jax.nn.softmax(logits, -1), v)
-  parts, mass = [], []
-  for lo, hi in ((0, 4), (4, 4), (4, 5), (5, 11)):
-    if lo == hi:  # a piece that saw no key: its output is 0, its mass -inf
-      parts.append(jnp.zeros(full.shape))
-      mass.append(jnp.full(full.shape[:-1], -jnp.inf))
-      continue
-    piece = logits[..., lo:hi]
-    parts.append(jnp.einsum("bts,bsd->btd", jax.nn.softmax(piece, -1), v[:, lo:hi]))
-    mass.append(jax.nn.logsumexp(piece, -1))
-  merged = ref.merge_partials(jnp.stack(parts, 2), jnp.stack(mass, 2), axis=2)
-  np.testing.assert_allclose(merged, full, rtol=1e-5, atol=1e-6)
-  # Every piece empty: zeros, not NaN.
-  none = ref.merge_partials(jnp.zeros((1, 2, 3, 5)), jnp.full((1, 2, 3), -jnp.inf), axis=1)
-  assert np.array_equal(none, np.zeros((1, 3, 5)))
+    check(out, _np_decode(lambda *a: np_diff_v2(*a, causal=True), q, k, v, kv_len, lam2))

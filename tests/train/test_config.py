@@ -20,7 +20,7 @@ from diffjax.model import ModelConfig
 from diffjax.model.sizes import WIDTHS
 from diffjax.presets import base_config, load_config, model_section
 from diffjax.train.config import RunConfig
-from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS
+from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS, describe_run
 from diffjax.train.sections import (
   CheckpointConfig,
   DistributedConfig,
@@ -185,3 +185,9 @@ def test_a_renamed_key_names_its_successor(capsys):
   line = capsys.readouterr().err.strip()
   assert line.startswith("error: unknown config key 'model.attention'")
   assert "a run's arm is --config.model.arm=<transformer|diff_v1|diff_v2|gda_v1|gda_v2>" in line
+
+
+def test_describe_run_names_the_model_batch_and_data():
+  text = describe_run(load_config(os.path.join(REPO, "configs", "default.py")))
+  assert "arm=diff_v1 matched to the Transformer of 192 x 3 layers, 6 heads of 32" in text
+  assert "global_batch_size=16" in text and "kind=stdlib" in text

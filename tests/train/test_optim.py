@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import REPO  # noqa: E402
+from helpers import REPO, small_model_config  # noqa: E402
 from kernel_checks import rel_err
 
 from diffjax import presets
@@ -26,20 +26,6 @@ from diffjax.train.optim import decay_mask, make_optimizer, model_decay_mask
 
 # Leaves that are per-channel vectors in every arm that has them.
 VECTORS = {"scale", "norm_scale", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"}
-
-
-def small(arm: str, **kw) -> ModelConfig:
-  return ModelConfig(
-    attention=arm,
-    vocab_size=40,
-    d_model=32,
-    num_layers=3,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=8,
-    mlp_dim=40,
-    **kw,
-  )
 
 
 def rank_mask(params):
@@ -82,7 +68,7 @@ MASKS = {"roles": model_decay_mask, "rank": lambda cfg: rank_mask(abstract_param
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_scanned_and_unrolled_models_decay_the_same_leaves(arm):
-  cfg = small(arm)
+  cfg = small_model_config(arm)
   assert layout_mismatches(MASKS["roles"], cfg) == []
   # The rank rule decays the stacked norm gains (and V1's lambda and norm gain) when scanned.
   bad = layout_mismatches(MASKS["rank"], cfg)
@@ -95,12 +81,12 @@ def test_scanned_and_unrolled_models_decay_the_same_leaves(arm):
 @pytest.mark.parametrize("arm", ARMS)
 def test_the_decay_set_is_the_weight_matrices(arm):
   for scan in (False, True):
-    mask = flat(model_decay_mask(small(arm, scan_layers=scan)))
+    mask = flat(model_decay_mask(small_model_config(arm, scan_layers=scan)))
     for path, decayed in mask.items():
       assert decayed == (path[-1] not in VECTORS), (path, decayed)
   # DIFF V2's W_lambda is a projection E -> h: decayed like the others.
   if arm == "diff_v2":
-    assert flat(model_decay_mask(small(arm)))[("blocks", 0, "attn", "w_lambda")]
+    assert flat(model_decay_mask(small_model_config(arm)))[("blocks", 0, "attn", "w_lambda")]
 
 
 def _zero_grad_update(mask, params, weight_decay=0.1):
@@ -118,7 +104,7 @@ def _zero_grad_update(mask, params, weight_decay=0.1):
 @pytest.mark.parametrize("arm", ("diff_v1", "diff_v2"))
 def test_a_zero_gradient_step_leaves_norm_gains_and_lambda_unchanged(arm):
   for scan in (False, True):
-    cfg = small(arm, scan_layers=scan)
+    cfg = small_model_config(arm, scan_layers=scan)
     params = nnx.to_pure_dict(nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(params=1)), nnx.Param))
     new = flat(_zero_grad_update(model_decay_mask(cfg), params))
     old = flat(params)
@@ -168,8 +154,8 @@ def _train(cfg: ModelConfig, steps: int, mask_fn=None) -> dict:
 
 
 def _max_rel_diff(mask=None, arm="diff_v1", steps=4) -> float:
-  plain = _train(small(arm), steps, mask)
-  scanned = layout.unstack_layers(_train(small(arm, scan_layers=True), steps, mask), 3)
+  plain = _train(small_model_config(arm), steps, mask)
+  scanned = layout.unstack_layers(_train(small_model_config(arm, scan_layers=True), steps, mask), 3)
   return max(rel_err(b, a) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(scanned)))
 
 

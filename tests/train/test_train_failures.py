@@ -1,7 +1,6 @@
 """What a user sees when a run goes wrong: refused options, suggested keys, preemption
 status, one metrics line per step after a resume, a non-finite update never applied."""
 
-import json
 import math
 import os
 import shutil
@@ -12,8 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
-from helpers import tiny_config as shared_tiny_config  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, metrics_rows, tiny_config  # noqa: E402
 
 from diffjax.model import ModelConfig
 from diffjax.train import steps as steps_lib
@@ -32,9 +30,9 @@ SMALL_RUN = [
 ]
 
 
-def tiny_config(steps=4):
+def tiny_eval_config(steps=4):
   """The shared tiny config with one layer, an eval and a checkpoint every 2 steps."""
-  c = shared_tiny_config("diff_v1", steps)
+  c = tiny_config("diff_v1", steps)
   c.model.num_layers = 1
   c.eval_every, c.eval_batches, c.log_batch_hash = 2, 1, False
   c.optim.warmup_steps = 1
@@ -83,7 +81,7 @@ def error_line(r):
   ],
 )
 def test_non_finite_or_out_of_range_options_are_refused(tmp_path, key, value):
-  c = tiny_config()
+  c = tiny_eval_config()
   section, name = key.split(".")
   c[section][name] = value
   wd = tmp_path / "run"
@@ -160,25 +158,20 @@ def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
 # --- resume keeps one metrics line per step -----------------------------------------------------
 
 
-def _rows(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
-
-
 def test_resume_keeps_one_metrics_line_per_step(tmp_path):
   wd = tmp_path / "run"
-  train_and_evaluate(tiny_config(steps=3), str(wd))  # checkpoints at 2 and 3
+  train_and_evaluate(tiny_eval_config(steps=3), str(wd))  # checkpoints at 2 and 3
   # As if the process died before saving step 3: the resume redoes step 3.
   shutil.rmtree(wd / "checkpoints" / "3")
-  train_and_evaluate(tiny_config(steps=4), str(wd))
-  rows = _rows(wd)
+  train_and_evaluate(tiny_eval_config(steps=4), str(wd))
+  rows = metrics_rows(wd)
   train_steps = [r["step"] for r in rows if "train/loss" in r]
   eval_steps = [r["step"] for r in rows if "eval/loss" in r]
   assert train_steps == [1, 2, 3, 4], train_steps
   assert eval_steps == [2, 4], eval_steps  # periodic at 2, final at 4; the old final at 3 is gone
   # Rerunning a finished run changes nothing, and returns its recorded final metrics.
-  result = train_and_evaluate(tiny_config(steps=4), str(wd))
-  assert _rows(wd) == rows
+  result = train_and_evaluate(tiny_eval_config(steps=4), str(wd))
+  assert metrics_rows(wd) == rows
   assert result["step"] == 4 and result["eval/loss"] == rows[-1]["eval/loss"]
 
 

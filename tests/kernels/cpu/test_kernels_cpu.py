@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import rel_err
+from kernel_checks import rel_err, slow_case
 
 from diffjax import ops
 from diffjax.core import reference as ref
@@ -60,20 +60,16 @@ def _arrays(shape, n, dtype, seed=0):
   return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shape)]
 
 
-def _slow(*case):
-  """A case whose coverage the default cases repeat (each shape, causal or not, and each kind
-  of segment ids runs in a faster case); it runs with ``-m slow``."""
-  return pytest.param(*case, marks=pytest.mark.slow)
-
-
+# The slow cases' coverage the default cases repeat: each shape, causal or not, and each kind
+# of segment ids runs in a faster case.
 @pytest.mark.parametrize(
   "shape,causal,seg",
   [
     (SHAPES[0], True, "self"),
     (SHAPES[0], False, "pair"),
-    _slow(SHAPES[1], True, "pair"),
+    slow_case(SHAPES[1], True, "pair"),
     (SHAPES[1], False, "none"),
-    _slow(SHAPES[2], True, "none"),
+    slow_case(SHAPES[2], True, "none"),
     (SHAPES[2], False, "self"),
   ],
 )
@@ -112,7 +108,7 @@ def test_diff_v1_matches_reference(shape, seg):
   )
 
 
-@pytest.mark.parametrize("shape", [_slow(SHAPES[0]), SHAPES[1]])
+@pytest.mark.parametrize("shape", [slow_case(SHAPES[0]), SHAPES[1]])
 def test_diff_v2_matches_reference(shape):
   b, t, s, h, k, d, _ = shape
   ids = _segments(b, t, s, "pair")

@@ -28,7 +28,9 @@ from jax.experimental.pallas import tpu as pltpu
 from kernel_checks import TOL, assert_like_inputs  # noqa: E402
 from kernel_checks import check as _check
 from kernel_checks import normal as _normal
+from kernel_checks import packed_segment_ids as _segments
 from kernel_checks import rel_err as _rel_err
+from kernel_checks import slow_case as _slow
 from kernel_checks import value_and_vjp as _value_and_vjp
 
 from diffjax import ops
@@ -41,21 +43,6 @@ V2_GRADS = ("dq", "dk", "dv", "dlam")
 # Several query and key tiles per sequence, and backward tiles unlike the forward's.
 SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
 WIDE = kt.BlockSizes(block_q=128, block_kv=256, block_q_bwd=128, block_kv_bwd=128)
-
-
-def _segments(b, t, s, *, unmatched_row: bool = False):
-  """Three packed documents of uneven length per batch row; queries are the last T keys.
-
-  With ``unmatched_row`` query 0 of batch 0 carries an id no key has (a row that
-  sees nothing: zero output, zero gradient).
-  """
-  pos = jnp.arange(s)
-  kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
-  kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
-  q = kv[:, s - t :]
-  if unmatched_row:
-    q = q.at[0, 0].set(-7)
-  return q, kv
 
 
 def _v1_inputs(b, t, s, h, kh, d, dtype, seed=0):
@@ -135,13 +122,8 @@ def _run(
 
 # Default run (the interpreter is slow, so few cases): T != S both ways, a query row that
 # matches no key, segment ids, GQA, causal and not, float32 and bfloat16, small tiles.
-# The slow run adds sequence 384, GQA 4, the WIDE and default tiles, and the full product.
-def _slow(*case):
-  """A case whose coverage the default cases repeat (sequence 384, the WIDE tiles, GQA and
-  bfloat16 are each exercised by a faster case); it runs with ``-m slow``."""
-  return pytest.param(*case, marks=pytest.mark.slow)
-
-
+# The slow run adds sequence 384, GQA 4, the WIDE and default tiles, and the full product;
+# sequence 384, the WIDE tiles, GQA and bfloat16 are each exercised by a faster case too.
 V1_CASES = [
   # t,   s,  rep, d, causal, seg,  dtype,        blocks
   _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),

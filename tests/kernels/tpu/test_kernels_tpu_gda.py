@@ -16,7 +16,16 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import TOL, assert_like_inputs, check, normal, rel_err, value_and_vjp
+from kernel_checks import (
+  TOL,
+  assert_like_inputs,
+  check,
+  normal,
+  packed_segment_ids,
+  rel_err,
+  slow_case,
+  value_and_vjp,
+)
 
 from diffjax import ops
 from diffjax.aot import without_persistent_cache
@@ -27,17 +36,6 @@ from diffjax.ops import reference as ref
 V1_GRADS = ("dq1", "dq2", "dk1", "dk2", "dv", "dlam")
 V2_GRADS = ("dq1", "dq2", "dk", "dv", "dlam")
 SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
-
-
-def _segments(b, t, s, *, unmatched_row: bool = False):
-  """Three packed documents of uneven length per row; queries are the last T keys."""
-  pos = jnp.arange(s)
-  kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
-  kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
-  q = kv[:, s - t :]
-  if unmatched_row:
-    q = q.at[0, 0].set(-7)
-  return q, kv
 
 
 def _inputs(version, b, t, s, h, n, kh, d, dtype, seed=0):
@@ -56,7 +54,9 @@ def _run(version, t, s, r, d, causal, seg, dtype, *, b=2, kh=2, nk=1, blocks=SMA
   heads per kv group (N = K nk, H = N r)."""
   n = kh * nk
   h = n * r
-  q_seg, kv_seg = _segments(b, t, s, unmatched_row=seg == "unmatched") if seg else (None, None)
+  q_seg, kv_seg = (
+    packed_segment_ids(b, t, s, unmatched_row=seg == "unmatched") if seg else (None, None)
+  )
   segs = None if q_seg is None else (q_seg, kv_seg)
   args = _inputs(version, b, t, s, h, n, kh, d, dtype)
   dv = 2 * d if version == 1 else d
@@ -83,23 +83,19 @@ def _run(version, t, s, r, d, causal, seg, dtype, *, b=2, kh=2, nk=1, blocks=SMA
   return out, grads
 
 
-def _slow(*case):
-  return pytest.param(*case, marks=pytest.mark.slow)
-
-
 CASES = [
   # version, t, s, r, d, causal, seg, dtype, kh, nk
   # Default: both versions, r 2 and 3, GQA (two kv groups, two noise heads in one),
   # T off every tile and T != S, a row that sees no key, float32 and bfloat16.
   (1, 130, 300, 2, 16, True, "unmatched", jnp.float32, 2, 1),
   (2, 150, 150, 3, 8, True, True, jnp.bfloat16, 1, 2),
-  _slow(1, 150, 230, 3, 16, False, True, jnp.float32, 2, 1),
-  _slow(1, 200, 200, 4, 16, True, False, jnp.bfloat16, 1, 2),
-  _slow(1, 96, 96, 2, 16, False, False, jnp.bfloat16, 2, 1),
-  _slow(2, 200, 384, 4, 8, False, "unmatched", jnp.float32, 2, 1),
-  _slow(2, 200, 136, 2, 16, True, False, jnp.float32, 1, 1),  # T > S
-  _slow(2, 150, 230, 3, 16, False, False, jnp.float32, 2, 2),
-  _slow(2, 200, 200, 2, 16, True, True, jnp.bfloat16, 2, 1),
+  slow_case(1, 150, 230, 3, 16, False, True, jnp.float32, 2, 1),
+  slow_case(1, 200, 200, 4, 16, True, False, jnp.bfloat16, 1, 2),
+  slow_case(1, 96, 96, 2, 16, False, False, jnp.bfloat16, 2, 1),
+  slow_case(2, 200, 384, 4, 8, False, "unmatched", jnp.float32, 2, 1),
+  slow_case(2, 200, 136, 2, 16, True, False, jnp.float32, 1, 1),  # T > S
+  slow_case(2, 150, 230, 3, 16, False, False, jnp.float32, 2, 2),
+  slow_case(2, 200, 200, 2, 16, True, True, jnp.bfloat16, 2, 1),
 ]
 
 
@@ -239,8 +235,8 @@ def test_stock_paths_match_reference_slow():
     (3, 384, 2, 2, 1, 128, 256, 256, (0, 200, 384), jnp.float32),
     # Two noise heads per group and r = 3 (G = 6 query rows of map 1, 2 of map 2),
     # narrow widths (the "kds" views), one row in two splits.
-    _slow(1, 512, 3, 2, 2, 32, 64, 128, (300,), jnp.float32),
-    _slow(2, 200, 4, 1, 1, 64, 128, 128, (1, 200), jnp.bfloat16),
+    slow_case(1, 512, 3, 2, 2, 32, 64, 128, (300,), jnp.float32),
+    slow_case(2, 200, 4, 1, 1, 64, 128, 128, (1, 200), jnp.bfloat16),
   ],
 )
 def test_decode_matches_reference(b, s, r, kh, nk, d, dv, block_kv, lens, dtype):

@@ -1,29 +1,23 @@
-"""Every way of choosing an arm trains the matched widths; explicit arm widths are reported.
+"""Every way of choosing an arm trains the matched widths; explicit arm widths are reported
+(diffjax.model.matching and diffjax.model.sizes).
 
 The ways: a config file's own ``model.arm``, ``--config.model.arm`` on the command line (train.py
 and the ahead-of-time compiler read the same resolution), the arms of a comparison, and another
-baseline size or width. Each must give exactly ``matched_configs(baseline)[arm]``.
+baseline size or width. Each must give exactly ``matched_configs(baseline)[arm]``. What the
+commands print about it: tests/train/test_train_command.py.
 """
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
+from helpers import COMPARE_CONFIGS, RUN_CONFIGS
 
 from diffjax import compare
 from diffjax.model import ARMS, ModelConfig, count_params, matched_configs, resolve_model
 from diffjax.model.sizes import SIZES, WIDTHS, size_widths
 from diffjax.presets import base_config, load_config
-from diffjax.train.config_utils import describe_run
-
-RUN_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
-COMPARE_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "compare", "*.py")))
 
 
 def _expected(section: dict, arm: str) -> ModelConfig:
@@ -107,78 +101,3 @@ def test_a_run_config_refuses_model_attention_and_names_model_arm():
     resolve_model({**base_config().model.to_dict(), "arm": "gpt"})
   with pytest.raises(ValueError, match="model.size='huge'"):
     resolve_model({**base_config().model.to_dict(), "size": "huge"})
-
-
-def _cli(*args):
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    timeout=WAIT_LIMIT_S,
-  )
-
-
-def _train_main():
-  """train.py's ``main``, loaded from the script (it is not a module of the package)."""
-  spec = importlib.util.spec_from_file_location(
-    "diffjax_train_script", os.path.join(REPO, "train.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
-
-
-def _in_process(capsys, main, *argv):
-  """(exit status, stdout, stderr) of a command's ``main`` run in this process."""
-  status = main(list(argv))
-  captured = capsys.readouterr()
-  return status, captured.out, captured.err
-
-
-@pytest.mark.integration
-def test_the_command_lines_print_matched_and_unmatched_runs(capsys):
-  train = _train_main()
-  status, out, err = _in_process(
-    capsys, train, "train.py", "--config=configs/tiny.py", "--config.model.arm=diff_v2", "--dry_run"
-  )
-  assert status == 0, err[-2000:]
-  want = resolve_model(
-    {**load_config(os.path.join(REPO, "configs", "tiny.py")).model.to_dict(), "arm": "diff_v2"}
-  )
-  assert "arm=diff_v2 matched to" in out and f"mlp_dim={want.config.mlp_dim}" in out
-  status, out, _ = _in_process(
-    capsys,
-    train,
-    "train.py",
-    "--config=configs/tiny.py",
-    "--config.model.unmatched.head_dim=16",
-    "--dry_run",
-  )
-  assert status == 0 and "arm=diff_v1 UNMATCHED (head_dim=16" in out, out
-  status, out, err = _in_process(
-    capsys, compare.main, "diffjax.compare", "--config=configs/compare/tiny.py", "--dry_run"
-  )
-  assert status == 0, err[-2000:]
-  assert all(f"[{arm}] model: arm={arm} matched to" in out for arm in ARMS), out
-  assert "UNMATCHED" not in out
-  # The script itself, as a user runs it: the old way of choosing an arm is refused.
-  r = _cli("train.py", "--config.model.attention=diff_v2", "--dry_run")
-  assert r.returncode == 2 and "--config.model.arm=" in r.stderr.splitlines()[-1]
-
-
-def test_help_lists_the_configs_and_the_override_grammar(capsys):
-  status, out, _ = _in_process(capsys, _train_main(), "train.py", "--help")
-  assert status == 0
-  for path in RUN_CONFIGS:
-    assert os.path.relpath(path, REPO) in out
-  assert "--config.model.arm=diff_v2" in out and "--dry_run" in out
-  status, out, _ = _in_process(capsys, compare.main, "diffjax.compare", "--help")
-  assert status == 0 and all(os.path.relpath(p, REPO) in out for p in COMPARE_CONFIGS)
-
-
-def test_describe_run_names_the_model_batch_and_data():
-  text = describe_run(load_config(os.path.join(REPO, "configs", "default.py")))
-  assert "arm=diff_v1 matched to the Transformer of 192 x 3 layers, 6 heads of 32" in text
-  assert "global_batch_size=16" in text and "kind=stdlib" in text
