@@ -22,6 +22,8 @@ import diffjax
 from diffjax import arms
 from diffjax.arms import spec as arm_spec
 
+pytestmark = pytest.mark.integration
+
 TOY_ARM = '''
 """DIFF V1 with a constant lambda (0.5): an arm of one's own."""
 from diffjax import arms
@@ -47,8 +49,6 @@ SPEC = arms.register(arms.ArmSpec(
 CONFIG = """
 import toy_arm  # registers the arm
 from diffjax.presets import base_config
-
-pytestmark = pytest.mark.integration
 
 
 def get_config():

@@ -11,6 +11,8 @@ import sys
 import pytest
 from helpers import REPO, WAIT_LIMIT_S, own_stderr, tiny_config
 
+pytestmark = pytest.mark.integration
+
 EXIT_INTERRUPTED = 130
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
@@ -18,8 +20,6 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 CONFIG = """
 from diffjax.compare import comparison_config
 from diffjax.presets import base_config
-
-pytestmark = pytest.mark.integration
 
 
 def get_config():
