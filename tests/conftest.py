@@ -23,7 +23,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Many tests compile the same small programs, often in fresh train.py processes (which
 # inherit this environment): a compilation cache shared by the test processes turns each
 # repeat into a read. Every program is written, the quick ones too: the many small ones the
-# train.py processes compile cost more together than the writes (docs/results/suite_timing.md).
+# train.py processes compile cost more together than the writes.
 os.environ.setdefault(
   "JAX_COMPILATION_CACHE_DIR",
   os.path.join(tempfile.gettempdir(), f"diffjax-tests-jax-cache-{os.getuid()}"),
@@ -34,7 +34,7 @@ os.environ.setdefault(
   "DIFFJAX_DATA_CACHE", os.path.join(tempfile.gettempdir(), f"diffjax-tests-data-{os.getuid()}")
 )
 # The test programs are small, so compiling them takes most of the suite's time, not running
-# them, and LLVM at -O0 compiles them faster (docs/results/suite_timing.md). It changes no
+# them, and LLVM at -O0 compiles them faster. It changes no
 # float32 result that a test checks (XLA's fast-math stays off).
 # Fresh processes the tests start inherit it; set XLA_FLAGS yourself to override.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
