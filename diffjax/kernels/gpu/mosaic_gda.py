@@ -93,7 +93,8 @@ def _grouped_bwd(cfg, res, do):
     dq_parts=cfg.dq_parts,
   )
   dks = (dk1.astype(dtype), dk2.astype(dtype)) if len(ks) == 2 else ((dk1 + dk2).astype(dtype),)
-  return (dq1.astype(q1.dtype), dq2.astype(q2.dtype)), dks, dvv, -d_b, None, None
+  dq = (dq1.astype(q1.dtype), dq2.astype(q2.dtype))
+  return dq, dks, dvv.astype(dtype), -d_b, None, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -129,6 +130,11 @@ def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> 
     return (
       f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
       "tiles fit one CTA's shared memory"
+    )
+  if gf.o2_parts(d, dv, itemsize) is None:
+    return (
+      f"the value dim ({dv}) must be a multiple of the head dim ({d}): the output leaves "
+      "through the query tile"
     )
   capability = gpu_capability()
   if capability != HOPPER:

@@ -70,6 +70,8 @@ def test_refusals_name_the_value():
     assert "r=16" in mg.refusal([bf16] * 5, 64, 128, 16, False, True)
     assert "of one dtype" in mg.refusal([bf16, jnp.dtype(jnp.float16)], 64, 128, 2, False, True)
     assert "fit one CTA's shared memory" in mg.refusal([bf16] * 5, 256, 512, 2, False, True)
+    # The output leaves through the query tile, d columns at a time.
+    assert "multiple of the head dim (128)" in mg.refusal([bf16] * 5, 128, 64, 4, False, True)
   with ops.target_platform("gpu", gpu_capability=(8, 0)):
     assert "sm_80, not a Hopper" in mg.refusal([bf16] * 5, 64, 128, 2, False, True)
   q1, q2, k1, k2, v, lam = _gda_v1()
@@ -122,7 +124,10 @@ def test_shared_memory_model_and_stages():
   assert [gb.key_split(d) for d in (64, 80, 96, 128)] == [(32, 32), (48, 32), (64, 32), (64, 64)]
   assert gb.registers(128, 256) == 184 <= gb.CONSUMER_REGISTERS
   assert 2 * 128 * gb.CONSUMER_REGISTERS + 128 * gb.PRODUCER_REGISTERS == 168 * 384
-  assert [gf.o2_parts(dv) for dv in (64, 128, 160, 192, 256)] == [1, 1, 2, 2, 2]
+  # O2's parts: each a column slice of a Q tile (all of it up to d 128), at most 128 columns.
+  widths = ((64, 64), (64, 128), (80, 160), (96, 192), (128, 256), (256, 256), (192, 192))
+  assert [gf.o2_parts(d, dv) for d, dv in widths] == [1, 2, 2, 2, 2, 2, 3]
+  assert gf.o2_parts(128, 64) is None and gf.o2_parts(64, 96) is None
   # Rounds: the noise map and r signal maps over two consumers.
   assert [gf.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
   assert [gf._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]
