@@ -34,7 +34,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from diffjax import compat
 from diffjax.core import validation as _v
 from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic
@@ -142,12 +141,10 @@ def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> 
   return None
 
 
-def _tiles(q1, q2, ks, v, segments, block_sizes, interpret) -> _Tiles:
+def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
   d, dv = q1.shape[3], v.shape[3]
   r = q1.shape[2] // q2.shape[2]
   reason = refusal([x.dtype for x in (q1, q2, *ks, v)], d, dv, r, len(ks) == 1, segments)
-  if reason is None and not interpret:
-    reason = compat.MOSAIC_GPU_TRAINING_REFUSAL
   if reason is not None:
     raise NotImplementedError(f"the grouped Mosaic GPU kernels refuse these inputs: {reason}")
   itemsize = jnp.dtype(q1.dtype).itemsize
@@ -239,7 +236,7 @@ def gda_v1_pallas_gpu(
   s = k1_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k1_BxSxKxD, k2_BxSxKxD)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes, interpret)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes)
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
@@ -286,7 +283,7 @@ def gda_v2_pallas_gpu(
   s = k_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k_BxSxKxD,)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes, interpret)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes)
   qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
   lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
   out = mosaic.run("v2", qs, ks, v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped)

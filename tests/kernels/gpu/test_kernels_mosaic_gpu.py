@@ -383,8 +383,7 @@ def test_mosaic_entry_points_reject_bad_input():
       q_segment_ids=jnp.zeros((1, 64), int),
     )
   with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
-    # (interpreted: on jax 0.12 a compiled call is refused before its block sizes are read)
-    mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64}, interpret=True)
+    mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64})
 
 
 # ----------------------------------------------------------------------------------
