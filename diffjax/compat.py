@@ -24,16 +24,3 @@ FLAX_VERSION = version_tuple(flax.__version__)
 
 # Flax 0.12 renamed the variable metadata key that holds logical axis names.
 FLAX_SHARDING_KEY = "out_sharding" if FLAX_VERSION >= (0, 12) else "sharding_names"
-
-# jax 0.12's Mosaic GPU plans every store from registers to global memory and refuses one in
-# which a warp does not write whole 32-byte sectors. The fused GPU training kernels store their
-# 16-bit outputs (O, O2; dK, dV) from the WGMMA register layout, 16 bytes a row per four
-# threads, so on jax 0.12 they do not compile; the decode kernels stage through shared memory
-# and do. Until the stores are staged too, the training kernels refuse and the stock path runs.
-MOSAIC_GPU_TRAINING_REFUSAL = (
-  f"on jax {jax.__version__} Mosaic GPU refuses their 16-bit stores from registers to global "
-  "memory (it requires whole 32-byte sectors); the stock path runs instead (jax < 0.12 compiles "
-  "them)"
-  if JAX_VERSION >= (0, 12)
-  else None
-)

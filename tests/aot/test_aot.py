@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from diffjax import compat
 from diffjax.aot import DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
 from diffjax.kernels.gpu import targets
 from diffjax.presets import load_config
@@ -160,8 +159,6 @@ def test_tiny_step_compiles_for_a_gpu_target(target, mosaic):
   assert report.platform == "gpu" and report.num_devices == 1
   assert report.hbm_gib == pytest.approx(targets.get(target).hbm_gib)
   assert report.usable_fraction == 0.75 and report.fits
-  # On jax 0.12 the compiled training kernels refuse (diffjax.compat): the stock path runs.
-  mosaic = mosaic and compat.MOSAIC_GPU_TRAINING_REFUSAL is None
   assert (report.pallas_kernels > 0) == mosaic, report
   assert "Mosaic GPU kernel calls" in report.line()
 

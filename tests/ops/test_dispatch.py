@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from helpers import WAIT_LIMIT_S
 
-from diffjax import compat, ops, sharding
+from diffjax import ops, sharding
 from diffjax.core import op_specs
 from diffjax.kernels.gpu import mosaic
 from diffjax.ops import dispatch
@@ -77,8 +77,6 @@ def _example(spec, dtype=jnp.bfloat16, d=64, group=2):
 
 # What "auto" runs, per platform, for inputs no kernel refuses (bf16, widths the Mosaic GPU
 # kernels tile, a Hopper).
-# On jax 0.12 the compiled Mosaic GPU training kernels refuse (diffjax.compat): stock runs.
-GPU_TRAINING = "pallas_gpu" if compat.MOSAIC_GPU_TRAINING_REFUSAL is None else "stock"
 AUTO = {
   "cpu": {
     "mha": "xla_cpu",
@@ -97,8 +95,8 @@ AUTO = {
   },
   "gpu": {
     "mha": "stock",
-    "diff_v1": GPU_TRAINING,
-    "diff_v2": GPU_TRAINING,
+    "diff_v1": "pallas_gpu",
+    "diff_v2": "pallas_gpu",
     "diff_v1_decode": "pallas_gpu",
     "mha_decode": "xla",
   },
@@ -148,7 +146,7 @@ def test_gpu_inputs_the_mosaic_kernels_refuse_take_the_stock_path(case, refusal)
         dispatch.choose(op_specs.DIFF_V1, "pallas_gpu", arrays, segment_ids=seg)
       assert "\n" not in str(info.value) and "implementation='auto'" in str(info.value)
   if refusal is None:
-    assert got is None and auto == GPU_TRAINING
+    assert got is None and auto == "pallas_gpu"
   else:
     assert refusal in got and auto == "stock", got
   # Mixed dtypes are refused too.

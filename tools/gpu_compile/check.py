@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax import compat
 from diffjax.kernels.gpu import (
   mosaic,
   mosaic_decode,
@@ -135,8 +134,6 @@ def cases(scope: str = "default") -> list[Case]:
       ("gda_v1", "gda_v2"), (64, 80, 96, 128), ((4, 2), (4, 4)), (True, False)
     ):
       out.append(Case(op, d, group, "bfloat16", seg, r=r))
-  if compat.MOSAIC_GPU_TRAINING_REFUSAL is not None:  # the dispatcher cannot choose them
-    out = [c for c in out if c.op.endswith("_decode")]
   return list(dict.fromkeys(out))
 
 
@@ -302,7 +299,6 @@ def check(case_list: list[Case], target: str = "h100", log=None) -> tuple[list[R
     "total_s": round(time.perf_counter() - t0, 1),
     "target": tgt.name,
     "jax": jax.__version__,
-    "training_kernels_refused": compat.MOSAIC_GPU_TRAINING_REFUSAL,
   }
   return rows, stats
 
@@ -338,11 +334,6 @@ def main(argv=None) -> int:
       "Hopper; the dispatcher runs the stock path there and compiles no kernel of ours."
     )
     return 0
-  if compat.MOSAIC_GPU_TRAINING_REFUSAL is not None:
-    print(
-      f"the training kernels are not compiled: {compat.MOSAIC_GPU_TRAINING_REFUSAL}",
-      file=sys.stderr,
-    )
   rows, stats = check(cases(a.scope), a.target, log=lambda m: print(m, file=sys.stderr))
   if a.json:
     print(json.dumps({"rows": [r.as_dict() for r in rows], "stats": stats}))

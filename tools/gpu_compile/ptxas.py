@@ -39,7 +39,9 @@ class MosaicKernel:
 
   Attributes:
     name: the kernel's name (its module's symbol, e.g. ``diff_v1_bwd_mgpu``).
-    digest: sha256 of the kernel's serialized module: equal digests, equal kernels.
+    digest: sha256 of the kernel's module text: equal digests, equal kernels. (Not of the
+      serialized blob, which differs between lowerings of the same kernel; jax 0.12 compiles
+      equal kernels once a process, so a second compile of one prints no ptxas report.)
     smem_bytes: dynamic shared memory it is launched with.
   """
 
@@ -119,7 +121,9 @@ def mosaic_kernels(lowered) -> list[MosaicKernel]:
     name = ir.StringAttr(kernel.operation.attributes["sym_name"]).value
     found.append(
       MosaicKernel(
-        name=name, digest=hashlib.sha256(blob).hexdigest(), smem_bytes=_launch_smem(kernel)
+        name=name,
+        digest=hashlib.sha256(str(kernel).encode()).hexdigest(),
+        smem_bytes=_launch_smem(kernel),
       )
     )
   return found

@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from diffjax import compat
 from diffjax.core import validation as _v
 from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic_bwd as mb
@@ -46,12 +45,10 @@ def refusal(variant: str, dtypes, d: int, dv: int, segments: bool) -> str | None
   return None
 
 
-def _refuse(variant: str, qs, ks, v, segments: bool, interpret: bool) -> None:
+def _refuse(variant: str, qs, ks, v, segments: bool) -> None:
   reason = refusal(
     variant, [x.dtype for x in (*qs, *ks, v)], qs[0].shape[-1], v.shape[-1], segments
   )
-  if reason is None and not interpret:
-    reason = compat.MOSAIC_GPU_TRAINING_REFUSAL
   if reason is not None:
     raise NotImplementedError(f"the Mosaic GPU kernels refuse these inputs: {reason}")
 
@@ -148,8 +145,8 @@ def run(variant, qs, ks, v, lam_BxHxT, q_seg, kv_seg, blocks, *, causal, scale, 
   )
 
 
-def _blocks(variant, qs, ks, v, q_seg, block_sizes, interpret):
-  _refuse(variant, qs, ks, v, q_seg is not None, interpret)
+def _blocks(variant, qs, ks, v, q_seg, block_sizes):
+  _refuse(variant, qs, ks, v, q_seg is not None)
   tiles.check_inputs(variant, qs, ks, v)
   d, dv = qs[0].shape[3], v.shape[3]
   itemsize = jnp.dtype(qs[0].dtype).itemsize
@@ -202,7 +199,7 @@ def diff_v1_pallas_gpu(
   s = k1_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   qs, ks = (q1_BxTxHxD, q2_BxTxHxD), (k1_BxSxKxD, k2_BxSxKxD)
-  blocks = _blocks("v1", qs, ks, v_BxSxKxDv, q_seg, block_sizes, interpret)
+  blocks = _blocks("v1", qs, ks, v_BxSxKxDv, q_seg, block_sizes)
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
@@ -239,7 +236,7 @@ def diff_v2_pallas_gpu(
   b, t = q_BxTxQxD.shape[:2]
   s = k_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
-  blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes, interpret)
+  blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes)
   lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
   opts = dict(causal=causal, scale=scale, interpret=interpret)
   out = run("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts)

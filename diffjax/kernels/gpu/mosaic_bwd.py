@@ -32,6 +32,7 @@ from diffjax.kernels.gpu.mosaic_common import (
   run_warpgroups,
   scratch_refs,
   smem_transforms,
+  store_out,
 )
 from diffjax.kernels.gpu.mosaic_tiles import (
   BLOCK_KV_BWD,
@@ -285,9 +286,22 @@ def backward(cfg: MosaicConfig, qs, ks, v, do, rows, q_seg, kv_seg, *, stages: i
 
       zeros = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv_acc = lax.fori_loop(0, total, visit, (zeros(d), zeros(width_w)))
-      dv_ref[(*keys, pl.ds(starts[w], width_w))] = dv_acc.astype(dv_ref.dtype)
+      # The gradients leave through shared memory by TMA (store_out): dV through this
+      # warpgroup's V half and V1's dK through its K tile, which no one reads after its
+      # loop; V2's float32 dK partial through its dQ tile, a chunk at a time.
       dk_ref = dka_ref if w == 0 else dkb_ref
-      dk_ref[keys] = dk.astype(dk_ref.dtype)
+      store_out(
+        dv_acc.astype(dv_ref.dtype), v_smem[w].at[0], dv_ref.at[(*keys, pl.ds(starts[w], width_w))]
+      )
+      if v1:
+        store_out(dk.astype(dk_ref.dtype), k_smem.at[w], dk_ref.at[keys])
+      else:
+        for part in range(dq_parts):
+          cols = pl.ds(part * q_width, q_width)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          store_out(
+            dk[:, part * q_width : (part + 1) * q_width], dq_smem.at[w], dk_ref.at[(*keys, cols)]
+          )
       plgpu.wait_smem_to_gmem(0)
 
     def producer():

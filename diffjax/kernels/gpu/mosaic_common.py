@@ -142,6 +142,29 @@ def smem_tile(shape, width: int, dtype, max_swizzle: int = 128):
   return plgpu.SMEM(shape, dtype, transforms=smem_transforms(width, dtype, max_swizzle))
 
 
+def store_out(value, tile, dst) -> None:
+  """Stores the [rows, w] ``value`` to the global-memory view ``dst`` through the shared-memory
+  ``tile`` ([rows, W], W >= w, free to overwrite): into its first w columns, then by TMA.
+
+  Mosaic GPU stores a wgmma-layout value to global memory from registers only where each warp
+  writes whole 32-byte sectors and the warpgroup whole 128-byte lines, which jax 0.12 checks:
+  16-bit tiles never pass, float32 ones whose rows are not whole lines do not either. A TMA copy
+  reads contiguous shared memory, so a tile's first w < W columns go 8 rows (one row of
+  swizzle tiles) a copy. The caller waits for the copies (``plgpu.wait_smem_to_gmem``) before
+  it writes the tile again or ends.
+  """
+  rows, width = value.shape
+  if width == tile.shape[-1]:
+    tile[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile, dst)
+    return
+  tile.at[:, pl.ds(0, width)][...] = value
+  plgpu.commit_smem()
+  for r in range(0, rows, 8):
+    plgpu.copy_smem_to_gmem(tile.at[pl.ds(r, 8), pl.ds(0, width)], dst.at[pl.ds(r, 8)])
+
+
 def barriers(n: int = 1, arrivals: int = 1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 

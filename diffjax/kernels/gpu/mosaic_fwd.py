@@ -62,6 +62,7 @@ def _scratch(cfg: mc.MosaicConfig, dtype, d: int, dv: int, stages: int, width: i
     bars(stages, mc.COMPUTE_WGS),  # consumed
     bars(),  # x_bar
     bars() if parts > 1 else None,  # x_free
+    bars(),  # o_free: warpgroup 1 may stage O2 in the V ring
   ]
 
 
@@ -110,6 +111,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       consumed,
       x_bar,
       x_free,
+      o_free,
     ) = it
 
     bi = lax.axis_index("batch")
@@ -162,6 +164,15 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
       lse_ref = lse_a_ref if w == 0 else lse_b_ref
       plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, hi, pl.ds(q_start, bq)])
       rows = (bi, pl.ds(q_start, bq), hi)
+      # O and O2 leave through the V ring, which is free once both consumers are done
+      # with their loops, by TMA copies of whole tiles (Mosaic GPU stores 16-bit values
+      # from the wgmma layout to global memory in partial 32-byte sectors, which jax 0.12
+      # refuses). O is staged in slot 0 by warpgroup 0, after O2's first chunk has
+      # crossed (warpgroup 1 is then done with the ring); O2 in the last slot by
+      # warpgroup 1 once warpgroup 0 is done with the ring (o_free), or with one slot
+      # once O has been read out of it.
+      stage = lambda slot: v_smem.at[slot, pl.ds(0, bq)]
+      o2_slot = stages - 1
       # O2 goes to warpgroup 0 in float32, ``parts`` column chunks at a time through
       # one chunk of shared memory (x_bar: a chunk is written; x_free: it was read).
       if w == 1:
@@ -170,8 +181,11 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
             plgpu.barrier_wait(x_free)
           x_smem[...] = out[:, part * width : (part + 1) * width]
           plgpu.barrier_arrive(x_bar)
-        o2_ref[rows] = out.astype(dtype)
+        plgpu.barrier_wait(o_free)
+        mc.store_out(out.astype(dtype), stage(o2_slot), o2_ref.at[rows])
       else:
+        if o2_slot:
+          plgpu.barrier_arrive(o_free)
         if cfg.segments:  # the lambda copy was issued after the segment ids
           plgpu.copy_gmem_to_smem(lam_ref.at[bi, hi, pl.ds(q_start, bq)], lam_smem, row_bar.at[0])
         plgpu.barrier_wait(row_bar.at[0])
@@ -182,9 +196,13 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
           if part + 1 < parts:
             plgpu.barrier_arrive(x_free)
           o1 = out[:, part * width : (part + 1) * width]
-          o_ref[(*rows, pl.ds(part * width, width))] = (
-            o1 - mc.bcast_rows(lam, o1.shape) * o2
-          ).astype(dtype)
+          chunk = stage(0).at[:, pl.ds(part * width, width)] if parts > 1 else stage(0)
+          chunk[...] = (o1 - mc.bcast_rows(lam, o1.shape) * o2).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage(0), o_ref.at[rows])
+        if not o2_slot:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          plgpu.barrier_arrive(o_free)
       plgpu.wait_smem_to_gmem(0)
 
     def producer():

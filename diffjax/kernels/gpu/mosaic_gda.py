@@ -34,7 +34,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from diffjax import compat
 from diffjax.core import validation as _v
 from diffjax.core.platform import HOPPER, gpu_capability
 from diffjax.kernels.gpu import mosaic
@@ -93,7 +92,8 @@ def _grouped_bwd(cfg, res, do):
     dq_parts=cfg.dq_parts,
   )
   dks = (dk1.astype(dtype), dk2.astype(dtype)) if len(ks) == 2 else ((dk1 + dk2).astype(dtype),)
-  return (dq1.astype(q1.dtype), dq2.astype(q2.dtype)), dks, dvv, -d_b, None, None
+  dq = (dq1.astype(q1.dtype), dq2.astype(q2.dtype))
+  return dq, dks, dvv.astype(dtype), -d_b, None, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -130,18 +130,21 @@ def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> 
       f"head dims ({d}, {dv}) must be multiples of 16 (value dim at least 32) whose "
       "tiles fit one CTA's shared memory"
     )
+  if gf.o2_parts(d, dv, itemsize) is None:
+    return (
+      f"the value dim ({dv}) must be a multiple of the head dim ({d}): the output leaves "
+      "through the query tile"
+    )
   capability = gpu_capability()
   if capability != HOPPER:
     return f"the GPU is sm_{capability[0]}{capability[1]}, not a Hopper (sm_90)"
   return None
 
 
-def _tiles(q1, q2, ks, v, segments, block_sizes, interpret) -> _Tiles:
+def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
   d, dv = q1.shape[3], v.shape[3]
   r = q1.shape[2] // q2.shape[2]
   reason = refusal([x.dtype for x in (q1, q2, *ks, v)], d, dv, r, len(ks) == 1, segments)
-  if reason is None and not interpret:
-    reason = compat.MOSAIC_GPU_TRAINING_REFUSAL
   if reason is not None:
     raise NotImplementedError(f"the grouped Mosaic GPU kernels refuse these inputs: {reason}")
   itemsize = jnp.dtype(q1.dtype).itemsize
@@ -233,7 +236,7 @@ def gda_v1_pallas_gpu(
   s = k1_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k1_BxSxKxD, k2_BxSxKxD)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes, interpret)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes)
   lam_BxHxT = jnp.broadcast_to(
     jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
   )
@@ -280,7 +283,7 @@ def gda_v2_pallas_gpu(
   s = k_BxSxKxD.shape[1]
   q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   ks = (k_BxSxKxD,)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes, interpret)
+  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes)
   qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
   lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
   out = mosaic.run("v2", qs, ks, v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped)

@@ -48,6 +48,7 @@ from diffjax.kernels.gpu.mosaic_common import (
   run_warpgroups,
   scratch_refs,
   smem_transforms,
+  store_out,
   swizzle_bytes,
 )
 from diffjax.kernels.gpu.pair_common import LOG2E, q_blocks
@@ -110,6 +111,16 @@ def blocks(d: int, dv: int, segments: bool, itemsize: int = 2) -> tuple[int, int
   )
 
 
+def _chunk(width: int, q_width: int, itemsize: int = 4) -> int | None:
+  """Columns of a float32 [64, width] gradient a copy through the [64, q_width] dQ tile
+  carries: q_width where it divides the width, the whole width where narrower and a whole
+  number of the tile's swizzle tiles, else None."""
+  if width % q_width == 0:
+    return q_width
+  tile = swizzle_bytes(q_width, itemsize) // itemsize
+  return width if width < q_width and width % tile == 0 else None
+
+
 def _scratch(cfg: MosaicConfig, dtype, d: int, widths, stages: int, q_width: int) -> list:
   seg = cfg.segments
   bq, bk, wgs = BLOCK_Q, tiles.BLOCK_KV_BWD, COMPUTE_WGS
@@ -155,7 +166,8 @@ def backward(
       the input dtype (zero on padded query rows).
     rows1 [B, H, 2, T], rows2 [B, N, 2, T]: float32 (log-sum-exp base 2, row term) per map.
   Returns:
-    (dq1, dq2) float32; (dk1, dk2) float32 [B, S, K, d]; dv in the input dtype.
+    (dq1, dq2) float32; (dk1, dk2) float32 [B, S, K, d]; dv float32, or in the input dtype
+    where its halves do not split into the dQ tile's chunks (the caller casts it).
   """
   b, t, h, d = q1.shape
   n_noise = q2.shape[2]
@@ -173,6 +185,14 @@ def backward(
   k_starts = (0, k_widths[0])
   c = cfg.scale * LOG2E
   q_width = d // dq_parts
+  # The float32 gradients leave through the [64, q_width] dQ tile (store_out), in chunks of
+  # q_width, or whole where narrower: dK's halves always, dV's halves where their widths
+  # allow (V2 style at d 96 has halves of 48 against chunks of 32), else through the V
+  # halves in the input dtype (a bf16 store there made ptxas spill at V1 style d 128).
+  k_chunks = tuple(_chunk(kw, q_width) for kw in k_widths)
+  v_chunks = tuple(_chunk(w, q_width) for w in widths)
+  dv_f32 = None not in v_chunks
+  assert None not in k_chunks, (d, k_widths, q_width)
   sub = tiles.BWD_Q_SUB
   n_sub = bq // sub
   wgs = COMPUTE_WGS
@@ -320,6 +340,14 @@ def backward(
           )
         return dk, dv_acc
 
+      def leave(value, chunk, ref, start):
+        """A float32 [64, width] gradient to ``ref``'s columns from ``start``, ``chunk``
+        columns at a time through this warpgroup's dQ tile (once the last copy read it)."""
+        for i in range(value.shape[1] // chunk):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          cols = pl.ds(start + i * chunk, chunk)
+          store_out(value[:, i * chunk : (i + 1) * chunk], dq_smem.at[w], ref.at[(*keys, cols)])
+
       zeros = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32), plgpu.Layout.WGMMA)
       dv_acc = zeros(widths[w])
       base = jnp.int32(0)
@@ -330,9 +358,13 @@ def backward(
           lambda n, carry, p=p, base=base: step(n, carry, p, base),
           (zeros(k_widths[w]), dv_acc),
         )
-        dk_ref[(*keys, pl.ds(k_starts[w], k_widths[w]))] = dk
+        leave(dk, k_chunks[w], dk_ref, k_starts[w])
         base = base + steps[p]
-      dv_ref[(*keys, pl.ds(starts[w], widths[w]))] = dv_acc.astype(dv_ref.dtype)
+      if dv_f32:
+        leave(dv_acc, v_chunks[w], dv_ref, starts[w])
+      else:  # through this warpgroup's V half, which the other one last read before y_bar
+        dv_cols = pl.ds(starts[w], widths[w])
+        store_out(dv_acc.astype(dv_ref.dtype), v_smem[w].at[0], dv_ref.at[(*keys, dv_cols)])
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
@@ -382,7 +414,7 @@ def backward(
   flat = [x for x in scratch if x is not None]
   args = [q1, q2, k1, k2, v, do, g, rows1, rows2] + ([q_seg, kv_seg] if cfg.segments else [])
   dk_type = jax.ShapeDtypeStruct(k1.shape, jnp.float32)
-  out_type = [dk_type, dk_type, jax.ShapeDtypeStruct(v.shape, dtype)]
+  out_type = [dk_type, dk_type, jax.ShapeDtypeStruct(v.shape, jnp.float32 if dv_f32 else dtype)]
   dq_refs = [
     jax.new_ref(jnp.zeros(q.shape, jnp.float32), memory_space=plgpu.GMEM) for q in (q1, q2)
   ]

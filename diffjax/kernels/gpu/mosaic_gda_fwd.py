@@ -39,14 +39,24 @@ def _item(k: int, w: int, r: int) -> int | None:
   return None if i > r else i - 1
 
 
-def o2_parts(dv: int) -> int:
-  """Column chunks in which O2 is kept and combined into a signal head: the fewest of at
-  most 128 columns (a multiple of 16), so a chunk of O2 in float32 is at most 64 registers a
-  thread beside the [64, Dv] accumulator. Dv 256 -> 2 (128); Dv 192 -> 2 (96); Dv 128 -> 1."""
-  for parts in (1, 2, 3, 4):
-    if dv % parts == 0 and dv // parts <= 128 and (dv // parts) % 16 == 0:
-      return parts
-  return 1
+def o2_parts(d: int, dv: int, itemsize: int = 2) -> int | None:
+  """Column parts in which O2 is kept and combined into a signal head, or None if Dv is not
+  a multiple of d (the kernel refuses those widths).
+
+  A signal head's output leaves through its consumer's [64, d] Q tile, one tile of d columns
+  at a time (a TMA copy reads a whole tile), so a part is a column slice of that tile: all
+  of it up to d 128, else the widest slice of at most 128 columns (64 float32 registers a
+  thread beside the [64, Dv] accumulator) of whole swizzle tiles. d 128 / Dv 256 -> 2;
+  d 64 / Dv 128 -> 2; Dv = d <= 128 -> 1; d = Dv = 256 -> 2 (two parts a tile).
+  """
+  if dv % d:
+    return None
+  tile = mc.swizzle_bytes(d, itemsize) // itemsize
+  for per_tile in range(1, d // 16 + 1):
+    width = d // per_tile
+    if d % per_tile == 0 and width <= 128 and (per_tile == 1 or width % tile == 0):
+      return dv // width
+  return None
 
 
 def forward_smem_bytes(
@@ -144,8 +154,11 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
   stages = max(1, min(cfg.stages, s // bk))
   c = cfg.scale * LOG2E
   shared_k = len(ks) == 1
-  parts = o2_parts(dv)
+  parts = o2_parts(d, dv, jnp.dtype(dtype).itemsize)
+  if parts is None:
+    raise ValueError(f"value dim {dv} must be a multiple of the head dim {d}.")
   width = dv // parts
+  per_tile = d // width  # parts of O2 a Q tile of the output holds
   n_rounds = rounds(r)
   seg = cfg.segments
 
@@ -214,6 +227,8 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
         noise = j < 0
         head = ni if noise else ni * r + j
         rows = (bi, pl.ds(q_start, bq), head)
+        if k:  # the last round's output and log-sum-exps were read out of shared memory
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.copy_gmem_to_smem((q2_ref if noise else q1_ref).at[rows], q_smem.at[w], q_bar.at[w])
         if not noise:
           plgpu.copy_gmem_to_smem(
@@ -246,28 +261,43 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
           0, n_end, functools.partial(step, masked=any_mask), mc.softmax_start(bq, dv)
         )
         out, lse = mc.softmax_finish(*carry)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last round's lse was read
         lse_smem.at[w][...] = lse
         plgpu.commit_smem()
         lse_ref = lse2_ref if noise else lse1_ref
         plgpu.copy_smem_to_gmem(lse_smem.at[w], lse_ref.at[bi, head, pl.ds(q_start, bq)])
+        # The outputs are 16-bit and leave by TMA copies from shared memory: Mosaic GPU
+        # stores them from the wgmma layout to global memory in partial 32-byte sectors,
+        # which jax 0.12 refuses. O2 leaves from where the group keeps it, after the last
+        # round (copied here, the copies made jax 0.10's lowering spill at d 128).
         if noise:
           for part in range(parts):
             x_smem.at[part][...] = out[:, part * width : (part + 1) * width].astype(dtype)
+          plgpu.commit_smem()
           plgpu.barrier_arrive(x_bar)
-          o2_ref[rows] = out.astype(dtype)
           continue
         plgpu.barrier_wait(lam_bar.at[w])
         lam = mc.row(lam_smem.at[w][...])
         if not o2_ready:
           plgpu.barrier_wait(x_bar)
           o2_ready = True
+        # A signal head's output d columns at a time through this consumer's Q tile, free
+        # until the next round's Q (each tile read out before the next is written).
+        for i in range(dv // d):
+          if i:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for piece in range(per_tile):
+            part = i * per_tile + piece
+            o2 = plgpu.layout_cast(x_smem.at[part][...], plgpu.Layout.WGMMA).astype(jnp.float32)
+            o1 = out[:, part * width : (part + 1) * width]
+            cols = pl.ds(piece * width, width)
+            stage = q_smem.at[w, :, cols] if per_tile > 1 else q_smem.at[w]
+            stage[...] = (o1 - mc.bcast_rows(lam, o1.shape) * o2).astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(q_smem.at[w], o_ref.at[(*rows, pl.ds(i * d, d))])
+      if w == 1:  # warpgroup 1 runs the noise map (round 0)
         for part in range(parts):
-          o2 = plgpu.layout_cast(x_smem.at[part][...], plgpu.Layout.WGMMA).astype(jnp.float32)
-          o1 = out[:, part * width : (part + 1) * width]
-          o_ref[(*rows, pl.ds(part * width, width))] = (
-            o1 - mc.bcast_rows(lam, o1.shape) * o2
-          ).astype(dtype)
+          cols = pl.ds(part * width, width)
+          plgpu.copy_smem_to_gmem(x_smem.at[part], o2_ref.at[bi, pl.ds(q_start, bq), ni, cols])
       plgpu.wait_smem_to_gmem(0)
 
     def producer():

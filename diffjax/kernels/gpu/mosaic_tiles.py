@@ -66,7 +66,7 @@ def forward_smem_bytes(
     COMPUTE_WGS * BLOCK_Q * 4 if segments else 0,  # query segment ids
     stages * block_kv * 4 if segments else 0,
   )  # key segment ids
-  bars = 2 * COMPUTE_WGS + stages * (3 + v1 + segments) + 1 + (exchange_parts(dv) > 1)
+  bars = 2 * COMPUTE_WGS + stages * (3 + v1 + segments) + 2 + (exchange_parts(dv) > 1)
   return buffers + bars * BARRIER_BYTES + KERNEL_SMEM_EXTRA
 
 

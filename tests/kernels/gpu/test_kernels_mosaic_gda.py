@@ -22,7 +22,7 @@ import pytest
 from helpers import TESTS
 from kernel_checks import normal, rel_err, tolerance
 
-from diffjax import compat, ops
+from diffjax import ops
 from diffjax.core import op_specs
 from diffjax.kernels.gpu import mosaic, mosaic_tiles
 from diffjax.kernels.gpu import mosaic_gda as mg
@@ -50,9 +50,7 @@ def _gda_v2(dtype=jnp.bfloat16, h=4, n=2, kh=1, d=64, t=128):
 
 @pytest.mark.parametrize("capability", [None, (8, 0)])
 def test_auto_takes_the_grouped_kernel_on_a_hopper_and_stock_elsewhere(capability):
-  # On jax 0.12 the compiled training kernels refuse (diffjax.compat): stock runs.
-  hopper = "pallas_gpu" if compat.MOSAIC_GPU_TRAINING_REFUSAL is None else "stock"
-  kernel = hopper if capability is None else "stock"
+  kernel = "pallas_gpu" if capability is None else "stock"
   with ops.target_platform("gpu", gpu_capability=capability):
     for spec, example in ((op_specs.GDA_V1, _gda_v1), (op_specs.GDA_V2, _gda_v2)):
       assert dispatch.choose(spec, "auto", example()) == kernel, spec.name
@@ -70,18 +68,19 @@ def test_refusals_name_the_value():
     assert "r=16" in mg.refusal([bf16] * 5, 64, 128, 16, False, True)
     assert "of one dtype" in mg.refusal([bf16, jnp.dtype(jnp.float16)], 64, 128, 2, False, True)
     assert "fit one CTA's shared memory" in mg.refusal([bf16] * 5, 256, 512, 2, False, True)
+    # The output leaves through the query tile, d columns at a time.
+    assert "multiple of the head dim (128)" in mg.refusal([bf16] * 5, 128, 64, 4, False, True)
   with ops.target_platform("gpu", gpu_capability=(8, 0)):
     assert "sm_80, not a Hopper" in mg.refusal([bf16] * 5, 64, 128, 2, False, True)
   q1, q2, k1, k2, v, lam = _gda_v1()
   with pytest.raises(ValueError, match="block_kv is 64"):
-    # Interpreted: on jax 0.12 a compiled call is refused before its block sizes are read.
-    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_kv": 128}, interpret=True)
+    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_kv": 128})
   with pytest.raises(ValueError, match="needs .* bytes of shared memory for d=128"):
-    mg.gda_v1_pallas_gpu(*_gda_v1(d=128), block_sizes={"stages": 3}, interpret=True)
+    mg.gda_v1_pallas_gpu(*_gda_v1(d=128), block_sizes={"stages": 3})
   with pytest.raises(ValueError, match="dq_parts=3 must split d=64"):
-    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"dq_parts": 3}, interpret=True)
+    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"dq_parts": 3})
   with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
-    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_q": 64}, interpret=True)
+    mg.gda_v1_pallas_gpu(q1, q2, k1, k2, v, lam, block_sizes={"block_q": 64})
 
 
 def test_r1_runs_the_diff_kernels(monkeypatch):
@@ -122,7 +121,10 @@ def test_shared_memory_model_and_stages():
   assert [gb.key_split(d) for d in (64, 80, 96, 128)] == [(32, 32), (48, 32), (64, 32), (64, 64)]
   assert gb.registers(128, 256) == 184 <= gb.CONSUMER_REGISTERS
   assert 2 * 128 * gb.CONSUMER_REGISTERS + 128 * gb.PRODUCER_REGISTERS == 168 * 384
-  assert [gf.o2_parts(dv) for dv in (64, 128, 160, 192, 256)] == [1, 1, 2, 2, 2]
+  # O2's parts: each a column slice of a Q tile (all of it up to d 128), at most 128 columns.
+  widths = ((64, 64), (64, 128), (80, 160), (96, 192), (128, 256), (256, 256), (192, 192))
+  assert [gf.o2_parts(d, dv) for d, dv in widths] == [1, 2, 2, 2, 2, 2, 3]
+  assert gf.o2_parts(128, 64) is None and gf.o2_parts(64, 96) is None
   # Rounds: the noise map and r signal maps over two consumers.
   assert [gf.rounds(r) for r in (2, 3, 4, 8)] == [2, 2, 3, 5]
   assert [gf._item(k, w, 4) for k in range(3) for w in (1, 0)] == [-1, 0, 1, 2, 3, None]

@@ -183,7 +183,7 @@ def _forward_smem(d, dv, stages, v1, seg, item=2):
   bufs += [stages * 64 * d * item] if v1 else []
   bufs += [2 * 64 * 4, stages * 64 * 4] if seg else []
   bars = 2 + 2 + stages + (stages if v1 else 0) + stages + (stages if seg else 0) + stages
-  bars += 1 + (half > 1)
+  bars += 2 + (half > 1)  # O2 crossed (and read, in halves); the ring free for O2 (o_free)
   return sum(map(_align, bufs)) + 8 * bars + 2 * KIB
 
 
@@ -383,8 +383,7 @@ def test_mosaic_entry_points_reject_bad_input():
       q_segment_ids=jnp.zeros((1, 64), int),
     )
   with pytest.raises(ValueError, match="Unknown MosaicBlockSizes fields"):
-    # (interpreted: on jax 0.12 a compiled call is refused before its block sizes are read)
-    mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64}, interpret=True)
+    mosaic.diff_v1_pallas_gpu(q, q, q, q, v, 0.5, block_sizes={"block_q": 64})
 
 
 # ----------------------------------------------------------------------------------
