@@ -1,7 +1,10 @@
-"""Shared pytest setup: the CPU backend and strict rank promotion.
+"""Shared pytest setup: the CPU backend with 8 devices, and strict rank promotion.
 
-Only settings every test file can live with belong here; a file that needs more
-(e.g. several CPU devices for mesh tests) sets it itself before its first JAX call.
+Only settings every test file can live with belong here. Every test process has 8 CPU
+devices (set before JAX starts its backend), so mesh and multi-device tests run in-process;
+code that asks for no mesh runs on the first device, as on a one-device machine, and the
+tests' training runs take one device (``mesh.num_devices=1``, ``helpers.tiny_config``).
+Processes the tests start do not inherit the device count.
 """
 
 import os
@@ -37,12 +40,19 @@ os.environ.setdefault(
 # them, and LLVM at -O0 compiles them faster. It changes no
 # float32 result that a test checks (XLA's fast-math stays off).
 # Fresh processes the tests start inherit it; set XLA_FLAGS yourself to override.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(
-    f for f in (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0") if f
-  )
+# Collectives on the CPU devices wait up to 20 minutes for each other (the runtime's default
+# is 40 s, which an interpreted kernel on one device can hold the others for on a busy machine).
+for _flag in (
+  "--xla_backend_optimization_level=0",
+  "--xla_cpu_collective_call_terminate_timeout_seconds=1200",
+):
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), _flag) if f)
 
 import jax  # noqa: E402  (must follow the environment setting)
+
+TEST_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", TEST_DEVICES)
 
 # Broadcasting between arrays of different ranks must be spelled out in the library.
 jax.config.update("jax_numpy_rank_promotion", "raise")

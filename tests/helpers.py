@@ -53,6 +53,8 @@ def tiny_config(arm="diff_v1", steps=6):
   c.data.max_documents = 40
   c.optim.update(dict(warmup_steps=2, decay_steps=steps))
   c.checkpoint.update(dict(every=3, keep=5, async_save=False))
+  # One of the test process's 8 CPU devices (tests/conftest.py), as a train.py process has.
+  c.mesh.num_devices = 1
   return c
 
 

@@ -363,6 +363,9 @@ class MeshConfig(Section):
 
   # (data, fsdp, tensor[, context]); one entry may be -1 ("the rest").
   shape: tuple[int, ...] = (-1, 1, 1)
+  # How many devices the mesh spans: 0 takes every device; N > 0 the first N of a
+  # single-process run (e.g. one device of a host that has several).
+  num_devices: int = 0
   # The logical-axis rules table as [name, mesh axes] pairs (or a dict); None:
   # diffjax.sharding's. Kept as the normalised table.
   rules: tuple | None = dataclasses.field(default=None, metadata={"config_type": list})
@@ -374,6 +377,10 @@ class MeshConfig(Section):
 
   def _check(self) -> None:
     object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+    if self.num_devices < 0:
+      raise ValueError(
+        f"mesh.num_devices={self.num_devices} must be 0 (every device) or a device count."
+      )
     if self.rules is not None:
       object.__setattr__(self, "rules", rules_from_config(self.rules))
     if self.context_strategy not in CONTEXT_STRATEGIES:
@@ -385,6 +392,27 @@ class MeshConfig(Section):
   def logical_rules(self) -> tuple:
     """The rules table the run uses (diffjax.sharding's when ``rules`` is None)."""
     return rules_from_config(self.rules)
+
+  def devices(self) -> list | None:
+    """The devices the mesh spans (None: every device), checked against what this process
+    sees."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if not self.num_devices:
+      return None
+    available = jax.device_count()
+    if jax.process_count() > 1 and self.num_devices != available:
+      raise ValueError(
+        f"mesh.num_devices={self.num_devices}: a run of {jax.process_count()} processes "
+        f"spans all {available} devices. Leave mesh.num_devices at 0."
+      )
+    if self.num_devices > available:
+      raise ValueError(
+        f"mesh.num_devices={self.num_devices}, but this process sees {available} "
+        f"{jax.default_backend()} device(s). Set mesh.num_devices to at most {available} "
+        "(0 takes them all)."
+      )
+    return jax.devices()[: self.num_devices]
 
   @property
   def context(self) -> int:

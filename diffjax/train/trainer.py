@@ -197,7 +197,7 @@ class Trainer:
     cfg = self.cfg
     # The mesh decides which rows each process loads (processes of one context group share
     # theirs); building it touches nothing.
-    self.mesh = shd.make_mesh(cfg.mesh.shape)
+    self.mesh = shd.make_mesh(cfg.mesh.shape, devices=cfg.mesh.devices())
     self.rules = cfg.mesh.logical_rules
     self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
     row_slot, row_slots = shd.process_rows(self.batch_shard, (cfg.global_batch_size, cfg.seq_len))
@@ -339,7 +339,7 @@ class Trainer:
     self.progress.message("diffjax: " + self.arm_model.describe())
     self.progress.message(
       f"diffjax: arm={model_cfg.attention} params={self.n_params:,} "
-      f"devices={jax.device_count()} mesh={dict(self.mesh.shape)} "
+      f"devices={self.mesh.size} mesh={dict(self.mesh.shape)} "
       f"train_tokens={data.num_train_tokens:,} "
       # A streamed corpus is never read whole, so it has no unigram baseline (nan).
       + (
@@ -359,7 +359,7 @@ class Trainer:
       self.clock,
       tokens_per_step=cfg.tokens_per_step,
       model_flops_per_token=self.flops.model,
-      num_devices=jax.device_count(),
+      num_devices=self.mesh.size,
       peak_flops_per_device=cfg.peak_flops or peak_flops(jax.devices()[0].device_kind),
     )
     self.profile = Profile(cfg.profile, self.workdir, enabled=self.is_main, clock=self.clock)

@@ -44,6 +44,7 @@ def _mini(values=(3e-3, 1e30), max_skipped=3):
   base.optim.update(dict(lr=3e-3, min_lr=3e-4, warmup_steps=0, decay_steps=6))
   base.max_skipped_updates = max_skipped
   base.checkpoint.update(dict(every=6, keep=1, async_save=False))
+  base.mesh.num_devices = 1  # as a train.py process on a CPU has
   c = compare.comparison_config(base, seeds=(0,), arms=("transformer", "v2_nosig"))
   c.variants.v2_nosig = dict(arm="diff_v2", model=dict(v2_lambda="identity"))
   c.allow_divergence = True

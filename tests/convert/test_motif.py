@@ -416,6 +416,7 @@ def test_train_py_continues_an_imported_motif_checkpoint(tmp_path, capsys):
   c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
   c.data.max_documents = 20
   c.checkpoint.update(dict(every=2, keep=1, async_save=False, init_from=run))
+  c.mesh.num_devices = 1
   out = str(tmp_path / "continued")
   result = train_and_evaluate(c, out)
   assert f"Initialised the parameters from step 0 of {run}" in capsys.readouterr().out

@@ -1,9 +1,8 @@
 """Context parallelism in the model: the LM's loss and every parameter gradient on meshes
 that shard the sequence over ``context`` equal the single-device ones.
 
-The sharded checks need 8 CPU devices, set before JAX starts: the parent run starts this
-file again in a child pytest with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-(as tests/ops/test_context_parallel.py does). Mesh shapes are (data, fsdp, tensor, context).
+The sharded checks run on the test process's 8 CPU devices (tests/conftest.py), in the
+integration tier (one compile per mesh). Mesh shapes are (data, fsdp, tensor, context).
 Batches hold packed documents whose boundaries fall inside and across the context shards;
 the load-balanced (zig-zag) order is applied by the train step's own wrapper
 (``diffjax.train.setup.with_mesh_rules``).
@@ -11,30 +10,21 @@ the load-balanced (zig-zag) order is applied by the train step's own wrapper
 
 from __future__ import annotations
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from multidevice import XLA_FLAGS, eight_device_drivers
-
-_CHILD_ENV = "DIFFJAX_CONTEXT_MODEL_CHILD"
-IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
-if IN_CHILD:  # before JAX starts its backend
-  os.environ["XLA_FLAGS"] = XLA_FLAGS
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from diffjax import sharding as shd  # noqa: E402
-from diffjax.model import ModelConfig, matched_configs  # noqa: E402
-from diffjax.presets import base_config  # noqa: E402
-from diffjax.train.config_utils import check_config  # noqa: E402
-from diffjax.train.setup import build_train_setup, with_mesh_rules  # noqa: E402
-from diffjax.train.steps import create_model, loss_sums, split_params  # noqa: E402
+from diffjax import sharding as shd
+from diffjax.model import ModelConfig, matched_configs
+from diffjax.presets import base_config
+from diffjax.train.config_utils import check_config
+from diffjax.train.setup import build_train_setup, with_mesh_rules
+from diffjax.train.steps import create_model, loss_sums, split_params
 
 TOL = 1e-5
 B, T = 4, 32
-sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
+sharded = pytest.mark.integration  # one compile per mesh
 
 BASE = ModelConfig(
   attention="transformer",
@@ -212,14 +202,6 @@ def test_config_checks_name_the_context_settings():
       shd.make_mesh((1, 1, 1), jax.devices()[:1]), shd.DEFAULT_RULES, context_strategy="tree"
     ):
       pass
-
-
-# ------------------------------------------------------------------------------------------
-# Drivers (parent process).
-
-test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
-  __file__, _CHILD_ENV, timeout=1800
-)
 
 
 class _FakeSharding:

@@ -1,10 +1,7 @@
 """Context-parallel attention (sequence sharded over a mesh axis) against the reference.
 
-The sharded checks need 8 CPU devices, and the device count must be set before JAX
-starts its backend, which another test file of the same process may already have
-done. So the parent run starts this file again in a child pytest process with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``test_on_eight_devices``);
-there the sharded tests run and the drivers skip; in the parent the sharded tests skip.
+The sharded checks run on the test process's 8 CPU devices (tests/conftest.py); they
+compile once per mesh, so they are in the integration tier.
 
 Each sharded case builds inputs in the original token order, permutes every per-token
 array with :func:`zigzag_permutation` (identity without load balancing), runs the
@@ -16,29 +13,21 @@ below 1e-6).
 
 from __future__ import annotations
 
-import os
 import re
 
-from multidevice import XLA_FLAGS, eight_device_drivers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_checks import rel_err as _rel_err
 
-_CHILD_ENV = "DIFFJAX_CONTEXT_PARALLEL_CHILD"
-IN_CHILD = os.environ.get(_CHILD_ENV) == "1"
-if IN_CHILD:  # before JAX starts its backend
-  os.environ["XLA_FLAGS"] = XLA_FLAGS
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from kernel_checks import rel_err as _rel_err  # noqa: E402
-
-from diffjax.core import reference as ref  # noqa: E402
-from diffjax.ops import context_parallel as cp  # noqa: E402
+from diffjax.core import reference as ref
+from diffjax.ops import context_parallel as cp
 
 TOL = 1e-5
 AXES = ("data", "fsdp", "tensor", "context")
 B, H, KV, D = 2, 4, 2, 8
-sharded = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child process")
+sharded = pytest.mark.integration  # one compile per mesh
 
 # (mesh shape, batch_axis, head_axis): the three layouts checked. On (1, 2, 1, 4) without
 # a batch axis the batch is replicated over fsdp, which checks that replicated inputs get
@@ -417,11 +406,3 @@ def test_argument_errors():
   if jax.default_backend() != "tpu":
     with pytest.raises(ValueError, match="interpret=True"):
       call_v1(implementation="pallas_tpu")
-
-
-# ------------------------------------------------------------------------------------------
-# Drivers (parent process).
-
-test_on_eight_devices, test_on_eight_devices_slow = eight_device_drivers(
-  __file__, _CHILD_ENV, timeout=1200
-)

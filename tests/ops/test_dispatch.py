@@ -16,6 +16,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import kernel_checks
 import numpy as np
 import pytest
 from helpers import WAIT_LIMIT_S
@@ -75,48 +76,78 @@ def _example(spec, dtype=jnp.bfloat16, d=64, group=2):
   return spec.example(dtype, d, group, 128)
 
 
-# What "auto" runs, per platform, for inputs no kernel refuses (bf16, widths the Mosaic GPU
-# kernels tile, a Hopper).
-AUTO = {
-  "cpu": {
-    "mha": "xla_cpu",
-    "diff_v1": "xla_cpu",
-    "diff_v2": "xla_cpu",
-    "gda_v1": "xla_cpu",
-    "gda_v2": "xla_cpu",
-    "diff_v1_decode": "xla",
-  },
-  "tpu": {
-    "mha": "stock",
-    "diff_v1": "pallas_tpu",
-    "diff_v2": "pallas_tpu",
-    "diff_v1_decode": "pallas_tpu",
-    "diff_v2_decode": "xla",
-  },
-  "gpu": {
-    "mha": "stock",
-    "diff_v1": "pallas_gpu",
-    "diff_v2": "pallas_gpu",
-    "diff_v1_decode": "pallas_gpu",
-    "mha_decode": "xla",
-  },
-}
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-@pytest.mark.parametrize("platform", sorted(AUTO))
-def test_auto_runs_the_platform_kernel(platform):
-  for op, want in AUTO[platform].items():
-    spec = dispatch.OPS[op]
+def _first_row(op: str, platform: str) -> str:
+  """The platform's first row of ``op`` in the table, or the XLA math when it has none."""
+  names = [r.name for r in dispatch.rows(op) if platform in r.platforms]
+  return names[0] if names else "xla"
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_auto_runs_the_platform_s_first_row_on_ordinary_inputs(platform):
+  # Inputs no kernel refuses (bf16, widths the Mosaic GPU kernels tile, a Hopper): "auto"
+  # takes the platform's first row of the table (docs/architecture.md); an explicit mask
+  # or float64 inputs take the XLA math everywhere.
+  for op, spec in dispatch.OPS.items():
     with ops.target_platform(platform):
-      assert dispatch.choose(spec, "auto", _example(spec)) == want, op
+      assert dispatch.choose(spec, "auto", _example(spec)) == _first_row(op, platform), op
       if spec.decode:
         continue
-      # An explicit mask or float64 inputs need the XLA path everywhere.
       mask = jnp.ones((128, 128), bool)
       assert dispatch.choose(spec, "auto", _example(spec), mask=mask) == "xla"
   with ops.target_platform(platform), jax.enable_x64(True):
     f64 = _example(op_specs.DIFF_V2, jnp.float64)
     assert dispatch.choose(op_specs.DIFF_V2, "auto", f64) == "xla"
+
+
+def test_the_fused_kernels_come_first_on_accelerators():
+  # What the table is for: on a TPU and a GPU every differential op trains through the
+  # platform's fused Pallas kernel (the baseline through the stock flash kernel), and
+  # DIFF V1 (and grouped V1) decoding reads its cache with one; the CPU runs XLA's own.
+  for platform in ("gpu", "tpu"):
+    for op in ("diff_v1", "diff_v2", "gda_v1", "gda_v2", "diff_v1_decode", "gda_v1_decode"):
+      assert _first_row(op, platform) == f"pallas_{platform}", (op, platform)
+    assert _first_row("mha", platform) == "stock"
+  for op, spec in dispatch.OPS.items():
+    assert _first_row(op, "cpu") == ("xla" if spec.decode else "xla_cpu"), op
+
+
+def _rows_compute_their_op(op: str, run_here: tuple[str, ...]) -> None:
+  """Every row of ``op`` traced under its platform gives the op's output shape and dtype and
+  records itself as what ran; the rows named in ``run_here`` also run (the TPU kernels in the
+  Pallas interpreter) and equal the reference math."""
+  spec = dispatch.OPS[op]
+  dtype = jnp.bfloat16
+  arrays = spec.example(dtype, 64, 2, 128)
+  f32 = tuple(a.astype(jnp.float32) if a.dtype == dtype else a for a in arrays)
+  want = spec.reference(*f32) if spec.decode else spec.reference(*f32, causal=True)
+  for row in dispatch.rows(op):
+    with ops.target_platform(row.platforms[0]):
+      call = lambda *a, row=row: dispatch.run(spec, row.name, a, interpret=True)
+      with dispatch.recording() as ran:
+        shape = jax.eval_shape(call, *arrays)
+      assert ran == [row.name], (row.name, ran)
+      assert (shape.shape, shape.dtype) == (want.shape, dtype), (row.name, shape)
+      if row.name in run_here:
+        err = kernel_checks.rel_err(call(*arrays), want)
+        assert err <= kernel_checks.tolerance(dtype), (row.name, err)
+
+
+@pytest.mark.parametrize("op", sorted(dispatch.OPS))
+def test_every_row_computes_its_op(op):
+  # A row wired to the wrong function (another op's kernel, a function of other arity) fails
+  # here, whatever its platform: every row is traced, and the CPU rows run. The Mosaic GPU
+  # rows take about 40 s each in their interpreter (tests/kernels/gpu checks them) and the
+  # stock rows call cuDNN or splash kernels that run on their device only.
+  _rows_compute_their_op(op, ("xla_cpu",))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("op", sorted(op for op in dispatch.OPS if dispatch.rows(op)))
+def test_every_tpu_kernel_row_computes_its_op_in_the_interpreter(op):
+  _rows_compute_their_op(op, ("xla_cpu", "pallas_tpu"))
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,7 @@
-"""Sharded training on 8 fake CPU devices matches one device, for every arm.
+"""Sharded training on the test process's 8 CPU devices (tests/conftest.py) matches one
+device, for every arm."""
 
-The checks run in a child process because the number of CPU devices must be set
-before JAX starts its backend (the parent test process already has one device).
-"""
-
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -27,10 +21,10 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
 
-def _child_main():
+def _sharded_results(workdir, meshes):
+  """The sharded-vs-one-device figures of every arm on each of ``meshes``, a checkpoint
+  restored across meshes, and the bad-mesh errors."""
   import jax
-
-  jax.config.update("jax_num_cpu_devices", 8)
   import jax.numpy as jnp
   import numpy as np
   import orbax.checkpoint as ocp
@@ -102,7 +96,7 @@ def _child_main():
   for arm, cfg in matched_configs(base).items():
     ref_state, ref_metrics, _, _ = run(cfg, (1, 1, 1))
     ref_params = jax.tree.map(np.asarray, ref_state["params"])
-    for shape in json.loads(sys.argv[3]):
+    for shape in meshes:
       shape = tuple(shape)
       state, metrics, shards, mesh = run(cfg, shape)
       params = jax.tree.map(np.asarray, state["params"])
@@ -149,7 +143,7 @@ def _child_main():
   cfg = matched_configs(base)["diff_v1"]
   state_a, _, _, _ = run(cfg, (2, 2, 2))
   _, _, shards_b, mesh_b = run(cfg, (1, 1, 8))
-  path = os.path.join(sys.argv[2], "ck")
+  path = os.path.join(workdir, "ck")
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path, state_a)
     ckptr.wait_until_finished()
@@ -178,12 +172,12 @@ def _child_main():
     except ValueError as e:
       errs[name] = str(e)
   out["errors"] = errs
-  print("RESULT " + json.dumps(out))
+  return out
 
 
 @pytest.fixture(scope="module")
 def results(request, tmp_path_factory):
-  # Only the meshes of the selected tests are run (the child compiles every arm per mesh).
+  # Only the meshes of the selected tests are run (every arm compiles per mesh).
   meshes = sorted(
     {
       tuple(item.callspec.params["shape"])
@@ -193,23 +187,7 @@ def results(request, tmp_path_factory):
       and "shape" in item.callspec.params
     }
   )
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run(
-    [
-      sys.executable,
-      os.path.abspath(__file__),
-      "--child",
-      str(tmp_path_factory.mktemp("shard")),
-      json.dumps(meshes),
-    ],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=900,
-  )
-  line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-  assert r.returncode == 0 and line, r.stderr[-4000:]
-  return json.loads(line[0][len("RESULT ") :])
+  return _sharded_results(str(tmp_path_factory.mktemp("shard")), meshes)
 
 
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
@@ -232,7 +210,3 @@ def test_bad_meshes_have_clear_errors(results):
   e = results["errors"]
   assert e["device_count"] and "3" in e["device_count"] and "8" in e["device_count"]
   assert e["heads"] and "12" in e["heads"] and "tensor axis (8)" in e["heads"]
-
-
-if __name__ == "__main__" and "--child" in sys.argv:
-  _child_main()

@@ -103,6 +103,7 @@ def test_sections_given_as_mappings_are_resolved_and_checked():
     ("checkpoint.keep", 0, "checkpoint.every=500 and checkpoint.keep=0 must be positive"),
     ("mesh.context_strategy", "tree", "mesh.context_strategy='tree' is not one of"),
     ("mesh.rules", [["embed", "nowhere"]], "names unknown mesh axes"),
+    ("mesh.num_devices", -1, r"mesh.num_devices=-1 must be 0 \(every device\) or a device count"),
     ("profile.steps", (5, 2), r"profile.steps=\(5, 2\) must be \(first, last\)"),
     ("distributed.peer_timeout_s", 0.0, "distributed.peer_timeout_s=0.0 must be a finite"),
     ("task_mix.task", "sorting", "task_mix.task='sorting' is not one of"),
@@ -160,6 +161,20 @@ def test_mesh_rules_and_context_options():
   c["mesh"]["shape"], c["seq_len"] = (1, 1, 1, 4), 100
   with pytest.raises(ValueError, match="seq_len=100 must be a multiple of 8"):
     RunConfig.from_config(c)
+
+
+def test_mesh_num_devices_takes_the_first_devices():
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diffjax import sharding  # pylint: disable=import-outside-toplevel
+
+  # The test process has 8 CPU devices (tests/conftest.py).
+  assert MeshConfig().devices() is None
+  assert MeshConfig(num_devices=3).devices() == jax.devices()[:3]
+  mesh = sharding.make_mesh((-1, 1, 1), devices=MeshConfig(num_devices=2).devices())
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "context": 1}
+  with pytest.raises(ValueError, match=r"mesh.num_devices=9, but this process sees 8 cpu"):
+    MeshConfig(num_devices=9).devices()
 
 
 def _parse(*argv):

@@ -26,6 +26,7 @@ def config(steps: int):
   c.log_every, c.eval_every, c.eval_batches, c.tensorboard = 1, 0, 1, False
   c.data.max_documents = 30
   c.checkpoint.update(dict(every=steps, keep=2, async_save=False))
+  c.mesh.num_devices = 1
   return c
 
 

@@ -11,15 +11,10 @@ tests run them on one.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import TESTS
 from kernel_checks import normal, rel_err, tolerance
 
 from diffjax import ops
@@ -133,69 +128,66 @@ def test_shared_memory_model_and_stages():
 # ----------------------------------------------------------------------------------
 # Numbers in the Mosaic GPU interpreter.
 
-_CHILD = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp, numpy as np
-    sys.path.insert(0, {tests!r})
-    sys.path.insert(0, {tests!r} + '/kernels/gpu')
-    import mosaic_interpret
-    mosaic_interpret.install()
-    import kernel_checks as kc
-    from diffjax.core import reference as ref
-    from diffjax.kernels.gpu import mosaic_gda as mg
 
-    results = []
-    for case in {cases!r}:
-      variant, b, t, h, n, kh, d, causal, segments, dtype = case
-      dtype = jnp.dtype(dtype)
-      dv = 2 * d if variant == "v1" else d
-      keys = jax.random.split(jax.random.key(1), 8)
-      rnd = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
-      f32 = lambda x: x.astype(jnp.float32)
-      ids = None
-      if segments:  # a one-token document, then two longer ones
-        ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
-        ids = ids.at[:, 0].set(7)
-      kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
-      if variant == "v1":
-        args = [rnd(0, (b, t, h, d)), rnd(1, (b, t, n, d)), rnd(2, (b, t, kh, d)),
-                rnd(3, (b, t, kh, d)), rnd(4, (b, t, kh, dv)),
-                jnp.linspace(0.2, 0.8, h).astype(jnp.float32)]
-        kern = lambda *a: mg.gda_v1_pallas_gpu(*a, interpret=True, **kw)
-        want = lambda *a: ref.gda_v1_reference(*map(f32, a), causal=causal, segment_ids=ids)
-        names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
-      else:
-        args = [rnd(0, (b, t, h, d)), rnd(1, (b, t, n, d)), rnd(2, (b, t, kh, d)),
-                rnd(4, (b, t, kh, dv)), jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h)))]
-        kern = lambda *a: mg.gda_v2_pallas_gpu(*a, interpret=True, **kw)
-        want = lambda *a: ref.gda_v2_reference(*map(f32, a), causal=causal, segment_ids=ids)
-        names = ["out", "dq1", "dq2", "dk", "dv", "dlam"]
-      ct = rnd(6, (b, t, h, dv))
-      out, grads = kc.value_and_vjp(kern, args, ct)
-      out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
-      kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
-      tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
-      errs = {{k: kc.errors(g, w) for k, g, w in zip(names, (out, *grads), (out_r, *grads_r))}}
-      bad = {{k: e for k, e in errs.items() if not (e[0] <= tol and e[1] <= row_tol)}}
-      results.append({{"case": case, "errors": errs, "bad": bad}})
-    print(json.dumps(results))
-""")
+def _interpret_cases(cases):
+  """The cases checked in the Mosaic GPU interpreter, in this process: its 8 CPU devices give
+  the kernel's warpgroups a CPU-client thread each (mosaic_common.check_threads)."""
 
+  import jax
+  import jax.numpy as jnp
+  import mosaic_interpret
 
-def _run_child(cases, timeout: int):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  try:
-    proc = subprocess.run(
-      [sys.executable, "-c", _CHILD.format(cases=cases, tests=TESTS)],
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      env=env,
-    )
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{cases}: the Mosaic GPU interpreter did not finish in {timeout} s")
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  mosaic_interpret.install()
+  import kernel_checks as kc
+
+  from diffjax.core import reference as ref
+  from diffjax.kernels.gpu import mosaic_gda as mg
+
+  results = []
+  for case in cases:
+    variant, b, t, h, n, kh, d, causal, segments, dtype = case
+    dtype = jnp.dtype(dtype)
+    dv = 2 * d if variant == "v1" else d
+    keys = jax.random.split(jax.random.key(1), 8)
+    rnd = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
+    f32 = lambda x: x.astype(jnp.float32)
+    ids = None
+    if segments:  # a one-token document, then two longer ones
+      ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
+      ids = ids.at[:, 0].set(7)
+    kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+    if variant == "v1":
+      args = [
+        rnd(0, (b, t, h, d)),
+        rnd(1, (b, t, n, d)),
+        rnd(2, (b, t, kh, d)),
+        rnd(3, (b, t, kh, d)),
+        rnd(4, (b, t, kh, dv)),
+        jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
+      ]
+      kern = lambda *a: mg.gda_v1_pallas_gpu(*a, interpret=True, **kw)
+      want = lambda *a: ref.gda_v1_reference(*map(f32, a), causal=causal, segment_ids=ids)
+      names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
+    else:
+      args = [
+        rnd(0, (b, t, h, d)),
+        rnd(1, (b, t, n, d)),
+        rnd(2, (b, t, kh, d)),
+        rnd(4, (b, t, kh, dv)),
+        jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
+      ]
+      kern = lambda *a: mg.gda_v2_pallas_gpu(*a, interpret=True, **kw)
+      want = lambda *a: ref.gda_v2_reference(*map(f32, a), causal=causal, segment_ids=ids)
+      names = ["out", "dq1", "dq2", "dk", "dv", "dlam"]
+    ct = rnd(6, (b, t, h, dv))
+    out, grads = kc.value_and_vjp(kern, args, ct)
+    out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
+    kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
+    tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
+    errs = {k: kc.errors(g, w) for k, g, w in zip(names, (out, *grads), (out_r, *grads_r))}
+    bad = {k: e for k, e in errs.items() if not (e[0] <= tol and e[1] <= row_tol)}
+    results.append({"case": case, "errors": errs, "bad": bad})
+  return json.loads(json.dumps(results))  # as the JSON it was
 
 
 @pytest.mark.integration
@@ -206,7 +198,7 @@ def test_forward_and_every_gradient_match_reference_in_interpreter():
     ("v1", 1, 64, 2, 1, 1, 64, True, True, "bfloat16"),
     ("v2", 1, 64, 4, 1, 1, 64, True, False, "bfloat16"),
   ]
-  for result in _run_child(cases, timeout=900):
+  for result in _interpret_cases(cases):
     print(result["case"], result["errors"])
     assert not result["bad"], result
 
@@ -228,7 +220,7 @@ def test_forward_and_every_gradient_match_reference_in_interpreter():
   ],
 )
 def test_gradients_match_reference_in_interpreter_slow(case):
-  (result,) = _run_child([case], timeout=1800)
+  (result,) = _interpret_cases([case])
   print(result["case"], result["errors"])
   assert not result["bad"], result
 
@@ -260,48 +252,43 @@ def test_decode_rows_and_dispatch():
     assert dispatch.choose(op_specs.GDA_V1_DECODE, "auto", arrays) == "xla"
 
 
-_DECODE_CHILD = textwrap.dedent("""
-    import json, sys
-    import jax, jax.numpy as jnp
-    sys.path.insert(0, {tests!r})
-    sys.path.insert(0, {tests!r} + '/kernels/gpu')
-    import mosaic_interpret
-    mosaic_interpret.install()
-    import kernel_checks as kc
-    from diffjax.core import op_specs
-    from diffjax.kernels.gpu import mosaic_decode as md
-    results = []
-    for case in {cases!r}:
-      b, s, h, n, kh, d, splits, lens, dtype = case
-      dtype = jnp.dtype(dtype)
-      ks = jax.random.split(jax.random.key(0), 6)
-      rnd = lambda i, sh: jax.random.normal(ks[i], sh, jnp.float32).astype(dtype)
-      args = (rnd(0, (b, 1, h, d)), rnd(1, (b, 1, n, d)), rnd(2, (b, s, kh, d)),
-              rnd(3, (b, s, kh, d)), rnd(4, (b, s, kh, 2 * d)),
-              jnp.linspace(0.2, 0.8, h).astype(jnp.float32), jnp.array(lens, jnp.int32))
-      out = md.gda_v1_decode_pallas_gpu(*args, interpret=True,
-                                        block_sizes={{"num_splits": splits}})
-      f = lambda x: x.astype(jnp.float32) if x.dtype == dtype else x
-      want = op_specs.GDA_V1_DECODE.reference(*map(f, args))
-      assert out.dtype == dtype and out.shape == want.shape
-      err = kc.errors(out, want)
-      bad = not (err[0] <= kc.tolerance(dtype) and err[1] <= kc.tolerance(dtype, True))
-      results.append({{"case": case, "errors": err, "bad": bad}})
-    print(json.dumps(results))
-""")
+def _interpret_decode_cases(cases):
+  """The cases checked in the Mosaic GPU interpreter, in this process: its 8 CPU devices give
+  the kernel's warpgroups a CPU-client thread each (mosaic_common.check_threads)."""
 
+  import jax
+  import jax.numpy as jnp
+  import mosaic_interpret
 
-def _run_decode_child(cases, timeout: int):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run(
-    [sys.executable, "-c", _DECODE_CHILD.format(cases=cases, tests=TESTS)],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    env=env,
-  )
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  mosaic_interpret.install()
+  import kernel_checks as kc
+
+  from diffjax.core import op_specs
+  from diffjax.kernels.gpu import mosaic_decode as md
+
+  results = []
+  for case in cases:
+    b, s, h, n, kh, d, splits, lens, dtype = case
+    dtype = jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.key(0), 6)
+    rnd = lambda i, sh: jax.random.normal(ks[i], sh, jnp.float32).astype(dtype)
+    args = (
+      rnd(0, (b, 1, h, d)),
+      rnd(1, (b, 1, n, d)),
+      rnd(2, (b, s, kh, d)),
+      rnd(3, (b, s, kh, d)),
+      rnd(4, (b, s, kh, 2 * d)),
+      jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
+      jnp.array(lens, jnp.int32),
+    )
+    out = md.gda_v1_decode_pallas_gpu(*args, interpret=True, block_sizes={"num_splits": splits})
+    f = lambda x: x.astype(jnp.float32) if x.dtype == dtype else x
+    want = op_specs.GDA_V1_DECODE.reference(*map(f, args))
+    assert out.dtype == dtype and out.shape == want.shape
+    err = kc.errors(out, want)
+    bad = not (err[0] <= kc.tolerance(dtype) and err[1] <= kc.tolerance(dtype, True))
+    results.append({"case": case, "errors": err, "bad": bad})
+  return json.loads(json.dumps(results))  # as the JSON it was
 
 
 @pytest.mark.integration
@@ -316,6 +303,6 @@ def _run_decode_child(cases, timeout: int):
   ],
 )
 def test_decode_matches_reference_in_interpreter(case):
-  (result,) = _run_decode_child([case], timeout=900)
+  (result,) = _interpret_decode_cases([case])
   print(result["case"], result["errors"])
   assert not result["bad"], result

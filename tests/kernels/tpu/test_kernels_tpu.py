@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, WAIT_LIMIT_S  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu
 from kernel_checks import TOL, assert_like_inputs  # noqa: E402
 from kernel_checks import check as _check
@@ -651,67 +647,60 @@ def test_aot_v1_forward_needs_no_layout_passes():
   assert not re.findall(r"= \S+ (?:copy|transpose|fusion|concatenate)\(", entry), entry
 
 
-_SHARD_MAP_SCRIPT = textwrap.dedent("""
-    import jax
-    jax.config.update("jax_num_cpu_devices", 4)
-    import functools
-    import jax.numpy as jnp
-    import numpy as np
-    from diffjax.kernels import tpu as kt
-    from diffjax.ops import reference as ref
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
-                             / np.max(np.abs(np.asarray(b))))
-    ks = jax.random.split(jax.random.PRNGKey(0), 8)
-    n = lambda k, s: jax.random.normal(k, s, jnp.float32)
-    b, t, h, kh, d = 2, 136, 4, 2, 8
-    seg = (jnp.arange(t)[None, :] >= jnp.array([[40], [90]])).astype(jnp.int32)
-    blocks = dict(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
-    errs = {}
-    for version in (1, 2):
-      if version == 1:
-        args = (n(ks[0], (b, t, h, d)), n(ks[1], (b, t, h, d)), n(ks[2], (b, t, kh, d)),
-                n(ks[3], (b, t, kh, d)), n(ks[4], (b, t, kh, 2 * d)),
-                jnp.linspace(0.2, 0.8, h))
-        specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
-        fn, refn = kt.diff_v1_pallas_tpu, ref.diff_v1_reference
-      else:
-        args = (n(ks[0], (b, t, 2 * h, d)), n(ks[2], (b, t, kh, d)), n(ks[4], (b, t, kh, d)),
-                jax.nn.sigmoid(n(ks[5], (b, t, h))))
-        specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
-        fn, refn = kt.diff_v2_pallas_tpu, ref.diff_v2_reference
-
-      def per_device(*a, fn=fn):
-        *xs, q_seg, kv_seg = a
-        return fn(*xs, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                  block_sizes=blocks, interpret=True)
-
-      sharded = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_spec,
-                              check_vma=False)
-      loss = lambda *a: jnp.sum(jnp.sin(sharded(*a, seg, seg)))
-      ref_loss = lambda *a: jnp.sum(jnp.sin(refn(*a, causal=True, segment_ids=seg)))
-      got = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))(*args)
-      want = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(len(args)))))(*args)
-      errs[f"v{version}"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(got),
-                                                          jax.tree.leaves(want)))
-    print("ERRS", errs)
-    assert all(e < 2e-5 for e in errs.values()), errs
-""")
-
-
 @pytest.mark.slow  # the kernels under shard_map also run in tests/ops/test_dispatch.py
 def test_shard_map_on_four_cpu_devices():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  root = REPO
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-  proc = subprocess.run(
-    [sys.executable, "-c", _SHARD_MAP_SCRIPT],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=WAIT_LIMIT_S,
-    check=False,
+  # 4 of the test process's 8 CPU devices (tests/conftest.py), as a 2x2 mesh.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+  rel = lambda a, b: float(
+    np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b)))
   )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "ERRS" in proc.stdout
+  ks = jax.random.split(jax.random.PRNGKey(0), 8)
+  n = lambda k, s: jax.random.normal(k, s, jnp.float32)
+  b, t, h, kh, d = 2, 136, 4, 2, 8
+  seg = (jnp.arange(t)[None, :] >= jnp.array([[40], [90]])).astype(jnp.int32)
+  blocks = dict(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
+  errs = {}
+  for version in (1, 2):
+    if version == 1:
+      args = (
+        n(ks[0], (b, t, h, d)),
+        n(ks[1], (b, t, h, d)),
+        n(ks[2], (b, t, kh, d)),
+        n(ks[3], (b, t, kh, d)),
+        n(ks[4], (b, t, kh, 2 * d)),
+        jnp.linspace(0.2, 0.8, h),
+      )
+      specs, out_spec = kt.diff_v1_partition_specs("data", "model", segment_ids=True)
+      fn, refn = kt.diff_v1_pallas_tpu, ref.diff_v1_reference
+    else:
+      args = (
+        n(ks[0], (b, t, 2 * h, d)),
+        n(ks[2], (b, t, kh, d)),
+        n(ks[4], (b, t, kh, d)),
+        jax.nn.sigmoid(n(ks[5], (b, t, h))),
+      )
+      specs, out_spec = kt.diff_v2_partition_specs("data", "model", segment_ids=True)
+      fn, refn = kt.diff_v2_pallas_tpu, ref.diff_v2_reference
+
+    def per_device(*a, fn=fn):
+      *xs, q_seg, kv_seg = a
+      return fn(
+        *xs,
+        causal=True,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        block_sizes=blocks,
+        interpret=True,
+      )
+
+    sharded = jax.shard_map(
+      per_device, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False
+    )
+    loss = lambda *a: jnp.sum(jnp.sin(sharded(*a, seg, seg)))
+    ref_loss = lambda *a: jnp.sum(jnp.sin(refn(*a, causal=True, segment_ids=seg)))
+    got = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))(*args)
+    want = jax.jit(jax.value_and_grad(ref_loss, argnums=tuple(range(len(args)))))(*args)
+    errs[f"v{version}"] = max(
+      rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    )
+  assert all(e < 2e-5 for e in errs.values()), errs
