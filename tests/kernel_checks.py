@@ -113,14 +113,15 @@ def abstract_hopper():
 
 
 def packed_segment_ids(b, t, s, *, unmatched_row: bool = False):
-  """Three packed documents of uneven length per batch row; queries are the last T keys.
+  """Three packed documents of uneven length per batch row (each row's rolled 11 positions
+  further than the one before); queries are the last T keys.
 
   With ``unmatched_row`` query 0 of batch 0 carries an id no key has (a row that
   sees nothing: zero output, zero gradient).
   """
   pos = jnp.arange(s)
   kv = (pos >= s // 4).astype(jnp.int32) + (pos >= (3 * s) // 5 + 3).astype(jnp.int32)
-  kv = jnp.stack([kv, jnp.roll(kv, 11)])[:b] + 1
+  kv = jnp.stack([jnp.roll(kv, 11 * i) for i in range(b)]) + 1
   q = kv[:, s - t :]
   if unmatched_row:
     q = q.at[0, 0].set(-7)

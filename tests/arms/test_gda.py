@@ -207,36 +207,6 @@ def test_r1_models_are_diff_v1_and_v2_bitwise(base, grouped, scan):
 
 
 # ------------------------------------------------------------------------------------------
-# r > 1: the CPU rows against the reference, forward and every gradient.
-
-
-@pytest.mark.parametrize("op", ["gda_v1", "gda_v2"])
-@pytest.mark.parametrize("h,r,k", [(8, 4, 2), (6, 3, 1), (6, 2, 3)])
-def test_cpu_rows_equal_the_reference_and_its_gradients(op, h, r, k):
-  n, t, d = h // r, 11, 8
-  seg = jnp.asarray(np.repeat([[0, 1, 2]], [3, 5, 3], axis=1).repeat(2, 0), jnp.int32)
-  q1, q2 = _normal(0, 2, t, h, d), _normal(1, 2, t, n, d)
-  k1, k2 = _normal(2, 2, t, k, d), _normal(3, 2, t, k, d)
-  if op == "gda_v1":
-    args = (q1, q2, k1, k2, _normal(4, 2, t, k, 2 * d), jnp.linspace(0.2, 0.7, h))
-    fn = ops.gda_v1_attention_core
-  else:
-    args = (q1, q2, k1, _normal(4, 2, t, k, d), jax.nn.sigmoid(_normal(5, 2, t, h)))
-    fn = ops.gda_v2_attention
-  ct = _normal(8, *fn(*args, implementation="xla").shape)
-  loss = lambda impl: lambda *a: jnp.sum(fn(*a, implementation=impl, segment_ids=seg) * ct)
-  argnums = tuple(range(len(args)))
-  want = jax.grad(loss("xla"), argnums)(*args)
-  got = jax.grad(loss("xla_cpu"), argnums)(*args)
-  out_w = fn(*args, implementation="xla", segment_ids=seg)
-  out_g = fn(*args, implementation="xla_cpu", segment_ids=seg)
-  np.testing.assert_allclose(out_g, out_w, rtol=2e-5, atol=2e-6)
-  for gw, gg in zip(want, got):
-    assert gg.shape == gw.shape
-    np.testing.assert_allclose(gg, gw, rtol=2e-4, atol=2e-5)
-
-
-# ------------------------------------------------------------------------------------------
 # Models: decoding with a KV cache, matching, FLOPs and bad head counts.
 
 

@@ -6,11 +6,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+  GROUPED_SMALL_SHAPES,
+  OPS,
+  SMALL_SHAPES,
+  AttentionCases,
+  Case,
+  segment_ids,
+)
 from kernel_checks import rel_err, slow_case
 
 from diffjax import ops
 from diffjax.core import reference as ref
-from diffjax.kernels.cpu import diff_v1_xla_cpu, diff_v2_xla_cpu, mha_xla_cpu
+from diffjax.kernels.cpu import (
+  diff_v1_xla_cpu,
+  diff_v2_xla_cpu,
+  gda_v1_xla_cpu,
+  gda_v2_xla_cpu,
+  mha_xla_cpu,
+)
 from diffjax.ops import dispatch
 
 # (B, T, S, H, K, D, Dv): GQA groups of 1, 3 and 2, T != S, odd sizes.
@@ -88,38 +102,40 @@ def test_mha_matches_reference(shape, causal, seg):
   )
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2])
-@pytest.mark.parametrize("seg", ["none", "pair"])
-def test_diff_v1_matches_reference(shape, seg):
-  b, t, s, h, k, d, dv = shape
-  ids = _segments(b, t, s, seg)
-  q_seg, kv_seg = ids if isinstance(ids, tuple) else (ids, ids)
-  args = _arrays(
-    [(b, t, h, d), (b, t, h, d), (b, s, k, d), (b, s, k, d), (b, s, k, dv)], 5, jnp.float32
-  )
-  lam = jnp.linspace(0.2, 0.9, h)
-  _check(
-    lambda *x: diff_v1_xla_cpu(
-      *x[:5], x[5], causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg
-    ),
-    lambda *x: ref.diff_v1_reference(*x[:5], x[5], causal=True, segment_ids=ids),
-    (*args, lam),
-    3e-5,
-  )
+class TestXlaCpu(AttentionCases):
+  """Every op of the CPU path on the small shapes, float32, also within an elementwise
+  ``allclose`` of 3e-5. The unit tier runs DIFF V1 on GQA 3 with T != S, with and without
+  a row that sees no key, DIFF V2 on such a row, the grouped ops at r 2-4 with packed
+  documents, and a sample of the rest; the integration tier all of it."""
 
-
-@pytest.mark.parametrize("shape", [slow_case(SHAPES[0]), SHAPES[1]])
-def test_diff_v2_matches_reference(shape):
-  b, t, s, h, k, d, _ = shape
-  ids = _segments(b, t, s, "pair")
-  args = _arrays([(b, t, 2 * h, d), (b, s, k, d), (b, s, k, d), (b, t, h)], 4, jnp.float32)
-  args[3] = jax.nn.sigmoid(args[3])
-  _check(
-    lambda *x: diff_v2_xla_cpu(*x, causal=True, q_segment_ids=ids[0], kv_segment_ids=ids[1]),
-    lambda *x: ref.diff_v2_reference(*x, causal=True, segment_ids=ids),
-    args,
-    3e-5,
+  ops = OPS
+  shapes = SMALL_SHAPES + GROUPED_SMALL_SHAPES
+  pinned = tuple(
+    Case(op, shape, True, seg, "float32")
+    for op, shape, seg in [
+      ("diff_v1", SMALL_SHAPES[0], "none"),
+      ("diff_v1", SMALL_SHAPES[0], "unmatched"),
+      ("diff_v1", SMALL_SHAPES[1], "none"),
+      ("diff_v1", SMALL_SHAPES[1], "unmatched"),
+      ("diff_v2", SMALL_SHAPES[1], "unmatched"),
+      *[(op, shape, "packed") for op in ("gda_v1", "gda_v2") for shape in GROUPED_SMALL_SHAPES[:3]],
+    ]
   )
+  sampled = 4
+  elementwise_tol = 3e-5
+  _FUNCTIONS = {
+    "mha": mha_xla_cpu,
+    "diff_v1": diff_v1_xla_cpu,
+    "diff_v2": diff_v2_xla_cpu,
+    "gda_v1": gda_v1_xla_cpu,
+    "gda_v2": gda_v2_xla_cpu,
+  }
+
+  def call(self, case, *arrays):
+    q_seg, kv_seg = segment_ids(case) or (None, None)
+    return self._FUNCTIONS[case.op](
+      *arrays, causal=case.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    )
 
 
 def test_bfloat16_within_bfloat16_rounding():

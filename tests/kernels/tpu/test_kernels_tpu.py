@@ -20,6 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+  GROUPED_TILED_SHAPES,
+  TILED_SHAPES,
+  AttentionCases,
+  Case,
+  Shape,
+  segment_ids,
+)
 from jax.experimental.pallas import tpu as pltpu
 from kernel_checks import TOL, assert_like_inputs  # noqa: E402
 from kernel_checks import check as _check
@@ -39,6 +47,7 @@ V2_GRADS = ("dq", "dk", "dv", "dlam")
 # Several query and key tiles per sequence, and backward tiles unlike the forward's.
 SMALL = kt.BlockSizes(block_q=64, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
 WIDE = kt.BlockSizes(block_q=128, block_kv=256, block_q_bwd=128, block_kv_bwd=128)
+TILES = {"small": SMALL, "wide": WIDE, "default": None}
 
 
 def _v1_inputs(b, t, s, h, kh, d, dtype, seed=0):
@@ -116,46 +125,61 @@ def _run(
   return out, grads
 
 
-# Default run (the interpreter is slow, so few cases): T != S both ways, a query row that
-# matches no key, segment ids, GQA, causal and not, float32 and bfloat16, small tiles.
-# The slow run adds sequence 384, GQA 4, the WIDE and default tiles, and the full product;
-# sequence 384, the WIDE tiles, GQA and bfloat16 are each exercised by a faster case too.
-V1_CASES = [
-  # t,   s,  rep, d, causal, seg,  dtype,        blocks
-  _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
-  _slow(384, 384, 2, 8, True, True, jnp.float32, SMALL),
-  _slow(200, 200, 4, 16, True, True, jnp.float32, WIDE),
-  _slow(384, 384, 1, 24, False, False, jnp.float32, None),
-  (130, 300, 2, 16, True, "unmatched", jnp.float32, SMALL),
-  _slow(200, 200, 2, 16, False, True, jnp.bfloat16, SMALL),
-  _slow(200, 200, 2, 16, True, True, jnp.bfloat16, SMALL),
-  _slow(384, 384, 4, 16, True, False, jnp.bfloat16, WIDE),
-  # Three query heads per kv head; T off every tile; documents end inside tiles. The
-  # default V2 case (150, 230, 3) runs the same group arithmetic of the shared layout.
-  _slow(150, 150, 3, 16, True, True, jnp.float32, SMALL),
-]
+def _tiled(t, s, rep, d, tiles, b=2, kh=2):
+  return Shape(b, t, s, kh, rep, d, tiles=tiles)
 
 
-@pytest.mark.parametrize("t,s,rep,d,causal,seg,dtype,blocks", V1_CASES)
-def test_diff_v1_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
-  # seg="unmatched": query 0 of batch 0 matches no key (zero output and dq).
-  _run(1, t, s, rep, d, causal, bool(seg), dtype, blocks=blocks, unmatched=seg == "unmatched")
+def _case(version, t, s, rep, d, causal, seg, dtype, tiles):
+  return Case(f"diff_v{version}", _tiled(t, s, rep, d, tiles), causal, seg, dtype)
 
 
-V2_CASES = [
-  _slow(200, 200, 1, 16, True, False, jnp.float32, SMALL),
-  _slow(384, 384, 2, 16, True, True, jnp.float32, WIDE),
-  _slow(200, 384, 4, 8, False, "unmatched", jnp.float32, SMALL),
-  _slow(200, 136, 2, 16, True, False, jnp.float32, SMALL),  # T > S: 64 rows precede every key
-  _slow(200, 200, 2, 16, True, True, jnp.bfloat16, None),
-  _slow(384, 384, 1, 24, True, False, jnp.bfloat16, SMALL),
-  (150, 230, 3, 8, True, True, jnp.bfloat16, SMALL),  # three pairs per kv head
-]
+class TestPallasTpu(AttentionCases):
+  """The fused kernels in the TPU interpreter (interpreted: a few cases a tier). Unit tier:
+  T != S both ways, a query row that matches no key, segment ids, GQA of 2 and 3, float32 and
+  bfloat16, small tiles. The slow tier adds sequence 384, GQA 4, the wide and default tiles,
+  T > S and documents ending inside tiles, each in float32 and bfloat16."""
 
+  ops = ("diff_v1", "diff_v2")
+  dtypes = ("float32", "bfloat16")
+  shapes = TILED_SHAPES
+  pinned = (
+    _case(1, 130, 300, 2, 16, True, "unmatched", "float32", "small"),
+    _case(2, 150, 230, 3, 8, True, "packed", "bfloat16", "small"),  # three pairs per kv head
+  )
+  sampled = 0
+  integration_sampled = 6
+  kept = (
+    _case(1, 200, 200, 1, 16, True, "none", "float32", "small"),
+    _case(1, 384, 384, 2, 8, True, "packed", "float32", "small"),
+    _case(1, 200, 200, 4, 16, True, "packed", "float32", "wide"),
+    _case(1, 384, 384, 1, 24, False, "none", "float32", "default"),
+    _case(1, 200, 200, 2, 16, False, "packed", "bfloat16", "small"),
+    _case(1, 200, 200, 2, 16, True, "packed", "bfloat16", "small"),
+    _case(1, 384, 384, 4, 16, True, "none", "bfloat16", "wide"),
+    # Three query heads per kv head; T off every tile; documents end inside tiles.
+    _case(1, 150, 150, 3, 16, True, "packed", "float32", "small"),
+    _case(2, 200, 200, 1, 16, True, "none", "float32", "small"),
+    _case(2, 384, 384, 2, 16, True, "packed", "float32", "wide"),
+    _case(2, 200, 384, 4, 8, False, "unmatched", "float32", "small"),
+    _case(2, 200, 136, 2, 16, True, "none", "float32", "small"),  # T > S: 64 rows see no key
+    _case(2, 200, 200, 2, 16, True, "packed", "bfloat16", "default"),
+    _case(2, 384, 384, 1, 24, True, "none", "bfloat16", "small"),
+  )
 
-@pytest.mark.parametrize("t,s,rep,d,causal,seg,dtype,blocks", V2_CASES)
-def test_diff_v2_matches_reference(t, s, rep, d, causal, seg, dtype, blocks):
-  _run(2, t, s, rep, d, causal, bool(seg), dtype, blocks=blocks, unmatched=seg == "unmatched")
+  def supports(self, case):
+    return case.shape.ratio == 1 and case.shape.b == 2
+
+  def call(self, case, *arrays):
+    fn = kt.diff_v1_pallas_tpu if case.op == "diff_v1" else kt.diff_v2_pallas_tpu
+    q_seg, kv_seg = segment_ids(case) or (None, None)
+    return fn(
+      *arrays,
+      causal=case.causal,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      block_sizes=TILES[case.shape.tiles],
+      interpret=True,
+    )
 
 
 @pytest.mark.slow
@@ -529,11 +553,44 @@ def test_pallas_tpu_needs_interpret_off_tpu():
     ops.diff_v1_attention_core(*args, implementation="pallas_tpu")
 
 
-@pytest.mark.parametrize("version,seg", [_slow(1, False), (2, True)])
-def test_stock_splash_paths_match_reference(version, seg):
-  # Two splash calls with the 2D-wide value (V1) / one call over 2H heads (V2).
-  fn = kt.diff_v1_stock_tpu if version == 1 else kt.diff_v2_stock_tpu
-  _run(version, 200, 200, 2, 16, True, seg, jnp.float32, b=1, blocks=None, fn=fn)
+STOCK = {
+  "diff_v1": kt.diff_v1_stock_tpu,
+  "diff_v2": kt.diff_v2_stock_tpu,
+  "gda_v1": kt.gda_v1_stock_tpu,
+  "gda_v2": kt.gda_v2_stock_tpu,
+}
+
+
+class TestStockTpu(AttentionCases):
+  """The splash-based stock paths in splash's interpreter: two splash calls with the
+  2D-wide value (V1) or one over 2H heads (V2), and the grouped forms, at splash's own tiles.
+  Splash leaves a row that sees no key undefined (docs/kernels_tpu.md), so no such row."""
+
+  ops = tuple(STOCK)
+  segments = ("none", "packed")
+  shapes = (Shape(1, 200, 200, 2, 2, 16),) + GROUPED_TILED_SHAPES[-2:]
+  pinned = (Case("diff_v2", shapes[0], True, "packed", "float32"),)
+  sampled = 0
+  integration_sampled = 3
+  kept = (
+    Case("diff_v1", shapes[0], True, "none", "float32"),
+    Case("gda_v1", shapes[1], True, "packed", "float32"),
+    Case("gda_v2", shapes[2], True, "none", "float32"),
+  )
+
+  def supports(self, case):
+    return case.shape.tiles == "default" and (case.shape.ratio > 1) == case.grouped
+
+  def call(self, case, *arrays):
+    q_seg, kv_seg = segment_ids(case) or (None, None)
+    return STOCK[case.op](
+      *arrays,
+      causal=case.causal,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      block_sizes=None,
+      interpret=True,
+    )
 
 
 # ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import GROUPED_TILED_SHAPES, AttentionCases, Case, Shape, segment_ids
 from kernel_checks import (
   TOL,
   assert_like_inputs,
@@ -83,25 +84,50 @@ def _run(version, t, s, r, d, causal, seg, dtype, *, b=2, kh=2, nk=1, blocks=SMA
   return out, grads
 
 
-CASES = [
-  # version, t, s, r, d, causal, seg, dtype, kh, nk
-  # Default: both versions, r 2 and 3, GQA (two kv groups, two noise heads in one),
-  # T off every tile and T != S, a row that sees no key, float32 and bfloat16.
-  (1, 130, 300, 2, 16, True, "unmatched", jnp.float32, 2, 1),
-  (2, 150, 150, 3, 8, True, True, jnp.bfloat16, 1, 2),
-  slow_case(1, 150, 230, 3, 16, False, True, jnp.float32, 2, 1),
-  slow_case(1, 200, 200, 4, 16, True, False, jnp.bfloat16, 1, 2),
-  slow_case(1, 96, 96, 2, 16, False, False, jnp.bfloat16, 2, 1),
-  slow_case(2, 200, 384, 4, 8, False, "unmatched", jnp.float32, 2, 1),
-  slow_case(2, 200, 136, 2, 16, True, False, jnp.float32, 1, 1),  # T > S
-  slow_case(2, 150, 230, 3, 16, False, False, jnp.float32, 2, 2),
-  slow_case(2, 200, 200, 2, 16, True, True, jnp.bfloat16, 2, 1),
-]
+def _case(version, t, s, r, d, causal, seg, dtype, kh, nk):
+  return Case(
+    f"gda_v{version}", Shape(2, t, s, kh, nk, d, ratio=r, tiles="small"), causal, seg, dtype
+  )
 
 
-@pytest.mark.parametrize("version,t,s,r,d,causal,seg,dtype,kh,nk", CASES)
-def test_gda_matches_reference(version, t, s, r, d, causal, seg, dtype, kh, nk):
-  _run(version, t, s, r, d, causal, seg, dtype, kh=kh, nk=nk)
+class TestPallasTpuGrouped(AttentionCases):
+  """The fused grouped kernels in the TPU interpreter. Unit tier: both versions, r 2 and 3,
+  GQA (two kv groups, two noise heads in one), T off every tile and T != S, a row that sees
+  no key, float32 and bfloat16."""
+
+  ops = ("gda_v1", "gda_v2")
+  dtypes = ("float32", "bfloat16")
+  shapes = GROUPED_TILED_SHAPES
+  pinned = (
+    _case(1, 130, 300, 2, 16, True, "unmatched", "float32", 2, 1),
+    _case(2, 150, 150, 3, 8, True, "packed", "bfloat16", 1, 2),
+  )
+  sampled = 0
+  integration_sampled = 4
+  kept = (
+    _case(1, 150, 230, 3, 16, False, "packed", "float32", 2, 1),
+    _case(1, 200, 200, 4, 16, True, "none", "bfloat16", 1, 2),
+    _case(1, 96, 96, 2, 16, False, "none", "bfloat16", 2, 1),
+    _case(2, 200, 384, 4, 8, False, "unmatched", "float32", 2, 1),
+    _case(2, 200, 136, 2, 16, True, "none", "float32", 1, 1),  # T > S
+    _case(2, 150, 230, 3, 16, False, "none", "float32", 2, 2),
+    _case(2, 200, 200, 2, 16, True, "packed", "bfloat16", 2, 1),
+  )
+
+  def supports(self, case):
+    return case.shape.b == 2
+
+  def call(self, case, *arrays):
+    fn = kt.gda_v1_pallas_tpu if case.op == "gda_v1" else kt.gda_v2_pallas_tpu
+    q_seg, kv_seg = segment_ids(case) or (None, None)
+    return fn(
+      *arrays,
+      causal=case.causal,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      block_sizes=SMALL,
+      interpret=True,
+    )
 
 
 @pytest.mark.slow
@@ -215,13 +241,6 @@ def test_dispatch_rows_match_xla():
   a = ops.gda_v2_attention(*x2, implementation="pallas_tpu", interpret=True, segment_ids=seg)
   want2 = ops.gda_v2_attention(*x2, implementation="xla", segment_ids=seg)
   assert rel_err(a, want2) <= TOL[jnp.float32]
-
-
-@pytest.mark.slow
-def test_stock_paths_match_reference_slow():
-  # Splash attention in its interpreter, forward and gradients.
-  _run(1, 200, 200, 2, 16, True, True, jnp.float32, b=1, blocks=None, fn=kt.gda_v1_stock_tpu)
-  _run(2, 200, 200, 3, 16, True, False, jnp.float32, b=1, blocks=None, fn=kt.gda_v2_stock_tpu)
 
 
 # ----------------------------------------------------------------------------------

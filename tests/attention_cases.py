@@ -1,0 +1,311 @@
+"""One test base for every implementation of the attention ops.
+
+An implementation's test class subclasses :class:`AttentionCases`, declares what it supports
+(its ops, dtypes, head dims, sequence lengths, tile sets, segment kinds) and how it calls an op
+(:meth:`AttentionCases.call`); the base gives it ``test_matches_reference``: the output and
+the gradient of every input against the float32 reference of :mod:`diffjax.core.reference`
+on the same (rounded) inputs, measured by :func:`kernel_checks.check` (whole array, and row by
+row where the class says so); the shapes and dtypes of the inputs; exact zeros for a query row
+that sees no key and for causal rows before every key.
+
+Cases come from one grid shared by every class (:data:`SHAPES`: the canonical shapes, so the
+reference programs compile once for the whole suite through the persistent compilation cache,
+crossed with ops, causality, segment kinds and dtypes), filtered by the class's
+:meth:`~AttentionCases.supports`. Which of them run where:
+
+- a class's ``pinned`` cases (the awkward ones it must always see) and ``sampled`` more drawn
+  with a fixed seed from the rest run in the unit tier;
+- ``integration_sampled`` more of the same draw run in the integration tier (all of the rest
+  when None: the classes whose cases take a second or two);
+- the class's ``kept`` cases and ``slow_sampled`` more carry ``slow`` (``grid`` under
+  tests/kernels: the interpreters, hours on two cores); the rest of the product is not run.
+
+Add an implementation by subclassing; add a case axis by widening :data:`SHAPES` or the axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_checks import assert_like_inputs, check, normal, packed_segment_ids
+
+from diffjax.core import op_specs
+from diffjax.core import reference as ref
+
+OPS = ("mha", "diff_v1", "diff_v2", "gda_v1", "gda_v2")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SEGMENTS = ("none", "packed", "unmatched")
+GRADIENTS = {
+  "mha": ("dq", "dk", "dv"),
+  "diff_v1": ("dq1", "dq2", "dk1", "dk2", "dv", "dlam"),
+  "diff_v2": ("dq", "dk", "dv", "dlam"),
+  "gda_v1": ("dq1", "dq2", "dk1", "dk2", "dv", "dlam"),
+  "gda_v2": ("dq1", "dq2", "dk", "dv", "dlam"),
+}
+SPECS = {spec.name: spec for spec in op_specs.BUILTIN_OPS if not spec.decode}
+REFERENCES = {
+  "mha": ref.mha_reference,
+  "diff_v1": ref.diff_v1_reference,
+  "diff_v2": ref.diff_v2_reference,
+  "gda_v1": ref.gda_v1_reference,
+  "gda_v2": ref.gda_v2_reference,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """Sizes of one case. ``group``: output heads per kv head (for the grouped ops, noise heads
+  per kv head); ``ratio``: signal heads per noise head (grouped ops; 1 elsewhere)."""
+
+  b: int
+  t: int
+  s: int
+  kv_heads: int
+  group: int
+  d: int
+  ratio: int = 1
+  tiles: str = "default"  # a tile set the kernel classes name (ignored by the others)
+
+
+# The canonical shapes. Small ones for the XLA-level paths: GQA groups of 1, 2 and 3, T != S
+# both ways, odd sizes, three batch rows. Tiled ones for the kernels: several query and key
+# tiles, T off every tile, documents that end inside tiles, T > S.
+SMALL_SHAPES = (
+  Shape(2, 13, 13, 2, 3, 8),
+  Shape(1, 7, 11, 1, 3, 5),
+  Shape(3, 16, 16, 4, 1, 8),
+  Shape(2, 12, 9, 2, 2, 8),
+)
+GROUPED_SMALL_SHAPES = (
+  Shape(2, 11, 11, 2, 1, 8, ratio=4),
+  Shape(2, 11, 11, 1, 2, 8, ratio=3),
+  Shape(2, 11, 11, 3, 1, 8, ratio=2),
+  Shape(1, 7, 11, 1, 2, 5, ratio=3),
+)
+TILED_SHAPES = (
+  Shape(2, 130, 300, 2, 2, 16, tiles="small"),
+  Shape(2, 150, 230, 2, 3, 8, tiles="small"),
+  Shape(2, 150, 150, 2, 3, 16, tiles="small"),
+  Shape(2, 200, 200, 2, 1, 16, tiles="small"),
+  Shape(2, 200, 200, 2, 2, 16, tiles="small"),
+  Shape(2, 200, 200, 2, 2, 16, tiles="default"),
+  Shape(2, 200, 200, 2, 4, 16, tiles="wide"),
+  Shape(2, 200, 384, 2, 4, 8, tiles="small"),
+  Shape(2, 200, 136, 2, 2, 16, tiles="small"),
+  Shape(2, 384, 384, 2, 2, 8, tiles="small"),
+  Shape(2, 384, 384, 2, 2, 16, tiles="wide"),
+  Shape(2, 384, 384, 2, 4, 16, tiles="wide"),
+  Shape(2, 384, 384, 2, 1, 24, tiles="small"),
+  Shape(2, 384, 384, 2, 1, 24, tiles="default"),
+  Shape(1, 200, 200, 2, 2, 16),
+)
+GROUPED_TILED_SHAPES = (
+  Shape(2, 130, 300, 2, 1, 16, ratio=2, tiles="small"),
+  Shape(2, 150, 150, 1, 2, 8, ratio=3, tiles="small"),
+  Shape(2, 150, 230, 2, 1, 16, ratio=3, tiles="small"),
+  Shape(2, 150, 230, 2, 2, 16, ratio=3, tiles="small"),
+  Shape(2, 200, 200, 1, 2, 16, ratio=4, tiles="small"),
+  Shape(2, 200, 200, 2, 1, 16, ratio=2, tiles="small"),
+  Shape(2, 96, 96, 2, 1, 16, ratio=2, tiles="small"),
+  Shape(2, 200, 384, 2, 1, 8, ratio=4, tiles="small"),
+  Shape(2, 200, 136, 1, 1, 16, ratio=2, tiles="small"),
+  Shape(1, 200, 200, 2, 1, 16, ratio=2),
+  Shape(1, 200, 200, 2, 1, 16, ratio=3),
+)
+SHAPES = SMALL_SHAPES + GROUPED_SMALL_SHAPES + TILED_SHAPES + GROUPED_TILED_SHAPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  op: str
+  shape: Shape
+  causal: bool
+  segments: str
+  dtype: str
+
+  @property
+  def grouped(self) -> bool:
+    return self.op.startswith("gda")
+
+  @property
+  def heads(self) -> int:
+    """Output heads."""
+    return self.shape.kv_heads * self.shape.group * self.shape.ratio
+
+  @property
+  def value_dim(self) -> int:
+    return 2 * self.shape.d if self.op in ("diff_v1", "gda_v1") else self.shape.d
+
+  def __str__(self) -> str:
+    s = self.shape
+    grouped = f"r{s.ratio}-" if self.grouped else ""
+    return (
+      f"{self.op}-b{s.b}-t{s.t}-s{s.s}-k{s.kv_heads}x{s.group}-{grouped}d{s.d}-{s.tiles}-"
+      f"{'causal' if self.causal else 'full'}-{self.segments}-{self.dtype}"
+    )
+
+
+def every_case():
+  """The whole shared grid (before any class's filter)."""
+  for shape in SHAPES:
+    grouped_shape = shape.ratio > 1
+    for op in OPS:
+      if op.startswith("gda") != grouped_shape:
+        continue
+      for causal, segments, dtype in itertools.product(
+        (True, False), SEGMENTS, ("float32", "bfloat16", "float16")
+      ):
+        if segments != "none" and shape.t > shape.s:
+          continue  # the packed documents are laid out for queries that are the last T keys
+        yield Case(op, shape, causal, segments, dtype)
+
+
+def arrays(case: Case) -> tuple:
+  """The op's positional arrays for ``case`` (fixed seeds)."""
+  s, dtype = case.shape, DTYPES[case.dtype]
+  b, t, n, kh, d, h = s.b, s.t, s.s, s.kv_heads, s.d, case.heads
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  x = lambda i, shape: normal(keys[i], shape, dtype)
+  lam_heads = lambda: jax.random.uniform(keys[5], (h,), jnp.float32, 0.1, 0.9)
+  lam_tokens = lambda: jax.nn.sigmoid(normal(keys[5], (b, t, h)))
+  kv = lambda i, width=d: x(i, (b, n, kh, width))
+  if case.op == "mha":
+    return (x(0, (b, t, h, d)), kv(2), kv(4))
+  if case.op == "diff_v1":
+    return (x(0, (b, t, h, d)), x(1, (b, t, h, d)), kv(2), kv(3), kv(4, 2 * d), lam_heads())
+  if case.op == "diff_v2":
+    return (x(0, (b, t, 2 * h, d)), kv(2), kv(4), lam_tokens())
+  noise = x(1, (b, t, kh * s.group, d))
+  if case.op == "gda_v1":
+    return (x(0, (b, t, h, d)), noise, kv(2), kv(3), kv(4, 2 * d), lam_heads())
+  return (x(0, (b, t, h, d)), noise, kv(2), kv(4), lam_tokens())
+
+
+def segment_ids(case: Case):
+  """``None`` or the pair (query ids, key ids) of ``case``'s segment kind."""
+  if case.segments == "none":
+    return None
+  s = case.shape
+  return packed_segment_ids(s.b, s.t, s.s, unmatched_row=case.segments == "unmatched")
+
+
+def reference(case: Case):
+  segs = segment_ids(case)
+  return lambda *a: REFERENCES[case.op](*a, causal=case.causal, segment_ids=segs)
+
+
+def _value_and_vjp(fn, args, ct):
+  def run(args, ct):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(ct)
+
+  return jax.jit(run)(tuple(args), ct)
+
+
+def check_case(case: Case, fn, *, rows: bool = False, elementwise_tol: float | None = None):
+  """Asserts that ``fn(*arrays)`` and the gradient of each array equal the reference's for
+  ``case``; see the module docstring for what is measured."""
+  args = arrays(case)
+  s, dtype = case.shape, DTYPES[case.dtype]
+  ct = normal(jax.random.PRNGKey(7), (s.b, s.t, case.heads, case.value_dim), dtype)
+  out, grads = _value_and_vjp(fn, args, ct)
+  ref_out, ref_grads = _value_and_vjp(
+    reference(case), [a.astype(jnp.float32) for a in args], ct.astype(jnp.float32)
+  )
+  assert_like_inputs(out, grads, args, (s.b, s.t, case.heads, case.value_dim), dtype)
+  triples = [("out", out, ref_out)] + list(zip(GRADIENTS[case.op], grads, ref_grads))
+  check(triples, dtype, rows=rows)
+  if elementwise_tol is not None and case.dtype == "float32":
+    for name, got, want in triples:
+      np.testing.assert_allclose(
+        np.asarray(got, np.float64),
+        np.asarray(want, np.float64),
+        atol=elementwise_tol,
+        rtol=elementwise_tol,
+        err_msg=f"{name} of {case}",
+      )
+  if case.segments == "unmatched":  # query 0 of batch 0 sees no key: exact zeros
+    np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
+    for i in SPECS[case.op].queries:
+      np.testing.assert_array_equal(np.asarray(grads[i][0, 0]), 0.0)
+  if case.causal and s.t > s.s:  # the queries are the last T keys: the first T - S see none
+    np.testing.assert_array_equal(np.asarray(out[:, : s.t - s.s]), 0.0)
+
+
+class AttentionCases:
+  """Base of the per-implementation classes (see the module docstring).
+
+  Subclasses set:
+    ops, dtypes, segments: what the implementation takes;
+    shapes: the canonical shapes it runs (defaults to the small ones);
+    pinned: cases of its grid that always run in the unit tier (the awkward ones it must
+      see, named in one place);
+    sampled: how many more cases of its grid, drawn with a fixed seed, run in the unit tier;
+    integration_sampled: how many of the rest run in the integration tier (None: all);
+    kept, slow_sampled: the cases that run in the slow tier (and how many more drawn);
+    rows: also measure each row against its own scale;
+    elementwise_tol: float32 outputs and gradients also within this ``allclose``.
+  and :meth:`call`.
+  """
+
+  ops: tuple[str, ...] = ("mha", "diff_v1", "diff_v2")
+  dtypes: tuple[str, ...] = ("float32",)
+  segments: tuple[str, ...] = SEGMENTS
+  shapes: tuple[Shape, ...] = SMALL_SHAPES
+  pinned: tuple = ()
+  sampled: int = 4
+  integration_sampled: int | None = None
+  kept: tuple = ()
+  slow_sampled: int = 0
+  rows: bool = False
+  elementwise_tol: float | None = None
+
+  def supports(self, case: Case) -> bool:
+    """Whether the implementation takes ``case`` (beyond the class's axes)."""
+    del case
+    return True
+
+  def call(self, case: Case, *arrays):
+    """The implementation's output for ``case`` on ``arrays``."""
+    raise NotImplementedError
+
+  def cases(self) -> list:
+    """This class's cases as pytest params, marked by tier."""
+    mine = [
+      c
+      for c in every_case()
+      if c.op in self.ops
+      and c.dtype in self.dtypes
+      and c.segments in self.segments
+      and c.shape in self.shapes
+      and self.supports(c)
+    ]
+    missing = [str(c) for c in self.pinned + self.kept if c not in mine]
+    assert not missing, f"{type(self).__name__} names cases outside its grid: {missing}"
+    rest = [c for c in mine if c not in self.pinned]
+    random.Random(f"{type(self).__name__}-cases").shuffle(rest)
+    unit = list(self.pinned) + rest[: self.sampled]
+    rest = rest[self.sampled :]
+    n = len(rest) if self.integration_sampled is None else self.integration_sampled
+    integration, rest = rest[:n], rest[n:]
+    slow = [c for c in self.kept if c in rest]
+    slow += [c for c in rest if c not in slow][: self.slow_sampled]
+    params = [pytest.param(c, id=str(c)) for c in unit]
+    params += [pytest.param(c, id=str(c), marks=pytest.mark.integration) for c in integration]
+    params += [pytest.param(c, id=str(c), marks=pytest.mark.slow) for c in slow]
+    return params
+
+  def pytest_generate_tests(self, metafunc):
+    if "case" in metafunc.fixturenames:
+      metafunc.parametrize("case", self.cases())
+
+  def test_matches_reference(self, case):
+    check_case(
+      case, lambda *a: self.call(case, *a), rows=self.rows, elementwise_tol=self.elementwise_tol
+    )
