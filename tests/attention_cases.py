@@ -15,8 +15,9 @@ crossed with ops, causality, segment kinds and dtypes), filtered by the class's
 
 - a class's ``pinned`` cases (the awkward ones it must always see) and ``sampled`` more drawn
   with a fixed seed from the rest run in the unit tier;
-- ``integration_sampled`` more of the same draw run in the integration tier (all of the rest
-  when None: the classes whose cases take a second or two);
+- the class's ``integration_pinned`` cases and ``integration_sampled`` more of the same draw
+  run in the integration tier (all of the rest when None: the classes whose cases take a
+  second or two);
 - the class's ``kept`` cases and ``slow_sampled`` more carry ``slow`` (``grid`` under
   tests/kernels: the interpreters, hours on two cores); the rest of the product is not run.
 
@@ -247,7 +248,8 @@ class AttentionCases:
     pinned: cases of its grid that always run in the unit tier (the awkward ones it must
       see, named in one place);
     sampled: how many more cases of its grid, drawn with a fixed seed, run in the unit tier;
-    integration_sampled: how many of the rest run in the integration tier (None: all);
+    integration_pinned, integration_sampled: the cases that always run in the integration
+      tier, and how many of the rest run there too (None: all);
     kept, slow_sampled: the cases that run in the slow tier (and how many more drawn);
     rows: also measure each row against its own scale;
     elementwise_tol: float32 outputs and gradients also within this ``allclose``.
@@ -260,6 +262,7 @@ class AttentionCases:
   shapes: tuple[Shape, ...] = SMALL_SHAPES
   pinned: tuple = ()
   sampled: int = 4
+  integration_pinned: tuple = ()
   integration_sampled: int | None = None
   kept: tuple = ()
   slow_sampled: int = 0
@@ -286,14 +289,15 @@ class AttentionCases:
       and c.shape in self.shapes
       and self.supports(c)
     ]
-    missing = [str(c) for c in self.pinned + self.kept if c not in mine]
+    named = self.pinned + self.integration_pinned + self.kept
+    missing = [str(c) for c in named if c not in mine]
     assert not missing, f"{type(self).__name__} names cases outside its grid: {missing}"
-    rest = [c for c in mine if c not in self.pinned]
+    rest = [c for c in mine if c not in self.pinned + self.integration_pinned]
     random.Random(f"{type(self).__name__}-cases").shuffle(rest)
     unit = list(self.pinned) + rest[: self.sampled]
     rest = rest[self.sampled :]
     n = len(rest) if self.integration_sampled is None else self.integration_sampled
-    integration, rest = rest[:n], rest[n:]
+    integration, rest = list(self.integration_pinned) + rest[:n], rest[n:]
     slow = [c for c in self.kept if c in rest]
     slow += [c for c in rest if c not in slow][: self.slow_sampled]
     params = [pytest.param(c, id=str(c)) for c in unit]

@@ -160,24 +160,26 @@ def test_r1_ops_are_diff_v1_and_v2_bitwise(implementation):
   f_g1 = lambda *a: ops.gda_v1_attention_core(*a, **kw)
   args = (q1, q2, k1, k2, v, lam)
   ct = _normal(9, *f_v1(*args).shape)
-  for f, g in ((f_v1, f_g1),):
-    assert bool((f(*args) == g(*args)).all())
-    ga = jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=tuple(range(6)))(*args)
-    gb = jax.grad(lambda *a: jnp.sum(g(*a) * ct), argnums=tuple(range(6)))(*args)
+  for f, g in ((f_v1, f_g1),):  # each under jit: one program, not op by op
+    assert bool((jax.jit(f)(*args) == jax.jit(g)(*args)).all())
+    ga = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=tuple(range(6))))(*args)
+    gb = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a) * ct), argnums=tuple(range(6))))(*args)
     assert all(bool((x == y).all()) for x, y in zip(ga, gb))
   b, t, h, d = q1.shape
   lam_bth = jax.nn.sigmoid(_normal(5, b, t, h))
   pairs = jnp.stack([q1, q2], axis=3).reshape(b, t, 2 * h, d)
   v2 = v[..., :d]
-  a = ops.diff_v2_attention(pairs, k1, v2, lam_bth, **kw)
-  g = ops.gda_v2_attention(q1, q2, k1, v2, lam_bth, **kw)
+  a = jax.jit(lambda *x: ops.diff_v2_attention(*x, **kw))(pairs, k1, v2, lam_bth)
+  g = jax.jit(lambda *x: ops.gda_v2_attention(*x, **kw))(q1, q2, k1, v2, lam_bth)
   assert bool((a == g).all())
-  ga = jax.grad(
-    lambda p, l: jnp.sum(ops.diff_v2_attention(p, k1, v2, l, **kw) * ct[..., :d]), (0, 1)
+  ga = jax.jit(
+    jax.grad(lambda p, l: jnp.sum(ops.diff_v2_attention(p, k1, v2, l, **kw) * ct[..., :d]), (0, 1))
   )(pairs, lam_bth)
-  gb = jax.grad(
-    lambda x1, x2, l: jnp.sum(ops.gda_v2_attention(x1, x2, k1, v2, l, **kw) * ct[..., :d]),
-    (0, 1, 2),
+  gb = jax.jit(
+    jax.grad(
+      lambda x1, x2, l: jnp.sum(ops.gda_v2_attention(x1, x2, k1, v2, l, **kw) * ct[..., :d]),
+      (0, 1, 2),
+    )
   )(q1, q2, lam_bth)
   dq = jnp.stack([gb[0], gb[1]], axis=3).reshape(pairs.shape)
   assert bool((ga[0] == dq).all()) and bool((ga[1] == gb[2]).all())
@@ -203,7 +205,8 @@ def test_r1_models_are_diff_v1_and_v2_bitwise(base, grouped, scan):
   m2 = DecoderLM(cfg.replace(attention=grouped, gda_ratio=1), rngs=nnx.Rngs(0))
   s1, s2 = jax.tree.leaves(nnx.state(m1)), jax.tree.leaves(nnx.state(m2))
   assert len(s1) == len(s2) and all(bool((x == y).all()) for x, y in zip(s1, s2))
-  assert bool((m1(_TOKENS) == m2(_TOKENS)).all())
+  forward = nnx.jit(lambda m, tokens: m(tokens))  # one program per model, not op by op
+  assert bool((forward(m1, _TOKENS) == forward(m2, _TOKENS)).all())
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,16 +226,19 @@ def test_decoding_with_a_cache_equals_the_full_forward(arm):
     gda_ratio=4 if arm == "gda_v2" else 2,
   )
   model = DecoderLM(cfg, rngs=nnx.Rngs(1))
-  full = model(_TOKENS)
+  # Under jit: one program for the prompt and one for every decode step.
+  full = nnx.jit(lambda m, tokens: m(tokens))(model, _TOKENS)
+  prefill = nnx.jit(lambda m, tokens, c, n: m(tokens, cache=c, cache_lengths_B=n))
+  decode = nnx.jit(
+    lambda m, tokens, p, c, n: m(tokens, positions_BxT=p, cache=c, cache_lengths_B=n)
+  )
   cache = model.init_cache(2, 16)
   lengths = jnp.zeros((2,), jnp.int32)
-  logits, cache = model(_TOKENS[:, :9], cache=cache, cache_lengths_B=lengths)
+  logits, cache = prefill(model, _TOKENS[:, :9], cache, lengths)
   steps = [logits]
   lengths = lengths + 9
   for i in range(9, 13):
-    step, cache = model(
-      _TOKENS[:, i : i + 1], positions_BxT=jnp.full((2, 1), i), cache=cache, cache_lengths_B=lengths
-    )
+    step, cache = decode(model, _TOKENS[:, i : i + 1], jnp.full((2, 1), i), cache, lengths)
     steps.append(step)
     lengths = lengths + 1
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)

@@ -262,6 +262,7 @@ def test_sources_that_cannot_be_retrofitted_are_named():
   retrofit_params(odd.config, model_params(odd), "diff_v2")  # any head count pairs in V2
 
 
+@pytest.mark.integration  # the whole command
 def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_path, capsys):
   from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
 

@@ -16,6 +16,7 @@ from diffjax.eval import evaluate
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.mark.integration  # the whole command
 def test_evaluate_model_end_to_end_and_cli(runners, text_batches, tmp_path, monkeypatch):
   cfg = evaluate.EvalConfig.quick(
     T,

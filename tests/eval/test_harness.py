@@ -109,9 +109,15 @@ def _close(got, want, what):
   assert abs(got - want) <= RTOL * max(abs(want), 1.0), (what, got, want)
 
 
-# The scorer is the same code for every arm; the Transformer's run is under -m slow.
+# The scorer is the same code for every arm: DIFF V1 in the unit tier, DIFF V2 in the integration
+# tier, the Transformer under -m slow.
 @pytest.fixture(
-  scope="module", params=[pytest.param("transformer", marks=pytest.mark.slow), "diff_v1", "diff_v2"]
+  scope="module",
+  params=[
+    pytest.param("transformer", marks=pytest.mark.slow),
+    "diff_v1",
+    pytest.param("diff_v2", marks=pytest.mark.integration),
+  ],
 )
 def evaluated(request):
   cwd = os.getcwd()
@@ -246,6 +252,7 @@ def trained_workdir(trained_run):
   return trained_run("diff_v1", small=True)
 
 
+@pytest.mark.integration  # the whole command
 def test_the_command_prints_the_table_and_writes_the_results_json(
   trained_workdir, capsys, monkeypatch
 ):
@@ -272,6 +279,7 @@ def test_the_command_prints_the_table_and_writes_the_results_json(
   assert 0.0 <= results["results"]["diffjax_fixture_choice"]["acc,none"] <= 1.0
 
 
+@pytest.mark.integration  # the whole command on a trained run
 @pytest.mark.parametrize(
   "args,needle",
   [
@@ -598,6 +606,7 @@ def test_output_path_samples_gen_kwargs_auto_batch_and_the_answer_cache(
   assert json.loads((tmp_path / "h.json").read_text())["results"] == first["results"]
 
 
+@pytest.mark.integration  # the whole command on a trained run
 def test_predict_only_keeps_the_outputs_and_computes_no_metric(
   trained_workdir, tmp_path, capsys, monkeypatch
 ):

@@ -91,6 +91,7 @@ def _doubled_dk(fn, k_index):
   return mutated
 
 
+@pytest.mark.integration  # the interpreted TPU kernels through a whole model
 @pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
 def test_kernel_gradients_match_xla_for_every_parameter(arm):
   want = _xla_grads(arm)

@@ -108,6 +108,7 @@ def _tiny(tmp, preflight_on: bool):
   return c
 
 
+@pytest.mark.integration  # whole training runs
 @pytest.mark.parametrize("preflight_on", [True, False])
 def test_a_training_run_goes_on_with_the_stock_path_and_says_so(
   tmp_path, monkeypatch, capsys, preflight_on

@@ -159,6 +159,7 @@ def _max_rel_diff(mask=None, arm="diff_v1", steps=4) -> float:
   return max(rel_err(b, a) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(scanned)))
 
 
+@pytest.mark.integration  # whole training runs
 # DIFF V1 (norm gains, its norm scale and λ vectors) and V2 (its λ projection) carry the
 # leaves the rank rule got wrong; the baseline's norm gains are the same kind as theirs.
 @pytest.mark.parametrize(
@@ -169,6 +170,7 @@ def test_scanned_and_unrolled_runs_reach_the_same_parameters(arm):
   assert _max_rel_diff(arm=arm) < 1e-5
 
 
+@pytest.mark.integration  # whole training runs
 def test_scanned_and_unrolled_runs_differ_under_the_rank_rule():
   # The same comparison fails with the rank rule: decay pulls the scanned norm gains down.
   assert _max_rel_diff(mask=rank_mask) > 1e-4

@@ -34,6 +34,7 @@ def _xla_flops_per_token(cfg: ModelConfig) -> float:
   return cost["flops"] / (B * T)
 
 
+@pytest.mark.integration  # compiles whole train steps
 @pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_flops_per_token_match_xla_cost_analysis(remat):
   # The dense XLA attention computes every query-key pair and masks, so it is compared with

@@ -61,6 +61,7 @@ def _with_evals(c):
   return c
 
 
+@pytest.mark.integration  # whole training runs
 def test_resume_is_exact(tmp_path, monkeypatch):
   """A run stopped at step 3 and resumed equals a straight run, loss for loss and bit for bit;
   each run traces its train and eval steps once (no retrace per step, per eval, or for the
@@ -110,6 +111,7 @@ def test_arms_see_same_batches(tmp_path):
   assert len(set(hashes["transformer"])) == 3  # different batches at each step
 
 
+@pytest.mark.integration  # whole training runs
 def test_changed_model_config_is_refused(tmp_path):
   wd = str(tmp_path / "run")
   train_and_evaluate(tiny_config(steps=3), wd)
@@ -119,6 +121,7 @@ def test_changed_model_config_is_refused(tmp_path):
     train_and_evaluate(c, wd)
 
 
+@pytest.mark.integration  # whole training runs
 def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
   wd = str(tmp_path / "run")
   train_and_evaluate(tiny_config(steps=3), wd)
@@ -144,6 +147,7 @@ def _overflowing(steps: int, max_skipped: int):
   return c
 
 
+@pytest.mark.integration  # whole training runs
 def test_skipped_updates_are_counted_and_limited(tmp_path):
   """Up to max_skipped_updates non-finite updates are skipped and counted, across a resume;
   one more stops the run, its line kept in metrics.jsonl."""

@@ -158,6 +158,7 @@ def test_unknown_key_is_named_with_suggestions(tmp_path, flag, wanted):
 # --- resume keeps one metrics line per step -----------------------------------------------------
 
 
+@pytest.mark.integration  # whole training runs
 def test_resume_keeps_one_metrics_line_per_step(tmp_path):
   wd = tmp_path / "run"
   train_and_evaluate(tiny_eval_config(steps=3), str(wd))  # checkpoints at 2 and 3

@@ -105,7 +105,7 @@ def test_mha_matches_reference(shape, causal, seg):
 class TestXlaCpu(AttentionCases):
   """Every op of the CPU path on the small shapes, float32, also within an elementwise
   ``allclose`` of 3e-5. The unit tier runs DIFF V1 on GQA 3 with T != S, with and without
-  a row that sees no key, DIFF V2 on such a row, the grouped ops at r 2-4 with packed
+  a row that sees no key, DIFF V2 on such a row, the grouped ops at r 3 and 4 with packed
   documents, and a sample of the rest; the integration tier all of it."""
 
   ops = OPS
@@ -118,10 +118,10 @@ class TestXlaCpu(AttentionCases):
       ("diff_v1", SMALL_SHAPES[1], "none"),
       ("diff_v1", SMALL_SHAPES[1], "unmatched"),
       ("diff_v2", SMALL_SHAPES[1], "unmatched"),
-      *[(op, shape, "packed") for op in ("gda_v1", "gda_v2") for shape in GROUPED_SMALL_SHAPES[:3]],
+      *[(op, shape, "packed") for op in ("gda_v1", "gda_v2") for shape in GROUPED_SMALL_SHAPES[:2]],
     ]
   )
-  sampled = 4
+  sampled = 2
   elementwise_tol = 3e-5
   _FUNCTIONS = {
     "mha": mha_xla_cpu,

@@ -12,6 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from attention_cases import (
+  GROUPED_SMALL_SHAPES,
+  OPS,
+  SMALL_SHAPES,
+  AttentionCases,
+  Case,
+  segment_ids,
+)
 from kernel_checks import normal, rel_err, rel_err_rows, tolerance
 
 from diffjax import ops
@@ -124,44 +132,41 @@ def _gda_inputs(b, t, s, h, n, kh, d, dv, dtype, seed=2):
   )
 
 
-@pytest.mark.parametrize(
-  "h,n,kh,seg",
-  [
-    (4, 2, 2, True),  # r 2, two kv groups
-    (8, 2, 1, False),  # r 4, one kv group
-    pytest.param(4, 4, 2, True, marks=pytest.mark.slow),  # r 1: DIFF V1 / V2
-    pytest.param(8, 4, 2, False, marks=pytest.mark.slow),  # r 2, two noise heads a group
-  ],
-)
-def test_grouped_stock_paths_match_reference_with_every_gradient(h, n, kh, seg):
-  b, t, s, d = 2, 40, 64, 16
-  q_seg, kv_seg = _segments(b, t, s) if seg else (None, None)
-  kw = dict(causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="xla")
-  segs = None if q_seg is None else (q_seg, kv_seg)
-  q1, q2, k1, k2, v, lam, lam_tok = _gda_inputs(b, t, s, h, n, kh, d, 2 * d, jnp.float32)
-  ct = normal(jax.random.PRNGKey(9), (b, t, h, 2 * d), jnp.float32)
-  v1_args, v2_args = (q1, q2, k1, k2, v, lam), (q1, q2, k1, v[..., :d], lam_tok)
-  cases = {
-    "gda_v1": (
-      lambda *a: kg.gda_v1_stock_gpu(*a, **kw),
-      lambda *a: ref.gda_v1_reference(*a, segment_ids=segs),
-      v1_args,
-      ct,
-    ),
-    "gda_v2": (
-      lambda *a: kg.gda_v2_stock_gpu(*a, **kw),
-      lambda *a: ref.gda_v2_reference(*a, segment_ids=segs),
-      v2_args,
-      ct[..., :d],
-    ),
+class TestStockGpu(AttentionCases):
+  """Every op's stock GPU path through ``jax.nn.dot_product_attention``'s XLA implementation,
+  on the small shapes (the grouped ops at r 2-4, one and three kv groups, T != S)."""
+
+  ops = OPS
+  shapes = SMALL_SHAPES + GROUPED_SMALL_SHAPES
+  pinned = (
+    Case("gda_v1", GROUPED_SMALL_SHAPES[0], True, "none", "float32"),
+    Case("gda_v2", GROUPED_SMALL_SHAPES[0], True, "none", "float32"),
+    Case("gda_v1", GROUPED_SMALL_SHAPES[3], True, "packed", "float32"),
+    Case("gda_v2", GROUPED_SMALL_SHAPES[3], True, "packed", "float32"),
+  )
+  sampled = 2
+  _FUNCTIONS = {
+    "mha": kg.mha_stock_gpu,
+    "diff_v1": kg.diff_v1_stock_gpu,
+    "diff_v2": kg.diff_v2_stock_gpu,
+    "gda_v1": kg.gda_v1_stock_gpu,
+    "gda_v2": kg.gda_v2_stock_gpu,
   }
-  for name, (got_fn, want_fn, args, cot) in cases.items():
-    got, got_vjp = jax.vjp(jax.jit(got_fn), *args)
-    want, want_vjp = jax.vjp(want_fn, *args)
-    errs = {"out": rel_err(got, want)}
-    for i, (g, w) in enumerate(zip(got_vjp(cot), want_vjp(cot))):
-      errs[f"d{i}"] = rel_err(g, w)
-    assert all(e <= tolerance(jnp.float32) for e in errs.values()), (name, errs)
-  # The check can fail: the noise map of the wrong group (noise heads swapped).
-  swapped = kg.gda_v1_stock_gpu(q1, q2[:, :, ::-1], k1, k2, v, lam, **kw)
-  assert rel_err(swapped, cases["gda_v1"][1](*v1_args)) > 10 * tolerance(jnp.float32)
+
+  def call(self, case, *arrays):
+    q_seg, kv_seg = segment_ids(case) or (None, None)
+    return self._FUNCTIONS[case.op](
+      *arrays, causal=case.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="xla"
+    )
+
+
+def test_grouped_stock_reads_each_group_s_noise_map():
+  # The checks above can fail on a wiring error: the noise map of the wrong group.
+  b, t, s, h, n, kh, d = 2, 40, 64, 8, 2, 2, 16
+  q1, q2, k1, k2, v, lam, _ = _gda_inputs(b, t, s, h, n, kh, d, 2 * d, jnp.float32)
+  kw = dict(causal=True, implementation="xla")
+  want = ref.gda_v1_reference(q1, q2, k1, k2, v, lam)
+  got = jax.jit(lambda *a: kg.gda_v1_stock_gpu(*a, **kw))(q1, q2, k1, k2, v, lam)
+  assert rel_err(got, want) <= tolerance(jnp.float32)
+  swapped = jax.jit(lambda *a: kg.gda_v1_stock_gpu(*a, **kw))(q1, q2[:, :, ::-1], k1, k2, v, lam)
+  assert rel_err(swapped, want) > 10 * tolerance(jnp.float32)

@@ -135,18 +135,19 @@ def _case(version, t, s, rep, d, causal, seg, dtype, tiles):
 
 class TestPallasTpu(AttentionCases):
   """The fused kernels in the TPU interpreter (interpreted: a few cases a tier). Unit tier:
-  T != S both ways, a query row that matches no key, segment ids, GQA of 2 and 3, float32 and
-  bfloat16, small tiles. The slow tier adds sequence 384, GQA 4, the wide and default tiles,
+  DIFF V1 with T != S, a query row that matches no key, GQA 2, float32, small tiles. The
+  integration tier adds DIFF V2 with segment ids, GQA 3 and bfloat16, and a sample of the
+  rest. The slow tier adds sequence 384, GQA 4, the wide and default tiles,
   T > S and documents ending inside tiles, each in float32 and bfloat16."""
 
   ops = ("diff_v1", "diff_v2")
   dtypes = ("float32", "bfloat16")
   shapes = TILED_SHAPES
-  pinned = (
-    _case(1, 130, 300, 2, 16, True, "unmatched", "float32", "small"),
+  pinned = (_case(1, 130, 300, 2, 16, True, "unmatched", "float32", "small"),)
+  sampled = 0
+  integration_pinned = (
     _case(2, 150, 230, 3, 8, True, "packed", "bfloat16", "small"),  # three pairs per kv head
   )
-  sampled = 0
   integration_sampled = 6
   kept = (
     _case(1, 200, 200, 1, 16, True, "none", "float32", "small"),
@@ -236,7 +237,7 @@ def _chunked(dq_chunk, tiles=SMALL):
 CHUNK_CASES = [
   # version, dq_chunk, t, s, causal, seg, dtype
   # T = 130 pads to 5 tiles of 32: chunks of 2, 2, 1 tiles seeing 2, 3, 3 key tiles.
-  (1, 64, 130, 300, True, True, jnp.float32),
+  pytest.param(1, 64, 130, 300, True, True, jnp.float32, marks=pytest.mark.integration),
   # The chunk loop is the same for V2; V2's own paths (shared K, per-token lambda) run
   # in the default V2 cases above.
   _slow(2, 96, 136, 264, True, True, jnp.float32),
@@ -394,7 +395,7 @@ def _races_found() -> bool:
 @pytest.mark.parametrize(
   "version,t,s,rep,dq_chunk,d",
   [
-    (1, 64, 384, 1, None, 8),  # one chunk, head-major
+    pytest.param(1, 64, 384, 1, None, 8, marks=pytest.mark.integration),  # one chunk, head-major
     # Several heads and query tiles per group, causal skipping, two chunks.
     pytest.param(2, 200, 256, 2, 128, 8, marks=pytest.mark.slow),
     pytest.param(2, 200, 256, 2, None, 8, marks=pytest.mark.slow),
@@ -517,6 +518,7 @@ def test_block_sizes_per_generation_fit_the_vmem_budget():
 # Dispatcher and stock paths.
 
 
+@pytest.mark.integration  # the interpreted kernel through the ops API
 def test_dispatcher_pallas_tpu_equals_xla():
   q1, q2, k1, k2, v, _ = _v1_inputs(2, 72, 72, 4, 2, 16, jnp.float32)
   seg = jnp.stack([jnp.arange(72) // 30, jnp.arange(72) // 50]).astype(jnp.int32)
@@ -610,6 +612,7 @@ def _v5e_mesh():
   return jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "model"))
 
 
+@pytest.mark.integration  # an AOT compile gate
 def test_aot_compile_v5e_fwd_bwd():
   """Forward + backward of both kernels compile with Mosaic inside shard_map on v5e."""
   mesh = _v5e_mesh()
@@ -685,6 +688,7 @@ def test_aot_compile_gda_motif_layer(version):
   assert re.search(rf"bf16\[{b},{n},{t},{dv}\]", text)
 
 
+@pytest.mark.integration  # an AOT compile gate
 def test_aot_v1_forward_needs_no_layout_passes():
   """The wrappers' per-component transposes compile to bitcasts: the V1 forward for one v5e
   chip (6 DIFF heads of d = 128, the 3B layer over two model shards) has no XLA op

@@ -188,6 +188,7 @@ def test_decode_rejects_bad_arguments():
 # Dispatch: the ops run the kernel for "auto" on a TPU and for "pallas_tpu".
 
 
+@pytest.mark.integration  # the interpreted kernel through the ops API
 def test_auto_on_tpu_and_pallas_tpu_run_the_kernel_and_match_xla():
   q1, q2, k1, k2, v, _ = _inputs(3, 128, 6, 2, 16, 32, seed=2)
   args = (q1, q2, k1, k2, v, 0.3, jnp.array([1, 77, 128]))
@@ -312,6 +313,7 @@ AOT_CASES = [
 ]
 
 
+@pytest.mark.integration  # an AOT compile gate
 @pytest.mark.parametrize("topology,shape", AOT_CASES)
 def test_aot_compile_reads_the_cache_in_place(topology, shape):
   topo = _topology(topology)
@@ -322,6 +324,7 @@ def test_aot_compile_reads_the_cache_in_place(topology, shape):
   assert not _cache_copies(hlo, b * s * kh * min(d, dv)), _cache_copies(hlo, b * s * kh * d)
 
 
+@pytest.mark.integration  # an AOT compile gate
 def test_aot_compile_sharded_op_on_v5e():
   """The op under a mesh: "auto" resolves to the kernel, run per device in shard_map."""
   topo = _topology("v5e:2x2")
@@ -378,6 +381,7 @@ def test_decode_matches_reference_wide(b, s, h, kh, d, dv, block_kv, splits, dty
   assert rel_err(out, _reference(*args, kv_len)) <= tol
 
 
+@pytest.mark.integration  # the interpreter's race detector
 def test_no_races_in_interpreter():
   """The split decode (two programs per row, each double-buffering its cache blocks) under
   the interpreter's race detector, on two simulated cores."""
