@@ -292,6 +292,7 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
   assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
 
 
+@pytest.mark.integration  # the whole command
 def test_the_command_refuses_in_one_line_what_it_would_ignore_or_overwrite(tmp_path, capsys):
   from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
 

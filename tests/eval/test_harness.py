@@ -629,6 +629,7 @@ def test_predict_only_keeps_the_outputs_and_computes_no_metric(
   assert len(samples) == 2 and all(len(s["resps"]) == 3 for s in samples)
 
 
+@pytest.mark.integration  # a whole export evaluated by the harness
 def test_an_export_is_evaluated_at_the_runs_context_with_the_runs_tokenizer(
   trained_workdir, tmp_path, monkeypatch
 ):

@@ -401,6 +401,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
   assert (wd / "DONE").exists()
 
 
+@pytest.mark.integration  # a whole training run
 def test_task_mix_interleaves_retrieval_examples(tmp_path):
   from diffjax.data import DataConfig, load_tokenizer, open_corpus, stdlib_files
   from diffjax.train.task_mix import TRAIN_SEED_OFFSET, mixed_source

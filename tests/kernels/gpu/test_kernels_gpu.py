@@ -58,7 +58,12 @@ def _v2_inputs(b, t, s, h, kh, d, dtype, seed=1):
 
 
 @pytest.mark.parametrize(
-  "t,s,seg", [pytest.param(64, 64, False, marks=pytest.mark.slow), (40, 64, True)]
+  "t,s,seg",
+  [
+    pytest.param(64, 64, False, marks=pytest.mark.slow),
+    # TestStockGpu checks each path alone in the unit tier.
+    pytest.param(40, 64, True, marks=pytest.mark.integration),
+  ],
 )
 def test_stock_paths_compose_like_the_reference(t, s, seg):
   b = 2
