@@ -196,6 +196,12 @@ def segment_ids(case: Case):
   return packed_segment_ids(s.b, s.t, s.s, unmatched_row=case.segments == "unmatched")
 
 
+def mask_kwargs(case: Case) -> dict:
+  """``causal``, ``q_segment_ids`` and ``kv_segment_ids`` as the kernel functions take them."""
+  q_seg, kv_seg = segment_ids(case) or (None, None)
+  return dict(causal=case.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+
 def reference(case: Case):
   segs = segment_ids(case)
   return lambda *a: REFERENCES[case.op](*a, causal=case.causal, segment_ids=segs)

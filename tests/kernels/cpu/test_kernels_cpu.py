@@ -12,7 +12,7 @@ from attention_cases import (
   SMALL_SHAPES,
   AttentionCases,
   Case,
-  segment_ids,
+  mask_kwargs,
 )
 from kernel_checks import rel_err, slow_case
 
@@ -132,10 +132,7 @@ class TestXlaCpu(AttentionCases):
   }
 
   def call(self, case, *arrays):
-    q_seg, kv_seg = segment_ids(case) or (None, None)
-    return self._FUNCTIONS[case.op](
-      *arrays, causal=case.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg
-    )
+    return self._FUNCTIONS[case.op](*arrays, **mask_kwargs(case))
 
 
 def test_bfloat16_within_bfloat16_rounding():

@@ -18,7 +18,7 @@ from attention_cases import (
   SMALL_SHAPES,
   AttentionCases,
   Case,
-  segment_ids,
+  mask_kwargs,
 )
 from kernel_checks import normal, rel_err, rel_err_rows, tolerance
 
@@ -159,10 +159,7 @@ class TestStockGpu(AttentionCases):
   }
 
   def call(self, case, *arrays):
-    q_seg, kv_seg = segment_ids(case) or (None, None)
-    return self._FUNCTIONS[case.op](
-      *arrays, causal=case.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="xla"
-    )
+    return self._FUNCTIONS[case.op](*arrays, **mask_kwargs(case), implementation="xla")
 
 
 def test_grouped_stock_reads_each_group_s_noise_map():

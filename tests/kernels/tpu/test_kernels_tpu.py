@@ -26,7 +26,7 @@ from attention_cases import (
   AttentionCases,
   Case,
   Shape,
-  segment_ids,
+  mask_kwargs,
 )
 from jax.experimental.pallas import tpu as pltpu
 from kernel_checks import TOL, assert_like_inputs  # noqa: E402
@@ -172,15 +172,7 @@ class TestPallasTpu(AttentionCases):
 
   def call(self, case, *arrays):
     fn = kt.diff_v1_pallas_tpu if case.op == "diff_v1" else kt.diff_v2_pallas_tpu
-    q_seg, kv_seg = segment_ids(case) or (None, None)
-    return fn(
-      *arrays,
-      causal=case.causal,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
-      block_sizes=TILES[case.shape.tiles],
-      interpret=True,
-    )
+    return fn(*arrays, **mask_kwargs(case), block_sizes=TILES[case.shape.tiles], interpret=True)
 
 
 @pytest.mark.slow
@@ -584,15 +576,7 @@ class TestStockTpu(AttentionCases):
     return case.shape.tiles == "default" and (case.shape.ratio > 1) == case.grouped
 
   def call(self, case, *arrays):
-    q_seg, kv_seg = segment_ids(case) or (None, None)
-    return STOCK[case.op](
-      *arrays,
-      causal=case.causal,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
-      block_sizes=None,
-      interpret=True,
-    )
+    return STOCK[case.op](*arrays, **mask_kwargs(case), block_sizes=None, interpret=True)
 
 
 # ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import GROUPED_TILED_SHAPES, AttentionCases, Case, Shape, segment_ids
+from attention_cases import GROUPED_TILED_SHAPES, AttentionCases, Case, Shape, mask_kwargs
 from kernel_checks import (
   TOL,
   assert_like_inputs,
@@ -118,15 +118,7 @@ class TestPallasTpuGrouped(AttentionCases):
 
   def call(self, case, *arrays):
     fn = kt.gda_v1_pallas_tpu if case.op == "gda_v1" else kt.gda_v2_pallas_tpu
-    q_seg, kv_seg = segment_ids(case) or (None, None)
-    return fn(
-      *arrays,
-      causal=case.causal,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
-      block_sizes=SMALL,
-      interpret=True,
-    )
+    return fn(*arrays, **mask_kwargs(case), block_sizes=SMALL, interpret=True)
 
 
 @pytest.mark.slow
