@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import assert_like_inputs, check, normal, packed_segment_ids
+from kernel_checks import (
+  assert_like_inputs,
+  check,
+  normal,
+  packed_segment_ids,
+  rel_err_rows,
+  tolerance,
+)
 
 from diffjax.core import op_specs
 from diffjax.core import reference as ref
@@ -42,6 +49,9 @@ from diffjax.core import reference as ref
 OPS = ("mha", "diff_v1", "diff_v2", "gda_v1", "gda_v2")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SEGMENTS = ("none", "packed", "unmatched")
+# Segment kinds beyond the default three, for the classes that name them: "single" starts
+# every row with a one-token document (a query that sees only itself), then two longer ones.
+SEGMENT_KINDS = SEGMENTS + ("single",)
 GRADIENTS = {
   "mha": ("dq", "dk", "dv"),
   "diff_v1": ("dq1", "dq2", "dk1", "dk2", "dv", "dlam"),
@@ -62,7 +72,9 @@ REFERENCES = {
 @dataclasses.dataclass(frozen=True)
 class Shape:
   """Sizes of one case. ``group``: output heads per kv head (for the grouped ops, noise heads
-  per kv head); ``ratio``: signal heads per noise head (grouped ops; 1 elsewhere)."""
+  per kv head); ``ratio``: signal heads per noise head (grouped ops; 1 elsewhere);
+  ``grouped``: a shape for the grouped ops although its ratio is 1 (one signal head a noise
+  head: the grouped kernels' degenerate case)."""
 
   b: int
   t: int
@@ -72,6 +84,11 @@ class Shape:
   d: int
   ratio: int = 1
   tiles: str = "default"  # a tile set the kernel classes name (ignored by the others)
+  grouped: bool = False
+
+  @property
+  def for_grouped_ops(self) -> bool:
+    return self.ratio > 1 or self.grouped
 
 
 # The canonical shapes. Small ones for the XLA-level paths: GQA groups of 1, 2 and 3, T != S
@@ -119,7 +136,50 @@ GROUPED_TILED_SHAPES = (
   Shape(1, 200, 200, 2, 1, 16, ratio=2),
   Shape(1, 200, 200, 2, 1, 16, ratio=3),
 )
-SHAPES = SMALL_SHAPES + GROUPED_SMALL_SHAPES + TILED_SHAPES + GROUPED_TILED_SHAPES
+# The Mosaic GPU kernels' shapes: head dims of 64 to 128 (multiples of 16), tiles of 64
+# queries and keys, so the same awkwardness at the sizes they take (GQA 1 to 3, T off the
+# tiles, T < S, value halves of unequal width at d 80).
+GPU_SHAPES = (
+  Shape(1, 64, 64, 1, 1, 64),
+  Shape(1, 200, 200, 2, 1, 64),
+  Shape(1, 384, 384, 1, 3, 64),
+  Shape(1, 200, 200, 1, 2, 128),
+  Shape(1, 200, 200, 2, 1, 80),
+  Shape(1, 200, 200, 1, 3, 96),
+  Shape(1, 384, 384, 1, 2, 128),
+  Shape(1, 200, 200, 1, 3, 80),
+  Shape(2, 200, 200, 1, 2, 64),
+  Shape(1, 130, 260, 1, 2, 64),
+  Shape(1, 100, 300, 2, 1, 64),
+)
+GROUPED_GPU_SHAPES = (
+  Shape(1, 64, 64, 1, 1, 64, ratio=2),
+  Shape(1, 64, 64, 1, 1, 64, ratio=4),
+  Shape(1, 200, 200, 1, 2, 64, ratio=4),
+  Shape(2, 200, 200, 2, 1, 64, ratio=2),
+  Shape(1, 128, 128, 1, 1, 128, ratio=4),
+  Shape(1, 200, 200, 1, 2, 80, ratio=3),
+  Shape(1, 64, 64, 1, 1, 96, ratio=4),
+  Shape(1, 130, 130, 2, 1, 64, ratio=3),
+  Shape(1, 64, 64, 1, 2, 64, grouped=True),
+)
+# The context-parallel ring's: 32 or 48 tokens (whole zig-zag chunks on 2, 4 and 8 shards),
+# heads that split over a tensor axis of 2.
+RING_SHAPES = (
+  Shape(2, 32, 32, 2, 2, 8),
+  Shape(2, 48, 48, 2, 2, 8),
+  Shape(2, 32, 32, 2, 1, 8, ratio=2),
+  Shape(2, 48, 48, 2, 1, 8, ratio=2),
+)
+SHAPES = (
+  SMALL_SHAPES
+  + GROUPED_SMALL_SHAPES
+  + TILED_SHAPES
+  + GROUPED_TILED_SHAPES
+  + GPU_SHAPES
+  + GROUPED_GPU_SHAPES
+  + RING_SHAPES
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +189,7 @@ class Case:
   causal: bool
   segments: str
   dtype: str
+  variant: str = ""  # a class's own axis (a mesh layout, a strategy), "" where it has none
 
   @property
   def grouped(self) -> bool:
@@ -146,21 +207,21 @@ class Case:
   def __str__(self) -> str:
     s = self.shape
     grouped = f"r{s.ratio}-" if self.grouped else ""
+    variant = f"-{self.variant}" if self.variant else ""
     return (
       f"{self.op}-b{s.b}-t{s.t}-s{s.s}-k{s.kv_heads}x{s.group}-{grouped}d{s.d}-{s.tiles}-"
-      f"{'causal' if self.causal else 'full'}-{self.segments}-{self.dtype}"
+      f"{'causal' if self.causal else 'full'}-{self.segments}-{self.dtype}{variant}"
     )
 
 
 def every_case():
   """The whole shared grid (before any class's filter)."""
   for shape in SHAPES:
-    grouped_shape = shape.ratio > 1
     for op in OPS:
-      if op.startswith("gda") != grouped_shape:
+      if op.startswith("gda") != shape.for_grouped_ops:
         continue
       for causal, segments, dtype in itertools.product(
-        (True, False), SEGMENTS, ("float32", "bfloat16", "float16")
+        (True, False), SEGMENT_KINDS, ("float32", "bfloat16", "float16")
       ):
         if segments != "none" and shape.t > shape.s:
           continue  # the packed documents are laid out for queries that are the last T keys
@@ -193,6 +254,10 @@ def segment_ids(case: Case):
   if case.segments == "none":
     return None
   s = case.shape
+  if case.segments == "single":
+    kv = (jnp.arange(s.s) >= s.s // 3).astype(jnp.int32).at[0].set(7)
+    kv = jnp.broadcast_to(kv, (s.b, s.s))
+    return kv[:, s.s - s.t :], kv
   return packed_segment_ids(s.b, s.t, s.s, unmatched_row=case.segments == "unmatched")
 
 
@@ -215,9 +280,24 @@ def _value_and_vjp(fn, args, ct):
   return jax.jit(run)(tuple(args), ct)
 
 
-def check_case(case: Case, fn, *, rows: bool = False, elementwise_tol: float | None = None):
+def check_case(
+  case: Case,
+  fn,
+  *,
+  rows: bool = False,
+  elementwise_tol: float | None = None,
+  tol: float | None = None,
+  own_checks: dict | None = None,
+  broken_rows: bool = False,
+):
   """Asserts that ``fn(*arrays)`` and the gradient of each array equal the reference's for
-  ``case``; see the module docstring for what is measured."""
+  ``case``; see the module docstring for what is measured.
+
+  ``tol``: the whole-array tolerance instead of the dtype's. ``own_checks``: gradient name ->
+  ``check(case, args, cotangent, got, want)``, a measure of the class's own that replaces the
+  common one for that gradient. ``broken_rows``: also show, on this case's own numbers, that
+  the row measure fails each array of queries, keys or values when its smallest row of
+  weight (a tenth of the largest value or more) is moved by twice the row tolerance."""
   args = arrays(case)
   s, dtype = case.shape, DTYPES[case.dtype]
   ct = normal(jax.random.PRNGKey(7), (s.b, s.t, case.heads, case.value_dim), dtype)
@@ -227,7 +307,23 @@ def check_case(case: Case, fn, *, rows: bool = False, elementwise_tol: float | N
   )
   assert_like_inputs(out, grads, args, (s.b, s.t, case.heads, case.value_dim), dtype)
   triples = [("out", out, ref_out)] + list(zip(GRADIENTS[case.op], grads, ref_grads))
-  check(triples, dtype, rows=rows)
+  own_checks = own_checks or {}
+  for name, got, want in triples:
+    if name in own_checks:
+      own_checks[name](case, args, ct, got, want)
+  triples = [t for t in triples if t[0] not in own_checks]
+  check(triples, dtype, rows=rows, tol=tol)
+  if broken_rows:
+    row_tol = tolerance(dtype, rows=True)
+    for name, got, want in triples[1:]:
+      if name == "dlam":
+        continue
+      broken = np.array(got, np.float32).reshape(-1, got.shape[-1])
+      scale = np.max(np.abs(np.asarray(want, np.float32).reshape(broken.shape)), 1)
+      row = int(np.argmin(np.where(scale >= 0.1 * scale.max(), scale, np.inf)))
+      broken[row] += 2 * row_tol * scale[row]
+      err = rel_err_rows(broken.reshape(got.shape), want)
+      assert err > row_tol, f"{name} of {case}: a broken row passed the row measure ({err})"
   if elementwise_tol is not None and case.dtype == "float32":
     for name, got, want in triples:
       np.testing.assert_allclose(
@@ -257,9 +353,14 @@ class AttentionCases:
     integration_pinned, integration_sampled: the cases that always run in the integration
       tier, and how many of the rest run there too (None: all);
     kept, slow_sampled: the cases that run in the slow tier (and how many more drawn);
+    variants: the class's own axis, crossed with its grid (a mesh layout, a strategy;
+      :meth:`call` reads ``case.variant``);
     rows: also measure each row against its own scale;
-    elementwise_tol: float32 outputs and gradients also within this ``allclose``.
-  and :meth:`call`.
+    elementwise_tol: float32 outputs and gradients also within this ``allclose``;
+    tolerances: dtype name -> whole-array tolerance, where the class holds itself to less
+      than the common one;
+    broken_rows: see :func:`check_case`;
+  and :meth:`call`, and :meth:`own_checks` where a gradient needs a measure of its own.
   """
 
   ops: tuple[str, ...] = ("mha", "diff_v1", "diff_v2")
@@ -272,8 +373,11 @@ class AttentionCases:
   integration_sampled: int | None = None
   kept: tuple = ()
   slow_sampled: int = 0
+  variants: tuple[str, ...] = ("",)
   rows: bool = False
   elementwise_tol: float | None = None
+  tolerances: dict = {}
+  broken_rows: bool = False
 
   def supports(self, case: Case) -> bool:
     """Whether the implementation takes ``case`` (beyond the class's axes)."""
@@ -284,11 +388,19 @@ class AttentionCases:
     """The implementation's output for ``case`` on ``arrays``."""
     raise NotImplementedError
 
+  def own_checks(self, case: Case) -> dict:
+    """Gradient name -> a measure that replaces the common one (see :func:`check_case`)."""
+    del case
+    return {}
+
   def cases(self) -> list:
     """This class's cases as pytest params, marked by tier."""
+    crossed = (
+      dataclasses.replace(c, variant=variant) for c in every_case() for variant in self.variants
+    )
     mine = [
       c
-      for c in every_case()
+      for c in crossed
       if c.op in self.ops
       and c.dtype in self.dtypes
       and c.segments in self.segments
@@ -317,5 +429,11 @@ class AttentionCases:
 
   def test_matches_reference(self, case):
     check_case(
-      case, lambda *a: self.call(case, *a), rows=self.rows, elementwise_tol=self.elementwise_tol
+      case,
+      lambda *a: self.call(case, *a),
+      rows=self.rows,
+      elementwise_tol=self.elementwise_tol,
+      tol=self.tolerances.get(case.dtype),
+      own_checks=self.own_checks(case),
+      broken_rows=self.broken_rows,
     )

@@ -86,12 +86,14 @@ def assert_like_inputs(out, grads, args, out_shape, dtype):
   chex.assert_tree_all_finite((out, tuple(grads)))
 
 
-def check(triples, dtype, rows: bool = False):
+def check(triples, dtype, rows: bool = False, tol: float | None = None):
   """Asserts each (name, kernel, reference) is within tolerance; names every failure.
 
-  ``rows``: also measure each row against its own scale (:func:`rel_err_rows`).
+  ``rows``: also measure each row against its own scale (:func:`rel_err_rows`). ``tol``: the
+  whole-array tolerance instead of the dtype's.
   """
-  tol, row_tol = tolerance(dtype), tolerance(dtype, rows=True)
+  tol = tolerance(dtype) if tol is None else tol
+  row_tol = tolerance(dtype, rows=True)
   errs = {name: rel_err(a, b) for name, a, b in triples}
   bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
   if rows:

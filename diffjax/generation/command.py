@@ -62,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 class _Stream:
   """Writes each new token's text as it comes; bytes are decoded as UTF-8 incrementally."""
 
-  def __init__(self, tokenizer, out=sys.stdout):
+  def __init__(self, tokenizer, out=None):
     self.tokenizer = tokenizer
-    self.out = out
+    self.out = sys.stdout if out is None else out  # the stream of the call, not of the import
     self.byte_level = isinstance(tokenizer, ByteTokenizer)
     self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     self.ids: list[int] = []

@@ -220,6 +220,31 @@ def test_prompt_longer_than_the_cache_is_one_clear_error():
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("arm", ["diff_v1", "diff_v2"])
+def test_cli_continues_a_prompt_with_a_trained_run(trained_run, arm, capsys):
+  # The command on a trained run (shared with the eval and harness tests) prints the prompt
+  # and the greedy continuation of the run's own model, then one line of speeds.
+  from diffjax.data import DataConfig, load_tokenizer  # pylint: disable=import-outside-toplevel
+  from diffjax.generation.command import main  # pylint: disable=import-outside-toplevel
+  from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
+
+  workdir = trained_run(arm)
+  capsys.readouterr()  # the training's own output, when this test trained the run
+  assert main([f"--workdir={workdir}", "--prompt=ab", "--max_new_tokens=6"]) == 0
+  out, err = capsys.readouterr()
+  run = load_run(workdir, None)
+  tokenizer = load_tokenizer(
+    (run.config.get("data") or {}).get("tokenizer", DataConfig().tokenizer)
+  )
+  want = generate(
+    run.model, [tokenizer.encode("ab").tolist()], max_new_tokens=6, stop_tokens=[tokenizer.eos_id]
+  )
+  assert len(want.tokens[0]) >= 1
+  assert out == "ab" + tokenizer.decode(want.tokens[0]) + "\n"
+  assert err.startswith(f"[{arm}, step {run.step}] prefill 2 tokens") and err.count("\n") == 1
+
+
+@pytest.mark.integration
 def test_cli_refuses_a_missing_or_empty_workdir_in_one_line_writing_nothing(tmp_path, capsys):
   from diffjax.generation.command import main  # pylint: disable=import-outside-toplevel
 

@@ -10,6 +10,7 @@ from attention_cases import (
   AttentionCases,
   Case,
   check_case,
+  every_case,
   reference,
 )
 
@@ -94,3 +95,54 @@ def test_the_checks_fail_a_broken_implementation(defect):
   check_case(CASE_V1, want, rows=True)  # the reference passes its own checks
   with pytest.raises(AssertionError):
     check_case(CASE_V1, broken)
+
+
+def test_variants_cross_the_grid_and_name_their_cases():
+  class Layouts(AttentionCases):
+    ops = ("mha",)
+    shapes = (SMALL_SHAPES[0],)
+    segments = ("none",)
+    variants = ("ring-a", "ring-b")
+    sampled = 100  # all of them in the unit tier
+
+    def supports(self, case):
+      return case.variant == "ring-a" or case.causal
+
+  params = Layouts().cases()
+  cases = [p.values[0] for p in params]
+  assert sorted((c.variant, c.causal) for c in cases) == [
+    ("ring-a", False),
+    ("ring-a", True),
+    ("ring-b", True),
+  ]
+  assert not any(p.marks for p in params)
+  assert all(str(c).endswith(f"-none-float32-{c.variant}") for c in cases)
+  assert not str(CASE_V1).endswith("-")  # no variant, no suffix
+  assert len({str(c) for c in every_case()}) == len(list(every_case()))  # ids are unique
+
+
+def test_own_checks_replace_the_common_measure_and_tolerances_tighten_it():
+  want = reference(CASE_V1)
+  seen = []
+
+  def off_dlam(q1, q2, k1, k2, v, lam):  # d lambda 2 % off, all else exact
+    out = want(q1, q2, k1, k2, v, lam)
+    return out + _nudged_gradient(lam, 2e-2) * jax.lax.stop_gradient(jnp.max(jnp.abs(out)))
+
+  with pytest.raises(AssertionError, match="dlam"):
+    check_case(CASE_V1, off_dlam)
+  check_case(CASE_V1, off_dlam, own_checks={"dlam": lambda *a: seen.append(a[0])})
+  assert seen == [CASE_V1]
+
+  def slightly_off(*a):  # 3e-6 relative: within float32's 2e-5, not 1e-6
+    return want(*a) * (1 + 3e-6)
+
+  check_case(CASE_V1, slightly_off)
+  with pytest.raises(AssertionError, match="outside tolerance 1e-06"):
+    check_case(CASE_V1, slightly_off, tol=1e-6)
+
+
+def test_broken_rows_holds_on_the_reference():
+  # The self-check of the row measure runs on every gradient of a case and passes where the
+  # measure would see a row moved by twice its tolerance.
+  check_case(CASE_V1, reference(CASE_V1), rows=True, broken_rows=True)

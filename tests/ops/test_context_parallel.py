@@ -1,14 +1,11 @@
 """Context-parallel attention (sequence sharded over a mesh axis) against the reference.
 
 The sharded checks run on the test process's 8 CPU devices (tests/conftest.py); they
-compile once per mesh, so they are in the integration tier.
-
-Each sharded case builds inputs in the original token order, permutes every per-token
-array with :func:`zigzag_permutation` (identity without load balancing), runs the
-context-parallel op under ``jit`` and un-permutes its output and gradients. Errors are
-``max|cp - reference| / max|reference|`` in float32, for the output and the gradient
-of ``sum(out * cotangent)`` with respect to every input; the bound is 1e-5 (observed
-below 1e-6).
+compile once per mesh, so they are in the integration tier. The comparisons against the
+reference are the attention test base's (tests/attention_cases.py; classes
+:class:`TestContextParallel` and :class:`TestContextParallelPallasTpu`), with float32
+held to 1e-5 (observed below 1e-6); the rest checks the order, the choice of per-block
+kernels, the collectives and the refusals.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import OPS, RING_SHAPES, AttentionCases, Case, segment_ids
 from kernel_checks import rel_err as _rel_err
 
 from diffjax.core import reference as ref
@@ -41,24 +39,6 @@ LAYOUTS = {
   "context2": ((1, 1, 1, 2), None, None),
   "batch2_context2": ((2, 1, 1, 2), "data", None),
 }
-# One case per (op, strategy); together they use every layout and both load-balance settings.
-FAST = [
-  ("mha", "ring", True, "context8"),
-  ("diff_v1", "ring", True, "all4"),
-  ("diff_v2", "ring", False, "fsdp2_context4"),
-  ("diff_v2", "all_gather", True, "context8"),
-  ("gda_v1", "ring", True, "all4"),
-  ("gda_v2", "all_gather", False, "fsdp2_context4"),
-]
-SLOW = [
-  (op, strategy, lb, layout)
-  for op in ("mha", "diff_v1", "diff_v2", "gda_v1", "gda_v2")
-  for strategy in ("ring", "all_gather")
-  for lb in (True, False)
-  for layout in ("context8", "all4", "fsdp2_context4")
-  if (op, strategy, lb, layout) not in FAST
-]
-SLOW.append(("diff_v1", "all_gather", True, "fsdp2_batch"))
 
 
 def _mesh(shape):
@@ -258,90 +238,143 @@ def test_permutation_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# Sharded checks (8 devices, in the child process).
+# Sharded checks on 8 CPU devices: the attention test base (tests/attention_cases.py), with
+# the strategy, the order and the mesh layout as the class's own axis.
 
 
-@sharded
-@pytest.mark.parametrize("op,strategy,load_balance,layout", FAST)
-def test_matches_reference(op, strategy, load_balance, layout):
-  _compare(op, strategy, load_balance, layout, t=48 if layout == "context8" else 32)
+def _variant(strategy, load_balance, layout):
+  return f"{strategy}-{'zigzag' if load_balance else 'contiguous'}-{layout}"
 
 
-@sharded
-@pytest.mark.slow
-@pytest.mark.parametrize("op,strategy,load_balance,layout", SLOW)
-def test_matches_reference_more(op, strategy, load_balance, layout):
-  _compare(op, strategy, load_balance, layout, t=48 if layout == "context8" else 32)
+def _ring_shape(op, layout):
+  """A zig-zag chunk per shard position on every layout: 48 tokens on 8 shards, else 32."""
+  t = 48 if layout == "context8" else 32
+  return next(s for s in RING_SHAPES if s.t == t and s.for_grouped_ops == op.startswith("gda"))
+
+
+def _ring_case(op, strategy, load_balance, layout, causal=True, segments="packed", dtype="float32"):
+  variant = _variant(strategy, load_balance, layout)
+  return Case(op, _ring_shape(op, layout), causal, segments, dtype, variant)
+
+
+class TestContextParallel(AttentionCases):
+  """Context-parallel attention with XLA blocks, against the reference. The inputs are built in
+  the original token order, every per-token array (and the segment ids) permuted by
+  :func:`zigzag_permutation` (identity without load balancing) before the sharded op runs
+  under ``jit``, and its output permuted back, so the gradients come back in the original
+  order too. float32 within 1e-5 (observed below 1e-6). The integration tier runs one case
+  per op and strategy over every layout and both orders; the slow tier every op, strategy,
+  order and layout, the mask variants and bfloat16."""
+
+  ops = OPS
+  dtypes = ("float32", "bfloat16")
+  segments = ("none", "packed", "single")
+  shapes = RING_SHAPES
+  variants = tuple(
+    _variant(strategy, lb, layout)
+    for strategy in ("ring", "all_gather")
+    for lb in (True, False)
+    for layout in ("context8", "all4", "fsdp2_context4")
+  ) + (_variant("all_gather", True, "fsdp2_batch"),)
+  tolerances = {"float32": TOL}
+  implementation = "xla"
+  sampled = 0
+  integration_pinned = (
+    _ring_case("mha", "ring", True, "context8"),
+    _ring_case("diff_v1", "ring", True, "all4"),
+    _ring_case("diff_v2", "ring", False, "fsdp2_context4"),
+    _ring_case("diff_v2", "all_gather", True, "context8"),
+    _ring_case("gda_v1", "ring", True, "all4"),
+    _ring_case("gda_v2", "all_gather", False, "fsdp2_context4"),
+  )
+  integration_sampled = 0
+  kept = (
+    tuple(
+      _ring_case(op, strategy, lb, layout)
+      for op in OPS
+      for strategy in ("ring", "all_gather")
+      for lb in (True, False)
+      for layout in ("context8", "all4", "fsdp2_context4")
+    )
+    + (_ring_case("diff_v1", "all_gather", True, "fsdp2_batch"),)
+    # The masks: no causal mask, no documents; documents that start with a one-token one.
+    + tuple(
+      _ring_case(op, strategy, True, "all4", causal, segments)
+      for op in ("mha", "diff_v1", "diff_v2")
+      for strategy in ("ring", "all_gather")
+      for causal, segments in ((False, "packed"), (True, "none"), (True, "single"))
+    )
+    # bfloat16 against the float32 reference on the same (rounded) inputs.
+    + tuple(
+      _ring_case(op, "ring", True, "all4", dtype="bfloat16") for op in ("mha", "diff_v1", "diff_v2")
+    )
+  )
+
+  def supports(self, case):
+    strategy, order, layout = case.variant.split("-")
+    del strategy, order
+    return case.shape == _ring_shape(case.op, layout)
+
+  def call(self, case, *arrays):
+    strategy, order, layout = case.variant.split("-")
+    shape, batch_axis, head_axis = LAYOUTS[layout]
+    mesh = _mesh(shape)
+    t = case.shape.t
+    perm = cp.zigzag_permutation(t, mesh.shape["context"]) if order == "zigzag" else np.arange(t)
+    inv = cp.inverse_permutation(perm)
+    seg = segment_ids(case)
+    # Per-token arrays are [B, T, ...]; V1's lambda is one per head.
+    per_token = lambda x: x[:, perm] if x.ndim >= 2 else x
+    out = cp.context_parallel_attention(
+      case.op,
+      tuple(per_token(x) for x in arrays),
+      mesh=mesh,
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      strategy=strategy,
+      load_balance=order == "zigzag",
+      causal=case.causal,
+      segment_ids=None if seg is None else seg[1][:, perm],
+      implementation=self.implementation,
+      interpret=self.implementation != "xla",
+    )
+    return out[:, inv]
+
+
+class TestContextParallelPallasTpu(TestContextParallel):
+  """The ring with the fused TPU kernels as its blocks (``implementation="pallas_tpu"``, in the
+  TPU interpreter on every device, so on fewer devices): zig-zag order and documents that
+  cross the shard boundary, so every step kind runs (the causal first step and both later
+  cases). The integration tier runs DIFF V2 on two shards; the slow tier adds DIFF V1, four
+  shards, contiguous shards, no causal mask, batch sharding and bfloat16. The Mosaic GPU
+  kernels take bf16/fp16 tiles of 64 rows, too large for these shapes:
+  tests/kernels/gpu/test_kernels_mosaic_gpu.py checks one of their ring blocks against the
+  whole attention, and the ring that merges blocks is one code path for every block kind."""
+
+  ops = ("diff_v1", "diff_v2")
+  segments = ("packed",)
+  variants = tuple(
+    _variant("ring", lb, layout)
+    for lb in (True, False)
+    for layout in ("context2", "batch2_context2", "fsdp2_context4")
+  )
+  implementation = "pallas_tpu"
+  integration_pinned = (_ring_case("diff_v2", "ring", True, "context2"),)
+  kept = (
+    _ring_case("diff_v1", "ring", True, "context2"),
+    _ring_case("diff_v2", "ring", True, "fsdp2_context4"),
+    _ring_case("diff_v1", "ring", False, "fsdp2_context4"),
+    _ring_case("diff_v2", "ring", False, "batch2_context2"),
+    _ring_case("diff_v1", "ring", True, "batch2_context2", causal=False),
+    _ring_case("diff_v2", "ring", True, "context2", causal=False),
+    _ring_case("diff_v1", "ring", True, "context2", dtype="bfloat16"),
+    _ring_case("diff_v2", "ring", True, "context2", dtype="bfloat16"),
+  )
 
 
 @sharded
 def test_ring_scalar_lambda_no_causal_no_segments():
   _compare("diff_v1", "ring", True, "fsdp2_context4", causal=False, segments=False, scalar_lam=True)
-
-
-@sharded
-@pytest.mark.slow
-@pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-@pytest.mark.parametrize("causal,segments", [(False, True), (True, False)])
-def test_mask_variants(op, strategy, causal, segments):
-  _compare(op, strategy, True, "all4", causal=causal, segments=segments)
-
-
-@sharded
-@pytest.mark.slow
-@pytest.mark.parametrize("op", ["mha", "diff_v1", "diff_v2"])
-def test_ring_bfloat16(op):
-  # Against the float32 reference on the same (rounded) inputs; bfloat16 output rounding
-  # and bfloat16 matmul operands set the scale of the error.
-  _compare(op, "ring", True, "all4", dtype=jnp.bfloat16, tol=2e-2)
-
-
-# The fused TPU kernels per ring block (``implementation="pallas_tpu"`` in the TPU
-# interpreter), one default case per op: zig-zag order, documents crossing the shard
-# boundary, so every step kind runs (the causal first step and both later cases); the slow
-# ones add four shards, contiguous shards, no causal mask, batch sharding and bfloat16.
-# The Mosaic GPU kernels take bf16/fp16 tiles of 64 rows, too large for these shapes:
-# tests/kernels/gpu/test_kernels_mosaic_gpu.py checks one of their ring blocks against the whole
-# attention, and the ring that merges blocks is one code path for every block kind.
-KERNEL_SLOW = [
-  ("diff_v1", True, "context2", True),
-  ("diff_v2", True, "context2", True),
-  ("diff_v2", True, "fsdp2_context4", True),
-  ("diff_v1", False, "fsdp2_context4", True),
-  ("diff_v2", False, "batch2_context2", True),
-  ("diff_v1", True, "batch2_context2", False),
-  ("diff_v2", True, "context2", False),
-]
-
-
-@sharded
-@pytest.mark.parametrize(
-  "op,implementation",
-  [pytest.param("diff_v1", "pallas_tpu", marks=pytest.mark.slow), ("diff_v2", "pallas_tpu")],
-)
-def test_ring_with_kernel_blocks_matches_reference(op, implementation):
-  _compare(op, "ring", True, "context2", implementation=implementation)
-
-
-@sharded
-@pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["pallas_tpu"])
-@pytest.mark.parametrize("op,load_balance,layout,causal", KERNEL_SLOW)
-def test_ring_with_kernel_blocks_matches_reference_more(
-  op, load_balance, layout, causal, implementation
-):
-  _compare(op, "ring", load_balance, layout, causal=causal, implementation=implementation)
-
-
-@sharded
-@pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["pallas_tpu"])
-@pytest.mark.parametrize("op", ["diff_v1", "diff_v2"])
-def test_ring_with_kernel_blocks_bfloat16(op, implementation):
-  _compare(
-    op, "ring", True, "context2", dtype=jnp.bfloat16, tol=2e-2, implementation=implementation
-  )
 
 
 def _collectives(op, strategy) -> set[str]:

@@ -1,8 +1,9 @@
 """The grouped Mosaic GPU kernels (mosaic_gda.py): dispatch, tiles, refusals, and their
 numbers in the Mosaic GPU interpreter against gda_v1_reference / gda_v2_reference.
 
-The interpreted cases run in a child process (three warpgroups need three CPU-client
-threads; see mosaic_common.check_threads). What the interpreter leaves unchecked (the
+The interpreted cases are the attention test base's (tests/attention_cases.py), on this
+process's 8 CPU devices (three warpgroups need three CPU-client threads; see
+mosaic_common.check_threads). What the interpreter leaves unchecked (the
 in-place wgmma accumulators, registers, timing) is the compiled kernels' to show:
 tests/kernels/gpu/test_gpu_compile.py compiles them for an H100 here, and the ``gpu``
 tests run them on one.
@@ -15,6 +16,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from attention_cases import GROUPED_GPU_SHAPES, AttentionCases, Case, mask_kwargs
 from kernel_checks import normal, rel_err, tolerance
 
 from diffjax import ops
@@ -126,103 +128,48 @@ def test_shared_memory_model_and_stages():
 
 
 # ----------------------------------------------------------------------------------
-# Numbers in the Mosaic GPU interpreter.
+# Numbers in the Mosaic GPU interpreter: the attention test base (tests/attention_cases.py).
+
+_S = GROUPED_GPU_SHAPES
 
 
-def _interpret_cases(cases):
-  """The cases checked in the Mosaic GPU interpreter, in this process: its 8 CPU devices give
-  the kernel's warpgroups a CPU-client thread each (mosaic_common.check_threads)."""
+class TestPallasGpuGrouped(AttentionCases):
+  """The grouped Mosaic GPU kernels in jax's Mosaic GPU interpreter, on this process's 8 CPU
+  devices (three warpgroups need three CPU-client threads; see mosaic_common.check_threads).
+  About 30 s a case: the integration tier runs one 64-query block per op (V1 style at r 2,
+  the idle round, with a one-token document; V2 style at r 4, three rounds), the slow tier
+  (``grid``) the awkward sizes. Measured over the whole array and row by row, the row
+  measure shown to fail a broken row of each case."""
 
-  import jax
-  import jax.numpy as jnp
-  import mosaic_interpret
+  ops = ("gda_v1", "gda_v2")
+  dtypes = ("bfloat16", "float16")
+  segments = ("none", "single")
+  shapes = GROUPED_GPU_SHAPES
+  rows = True
+  broken_rows = True
+  sampled = 0
+  integration_pinned = (
+    Case("gda_v1", _S[0], True, "single", "bfloat16"),
+    Case("gda_v2", _S[1], True, "none", "bfloat16"),
+  )
+  integration_sampled = 0
+  kept = (
+    Case("gda_v1", _S[2], True, "single", "bfloat16"),  # r 4, two noise heads a group
+    Case("gda_v2", _S[3], False, "none", "bfloat16"),  # r 2, GQA over two kv heads
+    Case("gda_v1", _S[4], True, "single", "bfloat16"),  # Dv 256: two slots, O2 in parts
+    Case("gda_v2", _S[5], True, "none", "bfloat16"),  # r 3 (no idle round), d 80
+    Case("gda_v2", _S[6], True, "single", "bfloat16"),  # d 96: P^T dO through registers
+    Case("gda_v1", _S[7], True, "none", "float16"),  # r 3, fp16, a partial block
+    Case("gda_v1", _S[8], True, "single", "bfloat16"),  # r 1: the DIFF V1 kernels
+    Case("gda_v2", _S[8], True, "single", "bfloat16"),  # r 1: the DIFF V2 kernels
+  )
 
-  mosaic_interpret.install()
-  import kernel_checks as kc
+  def call(self, case, *arrays):
+    import mosaic_interpret  # pylint: disable=import-outside-toplevel
 
-  from diffjax.core import reference as ref
-  from diffjax.kernels.gpu import mosaic_gda as mg
-
-  results = []
-  for case in cases:
-    variant, b, t, h, n, kh, d, causal, segments, dtype = case
-    dtype = jnp.dtype(dtype)
-    dv = 2 * d if variant == "v1" else d
-    keys = jax.random.split(jax.random.key(1), 8)
-    rnd = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
-    f32 = lambda x: x.astype(jnp.float32)
-    ids = None
-    if segments:  # a one-token document, then two longer ones
-      ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
-      ids = ids.at[:, 0].set(7)
-    kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
-    if variant == "v1":
-      args = [
-        rnd(0, (b, t, h, d)),
-        rnd(1, (b, t, n, d)),
-        rnd(2, (b, t, kh, d)),
-        rnd(3, (b, t, kh, d)),
-        rnd(4, (b, t, kh, dv)),
-        jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
-      ]
-      kern = lambda *a: mg.gda_v1_pallas_gpu(*a, interpret=True, **kw)
-      want = lambda *a: ref.gda_v1_reference(*map(f32, a), causal=causal, segment_ids=ids)
-      names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
-    else:
-      args = [
-        rnd(0, (b, t, h, d)),
-        rnd(1, (b, t, n, d)),
-        rnd(2, (b, t, kh, d)),
-        rnd(4, (b, t, kh, dv)),
-        jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
-      ]
-      kern = lambda *a: mg.gda_v2_pallas_gpu(*a, interpret=True, **kw)
-      want = lambda *a: ref.gda_v2_reference(*map(f32, a), causal=causal, segment_ids=ids)
-      names = ["out", "dq1", "dq2", "dk", "dv", "dlam"]
-    ct = rnd(6, (b, t, h, dv))
-    out, grads = kc.value_and_vjp(kern, args, ct)
-    out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
-    kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
-    tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
-    errs = {k: kc.errors(g, w) for k, g, w in zip(names, (out, *grads), (out_r, *grads_r))}
-    bad = {k: e for k, e in errs.items() if not (e[0] <= tol and e[1] <= row_tol)}
-    results.append({"case": case, "errors": errs, "bad": bad})
-  return json.loads(json.dumps(results))  # as the JSON it was
-
-
-@pytest.mark.integration
-def test_forward_and_every_gradient_match_reference_in_interpreter():
-  # One 64-query block per variant in the default run (about 30 s each): V1 style at r 2
-  # (the idle round) with segment ids; V2 style at r 4 (three rounds).
-  cases = [
-    ("v1", 1, 64, 2, 1, 1, 64, True, True, "bfloat16"),
-    ("v2", 1, 64, 4, 1, 1, 64, True, False, "bfloat16"),
-  ]
-  for result in _interpret_cases(cases):
-    print(result["case"], result["errors"])
-    assert not result["bad"], result
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "case",
-  [
-    # variant, batch, T (= S), signal heads H, noise heads N, kv heads K, head dim,
-    # causal, segment ids, dtype
-    ("v1", 1, 200, 8, 2, 1, 64, True, True, "bfloat16"),  # r 4, two noise heads a group
-    ("v2", 2, 200, 4, 2, 2, 64, False, False, "bfloat16"),  # r 2, GQA over two kv heads
-    ("v1", 1, 128, 4, 1, 1, 128, True, True, "bfloat16"),  # Dv 256: two slots, O2 in parts
-    ("v2", 1, 200, 6, 2, 1, 80, True, False, "bfloat16"),  # r 3 (no idle round), d 80
-    ("v2", 1, 64, 4, 1, 1, 96, True, True, "bfloat16"),  # d 96: P^T dO through registers
-    ("v1", 1, 130, 6, 2, 2, 64, True, False, "float16"),  # r 3, fp16, a partial block
-    ("v1", 1, 64, 2, 2, 1, 64, True, True, "bfloat16"),  # r 1: the DIFF V1 kernels
-    ("v2", 1, 64, 2, 2, 1, 64, True, True, "bfloat16"),  # r 1: the DIFF V2 kernels
-  ],
-)
-def test_gradients_match_reference_in_interpreter_slow(case):
-  (result,) = _interpret_cases([case])
-  print(result["case"], result["errors"])
-  assert not result["bad"], result
+    mosaic_interpret.install()
+    fn = mg.gda_v1_pallas_gpu if case.op == "gda_v1" else mg.gda_v2_pallas_gpu
+    return fn(*arrays, interpret=True, **mask_kwargs(case))
 
 
 def test_a_wrong_group_fails_the_check():

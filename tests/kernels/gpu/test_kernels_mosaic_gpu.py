@@ -7,12 +7,13 @@
   the backward's design, block-size validation. (What Mosaic GPU and ptxas make of the
   kernels, compiled for an H100, is tests/kernels/gpu/test_gpu_compile.py.)
 * The forward and every gradient of :func:`diffjax.kernels.gpu.mosaic.diff_v1_pallas_gpu`
-  / ``diff_v2_pallas_gpu``, and V1 decoding, against the float32 reference in jax's
-  Mosaic GPU interpreter, in a child process (it needs eight host devices, see
-  ``mosaic_common.check_threads``): one small case per variant by default, the wider
-  product under ``slow``. Each output is measured over the whole array and row by row,
-  with per-dtype tolerances (``kernel_checks``); V1's d lambda against a tolerance
-  derived from its own terms. The checks are shown to fail on broken results.
+  / ``diff_v2_pallas_gpu`` (the attention test base, :class:`TestPallasGpu`), and V1
+  decoding, against the float32 reference in jax's Mosaic GPU interpreter, on this
+  process's eight CPU devices (``mosaic_common.check_threads``): one small case per variant
+  in the integration tier, the wider product under ``slow``. Each output is measured over
+  the whole array and row by row, with per-dtype tolerances (``kernel_checks``); V1's d
+  lambda against a tolerance derived from its own terms. The checks are shown to fail on
+  broken results.
 * ``gpu``-marked tests run the compiled kernels on a Hopper.
 """
 
@@ -28,9 +29,11 @@ from jax.experimental import pallas as pl
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 import mosaic_interpret as mi  # noqa: E402  (beside this file)
+from attention_cases import GPU_SHAPES, AttentionCases, Case, mask_kwargs, segment_ids  # noqa: E402
 from kernel_checks import abstract_hopper  # noqa: E402
 
 from diffjax import hardware  # noqa: E402
+from diffjax.core import reference as ref  # noqa: E402
 from diffjax.kernels.gpu import mosaic  # noqa: E402
 from diffjax.kernels.gpu import mosaic_bwd as mb  # noqa: E402
 from diffjax.kernels.gpu import mosaic_common as mc  # noqa: E402
@@ -383,143 +386,77 @@ def test_mosaic_entry_points_reject_bad_input():
 
 
 # ----------------------------------------------------------------------------------
-# Numbers in the Mosaic GPU interpreter.
+# Numbers in the Mosaic GPU interpreter: the attention test base (tests/attention_cases.py).
 
 
-def _interpret_cases(cases):
-  """The cases checked in the Mosaic GPU interpreter, in this process: its 8 CPU devices give
-  the kernel's warpgroups a CPU-client thread each (mosaic_common.check_threads)."""
-  import json  # pylint: disable=import-outside-toplevel
-
-  import jax
-  import jax.numpy as jnp
-  import mosaic_interpret
-  import numpy as np
-
-  from diffjax.core import reference as ref
-  from diffjax.kernels.gpu import mosaic
-
-  mosaic_interpret.install()
-  import kernel_checks as kc
-
-  def dlam_check(dlam, dlam_ref, terms_HxN, dtype):
-    # V1's d lambda per head is -sum_i dO_i O2_i over every token and channel. The
-    # kernel's O2 carries one rounding of the input dtype (unit u; the P V product
-    # rounds P once more): |err| <= 2u sum_i |dO_i O2_i| |delta_i|-style sums of
-    # independent roundings, whose spread is 2u sqrt(sum_i (dO_i O2_i)^2). Allowed:
-    # four of those, per head.
-    u = 2.0 ** -(8 if dtype == jnp.bfloat16 else 11)
-    tol = 4 * 2 * u * np.sqrt(np.sum(np.asarray(terms_HxN, np.float64) ** 2, axis=1))
-    err = np.abs(np.asarray(dlam, np.float64) - np.asarray(dlam_ref, np.float64))
-    return bool(np.all(err <= tol)), float(np.max(err / tol))
-
-  results = []
-  for case in cases:
-    variant, b, t, h, kh, d, causal, segments, *more = case
-    s = more[0] if more else t
-    dtype = jnp.dtype(more[1] if len(more) > 1 else "bfloat16")
-    dv = 2 * d if variant == "v1" else d
-    keys = jax.random.split(jax.random.key(1), 8)
-    n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32).astype(dtype)
-    f32 = lambda x: x.astype(jnp.float32)
-    ids = None
-    if segments:  # a one-token document, then two longer ones (t == s)
-      ids = jnp.broadcast_to((jnp.arange(t) >= t // 3).astype(jnp.int32), (b, t))
-      ids = ids.at[:, 0].set(7)
-    kw = dict(causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
-    if variant == "v1":
-      args = [
-        n(0, (b, t, h, d)),
-        n(1, (b, t, h, d)),
-        n(2, (b, s, kh, d)),
-        n(3, (b, s, kh, d)),
-        n(4, (b, s, kh, dv)),
-        jnp.linspace(0.2, 0.8, h).astype(jnp.float32),
-      ]
-      kern = lambda *a: mosaic.diff_v1_pallas_gpu(*a, interpret=True, **kw)
-      want = lambda *a: ref.diff_v1_reference(*map(f32, a), causal=causal, segment_ids=ids)
-      names = ["out", "dq1", "dq2", "dk1", "dk2", "dv", "dlam"]
-    else:
-      args = [
-        n(0, (b, t, 2 * h, d)),
-        n(2, (b, s, kh, d)),
-        n(4, (b, s, kh, dv)),
-        jax.nn.sigmoid(jax.random.normal(keys[5], (b, t, h))),
-      ]
-      kern = lambda *a: mosaic.diff_v2_pallas_gpu(*a, interpret=True, **kw)
-      want = lambda *a: ref.diff_v2_reference(*map(f32, a), causal=causal, segment_ids=ids)
-      names = ["out", "dq", "dk", "dv", "dlam"]
-    ct = n(6, (b, t, h, dv))
-    out, grads = kc.value_and_vjp(kern, args, ct)
-    out_r, grads_r = kc.value_and_vjp(want, args, f32(ct))
-    kc.assert_like_inputs(out, grads, args, (b, t, h, dv), dtype)
-    got, refs = dict(zip(names, (out, *grads))), dict(zip(names, (out_r, *grads_r)))
-    tol, row_tol = kc.tolerance(dtype), kc.tolerance(dtype, rows=True)
-    errs = {k: kc.errors(got[k], refs[k]) for k in names if not (variant == "v1" and k == "dlam")}
-    bad = {k: e for k, e in errs.items() if not (e[0] <= tol and e[1] <= row_tol)}
-    # The row measure fails on an error confined to a row of small values, which the
-    # whole-array measure does not see: the smallest row (of those at a tenth of the
-    # largest value or more) of each gradient moved by twice the row tolerance of
-    # its own scale.
-    for k in names[1:-1]:
-      broken = np.array(got[k], np.float32).reshape(-1, got[k].shape[-1])
-      scale = np.max(np.abs(np.asarray(refs[k], np.float32).reshape(broken.shape)), 1)
-      row = int(np.argmin(np.where(scale >= 0.1 * scale.max(), scale, np.inf)))
-      broken[row] += 2 * row_tol * scale[row]
-      e = kc.errors(broken.reshape(got[k].shape), refs[k])
-      assert e[1] > row_tol, (k, "a broken row passed", e)
-    if variant == "v1":
-      o2 = ref.diff_v1_reference(
-        *map(f32, (args[1], args[1], args[3], args[3], args[4])),
-        0.0,
-        causal=causal,
-        segment_ids=ids,
-      )
-      terms = jnp.transpose(f32(ct) * o2, (2, 0, 1, 3)).reshape(h, -1)
-      ok, ratio = dlam_check(got["dlam"], refs["dlam"], terms, dtype)
-      errs["dlam"] = (ratio, ratio)
-      if not ok:
-        bad["dlam"] = ratio
-      for mutant in (jnp.zeros_like(got["dlam"]), -got["dlam"]):
-        assert not dlam_check(mutant, refs["dlam"], terms, dtype)[0], "a broken dlam passed"
-    results.append({"case": case, "errors": errs, "bad": bad})
-  return json.loads(json.dumps(results))  # as the JSON it was
+def _v1_dlam_check(case, args, ct, got, want):
+  """V1's d lambda per head is -sum_i dO_i O2_i over every token and channel. The kernel's O2
+  carries one rounding of the input dtype (unit u; the P V product rounds P once more):
+  |err| <= 2u sum_i |dO_i O2_i| |delta_i|-style sums of independent roundings, whose spread
+  is 2u sqrt(sum_i (dO_i O2_i)^2). Allowed: four of those, per head. The bound is shown to
+  fail a zero and a negated d lambda on the same numbers."""
+  f32 = lambda x: x.astype(jnp.float32)
+  q2, k2, v = args[1], args[3], args[4]
+  seg = segment_ids(case)
+  o2 = ref.diff_v1_reference(
+    *map(f32, (q2, q2, k2, k2, v)), 0.0, causal=case.causal, segment_ids=seg
+  )
+  terms = jnp.transpose(f32(ct) * o2, (2, 0, 1, 3)).reshape(case.heads, -1)
+  u = 2.0 ** -(8 if case.dtype == "bfloat16" else 11)
+  tol = 4 * 2 * u * np.sqrt(np.sum(np.asarray(terms, np.float64) ** 2, axis=1))
+  within = lambda dlam: np.abs(np.asarray(dlam, np.float64) - np.asarray(want, np.float64)) <= tol
+  err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+  assert np.all(within(got)), f"dlam of {case}: error / bound {np.max(err / tol):.2f}"
+  for mutant in (jnp.zeros_like(got), -got):
+    assert not np.all(within(mutant)), f"dlam of {case}: a broken dlam passed"
 
 
-@pytest.mark.integration
-def test_forward_and_every_gradient_match_reference_in_interpreter():
-  # One small case per variant in the default run (the interpreter takes about 40 s a
-  # variant): causal with segment ids, d 64 (two 32-column dQ chunks, two query
-  # sub-tiles), one 64-query block.
-  cases = [("v1", 1, 64, 1, 1, 64, True, True), ("v2", 1, 64, 1, 1, 64, True, True)]
-  for result in _interpret_cases(cases):
-    print(result["case"], result["errors"])
-    assert not result["bad"], result
+def _gpu_case(op, shape, causal, segments, dtype="bfloat16"):
+  return Case(op, shape, causal, segments, dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-  "case",
-  [
-    # variant, batch, query length, DIFF heads (V1) or pairs (V2), kv heads, head dim,
-    # causal, segment ids, then optionally the kv length and the dtype
-    ("v1", 1, 200, 2, 2, 64, True, False),
-    ("v1", 1, 384, 3, 1, 64, True, False),  # n_rep 3, causal block skipping
-    ("v1", 1, 200, 2, 1, 128, True, True),  # Dv 256: one slot, dQ in four chunks
-    ("v1", 1, 200, 2, 2, 80, False, True),  # d 80 unpadded (32-byte swizzle)
-    ("v1", 1, 200, 3, 1, 96, True, True),  # d 96: three dQ chunks
-    ("v2", 1, 384, 2, 1, 128, True, True),
-    ("v2", 1, 200, 3, 1, 80, True, False),  # Dv 80: halves of 48 and 32
-    ("v2", 2, 200, 2, 1, 64, False, False),
-    ("v1", 1, 130, 2, 1, 64, True, False, 260, "float16"),  # queries after a prefix
-    ("v2", 1, 200, 2, 1, 128, True, True, 200, "float16"),
-    ("v2", 1, 100, 2, 2, 64, True, False, 300),
-  ],
-)
-def test_gradients_match_reference_in_interpreter_slow(case):
-  (result,) = _interpret_cases([case])
-  print(result["case"], result["errors"])
-  assert not result["bad"], result
+class TestPallasGpu(AttentionCases):
+  """The Mosaic GPU kernels (``diff_v1_pallas_gpu`` / ``diff_v2_pallas_gpu``) in jax's Mosaic
+  GPU interpreter, on this process's 8 CPU devices (a CPU-client thread per warpgroup, see
+  ``mosaic_common.check_threads``). About 40 s a case, so none in the unit tier; the
+  integration tier runs one 64-query block per op (causal, a one-token document, d 64: two
+  32-column dQ chunks, two query sub-tiles); the slow tier (``grid``) the awkward sizes. Each
+  output is measured over the whole array and row by row, the row measure shown to fail a
+  broken row of each case, and V1's d lambda against a bound derived from its own terms."""
+
+  ops = ("diff_v1", "diff_v2")
+  dtypes = ("bfloat16", "float16")
+  segments = ("none", "single")
+  shapes = GPU_SHAPES
+  rows = True
+  broken_rows = True
+  sampled = 0
+  integration_pinned = (
+    _gpu_case("diff_v1", GPU_SHAPES[0], True, "single"),
+    _gpu_case("diff_v2", GPU_SHAPES[0], True, "single"),
+  )
+  integration_sampled = 0
+  kept = (
+    _gpu_case("diff_v1", GPU_SHAPES[1], True, "none"),
+    _gpu_case("diff_v1", GPU_SHAPES[2], True, "none"),  # GQA 3, causal block skipping
+    _gpu_case("diff_v1", GPU_SHAPES[3], True, "single"),  # Dv 256: one slot, dQ in four chunks
+    _gpu_case("diff_v1", GPU_SHAPES[4], False, "single"),  # d 80 unpadded (32-byte swizzle)
+    _gpu_case("diff_v1", GPU_SHAPES[5], True, "single"),  # d 96: three dQ chunks
+    _gpu_case("diff_v2", GPU_SHAPES[6], True, "single"),
+    _gpu_case("diff_v2", GPU_SHAPES[7], True, "none"),  # Dv 80: halves of 48 and 32
+    _gpu_case("diff_v2", GPU_SHAPES[8], False, "none"),
+    _gpu_case("diff_v1", GPU_SHAPES[9], True, "none", "float16"),  # queries after a prefix
+    _gpu_case("diff_v2", GPU_SHAPES[3], True, "single", "float16"),
+    _gpu_case("diff_v2", GPU_SHAPES[10], True, "none"),
+  )
+
+  def call(self, case, *arrays):
+    mi.install()
+    fn = mosaic.diff_v1_pallas_gpu if case.op == "diff_v1" else mosaic.diff_v2_pallas_gpu
+    return fn(*arrays, interpret=True, **mask_kwargs(case))
+
+  def own_checks(self, case):
+    return {"dlam": _v1_dlam_check} if case.op == "diff_v1" else {}
 
 
 # ----------------------------------------------------------------------------------

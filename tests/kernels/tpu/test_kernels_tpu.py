@@ -573,7 +573,7 @@ class TestStockTpu(AttentionCases):
   )
 
   def supports(self, case):
-    return case.shape.tiles == "default" and (case.shape.ratio > 1) == case.grouped
+    return case.shape.tiles == "default" and case.shape.for_grouped_ops == case.grouped
 
   def call(self, case, *arrays):
     return STOCK[case.op](*arrays, **mask_kwargs(case), block_sizes=None, interpret=True)
