@@ -40,11 +40,11 @@ os.environ.setdefault(
 # them, and LLVM at -O0 compiles them faster. It changes no
 # float32 result that a test checks (XLA's fast-math stays off).
 # Fresh processes the tests start inherit it; set XLA_FLAGS yourself to override.
-# Collectives on the CPU devices wait up to 20 minutes for each other (the runtime's default
+# Collectives on the CPU devices wait up to an hour for each other (the runtime's default
 # is 40 s, which an interpreted kernel on one device can hold the others for on a busy machine).
 for _flag in (
   "--xla_backend_optimization_level=0",
-  "--xla_cpu_collective_call_terminate_timeout_seconds=1200",
+  "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
 ):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), _flag) if f)
