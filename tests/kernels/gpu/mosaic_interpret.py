@@ -37,6 +37,7 @@ import threading
 
 import jax
 import numpy as np
+from attention_cases import AttentionCases, mask_kwargs
 
 _LOCK = threading.Lock()
 _INSTALLED = False
@@ -332,3 +333,26 @@ def _install_register_wgmma_011():
     ), []
 
   jaxpr_interpret.JaxprInterpreter._interpret_wgmma_ref_p = interpret_wgmma
+
+
+class InterpretedCases(AttentionCases):
+  """What the Mosaic GPU kernels' classes of the attention test base share: bfloat16 and
+  float16, no documents or a one-token first one, the row measure and its broken-row
+  self-check, none in the unit tier (tens of seconds a case) and only the named ones
+  beyond it. Subclasses set ``kernels`` (op -> kernel function) and their cases."""
+
+  kernels: dict = {}
+  dtypes = ("bfloat16", "float16")
+  segments = ("none", "single")
+  rows = True
+  broken_rows = True
+  sampled = 0
+  integration_sampled = 0
+
+  @property
+  def ops(self):
+    return tuple(self.kernels)
+
+  def call(self, case, *arrays):
+    install()
+    return self.kernels[case.op](*arrays, interpret=True, **mask_kwargs(case))

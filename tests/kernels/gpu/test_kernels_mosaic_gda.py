@@ -16,8 +16,9 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
-from attention_cases import GROUPED_GPU_SHAPES, AttentionCases, Case, mask_kwargs
+from attention_cases import GROUPED_GPU_SHAPES, Case
 from kernel_checks import normal, rel_err, tolerance
+from mosaic_interpret import InterpretedCases
 
 from diffjax import ops
 from diffjax.core import op_specs
@@ -133,7 +134,7 @@ def test_shared_memory_model_and_stages():
 _S = GROUPED_GPU_SHAPES
 
 
-class TestPallasGpuGrouped(AttentionCases):
+class TestPallasGpuGrouped(InterpretedCases):
   """The grouped Mosaic GPU kernels in jax's Mosaic GPU interpreter, on this process's 8 CPU
   devices (three warpgroups need three CPU-client threads; see mosaic_common.check_threads).
   About 30 s a case: the integration tier runs one 64-query block per op (V1 style at r 2,
@@ -141,18 +142,12 @@ class TestPallasGpuGrouped(AttentionCases):
   (``grid``) the awkward sizes. Measured over the whole array and row by row, the row
   measure shown to fail a broken row of each case."""
 
-  ops = ("gda_v1", "gda_v2")
-  dtypes = ("bfloat16", "float16")
-  segments = ("none", "single")
+  kernels = {"gda_v1": mg.gda_v1_pallas_gpu, "gda_v2": mg.gda_v2_pallas_gpu}
   shapes = GROUPED_GPU_SHAPES
-  rows = True
-  broken_rows = True
-  sampled = 0
   integration_pinned = (
     Case("gda_v1", _S[0], True, "single", "bfloat16"),
     Case("gda_v2", _S[1], True, "none", "bfloat16"),
   )
-  integration_sampled = 0
   kept = (
     Case("gda_v1", _S[2], True, "single", "bfloat16"),  # r 4, two noise heads a group
     Case("gda_v2", _S[3], False, "none", "bfloat16"),  # r 2, GQA over two kv heads
@@ -163,13 +158,6 @@ class TestPallasGpuGrouped(AttentionCases):
     Case("gda_v1", _S[8], True, "single", "bfloat16"),  # r 1: the DIFF V1 kernels
     Case("gda_v2", _S[8], True, "single", "bfloat16"),  # r 1: the DIFF V2 kernels
   )
-
-  def call(self, case, *arrays):
-    import mosaic_interpret  # pylint: disable=import-outside-toplevel
-
-    mosaic_interpret.install()
-    fn = mg.gda_v1_pallas_gpu if case.op == "gda_v1" else mg.gda_v2_pallas_gpu
-    return fn(*arrays, interpret=True, **mask_kwargs(case))
 
 
 def test_a_wrong_group_fails_the_check():

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 import mosaic_interpret as mi  # noqa: E402  (beside this file)
-from attention_cases import GPU_SHAPES, AttentionCases, Case, mask_kwargs, segment_ids  # noqa: E402
+from attention_cases import GPU_SHAPES, Case, segment_ids  # noqa: E402
 from kernel_checks import abstract_hopper  # noqa: E402
 
 from diffjax import hardware  # noqa: E402
@@ -415,7 +415,7 @@ def _gpu_case(op, shape, causal, segments, dtype="bfloat16"):
   return Case(op, shape, causal, segments, dtype)
 
 
-class TestPallasGpu(AttentionCases):
+class TestPallasGpu(mi.InterpretedCases):
   """The Mosaic GPU kernels (``diff_v1_pallas_gpu`` / ``diff_v2_pallas_gpu``) in jax's Mosaic
   GPU interpreter, on this process's 8 CPU devices (a CPU-client thread per warpgroup, see
   ``mosaic_common.check_threads``). About 40 s a case, so none in the unit tier; the
@@ -424,18 +424,12 @@ class TestPallasGpu(AttentionCases):
   output is measured over the whole array and row by row, the row measure shown to fail a
   broken row of each case, and V1's d lambda against a bound derived from its own terms."""
 
-  ops = ("diff_v1", "diff_v2")
-  dtypes = ("bfloat16", "float16")
-  segments = ("none", "single")
+  kernels = {"diff_v1": mosaic.diff_v1_pallas_gpu, "diff_v2": mosaic.diff_v2_pallas_gpu}
   shapes = GPU_SHAPES
-  rows = True
-  broken_rows = True
-  sampled = 0
   integration_pinned = (
     _gpu_case("diff_v1", GPU_SHAPES[0], True, "single"),
     _gpu_case("diff_v2", GPU_SHAPES[0], True, "single"),
   )
-  integration_sampled = 0
   kept = (
     _gpu_case("diff_v1", GPU_SHAPES[1], True, "none"),
     _gpu_case("diff_v1", GPU_SHAPES[2], True, "none"),  # GQA 3, causal block skipping
@@ -449,11 +443,6 @@ class TestPallasGpu(AttentionCases):
     _gpu_case("diff_v2", GPU_SHAPES[3], True, "single", "float16"),
     _gpu_case("diff_v2", GPU_SHAPES[10], True, "none"),
   )
-
-  def call(self, case, *arrays):
-    mi.install()
-    fn = mosaic.diff_v1_pallas_gpu if case.op == "diff_v1" else mosaic.diff_v2_pallas_gpu
-    return fn(*arrays, interpret=True, **mask_kwargs(case))
 
   def own_checks(self, case):
     return {"dlam": _v1_dlam_check} if case.op == "diff_v1" else {}
