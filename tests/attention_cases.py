@@ -280,6 +280,55 @@ def _value_and_vjp(fn, args, ct):
   return jax.jit(run)(tuple(args), ct)
 
 
+def noise_map_arrays(case: Case, args) -> tuple:
+  """``args`` rearranged so that the op's first softmax map is its second one (its queries and
+  keys) and lambda is zero: the op's output is then the noise map's output O2 (per output
+  head), computed as the implementation computes its first map."""
+  spec = SPECS[case.op]
+  args = list(args)
+  qs = [args[i] for i in spec.queries]
+  noise = spec.split_maps(qs)[1]
+  # Only the first map's queries matter with lambda zero; the grouped ops keep their own
+  # noise heads (the join would sum the repeated ones).
+  for i, q in zip(spec.queries, tuple(spec.join_maps((noise, noise), qs))[:1] + tuple(qs[1:])):
+    args[i] = q
+  ks = [args[i] for i in spec.keys]
+  args[spec.keys[spec.map_keys[0]]] = ks[spec.map_keys[1]]
+  args[spec.lam] = jnp.zeros_like(args[spec.lam])
+  return tuple(args)
+
+
+def row_term_correction(case: Case, args, ct, out, o2) -> tuple:
+  """What forming the softmax-backward row terms from stored, rounded outputs adds to each
+  gradient of a differential op, float32, in the order of the op's arrays.
+
+  A fused backward takes ``D_1 = rowsum(dO O_1)`` and ``D_2 = rowsum(dO O_2)`` from the
+  forward's output ``O`` (``O_1 = O + lam O_2``) and its noise map's output ``O_2``, both kept
+  in the input dtype (``out`` and ``o2``, the implementation's own). Each map's score
+  gradient is ``c P (dP - D)`` (``c`` 1 and ``-lam``), so the rounding moves it by
+  ``-c P dD``: a query row's gradient moves by ``-c dD scale P K``. That is the size of the
+  rounding of a row of O times dO, whatever the row's own size; where the row's value is small
+  (a query early in a causal sequence, whose few terms nearly cancel) it is several percent of
+  the row. This gives that part exactly, so that the row measure judges the rest."""
+  spec = SPECS[case.op]
+  f32 = [a.astype(jnp.float32) for a in args]
+  segs = segment_ids(case)
+
+  def scores(*a):
+    o, aux = spec.reference(*a, causal=case.causal, segment_ids=segs, return_aux=True)
+    return (aux["logits1"], aux["logits2"]), (o, aux["probs1"], aux["probs2"])
+
+  _, vjp, (o, p1, p2) = jax.vjp(scores, *f32, has_aux=True)
+  b, t, h, _ = o.shape
+  lam = jnp.transpose(spec.lam_per_token(f32[spec.lam], b, t, h), (0, 2, 1))
+  v = f32[spec.value]
+  o2_exact = jnp.einsum("bhts,bshd->bthd", p2, jnp.repeat(v, h // v.shape[2], axis=2))
+  row_sum = lambda x: jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), x)[..., None]
+  d2 = row_sum(o2.astype(jnp.float32) - o2_exact)
+  d1 = row_sum(out.astype(jnp.float32) - o) + lam[..., None] * d2
+  return vjp((-p1 * d1, lam[..., None] * p2 * d2))
+
+
 def check_case(
   case: Case,
   fn,
@@ -289,6 +338,7 @@ def check_case(
   tol: float | None = None,
   own_checks: dict | None = None,
   broken_rows: bool = False,
+  stored_o2=None,
 ):
   """Asserts that ``fn(*arrays)`` and the gradient of each array equal the reference's for
   ``case``; see the module docstring for what is measured.
@@ -297,7 +347,10 @@ def check_case(
   ``check(case, args, cotangent, got, want)``, a measure of the class's own that replaces the
   common one for that gradient. ``broken_rows``: also show, on this case's own numbers, that
   the row measure fails each array of queries, keys or values when its smallest row of
-  weight (a tenth of the largest value or more) is moved by twice the row tolerance."""
+  weight (a tenth of the largest value or more) is moved by twice the row tolerance.
+  ``stored_o2``: ``fn(*arrays)`` -> the implementation's own noise-map output in the input
+  dtype, for one that forms its row terms from it and from its output: the row measure then
+  compares the gradients with the reference plus :func:`row_term_correction`."""
   args = arrays(case)
   s, dtype = case.shape, DTYPES[case.dtype]
   ct = normal(jax.random.PRNGKey(7), (s.b, s.t, case.heads, case.value_dim), dtype)
@@ -312,12 +365,20 @@ def check_case(
     if name in own_checks:
       own_checks[name](case, args, ct, got, want)
   triples = [t for t in triples if t[0] not in own_checks]
-  check(triples, dtype, rows=rows, tol=tol)
+  row_wants = {}
+  if stored_o2 is not None and SPECS[case.op].lam is not None:
+    o2 = stored_o2(*noise_map_arrays(case, args))
+    corrections = row_term_correction(case, args, ct, out, o2)
+    row_wants = {
+      name: want + c for name, want, c in zip(GRADIENTS[case.op], ref_grads, corrections)
+    }
+  check(triples, dtype, rows=rows, tol=tol, row_wants=row_wants)
   if broken_rows:
     row_tol = tolerance(dtype, rows=True)
     for name, got, want in triples[1:]:
       if name == "dlam":
         continue
+      want = row_wants.get(name, want)
       broken = np.array(got, np.float32).reshape(-1, got.shape[-1])
       scale = np.max(np.abs(np.asarray(want, np.float32).reshape(broken.shape)), 1)
       row = int(np.argmin(np.where(scale >= 0.1 * scale.max(), scale, np.inf)))
@@ -360,6 +421,10 @@ class AttentionCases:
     tolerances: dtype name -> whole-array tolerance, where the class holds itself to less
       than the common one;
     broken_rows: see :func:`check_case`;
+    stored_residuals: the implementation forms its softmax-backward row terms from its output
+      and its noise map's output kept in the input dtype; the row measure allows for exactly
+      that (:func:`row_term_correction`, the noise map's output from :meth:`call` on
+      :func:`noise_map_arrays`);
   and :meth:`call`, and :meth:`own_checks` where a gradient needs a measure of its own.
   """
 
@@ -378,6 +443,7 @@ class AttentionCases:
   elementwise_tol: float | None = None
   tolerances: dict = {}
   broken_rows: bool = False
+  stored_residuals: bool = False
 
   def supports(self, case: Case) -> bool:
     """Whether the implementation takes ``case`` (beyond the class's axes)."""
@@ -436,4 +502,5 @@ class AttentionCases:
       tol=self.tolerances.get(case.dtype),
       own_checks=self.own_checks(case),
       broken_rows=self.broken_rows,
+      stored_o2=(lambda *a: self.call(case, *a)) if self.stored_residuals else None,
     )

@@ -3,15 +3,21 @@ broken on purpose (the reference with one defect each)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from attention_cases import (
   GROUPED_SMALL_SHAPES,
   SMALL_SHAPES,
+  SPECS,
   AttentionCases,
   Case,
+  arrays,
   check_case,
   every_case,
+  noise_map_arrays,
   reference,
+  row_term_correction,
+  segment_ids,
 )
 
 
@@ -146,3 +152,63 @@ def test_broken_rows_holds_on_the_reference():
   # The self-check of the row measure runs on every gradient of a case and passes where the
   # measure would see a row moved by twice its tolerance.
   check_case(CASE_V1, reference(CASE_V1), rows=True, broken_rows=True)
+
+
+def _noise_map_output(case, args):
+  """O2 = P2 V per output head, from the reference's probabilities."""
+  out, aux = SPECS[case.op].reference(
+    *args, causal=case.causal, segment_ids=segment_ids(case), return_aux=True
+  )
+  v = args[SPECS[case.op].value]
+  v_rep = jnp.repeat(v, out.shape[2] // v.shape[2], axis=2)
+  return jnp.einsum("bhts,bshd->bthd", aux["probs2"], v_rep), aux
+
+
+@pytest.mark.parametrize("op", ["diff_v1", "diff_v2", "gda_v1", "gda_v2"])
+def test_noise_map_arrays_make_the_output_the_noise_maps_output(op):
+  shapes = GROUPED_SMALL_SHAPES if op.startswith("gda") else SMALL_SHAPES
+  case = Case(op, shapes[0], True, "packed", "float32")
+  args = arrays(case)
+  got = reference(case)(*noise_map_arrays(case, args))
+  want, _ = _noise_map_output(case, args)
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_row_term_correction_is_what_rounded_row_terms_do():
+  # DIFF V1: the score gradients are P1 (dP - D1) and -lam P2 (dP - D2), with
+  # D1 = rowsum(dO (O + lam O2)) and D2 = rowsum(dO O2); stored O and O2 off by e and e2 move
+  # dq1 by -scale dD1 P1 K1 and dq2 by scale lam dD2 P2 K2, and nothing else.
+  case = CASE_V1
+  args = arrays(case)
+  q1, q2, k1, k2, v, lam = args
+  b, t, h, d = q1.shape
+  ct = jax.random.normal(jax.random.PRNGKey(3), (b, t, h, v.shape[-1]))
+  o2, aux = _noise_map_output(case, args)
+  out = reference(case)(*args)
+  zero = row_term_correction(case, args, ct, out, o2)
+  assert max(float(jnp.max(jnp.abs(c))) for c in zero) < 1e-5
+  e, e2 = (1e-2 * jax.random.normal(jax.random.PRNGKey(i), out.shape) for i in (4, 5))
+  got = row_term_correction(case, args, ct, out + e, o2 + e2)
+  d2 = jnp.einsum("bthd,bthd->bht", ct, e2)
+  d1 = jnp.einsum("bthd,bthd->bht", ct, e) + lam[None, :, None] * d2
+  keys = lambda k: jnp.repeat(k, h // k.shape[2], axis=2)
+  scale = d**-0.5
+  want_dq1 = -scale * jnp.einsum("bht,bhts,bshd->bthd", d1, aux["probs1"], keys(k1))
+  want_dq2 = scale * jnp.einsum(
+    "bht,bhts,bshd->bthd", lam[None, :, None] * d2, aux["probs2"], keys(k2)
+  )
+  np.testing.assert_allclose(got[0], want_dq1, atol=1e-6)
+  np.testing.assert_allclose(got[1], want_dq2, atol=1e-6)
+  assert float(jnp.max(jnp.abs(got[2]))) > 0  # the keys move too
+  np.testing.assert_array_equal(got[4], 0.0)  # not the values
+  np.testing.assert_array_equal(got[5], 0.0)  # nor lambda
+  # The row measure with the correction still fails a broken gradient.
+  stored = reference(case)
+  check_case(case, reference(case), rows=True, broken_rows=True, stored_o2=stored)
+
+  def broken(q1, q2, k1, k2, v, lam):
+    out = reference(case)(q1, q2, k1, k2, v, lam)
+    return out + _nudged_gradient(q2, 1e-2) * jax.lax.stop_gradient(jnp.max(jnp.abs(out)))
+
+  with pytest.raises(AssertionError, match="dq2"):
+    check_case(case, broken, rows=True, stored_o2=stored)
