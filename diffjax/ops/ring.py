@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from diffjax.core.dtypes import accumulation_dtype
 
@@ -94,28 +96,50 @@ def _pad_rows(x, axis: int, rows: slice, length: int, value=0.0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _around_the_ring(step, block, carry, axis: str, num_shards: int, lagging: int = 0):
+def _around_the_ring(
+  step, block, carry, axis: str, num_shards: int, lagging: int = 0, in_order: bool = False
+):
   """Passes ``block`` around the ring, calling ``step(i, block, carry) -> (block, carry)``
   on the block that arrives at each step i = 1 .. C - 1 (step 0, the local block, is the
-  caller's).
+  caller's, and ``carry`` its result).
 
   The last ``lagging`` entries of ``block`` (the backward's gradient accumulators) are
   what ``step`` updates: they travel after the step's math, the rest before it, so that
   the transfer may overlap the math. The accumulators end one hop short of their owner.
+  ``in_order``: every transfer waits for the math before it (the TPU interpreter holds all
+  devices at a barrier in each kernel call; a device that entered a transfer first would wait
+  there for one held at the barrier, which waits for it).
   """
   if num_shards == 1:
     return block, carry
+  if in_order:
+    block = _after_the_calls(block)
   block = shift_to_next(block, axis, num_shards)
   ahead = len(block) - lagging
 
   def body(i, state):
     block, carry = state
-    nxt = shift_to_next(block[:ahead], axis, num_shards)
-    block, carry = step(i, block, carry)
+    if in_order:
+      updated, carry = step(i, block, carry)
+      nxt = shift_to_next(_after_the_calls(block[:ahead]), axis, num_shards)
+      block = updated
+    else:
+      nxt = shift_to_next(block[:ahead], axis, num_shards)
+      block, carry = step(i, block, carry)
     return (*nxt, *shift_to_next(block[ahead:], axis, num_shards)), carry
 
   block, carry = jax.lax.fori_loop(1, num_shards - 1, body, (block, carry))
   return step(num_shards - 1, block, carry)
+
+
+def _after_the_calls(tree):
+  """``tree`` as it comes back from an ordered host callback: a value that exists only once
+  every interpreted kernel call before it has returned (the interpreter ends each call with
+  an ordered callback, and ordered callbacks run in program order)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  leaves = io_callback(lambda *xs: tuple(np.asarray(x) for x in xs), shapes, *leaves, ordered=True)
+  return jax.tree.unflatten(treedef, list(leaves))
 
 
 def make_ring(
@@ -186,7 +210,9 @@ class _Ring:
   num_shards: int
   t: int
   h: int
-  skip_calls_a_block: bool  # the interpreter's device barrier: a skipped step still calls
+  # The TPU interpreter's device barrier: a skipped step still calls its block, and every
+  # transfer waits for the calls before it.
+  interpreted: bool
   first: tuple
   earlier: tuple
   later: tuple | None
@@ -228,7 +254,7 @@ class _Ring:
 
     def part(case, block):
       if case is None:
-        if self.skip_calls_a_block:  # call, keep nothing
+        if self.interpreted:  # call, keep nothing
           outs, lse = part(self.earlier, block)
           return (
             tuple(jnp.where(jnp.isnan(o), 0.0, 0.0) for o in outs),
@@ -249,7 +275,9 @@ class _Ring:
       return block, _merge(blocks, stats, self.by_source(me, i, part, block))
 
     kv = (tuple(blocks.layout(k) for k in ks), blocks.layout(v), seg)
-    _, (outs, lse) = _around_the_ring(step, kv, part(self.first, kv), self.axis, self.num_shards)
+    _, (outs, lse) = _around_the_ring(
+      step, kv, part(self.first, kv), self.axis, self.num_shards, in_order=self.interpreted
+    )
     lse = jnp.where(lse <= 0.5 * _EMPTY, jnp.inf, lse)  # rows that saw no key at all
     combined = outs[0] if maps == 1 else outs[0] - blocks.per_row(lam_BxHxT) * outs[1]
     out = blocks.layout(combined).astype(qs[0].dtype)
@@ -268,7 +296,7 @@ class _Ring:
     def part(case, block):
       ks_blk, v_blk = block[:2]
       if case is None:
-        if self.skip_calls_a_block:  # call, keep nothing
+        if self.interpreted:  # call, keep nothing
           zero = lambda x: jnp.where(jnp.isnan(x), 0.0, 0.0)
           return jax.tree.map(zero, part(self.earlier, block))
         return (
@@ -295,7 +323,9 @@ class _Ring:
 
     kv = (tuple(blocks.layout(k) for k in ks), blocks.layout(v), seg)
     dqs, dks, dv = part(self.first, kv)
-    block, dqs = _around_the_ring(step, (*kv, dks, dv), dqs, self.axis, self.num_shards, lagging=2)
+    block, dqs = _around_the_ring(
+      step, (*kv, dks, dv), dqs, self.axis, self.num_shards, lagging=2, in_order=self.interpreted
+    )
     dks, dv = block[3:]
     if self.num_shards > 1:  # a block's accumulators finish one device before its owner
       dks, dv = shift_to_next((dks, dv), self.axis, self.num_shards)
