@@ -298,6 +298,12 @@ def noise_map_arrays(case: Case, args) -> tuple:
   return tuple(args)
 
 
+def per_head_output(probs_BxHxTxS, v_BxSxKxDv):
+  """``P V`` per output head (head h reads kv group h // (H / K)), [B, T, H, Dv]."""
+  h, kv = probs_BxHxTxS.shape[1], v_BxSxKxDv.shape[2]
+  return jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, jnp.repeat(v_BxSxKxDv, h // kv, axis=2))
+
+
 def row_term_correction(case: Case, args, ct, out, o2) -> tuple:
   """What forming the softmax-backward row terms from stored, rounded outputs adds to each
   gradient of a differential op, float32, in the order of the op's arrays.
@@ -321,8 +327,7 @@ def row_term_correction(case: Case, args, ct, out, o2) -> tuple:
   _, vjp, (o, p1, p2) = jax.vjp(scores, *f32, has_aux=True)
   b, t, h, _ = o.shape
   lam = jnp.transpose(spec.lam_per_token(f32[spec.lam], b, t, h), (0, 2, 1))
-  v = f32[spec.value]
-  o2_exact = jnp.einsum("bhts,bshd->bthd", p2, jnp.repeat(v, h // v.shape[2], axis=2))
+  o2_exact = per_head_output(p2, f32[spec.value])
   row_sum = lambda x: jnp.einsum("bthd,bthd->bht", ct.astype(jnp.float32), x)[..., None]
   d2 = row_sum(o2.astype(jnp.float32) - o2_exact)
   d1 = row_sum(out.astype(jnp.float32) - o) + lam[..., None] * d2

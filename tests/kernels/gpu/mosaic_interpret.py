@@ -338,8 +338,9 @@ def _install_register_wgmma_011():
 class InterpretedCases(AttentionCases):
   """What the Mosaic GPU kernels' classes of the attention test base share: bfloat16 and
   float16, no documents or a one-token first one, the row measure (allowing for the row terms
-  the kernels form from their stored output and O2) and its broken-row self-check, none in the unit tier (tens of seconds a case) and only the named ones
-  beyond it. Subclasses set ``kernels`` (op -> kernel function) and their cases."""
+  the kernels form from their stored output and O2) and its broken-row self-check, none in
+  the unit tier (tens of seconds a case) and only the named ones beyond it. Subclasses set
+  ``kernels`` (op -> kernel function) and their cases."""
 
   kernels: dict = {}
   dtypes = ("bfloat16", "float16")
