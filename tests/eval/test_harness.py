@@ -30,6 +30,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from diffjax.data.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.eval.harness import DiffjaxLM, TokenScorer, cut_at_stops, run_tasks  # noqa: E402
 from diffjax.eval.harness import command as harness_command  # noqa: E402
+from diffjax.eval.harness.lm_eval_cli import main as lm_eval_main  # noqa: E402
 from diffjax.eval.harness.model import generation_options  # noqa: E402
 from diffjax.generation import generate  # noqa: E402
 from diffjax.model import DecoderLM, ModelConfig  # noqa: E402
@@ -277,6 +278,63 @@ def test_the_command_prints_the_table_and_writes_the_results_json(
   assert results["diffjax"]["arm"] == "diff_v1" and results["diffjax"]["max_length"] == 32
   assert results["n-samples"]["diffjax_fixture_choice"]["effective"] == 3
   assert 0.0 <= results["results"]["diffjax_fixture_choice"]["acc,none"] <= 1.0
+
+
+@pytest.mark.integration  # two whole commands on a trained run
+def test_lm_evals_own_command_line_runs_the_registered_model_with_the_same_scores(
+  trained_workdir, tmp_path, capsys, monkeypatch
+):
+  """``diffjax-lm-eval run --model diffjax`` is lm-eval's command line; it scores what
+  ``python -m diffjax.eval.harness`` scores."""
+  monkeypatch.chdir(REPO)
+  tasks = "diffjax_fixture_choice,diffjax_fixture_generate"
+  ours = tmp_path / "ours.json"
+  rc = harness_command.main(
+    [
+      f"--workdir={trained_workdir}",
+      f"--include_path={FIXTURES}",
+      f"--tasks={tasks}",
+      "--limit=3",
+      "--batch_size=2",
+      "--max_gen_toks=4",
+      f"--output={ours}",
+    ]
+  )
+  assert rc == 0, capsys.readouterr().err[-2000:]
+  rc = lm_eval_main(
+    [
+      "run",
+      "--model=diffjax",
+      "--model_args",
+      f"workdir={trained_workdir},max_gen_toks=4",
+      "--batch_size=2",
+      f"--include_path={FIXTURES}",
+      f"--tasks={tasks}",
+      "--limit=3",
+      f"--output_path={tmp_path / 'theirs'}",
+    ]
+  )
+  captured = capsys.readouterr()
+  assert rc == 0, captured.err[-2000:]
+  assert "diffjax_fixture_choice" in captured.out  # lm-eval's own table
+  (path,) = glob.glob(str(tmp_path / "theirs" / "*" / "results_*.json"))
+  theirs = json.loads(open(path, encoding="utf-8").read())
+  want = json.loads(ours.read_text())
+  for task in tasks.split(","):
+    metrics = {k: v for k, v in want["results"][task].items() if "," in k and "stderr" not in k}
+    assert metrics and {k: theirs["results"][task][k] for k in metrics} == metrics, task
+    assert theirs["n-samples"][task] == want["n-samples"][task]
+  assert theirs["config"]["model"] == "diffjax"
+  # Mistakes are one error line with status 2, lm-eval's own and diffjax's alike.
+  missing = tmp_path / "no_run"
+  for argv, needle in (
+    (["--model=no_such_model"], "no_such_model"),
+    (["--model=diffjax", "--model_args", f"workdir={missing}"], str(missing)),
+  ):
+    argv = ["run", *argv, f"--include_path={FIXTURES}", f"--tasks={tasks}"]
+    assert lm_eval_main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and needle in err[-1], err[-3:]
 
 
 @pytest.mark.integration  # the whole command on a trained run

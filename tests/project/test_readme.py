@@ -380,6 +380,12 @@ def _pyproject_extras() -> set[str]:
     return set(tomllib.load(f)["project"]["optional-dependencies"])
 
 
+def _console_scripts() -> dict[str, str]:
+  """The scripts ``pyproject.toml`` installs: name -> ``module:function``."""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    return tomllib.load(f)["project"].get("scripts", {})
+
+
 def _install_problems(cmd: list[str]) -> list[str]:
   """What a ``pip install`` names that the project does not have (extras, files)."""
   problems, extras = [], _pyproject_extras()
@@ -401,6 +407,8 @@ def _run_command(cmd: list[str]) -> str | None:
     return None  # making and entering a virtual environment
   if cmd[0] == "pip":
     return "; ".join(_install_problems(cmd)) or None
+  if cmd[0] in _console_scripts():  # an installed script runs its module's main
+    cmd = ["python", "-m", _console_scripts()[cmd[0]].split(":")[0], *cmd[1:]]
   if not _PYTHON.match(cmd[0]):
     return f"not a command these checks know how to run: {cmd[0]}"
   args = cmd[1:]
