@@ -138,6 +138,7 @@ SPEC = register(
     match=match,
     lambda_report="sigmoid",
     check=lambda cfg: check_v2_ablation(cfg.v2_pairing, cfg.v2_lambda, cfg.num_kv_heads),
+    hf_architecture="DiffjaxV2ForCausalLM",
     ramp=True,
     retrofit=Retrofit(
       config=retrofit_config,

@@ -28,6 +28,7 @@ from diffjax.convert.files import (
 )
 from diffjax.convert.hf_config import (
   DEFAULT_MAX_POSITIONS,
+  REMOTE_CODE,
   hf_config_from_model,
   model_config_from_hf,
 )
@@ -38,6 +39,8 @@ from diffjax.train import checkpoint as ckpt
 from diffjax.train.loading import load_run
 from diffjax.train.records import write_json
 
+# The transformers code an export of an arm without a transformers class carries.
+_HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Keys of the source config.json kept with an imported workdir, so that exporting it again
 # restores them (diffjax itself has no use for them).
@@ -141,8 +144,10 @@ def save_hf(
   tokenizer: Tokenizer | None = None,
   copy_files: Sequence[str] = (),
 ) -> list[str]:
-  """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint, or a
-  model with a PolyNorm MLP (``gda_v1``, imported from Motif-2) as a Motif checkpoint.
+  """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint (Llama,
+  DiffLlama), a DIFF V2 one as a checkpoint with its own modeling code (loaded with
+  ``trust_remote_code=True``), or a model with a PolyNorm MLP (``gda_v1``, imported from
+  Motif-2) as a Motif checkpoint.
 
   Writes ``config.json`` and ``model.safetensors`` (or shards of at most
   ``max_shard_size`` with ``model.safetensors.index.json``) into ``path``, which must not
@@ -156,6 +161,12 @@ def save_hf(
   if dtype not in _EXPORT_DTYPES:
     raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
   cfg = model.config
+  if getattr(model, "v2_mix_at", None) is not None:
+    raise ConversionError(
+      f"the model is inside its retrofit ramp (lambda scaled by {model.v2_mix_at:g} until step "
+      f"{cfg.v2_mix_steps}), which no exported model computes: export a step from "
+      f"{cfg.v2_mix_steps} on."
+    )
   ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
   if tokenizer is not None:
     if tokenizer.vocab_size > cfg.vocab_size:
@@ -177,6 +188,10 @@ def save_hf(
 
   def extra(directory: str) -> list[str]:
     names = []
+    arch = hf_config["architectures"][0]
+    for name in REMOTE_CODE.get(arch, ((), {}))[0]:  # the model's code, for trust_remote_code
+      shutil.copyfile(os.path.join(_HF_CODE, name), os.path.join(directory, name))
+      names.append(name)
     for source in copy_files:
       shutil.copyfile(source, os.path.join(directory, os.path.basename(source)))
       names.append(os.path.basename(source))

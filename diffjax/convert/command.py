@@ -7,11 +7,13 @@
         [--arm=diff_v2|diff_v1] [--step=N]
 
 `import` reads a LlamaForCausalLM (-> the Transformer arm), DiffLlamaForCausalLM (-> DIFF
-V1) or MotifForCausalLM (Motif-2 -> gda_v1 with a PolyNorm MLP, docs/motif.md) directory
+V1), DiffjaxV2ForCausalLM (a DIFF V2 export) or MotifForCausalLM (Motif-2 -> gda_v1 with a
+PolyNorm MLP, docs/motif.md) directory
 holding config.json and *.safetensors (one file, or shards with their index) and writes a
 workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `export` writes the
-latest (or --step) checkpoint of a Transformer, DIFF V1 or imported Motif workdir as a
-directory in the source's layout (transformers' `from_pretrained` loads the first two), with
+latest (or --step) checkpoint of a Transformer, DIFF V1, DIFF V2 or imported Motif workdir
+as a directory in the source's layout (transformers' `from_pretrained` loads the first three;
+a DIFF V2 export carries its own modeling code, loaded with `trust_remote_code=True`), with
 the run's tokenizer in transformers' form, its special-token ids, a generation config and
 max_position_embeddings = the context the run trained at, so `lm_eval --model hf` and
 `python -m diffjax.eval.harness --hf_dir` evaluate it as it was trained. `retrofit` turns a Transformer (a workdir of

@@ -16,7 +16,21 @@ from diffjax.convert.files import ConversionError
 from diffjax.model import ModelConfig
 
 LLAMA, DIFFLLAMA = "LlamaForCausalLM", "DiffLlamaForCausalLM"
-MODEL_TYPE = {LLAMA: "llama", DIFFLLAMA: "diffllama"}
+# DIFF V2 has no transformers class: its exports carry the project's own code (hf_code/),
+# which transformers loads with trust_remote_code=True.
+DIFFJAX_V2 = "DiffjaxV2ForCausalLM"
+MODEL_TYPE = {LLAMA: "llama", DIFFLLAMA: "diffllama", DIFFJAX_V2: "diffjax_v2"}
+# The code files an export of each such class carries, and its auto_map.
+REMOTE_CODE = {
+  DIFFJAX_V2: (
+    ("configuration_diffjax_v2.py", "modeling_diffjax_v2.py"),
+    {
+      "AutoConfig": "configuration_diffjax_v2.DiffjaxV2Config",
+      "AutoModel": "modeling_diffjax_v2.DiffjaxV2Model",
+      "AutoModelForCausalLM": "modeling_diffjax_v2.DiffjaxV2ForCausalLM",
+    },
+  )
+}
 # Settings that leave the parameters unchanged, which a caller may choose when importing.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "implementation", "block_sizes", "interpret", "remat")
 DEFAULT_MAX_POSITIONS = 2048
@@ -159,7 +173,7 @@ def _refuse_unmodelled(hf: Mapping[str, Any], arch: str) -> None:
       "diffjax's MLP is SwiGLU with silu."
     )
   _refuse_true(hf, "attention_bias", "diffjax's projections have no bias")
-  if arch == LLAMA:
+  if arch != DIFFLLAMA:
     _refuse_true(hf, "mlp_bias", "diffjax's MLP has no bias")
   dropout = hf.get("attention_dropout", 0.0)
   if dropout not in (0, 0.0, None):
@@ -196,6 +210,12 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
         "be even: DiffLlama pairs component heads (i, i + n/2) into DIFF heads."
       )
     heads, kv_heads = heads // 2, kv_heads // 2
+  if arch == DIFFJAX_V2:
+    if heads % 2:
+      raise ConversionError(
+        f"config.json: num_attention_heads={heads} must be even: DIFF V2 pairs its query heads."
+      )
+    heads //= 2
   init_std = hf.get("initializer_range", 0.02)
   fields = dict(
     attention=arm,
@@ -213,6 +233,10 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     tie_embeddings=tie,
     init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02,
   )
+  if arch == DIFFJAX_V2:
+    fields.update(
+      v2_pairing=hf.get("v2_pairing", "group"), v2_lambda=hf.get("v2_lambda", "sigmoid")
+    )
   try:
     return ModelConfig(**fields, **runtime)
   except ValueError as e:
@@ -235,7 +259,7 @@ def hf_config_from_model(
   check_exportable(cfg)
   arch = architecture_of(cfg)
   diff = arch == DIFFLLAMA
-  heads = 2 * cfg.num_heads if diff else cfg.num_heads
+  heads = 2 * cfg.num_heads if arch in (DIFFLLAMA, DIFFJAX_V2) else cfg.num_heads
   kv_heads = 2 * cfg.num_kv_heads if diff else cfg.num_kv_heads
   out: dict[str, Any] = {
     "architectures": [arch],
@@ -266,6 +290,10 @@ def hf_config_from_model(
   else:
     out["mlp_bias"] = False
     out["pretraining_tp"] = 1
+  if arch in REMOTE_CODE:
+    out["auto_map"] = dict(REMOTE_CODE[arch][1])
+  if arch == DIFFJAX_V2:
+    out["v2_pairing"], out["v2_lambda"] = cfg.v2_pairing, cfg.v2_lambda
   return out
 
 

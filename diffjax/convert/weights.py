@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from diffjax.convert.files import ConversionError
-from diffjax.convert.hf_config import LLAMA, architecture_of, check_exportable
+from diffjax.convert.hf_config import DIFFJAX_V2, DIFFLLAMA, architecture_of, check_exportable
 from diffjax.model import ModelConfig
 
 Params = dict[str, Any]
@@ -27,9 +27,11 @@ def _layer(i: int, name: str) -> str:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The tensor names and shapes of the transformers checkpoint for ``cfg``."""
   e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-  diff = architecture_of(cfg) != LLAMA
-  q_out = (2 if diff else 1) * cfg.num_heads * d
+  arch = architecture_of(cfg)
+  diff = arch == DIFFLLAMA
+  q_out = (2 if arch in (DIFFLLAMA, DIFFJAX_V2) else 1) * cfg.num_heads * d
   kv_out = (2 if diff else 1) * cfg.num_kv_heads * d
+  o_in = (2 if diff else 1) * cfg.num_heads * d
   shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
   if not cfg.tie_embeddings:
     shapes["lm_head.weight"] = (v, e)
@@ -41,7 +43,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         _layer(i, "self_attn.q_proj.weight"): (q_out, e),
         _layer(i, "self_attn.k_proj.weight"): (kv_out, e),
         _layer(i, "self_attn.v_proj.weight"): (kv_out, e),
-        _layer(i, "self_attn.o_proj.weight"): (e, q_out),
+        _layer(i, "self_attn.o_proj.weight"): (e, o_in),
         _layer(i, "mlp.gate_proj.weight"): (f, e),
         _layer(i, "mlp.up_proj.weight"): (f, e),
         _layer(i, "mlp.down_proj.weight"): (e, f),
@@ -50,6 +52,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if diff:
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         shapes[_layer(i, f"self_attn.{lam}")] = (d,)
+    if arch == DIFFJAX_V2:
+      shapes[_layer(i, "self_attn.lambda_proj.weight")] = (cfg.num_heads, e)
   return shapes
 
 
@@ -133,13 +137,17 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   blocks = {}
   for i in range(cfg.num_layers):
     w = functools.partial(lambda i_, name: t[_layer(i_, name)], i)
-    if architecture_of(cfg) == LLAMA:
+    if architecture_of(cfg) != DIFFLLAMA:
+      # Llama; DIFF V2's query heads are pairs [h, 2] (heads 2i+s), its lambda projection E -> h.
+      q_heads = (h, 2) if architecture_of(cfg) == DIFFJAX_V2 else (h,)
       attn = {
-        "q": w("self_attn.q_proj.weight").T.reshape(e, h, d),
+        "q": w("self_attn.q_proj.weight").T.reshape(e, *q_heads, d),
         "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
         "v": w("self_attn.v_proj.weight").T.reshape(e, k, d),
         "o": w("self_attn.o_proj.weight").T.reshape(h, d, e),
       }
+      if architecture_of(cfg) == DIFFJAX_V2:
+        attn["w_lambda"] = w("self_attn.lambda_proj.weight").T
     else:
       attn = {
         "q": _to_pairs(w("self_attn.q_proj.weight"), h, d),
@@ -190,11 +198,13 @@ def hf_from_params(
   for i in range(cfg.num_layers):
     blk = params["blocks"][i]
     a = {name: _f32(x) for name, x in blk["attn"].items()}
-    if architecture_of(cfg) == LLAMA:
+    if architecture_of(cfg) != DIFFLLAMA:
       q = a["q"][..., rows].reshape(e, -1).T
       k = a["k"][..., rows].reshape(e, -1).T
       v = a["v"].reshape(e, -1).T
       o = a["o"].reshape(-1, e).T
+      if architecture_of(cfg) == DIFFJAX_V2:
+        out[_layer(i, "self_attn.lambda_proj.weight")] = a["w_lambda"].T
     else:
       q = _to_halves(a["q"][..., rows])
       k = _to_halves(a["k"][..., rows])

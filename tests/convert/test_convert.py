@@ -287,7 +287,7 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path):
     vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=32
   )
   cases = {
-    "'diff_v2'": ModelConfig(attention="diff_v2", **base),
+    "'gda_v2'": ModelConfig(attention="gda_v2", gda_ratio=2, **{**base, "num_kv_heads": 1}),
     "diff_use_norm": ModelConfig(attention="diff_v1", diff_use_norm=False, **base),
     "diff_norm_eps": ModelConfig(attention="diff_v1", diff_norm_eps=1e-6, **base),
   }

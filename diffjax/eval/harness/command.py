@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a train.py run directory")
-  src.add_argument("--hf_dir", help="an HF Llama/DiffLlama directory")
+  src.add_argument("--hf_dir", help="an HF Llama/DiffLlama directory or a diffjax export")
   p.add_argument("--tasks", required=True, help="comma-separated task names or YAML files")
   p.add_argument("--include_path", default=None, help="a directory of task YAML files")
   p.add_argument(
