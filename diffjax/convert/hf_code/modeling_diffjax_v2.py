@@ -37,8 +37,8 @@ class DiffjaxV2Attention(llama.LlamaAttention):
     # cache) and give its update the RoPE tables or their own keyword arguments.
     cache = None
     for name in ("cache", "past_key_values", "past_key_value"):
-      value = kwargs.pop(name, None)
-      cache = value if cache is None else cache
+      given = kwargs.pop(name, None)
+      cache = given if cache is None else cache
     batch_time = hidden_states.shape[:-1]
     shape = (*batch_time, -1, self.head_dim)
     query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
