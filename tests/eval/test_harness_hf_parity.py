@@ -43,7 +43,7 @@ def _number(resp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["transformer", "diff_v1"])
+@pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
 def test_lm_eval_hf_on_the_export_equals_the_harness_on_the_run(
   arm, tmp_path, monkeypatch, trained_run
 ):
@@ -62,7 +62,9 @@ def test_lm_eval_hf_on_the_export_equals_the_harness_on_the_run(
       "-m",
       "lm_eval",
       "--model=hf",
-      f"--model_args=pretrained={exported},dtype=float32",
+      # A DIFF V2 export carries its own modeling code.
+      f"--model_args=pretrained={exported},dtype=float32"
+      + (",trust_remote_code=True" if arm == "diff_v2" else ""),
       "--device=cpu",
       f"--output_path={tmp_path / 'theirs'}",
       *common,
