@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import diffjax.convert
 from diffjax.convert import ConversionError, load_hf, save_hf
 from diffjax.generation import generate
 from diffjax.model import DecoderLM, ModelConfig
 
-HF_CODE = os.path.join(os.path.dirname(__import__("diffjax.convert").convert.__file__), "hf_code")
+HF_CODE = os.path.join(os.path.dirname(diffjax.convert.__file__), "hf_code")
 CODE_FILES = ("configuration_diffjax_v2.py", "modeling_diffjax_v2.py")
 IDS = np.array([[5, 17, 3, 250, 9, 9, 42, 1, 77, 120, 8, 64, 2]], np.int32)
 
