@@ -78,7 +78,7 @@ def _load(
 
     if not os.path.isdir(workdir):
       raise FileNotFoundError(
-        f"workdir={workdir!r} is not a directory: pass the --workdir of a train.py run."
+        f"workdir={workdir!r} is not a directory: give the workdir of a train.py run."
       )
     run = load_run(workdir, step)
     spec = (run.config.get("data") or {}).get("tokenizer", "byte")
