@@ -136,18 +136,19 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   e, d = cfg.d_model, cfg.head_dim
   h, k = cfg.num_heads, cfg.num_kv_heads
   blocks = {}
+  arch = architecture_of(cfg)
   for i in range(cfg.num_layers):
     w = functools.partial(lambda i_, name: t[_layer(i_, name)], i)
-    if architecture_of(cfg) != DIFFLLAMA:
+    if arch != DIFFLLAMA:
       # Llama; DIFF V2's query heads are pairs [h, 2] (heads 2i+s), its lambda projection E -> h.
-      q_heads = (h, 2) if architecture_of(cfg) == DIFFJAX_V2 else (h,)
+      q_heads = (h, 2) if arch == DIFFJAX_V2 else (h,)
       attn = {
         "q": w("self_attn.q_proj.weight").T.reshape(e, *q_heads, d),
         "k": w("self_attn.k_proj.weight").T.reshape(e, k, d),
         "v": w("self_attn.v_proj.weight").T.reshape(e, k, d),
         "o": w("self_attn.o_proj.weight").T.reshape(h, d, e),
       }
-      if architecture_of(cfg) == DIFFJAX_V2:
+      if arch == DIFFJAX_V2:
         attn["w_lambda"] = w("self_attn.lambda_proj.weight").T
     else:
       attn = {
@@ -196,15 +197,16 @@ def hf_from_params(
   }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = _f32(params["lm_head"]).T
+  arch = architecture_of(cfg)
   for i in range(cfg.num_layers):
     blk = params["blocks"][i]
     a = {name: _f32(x) for name, x in blk["attn"].items()}
-    if architecture_of(cfg) != DIFFLLAMA:
+    if arch != DIFFLLAMA:
       q = a["q"][..., rows].reshape(e, -1).T
       k = a["k"][..., rows].reshape(e, -1).T
       v = a["v"].reshape(e, -1).T
       o = a["o"].reshape(-1, e).T
-      if architecture_of(cfg) == DIFFJAX_V2:
+      if arch == DIFFJAX_V2:
         out[_layer(i, "self_attn.lambda_proj.weight")] = a["w_lambda"].T
     else:
       q = _to_halves(a["q"][..., rows])
