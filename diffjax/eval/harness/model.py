@@ -10,7 +10,6 @@ with as much context as fits), and generates through :func:`diffjax.generation.g
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +25,10 @@ except ImportError as e:  # pragma: no cover - the message is the point
   ) from e
 from tqdm import tqdm
 
-from diffjax.data import Tokenizer, load_tokenizer
+from diffjax.data import Tokenizer
 from diffjax.eval.harness.scorer import TokenScorer
 from diffjax.generation import generate
+from diffjax.generation.loading import load_model, model_tokenizer
 from diffjax.model import DecoderLM
 
 DEFAULT_MAX_LENGTH = 2048
@@ -67,35 +67,6 @@ def generation_options(gen_kwargs: dict[str, Any], task: str | None = None) -> d
       "generation_kwargs or from --gen_kwargs."
     )
   return options
-
-
-def _load(
-  workdir: str | None, hf_dir: str | None, step: int | None
-) -> tuple[DecoderLM, str | None, int | None]:
-  """(model, the run's tokenizer spec, its context length) from a run or HF dir."""
-  if workdir is not None:
-    from diffjax.train.loading import load_run  # pylint: disable=import-outside-toplevel
-
-    if not os.path.isdir(workdir):
-      raise FileNotFoundError(
-        f"workdir={workdir!r} is not a directory: give the workdir of a train.py run."
-      )
-    run = load_run(workdir, step)
-    spec = (run.config.get("data") or {}).get("tokenizer", "byte")
-    seq_len = run.config.get("seq_len")
-    return run.model, spec, int(seq_len) if seq_len else None
-  from diffjax.convert import load_hf  # pylint: disable=import-outside-toplevel
-  from diffjax.convert.files import read_config  # pylint: disable=import-outside-toplevel
-  from diffjax.convert.tokenizer_files import tokenizer_spec  # pylint: disable=import-outside-toplevel
-
-  if not os.path.isdir(hf_dir):
-    raise FileNotFoundError(
-      f"hf_dir={hf_dir!r} is not a directory: pass a directory with "
-      "config.json and safetensors weights."
-    )
-  model = load_hf(hf_dir)
-  positions = read_config(hf_dir).get("max_position_embeddings")
-  return model, tokenizer_spec(hf_dir), positions
 
 
 class DiffjaxLM(TemplateLM):
@@ -149,33 +120,12 @@ class DiffjaxLM(TemplateLM):
     ]
     if len(given) != 1:
       raise ValueError(f"give exactly one of workdir=, hf_dir= or model=; got {given or 'none'}.")
-    run_spec, context = None, None
+    loaded = None
     if model is None:
-      model, run_spec, context = _load(workdir, hf_dir, step)
-    if (
-      isinstance(tokenizer, str)
-      and run_spec is not None
-      and workdir is not None
-      and os.path.abspath(tokenizer) != os.path.abspath(run_spec)
-      and tokenizer != run_spec
-    ):
-      raise ValueError(
-        f"tokenizer={tokenizer!r} is not the one the run was trained with "
-        f"({run_spec!r}): leave it out to use the run's own."
-      )
-    tokenizer = tokenizer if tokenizer is not None else run_spec
-    if tokenizer is None:
-      raise ValueError(
-        "no tokenizer: the directory holds neither tokenizer.json nor tokenizer.model (an export "
-        "by `python -m diffjax.convert export` carries the run's); pass --tokenizer=SPEC "
-        "(tokenizer= in Python): 'byte', a tokenizers .json or a sentencepiece .model."
-      )
-    self.tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    if self.tok.vocab_size > model.config.vocab_size:
-      raise ValueError(
-        f"the tokenizer has {self.tok.vocab_size} ids but the model only "
-        f"{model.config.vocab_size}: it is not this model's tokenizer."
-      )
+      loaded = load_model(workdir, hf_dir, step)
+      model = loaded.model
+    context = loaded.context if loaded is not None else None
+    self.tok = model_tokenizer(loaded, model, tokenizer)
     auto, batch_size = _parse_batch_size(batch_size)
     self.model = model
     self.max_length_ = int(max_length or context or DEFAULT_MAX_LENGTH)

@@ -1,0 +1,165 @@
+"""``python -m diffjax.serve``: an OpenAI-compatible HTTP server for a trained run.
+
+    python -m diffjax.serve --workdir=runs/default [--port=8000] [--host=127.0.0.1]
+        [--slots=8] [--context=N] [--chat_template=FILE] [--model_name=NAME]
+    python -m diffjax.serve --hf_dir=DIR ...     # an HF Llama / DiffLlama / DIFF V2 directory
+
+Loads the model, compiles every program it will run (one decode program and one prefill per
+prompt bucket: nothing compiles while serving), prints the address and serves
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` until SIGINT or
+SIGTERM, which stops taking requests, lets those in flight finish for ``--drain_seconds`` and
+cancels the rest. Requests and what each option does: docs/serving.md. A mistake in the
+arguments prints one ``error:`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from diffjax import cli
+from diffjax.errors import import_extra, run_guarded
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = cli.ArgumentParser(
+    prog="python -m diffjax.serve",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="a train.py run directory (its newest good checkpoint)")
+  src.add_argument("--hf_dir", help="an HF directory (config.json, safetensors, tokenizer)")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+  p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the model's own)")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+  p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+  p.add_argument("--model_name", default=None, help="the model id (default: the directory name)")
+  p.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+  p.add_argument(
+    "--context",
+    type=int,
+    default=None,
+    help="longest prompt + new tokens (default: the run's seq_len or the HF config's "
+    "max_position_embeddings, else 2048)",
+  )
+  p.add_argument(
+    "--decode_chunk", type=int, default=4, help="decode steps per program call (default 4)"
+  )
+  p.add_argument(
+    "--max_waiting",
+    type=int,
+    default=256,
+    help="requests queued beyond the slots; more get HTTP 429 (default 256)",
+  )
+  p.add_argument(
+    "--chat_template", default=None, help="a Jinja chat template file (default: the model's own)"
+  )
+  p.add_argument(
+    "--mesh",
+    default=None,
+    help="serve over a device mesh: data,fsdp,tensor sizes (e.g. 2,1,1; -1 for the rest)",
+  )
+  p.add_argument(
+    "--drain_seconds",
+    type=float,
+    default=30.0,
+    help="on SIGTERM, how long requests in flight may finish (default 30)",
+  )
+  return p
+
+
+def build(args: argparse.Namespace, progress=print):
+  """(the engine, started and warm; the HTTP server object) from parsed arguments."""
+  from diffjax.generation.loading import load_model, model_tokenizer  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.app import Server  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.engine import Engine  # pylint: disable=import-outside-toplevel
+
+  for name in ("slots", "decode_chunk"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name}={getattr(args, name)} must be at least 1.")
+  if args.context is not None and args.context < 2:
+    raise ValueError(f"--context={args.context} must be at least 2 tokens.")
+  if not 0 <= args.port < 65536:
+    raise ValueError(f"--port={args.port} must be in [0, 65536).")
+  template = None
+  if args.chat_template is not None:
+    if not os.path.isfile(args.chat_template):
+      raise FileNotFoundError(
+        f"--chat_template={args.chat_template!r} is not a file: pass a Jinja template file."
+      )
+    with open(args.chat_template, encoding="utf-8") as f:
+      template = f.read()
+  loaded = load_model(args.workdir, args.hf_dir, args.step)
+  tokenizer = model_tokenizer(loaded, loaded.model, args.tokenizer)
+  mesh = None
+  if args.mesh:
+    from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+
+    try:
+      shape = [int(x) for x in args.mesh.split(",")]
+    except ValueError:
+      raise ValueError(f"--mesh={args.mesh!r} must be comma-separated sizes, e.g. 2,1,1.") from None
+    mesh = shd.make_mesh(shape)
+  engine = Engine(
+    loaded.model,
+    slots=args.slots,
+    context=args.context or loaded.context,
+    decode_chunk=args.decode_chunk,
+    max_waiting=args.max_waiting,
+    pad_id=int(tokenizer.pad_id) if tokenizer.pad_id < loaded.model.config.vocab_size else 0,
+    mesh=mesh,
+  )
+  name = args.model_name or os.path.basename(os.path.normpath(loaded.source))
+  cfg = loaded.model.config
+  progress(
+    f"[{cfg.attention}{'' if loaded.step is None else f', step {loaded.step}'}] {engine.slots} "
+    f"slots of {engine.context} tokens; compiling {1 + len(engine.buckets)} programs"
+  )
+  engine.warm_up(progress)
+  server = Server(
+    engine.start(), tokenizer, model_name=name, chat_template=template or loaded.chat_template
+  )
+  return engine, server
+
+
+async def serve(engine, server, host: str, port: int, drain_seconds: float, ready=None) -> None:
+  """Serves until SIGINT/SIGTERM (or ``ready``'s stop event), then drains: no new requests,
+  those in flight finish within ``drain_seconds``, the rest are cancelled."""
+  web = import_extra("aiohttp.web", "serve", "serving over HTTP")
+  runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+  await runner.setup()
+  site = web.TCPSite(runner, host, port, shutdown_timeout=drain_seconds)
+  await site.start()
+  bound = runner.addresses[0][1] if runner.addresses else port
+  stop = asyncio.Event()
+  loop = asyncio.get_running_loop()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    try:
+      loop.add_signal_handler(sig, stop.set)
+    except (NotImplementedError, RuntimeError):  # not the main thread
+      pass
+  print(f"serving {server.model_name!r} on http://{host}:{bound}/v1", flush=True)
+  if ready is not None:
+    ready(bound, stop, loop)
+  await stop.wait()
+  print("shutting down: finishing requests in flight", flush=True)
+  server.draining = True
+  await loop.run_in_executor(None, lambda: engine.stop(timeout=drain_seconds))
+  engine.stop(cancel=True, timeout=10)
+  await runner.cleanup()
+  print(f"stopped; {engine.counts['finished_cancelled']} requests cancelled", flush=True)
+
+
+def _main(args: argparse.Namespace) -> None:
+  engine, server = build(args, progress=lambda line: print(line, file=sys.stderr, flush=True))
+  asyncio.run(serve(engine, server, args.host, args.port, args.drain_seconds))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  return run_guarded(lambda: _main(args))

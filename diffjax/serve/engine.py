@@ -1,0 +1,608 @@
+"""Continuous batching: a fixed set of KV-cache slots, decoded together, refilled as they free.
+
+:class:`Engine` owns one KV cache of ``slots`` rows of ``cache_length`` positions (for DIFF V1
+each layer's cache holds K1, K2 and the 2d-wide V; for DIFF V2 and the Transformer, K and V:
+whatever the model's ``init_cache`` makes). A thread runs the loop:
+
+1. *admit*: while a slot is free and a job waits, prefill the job's prompt into that slot (one
+   program per prompt bucket: the prompt is padded to a power of two), which also picks the
+   job's first token and, when asked, scores every prompt token (``echo``);
+2. *decode*: run ``decode_chunk`` steps over all slots at once (one program), each row at its
+   own position with its own sampling options and random key;
+3. hand each job its tokens; a job that meets a stop token, its ``max_tokens`` or a cancel
+   frees its slot for step 1.
+
+Every program is compiled by :meth:`Engine.warm_up` (or on first use), so serving compiles
+nothing once warm. A row's tokens depend only on its own prompt, options and seed, not on the
+rows beside it: the random key of token ``i`` is ``fold_in(key(seed), i)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax import sharding as shd
+from diffjax.generation.programs import CACHE_MULTIPLE, MIN_PROMPT_BUCKET, bucket, round_up
+from diffjax.model import DecoderLM
+
+# The most alternatives a job may ask for per token (the OpenAI API's limit for completions).
+MAX_TOP_LOGPROBS = 5
+
+
+class QueueFull(RuntimeError):
+  """The engine already holds as many waiting jobs as it accepts."""
+
+
+class EngineStopped(RuntimeError):
+  """The engine is shutting down and takes no new jobs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+  """One generated token: its id, its log-probability under the model (before temperature and
+  filters) and the job's ``top_logprobs`` most likely ``(id, logprob)`` alternatives."""
+
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEvent:
+  """The prompt scored (``echo``): per prompt token, its log-probability given the tokens
+  before it (None for the first) and the most likely alternatives there (None for the first)."""
+
+  logprobs: tuple[float | None, ...]
+  top: tuple[tuple[tuple[int, float], ...] | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DoneEvent:
+  """The job ended: ``reason`` is "stop" (a stop token, not passed on), "length"
+  (``max_tokens`` or the cache is full), "cancelled" or "error" (with ``message``)."""
+
+  reason: str
+  message: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+  """One sequence to generate.
+
+  Attributes:
+    prompt: token ids (at least one).
+    max_tokens: new tokens at most (0: score the prompt only, with ``echo``).
+    temperature: 0 for greedy; else sample from the logits divided by it.
+    top_k: sample among the k likeliest tokens (0: all).
+    top_p: sample among the likeliest tokens of mass p (1.0: all).
+    seed: the job's random seed.
+    stop_tokens: ids that end the job (the stop token itself is not passed on).
+    top_logprobs: alternatives reported per token, 0 to :data:`MAX_TOP_LOGPROBS`.
+    echo: score the prompt too (a :class:`PromptEvent` before the tokens).
+    on_event: called from the engine's thread with each event, in order, ending with one
+      :class:`DoneEvent`; it must not block.
+  """
+
+  prompt: Sequence[int]
+  max_tokens: int
+  on_event: Callable[[object], None]
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_tokens: frozenset[int] = frozenset()
+  top_logprobs: int = 0
+  echo: bool = False
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+  def cancel(self) -> None:
+    """Ends the job at the engine's next step (its slot is freed, a "cancelled" DoneEvent)."""
+    self.cancelled.set()
+
+
+@dataclasses.dataclass
+class _Slot:
+  job: Job
+  generated: int  # tokens produced so far (the next one's index, for its random key)
+  pos: int  # the cache position of the token fed next
+  key: np.ndarray  # the job's random key data
+  last: int = 0  # the token fed next
+
+
+def _cache_batch_axes(model: DecoderLM, length: int):
+  """Per cache leaf, the axis that indexes rows (where a cache of 1 and of 2 rows differ)."""
+  one = jax.eval_shape(lambda: model.init_cache(1, length))
+  two = jax.eval_shape(lambda: model.init_cache(2, length))
+
+  def axis(a, b):
+    diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if len(diff) != 1:
+      raise ValueError(f"cannot find the row axis of a cache leaf of shape {a.shape}.")
+    return diff[0]
+
+  return jax.tree.map(axis, one, two)
+
+
+def _pick(logits_BxV, temperature_B, top_k_B, top_p_B, keys_B):
+  """(tokens, their log-probabilities, the top :data:`MAX_TOP_LOGPROBS` ids and logprobs) per
+  row, each row greedy or sampled by its own options."""
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  vocab = logits_BxV.shape[-1]
+  logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+  greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+  def sampled(_):
+    scaled_BxV = logits_BxV / jnp.maximum(temperature_B, 1e-6)[:, None]
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    keep_Bx1 = jnp.sum(before_BxV < top_p_B[:, None], axis=-1, keepdims=True)
+    pth_Bx1 = jnp.take_along_axis(sorted_BxV, keep_Bx1 - 1, axis=-1)
+    floor_Bx1 = jnp.where(top_p_B[:, None] < 1, jnp.maximum(kth_Bx1, pth_Bx1), kth_Bx1)
+    masked_BxV = jnp.where(scaled_BxV < floor_Bx1, -jnp.inf, scaled_BxV)
+    drawn_B = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys_B, masked_BxV)
+    return jnp.where(temperature_B > 0, drawn_B.astype(jnp.int32), greedy_B)
+
+  tok_B = jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda _: greedy_B, None)
+  lp_B = jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
+  top_lp_BxN, top_id_BxN = jax.lax.top_k(logp_BxV, min(MAX_TOP_LOGPROBS, vocab))
+  return tok_B, lp_B, top_id_BxN.astype(jnp.int32), top_lp_BxN
+
+
+class Engine:
+  """Serves :class:`Job` s from a running decode batch over ``slots`` KV-cache rows.
+
+  Args:
+    model: any DecoderLM (its parameters are not changed).
+    slots: rows decoded together (the most jobs in flight).
+    context: the longest sequence a job may reach, prompt plus new tokens (default: 2048).
+    decode_chunk: decode steps per program call; a finished row's slot is refilled after the
+      chunk, so a larger chunk costs less host time and adds up to ``decode_chunk - 1``
+      wasted steps per finished row.
+    max_waiting: jobs held beyond the slots; :meth:`submit` raises :class:`QueueFull` past it.
+    pad_id: the token fed to free slots and prompt padding.
+    mesh, rules: decode sharded over a device mesh (rows over data/fsdp, heads over tensor).
+  """
+
+  def __init__(
+    self,
+    model: DecoderLM,
+    *,
+    slots: int = 8,
+    context: int | None = None,
+    decode_chunk: int = 4,
+    max_waiting: int = 256,
+    pad_id: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+  ):
+    if slots < 1 or decode_chunk < 1 or max_waiting < 0:
+      raise ValueError(
+        f"slots={slots} and decode_chunk={decode_chunk} must be at least 1 and "
+        f"max_waiting={max_waiting} at least 0."
+      )
+    vocab = model.config.vocab_size
+    if not 0 <= pad_id < vocab:
+      raise ValueError(f"pad_id={pad_id} must be a token id in [0, {vocab}).")
+    self.model = model
+    self.vocab_size = vocab
+    self.context = int(context or 2048)
+    if self.context < 2:
+      raise ValueError(f"context={self.context} must be at least 2 tokens.")
+    self.cache_length = round_up(
+      max(self.context, bucket(self.context, MIN_PROMPT_BUCKET)), CACHE_MULTIPLE
+    )
+    self.rules = tuple(
+      (name, None if name == "length" else axes) for name, axes in (rules or shd.DEFAULT_RULES)
+    )
+    self.mesh = mesh
+    self.slots = round_up(slots, shd.batch_rows_multiple(mesh, self.rules)) if mesh else slots
+    self.decode_chunk = int(decode_chunk)
+    self.max_waiting = int(max_waiting)
+    self.pad_id = int(pad_id)
+    self.buckets = tuple(
+      sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
+    )
+    self._graphdef, params = nnx.split(model)
+    if mesh is not None:
+      with shd.activation_sharding(mesh, self.rules):
+        pure = jax.device_put(
+          nnx.to_pure_dict(params), shd.param_shardings(params, mesh, self.rules)
+        )
+      nnx.replace_by_pure_dict(params, pure)
+    leaves, self._treedef = jax.tree.flatten(params)
+    self._leaves = tuple(leaves)
+    self._axes = _cache_batch_axes(model, self.cache_length)
+    self._programs: dict = {}
+    self.compiles = 0  # programs compiled so far (warm_up compiles them all)
+    self._cv = threading.Condition()
+    self._waiting: collections.deque[Job] = collections.deque()
+    self._slots: list[_Slot | None] = [None] * self.slots
+    self._stopping = False
+    self._cancel_on_stop = False
+    self._thread: threading.Thread | None = None
+    self._cache = None
+    self.counts = collections.Counter()  # jobs: submitted, finished by reason; steps; tokens
+
+  # -- programs ----------------------------------------------------------------------------
+
+  def _merge(self, leaves):
+    return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, list(leaves)))
+
+  def _context(self):
+    if self.mesh is None:
+      return _nothing()
+    return shd.activation_sharding(self.mesh, self.rules)
+
+  def _cache_struct(self):
+    with self._context():
+      init = jax.jit(lambda: self._merge(self._leaves).init_cache(self.slots, self.cache_length))
+      return init, init.eval_shape()
+
+  def _program(self, name):
+    program = self._programs.get(name)
+    if program is None:
+      program = self._compile(name)
+      self._programs[name] = program
+      self.compiles += 1
+    return program
+
+  def _compile(self, name):
+    length, pad = self.cache_length, self.pad_id
+    leaves = tuple(
+      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
+    )
+    if self._cache is None:
+      init, _ = self._cache_struct()
+      with self._context():
+        self._cache = init()
+    cache = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._cache
+    )
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    u32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.uint32)  # noqa: E731
+    key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
+    axes = self._axes
+
+    if name == "decode":
+      steps, s = self.decode_chunk, self.slots
+
+      def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, keys_SxW):
+        model = self._merge(leaves)
+        base_S = jax.random.wrap_key_data(keys_SxW)
+
+        def step(k, carry):
+          cache, tok_S, pos_S, gen_S, out = carry
+          live = live_S & (pos_S < length)
+          feed_S = jnp.where(live, tok_S, pad)
+          logits, cache = model(feed_S[:, None], pos_S[:, None], cache=cache, cache_lengths_B=pos_S)
+          keys_S = jax.vmap(jax.random.fold_in)(base_S, gen_S)
+          picked = _pick(logits[:, 0], temp_S, topk_S, topp_S, keys_S)
+          out = tuple(o.at[:, k].set(p) for o, p in zip(out, picked))
+          grow = live.astype(jnp.int32)
+          return cache, picked[0], pos_S + grow, gen_S + grow, out
+
+        n = min(MAX_TOP_LOGPROBS, self.vocab_size)
+        out = (
+          jnp.zeros((s, steps), jnp.int32),
+          jnp.zeros((s, steps), jnp.float32),
+          jnp.zeros((s, steps, n), jnp.int32),
+          jnp.zeros((s, steps, n), jnp.float32),
+        )
+        cache, _, pos_S, gen_S, out = jax.lax.fori_loop(
+          0, steps, step, (cache, tok_S, pos_S, gen_S, out)
+        )
+        return cache, out
+
+      args = (leaves, cache, i32(s), i32(s), jax.ShapeDtypeStruct((s,), bool), i32(s))
+      args += (f32(s), i32(s), f32(s), u32(s, key_words))
+      fn = decode
+    else:
+      width = name[1]
+
+      def prefill(leaves, cache, prompt_1xT, n, slot, temp, topk, topp, key_w, echo):
+        model = self._merge(leaves)
+        row = model.init_cache(1, length)
+        logits_1xTxV, row = model(prompt_1xT, cache=row, cache_lengths_B=jnp.zeros((1,), jnp.int32))
+        cache = jax.tree.map(
+          lambda big, one, ax: jax.lax.dynamic_update_slice_in_dim(
+            big, one.astype(big.dtype), slot, axis=ax
+          ),
+          cache,
+          row,
+          axes,
+        )
+        last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xTxV[0], n - 1, 1, axis=0)
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_w), 0)
+        first = _pick(last_1xV, temp[None], topk[None], topp[None], key[None])
+
+        def scored(_):  # log p(prompt[t] | prompt[:t]) and the alternatives, at t = 1..T-1
+          logp_TxV = jax.nn.log_softmax(logits_1xTxV[0, :-1].astype(jnp.float32), axis=-1)
+          lp_T = jnp.take_along_axis(logp_TxV, prompt_1xT[0, 1:, None], axis=-1)[:, 0]
+          top_lp, top_id = jax.lax.top_k(logp_TxV, min(MAX_TOP_LOGPROBS, self.vocab_size))
+          return lp_T, top_id.astype(jnp.int32), top_lp
+
+        n_top = min(MAX_TOP_LOGPROBS, self.vocab_size)
+        zeros = (
+          jnp.zeros((width - 1,), jnp.float32),
+          jnp.zeros((width - 1, n_top), jnp.int32),
+          jnp.zeros((width - 1, n_top), jnp.float32),
+        )
+        prompt_scores = jax.lax.cond(echo, scored, lambda _: zeros, None)
+        return cache, first, prompt_scores
+
+      args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), u32(key_words))
+      args += (jax.ShapeDtypeStruct((), bool),)
+      fn = prefill
+    with self._context():
+      if self.mesh is None:
+        jitted = jax.jit(fn, donate_argnums=1)
+      else:  # the cache stays where it is; the small outputs are replicated
+        cache_sharding = jax.tree.map(lambda a: a.sharding, self._cache)
+        whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        rest = (whole,) if name == "decode" else (whole, whole)
+        jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
+      return jitted.lower(*args).compile()
+
+  def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
+    """Compiles every program (one decode program, one prefill per prompt bucket); returns the
+    seconds it took."""
+    t0 = time.perf_counter()
+    for name in ["decode", *(("prefill", w) for w in self.buckets)]:
+      t1 = time.perf_counter()
+      self._program(name)
+      if progress is not None:
+        what = "decode" if name == "decode" else f"prefill of {name[1]} tokens"
+        progress(f"compiled {what} in {time.perf_counter() - t1:.1f} s")
+    return time.perf_counter() - t0
+
+  # -- jobs --------------------------------------------------------------------------------
+
+  def check(self, job: Job) -> None:
+    """Raises ValueError naming what is wrong with ``job`` (before it is queued)."""
+    n = len(job.prompt)
+    if n < 1:
+      raise ValueError("the prompt is empty: give at least one token.")
+    if job.max_tokens < 0:
+      raise ValueError(f"max_tokens={job.max_tokens} must be 0 or more.")
+    if job.max_tokens == 0 and not job.echo:
+      raise ValueError("max_tokens=0 generates nothing: ask for echo to score the prompt.")
+    if n + job.max_tokens > self.context:
+      raise ContextTooLong(n, job.max_tokens, self.context)
+    ids = np.asarray(job.prompt)
+    if ids.min() < 0 or ids.max() >= self.vocab_size:
+      raise ValueError(
+        f"prompt token ids must be in [0, {self.vocab_size}); got ids from {ids.min()} to "
+        f"{ids.max()}."
+      )
+    if not 0 <= job.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"logprobs={job.top_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}.")
+    if not (math.isfinite(job.temperature) and job.temperature >= 0):
+      raise ValueError(f"temperature={job.temperature} must be a finite number >= 0.")
+    if job.top_k < 0:
+      raise ValueError(f"top_k={job.top_k} must be 0 (all tokens) or positive.")
+    if not 0 < job.top_p <= 1:
+      raise ValueError(f"top_p={job.top_p} must be in (0, 1].")
+
+  def submit(self, job: Job) -> None:
+    """Queues ``job`` (checked first: ValueError); :class:`QueueFull` when ``max_waiting``
+    jobs already wait, :class:`EngineStopped` once :meth:`stop` was called."""
+    self.check(job)
+    with self._cv:
+      if self._stopping:
+        raise EngineStopped("the server is shutting down.")
+      if len(self._waiting) >= self.max_waiting + self._free_slots():
+        raise QueueFull(
+          f"{len(self._waiting)} requests already wait for {self.slots} slots: retry later."
+        )
+      self._waiting.append(job)
+      self.counts["submitted"] += 1
+      self._cv.notify_all()
+
+  def _free_slots(self) -> int:
+    return sum(s is None for s in self._slots)
+
+  def load(self) -> dict[str, int]:
+    """``{"running": jobs in slots, "waiting": jobs queued, "slots": slots}``."""
+    with self._cv:
+      return {
+        "running": self.slots - self._free_slots(),
+        "waiting": len(self._waiting),
+        "slots": self.slots,
+      }
+
+  def start(self) -> Engine:
+    """Starts the engine's thread (compiling on first use what :meth:`warm_up` has not)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="diffjax-serve-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+    """Takes no new jobs; finishes those in flight and waiting (``cancel``: ends them with a
+    "cancelled" event instead) and joins the thread."""
+    with self._cv:
+      self._stopping = True
+      self._cancel_on_stop = self._cancel_on_stop or cancel
+      self._cv.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # -- the loop ----------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      while True:
+        with self._cv:
+          while not self._stopping and not self._waiting and self._free_slots() == self.slots:
+            self._cv.wait()
+          if self._stopping and self._cancel_on_stop:
+            for job in list(self._waiting):
+              self._finish(job, "cancelled")
+            self._waiting.clear()
+            for i, s in enumerate(self._slots):
+              if s is not None:
+                self._finish(s.job, "cancelled")
+                self._slots[i] = None
+          if self._stopping and not self._waiting and self._free_slots() == self.slots:
+            return
+          admit = []
+          free = [i for i, s in enumerate(self._slots) if s is None]
+          while free and self._waiting:
+            job = self._waiting.popleft()
+            if job.cancelled.is_set():
+              self._finish(job, "cancelled")
+              continue
+            admit.append((free.pop(0), job))
+        for slot, job in admit:
+          self._admit(slot, job)
+        if any(s is not None for s in self._slots):
+          self._decode()
+    except Exception as e:  # noqa: BLE001 - every job hears of it, then the server reports it
+      message = f"{type(e).__name__}: {e}"
+      with self._cv:
+        self._stopping = True
+        for job in list(self._waiting):
+          self._finish(job, "error", message)
+        self._waiting.clear()
+        for i, s in enumerate(self._slots):
+          if s is not None:
+            self._finish(s.job, "error", message)
+            self._slots[i] = None
+      self.error = message
+      raise
+
+  error: str | None = None
+
+  def _finish(self, job: Job, reason: str, message: str = "") -> None:
+    self.counts[f"finished_{reason}"] += 1
+    job.on_event(DoneEvent(reason, message))
+
+  def _admit(self, slot: int, job: Job) -> None:
+    n = len(job.prompt)
+    width = min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length)
+    prompt = np.full((1, width), self.pad_id, np.int32)
+    prompt[0, :n] = job.prompt
+    key = np.asarray(jax.random.key_data(jax.random.key(job.seed)), np.uint32)
+    program = self._program(("prefill", width))
+    self._cache, first, scores = program(
+      self._leaves,
+      self._cache,
+      prompt,
+      np.int32(n),
+      np.int32(slot),
+      np.float32(job.temperature),
+      np.int32(job.top_k),
+      np.float32(job.top_p),
+      key,
+      np.bool_(job.echo),
+    )
+    self.counts["prefills"] += 1
+    if job.echo:
+      lp, top_id, top_lp = jax.device_get(scores)
+      k = job.top_logprobs
+      job.on_event(
+        PromptEvent(
+          (None, *(float(x) for x in lp[: n - 1])),
+          (None, *(_alternatives(top_id[t], top_lp[t], k) for t in range(n - 1))),
+        )
+      )
+    if job.max_tokens == 0:
+      self._finish(job, "length")
+      return
+    tok, lp, top_id, top_lp = jax.device_get(first)
+    state = _Slot(job, generated=0, pos=n, key=key)
+    if self._take(state, int(tok[0]), float(lp[0]), top_id[0], top_lp[0]):
+      self._slots[slot] = state
+
+  def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp) -> bool:
+    """Hands one token to the slot's job; False when the job ended with it."""
+    job = state.job
+    if job.cancelled.is_set():
+      self._finish(job, "cancelled")
+      return False
+    state.generated += 1
+    self.counts["tokens"] += 1
+    if tok in job.stop_tokens:
+      self._finish(job, "stop")
+      return False
+    state.last = tok
+    job.on_event(TokenEvent(tok, lp, _alternatives(top_id, top_lp, job.top_logprobs)))
+    if state.generated >= job.max_tokens or state.pos >= self.cache_length:
+      self._finish(job, "length")
+      return False
+    return True
+
+  def _decode(self) -> None:
+    s = self.slots
+    tok, pos, gen = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, np.int32)
+    live = np.zeros(s, bool)
+    temp, topk, topp = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
+    words = jax.random.key_data(jax.random.key(0)).shape[-1]
+    keys = np.zeros((s, words), np.uint32)
+    for i, st in enumerate(self._slots):
+      if st is None:
+        continue
+      j = st.job
+      tok[i], pos[i], gen[i], live[i] = st.last, st.pos, st.generated, True
+      temp[i], topk[i], topp[i] = j.temperature, j.top_k, j.top_p
+      keys[i] = st.key
+    self._cache, out = self._program("decode")(
+      self._leaves, self._cache, tok, pos, live, gen, temp, topk, topp, keys
+    )
+    toks, lps, top_ids, top_lps = jax.device_get(out)
+    self.counts["decode_calls"] += 1
+    for i, st in enumerate(self._slots):
+      if st is None:
+        continue
+      for k in range(self.decode_chunk):
+        st.pos += 1
+        if not self._take(st, int(toks[i, k]), float(lps[i, k]), top_ids[i, k], top_lps[i, k]):
+          with self._cv:
+            self._slots[i] = None
+          break
+
+
+class ContextTooLong(ValueError):
+  """A prompt and its ``max_tokens`` do not fit the engine's context."""
+
+  def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
+    super().__init__(
+      f"this model's context is {context} tokens; the prompt has {prompt_tokens} and "
+      f"max_tokens asks for {max_tokens} more: shorten the prompt or lower max_tokens."
+    )
+
+
+def _alternatives(ids, lps, k: int) -> tuple[tuple[int, float], ...]:
+  return tuple((int(i), float(v)) for i, v in zip(ids[:k], lps[:k]))
+
+
+def _powers(context: int):
+  n = MIN_PROMPT_BUCKET
+  while n < context:
+    yield n
+    n *= 2
+  yield context
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
