@@ -160,6 +160,26 @@ def small_model_config(arm: str, **kw):
   )
 
 
+def tiny_model(arm: str, vocab: int = 258, seed: int = 0):
+  """A two-layer DecoderLM of width 32 over the byte tokenizer's 258 ids (the harness's and the
+  server's model)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from diffjax.model import DecoderLM, ModelConfig  # pylint: disable=import-outside-toplevel
+
+  cfg = ModelConfig(
+    attention=arm,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=vocab,
+  )
+  return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
+
+
 class _Documents(list):
   """A small in-memory filler source (no digits, so needles are the only numbers)."""
 

@@ -19,6 +19,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from diffjax import cli
@@ -131,9 +132,11 @@ async def serve(engine, server, host: str, port: int, drain_seconds: float, read
   """Serves until SIGINT/SIGTERM (or ``ready``'s stop event), then drains: no new requests,
   those in flight finish within ``drain_seconds``, the rest are cancelled."""
   web = import_extra("aiohttp.web", "serve", "serving over HTTP")
-  runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+  runner = web.AppRunner(
+    server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds
+  )
   await runner.setup()
-  site = web.TCPSite(runner, host, port, shutdown_timeout=drain_seconds)
+  site = web.TCPSite(runner, host, port)
   await site.start()
   bound = runner.addresses[0][1] if runner.addresses else port
   stop = asyncio.Event()
@@ -143,16 +146,62 @@ async def serve(engine, server, host: str, port: int, drain_seconds: float, read
       loop.add_signal_handler(sig, stop.set)
     except (NotImplementedError, RuntimeError):  # not the main thread
       pass
-  print(f"serving {server.model_name!r} on http://{host}:{bound}/v1", flush=True)
+  print(f"serving {server.model_name!r} on http://{host}:{bound}/v1", flush=True, file=sys.stderr)
   if ready is not None:
     ready(bound, stop, loop)
   await stop.wait()
-  print("shutting down: finishing requests in flight", flush=True)
+  print("shutting down: finishing requests in flight", flush=True, file=sys.stderr)
   server.draining = True
   await loop.run_in_executor(None, lambda: engine.stop(timeout=drain_seconds))
   engine.stop(cancel=True, timeout=10)
   await runner.cleanup()
-  print(f"stopped; {engine.counts['finished_cancelled']} requests cancelled", flush=True)
+  print(
+    f"stopped; {engine.counts['finished_cancelled']} requests cancelled",
+    flush=True,
+    file=sys.stderr,
+  )
+
+
+class ServerThread:
+  """Serves ``server`` from a background thread (for tests, benchmarks and notebooks):
+  ``url`` is the base address (``http://host:port/v1``); :meth:`close` drains and stops it.
+  Also a context manager."""
+
+  def __init__(self, engine, server, host: str = "127.0.0.1", port: int = 0, drain_seconds=5.0):
+    self.engine, self.server = engine, server
+    started = threading.Event()
+    box = {}
+
+    def ready(bound, stop, loop):
+      box.update(port=bound, stop=stop, loop=loop)
+      started.set()
+
+    def run():
+      try:
+        asyncio.run(serve(engine, server, host, port, drain_seconds, ready=ready))
+      except BaseException as e:  # noqa: BLE001 - reported by the constructor
+        box["error"] = e
+        started.set()
+
+    self._thread = threading.Thread(target=run, name="diffjax-serve-http", daemon=True)
+    self._thread.start()
+    started.wait()
+    if "error" in box:
+      raise box["error"]
+    self.port, self._stop, self._loop = box["port"], box["stop"], box["loop"]
+    self.url = f"http://{host}:{self.port}/v1"
+
+  def close(self) -> None:
+    if self._thread.is_alive():
+      self._loop.call_soon_threadsafe(self._stop.set)
+      self._thread.join()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+    return False
 
 
 def _main(args: argparse.Namespace) -> None:

@@ -23,7 +23,7 @@ from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
 
-from helpers import REPO, WAIT_LIMIT_S, write_bpe_tokenizer  # noqa: E402
+from helpers import REPO, WAIT_LIMIT_S, tiny_model, write_bpe_tokenizer  # noqa: E402
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
@@ -39,20 +39,6 @@ FIXTURES = os.path.join("tests", "fixtures", "harness")  # data_files are relati
 TASKS = ["diffjax_fixture_choice", "diffjax_fixture_perplexity", "diffjax_fixture_generate"]
 MAX_LENGTH = 32
 RTOL = 1e-5
-
-
-def tiny_model(arm: str, vocab: int = 258, seed: int = 0) -> DecoderLM:
-  cfg = ModelConfig(
-    attention=arm,
-    d_model=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    mlp_dim=64,
-    vocab_size=vocab,
-  )
-  return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
 
 
 _FORWARDS = {}

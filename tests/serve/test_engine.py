@@ -1,0 +1,193 @@
+"""The continuous-batching engine against :func:`diffjax.generate` and the plain forward.
+
+More jobs than slots, of mixed lengths, so rows are refilled while others decode; every arm's
+cache (DIFF V1: K1, K2 and a 2d-wide V) goes through the same slot writes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_model
+
+from diffjax.generation import generate
+from diffjax.serve import ContextTooLong, DoneEvent, Engine, Job, PromptEvent, QueueFull, TokenEvent
+
+EOS = 256
+
+
+class Collect:
+  """Events of several jobs; ``wait`` blocks until all are done."""
+
+  def __init__(self):
+    self.tokens, self.logprobs, self.prompt, self.done = {}, {}, {}, {}
+    self._all = threading.Condition()
+
+  def job(self, key, prompt, **kw) -> Job:
+    self.tokens[key], self.logprobs[key] = [], []
+
+    def on_event(ev):
+      if isinstance(ev, TokenEvent):
+        self.tokens[key].append(ev.token)
+        self.logprobs[key].append((ev.logprob, ev.top))
+      elif isinstance(ev, PromptEvent):
+        self.prompt[key] = ev
+      else:
+        assert isinstance(ev, DoneEvent)
+        with self._all:
+          self.done[key] = ev
+          self._all.notify_all()
+
+    return Job(prompt, on_event=on_event, **kw)
+
+  def wait(self, n: int, timeout: float = 120) -> None:
+    with self._all:
+      assert self._all.wait_for(lambda: len(self.done) >= n, timeout), self.done
+
+
+def _prompts(n, seed=0, longest=40):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(1, longest, size=n)]
+
+
+@pytest.fixture(scope="module", params=["transformer", "diff_v1", "diff_v2"])
+def warm(request):
+  model = tiny_model(request.param)
+  engine = Engine(model, slots=3, context=64, decode_chunk=3)
+  engine.warm_up()
+  engine.start()
+  yield model, engine
+  engine.stop(cancel=True)
+
+
+class Compiles:
+  """Counts XLA backend compiles in the process while it is open."""
+
+  def __enter__(self):
+    self.names = []
+    self._listen = lambda name, *a, **k: (
+      self.names.append(name) if name.endswith("backend_compile_duration") else None
+    )
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def test_greedy_jobs_through_refilled_slots_equal_generate_and_compile_nothing(warm):
+  model, engine = warm
+  before = engine.compiles
+  prompts = _prompts(8)
+  lengths = [5, 17, 1, 9, 23, 2, 12, 7]
+  got = Collect()
+  with Compiles() as compiles:
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+      engine.submit(got.job(i, p, max_tokens=n, stop_tokens=frozenset({EOS})))
+    got.wait(len(prompts))
+    assert engine.compiles == before and not compiles.names  # nothing compiled once warm
+    jax.jit(lambda x: x * 3 + len(prompts))(jnp.ones(7)).block_until_ready()
+    assert compiles.names  # the count sees a compile when there is one
+  for i, (p, n) in enumerate(zip(prompts, lengths)):
+    want = generate(model, [p], max_new_tokens=n, stop_tokens=[EOS], preflight=False)
+    assert got.tokens[i] == want.tokens[0], i
+    assert got.done[i].reason == ("stop" if want.stopped[0] else "length")
+
+
+def test_echo_scores_the_prompt_as_the_plain_forward(warm):
+  model, engine = warm
+  prompt = _prompts(1, seed=3, longest=30)[0] + [1, 2, 3]
+  got = Collect()
+  engine.submit(got.job(0, prompt, max_tokens=1, echo=True, top_logprobs=2))
+  got.wait(1)
+  logp = np.asarray(
+    jax.nn.log_softmax(model(jnp.asarray([prompt], jnp.int32)).astype(jnp.float32), axis=-1)
+  )[0]
+  event = got.prompt[0]
+  assert event.logprobs[0] is None and event.top[0] is None
+  want = [logp[t - 1, prompt[t]] for t in range(1, len(prompt))]
+  np.testing.assert_allclose(event.logprobs[1:], want, rtol=1e-5, atol=1e-6)
+  for t in range(1, len(prompt)):
+    ids = [i for i, _ in event.top[t]]
+    assert ids == list(np.argsort(-logp[t - 1], kind="stable")[:2])
+  ((lp, top),) = got.logprobs[0]
+  np.testing.assert_allclose(lp, logp[-1, got.tokens[0][0]], rtol=1e-5)
+  assert top[0][1] == lp == max(v for _, v in top)  # greedy: the token is the top entry
+
+
+def test_a_sampled_job_does_not_depend_on_its_neighbours(warm):
+  _, engine = warm
+  prompt = [10, 20, 30, 40]
+  options = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+  alone = Collect()
+  engine.submit(alone.job(0, prompt, **options))
+  alone.wait(1)
+  crowd = Collect()
+  for i, p in enumerate(_prompts(5, seed=1)):
+    engine.submit(crowd.job(i, p, max_tokens=9, temperature=1.0, seed=i))
+  engine.submit(crowd.job("same", prompt, **options))
+  engine.submit(crowd.job("other seed", prompt, **{**options, "seed": 8}))
+  crowd.wait(7)
+  assert crowd.tokens["same"] == alone.tokens[0]
+  assert crowd.tokens["other seed"] != alone.tokens[0]
+
+
+def test_top_k_1_samples_the_greedy_token(warm):
+  _, engine = warm
+  prompt = [5, 6, 7]
+  got = Collect()
+  engine.submit(got.job("greedy", prompt, max_tokens=8))
+  engine.submit(got.job("top1", prompt, max_tokens=8, temperature=2.0, top_k=1, seed=3))
+  got.wait(2)
+  assert got.tokens["top1"] == got.tokens["greedy"]
+
+
+def test_a_cancelled_job_frees_its_slot_and_waiting_jobs_run():
+  model = tiny_model("diff_v1")
+  engine = Engine(model, slots=1, context=128, decode_chunk=2, max_waiting=1).start()
+  try:
+    got = Collect()
+    first_token = threading.Event()
+    long = got.job("long", [1, 2, 3], max_tokens=100)
+    inner = long.on_event
+
+    def on_event(ev):
+      inner(ev)
+      first_token.set()
+
+    long.on_event = on_event
+    engine.submit(long)
+    engine.submit(got.job("next", [4, 5], max_tokens=3))
+    with pytest.raises(QueueFull, match="retry later"):
+      engine.submit(got.job("too many", [4], max_tokens=3))
+    assert first_token.wait(60)
+    long.cancel()
+    got.wait(2)
+    assert got.done["long"].reason == "cancelled" and len(got.tokens["long"]) < 100
+    assert got.done["next"].reason == "length" and len(got.tokens["next"]) == 3
+    assert engine.load()["running"] == 0
+  finally:
+    engine.stop(cancel=True)
+
+
+def test_bad_jobs_are_refused_before_they_queue():
+  engine = Engine(tiny_model("transformer"), slots=1, context=16)
+  job = lambda prompt, **kw: Job(prompt, on_event=lambda ev: None, **kw)  # noqa: E731
+  with pytest.raises(ContextTooLong, match="context is 16 tokens; the prompt has 10"):
+    engine.submit(job(list(range(10)), max_tokens=7))
+  for bad, needle in (
+    (job([], max_tokens=1), "prompt is empty"),
+    (job([1], max_tokens=-1), "max_tokens=-1"),
+    (job([1], max_tokens=0), "ask for echo"),
+    (job([300], max_tokens=1), "in [0, 258)"),
+    (job([1], max_tokens=1, top_logprobs=6), "between 0 and 5"),
+    (job([1], max_tokens=1, top_p=0.0), "top_p=0.0"),
+    (job([1], max_tokens=1, temperature=-1.0), "temperature=-1.0"),
+  ):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+      engine.submit(bad)
+  assert engine.load()["waiting"] == 0

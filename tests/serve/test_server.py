@@ -1,0 +1,243 @@
+"""The HTTP server on 127.0.0.1 with real clients: the ``openai`` package, lm-eval's
+``local-completions`` model, and raw requests for the errors, disconnects and the queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import openai
+import pytest
+import requests
+from helpers import REPO, tiny_model
+
+from diffjax.data import ByteTokenizer
+from diffjax.generation import generate
+from diffjax.serve import Engine
+from diffjax.serve.app import Server, TextStream
+from diffjax.serve.command import ServerThread
+
+lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
+
+from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
+
+from diffjax.eval.harness import DiffjaxLM, run_tasks  # noqa: E402
+
+FIXTURES = os.path.join("tests", "fixtures", "harness")
+TASKS = ["diffjax_fixture_choice", "diffjax_fixture_perplexity", "diffjax_fixture_generate"]
+MAX_LENGTH = 32  # the harness model's context; lm-eval's API model is given MAX_LENGTH + 2
+TEMPLATE = (
+  "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+  "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+EOS = ByteTokenizer().eos_id
+
+
+@pytest.fixture(scope="module")
+def served():
+  model = tiny_model("diff_v1")
+  engine = Engine(model, slots=4, context=64, decode_chunk=3, max_waiting=8)
+  engine.warm_up()
+  server = Server(engine.start(), ByteTokenizer(), model_name="tiny", chat_template=TEMPLATE)
+  with ServerThread(engine, server) as thread:
+    yield model, engine, thread.url
+  engine.stop(cancel=True)
+
+
+def _greedy(model, ids, n):
+  return generate(model, [ids], max_new_tokens=n, stop_tokens=[EOS], preflight=False).tokens[0]
+
+
+def test_the_openai_client_completes_streams_and_chats_as_generate(served):
+  model, engine, url = served
+  client = openai.OpenAI(base_url=url, api_key="unused")
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  prompt = "def f(x):\n    return"
+  ids = list(prompt.encode())
+  want = bytes(t for t in _greedy(model, ids, 10) if t < 256).decode("utf-8", "replace")
+  out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+  assert out.choices[0].text == want and out.usage.prompt_tokens == len(ids)
+  assert out.usage.completion_tokens == len(_greedy(model, ids, 10))
+  # Several prompts at once, as token ids, n = 2 each.
+  other = [1, 2, 3, 4, 5]
+  many = client.completions.create(
+    model="tiny", prompt=[ids, other], max_tokens=6, n=2, temperature=0
+  )
+  assert [c.index for c in many.choices] == [0, 1, 2, 3]
+  assert many.choices[0].text == many.choices[1].text == want[: len(many.choices[0].text)]
+  streamed = client.completions.create(
+    model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True
+  )
+  pieces = [c.choices[0].text for c in streamed]
+  assert "".join(pieces) == want and len(pieces) > 1
+  # Chat through the template: the same as completing the rendered prompt.
+  rendered = "<user>hi\n<assistant>"
+  chat_want = client.completions.create(model="tiny", prompt=rendered, max_tokens=8, temperature=0)
+  messages = [{"role": "user", "content": "hi"}]
+  chat = client.chat.completions.create(
+    model="tiny", messages=messages, max_tokens=8, temperature=0
+  )
+  assert chat.choices[0].message.content == chat_want.choices[0].text
+  assert chat.choices[0].message.role == "assistant"
+  chunks = client.chat.completions.create(
+    model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+  )
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_want.choices[0].text
+  # A seed makes sampling repeatable; stop strings cut the text.
+  sampled = [
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=5)
+    .choices[0]
+    .text
+    for _ in range(2)
+  ]
+  assert sampled[0] == sampled[1]
+  cut = want[3:5]
+  stopped = client.completions.create(
+    model="tiny", prompt=prompt, max_tokens=10, temperature=0, stop=[cut]
+  )
+  assert stopped.choices[0].text == want[: want.index(cut)]
+  assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_lm_evals_local_completions_scores_and_generates_as_the_harness_model(served):
+  """Per request: log-likelihoods equal (relative 1e-5), the same greedy flags, the same
+  generations, over the fixture tasks' three request types."""
+  model, _, url = served
+  ours = DiffjaxLM(
+    model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=4, max_gen_toks=12
+  )
+  theirs = LocalCompletionsAPI(
+    base_url=f"{url}/completions",
+    model="tiny",
+    tokenizer_backend="remote",
+    max_length=MAX_LENGTH + 2,  # it keeps one token for generation, and one more for windows
+    batch_size=4,
+    max_gen_toks=12,
+    max_retries=1,
+  )
+  cwd = os.getcwd()
+  os.chdir(REPO)
+  try:
+    results = [
+      run_tasks(lm, TASKS, include_path=FIXTURES, bootstrap_iters=0, log_samples=True)
+      for lm in (ours, theirs)
+    ]
+  finally:
+    os.chdir(cwd)
+  compared = 0
+  for task in TASKS:
+    want, got = (r["samples"][task] for r in results)
+    assert len(want) == len(got) > 0
+    for a, b in zip(want, got):
+      assert a["doc_id"] == b["doc_id"]
+      for ra, rb in zip(a["resps"], b["resps"]):
+        (ra,), (rb,) = ra, rb
+        if isinstance(ra, str):
+          assert rb == ra, task
+        else:
+          ra, rb = np.atleast_1d(ra), np.atleast_1d(rb)
+          np.testing.assert_allclose(float(rb[0]), float(ra[0]), rtol=1e-5, err_msg=task)
+          if len(ra) > 1:
+            assert bool(rb[1]) == bool(ra[1]), task
+        compared += 1
+  assert compared >= 20
+
+
+def _post(url, path, body, **kw):
+  data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+  return requests.post(f"{url}{path}", data=data, timeout=60, **kw)
+
+
+@pytest.mark.parametrize(
+  "path, body, status, needle",
+  [
+    ("/completions", "{not json", 400, "not valid JSON"),
+    ("/completions", {"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist"),
+    ("/completions", {"prompt": "x" * 60, "max_tokens": 10}, 400, "context is 64 tokens"),
+    ("/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens=-1"),
+    ("/completions", {"prompt": "", "max_tokens": 1}, 400, "prompt is empty"),
+    ("/completions", {"prompt": [1, 999]}, 400, "token id 999"),
+    ("/completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs=9 must be at most 5"),
+    ("/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature='hot'"),
+    ("/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("/nowhere", {}, 404, "Not Found"),
+  ],
+)
+def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(
+  served, path, body, status, needle
+):
+  _, _, url = served
+  r = _post(url, path, body)
+  assert r.status_code == status, r.text
+  error = r.json()["error"]
+  assert needle in error["message"] and error["type"]
+  ok = _post(url, "/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_chat_request_without_a_template_is_refused_in_one_line():
+  engine = Engine(tiny_model("transformer"), slots=1, context=32)
+  server = Server(engine.start(), ByteTokenizer(), model_name="plain")
+  with ServerThread(engine, server) as thread:
+    r = _post(thread.url, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "--chat_template=FILE" in r.json()["error"]["message"]
+  engine.stop(cancel=True)
+
+
+def test_the_tokenizer_routes_lm_eval_looks_for(served):
+  _, _, url = served
+  base = url[: -len("/v1")]
+  info = requests.get(f"{base}/tokenizer_info", timeout=30).json()
+  assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 64
+  ids = _post(base, "/tokenize", {"prompt": "ab<|endoftext|>c"}).json()["tokens"]
+  assert ids == [97, 98, EOS, 99]
+  assert _post(base, "/detokenize", {"tokens": ids}).json()["prompt"] == "abc"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
+  _, engine, url = served
+  cancelled = engine.counts["finished_cancelled"]
+  body = {"prompt": "x", "max_tokens": 60, "temperature": 0, "stream": True, "ignore_eos": True}
+  with requests.post(f"{url}/completions", json=body, stream=True, timeout=60) as r:
+    first = next(r.iter_lines(delimiter=b"\n\n"))
+    assert first.startswith(b"data: ")
+  deadline = time.time() + 30
+  while engine.load()["running"] and time.time() < deadline:
+    time.sleep(0.05)
+  assert engine.load()["running"] == 0
+  assert engine.counts["finished_cancelled"] == cancelled + 1
+
+
+def test_too_many_requests_get_429_while_the_queue_is_full():
+  engine = Engine(tiny_model("transformer"), slots=1, context=128, max_waiting=0, decode_chunk=1)
+  engine.warm_up()
+  server = Server(engine.start(), ByteTokenizer(), model_name="busy")
+  with ServerThread(engine, server) as thread:
+    body = {"prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}
+    with requests.post(f"{thread.url}/completions", json=body, stream=True, timeout=60) as r:
+      next(r.iter_lines(delimiter=b"\n\n"))  # the one slot is taken
+      busy = _post(thread.url, "/completions", {"prompt": "y", "max_tokens": 1})
+      assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+      assert "retry later" in busy.json()["error"]["message"]
+  engine.stop(cancel=True)
+
+
+@pytest.mark.parametrize(
+  "tokens, stops, want_pieces, want_text",
+  [
+    (b"hello world", ["wor"], None, "hello "),
+    (b"abcabc", ["ca"], None, "ab"),
+    ("héllo".encode(), [], None, "héllo"),  # a cut UTF-8 character waits for its second byte
+    (b"abcdef", ["xyz", "dex"], None, "abcdef"),
+  ],
+)
+def test_text_is_released_whole_and_ends_before_a_stop(tokens, stops, want_pieces, want_text):
+  stream = TextStream(ByteTokenizer(), stops)
+  pieces = [stream.add(t) for t in tokens]
+  pieces.append(stream.finish())
+  assert "".join(pieces) == want_text == stream.text
+  assert all("\ufffd" not in p for p in pieces)
