@@ -211,6 +211,8 @@ class Choice:
       self.error = event.message
     if self.stream.stopped or event.reason == "stop":
       self.finish_reason = "stop"
+    elif event.reason in ("cancelled", "error"):  # the server stopped it (shutdown, failure)
+      self.finish_reason = "abort"
     else:
       self.finish_reason = "length"
     return self.stream.finish()

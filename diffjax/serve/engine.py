@@ -24,6 +24,7 @@ import dataclasses
 import math
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 import jax
@@ -231,6 +232,7 @@ class Engine:
     self.compiles = 0  # programs compiled so far (warm_up compiles them all)
     self._cv = threading.Condition()
     self._waiting: collections.deque[Job] = collections.deque()
+    self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
     self._slots: list[_Slot | None] = [None] * self.slots
     self._stopping = False
     self._cancel_on_stop = False
@@ -243,10 +245,13 @@ class Engine:
   def _merge(self, leaves):
     return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, list(leaves)))
 
-  def _context(self):
+  def _context(self, rows: bool = True):
+    """The mesh and rules programs run under; ``rows=False`` for one row (the prefill), which
+    is replicated over the batch axes rather than split."""
     if self.mesh is None:
       return _nothing()
-    return shd.activation_sharding(self.mesh, self.rules)
+    rules = self.rules if rows else tuple((n, None if n == "batch" else a) for n, a in self.rules)
+    return shd.activation_sharding(self.mesh, rules)
 
   def _cache_struct(self):
     with self._context():
@@ -349,7 +354,7 @@ class Engine:
       args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), u32(key_words))
       args += (jax.ShapeDtypeStruct((), bool),)
       fn = prefill
-    with self._context():
+    with self._context(rows=name == "decode"):
       if self.mesh is None:
         jitted = jax.jit(fn, donate_argnums=1)
       else:  # the cache stays where it is; the small outputs are replicated
@@ -469,23 +474,26 @@ class Engine:
               self._finish(job, "cancelled")
               continue
             admit.append((free.pop(0), job))
+        self._admitting = [job for _, job in admit]
         for slot, job in admit:
           self._admit(slot, job)
+          self._admitting.remove(job)
         if any(s is not None for s in self._slots):
           self._decode()
     except Exception as e:  # noqa: BLE001 - every job hears of it, then the server reports it
       message = f"{type(e).__name__}: {e}"
       with self._cv:
         self._stopping = True
-        for job in list(self._waiting):
+        for job in [*self._admitting, *self._waiting]:
           self._finish(job, "error", message)
         self._waiting.clear()
+        self._admitting = []
         for i, s in enumerate(self._slots):
           if s is not None:
             self._finish(s.job, "error", message)
             self._slots[i] = None
       self.error = message
-      raise
+      traceback.print_exc()  # the server's log keeps the whole of it
 
   error: str | None = None
 

@@ -191,3 +191,41 @@ def test_bad_jobs_are_refused_before_they_queue():
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace(")", r"\)")):
       engine.submit(bad)
   assert engine.load()["waiting"] == 0
+
+
+def test_on_a_mesh_the_slots_are_split_over_data_and_the_tokens_are_the_same():
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+
+  model = tiny_model("diff_v1")
+  prompts, lengths = _prompts(5, seed=4), [6, 3, 9, 4, 7]
+  shape = (2, 1, 1)
+  mesh = shd.make_mesh(shape, jax.devices()[:2])
+  engine = Engine(model, slots=3, context=64, decode_chunk=2, mesh=mesh).start()
+  try:
+    assert engine.slots % shape[0] == 0
+    got = Collect()
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+      engine.submit(got.job(i, p, max_tokens=n))
+    got.wait(len(prompts))
+    leaf = jax.tree.leaves(engine._cache)[0]
+    assert len(leaf.sharding.device_set) == int(np.prod(shape))
+  finally:
+    engine.stop(cancel=True)
+  for i, (p, n) in enumerate(zip(prompts, lengths)):
+    assert got.tokens[i] == generate(model, [p], max_new_tokens=n, preflight=False).tokens[0]
+
+
+def test_a_failing_program_ends_every_job_with_an_error_instead_of_hanging(monkeypatch):
+  engine = Engine(tiny_model("transformer"), slots=1, context=32)
+
+  def broken(name):
+    raise RuntimeError(f"no program {name[0]}")
+
+  monkeypatch.setattr(engine, "_program", broken)
+  got = Collect()
+  engine.submit(got.job("a", [1, 2], max_tokens=3))
+  engine.submit(got.job("b", [3], max_tokens=3))
+  engine.start()
+  got.wait(2, timeout=30)
+  assert {d.reason for d in got.done.values()} == {"error"}
+  assert "no program prefill" in got.done["a"].message and "no program" in engine.error

@@ -241,3 +241,70 @@ def test_text_is_released_whole_and_ends_before_a_stop(tokens, stops, want_piece
   pieces.append(stream.finish())
   assert "".join(pieces) == want_text == stream.text
   assert all("\ufffd" not in p for p in pieces)
+
+
+def _start(workdir, *flags):
+  """``python -m diffjax.serve`` on a free port; (process, base url) once it serves."""
+  import re  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "diffjax.serve", f"--workdir={workdir}", "--port=0", *flags],
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  lines = []
+  for line in proc.stderr:
+    lines.append(line)
+    found = re.search(r"serving '.*' on (http://127\.0\.0\.1:\d+/v1)", line)
+    if found:
+      return proc, found.group(1), lines
+  proc.wait()
+  raise AssertionError("".join(lines[-20:]))
+
+
+@pytest.mark.integration  # two server processes on a trained run
+@pytest.mark.parametrize("drain, finished", [(60.0, True), (0.2, False)])
+def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
+  trained_run, drain, finished
+):
+  import signal  # pylint: disable=import-outside-toplevel
+
+  proc, url, lines = _start(
+    trained_run("diff_v1", small=True),
+    "--context=512",
+    "--decode_chunk=1",
+    f"--drain_seconds={drain}",
+    "--model_name=run",
+  )
+  try:
+    body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
+    body["stream_options"] = {"include_usage": True}
+    events = []
+    with requests.post(f"{url}/completions", json=body, stream=True, timeout=120) as r:
+      lines_iter = r.iter_lines(delimiter=b"\n\n")
+      events.append(next(lines_iter))
+      proc.send_signal(signal.SIGTERM)
+      time.sleep(0.5)
+      try:  # a new request is refused while the server drains (or the port is closed)
+        late = requests.post(f"{url}/completions", json={"prompt": "y"}, timeout=10).status_code
+      except requests.ConnectionError:
+        late = "closed"
+      assert late in (503, "closed"), late
+      events += [e for e in lines_iter if e]
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, rest[-2000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert "shutting down" in rest and "stopped;" in rest
+  assert events[-1] == b"data: [DONE]"
+  *chunks, usage = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+  reason = chunks[-1]["choices"][0]["finish_reason"]
+  made = usage["usage"]["completion_tokens"]
+  if finished:  # every token arrived
+    assert reason == "length" and made == 400 and "0 requests cancelled" in rest
+  else:
+    assert reason == "abort" and made < 400 and "1 requests cancelled" in rest
