@@ -633,24 +633,34 @@ class Server:
 
   async def _stream_completions(self, request, head, choices, queue, opts):
     response = await self._sse(request)
-    sent = {c.index: 0 for c in choices}
-    async for c, piece in self._events(choices, queue):
-      if c.error:
-        break
-      entry = {"index": c.index, "text": piece, "logprobs": None, "finish_reason": c.finish_reason}
-      if c.echo and sent[c.index] == 0 and c.tokens:  # the prompt first, once it is scored
-        entry["text"] = c.prompt_text + piece
-      if opts["logprobs"] is not None:
-        entry["logprobs"] = c.completion_logprobs(sent[c.index])
-      sent[c.index] = len(c.tokens)
-      if entry["text"] or c.done or (opts["logprobs"] is not None and entry["logprobs"]["tokens"]):
-        await _send(response, {**head, "choices": [entry]})
-    self._raise_engine_error(choices, response)
-    if opts["include_usage"]:
-      await _send(response, {**head, "choices": [], "usage": self._usage(None, choices, opts)})
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    try:
+      sent = {c.index: 0 for c in choices}
+      async for c, piece in self._events(choices, queue):
+        if c.error:
+          break
+        entry = {
+          "index": c.index,
+          "text": piece,
+          "logprobs": None,
+          "finish_reason": c.finish_reason,
+        }
+        if c.echo and sent[c.index] == 0 and c.tokens:  # the prompt first, once it is scored
+          entry["text"] = c.prompt_text + piece
+        if opts["logprobs"] is not None:
+          entry["logprobs"] = c.completion_logprobs(sent[c.index])
+        sent[c.index] = len(c.tokens)
+        if (
+          entry["text"] or c.done or (opts["logprobs"] is not None and entry["logprobs"]["tokens"])
+        ):
+          await _send(response, {**head, "choices": [entry]})
+      self._raise_engine_error(choices, response)
+      if opts["include_usage"]:
+        await _send(response, {**head, "choices": [], "usage": self._usage(None, choices, opts)})
+      await response.write(b"data: [DONE]\n\n")
+      await response.write_eof()
+      return response
+    except ConnectionError:  # the client left mid-stream: its jobs are cancelled
+      return response
 
   async def chat(self, request):
     body = await self._body(request)
@@ -685,30 +695,33 @@ class Server:
 
   async def _stream_chat(self, request, head, choices, queue, opts):
     response = await self._sse(request)
-    head = {**head, "object": "chat.completion.chunk"}
-    for c in choices:
-      delta = {"role": "assistant", "content": ""}
-      entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
-      await _send(response, {**head, "choices": [entry]})
-    sent = {c.index: 0 for c in choices}
-    async for c, piece in self._events(choices, queue):
-      if c.error:
-        break
-      entry = {
-        "index": c.index,
-        "delta": {"content": piece} if piece else {},
-        "logprobs": c.chat_logprobs(sent[c.index]) if opts["logprobs"] is not None else None,
-        "finish_reason": c.finish_reason,
-      }
-      sent[c.index] = len(c.tokens)
-      if piece or c.done:
+    try:
+      head = {**head, "object": "chat.completion.chunk"}
+      for c in choices:
+        delta = {"role": "assistant", "content": ""}
+        entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
         await _send(response, {**head, "choices": [entry]})
-    self._raise_engine_error(choices, response)
-    if opts["include_usage"]:
-      await _send(response, {**head, "choices": [], "usage": self._usage(None, choices, opts)})
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+      sent = {c.index: 0 for c in choices}
+      async for c, piece in self._events(choices, queue):
+        if c.error:
+          break
+        entry = {
+          "index": c.index,
+          "delta": {"content": piece} if piece else {},
+          "logprobs": c.chat_logprobs(sent[c.index]) if opts["logprobs"] is not None else None,
+          "finish_reason": c.finish_reason,
+        }
+        sent[c.index] = len(c.tokens)
+        if piece or c.done:
+          await _send(response, {**head, "choices": [entry]})
+      self._raise_engine_error(choices, response)
+      if opts["include_usage"]:
+        await _send(response, {**head, "choices": [], "usage": self._usage(None, choices, opts)})
+      await response.write(b"data: [DONE]\n\n")
+      await response.write_eof()
+      return response
+    except ConnectionError:  # the client left mid-stream: its jobs are cancelled
+      return response
 
   async def _sse(self, request):
     response = web.StreamResponse(

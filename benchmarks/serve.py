@@ -1,0 +1,341 @@
+"""The server under N concurrent clients, next to sequential generation, in one run; then a load
+run that counts lost and corrupted requests.
+
+    python benchmarks/serve.py                                  # default size, N = 1, 8, 32
+    python benchmarks/serve.py --workdir=runs/default --load_seconds=120
+    pip install torch==2.13.0 && pip install -e '.[bench-torch]'  # adds transformers' row
+
+The model: ``--workdir``'s run, else the ``--arm`` at a named ``--size`` (default ``default``:
+configs/default.py's model, byte vocabulary) with random weights (speed does not depend on
+them), float32. Every request is a random prompt of ``--prompt`` token ids and asks for
+``--new`` tokens, greedy, without stopping at the end-of-text token.
+
+Peers, timed on the same requests:
+
+- ``server N``: ``python -m diffjax.serve``'s code in this process (continuous batching over
+  ``--slots`` slots), with N clients (aiohttp, one connection each) each sending its share of
+  the requests one after the other;
+- ``diffjax.generate, one at a time``: each request alone through ``diffjax.generate`` (what a
+  server without batching does);
+- ``transformers generate, one at a time``: the model exported (``save_hf``) and loaded by
+  transformers (DIFF V2 through the export's own code, ``trust_remote_code=True``), each
+  request through ``generate`` in a child process (torch's CPU build; skipped when torch or
+  transformers is not installed).
+
+Warm-up requests run before timing (the server compiles everything at start). The table gives
+requests/s, new tokens/s and per-request latency percentiles.
+
+The load run (``--load_seconds``, 0 to skip) then sends for that long, from 32 clients, requests
+of random prompts (1-96 tokens), random ``max_tokens`` and sometimes a stop string, a third of
+them streamed and some of those dropped mid-stream by the client. Every answer that completes is
+checked against the same request's greedy tokens from ``diffjax.generate`` alone; the output
+counts requests sent, completed, dropped by clients, failed and corrupted, and checks that no
+slot is left held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+VOCAB = 258
+EOS = 256
+
+
+def _requests(count: int, prompt: int, seed: int) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, prompt).tolist() for _ in range(count)]
+
+
+def _model(args):
+  """(model, where it came from)."""
+  if args.workdir:
+    from diffjax.generation.loading import load_model  # pylint: disable=import-outside-toplevel
+
+    loaded = load_model(args.workdir)
+    return loaded.model, f"run {args.workdir} (step {loaded.step})"
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from diffjax.model import DecoderLM, ModelConfig, matched_configs  # pylint: disable=import-outside-toplevel
+  from diffjax.model.sizes import size_widths  # pylint: disable=import-outside-toplevel
+
+  base = ModelConfig(attention="transformer", vocab_size=VOCAB, **size_widths(args.size))
+  return DecoderLM(matched_configs(base)[args.arm], rngs=nnx.Rngs(0)), (
+    f"{args.arm} at size {args.size}, random weights"
+  )
+
+
+async def _clients(url: str, prompts, n_clients: int, new: int) -> tuple[float, list[float]]:
+  """(wall seconds, per-request latencies) of ``prompts`` shared among ``n_clients`` clients."""
+  import aiohttp  # pylint: disable=import-outside-toplevel
+
+  queue = list(enumerate(prompts))
+  latencies: list[float] = []
+
+  async def client(session):
+    while queue:
+      _, ids = queue.pop()
+      body = {"prompt": ids, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+      t0 = time.perf_counter()
+      async with session.post(f"{url}/completions", json=body) as r:
+        out = await r.json()
+      assert r.status == 200, out
+      assert out["usage"]["completion_tokens"] == new, out["usage"]
+      latencies.append(time.perf_counter() - t0)
+
+  timeout = aiohttp.ClientTimeout(total=None)
+  async with aiohttp.ClientSession(timeout=timeout) as session:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(session) for _ in range(n_clients)))
+    return time.perf_counter() - t0, latencies
+
+
+def _row(name, wall, latencies, new) -> str:
+  n = len(latencies)
+  q = np.percentile(latencies, [50, 90, 99]) if latencies else [float("nan")] * 3
+  return (
+    f"| {name} | {n} | {n / wall:,.2f} | {n * new / wall:,.0f} | "
+    f"{q[0] * 1e3:,.0f} | {q[1] * 1e3:,.0f} | {q[2] * 1e3:,.0f} |"
+  )
+
+
+def _torch_child(path: str, prompts, new: int) -> str:
+  """transformers' row, timed in a child process (torch and JAX never share one)."""
+  code = f"""
+import json, sys, time
+import numpy as np, torch, transformers
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({path!r}, trust_remote_code=True).float().eval()
+prompts = json.loads(sys.stdin.read())
+def one(ids):
+  x = torch.tensor([ids])
+  with torch.inference_mode():
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens={new},
+                         min_new_tokens={new}, do_sample=False, pad_token_id=0)
+  assert out.shape[1] == len(ids) + {new}
+for ids in prompts[:2]:
+  one(ids)
+lat = []
+t0 = time.perf_counter()
+for ids in prompts:
+  t1 = time.perf_counter(); one(ids); lat.append(time.perf_counter() - t1)
+print(json.dumps({{"wall": time.perf_counter() - t0, "lat": lat,
+  "versions": f"torch {{torch.__version__}}, transformers {{transformers.__version__}}"}}))
+"""
+  proc = subprocess.run(
+    [sys.executable, "-c", code], input=json.dumps(prompts), capture_output=True, text=True
+  )
+  if proc.returncode:
+    raise RuntimeError(proc.stderr[-3000:])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+async def _load_run(url, engine, references, seconds: float, n_clients: int, seed: int):
+  """Random requests for ``seconds`` over ``references`` ((prompt ids, greedy tokens) pairs);
+  counts of what happened to them."""
+  import aiohttp  # pylint: disable=import-outside-toplevel
+
+  from diffjax.data import ByteTokenizer  # pylint: disable=import-outside-toplevel
+
+  tok = ByteTokenizer()
+  rng = random.Random(seed)
+  counts = dict(sent=0, completed=0, streamed=0, dropped=0, failed=0, corrupted=0)
+  failures: list[str] = []
+  stops = ["\n", "e", "ab", "xyz"]
+  deadline = time.perf_counter() + seconds
+
+  def expected(p, k, stop):
+    tokens = references[p][1][:k]
+    text = tok.decode(tokens)
+    if stop is not None and stop in text:
+      return text[: text.index(stop)], None
+    return text, len(tokens)
+
+  async def one(session):
+    p = rng.randrange(len(references))
+    k = rng.choice([1, 3, 8, 32, 64])
+    stop = rng.choice(stops) if rng.random() < 0.3 else None
+    stream = rng.random() < 0.35
+    drop_after = rng.randrange(1, 6) if stream and rng.random() < 0.4 else None
+    body = {"prompt": references[p][0], "max_tokens": k, "temperature": 0}
+    if stop is not None:
+      body["stop"] = stop
+    if stream:
+      body["stream"] = True
+      body["stream_options"] = {"include_usage": True}
+    counts["sent"] += 1
+    want_text, want_tokens = expected(p, k, stop)
+    try:
+      async with session.post(f"{url}/completions", json=body) as r:
+        if r.status != 200:
+          counts["failed"] += 1
+          failures.append(f"{r.status}: {await r.text()}")
+          return
+        if not stream:
+          out = await r.json()
+          text, made = out["choices"][0]["text"], out["usage"]["completion_tokens"]
+        else:
+          counts["streamed"] += 1
+          pieces, made, events = [], None, 0
+          async for line in r.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+              continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+              pieces.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+              made = chunk["usage"]["completion_tokens"]
+            events += 1
+            if drop_after is not None and events >= drop_after:
+              counts["dropped"] += 1
+              return  # leaving the block closes the connection mid-stream
+          text = "".join(pieces)
+    except (TimeoutError, aiohttp.ClientError) as e:
+      counts["failed"] += 1
+      failures.append(repr(e))
+      return
+    counts["completed"] += 1
+    if text != want_text or (want_tokens is not None and made != want_tokens):
+      counts["corrupted"] += 1
+      failures.append(f"prompt {p} max_tokens {k} stop {stop!r}: {text!r} != {want_text!r}")
+
+  async def client(session):
+    while time.perf_counter() < deadline:
+      await one(session)
+
+  timeout = aiohttp.ClientTimeout(total=None)
+  async with aiohttp.ClientSession(timeout=timeout) as session:
+    await asyncio.gather(*(client(session) for _ in range(n_clients)))
+  # Every slot is free once the last dropped stream is noticed.
+  for _ in range(200):
+    if engine.load()["running"] == 0 and engine.load()["waiting"] == 0:
+      break
+    await asyncio.sleep(0.05)
+  counts["slots held after"] = engine.load()["running"] + engine.load()["waiting"]
+  return counts, failures
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", default=None, help="a train.py run (default: random weights)")
+  p.add_argument("--arm", default="diff_v1", help="with random weights: the arm")
+  p.add_argument("--size", default="default", help="with random weights: the size")
+  p.add_argument("--clients", default="1,8,32", help="comma-separated concurrent clients")
+  p.add_argument("--requests", type=int, default=64, help="timed requests per row")
+  p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+  p.add_argument("--new", type=int, default=64, help="new tokens per request")
+  p.add_argument("--slots", type=int, default=32, help="the server's slots")
+  p.add_argument("--decode_chunk", type=int, default=4)
+  p.add_argument("--load_seconds", type=float, default=120.0, help="the load run (0: none)")
+  p.add_argument("--no_torch", action="store_true", help="leave out transformers' row")
+  a = p.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import diffjax  # pylint: disable=import-outside-toplevel
+  from diffjax.data import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.app import Server  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.command import ServerThread  # pylint: disable=import-outside-toplevel
+
+  model, source = _model(a)
+  context = 256
+  prompts = _requests(a.requests, a.prompt, seed=0)
+  load = os.getloadavg()[0]
+  rows = []
+  engine = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
+  t0 = time.perf_counter()
+  engine.warm_up()
+  warm_s = time.perf_counter() - t0
+  server = Server(engine.start(), ByteTokenizer(), model_name="bench")
+  with ServerThread(engine, server) as thread:
+    asyncio.run(_clients(thread.url, prompts[:4], 4, a.new))  # warm the HTTP path
+    for n in [int(x) for x in a.clients.split(",")]:
+      wall, lat = asyncio.run(_clients(thread.url, prompts, n, a.new))
+      rows.append((f"server, {n} client{'s' if n > 1 else ''}", wall, lat))
+    # The sequential diffjax.generate peer.
+    for ids in prompts[:2]:
+      diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
+    lat, t0 = [], time.perf_counter()
+    for ids in prompts:
+      t1 = time.perf_counter()
+      out = diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
+      assert len(out.tokens[0]) == a.new
+      lat.append(time.perf_counter() - t1)
+    rows.append(("diffjax.generate, one at a time", time.perf_counter() - t0, lat))
+    versions = f"jax {jax.__version__}"
+    if not a.no_torch:
+      try:
+        import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        import transformers  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+      except ImportError:
+        rows.append(("transformers generate: not installed (pip install -e '.[bench-torch]')",))
+      else:
+        from diffjax.convert import save_hf  # pylint: disable=import-outside-toplevel
+
+        with tempfile.TemporaryDirectory() as tmp:
+          path = os.path.join(tmp, "export")
+          save_hf(model, path, max_position_embeddings=context)
+          got = _torch_child(path, prompts, a.new)
+        rows.append(("transformers generate, one at a time", got["wall"], got["lat"]))
+        versions += f", {got['versions']}"
+    print(
+      f"{source}; {versions}; {os.cpu_count()} CPUs, load average {load:.2f} at the start, "
+      f"{os.getloadavg()[0]:.2f} at the end; {a.requests} requests of {a.prompt} prompt tokens "
+      f"and {a.new} new tokens, greedy, float32; {a.slots} slots, decode chunk "
+      f"{a.decode_chunk}; the server compiled its {engine.compiles} programs in {warm_s:.1f} s "
+      "before timing"
+    )
+    print(
+      "| peer | requests | requests/s | new tokens/s | p50 latency (ms) | p90 (ms) | p99 (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+      print(_row(*row, a.new) if len(row) == 3 else f"| {row[0]} | | | | | | |")
+    rate = {name: len(lat) * a.new / wall for name, wall, lat in (r for r in rows if len(r) == 3)}
+    sequential = max(v for k, v in rate.items() if "one at a time" in k or k == "server, 1 client")
+    if "server, 8 clients" in rate:
+      print(
+        f"server with 8 clients / best sequential peer: {rate['server, 8 clients'] / sequential:.2f}x"
+        " new tokens/s"
+      )
+    if a.load_seconds > 0:
+      # Prompts of random lengths and their greedy tokens, each from diffjax.generate alone.
+      rng = np.random.default_rng(2)
+      refs = []
+      for n in rng.integers(1, 97, 12):
+        ids = rng.integers(0, 256, int(n)).tolist()
+        refs.append(
+          (
+            ids,
+            diffjax.generate(
+              model, [ids], max_new_tokens=64, stop_tokens=[EOS], preflight=False
+            ).tokens[0],
+          )
+        )
+      t0 = time.perf_counter()
+      counts, failures = asyncio.run(
+        _load_run(thread.url, engine, refs, a.load_seconds, 32, seed=3)
+      )
+      print(
+        f"load run: {time.perf_counter() - t0:.0f} s, 32 clients: "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + f"; the engine ended {engine.counts['finished_cancelled']} requests as cancelled"
+      )
+      for line in failures[:10]:
+        print("  ", line)
+  engine.stop(cancel=True)
+
+
+if __name__ == "__main__":
+  main()
