@@ -8,6 +8,8 @@ docs/model.md#flax-nnx-modules describes the calls.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -108,6 +110,26 @@ def _rope(x, positions, opts: AttentionOptions):
 # Slot j of row b holds the key/value of that row's position j.
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+
+# The slots a decode step reads (None: all); set by cache_window() while a program traces.
+_WINDOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("cache_window", default=None)
+
+
+@contextlib.contextmanager
+def cache_window(slots: int | None):
+  """Decode steps traced inside read only the first ``slots`` slots of each cache row.
+
+  For a server whose rows are all shorter than its cache: the step's reads (its cost on a
+  CPU, where decoding is bound by reading the cache) follow the rows' lengths, not the
+  cache's. Every row's length after the step must be at most ``slots``. Writes are
+  unchanged. A decode step whose batch is smaller than the cache's rows also reads (and
+  writes) only the first rows, so a program can decode the leading rows of a larger cache.
+  """
+  token = _WINDOW.set(None if slots is None else int(slots))
+  try:
+    yield
+  finally:
+    _WINDOW.reset(token)
 
 
 def _cache_arrays(shapes: dict[str, tuple[int, int, int, int]], dtype) -> dict[str, jax.Array]:
@@ -237,7 +259,14 @@ class _Call:
     """``spec`` on its ``arrays``: (out, maps or None). Decoding reads the op's keys and value
     from the cache."""
     if self.decoding:
-      cached = dict(zip((*spec.keys, spec.value), (self.cache[n] for n in self.cache_names)))
+      rows, window = arrays[spec.queries[0]].shape[0], _WINDOW.get()
+
+      def view(c):  # the rows decoded and the slots read (slices: no copy once fused)
+        return (
+          c if (c.shape[0], window) in ((rows, None), (rows, c.shape[1])) else c[:rows, :window]
+        )
+
+      cached = dict(zip((*spec.keys, spec.value), (view(self.cache[n]) for n in self.cache_names)))
       arrays = tuple(cached.get(i, x) for i, x in enumerate(arrays))
       kw = dict(implementation=self.opts.implementation, interpret=self.opts.interpret)
       return ops.run_decode_op(decode_spec, (*arrays, self.cache_lengths_B + 1), **kw), None

@@ -35,6 +35,7 @@ from flax import nnx
 from diffjax import sharding as shd
 from diffjax.generation.programs import CACHE_MULTIPLE, MIN_PROMPT_BUCKET, bucket, round_up
 from diffjax.model import DecoderLM
+from diffjax.nn.attention import cache_window
 
 # The most alternatives a job may ask for per token (the OpenAI API's limit for completions).
 MAX_TOP_LOGPROBS = 5
@@ -218,6 +219,17 @@ class Engine:
     self.buckets = tuple(
       sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
     )
+    # A decode program per (rows, slots read): the leading rows that hold jobs (jobs take the
+    # lowest free slot) and the cache slots their lengths reach, each a power of two.
+    multiple = shd.batch_rows_multiple(mesh, self.rules) if mesh else 1
+    self.row_buckets = tuple(
+      sorted({min(round_up(bucket(n), multiple), self.slots) for n in range(1, self.slots + 1)})
+    )
+    self.windows = tuple(
+      sorted(
+        {min(bucket(n, CACHE_MULTIPLE), self.cache_length) for n in _powers(self.cache_length)}
+      )
+    )
     self._graphdef, params = nnx.split(model)
     if mesh is not None:
       with shd.activation_sharding(mesh, self.rules):
@@ -284,8 +296,8 @@ class Engine:
     key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     axes = self._axes
 
-    if name == "decode":
-      steps, s = self.decode_chunk, self.slots
+    if name[0] == "decode":
+      steps, s, window = self.decode_chunk, name[1], name[2]
 
       def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, keys_SxW):
         model = self._merge(leaves)
@@ -293,9 +305,12 @@ class Engine:
 
         def step(k, carry):
           cache, tok_S, pos_S, gen_S, out = carry
-          live = live_S & (pos_S < length)
+          live = live_S & (pos_S < window)
           feed_S = jnp.where(live, tok_S, pad)
-          logits, cache = model(feed_S[:, None], pos_S[:, None], cache=cache, cache_lengths_B=pos_S)
+          with cache_window(window):  # the first s rows, their first `window` slots
+            logits, cache = model(
+              feed_S[:, None], pos_S[:, None], cache=cache, cache_lengths_B=pos_S
+            )
           keys_S = jax.vmap(jax.random.fold_in)(base_S, gen_S)
           picked = _pick(logits[:, 0], temp_S, topk_S, topp_S, keys_S)
           out = tuple(o.at[:, k].set(p) for o, p in zip(out, picked))
@@ -354,13 +369,13 @@ class Engine:
       args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), u32(key_words))
       args += (jax.ShapeDtypeStruct((), bool),)
       fn = prefill
-    with self._context(rows=name == "decode"):
+    with self._context(rows=name[0] == "decode"):
       if self.mesh is None:
         jitted = jax.jit(fn, donate_argnums=1)
       else:  # the cache stays where it is; the small outputs are replicated
         cache_sharding = jax.tree.map(lambda a: a.sharding, self._cache)
         whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        rest = (whole,) if name == "decode" else (whole, whole)
+        rest = (whole,) if name[0] == "decode" else (whole, whole)
         jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
       return jitted.lower(*args).compile()
 
@@ -368,11 +383,16 @@ class Engine:
     """Compiles every program (one decode program, one prefill per prompt bucket); returns the
     seconds it took."""
     t0 = time.perf_counter()
-    for name in ["decode", *(("prefill", w) for w in self.buckets)]:
+    names = [("decode", r, w) for r in self.row_buckets for w in self.windows]
+    for name in [*names, *(("prefill", w) for w in self.buckets)]:
       t1 = time.perf_counter()
       self._program(name)
       if progress is not None:
-        what = "decode" if name == "decode" else f"prefill of {name[1]} tokens"
+        what = (
+          f"decode of {name[1]} rows over {name[2]} slots"
+          if name[0] == "decode"
+          else f"prefill of {name[1]} tokens"
+        )
         progress(f"compiled {what} in {time.perf_counter() - t1:.1f} s")
     return time.perf_counter() - t0
 
@@ -557,27 +577,28 @@ class Engine:
     return True
 
   def _decode(self) -> None:
-    s = self.slots
+    busy = [i for i, st in enumerate(self._slots) if st is not None]
+    s = next(r for r in self.row_buckets if r > busy[-1])
+    reach = max(self._slots[i].pos for i in busy) + self.decode_chunk
+    window = next((w for w in self.windows if w >= reach), self.cache_length)
     tok, pos, gen = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, np.int32)
     live = np.zeros(s, bool)
     temp, topk, topp = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
     words = jax.random.key_data(jax.random.key(0)).shape[-1]
     keys = np.zeros((s, words), np.uint32)
-    for i, st in enumerate(self._slots):
-      if st is None:
-        continue
+    for i in busy:
+      st = self._slots[i]
       j = st.job
       tok[i], pos[i], gen[i], live[i] = st.last, st.pos, st.generated, True
       temp[i], topk[i], topp[i] = j.temperature, j.top_k, j.top_p
       keys[i] = st.key
-    self._cache, out = self._program("decode")(
+    self._cache, out = self._program(("decode", s, window))(
       self._leaves, self._cache, tok, pos, live, gen, temp, topk, topp, keys
     )
     toks, lps, top_ids, top_lps = jax.device_get(out)
     self.counts["decode_calls"] += 1
-    for i, st in enumerate(self._slots):
-      if st is None:
-        continue
+    for i in busy:
+      st = self._slots[i]
       for k in range(self.decode_chunk):
         st.pos += 1
         if not self._take(st, int(toks[i, k]), float(lps[i, k]), top_ids[i, k], top_lps[i, k]):
