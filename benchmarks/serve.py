@@ -12,9 +12,10 @@ them), float32. Every request is a random prompt of ``--prompt`` token ids and a
 
 Peers, timed on the same requests:
 
-- ``server N``: ``python -m diffjax.serve``'s code in this process (continuous batching over
-  ``--slots`` slots), with N clients (aiohttp, one connection each) each sending its share of
-  the requests one after the other;
+- ``server, N clients``: ``python -m diffjax.serve`` in its own process (continuous batching
+  over ``--slots`` slots) serving the model exported to a temporary directory (or the run),
+  with N clients (aiohttp, in this process, one connection each) each sending its share of the
+  requests one after the other;
 - ``diffjax.generate, one at a time``: each request alone through ``diffjax.generate`` (what a
   server without batching does);
 - ``transformers generate, one at a time``: the model exported (``save_hf``) and loaded by
@@ -23,7 +24,9 @@ Peers, timed on the same requests:
   transformers is not installed).
 
 Warm-up requests run before timing (the server compiles everything at start). The table gives
-requests/s, new tokens/s and per-request latency percentiles.
+requests/s, new tokens/s and per-request latency percentiles, then the ratio of the server's new
+tokens/s with 8 clients to the two sequential ways of serving: the same server with one client,
+and ``diffjax.generate`` one request at a time.
 
 The load run (``--load_seconds``, 0 to skip) then sends for that long, from 32 clients, requests
 of random prompts (1-96 tokens), random ``max_tokens`` and sometimes a stop string, a third of
@@ -40,9 +43,11 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -139,7 +144,7 @@ print(json.dumps({{"wall": time.perf_counter() - t0, "lat": lat,
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-async def _load_run(url, engine, references, seconds: float, n_clients: int, seed: int):
+async def _load_run(url, references, seconds: float, n_clients: int, seed: int):
   """Random requests for ``seconds`` over ``references`` ((prompt ids, greedy tokens) pairs);
   counts of what happened to them."""
   import aiohttp  # pylint: disable=import-outside-toplevel
@@ -218,11 +223,42 @@ async def _load_run(url, engine, references, seconds: float, n_clients: int, see
     await asyncio.gather(*(client(session) for _ in range(n_clients)))
   # Every slot is free once the last dropped stream is noticed.
   for _ in range(200):
-    if engine.load()["running"] == 0 and engine.load()["waiting"] == 0:
+    health = _health(url)
+    if health["running"] == 0 and health["waiting"] == 0:
       break
     await asyncio.sleep(0.05)
-  counts["slots held after"] = engine.load()["running"] + engine.load()["waiting"]
+  counts["slots held after"] = health["running"] + health["waiting"]
   return counts, failures
+
+
+def _start_server(args, path_flag: str, context: int):
+  """``python -m diffjax.serve`` in a child process: (process, base url, warm-up line)."""
+  import re  # pylint: disable=import-outside-toplevel
+
+  cmd = [sys.executable, "-m", "diffjax.serve", path_flag, "--port=0", "--model_name=bench"]
+  cmd += [f"--slots={args.slots}", f"--context={context}", f"--decode_chunk={args.decode_chunk}"]
+  proc = subprocess.Popen(
+    cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+  )
+  lines = []
+  for line in proc.stderr:
+    lines.append(line.rstrip())
+    found = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line)
+    if found:
+      threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+      compiled = sum("compiled " in x for x in lines)
+      seconds = sum(
+        float(re.search(r"in ([\d.]+) s", x).group(1)) for x in lines if "compiled " in x
+      )
+      return proc, found.group(1), f"the server compiled its {compiled} programs in {seconds:.1f} s"
+  raise RuntimeError("the server did not start:\n" + "\n".join(lines[-20:]))
+
+
+def _health(url: str) -> dict:
+  import urllib.request  # pylint: disable=import-outside-toplevel
+
+  with urllib.request.urlopen(url[: -len("/v1")] + "/health", timeout=30) as r:
+    return json.loads(r.read())
 
 
 def main() -> None:
@@ -243,27 +279,25 @@ def main() -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   import diffjax  # pylint: disable=import-outside-toplevel
+  from diffjax.convert import save_hf  # pylint: disable=import-outside-toplevel
   from diffjax.data import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
-  from diffjax.serve.app import Server  # pylint: disable=import-outside-toplevel
-  from diffjax.serve.command import ServerThread  # pylint: disable=import-outside-toplevel
 
   model, source = _model(a)
   context = 256
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []
-  engine = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
-  t0 = time.perf_counter()
-  engine.warm_up()
-  warm_s = time.perf_counter() - t0
-  server = Server(engine.start(), ByteTokenizer(), model_name="bench")
-  with ServerThread(engine, server) as thread:
-    asyncio.run(_clients(thread.url, prompts[:4], 4, a.new))  # warm the HTTP path
+  tmp = tempfile.TemporaryDirectory()
+  export = os.path.join(tmp.name, "export")
+  save_hf(model, export, max_position_embeddings=context, tokenizer=ByteTokenizer())
+  flag = f"--workdir={a.workdir}" if a.workdir else f"--hf_dir={export}"
+  server, url, warm = _start_server(a, flag, context)
+  try:
+    asyncio.run(_clients(url, prompts[:4], 4, a.new))  # the HTTP path once before timing
     for n in [int(x) for x in a.clients.split(",")]:
-      wall, lat = asyncio.run(_clients(thread.url, prompts, n, a.new))
+      wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
       rows.append((f"server, {n} client{'s' if n > 1 else ''}", wall, lat))
-    # The sequential diffjax.generate peer.
+    # The sequential diffjax.generate peer (the server idles meanwhile).
     for ids in prompts[:2]:
       diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
     lat, t0 = [], time.perf_counter()
@@ -281,20 +315,14 @@ def main() -> None:
       except ImportError:
         rows.append(("transformers generate: not installed (pip install -e '.[bench-torch]')",))
       else:
-        from diffjax.convert import save_hf  # pylint: disable=import-outside-toplevel
-
-        with tempfile.TemporaryDirectory() as tmp:
-          path = os.path.join(tmp, "export")
-          save_hf(model, path, max_position_embeddings=context)
-          got = _torch_child(path, prompts, a.new)
+        got = _torch_child(export, prompts, a.new)
         rows.append(("transformers generate, one at a time", got["wall"], got["lat"]))
         versions += f", {got['versions']}"
     print(
       f"{source}; {versions}; {os.cpu_count()} CPUs, load average {load:.2f} at the start, "
       f"{os.getloadavg()[0]:.2f} at the end; {a.requests} requests of {a.prompt} prompt tokens "
-      f"and {a.new} new tokens, greedy, float32; {a.slots} slots, decode chunk "
-      f"{a.decode_chunk}; the server compiled its {engine.compiles} programs in {warm_s:.1f} s "
-      "before timing"
+      f"and {a.new} new tokens, greedy, float32; the server in its own process, {a.slots} slots, "
+      f"decode chunk {a.decode_chunk}; {warm} before timing"
     )
     print(
       "| peer | requests | requests/s | new tokens/s | p50 latency (ms) | p90 (ms) | p99 (ms) |"
@@ -303,12 +331,12 @@ def main() -> None:
     for row in rows:
       print(_row(*row, a.new) if len(row) == 3 else f"| {row[0]} | | | | | | |")
     rate = {name: len(lat) * a.new / wall for name, wall, lat in (r for r in rows if len(r) == 3)}
-    sequential = max(v for k, v in rate.items() if "one at a time" in k or k == "server, 1 client")
     if "server, 8 clients" in rate:
-      print(
-        f"server with 8 clients / best sequential peer: {rate['server, 8 clients'] / sequential:.2f}x"
-        " new tokens/s"
-      )
+      for peer in ("server, 1 client", "diffjax.generate, one at a time"):
+        if peer in rate:
+          print(
+            f"server with 8 clients / {peer}: {rate['server, 8 clients'] / rate[peer]:.2f}x new tokens/s"
+          )
     if a.load_seconds > 0:
       # Prompts of random lengths and their greedy tokens, each from diffjax.generate alone.
       rng = np.random.default_rng(2)
@@ -324,17 +352,17 @@ def main() -> None:
           )
         )
       t0 = time.perf_counter()
-      counts, failures = asyncio.run(
-        _load_run(thread.url, engine, refs, a.load_seconds, 32, seed=3)
-      )
+      counts, failures = asyncio.run(_load_run(url, refs, a.load_seconds, 32, seed=3))
       print(
         f"load run: {time.perf_counter() - t0:.0f} s, 32 clients: "
         + ", ".join(f"{k} {v}" for k, v in counts.items())
-        + f"; the engine ended {engine.counts['finished_cancelled']} requests as cancelled"
       )
       for line in failures[:10]:
         print("  ", line)
-  engine.stop(cancel=True)
+  finally:
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=120)
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

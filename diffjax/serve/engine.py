@@ -87,7 +87,7 @@ class Job:
     temperature: 0 for greedy; else sample from the logits divided by it.
     top_k: sample among the k likeliest tokens (0: all).
     top_p: sample among the likeliest tokens of mass p (1.0: all).
-    seed: the job's random seed.
+    seed: the job's random seed (taken modulo 2**31).
     stop_tokens: ids that end the job (the stop token itself is not passed on).
     top_logprobs: alternatives reported per token, 0 to :data:`MAX_TOP_LOGPROBS`.
     echo: score the prompt too (a :class:`PromptEvent` before the tokens).
@@ -118,7 +118,7 @@ class _Slot:
   job: Job
   generated: int  # tokens produced so far (the next one's index, for its random key)
   pos: int  # the cache position of the token fed next
-  key: np.ndarray  # the job's random key data
+  seed: int  # the job's seed as the programs take it
   last: int = 0  # the token fed next
 
 
@@ -279,7 +279,7 @@ class Engine:
     return program
 
   def _compile(self, name):
-    length, pad = self.cache_length, self.pad_id
+    pad = self.pad_id
     leaves = tuple(
       jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
     )
@@ -292,16 +292,14 @@ class Engine:
     )
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-    u32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.uint32)  # noqa: E731
-    key_words = jax.random.key_data(jax.random.key(0)).shape[-1]
     axes = self._axes
 
     if name[0] == "decode":
       steps, s, window = self.decode_chunk, name[1], name[2]
 
-      def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, keys_SxW):
+      def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, seed_S):
         model = self._merge(leaves)
-        base_S = jax.random.wrap_key_data(keys_SxW)
+        base_S = jax.vmap(jax.random.key)(seed_S)
 
         def step(k, carry):
           cache, tok_S, pos_S, gen_S, out = carry
@@ -330,25 +328,27 @@ class Engine:
         return cache, out
 
       args = (leaves, cache, i32(s), i32(s), jax.ShapeDtypeStruct((s,), bool), i32(s))
-      args += (f32(s), i32(s), f32(s), u32(s, key_words))
+      args += (f32(s), i32(s), f32(s), i32(s))
       fn = decode
     else:
       width = name[1]
 
-      def prefill(leaves, cache, prompt_1xT, n, slot, temp, topk, topp, key_w, echo):
+      def prefill(leaves, cache, prompt_1xT, n, slot, temp, topk, topp, seed, echo):
         model = self._merge(leaves)
-        row = model.init_cache(1, length)
+        # The prompt's own cache, as wide as the prompt bucket, then copied into the slot's
+        # first positions (the rest of the row keeps stale values no length reaches).
+        row = model.init_cache(1, width)
         logits_1xTxV, row = model(prompt_1xT, cache=row, cache_lengths_B=jnp.zeros((1,), jnp.int32))
         cache = jax.tree.map(
-          lambda big, one, ax: jax.lax.dynamic_update_slice_in_dim(
-            big, one.astype(big.dtype), slot, axis=ax
+          lambda big, one, ax: jax.lax.dynamic_update_slice(
+            big, one.astype(big.dtype), tuple(slot if i == ax else 0 for i in range(big.ndim))
           ),
           cache,
           row,
           axes,
         )
         last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xTxV[0], n - 1, 1, axis=0)
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_w), 0)
+        key = jax.random.fold_in(jax.random.key(seed), 0)
         first = _pick(last_1xV, temp[None], topk[None], topp[None], key[None])
 
         def scored(_):  # log p(prompt[t] | prompt[:t]) and the alternatives, at t = 1..T-1
@@ -366,7 +366,7 @@ class Engine:
         prompt_scores = jax.lax.cond(echo, scored, lambda _: zeros, None)
         return cache, first, prompt_scores
 
-      args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), u32(key_words))
+      args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), i32())
       args += (jax.ShapeDtypeStruct((), bool),)
       fn = prefill
     with self._context(rows=name[0] == "decode"):
@@ -526,7 +526,7 @@ class Engine:
     width = min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length)
     prompt = np.full((1, width), self.pad_id, np.int32)
     prompt[0, :n] = job.prompt
-    key = np.asarray(jax.random.key_data(jax.random.key(job.seed)), np.uint32)
+    seed = job.seed % 2**31  # the programs take an int32
     program = self._program(("prefill", width))
     self._cache, first, scores = program(
       self._leaves,
@@ -537,7 +537,7 @@ class Engine:
       np.float32(job.temperature),
       np.int32(job.top_k),
       np.float32(job.top_p),
-      key,
+      np.int32(seed),
       np.bool_(job.echo),
     )
     self.counts["prefills"] += 1
@@ -554,7 +554,7 @@ class Engine:
       self._finish(job, "length")
       return
     tok, lp, top_id, top_lp = jax.device_get(first)
-    state = _Slot(job, generated=0, pos=n, key=key)
+    state = _Slot(job, generated=0, pos=n, seed=seed)
     if self._take(state, int(tok[0]), float(lp[0]), top_id[0], top_lp[0]):
       self._slots[slot] = state
 
@@ -584,16 +584,15 @@ class Engine:
     tok, pos, gen = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, np.int32)
     live = np.zeros(s, bool)
     temp, topk, topp = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
-    words = jax.random.key_data(jax.random.key(0)).shape[-1]
-    keys = np.zeros((s, words), np.uint32)
+    seeds = np.zeros(s, np.int32)
     for i in busy:
       st = self._slots[i]
       j = st.job
       tok[i], pos[i], gen[i], live[i] = st.last, st.pos, st.generated, True
       temp[i], topk[i], topp[i] = j.temperature, j.top_k, j.top_p
-      keys[i] = st.key
+      seeds[i] = st.seed
     self._cache, out = self._program(("decode", s, window))(
-      self._leaves, self._cache, tok, pos, live, gen, temp, topk, topp, keys
+      self._leaves, self._cache, tok, pos, live, gen, temp, topk, topp, seeds
     )
     toks, lps, top_ids, top_lps = jax.device_get(out)
     self.counts["decode_calls"] += 1
