@@ -119,7 +119,7 @@ def build(args: argparse.Namespace, progress=print):
   cfg = loaded.model.config
   progress(
     f"[{cfg.attention}{'' if loaded.step is None else f', step {loaded.step}'}] {engine.slots} "
-    f"slots of {engine.context} tokens; compiling {1 + len(engine.buckets)} programs"
+    f"slots of {engine.context} tokens; compiling {len(engine.program_names())} programs"
   )
   engine.warm_up(progress)
   server = Server(

@@ -379,17 +379,22 @@ class Engine:
         jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
       return jitted.lower(*args).compile()
 
+  def program_names(self) -> list[tuple]:
+    """Every program the engine runs: ``("decode", rows, slots read)`` and ``("prefill",
+    prompt bucket)``."""
+    decode = [("decode", r, w) for r in self.row_buckets for w in self.windows]
+    return [*decode, *(("prefill", w) for w in self.buckets)]
+
   def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles every program (one decode program, one prefill per prompt bucket); returns the
     seconds it took."""
     t0 = time.perf_counter()
-    names = [("decode", r, w) for r in self.row_buckets for w in self.windows]
-    for name in [*names, *(("prefill", w) for w in self.buckets)]:
+    for name in self.program_names():
       t1 = time.perf_counter()
       self._program(name)
       if progress is not None:
         what = (
-          f"decode of {name[1]} rows over {name[2]} slots"
+          f"decode of {name[1]} row{'s' * (name[1] > 1)} over {name[2]} cache slots"
           if name[0] == "decode"
           else f"prefill of {name[1]} tokens"
         )
