@@ -143,11 +143,14 @@ def save_hf(
   max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
   tokenizer: Tokenizer | None = None,
   copy_files: Sequence[str] = (),
+  remote_code: bool = False,
 ) -> list[str]:
   """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint (Llama,
   DiffLlama), a DIFF V2 one as a checkpoint with its own modeling code (loaded with
   ``trust_remote_code=True``), or a model with a PolyNorm MLP (``gda_v1``, imported from
-  Motif-2) as a Motif checkpoint.
+  Motif-2) as a Motif checkpoint. With ``remote_code`` the Transformer and DIFF V1 are written
+  with the project's own code too (``DiffjaxTransformerForCausalLM``, ``DiffjaxV1ForCausalLM``:
+  the same tensors, the attention through transformers' attention-function registry).
 
   Writes ``config.json`` and ``model.safetensors`` (or shards of at most
   ``max_shard_size`` with ``model.safetensors.index.json``) into ``path``, which must not
@@ -180,10 +183,15 @@ def save_hf(
     }
   settings = dict(dtype=dtype, max_position_embeddings=max_position_embeddings, **ids)
   if motif.is_motif_model(cfg):
+    if remote_code:
+      raise ConversionError(
+        "remote_code=True: a Motif model is exported as MotifForCausalLM, whose code is "
+        "Motif's; export it without remote_code."
+      )
     hf_config = motif.hf_config_from_model(cfg, **settings)
     tensors = motif.hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
   else:
-    hf_config = hf_config_from_model(cfg, **settings)
+    hf_config = hf_config_from_model(cfg, **settings, remote_code=remote_code)
     tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
 
   def extra(directory: str) -> list[str]:

@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     help="tokenizer written with the weights: 'byte', a tokenizers .json, a SentencePiece "
     ".model, or 'none' (default: the run's own)",
   )
+  exp.add_argument(
+    "--remote_code",
+    action="store_true",
+    help="write the project's own transformers code for the Transformer and DIFF V1 too "
+    "(loaded with trust_remote_code=True; DIFF V2 always has it)",
+  )
   for name in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
     exp.add_argument(
       f"--{name}",
@@ -154,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if getattr(args, k) is not None
       }
+      if args.remote_code:
+        export["remote_code"] = True
       files = workdir_to_hf(args.workdir, args.hf, step=args.step, **export)
       print(f"Exported {args.workdir} to {args.hf}: {', '.join(files)}")
   except (ConversionError, CheckpointError, ValueError, OSError) as e:

@@ -19,17 +19,37 @@ LLAMA, DIFFLLAMA = "LlamaForCausalLM", "DiffLlamaForCausalLM"
 # DIFF V2 has no transformers class: its exports carry the project's own code (hf_code/),
 # which transformers loads with trust_remote_code=True.
 DIFFJAX_V2 = "DiffjaxV2ForCausalLM"
-MODEL_TYPE = {LLAMA: "llama", DIFFLLAMA: "diffllama", DIFFJAX_V2: "diffjax_v2"}
-# The code files an export of each such class carries, and its auto_map.
-REMOTE_CODE = {
-  DIFFJAX_V2: (
-    ("configuration_diffjax_v2.py", "modeling_diffjax_v2.py"),
+# The Transformer and DIFF V1 exported with the project's code instead of transformers' classes
+# (save_hf(remote_code=True)): the same tensors as the Llama and DiffLlama exports.
+DIFFJAX_TRANSFORMER, DIFFJAX_V1 = "DiffjaxTransformerForCausalLM", "DiffjaxV1ForCausalLM"
+SELF_CONTAINED = {LLAMA: DIFFJAX_TRANSFORMER, DIFFLLAMA: DIFFJAX_V1, DIFFJAX_V2: DIFFJAX_V2}
+# The class whose config fields and tensors each class shares.
+LAYOUT = {DIFFJAX_TRANSFORMER: LLAMA, DIFFJAX_V1: DIFFLLAMA}
+MODEL_TYPE = {
+  LLAMA: "llama",
+  DIFFLLAMA: "diffllama",
+  DIFFJAX_V2: "diffjax_v2",
+  DIFFJAX_TRANSFORMER: "diffjax_transformer",
+  DIFFJAX_V1: "diffjax_v1",
+}
+
+
+def _remote(files: str, config: str, model: str) -> tuple[tuple[str, str], dict[str, str]]:
+  return (
+    (f"configuration_{files}.py", f"modeling_{files}.py"),
     {
-      "AutoConfig": "configuration_diffjax_v2.DiffjaxV2Config",
-      "AutoModel": "modeling_diffjax_v2.DiffjaxV2Model",
-      "AutoModelForCausalLM": "modeling_diffjax_v2.DiffjaxV2ForCausalLM",
+      "AutoConfig": f"configuration_{files}.{config}",
+      "AutoModel": f"modeling_{files}.{model}Model",
+      "AutoModelForCausalLM": f"modeling_{files}.{model}ForCausalLM",
     },
   )
+
+
+# The code files an export of each such class carries, and its auto_map.
+REMOTE_CODE = {
+  DIFFJAX_V2: _remote("diffjax_v2", "DiffjaxV2Config", "DiffjaxV2"),
+  DIFFJAX_TRANSFORMER: _remote("diffjax", "DiffjaxTransformerConfig", "DiffjaxTransformer"),
+  DIFFJAX_V1: _remote("diffjax", "DiffjaxV1Config", "DiffjaxV1"),
 }
 # Settings that leave the parameters unchanged, which a caller may choose when importing.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "implementation", "block_sizes", "interpret", "remat")
@@ -37,8 +57,13 @@ DEFAULT_MAX_POSITIONS = 2048
 
 
 def arm_of() -> dict[str, str]:
-  """transformers class -> the arm it holds, for every registered arm that has one."""
-  return {a.hf_architecture: a.name for a in arms.all_arms() if a.hf_architecture in MODEL_TYPE}
+  """transformers class -> the arm it holds, for every registered arm that has one (its
+  transformers class and its class with the project's code)."""
+  out = {}
+  for a in arms.all_arms():
+    if a.hf_architecture in MODEL_TYPE:
+      out[a.hf_architecture] = out[SELF_CONTAINED[a.hf_architecture]] = a.name
+  return out
 
 
 def architecture_of(cfg: ModelConfig) -> str:
@@ -197,6 +222,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     )
   arch = architecture(hf)
   arm = arm_of()[arch]
+  arch = LAYOUT.get(arch, arch)
   hidden, heads, kv_heads, head_dim = _attention_shape(hf, arch)
   _refuse_unmodelled(hf, arch)
   eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arch == LLAMA else 1e-5)
@@ -251,18 +277,21 @@ def hf_config_from_model(
   eos_token_id: int | None = None,
   pad_token_id: int | None = None,
   max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
+  remote_code: bool = False,
 ) -> dict[str, Any]:
-  """The config.json transformers writes for the same model (its keys, in its format).
+  """The config.json transformers writes for the same model (its keys, in its format);
+  ``remote_code``: for the class with the project's code (always so for DIFF V2).
 
   Raises :class:`ConversionError` for a model no transformers class computes exactly.
   """
   check_exportable(cfg)
   arch = architecture_of(cfg)
+  named = SELF_CONTAINED[arch] if remote_code else arch
   diff = arch == DIFFLLAMA
   heads = 2 * cfg.num_heads if arch in (DIFFLLAMA, DIFFJAX_V2) else cfg.num_heads
   kv_heads = 2 * cfg.num_kv_heads if diff else cfg.num_kv_heads
   out: dict[str, Any] = {
-    "architectures": [arch],
+    "architectures": [named],
     "attention_bias": False,
     "attention_dropout": 0.0,
     "bos_token_id": bos_token_id,
@@ -274,7 +303,7 @@ def hf_config_from_model(
     "initializer_range": cfg.init_std,
     "intermediate_size": cfg.mlp_dim,
     "max_position_embeddings": max_position_embeddings,
-    "model_type": MODEL_TYPE[arch],
+    "model_type": MODEL_TYPE[named],
     "num_attention_heads": heads,
     "num_hidden_layers": cfg.num_layers,
     "num_key_value_heads": kv_heads,
@@ -290,8 +319,8 @@ def hf_config_from_model(
   else:
     out["mlp_bias"] = False
     out["pretraining_tp"] = 1
-  if arch in REMOTE_CODE:
-    out["auto_map"] = dict(REMOTE_CODE[arch][1])
+  if named in REMOTE_CODE:
+    out["auto_map"] = dict(REMOTE_CODE[named][1])
   if arch == DIFFJAX_V2:
     out["v2_pairing"], out["v2_lambda"] = cfg.v2_pairing, cfg.v2_lambda
   return out
