@@ -271,6 +271,7 @@ def main() -> None:
   p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
   p.add_argument("--new", type=int, default=64, help="new tokens per request")
   p.add_argument("--slots", type=int, default=32, help="the server's slots")
+  p.add_argument("--context", type=int, default=256, help="the server's context")
   p.add_argument("--decode_chunk", type=int, default=4)
   p.add_argument("--load_seconds", type=float, default=120.0, help="the load run (0: none)")
   p.add_argument("--no_torch", action="store_true", help="leave out transformers' row")
@@ -283,7 +284,7 @@ def main() -> None:
   from diffjax.data import ByteTokenizer  # pylint: disable=import-outside-toplevel
 
   model, source = _model(a)
-  context = 256
+  context = a.context
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []

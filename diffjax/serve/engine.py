@@ -4,11 +4,13 @@
 each layer's cache holds K1, K2 and the 2d-wide V; for DIFF V2 and the Transformer, K and V:
 whatever the model's ``init_cache`` makes). A thread runs the loop:
 
-1. *admit*: while a slot is free and a job waits, prefill the job's prompt into that slot (one
-   program per prompt bucket: the prompt is padded to a power of two), which also picks the
-   job's first token and, when asked, scores every prompt token (``echo``);
-2. *decode*: run ``decode_chunk`` steps over all slots at once (one program), each row at its
-   own position with its own sampling options and random key;
+1. *admit*: while a slot is free and a job waits, prefill the job's prompt into that slot (up
+   to ``max_prefill`` prompts in one call; one program per bucket of rows and prompt width,
+   both powers of two), which also picks the job's first token and, when asked, scores every
+   prompt token (``echo``);
+2. *decode*: run ``decode_chunk`` steps over the slots in use at once, each row at its own
+   position with its own sampling options and random key (one program per bucket of leading
+   rows and cache slots read);
 3. hand each job its tokens; a job that meets a stop token, its ``max_tokens`` or a cancel
    frees its slot for step 1.
 
@@ -176,6 +178,7 @@ class Engine:
       chunk, so a larger chunk costs less host time and adds up to ``decode_chunk - 1``
       wasted steps per finished row.
     max_waiting: jobs held beyond the slots; :meth:`submit` raises :class:`QueueFull` past it.
+    max_prefill: prompts prefilled together at most (jobs admitted at once share a call).
     pad_id: the token fed to free slots and prompt padding.
     mesh, rules: decode sharded over a device mesh (rows over data/fsdp, heads over tensor).
   """
@@ -188,14 +191,15 @@ class Engine:
     context: int | None = None,
     decode_chunk: int = 4,
     max_waiting: int = 256,
+    max_prefill: int = 4,
     pad_id: int = 0,
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
   ):
-    if slots < 1 or decode_chunk < 1 or max_waiting < 0:
+    if min(slots, decode_chunk, max_prefill) < 1 or max_waiting < 0:
       raise ValueError(
-        f"slots={slots} and decode_chunk={decode_chunk} must be at least 1 and "
-        f"max_waiting={max_waiting} at least 0."
+        f"slots={slots}, decode_chunk={decode_chunk} and max_prefill={max_prefill} must be at "
+        f"least 1 and max_waiting={max_waiting} at least 0."
       )
     vocab = model.config.vocab_size
     if not 0 <= pad_id < vocab:
@@ -218,6 +222,10 @@ class Engine:
     self.pad_id = int(pad_id)
     self.buckets = tuple(
       sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
+    )
+    # Prompts are prefilled up to max_prefill rows at a time (a program per power of two).
+    self.prefill_rows = tuple(
+      sorted({bucket(n) for n in range(1, min(max_prefill, self.slots) + 1)})
     )
     # A decode program per (rows, slots read): the leading rows that hold jobs (jobs take the
     # lowest free slot) and the cache slots their lengths reach, each a power of two.
@@ -331,43 +339,48 @@ class Engine:
       args += (f32(s), i32(s), f32(s), i32(s))
       fn = decode
     else:
-      width = name[1]
+      rows, width = name[1], name[2]
+      n_top = min(MAX_TOP_LOGPROBS, self.vocab_size)
 
-      def prefill(leaves, cache, prompt_1xT, n, slot, temp, topk, topp, seed, echo):
+      def prefill(
+        leaves, cache, prompt_PxT, n_P, slot_P, valid_P, temp_P, topk_P, topp_P, seed_P, echo
+      ):
         model = self._merge(leaves)
-        # The prompt's own cache, as wide as the prompt bucket, then copied into the slot's
-        # first positions (the rest of the row keeps stale values no length reaches).
-        row = model.init_cache(1, width)
-        logits_1xTxV, row = model(prompt_1xT, cache=row, cache_lengths_B=jnp.zeros((1,), jnp.int32))
-        cache = jax.tree.map(
-          lambda big, one, ax: jax.lax.dynamic_update_slice(
-            big, one.astype(big.dtype), tuple(slot if i == ax else 0 for i in range(big.ndim))
-          ),
-          cache,
-          row,
-          axes,
-        )
-        last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xTxV[0], n - 1, 1, axis=0)
-        key = jax.random.fold_in(jax.random.key(seed), 0)
-        first = _pick(last_1xV, temp[None], topk[None], topp[None], key[None])
+        # The prompts' own cache, as wide as their bucket; each row is then copied into its
+        # slot's first positions (the rest of a slot keeps stale values no length reaches).
+        # A padding row (valid False) writes back what its slot holds.
+        fresh = model.init_cache(rows, width)
+        logits_PxTxV, fresh = model(prompt_PxT, cache=fresh, cache_lengths_B=jnp.zeros_like(n_P))
+        for p in range(rows):
+
+          def put(big, new, ax, p=p):
+            piece = jax.lax.slice_in_dim(new, p, p + 1, axis=ax).astype(big.dtype)
+            start = tuple(slot_P[p] if i == ax else 0 for i in range(big.ndim))
+            old = jax.lax.dynamic_slice(big, start, piece.shape)
+            return jax.lax.dynamic_update_slice(big, jnp.where(valid_P[p], piece, old), start)
+
+          cache = jax.tree.map(put, cache, fresh, axes)
+        last_PxV = jnp.take_along_axis(logits_PxTxV, (n_P - 1)[:, None, None], axis=1)[:, 0]
+        keys_P = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(seed_P)
+        first = _pick(last_PxV, temp_P, topk_P, topp_P, keys_P)
 
         def scored(_):  # log p(prompt[t] | prompt[:t]) and the alternatives, at t = 1..T-1
-          logp_TxV = jax.nn.log_softmax(logits_1xTxV[0, :-1].astype(jnp.float32), axis=-1)
-          lp_T = jnp.take_along_axis(logp_TxV, prompt_1xT[0, 1:, None], axis=-1)[:, 0]
-          top_lp, top_id = jax.lax.top_k(logp_TxV, min(MAX_TOP_LOGPROBS, self.vocab_size))
-          return lp_T, top_id.astype(jnp.int32), top_lp
+          logp = jax.nn.log_softmax(logits_PxTxV[:, :-1].astype(jnp.float32), axis=-1)
+          lp_PxT = jnp.take_along_axis(logp, prompt_PxT[:, 1:, None], axis=-1)[..., 0]
+          top_lp, top_id = jax.lax.top_k(logp, n_top)
+          return lp_PxT, top_id.astype(jnp.int32), top_lp
 
-        n_top = min(MAX_TOP_LOGPROBS, self.vocab_size)
         zeros = (
-          jnp.zeros((width - 1,), jnp.float32),
-          jnp.zeros((width - 1, n_top), jnp.int32),
-          jnp.zeros((width - 1, n_top), jnp.float32),
+          jnp.zeros((rows, width - 1), jnp.float32),
+          jnp.zeros((rows, width - 1, n_top), jnp.int32),
+          jnp.zeros((rows, width - 1, n_top), jnp.float32),
         )
         prompt_scores = jax.lax.cond(echo, scored, lambda _: zeros, None)
         return cache, first, prompt_scores
 
-      args = (leaves, cache, i32(1, width), i32(), i32(), f32(), i32(), f32(), i32())
-      args += (jax.ShapeDtypeStruct((), bool),)
+      p = rows
+      args = (leaves, cache, i32(p, width), i32(p), i32(p), jax.ShapeDtypeStruct((p,), bool))
+      args += (f32(p), i32(p), f32(p), i32(p), jax.ShapeDtypeStruct((), bool))
       fn = prefill
     with self._context(rows=name[0] == "decode"):
       if self.mesh is None:
@@ -383,7 +396,7 @@ class Engine:
     """Every program the engine runs: ``("decode", rows, slots read)`` and ``("prefill",
     prompt bucket)``."""
     decode = [("decode", r, w) for r in self.row_buckets for w in self.windows]
-    return [*decode, *(("prefill", w) for w in self.buckets)]
+    return [*decode, *(("prefill", r, w) for r in self.prefill_rows for w in self.buckets)]
 
   def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles every program (one decode program, one prefill per prompt bucket); returns the
@@ -396,7 +409,7 @@ class Engine:
         what = (
           f"decode of {name[1]} row{'s' * (name[1] > 1)} over {name[2]} cache slots"
           if name[0] == "decode"
-          else f"prefill of {name[1]} tokens"
+          else f"prefill of {name[1]} prompt{'s' * (name[1] > 1)} of {name[2]} tokens"
         )
         progress(f"compiled {what} in {time.perf_counter() - t1:.1f} s")
     return time.perf_counter() - t0
@@ -499,10 +512,9 @@ class Engine:
               self._finish(job, "cancelled")
               continue
             admit.append((free.pop(0), job))
-        self._admitting = [job for _, job in admit]
-        for slot, job in admit:
-          self._admit(slot, job)
-          self._admitting.remove(job)
+        if admit:
+          self._admit(admit)
+        self._admitting = []
         if any(s is not None for s in self._slots):
           self._decode()
     except Exception as e:  # noqa: BLE001 - every job hears of it, then the server reports it
@@ -526,42 +538,57 @@ class Engine:
     self.counts[f"finished_{reason}"] += 1
     job.on_event(DoneEvent(reason, message))
 
-  def _admit(self, slot: int, job: Job) -> None:
-    n = len(job.prompt)
-    width = min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length)
-    prompt = np.full((1, width), self.pad_id, np.int32)
-    prompt[0, :n] = job.prompt
-    seed = job.seed % 2**31  # the programs take an int32
-    program = self._program(("prefill", width))
-    self._cache, first, scores = program(
-      self._leaves,
-      self._cache,
-      prompt,
-      np.int32(n),
-      np.int32(slot),
-      np.float32(job.temperature),
-      np.int32(job.top_k),
-      np.float32(job.top_p),
-      np.int32(seed),
-      np.bool_(job.echo),
+  def _admit(self, admitted: list[tuple[int, Job]]) -> None:
+    """Prefills ``(slot, job)`` pairs, a few at a time (up to the largest prefill bucket, the
+    prompts of similar lengths together)."""
+    admitted = sorted(admitted, key=lambda a: len(a[1].prompt))
+    most = self.prefill_rows[-1]
+    for start in range(0, len(admitted), most):
+      group = admitted[start : start + most]
+      self._admitting = [job for _, job in admitted[start:]]
+      self._prefill(group)
+
+  def _prefill(self, group: list[tuple[int, Job]]) -> None:
+    rows = next(r for r in self.prefill_rows if r >= len(group))
+    longest = max(len(job.prompt) for _, job in group)
+    width = min(bucket(longest, MIN_PROMPT_BUCKET), self.cache_length)
+    prompt = np.full((rows, width), self.pad_id, np.int32)
+    n, slot = np.ones(rows, np.int32), np.zeros(rows, np.int32)
+    valid = np.arange(rows) < len(group)
+    temp, topk, topp = (
+      np.zeros(rows, np.float32),
+      np.zeros(rows, np.int32),
+      np.ones(rows, np.float32),
+    )
+    seed = np.zeros(rows, np.int32)
+    for p, (s, job) in enumerate(group):
+      prompt[p, : len(job.prompt)] = job.prompt
+      n[p], slot[p], seed[p] = len(job.prompt), s, job.seed % 2**31  # the programs take int32
+      temp[p], topk[p], topp[p] = job.temperature, job.top_k, job.top_p
+    echo = any(job.echo for _, job in group)
+    self._cache, first, scores = self._program(("prefill", rows, width))(
+      self._leaves, self._cache, prompt, n, slot, valid, temp, topk, topp, seed, np.bool_(echo)
     )
     self.counts["prefills"] += 1
-    if job.echo:
-      lp, top_id, top_lp = jax.device_get(scores)
-      k = job.top_logprobs
-      job.on_event(
-        PromptEvent(
-          (None, *(float(x) for x in lp[: n - 1])),
-          (None, *(_alternatives(top_id[t], top_lp[t], k) for t in range(n - 1))),
+    toks, lps, top_ids, top_lps = jax.device_get(first)
+    if echo:
+      scored = jax.device_get(scores)
+    for p, (s, job) in enumerate(group):
+      k = len(job.prompt)
+      if job.echo:
+        lp, top_id, top_lp = (x[p] for x in scored)
+        job.on_event(
+          PromptEvent(
+            (None, *(float(x) for x in lp[: k - 1])),
+            (None, *(_alternatives(top_id[t], top_lp[t], job.top_logprobs) for t in range(k - 1))),
+          )
         )
-      )
-    if job.max_tokens == 0:
-      self._finish(job, "length")
-      return
-    tok, lp, top_id, top_lp = jax.device_get(first)
-    state = _Slot(job, generated=0, pos=n, seed=seed)
-    if self._take(state, int(tok[0]), float(lp[0]), top_id[0], top_lp[0]):
-      self._slots[slot] = state
+      if job.max_tokens == 0:
+        self._finish(job, "length")
+        continue
+      state = _Slot(job, generated=0, pos=k, seed=int(seed[p]))
+      if self._take(state, int(toks[p]), float(lps[p]), top_ids[p], top_lps[p]):
+        self._slots[s] = state
 
   def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp) -> bool:
     """Hands one token to the slot's job; False when the job ended with it."""

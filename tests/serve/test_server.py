@@ -38,7 +38,7 @@ EOS = ByteTokenizer().eos_id
 @pytest.fixture(scope="module")
 def served():
   model = tiny_model("diff_v1")
-  engine = Engine(model, slots=4, context=64, decode_chunk=3, max_waiting=8)
+  engine = Engine(model, slots=4, context=64, decode_chunk=3, max_waiting=8, max_prefill=2)
   engine.warm_up()
   server = Server(engine.start(), ByteTokenizer(), model_name="tiny", chat_template=TEMPLATE)
   with ServerThread(engine, server) as thread:
