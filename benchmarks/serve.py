@@ -24,7 +24,9 @@ Peers, timed on the same requests:
   transformers is not installed).
 
 Warm-up requests run before timing (the server compiles everything at start). The table gives
-requests/s, new tokens/s and per-request latency percentiles, then the ratio of the server's new
+requests/s, new tokens/s and per-request latency percentiles; a second table times one call of
+the engine's decode program for a few (rows, cache slots read), measured before the server
+starts, which shows what batching can gain on the machine; then the ratio of the server's new
 tokens/s with 8 clients to the two sequential ways of serving: the same server with one client,
 and ``diffjax.generate`` one request at a time.
 
@@ -44,6 +46,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -231,6 +234,32 @@ async def _load_run(url, references, seconds: float, n_clients: int, seed: int):
   return counts, failures
 
 
+def _decode_program_times(model, slots: int, chunk: int, context: int) -> list[str]:
+  """Table rows: the time of one call of the engine's decode program for some (rows, cache
+  slots read), median of 20 calls after one."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
+
+  engine = Engine(model, slots=slots, context=context, decode_chunk=chunk)
+  out = []
+  for rows in sorted({1, min(8, slots), slots}):
+    for window in engine.windows:
+      program = engine._program(("decode", rows, window))  # pylint: disable=protected-access
+      args = [np.zeros(rows, np.int32), np.full(rows, 40, np.int32), np.ones(rows, bool)]
+      args += [np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32)]
+      args += [np.ones(rows, np.float32), np.zeros(rows, np.int32)]
+      times = []
+      for _ in range(21):
+        t0 = time.perf_counter()
+        engine._cache, got = program(engine._leaves, engine._cache, *args)  # pylint: disable=protected-access
+        jax.block_until_ready(got)
+        times.append(time.perf_counter() - t0)
+      ms = statistics.median(times[1:]) * 1e3
+      out.append(f"| {rows} | {window} | {ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |")
+  return out
+
+
 def _start_server(args, path_flag: str, context: int):
   """``python -m diffjax.serve`` in a child process: (process, base url, warm-up line)."""
   import re  # pylint: disable=import-outside-toplevel
@@ -285,6 +314,7 @@ def main() -> None:
 
   model, source = _model(a)
   context = a.context
+  program_rows = _decode_program_times(model, a.slots, a.decode_chunk, context)
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []
@@ -331,6 +361,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for row in rows:
       print(_row(*row, a.new) if len(row) == 3 else f"| {row[0]} | | | | | | |")
+    print(f"\nOne call of the engine's decode program ({a.decode_chunk} steps), in this process:")
+    print("| rows | cache slots read | ms per call | tokens/s of the call |")
+    print("|---|---|---|---|")
+    print("\n".join(program_rows))
     rate = {name: len(lat) * a.new / wall for name, wall, lat in (r for r in rows if len(r) == 3)}
     if "server, 8 clients" in rate:
       for peer in ("server, 1 client", "diffjax.generate, one at a time"):
