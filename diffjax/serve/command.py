@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     "--decode_chunk", type=int, default=4, help="decode steps per program call (default 4)"
   )
   p.add_argument(
+    "--max_prefill", type=int, default=4, help="prompts prefilled in one call at most (default 4)"
+  )
+  p.add_argument(
     "--max_waiting",
     type=int,
     default=256,
@@ -80,7 +83,7 @@ def build(args: argparse.Namespace, progress=print):
   from diffjax.serve.app import Server  # pylint: disable=import-outside-toplevel
   from diffjax.serve.engine import Engine  # pylint: disable=import-outside-toplevel
 
-  for name in ("slots", "decode_chunk"):
+  for name in ("slots", "decode_chunk", "max_prefill"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name}={getattr(args, name)} must be at least 1.")
   if args.context is not None and args.context < 2:
@@ -95,16 +98,18 @@ def build(args: argparse.Namespace, progress=print):
       )
     with open(args.chat_template, encoding="utf-8") as f:
       template = f.read()
-  loaded = load_model(args.workdir, args.hf_dir, args.step)
-  tokenizer = model_tokenizer(loaded, loaded.model, args.tokenizer)
-  mesh = None
+  shape = None
   if args.mesh:
-    from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
-
     try:
       shape = [int(x) for x in args.mesh.split(",")]
     except ValueError:
       raise ValueError(f"--mesh={args.mesh!r} must be comma-separated sizes, e.g. 2,1,1.") from None
+  loaded = load_model(args.workdir, args.hf_dir, args.step)
+  tokenizer = model_tokenizer(loaded, loaded.model, args.tokenizer)
+  mesh = None
+  if shape is not None:
+    from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+
     mesh = shd.make_mesh(shape)
   engine = Engine(
     loaded.model,
@@ -112,6 +117,7 @@ def build(args: argparse.Namespace, progress=print):
     context=args.context or loaded.context,
     decode_chunk=args.decode_chunk,
     max_waiting=args.max_waiting,
+    max_prefill=args.max_prefill,
     pad_id=int(tokenizer.pad_id) if tokenizer.pad_id < loaded.model.config.vocab_size else 0,
     mesh=mesh,
   )

@@ -308,3 +308,22 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
     assert reason == "length" and made == 400 and "0 requests cancelled" in rest
   else:
     assert reason == "abort" and made < 400 and "1 requests cancelled" in rest
+
+
+@pytest.mark.parametrize(
+  "args, needle",
+  [
+    (["--workdir={missing}"], "is not a directory: give the workdir of a train.py run"),
+    (["--workdir={missing}", "--slots=0"], "--slots=0 must be at least 1"),
+    (["--workdir={missing}", "--chat_template={missing}"], "--chat_template="),
+    (["--workdir={missing}", "--port=70000"], "--port=70000"),
+    (["--workdir={missing}", "--mesh=two"], "--mesh='two'"),
+  ],
+)
+def test_bad_arguments_are_one_error_line(args, needle, tmp_path, capsys):
+  from diffjax.serve.command import main  # pylint: disable=import-outside-toplevel
+
+  missing = tmp_path / "nothing_here"
+  assert main([a.format(missing=missing) for a in args]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: ") and needle in err[-1], err[-3:]
