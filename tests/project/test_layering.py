@@ -43,6 +43,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     "diffjax.convert",
     "diffjax.eval.harness",
   ),
+  # The server runs the generation layer's programs over runs and HF directories.
+  ("diffjax.serve",),
 )
 
 

@@ -47,7 +47,10 @@ _FENCE = re.compile(r"^[ \t]*```([^\n`]*)\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 _LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_SEPARATORS = {"&&", "||", ";", "|"}
+_SEPARATORS = {"&&", "||", ";", "|", "&"}
+# Commands of other programs that the pages show beside the project's (an HTTP request, a shell
+# loop waiting for a server, lm-eval's own command line): nothing here can run them.
+_OTHER_PROGRAMS = {"curl", "until", "do", "done", "sleep", "kill", "lm-eval"}
 
 
 def _rel(path: str) -> str:
@@ -92,7 +95,9 @@ def shell_blocks(path: str) -> list[list[str]]:
 def commands(command_line: str) -> list[list[str]]:
   """The words of each command in one shell command line (split at ``&&``, ``||``, ``;``
   and ``|``; leading ``VAR=value`` assignments skipped)."""
-  words = shlex.split(command_line)
+  words = []
+  for w in shlex.split(command_line):  # "x;" is "x" then ";"
+    words += [w[:-1], ";"] if len(w) > 1 and w.endswith(";") else [w]
   out, current = [], []
   for w in words + ["&&"]:
     if w in _SEPARATORS:
@@ -407,6 +412,8 @@ def _run_command(cmd: list[str]) -> str | None:
     return None  # making and entering a virtual environment
   if cmd[0] == "pip":
     return "; ".join(_install_problems(cmd)) or None
+  if cmd[0] in _OTHER_PROGRAMS:
+    return None
   if cmd[0] in _console_scripts():  # an installed script runs its module's main
     cmd = ["python", "-m", _console_scripts()[cmd[0]].split(":")[0], *cmd[1:]]
   if not _PYTHON.match(cmd[0]):
