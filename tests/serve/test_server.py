@@ -266,7 +266,7 @@ def _start(workdir, *flags):
 
 
 @pytest.mark.integration  # two server processes on a trained run
-@pytest.mark.parametrize("drain, finished", [(60.0, True), (0.2, False)])
+@pytest.mark.parametrize("drain, finished", [(60.0, True), (0.0, False)])
 def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
   trained_run, drain, finished
 ):
@@ -274,13 +274,14 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
 
   proc, url, lines = _start(
     trained_run("diff_v1", small=True),
-    "--context=512",
+    "--context=2100",
+    "--slots=1",
     "--decode_chunk=1",
     f"--drain_seconds={drain}",
     "--model_name=run",
   )
   try:
-    body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": "x", "max_tokens": 2000, "stream": True, "ignore_eos": True, "temperature": 0}
     body["stream_options"] = {"include_usage": True}
     events = []
     with requests.post(f"{url}/completions", json=body, stream=True, timeout=120) as r:
@@ -305,9 +306,9 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
   reason = chunks[-1]["choices"][0]["finish_reason"]
   made = usage["usage"]["completion_tokens"]
   if finished:  # every token arrived
-    assert reason == "length" and made == 400 and "0 requests cancelled" in rest
+    assert reason == "length" and made == 2000 and "0 requests cancelled" in rest
   else:
-    assert reason == "abort" and made < 400 and "1 requests cancelled" in rest
+    assert reason == "abort" and made < 2000 and "1 requests cancelled" in rest
 
 
 @pytest.mark.parametrize(
