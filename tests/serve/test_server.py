@@ -328,3 +328,46 @@ def test_bad_arguments_are_one_error_line(args, needle, tmp_path, capsys):
   assert main([a.format(missing=missing) for a in args]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("error: ") and needle in err[-1], err[-3:]
+
+
+def test_an_hf_directory_is_served_with_its_tokenizer_and_chat_template(tmp_path):
+  """``--hf_dir``: an export with its byte tokenizer files and a chat_template.jinja beside them."""
+  import argparse  # pylint: disable=import-outside-toplevel
+
+  from diffjax.convert import save_hf  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.command import build  # pylint: disable=import-outside-toplevel
+
+  model = tiny_model("transformer")
+  export = tmp_path / "exported"
+  save_hf(model, str(export), tokenizer=ByteTokenizer(), max_position_embeddings=48)
+  (export / "chat_template.jinja").write_text(TEMPLATE)
+  args = argparse.Namespace(
+    workdir=None,
+    hf_dir=str(export),
+    step=None,
+    tokenizer=None,
+    model_name=None,
+    slots=2,
+    context=None,
+    decode_chunk=2,
+    max_prefill=2,
+    max_waiting=4,
+    chat_template=None,
+    mesh=None,
+    port=0,
+  )
+  engine, server = build(args, progress=lambda line: None)
+  assert server.model_name == "exported" and engine.context == 48
+  with ServerThread(engine, server) as thread:
+    client = openai.OpenAI(base_url=thread.url, api_key="unused")
+    out = client.completions.create(model="exported", prompt="ab", max_tokens=5, temperature=0)
+    want = bytes(t for t in _greedy(model, [97, 98], 5) if t < 256).decode("utf-8", "replace")
+    assert out.choices[0].text == want
+    chat = client.chat.completions.create(
+      model="exported", messages=[{"role": "user", "content": "ab"}], max_tokens=3, temperature=0
+    )
+    rendered = "<user>ab\n<assistant>"
+    ids = list(rendered.encode())
+    assert chat.choices[0].message.content == bytes(
+      t for t in _greedy(model, ids, 3) if t < 256
+    ).decode("utf-8", "replace")
