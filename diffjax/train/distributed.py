@@ -64,10 +64,10 @@ def maybe_initialize(section: DistributedConfig | None = None) -> bool:
       num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
       process_id=int(os.environ["DIFFJAX_PROCESS_ID"]),
     )
-  timeout = section.peer_timeout_s
-  # The runtime aborts the survivors of a lost peer after its own heartbeat timeout; keep it
-  # well above the watchdog's, so the watchdog's one line and exit status come first.
-  kwargs["heartbeat_timeout_seconds"] = int(max(100, 3 * timeout))
+  # The runtime aborts the survivors of a lost peer after its own heartbeat timeout, which is
+  # kept above the watchdog's (distributed.heartbeat_timeout_s), so the watchdog's one line and
+  # exit status come first.
+  kwargs["heartbeat_timeout_seconds"] = section.runtime_heartbeat_s()
   jax.distributed.initialize(**kwargs)
   _DONE = True
   return True

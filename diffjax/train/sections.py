@@ -46,6 +46,7 @@ FLOAT_RANGES = (
   ("model.init_std", 0.0, None, True, False),
   ("model.diff_fixed_lambda", None, None, False, False),
   ("distributed.peer_timeout_s", 0.0, None, True, False),
+  ("distributed.heartbeat_timeout_s", 0.0, None, True, False),
 )
 
 
@@ -438,6 +439,26 @@ class DistributedConfig(Section):
   initialize: bool | None = None
   # A process whose peer stops answering this long says so and exits (75).
   peer_timeout_s: float = 60.0
+  # The distributed runtime's own lost-peer timeout (jax.distributed.initialize's
+  # heartbeat_timeout_seconds), after which it aborts the survivors itself; None: the larger
+  # of 100 s and 3 x peer_timeout_s. It must exceed peer_timeout_s, so that the watchdog's
+  # one line and exit status come first.
+  heartbeat_timeout_s: float | None = None
+
+  def _check(self) -> None:
+    beat = self.heartbeat_timeout_s
+    if beat is not None and beat <= self.peer_timeout_s:
+      raise ValueError(
+        f"distributed.heartbeat_timeout_s={beat:g} must exceed distributed.peer_timeout_s="
+        f"{self.peer_timeout_s:g}: the runtime would abort the processes before the watchdog "
+        "says which peer was lost; raise it, or lower peer_timeout_s."
+      )
+
+  def runtime_heartbeat_s(self) -> int:
+    """The heartbeat timeout passed to ``jax.distributed.initialize`` (whole seconds)."""
+    beat = self.heartbeat_timeout_s
+    return int(math.ceil(beat)) if beat is not None else int(max(100, 3 * self.peer_timeout_s))
+
   # With several processes, train.py trains in a child process, so that a lost coordinator
   # is said in one line too (diffjax/train/supervise.py).
   supervise: bool = True

@@ -106,6 +106,8 @@ def test_sections_given_as_mappings_are_resolved_and_checked():
     ("mesh.num_devices", -1, r"mesh.num_devices=-1 must be 0 \(every device\) or a device count"),
     ("profile.steps", (5, 2), r"profile.steps=\(5, 2\) must be \(first, last\)"),
     ("distributed.peer_timeout_s", 0.0, "distributed.peer_timeout_s=0.0 must be a finite"),
+    ("distributed.heartbeat_timeout_s", 60.0, "must exceed distributed.peer_timeout_s=60"),
+    ("distributed.heartbeat_timeout_s", -1.0, "distributed.heartbeat_timeout_s=-1.0 must be"),
     ("task_mix.task", "sorting", "task_mix.task='sorting' is not one of"),
     ("model.arm", "gpt", "model.arm='gpt' is not one of"),
   ],

@@ -204,3 +204,22 @@ def test_supervision_is_wanted_only_for_several_processes(monkeypatch):
   assert not supervise.wanted(DistributedConfig(supervise=False))
   monkeypatch.setenv(supervise.ENV, "1")  # the child itself
   assert not supervise.wanted(c)
+
+
+@pytest.mark.parametrize(
+  "peer, beat, want", [(60.0, None, 180), (10.0, None, 100), (10.0, 20.5, 21), (5.0, 30.0, 30)]
+)
+def test_the_runtime_gets_the_run_heartbeat_timeout(monkeypatch, peer, beat, want):
+  from diffjax.train import distributed  # pylint: disable=import-outside-toplevel
+  from diffjax.train.sections import DistributedConfig  # pylint: disable=import-outside-toplevel
+
+  calls = []
+  monkeypatch.setattr(distributed, "_DONE", False)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setenv("DIFFJAX_COORDINATOR", "127.0.0.1:1")
+  monkeypatch.setenv("DIFFJAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("DIFFJAX_PROCESS_ID", "0")
+  section = DistributedConfig(initialize=True, peer_timeout_s=peer, heartbeat_timeout_s=beat)
+  assert distributed.maybe_initialize(section)
+  (kw,) = calls
+  assert kw["heartbeat_timeout_seconds"] == want and kw["num_processes"] == 2
