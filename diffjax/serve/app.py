@@ -475,12 +475,17 @@ class Server:
         "template), or use /v1/completions.",
         param="messages",
       )
-    return self._template.render(
-      messages=clean,
-      add_generation_prompt=body.get("add_generation_prompt", True),
-      bos_token="",
-      eos_token=self.eos_text,
-    )
+    try:
+      return self._template.render(
+        messages=clean,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        bos_token="",
+        eos_token=self.eos_text,
+      )
+    except Exception as e:  # noqa: BLE001 - a template may raise anything (raise_exception, ...)
+      raise RequestError(
+        f"the chat template cannot render these messages: {type(e).__name__}: {e}", param="messages"
+      ) from None
 
   def _sampling(self, body: dict, *, chat: bool) -> dict[str, Any]:
     """The sampling and length options of a request, checked."""

@@ -164,6 +164,8 @@ def _post(url, path, body, **kw):
     ("/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
     ("/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
     ("/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "must be text"),
+    ("/chat/completions", {"messages": [{"role": "x", "content": "y"}], "n": 0}, 400, "n=0"),
     ("/nowhere", {}, 404, "Not Found"),
   ],
 )
@@ -179,12 +181,19 @@ def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(
   assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-def test_a_chat_request_without_a_template_is_refused_in_one_line():
+@pytest.mark.parametrize(
+  "template, needle",
+  [
+    (None, "--chat_template=FILE"),
+    ("{{ messages[3]['content'] }}", "cannot render these messages"),
+  ],
+)
+def test_a_chat_request_without_a_usable_template_is_refused_in_one_line(template, needle):
   engine = Engine(tiny_model("transformer"), slots=1, context=32)
-  server = Server(engine.start(), ByteTokenizer(), model_name="plain")
+  server = Server(engine.start(), ByteTokenizer(), model_name="plain", chat_template=template)
   with ServerThread(engine, server) as thread:
     r = _post(thread.url, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and "--chat_template=FILE" in r.json()["error"]["message"]
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
   engine.stop(cancel=True)
 
 
