@@ -148,11 +148,13 @@ def test_top_k_1_samples_the_greedy_token(warm):
 
 def test_a_cancelled_job_frees_its_slot_and_waiting_jobs_run():
   model = tiny_model("diff_v1")
-  engine = Engine(model, slots=1, context=128, decode_chunk=2, max_waiting=1).start()
+  # A job long enough to be in flight while the checks run (2,000 tokens, a program call per
+  # token, the larger cache windows compiled as it reaches them).
+  engine = Engine(model, slots=1, context=2100, decode_chunk=1, max_waiting=1).start()
   try:
     got = Collect()
     first_token = threading.Event()
-    long = got.job("long", [1, 2, 3], max_tokens=100)
+    long = got.job("long", [1, 2, 3], max_tokens=2000)
     inner = long.on_event
 
     def on_event(ev):
@@ -167,7 +169,7 @@ def test_a_cancelled_job_frees_its_slot_and_waiting_jobs_run():
     assert first_token.wait(60)
     long.cancel()
     got.wait(2)
-    assert got.done["long"].reason == "cancelled" and len(got.tokens["long"]) < 100
+    assert got.done["long"].reason == "cancelled" and len(got.tokens["long"]) < 2000
     assert got.done["next"].reason == "length" and len(got.tokens["next"]) == 3
     assert engine.load()["running"] == 0
   finally:
