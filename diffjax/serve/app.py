@@ -612,112 +612,83 @@ class Server:
     body = await self._body(request)
     opts = self._sampling(body, chat=False)
     prompts = self._prompts(body)
-    choices, queue = self._choices(prompts, opts)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-    try:
-      if opts["stream"]:
-        return await self._stream_completions(request, head, choices, queue, opts)
-      async for _ in self._events(choices, queue):
-        pass
-      self._raise_engine_error(choices)
-      out = []
-      for c in choices:
-        text = (c.prompt_text if c.echo else "") + c.stream.text
-        entry = {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
-        if opts["logprobs"] is not None:
-          entry["logprobs"] = c.completion_logprobs()
-        out.append(entry)
-      return web.json_response(
-        {**head, "choices": out, "usage": self._usage(prompts, choices, opts)}
-      )
-    finally:
-      for c in choices:
-        if not c.done:
-          c.job.cancel()
 
-  async def _stream_completions(self, request, head, choices, queue, opts):
-    response = await self._sse(request)
-    try:
-      sent = {c.index: 0 for c in choices}
-      async for c, piece in self._events(choices, queue):
-        if c.error:
-          break
-        entry = {
-          "index": c.index,
-          "text": piece,
-          "logprobs": None,
-          "finish_reason": c.finish_reason,
-        }
-        if c.echo and sent[c.index] == 0 and c.tokens:  # the prompt first, once it is scored
-          entry["text"] = c.prompt_text + piece
-        if opts["logprobs"] is not None:
-          entry["logprobs"] = c.completion_logprobs(sent[c.index])
-        sent[c.index] = len(c.tokens)
-        if (
-          entry["text"] or c.done or (opts["logprobs"] is not None and entry["logprobs"]["tokens"])
-        ):
-          await _send(response, {**head, "choices": [entry]})
-      self._raise_engine_error(choices, response)
-      if opts["include_usage"]:
-        await _send(response, {**head, "choices": [], "usage": self._usage(None, choices, opts)})
-      await response.write(b"data: [DONE]\n\n")
-      await response.write_eof()
-      return response
-    except ConnectionError:  # the client left mid-stream: its jobs are cancelled
-      return response
+    def whole(c: Choice) -> dict:
+      text = (c.prompt_text if c.echo else "") + c.stream.text
+      logprobs = c.completion_logprobs() if opts["logprobs"] is not None else None
+      return {
+        "index": c.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+      }
+
+    return await self._answer(request, "text_completion", prompts, opts, whole)
 
   async def chat(self, request):
     body = await self._body(request)
     opts = self._sampling(body, chat=True)
     text = self._render(body)
-    prompts = [(self.encode(text), text)]
+
+    def whole(c: Choice) -> dict:
+      return {
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.stream.text},
+        "logprobs": c.chat_logprobs() if opts["logprobs"] is not None else None,
+        "finish_reason": c.finish_reason,
+      }
+
+    return await self._answer(request, "chat.completion", [(self.encode(text), text)], opts, whole)
+
+  async def _answer(self, request, kind: str, prompts, opts, whole):
+    """Runs the request's choices and answers with one JSON object (``whole`` makes each
+    choice's entry) or a stream of chunks; a choice left unfinished (the client went away) is
+    cancelled."""
     choices, queue = self._choices(prompts, opts)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+    rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
     try:
       if opts["stream"]:
-        return await self._stream_chat(request, head, choices, queue, opts)
+        return await self._stream(request, head, choices, queue, opts)
       async for _ in self._events(choices, queue):
         pass
       self._raise_engine_error(choices)
-      out = []
-      for c in choices:
-        entry = {
-          "index": c.index,
-          "message": {"role": "assistant", "content": c.stream.text},
-          "logprobs": c.chat_logprobs() if opts["logprobs"] is not None else None,
-          "finish_reason": c.finish_reason,
-        }
-        out.append(entry)
-      return web.json_response(
-        {**head, "choices": out, "usage": self._usage(prompts, choices, opts)}
-      )
+      usage = self._usage(prompts, choices, opts)
+      return web.json_response({**head, "choices": [whole(c) for c in choices], "usage": usage})
     finally:
       for c in choices:
         if not c.done:
           c.job.cancel()
 
-  async def _stream_chat(self, request, head, choices, queue, opts):
+  async def _stream(self, request, head, choices, queue, opts):
+    """Server-sent events: a chunk per piece of text (the prompt first with ``echo``; chat opens
+    each choice with its role), then the usage when asked, then ``[DONE]``."""
+    chat = head["object"] == "chat.completion"
+    head = {**head, "object": "chat.completion.chunk"} if chat else head
     response = await self._sse(request)
     try:
-      head = {**head, "object": "chat.completion.chunk"}
-      for c in choices:
-        delta = {"role": "assistant", "content": ""}
-        entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
-        await _send(response, {**head, "choices": [entry]})
-      sent = {c.index: 0 for c in choices}
+      if chat:
+        for c in choices:
+          delta = {"role": "assistant", "content": ""}
+          entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+          await _send(response, {**head, "choices": [entry]})
+      sent = {c.index: 0 for c in choices}  # tokens already sent, per choice
       async for c, piece in self._events(choices, queue):
         if c.error:
           break
-        entry = {
-          "index": c.index,
-          "delta": {"content": piece} if piece else {},
-          "logprobs": c.chat_logprobs(sent[c.index]) if opts["logprobs"] is not None else None,
-          "finish_reason": c.finish_reason,
-        }
+        if chat:
+          lp = c.chat_logprobs(sent[c.index]) if opts["logprobs"] is not None else None
+          entry = {"index": c.index, "delta": {"content": piece} if piece else {}}
+          more = bool(piece)
+        else:
+          if c.echo and sent[c.index] == 0 and c.tokens:  # the prompt, once it is scored
+            piece = c.prompt_text + piece
+          lp = c.completion_logprobs(sent[c.index]) if opts["logprobs"] is not None else None
+          entry = {"index": c.index, "text": piece}
+          more = bool(piece or (lp and lp["tokens"]))
         sent[c.index] = len(c.tokens)
-        if piece or c.done:
+        if more or c.done:
+          entry.update(logprobs=lp, finish_reason=c.finish_reason)
           await _send(response, {**head, "choices": [entry]})
       self._raise_engine_error(choices, response)
       if opts["include_usage"]:

@@ -373,3 +373,19 @@ def test_an_hf_directory_is_served_with_its_tokenizer_and_chat_template(tmp_path
     assert chat.choices[0].message.content == bytes(
       t for t in _greedy(model, ids, 3) if t < 256
     ).decode("utf-8", "replace")
+
+
+def test_a_streamed_echo_with_logprobs_is_the_whole_answer_in_pieces(served):
+  _, _, url = served
+  body = {"prompt": "def f(", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 2}
+  whole = _post(url, "/completions", body).json()["choices"][0]
+  with requests.post(
+    f"{url}/completions", json={**body, "stream": True}, stream=True, timeout=60
+  ) as r:
+    events = [e for e in r.iter_lines(delimiter=b"\n\n") if e]
+  assert events[-1] == b"data: [DONE]"
+  chunks = [json.loads(e[len(b"data: ") :])["choices"][0] for e in events[:-1]]
+  assert "".join(c["text"] for c in chunks) == whole["text"] and whole["text"].startswith("def f(")
+  streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+  assert streamed == whole["logprobs"]["token_logprobs"] and streamed[0] is None
+  assert len(streamed) == len("def f(") + 6 and chunks[-1]["finish_reason"] == "length"
