@@ -266,17 +266,12 @@ class Engine:
     return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, list(leaves)))
 
   def _context(self, rows: bool = True):
-    """The mesh and rules programs run under; ``rows=False`` for one row (the prefill), which
-    is replicated over the batch axes rather than split."""
+    """The mesh and rules programs run under; ``rows=False`` for the prefill, whose few rows
+    are replicated over the batch axes rather than split."""
     if self.mesh is None:
       return _nothing()
     rules = self.rules if rows else tuple((n, None if n == "batch" else a) for n, a in self.rules)
     return shd.activation_sharding(self.mesh, rules)
-
-  def _cache_struct(self):
-    with self._context():
-      init = jax.jit(lambda: self._merge(self._leaves).init_cache(self.slots, self.cache_length))
-      return init, init.eval_shape()
 
   def _program(self, name):
     program = self._programs.get(name)
@@ -291,9 +286,9 @@ class Engine:
     leaves = tuple(
       jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
     )
-    if self._cache is None:
-      init, _ = self._cache_struct()
+    if self._cache is None:  # the engine's cache, laid out as the decode programs want it
       with self._context():
+        init = jax.jit(lambda: self._merge(self._leaves).init_cache(self.slots, self.cache_length))
         self._cache = init()
     cache = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._cache
