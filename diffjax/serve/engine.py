@@ -453,7 +453,8 @@ class Engine:
       self._cv.notify_all()
 
   def _free_slots(self) -> int:
-    return sum(s is None for s in self._slots)
+    """Slots neither holding a job nor set aside for one being prefilled."""
+    return sum(s is None for s in self._slots) - len(self._admitting)
 
   def load(self) -> dict[str, int]:
     """``{"running": jobs in slots, "waiting": jobs queued, "slots": slots}``."""
@@ -507,9 +508,13 @@ class Engine:
               self._finish(job, "cancelled")
               continue
             admit.append((free.pop(0), job))
+          # Until a job's prefill has placed it, its slot counts as taken (it may already
+          # have handed out its first token).
+          self._admitting = [job for _, job in admit]
         if admit:
           self._admit(admit)
-        self._admitting = []
+        with self._cv:
+          self._admitting = []
         if any(s is not None for s in self._slots):
           self._decode()
     except Exception as e:  # noqa: BLE001 - every job hears of it, then the server reports it
@@ -540,7 +545,6 @@ class Engine:
     most = self.prefill_rows[-1]
     for start in range(0, len(admitted), most):
       group = admitted[start : start + most]
-      self._admitting = [job for _, job in admitted[start:]]
       self._prefill(group)
 
   def _prefill(self, group: list[tuple[int, Job]]) -> None:
@@ -580,10 +584,12 @@ class Engine:
         )
       if job.max_tokens == 0:
         self._finish(job, "length")
-        continue
-      state = _Slot(job, generated=0, pos=k, seed=int(seed[p]))
-      if self._take(state, int(toks[p]), float(lps[p]), top_ids[p], top_lps[p]):
-        self._slots[s] = state
+      else:
+        state = _Slot(job, generated=0, pos=k, seed=int(seed[p]))
+        if self._take(state, int(toks[p]), float(lps[p]), top_ids[p], top_lps[p]):
+          self._slots[s] = state
+      with self._cv:  # placed in its slot, or done: no longer set aside
+        self._admitting.remove(job)
 
   def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp) -> bool:
     """Hands one token to the slot's job; False when the job ended with it."""

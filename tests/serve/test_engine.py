@@ -231,3 +231,31 @@ def test_a_failing_program_ends_every_job_with_an_error_instead_of_hanging(monke
   got.wait(2, timeout=30)
   assert {d.reason for d in got.done.values()} == {"error"}
   assert "no program prefill" in got.done["a"].message and "no program" in engine.error
+
+
+def test_a_job_being_prefilled_holds_its_slot_against_new_jobs():
+  """The first token is handed out during the prefill, before the job sits in its slot: a job
+  submitted from that moment on must still find the one slot taken."""
+  engine = Engine(tiny_model("transformer"), slots=1, context=64, max_waiting=0).start()
+  try:
+    got, refused = Collect(), []
+    first = got.job("first", [1, 2], max_tokens=30)
+    inner = first.on_event
+
+    def on_event(ev):
+      if isinstance(ev, TokenEvent) and not refused:
+        try:
+          engine.submit(Job([3], max_tokens=1, on_event=lambda e: None))
+        except QueueFull as e:
+          refused.append(str(e))
+        else:
+          refused.append(None)
+      inner(ev)
+
+    first.on_event = on_event
+    engine.submit(first)
+    got.wait(1)
+    assert refused and refused[0] is not None and "retry later" in refused[0]
+    assert engine.load() == {"running": 0, "waiting": 0, "slots": 1}
+  finally:
+    engine.stop(cancel=True)
