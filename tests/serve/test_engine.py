@@ -259,3 +259,33 @@ def test_a_job_being_prefilled_holds_its_slot_against_new_jobs():
     assert engine.load() == {"running": 0, "waiting": 0, "slots": 1}
   finally:
     engine.stop(cancel=True)
+
+
+@pytest.mark.parametrize("arm", ["gda_v1", "gda_v2"])
+def test_grouped_differential_arms_decode_through_the_slots_as_generate(arm):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from diffjax.model import DecoderLM, ModelConfig  # pylint: disable=import-outside-toplevel
+
+  cfg = ModelConfig(
+    attention=arm,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=258,
+  )
+  model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+  engine = Engine(model, slots=2, context=64).start()
+  try:
+    prompts = [[1, 2, 3], list(range(10, 40)), [7]]
+    got = Collect()
+    for i, p in enumerate(prompts):
+      engine.submit(got.job(i, p, max_tokens=9))
+    got.wait(len(prompts))
+  finally:
+    engine.stop(cancel=True)
+  for i, p in enumerate(prompts):
+    assert got.tokens[i] == generate(model, [p], max_new_tokens=9, preflight=False).tokens[0]
