@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from diffjax import cli
-from diffjax.data import ByteTokenizer, DataConfig, load_tokenizer
+from diffjax.data import ByteTokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
+from diffjax.generation.loading import load_model, model_tokenizer
 from diffjax.generation.sampling import SamplingOptions
-from diffjax.train.loading import load_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,26 +100,9 @@ def _main(args: argparse.Namespace) -> None:
     raise FileNotFoundError(
       f"--workdir={args.workdir!r} is not a directory: pass the --workdir of a train.py run."
     )
-  run = load_run(args.workdir, args.step)
-  model, cfg, step = run.model, run.model_config, run.step
-  # The run's tokenizer, as its checkpoint saved the config (the data default where it has none).
-  saved = run.config.get("data") or {}
-  own = saved.get("tokenizer", DataConfig().tokenizer)
-  if (
-    args.tokenizer
-    and args.tokenizer != own
-    and os.path.abspath(args.tokenizer) != os.path.abspath(own)
-  ):
-    raise ValueError(
-      f"--tokenizer={args.tokenizer!r} is not the one the run was trained with ({own!r}): "
-      "leave it out to use the run's own."
-    )
-  tokenizer = load_tokenizer(args.tokenizer or own)
-  if tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(
-      f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
-      f"{cfg.vocab_size}: pass the run's --tokenizer."
-    )
+  loaded = load_model(workdir=args.workdir, step=args.step)
+  model, cfg, step = loaded.model, loaded.model.config, loaded.step
+  tokenizer = model_tokenizer(loaded, model, args.tokenizer)
   prompt = tokenizer.encode(args.prompt)
   if not len(prompt):
     raise ValueError("--prompt is empty: give at least one character to continue.")
