@@ -190,7 +190,11 @@ class Datasets:
     """A fresh iterator from step 0 (restore a saved state into it with `set_state`)."""
     streams = self.streams_per_row
     return StreamingBatchIterator(
-      self._lanes(self._train_slot, streams), self.rows, self.cfg.prefetch_batches, streams
+      self._lanes(self._train_slot, streams),
+      self.rows,
+      self.cfg.prefetch_batches,
+      streams,
+      global_rows=self.global_batch_size,
     )
 
   def val_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:

@@ -203,6 +203,105 @@ def _copy_state(state: dict) -> dict:
   }
 
 
+class DataPositionError(ValueError):
+  """Saved per-process data positions that do not make one global position for this run."""
+
+
+def _plural(n: int, word: str) -> str:
+  return f"{n} {word}" if n == 1 else f"{n} {word}es"
+
+
+def global_position(states: dict[int, dict], count: int) -> dict:
+  """The global data position from the iterator states that ``count`` processes saved.
+
+  ``states`` maps each saving process's index to its state (``StreamingBatchIterator``'s
+  format). Every row's lanes are global (they depend on the row and the global batch, not
+  on the process that read them), so the rows of all states together give the position of
+  the whole batch: ``{"rows": [0, B], "batches": n, "lanes": [...]}``, the state a
+  single-process iterator would have after the same batches. Processes that read the same
+  rows (a context group) must have saved the same lanes for them.
+
+  Raises ``DataPositionError`` when a process's state is missing or the states disagree
+  (batch counts, streams per row, lanes of a shared row, rows not covering ``[0, B)``).
+  """
+  missing = [i for i in range(count) if i not in states]
+  if missing:
+    which = ", ".join(str(i) for i in missing)
+    raise DataPositionError(
+      f"The data position of process {which} of the {_plural(count, 'process')} that saved "
+      "the step is missing; every process's state is needed to resume on another number "
+      "of processes."
+    )
+  lanes_by_row: dict[int, list[int]] = {}
+  batches, streams = set(), set()
+  for i in sorted(states):
+    state = _copy_state(states[i])
+    start, stop = state["rows"]
+    if stop <= start or len(state["lanes"]) % (stop - start):
+      raise DataPositionError(
+        f"Process {i}'s saved data position has {len(state['lanes'])} lanes for rows "
+        f"[{start}, {stop})."
+      )
+    k = len(state["lanes"]) // (stop - start)
+    batches.add(state["batches"])
+    streams.add(k)
+    for r in range(start, stop):
+      lanes = state["lanes"][(r - start) * k : (r - start + 1) * k]
+      if lanes_by_row.setdefault(r, lanes) != lanes:
+        raise DataPositionError(
+          f"Two saved data positions disagree on row {r}: {lanes_by_row[r]} vs {lanes}."
+        )
+  if len(batches) > 1 or len(streams) > 1:
+    raise DataPositionError(
+      f"The saved data positions disagree: batches {sorted(batches)}, streams per row "
+      f"{sorted(streams)}."
+    )
+  rows = max(lanes_by_row) + 1
+  gaps = [r for r in range(rows) if r not in lanes_by_row]
+  if gaps:
+    raise DataPositionError(f"No saved data position holds rows {gaps} of the {rows}-row batch.")
+  return {
+    "rows": [0, rows],
+    "batches": batches.pop(),
+    "lanes": [lane for r in range(rows) for lane in lanes_by_row[r]],
+  }
+
+
+def take_rows(position: dict, rows: tuple[int, int]) -> dict:
+  """The state of the iterator that reads ``rows`` (a block of the global batch) at
+  ``position`` (a :func:`global_position`)."""
+  start, stop = (int(r) for r in rows)
+  total = int(position["rows"][1]) - int(position["rows"][0])
+  if not 0 <= start < stop <= total:
+    raise DataPositionError(
+      f"Rows [{start}, {stop}) are not in the saved {total}-row batch: resume with "
+      f"global_batch_size={total}."
+    )
+  k = len(position["lanes"]) // total
+  return _copy_state(
+    {
+      "rows": [start, stop],
+      "batches": position["batches"],
+      "lanes": position["lanes"][start * k : stop * k],
+    }
+  )
+
+
+def split_position(position: dict, count: int) -> list[dict]:
+  """The states of ``count`` processes reading equal row blocks of ``position``, in order.
+
+  Raises ``DataPositionError`` when ``count`` does not divide the global batch."""
+  total = int(position["rows"][1]) - int(position["rows"][0])
+  if count < 1 or total % count:
+    raise DataPositionError(
+      f"The saved data position has a global batch of {total} rows, which "
+      f"{_plural(count, 'process')} cannot split into equal blocks; resume on a number of "
+      f"processes that divides {total}."
+    )
+  per = total // count
+  return [take_rows(position, (i * per, (i + 1) * per)) for i in range(count)]
+
+
 def _stack(windows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   return {k: np.stack([w[k] for w in windows]) for k in BATCH_KEYS}
 
@@ -213,12 +312,22 @@ class StreamingBatchIterator(grain.DatasetIterator):
   State (JSON): {"rows": [start, stop], "batches": n, "lanes": [[epoch, slot, offset], ...]}.
   ``lanes`` lists each row's ``streams`` lanes, row after row; batch n takes stream n mod
   ``streams`` of every row. A background thread keeps up to `prefetch` batches ready; the state
-  always describes the batches handed out, not the ones prefetched.
+  always describes the batches handed out, not the ones prefetched. ``global_rows`` is the
+  global batch (default: ``rows``' stop); :meth:`set_position` takes this iterator's rows from a
+  position of the whole batch.
   """
 
-  def __init__(self, lanes: list[Lane], rows: tuple[int, int], prefetch: int, streams: int = 1):
+  def __init__(
+    self,
+    lanes: list[Lane],
+    rows: tuple[int, int],
+    prefetch: int,
+    streams: int = 1,
+    global_rows: int | None = None,
+  ):
     super().__init__()
     self._rows, self._prefetch, self._streams = list(rows), int(prefetch), int(streams)
+    self._global_rows = int(rows[1] if global_rows is None else global_rows)
     if len(lanes) != (rows[1] - rows[0]) * self._streams:
       raise ValueError(f"{len(lanes)} lanes for rows {rows} and {streams} streams per row.")
     self._lanes = lanes
@@ -293,6 +402,27 @@ class StreamingBatchIterator(grain.DatasetIterator):
       lane.set_state(s)
     self._state = _copy_state(state)
     self._produced = self._state["batches"]
+
+  def set_position(self, position: dict) -> None:
+    """Continues from a global position (:func:`global_position`), taking this iterator's
+    rows from it: how a run resumes on another number of processes than saved it.
+
+    Raises ``DataPositionError`` if the position is of another global batch or another
+    number of streams per row than this iterator's."""
+    start, stop = (int(r) for r in position["rows"])
+    if (start, stop) != (0, self._global_rows):
+      raise DataPositionError(
+        f"The saved data position covers a global batch of {stop - start} rows, but this run "
+        f"has global_batch_size={self._global_rows}: resume with global_batch_size="
+        f"{stop - start}."
+      )
+    if len(position["lanes"]) != self._global_rows * self._streams:
+      saved = len(position["lanes"]) // max(self._global_rows, 1)
+      raise DataPositionError(
+        f"The saved data position has {saved} streams per row, but this run reads "
+        f"{self._streams}: resume with the data settings that saved it (data.streams_per_row)."
+      )
+    self.set_state(take_rows(position, tuple(self._rows)))
 
   def close(self) -> None:
     self._halt()

@@ -8,6 +8,7 @@ the newest step that verifies. The items and the resume order: docs/training.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ __all__ = [
   "restore",
   "restore_newest_good",
   "restore_params",
+  "resume_line",
   "save",
 ]
 
@@ -254,10 +256,77 @@ def _saved_layout_target(record: dict, target: Any) -> tuple[Any, Callable[[Any]
   return read, back
 
 
+def _data_state_path(manager: ocp.CheckpointManager, step: int, index: int, count: int):
+  """Where process ``index`` of the ``count`` that saved ``step`` wrote its iterator state (the
+  file name grain's checkpoint handler gives it)."""
+  step_dir = ocp.path.step.find_step_path(
+    manager.directory, ocp.path.step.standard_name_format(), step=step
+  )
+  return step_dir / "data" / f"process_{index}-of-{count}.json"
+
+
+def _read_data_states(manager: ocp.CheckpointManager, step: int, count: int) -> dict[int, Any]:
+  """The iterator states that the ``count`` processes which saved ``step`` wrote, by process
+  index (a missing file is left out: the integrity check names it)."""
+  states = {}
+  for i in range(count):
+    path = _data_state_path(manager, step, i, count)
+    try:
+      text = path.read_text()
+    except FileNotFoundError:
+      continue
+    try:
+      states[i] = json.loads(text)
+    except ValueError as e:
+      raise CorruptCheckpointError(
+        manager.directory, step, "unreadable", f"{path.name}: {e}"
+      ) from None
+  return states
+
+
+def _restore_global_position(manager, step: int, record: dict, data_iter, saved: int) -> None:
+  """Sets ``data_iter`` from the data position of every process that saved ``step`` (a run on
+  another number of processes): each saved state is verified against the record, the states
+  give the position of the whole batch, and the iterator takes its rows from it."""
+  # Loaded here: reading a model's checkpoint needs no data package.
+  from diffjax.data.streaming import DataPositionError, global_position  # pylint: disable=import-outside-toplevel
+
+  now = jax.process_count()
+  set_position = getattr(data_iter, "set_position", None)
+  if set_position is None:
+    raise CheckpointError(
+      f"Checkpoint step {step} in {manager.directory} was written by "
+      f"{_processes(saved)}, and this run's data iterator resumes only on as many (its "
+      f"position is per process); run {_processes(saved)}, not {now}."
+    )
+  states = _read_data_states(manager, step, saved)
+  integrity.verify_data_states(manager.directory, step, record, states)
+  try:
+    set_position(global_position(states, saved))
+  except DataPositionError as e:
+    raise CheckpointError(
+      f"Checkpoint step {step} in {manager.directory} cannot continue its data on "
+      f"{_processes(now)}: {e}"
+    ) from None
+
+
+def _processes(n: int) -> str:
+  return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def resume_line(step: int, saved: int, now: int) -> str:
+  """The line a run resumed on another number of processes than saved ``step`` prints."""
+  return (
+    f"Resuming step {step} written by {_processes(saved)} on {_processes(now)}: the data "
+    "position is global, each process takes its rows from it."
+  )
+
+
 def _restore_checked(
   manager, step: int, abstract_state: Any, data_iter, check_meta: Callable[[dict], None]
-) -> Any:
-  """Restores and verifies one step."""
+) -> tuple[Any, int]:
+  """Restores and verifies one step; returns the state and how many processes saved the
+  step's data position (0: none)."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
   abstract_state, to_target_layout = _saved_layout_target(record, abstract_state)
@@ -269,16 +338,22 @@ def _restore_checked(
       "state, so a run cannot continue its data from it; start a new --workdir with "
       "checkpoint.init_from naming it to take its weights."
     )
+  saved = integrity.saved_processes(record)
+  # As many processes as saved the step: each restores its own iterator state, as grain saved
+  # it. Another number: each reads every process's state after the arrays (global_position).
+  own = data_iter if data_iter is not None and saved == jax.process_count() else None
   args = {"state": ocp.args.StandardRestore(abstract_state)}
-  if data_iter is not None:
-    args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  if own is not None:
+    args["data"] = grain.checkpoint.CheckpointRestore(own)
   _quiet_abandoned_reads()
   try:
     state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
   except Exception as e:  # orbax and tensorstore raise several types for damaged files
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
-  integrity.verify(manager.directory, step, record, names, named_leaves(state)[1], data_iter)
-  return to_target_layout(state)
+  integrity.verify(manager.directory, step, record, names, named_leaves(state)[1], own)
+  if data_iter is not None and own is None:
+    _restore_global_position(manager, step, record, data_iter, saved)
+  return to_target_layout(state), saved
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:
@@ -287,7 +362,7 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data
   Raises ``CorruptCheckpointError`` if the step cannot be read or does not verify, and
   ``CheckpointError`` if its state has other leaves than the target.
   """
-  return _restore_checked(manager, step, abstract_state, data_iter, lambda meta: None)
+  return _restore_checked(manager, step, abstract_state, data_iter, lambda meta: None)[0]
 
 
 def quarantine(manager: ocp.CheckpointManager, step: int, reason: str) -> epath.Path:
@@ -310,16 +385,19 @@ def restore_newest_good(
   ``check_meta(meta)`` runs first for each candidate; a ``CheckpointError`` it raises
   (e.g. a changed model config) propagates and nothing is moved, as does a target whose
   leaves differ from the saved ones. ``data_iter`` (or None) is restored in place.
-  ``message`` receives one line per moved step. A step without an integrity record is
-  refused (``CheckpointError``), nothing moved.
+  ``message`` receives one line per moved step, and one saying so when the step was saved by
+  another number of processes than this run's (the iterator then continues from the global
+  data position). A step without an integrity record is refused (``CheckpointError``),
+  nothing moved.
   Returns ``(None, None)`` if the manager holds no step, else ``(step, state)``; raises
   ``CheckpointError`` if no step is usable (all of them moved aside).
   """
   moved = []
   for step in sorted(manager.all_steps(), reverse=True):
     failure = None
+    saved = 0
     try:
-      state = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
+      state, saved = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
     except CorruptCheckpointError as e:
       failure = e
     if not all_processes_agree(failure is None):
@@ -330,6 +408,8 @@ def restore_newest_good(
       moved.append(f"step {step} to {dest} ({failure.reason})")
       message(f"{failure}; moved it to {dest} and trying the previous step.")
       continue
+    if data_iter is not None and saved and saved != jax.process_count():
+      message(resume_line(step, saved, jax.process_count()))
     return step, state
   if moved:
     raise CheckpointError(

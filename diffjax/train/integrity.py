@@ -23,8 +23,10 @@ __all__ = [
   "check_structure",
   "make_record",
   "quarantine",
+  "saved_processes",
   "split_meta",
   "verify",
+  "verify_data_states",
 ]
 
 FORMAT = 1
@@ -155,15 +157,45 @@ def verify(
     raise CorruptCheckpointError(
       directory, step, "digest-mismatch", f"content digest mismatch in {wrong[0]}{more}"
     )
-  # A run on more processes than saved the step has no iterator digest for the new ones.
-  expected = record.get("data", {}).get(str(jax.process_index()))
-  if data_iter is not None and expected is not None and sha256(data_iter.get_state()) != expected:
-    raise CorruptCheckpointError(
-      directory, step, "digest-mismatch", "content digest mismatch in the data iterator state"
-    )
+  # ``data_iter`` was restored from this process's own state (as many processes as saved the
+  # step); a position assembled from every process's state is checked by verify_data_states.
+  if data_iter is not None:
+    expected = record.get("data", {}).get(str(jax.process_index()))
+    if expected is None:
+      raise CorruptCheckpointError(
+        directory, step, "digest-mismatch", "no digest of this process's data iterator state"
+      )
+    if sha256(data_iter.get_state()) != expected:
+      raise CorruptCheckpointError(
+        directory, step, "digest-mismatch", "content digest mismatch in the data iterator state"
+      )
   bad = [n for n, ok in zip(names, finite) if not ok]
   if bad:
     raise CorruptCheckpointError(directory, step, "not-finite", f"{bad[0]} holds non-finite values")
+
+
+def saved_processes(record: dict) -> int:
+  """How many processes saved the step's data iterator states (0: none saved)."""
+  return len(record.get("data", {}))
+
+
+def verify_data_states(directory, step: int, record: dict, states: dict[int, Any]) -> None:
+  """Raises ``CorruptCheckpointError`` unless ``states`` holds the iterator state of every
+  process that saved the step, each matching its digest in the record."""
+  digests = record.get("data", {})
+  missing = [i for i in range(len(digests)) if i not in states]
+  if missing:
+    raise CorruptCheckpointError(
+      directory, step, "missing", f"no data iterator state of process {missing[0]}"
+    )
+  for i in sorted(states):
+    if digests.get(str(i)) != sha256(states[i]):
+      raise CorruptCheckpointError(
+        directory,
+        step,
+        "digest-mismatch",
+        f"content digest mismatch in the data iterator state of process {i}",
+      )
 
 
 def quarantine(directory, step: int, reason: str) -> epath.Path:
