@@ -2,6 +2,7 @@
 
   python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4
   python -m diffjax.aot --config=configs/paper_3b.py --target=h100:8   # an 8-GPU node
+  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4 --num_slices=2
 
 What it compiles and prints: docs/scaling.md, "Check before you rent"; GPU targets and how
 "fits" is judged there: docs/kernels_gpu.md.
@@ -52,6 +53,8 @@ class AotReport:
   pallas_kernels: int = 0  # Pallas kernel calls (Mosaic TPU or Mosaic GPU) in the program
   platform: str = "tpu"
   usable_fraction: float = 1.0  # of hbm_gib a process may use (GPU: the client's share)
+  num_slices: int = 1
+  dcn: DcnTraffic | None = None  # what crosses slices (multi-slice compiles only)
 
   @property
   def per_device_gib(self) -> float:
@@ -74,13 +77,123 @@ class AotReport:
     )
     usable = f"{self.usable_gib:.2f}" if self.usable_gib is not None else "?"
     kernels = "Mosaic GPU" if self.platform == "gpu" else "Pallas"
+    where = self.topology if self.num_slices == 1 else f"{self.num_slices}x {self.topology}"
     return (
-      f"{self.topology:<12} {self.arm:<12} devices={self.num_devices:<4} "
+      f"{where:<12} {self.arm:<12} devices={self.num_devices:<4} "
       f"mesh={self.mesh} params={self.params / 1e6:,.1f}M per-device: "
       f"args {self.argument_gib:.2f} + out {self.output_gib:.2f} + temp "
       f"{self.temp_gib:.2f} - aliased {self.alias_gib:.2f} = {self.per_device_gib:.2f} GiB"
       f" of {usable}{share} GiB -> {fits}; {self.pallas_kernels} {kernels} kernel calls"
+      + ("" if self.dcn is None else "\n" + self.dcn_line())
     )
+
+  def dcn_line(self) -> str:
+    """One line: what a device sends to other slices per step."""
+    d = self.dcn
+    kinds = ", ".join(
+      f"{k.lower()} {v / 2**20:,.1f} MiB" for k, v in sorted(d.bytes_by_kind.items())
+    )
+    return (
+      f"{'':<12} {self.arm:<12} DCN per device and step: {d.total_bytes / 2**20:,.1f} MiB over "
+      f"{self.num_slices} slices ({kinds or 'nothing'}; {d.transfers} transfers, largest "
+      f"{d.largest})"
+      + (f"; {d.unknown_loops} loops of unknown length counted once" if d.unknown_loops else "")
+    )
+
+
+# Multi-slice programs: the TPU compiler lowers every collective that leaves a slice to a
+# host-transfer ``send`` handed to the DCN runtime, tagged with the collective it carries.
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_DCN_SEND = re.compile(
+  r"= \((\w+)\[([\d,]*)\](?:\{[^}]*\})?, u32\[\], token\[\]\) send\(.*_xla_megascale_transfer_type=\"(\w+)\""
+)
+_CALLED = re.compile(r"(?:body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r"constant\((\d+)\)")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+@dataclasses.dataclass
+class DcnTraffic:
+  """What one device sends over the data-centre network in one step, from a compiled
+  multi-slice program.
+
+  ``bytes_by_kind``: payload bytes by collective ("ALL_REDUCE", "ALL_GATHER", ...), each
+  transfer counted as often as the loops around it run; ``transfers``: how many transfers
+  that makes; ``largest``: the largest transfer (dtype[shape] and its kind);
+  ``unknown_loops``: loops whose trip count could not be read (counted once).
+  """
+
+  bytes_by_kind: dict
+  transfers: int
+  largest: str
+  unknown_loops: int = 0
+
+  @property
+  def total_bytes(self) -> int:
+    return int(sum(self.bytes_by_kind.values()))
+
+
+def _trip_count(condition: list[str]) -> int | None:
+  """The bound of a loop whose condition is ``i < N`` (the form scans compile to)."""
+  if not any("direction=LT" in line for line in condition):
+    return None
+  counts = [int(m.group(1)) for line in condition for m in _TRIP.finditer(line)]
+  return counts[0] if len(counts) == 1 else None
+
+
+def dcn_traffic(hlo_text: str) -> DcnTraffic:
+  """Sums the cross-slice transfers of a compiled program (``compiled.as_text()``) per
+  device and step; loops multiply what they contain by their trip counts."""
+  comps: dict[str, list[str]] = {}
+  entry, name = None, None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      name = m.group(2)
+      comps[name] = []
+      entry = name if m.group(1) else entry
+    elif name is not None:
+      comps[name].append(line)
+  if entry is None:
+    raise ValueError("not a compiled HLO module: no ENTRY computation")
+  runs = {entry: 1}
+  unknown = 0
+  order = [entry]
+  for comp in order:  # breadth-first over calls; a callee's count is its caller's times trips
+    for line in comps.get(comp, ()):
+      callees = _CALLED.findall(line)
+      for group in _BRANCHES.findall(line):
+        callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+      if not callees:
+        continue
+      times = runs[comp]
+      if " while(" in line:
+        cond = re.search(r"condition=%([\w.\-]+)", line)
+        trips = _trip_count(comps.get(cond.group(1), [])) if cond else None
+        if trips is None:
+          unknown += 1
+        times *= trips or 1
+      for c in callees:
+        if c in comps and c not in runs:
+          runs[c] = times
+          order.append(c)
+  by_kind: dict[str, int] = {}
+  transfers, largest, largest_bytes = 0, "none", -1
+  for comp, times in runs.items():
+    for line in comps[comp]:
+      m = _DCN_SEND.search(line)
+      if m is None:
+        continue
+      dtype, dims, kind = m.groups()
+      nbytes = _BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
+      for d in filter(None, dims.split(",")):
+        nbytes *= int(d)
+      by_kind[kind] = by_kind.get(kind, 0) + nbytes * times
+      transfers += times
+      if nbytes > largest_bytes:
+        largest, largest_bytes = f"{kind} {dtype}[{dims}]", nbytes
+  return DcnTraffic(by_kind, transfers, largest, unknown)
 
 
 class DoesNotFit(Exception):
@@ -163,12 +276,15 @@ def _quiet_libtpu_probe() -> None:
     os.environ.setdefault(key, value)
 
 
-def topology_devices(topology: str):
+def topology_devices(topology: str, num_slices: int = 1):
+  """The devices of ``num_slices`` TPU slices of ``topology`` (deviceless, through libtpu)."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
   _quiet_libtpu_probe()
   try:
-    return topologies.get_topology_desc(topology, "tpu").devices
+    if num_slices == 1:
+      return topologies.get_topology_desc(topology, "tpu").devices
+    return topologies.get_topology_desc(topology, "tpu", num_slices=num_slices).devices
   except Exception as e:
     raise ValueError(
       f"Cannot build TPU topology {topology!r} ({e}). Install libtpu with "
@@ -223,7 +339,7 @@ def compile_train_step(
         )
       vocab_size = load_tokenizer(run.data.tokenizer).vocab_size
   model_cfg = resolved_model(run.model, vocab_size).config
-  mesh = shd.make_mesh(run.mesh.shape, devices=devices)
+  mesh = shd.make_mesh(run.mesh.shape, devices=devices, dcn_shape=run.mesh.dcn_shape)
   setup = build_train_setup(
     model_cfg,
     run.optim,
@@ -252,8 +368,9 @@ def _client_mem_fraction() -> float:
     ) from None
 
 
-def aot_report(run: RunConfig, topology: str) -> AotReport:
-  """Compiles the step of ``run`` for a TPU topology ("v5p:4x4x4") or GPU target ("h100",
+def aot_report(run: RunConfig, topology: str, num_slices: int = 1) -> AotReport:
+  """Compiles the step of ``run`` for a TPU topology ("v5p:4x4x4"; ``num_slices`` of it joined
+  by DCN, ``run.mesh.shape`` then being the mesh within a slice) or GPU target ("h100",
   "h100:8").
 
   Raises :class:`DoesNotFit` (one line, with options) when the compiler refuses the step
@@ -262,13 +379,18 @@ def aot_report(run: RunConfig, topology: str) -> AotReport:
   from diffjax.model import count_params  # pylint: disable=import-outside-toplevel
 
   gpu = gpu_targets.is_gpu_target(topology)
+  if num_slices < 1 or (gpu and num_slices != 1):
+    raise ValueError(
+      f"num_slices={num_slices}: give a positive number of TPU slices (GPU targets are one "
+      "node: --target=h100:8)."
+    )
   if gpu:
     target, count = gpu_targets.parse(topology)
     devices = gpu_targets.devices(target, count)
     kwargs = dict(platform="gpu", gpu_capability=target.compute_capability)
     capacity, fraction = target.hbm_gib, _client_mem_fraction()
   else:
-    devices = topology_devices(topology)
+    devices = topology_devices(topology, num_slices)
     kwargs = dict(platform="tpu")
     capacity, fraction = hbm_for(devices[0].device_kind), 1.0
   try:
@@ -304,12 +426,14 @@ def aot_report(run: RunConfig, topology: str) -> AotReport:
     platform=platform,
     usable_fraction=fraction,
     pallas_kernels=sum(text.count(call) for call in KERNEL_CALLS[platform]),
+    num_slices=num_slices,
+    dcn=dcn_traffic(text) if num_slices > 1 else None,
   )
 
 
 USAGE = (
   "usage: python -m diffjax.aot --config=configs/<file>.py[:ARG] "
-  "[--topology=v5p:4x4x4 | --target=h100[:N]] [--config.<key>=<value> ...]"
+  "[--topology=v5p:4x4x4 [--num_slices=N] | --target=h100[:N]] [--config.<key>=<value> ...]"
 )
 SUMMARY = """\
 Compiles the run's real train step ahead of time for a TPU topology (with libtpu) or a GPU
@@ -336,15 +460,28 @@ def main(argv=None) -> int:
       cli.Flag(
         "target", None, "GPU target: h100, h200 or a100, ':N' for N GPUs of one node (h100:8)"
       ),
+      cli.Flag(
+        "num_slices",
+        1,
+        "TPU slices of --topology joined by DCN; mesh.shape is then the mesh within one slice "
+        "and mesh.dcn_shape how many slices each axis spans [default: 1]",
+      ),
     ),
   )
   if isinstance(parsed, int):
     return parsed
   config, values, _ = parsed
 
-  topology, target = values["topology"], values["target"]
+  topology, target, num_slices = values["topology"], values["target"], values["num_slices"]
   if topology and target:
     print("error: give --topology (TPU) or --target (GPU), not both", file=sys.stderr)
+    return 2
+  if num_slices < 1 or (target and num_slices != 1):
+    print(
+      f"error: --num_slices={num_slices} must be a positive number of TPU slices of "
+      "--topology (a GPU --target is one node)",
+      file=sys.stderr,
+    )
     return 2
   where = target or topology or "v5e:2x2"
   if target and not gpu_targets.is_gpu_target(target):
@@ -359,7 +496,7 @@ def main(argv=None) -> int:
     # A compile reads no data: a corpus named at launch need not be named here.
     spec = RunConfig.from_config(config, data_at_launch=True)
     try:
-      report = aot_report(spec, where)
+      report = aot_report(spec, where, num_slices)
     except DoesNotFit as e:
       print(str(e))
       raise SystemExit(1) from None

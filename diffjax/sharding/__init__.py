@@ -20,13 +20,21 @@ from diffjax.sharding.kernel_specs import (
   mha_partition_specs,
 )
 from diffjax.sharding.mesh import (
+  DCN_AXES,
+  DCN_LOGICAL,
   batch_rows_multiple,
   batch_sharding,
+  check_dcn_axes,
+  check_mesh_slices,
+  check_rules_within_slices,
   logical_param_specs,
   make_mesh,
+  mesh_dcn_shape,
   param_shardings,
   process_rows,
+  resolve_dcn_shape,
   resolve_mesh_shape,
+  slice_groups,
   state_shardings,
   validate_mesh_for_model,
 )
@@ -45,6 +53,14 @@ from diffjax.sharding.rules import (
 )
 
 __all__ = [
+  "DCN_AXES",
+  "DCN_LOGICAL",
+  "check_dcn_axes",
+  "check_mesh_slices",
+  "check_rules_within_slices",
+  "mesh_dcn_shape",
+  "resolve_dcn_shape",
+  "slice_groups",
   "CONTEXT_STRATEGIES",
   "ContextParallel",
   "context_parallel",

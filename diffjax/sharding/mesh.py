@@ -53,15 +53,154 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
   return shape
 
 
-def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+# Mesh axes that may span several slices (their collectives then travel over the data-centre
+# network, DCN): data parallelism, and FSDP when asked. Sequence (context) and tensor
+# parallelism exchange activations inside every layer and stay within a slice.
+DCN_AXES = ("data", "fsdp")
+# The logical axes whose arrays may be split across slices: the batch (data and FSDP) and
+# the parameters' embedding axis (FSDP).
+DCN_LOGICAL = ("batch", "embed")
+
+
+def slice_groups(devices: Sequence[Any]) -> list[list[Any]]:
+  """``devices`` grouped by slice (``device.slice_index``; one group when the devices carry
+  none, as on CPU and single-slice topologies), in slice order."""
+  groups: dict[int, list[Any]] = {}
+  for d in devices:
+    groups.setdefault(int(getattr(d, "slice_index", 0) or 0), []).append(d)
+  return [groups[k] for k in sorted(groups)]
+
+
+def _padded(shape: Sequence[int], what: str) -> tuple[int, ...]:
+  shape = tuple(int(s) for s in shape)
+  if len(shape) == len(MESH_AXES) - 1:
+    shape = shape + (1,)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(
+      f"{what} {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES} "
+      f"(or {len(MESH_AXES) - 1}, leaving context at 1)."
+    )
+  return shape
+
+
+def resolve_dcn_shape(dcn_shape: Sequence[int] | None, num_slices: int) -> tuple[int, ...]:
+  """How many slices each mesh axis spans: ``dcn_shape`` (None or empty: every slice on
+  ``data``) checked against ``num_slices``; one -1 entry takes the rest.
+
+  Refuses, in one line, a shape that would put a tensor or context axis across slices.
+  """
+  if not dcn_shape:
+    return (num_slices,) + (1,) * (len(MESH_AXES) - 1)
+  shape = _padded(dcn_shape, "mesh.dcn_shape")
+  check_dcn_axes(shape)
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(
+      f"mesh.dcn_shape={shape}: entries must be positive, with at most one -1 ('the rest')."
+    )
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape and num_slices % known == 0:
+    shape = tuple(num_slices // known if s == -1 else s for s in shape)
+  if int(np.prod(shape)) != num_slices:
+    raise ValueError(
+      f"mesh.dcn_shape={dict(zip(MESH_AXES, shape))} spans {int(np.prod(shape))} slices, but "
+      f"the devices form {num_slices}. Make its product {num_slices} (or leave it empty: "
+      "every slice on data)."
+    )
+  return shape
+
+
+def check_dcn_axes(dcn_shape: Sequence[int]) -> None:
+  """Refuses (one line) a DCN shape that splits a mesh axis outside :data:`DCN_AXES` across
+  slices."""
+  shape = _padded(dcn_shape, "mesh.dcn_shape")
+  for axis, n in zip(MESH_AXES, shape):
+    if axis not in DCN_AXES and n != 1:
+      slices = "the remaining" if n == -1 else str(n)
+      raise ValueError(
+        f"mesh.dcn_shape={shape} puts the {axis} axis across {slices} slices; {axis} "
+        "parallelism exchanges activations in every layer and must stay inside a slice. Put "
+        "the slices on data (or fsdp), e.g. mesh.dcn_shape=(-1, 1, 1, 1)."
+      )
+
+
+def check_rules_within_slices(rules: Rules, dcn_shape: Sequence[int]) -> None:
+  """Refuses (one line) rules that would split a logical axis other than
+  :data:`DCN_LOGICAL` over a mesh axis that spans several slices."""
+  crossing = {a for a, n in zip(MESH_AXES, _padded(dcn_shape, "mesh.dcn_shape")) if n != 1}
+  for name, axes in rules:
+    axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    wide = [a for a in axes_t if a in crossing]
+    if wide and name not in DCN_LOGICAL:
+      raise ValueError(
+        f"mesh rule {name!r} -> {axes!r} would split {name!r} across slices (mesh axis "
+        f"{wide[0]!r} spans {dict(zip(MESH_AXES, _padded(dcn_shape, 'mesh.dcn_shape')))[wide[0]]}"
+        f" slices); only {list(DCN_LOGICAL)} may cross slices. Map {name!r} to a mesh axis "
+        "inside a slice (tensor, context) or to None."
+      )
+
+
+def mesh_dcn_shape(mesh: Mesh) -> tuple[int, ...]:
+  """How many slices each of the mesh's axes spans (all 1 on one slice)."""
+  slices = np.vectorize(lambda d: int(getattr(d, "slice_index", 0) or 0), otypes=[int])(
+    mesh.devices
+  )
+  out = []
+  for i in range(slices.ndim):
+    lines = np.moveaxis(slices, i, -1).reshape(-1, slices.shape[i])
+    out.append(max(len(set(row.tolist())) for row in lines))
+  return tuple(out)
+
+
+def check_mesh_slices(mesh: Mesh, rules: Rules) -> None:
+  """Refuses (one line) a mesh whose tensor or context axis spans slices, or rules that
+  would split another logical axis than :data:`DCN_LOGICAL` across slices."""
+  dcn = mesh_dcn_shape(mesh)
+  if any(n != 1 for n in dcn):
+    check_dcn_axes(dcn)
+    check_rules_within_slices(rules, dcn)
+
+
+def make_mesh(
+  shape: Sequence[int] = (-1, 1, 1, 1),
+  devices: Sequence[Any] | None = None,
+  dcn_shape: Sequence[int] | None = None,
+) -> Mesh:
   """A mesh with axes :data:`MESH_AXES` (data, fsdp, tensor, context) over ``devices``
-  (default: all of them). A 3-entry ``shape`` leaves the context axis at 1."""
+  (default: all of them). A 3-entry ``shape`` leaves the context axis at 1.
+
+  On devices of several slices (``device.slice_index``), ``shape`` is the mesh within one
+  slice and ``dcn_shape`` how many slices each axis spans (default: all on ``data``); an
+  axis' size is their product, its slices outermost, so only the collectives of axes with a
+  DCN share leave a slice.
+  """
   devices = list(jax.devices()) if devices is None else list(devices)
-  shape = resolve_mesh_shape(shape, len(devices))
-  try:
-    arr = mesh_utils.create_device_mesh(shape, devices=devices)
-  except Exception:  # non-physical device sets (CPU, topologies) keep their order
-    arr = np.asarray(devices, dtype=object).reshape(shape)
+  groups = slice_groups(devices)
+  dcn = resolve_dcn_shape(dcn_shape, len(groups))
+  if len(groups) == 1:
+    shape = resolve_mesh_shape(shape, len(devices))
+    try:
+      arr = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # non-physical device sets (CPU, topologies) keep their order
+      arr = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(arr, MESH_AXES)
+  sizes = {len(g) for g in groups}
+  if len(sizes) != 1:
+    raise ValueError(
+      f"The devices form {len(groups)} slices of unequal sizes {sorted(sizes)}; a multi-slice "
+      "mesh needs slices of one topology."
+    )
+  ici = resolve_mesh_shape(shape, sizes.pop())
+  per_slice = []
+  for g in groups:
+    try:
+      per_slice.append(mesh_utils.create_device_mesh(ici, devices=g))
+    except Exception:  # non-physical device sets keep their order
+      per_slice.append(np.asarray(g, dtype=object).reshape(ici))
+  # [slices..., within...] -> interleave each axis' DCN part (outer) with its ICI part.
+  blocks = np.stack(per_slice).reshape(dcn + ici)
+  n = len(MESH_AXES)
+  order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
+  arr = blocks.transpose(order).reshape([d * i for d, i in zip(dcn, ici)])
   return Mesh(arr, MESH_AXES)
 
 

@@ -22,7 +22,12 @@ from typing import Any, ClassVar
 
 import ml_collections
 
-from diffjax.sharding import CONTEXT_STRATEGIES, rules_from_config
+from diffjax.sharding import (
+  CONTEXT_STRATEGIES,
+  check_dcn_axes,
+  check_rules_within_slices,
+  rules_from_config,
+)
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Tasks of diffjax.data.tasks that training can mix in ("none": text alone).
@@ -370,6 +375,10 @@ class MeshConfig(Section):
   # The logical-axis rules table as [name, mesh axes] pairs (or a dict); None:
   # diffjax.sharding's. Kept as the normalised table.
   rules: tuple | None = dataclasses.field(default=None, metadata={"config_type": list})
+  # On several TPU slices: how many slices each axis of (data, fsdp, tensor[, context])
+  # spans, ``shape`` being then the mesh within one slice. Empty: every slice on data. Only
+  # data and fsdp may cross slices (docs/scaling.md, "Several slices").
+  dcn_shape: tuple[int, ...] = ()
   # Attention over a context axis larger than 1: "ring" or "all_gather".
   context_strategy: str = "ring"
   # Split each sequence into 2 x context chunks in zig-zag order, so every device holds an
@@ -384,6 +393,10 @@ class MeshConfig(Section):
       )
     if self.rules is not None:
       object.__setattr__(self, "rules", rules_from_config(self.rules))
+    object.__setattr__(self, "dcn_shape", tuple(int(s) for s in self.dcn_shape or ()))
+    if self.dcn_shape:
+      check_dcn_axes(self.dcn_shape)
+      check_rules_within_slices(self.logical_rules, self.dcn_shape)
     if self.context_strategy not in CONTEXT_STRATEGIES:
       raise ValueError(
         f"mesh.context_strategy={self.context_strategy!r} is not one of {CONTEXT_STRATEGIES}."

@@ -175,6 +175,7 @@ def build_train_setup(
   """
   rules = tuple(rules)
   _check_batch(model_cfg, mesh, global_batch_size, grad_accum_steps)
+  shd.check_mesh_slices(mesh, rules)
   # The model's structure and parameter layout, without allocating parameters.
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from diffjax.aot import DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
+from diffjax.aot import AotReport, DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
 from diffjax.kernels.gpu import targets
 from diffjax.presets import load_config
 from diffjax.train.config import RunConfig
@@ -184,3 +184,58 @@ def test_cli_refuses_a_tpu_name_as_gpu_target_and_both_flags():
   assert r.returncode == 2 and "not a GPU target" in r.stderr.splitlines()[-1]
   r = _cli("--config=configs/tiny.py", "--target=h100", "--topology=v5e:2x2")
   assert r.returncode == 2 and "not both" in r.stderr.splitlines()[-1]
+
+
+def _two_slice_report(arm: str, **mesh) -> AotReport:
+  cfg = _tiny(arm)
+  cfg.mesh.shape = (1, -1, 1)  # the mesh within one slice: fsdp over its 8 chips
+  cfg.mesh.update(mesh)
+  cfg.model.scan_layers = True
+  cfg.grad_accum_steps = 2
+  cfg.global_batch_size = 32
+  return aot_report(RunConfig.from_config(cfg), "v5p:2x2x2", num_slices=2)
+
+
+@needs_libtpu
+def test_two_slices_send_only_the_gradient_reduction_over_dcn():
+  """Data parallelism across 2 slices: what leaves a slice is the gradients' all-reduce, the
+  same bytes for DIFF V1 as for the Transformer of the same parameters (DIFF's two maps, λ
+  and the per-head norm stay inside the slice), and no activations."""
+  reports = {arm: _two_slice_report(arm) for arm in ("transformer", "diff_v1")}
+  for arm, r in reports.items():
+    assert r.num_devices == 16 and r.num_slices == 2
+    assert r.mesh == {"data": 2, "fsdp": 8, "tensor": 1, "context": 1}
+    assert set(r.dcn.bytes_by_kind) == {"ALL_REDUCE"}, r.dcn
+    # Each micro-batch's gradients are reduced across slices: at least a device's f32 shard
+    # of them, and at most the whole f32 gradient (the compiler reduces the embedding's
+    # scatter-added gradient whole), twice.
+    shard = 4 * r.params / 8
+    assert 2 * shard <= r.dcn.total_bytes <= 2 * 4 * r.params, (arm, r.dcn, shard)
+    assert r.dcn.unknown_loops == 0
+    assert "DCN per device and step" in r.line() and "2x v5p:2x2x2" in r.line()
+  t, v1 = reports["transformer"], reports["diff_v1"]
+  assert abs(v1.params - t.params) / t.params < 0.01
+  assert v1.dcn.total_bytes <= 1.02 * t.dcn.total_bytes, (v1.dcn, t.dcn)
+
+
+@needs_libtpu
+def test_fsdp_across_slices_gathers_parameters_over_dcn():
+  r = _two_slice_report("diff_v1", dcn_shape=(1, 2, 1))
+  assert r.mesh == {"data": 1, "fsdp": 16, "tensor": 1, "context": 1}
+  assert "ALL_GATHER" in r.dcn.bytes_by_kind, r.dcn
+
+
+@needs_libtpu
+def test_cli_refuses_context_across_slices_in_one_line():
+  r = _cli(
+    "--config=configs/tiny.py",
+    "--topology=v5p:2x2x2",
+    "--num_slices=2",
+    "--config.mesh.shape=(1,-1,1,1)",
+    "--config.mesh.dcn_shape=(1,1,1,2)",
+  )
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error")]
+  assert r.returncode != 0 and len(lines) == 1, r.stderr[-3000:]
+  assert "context axis across 2 slices" in lines[0], lines
+  r = _cli("--config=configs/tiny.py", "--target=h100", "--num_slices=2")
+  assert r.returncode == 2 and "--num_slices=2" in r.stderr, r.stderr[-2000:]
