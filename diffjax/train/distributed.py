@@ -1,8 +1,11 @@
 """Multi-process start-up for TPU pods and multi-node GPU jobs, and the lost-host watchdog.
 
 ``jax.distributed.initialize()`` is called when the environment says this is one of several
-processes (docs/scaling.md); a watchdog (:func:`watch_peers`) that sees a peer's heartbeat stop
-prints one line and exits with status 75 (docs/training.md, "A lost host").
+processes (docs/scaling.md): the group is formed from DIFFJAX_COORDINATOR (with a Kubernetes
+Indexed Job's JOB_COMPLETION_INDEX) or a SLURM step's variables (diffjax/train/cluster.py,
+docs/gpu_clusters.md), else by JAX's own detection (TPU VMs). The run's ``distributed.xla_preset``
+is applied first, before JAX starts its backends. A watchdog (:func:`watch_peers`) that sees a
+peer's heartbeat stop prints one line and exits with status 75 (docs/training.md, "A lost host").
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from collections.abc import Callable
 
 import jax
 
+from diffjax.train import cluster
 from diffjax.train.sections import DistributedConfig
 
 _DONE = False
+_PRESET_DONE = False
 EXIT_PREEMPTED = 75
 _HEARTBEAT_KEY = "diffjax/heartbeat/"
 
@@ -39,9 +44,37 @@ def detected() -> bool:
     return True
   if os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
     return True
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+  # DIFFJAX_COORDINATOR (by hand, or a Kubernetes Indexed Job), a SLURM step of several tasks.
+  if cluster.group_wanted():
     return True
-  return bool(os.environ.get("DIFFJAX_COORDINATOR") or os.environ.get("JAX_COORDINATOR_ADDRESS"))
+  return bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+
+
+def apply_preset(section: DistributedConfig) -> str | None:
+  """Applies the run's ``distributed.xla_preset`` to this process's environment once, before
+  JAX starts its backends (after that XLA and NCCL no longer read it, and nothing is changed);
+  prints its one line on process 0 and returns it."""
+  global _PRESET_DONE
+  if _PRESET_DONE or section.xla_preset == "none":
+    return None
+  _PRESET_DONE = True
+  from diffjax.cpu import _backends_started  # pylint: disable=import-outside-toplevel
+
+  if _backends_started():
+    line = (
+      f"diffjax: {cluster.PRESET_KEY}={section.xla_preset} was not applied: JAX had already "
+      "started its backends in this process; set its variables before starting Python "
+      "(python -m diffjax.train.launch --dry-run env lists them)."
+    )
+  else:
+    line = cluster.apply_preset(section.xla_preset)
+  try:
+    group = cluster.process_group()
+  except ValueError:
+    group = None  # said by maybe_initialize
+  if line and (group is None or group.process_id == 0):
+    print(line, flush=True)
+  return line
 
 
 def maybe_initialize(section: DistributedConfig | None = None) -> bool:
@@ -51,25 +84,28 @@ def maybe_initialize(section: DistributedConfig | None = None) -> bool:
   if _DONE:
     return True
   section = section or DistributedConfig()
+  apply_preset(section)
   wanted = section.initialize
   if wanted is None:
     wanted = detected()
   if not wanted:
     return False
-  kwargs = {}
-  coord = os.environ.get("DIFFJAX_COORDINATOR")
-  if coord:
-    kwargs = dict(
-      coordinator_address=coord,
-      num_processes=int(os.environ["DIFFJAX_NUM_PROCESSES"]),
-      process_id=int(os.environ["DIFFJAX_PROCESS_ID"]),
-    )
+  # DIFFJAX_COORDINATOR or SLURM: the group diffjax reads (a malformed value raises
+  # ValueError, one ``error:`` line); otherwise JAX detects it (TPU VMs, JAX_COORDINATOR_ADDRESS).
+  group = cluster.process_group()
+  kwargs = group.initialize_kwargs() if group else {}
   # The runtime aborts the survivors of a lost peer after its own heartbeat timeout, which is
   # kept above the watchdog's (distributed.heartbeat_timeout_s), so the watchdog's one line and
   # exit status come first.
   kwargs["heartbeat_timeout_seconds"] = section.runtime_heartbeat_s()
   jax.distributed.initialize(**kwargs)
   _DONE = True
+  source = f"{group.source}, coordinator {group.coordinator}" if group else "detected by JAX"
+  print(
+    f"diffjax: process {jax.process_index()} of {jax.process_count()} ({source}): "
+    f"{jax.local_device_count()} of {jax.device_count()} {jax.default_backend()} devices here",
+    flush=True,
+  )
   return True
 
 

@@ -1,0 +1,393 @@
+"""Multi-node GPU launches: the process group a scheduler's variables describe, the named
+XLA/NCCL preset the trainer applies, and a dry run that prints what every rank would run.
+
+Nothing here touches JAX: the functions read and write environment mappings, so the trainer
+(diffjax/train/distributed.py), the dry run and the tests share them (docs/gpu_clusters.md).
+
+The dry run's command is diffjax/train/launch.py (``python -m diffjax.train.launch --dry-run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import NamedTuple
+
+
+class Preset(NamedTuple):
+  """XLA flags (name without the dashes -> value) and environment variables of a preset."""
+
+  xla_flags: dict[str, str]
+  env: dict[str, str]
+  about: str
+
+
+# The presets `distributed.xla_preset` names. Every flag here parses on jaxlib 0.10.2, 0.11.2
+# and 0.12.0.1 (tests/gpu_setup/test_gpu_setup.py starts a process with them): XLA aborts a
+# process whose XLA_FLAGS name a flag it does not know.
+PRESETS: dict[str, Preset] = {
+  "none": Preset({}, {}, "nothing is set"),
+  "gpu_multinode": Preset(
+    xla_flags={
+      # Schedule collectives early and their waits late, so that they overlap computation.
+      "xla_gpu_enable_latency_hiding_scheduler": "true",
+      # Run the collectives' stream at the highest priority, ahead of queued computation.
+      "xla_gpu_enable_highest_priority_async_stream": "true",
+      # Combine the many small per-parameter collectives of a step into few large ones
+      # (the data-parallel gradient all-reduce, FSDP's gathers and scatters): each NCCL call
+      # across nodes pays a network latency, so fewer, larger calls go faster.
+      "xla_gpu_all_reduce_combine_threshold_bytes": str(128 << 20),
+      "xla_gpu_all_gather_combine_threshold_bytes": str(128 << 20),
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 << 20),
+      # Move a scanned layer's collectives into the previous iteration (model.scan_layers).
+      "xla_gpu_enable_pipelined_all_gather": "true",
+      "xla_gpu_enable_pipelined_reduce_scatter": "true",
+      "xla_gpu_enable_pipelined_all_reduce": "true",
+      "xla_gpu_enable_while_loop_double_buffering": "true",
+    },
+    env={
+      # JAX takes 75% of each GPU's memory up front by default; leave 10% to NCCL and CUDA.
+      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
+      # NCCL says nothing by default; at WARN a failing network or topology is named.
+      "NCCL_DEBUG": "WARN",
+    },
+    about="XLA's collective overlap and combining for several GPU nodes, with NCCL warnings",
+  ),
+}
+PRESET_KEY = "distributed.xla_preset"
+
+
+def check_preset(name: str) -> Preset:
+  """The preset called ``name``; ValueError naming the known ones otherwise."""
+  if name not in PRESETS:
+    raise ValueError(
+      f"{PRESET_KEY}={name!r} is not a preset; use one of {', '.join(map(repr, PRESETS))}, "
+      f'e.g. --config.{PRESET_KEY}="gpu_multinode" (docs/gpu_clusters.md).'
+    )
+  return PRESETS[name]
+
+
+def _flag_name(token: str) -> str:
+  return token.lstrip("-").split("=", 1)[0]
+
+
+def preset_changes(name: str, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+  """What preset ``name`` changes in ``environ``: ``(new values by variable, what the
+  environment already set and so keeps)``. Each XLA flag the user's ``XLA_FLAGS`` already
+  names, and each variable already present (even empty), is left as it is."""
+  preset = check_preset(name)
+  changes: dict[str, str] = {}
+  kept: list[str] = []
+  current = environ.get("XLA_FLAGS", "")
+  named = {_flag_name(t) for t in current.split()}
+  added = []
+  for flag, value in preset.xla_flags.items():
+    if flag in named:
+      kept.append(f"--{flag}")
+    else:
+      added.append(f"--{flag}={value}")
+  if added:
+    changes["XLA_FLAGS"] = " ".join([current.strip(), *added]).strip()
+  for var, value in preset.env.items():
+    if var in environ:
+      kept.append(var)
+    else:
+      changes[var] = value
+  return changes, kept
+
+
+def preset_line(name: str, changes: Mapping[str, str], kept: Sequence[str], before: str) -> str:
+  """The one line that says what preset ``name`` set (``before``: the XLA_FLAGS it found)."""
+  parts = []
+  if "XLA_FLAGS" in changes:
+    added = changes["XLA_FLAGS"][len(before.strip()) :].strip()
+    parts.append(f"XLA_FLAGS += {added}")
+  parts += [f"{k}={v}" for k, v in changes.items() if k != "XLA_FLAGS"]
+  line = f"diffjax: {PRESET_KEY}={name} set " + ("; ".join(parts) if parts else "nothing")
+  if kept:
+    line += f" (kept from the environment: {', '.join(kept)})"
+  return line
+
+
+def apply_preset(name: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+  """Applies preset ``name`` to ``environ`` (os.environ) as :func:`preset_changes` says, and
+  returns the line saying what it did (None for "none"). Call it before JAX starts its
+  backends: XLA and NCCL read these variables once, then."""
+  environ = os.environ if environ is None else environ
+  if check_preset(name) is PRESETS["none"]:
+    return None
+  before = environ.get("XLA_FLAGS", "")
+  changes, kept = preset_changes(name, environ)
+  environ.update(changes)
+  return preset_line(name, changes, kept, before)
+
+
+# ---- the process group ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+  """One process's place in the group: what ``jax.distributed.initialize`` is given."""
+
+  source: str  # "slurm", "kubernetes" or "environment" (DIFFJAX_* alone)
+  coordinator: str  # host:port of process 0
+  num_processes: int
+  process_id: int
+  # The GPUs (indices among those the process sees) it drives; None: all it sees.
+  local_device_ids: tuple[int, ...] | None = None
+
+  def initialize_kwargs(self) -> dict:
+    """Keyword arguments of ``jax.distributed.initialize``; JAX's own cluster detection is
+    off, so the group is exactly this one (JAX_LOCAL_DEVICE_IDS still narrows the devices)."""
+    kwargs = dict(
+      coordinator_address=self.coordinator,
+      num_processes=self.num_processes,
+      process_id=self.process_id,
+      cluster_detection_method="deactivate",
+    )
+    if self.local_device_ids is not None:
+      kwargs["local_device_ids"] = list(self.local_device_ids)
+    return kwargs
+
+  def describe(self) -> str:
+    devices = "all visible" if self.local_device_ids is None else list(self.local_device_ids)
+    return (
+      f"process {self.process_id} of {self.num_processes} ({self.source}), coordinator "
+      f"{self.coordinator}, local devices {devices}"
+    )
+
+
+def _int(environ: Mapping[str, str], name: str, fix: str, low: int = 0) -> int:
+  value = environ.get(name)
+  if value is None:
+    raise ValueError(f"{name} is not set; {fix}")
+  try:
+    number = int(value.strip())
+  except ValueError:
+    number = None
+  if number is None or number < low:
+    raise ValueError(f"{name}={value!r} must be a whole number >= {low}; {fix}")
+  return number
+
+
+def first_host(nodelist: str) -> str:
+  """The first host of a SLURM host list: ``gpu[01-04,09],cpu1`` -> ``gpu01``,
+  ``rack[1-2]-n[3-4]`` -> ``rack1-n3``."""
+  out, i, text = [], 0, nodelist.strip()
+  while i < len(text) and text[i] != ",":
+    if text[i] == "[":
+      end = text.find("]", i)
+      first = re.split(r"[,-]", text[i + 1 : end])[0] if end > i else ""
+      if not first:
+        raise ValueError(
+          f"SLURM node list {nodelist!r} is malformed (an unclosed or empty [...]); it should "
+          "look like gpu[01-04],cpu1, as SLURM writes it."
+        )
+      out.append(first)
+      i = end + 1
+    else:
+      out.append(text[i])
+      i += 1
+  if not out:
+    raise ValueError(f"SLURM node list {nodelist!r} names no host; run train.py through srun.")
+  return "".join(out)
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+  """The coordinator's port: DIFFJAX_COORDINATOR_PORT or JAX_COORDINATOR_PORT, else one in
+  61440..65535 from the job id (the port JAX's own SLURM detection picks)."""
+  for name in ("DIFFJAX_COORDINATOR_PORT", "JAX_COORDINATOR_PORT"):
+    if environ.get(name):
+      return _int(environ, name, "set it to a free TCP port, e.g. 8476.", low=1)
+  job = _int(
+    environ,
+    "SLURM_JOB_ID",
+    "run inside a SLURM job, or set DIFFJAX_COORDINATOR_PORT to a free TCP port.",
+  )
+  return 65536 - 4096 + job % 4096
+
+
+def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
+  fix = "start train.py through srun inside the job (gpu_setup/slurm_train.sbatch)."
+  count = _int(environ, "SLURM_NTASKS", fix, low=1)
+  process = _int(environ, "SLURM_PROCID", fix)
+  local = _int(environ, "SLURM_LOCALID", fix)
+  nodelist = next(
+    (environ[k] for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if environ.get(k)), None
+  )
+  if nodelist is None:
+    raise ValueError(f"SLURM_NTASKS={count}, but SLURM_STEP_NODELIST is not set; {fix}")
+  if process >= count:
+    raise ValueError(f"SLURM_PROCID={process} must be below SLURM_NTASKS={count}; {fix}")
+  coordinator = f"{first_host(nodelist)}:{slurm_port(environ)}"
+  # One task per GPU (several tasks on a node): task i drives the node's GPU i, as JAX's own
+  # SLURM detection assumes. One task per node, or a task SLURM bound to one GPU
+  # (--gpus-per-task=1, CUDA_VISIBLE_DEVICES of one entry): all the GPUs it sees.
+  per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
+  nodes = next(
+    (
+      environ[k]
+      for k in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+      if k in environ
+    ),
+    "",
+  )
+  if per_node.strip().isdigit():
+    tasks_here = int(per_node)
+  elif nodes.strip().isdigit() and int(nodes) > 0:
+    tasks_here = -(-count // int(nodes))
+  else:
+    tasks_here = count
+  visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+  bound = bool(visible) and "," not in visible
+  devices = None if tasks_here <= 1 or bound else (local,)
+  return ProcessGroup("slurm", coordinator, count, process, devices)
+
+
+def _env_group(environ: Mapping[str, str]) -> ProcessGroup:
+  coordinator = environ["DIFFJAX_COORDINATOR"].strip()
+  host, _, port = coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(
+      f"DIFFJAX_COORDINATOR={coordinator!r} must be HOST:PORT of process 0, e.g. node0:8476 "
+      "(in Kubernetes: <job>-0.<service>:8476)."
+    )
+  fix = "set DIFFJAX_NUM_PROCESSES to the number of processes, the same on every one."
+  count = _int(environ, "DIFFJAX_NUM_PROCESSES", fix, low=1)
+  if environ.get("DIFFJAX_PROCESS_ID", "").strip():
+    name, source = "DIFFJAX_PROCESS_ID", "environment"
+  elif environ.get("JOB_COMPLETION_INDEX", "").strip():
+    name, source = "JOB_COMPLETION_INDEX", "kubernetes"
+  else:
+    raise ValueError(
+      "DIFFJAX_COORDINATOR is set, but neither DIFFJAX_PROCESS_ID nor JOB_COMPLETION_INDEX "
+      f"(a Kubernetes Indexed Job's) is: set DIFFJAX_PROCESS_ID to 0..{count - 1}, one per process."
+    )
+  process = _int(environ, name, f"it must be 0..{count - 1}, one per process.")
+  if process >= count:
+    raise ValueError(
+      f"{name}={process} must be below DIFFJAX_NUM_PROCESSES={count}: the processes are "
+      f"0..{count - 1} (a Kubernetes Job's completions and DIFFJAX_NUM_PROCESSES must agree)."
+    )
+  return ProcessGroup(source, coordinator, count, process)
+
+
+def _several(value: str | None) -> bool:
+  value = (value or "").strip()
+  return bool(value) and value not in ("0", "1")
+
+
+def group_wanted(environ: Mapping[str, str] | None = None) -> bool:
+  """Whether the environment describes a process group diffjax forms itself (a coordinator in
+  DIFFJAX_COORDINATOR, or a SLURM step of several tasks); never raises."""
+  environ = os.environ if environ is None else environ
+  return bool(environ.get("DIFFJAX_COORDINATOR", "").strip()) or _several(
+    environ.get("SLURM_NTASKS")
+  )
+
+
+def process_group(environ: Mapping[str, str] | None = None) -> ProcessGroup | None:
+  """The group the environment describes, or None (JAX's own detection, or one process).
+
+  ``DIFFJAX_COORDINATOR`` comes first: with ``DIFFJAX_NUM_PROCESSES`` and the process id from
+  ``DIFFJAX_PROCESS_ID`` or else ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job). Then a
+  SLURM step of several tasks: ``SLURM_NTASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``, the
+  first host of ``SLURM_STEP_NODELIST`` as the coordinator. A malformed value raises
+  ValueError naming it and the fix.
+  """
+  environ = os.environ if environ is None else environ
+  if environ.get("DIFFJAX_COORDINATOR", "").strip():
+    return _env_group(environ)
+  if _several(environ.get("SLURM_NTASKS")):
+    return _slurm_group(environ)
+  return None
+
+
+# ---- the dry run ------------------------------------------------------------------------------
+
+
+def slurm_rank_env(
+  rank: int, nodes: int, tasks_per_node: int, job_id: int, nodelist: str, hosts: Sequence[str]
+) -> dict[str, str]:
+  """The SLURM variables srun gives task ``rank`` of ``nodes x tasks_per_node`` (block
+  distribution, as srun's default)."""
+  node = rank // tasks_per_node
+  return {
+    "SLURM_JOB_ID": str(job_id),
+    "SLURM_NTASKS": str(nodes * tasks_per_node),
+    "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+    "SLURM_STEP_NUM_NODES": str(nodes),
+    "SLURM_STEP_NODELIST": nodelist,
+    "SLURMD_NODENAME": hosts[node],
+    "SLURM_NODEID": str(node),
+    "SLURM_PROCID": str(rank),
+    "SLURM_LOCALID": str(rank % tasks_per_node),
+  }
+
+
+def kubernetes_rank_env(
+  rank: int, pods: int, job: str, service: str, port: int, namespace: str | None
+) -> dict[str, str]:
+  """The variables pod ``rank`` of the Indexed Job gets: its index from Kubernetes, the
+  coordinator (pod 0 through the headless service) and the count from the manifest."""
+  domain = f"{service}.{namespace}.svc" if namespace else service
+  return {
+    "JOB_COMPLETION_INDEX": str(rank),
+    "HOSTNAME": f"{job}-{rank}",
+    "DIFFJAX_COORDINATOR": f"{job}-0.{domain}:{port}",
+    "DIFFJAX_NUM_PROCESSES": str(pods),
+  }
+
+
+def preset_of(train_args: Sequence[str]) -> str:
+  """The preset train.py will apply for ``train_args``: the last ``--config.distributed.
+  xla_preset=`` override, else the config file's value, else "none"."""
+  chosen = None
+  for arg in train_args:
+    for start in (f"--config.{PRESET_KEY}=", f"-config.{PRESET_KEY}="):
+      if arg.startswith(start):
+        chosen = arg[len(start) :].strip().strip("'\"")
+  if chosen is not None:
+    return chosen
+  config = next((a.split("=", 1)[1] for a in train_args if a.startswith("--config=")), None)
+  if config:
+    from diffjax import cli  # pylint: disable=import-outside-toplevel
+
+    path, _, arg = config.partition(":")
+    loaded = cli.load_config(path, arg or None)
+    section = loaded.get("distributed") if hasattr(loaded, "get") else None
+    if section is not None and section.get("xla_preset") is not None:
+      return str(section.get("xla_preset"))
+  return "none"
+
+
+def _quote_env(env: Mapping[str, str]) -> str:
+  return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def rank_lines(
+  label: str, scheduler_env: Mapping[str, str], base_env: Mapping[str, str], command: Sequence[str]
+) -> list[str]:
+  """The dry run's lines for one rank: the group it forms, the scheduler's variables, what
+  the preset adds, and the command (all through the functions the trainer itself calls)."""
+  env = {**base_env, **scheduler_env}
+  group = process_group(env)
+  preset = preset_of(command)
+  changes, kept = preset_changes(preset, env)
+  where = scheduler_env.get("SLURMD_NODENAME") or scheduler_env.get("HOSTNAME") or "this host"
+  lines = [
+    f"{label} on {where}: "
+    + (group.describe() if group else "one process (no process group in the environment)")
+  ]
+  lines.append(f"  env:  {_quote_env(scheduler_env) or '(nothing from a scheduler)'}")
+  added = _quote_env(changes) or "nothing"
+  lines.append(
+    f"  sets: {added}  [{PRESET_KEY}={preset}"
+    + (f"; kept from the environment: {', '.join(kept)}" if kept else "")
+    + "]"
+  )
+  lines.append(f"  run:  {' '.join(shlex.quote(c) for c in command)}")
+  return lines
