@@ -448,7 +448,7 @@ class DistributedConfig(Section):
   prefix: ClassVar[str] = "distributed"
 
   # Call jax.distributed.initialize(); None: when the environment says there are several
-  # processes (TPU VMs, SLURM, DIFFJAX_COORDINATOR).
+  # processes (TPU VMs, SLURM, DIFFJAX_COORDINATOR, a Kubernetes Indexed Job).
   initialize: bool | None = None
   # A process whose peer stops answering this long says so and exits (75).
   peer_timeout_s: float = 60.0
@@ -457,8 +457,15 @@ class DistributedConfig(Section):
   # of 100 s and 3 x peer_timeout_s. It must exceed peer_timeout_s, so that the watchdog's
   # one line and exit status come first.
   heartbeat_timeout_s: float | None = None
+  # XLA flags and NCCL/JAX variables set before JAX starts, by name (diffjax/train/cluster.py,
+  # docs/gpu_clusters.md): "none", or "gpu_multinode" for several GPU nodes. Each XLA flag and
+  # variable the environment already sets is left as the user set it.
+  xla_preset: str = "none"
 
   def _check(self) -> None:
+    from diffjax.train.cluster import check_preset  # pylint: disable=import-outside-toplevel
+
+    check_preset(self.xla_preset)
     beat = self.heartbeat_timeout_s
     if beat is not None and beat <= self.peer_timeout_s:
       raise ValueError(
