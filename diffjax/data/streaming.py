@@ -403,6 +403,11 @@ class StreamingBatchIterator(grain.DatasetIterator):
     self._state = _copy_state(state)
     self._produced = self._state["batches"]
 
+  @property
+  def rows(self) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of the global batch this iterator reads."""
+    return self._rows[0], self._rows[1]
+
   def set_position(self, position: dict) -> None:
     """Continues from a global position (:func:`global_position`), taking this iterator's
     rows from it: how a run resumes on another number of processes than saved it.

@@ -284,6 +284,19 @@ def _read_data_states(manager: ocp.CheckpointManager, step: int, count: int) -> 
   return states
 
 
+def _reads_saved_rows(manager, step: int, count: int, data_iter) -> bool:
+  """Whether this process's saved iterator state is of the rows ``data_iter`` reads (True for
+  an iterator without rows, or a state that cannot be read: restoring it says why)."""
+  rows = getattr(data_iter, "rows", None)
+  if rows is None or not hasattr(data_iter, "set_position"):
+    return True
+  try:
+    saved = json.loads(_data_state_path(manager, step, jax.process_index(), count).read_text())
+    return [int(r) for r in saved["rows"]] == list(rows)
+  except Exception:  # missing or damaged: the restore reports it
+    return True
+
+
 def _restore_global_position(manager, step: int, record: dict, data_iter, saved: int) -> None:
   """Sets ``data_iter`` from the data position of every process that saved ``step`` (a run on
   another number of processes): each saved state is verified against the record, the states
@@ -315,18 +328,20 @@ def _processes(n: int) -> str:
 
 
 def resume_line(step: int, saved: int, now: int) -> str:
-  """The line a run resumed on another number of processes than saved ``step`` prints."""
+  """The line a run prints that resumed ``step`` from the global data position: on another
+  number of processes than saved it, or on as many reading other rows (another mesh)."""
+  where = f"on {_processes(now)}" if saved != now else "on as many reading other rows of the batch"
   return (
-    f"Resuming step {step} written by {_processes(saved)} on {_processes(now)}: the data "
-    "position is global, each process takes its rows from it."
+    f"Resuming step {step} written by {_processes(saved)} {where}: the data position is "
+    "global, each process takes its rows from it."
   )
 
 
 def _restore_checked(
   manager, step: int, abstract_state: Any, data_iter, check_meta: Callable[[dict], None]
-) -> tuple[Any, int]:
-  """Restores and verifies one step; returns the state and how many processes saved the
-  step's data position (0: none)."""
+) -> tuple[Any, str | None]:
+  """Restores and verifies one step; returns the state and, when the iterator continues from
+  the global data position, the line that says so."""
   meta, record = _read_meta_and_record(manager, step)
   check_meta(meta)
   abstract_state, to_target_layout = _saved_layout_target(record, abstract_state)
@@ -339,9 +354,12 @@ def _restore_checked(
       "checkpoint.init_from naming it to take its weights."
     )
   saved = integrity.saved_processes(record)
-  # As many processes as saved the step: each restores its own iterator state, as grain saved
-  # it. Another number: each reads every process's state after the arrays (global_position).
+  # As many processes as saved the step, each reading the rows it saved: each restores its own
+  # iterator state, as grain saved it. Another number of processes (or rows): each reads every
+  # process's state after the arrays (global_position).
   own = data_iter if data_iter is not None and saved == jax.process_count() else None
+  if own is not None and not _reads_saved_rows(manager, step, saved, own):
+    own = None
   args = {"state": ocp.args.StandardRestore(abstract_state)}
   if own is not None:
     args["data"] = grain.checkpoint.CheckpointRestore(own)
@@ -351,9 +369,11 @@ def _restore_checked(
   except Exception as e:  # orbax and tensorstore raise several types for damaged files
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   integrity.verify(manager.directory, step, record, names, named_leaves(state)[1], own)
+  line = None
   if data_iter is not None and own is None:
     _restore_global_position(manager, step, record, data_iter, saved)
-  return to_target_layout(state), saved
+    line = resume_line(step, saved, jax.process_count())
+  return to_target_layout(state), line
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:
@@ -385,9 +405,9 @@ def restore_newest_good(
   ``check_meta(meta)`` runs first for each candidate; a ``CheckpointError`` it raises
   (e.g. a changed model config) propagates and nothing is moved, as does a target whose
   leaves differ from the saved ones. ``data_iter`` (or None) is restored in place.
-  ``message`` receives one line per moved step, and one saying so when the step was saved by
-  another number of processes than this run's (the iterator then continues from the global
-  data position). A step without an integrity record is refused (``CheckpointError``),
+  ``message`` receives one line per moved step, and one saying so when the iterator continues
+  from the global data position (a step saved by another number of processes, or by as many
+  reading other rows). A step without an integrity record is refused (``CheckpointError``),
   nothing moved.
   Returns ``(None, None)`` if the manager holds no step, else ``(step, state)``; raises
   ``CheckpointError`` if no step is usable (all of them moved aside).
@@ -395,9 +415,9 @@ def restore_newest_good(
   moved = []
   for step in sorted(manager.all_steps(), reverse=True):
     failure = None
-    saved = 0
+    line = None
     try:
-      state, saved = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
+      state, line = _restore_checked(manager, step, abstract_state, data_iter, check_meta)
     except CorruptCheckpointError as e:
       failure = e
     if not all_processes_agree(failure is None):
@@ -408,8 +428,8 @@ def restore_newest_good(
       moved.append(f"step {step} to {dest} ({failure.reason})")
       message(f"{failure}; moved it to {dest} and trying the previous step.")
       continue
-    if data_iter is not None and saved and saved != jax.process_count():
-      message(resume_line(step, saved, jax.process_count()))
+    if line is not None:
+      message(line)
     return step, state
   if moved:
     raise CheckpointError(

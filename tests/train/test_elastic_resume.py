@@ -12,10 +12,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REPO, WAIT_LIMIT_S, read_metrics
 
 from diffjax.data import ByteTokenizer, DataConfig, build_datasets
 from diffjax.data.streaming import DataPositionError, global_position, split_position
@@ -230,3 +235,165 @@ def test_an_iterator_without_a_global_position_is_refused_not_moved(tmp_path):
       message=print,
     )
   assert sorted(manager.all_steps()) == [2, 4]
+
+
+def test_another_global_batch_is_refused_naming_the_value_and_nothing_moves(tmp_path):
+  # Saved by as many processes (one) as resume, but of 4 rows where the run reads 8.
+  directory = str(tmp_path / "checkpoints")
+  manager = ckpt.make_manager(directory, keep=5, async_save=False)
+  it = _iters(1)[0]
+  _advance([it], 2)
+  ckpt.save(manager, 2, _tiny_state(2), it, {"note": 2}, force=True)
+  manager.wait_until_finished()
+  wider = _data(0, 1, batch=8).train_iter
+  with pytest.raises(ckpt.CheckpointError) as e:
+    ckpt.restore_newest_good(
+      manager,
+      ckpt.abstract_like(_tiny_state(0)),
+      wider,
+      check_meta=lambda meta: None,
+      message=print,
+    )
+  msg = str(e.value)
+  assert not isinstance(e.value, ckpt.CorruptCheckpointError)
+  assert "\n" not in msg and "step 2" in msg, msg
+  assert "global batch of 4 rows" in msg and "resume with global_batch_size=4" in msg, msg
+  assert sorted(manager.all_steps()) == [2]
+  assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
+
+
+# --- training runs on several processes -------------------------------------------------------
+
+STEPS, SAVED_AT = 8, 4
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _train(wd: str, processes: int, steps: int, devices: int = 1) -> str:
+  """``train.py --config=configs/tiny.py`` (batch 4, length 32) to ``steps`` on ``processes``
+  processes on 127.0.0.1 with ``devices`` CPU devices each, every device on the fsdp axis (so
+  the parameters and moments are sharded over the processes); returns process 0's output."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env["XLA_FLAGS"] = " ".join(
+    f for f in (env.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}") if f
+  )
+  if processes > 1:
+    env.update(
+      DIFFJAX_COORDINATOR=f"127.0.0.1:{_free_port()}", DIFFJAX_NUM_PROCESSES=str(processes)
+    )
+  args = [
+    sys.executable,
+    "train.py",
+    "--config=configs/tiny.py",
+    f"--workdir={wd}",
+    f"--config.num_steps={steps}",
+    "--config.eval_every=0",
+    "--config.eval_batches=1",
+    f"--config.checkpoint.every={SAVED_AT}",
+    "--config.checkpoint.keep=3",
+    "--config.global_batch_size=4",
+    "--config.seq_len=32",
+    "--config.mesh.shape=(1,-1,1)",
+  ]
+  logs = [
+    os.path.join(os.path.dirname(wd), f"{os.path.basename(wd)}.{i}.log") for i in range(processes)
+  ]
+  procs = []
+  for i, log in enumerate(logs):
+    with open(log, "w", encoding="utf-8") as out:
+      procs.append(
+        subprocess.Popen(
+          args,
+          cwd=REPO,
+          env={**env, "DIFFJAX_PROCESS_ID": str(i)} if processes > 1 else env,
+          stdout=out,
+          stderr=subprocess.STDOUT,
+        )
+      )
+  try:
+    for p in procs:
+      p.wait(timeout=WAIT_LIMIT_S)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  texts = []
+  for log in logs:
+    with open(log, encoding="utf-8") as f:
+      texts.append(f.read())
+  for p, text in zip(procs, texts):
+    assert p.returncode == 0, text[-3000:]
+  return texts[0]
+
+
+def _losses(wd: str) -> dict[int, float]:
+  return {s: r["train/loss"] for s, r in read_metrics(wd).items()}
+
+
+def _as_if_stopped_at(wd: str, step: int) -> None:
+  """A finished run's workdir as if it had stopped after saving ``step``."""
+  for name in os.listdir(os.path.join(wd, "checkpoints")):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(os.path.join(wd, "checkpoints", name))
+  for name in ("DONE", "final_metrics.json"):
+    if os.path.exists(os.path.join(wd, name)):
+      os.remove(os.path.join(wd, name))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """An uninterrupted single-process run of STEPS steps, and a run on two processes of two
+  devices each stopped at its SAVED_AT checkpoint."""
+  root = tmp_path_factory.mktemp("elastic")
+  straight, two = str(root / "straight"), str(root / "two")
+  _train(straight, 1, STEPS)
+  _train(two, 2, SAVED_AT, devices=2)
+  return {"root": root, "straight": straight, "two": two}
+
+
+def _assert_same_losses(wd: str, straight: str) -> None:
+  got, want = _losses(wd), _losses(straight)
+  assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (sorted(got), sorted(want))
+  for s in want:
+    assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got[s], want[s])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("processes", [1, 4])
+def test_a_checkpoint_of_two_processes_resumes_on_another_number(runs, processes):
+  wd = str(runs["root"] / f"two_on_{processes}")
+  shutil.copytree(runs["two"], wd)
+  out = _train(wd, processes, STEPS)
+  line = (
+    f"Resuming step {SAVED_AT} written by 2 processes on {processes} "
+    f"process{'es' if processes > 1 else ''}: the data position is global, each process "
+    "takes its rows from it."
+  )
+  assert out.count(line) == 1, out[-3000:]
+  assert f"Resumed from step {SAVED_AT}" in out
+  # 4 devices (2 x 2) saved the sharded state; 1 and 4 (4 x 1) restore it.
+  _assert_same_losses(wd, runs["straight"])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_checkpoint_of_one_process_resumes_on_two(runs):
+  wd = str(runs["root"] / "one_on_two")
+  shutil.copytree(runs["straight"], wd)
+  _as_if_stopped_at(wd, SAVED_AT)
+  out = _train(wd, 2, STEPS)
+  assert (
+    out.count(
+      f"Resuming step {SAVED_AT} written by 1 process on 2 processes: the data position is "
+      "global, each process takes its rows from it."
+    )
+    == 1
+  ), out[-3000:]
+  _assert_same_losses(wd, runs["straight"])
