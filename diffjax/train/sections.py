@@ -416,9 +416,11 @@ class MeshConfig(Section):
       return None
     available = jax.device_count()
     if jax.process_count() > 1 and self.num_devices != available:
+      # A restart on another number of processes changes the device count: 0 follows it.
       raise ValueError(
         f"mesh.num_devices={self.num_devices}: a run of {jax.process_count()} processes "
-        f"spans all {available} devices. Leave mesh.num_devices at 0."
+        f"spans all {available} devices (every device of every process). Set "
+        f"mesh.num_devices=0 (or {available})."
       )
     if self.num_devices > available:
       raise ValueError(
