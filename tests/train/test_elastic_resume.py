@@ -262,6 +262,25 @@ def test_another_global_batch_is_refused_naming_the_value_and_nothing_moves(tmp_
   assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
 
 
+def test_num_devices_on_several_processes_names_the_total_and_the_fix(monkeypatch):
+  # A run restarted on another number of processes sees another total (here 2 processes of
+  # this test process's 8 devices): a count kept from the run before is refused.
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diffjax.train.sections import MeshConfig  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  total = jax.device_count()
+  with pytest.raises(ValueError) as e:
+    MeshConfig(num_devices=2).devices()
+  assert str(e.value) == (
+    f"mesh.num_devices=2: a run of 2 processes spans all {total} devices (every device of "
+    f"every process). Set mesh.num_devices=0 (or {total})."
+  )
+  assert MeshConfig(num_devices=0).devices() is None
+  assert len(MeshConfig(num_devices=total).devices()) == total
+
+
 # --- training runs on several processes -------------------------------------------------------
 
 STEPS, SAVED_AT = 8, 4
