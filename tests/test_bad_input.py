@@ -76,6 +76,26 @@ MORE_CASES = [
     ("num_steps=-3", "must be a positive integer"),
   ),
   (
+    "train.py-slices-on-one-slice",
+    [
+      "train.py",
+      "--config=configs/tiny.py",
+      "--config.mesh.dcn_shape=(2,1,1)",
+      "--workdir={tmp}/r",
+    ],
+    ("spans 2 slices, but the devices form 1", "leave it empty"),
+  ),
+  (
+    "train.py-tensor-across-slices",
+    [
+      "train.py",
+      "--config=configs/tiny.py",
+      "--config.mesh.dcn_shape=(1,1,2)",
+      "--workdir={tmp}/r",
+    ],
+    ("tensor axis across 2 slices", "mesh.dcn_shape=(-1, 1, 1, 1)"),
+  ),
+  (
     "eval-override-type",
     ["-m", "diffjax.eval", "--workdir={tmp}/no_run", "--config.samples_per_depth=abc"],
     ("'abc'", "e.g. --config.samples_per_depth="),

@@ -197,7 +197,9 @@ class Trainer:
     cfg = self.cfg
     # The mesh decides which rows each process loads (processes of one context group share
     # theirs); building it touches nothing.
-    self.mesh = shd.make_mesh(cfg.mesh.shape, devices=cfg.mesh.devices())
+    self.mesh = shd.make_mesh(
+      cfg.mesh.shape, devices=cfg.mesh.devices(), dcn_shape=cfg.mesh.dcn_shape
+    )
     self.rules = cfg.mesh.logical_rules
     self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
     row_slot, row_slots = shd.process_rows(self.batch_shard, (cfg.global_batch_size, cfg.seq_len))
