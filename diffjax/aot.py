@@ -105,7 +105,8 @@ class AotReport:
 # host-transfer ``send`` handed to the DCN runtime, tagged with the collective it carries.
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 _DCN_SEND = re.compile(
-  r"= \((\w+)\[([\d,]*)\](?:\{[^}]*\})?, u32\[\], token\[\]\) send\(.*_xla_megascale_transfer_type=\"(\w+)\""
+  r"= \((\w+)\[([\d,]*)\](?:\{[^}]*\})?, u32\[\](?:\{[^}]*\})?, token\[\](?:\{[^}]*\})?\) "
+  r"send\(.*_xla_megascale_transfer_type=\"(\w+)\""
 )
 _CALLED = re.compile(r"(?:body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")

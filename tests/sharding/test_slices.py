@@ -96,7 +96,7 @@ def test_rules_that_would_split_the_sequence_or_heads_across_slices_are_refused(
 
 # A hand-written compiled program in the TPU compiler's multi-slice form: one transfer before
 # a loop of 3 trips that holds two more (one inside a nested loop of 4), and a loop whose
-# bound is not a constant.
+# bound is not a constant (its transfer in the newer compilers' form, with a layout on u32[]).
 _HLO = """\
 HloModule m
 
@@ -128,7 +128,7 @@ HloModule m
 }
 
 %other (p: (s32[], s32[])) -> (s32[], s32[]) {
-  %s = (f32[16]{0:T(128)}, u32[], token[]) send(%x, %t), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ONE_TO_ONE"}
+  %s = (f32[16]{0:T(128)}, u32[]{:S(2)}, token[]) send(%x, %t), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ONE_TO_ONE"}
 }
 
 ENTRY %main (a: f32[4]) -> f32[4] {
