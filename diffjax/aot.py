@@ -111,7 +111,16 @@ _DCN_SEND = re.compile(
 _CALLED = re.compile(r"(?:body|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r"constant\((\d+)\)")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BITS = re.compile(r"[a-z]+(\d+)")
+
+
+def _dtype_bytes(dtype: str) -> float:
+  """Bytes of one element of an HLO element type (f32, bf16, f8e4m3fn, s4, c64, pred, ...)."""
+  if dtype == "pred":
+    return 1.0
+  m = _BITS.match(dtype)
+  return int(m.group(1)) / 8 if m else 4.0
 
 
 @dataclasses.dataclass
@@ -145,7 +154,9 @@ def _trip_count(condition: list[str]) -> int | None:
 
 def dcn_traffic(hlo_text: str) -> DcnTraffic:
   """Sums the cross-slice transfers of a compiled program (``compiled.as_text()``) per
-  device and step; loops multiply what they contain by their trip counts."""
+  device and step; loops multiply what they contain by their trip counts (the compiler's
+  ``known_trip_count``, else the bound of an ``i < N`` condition), and every branch of a
+  conditional counts as taken (an upper bound)."""
   comps: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -170,8 +181,12 @@ def dcn_traffic(hlo_text: str) -> DcnTraffic:
         continue
       times = runs[comp]
       if " while(" in line:
+        known = _KNOWN_TRIPS.search(line)
         cond = re.search(r"condition=%([\w.\-]+)", line)
-        trips = _trip_count(comps.get(cond.group(1), [])) if cond else None
+        if known:
+          trips = int(known.group(1))
+        else:
+          trips = _trip_count(comps.get(cond.group(1), [])) if cond else None
         if trips is None:
           unknown += 1
         times *= trips or 1
@@ -187,9 +202,10 @@ def dcn_traffic(hlo_text: str) -> DcnTraffic:
       if m is None:
         continue
       dtype, dims, kind = m.groups()
-      nbytes = _BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
+      nbytes = _dtype_bytes(dtype)
       for d in filter(None, dims.split(",")):
         nbytes *= int(d)
+      nbytes = int(nbytes)
       by_kind[kind] = by_kind.get(kind, 0) + nbytes * times
       transfers += times
       if nbytes > largest_bytes:

@@ -397,6 +397,12 @@ class StreamingBatchIterator(grain.DatasetIterator):
         f"The saved data position covers batch rows {state['rows']} but this process reads rows "
         f"{self._rows}: resume with the same number of processes as the run that saved it."
       )
+    if len(state["lanes"]) != len(self._lanes):
+      saved = len(state["lanes"]) // max(self._rows[1] - self._rows[0], 1)
+      raise ValueError(
+        f"The saved data position has {saved} streams per row, but this run reads "
+        f"{self._streams}: resume with the data settings that saved it (data.streams_per_row)."
+      )
     self._halt()
     for lane, s in zip(self._lanes, state["lanes"]):
       lane.set_state(s)
@@ -407,6 +413,11 @@ class StreamingBatchIterator(grain.DatasetIterator):
   def rows(self) -> tuple[int, int]:
     """The rows ``[start, stop)`` of the global batch this iterator reads."""
     return self._rows[0], self._rows[1]
+
+  @property
+  def num_lanes(self) -> int:
+    """How many lanes the state lists: the rows times the streams per row."""
+    return len(self._lanes)
 
   def set_position(self, position: dict) -> None:
     """Continues from a global position (:func:`global_position`), taking this iterator's

@@ -62,12 +62,20 @@ DCN_AXES = ("data", "fsdp")
 DCN_LOGICAL = ("batch", "embed")
 
 
+def _slice_of(device: Any) -> int:
+  """The TPU slice ``device`` sits in (0 for other platforms: a GPU's ``slice_index`` names
+  its host, and the hosts of a GPU job form one mesh)."""
+  if getattr(device, "platform", "tpu") != "tpu":
+    return 0
+  return int(getattr(device, "slice_index", 0) or 0)
+
+
 def slice_groups(devices: Sequence[Any]) -> list[list[Any]]:
-  """``devices`` grouped by slice (``device.slice_index``; one group when the devices carry
-  none, as on CPU and single-slice topologies), in slice order."""
+  """``devices`` grouped by TPU slice (``device.slice_index``; one group on other platforms
+  and single-slice topologies), in slice order."""
   groups: dict[int, list[Any]] = {}
   for d in devices:
-    groups.setdefault(int(getattr(d, "slice_index", 0) or 0), []).append(d)
+    groups.setdefault(_slice_of(d), []).append(d)
   return [groups[k] for k in sorted(groups)]
 
 
@@ -98,7 +106,13 @@ def resolve_dcn_shape(dcn_shape: Sequence[int] | None, num_slices: int) -> tuple
       f"mesh.dcn_shape={shape}: entries must be positive, with at most one -1 ('the rest')."
     )
   known = int(np.prod([s for s in shape if s != -1]))
-  if -1 in shape and num_slices % known == 0:
+  if -1 in shape:
+    if num_slices % known:
+      raise ValueError(
+        f"mesh.dcn_shape={shape}: the {num_slices} slices do not divide by the fixed entries' "
+        f"product {known}. Make its product {num_slices} (or leave it empty: every slice on "
+        "data)."
+      )
     shape = tuple(num_slices // known if s == -1 else s for s in shape)
   if int(np.prod(shape)) != num_slices:
     raise ValueError(
@@ -141,9 +155,7 @@ def check_rules_within_slices(rules: Rules, dcn_shape: Sequence[int]) -> None:
 
 def mesh_dcn_shape(mesh: Mesh) -> tuple[int, ...]:
   """How many slices each of the mesh's axes spans (all 1 on one slice)."""
-  slices = np.vectorize(lambda d: int(getattr(d, "slice_index", 0) or 0), otypes=[int])(
-    mesh.devices
-  )
+  slices = np.vectorize(_slice_of, otypes=[int])(mesh.devices)
   out = []
   for i in range(slices.ndim):
     lines = np.moveaxis(slices, i, -1).reshape(-1, slices.shape[i])
@@ -168,7 +180,7 @@ def make_mesh(
   """A mesh with axes :data:`MESH_AXES` (data, fsdp, tensor, context) over ``devices``
   (default: all of them). A 3-entry ``shape`` leaves the context axis at 1.
 
-  On devices of several slices (``device.slice_index``), ``shape`` is the mesh within one
+  On devices of several TPU slices (``device.slice_index``), ``shape`` is the mesh within one
   slice and ``dcn_shape`` how many slices each axis spans (default: all on ``data``); an
   axis' size is their product, its slices outermost, so only the collectives of axes with a
   DCN share leave a slice.

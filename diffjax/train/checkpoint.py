@@ -285,14 +285,17 @@ def _read_data_states(manager: ocp.CheckpointManager, step: int, count: int) -> 
 
 
 def _reads_saved_rows(manager, step: int, count: int, data_iter) -> bool:
-  """Whether this process's saved iterator state is of the rows ``data_iter`` reads (True for
-  an iterator without rows, or a state that cannot be read: restoring it says why)."""
+  """Whether this process's saved iterator state is of the rows ``data_iter`` reads, with as
+  many streams per row (True for an iterator without rows, or a state that cannot be read:
+  restoring it says why). Otherwise the step takes the global path, which refuses another
+  global batch or another number of streams in one line."""
   rows = getattr(data_iter, "rows", None)
   if rows is None or not hasattr(data_iter, "set_position"):
     return True
   try:
     saved = json.loads(_data_state_path(manager, step, jax.process_index(), count).read_text())
-    return [int(r) for r in saved["rows"]] == list(rows)
+    same_rows = [int(r) for r in saved["rows"]] == list(rows)
+    return same_rows and len(saved["lanes"]) == getattr(data_iter, "num_lanes", len(saved["lanes"]))
   except Exception:  # missing or damaged: the restore reports it
     return True
 

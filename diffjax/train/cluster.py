@@ -141,7 +141,8 @@ class ProcessGroup:
 
   def initialize_kwargs(self) -> dict:
     """Keyword arguments of ``jax.distributed.initialize``; JAX's own cluster detection is
-    off, so the group is exactly this one (JAX_LOCAL_DEVICE_IDS still narrows the devices)."""
+    off, so the group is exactly this one (``local_device_ids``, when set, takes the place of
+    JAX_LOCAL_DEVICE_IDS)."""
     kwargs = dict(
       coordinator_address=self.coordinator,
       num_processes=self.num_processes,
@@ -224,8 +225,8 @@ def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
     raise ValueError(f"SLURM_PROCID={process} must be below SLURM_NTASKS={count}; {fix}")
   coordinator = f"{first_host(nodelist)}:{slurm_port(environ)}"
   # One task per GPU (several tasks on a node): task i drives the node's GPU i, as JAX's own
-  # SLURM detection assumes. One task per node, or a task SLURM bound to one GPU
-  # (--gpus-per-task=1, CUDA_VISIBLE_DEVICES of one entry): all the GPUs it sees.
+  # SLURM detection assumes. One task per node, or a task SLURM bound to its own GPUs
+  # (--gpus-per-task=N): all the GPUs it sees.
   per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
   nodes = next(
     (
@@ -241,9 +242,11 @@ def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
     tasks_here = -(-count // int(nodes))
   else:
     tasks_here = count
-  visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-  bound = bool(visible) and "," not in visible
-  devices = None if tasks_here <= 1 or bound else (local,)
+  # A task that sees fewer GPUs than its node has tasks was given its own (--gpus-per-task=N,
+  # CUDA_VISIBLE_DEVICES of N entries): it drives all it sees.
+  visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+  pinned = tasks_here > 1 and (not visible or len(visible) >= tasks_here)
+  devices = (local,) if pinned else None
   return ProcessGroup("slurm", coordinator, count, process, devices)
 
 

@@ -70,8 +70,9 @@ def _split_micro(batch: Batch, accum: int) -> Batch:
       raise ValueError(
         f"Batch of {x.shape[0]} rows does not split into grad_accum_steps={accum} micro-batches."
       )
-    # Micro-batch i takes rows i, i + accum, i + 2 accum, ...: a device's block of rows
-    # holds its share of every micro-batch, so no rows move between devices (or slices).
+    # Micro-batch i takes rows i, i + accum, i + 2 accum, ...: when a device's block of rows
+    # is a multiple of accum, it holds its share of every micro-batch, so no rows move between
+    # devices (or slices).
     return jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
 
   return jax.tree.map(f, batch)

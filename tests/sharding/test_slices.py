@@ -17,6 +17,7 @@ class FakeDevice:
 
   id: int
   slice_index: int
+  platform: str = "tpu"
 
 
 def _devices(slices: int, per_slice: int) -> list[FakeDevice]:
@@ -48,6 +49,17 @@ def test_fsdp_across_slices_when_asked():
   assert all(r[0] == r[1] and r[2] == r[3] and r[0] != r[2] for r in rows), rows
 
 
+def test_gpu_hosts_are_not_slices():
+  """A GPU's ``slice_index`` names its host: a multi-node GPU job is one mesh, as before."""
+  devs = [FakeDevice(i, i // 4, platform="gpu") for i in range(8)]
+  mesh = shd.make_mesh((1, -1, 1), devices=devs)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1, "context": 1}
+  assert list(mesh.devices.flat) == devs
+  assert shd.mesh_dcn_shape(mesh) == (1, 1, 1, 1)
+  mesh = shd.make_mesh((1, 2, 4), devices=devs)  # tensor across hosts is the user's choice
+  assert shd.mesh_dcn_shape(mesh) == (1, 1, 1, 1)
+
+
 def test_one_slice_is_unchanged():
   devs = _devices(1, 8)
   mesh = shd.make_mesh((2, -1, 1), devices=devs)
@@ -76,6 +88,8 @@ def test_a_dcn_shape_that_does_not_match_the_slices_is_refused():
     shd.make_mesh((1, -1, 1), devices=_devices(2, 4), dcn_shape=(4, 1, 1))
   with pytest.raises(ValueError, match=r"spans 2 slices, but the devices form 1"):
     shd.make_mesh((1, -1, 1), devices=_devices(1, 4), dcn_shape=(2, 1, 1))
+  with pytest.raises(ValueError, match=r"3 slices do not divide by the fixed entries' product 2"):
+    shd.make_mesh((1, -1, 1), devices=_devices(3, 2), dcn_shape=(-1, 2, 1))
   with pytest.raises(ValueError, match="unequal sizes"):
     shd.make_mesh((1, -1, 1), devices=_devices(1, 4) + [FakeDevice(9, 1)])
 
@@ -95,8 +109,8 @@ def test_rules_that_would_split_the_sequence_or_heads_across_slices_are_refused(
 
 
 # A hand-written compiled program in the TPU compiler's multi-slice form: one transfer before
-# a loop of 3 trips that holds two more (one inside a nested loop of 4), and a loop whose
-# bound is not a constant (its transfer in the newer compilers' form, with a layout on u32[]).
+# a loop of 3 trips that holds two more (one inside a nested loop of 4), a loop the compiler
+# says runs 5 times, and a loop whose bound is not a constant (its transfer in the newer compilers' form, with a layout on u32[]).
 _HLO = """\
 HloModule m
 
@@ -131,11 +145,17 @@ HloModule m
   %s = (f32[16]{0:T(128)}, u32[]{:S(2)}, token[]) send(%x, %t), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ONE_TO_ONE"}
 }
 
+%known (p: (s32[])) -> (s32[]) {
+  %s = (f8e4m3fn[16]{0}, u32[], token[]) send(%x, %t), channel_id=5, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_GATHER"}
+  %s2 = (s4[8]{0}, u32[], token[]) send(%x, %t), channel_id=6, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_GATHER"}
+}
+
 ENTRY %main (a: f32[4]) -> f32[4] {
   %s = (f32[4,4]{1,0:T(4,128)}, u32[], token[]) send(%a, %t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
   %r = (f32[4,4]{1,0}, u32[], token[]) recv(%t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
   %w = (s32[]) while(%init), condition=%cond3, body=%body, backend_config={}
   %v = (s32[], s32[]) while(%init2), condition=%condx, body=%other
+  %k = (s32[]) while(%init3), condition=%cond3, body=%known, backend_config={"known_trip_count":{"n":"5"}}
   %l = f32[4]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add
 }
 """
@@ -145,10 +165,12 @@ def test_dcn_traffic_counts_transfers_times_their_loops():
   t = aot.dcn_traffic(_HLO)
   assert t.bytes_by_kind == {
     "ALL_REDUCE": 4 * 4 * 4 + 3 * (2 * 8 * 4),  # once, then 3 trips
-    "ALL_GATHER": 3 * 4 * (8 * 8 * 2),  # 3 x 4 trips of bf16[8,8]
+    # 3 x 4 trips of bf16[8,8]; the compiler's known trip count (5) over the condition's
+    # bound (3) for f8e4m3fn[16] and s4[8] (half a byte each).
+    "ALL_GATHER": 3 * 4 * (8 * 8 * 2) + 5 * (16 + 4),
     "ONE_TO_ONE": 16 * 4,  # a loop of unknown length: counted once
   }
-  assert t.transfers == 1 + 3 + 12 + 1
+  assert t.transfers == 1 + 3 + 12 + 1 + 10
   assert t.largest == "ALL_GATHER bf16[8,8]"
   assert t.unknown_loops == 1
   assert t.total_bytes == sum(t.bytes_by_kind.values())

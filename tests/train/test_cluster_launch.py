@@ -75,6 +75,7 @@ def test_a_slurm_step_is_detected_and_forms_its_group(monkeypatch):
     (dict(SLURM_NTASKS_PER_NODE=None), (3,)),  # 16 tasks on 2 nodes
     (dict(CUDA_VISIBLE_DEVICES="5"), None),  # SLURM bound the task to one GPU
     (dict(CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"), (3,)),
+    (dict(CUDA_VISIBLE_DEVICES="6,7"), None),  # --gpus-per-task=2: the task's own two GPUs
   ],
 )
 def test_a_slurm_task_drives_its_own_gpu_only_when_it_shares_the_node(monkeypatch, extra, devices):

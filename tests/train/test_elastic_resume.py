@@ -46,8 +46,8 @@ class _Docs:
     return self.docs[i]
 
 
-def _data(index: int = 0, count: int = 1, batch: int = B):
-  cfg = DataConfig(val_fraction=0.1, prefetch_batches=0, streams_per_row=2)
+def _data(index: int = 0, count: int = 1, batch: int = B, streams: int = 2):
+  cfg = DataConfig(val_fraction=0.1, prefetch_batches=0, streams_per_row=streams)
   return build_datasets(cfg, 16, batch, 0, index, count, source=_Docs(), tokenizer=ByteTokenizer())
 
 
@@ -260,6 +260,34 @@ def test_another_global_batch_is_refused_naming_the_value_and_nothing_moves(tmp_
   assert "global batch of 4 rows" in msg and "resume with global_batch_size=4" in msg, msg
   assert sorted(manager.all_steps()) == [2]
   assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
+
+
+def test_other_streams_per_row_on_as_many_processes_are_refused_and_nothing_moves(tmp_path):
+  # Saved by one process reading the rows this run reads, with 2 streams per row; the run
+  # reads 1: its lanes would take other lanes' positions.
+  directory = str(tmp_path / "checkpoints")
+  manager = ckpt.make_manager(directory, keep=5, async_save=False)
+  it = _iters(1)[0]
+  _advance([it], 2)
+  ckpt.save(manager, 2, _tiny_state(2), it, {"note": 2}, force=True)
+  manager.wait_until_finished()
+  one_stream = _data(0, 1, streams=1).train_iter
+  with pytest.raises(ckpt.CheckpointError) as e:
+    ckpt.restore_newest_good(
+      manager,
+      ckpt.abstract_like(_tiny_state(0)),
+      one_stream,
+      check_meta=lambda meta: None,
+      message=print,
+    )
+  msg = str(e.value)
+  assert not isinstance(e.value, ckpt.CorruptCheckpointError)
+  assert "\n" not in msg and "2 streams per row, but this run reads 1" in msg, msg
+  assert sorted(manager.all_steps()) == [2]
+  assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
+  # The iterator refuses such a state itself too.
+  with pytest.raises(ValueError, match="2 streams per row, but this run reads 1"):
+    one_stream.set_state(it.get_state())
 
 
 def test_num_devices_on_several_processes_names_the_total_and_the_fix(monkeypatch):
