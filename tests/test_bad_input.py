@@ -83,7 +83,7 @@ MORE_CASES = [
       "--config.mesh.dcn_shape=(2,1,1)",
       "--workdir={tmp}/r",
     ],
-    ("spans 2 slices, but the devices form 1", "leave it empty"),
+    ("spans 2 slices, but there are 1", "leave it empty"),
   ),
   (
     "train.py-tensor-across-slices",

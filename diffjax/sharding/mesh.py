@@ -24,31 +24,34 @@ from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_s
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   """Replaces one -1 entry by the remaining device count and checks the product."""
-  shape = tuple(int(s) for s in shape)
-  if len(shape) == len(MESH_AXES) - 1:  # (data, fsdp, tensor): no context parallelism
-    shape = shape + (1,)
-  if len(shape) != len(MESH_AXES):
-    raise ValueError(
-      f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes "
-      f"{MESH_AXES} (or {len(MESH_AXES) - 1}, leaving context at 1)."
-    )
+  return _fill(
+    _padded(shape, "mesh shape"),
+    num_devices,
+    "mesh shape",
+    "devices",
+    "Set mesh.shape so the product equals the device count, or use -1 for one axis.",
+  )
+
+
+def _fill(shape: tuple[int, ...], count: int, name: str, unit: str, fix: str) -> tuple[int, ...]:
+  """``shape`` with its -1 entry (if any) taking what the others leave of ``count``; refuses
+  (one line, ending with ``fix``) a shape whose product cannot be ``count``."""
   if shape.count(-1) > 1:
-    raise ValueError(f"mesh shape {shape} may contain at most one -1 ('the rest').")
+    raise ValueError(f"{name} {shape} may contain at most one -1 ('the rest').")
   if any(s == 0 or s < -1 for s in shape):
-    raise ValueError(f"mesh shape {shape} entries must be positive or -1.")
+    raise ValueError(f"{name} {shape} entries must be positive or -1.")
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:
-    if num_devices % known:
+    if count % known:
       raise ValueError(
-        f"mesh shape {shape}: {num_devices} devices are not divisible by the "
-        f"fixed axes' product {known}."
+        f"{name} {shape}: the {count} {unit} do not divide by the fixed entries' product "
+        f"{known}. {fix}"
       )
-    shape = tuple(num_devices // known if s == -1 else s for s in shape)
-  if int(np.prod(shape)) != num_devices:
+    shape = tuple(count // known if s == -1 else s for s in shape)
+  if int(np.prod(shape)) != count:
     raise ValueError(
-      f"mesh shape {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} "
-      f"devices but {num_devices} are available. Set mesh.shape so the product "
-      "equals the device count, or use -1 for one axis."
+      f"{name} {dict(zip(MESH_AXES, shape))} spans {int(np.prod(shape))} {unit}, but there "
+      f"are {count}. {fix}"
     )
   return shape
 
@@ -80,6 +83,7 @@ def slice_groups(devices: Sequence[Any]) -> list[list[Any]]:
 
 
 def _padded(shape: Sequence[int], what: str) -> tuple[int, ...]:
+  """``shape`` as one entry per mesh axis (a 3-entry shape: no context parallelism)."""
   shape = tuple(int(s) for s in shape)
   if len(shape) == len(MESH_AXES) - 1:
     shape = shape + (1,)
@@ -101,26 +105,14 @@ def resolve_dcn_shape(dcn_shape: Sequence[int] | None, num_slices: int) -> tuple
     return (num_slices,) + (1,) * (len(MESH_AXES) - 1)
   shape = _padded(dcn_shape, "mesh.dcn_shape")
   check_dcn_axes(shape)
-  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-    raise ValueError(
-      f"mesh.dcn_shape={shape}: entries must be positive, with at most one -1 ('the rest')."
-    )
-  known = int(np.prod([s for s in shape if s != -1]))
-  if -1 in shape:
-    if num_slices % known:
-      raise ValueError(
-        f"mesh.dcn_shape={shape}: the {num_slices} slices do not divide by the fixed entries' "
-        f"product {known}. Make its product {num_slices} (or leave it empty: every slice on "
-        "data)."
-      )
-    shape = tuple(num_slices // known if s == -1 else s for s in shape)
-  if int(np.prod(shape)) != num_slices:
-    raise ValueError(
-      f"mesh.dcn_shape={dict(zip(MESH_AXES, shape))} spans {int(np.prod(shape))} slices, but "
-      f"the devices form {num_slices}. Make its product {num_slices} (or leave it empty: "
-      "every slice on data)."
-    )
-  return shape
+  return _fill(
+    shape,
+    num_slices,
+    "mesh.dcn_shape",
+    "slices",
+    f"Make its product the {num_slices} slices the devices form (or leave it empty: every "
+    "slice on data).",
+  )
 
 
 def check_dcn_axes(dcn_shape: Sequence[int]) -> None:

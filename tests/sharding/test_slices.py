@@ -84,11 +84,15 @@ def test_tensor_or_context_across_slices_is_refused_in_one_line(dcn, words):
 
 
 def test_a_dcn_shape_that_does_not_match_the_slices_is_refused():
-  with pytest.raises(ValueError, match=r"spans 4 slices, but the devices form 2"):
+  with pytest.raises(
+    ValueError, match=r"spans 4 slices, but there are 2\. Make its product the 2 slices"
+  ):
     shd.make_mesh((1, -1, 1), devices=_devices(2, 4), dcn_shape=(4, 1, 1))
-  with pytest.raises(ValueError, match=r"spans 2 slices, but the devices form 1"):
+  with pytest.raises(ValueError, match=r"spans 2 slices, but there are 1\."):
     shd.make_mesh((1, -1, 1), devices=_devices(1, 4), dcn_shape=(2, 1, 1))
-  with pytest.raises(ValueError, match=r"3 slices do not divide by the fixed entries' product 2"):
+  with pytest.raises(
+    ValueError, match=r"the 3 slices do not divide by the fixed entries' product 2"
+  ):
     shd.make_mesh((1, -1, 1), devices=_devices(3, 2), dcn_shape=(-1, 2, 1))
   with pytest.raises(ValueError, match="unequal sizes"):
     shd.make_mesh((1, -1, 1), devices=_devices(1, 4) + [FakeDevice(9, 1)])

@@ -237,57 +237,47 @@ def test_an_iterator_without_a_global_position_is_refused_not_moved(tmp_path):
   assert sorted(manager.all_steps()) == [2, 4]
 
 
-def test_another_global_batch_is_refused_naming_the_value_and_nothing_moves(tmp_path):
-  # Saved by as many processes (one) as resume, but of 4 rows where the run reads 8.
+def _refused_resume(tmp_path, resumed) -> str:
+  """A step saved by one process (4 rows, 2 streams per row) resumed by the iterator
+  ``resumed`` of one process: the one-line refusal, checked to move nothing aside."""
   directory = str(tmp_path / "checkpoints")
   manager = ckpt.make_manager(directory, keep=5, async_save=False)
   it = _iters(1)[0]
   _advance([it], 2)
   ckpt.save(manager, 2, _tiny_state(2), it, {"note": 2}, force=True)
   manager.wait_until_finished()
-  wider = _data(0, 1, batch=8).train_iter
   with pytest.raises(ckpt.CheckpointError) as e:
     ckpt.restore_newest_good(
       manager,
       ckpt.abstract_like(_tiny_state(0)),
-      wider,
+      resumed,
       check_meta=lambda meta: None,
       message=print,
     )
   msg = str(e.value)
   assert not isinstance(e.value, ckpt.CorruptCheckpointError)
   assert "\n" not in msg and "step 2" in msg, msg
-  assert "global batch of 4 rows" in msg and "resume with global_batch_size=4" in msg, msg
   assert sorted(manager.all_steps()) == [2]
   assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
+  return msg
+
+
+def test_another_global_batch_is_refused_naming_the_value_and_nothing_moves(tmp_path):
+  # Saved by as many processes (one) as resume, but of 4 rows where the run reads 8.
+  msg = _refused_resume(tmp_path, _data(0, 1, batch=8).train_iter)
+  assert "global batch of 4 rows" in msg and "resume with global_batch_size=4" in msg, msg
 
 
 def test_other_streams_per_row_on_as_many_processes_are_refused_and_nothing_moves(tmp_path):
   # Saved by one process reading the rows this run reads, with 2 streams per row; the run
   # reads 1: its lanes would take other lanes' positions.
-  directory = str(tmp_path / "checkpoints")
-  manager = ckpt.make_manager(directory, keep=5, async_save=False)
-  it = _iters(1)[0]
-  _advance([it], 2)
-  ckpt.save(manager, 2, _tiny_state(2), it, {"note": 2}, force=True)
-  manager.wait_until_finished()
   one_stream = _data(0, 1, streams=1).train_iter
-  with pytest.raises(ckpt.CheckpointError) as e:
-    ckpt.restore_newest_good(
-      manager,
-      ckpt.abstract_like(_tiny_state(0)),
-      one_stream,
-      check_meta=lambda meta: None,
-      message=print,
-    )
-  msg = str(e.value)
-  assert not isinstance(e.value, ckpt.CorruptCheckpointError)
-  assert "\n" not in msg and "2 streams per row, but this run reads 1" in msg, msg
-  assert sorted(manager.all_steps()) == [2]
-  assert not os.path.exists(str(tmp_path / "checkpoints_quarantine"))
+  msg = _refused_resume(tmp_path, one_stream)
+  assert "2 streams per row, but this run reads 1" in msg, msg
   # The iterator refuses such a state itself too.
+  saved = _iters(1)[0]
   with pytest.raises(ValueError, match="2 streams per row, but this run reads 1"):
-    one_stream.set_state(it.get_state())
+    one_stream.set_state(saved.get_state())
 
 
 def test_num_devices_on_several_processes_names_the_total_and_the_fix(monkeypatch):
