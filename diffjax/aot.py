@@ -481,7 +481,7 @@ def main(argv=None) -> int:
         "num_slices",
         1,
         "TPU slices of --topology joined by DCN; mesh.shape is then the mesh within one slice "
-        "and mesh.dcn_shape how many slices each axis spans [default: 1]",
+        "and mesh.dcn_shape how many slices each axis spans",
       ),
     ),
   )

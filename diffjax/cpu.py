@@ -76,7 +76,7 @@ def _flag(name: str, value: Any) -> str:
   return f"--{name}={value}"
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
   if "jax" not in sys.modules:
     return False
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
@@ -131,7 +131,7 @@ def cpu_setup(*, keep_freed_memory: bool = True, xla_flags: bool = True) -> dict
     wanted = tuple(
       _flag(name, value) for name, value in CPU_XLA_OPTIONS.items() if f"--{name}" not in current
     )
-    if wanted and _backends_started():
+    if wanted and backends_started():
       warnings.warn(
         "diffjax.cpu_setup(): JAX has already started its backends, so XLA_FLAGS can no "
         "longer change; call cpu_setup() before the first JAX computation, or pass "

@@ -58,9 +58,9 @@ def apply_preset(section: DistributedConfig) -> str | None:
   if _PRESET_DONE or section.xla_preset == "none":
     return None
   _PRESET_DONE = True
-  from diffjax.cpu import _backends_started  # pylint: disable=import-outside-toplevel
+  from diffjax.cpu import backends_started  # pylint: disable=import-outside-toplevel
 
-  if _backends_started():
+  if backends_started():
     line = (
       f"diffjax: {cluster.PRESET_KEY}={section.xla_preset} was not applied: JAX had already "
       "started its backends in this process; set its variables before starting Python "

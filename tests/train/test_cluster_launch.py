@@ -232,7 +232,7 @@ def test_the_trainer_applies_the_preset_before_jax_starts(monkeypatch, capsys):
     monkeypatch.delenv(name)
   monkeypatch.setattr(distributed, "_PRESET_DONE", False)
   monkeypatch.setattr(distributed, "_DONE", False)
-  monkeypatch.setattr("diffjax.cpu._backends_started", lambda: False)
+  monkeypatch.setattr("diffjax.cpu.backends_started", lambda: False)
   section = DistributedConfig(xla_preset="gpu_multinode", initialize=False)
   assert not distributed.maybe_initialize(section)
   out = capsys.readouterr().out.splitlines()
@@ -247,7 +247,7 @@ def test_the_trainer_applies_the_preset_before_jax_starts(monkeypatch, capsys):
 def test_after_jax_started_the_preset_changes_nothing_and_says_so(monkeypatch, capsys):
   _clear(monkeypatch)
   monkeypatch.setattr(distributed, "_PRESET_DONE", False)
-  monkeypatch.setattr("diffjax.cpu._backends_started", lambda: True)
+  monkeypatch.setattr("diffjax.cpu.backends_started", lambda: True)
   monkeypatch.setenv("NCCL_DEBUG", "")
   monkeypatch.delenv("NCCL_DEBUG")
   line = distributed.apply_preset(DistributedConfig(xla_preset="gpu_multinode"))

@@ -76,7 +76,7 @@ def test_cpu_setup_gives_a_users_own_jit_the_trainers_compiler_options():
 
 
 def test_cpu_setup_leaves_out_flags_xla_does_not_know(monkeypatch):
-  monkeypatch.setattr(cpu, "_backends_started", lambda: False)
+  monkeypatch.setattr(cpu, "backends_started", lambda: False)
   monkeypatch.setattr(cpu, "CPU_XLA_OPTIONS", {"xla_cpu_no_such_flag_here": True})
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nonexistent-dir-for-the-test")
   cpu._flags_accepted.cache_clear()  # pylint: disable=protected-access
