@@ -23,8 +23,11 @@ Peers, timed on the same requests:
   request through ``generate`` in a child process (torch's CPU build; skipped when torch or
   transformers is not installed).
 
-Warm-up requests run before timing (the server compiles everything at start). The table gives
-requests/s, new tokens/s and per-request latency percentiles; a second table times one call of
+Warm-up requests run before timing (the server compiles everything at start). Each peer but
+transformers runs ``--repeat`` times (default 3), the peers in turn, and its row is its median
+run, so that a slow spell of a shared machine does not land on one peer alone; the runs' new
+tokens/s are listed under the table. The table gives requests/s, new tokens/s and per-request
+latency percentiles; a second table times one call of
 the engine's decode program for a few (rows, cache slots read), measured before the server
 starts, which shows what batching can gain on the machine; then the ratio of the server's new
 tokens/s with 8 clients to the two sequential ways of serving: the same server with one client,
@@ -296,7 +299,8 @@ def main() -> None:
   p.add_argument("--arm", default="diff_v1", help="with random weights: the arm")
   p.add_argument("--size", default="default", help="with random weights: the size")
   p.add_argument("--clients", default="1,8,32", help="comma-separated concurrent clients")
-  p.add_argument("--requests", type=int, default=64, help="timed requests per row")
+  p.add_argument("--requests", type=int, default=64, help="timed requests per run")
+  p.add_argument("--repeat", type=int, default=3, help="runs per peer, in turn (a row: the median)")
   p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
   p.add_argument("--new", type=int, default=64, help="new tokens per request")
   p.add_argument("--slots", type=int, default=32, help="the server's slots")
@@ -305,6 +309,8 @@ def main() -> None:
   p.add_argument("--load_seconds", type=float, default=120.0, help="the load run (0: none)")
   p.add_argument("--no_torch", action="store_true", help="leave out transformers' row")
   a = p.parse_args()
+  if a.repeat < 1 or a.requests < 1:
+    p.error(f"--repeat={a.repeat} and --requests={a.requests} must be at least 1.")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -325,19 +331,28 @@ def main() -> None:
   server, url, warm = _start_server(a, flag, context)
   try:
     asyncio.run(_clients(url, prompts[:4], 4, a.new))  # the HTTP path once before timing
-    for n in [int(x) for x in a.clients.split(",")]:
-      wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
-      rows.append((f"server, {n} client{'s' if n > 1 else ''}", wall, lat))
-    # The sequential diffjax.generate peer (the server idles meanwhile).
     for ids in prompts[:2]:
       diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
-    lat, t0 = [], time.perf_counter()
-    for ids in prompts:
-      t1 = time.perf_counter()
-      out = diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
-      assert len(out.tokens[0]) == a.new
-      lat.append(time.perf_counter() - t1)
-    rows.append(("diffjax.generate, one at a time", time.perf_counter() - t0, lat))
+    # Each peer runs --repeat times, the peers in turn, so that a slow spell of the machine
+    # falls on all of them; a row is the peer's median run.
+    runs: dict[str, list] = {}
+    for _ in range(a.repeat):
+      for n in [int(x) for x in a.clients.split(",")]:
+        wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
+        runs.setdefault(f"server, {n} client{'s' if n > 1 else ''}", []).append((wall, lat))
+      # The sequential diffjax.generate peer (the server idles meanwhile).
+      lat, t0 = [], time.perf_counter()
+      for ids in prompts:
+        t1 = time.perf_counter()
+        out = diffjax.generate(model, [ids], max_new_tokens=a.new, preflight=False)
+        assert len(out.tokens[0]) == a.new
+        lat.append(time.perf_counter() - t1)
+      runs.setdefault("diffjax.generate, one at a time", []).append((time.perf_counter() - t0, lat))
+    spread = {}
+    for name, got in runs.items():
+      got = sorted(got, key=lambda r: r[0])  # by wall time: the same requests every run
+      rows.append((name, *got[len(got) // 2]))
+      spread[name] = [len(lat) * a.new / wall for wall, lat in got]
     versions = f"jax {jax.__version__}"
     if not a.no_torch:
       try:
@@ -365,6 +380,10 @@ def main() -> None:
     print("| rows | cache slots read | ms per call | tokens/s of the call |")
     print("|---|---|---|---|")
     print("\n".join(program_rows))
+    if a.repeat > 1:
+      print(f"\nNew tokens/s of each of the {a.repeat} runs (the table gives the median):")
+      for name, rates in spread.items():
+        print(f"- {name}: " + ", ".join(f"{r:,.0f}" for r in sorted(rates, reverse=True)))
     rate = {name: len(lat) * a.new / wall for name, wall, lat in (r for r in rows if len(r) == 3)}
     if "server, 8 clients" in rate:
       for peer in ("server, 1 client", "diffjax.generate, one at a time"):

@@ -629,11 +629,12 @@ class Engine:
     )
     toks, lps, top_ids, top_lps = jax.device_get(out)
     self.counts["decode_calls"] += 1
+    toks, lps = toks.tolist(), lps.tolist()  # Python numbers at once, not one by one
     for i in busy:
       st = self._slots[i]
       for k in range(self.decode_chunk):
         st.pos += 1
-        if not self._take(st, int(toks[i, k]), float(lps[i, k]), top_ids[i, k], top_lps[i, k]):
+        if not self._take(st, toks[i][k], lps[i][k], top_ids[i, k], top_lps[i, k]):
           with self._cv:
             self._slots[i] = None
           break
@@ -650,6 +651,8 @@ class ContextTooLong(ValueError):
 
 
 def _alternatives(ids, lps, k: int) -> tuple[tuple[int, float], ...]:
+  if not k:
+    return ()
   return tuple((int(i), float(v)) for i, v in zip(ids[:k], lps[:k]))
 
 

@@ -16,7 +16,7 @@ from helpers import REPO, tiny_model, wait_until
 from diffjax.data import ByteTokenizer
 from diffjax.generation import generate
 from diffjax.serve import Engine
-from diffjax.serve.app import Server, TextStream
+from diffjax.serve.app import Server, TextStream, _Mailbox
 from diffjax.serve.command import ServerThread
 
 lm_eval = pytest.importorskip("lm_eval", reason="needs the [harness] extra")
@@ -243,6 +243,42 @@ def test_text_is_released_whole_and_ends_before_a_stop(tokens, stops, want_piece
   pieces.append(stream.finish())
   assert "".join(pieces) == want_text == stream.text
   assert all("\ufffd" not in p for p in pieces)
+
+
+def test_the_engine_threads_events_reach_the_loop_in_order_with_one_wake_up_per_batch():
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+
+  loop = asyncio.new_event_loop()
+  wakes = []
+  real = loop.call_soon_threadsafe
+  loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]
+  box = _Mailbox(loop)
+  queues = [asyncio.Queue(), asyncio.Queue()]
+
+  def post(items):  # from another thread, as the engine does, while the loop is not running
+    thread = threading.Thread(target=lambda: [box.post(queues[i % 2], i) for i in items])
+    thread.start()
+    thread.join()
+
+  async def drain(n):
+    await asyncio.sleep(0)
+    got = [[], []]
+    for q, out in zip(queues, got):
+      while not q.empty():
+        out.append(q.get_nowait())
+    assert sum(map(len, got)) == n
+    return got
+
+  try:
+    post(range(10))
+    assert loop.run_until_complete(drain(10)) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert len(wakes) == 1  # ten events, one wake-up
+    post(range(10, 13))  # the next batch wakes the loop again
+    assert loop.run_until_complete(drain(3)) == [[10, 12], [11]]
+    assert len(wakes) == 2
+  finally:
+    loop.close()
 
 
 def _start(workdir, *flags):
