@@ -47,8 +47,10 @@ from diffjax.sharding.rules import (
   constrain,
   context_parallel,
   current,
+  data_shard_rules,
   logical_to_spec,
   rules_from_config,
+  rules_replaced,
   spec_for_mesh,
 )
 
@@ -72,6 +74,7 @@ __all__ = [
   "check_head_sharding",
   "constrain",
   "current",
+  "data_shard_rules",
   "decode_partition_specs",
   "diff_v1_partition_specs",
   "diff_v2_partition_specs",
@@ -84,6 +87,7 @@ __all__ = [
   "process_rows",
   "resolve_mesh_shape",
   "rules_from_config",
+  "rules_replaced",
   "spec_for_mesh",
   "state_shardings",
   "validate_mesh_for_model",

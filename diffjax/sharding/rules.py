@@ -149,6 +149,39 @@ def activation_sharding(
     _STATE.value, _STATE.context = prev
 
 
+def data_shard_rules() -> Rules | None:
+  """Under :func:`activation_sharding` whose rules split ``batch`` first over ``data`` (of
+  size > 1, and no other logical axis over it): the rules with ``data`` taken off ``batch``,
+  for a computation run on each data shard under ``shard_map`` over ``data``; else None."""
+  state = current()
+  if state is None:
+    return None
+  mesh, rules = state
+  axes = _axes_of(logical_to_spec(("batch",), rules)[0])
+  elsewhere = any("data" in _axes_of(a) for name, a in rules if name != "batch")
+  if dict(mesh.shape).get("data", 1) == 1 or axes[:1] != ("data",) or elsewhere:
+    return None
+  inner = axes[1:]
+  inner = inner[0] if len(inner) == 1 else (inner or None)
+  return tuple((name, inner if name == "batch" else a) for name, a in rules)
+
+
+def _axes_of(a) -> tuple[str, ...]:
+  return (a,) if isinstance(a, str) else tuple(a or ())
+
+
+@contextlib.contextmanager
+def rules_replaced(rules: Rules, mesh=None) -> Iterator[None]:
+  """The active context settings with other rules (and another mesh, e.g. the abstract mesh
+  inside a ``shard_map`` over some of its axes), at trace time."""
+  prev = _STATE.value
+  _STATE.value = (prev[0] if mesh is None else mesh, tuple(rules))
+  try:
+    yield
+  finally:
+    _STATE.value = prev
+
+
 def current() -> tuple[jax.sharding.Mesh, Rules] | None:
   """The active (mesh, rules), or None outside :func:`activation_sharding`."""
   return getattr(_STATE, "value", None)

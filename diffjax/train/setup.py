@@ -137,6 +137,13 @@ def _check_batch(
       f"global_batch_size={global_batch_size} must be divisible by "
       f"grad_accum_steps={grad_accum_steps}."
     )
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  if global_batch_size is not None and (global_batch_size // grad_accum_steps) % rows:
+    raise ValueError(
+      f"a micro-batch of global_batch_size={global_batch_size} / grad_accum_steps="
+      f"{grad_accum_steps} = {global_batch_size // grad_accum_steps} rows does not split over "
+      f"data*fsdp={rows} devices: use fewer accumulation steps or a larger batch."
+    )
 
 
 def build_train_setup(

@@ -3,6 +3,7 @@ count of what a compiled program sends between slices."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -182,3 +183,23 @@ def test_dcn_traffic_counts_transfers_times_their_loops():
   assert aot.dcn_traffic("ENTRY %main () -> f32[] {\n}\n").total_bytes == 0
   with pytest.raises(ValueError, match="no ENTRY"):
     aot.dcn_traffic("not hlo")
+
+
+def test_data_shard_rules_take_data_off_batch_only_when_it_leads_it():
+  mesh = shd.make_mesh((2, 2, 1, 1), jax.devices()[:4])
+  assert shd.data_shard_rules() is None  # no active rules
+  with shd.activation_sharding(mesh, shd.DEFAULT_RULES):
+    inner = dict(shd.data_shard_rules())
+  assert inner["batch"] == "fsdp" and inner["embed"] == dict(shd.DEFAULT_RULES)["embed"]
+  pure_data = tuple((n, "data" if n == "batch" else a) for n, a in shd.DEFAULT_RULES)
+  with shd.activation_sharding(mesh, pure_data):
+    assert dict(shd.data_shard_rules())["batch"] is None
+  refused = [
+    tuple((n, ("fsdp", "data") if n == "batch" else a) for n, a in shd.DEFAULT_RULES),
+    tuple((n, "data" if n == "mlp" else a) for n, a in shd.DEFAULT_RULES),
+  ]
+  for rules in refused:
+    with shd.activation_sharding(mesh, rules):
+      assert shd.data_shard_rules() is None, rules
+  with shd.activation_sharding(shd.make_mesh((1, 4, 1, 1), jax.devices()[:4]), shd.DEFAULT_RULES):
+    assert shd.data_shard_rules() is None  # a data axis of 1

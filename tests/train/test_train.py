@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,6 +219,94 @@ def test_grad_accumulation_equals_large_batch():
   np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-4)
   for x, y in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "mesh_shape, accum", [((2, 2, 1, 1), 2), ((2, 1, 2, 1), 4), ((4, 1, 1, 1), 2), ((2, 1, 1, 2), 2)]
+)
+def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
+  mesh_shape, accum, monkeypatch
+):
+  """With a data axis, each data shard sums its own rows' gradients over the micro-batches
+  and the shards' sums are added once (one reduction over data per step, not one per
+  micro-batch): the gradient is still the large batch's."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+  from diffjax.train.setup import with_mesh_rules  # pylint: disable=import-outside-toplevel
+
+  cfg = ModelConfig(
+    attention="diff_v1",
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=50,
+  )
+  graphdef, state = steps_lib.init_state(cfg, optax.sgd(1.0), seed=0)
+  rng = np.random.default_rng(0)
+  batch = {
+    "inputs": rng.integers(0, 50, (16, 8)).astype(np.int32),
+    "targets": rng.integers(0, 50, (16, 8)).astype(np.int32),
+    "segment_ids": np.ones((16, 8), np.int32),
+    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
+    "loss_mask": (rng.random((16, 8)) > 0.2).astype(np.float32),
+  }
+  schedule = lambda step: 1.0  # noqa: E731
+  grouped = []
+  real = steps_lib._accumulate_per_data_shard  # pylint: disable=protected-access
+  monkeypatch.setattr(
+    steps_lib, "_accumulate_per_data_shard", lambda *a: grouped.append(1) or real(*a)
+  )
+
+  def after(mesh, k):  # the parameters after one SGD step of rate 1: params - gradient
+    step = steps_lib.make_train_step(graphdef, optax.sgd(1.0), schedule, k)
+    if mesh is not None:
+      step = with_mesh_rules(step, mesh, shd.DEFAULT_RULES)
+    new, metrics = jax.jit(step)(state, batch)
+    return jax.tree.leaves(new["params"]), float(metrics["loss"])
+
+  want, want_loss = after(None, 1)
+  mesh = shd.make_mesh(mesh_shape, jax.devices()[: int(np.prod(mesh_shape))])
+  for k in (1, accum):
+    got, loss = after(mesh, k)
+    assert len(grouped) == (k > 1)  # accumulation over data shards takes the grouped path
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_is_refused_in_one_line():
+  from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
+  from diffjax.train.setup import build_train_setup  # pylint: disable=import-outside-toplevel
+
+  cfg = ModelConfig(
+    attention="diff_v1",
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=64,
+    vocab_size=50,
+  )
+  mesh = shd.make_mesh((2, 2, 1, 1), jax.devices()[:4])
+  for batch, accum, needle in [
+    (8, 3, "global_batch_size=8 must be divisible by grad_accum_steps=3"),
+    (8, 4, "8 / grad_accum_steps=4 = 2 rows does not split over data*fsdp=4"),
+  ]:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+      build_train_setup(
+        cfg,
+        base_config().optim,
+        seed=0,
+        mesh=mesh,
+        rules=shd.DEFAULT_RULES,
+        grad_accum_steps=accum,
+        global_batch_size=batch,
+      )
 
 
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
