@@ -103,6 +103,9 @@ class TextStream:
     self.text = ""  # all decoded text so far
     self.sent = 0  # characters of it released
     self.stopped = False
+    # Other tokenizers decode a window: ids[start:] against ids[start:done], where the text of
+    # ids[:done] is known and whole (a token's text can depend on the one before it).
+    self._start = self._done = 0
 
   def _decoded(self, token: int) -> str:
     self.ids.append(token)
@@ -110,8 +113,18 @@ class TextStream:
       if token < 256:
         self.text += self.utf8.decode(bytes([token]))
       return self.text
-    text = self.tok.decode(self.ids)
-    return text[:-1] if text.endswith("\ufffd") else text
+    # Decoding from the same start on both sides cancels a tokenizer's rule for the first
+    # token (SentencePiece drops its leading space), so each token costs a few ids' decoding
+    # rather than the whole sequence's.
+    known = self.tok.decode(self.ids[self._start : self._done])
+    now = self.tok.decode(self.ids[self._start :])
+    if len(now) <= len(known) or now.endswith("\ufffd"):  # nothing whole yet
+      return self.text
+    if not now.startswith(known):  # the new token changed the text before it: decode it all
+      self._start, self._done = 0, len(self.ids)
+      return self.tok.decode(self.ids)
+    self._start, self._done = self._done, len(self.ids)
+    return self.text + now[len(known) :]
 
   def add(self, token: int) -> str:
     """The text released by ``token`` (sets ``stopped`` when a stop string appears)."""
