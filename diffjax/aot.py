@@ -217,11 +217,14 @@ class DoesNotFit(Exception):
   """A step that needs more memory per device than the target has; ``str`` is one line."""
 
 
-def fit_options(run: RunConfig, *, needs_gib: float, has_gib: float, target: str) -> str:
-  """One line: what the step needs, and settings that would make it fit."""
+def fit_options(
+  run: RunConfig, *, needs_gib: float, has_gib: float, target: str, batch_devices: int = 1
+) -> str:
+  """One line: what the step needs, and settings that would make it fit (more accumulation
+  steps only when a micro-batch still splits over the ``batch_devices``, data x fsdp)."""
   options = []
   accum, batch = run.grad_accum_steps, run.global_batch_size
-  if batch % (2 * accum) == 0:
+  if batch % (2 * accum) == 0 and (batch // (2 * accum)) % batch_devices == 0:
     options.append(
       f"--config.grad_accum_steps={2 * accum} (a microbatch of {batch // (2 * accum)} rows)"
     )
@@ -415,17 +418,17 @@ def aot_report(run: RunConfig, topology: str, num_slices: int = 1) -> AotReport:
   except Exception as e:  # the compilers raise JaxRuntimeError (XlaRuntimeError before)
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
+    _, _, tensor, context = shd.resolve_mesh_shape(run.mesh.shape, len(devices) // num_slices)
+    options = dict(target=topology, batch_devices=len(devices) // (tensor * context))
     sizes = parse_out_of_memory(str(e))
     if sizes is None:
       raise DoesNotFit(
         f"{topology}: the step does not fit ({str(e).splitlines()[0][:200]}); "
-        + fit_options(run, needs_gib=float("nan"), has_gib=float("nan"), target=topology).split(
-          "; ", 1
-        )[1]
+        + fit_options(run, needs_gib=float("nan"), has_gib=float("nan"), **options).split("; ", 1)[
+          1
+        ]
       ) from None
-    raise DoesNotFit(
-      fit_options(run, needs_gib=sizes[0], has_gib=sizes[1], target=topology)
-    ) from None
+    raise DoesNotFit(fit_options(run, needs_gib=sizes[0], has_gib=sizes[1], **options)) from None
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   platform = kwargs["platform"]
@@ -520,7 +523,13 @@ def main(argv=None) -> int:
     print(report.line())
     if report.fits is False:
       print(
-        fit_options(spec, needs_gib=report.per_device_gib, has_gib=report.usable_gib, target=where)
+        fit_options(
+          spec,
+          needs_gib=report.per_device_gib,
+          has_gib=report.usable_gib,
+          target=where,
+          batch_devices=report.mesh["data"] * report.mesh["fsdp"],
+        )
       )
       raise SystemExit(1)
 

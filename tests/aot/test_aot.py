@@ -133,6 +133,15 @@ def test_out_of_memory_messages_and_options():
   assert line.startswith("v6e:8x8: the step needs 39.8 GiB of 31.25 GiB per device; to fit try")
   assert "--config.grad_accum_steps=2 (a microbatch of 128 rows)" in line
   assert "--config.model.remat=full" in line and "a larger slice" in line and "\n" not in line
+  # Not when a micro-batch would no longer split over the batch's devices.
+  split = fit_options(
+    RunConfig.from_config(cfg, data_at_launch=True),
+    needs_gib=39.8,
+    has_gib=31.25,
+    target="v6e:16x16",
+    batch_devices=256,
+  )
+  assert "grad_accum_steps" not in split and "--config.model.remat=full" in split
   gpu = fit_options(
     RunConfig.from_config(cfg, data_at_launch=True), needs_gib=95.2, has_gib=59.3, target="h100"
   )
