@@ -367,6 +367,7 @@ def compile_train_step(
     mesh=mesh,
     rules=run.mesh.logical_rules,
     grad_accum_steps=run.grad_accum_steps,
+    grad_accum_reduce=run.grad_accum_reduce,
     global_batch_size=run.global_batch_size,
     **run.mesh.context_options(),
   )

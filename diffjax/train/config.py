@@ -43,6 +43,9 @@ from diffjax.train.sections import (
   set_config_value,
 )
 
+# When accumulated gradients are summed over the data axis (RunConfig.grad_accum_reduce).
+GRAD_ACCUM_REDUCE = ("micro_batch", "step")
+
 # Keys a run config must state (the other keys keep their defaults when a config lacks them).
 REQUIRED = (
   "model",
@@ -130,6 +133,11 @@ class RunConfig(Section):
   global_batch_size: int = 16
   # Micro-batches per step (each of global_batch_size / grad_accum_steps sequences).
   grad_accum_steps: int = 1
+  # With micro-batches and a data axis: when gradients are summed over the data shards.
+  # "micro_batch": each micro-batch's, inside its backward pass (overlapped with it);
+  # "step": each shard sums its own micro-batches, then one reduction per step (1 /
+  # grad_accum_steps of the bytes, e.g. over DCN across slices, after the last backward pass).
+  grad_accum_reduce: str = "micro_batch"
   # Training steps.
   num_steps: int = 1000
   # A metrics line every this many steps.
@@ -197,6 +205,12 @@ class RunConfig(Section):
         raise ValueError(f"{k}={getattr(self, k)} must be a positive integer.")
     if self.max_skipped_updates < 0:
       self._refuse_skips()
+    if self.grad_accum_reduce not in GRAD_ACCUM_REDUCE:
+      raise ValueError(
+        f"grad_accum_reduce={self.grad_accum_reduce!r} is not one of {GRAD_ACCUM_REDUCE}: "
+        "'micro_batch' reduces each micro-batch's gradients over the data axis, 'step' once "
+        "per step."
+      )
     if self.eval_every < 0:
       raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 disables periodic eval).")
     for name, section in _SECTIONS.items():

@@ -154,6 +154,7 @@ def build_train_setup(
   mesh: Mesh,
   rules,
   grad_accum_steps: int = 1,
+  grad_accum_reduce: str = "micro_batch",
   global_batch_size: int | None = None,
   context_strategy: str = "ring",
   context_load_balance: bool = True,
@@ -168,6 +169,8 @@ def build_train_setup(
       (``diffjax.sharding.make_mesh``).
     rules: the logical-axis rules table (``diffjax.sharding.rules_from_config``).
     grad_accum_steps: micro-batches per step; must divide ``global_batch_size``.
+    grad_accum_reduce: "micro_batch" or "step": when the gradients are summed over the data
+      axis (see :func:`diffjax.train.steps.make_train_step`).
     global_batch_size: when given, checked against the mesh and ``grad_accum_steps``.
     context_strategy, context_load_balance: attention when the mesh's ``context`` axis
       is larger than 1 (see :func:`with_mesh_rules`).
@@ -207,7 +210,10 @@ def build_train_setup(
   batch_shard = shd.batch_sharding(mesh, rules)
   rule_kw = dict(context_strategy=context_strategy, context_load_balance=context_load_balance)
   train_fn = with_mesh_rules(
-    make_train_step(graphdef, tx, schedule, grad_accum_steps), mesh, rules, **rule_kw
+    make_train_step(graphdef, tx, schedule, grad_accum_steps, grad_accum_reduce),
+    mesh,
+    rules,
+    **rule_kw,
   )
   eval_fn = with_mesh_rules(make_eval_step(graphdef), mesh, rules, **rule_kw)
   train_step, eval_step = _jit_steps(train_fn, eval_fn, mesh, state_shards, batch_shard)

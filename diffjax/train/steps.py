@@ -122,11 +122,17 @@ def _accumulate_per_data_shard(grad_fn, params, micro: Batch, step, inner_rules)
 
 
 def make_train_step(
-  graphdef, tx: optax.GradientTransformation, schedule: Callable, grad_accum_steps: int = 1
+  graphdef,
+  tx: optax.GradientTransformation,
+  schedule: Callable,
+  grad_accum_steps: int = 1,
+  grad_accum_reduce: str = "micro_batch",
 ):
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
-  Gradients are accumulated over ``grad_accum_steps`` micro-batches as one large batch. An
+  Gradients are accumulated over ``grad_accum_steps`` micro-batches as one large batch; with
+  ``grad_accum_reduce="step"`` and a data axis, each data shard sums its own micro-batches and
+  the shards' sums are added once per step (else the compiler sums each micro-batch's). An
   update that is not finite is skipped and ``metrics["finite"]`` is False (docs/training.md,
   "Non-finite updates"); the update itself is checked because a finite loss and gradient can
   still give NaN parameters (e.g. a NaN learning rate).
@@ -139,7 +145,7 @@ def make_train_step(
       (loss_sum, count), grads = grad_fn(params, batch, state["step"])
     else:
       micro = _split_micro(batch, grad_accum_steps)
-      inner_rules = shd.data_shard_rules()
+      inner_rules = shd.data_shard_rules() if grad_accum_reduce == "step" else None
       if inner_rules is None:
         grads, loss_sum, count = _accumulate(grad_fn, params, micro, state["step"])
       else:

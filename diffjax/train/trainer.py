@@ -228,6 +228,7 @@ class Trainer:
       mesh=self.mesh,
       rules=self.rules,
       grad_accum_steps=cfg.grad_accum_steps,
+      grad_accum_reduce=cfg.grad_accum_reduce,
       global_batch_size=cfg.global_batch_size,
       **cfg.mesh.context_options(),
     )

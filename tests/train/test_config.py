@@ -98,6 +98,7 @@ def test_sections_given_as_mappings_are_resolved_and_checked():
     ("seq_len", 0, "seq_len=0 must be a positive integer"),
     ("tensorboard", "yes", "tensorboard='yes' must be True or False"),
     ("max_skipped_updates", True, "max_skipped_updates=True must be an integer >= 0"),
+    ("grad_accum_reduce", "once", "grad_accum_reduce='once' is not one of"),
     ("optim.schedule", "step", "optim.schedule='step' is not one of"),
     ("optim.warmup_steps", 2000, "Need 0 <= optim.warmup_steps <= decay steps"),
     ("checkpoint.keep", 0, "checkpoint.every=500 and checkpoint.keep=0 must be positive"),

@@ -227,9 +227,10 @@ def test_grad_accumulation_equals_large_batch():
 def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
   mesh_shape, accum, monkeypatch
 ):
-  """With a data axis, each data shard sums its own rows' gradients over the micro-batches
-  and the shards' sums are added once (one reduction over data per step, not one per
-  micro-batch): the gradient is still the large batch's."""
+  """With a data axis and grad_accum_reduce="step", each data shard sums its own rows'
+  gradients over the micro-batches and the shards' sums are added once (one reduction over
+  data per step, not one per micro-batch): the gradient is still the large batch's, as it is
+  with the default reduction per micro-batch."""
   import optax  # pylint: disable=import-outside-toplevel
 
   from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
@@ -261,8 +262,8 @@ def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
     steps_lib, "_accumulate_per_data_shard", lambda *a: grouped.append(1) or real(*a)
   )
 
-  def after(mesh, k):  # the parameters after one SGD step of rate 1: params - gradient
-    step = steps_lib.make_train_step(graphdef, optax.sgd(1.0), schedule, k)
+  def after(mesh, k, reduce="step"):  # the parameters after one SGD step of rate 1
+    step = steps_lib.make_train_step(graphdef, optax.sgd(1.0), schedule, k, reduce)
     if mesh is not None:
       step = with_mesh_rules(step, mesh, shd.DEFAULT_RULES)
     new, metrics = jax.jit(step)(state, batch)
@@ -270,9 +271,11 @@ def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
 
   want, want_loss = after(None, 1)
   mesh = shd.make_mesh(mesh_shape, jax.devices()[: int(np.prod(mesh_shape))])
-  for k in (1, accum):
-    got, loss = after(mesh, k)
-    assert len(grouped) == (k > 1)  # accumulation over data shards takes the grouped path
+  for k, reduce in [(1, "step"), (accum, "micro_batch"), (accum, "step")]:
+    grouped.clear()
+    got, loss = after(mesh, k, reduce)
+    # Only accumulation asked to reduce once per step sums per data shard.
+    assert len(grouped) == (k > 1 and reduce == "step"), (k, reduce)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for a, b in zip(got, want):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
