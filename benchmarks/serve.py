@@ -294,7 +294,7 @@ def _health(url: str) -> dict:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--workdir", default=None, help="a train.py run (default: random weights)")
   p.add_argument("--arm", default="diff_v1", help="with random weights: the arm")
   p.add_argument("--size", default="default", help="with random weights: the size")
@@ -305,7 +305,7 @@ def main() -> None:
   p.add_argument("--new", type=int, default=64, help="new tokens per request")
   p.add_argument("--slots", type=int, default=32, help="the server's slots")
   p.add_argument("--context", type=int, default=256, help="the server's context")
-  p.add_argument("--decode_chunk", type=int, default=4)
+  p.add_argument("--decode_chunk", type=int, default=4, help="the server's decode steps per call")
   p.add_argument("--load_seconds", type=float, default=120.0, help="the load run (0: none)")
   p.add_argument("--no_torch", action="store_true", help="leave out transformers' row")
   a = p.parse_args()
