@@ -42,9 +42,7 @@ from diffjax.train.sections import (
   refuse_unknown,
   set_config_value,
 )
-
-# When accumulated gradients are summed over the data axis (RunConfig.grad_accum_reduce).
-GRAD_ACCUM_REDUCE = ("micro_batch", "step")
+from diffjax.train.steps import check_grad_accum_reduce
 
 # Keys a run config must state (the other keys keep their defaults when a config lacks them).
 REQUIRED = (
@@ -205,12 +203,7 @@ class RunConfig(Section):
         raise ValueError(f"{k}={getattr(self, k)} must be a positive integer.")
     if self.max_skipped_updates < 0:
       self._refuse_skips()
-    if self.grad_accum_reduce not in GRAD_ACCUM_REDUCE:
-      raise ValueError(
-        f"grad_accum_reduce={self.grad_accum_reduce!r} is not one of {GRAD_ACCUM_REDUCE}: "
-        "'micro_batch' reduces each micro-batch's gradients over the data axis, 'step' once "
-        "per step."
-      )
+    check_grad_accum_reduce(self.grad_accum_reduce)
     if self.eval_every < 0:
       raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 disables periodic eval).")
     for name, section in _SECTIONS.items():

@@ -20,6 +20,18 @@ from diffjax.model import DecoderLM, ModelConfig
 
 Batch = dict[str, jax.Array]
 
+# When accumulated gradients are summed over the data axis (make_train_step).
+GRAD_ACCUM_REDUCE = ("micro_batch", "step")
+
+
+def check_grad_accum_reduce(value: str) -> None:
+  """Raises ValueError naming ``value`` unless it is one of :data:`GRAD_ACCUM_REDUCE`."""
+  if value not in GRAD_ACCUM_REDUCE:
+    raise ValueError(
+      f"grad_accum_reduce={value!r} is not one of {GRAD_ACCUM_REDUCE}: 'micro_batch' reduces "
+      "each micro-batch's gradients over the data axis, 'step' once per step."
+    )
+
 
 def create_model(cfg: ModelConfig, seed: int) -> DecoderLM:
   return DecoderLM(cfg, rngs=nnx.Rngs(params=seed))
@@ -137,6 +149,7 @@ def make_train_step(
   "Non-finite updates"); the update itself is checked because a finite loss and gradient can
   still give NaN parameters (e.g. a NaN learning rate).
   """
+  check_grad_accum_reduce(grad_accum_reduce)
   grad_fn = jax.value_and_grad(lambda p, mb, step: loss_sums(graphdef, p, mb, step), has_aux=True)
 
   def train_step(state, batch: Batch):
