@@ -183,31 +183,36 @@ def test_default_schedule_values():
     learning_rate_schedule(c)
 
 
-def _state_and_batch(accum):
-  cfg = ModelConfig(
-    attention="diff_v2",
-    d_model=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    mlp_dim=64,
-    vocab_size=50,
+def _small(arm: str, **widths) -> ModelConfig:
+  """A 32-wide model of 50 tokens (one layer, one kv head unless ``widths`` say otherwise)."""
+  return ModelConfig(
+    **{
+      **dict(attention=arm, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8),
+      **dict(mlp_dim=64, vocab_size=50),
+      **widths,
+    }
   )
+
+
+def _random_batch(rows: int, length: int) -> dict:
+  rng = np.random.default_rng(0)
+  return {
+    "inputs": rng.integers(0, 50, (rows, length)).astype(np.int32),
+    "targets": rng.integers(0, 50, (rows, length)).astype(np.int32),
+    "segment_ids": np.ones((rows, length), np.int32),
+    "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+    "loss_mask": (rng.random((rows, length)) > 0.2).astype(np.float32),
+  }
+
+
+def _state_and_batch(accum):
+  cfg = _small("diff_v2")
   c = base_config().optim
   c.update(dict(lr=1e-2, warmup_steps=0, decay_steps=10))
   tx, sched = make_optimizer(c, cfg)
   graphdef, state = steps_lib.init_state(cfg, tx, seed=0)
-  rng = np.random.default_rng(0)
-  batch = {
-    "inputs": rng.integers(0, 50, (8, 12)).astype(np.int32),
-    "targets": rng.integers(0, 50, (8, 12)).astype(np.int32),
-    "segment_ids": np.ones((8, 12), np.int32),
-    "positions": np.tile(np.arange(12, dtype=np.int32), (8, 1)),
-    "loss_mask": (rng.random((8, 12)) > 0.2).astype(np.float32),
-  }
   step = jax.jit(steps_lib.make_train_step(graphdef, tx, sched, accum))
-  return step(state, batch)
+  return step(state, _random_batch(8, 12))
 
 
 def test_grad_accumulation_equals_large_batch():
@@ -236,25 +241,9 @@ def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
   from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
   from diffjax.train.setup import with_mesh_rules  # pylint: disable=import-outside-toplevel
 
-  cfg = ModelConfig(
-    attention="diff_v1",
-    d_model=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=8,
-    mlp_dim=64,
-    vocab_size=50,
-  )
+  cfg = _small("diff_v1", num_layers=2, num_kv_heads=2)
   graphdef, state = steps_lib.init_state(cfg, optax.sgd(1.0), seed=0)
-  rng = np.random.default_rng(0)
-  batch = {
-    "inputs": rng.integers(0, 50, (16, 8)).astype(np.int32),
-    "targets": rng.integers(0, 50, (16, 8)).astype(np.int32),
-    "segment_ids": np.ones((16, 8), np.int32),
-    "positions": np.tile(np.arange(8, dtype=np.int32), (16, 1)),
-    "loss_mask": (rng.random((16, 8)) > 0.2).astype(np.float32),
-  }
+  batch = _random_batch(16, 8)
   schedule = lambda step: 1.0  # noqa: E731
   grouped = []
   real = steps_lib._accumulate_per_data_shard  # pylint: disable=protected-access
@@ -285,16 +274,7 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_refused_in_one_line()
   from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
   from diffjax.train.setup import build_train_setup  # pylint: disable=import-outside-toplevel
 
-  cfg = ModelConfig(
-    attention="diff_v1",
-    d_model=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    mlp_dim=64,
-    vocab_size=50,
-  )
+  cfg = _small("diff_v1")
   mesh = shd.make_mesh((2, 2, 1, 1), jax.devices()[:4])
   for batch, accum, needle in [
     (8, 3, "global_batch_size=8 must be divisible by grad_accum_steps=3"),
