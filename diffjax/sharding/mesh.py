@@ -19,7 +19,14 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from diffjax.sharding.rules import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec, spec_for_mesh
+from diffjax.sharding.rules import (
+  DEFAULT_RULES,
+  MESH_AXES,
+  Rules,
+  logical_to_spec,
+  mesh_axes_of,
+  spec_for_mesh,
+)
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -134,8 +141,7 @@ def check_rules_within_slices(rules: Rules, dcn_shape: Sequence[int]) -> None:
   :data:`DCN_LOGICAL` over a mesh axis that spans several slices."""
   crossing = {a for a, n in zip(MESH_AXES, _padded(dcn_shape, "mesh.dcn_shape")) if n != 1}
   for name, axes in rules:
-    axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    wide = [a for a in axes_t if a in crossing]
+    wide = [a for a in mesh_axes_of(axes) if a in crossing]
     if wide and name not in DCN_LOGICAL:
       raise ValueError(
         f"mesh rule {name!r} -> {axes!r} would split {name!r} across slices (mesh axis "
@@ -291,7 +297,7 @@ def batch_rows_multiple(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> int:
   if mesh is None:
     return 1
   spec = spec_for_mesh(logical_to_spec(("batch",), rules), mesh)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  axes = mesh_axes_of(spec)
   return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
 
 

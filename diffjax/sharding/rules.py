@@ -63,6 +63,11 @@ def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None)
   return tuple(out)
 
 
+def mesh_axes_of(entry) -> tuple[str, ...]:
+  """The mesh axes of a rules or PartitionSpec entry (None, one name or several) as a tuple."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   """Maps logical axis names to a PartitionSpec with a rules table.
 
@@ -78,8 +83,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     if axes is None:
       out.append(None)
       continue
-    axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
-    axes_t = tuple(a for a in axes_t if a not in used)
+    axes_t = tuple(a for a in mesh_axes_of(axes) if a not in used)
     used.update(axes_t)
     out.append(None if not axes_t else axes_t[0] if len(axes_t) == 1 else axes_t)
   return PartitionSpec(*out)
@@ -93,7 +97,7 @@ def spec_for_mesh(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> PartitionSpec
   def fit(entry):
     if entry is None:
       return None
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in names)
+    kept = tuple(a for a in mesh_axes_of(entry) if a in names)
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
   return PartitionSpec(*(fit(e) for e in spec))
@@ -157,17 +161,13 @@ def data_shard_rules() -> Rules | None:
   if state is None:
     return None
   mesh, rules = state
-  axes = _axes_of(logical_to_spec(("batch",), rules)[0])
-  elsewhere = any("data" in _axes_of(a) for name, a in rules if name != "batch")
+  axes = mesh_axes_of(logical_to_spec(("batch",), rules)[0])
+  elsewhere = any("data" in mesh_axes_of(a) for name, a in rules if name != "batch")
   if dict(mesh.shape).get("data", 1) == 1 or axes[:1] != ("data",) or elsewhere:
     return None
   inner = axes[1:]
   inner = inner[0] if len(inner) == 1 else (inner or None)
   return tuple((name, inner if name == "batch" else a) for name, a in rules)
-
-
-def _axes_of(a) -> tuple[str, ...]:
-  return (a,) if isinstance(a, str) else tuple(a or ())
 
 
 @contextlib.contextmanager
