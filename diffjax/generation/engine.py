@@ -24,6 +24,7 @@ from diffjax.generation.programs import (
   ProgramKey,
   bucket,
   cache_info,
+  decode_cache_layout,
   get_programs,
   round_up,
 )
@@ -256,6 +257,7 @@ def _programs(model, batch: _Batch, options, processors, mesh):
     processors=tuple(processors),
     mesh=mesh,
     rules=batch.rules if mesh is not None else None,
+    cache_layout=decode_cache_layout(mesh),
   )
   before = cache_info()["compiled"]
   programs = get_programs(key)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from diffjax import sharding as shd
 from diffjax.generation.sampling import SamplingOptions, choose_tokens
+from diffjax.nn.attention import cache_layout, default_cache_layout
 
 # Cache lengths are rounded up to this: the GPU decode kernel's largest KV block, and
 # the multiple the TPU kernel reads in place (diffjax.kernels.tpu.cache_length_multiple).
@@ -56,6 +57,13 @@ class ProgramKey:
   processors: tuple[Callable, ...]
   mesh: Any
   rules: Any
+  cache_layout: str = "sequence_major"  # diffjax.nn.attention.cache_layout
+
+
+def decode_cache_layout(mesh=None) -> str:
+  """The KV-cache layout for decoding on ``mesh``'s devices (default: the default backend's)."""
+  platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return default_cache_layout(platform)
 
 
 @dataclasses.dataclass
@@ -205,7 +213,7 @@ def _compile(key: ProgramKey) -> Programs:
   rng = jax.eval_shape(lambda: jax.random.key(0))
   b, s = key.batch, key.stop_slots
   context = shd.activation_sharding(key.mesh, key.rules) if key.mesh is not None else _no_context()
-  with context:
+  with context, cache_layout(key.cache_layout):
     prefill_fn = (
       jax.jit(prefill)
       .lower(

@@ -107,9 +107,48 @@ def _rope(x, positions, opts: AttentionOptions):
 
 # KV cache. A layer's cache is a dict of arrays [B, S, K, width] (S slots, preallocated):
 # {"k", "v"} for the baseline and DIFF V2, {"k1", "k2", "v"} for DIFF V1 (v is 2D wide).
-# Slot j of row b holds the key/value of that row's position j.
+# Slot j of row b holds the key/value of that row's position j. Under cache_layout("head_major")
+# the arrays are [B, K, S, width] instead.
 
 CACHE_AXES = ("batch", "length", "kv_heads", "head_dim")
+CACHE_LAYOUTS = ("sequence_major", "head_major")
+_HEAD_MAJOR_AXES = ("batch", "kv_heads", "length", "head_dim")
+
+# The layout of the caches made, written and read while a program traces.
+_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar(
+  "cache_layout", default="sequence_major"
+)
+
+
+@contextlib.contextmanager
+def cache_layout(layout: str):
+  """Caches made (``init_cache``), written and read inside are laid out as ``layout``.
+
+  ``"sequence_major"`` (the default): [B, S, K, width], what the TPU and GPU decode kernels
+  read in place. ``"head_major"``: [B, K, S, width]. XLA on a CPU multiplies each (row, head)
+  block as one contiguous matrix, so a decode step over a head-major cache reads the slots it
+  needs with plain slices (or nothing at all when it reads the whole cache) where a
+  sequence-major one is first copied head by head. The results are the same; a cache must be
+  used under the layout it was made in (:func:`default_cache_layout` picks one per platform).
+  """
+  if layout not in CACHE_LAYOUTS:
+    raise ValueError(f"cache layout {layout!r}: use one of {CACHE_LAYOUTS}.")
+  token = _LAYOUT.set(layout)
+  try:
+    yield
+  finally:
+    _LAYOUT.reset(token)
+
+
+def default_cache_layout(platform: str) -> str:
+  """The layout decoding programs use on ``platform`` (``"cpu"``, ``"tpu"``, ``"gpu"``...):
+  head-major where decode attention runs as XLA on a CPU, else sequence-major."""
+  return "head_major" if platform == "cpu" else "sequence_major"
+
+
+def _head_major() -> bool:
+  return _LAYOUT.get() == "head_major"
+
 
 # The slots a decode step reads (None: all); set by cache_window() while a program traces.
 _WINDOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("cache_window", default=None)
@@ -133,7 +172,28 @@ def cache_window(slots: int | None):
 
 
 def _cache_arrays(shapes: dict[str, tuple[int, int, int, int]], dtype) -> dict[str, jax.Array]:
+  """Zero arrays of the given [B, S, K, width] shapes, in the current layout."""
+  if _head_major():
+    return {
+      name: constrain(jnp.zeros((b, k, s, w), dtype), _HEAD_MAJOR_AXES)
+      for name, (b, s, k, w) in shapes.items()
+    }
   return {name: constrain(jnp.zeros(shape, dtype), CACHE_AXES) for name, shape in shapes.items()}
+
+
+def _check_cache_layout(cache: dict[str, jax.Array], new: dict[str, jax.Array]) -> None:
+  """Refuses a cache whose heads and widths do not sit where the current layout puts them
+  (a cache made under another :func:`cache_layout`, or for another module)."""
+  head_axis = 1 if _head_major() else 2
+  for name, x in new.items():
+    c = cache.get(name)
+    if c is None or c.ndim != 4 or (c.shape[head_axis], c.shape[3]) != x.shape[2:]:
+      got = None if c is None else tuple(c.shape)
+      raise ValueError(
+        f"cache[{name!r}] has shape {got}; a {_LAYOUT.get()} cache of this layer holds "
+        f"{x.shape[2]} heads of width {x.shape[3]} on axes {head_axis} and 3. Make the cache "
+        "with init_cache under the cache_layout it is used in."
+      )
 
 
 def _write_cache(
@@ -147,6 +207,16 @@ def _write_cache(
   b, t = next(iter(new.values())).shape[:2]
   rows_BxT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
   slots_BxT = lengths_B.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  if _head_major():  # [B, K, S, w]: the indexed axes first, so the update stays [B, T, K, w]
+    return {
+      name: constrain(
+        cache[name]
+        .at[rows_BxT, :, slots_BxT]
+        .set(new[name].astype(cache[name].dtype), mode="drop"),
+        _HEAD_MAJOR_AXES,
+      )
+      for name in cache
+    }
   return {
     name: constrain(
       cache[name].at[rows_BxT, slots_BxT].set(new[name].astype(cache[name].dtype), mode="drop"),
@@ -213,7 +283,7 @@ class _BaselineKVCache:
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
     """An empty cache: ``{"k", "v"}``, each [batch, max_length, K, D] in ``dtype``
-    (default: the compute dtype)."""
+    (default: the compute dtype); [batch, K, max_length, D] under ``cache_layout("head_major")``."""
     _, k, d = self.k.shape
     shape = (batch, max_length, k, d)
     return _cache_arrays({"k": shape, "v": shape}, dtype or self.options.dtype)
@@ -251,6 +321,7 @@ class _Call:
     if cache is None:
       return cls(module.options, segment_ids_BxT, hooks, _explicit_maps(capture, hooks))
     decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
+    _check_cache_layout(cache, new)
     cache = _write_cache(cache, new, cache_lengths_B)
     opts = module.options
     return cls(opts, segment_ids_BxT, hooks, False, decoding, cache, cache_lengths_B, tuple(new))
@@ -261,7 +332,10 @@ class _Call:
     if self.decoding:
       rows, window = arrays[spec.queries[0]].shape[0], _WINDOW.get()
 
-      def view(c):  # the rows decoded and the slots read (slices: no copy once fused)
+      def view(c):  # the rows decoded and the slots read, [B, S, K, w] (slices, transposes)
+        if _head_major():
+          whole = (c.shape[0], window) in ((rows, None), (rows, c.shape[2]))
+          return (c if whole else c[:rows, :, :window]).transpose(0, 2, 1, 3)
         return (
           c if (c.shape[0], window) in ((rows, None), (rows, c.shape[1])) else c[:rows, :window]
         )
@@ -443,7 +517,8 @@ class DiffV1Attention(nnx.Module):
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> dict[str, jax.Array]:
     """An empty cache: ``{"k1", "k2"}`` [batch, max_length, K, D] and ``"v"``
-    [batch, max_length, K, 2D], in ``dtype`` (default: the compute dtype)."""
+    [batch, max_length, K, 2D], in ``dtype`` (default: the compute dtype); K before
+    max_length under ``cache_layout("head_major")``."""
     _, k, _, d = self.k.shape
     shapes = {
       "k1": (batch, max_length, k, d),

@@ -22,6 +22,7 @@ rows beside it: the random key of token ``i`` is ``fold_in(key(seed), i)``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
@@ -35,9 +36,16 @@ import numpy as np
 from flax import nnx
 
 from diffjax import sharding as shd
-from diffjax.generation.programs import CACHE_MULTIPLE, MIN_PROMPT_BUCKET, bucket, round_up
+from diffjax.generation.programs import (
+  CACHE_MULTIPLE,
+  MIN_PROMPT_BUCKET,
+  bucket,
+  decode_cache_layout,
+  round_up,
+)
 from diffjax.model import DecoderLM
-from diffjax.nn.attention import cache_window
+from diffjax.nn.attention import CACHE_LAYOUTS, cache_window
+from diffjax.nn.attention import cache_layout as layout_of_cache
 
 # The most alternatives a job may ask for per token (the OpenAI API's limit for completions).
 MAX_TOP_LOGPROBS = 5
@@ -181,6 +189,8 @@ class Engine:
     max_prefill: prompts prefilled together at most (jobs admitted at once share a call).
     pad_id: the token fed to free slots and prompt padding.
     mesh, rules: decode sharded over a device mesh (rows over data/fsdp, heads over tensor).
+    cache_layout: the KV cache's layout (:func:`diffjax.nn.attention.cache_layout`); default:
+      head-major on a CPU, sequence-major elsewhere.
   """
 
   def __init__(
@@ -195,6 +205,7 @@ class Engine:
     pad_id: int = 0,
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
+    cache_layout: str | None = None,
   ):
     if min(slots, decode_chunk, max_prefill) < 1 or max_waiting < 0:
       raise ValueError(
@@ -216,6 +227,9 @@ class Engine:
       (name, None if name == "length" else axes) for name, axes in (rules or shd.DEFAULT_RULES)
     )
     self.mesh = mesh
+    self.cache_layout = cache_layout or decode_cache_layout(mesh)
+    if self.cache_layout not in CACHE_LAYOUTS:
+      raise ValueError(f"cache_layout={self.cache_layout!r}: use one of {CACHE_LAYOUTS}.")
     self.slots = round_up(slots, shd.batch_rows_multiple(mesh, self.rules)) if mesh else slots
     self.decode_chunk = int(decode_chunk)
     self.max_waiting = int(max_waiting)
@@ -247,7 +261,8 @@ class Engine:
       nnx.replace_by_pure_dict(params, pure)
     leaves, self._treedef = jax.tree.flatten(params)
     self._leaves = tuple(leaves)
-    self._axes = _cache_batch_axes(model, self.cache_length)
+    with layout_of_cache(self.cache_layout):
+      self._axes = _cache_batch_axes(model, self.cache_length)
     self._programs: dict = {}
     self.compiles = 0  # programs compiled so far (warm_up compiles them all)
     self._cv = threading.Condition()
@@ -265,13 +280,17 @@ class Engine:
   def _merge(self, leaves):
     return nnx.merge(self._graphdef, jax.tree.unflatten(self._treedef, list(leaves)))
 
+  @contextlib.contextmanager
   def _context(self, rows: bool = True):
-    """The mesh and rules programs run under; ``rows=False`` for the prefill, whose few rows
-    are replicated over the batch axes rather than split."""
-    if self.mesh is None:
-      return _nothing()
-    rules = self.rules if rows else tuple((n, None if n == "batch" else a) for n, a in self.rules)
-    return shd.activation_sharding(self.mesh, rules)
+    """The cache layout, mesh and rules programs trace under; ``rows=False`` for the prefill,
+    whose few rows are replicated over the batch axes rather than split."""
+    with layout_of_cache(self.cache_layout):
+      if self.mesh is None:
+        yield
+        return
+      rules = self.rules if rows else tuple((n, None if n == "batch" else a) for n, a in self.rules)
+      with shd.activation_sharding(self.mesh, rules):
+        yield
 
   def _program(self, name):
     program = self._programs.get(name)
@@ -662,11 +681,3 @@ def _powers(context: int):
     yield n
     n *= 2
   yield context
-
-
-class _nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False

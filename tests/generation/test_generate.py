@@ -13,7 +13,9 @@ from helpers import REPO, WAIT_LIMIT_S, own_stderr
 from kernel_checks import rel_err as _rel_err
 
 from diffjax.generation import SamplingOptions, generate, top_k_filter, top_p_filter
+from diffjax.generation.programs import decode_cache_layout
 from diffjax.model import DecoderLM, ModelConfig
+from diffjax.nn.attention import CACHE_LAYOUTS, cache_layout
 
 ARMS = ("transformer", "diff_v1", "diff_v2")
 VOCAB = 61
@@ -36,29 +38,43 @@ def _model(arm: str, **kw) -> DecoderLM:
   return DecoderLM(cfg, rngs=nnx.Rngs(3))
 
 
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
 @pytest.mark.parametrize(
   "arm", [pytest.param("transformer", marks=pytest.mark.slow), "diff_v1", "diff_v2"]
 )
-def test_cached_logits_equal_full_forward_at_every_position(arm):
+def test_cached_logits_equal_full_forward_at_every_position(arm, layout):
   model = _model(arm)
   lens = np.array([3, 9, 1, 6])
   seq_BxT = jax.random.randint(jax.random.key(0), (4, 14), 0, VOCAB)
   full_BxTxV = jax.jit(lambda t: model(t))(seq_BxT)
   # Prefill a ragged batch (left-aligned, garbage past each row's length), then decode
   # every row's own next positions one token at a time.
-  cache = model.init_cache(4, 16)
-  prefill_BxTxV, cache = jax.jit(
-    lambda c, t: model(t, cache=c, cache_lengths_B=jnp.zeros(4, jnp.int32))
-  )(cache, seq_BxT[:, :9])
-  for b, n in enumerate(lens):
-    assert _rel_err(prefill_BxTxV[b, :n], full_BxTxV[b, :n]) <= 1e-5
-  pos_B = jnp.asarray(lens)
-  step = jax.jit(lambda c, t, p: model(t[:, None], p[:, None], cache=c, cache_lengths_B=p))
-  for _ in range(14 - int(lens.max())):
-    rows = jnp.arange(4)
-    logits_Bx1xV, cache = step(cache, seq_BxT[rows, pos_B], pos_B)
-    assert _rel_err(logits_Bx1xV[:, 0], full_BxTxV[rows, pos_B]) <= 1e-5
-    pos_B = pos_B + 1
+  with cache_layout(layout):  # the cache is made, jitted and read under one layout
+    cache = model.init_cache(4, 16)
+    assert cache[0]["v"].shape[1:3] == ((16, 2) if layout == "sequence_major" else (2, 16))
+    prefill_BxTxV, cache = jax.jit(
+      lambda c, t: model(t, cache=c, cache_lengths_B=jnp.zeros(4, jnp.int32))
+    )(cache, seq_BxT[:, :9])
+    for b, n in enumerate(lens):
+      assert _rel_err(prefill_BxTxV[b, :n], full_BxTxV[b, :n]) <= 1e-5
+    pos_B = jnp.asarray(lens)
+    step = jax.jit(lambda c, t, p: model(t[:, None], p[:, None], cache=c, cache_lengths_B=p))
+    for _ in range(14 - int(lens.max())):
+      rows = jnp.arange(4)
+      logits_Bx1xV, cache = step(cache, seq_BxT[rows, pos_B], pos_B)
+      assert _rel_err(logits_Bx1xV[:, 0], full_BxTxV[rows, pos_B]) <= 1e-5
+      pos_B = pos_B + 1
+
+
+def test_a_cache_used_under_another_layout_is_refused_and_the_layouts_are_named():
+  model = _model("diff_v1")
+  cache = model.init_cache(2, 16)  # sequence-major: [2, 16, 2, 8]
+  with cache_layout("head_major"), pytest.raises(ValueError, match="cache_layout"):
+    model(jnp.zeros((2, 3), jnp.int32), cache=cache, cache_lengths_B=jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match="sideways.*head_major"):
+    with cache_layout("sideways"):
+      pass
+  assert decode_cache_layout() == "head_major"  # these tests run on a CPU
 
 
 def _next_logits_fn(model, width: int = 24):

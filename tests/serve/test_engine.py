@@ -54,10 +54,22 @@ def _prompts(n, seed=0, longest=40):
   return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(1, longest, size=n)]
 
 
-@pytest.fixture(scope="module", params=["transformer", "diff_v1", "diff_v2"])
+# Each arm with the CPU's default cache (head-major), and DIFF V1 with the sequence-major one
+# the TPU and GPU decode kernels read.
+@pytest.fixture(
+  scope="module",
+  params=[
+    ("transformer", None),
+    ("diff_v1", None),
+    ("diff_v2", None),
+    ("diff_v1", "sequence_major"),
+  ],
+)
 def warm(request):
-  model = tiny_model(request.param)
-  engine = Engine(model, slots=3, context=64, decode_chunk=3)
+  arm, layout = request.param
+  model = tiny_model(arm)
+  engine = Engine(model, slots=3, context=64, decode_chunk=3, cache_layout=layout)
+  assert engine.cache_layout == (layout or "head_major")
   engine.warm_up()
   engine.start()
   yield model, engine
