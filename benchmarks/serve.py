@@ -24,9 +24,10 @@ Peers, timed on the same requests:
   transformers is not installed).
 
 Warm-up requests run before timing (the server compiles everything at start). Each peer but
-transformers runs ``--repeat`` times (default 3), the peers in turn, and its row is its median
+transformers runs ``--repeat`` times (default 5), the peers in turn, and its row is its median
 run, so that a slow spell of a shared machine does not land on one peer alone; the runs' new
-tokens/s are listed under the table. The table gives requests/s, new tokens/s and per-request
+tokens/s are listed under the table, and the 8-client server's gain over each peer is also given
+run by run (each repeat's 8-client run against the same repeat's peer, run seconds apart). The table gives requests/s, new tokens/s and per-request
 latency percentiles; a second table times one call of
 the engine's decode program for a few (rows, cache slots read), measured before the server
 starts, which shows what batching can gain on the machine; then the ratio of the server's new
@@ -300,7 +301,7 @@ def main() -> None:
   p.add_argument("--size", default="default", help="with random weights: the size")
   p.add_argument("--clients", default="1,8,32", help="comma-separated concurrent clients")
   p.add_argument("--requests", type=int, default=64, help="timed requests per run")
-  p.add_argument("--repeat", type=int, default=3, help="runs per peer, in turn (a row: the median)")
+  p.add_argument("--repeat", type=int, default=5, help="runs per peer, in turn (a row: the median)")
   p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
   p.add_argument("--new", type=int, default=64, help="new tokens per request")
   p.add_argument("--slots", type=int, default=32, help="the server's slots")
@@ -388,8 +389,16 @@ def main() -> None:
     if "server, 8 clients" in rate:
       for peer in ("server, 1 client", "diffjax.generate, one at a time"):
         if peer in rate:
+          # Run by run: each repeat's 8-client run against the same repeat's peer.
+          paired = [
+            len(lat8) * w / (len(lat) * w8)
+            for (w8, lat8), (w, lat) in zip(runs["server, 8 clients"], runs[peer])
+          ]
           print(
-            f"server with 8 clients / {peer}: {rate['server, 8 clients'] / rate[peer]:.2f}x new tokens/s"
+            f"server with 8 clients / {peer}: {rate['server, 8 clients'] / rate[peer]:.2f}x "
+            f"new tokens/s (median runs); run by run "
+            + ", ".join(f"{x:.2f}x" for x in paired)
+            + f" (median {statistics.median(paired):.2f}x)"
           )
     if a.load_seconds > 0:
       # Prompts of random lengths and their greedy tokens, each from diffjax.generate alone.
