@@ -7,6 +7,10 @@ chosen so every call sees the same number of tokens (``--tokens``, 16K by defaul
 
   baseline flash   jax.nn.dot_product_attention, 24 heads (cuDNN on a GPU when it
                    accepts the call, XLA otherwise)
+  peer kernel      jax's own Mosaic GPU flash attention
+                   (jax.experimental.pallas.ops.gpu.attention_mgpu, forward and its
+                   backward) on the baseline's inputs: what Mosaic GPU reaches on this
+                   GPU, beside what the DIFF kernels reach; on a GPU for bf16 and fp16
   V1 stock         4 stock calls (each map against each D-wide half of V)
   V2 stock         1 stock call over 48 heads, then the pair combination
   V1/V2 fused      diffjax.kernels.gpu.diff_v1_pallas_gpu / diff_v2_pallas_gpu (Mosaic
@@ -142,6 +146,7 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
     Row(
       f"baseline flash ({impl})", lambda *a: kg.mha_stock_gpu(*a, causal=True), mha, 8, 28, heads
     ),
+    *_peer_rows(mha, heads, interpret),
     Row(
       "V1 stock (4 calls)",
       lambda *a: kg.diff_v1_stock_gpu(*a, causal=True),
@@ -159,6 +164,29 @@ def _rows(inputs, heads, interpret: bool) -> list[Row]:
       2 * heads,
     ),
   ] + mosaic_rows
+
+
+def _peer_rows(mha, heads: int, interpret: bool) -> list[Row]:
+  """jax's Mosaic GPU flash attention on the baseline's inputs (a real GPU, bf16/fp16)."""
+  if interpret or jnp.dtype(mha[0].dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return []
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return []
+  config = attention_mgpu.TuningConfig(
+    block_q=64, block_kv=128, max_concurrent_steps=2, causal=True
+  )
+  return [
+    Row(
+      "peer: jax Mosaic GPU flash",
+      lambda q, k, v: attention_mgpu.attention(q, k, v, config),
+      mha,
+      8,
+      28,
+      heads,
+    )
+  ]
 
 
 def _median_ms(fn, args, warmup: int, iters: int) -> float:

@@ -6,14 +6,22 @@
 In order, each row of the table naming what ran and what came out:
 
 1. the ``gpu``-marked tests (the compiled Mosaic GPU kernels against the reference:
-   forward, every gradient, decoding; the stock paths): passed / failed;
+   forward, every gradient, decoding; the stock paths), in a child process with
+   ``JAX_PLATFORMS=cuda`` (the test suite defaults to the CPU otherwise, where every one of
+   them skips): the row says FAILED when any test fails, errors or skips, or none ran;
 2. the attention benchmark (``benchmarks/attention.py``) at the 3B layer (d 128, 12 DIFF
-   heads, T 4096, bf16): baseline flash (cuDNN), V1 and V2 stock, V1 and V2 fused,
-   forward and forward+backward, ms and TFLOP/s, ratio to the baseline;
+   heads, T 4096, bf16): baseline flash (cuDNN), jax's own Mosaic GPU flash attention as a
+   peer kernel, V1 and V2 stock, V1 and V2 fused, forward and forward+backward, ms and
+   TFLOP/s, ratio to the baseline;
 3. DIFF V1 decoding at the 3B layer (batch 8, caches of 4K and 32K): the fused kernel
    ("auto") against XLA, ms per token and the cache bytes read per second;
-4. a few train steps of the three matched arms (``benchmarks/train_step.py``), bf16:
-   ms per step and tokens/s, ratio to the Transformer.
+4. a few train steps of the three matched arms at the 350m size with scanned layers
+   (``benchmarks/train_step.py``), bf16: ms per step and tokens/s, ratio to the Transformer.
+
+The whole check fits ``--budget_s`` seconds (default 540, for a 10-minute device call): the
+tests get at most ``--tests_s`` (default 240) and each later part starts only while time is
+left, a part that could not start being a row saying so. The exit status is 1 when a row
+failed or a part did not run, so a table cannot look complete without being so.
 
 ``--dry-run`` runs the same sequence at toy sizes on whatever backend there is (the
 tests are only collected, the fused kernels skipped off a GPU), to show the command
@@ -50,23 +58,44 @@ GPU_TESTS = (
 )
 
 
-def run_tests(dry: bool) -> list[tuple[str, str, str]]:
+def tests_failed(summary: str, dry: bool) -> bool:
+  """Whether pytest's last line ``summary`` fails the check: anything failed, errored or
+  skipped, or nothing passed (a dry run only collects, so only an error fails it)."""
+  counts = {
+    k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary)
+  }
+  if dry:
+    return bool(counts.get("error") or counts.get("errors")) or "collected" not in summary
+  bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+  return bad > 0 or counts.get("skipped", 0) > 0 or counts.get("passed", 0) == 0
+
+
+def run_tests(dry: bool, timeout_s: float = 240) -> list[tuple[str, str, str]]:
   cmd = [
     sys.executable,
     "-m",
     "pytest",
     "-q",
+    "-rs",
     "-m",
     "gpu",
     "-p",
     "no:cacheprovider",
     *GPU_TESTS,
   ] + (["--collect-only"] if dry else [])
+  # tests/conftest.py makes the CPU the default backend; the GPU tests need the GPU's.
+  env = dict(os.environ, JAX_PLATFORMS="cpu" if dry else "cuda")
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
-  tail = [l for l in proc.stdout.strip().splitlines() if l.strip()][-1:] or ["no output"]
-  summary = re.sub(r"=+", "", tail[0]).strip()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s, env=env)
+  except subprocess.TimeoutExpired:
+    return [("gpu-marked tests", " ".join(GPU_TESTS), f"FAILED: not done within {timeout_s:.0f} s")]
+  lines = [l for l in proc.stdout.strip().splitlines() if l.strip()]
+  summary = re.sub(r"=+", "", (lines[-1:] or ["no output"])[0]).strip()
   what = "collected (dry run)" if dry else f"{time.perf_counter() - t0:.0f} s"
+  if tests_failed(summary, dry):
+    skips = [l for l in lines if l.startswith("SKIPPED")][:2]
+    summary = "FAILED: " + summary + "".join(f"; {l[:160]}" for l in skips)
   return [("gpu-marked tests", " ".join(GPU_TESTS) + f" ({what})", summary)]
 
 
@@ -147,7 +176,8 @@ def run_train(dry: bool) -> list[tuple[str, str, str]]:
   widths = {**size_widths(size), "dtype": dtype}
   if dry:
     widths["num_layers"] = 1
-  base = ModelConfig(attention="transformer", vocab_size=258, **widths)
+  # Scanned layers: one block compiled once (the unrolled 350m step takes minutes to compile).
+  base = ModelConfig(attention="transformer", vocab_size=258, scan_layers=True, **widths)
   rng = np.random.default_rng(0)
   batch_np = {
     "inputs": rng.integers(0, 258, (batch, seq)).astype(np.int32),
@@ -182,6 +212,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dry-run", action="store_true", help="toy sizes; tests only collected")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
+  p.add_argument(
+    "--budget_s", type=float, default=540, help="seconds for the whole check (default 540)"
+  )
+  p.add_argument(
+    "--tests_s", type=float, default=240, help="seconds for the gpu-marked tests (default 240)"
+  )
   a = p.parse_args(argv)
   dev = jax.devices()[0]
   head = (
@@ -193,16 +229,25 @@ def main(argv=None) -> int:
       "error: no GPU here; pass --dry-run to check the command on this machine", file=sys.stderr
     )
     return 2
-  rows = []
-  for part in (run_tests, run_attention, run_decode, run_train):
+  t0 = time.perf_counter()
+  rows = run_tests(a.dry_run, min(a.tests_s, a.budget_s))
+  print("run_tests: done", file=sys.stderr, flush=True)
+  for check, part in (
+    ("attention", run_attention),
+    ("decode", run_decode),
+    ("train step", run_train),
+  ):
+    if time.perf_counter() - t0 >= a.budget_s:
+      rows.append((check, "not run", f"FAILED: the budget of {a.budget_s:.0f} s was spent"))
+      continue
     rows += part(a.dry_run)
-    print(f"{part.__name__}: done", file=sys.stderr, flush=True)
+    print(f"{check}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
   text = head + "\n\n" + table(rows) + "\n"
   print(text)
   if a.out:
     with open(a.out, "w", encoding="utf-8") as f:
       f.write(text)
-  return 0
+  return 1 if any(r[2].startswith(("FAILED", "error")) for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -8,9 +8,25 @@ compiling for them shows: docs/kernels_gpu.md.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from diffjax import hardware
+
+# jax's CUDA plugin packages (``jax_plugins.<name>``), either of which compiles for a GPU.
+CUDA_PLUGINS = ("xla_cuda12", "xla_cuda13")
+
+
+def cuda_plugin() -> str | None:
+  """The installed CUDA plugin's package name, or None."""
+  for name in CUDA_PLUGINS:
+    try:
+      if importlib.util.find_spec(f"jax_plugins.{name}") is not None:
+        return name
+    except ImportError:  # no jax_plugins namespace at all
+      return None
+  return None
+
 
 # The GPUs of the hardware table, by name ("h100"): what ``--target`` accepts.
 TARGETS: dict[str, hardware.Gpu] = {name: hardware.get(name) for name in hardware.names("gpu")}
@@ -80,15 +96,17 @@ def parse(spec: str) -> tuple[hardware.Gpu, int]:
 
 
 def ptxas_dir() -> str | None:
-  """The ``bin`` folder of the pip package ``nvidia-cuda-nvcc-cu12``, if installed."""
+  """The ``bin`` folder holding ``ptxas`` of NVIDIA's pip packages, if installed: CUDA 12's
+  ``nvidia-cuda-nvcc-cu12`` (``nvidia/cuda_nvcc/bin``) or CUDA 13's (``nvidia/cu13/bin``)."""
   try:
-    import nvidia.cuda_nvcc  # pylint: disable=import-outside-toplevel
+    import nvidia  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  for root in list(getattr(nvidia.cuda_nvcc, "__path__", [])):
-    path = os.path.join(root, "bin")
-    if os.path.exists(os.path.join(path, "ptxas")):
-      return path
+  for root in list(getattr(nvidia, "__path__", [])):
+    for sub in ("cuda_nvcc", "cu13"):
+      path = os.path.join(root, sub, "bin")
+      if os.path.exists(os.path.join(path, "ptxas")):
+        return path
   return None
 
 
@@ -112,12 +130,10 @@ def use_pip_ptxas() -> str:
 
 def available() -> str | None:
   """None when deviceless GPU compiles can run here, else the reason they cannot."""
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401  pylint: disable=import-outside-toplevel
-  except ImportError:
+  if cuda_plugin() is None:
     return (
       "the CUDA plugin is not installed (pip install -e '.[gpu-compile]': "
-      "jax-cuda12-plugin and jax-cuda12-pjrt at the jax version)"
+      "jax-cuda12-plugin and jax-cuda12-pjrt at the jax version; CUDA 13's work too)"
     )
   if ptxas_dir() is None:
     return "ptxas is not installed (pip install -e '.[gpu-compile]': nvidia-cuda-nvcc-cu12)"
