@@ -189,6 +189,8 @@ def test_a_cancelled_job_frees_its_slot_and_waiting_jobs_run():
 
 
 def test_bad_jobs_are_refused_before_they_queue():
+  with pytest.raises(ValueError, match="cache_layout='bsk'.*head_major"):
+    Engine(tiny_model("transformer"), slots=1, context=16, cache_layout="bsk")
   engine = Engine(tiny_model("transformer"), slots=1, context=16)
   job = lambda prompt, **kw: Job(prompt, on_event=lambda ev: None, **kw)  # noqa: E731
   with pytest.raises(ContextTooLong, match="context is 16 tokens; the prompt has 10"):
