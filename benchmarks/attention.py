@@ -8,9 +8,11 @@ chosen so every call sees the same number of tokens (``--tokens``, 16K by defaul
   baseline flash   jax.nn.dot_product_attention, 24 heads (cuDNN on a GPU when it
                    accepts the call, XLA otherwise)
   peer kernel      jax's own Mosaic GPU flash attention
-                   (jax.experimental.pallas.ops.gpu.attention_mgpu, forward and its
-                   backward) on the baseline's inputs: what Mosaic GPU reaches on this
-                   GPU, beside what the DIFF kernels reach; on a GPU for bf16 and fp16
+                   (jax.experimental.pallas.ops.gpu.attention_mgpu) on the baseline's
+                   inputs: what Mosaic GPU reaches on this GPU, beside what the DIFF
+                   kernels reach; on a GPU for bf16 and fp16. Where its backward refuses
+                   causal masks (jax 0.10) the row has the forward alone and says why;
+                   a peer that cannot run here is a row saying so
   V1 stock         4 stock calls (each map against each D-wide half of V)
   V2 stock         1 stock call over 48 heads, then the pair combination
   V1/V2 fused      diffjax.kernels.gpu.diff_v1_pallas_gpu / diff_v2_pallas_gpu (Mosaic
@@ -240,14 +242,20 @@ def measure(
   inputs = _inputs(batch, seq, heads, d, dtype)
   out, base = [], None
   for i, row in enumerate(_rows(inputs, heads, interpret)):
+    no_backward = None
     try:
-      fwd = jax.jit(row.fn)
-      compiled = jax.jit(_fwd_bwd(row.fn)).lower(*row.args).compile()
-      mem = _memory_mib(compiled)
-      t_f = _median_ms(fwd, row.args, warmup, iters)
-      t_b = _median_ms(compiled, row.args, warmup, iters)
+      t_f = _median_ms(jax.jit(row.fn), row.args, warmup, iters)
+      try:
+        compiled = jax.jit(_fwd_bwd(row.fn)).lower(*row.args).compile()
+      except NotImplementedError as e:  # a peer without this backward (e.g. causal)
+        if not row.name.startswith("peer"):
+          raise
+        no_backward, mem, t_b = _short(e), None, None
+      else:
+        mem = _memory_mib(compiled)
+        t_b = _median_ms(compiled, row.args, warmup, iters)
     except Exception as e:  # pylint: disable=broad-except  (report and go on)
-      out.append({"path": row.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"})
+      out.append({"path": row.name, "error": _short(e)})
       continue
     if i == 0:  # the baseline
       base = (t_f, t_b)
@@ -259,13 +267,18 @@ def measure(
         "fwd_ms": t_f,
         "fb_ms": t_b,
         "fwd_tflops": row.fwd_coef * d * pairs * row.units / t_f / 1e9,
-        "fb_tflops": row.total_coef * d * pairs * row.units / t_b / 1e9,
+        "fb_tflops": None if t_b is None else row.total_coef * d * pairs * row.units / t_b / 1e9,
         "fwd_x": t_f / base[0] if base else None,
-        "fb_x": t_b / base[1] if base else None,
+        "fb_x": t_b / base[1] if base and t_b is not None else None,
         "mem_mib": mem,
+        "no_backward": no_backward,
       }
     )
   return out
+
+
+def _short(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
 
 
 def main(argv=None) -> None:
@@ -335,18 +348,18 @@ def main(argv=None) -> None:
       if "error" in r:
         print(f"{r['path']:<28}error: {r['error']}")
         continue
-      ratio = (
-        f"{r['fwd_x']:>8.2f}{r['fb_x']:>8.2f}" if r["fwd_x"] is not None else f"{'n/a':>8}" * 2
-      )
+      num = lambda x, fmt, w: f"{x:>{w}{fmt}}" if x is not None else f"{'n/a':>{w}}"  # noqa: E731
       mem = r["mem_mib"]
       line = (
-        f"{r['path']:<28}{r['fwd_ms']:>10.2f}{r['fb_ms']:>10.2f}"
-        f"{r['fwd_tflops']:>10.3g}{r['fb_tflops']:>10.3g}{ratio}"
-        f"{(f'{mem:.0f}' if mem is not None else 'n/a'):>10}"
+        f"{r['path']:<28}{num(r['fwd_ms'], '.2f', 10)}{num(r['fb_ms'], '.2f', 10)}"
+        f"{num(r['fwd_tflops'], '.3g', 10)}{num(r['fb_tflops'], '.3g', 10)}"
+        f"{num(r['fwd_x'], '.2f', 8)}{num(r['fb_x'], '.2f', 8)}{num(mem, '.0f', 10)}"
       )
       if on_gpu:
         peak = _device_peak_mib()
         line += f"{(f'{peak:.0f}' if peak is not None else 'n/a'):>10}"
+      if r["no_backward"]:
+        line += f"  (no backward: {r['no_backward']})"
       print(line, flush=True)
 
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 from helpers import REPO
 
@@ -111,3 +113,48 @@ def test_cuda_13_plugin_and_ptxas_are_found(monkeypatch, tmp_path):
   assert "ptxas is not installed" in targets.available()
   monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name, *a: None)
   assert targets.cuda_plugin() is None and "CUDA plugin" in targets.available()
+
+
+def test_a_peer_without_a_backward_keeps_its_forward_and_does_not_fail_the_check(
+  gpu_check, monkeypatch
+):
+  bench = gpu_check.attention_bench
+
+  @jax.custom_vjp
+  def no_causal_backward(q, k, v):
+    return q * 2.0
+
+  def refuse(q, k, v):
+    raise NotImplementedError("Causal attention not supported in the backwards pass yet.")
+
+  no_causal_backward.defvjp(refuse, lambda res, g: (g, g, g))
+
+  def ours(q, k, v):
+    return q + k * v
+
+  def broken(q, k, v):
+    raise ValueError("Mixed input dtypes for matrix multiplication unsupported")
+
+  def rows(inputs, heads, interpret):
+    mha = inputs["mha"]
+    return [
+      bench.Row("baseline", ours, mha, 8, 28, heads),
+      bench.Row("peer: causal forward only", no_causal_backward, mha, 8, 28, heads),
+      bench.Row("V1 fused", no_causal_backward, mha, 12, 32, heads),  # ours must not refuse
+      bench.Row("peer: broken here", broken, mha, 8, 28, heads),
+    ]
+
+  monkeypatch.setattr(bench, "_rows", rows)
+  got = bench.measure(8, 1, 1, 4, jnp.float32, interpret=True, warmup=0, iters=1)
+  base, peer, fused, broken_peer = got
+  assert base["fb_ms"] > 0 and base["no_backward"] is None
+  assert peer["fwd_ms"] > 0 and peer["fb_ms"] is None and peer["fb_x"] is None
+  assert "Causal attention not supported" in peer["no_backward"]
+  assert fused["error"].startswith("NotImplementedError")
+  assert broken_peer["error"].startswith("ValueError: Mixed input dtypes")
+  monkeypatch.setattr(bench, "measure", lambda *a, **k: got)
+  b, p, f, x = [r[2] for r in gpu_check.run_attention(dry=True)]
+  assert b.startswith("fwd ") and "fwd+bwd" in b
+  assert p.startswith("fwd ") and "no fwd+bwd (NotImplementedError" in p
+  assert f.startswith("error: NotImplementedError")  # which fails the check's exit status
+  assert x.startswith("not measured: ValueError")  # a peer's failure does not
