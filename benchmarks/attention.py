@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diffjax.kernels import gpu as kg  # noqa: E402
 from diffjax.kernels.gpu import (
+  measured,  # noqa: E402
   mosaic_common,  # noqa: E402
   stock,  # noqa: E402
 )
@@ -309,9 +310,19 @@ def main(argv=None) -> None:
     action="store_true",
     help="run the Pallas kernels in the interpreter (default on CPU)",
   )
+  parser.add_argument(
+    "--record",
+    nargs="?",
+    const=measured.PATH,
+    default=None,
+    help="on a GPU: write the fused and stock paths' times into the figures 'auto' follows "
+    "(default file: diffjax/kernels/gpu/measured.json)",
+  )
   args = parser.parse_args(argv)
 
   on_gpu = jax.default_backend() == "gpu"
+  if args.record and not on_gpu:
+    parser.error("--record writes a GPU's figures: run it on the GPU they are for.")
   interpret = args.interpret or not on_gpu
   seqs = args.seq or ([256] if args.quick else [2048, 4096, 8192, 16384])
   heads = args.heads or (2 if args.quick else 12)
@@ -339,12 +350,16 @@ def main(argv=None) -> None:
     f"{'path':<28}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF/s':>10}{'f+b TF/s':>10}"
     f"{'fwd x':>8}{'f+b x':>8}{'mem MiB':>10}" + (f"{'dev peak':>10}" if on_gpu else "")
   )
+  recorded = []
   for seq in seqs:
     batch = batch_fixed or max(1, args.tokens // seq)
     print(f"\nseq {seq}, batch {batch} ({batch * seq} tokens)")
     print(header)
     print("-" * len(header))
-    for r in measure(seq, batch, heads, d, dtype, interpret=interpret, warmup=warmup, iters=iters):
+    results = measure(seq, batch, heads, d, dtype, interpret=interpret, warmup=warmup, iters=iters)
+    source = f"benchmarks/attention.py, {batch * seq} tokens a call, {heads} DIFF heads; jax {jax.__version__}"
+    recorded += measured_rows(results, dev.device_kind, seq, dtype.name, d, source)
+    for r in results:
       if "error" in r:
         print(f"{r['path']:<28}error: {r['error']}")
         continue
@@ -361,6 +376,34 @@ def main(argv=None) -> None:
       if r["no_backward"]:
         line += f"  (no backward: {r['no_backward']})"
       print(line, flush=True)
+  if args.record:
+    measured.record(recorded, args.record)
+    print(f"\nwrote {len(recorded)} rows for {dev.device_kind} into {args.record}")
+
+
+# The rows of a run that --record keeps: per op, the fused kernel against the stock path.
+_RECORDED = {
+  "diff_v1": {"pallas_gpu": "V1 fused Mosaic GPU", "stock": "V1 stock (4 calls)"},
+  "diff_v2": {"pallas_gpu": "V2 fused Mosaic GPU", "stock": "V2 stock (1 call)"},
+}
+
+
+def measured_rows(results, device: str, seq: int, dtype: str, d: int, source: str) -> list[dict]:
+  """The figures of one sequence length as rows of diffjax/kernels/gpu/measured.json (an op
+  whose paths did not all run gives none)."""
+  by_path = {r["path"]: r for r in results if "error" not in r}
+  rows = []
+  for op, paths in _RECORDED.items():
+    got = {impl: by_path.get(path) for impl, path in paths.items()}
+    if any(r is None or r["fb_ms"] is None for r in got.values()):
+      continue
+    for pass_, key in (("forward", "fwd_ms"), ("forward+backward", "fb_ms")):
+      ms = {impl: round(r[key], 3) for impl, r in got.items()}
+      rows.append(
+        dict(device=device, op=op, seq=seq, dtype=dtype, head_dim=d, ms=ms, source=source)
+        | {"pass": pass_}
+      )
+  return rows
 
 
 if __name__ == "__main__":

@@ -19,22 +19,41 @@ _TARGET = threading.local()
 
 
 @contextlib.contextmanager
-def target_platform(platform: str, gpu_capability: tuple[int, int] | None = None) -> Iterator[None]:
+def target_platform(
+  platform: str, gpu_capability: tuple[int, int] | None = None, device_kind: str | None = None
+) -> Iterator[None]:
   """Resolves implementations for ``platform`` instead of the host backend.
 
   Used when compiling ahead of time for TPU topologies or GPU targets on a CPU machine,
   so that ``"auto"`` and ``"pallas"`` pick that platform's kernels. ``gpu_capability``:
   the compute capability of the target GPU ((9, 0) for an H100/H200, (8, 0) for an
   A100); None means the attached GPUs', or a Hopper when none is attached.
+  ``device_kind``: the device's name as jax gives it (e.g. ``"NVIDIA H200"``), which
+  selects measured figures (:mod:`diffjax.kernels.gpu.measured`); None means the attached
+  device's, or none.
   """
   if platform not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"platform={platform!r} must be 'cpu', 'gpu' or 'tpu'.")
   prev = getattr(_TARGET, "value", None)
-  _TARGET.value = (platform, gpu_capability)
+  _TARGET.value = (platform, gpu_capability, device_kind)
   try:
     yield
   finally:
     _TARGET.value = prev
+
+
+def current_device_kind() -> str | None:
+  """The device kind code is traced for: a :func:`target_platform`'s, else the attached
+  device's when it is the platform's (none while compiling for a target without one)."""
+  target = getattr(_TARGET, "value", None)
+  if target and target[2] is not None:
+    return target[2]
+  if target and target[0] != jax.default_backend():
+    return None
+  try:
+    return jax.devices()[0].device_kind
+  except RuntimeError:
+    return None
 
 
 def current_platform() -> str:

@@ -26,7 +26,13 @@ from diffjax import sharding
 from diffjax.core import op_specs, validation
 from diffjax.core.config import IMPLEMENTATIONS
 from diffjax.core.op_specs import OpSpec
-from diffjax.core.platform import current_platform, gpu_capability, target_platform
+from diffjax.core.platform import (
+  current_device_kind,
+  current_platform,
+  gpu_capability,
+  target_platform,
+)
+from diffjax.kernels.gpu import measured as gpu_measured
 
 __all__ = [
   "BUILTIN_KERNELS",
@@ -327,6 +333,24 @@ def refusal(row: Implementation, query, mask) -> str | None:
   return None
 
 
+def _measured_slower(implementation: str, row, later, spec: OpSpec, arrays) -> str | None:
+  """For ``"auto"`` on a GPU: why ``row`` gives way to a later candidate that this device
+  measured faster at this shape (:mod:`diffjax.kernels.gpu.measured`), or None."""
+  if implementation != "auto" or current_platform() != "gpu":
+    return None
+  q = spec.query(arrays)
+  seq = jnp.shape(arrays[spec.keys[0]])[1] if spec.decode else jnp.shape(q)[1]
+  return gpu_measured.slower(
+    spec.name,
+    row.name,
+    current_device_kind(),
+    seq,
+    jnp.dtype(q.dtype).name,
+    jnp.shape(q)[-1],
+    tuple(r.name for r in later if r != XLA),
+  )
+
+
 def run(
   spec: OpSpec,
   implementation: str,
@@ -343,13 +367,16 @@ def run(
   ``implementation`` that accepts them."""
   call = (causal, segment_ids, scale, block_sizes, interpret)
   tried = []
-  for row in candidates(spec.name, implementation, interpret):
+  rows_ = candidates(spec.name, implementation, interpret)
+  for i, row in enumerate(rows_):
     if row == XLA:
       _record(XLA)
       if spec.decode:
         return spec.reference(*arrays, scale=scale)
       return spec.reference(*arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale)
-    reason = refusal(row, spec.query(arrays), mask)
+    reason = refusal(row, spec.query(arrays), mask) or _measured_slower(
+      implementation, row, rows_[i + 1 :], spec, arrays
+    )
     if reason is None:
       try:
         out = _call(row, spec, arrays, *call)
@@ -372,10 +399,13 @@ def choose(
   interpret = kwargs.get("interpret", False)
   call = (causal, segment_ids, scale, kwargs.get("block_sizes"), interpret)
   tried = []
-  for row in candidates(spec.name, implementation, interpret):
+  rows_ = candidates(spec.name, implementation, interpret)
+  for i, row in enumerate(rows_):
     if row == XLA:
       return XLA
-    reason = refusal(row, spec.query(arrays), mask)
+    reason = refusal(row, spec.query(arrays), mask) or _measured_slower(
+      implementation, row, rows_[i + 1 :], spec, arrays
+    )
     if reason is None:
       try:
         jax.eval_shape(lambda *a, row=row: _call(row, spec, a, *call), *arrays)

@@ -23,6 +23,7 @@ from helpers import WAIT_LIMIT_S
 
 from diffjax import ops, sharding
 from diffjax.core import op_specs
+from diffjax.kernels.gpu import measured as gpu_measured
 from diffjax.kernels.gpu import mosaic
 from diffjax.ops import dispatch
 
@@ -382,3 +383,55 @@ def test_decode_reads_the_cache_in_place(s, in_place):
   # The query rows are re-laid out to 64-row tiles (a copy of B x H x d), so the
   # same trace through operand 0 is not empty: the check does see ops.
   assert _operand_chain(lowered, 0), "the query operand should be re-laid out"
+
+
+def test_auto_on_a_gpu_follows_the_measured_figures_of_the_device():
+  # The packaged figures (an H200, bf16, d 128): V2's stock path beat the fused kernels in a
+  # forward+backward call at T 4096 and 8192, V1's fused kernels won at 4096 and lost at 8192.
+  def auto(spec, seq, kind, dtype=jnp.bfloat16, name="auto"):
+    arrays = spec.example(dtype, 128, 2, seq)
+    with ops.target_platform("gpu", device_kind=kind):
+      return dispatch.choose(spec, name, arrays)
+
+  assert auto(op_specs.DIFF_V2, 4096, "NVIDIA H200") == "stock"
+  assert auto(op_specs.DIFF_V2, 128, "NVIDIA H200") == "stock"  # the nearest row: T 4096
+  assert auto(op_specs.DIFF_V1, 4096, "NVIDIA H200") == "pallas_gpu"
+  assert auto(op_specs.DIFF_V1, 8192, "NVIDIA H200") == "stock"
+  # Asked for by name, or on a device without figures (and ahead of time), the table's order.
+  assert auto(op_specs.DIFF_V2, 4096, "NVIDIA H200", name="pallas_gpu") == "pallas_gpu"
+  assert auto(op_specs.DIFF_V2, 4096, "NVIDIA H100 80GB HBM3") == "pallas_gpu"
+  assert auto(op_specs.DIFF_V2, 4096, None) == "pallas_gpu"
+  # A path measured slower than one that cannot take the inputs still runs: at T 4096 V1's
+  # stock path lost to the fused kernels, which refuse float32, so float32 takes stock, not
+  # the XLA math.
+  assert auto(op_specs.DIFF_V1, 4096, "NVIDIA H200", dtype=jnp.float32) == "stock"
+  with ops.target_platform("gpu", device_kind="NVIDIA H200"):
+    arrays = op_specs.DIFF_V2.example(jnp.bfloat16, 128, 2, 4096)
+    with dispatch.recording() as ran:
+      jax.eval_shape(lambda *a: dispatch.run(op_specs.DIFF_V2, "auto", a), *arrays)
+  assert ran == ["stock"]
+
+
+def test_measured_rows_are_checked_merged_and_found_by_device(tmp_path):
+  path = str(tmp_path / "measured.json")
+  row = dict(device="H200", op="diff_v2", seq=4096, dtype="bfloat16", head_dim=128)
+  gpu_measured.record(
+    [{**row, "pass": "forward+backward", "ms": {"pallas_gpu": 9.0, "stock": 6.0}}], path
+  )
+  gpu_measured.record(
+    [{**row, "pass": "forward+backward", "ms": {"pallas_gpu": 5.0, "stock": 6.0}}], path
+  )
+  gpu_measured.record([{**row, "pass": "forward", "ms": {"pallas_gpu": 2.0, "stock": 1.0}}], path)
+  rows = gpu_measured.load(path)
+  assert len(rows) == 2  # the second forward+backward row replaced the first
+  slower = lambda impl, kind, alts: gpu_measured.slower(  # noqa: E731
+    "diff_v2", impl, kind, 4096, "bfloat16", 128, alts, rows
+  )
+  assert slower("pallas_gpu", "NVIDIA H200", ("stock",)) is None  # now the faster one
+  assert "measured slower than pallas_gpu" in slower("stock", "NVIDIA H200", ("pallas_gpu",))
+  assert slower("stock", "NVIDIA H200", ()) is None  # nothing after it to give way to
+  assert slower("stock", "NVIDIA H100", ("pallas_gpu",)) is None
+  with open(path, "w", encoding="utf-8") as f:
+    f.write('{"rows": [{"device": "H200", "op": "diff_v2"}]}')
+  with pytest.raises(ValueError, match="--record"):
+    gpu_measured.load(path)

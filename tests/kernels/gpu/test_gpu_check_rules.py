@@ -158,3 +158,35 @@ def test_a_peer_without_a_backward_keeps_its_forward_and_does_not_fail_the_check
   assert p.startswith("fwd ") and "no fwd+bwd (NotImplementedError" in p
   assert f.startswith("error: NotImplementedError")  # which fails the check's exit status
   assert x.startswith("not measured: ValueError")  # a peer's failure does not
+
+
+def test_recorded_rows_pair_each_fused_kernel_with_its_stock_path(gpu_check, tmp_path):
+  bench = gpu_check.attention_bench
+  ok = lambda path, f, fb: dict(path=path, fwd_ms=f, fb_ms=fb)  # noqa: E731
+  results = [
+    ok("baseline flash (cudnn)", 1.0, 3.5),
+    ok("V1 stock (4 calls)", 1.95, 6.64),
+    ok("V1 fused Mosaic GPU", 1.69, 6.47),
+    ok("V2 stock (1 call)", 1.87, 6.48),
+    {"path": "V2 fused Mosaic GPU", "error": "ValueError: no"},  # V2 gets no row
+  ]
+  rows = bench.measured_rows(results, "NVIDIA H200", 4096, "bfloat16", 128, "test")
+  assert [(r["op"], r["pass"]) for r in rows] == [
+    ("diff_v1", "forward"),
+    ("diff_v1", "forward+backward"),
+  ]
+  assert rows[1]["ms"] == {"pallas_gpu": 6.47, "stock": 6.64}
+  path = str(tmp_path / "m.json")
+  bench.measured.record(rows, path)
+  assert bench.measured.slower(
+    "diff_v1",
+    "stock",
+    "NVIDIA H200",
+    4096,
+    "bfloat16",
+    128,
+    ("pallas_gpu",),
+    bench.measured.load(path),
+  )
+  with pytest.raises(SystemExit):
+    bench.main(["--quick", "--record", path])  # no GPU here: refused before timing

@@ -1,0 +1,101 @@
+"""Measured times of the GPU attention paths, per device: the figures ``"auto"`` follows.
+
+``measured.json`` beside this module holds rows written on a GPU by
+``python benchmarks/attention.py --record``: per device, op, sequence length, dtype and head
+dim, the milliseconds of one call by each implementation, forward and forward+backward.
+:func:`slower` says when a row for the device measured an implementation slower, in a
+forward+backward call, than another that comes after it in the dispatch table, so that
+``"auto"`` takes the faster one. It uses the row of the same dtype and head dim (else any)
+nearest in sequence length. A device with no row for an op keeps the table's order, and so
+do compiles ahead of time for a target, which have no device kind. docs/kernels_gpu.md
+lists the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
+PASSES = ("forward", "forward+backward")
+_KEYS = ("device", "op", "pass", "seq", "dtype", "head_dim", "ms")
+
+
+def _check(row: dict, where: str) -> dict:
+  missing = [k for k in _KEYS if k not in row]
+  if missing or row["pass"] not in PASSES or not row["ms"]:
+    raise ValueError(
+      f"{where}: a measured row needs {_KEYS} with pass in {PASSES} and at least one time; "
+      f"got {row}. Rewrite it with benchmarks/attention.py --record."
+    )
+  return row
+
+
+def load(path: str = PATH) -> tuple[dict, ...]:
+  """The rows of ``path`` (checked); none when it does not exist."""
+  if not os.path.exists(path):
+    return ()
+  with open(path, encoding="utf-8") as f:
+    rows = json.load(f)["rows"]
+  return tuple(_check(r, path) for r in rows)
+
+
+@functools.cache
+def _packaged() -> tuple[dict, ...]:
+  return load(PATH)
+
+
+def slower(
+  op: str,
+  implementation: str,
+  device_kind: str | None,
+  seq: int,
+  dtype: str,
+  head_dim: int,
+  alternatives: tuple[str, ...],
+  rows: tuple[dict, ...] | None = None,
+) -> str | None:
+  """Why ``implementation`` of ``op`` should give way to one of ``alternatives`` on this
+  device at this shape (the forward+backward figures), or None."""
+  if device_kind is None:
+    return None
+  rows = _packaged() if rows is None else rows
+  found = [
+    r
+    for r in rows
+    if r["op"] == op
+    and r["pass"] == "forward+backward"
+    and r["device"].lower() in device_kind.lower()
+  ]
+  found = [r for r in found if (r["dtype"], r["head_dim"]) == (dtype, head_dim)] or found
+  if not found:
+    return None
+  row = min(found, key=lambda r: (abs(math.log(r["seq"] / max(seq, 1))), r["seq"]))
+  ms = row["ms"]
+  if implementation not in ms:
+    return None
+  rivals = {name: t for name, t in ms.items() if name in alternatives}
+  if not rivals or min(rivals.values()) >= ms[implementation]:
+    return None
+  best = min(rivals, key=rivals.get)
+  return (
+    f"measured slower than {best} on {row['device']} ({op}, T {row['seq']}, {row['dtype']}, "
+    f"d {row['head_dim']}, forward+backward {ms[implementation]:.2f} ms against "
+    f"{rivals[best]:.2f} ms; diffjax/kernels/gpu/measured.json)"
+  )
+
+
+def record(new_rows: list[dict], path: str = PATH) -> None:
+  """Writes ``new_rows`` into ``path``, replacing rows of the same device, op, pass, sequence
+  length, dtype and head dim."""
+  key = lambda r: (r["device"], r["op"], r["pass"], r["seq"], r["dtype"], r["head_dim"])  # noqa: E731
+  merged = {key(r): r for r in load(path)}
+  for r in new_rows:
+    merged[key(_check(r, "new row"))] = r
+  rows = sorted(merged.values(), key=key)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"rows": rows}, f, indent=1, sort_keys=True)
+    f.write("\n")
+  _packaged.cache_clear()
