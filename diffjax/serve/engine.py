@@ -175,6 +175,18 @@ def _pick(logits_BxV, temperature_B, top_k_B, top_p_B, keys_B):
   return tok_B, lp_B, top_id_BxN.astype(jnp.int32), top_lp_BxN
 
 
+def _split_params(model: DecoderLM, mesh, rules):
+  """(graphdef, treedef, parameter leaves) of ``model``, the leaves placed on ``mesh`` by the
+  rules when there is one."""
+  graphdef, params = nnx.split(model)
+  if mesh is not None:
+    with shd.activation_sharding(mesh, rules):
+      pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
+    nnx.replace_by_pure_dict(params, pure)
+  leaves, treedef = jax.tree.flatten(params)
+  return graphdef, treedef, tuple(leaves)
+
+
 class Engine:
   """Serves :class:`Job` s from a running decode batch over ``slots`` KV-cache rows.
 
@@ -234,33 +246,8 @@ class Engine:
     self.decode_chunk = int(decode_chunk)
     self.max_waiting = int(max_waiting)
     self.pad_id = int(pad_id)
-    self.buckets = tuple(
-      sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
-    )
-    # Prompts are prefilled up to max_prefill rows at a time (a program per power of two).
-    self.prefill_rows = tuple(
-      sorted({bucket(n) for n in range(1, min(max_prefill, self.slots) + 1)})
-    )
-    # A decode program per (rows, slots read): the leading rows that hold jobs (jobs take the
-    # lowest free slot) and the cache slots their lengths reach, each a power of two.
-    multiple = shd.batch_rows_multiple(mesh, self.rules) if mesh else 1
-    self.row_buckets = tuple(
-      sorted({min(round_up(bucket(n), multiple), self.slots) for n in range(1, self.slots + 1)})
-    )
-    self.windows = tuple(
-      sorted(
-        {min(bucket(n, CACHE_MULTIPLE), self.cache_length) for n in _powers(self.cache_length)}
-      )
-    )
-    self._graphdef, params = nnx.split(model)
-    if mesh is not None:
-      with shd.activation_sharding(mesh, self.rules):
-        pure = jax.device_put(
-          nnx.to_pure_dict(params), shd.param_shardings(params, mesh, self.rules)
-        )
-      nnx.replace_by_pure_dict(params, pure)
-    leaves, self._treedef = jax.tree.flatten(params)
-    self._leaves = tuple(leaves)
+    self._plan_programs(max_prefill)
+    self._graphdef, self._treedef, self._leaves = _split_params(model, mesh, self.rules)
     with layout_of_cache(self.cache_layout):
       self._axes = _cache_batch_axes(model, self.cache_length)
     self._programs: dict = {}
@@ -274,6 +261,28 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._cache = None
     self.counts = collections.Counter()  # jobs: submitted, finished by reason; steps; tokens
+
+  def _plan_programs(self, max_prefill: int) -> None:
+    """The buckets the programs are compiled for: prompt widths, prefill rows, decode rows and
+    the cache slots a decode step reads, each a power of two (capped by the cache)."""
+    self.buckets = tuple(
+      sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
+    )
+    # Prompts are prefilled up to max_prefill rows at a time (a program per power of two).
+    self.prefill_rows = tuple(
+      sorted({bucket(n) for n in range(1, min(max_prefill, self.slots) + 1)})
+    )
+    # A decode program per (rows, slots read): the leading rows that hold jobs (jobs take the
+    # lowest free slot) and the cache slots their lengths reach, each a power of two.
+    multiple = shd.batch_rows_multiple(self.mesh, self.rules) if self.mesh else 1
+    self.row_buckets = tuple(
+      sorted({min(round_up(bucket(n), multiple), self.slots) for n in range(1, self.slots + 1)})
+    )
+    self.windows = tuple(
+      sorted(
+        {min(bucket(n, CACHE_MULTIPLE), self.cache_length) for n in _powers(self.cache_length)}
+      )
+    )
 
   # -- programs ----------------------------------------------------------------------------
 
@@ -301,110 +310,109 @@ class Engine:
     return program
 
   def _compile(self, name):
-    pad = self.pad_id
-    leaves = tuple(
-      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
-    )
     if self._cache is None:  # the engine's cache, laid out as the decode programs want it
       with self._context():
         init = jax.jit(lambda: self._merge(self._leaves).init_cache(self.slots, self.cache_length))
         self._cache = init()
+    leaves = tuple(
+      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
+    )
     cache = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._cache
     )
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-    axes = self._axes
-
-    if name[0] == "decode":
-      steps, s, window = self.decode_chunk, name[1], name[2]
-
-      def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, seed_S):
-        model = self._merge(leaves)
-        base_S = jax.vmap(jax.random.key)(seed_S)
-
-        def step(k, carry):
-          cache, tok_S, pos_S, gen_S, out = carry
-          live = live_S & (pos_S < window)
-          feed_S = jnp.where(live, tok_S, pad)
-          with cache_window(window):  # the first s rows, their first `window` slots
-            logits, cache = model(
-              feed_S[:, None], pos_S[:, None], cache=cache, cache_lengths_B=pos_S
-            )
-          keys_S = jax.vmap(jax.random.fold_in)(base_S, gen_S)
-          picked = _pick(logits[:, 0], temp_S, topk_S, topp_S, keys_S)
-          out = tuple(o.at[:, k].set(p) for o, p in zip(out, picked))
-          grow = live.astype(jnp.int32)
-          return cache, picked[0], pos_S + grow, gen_S + grow, out
-
-        n = min(MAX_TOP_LOGPROBS, self.vocab_size)
-        out = (
-          jnp.zeros((s, steps), jnp.int32),
-          jnp.zeros((s, steps), jnp.float32),
-          jnp.zeros((s, steps, n), jnp.int32),
-          jnp.zeros((s, steps, n), jnp.float32),
-        )
-        cache, _, pos_S, gen_S, out = jax.lax.fori_loop(
-          0, steps, step, (cache, tok_S, pos_S, gen_S, out)
-        )
-        return cache, out
-
-      args = (leaves, cache, i32(s), i32(s), jax.ShapeDtypeStruct((s,), bool), i32(s))
-      args += (f32(s), i32(s), f32(s), i32(s))
-      fn = decode
-    else:
-      rows, width = name[1], name[2]
-      n_top = min(MAX_TOP_LOGPROBS, self.vocab_size)
-
-      def prefill(
-        leaves, cache, prompt_PxT, n_P, slot_P, valid_P, temp_P, topk_P, topp_P, seed_P, echo
-      ):
-        model = self._merge(leaves)
-        # The prompts' own cache, as wide as their bucket; each row is then copied into its
-        # slot's first positions (the rest of a slot keeps stale values no length reaches).
-        # A padding row (valid False) writes back what its slot holds.
-        fresh = model.init_cache(rows, width)
-        logits_PxTxV, fresh = model(prompt_PxT, cache=fresh, cache_lengths_B=jnp.zeros_like(n_P))
-        for p in range(rows):
-
-          def put(big, new, ax, p=p):
-            piece = jax.lax.slice_in_dim(new, p, p + 1, axis=ax).astype(big.dtype)
-            start = tuple(slot_P[p] if i == ax else 0 for i in range(big.ndim))
-            old = jax.lax.dynamic_slice(big, start, piece.shape)
-            return jax.lax.dynamic_update_slice(big, jnp.where(valid_P[p], piece, old), start)
-
-          cache = jax.tree.map(put, cache, fresh, axes)
-        last_PxV = jnp.take_along_axis(logits_PxTxV, (n_P - 1)[:, None, None], axis=1)[:, 0]
-        keys_P = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(seed_P)
-        first = _pick(last_PxV, temp_P, topk_P, topp_P, keys_P)
-
-        def scored(_):  # log p(prompt[t] | prompt[:t]) and the alternatives, at t = 1..T-1
-          logp = jax.nn.log_softmax(logits_PxTxV[:, :-1].astype(jnp.float32), axis=-1)
-          lp_PxT = jnp.take_along_axis(logp, prompt_PxT[:, 1:, None], axis=-1)[..., 0]
-          top_lp, top_id = jax.lax.top_k(logp, n_top)
-          return lp_PxT, top_id.astype(jnp.int32), top_lp
-
-        zeros = (
-          jnp.zeros((rows, width - 1), jnp.float32),
-          jnp.zeros((rows, width - 1, n_top), jnp.int32),
-          jnp.zeros((rows, width - 1, n_top), jnp.float32),
-        )
-        prompt_scores = jax.lax.cond(echo, scored, lambda _: zeros, None)
-        return cache, first, prompt_scores
-
-      p = rows
-      args = (leaves, cache, i32(p, width), i32(p), i32(p), jax.ShapeDtypeStruct((p,), bool))
-      args += (f32(p), i32(p), f32(p), i32(p), jax.ShapeDtypeStruct((), bool))
-      fn = prefill
-    with self._context(rows=name[0] == "decode"):
+    decoding = name[0] == "decode"
+    fn, args = (self._decode_fn if decoding else self._prefill_fn)(name[1], name[2])
+    with self._context(rows=decoding):
       if self.mesh is None:
         jitted = jax.jit(fn, donate_argnums=1)
       else:  # the cache stays where it is; the small outputs are replicated
         cache_sharding = jax.tree.map(lambda a: a.sharding, self._cache)
         whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        rest = (whole,) if name[0] == "decode" else (whole, whole)
+        rest = (whole,) if decoding else (whole, whole)
         jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
-      return jitted.lower(*args).compile()
+      return jitted.lower(leaves, cache, *args).compile()
+
+  def _decode_fn(self, s: int, window: int):
+    """The decode program over the first ``s`` rows and ``window`` cache slots, and the shapes
+    of its arguments after the parameters and the cache."""
+    steps, pad = self.decode_chunk, self.pad_id
+
+    def decode(leaves, cache, tok_S, pos_S, live_S, gen_S, temp_S, topk_S, topp_S, seed_S):
+      model = self._merge(leaves)
+      base_S = jax.vmap(jax.random.key)(seed_S)
+
+      def step(k, carry):
+        cache, tok_S, pos_S, gen_S, out = carry
+        live = live_S & (pos_S < window)
+        feed_S = jnp.where(live, tok_S, pad)
+        with cache_window(window):  # the first s rows, their first `window` slots
+          logits, cache = model(feed_S[:, None], pos_S[:, None], cache=cache, cache_lengths_B=pos_S)
+        keys_S = jax.vmap(jax.random.fold_in)(base_S, gen_S)
+        picked = _pick(logits[:, 0], temp_S, topk_S, topp_S, keys_S)
+        out = tuple(o.at[:, k].set(p) for o, p in zip(out, picked))
+        grow = live.astype(jnp.int32)
+        return cache, picked[0], pos_S + grow, gen_S + grow, out
+
+      n = min(MAX_TOP_LOGPROBS, self.vocab_size)
+      out = (
+        jnp.zeros((s, steps), jnp.int32),
+        jnp.zeros((s, steps), jnp.float32),
+        jnp.zeros((s, steps, n), jnp.int32),
+        jnp.zeros((s, steps, n), jnp.float32),
+      )
+      cache, _, pos_S, gen_S, out = jax.lax.fori_loop(
+        0, steps, step, (cache, tok_S, pos_S, gen_S, out)
+      )
+      return cache, out
+
+    i32, f32, flag = (jax.ShapeDtypeStruct((s,), dt) for dt in (jnp.int32, jnp.float32, bool))
+    return decode, (i32, i32, flag, i32, f32, i32, f32, i32)
+
+  def _prefill_fn(self, rows: int, width: int):
+    """The prefill program for ``rows`` prompts of ``width`` tokens, and the shapes of its
+    arguments after the parameters and the cache."""
+    n_top, axes = min(MAX_TOP_LOGPROBS, self.vocab_size), self._axes
+
+    def prefill(
+      leaves, cache, prompt_PxT, n_P, slot_P, valid_P, temp_P, topk_P, topp_P, seed_P, echo
+    ):
+      model = self._merge(leaves)
+      # The prompts' own cache, as wide as their bucket; each row is then copied into its
+      # slot's first positions (the rest of a slot keeps stale values no length reaches).
+      # A padding row (valid False) writes back what its slot holds.
+      fresh = model.init_cache(rows, width)
+      logits_PxTxV, fresh = model(prompt_PxT, cache=fresh, cache_lengths_B=jnp.zeros_like(n_P))
+      for p in range(rows):
+
+        def put(big, new, ax, p=p):
+          piece = jax.lax.slice_in_dim(new, p, p + 1, axis=ax).astype(big.dtype)
+          start = tuple(slot_P[p] if i == ax else 0 for i in range(big.ndim))
+          old = jax.lax.dynamic_slice(big, start, piece.shape)
+          return jax.lax.dynamic_update_slice(big, jnp.where(valid_P[p], piece, old), start)
+
+        cache = jax.tree.map(put, cache, fresh, axes)
+      last_PxV = jnp.take_along_axis(logits_PxTxV, (n_P - 1)[:, None, None], axis=1)[:, 0]
+      keys_P = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(seed_P)
+      first = _pick(last_PxV, temp_P, topk_P, topp_P, keys_P)
+
+      def scored(_):  # log p(prompt[t] | prompt[:t]) and the alternatives, at t = 1..T-1
+        logp = jax.nn.log_softmax(logits_PxTxV[:, :-1].astype(jnp.float32), axis=-1)
+        lp_PxT = jnp.take_along_axis(logp, prompt_PxT[:, 1:, None], axis=-1)[..., 0]
+        top_lp, top_id = jax.lax.top_k(logp, n_top)
+        return lp_PxT, top_id.astype(jnp.int32), top_lp
+
+      zeros = (
+        jnp.zeros((rows, width - 1), jnp.float32),
+        jnp.zeros((rows, width - 1, n_top), jnp.int32),
+        jnp.zeros((rows, width - 1, n_top), jnp.float32),
+      )
+      prompt_scores = jax.lax.cond(echo, scored, lambda _: zeros, None)
+      return cache, first, prompt_scores
+
+    i32, f32, flag = (jax.ShapeDtypeStruct((rows,), dt) for dt in (jnp.int32, jnp.float32, bool))
+    prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+    echo = jax.ShapeDtypeStruct((), bool)
+    return prefill, (prompts, i32, i32, flag, f32, i32, f32, i32, echo)
 
   def program_names(self) -> list[tuple]:
     """Every program the engine runs: ``("decode", rows, slots read)`` and ``("prefill",

@@ -98,11 +98,7 @@ def _main(args: argparse.Namespace) -> None:
   from diffjax.eval.harness import DiffjaxLM, run_tasks  # pylint: disable=import-outside-toplevel
   from diffjax.eval.harness.tasks import check_task_data, parse_gen_kwargs  # pylint: disable=import-outside-toplevel
 
-  limit = args.limit
-  if limit is not None:
-    if limit <= 0:
-      raise ValueError(f"--limit={limit:g} must be positive.")
-    limit = int(limit) if limit >= 1 else limit
+  limit = _limit(args.limit)
   tasks = [t.strip() for t in args.tasks.split(",")]
   gen_kwargs = parse_gen_kwargs(args.gen_kwargs)
   if args.use_cache is not None and not os.path.isdir(os.path.dirname(args.use_cache) or "."):
@@ -162,19 +158,34 @@ def _main(args: argparse.Namespace) -> None:
     "seconds": seconds,
     "compiled_shapes": sorted(map(list, lm.scorer.compiled_shapes)),
   }
-  out = args.output or os.path.join(source, "harness.json")
+  where = _save(results, args.output or os.path.join(source, "harness.json"), tracker)
+  if tracker is not None:
+    where += f" and {args.output_path}"
+  print(f"[{arm}] {len(tasks)} task(s) in {seconds:.1f} s; results in {where}", file=sys.stderr)
+
+
+def _limit(limit: float | None) -> float | int | None:
+  """``--limit`` as lm-eval takes it: a count from 1 up, a fraction below 1."""
+  if limit is not None:
+    if limit <= 0:
+      raise ValueError(f"--limit={limit:g} must be positive.")
+    limit = int(limit) if limit >= 1 else limit
+  return limit
+
+
+def _save(results: dict, out: str, tracker) -> str:
+  """Writes ``results`` to ``out`` (whole or not at all), and to lm-eval's tracker when there
+  is one; returns ``out``."""
   tmp = out + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1, default=str)
   os.replace(tmp, out)
-  where = out
   if tracker is not None:
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in results.get("configs", {}) if samples else ():
       tracker.save_results_samples(task_name=task, samples=samples[task])
-    where += f" and {args.output_path}"
-  print(f"[{arm}] {len(tasks)} task(s) in {seconds:.1f} s; results in {where}", file=sys.stderr)
+  return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

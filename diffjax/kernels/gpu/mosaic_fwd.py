@@ -123,6 +123,7 @@ def forward(cfg: mc.MosaicConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
     kb_bar = kb_bar if v1 else ka_bar
 
     def consumer(w: int):
+      # One function: the key loop and the exchange of O2 share this warpgroup's registers.
       # Registers: 2 x 128 consumer threads at 232 and 128 producer threads at 40 use
       # 64,512 of the SM's 65,536; a consumer holds a [64, Dv] float32 accumulator
       # (128 registers a thread at Dv = 256) next to the [64, 64] score tile.

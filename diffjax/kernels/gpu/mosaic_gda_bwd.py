@@ -169,6 +169,7 @@ def backward(
     (dq1, dq2) float32; (dk1, dk2) float32 [B, S, K, d]; dv float32, or in the input dtype
     where its halves do not split into the dQ tile's chunks (the caller casts it).
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   b, t, h, d = q1.shape
   n_noise = q2.shape[2]
   s, kh, dv = k1.shape[1], k1.shape[2], v.shape[3]
@@ -198,6 +199,7 @@ def backward(
   wgs = COMPUTE_WGS
 
   def kernel(*refs):
+    # One function: the producer and both consumers close over the refs unpacked here.
     it = iter(refs)
     q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, g_ref, rows1_ref, rows2_ref = (
       next(it) for _ in range(9)
@@ -247,6 +249,7 @@ def backward(
       return kvh * heads[p] + hl, i_start + lax.rem(m, per_head), weight
 
     def consumer(w: int):
+      # One function: the step body and its sub-tiles share this warpgroup's buffers.
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
       for x in range(4):
         plgpu.barrier_wait(res_bar.at[x])
@@ -258,6 +261,7 @@ def backward(
       tile = lambda ref: plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA)
 
       def step(n, carry, p: int, base):
+        # One function: a key block's sub-tiles pass registers to each other in order.
         dk, dv_acc = carry
         zero = zero_smem[w]  # opaque: keeps each wgmma descriptor inside its step
         slot = lax.rem(base + n, jnp.int32(stages)) + zero

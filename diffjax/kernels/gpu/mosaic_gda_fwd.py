@@ -144,6 +144,7 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
     (out [B, T, H, Dv], o2 [B, T, N, Dv]) in the input dtype and (lse1 [B, H, T],
     lse2 [B, N, T]) float32, base 2.
   """
+  # One function: the kernel's warpgroups are closures over the sizes set here.
   b, t, h, d = q1.shape
   n_noise = q2.shape[2]
   s, kh, dv = ks[0].shape[1], ks[0].shape[2], v.shape[3]
@@ -199,7 +200,8 @@ def forward(cfg: mc.MosaicConfig, q1, q2, ks, v, lam_BxHxT, q_seg, kv_seg):
     any_mask = cfg.causal or seg or cfg.kv_len % bk != 0
 
     def consumer(w: int):
-      # Registers as the pair kernel's consumers (tiles.CONSUMER_REGISTERS).
+      # One function: a round's maps and the output share this warpgroup's registers and
+      # buffers. Registers as the pair kernel's consumers (tiles.CONSUMER_REGISTERS).
       plgpu.set_max_registers(tiles.CONSUMER_REGISTERS, action="increase")
       qseg = None
       if seg:

@@ -110,6 +110,36 @@ def _backward_kernel(*refs, plan, chunk):
   pl.when(kv_last)(functools.partial(write, plan, chunk, dk_refs, dv_ref, *kv_refs))
 
 
+def _backward_budget(plan, chunk, b, n_rows, widths, n_k, stat_rows, itemsize, out_item):
+  """(VMEM bytes, the compiler's cost estimate) of one backward chunk."""
+  d, dv_width = widths
+  r, n_kv, bq, bk = plan.signal, plan.kv_heads, plan.block_q, plan.block_kv
+  nkv = chunk.num_kv_blocks
+  vmem = diff_bwd.step_vmem_bytes(
+    bq,
+    bk,
+    d,
+    dv_width,
+    itemsize,
+    n_k,
+    out_item=out_item,
+    partials_in=bool(chunk.prev_kv_blocks),
+    r=r,
+  ) + n_rows * diff_bwd.dq_row_bytes(plan.group, d, itemsize, r)
+  visible = 0.5 if plan.causal else 1.0
+  steps = b * plan.heads * chunk.num_q_blocks * nkv * visible
+  kv_bytes = n_k * bk * d + bk * dv_width
+  return vmem, pl.CostEstimate(
+    flops=int(steps * bq * bk * (r * (8 * d + 4 * dv_width) + 6 * d)),
+    transcendentals=int(steps * bq * bk * (r + 1)),
+    bytes_accessed=int(
+      b * n_kv * nkv * kv_bytes * (itemsize + out_item)
+      + b * plan.heads * (r + 1) * 2 * n_rows * d * itemsize
+      + steps * bq * (itemsize * ((r + 1) * d + r * dv_width) + 4 * stat_rows)
+    ),
+  )
+
+
 def _backward_chunk(plan, chunk, n_rows: int, prev, *, args, widths, interpret):
   (q1, q2), ks, v, do, stats, q_seg, kv_seg = args
   d, dv_width = widths
@@ -158,29 +188,9 @@ def _backward_chunk(plan, chunk, n_rows: int, prev, *, args, widths, interpret):
     jax.ShapeDtypeStruct(plan.shape(b, plan.heads, n_rows, d), q2.dtype),
   ]
   itemsize = q1.dtype.itemsize
-  out_item = itemsize if chunk.final else 4
-  vmem = diff_bwd.step_vmem_bytes(
-    bq,
-    bk,
-    d,
-    dv_width,
-    itemsize,
-    n_k,
-    out_item=out_item,
-    partials_in=bool(chunk.prev_kv_blocks),
-    r=r,
-  ) + n_rows * diff_bwd.dq_row_bytes(g, d, itemsize, r)
-  visible = 0.5 if plan.causal else 1.0
-  steps = b * plan.heads * nq * nkv * visible
-  kv_bytes = n_k * bk * d + bk * dv_width
-  cost = pl.CostEstimate(
-    flops=int(steps * bq * bk * (r * (8 * d + 4 * dv_width) + 6 * d)),
-    transcendentals=int(steps * bq * bk * (r + 1)),
-    bytes_accessed=int(
-      b * n_kv * nkv * kv_bytes * (itemsize + out_item)
-      + b * plan.heads * (r + 1) * 2 * n_rows * d * itemsize
-      + steps * bq * (itemsize * ((r + 1) * d + r * dv_width) + 4 * stats.shape[3])
-    ),
+  out_item = itemsize if chunk.final else 4  # partial dK and dV sums stay float32
+  vmem, cost = _backward_budget(
+    plan, chunk, b, n_rows, widths, n_k, stats.shape[3], itemsize, out_item
   )
   outs = layout.call(
     functools.partial(_backward_kernel, plan=plan, chunk=chunk),
