@@ -68,6 +68,18 @@ def _requests(count: int, prompt: int, seed: int) -> list[list[int]]:
   return [rng.integers(0, 256, prompt).tolist() for _ in range(count)]
 
 
+def _cpu_model() -> str:
+  """The host CPU's model name as Linux reports it (a ratio here depends on the machine)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return "model unknown"
+
+
 def _model(args):
   """(model, where it came from)."""
   if args.workdir:
@@ -366,7 +378,7 @@ def main() -> None:
         rows.append(("transformers generate, one at a time", got["wall"], got["lat"]))
         versions += f", {got['versions']}"
     print(
-      f"{source}; {versions}; {os.cpu_count()} CPUs, load average {load:.2f} at the start, "
+      f"{source}; {versions}; {os.cpu_count()} CPUs ({_cpu_model()}), load average {load:.2f} at the start, "
       f"{os.getloadavg()[0]:.2f} at the end; {a.requests} requests of {a.prompt} prompt tokens "
       f"and {a.new} new tokens, greedy, float32; the server in its own process, {a.slots} slots, "
       f"decode chunk {a.decode_chunk}; {warm} before timing"
