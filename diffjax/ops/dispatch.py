@@ -333,9 +333,11 @@ def refusal(row: Implementation, query, mask) -> str | None:
   return None
 
 
-def _measured_slower(implementation: str, row, later, spec: OpSpec, arrays) -> str | None:
+def _measured_slower(
+  implementation: str, row, later, spec: OpSpec, arrays, pass_: str = "forward+backward"
+) -> str | None:
   """For ``"auto"`` on a GPU: why ``row`` gives way to a later candidate that this device
-  measured faster at this shape (:mod:`diffjax.kernels.gpu.measured`), or None."""
+  measured faster at this shape in ``pass_`` (:mod:`diffjax.kernels.gpu.measured`), or None."""
   if implementation != "auto" or current_platform() != "gpu":
     return None
   q = spec.query(arrays)
@@ -348,7 +350,42 @@ def _measured_slower(implementation: str, row, later, spec: OpSpec, arrays) -> s
     jnp.dtype(q.dtype).name,
     jnp.shape(q)[-1],
     tuple(r.name for r in later if r != XLA),
+    pass_=pass_,
   )
+
+
+def _forward_only(spec: OpSpec, implementation: str, rows_, chosen, arrays, call, mask):
+  """For ``"auto"`` on a GPU whose figures include forward calls: the candidate a call that is
+  not differentiated takes when it is not ``chosen`` (what a differentiated call takes), else
+  None."""
+  if implementation != "auto" or current_platform() != "gpu":
+    return None
+  if not gpu_measured.rows_for(spec.name, current_device_kind(), "forward"):
+    return None
+  row = _choice(spec, implementation, rows_, arrays, call, mask, "forward")[0]
+  return None if row in (XLA, chosen) else row
+
+
+def _traced(row, spec: OpSpec, arrays, call):
+  out = _call(row, spec, arrays, *call)
+  _record(row.name)
+  return out
+
+
+def _by_pass(spec: OpSpec, forward, train, arrays, call):
+  """The op's value from ``forward``; differentiated, its value and gradients from ``train``
+  (a custom VJP: each pass runs the implementation measured faster at it)."""
+  causal, segment_ids, *rest = call
+
+  @jax.custom_vjp
+  def op(xs, segs):
+    return _traced(forward, spec, xs, (causal, segs, *rest))
+
+  def op_fwd(xs, segs):
+    return jax.vjp(lambda a, b: _traced(train, spec, a, (causal, b, *rest)), xs, segs)
+
+  op.defvjp(op_fwd, lambda pullback, g: pullback(g))
+  return op(tuple(arrays), segment_ids)
 
 
 def run(
@@ -378,44 +415,65 @@ def run(
       implementation, row, rows_[i + 1 :], spec, arrays
     )
     if reason is None:
+      forward = _forward_only(spec, implementation, rows_, row, arrays, call, mask)
       try:
-        out = _call(row, spec, arrays, *call)
+        if forward is None:
+          return _traced(row, spec, arrays, call)
+        jax.eval_shape(lambda *a: _call(row, spec, a, *call), *arrays)  # a refusal: here
+        return _by_pass(spec, forward, row, arrays, call)
       except NotImplementedError as e:
         reason = str(e) or type(e).__name__
-      else:
-        _record(row.name)
-        return out
     tried.append(f"{row.name} refuses: {reason}")
   raise _refused(spec, implementation, tried)
 
 
 def choose(
-  spec: OpSpec, implementation: str, arrays: tuple, *, mask=None, segment_ids=None, **kwargs
+  spec: OpSpec,
+  implementation: str,
+  arrays: tuple,
+  *,
+  mask=None,
+  segment_ids=None,
+  pass_: str = "forward+backward",
+  **kwargs,
 ) -> str:
   """The name of what :func:`run` runs for these arrays (``"xla"`` for the reference math),
-  found by tracing the candidates abstractly. A candidate that accepts the inputs but then
-  fails to trace is the one chosen (its failure is the caller's to report)."""
-  causal, scale = kwargs.get("causal", True), kwargs.get("scale")
+  found by tracing the candidates abstractly: in a call that is differentiated, or with
+  ``pass_="forward"`` in one that is not (they differ only where a GPU's measured figures
+  favour different paths). A candidate that accepts the inputs but then fails to trace is
+  the one chosen (its failure is the caller's to report)."""
   interpret = kwargs.get("interpret", False)
-  call = (causal, segment_ids, scale, kwargs.get("block_sizes"), interpret)
-  tried = []
+  call = (kwargs.get("causal", True), segment_ids, kwargs.get("scale"))
+  call += (kwargs.get("block_sizes"), interpret)
   rows_ = candidates(spec.name, implementation, interpret)
+  row, tried = _choice(spec, implementation, rows_, arrays, call, mask, "forward+backward")
+  if pass_ == "forward":
+    row = _forward_only(spec, implementation, rows_, row, arrays, call, mask) or row
+  if row is None:
+    raise _refused(spec, implementation, tried)
+  return row if row == XLA else row.name
+
+
+def _choice(spec: OpSpec, implementation: str, rows_, arrays, call, mask, pass_: str):
+  """(the first of ``rows_`` that takes the inputs and is not measured slower in ``pass_``
+  than a later one, or None; the refusals before it)."""
+  tried = []
   for i, row in enumerate(rows_):
     if row == XLA:
-      return XLA
+      return XLA, tried
     reason = refusal(row, spec.query(arrays), mask) or _measured_slower(
-      implementation, row, rows_[i + 1 :], spec, arrays
+      implementation, row, rows_[i + 1 :], spec, arrays, pass_
     )
     if reason is None:
       try:
         jax.eval_shape(lambda *a, row=row: _call(row, spec, a, *call), *arrays)
-        return row.name
+        return row, tried
       except NotImplementedError as e:
         reason = str(e) or type(e).__name__
       except Exception:  # noqa: BLE001  (it took the inputs; running it is what fails)
-        return row.name
+        return row, tried
     tried.append(f"{row.name} refuses: {reason}")
-  raise _refused(spec, implementation, tried)
+  return None, tried
 
 
 def _refused(spec: OpSpec, implementation: str, tried: list[str]) -> ValueError:

@@ -412,6 +412,59 @@ def test_auto_on_a_gpu_follows_the_measured_figures_of_the_device():
   assert ran == ["stock"]
 
 
+def test_a_call_that_is_not_differentiated_follows_the_forward_figures():
+  # The packaged H200 figures: at T 8192 V1's fused forward beat the stock one (2.71 ms
+  # against 3.60) while its forward+backward lost (12.49 against 11.96); at T 4096 the fused
+  # kernels won both; V2's stock path won both.
+  def both(spec, seq):
+    arrays = spec.example(jnp.bfloat16, 128, 2, seq)
+    with ops.target_platform("gpu", device_kind="NVIDIA H200"):
+      return tuple(
+        dispatch.choose(spec, "auto", arrays, pass_=p) for p in ("forward", "forward+backward")
+      )
+
+  assert both(op_specs.DIFF_V1, 8192) == ("pallas_gpu", "stock")
+  assert both(op_specs.DIFF_V1, 4096) == ("pallas_gpu", "pallas_gpu")
+  assert both(op_specs.DIFF_V2, 8192) == ("stock", "stock")
+  arrays = op_specs.DIFF_V1.example(jnp.bfloat16, 128, 2, 8192)
+  with ops.target_platform("gpu", device_kind="NVIDIA H200"):
+    with dispatch.recording() as forward_only:
+      jax.eval_shape(lambda *a: dispatch.run(op_specs.DIFF_V1, "auto", a), *arrays)
+    loss = lambda *a: dispatch.run(op_specs.DIFF_V1, "auto", a).astype(jnp.float32).sum()  # noqa: E731
+    with dispatch.recording() as differentiated:
+      jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *arrays)
+  assert forward_only == ["pallas_gpu"]
+  assert differentiated[-1] == "stock", differentiated
+  # Without forward rows for the device (an H100 here), one path for both.
+  with ops.target_platform("gpu", device_kind="NVIDIA H100 80GB HBM3"):
+    assert dispatch.choose(op_specs.DIFF_V1, "auto", arrays, pass_="forward") == "pallas_gpu"
+
+
+def test_by_pass_takes_the_value_from_one_path_and_the_gradients_from_the_other():
+  spec = op_specs.DIFF_V1
+  arrays = spec.example(jnp.float32, 16, 2, 24)
+  ref = lambda *a, **k: spec.reference(*a, causal=k["causal"], scale=k["scale"])  # noqa: E731
+  forward = dispatch.Implementation(spec.name, "stock", ref, ("gpu",), False, None, {})
+  scaled = lambda *a, **k: 3.0 * ref(*a, **k)  # noqa: E731
+  train = dispatch.Implementation(spec.name, "pallas_gpu", scaled, ("gpu",), True, None, {})
+  call = (True, None, 16**-0.5, None, False)
+  out = dispatch._by_pass(spec, forward, train, arrays, call)
+  want = spec.reference(*arrays, causal=True, scale=16**-0.5)
+  np.testing.assert_allclose(out, want, rtol=1e-6)  # the value: the forward path's
+  grads = jax.grad(lambda *a: dispatch._by_pass(spec, forward, train, a, call).sum(), (0, 4))(
+    *arrays
+  )
+  want_grads = jax.grad(lambda *a: 3.0 * spec.reference(*a, causal=True).sum(), (0, 4))(*arrays)
+  for g, w in zip(grads, want_grads):  # the gradients: the training path's (3x here)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  segs = jnp.array([[0] * 12 + [1] * 12])
+  seg_call = (True, segs, 16**-0.5, None, False)
+  seg_grads = jax.grad(lambda *a: dispatch._by_pass(spec, forward, train, a, seg_call).sum())(
+    *arrays
+  )
+  np.testing.assert_allclose(seg_grads, want_grads[0], rtol=1e-5, atol=1e-6)
+
+
 def test_measured_rows_are_checked_merged_and_found_by_device(tmp_path):
   path = str(tmp_path / "measured.json")
   row = dict(device="H200", op="diff_v2", seq=4096, dtype="bfloat16", head_dim=128)

@@ -4,8 +4,8 @@
 ``python benchmarks/attention.py --record``: per device, op, sequence length, dtype and head
 dim, the milliseconds of one call by each implementation, forward and forward+backward.
 :func:`slower` says when a row for the device measured an implementation slower, in a
-forward+backward call, than another that comes after it in the dispatch table, so that
-``"auto"`` takes the faster one. It uses the row of the same dtype and head dim (else any)
+forward+backward call (or, for a call that is not differentiated, a forward call), than
+another that comes after it in the dispatch table, so that ``"auto"`` takes the faster one. It uses the row of the same dtype and head dim (else any)
 nearest in sequence length. A device with no row for an op keeps the table's order, and so
 do compiles ahead of time for a target, which have no device kind. docs/kernels_gpu.md
 lists the rows.
@@ -47,6 +47,20 @@ def _packaged() -> tuple[dict, ...]:
   return load(PATH)
 
 
+def rows_for(
+  op: str, device_kind: str | None, pass_: str, rows: tuple[dict, ...] | None = None
+) -> list[dict]:
+  """The rows of ``op`` and ``pass_`` ("forward" or "forward+backward") for this device."""
+  if device_kind is None:
+    return []
+  rows = _packaged() if rows is None else rows
+  return [
+    r
+    for r in rows
+    if r["op"] == op and r["pass"] == pass_ and r["device"].lower() in device_kind.lower()
+  ]
+
+
 def slower(
   op: str,
   implementation: str,
@@ -56,19 +70,12 @@ def slower(
   head_dim: int,
   alternatives: tuple[str, ...],
   rows: tuple[dict, ...] | None = None,
+  pass_: str = "forward+backward",
 ) -> str | None:
   """Why ``implementation`` of ``op`` should give way to one of ``alternatives`` on this
-  device at this shape (the forward+backward figures), or None."""
-  if device_kind is None:
-    return None
-  rows = _packaged() if rows is None else rows
-  found = [
-    r
-    for r in rows
-    if r["op"] == op
-    and r["pass"] == "forward+backward"
-    and r["device"].lower() in device_kind.lower()
-  ]
+  device at this shape in ``pass_`` (a call that is differentiated: "forward+backward"; one
+  that is not: "forward"), or None."""
+  found = rows_for(op, device_kind, pass_, rows)
   found = [r for r in found if (r["dtype"], r["head_dim"]) == (dtype, head_dim)] or found
   if not found:
     return None
@@ -82,7 +89,7 @@ def slower(
   best = min(rivals, key=rivals.get)
   return (
     f"measured slower than {best} on {row['device']} ({op}, T {row['seq']}, {row['dtype']}, "
-    f"d {row['head_dim']}, forward+backward {ms[implementation]:.2f} ms against "
+    f"d {row['head_dim']}, {pass_} {ms[implementation]:.2f} ms against "
     f"{rivals[best]:.2f} ms; diffjax/kernels/gpu/measured.json)"
   )
 
