@@ -252,3 +252,40 @@ def test_the_presets_flags_parse_on_this_jaxlib():
   )
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip() == "2.0"
+
+
+WHEELHOUSE = os.path.join(SETUP, "wheelhouse.sh")
+
+
+def _wheelhouse(*args):
+  return subprocess.run(
+    ["bash", WHEELHOUSE, *args], capture_output=True, text=True, cwd=REPO, timeout=60
+  )
+
+
+def test_the_wheelhouse_fetches_the_pins_of_the_nodes_python():
+  r = _wheelhouse("--dry-run", "--python", "3.12", "--dir=w", "Grain", "array-record")
+  assert r.returncode == 0, r.stderr
+  with open(os.path.join(REPO, "constraints-py312.txt"), encoding="utf-8") as f:
+    pins = dict(line.strip().split("==") for line in f if "==" in line)
+  lines = r.stdout.splitlines()
+  assert lines[0] == "2 wheel(s) for Python 3.12 (pins of constraints-py312.txt) into w"
+  command = lines[1].split()
+  assert command[-2:] == [f"grain=={pins['grain']}", f"array_record=={pins['array_record']}"]
+  assert "--no-deps" in command and "--only-binary=:all:" in command
+  assert command[command.index("--python-version") + 1] == "3.12"
+  assert command[command.index("-d") + 1] == "w"
+  every = _wheelhouse("--dry-run", "--python=3.13")
+  with open(os.path.join(REPO, "constraints-py313.txt"), encoding="utf-8") as f:
+    count = sum(1 for line in f if "==" in line)
+  assert every.stdout.startswith(f"{count} wheel(s) for Python 3.13"), every.stdout
+
+
+def test_the_wheelhouse_refuses_what_was_not_tested():
+  r = _wheelhouse("--dry-run", "no-such-package")
+  assert r.returncode == 2
+  assert r.stderr.strip() == (
+    "error: no-such-package is not pinned in constraints-py312.txt; name a package it pins."
+  )
+  r = _wheelhouse("--python", "3.10")
+  assert r.returncode == 2 and "the tested sets are 3.11, 3.12 and 3.13" in r.stderr
