@@ -442,6 +442,8 @@ def choose(
   ``pass_="forward"`` in one that is not (they differ only where a GPU's measured figures
   favour different paths). A candidate that accepts the inputs but then fails to trace is
   the one chosen (its failure is the caller's to report)."""
+  if pass_ not in gpu_measured.PASSES:
+    raise ValueError(f"pass_={pass_!r} is not one of {gpu_measured.PASSES}.")
   interpret = kwargs.get("interpret", False)
   call = (kwargs.get("causal", True), segment_ids, kwargs.get("scale"))
   call += (kwargs.get("block_sizes"), interpret)

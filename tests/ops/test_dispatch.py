@@ -435,6 +435,8 @@ def test_a_call_that_is_not_differentiated_follows_the_forward_figures():
       jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *arrays)
   assert forward_only == ["pallas_gpu"]
   assert differentiated[-1] == "stock", differentiated
+  with pytest.raises(ValueError, match="pass_='backward' is not one of"):
+    dispatch.choose(op_specs.DIFF_V1, "auto", arrays, pass_="backward")
   # Without forward rows for the device (an H100 here), one path for both.
   with ops.target_platform("gpu", device_kind="NVIDIA H100 80GB HBM3"):
     assert dispatch.choose(op_specs.DIFF_V1, "auto", arrays, pass_="forward") == "pallas_gpu"
