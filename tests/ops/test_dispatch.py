@@ -434,7 +434,7 @@ def test_a_call_that_is_not_differentiated_follows_the_forward_figures():
     with dispatch.recording() as differentiated:
       jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *arrays)
   assert forward_only == ["pallas_gpu"]
-  assert differentiated[-1] == "stock", differentiated
+  assert differentiated == ["stock"]  # the forward path is not traced at all
   with pytest.raises(ValueError, match="pass_='backward' is not one of"):
     dispatch.choose(op_specs.DIFF_V1, "auto", arrays, pass_="backward")
   # Without forward rows for the device (an H100 here), one path for both.
