@@ -403,28 +403,24 @@ def run(
   """Computes ``spec`` on ``arrays`` (checked already) with the first of the candidates of
   ``implementation`` that accepts them."""
   call = (causal, segment_ids, scale, block_sizes, interpret)
-  tried = []
   rows_ = candidates(spec.name, implementation, interpret)
-  for i, row in enumerate(rows_):
-    if row == XLA:
-      _record(XLA)
-      if spec.decode:
-        return spec.reference(*arrays, scale=scale)
-      return spec.reference(*arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale)
-    reason = refusal(row, spec.query(arrays), mask) or _measured_slower(
-      implementation, row, rows_[i + 1 :], spec, arrays
-    )
-    if reason is None:
-      forward = _forward_only(spec, implementation, rows_, row, arrays, call, mask)
-      try:
-        if forward is None:
-          return _traced(row, spec, arrays, call)
-        jax.eval_shape(lambda *a: _call(row, spec, a, *call), *arrays)  # a refusal: here
-        return _by_pass(spec, forward, row, arrays, call)
-      except NotImplementedError as e:
-        reason = str(e) or type(e).__name__
-    tried.append(f"{row.name} refuses: {reason}")
-  raise _refused(spec, implementation, tried)
+
+  def attempt(row):
+    forward = _forward_only(spec, implementation, rows_, row, arrays, call, mask)
+    if forward is None:
+      return _traced(row, spec, arrays, call)
+    jax.eval_shape(lambda *a: _call(row, spec, a, *call), *arrays)  # a refusal: here
+    return _by_pass(spec, forward, row, arrays, call)
+
+  row, out, tried = _first(spec, implementation, rows_, arrays, mask, "forward+backward", attempt)
+  if row == XLA:
+    _record(XLA)
+    if spec.decode:
+      return spec.reference(*arrays, scale=scale)
+    return spec.reference(*arrays, causal=causal, segment_ids=segment_ids, mask=mask, scale=scale)
+  if row is None:
+    raise _refused(spec, implementation, tried)
+  return out
 
 
 def choose(
@@ -457,25 +453,40 @@ def choose(
 
 
 def _choice(spec: OpSpec, implementation: str, rows_, arrays, call, mask, pass_: str):
-  """(the first of ``rows_`` that takes the inputs and is not measured slower in ``pass_``
-  than a later one, or None; the refusals before it)."""
+  """(what :func:`_first` finds when each candidate is traced abstractly, or None; the
+  refusals before it). A candidate that takes the inputs but then fails to trace is chosen."""
+
+  def attempt(row):
+    try:
+      jax.eval_shape(lambda *a: _call(row, spec, a, *call), *arrays)
+    except NotImplementedError:
+      raise
+    except Exception:  # noqa: BLE001  (it took the inputs; running it is what fails)
+      pass
+
+  row, _, tried = _first(spec, implementation, rows_, arrays, mask, pass_, attempt)
+  return row, tried
+
+
+def _first(spec: OpSpec, implementation: str, rows_, arrays, mask, pass_: str, attempt):
+  """(row, what ``attempt(row)`` returned, the refusals before it) for the first of ``rows_``
+  that takes the inputs, is not measured slower in ``pass_`` than a later one and whose
+  ``attempt`` does not raise ``NotImplementedError``; ``(XLA, None, ...)`` when the candidates
+  end with the reference math, ``(None, None, ...)`` when none takes them."""
   tried = []
   for i, row in enumerate(rows_):
     if row == XLA:
-      return XLA, tried
+      return XLA, None, tried
     reason = refusal(row, spec.query(arrays), mask) or _measured_slower(
       implementation, row, rows_[i + 1 :], spec, arrays, pass_
     )
     if reason is None:
       try:
-        jax.eval_shape(lambda *a, row=row: _call(row, spec, a, *call), *arrays)
-        return row, tried
+        return row, attempt(row), tried
       except NotImplementedError as e:
         reason = str(e) or type(e).__name__
-      except Exception:  # noqa: BLE001  (it took the inputs; running it is what fails)
-        return row, tried
     tried.append(f"{row.name} refuses: {reason}")
-  return None, tried
+  return None, None, tried
 
 
 def _refused(spec: OpSpec, implementation: str, tried: list[str]) -> ValueError:
