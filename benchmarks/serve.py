@@ -16,6 +16,10 @@ Peers, timed on the same requests:
   over ``--slots`` slots) serving the model exported to a temporary directory (or the run),
   with N clients (aiohttp, in this process, one connection each) each sending its share of the
   requests one after the other;
+- ``engine in this process, N jobs at a time``: the server's engine (the same options) without
+  HTTP, in this process, N requests in flight, each replaced as it ends: what the model's
+  programs and the scheduler give by themselves, so the gap to the server rows is HTTP, the
+  clients and the second process;
 - ``diffjax.generate, one at a time``: each request alone through ``diffjax.generate`` (what a
   server without batching does);
 - ``transformers generate, one at a time``: the model exported (``save_hf``) and loaded by
@@ -32,7 +36,7 @@ latency percentiles; a second table times one call of
 the engine's decode program for a few (rows, cache slots read), measured before the server
 starts, which shows what batching can gain on the machine; then the ratio of the server's new
 tokens/s with 8 clients to the two sequential ways of serving: the same server with one client,
-and ``diffjax.generate`` one request at a time.
+and ``diffjax.generate`` one request at a time; and the same ratio for the engine without HTTP.
 
 The load run (``--load_seconds``, 0 to skip) then sends for that long, from 32 clients, requests
 of random prompts (1-96 tokens), random ``max_tokens`` and sometimes a stop string, a third of
@@ -250,16 +254,13 @@ async def _load_run(url, references, seconds: float, n_clients: int, seed: int):
   return counts, failures
 
 
-def _decode_program_times(model, slots: int, chunk: int, context: int) -> list[str]:
-  """Table rows: the time of one call of the engine's decode program for some (rows, cache
-  slots read), median of 20 calls after one."""
+def _decode_program_times(engine, chunk: int) -> list[str]:
+  """Table rows: the time of one call of ``engine``'s decode program (not started yet) for some
+  (rows, cache slots read), median of 20 calls after one."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
-
-  engine = Engine(model, slots=slots, context=context, decode_chunk=chunk)
   out = []
-  for rows in sorted({1, min(8, slots), slots}):
+  for rows in sorted({1, min(8, engine.slots), engine.slots}):
     for window in engine.windows:
       program = engine._program(("decode", rows, window))  # pylint: disable=protected-access
       args = [np.zeros(rows, np.int32), np.full(rows, 40, np.int32), np.ones(rows, bool)]
@@ -274,6 +275,44 @@ def _decode_program_times(model, slots: int, chunk: int, context: int) -> list[s
       ms = statistics.median(times[1:]) * 1e3
       out.append(f"| {rows} | {window} | {ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |")
   return out
+
+
+def _engine_run(engine, prompts, n_jobs: int, new: int) -> tuple[float, list[float]]:
+  """(wall seconds, per-request latencies) of ``prompts`` through a started ``engine`` in this
+  process, no HTTP: ``n_jobs`` in flight, each replaced as it ends (the closed loop of the
+  clients)."""
+  from diffjax.serve.engine import DoneEvent, Job  # pylint: disable=import-outside-toplevel
+
+  queue, lock, done = list(prompts), threading.Lock(), threading.Event()
+  latencies: list[float] = []
+  failures: list[str] = []
+
+  def submit() -> None:
+    with lock:
+      if not queue:
+        return
+      ids = queue.pop()
+    t0, tokens = time.perf_counter(), [0]
+
+    def on_event(event) -> None:  # the engine's thread
+      if not isinstance(event, DoneEvent):
+        tokens[0] += 1
+        return
+      if event.reason != "length" or tokens[0] != new:
+        failures.append(f"{event.reason} after {tokens[0]} tokens {event.message}")
+      latencies.append(time.perf_counter() - t0)
+      if len(latencies) == len(prompts):
+        done.set()
+      submit()
+
+    engine.submit(Job(prompt=ids, max_tokens=new, on_event=on_event))
+
+  t0 = time.perf_counter()
+  for _ in range(n_jobs):
+    submit()
+  done.wait()
+  assert not failures, failures[:3]
+  return time.perf_counter() - t0, latencies
 
 
 def _start_server(args, path_flag: str, context: int):
@@ -333,7 +372,12 @@ def main() -> None:
 
   model, source = _model(a)
   context = a.context
-  program_rows = _decode_program_times(model, a.slots, a.decode_chunk, context)
+  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
+
+  engine = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
+  engine.warm_up()
+  program_rows = _decode_program_times(engine, a.decode_chunk)
+  engine.start()
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []
@@ -353,6 +397,11 @@ def main() -> None:
       for n in [int(x) for x in a.clients.split(",")]:
         wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
         runs.setdefault(f"server, {n} client{'s' if n > 1 else ''}", []).append((wall, lat))
+      for n in [int(x) for x in a.clients.split(",")]:  # the server idles meanwhile
+        got = _engine_run(engine, prompts, n, a.new)
+        runs.setdefault(
+          f"engine in this process, {n} job{'s' if n > 1 else ''} at a time", []
+        ).append(got)
       # The sequential diffjax.generate peer (the server idles meanwhile).
       lat, t0 = [], time.perf_counter()
       for ids in prompts:
@@ -398,20 +447,25 @@ def main() -> None:
       for name, rates in spread.items():
         print(f"- {name}: " + ", ".join(f"{r:,.0f}" for r in sorted(rates, reverse=True)))
     rate = {name: len(lat) * a.new / wall for name, wall, lat in (r for r in rows if len(r) == 3)}
-    if "server, 8 clients" in rate:
-      for peer in ("server, 1 client", "diffjax.generate, one at a time"):
-        if peer in rate:
-          # Run by run: each repeat's 8-client run against the same repeat's peer.
-          paired = [
-            len(lat8) * w / (len(lat) * w8)
-            for (w8, lat8), (w, lat) in zip(runs["server, 8 clients"], runs[peer])
-          ]
-          print(
-            f"server with 8 clients / {peer}: {rate['server, 8 clients'] / rate[peer]:.2f}x "
-            f"new tokens/s (median runs); run by run "
-            + ", ".join(f"{x:.2f}x" for x in paired)
-            + f" (median {statistics.median(paired):.2f}x)"
-          )
+    engine8, engine1 = (
+      "engine in this process, 8 jobs at a time",
+      "engine in this process, 1 job at a time",
+    )
+    pairs = [
+      ("server, 8 clients", p) for p in ("server, 1 client", "diffjax.generate, one at a time")
+    ]
+    for eight, peer in [*pairs, (engine8, engine1)]:
+      if eight in rate and peer in rate:
+        # Run by run: each repeat's 8-client run against the same repeat's peer.
+        paired = [
+          len(lat8) * w / (len(lat) * w8) for (w8, lat8), (w, lat) in zip(runs[eight], runs[peer])
+        ]
+        print(
+          f"{eight} / {peer}: {rate[eight] / rate[peer]:.2f}x "
+          f"new tokens/s (median runs); run by run "
+          + ", ".join(f"{x:.2f}x" for x in paired)
+          + f" (median {statistics.median(paired):.2f}x)"
+        )
     if a.load_seconds > 0:
       # Prompts of random lengths and their greedy tokens, each from diffjax.generate alone.
       rng = np.random.default_rng(2)
@@ -435,6 +489,7 @@ def main() -> None:
       for line in failures[:10]:
         print("  ", line)
   finally:
+    engine.stop(cancel=True)
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
     tmp.cleanup()
