@@ -306,6 +306,8 @@ def _engine_run(engine, prompts, n_jobs: int, new: int) -> tuple[float, list[flo
         return
       if event.reason != "length" or tokens[0] != new:
         failures.append(f"{event.reason} after {tokens[0]} tokens {event.message}")
+        done.set()  # no more submissions: the run is reported as failed
+        return
       latencies.append(time.perf_counter() - t0)
       if len(latencies) == len(prompts):
         done.set()
@@ -327,6 +329,7 @@ def _start_server(args, path_flag: str, context: int):
 
   cmd = [sys.executable, "-m", "diffjax.serve", path_flag, "--port=0", "--model_name=bench"]
   cmd += [f"--slots={args.slots}", f"--context={context}", f"--decode_chunk={args.decode_chunk}"]
+  cmd += [f"--replicas={args.replicas}"]
   proc = subprocess.Popen(
     cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
   )
@@ -364,6 +367,9 @@ def main() -> None:
   p.add_argument("--slots", type=int, default=32, help="the server's slots")
   p.add_argument("--context", type=int, default=256, help="the server's context")
   p.add_argument("--decode_chunk", type=int, default=4, help="the server's decode steps per call")
+  p.add_argument(
+    "--replicas", type=int, default=1, help="the server's engines decoding at once (threads)"
+  )
   p.add_argument("--load_seconds", type=float, default=120.0, help="the load run (0: none)")
   p.add_argument("--no_torch", action="store_true", help="leave out transformers' row")
   a = p.parse_args()
@@ -378,11 +384,17 @@ def main() -> None:
 
   model, source = _model(a)
   context = a.context
-  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
+  from diffjax.serve import Engine, Replicas  # pylint: disable=import-outside-toplevel
 
-  engine = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
-  engine.warm_up()
-  program_rows = _decode_program_times(engine, a.decode_chunk)
+  one = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
+  one.warm_up()
+  program_rows = _decode_program_times(one, a.decode_chunk)
+  engine = one
+  if a.replicas > 1:  # the engine peer as the server runs it
+    engine = Replicas(
+      model, replicas=a.replicas, slots=a.slots, context=context, decode_chunk=a.decode_chunk
+    )
+    engine.warm_up()
   engine.start()
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
@@ -436,7 +448,7 @@ def main() -> None:
       f"{source}; {versions}; {os.cpu_count()} CPUs ({_cpu_model()}), load average {load:.2f} at the start, "
       f"{os.getloadavg()[0]:.2f} at the end; {a.requests} requests of {a.prompt} prompt tokens "
       f"and {a.new} new tokens, greedy, float32; the server in its own process, {a.slots} slots, "
-      f"decode chunk {a.decode_chunk}; {warm} before timing"
+      f"decode chunk {a.decode_chunk}, {a.replicas} replica{'s' * (a.replicas > 1)}; {warm} before timing"
     )
     print(
       "| peer | requests | requests/s | new tokens/s | p50 latency (ms) | p90 (ms) | p99 (ms) |"

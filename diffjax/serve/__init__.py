@@ -12,6 +12,7 @@ from diffjax.serve.engine import (
   QueueFull,
   TokenEvent,
 )
+from diffjax.serve.replicas import Replicas
 
 __all__ = [
   "MAX_TOP_LOGPROBS",
@@ -22,5 +23,6 @@ __all__ = [
   "Job",
   "PromptEvent",
   "QueueFull",
+  "Replicas",
   "TokenEvent",
 ]

@@ -1,7 +1,7 @@
 """``python -m diffjax.serve``: an OpenAI-compatible HTTP server for a trained run.
 
     python -m diffjax.serve --workdir=runs/default [--port=8000] [--host=127.0.0.1]
-        [--slots=8] [--context=N] [--chat_template=FILE] [--model_name=NAME]
+        [--slots=8] [--replicas=1] [--context=N] [--chat_template=FILE] [--model_name=NAME]
     python -m diffjax.serve --hf_dir=DIR ...     # an HF Llama / DiffLlama / DIFF V2 directory
 
 Loads the model, compiles every program it will run (one decode program and one prefill per
@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     help="requests queued beyond the slots; more get HTTP 429 (default 256)",
   )
   p.add_argument(
+    "--replicas",
+    type=int,
+    default=1,
+    help="engines decoding at once, each on its own thread with its share of the slots "
+    "(default 1; on a CPU, up to its cores for a small model)",
+  )
+  p.add_argument(
     "--chat_template", default=None, help="a Jinja chat template file (default: the model's own)"
   )
   p.add_argument(
@@ -82,12 +89,18 @@ def build(args: argparse.Namespace, progress=print):
   from diffjax.generation.loading import load_model, model_tokenizer  # pylint: disable=import-outside-toplevel
   from diffjax.serve.app import Server  # pylint: disable=import-outside-toplevel
   from diffjax.serve.engine import Engine  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.replicas import Replicas  # pylint: disable=import-outside-toplevel
 
-  for name in ("slots", "decode_chunk", "max_prefill"):
+  for name in ("slots", "decode_chunk", "max_prefill", "replicas"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name}={getattr(args, name)} must be at least 1.")
   if args.context is not None and args.context < 2:
     raise ValueError(f"--context={args.context} must be at least 2 tokens.")
+  if args.replicas > 1 and args.mesh:
+    raise ValueError(
+      f"--replicas={args.replicas} with --mesh={args.mesh!r}: a mesh shards decoding over its "
+      "devices; replicas run one engine per thread on one device. Give one or the other."
+    )
   if not 0 <= args.port < 65536:
     raise ValueError(f"--port={args.port} must be in [0, 65536).")
   template = None
@@ -111,8 +124,10 @@ def build(args: argparse.Namespace, progress=print):
     from diffjax import sharding as shd  # pylint: disable=import-outside-toplevel
 
     mesh = shd.make_mesh(shape)
-  engine = Engine(
+  many = dict(replicas=args.replicas) if args.replicas > 1 else {}
+  engine = (Replicas if many else Engine)(
     loaded.model,
+    **many,
     slots=args.slots,
     context=args.context or loaded.context,
     decode_chunk=args.decode_chunk,
@@ -125,7 +140,9 @@ def build(args: argparse.Namespace, progress=print):
   cfg = loaded.model.config
   progress(
     f"[{cfg.attention}{'' if loaded.step is None else f', step {loaded.step}'}] {engine.slots} "
-    f"slots of {engine.context} tokens; compiling {len(engine.program_names())} programs"
+    f"slots of {engine.context} tokens"
+    + (f" in {args.replicas} replicas" if many else "")
+    + f"; compiling {len(engine.program_names())} programs"
   )
   engine.warm_up(progress)
   server = Server(

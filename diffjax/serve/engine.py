@@ -309,11 +309,14 @@ class Engine:
       self.compiles += 1
     return program
 
-  def _compile(self, name):
+  def _init_cache(self) -> None:
     if self._cache is None:  # the engine's cache, laid out as the decode programs want it
       with self._context():
         init = jax.jit(lambda: self._merge(self._leaves).init_cache(self.slots, self.cache_length))
         self._cache = init()
+
+  def _compile(self, name):
+    self._init_cache()
     leaves = tuple(
       jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
     )
@@ -495,6 +498,7 @@ class Engine:
   def start(self) -> Engine:
     """Starts the engine's thread (compiling on first use what :meth:`warm_up` has not)."""
     if self._thread is None:
+      self._init_cache()
       self._thread = threading.Thread(target=self._run, name="diffjax-serve-engine", daemon=True)
       self._thread.start()
     return self

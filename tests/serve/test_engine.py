@@ -15,7 +15,17 @@ import pytest
 from helpers import tiny_model
 
 from diffjax.generation import generate
-from diffjax.serve import ContextTooLong, DoneEvent, Engine, Job, PromptEvent, QueueFull, TokenEvent
+from diffjax.serve import (
+  ContextTooLong,
+  DoneEvent,
+  Engine,
+  EngineStopped,
+  Job,
+  PromptEvent,
+  QueueFull,
+  Replicas,
+  TokenEvent,
+)
 
 EOS = 256
 
@@ -303,3 +313,52 @@ def test_grouped_differential_arms_decode_through_the_slots_as_generate(arm):
     engine.stop(cancel=True)
   for i, p in enumerate(prompts):
     assert got.tokens[i] == generate(model, [p], max_new_tokens=9, preflight=False).tokens[0]
+
+
+def test_replicas_share_one_set_of_programs_spread_the_jobs_and_equal_generate():
+  model = tiny_model("diff_v1")
+  pool = Replicas(model, replicas=2, slots=3, context=64, decode_chunk=3, max_waiting=8)
+  first, second = pool.engines
+  assert pool.slots == 4 and first.slots == second.slots == 2 and first.max_waiting == 4
+  pool.warm_up()
+  assert first.compiles == len(pool.program_names()) and second.compiles == 0
+  pool.start()
+  prompts, lengths = _prompts(8, seed=5), [5, 17, 1, 9, 23, 2, 12, 7]
+  got = Collect()
+  try:
+    with Compiles() as compiles:
+      for i, (p, n) in enumerate(zip(prompts, lengths)):
+        pool.submit(got.job(i, p, max_tokens=n, stop_tokens=frozenset({EOS})))
+      got.wait(len(prompts))
+      assert not compiles.names and pool.compiles == len(pool.program_names())
+    # Each job went to the replica with fewer jobs: both decoded some.
+    assert min(e.counts["submitted"] for e in pool.engines) >= 2
+    assert pool.counts["submitted"] == len(prompts) and pool.load()["running"] == 0
+  finally:
+    pool.stop(cancel=True)
+  for i, (p, n) in enumerate(zip(prompts, lengths)):
+    want = generate(model, [p], max_new_tokens=n, stop_tokens=[EOS], preflight=False)
+    assert got.tokens[i] == want.tokens[0], i
+
+
+def test_replicas_stop_cancels_in_flight_jobs_on_every_replica_and_refuse_bad_options():
+  model = tiny_model("transformer")
+  pool = Replicas(model, replicas=2, slots=2, context=2100, decode_chunk=1).start()
+  got, started = Collect(), threading.Semaphore(0)
+  for key in ("a", "b"):
+    job = got.job(key, [1, 2, 3], max_tokens=2000)
+    inner = job.on_event
+    job.on_event = lambda ev, inner=inner: (inner(ev), started.release())
+    pool.submit(job)
+  assert started.acquire(timeout=60) and started.acquire(timeout=60)
+  assert all(e.load()["running"] == 1 for e in pool.engines)  # one long job on each
+  pool.stop(cancel=True, timeout=60)
+  got.wait(2)
+  assert {d.reason for d in got.done.values()} == {"cancelled"}
+  with pytest.raises(EngineStopped):
+    pool.submit(got.job("late", [1], max_tokens=1))
+  for bad, needle in ((0, "replicas=0"), (True, "replicas=True"), (1.5, "replicas=1.5")):
+    with pytest.raises(ValueError, match=needle):
+      Replicas(model, replicas=bad, slots=2, context=16)
+  with pytest.raises(ValueError, match="drop the mesh or the replicas"):
+    Replicas(model, replicas=2, slots=2, context=16, mesh=object())

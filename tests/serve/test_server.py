@@ -408,6 +408,8 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
     (["--workdir={missing}", "--chat_template={missing}"], "--chat_template="),
     (["--workdir={missing}", "--port=70000"], "--port=70000"),
     (["--workdir={missing}", "--mesh=two"], "--mesh='two'"),
+    (["--workdir={missing}", "--replicas=0"], "--replicas=0 must be at least 1"),
+    (["--workdir={missing}", "--replicas=2", "--mesh=2,1,1"], "Give one or the other"),
   ],
 )
 def test_bad_arguments_are_one_error_line(args, needle, tmp_path, capsys):
@@ -443,6 +445,7 @@ def test_an_hf_directory_is_served_with_its_tokenizer_and_chat_template(tmp_path
     max_waiting=4,
     chat_template=None,
     mesh=None,
+    replicas=1,
     port=0,
   )
   engine, server = build(args, progress=lambda line: None)
