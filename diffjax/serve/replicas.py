@@ -83,7 +83,7 @@ class Replicas:
     """Queues ``job`` on the replica with the fewest jobs running and waiting (the next one
     when that one's queue is full); raises as :meth:`Engine.submit` does."""
     full = None
-    for engine in sorted(self.engines, key=lambda e: sum(e.load().values()) - e.slots):
+    for engine in sorted(self.engines, key=_jobs):
       try:
         engine.submit(job)
         return
@@ -112,3 +112,9 @@ class Replicas:
     for engine in self.engines:
       left = None if end is None else max(0.0, end - time.monotonic())
       engine.stop(cancel=cancel, timeout=left)
+
+
+def _jobs(engine: Engine) -> int:
+  """Jobs running and waiting on ``engine``."""
+  load = engine.load()
+  return load["running"] + load["waiting"]
