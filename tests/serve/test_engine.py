@@ -344,13 +344,13 @@ def test_replicas_share_one_set_of_programs_spread_the_jobs_and_equal_generate()
 def test_replicas_stop_cancels_in_flight_jobs_on_every_replica_and_refuse_bad_options():
   model = tiny_model("transformer")
   pool = Replicas(model, replicas=2, slots=2, context=2100, decode_chunk=1).start()
-  got, started = Collect(), threading.Semaphore(0)
-  for key in ("a", "b"):
+  got, started = Collect(), {"a": threading.Event(), "b": threading.Event()}
+  for key, first_token in started.items():
     job = got.job(key, [1, 2, 3], max_tokens=2000)
     inner = job.on_event
-    job.on_event = lambda ev, inner=inner: (inner(ev), started.release())
+    job.on_event = lambda ev, inner=inner, first_token=first_token: (inner(ev), first_token.set())
     pool.submit(job)
-  assert started.acquire(timeout=60) and started.acquire(timeout=60)
+  assert all(first_token.wait(60) for first_token in started.values())  # both jobs in flight
   assert all(e.load()["running"] == 1 for e in pool.engines)  # one long job on each
   pool.stop(cancel=True, timeout=60)
   got.wait(2)
