@@ -254,26 +254,35 @@ async def _load_run(url, references, seconds: float, n_clients: int, seed: int):
   return counts, failures
 
 
-def _decode_program_times(engine, chunk: int) -> list[str]:
+def _decode_program_times(engine, plain, chunk: int) -> list[str]:
   """Table rows: the time of one call of ``engine``'s decode program (not started yet) for some
-  (rows, cache slots read), median of 20 calls after one."""
+  (rows, cache slots read), median of 20 calls after one, and of the same program compiled with
+  XLA's default options (``plain``, an engine made with ``compiler_options={}``), the two called
+  in turn."""
   import jax  # pylint: disable=import-outside-toplevel
+
+  def call(e, program, args) -> float:
+    t0 = time.perf_counter()
+    e._cache, got = program(e._leaves, e._cache, *args)  # pylint: disable=protected-access
+    jax.block_until_ready(got)
+    return time.perf_counter() - t0
 
   out, per_call = [], {}
   for rows in sorted({1, min(8, engine.slots), engine.slots}):
     for window in engine.windows:
-      program = engine._program(("decode", rows, window))  # pylint: disable=protected-access
+      name = ("decode", rows, window)
+      programs = [e._program(name) for e in (engine, plain)]  # pylint: disable=protected-access
       args = [np.zeros(rows, np.int32), np.full(rows, 40, np.int32), np.ones(rows, bool)]
       args += [np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32)]
       args += [np.ones(rows, np.float32), np.zeros(rows, np.int32)]
-      times = []
+      times = [[], []]
       for _ in range(21):
-        t0 = time.perf_counter()
-        engine._cache, got = program(engine._leaves, engine._cache, *args)  # pylint: disable=protected-access
-        jax.block_until_ready(got)
-        times.append(time.perf_counter() - t0)
-      ms = statistics.median(times[1:]) * 1e3
-      out.append(f"| {rows} | {window} | {ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |")
+        for i, e in enumerate((engine, plain)):
+          times[i].append(call(e, programs[i], args))
+      ms, plain_ms = (statistics.median(t[1:]) * 1e3 for t in times)
+      out.append(
+        f"| {rows} | {window} | {ms:.2f} | {plain_ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |"
+      )
       per_call[rows, window] = ms
   if engine.slots >= 8:  # the machine's side of what 8 clients can gain over one
     out.append("")
@@ -388,7 +397,11 @@ def main() -> None:
 
   one = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
   one.warm_up()
-  program_rows = _decode_program_times(one, a.decode_chunk)
+  plain = Engine(
+    model, slots=a.slots, context=context, decode_chunk=a.decode_chunk, compiler_options={}
+  )
+  program_rows = _decode_program_times(one, plain, a.decode_chunk)
+  del plain
   engine = one
   if a.replicas > 1:  # the engine peer as the server runs it
     engine = Replicas(
@@ -457,8 +470,11 @@ def main() -> None:
     for row in rows:
       print(_row(*row, a.new) if len(row) == 3 else f"| {row[0]} | | | | | | |")
     print(f"\nOne call of the engine's decode program ({a.decode_chunk} steps), in this process:")
-    print("| rows | cache slots read | ms per call | tokens/s of the call |")
-    print("|---|---|---|---|")
+    print(
+      "| rows | cache slots read | ms per call | ms per call, XLA's default options "
+      "| tokens/s of the call |"
+    )
+    print("|---|---|---|---|---|")
     print("\n".join(program_rows))
     if a.repeat > 1:
       print(f"\nNew tokens/s of each of the {a.repeat} runs (the table gives the median):")

@@ -101,6 +101,11 @@ def build(args: argparse.Namespace, progress=print):
       f"--replicas={args.replicas} with --mesh={args.mesh!r}: a mesh shards decoding over its "
       "devices; replicas run one engine per thread on one device. Give one or the other."
     )
+  if args.replicas > args.slots:
+    raise ValueError(
+      f"--replicas={args.replicas} with --slots={args.slots}: each replica decodes at least "
+      f"one slot; raise --slots to {args.replicas} or lower --replicas."
+    )
   if not 0 <= args.port < 65536:
     raise ValueError(f"--port={args.port} must be in [0, 65536).")
   template = None

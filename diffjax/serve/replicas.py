@@ -23,11 +23,12 @@ class Replicas:
   Args:
     model: any DecoderLM.
     replicas: engines, each decoding on its own thread (at least 1).
-    slots: rows decoded at once in all; each replica gets ``ceil(slots / replicas)``.
+    slots: rows decoded at once in all, at least ``replicas``; each replica gets
+      ``ceil(slots / replicas)``.
     max_waiting: jobs held beyond the slots in all, split the same way.
     **options: the other :class:`Engine` options (``context``, ``decode_chunk``,
-      ``max_prefill``, ``pad_id``, ``cache_layout``); a mesh is refused, since sharded
-      decoding already uses every device.
+      ``max_prefill``, ``pad_id``, ``cache_layout``, ``compiler_options``); a mesh is
+      refused, since sharded decoding already uses every device.
   """
 
   def __init__(
@@ -43,6 +44,11 @@ class Replicas:
     if slots < 1 or max_waiting < 0:
       raise ValueError(
         f"slots={slots} must be at least 1 and max_waiting={max_waiting} at least 0."
+      )
+    if replicas > slots:
+      raise ValueError(
+        f"replicas={replicas} with slots={slots}: each replica decodes at least one slot; "
+        f"give at least {replicas} slots or at most {slots} replicas."
       )
     per_slots, per_waiting = -(-slots // replicas), -(-max_waiting // replicas)
     self.engines = [

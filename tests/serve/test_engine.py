@@ -362,3 +362,5 @@ def test_replicas_stop_cancels_in_flight_jobs_on_every_replica_and_refuse_bad_op
       Replicas(model, replicas=bad, slots=2, context=16)
   with pytest.raises(ValueError, match="drop the mesh or the replicas"):
     Replicas(model, replicas=2, slots=2, context=16, mesh=object())
+  with pytest.raises(ValueError, match="give at least 3 slots or at most 2 replicas"):
+    Replicas(model, replicas=3, slots=2, context=16)

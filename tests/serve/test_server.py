@@ -410,6 +410,7 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
     (["--workdir={missing}", "--mesh=two"], "--mesh='two'"),
     (["--workdir={missing}", "--replicas=0"], "--replicas=0 must be at least 1"),
     (["--workdir={missing}", "--replicas=2", "--mesh=2,1,1"], "Give one or the other"),
+    (["--workdir={missing}", "--replicas=3", "--slots=2"], "raise --slots to 3"),
   ],
 )
 def test_bad_arguments_are_one_error_line(args, needle, tmp_path, capsys):

@@ -104,3 +104,41 @@ def test_cpu_setup_after_jax_started_warns_and_changes_nothing(monkeypatch):
     warnings.simplefilter("error")
     assert diffjax.cpu_setup(keep_freed_memory=False)["xla_flags"] == []
   assert cpu.os.environ["XLA_FLAGS"] == f"--{name}=something"
+
+
+def test_generation_and_serving_programs_compile_with_the_cpu_options(monkeypatch):
+  """diffjax.generate's and the serving engine's programs get the trainer's CPU options: no
+  YNNPACK fusion in them, where the same programs compiled without the options have some."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from helpers import tiny_model  # pylint: disable=import-outside-toplevel
+
+  from diffjax.generation import programs  # pylint: disable=import-outside-toplevel
+  from diffjax.serve import Engine  # pylint: disable=import-outside-toplevel
+
+  if not cpu.cpu_compiler_options():
+    pytest.skip("this jaxlib takes none of diffjax.cpu.CPU_XLA_OPTIONS")
+  texts: list[str] = []
+  compile_ = jax.stages.Lowered.compile
+
+  def spy(self, *args, **kwargs):
+    compiled = compile_(self, *args, **kwargs)
+    texts.append(compiled.as_text())
+    return compiled
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+  model = tiny_model("diff_v1")
+
+  def compile_all() -> list[str]:
+    texts.clear()
+    programs.clear_cache()
+    diffjax.generate(model, [[5, 6, 7]], max_new_tokens=2, preflight=False)
+    Engine(model, slots=2, context=32).warm_up()
+    return list(texts)
+
+  with_options = compile_all()
+  monkeypatch.setattr(cpu, "compiler_options_for", lambda devices: None)
+  without = compile_all()
+  programs.clear_cache()
+  assert len(with_options) == len(without) > 2
+  assert not any("__ynn_fusion" in text for text in with_options)
+  assert any("__ynn_fusion" in text for text in without)
