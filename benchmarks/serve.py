@@ -20,6 +20,9 @@ Peers, timed on the same requests:
   HTTP, in this process, N requests in flight, each replaced as it ends: what the model's
   programs and the scheduler give by themselves, so the gap to the server rows is HTTP, the
   clients and the second process;
+- ``engine in this process, XLA's defaults, N jobs at a time``: the same engine with its
+  programs compiled with ``compiler_options={}`` instead of the CPU options it takes by default
+  (``diffjax.cpu_compiler_options``);
 - ``diffjax.generate, one at a time``: each request alone through ``diffjax.generate`` (what a
   server without batching does);
 - ``transformers generate, one at a time``: the model exported (``save_hf``) and loaded by
@@ -31,7 +34,8 @@ Warm-up requests run before timing (the server compiles everything at start). Ea
 transformers runs ``--repeat`` times (default 5), the peers in turn, and its row is its median
 run, so that a slow spell of a shared machine does not land on one peer alone; the runs' new
 tokens/s are listed under the table, and the 8-client server's gain over each peer is also given
-run by run (each repeat's 8-client run against the same repeat's peer, run seconds apart). The table gives requests/s, new tokens/s and per-request
+run by run (each repeat's 8-client run against the same repeat's peer, run seconds apart), as is
+the engine's rate with the CPU options over its rate with XLA's defaults. The table gives requests/s, new tokens/s and per-request
 latency percentiles; a second table times one call of
 the engine's decode program for a few (rows, cache slots read), measured before the server
 starts, which shows what batching can gain on the machine; then the ratio of the server's new
@@ -401,14 +405,24 @@ def main() -> None:
     model, slots=a.slots, context=context, decode_chunk=a.decode_chunk, compiler_options={}
   )
   program_rows = _decode_program_times(one, plain, a.decode_chunk)
-  del plain
   engine = one
-  if a.replicas > 1:  # the engine peer as the server runs it
-    engine = Replicas(
-      model, replicas=a.replicas, slots=a.slots, context=context, decode_chunk=a.decode_chunk
+  if a.replicas > 1:  # the engine peers as the server runs it
+    engine, plain = (
+      Replicas(
+        model,
+        replicas=a.replicas,
+        slots=a.slots,
+        context=context,
+        decode_chunk=a.decode_chunk,
+        compiler_options=options,
+      )
+      for options in (None, {})
     )
-    engine.warm_up()
-  engine.start()
+  # The engine as the server runs it, and the same engine compiled with XLA's default options.
+  engines = {"engine in this process": engine, "engine in this process, XLA's defaults": plain}
+  for peer in engines.values():
+    peer.warm_up()
+    peer.start()
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []
@@ -429,10 +443,9 @@ def main() -> None:
         wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
         runs.setdefault(f"server, {n} client{'s' if n > 1 else ''}", []).append((wall, lat))
       for n in [int(x) for x in a.clients.split(",")]:  # the server idles meanwhile
-        got = _engine_run(engine, prompts, n, a.new)
-        runs.setdefault(
-          f"engine in this process, {n} job{'s' if n > 1 else ''} at a time", []
-        ).append(got)
+        for name, peer in engines.items():
+          got = _engine_run(peer, prompts, n, a.new)
+          runs.setdefault(f"{name}, {n} job{'s' if n > 1 else ''} at a time", []).append(got)
       # The sequential diffjax.generate peer (the server idles meanwhile).
       lat, t0 = [], time.perf_counter()
       for ids in prompts:
@@ -488,14 +501,20 @@ def main() -> None:
     pairs = [
       ("server, 8 clients", p) for p in ("server, 1 client", "diffjax.generate, one at a time")
     ]
-    for eight, peer in [*pairs, (engine8, engine1)]:
-      if eight in rate and peer in rate:
-        # Run by run: each repeat's 8-client run against the same repeat's peer.
+    pairs.append((engine8, engine1))
+    for n in (1, 8):  # the CPU options against XLA's defaults, same engine
+      jobs = f"{n} job{'s' if n > 1 else ''} at a time"
+      pairs.append(
+        (f"engine in this process, {jobs}", f"engine in this process, XLA's defaults, {jobs}")
+      )
+    for top, peer in pairs:
+      if top in rate and peer in rate:
+        # Run by run: each repeat's run against the same repeat's run of the peer.
         paired = [
-          len(lat8) * w / (len(lat) * w8) for (w8, lat8), (w, lat) in zip(runs[eight], runs[peer])
+          len(latt) * w / (len(lat) * wt) for (wt, latt), (w, lat) in zip(runs[top], runs[peer])
         ]
         print(
-          f"{eight} / {peer}: {rate[eight] / rate[peer]:.2f}x "
+          f"{top} / {peer}: {rate[top] / rate[peer]:.2f}x "
           f"new tokens/s (median runs); run by run "
           + ", ".join(f"{x:.2f}x" for x in paired)
           + f" (median {statistics.median(paired):.2f}x)"
@@ -523,7 +542,8 @@ def main() -> None:
       for line in failures[:10]:
         print("  ", line)
   finally:
-    engine.stop(cancel=True)
+    for peer in engines.values():
+      peer.stop(cancel=True)
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
     tmp.cleanup()
