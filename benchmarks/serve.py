@@ -20,9 +20,6 @@ Peers, timed on the same requests:
   HTTP, in this process, N requests in flight, each replaced as it ends: what the model's
   programs and the scheduler give by themselves, so the gap to the server rows is HTTP, the
   clients and the second process;
-- ``engine in this process, XLA's defaults, N jobs at a time``: the same engine with its
-  programs compiled with ``compiler_options={}`` instead of the CPU options it takes by default
-  (``diffjax.cpu_compiler_options``);
 - ``diffjax.generate, one at a time``: each request alone through ``diffjax.generate`` (what a
   server without batching does);
 - ``transformers generate, one at a time``: the model exported (``save_hf``) and loaded by
@@ -34,8 +31,7 @@ Warm-up requests run before timing (the server compiles everything at start). Ea
 transformers runs ``--repeat`` times (default 5), the peers in turn, and its row is its median
 run, so that a slow spell of a shared machine does not land on one peer alone; the runs' new
 tokens/s are listed under the table, and the 8-client server's gain over each peer is also given
-run by run (each repeat's 8-client run against the same repeat's peer, run seconds apart), as is
-the engine's rate with the CPU options over its rate with XLA's defaults. The table gives requests/s, new tokens/s and per-request
+run by run (each repeat's 8-client run against the same repeat's peer, run seconds apart). The table gives requests/s, new tokens/s and per-request
 latency percentiles; a second table times one call of
 the engine's decode program for a few (rows, cache slots read), measured before the server
 starts, which shows what batching can gain on the machine; then the ratio of the server's new
@@ -258,35 +254,26 @@ async def _load_run(url, references, seconds: float, n_clients: int, seed: int):
   return counts, failures
 
 
-def _decode_program_times(engine, plain, chunk: int) -> list[str]:
+def _decode_program_times(engine, chunk: int) -> list[str]:
   """Table rows: the time of one call of ``engine``'s decode program (not started yet) for some
-  (rows, cache slots read), median of 20 calls after one, and of the same program compiled with
-  XLA's default options (``plain``, an engine made with ``compiler_options={}``), the two called
-  in turn."""
+  (rows, cache slots read), median of 20 calls after one."""
   import jax  # pylint: disable=import-outside-toplevel
-
-  def call(e, program, args) -> float:
-    t0 = time.perf_counter()
-    e._cache, got = program(e._leaves, e._cache, *args)  # pylint: disable=protected-access
-    jax.block_until_ready(got)
-    return time.perf_counter() - t0
 
   out, per_call = [], {}
   for rows in sorted({1, min(8, engine.slots), engine.slots}):
     for window in engine.windows:
-      name = ("decode", rows, window)
-      programs = [e._program(name) for e in (engine, plain)]  # pylint: disable=protected-access
+      program = engine._program(("decode", rows, window))  # pylint: disable=protected-access
       args = [np.zeros(rows, np.int32), np.full(rows, 40, np.int32), np.ones(rows, bool)]
       args += [np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.int32)]
       args += [np.ones(rows, np.float32), np.zeros(rows, np.int32)]
-      times = [[], []]
+      times = []
       for _ in range(21):
-        for i, e in enumerate((engine, plain)):
-          times[i].append(call(e, programs[i], args))
-      ms, plain_ms = (statistics.median(t[1:]) * 1e3 for t in times)
-      out.append(
-        f"| {rows} | {window} | {ms:.2f} | {plain_ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |"
-      )
+        t0 = time.perf_counter()
+        engine._cache, got = program(engine._leaves, engine._cache, *args)  # pylint: disable=protected-access
+        jax.block_until_ready(got)
+        times.append(time.perf_counter() - t0)
+      ms = statistics.median(times[1:]) * 1e3
+      out.append(f"| {rows} | {window} | {ms:.2f} | {rows * chunk / ms * 1e3:,.0f} |")
       per_call[rows, window] = ms
   if engine.slots >= 8:  # the machine's side of what 8 clients can gain over one
     out.append("")
@@ -401,28 +388,14 @@ def main() -> None:
 
   one = Engine(model, slots=a.slots, context=context, decode_chunk=a.decode_chunk)
   one.warm_up()
-  plain = Engine(
-    model, slots=a.slots, context=context, decode_chunk=a.decode_chunk, compiler_options={}
-  )
-  program_rows = _decode_program_times(one, plain, a.decode_chunk)
+  program_rows = _decode_program_times(one, a.decode_chunk)
   engine = one
-  if a.replicas > 1:  # the engine peers as the server runs it
-    engine, plain = (
-      Replicas(
-        model,
-        replicas=a.replicas,
-        slots=a.slots,
-        context=context,
-        decode_chunk=a.decode_chunk,
-        compiler_options=options,
-      )
-      for options in (None, {})
+  if a.replicas > 1:  # the engine peer as the server runs it
+    engine = Replicas(
+      model, replicas=a.replicas, slots=a.slots, context=context, decode_chunk=a.decode_chunk
     )
-  # The engine as the server runs it, and the same engine compiled with XLA's default options.
-  engines = {"engine in this process": engine, "engine in this process, XLA's defaults": plain}
-  for peer in engines.values():
-    peer.warm_up()
-    peer.start()
+    engine.warm_up()
+  engine.start()
   prompts = _requests(a.requests, a.prompt, seed=0)
   load = os.getloadavg()[0]
   rows = []
@@ -443,9 +416,10 @@ def main() -> None:
         wall, lat = asyncio.run(_clients(url, prompts, n, a.new))
         runs.setdefault(f"server, {n} client{'s' if n > 1 else ''}", []).append((wall, lat))
       for n in [int(x) for x in a.clients.split(",")]:  # the server idles meanwhile
-        for name, peer in engines.items():
-          got = _engine_run(peer, prompts, n, a.new)
-          runs.setdefault(f"{name}, {n} job{'s' if n > 1 else ''} at a time", []).append(got)
+        got = _engine_run(engine, prompts, n, a.new)
+        runs.setdefault(
+          f"engine in this process, {n} job{'s' if n > 1 else ''} at a time", []
+        ).append(got)
       # The sequential diffjax.generate peer (the server idles meanwhile).
       lat, t0 = [], time.perf_counter()
       for ids in prompts:
@@ -483,11 +457,8 @@ def main() -> None:
     for row in rows:
       print(_row(*row, a.new) if len(row) == 3 else f"| {row[0]} | | | | | | |")
     print(f"\nOne call of the engine's decode program ({a.decode_chunk} steps), in this process:")
-    print(
-      "| rows | cache slots read | ms per call | ms per call, XLA's default options "
-      "| tokens/s of the call |"
-    )
-    print("|---|---|---|---|---|")
+    print("| rows | cache slots read | ms per call | tokens/s of the call |")
+    print("|---|---|---|---|")
     print("\n".join(program_rows))
     if a.repeat > 1:
       print(f"\nNew tokens/s of each of the {a.repeat} runs (the table gives the median):")
@@ -501,20 +472,14 @@ def main() -> None:
     pairs = [
       ("server, 8 clients", p) for p in ("server, 1 client", "diffjax.generate, one at a time")
     ]
-    pairs.append((engine8, engine1))
-    for n in (1, 8):  # the CPU options against XLA's defaults, same engine
-      jobs = f"{n} job{'s' if n > 1 else ''} at a time"
-      pairs.append(
-        (f"engine in this process, {jobs}", f"engine in this process, XLA's defaults, {jobs}")
-      )
-    for top, peer in pairs:
-      if top in rate and peer in rate:
-        # Run by run: each repeat's run against the same repeat's run of the peer.
+    for eight, peer in [*pairs, (engine8, engine1)]:
+      if eight in rate and peer in rate:
+        # Run by run: each repeat's 8-client run against the same repeat's peer.
         paired = [
-          len(latt) * w / (len(lat) * wt) for (wt, latt), (w, lat) in zip(runs[top], runs[peer])
+          len(lat8) * w / (len(lat) * w8) for (w8, lat8), (w, lat) in zip(runs[eight], runs[peer])
         ]
         print(
-          f"{top} / {peer}: {rate[top] / rate[peer]:.2f}x "
+          f"{eight} / {peer}: {rate[eight] / rate[peer]:.2f}x "
           f"new tokens/s (median runs); run by run "
           + ", ".join(f"{x:.2f}x" for x in paired)
           + f" (median {statistics.median(paired):.2f}x)"
@@ -542,8 +507,7 @@ def main() -> None:
       for line in failures[:10]:
         print("  ", line)
   finally:
-    for peer in engines.values():
-      peer.stop(cancel=True)
+    engine.stop(cancel=True)
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=120)
     tmp.cleanup()

@@ -1,8 +1,8 @@
 """The CPU settings the trainer applies, and :func:`cpu_setup` for a training loop of your own.
 
 glibc's ``malloc`` keeps freed memory for the next step (:func:`keep_freed_memory`), and XLA runs
-the matmuls without YNNPACK fusions (:data:`CPU_XLA_OPTIONS`, also given to the generation and
-serving programs); neither changes what a step computes. Call :func:`cpu_setup` before JAX first touches a device, or pass
+the matmuls without YNNPACK fusions (:data:`CPU_XLA_OPTIONS`); neither changes what a step
+computes. Call :func:`cpu_setup` before JAX first touches a device, or pass
 :func:`cpu_compiler_options` to ``jax.jit``; docs/kernels_tpu.md#the-cpu-path explains both.
 """
 
@@ -68,16 +68,6 @@ def cpu_compiler_options() -> dict[str, Any]:
       continue
     accepted[name] = value
   return accepted
-
-
-def compiler_options_for(devices) -> dict[str, Any] | None:
-  """:func:`cpu_compiler_options` for a program that runs on ``devices`` (any iterable of
-  ``jax.Device``: a mesh's ``devices.flat``, a sharding's ``device_set``) when they are CPU
-  devices; None on other platforms."""
-  first = next(iter(devices), None)
-  if first is None or first.platform != "cpu":
-    return None
-  return cpu_compiler_options() or None
 
 
 def _flag(name: str, value: Any) -> str:

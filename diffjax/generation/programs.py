@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from diffjax import cpu
 from diffjax import sharding as shd
 from diffjax.generation.sampling import SamplingOptions, choose_tokens
 from diffjax.nn.attention import cache_layout, default_cache_layout
@@ -214,16 +213,13 @@ def _compile(key: ProgramKey) -> Programs:
   rng = jax.eval_shape(lambda: jax.random.key(0))
   b, s = key.batch, key.stop_slots
   context = shd.activation_sharding(key.mesh, key.rules) if key.mesh is not None else _no_context()
-  # On CPU devices, the options the trainer's steps compile with (diffjax.cpu).
-  placed = (sharding.device_set for _, _, sharding in key.leaves if sharding is not None)
-  options = cpu.compiler_options_for(next(placed, jax.devices()))
   with context, cache_layout(key.cache_layout):
     prefill_fn = (
       jax.jit(prefill)
       .lower(
         leaves, i32(b, key.prompt_len), i32(b), jax.ShapeDtypeStruct((b,), bool), i32(), i32(s), rng
       )
-      .compile(compiler_options=options)
+      .compile()
     )
     # The decode loop takes the state laid out as the prefill leaves it, and updates it in
     # place (donated).
@@ -233,7 +229,7 @@ def _compile(key: ProgramKey) -> Programs:
     decode_fn = (
       jax.jit(decode, donate_argnums=1)
       .lower(leaves, state, i32(), i32(), i32(s), rng, i32())
-      .compile(compiler_options=options)
+      .compile()
     )
   return Programs(
     prefill=_placing(prefill_fn, skip=1),

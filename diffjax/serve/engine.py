@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax import cpu
 from diffjax import sharding as shd
 from diffjax.generation.programs import (
   CACHE_MULTIPLE,
@@ -204,9 +203,6 @@ class Engine:
     mesh, rules: decode sharded over a device mesh (rows over data/fsdp, heads over tensor).
     cache_layout: the KV cache's layout (:func:`diffjax.nn.attention.cache_layout`); default:
       head-major on a CPU, sequence-major elsewhere.
-    compiler_options: XLA options for the engine's programs; default: on CPU devices, the
-      options the trainer's steps use (:func:`diffjax.cpu_compiler_options`), none elsewhere;
-      ``{}`` compiles with XLA's defaults.
   """
 
   def __init__(
@@ -222,7 +218,6 @@ class Engine:
     mesh: jax.sharding.Mesh | None = None,
     rules=None,
     cache_layout: str | None = None,
-    compiler_options: dict | None = None,
   ):
     if min(slots, decode_chunk, max_prefill) < 1 or max_waiting < 0:
       raise ValueError(
@@ -245,7 +240,6 @@ class Engine:
     )
     self.mesh = mesh
     self.cache_layout = cache_layout or decode_cache_layout(mesh)
-    self.compiler_options = compiler_options
     if self.cache_layout not in CACHE_LAYOUTS:
       raise ValueError(f"cache_layout={self.cache_layout!r}: use one of {CACHE_LAYOUTS}.")
     self.slots = round_up(slots, shd.batch_rows_multiple(mesh, self.rules)) if mesh else slots
@@ -339,10 +333,7 @@ class Engine:
         whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         rest = (whole,) if decoding else (whole, whole)
         jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
-      options = self.compiler_options
-      if options is None:  # on CPU devices, the options the trainer's steps compile with
-        options = cpu.compiler_options_for(self._leaves[0].sharding.device_set)
-      return jitted.lower(leaves, cache, *args).compile(compiler_options=options or None)
+      return jitted.lower(leaves, cache, *args).compile()
 
   def _decode_fn(self, s: int, window: int):
     """The decode program over the first ``s`` rows and ``window`` cache slots, and the shapes

@@ -27,8 +27,8 @@ class Replicas:
       ``ceil(slots / replicas)``.
     max_waiting: jobs held beyond the slots in all, split the same way.
     **options: the other :class:`Engine` options (``context``, ``decode_chunk``,
-      ``max_prefill``, ``pad_id``, ``cache_layout``, ``compiler_options``); a mesh is
-      refused, since sharded decoding already uses every device.
+      ``max_prefill``, ``pad_id``, ``cache_layout``); a mesh is refused, since sharded
+      decoding already uses every device.
   """
 
   def __init__(

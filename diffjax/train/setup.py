@@ -17,8 +17,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from diffjax import arms, cpu
+from diffjax import arms
 from diffjax import sharding as shd
+from diffjax.cpu import cpu_compiler_options
 from diffjax.model import ModelConfig
 from diffjax.ops.context_parallel import zigzag_permutation
 from diffjax.train.optim import decay_mask, make_optimizer
@@ -38,7 +39,9 @@ BATCH_DTYPES = {
 
 def compiler_options_for(mesh: Mesh) -> dict[str, Any] | None:
   """XLA compiler options for a step that runs on ``mesh`` (CPU meshes only)."""
-  return cpu.compiler_options_for(mesh.devices.flat)
+  if mesh.devices.flat[0].platform != "cpu":
+    return None
+  return cpu_compiler_options() or None
 
 
 @dataclasses.dataclass(frozen=True)
