@@ -5,7 +5,8 @@
     python -m diffjax.serve --hf_dir=DIR ...     # an HF Llama / DiffLlama / DIFF V2 directory
 
 Loads the model, compiles every program it will run (one decode program and one prefill per
-prompt bucket: nothing compiles while serving), prints the address and serves
+prompt bucket: nothing compiles while serving; a run's compile_cache/ keeps them for the next
+start), prints the address and serves
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` until SIGINT or
 SIGTERM, which stops taking requests, lets those in flight finish for ``--drain_seconds`` and
 cancels the rest. Requests and what each option does: docs/serving.md. A mistake in the
@@ -74,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     "--mesh",
     default=None,
     help="serve over a device mesh: data,fsdp,tensor sizes (e.g. 2,1,1; -1 for the rest)",
+  )
+  p.add_argument(
+    "--compile_cache",
+    default=None,
+    help="a directory for JAX's persistent compilation cache, so that a restart loads the "
+    "programs instead of compiling them (default: compile_cache/ in a --workdir run on a local "
+    "disk, none for --hf_dir; '' for none; JAX_COMPILATION_CACHE_DIR, when set, wins)",
   )
   p.add_argument(
     "--drain_seconds",
@@ -232,8 +240,45 @@ class ServerThread:
     return False
 
 
+def compile_cache_dir(args: argparse.Namespace) -> str | None:
+  """Where the server keeps its compiled programs between starts: ``--compile_cache`` when
+  given ('' for nowhere), else ``compile_cache/`` in a ``--workdir`` run on a local disk, else
+  nowhere."""
+  if args.compile_cache is not None:
+    return args.compile_cache or None
+  if args.workdir and "://" not in args.workdir:
+    return os.path.join(args.workdir, "compile_cache")
+  return None
+
+
+def _use_compile_cache(args: argparse.Namespace, progress) -> None:
+  """Points JAX's persistent compilation cache at :func:`compile_cache_dir` (unless
+  ``JAX_COMPILATION_CACHE_DIR`` chose one) and keeps every program there, however quickly it
+  compiled: a server compiles the same programs at every start."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  path = compile_cache_dir(args)
+  if path is None or jax.config.jax_compilation_cache_dir:
+    return
+  try:
+    os.makedirs(path, exist_ok=True)
+    writable = os.access(path, os.W_OK)
+  except OSError:
+    writable = False
+  if not writable:
+    progress(f"not caching compiled programs: cannot write to {path} (see --compile_cache)")
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def _main(args: argparse.Namespace) -> None:
-  engine, server = build(args, progress=lambda line: print(line, file=sys.stderr, flush=True))
+  def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+  _use_compile_cache(args, progress)
+  engine, server = build(args, progress=progress)
   asyncio.run(serve(engine, server, args.host, args.port, args.drain_seconds))
 
 

@@ -332,7 +332,7 @@ def test_the_engine_threads_events_reach_the_loop_in_order_with_one_wake_up_per_
     loop.close()
 
 
-def _start(workdir, *flags):
+def _start(workdir, *flags, env=None):
   """``python -m diffjax.serve`` on a free port; (process, base url) once it serves."""
   import re  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -342,7 +342,7 @@ def _start(workdir, *flags):
     [sys.executable, "-m", "diffjax.serve", f"--workdir={workdir}", "--port=0", *flags],
     stderr=subprocess.PIPE,
     text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    env={**os.environ, "JAX_PLATFORMS": "cpu"} if env is None else env,
   )
   lines = []
   for line in proc.stderr:
@@ -368,6 +368,7 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
     "--decode_chunk=1",
     f"--drain_seconds={drain}",
     "--model_name=run",
+    "--compile_cache=",  # the shared run stays as it was
   )
   try:
     body = {"prompt": "x", "max_tokens": 2000, "stream": True, "ignore_eos": True, "temperature": 0}
@@ -398,6 +399,49 @@ def test_sigterm_drains_or_cancels_requests_in_flight_and_exits_cleanly(
     assert reason == "length" and made == 2000 and "0 requests cancelled" in rest
   else:
     assert reason == "abort" and made < 2000 and "1 requests cancelled" in rest
+
+
+@pytest.mark.integration  # two server processes on a trained run
+def test_a_restart_loads_the_programs_from_the_runs_compile_cache(trained_run, tmp_path):
+  """The first start fills the run's compile_cache/; the second compiles nothing new (no entry
+  is written again) and serves the same greedy tokens."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+
+  run = str(tmp_path / "run")
+  shutil.copytree(trained_run("transformer", small=True), run)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+  env.update(JAX_PLATFORMS="cpu")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  cache = os.path.join(run, "compile_cache")
+  body = {"prompt": "ab", "max_tokens": 5, "temperature": 0}
+  entries, texts = [], []
+  for _ in range(2):
+    proc, url, _ = _start(run, "--context=64", "--slots=2", env=env)
+    try:
+      texts.append(requests.post(f"{url}/completions", json=body, timeout=60).json())
+    finally:
+      proc.send_signal(signal.SIGTERM)
+      assert proc.wait(timeout=60) == 0
+    entries.append({e.name: e.stat().st_mtime_ns for e in os.scandir(cache)})
+  assert len(entries[0]) >= 4  # a decode and a prefill program per bucket
+  assert entries[1] == entries[0]
+  assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+
+
+def test_the_compile_cache_defaults_to_the_runs_directory(tmp_path):
+  from diffjax.serve.command import _parser, compile_cache_dir  # pylint: disable=import-outside-toplevel
+
+  def where(*flags):
+    return compile_cache_dir(_parser().parse_args(list(flags)))
+
+  run = str(tmp_path)
+  assert where(f"--workdir={run}") == os.path.join(run, "compile_cache")
+  assert where(f"--workdir={run}", "--compile_cache=") is None
+  assert where(f"--workdir={run}", "--compile_cache=/elsewhere") == "/elsewhere"
+  assert where("--workdir=gs://bucket/run") is None
+  assert where(f"--hf_dir={run}") is None
+  assert where(f"--hf_dir={run}", "--compile_cache=/elsewhere") == "/elsewhere"
 
 
 @pytest.mark.parametrize(
