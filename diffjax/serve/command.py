@@ -242,13 +242,13 @@ class ServerThread:
 
 def compile_cache_dir(args: argparse.Namespace) -> str | None:
   """Where the server keeps its compiled programs between starts: ``--compile_cache`` when
-  given ('' for nowhere), else ``compile_cache/`` in a ``--workdir`` run on a local disk, else
-  nowhere."""
+  given ('' for nowhere), else ``compile_cache/`` in a ``--workdir`` run directory on a local
+  disk, else nowhere."""
   if args.compile_cache is not None:
     return args.compile_cache or None
-  if args.workdir and "://" not in args.workdir:
+  if args.workdir and "://" not in args.workdir and os.path.isdir(args.workdir):
     return os.path.join(args.workdir, "compile_cache")
-  return None
+  return None  # (a missing workdir is reported by the model's loading)
 
 
 def _use_compile_cache(args: argparse.Namespace, progress) -> None:

@@ -440,6 +440,7 @@ def test_the_compile_cache_defaults_to_the_runs_directory(tmp_path):
   assert where(f"--workdir={run}", "--compile_cache=") is None
   assert where(f"--workdir={run}", "--compile_cache=/elsewhere") == "/elsewhere"
   assert where("--workdir=gs://bucket/run") is None
+  assert where(f"--workdir={tmp_path / 'missing'}") is None  # loading the model reports it
   assert where(f"--hf_dir={run}") is None
   assert where(f"--hf_dir={run}", "--compile_cache=/elsewhere") == "/elsewhere"
 
