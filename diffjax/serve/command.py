@@ -251,15 +251,12 @@ def compile_cache_dir(args: argparse.Namespace) -> str | None:
   return None  # (a missing workdir is reported by the model's loading)
 
 
-def _use_compile_cache(args: argparse.Namespace, progress) -> None:
-  """Points JAX's persistent compilation cache at :func:`compile_cache_dir` (unless
-  ``JAX_COMPILATION_CACHE_DIR`` chose one) and keeps every program there, however quickly it
-  compiled: a server compiles the same programs at every start."""
-  import jax  # pylint: disable=import-outside-toplevel
-
+def _writable_cache_dir(args: argparse.Namespace, progress) -> str | None:
+  """:func:`compile_cache_dir`, made if needed; None (said in one line) when it cannot be
+  written."""
   path = compile_cache_dir(args)
-  if path is None or jax.config.jax_compilation_cache_dir:
-    return
+  if path is None:
+    return None
   try:
     os.makedirs(path, exist_ok=True)
     writable = os.access(path, os.W_OK)
@@ -267,6 +264,20 @@ def _use_compile_cache(args: argparse.Namespace, progress) -> None:
     writable = False
   if not writable:
     progress(f"not caching compiled programs: cannot write to {path} (see --compile_cache)")
+    return None
+  return path
+
+
+def _use_compile_cache(args: argparse.Namespace, progress) -> None:
+  """Points JAX's persistent compilation cache at :func:`compile_cache_dir` (unless
+  ``JAX_COMPILATION_CACHE_DIR`` chose one) and keeps every program there, however quickly it
+  compiled: a server compiles the same programs at every start."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.config.jax_compilation_cache_dir:
+    return
+  path = _writable_cache_dir(args, progress)
+  if path is None:
     return
   jax.config.update("jax_compilation_cache_dir", path)
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

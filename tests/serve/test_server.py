@@ -445,6 +445,27 @@ def test_the_compile_cache_defaults_to_the_runs_directory(tmp_path):
   assert where(f"--hf_dir={run}", "--compile_cache=/elsewhere") == "/elsewhere"
 
 
+def test_a_cache_directory_that_cannot_be_written_is_skipped_in_one_line(tmp_path, monkeypatch):
+  from diffjax.serve import command  # pylint: disable=import-outside-toplevel
+
+  args = command._parser().parse_args([f"--workdir={tmp_path}"])
+  lines = []
+  assert command._writable_cache_dir(args, lines.append) == str(tmp_path / "compile_cache")
+  assert lines == []
+  monkeypatch.setattr(command.os, "access", lambda path, mode: False)
+  assert command._writable_cache_dir(args, lines.append) is None
+  assert lines == [
+    f"not caching compiled programs: cannot write to {tmp_path / 'compile_cache'} "
+    "(see --compile_cache)"
+  ]
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")  # a cache directory below a file cannot be made
+  args = command._parser().parse_args([f"--workdir={tmp_path}", f"--compile_cache={blocked}/c"])
+  monkeypatch.undo()
+  assert command._writable_cache_dir(args, lines.append) is None
+  assert lines[-1].startswith(f"not caching compiled programs: cannot write to {blocked}/c")
+
+
 @pytest.mark.parametrize(
   "args, needle",
   [
