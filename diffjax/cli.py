@@ -72,6 +72,21 @@ class ArgumentParser(argparse.ArgumentParser):
 # Config files.
 
 
+def use_compile_cache(path: str, *, every_program: bool = False) -> bool:
+  """Points JAX's persistent compilation cache at ``path`` unless one is chosen already
+  (``JAX_COMPILATION_CACHE_DIR`` wins); returns whether it did. ``every_program`` keeps programs
+  however quickly they compiled (unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set),
+  for a command that compiles the same programs at every start."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.config.jax_compilation_cache_dir:
+    return False
+  jax.config.update("jax_compilation_cache_dir", path)
+  if every_program and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return True
+
+
 def load_config(path: str, arg: str | None = None):
   """``get_config(arg)`` (or ``get_config()``) of the config file at ``path``.
 

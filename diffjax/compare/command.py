@@ -43,15 +43,6 @@ literals); the runs' keys are under base:
 """
 
 
-def _enable_compile_cache(workdir: str) -> None:
-  """Points JAX's persistent compilation cache into the workdir unless the user chose one: the
-  seeds of one arm compile the same steps, so every run after the first reuses them."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  if not jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR wins
-    jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compile_cache"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command on ``argv`` (default ``sys.argv``; argv[0] is the program name) and
   returns its exit status; SIGINT and SIGTERM outside a run's training return
@@ -98,7 +89,8 @@ def _main(argv: Sequence[str] | None) -> int:
     return 2
   workdir = values["workdir"]
   logging.set_verbosity(logging.WARNING)
-  _enable_compile_cache(workdir)
+  # The seeds of one arm compile the same steps: every run after the first reuses them.
+  cli.use_compile_cache(os.path.join(workdir, "compile_cache"))
   outcome = {}
 
   def go():

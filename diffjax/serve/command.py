@@ -269,19 +269,16 @@ def _writable_cache_dir(args: argparse.Namespace, progress) -> str | None:
 
 
 def _use_compile_cache(args: argparse.Namespace, progress) -> None:
-  """Points JAX's persistent compilation cache at :func:`compile_cache_dir` (unless
-  ``JAX_COMPILATION_CACHE_DIR`` chose one) and keeps every program there, however quickly it
-  compiled: a server compiles the same programs at every start."""
+  """Points JAX's persistent compilation cache at :func:`compile_cache_dir`, keeping every
+  program (a server compiles the same ones at every start), unless
+  ``JAX_COMPILATION_CACHE_DIR`` chose a cache."""
   import jax  # pylint: disable=import-outside-toplevel
 
   if jax.config.jax_compilation_cache_dir:
     return
   path = _writable_cache_dir(args, progress)
-  if path is None:
-    return
-  jax.config.update("jax_compilation_cache_dir", path)
-  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if path is not None:
+    cli.use_compile_cache(path, every_program=True)
 
 
 def _main(args: argparse.Namespace) -> None:
