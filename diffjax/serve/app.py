@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP layer over an :class:`~diffjax.serve.engine.Engine` (aiohttp).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, and the tokenizer routes lm-eval's ``local-completions`` model looks for
-(``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``, as vLLM names them).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health``, and the tokenizer routes lm-eval's ``local-completions``
+model looks for (``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``, as vLLM
+names them).
 Requests, responses and errors follow the OpenAI API; what is accepted and refused:
 docs/serving.md.
 """
@@ -50,7 +51,12 @@ class RequestError(Exception):
     self.status, self.param, self.code = status, param, code
 
   def response(self):
-    kind = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}
+    kind = {
+      404: "not_found_error",
+      429: "rate_limit_error",
+      500: "server_error",
+      503: "service_unavailable",
+    }
     body = {
       "error": {
         "message": str(self),
@@ -88,6 +94,14 @@ def token_text(tok: Tokenizer, token: int) -> str:
   if isinstance(tok, ByteTokenizer) and token < 256:
     return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
   return tok.decode([token])
+
+
+def token_bytes(tok: Tokenizer, token: int) -> list[int]:
+  """The bytes of one token (the chat API's ``bytes``): a byte-level token's own byte, else
+  the UTF-8 of its text."""
+  if isinstance(tok, ByteTokenizer) and token < 256:
+    return [token]
+  return list(token_text(tok, token).encode("utf-8"))
 
 
 class TextStream:
@@ -202,10 +216,16 @@ class Choice:
     self.finish_reason: str | None = None
     self.job: Job | None = None
     self.error: str | None = None
+    self._offsets: list[int] = []  # per token, where its text starts (characters)
+    self._chars = 0
+    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
   def take(self, event) -> str:
     """Applies one engine event; returns the text it releases."""
     if isinstance(event, PromptEvent):
+      self._offsets.clear()
+      self._chars = 0
+      self._utf8.reset()
       self.tokens[:0] = self.prompt_ids
       self.logprobs[:0] = list(event.logprobs)
       self.top[:0] = list(event.top)
@@ -239,19 +259,27 @@ class Choice:
   def completion_tokens(self) -> int:
     return len(self.tokens) - (len(self.prompt_ids) if self.echo else 0)
 
-  def completion_logprobs(self, start: int = 0, text_start: int = 0) -> dict:
+  def completion_logprobs(self, start: int = 0) -> dict:
     """The completions API's ``logprobs`` object for tokens ``start`` on."""
-    tokens = [token_text(self.tok, t) for t in self.tokens[start:]]
-    offsets, at = [], text_start
-    for piece in tokens:
-      offsets.append(at)
-      at += len(piece)
     return {
-      "tokens": tokens,
+      "tokens": [token_text(self.tok, t) for t in self.tokens[start:]],
       "token_logprobs": self.logprobs[start:],
       "top_logprobs": [None if top is None else self._top_dict(top) for top in self.top[start:]],
-      "text_offset": offsets,
+      "text_offset": self._text_offsets()[start:],
     }
+
+  def _text_offsets(self) -> list[int]:
+    """Per token, the character of the choice's text where the token's text starts (the
+    whole characters the tokens before it make; a byte in the middle of a character starts
+    where that character does)."""
+    byte_level = isinstance(self.tok, ByteTokenizer)
+    for token in self.tokens[len(self._offsets) :]:
+      self._offsets.append(self._chars)
+      if byte_level and token < 256:
+        self._chars += len(self._utf8.decode(bytes([token])))
+      else:
+        self._chars += len(token_text(self.tok, token))
+    return self._offsets
 
   def _top_dict(self, top) -> dict[str, float]:
     out: dict[str, float] = {}
@@ -264,14 +292,13 @@ class Choice:
     """The chat API's ``logprobs`` object for generated tokens ``start`` on."""
     content = []
     for token, lp, top in zip(self.tokens[start:], self.logprobs[start:], self.top[start:]):
-      text = token_text(self.tok, token)
       content.append(
         {
-          "token": text,
+          "token": token_text(self.tok, token),
           "logprob": lp,
-          "bytes": list(text.encode("utf-8")),
+          "bytes": token_bytes(self.tok, token),
           "top_logprobs": [
-            {"token": (t := token_text(self.tok, i)), "logprob": v, "bytes": list(t.encode())}
+            {"token": token_text(self.tok, i), "logprob": v, "bytes": token_bytes(self.tok, i)}
             for i, v in top
           ],
         }
@@ -339,6 +366,7 @@ class Server:
     app = web.Application(client_max_size=16 * 2**20, middlewares=[self._errors])
     app.router.add_get("/health", self.health)
     app.router.add_get("/v1/models", self.models)
+    app.router.add_get("/v1/models/{model}", self.model)
     app.router.add_post("/v1/completions", self.completions)
     app.router.add_post("/v1/chat/completions", self.chat)
     app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -374,16 +402,29 @@ class Server:
       return web.json_response({"status": "error", "error": self.engine.error}, status=500)
     return web.json_response({"status": "ok", **self.engine.load()})
 
-  async def models(self, request):
-    del request
-    card = {
+  def _card(self) -> dict:
+    return {
       "id": self.model_name,
       "object": "model",
       "created": self.created,
       "owned_by": "diffjax",
       "max_model_len": self.engine.context,
     }
-    return web.json_response({"object": "list", "data": [card]})
+
+  async def models(self, request):
+    del request
+    return web.json_response({"object": "list", "data": [self._card()]})
+
+  async def model(self, request):
+    name = request.match_info["model"]
+    if name != self.model_name:
+      raise RequestError(
+        f"the model {name!r} does not exist: this server serves {self.model_name!r}.",
+        status=404,
+        param="model",
+        code="model_not_found",
+      )
+    return web.json_response(self._card())
 
   async def tokenizer_info(self, request):
     del request
@@ -562,7 +603,7 @@ class Server:
     else:
       logprobs = _get(body, "logprobs", int, None, minimum=0, maximum=MAX_TOP_LOGPROBS)
       echo = _get(body, "echo", bool, False)
-    top_k = _get(body, "top_k", int, 0)
+    top_k = _get(body, "top_k", int, 0, minimum=-1)
     seed = _get(body, "seed", int, None)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -610,12 +651,20 @@ class Server:
           temperature=opts["temperature"],
           top_k=opts["top_k"],
           top_p=opts["top_p"],
-          seed=(base_seed + i) & 0x7FFFFFFF,
+          seed=(base_seed + index) & 0x7FFFFFFF,
           stop_tokens=stop_tokens,
           top_logprobs=opts["logprobs"] or 0,
           echo=opts["echo"],
         )
         choices.append(choice)
+    most = self.engine.slots + self.engine.max_waiting
+    if len(choices) > most:
+      raise RequestError(
+        f"this request asks for {len(choices)} completions (prompts x n); the server holds "
+        f"at most {most} at once ({self.engine.slots} slots and {self.engine.max_waiting} "
+        "waiting): send fewer per request.",
+        param="prompt",
+      )
     submitted = []
     try:
       for choice in choices:
@@ -710,6 +759,8 @@ class Server:
     each choice with its role), then the usage when asked, then ``[DONE]``."""
     chat = head["object"] == "chat.completion"
     head = {**head, "object": "chat.completion.chunk"} if chat else head
+    if opts["include_usage"]:  # every chunk has the field; the last one fills it
+      head = {**head, "usage": None}
     response = await self._sse(request)
     try:
       if chat:
@@ -724,7 +775,7 @@ class Server:
         if chat:
           lp = c.chat_logprobs(sent[c.index]) if opts["logprobs"] is not None else None
           entry = {"index": c.index, "delta": {"content": piece} if piece else {}}
-          more = bool(piece)
+          more = bool(piece or (lp and lp["content"]))
         else:
           if c.echo and sent[c.index] == 0 and c.tokens:  # the prompt, once it is scored
             piece = c.prompt_text + piece

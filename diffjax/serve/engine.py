@@ -95,7 +95,7 @@ class Job:
     prompt: token ids (at least one).
     max_tokens: new tokens at most (0: score the prompt only, with ``echo``).
     temperature: 0 for greedy; else sample from the logits divided by it.
-    top_k: sample among the k likeliest tokens (0: all).
+    top_k: sample among the k likeliest tokens (0, or k at least the vocabulary: all).
     top_p: sample among the likeliest tokens of mass p (1.0: all).
     seed: the job's random seed (taken modulo 2**31).
     stop_tokens: ids that end the job (the stop token itself is not passed on).
@@ -594,7 +594,7 @@ class Engine:
     for p, (s, job) in enumerate(group):
       prompt[p, : len(job.prompt)] = job.prompt
       n[p], slot[p], seed[p] = len(job.prompt), s, job.seed % 2**31  # the programs take int32
-      temp[p], topk[p], topp[p] = job.temperature, job.top_k, job.top_p
+      temp[p], topk[p], topp[p] = job.temperature, min(job.top_k, self.vocab_size), job.top_p
     echo = any(job.echo for _, job in group)
     self._cache, first, scores = self._program(("prefill", rows, width))(
       self._leaves, self._cache, prompt, n, slot, valid, temp, topk, topp, seed, np.bool_(echo)
@@ -653,7 +653,7 @@ class Engine:
       st = self._slots[i]
       j = st.job
       tok[i], pos[i], gen[i], live[i] = st.last, st.pos, st.generated, True
-      temp[i], topk[i], topp[i] = j.temperature, j.top_k, j.top_p
+      temp[i], topk[i], topp[i] = j.temperature, min(j.top_k, self.vocab_size), j.top_p
       seeds[i] = st.seed
     self._cache, out = self._program(("decode", s, window))(
       self._leaves, self._cache, tok, pos, live, gen, temp, topk, topp, seeds

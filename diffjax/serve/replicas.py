@@ -59,7 +59,7 @@ class Replicas:
       engine._programs = first._programs  # pylint: disable=protected-access
     self.context, self.vocab_size = first.context, first.vocab_size
     self.cache_layout, self.decode_chunk = first.cache_layout, first.decode_chunk
-    self.slots = per_slots * replicas
+    self.slots, self.max_waiting = per_slots * replicas, per_waiting * replicas
 
   def program_names(self) -> list[tuple]:
     """Every program the replicas run (they share them)."""

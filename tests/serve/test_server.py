@@ -54,6 +54,8 @@ def test_the_openai_client_completes_streams_and_chats_as_generate(served):
   model, engine, url = served
   client = openai.OpenAI(base_url=url, api_key="unused")
   assert [m.id for m in client.models.list().data] == ["tiny"]
+  assert client.models.retrieve("tiny").id == "tiny"
+  assert requests.get(f"{url}/models/other", timeout=30).status_code == 404
   prompt = "def f(x):\n    return"
   ids = list(prompt.encode())
   want = bytes(t for t in _greedy(model, ids, 10) if t < 256).decode("utf-8", "replace")
@@ -163,6 +165,9 @@ def _post(url, path, body, **kw):
     ("/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature='hot'"),
     ("/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
     ("/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/completions", {"prompt": "x", "top_k": -7}, 400, "top_k=-7 must be at least -1"),
+    # More choices than 4 slots and 8 waiting hold at once: retrying would not help.
+    ("/completions", {"prompt": ["x"] * 7, "n": 2}, 400, "asks for 14 completions"),
     ("/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
     ("/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "must be text"),
     ("/chat/completions", {"messages": [{"role": "x", "content": "y"}], "n": 0}, 400, "n=0"),
@@ -546,3 +551,76 @@ def test_a_streamed_echo_with_logprobs_is_the_whole_answer_in_pieces(served):
   streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
   assert streamed == whole["logprobs"]["token_logprobs"] and streamed[0] is None
   assert len(streamed) == len("def f(") + 6 and chunks[-1]["finish_reason"] == "length"
+
+
+def _events(url, path, body):
+  """The JSON chunks of a streamed answer (the final [DONE] checked and left out)."""
+  with requests.post(f"{url}{path}", json={**body, "stream": True}, stream=True, timeout=60) as r:
+    events = [e for e in r.iter_lines(delimiter=b"\n\n") if e]
+  assert events[-1] == b"data: [DONE]"
+  return [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+
+
+def test_text_offsets_count_characters_in_a_stream_as_in_the_whole_answer(served):
+  _, _, url = served
+  # A character's bytes start where it does: h, é (2 bytes), € (3 bytes), x.
+  body = {"prompt": "hé€x", "max_tokens": 0, "echo": True, "logprobs": 1}
+  lp = _post(url, "/completions", body).json()["choices"][0]["logprobs"]
+  assert lp["text_offset"] == [0, 1, 1, 2, 2, 2, 3]
+  body = {"prompt": "ab", "max_tokens": 12, "temperature": 100, "seed": 1, "logprobs": 0}
+  body.update(ignore_eos=True, echo=True)
+  whole = _post(url, "/completions", body).json()["choices"][0]
+  offsets = whole["logprobs"]["text_offset"]
+  chunks = [c["choices"][0] for c in _events(url, "/completions", body)]
+  assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets
+  assert len(offsets) == 14 and offsets == sorted(offsets) and offsets[-1] < len(whole["text"])
+
+
+def test_chat_logprobs_give_each_tokens_own_bytes_and_every_token_once_in_a_stream(served):
+  """High-temperature bytes from the tiny model: many are parts of a UTF-8 character, whose text
+  the stream holds back until it is whole; their logprobs still come, each once."""
+  _, _, url = served
+  messages = [{"role": "user", "content": "é"}]
+  body = {"messages": messages, "max_tokens": 12, "temperature": 100, "seed": 1, "logprobs": True}
+  body.update(top_logprobs=2, ignore_eos=True)
+  whole = _post(url, "/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+  assert len(whole) == 12
+  entries = [e for e in whole for e in (e, *e["top_logprobs"])]
+  for e in entries:
+    if e["token"].startswith("bytes:\\x"):
+      assert e["bytes"] == [int(e["token"][len("bytes:\\x") :], 16)], e
+    else:
+      assert e["bytes"] == list(e["token"].encode()), e
+  assert any(e["token"].startswith("bytes:") for e in whole)  # the case above is exercised
+  chunks = _events(url, "/chat/completions", {**body, "stream_options": {"include_usage": True}})
+  streamed = [
+    e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]
+  ]
+  assert streamed == whole
+  assert all(c["usage"] is None for c in chunks[:-1])
+  assert chunks[-1]["usage"]["completion_tokens"] == 12 and chunks[-1]["choices"] == []
+
+
+def test_each_choice_of_a_request_samples_with_its_own_seed(served):
+  """The same prompt twice in one request: two samples, each what that prompt alone gives with
+  the request's seed plus its index."""
+  _, _, url = served
+  body = {"prompt": ["def f(x):"] * 2, "max_tokens": 12, "temperature": 1.0, "seed": 5}
+  body["ignore_eos"] = True
+  both = sorted(_post(url, "/completions", body).json()["choices"], key=lambda c: c["index"])
+  alone = [
+    _post(url, "/completions", {**body, "prompt": "def f(x):", "seed": seed}).json()["choices"][0]
+    for seed in (5, 6)
+  ]
+  assert [c["text"] for c in both] == [c["text"] for c in alone]
+  assert both[0]["text"] != both[1]["text"]
+
+
+def test_a_top_k_past_the_vocabulary_samples_from_every_token(served):
+  _, _, url = served
+  body = {"prompt": "def", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+  want = _post(url, "/completions", body).json()["choices"][0]["text"]
+  for k in (258, 3_000_000_000):
+    r = _post(url, "/completions", {**body, "top_k": k})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+  assert requests.get(f"{url[: -len('/v1')]}/health", timeout=30).json()["status"] == "ok"
