@@ -158,6 +158,8 @@ def write_checkpoint(
   names.
   """
   max_bytes = parse_size(max_shard_size)
+  if os.path.islink(directory):  # written where the link points, which it then names
+    directory = os.path.realpath(directory)
   if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
     raise ConversionError(
       f"{directory!r} already exists and is not an empty directory: choose a new output directory."

@@ -72,7 +72,7 @@ def architecture_of(cfg: ModelConfig) -> str:
   if arch not in MODEL_TYPE:
     raise ConversionError(
       f"attention={cfg.attention!r} has no transformers class; export supports "
-      f"{sorted(arm_of().values())}."
+      f"{sorted(set(arm_of().values()))}."
     )
   return arch
 
@@ -310,6 +310,7 @@ def hf_config_from_model(
     "pad_token_id": pad_token_id,
     "rms_norm_eps": cfg.norm_eps,
     "rope_parameters": {"rope_theta": float(cfg.rope_theta), "rope_type": "default"},
+    "rope_theta": float(cfg.rope_theta),  # what transformers before 5 reads
     "tie_word_embeddings": cfg.tie_embeddings,
     "use_cache": True,
     "vocab_size": cfg.vocab_size,
@@ -347,6 +348,11 @@ def check_exportable(cfg: ModelConfig) -> None:
       raise ConversionError(
         f"diff_fixed_lambda={cfg.diff_fixed_lambda} cannot be exported: "
         "DiffLlama always learns lambda."
+      )
+    if cfg.diff_lambda_init_offset:
+      raise ConversionError(
+        f"diff_lambda_init_offset={cfg.diff_lambda_init_offset} cannot be exported: DiffLlama's "
+        "lambda_init is 0.8 - 0.6 exp(-0.3 l) at layer l from 0 (offset 0)."
       )
     if cfg.diff_norm_eps != cfg.norm_eps:
       raise ConversionError(

@@ -217,7 +217,9 @@ def test_export_has_the_names_shapes_and_config_keys_transformers_writes(kind, t
   with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
     exported_cfg = json.load(f)
   want_cfg = fixture_config(kind)
-  assert set(exported_cfg) == set(want_cfg) - INFORMATIONAL_KEYS
+  # rope_theta, at the top level too, is what transformers before 5 reads.
+  assert set(exported_cfg) == (set(want_cfg) - INFORMATIONAL_KEYS) | {"rope_theta"}
+  assert exported_cfg["rope_theta"] == want_cfg["rope_parameters"]["rope_theta"]
   for key in (
     "architectures",
     "model_type",
@@ -290,12 +292,15 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path):
     "'gda_v2'": ModelConfig(attention="gda_v2", gda_ratio=2, **{**base, "num_kv_heads": 1}),
     "diff_use_norm": ModelConfig(attention="diff_v1", diff_use_norm=False, **base),
     "diff_norm_eps": ModelConfig(attention="diff_v1", diff_norm_eps=1e-6, **base),
+    "diff_lambda_init_offset": ModelConfig(attention="diff_v1", diff_lambda_init_offset=-1, **base),
   }
   for field, cfg in cases.items():
     out = os.path.join(tmp_path, "out")
-    with pytest.raises(ConversionError, match=field):
+    with pytest.raises(ConversionError, match=field) as refused:
       save_hf(random_model(cfg, 0), out)
     assert not os.path.exists(out)
+    if field == "'gda_v2'":  # the arms that do export, each named once
+      assert str(refused.value).endswith("['diff_v1', 'diff_v2', 'transformer'].")
 
 
 # -------------------------------------------------------------------------- workdirs (CLI)
@@ -444,3 +449,11 @@ def test_existing_outputs_are_not_overwritten(tmp_path, capsys):
   assert cli_main(["import", "--hf", fixture("llama"), "--workdir", str(run)]) == 2
   assert "already holds checkpoints" in capsys.readouterr().err
   assert os.listdir(run / "checkpoints") == ["7"]
+
+
+def test_an_export_through_a_link_to_an_empty_directory_lands_where_it_points(tmp_path):
+  (tmp_path / "real").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "real")
+  save_hf(load_hf(fixture("llama")), str(tmp_path / "link"))
+  assert (tmp_path / "link").is_symlink() and "config.json" in os.listdir(tmp_path / "real")
+  assert load_hf(str(tmp_path / "link")).config == load_hf(fixture("llama")).config

@@ -155,6 +155,7 @@ def test_transformers_loads_the_export_with_diffjax_logits_and_greedy_tokens(pai
       str(tmp_path / "hf"), trust_remote_code=True, attn_implementation=impl
     ).eval()
     assert type(hf).__name__ == "DiffjaxV2ForCausalLM" and hf.config._attn_implementation == impl
+    assert hf.config.base_model_tp_plan is None  # a head pair is not split by Llama's plan
     with torch.no_grad():
       got = hf(torch.tensor(IDS, dtype=torch.long)).logits.double().numpy()
       err = np.abs(got - want).max() / np.abs(want).max()
@@ -189,6 +190,7 @@ def test_transformers_runs_the_projects_transformer_and_v1_code_as_diffjax(arm, 
       str(tmp_path / "hf"), trust_remote_code=True, attn_implementation=impl
     ).eval()
     assert type(hf).__name__ == cls and hf.config._attn_implementation == impl
+    assert (hf.config.base_model_tp_plan is None) == (arm == "diff_v1")
     with torch.no_grad():
       got = hf(ids).logits.double().numpy()
       err = np.abs(got - want).max() / np.abs(want).max()

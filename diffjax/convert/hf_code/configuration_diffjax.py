@@ -21,6 +21,9 @@ class DiffjaxV1Config(LlamaConfig):
   ``lambda_std_dev``, the spread of the lambda vectors at initialisation."""
 
   model_type = "diffjax_v1"
+  # Llama's tensor-parallel plan splits heads one by one; a differential head is two of them
+  # (and their value, lambda and norm), so these models run unsplit.
+  base_model_tp_plan = None
 
   def __init__(self, lambda_std_dev: float = 0.1, **kwargs):
     heads = kwargs.get("num_attention_heads", 32)

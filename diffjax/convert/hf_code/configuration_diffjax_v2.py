@@ -14,6 +14,9 @@ class DiffjaxV2Config(LlamaConfig):
   sigmoid(x W_lambda); "identity": x W_lambda)."""
 
   model_type = "diffjax_v2"
+  # Llama's tensor-parallel plan splits heads one by one; a differential head is two of them
+  # (and their value, lambda and norm), so these models run unsplit.
+  base_model_tp_plan = None
 
   def __init__(self, v2_pairing: str = "group", v2_lambda: str = "sigmoid", **kwargs):
     if v2_pairing not in ("group", "across_groups"):
