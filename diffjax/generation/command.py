@@ -14,7 +14,6 @@ the arguments prints one ``error:`` line and exits 2.
 from __future__ import annotations
 
 import argparse
-import codecs
 import os
 import sys
 from collections.abc import Sequence
@@ -22,11 +21,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from diffjax import cli
-from diffjax.data import ByteTokenizer
 from diffjax.errors import run_guarded
 from diffjax.generation.engine import generate
 from diffjax.generation.loading import load_model, model_tokenizer
 from diffjax.generation.sampling import SamplingOptions
+from diffjax.generation.text import TextStream
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,34 +59,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class _Stream:
-  """Writes each new token's text as it comes; bytes are decoded as UTF-8 incrementally."""
+  """Writes ``prefix`` (the prompt), then each new token's text as it comes (text is released
+  only when whole); nothing before the first token, so a refused call writes nothing."""
 
-  def __init__(self, tokenizer, out=None):
-    self.tokenizer = tokenizer
+  def __init__(self, tokenizer, out=None, prefix: str = ""):
+    self.text, self.prefix = TextStream(tokenizer), prefix
     self.out = sys.stdout if out is None else out  # the stream of the call, not of the import
-    self.byte_level = isinstance(tokenizer, ByteTokenizer)
-    self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    self.ids: list[int] = []
-    self.text = ""
+
+  def _write(self, piece: str) -> None:
+    self.out.write(self.prefix + piece)
+    self.prefix = ""
+    self.out.flush()
 
   def __call__(self, step: int, tokens_B: np.ndarray, active_B: np.ndarray) -> None:
-    if not active_B[0]:
-      return
-    tok = int(tokens_B[0])
-    if self.byte_level:
-      piece = self.utf8.decode(bytes([tok])) if tok < 256 else ""
-    else:  # decode the whole continuation: pieces may merge across tokens
-      self.ids.append(tok)
-      text = self.tokenizer.decode(self.ids)
-      piece, self.text = text[len(self.text) :], text
-    self.out.write(piece)
-    self.out.flush()
+    if active_B[0]:
+      self._write(self.text.add(int(tokens_B[0])))
 
   def close(self) -> None:
-    if self.byte_level:
-      self.out.write(self.utf8.decode(b"", final=True))
-    self.out.write("\n")
-    self.out.flush()
+    self._write(self.text.finish() + "\n")
 
 
 def _main(args: argparse.Namespace) -> None:
@@ -106,9 +95,7 @@ def _main(args: argparse.Namespace) -> None:
   prompt = tokenizer.encode(args.prompt)
   if not len(prompt):
     raise ValueError("--prompt is empty: give at least one character to continue.")
-  stream = _Stream(tokenizer)
-  sys.stdout.write(args.prompt)
-  sys.stdout.flush()
+  stream = _Stream(tokenizer, prefix=args.prompt)
   out = generate(
     model,
     [prompt.tolist()],

@@ -316,6 +316,7 @@ def test_lm_evals_own_command_line_runs_the_registered_model_with_the_same_score
   for argv, needle in (
     (["--model=no_such_model"], "no_such_model"),
     (["--model=diffjax", "--model_args", f"workdir={missing}"], str(missing)),
+    (["--model=diffjax", "--model_args", f"wokdir={missing}"], "--model_args wokdir="),
   ):
     argv = ["run", *argv, f"--include_path={FIXTURES}", f"--tasks={tasks}"]
     assert lm_eval_main(argv) == 2, argv
@@ -446,6 +447,20 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
     stop_tokens=[lm.eot_token_id],
   )
   assert got == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
+  # The next call draws with the next seed: a repeated request in another batch is sampled anew.
+  again = lm.generate_texts(
+    contexts, until=["\n\n"], max_gen_toks=10, do_sample=True, temperature=0.9, top_k=20
+  )
+  out = generate(
+    model,
+    [lm.tok_encode(c) for c in contexts],
+    max_new_tokens=10,
+    temperature=0.9,
+    top_k=20,
+    seed=6,
+    stop_tokens=[lm.eot_token_id],
+  )
+  assert again == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens] != got
   greedy = lm.generate_texts(contexts, max_gen_toks=10)
   assert greedy != got  # sampling at temperature 0.9 is not the greedy path
   with pytest.raises(ValueError, match=r"num_beams=4 is not supported \(only num_beams=1 is\)"):
@@ -735,3 +750,31 @@ def test_eval_says_how_many_validation_batches_and_generation_refuses_another_to
   rc = generate_main([argv[0], "--prompt=hi", f"--tokenizer={tmp_path / 'other.json'}"])
   err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
   assert rc == 2 and len(err) == 1 and "is not the one the run was trained with ('byte')" in err[0]
+
+
+def test_generation_leaves_room_for_the_context_or_says_why():
+  lm = DiffjaxLM(model=tiny_model("transformer"), tokenizer="byte", max_length=16, batch_size=2)
+  with pytest.raises(ValueError, match="max_gen_toks=16 leaves no room for a context in max_len"):
+    lm.generate_texts(["abc"], max_gen_toks=16)
+  with pytest.raises(ValueError, match="max_gen_toks=-1 must be at least 0"):
+    lm.generate_texts(["abc"], max_gen_toks=-1)
+  assert lm.generate_texts(["abc", "d"], max_gen_toks=0) == ["", ""]
+  assert len(lm.generate_texts(["abc"], max_gen_toks=15)) == 1  # one token of context is room
+
+
+def test_model_args_are_checked_by_name_and_pretrained_is_the_directory(tmp_path):
+  from diffjax.convert import save_hf  # pylint: disable=import-outside-toplevel
+
+  save_hf(tiny_model("transformer"), str(tmp_path / "hf"), tokenizer=ByteTokenizer())
+  lm = DiffjaxLM.create_from_arg_string(
+    f"pretrained={tmp_path / 'hf'},batch_size=3,max_gen_toks=7",
+    {"batch_size": 1, "max_batch_size": None, "device": "cpu"},
+  )
+  assert lm.batch_size == 3 and lm.max_gen_toks == 7  # --model_args win over lm-eval's defaults
+  assert lm.context_source == "config.json's max_position_embeddings"
+  with pytest.raises(ValueError, match="--model_args wokdir='x': the diffjax model takes pretr"):
+    DiffjaxLM.create_from_arg_string("wokdir=x", {"batch_size": 1})
+  with pytest.raises(ValueError, match="max_length='abc' must be an integer"):
+    DiffjaxLM.create_from_arg_string(f"hf_dir={tmp_path / 'hf'},max_length=abc")
+  with pytest.raises(ValueError, match="no chat template"):
+    lm.chat_template(True)

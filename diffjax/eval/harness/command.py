@@ -65,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     "(e.g. max_gen_toks=32,temperature=0)",
   )
   p.add_argument("--tokenizer", default=None, help="tokenizer spec (default: the run's own)")
-  p.add_argument("--seed", type=int, default=1234)
+  p.add_argument(
+    "--seed",
+    type=int,
+    default=1234,
+    help="the seed of the few-shot draws and of sampled generation",
+  )
   p.add_argument(
     "--bootstrap_iters", type=int, default=1000, help="resamples for the standard errors (0: none)"
   )
@@ -119,6 +124,7 @@ def _main(args: argparse.Namespace) -> None:
     batch_size=args.batch_size,
     max_batch_size=args.max_batch_size,
     max_gen_toks=args.max_gen_toks,
+    seed=args.seed,
   )
   arm = lm.model.config.attention
   print(

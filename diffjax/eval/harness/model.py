@@ -10,6 +10,8 @@ with as much context as fits), and generates through :func:`diffjax.generation.g
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,7 +87,8 @@ class DiffjaxLM(TemplateLM):
       the HF config's ``max_position_embeddings``, else 2048). Longer requests lose tokens
       from the left.
     max_gen_toks: new tokens for a generation task that does not say.
-    seed: the sampling seed of sampled generation.
+    seed: the sampling seed of sampled generation (each generation call draws with its own
+      seed from it, so repeated requests in different batches are sampled independently).
     mesh, rules: evaluate sharded over a device mesh (no parameter is gathered).
     batch_size: rows per forward pass (and per generation call), or ``"auto"`` (also
       lm-eval's ``"auto:N"``): the largest power of two up to ``max_batch_size`` (default 64)
@@ -128,7 +131,7 @@ class DiffjaxLM(TemplateLM):
     self.tok = model_tokenizer(loaded, model, tokenizer)
     auto, batch_size = _parse_batch_size(batch_size)
     self.model = model
-    self.max_length_ = int(max_length or context or DEFAULT_MAX_LENGTH)
+    self.max_length_ = _int_arg("max_length", max_length or context or DEFAULT_MAX_LENGTH, 1)
     self.context_source = (
       "max_length="
       if max_length
@@ -139,8 +142,9 @@ class DiffjaxLM(TemplateLM):
       )
     )
     self.batch_size = int(batch_size)
-    self.max_gen_toks = int(max_gen_toks)
-    self.seed = int(seed)
+    self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 0)
+    self.seed = _int_arg("seed", seed)
+    self._generate_calls = 0
     self.mesh, self.rules = mesh, rules
     self.scorer = TokenScorer(
       model, max_length=self.max_length_, batch_size=self.batch_size, mesh=mesh, rules=rules
@@ -148,6 +152,42 @@ class DiffjaxLM(TemplateLM):
     if auto:
       limit = int(max_batch_size) if max_batch_size else DEFAULT_MAX_BATCH_SIZE
       self.batch_size = self.scorer.fit_batch_size(limit)
+
+  @classmethod
+  def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+    """``--model_args`` as lm-eval's command line gives them (see :meth:`create_from_arg_obj`)."""
+    return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
+
+  @classmethod
+  def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None):
+    """The model of lm-eval's ``--model_args``: an unknown key is refused naming the keys taken;
+    ``pretrained`` (lm-eval's usual key) is an HF directory when it holds a ``config.json``, else a
+    run; a key given here wins over lm-eval's own ``--batch_size``, ``--max_batch_size`` and
+    ``--device``."""
+    args = dict(arg_dict)
+    if "pretrained" in args:
+      path = str(args.pop("pretrained"))
+      key = "hf_dir" if os.path.isfile(os.path.join(path, "config.json")) else "workdir"
+      args.setdefault(key, path)
+    taken = sorted(
+      set(inspect.signature(cls.__init__).parameters) - {"self", "model", "mesh", "rules"}
+    )
+    unknown = sorted(set(args) - set(taken))
+    if unknown:
+      raise ValueError(
+        f"--model_args {unknown[0]}={args[unknown[0]]!r}: the diffjax model takes "
+        f"{', '.join(['pretrained', *taken])}."
+      )
+    rest = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in args}
+    return cls(**args, **rest)
+
+  def chat_template(self, chat_template: bool | str = False) -> str | None:
+    if chat_template:
+      raise ValueError(
+        "the diffjax model has no chat template (its runs are base models): leave out "
+        "--apply_chat_template."
+      )
+    return ""
 
   # -- what TemplateLM asks for ------------------------------------------------------------
 
@@ -246,10 +286,22 @@ class DiffjaxLM(TemplateLM):
     if unknown:
       generation_options(unknown)  # raises naming the first it cannot honour
     stops = [until] if isinstance(until, str) else list(until or [])
-    new = int(max_gen_toks or self.max_gen_toks)
-    keep = max(1, self.max_length - new)
+    new = _int_arg("max_gen_toks", self.max_gen_toks if max_gen_toks is None else max_gen_toks, 0)
+    if new == 0:
+      return [""] * len(contexts)
+    keep = self.max_length - new
+    if keep < 1:  # as lm-eval's hf model refuses it
+      raise ValueError(
+        f"max_gen_toks={new} leaves no room for a context in max_length={self.max_length} "
+        f"({self.context_source}): lower max_gen_toks (the task's generation_kwargs, "
+        "--gen_kwargs or --model_args max_gen_toks=) or raise --model_args max_length=."
+      )
     prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-keep:] for c in contexts]
     sampled = bool(do_sample) and float(temperature or 0.0) > 0
+    seed, self._generate_calls = (
+      (self.seed + self._generate_calls) % 2**31,
+      self._generate_calls + 1,
+    )
     result = generate(
       self.model,
       prompts,
@@ -257,12 +309,26 @@ class DiffjaxLM(TemplateLM):
       temperature=float(temperature) if sampled else 0.0,
       top_k=top_k if sampled else None,
       top_p=top_p if sampled else None,
-      seed=self.seed,
+      seed=seed,
       stop_tokens=[self.eot_token_id],
       mesh=self.mesh,
       rules=self.rules,
     )
     return [cut_at_stops(self.tok_decode(tokens), stops) for tokens in result.tokens]
+
+
+def _int_arg(name: str, value: Any, minimum: int | None = None) -> int:
+  """``value`` (an int or its digits, as ``--model_args`` gives them) as an int, else a
+  ``ValueError`` naming ``name``."""
+  try:
+    out = int(str(value).strip()) if isinstance(value, str) else value
+  except ValueError:
+    out = None
+  if isinstance(out, bool) or not isinstance(out, (int, np.integer)):
+    raise ValueError(f"{name}={value!r} must be an integer.") from None
+  if minimum is not None and out < minimum:
+    raise ValueError(f"{name}={value!r} must be at least {minimum}.")
+  return int(out)
 
 
 def _parse_batch_size(batch_size: int | str) -> tuple[bool, int]:
