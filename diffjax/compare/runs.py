@@ -98,7 +98,13 @@ def _harness(
   """The lm-eval results of ``settings["tasks"]`` on ``model`` and their flat scalars."""
   from diffjax.eval.harness import DiffjaxLM, harness_scalars, run_tasks  # pylint: disable=import-outside-toplevel
 
-  lm = DiffjaxLM(model=model, tokenizer=tokenizer, max_length=run.seq_len, batch_size=batch_size)
+  lm = DiffjaxLM(
+    model=model,
+    tokenizer=tokenizer,
+    max_length=run.seq_len,
+    batch_size=batch_size,
+    seed=settings["seed"],
+  )
   results = run_tasks(
     lm,
     settings["tasks"],
