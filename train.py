@@ -18,8 +18,8 @@ Exit status:
   2   a mistake in the flags, the config or the data, a non-finite loss, or another
       training holding the workdir: one ``error:`` line says what to change;
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
-      while training (the first compile included) after saving that step, at the end
-      after the final save, during start-up (config, data, restore) at once, with one
+      from the restore on (the first compile included) after saving the next step, at
+      the end after the final save, during start-up (config, data) at once, with one
       line; or one of several processes stopped
       answering (one ``error:`` line names it): rerun the same command to resume.
       tpu_setup/babysit.sh relaunches on it.

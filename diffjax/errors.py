@@ -42,8 +42,9 @@ def import_extra(module: str, extra: str, needed_for: str):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-  """The exception types printed as one ``error:`` line instead of a traceback."""
-  return (UserError, ValueError, FileNotFoundError, NotADirectoryError, KeyError)
+  """The exception types printed as one ``error:`` line instead of a traceback (a path that
+  cannot be written is the user's to change, as one that does not exist)."""
+  return (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError, KeyError)
 
 
 def run_guarded(fn: Callable[[], Any]) -> int:
@@ -52,6 +53,8 @@ def run_guarded(fn: Callable[[], Any]) -> int:
     fn()
   except user_errors() as e:
     msg = str(e).strip() or type(e).__name__
+    if isinstance(e, PermissionError):
+      msg += ": choose a directory this user can write"
     if isinstance(e, KeyError):
       msg = f"unknown or missing config key {msg}"
     print(f"error: {msg}", file=sys.stderr)

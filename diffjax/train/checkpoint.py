@@ -210,6 +210,53 @@ def check_model_config(saved: dict, current: dict, directory) -> None:
     )
 
 
+# Run settings that decide which tokens each step reads: a saved data position means nothing
+# under other values (``data.paths`` may move; ``data.streams_per_row`` is checked by the data).
+DATA_ORDER_KEYS = (
+  "seed",
+  "seq_len",
+  *(
+    f"data.{k}"
+    for k in ("kind", "tokenizer", "val_fraction", "split_seed", "max_documents", "max_tokens")
+  ),
+  "data.shuffle",
+  "data.shards_per_group",
+  *(
+    f"task_mix.{k}"
+    for k in (
+      "task",
+      "fraction",
+      "context_len",
+      "num_needles",
+      "num_queries",
+      "num_pairs",
+      "distractors_per_query",
+      "key_len",
+      "value_len",
+      "separator",
+    )
+  ),
+)
+
+
+def check_data_order(saved: dict, current: dict, directory) -> None:
+  """Refuses to resume when a setting of :data:`DATA_ORDER_KEYS` changed (``saved`` and
+  ``current``: run configs as JSON); a key the saved config lacks is not compared."""
+  diffs = []
+  for key in DATA_ORDER_KEYS:
+    section, _, name = key.rpartition(".")
+    old = (saved.get(section) or {}) if section else saved
+    new = (current.get(section) or {}) if section else current
+    if name in old and old[name] != new.get(name):
+      diffs.append(f"{key}: saved {old[name]!r} vs now {new.get(name)!r}")
+  if diffs:
+    raise CheckpointError(
+      f"The data settings differ from the checkpoint in {directory}: {', '.join(diffs)}. The "
+      "saved data position is only valid with the settings that saved it: restore them, or "
+      "start a new --workdir (checkpoint.init_from naming this run takes its weights)."
+    )
+
+
 def _sds_stack(xs: list[Any]) -> jax.ShapeDtypeStruct:
   x = xs[0]
   sharding = getattr(x, "sharding", None)
@@ -370,6 +417,8 @@ def _restore_checked(
   try:
     state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
   except Exception as e:  # orbax and tensorstore raise several types for damaged files
+    if _interrupted(e):  # a signal's KeyboardInterrupt, wrapped: not the checkpoint's fault
+      raise
     raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
   integrity.verify(manager.directory, step, record, names, named_leaves(state)[1], own)
   line = None
@@ -377,6 +426,17 @@ def _restore_checked(
     _restore_global_position(manager, step, record, data_iter, saved)
     line = resume_line(step, saved, jax.process_count())
   return to_target_layout(state), line
+
+
+def _interrupted(e: BaseException | None) -> bool:
+  """Whether a KeyboardInterrupt is behind ``e`` (its causes and contexts)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, KeyboardInterrupt):
+      return True
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any, data_iter) -> Any:

@@ -151,11 +151,17 @@ class Trainer:
         self._setup()
       if self._finished():  # another process finished it while this one prepared its data
         return self._leave_finished()
-      with self.clock.phase("restore"):
-        self._restore_or_init()
-      self._reconcile_records()
-      self._prepare_loop()
+      # From the restore on, a signal asks to save and stop after the next step (a restore
+      # cut short could look like a damaged checkpoint; the first compile is not cut either).
       with _StopFlag() as stop:
+        with self.clock.phase("restore"):
+          self._restore_or_init()
+        if self.is_main and done_step(self.workdir) is not None:
+          # Training past an earlier num_steps (the restore accepted the settings): the run
+          # is not finished until the new one.
+          epath.Path(self.workdir, DONE_FILE).unlink()
+        self._reconcile_records()
+        self._prepare_loop()
         stopped = self._train(stop)
         if stopped is not None:
           return stopped
@@ -235,9 +241,6 @@ class Trainer:
 
     self.lock.acquire()  # refuses a second training before it writes anything
     epath.Path(self.workdir).mkdir(parents=True, exist_ok=True)
-    if self.is_main and done_step(self.workdir) is not None and not self._finished():
-      # Training past an earlier num_steps: the run is not finished until the new one.
-      epath.Path(self.workdir, DONE_FILE).unlink()
     self.manager = ckpt.make_manager(
       os.path.join(self.workdir, "checkpoints"),
       keep=cfg.checkpoint.keep,
@@ -266,6 +269,8 @@ class Trainer:
     ckpt.check_model_config(
       saved.get("model_config", {}), self.meta["model_config"], self.manager.directory
     )
+    # So is a change of what the steps read (the saved data position would mean other tokens).
+    ckpt.check_data_order(saved.get("config") or {}, self.meta["config"], self.manager.directory)
 
   def _restore_or_init(self) -> None:
     latest, state = ckpt.restore_newest_good(
@@ -319,14 +324,21 @@ class Trainer:
     if self.is_main:
       # The steps after the restored one run again: drop their old metrics lines so
       # metrics.jsonl keeps one line per step. A finished run's final evaluation also
-      # runs again, so its old eval line goes too.
+      # runs again, so its old eval line goes too (its train and perf lines stay).
       rewrite_metrics(
         workdir,
         lambda row: (
           row["step"] < start_step
-          or (row["step"] == start_step and (start_step < cfg.num_steps or "train/loss" in row))
+          or (
+            row["step"] == start_step
+            and (start_step < cfg.num_steps or not any(k.startswith("eval/") for k in row))
+          )
         ),
       )
+    if start_step == cfg.num_steps and self.is_main:  # nothing to train: the loss on record
+      rows = [r for r in read_metrics(workdir) if r["step"] == start_step and "train/loss" in r]
+      if rows:
+        self.last_train_loss = float(rows[-1]["train/loss"])
     self.n_params = count_params(self.model_cfg)
     # Updates skipped as non-finite so far (the steps kept in metrics.jsonl); the run may skip
     # cfg.max_skipped_updates before it stops.

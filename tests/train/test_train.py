@@ -500,3 +500,82 @@ def test_task_mix_interleaves_retrieval_examples(tmp_path):
   c.task_mix.task = "sorting"
   with pytest.raises(ValueError, match="sorting"):
     train_and_evaluate(c, str(tmp_path / "bad"))
+
+
+@pytest.mark.integration  # whole training runs
+def test_changed_data_settings_are_refused_moving_nothing_and_the_run_stays_finished(tmp_path):
+  """Another seed or data order cannot continue the saved data position: one refusal, no step
+  quarantined, and the finished run keeps its DONE marker and its files."""
+  from diffjax.train.workdir import done_step  # pylint: disable=import-outside-toplevel
+
+  wd = str(tmp_path / "run")
+  first = train_and_evaluate(tiny_config(steps=3), wd)
+  metrics = open(os.path.join(wd, "metrics.jsonl"), encoding="utf-8").read()
+  for key, value in (("seed", 7), ("data.shuffle", False), ("seq_len", 16)):
+    c = tiny_config(steps=5)
+    section, _, name = key.rpartition(".")
+    (c[section] if section else c)[name] = value
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"{key}: saved")):
+      train_and_evaluate(c, wd)
+  c = tiny_config(steps=5)
+  c.model.num_layers = 2
+  with pytest.raises(ckpt.CheckpointError, match="num_layers"):
+    train_and_evaluate(c, wd)
+  assert not os.path.exists(os.path.join(wd, "checkpoints_quarantine"))
+  assert done_step(wd) == 3
+  assert open(os.path.join(wd, "metrics.jsonl"), encoding="utf-8").read() == metrics
+  assert train_and_evaluate(tiny_config(steps=3), wd)["train/loss"] == first["train/loss"]
+
+
+@pytest.mark.integration  # whole training runs
+def test_a_run_stopped_after_its_last_save_finishes_with_its_recorded_loss(tmp_path):
+  """As a signal right after the last step leaves it: the step saved, its train and perf lines
+  written, no final evaluation and no DONE marker. The rerun evaluates and reports the loss on
+  record (it trains no step)."""
+  wd = str(tmp_path / "run")
+  c = tiny_config(steps=3)
+  c.eval_every = 3
+  first = train_and_evaluate(c, wd)
+  path = os.path.join(wd, "metrics.jsonl")
+  lines = open(path, encoding="utf-8").read().splitlines()
+  kept = [l for l in lines if not (json.loads(l)["step"] == 3 and "eval/loss" in json.loads(l))]
+  assert len(kept) == len(lines) - 1
+  open(path, "w", encoding="utf-8").write("\n".join(kept) + "\n")
+  os.remove(os.path.join(wd, "DONE"))
+  again = train_and_evaluate(c, wd)
+  assert again["train/loss"] == first["train/loss"] and np.isfinite(again["train/loss"])
+  rows = [json.loads(l) for l in open(path, encoding="utf-8").read().splitlines()]
+  at_3 = [set(r) - {"step"} for r in rows if r["step"] == 3]
+  assert any("perf/step_time_s" in r for r in at_3) and any("eval/loss" in r for r in at_3)
+  assert sum("train/loss" in r for r in at_3) == 1
+
+
+@pytest.mark.integration  # whole training runs
+def test_a_signal_during_the_restore_saves_and_stops_after_the_next_step(tmp_path, monkeypatch):
+  """The restore is not cut short (which could look like a damaged step): the signal asks the
+  run to stop, which it does after the next step, saved; nothing is moved."""
+  wd = str(tmp_path / "run")
+  train_and_evaluate(tiny_config(steps=3), wd)
+  real = ckpt.restore_newest_good
+
+  def signalled_restore(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(ckpt, "restore_newest_good", signalled_restore)
+  result = train_and_evaluate(tiny_config(steps=6), wd)
+  assert result["stopped"] and result["step"] == 4
+  assert not os.path.exists(os.path.join(wd, "checkpoints_quarantine"))
+  m = ckpt.make_manager(os.path.join(wd, "checkpoints"), keep=5, async_save=False)
+  assert m.latest_step() == 4
+
+
+def test_a_keyboard_interrupt_inside_a_librarys_error_is_seen():
+  try:
+    try:
+      raise KeyboardInterrupt(2)
+    except KeyboardInterrupt as k:
+      raise ValueError("wrapped") from k
+  except ValueError as e:
+    wrapped = e
+  assert ckpt._interrupted(wrapped) and not ckpt._interrupted(ValueError("damaged"))

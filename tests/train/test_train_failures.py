@@ -185,3 +185,16 @@ def test_default_command_trains_the_default_config_into_runs_default(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert "runs/default" in r.stdout, r.stdout[-2000:]
   assert (tmp_path / "runs" / "default" / "DONE").read_text().strip() == "2"
+
+
+def test_a_path_that_cannot_be_written_is_one_error_line(capsys):
+  from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
+
+  def write():  # as a workdir on a read-only mount fails (root writes anywhere, so raised here)
+    raise PermissionError(13, "Permission denied", "/sys/run")
+
+  assert run_guarded(write) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [
+    "error: [Errno 13] Permission denied: '/sys/run': choose a directory this user can write"
+  ]
