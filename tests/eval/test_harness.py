@@ -434,33 +434,23 @@ def test_sampled_generation_is_generate_with_the_tasks_options():
   model = tiny_model("diff_v1")
   lm = DiffjaxLM(model=model, tokenizer="byte", max_length=MAX_LENGTH, batch_size=2, seed=5)
   contexts = ["def f(x):", "import os\n"]
-  got = lm.generate_texts(
-    contexts, until=["\n\n"], max_gen_toks=10, do_sample=True, temperature=0.9, top_k=20
-  )
-  out = generate(
-    model,
-    [lm.tok_encode(c) for c in contexts],
-    max_new_tokens=10,
-    temperature=0.9,
-    top_k=20,
-    seed=5,
-    stop_tokens=[lm.eot_token_id],
-  )
-  assert got == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
+
+  def sampled():
+    return lm.generate_texts(
+      contexts, until=["\n\n"], max_gen_toks=10, do_sample=True, temperature=0.9, top_k=20
+    )
+
+  def generated(seed):
+    ids = [lm.tok_encode(c) for c in contexts]
+    out = generate(
+      model, ids, max_new_tokens=10, temperature=0.9, top_k=20, seed=seed, stop_tokens=[256]
+    )
+    return [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens]
+
+  got = sampled()
+  assert lm.eot_token_id == 256 and got == generated(5)
   # The next call draws with the next seed: a repeated request in another batch is sampled anew.
-  again = lm.generate_texts(
-    contexts, until=["\n\n"], max_gen_toks=10, do_sample=True, temperature=0.9, top_k=20
-  )
-  out = generate(
-    model,
-    [lm.tok_encode(c) for c in contexts],
-    max_new_tokens=10,
-    temperature=0.9,
-    top_k=20,
-    seed=6,
-    stop_tokens=[lm.eot_token_id],
-  )
-  assert again == [cut_at_stops(lm.tok_decode(t), ["\n\n"]) for t in out.tokens] != got
+  assert sampled() == generated(6) != got
   greedy = lm.generate_texts(contexts, max_gen_toks=10)
   assert greedy != got  # sampling at temperature 0.9 is not the greedy path
   with pytest.raises(ValueError, match=r"num_beams=4 is not supported \(only num_beams=1 is\)"):
