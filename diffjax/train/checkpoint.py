@@ -217,10 +217,17 @@ DATA_ORDER_KEYS = (
   "seq_len",
   *(
     f"data.{k}"
-    for k in ("kind", "tokenizer", "val_fraction", "split_seed", "max_documents", "max_tokens")
+    for k in (
+      "kind",
+      "tokenizer",
+      "val_fraction",
+      "split_seed",
+      "max_documents",
+      "max_tokens",
+      "shuffle",
+      "shards_per_group",
+    )
   ),
-  "data.shuffle",
-  "data.shards_per_group",
   *(
     f"task_mix.{k}"
     for k in (

@@ -298,10 +298,8 @@ class DiffjaxLM(TemplateLM):
       )
     prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-keep:] for c in contexts]
     sampled = bool(do_sample) and float(temperature or 0.0) > 0
-    seed, self._generate_calls = (
-      (self.seed + self._generate_calls) % 2**31,
-      self._generate_calls + 1,
-    )
+    seed = (self.seed + self._generate_calls) % 2**31  # each call draws anew
+    self._generate_calls += 1
     result = generate(
       self.model,
       prompts,
