@@ -18,6 +18,7 @@ from etils import epath
 from diffjax.compare.config import ComparisonConfig, run_config, run_name
 from diffjax.compare.sections import ComparisonEval, eval_config
 from diffjax.model import ModelConfig, count_params
+from diffjax.train import checkpoint as ckpt
 from diffjax.train.config import RunConfig
 from diffjax.train.records import read_metrics, write_json
 
@@ -53,18 +54,77 @@ def diverged_record(run_dir: str) -> dict[str, Any] | None:
   return json.loads(text) if text else None
 
 
+# Settings that decide the weights a run trains to, besides what the trainer itself checks on
+# a resume (the model and the data order): a run directory saved under other values holds
+# another run than the one the comparison now describes. How the steps run is not among them.
+TRAINED_BY = (
+  *ckpt.DATA_ORDER_KEYS,
+  "global_batch_size",
+  "grad_accum_steps",
+  "grad_accum_reduce",
+  "model",
+  "optim",
+  "checkpoint.init_from",
+)
+_HOW_IT_RUNS = ("model.implementation", "model.interpret", "model.block_sizes", "model.remat")
+_HOW_IT_RUNS += ("model.scan_layers",)
+
+
+def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The :data:`TRAINED_BY` values of a run config as JSON, a section's keys one by one."""
+  out = {}
+  for key in TRAINED_BY:
+    section, _, name = key.rpartition(".")
+    value = (config.get(section) or {}).get(name) if section else config.get(name)
+    if isinstance(value, dict):
+      out.update({f"{key}.{k}": v for k, v in value.items()})
+    elif name in ((config.get(section) or {}) if section else config):
+      out[key] = value
+  return {k: v for k, v in out.items() if k not in _HOW_IT_RUNS}
+
+
+def check_trained_as(run: RunConfig, run_dir: str) -> None:
+  """Refuses a run directory whose newest checkpoint was saved under other values of
+  :data:`TRAINED_BY` than ``run``'s (a key the saved config lacks is not compared); a
+  directory without a readable checkpoint passes (the trainer deals with it)."""
+  directory = os.path.join(run_dir, "checkpoints")
+  if not epath.Path(directory).is_dir():
+    return
+  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      return
+    saved = _settings(ckpt.read_meta(manager, max(steps)).get("config") or {})
+  except ckpt.CorruptCheckpointError:
+    return
+  finally:
+    manager.close()
+  now = _settings(json.loads(run.to_json()))
+  diffs = [f"{k}: saved {v!r} vs now {now.get(k)!r}" for k, v in saved.items() if v != now.get(k)]
+  if diffs:
+    raise ckpt.CheckpointError(
+      f"{run_dir} was trained with other settings than the comparison now gives it: "
+      f"{', '.join(diffs)}. Its results would be reported under settings it did not train "
+      "with: restore them, or give the changed comparison a new --workdir."
+    )
+
+
 def train_run(
   run: RunConfig, run_dir: str, tag: str, log: Log, allow_divergence: bool = False
 ) -> int:
   """Trains (or resumes) one run unless its DONE marker is at the requested step.
 
-  Returns the step reached; raises ComparisonStopped when a signal stopped the training. With
+  Returns the step reached; raises ComparisonStopped when a signal stopped the training, and
+  ``CheckpointError`` when the directory was trained with other settings
+  (:func:`check_trained_as`). With
   ``allow_divergence`` a run the trainer stops on non-finite updates gets a DIVERGED marker
   (and is not trained again); without it the error stops the comparison.
   """
   from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
   from diffjax.train.trainer import TrainingError  # pylint: disable=import-outside-toplevel
 
+  check_trained_as(run, run_dir)
   num_steps = run.num_steps
   step = done_step(run_dir)
   if step == num_steps:

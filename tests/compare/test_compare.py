@@ -203,6 +203,34 @@ def test_rerun_skips_finished_runs(compared):
   assert (workdir / "report.md").exists()
 
 
+def test_a_run_trained_with_other_settings_is_refused(compared, tmp_path):
+  """A rerun whose base settings changed does not skip (or resume) the runs trained under the
+  old ones and report them under the new."""
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  changed = tmp_path / "changed.py"
+  changed.write_text(config_path.read_text().replace("warmup_steps=2", "warmup_steps=3"))
+  before = {d.name: (d / "metrics.jsonl").read_bytes() for d in (copy / "runs").iterdir()}
+  report = (copy / "report.md").read_bytes()
+  r = _cli(changed, copy)
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+  assert "optim.warmup_steps: saved 2 vs now 3" in r.stderr, r.stderr
+  assert "new --workdir" in r.stderr
+  assert "skipping training" not in r.stdout and "resuming" not in r.stdout
+  assert {d.name: (d / "metrics.jsonl").read_bytes() for d in (copy / "runs").iterdir()} == before
+  assert (copy / "report.md").read_bytes() == report
+  # How the steps run is not a different run.
+  fast = tmp_path / "fast.py"
+  fast.write_text(
+    config_path.read_text().replace(
+      "base.tensorboard = False", "base.tensorboard = False\n  base.model.implementation = 'xla'"
+    )
+  )
+  r = _cli(fast, copy)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def test_unfinished_run_resumes_from_its_checkpoint(compared):
   workdir, config_path, _ = compared
   run_dir = _run_dir(workdir, "diff_v1", 1)
