@@ -208,6 +208,13 @@ class Trainer:
     )
     self.rules = cfg.mesh.logical_rules
     self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
+    split = shd.batch_rows_multiple(self.mesh, self.rules)
+    if cfg.global_batch_size % split:
+      raise ValueError(
+        f"global_batch_size={cfg.global_batch_size} does not split over the {split} devices "
+        f"the mesh {dict(self.mesh.shape)} puts the batch on: use a multiple of {split}, or "
+        "a --config.mesh.shape with fewer devices on data and fsdp."
+      )
     row_slot, row_slots = shd.process_rows(self.batch_shard, (cfg.global_batch_size, cfg.seq_len))
     self.row_start = row_slot * (cfg.global_batch_size // row_slots)
 

@@ -292,6 +292,16 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_refused_in_one_line()
       )
 
 
+def test_a_batch_that_does_not_split_over_the_devices_is_refused_before_anything_is_written(
+  tmp_path,
+):
+  c = tiny_config(steps=2)
+  c.mesh.num_devices, c.global_batch_size = 3, 4
+  with pytest.raises(ValueError, match=re.escape("global_batch_size=4 does not split over the 3")):
+    train_and_evaluate(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("arm", ["transformer", "diff_v1", "diff_v2"])
 def test_every_parameter_gets_a_finite_nonzero_gradient(arm):
   cfg = ModelConfig(
