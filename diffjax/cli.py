@@ -257,6 +257,12 @@ def unknown_override_message(
       )
     # A typo in one part: the same key with that part corrected, then near spellings.
     parts, depth = key.split("."), bad.count(".")
+    if parent and not node.keys():  # an empty section: a dict the config sets whole
+      return (
+        f"unknown config key {key!r} in {arg}: {parent} is empty, so a flag cannot add "
+        f"{parts[depth]!r} to it; set it whole, e.g. "
+        f"--{flag}.{parent}=\"{{'{parts[depth]}': <value>}}\"."
+      )
     near = []
     for fix in difflib.get_close_matches(parts[depth], list(node.keys()), n=3, cutoff=0.6):
       fixed = ".".join(parts[:depth] + [fix] + parts[depth + 1 :])

@@ -504,6 +504,11 @@ def test_check_batches_reports_mismatch_and_missing_hashes():
     ("--config.eval.mode=fast", "eval.mode='fast'"),
     ("--config.workers=0", "workers=0 must be a positive integer"),
     ("--config.base.model.attention=diff_v1", "a run's arm is --config.base.model.arm="),
+    (
+      "--config.eval.overrides.val_batches=2",
+      "eval.overrides is empty, so a flag cannot add 'val_batches' to it; set it whole, e.g. "
+      "--config.eval.overrides=\"{'val_batches': <value>}\"",
+    ),
   ],
 )
 def test_bad_config_one_error_line(tmp_path, capsys, override, needle):
