@@ -203,13 +203,19 @@ def previous_partials(plan: layout.Plan, chunk: Chunk, tile, widths, n_k: int, p
   return [prev_tile(d)] * n_k + [prev_tile(dv_width)], list(prev[0]) + [prev[1]]
 
 
-def run_chunks(plan: layout.Plan, rows: int, call_chunk):
-  """Runs ``call_chunk(chunk, n_rows, prev)`` -> (dks, dv, dqs) over the chunks of
-  ``rows`` query rows, each after the one whose partial dK, dV it continues; returns
-  (dqs over all rows, dks, dv)."""
+def run_chunks(plan: layout.Plan, backward_chunk, args, qs, v, *, widths, interpret):
+  """Runs ``backward_chunk(plan, chunk, n_rows, prev, args=, widths=, interpret=)`` ->
+  (dks, dv, dqs) on padded head-major arrays (queries qs, values v) over the query chunks
+  of :func:`chunk_rows` rows, each after the one whose partial dK, dV it continues;
+  returns (dqs over all rows, dks, dv)."""
+  tp, sp = qs[0].shape[plan.seq_axis], v.shape[plan.seq_axis]
+  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
   dq_parts, prev = [], None
-  for chunk in chunks(plan, rows):
-    dks, dv, dqs = call_chunk(chunk, chunk.num_q_blocks * plan.block_q, prev)
+  for chunk in chunks(plan, chunk_rows(plan, widths[0], qs[0].dtype.itemsize)):
+    n_rows = chunk.num_q_blocks * plan.block_q
+    dks, dv, dqs = backward_chunk(
+      plan, chunk, n_rows, prev, args=args, widths=widths, interpret=interpret
+    )
     dq_parts.append(dqs)
     prev = (dks, dv)
   if len(dq_parts) == 1:
@@ -438,12 +444,5 @@ def backward(plan: layout.Plan, qs, ks, v, lam, q_seg, kv_seg, do, stats, *, wid
   Returns:
     (dqs, dks, dv): like qs (over Tp rows), ks and v, in their dtypes.
   """
-  ax = plan.seq_axis
-  tp, sp = qs[0].shape[ax], ks[0].shape[ax]
-  assert tp == plan.q_len_padded and sp == plan.kv_len_padded, (qs[0].shape, v.shape, plan)
-  rows = chunk_rows(plan, widths[0], qs[0].dtype.itemsize)
   args = (lam, qs, ks, v, do, stats, q_seg, kv_seg)
-  call_chunk = functools.partial(
-    _backward_chunk, plan, args=args, widths=widths, interpret=interpret
-  )
-  return run_chunks(plan, rows, call_chunk)
+  return run_chunks(plan, _backward_chunk, args, qs, v, widths=widths, interpret=interpret)

@@ -181,8 +181,7 @@ def backward_with_stats(
   ``(dqs, dks, dv)`` unpadded, in the inputs' dtypes.
   """
   plan = cfg.bwd
-  ax = plan.seq_axis
-  b, t, s = qs[0].shape[0], qs[0].shape[ax], ks[0].shape[ax]
+  b, t = qs[0].shape[0], qs[0].shape[plan.seq_axis]
   lam_rows = _lam_rows(plan, lam, b, plan.heads, t)
   zeros = jnp.zeros_like(d2_BxHxT)
   stats_BxHx8xT = jnp.stack(
@@ -199,18 +198,31 @@ def backward_with_stats(
     axis=2,
   )
   assert stats_BxHx8xT.shape[2] == bwd_kernel.ROW_STATS
+  lam_in = (None if plan.lam_rows else lam.astype(jnp.float32),)
+  return _padded_backward(
+    cfg, bwd_kernel.backward, lam_in, qs, ks, v, q_seg, kv_seg, d_out, stats_BxHx8xT
+  )
+
+
+def _padded_backward(cfg: CoreConfig, kernel, lam_in, qs, ks, v, q_seg, kv_seg, d_out, stats):
+  """Pads the inputs to the backward tiles, runs ``kernel`` (``lam_in``: its arguments
+  before the segment ids) with the row statistics [B, H, R, T] in slabs and slices the
+  gradients back: ``(dqs, dks, dv)``."""
+  plan = cfg.bwd
+  ax = plan.seq_axis
+  t, s = qs[0].shape[ax], ks[0].shape[ax]
   qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
   tp = plan.q_len_padded
-  dqs, dks, dv = bwd_kernel.backward(
+  dqs, dks, dv = kernel(
     plan,
     qp,
     kp,
     vp,
-    None if plan.lam_rows else lam.astype(jnp.float32),
+    *lam_in,
     q_seg_p,
     kv_seg_p,
     _pad_axis(d_out, ax, tp),
-    layout.rows_to_tiles(stats_BxHx8xT, plan.block_q, tp),
+    layout.rows_to_tiles(stats, plan.block_q, tp),
     widths=cfg.widths,
     interpret=cfg.interpret,
   )
@@ -242,9 +254,8 @@ def _grouped_bwd(cfg, residuals, d_out):
   """The backward of grouped attention (r signal heads a noise head, :mod:`._gda_backward`)."""
   qs, ks, v, lam, q_seg, kv_seg, out, o2, lse = residuals
   plan = cfg.bwd
-  ax = plan.seq_axis
   b, h, t, dv = d_out.shape
-  n, r, s = qs[1].shape[1], plan.signal, ks[0].shape[ax]
+  n, r = qs[1].shape[1], plan.signal
   f32 = lambda x: x.astype(jnp.float32)
   lam_BxNxRxT = _lam_rows(plan, lam, b, h, t).reshape(b, n, r, t)
   do_BxNxRxTxDv = f32(d_out).reshape(b, n, r, t, dv)
@@ -257,32 +268,14 @@ def _grouped_bwd(cfg, residuals, d_out):
   parts = [layout.tiles_to_rows(lse, t), d1, d_lam, lam_BxNxRxT]
   pad = rows_of["rows"] - rows_of["lam"] - r
   stats = jnp.concatenate(parts + [jnp.zeros((b, n, pad, t), jnp.float32)], axis=2)
-  qp, kp, vp, q_seg_p, kv_seg_p = _prepare(plan, qs, ks, v, q_seg, kv_seg)
-  tp = plan.q_len_padded
-  dq1, dq2, dks, dv_ = gda_bwd.backward(
-    plan,
-    qp,
-    kp,
-    vp,
-    q_seg_p,
-    kv_seg_p,
-    _pad_axis(d_out, ax, tp),
-    layout.rows_to_tiles(stats, plan.block_q, tp),
-    widths=cfg.widths,
-    interpret=cfg.interpret,
+  dqs, dks, dv_ = _padded_backward(
+    cfg, gda_bwd.backward, (), qs, ks, v, q_seg, kv_seg, d_out, stats
   )
   # d out_c / d lam_c = -O2: d lam = -rowsum(dO_c * O2) per row (summed for V1).
   dlam = -d2.reshape(b, h, t)
   if lam.ndim == 1:
     dlam = jnp.sum(dlam, axis=(0, 2))
-  return (
-    (_slice_axis(dq1, ax, t), _slice_axis(dq2, ax, t)),
-    tuple(_slice_axis(dk, ax, s) for dk in dks),
-    _slice_axis(dv_, ax, s),
-    dlam.astype(lam.dtype),
-    None,
-    None,
-  )
+  return dqs, dks, dv_, dlam.astype(lam.dtype), None, None
 
 
 diff_core.defvjp(_diff_core_fwd, _diff_core_bwd)

@@ -17,8 +17,9 @@ from jax.experimental.pallas import tpu as pltpu
 from diffjax.kernels.tpu import _layout as layout
 
 
-def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
-  refs = list(refs)
+def pop_leading_refs(plan: layout.Plan, refs: list):
+  """Pops a forward kernel's step tables (causal), lambda and segment-id refs (None when
+  not segmented) and reads its step: (i, j, first, last, lam_ref, q_seg_ref, kv_seg_ref)."""
   if plan.causal:
     i, j, first, last = layout.pop_step_tables(refs)
   else:
@@ -26,6 +27,12 @@ def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
     first, last = j == 0, j == plan.num_kv_blocks - 1
   lam_ref = refs.pop(0)
   q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
+  return i, j, first, last, lam_ref, q_seg_ref, kv_seg_ref
+
+
+def _forward_kernel(*refs, plan: layout.Plan, save_residuals: bool):
+  refs = list(refs)
+  i, j, first, last, lam_ref, q_seg_ref, kv_seg_ref = pop_leading_refs(plan, refs)
   q_refs = (refs.pop(0), refs.pop(0))
   k_refs = (refs.pop(0),) * 2 if plan.shared_k else (refs.pop(0), refs.pop(0))
   v_ref, out_ref = refs[:2]
@@ -65,20 +72,26 @@ def vmem_bytes(bq: int, bk: int, d: int, dv: int, itemsize: int, key_components:
   return tiles + 4 * ((r + 1) * bq * dv + 2 * (r + 1) * bq * 128 + 4 * bq * bk)
 
 
+def leading_inputs(plan: layout.Plan, spec, heads_block, lam, q_seg, kv_seg):
+  """BlockSpecs and arrays of a forward call's first inputs: lambda (float32 [H] in SMEM,
+  or lane-dense rows whose block takes ``heads_block`` of the heads axis) and the segment
+  ids when segmented; ``spec`` a :func:`_layout.grid_specs` maker of the call's grid."""
+  if plan.lam_rows:
+    lam_spec = spec((None, *heads_block, 1, plan.block_q), lambda b_, h_, i, j: (b_, h_, i, 0, 0))
+  else:
+    lam_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
+  if not plan.segmented:
+    return [lam_spec], [lam]
+  seg_specs = layout.segment_specs(plan, spec, lambda h_, i, j: i, lambda h_, i, j: j)
+  return [lam_spec, *seg_specs], [lam, q_seg, kv_seg]
+
+
 def _in_specs(plan: layout.Plan, spec, tile, qs, ks, v, lam, q_seg, kv_seg, widths):
   """The call's input BlockSpecs and arrays, in the kernel's argument order; ``spec`` and
   ``tile`` are :func:`_layout.grid_specs` makers of the call's grid."""
   d, dv = widths
   bq, bk, g = plan.block_q, plan.block_kv, plan.group
-  in_specs, args = [], []
-  if plan.lam_rows:
-    in_specs.append(spec((None, None, None, 1, bq), lambda b_, h_, i, j: (b_, h_, i, 0, 0)))
-  else:
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-  args.append(lam)
-  if plan.segmented:
-    in_specs += layout.segment_specs(plan, spec, lambda h_, i, j: i, lambda h_, i, j: j)
-    args += [q_seg, kv_seg]
+  in_specs, args = leading_inputs(plan, spec, (None, None), lam, q_seg, kv_seg)
   for c in range(2):
     array, _ = plan.q_head(c, 0)
     in_specs.append(tile(bq, d, lambda b_, h_, i, j, c=c: (b_, plan.q_head(c, h_)[1], i)))

@@ -225,15 +225,7 @@ def backward(plan, qs, ks, v, q_seg, kv_seg, do, stats, *, widths, interpret):
     stats: float32 lane-dense slabs [B, N, Tp / block_q, R, block_q], rows as
       :func:`stat_rows`.
   Returns:
-    (dq1, dq2, dks, dv) over Tp query rows, in the inputs' dtypes.
+    ((dq1, dq2), dks, dv) over Tp query rows, in the inputs' dtypes.
   """
-  q1, q2 = qs
-  ax = plan.seq_axis
-  assert q1.shape[ax] == plan.q_len_padded and v.shape[ax] == plan.kv_len_padded, plan
-  rows = diff_bwd.chunk_rows(plan, widths[0], q1.dtype.itemsize)
   args = (qs, ks, v, do, stats, q_seg, kv_seg)
-  call_chunk = functools.partial(
-    _backward_chunk, plan, args=args, widths=widths, interpret=interpret
-  )
-  (dq1, dq2), dks, dv = diff_bwd.run_chunks(plan, rows, call_chunk)
-  return dq1, dq2, dks, dv
+  return diff_bwd.run_chunks(plan, _backward_chunk, args, qs, v, widths=widths, interpret=interpret)

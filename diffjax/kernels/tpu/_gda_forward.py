@@ -24,13 +24,7 @@ from diffjax.kernels.tpu import _layout as layout
 def _forward_kernel(*refs, plan, save_residuals: bool):
   refs = list(refs)
   r = plan.signal
-  if plan.causal:
-    i, j, first, last = layout.pop_step_tables(refs)
-  else:
-    i, j = pl.program_id(1), pl.program_id(2)
-    first, last = j == 0, j == plan.num_kv_blocks - 1
-  lam_ref = refs.pop(0)
-  q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if plan.segmented else (None, None)
+  i, j, first, last, lam_ref, q_seg_ref, kv_seg_ref = diff_fwd.pop_leading_refs(plan, refs)
   q1_ref, q2_ref = refs.pop(0), refs.pop(0)  # [r, bq, D] and [bq, D]
   k1_ref = refs.pop(0)
   k2_ref = k1_ref if plan.shared_k else refs.pop(0)
@@ -95,15 +89,8 @@ def forward(plan, qs, ks, v, lam, q_seg, kv_seg, *, widths, save_residuals: bool
   grid, coords, prefetch = layout.forward_grid(plan, b, n_heads)
   spec, tile = layout.grid_specs(plan, coords)
   signal = lambda width: spec((None, r, bq, width), lambda b_, n_, i, j: (b_, n_, i, 0))
-  in_specs, args = [], []
-  if plan.lam_rows:
-    in_specs.append(spec((None, r, None, 1, bq), lambda b_, n_, i, j: (b_, n_, i, 0, 0)))
-  else:
-    in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-  args.append(lam)
-  if plan.segmented:
-    in_specs += layout.segment_specs(plan, spec, lambda n_, i, j: i, lambda n_, i, j: j)
-    args += [q_seg, kv_seg]
+  # V2: lambda rows of the group's r signal heads [r, 1, bq].
+  in_specs, args = diff_fwd.leading_inputs(plan, spec, (r, None), lam, q_seg, kv_seg)
   in_specs += [signal(d), tile(bq, d, lambda b_, n_, i, j: (b_, n_, i))]
   args += [q1, q2]
   kv_tile = lambda width: tile(bk, width, lambda b_, n_, i, j: (b_, n_ // g, j))

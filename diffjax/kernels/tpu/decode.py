@@ -200,11 +200,7 @@ def _decode_kernel(
   start = (split * plan.blocks_per_split + j) * bk
   kv_len = len_ref[b]
 
-  @pl.when(j == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, layout.MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+  pl.when(j == 0)(functools.partial(layout.init_softmax, m_ref, l_ref, acc_ref))
 
   accumulate = functools.partial(
     _accumulate_flat if plan.flat else _accumulate_groups,
@@ -387,41 +383,33 @@ def _decode_maps(q1, q2, k1, k2, v, kv_len, *, scale, blocks, interpret):
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def _decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
-  b, _, h, _ = q1.shape
-  kh, dv = k1.shape[2], v.shape[3]
-  g = h // kh
-  o = _decode_maps(q1, q2, k1, k2, v, kv_len, scale=scale, blocks=blocks, interpret=interpret)
-  lam_KxG = lam_H.astype(jnp.float32).reshape(kh, g)
-  out = o[:, 0] - lam_KxG[None, :, :, None] * o[:, 1]
-  return out.reshape(b, 1, h, dv).astype(q1.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
-def _gda_decode(q1, q2, k1, k2, v, lam_H, kv_len, *, scale, blocks, interpret):
   b, _, h, d = q1.shape
   n, kh, dv = q2.shape[2], k1.shape[2], v.shape[3]
   g, nk = h // kh, n // kh  # signal and noise heads per kv group
-  # Noise head m of group k goes to row m of the group's G rows; the rest are zeros.
-  q2_rows = jnp.pad(q2.reshape(b, 1, kh, nk, d), ((0, 0),) * 3 + ((0, g - nk), (0, 0)))
-  o = _decode_maps(
-    q1, q2_rows.reshape(b, 1, h, d), k1, k2, v, kv_len, scale=scale, blocks=blocks,
-    interpret=interpret,
-  )  # fmt: skip
-  # Signal head c of group k (c < G) takes noise row c // r of that group.
-  noise_KxGxDv = jnp.repeat(o[:, 1, :, :nk], h // n, axis=2)
+  if n != h:
+    # Noise head m of group k goes to row m of the group's G rows; the rest are zeros.
+    q2_rows = jnp.pad(q2.reshape(b, 1, kh, nk, d), ((0, 0),) * 3 + ((0, g - nk), (0, 0)))
+    q2 = q2_rows.reshape(b, 1, h, d)
+  o = _decode_maps(q1, q2, k1, k2, v, kv_len, scale=scale, blocks=blocks, interpret=interpret)
+  # Grouped: signal head c of group k (c < G) takes noise row c // r of that group.
+  noise_KxGxDv = o[:, 1] if n == h else jnp.repeat(o[:, 1, :, :nk], h // n, axis=2)
   lam_KxG = lam_H.astype(jnp.float32).reshape(kh, g)
   out = o[:, 0] - lam_KxG[None, :, :, None] * noise_KxGxDv
   return out.reshape(b, 1, h, dv).astype(q1.dtype)
 
 
-def _checked_decode(q1, q2, k1, k2, v, lam_H, kv_len_B, *, scale, block_sizes, interpret):
-  """The kernel's call after the op's own checks: the block sizes resolved, lambda per head
-  (grouped: q2 of fewer heads than q1)."""
+def _checked_decode(op: str, q1, q2, k1, k2, v, lam_H, kv_len_B, *, scale, block_sizes, interpret):
+  """Checks the arguments of ``op`` (diff_v1 or gda_v1) decoding and calls the kernel: the
+  block sizes resolved, lambda per head (grouped: q2 of fewer heads than q1)."""
+  lam_H = jnp.asarray(lam_H)
+  check = {"diff_v1": _v.check_diff_v1, "gda_v1": _v.check_gda_v1}[op]
+  check(q1, q2, k1, k2, v, lam_H)
+  _v.check_decode(q1, kv_len_B, f"{op}_decode_pallas_tpu", wider=f"{op}_pallas_tpu")
   b, _, h, d = q1.shape
   blocks = resolve_decode_block_sizes(
     block_sizes, head_dim=d, value_dim=v.shape[3], kv_heads=k1.shape[2], itemsize=k1.dtype.itemsize
   )
-  return (_decode if q2.shape[2] == h else _gda_decode)(
+  return _decode(
     q1,
     q2,
     k1,
@@ -463,11 +451,8 @@ def diff_v1_decode_pallas_tpu(
     [B, 1, H, Dv] in the dtype of q1; a row with ``kv_len == 0`` is zero. No
     gradient: decoding is inference only.
   """
-  lam_H = jnp.asarray(lam_H)
-  _v.check_diff_v1(q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  _v.check_decode(q1_Bx1xHxD, kv_len_B, "diff_v1_decode_pallas_tpu", wider="diff_v1_pallas_tpu")
   return _checked_decode(
-    q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    "diff_v1", q1_Bx1xHxD, q2_Bx1xHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
     scale=scale, block_sizes=block_sizes, interpret=interpret,
   )  # fmt: skip
 
@@ -496,10 +481,7 @@ def gda_v1_decode_pallas_tpu(
   Returns:
     [B, 1, H, Dv] in the dtype of q1; a row with ``kv_len == 0`` is zero. No gradient.
   """
-  lam_H = jnp.asarray(lam_H)
-  _v.check_gda_v1(q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  _v.check_decode(q1_Bx1xHxD, kv_len_B, "gda_v1_decode_pallas_tpu", wider="gda_v1_pallas_tpu")
   return _checked_decode(
-    q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
+    "gda_v1", q1_Bx1xHxD, q2_Bx1xNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, kv_len_B,
     scale=scale, block_sizes=block_sizes, interpret=interpret,
   )  # fmt: skip

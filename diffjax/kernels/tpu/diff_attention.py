@@ -21,14 +21,15 @@ from diffjax.kernels.tpu._core import Interpret, diff_core, make_config
 from diffjax.kernels.tpu.block_sizes import BlockSizes
 
 
-def call_config(
-  q, k, v, heads: int, *, shared_k: bool, q_segment_ids, kv_segment_ids, signal: int = 1, **kw
+def fused_call(
+  qs, ks, v, lam, heads: int, *, shared_k: bool, q_segment_ids, kv_segment_ids, signal=1, **kw
 ):
-  """Checks the segment ids and gives the plans of a call of queries q [B, T, ., D] against
-  keys k [B, S, K, D] and values v [B, S, K, Dv] (V1: k1; V2 and its grouped form:
-  ``shared_k``, lambda per row). ``kw``: causal, scale, block_sizes and interpret."""
-  b, t, _, d = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  """Checks the segment ids, plans the call and runs the kernels (:func:`_fused`) on queries
+  qs [B, T, ., D] against keys ks [B, S, K, D] and values v [B, S, K, Dv] (V1: lambda per
+  query head of qs[0], a scalar broadcast; V2 and its grouped form: ``shared_k``, lambda per
+  row). ``kw``: causal, scale, block_sizes and interpret."""
+  b, t, _, d = qs[0].shape
+  s, kv_heads = ks[0].shape[1], ks[0].shape[2]
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError(
       "Pass both q_segment_ids and kv_segment_ids, or neither; got "
@@ -37,7 +38,7 @@ def call_config(
     )
   if q_segment_ids is not None:
     _v.split_segment_ids((q_segment_ids, kv_segment_ids), b, t, s)
-  return make_config(
+  cfg = make_config(
     t=t,
     s=s,
     d=d,
@@ -50,6 +51,20 @@ def call_config(
     signal=signal,
     **kw,
   )
+  if not shared_k:
+    lam = jnp.broadcast_to(lam.astype(jnp.float32), (qs[0].shape[2],))
+  return _fused(cfg, qs, ks, v, lam, q_segment_ids, kv_segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _fused(cfg, qs, ks, v, lam, q_seg, kv_seg):
+  # [B, T, N, D] -> [B, N, T, D] per component, never stacked: a bitcast for the TPU
+  # compiler's layout of these arrays (see ``_layout``). V2: pair i is heads 2i, 2i + 1.
+  heads = lambda x: x.transpose(0, 2, 1, 3)
+  if cfg.fwd.lam_rows:
+    lam = lam.astype(jnp.float32).transpose(0, 2, 1)  # [B, T, H] -> [B, H, T]
+  out = diff_core(cfg, tuple(map(heads, qs)), tuple(map(heads, ks)), heads(v), lam, q_seg, kv_seg)
+  return heads(out)
 
 
 def diff_v1_pallas_tpu(
@@ -85,43 +100,20 @@ def diff_v1_pallas_tpu(
   """
   lam = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-  h = q1_BxTxHxD.shape[2]
-  cfg = call_config(
-    q1_BxTxHxD,
-    k1_BxSxKxD,
+  return fused_call(
+    (q1_BxTxHxD, q2_BxTxHxD),
+    (k1_BxSxKxD, k2_BxSxKxD),
     v_BxSxKxDv,
-    h,
+    lam,
+    q1_BxTxHxD.shape[2],
     shared_k=False,
+    causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
-    causal=causal,
     scale=scale,
     block_sizes=block_sizes,
     interpret=interpret,
   )
-  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
-  return _diff_v1(
-    cfg,
-    q1_BxTxHxD,
-    q2_BxTxHxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    lam_H,
-    q_segment_ids,
-    kv_segment_ids,
-  )
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _diff_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
-  # [B, T, N, D] -> [B, N, T, D] per component, never stacked: a bitcast for the TPU
-  # compiler's layout of these arrays (see ``_layout``).
-  heads = lambda x: x.transpose(0, 2, 1, 3)
-  out_BxHxTxDv = diff_core(
-    cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg
-  )
-  return out_BxHxTxDv.transpose(0, 2, 1, 3)
 
 
 def diff_v2_pallas_tpu(
@@ -150,30 +142,20 @@ def diff_v2_pallas_tpu(
     [B, T, H, Dv]: ``softmax(q_2i K^T s) V - lam_i softmax(q_2i+1 K^T s) V`` in q's dtype.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  cfg = call_config(
-    q_BxTxQxD,
-    k_BxSxKxD,
+  return fused_call(
+    (q_BxTxQxD,),
+    (k_BxSxKxD,),
     v_BxSxKxD,
+    lam_BxTxH,
     q_BxTxQxD.shape[2] // 2,
     shared_k=True,
+    causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
-    causal=causal,
     scale=scale,
     block_sizes=block_sizes,
     interpret=interpret,
   )
-  return _diff_v2(cfg, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _diff_v2(cfg, q, k, v, lam, q_seg, kv_seg):
-  b, t, qh, d = q.shape
-  lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
-  # [B, T, N, D] -> [B, N, T, D] (bitcasts, see _diff_v1); pair i is heads 2i, 2i + 1.
-  heads = lambda x: x.transpose(0, 2, 1, 3)
-  out_BxHxTxD = diff_core(cfg, (heads(q),), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
-  return out_BxHxTxD.transpose(0, 2, 1, 3)
 
 
 # Context-parallel attention runs these kernels on each key/value block of its ring when

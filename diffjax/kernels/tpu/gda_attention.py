@@ -20,7 +20,6 @@ bitwise DIFF V1 / V2.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.core import validation as _v
-from diffjax.kernels.tpu._core import Interpret, diff_core
+from diffjax.kernels.tpu._core import Interpret
 from diffjax.kernels.tpu.block_sizes import BlockSizes
-from diffjax.kernels.tpu.diff_attention import call_config, diff_v1_pallas_tpu, diff_v2_pallas_tpu
+from diffjax.kernels.tpu.diff_attention import diff_v1_pallas_tpu, diff_v2_pallas_tpu, fused_call
 
 
 def gda_v1_pallas_tpu(
@@ -76,28 +75,16 @@ def gda_v1_pallas_tpu(
     return diff_v1_pallas_tpu(
       q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H, **kw
     )
-  cfg = call_config(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, n, shared_k=False, signal=h // n, **kw)
-  lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
-  return _gda_v1(
-    cfg,
-    q1_BxTxHxD,
-    q2_BxTxNxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
+  return fused_call(
+    (q1_BxTxHxD, q2_BxTxNxD),
+    (k1_BxSxKxD, k2_BxSxKxD),
     v_BxSxKxDv,
-    lam_H,
-    q_segment_ids,
-    kv_segment_ids,
+    lam,
+    n,
+    shared_k=False,
+    signal=h // n,
+    **kw,
   )
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _gda_v1(cfg, q1, q2, k1, k2, v, lam_H, q_seg, kv_seg):
-  heads = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, D] <-> [B, N, T, D]
-  out = diff_core(
-    cfg, (heads(q1), heads(q2)), (heads(k1), heads(k2)), heads(v), lam_H, q_seg, kv_seg
-  )
-  return heads(out)
 
 
 def gda_v2_pallas_tpu(
@@ -138,15 +125,13 @@ def gda_v2_pallas_tpu(
   if n == h:  # DIFF V2 takes the pairs as heads 2i, 2i + 1 of one array
     q = jnp.stack([q1_BxTxHxD, q2_BxTxNxD], axis=3).reshape(b, t, 2 * h, d)
     return diff_v2_pallas_tpu(q, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, **kw)
-  cfg = call_config(q1_BxTxHxD, k_BxSxKxD, v_BxSxKxD, n, shared_k=True, signal=h // n, **kw)
-  return _gda_v2(
-    cfg, q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids
+  return fused_call(
+    (q1_BxTxHxD, q2_BxTxNxD),
+    (k_BxSxKxD,),
+    v_BxSxKxD,
+    lam_BxTxH,
+    n,
+    shared_k=True,
+    signal=h // n,
+    **kw,
   )
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _gda_v2(cfg, q1, q2, k, v, lam, q_seg, kv_seg):
-  heads = lambda x: x.transpose(0, 2, 1, 3)
-  lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
-  out = diff_core(cfg, (heads(q1), heads(q2)), (heads(k),), heads(v), lam_BxHxT, q_seg, kv_seg)
-  return heads(out)

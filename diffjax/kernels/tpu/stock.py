@@ -8,6 +8,7 @@ baseline. Padding and fully masked rows: docs/kernels_tpu.md.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,26 +39,33 @@ def _splash_blocks(block_sizes, tp: int, sp: int) -> splash.BlockSizes:
   )
 
 
-def _attend(
-  q_BxHxTxD,
-  k_BxKxSxD,
-  v_BxKxSxDv,
-  q_seg,
-  kv_seg,
-  *,
-  causal: bool,
-  scale: float,
-  block_sizes,
-  interpret: bool,
-):
+class _Options(NamedTuple):
+  """The static arguments of a stock call (one jit compilation each)."""
+
+  causal: bool
+  scale: float
+  block_sizes: Any
+  interpret: bool
+
+
+def _options(d: int, causal, scale, block_sizes, interpret) -> _Options:
+  return _Options(bool(causal), _v.default_scale(scale, d), block_sizes, bool(interpret))
+
+
+def _heads_first(x):
+  """[B, T, N, X] <-> [B, N, T, X]."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def _attend(opts: _Options, q_BxHxTxD, k_BxKxSxD, v_BxKxSxDv, q_seg, kv_seg):
   """Splash attention over [B, heads, len, dim] arrays; returns [B, H, T, Dv]."""
   b, h, t, _ = q_BxHxTxD.shape
   s = k_BxKxSxD.shape[2]
   tp, sp = round_up(t, 128), round_up(s, 128)
-  blocks = _splash_blocks(block_sizes, tp, sp)
+  blocks = _splash_blocks(opts.block_sizes, tp, sp)
   tp, sp = round_up(tp, blocks.block_q), round_up(sp, blocks.block_kv)
   pad = lambda x, n: jnp.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
-  q = pad(q_BxHxTxD * jnp.asarray(scale, q_BxHxTxD.dtype), tp)  # splash does not scale
+  q = pad(q_BxHxTxD * jnp.asarray(opts.scale, q_BxHxTxD.dtype), tp)  # splash does not scale
   k, v = pad(k_BxKxSxD, sp), pad(v_BxKxSxDv, sp)
   if q_seg is None:
     q_seg = jnp.zeros((b, t), jnp.int32)
@@ -67,7 +75,7 @@ def _attend(
   hidden = jnp.min(q_seg) - 1
   q_seg = jnp.pad(q_seg, [(0, 0), (0, tp - t)], constant_values=0)
   kv_seg = jnp.pad(kv_seg, [(0, 0), (0, sp - s)]).at[:, s:].set(hidden)
-  if causal:
+  if opts.causal:
     head_mask = splash.CausalMask((tp, sp), offset=s - t)
   else:
     head_mask = splash.FullMask((tp, sp))
@@ -76,10 +84,20 @@ def _attend(
     block_sizes=blocks,
     head_shards=1,
     q_seq_shards=1,
-    interpret=interpret,
+    interpret=opts.interpret,
   )
   out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_seg, kv_seg))
   return out[:, :, :t]
+
+
+def _maps(opts: _Options, qs, ks, v, q_seg, kv_seg):
+  """float32 [B, N, T, Dv] of one splash call per (query, key) array pair of [B, T, N, X]
+  arrays, all on the value v."""
+  v_h = _heads_first(v)
+  return [
+    _attend(opts, _heads_first(q), _heads_first(k), v_h, q_seg, kv_seg).astype(jnp.float32)
+    for q, k in zip(qs, ks)
+  ]
 
 
 def mha_stock_tpu(
@@ -99,35 +117,14 @@ def mha_stock_tpu(
   Returns [B, T, H, Dv] in the dtype of q.
   """
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  d = q_BxTxHxD.shape[-1]
-  return _mha_stock(
-    q_BxTxHxD,
-    k_BxSxKxD,
-    v_BxSxKxDv,
-    q_segment_ids,
-    kv_segment_ids,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
-  )
+  opts = _options(q_BxTxHxD.shape[-1], causal, scale, block_sizes, interpret)
+  return _mha_stock(opts, q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, q_segment_ids, kv_segment_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
-def _mha_stock(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
-  heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  out = _attend(
-    heads_first(q),
-    heads_first(k),
-    heads_first(v),
-    q_seg,
-    kv_seg,
-    causal=causal,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  return heads_first(out).astype(q.dtype)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _mha_stock(opts, q, k, v, q_seg, kv_seg):
+  out = _attend(opts, _heads_first(q), _heads_first(k), _heads_first(v), q_seg, kv_seg)
+  return _heads_first(out).astype(q.dtype)
 
 
 def diff_v1_stock_tpu(
@@ -155,40 +152,21 @@ def diff_v1_stock_tpu(
   h, d = q1_BxTxHxD.shape[2:]
   lam_H = jnp.broadcast_to(lam.astype(jnp.float32), (h,))
   return _diff_v1_stock(
-    q1_BxTxHxD,
-    q2_BxTxHxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
+    _options(d, causal, scale, block_sizes, interpret),
+    (q1_BxTxHxD, q2_BxTxHxD),
+    (k1_BxSxKxD, k2_BxSxKxD),
     v_BxSxKxDv,
     lam_H,
     q_segment_ids,
     kv_segment_ids,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
   )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
-def _diff_v1_stock(
-  q1, q2, k1, k2, v, lam_H, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
-):
-  heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  attend = functools.partial(
-    _attend,
-    q_seg=q_seg,
-    kv_seg=kv_seg,
-    causal=causal,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  v_h = heads_first(v)
-  o1 = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
-  o2 = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _diff_v1_stock(opts, qs, ks, v, lam_H, q_seg, kv_seg):
+  o1, o2 = _maps(opts, qs, ks, v, q_seg, kv_seg)
   out_BxHxTxDv = o1 - lam_H[None, :, None, None] * o2
-  return heads_first(out_BxHxTxDv).astype(q1.dtype)
+  return _heads_first(out_BxHxTxDv).astype(qs[0].dtype)
 
 
 def diff_v2_stock_tpu(
@@ -209,38 +187,18 @@ def diff_v2_stock_tpu(
   Arguments and result as in :func:`diffjax.kernels.tpu.diff_v2_pallas_tpu`.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  d = q_BxTxQxD.shape[-1]
+  opts = _options(q_BxTxQxD.shape[-1], causal, scale, block_sizes, interpret)
   return _diff_v2_stock(
-    q_BxTxQxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
-    lam_BxTxH,
-    q_segment_ids,
-    kv_segment_ids,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
+    opts, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, q_segment_ids, kv_segment_ids
   )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
-def _diff_v2_stock(q, k, v, lam, q_seg, kv_seg, *, causal, scale, block_sizes, interpret):
-  heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  o_BxQxTxD = _attend(
-    heads_first(q),
-    heads_first(k),
-    heads_first(v),
-    q_seg,
-    kv_seg,
-    causal=causal,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  ).astype(jnp.float32)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _diff_v2_stock(opts, q, k, v, lam, q_seg, kv_seg):
+  (o_BxQxTxD,) = _maps(opts, (q,), (k,), v, q_seg, kv_seg)
   lam_BxHxT = lam.astype(jnp.float32).transpose(0, 2, 1)
   out_BxHxTxD = o_BxQxTxD[:, 0::2] - lam_BxHxT[..., None] * o_BxQxTxD[:, 1::2]
-  return heads_first(out_BxHxTxD).astype(q.dtype)
+  return _heads_first(out_BxHxTxD).astype(q.dtype)
 
 
 def gda_v1_stock_tpu(
@@ -268,18 +226,13 @@ def gda_v1_stock_tpu(
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
   h, d = q1_BxTxHxD.shape[2:]
   return _gda_stock(
-    q1_BxTxHxD,
-    q2_BxTxNxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
+    _options(d, causal, scale, block_sizes, interpret),
+    (q1_BxTxHxD, q2_BxTxNxD),
+    (k1_BxSxKxD, k2_BxSxKxD),
     v_BxSxKxDv,
     jnp.broadcast_to(lam.astype(jnp.float32), (h,))[None, :, None],
     q_segment_ids,
     kv_segment_ids,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
   )
 
 
@@ -303,42 +256,22 @@ def gda_v2_stock_tpu(
   Arguments and result as in :func:`diffjax.kernels.tpu.gda_v2_pallas_tpu`.
   """
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  d = q1_BxTxHxD.shape[-1]
   return _gda_stock(
-    q1_BxTxHxD,
-    q2_BxTxNxD,
-    k_BxSxKxD,
-    k_BxSxKxD,
+    _options(q1_BxTxHxD.shape[-1], causal, scale, block_sizes, interpret),
+    (q1_BxTxHxD, q2_BxTxNxD),
+    (k_BxSxKxD, k_BxSxKxD),
     v_BxSxKxD,
     lam_BxTxH.astype(jnp.float32).transpose(0, 2, 1),
     q_segment_ids,
     kv_segment_ids,
-    causal=bool(causal),
-    scale=_v.default_scale(scale, d),
-    block_sizes=block_sizes,
-    interpret=bool(interpret),
   )
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "scale", "block_sizes", "interpret"))
-def _gda_stock(
-  q1, q2, k1, k2, v, lam_BxHxT, q_seg, kv_seg, *, causal, scale, block_sizes, interpret
-):
-  heads_first = lambda x: x.transpose(0, 2, 1, 3)
-  attend = functools.partial(
-    _attend,
-    q_seg=q_seg,
-    kv_seg=kv_seg,
-    causal=causal,
-    scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  v_h = heads_first(v)
-  o1_BxHxTxDv = attend(heads_first(q1), heads_first(k1), v_h).astype(jnp.float32)
-  o2_BxNxTxDv = attend(heads_first(q2), heads_first(k2), v_h).astype(jnp.float32)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _gda_stock(opts, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
+  o1_BxHxTxDv, o2_BxNxTxDv = _maps(opts, qs, ks, v, q_seg, kv_seg)
   b, h, t, dv = o1_BxHxTxDv.shape
   n = o2_BxNxTxDv.shape[1]
   lam_BxNxRxT = jnp.broadcast_to(lam_BxHxT, (b, h, t)).reshape(b, n, h // n, t)
   out = o1_BxHxTxDv.reshape(b, n, h // n, t, dv) - lam_BxNxRxT[..., None] * o2_BxNxTxDv[:, :, None]
-  return heads_first(out.reshape(b, h, t, dv)).astype(q1.dtype)
+  return _heads_first(out.reshape(b, h, t, dv)).astype(qs[0].dtype)
