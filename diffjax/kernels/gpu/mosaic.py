@@ -113,16 +113,7 @@ def _padded(
     dq_parts=blocks.dq_parts,
     noise_group=qs[0].shape[2] // qs[-1].shape[2],
   )
-  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, tp, sp)
-  out = core(
-    tuple(pc.pad_axis(q, 1, tp) for q in qs),
-    tuple(pc.pad_axis(k, 1, sp) for k in ks),
-    pc.pad_axis(v, 1, sp),
-    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
-    q_seg,
-    kv_seg,
-    cfg,
-  )
+  out = core(*pc.pad_inputs(tp, sp, qs, ks, v, lam_BxHxT, q_seg, kv_seg), cfg)
   return out[:, :t]
 
 
@@ -157,6 +148,25 @@ def _blocks(variant, qs, ks, v, q_seg, block_sizes):
     tiles.MosaicBlockSizes,
   )
   return blocks.resolved(d, dv, variant, segments, itemsize)
+
+
+def _checked_run(variant, qs, ks, v, lam, *, causal, q_segment_ids, kv_segment_ids, scale,
+                 block_sizes, interpret, plan=_blocks, core=_pair):  # fmt: skip
+  """:func:`run` after what the entry points share past their own checks: the segment ids'
+  check, the tiles (``plan``, called as :func:`_blocks`) and lambda as float32 [B, H, T]
+  (``lam``: V1 a scalar or [H], V2 [B, T, H]). V2's output is cast to q's dtype."""
+  b, t, h, _ = qs[0].shape
+  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, ks[0].shape[1])
+  blocks = plan(variant, qs, ks, v, q_seg, block_sizes)
+  if variant == "v1":
+    lam_BxHxT = jnp.broadcast_to(
+      jnp.broadcast_to(lam, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
+    )
+  else:
+    lam_BxHxT = jnp.transpose(lam, (0, 2, 1))
+  opts = dict(causal=causal, scale=scale, interpret=interpret, core=core)
+  out = run(variant, qs, ks, v, lam_BxHxT, q_seg, kv_seg, blocks, **opts)
+  return out if variant == "v1" else out.astype(qs[0].dtype)
 
 
 def diff_v1_pallas_gpu(
@@ -195,16 +205,10 @@ def diff_v1_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, _ = q1_BxTxHxD.shape
-  s = k1_BxSxKxD.shape[1]
-  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
   qs, ks = (q1_BxTxHxD, q2_BxTxHxD), (k1_BxSxKxD, k2_BxSxKxD)
-  blocks = _blocks("v1", qs, ks, v_BxSxKxDv, q_seg, block_sizes)
-  lam_BxHxT = jnp.broadcast_to(
-    jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
-  )
-  opts = dict(causal=causal, scale=scale, interpret=interpret)
-  return run("v1", qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, blocks, **opts)
+  segs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  opts = dict(causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret)
+  return _checked_run("v1", qs, ks, v_BxSxKxDv, lam_H, **segs, **opts)
 
 
 def diff_v2_pallas_gpu(
@@ -233,11 +237,6 @@ def diff_v2_pallas_gpu(
     [B, T, H, D] in the dtype of q. Rows that see no key are zero.
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t = q_BxTxQxD.shape[:2]
-  s = k_BxSxKxD.shape[1]
-  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
-  blocks = _blocks("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, q_seg, block_sizes)
-  lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
-  opts = dict(causal=causal, scale=scale, interpret=interpret)
-  out = run("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts)
-  return out.astype(q_BxTxQxD.dtype)
+  segs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  opts = dict(causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret)
+  return _checked_run("v2", (q_BxTxQxD,), (k_BxSxKxD,), v_BxSxKxD, lam_BxTxH, **segs, **opts)

@@ -41,7 +41,6 @@ from diffjax.kernels.gpu import mosaic_common as mc
 from diffjax.kernels.gpu import mosaic_gda_bwd as gb
 from diffjax.kernels.gpu import mosaic_gda_fwd as gf
 from diffjax.kernels.gpu import mosaic_tiles as tiles
-from diffjax.kernels.gpu import pair_common as pc
 from diffjax.kernels.gpu.mosaic_gda_fwd import MAX_GROUP, forward_smem_bytes, forward_stages
 
 # ----------------------------------------------------------------------------------
@@ -141,7 +140,11 @@ def refusal(dtypes, d: int, dv: int, r: int, shared_k: bool, segments: bool) -> 
   return None
 
 
-def _tiles(q1, q2, ks, v, segments, block_sizes) -> _Tiles:
+def _tiles(variant, qs, ks, v, q_seg, block_sizes) -> _Tiles:
+  """The grouped kernels' tiles, called as :func:`~diffjax.kernels.gpu.mosaic._blocks`
+  (V1 and V2 differ only in how many key arrays ``ks`` holds)."""
+  del variant
+  (q1, q2), segments = qs, q_seg is not None
   d, dv = q1.shape[3], v.shape[3]
   r = q1.shape[2] // q2.shape[2]
   reason = refusal([x.dtype for x in (q1, q2, *ks, v)], d, dv, r, len(ks) == 1, segments)
@@ -214,36 +217,13 @@ def gda_v1_pallas_gpu(
   """
   lam_H = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, _ = q1_BxTxHxD.shape
-  kw = dict(
-    causal=causal,
-    q_segment_ids=q_segment_ids,
-    kv_segment_ids=kv_segment_ids,
-    scale=scale,
-    interpret=interpret,
-  )
-  if q2_BxTxNxD.shape[2] == h:
-    return mosaic.diff_v1_pallas_gpu(
-      q1_BxTxHxD,
-      q2_BxTxNxD,
-      k1_BxSxKxD,
-      k2_BxSxKxD,
-      v_BxSxKxDv,
-      lam_H,
-      block_sizes=block_sizes,
-      **kw,
-    )
-  s = k1_BxSxKxD.shape[1]
-  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
-  ks = (k1_BxSxKxD, k2_BxSxKxD)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxDv, q_seg is not None, block_sizes)
-  lam_BxHxT = jnp.broadcast_to(
-    jnp.broadcast_to(lam_H, (h,)).astype(jnp.float32)[None, :, None], (b, h, t)
-  )
-  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
-  return mosaic.run(
-    "v1", qs, ks, v_BxSxKxDv, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped
-  )
+  qs, ks = (q1_BxTxHxD, q2_BxTxNxD), (k1_BxSxKxD, k2_BxSxKxD)
+  segs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  opts = dict(causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret)
+  if q2_BxTxNxD.shape[2] == q1_BxTxHxD.shape[2]:
+    return mosaic.diff_v1_pallas_gpu(*qs, *ks, v_BxSxKxDv, lam_H, **segs, **opts)
+  grouped = dict(plan=_tiles, core=_grouped)
+  return mosaic._checked_run("v1", qs, ks, v_BxSxKxDv, lam_H, **segs, **opts, **grouped)
 
 
 def gda_v2_pallas_gpu(
@@ -268,23 +248,12 @@ def gda_v2_pallas_gpu(
   """
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
   b, t, h, d = q1_BxTxHxD.shape
-  kw = dict(
-    causal=causal,
-    q_segment_ids=q_segment_ids,
-    kv_segment_ids=kv_segment_ids,
-    scale=scale,
-    interpret=interpret,
-  )
+  segs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  opts = dict(causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret)
   if q2_BxTxNxD.shape[2] == h:
     q_BxTxQxD = jnp.stack([q1_BxTxHxD, q2_BxTxNxD], axis=3).reshape(b, t, 2 * h, d)
-    return mosaic.diff_v2_pallas_gpu(
-      q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, block_sizes=block_sizes, **kw
-    )
-  s = k_BxSxKxD.shape[1]
-  q_seg, kv_seg = pc.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
-  ks = (k_BxSxKxD,)
-  blocks = _tiles(q1_BxTxHxD, q2_BxTxNxD, ks, v_BxSxKxD, q_seg is not None, block_sizes)
-  qs, opts = (q1_BxTxHxD, q2_BxTxNxD), dict(causal=causal, scale=scale, interpret=interpret)
-  lam_BxHxT = jnp.transpose(lam_BxTxH, (0, 2, 1))
-  out = mosaic.run("v2", qs, ks, v_BxSxKxD, lam_BxHxT, q_seg, kv_seg, blocks, **opts, core=_grouped)
-  return out.astype(q1_BxTxHxD.dtype)
+    return mosaic.diff_v2_pallas_gpu(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH, **segs, **opts)
+  qs, grouped = (q1_BxTxHxD, q2_BxTxNxD), dict(plan=_tiles, core=_grouped)
+  return mosaic._checked_run(
+    "v2", qs, (k_BxSxKxD,), v_BxSxKxD, lam_BxTxH, **segs, **opts, **grouped
+  )

@@ -90,24 +90,12 @@ def block_config(
   )
 
 
-def _pad(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
-  q_seg, kv_seg = pc.pad_segment_ids(q_seg, kv_seg, plan.tp, plan.sp)
-  return (
-    tuple(pc.pad_axis(q, 1, plan.tp) for q in qs),
-    tuple(pc.pad_axis(k, 1, plan.sp) for k in ks),
-    pc.pad_axis(v, 1, plan.sp),
-    pc.pad_axis(lam_BxHxT.astype(jnp.float32), 2, plan.tp),
-    q_seg,
-    kv_seg,
-  )
-
-
 def block_forward(plan: BlockConfig, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
   """One block's forward: ``(o1, o2, lse)``, each map's normalized output float32
   [B, T, H, Dv] and the log-sum-exps [B, H, 2, T] (``+inf`` where a row sees no key)."""
   tiles.check_inputs(plan.cfg.variant, qs, ks, v)
-  qs_p, ks_p, v_p, lam_p, q_seg_p, kv_seg_p = _pad(plan, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
-  out, o2, lse_a, lse_b = mf.forward(plan.cfg, qs_p, ks_p, v_p, lam_p, q_seg_p, kv_seg_p)
+  padded = pc.pad_inputs(plan.tp, plan.sp, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  out, o2, lse_a, lse_b = mf.forward(plan.cfg, *padded)
   t = plan.t
   o2 = o2[:, :t].astype(jnp.float32)
   lam = jnp.transpose(lam_BxHxT.astype(jnp.float32), (0, 2, 1))[..., None]
@@ -130,7 +118,8 @@ def block_backward(
     ``(dqs, dks, dv)``; the gradient of lambda is the whole attention's ``-D_2``.
   """
   cfg = plan.cfg
-  qs_p, ks_p, v_p, lam_p, q_seg_p, kv_seg_p = _pad(plan, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  padded = pc.pad_inputs(plan.tp, plan.sp, qs, ks, v, lam_BxHxT, q_seg, kv_seg)
+  qs_p, ks_p, v_p, lam_p, q_seg_p, kv_seg_p = padded
   lse2 = jnp.where(jnp.isinf(lse_BxHx2xT), pc.EMPTY_LSE, lse_BxHx2xT * pc.LOG2E)
   # Padded query rows: no probability (empty log-sum-exp) and a zero cotangent.
   lse2 = pc.pad_axis(lse2.astype(jnp.float32), 3, plan.tp, pc.EMPTY_LSE)

@@ -130,3 +130,17 @@ def pad_segment_ids(q_seg, kv_seg, q_len: int, kv_len: int):
   if q_seg is None:
     return None, None
   return pad_axis(q_seg, 1, q_len, -1), pad_axis(kv_seg, 1, kv_len, -2)
+
+
+def pad_inputs(tp: int, sp: int, qs, ks, v, lam_BxHxT, q_seg, kv_seg):
+  """The kernels' inputs with the query length padded to ``tp`` and the key length to
+  ``sp`` (lambda cast to float32), in the order they came."""
+  q_seg, kv_seg = pad_segment_ids(q_seg, kv_seg, tp, sp)
+  return (
+    tuple(pad_axis(q, 1, tp) for q in qs),
+    tuple(pad_axis(k, 1, sp) for k in ks),
+    pad_axis(v, 1, sp),
+    pad_axis(lam_BxHxT.astype(jnp.float32), 2, tp),
+    q_seg,
+    kv_seg,
+  )

@@ -30,6 +30,15 @@ def _mask(b: int, t: int, s: int, *, causal: bool, q_seg, kv_seg):
   return jnp.broadcast_to(mask, (b, 1, t, s)), False
 
 
+def _options(q, k, causal, q_seg, kv_seg, scale, implementation) -> dict:
+  """The keywords of :func:`_attend` (and :func:`_chunked`) for queries ``q`` against keys
+  ``k``: the mask, whether the call is causal, the scale for q's head dim."""
+  b, t, _, d = q.shape
+  mask, is_causal = _mask(b, t, k.shape[1], causal=causal, q_seg=q_seg, kv_seg=kv_seg)
+  scale = _v.default_scale(scale, d)
+  return dict(mask=mask, is_causal=is_causal, scale=scale, implementation=implementation)
+
+
 def pick_implementation(q, k, v, mask=None, is_causal=False) -> str:
   """ "cudnn" when on a GPU and cuDNN accepts this call at trace time, else "xla"."""
   if jax.default_backend() != "gpu" or q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -78,19 +87,10 @@ def mha_stock_gpu(
   """Baseline attention, one ``jax.nn.dot_product_attention`` call. Returns [B, T, H, D]."""
   del block_sizes, interpret
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
-  b, t, _, d = q_BxTxHxD.shape
-  mask, is_causal = _mask(
-    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  opts = _options(
+    q_BxTxHxD, k_BxSxKxD, causal, q_segment_ids, kv_segment_ids, scale, implementation
   )
-  return _attend(
-    q_BxTxHxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
-    mask=mask,
-    is_causal=is_causal,
-    scale=_v.default_scale(scale, d),
-    implementation=implementation,
-  )
+  return _attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, **opts)
 
 
 def diff_v1_stock_gpu(
@@ -116,36 +116,25 @@ def diff_v1_stock_gpu(
   del block_sizes, interpret
   lam_H = jnp.asarray(lam_H)
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
-  s = k1_BxSxKxD.shape[1]
-  mask, is_causal = _mask(b, t, s, causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids)
-  scale = _v.default_scale(scale, d)
+  opts = _options(
+    q1_BxTxHxD, k1_BxSxKxD, causal, q_segment_ids, kv_segment_ids, scale, implementation
+  )
   maps = [
-    _chunked(q, k, v_BxSxKxDv, mask=mask, is_causal=is_causal, scale=scale, impl=implementation)
+    _chunked(q, k, v_BxSxKxDv, **opts)
     for q, k in ((q1_BxTxHxD, k1_BxSxKxD), (q2_BxTxHxD, k2_BxSxKxD))
   ]
-  lam = jnp.broadcast_to(lam_H.astype(jnp.float32), (h,))[None, None, :, None]
+  lam = jnp.broadcast_to(lam_H.astype(jnp.float32), (q1_BxTxHxD.shape[2],))[None, None, :, None]
   return (maps[0] - lam * maps[1]).astype(q1_BxTxHxD.dtype)
 
 
-def _chunked(q, k, v, *, mask, is_causal, scale, impl):
+def _chunked(q, k, v, **opts):
   """Attention with a value wider than the head dim: one call per D-wide value chunk
-  (cuDNN takes equal q, k and v widths). Returns [B, T, heads of q, Dv] in float32."""
+  (cuDNN takes equal q, k and v widths); ``opts`` are :func:`_attend`'s keywords.
+  Returns [B, T, heads of q, Dv] in float32."""
   d, dv = q.shape[3], v.shape[3]
   chunks = -(-dv // d)
   v_pad = jnp.pad(v, [(0, 0)] * 3 + [(0, chunks * d - dv)])
-  parts = [
-    _attend(
-      q,
-      k,
-      v_pad[..., i * d : (i + 1) * d],
-      mask=mask,
-      is_causal=is_causal,
-      scale=scale,
-      implementation=impl,
-    )
-    for i in range(chunks)
-  ]
+  parts = [_attend(q, k, v_pad[..., i * d : (i + 1) * d], **opts) for i in range(chunks)]
   return jnp.concatenate(parts, axis=-1)[..., :dv].astype(jnp.float32)
 
 
@@ -179,19 +168,11 @@ def diff_v2_stock_gpu(
   """
   del block_sizes, interpret
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, qh, d = q_BxTxQxD.shape
-  mask, is_causal = _mask(
-    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  opts = _options(
+    q_BxTxQxD, k_BxSxKxD, causal, q_segment_ids, kv_segment_ids, scale, implementation
   )
-  o = _attend(
-    q_BxTxQxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
-    mask=mask,
-    is_causal=is_causal,
-    scale=_v.default_scale(scale, d),
-    implementation=implementation,
-  )
+  o = _attend(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, **opts)
+  b, t, qh, _ = q_BxTxQxD.shape
   o_BxTxHx2xD = o.reshape(b, t, qh // 2, 2, -1).astype(jnp.float32)
   lam = lam_BxTxH.astype(jnp.float32)[..., None]
   return (o_BxTxHx2xD[..., 0, :] - lam * o_BxTxHx2xD[..., 1, :]).astype(q_BxTxQxD.dtype)
@@ -224,14 +205,12 @@ def gda_v1_stock_gpu(
   del block_sizes, interpret
   lam_H = jnp.asarray(lam_H)
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
-  mask, is_causal = _mask(
-    b, t, k1_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  opts = _options(
+    q1_BxTxHxD, k1_BxSxKxD, causal, q_segment_ids, kv_segment_ids, scale, implementation
   )
-  kw = dict(mask=mask, is_causal=is_causal, scale=_v.default_scale(scale, d), impl=implementation)
-  o1 = _chunked(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, **kw)
-  o2 = _chunked(q2_BxTxNxD, k2_BxSxKxD, v_BxSxKxDv, **kw)
-  lam_1x1xH = jnp.broadcast_to(lam_H.astype(jnp.float32), (h,))[None, None, :]
+  o1 = _chunked(q1_BxTxHxD, k1_BxSxKxD, v_BxSxKxDv, **opts)
+  o2 = _chunked(q2_BxTxNxD, k2_BxSxKxD, v_BxSxKxDv, **opts)
+  lam_1x1xH = jnp.broadcast_to(lam_H.astype(jnp.float32), (q1_BxTxHxD.shape[2],))[None, None, :]
   return _grouped_combine(o1, o2, lam_1x1xH, q1_BxTxHxD.dtype)
 
 
@@ -257,13 +236,9 @@ def gda_v2_stock_gpu(
   """
   del block_sizes, interpret
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, _, d = q1_BxTxHxD.shape
-  mask, is_causal = _mask(
-    b, t, k_BxSxKxD.shape[1], causal=causal, q_seg=q_segment_ids, kv_seg=kv_segment_ids
+  opts = _options(
+    q1_BxTxHxD, k_BxSxKxD, causal, q_segment_ids, kv_segment_ids, scale, implementation
   )
-  kw = dict(
-    mask=mask, is_causal=is_causal, scale=_v.default_scale(scale, d), implementation=implementation
-  )
-  o1 = _attend(q1_BxTxHxD, k_BxSxKxD, v_BxSxKxD, **kw).astype(jnp.float32)
-  o2 = _attend(q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, **kw).astype(jnp.float32)
+  o1 = _attend(q1_BxTxHxD, k_BxSxKxD, v_BxSxKxD, **opts).astype(jnp.float32)
+  o2 = _attend(q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, **opts).astype(jnp.float32)
   return _grouped_combine(o1, o2, lam_BxTxH, q1_BxTxHxD.dtype)
