@@ -167,9 +167,7 @@ DIFF_V1 = OpSpec(
 
 
 def _v2_split(qs):
-  b, t, qh, d = qs[0].shape
-  q_BxTxHx2xD = qs[0].reshape(b, t, qh // 2, 2, d)
-  return [q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]]
+  return list(ref.split_pairs(qs[0]))
 
 
 def _v2_join(dqs, qs):

@@ -221,6 +221,13 @@ def _per_token_lambda(q1, q2, k, v, lam_BxTxH, **kw):
   return _differential(q1, q2, k, k, v, lam_BxHxT, **kw)
 
 
+def split_pairs(q_BxTxQxD) -> tuple[jax.Array, jax.Array]:
+  """DIFF V2's paired query heads -> (heads 2i [B, T, H, D], heads 2i+1 [B, T, H, D])."""
+  b, t, q_heads, d = q_BxTxQxD.shape
+  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
+  return q_BxTxHx2xD[:, :, :, 0], q_BxTxHx2xD[:, :, :, 1]
+
+
 def diff_v1_reference(
   q1_BxTxHxD,
   q2_BxTxHxD,
@@ -293,11 +300,10 @@ def diff_v2_reference(
     With ``return_aux`` also ``logits1/2`` and ``probs1/2`` ([B, H, T, S]).
   """
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, q_heads, d = q_BxTxQxD.shape
-  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
+  q1_BxTxHxD, q2_BxTxHxD = split_pairs(q_BxTxQxD)
   return _per_token_lambda(
-    q_BxTxHx2xD[:, :, :, 0],
-    q_BxTxHx2xD[:, :, :, 1],
+    q1_BxTxHxD,
+    q2_BxTxHxD,
     k_BxSxKxD,
     v_BxSxKxD,
     lam_BxTxH,

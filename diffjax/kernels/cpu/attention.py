@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from diffjax.core import validation as _v
 from diffjax.core.dtypes import accumulation_dtype
-from diffjax.core.reference import build_mask
+from diffjax.core.reference import build_mask, split_pairs
 
 
 def _to_rows(q_BxTxHxD: jax.Array, kv_heads: int) -> jax.Array:
@@ -229,8 +229,10 @@ def _rows_per_step(q_BxKxRxD, k_BxKxSxD, maps: int = 1) -> int:
   return max(1, SCORE_BYTES_PER_STEP // (4 * maps * kv * r * k_BxKxSxD.shape[2]))
 
 
-def _over_batch(fn, rows, keys, q_seg, kv_seg, *, t, causal, maps):
-  """``_blocked(fn, ...)`` for every batch row, a few rows per ``lax.map`` iteration."""
+def _over_batch(fn, maps, rows, keys, q_seg, kv_seg, t, causal, scale):
+  """``_blocked`` of ``fn`` at ``scale`` for every batch row, a few rows per ``lax.map``
+  iteration (as many as :func:`_rows_per_step` allows for ``maps`` softmax maps)."""
+  fn = functools.partial(fn, scale=scale)
   n = _rows_per_step(rows[0], keys[0], maps)
   nr, nk = len(rows), len(keys)
 
@@ -263,16 +265,7 @@ def _attend(kind: str, rows, keys, q_seg_BxT, kv_seg_BxS, t, causal, scale):
 
 def _attend_fwd(kind, rows, keys, q_seg, kv_seg, t, causal, scale):
   forward, _, maps, saved = _KINDS[kind]
-  outs, _ = _over_batch(
-    functools.partial(forward, scale=scale),
-    rows,
-    keys,
-    q_seg,
-    kv_seg,
-    t=t,
-    causal=causal,
-    maps=maps,
-  )
+  outs, _ = _over_batch(forward, maps, rows, keys, q_seg, kv_seg, t, causal, scale)
   return outs[0], (rows, keys, q_seg, kv_seg, outs[saved:])
 
 
@@ -280,14 +273,7 @@ def _attend_bwd(kind, t, causal, scale, res, do):
   rows, keys, q_seg, kv_seg, saved = res
   _, backward, maps, _ = _KINDS[kind]
   row_grads, key_grads = _over_batch(
-    functools.partial(backward, scale=scale),
-    (*rows, *saved, do),
-    keys,
-    q_seg,
-    kv_seg,
-    t=t,
-    causal=causal,
-    maps=maps,
+    backward, maps, (*rows, *saved, do), keys, q_seg, kv_seg, t, causal, scale
   )
   return _cast_like(row_grads, rows), _cast_like(key_grads, keys), None, None
 
@@ -296,49 +282,26 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _attention(
-  q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv, *, causal, q_segment_ids, kv_segment_ids, scale
+  queries, keys, lam_BxTxH=None, *, causal, q_segment_ids, kv_segment_ids, scale
 ) -> jax.Array:
-  """softmax(q k^T scale) V for each query head and its kv group: [B, T, H, Dv]."""
-  t, kv = q_BxTxHxD.shape[1], k_BxSxKxD.shape[2]
+  """Per query head and its kv group, [B, T, H, Dv]: ``softmax(q k^T s) V`` for queries
+  ``(q,)`` [B, T, H, D] and keys ``(k, v)`` [B, S, K, ...]; with ``lam_BxTxH``,
+  ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V`` for ``(q1, q2)`` and ``(k1, k2, v)``.
+  ``scale`` None is 1 / sqrt(D)."""
+  t, kv = queries[0].shape[1], keys[0].shape[2]
+  rows = ()
+  if lam_BxTxH is not None:
+    acc = accumulation_dtype(queries[0].dtype)
+    rows = (_to_rows(lam_BxTxH.astype(acc)[..., None], kv)[..., 0],)  # [B, K, G*T]
   o = _attend(
-    "single",
-    (_to_rows(q_BxTxHxD, kv),),
-    (_head_major(k_BxSxKxD), _head_major(v_BxSxKxDv)),
+    "single" if lam_BxTxH is None else "pair",
+    (*(_to_rows(q, kv) for q in queries), *rows),
+    tuple(_head_major(x) for x in keys),
     q_segment_ids,
     kv_segment_ids,
     t,
     bool(causal),
-    float(scale),
-  )
-  return _from_rows(o, t)
-
-
-def _pair_attention(
-  q1_BxTxHxD,
-  q2_BxTxHxD,
-  k1_BxSxKxD,
-  k2_BxSxKxD,
-  v_BxSxKxDv,
-  lam_BxTxH,
-  *,
-  causal,
-  q_segment_ids,
-  kv_segment_ids,
-  scale,
-) -> jax.Array:
-  """``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V`` per head: [B, T, H, Dv]."""
-  t, kv = q1_BxTxHxD.shape[1], k1_BxSxKxD.shape[2]
-  acc = accumulation_dtype(q1_BxTxHxD.dtype)
-  lam_rows = _to_rows(lam_BxTxH.astype(acc)[..., None], kv)[..., 0]  # [B, K, G*T]
-  o = _attend(
-    "pair",
-    (_to_rows(q1_BxTxHxD, kv), _to_rows(q2_BxTxHxD, kv), lam_rows),
-    (_head_major(k1_BxSxKxD), _head_major(k2_BxSxKxD), _head_major(v_BxSxKxDv)),
-    q_segment_ids,
-    kv_segment_ids,
-    t,
-    bool(causal),
-    float(scale),
+    float(_v.default_scale(scale, queries[0].shape[-1])),
   )
   return _from_rows(o, t)
 
@@ -358,11 +321,9 @@ def mha_xla_cpu(
   """Baseline attention; arguments as :func:`diffjax.ops.dot_product_attention`'s kernels."""
   del block_sizes, interpret
   _v.check_mha(q_BxTxHxD, k_BxSxKxD, v_BxSxKxDv)
-  scale = _v.default_scale(scale, q_BxTxHxD.shape[-1])
   return _attention(
-    q_BxTxHxD,
-    k_BxSxKxD,
-    v_BxSxKxDv,
+    (q_BxTxHxD,),
+    (k_BxSxKxD, v_BxSxKxDv),
     causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
@@ -388,19 +349,14 @@ def diff_v1_xla_cpu(
   """DIFF V1 core ``(A(q1, k1) - λ_h A(q2, k2)) V``, before the per-head norm."""
   del block_sizes, interpret
   _v.check_diff_v1(q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  b, t, h, d = q1_BxTxHxD.shape
-  lam_BxTxH = jnp.broadcast_to(jnp.asarray(lam_H), (b, t, h))
-  return _pair_attention(
-    q1_BxTxHxD,
-    q2_BxTxHxD,
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    lam_BxTxH,
+  return _attention(
+    (q1_BxTxHxD, q2_BxTxHxD),
+    (k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+    jnp.broadcast_to(jnp.asarray(lam_H), q1_BxTxHxD.shape[:3]),  # [B, T, H]
     causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
-    scale=_v.default_scale(scale, d),
+    scale=scale,
   )
 
 
@@ -420,19 +376,14 @@ def diff_v2_xla_cpu(
   """DIFF V2 core on paired query heads: ``(A(q_2i) - λ_i A(q_2i+1)) V``."""
   del block_sizes, interpret
   _v.check_diff_v2(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  b, t, q_heads, d = q_BxTxQxD.shape
-  q_BxTxHx2xD = q_BxTxQxD.reshape(b, t, q_heads // 2, 2, d)
-  return _pair_attention(
-    q_BxTxHx2xD[:, :, :, 0],
-    q_BxTxHx2xD[:, :, :, 1],
-    k_BxSxKxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+  return _attention(
+    split_pairs(q_BxTxQxD),
+    (k_BxSxKxD, k_BxSxKxD, v_BxSxKxD),
     lam_BxTxH,
     causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
-    scale=_v.default_scale(scale, d),
+    scale=scale,
   )
 
 
@@ -460,20 +411,16 @@ def gda_v1_xla_cpu(
 ) -> jax.Array:
   """Grouped differential attention (V1 style) as DIFF V1 on the repeated noise heads;
   r = 1 is :func:`diff_v1_xla_cpu` exactly."""
+  del block_sizes, interpret
   _v.check_gda_v1(q1_BxTxHxD, q2_BxTxNxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam_H)
-  return diff_v1_xla_cpu(
-    q1_BxTxHxD,
-    _repeat_noise(q1_BxTxHxD, q2_BxTxNxD),
-    k1_BxSxKxD,
-    k2_BxSxKxD,
-    v_BxSxKxDv,
-    lam_H,
+  return _attention(
+    (q1_BxTxHxD, _repeat_noise(q1_BxTxHxD, q2_BxTxNxD)),
+    (k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv),
+    jnp.broadcast_to(jnp.asarray(lam_H), q1_BxTxHxD.shape[:3]),  # [B, T, H]
     causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
     scale=scale,
-    block_sizes=block_sizes,
-    interpret=interpret,
   )
 
 
@@ -494,15 +441,12 @@ def gda_v2_xla_cpu(
   """Grouped DIFF V2 on the repeated noise heads; r = 1 computes as :func:`diff_v2_xla_cpu`."""
   del block_sizes, interpret
   _v.check_gda_v2(q1_BxTxHxD, q2_BxTxNxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-  return _pair_attention(
-    q1_BxTxHxD,
-    _repeat_noise(q1_BxTxHxD, q2_BxTxNxD),
-    k_BxSxKxD,
-    k_BxSxKxD,
-    v_BxSxKxD,
+  return _attention(
+    (q1_BxTxHxD, _repeat_noise(q1_BxTxHxD, q2_BxTxNxD)),
+    (k_BxSxKxD, k_BxSxKxD, v_BxSxKxD),
     lam_BxTxH,
     causal=causal,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
-    scale=_v.default_scale(scale, q1_BxTxHxD.shape[-1]),
+    scale=scale,
   )
