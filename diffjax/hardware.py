@@ -141,51 +141,37 @@ _H200 = dataclasses.replace(
   hbm_bytes_per_s=4_800_000_000_000,
 )
 
+
+def _tpu(
+  name: str,
+  device_kinds: tuple[str, ...],
+  bfloat16_flops: float,
+  hbm_bytes: int,
+  hbm_bytes_per_s: float,
+  mxu_width: int,
+  vmem_bytes: int,
+  tensorcores: int,
+) -> Tpu:
+  """One TPU row of the table; a TPU's published dense peak is bfloat16's."""
+  return Tpu(
+    name=name,
+    platform="tpu",
+    device_kinds=device_kinds,
+    dense_flops_per_s=_flops(bfloat16=bfloat16_flops),
+    hbm_bytes=hbm_bytes,
+    hbm_bytes_per_s=hbm_bytes_per_s,
+    mxu_width=mxu_width,
+    vmem_bytes=vmem_bytes,
+    tensorcores=tensorcores,
+  )
+
+
 _TABLE: tuple[Accelerator, ...] = (
-  Tpu(
-    name="v4",
-    platform="tpu",
-    device_kinds=("TPU v4",),
-    dense_flops_per_s=_flops(bfloat16=275e12),
-    hbm_bytes=32 * GIB,
-    hbm_bytes_per_s=1200e9,
-    mxu_width=128,
-    vmem_bytes=16 * MIB,
-    tensorcores=2,
-  ),
-  Tpu(
-    name="v5e",
-    platform="tpu",
-    device_kinds=("TPU v5 lite", "TPU v5e"),
-    dense_flops_per_s=_flops(bfloat16=197e12),
-    hbm_bytes=16 * GIB,
-    hbm_bytes_per_s=819e9,
-    mxu_width=128,
-    vmem_bytes=128 * MIB,
-    tensorcores=1,
-  ),
-  Tpu(
-    name="v5p",
-    platform="tpu",
-    device_kinds=("TPU v5p", "TPU v5"),
-    dense_flops_per_s=_flops(bfloat16=459e12),
-    hbm_bytes=95 * GIB,
-    hbm_bytes_per_s=2765e9,
-    mxu_width=128,
-    vmem_bytes=64 * MIB,
-    tensorcores=2,
-  ),
-  Tpu(
-    name="v6e",
-    platform="tpu",
-    device_kinds=("TPU v6 lite", "TPU v6e"),
-    dense_flops_per_s=_flops(bfloat16=918e12),
-    hbm_bytes=32 * GIB,
-    hbm_bytes_per_s=1640e9,
-    mxu_width=256,
-    vmem_bytes=128 * MIB,
-    tensorcores=1,
-  ),
+  # name, device_kinds, bfloat16 FLOP/s, HBM, HBM bytes/s, MXU width, VMEM, TensorCores
+  _tpu("v4", ("TPU v4",), 275e12, 32 * GIB, 1200e9, 128, 16 * MIB, 2),
+  _tpu("v5e", ("TPU v5 lite", "TPU v5e"), 197e12, 16 * GIB, 819e9, 128, 128 * MIB, 1),
+  _tpu("v5p", ("TPU v5p", "TPU v5"), 459e12, 95 * GIB, 2765e9, 128, 64 * MIB, 2),
+  _tpu("v6e", ("TPU v6 lite", "TPU v6e"), 918e12, 32 * GIB, 1640e9, 256, 128 * MIB, 1),
   _H100,
   _H200,
   Gpu(

@@ -156,8 +156,18 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
   return _positive_float({"rope_theta": theta}, "rope_theta", 10000.0)
 
 
-def _attention_shape(hf: Mapping[str, Any], arch: str) -> tuple[int, int, int, int]:
-  """(hidden size, attention heads, kv heads, head width) as config.json counts them."""
+def _check_runtime(runtime: Mapping[str, Any]) -> None:
+  """Refuses a runtime field that is not one of :data:`RUNTIME_FIELDS`."""
+  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+  if bad:
+    raise ConversionError(
+      f"{bad[0]}= would change the imported parameters; only "
+      f"{list(RUNTIME_FIELDS)} may be set when importing."
+    )
+
+
+def _require_sizes(hf: Mapping[str, Any], arch: str) -> None:
+  """Refuses a config.json without one of the sizes every import reads."""
   for key in (
     "vocab_size",
     "hidden_size",
@@ -167,15 +177,54 @@ def _attention_shape(hf: Mapping[str, Any], arch: str) -> tuple[int, int, int, i
   ):
     if key not in hf:
       raise ConversionError(f"config.json has no {key!r}, which {arch} needs.")
-  hidden = _positive_int(hf, "hidden_size")
-  heads = _positive_int(hf, "num_attention_heads")
-  kv_heads = _positive_int(hf, "num_key_value_heads", heads)
+
+
+def _head_dim(hf: Mapping[str, Any], hidden: int, heads: int) -> int:
+  """``head_dim``, or hidden_size / num_attention_heads where config.json gives none."""
   if hf.get("head_dim") is None and hidden % heads:
     raise ConversionError(
       f"config.json: hidden_size={hidden} is not a multiple of "
       f"num_attention_heads={heads} and no head_dim is given."
     )
-  head_dim = _positive_int(hf, "head_dim", hidden // heads)
+  return _positive_int(hf, "head_dim", hidden // heads)
+
+
+def _tie_embeddings(hf: Mapping[str, Any]) -> bool:
+  tie = hf.get("tie_word_embeddings", False)
+  if not isinstance(tie, bool):
+    raise ConversionError(f"config.json: tie_word_embeddings={tie!r} must be true or false.")
+  return tie
+
+
+def _init_std(hf: Mapping[str, Any]) -> float:
+  """``initializer_range`` (0.02 where absent or not a number)."""
+  init_std = hf.get("initializer_range", 0.02)
+  return float(init_std) if isinstance(init_std, (int, float)) else 0.02
+
+
+def _refuse_quantized(hf: Mapping[str, Any]) -> None:
+  if "quantization_config" in hf:
+    raise ConversionError(
+      "config.json: quantization_config is set; diffjax imports only unquantized float weights."
+    )
+
+
+def _refuse_dropout(hf: Mapping[str, Any]) -> None:
+  dropout = hf.get("attention_dropout", 0.0)
+  if dropout not in (0, 0.0, None):
+    raise ConversionError(
+      f"config.json: attention_dropout={dropout!r} cannot be imported "
+      "exactly: diffjax has no attention dropout."
+    )
+
+
+def _attention_shape(hf: Mapping[str, Any], arch: str) -> tuple[int, int, int, int]:
+  """(hidden size, attention heads, kv heads, head width) as config.json counts them."""
+  _require_sizes(hf, arch)
+  hidden = _positive_int(hf, "hidden_size")
+  heads = _positive_int(hf, "num_attention_heads")
+  kv_heads = _positive_int(hf, "num_key_value_heads", heads)
+  head_dim = _head_dim(hf, hidden, heads)
   if heads % kv_heads:
     raise ConversionError(
       f"config.json: num_attention_heads={heads} is not a multiple of "
@@ -187,10 +236,7 @@ def _attention_shape(hf: Mapping[str, Any], arch: str) -> tuple[int, int, int, i
 def _refuse_unmodelled(hf: Mapping[str, Any], arch: str) -> None:
   """Refuses what diffjax does not model: quantized weights, another activation, biases,
   attention dropout."""
-  if "quantization_config" in hf:
-    raise ConversionError(
-      "config.json: quantization_config is set; diffjax imports only unquantized float weights."
-    )
+  _refuse_quantized(hf)
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ConversionError(
@@ -200,12 +246,7 @@ def _refuse_unmodelled(hf: Mapping[str, Any], arch: str) -> None:
   _refuse_true(hf, "attention_bias", "diffjax's projections have no bias")
   if arch != DIFFLLAMA:
     _refuse_true(hf, "mlp_bias", "diffjax's MLP has no bias")
-  dropout = hf.get("attention_dropout", 0.0)
-  if dropout not in (0, 0.0, None):
-    raise ConversionError(
-      f"config.json: attention_dropout={dropout!r} cannot be imported "
-      "exactly: diffjax has no attention dropout."
-    )
+  _refuse_dropout(hf)
 
 
 def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
@@ -214,21 +255,14 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
   ``runtime`` sets fields that leave the parameters unchanged (see :data:`RUNTIME_FIELDS`).
   Raises :class:`ConversionError` naming the first field that cannot be mapped exactly.
   """
-  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-  if bad:
-    raise ConversionError(
-      f"{bad[0]}= would change the imported parameters; only "
-      f"{list(RUNTIME_FIELDS)} may be set when importing."
-    )
+  _check_runtime(runtime)
   arch = architecture(hf)
   arm = arm_of()[arch]
   arch = LAYOUT.get(arch, arch)
   hidden, heads, kv_heads, head_dim = _attention_shape(hf, arch)
   _refuse_unmodelled(hf, arch)
   eps = _positive_float(hf, "rms_norm_eps", 1e-6 if arch == LLAMA else 1e-5)
-  tie = hf.get("tie_word_embeddings", False)
-  if not isinstance(tie, bool):
-    raise ConversionError(f"config.json: tie_word_embeddings={tie!r} must be true or false.")
+  tie = _tie_embeddings(hf)
   if arch == DIFFLLAMA:
     if heads % 2 or kv_heads % 2:
       raise ConversionError(
@@ -242,7 +276,6 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
         f"config.json: num_attention_heads={heads} must be even: DIFF V2 pairs its query heads."
       )
     heads //= 2
-  init_std = hf.get("initializer_range", 0.02)
   fields = dict(
     attention=arm,
     vocab_size=_positive_int(hf, "vocab_size"),
@@ -257,7 +290,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     norm_eps=eps,
     diff_norm_eps=eps,
     tie_embeddings=tie,
-    init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02,
+    init_std=_init_std(hf),
   )
   if arch == DIFFJAX_V2:
     fields.update(

@@ -17,6 +17,7 @@ halves. Sources of each convention and the memory a real checkpoint needs: docs/
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,10 +26,31 @@ import numpy as np
 from diffjax.convert.files import ConversionError
 from diffjax.convert.hf_config import (
   RUNTIME_FIELDS,
+  _check_runtime,
+  _head_dim,
+  _init_std,
   _positive_float,
   _positive_int,
+  _refuse_dropout,
+  _refuse_quantized,
   _refuse_true,
+  _require_sizes,
   _rope_theta,
+  _tie_embeddings,
+)
+from diffjax.convert.weights import (
+  _block_params,
+  _block_tensors,
+  _check_dtype,
+  _check_halves,
+  _check_names,
+  _check_shape,
+  _f32,
+  _layer,
+  _model_params,
+  _model_tensors,
+  _plain_projections,
+  _rope_rows,
 )
 from diffjax.model import ModelConfig
 from diffjax.model.sizes import WIDTHS
@@ -91,22 +113,14 @@ def _heads(hf: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
       f"config.json: num_noise_heads={noise} must be a multiple of num_key_value_heads / 2 = "
       f"{groups}, so that each group of heads reads one kv group."
     )
-  if hf.get("head_dim") is None and hidden % heads:
-    raise ConversionError(
-      f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
-      "and no head_dim is given."
-    )
-  head_dim = _positive_int(hf, "head_dim", hidden // heads)
+  head_dim = _head_dim(hf, hidden, heads)
   signal = heads - noise
   return signal, noise, signal // noise, groups, head_dim
 
 
 def _refuse_unmodelled(hf: Mapping[str, Any]) -> None:
   """Refuses the Motif settings diffjax does not compute, naming the field."""
-  if "quantization_config" in hf:
-    raise ConversionError(
-      "config.json: quantization_config is set; diffjax imports only unquantized float weights."
-    )
+  _refuse_quantized(hf)
   act = hf.get("hidden_act", "poly_norm")
   if act != "poly_norm":
     raise ConversionError(
@@ -137,12 +151,7 @@ def _refuse_unmodelled(hf: Mapping[str, Any]) -> None:
     )
   if hf.get("is_causal", True) is False:
     raise ConversionError("config.json: is_causal=false cannot be imported: diffjax is causal.")
-  dropout = hf.get("attention_dropout", 0.0)
-  if dropout not in (0, 0.0, None):
-    raise ConversionError(
-      f"config.json: attention_dropout={dropout!r} cannot be imported exactly: diffjax has no "
-      "attention dropout."
-    )
+  _refuse_dropout(hf)
 
 
 def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
@@ -151,23 +160,11 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
   ``runtime`` sets fields that leave the parameters unchanged (``RUNTIME_FIELDS``). Raises
   :class:`ConversionError` naming the first field that cannot be mapped exactly.
   """
-  bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
-  if bad:
-    raise ConversionError(
-      f"{bad[0]}= would change the imported parameters; only {list(RUNTIME_FIELDS)} may be "
-      "set when importing."
-    )
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-    if key not in hf:
-      raise ConversionError(f"config.json has no {key!r}, which {MOTIF} needs.")
-  if "num_attention_heads" not in hf:
-    raise ConversionError(f"config.json has no 'num_attention_heads', which {MOTIF} needs.")
+  _check_runtime(runtime)
+  _require_sizes(hf, MOTIF)
   _refuse_unmodelled(hf)
   signal, _, ratio, groups, head_dim = _heads(hf)
-  tie = hf.get("tie_word_embeddings", False)
-  if not isinstance(tie, bool):
-    raise ConversionError(f"config.json: tie_word_embeddings={tie!r} must be true or false.")
-  init_std = hf.get("initializer_range", 0.02)
+  tie = _tie_embeddings(hf)
   fields = dict(
     attention=ARM,
     vocab_size=_positive_int(hf, "vocab_size"),
@@ -185,7 +182,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     norm_eps=_positive_float(hf, "rms_norm_eps", DEFAULT_RMS_EPS),
     diff_norm_eps=_positive_float(hf, "attn_rms_norm_eps", DEFAULT_ATTN_RMS_EPS),
     tie_embeddings=tie,
-    init_std=float(init_std) if isinstance(init_std, (int, float)) else 0.02,
+    init_std=_init_std(hf),
   )
   try:
     return ModelConfig(**fields, **runtime)
@@ -267,10 +264,6 @@ def hf_config_from_model(
 # ------------------------------------------------------------------------------ tensors
 
 
-def _layer(i: int, name: str) -> str:
-  return f"model.layers.{i}.{name}"
-
-
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The tensor names and shapes of the Motif checkpoint of ``cfg``."""
   e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
@@ -305,60 +298,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
   """Raises :class:`ConversionError` for a missing, unexpected or misshapen tensor."""
   want = expected_shapes(cfg)
-  missing = sorted(set(want) - set(tensors))
-  if missing:
-    raise ConversionError(
-      f"The checkpoint has no tensor {missing[0]!r} ({len(missing)} missing in all), which "
-      "config.json implies."
-    )
-
-  def ignorable(name: str) -> bool:
-    if name.endswith("rotary_emb.inv_freq"):
-      return True
-    if name == "lm_head.weight" and cfg.tie_embeddings:
-      return np.array_equal(tensors[name], tensors["model.embed_tokens.weight"])
-    return False
-
-  extra = sorted(n for n in set(tensors) - set(want) if not ignorable(n))
-  if extra:
-    raise ConversionError(
-      f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), which diffjax "
-      "has no parameter for (a bias or another layer type)."
-    )
+  _check_names(cfg, want, tensors)
   for name, shape in want.items():
-    got = tuple(tensors[name].shape)
-    if got != shape:
-      raise ConversionError(
-        f"Tensor {name!r} has shape {list(got)}, but config.json implies {list(shape)}: the "
-        "weights do not belong to this config."
-      )
-    if tensors[name].dtype.kind != "f" and tensors[name].dtype.name != "bfloat16":
-      raise ConversionError(
-        f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax imports float weights only."
-      )
-
-
-def _f32(x) -> np.ndarray:
-  return np.asarray(x, dtype=np.float32)
-
-
-def _rope_rows(cfg: ModelConfig) -> np.ndarray:
-  """Row order within a head that turns diffjax's RoPE layout into Motif's (halves)."""
-  d = cfg.head_dim
-  if cfg.rope_style == "half":
-    return np.arange(d)
-  return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    _check_shape(name, tensors[name], shape)
+    _check_dtype(name, tensors[name])
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Params:
   """diffjax parameters (float32 numpy, the DecoderLM state's pure-dict layout) of Motif
   tensors; checks names and shapes first. ``cfg`` comes from :func:`model_config_from_hf`."""
   check_tensors(cfg, tensors)
-  if cfg.rope_style != "half":
-    raise ConversionError(
-      f"rope_style={cfg.rope_style!r}: Motif checkpoints rotate halves; build the config "
-      "with model_config_from_hf."
-    )
+  _check_halves(cfg, "Motif")
   e, d = cfg.d_model, cfg.head_dim
   signal, groups = cfg.num_heads, cfg.num_kv_heads
   ratio = cfg.gda_ratio
@@ -381,26 +331,11 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
     }
     for lam in LAMBDAS:
       attn[lam] = w(i, f"self_attn.{lam}")
-    blocks[i] = {
-      "attn": attn,
-      "attn_norm": {"scale": w(i, "input_layernorm.weight")},
-      "mlp": {
-        "w_gate": c(w(i, "mlp.gate_proj.weight").T),
-        "w_up": c(w(i, "mlp.up_proj.weight").T),
-        "w_down": c(w(i, "mlp.down_proj.weight").T),
-        "poly_weight": w(i, "mlp.act_fn.weight"),
-        "poly_bias": w(i, "mlp.act_fn.bias"),
-      },
-      "mlp_norm": {"scale": w(i, "post_attention_layernorm.weight")},
-    }
-  params: Params = {
-    "blocks": blocks,
-    "embed": {"embedding": _f32(tensors["model.embed_tokens.weight"])},
-    "final_norm": {"scale": _f32(tensors["model.norm.weight"])},
-  }
-  if not cfg.tie_embeddings:
-    params["lm_head"] = c(_f32(tensors["lm_head.weight"]).T)
-  return params
+    blocks[i] = _block_params(attn, functools.partial(w, i))
+    blocks[i]["mlp"].update(
+      poly_weight=w(i, "mlp.act_fn.weight"), poly_bias=w(i, "mlp.act_fn.bias")
+    )
+  return _model_params(cfg, blocks, lambda name: _f32(tensors[name]))
 
 
 def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32) -> dict:
@@ -410,32 +345,14 @@ def hf_from_params(cfg: ModelConfig, params: Params, dtype: Any = np.float32) ->
   check_exportable(cfg)
   e = cfg.d_model
   rows = _rope_rows(cfg)
-  out: dict[str, np.ndarray] = {
-    "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
-    "model.norm.weight": _f32(params["final_norm"]["scale"]),
-  }
-  if not cfg.tie_embeddings:
-    out["lm_head.weight"] = _f32(params["lm_head"]).T
+  out = _model_tensors(cfg, params)
   for i in range(cfg.num_layers):
     blk = params["blocks"][i]
     a = {name: _f32(x) for name, x in blk["attn"].items()}
-    m = {name: _f32(x) for name, x in blk["mlp"].items()}
-    out.update(
-      {
-        _layer(i, "self_attn.q_proj.weight"): a["q"][..., rows].reshape(e, -1).T,
-        _layer(i, "self_attn.k_proj.weight"): a["k"][..., rows].reshape(e, -1).T,
-        _layer(i, "self_attn.v_proj.weight"): a["v"].reshape(e, -1).T,
-        _layer(i, "self_attn.o_proj.weight"): a["o"].reshape(-1, e).T,
-        _layer(i, "self_attn.subln.weight"): a["norm_scale"],
-        _layer(i, "input_layernorm.weight"): _f32(blk["attn_norm"]["scale"]),
-        _layer(i, "post_attention_layernorm.weight"): _f32(blk["mlp_norm"]["scale"]),
-        _layer(i, "mlp.gate_proj.weight"): m["w_gate"].T,
-        _layer(i, "mlp.up_proj.weight"): m["w_up"].T,
-        _layer(i, "mlp.down_proj.weight"): m["w_down"].T,
-        _layer(i, "mlp.act_fn.weight"): m["poly_weight"],
-        _layer(i, "mlp.act_fn.bias"): m["poly_bias"],
-      }
-    )
+    out.update(_block_tensors(i, blk, *_plain_projections(a, rows, e)))
+    out[_layer(i, "self_attn.subln.weight")] = a["norm_scale"]
+    out[_layer(i, "mlp.act_fn.weight")] = _f32(blk["mlp"]["poly_weight"])
+    out[_layer(i, "mlp.act_fn.bias")] = _f32(blk["mlp"]["poly_bias"])
     for lam in LAMBDAS:
       out[_layer(i, f"self_attn.{lam}")] = a[lam]
   return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}

@@ -9,7 +9,7 @@ q/k rows are reordered on export. Each layout: docs/hf_conversion.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
   """Raises :class:`ConversionError` for a missing, unexpected or misshapen tensor."""
   want = expected_shapes(cfg)
+  _check_names(cfg, want, tensors)
+  for name, shape in want.items():
+    _check_shape(name, tensors[name], shape)
+  for name in want:
+    _check_dtype(name, tensors[name])
+
+
+def _check_names(
+  cfg: ModelConfig, want: Mapping[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray]
+) -> None:
+  """Refuses a checkpoint without a tensor of ``want``, or with one diffjax has no use for."""
   missing = sorted(set(want) - set(tensors))
   if missing:
     raise ConversionError(
@@ -73,19 +84,22 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
       f"The checkpoint holds {extra[0]!r} ({len(extra)} unexpected in all), "
       "which diffjax has no parameter for (a bias or another layer type)."
     )
-  for name, shape in want.items():
-    got = tuple(tensors[name].shape)
-    if got != shape:
-      raise ConversionError(
-        f"Tensor {name!r} has shape {list(got)}, but config.json implies "
-        f"{list(shape)}: the weights do not belong to this config."
-      )
-  for name in want:
-    kind = tensors[name].dtype.kind
-    if kind != "f" and tensors[name].dtype.name != "bfloat16":
-      raise ConversionError(
-        f"Tensor {name!r} has dtype {tensors[name].dtype.name}; diffjax imports float weights only."
-      )
+
+
+def _check_shape(name: str, tensor: np.ndarray, shape: tuple[int, ...]) -> None:
+  got = tuple(tensor.shape)
+  if got != shape:
+    raise ConversionError(
+      f"Tensor {name!r} has shape {list(got)}, but config.json implies "
+      f"{list(shape)}: the weights do not belong to this config."
+    )
+
+
+def _check_dtype(name: str, tensor: np.ndarray) -> None:
+  if tensor.dtype.kind != "f" and tensor.dtype.name != "bfloat16":
+    raise ConversionError(
+      f"Tensor {name!r} has dtype {tensor.dtype.name}; diffjax imports float weights only."
+    )
 
 
 def _ignorable(name: str, cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> bool:
@@ -103,11 +117,84 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 def _rope_rows(cfg: ModelConfig) -> np.ndarray:
-  """Row order within a head that turns diffjax's RoPE layout into transformers' (halves)."""
+  """Row order within a head that turns diffjax's RoPE layout into the checkpoints' (halves:
+  transformers', Motif's)."""
   d = cfg.head_dim
   if cfg.rope_style == "half":
     return np.arange(d)
   return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
+def _check_halves(cfg: ModelConfig, whose: str) -> None:
+  """Refuses a config whose RoPE does not rotate halves, as ``whose`` checkpoints do."""
+  if cfg.rope_style != "half":
+    raise ConversionError(
+      f"rope_style={cfg.rope_style!r}: {whose} checkpoints rotate halves; "
+      "build the config with model_config_from_hf."
+    )
+
+
+def _block_params(attn: Params, w: Callable[[str], np.ndarray]) -> Params:
+  """A block's parameters: ``attn``, the norms' gains and the MLP's matrices, of the layer's
+  float32 tensors ``w(name)``."""
+  return {
+    "attn": attn,
+    "attn_norm": {"scale": w("input_layernorm.weight")},
+    "mlp": {
+      "w_gate": np.ascontiguousarray(w("mlp.gate_proj.weight").T),
+      "w_up": np.ascontiguousarray(w("mlp.up_proj.weight").T),
+      "w_down": np.ascontiguousarray(w("mlp.down_proj.weight").T),
+    },
+    "mlp_norm": {"scale": w("post_attention_layernorm.weight")},
+  }
+
+
+def _model_params(cfg: ModelConfig, blocks: dict, tensor: Callable[[str], np.ndarray]) -> Params:
+  """The model's parameters: ``blocks``, the embedding, the final norm and an untied head, of
+  the float32 tensors ``tensor(name)``."""
+  params: Params = {
+    "blocks": blocks,
+    "embed": {"embedding": tensor("model.embed_tokens.weight")},
+    "final_norm": {"scale": tensor("model.norm.weight")},
+  }
+  if not cfg.tie_embeddings:
+    params["lm_head"] = np.ascontiguousarray(tensor("lm_head.weight").T)
+  return params
+
+
+def _model_tensors(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+  """The float32 tensors outside the layers: the embedding, the final norm, an untied head."""
+  out: dict[str, np.ndarray] = {
+    "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
+    "model.norm.weight": _f32(params["final_norm"]["scale"]),
+  }
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = _f32(params["lm_head"]).T
+  return out
+
+
+def _plain_projections(a: Params, rows: np.ndarray, e: int) -> tuple[np.ndarray, ...]:
+  """Llama's q, k, v and o rows of diffjax's float32 attention ``a``: each projection's heads
+  flattened and transposed, q and k reordered by ``rows`` within each head."""
+  q = a["q"][..., rows].reshape(e, -1).T
+  k = a["k"][..., rows].reshape(e, -1).T
+  return q, k, a["v"].reshape(e, -1).T, a["o"].reshape(-1, e).T
+
+
+def _block_tensors(i: int, blk: Params, q, k, v, o) -> dict[str, np.ndarray]:
+  """Layer ``i``'s float32 tensors of the projections ``q, k, v, o`` and of ``blk``'s norms
+  and MLP matrices."""
+  return {
+    _layer(i, "self_attn.q_proj.weight"): q,
+    _layer(i, "self_attn.k_proj.weight"): k,
+    _layer(i, "self_attn.v_proj.weight"): v,
+    _layer(i, "self_attn.o_proj.weight"): o,
+    _layer(i, "input_layernorm.weight"): _f32(blk["attn_norm"]["scale"]),
+    _layer(i, "post_attention_layernorm.weight"): _f32(blk["mlp_norm"]["scale"]),
+    _layer(i, "mlp.gate_proj.weight"): _f32(blk["mlp"]["w_gate"]).T,
+    _layer(i, "mlp.up_proj.weight"): _f32(blk["mlp"]["w_up"]).T,
+    _layer(i, "mlp.down_proj.weight"): _f32(blk["mlp"]["w_down"]).T,
+  }
 
 
 def _to_pairs(w_out_x_in: np.ndarray, n: int, d: int) -> np.ndarray:
@@ -127,11 +214,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
   ``rope_style`` is ``"half"``). Checks names and shapes first.
   """
   check_tensors(cfg, tensors)
-  if cfg.rope_style != "half":
-    raise ConversionError(
-      f"rope_style={cfg.rope_style!r}: imported checkpoints rotate halves; "
-      "build the config with model_config_from_hf."
-    )
+  _check_halves(cfg, "imported")
   t = {name: _f32(x) for name, x in tensors.items()}
   e, d = cfg.d_model, cfg.head_dim
   h, k = cfg.num_heads, cfg.num_kv_heads
@@ -160,24 +243,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
       }
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         attn[lam] = w(f"self_attn.{lam}")
-    blocks[i] = {
-      "attn": {name: np.ascontiguousarray(x) for name, x in attn.items()},
-      "attn_norm": {"scale": w("input_layernorm.weight")},
-      "mlp": {
-        "w_gate": np.ascontiguousarray(w("mlp.gate_proj.weight").T),
-        "w_up": np.ascontiguousarray(w("mlp.up_proj.weight").T),
-        "w_down": np.ascontiguousarray(w("mlp.down_proj.weight").T),
-      },
-      "mlp_norm": {"scale": w("post_attention_layernorm.weight")},
-    }
-  params: Params = {
-    "blocks": blocks,
-    "embed": {"embedding": t["model.embed_tokens.weight"]},
-    "final_norm": {"scale": t["model.norm.weight"]},
-  }
-  if not cfg.tie_embeddings:
-    params["lm_head"] = np.ascontiguousarray(t["lm_head.weight"].T)
-  return params
+    blocks[i] = _block_params({name: np.ascontiguousarray(x) for name, x in attn.items()}, w)
+  return _model_params(cfg, blocks, t.__getitem__)
 
 
 def hf_from_params(
@@ -191,21 +258,13 @@ def hf_from_params(
   check_exportable(cfg)
   e, d = cfg.d_model, cfg.head_dim
   rows = _rope_rows(cfg)
-  out: dict[str, np.ndarray] = {
-    "model.embed_tokens.weight": _f32(params["embed"]["embedding"]),
-    "model.norm.weight": _f32(params["final_norm"]["scale"]),
-  }
-  if not cfg.tie_embeddings:
-    out["lm_head.weight"] = _f32(params["lm_head"]).T
+  out = _model_tensors(cfg, params)
   arch = architecture_of(cfg)
   for i in range(cfg.num_layers):
     blk = params["blocks"][i]
     a = {name: _f32(x) for name, x in blk["attn"].items()}
     if arch != DIFFLLAMA:
-      q = a["q"][..., rows].reshape(e, -1).T
-      k = a["k"][..., rows].reshape(e, -1).T
-      v = a["v"].reshape(e, -1).T
-      o = a["o"].reshape(-1, e).T
+      q, k, v, o = _plain_projections(a, rows, e)
       if arch == DIFFJAX_V2:
         out[_layer(i, "self_attn.lambda_proj.weight")] = a["w_lambda"].T
     else:
@@ -215,17 +274,5 @@ def hf_from_params(
       o = (a["o"] * a["norm_scale"][None, :, None]).reshape(-1, e).T
       for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         out[_layer(i, f"self_attn.{lam}")] = a[lam]
-    out.update(
-      {
-        _layer(i, "self_attn.q_proj.weight"): q,
-        _layer(i, "self_attn.k_proj.weight"): k,
-        _layer(i, "self_attn.v_proj.weight"): v,
-        _layer(i, "self_attn.o_proj.weight"): o,
-        _layer(i, "input_layernorm.weight"): _f32(blk["attn_norm"]["scale"]),
-        _layer(i, "post_attention_layernorm.weight"): _f32(blk["mlp_norm"]["scale"]),
-        _layer(i, "mlp.gate_proj.weight"): _f32(blk["mlp"]["w_gate"]).T,
-        _layer(i, "mlp.up_proj.weight"): _f32(blk["mlp"]["w_up"]).T,
-        _layer(i, "mlp.down_proj.weight"): _f32(blk["mlp"]["w_down"]).T,
-      }
-    )
+    out.update(_block_tensors(i, blk, q, k, v, o))
   return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}

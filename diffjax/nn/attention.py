@@ -26,6 +26,9 @@ from diffjax.nn.rope import apply_rope
 from diffjax.ops import reference as ref
 from diffjax.sharding import constrain, context_parallel
 
+# The layout of the heads' queries and outputs, [B, T, H, D].
+_HEAD_AXES = ("batch", "length", "heads", "head_dim")
+
 
 def _explicit_maps(capture: bool, hooks: Hooks) -> bool:
   """Whether this call materialises the attention maps (analysis); refused when the
@@ -271,12 +274,9 @@ class _BaselineKVCache:
   ) -> None:
     """Creates ``k``, ``v`` and ``o`` (after ``q``: the order fixes the initial draws)."""
     dtype = self.options.param_dtype
-    self.k = make_param(
-      rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
-    )
-    self.v = make_param(
-      rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), dtype
-    )
+    kv_shape, kv_axes = (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
+    self.k = make_param(rngs, init, kv_shape, kv_axes, dtype)
+    self.v = make_param(rngs, init, kv_shape, kv_axes, dtype)
     self.o = make_param(
       rngs, init, (num_heads, head_dim, d_model), ("heads", "head_dim", "embed"), dtype
     )
@@ -313,13 +313,15 @@ class _Call:
   cache: dict | None = None
   cache_lengths_B: Any = None
   cache_names: tuple[str, ...] = ()  # the op's keys, then its value
+  capture: bool = False  # return the maps too (ignored with a cache)
 
   @classmethod
   def start(cls, module, x_BxTxE, segment_ids_BxT, capture, hooks, cache, cache_lengths_B, new):
     """The call, with ``new`` (the call's keys and values by cache name) written to the cache
     when there is one."""
     if cache is None:
-      return cls(module.options, segment_ids_BxT, hooks, _explicit_maps(capture, hooks))
+      explicit = _explicit_maps(capture, hooks)
+      return cls(module.options, segment_ids_BxT, hooks, explicit, capture=capture)
     decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
     _check_cache_layout(cache, new)
     cache = _write_cache(cache, new, cache_lengths_B)
@@ -356,10 +358,23 @@ class _Call:
     kw = self.opts.kernel_kwargs()
     return ops.run_op(spec, arrays, segment_ids=self.segment_ids_BxT, **kw), None
 
-  def result(self, y_BxTxE, aux, capture: bool):
+  def attend_aux(self, spec, decode_spec, arrays, values, lam=None):
+    """:meth:`attend` with the probs hook; the maps (when explicit) come with the output
+    (``context``), the ``values`` and DIFF's ``lambda`` (``lam``, when given)."""
+    out, aux = self.attend(spec, decode_spec, arrays, self.hooks.probs)
+    if aux is not None:
+      aux = dict(aux, context=out, values=values)
+      if lam is not None:
+        aux["lambda"] = lam
+    return out, aux
+
+  def output(self, module, out_BxTxHxD, aux):
+    """The module's result: the heads' outputs projected by its W_o, with the written cache
+    when there is one, or with ``aux`` when capturing."""
+    y_BxTxE = project(out_BxTxHxD, module.o, "bthd,hde->bte", self.opts.dtype, self.hooks)
     if self.cache is not None:
       return y_BxTxE, self.cache
-    return (y_BxTxE, aux) if capture else y_BxTxE
+    return (y_BxTxE, aux) if self.capture else y_BxTxE
 
 
 class Attention(_BaselineKVCache, nnx.Module):
@@ -395,25 +410,13 @@ class Attention(_BaselineKVCache, nnx.Module):
     dt = opts.dtype
     pos_BxT = _positions(x_BxTxE, positions_BxT)
     q_BxTxHxD = _rope(project(x_BxTxE, self.q, "bte,ehd->bthd", dt, hooks), pos_BxT, opts)
-    q_BxTxHxD = constrain(q_BxTxHxD, ("batch", "length", "heads", "head_dim"))
+    q_BxTxHxD = constrain(q_BxTxHxD, _HEAD_AXES)
     k_BxSxKxD, v_BxSxKxD = _baseline_kv(self, x_BxTxE, pos_BxT, hooks)
-    call = _Call.start(
-      self,
-      x_BxTxE,
-      segment_ids_BxT,
-      capture,
-      hooks,
-      cache,
-      cache_lengths_B,
-      {"k": k_BxSxKxD, "v": v_BxSxKxD},
-    )
-    out_BxTxHxD, aux = call.attend(
-      op_specs.MHA, op_specs.MHA_DECODE, (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD), hooks.probs
-    )
-    if aux is not None:
-      aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD)
-    out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
-    return call.result(project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
+    new = {"k": k_BxSxKxD, "v": v_BxSxKxD}
+    call = _Call.start(self, x_BxTxE, segment_ids_BxT, capture, hooks, cache, cache_lengths_B, new)
+    arrays = (q_BxTxHxD, k_BxSxKxD, v_BxSxKxD)
+    out_BxTxHxD, aux = call.attend_aux(op_specs.MHA, op_specs.MHA_DECODE, arrays, v_BxSxKxD)
+    return call.output(self, constrain(out_BxTxHxD, _HEAD_AXES), aux)
 
 
 class DiffV1Attention(nnx.Module):
@@ -554,22 +557,13 @@ class DiffV1Attention(nnx.Module):
       k1_BxSxKxD, k2_BxSxKxD = hooks.kv(k1_BxSxKxD), hooks.kv(k2_BxSxKxD)
       v_BxSxKxDv = hooks.kv(v_BxSxKxDv)
     lam = self.lambda_value(lam_init)
-    call = _Call.start(
-      self,
-      x_BxTxE,
-      segment_ids_BxT,
-      capture,
-      hooks,
-      cache,
-      cache_lengths_B,
-      {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv},
-    )
+    new = {"k1": k1_BxSxKxD, "k2": k2_BxSxKxD, "v": v_BxSxKxDv}
+    call = _Call.start(self, x_BxTxE, segment_ids_BxT, capture, hooks, cache, cache_lengths_B, new)
     arrays = (q1_BxTxHxD, q2_BxTxHxD, k1_BxSxKxD, k2_BxSxKxD, v_BxSxKxDv, lam)
-    core_BxTxHxDv, aux = call.attend(self.OP, self.DECODE_OP, arrays, hooks.probs)
+    core_BxTxHxDv, aux = call.attend_aux(self.OP, self.DECODE_OP, arrays, v_BxSxKxDv, lam)
     if aux is not None:
-      aux = dict(aux, context=core_BxTxHxDv, values=v_BxSxKxDv, **{"lambda": lam})
       aux["lambda_init"] = jnp.asarray(lam_init, acc)
-    core_BxTxHxDv = constrain(core_BxTxHxDv, ("batch", "length", "heads", "head_dim"))
+    core_BxTxHxDv = constrain(core_BxTxHxDv, _HEAD_AXES)
     if hooks.norm is not None:
       core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "pre")
     if self.use_norm:
@@ -577,7 +571,7 @@ class DiffV1Attention(nnx.Module):
     if hooks.norm is not None:
       core_BxTxHxDv = hooks.norm(core_BxTxHxDv, "post")
     core_BxTxHxDv = (core_BxTxHxDv.astype(acc) * (1.0 - lam_init)).astype(dt)
-    return call.result(project(core_BxTxHxDv, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
+    return call.output(self, core_BxTxHxDv, aux)
 
 
 def check_v2_ablation(pairing: str, lambda_fn: str, num_kv_heads: int) -> None:
@@ -692,25 +686,14 @@ class DiffV2Attention(_BaselineKVCache, nnx.Module):
     lam_BxTxH = self.lambda_value(x_BxTxE, hooks)
     if mix is not None:
       lam_BxTxH = lam_BxTxH * jnp.asarray(mix, lam_BxTxH.dtype)
-    call = _Call.start(
-      self,
-      x_BxTxE,
-      segment_ids_BxT,
-      capture,
-      hooks,
-      cache,
-      cache_lengths_B,
-      {"k": k_BxSxKxD, "v": v_BxSxKxD},
-    )
+    new = {"k": k_BxSxKxD, "v": v_BxSxKxD}
+    call = _Call.start(self, x_BxTxE, segment_ids_BxT, capture, hooks, cache, cache_lengths_B, new)
     if self.pairing == "across_groups":
       out_BxTxHxD, aux = self._across_groups(call, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
     else:
       arrays = self._arrays(q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH)
-      out_BxTxHxD, aux = call.attend(self.OP, self.DECODE_OP, arrays, hooks.probs)
-      if aux is not None:
-        aux = dict(aux, context=out_BxTxHxD, values=v_BxSxKxD, **{"lambda": lam_BxTxH})
-    out_BxTxHxD = constrain(out_BxTxHxD, ("batch", "length", "heads", "head_dim"))
-    return call.result(project(out_BxTxHxD, self.o, "bthd,hde->bte", dt, hooks), aux, capture)
+      out_BxTxHxD, aux = call.attend_aux(self.OP, self.DECODE_OP, arrays, v_BxSxKxD, lam_BxTxH)
+    return call.output(self, constrain(out_BxTxHxD, _HEAD_AXES), aux)
 
   def _across_groups(self, call: _Call, q_BxTxQxD, k_BxSxKxD, v_BxSxKxD, lam_BxTxH):
     """The cross-group ablation: grouped-query attention over the 2h query heads, then

@@ -40,18 +40,16 @@ def run_op(
   arrays = tuple(arrays)
   spec.check(*arrays)
   cp = sharding.context_parallel()
+  # What both paths take alike.
+  kw = dict(
+    causal=causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
   if cp is None:
-    return dispatch.run(
-      spec,
-      implementation,
-      arrays,
-      causal=causal,
-      segment_ids=segment_ids,
-      mask=mask,
-      scale=scale,
-      block_sizes=block_sizes,
-      interpret=interpret,
-    )
+    return dispatch.run(spec, implementation, arrays, mask=mask, **kw)
   if mask is not None:
     raise ValueError(
       "An explicit mask is not supported when the sequence is sharded over "
@@ -68,12 +66,8 @@ def run_op(
     head_axis=sharding.logical_to_spec(("batch", "heads"), rules)[1],
     strategy=cp.strategy,
     load_balance=cp.load_balance,
-    causal=causal,
-    segment_ids=segment_ids,
-    scale=scale,
     implementation=implementation,
-    block_sizes=block_sizes,
-    interpret=interpret,
+    **kw,
   )
 
 
