@@ -335,11 +335,16 @@ def test_a_failing_parallel_run_gives_its_own_error_line(compared, tmp_path):
   workdir, config_path, _ = compared
   copy = tmp_path / "out"
   shutil.copytree(workdir, copy)
-  (_run_dir(copy, "diff_v1", 1) / "DONE").unlink()  # resumes, with a model that does not fit
-  r = _cli(config_path, copy, "--config.workers=2", "--config.base.model.mlp_dim=96")
+  # It resumes, from checkpoints whose state is gone: each is moved aside, then no step is left.
+  run_dir = _run_dir(copy, "diff_v1", 1)
+  (run_dir / "DONE").unlink()
+  for step in (run_dir / "checkpoints").iterdir():
+    if step.name.isdigit():
+      shutil.rmtree(step / "state")
+  r = _cli(config_path, copy, "--config.workers=2")
   assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
   last = r.stderr.strip().splitlines()[-1]
-  assert last.startswith("error:") and "model config" in last, r.stderr[-3000:]
+  assert last.startswith("error:") and "No usable checkpoint" in last, r.stderr[-3000:]
   assert "diff_v1_seed1] failed" in r.stdout, r.stdout
   # Nothing is reported from a comparison that did not finish: the old report stays.
   assert (copy / "results.json").read_text() == (workdir / "results.json").read_text()
