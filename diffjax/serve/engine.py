@@ -323,15 +323,16 @@ class Engine:
     cache = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._cache
     )
-    decoding = name[0] == "decode"
-    fn, args = (self._decode_fn if decoding else self._prefill_fn)(name[1], name[2])
-    with self._context(rows=decoding):
+    kind = name[0]
+    make = {"decode": self._decode_fn, "prefill": self._prefill_fn, "move": self._move_fn}[kind]
+    fn, args = make(*name[1:])
+    with self._context(rows=kind != "prefill"):
       if self.mesh is None:
         jitted = jax.jit(fn, donate_argnums=1)
       else:  # the cache stays where it is; the small outputs are replicated
         cache_sharding = jax.tree.map(lambda a: a.sharding, self._cache)
         whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        rest = (whole,) if decoding else (whole, whole)
+        rest = (whole,) * {"decode": 1, "prefill": 2, "move": 0}[kind]
         jitted = jax.jit(fn, donate_argnums=1, out_shardings=(cache_sharding, *rest))
       return jitted.lower(leaves, cache, *args).compile()
 
@@ -370,6 +371,21 @@ class Engine:
 
     i32, f32, flag = (jax.ShapeDtypeStruct((s,), dt) for dt in (jnp.int32, jnp.float32, bool))
     return decode, (i32, i32, flag, i32, f32, i32, f32, i32)
+
+  def _move_fn(self):
+    """The program that copies cache row ``src`` (every position) into row ``dst``, and the
+    shapes of its arguments after the parameters and the cache."""
+
+    def move(leaves, cache, src, dst):
+      del leaves
+
+      def one(c, ax):
+        row = jax.lax.dynamic_index_in_dim(c, src, ax, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(c, row, dst, ax)
+
+      return (jax.tree.map(one, cache, self._axes),)
+
+    return move, (jax.ShapeDtypeStruct((), jnp.int32),) * 2
 
   def _prefill_fn(self, rows: int, width: int):
     """The prefill program for ``rows`` prompts of ``width`` tokens, and the shapes of its
@@ -418,10 +434,11 @@ class Engine:
     return prefill, (prompts, i32, i32, flag, f32, i32, f32, i32, echo)
 
   def program_names(self) -> list[tuple]:
-    """Every program the engine runs: ``("decode", rows, slots read)`` and ``("prefill",
-    prompt bucket)``."""
+    """Every program the engine runs: ``("decode", rows, slots read)``, ``("prefill", rows,
+    prompt bucket)`` and, with more than one row bucket, ``("move",)``."""
     decode = [("decode", r, w) for r in self.row_buckets for w in self.windows]
-    return [*decode, *(("prefill", r, w) for r in self.prefill_rows for w in self.buckets)]
+    prefill = [("prefill", r, w) for r in self.prefill_rows for w in self.buckets]
+    return [*decode, *prefill, *([("move",)] if len(self.row_buckets) > 1 else [])]
 
   def warm_up(self, progress: Callable[[str], None] | None = None) -> float:
     """Compiles every program (one decode program, one prefill per prompt bucket); returns the
@@ -431,11 +448,16 @@ class Engine:
       t1 = time.perf_counter()
       self._program(name)
       if progress is not None:
-        what = (
-          f"decode of {name[1]} row{'s' * (name[1] > 1)} over {name[2]} cache slots"
-          if name[0] == "decode"
-          else f"prefill of {name[1]} prompt{'s' * (name[1] > 1)} of {name[2]} tokens"
-        )
+        if name[0] == "move":
+          what = "the move of a job to another cache row"
+        else:
+          kind, n, width = name
+          plural = "s" * (n > 1)
+          what = (
+            f"decode of {n} row{plural} over {width} cache slots"
+            if kind == "decode"
+            else f"prefill of {n} prompt{plural} of {width} tokens"
+          )
         progress(f"compiled {what} in {time.perf_counter() - t1:.1f} s")
     return time.perf_counter() - t0
 
@@ -547,6 +569,7 @@ class Engine:
         with self._cv:
           self._admitting = []
         if any(s is not None for s in self._slots):
+          self._compact()
           self._decode()
     except Exception as e:  # noqa: BLE001 - every job hears of it, then the server reports it
       message = f"{type(e).__name__}: {e}"
@@ -614,31 +637,64 @@ class Engine:
           )
         )
       if job.max_tokens == 0:
+        self._release(job, None)
         self._finish(job, "length")
-      else:
-        state = _Slot(job, generated=0, pos=k, seed=int(seed[p]))
-        if self._take(state, int(toks[p]), float(lps[p]), top_ids[p], top_lps[p]):
+        continue
+      state = _Slot(job, generated=0, pos=k, seed=int(seed[p]))
+      if self._take(state, int(toks[p]), float(lps[p]), top_ids[p], top_lps[p]):
+        with self._cv:  # placed in its slot: no longer set aside
           self._slots[s] = state
-      with self._cv:  # placed in its slot, or done: no longer set aside
-        self._admitting.remove(job)
+          self._admitting.remove(job)
 
-  def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp) -> bool:
-    """Hands one token to the slot's job; False when the job ended with it."""
+  def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp, slot=None) -> bool:
+    """Hands one token to the job of ``slot`` (None: a job being prefilled); False when the
+    job ended with it, its slot freed first (:meth:`_release`)."""
     job = state.job
     if job.cancelled.is_set():
-      self._finish(job, "cancelled")
-      return False
-    state.generated += 1
-    self.counts["tokens"] += 1
-    if tok in job.stop_tokens:
-      self._finish(job, "stop")
-      return False
-    state.last = tok
-    job.on_event(TokenEvent(tok, lp, _alternatives(top_id, top_lp, job.top_logprobs)))
-    if state.generated >= job.max_tokens or state.pos >= self.cache_length:
-      self._finish(job, "length")
-      return False
-    return True
+      reason = "cancelled"
+    else:
+      state.generated += 1
+      self.counts["tokens"] += 1
+      if tok in job.stop_tokens:
+        reason = "stop"
+      else:
+        state.last = tok
+        job.on_event(TokenEvent(tok, lp, _alternatives(top_id, top_lp, job.top_logprobs)))
+        if state.generated < job.max_tokens and state.pos < self.cache_length:
+          return True
+        reason = "length"
+    self._release(job, slot)
+    self._finish(job, reason)
+    return False
+
+  def _release(self, job: Job, slot: int | None) -> None:
+    """Frees what ``job`` holds, its slot or its place among the jobs being prefilled, before
+    it hears that it ended: a job submitted on hearing it (a closed-loop client, a replica
+    chosen by load) sees the room."""
+    with self._cv:
+      if slot is not None:
+        self._slots[slot] = None
+      elif job in self._admitting:
+        self._admitting.remove(job)
+
+  def _compact(self) -> None:
+    """Moves the jobs of the highest slots into free lower ones until every job is in the
+    smallest row bucket that holds them all: a decode step reads the leading rows up to the
+    highest job's, so a job left in a high slot as lower ones end would have the step read
+    rows no job holds (a copy of one cache row, against a step over twice the rows)."""
+    busy = [i for i, st in enumerate(self._slots) if st is not None]
+    rows = next(r for r in self.row_buckets if r >= len(busy))
+    free = [i for i in range(rows) if self._slots[i] is None]
+    for src in reversed(busy):
+      if src < rows:
+        break
+      dst = free.pop(0)
+      self._cache = self._program(("move",))(
+        self._leaves, self._cache, np.int32(src), np.int32(dst)
+      )[0]
+      with self._cv:
+        self._slots[dst], self._slots[src] = self._slots[src], None
+      self.counts["moves"] += 1
 
   def _decode(self) -> None:
     busy = [i for i, st in enumerate(self._slots) if st is not None]
@@ -665,9 +721,7 @@ class Engine:
       st = self._slots[i]
       for k in range(self.decode_chunk):
         st.pos += 1
-        if not self._take(st, toks[i][k], lps[i][k], top_ids[i, k], top_lps[i, k]):
-          with self._cv:
-            self._slots[i] = None
+        if not self._take(st, toks[i][k], lps[i][k], top_ids[i, k], top_lps[i, k], slot=i):
           break
 
 

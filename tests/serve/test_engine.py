@@ -315,6 +315,58 @@ def test_grouped_differential_arms_decode_through_the_slots_as_generate(arm):
     assert got.tokens[i] == generate(model, [p], max_new_tokens=9, preflight=False).tokens[0]
 
 
+def test_a_job_left_in_a_high_slot_moves_down_so_steps_read_only_the_rows_in_use():
+  model = tiny_model("diff_v1")
+  engine = Engine(model, slots=4, context=64, decode_chunk=2)
+  engine.warm_up()
+  called = []
+  program = engine._program  # pylint: disable=protected-access
+  engine._program = lambda name: called.append(name) or program(name)  # pylint: disable=protected-access
+  prompts, lengths = _prompts(3, seed=7), [2, 3, 21]
+  got = Collect()
+  for i, (p, n) in enumerate(zip(prompts, lengths)):  # queued together: slots 0, 1 and 2
+    engine.submit(got.job(i, p, max_tokens=n))
+  engine.start()
+  try:
+    got.wait(3)
+  finally:
+    engine.stop(cancel=True)
+  # Once the jobs of slots 0 and 1 ended, the last one moved to slot 0 and the steps after it
+  # read one row, not the four that reach slot 2.
+  assert engine.counts["moves"] == 1
+  moved = called.index(("move",))
+  rows = [name[1] for name in called if name[0] == "decode"]
+  assert max(rows) == 4 and all(name[1] == 1 for name in called[moved + 1 :]), called
+  for i, (p, n) in enumerate(zip(prompts, lengths)):
+    want = generate(model, [p], max_new_tokens=n, preflight=False)
+    assert got.tokens[i] == want.tokens[0], i
+
+
+def test_a_job_submitted_as_another_ends_finds_its_slot_free():
+  """A closed-loop client (or a replica chosen by load) submits on hearing a job end: the
+  engine frees the slot before it tells."""
+  model = tiny_model("diff_v1")
+  engine = Engine(model, slots=1, context=64, decode_chunk=2, max_waiting=0)
+  engine.warm_up()
+  engine.start()
+  seen, done = [], threading.Event()
+
+  def on_event(ev):
+    if isinstance(ev, DoneEvent):
+      seen.append(engine.load())
+      done.set()
+
+  try:
+    engine.submit(Job(_prompts(1)[0], max_tokens=3, on_event=on_event))
+    assert done.wait(120)
+    done.clear()
+    engine.submit(Job(_prompts(1)[0], max_tokens=0, echo=True, on_event=on_event))  # prefill only
+    assert done.wait(120)
+  finally:
+    engine.stop(cancel=True)
+  assert [(s["running"], s["waiting"]) for s in seen] == [(0, 0), (0, 0)]
+
+
 def test_replicas_share_one_set_of_programs_spread_the_jobs_and_equal_generate():
   model = tiny_model("diff_v1")
   pool = Replicas(model, replicas=2, slots=3, context=64, decode_chunk=3, max_waiting=8)
