@@ -10,7 +10,7 @@ whatever the model's ``init_cache`` makes). A thread runs the loop:
    prompt token (``echo``);
 2. *decode*: run ``decode_chunk`` steps over the slots in use at once, each row at its own
    position with its own sampling options and random key (one program per bucket of leading
-   rows and cache slots read);
+   rows and cache slots read; a job left in a high slot as lower ones free moves down first);
 3. hand each job its tokens; a job that meets a stop token, its ``max_tokens`` or a cancel
    frees its slot for step 1.
 
