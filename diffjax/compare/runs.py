@@ -66,21 +66,13 @@ TRAINED_BY = (
   "optim",
   "checkpoint.init_from",
 )
-_HOW_IT_RUNS = ("model.implementation", "model.interpret", "model.block_sizes", "model.remat")
-_HOW_IT_RUNS += ("model.scan_layers",)
-
-
-def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
-  """The :data:`TRAINED_BY` values of a run config as JSON, a section's keys one by one."""
-  out = {}
-  for key in TRAINED_BY:
-    section, _, name = key.rpartition(".")
-    value = (config.get(section) or {}).get(name) if section else config.get(name)
-    if isinstance(value, dict):
-      out.update({f"{key}.{k}": v for k, v in value.items()})
-    elif name in ((config.get(section) or {}) if section else config):
-      out[key] = value
-  return {k: v for k, v in out.items() if k not in _HOW_IT_RUNS}
+_HOW_IT_RUNS = (
+  "model.implementation",
+  "model.interpret",
+  "model.block_sizes",
+  "model.remat",
+  "model.scan_layers",
+)
 
 
 def check_trained_as(run: RunConfig, run_dir: str) -> None:
@@ -95,13 +87,12 @@ def check_trained_as(run: RunConfig, run_dir: str) -> None:
     steps = manager.all_steps()
     if not steps:
       return
-    saved = _settings(ckpt.read_meta(manager, max(steps)).get("config") or {})
+    saved = ckpt.read_meta(manager, max(steps)).get("config") or {}
   except ckpt.CorruptCheckpointError:
     return
   finally:
     manager.close()
-  now = _settings(json.loads(run.to_json()))
-  diffs = [f"{k}: saved {v!r} vs now {now.get(k)!r}" for k, v in saved.items() if v != now.get(k)]
+  diffs = ckpt.setting_differences(saved, json.loads(run.to_json()), TRAINED_BY, _HOW_IT_RUNS)
   if diffs:
     raise ckpt.CheckpointError(
       f"{run_dir} was trained with other settings than the comparison now gives it: "

@@ -646,7 +646,9 @@ class Engine:
           self._slots[s] = state
           self._admitting.remove(job)
 
-  def _take(self, state: _Slot, tok: int, lp: float, top_id, top_lp, slot=None) -> bool:
+  def _take(
+    self, state: _Slot, tok: int, lp: float, top_id, top_lp, slot: int | None = None
+  ) -> bool:
     """Hands one token to the job of ``slot`` (None: a job being prefilled); False when the
     job ended with it, its slot freed first (:meth:`_release`)."""
     job = state.job

@@ -246,16 +246,33 @@ DATA_ORDER_KEYS = (
 )
 
 
+def setting_differences(
+  saved: dict, current: dict, keys, ignore: tuple[str, ...] = ()
+) -> list[str]:
+  """``"key: saved X vs now Y"`` for each of ``keys`` (``"name"`` or ``"section.name"``; one
+  naming a dict is compared key by key) whose value differs between two run configs as JSON. A
+  key the saved config lacks is not compared, nor one in ``ignore``."""
+
+  def flat(config: dict) -> dict:
+    out = {}
+    for key in keys:
+      section, _, name = key.rpartition(".")
+      holder = (config.get(section) or {}) if section else config
+      if name in holder:
+        value = holder[name]
+        out.update(
+          {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        )
+    return {k: v for k, v in out.items() if k not in ignore}
+
+  old, new = flat(saved), flat(current)
+  return [f"{k}: saved {v!r} vs now {new.get(k)!r}" for k, v in old.items() if v != new.get(k)]
+
+
 def check_data_order(saved: dict, current: dict, directory) -> None:
   """Refuses to resume when a setting of :data:`DATA_ORDER_KEYS` changed (``saved`` and
   ``current``: run configs as JSON); a key the saved config lacks is not compared."""
-  diffs = []
-  for key in DATA_ORDER_KEYS:
-    section, _, name = key.rpartition(".")
-    old = (saved.get(section) or {}) if section else saved
-    new = (current.get(section) or {}) if section else current
-    if name in old and old[name] != new.get(name):
-      diffs.append(f"{key}: saved {old[name]!r} vs now {new.get(name)!r}")
+  diffs = setting_differences(saved, current, DATA_ORDER_KEYS)
   if diffs:
     raise CheckpointError(
       f"The data settings differ from the checkpoint in {directory}: {', '.join(diffs)}. The "
