@@ -144,9 +144,6 @@ class Datasets:
   def batches_per_epoch(self) -> float:
     return self.windows_per_epoch / self.global_batch_size
 
-  def epoch_at_step(self, step: int) -> float:
-    return step / self.batches_per_epoch
-
   def _train_slot(self, epoch: int, k: int) -> int | None:
     doc = self._order.doc_at(epoch, k)
     if doc is None or self.cfg.val_fraction == 0:

@@ -11,9 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-ArrayLike = np.ndarray
-
-
 # ----------------------------------------------------------------------------------------------
 # Loss and retrieval accuracy.
 

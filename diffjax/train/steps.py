@@ -210,7 +210,3 @@ def lambda_summary(graphdef, params, batch: Batch) -> dict[str, jax.Array]:
   """
   model = merge_params(graphdef, params)
   return model.lambda_summary(batch["inputs"], batch["positions"], batch["segment_ids"])
-
-
-def model_size(params: Any) -> int:
-  return int(sum(x.size for x in jax.tree.leaves(params)))
