@@ -1,9 +1,7 @@
 """diffjax: the Differential Transformer (DIFF V1 and V2) in JAX / Flax NNX.
 
-The public API: the attention ops (``diffjax.ops``), the NNX modules (``diffjax.nn``), the arms
-(``diffjax.arms``), the LM (``ModelConfig``, ``DecoderLM``, ``matched_configs``,
-``count_params``), generation with a KV cache (``generate``) and the trainer's CPU settings
-(``cpu_setup``); docs/model.md#public-api lists them.
+The public API (ops, NNX modules, arms, the LM, ``generate``, ``cpu_setup``) is listed in
+docs/model.md#public-api.
 """
 
 from diffjax import arms

@@ -1,11 +1,7 @@
 """Ahead-of-time compile of the real train step for a TPU topology or a GPU, on any machine.
 
-  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4
-  python -m diffjax.aot --config=configs/paper_3b.py --target=h100:8   # an 8-GPU node
-  python -m diffjax.aot --config=configs/paper_3b.py --topology=v5p:4x4x4 --num_slices=2
-
-What it compiles and prints: docs/scaling.md, "Check before you rent"; GPU targets and how
-"fits" is judged there: docs/kernels_gpu.md.
+What ``python -m diffjax.aot`` compiles and prints: docs/scaling.md#check-before-you-rent; GPU
+targets (``--target=h100:8``) and how "fits" is judged there: docs/kernels_gpu.md.
 """
 
 from __future__ import annotations

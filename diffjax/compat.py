@@ -1,9 +1,7 @@
 """The library versions diffjax runs on, and what differs between them.
 
-Tested sets (one constraints file each at the repository root): Python 3.11 with jax 0.10.2 and
-flax 0.12.8 (``constraints.txt``), Python 3.12 with jax 0.11.2 and flax 0.12.12
-(``constraints-py312.txt``), Python 3.13 with jax 0.12.0.1 and flax 0.12.12
-(``constraints-py313.txt``). Code whose behaviour depends on a version asks here.
+The tested sets, one constraints file each: docs/getting_started.md#install. Code whose
+behaviour depends on a version asks here.
 """
 
 from __future__ import annotations

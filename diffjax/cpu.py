@@ -1,9 +1,7 @@
 """The CPU settings the trainer applies, and :func:`cpu_setup` for a training loop of your own.
 
-glibc's ``malloc`` keeps freed memory for the next step (:func:`keep_freed_memory`), and XLA runs
-the matmuls without YNNPACK fusions (:data:`CPU_XLA_OPTIONS`); neither changes what a step
-computes. Call :func:`cpu_setup` before JAX first touches a device, or pass
-:func:`cpu_compiler_options` to ``jax.jit``; docs/kernels_tpu.md#the-cpu-path explains both.
+Call :func:`cpu_setup` before JAX first touches a device, or pass :func:`cpu_compiler_options` to
+``jax.jit``; neither setting changes what a step computes (docs/kernels_tpu.md#the-cpu-path).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """User-facing errors: one base class, and the guard that turns them into one line.
 
-This module imports nothing from diffjax, so every layer may raise :class:`UserError`
-(or a subclass) for a mistake the user can fix: a bad config value, a missing path, a
-checkpoint that does not fit the run. Command-line entry points wrap their work in
-:func:`run_guarded`, which prints such an error as a single ``error: ...`` line.
+Any layer may raise :class:`UserError` for a mistake the user can fix (this module imports nothing
+from diffjax); commands wrap their work in :func:`run_guarded`, which prints one ``error:`` line.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The accelerators diffjax knows, one frozen record each: what every other module reads.
 
-A :class:`Tpu` or :class:`Gpu` per device kind, keyed by a short name ("v5e", "h100") and found
-by ``jax.Device.device_kind`` prefix (:func:`for_device_kind`; the longest match wins): dense
-peak FLOP/s per dtype, HBM and its bandwidth, and the platform's own figures (MXU width and
-VMEM; compute capability, SMs, shared memory, registers). The figures are the vendors'
-(dense, without sparsity). Imports nothing from diffjax.
+A :class:`Tpu` or :class:`Gpu` per device kind, found by ``device_kind`` prefix (longest match
+wins; :func:`for_device_kind`). Imports nothing from diffjax (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The paper's sizes as tables, and what config files import to build a run.
+"""The paper's sizes as tables (``python -m diffjax.presets``), and what config files import.
 
-``python -m diffjax.presets`` prints the parameter counts and training FLOPs per token of the
-paper's sizes for every arm (:func:`param_table`, :func:`flops_table`; docs/model.md and
-docs/training.md show them). Config files start from :func:`base_config` and edit its
-:func:`model_section` (both :mod:`diffjax.train.config`), or build on another config file with
-:func:`load_config` (:mod:`diffjax.cli`); they import the three from here.
+:func:`base_config`, its :func:`model_section` and :func:`load_config` (to build on another
+config file): docs/training.md#run-keys.
 """
 
 from __future__ import annotations

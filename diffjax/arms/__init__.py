@@ -1,10 +1,7 @@
 """The arms: one module per attention variant, each defining one :class:`ArmSpec`.
 
-:mod:`diffjax.arms.spec` says what an arm is and holds the registry; the builtin arms are
-:mod:`~diffjax.arms.transformer` (the baseline), :mod:`~diffjax.arms.diff_v1` and
-:mod:`~diffjax.arms.diff_v2`, and the grouped forms :mod:`~diffjax.arms.gda_v1` and
-:mod:`~diffjax.arms.gda_v2`. ``diffjax.arms.get(cfg.attention)`` answers every question the
-rest of the package has about an arm.
+:mod:`diffjax.arms.spec` holds the registry; ``diffjax.arms.get(cfg.attention)`` answers every
+question the rest of the package has about an arm (docs/model.md#an-arm-of-your-own).
 """
 
 # They register the arms, in this order.

@@ -1,11 +1,7 @@
 """DIFF V1 (arXiv 2410.05258): two softmax maps per head, subtracted with one lambda per layer.
 
-A baseline with 2H heads of width d becomes H DIFF heads, each with two query and key
-components of width d and one value of width 2d; 2K kv heads become K kv groups holding K1,
-K2 and V. lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init per layer, lambda_init =
-0.8 - 0.6 exp(-0.3 l); head outputs pass a per-head RMSNorm (a gain shared by the heads) and
-are scaled by (1 - lambda_init). Matched to its Transformer it has the same projection shapes
-and 6d more parameters per layer. Its checkpoints are transformers' ``DiffLlamaForCausalLM``.
+The math and its layout: the README's "What is exact"; its matching to a Transformer:
+docs/model.md#the-lm. Its checkpoints are transformers' ``DiffLlamaForCausalLM``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """DIFF V2: query heads in pairs over the baseline's keys and values, lambda per token.
 
-A baseline with h query heads of width d keeps its K, V and W_o; the query heads double to
-2h (heads 2i and 2i+1 form pair i, in one GQA group) and W_lambda: E -> h is added, so
-o_i = softmax(q_2i K^T) V - sigmoid(x W_lambda)_i softmax(q_2i+1 K^T) V. No per-head norm;
-the KV cache is the baseline's. Matched "by params" its SwiGLU width shrinks to pay for the
-extra E h d + E h weights; "by heads" it keeps every baseline width (and is larger).
+The math: the README's "What is exact"; matched "by params" (a narrower SwiGLU) or "by heads"
+(every baseline width kept): docs/model.md#the-lm.
 """
 
 from __future__ import annotations

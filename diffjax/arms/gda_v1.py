@@ -1,15 +1,7 @@
 """Grouped differential attention, V1 style (GDA, arXiv 2510.06949; Motif-2-12.7B).
 
-``num_heads`` signal heads H share N = H / r noise heads (r = ``gda_ratio``): noise head n's
-map is computed once and subtracted, times lambda, from each of its r signal heads' maps,
-like GQA shares keys. K1, K2 and a 2d-wide V per kv group, the lambda re-parameterisation,
-the per-head RMSNorm with a shared gain and the (1 - lambda_init) scale are DIFF V1's; the
-query kernel [E, N, r + 1, d] is Motif's layout (a group's r signal heads, then its noise
-head). r = 1 is DIFF V1 exactly. Matched to a Transformer of H_b heads it keeps V1's total of
-H_b query heads, split r : 1 (H = r H_b / (r + 1) signal heads: the GDA paper re-splits one
-head budget), with V1's kv groups where they divide the noise heads; its wider W_o (2 H d
-rows against V1's H_b d) is paid for by the SwiGLU width when matched "by params", as DIFF
-V2's extra heads are. docs/model.md#grouped-differential-attention has the details.
+H signal heads share H / r noise heads (r = ``gda_ratio``; r = 1 is DIFF V1 exactly); the
+layout, the matching and the sizes: docs/model.md#grouped-differential-attention.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Grouped differential attention, V2 style (Motif 3's combine, on the baseline's keys).
 
-One attention over N (r + 1) query heads, then each group's r signal heads minus
-sigmoid(x W_lambda) times the group's noise head (r = ``gda_ratio``): ``num_heads`` H signal
-(output) heads, N = H / r noise heads, W_lambda: E -> H, no per-head norm; keys, values, W_o
-and the KV cache are the baseline's. The query kernel [E, N, r + 1, d] puts a group's noise
-head last. r = 1 is DIFF V2 exactly. Matched to a Transformer it keeps the baseline's heads
-as signal heads and adds N noise heads (V2 adds H), with the baseline's kv heads where they
-divide N; "by params" the SwiGLU width pays for the extra weights. Motif 3's latent keys, MoE and hyper-connections are not
-part of it.
+Each group's r signal heads minus sigmoid(x W_lambda) times its noise head (r = ``gda_ratio``;
+r = 1 is DIFF V2 exactly); layout and matching: docs/model.md#grouped-differential-attention.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What an arm is, in one frozen object, and the registry that maps names to arms.
+"""What an arm is, in one frozen object (:class:`ArmSpec`), and the registry of arms by name.
 
-An arm is one attention variant trained in the LM of :mod:`diffjax.model` (every arm
-shares every line of the model but its attention module). Everything the rest of the
-package asks about an arm is a field of its :class:`ArmSpec`: the NNX module that attends,
-the ops it calls (whose :class:`~diffjax.core.op_specs.OpSpec` gives the arrays' roles,
-the reference math, the input checks and the partition specs; the decode op's key and
-value arrays are the KV cache), its parameter count and FLOPs, how it is matched to a
-Transformer baseline, what the evaluation reports about its lambda, and its interop with
-other frameworks. The builtin arms are :mod:`diffjax.arms.transformer`,
-:mod:`~diffjax.arms.diff_v1` and :mod:`~diffjax.arms.diff_v2`; :func:`register` adds
-one of your own (docs/model.md shows a whole arm in one file).
+Everything the package asks about an arm is a field of its spec; :func:`register` adds one of
+your own (docs/model.md#an-arm-of-your-own, docs/architecture.md#arms-one-spec-each).
 """
 
 from __future__ import annotations

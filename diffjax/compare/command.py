@@ -1,10 +1,6 @@
 """The command line of the matched comparison (`python -m diffjax.compare`).
 
-Exit status: 0 done; 1 the arms did not see the same batches; 2 a mistake in the command line
-or the config; 75 a signal stopped a run after it saved (rerun to continue); 130 SIGINT (Ctrl-C)
-or SIGTERM stopped the command outside a run's training (start-up, evaluation, the report), with
-one line (rerun to continue). Both signals are answered even when the command inherited SIGINT
-ignored, as a job started in the background of a script does.
+Its exit statuses (0, 1, 2, 75, 130) and signals: docs/evaluation.md#matched-comparisons.
 """
 
 from __future__ import annotations

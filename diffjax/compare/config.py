@@ -1,19 +1,6 @@
-"""The comparison config: one typed object per comparison, the ConfigDict that config files edit,
-and each run's train config.
-
-A comparison is configured by a Python file whose ``get_config()`` returns an ``ml_collections``
-ConfigDict (``configs/compare/``). It starts from :func:`comparison_config`, which is generated
-from :class:`ComparisonConfig` and its sections (:mod:`diffjax.compare.sections`), so every key
-has its default written once, with a comment saying what it is. The command resolves the file's
-ConfigDict into a ComparisonConfig once (:meth:`ComparisonConfig.from_config`), which checks
-every value, and every arm's run at every sweep point, before anything is written; below that,
-each module takes the ComparisonConfig or the section it needs.
-
-``base`` stays a run config's ConfigDict: run (arm, seed k) is ``base`` with ``model.arm`` set
-to the arm and ``seed = k`` (:func:`run_config`), resolved through
-:class:`diffjax.train.config.RunConfig` like any run. Every arm is resolved from the same
-baseline by `diffjax.model.resolve_model`, so the arms are matched (``base.model.v2_match`` says
-how DIFF V2 is).
+"""The comparison config: one typed object per comparison (:class:`ComparisonConfig`), the
+ConfigDict that config files edit (:func:`comparison_config`) and each run's train config
+(:func:`run_config`): docs/evaluation.md#matched-comparisons, "The compare config".
 """
 
 from __future__ import annotations

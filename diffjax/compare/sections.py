@@ -1,10 +1,7 @@
 """The typed sections of a comparison config: how the runs are evaluated, what the report says,
 the swept key, and the named variants.
 
-Each section is a frozen dataclass whose fields are its keys, each with its default and a comment
-saying what it is; building one checks it (:class:`diffjax.train.sections.Section`), and a bad
-value raises ValueError naming its key. The comparison that holds them is
-:class:`diffjax.compare.config.ComparisonConfig`.
+Each is a frozen dataclass, checked when built (:class:`diffjax.train.sections.Section`).
 """
 
 from __future__ import annotations

@@ -6,22 +6,11 @@
     python -m diffjax.convert retrofit --source=runs/transformer --workdir=runs/retro_v2
         [--arm=diff_v2|diff_v1] [--step=N]
 
-`import` reads a LlamaForCausalLM (-> the Transformer arm), DiffLlamaForCausalLM (-> DIFF
-V1), DiffjaxV2ForCausalLM (a DIFF V2 export) or MotifForCausalLM (Motif-2 -> gda_v1 with a
-PolyNorm MLP, docs/motif.md) directory
-holding config.json and *.safetensors (one file, or shards with their index) and writes a
-workdir that `diffjax.train.load_model` and `python -m diffjax.eval` read. `export` writes the
-latest (or --step) checkpoint of a Transformer, DIFF V1, DIFF V2 or imported Motif workdir
-as a directory in the source's layout (transformers' `from_pretrained` loads the first three;
-a DIFF V2 export carries its own modeling code, loaded with `trust_remote_code=True`), with
-the run's tokenizer in transformers' form, its special-token ids, a generation config and
-max_position_embeddings = the context the run trained at, so `lm_eval --model hf` and
-`python -m diffjax.eval.harness --hf_dir` evaluate it as it was trained. `retrofit` turns a Transformer (a workdir of
-the Transformer arm, or an HF Llama directory) into a new DIFF V2 workdir that computes the same
-function, or a DIFF V1 workdir started with lambda = 0 (no V1 model computes it) (`diffjax.convert.retrofit`);
-and prints the `train.py` command that continues it (`--config.checkpoint.init_from=<workdir>`
-with the source's model settings). A problem with the input
-prints one `error:` line and writes nothing.
+`import` reads an HF Llama, DiffLlama, diffjax DIFF V2 or Motif-2 directory into a new workdir;
+`export` writes a Transformer, DIFF V1, DIFF V2 or Motif workdir's checkpoint as such a directory,
+with the run's tokenizer and context, for transformers and lm-eval; `retrofit` turns a Transformer
+into a DIFF V2 (or V1) workdir and prints the `train.py` command that continues it. A problem with
+the input is one `error:` line, and nothing is written. More: docs/hf_conversion.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Reading and writing a Hugging Face checkpoint directory with safetensors' numpy API.
 
-A directory holds ``config.json`` and either one ``model.safetensors`` or shards listed by
-``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {name: file}}``), as
-transformers' ``save_pretrained`` writes them. No torch: tensors come and go as numpy arrays
-(bfloat16 through ``ml_dtypes``, which numpy needs to name that dtype).
+No torch: tensors are numpy arrays (bfloat16 through ``ml_dtypes``). The directory's files:
+docs/hf_conversion.md#what-the-mapping-does.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Motif-2 checkpoints (``MotifForCausalLM``: Motif-2.6B, Motif-2-12.7B) <-> the ``gda_v1`` arm.
 
-Motif-2 is a LLaMA-style decoder with grouped differential attention and a PolyNorm-gated MLP.
-Its layout is diffjax's up to transposes and reshapes, so both directions are exact:
-
-- ``q_proj`` rows are ``num_noise_heads`` groups of r signal heads followed by their noise head
-  (``num_attention_heads`` = signal + noise heads): diffjax's q ``[E, Hn, r + 1, d]``;
-- ``k_proj`` / ``v_proj`` rows are kv heads 2g + s, component s of diff kv group g: diffjax's
-  k ``[E, K, 2, d]`` and v ``[E, K, 2d]`` (the two value components side by side);
-- ``o_proj`` reads the signal heads' 2d-wide outputs in order: o ``[Hs, 2d, E]``;
-- ``subln.weight`` is the per-head norm's gain, ``mlp.act_fn.{weight,bias}`` PolyNorm's.
-
-lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)) (``diff_lambda_init_offset=-1``), RoPE rotates
-halves. Sources of each convention and the memory a real checkpoint needs: docs/motif.md.
+Motif-2's layout is diffjax's up to transposes and reshapes, so both directions are exact; each
+convention, its source and the memory a real checkpoint needs: docs/motif.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
-"""A run's tokenizer as the files transformers reads: what an exported directory needs so that
-``AutoTokenizer.from_pretrained(dir)`` (and lm-eval's ``hf`` model) encodes text to the ids the
-model was trained on.
-
-- :class:`~diffjax.data.ByteTokenizer` (every shipped CPU config): a byte-level BPE
-  ``tokenizer.json`` written here with no merges, so each UTF-8 byte is one token of the same id,
-  ``<|endoftext|>`` = 256 and ``<pad>`` = 257. ``tokenizer_config.json`` marks it, so diffjax
-  reads the directory back with its own byte tokenizer.
-- an HF ``tokenizers`` file: copied, with the end-of-document and padding tokens added when
-  diffjax appended them after the file's vocabulary.
-- a SentencePiece model: refused. transformers' tokenizers built from a ``.model`` file do not
-  apply SentencePiece's whitespace normalisation (runs of spaces, newlines), so they would encode
-  some text to other ids than the model saw; export such a run with ``--tokenizer=none`` and give
-  the evaluator the ``.model`` file (``--tokenizer`` of ``python -m diffjax.eval.harness``).
-
-A diffjax tokenizer adds no special tokens and has no beginning-of-sequence token, so exports
-set ``bos_token_id`` to null and lm-eval prefixes empty contexts with the end-of-document token,
-as :class:`~diffjax.eval.harness.DiffjaxLM` does. One difference remains: transformers matches
-the special tokens' strings (``<|endoftext|>``) inside text and diffjax encodes them as bytes.
+"""A run's tokenizer as the files transformers reads, so that an exported directory encodes text
+to the ids the model was trained on: byte tokenizers are written, HF tokenizer files copied,
+SentencePiece models refused (docs/hf_conversion.md, what an export carries).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Hugging Face tensors <-> diffjax parameters, as numpy arrays (no framework needed).
 
-Projections are transposed and split into heads; DiffLlama's halves become diffjax's DIFF
-heads, its gainless norm takes diffjax's gain folded into ``o_proj``, DIFF V2's exports hold
-Llama's tensors with 2h query heads and a ``lambda_proj``, and an interleaved-RoPE model's
-q/k rows are reordered on export. Each layout: docs/hf_conversion.md.
+Each layout (transposes and head splits, DiffLlama's halves, the norm gain folded into
+``o_proj``, DIFF V2's ``lambda_proj``, RoPE row order): docs/hf_conversion.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The precision the sensitive steps run in, and the check that float64 can be honoured.
 
-Softmax, RMSNorm, RoPE, lambda and every matmul accumulate in float32 for float32,
-bfloat16 and float16 inputs, and in float64 for float64 inputs: float64 is honoured
-end to end (useful for checking gradients by finite differences) and never silently
-narrowed.
+float32 accumulation for float32, bfloat16 and float16 inputs, float64 for float64 inputs, never
+silently narrowed (docs/model.md#functional-ops).
 """
 
 from __future__ import annotations

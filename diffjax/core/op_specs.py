@@ -1,13 +1,7 @@
-"""What every layer asks of an attention op, in one frozen object per op.
+"""What every layer asks of an attention op, in one frozen :class:`OpSpec` per op.
 
-An :class:`OpSpec` names the op's arrays and their roles (queries, keys, value, lambda),
-their logical axes (from which the kernels' PartitionSpecs and the context-parallel
-shardings follow), the reference math every fast path is tested against, the input
-checks, and how the op's softmax maps read its queries and keys (what the
-context-parallel ring merges map by map). The dispatcher (:mod:`diffjax.ops.dispatch`),
-the sharding (:mod:`diffjax.sharding.kernel_specs`), the ring (:mod:`diffjax.ops.ring`)
-and the preflight read it instead of knowing ops by name. An arm that brings an op of its
-own defines one more :class:`OpSpec` (:mod:`diffjax.arms`).
+Its arrays' roles and logical axes, reference math, input checks and softmax maps, read by the
+dispatcher, the kernel sharding, the ring and the preflight (docs/architecture.md, "Dispatch").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """`python -m diffjax.data.prepare`: raw corpus -> tokenized shards + manifest.
 
-    python -m diffjax.data.prepare --input corpus/ --input extra.jsonl \
-        --output data/prepared --tokenizer tokenizer.json --shard_tokens 50000000 --workers 8
-
-Resumable and idempotent: work units write their shards deterministically and a unit's marker
-last, so a rerun skips finished units and redoes the others. Inputs, layout: docs/data.md.
+Resumable and idempotent: a rerun skips finished work units and redoes the others. The command,
+its inputs and the layout: docs/data.md#prepared-corpora-of-any-size.
 """
 
 from __future__ import annotations

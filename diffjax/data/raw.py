@@ -1,11 +1,7 @@
 """Raw corpora for `prepare` and the tokenizer trainer: JSONL (a text field), Parquet (a text
-column) and plain text files (one document per file), split into deterministic work units.
+column) and plain text files, split into deterministic work units.
 
-A corpus that is one plain text file is split into documents (`split_text`): at blank lines,
-or, when it has none, into chunks of about `CHUNK_BYTES` ending at line ends.
-
-A work unit is one JSONL or Parquet file, or up to `files_per_unit` consecutive text files;
-units are numbered in input order, so the n-th document of the corpus is the same on every run.
+How one text file becomes documents (`split_text`) and what a work unit is: docs/data.md.
 """
 
 from __future__ import annotations

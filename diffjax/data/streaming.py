@@ -1,9 +1,7 @@
 """Streaming batches from a corpus (`diffjax.data.corpus`): memory bounded by buffers, start-up
 independent of corpus size, exact resume, the same global batch for any number of processes.
 
-Each row of the global batch takes its windows from S streams (lanes) in turn; lane (r, s) packs
-the documents at epoch positions k, k + L, k + 2L, ... (k = r + B*s, L = B*S lanes). The epoch
-order, the window fields and the validation rule: docs/data.md, "How batches are made".
+Rows, streams and the validation rule: docs/data.md#how-batches-are-made.
 """
 
 from __future__ import annotations

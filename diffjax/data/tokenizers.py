@@ -1,9 +1,7 @@
 """Tokenizers: text <-> int32 token ids, all loaded from local files.
 
-Every tokenizer exposes the same small surface (`Tokenizer`): `encode`, `decode`, `vocab_size`,
-`eos_id` and `pad_id`. The data pipeline appends `eos_id` after every document itself, so `encode`
-never adds special tokens. Nothing here reaches the network: HF tokenizers are read from a JSON file
-and SentencePiece models from a `.model` file.
+Each is a `Tokenizer` (`encode`, `decode`, `vocab_size`, `eos_id`, `pad_id`); `encode` adds no
+special tokens, since the data pipeline appends `eos_id` after every document (docs/data.md).
 """
 
 from __future__ import annotations

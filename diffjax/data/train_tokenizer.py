@@ -1,10 +1,7 @@
 """`python -m diffjax.data.train_tokenizer`: train a byte-level BPE tokenizer and save tokenizer.json.
 
-    python -m diffjax.data.train_tokenizer --input corpus/ --output tokenizer.json --vocab_size 100288
-
-Inputs as for `python -m diffjax.data.prepare` (JSONL, Parquet, text files, directories, globs,
-`stdlib`). Byte-level: any text encodes without unknown tokens. Special tokens `<|endoftext|>`
-(the eos every document ends with) and `<pad>` take ids 0 and 1, so `vocab_size` counts them.
+Inputs as for `python -m diffjax.data.prepare`; the special tokens and their ids:
+docs/data.md#prepared-corpora-of-any-size.
 """
 
 from __future__ import annotations

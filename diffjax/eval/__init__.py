@@ -1,10 +1,7 @@
-"""Evaluation: the sections of `evaluate_model` (retrieval, attention allocation, outliers,
-low-bit robustness, probes, ...), measures on arrays, statistics over seeds, and reports.
+"""Evaluation: the sections of `evaluate_model`, measures on arrays, statistics, reports.
 
-Each section is one module of `diffjax.eval.sections`, registered in order; importing this
-package registers them. The eval JSON's schema, the sections and how to add one:
-docs/evaluation.md. The synthetic retrieval tasks live in `diffjax.data.tasks` (they are
-training sources as well); their names are importable from here too.
+Importing this package registers the sections (one module each of `diffjax.eval.sections`); the
+eval JSON, the sections and how to add one: docs/evaluation.md.
 """
 
 from diffjax.data.tasks import (

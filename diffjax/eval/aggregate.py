@@ -1,9 +1,7 @@
 """Eval results pooled over seeds: per-arm means with t intervals, paired differences against a
 baseline arm, and plain-language verdicts.
 
-A run is a dict {"arm", "seed", "name", "eval" (eval JSON or None), "curve" (metrics rows or
-None)} (`diffjax.eval.report.load_results`). Runs of different arms with the same seed are paired; a run
-without a seed is averaged but never paired. Statistics come from `diffjax.eval.stats`.
+Runs (`diffjax.eval.report.load_results`) and how they pair: docs/evaluation.md#the-report.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """`python -m diffjax.eval --workdir=RUN`: evaluate a run's checkpoint and write eval JSON.
 
-    python -m diffjax.eval --workdir=runs/diff_v1_s0 --quick
-    python -m diffjax.eval --workdir=runs/diff_v1_s0 --out=results/diff_v1_s0.json \\
-        --config.samples_per_depth=50 --config.heatmap_lengths='(256, 512, 1024, 2048)'
-
-The model comes from `diffjax.train.load_model(workdir, step)`; validation batches are the run's
-own held-out batches (its data config, sequence length, batch size and seed; the first
-`val_batches` of them, by default the run's `eval_batches`), so val/loss reproduces the
-trainer's final eval/loss. The command line is train.py's (`diffjax.cli`): `--config.KEY=VALUE`
-overrides an `EvalConfig` field (VALUE is a Python literal), and a mistake is one `error:` line
-with exit status 2. Ctrl-C (SIGINT) or SIGTERM stops it with one line and status 130, the output
-JSON not written (also when the command inherited SIGINT ignored, as a background job of a script
-does). Then aggregate runs with `python -m diffjax.eval.report RUN ... --out=DIR`.
+The model, its validation batches, the `--config.KEY=VALUE` overrides and the exit statuses:
+docs/evaluation.md#evaluating-a-run; aggregate runs with `python -m diffjax.eval.report`.
 """
 
 from __future__ import annotations

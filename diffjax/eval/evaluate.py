@@ -1,12 +1,6 @@
 """`evaluate_model`: runs the registered evaluation sections on a model and returns the eval JSON
-(schema "diffjax.eval/1", docs/evaluation.md); the CLI (`python -m diffjax.eval`) writes it.
-
-The sections' functions stay importable from here: `validation_loss`, `retrieval_accuracy` and
-`greedy_exact_match` (`diffjax.eval.scoring`); `needle_table`, `retrieval_heatmap`,
-`associative_recall`, `associative_recall_grid`, `attention_allocation_by_layer`,
-`text_statistics`, `mechanisms`, `low_bit`, `lowbit_settings` and `clamp_probe` (each from its
-module of `diffjax.eval.sections`); `ModelRunner` and `quantize_model_weights`
-(`diffjax.eval.runner`).
+(schema "diffjax.eval/1", docs/evaluation.md#the-eval-json); `python -m diffjax.eval` writes it.
+The sections' functions (`validation_loss`, `needle_table`, ...) stay importable from here.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """PNG plots of eval results over arms x seeds, for the report: the loss curves, then each
 registered section's own plot (`Section.plot`), in section order.
 
-Every plot shows each arm's mean over seeds with a band or error bars: the two-sided t interval
-when there are three or more seeds, the seeds' range with two (an interval from two points is
-too wide to read), nothing with one (`display.band`). Each plot is written only when some run
-has its data: loss_curves.png (train loss, and eval loss points, over steps) here;
-retrieval_heatmap.png, mqar_grid.png, allocation.png, lambda.png and lowbit.png from the
-heatmap, mqar_grid, allocation, text and lowbit sections.
+The bands and the files: docs/evaluation.md#the-report.
 """
 
 from __future__ import annotations

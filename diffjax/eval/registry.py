@@ -1,9 +1,7 @@
 """`Section`, one evaluation of `evaluate_model`, and the ordered registry of sections.
 
-Everything about a section lives on its `Section` object: how it runs, the scalars it reports,
-which way each scalar is better, the scalars the report states first, and the report's figure
-and table of it. `evaluate_model` runs the registered sections in registration order; the
-scalars, the aggregation and the report read them from here.
+Everything about a section lives on its `Section`: how it runs, its scalars and their directions,
+the headline and the report's figure and table (docs/evaluation.md#adding-a-section).
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
     python -m diffjax.eval.report runs/transformer_s0 runs/diff_v1_s0 ... --out=report/
 
-Each positional argument is a run directory (holding eval.json from `python -m diffjax.eval`
-and, optionally, the trainer's metrics.jsonl) or an eval JSON file. Each arm's scalars are
-reported as mean ± half-width of the two-sided 95% t interval over seeds, each other arm is
-compared with the baseline by paired differences over the seeds both have (paired t-test), and
-the summary says "better" or "worse" only with p < 0.05 for a metric whose direction is known.
-The runs' structure and the report's contents: docs/evaluation.md.
+Each argument is a run directory (eval.json from `python -m diffjax.eval` and, optionally, the
+trainer's metrics.jsonl) or an eval JSON file. Arms get means with t intervals over seeds, paired
+t-tests against the baseline and verdicts only at p < 0.05: docs/evaluation.md#the-report.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Jitted forward passes of one NNX model for evaluation, and weight quantization.
 
-:class:`ModelRunner` compiles each kind of pass once per input shape and keeps it: the normal
-logits, the reference path with quantization and clamping set by numbers (``KNOBS``), the
-gradients around a per-head norm, and the sections' own passes (``compiled``). Analysis
-passes materialise [B, H, T, S] maps per layer: keep ``capture_batch_size * T * T * heads``
-modest.
+:class:`ModelRunner` compiles each kind of pass (logits, the reference path with ``KNOBS``, the
+gradients around a per-head norm, the sections' own) once per input shape and keeps it.
 """
 
 from __future__ import annotations

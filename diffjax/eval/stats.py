@@ -1,12 +1,7 @@
 """Statistics over seeds: t confidence intervals, paired t-tests, and verdicts in words.
 
-A matched comparison trains every arm with the same seeds (same data order and initialisation
-seed), so arm X at seed s and the Transformer at seed s form a pair; paired differences remove
-the seed-to-seed variation both arms share. With n seeds the tests have n - 1 degrees of freedom,
-so at n = 2 or 3 only large, consistent differences can be called significant, and the verdicts
-say so instead of ranking arms by their means.
-
-The t distribution and the paired t-test are scipy.stats's.
+Why arms are paired by seed and what n seeds can show: docs/evaluation.md#the-report. The t
+distribution and the paired t-test are scipy.stats's.
 """
 
 from __future__ import annotations

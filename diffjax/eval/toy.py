@@ -1,10 +1,7 @@
 """The one-row noise-cancelling toy: when does subtracting a second softmax map help?
 
-`trial` gives the needle's share of one row's absolute weight with one softmax map and with the
-difference of two maps whose noise is correlated; `lambda_study` compares one λ for all rows
-with a λ chosen per row. The model, its seeds and its numbers: docs/evaluation.md.
-
-  python -m diffjax.eval.toy          # the table, then the λ study
+`trial` and `lambda_study`, printed by ``python -m diffjax.eval.toy``; the model, its seeds and
+its numbers: docs/evaluation.md#the-noise-cancelling-toy.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@
         [--max_new_tokens=200] [--temperature=0.8] [--top_k=40] [--top_p=0.95] [--seed=0]
         [--step=N] [--max_length=N] [--tokenizer=byte]
 
-Loads the newest good checkpoint of the ``train.py`` workdir (or ``--step``), encodes the
-prompt with the run's tokenizer, streams the continuation to stdout as the tokens come
-(stopping at the tokenizer's end-of-document token) and then prints the prefill and
-decode speed (compilation excluded). Greedy unless ``--temperature`` > 0. A mistake in
-the arguments prints one ``error:`` line and exits 2.
+Streams the continuation from the run's newest good checkpoint (or ``--step``) as the tokens come,
+until the end-of-document token, then prints prefill and decode speed (compilation excluded).
+Greedy unless ``--temperature`` > 0; a mistake in the arguments is one ``error:`` line (exit 2).
 """
 
 from __future__ import annotations

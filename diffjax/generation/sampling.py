@@ -1,9 +1,7 @@
 """Turning next-token logits into tokens: greedy, temperature, top-k, top-p.
 
-A logits processor is a plain function ``(logits_BxV, step) -> logits_BxV`` (``step``
-counts generated tokens from 0, a traced int); processors run in order before the
-temperature and the top-k / top-p filters, inside the jitted decode step. Masking a
-token means setting its logit to -inf.
+A logits processor is a plain function ``(logits_BxV, step) -> logits_BxV``, run in order inside
+the jitted decode step before the filters (docs/generation.md#the-api).
 """
 
 from __future__ import annotations

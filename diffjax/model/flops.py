@@ -1,9 +1,7 @@
 """FLOPs per token of a model, from its config: what MFU divides by.
 
-2 FLOPs per multiply-add: the weight matmuls (projections, MLP, LM head), the attention per
-query token and visible key (the arm's :attr:`~diffjax.arms.ArmSpec.attention_flops`), and a
-backward of twice the forward. *Model* FLOPs are that math whatever runs it; *hardware* FLOPs
-add what ``remat`` recomputes. docs/training.md#speed-mfu-and-where-the-time-goes has the rules.
+Model FLOPs count the math whatever runs it, hardware FLOPs add what ``remat`` recomputes; the
+rules: docs/training.md#speed-mfu-and-where-the-time-goes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""The two on-disk layouts of a model's layers, and conversion between them.
-
-An unscanned :class:`~diffjax.model.DecoderLM` keeps its blocks as a list, so its
-parameter tree (``nnx.to_pure_dict``) holds ``{"blocks": {0: block_0, 1: block_1, ...}}``;
-a scanned one (``scan_layers=True``) holds ``{"layers": stacked}``, every leaf of
-``stacked`` carrying a leading axis of ``num_layers``. Optimizer states mirror the
-parameter tree, so the same conversion applies to them: the functions here rewrite
-every dict that holds ``"blocks"`` (or ``"layers"``) anywhere inside any pytree and
-leave the rest alone. Checkpoints are saved in the layout of the run that wrote them
-and converted on restore (:mod:`diffjax.train.checkpoint`).
+"""The two on-disk layouts of a model's layers (unrolled ``blocks``, scanned ``layers``), and
+conversion between them for parameter and optimizer trees (docs/scaling.md#scanned-layers).
 """
 
 from __future__ import annotations

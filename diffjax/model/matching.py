@@ -1,10 +1,7 @@
 """Matched arms and parameter counts, and a run's ``model`` section resolved to its model.
 
-:func:`matched_configs` derives every arm from one Transformer spec (each arm's
-:attr:`~diffjax.arms.ArmSpec.match`); :func:`count_params` counts the LM's parameters from a
-config; :func:`resolve_model` is the one place that turns a run's ``model`` section (its
-``arm``, ``size``, baseline widths, ``v2_match``, ``unmatched`` widths; docs/training.md) into
-the arm's :class:`~diffjax.model.ModelConfig`, so changing the arm re-derives its widths.
+:func:`matched_configs`, :func:`count_params` (docs/model.md#the-lm) and :func:`resolve_model`,
+the one place that turns a run's ``model`` section into its ``ModelConfig`` (docs/training.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Flax NNX attention modules: the baseline, DIFF V1 and DIFF V2.
 
-All three are called as ``module(x_BxTxE, positions_BxT=None, segment_ids_BxT=None)``; with
-``capture=True`` they also return their maps (analysis, on the explicit-map XLA path), and with
-``cache=`` they prefill or decode against a KV cache (``init_cache`` makes an empty one).
-docs/model.md#flax-nnx-modules describes the calls.
+Called as ``module(x_BxTxE, positions_BxT=None, segment_ids_BxT=None)``, with ``capture=True``
+for their maps and ``cache=`` for a KV cache: docs/model.md#flax-nnx-modules.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Basic Flax NNX layers shared by every arm: projections, RMSNorm, the MLPs (SwiGLU and
 Motif's PolyNorm-gated MLP), embedding.
 
-Every parameter carries logical axis names (``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``mlp``, ``vocab``, ``norm``); :mod:`diffjax.sharding` maps them to
-mesh axes. Parameters are created without eager sharding so a model can be built
-with or without a mesh; the training harness places them with jit out_shardings.
+Their parameters carry logical axis names and no eager sharding: docs/model.md#flax-nnx-modules.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Functional attention ops: baseline (MHA/GQA), DIFF V1 and DIFF V2.
+"""Functional attention ops: baseline (MHA/GQA), DIFF V1 / V2 and their grouped forms (GDA).
 
-Each named op is :func:`run_op` (or :func:`run_decode_op`) of its
-:class:`~diffjax.core.op_specs.OpSpec`: checked, dispatched by ``implementation=``
-(``"auto"``, ``"xla"``, ``"xla_cpu"``, ``"pallas"``, ``"pallas_tpu"``, ``"pallas_gpu"``,
-``"stock"``: docs/architecture.md#dispatch-which-function-runs), per device under an active
-mesh, and over a sharded sequence under context parallelism.
+Each is :func:`run_op` (or :func:`run_decode_op`) of its OpSpec. ``implementation=``,
+``block_sizes`` and ``interpret``: docs/architecture.md, "Dispatch: which function runs".
 """
 
 from __future__ import annotations

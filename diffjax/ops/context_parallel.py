@@ -1,10 +1,7 @@
 """Context-parallel attention: the sequence axis of q, k and v sharded over a mesh axis.
 
-Exact self-attention of any op (:class:`~diffjax.core.op_specs.OpSpec`) with its T positions
-split over the C devices of the ``context`` axis, by a ring of key/value blocks
-(:mod:`diffjax.ops.ring`) or by gathering the keys and values; with ``load_balance`` the
-caller holds the sequence in :func:`zigzag_permutation` order. docs/scaling.md#context-parallelism
-describes the strategies, the order and what computes each block.
+A ring of key/value blocks (:mod:`diffjax.ops.ring`) or gathered keys and values; the
+load-balanced order is :func:`zigzag_permutation`. Design: docs/scaling.md, "Context parallelism".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Which function computes an op: per op and platform an ordered list of implementations;
-the first that accepts the inputs runs.
+"""Which function computes an op: per op and platform, the first implementation that takes it.
 
-:data:`BUILTIN_KERNELS` lists the kernel packages' functions, one :class:`Implementation` row
-each, in order of preference. A kernel refuses inputs it cannot take by raising
-``NotImplementedError(reason)`` from its own wrapper; ``"auto"`` then tries the next row and
-ends with the reference math through XLA. Rows take the op's arrays positionally, then
-``causal, q_segment_ids, kv_segment_ids, scale, block_sizes, interpret`` (decode ops:
-``scale, block_sizes, interpret``), no explicit mask and no float64 (those run on XLA).
-docs/architecture.md#dispatch-which-function-runs shows the table.
+:data:`BUILTIN_KERNELS` rows take the op's arrays, then ``causal, q_segment_ids, kv_segment_ids,
+scale, block_sizes, interpret`` (decode ops: the last three). Design: docs/architecture.md.
 """
 
 from __future__ import annotations

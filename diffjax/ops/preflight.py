@@ -1,9 +1,7 @@
 """Kernel preflight: each fused kernel a run chose, run once on the real device first.
 
-Before the first step every fused kernel the model's ops resolve to runs once, forward and
-backward, against the XLA path on a small input of the run's dtype and widths; one that fails
-or is off by more than the dtype's tolerance is switched off for the process
-(:func:`diffjax.ops.dispatch.demote`) and named in one line. docs/kernels_gpu.md has the rest.
+One that fails is switched off (:func:`diffjax.ops.dispatch.demote`). Design:
+docs/kernels_gpu.md, "First contact with real hardware: preflight".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The ring of context-parallel attention: one device's forward, backward and custom_vjp.
 
-Key and value blocks pass around the C devices of a mesh axis (``jax.lax.ppermute``); every
-softmax map keeps its own online-softmax statistics across the blocks, and the maps are
-combined (``O = O_1 - lam O_2``) only at the end. Which part of a block a device's queries
-see follows from the two shard indices; docs/scaling.md#context-parallelism has the cases,
-the backward ring and the TPU interpreter's barrier.
+Key and value blocks pass around a mesh axis; the maps combine only at the end.
+Design: docs/scaling.md, "Context parallelism".
 """
 
 from __future__ import annotations

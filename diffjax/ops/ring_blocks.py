@@ -1,10 +1,7 @@
 """What computes one block of the context-parallel ring (:mod:`diffjax.ops.ring`).
 
-:func:`xla_blocks` scores a block as one [T, S] tile per head, for any op and dtype;
-:func:`kernel_blocks` runs a dispatch row's ``ring_blocks``: a namespace with
-``block_config`` (which may refuse a block with ``NotImplementedError``), ``block_forward``
-and ``block_backward`` (the protocol of :mod:`diffjax.kernels.tpu.blocks`) and optionally
-``HEAD_MAJOR`` and ``INTERPRETER_BARRIER``.
+:func:`xla_blocks`, or :func:`kernel_blocks` of a dispatch row's ``ring_blocks`` namespace.
+Its protocol: docs/architecture.md, "Dispatch: which function runs".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The OpenAI-compatible HTTP layer over an :class:`~diffjax.serve.engine.Engine` (aiohttp).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /health``, and the tokenizer routes lm-eval's ``local-completions``
-model looks for (``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize``, as vLLM
-names them).
-Requests, responses and errors follow the OpenAI API; what is accepted and refused:
-docs/serving.md.
+Its routes, and what each request may ask: docs/serving.md#endpoints.
 """
 
 from __future__ import annotations

@@ -4,13 +4,11 @@
         [--slots=8] [--replicas=1] [--context=N] [--chat_template=FILE] [--model_name=NAME]
     python -m diffjax.serve --hf_dir=DIR ...     # an HF Llama / DiffLlama / DIFF V2 directory
 
-Loads the model, compiles every program it will run (one decode program and one prefill per
-prompt bucket: nothing compiles while serving; a run's compile_cache/ keeps them for the next
-start), prints the address and serves
-``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` until SIGINT or
-SIGTERM, which stops taking requests, lets those in flight finish for ``--drain_seconds`` and
-cancels the rest. Requests and what each option does: docs/serving.md. A mistake in the
-arguments prints one ``error:`` line and exits 2.
+Compiles every program it will run first (a run's compile_cache/ keeps them for the next start),
+then serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` until
+SIGINT or SIGTERM: it stops taking requests, lets those in flight finish for ``--drain_seconds``
+and cancels the rest. A mistake in the arguments is one ``error:`` line (exit 2). Requests and
+every option: docs/serving.md.
 """
 
 from __future__ import annotations

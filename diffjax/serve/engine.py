@@ -1,22 +1,7 @@
 """Continuous batching: a fixed set of KV-cache slots, decoded together, refilled as they free.
 
-:class:`Engine` owns one KV cache of ``slots`` rows of ``cache_length`` positions (for DIFF V1
-each layer's cache holds K1, K2 and the 2d-wide V; for DIFF V2 and the Transformer, K and V:
-whatever the model's ``init_cache`` makes). A thread runs the loop:
-
-1. *admit*: while a slot is free and a job waits, prefill the job's prompt into that slot (up
-   to ``max_prefill`` prompts in one call; one program per bucket of rows and prompt width,
-   both powers of two), which also picks the job's first token and, when asked, scores every
-   prompt token (``echo``);
-2. *decode*: run ``decode_chunk`` steps over the slots in use at once, each row at its own
-   position with its own sampling options and random key (one program per bucket of leading
-   rows and cache slots read; a job left in a high slot as lower ones free moves down first);
-3. hand each job its tokens; a job that meets a stop token, its ``max_tokens`` or a cancel
-   frees its slot for step 1.
-
-Every program is compiled by :meth:`Engine.warm_up` (or on first use), so serving compiles
-nothing once warm. A row's tokens depend only on its own prompt, options and seed, not on the
-rows beside it: the random key of token ``i`` is ``fold_in(key(seed), i)``.
+:class:`Engine` prefills, decodes and hands out tokens on its own thread; the loop, its programs
+and why a row's tokens depend only on its own request: docs/serving.md#continuous-batching.
 """
 
 from __future__ import annotations

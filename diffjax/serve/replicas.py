@@ -1,10 +1,7 @@
 """Several engines over one model, each with its own slots, KV cache and thread.
 
-XLA on a CPU runs a small model's decode step on one core, so one :class:`Engine` leaves the
-other cores idle however many jobs it batches. :class:`Replicas` runs one engine per replica,
-each decoding its own batch at the same time, and sends each job to the replica with the fewest
-jobs. The replicas share the model's parameters and compiled programs (the programs take the
-cache as an argument), so N replicas compile what one does. Figures: docs/results/serving.md.
+:class:`Replicas` sends each job to the replica with the fewest jobs; they share the parameters
+and compiled programs (docs/serving.md#continuous-batching; figures: docs/results/serving.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Sharding on the ground floor: logical-axis rules, device meshes, kernel PartitionSpecs.
 
-* :mod:`diffjax.sharding.rules`: the rules table from logical axis names to the mesh
-  axes ``data``, ``fsdp``, ``tensor``, ``context``, and the active-mesh context that modules
-  (:func:`constrain`) and ops (:func:`current`) read;
-* :mod:`diffjax.sharding.mesh`: building a mesh, checking it against a model, and
-  the shardings of parameters, optimizer state and batches;
-* :mod:`diffjax.sharding.kernel_specs`: the PartitionSpecs that run the attention
-  kernels per device under ``jax.shard_map``.
-
-This package imports nothing from the rest of diffjax, so every layer can use it.
+One module each (``rules``, ``mesh``, ``kernel_specs``); the package imports nothing from the rest
+of diffjax, so every layer can use it (docs/scaling.md#mesh-axes-and-the-rules-table).
 """
 
 from diffjax.sharding.kernel_specs import (

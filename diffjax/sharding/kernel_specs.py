@@ -1,10 +1,7 @@
 """PartitionSpecs that run the per-device attention kernels under ``jax.shard_map``.
 
-The kernels see whole heads (a DIFF V1 head with both components, a V2 pair) with the kv group
-they read: heads split in contiguous blocks, which keeps them whole when the head axis divides
-the kv heads; batch splits freely. Every function returns ``(in_specs, out_spec)`` in the
-kernel's argument order (segment ids appended with ``segment_ids=True``); pass
-``check_vma=False`` to ``jax.shard_map``.
+Whole heads with their kv group per shard, batch split freely; each function returns ``(in_specs,
+out_spec)`` in the kernel's argument order. Pass ``check_vma=False`` to ``jax.shard_map``.
 """
 
 from __future__ import annotations

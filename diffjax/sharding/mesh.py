@@ -1,10 +1,7 @@
 """Device meshes, the checks a model puts on them, and the shardings of the train state.
 
-Because DIFF V1 kernels are [E, H, 2, d] (queries), [E, K, 2, d] (keys) and
-[E, K, 2d] (values), and DIFF V2 queries are [E, h, 2, d], splitting ``heads``
-keeps both components of a V1 head with its 2d value, and both heads of a V2
-pair with their kv head, on one shard. :func:`validate_mesh_for_model` refuses
-meshes whose tensor axis would split them.
+:func:`validate_mesh_for_model` refuses a tensor axis that would split a DIFF V1 head or a V2
+pair from its kv group (docs/scaling.md#mesh-axes-and-the-rules-table).
 """
 
 from __future__ import annotations

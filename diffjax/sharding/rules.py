@@ -1,10 +1,7 @@
-"""Logical axis names to mesh axes: the rules table and the active mesh.
+"""Logical axis names to mesh axes: the rules table (:data:`DEFAULT_RULES`) and the active mesh.
 
-One table (:data:`DEFAULT_RULES`, docs/scaling.md#mesh-axes-and-the-rules-table) maps the
-model's logical axis names to the mesh axes ``data``, ``fsdp``, ``tensor`` and ``context``.
-Modules call :func:`constrain` on their activations, a no-op unless
-:func:`activation_sharding` makes a mesh and rules active; the ops read the same context
-(:func:`current`) to run kernels per device under ``shard_map``.
+:func:`constrain` (in modules) and :func:`current` (in ops) read what :func:`activation_sharding`
+makes active: docs/scaling.md#mesh-axes-and-the-rules-table.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Multi-node GPU launches: the process group a scheduler's variables describe, the named
 XLA/NCCL preset the trainer applies, and a dry run that prints what every rank would run.
 
-Nothing here touches JAX: the functions read and write environment mappings, so the trainer
-(diffjax/train/distributed.py), the dry run and the tests share them (docs/gpu_clusters.md).
-
-The dry run's command is diffjax/train/launch.py (``python -m diffjax.train.launch --dry-run``).
+Nothing here touches JAX, so the trainer, the dry run and the tests share it (docs/gpu_clusters.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""The run config: one typed object per run, and the ConfigDict that config files edit.
-
-A run is configured by a Python file whose ``get_config()`` returns an ``ml_collections``
-ConfigDict (``configs/``). It starts from :func:`base_config`, which is generated from
-:class:`RunConfig` and its sections (:mod:`diffjax.train.sections`), so every key has its default
-written once, with a comment saying what it is. A command resolves the file's ConfigDict into a
-RunConfig once (:meth:`RunConfig.from_config`), which checks every value and names a bad one
-with the flag that fixes it; below that, each module takes its section (``run.optim``,
-``run.task_mix``, ...).
-
-``data`` is :class:`diffjax.data.DataConfig`. ``model`` stays a mapping, the one
-:func:`diffjax.model.resolve_model` turns into a ModelConfig: its keys (:func:`model_section`)
-are the ModelConfig fields with their defaults, the baseline widths, and the run's own keys
-``arm, size, v2_match, unmatched``.
+"""The run config: one typed object per run (:class:`RunConfig`), and the ConfigDict that config
+files edit (:func:`base_config`, :func:`model_section`): docs/training.md#run-keys.
 """
 
 from __future__ import annotations

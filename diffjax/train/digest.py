@@ -1,11 +1,5 @@
-"""Content digests of checkpointed state, computed where the arrays live.
-
-A leaf's digest is a sum over its elements of a mix of each element's bits with its
-index in the whole array (two independent 32-bit lanes). It does not depend on how the
-array is sharded, so a checkpoint restored onto another mesh still verifies, and
-changing any one element always changes it. The same jitted pass reports whether each
-floating leaf is finite. JSON-able records (the iterator state, the metadata) get a
-SHA-256.
+"""Content digests of checkpointed state, computed where the arrays live, and SHA-256 of the
+JSON-able records: docs/training.md#checkpoints-and-resume.
 """
 
 from __future__ import annotations

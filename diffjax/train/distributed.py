@@ -1,11 +1,7 @@
 """Multi-process start-up for TPU pods and multi-node GPU jobs, and the lost-host watchdog.
 
-``jax.distributed.initialize()`` is called when the environment says this is one of several
-processes (docs/scaling.md): the group is formed from DIFFJAX_COORDINATOR (with a Kubernetes
-Indexed Job's JOB_COMPLETION_INDEX) or a SLURM step's variables (diffjax/train/cluster.py,
-docs/gpu_clusters.md), else by JAX's own detection (TPU VMs). The run's ``distributed.xla_preset``
-is applied first, before JAX starts its backends. A watchdog (:func:`watch_peers`) that sees a
-peer's heartbeat stop prints one line and exits with status 75 (docs/training.md, "A lost host").
+How the process group is found: docs/scaling.md#tpu-pods, docs/gpu_clusters.md; the watchdog
+(:func:`watch_peers`, exit status 75): docs/training.md, "A lost host".
 """
 
 from __future__ import annotations

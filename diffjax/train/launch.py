@@ -1,12 +1,6 @@
-"""The dry run of a multi-node launch: for every rank, the process group it forms, the
-variables its scheduler gives it, what the run's XLA/NCCL preset adds and the command it runs;
-nothing is started (docs/gpu_clusters.md).
-
-  python -m diffjax.train.launch --dry-run slurm --nodes=2 --tasks-per-node=8 -- --config=...
-  python -m diffjax.train.launch --dry-run kubernetes --nodes=2 -- --config=...
-  python -m diffjax.train.launch --dry-run env -- --config=...   # this process, as it is
-
-Every value comes from the functions the trainer itself calls (diffjax/train/cluster.py).
+"""The dry run of a multi-node launch (``python -m diffjax.train.launch --dry-run``): for every
+rank, its process group, scheduler variables, the XLA/NCCL preset's additions and its command;
+nothing is started. Every value comes from the trainer's own functions (docs/gpu_clusters.md).
 """
 
 from __future__ import annotations

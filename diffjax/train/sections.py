@@ -1,11 +1,5 @@
-"""The typed sections of a run config, and the checks they share.
-
-Each section (``optim``, ``task_mix``, ``checkpoint``, ``mesh``, ``distributed``, ``profile``,
-``kernels``) is a frozen dataclass whose fields are its keys, each with its default and a
-comment saying what it is. Building one checks it (:class:`Section`): every float option against
-:data:`FLOAT_RANGES`, every value against its annotated type, then the section's own rules; a
-bad value raises ValueError naming its key and the flag that sets it. The run that holds them is
-:class:`diffjax.train.config.RunConfig`.
+"""The typed sections of a run config (``optim``, ``task_mix``, ``checkpoint``, ``mesh``, ...),
+and the checks they share (:class:`Section`, :data:`FLOAT_RANGES`): docs/training.md#run-keys.
 """
 
 from __future__ import annotations

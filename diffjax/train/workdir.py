@@ -1,13 +1,5 @@
-"""Who may write a run's workdir, and whether the run in it has finished.
-
-One training writes a workdir at a time: the process that writes the run's records holds an
-advisory lock on ``<workdir>/.lock`` (``fcntl.flock``) while it trains. The kernel drops the lock
-when that process ends, however it ends, so a lock file left behind by a killed process never
-blocks the next run; the file only holds the holder's pid and host for the refusal to name.
-A cloud workdir (``gs://...``) cannot be locked this way and is not locked.
-
-A run whose ``DONE`` marker is at or past the config's ``num_steps`` has finished: rerunning it
-changes nothing in the workdir (docs/training.md, "Checkpoints and resume").
+"""Who may write a run's workdir (an advisory lock on ``<workdir>/.lock``), and whether the run in
+it has finished (its ``DONE`` marker): docs/training.md#checkpoints-and-resume.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """lm-evaluation-harness scores for diffjax models, every arm, offline.
 
-:class:`DiffjaxLM` (registered as ``"diffjax"`` in the harness's model registry) scores
-log-likelihoods through :class:`TokenScorer`, rolling perplexity and generation;
-:func:`run_tasks` runs tasks. The model and the task runner need the ``[harness]`` extra and
-load on first use. docs/evaluation.md#lm-evaluation-harness-tasks describes the command.
+:class:`DiffjaxLM` (the harness's ``"diffjax"`` model) and :func:`run_tasks` need the
+``[harness]`` extra and load on first use (docs/evaluation.md#lm-evaluation-harness-tasks).
 """
 
 import importlib

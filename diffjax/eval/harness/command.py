@@ -5,9 +5,8 @@
     python -m diffjax.eval.harness --workdir=runs/default --tasks=... --batch_size=auto
         --gen_kwargs=max_gen_toks=32 --output_path=results/ --log_samples
 
-Offline: real tasks read the local datasets cache, ``--include_path`` adds task YAML files of
-your own. A task whose dataset is not there stops before the model loads, with one line naming
-the dataset and how to give a local copy. docs/evaluation.md describes the flags and the output.
+Offline: tasks read the local datasets cache (``--include_path`` adds task YAML files of your own);
+a missing dataset stops the command before the model loads, naming it. More: docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """``diffjax-lm-eval``: lm-eval's own command line, with the ``diffjax`` model registered.
 
-    diffjax-lm-eval run --model diffjax --model_args workdir=runs/default --tasks hellaswag
-    diffjax-lm-eval run --model diffjax --model_args hf_dir=exported --batch_size auto --tasks ...
-    python -m diffjax.eval.harness.lm_eval_cli ls tasks
-
-Every flag, subcommand and output is lm-eval's (``lm-eval --help``); ``--model_args`` are the
-keyword arguments of :class:`~diffjax.eval.harness.DiffjaxLM`. lm-eval 0.4 finds models only
-in its own table and in modules already imported (it reads no entry-point group), so a plain
-``lm-eval --model diffjax`` cannot see the package; this command imports it first. Nothing is
-fetched at run time: tasks read the local datasets cache.
+lm-eval 0.4 reads no entry points for models, so this imports the package before handing over;
+every flag and output is lm-eval's (docs/evaluation.md#lm-evaluation-harness-tasks).
 """
 
 from __future__ import annotations

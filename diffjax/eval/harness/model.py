@@ -1,11 +1,7 @@
 """The lm-evaluation-harness model over a diffjax :class:`~diffjax.model.DecoderLM`.
 
-:class:`DiffjaxLM` is an ``lm_eval.api.model.TemplateLM``: the harness's own code turns a
-(context, continuation) pair into token ids (trailing spaces of the context move to the
-continuation; the continuation is what encoding the pair adds to encoding the context), and
-this class scores them (:class:`~diffjax.eval.harness.scorer.TokenScorer`), scores rolling
-windows for perplexity tasks (the harness's windows: every token predicted once, each window
-with as much context as fits), and generates through :func:`diffjax.generation.generate`.
+:class:`DiffjaxLM`, an ``lm_eval`` ``TemplateLM``, scores log-likelihoods and rolling windows and
+generates: docs/evaluation.md#lm-evaluation-harness-tasks, "What the model does".
 """
 
 from __future__ import annotations

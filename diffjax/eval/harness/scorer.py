@@ -1,13 +1,7 @@
 """Log-likelihoods of continuations, batched by length through one compiled forward per bucket.
 
 :class:`TokenScorer` answers "how likely is ``continuation`` after ``context``" for token-id
-lists, the question every multiple-choice and perplexity task asks. A request longer than the
-model's context keeps its last ``max_length + 1`` tokens (the context is cut from the left;
-the continuation must fit). Requests are sorted by length and grouped into buckets (powers of
-two from 16, and ``max_length`` itself); each bucket runs as batches of ``batch_size`` rows
-through one jitted forward, so a task of thousands of requests compiles a handful of programs.
-Rows are left-aligned and padded on the right: under the causal mask no real position sees a
-pad, so padding cannot reach a score (the tests check this against unpadded forwards).
+lists; truncation, buckets and padding: docs/evaluation.md#lm-evaluation-harness-tasks.
 """
 
 from __future__ import annotations

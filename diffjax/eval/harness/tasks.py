@@ -1,11 +1,7 @@
 """Running lm-eval tasks on a :class:`~diffjax.eval.harness.model.DiffjaxLM`, offline.
 
-Tasks are the harness's own (found in its task index) or YAML files and directories given
-with ``include_path``. Nothing is downloaded here: a task whose data is not in the local
-datasets cache fails with the datasets library's error. Set ``HF_DATASETS_OFFLINE=1`` (this
-module sets it unless it is set) and point a task's ``dataset_path: json`` with
-``dataset_kwargs.data_files`` at local files, as the fixture tasks in ``tests/fixtures/harness``
-do.
+Tasks are the harness's own or YAML files given with ``include_path``; nothing is downloaded
+(``HF_DATASETS_OFFLINE=1`` unless set): docs/evaluation.md#lm-evaluation-harness-tasks.
 """
 
 from __future__ import annotations

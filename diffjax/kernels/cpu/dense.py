@@ -1,9 +1,7 @@
 """Dense projections for CPUs: the same product as ``einsum``, with hand-written 2-D gradients.
 
-``project(x, w, n_contract)`` contracts the last ``n_contract`` axes of ``x`` with the first
-ones of ``w`` (``"bte,ehd->bthd"``, ...) on arrays flattened to rows; its backward is two
-row-major matmuls, ``dx = dy w^T`` and ``dw = x^T dy``. :func:`diffjax.nn.layers.matmul`
-uses it for float32 and float64 on a CPU; why: docs/kernels_tpu.md (the CPU path).
+:func:`project`, which :func:`diffjax.nn.layers.matmul` calls for float32 and float64 on a CPU.
+Design: docs/kernels_tpu.md, "The CPU path".
 """
 
 from __future__ import annotations

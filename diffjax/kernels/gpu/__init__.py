@@ -1,9 +1,7 @@
 """GPU kernels for differential attention: Mosaic GPU (Hopper) and the stock paths.
 
-Which of them runs for an op and its inputs is the dispatch table's choice
-(:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`; this package imports nothing from
-:mod:`diffjax.ops`). The kernels, their tiles and how they are checked without a GPU:
-docs/kernels_gpu.md.
+The dispatch table (:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`) chooses among them.
+Design: docs/kernels_gpu.md, "What runs where".
 """
 
 from diffjax.kernels.gpu.decode import diff_v1_decode_reference

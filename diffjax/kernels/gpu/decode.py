@@ -1,9 +1,7 @@
 """The plain-JAX reference of DIFF V1 decoding, which the GPU and TPU decode kernels match.
 
-One query token per sequence against a KV cache with a valid length per row: the
-reference attention (:func:`diffjax.core.reference.diff_v1_reference`) with the cache
-positions at or past ``kv_len`` masked. The Hopper kernel is
-:func:`diffjax.kernels.gpu.mosaic_decode.diff_v1_decode_pallas_gpu`.
+One query token per sequence against a KV cache, the positions at or past ``kv_len`` masked.
+Design: docs/kernels_gpu.md, "The kernels" (Decode).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Measured times of the GPU attention paths, per device: the figures ``"auto"`` follows.
 
-``measured.json`` beside this module holds rows written on a GPU by
-``python benchmarks/attention.py --record``: per device, op, sequence length, dtype and head
-dim, the milliseconds of one call by each implementation, forward and forward+backward.
-:func:`slower` says when a row for the device measured an implementation slower, in a
-forward+backward call (or, for a call that is not differentiated, a forward call), than
-another that comes after it in the dispatch table, so that ``"auto"`` takes the faster one.
-It uses the row of the same dtype and head dim (else any) nearest in sequence length. A
-device with no row for an op keeps the table's order, and so do compiles ahead of time for
-a target, which have no device kind. docs/kernels_gpu.md lists the rows.
+:func:`slower` reads ``measured.json`` (written by ``python benchmarks/attention.py --record``).
+Design: docs/kernels_gpu.md, "What runs where".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Differentiable DIFF V1 / V2 attention on Mosaic GPU (Hopper): forward and backward fused.
 
-:func:`diff_v1_pallas_gpu` and :func:`diff_v2_pallas_gpu` (the ``"pallas_gpu"`` rows of
-:data:`diffjax.ops.dispatch.BUILTIN_KERNELS`) run the forward kernel of
-:mod:`~diffjax.kernels.gpu.mosaic_fwd` and the fused backward of
-:mod:`~diffjax.kernels.gpu.mosaic_bwd` under one ``jax.custom_vjp``. Inputs are bfloat16
-or float16 (accumulation and softmax in float32); head dims are used unpadded
-(multiples of 16). Lengths are padded to multiples of 64 and sliced back.
+:func:`diff_v1_pallas_gpu` and :func:`diff_v2_pallas_gpu`: :mod:`.mosaic_fwd` and
+:mod:`.mosaic_bwd` under one ``jax.custom_vjp``. Design: docs/kernels_gpu.md, "The kernels".
 """
 
 from __future__ import annotations

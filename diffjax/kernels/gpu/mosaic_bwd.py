@@ -1,9 +1,6 @@
-"""The fused backward of the DIFF pair on Mosaic GPU (Hopper, sm_90).
+"""The fused backward of the DIFF pair on Mosaic GPU (Hopper, sm_90): every gradient at 32d.
 
-One kernel computes every gradient of ``out = P_a V - lam P_b V`` (dQ_a, dQ_b, dK_a and
-dK_b or V2's shared dK, dV) at 32d: a CTA owns 64 keys of one kv group and walks every
-query block that sees them, with dK and dV in registers, and reduce-adds dQ into float32
-arrays in HBM. Its warpgroups, row terms and register budget: docs/kernels_gpu.md.
+Design: docs/kernels_gpu.md, "The kernels" (Backward), "No register spills, and what it cost".
 """
 
 from __future__ import annotations

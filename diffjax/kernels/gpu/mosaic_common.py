@@ -1,9 +1,7 @@
-"""What the Mosaic GPU kernels (forward, backward, decode) share.
+"""What the Mosaic GPU kernels (forward, backward, decode) share: launch, ring, tiles, products.
 
-The static config of a pair call, the warp-specialised launch (:func:`run_warpgroups`),
-the producer's ring of shared-memory slots (:func:`producer_ring`), swizzled tiles
-(:func:`smem_tile`), the consumers' online softmax, ``wgmma`` products and the
-register-layout helpers. What the interpreter leaves unchecked: docs/kernels_gpu.md.
+:func:`run_warpgroups`, :func:`producer_ring`, :func:`smem_tile`, the online softmax, ``wgmma``.
+Design: docs/kernels_gpu.md, "The kernels" and "In the interpreter (numbers)".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """DIFF V1 decoding on Mosaic GPU (Hopper): one query token against a KV cache.
 
-Flash-decoding: a CTA per (kv group, cache split, batch row) reads the split's K1, K2
-and V once, in place when the cache length is a multiple of 64
-(:func:`cache_length_multiple`), and XLA merges the splits. Layout: docs/kernels_gpu.md.
-
-Grouped differential attention (V1 style) decodes with the same kernel: the query rows of
-map 1 are the group's signal heads, those of map 2 its N / K noise heads (each noise map
-once per kv group), and the merged noise outputs are repeated over their r signal heads
-before ``o1 - lam o2`` (:func:`gda_v1_decode_pallas_gpu`).
+:func:`diff_v1_decode_pallas_gpu` and, on the same kernel, :func:`gda_v1_decode_pallas_gpu`.
+Design: docs/kernels_gpu.md, "The kernels" (Decode) and "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The forward kernel of the DIFF pair on Mosaic GPU (Hopper, sm_90).
 
-    out_t = softmax(qa_t Ka^T s) V - lam_t * softmax(qb_t Kb^T s) V
-
-V1: Ka = K1, Kb = K2, one lambda per head; V2: heads 2i and 2i+1 of one query array on
-one K, one lambda per token. It also saves O2 and both log-sum-exps for
-:mod:`~diffjax.kernels.gpu.mosaic_bwd`. Warpgroups and shapes: docs/kernels_gpu.md.
+``out = softmax(qa Ka^T s) V - lam softmax(qb Kb^T s) V``, saving O2 and both log-sum-exps for
+:mod:`.mosaic_bwd`. Design: docs/kernels_gpu.md, "The kernels" (Forward).
 """
 
 from __future__ import annotations

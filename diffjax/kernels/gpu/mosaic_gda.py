@@ -1,29 +1,7 @@
 """Grouped differential attention (GDA) on Mosaic GPU (Hopper): the noise map once per group.
 
-    out_h = softmax(q1_h K1^T s) V - lam_h softmax(q2_{h // r} K2^T s) V
-
-for r signal heads per noise head (V1 style: K1, K2 and one lambda per head; V2 style: one
-K, lambda per token). r = 1 is DIFF V1 / V2 and runs their kernels (:mod:`.mosaic`).
-
-Forward (this module's kernel). One CTA per (noise head, 64 queries, batch), two consumer
-warpgroups and a TMA producer, like the pair kernel. The group's r + 1 maps (its noise head,
-then its r signal heads) are dealt to the consumers in ceil((r + 1) / 2) rounds; in each
-round both consumers run a full online softmax over the same K/V tiles, which the producer
-streams once per round through one ring (K2 only in the first round, where warpgroup 1 runs
-the noise map). The noise output is normalised once, kept in shared memory in the input
-dtype ([64, Dv], in column parts) and combined into every signal head of the group:
-``o_j = acc1_j / l1_j - lam_j O2``. With r + 1 odd one consumer idles through the last
-round, releasing each ring slot as it arrives. It saves O2 per noise head and both maps'
-log-sum-exps for the backward. Shared memory: Q of both consumers, the K1 (K2) and V ring,
-O2; registers per consumer as the pair kernel's (a [64, Dv] float32 accumulator).
-
-Backward (:mod:`.mosaic_gda_bwd`). The gradients are those of H + N independent maps over
-one V: signal head j with dO_j against K1, noise head n with ``-G_n``, ``G_n = sum_j lam_j
-dO_j`` over its group, against K2 (``dV = sum_j P1_j^T dO_j - sum_n P2_n^T G_n``). The
-wrapper forms G_n (input dtype) and each map's softmax row term; the kernel runs every map's
-flash backward once, so the noise map is formed once per group there too (5 (r + 1)
-products a group and tile, against 8 r for the pair backward per signal head), and dK2,
-dV and dQ2 sum over the group inside the kernel.
+:func:`gda_v1_pallas_gpu` and :func:`gda_v2_pallas_gpu` (r = 1 runs :mod:`.mosaic`).
+Design: docs/kernels_gpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """The backward of grouped differential attention on Mosaic GPU: the noise map once per group.
 
-With r signal heads per noise head, ``out_j = P1_j V - lam_j P2 V``, the gradients are those
-of H + N independent attention maps over one V: signal head j with dO_j against K1, and
-noise head n with ``dO = -G_n``, ``G_n = sum_j lam_j dO_j`` over its group, against K2 (its
-softmax row term ``-sum_j lam_j rowsum(dO_j O2)``). The wrapper forms G_n and the row terms;
-this kernel runs every map's flash backward once:
-
-    dV = sum_j P1_j^T dO_j - sum_n P2_n^T G_n,   dK1, dK2, dQ1, dQ2 likewise.
-
-A CTA owns 64 keys of one kv group (K1, K2 and V loaded once) and walks two passes: the
-group's signal maps (every signal head x every query block that sees the keys), then its
-noise maps. The two consumer warpgroups take alternate maps of a pass (a step is a pair
-of maps; an odd last map is paired with itself at weight zero). Each warpgroup forms its
-map's scores, probabilities, dP = dO V^T (full width) and dS; both maps' P, then both
-maps' dS, cross shared memory, so each warpgroup adds both maps' P^T dO to its column
-half of dV and both maps' dS^T Q to its column half of dK (written at the end of each
-pass: dK1, then dK2). dQ goes to HBM by TMA reduce-adds, 32 columns at a time. Per map
-this is the flash backward's five products (5 (r + 1) a group and tile, against 8 r for
-the pair kernel run per signal head). Registers: a [64, d / 2] dK half, a [64, Dv / 2] dV
-half and one 32-query sub-tile's tiles per consumer (:func:`registers`); the producer,
-which walks two maps a step over two passes, gets 40 (the pair backward's gets 24).
+Every map's flash backward once, each noise map with ``-sum_j lam_j dO_j`` over its group.
+Design: docs/kernels_gpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The forward kernel of grouped differential attention on Mosaic GPU: the noise map once per group.
 
-One CTA per (noise head, 64 queries, batch), two consumer warpgroups and a TMA producer. The
-group's r + 1 maps (its noise head, then its r signal heads) are dealt to the consumers in
-ceil((r + 1) / 2) rounds over one K/V ring; the normalised noise output stays in shared memory
-and is combined into each signal head. The design, and the wrappers:
-:mod:`~diffjax.kernels.gpu.mosaic_gda`.
+A CTA per (noise head, 64 queries, batch) runs the group's r + 1 maps over one K/V ring.
+Design: docs/kernels_gpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The Mosaic GPU kernels as one block of the context-parallel ring, with results that merge.
 
-The protocol of :mod:`diffjax.ops.ring_blocks` for the forward and the fused backward
-(docs/kernels_gpu.md). Arrays are token-major, as the kernels take them: queries V1
-``(q1, q2)`` [B, T, H, D] / V2 ``(q,)`` [B, T, 2H, D], keys [B, S, K, D], v [B, S, K,
-Dv]; lambda float32 [B, H, T]; log-sum-exps float32 [B, H, 2, T], ``+inf`` on rows that
-see no key. Inputs are bf16 or fp16.
+The protocol of :mod:`diffjax.ops.ring_blocks` on token-major arrays.
+Design: docs/kernels_gpu.md, "In the context-parallel ring".
 """
 
 from __future__ import annotations

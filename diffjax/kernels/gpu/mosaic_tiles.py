@@ -1,9 +1,7 @@
 """Tiles of the Mosaic GPU kernels and the budgets that choose them.
 
-Shared memory per CTA and registers per consumer thread of an H100/H200 (figures from
-:mod:`diffjax.hardware`): the shared-memory models of what each kernel allocates, the
-register estimates, and :class:`MosaicBlockSizes`, validated against both. How the
-models are checked against Mosaic GPU and ptxas: docs/kernels_gpu.md.
+Shared-memory models, register estimates and :class:`MosaicBlockSizes`, validated against both.
+Design: docs/kernels_gpu.md, "Tiles and the models behind them".
 """
 
 from __future__ import annotations

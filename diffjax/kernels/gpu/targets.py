@@ -1,9 +1,7 @@
 """GPUs to compile for without one: the GPUs of :mod:`diffjax.hardware` as XLA targets.
 
-:func:`target_config` writes a GPU's ``GpuTargetConfig`` text proto, :func:`devices`
-turns it into compile-only devices (with the CUDA plugin of the ``[gpu-compile]`` extra)
-and :func:`use_pip_ptxas` puts the pip package's ``ptxas`` first on ``PATH``. What
-compiling for them shows: docs/kernels_gpu.md.
+:func:`target_config`, :func:`devices` (compile-only) and :func:`use_pip_ptxas`. Design:
+docs/kernels_gpu.md, "Through XLA and ptxas (registers, spills, shared memory)".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""TPU (Mosaic) Pallas kernels for DIFF V1 and DIFF V2 attention and their grouped forms
-(GDA), and their stock peers.
+"""TPU (Mosaic) Pallas kernels for DIFF V1 / V2 attention and their grouped forms (GDA).
 
-The fused forward and backward (:mod:`.diff_attention`; grouped: :mod:`.gda_attention`),
-the V1 decode kernel and its grouped form (:mod:`.decode`), their tiles
-(:mod:`.block_sizes`) and the splash-attention peers (:mod:`.stock`). Which one runs for an op is the dispatch table's choice
-(docs/architecture.md; this package imports nothing from :mod:`diffjax.ops`); how they
-work: docs/kernels_tpu.md.
+:mod:`.diff_attention`, :mod:`.gda_attention`, :mod:`.decode`, :mod:`.block_sizes` and the
+splash peers (:mod:`.stock`); the dispatch table chooses among them. Design: docs/kernels_tpu.md.
 """
 
 from diffjax.kernels.tpu.block_sizes import BlockSizes, DecodeBlockSizes, resolve_block_sizes

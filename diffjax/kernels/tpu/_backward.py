@@ -1,9 +1,7 @@
 """Backward kernel: one pass over the tiles for every gradient of both maps.
 
-With D_c = rowsum(dO * O_c): dP = dO V^T (shared), dV = (P_1 - lam P_2)^T dO,
-dS_1 = P_1 (dP - D_1), dS_2 = -lam P_2 (dP - D_2), dQ_c = s dS_c K_c, dK_c = s dS_c^T Q_c.
-The queries go in chunks of whole tiles, one call each, so that a chunk's dQ stays in
-VMEM (:func:`chunk_rows`). The grid, the chunks and the causal steps: docs/kernels_tpu.md.
+The queries go in chunks whose dQ stays in VMEM (:func:`chunk_rows`), one call each.
+Design: docs/kernels_tpu.md, "What the fused TPU kernels do".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """custom_vjp around the two kernels, on the head-major layout without padding.
 
-Shared by DIFF V1 and V2 and their grouped forms (whose plans have ``signal`` r > 1: the
-kernels of :mod:`._gda_forward` and :mod:`._gda_backward`); see
-:mod:`diffjax.kernels.tpu._layout` for the layout. The public wrappers only transpose their
-arguments into it. Padding to the tiles happens here, separately for the forward and the
-backward tiles.
+Shared by DIFF V1 / V2 and their grouped forms; pads to the forward's and the backward's tiles.
+Design: docs/kernels_tpu.md, "What the fused TPU kernels do".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Backward kernel of grouped differential attention: every gradient in one pass per chunk.
 
-Per kv group a program sweeps the key tiles (outer) and, for each, the group's noise heads
-and the query tiles they see (inner), keeping dK and dV of the key tile and the chunk's dQ
-in VMEM, as the DIFF backward (:mod:`._backward`, whose chunks and causal step tables it
-reuses with the noise heads in place of the DIFF heads). One step takes noise head n with
-its r signal heads c (row statistics lse, D_c = rowsum(dO_c * O1_c), lam_c; for the noise
-map lse_n and D_lam = sum_c lam_c rowsum(dO_c * O2)):
-
-  dP_c = dO_c V^T,  dV += (P1_c - lam_c P2)^T dO_c,  dS1_c = P1_c (dP_c - D_c),
-  dS2 = -P2 (sum_c lam_c dP_c - D_lam),
-
-so the noise map is scored once and its one dS2 gives dQ2 (= s dS2 K2) and its part of
-dK2 (s dS2^T Q2): the sum of its r signal heads' gradients, formed in the kernel.
+The noise map is scored once per group; its one dS2 gives dQ2 and the group's summed dK2.
+Design: docs/kernels_tpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Forward kernel of grouped differential attention: r signal maps and one noise map.
 
-One program per (batch, noise head n, query tile): the r signal heads n r .. n r + r - 1
-and their noise head n read one kv group, so each step loads the K/V tiles once for r + 1
-online softmaxes (signal heads on K1, the noise head on K2; V2: both on K). A query tile's
-last step writes ``out_c = acc_c / l_c - lam_c acc_n / l_n`` for the r signal heads and,
-for the backward, the noise map's output ``o2`` (once per group) and the r + 1
-log-sum-exps. Layout and grid as the DIFF forward (:mod:`._forward`).
+One program per (batch, noise head, query tile): r + 1 online softmaxes over one kv group's tiles.
+Design: docs/kernels_tpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Static description of one kernel call (:class:`Plan`), its masks and the operands' layout.
 
-Every operand is head-major, [B, N, Tp, width], one component per array: V1 q1, q2 (N = H)
-and k1, k2; V2 one array of the 2H query heads (component c of pair h is head 2h + c) and
-k; v (N = K). Tp, Sp: the lengths padded to the tile. Segment ids: q_seg [B, Tp, 1] and
-kv_seg [B, 1, Sp] int32. Row statistics: lane-dense slabs [B, H, Tp / block_q, R, block_q]
-(:func:`rows_to_tiles`). Why this layout: docs/kernels_tpu.md.
+Operands are head-major, [B, N, Tp, width]; row statistics are lane-dense (:func:`rows_to_tiles`).
+Design: docs/kernels_tpu.md, "What the fused TPU kernels do".
 """
 
 from __future__ import annotations

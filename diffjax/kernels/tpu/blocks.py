@@ -1,9 +1,7 @@
 """The fused DIFF kernels as one block of the context-parallel ring, with results that merge.
 
-The protocol of :mod:`diffjax.ops.ring_blocks` (docs/scaling.md). Arrays are head-major
-(:mod:`~diffjax.kernels.tpu._layout`): queries V1 ``(q1, q2)`` [B, H, T, D] / V2 ``(q,)``
-[B, 2H, T, D], keys V1 ``(k1, k2)`` / V2 ``(k,)`` [B, K, S, D], v [B, K, S, Dv]; lambda
-float32 [B, H, T] (V1 reads row 0 of batch 0: its lambda is one per head).
+The protocol of :mod:`diffjax.ops.ring_blocks` on head-major arrays. Design: docs/scaling.md,
+"Context parallelism"; docs/kernels_tpu.md, "In the context-parallel ring".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """DIFF V1 decoding on TPUs: one query token per row against a KV cache (Pallas, Mosaic).
 
-The kernel reads K1, K2 and V of every cache row once, shares each tile between both
-maps and every query head of a kv group, reads each cache array through the view that
-matches its TPU layout (:func:`cache_view`), and leaves merging its splits and applying
-lambda to XLA. Grid, views, the two forms of a step, cache lengths: docs/kernels_tpu.md.
-
-Grouped differential attention (V1 style) runs the same kernel with the noise heads in its
-second map: map 1 holds a kv group's G = H / K signal heads (on K1), map 2 its N / K noise
-heads (on K2), padded to the G rows of map 1. Each cache tile serves every signal and noise
-head of the group; each noise map is computed once, and lambda combines it with its r
-signal heads after the splits are merged. r = 1 is the DIFF V1 decode.
+:func:`diff_v1_decode_pallas_tpu` and, on the same kernel, :func:`gda_v1_decode_pallas_tpu`.
+Design: docs/kernels_tpu.md, "Decoding" and "Grouped differential attention".
 """
 
 from __future__ import annotations

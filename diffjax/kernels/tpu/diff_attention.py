@@ -1,9 +1,7 @@
 """Fused DIFF V1 and DIFF V2 attention for TPU (Pallas, Mosaic TPU).
 
-One ``pallas_call`` computes both softmax maps of a DIFF head (V1) or head pair (V2) per
-tile and applies lambda (:mod:`._forward`); one more computes every gradient
-(:mod:`._backward`). Both are checked against :mod:`diffjax.core.reference` and run on one
-device; :mod:`diffjax.sharding.kernel_specs` gives their PartitionSpecs for ``shard_map``.
+:func:`diff_v1_pallas_tpu` and :func:`diff_v2_pallas_tpu`: :mod:`._forward` and
+:mod:`._backward` under one ``jax.custom_vjp``. Design: docs/kernels_tpu.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Fused grouped differential attention (GDA) for TPU: the noise map once per group.
 
-gda_v1: ``(softmax(q1_h k1^T s) - lam_h softmax(q2_{h // r} k2^T s)) V``; gda_v2: the same
-with one key array and lambda per token. r = H / N signal heads share noise head n.
-
-Design. The DIFF kernels' grid unit is a DIFF head (two maps). Here it is a group: one
-program per (batch, noise head n, query tile) holds the r signal heads' query tiles
-[r, block_q, D] and the noise head's [block_q, D], and runs r + 1 online softmaxes over the
-same K/V tiles of their kv group (:mod:`._gda_forward`): the noise map is scored and applied
-to V once for its r signal heads, and each K/V tile is read once per group. The last step
-writes ``o_c = acc_c / l_c - lam_c acc_n / l_n``; the residuals are the noise output
-``o2`` [B, N, T, Dv] and the r + 1 log-sum-exps per row. The backward (:mod:`._gda_backward`)
-keeps the DIFF backward's kv-stationary sweep (dK, dV and a chunk's dQ in VMEM) over the
-group: per step r signal dP_c = dO_c V^T (shared by both maps, as in DIFF),
-dV += (P1_c - lam_c P2)^T dO_c, and one noise dS2 = -P2 (sum_c lam_c dP_c - D_lam), whose
-dQ2 and dK2 are the group's summed noise gradient, formed in the kernel (q2 is never
-repeated). r = 1 runs the DIFF kernels (:mod:`.diff_attention`) unchanged, so it is
-bitwise DIFF V1 / V2.
+:func:`gda_v1_pallas_tpu` and :func:`gda_v2_pallas_tpu` (r = 1 runs :mod:`.diff_attention`).
+Design: docs/kernels_tpu.md, "Grouped differential attention".
 """
 
 from __future__ import annotations
