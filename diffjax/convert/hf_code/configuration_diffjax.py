@@ -1,7 +1,10 @@
 """The transformers configs of the Transformer and DIFF V1 models exported by diffjax with their
-own code (``model_type`` "diffjax_transformer" and "diffjax_v1"): Llama's fields. For DIFF V1,
-``num_attention_heads`` (2h) and ``num_key_value_heads`` (2k) count component heads, as
-DiffLlama's config does.
+own code (``model_type`` "diffjax_transformer" and "diffjax_v1").
+
+Both are Llama's fields. For DIFF V1, ``num_attention_heads`` and ``num_key_value_heads`` count
+component heads, as DiffLlama's config does: 2h query heads (the first h are the first query
+components of the h DIFF heads, the next h the second) and 2k key heads (k1, then k2); the value
+of kv group g is the pair of component value heads (g, k + g), 2d wide.
 """
 
 from transformers import LlamaConfig

@@ -1,7 +1,16 @@
-"""The Transformer and DIFF V1 as transformers models, for diffjax's exports (trust_remote_code).
+"""The Transformer and DIFF V1 as transformers models, written for diffjax's exports (loaded with
+``trust_remote_code=True`` from the export directory).
 
-The Transformer is Llama under its own names; DIFF V1 runs its maps through transformers'
-attention-function registry and combines them outside it (lambda, RMS norm, 1 - lambda_init).
+The Transformer is Llama under its own names. DIFF V1 is Llama's decoder with differential
+attention: the two query components of every DIFF head are ordinary query heads (2h of them,
+against 2k key heads: k1 then k2, so head j < h reads k1 and head h + j reads k2 of the same
+group), and the value of a group is 2d wide, the pair of component value heads (g, k + g). The
+maps go through transformers' attention-function registry (eager, sdpa, or any registered
+backend) once per value half, so every call has equal query, key and value widths; the cache
+holds the 2k key heads and the 2k value halves, as DiffLlama's does. Then, outside the attention
+function, o_i = A1_i V - lambda A2_i V, an RMS norm over its 2d features scaled by
+(1 - lambda_init), and the output projection. lambda = exp(lq1 . lk1) - exp(lq2 . lk2) +
+lambda_init, with lambda_init = 0.8 - 0.6 exp(-0.3 l) at layer l (from 0).
 """
 
 import inspect

@@ -1,7 +1,12 @@
-"""DIFF V2 as a transformers model, for diffjax's exports (``trust_remote_code=True``).
+"""DIFF V2 as a transformers model, written for diffjax's exports (loaded with
+``trust_remote_code=True`` from the export directory).
 
-Llama's but the attention: 2h query heads go through the attention-function registry, then
-o_i = out_(2i) - sigmoid(x W_lambda)_i * out_(2i+1) outside it, so any backend computes the same.
+Everything but the attention is Llama's. The attention projects 2h query heads and Llama's
+keys and values, runs the maps through transformers' attention-function registry (eager,
+sdpa, or any other registered backend) as ordinary grouped-query attention over the 2h query
+heads, and only then subtracts: o_i = out_(2i) - lambda_i * out_(2i+1), with lambda_i =
+sigmoid(x W_lambda)_i per token. The subtraction stays outside the attention function, so a
+backend that replaces that function computes the same model.
 """
 
 import inspect
