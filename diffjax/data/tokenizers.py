@@ -99,7 +99,41 @@ def _first_known_id(lookup, names: Sequence[str]) -> int | None:
   return None
 
 
-class HFTokenizer:
+class _FileTokenizer:
+  """What the tokenizers read from a file share: the file's path, eos and pad ids that are the
+  file's own or appended after its vocabulary, and decoding only the file's ordinary ids."""
+
+  def __init__(self, path: str | os.PathLike, kind: str, expected: str):
+    """Keeps `path`; FileNotFoundError naming the `kind` of file and the `expected` path
+    when it is missing."""
+    self.path = os.fspath(path)
+    if not os.path.isfile(self.path):
+      raise FileNotFoundError(f"{kind} {self.path!r} does not exist; pass a {expected}.")
+
+  def _set_special_ids(self, base_size: int, eos: int | None, pad: int | None) -> None:
+    """Sets `eos_id`, `pad_id` and `vocab_size` for a file of `base_size` ids; an eos or pad the
+    file lacks (None) takes the next id after its vocabulary."""
+    next_free = base_size
+    if eos is None:
+      eos, next_free = next_free, next_free + 1
+    if pad is None:
+      pad, next_free = next_free, next_free + 1
+    self.eos_id: int = int(eos)
+    self.pad_id: int = int(pad)
+    self.vocab_size: int = next_free
+    self._base_size = base_size
+
+  def _decodable(self, ids: TokenIds) -> list[int]:
+    """`ids` without eos, pad and ids appended past the file's vocabulary."""
+    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+    keep = (ids_N < self._base_size) & (ids_N != self.eos_id) & (ids_N != self.pad_id)
+    return ids_N[keep].tolist()
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.path!r})"
+
+
+class HFTokenizer(_FileTokenizer):
   """A Hugging Face `tokenizers` JSON file (as written by `Tokenizer.save`), read from disk.
 
   eos/pad are the file's own special tokens when it has one of the usual names (`</s>`,
@@ -108,25 +142,14 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str | os.PathLike):
-    self.path = os.fspath(path)
-    if not os.path.isfile(self.path):
-      raise FileNotFoundError(
-        f"HF tokenizer file {self.path!r} does not exist; pass a tokenizer.json path."
-      )
+    super().__init__(path, "HF tokenizer file", "tokenizer.json path")
     tokenizers = import_extra("tokenizers", "tokenizers", f"reading the HF tokenizer {self.path}")
     self._tok = tokenizers.Tokenizer.from_file(self.path)
-    base_size = self._tok.get_vocab_size(with_added_tokens=True)
-    eos = _first_known_id(self._tok.token_to_id, _HF_EOS_NAMES)
-    pad = _first_known_id(self._tok.token_to_id, _HF_PAD_NAMES)
-    next_free = base_size
-    if eos is None:
-      eos, next_free = next_free, next_free + 1
-    if pad is None:
-      pad, next_free = next_free, next_free + 1
-    self.eos_id: int = eos
-    self.pad_id: int = pad
-    self.vocab_size: int = next_free
-    self._base_size = base_size
+    self._set_special_ids(
+      self._tok.get_vocab_size(with_added_tokens=True),
+      eos=_first_known_id(self._tok.token_to_id, _HF_EOS_NAMES),
+      pad=_first_known_id(self._tok.token_to_id, _HF_PAD_NAMES),
+    )
 
   def encode(self, text: str) -> np.ndarray:
     """Returns the (N,) int32 ids of `text`, without special tokens."""
@@ -139,15 +162,10 @@ class HFTokenizer:
 
   def decode(self, ids: TokenIds) -> str:
     """Decodes ids to text, dropping eos, pad and other special tokens."""
-    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
-    keep = (ids_N < self._base_size) & (ids_N != self.eos_id) & (ids_N != self.pad_id)
-    return self._tok.decode(ids_N[keep].tolist(), skip_special_tokens=True)
-
-  def __repr__(self) -> str:
-    return f"HFTokenizer({self.path!r})"
+    return self._tok.decode(self._decodable(ids), skip_special_tokens=True)
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_FileTokenizer):
   """A SentencePiece `.model` file, read from disk.
 
   eos/pad are the model's own ids when it defines them (`eos_id`/`pad_id` at training time);
@@ -155,26 +173,15 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, path: str | os.PathLike):
-    self.path = os.fspath(path)
-    if not os.path.isfile(self.path):
-      raise FileNotFoundError(
-        f"SentencePiece model {self.path!r} does not exist; pass a .model file path."
-      )
+    super().__init__(path, "SentencePiece model", ".model file path")
     sentencepiece = import_extra(
       "sentencepiece", "tokenizers", f"reading the SentencePiece model {self.path}"
     )
     self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
-    base_size = self._sp.get_piece_size()
-    next_free = base_size
-    eos, pad = self._sp.eos_id(), self._sp.pad_id()
-    if eos < 0:
-      eos, next_free = next_free, next_free + 1
-    if pad < 0:
-      pad, next_free = next_free, next_free + 1
-    self.eos_id: int = int(eos)
-    self.pad_id: int = int(pad)
-    self.vocab_size: int = next_free
-    self._base_size = base_size
+    eos, pad = self._sp.eos_id(), self._sp.pad_id()  # -1: the model has none
+    self._set_special_ids(
+      self._sp.get_piece_size(), eos=eos if eos >= 0 else None, pad=pad if pad >= 0 else None
+    )
 
   def encode(self, text: str) -> np.ndarray:
     """Returns the (N,) int32 ids of `text`, without bos/eos."""
@@ -186,12 +193,7 @@ class SentencePieceTokenizer:
 
   def decode(self, ids: TokenIds) -> str:
     """Decodes ids to text, dropping eos, pad and ids appended past the model's vocabulary."""
-    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
-    keep = (ids_N < self._base_size) & (ids_N != self.eos_id) & (ids_N != self.pad_id)
-    return self._sp.decode(ids_N[keep].tolist())
-
-  def __repr__(self) -> str:
-    return f"SentencePieceTokenizer({self.path!r})"
+    return self._sp.decode(self._decodable(ids))
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

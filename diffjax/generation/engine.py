@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from diffjax import arms
 from diffjax import sharding as shd
@@ -25,8 +24,10 @@ from diffjax.generation.programs import (
   bucket,
   cache_info,
   decode_cache_layout,
+  decode_rules,
   get_programs,
   round_up,
+  split_params,
 )
 from diffjax.generation.sampling import LogitsProcessor, SamplingOptions
 from diffjax.model import DecoderLM
@@ -218,10 +219,7 @@ def _pad_batch(prompt_BxT, lens_B, stops, max_new_tokens, max_length, pad_id, me
     )
   width = min(width, max_length)
   b = prompt_BxT.shape[0]
-  rules = tuple(
-    (name, None if name == "length" else axes)  # decoding keeps rows whole
-    for name, axes in (rules or shd.DEFAULT_RULES)
-  )
+  rules = decode_rules(rules)
   rows = round_up(bucket(b), shd.batch_rows_multiple(mesh, rules))
   # Padding rows hold one pad token and are never active.
   prompt_np = np.full((rows, width), pad_id, np.int32)
@@ -236,15 +234,7 @@ def _pad_batch(prompt_BxT, lens_B, stops, max_new_tokens, max_length, pad_id, me
 def _programs(model, batch: _Batch, options, processors, mesh):
   """(the compiled programs, the parameter leaves laid out for them, seconds spent compiling
   now: 0 when a kept program served)."""
-  graphdef, params = nnx.split(model)
-  if mesh is not None:
-    with shd.activation_sharding(mesh, batch.rules):
-      pure = jax.device_put(
-        nnx.to_pure_dict(params), shd.param_shardings(params, mesh, batch.rules)
-      )
-    nnx.replace_by_pure_dict(params, pure)
-  leaves, treedef = jax.tree.flatten(params)
-  leaves = tuple(leaves)
+  graphdef, treedef, leaves = split_params(model, mesh, batch.rules)
   key = ProgramKey(
     graphdef=graphdef,
     treedef=treedef,

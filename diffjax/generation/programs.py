@@ -7,6 +7,7 @@ What the key holds and how shapes are bucketed: docs/generation.md, "Compiled on
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -19,6 +20,7 @@ from flax import nnx
 
 from diffjax import sharding as shd
 from diffjax.generation.sampling import SamplingOptions, choose_tokens
+from diffjax.model import DecoderLM
 from diffjax.nn.attention import cache_layout, default_cache_layout
 
 # Cache lengths are rounded up to this: the GPU decode kernel's largest KV block, and
@@ -58,6 +60,31 @@ class ProgramKey:
   mesh: Any
   rules: Any
   cache_layout: str = "sequence_major"  # diffjax.nn.attention.cache_layout
+
+
+def decode_rules(rules=None) -> tuple:
+  """``rules`` (default: :data:`~diffjax.sharding.DEFAULT_RULES`) for decoding: the "length"
+  axis is not split, so that every row's sequence stays whole."""
+  return tuple(
+    (name, None if name == "length" else axes) for name, axes in (rules or shd.DEFAULT_RULES)
+  )
+
+
+def split_params(model: DecoderLM, mesh, rules):
+  """(graphdef, treedef, parameter leaves) of ``model``, the leaves placed on ``mesh`` by the
+  rules when there is one."""
+  graphdef, params = nnx.split(model)
+  if mesh is not None:
+    with shd.activation_sharding(mesh, rules):
+      pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
+    nnx.replace_by_pure_dict(params, pure)
+  leaves, treedef = jax.tree.flatten(params)
+  return graphdef, treedef, tuple(leaves)
+
+
+def shape_struct(a) -> jax.ShapeDtypeStruct:
+  """The shape, dtype and sharding of ``a`` (an array or a struct), without its data."""
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
 
 
 def decode_cache_layout(mesh=None) -> str:
@@ -212,7 +239,10 @@ def _compile(key: ProgramKey) -> Programs:
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   b, s = key.batch, key.stop_slots
-  context = shd.activation_sharding(key.mesh, key.rules) if key.mesh is not None else _no_context()
+  if key.mesh is not None:
+    context = shd.activation_sharding(key.mesh, key.rules)
+  else:
+    context = contextlib.nullcontext()
   with context, cache_layout(key.cache_layout):
     prefill_fn = (
       jax.jit(prefill)
@@ -223,9 +253,7 @@ def _compile(key: ProgramKey) -> Programs:
     )
     # The decode loop takes the state laid out as the prefill leaves it, and updates it in
     # place (donated).
-    state = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prefill_fn.out_info
-    )
+    state = jax.tree.map(shape_struct, prefill_fn.out_info)
     decode_fn = (
       jax.jit(decode, donate_argnums=1)
       .lower(leaves, state, i32(), i32(), i32(s), rng, i32())
@@ -248,11 +276,3 @@ def _placing(compiled, skip: int):
     return compiled(*head, *jax.device_put(rest, shardings[skip:]))
 
   return call
-
-
-class _no_context:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False

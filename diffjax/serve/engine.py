@@ -26,7 +26,10 @@ from diffjax.generation.programs import (
   MIN_PROMPT_BUCKET,
   bucket,
   decode_cache_layout,
+  decode_rules,
   round_up,
+  shape_struct,
+  split_params,
 )
 from diffjax.model import DecoderLM
 from diffjax.nn.attention import CACHE_LAYOUTS, cache_window
@@ -160,18 +163,6 @@ def _pick(logits_BxV, temperature_B, top_k_B, top_p_B, keys_B):
   return tok_B, lp_B, top_id_BxN.astype(jnp.int32), top_lp_BxN
 
 
-def _split_params(model: DecoderLM, mesh, rules):
-  """(graphdef, treedef, parameter leaves) of ``model``, the leaves placed on ``mesh`` by the
-  rules when there is one."""
-  graphdef, params = nnx.split(model)
-  if mesh is not None:
-    with shd.activation_sharding(mesh, rules):
-      pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
-    nnx.replace_by_pure_dict(params, pure)
-  leaves, treedef = jax.tree.flatten(params)
-  return graphdef, treedef, tuple(leaves)
-
-
 class Engine:
   """Serves :class:`Job` s from a running decode batch over ``slots`` KV-cache rows.
 
@@ -220,9 +211,7 @@ class Engine:
     self.cache_length = round_up(
       max(self.context, bucket(self.context, MIN_PROMPT_BUCKET)), CACHE_MULTIPLE
     )
-    self.rules = tuple(
-      (name, None if name == "length" else axes) for name, axes in (rules or shd.DEFAULT_RULES)
-    )
+    self.rules = decode_rules(rules)
     self.mesh = mesh
     self.cache_layout = cache_layout or decode_cache_layout(mesh)
     if self.cache_layout not in CACHE_LAYOUTS:
@@ -232,7 +221,7 @@ class Engine:
     self.max_waiting = int(max_waiting)
     self.pad_id = int(pad_id)
     self._plan_programs(max_prefill)
-    self._graphdef, self._treedef, self._leaves = _split_params(model, mesh, self.rules)
+    self._graphdef, self._treedef, self._leaves = split_params(model, mesh, self.rules)
     with layout_of_cache(self.cache_layout):
       self._axes = _cache_batch_axes(model, self.cache_length)
     self._programs: dict = {}
@@ -302,12 +291,8 @@ class Engine:
 
   def _compile(self, name):
     self._init_cache()
-    leaves = tuple(
-      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self._leaves
-    )
-    cache = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._cache
-    )
+    leaves = tuple(shape_struct(a) for a in self._leaves)
+    cache = jax.tree.map(shape_struct, self._cache)
     kind = name[0]
     make = {"decode": self._decode_fn, "prefill": self._prefill_fn, "move": self._move_fn}[kind]
     fn, args = make(*name[1:])
