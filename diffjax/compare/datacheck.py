@@ -70,3 +70,13 @@ def check_batches(
     "per_seed": per_seed,
     "distinct_across_seeds": distinct,
   }
+
+
+def mismatch_warning(check: Mapping[str, Any]) -> list[str]:
+  """The heading and the list of problems that open a report when ``check`` (`check_batches`)
+  is not ok: the arms did not see the same data."""
+  return [
+    "## WARNING: the arms did not see the same data",
+    "",
+    *(f"- {p}" for p in check["problems"]),
+  ]

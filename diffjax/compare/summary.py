@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffjax.compare.config import ComparisonConfig
-from diffjax.eval import stats
+from diffjax.compare.datacheck import mismatch_warning
+from diffjax.eval import display, stats
 from diffjax.train.config import RunConfig
 
 
@@ -125,21 +126,17 @@ def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline:
   if not any(r["step_time_s"] for r in rows.values()):
     return []
   base = rows.get(baseline, {}).get("step_time_s")
-  lines = [
-    "| arm | step time | vs " + baseline + " | tokens/s per device | model GFLOP/token | MFU |",
-    "|---|---|---|---|---|---|",
-  ]
+  head = ["arm", "step time", f"vs {baseline}", "tokens/s per device", "model GFLOP/token", "MFU"]
+  cells = []
   for arm, r in rows.items():
     if r["step_time_s"] is None:
       continue
     ratio = f"{r['step_time_s'] / base:.3f}x" if base else "-"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (no peak for this device)"
     flops = f"{r['model_flops_per_token'] / 1e9:.4f}" if r["model_flops_per_token"] else "-"
-    lines.append(
-      f"| {arm} | {r['step_time_s'] * 1e3:.1f} ms | {ratio} | "
-      f"{r['tokens_per_s_per_device']:,.0f} | {flops} | {mfu} |"
-    )
-  return lines
+    step = f"{r['step_time_s'] * 1e3:.1f} ms"
+    cells.append([arm, step, ratio, f"{r['tokens_per_s_per_device']:,.0f}", flops, mfu])
+  return display.md_table(head, cells)
 
 
 def _matching_line(config: ComparisonConfig, runs: Sequence[Mapping[str, Any]]) -> str:
@@ -219,27 +216,20 @@ def summary_section(
       + [""]
     )
   if data_check["ok"]:
-    head += [
+    verdict = (
       "Data check: for every seed all arms saw identical batches at every step "
       "(batch hashes from metrics.jsonl)"
-      + (
-        ""
-        if data_check["distinct_across_seeds"]
-        else "; note that the seeds did NOT vary the data order"
-      )
-      + ".",
-      "",
-    ]
-  else:
-    head = (
-      ["## WARNING: the arms did not see the same data", ""]
-      + [f"- {p}" for p in data_check["problems"]]
-      + [
-        "",
-        "The comparison is not matched; do not read the differences below as "
-        "effects of the attention.",
-        "",
-      ]
-      + head
     )
+    if not data_check["distinct_across_seeds"]:
+      verdict += "; note that the seeds did NOT vary the data order"
+    head += [verdict + ".", ""]
+  else:
+    head = [
+      *mismatch_warning(data_check),
+      "",
+      "The comparison is not matched; do not read the differences below as effects of the "
+      "attention.",
+      "",
+      *head,
+    ]
   return head, table

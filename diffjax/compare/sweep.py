@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from diffjax.compare.config import ComparisonConfig, format_value
+from diffjax.compare.datacheck import mismatch_warning
 from diffjax.compare.outputs import clean_json
 from diffjax.compare.sections import ComparisonReport
-from diffjax.eval import stats
+from diffjax.eval import display, stats
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare.sweep/1"
@@ -99,10 +100,6 @@ def _fmt(x: float, digits: int = 4) -> str:
   return f"{x:.{digits}g}" if math.isfinite(x) else "–"
 
 
-def _value(v: Any) -> str:
-  return format_value(v)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Sweep:
   """The settings every table of the sweep report is built from."""
@@ -174,12 +171,16 @@ def _record(s: _Sweep, name: str, value: Any, r: Mapping[str, Any]) -> dict[str,
 def _cell_stats(recs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   """One arm at one value over its seeds; diverged seeds are counted, not averaged."""
   trained = [r["final_eval_loss"] for r in recs if not r["diverged"]]
+
+  def over_trained(reduce) -> float:
+    return float(reduce(trained)) if trained else float("nan")
+
   return {
     "n": len(recs),
     "diverged": sum(r["diverged"] for r in recs),
-    "mean": float(np.mean(trained)) if trained else float("nan"),
-    "min": float(np.min(trained)) if trained else float("nan"),
-    "max": float(np.max(trained)) if trained else float("nan"),
+    "mean": over_trained(np.mean),
+    "min": over_trained(np.min),
+    "max": over_trained(np.max),
     "skipped_updates": sum(r["skipped_updates"] for r in recs),
     "spikes_per_run": float(np.mean([len(r["spikes"]) for r in recs])) if recs else 0.0,
   }
@@ -189,7 +190,7 @@ def _verdicts(s: _Sweep, table: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   """Per arm: the largest value at which every seed trained and the value of lowest mean loss."""
   verdict = {}
   for arm in s.arms:
-    cells = {v: table[arm][_value(v)] for v in s.values}
+    cells = {v: table[arm][format_value(v)] for v in s.values}
     stable = [v for v, c in cells.items() if c["n"] and c["diverged"] == 0]
     means = {
       v: c["mean"] for v, c in cells.items() if math.isfinite(c["mean"]) and c["diverged"] == 0
@@ -217,10 +218,10 @@ def _paired(
       if arm == ref or (ref != s.baseline and arm == s.baseline):
         continue  # the baseline's own table already pairs it with every arm
       for v in s.values:
-        mine = {r["seed"]: r for r in cells[arm].get(_value(v), [])}
-        theirs = {r["seed"]: r for r in cells[ref].get(_value(v), [])}
+        mine = {r["seed"]: r for r in cells[arm].get(format_value(v), [])}
+        theirs = {r["seed"]: r for r in cells[ref].get(format_value(v), [])}
         seeds = sorted(set(mine) & set(theirs))
-        paired.setdefault(ref, {}).setdefault(arm, {})[_value(v)] = stats.paired_difference(
+        paired.setdefault(ref, {}).setdefault(arm, {})[format_value(v)] = stats.paired_difference(
           [loss(mine[k]) for k in seeds], [loss(theirs[k]) for k in seeds], confidence
         )
   return paired
@@ -232,9 +233,9 @@ def _mechanisms(s: _Sweep, cells: Mapping[str, Mapping[str, list]]) -> dict[str,
   for k, _ in MECHANISM_ROWS:
     for arm in s.arms:
       for v in s.values:
-        recs = [r for r in cells[arm].get(_value(v), []) if k in r["mechanisms"]]
+        recs = [r for r in cells[arm].get(format_value(v), []) if k in r["mechanisms"]]
         if recs:
-          mech.setdefault(k, {}).setdefault(arm, {})[_value(v)] = float(
+          mech.setdefault(k, {}).setdefault(arm, {})[format_value(v)] = float(
             np.median([r["mechanisms"][k] for r in recs])
           )
   return mech
@@ -262,22 +263,19 @@ def write_sweep_outputs(
   for name, value, runs in point_runs:
     for r in runs:
       records.append(_record(s, name, value, r))
-      cells[r["arm"]].setdefault(_value(value), []).append(records[-1])
+      cells[r["arm"]].setdefault(format_value(value), []).append(records[-1])
   table = {
-    arm: {_value(v): _cell_stats(cells[arm].get(_value(v), [])) for v in s.values} for arm in s.arms
+    arm: {format_value(v): _cell_stats(cells[arm].get(format_value(v), [])) for v in s.values}
+    for arm in s.arms
   }
   verdict = _verdicts(s, table)
   paired = _paired(config.report, s, cells)
   mech = _mechanisms(s, cells)
-  plot = _plot(workdir, s.key, s.arms, s.values, table, s.unigram)
-  lines = _report(config, s, table, verdict, paired, mech, records, plot)
+  figure = _plot(workdir, s.key, s.arms, s.values, table, s.unigram)
+  lines = _report(config, s, table, verdict, paired, mech, records, figure)
   data_check = _data_check(point_results)
   if not data_check["ok"]:
-    lines[1:1] = (
-      ["", "## WARNING: the arms did not see the same data", ""]
-      + [f"- {p}" for p in data_check["problems"]]
-      + [""]
-    )
+    lines[1:1] = ["", *mismatch_warning(data_check), ""]
   with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   results = {
@@ -310,10 +308,9 @@ def write_sweep_outputs(
   return results
 
 
-def _header(s: _Sweep) -> list[str]:
-  """A table's header: one column per swept value."""
-  head = " | ".join(f"{s.key.split('.')[-1]}={_value(v)}" for v in s.values)
-  return [f"| arm | {head} |", "|---" * (len(s.values) + 1) + "|"]
+def _columns(s: _Sweep) -> list[str]:
+  """A table's columns: the arm, then one per swept value."""
+  return ["arm", *(f"{s.key.split('.')[-1]}={format_value(v)}" for v in s.values)]
 
 
 def _introduction(config: ComparisonConfig, s: _Sweep) -> list[str]:
@@ -343,59 +340,77 @@ def _introduction(config: ComparisonConfig, s: _Sweep) -> list[str]:
   ]
 
 
+def _loss_cell(c: Mapping[str, Any]) -> str:
+  """One arm at one value (`_cell_stats`): the mean loss [min, max], and how many diverged."""
+  txt = (
+    f"{_fmt(c['mean'])} [{_fmt(c['min'])}, {_fmt(c['max'])}]" if math.isfinite(c["mean"]) else "–"
+  )
+  if c["diverged"]:
+    txt += f" **{c['diverged']}/{c['n']} diverged**"
+  return txt
+
+
 def _loss_table(s: _Sweep, table: Mapping[str, Any]) -> list[str]:
-  lines = [
+  rows = [[arm, *(_loss_cell(table[arm][format_value(v)]) for v in s.values)] for arm in s.arms]
+  return [
     "## Final validation loss",
     "",
     "Mean over the seeds that trained [min, max]; diverged seeds are left out of the "
     "mean and counted.",
     "",
-    *_header(s),
+    *display.md_table(_columns(s), rows),
   ]
-  for arm in s.arms:
-    row = []
-    for v in s.values:
-      c = table[arm][_value(v)]
-      txt = (
-        f"{_fmt(c['mean'])} [{_fmt(c['min'])}, {_fmt(c['max'])}]"
-        if math.isfinite(c["mean"])
-        else "–"
-      )
-      if c["diverged"]:
-        txt += f" **{c['diverged']}/{c['n']} diverged**"
-      row.append(txt)
-    lines.append(f"| {arm} | " + " | ".join(row) + " |")
-  return lines
+
+
+def _counts_cell(c: Mapping[str, Any]) -> str:
+  """One arm at one value (`_cell_stats`): diverged seeds / skipped updates / spikes per run."""
+  return f"{c['diverged']}/{c['n']} · {c['skipped_updates']} · {c['spikes_per_run']:.1f}"
 
 
 def _stability_tables(
-  s: _Sweep, table: Mapping[str, Any], verdict: Mapping[str, Any], plot: str | None
+  s: _Sweep, table: Mapping[str, Any], verdict: Mapping[str, Any], figure: tuple[str, str]
 ) -> list[str]:
-  lines = [
+  head = [
+    "arm",
+    f"largest {s.key} where every seed trained",
+    f"{s.key} with the lowest mean loss",
+    "that loss",
+  ]
+  verdicts = []
+  for arm in s.arms:
+    v = verdict[arm]
+    verdicts.append(
+      [
+        arm,
+        format_value(v["largest_stable"]) if v["largest_stable"] is not None else "none",
+        format_value(v["best"]) if v["best"] is not None else "–",
+        _fmt(v["best_loss"]) if v["best_loss"] is not None else "–",
+      ]
+    )
+  counts = [[arm, *(_counts_cell(table[arm][format_value(v)]) for v in s.values)] for arm in s.arms]
+  name, caption = figure
+  return [
     "",
     "## Stability",
     "",
-    f"| arm | largest {s.key} where every seed trained | "
-    f"{s.key} with the lowest mean loss | that loss |",
-    "|---|---|---|---|",
+    *display.md_table(head, verdicts),
+    "",
+    "Diverged seeds / skipped updates / gradient-norm spikes per run:",
+    "",
+    *display.md_table(_columns(s), counts),
+    "",
+    f"![{caption}]({name})",
   ]
-  for arm in s.arms:
-    v = verdict[arm]
-    lines.append(
-      f"| {arm} | {_value(v['largest_stable']) if v['largest_stable'] is not None else 'none'}"
-      f" | {_value(v['best']) if v['best'] is not None else '–'} | "
-      f"{_fmt(v['best_loss']) if v['best_loss'] is not None else '–'} |"
-    )
-  lines += ["", "Diverged seeds / skipped updates / gradient-norm spikes per run:", "", *_header(s)]
-  for arm in s.arms:
-    cells = [
-      f"{c['diverged']}/{c['n']} · {c['skipped_updates']} · {c['spikes_per_run']:.1f}"
-      for c in (table[arm][_value(v)] for v in s.values)
-    ]
-    lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-  if plot:
-    lines += ["", f"![final loss against {s.key}]({plot})"]
-  return lines
+
+
+def _paired_cell(d: Mapping[str, float]) -> str:
+  """A paired difference (`stats.paired_difference`; {} for none) as "mean [lo, hi] p=...", or
+  the mean alone with one seed."""
+  if d.get("n", 0) >= 2 and math.isfinite(d.get("p", float("nan"))):
+    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] p={d['p']:.2g}"
+  if d.get("n", 0) >= 1:
+    return f"{d['mean']:+.3f} (n={d['n']})"
+  return "–"
 
 
 def _paired_tables(report: ComparisonReport, s: _Sweep, paired: Mapping) -> list[str]:
@@ -411,19 +426,12 @@ def _paired_tables(report: ComparisonReport, s: _Sweep, paired: Mapping) -> list
       f"The report makes {tests} such tests; about {0.05 * tests:.1f} would pass "
       "p < 0.05 by chance, so read a single small p value with that in mind.",
       "",
-      *_header(s),
     ]
-    for arm, by_value in by_arm.items():
-      cells = []
-      for v in s.values:
-        d = by_value.get(_value(v)) or {}
-        if d.get("n", 0) >= 2 and math.isfinite(d.get("p", float("nan"))):
-          cells.append(f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] p={d['p']:.2g}")
-        elif d.get("n", 0) >= 1:
-          cells.append(f"{d['mean']:+.3f} (n={d['n']})")
-        else:
-          cells.append("–")
-      lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    rows = [
+      [arm, *(_paired_cell(by_value.get(format_value(v)) or {}) for v in s.values)]
+      for arm, by_value in by_arm.items()
+    ]
+    lines += display.md_table(_columns(s), rows)
   return lines
 
 
@@ -442,15 +450,12 @@ def _mechanism_tables(s: _Sweep, mech: Mapping[str, Any]) -> list[str]:
   for k, what in MECHANISM_ROWS:
     if k not in mech:
       continue
-    lines += [f"**{what}** (`{k}`)", "", *_header(s)]
-    for arm in s.arms:
-      if arm in mech[k]:
-        lines.append(
-          f"| {arm} | "
-          + " | ".join(_fmt(mech[k][arm].get(_value(v), float("nan")), 3) for v in s.values)
-          + " |"
-        )
-    lines.append("")
+    rows = [
+      [arm, *(_fmt(mech[k][arm].get(format_value(v), float("nan")), 3) for v in s.values)]
+      for arm in s.arms
+      if arm in mech[k]
+    ]
+    lines += [f"**{what}** (`{k}`)", "", *display.md_table(_columns(s), rows), ""]
   return lines
 
 
@@ -462,11 +467,11 @@ def _report(
   paired: Mapping[str, Any],
   mech: Mapping[str, Any],
   records: Sequence[Mapping[str, Any]],
-  plot: str | None,
+  figure: tuple[str, str],
 ) -> list[str]:
   """The sweep's report.md, as lines."""
   lines = _introduction(config, s) + _loss_table(s, table)
-  lines += _stability_tables(s, table, verdict, plot)
+  lines += _stability_tables(s, table, verdict, figure)
   lines += _paired_tables(config.report, s, paired) + _mechanism_tables(s, mech)
   notes = [
     f"- {r['arm']} seed {r['seed']} at {r['point']}: {r['why']}" for r in records if r["why"]
@@ -483,22 +488,19 @@ def _plot(
   values: Sequence[Any],
   table: Mapping[str, Any],
   unigram: float,
-) -> str | None:
+) -> tuple[str, str]:
   """sweep_loss.png: final loss against the swept value (log scale), one line per arm, under a
   strip with one row per arm that marks each value where seeds of that arm diverged (x, with
-  the count of diverged seeds), so arms that diverged at the same value stay apart."""
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
+  the count of diverged seeds), so arms that diverged at the same value stay apart. Returns
+  (file name, caption)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return None
-  from diffjax.eval.display import colors as _colors  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-  colors = _colors(arms)
+  colors = display.colors(arms)
   xs = np.asarray([float(v) for v in values])
-  cells = {arm: [table[arm][_value(v)] for v in values] for arm in arms}
+  cells = {arm: [table[arm][format_value(v)] for v in values] for arm in arms}
   gone = [a for a in arms if any(c["diverged"] for c in cells[a])]
   if gone:
     fig, (strip, ax) = plt.subplots(
@@ -528,10 +530,7 @@ def _plot(
   if math.isfinite(unigram):
     ax.axhline(unigram, color="black", lw=0.8, ls="--", label="unigram baseline")
   ax.set_xscale("log")
-  ax.set_xlabel(key)
-  ax.set_ylabel("final validation loss (nats)")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
+  display.label_axes(ax, key, "final validation loss (nats)", title="")
   if gone:
     # One row per arm that diverged anywhere, top to bottom in the legend's order.
     for row, arm in enumerate(gone):
@@ -555,7 +554,6 @@ def _plot(
     strip.set_title("x: seeds diverged (diverged/all), one row per arm", fontsize=8)
     strip.grid(alpha=0.3, axis="x")
     strip.tick_params(axis="x", which="both", labelbottom=False)
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "sweep_loss.png"), dpi=120)
+  figure = display.save(fig, workdir, "sweep_loss.png", f"final loss against {key}")
   plt.close(fig)
-  return "sweep_loss.png"
+  return figure

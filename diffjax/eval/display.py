@@ -1,12 +1,13 @@
 """Shared pieces of the report's figures and tables: arm colours, bands over seeds, numbers read
-from results and their formats. `diffjax.eval.plots`, `diffjax.eval.report` and the sections'
-own plots and tables use them."""
+from results, markdown tables and the formats of their cells. `diffjax.eval.plots`,
+`diffjax.eval.report`, the sections' own plots and tables and `diffjax.compare`'s reports use
+them."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,17 @@ def save(fig, out_dir: str, name: str, caption: str) -> tuple[str, str]:
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, name), dpi=120)
   return name, caption
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables.
+
+
+def md_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+  """A markdown table's lines: the header ``head``, its separator, then one line per row."""
+  lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  return lines
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,36 +95,32 @@ _HOW_TO_READ = [
 def _results_tables(agg: Mapping[str, Any]) -> list[str]:
   """Every scalar per arm (mean ± interval), then the paired differences against the
   baseline."""
-  arms, pct = agg["arms"], f"{agg['confidence']:.0%}"
-  md = []
+  pct, baseline = f"{agg['confidence']:.0%}", agg["baseline"]
+  # (heading, what the cells are, {column: {metric: result}}, the cell's format)
+  tables = []
   if agg["metrics"]:
-    md += [
-      "## Results per arm",
-      "",
-      f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(arms) + " |")
-    md.append("|---" * (len(arms) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(f"| {m} | " + " | ".join(display.fmt_ci(agg["per_arm"][a][m]) for a in arms) + " |")
-    md.append("")
-  if agg["paired"]:
-    others = list(agg["paired"])
-    md += [
-      f"## Paired differences against {agg['baseline']}",
-      "",
-      f"Arm minus {agg['baseline']} at matched seeds: mean [{pct} t interval], two-sided paired "
-      "t-test p-value.",
-      "",
-    ]
-    md.append("| metric | " + " | ".join(others) + " |")
-    md.append("|---" * (len(others) + 1) + "|")
-    for m in agg["metrics"]:
-      md.append(
-        f"| {m} | " + " | ".join(display.fmt_diff(agg["paired"][a][m]) for a in others) + " |"
+    tables.append(
+      (
+        "## Results per arm",
+        f"Mean over seeds ± half-width of the two-sided {pct} t interval (n seeds).",
+        agg["per_arm"],
+        display.fmt_ci,
       )
-    md.append("")
+    )
+  if agg["paired"]:
+    tables.append(
+      (
+        f"## Paired differences against {baseline}",
+        f"Arm minus {baseline} at matched seeds: mean [{pct} t interval], two-sided paired "
+        "t-test p-value.",
+        agg["paired"],
+        display.fmt_diff,
+      )
+    )
+  md = []
+  for heading, text, by_column, fmt in tables:
+    rows = [[m, *(fmt(by_column[c][m]) for c in by_column)] for m in agg["metrics"]]
+    md += [heading, "", text, "", *display.md_table(["metric", *by_column], rows), ""]
   return md
 
 
@@ -155,11 +151,10 @@ def write_report(
   md = [f"# {title}", ""]
   if preamble:
     md += [*preamble] + ([""] if preamble[-1] else [])
-  md += ["## Runs", "", "| arm | seeds | runs |", "|---|---|---|"]
-  for arm in arms:
-    seeds = ", ".join(str(r.get("seed")) for r in groups[arm])
-    md.append(f"| {arm} | {seeds} | {len(groups[arm])} |")
-  md.append("")
+  rows = [
+    [arm, ", ".join(str(r.get("seed")) for r in groups[arm]), str(len(groups[arm]))] for arm in arms
+  ]
+  md += ["## Runs", "", *display.md_table(["arm", "seeds", "runs"], rows), ""]
   md += ["## Summary", ""]
   md += [f"- {line}" for line in summary_lines(agg)] or ["- No scalar results."]
   md.append("")

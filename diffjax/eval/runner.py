@@ -51,7 +51,8 @@ class ModelRunner:
   """Jitted forward passes of one NNX model, compiled once per (kind, shape).
 
   `logits_fn(hooks)` and `knob_fn(knobs)` give a `LogitsFn`; `compiled(key, build)` keeps any
-  other pass (a jitted function of `state` that calls `merge(state)`).
+  other pass (a jitted function of `state` that calls `merge(state)`) and `run_pass` runs one
+  on the model's tokens, positions and segment ids.
   """
 
   def __init__(self, model: nnx.Module):
@@ -78,11 +79,31 @@ class ModelRunner:
       self._fns[key] = build()
     return self._fns[key]
 
+  def run_pass(
+    self,
+    key: Hashable,
+    build: Callable[[], Callable],
+    tokens_BxT,
+    positions_BxT,
+    segment_ids_BxT,
+    *arrays,
+  ) -> Any:
+    """Runs the pass `compiled(key, build)` on the model's parameters, the tokens, the positions
+    and segment ids (either may be None) and ``arrays``, in that order; returns its outputs as
+    numpy arrays."""
+    out = self.compiled(key, build)(
+      self.state,
+      jnp.asarray(tokens_BxT),
+      _optional_array(positions_BxT),
+      _optional_array(segment_ids_BxT),
+      *(jnp.asarray(a) for a in arrays),
+    )
+    return jax.tree.map(np.asarray, out)
+
   def logits_fn(self, hooks: Hooks | None = None, name: str = "plain") -> LogitsFn:
     """tokens (B, T) [, positions, segment_ids] -> float32 numpy logits (B, T, V)."""
-    key = ("logits", name)
-    if key not in self._fns:
 
+    def build():
       def f(state, tokens, positions, segment_ids):
         model = self.merge(state)
         return (
@@ -91,8 +112,9 @@ class ModelRunner:
           else model(tokens, positions, segment_ids)
         )
 
-      self._fns[key] = jax.jit(f)
-    jf = self._fns[key]
+      return jax.jit(f)
+
+    jf = self.compiled(("logits", name), build)
 
     def apply(tokens, positions=None, segment_ids=None):
       return np.asarray(jf(self.state, jnp.asarray(tokens), positions, segment_ids))
@@ -106,9 +128,8 @@ class ModelRunner:
     compiled function serves every setting (see `Knobs`): logits_bits, act_bits, kv_bits
     (0 = off) and clamp (1 = clamp negative attention weights). `state` replaces the model's
     parameters (e.g. quantized weights of the same model)."""
-    key = ("knobs", granularity)
-    if key not in self._fns:
 
+    def build():
       def f(state, tokens, positions, segment_ids, k):
         qmax = lambda bits: jnp.where(bits > 1, 2.0 ** (bits - 1) - 1, 0.0)
         hooks = Hooks(
@@ -119,8 +140,9 @@ class ModelRunner:
         )
         return self.merge(state)(tokens, positions, segment_ids, hooks=hooks)
 
-      self._fns[key] = jax.jit(f)
-    jf = self._fns[key]
+      return jax.jit(f)
+
+    jf = self.compiled(("knobs", granularity), build)
     k = {name: jnp.float32(0.0) for name in KNOBS}
     for name, v in (knobs or {}).items():
       if name not in KNOBS:
@@ -148,8 +170,8 @@ class ModelRunner:
     b, t = np.shape(tokens_BxT)
     cfg = self.config
     taps_shape = (b, t, cfg.num_heads, 2 * cfg.head_dim)
-    if "norm_grads" not in self._fns:
 
+    def build():
       def loss(taps, state, tokens, targets, positions, segment_ids, mask):
         seen = {"pre": 0, "post": 0}
 
@@ -163,17 +185,16 @@ class ModelRunner:
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-      self._fns["norm_grads"] = jax.jit(jax.grad(loss))
+      return jax.jit(jax.grad(loss))
+
     zeros = [jnp.zeros(taps_shape, jnp.float32) for _ in range(cfg.num_layers)]
-    seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-    pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-    g = self._fns["norm_grads"](
+    g = self.compiled("norm_grads", build)(
       {"pre": zeros, "post": zeros},
       self.state,
       jnp.asarray(tokens_BxT),
       jnp.asarray(targets_BxT),
-      pos,
-      seg,
+      _optional_array(positions_BxT),
+      _optional_array(segment_ids_BxT),
       jnp.asarray(mask_BxT, jnp.float32),
     )
     return [(np.asarray(a), np.asarray(z)) for a, z in zip(g["pre"], g["post"])]
@@ -181,6 +202,11 @@ class ModelRunner:
   def quantized_state(self, bits: int, include_head: bool = False):
     """The model's state with projection kernels absmax-quantized (see `quantize_model_weights`)."""
     return nnx.split(quantize_model_weights(self.model, bits, include_head=include_head))[1]
+
+
+def _optional_array(x) -> jax.Array | None:
+  """``x`` as a jax array; None stays None (a pass's positions and segment ids are optional)."""
+  return None if x is None else jnp.asarray(x)
 
 
 def _has_norm_taps(config) -> bool:

@@ -89,12 +89,9 @@ def mechanism_pass(
 
     return jax.jit(f)
 
-  seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-  pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-  out = runner.compiled("mechanisms", build)(
-    runner.state, jnp.asarray(tokens_BxT), pos, seg, jnp.asarray(starts_BxT)
+  return runner.run_pass(
+    "mechanisms", build, tokens_BxT, positions_BxT, segment_ids_BxT, starts_BxT
   )
-  return jax.tree.map(np.asarray, out)
 
 
 def _add_layer(acc: dict[str, list], layer, rows, grads, v1_norm: bool, norm_eps: float) -> None:
@@ -118,6 +115,22 @@ def _flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
   return np.concatenate([x.reshape(-1) for x in arrays])
 
 
+def _context_stats(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """The context-RMS distributions of the per-token arrays ``flat`` (keys of `_POOLED`) and the
+  fraction of token-heads above sqrt(2)."""
+  return {
+    "context_rms": measures.distribution(flat["rms"]),
+    "relative_context_rms": measures.distribution(flat["rel"]),
+    "bounded_context_rms": measures.distribution(flat["bound"]),
+    "above_sqrt2": float(np.mean(flat["bound"] > SQRT2)),
+  }
+
+
+def _magnification_stats(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """The distributions of the per-head norm's magnifications, those ``flat`` has."""
+  return {_POOLED[key]: measures.distribution(flat[key]) for key in ("mag", "grad") if key in flat}
+
+
 def _finish_layer(acc: dict[str, list]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """One layer's results, and its flattened per-token arrays (keys of `_POOLED`)."""
   rows = np.concatenate(acc["rows"])
@@ -126,35 +139,23 @@ def _finish_layer(acc: dict[str, list]) -> tuple[dict[str, Any], dict[str, np.nd
     sink["a1"] = measures.sink_mass(np.concatenate(acc["a1"]), rows)
     sink["a2"] = measures.sink_mass(np.concatenate(acc["a2"]), rows)
   flat = {key: _flat(acc[key]) for key in _POOLED if acc[key]}
-  layer = {
-    "sink": sink,
-    "context_rms": measures.distribution(flat["rms"]),
-    "relative_context_rms": measures.distribution(flat["rel"]),
-    "bounded_context_rms": measures.distribution(flat["bound"]),
-    "above_sqrt2": float(np.mean(flat["bound"] > SQRT2)),
-  }
-  for key in ("mag", "grad"):
-    if key in flat:
-      layer[_POOLED[key]] = measures.distribution(flat[key])
+  layer = {"sink": sink, **_context_stats(flat), **_magnification_stats(flat)}
   return layer, flat
 
 
 def _summary(layers: list[dict[str, Any]], pooled: dict[str, list[np.ndarray]]) -> dict[str, Any]:
   """The layers pooled: mean sink masses and the distributions over every layer's tokens."""
-  summary = {
-    "sink_combined": float(np.mean([l["sink"]["combined"]["mean"] for l in layers])),
-    "context_rms": measures.distribution(np.concatenate(pooled["rms"])),
-    "relative_context_rms": measures.distribution(np.concatenate(pooled["rel"])),
-    "bounded_context_rms": measures.distribution(np.concatenate(pooled["bound"])),
-    "above_sqrt2": float(np.mean(np.concatenate(pooled["bound"]) > SQRT2)),
+  sinks = {
+    name: float(np.mean([l["sink"][name]["mean"] for l in layers])) for name in layers[0]["sink"]
   }
-  if "a1" in layers[0]["sink"]:
-    summary["sink_a1"] = float(np.mean([l["sink"]["a1"]["mean"] for l in layers]))
-    summary["sink_a2"] = float(np.mean([l["sink"]["a2"]["mean"] for l in layers]))
-  for key in ("mag", "grad"):
-    if pooled[key]:
-      summary[_POOLED[key]] = measures.distribution(np.concatenate(pooled[key]))
-  return summary
+  diff_sinks = {f"sink_{name}": sinks[name] for name in ("a1", "a2") if name in sinks}
+  flat = {key: np.concatenate(arrays) for key, arrays in pooled.items() if arrays}
+  return {
+    "sink_combined": sinks["combined"],
+    **_context_stats(flat),
+    **diff_sinks,
+    **_magnification_stats(flat),
+  }
 
 
 def mechanisms(runner: ModelRunner, batches: Sequence[Any]) -> dict[str, Any]:
@@ -219,13 +220,7 @@ def scalars(result: Mapping[str, Any]) -> dict[str, float]:
     for key in ("sink_combined", "sink_a1", "sink_a2", "above_sqrt2")
     if key in summary
   }
-  for key in (
-    "context_rms",
-    "relative_context_rms",
-    "bounded_context_rms",
-    "norm_magnification",
-    "gradient_magnification",
-  ):
+  for key in _POOLED.values():
     if key in summary:
       for stat in ("median", "p99", "max"):
         out[f"mechanisms/{key}_{stat}"] = summary[key][stat]

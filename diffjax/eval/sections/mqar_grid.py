@@ -82,21 +82,23 @@ def table(groups: Mapping[str, Sequence[Mapping[str, Any]]], agg: Mapping[str, A
     return []
   pct = f"{agg['confidence']:.0%}"
   arms, others = agg["arms"], list(agg["paired"])
-  md = [
+  head = ["cell", *arms, *(f"{a} − {agg['baseline']}" for a in others)]
+  rows = []
+  for m in cells + ["mqar_grid/mean"]:
+    row = [m.split("/", 1)[1]]
+    row += [display.fmt_ci(agg["per_arm"][a][m]) for a in arms]
+    row += [display.fmt_diff(agg["paired"][a][m]) for a in others]
+    rows.append(row)
+  return [
     "## Associative recall by difficulty",
     "",
     f"Exact-match accuracy per cell (P: key-value pairs, D: near-duplicate distractor pairs "
     f"per queried key): mean ± half-width of the {pct} t interval over seeds, then each "
     f"arm minus {agg['baseline']} at matched seeds [{pct} interval], paired t-test p.",
     "",
-    "| cell | " + " | ".join(arms) + "".join(f" | {a} − {agg['baseline']}" for a in others) + " |",
-    "|---" * (1 + len(arms) + len(others)) + "|",
+    *display.md_table(head, rows),
+    "",
   ]
-  for m in cells + ["mqar_grid/mean"]:
-    row = [display.fmt_ci(agg["per_arm"][a][m]) for a in arms]
-    row += [display.fmt_diff(agg["paired"][a][m]) for a in others]
-    md.append(f"| {m.split('/', 1)[1]} | " + " | ".join(row) + " |")
-  return md + [""]
 
 
 def plot(plt, groups, colors, out_dir):

@@ -90,22 +90,23 @@ def table(groups: Mapping[str, Sequence[Mapping[str, Any]]], agg: Mapping[str, A
           cells.append(c)
   if not cells:
     return []
-  md = [
-    "## Multi-needle retrieval (mean accuracy over seeds)",
-    "",
-    "| arm | " + " | ".join(c.replace("_", ", ") for c in cells) + " |",
-    "|---" * (len(cells) + 1) + "|",
-  ]
+  rows = []
   for arm, rs in groups.items():
-    row = []
+    row = [arm]
     for c in cells:
       vals = [
         display.as_number((display.section_result(r, "retrieval") or {}).get("cells", {}).get(c))
         for r in rs
       ]
       row.append(display.fmt(stats.mean_ci(vals)["mean"], 3))
-    md.append(f"| {arm} | " + " | ".join(row) + " |")
-  return md + [""]
+    rows.append(row)
+  head = ["arm", *(c.replace("_", ", ") for c in cells)]
+  return [
+    "## Multi-needle retrieval (mean accuracy over seeds)",
+    "",
+    *display.md_table(head, rows),
+    "",
+  ]
 
 
 SECTION = Section(

@@ -107,17 +107,9 @@ def text_pass(
 
     return jax.jit(f)
 
-  seg = None if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT)
-  pos = None if positions_BxT is None else jnp.asarray(positions_BxT)
-  out = runner.compiled(("text", k), build)(
-    runner.state,
-    jnp.asarray(tokens_BxT),
-    pos,
-    seg,
-    jnp.asarray(sample_idx_N),
-    jnp.asarray(row_idx_BxR),
+  return runner.run_pass(
+    ("text", k), build, tokens_BxT, positions_BxT, segment_ids_BxT, sample_idx_N, row_idx_BxR
   )
-  return jax.tree.map(np.asarray, out)
 
 
 def _text_rows(t: int, count: int, rng: np.random.Generator) -> np.ndarray:
