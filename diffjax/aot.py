@@ -491,23 +491,18 @@ def main(argv=None) -> int:
 
   topology, target, num_slices = values["topology"], values["target"], values["num_slices"]
   if topology and target:
-    print("error: give --topology (TPU) or --target (GPU), not both", file=sys.stderr)
-    return 2
+    return cli.usage_error("give --topology (TPU) or --target (GPU), not both")
   if num_slices < 1 or (target and num_slices != 1):
-    print(
-      f"error: --num_slices={num_slices} must be a positive number of TPU slices of "
-      "--topology (a GPU --target is one node)",
-      file=sys.stderr,
+    return cli.usage_error(
+      f"--num_slices={num_slices} must be a positive number of TPU slices of "
+      "--topology (a GPU --target is one node)"
     )
-    return 2
   where = target or topology or "v5e:2x2"
   if target and not gpu_targets.is_gpu_target(target):
-    print(
-      f"error: --target={target!r} is not a GPU target; use one of "
-      f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)",
-      file=sys.stderr,
+    return cli.usage_error(
+      f"--target={target!r} is not a GPU target; use one of "
+      f"{sorted(gpu_targets.TARGETS)} (TPU topologies go to --topology)"
     )
-    return 2
 
   def run():
     # A compile reads no data: a corpus named at launch need not be named here.

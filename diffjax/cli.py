@@ -319,6 +319,16 @@ def _one_line(e: BaseException) -> str:
   return " ".join(line.strip() for line in str(e).splitlines() if line.strip())
 
 
+def usage_error(text: str) -> int:
+  """Prints ``error: <text>`` on stderr (a mistake in the command line); returns exit status 2."""
+  print(f"error: {text}", file=sys.stderr)
+  return 2
+
+
+class _CommandLineError(Exception):
+  """A mistake in the command line: :func:`parse` prints its one line and returns 2."""
+
+
 DRY_RUN = Flag(
   "dry_run",
   False,
@@ -330,18 +340,15 @@ DRY_RUN = Flag(
 def _define_flags(fv, flags: Sequence[Flag]) -> dict[str, Any]:
   from absl import flags as absl_flags  # pylint: disable=import-outside-toplevel
 
+  by_kind = {
+    bool: absl_flags.DEFINE_bool,
+    int: absl_flags.DEFINE_integer,
+    float: absl_flags.DEFINE_float,
+  }
   holders = {}
   for f in flags:
     kind = f.kind or (type(f.default) if f.default is not None else str)
-    define = (
-      absl_flags.DEFINE_bool
-      if kind is bool
-      else absl_flags.DEFINE_integer
-      if kind is int
-      else absl_flags.DEFINE_float
-      if kind is float
-      else absl_flags.DEFINE_string
-    )
+    define = by_kind.get(kind, absl_flags.DEFINE_string)
     holders[f.name] = define(f.name, f.default, f.help, flag_values=fv)
   return holders
 
@@ -397,9 +404,29 @@ def parse(
       )
     )
     return 0
-  if fields is not None:
-    return _parse_fields(argv, usage, flags, fields, config_prefix)
-  return _parse_config_file(argv, usage, flags, default_config, config_prefix, describe, renamed)
+  try:
+    if fields is not None:
+      return _parse_fields(argv, usage, flags, fields, config_prefix)
+    return _parse_config_file(argv, usage, flags, default_config, config_prefix, describe, renamed)
+  except _CommandLineError as e:
+    return usage_error(str(e))
+
+
+def _parse_flags(
+  fv, argv: list[str], usage: str, explain: Callable[[], str | None] = lambda: None
+) -> list[str]:
+  """``fv(argv)``: the arguments left after the flags. A flag it refuses is a
+  :class:`_CommandLineError`: ``explain()``'s line where it has one, else absl's."""
+  try:
+    return fv(argv)
+  except Exception as e:  # absl and ml_collections raise several types for bad flags
+    raise _CommandLineError(
+      f"{explain() or 'invalid command line: ' + _one_line(e)} ({usage})"
+    ) from None
+
+
+def _unexpected_arguments(rest: list[str], usage: str) -> _CommandLineError:
+  return _CommandLineError(f"unexpected arguments {rest[1:]}; {usage}")
 
 
 def _parse_config_file(argv, usage, flags, default_config, config_prefix, describe, renamed):
@@ -409,8 +436,7 @@ def _parse_config_file(argv, usage, flags, default_config, config_prefix, descri
   config_arg = _config_arg(argv[1:], config_prefix)
   if config_arg is None:
     if default_config is None:
-      print(f"error: --{config_prefix} is required; {usage}", file=sys.stderr)
-      return 2
+      raise _CommandLineError(f"--{config_prefix} is required; {usage}")
     config_arg = default_config
     argv.insert(1, f"--{config_prefix}=" + os.path.join(REPO_ROOT, default_config))
   fv = absl_flags.FlagValues()
@@ -418,22 +444,15 @@ def _parse_config_file(argv, usage, flags, default_config, config_prefix, descri
     config_prefix, None, "the run's config file", flag_values=fv, lock_config=True, sys_argv=argv
   )
   plain = _define_flags(fv, flags)
-  try:
-    rest = fv(argv)
-  except Exception as e:  # absl and ml_collections raise several types for bad flags
-    why = explain_flag_error(argv, config_prefix, renamed)
-    print(f"error: {why or 'invalid command line: ' + _one_line(e)} ({usage})", file=sys.stderr)
-    return 2
+  rest = _parse_flags(fv, argv, usage, lambda: explain_flag_error(argv, config_prefix, renamed))
   try:
     config = holder.value
     _ = config is not None and "model" in config  # loading errors surface on first access
   except Exception as e:  # a config file that is missing or fails to import
     detail = str(e).splitlines()[-1].strip() if str(e).strip() else type(e).__name__
-    print(f"error: cannot load --{config_prefix}={config_arg}: {detail}", file=sys.stderr)
-    return 2
+    raise _CommandLineError(f"cannot load --{config_prefix}={config_arg}: {detail}") from None
   if len(rest) > 1 or config is None:
-    print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
-    return 2
+    raise _unexpected_arguments(rest, usage)
   values = {name: holder_.value for name, holder_ in plain.items()}
   if describe is not None and values.pop("dry_run"):
     from diffjax.errors import run_guarded  # pylint: disable=import-outside-toplevel
@@ -480,19 +499,13 @@ def _parse_fields(argv, usage, flags, fields, config_prefix):
 
   overrides, error = field_overrides(argv[1:], fields, config_prefix)
   if error is not None:
-    print(f"error: {error} ({usage})", file=sys.stderr)
-    return 2
+    raise _CommandLineError(f"{error} ({usage})")
   prefixes = (f"--{config_prefix}.", f"-{config_prefix}.")
   fv = absl_flags.FlagValues()
   plain = _define_flags(fv, flags)
-  try:
-    rest = fv([a for a in argv if not a.startswith(prefixes)])
-  except Exception as e:  # absl raises several types for bad flags
-    print(f"error: invalid command line: {_one_line(e)} ({usage})", file=sys.stderr)
-    return 2
+  rest = _parse_flags(fv, [a for a in argv if not a.startswith(prefixes)], usage)
   if len(rest) > 1:
-    print(f"error: unexpected arguments {rest[1:]}; {usage}", file=sys.stderr)
-    return 2
+    raise _unexpected_arguments(rest, usage)
   return overrides, {name: holder.value for name, holder in plain.items()}, None
 
 

@@ -277,11 +277,7 @@ def workdir_to_hf(
   ``max_shard_size``; an imported workdir defaults to the values kept from its source.
   """
   run = load_run(workdir, step)
-  manager = ckpt.make_manager(
-    os.path.join(workdir, "checkpoints"), keep=1_000_000, async_save=False
-  )
-  meta = ckpt.read_meta(manager, run.step)
-  manager.close()
+  meta = run.meta
   kept = dict(meta.get("hf_config") or {})
   if run.config.get("seq_len"):
     kept["max_position_embeddings"] = int(run.config["seq_len"])

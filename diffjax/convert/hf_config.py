@@ -302,6 +302,34 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     raise ConversionError(f"config.json maps to an invalid diffjax config: {e}") from e
 
 
+def _shared_hf_config(
+  cfg: ModelConfig,
+  bos_token_id: int | None,
+  eos_token_id: int | None,
+  pad_token_id: int | None,
+  max_position_embeddings: int,
+) -> dict[str, Any]:
+  """The config.json keys that the Llama-style and the Motif exports write alike for ``cfg``;
+  each exporter adds its own."""
+  return {
+    "attention_dropout": 0.0,
+    "bos_token_id": bos_token_id,
+    "eos_token_id": eos_token_id,
+    "head_dim": cfg.head_dim,
+    "hidden_size": cfg.d_model,
+    "initializer_range": cfg.init_std,
+    "intermediate_size": cfg.mlp_dim,
+    "max_position_embeddings": max_position_embeddings,
+    "num_hidden_layers": cfg.num_layers,
+    "pad_token_id": pad_token_id,
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_theta": float(cfg.rope_theta),
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "use_cache": True,
+    "vocab_size": cfg.vocab_size,
+  }
+
+
 def hf_config_from_model(
   cfg: ModelConfig,
   *,
@@ -324,29 +352,16 @@ def hf_config_from_model(
   heads = 2 * cfg.num_heads if arch in (DIFFLLAMA, DIFFJAX_V2) else cfg.num_heads
   kv_heads = 2 * cfg.num_kv_heads if diff else cfg.num_kv_heads
   out: dict[str, Any] = {
+    **_shared_hf_config(cfg, bos_token_id, eos_token_id, pad_token_id, max_position_embeddings),
     "architectures": [named],
     "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": bos_token_id,
     "dtype": dtype,
-    "eos_token_id": eos_token_id,
-    "head_dim": cfg.head_dim,
     "hidden_act": "silu",
-    "hidden_size": cfg.d_model,
-    "initializer_range": cfg.init_std,
-    "intermediate_size": cfg.mlp_dim,
-    "max_position_embeddings": max_position_embeddings,
     "model_type": MODEL_TYPE[named],
     "num_attention_heads": heads,
-    "num_hidden_layers": cfg.num_layers,
     "num_key_value_heads": kv_heads,
-    "pad_token_id": pad_token_id,
-    "rms_norm_eps": cfg.norm_eps,
+    # transformers 5 reads rope_parameters; earlier versions the shared "rope_theta".
     "rope_parameters": {"rope_theta": float(cfg.rope_theta), "rope_type": "default"},
-    "rope_theta": float(cfg.rope_theta),  # what transformers before 5 reads
-    "tie_word_embeddings": cfg.tie_embeddings,
-    "use_cache": True,
-    "vocab_size": cfg.vocab_size,
   }
   if diff:
     out["lambda_std_dev"] = 0.1  # diffjax draws the lambda vectors from N(0, 0.1^2)

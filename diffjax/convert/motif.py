@@ -26,15 +26,18 @@ from diffjax.convert.hf_config import (
   _refuse_true,
   _require_sizes,
   _rope_theta,
+  _shared_hf_config,
   _tie_embeddings,
 )
 from diffjax.convert.weights import (
+  LAMBDAS,
   _block_params,
   _block_tensors,
   _check_dtype,
   _check_halves,
   _check_names,
   _check_shape,
+  _checkpoint_shapes,
   _f32,
   _layer,
   _model_params,
@@ -50,7 +53,6 @@ MODEL_TYPE = "motif"
 ARM = "gda_v1"
 # Motif counts layers from 1 in lambda_init: 0.8 - 0.6 exp(-0.3 (l - 1)) for 0-based l.
 LAMBDA_INIT_OFFSET = -1
-LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 # Defaults of the keys a Motif config.json may leave out (those of the Motif loaders).
 DEFAULT_RMS_EPS = 1e-6
 DEFAULT_ATTN_RMS_EPS = 1e-5
@@ -221,30 +223,16 @@ def hf_config_from_model(
   ratio = cfg.gda_ratio
   noise = cfg.num_heads // ratio
   out: dict[str, Any] = {
+    **_shared_hf_config(cfg, bos_token_id, eos_token_id, pad_token_id, max_position_embeddings),
     "architectures": [MOTIF],
-    "attention_dropout": 0.0,
     "attn_rms_norm_eps": cfg.diff_norm_eps,
-    "bos_token_id": bos_token_id,
-    "eos_token_id": eos_token_id,
-    "head_dim": cfg.head_dim,
     "hidden_act": "poly_norm",
-    "hidden_size": cfg.d_model,
-    "initializer_range": cfg.init_std,
-    "intermediate_size": cfg.mlp_dim,
-    "max_position_embeddings": max_position_embeddings,
     "model_type": MODEL_TYPE,
     "num_attention_heads": cfg.num_heads + noise,
-    "num_hidden_layers": cfg.num_layers,
     "num_key_value_heads": 2 * cfg.num_kv_heads,
-    "pad_token_id": pad_token_id,
-    "rms_norm_eps": cfg.norm_eps,
     "rope_scaling": None,
-    "rope_theta": float(cfg.rope_theta),
-    "tie_word_embeddings": cfg.tie_embeddings,
     "torch_dtype": dtype,
     "use_bias": False,
-    "use_cache": True,
-    "vocab_size": cfg.vocab_size,
   }
   if ratio > 1:
     out["num_noise_heads"] = noise
@@ -256,33 +244,23 @@ def hf_config_from_model(
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The tensor names and shapes of the Motif checkpoint of ``cfg``."""
-  e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  e, d = cfg.d_model, cfg.head_dim
   signal = cfg.num_heads
   heads = signal + signal // cfg.gda_ratio
   kv_heads = 2 * cfg.num_kv_heads
-  shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
-  if not cfg.tie_embeddings:
-    shapes["lm_head.weight"] = (v, e)
-  for i in range(cfg.num_layers):
-    shapes.update(
-      {
-        _layer(i, "input_layernorm.weight"): (e,),
-        _layer(i, "post_attention_layernorm.weight"): (e,),
-        _layer(i, "self_attn.q_proj.weight"): (heads * d, e),
-        _layer(i, "self_attn.k_proj.weight"): (kv_heads * d, e),
-        _layer(i, "self_attn.v_proj.weight"): (kv_heads * d, e),
-        _layer(i, "self_attn.o_proj.weight"): (e, 2 * signal * d),
-        _layer(i, "self_attn.subln.weight"): (2 * d,),
-        _layer(i, "mlp.gate_proj.weight"): (f, e),
-        _layer(i, "mlp.up_proj.weight"): (f, e),
-        _layer(i, "mlp.down_proj.weight"): (e, f),
-        _layer(i, "mlp.act_fn.weight"): (3,),
-        _layer(i, "mlp.act_fn.bias"): (1,),
-      }
-    )
-    for lam in LAMBDAS:
-      shapes[_layer(i, f"self_attn.{lam}")] = (d,)
-  return shapes
+  attn = {
+    "q_proj.weight": (heads * d, e),
+    "k_proj.weight": (kv_heads * d, e),
+    "v_proj.weight": (kv_heads * d, e),
+    "o_proj.weight": (e, 2 * signal * d),
+    "subln.weight": (2 * d,),
+  }
+  extra = {
+    "mlp.act_fn.weight": (3,),
+    "mlp.act_fn.bias": (1,),
+    **{f"self_attn.{lam}": (d,) for lam in LAMBDAS},
+  }
+  return _checkpoint_shapes(cfg, attn, extra)
 
 
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:

@@ -19,41 +19,58 @@ from diffjax.model import ModelConfig
 Params = dict[str, Any]
 
 
+# DiffLlama's and Motif's per-layer lambda vectors.
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
 def _layer(i: int, name: str) -> str:
   return f"model.layers.{i}.{name}"
 
 
+def _checkpoint_shapes(
+  cfg: ModelConfig, attn: Mapping[str, tuple[int, ...]], layer_extra: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+  """The tensor shapes of a Llama-like checkpoint of ``cfg``: the embedding, the final norm, an
+  untied head, and in each layer the norms, the attention's tensors ``attn`` (names under
+  ``self_attn.``), the MLP's matrices and ``layer_extra`` (names within the layer)."""
+  e, f, v = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+  shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+  if not cfg.tie_embeddings:
+    shapes["lm_head.weight"] = (v, e)
+  layer = {
+    "input_layernorm.weight": (e,),
+    "post_attention_layernorm.weight": (e,),
+    **{f"self_attn.{name}": shape for name, shape in attn.items()},
+    "mlp.gate_proj.weight": (f, e),
+    "mlp.up_proj.weight": (f, e),
+    "mlp.down_proj.weight": (e, f),
+    **layer_extra,
+  }
+  for i in range(cfg.num_layers):
+    shapes.update({_layer(i, name): shape for name, shape in layer.items()})
+  return shapes
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   """The tensor names and shapes of the transformers checkpoint for ``cfg``."""
-  e, d, f, v = cfg.d_model, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+  e, d = cfg.d_model, cfg.head_dim
   arch = architecture_of(cfg)
   diff = arch == DIFFLLAMA
   q_out = (2 if arch in (DIFFLLAMA, DIFFJAX_V2) else 1) * cfg.num_heads * d
   kv_out = (2 if diff else 1) * cfg.num_kv_heads * d
   o_in = (2 if diff else 1) * cfg.num_heads * d
-  shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
-  if not cfg.tie_embeddings:
-    shapes["lm_head.weight"] = (v, e)
-  for i in range(cfg.num_layers):
-    shapes.update(
-      {
-        _layer(i, "input_layernorm.weight"): (e,),
-        _layer(i, "post_attention_layernorm.weight"): (e,),
-        _layer(i, "self_attn.q_proj.weight"): (q_out, e),
-        _layer(i, "self_attn.k_proj.weight"): (kv_out, e),
-        _layer(i, "self_attn.v_proj.weight"): (kv_out, e),
-        _layer(i, "self_attn.o_proj.weight"): (e, o_in),
-        _layer(i, "mlp.gate_proj.weight"): (f, e),
-        _layer(i, "mlp.up_proj.weight"): (f, e),
-        _layer(i, "mlp.down_proj.weight"): (e, f),
-      }
-    )
-    if diff:
-      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-        shapes[_layer(i, f"self_attn.{lam}")] = (d,)
-    if arch == DIFFJAX_V2:
-      shapes[_layer(i, "self_attn.lambda_proj.weight")] = (cfg.num_heads, e)
-  return shapes
+  attn = {
+    "q_proj.weight": (q_out, e),
+    "k_proj.weight": (kv_out, e),
+    "v_proj.weight": (kv_out, e),
+    "o_proj.weight": (e, o_in),
+  }
+  extra = {}
+  if diff:
+    extra.update({f"self_attn.{lam}": (d,) for lam in LAMBDAS})
+  if arch == DIFFJAX_V2:
+    extra["self_attn.lambda_proj.weight"] = (cfg.num_heads, e)
+  return _checkpoint_shapes(cfg, attn, extra)
 
 
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
@@ -239,7 +256,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Param
         "o": w("self_attn.o_proj.weight").T.reshape(h, 2 * d, e),
         "norm_scale": np.ones((2 * d,), np.float32),
       }
-      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+      for lam in LAMBDAS:
         attn[lam] = w(f"self_attn.{lam}")
     blocks[i] = _block_params({name: np.ascontiguousarray(x) for name, x in attn.items()}, w)
   return _model_params(cfg, blocks, t.__getitem__)
@@ -270,7 +287,7 @@ def hf_from_params(
       k = _to_halves(a["k"][..., rows])
       v = _to_halves(a["v"].reshape(e, cfg.num_kv_heads, 2, d))
       o = (a["o"] * a["norm_scale"][None, :, None]).reshape(-1, e).T
-      for lam in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+      for lam in LAMBDAS:
         out[_layer(i, f"self_attn.{lam}")] = a[lam]
     out.update(_block_tensors(i, blk, q, k, v, o))
   return {name: np.ascontiguousarray(x.astype(dtype)) for name, x in sorted(out.items())}

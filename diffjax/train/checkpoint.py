@@ -166,12 +166,23 @@ def _reason(e: BaseException) -> str:
   return "missing" if missing else "unreadable"
 
 
+def _restore_items(
+  manager: ocp.CheckpointManager, step: int, items: dict[str, Any], *, pass_interrupts: bool = False
+) -> dict[str, Any]:
+  """``manager.restore`` of ``step``'s ``items`` (item name: restore args); a step that cannot be
+  read raises ``CorruptCheckpointError``. With ``pass_interrupts``, a failure a signal's
+  KeyboardInterrupt is behind propagates as it is: not the checkpoint's fault."""
+  try:
+    return manager.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # orbax and tensorstore raise several types for damaged files
+    if pass_interrupts and _interrupted(e):
+      raise
+    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+
+
 def _read_meta_and_record(manager: ocp.CheckpointManager, step: int) -> tuple[dict, dict]:
   """The step's meta (without the integrity record) and the record."""
-  try:
-    raw = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  except Exception as e:  # orbax raises several types for unreadable steps
-    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+  raw = _restore_items(manager, step, {"meta": ocp.args.JsonRestore()})["meta"]
   return integrity.split_meta(manager.directory, step, raw)
 
 
@@ -281,24 +292,27 @@ def check_data_order(saved: dict, current: dict, directory) -> None:
     )
 
 
-def _sds_stack(xs: list[Any]) -> jax.ShapeDtypeStruct:
-  x = xs[0]
+def _sds_reshaped(
+  x: Any, shape: tuple[int, ...], spec: Callable[[Any], tuple]
+) -> jax.ShapeDtypeStruct:
+  """A ``ShapeDtypeStruct`` of ``x``'s dtype and sharding with ``shape``; a named sharding keeps
+  its mesh and gets the partition spec ``spec(x's spec)``."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding):
     sharding = jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)
+      sharding.mesh, jax.sharding.PartitionSpec(*spec(sharding.spec))
     )
-  return jax.ShapeDtypeStruct((len(xs), *x.shape), x.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+
+def _sds_stack(xs: list[Any]) -> jax.ShapeDtypeStruct:
+  x = xs[0]
+  return _sds_reshaped(x, (len(xs), *x.shape), lambda spec: (None, *spec))
 
 
 def _sds_take(x: Any, i: int) -> jax.ShapeDtypeStruct:
   del i
-  sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(
-      sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:])
-    )
-  return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
+  return _sds_reshaped(x, tuple(x.shape[1:]), lambda spec: spec[1:])
 
 
 def _saved_layout_target(record: dict, target: Any) -> tuple[Any, Callable[[Any], Any]]:
@@ -438,12 +452,7 @@ def _restore_checked(
   if own is not None:
     args["data"] = grain.checkpoint.CheckpointRestore(own)
   _quiet_abandoned_reads()
-  try:
-    state = manager.restore(step, args=ocp.args.Composite(**args))["state"]
-  except Exception as e:  # orbax and tensorstore raise several types for damaged files
-    if _interrupted(e):  # a signal's KeyboardInterrupt, wrapped: not the checkpoint's fault
-      raise
-    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
+  state = _restore_items(manager, step, args, pass_interrupts=True)["state"]
   integrity.verify(manager.directory, step, record, names, named_leaves(state)[1], own)
   line = None
   if data_iter is not None and own is None:
@@ -547,24 +556,12 @@ def restore_params(
   params_target = target["params"]
   names, leaves = named_leaves({"params": params_target})
   integrity.check_structure(manager.directory, step, record, names, leaves, prefix="params/")
-  abstract = params_target
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), params_target)
+  state_args = ocp.args.PyTreeRestore(
+    item={"params": params_target}, restore_args={"params": restore_args}, partial_restore=True
+  )
   _quiet_abandoned_reads()
-  try:
-    restored = manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(
-          item={"params": abstract},
-          restore_args={
-            "params": jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
-          },
-          partial_restore=True,
-        )
-      ),
-    )
-  except Exception as e:  # orbax and tensorstore raise several types for damaged files
-    raise CorruptCheckpointError(manager.directory, step, _reason(e), _brief(e)) from None
-  params = restored["state"]["params"]
+  params = _restore_items(manager, step, {"state": state_args})["state"]["params"]
   integrity.verify(
     manager.directory, step, record, names, named_leaves({"params": params})[1], None
   )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,34 @@ def _stderr_line(text: str) -> None:
 @dataclasses.dataclass
 class LoadedRun:
   """A trained model with what its run was: ``config`` is the run config (a dict) the run was
-  launched with (its data, sequence length, seed, tokenizer), as saved in the checkpoint."""
+  launched with (its data, sequence length, seed, tokenizer), as saved in the checkpoint;
+  ``meta`` is the step's whole ``meta`` item (the configs, and what an imported workdir kept of
+  its source)."""
 
   model: DecoderLM
   model_config: ModelConfig
   config: dict[str, Any]
   step: int
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+
+@contextlib.contextmanager
+def _checkpoints(directory: str, no_directory: str) -> Iterator[tuple[Any, Sequence[int]]]:
+  """``(manager, steps)`` of the checkpoints in ``directory``, the manager closed on the way out.
+
+  Raises ``FileNotFoundError``: ``no_directory`` when ``directory`` is not one, and a line of its
+  own when it holds no finished step.
+  """
+  if not epath.Path(directory).is_dir():  # local paths and gs:// alike
+    raise FileNotFoundError(no_directory)
+  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
+    yield manager, steps
+  finally:
+    manager.close()
 
 
 def _load_step(manager, step: int, model_overrides: dict) -> tuple[DecoderLM, ModelConfig, dict]:
@@ -84,15 +107,8 @@ def load_run(
   """:func:`load_model`, with the run config the checkpoint was saved with."""
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
-  if not epath.Path(directory).is_dir():  # local paths and gs:// alike
-    raise FileNotFoundError(
-      f"No checkpoints in {directory!r}: pass the --workdir of a train.py run."
-    )
-  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
-  try:
-    steps = manager.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
+  no_directory = f"No checkpoints in {directory!r}: pass the --workdir of a train.py run."
+  with _checkpoints(directory, no_directory) as (manager, steps):
     if step is not None and step not in steps:
       raise ValueError(
         f"step={step} is not among the checkpoints of {directory!r}: {sorted(steps)}."
@@ -107,10 +123,8 @@ def load_run(
         skipped.append(f"step {candidate} ({e.reason})")
         message(f"{e}; skipping it.")
         continue
-      return LoadedRun(model, cfg, dict(meta.get("config") or {}), candidate)
+      return LoadedRun(model, cfg, dict(meta.get("config") or {}), candidate, meta)
     raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r}: {', '.join(skipped)}.")
-  finally:
-    manager.close()
 
 
 # The model settings that fix the parameters' shapes; a run may start from the weights of
@@ -188,17 +202,12 @@ def initial_params(
   """
   message = message or _stderr_line
   directory = os.path.join(workdir, "checkpoints")
-  if not epath.Path(directory).is_dir():  # local paths and gs:// alike
-    raise FileNotFoundError(
-      f"checkpoint.init_from={workdir!r} has no checkpoints directory "
-      f"{directory!r}; pass the --workdir of a train.py run."
-    )
-  manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
-  try:
-    steps = sorted(manager.all_steps(), reverse=True)
-    if not steps:
-      raise FileNotFoundError(f"{directory!r} holds no complete checkpoint.")
-    for step in steps:
+  no_directory = (
+    f"checkpoint.init_from={workdir!r} has no checkpoints directory "
+    f"{directory!r}; pass the --workdir of a train.py run."
+  )
+  with _checkpoints(directory, no_directory) as (manager, steps):
+    for step in sorted(steps, reverse=True):
       try:
         saved = ckpt.read_meta(manager, step).get("model_config", {})
         now = model_cfg.to_dict()
@@ -234,5 +243,3 @@ def initial_params(
       except ckpt.CorruptCheckpointError as e:
         message(f"{e}; trying an older step.")
     raise ckpt.CheckpointError(f"No usable checkpoint in {directory!r} to start from.")
-  finally:
-    manager.close()
