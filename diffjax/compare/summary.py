@@ -75,12 +75,9 @@ def summary_table(
   ]
   by_seed = {(r["arm"], r["seed"]): (r["eval"] or {}).get("scalars", {}) for r in runs}
   table: dict[str, Any] = {}
-  lines = [
-    "| arm | params | seeds | "
-    + " | ".join(t for t, _ in present)
-    + f" | final eval loss − {baseline} (paired) | train time / run |",
-    "|---" * (len(present) + 5) + "|",
-  ]
+  head = ["arm", "params", "seeds", *(t for t, _ in present)]
+  head += [f"final eval loss − {baseline} (paired)", "train time / run"]
+  cells = []
   for arm in arms:
     mine = [r for r in runs if r["arm"] == arm]
     row = {"params": mine[0]["params"] if mine else None, "seeds": [r["seed"] for r in mine]}
@@ -99,12 +96,11 @@ def summary_table(
     table[arm] = row
     paired = "(baseline)" if arm == baseline else _paired_cell(row["paired_eval_loss"])
     secs = row["train_seconds"]["mean"]
-    lines.append(
-      f"| {arm} | {row['params']:,} | {len(mine)} | "
-      + " | ".join(_fmt(row[k]) for _, k in present)
-      + f" | {paired} | {secs:.0f} s |"
+    cells.append(
+      [arm, f"{row['params']:,}", str(len(mine)), *(_fmt(row[k]) for _, k in present)]
+      + [paired, f"{secs:.0f} s"]
     )
-  return lines, table
+  return display.md_table(head, cells), table
 
 
 def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline: str) -> list[str]:

@@ -185,3 +185,21 @@ def test_report_tables_and_plots_the_recall_grid(tmp_path):
   row = next(l for l in text.splitlines() if l.startswith("| P16_D2 |"))
   assert "0.41 ± " in row and "+0.2 [+0.2, +0.2]" in row
   assert "](mqar_grid.png)" in text and (tmp_path / "mqar_grid.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("scalars", [{}, {"val/final_eval_loss": 2.5}])
+def test_the_summary_table_has_one_cell_per_column(scalars):
+  """Every line of the summary table has as many cells as its header, with or without loss
+  columns (runs whose evaluations hold no scalar it shows included)."""
+  from diffjax.compare.summary import summary_table
+
+  runs = [
+    {"arm": arm, "seed": 0, "params": 1000, "train_seconds": 3.0, "eval": {"scalars": scalars}}
+    for arm in ("transformer", "diff_v2")
+  ]
+  lines, table = summary_table(runs, ["transformer", "diff_v2"], "transformer", 0.95, 2)
+  cells = [line.strip("|").split("|") for line in lines]
+  assert len(lines) == 4 and {len(c) for c in cells} == {len(cells[0])}
+  assert len(cells[0]) == 5 + len(scalars)
+  assert all(c.strip() for row in cells for c in row), lines
+  assert set(table) == {"transformer", "diff_v2"}
