@@ -39,11 +39,11 @@ USAGE = (
   "[--config.<key>=<value> ...] [--dry_run]"
 )
 SUMMARY = """\
-Trains one run of a config: an arm (model.arm: transformer, diff_v1 or diff_v2) matched to the
-Transformer of a size, on the config's data, with checkpoints, metrics.jsonl and TensorBoard
-logs in the workdir. Rerunning the same command resumes from the newest good checkpoint; a
-finished run is left unchanged (a larger --config.num_steps extends it), and a second training
-in a workdir that one is writing is refused."""
+Trains one run of a config: an arm (model.arm: transformer, diff_v1, diff_v2, gda_v1, gda_v2 or
+one added with diffjax.arms.register) matched to the Transformer of a size, on the config's data,
+with checkpoints, metrics.jsonl and TensorBoard logs in the workdir. Rerunning the same command
+resumes from the newest good checkpoint; a finished run is left unchanged (a larger
+--config.num_steps extends it), and a second training in a workdir that one is writing is refused."""
 
 
 def _raise_interrupt(signum, frame):
