@@ -31,6 +31,8 @@ process of this one; see diffjax/train/supervise.py.
 import os
 import signal
 import sys
+import threading
+import time
 
 EXIT_PREEMPTED = 75
 DEFAULT_CONFIG = os.path.join("configs", "default.py")
@@ -51,14 +53,38 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(signum)
 
 
-def main(argv) -> int:
-  """Runs the command; SIGINT or SIGTERM before the training loop (which saves and stops on
-  them itself) ends it with one line and status 75, and the next run resumes."""
+def _redeliver_lost_interrupt(unraisable):
+  # An interrupt raised where Python ignores exceptions (jax's gc callback, a finalizer) would
+  # be lost and the run would go on: the signal is sent to the main thread again a moment
+  # later, from another thread (as diffjax.cli.stop_signals_raise does for the other commands;
+  # this one acts before the package is imported).
+  exc = unraisable.exc_value
+  if not (isinstance(exc, KeyboardInterrupt) and exc.args and isinstance(exc.args[0], int)):
+    sys.__unraisablehook__(unraisable)
+    return
+  signum, main = exc.args[0], threading.main_thread().ident
+
+  def again():
+    time.sleep(0.01)
+    if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+      signal.pthread_kill(main, signum)
+
+  threading.Thread(target=again, daemon=True).start()
+
+
+def _take_stop_signals():
   # SIGTERM stops start-up as Ctrl-C does (by default it would kill the process silently).
   # SIGINT is set too: Python raises KeyboardInterrupt on it only when the process did not
   # inherit it ignored, and a job started in the background of a script inherits it so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   signal.signal(signal.SIGINT, _raise_interrupt)
+  sys.unraisablehook = _redeliver_lost_interrupt
+
+
+def main(argv) -> int:
+  """Runs the command; SIGINT or SIGTERM before the training loop (which saves and stops on
+  them itself) ends it with one line and status 75, and the next run resumes."""
+  _take_stop_signals()
   try:
     return _main(argv)
   except KeyboardInterrupt as e:

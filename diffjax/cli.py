@@ -12,12 +12,15 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import functools
 import glob
 import importlib.util
 import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -528,6 +531,26 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt(signum)
 
 
+def _redeliver_lost_interrupt(other_hook, unraisable) -> None:
+  """``sys.unraisablehook`` while stop signals raise: an interrupt raised where Python ignores
+  exceptions (a gc callback such as jax's, a finalizer) would be lost, and the command would
+  run on; the signal is sent to the main thread again from another thread a moment later
+  (sent from here, its handler would run inside this hook, where it is lost again), if a
+  Python handler still takes it. Anything else goes to ``other_hook``."""
+  exc = unraisable.exc_value
+  if not (isinstance(exc, KeyboardInterrupt) and exc.args and isinstance(exc.args[0], int)):
+    other_hook(unraisable)
+    return
+  signum, main = exc.args[0], threading.main_thread().ident
+
+  def again():
+    time.sleep(0.01)
+    if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+      signal.pthread_kill(main, signum)
+
+  threading.Thread(target=again, daemon=True).start()
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
   """Inside, SIGINT and SIGTERM raise ``KeyboardInterrupt(signum)``; the handlers before are
@@ -545,9 +568,13 @@ def stop_signals_raise() -> Iterator[None]:
       old[s] = signal.signal(s, _raise_interrupt)
     except ValueError:  # not the main thread: signals are not ours to take
       pass
+  old_hook = sys.unraisablehook
+  if old:
+    sys.unraisablehook = functools.partial(_redeliver_lost_interrupt, old_hook)
   try:
     yield
   finally:
+    sys.unraisablehook = old_hook
     for s, h in old.items():
       signal.signal(s, h)
 
