@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -221,9 +222,14 @@ def capped(corpus: Corpus, max_documents: int | None, max_tokens: int | None) ->
 def cache_root() -> str:
   """The directory prepared copies of the embedded corpus and of text files are cached in:
   ``$DIFFJAX_DATA_CACHE``, else ``~/.cache/diffjax/data``."""
-  return os.path.expanduser(
+  root = os.path.expanduser(
     os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "diffjax", "data")
   )
+  if os.path.exists(root) and not os.path.isdir(root):
+    raise NotADirectoryError(
+      f"The data cache {root!r} is a file, not a directory: point ${CACHE_ENV} at a directory."
+    )
+  return root
 
 
 def _fingerprint(files: Sequence[str], tokenizer: Tokenizer) -> str:
@@ -267,7 +273,8 @@ def cached_corpus(
             file=sys.stderr,
             flush=True,
           )
-        prepare(list(files), directory, tokenizer_spec, progress=False)
+        # The files as named: a name holding glob characters is no pattern here.
+        prepare([glob.escape(f) for f in files], directory, tokenizer_spec, progress=False)
   return ShardCorpus(read_manifest(directory))
 
 

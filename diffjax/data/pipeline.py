@@ -7,6 +7,8 @@ validation rule; the batch format: docs/data.md, "How batches are made".
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -123,6 +125,16 @@ class Datasets:
   @property
   def unigram_entropy_bits(self) -> float:
     return self.unigram_entropy_nats / math.log(2)
+
+  def identity(self) -> dict[str, int | str]:
+    """What a saved data position means in the corpus itself, whatever its path: its documents,
+    tokens and groups, and a digest of them and of eight documents' ids (the first, the last and
+    six spread between). A resume on a corpus with another identity is refused."""
+    c = self.corpus
+    h = hashlib.sha256(json.dumps([c.num_documents, c.num_tokens, list(c.groups)]).encode())
+    for doc in sorted({round(i * (c.num_documents - 1) / 7) for i in range(8)}):
+      h.update(np.asarray(c.tokens(doc), np.int32).tobytes())
+    return {"documents": c.num_documents, "tokens": c.num_tokens, "sha256": h.hexdigest()[:16]}
 
   @property
   def rows(self) -> tuple[int, int]:
@@ -253,6 +265,7 @@ def open_corpus(cfg: DataConfig, tokenizer: Tokenizer, *, progress: bool = True)
     # so that no copy prepared as one document is reused.
     name = cfg.kind + ("-split" if is_single_text_file(files) else "")
     corpus = cached_corpus(files, tokenizer, cfg.tokenizer, name, progress=progress)
+    corpus.name = ", ".join(cfg.paths) if cfg.kind == "text" else cfg.kind  # what errors name
   return capped(corpus, cfg.max_documents, cfg.max_tokens)
 
 

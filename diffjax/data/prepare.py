@@ -10,6 +10,7 @@ import glob
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(spec: str) -> None:
   global _worker_tokenizer
+  # Ctrl-C reaches the whole process group: the parent stops the pool (and so its workers).
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   _worker_tokenizer = load_tokenizer(spec)
 
 
@@ -109,8 +112,15 @@ def _check_plan(output: str, plan: dict) -> None:
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    if old != plan:
-      changed = sorted(k for k in plan if old.get(k) != plan[k])
+    # A key an older plan lacks is not compared.
+    changed = sorted(k for k in plan if k in old and old[k] != plan[k])
+    if changed == ["file_stats"]:
+      raise ValueError(
+        f"{output!r} holds a preparation of these files as they were before (their sizes or "
+        "modification times differ now): delete it to prepare them again, or use another "
+        "--output."
+      )
+    if changed:
       raise ValueError(
         f"{output!r} holds a preparation with different {', '.join(changed)}; "
         "rerun with the same arguments to resume, or use another --output."
@@ -151,6 +161,7 @@ def prepare(
     output,
     {
       "units": [list(u.files) for u in units],
+      "file_stats": [[os.stat(f).st_size, os.stat(f).st_mtime_ns] for u in units for f in u.files],
       "tokenizer_sha256": fingerprint,
       "shard_tokens": shard_tokens,
       "text_field": text_field,
@@ -243,19 +254,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     "--files_per_unit", type=int, default=256, help="text files (one document each) per work unit"
   )
   args = p.parse_args(argv)
-  try:
-    prepare(
-      args.input,
-      args.output,
-      args.tokenizer,
-      shard_tokens=args.shard_tokens,
-      workers=args.workers,
-      text_field=args.text_field,
-      files_per_unit=args.files_per_unit,
-    )
-  except (ValueError, FileNotFoundError, ImportError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  # SIGTERM and Ctrl-C leave the pool's `with`, which stops its workers.
+  with cli.stop_signals_raise():
+    try:
+      prepare(
+        args.input,
+        args.output,
+        args.tokenizer,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        text_field=args.text_field,
+        files_per_unit=args.files_per_unit,
+      )
+    except (ValueError, FileNotFoundError, ImportError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    except KeyboardInterrupt as e:
+      print(
+        f"\nprepare: stopped by signal {cli.interrupt_signal(e)}; rerun the same command to "
+        "resume (finished units are kept).",
+        file=sys.stderr,
+      )
+      return cli.EXIT_INTERRUPTED
   return 0
 
 

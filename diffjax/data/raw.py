@@ -71,9 +71,10 @@ def split_text(data: bytes) -> list[bytes]:
 
 def plan_units(inputs: Sequence[str], files_per_unit: int = 256) -> list[Unit]:
   """Work units of `inputs` (files, directories, globs, or "stdlib" for the default corpus)."""
-  files: list[str] = []
+  patterns: list[str] = []
   for spec in inputs:
-    files.extend(stdlib_files() if spec == "stdlib" else resolve_paths([spec]))
+    patterns.extend(stdlib_files() if spec == "stdlib" else [spec])
+  files = resolve_paths(patterns)
   if is_single_text_file(files):
     return [Unit(0, "text_split", (files[0],))]
   units: list[Unit] = []
@@ -105,6 +106,36 @@ def require_pyarrow():
   return pq
 
 
+def _jsonl_texts(path: str, text_field: str) -> Iterator[str]:
+  """The ``text_field`` of each line of a JSONL file; a null is an empty document."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    for line_no, raw in enumerate(f, 1):
+      try:  # a byte-order mark may open the file
+        line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(
+          f"{path}:{line_no}: not UTF-8 ({e.reason} at byte {e.start}); JSONL must be UTF-8: "
+          "convert the file (e.g. iconv -f latin1 -t utf-8)."
+        ) from None
+      if not line.strip():
+        continue
+      try:
+        text = json.loads(line)[text_field]
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+          f"{path}:{line_no}: not a JSON object with a {text_field!r} field "
+          f"({type(e).__name__}: {e}); another field is chosen by diffjax.data.prepare's "
+          "--text_field=<name>, and train.py reads its output with data.kind='prepared'."
+        ) from None
+      if text is not None and not isinstance(text, str):
+        raise ValueError(
+          f"{path}:{line_no}: the {text_field!r} field is a {type(text).__name__}, not a "
+          "string (or null, an empty document)."
+        )
+      yield text or ""
+
+
 def iter_documents(unit: Unit, text_field: str = "text") -> Iterator[str | bytes]:
   """The documents of `unit` in order: str for JSONL / Parquet, raw bytes for text files."""
   if unit.kind == "text":
@@ -115,27 +146,15 @@ def iter_documents(unit: Unit, text_field: str = "text") -> Iterator[str | bytes
     with open(unit.files[0], "rb") as f:
       yield from split_text(f.read())
   elif unit.kind == "jsonl":
-    path = unit.files[0]
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-      for line_no, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          text = json.loads(line)[text_field]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-          raise ValueError(
-            f"{path}:{line_no}: not a JSON object with a {text_field!r} field "
-            f"({type(e).__name__}: {e}); pass --text_field=<name>."
-          ) from None
-        yield text if isinstance(text, str) else str(text)
+    yield from _jsonl_texts(unit.files[0], text_field)
   else:
     pq = require_pyarrow()
     table = pq.ParquetFile(unit.files[0])
     if text_field not in table.schema_arrow.names:
       raise ValueError(
-        f"{unit.files[0]} has no column {text_field!r} (columns: "
-        f"{table.schema_arrow.names}); pass --text_field=<name>."
+        f"{unit.files[0]} has no column {text_field!r} (columns: {table.schema_arrow.names}); "
+        "another column is chosen by diffjax.data.prepare's --text_field=<name>, and train.py "
+        "reads its output with data.kind='prepared'."
       )
     for batch in table.iter_batches(columns=[text_field], batch_size=1024):
       for text in batch.column(0).to_pylist():

@@ -42,11 +42,14 @@ def _walk_sorted(directory: str) -> list[str]:
 
 
 def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
-  """Expands files, directories and globs into a deterministic list of files.
+  """Expands files, directories and globs into a deterministic list of absolute files.
 
-  Each pattern is one of: a file; a directory (every non-hidden file below it, recursively); a
-  glob (`*`, `?`, `[...]`, and `**` for any depth). Each pattern's matches are sorted, patterns
-  keep their given order, and a file matched twice is kept at its first position.
+  Each pattern is one of: a file; a directory (every non-hidden file below it, recursively;
+  symlinked directories are not followed); a glob (`*`, `?`, `[...]`, and `**` for any depth;
+  one that matches nothing names the file or directory of that name, if there is one; pass
+  `glob.escape(path)` to name one that a glob would not). Each pattern's matches are sorted,
+  patterns keep their given order, and a file matched twice (under any spelling of its path, or
+  through a symlink) is kept at its first position.
 
   Raises:
     FileNotFoundError: a pattern names nothing, or matches no file.
@@ -59,23 +62,25 @@ def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
   accepted = (
     "Accepted: an existing file, a directory (read recursively) or a glob such as 'data/**/*.txt'."
   )
-  files: list[str] = []
+  files: dict[str, str] = {}  # the file itself (symlinks resolved) -> its path as first found
   for pattern in patterns:
-    expanded = os.path.expanduser(pattern)
-    if _GLOB_CHARS & set(expanded):
+    expanded = os.path.abspath(os.path.expanduser(pattern))
+    is_glob = bool(_GLOB_CHARS & set(expanded))
+    matches = []
+    if is_glob:
       matches = sorted(m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
-      if not matches:
-        raise FileNotFoundError(f"Glob {pattern!r} matched no files. {accepted}")
-    elif os.path.isdir(expanded):
+    if not matches and os.path.isdir(expanded):
       matches = _walk_sorted(expanded)
       if not matches:
         raise FileNotFoundError(f"Directory {pattern!r} contains no files. {accepted}")
-    elif os.path.isfile(expanded):
+    if not matches:
+      if not os.path.isfile(expanded):
+        what = "matched no files" if is_glob else "does not exist"
+        raise FileNotFoundError(f"{'Glob' if is_glob else 'Path'} {pattern!r} {what}. {accepted}")
       matches = [expanded]
-    else:
-      raise FileNotFoundError(f"Path {pattern!r} does not exist. {accepted}")
-    files.extend(matches)
-  return list(dict.fromkeys(files))
+    for m in matches:
+      files.setdefault(os.path.realpath(m), m)
+  return list(files.values())
 
 
 # Directories of the standard library left out of the default corpus. `test`, `tests` and

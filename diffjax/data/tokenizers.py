@@ -7,8 +7,8 @@ special tokens, since the data pipeline appends `eos_id` after every document (d
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -107,8 +107,19 @@ class _FileTokenizer:
     """Keeps `path`; FileNotFoundError naming the `kind` of file and the `expected` path
     when it is missing."""
     self.path = os.fspath(path)
+    self._kind, self._expected = kind, expected
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"{kind} {self.path!r} does not exist; pass a {expected}.")
+
+  def _read(self, read: Callable[[str], Any]) -> Any:
+    """``read(path)``; ValueError naming the file when its library cannot read it."""
+    try:
+      return read(self.path)
+    except Exception as e:  # noqa: BLE001 - each library raises its own types for a bad file
+      raise ValueError(
+        f"{self._kind} {self.path!r} cannot be read ({type(e).__name__}: {e}); it is damaged "
+        f"or of another kind: pass a {self._expected}."
+      ) from None
 
   def _set_special_ids(self, base_size: int, eos: int | None, pad: int | None) -> None:
     """Sets `eos_id`, `pad_id` and `vocab_size` for a file of `base_size` ids; an eos or pad the
@@ -144,7 +155,7 @@ class HFTokenizer(_FileTokenizer):
   def __init__(self, path: str | os.PathLike):
     super().__init__(path, "HF tokenizer file", "tokenizer.json path")
     tokenizers = import_extra("tokenizers", "tokenizers", f"reading the HF tokenizer {self.path}")
-    self._tok = tokenizers.Tokenizer.from_file(self.path)
+    self._tok = self._read(tokenizers.Tokenizer.from_file)
     self._set_special_ids(
       self._tok.get_vocab_size(with_added_tokens=True),
       eos=_first_known_id(self._tok.token_to_id, _HF_EOS_NAMES),
@@ -177,7 +188,7 @@ class SentencePieceTokenizer(_FileTokenizer):
     sentencepiece = import_extra(
       "sentencepiece", "tokenizers", f"reading the SentencePiece model {self.path}"
     )
-    self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+    self._sp = self._read(lambda path: sentencepiece.SentencePieceProcessor(model_file=path))
     eos, pad = self._sp.eos_id(), self._sp.pad_id()  # -1: the model has none
     self._set_special_ids(
       self._sp.get_piece_size(), eos=eos if eos >= 0 else None, pad=pad if pad >= 0 else None

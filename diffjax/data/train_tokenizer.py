@@ -6,6 +6,7 @@ docs/data.md#prepared-corpora-of-any-size.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--min_frequency", type=int, default=2)
   p.add_argument("--text_field", default="text", help="JSONL field / Parquet column")
   args = p.parse_args(argv)
+  folder = os.path.dirname(os.path.abspath(args.output))
+  if not os.path.isdir(folder) or os.path.isdir(args.output):
+    print(
+      f"error: --output={args.output!r} cannot be written: "
+      + ("it is a directory" if os.path.isdir(args.output) else f"no directory {folder!r}")
+      + "; name a file in an existing directory.",
+      file=sys.stderr,
+    )
+    return 2
   t0 = time.perf_counter()
   try:
     tok = train_bpe(iter_texts(args.input, args.text_field), args.vocab_size, args.min_frequency)

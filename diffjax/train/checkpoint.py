@@ -292,6 +292,20 @@ def check_data_order(saved: dict, current: dict, directory) -> None:
     )
 
 
+def check_corpus(saved: dict | None, current: dict, directory) -> None:
+  """Refuses to resume on a corpus other than the one the saved data position belongs to
+  (``saved``, ``current``: :meth:`diffjax.data.Datasets.identity`; a checkpoint saved without
+  one is not compared): its files were changed, added or removed since."""
+  if saved and saved != current:
+    raise CheckpointError(
+      f"The corpus is not the one the checkpoint in {directory} was trained on: saved "
+      f"{saved['documents']:,} documents of {saved['tokens']:,} tokens (digest {saved['sha256']}), "
+      f"now {current['documents']:,} of {current['tokens']:,} ({current['sha256']}); its files "
+      "changed since. The saved data position would read other tokens: restore the files, or "
+      "start a new --workdir (checkpoint.init_from naming this run takes its weights)."
+    )
+
+
 def _sds_reshaped(
   x: Any, shape: tuple[int, ...], spec: Callable[[Any], tuple]
 ) -> jax.ShapeDtypeStruct:

@@ -99,7 +99,7 @@ def evaluate_loss(eval_step, params, batches, to_global, step: int = 0) -> float
     s, c = eval_step(params, to_global(b), jnp.int32(step))
     total += float(s)
     count += float(c)
-  return total / max(count, 1.0)
+  return total / count if count else math.nan  # nan: no target token was scored
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -133,6 +133,17 @@ class Trainer:
     self.last_train_loss = float("nan")
     self.last_eval: dict[str, float] = {}
     self.pending: list[tuple[int, dict]] = []
+    self._said_unscored: set[str] = set()
+
+  def _unscored(self, kind: str, what: str) -> None:
+    """Says once per run and ``kind`` (train, eval) that ``what`` scored no token."""
+    if kind not in self._said_unscored:
+      self._said_unscored.add(kind)
+      self.progress.message(
+        f"{what} scored no token: its loss is over nothing (an eval reports nan). With "
+        "task_mix.loss='answers', an answer must fall inside a seq_len window: raise seq_len or "
+        "shorten the task's examples."
+      )
 
   def run(self) -> dict[str, Any]:
     """Trains (or resumes) the run and returns :func:`train_and_evaluate`'s result.
@@ -258,6 +269,7 @@ class Trainer:
       "config": json.loads(cfg.to_json()),
       # The module that registered the arm: what loading the run imports to know the arm.
       "arm_module": arms.module_of(self.model_cfg.attention),
+      "data": self.data.identity(),
     }
     self.train_iter = self.data.new_train_iter()
     self.progress = Progress(cfg.num_steps, 0, log_every=cfg.log_every, enabled=self.is_main)
@@ -278,6 +290,7 @@ class Trainer:
     )
     # So is a change of what the steps read (the saved data position would mean other tokens).
     ckpt.check_data_order(saved.get("config") or {}, self.meta["config"], self.manager.directory)
+    ckpt.check_corpus(saved.get("data"), self.meta["data"], self.manager.directory)
 
   def _restore_or_init(self) -> None:
     latest, state = ckpt.restore_newest_good(
@@ -501,6 +514,8 @@ class Trainer:
           "train/lr": float(m["lr"]),
           "train/tokens": float(m["tokens"]),
         }
+        if not vals["train/tokens"]:
+          self._unscored("train", f"Training step {s}")
         if "batch_hash" in m:
           vals["data/batch_hash"] = m["batch_hash"]
         self.writer.write(s, vals)
@@ -544,6 +559,8 @@ class Trainer:
         self.setup.eval_step, params, self.val_batches, self._to_global, self.step
       )
       vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+      if math.isnan(loss):
+        self._unscored("eval", f"The evaluation at step {self.step}")
       if self.val_tokens_per_byte is not None:
         vals["eval/bits_per_byte"] = loss * self.val_tokens_per_byte / math.log(2.0)
       if arms.get(self.model_cfg.attention).lambda_report != "none":

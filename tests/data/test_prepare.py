@@ -3,6 +3,7 @@ idempotence, one-line errors, and a training run on a prepared corpus that resum
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -253,3 +254,67 @@ def test_train_on_prepared_stdlib_resumes_exactly(tmp_path):
       and a[s]["data/batch_hash"] == b[s]["data/batch_hash"]
     )
   assert straight["eval/loss"] == resumed["eval/loss"]
+
+
+def _marked_processes(mark: str) -> list[int]:
+  """The live processes whose environment holds ``mark`` (this user's, from /proc)."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if mark.encode() in f.read():
+          found.append(int(pid))
+    except OSError:  # gone, or not ours
+      pass
+  return found
+
+
+@pytest.mark.integration  # a preparation in worker processes, stopped
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_sigterm_stops_prepare_and_its_workers_and_the_rerun_resumes(tmp_path):
+  src = tmp_path / "raw"
+  src.mkdir()
+  rng = np.random.default_rng(0)
+  for i in range(120):
+    (src / f"{i:03d}.txt").write_bytes(
+      rng.integers(97, 123, size=100_000, dtype=np.uint8).tobytes()
+    )
+  mark = f"DIFFJAX_PREPARE_TEST_{os.getpid()}_{id(tmp_path)}"
+  args = [
+    "--input",
+    str(src),
+    "--output",
+    str(tmp_path / "p"),
+    "--workers",
+    "2",
+    "--files_per_unit",
+    "1",
+  ]
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "diffjax.data.prepare", *args],
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", **{mark: "1"}),
+  )
+  seen = []
+  for line in proc.stderr:  # the first unit done: the workers are at work
+    seen.append(line)
+    if line.startswith("prepare: "):
+      proc.send_signal(signal.SIGTERM)
+      break
+  err = "".join(seen) + proc.stderr.read()
+  assert proc.wait(timeout=60) == 130, err[-3000:]
+  assert _marked_processes(mark) == [], "workers outlived the command"
+  lines = [line for line in own_stderr(err) if line.strip() and not line.startswith("prepare: 1")]
+  assert lines and "stopped by signal 15" in lines[-1] and "Traceback" not in err, err[-3000:]
+  done = subprocess.run(
+    [sys.executable, "-m", "diffjax.data.prepare", *args],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert read_manifest(str(tmp_path / "p")).num_documents == 120

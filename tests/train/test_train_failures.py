@@ -198,3 +198,71 @@ def test_a_path_that_cannot_be_written_is_one_error_line(capsys):
   assert err == [
     "error: [Errno 13] Permission denied: '/sys/run': choose a directory this user can write"
   ]
+
+
+# --- the corpus under a run ------------------------------------------------------------------------
+
+
+@pytest.mark.integration  # two short runs of train.py
+def test_a_resume_on_a_corpus_whose_files_changed_is_refused(tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(12):
+    (corpus / f"d{i:02d}.py").write_text(f"def f{i}(x):\n  return x + {i}\n" * 20)
+  args = [
+    *SMALL_RUN,
+    "--config.data.kind=text",
+    f"--config.data.paths=('{corpus}',)",
+    "--config.eval_batches=1",
+  ]
+  env_cache = {"DIFFJAX_DATA_CACHE": str(tmp_path / "cache")}
+  wd = tmp_path / "run"
+
+  def train(steps):
+    return subprocess.run(
+      [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={wd}", *args, steps],
+      capture_output=True,
+      text=True,
+      cwd=tmp_path,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", **env_cache),
+      timeout=WAIT_LIMIT_S,
+    )
+
+  first = train("--config.num_steps=2")
+  assert first.returncode == 0, first.stderr[-3000:]
+  before = sorted(os.listdir(wd / "checkpoints"))
+  (corpus / "d05.py").write_text("def g():\n  pass\n")  # one file rewritten
+  line = error_line(train("--config.num_steps=4"))
+  assert "The corpus is not the one the checkpoint" in line and "now 12 of" in line, line
+  assert sorted(os.listdir(wd / "checkpoints")) == before  # nothing moved
+  (corpus / "d05.py").write_text("def f5(x):\n  return x + 5\n" * 20)  # restored
+  again = train("--config.num_steps=4")
+  assert again.returncode == 0 and "Resumed from step 2" in again.stdout, again.stderr[-3000:]
+
+
+@pytest.mark.integration  # a short training run
+def test_an_evaluation_that_scores_no_token_is_nan_and_said(tmp_path):
+  # Associative recall scored on its answers only, in windows too short to hold one.
+  r = train_cli(
+    [
+      *SMALL_RUN,
+      "--config.num_steps=2",
+      "--config.eval_every=2",
+      "--config.eval_batches=1",
+      "--config.task_mix.task=associative_recall",
+      "--config.task_mix.fraction=1",
+      "--config.task_mix.num_examples=40",
+      "--config.task_mix.loss=answers",
+      "--config.task_mix.num_pairs=4",
+    ],
+    cwd=tmp_path,
+    workdir=tmp_path / "run",
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  said = [line for line in r.stdout.splitlines() if "scored no token" in line]
+  assert [line.split(" scored")[0] for line in said] == [
+    "Training step 1",
+    "The evaluation at step 2",
+  ]
+  final = metrics_rows(tmp_path / "run")[-1]
+  assert math.isnan(final["eval/loss"]) and math.isnan(final["eval/perplexity"]), final
