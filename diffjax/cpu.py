@@ -50,7 +50,8 @@ def cpu_compiler_options() -> dict[str, Any]:
 
   Each option is tried once on a one-line program; a jaxlib that does not know an option
   (a newer or older release) simply runs without it. Pass the result as
-  ``compiler_options=`` to ``jax.jit`` or ``nnx.jit`` for functions that run on a CPU.
+  ``compiler_options=`` to ``jax.jit`` for functions that run on a CPU (``nnx.jit`` takes no
+  compiler options: ``jax.jit`` a function of the ``nnx.split`` state instead).
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -133,7 +134,7 @@ def cpu_setup(*, keep_freed_memory: bool = True, xla_flags: bool = True) -> dict
       warnings.warn(
         "diffjax.cpu_setup(): JAX has already started its backends, so XLA_FLAGS can no "
         "longer change; call cpu_setup() before the first JAX computation, or pass "
-        "compiler_options=diffjax.cpu_compiler_options() to jax.jit / nnx.jit.",
+        "compiler_options=diffjax.cpu_compiler_options() to jax.jit (nnx.jit takes none).",
         stacklevel=2,
       )
     elif wanted:

@@ -57,7 +57,7 @@ def _grouped_logits(q_BxTxHxD, k_BxSxKxD, scale: float) -> jax.Array:
   logits_BxKxGxTxS = jnp.einsum(
     "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=acc
   )
-  return logits_BxKxGxTxS.reshape(b, h, t, -1) * jnp.asarray(scale, acc)
+  return logits_BxKxGxTxS.reshape(b, h, t, k_BxSxKxD.shape[1]) * jnp.asarray(scale, acc)
 
 
 def masked_softmax(logits_BxHxTxS: jax.Array, mask) -> jax.Array:
@@ -115,7 +115,7 @@ def _apply_probs(probs_BxHxTxS, v_BxSxKxDv, out_dtype) -> jax.Array:
     v_BxSxKxDv,
     preferred_element_type=accumulation_dtype(v_BxSxKxDv.dtype),
   )
-  return out_BxTxKxGxDv.reshape(b, t, h, -1).astype(out_dtype)
+  return out_BxTxKxGxDv.reshape(b, t, h, v_BxSxKxDv.shape[3]).astype(out_dtype)
 
 
 def _mask_and_scale(q_BxTxHxD, k_BxSxKxD, causal, segment_ids, mask, scale):

@@ -106,6 +106,25 @@ class Block(nnx.Module):
     return h_BxTxE
 
 
+def _check_scannable(cfg: ModelConfig, blocks: list[Block]) -> None:
+  """Refuses to stack layers whose attention modules hold a per-layer number (an attribute,
+  not a parameter) that the arm's ``layer_constants`` do not pass to the scanned layers: built
+  from layer 0, the stack would use layer 0's value in every layer."""
+  passed = set(arms.get(cfg.attention).layer_constants(cfg))
+  first = vars(blocks[0].attn)
+  for i, block in enumerate(blocks[1:], 1):
+    for name, value in vars(block.attn).items():
+      if name in passed or not isinstance(value, (int, float)) or value == first.get(name):
+        continue
+      raise ValueError(
+        f"Arm {cfg.attention!r} builds attention modules whose {name!r} differs by layer "
+        f"({first.get(name)!r} in layer 0, {value!r} in layer {i}), but its ArmSpec's "
+        "layer_constants do not pass it, so scanned layers (model.scan_layers=True) would all "
+        f"use layer 0's: list it in layer_constants (as diffjax.arms.diff_v1 does for "
+        "lambda_init), or set model.scan_layers=False."
+      )
+
+
 class DecoderLM(nnx.Module):
   """Token embedding, ``num_layers`` pre-norm blocks, final RMSNorm, LM head.
 
@@ -147,6 +166,7 @@ class DecoderLM(nnx.Module):
     # Built one by one in both layouts, so a scanned model starts from the same draws.
     blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
     if cfg.scan_layers:
+      _check_scannable(cfg, blocks)
       self.layers = stack_modules(blocks, axis_name="layers")
     else:
       self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from diffjax import ops
@@ -96,6 +97,12 @@ def _check_heads(num_heads: int, num_kv_heads: int, d_model: int, head_dim: int)
 
 
 def _positions(x_BxTxE, positions_BxT):
+  """The positions of a call (0..T-1 by default); refuses an input that is not [B, T, E]."""
+  if getattr(x_BxTxE, "ndim", None) != 3:
+    raise ValueError(
+      f"An attention module takes x_BxTxE of rank 3 [batch, length, d_model]; got shape "
+      f"{getattr(x_BxTxE, 'shape', type(x_BxTxE).__name__)}: add the missing axis (x[None])."
+    )
   if positions_BxT is not None:
     return positions_BxT
   b, t = x_BxTxE.shape[:2]
@@ -173,7 +180,11 @@ def cache_window(slots: int | None):
 
 
 def _cache_arrays(shapes: dict[str, tuple[int, int, int, int]], dtype) -> dict[str, jax.Array]:
-  """Zero arrays of the given [B, S, K, width] shapes, in the current layout."""
+  """Zero arrays of the given [B, S, K, width] shapes, in the current layout; refuses a batch
+  or max_length below 1."""
+  b, s = next(iter(shapes.values()))[:2]
+  if not all(isinstance(n, (int, np.integer)) and n >= 1 for n in (b, s)):
+    raise ValueError(f"init_cache(batch={b!r}, max_length={s!r}): both must be integers >= 1.")
   if _head_major():
     return {
       name: constrain(jnp.zeros((b, k, s, w), dtype), _HEAD_MAJOR_AXES)
@@ -288,14 +299,33 @@ class _BaselineKVCache:
 
 
 def _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture: bool, hooks: Hooks) -> bool:
-  """True for a decode step (T == 1), False for a prefill; refuses what cannot mix."""
+  """True for a decode step (T == 1), False for a prefill; refuses what cannot mix: a prefill
+  longer than the cache, and one into a cache whose rows are known (outside jit) to be filled."""
   if capture or hooks.needs_reference:
     raise ValueError(
       "capture=True and reference hooks analyse a full forward; call without cache= for them."
     )
   if cache_lengths_B is None:
     raise ValueError("cache= needs cache_lengths_B (int [B]: the filled slots of each row).")
-  return x_BxTxE.shape[1] == 1
+  t = x_BxTxE.shape[1]
+  slots = next(iter(cache.values())).shape[2 if _head_major() else 1]
+  if t > slots:
+    raise ValueError(
+      f"{t} tokens do not fit a KV cache of {slots} slots: make it with "
+      f"init_cache(batch, max_length >= {t})."
+    )
+  if t > 1:
+    try:
+      filled = np.asarray(cache_lengths_B)
+    except jax.errors.TracerArrayConversionError:  # under jit: the caller's to keep
+      filled = None
+    if filled is not None and filled.any():
+      raise ValueError(
+        f"A call of {t} tokens with cache= is a prefill into an empty cache: it attends to its "
+        f"own tokens only, but cache_lengths_B={filled.tolist()} has filled slots. Prefill the "
+        "whole prompt in one call, then decode one token per call."
+      )
+  return t == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,8 +350,8 @@ class _Call:
     if cache is None:
       explicit = _explicit_maps(capture, hooks)
       return cls(module.options, segment_ids_BxT, hooks, explicit, capture=capture)
-    decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
     _check_cache_layout(cache, new)
+    decoding = _check_cache_call(x_BxTxE, cache, cache_lengths_B, capture, hooks)
     cache = _write_cache(cache, new, cache_lengths_B)
     opts = module.options
     return cls(opts, segment_ids_BxT, hooks, False, decoding, cache, cache_lengths_B, tuple(new))

@@ -137,7 +137,9 @@ def activation_sharding(
   """Within this context (at trace time), :func:`constrain` applies the rules.
 
   ``context_strategy`` and ``context_load_balance`` configure attention when the rules
-  shard ``length`` over a mesh axis of size > 1 (see :class:`ContextParallel`).
+  shard ``length`` over a mesh axis of size > 1 (see :class:`ContextParallel`). With
+  ``context_load_balance`` (the default) the sequences must be in zig-zag order, as the
+  trainer's steps put them; pass False for sequences in their natural order.
   """
   if context_strategy not in CONTEXT_STRATEGIES:
     raise ValueError(f"context_strategy={context_strategy!r} is not one of {CONTEXT_STRATEGIES}.")

@@ -43,7 +43,7 @@ SPEC = arms.register(arms.ArmSpec(
     attention_params=diff_v1.SPEC.attention_params, matmul_params=diff_v1.SPEC.matmul_params,
     attention_flops=diff_v1.SPEC.attention_flops,
     match=lambda base, how: diff_v1.match(base, how).replace(attention="v1_const"),
-    lambda_report="scalar", head_norm=True))
+    lambda_report="scalar", layer_constants=diff_v1.SPEC.layer_constants, head_norm=True))
 '''
 
 CONFIG = """
@@ -137,3 +137,29 @@ def test_the_registry_names_arms_and_refuses_clashes(registry):
     arms.get("nope", module="no_such_module")
   with pytest.raises(ValueError, match="lambda_report='per_head'"):
     arms.ArmSpec(**{**mine.__dict__, "lambda_report": "per_head"})
+
+
+def test_an_arm_whose_layers_differ_outside_its_layer_constants_is_not_scanned(registry):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from diffjax.model import ModelConfig  # pylint: disable=import-outside-toplevel
+
+  # DIFF V1's module scales by (1 - lambda_init), which differs by layer.
+  without = arms.ArmSpec(
+    **{**arms.get("diff_v1").__dict__, "name": "no_constants", "layer_constants": lambda cfg: {}}
+  )
+  arms.register(without)
+  base = ModelConfig(
+    attention="no_constants", vocab_size=64, d_model=32, num_layers=3, num_heads=2,
+    num_kv_heads=2, head_dim=8, mlp_dim=64, scan_layers=True,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"'lambda_init' differs by layer .*layer_constants"):
+    diffjax.DecoderLM(base, rngs=nnx.Rngs(0))
+  unrolled = diffjax.DecoderLM(base.replace(scan_layers=False), rngs=nnx.Rngs(0))
+  # With the constants passed, the scanned model computes the unrolled one's function.
+  cfg = base.replace(attention="diff_v1")
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 64
+  scanned = diffjax.DecoderLM(cfg, rngs=nnx.Rngs(0))(tokens)
+  same = diffjax.DecoderLM(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))(tokens)
+  assert jnp.allclose(scanned, same, atol=1e-5) and unrolled(tokens).shape == same.shape

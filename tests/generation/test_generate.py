@@ -77,6 +77,24 @@ def test_a_cache_used_under_another_layout_is_refused_and_the_layouts_are_named(
   assert decode_cache_layout() == "head_major"  # these tests run on a CPU
 
 
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+def test_a_cache_call_that_would_be_computed_wrong_is_refused(layout):
+  model = _model("diff_v1")
+  tokens = jnp.arange(10, dtype=jnp.int32).reshape(1, 10) % VOCAB
+  with cache_layout(layout):
+    cache = model.init_cache(1, 8)
+    _, cache = model(tokens[:, :5], cache=cache, cache_lengths_B=jnp.zeros(1, jnp.int32))
+    # More tokens after a filled prefix would attend to themselves only: refused (outside jit).
+    with pytest.raises(ValueError, match=r"prefill into an empty cache.*\[5\] has filled slots"):
+      model(tokens[:, 5:8], jnp.arange(5, 8)[None], cache=cache, cache_lengths_B=jnp.array([5]))
+    with pytest.raises(ValueError, match="10 tokens do not fit a KV cache of 8 slots"):
+      model(tokens, cache=model.init_cache(1, 8), cache_lengths_B=jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match=r"init_cache\(batch=1, max_length=0\)"):
+      model.init_cache(1, 0)
+  with pytest.raises(ValueError, match=r"rank 3 \[batch, length, d_model\]; got shape \(10, 32\)"):
+    model.layer(0).attn(jnp.zeros((10, 32)))
+
+
 def _next_logits_fn(model, width: int = 24):
   """Full-forward next-token logits of a token list (padded to one jitted width: causal)."""
   forward = jax.jit(lambda toks_1xT: model(toks_1xT)[0])

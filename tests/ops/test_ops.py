@@ -320,6 +320,28 @@ def test_fully_masked_rows_give_zeros():
   assert np.abs(out[0, 0]).max() > 1e-3
 
 
+@pytest.mark.parametrize("b,t,s", [(2, 0, 5), (0, 3, 5), (2, 3, 0), (0, 0, 0)])
+@pytest.mark.parametrize("implementation", ["auto", "xla"])
+def test_empty_batches_sequences_and_key_ranges(b, t, s, implementation):
+  # No query row: an empty output. No key: every row sees none, so zeros (as masked rows).
+  q1, q2 = jnp.ones((b, t, 2, 8)), jnp.ones((b, t, 2, 8))
+  k, v = jnp.ones((b, s, 2, 8)), jnp.ones((b, s, 2, 16))
+  cases = [
+    (ops.dot_product_attention, (q1, k, v), 16),
+    (ops.diff_v1_attention_core, (q1, q2, k, k, v, jnp.full((2,), 0.5)), 16),
+    (ops.diff_v2_attention, (jnp.ones((b, t, 4, 8)), k, k, jnp.ones((b, t, 2))), 8),
+  ]
+  for op, args, width in cases:
+    out = op(*args, implementation=implementation)
+    assert out.shape == (b, t, 2, width) and out.dtype == q1.dtype
+    assert not np.asarray(out).any()
+    grad = jax.grad(
+      lambda x, op=op, args=args: op(x, *args[1:], implementation=implementation).sum()
+    )
+    g = grad(args[0])
+    assert g.shape == args[0].shape and not np.asarray(g).any()
+
+
 def test_fully_masked_rows_have_zero_gradients():
   rng = np.random.default_rng(16)
   q1, q2, k1, k2, v = v1_inputs(rng, 1, 4, 4, 2, 1, 8)

@@ -226,7 +226,7 @@ SCORE_BYTES_PER_STEP = 4 << 20
 
 def _rows_per_step(q_BxKxRxD, k_BxKxSxD, maps: int = 1) -> int:
   _, kv, r, _ = q_BxKxRxD.shape
-  return max(1, SCORE_BYTES_PER_STEP // (4 * maps * kv * r * k_BxKxSxD.shape[2]))
+  return max(1, SCORE_BYTES_PER_STEP // max(1, 4 * maps * kv * r * k_BxKxSxD.shape[2]))
 
 
 def _over_batch(fn, maps, rows, keys, q_seg, kv_seg, t, causal, scale):
@@ -288,7 +288,10 @@ def _attention(
   ``(q,)`` [B, T, H, D] and keys ``(k, v)`` [B, S, K, ...]; with ``lam_BxTxH``,
   ``(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) V`` for ``(q1, q2)`` and ``(k1, k2, v)``.
   ``scale`` None is 1 / sqrt(D)."""
-  t, kv = queries[0].shape[1], keys[0].shape[2]
+  b, t, h, _ = queries[0].shape
+  kv, s = keys[0].shape[2], keys[0].shape[1]
+  if 0 in (b, t, s):  # no query row, or no key (every row sees none: zero, as masked rows)
+    return jnp.zeros((b, t, h, keys[-1].shape[-1]), queries[0].dtype)
   rows = ()
   if lam_BxTxH is not None:
     acc = accumulation_dtype(queries[0].dtype)
