@@ -123,6 +123,12 @@ class ComparisonConfig(Section):
         raise ValueError(f"{name}={value!r} must be a section of keys.")
     object.__setattr__(self, "eval", ComparisonEval.from_config(self.eval))
     object.__setattr__(self, "report", ComparisonReport.from_config(self.report))
+    known = (*registered_arms(), *self.variants)
+    for key, name in (("baseline", self.report.baseline),) + tuple(
+      ("also_against", a) for a in self.report.also_against
+    ):
+      if name not in known:
+        raise ValueError(f"report.{key}={name!r} is no arm; choose from {list(known)}.")
     if not isinstance(self.base, ml_collections.ConfigDict):
       if not isinstance(self.base, Mapping):
         raise ValueError(f"base={self.base!r} must be a run config (configs/default.py's keys).")

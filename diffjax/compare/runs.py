@@ -75,10 +75,21 @@ _HOW_IT_RUNS = (
 )
 
 
+def _trained_past(run: RunConfig, run_dir: str, step: int | None) -> None:
+  if step is not None and step > run.num_steps:
+    raise ckpt.CheckpointError(
+      f"{run_dir} was trained to step {step}, past the comparison's num_steps={run.num_steps}: "
+      f"its results would be reported as {run.num_steps} steps and paired with runs of that "
+      f"length. Ask for num_steps={step}, or give the comparison a new --workdir."
+    )
+
+
 def check_trained_as(run: RunConfig, run_dir: str) -> None:
-  """Refuses a run directory whose newest checkpoint was saved under other values of
-  :data:`TRAINED_BY` than ``run``'s (a key the saved config lacks is not compared); a
-  directory without a readable checkpoint passes (the trainer deals with it)."""
+  """Refuses a run directory trained past ``run.num_steps`` (its DONE marker or newest
+  checkpoint), or whose newest checkpoint was saved under other values of :data:`TRAINED_BY`
+  than ``run``'s (a key the saved config lacks is not compared); a directory without a
+  readable checkpoint passes (the trainer deals with it)."""
+  _trained_past(run, run_dir, done_step(run_dir))
   directory = os.path.join(run_dir, "checkpoints")
   if not epath.Path(directory).is_dir():
     return
@@ -87,6 +98,7 @@ def check_trained_as(run: RunConfig, run_dir: str) -> None:
     steps = manager.all_steps()
     if not steps:
       return
+    _trained_past(run, run_dir, max(steps))
     saved = ckpt.read_meta(manager, max(steps)).get("config") or {}
   except ckpt.CorruptCheckpointError:
     return

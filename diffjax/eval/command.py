@@ -161,6 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
       return cli.EXIT_INTERRUPTED
 
 
+def _check_writable(out: str) -> None:
+  """Refuses an output path that is a directory or lies under a file."""
+  if os.path.isdir(out):
+    raise BadInput(f"--out={out!r} is a directory; name the JSON file to write.")
+  folder = os.path.dirname(os.path.abspath(out))
+  while not os.path.exists(folder):
+    folder = os.path.dirname(folder)
+  if not os.path.isdir(folder):
+    raise BadInput(f"--out={out!r} cannot be written: {folder!r} is a file, not a directory.")
+
+
 def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
   if args.workdir is None:
     raise BadInput(f"--workdir is required; {USAGE}")
@@ -169,6 +180,8 @@ def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
   check_overrides(overrides)  # before the model is loaded: a typo costs no waiting
   if not os.path.isdir(args.workdir):
     raise BadInput(f"--workdir {args.workdir!r} is not a directory; pass a training run's workdir.")
+  out = args.out or os.path.join(args.workdir, "eval.json")
+  _check_writable(out)  # before the evaluation: a bad --out costs no waiting
   t0 = time.time()
   model, config, step = _load(args.workdir, args.step)
   seq_len = args.seq_len or int(config.get("seq_len", 0) or 0)
@@ -198,7 +211,6 @@ def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
   }
   log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
   result = evaluate.evaluate_model(model, val, cfg, meta=meta, log=log)
-  out = args.out or os.path.join(args.workdir, "eval.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_json(out, result)
   s = result["scalars"]

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffjax import cli
+from diffjax.errors import run_guarded
 from diffjax.eval import display, plots, sections
 from diffjax.eval.aggregate import BASELINE, aggregate, by_arm, summary_lines
 from diffjax.train.records import METRICS_FILE, read_metrics
@@ -63,7 +65,10 @@ def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
 
 def _read_json(path: str) -> dict:
   with open(path, encoding="utf-8") as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path!r} is not whole JSON ({e}); evaluate the run again.") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,9 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--baseline", default=BASELINE, help="arm the others are paired against")
   p.add_argument("--confidence", type=float, default=0.95)
   args = p.parse_args(argv)
-  runs = load_results(args.runs)
-  path = write_report(runs, args.out, args.baseline, args.confidence)
-  print(f"wrote {path}")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    print(f"error: --out={args.out!r} is a file; name a directory for the report.", file=sys.stderr)
+    return 2
+  paths = []
+  status = run_guarded(
+    lambda: paths.append(
+      write_report(load_results(args.runs), args.out, args.baseline, args.confidence)
+    )
+  )
+  if status:
+    return status
+  print(f"wrote {paths[0]}")
   return 0
 
 

@@ -105,7 +105,9 @@ def test_a_user_arm_trains_evaluates_decodes_and_shards(tmp_path):
   assert "[v1_const, step 4]" in rest.stderr and rest.stdout.endswith("\n"), rest.stderr[-2000:]
   result = json.load(open(eval_json, encoding="utf-8"))
   assert result["meta"]["arm"] == "v1_const"
-  assert result["sections"]["text"]["lambda"] == {"kind": "scalar", "layers": [0.5]}
+  # The arm's lambda, with the per-layer constants it passes (lambda_init of layer 0).
+  lam = result["sections"]["text"]["lambda"]
+  assert lam == {"kind": "scalar", "layers": [0.5], "lambda_init": [pytest.approx(0.2)]}
   assert result["sections"]["text"]["correlation"]["kind"] == "a1_a2"  # two maps per head
 
   # Without the arm's module on the path, loading the run says which module it needs.

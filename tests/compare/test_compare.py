@@ -231,6 +231,23 @@ def test_a_run_trained_with_other_settings_is_refused(compared, tmp_path):
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def test_runs_trained_past_the_asked_steps_are_refused(compared, tmp_path):
+  """Fewer steps than the runs were trained to: their results would be reported (and paired)
+  as the shorter length."""
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  shorter = tmp_path / "shorter.py"
+  text = config_path.read_text()
+  assert f"= 32, 4, {STEPS}" in text
+  shorter.write_text(text.replace(f"= 32, 4, {STEPS}", f"= 32, 4, {STEPS - 2}"))
+  report = (copy / "report.md").read_bytes()
+  r = _cli(shorter, copy)
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+  assert f"trained to step {STEPS}, past the comparison's num_steps={STEPS - 2}" in r.stderr
+  assert "skipping training" not in r.stdout and (copy / "report.md").read_bytes() == report
+
+
 def test_unfinished_run_resumes_from_its_checkpoint(compared):
   workdir, config_path, _ = compared
   run_dir = _run_dir(workdir, "diff_v1", 1)
@@ -432,6 +449,12 @@ def test_a_comparison_built_in_code_is_checked_too():
     compare.ComparisonConfig(base=base, allow_divergence="yes")
   with pytest.raises(ValueError, match="report.confidence=1.5 must be in"):
     compare.ComparisonConfig(base=base, report=dict(confidence=1.5))
+  with pytest.raises(
+    ValueError, match=r"report.baseline='diff_v9' is no arm; choose from \['transformer'"
+  ):
+    compare.ComparisonConfig(base=base, report=dict(baseline="diff_v9"))
+  with pytest.raises(ValueError, match="report.also_against='nope' is no arm"):
+    compare.ComparisonConfig(base=base, report=dict(also_against=("diff_v1", "nope")))
   config = compare.ComparisonConfig(base=base, arms="transformer,diff_v1", seeds=3)
   assert (config.arms, config.seeds, config.workers) == (("transformer", "diff_v1"), (3,), 1)
   # Without a file to give back, its JSON is that of the ConfigDict it stands for.

@@ -102,3 +102,31 @@ def test_a_step_the_run_lacks_is_one_error_line_with_status_2(trained_run):
   lines = [line for line in own_stderr(r.stderr) if line.strip()]
   assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
   assert "step=7 is not among the checkpoints" in lines[0] and "[2]" in lines[0], lines[0]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_evaluation(capsys, tmp_path):
+  run = tmp_path / "run"  # no checkpoint: the --out check comes first
+  run.mkdir()
+  (tmp_path / "afile").write_text("")
+  for out, wanted in (
+    (tmp_path / "afile" / "x.json", "is a file, not a directory"),
+    (run, "is a directory; name the JSON file"),
+  ):
+    status, _, err = _run(capsys, f"--workdir={run}", f"--out={out}")
+    assert status == 2 and err.startswith("error: --out=") and wanted in err, err
+    assert err.count("\n") == 1
+
+
+def test_the_report_command_answers_bad_input_in_one_line(capsys, tmp_path):
+  from diffjax.eval import report  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "cut.json").write_text('{"meta": ')
+  (tmp_path / "afile").write_text("")
+  for argv, wanted in (
+    ([str(tmp_path / "missing"), "--out", str(tmp_path / "r")], "neither a run directory"),
+    ([str(tmp_path / "cut.json"), "--out", str(tmp_path / "r")], "is not whole JSON"),
+    ([str(tmp_path), "--out", str(tmp_path / "afile")], "is a file; name a directory"),
+  ):
+    assert report.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and wanted in err and err.count("\n") == 1, err
