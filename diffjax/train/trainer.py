@@ -559,8 +559,8 @@ class Trainer:
         self.setup.eval_step, params, self.val_batches, self._to_global, self.step
       )
       vals = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
-      if math.isnan(loss):
-        self._unscored("eval", f"The evaluation at step {self.step}")
+      if math.isnan(loss) and not any(b["loss_mask"].any() for b in self.val_batches):
+        self._unscored("eval", f"The evaluation at step {self.step}")  # not a diverged model
       if self.val_tokens_per_byte is not None:
         vals["eval/bits_per_byte"] = loss * self.val_tokens_per_byte / math.log(2.0)
       if arms.get(self.model_cfg.attention).lambda_report != "none":
