@@ -373,6 +373,7 @@ def collect_run(
     "metrics": metrics,
     "eval": {**(ev or {}), "scalars": scalars},
     "eval_file": ev,
-    "train_seconds": final.get("wall_s", seconds["train"]),
+    # Every attempt's, for a run stopped and resumed (the last attempt's before it was kept).
+    "train_seconds": final.get("wall_s_all_attempts", final.get("wall_s", seconds["train"])),
     "eval_seconds": seconds["eval"],
   }

@@ -134,6 +134,8 @@ class Trainer:
     self.last_eval: dict[str, float] = {}
     self.pending: list[tuple[int, dict]] = []
     self._said_unscored: set[str] = set()
+    # The wall time of the attempts before this one, up to the checkpoint it resumes from.
+    self.earlier_wall_s = 0.0
 
   def _unscored(self, kind: str, what: str) -> None:
     """Says once per run and ``kind`` (train, eval) that ``what`` scored no token."""
@@ -291,6 +293,7 @@ class Trainer:
     # So is a change of what the steps read (the saved data position would mean other tokens).
     ckpt.check_data_order(saved.get("config") or {}, self.meta["config"], self.manager.directory)
     ckpt.check_corpus(saved.get("data"), self.meta["data"], self.manager.directory)
+    self.earlier_wall_s = float(saved.get("wall_s", 0.0))  # the step restored is checked last
 
   def _restore_or_init(self) -> None:
     latest, state = ckpt.restore_newest_good(
@@ -571,7 +574,8 @@ class Trainer:
 
   def _save(self) -> None:
     with self.clock.phase("checkpoint"):
-      ckpt.save(self.manager, self.step, self.state, self.train_iter, self.meta, force=True)
+      meta = dict(self.meta, wall_s=self.earlier_wall_s + self.clock.wall())  # every attempt's
+      ckpt.save(self.manager, self.step, self.state, self.train_iter, meta, force=True)
 
   # ---- 5. the end ----------------------------------------------------------------------------
 
@@ -595,6 +599,8 @@ class Trainer:
       "params": self.n_params,
       "train/skipped_updates": self.skipped,
       "wall_s": summary["wall_s"],
+      # With the attempts before this one, each up to the checkpoint the next resumed from.
+      "wall_s_all_attempts": self.earlier_wall_s + summary["wall_s"],
       **{f"perf/{k}": v for k, v in self.throughput.summary().items()},
       "perf/model_flops_per_token": self.flops.model,
       "perf/hardware_flops_per_token": self.flops.hardware,

@@ -176,6 +176,16 @@ def test_resume_keeps_one_metrics_line_per_step(tmp_path):
   assert result["step"] == 4 and result["eval/loss"] == rows[-1]["eval/loss"]
 
 
+@pytest.mark.integration  # two short runs
+def test_the_wall_time_of_a_resumed_run_counts_every_attempt(tmp_path):
+  wd = tmp_path / "run"
+  first = train_and_evaluate(tiny_eval_config(steps=2), str(wd))  # its last checkpoint: step 2
+  assert first["wall_s_all_attempts"] == first["wall_s"]  # one attempt
+  second = train_and_evaluate(tiny_eval_config(steps=4), str(wd))
+  # The first attempt's time up to its step-2 checkpoint, then the second's.
+  assert 0.2 * first["wall_s"] < second["wall_s_all_attempts"] - second["wall_s"] <= first["wall_s"]
+
+
 # --- preemption and the default run --------------------------------------------------------------
 
 
