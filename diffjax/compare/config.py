@@ -388,6 +388,12 @@ def describe_comparison(config: Any) -> str:
     f"{len(arms)} arms x {len(seeds)} seeds {seeds}; DIFF V2 matched by "
     f"{config.v2_match} (base.model.v2_match)"
   ]
+  if config.sweep.key:
+    points = [name for name, _, _ in _point_bases(config)]
+    lines.append(
+      f"sweep of {config.sweep.key} over {len(points)} values ({', '.join(points)}), each a "
+      "whole comparison; the runs below are at the base value:"
+    )
   for arm in arms:
     lines.append(
       f"[{arm}] " + describe_run(run_config(config, arm, seeds[0])).replace("\n", "\n  ")

@@ -329,11 +329,15 @@ def _introduction(config: ComparisonConfig, s: _Sweep) -> list[str]:
     f"`sweep/<{short}=value>/report.md`.",
     "",
     "Definitions. **Diverged**: the trainer stopped on non-finite updates (more than "
-    f"`max_skipped_updates={base.max_skipped_updates}` skipped), the "
-    f"final loss is not finite or above the unigram baseline ({_fmt(s.unigram)} nats), or after "
-    f"warm-up the train loss averaged over {s.div_window} consecutive steps went below the "
-    "unigram baseline and later back above it. "
-    f"**Skipped**: updates the trainer refused as non-finite (all seeds). **Spike**: a "
+    f"`max_skipped_updates={base.max_skipped_updates}` skipped), the final loss is not finite"
+    + (
+      f" or above the unigram baseline ({_fmt(s.unigram)} nats), or after warm-up the train "
+      f"loss averaged over {s.div_window} consecutive steps went below the unigram baseline "
+      "and later back above it. "
+      if math.isfinite(s.unigram)
+      else " (`report.divergence_above_unigram` is off, or no unigram baseline was measured). "
+    )
+    + f"**Skipped**: updates the trainer refused as non-finite (all seeds). **Spike**: a "
     f"step whose gradient norm before clipping exceeds {s.factor:g}x the median of the "
     f"previous {s.spike_window} steps' (mean count per run).",
     "",

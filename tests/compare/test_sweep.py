@@ -1,6 +1,7 @@
 """Comparison variants, divergence recording and sweeps: a miniature learning-rate sweep in
 which one value diverges, counted in the report; the config checks; the report's measures."""
 
+import dataclasses
 import json
 import math
 
@@ -9,7 +10,7 @@ from helpers import REPO
 
 from diffjax import compare
 from diffjax.compare import sweep as sweep_lib
-from diffjax.compare.config import run_config, sweep_points
+from diffjax.compare.config import describe_comparison, run_config, sweep_points
 from diffjax.model import count_params, resolve_model
 from diffjax.presets import base_config, load_config
 
@@ -194,6 +195,23 @@ def test_lr_stability_config_is_valid_and_parameter_matched():
   for arm in ("diff_v1", "diff_v2"):
     assert abs(counts[arm] / counts["transformer"] - 1) <= 0.005, counts
   assert config.base.model.num_kv_heads >= 2  # so a V2 pair can straddle two groups
+
+
+def test_the_definitions_name_the_unigram_criterion_only_when_it_counts():
+  config = compare.check_comparison_config(
+    load_config(f"{REPO}/configs/compare/lr_stability_cpu.py")
+  )
+  s = sweep_lib._Sweep(
+    key="optim.lr", arms=["transformer"], values=[1e-3], baseline="transformer", factor=3.0,
+    spike_window=50, div_window=20, warmup=10, unigram=3.25,
+  )  # fmt: skip
+  on = " ".join(sweep_lib._introduction(config, s))
+  assert "above the unigram baseline (3.25 nats), or after warm-up" in on
+  off = " ".join(sweep_lib._introduction(config, dataclasses.replace(s, unigram=float("nan"))))
+  assert "above the unigram" not in off and "divergence_above_unigram` is off" in off
+  # --dry_run names the swept values, not only the base's.
+  shown = describe_comparison(config).splitlines()[1]
+  assert shown.startswith(f"sweep of optim.lr over {len(config.sweep.values)} values (lr="), shown
 
 
 def test_the_plot_keeps_arms_that_diverged_at_the_same_value_apart(tmp_path, monkeypatch):
