@@ -92,7 +92,13 @@ class TokenShard:
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
-    self._fd = os.open(self.path, os.O_RDONLY)
+    try:
+      self._fd = os.open(self.path, os.O_RDONLY)
+    except FileNotFoundError:
+      raise FileNotFoundError(
+        f"The token shard {self.path} is missing (its manifest lists it): the prepared "
+        "directory is incomplete; copy it whole, or prepare the corpus again."
+      ) from None
     try:
       head = os.pread(self._fd, HEADER_BYTES, 0)
       if len(head) < HEADER_BYTES or head[:8] != MAGIC:

@@ -165,3 +165,13 @@ def test_a_corpus_too_small_is_named_by_its_paths(tmp_path, monkeypatch):
   cfg = DataConfig(kind="text", paths=(str(folder),), val_fraction=0.0)
   with pytest.raises(ValueError, match=rf"Corpus '{folder}' has 1 training documents"):
     build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0)
+
+
+def test_a_missing_shard_is_named_with_what_to_do(tmp_path):
+  folder = _folder(tmp_path, ["a.txt", "b.txt"])
+  out = prepare([str(folder)], str(tmp_path / "p"), progress=False)
+  shard = read_manifest(out).shards[0].path
+  os.remove(shard)
+  cfg = DataConfig(kind="prepared", paths=(str(tmp_path / "p"),), tokenizer="byte")
+  with pytest.raises(FileNotFoundError, match=rf"token shard {shard} is missing .*prepare the"):
+    build_datasets(cfg, seq_len=16, global_batch_size=1, seed=0)
