@@ -18,6 +18,16 @@ from diffjax.ops import dispatch
 from diffjax.ops.context_parallel import context_parallel_attention
 
 
+def _check_mask(shape: tuple[int, ...], t: int, s: int) -> None:
+  """Refuses a mask that cannot broadcast to [B, H, T, S] on its query and key axes."""
+  trailing = shape[-2:]
+  if len(shape) > 4 or any(n not in (1, want) for n, want in zip(trailing[::-1], (s, t))):
+    raise ValueError(
+      f"mask of shape {shape} does not broadcast to [B, H, T={t}, S={s}]: give it at most 4 "
+      "axes, its last two T (or 1) and S (or 1)."
+    )
+
+
 def run_op(
   spec: OpSpec,
   arrays: tuple,
@@ -36,6 +46,8 @@ def run_op(
   :mod:`diffjax.ops.context_parallel`."""
   arrays = tuple(arrays)
   spec.check(*arrays)
+  if mask is not None:
+    _check_mask(jnp.shape(mask), spec.query(arrays).shape[1], spec.key(arrays).shape[1])
   cp = sharding.context_parallel()
   # What both paths take alike.
   kw = dict(

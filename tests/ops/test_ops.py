@@ -221,6 +221,19 @@ def test_explicit_mask_of_lower_rank_broadcasts(causal):
   check(out, np_mha(q, k, v, causal=causal, mask_BxHxTxS=full))
 
 
+def test_a_mask_that_cannot_broadcast_names_its_shape_and_the_wanted_one():
+  q, k = jnp.ones((2, 5, 2, 8)), jnp.ones((2, 7, 2, 8))
+  for shape in ((2, 2, 5, 8), (5, 6), (1, 2, 3, 5, 7)):
+    with pytest.raises(
+      ValueError, match=re.escape(f"mask of shape {shape} does not broadcast to [B, H, T=5, S=7]")
+    ):
+      ops.dot_product_attention(q, k, k, mask=np.ones(shape, bool), causal=False)
+  for shape in ((7,), (5, 1), (2, 1, 5, 7)):  # what numpy broadcasts is taken
+    assert (
+      ops.dot_product_attention(q, k, k, mask=np.ones(shape, bool), causal=False).shape == q.shape
+    )
+
+
 def test_cpu_implementation_is_the_default_on_cpu():
   rng = np.random.default_rng(9)
   q, k, v, lam = v2_inputs(rng, 1, 5, 5, 2, 1, 8)
