@@ -19,8 +19,9 @@ Exit status:
       training holding the workdir: one ``error:`` line says what to change;
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
       from the restore on (the first compile included) after saving the next step, at
-      the end after the final save, during start-up (config, data) at once, with one
-      line; or one of several processes stopped
+      the end after the final save, during start-up (config, data) at once (while
+      the libraries load, once they are loaded), with one line; or one of several
+      processes stopped
       answering (one ``error:`` line names it): rerun the same command to resume.
       tpu_setup/babysit.sh relaunches on it.
 
@@ -28,6 +29,7 @@ With several processes (a pod, DIFFJAX_COORDINATOR, SLURM) the training runs in 
 process of this one; see diffjax/train/supervise.py.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -48,9 +50,28 @@ resumes from the newest good checkpoint; a finished run is left unchanged (a lar
 --config.num_steps extends it), and a second training in a workdir that one is writing is refused."""
 
 
+# While the imports run, a stop signal waits until they are done: an interrupt raised while a
+# C extension (jaxlib) sets itself up crashes the interpreter (status 139 or 134, no line).
+_HELD = {"holding": False, "signum": None}
+
+
 def _raise_interrupt(signum, frame):
   del frame
+  if _HELD["holding"]:
+    _HELD["signum"] = signum
+    return
   raise KeyboardInterrupt(signum)
+
+
+@contextlib.contextmanager
+def _held_while_importing():
+  _HELD["holding"] = True
+  try:
+    yield
+  finally:
+    _HELD["holding"] = False
+  if _HELD["signum"] is not None:
+    raise KeyboardInterrupt(_HELD["signum"])
 
 
 def _redeliver_lost_interrupt(unraisable):
@@ -103,13 +124,15 @@ def main(argv) -> int:
 
 
 def _main(argv) -> int:
-  from absl import logging  # pylint: disable=import-outside-toplevel
+  with _held_while_importing():
+    from absl import logging  # pylint: disable=import-outside-toplevel
 
-  from diffjax import cli  # pylint: disable=import-outside-toplevel
-  from diffjax.train import supervise  # pylint: disable=import-outside-toplevel
+    from diffjax import cli  # pylint: disable=import-outside-toplevel
+    from diffjax.train import supervise  # pylint: disable=import-outside-toplevel
 
   supervise.follow_parent()  # a supervised child dies with its supervisor
-  from diffjax.train import config_utils  # pylint: disable=import-outside-toplevel
+  with _held_while_importing():
+    from diffjax.train import config_utils  # pylint: disable=import-outside-toplevel
 
   parsed = cli.parse(
     argv,
@@ -155,7 +178,8 @@ def _main(argv) -> int:
     return supervise.run(child, workdir)
   # Orbax and grain log every checkpoint step at INFO; keep the terminal for progress.
   logging.set_verbosity(logging.WARNING)
-  from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  with _held_while_importing():
+    from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
   result = {}
   status = run_guarded(lambda: result.update(train_and_evaluate(run, workdir)))

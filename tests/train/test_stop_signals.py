@@ -63,3 +63,27 @@ def test_a_stop_signal_lost_in_a_gc_callback_still_interrupts(case):
   # "Exception ignored" report of the lost interrupt.
   assert proc.stdout.strip() == "interrupted 15 [True] True", (proc.stdout, proc.stderr[-3000:])
   assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_train_py_holds_a_stop_signal_until_the_imports_in_progress_are_done():
+  # Raised while jaxlib's extension sets itself up, the interrupt crashed the interpreter
+  # (status 139 or 134); train.py holds it until its imports are done, then stops.
+  code = f"""
+import importlib.util, signal, sys
+spec = importlib.util.spec_from_file_location('train', {os.path.join(REPO, "train.py")!r})
+train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train)
+train._take_stop_signals()
+reached = []
+try:
+  with train._held_while_importing():
+    signal.raise_signal(signal.SIGTERM)
+    reached.append("after the signal")
+    import json  # an import in progress completes
+    reached.append("imported")
+except KeyboardInterrupt as e:
+  print("interrupted", e.args[0], reached)
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip() == "interrupted 15 ['after the signal', 'imported']", proc.stdout
