@@ -160,7 +160,9 @@ find_record() {
   local f
   for f in "$1"/cmd.*; do
     [[ -e "$f" ]] || continue
-    if tr '\0' '\n' <"$f" | grep -qF -- "$2"; then
+    # grep reads the file itself: "tr | grep -q" under pipefail failed when
+    # grep quit at the first match and tr, still writing, got SIGPIPE.
+    if grep -qaF -- "$2" "$f"; then
       printf '%s\n' "$f"
       return 0
     fi
