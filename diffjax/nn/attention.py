@@ -18,7 +18,7 @@ from flax import nnx
 
 from diffjax import ops
 from diffjax.core import op_specs
-from diffjax.core.config import ROPE_STYLES, V2_LAMBDAS, V2_PAIRINGS
+from diffjax.core.config import IMPLEMENTATIONS, ROPE_STYLES, V2_LAMBDAS, V2_PAIRINGS
 from diffjax.core.dtypes import accumulation_dtype, check_float64_enabled
 from diffjax.nn.layers import NO_HOOKS, Hooks, make_param, normal_init, project, torch_linear_init
 from diffjax.nn.rope import apply_rope
@@ -75,6 +75,8 @@ class AttentionOptions:
   def __post_init__(self):
     if self.rope_style not in ROPE_STYLES:
       raise ValueError(f"rope_style={self.rope_style!r} is not one of {ROPE_STYLES}.")
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.")
     check_float64_enabled("dtype", self.dtype)
     check_float64_enabled("param_dtype", self.param_dtype)
 

@@ -100,6 +100,9 @@ def test_rope_errors():
     apply_rope(jnp.ones((1, 2, 1, 5)), pos)
   with pytest.raises(ValueError, match="neox"):
     AttentionOptions(rope_style="neox")
+  # A misspelt implementation is refused when the options are made, not at the first call.
+  with pytest.raises(ValueError, match="'palas'.*'pallas_tpu'"):
+    AttentionOptions(implementation="palas")
 
 
 # --------------------------------------------------------------------------------------
