@@ -181,6 +181,11 @@ def _main(argv) -> int:
   with _held_while_importing():
     from diffjax.train import train_and_evaluate  # pylint: disable=import-outside-toplevel
 
+    if "://" not in workdir:
+      # A resumed run loads the programs its earlier attempts compiled instead of compiling
+      # them again (JAX_COMPILATION_CACHE_DIR, when set, names another place).
+      cli.use_compile_cache(os.path.join(workdir, "compile_cache"))
+
   result = {}
   status = run_guarded(lambda: result.update(train_and_evaluate(run, workdir)))
   if status == 0 and result.get("stopped"):

@@ -1,5 +1,6 @@
-"""One workdir, one training: a finished run is left as it is when rerun, a second trainer
-is refused while the first writes, and a lock left by a killed process does not block."""
+"""One workdir, one training: a finished run is left as it is when rerun, a resumed one loads
+the programs it compiled from the workdir, a second trainer is refused while the first writes,
+and a lock left by a killed process does not block."""
 
 import hashlib
 import os
@@ -33,12 +34,12 @@ SMALL_RUN = [
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
-def _train(workdir, *args, timeout=WAIT_LIMIT_S):
+def _train(workdir, *args, timeout=WAIT_LIMIT_S, env=None):
   return subprocess.run(
     [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={workdir}", *SMALL_RUN, *args],
     capture_output=True,
     text=True,
-    env=ENV,
+    env=ENV if env is None else env,
     cwd=REPO,
     timeout=timeout,
   )
@@ -97,6 +98,37 @@ def test_rerunning_a_finished_run_leaves_every_file_unchanged(tmp_path):
   assert (wd / "DONE").read_text().strip() == "5"
   # Every line of the finished run is still there, before the new steps' lines.
   assert (wd / "metrics.jsonl").read_text().startswith(first_metrics)
+
+
+def test_a_resumed_run_loads_the_programs_it_compiled_from_the_workdir(tmp_path):
+  wd = tmp_path / "run"
+  own_cache = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  # Every program is kept, however quickly it compiled (a CPU compiles these in under 1 s).
+  own_cache["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  first = _train(wd, "--config.num_steps=2", "--config.checkpoint.every=2", env=own_cache)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert os.listdir(wd / "compile_cache")
+  # JAX logs each program its persistent cache gave at WARNING with JAX_LOG_COMPILES.
+  more = _train(
+    wd,
+    "--config.num_steps=4",
+    "--config.checkpoint.every=2",
+    env=dict(own_cache, JAX_LOG_COMPILES="1"),
+  )
+  assert more.returncode == 0, more.stderr[-3000:]
+  assert "Resumed from step 2" in more.stdout, more.stdout[-2000:]
+  hits = [line for line in more.stderr.splitlines() if "Persistent compilation cache hit" in line]
+  assert hits, more.stderr[-3000:]
+
+  # JAX_COMPILATION_CACHE_DIR names another place: the workdir gets no cache.
+  elsewhere = tmp_path / "elsewhere"
+  other = _train(
+    tmp_path / "run2",
+    "--config.num_steps=1",
+    env=dict(own_cache, JAX_COMPILATION_CACHE_DIR=str(elsewhere)),
+  )
+  assert other.returncode == 0, other.stderr[-3000:]
+  assert not (tmp_path / "run2" / "compile_cache").exists() and os.listdir(elsewhere)
 
 
 def test_a_second_trainer_in_the_same_workdir_is_refused(tmp_path):
