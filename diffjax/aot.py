@@ -297,10 +297,14 @@ def topology_devices(topology: str, num_slices: int = 1):
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
   _quiet_libtpu_probe()
+  options = {} if num_slices == 1 else {"num_slices": num_slices}
+  chip = hardware.ACCELERATORS.get(topology.split(":")[0])
+  if isinstance(chip, hardware.Tpu) and chip.tensorcores > 1:
+    # A megacore chip is one JAX device on a TPU VM (its two TensorCores and all its HBM),
+    # while libtpu describes a v4 topology one device per TensorCore unless told.
+    options["chip_config_name"] = "megacore"
   try:
-    if num_slices == 1:
-      return topologies.get_topology_desc(topology, "tpu").devices
-    return topologies.get_topology_desc(topology, "tpu", num_slices=num_slices).devices
+    return topologies.get_topology_desc(topology, "tpu", **options).devices
   except Exception as e:
     raise ValueError(
       f"Cannot build TPU topology {topology!r} ({e}). Install libtpu with "

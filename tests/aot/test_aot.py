@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from diffjax.aot import AotReport, DoesNotFit, aot_report, fit_options, hbm_for, parse_out_of_memory
+from diffjax.aot import (
+  AotReport,
+  DoesNotFit,
+  aot_report,
+  fit_options,
+  hbm_for,
+  parse_out_of_memory,
+  topology_devices,
+)
 from diffjax.kernels.gpu import targets
 from diffjax.presets import load_config
 from diffjax.train.config import RunConfig
@@ -74,6 +82,18 @@ def test_xla_implementation_compiles_without_kernels():
   cfg = _tiny("diff_v2")
   cfg.model.implementation = "xla"
   assert aot_report(RunConfig.from_config(cfg), "v5e:2x2").pallas_kernels == 0
+
+
+@needs_libtpu
+def test_a_megacore_topology_has_one_device_per_chip():
+  # A TPU VM shows a v4 chip (two TensorCores, 32 GiB) as one JAX device; libtpu's own
+  # description of the topology has one per TensorCore, which halves the memory per device.
+  cfg = _tiny()
+  cfg.mesh.shape = (4, 1, 1)
+  report = aot_report(RunConfig.from_config(cfg), "v4:2x2x1")
+  assert report.num_devices == 4 and report.mesh["data"] == 4
+  assert report.hbm_gib == 32.0 and report.fits
+  assert len(topology_devices("v5p:2x2x1")) == 4
 
 
 @needs_libtpu
