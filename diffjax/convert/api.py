@@ -7,6 +7,7 @@ Every check runs before anything is written, so bad input raises :class:`Convers
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,7 @@ from diffjax.convert.weights import hf_from_params, params_from_hf
 from diffjax.data import Tokenizer, load_tokenizer
 from diffjax.model import DecoderLM, ModelConfig, layout
 from diffjax.train import checkpoint as ckpt
-from diffjax.train.loading import load_run
+from diffjax.train.loading import LoadedRun, load_run
 from diffjax.train.records import write_json
 
 # The transformers code an export of an arm without a transformers class carries.
@@ -44,7 +45,8 @@ _HF_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_code")
 _EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Keys of the source config.json kept with an imported workdir, so that exporting it again
 # restores them (diffjax itself has no use for them).
-_KEPT_HF_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_KEPT_HF_KEYS = (*_TOKEN_ID_KEYS, "max_position_embeddings")
 # An imported checkpoint's tokenizer files, copied into an export of its workdir.
 _HF_TOKENIZER_FILES = (
   "tokenizer.json",
@@ -144,6 +146,7 @@ def save_hf(
   tokenizer: Tokenizer | None = None,
   copy_files: Sequence[str] = (),
   remote_code: bool = False,
+  generation_config: Mapping[str, Any] | None = None,
 ) -> list[str]:
   """Exports a Transformer or DIFF V1 :class:`DecoderLM` as a transformers checkpoint (Llama,
   DiffLlama), a DIFF V2 one as a checkpoint with its own modeling code (loaded with
@@ -157,9 +160,11 @@ def save_hf(
   exist or be empty. With ``tokenizer`` (the one the model was trained with) the directory
   also gets that tokenizer in transformers' form (:mod:`diffjax.convert.tokenizer_files`),
   its special-token ids in config.json (given ids win) and a ``generation_config.json``;
-  ``copy_files`` are copied in as they are (an imported checkpoint's tokenizer files).
-  ``max_position_embeddings`` should be the context the model was trained at: evaluators take
-  it as the longest input. Returns the file names written.
+  ``copy_files`` are copied in as they are (an imported checkpoint's tokenizer files), and
+  ``generation_config`` is written as ``generation_config.json`` in place of the one made from
+  the ids (an imported checkpoint's, with the ids given). ``max_position_embeddings`` should be
+  the context the model was trained at: evaluators take it as the longest input; a context below
+  1 or an id outside the vocabulary is refused. Returns the file names written.
   """
   if dtype not in _EXPORT_DTYPES:
     raise ConversionError(f"dtype={dtype!r} is not one of {sorted(_EXPORT_DTYPES)}.")
@@ -194,28 +199,50 @@ def save_hf(
     hf_config = hf_config_from_model(cfg, **settings, remote_code=remote_code)
     tensors = hf_from_params(cfg, model_params(model), _EXPORT_DTYPES[dtype])
 
+  if generation_config is None and ids["eos_token_id"] is not None:
+    generation_config = tokenizer_files.generation_config(ids)
+
   def extra(directory: str) -> list[str]:
-    names = []
-    arch = hf_config["architectures"][0]
-    for name in REMOTE_CODE.get(arch, ((), {}))[0]:  # the model's code, for trust_remote_code
-      shutil.copyfile(os.path.join(_HF_CODE, name), os.path.join(directory, name))
-      names.append(name)
-    for source in copy_files:
-      shutil.copyfile(source, os.path.join(directory, os.path.basename(source)))
-      names.append(os.path.basename(source))
-    if tokenizer is not None:
-      names += tokenizer_files.write_tokenizer_files(
-        directory, tokenizer, model_max_length=max_position_embeddings
-      )
-    if ids["eos_token_id"] is not None and tokenizer_files.GENERATION_CONFIG not in names:
-      write_json_file(
-        os.path.join(directory, tokenizer_files.GENERATION_CONFIG),
-        tokenizer_files.generation_config(ids),
-      )
-      names.append(tokenizer_files.GENERATION_CONFIG)
-    return names
+    return _write_extra_files(
+      directory,
+      hf_config["architectures"][0],
+      copy_files,
+      tokenizer,
+      max_position_embeddings,
+      generation_config,
+    )
 
   return write_checkpoint(path, hf_config, tensors, max_shard_size=max_shard_size, extra=extra)
+
+
+def _write_extra_files(
+  directory: str,
+  arch: str,
+  copy_files: Sequence[str],
+  tokenizer: Tokenizer | None,
+  max_position_embeddings: int,
+  generation_config: Mapping[str, Any] | None,
+) -> list[str]:
+  """Writes the files of an export beside its config and tensors: the model's code (for
+  ``trust_remote_code``), ``copy_files``, the tokenizer's files and ``generation_config.json``
+  (unless ``copy_files`` holds one); returns their names."""
+  names = []
+  for name in REMOTE_CODE.get(arch, ((), {}))[0]:
+    shutil.copyfile(os.path.join(_HF_CODE, name), os.path.join(directory, name))
+    names.append(name)
+  for source in copy_files:
+    shutil.copyfile(source, os.path.join(directory, os.path.basename(source)))
+    names.append(os.path.basename(source))
+  if tokenizer is not None:
+    names += tokenizer_files.write_tokenizer_files(
+      directory, tokenizer, model_max_length=max_position_embeddings
+    )
+  if generation_config is not None and tokenizer_files.GENERATION_CONFIG not in names:
+    write_json_file(
+      os.path.join(directory, tokenizer_files.GENERATION_CONFIG), dict(generation_config)
+    )
+    names.append(tokenizer_files.GENERATION_CONFIG)
+  return names
 
 
 def hf_to_workdir(path: str, workdir: str) -> ModelConfig:
@@ -264,33 +291,89 @@ def write_workdir(workdir: str, model: DecoderLM, meta: Mapping[str, Any]) -> No
   write_json(os.path.join(workdir, "model_config.json"), cfg.to_dict())
 
 
+def export_defaults(run: LoadedRun) -> dict[str, Any]:
+  """What an export of ``run`` carries unless told otherwise: ``hf_config`` (special-token ids and
+  ``max_position_embeddings``), ``tokenizer`` (a spec for :func:`~diffjax.data.load_tokenizer`,
+  or None) and ``tokenizer_dir`` (an HF directory whose tokenizer files are copied where there is
+  no spec).
+
+  A ``train.py`` run gives its tokenizer and ``seq_len``; a workdir imported from an HF directory
+  the values kept from it and that directory; a retrofitted one what its source gave, recorded
+  by the retrofit (``meta["export"]``), so it needs the source no more.
+  """
+  meta = run.meta
+  if isinstance(meta.get("export"), Mapping):
+    return dict(meta["export"])
+  kept = dict(meta.get("hf_config") or {})
+  if run.config.get("seq_len"):
+    kept["max_position_embeddings"] = int(run.config["seq_len"])
+  spec = (run.config.get("data") or {}).get("tokenizer", "byte") if run.config else None
+  if spec not in (None, "byte") and os.path.isfile(spec):
+    spec = os.path.abspath(spec)  # as the run found it, from wherever the export runs
+  return {
+    "hf_config": kept,
+    "tokenizer": spec,
+    "tokenizer_dir": meta.get("source") if spec is None else None,
+  }
+
+
+def hf_dir_export_defaults(path: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+  """:func:`export_defaults` of a model read from the HF directory ``path`` (its kept keys and
+  its tokenizer files)."""
+  return {
+    "hf_config": {k: hf_config[k] for k in _KEPT_HF_KEYS if k in hf_config},
+    "tokenizer": None,
+    "tokenizer_dir": os.path.abspath(path),
+  }
+
+
+def _tokenizer_dir_files(
+  directory: str, export: Mapping[str, Any]
+) -> tuple[list[str], dict[str, Any] | None]:
+  """(tokenizer files of ``directory`` to copy, its generation config with the token ids given
+  in ``export`` or None where none are given): generate reads that file, so an id given for
+  config.json must be in it too."""
+  files = [
+    os.path.join(directory, name)
+    for name in _HF_TOKENIZER_FILES
+    if os.path.isfile(os.path.join(directory, name))
+  ]
+  given = {k: export[k] for k in _TOKEN_ID_KEYS if export.get(k) is not None}
+  path = os.path.join(directory, tokenizer_files.GENERATION_CONFIG)
+  if not given or path not in files:
+    return files, None
+  try:
+    with open(path, encoding="utf-8") as f:
+      generation = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConversionError(f"{path!r} cannot be read as JSON ({e}).") from e
+  if not isinstance(generation, dict):
+    raise ConversionError(f"{path!r} holds a {type(generation).__name__}, not a JSON object.")
+  files.remove(path)
+  return files, {**generation, **given}
+
+
 def workdir_to_hf(
   workdir: str, path: str, *, step: int | None = None, tokenizer: str | None = None, **export: Any
 ) -> list[str]:
   """Exports the checkpoint of a diffjax workdir (latest step by default) with :func:`save_hf`.
 
-  The export carries what an evaluator needs: the run's tokenizer (``tokenizer``: a spec for
-  :func:`~diffjax.data.load_tokenizer`, ``"none"`` for no tokenizer files, default the run's own;
-  a workdir imported from an HF directory gets that directory's tokenizer files when it still has
-  them), its special-token ids, and ``max_position_embeddings`` = the context the run trained at
-  (``seq_len``). ``export`` overrides the ids and the context and sets ``dtype`` and
-  ``max_shard_size``; an imported workdir defaults to the values kept from its source.
+  The export carries what an evaluator needs (:func:`export_defaults`): the run's tokenizer
+  (``tokenizer``: a spec for :func:`~diffjax.data.load_tokenizer`, ``"none"`` for no tokenizer
+  files, default the run's own; a workdir imported from an HF directory gets that directory's
+  tokenizer files when it still has them), its special-token ids, and
+  ``max_position_embeddings`` = the context the run trained at (``seq_len``). ``export``
+  overrides the ids and the context and sets ``dtype`` and ``max_shard_size``; an imported
+  workdir defaults to the values kept from its source, and ids given replace those of its
+  copied ``generation_config.json`` too.
   """
   run = load_run(workdir, step)
-  meta = run.meta
-  kept = dict(meta.get("hf_config") or {})
-  if run.config.get("seq_len"):
-    kept["max_position_embeddings"] = int(run.config["seq_len"])
-  spec = tokenizer
-  if spec is None and run.config:
-    spec = (run.config.get("data") or {}).get("tokenizer", "byte")
+  defaults = export_defaults(run)
+  spec = tokenizer if tokenizer is not None else defaults.get("tokenizer")
   copy_files: list[str] = []
-  if spec is None and meta.get("source"):
-    copy_files = [
-      os.path.join(meta["source"], name)
-      for name in _HF_TOKENIZER_FILES
-      if os.path.isfile(os.path.join(meta["source"], name))
-    ]
+  generation = None
+  if spec is None and defaults.get("tokenizer_dir"):
+    copy_files, generation = _tokenizer_dir_files(defaults["tokenizer_dir"], export)
   loaded = None
   if spec is not None and spec != "none":
     if spec != "byte" and not os.path.isfile(spec):
@@ -299,4 +382,11 @@ def workdir_to_hf(
         "--tokenizer=none to export without tokenizer files)."
       )
     loaded = load_tokenizer(spec)
-  return save_hf(run.model, path, **{**kept, **export}, tokenizer=loaded, copy_files=copy_files)
+  return save_hf(
+    run.model,
+    path,
+    **{**(defaults.get("hf_config") or {}), **export},
+    tokenizer=loaded,
+    copy_files=copy_files,
+    generation_config=generation,
+  )

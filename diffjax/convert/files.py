@@ -22,6 +22,8 @@ from safetensors.numpy import save_file
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+# The safetensors dtypes of the weights diffjax imports (NumPy holds BF16 through ml_dtypes).
+READABLE_DTYPES = ("F32", "BF16", "F16", "F64")
 # transformers tags the files it writes with this metadata; its loader checks the tag.
 FILE_METADATA = {"format": "pt"}
 
@@ -63,6 +65,7 @@ def _tensor_files(directory: str) -> dict[str, str]:
       raise ConversionError(
         f"{index_path!r} is not a safetensors index with a weight_map ({type(e).__name__}: {e})."
       ) from e
+    _check_weight_map(index_path, weight_map)
     files = {name: os.path.join(directory, fname) for name, fname in weight_map.items()}
     for path in sorted(set(files.values())):
       if not os.path.isfile(path):
@@ -82,6 +85,18 @@ def _tensor_files(directory: str) -> dict[str, str]:
     )
     raise ConversionError(f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}.{hint}")
   return {name: single for name in _file_keys(single)}
+
+
+def _check_weight_map(index_path: str, weight_map: Any) -> None:
+  """Refuses a ``weight_map`` that is not an object of tensor names to file names."""
+  if not isinstance(weight_map, dict):
+    raise ConversionError(
+      f"{index_path!r}: weight_map is a {type(weight_map).__name__}, not an object of tensor "
+      "names to file names."
+    )
+  for name, fname in weight_map.items():
+    if not isinstance(fname, str) or not fname:
+      raise ConversionError(f"{index_path!r}: weight_map[{name!r}] = {fname!r} is not a file name.")
 
 
 def _file_keys(path: str) -> list[str]:
@@ -109,10 +124,25 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
               f"The index says {name!r} is in {os.path.basename(path)!r}, "
               "but that file does not hold it."
             )
-          tensors[name] = f.get_tensor(name)
+          tensors[name] = _get_tensor(f, name, path)
     except (SafetensorError, OSError) as e:
       raise ConversionError(f"{path!r} is not a readable safetensors file ({e}).") from e
   return tensors
+
+
+def _get_tensor(f: Any, name: str, path: str) -> np.ndarray:
+  """Tensor ``name`` of the open file ``f``; a dtype NumPy cannot hold (FP8, ...) is refused."""
+  try:
+    return f.get_tensor(name)
+  except (AttributeError, TypeError, ValueError) as e:
+    try:
+      dtype = f.get_slice(name).get_dtype()
+    except (AttributeError, SafetensorError):
+      dtype = "unknown"
+    raise ConversionError(
+      f"Tensor {name!r} in {os.path.basename(path)!r} has dtype {dtype}, which diffjax cannot "
+      f"import: it reads float weights stored as {', '.join(READABLE_DTYPES)}."
+    ) from e
 
 
 def parse_size(size: int | str) -> int:

@@ -58,11 +58,13 @@ DEFAULT_MAX_POSITIONS = 2048
 
 def arm_of() -> dict[str, str]:
   """transformers class -> the arm it holds, for every registered arm that has one (its
-  transformers class and its class with the project's code)."""
-  out = {}
+  transformers class and its class with the project's code). Where several arms name one class,
+  the first in :func:`diffjax.arms.names` order holds it: a built-in arm keeps its own class."""
+  out: dict[str, str] = {}
   for a in arms.all_arms():
     if a.hf_architecture in MODEL_TYPE:
-      out[a.hf_architecture] = out[SELF_CONTAINED[a.hf_architecture]] = a.name
+      out.setdefault(a.hf_architecture, a.name)
+      out.setdefault(SELF_CONTAINED[a.hf_architecture], a.name)
   return out
 
 
@@ -302,6 +304,19 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     raise ConversionError(f"config.json maps to an invalid diffjax config: {e}") from e
 
 
+def _check_token_id(key: str, value: Any, vocab_size: int) -> None:
+  """Refuses a special-token id (or list of them, as eos_token_id may be) outside the vocabulary;
+  ``pad_token_id=-1``, which some configs write for "no pad token", is kept as it is."""
+  if value is None or (key == "pad_token_id" and value == -1):
+    return
+  for token in value if isinstance(value, list) else [value]:
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+      raise ConversionError(
+        f"{key}={value!r} is not a token id of the model: ids run from 0 to "
+        f"{vocab_size - 1} (vocab_size={vocab_size})."
+      )
+
+
 def _shared_hf_config(
   cfg: ModelConfig,
   bos_token_id: int | None,
@@ -310,7 +325,22 @@ def _shared_hf_config(
   max_position_embeddings: int,
 ) -> dict[str, Any]:
   """The config.json keys that the Llama-style and the Motif exports write alike for ``cfg``;
-  each exporter adds its own."""
+  each exporter adds its own. Refuses a context or a token id no model of ``cfg`` can have."""
+  if isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int):
+    raise ConversionError(
+      f"max_position_embeddings={max_position_embeddings!r} must be an integer: the longest input."
+    )
+  if max_position_embeddings <= 0:
+    raise ConversionError(
+      f"max_position_embeddings={max_position_embeddings} must be positive: it is the longest "
+      "input evaluators give the model (the context it trained at)."
+    )
+  for key, value in (
+    ("bos_token_id", bos_token_id),
+    ("eos_token_id", eos_token_id),
+    ("pad_token_id", pad_token_id),
+  ):
+    _check_token_id(key, value, cfg.vocab_size)
   return {
     "attention_dropout": 0.0,
     "bos_token_id": bos_token_id,

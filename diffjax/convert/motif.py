@@ -169,7 +169,8 @@ def model_config_from_hf(hf: Mapping[str, Any], **runtime: Any) -> ModelConfig:
     gda_ratio=ratio,
     diff_lambda_init_offset=LAMBDA_INIT_OFFSET,
     mlp_activation="polynorm",
-    rope_theta=_rope_theta({"rope_theta": hf.get("rope_theta", DEFAULT_ROPE_THETA)}),
+    # transformers 5 configs give the base in rope_parameters, earlier ones at the top level.
+    rope_theta=_rope_theta({**hf, "rope_theta": hf.get("rope_theta", DEFAULT_ROPE_THETA)}),
     rope_style="half",
     norm_eps=_positive_float(hf, "rms_norm_eps", DEFAULT_RMS_EPS),
     diff_norm_eps=_positive_float(hf, "attn_rms_norm_eps", DEFAULT_ATTN_RMS_EPS),

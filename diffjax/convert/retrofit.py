@@ -99,9 +99,10 @@ def retrofit_params(
 def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
   """(config, per-layer params, description) of a Transformer workdir or HF directory; the
   description also holds the source run's config (``run_config``) or its HF directory's
-  tokenizer file (``tokenizer``), for the command that continues the retrofit."""
+  tokenizer file (``tokenizer``), for the command that continues the retrofit, and what an
+  export of the source carries (``export``), which an export of the retrofit carries too."""
   # pylint: disable=import-outside-toplevel
-  from diffjax.convert.api import model_params, read_hf
+  from diffjax.convert.api import export_defaults, hf_dir_export_defaults, model_params, read_hf
   from diffjax.train.loading import load_run
 
   if not os.path.isdir(path):
@@ -114,7 +115,12 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
     return (
       run.model_config,
       model_params(run.model),
-      {"source": os.path.abspath(path), "source_step": run.step, "run_config": run.config},
+      {
+        "source": os.path.abspath(path),
+        "source_step": run.step,
+        "run_config": run.config,
+        "export": export_defaults(run),
+      },
     )
   if os.path.isfile(os.path.join(path, "config.json")):
     if step is not None:
@@ -122,9 +128,9 @@ def _source(path: str, step: int | None) -> tuple[ModelConfig, dict, dict]:
         f"--step={step} picks a checkpoint of a train.py workdir, but source {path!r} is an HF "
         "directory, which holds one: leave --step out."
       )
-    cfg, params, _ = read_hf(path)
+    cfg, params, hf_config = read_hf(path)
     tokenizer = os.path.join(path, "tokenizer.json")
-    described = {"source": os.path.abspath(path)}
+    described = {"source": os.path.abspath(path), "export": hf_dir_export_defaults(path, hf_config)}
     if os.path.isfile(tokenizer):
       described["tokenizer"] = os.path.abspath(tokenizer)
     return cfg, params, described
@@ -225,7 +231,7 @@ def retrofit_run(
     params, layout.SCANNED if cfg.scan_layers else layout.UNSCANNED, cfg.num_layers
   )
   model = build_model(cfg, params)  # checks every shape against the config
-  meta = {k: v for k, v in described.items() if k in ("source", "source_step")}
+  meta = {k: v for k, v in described.items() if k in ("source", "source_step", "export")}
   # Written beside the workdir and renamed onto it when whole: a retrofit stopped while
   # writing leaves only the partial copy, which the next attempt removes.
   partial = _partial_dir(workdir)

@@ -8,6 +8,7 @@ its greedy ``generate`` tokens for a prompt. Nothing here needs torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -23,10 +24,12 @@ from helpers import FIXTURES as TESTS_FIXTURES  # noqa: E402
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from diffjax import arms
 from diffjax.convert import (
   ConversionError,
   build_model,
   expected_shapes,
+  hf_config,
   load_hf,
   model_config_from_hf,
   model_params,
@@ -420,6 +423,59 @@ def test_unexpected_or_misshapen_tensors_are_refused(tmp_path, capsys):
   )
 
 
+def test_export_refuses_a_context_or_token_id_the_model_cannot_have(tmp_path, capsys):
+  run, out = str(tmp_path / "run"), str(tmp_path / "out")
+  assert cli_main(["import", "--hf", fixture("llama"), "--workdir", run]) == 0
+  vocab = fixture_config("llama")["vocab_size"]
+  for flag, named in (
+    ("--max_position_embeddings=-5", "max_position_embeddings=-5"),
+    ("--max_position_embeddings=0", "max_position_embeddings=0"),
+    (f"--eos_token_id={vocab}", f"eos_token_id={vocab} is not a token id"),
+    ("--pad_token_id=-2", "pad_token_id=-2 is not a token id"),
+    (f"--bos_token_id={vocab + 7}", f"bos_token_id={vocab + 7} is not a token id"),
+  ):
+    line = _bad_input(tmp_path, capsys, ["export", "--workdir", run, "--hf", out, flag])
+    assert named in line, (flag, line)
+  model = load_hf(fixture("llama"))
+  with pytest.raises(ConversionError, match=r"eos_token_id=\[1, 2, -3\]"):
+    save_hf(model, out, eos_token_id=[1, 2, -3])
+  assert not os.path.exists(out)
+  # A list of end ids (as Llama 3 configs have) inside the vocabulary is written as it is, and
+  # so is the pad id -1 some configs give for "no pad token".
+  save_hf(model, out, eos_token_id=[1, vocab - 1], pad_token_id=-1, max_position_embeddings=7)
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert (written["eos_token_id"], written["pad_token_id"]) == ([1, vocab - 1], -1)
+  assert written["max_position_embeddings"] == 7
+
+
+def _edit_index(src: str, edit) -> None:
+  path = os.path.join(src, "model.safetensors.index.json")
+  with open(path, encoding="utf-8") as f:
+    index = json.load(f)
+  edit(index)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(index, f)
+
+
+def test_a_corrupt_index_or_an_unreadable_dtype_is_one_error_line(tmp_path, capsys):
+  run = str(tmp_path / "run")
+  src = copy_fixture("diffllama", tmp_path, "as_list")  # sharded, with an index
+  _edit_index(src, lambda index: index.update(weight_map=list(index["weight_map"])))
+  line = _bad_input(tmp_path, capsys, ["import", "--hf", src, "--workdir", run])
+  assert "weight_map is a list" in line
+  src = copy_fixture("diffllama", tmp_path, "null_file")
+  _edit_index(src, lambda index: index["weight_map"].update({"model.norm.weight": None}))
+  line = _bad_input(tmp_path, capsys, ["import", "--hf", src, "--workdir", run])
+  assert "weight_map['model.norm.weight'] = None" in line
+  # FP8 weights: safetensors' NumPy reader has no such dtype.
+  src = copy_fixture("llama", tmp_path, "fp8")
+  tensors = dict(read_tensors(src))
+  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(ml_dtypes.float8_e4m3fn)
+  save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+  line = _bad_input(tmp_path, capsys, ["import", "--hf", src, "--workdir", run])
+  assert "'model.norm.weight'" in line and "F8_E4M3" in line and "BF16" in line, line
+
+
 def test_a_tied_checkpoint_may_repeat_the_table_as_lm_head_but_not_differ(tmp_path, capsys):
   src = copy_fixture("diffllama", tmp_path)  # tie_word_embeddings: true, no lm_head.weight
   table = read_tensors(src)["model.embed_tokens.weight"]
@@ -457,3 +513,33 @@ def test_an_export_through_a_link_to_an_empty_directory_lands_where_it_points(tm
   save_hf(load_hf(fixture("llama")), str(tmp_path / "link"))
   assert (tmp_path / "link").is_symlink() and "config.json" in os.listdir(tmp_path / "real")
   assert load_hf(str(tmp_path / "link")).config == load_hf(fixture("llama")).config
+
+
+def test_a_user_arm_naming_a_built_in_class_leaves_its_imports_to_the_built_in_arm(monkeypatch):
+  mine = dataclasses.replace(arms.get("transformer"), name="my_llama")
+  registered = arms.all_arms()
+  monkeypatch.setattr(arms, "all_arms", lambda: (*registered, mine))
+  assert hf_config.arm_of()["LlamaForCausalLM"] == "transformer"
+  assert hf_config.arm_of()["DiffjaxTransformerForCausalLM"] == "transformer"
+  assert model_config_from_hf(fixture_config("llama")).attention == "transformer"
+
+
+def test_ids_given_to_the_export_of_an_imported_workdir_reach_its_generation_config(tmp_path):
+  src = copy_fixture("llama", tmp_path)
+  edit_config(src, bos_token_id=1, eos_token_id=2)
+  source_generation = {"bos_token_id": 1, "eos_token_id": [2, 3], "temperature": 0.7}
+  (tmp_path / "src" / "generation_config.json").write_text(json.dumps(source_generation))
+  run = str(tmp_path / "run")
+  assert cli_main(["import", "--hf", src, "--workdir", run]) == 0
+  # Without ids the source's file is copied as it is.
+  assert cli_main(["export", "--workdir", run, "--hf", str(tmp_path / "same")]) == 0
+  copied = json.loads((tmp_path / "same" / "generation_config.json").read_text())
+  assert copied == source_generation
+  out = tmp_path / "out"
+  assert cli_main(["export", "--workdir", run, "--hf", str(out), "--eos_token_id=5"]) == 0
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == 5
+  # generate reads generation_config.json: the given id replaces the source's, the rest stays.
+  assert json.loads((out / "generation_config.json").read_text()) == {
+    **source_generation,
+    "eos_token_id": 5,
+  }

@@ -210,6 +210,21 @@ def test_config_maps_to_gda_v1_with_motifs_conventions(name):
   assert count_params(cfg) == motif.parameter_count(hf)
 
 
+@needs_gda
+def test_the_rope_base_is_read_from_rope_parameters_and_a_scaled_one_refused():
+  hf = {k: v for k, v in GROUPED.items() if k != "rope_theta"}
+  params = {"rope_type": "default", "rope_theta": 250000.0}
+  assert motif.model_config_from_hf({**hf, "rope_parameters": params}).rope_theta == 250000.0
+  # Without a base anywhere, Motif's default.
+  for no_base in ({**hf, "rope_parameters": {"rope_type": "default"}}, hf):
+    assert motif.model_config_from_hf(no_base).rope_theta == motif.DEFAULT_ROPE_THETA
+  yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 250000.0}
+  with pytest.raises(ConversionError, match="rope_parameters.rope_type='yarn'"):
+    motif.model_config_from_hf({**hf, "rope_parameters": yarn})
+  with pytest.raises(ConversionError, match="partial_rotary_factor"):
+    motif.model_config_from_hf({**hf, "partial_rotary_factor": 0.5})
+
+
 # ---------------------------------------------------------------------- parity, import
 
 

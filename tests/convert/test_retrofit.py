@@ -9,7 +9,9 @@ every layer.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +292,46 @@ def test_the_command_retrofits_a_workdir_with_one_error_line_for_bad_input(tmp_p
   assert cli_main(["retrofit", f"--source={tmp_path / 'none'}", f"--workdir={tmp_path / 'y'}"]) == 2
   assert "is not a directory" in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+@pytest.mark.integration  # the whole command
+def test_the_export_of_a_retrofit_carries_what_the_sources_export_carries(tmp_path, capsys):
+  from diffjax.convert.api import write_workdir  # pylint: disable=import-outside-toplevel
+
+  # A byte-token train.py run (its run config as train.py saves it) trained at 24 tokens.
+  cfg = _source().config.replace(vocab_size=258, num_layers=1)
+  source = str(tmp_path / "transformer")
+  run_config = {"seq_len": 24, "data": {"tokenizer": "byte"}}
+  write_workdir(source, DecoderLM(cfg, rngs=nnx.Rngs(0)), {"config": run_config})
+  retro = str(tmp_path / "retro")
+  assert cli_main(["retrofit", f"--source={source}", f"--workdir={retro}", "--init=exact"]) == 0
+  shutil.rmtree(source)  # what the export needs was recorded by the retrofit
+  out = tmp_path / "hf"
+  assert cli_main(["export", f"--workdir={retro}", f"--hf={out}"]) == 0
+  written = json.loads((out / "config.json").read_text())
+  assert (written["eos_token_id"], written["pad_token_id"]) == (256, 257)
+  assert written["max_position_embeddings"] == 24
+  assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(
+    os.listdir(out)
+  )
+  # From an HF directory: its ids, context and tokenizer files, as an import's export has them.
+  hf_source = tmp_path / "llama"
+  shutil.copytree(LLAMA, hf_source)
+  config = json.loads((hf_source / "config.json").read_text())
+  config.update(eos_token_id=2, pad_token_id=3, max_position_embeddings=64)
+  (hf_source / "config.json").write_text(json.dumps(config))
+  retro_hf = str(tmp_path / "retro_hf")
+  argv = ["retrofit", f"--source={hf_source}", f"--workdir={retro_hf}", "--init=exact"]
+  assert cli_main(argv) == 0
+  capsys.readouterr()
+  out = tmp_path / "hf2"
+  assert cli_main(["export", f"--workdir={retro_hf}", f"--hf={out}"]) == 0
+  written = json.loads((out / "config.json").read_text())
+  assert (written["eos_token_id"], written["pad_token_id"]) == (2, 3)
+  assert written["max_position_embeddings"] == 64
+  assert (out / "generation_config.json").read_text() == (
+    hf_source / "generation_config.json"
+  ).read_text()
 
 
 @pytest.mark.integration  # the whole command
