@@ -58,10 +58,11 @@ def _parser() -> argparse.ArgumentParser:
 
 class _Stream:
   """Writes ``prefix`` (the prompt), then each new token's text as it comes (text is released
-  only when whole); nothing before the first token, so a refused call writes nothing."""
+  only when whole; ``context``: the prompt's ids, which the first tokens' text follows);
+  nothing before the first token, so a refused call writes nothing."""
 
-  def __init__(self, tokenizer, out=None, prefix: str = ""):
-    self.text, self.prefix = TextStream(tokenizer), prefix
+  def __init__(self, tokenizer, out=None, prefix: str = "", context=()):
+    self.text, self.prefix = TextStream(tokenizer, context=context), prefix
     self.out = sys.stdout if out is None else out  # the stream of the call, not of the import
 
   def _write(self, piece: str) -> None:
@@ -93,7 +94,7 @@ def _main(args: argparse.Namespace) -> None:
   prompt = tokenizer.encode(args.prompt)
   if not len(prompt):
     raise ValueError("--prompt is empty: give at least one character to continue.")
-  stream = _Stream(tokenizer, prefix=args.prompt)
+  stream = _Stream(tokenizer, prefix=args.prompt, context=prompt.tolist())
   out = generate(
     model,
     [prompt.tolist()],

@@ -6,7 +6,6 @@ Its routes, and what each request may ask: docs/serving.md#endpoints.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import os
 import threading
@@ -130,7 +129,7 @@ class Choice:
 
   def __init__(self, index: int, tok: Tokenizer, stops, prompt_ids, prompt_text, echo: bool):
     self.index, self.tok = index, tok
-    self.stream = TextStream(tok, stops)
+    self.stream = TextStream(tok, stops, context=prompt_ids)
     self.prompt_ids, self.prompt_text, self.echo = prompt_ids, prompt_text, echo
     self.tokens: list[int] = []
     self.logprobs: list[float | None] = []
@@ -138,16 +137,19 @@ class Choice:
     self.finish_reason: str | None = None
     self.job: Job | None = None
     self.error: str | None = None
-    self._offsets: list[int] = []  # per token, where its text starts (characters)
-    self._chars = 0
-    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # Per token, where its text starts (characters of the choice's text) and the text it adds.
+    self._offsets: list[int] = []
+    self._pieces: list[str] = []
+    self._spellers: list[tuple[int, TextStream]] = []  # (first token, its text's stream)
+    self._scored = False  # the prompt's tokens lead ``tokens`` (echo)
 
   def take(self, event) -> str:
     """Applies one engine event; returns the text it releases."""
     if isinstance(event, PromptEvent):
       self._offsets.clear()
-      self._chars = 0
-      self._utf8.reset()
+      self._pieces.clear()
+      self._spellers.clear()
+      self._scored = True
       self.tokens[:0] = self.prompt_ids
       self.logprobs[:0] = list(event.logprobs)
       self.top[:0] = list(event.top)
@@ -183,25 +185,43 @@ class Choice:
 
   def completion_logprobs(self, start: int = 0) -> dict:
     """The completions API's ``logprobs`` object for tokens ``start`` on."""
+    self._spell()
+    tokens = self.tokens[start:]
     return {
-      "tokens": [token_text(self.tok, t) for t in self.tokens[start:]],
+      "tokens": [self._shown(t, p) for t, p in zip(tokens, self._pieces[start:])],
       "token_logprobs": self.logprobs[start:],
       "top_logprobs": [None if top is None else self._top_dict(top) for top in self.top[start:]],
-      "text_offset": self._text_offsets()[start:],
+      "text_offset": self._offsets[start:],
     }
 
-  def _text_offsets(self) -> list[int]:
-    """Per token, the character of the choice's text where the token's text starts (the
-    whole characters the tokens before it make; a byte in the middle of a character starts
-    where that character does)."""
-    byte_level = isinstance(self.tok, ByteTokenizer)
-    for token in self.tokens[len(self._offsets) :]:
-      self._offsets.append(self._chars)
-      if byte_level and token < 256:
-        self._chars += len(self._utf8.decode(bytes([token])))
-      else:
-        self._chars += len(token_text(self.tok, token))
-    return self._offsets
+  def _shown(self, token: int, piece: str) -> str:
+    """A token as ``logprobs.tokens`` shows it: the text it adds to the choice's text (a
+    special token's name; ``bytes:\\xNN`` for a byte token that is part of a character)."""
+    special = special_text(self.tok, token)
+    if special is not None:
+      return special
+    if isinstance(self.tok, ByteTokenizer) and token < 256:
+      return token_text(self.tok, token)
+    return piece
+
+  def _spell(self) -> None:
+    """Extends ``_offsets`` and ``_pieces`` to every token: a token's text starts where the
+    whole text decoded from the tokens before it ends (a token that only begins a character
+    adds nothing; the one that ends it adds the character). With ``echo`` the prompt's tokens
+    are decoded from the start; the generated ones always follow the prompt's ids, from the
+    end of the prompt's text, as the choice's text does."""
+    if not self._spellers:
+      first = len(self.prompt_ids) if self._scored else 0
+      if first:
+        self._spellers.append((0, TextStream(self.tok)))
+      self._spellers.append((first, TextStream(self.tok, context=self.prompt_ids)))
+    for i in range(len(self._offsets), len(self.tokens)):
+      first, stream = next((f, s) for f, s in reversed(self._spellers) if f <= i)
+      shift = len(self.prompt_text) if first else 0
+      before = len(stream.text)
+      stream.add(self.tokens[i])
+      self._offsets.append(shift + before)
+      self._pieces.append(stream.text[before:])
 
   def _top_dict(self, top) -> dict[str, float]:
     out: dict[str, float] = {}

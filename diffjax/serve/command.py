@@ -190,9 +190,7 @@ async def serve(engine, server, host: str, port: int, drain_seconds: float, read
   engine.stop(cancel=True, timeout=10)
   await runner.cleanup()
   print(
-    f"stopped; {engine.counts['finished_cancelled']} requests cancelled",
-    flush=True,
-    file=sys.stderr,
+    f"stopped; {engine.counts['cancelled_on_stop']} requests cancelled", flush=True, file=sys.stderr
   )
 
 
@@ -250,20 +248,28 @@ def compile_cache_dir(args: argparse.Namespace) -> str | None:
 
 
 def _writable_cache_dir(args: argparse.Namespace, progress) -> str | None:
-  """:func:`compile_cache_dir`, made if needed; None (said in one line) when it cannot be
-  written."""
+  """:func:`compile_cache_dir`; None (said in one line) when it cannot be written. Nothing is
+  made here: JAX makes the directory when it first keeps a program, so a run directory that
+  the model's loading refuses is left as it was."""
   path = compile_cache_dir(args)
   if path is None:
     return None
-  try:
-    os.makedirs(path, exist_ok=True)
-    writable = os.access(path, os.W_OK)
-  except OSError:
-    writable = False
-  if not writable:
+  if not _can_make(path):
     progress(f"not caching compiled programs: cannot write to {path} (see --compile_cache)")
     return None
   return path
+
+
+def _can_make(path: str) -> bool:
+  """Whether ``path`` is a writable directory, or one that can be made (its nearest existing
+  parent is a writable directory)."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      return False
+    path = parent
+  return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 def _use_compile_cache(args: argparse.Namespace, progress) -> None:

@@ -220,7 +220,8 @@ class Engine:
     self.decode_chunk = int(decode_chunk)
     self.max_waiting = int(max_waiting)
     self.pad_id = int(pad_id)
-    self._plan_programs(max_prefill)
+    self.max_prefill = min(int(max_prefill), self.slots)  # prompts per prefill call at most
+    self._plan_programs()
     self._graphdef, self._treedef, self._leaves = split_params(model, mesh, self.rules)
     with layout_of_cache(self.cache_layout):
       self._axes = _cache_batch_axes(model, self.cache_length)
@@ -228,24 +229,25 @@ class Engine:
     self.compiles = 0  # programs compiled so far (warm_up compiles them all)
     self._cv = threading.Condition()
     self._waiting: collections.deque[Job] = collections.deque()
+    self._dropped: list[Job] = []  # cancelled while waiting, not yet told (the loop tells them)
     self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
     self._slots: list[_Slot | None] = [None] * self.slots
     self._stopping = False
     self._cancel_on_stop = False
     self._thread: threading.Thread | None = None
     self._cache = None
-    self.counts = collections.Counter()  # jobs: submitted, finished by reason; steps; tokens
+    # Jobs submitted, finished by reason and cancelled_on_stop; program calls; tokens.
+    self.counts = collections.Counter()
 
-  def _plan_programs(self, max_prefill: int) -> None:
+  def _plan_programs(self) -> None:
     """The buckets the programs are compiled for: prompt widths, prefill rows, decode rows and
     the cache slots a decode step reads, each a power of two (capped by the cache)."""
     self.buckets = tuple(
       sorted({min(bucket(n, MIN_PROMPT_BUCKET), self.cache_length) for n in _powers(self.context)})
     )
-    # Prompts are prefilled up to max_prefill rows at a time (a program per power of two).
-    self.prefill_rows = tuple(
-      sorted({bucket(n) for n in range(1, min(max_prefill, self.slots) + 1)})
-    )
+    # Up to max_prefill prompts per call, padded with unused rows to a power of two (a program
+    # per power of two).
+    self.prefill_rows = tuple(sorted({bucket(n) for n in range(1, self.max_prefill + 1)}))
     # A decode program per (rows, slots read): the leading rows that hold jobs (jobs take the
     # lowest free slot) and the cache slots their lengths reach, each a power of two.
     multiple = shd.batch_rows_multiple(self.mesh, self.rules) if self.mesh else 1
@@ -466,12 +468,23 @@ class Engine:
     with self._cv:
       if self._stopping:
         raise EngineStopped("the server is shutting down.")
+      self._drop_cancelled()
       if len(self._waiting) >= self.max_waiting + self._free_slots():
         raise QueueFull(
           f"{len(self._waiting)} requests already wait for {self.slots} slots: retry later."
         )
       self._waiting.append(job)
       self.counts["submitted"] += 1
+      self._cv.notify_all()
+
+  def _drop_cancelled(self) -> None:
+    """Takes the cancelled jobs out of the queue (the caller holds the lock), so that they
+    neither count as waiting nor hold a place; the loop tells them that they ended."""
+    if any(job.cancelled.is_set() for job in self._waiting):
+      live = collections.deque()
+      for job in self._waiting:
+        (self._dropped if job.cancelled.is_set() else live).append(job)
+      self._waiting = live
       self._cv.notify_all()
 
   def _free_slots(self) -> int:
@@ -481,6 +494,7 @@ class Engine:
   def load(self) -> dict[str, int]:
     """``{"running": jobs in slots, "waiting": jobs queued, "slots": slots}``."""
     with self._cv:
+      self._drop_cancelled()
       return {
         "running": self.slots - self._free_slots(),
         "waiting": len(self._waiting),
@@ -511,17 +525,21 @@ class Engine:
     try:
       while True:
         with self._cv:
-          while not self._stopping and not self._waiting and self._free_slots() == self.slots:
+          while not (self._stopping or self._waiting or self._dropped) and self._idle():
             self._cv.wait()
+          self._drop_cancelled()
+          for job in self._dropped:
+            self._finish(job, "cancelled")
+          self._dropped.clear()
           if self._stopping and self._cancel_on_stop:
             for job in list(self._waiting):
-              self._finish(job, "cancelled")
+              self._end_on_stop(job)
             self._waiting.clear()
             for i, s in enumerate(self._slots):
               if s is not None:
-                self._finish(s.job, "cancelled")
+                self._end_on_stop(s.job)
                 self._slots[i] = None
-          if self._stopping and not self._waiting and self._free_slots() == self.slots:
+          if self._stopping and not self._waiting and self._idle():
             return
           admit = []
           free = [i for i, s in enumerate(self._slots) if s is None]
@@ -545,8 +563,11 @@ class Engine:
       message = f"{type(e).__name__}: {e}"
       with self._cv:
         self._stopping = True
+        for job in self._dropped:
+          self._finish(job, "cancelled")
         for job in [*self._admitting, *self._waiting]:
           self._finish(job, "error", message)
+        self._dropped.clear()
         self._waiting.clear()
         self._admitting = []
         for i, s in enumerate(self._slots):
@@ -558,15 +579,25 @@ class Engine:
 
   error: str | None = None
 
+  def _idle(self) -> bool:
+    return self._free_slots() == self.slots
+
+  def _end_on_stop(self, job: Job) -> None:
+    """Ends ``job`` because :meth:`stop` cancels what is left; ``counts["cancelled_on_stop"]``
+    counts the jobs that nothing else had ended (no cancellation of their own)."""
+    if not job.cancelled.is_set():
+      self.counts["cancelled_on_stop"] += 1
+    self._finish(job, "cancelled")
+
   def _finish(self, job: Job, reason: str, message: str = "") -> None:
     self.counts[f"finished_{reason}"] += 1
     job.on_event(DoneEvent(reason, message))
 
   def _admit(self, admitted: list[tuple[int, Job]]) -> None:
-    """Prefills ``(slot, job)`` pairs, a few at a time (up to the largest prefill bucket, the
-    prompts of similar lengths together)."""
+    """Prefills ``(slot, job)`` pairs, up to ``max_prefill`` at a time (the prompts of similar
+    lengths together)."""
     admitted = sorted(admitted, key=lambda a: len(a[1].prompt))
-    most = self.prefill_rows[-1]
+    most = self.max_prefill
     for start in range(0, len(admitted), most):
       group = admitted[start : start + most]
       self._prefill(group)

@@ -416,3 +416,61 @@ def test_replicas_stop_cancels_in_flight_jobs_on_every_replica_and_refuse_bad_op
     Replicas(model, replicas=2, slots=2, context=16, mesh=object())
   with pytest.raises(ValueError, match="give at least 3 slots or at most 2 replicas"):
     Replicas(model, replicas=3, slots=2, context=16)
+
+
+def test_jobs_cancelled_while_waiting_give_up_their_places():
+  """Jobs queued before the engine starts: one cancelled frees its place at once (not when the
+  engine reaches it) and hears that it was cancelled; the others run."""
+  engine = Engine(tiny_model("transformer"), slots=1, context=32, max_waiting=1)
+  got = Collect()
+  first, gone = got.job("first", [1, 2], max_tokens=2), got.job("gone", [3], max_tokens=2)
+  engine.submit(first)
+  engine.submit(gone)
+  with pytest.raises(QueueFull):
+    engine.submit(got.job("refused", [4], max_tokens=2))
+  gone.cancel()
+  assert engine.load() == {"running": 0, "waiting": 1, "slots": 1}
+  engine.submit(got.job("late", [4], max_tokens=2))
+  engine.start()
+  try:
+    got.wait(3)
+    assert {k: d.reason for k, d in got.done.items()} == {
+      "first": "length",
+      "gone": "cancelled",
+      "late": "length",
+    }
+    assert got.tokens["gone"] == [] and engine.load()["waiting"] == 0
+  finally:
+    engine.stop(cancel=True)
+
+
+def test_stop_counts_the_jobs_it_cancels_and_not_those_already_cancelled():
+  engine = Engine(tiny_model("transformer"), slots=1, context=32, max_waiting=4)
+  got = Collect()
+  jobs = [got.job(i, [1 + i], max_tokens=2) for i in range(3)]
+  for job in jobs:
+    engine.submit(job)
+  jobs[0].cancel()  # its client left (or a stop string ended it)
+  engine.stop(cancel=True)  # before the loop runs: every job is ended by the stop
+  engine.start()
+  got.wait(3)
+  assert {d.reason for d in got.done.values()} == {"cancelled"}
+  assert engine.counts["cancelled_on_stop"] == 2 and engine.counts["finished_cancelled"] == 3
+
+
+def test_at_most_max_prefill_prompts_share_a_prefill_call():
+  model = tiny_model("transformer")
+  engine = Engine(model, slots=4, context=32, max_prefill=3)
+  assert engine.prefill_rows == (1, 2, 4)  # three prompts are padded to four rows
+  got = Collect()
+  prompts = [[i + 1, 2, 3] for i in range(4)]
+  for i, p in enumerate(prompts):  # queued before the engine starts: admitted together
+    engine.submit(got.job(i, p, max_tokens=2))
+  engine.start()
+  try:
+    got.wait(4)
+  finally:
+    engine.stop(cancel=True)
+  assert engine.counts["prefills"] == 2
+  for i, p in enumerate(prompts):
+    assert got.tokens[i] == generate(model, [p], max_new_tokens=2, preflight=False).tokens[0]

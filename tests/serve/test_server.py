@@ -556,3 +556,93 @@ def test_a_top_k_past_the_vocabulary_samples_from_every_token(served):
     r = _post(url, "/completions", {**body, "top_k": k})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
   assert requests.get(f"{url[: -len('/v1')]}/health", timeout=30).json()["status"] == "ok"
+
+
+def _metaspace_tokenizer(path):
+  """A SentencePiece-style tokenizers file (words start with U+2581, as HF Llama's do)."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
+  from diffjax.data import load_tokenizer  # pylint: disable=import-outside-toplevel
+
+  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+  trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<|endoftext|>"])
+  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer)
+  tok.save(str(path))
+  return load_tokenizer(str(path))
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level_bpe"])
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_choices_text_and_token_offsets_are_the_decode_of_its_tokens(kind, echo, tmp_path):
+  """The text follows the prompt as decoding prompt and tokens together does (the first word
+  keeps its space; a character split over byte tokens is whole); ``logprobs.tokens`` are the
+  text each token adds, and ``text_offset`` where it starts, in a stream as in the answer."""
+  from helpers import write_bpe_tokenizer  # pylint: disable=import-outside-toplevel
+
+  from diffjax.data import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.app import Choice  # pylint: disable=import-outside-toplevel
+  from diffjax.serve.engine import DoneEvent, PromptEvent, TokenEvent  # pylint: disable=import-outside-toplevel
+
+  if kind == "metaspace":
+    tok, words = _metaspace_tokenizer(tmp_path / "tok.json"), "the quick brown fox jumps"
+  else:
+    pytest.importorskip("tokenizers")
+    write_bpe_tokenizer(tmp_path / "tok.json", texts=["the quick brown fox"] * 20)
+    tok, words = load_tokenizer(str(tmp_path / "tok.json")), "the qüick bröwn"
+  ids = [int(i) for i in tok.encode(words)]
+  prompt, gen = ids[:1], ids[1:]
+  assert tok.decode(ids) == words and len(gen) >= 4
+  choice = Choice(0, tok, [], prompt, tok.decode(prompt), echo)
+  streamed = {"tokens": [], "text_offset": []}
+  if echo:
+    choice.take(PromptEvent((None,), (None,)))
+  for t in gen:
+    choice.take(TokenEvent(t, -1.0, ()))
+    lp = choice.completion_logprobs(len(streamed["tokens"]))
+    for key, got in streamed.items():
+      got.extend(lp[key])
+  choice.take(DoneEvent("length"))
+  text = (choice.prompt_text if echo else "") + choice.stream.text
+  assert text == (words if echo else words[len(tok.decode(prompt)) :])
+  lp = choice.completion_logprobs()
+  assert {k: lp[k] for k in streamed} == streamed
+  assert "".join(lp["tokens"]) == text
+  assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+
+
+def test_the_shutdown_line_counts_only_the_requests_the_shutdown_ended(capsys):
+  """A request ended by a stop string is cancelled in the engine, but not by the shutdown."""
+  engine = Engine(tiny_model("transformer"), slots=1, context=32)
+  server = Server(engine.start(), ByteTokenizer(), model_name="m")
+  body = {"prompt": "ab", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+  with ServerThread(engine, server) as thread:
+    text = _post(thread.url, "/completions", body).json()["choices"][0]["text"]
+    stop = text[len(text) // 2]
+    r = _post(thread.url, "/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == text[: text.index(stop)]
+    wait_until(lambda: engine.load()["running"] == 0, "the slot freed")
+  assert engine.counts["finished_cancelled"] == 1
+  assert "stopped; 0 requests cancelled" in capsys.readouterr().err
+
+
+def test_a_refused_run_directory_is_left_without_a_compile_cache(tmp_path, monkeypatch, capsys):
+  """The cache is only pointed at (JAX makes it when it keeps a program): a directory that the
+  model's loading refuses stays empty."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diffjax.serve import command  # pylint: disable=import-outside-toplevel
+
+  used = []
+  monkeypatch.setattr(command.cli, "use_compile_cache", lambda path, **kw: used.append(path))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)  # as in a process that set none
+  try:
+    assert command.main([f"--workdir={empty}"]) == 2
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert "No checkpoints" in capsys.readouterr().err
+  assert used == [str(empty / "compile_cache")] and list(empty.iterdir()) == []
