@@ -91,6 +91,24 @@ def _seed_key(run: Mapping[str, Any], index: int) -> Any:
   return run.get("seed") if run.get("seed") is not None else f"#{index}"
 
 
+def check_one_run_per_seed(groups: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+  """Raises ValueError naming two runs of one arm that record the same seed: runs are keyed
+  (and paired across arms) by seed, so each arm may have one run per seed."""
+  for arm, arm_runs in groups.items():
+    seen: dict[Any, Mapping[str, Any]] = {}
+    for r in arm_runs:
+      seed = r.get("seed")
+      if seed is None:
+        continue
+      if seed in seen:
+        raise ValueError(
+          f"{seen[seed].get('name')!r} and {r.get('name')!r} are both {arm} runs with seed "
+          f"{seed}; the report pairs runs by seed, so give it one run per arm and seed (leave "
+          "one out, or evaluate it again with another --seed)."
+        )
+      seen[seed] = r
+
+
 def aggregate(
   runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE, confidence: float = 0.95
 ) -> dict[str, Any]:
@@ -98,9 +116,11 @@ def aggregate(
 
   Returns {"arms": [..], "metrics": [..], "per_arm": {arm: {metric: mean_ci}},
   "paired": {arm: {metric: paired_difference}}, "baseline", "confidence"}, pairing runs by
-  seed; "paired" is empty when no run is of the baseline arm.
+  seed; "paired" is empty when no run is of the baseline arm. Two runs of one arm with the same
+  seed are refused (`check_one_run_per_seed`); runs without a seed are averaged, never paired.
   """
   groups = by_arm(runs)
+  check_one_run_per_seed(groups)
   metrics: list[str] = []
   for arm_runs in groups.values():
     for r in arm_runs:

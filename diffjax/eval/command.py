@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffjax import cli
+from diffjax.data.tasks import ContextTooShort
 from diffjax.eval import evaluate
 from diffjax.train.records import write_json
 
@@ -101,11 +102,17 @@ def _example(field: dataclasses.Field) -> str | None:
 
 
 def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: int):
-  from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+  """The run's validation batches, built from its data config and task mix as its trainer did."""
+  from diffjax.eval.run_data import run_val_batches  # pylint: disable=import-outside-toplevel
 
-  data_cfg = DataConfig.from_dict(config["data"])
-  data = build_datasets(data_cfg, seq_len=seq_len, global_batch_size=batch_size, seed=seed)
-  return data.val_batches(count)
+  return run_val_batches(
+    config["data"],
+    config.get("task_mix"),
+    seq_len=seq_len,
+    batch_size=batch_size,
+    seed=seed,
+    count=count,
+  )
 
 
 USAGE = (
@@ -210,7 +217,13 @@ def _run(overrides: dict[str, Any], args: types.SimpleNamespace) -> int:
     "step": step,
   }
   log = lambda msg: print(f"[eval {model.config.attention}] {msg}", file=sys.stderr, flush=True)
-  result = evaluate.evaluate_model(model, val, cfg, meta=meta, log=log)
+  try:
+    result = evaluate.evaluate_model(model, val, cfg, meta=meta, log=log)
+  except ContextTooShort as e:
+    reason = str(e).rstrip(".")
+    raise BadInput(
+      f"{reason}; or leave out the sections that need a longer context with --sections."
+    ) from None
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_json(out, result)
   s = result["scalars"]

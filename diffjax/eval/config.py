@@ -11,6 +11,19 @@ import numpy as np
 from diffjax.data.tasks import DEPTHS, NEEDLE_GRID
 from diffjax.eval.registry import section_names
 
+# The EvalConfig fields that count examples, rows or batches a section needs at least one of.
+_POSITIVE = (
+  "context_len",
+  "batch_size",
+  "capture_batch_size",
+  "samples_per_depth",
+  "allocation_examples",
+  "mqar_examples",
+  "outlier_sample",
+  "probe_rows",
+  "mechanism_batches",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -39,7 +52,8 @@ class EvalConfig:
     probe_task: the task of attention allocation, low-bit accuracy and the clamp probe:
       "needle" (multi-needle retrieval in text, `standard_needles`) or "mqar" (associative
       recall with the `mqar` settings), for models trained on that task.
-    val_batches: validation batches to use (the caller supplies them).
+    val_batches: validation batches to use (the caller supplies them); 0: none, so the sections
+      that score validation batches are skipped.
     outlier_sample: |logit| values kept per layer and batch for the median estimate.
     probe_rows: query rows per text example for the map-correlation probe.
     corr_top_k: top-k keys of A1 counted as salient in the correlation probe.
@@ -108,12 +122,28 @@ class EvalConfig:
           f"mqar_grid cell {cell!r} must be a dict of AssociativeRecallTask "
           "keyword arguments with at least num_pairs."
         )
-    if self.mechanism_batches < 1:
-      raise ValueError(f"mechanism_batches={self.mechanism_batches} must be >= 1.")
+    self._check_counts()
     if self.logit_granularity not in ("head", "row", "tensor"):
       raise ValueError(
         f"logit_granularity={self.logit_granularity!r} must be 'head', 'row' or 'tensor'."
       )
+
+  def _check_counts(self) -> None:
+    """Refuses sizes a section cannot run with: every count of examples, rows or batches that
+    a section divides by or draws from must be positive. `val_batches` may be 0 (no validation:
+    the sections that score validation batches are skipped)."""
+    for name in _POSITIVE:
+      value = getattr(self, name)
+      if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1.")
+    if self.heatmap_samples is not None and self.heatmap_samples < 1:
+      raise ValueError(
+        f"heatmap_samples={self.heatmap_samples} must be >= 1, or None for samples_per_depth."
+      )
+    if self.val_batches < 0:
+      raise ValueError(f"val_batches={self.val_batches} must be >= 0 (0: no validation).")
+    if self.corr_top_k < 0:
+      raise ValueError(f"corr_top_k={self.corr_top_k} must be >= 0.")
 
   @classmethod
   def full(cls, seq_len: int, **overrides) -> EvalConfig:

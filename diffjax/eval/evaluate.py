@@ -87,14 +87,14 @@ def evaluate_model(
   out["meta"]["model"] = _jsonable(model.config.to_dict())
   out["meta"]["eval_config"] = cfg.to_dict()
   standard_examples = max(len(cfg.depths), cfg.allocation_examples)
-  if cfg.probe_task == "mqar":
-    standard_task = AssociativeRecallTask(
-      **dict(cfg.mqar), num_examples=standard_examples, seed=cfg.seed + 1
-    )
-    out["meta"]["probe_task"] = standard_task.name
-  else:
-    standard_task = _needle_task(cfg, standard_examples, filler)
-    out["meta"]["standard_needles_used"] = [standard_task.num_needles, standard_task.num_queries]
+
+  def make_standard_task():
+    # Built when a section first reads it, so a context too short for its needles stops only
+    # an evaluation that includes such a section.
+    task, used = _standard_task(cfg, standard_examples, filler)
+    out["meta"].update(used)
+    return task
+
   context = Context(
     runner=runner,
     logits_fn=runner.logits_fn(),
@@ -103,7 +103,7 @@ def evaluate_model(
     capture_batches=[
       piece for batch in val_batches for piece in _rebatch(batch, cfg.capture_batch_size)
     ],
-    standard_task=standard_task,
+    make_standard_task=make_standard_task,
     standard_examples=standard_examples,
     filler=filler,
   )
@@ -121,6 +121,15 @@ def evaluate_model(
   out["meta"]["seconds"] = timings
   out["scalars"] = scalars_from_sections(out["sections"])
   return out
+
+
+def _standard_task(cfg: EvalConfig, num_examples: int, filler) -> tuple[Any, dict[str, Any]]:
+  """(the task of `cfg.probe_task`, what the eval JSON's meta records of it)."""
+  if cfg.probe_task == "mqar":
+    task = AssociativeRecallTask(**dict(cfg.mqar), num_examples=num_examples, seed=cfg.seed + 1)
+    return task, {"probe_task": task.name}
+  task = _needle_task(cfg, num_examples, filler)
+  return task, {"standard_needles_used": [task.num_needles, task.num_queries]}
 
 
 def _needle_task(cfg: EvalConfig, num_examples: int, filler) -> MultiNeedleTask:

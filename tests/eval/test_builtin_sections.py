@@ -110,3 +110,55 @@ def test_attention_allocation_by_layer_on_a_real_model(runners, needle_task):
       else:  # signed maps: absolute mass exceeds the signed total
         assert sum(layer["absolute"]) > layer["row_total"] + 1e-3
     assert set(res["by_depth"]) <= {"0", "0.25", "0.5", "0.75", "1"}
+
+
+def test_an_unsquashed_v2_lambda_is_reported_and_binned_over_its_own_range(text_batches):
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from eval_cases import fast_model  # pylint: disable=import-outside-toplevel
+
+  from diffjax.eval.sections import text  # pylint: disable=import-outside-toplevel
+  from diffjax.model import matched_configs  # pylint: disable=import-outside-toplevel
+
+  cfg = dataclasses.replace(matched_configs(BASE)["diff_v2"], v2_lambda="identity")
+  runner = evaluate.ModelRunner(fast_model(cfg, 5))
+  res = evaluate.text_statistics(runner, text_batches[:1], outlier_sample=1 << 12, probe_rows=4)
+  lam = res["lambda"]
+  assert lam["kind"] == "identity"
+  for layer in lam["layers"]:
+    assert layer["quantiles"]["0.05"] < 0.0  # x W_lambda, no sigmoid: negative values too
+    counts, edges = layer["histogram"]["counts"], layer["histogram"]["edges"]
+    assert sum(counts) == 2 * T * cfg.num_heads  # every value is binned
+    assert edges[0] <= layer["quantiles"]["0.05"] and edges[-1] >= layer["quantiles"]["0.95"]
+  assert text.scalars(res)["lambda/mean"] == pytest.approx(
+    np.mean([layer["mean"] for layer in lam["layers"]])
+  )
+
+
+def test_the_lambda_plot_does_not_clip_an_unsquashed_lambda_to_the_unit_interval(
+  tmp_path, monkeypatch
+):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  from diffjax.eval.sections import text  # pylint: disable=import-outside-toplevel
+
+  def run(kind, lo, hi):
+    layer = {"mean": (lo + hi) / 2, "quantiles": {"0.05": lo, "0.95": hi}}
+    lam = {"kind": kind, "layers": [layer, layer]}
+    return {"eval": {"sections": {"text": {"lambda": lam}}}}
+
+  drawn = []
+  monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+  groups = {"diff_v2": [run("sigmoid", 0.2, 0.8), run("identity", -1.5, 2.0)]}
+  text.plot(plt, groups, {"diff_v2": "C0"}, str(tmp_path))
+  (fig,) = drawn
+  squashed, unsquashed = fig.axes
+  assert squashed.get_ylabel() == "sigmoid(lambda)" and squashed.get_ylim() == (0.0, 1.0)
+  assert unsquashed.get_ylabel() == "lambda (no sigmoid)" and "identity" in unsquashed.get_title()
+  low, high = unsquashed.get_ylim()
+  assert low <= -1.5 and high >= 2.0
+  plt.close(fig)

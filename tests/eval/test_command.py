@@ -130,3 +130,84 @@ def test_the_report_command_answers_bad_input_in_one_line(capsys, tmp_path):
     assert report.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and wanted in err and err.count("\n") == 1, err
+
+
+def test_a_task_mix_run_is_scored_on_the_held_out_rows_of_its_mix():
+  """The command's validation batches are the trainer's: the held-out share of the documents
+  the run trained on (text with task examples mixed in), not of its text alone."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from diffjax.data import DataConfig, build_datasets  # pylint: disable=import-outside-toplevel
+  from diffjax.train.sections import TaskMixConfig  # pylint: disable=import-outside-toplevel
+  from diffjax.train.task_mix import run_source  # pylint: disable=import-outside-toplevel
+
+  data = {"kind": "stdlib", "max_documents": 60, "val_fraction": 0.2}
+  mix = {"task": "associative_recall", "fraction": 0.5, "num_pairs": 4, "num_queries": 1}
+  config = {"data": data, "task_mix": mix}
+  got = command._val_batches(config, seq_len=64, batch_size=2, count=2, seed=3)
+
+  data_cfg = DataConfig.from_dict(data)
+  source, tokenizer = run_source(TaskMixConfig.from_config(mix), data_cfg, 3)
+  kw = dict(seq_len=64, global_batch_size=2, seed=3)
+  trainer = build_datasets(data_cfg, source=source, tokenizer=tokenizer, **kw).val_batches(2)
+  text_alone = build_datasets(data_cfg, **kw).val_batches(2)
+  tokens = lambda batches: np.stack([b["inputs"] for b in batches])
+  assert np.array_equal(tokens(got), tokens(trainer))
+  assert not np.array_equal(tokens(got), tokens(text_alone))
+  # A run saved before task mixes existed (no task_mix key) is scored on its text.
+  assert np.array_equal(
+    tokens(command._val_batches({"data": data}, 64, 2, 2, 3)), tokens(text_alone)
+  )
+
+
+def test_a_context_too_short_for_the_needle_sections_is_one_error_line(
+  capsys, tmp_path, monkeypatch, runners
+):
+  from diffjax.train import loading  # pylint: disable=import-outside-toplevel
+
+  model = runners["transformer"].model
+  monkeypatch.setattr(
+    loading,
+    "load_run",
+    lambda workdir, step=None: loading.LoadedRun(model, model.config, {"seq_len": 48}, 1),
+  )
+  out = tmp_path / "eval.json"
+  status, _, err = _run(capsys, f"--workdir={tmp_path}", f"--out={out}", "--sections=allocation")
+  errors = [line for line in err.splitlines() if line.startswith("error: ")]
+  assert status == 2 and len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+  assert "context_len=48 cannot hold even one needle" in errors[0] and "--sections" in errors[0]
+  assert not out.exists()
+
+
+@pytest.mark.parametrize(
+  "field,value,wanted",
+  [
+    ("samples_per_depth", 0, "samples_per_depth=0 must be >= 1"),
+    ("mqar_examples", 0, "mqar_examples=0 must be >= 1"),
+    ("allocation_examples", 0, "allocation_examples=0 must be >= 1"),
+    ("heatmap_samples", 0, "heatmap_samples=0 must be >= 1, or None"),
+    ("batch_size", 0, "batch_size=0 must be >= 1"),
+    ("capture_batch_size", 0, "capture_batch_size=0 must be >= 1"),
+    ("probe_rows", 0, "probe_rows=0 must be >= 1"),
+    ("val_batches", -1, "val_batches=-1 must be >= 0"),
+  ],
+)
+def test_counts_a_section_cannot_run_with_are_refused(field, value, wanted):
+  with pytest.raises(ValueError, match=wanted):
+    EvalConfig.quick(256, **{field: value})
+  # What may be zero: no validation batches, no salient keys; None heatmap samples.
+  EvalConfig.quick(256, val_batches=0, corr_top_k=0, heatmap_samples=None)
+
+
+def test_a_zero_count_override_is_one_error_line(capsys, tmp_path, monkeypatch, runners):
+  from diffjax.train import loading  # pylint: disable=import-outside-toplevel
+
+  model = runners["transformer"].model
+  monkeypatch.setattr(
+    loading,
+    "load_run",
+    lambda workdir, step=None: loading.LoadedRun(model, model.config, {"seq_len": 256}, 1),
+  )
+  status, _, err = _run(capsys, f"--workdir={tmp_path}", "--quick", "--config.samples_per_depth=0")
+  assert status == 2 and err.startswith("error: bad --config override: samples_per_depth=0")
+  assert err.count("\n") == 1, err

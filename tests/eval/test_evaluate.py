@@ -3,6 +3,7 @@ on the recall task) and the command on a run directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -126,3 +127,22 @@ def test_probes_run_on_the_recall_task_when_asked(runners, text_batches):
   assert len(per_head) == 2 and all(len(h) == runners["diff_v1"].config.num_heads for h in per_head)
   layer0 = out["sections"]["text"]["correlation"]["probs"][0]
   assert np.nanmean(per_head[0]) == pytest.approx(layer0, abs=0.2)
+
+
+def test_a_context_too_short_for_needles_stops_only_the_sections_that_score_them(
+  runners, text_batches
+):
+  from diffjax.data.tasks import ContextTooShort  # pylint: disable=import-outside-toplevel
+
+  cfg = evaluate.EvalConfig(context_len=48, batch_size=2, sections=("validation",))
+  out = evaluate.evaluate_model(runners["transformer"], text_batches, cfg, filler=FILLER)
+  assert out["sections"]["validation"]["loss"] > 0
+  assert "standard_needles_used" not in out["meta"]  # the needle task was never built
+  for section in ("allocation", "lowbit", "probes"):
+    with pytest.raises(ContextTooShort, match="context_len=48 cannot hold even one needle"):
+      evaluate.evaluate_model(
+        runners["transformer"],
+        text_batches,
+        dataclasses.replace(cfg, sections=(section,)),
+        filler=FILLER,
+      )

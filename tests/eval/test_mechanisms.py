@@ -237,3 +237,17 @@ def test_v1_norm_gradients_are_the_chain_rule_through_its_norm():
     ModelRunner(_model("transformer")).norm_gradients(
       batch["inputs"], batch["targets"], None, None, batch["loss_mask"]
     )
+
+
+def test_mechanisms_is_skipped_without_validation_batches():
+  from diffjax.eval.config import EvalConfig  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
+
+  lines = []
+  cfg = EvalConfig(context_len=256, sections=("mechanisms",))
+  out = evaluate_model(_model("diff_v1"), [], cfg, log=lines.append)
+  assert out["sections"] == {} and out["scalars"] == {}
+  assert lines == ["skipping mechanisms: no validation batches"]
+  # val_batches=0 keeps none of the batches given: the same.
+  cfg0 = EvalConfig(context_len=256, sections=("mechanisms",), val_batches=0)
+  assert evaluate_model(_model("diff_v1"), [_batch()], cfg0)["sections"] == {}

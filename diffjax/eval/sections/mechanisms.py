@@ -228,5 +228,9 @@ def scalars(result: Mapping[str, Any]) -> dict[str, float]:
 
 
 SECTION = Section(
-  name="mechanisms", run=run, scalars=scalars, directions={"mechanisms/*": DESCRIPTIVE}
+  name="mechanisms",
+  run=run,
+  scalars=scalars,
+  directions={"mechanisms/*": DESCRIPTIVE},
+  needs_validation=True,  # it measures the validation rows (in capture-sized batches)
 )

@@ -43,10 +43,22 @@ def _pairing_kind(arm: str) -> str:
   return "head_pairs" if arms.get(arm).maps == 1 else "a1_a2"
 
 
+# The kinds of the per-token lambda distribution (an arm whose `lambda_report` is "sigmoid"):
+# squashed into (0, 1), or the unsquashed projection of a `v2_lambda="identity"` model.
+_PER_TOKEN_KINDS = ("sigmoid", "identity")
+
+
+def _per_token_kind(config: Any) -> str:
+  """ "identity" for a model whose per-token lambda has no sigmoid (`v2_lambda="identity"`),
+  else "sigmoid"."""
+  return "identity" if getattr(config, "v2_lambda", "sigmoid") == "identity" else "sigmoid"
+
+
 def _lambda_summary(runner: ModelRunner, lam_values: list[list[np.ndarray]]) -> dict[str, Any]:
   """lambda per layer, as the arm reports it (:attr:`diffjax.arms.ArmSpec.lambda_report`):
   one scalar per layer (DIFF V1, with its per-layer constants such as lambda_init), the
-  distribution of a squashed lambda over tokens and heads (DIFF V2), or {"kind": "none"}."""
+  distribution of lambda over tokens and heads (DIFF V2: "sigmoid", or "identity" for a model
+  with `v2_lambda="identity"`, whose lambda is unbounded), or {"kind": "none"}."""
   arm = arms.get(runner.config.attention)
   if arm.lambda_report == "scalar":
     constants = arm.layer_constants(runner.config)
@@ -56,11 +68,12 @@ def _lambda_summary(runner: ModelRunner, lam_values: list[list[np.ndarray]]) -> 
       **{name: [float(x) for x in values] for name, values in constants.items()},
     }
   if arm.lambda_report == "sigmoid":
-    lam = {"kind": "sigmoid", "layers": [_distribution(np.concatenate(v)) for v in lam_values]}
+    kind = _per_token_kind(runner.config)
+    layers = [_distribution(np.concatenate(v), unit=kind == "sigmoid") for v in lam_values]
     heads = runner.config.num_heads
     for li, v in enumerate(lam_values):
-      lam["layers"][li]["per_head_mean"] = np.concatenate(v).reshape(-1, heads).mean(0).tolist()
-    return lam
+      layers[li]["per_head_mean"] = np.concatenate(v).reshape(-1, heads).mean(0).tolist()
+    return {"kind": kind, "layers": layers}
   return {"kind": "none"}
 
 
@@ -129,9 +142,13 @@ def _row_key_valid(rows_BxR, t: int, seg_BxT=None) -> np.ndarray:
   return ok
 
 
-def _distribution(v: np.ndarray) -> dict[str, Any]:
+def _distribution(v: np.ndarray, unit: bool = True) -> dict[str, Any]:
+  """Mean, std, quantiles and a 20-bin histogram of `v`: binned over [0, 1] when `unit` and
+  every value lies there (a sigmoid's output), else over the values' own range, so that every
+  value is counted."""
   qs = (0.05, 0.25, 0.5, 0.75, 0.95)
-  hist, edges = np.histogram(v, bins=20, range=(0.0, 1.0))
+  unit = unit and v.size > 0 and 0.0 <= float(v.min()) and float(v.max()) <= 1.0
+  hist, edges = np.histogram(v, bins=20, range=(0.0, 1.0) if unit else None)
   return {
     "mean": float(v.mean()),
     "std": float(v.std()),
@@ -232,7 +249,8 @@ def text_statistics(
       entries (both maps for DIFF); hidden states are every block's output.
     lambda: V1: {"kind": "scalar", "layers": [lambda], "lambda_init": [...]};
       V2: {"kind": "sigmoid", "layers": [{"mean", "std", "quantiles": {q: v}, "histogram",
-      "per_head_mean"}]}; Transformer: {"kind": "none"}.
+      "per_head_mean"}]} ("kind": "identity" for `v2_lambda="identity"`: lambda unbounded, the
+      histogram over its range); Transformer: {"kind": "none"}.
     correlation: per layer (and per head: probs_per_head) Pearson correlation of A1 and A2 over
       non-salient keys (DIFF), or of query heads 2i and 2i+1 (Transformer, a control: what a
       plain model's would-be pairs share). Salient keys: the top-`corr_top_k` keys of A1, the
@@ -315,25 +333,27 @@ def scalars(result: Mapping[str, Any]) -> dict[str, float]:
   lam = result["lambda"]
   if lam["kind"] == "scalar":
     out["lambda/mean"] = float(np.mean(lam["layers"]))
-  elif lam["kind"] == "sigmoid":
+  elif lam["kind"] in _PER_TOKEN_KINDS:
     out["lambda/mean"] = float(np.mean([l["mean"] for l in lam["layers"]]))
   return out
 
 
 def plot(plt, groups, colors, out_dir):
   """lambda.png: DIFF V1 lambda per layer (seeds and mean, with lambda_init) and DIFF V2
-  sigmoid(lambda) per layer (mean and the 5-95 % band over tokens)."""
+  lambda per layer (mean and the 5-95 % band over tokens): sigmoid(lambda) in [0, 1], or the
+  unbounded lambda of `v2_lambda="identity"` runs, in a panel of their own."""
   panels = []
   for arm, rs in groups.items():
     lams = [(display.section_result(r, "text") or {}).get("lambda") for r in rs]
-    lams = [l for l in lams if l and l.get("kind") in ("scalar", "sigmoid")]
-    if lams:
-      panels.append((arm, lams))
+    for kind in ("scalar", *_PER_TOKEN_KINDS):
+      same = [l for l in lams if l and l.get("kind") == kind]
+      if same:
+        panels.append((arm, kind, same))
   if not panels:
     return None
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-  for ax, (arm, lams) in zip(axes[0], panels):
-    if lams[0]["kind"] == "scalar":
+  for ax, (arm, kind, lams) in zip(axes[0], panels):
+    if kind == "scalar":
       vals = np.asarray([l["layers"] for l in lams], float)
       layers = np.arange(vals.shape[1])
       for v in vals:
@@ -342,25 +362,33 @@ def plot(plt, groups, colors, out_dir):
       ax.plot(layers, lams[0]["lambda_init"], color="black", ls="--", label="lambda_init")
       ax.set_ylabel("lambda")
     else:
-      means = np.asarray([[x["mean"] for x in l["layers"]] for l in lams], float)
-      q05 = np.asarray([[x["quantiles"]["0.05"] for x in l["layers"]] for l in lams], float).mean(0)
-      q95 = np.asarray([[x["quantiles"]["0.95"] for x in l["layers"]] for l in lams], float).mean(0)
-      layers = np.arange(means.shape[1])
-      ax.plot(layers, means.mean(0), color=colors[arm], marker="o", label=f"mean (n={len(means)})")
-      ax.fill_between(layers, q05, q95, color=colors[arm], alpha=0.2, label="5-95% of tokens")
-      ax.set_ylim(0, 1)
-      ax.set_ylabel("sigmoid(lambda)")
+      layers = _plot_per_token(ax, lams, colors[arm])
+      if kind == "sigmoid":
+        ax.set_ylim(0, 1)
+      ax.set_ylabel("sigmoid(lambda)" if kind == "sigmoid" else "lambda (no sigmoid)")
     ax.set_xlabel("layer")
     ax.set_xticks(layers)
-    ax.set_title(arm)
+    ax.set_title(arm if kind != "identity" else f"{arm}, identity lambda")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
   return display.save(
     fig,
     out_dir,
     "lambda.png",
-    "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 sigmoid(lambda) on evaluation text.",
+    "DIFF V1 lambda per layer (thin lines: seeds) and DIFF V2 lambda on evaluation text "
+    "(sigmoid(lambda), or lambda itself for runs without the sigmoid).",
   )
+
+
+def _plot_per_token(ax, lams, color) -> np.ndarray:
+  """Draws the mean of a per-token lambda per layer and its 5-95 % band; returns the layers."""
+  means = np.asarray([[x["mean"] for x in l["layers"]] for l in lams], float)
+  q05 = np.asarray([[x["quantiles"]["0.05"] for x in l["layers"]] for l in lams], float).mean(0)
+  q95 = np.asarray([[x["quantiles"]["0.95"] for x in l["layers"]] for l in lams], float).mean(0)
+  layers = np.arange(means.shape[1])
+  ax.plot(layers, means.mean(0), color=color, marker="o", label=f"mean (n={len(means)})")
+  ax.fill_between(layers, q05, q95, color=color, alpha=0.2, label="5-95% of tokens")
+  return layers
 
 
 SECTION = Section(
