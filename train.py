@@ -52,13 +52,15 @@ resumes from the newest good checkpoint; a finished run is left unchanged (a lar
 
 # While the imports run, a stop signal waits until they are done: an interrupt raised while a
 # C extension (jaxlib) sets itself up crashes the interpreter (status 139 or 134, no line).
-_HELD = {"holding": False, "signum": None}
+_HELD = {"holding": False, "signum": None, "in_hook": 0}
 
 
 def _raise_interrupt(signum, frame):
   del frame
   if _HELD["holding"]:
     _HELD["signum"] = signum
+    return
+  if _HELD["in_hook"]:  # raised inside the hook below it would be lost: the hook's thread resends
     return
   raise KeyboardInterrupt(signum)
 
@@ -84,13 +86,20 @@ def _redeliver_lost_interrupt(unraisable):
     sys.__unraisablehook__(unraisable)
     return
   signum, main = exc.args[0], threading.main_thread().ident
+  left = threading.Event()
 
-  def again():
+  def again():  # once the hook has returned: a signal that arrives inside it is dropped
+    left.wait()
     time.sleep(0.01)
     if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN, None):
       signal.pthread_kill(main, signum)
 
-  threading.Thread(target=again, daemon=True).start()
+  _HELD["in_hook"] += 1
+  try:
+    threading.Thread(target=again, daemon=True).start()
+  finally:
+    _HELD["in_hook"] -= 1
+    left.set()
 
 
 def _take_stop_signals():

@@ -526,8 +526,15 @@ def _config_arg(argv: Sequence[str], name: str = "config") -> str | None:
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
+# Calls of the hook below in progress: a signal that arrives inside one is dropped there (an
+# interrupt raised inside the hook would be lost), and the hook's thread sends it again after.
+_IN_HOOK = [0]
+
+
 def _raise_interrupt(signum, frame):
   del frame
+  if _IN_HOOK[0]:
+    return
   raise KeyboardInterrupt(signum)
 
 
@@ -542,13 +549,20 @@ def _redeliver_lost_interrupt(other_hook, unraisable) -> None:
     other_hook(unraisable)
     return
   signum, main = exc.args[0], threading.main_thread().ident
+  left = threading.Event()
 
   def again():
+    left.wait()  # sent while the hook runs, the handler would run inside it
     time.sleep(0.01)
     if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN, None):
       signal.pthread_kill(main, signum)
 
-  threading.Thread(target=again, daemon=True).start()
+  _IN_HOOK[0] += 1
+  try:
+    threading.Thread(target=again, daemon=True).start()
+  finally:
+    _IN_HOOK[0] -= 1
+    left.set()
 
 
 @contextlib.contextmanager
