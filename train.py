@@ -155,7 +155,8 @@ def _main(argv) -> int:
       cli.Flag(
         "workdir",
         None,
-        "directory for checkpoints and metrics [default: runs/<config name>[_<arm>]]",
+        "directory for checkpoints and metrics "
+        "[default: runs/<config name>[_<config argument>][_<arm>]]",
       ),
     ),
   )

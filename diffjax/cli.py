@@ -200,11 +200,36 @@ def unknown_key(config, dotted: str) -> str | None:
   return None
 
 
+# Names other trainers give a setting (Optax, transformers, lightning) -> the last part of the key
+# that holds it here, suggested first.
+_OTHER_NAMES = {
+  "learning_rate": "lr",
+  "max_steps": "num_steps",
+  "train_steps": "num_steps",
+  "steps": "num_steps",
+  "batch_size": "global_batch_size",
+  "train_batch_size": "global_batch_size",
+  "warmup": "warmup_steps",
+  "max_seq_len": "seq_len",
+  "seq_length": "seq_len",
+  "context_length": "seq_len",
+  "gradient_accumulation_steps": "grad_accum_steps",
+  "max_grad_norm": "clip_norm",
+}
+
+
+def _other_name_keys(keys: Sequence[str], key: str) -> list[str]:
+  """The keys of ``keys`` that hold what another trainer calls ``key``'s last part."""
+  other = _OTHER_NAMES.get(key.rsplit(".", 1)[-1])
+  return [k for k in keys if other is not None and k.rsplit(".", 1)[-1] == other]
+
+
 def suggest_keys(config, key: str, n: int = 3) -> list[str]:
-  """The valid dotted keys nearest to ``key`` (by spelling of the whole path or of its
-  last part), at most ``n``."""
+  """The valid dotted keys nearest to ``key`` (the key holding a setting another trainer calls
+  by its last part, then by spelling of the whole path or of its last part), at most ``n``."""
   keys = list(flat_keys(config))
-  close = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+  close = _other_name_keys(keys, key)
+  close += [k for k in difflib.get_close_matches(key, keys, n=n, cutoff=0.6) if k not in close]
   if len(close) < n:
     last = key.rsplit(".", 1)[-1]
     by_leaf: dict[str, list[str]] = {}
@@ -266,10 +291,10 @@ def unknown_override_message(
         f"{parts[depth]!r} to it; set it whole, e.g. "
         f"--{flag}.{parent}=\"{{'{parts[depth]}': <value>}}\"."
       )
-    near = []
+    near = _other_name_keys(list(flat_keys(config)), bad)
     for fix in difflib.get_close_matches(parts[depth], list(node.keys()), n=3, cutoff=0.6):
       fixed = ".".join(parts[:depth] + [fix] + parts[depth + 1 :])
-      if unknown_key(config, fixed) is None:
+      if unknown_key(config, fixed) is None and fixed not in near:
         near.append(fixed)
     near += [k for k in suggest_keys(config, bad) if k not in near]
     near = near[:3]

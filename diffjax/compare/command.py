@@ -35,7 +35,7 @@ literals); the runs' keys are under base:
   --config.seeds="(0,1,2)"                   the seeds every arm trains with
   --config.base.model.size=small             the Transformer size every arm is matched to
   --config.base.model.v2_match=heads         how DIFF V2 is matched: params (default) or heads
-  --config.base.num_steps=2000 --config.base.optim.lr=1e-3 --config.eval.mode=quick
+  --config.base.num_steps=2000 --config.base.optim.decay_steps=2000 --config.eval.mode=quick
 """
 
 

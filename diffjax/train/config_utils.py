@@ -89,10 +89,12 @@ def describe_run(config) -> str:
       f"run: seq_len={run.seq_len} global_batch_size={run.global_batch_size} "
       f"grad_accum_steps={run.grad_accum_steps} num_steps={run.num_steps} "
       f"tokens={run.tokens_per_step * run.num_steps:,} "
-      f"lr={run.optim.lr} ({run.optim.schedule}, warmup {run.optim.warmup_steps}) "
+      f"lr={run.optim.lr} ({run.optim.schedule}, warmup {run.optim.warmup_steps}, min_lr "
+      f"{run.optim.min_lr} at step {run.optim.decay_steps}) "
       f"seed={run.seed} mesh={run.mesh.shape}",
       f"data: kind={data.kind} paths={tuple(data.paths)} tokenizer={data.tokenizer!r} "
       f"val_fraction={data.val_fraction}",
+      *filter(None, [run.optim.decay_note(run.num_steps)]),
     ]
   )
 

@@ -218,6 +218,12 @@ def initial_params(
         ]
         if diffs:
           fix = "start from a run of the same architecture"
+          if saved.get("attention", now["attention"]) != now["attention"]:
+            fix = (
+              f"train the arm it holds, --config.model.arm={saved['attention']}, at the sizes it "
+              "was made with (a workdir written by `python -m diffjax.convert retrofit`: the "
+              "train.py command the retrofit printed)"
+            )
           if saved.get("vocab_size", now["vocab_size"]) != now["vocab_size"]:
             fix = (
               f"set --config.model.vocab_size={saved['vocab_size']} and train with the tokenizer "

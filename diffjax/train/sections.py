@@ -248,6 +248,17 @@ class OptimConfig(Section):
         f" decay_steps={self.decay_steps}."
       )
 
+  def decay_note(self, num_steps: int) -> str | None:
+    """A line saying that the decay ends before step ``num_steps`` (the steps after it train at
+    ``min_lr``: a run extended by a larger num_steps, say), or None."""
+    if self.schedule == "constant" or self.decay_steps >= num_steps:
+      return None
+    return (
+      f"note: the {self.schedule} decay reaches min_lr={self.min_lr} at optim.decay_steps="
+      f"{self.decay_steps}, so steps {self.decay_steps + 1}-{num_steps} train at min_lr; "
+      f"--config.optim.decay_steps={num_steps} spreads it over the run."
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskMixConfig(Section):

@@ -387,6 +387,9 @@ class Trainer:
       )
       + f"workdir={self.workdir}"
     )
+    note = self.cfg.optim.decay_note(self.cfg.num_steps)
+    if note:
+      self.progress.message("diffjax: " + note)
 
   # ---- 4. the steps --------------------------------------------------------------------------
 

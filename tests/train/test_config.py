@@ -136,6 +136,33 @@ def test_a_key_the_run_config_lacks_is_refused_with_the_nearest_one():
     RunConfig.from_config(c)
 
 
+def test_a_key_named_as_other_trainers_name_it_suggests_the_key_that_holds_it():
+  config = base_config()
+  for arg, first in (
+    ("--config.optim.learning_rate=1e-3", "--config.optim.lr"),
+    ("--config.learning_rate=1e-3", "--config.optim.lr"),
+    ("--config.max_steps=10", "--config.num_steps"),
+    ("--config.batch_size=8", "--config.global_batch_size"),
+  ):
+    line = cli.unknown_override_message(config, [arg])
+    said = line.split("did you mean ", 1)[1]
+    assert said.startswith(first), line
+    assert said.count(first + " ") + said.count(first + "?") == 1, line  # named once
+
+
+def test_a_decay_that_ends_before_the_run_is_noted_with_the_setting_that_spreads_it():
+  optim = OptimConfig(decay_steps=500)
+  note = optim.decay_note(2000)
+  assert "steps 501-2000 train at min_lr" in note and "--config.optim.decay_steps=2000" in note
+  assert optim.decay_note(500) is None and optim.decay_note(400) is None
+  assert OptimConfig(schedule="constant", decay_steps=500).decay_note(2000) is None
+  c = load_config(os.path.join(REPO, "configs/tiny.py"))
+  c.num_steps = 2000
+  assert describe_run(c).splitlines()[-1] == note
+  c.optim.decay_steps = 2000
+  assert "note:" not in describe_run(c)
+
+
 def test_sections_a_config_lacks_keep_their_defaults():
   c = base_config().to_dict()
   for name in ("task_mix", "distributed", "profile", "kernels", "peak_flops", "tensorboard"):

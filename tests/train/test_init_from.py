@@ -74,6 +74,11 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
     CheckpointError, match=r"set --config\.model\.vocab_size=\d+ and train with the tokenizer"
   ):
     initial_params(first, cfg.replace(vocab_size=cfg.vocab_size + 1), target, None)
+  # Another arm: the line names the arm the run holds and where a retrofit's command is.
+  with pytest.raises(
+    CheckpointError, match=r"--config\.model\.arm=diff_v1, at the sizes it was made with"
+  ):
+    initial_params(first, cfg.replace(attention="transformer"), target, None)
   with pytest.raises(FileNotFoundError, match="init_from"):
     initial_params(str(tmp_path / "nowhere"), cfg, target, None)
 
