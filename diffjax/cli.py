@@ -90,6 +90,15 @@ def use_compile_cache(path: str, *, every_program: bool = False) -> bool:
   return True
 
 
+def nearest_existing(path: str) -> str:
+  """``path`` (made absolute) or its nearest ancestor that exists: where writing ``path`` would
+  first meet the file system."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
+
+
 def load_config(path: str, arg: str | None = None):
   """``get_config(arg)`` (or ``get_config()``) of the config file at ``path``.
 

@@ -202,22 +202,19 @@ def evaluate_checkpoint(
   (:attr:`ComparisonEval.harness`) adds lm-eval tasks: their results go in the ``harness`` section
   and their metrics in the scalars as ``harness/<task>/<metric>``.
   """
-  from diffjax.data import build_datasets  # pylint: disable=import-outside-toplevel
   from diffjax.eval.evaluate import evaluate_model  # pylint: disable=import-outside-toplevel
+  from diffjax.eval.run_data import run_val_batches  # pylint: disable=import-outside-toplevel
   from diffjax.train import load_model  # pylint: disable=import-outside-toplevel
-  from diffjax.train.task_mix import run_source  # pylint: disable=import-outside-toplevel
 
   model, _, step = load_model(run_dir, step=step)
-  source, tokenizer = run_source(run.task_mix, run.data, run.seed)
-  data = build_datasets(
+  val, tokenizer = run_val_batches(
     run.data,
+    run.task_mix,
     seq_len=run.seq_len,
-    global_batch_size=run.global_batch_size,
+    batch_size=run.global_batch_size,
     seed=run.seed,
-    source=source,
-    tokenizer=tokenizer,
+    count=cfg.val_batches,
   )
-  val = data.val_batches(cfg.val_batches)
   meta = {
     "seed": run.seed,
     "workdir": os.path.abspath(run_dir) if "://" not in run_dir else run_dir,

@@ -105,7 +105,7 @@ def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: i
   """The run's validation batches, built from its data config and task mix as its trainer did."""
   from diffjax.eval.run_data import run_val_batches  # pylint: disable=import-outside-toplevel
 
-  return run_val_batches(
+  batches, _ = run_val_batches(
     config["data"],
     config.get("task_mix"),
     seq_len=seq_len,
@@ -113,6 +113,7 @@ def _val_batches(config: Any, seq_len: int, batch_size: int, count: int, seed: i
     seed=seed,
     count=count,
   )
+  return batches
 
 
 USAGE = (
@@ -172,9 +173,7 @@ def _check_writable(out: str) -> None:
   """Refuses an output path that is a directory or lies under a file."""
   if os.path.isdir(out):
     raise BadInput(f"--out={out!r} is a directory; name the JSON file to write.")
-  folder = os.path.dirname(os.path.abspath(out))
-  while not os.path.exists(folder):
-    folder = os.path.dirname(folder)
+  folder = cli.nearest_existing(os.path.dirname(os.path.abspath(out)))
   if not os.path.isdir(folder):
     raise BadInput(f"--out={out!r} cannot be written: {folder!r} is a file, not a directory.")
 

@@ -1,7 +1,7 @@
 """`run_val_batches`: a training run's own held-out batches, built the way its trainer built them.
 
-The eval command scores a run's checkpoint on these; any other caller that evaluates a run (a
-comparison, say) can build them here too, so every evaluation of a run sees the same rows.
+The eval command and the comparison score a run's checkpoint on these, so every evaluation of a
+run sees the same rows.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 def run_val_batches(
   data: Any, task_mix: Any, *, seq_len: int, batch_size: int, seed: int, count: int
-) -> list[Any]:
-  """The first ``count`` validation batches of a run, as its trainer's eval/loss saw them.
+) -> tuple[list[Any], Any]:
+  """(the first ``count`` validation batches of a run, as its trainer's eval/loss saw them; the
+  tokenizer its task mix was built with, or None for a run of text alone).
 
   Args:
     data: the run's data config: a `DataConfig` or its mapping.
@@ -38,4 +39,4 @@ def run_val_batches(
     source=source,
     tokenizer=tokenizer,
   )
-  return list(datasets.val_batches(count))
+  return list(datasets.val_batches(count)), tokenizer

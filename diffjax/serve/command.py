@@ -263,12 +263,7 @@ def _writable_cache_dir(args: argparse.Namespace, progress) -> str | None:
 def _can_make(path: str) -> bool:
   """Whether ``path`` is a writable directory, or one that can be made (its nearest existing
   parent is a writable directory)."""
-  path = os.path.abspath(path)
-  while not os.path.exists(path):
-    parent = os.path.dirname(path)
-    if parent == path:
-      return False
-    path = parent
+  path = cli.nearest_existing(path)
   return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
