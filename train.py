@@ -45,9 +45,11 @@ USAGE = (
 SUMMARY = """\
 Trains one run of a config: an arm (model.arm: transformer, diff_v1, diff_v2, gda_v1, gda_v2 or
 one added with diffjax.arms.register) matched to the Transformer of a size, on the config's data,
-with checkpoints, metrics.jsonl and TensorBoard logs in the workdir. Rerunning the same command
-resumes from the newest good checkpoint; a finished run is left unchanged (a larger
---config.num_steps extends it), and a second training in a workdir that one is writing is refused."""
+with checkpoints, metrics.jsonl and TensorBoard logs in the workdir (and, on a local disk, the
+compiled programs a rerun loads: compile_cache/, unless JAX_COMPILATION_CACHE_DIR names another
+place). Rerunning the same command resumes from the newest good checkpoint; a finished run is left
+unchanged (a larger --config.num_steps extends it, with --config.optim.decay_steps to stretch the
+decay), and a second training in a workdir that one is writing is refused."""
 
 
 # While the imports run, a stop signal waits until they are done: an interrupt raised while a
