@@ -7,6 +7,7 @@ a :class:`diffjax.train.perf.Clock` phase (docs/training.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -184,6 +185,14 @@ class Trainer:
         if stop.signum is not None:  # the last step is saved; the rerun evaluates it
           return self._stop(stop)
       return self._finish()
+    except BaseException:
+      # An error (a refused init_from, say) would leave the checkpoint manager's background work
+      # to the interpreter's shutdown, which can no longer run it: a traceback after the error's
+      # one line. Closed here, it finishes any save in flight first.
+      if getattr(self, "manager", None) is not None:
+        with contextlib.suppress(Exception):
+          self.manager.close()
+      raise
     finally:
       self.lock.release()
 
