@@ -612,15 +612,27 @@ def test_a_choices_text_and_token_offsets_are_the_decode_of_its_tokens(kind, ech
   assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
 
 
-def test_the_shutdown_line_counts_only_the_requests_the_shutdown_ended(capsys):
+def test_the_shutdown_line_counts_only_the_requests_the_shutdown_ended(capsys, monkeypatch):
   """A request ended by a stop string is cancelled in the engine, but not by the shutdown."""
-  engine = Engine(tiny_model("transformer"), slots=1, context=32)
+  engine = Engine(tiny_model("transformer"), slots=1, context=64)
   server = Server(engine.start(), ByteTokenizer(), model_name="m")
   body = {"prompt": "ab", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+  # The stop request may run to the end of the context, and each of its tokens gives the server
+  # a moment to cancel it: the engine cannot end it by length before the stop string is seen.
+  take = engine._take
+
+  def take_slowly(state, *args, **kwargs):
+    alive = take(state, *args, **kwargs)
+    if alive and state.job.max_tokens > 8:
+      state.job.cancelled.wait(0.05)
+    return alive
+
+  monkeypatch.setattr(engine, "_take", take_slowly)
   with ServerThread(engine, server) as thread:
     text = _post(thread.url, "/completions", body).json()["choices"][0]["text"]
     stop = text[len(text) // 2]
-    r = _post(thread.url, "/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    r = _post(thread.url, "/completions", {**body, "max_tokens": 60, "stop": [stop]})
+    r = r.json()["choices"][0]
     assert r["finish_reason"] == "stop" and r["text"] == text[: text.index(stop)]
     wait_until(lambda: engine.load()["running"] == 0, "the slot freed")
   assert engine.counts["finished_cancelled"] == 1
