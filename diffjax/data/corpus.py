@@ -63,12 +63,10 @@ class ShardCorpus:
     self._offsets_Sp1 = manifest.doc_offsets_Sp1
     self.max_open = max(1, int(max_open))
     self._open: collections.OrderedDict = collections.OrderedDict()
-    # The training lanes read in a background thread while evaluation reads in the main one.
+    # The training lanes read in a background thread while evaluation reads in the main one: a
+    # read holds the lock, since another thread's open may close the shard it reads (and the
+    # file descriptor's number, reused, would then read another file).
     self._lock = threading.Lock()
-
-  def _shard(self, s: int) -> TokenShard:
-    with self._lock:
-      return self._shard_locked(s)
 
   def _shard_locked(self, s: int) -> TokenShard:
     reader = self._open.get(s)
@@ -92,7 +90,8 @@ class ShardCorpus:
 
   def tokens(self, doc: int) -> np.ndarray:
     s = int(np.searchsorted(self._offsets_Sp1, doc, side="right")) - 1
-    return self._shard(s)[int(doc - self._offsets_Sp1[s])]
+    with self._lock:
+      return self._shard_locked(s)[int(doc - self._offsets_Sp1[s])]
 
   def weights(self, doc: int) -> None:
     del doc

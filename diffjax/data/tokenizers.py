@@ -156,6 +156,9 @@ class HFTokenizer(_FileTokenizer):
     super().__init__(path, "HF tokenizer file", "tokenizer.json path")
     tokenizers = import_extra("tokenizers", "tokenizers", f"reading the HF tokenizer {self.path}")
     self._tok = self._read(tokenizers.Tokenizer.from_file)
+    # A special token's name in the text (a corpus that mentions `<|endoftext|>`) is encoded as
+    # text: only the pipeline places eos, and pad is never produced.
+    self._tok.encode_special_tokens = True
     self._set_special_ids(
       self._tok.get_vocab_size(with_added_tokens=True),
       eos=_first_known_id(self._tok.token_to_id, _HF_EOS_NAMES),

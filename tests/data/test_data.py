@@ -406,6 +406,33 @@ def test_the_shard_corpus_keeps_at_most_max_open_shards(prepared):
     assert len(corpus._open) <= 3  # pylint: disable=protected-access
 
 
+def test_two_threads_reading_a_shard_corpus_that_closes_shards_get_their_own_documents(prepared):
+  """Training reads in a background thread while evaluation reads in the main one; with one
+  shard open at a time, each read closes the other thread's shard."""
+  import threading  # pylint: disable=import-outside-toplevel
+
+  m = read_manifest(prepared)
+  want = [d for s in m.shards for d in shard_documents(s.path)]
+  corpus = ShardCorpus(m, max_open=1)
+  wrong, errors = [], []
+
+  def read(seed):
+    rng = np.random.default_rng(seed)
+    for d in rng.integers(m.num_documents, size=3000).tolist():
+      try:
+        if not np.array_equal(corpus.tokens(d), want[d]):
+          wrong.append(d)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        errors.append(repr(e))
+
+  threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and not wrong, (errors[:3], wrong[:3])
+
+
 def test_a_shard_disagreeing_with_its_manifest_is_refused(prepared, tmp_path):
   copy = tmp_path / "copy"
   shutil.copytree(prepared, copy)

@@ -43,6 +43,17 @@ def test_hf_tokenizer_round_trip_and_special_ids(tmp_path):
   ]
 
 
+def test_hf_tokenizer_encodes_the_names_of_its_special_tokens_as_text(tmp_path):
+  """A corpus that mentions `</s>` or `<pad>` gets neither id from encode (only the pipeline
+  places eos), and decoding gives the text back."""
+  _write_hf_tokenizer(tmp_path / "tok.json", ["<pad>", "</s>"])
+  tok = load_tokenizer(str(tmp_path / "tok.json"))
+  text = "a </s> b <pad> c</s>"
+  for ids in (tok.encode(text), tok.encode_batch([text])[0]):
+    assert tok.eos_id not in ids and tok.pad_id not in ids, ids
+    assert tok.decode(ids) == text
+
+
 def test_hf_tokenizer_without_specials_appends_ids(tmp_path):
   raw = _write_hf_tokenizer(tmp_path / "plain.json", [])
   tok = HFTokenizer(tmp_path / "plain.json")
