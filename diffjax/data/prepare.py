@@ -151,7 +151,7 @@ def prepare(
   """
   if shard_tokens < 1 or workers < 1:
     raise ValueError(f"--shard_tokens={shard_tokens} and --workers={workers} must be >= 1.")
-  units = plan_units(inputs, files_per_unit)
+  units = plan_units(inputs, files_per_unit, exclude=output)
   if any(u.kind == "parquet" for u in units):
     require_pyarrow()
   tok = load_tokenizer(tokenizer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
 
@@ -69,12 +70,23 @@ def split_text(data: bytes) -> list[bytes]:
   return docs
 
 
-def plan_units(inputs: Sequence[str], files_per_unit: int = 256) -> list[Unit]:
-  """Work units of `inputs` (files, directories, globs, or "stdlib" for the default corpus)."""
+def plan_units(
+  inputs: Sequence[str], files_per_unit: int = 256, exclude: str | None = None
+) -> list[Unit]:
+  """Work units of `inputs` (files, directories, globs, or "stdlib" for the default corpus),
+  without the files under the directory `exclude` (an output written inside an input)."""
   patterns: list[str] = []
   for spec in inputs:
     patterns.extend(stdlib_files() if spec == "stdlib" else [spec])
   files = resolve_paths(patterns)
+  if exclude is not None:
+    inside = os.path.join(os.path.realpath(exclude), "")
+    files = [f for f in files if not os.path.realpath(f).startswith(inside)]
+    if not files:
+      raise FileNotFoundError(
+        f"The inputs {list(inputs)} hold no file outside the output {exclude!r}: name the "
+        "files to prepare."
+      )
   if is_single_text_file(files):
     return [Unit(0, "text_split", (files[0],))]
   units: list[Unit] = []
@@ -133,7 +145,21 @@ def _jsonl_texts(path: str, text_field: str) -> Iterator[str]:
           f"{path}:{line_no}: the {text_field!r} field is a {type(text).__name__}, not a "
           "string (or null, an empty document)."
         )
-      yield text or ""
+      yield _without_lone_surrogates(text) if text else ""
+
+
+# A JSON escape such as "\ud800" that is not half of a pair decodes to a lone surrogate, which
+# is no text (UTF-8 cannot encode it): scraped data has them.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_lone_surrogates(text: str) -> str:
+  """``text`` with each lone surrogate replaced by U+FFFD, the replacement character."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return _LONE_SURROGATE.sub("\ufffd", text)
+  return text
 
 
 def iter_documents(unit: Unit, text_field: str = "text") -> Iterator[str | bytes]:

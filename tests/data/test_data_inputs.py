@@ -116,6 +116,18 @@ def test_jsonl_encoding_errors_name_the_line_and_a_byte_order_mark_is_read(tmp_p
     list(iter_documents(unit))
 
 
+def test_a_lone_surrogate_escape_in_jsonl_is_read_as_the_replacement_character(tmp_path):
+  """Scraped JSONL may hold "\\ud800" without its pair: no character, so no UTF-8; a pair stays
+  the character it spells."""
+  raw = b'{"text": "bad \\ud800 x"}\n{"text": "pair \\ud83d\\ude00"}\n'
+  path, unit = _jsonl_unit(tmp_path, raw)
+  assert list(iter_documents(unit)) == ["bad \ufffd x", "pair \U0001f600"]
+  assert _texts(prepare([path], str(tmp_path / "p"), progress=False)) == [
+    "bad \ufffd x",
+    "pair \U0001f600",
+  ]
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "spm.model"])
 def test_an_unreadable_tokenizer_file_is_a_one_line_error_naming_it(tmp_path, name):
   pytest.importorskip("tokenizers" if name.endswith(".json") else "sentencepiece")

@@ -80,6 +80,25 @@ def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):
   )
 
 
+def test_an_output_inside_an_input_directory_is_not_read_and_resumes(tmp_path):
+  """`--input corpus --output corpus/prepared`: the shards and markers written are no input of
+  the rerun, which resumes; an input holding nothing else is refused."""
+  src = _inputs(tmp_path)
+  clean = prepare(
+    [src], str(tmp_path / "clean"), shard_tokens=300, files_per_unit=1, progress=False
+  )
+  out = os.path.join(src, "prepared")
+  manifest = prepare([src], out, shard_tokens=300, files_per_unit=1, progress=False)
+  assert _shard_bytes(out) == _shard_bytes(os.path.dirname(clean))
+  os.remove(manifest)
+  last = max(p for p in os.listdir(out) if p.startswith("unit-"))
+  os.remove(os.path.join(out, last))  # as if stopped in the last unit
+  prepare([src], out, shard_tokens=300, files_per_unit=1, progress=False)
+  assert _shard_bytes(out) == _shard_bytes(os.path.dirname(clean))
+  with pytest.raises(FileNotFoundError, match=r"no file outside the output"):
+    prepare([out], out, progress=False)
+
+
 def test_other_arguments_on_same_output_are_refused(tmp_path):
   src = _inputs(tmp_path)
   prepare([src], str(tmp_path / "p"), shard_tokens=300, progress=False)
