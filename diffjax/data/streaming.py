@@ -6,9 +6,11 @@ Rows, streams and the validation rule: docs/data.md#how-batches-are-made.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import grain
@@ -304,6 +306,18 @@ def _stack(windows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   return {k: np.stack([w[k] for w in windows]) for k in BATCH_KEYS}
 
 
+# The iterators whose prefetch thread runs. They are stopped before the interpreter shuts down:
+# a daemon thread still inside a C++ call then (grain's index shuffle) aborts the process
+# ("terminate called without an active exception", status 134) after a script's last line.
+_PREFETCHING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _halt_prefetching() -> None:
+  for it in list(_PREFETCHING):
+    it.close()
+
+
 class StreamingBatchIterator(grain.DatasetIterator):
   """This process's rows of consecutive global batches, checkpointable with grain.
 
@@ -366,12 +380,14 @@ class StreamingBatchIterator(grain.DatasetIterator):
         target=self._worker, args=(self._stop, self._queue), daemon=True
       )
       self._thread.start()
+      _PREFETCHING.add(self)
 
   def _halt(self) -> None:
     if self._thread is not None:
       self._stop.set()
       self._thread.join()
       self._thread = None
+      _PREFETCHING.discard(self)
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._thread is None and self._prefetch > 0:

@@ -191,6 +191,11 @@ class RunConfig(Section):
         raise ValueError(f"{k}={getattr(self, k)} must be a positive integer.")
     if self.max_skipped_updates < 0:
       self._refuse_skips()
+    if self.seed < 0:
+      raise ValueError(
+        f"seed={self.seed} must be an integer >= 0 (it draws the initial weights and the order "
+        "of the training data)."
+      )
     check_grad_accum_reduce(self.grad_accum_reduce)
     if self.eval_every < 0:
       raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 disables periodic eval).")

@@ -514,3 +514,30 @@ def test_bad_pipeline_inputs_name_the_values(tmp_path, monkeypatch):
   (tmp_path / "one.txt").write_text("print('hello')\n")
   with pytest.raises(ValueError, match=r"too small.*1 document.*at least 2"):
     build_datasets(DataConfig(kind="text", paths=[str(tmp_path / "one.txt")]), 32, 2, 0)
+
+
+def test_a_script_that_ends_while_its_batches_prefetch_stops_the_thread_first(tmp_path):
+  """The prefetch thread is stopped before the interpreter shuts down (a daemon thread left
+  inside grain's C++ shuffle then aborted the process after the script's last line)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  from helpers import REPO  # pylint: disable=import-outside-toplevel
+
+  script = tmp_path / "ends.py"
+  script.write_text(
+    "import atexit, threading\n"
+    "# Registered first, so it runs after the package's own exit handlers.\n"
+    "atexit.register(lambda: print('threads at exit', threading.active_count()))\n"
+    "from diffjax.data import DataConfig, build_datasets\n"
+    "data = build_datasets(DataConfig(prefetch_batches=4), 64, 4, 0)\n"
+    "next(data.train_iter)\n"
+    "print('threads before', threading.active_count())\n"
+  )
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run(
+    [sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  lines = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines() if line.startswith("threads"))
+  assert int(lines["threads before"]) > int(lines["threads at exit"]), r.stdout

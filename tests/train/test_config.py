@@ -96,6 +96,7 @@ def test_sections_given_as_mappings_are_resolved_and_checked():
   [
     ("seq_len", 1.5, "seq_len=1.5 must be an integer"),
     ("seq_len", 0, "seq_len=0 must be a positive integer"),
+    ("seed", -1, "seed=-1 must be an integer >= 0"),
     ("tensorboard", "yes", "tensorboard='yes' must be True or False"),
     ("max_skipped_updates", True, "max_skipped_updates=True must be an integer >= 0"),
     ("grad_accum_reduce", "once", "grad_accum_reduce='once' is not one of"),
