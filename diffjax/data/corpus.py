@@ -30,7 +30,7 @@ from diffjax.data.tokenizers import Tokenizer, load_tokenizer
 # Where the embedded corpus and text files are prepared on first use.
 CACHE_ENV = "DIFFJAX_DATA_CACHE"
 # Bumped when the cached preparation would differ for the same inputs.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 class Corpus(Protocol):

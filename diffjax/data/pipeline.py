@@ -28,6 +28,8 @@ _SCAN_BLOCK = 1 << 16
 # the split's expected size.
 UNIGRAM_MAX_TOKENS = 64_000_000
 EXACT_COUNT_DOCUMENTS = 1 << 20
+# ... and their validation documents' tokens counted when there are up to this many.
+EXACT_COUNT_VAL_DOCUMENTS = 1 << 16
 
 
 class ValidationDocs:
@@ -69,7 +71,8 @@ class Datasets:
     train_iter: a checkpointable iterator over this process's rows of the training batches.
     num_train_documents / num_val_documents: documents in each split (no document is in both;
       above EXACT_COUNT_DOCUMENTS documents, the split's expected size).
-    num_train_tokens: training-split tokens per epoch (documents plus one eos each).
+    num_train_tokens: training-split tokens per epoch (documents plus one eos each; exact when
+      the validation documents were counted, see the property).
     unigram_entropy_nats / unigram_entropy_bits: cross-entropy per token on validation of an
       add-one unigram model fit on train (corpora up to UNIGRAM_MAX_TOKENS; nan above, or
       without validation data).
@@ -93,10 +96,14 @@ class Datasets:
     )
     self._val_docs = ValidationDocs(self._order.total, self.cfg.val_fraction, self.cfg.split_seed)
     n = self.corpus.num_documents
+    self._val_tokens = None  # counted: the validation documents' tokens, one eos each
     if self.cfg.val_fraction == 0:
-      n_val = 0
+      n_val, self._val_tokens = 0, 0
     elif n <= EXACT_COUNT_DOCUMENTS:
-      n_val = len(self._val_docs.all())
+      ids = self._val_docs.all()
+      n_val = len(ids)
+      if n_val <= EXACT_COUNT_VAL_DOCUMENTS:
+        self._val_tokens = sum(len(self.corpus.tokens(d)) + 1 for d in ids)
     else:  # a large corpus is not scanned at start-up: the split's expected size
       n_val = max(1, round(n * self.cfg.val_fraction))
     self.num_val_documents = n_val
@@ -143,9 +150,12 @@ class Datasets:
 
   @property
   def num_train_tokens(self) -> int:
-    """Training-split stream tokens per epoch (documents plus one eos each), from the share of
-    documents held out (exact for corpora whose tokens were counted)."""
+    """Training-split stream tokens per epoch (documents plus one eos each): exact when the
+    validation documents were counted (up to EXACT_COUNT_DOCUMENTS documents, of which up to
+    EXACT_COUNT_VAL_DOCUMENTS held out), else from the share of documents held out."""
     total = self.corpus.num_tokens + self.corpus.num_documents
+    if self._val_tokens is not None:
+      return total - self._val_tokens
     return int(total * self.num_train_documents / max(self.corpus.num_documents, 1))
 
   @property

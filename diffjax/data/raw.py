@@ -17,7 +17,8 @@ from diffjax.data.sources import resolve_paths, stdlib_files
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
-# The documents of a single-file text corpus without blank lines: chunks of about this size.
+# The documents of a single-file text corpus without blank lines (or its paragraphs of over twice
+# this size): chunks of about this size.
 CHUNK_BYTES = 64 * 1024
 _BLANK_LINES = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")
 
@@ -46,12 +47,17 @@ def is_single_text_file(files: Sequence[str]) -> bool:
 
 
 def split_text(data: bytes) -> list[bytes]:
-  """The documents of a single-file text corpus: its paragraphs (the text between blank lines);
-  when it has no blank line, consecutive chunks of whole lines of at least `CHUNK_BYTES` (the
-  last may be shorter; a line longer than that is cut at a character boundary)."""
+  """The documents of a single-file text corpus: its paragraphs (the text between blank lines),
+  a paragraph of over twice `CHUNK_BYTES` (or a file without blank lines) cut by `_chunks`."""
   paragraphs = [p for p in _BLANK_LINES.split(data) if p.strip()]
-  if len(paragraphs) >= 2:
-    return paragraphs
+  if len(paragraphs) < 2:
+    return _chunks(data)
+  return [c for p in paragraphs for c in (_chunks(p) if len(p) > 2 * CHUNK_BYTES else [p])]
+
+
+def _chunks(data: bytes) -> list[bytes]:
+  """Consecutive chunks of whole lines of at least `CHUNK_BYTES` (the last may be shorter; a
+  line longer than that is cut at a character boundary)."""
   docs, start = [], 0
   while start < len(data):
     end = min(start + CHUNK_BYTES, len(data))

@@ -250,6 +250,23 @@ def test_unigram_entropy_matches_a_direct_computation():
   assert math.isclose(data.unigram_entropy_bits, expected / math.log(2), rel_tol=1e-9)
 
 
+def test_the_training_split_counts_its_own_tokens_and_refuses_a_longer_window():
+  """Documents of very different lengths: the training split's tokens are its documents', not
+  the corpus's times its share of documents (which let a window longer than the split through,
+  a few documents then repeated in every window)."""
+  docs = [np.full(1 + 50 * (d % 3 == 0) * d, d + 1, np.int32) for d in range(40)]
+  data = build(docs, seq_len=4, batch=1, val_fraction=0.2)
+  is_val = doc_is_val(np.arange(40), 0.2, 0)
+  assert 0 < is_val.sum() < 40
+  want = sum(len(docs[d]) + 1 for d in np.nonzero(~is_val)[0])
+  assert data.num_train_tokens == want
+  short = [np.full(2, d + 1, np.int32) for d in range(3)] + [np.full(1000, 9, np.int32)]
+  held = np.nonzero(doc_is_val(np.arange(4), 0.25, 13))[0].tolist()
+  assert held == [3], held  # the long document is the one held out
+  with pytest.raises(ValueError, match=r"longer than the training split .*: 9 tokens"):
+    build(short, seq_len=100, batch=1, val_fraction=0.25, split_seed=13)
+
+
 def test_caps_limit_documents_and_tokens():
   docs = [np.full(10, i + 1, np.int32) for i in range(20)]
   assert build(docs, seq_len=4, batch=1, max_documents=5).num_train_tokens == 5 * 11

@@ -23,6 +23,19 @@ def test_without_blank_lines_chunks_of_whole_lines():
   assert all(d.endswith(b"\n") and len(d) >= CHUNK_BYTES for d in docs[:-1])
 
 
+def test_a_paragraph_of_over_twice_the_chunk_is_cut_like_a_file_without_blank_lines():
+  """A book shaped "Title, blank line, body without blank lines" is not two documents, one of
+  which (the body) the validation split may take whole."""
+  line = b"y" * 99 + b"\n"
+  body = line * (5 * CHUNK_BYTES // 100)
+  docs = split_text(b"A Title\n\n" + body + b"\n\nshort\n")
+  assert docs[0] == b"A Title" and docs[-1] == b"short\n"
+  assert b"".join(docs[1:-1]) + b"\n" == body and len(docs) == 2 + len(split_text(body))
+  assert all(len(d) < 2 * CHUNK_BYTES for d in docs)
+  medium = line * (2 * CHUNK_BYTES // 100)  # up to twice the chunk, a paragraph stays whole
+  assert split_text(b"A Title\n\n" + medium)[1] == medium
+
+
 def test_one_long_line_is_cut_between_characters():
   data = "é".encode() * CHUNK_BYTES  # two bytes each, no newline
   docs = split_text(data)
