@@ -97,6 +97,12 @@ class ShardCorpus:
     del doc
     return None
 
+  def shard_digests(self) -> tuple[str, ...] | None:
+    """The SHA-256 of each shard's contents, as prepare recorded them (None for a corpus
+    prepared before it recorded them)."""
+    digests = tuple(s.sha256 for s in self.manifest.shards)
+    return None if None in digests else digests
+
   # A DocumentSource too (e.g. the filler text of a retrieval task).
   def __len__(self) -> int:
     return self.num_documents
@@ -199,6 +205,11 @@ class CappedCorpus:
 
   def __getitem__(self, doc: int) -> np.ndarray:
     return self.tokens(doc)
+
+  def shard_digests(self) -> tuple[str, ...] | None:
+    """The digests of the shards the prefix reads (the last one whole), if its corpus has them."""
+    digests = getattr(self.corpus, "shard_digests", lambda: None)()
+    return None if digests is None else digests[: len(self.groups)]
 
 
 def _cut_groups(groups: Sequence[int], n: int) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ class Shard:
   path: str  # absolute (resolved against the manifest's directory when read)
   num_documents: int
   num_tokens: int  # without eos
+  sha256: str | None = None  # of its tokens and offsets (TokenShardWriter.sha256); older: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,12 @@ def read_manifest(path: str) -> Manifest:
     )
   directory = os.path.dirname(os.path.abspath(file))
   shards = tuple(
-    Shard(os.path.join(directory, s["path"]), int(s["num_documents"]), int(s["num_tokens"]))
+    Shard(
+      os.path.join(directory, s["path"]),
+      int(s["num_documents"]),
+      int(s["num_tokens"]),
+      s.get("sha256"),
+    )
     for s in raw["shards"]
   )
   return Manifest(directory, shards, dict(raw["tokenizer"]))

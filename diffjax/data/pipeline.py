@@ -136,12 +136,18 @@ class Datasets:
   def identity(self) -> dict[str, int | str]:
     """What a saved data position means in the corpus itself, whatever its path: its documents,
     tokens and groups, and a digest of them and of eight documents' ids (the first, the last and
-    six spread between). A resume on a corpus with another identity is refused."""
+    six spread between); for a corpus read from shards whose digests prepare recorded, also
+    ``content``, a digest of every token. A resume on a corpus with another identity is
+    refused."""
     c = self.corpus
     h = hashlib.sha256(json.dumps([c.num_documents, c.num_tokens, list(c.groups)]).encode())
     for doc in sorted({round(i * (c.num_documents - 1) / 7) for i in range(8)}):
       h.update(np.asarray(c.tokens(doc), np.int32).tobytes())
-    return {"documents": c.num_documents, "tokens": c.num_tokens, "sha256": h.hexdigest()[:16]}
+    out = {"documents": c.num_documents, "tokens": c.num_tokens, "sha256": h.hexdigest()[:16]}
+    digests = getattr(c, "shard_digests", lambda: None)()
+    if digests is not None:
+      out["content"] = hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+    return out
 
   @property
   def rows(self) -> tuple[int, int]:

@@ -68,7 +68,9 @@ def run_unit(
     nonlocal writer
     writer.close()
     os.replace(os.path.join(output, "tmp-" + name), os.path.join(output, name))
-    shards.append({"path": name, "num_documents": docs, "num_tokens": tokens})
+    shards.append(
+      {"path": name, "num_documents": docs, "num_tokens": tokens, "sha256": writer.sha256}
+    )
     writer = None
 
   def write_all(batch: list) -> None:

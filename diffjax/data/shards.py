@@ -6,6 +6,7 @@ The layout of a `.tokens` file and why not ArrayRecord: docs/data.md.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 
@@ -44,6 +45,7 @@ class TokenShardWriter:
     self._f = open(self.path, "wb")
     self._f.write(b"\0" * HEADER_BYTES)
     self._offsets = [0]
+    self._sha256 = hashlib.sha256()  # of the tokens, then the offsets
 
   @property
   def num_documents(self) -> int:
@@ -67,13 +69,23 @@ class TokenShardWriter:
         f"Token ids must lie in [{lo}, {hi}] for {self.token_bytes}-byte tokens; got "
         f"[{ids_N.min()}, {ids_N.max()}] for {self.path}."
       )
-    self._f.write(ids_N.astype(_DTYPES[self.token_bytes]).tobytes())
+    data = ids_N.astype(_DTYPES[self.token_bytes]).tobytes()
+    self._f.write(data)
+    self._sha256.update(data)
     self._offsets.append(self._offsets[-1] + int(ids_N.size))
+
+  @property
+  def sha256(self) -> str:
+    """The SHA-256 of the shard's tokens and document offsets (once closed): what the manifest
+    records, so that a resume can tell a changed corpus of the same size."""
+    return self._sha256.hexdigest()
 
   def close(self) -> None:
     if self._f.closed:
       return
-    self._f.write(np.asarray(self._offsets, "<u8").tobytes())
+    offsets = np.asarray(self._offsets, "<u8").tobytes()
+    self._f.write(offsets)
+    self._sha256.update(offsets)
     self._f.seek(0)
     self._f.write(
       _HEADER.pack(MAGIC, VERSION, self.token_bytes, self.num_documents, self.num_tokens)

@@ -294,16 +294,22 @@ def check_data_order(saved: dict, current: dict, directory) -> None:
 
 def check_corpus(saved: dict | None, current: dict, directory) -> None:
   """Refuses to resume on a corpus other than the one the saved data position belongs to
-  (``saved``, ``current``: :meth:`diffjax.data.Datasets.identity`; a checkpoint saved without
-  one is not compared): its files were changed, added or removed since."""
-  if saved and saved != current:
-    raise CheckpointError(
-      f"The corpus is not the one the checkpoint in {directory} was trained on: saved "
-      f"{saved['documents']:,} documents of {saved['tokens']:,} tokens (digest {saved['sha256']}), "
-      f"now {current['documents']:,} of {current['tokens']:,} ({current['sha256']}); its files "
-      "changed since. The saved data position would read other tokens: restore the files, or "
-      "start a new --workdir (checkpoint.init_from naming this run takes its weights)."
-    )
+  (``saved``, ``current``: :meth:`diffjax.data.Datasets.identity`, compared on the keys both
+  have; a checkpoint saved without one is not compared): its files were changed, added or
+  removed since."""
+  if not saved or all(saved[k] == current[k] for k in saved.keys() & current.keys()):
+    return
+
+  def described(ident: dict) -> str:
+    digests = ", ".join(f"{k} {ident[k]}" for k in ("sha256", "content") if k in ident)
+    return f"{ident['documents']:,} documents of {ident['tokens']:,} tokens (digests {digests})"
+
+  raise CheckpointError(
+    f"The corpus is not the one the checkpoint in {directory} was trained on: saved "
+    f"{described(saved)}, now {described(current)}; its files changed since. The saved data "
+    "position would read other tokens: restore the files, or start a new --workdir "
+    "(checkpoint.init_from naming this run takes its weights)."
+  )
 
 
 def _sds_reshaped(

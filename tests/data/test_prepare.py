@@ -1,6 +1,7 @@
 """`python -m diffjax.data.prepare` and the tokenizer trainer: inputs, resumability,
 idempotence, one-line errors, and a training run on a prepared corpus that resumes exactly."""
 
+import hashlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from diffjax.data import prepare as prepare_lib
 from diffjax.data import stdlib_files
 from diffjax.data.manifest import read_manifest
 from diffjax.data.prepare import prepare
-from diffjax.data.shards import TokenShard, shard_documents
+from diffjax.data.shards import HEADER_BYTES, TokenShard, shard_documents
 
 
 def _inputs(tmp_path):
@@ -47,6 +48,10 @@ def test_reads_jsonl_and_text_into_counted_shards(tmp_path):
   assert sum(d.startswith("json doc") for d in docs) == 25
   assert sum(len(d) for d in docs) == m.num_tokens
   assert all(TokenShard(s.path).token_bytes == 2 for s in m.shards)  # byte ids: 2 bytes each
+  # Each shard's digest is of what follows its header: the tokens, then the document offsets.
+  for s in m.shards:
+    with open(s.path, "rb") as f:
+      assert s.sha256 == hashlib.sha256(f.read()[HEADER_BYTES:]).hexdigest(), s.path
 
 
 def test_interrupted_prepare_resumes_without_duplicates(tmp_path, monkeypatch):
