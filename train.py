@@ -181,6 +181,16 @@ def _main(argv) -> int:
   if status:
     return status
   run = resolved[0]
+  from diffjax.errors import require_filesystem  # pylint: disable=import-outside-toplevel
+
+  status = run_guarded(
+    lambda: (
+      require_filesystem(workdir, "--workdir"),
+      require_filesystem(run.checkpoint.init_from or "", "checkpoint.init_from"),
+    )
+  )
+  if status:
+    return status
   if supervise.wanted(run.distributed):
     # One of several processes: train in a child, so that even the runtime's abort on losing
     # process 0 becomes one line and status 75 (diffjax/train/supervise.py).

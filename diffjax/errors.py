@@ -20,6 +20,24 @@ class MissingExtra(UserError, ImportError):
   """An optional package that one of diffjax's extras installs is not installed."""
 
 
+# The package etils.epath reads a cloud scheme through, and the extra that installs it.
+_CLOUD_PACKAGES = {"gs": ("gcsfs", "gcs")}
+
+
+def require_filesystem(path: str, what: str) -> None:
+  """:class:`MissingExtra` when ``path`` is a cloud URI (``gs://...``) whose file-system package
+  is not installed (without it, the first read fails deep inside the checkpoint library).
+
+  Args:
+    path: a local path or a cloud URI.
+    what: the setting that names it (``"--workdir"``), the start of the message.
+  """
+  scheme, sep, _ = str(path).partition("://")
+  if sep and scheme in _CLOUD_PACKAGES:
+    module, extra = _CLOUD_PACKAGES[scheme]
+    import_extra(module, extra, f"{what}={path!r}, on Cloud Storage,")
+
+
 def import_extra(module: str, extra: str, needed_for: str):
   """``import module``, or :class:`MissingExtra` naming the extra to install when it is absent.
 

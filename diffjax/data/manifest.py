@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from diffjax.data.sources import refuse_cloud_path
 from diffjax.data.tokenizers import Tokenizer
 
 FORMAT = "diffjax-prepared/1"
@@ -85,6 +86,7 @@ def manifest_path(path: str) -> str:
 
 def read_manifest(path: str) -> Manifest:
   """Reads a manifest from a prepared directory or a manifest file (one-line errors)."""
+  refuse_cloud_path(path)
   file = manifest_path(os.path.expanduser(path))
   if not os.path.isfile(file):
     raise FileNotFoundError(

@@ -41,6 +41,18 @@ def _walk_sorted(directory: str) -> list[str]:
   return sorted(found)
 
 
+def refuse_cloud_path(path: str) -> None:
+  """Raises ValueError for a cloud URI (``gs://...``): the pipeline reads documents at random
+  through the local file system, so a bucket is read through a mount or a copy."""
+  if "://" in str(path):
+    raise ValueError(
+      f"data.paths entry {str(path)!r} is a cloud URI, but the data is read through the local "
+      "file system (documents at random): mount the bucket on every worker (e.g. with Cloud "
+      "Storage FUSE, gcsfuse; tpu_setup/README.md) or copy the directory to each worker's "
+      "disk, and pass that path."
+    )
+
+
 def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
   """Expands files, directories and globs into a deterministic list of absolute files.
 
@@ -64,6 +76,7 @@ def resolve_paths(patterns: Sequence[str] | str) -> list[str]:
   )
   files: dict[str, str] = {}  # the file itself (symlinks resolved) -> its path as first found
   for pattern in patterns:
+    refuse_cloud_path(pattern)
     expanded = os.path.abspath(os.path.expanduser(pattern))
     is_glob = bool(_GLOB_CHARS & set(expanded))
     matches = []

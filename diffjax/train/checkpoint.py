@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from diffjax.errors import require_filesystem
 from diffjax.model import ModelConfig, layout
 from diffjax.train import integrity
 from diffjax.train.digest import all_processes_agree, named_leaves
@@ -45,6 +46,7 @@ __all__ = [
 
 
 def make_manager(directory: str, *, keep: int, async_save: bool) -> ocp.CheckpointManager:
+  require_filesystem(directory, "the checkpoint directory")
   options = ocp.CheckpointManagerOptions(
     max_to_keep=keep,
     enable_async_checkpointing=async_save,
@@ -221,8 +223,13 @@ def check_model_config(saved: dict, current: dict, directory) -> None:
     )
 
 
-# Run settings that decide which tokens each step reads: a saved data position means nothing
-# under other values (``data.paths`` may move; ``data.streams_per_row`` is checked by the data).
+# Run settings that decide which tokens each step reads and which of them it scores: a saved
+# data position means nothing under other values, and a run resumed under another loss mask
+# (task_mix.loss) or other task examples would be half one run, half another. Not here:
+# ``data.paths``, which may move with the corpus unchanged (`check_corpus` compares what they
+# hold, whatever the path), and ``data.streams_per_row``, which the data iterator checks (it
+# may be lowered for a small split); how batches are fetched (``data.prefetch_batches``) does
+# not change them.
 DATA_ORDER_KEYS = (
   "seed",
   "seq_len",
@@ -252,6 +259,9 @@ DATA_ORDER_KEYS = (
       "key_len",
       "value_len",
       "separator",
+      "grid",
+      "num_examples",
+      "loss",
     )
   ),
 )
