@@ -74,6 +74,44 @@ class _StopFlag:
       signal.signal(s, h)
 
 
+class _StopVote:
+  """Makes the processes of a run stop after the same step. A signal reaches each host on its
+  own (a Spot preemption, one ssh session per worker, SLURM), and a process that saves and stops
+  alone leaves the others in a collective it no longer joins: no checkpoint, and an abort.
+
+  Each step, the processes' signal numbers are reduced (max) by a small program queued after the
+  step; its result is read one step later, so the host keeps a step queued, and a signal on any
+  process stops every one after the same step. With one process the signal counts at once."""
+
+  def __init__(self):
+    self.many = jax.process_count() > 1
+    self._queued = None
+    if self.many:
+      mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+      self._spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      self._max = jax.jit(jnp.max, out_shardings=replicated)
+
+  def _cast(self, signum: int | None) -> jax.Array:
+    mine = np.full(len(jax.local_devices()), signum or 0, np.int32)
+    return self._max(jax.make_array_from_process_local_data(self._spread, mine))
+
+  @staticmethod
+  def _read(votes: jax.Array) -> int | None:
+    return int(np.asarray(votes.addressable_data(0))) or None
+
+  def after_step(self, signum: int | None) -> int | None:
+    """The signal every process stops on after this step, or None to go on."""
+    if not self.many:
+      return signum
+    queued, self._queued = self._queued, self._cast(signum)
+    return None if queued is None else self._read(queued)
+
+  def now(self, signum: int | None) -> int | None:
+    """The signal any process has received, every process's vote awaited (after the last step)."""
+    return self._read(self._cast(signum)) if self.many else signum
+
+
 def _to_global(
   batch: dict[str, np.ndarray], sharding, row_start: int, global_rows: int
 ) -> dict[str, jax.Array]:
@@ -176,14 +214,15 @@ class Trainer:
           epath.Path(self.workdir, DONE_FILE).unlink()
         self._reconcile_records()
         self._prepare_loop()
-        stopped = self._train(stop)
+        vote = _StopVote()
+        stopped = self._train(stop, vote)
         if stopped is not None:
           return stopped
+        signum = vote.now(stop.signum)
         self._final_save()
-        if stop.signum is None:
-          self.last_eval = self._evaluate(self.state["params"])
-        if stop.signum is not None:  # the last step is saved; the rerun evaluates it
-          return self._stop(stop)
+        if signum is not None:  # the last step is saved; the rerun evaluates it
+          return self._stop(signum)
+        self.last_eval = self._evaluate(self.state["params"])
       return self._finish()
     except BaseException:
       # An error (a refused init_from, say) would leave the checkpoint manager's background work
@@ -439,8 +478,9 @@ class Trainer:
   def _to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return _to_global(local, self.batch_shard, self.row_start, self.cfg.global_batch_size)
 
-  def _train(self, stop: _StopFlag) -> dict[str, Any] | None:
-    """Trains up to ``num_steps``; the early result when a signal stopped the run, else None."""
+  def _train(self, stop: _StopFlag, vote: _StopVote) -> dict[str, Any] | None:
+    """Trains up to ``num_steps``; the early result when a signal stopped the run (after the
+    step ``vote`` agrees on), else None."""
     self.step, train_step = self.start_step, None
     try:
       while self.step < self.cfg.num_steps:
@@ -461,8 +501,10 @@ class Trainer:
           self.state, metrics = train_step(self.state, batch)
         self.step += 1
         self.profile.after(self.step, self.state)
-        if self._after_step(local, metrics, stop):
-          return self._stop(stop)
+        signum = vote.after_step(stop.signum)
+        self._after_step(local, metrics, stopping=signum is not None)
+        if signum is not None:
+          return self._stop(signum)
       with self.clock.phase("train"):
         self._flush_metrics()
     except Exception:
@@ -483,16 +525,16 @@ class Trainer:
     self.throughput.restart(self.step)
     return train_step
 
-  def _after_step(self, local, metrics, stop: _StopFlag) -> bool:
+  def _after_step(self, local, metrics, stopping: bool) -> None:
     """Records a dispatched step: its metrics, the progress line, a periodic evaluation and
-    save. Returns whether a signal asks the run to stop (after saving this step)."""
+    save (also when ``stopping``: a signal stops the run after this step)."""
     cfg, step = self.cfg, self.step
     if cfg.log_batch_hash:
       metrics = dict(metrics, batch_hash=zlib.crc32(np.ascontiguousarray(local["inputs"])))
     self.pending.append((step, metrics))
     is_log = step % cfg.log_every == 0 or step == cfg.num_steps
     is_save = step % cfg.checkpoint.every == 0
-    if is_log or is_save or stop.signum is not None:
+    if is_log or is_save or stopping:
       with self.clock.phase("train"):  # waits for the queued steps
         self._flush_metrics()
     self.progress.update(
@@ -503,15 +545,14 @@ class Trainer:
     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
       self.last_eval = self._evaluate(self.state["params"])
       self.progress.message(f"step {step}: eval loss {self.last_eval['eval/loss']:.4f}")
-    if is_save or stop.signum is not None:
+    if is_save or stopping:
       self._save()
-    return stop.signum is not None
 
-  def _stop(self, stop: _StopFlag) -> dict[str, Any]:
+  def _stop(self, signum: int) -> dict[str, Any]:
     with self.clock.phase("checkpoint"):
       self.manager.wait_until_finished()
     self.progress.message(
-      f"Signal {stop.signum}: saved step {self.step}; rerun the same command to resume."
+      f"Signal {signum}: saved step {self.step}; rerun the same command to resume."
     )
     self.writer.close()
     return {"step": self.step, "stopped": True, "train/loss": self.last_train_loss}

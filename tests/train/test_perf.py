@@ -246,3 +246,26 @@ def test_a_lost_process_is_one_line_the_relaunch_status_and_a_resume(tmp_path, l
     good = json.load(f)
   assert good["steps_trained"] == 4, good
   assert _checkpoint_steps(wd)[-1] == newest + 4
+
+
+# Two training processes to their first checkpoint, then a stop signal to each a second apart
+# (as a preemption or one ssh session per worker delivers it): about a minute.
+@pytest.mark.slow
+def test_a_stop_signal_reaching_the_processes_at_different_steps_stops_both_after_one(tmp_path):
+  wd = str(tmp_path / "wd")
+  procs = _two_processes(wd, timeout_s=60, port_offset=2)
+  try:
+    wait_until(lambda: len(_checkpoint_steps(wd)) >= 1, "a checkpoint", procs=procs)
+    procs[0].send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    procs[1].send_signal(signal.SIGTERM)
+    (out0, err0), (_, err1) = _finish(procs, timeout=WAIT_LIMIT_S)
+  finally:
+    _finish(procs, timeout=1)
+  # Both saved the same step and stopped for a rerun; process 0 stopping alone left process 1
+  # in a collective it no longer joined (an abort, and no checkpoint since the last periodic one).
+  assert [p.returncode for p in procs] == [75, 75], (err0[-3000:], err1[-3000:])
+  newest = _checkpoint_steps(wd)[-1]
+  assert newest > 4, _checkpoint_steps(wd)
+  assert f"Signal 15: saved step {newest}; rerun" in out0 + err0, (out0 + err0)[-3000:]
+  assert "Check failure" not in err0 + err1 and "Traceback" not in err0 + err1
