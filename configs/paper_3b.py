@@ -6,11 +6,12 @@ decay 0.1. Every arm is matched to the Transformer of size "3b" (24 heads of 128
 parameters (v2_match="params", its FFN narrowed to pay for the extra query heads).
 
 Train on a TPU pod (tpu_setup/README.md) on a corpus prepared by `python -m diffjax.data.prepare`
-(data.paths and data.tokenizer are required):
+(data.paths and data.tokenizer are required; every worker reads the corpus through its file
+system, here a mount of the bucket, tpu_setup/bootstrap.sh --mount):
 
   python train.py --config=configs/paper_3b.py --config.model.arm=diff_v1 \
       --workdir=gs://BUCKET/3b_diff_v1 \
-      --config.data.paths="('gs://BUCKET/data/prepared',)" \
+      --config.data.paths="('/mnt/data/prepared',)" \
       --config.data.tokenizer=/path/to/tokenizer.json
 
 Check that it compiles and fits before renting the pod (v5p-128):

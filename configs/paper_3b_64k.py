@@ -6,12 +6,13 @@ two micro-batches of 8), starting from the weights of a finished 4K run of the s
 (configs/paper_3b.py; checkpoint.init_from is required). Mesh (data, fsdp, tensor, context) =
 (1, 4, 1, 16) on a v5p-128 slice: every sequence is split over 16 chips with ring attention in
 the load-balanced (zig-zag) order, and parameters and optimizer state are sharded over
-fsdp x context (64-way).
+fsdp x context (64-way). The data path is a directory every worker reads through its file
+system (a mount of the bucket: tpu_setup/bootstrap.sh --mount).
 
   python train.py --config=configs/paper_3b_64k.py --config.model.arm=diff_v1 \
       --workdir=gs://BUCKET/3b_diff_v1_64k \
       --config.checkpoint.init_from=gs://BUCKET/3b_diff_v1 \
-      --config.data.paths="('gs://BUCKET/data/prepared_64k',)" \
+      --config.data.paths="('/mnt/data/prepared_64k',)" \
       --config.data.tokenizer=/path/to/tokenizer.json
 
 Check that it compiles and fits first:

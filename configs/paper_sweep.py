@@ -3,11 +3,12 @@ names the size (default 1.4b), since the learning rate depends on it.
 
 AdamW 0.9/0.98, lr 1.5e-3 (7.5e-4 from 6.8B), 375 warm-up steps, linear decay, weight decay
 0.05, 0.25M-token batches (128 x 2048), 40K steps. Every arm is matched to the Transformer of
-the size; DIFF V2 by parameters.
+the size; DIFF V2 by parameters. The data path is a directory every worker reads through its file
+system (a mount of the bucket: tpu_setup/bootstrap.sh --mount).
 
   python train.py --config=configs/paper_sweep.py:2.8b --config.model.arm=diff_v2 \
       --workdir=gs://BUCKET/2.8b_diff_v2 \
-      --config.data.paths="('gs://BUCKET/data/prepared',)" \
+      --config.data.paths="('/mnt/data/prepared',)" \
       --config.data.tokenizer=/path/to/tokenizer.json
 """
 

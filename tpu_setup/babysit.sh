@@ -25,6 +25,8 @@ trainer_settings
 : "${TEARDOWN_ON_DONE:=1}"
 : "${TEARDOWN_ON_GIVEUP:=1}"
 : "${SYNC_LOGS:=1}"
+: "${MOUNT:=}"
+: "${GCSFUSE_FLAGS:=}"
 
 usage() {
   cat <<EOF
@@ -55,6 +57,10 @@ Options (run.sh / bootstrap.sh options are passed through):
   --run-name NAME, --env KEY=VALUE, --coordinator-env              as for run.sh
   --repo-url URL, --ref REF          as for bootstrap.sh (default: ship the local
                                      tree, packed once at start)   [REPO_URL, REF]
+  --mount gs://BUCKET[/DIR]:/LOCAL/DIR
+                                     as for bootstrap.sh: mounted read-only with gcsfuse
+                                     on every worker, again after each recreate
+                                     (repeatable or comma-separated) [MOUNT]
   --interval S                       seconds between checks         [CHECK_INTERVAL=$CHECK_INTERVAL]
   --max-restarts N                   recoveries before giving up    [MAX_RESTARTS=$MAX_RESTARTS]
   --max-hours H                      give up after H hours, 0 = never [MAX_HOURS=$MAX_HOURS]
@@ -67,14 +73,16 @@ Options (run.sh / bootstrap.sh options are passed through):
   --max-iterations N                 stop after N checks (default: unlimited; 1 in dry-run)
 Also: DEAD_CHECKS=$DEAD_CHECKS (consecutive "not running" checks before relaunching a run
 that was seen running), SSH_FAILURE_LIMIT=$SSH_FAILURE_LIMIT (consecutive failed status
-checks before recreating), STATUS_TIMEOUT=$STATUS_TIMEOUT (s, per status check), and the
-create.sh variables (RESERVED, LABELS, CREATE_EXTRA_ARGS, VALID_UNTIL_DURATION, ...).
+checks before recreating), STATUS_TIMEOUT=$STATUS_TIMEOUT (s, per status check), the
+create.sh variables (RESERVED, LABELS, CREATE_EXTRA_ARGS, VALID_UNTIL_DURATION, ...) and
+the bootstrap.sh ones (EXTRAS, PYTHON, GCSFUSE_FLAGS).
 
 $COMMON_USAGE
 
 Example:
   $SCRIPT_NAME --zone=us-east5-a --name=my-v5p --accelerator-type=v5p-64 --queued --spot \\
-      --config=configs/paper_3b.py --config.model.arm=diff_v1 --workdir=gs://my-bucket/diffjax/3b_diff_v1
+      --config=configs/paper_3b.py --config.model.arm=diff_v1 --workdir=gs://my-bucket/diffjax/3b_diff_v1 \\
+      --mount=gs://my-bucket/data:/mnt/data --config.data.paths="('/mnt/data/prepared',)"
 EOF
 }
 
@@ -84,6 +92,7 @@ babysit_flag() {
   case "$1" in
     --repo-url | --repo-url=*) take_value "$@" && REPO_URL="$FLAG_VALUE" ;;
     --ref | --ref=*) take_value "$@" && REF="$FLAG_VALUE" ;;
+    --mount | --mount=*) take_value "$@" && mount_flag "$FLAG_VALUE" ;;
     --interval | --interval=*) take_value "$@" && CHECK_INTERVAL="$FLAG_VALUE" ;;
     --max-restarts | --max-restarts=*) take_value "$@" && MAX_RESTARTS="$FLAG_VALUE" ;;
     --max-hours | --max-hours=*) take_value "$@" && MAX_HOURS="$FLAG_VALUE" ;;
@@ -119,11 +128,12 @@ fi
 for n in CHECK_INTERVAL MAX_RESTARTS MAX_HOURS MAX_ITERATIONS HANG_TIMEOUT DEAD_CHECKS SSH_FAILURE_LIMIT STATUS_TIMEOUT; do
   [[ "${!n}" =~ ^[0-9]+$ ]] || die_usage "$n must be a non-negative integer, got '${!n}'"
 done
+parse_mounts
 
 # Children (create/bootstrap/run/teardown.sh) read their settings from the
 # environment.
 export_common
-export REPO_URL REF GRACE_SECONDS COORDINATOR_ENV COORDINATOR_PORT
+export REPO_URL REF MOUNT GCSFUSE_FLAGS GRACE_SECONDS COORDINATOR_ENV COORDINATOR_PORT
 export CREATE_RETRIES CREATE_RETRY_DELAY WAIT_TIMEOUT RESERVED LABELS \
   VALID_UNTIL_DURATION CREATE_EXTRA_ARGS EXTRAS PYTHON
 
@@ -278,7 +288,7 @@ finish() {
   exit "$code"
 }
 
-log "watching $TPU_NAME (zone $ZONE) for run '$RUN_NAME'; done marker $DONE_MARKER; check every ${CHECK_INTERVAL}s"
+log "watching $TPU_NAME (zone $ZONE) for run '$RUN_NAME'; done marker $DONE_MARKER; check every ${CHECK_INTERVAL}s${MOUNT:+; mounts $MOUNT}"
 while true; do
   iteration=$((iteration + 1))
   if is_done; then

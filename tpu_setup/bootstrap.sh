@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Install the project on every worker of the TPU VM: a Python >= 3.11 venv,
-# the pinned install (pip install -c constraints.txt -e '.[tpu]') and the
-# project source, from a git ref or from a tarball of the local working tree.
-# Safe to rerun: the venv is reused and pip is skipped when pyproject.toml,
-# constraints.txt and the extras are unchanged.
+# the pinned install (pip install -c constraints.txt -e '.[tpu,gcs]') and the
+# project source, from a git ref or from a tarball of the local working tree;
+# with --mount, first mount GCS buckets (the training data) read-only with
+# gcsfuse. Safe to rerun: mounted directories are left as they are, the venv is
+# reused and pip is skipped when pyproject.toml, constraints.txt and the
+# extras are unchanged.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -11,23 +13,28 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 : "${REPO_URL:=}"
 : "${REF:=main}"
 : "${SOURCE_TARBALL:=}"
-: "${EXTRAS:=tpu}"
+: "${EXTRAS:=tpu,gcs}"
 : "${PYTHON:=}"
 : "${FORCE_INSTALL:=0}"
 : "${WORKERS:=all}"
+: "${MOUNT:=}"
+: "${GCSFUSE_FLAGS:=}"
 
 usage() {
   cat <<EOF
 Usage: $SCRIPT_NAME [options]
 
 Bootstrap every worker of TPU_NAME (gcloud compute tpus tpu-vm ssh --worker=all):
-  1. find python >= 3.11 (installs python3.11 with apt when the image has none),
-  2. create the venv ~/$VENV_DIR if missing,
-  3. put the project in ~/$REMOTE_DIR: with --repo-url, git clone/fetch and check
+  1. with --mount: mount each bucket (or only its DIR) read-only at /LOCAL/DIR
+     with gcsfuse --implicit-dirs -o ro (skipped when already mounted); the
+     image must have Cloud Storage FUSE (gcsfuse) installed,
+  2. find python >= 3.11 (installs python3.11 with apt when the image has none),
+  3. create the venv ~/$VENV_DIR if missing,
+  4. put the project in ~/$REMOTE_DIR: with --repo-url, git clone/fetch and check
      out REF; otherwise pack the local working tree (tracked + untracked,
      not ignored files), scp it to every worker and unpack it,
-  4. pip install -c constraints.txt -e '.[EXTRAS]' (skipped when unchanged),
-  5. print the jax / libtpu versions each worker imports.
+  5. pip install -c constraints.txt -e '.[EXTRAS]' (skipped when unchanged),
+  6. print the jax / libtpu versions each worker imports.
 
 Options:
   --repo-url URL        clone this git repository on the workers    [REPO_URL]
@@ -38,12 +45,18 @@ Options:
   --python BIN          interpreter on the workers (>= 3.11)       [PYTHON]
   --force-install       run pip even when nothing changed           [FORCE_INSTALL=0]
   --worker W            only these workers (e.g. 0 or 1,3)           [WORKERS=$WORKERS]
+  --mount gs://BUCKET[/DIR]:/LOCAL/DIR
+                        mount gs://BUCKET/DIR read-only at /LOCAL/DIR on every
+                        worker (training reads its data through the file
+                        system); repeatable or comma-separated      [MOUNT]
+  (environment only)    extra gcsfuse flags for --mount (caching)   [GCSFUSE_FLAGS]
 
 $COMMON_USAGE
 
 Examples:
   $SCRIPT_NAME --zone=us-west4-a --name=my-v5e
   $SCRIPT_NAME --zone=us-west4-a --name=my-v5e --repo-url=https://github.com/ORG/diffjax.git --ref=v0.1.0
+  $SCRIPT_NAME --zone=us-east5-a --name=my-v5p --mount=gs://my-bucket/data:/mnt/data
 EOF
 }
 
@@ -58,6 +71,7 @@ bootstrap_flag() {
     --python | --python=*) take_value "$@" && PYTHON="$FLAG_VALUE" ;;
     --force-install) FORCE_INSTALL=1 ;;
     --worker | --worker=*) take_value "$@" && WORKERS="$FLAG_VALUE" ;;
+    --mount | --mount=*) take_value "$@" && mount_flag "$FLAG_VALUE" ;;
     *) NSHIFT=0 ;;
   esac
 }
@@ -67,6 +81,7 @@ parse_flags bootstrap_flag "$@"
 finalize_common
 require_gcloud
 [[ "$EXTRAS" =~ ^[A-Za-z0-9_,-]*$ ]] || die_usage "invalid --extras '$EXTRAS'"
+parse_mounts
 
 REMOTE_TARBALL="diffjax-src.tar.gz"
 if [[ -n "$REPO_URL" ]]; then
@@ -79,7 +94,7 @@ fi
 # The script every worker runs. Values are assigned at its top by
 # remote_script; everything below is expanded on the worker.
 # ---------------------------------------------------------------------------
-BODY="$(
+BODY_HELPERS="$(
   cat <<'EOF'
 BOOT_LOG="$LOG_DIR/bootstrap.log"
 apt_install() {
@@ -102,15 +117,68 @@ pick_python() {
   done
   return 1
 }
+EOF
+)"
 
-# 1. Python >= 3.11 (the Ubuntu 22.04 based TPU VM images have python3.10).
+# Step 1 (--mount only): the function, then one call per mount with its values.
+MOUNT_STEP=""
+if ((${#MOUNT_POINTS[@]})); then
+  MOUNT_STEP="$(
+    cat <<'EOF'
+
+# 1. Data mounts: gs://BUCKET[/DIR] read-only at a local directory (gcsfuse).
+read -r -a GCSFUSE_EXTRA <<<"$GCSFUSE_FLAGS"
+mount_gcs() {
+  local bucket="$1" dir="$2" mnt="$3" src="gs://$1${2:+/$2}" what
+  local -a args=(--implicit-dirs -o ro)
+  # A mount whose gcsfuse process died answers "Transport endpoint is not connected".
+  if grep -qsF " $mnt fuse" /proc/self/mounts && ! stat "$mnt" >/dev/null 2>&1; then
+    say "$mnt: stale mount; unmounting it"
+    { fusermount -u "$mnt" || sudo -n umount -l "$mnt"; } >>"$BOOT_LOG" 2>&1 || true
+  fi
+  if mountpoint -q "$mnt"; then
+    what="$(findmnt -n -o SOURCE --mountpoint "$mnt" 2>/dev/null || true)"
+    say "$mnt is already mounted${what:+ ($what)}; skipping $src (unmount it to change it)"
+    return 0
+  fi
+  if [[ ! -d "$mnt" ]]; then
+    mkdir -p "$mnt" 2>/dev/null || sudo -n mkdir -p "$mnt" || { say "cannot create $mnt"; exit 1; }
+  fi
+  if [[ ! -O "$mnt" ]]; then
+    sudo -n chown "$(id -u):$(id -g)" "$mnt" || { say "cannot make $mnt owned by $(id -un)"; exit 1; }
+  fi
+  if [[ -n "$dir" ]]; then
+    args+=(--only-dir "$dir")
+  fi
+  say "mounting $src read-only at $mnt (gcsfuse; log: $BOOT_LOG)"
+  if ! gcsfuse "${args[@]}" ${GCSFUSE_EXTRA[@]+"${GCSFUSE_EXTRA[@]}"} "$bucket" "$mnt" >>"$BOOT_LOG" 2>&1; then
+    say "gcsfuse could not mount $src at $mnt; last lines of $BOOT_LOG:"
+    tail -n 20 "$BOOT_LOG"
+    exit 1
+  fi
+}
+if ! command -v gcsfuse >/dev/null 2>&1; then
+  say "gcsfuse not found: --mount needs Cloud Storage FUSE (gcsfuse) installed in the TPU VM image (or copy the data to each worker's disk instead)"
+  exit 1
+fi
+EOF
+  )"$'\n'
+  for i in "${!MOUNT_POINTS[@]}"; do
+    MOUNT_STEP+="mount_gcs $(quote_cmd "${MOUNT_BUCKETS[i]}" "${MOUNT_DIRS[i]}" "${MOUNT_POINTS[i]}")"$'\n'
+  done
+fi
+
+BODY_STEPS="$(
+  cat <<'EOF'
+
+# 2. Python >= 3.11 (the Ubuntu 22.04 based TPU VM images have python3.10).
 if ! PY="$(pick_python)"; then
   apt_install python3.11 python3.11-venv
   PY="$(pick_python)" || { say "no python >= 3.11 available"; exit 1; }
 fi
 PY_VER="$("$PY" -c "import sys; print(\"%d.%d\" % sys.version_info[:2])")"
 
-# 2. The venv (kept across reruns; rebuilt only when broken or too old).
+# 3. The venv (kept across reruns; rebuilt only when broken or too old).
 if [[ -x "$VENV_DIR/bin/python" ]] && py_ok "$VENV_DIR/bin/python"; then
   say "reusing venv $VENV_DIR"
 else
@@ -130,7 +198,7 @@ else
   fi
 fi
 
-# 3. The project source.
+# 4. The project source.
 if [[ "$SOURCE_MODE" == git ]]; then
   command -v git >/dev/null 2>&1 || apt_install git
   if [[ -d "$REMOTE_DIR/.git" ]]; then
@@ -172,7 +240,7 @@ if [[ -n "$(trainer_pids)" ]]; then
   say "note: a training process is running; restart it (run.sh) to use the new code"
 fi
 
-# 4. The pinned install, skipped when nothing it depends on changed.
+# 5. The pinned install, skipped when nothing it depends on changed.
 cd "$REMOTE_DIR"
 [[ -f constraints.txt && -f pyproject.toml ]] || { say "no pyproject.toml/constraints.txt in $REMOTE_DIR"; exit 1; }
 STAMP="$VENV_DIR/.diffjax-install-stamp"
@@ -195,16 +263,17 @@ else
   printf "%s\n" "$WANT" >"$STAMP"
 fi
 
-# 5. Sanity check: import only (initialising the TPU here would hold it).
+# 6. Sanity check: import only (initialising the TPU here would hold it).
 "$VENV_DIR/bin/python" -c "import importlib.metadata as m, jax, diffjax; print(\"jax\", jax.__version__, \"libtpu\", m.version(\"libtpu\"))" |
   sed "s/^/[worker $WID] /"
 say "bootstrap done"
 EOF
 )"
+BODY="$BODY_HELPERS"$'\n'"$MOUNT_STEP$BODY_STEPS"
 
-SCRIPT="$(remote_script "$BODY" SOURCE_MODE REPO_URL REF REMOTE_TARBALL EXTRAS PYTHON FORCE_INSTALL)"
+SCRIPT="$(remote_script "$BODY" SOURCE_MODE REPO_URL REF REMOTE_TARBALL EXTRAS PYTHON FORCE_INSTALL GCSFUSE_FLAGS)"
 
-log "bootstrapping workers '$WORKERS' of $TPU_NAME (source: ${REPO_URL:-${SOURCE_TARBALL:-local working tree $PROJECT_ROOT}})"
+log "bootstrapping workers '$WORKERS' of $TPU_NAME (source: ${REPO_URL:-${SOURCE_TARBALL:-local working tree $PROJECT_ROOT}}${MOUNT:+; mounts: $MOUNT})"
 if [[ "$SOURCE_MODE" == tarball ]]; then
   tarball="$SOURCE_TARBALL"
   tmpdir=""

@@ -289,6 +289,53 @@ parse_flags() {
   done
 }
 
+# mount_flag VALUE: add one --mount value to MOUNT (repeatable; values may
+# themselves be comma-separated lists).
+mount_flag() {
+  MOUNT="${MOUNT:+$MOUNT,}$1"
+}
+
+# parse_mounts: check MOUNT (bootstrap.sh/babysit.sh --mount, comma-separated
+# gs://BUCKET[/DIR]:/LOCAL/DIR entries) and split it into MOUNT_BUCKETS,
+# MOUNT_DIRS (the DIR prefix, "" for the whole bucket) and MOUNT_POINTS; MOUNT
+# is rewritten in a canonical form, for the child scripts of babysit.sh.
+# shellcheck disable=SC2034  # the arrays are read by the caller
+parse_mounts() {
+  local spec rest src mnt bucket dir canon="" p
+  local -a specs=()
+  local form="gs://BUCKET[/DIR]:/LOCAL/DIR"
+  MOUNT_BUCKETS=() MOUNT_DIRS=() MOUNT_POINTS=()
+  IFS=, read -r -a specs <<<"${MOUNT:-}"
+  for spec in ${specs[@]+"${specs[@]}"}; do
+    [[ -n "$spec" ]] || continue
+    [[ "$spec" == gs://* ]] || die_usage "--mount '$spec': expected $form (a gs:// bucket)"
+    rest="${spec#gs://}"
+    [[ "$rest" == *:* ]] || die_usage "--mount '$spec': expected $form (no local directory after ':')"
+    src="${rest%%:*}"
+    mnt="${rest#*:}"
+    bucket="${src%%/*}"
+    dir=""
+    if [[ "$src" == */* ]]; then dir="${src#*/}"; fi
+    while [[ "$dir" == /* ]]; do dir="${dir#/}"; done
+    while [[ "$dir" == */ ]]; do dir="${dir%/}"; done
+    while [[ "$mnt" == */ && "$mnt" != / ]]; do mnt="${mnt%/}"; done
+    [[ "$bucket" =~ ^[a-z0-9][-a-z0-9_.]*[a-z0-9]$ ]] ||
+      die_usage "--mount '$spec': invalid bucket name '$bucket' (expected $form)"
+    [[ "$dir" =~ ^[^[:cntrl:]]*$ ]] || die_usage "--mount '$spec': invalid DIR '$dir'"
+    [[ "$mnt" == /* ]] || die_usage "--mount '$spec': the local directory must be an absolute path (expected $form)"
+    [[ "$mnt" =~ ^(/[A-Za-z0-9._@+-]+)+$ ]] ||
+      die_usage "--mount '$spec': local directory '$mnt' must be a path of letters, digits and ._@+- (not /)"
+    for p in ${MOUNT_POINTS[@]+"${MOUNT_POINTS[@]}"}; do
+      [[ "$p" != "$mnt" ]] || die_usage "--mount: $mnt is given more than once"
+    done
+    MOUNT_BUCKETS+=("$bucket")
+    MOUNT_DIRS+=("$dir")
+    MOUNT_POINTS+=("$mnt")
+    canon+="${canon:+,}gs://$bucket${dir:+/$dir}:$mnt"
+  done
+  MOUNT="$canon"
+}
+
 # shellcheck disable=SC2034  # used by the scripts' usage()
 COMMON_USAGE="Common options (each also settable by the environment variable shown):
   --name NAME              TPU VM (node) name                   [TPU_NAME=$TPU_NAME]

@@ -9,7 +9,8 @@
 #   5. the remote scripts of run.sh (launch, status, relaunch, stop) executed
 #      in a local sandbox HOME with a fake trainer;
 #   6. babysit.sh run for real against a fake gcloud (preemption, recreate,
-#      bootstrap, launch, log sync, DONE marker, teardown);
+#      bootstrap with a --mount (fake gcsfuse), launch, log sync, DONE marker,
+#      teardown);
 #   7. with SELFTEST_BOOTSTRAP=1, bootstrap.sh's remote script executed in a
 #      sandbox HOME (creates a venv and runs the real pinned pip install:
 #      slow, needs network access to the package index).
@@ -184,6 +185,43 @@ remote_command() {
   return 1
 }
 
+# script_has NAME SCRIPT EXPECTED...: SCRIPT (a recorded remote script) holds
+# every EXPECTED string; one starting with "!" must be absent.
+script_has() {
+  local name="$1" script="$2" ok=1 e
+  shift 2
+  if [[ -z "$script" ]]; then
+    fail "$name: no remote script recorded"
+    return 0
+  fi
+  for e in "$@"; do
+    if [[ "$e" == !* ]]; then
+      if [[ "$script" == *"${e#!}"* ]]; then
+        fail "$name: remote script unexpectedly contains '${e#!}'"
+        ok=0
+      fi
+    elif [[ "$script" != *"$e"* ]]; then
+      fail "$name: remote script lacks '$e'"
+      ok=0
+    fi
+  done
+  if ((ok)); then pass "remote script: $name"; fi
+}
+
+# in_order NAME TEXT A B...: A, B, ... occur in TEXT in this order.
+in_order() {
+  local name="$1" rest="$2" e
+  shift 2
+  for e in "$@"; do
+    if [[ "$rest" != *"$e"* ]]; then
+      fail "$name: '$e' missing or out of order"
+      return 0
+    fi
+    rest="${rest#*"$e"}"
+  done
+  pass "$name"
+}
+
 dry "create v5e (direct)" create.sh "${Z[@]}" --name=my-v5e --- \
   "+ gcloud compute tpus tpu-vm describe my-v5e --zone=us-west4-a" \
   "+ gcloud compute tpus tpu-vm create my-v5e --zone=us-west4-a --accelerator-type=v5litepod-16 --version=v2-alpha-tpuv5-lite" \
@@ -208,8 +246,26 @@ dry "bootstrap (local tree)" bootstrap.sh "${Z[@]}" --name=my-v5e --- \
   "git ls-files" "tar -czf" \
   "+ gcloud compute tpus tpu-vm scp" "my-v5e:diffjax-src.tar.gz --zone=us-west4-a --worker=all" \
   "+ gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" \
-  "pip install --quiet -c constraints.txt -e" "EXTRAS=tpu" "python3.11-venv"
+  "pip install --quiet -c constraints.txt -e" "EXTRAS=tpu,gcs" "python3.11-venv" "!gcsfuse" "!mount_gcs"
 BOOT_REC="$LAST_REC"
+dry "bootstrap --mount (two, one with a DIR)" bootstrap.sh "${Z[@]}" --name=my-v5e \
+  --mount=gs://my-bucket/data/:/mnt/data/ --mount gs://other-bucket:/mnt/other --- \
+  "+ gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" \
+  "mounts: gs://my-bucket/data:/mnt/data,gs://other-bucket:/mnt/other"
+MOUNT_SCRIPT="$(remote_command "$(find_record "$LAST_REC" '--command=')" || true)"
+# shellcheck disable=SC2016  # literal text of the remote script
+script_has "bootstrap --mount: gcsfuse read-only, only DIR, skipped when mounted, gcsfuse required" "$MOUNT_SCRIPT" \
+  "mount_gcs my-bucket data /mnt/data" 'mount_gcs other-bucket "" /mnt/other' \
+  'if mountpoint -q "$mnt"; then' "already mounted" \
+  "args=(--implicit-dirs -o ro)" 'args+=(--only-dir "$dir")' 'gcsfuse "${args[@]}"' '"$bucket" "$mnt"' \
+  'sudo -n mkdir -p "$mnt"' 'sudo -n chown "$(id -u):$(id -g)" "$mnt"' \
+  "command -v gcsfuse" "needs Cloud Storage FUSE (gcsfuse) installed in the TPU VM image"
+# shellcheck disable=SC2016  # literal text of the remote script
+in_order "bootstrap --mount: guard, mkdir, gcsfuse in order; mounts before the install" "$MOUNT_SCRIPT" \
+  "mount_gcs() {" 'if mountpoint -q "$mnt"; then' "return 0" 'mkdir -p "$mnt"' 'gcsfuse "${args[@]}"' \
+  "command -v gcsfuse" "mount_gcs my-bucket data /mnt/data" "mount_gcs other-bucket" "pick_python)" "pip install"
+MOUNT=gs://env-bucket/a/b:/data/ab GCSFUSE_FLAGS="--file-mode=444" dry "bootstrap: MOUNT and GCSFUSE_FLAGS from the environment" \
+  bootstrap.sh "${Z[@]}" --name=my-v5e --- "mount_gcs env-bucket a/b /data/ab" "GCSFUSE_FLAGS=--file-mode=444"
 dry "bootstrap (git ref)" bootstrap.sh "${Z[@]}" --name=my-v5e --repo-url=https://example.com/org/diffjax.git --ref=v1.2 --- \
   "gcloud compute tpus tpu-vm ssh my-v5e --zone=us-west4-a --worker=all" "git clone" \
   "REPO_URL=https://example.com/org/diffjax.git" "REF=v1.2" "!tpu-vm scp" "!tar -czf"
@@ -255,6 +311,12 @@ DRY_RUN_STATE=READY DRY_RUN_TRAINING=ALL dry "babysit: healthy run is left alone
 DRY_RUN_DONE=1 dry "babysit: DONE marker ends the run and tears down" babysit.sh "${Z[@]}" --name=my-v5e \
   --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --- \
   "+ gcloud storage ls gs://b/t/DONE" "gcloud compute tpus tpu-vm delete my-v5e" "!tpu-vm create"
+DRY_RUN_STATE=PREEMPTED dry "babysit --mount: the recreated VM is mounted again" babysit.sh "${Z[@]}" --name=my-v5e --spot \
+  --mount=gs://my-bucket/data:/mnt/data --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t \
+  "--config.data.paths=('/mnt/data/prepared',)" --- \
+  "mounts gs://my-bucket/data:/mnt/data" "gcloud compute tpus tpu-vm create my-v5e" "mount_gcs my-bucket data /mnt/data"
+in_order "babysit --mount: create, then bootstrap with the mount, then launch" "$LAST_OUT" \
+  "gcloud compute tpus tpu-vm create my-v5e" "mount_gcs my-bucket data /mnt/data" "/mnt/data/prepared" "setsid nohup"
 DRY_RUN_DONE=1 dry "babysit --keep-tpu keeps the TPU" babysit.sh "${Z[@]}" --name=my-v5e --keep-tpu \
   --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/t --done-marker=gs://b/t/FINISHED --- \
   "gcloud storage ls gs://b/t/FINISHED" "!tpu-vm delete"
@@ -267,6 +329,12 @@ must_fail "run without --workdir" run.sh "${Z[@]}" --config=configs/default.py
 must_fail "run without --config" run.sh "${Z[@]}" --workdir=gs://b/x
 must_fail "babysit with a local workdir" babysit.sh "${Z[@]}" --config=configs/default.py --workdir=/tmp/w
 must_fail "babysit with a bad interval" babysit.sh "${Z[@]}" --config=configs/default.py --workdir=gs://b/w --interval=soon
+must_fail "bootstrap --mount without gs://" bootstrap.sh "${Z[@]}" --mount=my-bucket/data:/mnt/data
+must_fail "bootstrap --mount with a relative local path" bootstrap.sh "${Z[@]}" --mount=gs://my-bucket/data:mnt/data
+must_fail "bootstrap --mount without a local path" bootstrap.sh "${Z[@]}" --mount=gs://my-bucket/data
+must_fail "bootstrap --mount with a bad bucket name" bootstrap.sh "${Z[@]}" --mount=gs://My_Bucket:/mnt/data
+must_fail "bootstrap --mount twice at one path" bootstrap.sh "${Z[@]}" --mount=gs://my-bucket/a:/mnt/d,gs://my-bucket/b:/mnt/d
+must_fail "babysit with a bad --mount" babysit.sh "${Z[@]}" --config=configs/default.py --workdir=gs://b/w --mount=gs://my-bucket:data
 
 # ---------------------------------------------------------------------------
 # 4. Remote scripts: syntax (and lint)
@@ -400,13 +468,31 @@ fi
 
 # ---------------------------------------------------------------------------
 # 6. babysit.sh for real (not dry-run) against a fake gcloud: a preempted TPU
-#    is deleted and recreated, the workers are bootstrapped and the run is
-#    launched, logs are synced, and the DONE marker ends it with a teardown.
+#    is deleted and recreated, the workers are bootstrapped (with a --mount,
+#    by a fake gcsfuse) and the run is launched, logs are synced, and the DONE
+#    marker ends it with a teardown.
 # ---------------------------------------------------------------------------
 if [[ -n "$PYBIN" ]]; then
-  export FAKE_DIR="$TMP/fakecloud" FAKE_HOME="$TMP/sandbox2" FAKE_GCS="$TMP/gcs" FAKE_BIN="$SBBIN"
-  mkdir -p "$FAKE_DIR/bin" "$FAKE_HOME/src" "$FAKE_HOME/diffjax-venv/bin" "$FAKE_GCS/b/babysit"
+  MNTBIN="$TMP/mountbin"
+  export FAKE_DIR="$TMP/fakecloud" FAKE_HOME="$TMP/sandbox2" FAKE_GCS="$TMP/gcs" FAKE_BIN="$MNTBIN:$SBBIN"
+  mkdir -p "$FAKE_DIR/bin" "$FAKE_HOME/src" "$FAKE_HOME/diffjax-venv/bin" "$FAKE_GCS/b/babysit" "$MNTBIN"
   echo PREEMPTED >"$FAKE_DIR/state"
+  # The workers' gcsfuse and mountpoint: gcsfuse logs its arguments to the
+  # gcloud call log and records the mount point (its last argument) in
+  # FAKE_DIR/mounted, which mountpoint reads and a VM deletion clears.
+  cat >"$MNTBIN/gcsfuse" <<'EOF'
+#!/bin/sh
+echo "gcsfuse $*" >>"$FAKE_DIR/calls"
+for a in "$@"; do last="$a"; done
+echo "$last" >>"$FAKE_DIR/mounted"
+EOF
+  cat >"$MNTBIN/mountpoint" <<'EOF'
+#!/bin/sh
+[ "$1" = -q ] && shift
+grep -qxF -- "$1" "$FAKE_DIR/mounted" 2>/dev/null
+EOF
+  chmod +x "$MNTBIN"/*
+  MNT="$TMP/mnt/data" # absent: bootstrap creates it
   # One TPU VM whose state lives in FAKE_DIR/state; gs://X is FAKE_GCS/X; ssh
   # runs the remote script here with HOME=FAKE_HOME; scp copies there.
   cat >"$FAKE_DIR/bin/gcloud" <<'FAKE_GCLOUD'
@@ -422,7 +508,10 @@ case "$1 $2 $3 $4" in
     fi
     echo "$state"
     ;;
-  "compute tpus tpu-vm delete") echo NOT_FOUND >"$FAKE_DIR/state" ;;
+  "compute tpus tpu-vm delete")
+    echo NOT_FOUND >"$FAKE_DIR/state"
+    rm -f "$FAKE_DIR/mounted"
+    ;;
   "compute tpus tpu-vm create") echo READY >"$FAKE_DIR/state" ;;
   "compute tpus tpu-vm scp") cp "$5" "$FAKE_HOME/${6#*:}" ;;
   "compute tpus tpu-vm ssh")
@@ -470,14 +559,17 @@ FAKE_TRAINER
     printf 'exec %s "$@"\n' "$PYBIN"
   } >"$FAKE_HOME/diffjax-venv/bin/python"
   chmod +x "$FAKE_HOME/diffjax-venv/bin/python"
-  printf '%s-tpu-%s\n' "$(cat "$FAKE_HOME/src/pyproject.toml" "$FAKE_HOME/src/constraints.txt" | sha256sum | cut -d ' ' -f 1)" \
-    "$FAKE_HOME/diffjax" >"$FAKE_HOME/diffjax-venv/.diffjax-install-stamp"
+  # (EXTRAS is bootstrap.sh's default, read from it.)
+  # shellcheck disable=SC2016  # a sed script
+  BOOT_EXTRAS="$(sed -n 's/^: "\${EXTRAS:=\(.*\)}"$/\1/p' "$HERE/bootstrap.sh")"
+  printf '%s-%s-%s\n' "$(cat "$FAKE_HOME/src/pyproject.toml" "$FAKE_HOME/src/constraints.txt" | sha256sum | cut -d ' ' -f 1)" \
+    "$BOOT_EXTRAS" "$FAKE_HOME/diffjax" >"$FAKE_HOME/diffjax-venv/.diffjax-install-stamp"
 
   rc=0
   out="$(PATH="$FAKE_DIR/bin:$PATH" XDG_RUNTIME_DIR="$TMP" SOURCE_TARBALL="$TMP/stub.tar.gz" POLL_INTERVAL=1 \
     TRAIN_SCRIPT="$TRAINER" GRACE_SECONDS=5 timeout 180 "$HERE/babysit.sh" --zone=us-west4-a \
     --name=selftest-tpu --spot --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/babysit --interval=2 \
-    --max-iterations=15 2>&1)" || rc=$?
+    --mount="gs://my-data/prepared-v1:$MNT" --max-iterations=15 2>&1)" || rc=$?
   calls="$(cat "$FAKE_DIR/calls" 2>/dev/null || true)"
   if ((rc == 0)) &&
     [[ "$out" == *"node PREEMPTED (BROKEN)"* && "$out" == *"recovery 1/20: recreate"* &&
@@ -495,6 +587,13 @@ FAKE_TRAINER
   else
     fail "babysit (fake gcloud): no worker log under WORKDIR/logs: $(find "$FAKE_GCS" -type f | head)"
   fi
+  if [[ "$(grep '^gcsfuse ' <<<"$calls" || true)" == "gcsfuse --implicit-dirs -o ro --only-dir prepared-v1 my-data $MNT" &&
+    -d "$MNT" && "$out" == *"mounting gs://my-data/prepared-v1 read-only at $MNT"* ]] &&
+    awk '/compute tpus tpu-vm create/ { c = NR } /^gcsfuse / { g = NR } END { exit !(c && g > c) }' <<<"$calls"; then
+    pass "babysit (fake gcloud): --mount reaches the bootstrap of the recreated VM (gcsfuse -o ro --only-dir, mkdir)"
+  else
+    fail "babysit (fake gcloud): --mount: gcsfuse calls: $(grep '^gcsfuse ' <<<"$calls" || echo none)"
+  fi
 
   # A run that crashes at once on a READY TPU: relaunched in place until
   # MAX_RESTARTS, then babysit gives up (exit 1) and tears the TPU down.
@@ -505,7 +604,7 @@ FAKE_TRAINER
   out="$(PATH="$FAKE_DIR/bin:$PATH" XDG_RUNTIME_DIR="$TMP" SOURCE_TARBALL="$TMP/stub.tar.gz" POLL_INTERVAL=1 \
     TRAIN_SCRIPT="$TRAINER" GRACE_SECONDS=5 timeout 180 "$HERE/babysit.sh" --zone=us-west4-a \
     --name=selftest-tpu --config=configs/tiny.py --config.model.arm=diff_v1 --workdir=gs://b/babysit --interval=1 \
-    --max-restarts=2 --max-iterations=10 --env=SELFTEST_CRASH=1 2>&1)" || rc=$?
+    --max-restarts=2 --max-iterations=10 --env=SELFTEST_CRASH=1 --mount="gs://my-data/prepared-v1:$MNT" 2>&1)" || rc=$?
   calls="$(cat "$FAKE_DIR/calls")"
   if ((rc == 1)) &&
     [[ "$out" == *"recovery 1/2: relaunch"* && "$out" == *"recovery 2/2: relaunch"* &&
@@ -516,6 +615,27 @@ FAKE_TRAINER
   else
     fail "babysit (fake gcloud): crash loop: exit $rc"
     printf '%s\n' "$out" | tail -n 30 | sed 's/^/     | /'
+  fi
+  # The same VM bootstrapped twice: mounted by the first, left alone by the second.
+  if [[ "$(grep -c '^gcsfuse ' <<<"$calls" || true)" == 1 && "$out" == *"$MNT is already mounted; skipping"* ]]; then
+    pass "babysit (fake gcloud): a rerun of bootstrap skips the mounted directory"
+  else
+    fail "babysit (fake gcloud): rerun with --mount: gcsfuse calls: $(grep '^gcsfuse ' <<<"$calls" || echo none)"
+  fi
+  # Without gcsfuse on the worker, bootstrap --mount stops at once with one line.
+  if command -v gcsfuse >/dev/null 2>&1; then
+    printf 'skip bootstrap --mount without gcsfuse (gcsfuse is installed here)\n'
+  else
+    rc=0
+    mkdir -p "$TMP/nofuse-home"
+    out="$(HOME="$TMP/nofuse-home" PATH="$SBBIN:$PATH" bash -c "$MOUNT_SCRIPT" 2>&1)" || rc=$?
+    if ((rc == 1)) && [[ "$(grep -c . <<<"$out")" == 1 &&
+      "$out" == *"gcsfuse not found: --mount needs Cloud Storage FUSE (gcsfuse) installed in the TPU VM image"* ]] &&
+      [[ ! -e "$TMP/nofuse-home/diffjax-venv" ]]; then
+      pass "bootstrap --mount without gcsfuse: one-line error, nothing installed"
+    else
+      fail "bootstrap --mount without gcsfuse: exit $rc: $out"
+    fi
   fi
 fi
 

@@ -8,7 +8,7 @@ doubles a budget of thousands of TPU-chip-days per run). Train on a pod with dat
 the same command:
 
   python -m diffjax.compare --config=configs/compare/paper_3b.py --workdir=gs://BUCKET/compare_3b \
-      --config.base.data.paths="('gs://BUCKET/data/prepared',)" \
+      --config.base.data.paths="('/mnt/data/prepared',)" \
       --config.base.data.tokenizer=/path/to/tokenizer.json --config.eval.mode=none
 
 then evaluate and write the report from one host: the same command with --config.eval.mode=full

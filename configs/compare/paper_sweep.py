@@ -8,7 +8,7 @@ one host to evaluate and report.
 
   python -m diffjax.compare --config=configs/compare/paper_sweep.py:1.4b \
       --workdir=gs://BUCKET/compare_1.4b \
-      --config.base.data.paths="('gs://BUCKET/data/prepared',)" \
+      --config.base.data.paths="('/mnt/data/prepared',)" \
       --config.base.data.tokenizer=/path/to/tokenizer.json --config.eval.mode=none
 """
 
