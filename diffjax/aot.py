@@ -369,6 +369,7 @@ def compile_train_step(
     grad_accum_steps=run.grad_accum_steps,
     grad_accum_reduce=run.grad_accum_reduce,
     global_batch_size=run.global_batch_size,
+    seq_len=run.seq_len,
     **run.mesh.context_options(),
   )
   batch = setup.abstract_batch(run.global_batch_size, run.seq_len)

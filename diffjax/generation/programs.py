@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from diffjax import arms
 from diffjax import sharding as shd
 from diffjax.generation.sampling import SamplingOptions, choose_tokens
 from diffjax.model import DecoderLM
@@ -70,16 +71,39 @@ def decode_rules(rules=None) -> tuple:
   )
 
 
-def split_params(model: DecoderLM, mesh, rules):
+# What a mesh that does not fit the model is told to change, by default (generate's mesh=).
+MESH_FIX = (
+  "Pass a mesh= whose axes divide the model (e.g. a smaller tensor axis), or rules= that map "
+  "that axis elsewhere."
+)
+
+
+def split_params(model: DecoderLM, mesh, rules, fix: str = MESH_FIX):
   """(graphdef, treedef, parameter leaves) of ``model``, the leaves placed on ``mesh`` by the
-  rules when there is one."""
+  rules when there is one: after :func:`check_mesh`, whose messages end with ``fix``."""
   graphdef, params = nnx.split(model)
   if mesh is not None:
+    check_mesh(model, mesh, rules, params, fix)
     with shd.activation_sharding(mesh, rules):
       pure = jax.device_put(nnx.to_pure_dict(params), shd.param_shardings(params, mesh, rules))
     nnx.replace_by_pure_dict(params, pure)
   leaves, treedef = jax.tree.flatten(params)
   return graphdef, treedef, tuple(leaves)
+
+
+def check_mesh(model: DecoderLM, mesh, rules, params=None, fix: str = MESH_FIX) -> None:
+  """Refuses, in one line ending with ``fix``, a mesh that would split a head from its kv
+  group or any parameter of ``model`` unevenly under ``rules`` (before anything is placed:
+  ``jax.device_put`` would fail with a message that names neither)."""
+  cfg = model.config
+  shd.validate_mesh_for_model(
+    mesh,
+    cfg,
+    heads=arms.get(cfg.attention).heads,
+    rules=rules,
+    params=nnx.state(model) if params is None else params,
+    fix=fix,
+  )
 
 
 def shape_struct(a) -> jax.ShapeDtypeStruct:

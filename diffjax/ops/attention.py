@@ -65,14 +65,15 @@ def run_op(
       f"the {cp.axis!r} mesh axis; use causal and segment_ids, or a mesh "
       "whose context axis is 1."
     )
-  _, rules = sharding.current()
+  mesh, rules = sharding.current()
+  batch_axis, head_axis = dispatch.kernel_axes(mesh, rules)
   return context_parallel_attention(
     spec,
     arrays,
     mesh=cp.mesh,
     context_axis=cp.axis,
-    batch_axis=sharding.logical_to_spec(("batch",), rules)[0],
-    head_axis=sharding.logical_to_spec(("batch", "heads"), rules)[1],
+    batch_axis=batch_axis,
+    head_axis=head_axis,
     strategy=cp.strategy,
     load_balance=cp.load_balance,
     implementation=implementation,

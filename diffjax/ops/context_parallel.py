@@ -277,11 +277,17 @@ def _check_layout(spec, arrays, mesh, context_axis, batch_axis, head_axis, load_
       f"{', two chunks per shard' if load_balance else ''})."
     )
   if b % batch_shards:
-    raise ValueError(f"The batch ({b}) must be a multiple of the batch shards ({batch_shards}).")
+    raise ValueError(
+      f"The batch ({b}) must be a multiple of the batch shards ({batch_shards}: mesh axes "
+      f"{_axis_names(batch_axis)}). Use a batch that is a multiple of {batch_shards}, or a "
+      "mesh with fewer devices on those axes."
+    )
   if k.shape[2] % head_shards:
     raise ValueError(
-      f"num_kv_heads={k.shape[2]} must be a multiple of the head shards ({head_shards}) "
-      "so that every shard holds whole kv groups with the heads that read them."
+      f"num_kv_heads={k.shape[2]} must be a multiple of the head shards ({head_shards}: mesh "
+      f"axes {_axis_names(head_axis)}) so that every shard holds whole kv groups with the "
+      "heads that read them. Use a mesh whose head axes span a divisor of "
+      f"{k.shape[2]} devices."
     )
   return c
 

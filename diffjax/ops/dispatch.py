@@ -32,10 +32,12 @@ __all__ = [
   "BUILTIN_KERNELS",
   "IMPLEMENTATIONS",
   "Implementation",
+  "check_kernel_split",
   "choose",
   "current_platform",
   "demote",
   "gpu_capability",
+  "kernel_axes",
   "markdown_table",
   "register_implementation",
   "register_op",
@@ -519,11 +521,48 @@ def _call(row, spec, arrays, causal, segment_ids, scale, block_sizes, interpret)
   if active is None:
     return per_device(*arrays, *segs)
   mesh, rules = active
-  batch_axis = sharding.logical_to_spec(("batch",), rules)[0]
-  head_axis = sharding.logical_to_spec(("heads",), rules)[0]
+  batch_axis, head_axis = kernel_axes(mesh, rules)
+  check_kernel_split(spec, (*arrays, *segs), mesh, batch_axis, head_axis)
   in_specs, out_spec = sharding.kernel_partition_specs(
     spec.axes, batch_axis, head_axis, segment_ids=bool(segs)
   )
   return jax.shard_map(
     per_device, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
   )(*arrays, *segs)
+
+
+def kernel_axes(mesh, rules) -> tuple[Any, Any]:
+  """(the mesh axes that split the batch, those that split the heads) of the kernels under
+  ``mesh`` and ``rules``, as the activations' sharding constraints place them: the rules'
+  axes for ``batch`` and ``heads`` that ``mesh`` has, ``heads`` never reusing one of
+  ``batch``'s."""
+  placed = sharding.spec_for_mesh(sharding.logical_to_spec(("batch", "heads"), rules), mesh)
+  return placed[0], placed[1]
+
+
+def check_kernel_split(spec: OpSpec, arrays: tuple, mesh, batch_axis, head_axis) -> None:
+  """Refuses (one line, with the fix) kernel arrays (``spec.axes`` order, segment ids [B, T]
+  after them) whose batch or head axis the mesh axes do not split evenly; ``shard_map``
+  would otherwise fail with a message that names neither the setting nor the fix."""
+  names = (*spec.axes, *((("batch", None),) * (len(arrays) - len(spec.axes))))
+  splits = {"batch": batch_axis, "heads": head_axis}
+  for i, (x, axes) in enumerate(zip(arrays, names)):
+    for size, name in zip(jnp.shape(x), axes):
+      entry = splits.get(name)
+      n = sharding.shards_of(entry, mesh)
+      if entry is None or size % n == 0:
+        continue
+      what = spec.arrays[i] if i < len(spec.arrays) else "segment_ids"
+      on = f"the {n} devices of mesh axes {sharding.mesh_axes_of(entry)}"
+      if name == "batch":
+        raise ValueError(
+          f"{spec.name}: a batch of {size} rows does not split over {on} that the "
+          f"'batch' rule maps it to. Use a batch that is a multiple of {n}, or a mesh with "
+          "fewer devices on those axes (mesh.shape)."
+        )
+      raise ValueError(
+        f"{spec.name}: {what} has {size} heads, which do not split over {on} that the "
+        f"'heads' rule maps them to; every shard must hold whole kv groups with the query "
+        f"heads that read them. Use a mesh whose head axes span a divisor of {size} devices "
+        "(mesh.shape), or rules that map 'heads' elsewhere."
+      )

@@ -37,6 +37,11 @@ from diffjax.nn.attention import cache_layout as layout_of_cache
 
 # The most alternatives a job may ask for per token (the OpenAI API's limit for completions).
 MAX_TOP_LOGPROBS = 5
+# What a mesh that does not fit the model is told to change (the serve command's --mesh).
+MESH_FIX = (
+  "Serve with another --mesh (the Engine's mesh=) whose axes divide the model, e.g. a smaller "
+  "tensor size."
+)
 
 
 class QueueFull(RuntimeError):
@@ -222,7 +227,7 @@ class Engine:
     self.pad_id = int(pad_id)
     self.max_prefill = min(int(max_prefill), self.slots)  # prompts per prefill call at most
     self._plan_programs()
-    self._graphdef, self._treedef, self._leaves = split_params(model, mesh, self.rules)
+    self._graphdef, self._treedef, self._leaves = split_params(model, mesh, self.rules, MESH_FIX)
     with layout_of_cache(self.cache_layout):
       self._axes = _cache_batch_axes(model, self.cache_length)
     self._programs: dict = {}

@@ -17,14 +17,15 @@ Specs = tuple[tuple[P, ...], P]
 def kernel_partition_specs(
   axes,
   batch_axis: AxisName = "data",
-  head_axis: AxisName = "model",
+  head_axis: AxisName = "tensor",
   *,
   segment_ids: bool = False,
   length_axis: AxisName = None,
 ) -> Specs:
   """Specs for a kernel whose positional arrays have the logical ``axes`` of an op
   (:attr:`diffjax.core.op_specs.OpSpec.axes`): ``batch`` over ``batch_axis``, ``heads`` in
-  contiguous blocks over ``head_axis``, ``length`` over ``length_axis`` (context
+  contiguous blocks over ``head_axis`` (by default the ``data`` and ``tensor`` axes of a
+  :func:`diffjax.sharding.make_mesh` mesh), ``length`` over ``length_axis`` (context
   parallelism; None: whole), every other axis whole. With ``segment_ids`` the two segment-id
   arrays [B, T] and [B, S] follow. The output is [B, T, heads, Dv].
   """
@@ -35,14 +36,14 @@ def kernel_partition_specs(
 
 
 def mha_partition_specs(
-  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+  batch_axis: AxisName = "data", head_axis: AxisName = "tensor", *, segment_ids: bool = False
 ) -> Specs:
   """Specs for a baseline kernel ``(q, k, v[, q_seg, kv_seg])``."""
   return kernel_partition_specs(op_specs.MHA.axes, batch_axis, head_axis, segment_ids=segment_ids)
 
 
 def diff_v1_partition_specs(
-  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+  batch_axis: AxisName = "data", head_axis: AxisName = "tensor", *, segment_ids: bool = False
 ) -> Specs:
   """Specs for a DIFF V1 kernel ``(q1, q2, k1, k2, v, lam_H[, q_seg, kv_seg])``; ``lam_H``
   splits with the heads. The head axis size must divide K (kv groups)."""
@@ -52,7 +53,7 @@ def diff_v1_partition_specs(
 
 
 def diff_v2_partition_specs(
-  batch_axis: AxisName = "data", head_axis: AxisName = "model", *, segment_ids: bool = False
+  batch_axis: AxisName = "data", head_axis: AxisName = "tensor", *, segment_ids: bool = False
 ) -> Specs:
   """Specs for a DIFF V2 kernel ``(q, k, v, lam[, q_seg, kv_seg])``: the 2H query heads in
   contiguous blocks of whole pairs, lambda [B, T, H] likewise. The head axis size must
@@ -62,7 +63,7 @@ def diff_v2_partition_specs(
   )
 
 
-def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "model") -> Specs:
+def decode_partition_specs(batch_axis: AxisName = "data", head_axis: AxisName = "tensor") -> Specs:
   """Specs for DIFF V1 decoding ``(q1, q2, k1, k2, v, lam_H, kv_len_B)``. The head axis size
   must divide K."""
   return kernel_partition_specs(op_specs.DIFF_V1_DECODE.axes, batch_axis, head_axis)

@@ -1,7 +1,8 @@
 """Device meshes, the checks a model puts on them, and the shardings of the train state.
 
-:func:`validate_mesh_for_model` refuses a tensor axis that would split a DIFF V1 head or a V2
-pair from its kv group (docs/scaling.md#mesh-axes-and-the-rules-table).
+:func:`validate_mesh_for_model` refuses, by the rules table in use, a mesh that would split a
+DIFF V1 head or a V2 pair from its kv group, or any parameter dimension unevenly
+(docs/scaling.md#mesh-axes-and-the-rules-table).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from diffjax.sharding.rules import (
   Rules,
   logical_to_spec,
   mesh_axes_of,
+  shards_of,
   spec_for_mesh,
 )
 
@@ -211,43 +213,124 @@ def make_mesh(
   return Mesh(arr, MESH_AXES)
 
 
-def validate_mesh_for_model(
-  mesh: Mesh, model_cfg: Any, global_batch_size: int | None = None, heads: str = "heads"
-) -> None:
-  """Clear errors for meshes that would split heads, kv groups or the batch.
+def _split_by(name: str, mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
+  """(the mesh axes the logical axis ``name`` maps to on ``mesh``, how many devices they span)."""
+  entry = spec_for_mesh(logical_to_spec((name,), rules), mesh)[0]
+  return mesh_axes_of(entry), shards_of(entry, mesh)
 
-  ``model_cfg`` is a :class:`diffjax.model.ModelConfig` (read by field name only);
-  ``heads`` says what one of its ``num_heads`` is (the arm's
-  :attr:`~diffjax.arms.ArmSpec.heads`, e.g. "DIFF V2 pairs").
+
+def _axes_text(axes: tuple[str, ...], n: int, name: str) -> str:
+  """The start of a message: e.g. ``The tensor axis (8)``, or ``The fsdp*context axes (8)
+  that 'embed' maps to`` for several axes."""
+  if len(axes) == 1:
+    return f"The {axes[0]} axis ({n})"
+  return f"The {'*'.join(axes)} axes ({n}) that {name!r} maps to"
+
+
+def validate_mesh_for_model(
+  mesh: Mesh,
+  model_cfg: Any,
+  global_batch_size: int | None = None,
+  heads: str = "heads",
+  *,
+  rules: Rules = DEFAULT_RULES,
+  params: Any = None,
+  fix: str | None = None,
+) -> None:
+  """Clear errors for meshes that would split heads, kv groups, a parameter or the batch.
+
+  Every check reads the mesh axes ``rules`` map each logical axis to (the tensor axis for
+  the heads under :data:`DEFAULT_RULES`), so a table of one's own is checked as it will lay
+  the arrays out.
+
+  Args:
+    mesh: the device mesh.
+    model_cfg: a :class:`diffjax.model.ModelConfig` (read by field name only).
+    global_batch_size: when given, checked against the mesh axes the batch is split over.
+    heads: what one of its ``num_heads`` is (the arm's :attr:`~diffjax.arms.ArmSpec.heads`,
+      e.g. "DIFF V2 pairs").
+    rules: the rules table the arrays will be laid out by.
+    params: the model's parameters (an ``nnx.State``, abstract or not): every dimension is
+      then checked against the mesh axes its logical axis maps to
+      (:func:`check_param_layout`).
+    fix: the sentence that ends each message, saying what the caller can change (default:
+      the training config's keys, "Change mesh.shape ...").
   """
-  t = mesh.shape["tensor"]
-  what = heads
+  rules = tuple(rules)
+
+  def advice(name: str, field: str | None = None) -> str:
+    if fix is not None:
+      return fix
+    changed = dict(rules).get(name) != dict(DEFAULT_RULES).get(name)
+    keys = ["mesh.shape"] + ([f"mesh.rules' {name!r} rule"] if changed else [])
+    return f"Change {' or '.join(keys + ([field] if field else []))}."
+
+  axes, t = _split_by("heads", mesh, rules)
   if model_cfg.num_heads % t:
     raise ValueError(
-      f"The tensor axis ({t}) must divide the {model_cfg.num_heads} "
-      f"{what}; a shard must hold whole heads. Change mesh.shape."
+      f"{_axes_text(axes, t, 'heads')} must divide the {model_cfg.num_heads} {heads}; a shard "
+      f"must hold whole heads. {advice('heads')}"
     )
   if model_cfg.num_kv_heads % t:
     raise ValueError(
-      f"The tensor axis ({t}) must divide num_kv_heads="
-      f"{model_cfg.num_kv_heads} so each shard holds whole kv groups with the "
-      "heads that read them. Change mesh.shape."
+      f"{_axes_text(axes, t, 'heads')} must divide num_kv_heads={model_cfg.num_kv_heads} so "
+      f"each shard holds whole kv groups with the heads that read them. {advice('heads')}"
     )
-  for name, size in (("mlp_dim", model_cfg.mlp_dim), ("vocab_size", model_cfg.vocab_size)):
-    if size % t:
+  for field, name in (
+    ("num_kv_heads", "kv_heads"),
+    ("mlp_dim", "mlp"),
+    ("vocab_size", "vocab"),
+    ("d_model", "embed"),
+  ):
+    size = getattr(model_cfg, field)
+    axes, n = _split_by(name, mesh, rules)
+    if size % n:
       raise ValueError(
-        f"The tensor axis ({t}) must divide {name}={size}. Change mesh.shape or {name}."
+        f"{_axes_text(axes, n, name)} must divide {field}={size}. {advice(name, field)}"
       )
-  f = mesh.shape["fsdp"]
-  if model_cfg.d_model % f:
-    raise ValueError(f"The fsdp axis ({f}) must divide d_model={model_cfg.d_model}.")
   if global_batch_size is not None:
-    rows = mesh.shape["data"] * f
+    axes, rows = _split_by("batch", mesh, rules)
     if global_batch_size % rows:
       raise ValueError(
-        f"global_batch_size={global_batch_size} must be divisible by "
-        f"data*fsdp={rows} (the batch is split over both axes)."
+        f"global_batch_size={global_batch_size} must be divisible by {'*'.join(axes)}={rows} "
+        f"(the batch's rows are split over {'both axes' if len(axes) == 2 else 'those axes'}). "
+        f"Use a multiple of {rows}. {advice('batch')}"
       )
+  if params is not None:
+    check_param_layout(params, mesh, rules, fix=fix or "Change mesh.shape or mesh.rules.")
+
+
+def check_param_layout(
+  param_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, fix: str = "Change mesh.shape."
+) -> None:
+  """Refuses (one line, ending with ``fix``) a parameter dimension that the mesh axes its
+  logical axis maps to (by ``rules``, as :func:`param_shardings` lays it out) do not divide,
+  naming the parameter, the logical axis, its size and the axes.
+
+  ``param_state`` is an ``nnx.State`` of parameters carrying their logical axis names
+  (abstract, e.g. from ``nnx.eval_shape``, or not).
+  """
+  is_spec = lambda x: isinstance(x, PartitionSpec) or x is None  # noqa: E731
+  specs = jax.tree_util.tree_flatten_with_path(
+    nnx.to_pure_dict(nnx.get_partition_spec(param_state)), is_leaf=is_spec
+  )[0]
+  values = dict(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(param_state))[0])
+  for path, spec in specs:
+    value = values.get(path)
+    if not isinstance(spec, PartitionSpec) or value is None:
+      continue
+    names, shape = tuple(spec), tuple(getattr(value, "shape", ()))
+    if len(names) != len(shape):
+      continue
+    placed = spec_for_mesh(logical_to_spec(names, rules), mesh)
+    for name, size, entry in zip(names, shape, placed):
+      n = shards_of(entry, mesh)
+      if size % n:
+        where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        raise ValueError(
+          f"Parameter {where} {shape}: its logical axis {name!r} of size {size} is split over "
+          f"mesh axes {mesh_axes_of(entry)} ({n} devices), which do not divide it. {fix}"
+        )
 
 
 def logical_param_specs(graphdef_state: nnx.State) -> Any:
@@ -307,6 +390,23 @@ def process_rows(sharding: NamedSharding, global_shape: tuple[int, int]) -> tupl
   ``context`` axis that spans processes, the processes of one context group share their
   rows (same slot) and each device takes its part of the sequence from them.
   """
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is not None and spec is not None:
+    entries = tuple(spec) + (None,) * (len(global_shape) - len(spec))
+    for i, (size, entry) in enumerate(zip(global_shape, entries)):
+      n = shards_of(entry, mesh)
+      if int(size) % n:
+        axes = mesh_axes_of(entry)
+        if i == 0:
+          raise ValueError(
+            f"global_batch_size={size} does not split over the {n} devices of mesh axes "
+            f"{axes} that hold the batch's rows: use a multiple of {n}, or change mesh.shape."
+          )
+        raise ValueError(
+          f"seq_len={size} does not split over the {n} devices of mesh axes {axes} that "
+          f"shard the sequence: use a multiple of {n} (of {2 * n} with "
+          "mesh.context_load_balance=True, the default), or change mesh.shape."
+        )
   b = int(global_shape[0])
   rows = {
     (s[0].start or 0, b if s[0].stop is None else s[0].stop)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -35,17 +37,51 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
   ("layers", None),
 )
 
+# The logical axis names diffjax's modules give their parameters and activations (the
+# parameters' in diffjax.nn.layers, diffjax.nn.attention and diffjax.model.lm, the attention
+# ops' in diffjax.core.op_specs): a rules table from a config may map only these.
+LOGICAL_AXES: tuple[str, ...] = tuple(name for name, _ in DEFAULT_RULES)
+
 Rules = Sequence[tuple[str, Any]]
 
 
-def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None) -> Rules:
-  """Normalises a rules table from a config (list of pairs or a dict); None: the default."""
+def rules_from_config(
+  rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None,
+  logical_axes: Sequence[str] = LOGICAL_AXES,
+) -> Rules:
+  """The rules table of a config: ``rules`` (a list of ``[logical name, mesh axes]`` pairs or
+  a dict; None: none) merged over :data:`DEFAULT_RULES`, so a table names only the rules it
+  changes (``[["embed", ["fsdp", "context"]]]`` keeps every other default; map a name to None
+  to replicate it). A full table merged so is itself.
+
+  Refuses, in one line, a logical name outside ``logical_axes`` (the names diffjax's modules
+  use, :data:`LOGICAL_AXES`; pass more for a module of your own that uses others), a name
+  given twice, and mesh axes outside :data:`MESH_AXES`.
+  """
   if rules is None:
     return DEFAULT_RULES
   items = rules.items() if isinstance(rules, Mapping) else rules
-  out = []
+  given: dict[str, Any] = {}
   for item in items:
-    name, axes = tuple(item)
+    try:
+      name, axes = tuple(item)
+    except (TypeError, ValueError):
+      raise ValueError(
+        f"Sharding rule {item!r} must be a [logical name, mesh axes] pair, e.g. "
+        '["embed", "fsdp"] or ["embed", ["fsdp", "context"]].'
+      ) from None
+    if name not in logical_axes:
+      near = difflib.get_close_matches(str(name), logical_axes, n=1)
+      hint = f" Did you mean {near[0]!r}?" if near else ""
+      raise ValueError(
+        f"Sharding rule {name!r} -> {axes!r} names an unknown logical axis {name!r}; the "
+        f"logical axes are {tuple(logical_axes)}.{hint}"
+      )
+    if name in given:
+      raise ValueError(
+        f"Sharding rule {name!r} is given twice ({given[name]!r} and {axes!r}); give each "
+        "logical axis once."
+      )
     if isinstance(axes, (list, tuple)):
       axes = tuple(axes)
       bad = [a for a in axes if a not in MESH_AXES]
@@ -56,8 +92,9 @@ def rules_from_config(rules: Sequence[Sequence[Any]] | Mapping[str, Any] | None)
         f"Sharding rule {name!r} -> {axes!r} names unknown mesh axes {bad}; "
         f"the mesh axes are {MESH_AXES}."
       )
-    out.append((name, axes))
-  return tuple(out)
+    given[name] = axes
+  merged = [(name, given.pop(name, axes)) for name, axes in DEFAULT_RULES]
+  return tuple(merged + list(given.items()))
 
 
 def mesh_axes_of(entry) -> tuple[str, ...]:
@@ -98,6 +135,13 @@ def spec_for_mesh(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> PartitionSpec
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
   return PartitionSpec(*(fit(e) for e in spec))
+
+
+def shards_of(entry, mesh: jax.sharding.Mesh) -> int:
+  """How many devices a rules or PartitionSpec ``entry`` (None, one mesh axis or several)
+  splits a dimension over on ``mesh`` (axes it lacks count 1)."""
+  shape = dict(mesh.shape)
+  return math.prod(int(shape.get(a, 1)) for a in mesh_axes_of(entry))
 
 
 _STATE = threading.local()
@@ -193,7 +237,7 @@ def context_parallel() -> ContextParallel | None:
   if state is None:
     return None
   mesh, rules = state
-  axes = logical_to_spec(("length",), rules)[0]
+  axes = spec_for_mesh(logical_to_spec(("length",), rules), mesh)[0]
   if axes is None:
     return None
   if not isinstance(axes, str):

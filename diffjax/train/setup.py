@@ -104,31 +104,78 @@ def with_mesh_rules(
       mesh, rules, context_strategy=context_strategy, context_load_balance=context_load_balance
     ):
       cp = shd.context_parallel()
-      if cp is not None and cp.load_balance:
+      if cp is not None:
         t = next(iter(batch.values())).shape[1]
+        problem = _seq_len_problem(t, cp.size, cp.load_balance)
+        if problem:
+          raise ValueError(f"seq_len={t} with a context axis of {cp.size}: {problem}")
+      if cp is not None and cp.load_balance:
         bad = {k: tuple(v.shape) for k, v in batch.items() if v.ndim != 2 or v.shape[1] != t}
         if bad:
           raise ValueError(
             f"Under context parallelism every batch array is [batch, {t}] "
             f"(it is put in the load-balanced order); got {bad}."
           )
-        try:
-          perm = zigzag_permutation(t, cp.size)
-        except ValueError as e:
-          raise ValueError(f"seq_len={t} with a context axis of {cp.size}: {e}") from None
+        perm = zigzag_permutation(t, cp.size)
         batch = {k: jnp.take(v, perm, axis=1) for k, v in batch.items()}
       return fn(first, batch, *rest)
 
   return wrapped
 
 
+def _seq_len_problem(seq_len: int, context: int, load_balance: bool) -> str | None:
+  """Why a sequence of ``seq_len`` tokens cannot be split over a context axis of ``context``
+  devices (with the load-balanced order: two chunks each), with the fix; None if it can."""
+  chunk = 2 * context if load_balance else context
+  if context <= 1 or (seq_len > 0 and seq_len % chunk == 0):
+    return None
+  if not load_balance:
+    return (
+      f"the sequence splits into {context} equal parts, so seq_len must be a multiple of "
+      f"{context}; use one, or change mesh.shape."
+    )
+  return (
+    f"the load-balanced order (mesh.context_load_balance=True) splits the sequence into "
+    f"2 * {context} = {chunk} equal chunks, so seq_len must be a multiple of {chunk}; use one, "
+    + (
+      f"set mesh.context_load_balance=False (then a multiple of {context} will do), "
+      if seq_len % context == 0
+      else ""
+    )
+    + "or change mesh.shape."
+  )
+
+
+def check_seq_len(seq_len: int, mesh: Mesh, rules, context_load_balance: bool = True) -> None:
+  """Refuses (one line, naming the config keys) a ``seq_len`` that the mesh axis the rules
+  shard the sequence over (``context``) does not split: into its size C, or into 2C chunks
+  with ``context_load_balance``. Read from the mesh itself, so a ``mesh.shape`` whose context
+  entry is -1 is checked against the size it resolved to."""
+  entry = shd.spec_for_mesh(shd.logical_to_spec(("batch", "length"), rules), mesh)[1]
+  context = shd.shards_of(entry, mesh)
+  problem = _seq_len_problem(seq_len, context, context_load_balance)
+  if problem:
+    raise ValueError(f"seq_len={seq_len} with a context axis of {context}: {problem}")
+
+
 def _check_batch(
-  model_cfg: ModelConfig, mesh: Mesh, global_batch_size: int | None, grad_accum_steps: int
+  model_cfg: ModelConfig,
+  mesh: Mesh,
+  rules,
+  global_batch_size: int | None,
+  grad_accum_steps: int,
+  params: Any = None,
 ) -> None:
-  """Refuses a mesh that does not divide the model or the batch, and a batch that does not
-  split into ``grad_accum_steps`` micro-batches."""
+  """Refuses a mesh that does not divide the model (its parameters, when given, by the rules)
+  or the batch, and a batch that does not split into ``grad_accum_steps`` micro-batches over
+  the mesh axes the rules put the batch on."""
   shd.validate_mesh_for_model(
-    mesh, model_cfg, global_batch_size, heads=arms.get(model_cfg.attention).heads
+    mesh,
+    model_cfg,
+    global_batch_size,
+    heads=arms.get(model_cfg.attention).heads,
+    rules=rules,
+    params=params,
   )
   if grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps={grad_accum_steps} must be >= 1.")
@@ -137,12 +184,13 @@ def _check_batch(
       f"global_batch_size={global_batch_size} must be divisible by "
       f"grad_accum_steps={grad_accum_steps}."
     )
-  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = shd.batch_rows_multiple(mesh, rules)
+  axes = shd.mesh_axes_of(shd.spec_for_mesh(shd.logical_to_spec(("batch",), rules), mesh)[0])
   if global_batch_size is not None and (global_batch_size // grad_accum_steps) % rows:
     raise ValueError(
       f"a micro-batch of global_batch_size={global_batch_size} / grad_accum_steps="
       f"{grad_accum_steps} = {global_batch_size // grad_accum_steps} rows does not split over "
-      f"data*fsdp={rows} devices: use fewer accumulation steps or a larger batch."
+      f"{'*'.join(axes)}={rows} devices: use fewer accumulation steps or a larger batch."
     )
 
 
@@ -156,6 +204,7 @@ def build_train_setup(
   grad_accum_steps: int = 1,
   grad_accum_reduce: str = "micro_batch",
   global_batch_size: int | None = None,
+  seq_len: int | None = None,
   context_strategy: str = "ring",
   context_load_balance: bool = True,
 ) -> TrainSetup:
@@ -172,6 +221,7 @@ def build_train_setup(
     grad_accum_reduce: "micro_batch" or "step": when the gradients are summed over the data
       axis (see :func:`diffjax.train.steps.make_train_step`).
     global_batch_size: when given, checked against the mesh and ``grad_accum_steps``.
+    seq_len: when given, checked against the mesh's context axis (:func:`check_seq_len`).
     context_strategy, context_load_balance: attention when the mesh's ``context`` axis
       is larger than 1 (see :func:`with_mesh_rules`).
 
@@ -180,16 +230,19 @@ def build_train_setup(
     step is called (or lowered).
 
   Raises:
-    ValueError: a mesh that does not divide the model or the batch, a batch that does
-      not split into ``grad_accum_steps`` micro-batches, or a bad optimizer setting.
+    ValueError: a mesh that does not divide the model (any parameter, by ``rules``), the
+      batch or the sequence, a batch that does not split into ``grad_accum_steps``
+      micro-batches, or a bad optimizer setting.
   """
   rules = tuple(rules)
-  _check_batch(model_cfg, mesh, global_batch_size, grad_accum_steps)
-  shd.check_mesh_slices(mesh, rules)
   # The model's structure and parameter layout, without allocating parameters.
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: create_model(model_cfg, seed))
   graphdef, abstract_param_state = nnx.split(abstract_model)
+  _check_batch(model_cfg, mesh, rules, global_batch_size, grad_accum_steps, abstract_param_state)
+  if seq_len is not None:
+    check_seq_len(seq_len, mesh, rules, context_load_balance)
+  shd.check_mesh_slices(mesh, rules)
   tx, schedule = make_optimizer(optim_cfg, decay_mask(abstract_param_state))
   param_shards = shd.param_shardings(abstract_param_state, mesh, rules)
 

@@ -7,6 +7,7 @@ Orbax all see an ordinary pytree.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,23 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
   return graphdef, state
 
 
+def token_cross_entropy(logits_BxTxV: jax.Array, labels_BxT: jax.Array) -> jax.Array:
+  """``-log softmax(logits)[label]`` per token: optax's
+  ``softmax_cross_entropy_with_integer_labels`` (the same values and gradients), with each
+  label's logit picked by a masked sum over the vocabulary instead of a gather.
+
+  The gradient of a gather (a scatter) along a vocabulary split over the tensor axis, with
+  the labels split over the context axis, inside the ``shard_map`` over ``data`` of
+  ``grad_accum_reduce="step"``, aborts XLA's SPMD partitioner (data, tensor and context all
+  > 1); the masked sum is an elementwise select and a reduction, which partition like the
+  log-sum-exp beside it. Labels must lie in ``[0, V)``.
+  """
+  vocab_BxTxV = jax.lax.broadcasted_iota(labels_BxT.dtype, logits_BxTxV.shape, 2)
+  hit_BxTxV = vocab_BxTxV == labels_BxT[..., None]
+  label_logits_BxT = jnp.sum(jnp.where(hit_BxTxV, logits_BxTxV, 0), axis=-1)
+  return jax.nn.logsumexp(logits_BxTxV, axis=-1) - label_logits_BxT
+
+
 def loss_sums(graphdef, params, batch: Batch, step=None) -> tuple[jax.Array, jax.Array]:
   """Sum of masked token cross-entropies (nats) and the number of counted tokens.
 
@@ -72,7 +90,7 @@ def loss_sums(graphdef, params, batch: Batch, step=None) -> tuple[jax.Array, jax
     batch["segment_ids"],
     **({} if mix is None else {"v2_mix": mix}),
   )
-  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
+  ce_BxT = token_cross_entropy(logits_BxTxV, batch["targets"])
   mask_BxT = batch["loss_mask"].astype(jnp.float32)
   return jnp.sum(ce_BxT * mask_BxT), jnp.sum(mask_BxT)
 
@@ -133,6 +151,45 @@ def _accumulate_per_data_shard(grad_fn, params, micro: Batch, step, inner_rules)
   )(params, micro, step)
 
 
+# The layouts a "step" reduction already fell back for, said once each per process.
+_NOTED: set[str] = set()
+
+
+def step_reduce_fallback(mesh, inner_rules) -> str | None:
+  """Why ``grad_accum_reduce="step"`` cannot sum per data shard on ``mesh`` (the rules
+  :func:`diffjax.sharding.data_shard_rules` gives the per-shard computation), or None.
+
+  Inside the ``shard_map`` over ``data``, XLA's SPMD partitioner aborts the process (a failed
+  check, no Python error) on the embedding lookup's gradient (a scatter-add into the table)
+  when a mesh axis of size > 1 splits both the table [vocab, embed] and the tokens, and
+  another mesh axis besides ``data`` has size > 1: e.g. (2, 2, 2, 1) and (2, 2, 1, 2) under
+  the default rules (fsdp splits the table's embed axis and the batch's rows), where
+  (2, 2, 1, 1), (2, 4, 1, 1) and (2, 1, 2, 2) compile.
+  """
+  size = lambda a: int(dict(mesh.shape).get(a, 1))  # noqa: E731
+
+  def split(names):
+    spec = shd.spec_for_mesh(shd.logical_to_spec(names, inner_rules), mesh)
+    return {a for entry in spec for a in shd.mesh_axes_of(entry) if size(a) > 1}
+
+  shared = split(("vocab", "embed")) & split(("batch", "length"))
+  others = {a for a in mesh.axis_names if a != "data" and a not in shared and size(a) > 1}
+  if not shared or not others:
+    return None
+  both, rest = " and ".join(sorted(shared)), " and ".join(sorted(others))
+  return (
+    f"{both} split{'s' if len(shared) == 1 else ''} both the embedding table and the tokens "
+    f"while {rest} {'is' if len(others) == 1 else 'are'} larger than 1, a layout whose "
+    "per-data-shard gradient XLA's SPMD partitioner cannot compile"
+  )
+
+
+def _note_once(text: str) -> None:
+  if text not in _NOTED:
+    _NOTED.add(text)
+    print(text, file=sys.stderr, flush=True)
+
+
 def make_train_step(
   graphdef,
   tx: optax.GradientTransformation,
@@ -144,7 +201,8 @@ def make_train_step(
 
   Gradients are accumulated over ``grad_accum_steps`` micro-batches as one large batch; with
   ``grad_accum_reduce="step"`` and a data axis, each data shard sums its own micro-batches and
-  the shards' sums are added once per step (else the compiler sums each micro-batch's). An
+  the shards' sums are added once per step (else the compiler sums each micro-batch's; so
+  does "step" on a layout :func:`step_reduce_fallback` names, said once on stderr). An
   update that is not finite is skipped and ``metrics["finite"]`` is False (docs/training.md,
   "Non-finite updates"); the update itself is checked because a finite loss and gradient can
   still give NaN parameters (e.g. a NaN learning rate).
@@ -159,6 +217,14 @@ def make_train_step(
     else:
       micro = _split_micro(batch, grad_accum_steps)
       inner_rules = shd.data_shard_rules() if grad_accum_reduce == "step" else None
+      why = None if inner_rules is None else step_reduce_fallback(shd.current()[0], inner_rules)
+      if why is not None:
+        _note_once(
+          f"note: grad_accum_reduce='step' runs as 'micro_batch' on mesh "
+          f'{dict(shd.current()[0].shape)}: {why} (docs/scaling.md, "Several slices"). '
+          "The gradients are the same; they are summed over data once per micro-batch."
+        )
+        inner_rules = None
       if inner_rules is None:
         grads, loss_sum, count = _accumulate(grad_fn, params, micro, state["step"])
       else:

@@ -304,6 +304,7 @@ class Trainer:
       grad_accum_steps=cfg.grad_accum_steps,
       grad_accum_reduce=cfg.grad_accum_reduce,
       global_batch_size=cfg.global_batch_size,
+      seq_len=cfg.seq_len,
       **cfg.mesh.context_options(),
     )
 

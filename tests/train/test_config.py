@@ -19,6 +19,7 @@ from diffjax import cli
 from diffjax.model import ModelConfig
 from diffjax.model.sizes import WIDTHS
 from diffjax.presets import base_config, load_config, model_section
+from diffjax.sharding import DEFAULT_RULES
 from diffjax.train.config import RunConfig
 from diffjax.train.config_utils import OVERRIDE_HELP, RENAMED_KEYS, describe_run
 from diffjax.train.sections import (
@@ -186,7 +187,10 @@ def test_a_task_mix_is_checked_only_for_the_task_it_names():
 def test_mesh_rules_and_context_options():
   mesh = MeshConfig(shape=[1, 2, 1, 4], rules=[["embed", ["fsdp", "context"]]])
   assert mesh.shape == (1, 2, 1, 4) and mesh.context == 4
-  assert mesh.rules == (("embed", ("fsdp", "context")),)
+  # A table names the rules it changes; the others keep their defaults.
+  assert mesh.rules == tuple(
+    (n, ("fsdp", "context") if n == "embed" else a) for n, a in DEFAULT_RULES
+  )
   assert mesh.context_options() == {"context_strategy": "ring", "context_load_balance": True}
   c = base_config().to_dict()
   c["mesh"]["shape"], c["seq_len"] = (1, 1, 1, 4), 100

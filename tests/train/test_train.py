@@ -227,7 +227,8 @@ def test_grad_accumulation_equals_large_batch():
 
 
 @pytest.mark.parametrize(
-  "mesh_shape, accum", [((2, 2, 1, 1), 2), ((2, 1, 2, 1), 4), ((4, 1, 1, 1), 2), ((2, 1, 1, 2), 2)]
+  "mesh_shape, accum",
+  [((2, 2, 1, 1), 2), ((2, 1, 2, 1), 4), ((4, 1, 1, 1), 2), ((2, 1, 1, 2), 2), ((2, 1, 2, 2), 2)],
 )
 def test_accumulation_over_data_shards_gives_the_large_batch_gradient(
   mesh_shape, accum, monkeypatch

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import arms
 from diffjax import sharding as shd
 from diffjax.model import DecoderLM
 
@@ -83,6 +84,15 @@ class TokenScorer:
     self.batch_size = -(-int(batch_size) // multiple) * multiple
     self._graphdef, state = nnx.split(model)
     if mesh is not None:
+      cfg = model.config
+      shd.validate_mesh_for_model(
+        mesh,
+        cfg,
+        heads=arms.get(cfg.attention).heads,
+        rules=self.rules,
+        params=state,
+        fix="Score on a mesh= whose axes divide the model (e.g. a smaller tensor axis).",
+      )
       with shd.activation_sharding(mesh, self.rules):
         pure = jax.device_put(nnx.to_pure_dict(state), shd.param_shardings(state, mesh, self.rules))
       nnx.replace_by_pure_dict(state, pure)
