@@ -91,7 +91,13 @@ def _main(argv: Sequence[str] | None) -> int:
 
   def go():
     # The config is resolved (and checked) here, once; nothing is written before that.
-    outcome["results"] = run_comparison(ComparisonConfig.from_config(config), workdir)
+    resolved = ComparisonConfig.from_config(config)
+    try:
+      outcome["results"] = run_comparison(resolved, workdir)
+    except KeyError as e:
+      # run_guarded reads a KeyError as a config key the command line named; once the config
+      # is resolved one is a bug, and its traceback says where.
+      raise RuntimeError(f"the comparison failed on a missing key {e}; this is a bug") from e
 
   try:
     code = run_guarded(go)

@@ -10,11 +10,11 @@ from typing import Any
 
 from etils import epath
 
-from diffjax.compare.config import ComparisonConfig, run_name, sweep_points
+from diffjax.compare.config import ComparisonConfig, run_config, run_name, sweep_points
 from diffjax.compare.datacheck import batch_hashes, check_batches
 from diffjax.compare.outputs import write_outputs
 from diffjax.compare.parallel import run_parallel
-from diffjax.compare.runs import RunResult, collect_run, train_and_evaluate_run
+from diffjax.compare.runs import RunResult, check_trained_as, collect_run, train_and_evaluate_run
 from diffjax.train.config import RunConfig
 from diffjax.train.progress import format_duration
 from diffjax.train.records import write_json
@@ -26,17 +26,20 @@ def _loud(log: Callable[[str], None], lines: Sequence[str]) -> None:
 
 
 class _Point:
-  """One comparison (the whole one, or one sweep point): its config, workdir and runs."""
+  """One comparison (the whole one, or one sweep point): its config, its own base run (a sweep
+  may set its steps or logging), workdir and runs."""
 
   def __init__(self, name: str, value: Any, config: ComparisonConfig, workdir: str):
     self.name, self.value, self.config, self.workdir = name, value, config, workdir
+    self.base: RunConfig = config.base_run
     self.runs: list[dict[str, Any]] = []
     self.timings: dict[str, Any] = {}
     self.results: dict[str, Any] = {}
 
-  def add_run(self, arm: str, seed: int, result: RunResult, base: RunConfig, log) -> dict:
+  def add_run(self, arm: str, seed: int, result: RunResult, log) -> dict:
     """Adds a finished run's record and returns it; checks its batches against the seed's
     first run as soon as that pair exists, so a mismatch does not wait for the last run."""
+    base = self.base
     step, ev, seconds = result
     self.timings[run_name(arm, seed)] = seconds
     run_dir = os.path.join(self.workdir, "runs", run_name(arm, seed))
@@ -56,12 +59,12 @@ class _Point:
         _loud(log, ["DATA MISMATCH: " + p for p in check["problems"]])
     return runs[-1]
 
-  def write(self, arms: Sequence[str], seeds: Sequence[int], num_steps: int, t0: float, log):
+  def write(self, arms: Sequence[str], seeds: Sequence[int], t0: float, log):
     """Checks the data over all the runs and writes the report and results.json."""
     order = {run_name(a, s): k for k, (a, s) in enumerate((a, s) for s in seeds for a in arms)}
     self.runs.sort(key=lambda r: order[r["name"]])
     hashes = {(r["arm"], r["seed"]): batch_hashes(r["metrics"]) for r in self.runs}
-    data_check = check_batches(hashes, arms, seeds, _checked_steps(self.runs, num_steps))
+    data_check = check_batches(hashes, arms, seeds, _checked_steps(self.runs, self.base.num_steps))
     self.timings["total"] = time.perf_counter() - t0
     self.results = write_outputs(self.config, self.workdir, self.runs, data_check, self.timings)
     where = f" at {self.name}" if self.name else ""
@@ -94,14 +97,13 @@ def run_comparison(
   With a sweep (``sweep.key``), every point's comparison is run in ``workdir/sweep/<point>``
   (all points' runs share the workers) and the sweep report is written in ``workdir``.
   Returns the results written to results.json (``data_check["ok"]`` says whether the arms saw
-  the same batches; a sweep's results hold each point's). Raises ValueError for a bad config
+  the same batches; a sweep's results hold each point's). Raises ValueError for a bad config and
+  ``CheckpointError`` for a run directory trained as another run than ``config`` describes, both
   before anything is written, and `ComparisonStopped` when a signal stopped a run.
   """
   log = log or (lambda msg: print(msg, flush=True))
   config = ComparisonConfig.from_config(config)
   arms, seeds = config.arms, config.seeds
-  base = config.base_run
-  num_steps = base.num_steps
   points = [
     _Point(name, value, cfg, os.path.join(workdir, "sweep", name) if name else workdir)
     for name, value, cfg in sweep_points(config)
@@ -111,15 +113,18 @@ def run_comparison(
   plan = [(p, arm, seed) for p in points for seed in seeds for arm in arms]
   t0 = time.perf_counter()
   elapsed = lambda: format_duration(time.perf_counter() - t0)
+  # Every run directory the workdir already holds, before anything is written or trained.
+  _check_run_dirs(plan)
   _write_configs(config, workdir, points)
   swept = f" x {len(points)} values of {config.sweep.key}" if config.sweep.key else ""
+  steps = sorted({p.base.num_steps for p in points})
   log(
     f"compare: {len(plan)} runs ({len(arms)} arms x {len(seeds)} seeds{swept}), "
-    f"{num_steps:,} steps each, eval {config.eval.mode}, in {workdir}"
+    f"{' or '.join(f'{n:,}' for n in steps)} steps each, eval {config.eval.mode}, in {workdir}"
   )
-  _train_all(config, base, plan, elapsed, log)
+  _train_all(config, plan, elapsed, log)
   for p in points:
-    p.write(arms, seeds, num_steps, t0, log)
+    p.write(arms, seeds, t0, log)
   results = points[0].results
   if len(points) > 1:
     from diffjax.compare.sweep import write_sweep_outputs  # pylint: disable=import-outside-toplevel
@@ -134,6 +139,18 @@ def run_comparison(
   return results
 
 
+Plan = Sequence[tuple[_Point, str, int]]
+
+
+def _check_run_dirs(plan: Plan) -> None:
+  """Refuses a run directory of ``plan`` trained as another run than the comparison now
+  describes (:func:`~diffjax.compare.runs.check_trained_as`): all of them before the first
+  run trains, so that a refusal does not come after hours of training the others."""
+  for p, arm, seed in plan:
+    run_dir = os.path.join(p.workdir, "runs", run_name(arm, seed))
+    check_trained_as(RunConfig.from_config(run_config(p.config, arm, seed)), run_dir)
+
+
 def _write_configs(config: ComparisonConfig, workdir: str, points: list[_Point]) -> None:
   """Each point's runs/ and compare_config.json, and a sweep's own config in ``workdir``."""
   for p in points:
@@ -143,15 +160,8 @@ def _write_configs(config: ComparisonConfig, workdir: str, points: list[_Point])
     write_json(epath.Path(workdir, "compare_config.json"), json.loads(config.to_json()))
 
 
-Plan = Sequence[tuple[_Point, str, int]]
-
-
 def _train_all(
-  config: ComparisonConfig,
-  base: RunConfig,
-  plan: Plan,
-  elapsed: Callable[[], str],
-  log: Callable[[str], None],
+  config: ComparisonConfig, plan: Plan, elapsed: Callable[[], str], log: Callable[[str], None]
 ) -> None:
   """Trains and evaluates every run of ``plan``, in worker processes when ``workers`` > 1,
   adding each finished run to its point."""
@@ -160,7 +170,7 @@ def _train_all(
 
   def finish(i: int, result: RunResult) -> None:
     point, arm, seed = plan[i]
-    run = point.add_run(arm, seed, result, base, log)
+    run = point.add_run(arm, seed, result, log)
     done[0] += 1
     left = len(plan) - done[0]
     final = run["final_metrics"]

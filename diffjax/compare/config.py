@@ -30,6 +30,9 @@ from diffjax.train.sections import Section, field_hints, plain, refuse_unknown, 
 
 # Keys a comparison config must state (the other keys keep their defaults when it lacks them).
 REQUIRED = ("arms", "seeds", "base", "eval", "report")
+# Seeds are below this: jax.random.key (and flax's Rngs) keep a seed's low 32 bits without
+# 64-bit JAX, so seed k and k + 2**32 would draw the same initial weights.
+SEED_LIMIT = 2**32
 
 
 def arm_names(value: Any) -> tuple[str, ...]:
@@ -112,6 +115,13 @@ class ComparisonConfig(Section):
     bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if bad:
       raise ValueError(f"seeds={seeds} must be non-negative integers; got {bad}.")
+    big = [s for s in seeds if s >= SEED_LIMIT]
+    if big:
+      raise ValueError(
+        f"seeds={seeds} must be below 2**32; got {big}: JAX draws the initial weights from a "
+        "seed's low 32 bits, so seeds 2**32 apart would start from the same weights (and "
+        "from 2**63 on the trainer cannot take one). Choose smaller seeds."
+      )
     if len(set(seeds)) != len(seeds):
       raise ValueError(f"seeds={seeds} repeats a seed.")
     return seeds
@@ -142,11 +152,13 @@ class ComparisonConfig(Section):
     self._check_runs()
 
   def _check_runs(self) -> None:
-    """Resolves every arm's run (at the first seed) at every sweep point, and its evaluation."""
+    """Resolves every arm's run (at the first seed) at every sweep point, with the trainer's
+    checks of its batch that do not depend on the devices, and its evaluation."""
     for name, _, base in _point_bases(self):
       for arm in self.arms:
         try:
           run = RunConfig.from_config(_run_config(base, self.variants.get(arm), arm, self.seeds[0]))
+          _check_batch(run)
         except ValueError as e:
           raise ValueError(
             f"{arm}" + (f" at sweep point {name}" if name else "") + f": {e}"
@@ -177,13 +189,21 @@ class ComparisonConfig(Section):
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
     if bad:
       raise ValueError(f"sweep.values={values} must be numbers; got {bad}.")
+    if self.sweep.scaled and (not _is_number(holder[last]) or not float(holder[last])):
+      raise ValueError(
+        f"sweep.scaled needs base.{key} a non-zero number (it is the scale's reference); it is "
+        f"{holder[last]!r}."
+      )
     for scaled in self.sweep.scaled:
       try:
-        _dotted(self.base, scaled)
+        scaled_holder, scaled_last = _dotted(self.base, scaled)
       except (KeyError, TypeError, AttributeError):
         raise ValueError(f"sweep.scaled names {scaled!r}, which is not a key of base.") from None
-      if not float(holder[last]):
-        raise ValueError(f"sweep.scaled needs base.{key} non-zero (it is the scale's reference).")
+      if not _is_number(scaled_holder[scaled_last]):
+        raise ValueError(
+          f"sweep.scaled names {scaled!r}, whose base value {scaled_holder[scaled_last]!r} is "
+          "not a number to scale."
+        )
 
   @classmethod
   def from_config(cls, config: Any) -> ComparisonConfig:
@@ -339,9 +359,30 @@ def point_name(key: str, value: Any) -> str:
   return f"{key.split('.')[-1]}={format_value(value)}"
 
 
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _set_number(holder: ml_collections.ConfigDict, last: str, value: float, what: str) -> None:
+  """Sets ``holder[last]`` to ``value``: an integer key takes a whole value as an int, and
+  refuses another (``what`` says where the value comes from)."""
+  old = holder[last]
+  if isinstance(old, int) and not isinstance(old, bool) and not isinstance(value, int):
+    if not float(value).is_integer():
+      raise ValueError(
+        f"{what} gives {value:g} to an integer key; choose sweep values that make it whole."
+      )
+    value = int(value)
+  try:
+    holder[last] = value
+  except TypeError as e:
+    raise ValueError(f"{what}: {e}") from None
+
+
 def _point_bases(config: ComparisonConfig) -> list[tuple[str, Any, ml_collections.ConfigDict]]:
   """[(point name, value, base at that value)]: ``base.<sweep.key>`` set to each value and each
-  ``sweep.scaled`` key scaled by value / base's own value; [("", None, base)] without a sweep."""
+  ``sweep.scaled`` key scaled by value / base's own value; [("", None, base)] without a sweep.
+  An integer key gets an int (ValueError when the value is not whole)."""
   key = config.sweep.key
   if not key:
     return [("", None, config.base)]
@@ -352,10 +393,11 @@ def _point_bases(config: ComparisonConfig) -> list[tuple[str, Any, ml_collection
     base = copy.deepcopy(config.base)
     with base.unlocked():
       h, k = _dotted(base, key)
-      h[k] = value
+      _set_number(h, k, value, f"sweep.values: {key}={format_value(value)}")
       for scaled in config.sweep.scaled:
         sh, sk = _dotted(base, scaled)
-        sh[sk] = float(sh[sk]) * float(value) / float(base_value)
+        what = f"sweep.scaled: {scaled} scaled by {key}={format_value(value)}"
+        _set_number(sh, sk, float(sh[sk]) * float(value) / float(base_value), what)
     points.append((point_name(key, value), value, base))
   return points
 
@@ -399,3 +441,22 @@ def describe_comparison(config: Any) -> str:
       f"[{arm}] " + describe_run(run_config(config, arm, seeds[0])).replace("\n", "\n  ")
     )
   return "\n".join(lines)
+
+
+def _check_batch(run: RunConfig) -> None:
+  """The trainer's checks of a run's batch that hold on any devices (`grad_accum_steps` must
+  divide `global_batch_size`): the trainer's own, on a mesh of one device, so that what depends
+  on the devices (the rows each holds) is left to the run."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diffjax.model import resolve_model  # pylint: disable=import-outside-toplevel
+  from diffjax.sharding import MESH_AXES  # pylint: disable=import-outside-toplevel
+  from diffjax.train.setup import _check_batch as check  # pylint: disable=import-outside-toplevel
+
+  check(
+    model_cfg=resolve_model(run.model).config,
+    mesh=jax.sharding.AbstractMesh((1,) * len(MESH_AXES), MESH_AXES),
+    rules=run.mesh.logical_rules,
+    global_batch_size=run.global_batch_size,
+    grad_accum_steps=run.grad_accum_steps,
+  )

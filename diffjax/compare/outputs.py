@@ -12,7 +12,7 @@ from typing import Any
 from etils import epath
 
 from diffjax.compare.config import ComparisonConfig
-from diffjax.compare.summary import loss_curve, summary_section
+from diffjax.compare.summary import diverged_note, loss_curve, summary_section
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare/1"
@@ -80,6 +80,9 @@ def write_outputs(
         "name": r["name"],
         "workdir": r["workdir"],
         "step": r["step"],
+        # Stopped on non-finite updates (allow_divergence): no final eval, left out of means.
+        "diverged": diverged_note(r) is not None,
+        "why": diverged_note(r),
         "params": r["params"],
         "train_seconds": r["train_seconds"],
         "eval_seconds": r["eval_seconds"],

@@ -55,10 +55,16 @@ def diverged_record(run_dir: str) -> dict[str, Any] | None:
 
 
 # Settings that decide the weights a run trains to, besides what the trainer itself checks on
-# a resume (the model and the data order): a run directory saved under other values holds
-# another run than the one the comparison now describes. How the steps run is not among them.
+# a resume (the model, the data order and the loss mask): a run directory saved under other
+# values holds another run than the one the comparison now describes. The data's paths are
+# among them although a resume lets them move (the trainer compares the corpus itself): a
+# finished run is not resumed, and its results would be reported as trained on the files
+# the comparison now names. How the steps run is not among them (the model's implementation
+# below, data.prefetch_batches, the mesh).
 TRAINED_BY = (
   *ckpt.DATA_ORDER_KEYS,
+  "data.paths",
+  "data.streams_per_row",
   "global_batch_size",
   "grad_accum_steps",
   "grad_accum_reduce",
@@ -84,32 +90,67 @@ def _trained_past(run: RunConfig, run_dir: str, step: int | None) -> None:
     )
 
 
-def check_trained_as(run: RunConfig, run_dir: str) -> None:
-  """Refuses a run directory trained past ``run.num_steps`` (its DONE marker or newest
-  checkpoint), or whose newest checkpoint was saved under other values of :data:`TRAINED_BY`
-  than ``run``'s (a key the saved config lacks is not compared); a directory without a
-  readable checkpoint passes (the trainer deals with it)."""
-  _trained_past(run, run_dir, done_step(run_dir))
+# What the comparison records in a run directory whose training it saw finish: the number of
+# validation batches of the trainer's final eval loss ({"step", "eval_batches"}).
+FINAL_EVAL = "final_eval.json"
+
+
+def _newest_checkpoint(run_dir: str) -> tuple[int | None, dict[str, Any]]:
+  """The newest checkpoint step of ``run_dir`` and the run config it was saved with; (None, {})
+  without a readable one."""
   directory = os.path.join(run_dir, "checkpoints")
   if not epath.Path(directory).is_dir():
-    return
+    return None, {}
   manager = ckpt.make_manager(directory, keep=1_000_000, async_save=False)
   try:
     steps = manager.all_steps()
     if not steps:
-      return
-    _trained_past(run, run_dir, max(steps))
-    saved = ckpt.read_meta(manager, max(steps)).get("config") or {}
+      return None, {}
+    return max(steps), ckpt.read_meta(manager, max(steps)).get("config") or {}
   except ckpt.CorruptCheckpointError:
-    return
+    return None, {}
   finally:
     manager.close()
+
+
+def final_eval_batches(run_dir: str, saved: Mapping[str, Any] | None = None) -> int | None:
+  """The validation batches of a finished run's final eval loss: as the comparison recorded
+  them (:data:`FINAL_EVAL`), else the ``eval_batches`` its newest checkpoint was saved with
+  (``saved``, that config, when already read); None when neither says."""
+  text = _read_text(epath.Path(run_dir, FINAL_EVAL))
+  if text:
+    return int(json.loads(text)["eval_batches"])
+  if saved is None:
+    saved = _newest_checkpoint(run_dir)[1]
+  n = saved.get("eval_batches")
+  return int(n) if n is not None else None
+
+
+def check_trained_as(run: RunConfig, run_dir: str) -> None:
+  """Refuses a run directory trained past ``run.num_steps`` (its DONE marker or newest
+  checkpoint), whose newest checkpoint was saved under other values of :data:`TRAINED_BY`
+  than ``run``'s (a key the saved config lacks is not compared), or, finished, whose final
+  eval loss was measured on another number of validation batches than ``run.eval_batches``
+  (:func:`final_eval_batches`); a directory without a readable checkpoint passes (the trainer
+  deals with it)."""
+  done = done_step(run_dir)
+  _trained_past(run, run_dir, done)
+  step, saved = _newest_checkpoint(run_dir)
+  _trained_past(run, run_dir, step)
   diffs = ckpt.setting_differences(saved, json.loads(run.to_json()), TRAINED_BY, _HOW_IT_RUNS)
   if diffs:
     raise ckpt.CheckpointError(
       f"{run_dir} was trained with other settings than the comparison now gives it: "
       f"{', '.join(diffs)}. Its results would be reported under settings it did not train "
       "with: restore them, or give the changed comparison a new --workdir."
+    )
+  used = final_eval_batches(run_dir, saved) if done == run.num_steps else None
+  if used is not None and used != run.eval_batches:
+    raise ckpt.CheckpointError(
+      f"{run_dir} finished with its final eval loss measured on eval_batches={used} "
+      f"validation batches, and the comparison now asks eval_batches={run.eval_batches}: "
+      "its loss would be reported and paired as measured on the new number. Set "
+      f"--config.base.eval_batches={used}, or give the changed comparison a new --workdir."
     )
 
 
@@ -152,6 +193,11 @@ def train_run(
     raise ComparisonStopped(
       f"{os.path.basename(run_dir)} stopped at step {result['step']} by a signal"
     )
+  # The attempt that finishes a run makes its final eval, with this config's eval_batches (a
+  # checkpoint saved by an earlier attempt may hold another).
+  write_json(
+    epath.Path(run_dir, FINAL_EVAL), {"step": int(result["step"]), "eval_batches": run.eval_batches}
+  )
   return int(result["step"])
 
 
@@ -355,7 +401,9 @@ def collect_run(
     scalars["train/learned"] = float(not math.isnan(first))
   diverged = diverged_record(run_dir) if not final else None
   if diverged is not None:
+    # Losses of a run stopped part-way are not averaged with finished runs' (it is counted).
     scalars["val/final_eval_loss"] = float("nan")
+    scalars["train/final_loss"] = float("nan")
   scalars["train/skipped_updates"] = float(sum(1 for m in metrics if m.get("train/skipped")))
   model = ModelConfig.from_dict(json.loads(epath.Path(run_dir, "model_config.json").read_text()))
   return {
@@ -365,6 +413,7 @@ def collect_run(
     "workdir": run_dir,
     "step": step,
     "params": count_params(model),
+    "vocab_size": model.vocab_size,
     "final_metrics": final,
     "diverged": diverged,
     "metrics": metrics,

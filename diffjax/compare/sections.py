@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from diffjax.arms import BASELINE
 from diffjax.arms import names as registered_arms
+from diffjax.model.sizes import WIDTHS
 from diffjax.train.config import RunConfig
 from diffjax.train.sections import Section, plain, refuse_unknown
 
@@ -22,8 +23,10 @@ KIND = "comparison config"
 # (the sweep report's settings), so that a comparison which does not set it keeps the
 # compare_config.json it always had.
 ADDED = {"added": True}
-# A variant's model keys that matching it as its arm sets.
-MATCHING_KEYS = ("arm", "size", "v2_match", "unmatched")
+# A variant's model keys that matching it as its arm sets: the arm and the Transformer it is
+# matched to (its size and widths, diffjax.model.sizes.WIDTHS, which would make the variant's
+# Transformer another one than base's), and the widths that unmatch it.
+MATCHING_KEYS = ("arm", "size", "v2_match", "unmatched", *WIDTHS)
 
 
 def names(value: Any) -> tuple[str, ...]:
@@ -195,7 +198,8 @@ class Variant:
 
   # The registered arm it is (diffjax.arms).
   arm: str | None = None
-  # The model fields it sets (none of the matching's: arm, size, v2_match, unmatched).
+  # The model fields it sets (none of the matching's: arm, size, v2_match, unmatched, and
+  # the widths d_model, num_layers, num_heads, num_kv_heads, head_dim, mlp_dim).
   model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -222,7 +226,11 @@ class Variant:
     bad = sorted(set(value.model) & set(MATCHING_KEYS))
     if bad:
       raise ValueError(
-        f"variants.{name}.model sets {bad}: a variant is matched as its arm; "
-        "set only other model fields (e.g. v2_pairing)."
+        f"variants.{name}.model sets {bad}: a variant is matched as its arm to base's "
+        "Transformer, so it sets only other model fields (e.g. v2_pairing). For other widths, "
+        "give them to base (--config.base.model.d_model=...: every arm is matched to that "
+        "Transformer); for an unmatched model, train it with train.py and "
+        "--config.model.unmatched.<width>=<n>, evaluate it with python -m diffjax.eval and "
+        "report it beside the comparison's runs with python -m diffjax.eval.report."
       )
     return value

@@ -14,6 +14,7 @@ from typing import Any
 from diffjax.compare.config import ComparisonConfig
 from diffjax.compare.datacheck import mismatch_warning
 from diffjax.eval import display, stats
+from diffjax.model import count_params, resolve_model
 from diffjax.train.config import RunConfig
 
 
@@ -54,6 +55,13 @@ def _paired_cell(d: Mapping[str, float]) -> str:
   return "–"
 
 
+def diverged_note(run: Mapping[str, Any]) -> str | None:
+  """Why a run of the comparison counts as diverged (its DIVERGED marker: the trainer stopped
+  it on non-finite updates), or None if it trained to the end."""
+  marker = run.get("diverged")
+  return f"stopped on non-finite updates at step {marker['step']}" if marker else None
+
+
 def summary_table(
   runs: Sequence[Mapping[str, Any]],
   arms: Sequence[str],
@@ -61,7 +69,9 @@ def summary_table(
   confidence: float,
   log_every: int,
 ) -> tuple[list[str], dict[str, Any]]:
-  """The per-arm summary (markdown lines, and the same numbers as a dict by arm)."""
+  """The per-arm summary (markdown lines, and the same numbers as a dict by arm). A diverged
+  run (:func:`diverged_note`) is counted in a "diverged" column, shown only when some run
+  diverged, and left out of the losses' means and paired differences."""
   cols = [
     (f"train loss (last {log_every} steps)", "train/final_loss"),
     ("final eval loss", "val/final_eval_loss"),
@@ -73,14 +83,26 @@ def summary_table(
     for title, key in cols
     if any(key in (r["eval"] or {}).get("scalars", {}) for r in runs)
   ]
-  by_seed = {(r["arm"], r["seed"]): (r["eval"] or {}).get("scalars", {}) for r in runs}
+  nan = float("nan")
+  by_seed = {
+    (r["arm"], r["seed"]): {k: nan for k, _ in cols}
+    if diverged_note(r)
+    else (r["eval"] or {}).get("scalars", {})
+    for r in runs
+  }
+  any_diverged = any(diverged_note(r) for r in runs)
   table: dict[str, Any] = {}
-  head = ["arm", "params", "seeds", *(t for t, _ in present)]
+  head = ["arm", "params", "seeds", *(["diverged"] if any_diverged else [])]
+  head += [t for t, _ in present]
   head += [f"final eval loss − {baseline} (paired)", "train time / run"]
   cells = []
   for arm in arms:
     mine = [r for r in runs if r["arm"] == arm]
-    row = {"params": mine[0]["params"] if mine else None, "seeds": [r["seed"] for r in mine]}
+    row = {
+      "params": mine[0]["params"] if mine else None,
+      "seeds": [r["seed"] for r in mine],
+      "diverged": [r["seed"] for r in mine if diverged_note(r)],
+    }
     for _, key in present:
       row[key] = stats.mean_ci(
         [by_seed[(arm, r["seed"])].get(key, float("nan")) for r in mine], confidence
@@ -96,8 +118,9 @@ def summary_table(
     table[arm] = row
     paired = "(baseline)" if arm == baseline else _paired_cell(row["paired_eval_loss"])
     secs = row["train_seconds"]["mean"]
+    gone = [f"{len(row['diverged'])}/{len(mine)}"] if any_diverged else []
     cells.append(
-      [arm, f"{row['params']:,}", str(len(mine)), *(_fmt(row[k]) for _, k in present)]
+      [arm, f"{row['params']:,}", str(len(mine)), *gone, *(_fmt(row[k]) for _, k in present)]
       + [paired, f"{secs:.0f} s"]
     )
   return display.md_table(head, cells), table
@@ -135,8 +158,24 @@ def perf_table(runs: Sequence[Mapping[str, Any]], arms: Sequence[str], baseline:
   return display.md_table(head, cells)
 
 
+# An arm whose parameters differ from the Transformer's by more than this share is not matched
+# by parameters (DIFF V2 matched by parameters is within it).
+PARAMS_TOLERANCE = 0.005
+
+
+def _transformer_params(config: ComparisonConfig, runs: Sequence[Mapping[str, Any]]) -> int | None:
+  """The parameters of the Transformer every arm is matched to: base's model, at the runs'
+  vocabulary; None when it does not resolve."""
+  vocab = next((r["vocab_size"] for r in runs if r.get("vocab_size")), None)
+  try:
+    return count_params(resolve_model(config.base.model.to_dict(), vocab_size=vocab).baseline)
+  except ValueError:
+    return None
+
+
 def _matching_line(config: ComparisonConfig, runs: Sequence[Mapping[str, Any]]) -> str:
-  """Which matching made the arms, and their parameter counts."""
+  """Which matching made the arms, and their parameter counts; the arms whose count is more than
+  :data:`PARAMS_TOLERANCE` away from the Transformer's are named as not matched by parameters."""
   params = {}
   for r in runs:
     params.setdefault(r["arm"], r["params"])
@@ -146,9 +185,21 @@ def _matching_line(config: ComparisonConfig, runs: Sequence[Mapping[str, Any]]) 
     "Transformer's)",
     "heads": "by heads (the Transformer's widths, plus its extra query heads and W_λ)",
   }
-  return (
+  line = (
     f"Arms matched to one Transformer spec; DIFF V2 matched "
     f"{how.get(config.v2_match, config.v2_match)}. Parameters: {counts}."
+  )
+  ref = _transformer_params(config, runs)
+  if not ref:
+    return line
+  off = {arm: n / ref - 1.0 for arm, n in params.items() if n is not None}
+  off = {arm: d for arm, d in off.items() if abs(d) > PARAMS_TOLERANCE}
+  if not off:
+    return line
+  listed = ", ".join(f"{arm} {d:+.1%}" for arm, d in off.items())
+  return (
+    f"{line} **Not matched by parameters**: {listed} against the Transformer's {ref:,} (more "
+    f"than {PARAMS_TOLERANCE:.1%} apart)."
   )
 
 
@@ -200,6 +251,15 @@ def summary_section(
     + lines
     + [""]
   )
+  gone = [(r, diverged_note(r)) for r in runs if diverged_note(r)]
+  if gone:
+    head += [
+      f"**{len(gone)} of {len(runs)} runs diverged** (`allow_divergence`): they are counted in "
+      "the diverged column and left out of the losses' means and paired differences.",
+      "",
+      *(f"- {r['arm']} seed {r['seed']}: {why}" for r, why in gone),
+      "",
+    ]
   speed = perf_table(runs, arms, baseline)
   if speed:
     head += (

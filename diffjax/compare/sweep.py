@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from diffjax.compare.config import ComparisonConfig, format_value
+from diffjax.compare.config import ComparisonConfig, format_value, sweep_points
 from diffjax.compare.datacheck import mismatch_warning
 from diffjax.compare.outputs import clean_json
 from diffjax.compare.sections import ComparisonReport
 from diffjax.eval import display, stats
+from diffjax.train.config import RunConfig
 from diffjax.train.records import write_json
 
 SCHEMA = "diffjax.compare.sweep/1"
@@ -111,8 +112,18 @@ class _Sweep:
   factor: float  # report.spike_factor
   spike_window: int
   div_window: int  # report.divergence_window
-  warmup: int
+  warmup: tuple[int, ...]  # optim.warmup_steps at each value (a sweep may set it), in order
   unigram: float  # NaN: only non-finite runs count as diverged
+
+  def warmup_at(self, value: Any) -> int:
+    """The warm-up steps of the runs at ``value``."""
+    return self.warmup[self.values.index(value)]
+
+
+def point_bases(config: ComparisonConfig) -> list[RunConfig]:
+  """The base run at each value of the sweep, in order: the steps, batch or schedule the swept
+  key (or a scaled one) sets are each point's own."""
+  return [point.base_run for _, _, point in sweep_points(config)]
 
 
 def _settings(
@@ -136,14 +147,14 @@ def _settings(
     factor=report.spike_factor,
     spike_window=report.spike_window,
     div_window=report.divergence_window,
-    warmup=config.base_run.optim.warmup_steps,
+    warmup=tuple(run.optim.warmup_steps for run in point_bases(config)),
     unigram=unigram,
   )
 
 
 def _record(s: _Sweep, name: str, value: Any, r: Mapping[str, Any]) -> dict[str, Any]:
   """One run's row of results.json: its loss, divergence, skips, spikes and mechanisms."""
-  why = divergence(r, s.unigram, s.warmup, s.div_window)
+  why = divergence(r, s.unigram, s.warmup_at(value), s.div_window)
   loss = float(r["eval"]["scalars"].get("val/final_eval_loss", float("nan")))
   rec = {
     "point": name,
@@ -208,7 +219,8 @@ def _paired(
 ) -> dict[str, Any]:
   """{reference: {arm: {value: paired difference of final loss over matched seeds}}}."""
   confidence = report.confidence
-  references = [s.baseline] + [a for a in report.also_against if a in s.arms and a != s.baseline]
+  # Only arms the sweep trained: the baseline may not be one of them (as also_against's).
+  references = [a for a in dict.fromkeys([s.baseline, *report.also_against]) if a in s.arms]
   loss = lambda r: (
     r["final_eval_loss"] if r["final_eval_loss"] is not None and not r["diverged"] else float("nan")
   )
@@ -292,7 +304,8 @@ def write_sweep_outputs(
       "spike_factor": s.factor,
       "spike_window": s.spike_window,
       "divergence_window": s.div_window,
-      "warmup_steps": s.warmup,
+      # One number, or {value: steps} when the sweep sets them per value.
+      "warmup_steps": _per_value(s, s.warmup),
     },
     "table": table,
     "verdict": verdict,
@@ -313,23 +326,42 @@ def _columns(s: _Sweep) -> list[str]:
   return ["arm", *(f"{s.key.split('.')[-1]}={format_value(v)}" for v in s.values)]
 
 
+def _per_value(s: _Sweep, numbers: Sequence[Any]) -> Any:
+  """``numbers`` (one per value of the sweep): the number when they are all one, else
+  {value: number}."""
+  if len(set(numbers)) == 1:
+    return numbers[0]
+  return {format_value(v): n for v, n in zip(s.values, numbers)}
+
+
+def _numbers(numbers: Sequence[int]) -> str:
+  """``numbers`` (one per value of the sweep) as the introduction says them: one number, or
+  each value's ("3 / 8 (by value)")."""
+  if len(set(numbers)) == 1:
+    return f"{numbers[0]:,}"
+  return " / ".join(f"{n:,}" for n in numbers) + " (by value)"
+
+
 def _introduction(config: ComparisonConfig, s: _Sweep) -> list[str]:
-  """The title, what was run, and the report's definitions."""
-  base = config.base_run
+  """The title, what was run, and the report's definitions. A number the swept key (or a
+  scaled one) sets is given at each value."""
+  runs = point_bases(config)
   seeds = list(config.seeds)
-  tokens = base.num_steps * base.tokens_per_step
   short = s.key.split(".")[-1]
+  each = lambda get: _numbers([get(run) for run in runs])
   return [
     f"# {config.report.title}",
     "",
     f"{len(s.arms)} arms x {len(seeds)} seeds {seeds} x {len(s.values)} values of `{s.key}`; "
-    f"each run {base.num_steps:,} steps x {base.global_batch_size} x "
-    f"{base.seq_len} tokens = {tokens:,} tokens, warm-up {s.warmup} steps. Each "
+    f"each run {each(lambda r: r.num_steps)} steps x {each(lambda r: r.global_batch_size)} x "
+    f"{each(lambda r: r.seq_len)} tokens = {each(lambda r: r.num_steps * r.tokens_per_step)} "
+    f"tokens, warm-up {_numbers(s.warmup)} steps. Each "
     f"value's full comparison (paired statistics, data check, per-run evaluation) is in "
     f"`sweep/<{short}=value>/report.md`.",
     "",
     "Definitions. **Diverged**: the trainer stopped on non-finite updates (more than "
-    f"`max_skipped_updates={base.max_skipped_updates}` skipped), the final loss is not finite"
+    f"`max_skipped_updates={each(lambda r: r.max_skipped_updates)}` skipped), the final loss is "
+    "not finite"
     + (
       f" or above the unigram baseline ({_fmt(s.unigram)} nats), or after warm-up the train "
       f"loss averaged over {s.div_window} consecutive steps went below the unigram baseline "
@@ -493,10 +525,11 @@ def _plot(
   table: Mapping[str, Any],
   unigram: float,
 ) -> tuple[str, str]:
-  """sweep_loss.png: final loss against the swept value (log scale), one line per arm, under a
-  strip with one row per arm that marks each value where seeds of that arm diverged (x, with
-  the count of diverged seeds), so arms that diverged at the same value stay apart. Returns
-  (file name, caption)."""
+  """sweep_loss.png: final loss against the swept value (a log scale when every value is
+  positive, else linear, so that a value of 0 is drawn), one line per arm, under a strip with
+  one row per arm that marks each value where seeds of that arm diverged (x, with the count of
+  diverged seeds), so arms that diverged at the same value stay apart. Returns (file name,
+  caption)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
@@ -533,7 +566,8 @@ def _plot(
     )
   if math.isfinite(unigram):
     ax.axhline(unigram, color="black", lw=0.8, ls="--", label="unigram baseline")
-  ax.set_xscale("log")
+  if all(x > 0 for x in xs):
+    ax.set_xscale("log")
   display.label_axes(ax, key, "final validation loss (nats)", title="")
   if gone:
     # One row per arm that diverged anywhere, top to bottom in the legend's order.

@@ -213,6 +213,7 @@ def test_a_run_trained_with_other_settings_is_refused(compared, tmp_path):
   changed.write_text(config_path.read_text().replace("warmup_steps=2", "warmup_steps=3"))
   before = {d.name: (d / "metrics.jsonl").read_bytes() for d in (copy / "runs").iterdir()}
   report = (copy / "report.md").read_bytes()
+  written = (copy / "compare_config.json").read_bytes()
   r = _cli(changed, copy)
   assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
   assert "optim.warmup_steps: saved 2 vs now 3" in r.stderr, r.stderr
@@ -220,6 +221,8 @@ def test_a_run_trained_with_other_settings_is_refused(compared, tmp_path):
   assert "skipping training" not in r.stdout and "resuming" not in r.stdout
   assert {d.name: (d / "metrics.jsonl").read_bytes() for d in (copy / "runs").iterdir()} == before
   assert (copy / "report.md").read_bytes() == report
+  # Every run directory is checked before anything is written.
+  assert (copy / "compare_config.json").read_bytes() == written
   # How the steps run is not a different run.
   fast = tmp_path / "fast.py"
   fast.write_text(
@@ -229,6 +232,75 @@ def test_a_run_trained_with_other_settings_is_refused(compared, tmp_path):
   )
   r = _cli(fast, copy)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def _changed_run(config, **changes):
+  """diff_v1 seed 0 of ``config`` with ``changes`` ({"section__key": value}) to its run config."""
+  run = compare.run_config(config, "diff_v1", 0)
+  for key, value in changes.items():
+    section, _, name = key.rpartition("__")
+    (run[section] if section else run)[name] = value
+  return RunConfig.from_config(run)
+
+
+@pytest.mark.parametrize(
+  "changes,needle",
+  [
+    (dict(task_mix__loss="answers"), "task_mix.loss: saved 'all' vs now 'answers'"),
+    (dict(task_mix__num_examples=10), "task_mix.num_examples: saved 0 vs now 10"),
+    (dict(task_mix__grid=((2, 0),)), "task_mix.grid: saved [] vs now [[2, 0]]"),
+    (dict(data__streams_per_row=8), "data.streams_per_row: saved 16 vs now 8"),
+    (dict(data__prefetch_batches=0), None),  # how batches are fetched: the same run
+  ],
+)
+def test_a_run_trained_on_other_examples_or_scored_otherwise_is_refused(compared, changes, needle):
+  """What a run trained on (its loss mask, its task examples, how its rows stream the data) is
+  part of the run, as the model and optimizer are."""
+  from diffjax.compare.runs import check_trained_as
+  from diffjax.train.checkpoint import CheckpointError
+
+  workdir, config_path, _ = compared
+  config = compare.check_comparison_config(load_config(str(config_path)))
+  run_dir = str(_run_dir(workdir, "diff_v1", 0))
+  if needle is None:
+    check_trained_as(_changed_run(config, **changes), run_dir)
+    return
+  with pytest.raises(CheckpointError) as e:
+    check_trained_as(_changed_run(config, **changes), run_dir)
+  assert needle in str(e.value) and "new --workdir" in str(e.value), str(e.value)
+
+
+def test_finished_runs_scored_on_another_number_of_validation_batches_are_refused(
+  compared, tmp_path
+):
+  """The final eval loss of a finished run was measured on the eval_batches it finished with:
+  another number would be reported (and paired) as if measured on the new one."""
+  from diffjax.compare.runs import FINAL_EVAL, check_trained_as
+  from diffjax.train.checkpoint import CheckpointError
+
+  workdir, config_path, _ = compared
+  copy = tmp_path / "out"
+  shutil.copytree(workdir, copy)
+  config = compare.check_comparison_config(load_config(str(config_path)))
+  run_dir = _run_dir(copy, "diff_v1", 0)
+  assert json.loads((run_dir / FINAL_EVAL).read_text()) == {"step": STEPS, "eval_batches": 2}
+  check_trained_as(_changed_run(config, eval_batches=2), str(run_dir))
+  # Recorded by the comparison, or (a run it did not see finish) its checkpoint's config.
+  for recorded in (True, False):
+    if not recorded:
+      (run_dir / FINAL_EVAL).unlink()
+    with pytest.raises(CheckpointError, match="measured on eval_batches=2 validation batches"):
+      check_trained_as(_changed_run(config, eval_batches=3), str(run_dir))
+  # Unfinished, its final eval is still to come with the new number.
+  (run_dir / "DONE").unlink()
+  check_trained_as(_changed_run(config, eval_batches=3), str(run_dir))
+  # The command: one line, naming the value to restore, and nothing written.
+  written = (copy / "compare_config.json").read_bytes()
+  r = _cli(config_path, copy, "--config.base.eval_batches=3")
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "--config.base.eval_batches=2" in last, r.stderr
+  assert (copy / "compare_config.json").read_bytes() == written
 
 
 def test_runs_trained_past_the_asked_steps_are_refused(compared, tmp_path):

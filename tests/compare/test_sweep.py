@@ -102,6 +102,32 @@ def test_a_rerun_skips_diverged_and_finished_runs(swept, capsys):
   assert sum("finished earlier at step 6" in l for l in lines) == 2
 
 
+def test_a_sweep_of_the_steps_checks_each_values_own_and_pairs_only_arms_it_trained(tmp_path):
+  """Each value's comparison checks the batches of its own steps (the base's 6 gave a false
+  mismatch at 3), an integer key scaled with it stays an integer, and a sweep whose arms leave
+  out report.baseline reports (it stopped on a missing reference after training)."""
+  c = _mini()
+  c.arms = ("v2_nosig",)
+  c.sweep.update(dict(key="num_steps", values=(3, 6), scaled=("optim.decay_steps",)))
+  c.eval.mode = "none"
+  workdir = tmp_path / "out"
+  results = compare.run_comparison(c, str(workdir), log=lambda _m: None)
+  assert results["data_check"] == {"ok": True, "problems": []}, results["data_check"]
+  assert results["paired"] == {}
+  assert {(r["point"], r["step"]) for r in results["runs"]} == {
+    ("num_steps=3", 3),
+    ("num_steps=6", 6),
+  }
+  for steps in (3, 6):
+    point = workdir / "sweep" / f"num_steps={steps}"
+    check = json.loads((point / "results.json").read_text())["data_check"]
+    assert check["ok"] and check["per_seed"]["0"]["steps_compared"] == steps, check
+    written = json.loads((point / "compare_config.json").read_text())["base"]
+    assert written["num_steps"] == written["optim"]["decay_steps"] == steps
+  report = (workdir / "report.md").read_text()
+  assert "each run 3 / 6 (by value) steps x 4 x 32 tokens" in report, report
+
+
 def test_without_allow_divergence_a_diverging_run_stops_the_comparison(tmp_path):
   c = _mini(values=(1e30, 3e-3))
   c.allow_divergence = False
@@ -203,7 +229,7 @@ def test_the_definitions_name_the_unigram_criterion_only_when_it_counts():
   )
   s = sweep_lib._Sweep(
     key="optim.lr", arms=["transformer"], values=[1e-3], baseline="transformer", factor=3.0,
-    spike_window=50, div_window=20, warmup=10, unigram=3.25,
+    spike_window=50, div_window=20, warmup=(10,), unigram=3.25,
   )  # fmt: skip
   on = " ".join(sweep_lib._introduction(config, s))
   assert "above the unigram baseline (3.25 nats), or after warm-up" in on
