@@ -15,8 +15,10 @@ writes a workdir at a time: a second one in the same workdir is refused.
 
 Exit status:
   0   the run finished (the workdir holds a DONE marker), or --help / --dry_run;
-  2   a mistake in the flags, the config or the data, a non-finite loss, or another
-      training holding the workdir: one ``error:`` line says what to change;
+  2   a mistake in the flags, the config or the data, a non-finite loss, another
+      training holding the workdir, or a process group that cannot form (its coordinator's
+      port in use or out of reach, a process id given twice): one ``error:`` line says what
+      to change;
   75  (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL) stopped by SIGTERM or SIGINT (Ctrl-C):
       from the restore on (the first compile included) after saving the next step, at
       the end after the final save, during start-up (config, data) at once (while
@@ -194,7 +196,7 @@ def _main(argv) -> int:
   if supervise.wanted(run.distributed):
     # One of several processes: train in a child, so that even the runtime's abort on losing
     # process 0 becomes one line and status 75 (diffjax/train/supervise.py).
-    child = [sys.executable, os.path.abspath(__file__), *argv[1:]]
+    child = supervise.child_command(os.path.abspath(__file__), argv[1:])
     if values["workdir"] is None:
       child.append(f"--workdir={workdir}")
     return supervise.run(child, workdir)

@@ -7,9 +7,13 @@ Nothing here touches JAX, so the trainer, the dry run and the tests share it (do
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
+import ipaddress
 import os
 import re
 import shlex
+import socket
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import NamedTuple
 
@@ -135,6 +139,25 @@ class ProcessGroup:
   process_id: int
   # The GPUs (indices among those the process sees) it drives; None: all it sees.
   local_device_ids: tuple[int, ...] | None = None
+  # Where the coordinator's port came from: a variable's name, or "SLURM_JOB_ID" (derived).
+  port_from: str = dataclasses.field(default="DIFFJAX_COORDINATOR", compare=False)
+
+  @property
+  def id_variable(self) -> str:
+    """The variable that gave the process id."""
+    return {"slurm": "SLURM_PROCID", "kubernetes": "JOB_COMPLETION_INDEX"}.get(
+      self.source, "DIFFJAX_PROCESS_ID"
+    )
+
+  @property
+  def port(self) -> int:
+    return int(self.coordinator.rpartition(":")[2])
+
+  def where(self) -> str:
+    """The coordinator and what set it: ``gpu01:61586 (port from SLURM_JOB_ID)``."""
+    if self.port_from == "DIFFJAX_COORDINATOR":
+      return f"{self.coordinator} (DIFFJAX_COORDINATOR)"
+    return f"{self.coordinator} (port from {self.port_from})"
 
   def initialize_kwargs(self) -> dict:
     """Keyword arguments of ``jax.distributed.initialize``; JAX's own cluster detection is
@@ -158,7 +181,9 @@ class ProcessGroup:
     )
 
 
-def _int(environ: Mapping[str, str], name: str, fix: str, low: int = 0) -> int:
+def _int(
+  environ: Mapping[str, str], name: str, fix: str, low: int = 0, high: int | None = None
+) -> int:
   value = environ.get(name)
   if value is None:
     raise ValueError(f"{name} is not set; {fix}")
@@ -166,9 +191,27 @@ def _int(environ: Mapping[str, str], name: str, fix: str, low: int = 0) -> int:
     number = int(value.strip())
   except ValueError:
     number = None
-  if number is None or number < low:
-    raise ValueError(f"{name}={value!r} must be a whole number >= {low}; {fix}")
+  if number is None or number < low or (high is not None and number > high):
+    bound = f">= {low}" if high is None else f"in {low}..{high}"
+    raise ValueError(f"{name}={value!r} must be a whole number {bound}; {fix}")
   return number
+
+
+MAX_PORT = 65535
+# How long jax.distributed.initialize waits for every process to join (its own default).
+JOIN_TIMEOUT_S = 300
+
+
+def join_timeout_s(environ: Mapping[str, str] | None = None) -> int:
+  """How long each process waits for all of the group to join before the runtime ends it:
+  DIFFJAX_JOIN_TIMEOUT_S (seconds), else JAX's default of 300 s."""
+  environ = os.environ if environ is None else environ
+  if not environ.get("DIFFJAX_JOIN_TIMEOUT_S", "").strip():
+    return JOIN_TIMEOUT_S
+  fix = (
+    f"set it to the seconds each process waits for the others to join (default {JOIN_TIMEOUT_S})."
+  )
+  return _int(environ, "DIFFJAX_JOIN_TIMEOUT_S", fix, low=1)
 
 
 def first_host(nodelist: str) -> str:
@@ -194,18 +237,23 @@ def first_host(nodelist: str) -> str:
   return "".join(out)
 
 
-def slurm_port(environ: Mapping[str, str]) -> int:
-  """The coordinator's port: DIFFJAX_COORDINATOR_PORT or JAX_COORDINATOR_PORT, else one in
-  61440..65535 from the job id (the port JAX's own SLURM detection picks)."""
+def _slurm_port(environ: Mapping[str, str]) -> tuple[int, str]:
   for name in ("DIFFJAX_COORDINATOR_PORT", "JAX_COORDINATOR_PORT"):
     if environ.get(name):
-      return _int(environ, name, "set it to a free TCP port, e.g. 8476.", low=1)
+      fix = "set it to a free TCP port, e.g. 8476."
+      return _int(environ, name, fix, low=1, high=MAX_PORT), name
   job = _int(
     environ,
     "SLURM_JOB_ID",
     "run inside a SLURM job, or set DIFFJAX_COORDINATOR_PORT to a free TCP port.",
   )
-  return 65536 - 4096 + job % 4096
+  return 65536 - 4096 + job % 4096, "SLURM_JOB_ID"
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+  """The coordinator's port: DIFFJAX_COORDINATOR_PORT or JAX_COORDINATOR_PORT (1..65535), else
+  one in 61440..65535 from the job id (the port JAX's own SLURM detection picks)."""
+  return _slurm_port(environ)[0]
 
 
 def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
@@ -220,7 +268,9 @@ def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
     raise ValueError(f"SLURM_NTASKS={count}, but SLURM_STEP_NODELIST is not set; {fix}")
   if process >= count:
     raise ValueError(f"SLURM_PROCID={process} must be below SLURM_NTASKS={count}; {fix}")
-  coordinator = f"{first_host(nodelist)}:{slurm_port(environ)}"
+  host = first_host(nodelist)
+  port, port_from = _slurm_port(environ)
+  coordinator = f"{host}:{port}"
   # One task per GPU (several tasks on a node): task i drives the node's GPU i, as JAX's own
   # SLURM detection assumes. One task per node, or a task SLURM bound to its own GPUs
   # (--gpus-per-task=N): all the GPUs it sees.
@@ -244,7 +294,7 @@ def _slurm_group(environ: Mapping[str, str]) -> ProcessGroup:
   visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
   pinned = tasks_here > 1 and (not visible or len(visible) >= tasks_here)
   devices = (local,) if pinned else None
-  return ProcessGroup("slurm", coordinator, count, process, devices)
+  return ProcessGroup("slurm", coordinator, count, process, devices, port_from)
 
 
 def _env_group(environ: Mapping[str, str]) -> ProcessGroup:
@@ -254,6 +304,11 @@ def _env_group(environ: Mapping[str, str]) -> ProcessGroup:
     raise ValueError(
       f"DIFFJAX_COORDINATOR={coordinator!r} must be HOST:PORT of process 0, e.g. node0:8476 "
       "(in Kubernetes: <job>-0.<service>:8476)."
+    )
+  if not 1 <= int(port) <= MAX_PORT:
+    raise ValueError(
+      f"DIFFJAX_COORDINATOR={coordinator!r} names port {port}, which is not a TCP port: use "
+      f"one in 1..{MAX_PORT} that is free on process 0's host, e.g. {host}:8476."
     )
   fix = "set DIFFJAX_NUM_PROCESSES to the number of processes, the same on every one."
   count = _int(environ, "DIFFJAX_NUM_PROCESSES", fix, low=1)
@@ -306,6 +361,147 @@ def process_group(environ: Mapping[str, str] | None = None) -> ProcessGroup | No
   return None
 
 
+def on_tpu_vm() -> bool:
+  """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5e) or /dev/vfio/N (v5p, v6e)."""
+  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def jax_group(environ: Mapping[str, str] | None = None, tpu_vm: bool | None = None) -> str | None:
+  """What makes this process one of a group that JAX finds itself (not one diffjax forms), in
+  words: several ``TPU_WORKER_HOSTNAMES``, ``MEGASCALE_COORDINATOR_ADDRESS``,
+  ``JAX_COORDINATOR_ADDRESS``, a Cloud TPU VM (``tpu_vm``; None: look at /dev). None when
+  nothing does; never raises."""
+  environ = os.environ if environ is None else environ
+  hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+  if len(hosts) > 1:
+    worker = environ.get("TPU_WORKER_ID", "").strip()
+    who = (
+      f"process {worker} of {len(hosts)}" if worker.isdigit() else f"one of {len(hosts)} processes"
+    )
+    return f"{who} (TPU_WORKER_HOSTNAMES; JAX forms the group)"
+  if environ.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip():
+    address = environ["MEGASCALE_COORDINATOR_ADDRESS"].strip()
+    return f"one process of a multislice group (MEGASCALE_COORDINATOR_ADDRESS={address}; JAX forms the group)"
+  if environ.get("JAX_COORDINATOR_ADDRESS", "").strip():
+    address = environ["JAX_COORDINATOR_ADDRESS"].strip()
+    count = environ.get("JAX_NUM_PROCESSES", "").strip()
+    me = environ.get("JAX_PROCESS_ID", "").strip()
+    who = f"process {me} of {count}" if count and me else "one of several processes"
+    return f"{who} (JAX_COORDINATOR_ADDRESS={address}; JAX forms the group)"
+  if on_tpu_vm() if tpu_vm is None else tpu_vm:
+    return "one process of a Cloud TPU VM's group (JAX reads the workers from the VM's metadata)"
+  return None
+
+
+# ---- the coordinator's port -------------------------------------------------------------------
+
+
+def is_this_host(host: str) -> bool:
+  """Whether ``host`` (a coordinator's) names this machine, as far as that can be told without
+  asking DNS: localhost, a loopback address, an address this machine can bind, or its host
+  name (or the first label of either: ``node0`` and ``node0.cluster``, a Kubernetes pod and
+  ``<pod>.<service>``)."""
+  host = host.strip().strip("[]").lower()
+  if not host:
+    return False
+  if host == "localhost":
+    return True
+  try:
+    address = ipaddress.ip_address(host)
+  except ValueError:
+    address = None
+  if address is not None:
+    if address.is_loopback:
+      return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))  # only an address of this machine can be bound
+    except OSError:
+      return False
+    return True
+  name = socket.gethostname().strip().lower()
+  if not name:
+    return False
+  return host in (name, name.split(".")[0]) or host.split(".")[0] == name
+
+
+def port_taken(port: int) -> bool:
+  """Whether ``port`` is held on this machine so that the coordinator could not serve on it.
+
+  The coordinator's gRPC server binds ``[::]:port`` (``0.0.0.0:port`` without IPv6) with
+  SO_REUSEADDR, so this binds the same way, and closes the socket at once: a port whose last
+  connections are in TIME_WAIT is free, a listening socket holds it. gRPC also sets
+  SO_REUSEPORT, which would let it share the port with another server that set it (an old
+  coordinator still running) and lose its connections to it; this does not, so such a port is
+  taken. A bind refused for another reason (no IPv6, a port below 1024) tells nothing: False.
+  """
+  for family, address in ((socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))):
+    try:
+      s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue  # no IPv6 on this machine
+    with s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      if family == socket.AF_INET6:
+        try:
+          s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        except (OSError, AttributeError):
+          pass
+      try:
+        s.bind(address)
+      except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+          return True
+        continue
+      return False
+  return False
+
+
+def port_in_use(group: ProcessGroup | None, coordinator: str | None = None) -> str:
+  """The message (no ``error:``) for a coordinator port already in use on process 0's host,
+  naming the setting the port came from and the fix."""
+  coordinator = group.coordinator if group else (coordinator or "")
+  port = coordinator.rpartition(":")[2] or "?"
+  taken = (
+    f"is already in use on this host (another run's coordinator, or an old process still "
+    f"holding it), so process 0 cannot serve the coordinator {coordinator} there"
+  )
+  if group is None:
+    return (
+      f"the coordinator's port {port} {taken}: stop that process, or choose another port in "
+      "JAX_COORDINATOR_ADDRESS, the same for every process."
+    )
+  if group.port_from == "DIFFJAX_COORDINATOR":
+    return (
+      f"port {port} of DIFFJAX_COORDINATOR={coordinator} {taken}: stop that process, or give "
+      "every process another port in DIFFJAX_COORDINATOR."
+    )
+  if group.port_from == "SLURM_JOB_ID":
+    return (
+      f"port {port}, which diffjax derives from SLURM_JOB_ID (61440 + job id mod 4096; "
+      f"jobs 4096 apart share it), {taken}: set DIFFJAX_COORDINATOR_PORT to a free port "
+      "for every task (e.g. DIFFJAX_COORDINATOR_PORT=8476 sbatch ...)."
+    )
+  return (
+    f"port {port} of {group.port_from}={port} {taken}: stop that process, or set "
+    f"{group.port_from} to a free port for every task."
+  )
+
+
+def check_coordinator_port(group: ProcessGroup, environ: Mapping[str, str] | None = None) -> None:
+  """On process 0, before it starts the coordinator: ValueError (:func:`port_in_use`) when the
+  coordinator's host is this machine and its port is taken (:func:`port_taken`); the runtime's
+  own failure there is a crash or a traceback, and every other process waits for it in vain.
+  Nothing is checked on other processes, for a host that may be another machine, or with
+  ``JAX_COORDINATOR_BIND_ADDRESS`` (the service binds there)."""
+  environ = os.environ if environ is None else environ
+  if group.process_id != 0 or environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip():
+    return
+  if is_this_host(group.coordinator.rpartition(":")[0]) and port_taken(group.port):
+    raise ValueError(port_in_use(group))
+
+
 # ---- the dry run ------------------------------------------------------------------------------
 
 
@@ -342,17 +538,33 @@ def kubernetes_rank_env(
   }
 
 
+def _flag_values(args: Sequence[str], name: str) -> list[str]:
+  """The values given to the flag ``name`` in ``args``, in order, in every form train.py's
+  parser (absl) takes: ``--name=v``, ``-name=v``, ``--name v``, ``-name v``; nothing after a
+  bare ``--``."""
+  values, i = [], 0
+  while i < len(args) and args[i] != "--":
+    arg = args[i]
+    for dashes in ("--", "-"):
+      if arg.startswith(f"{dashes}{name}="):
+        values.append(arg.split("=", 1)[1])
+      elif arg == f"{dashes}{name}" and i + 1 < len(args):
+        values.append(args[i + 1])
+        i += 1
+      else:
+        continue
+      break
+    i += 1
+  return values
+
+
 def preset_of(train_args: Sequence[str]) -> str:
   """The preset train.py will apply for ``train_args``: the last ``--config.distributed.
-  xla_preset=`` override, else the config file's value, else "none"."""
-  chosen = None
-  for arg in train_args:
-    for start in (f"--config.{PRESET_KEY}=", f"-config.{PRESET_KEY}="):
-      if arg.startswith(start):
-        chosen = arg[len(start) :].strip().strip("'\"")
-  if chosen is not None:
-    return chosen
-  config = next((a.split("=", 1)[1] for a in train_args if a.startswith("--config=")), None)
+  xla_preset`` override, else the config file's value, else "none"."""
+  chosen = _flag_values(train_args, f"config.{PRESET_KEY}")
+  if chosen:
+    return chosen[-1].strip().strip("'\"")
+  config = next(reversed(_flag_values(train_args, "config")), None)
   if config:
     from diffjax import cli  # pylint: disable=import-outside-toplevel
 
@@ -378,10 +590,11 @@ def rank_lines(
   preset = preset_of(command)
   changes, kept = preset_changes(preset, env)
   where = scheduler_env.get("SLURMD_NODENAME") or scheduler_env.get("HOSTNAME") or "this host"
-  lines = [
-    f"{label} on {where}: "
-    + (group.describe() if group else "one process (no process group in the environment)")
-  ]
+  if group:
+    what = group.describe()
+  else:
+    what = jax_group(env) or "one process (no process group in the environment)"
+  lines = [f"{label} on {where}: {what}"]
   lines.append(f"  env:  {_quote_env(scheduler_env) or '(nothing from a scheduler)'}")
   added = _quote_env(changes) or "nothing"
   lines.append(

@@ -6,7 +6,6 @@ How the process group is found: docs/scaling.md#tpu-pods, docs/gpu_clusters.md; 
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import threading
@@ -25,8 +24,7 @@ _HEARTBEAT_KEY = "diffjax/heartbeat/"
 
 
 def _on_tpu_vm() -> bool:
-  """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5e) or /dev/vfio/N (v5p, v6e)."""
-  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+  return cluster.on_tpu_vm()
 
 
 def detected() -> bool:
@@ -35,15 +33,9 @@ def detected() -> bool:
   # and also works on a single-host slice, so it is always safe to call there.
   if _on_tpu_vm():
     return True
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  if len([h for h in hosts.split(",") if h.strip()]) > 1:
-    return True
-  if os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-    return True
-  # DIFFJAX_COORDINATOR (by hand, or a Kubernetes Indexed Job), a SLURM step of several tasks.
-  if cluster.group_wanted():
-    return True
-  return bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+  # DIFFJAX_COORDINATOR (by hand, or a Kubernetes Indexed Job), a SLURM step of several tasks;
+  # several TPU_WORKER_HOSTNAMES, MEGASCALE_COORDINATOR_ADDRESS, JAX_COORDINATOR_ADDRESS.
+  return cluster.group_wanted() or cluster.jax_group(os.environ, tpu_vm=False) is not None
 
 
 def apply_preset(section: DistributedConfig) -> str | None:
@@ -94,7 +86,21 @@ def maybe_initialize(section: DistributedConfig | None = None) -> bool:
   # kept above the watchdog's (distributed.heartbeat_timeout_s), so the watchdog's one line and
   # exit status come first.
   kwargs["heartbeat_timeout_seconds"] = section.runtime_heartbeat_s()
-  jax.distributed.initialize(**kwargs)
+  # Every process waits this long for all to join, then the runtime aborts it; the supervisor
+  # names the coordinator and the timeout then (diffjax/train/supervise.py).
+  kwargs["initialization_timeout"] = cluster.join_timeout_s()
+  if group is not None:
+    # A port already taken on process 0 would crash it (or raise deep in the runtime), with
+    # every other process waiting for it until the timeout: one error line instead.
+    cluster.check_coordinator_port(group)
+  print(_joining_line(group), flush=True)
+  try:
+    jax.distributed.initialize(**kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    if "Failed to start RPC server" not in str(e):
+      raise
+    coordinator = group.coordinator if group else os.environ.get("JAX_COORDINATOR_ADDRESS")
+    raise ValueError(cluster.port_in_use(group, coordinator)) from None
   _DONE = True
   source = f"{group.source}, coordinator {group.coordinator}" if group else "detected by JAX"
   print(
@@ -103,6 +109,20 @@ def maybe_initialize(section: DistributedConfig | None = None) -> bool:
     flush=True,
   )
   return True
+
+
+def _joining_line(group: cluster.ProcessGroup | None) -> str:
+  """The line each process prints before it joins the group (which waits for all of them)."""
+  wait = f"up to {cluster.join_timeout_s()} s"
+  if group is None:
+    return f"diffjax: joining the process group JAX detected ({wait} for every process)"
+  place = f"process {group.process_id} of {group.num_processes}"
+  if group.process_id == 0:
+    return (
+      f"diffjax: serving the coordinator at {group.coordinator} ({place}); waiting {wait} "
+      "for the other processes to join"
+    )
+  return f"diffjax: waiting for the coordinator at {group.coordinator} ({place}; {wait})"
 
 
 _RESUME_STEP: Callable[[], int] = lambda: -1
@@ -187,12 +207,63 @@ def watch_peers(
   _WATCHDOG = _Watchdog(resume_step, message, timeout_s)
 
 
-def wait_for_lost_peer() -> None:
-  """After the training loop failed: when a watchdog runs, give it the time to decide whether
-  a peer was lost (a collective with a dead peer fails before the heartbeats go stale). It
-  exits the process if so; otherwise this returns and the caller raises its own error."""
-  if _WATCHDOG is not None:
-    _WATCHDOG.thread.join(timeout=_WATCHDOG.timeout + 5)
+# What a failed collective, barrier or key-value call says when a peer or the coordinator is
+# gone (gRPC's status codes, the CPU collectives' transport), for errors that wrap one.
+_RUNTIME_FAILURE_TEXT = (
+  "DEADLINE_EXCEEDED",
+  "UNAVAILABLE",
+  "coordination service",
+  "Connection reset",
+  "Connection closed",
+  "Socket closed",
+  "gloo",
+  "NCCL",
+  "barrier",
+)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  seen: list[BaseException] = []
+  while error is not None and all(error is not e for e in seen):
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return seen
+
+
+def may_be_a_lost_peer(error: BaseException) -> bool:
+  """Whether ``error``, raised in the training loop of one of several processes, may come from
+  a lost peer: a runtime error (``JaxRuntimeError``) anywhere in its chain; else, unless it is
+  diffjax's own ``UserError`` (too many non-finite updates, a bad value), an error whose chain
+  mentions the runtime or the network, or any other RuntimeError or OSError. Another user
+  error (ValueError, FileNotFoundError, ...) or a mistake of the code (TypeError, ...) is not."""
+  from diffjax.errors import UserError, user_errors  # pylint: disable=import-outside-toplevel
+
+  runtime = tuple(
+    t for t in (getattr(jax.errors, n, None) for n in ("JaxRuntimeError", "XlaRuntimeError")) if t
+  )
+  chain = _chain(error)
+  if any(isinstance(e, runtime) for e in chain):
+    return True
+  if isinstance(error, UserError):
+    return False
+  if any(marker in str(e) for e in chain for marker in _RUNTIME_FAILURE_TEXT):
+    return True
+  if isinstance(error, user_errors()):
+    return False
+  return isinstance(error, (RuntimeError, OSError))
+
+
+def wait_for_lost_peer(error: BaseException | None = None) -> None:
+  """After the training loop failed with ``error``: when a watchdog runs and the error may
+  come from a lost peer (:func:`may_be_a_lost_peer`; None: always), give the watchdog the time
+  to decide whether a peer was lost (a collective with a dead peer fails before the
+  heartbeats go stale). It exits the process if so; otherwise this returns and the caller
+  raises its own error (at once for any other error)."""
+  if _WATCHDOG is None:
+    return
+  if error is not None and not may_be_a_lost_peer(error):
+    return
+  _WATCHDOG.thread.join(timeout=_WATCHDOG.timeout + 5)
 
 
 def stop_watching() -> None:

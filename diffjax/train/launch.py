@@ -32,11 +32,28 @@ def _hosts_of(nodelist: str, nodes: int) -> list[str]:
 
 
 def _scheduler_variable(name: str) -> bool:
-  """Whether ``name`` is one of the variables that place a process in its group."""
-  return name.startswith(("SLURM_", "DIFFJAX_COORDINATOR", "DIFFJAX_NUM_PROCESSES")) or name in (
+  """Whether ``name`` is one of the variables a scheduler sets to place a process in its group
+  (each rank of a dry run has its own; DIFFJAX_COORDINATOR_PORT and the like, which the user
+  sets for every rank, are not)."""
+  return name.startswith("SLURM_") or name in (
+    "DIFFJAX_COORDINATOR",
+    "DIFFJAX_NUM_PROCESSES",
     "DIFFJAX_PROCESS_ID",
     "JOB_COMPLETION_INDEX",
   )
+
+
+# What else places this process in a group, shown on the `env` dry run's "env:" line.
+_GROUP_VARIABLES = (
+  "DIFFJAX_COORDINATOR_PORT",
+  "JAX_COORDINATOR_PORT",
+  "JAX_COORDINATOR_ADDRESS",
+  "JAX_NUM_PROCESSES",
+  "JAX_PROCESS_ID",
+  "TPU_WORKER_HOSTNAMES",
+  "TPU_WORKER_ID",
+  "MEGASCALE_COORDINATOR_ADDRESS",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ValueError("--nodes and --tasks-per-node must be at least 1.")
     if args.launcher == "env":
       print("diffjax: dry run of this process, from its environment; nothing was started.")
-      own = {k: v for k, v in os.environ.items() if _scheduler_variable(k)}
+      own = {k: v for k, v in os.environ.items() if _scheduler_variable(k) or k in _GROUP_VARIABLES}
       rest = {k: v for k, v in os.environ.items() if k not in own}
       ranks = [("this process", own, rest)]
     elif args.launcher == "slurm":

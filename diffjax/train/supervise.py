@@ -3,11 +3,16 @@
 Losing process 0 makes the runtime abort every other process before Python can say why, so
 train.py trains in a child and reports such an abort itself: one line, the runtime's message in
 ``<workdir>/runtime_abort.process<N>.txt``, exit status 75 (docs/training.md, "A lost host").
+An abort that says the group never formed (the coordinator not reached in time, its port
+taken) or that a process joined it twice is one ``error:`` line and status 2 instead: a relaunch
+of the same command would fail the same way. A stop signal that ends the child before it took
+it (during its start-up) is train.py's own line, ``diffjax: stopped by signal N; ...``, and 75.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import re
 import signal
@@ -18,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from diffjax.train import cluster
 from diffjax.train.sections import DistributedConfig
 
 ENV = "DIFFJAX_SUPERVISED"
@@ -25,7 +31,16 @@ ENV = "DIFFJAX_SUPERVISED"
 # first line within milliseconds).
 HOLD_S = 2.0
 EXIT_PREEMPTED = 75
+EXIT_USER_ERROR = 2
 _FATAL = "JAX distributed service detected fatal errors"
+# The runtime's words for: the group did not form in time (every process's RegisterTask waits
+# for all of them); a process id registered a second time; the coordinator's port was taken.
+_JOIN_TIMEOUT = ("DEADLINE_EXCEEDED", "RegisterTask")
+_TWICE = re.compile(r"(?:task:)?(\d+) unexpectedly tried to connect with a different incarnation")
+_PORT_TAKEN = "Failed to add port to server"
+# How Python reports the KeyboardInterrupt of a stop signal that came before train.py's handler
+# (during the interpreter's own start-up, the second).
+_INTERRUPTED = ("Traceback (most recent call last):", "Fatal Python error:")
 # absl/glog's prefix: severity, MMDD, time, thread id, file:line.
 _RUNTIME_LINE = re.compile(r"^[WEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w.\-/]+:\d+\] ")
 _LEADER_GONE = ("Failed to send RPC to coordination service", "leader task")
@@ -47,6 +62,16 @@ def wanted(section: DistributedConfig) -> bool:
   return bool(initialize)
 
 
+def child_command(script: str, args: Sequence[str]) -> list[str]:
+  """The supervised child's command: this interpreter with the options it was started with
+  (``-X``, ``-W``, ``-O``, ``-B``, ..., and ``-u``, which only shows in stdout's buffering),
+  then ``script`` and ``args``."""
+  flags = subprocess._args_from_interpreter_flags()  # pylint: disable=protected-access
+  if isinstance(getattr(sys.__stdout__, "buffer", None), io.FileIO) and "-u" not in flags:
+    flags.append("-u")  # unbuffered (-u or PYTHONUNBUFFERED): stdout has no buffer of its own
+  return [sys.executable, *flags, script, *args]
+
+
 def follow_parent() -> None:
   """In the supervised child: be killed when the supervisor dies (Linux; a no-op elsewhere).
 
@@ -66,14 +91,16 @@ def follow_parent() -> None:
 
 
 class _Relay:
-  """Copies the child's stderr to ``out``, holding the runtime's log lines for a while."""
+  """Copies the child's stderr to ``out``, holding the runtime's log lines for a while (and,
+  once ``stopping`` is set, a traceback or fatal error: the child's KeyboardInterrupt)."""
 
-  def __init__(self, pipe, out: TextIO, hold_s: float):
-    self.pipe, self.out, self.hold_s = pipe, out, hold_s
+  def __init__(self, pipe, out: TextIO, hold_s: float, stopping: threading.Event):
+    self.pipe, self.out, self.hold_s, self.stopping = pipe, out, hold_s, stopping
     self.lock = threading.Lock()
     self.held: list[str] = []
-    self.held_at = 0.0  # when the last runtime line arrived
+    self.held_at = 0.0  # when the last runtime line (or the held traceback) arrived
     self.fatal = False
+    self.port_taken = False
     self.thread = threading.Thread(target=self._run, name="diffjax-stderr-relay", daemon=True)
     self.thread.start()
 
@@ -83,8 +110,12 @@ class _Relay:
         if _RUNTIME_LINE.match(line):
           self.held_at = time.monotonic()
           self.fatal = self.fatal or _FATAL in line
+          self.port_taken = self.port_taken or _PORT_TAKEN in line
           self.held.append(line)
         elif self.held:
+          self.held.append(line)
+        elif self.stopping.is_set() and line.startswith(_INTERRUPTED):
+          self.held_at = time.monotonic()
           self.held.append(line)
         else:
           self._write([line])
@@ -109,17 +140,33 @@ class _Relay:
       return self.fatal, held
 
 
+def _group() -> cluster.ProcessGroup | None:
+  try:
+    return cluster.process_group()
+  except ValueError:  # the child said so
+    return None
+
+
 def _count() -> int | None:
-  for key in ("DIFFJAX_NUM_PROCESSES", "SLURM_NTASKS"):
-    if os.environ.get(key, "").isdigit():
-      return int(os.environ[key])
+  """How many processes the group has: the one train.py forms (DIFFJAX_*, a Kubernetes
+  Indexed Job, SLURM), else JAX's (TPU_WORKER_HOSTNAMES, JAX_NUM_PROCESSES); None: unknown."""
+  group = _group()
+  if group is not None:
+    return group.num_processes
   hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-  return len(hosts) or None
+  if hosts:
+    return len(hosts)
+  count = os.environ.get("JAX_NUM_PROCESSES", "").strip()
+  return int(count) if count.isdigit() else None
 
 
 def _me() -> int | None:
-  for key in ("DIFFJAX_PROCESS_ID", "SLURM_PROCID", "TPU_WORKER_ID"):
-    if os.environ.get(key, "").isdigit():
+  """This process's id, as :func:`_count` finds the group; None: unknown."""
+  group = _group()
+  if group is not None:
+    return group.process_id
+  for key in ("TPU_WORKER_ID", "JAX_PROCESS_ID"):
+    if os.environ.get(key, "").strip().isdigit():
       return int(os.environ[key])
   return None
 
@@ -131,6 +178,70 @@ def lost_process(text: str, me: int | None) -> int | None:
     return 0
   others = [int(t) for t in _TASK.findall(text) if me is None or int(t) != me]
   return others[0] if others else None
+
+
+def _join_timeout_s() -> int:
+  try:
+    return cluster.join_timeout_s()
+  except ValueError:  # the child said so
+    return cluster.JOIN_TIMEOUT_S
+
+
+def _coordinator(group: cluster.ProcessGroup | None) -> str:
+  if group is not None:
+    return group.where()
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip()
+  return f"{address} (JAX_COORDINATOR_ADDRESS)" if address else "the coordinator JAX detected"
+
+
+def startup_failure(
+  text: str, me: int | None, count: int | None, group: cluster.ProcessGroup | None, step: int
+) -> str | None:
+  """The ``error:`` line for a runtime abort whose message (``text``) says that the process
+  group could not form, or that a process joined it twice; None for any other abort. Either
+  is the user's to fix (exit status 2): a relaunch of the same command fails the same way."""
+  of = f" of {count}" if count else ""
+  twice = _TWICE.search(text)
+  if twice:
+    ids = group.id_variable if group else "process id"
+    each = f" in 0..{count - 1}" if count else ""
+    resume = "the newest checkpoint" + (
+      f" (step {step} was the last one written)" if step >= 0 else ""
+    )
+    return (
+      f"error: process {twice.group(1)}{of} joined the process group twice (a duplicate "
+      f"{ids}, or an old process still running), and the runtime ended the group: stop the "
+      f"extra process and give every process its own {ids}{each}, then rerun the same command "
+      f"on every host to resume from {resume}."
+    )
+  if all(s in text for s in _JOIN_TIMEOUT):
+    where, waited = _coordinator(group), _join_timeout_s()
+    if me == 0:
+      return (
+        f"error: the process group did not form within {waited} s: process 0{of} serves the "
+        f"coordinator at {where}, but not every other process joined it: start all of them "
+        "and check that they reach this host at that address, then rerun the same command."
+      )
+    who = f"process {me}{of}" if me is not None else "this process"
+    return (
+      f"error: {who} could not join the coordinator at {where} within {waited} s: start "
+      "process 0 (it serves the coordinator) and every other process, and check that this "
+      "host reaches that address, then rerun the same command."
+    )
+  return None
+
+
+def _stopped_by(forwarded: list[int], status: int, held: list[str]) -> int | None:
+  """The stop signal the child ended of before it could say so itself (it had no handler yet:
+  it died of the signal, or of Python's KeyboardInterrupt); None otherwise."""
+  if not forwarded or status in (0, EXIT_PREEMPTED):
+    return None
+  if -status in forwarded:
+    return -status
+  last = next((line.strip() for line in reversed(held) if line.strip()), "")
+  if signal.SIGINT in forwarded and last.startswith("KeyboardInterrupt"):
+    return signal.SIGINT
+  return None
 
 
 def newest_checkpoint(workdir: str) -> int:
@@ -168,52 +279,79 @@ def run(
   err = err or sys.stderr
   env = {**os.environ, ENV: str(os.getpid())}
   children: list[subprocess.Popen] = []
-  pending: list[int] = []  # signals that came before the child started
+  forwarded: list[int] = []  # the stop signals passed on (or to pass on: the child not started)
+  stopping = threading.Event()
 
   def forward(signum, frame):
     del frame
-    if not children:
-      pending.append(signum)
-    elif children[0].poll() is None:
+    forwarded.append(signum)
+    stopping.set()
+    if children and children[0].poll() is None:
       children[0].send_signal(signum)
 
+  # Until this returns, a stop signal is forwarded: never a KeyboardInterrupt here.
   old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    child = subprocess.Popen(
-      list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
-    )
-  except BaseException:
-    for s, h in old.items():
-      signal.signal(s, h)
-    raise
-  children.append(child)
-  for signum in pending:
-    child.send_signal(signum)
-  relay = _Relay(child.stderr, err, hold_s)
-  try:
-    while True:
-      try:
-        status = child.wait(timeout=0.25)
-        break
-      except subprocess.TimeoutExpired:
-        relay.release_stale()
+    return _supervise(command, workdir, hold_s, err, env, children, forwarded, stopping)
   finally:
     for s, h in old.items():
       signal.signal(s, h)
+
+
+def _supervise(command, workdir, hold_s, err, env, children, forwarded, stopping) -> int:
+  child = subprocess.Popen(
+    list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
+  )
+  children.append(child)
+  for signum in list(forwarded):  # came while the child was being started
+    child.send_signal(signum)
+  relay = _Relay(child.stderr, err, hold_s, stopping)
+  while True:
+    try:
+      status = child.wait(timeout=0.25)
+      break
+    except subprocess.TimeoutExpired:
+      relay.release_stale()
   fatal, held = relay.finish()
+
+  def say(line: str) -> None:
+    err.write(line + "\n")
+    err.flush()
+
+  signum = _stopped_by(forwarded, status, held)
+  if signum is not None:
+    # The child had no handler yet (start-up): the line train.py prints, and its status.
+    cut = next((i for i, line in enumerate(held) if line.startswith(_INTERRUPTED)), len(held))
+    if cut:
+      err.write("".join(held[:cut]))
+    say(
+      f"diffjax: stopped by signal {int(signum)}; rerun the same command to resume from the "
+      "newest complete checkpoint."
+    )
+    return EXIT_PREEMPTED
+  me, count, group = _me(), _count(), _group()
+  if relay.port_taken and status != 0:
+    if status == EXIT_USER_ERROR:  # the child named the port itself
+      held = [line for line in held if _PORT_TAKEN not in line]
+    else:  # the runtime crashed on it
+      coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+      log = _keep_log(workdir, me, held)
+      say(f"error: {cluster.port_in_use(group, coordinator)} The runtime's message: {log}")
+      return EXIT_USER_ERROR
   if status == -signal.SIGABRT and fatal:
-    me = _me()
     from diffjax.train.distributed import lost_peer_line  # pylint: disable=import-outside-toplevel
 
+    text = "".join(held)
     log = _keep_log(workdir, me, held)
+    step = newest_checkpoint(workdir)
+    line = startup_failure(text, me, count, group, step)
+    if line is not None:
+      say(f"{line} The runtime's message: {log}")
+      return EXIT_USER_ERROR
     line = lost_peer_line(
-      lost_process("".join(held), me),
-      _count(),
-      "the distributed runtime ended this process",
-      newest_checkpoint(workdir),
+      lost_process(text, me), count, "the distributed runtime ended this process", step
     )
-    err.write(f"{line} The runtime's message: {log}\n")
-    err.flush()
+    say(f"{line} The runtime's message: {log}")
     return EXIT_PREEMPTED
   if held:
     err.write("".join(held))

@@ -508,9 +508,9 @@ class Trainer:
           return self._stop(signum)
       with self.clock.phase("train"):
         self._flush_metrics()
-    except Exception:
+    except Exception as e:
       # A collective with a lost peer fails here first; the watchdog then says which.
-      distributed.wait_for_lost_peer()
+      distributed.wait_for_lost_peer(e)
       raise
     finally:
       self.profile.close()

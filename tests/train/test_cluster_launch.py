@@ -22,10 +22,17 @@ _SCHEDULER_VARS = (
   "DIFFJAX_NUM_PROCESSES",
   "DIFFJAX_PROCESS_ID",
   "DIFFJAX_COORDINATOR_PORT",
+  "DIFFJAX_JOIN_TIMEOUT_S",
   "JAX_COORDINATOR_PORT",
   "JAX_COORDINATOR_ADDRESS",
+  "JAX_COORDINATOR_BIND_ADDRESS",
+  "JAX_NUM_PROCESSES",
+  "JAX_PROCESS_ID",
   "JOB_COMPLETION_INDEX",
   "CUDA_VISIBLE_DEVICES",
+  "TPU_WORKER_HOSTNAMES",
+  "TPU_WORKER_ID",
+  "MEGASCALE_COORDINATOR_ADDRESS",
 )
 
 
@@ -149,6 +156,36 @@ def test_no_scheduler_is_no_group(monkeypatch):
       dict(SLURM_NTASKS="4", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NODELIST="a"),
       "SLURM_JOB_ID is not set; run inside a SLURM job, or set DIFFJAX_COORDINATOR_PORT",
     ),
+    # Ports: 1..65535 wherever one is read (port 0 would be any free port, which the other
+    # processes cannot know).
+    (
+      dict(DIFFJAX_COORDINATOR="h:0", DIFFJAX_NUM_PROCESSES="2", DIFFJAX_PROCESS_ID="0"),
+      "DIFFJAX_COORDINATOR='h:0' names port 0, which is not a TCP port: use one in 1..65535",
+    ),
+    (
+      dict(DIFFJAX_COORDINATOR="h:65536", DIFFJAX_NUM_PROCESSES="2", DIFFJAX_PROCESS_ID="0"),
+      "DIFFJAX_COORDINATOR='h:65536' names port 65536, which is not a TCP port",
+    ),
+    (
+      dict(
+        SLURM_NTASKS="4",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_STEP_NODELIST="a",
+        DIFFJAX_COORDINATOR_PORT="70000",
+      ),
+      "DIFFJAX_COORDINATOR_PORT='70000' must be a whole number in 1..65535",
+    ),
+    (
+      dict(
+        SLURM_NTASKS="4",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_STEP_NODELIST="a",
+        JAX_COORDINATOR_PORT="0",
+      ),
+      "JAX_COORDINATOR_PORT='0' must be a whole number in 1..65535",
+    ),
   ],
 )
 def test_a_malformed_environment_is_one_clear_error(monkeypatch, env, says):
@@ -159,6 +196,240 @@ def test_a_malformed_environment_is_one_clear_error(monkeypatch, env, says):
   with pytest.raises(ValueError, match=None) as e:
     cluster.process_group()
   assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_join_timeout_is_jaxs_unless_set(monkeypatch):
+  _clear(monkeypatch)
+  assert cluster.join_timeout_s() == 300
+  monkeypatch.setenv("DIFFJAX_JOIN_TIMEOUT_S", "30")
+  assert cluster.join_timeout_s() == 30
+  monkeypatch.setenv("DIFFJAX_JOIN_TIMEOUT_S", "0")
+  with pytest.raises(ValueError, match="DIFFJAX_JOIN_TIMEOUT_S='0' must be a whole number >= 1"):
+    cluster.join_timeout_s()
+
+
+def test_a_group_jax_detects_is_detected_and_described(monkeypatch):
+  _clear(monkeypatch)
+  assert cluster.jax_group({}, tpu_vm=False) is None
+  described = {
+    "JAX_COORDINATOR_ADDRESS=h:1 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1": (
+      "process 1 of 2 (JAX_COORDINATOR_ADDRESS=h:1; JAX forms the group)"
+    ),
+    "TPU_WORKER_HOSTNAMES=a,b": "one of 2 processes (TPU_WORKER_HOSTNAMES; JAX forms the group)",
+    "TPU_WORKER_HOSTNAMES=a,b TPU_WORKER_ID=1": "process 1 of 2 (TPU_WORKER_HOSTNAMES;",
+    "MEGASCALE_COORDINATOR_ADDRESS=m:1": "multislice group (MEGASCALE_COORDINATOR_ADDRESS=m:1;",
+  }
+  for variables, says in described.items():
+    env = dict(v.split("=", 1) for v in variables.split())
+    assert says in cluster.jax_group(env, tpu_vm=False), variables
+  assert "Cloud TPU VM" in cluster.jax_group({}, tpu_vm=True)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "a,b")
+  assert distributed.detected() and cluster.process_group() is None
+
+
+# ---- the coordinator's port -------------------------------------------------------------------
+
+
+def test_a_port_held_by_a_listening_socket_is_taken(monkeypatch):
+  with socket.socket() as held:
+    # Bound with SO_REUSEADDR, not listening: the coordinator's gRPC server could serve there.
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    assert not cluster.port_taken(port)
+    held.listen()
+    assert cluster.port_taken(port)
+  assert not cluster.port_taken(port)
+
+
+def test_which_coordinator_hosts_are_this_machine(monkeypatch):
+  for host in ("localhost", "127.0.0.1", "127.8.0.1", "::1", "[::1]", "LOCALHOST"):
+    assert cluster.is_this_host(host), host
+  for host in ("192.0.2.1", "2001:db8::1", "gpu07", "", "node1.cluster"):
+    assert not cluster.is_this_host(host), host
+  monkeypatch.setattr(cluster.socket, "gethostname", lambda: "diffjax-train-0")
+  # A Kubernetes pod and its name through the headless service.
+  assert cluster.is_this_host("diffjax-train-0") and cluster.is_this_host("Diffjax-Train-0.svc")
+  assert not cluster.is_this_host("diffjax-train-1.diffjax-train")
+  monkeypatch.setattr(cluster.socket, "gethostname", lambda: "node0.cluster")
+  assert cluster.is_this_host("node0") and not cluster.is_this_host("node01")
+
+
+def test_process_0_refuses_a_taken_coordinator_port_before_jax_starts(monkeypatch):
+  _clear(monkeypatch)
+  calls = []
+  monkeypatch.setattr(distributed, "_DONE", False)
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  with socket.socket() as held:
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    monkeypatch.setenv("DIFFJAX_COORDINATOR", f"127.0.0.1:{port}")
+    monkeypatch.setenv("DIFFJAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("DIFFJAX_PROCESS_ID", "0")
+    with pytest.raises(ValueError) as e:
+      distributed.maybe_initialize(DistributedConfig(initialize=True))
+    assert str(e.value).startswith(
+      f"port {port} of DIFFJAX_COORDINATOR=127.0.0.1:{port} is already in use on this host"
+    )
+    assert "give every process another port in DIFFJAX_COORDINATOR" in str(e.value)
+    assert not calls
+    # Another process does not serve the coordinator; a coordinator elsewhere is not checked.
+    monkeypatch.setenv("DIFFJAX_PROCESS_ID", "1")
+    cluster.check_coordinator_port(cluster.process_group())
+    monkeypatch.setenv("DIFFJAX_PROCESS_ID", "0")
+    monkeypatch.setenv("DIFFJAX_COORDINATOR", f"192.0.2.1:{port}")
+    cluster.check_coordinator_port(cluster.process_group())
+
+
+def test_a_taken_port_names_the_setting_it_came_from(monkeypatch):
+  _slurm(monkeypatch, SLURM_NTASKS="2", SLURM_PROCID="0", SLURM_LOCALID="0")
+  derived = cluster.port_in_use(cluster.process_group())
+  assert derived.startswith(
+    f"port {61440 + 1234567 % 4096}, which diffjax derives from SLURM_JOB_ID"
+  )
+  assert "set DIFFJAX_COORDINATOR_PORT to a free port for every task" in derived
+  monkeypatch.setenv("DIFFJAX_COORDINATOR_PORT", "9999")
+  chosen = cluster.port_in_use(cluster.process_group())
+  assert chosen.startswith("port 9999 of DIFFJAX_COORDINATOR_PORT=9999 is already in use")
+  assert "set DIFFJAX_COORDINATOR_PORT to a free port" in chosen
+
+
+def test_the_runtimes_failure_to_serve_on_the_port_is_the_same_error(monkeypatch, capsys):
+  _clear(monkeypatch)
+  monkeypatch.setenv("DIFFJAX_COORDINATOR", "192.0.2.1:8476")  # not checked before
+  monkeypatch.setenv("DIFFJAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("DIFFJAX_PROCESS_ID", "0")
+  monkeypatch.setattr(distributed, "_DONE", False)
+
+  def fail(**kw):
+    del kw
+    raise distributed.jax.errors.JaxRuntimeError("UNKNOWN: Failed to start RPC server")
+
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", fail)
+  with pytest.raises(ValueError, match="port 8476 of DIFFJAX_COORDINATOR=192.0.2.1:8476 is"):
+    distributed.maybe_initialize(DistributedConfig(initialize=True))
+
+
+def test_every_process_says_what_it_waits_for_before_it_joins(monkeypatch, capsys):
+  _clear(monkeypatch)
+  monkeypatch.setenv("DIFFJAX_COORDINATOR", "192.0.2.1:8476")
+  monkeypatch.setenv("DIFFJAX_NUM_PROCESSES", "3")
+  monkeypatch.setenv("DIFFJAX_JOIN_TIMEOUT_S", "40")
+  for process, says in [
+    ("2", "diffjax: waiting for the coordinator at 192.0.2.1:8476 (process 2 of 3; up to 40 s)"),
+    (
+      "0",
+      "diffjax: serving the coordinator at 192.0.2.1:8476 (process 0 of 3); waiting up to 40 s "
+      "for the other processes to join",
+    ),
+  ]:
+    monkeypatch.setenv("DIFFJAX_PROCESS_ID", process)
+    monkeypatch.setattr(distributed, "_DONE", False)
+    seen = []
+
+    def initialize(**kw):
+      seen.append((capsys.readouterr().out, kw))  # printed before the wait
+
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", initialize)
+    distributed.maybe_initialize(DistributedConfig(initialize=True))
+    ((out, kw),) = seen
+    assert out.splitlines()[-1] == says, out
+    assert kw["initialization_timeout"] == 40
+
+
+class _StuckWatchdog:
+  """A watchdog thread that never decides, with a timeout of ``timeout`` s."""
+
+  def __init__(self, timeout):
+    import threading  # pylint: disable=import-outside-toplevel
+
+    self.timeout = timeout
+    self.thread = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
+    self.thread.start()
+
+
+def test_only_an_error_a_lost_peer_can_cause_waits_for_the_watchdog(monkeypatch):
+  import time  # pylint: disable=import-outside-toplevel
+
+  from diffjax.errors import UserError  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(distributed, "_WATCHDOG", _StuckWatchdog(timeout=-4.5))  # waits 0.5 s
+  runtime = distributed.jax.errors.JaxRuntimeError("INTERNAL: gloo: connection closed by peer")
+  wrapped = RuntimeError("the checkpoint could not be written")
+  wrapped.__cause__ = runtime
+  for error, waits in [
+    (UserError("Non-finite loss: 3 skipped updates, more than max_skipped_updates=2"), False),
+    (ValueError("a bad shape"), False),
+    (TypeError("a bug"), False),
+    (runtime, True),
+    (wrapped, True),
+    (UserError("the restore failed"), False),
+    (OSError("DEADLINE_EXCEEDED: Barrier timed out"), True),
+    (None, True),  # no error given: as before
+  ]:
+    start = time.monotonic()
+    distributed.wait_for_lost_peer(error)
+    waited = time.monotonic() - start
+    assert (waited > 0.4) == waits, (error, waited)
+    if error is not None:
+      assert distributed.may_be_a_lost_peer(error) == waits, error
+
+
+# ---- the dry run ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "args, preset",
+  [
+    (["--config.distributed.xla_preset=gpu_multinode"], "gpu_multinode"),
+    (["--config.distributed.xla_preset", "gpu_multinode"], "gpu_multinode"),
+    (["-config.distributed.xla_preset", "'gpu_multinode'"], "gpu_multinode"),
+    (["--config", "configs/tiny.py", "--config.distributed.xla_preset", "x", "--workdir=w"], "x"),
+    (["--config.distributed.xla_preset=x", "--config.distributed.xla_preset=none"], "none"),
+    (["--config", "configs/tiny.py"], "none"),
+    (["--", "--config.distributed.xla_preset=x"], "none"),  # not a flag after --
+  ],
+)
+def test_the_preset_the_dry_run_shows_is_the_one_train_py_takes(args, preset):
+  assert cluster.preset_of(args) == preset
+
+
+def _dry_run(monkeypatch, capsys, *argv):
+  from diffjax.train import launch  # pylint: disable=import-outside-toplevel
+
+  status = launch.main(["--dry-run", *argv])
+  out, err = capsys.readouterr()
+  assert status == 0, err
+  return out
+
+
+def test_the_slurm_dry_run_keeps_the_chosen_port(monkeypatch, capsys):
+  _clear(monkeypatch)
+  monkeypatch.setenv("DIFFJAX_COORDINATOR_PORT", "9999")
+  out = _dry_run(monkeypatch, capsys, "slurm", "--nodes=2", "--tasks-per-node=1")
+  assert out.count("coordinator gpu001:9999") == 2, out
+
+
+def test_the_env_dry_run_shows_a_group_jax_forms(monkeypatch, capsys):
+  _clear(monkeypatch)
+  monkeypatch.setattr(cluster, "on_tpu_vm", lambda: False)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "h0:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  out = _dry_run(monkeypatch, capsys, "env")
+  assert (
+    "this process on this host: process 1 of 2 (JAX_COORDINATOR_ADDRESS=h0:1234; JAX forms the "
+    "group)"
+  ) in out, out
+  assert "JAX_COORDINATOR_ADDRESS=h0:1234" in out.split("  env:", 1)[1].splitlines()[0]
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "a,b")
+  out = _dry_run(monkeypatch, capsys, "env")
+  assert "this process on this host: one of 2 processes (TPU_WORKER_HOSTNAMES" in out, out
+  monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+  assert "one process (no process group" in _dry_run(monkeypatch, capsys, "env")
 
 
 def test_maybe_initialize_hands_the_slurm_group_to_jax(monkeypatch, capsys):
