@@ -112,6 +112,18 @@ def run_python(code: str, timeout: int = WAIT_LIMIT_S) -> str:
   return proc.stdout.strip().splitlines()[-1]
 
 
+def finish_processes(procs, timeout: float = WAIT_LIMIT_S) -> list[tuple[str, str]]:
+  """The (stdout, stderr) of each of ``procs`` (Popen objects with text pipes) once it ends,
+  each waited for up to ``timeout`` seconds; any still running after that is killed."""
+  try:
+    return [p.communicate(timeout=timeout) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+
+
 def wait_until(condition, what: str, procs=(), limit_s: float = WAIT_LIMIT_S, poll_s: float = 0.1):
   """Returns once ``condition()`` is true; fails naming ``what`` if one of ``procs`` (Popen
   objects that must stay alive meanwhile) ends first, or after ``limit_s`` seconds."""

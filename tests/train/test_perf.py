@@ -13,7 +13,7 @@ import time
 
 import jax
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, own_stderr, tiny_config, wait_until
+from helpers import REPO, WAIT_LIMIT_S, finish_processes, own_stderr, tiny_config, wait_until
 
 from diffjax import sharding as shd
 from diffjax.model import ModelConfig, matched_configs
@@ -197,16 +197,6 @@ def _checkpoint_steps(wd) -> list[int]:
   return sorted(int(n) for n in os.listdir(root) if n.isdigit())
 
 
-def _finish(procs, timeout: float) -> list[tuple[str, str]]:
-  try:
-    return [p.communicate(timeout=timeout) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-
-
 # Two training processes to their second checkpoint, one killed, then both relaunched: about
 # a minute and a half each.
 @pytest.mark.slow
@@ -224,7 +214,7 @@ def test_a_lost_process_is_one_line_the_relaunch_status_and_a_resume(tmp_path, l
     _, err = survivor.communicate(timeout=WAIT_LIMIT_S)
     waited = time.monotonic() - t_kill
   finally:
-    _finish(procs, timeout=1)
+    finish_processes(procs, timeout=1)
   newest = _checkpoint_steps(wd)[-1]
   lines = [l for l in own_stderr(err) if l.startswith("error:")]
   assert survivor.returncode == 75, err[-3000:]
@@ -239,7 +229,7 @@ def test_a_lost_process_is_one_line_the_relaunch_status_and_a_resume(tmp_path, l
   # What tpu_setup/babysit.sh does on status 75: the same command again, on every host.
   # Its timeout is not under test: the runtime's default, which a busy machine does not trip.
   relaunched = _two_processes(wd, timeout_s=100, num_steps=newest + 4, port_offset=1)
-  (out0, err0), (_, err1) = _finish(relaunched, timeout=WAIT_LIMIT_S)
+  (out0, err0), (_, err1) = finish_processes(relaunched, timeout=WAIT_LIMIT_S)
   assert [p.returncode for p in relaunched] == [0, 0], (err0[-3000:], err1[-3000:])
   assert f"Resumed from step {newest}" in out0 + err0, (out0 + err0)[-3000:]
   with open(os.path.join(wd, "goodput.json"), encoding="utf-8") as f:
@@ -259,9 +249,9 @@ def test_a_stop_signal_reaching_the_processes_at_different_steps_stops_both_afte
     procs[0].send_signal(signal.SIGTERM)
     time.sleep(1.0)
     procs[1].send_signal(signal.SIGTERM)
-    (out0, err0), (_, err1) = _finish(procs, timeout=WAIT_LIMIT_S)
+    (out0, err0), (_, err1) = finish_processes(procs, timeout=WAIT_LIMIT_S)
   finally:
-    _finish(procs, timeout=1)
+    finish_processes(procs, timeout=1)
   # Both saved the same step and stopped for a rerun; process 0 stopping alone left process 1
   # in a collective it no longer joined (an abort, and no checkpoint since the last periodic one).
   assert [p.returncode for p in procs] == [75, 75], (err0[-3000:], err1[-3000:])

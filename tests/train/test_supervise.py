@@ -14,7 +14,7 @@ import textwrap
 import threading
 
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, own_stderr, wait_until, write_atomically
+from helpers import REPO, WAIT_LIMIT_S, finish_processes, own_stderr, wait_until, write_atomically
 
 from diffjax.train import supervise
 
@@ -457,16 +457,6 @@ def _train_py(wd, **env_extra) -> subprocess.Popen:
   )
 
 
-def _finish(procs, timeout=WAIT_LIMIT_S):
-  try:
-    return [p.communicate(timeout=timeout) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-
-
 def test_a_taken_coordinator_port_is_one_line_at_once(tmp_path):
   with socket.socket() as held:
     held.bind(("127.0.0.1", 0))
@@ -478,7 +468,7 @@ def test_a_taken_coordinator_port_is_one_line_at_once(tmp_path):
       DIFFJAX_NUM_PROCESSES="2",
       DIFFJAX_PROCESS_ID="0",
     )
-    ((_, err),) = _finish([proc])
+    ((_, err),) = finish_processes([proc])
   assert proc.returncode == 2, err[-3000:]
   assert own_stderr(err) == [
     f"error: port {port} of DIFFJAX_COORDINATOR=127.0.0.1:{port} is already in use on this "
@@ -509,7 +499,7 @@ def test_sigterm_as_the_supervisor_starts_its_child_is_the_one_line_and_75(tmp_p
     wait_until(lambda: _children(proc.pid), "the supervised child", procs=[proc], poll_s=0.005)
   finally:
     proc.send_signal(signal.SIGTERM)
-  ((_, err),) = _finish([proc])
+  ((_, err),) = finish_processes([proc])
   assert proc.returncode == 75, err[-3000:]
   assert own_stderr(err) == [
     "diffjax: stopped by signal 15; rerun the same command to resume from the newest complete "
@@ -530,7 +520,7 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_exits_2(tmp_path)
     DIFFJAX_PROCESS_ID="1",
     DIFFJAX_JOIN_TIMEOUT_S="5",
   )
-  ((out, err),) = _finish([proc])
+  ((out, err),) = finish_processes([proc])
   assert proc.returncode == 2, err[-3000:]
   assert (
     f"diffjax: waiting for the coordinator at 127.0.0.1:{port} (process 1 of 2; up to 5 s)" in out
@@ -558,9 +548,9 @@ def test_a_duplicate_process_id_stops_the_group_with_status_2(tmp_path):
   try:
     wait_until(lambda: (wd / "checkpoints" / "4").exists(), "a checkpoint", procs=procs)
     procs.append(_train_py(str(wd), **group, DIFFJAX_PROCESS_ID="1"))
-    results = _finish(procs)
+    results = finish_processes(procs)
   finally:
-    _finish(procs, timeout=1)
+    finish_processes(procs, timeout=1)
   assert [p.returncode for p in procs] == [2, 2, 2], [e[-2000:] for _, e in results]
   for _, err in results[:2]:
     (line,) = [l for l in own_stderr(err) if l.startswith("error:")]
