@@ -159,6 +159,7 @@ class HFTokenizer(_FileTokenizer):
     # A special token's name in the text (a corpus that mentions `<|endoftext|>`) is encoded as
     # text: only the pipeline places eos, and pad is never produced.
     self._tok.encode_special_tokens = True
+    self._prompt_tok = None  # the same file reading those names as their tokens, when asked
     self._set_special_ids(
       self._tok.get_vocab_size(with_added_tokens=True),
       eos=_first_known_id(self._tok.token_to_id, _HF_EOS_NAMES),
@@ -173,6 +174,16 @@ class HFTokenizer(_FileTokenizer):
     """Encodes every text in `texts` (in parallel, inside the Rust library)."""
     encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+  def encode_with_specials(self, text: str) -> np.ndarray:
+    """The ids of a prompt `text` in which the names of the file's special tokens stand for
+    those tokens (a chat template's markers, the eos name), as the tokenizers library reads a
+    prompt by default; :meth:`encode`, for corpora, reads them as text."""
+    if self._prompt_tok is None:
+      import tokenizers  # pylint: disable=import-outside-toplevel  (read by __init__ already)
+
+      self._prompt_tok = self._read(tokenizers.Tokenizer.from_file)
+    return np.asarray(self._prompt_tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
   def decode(self, ids: TokenIds) -> str:
     """Decodes ids to text, dropping eos, pad and other special tokens."""

@@ -406,15 +406,17 @@ class Server:
   # -- helpers -----------------------------------------------------------------------------
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of ``text``; the eos token's written form becomes the eos id."""
+    """Token ids of a prompt ``text``; the eos token's written form becomes the eos id, and a
+    tokenizer file's other special tokens' names (a chat template's markers) their ids."""
+    encode = getattr(self.tok, "encode_with_specials", self.tok.encode)
     if not self.eos_text or self.eos_text not in text:
-      return [int(t) for t in self.tok.encode(text)]
+      return [int(t) for t in encode(text)]
     ids: list[int] = []
     for i, part in enumerate(text.split(self.eos_text)):
       if i:
         ids.append(int(self.tok.eos_id))
       if part:
-        ids.extend(int(t) for t in self.tok.encode(part))
+        ids.extend(int(t) for t in encode(part))
     return ids
 
   async def _body(self, request) -> dict:

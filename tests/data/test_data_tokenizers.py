@@ -52,6 +52,9 @@ def test_hf_tokenizer_encodes_the_names_of_its_special_tokens_as_text(tmp_path):
   for ids in (tok.encode(text), tok.encode_batch([text])[0]):
     assert tok.eos_id not in ids and tok.pad_id not in ids, ids
     assert tok.decode(ids) == text
+  # A prompt (serving, the harness) reads them as the tokens they name.
+  prompt = tok.encode_with_specials(text).tolist()
+  assert prompt.count(tok.eos_id) == 2 and prompt.count(tok.pad_id) == 1, prompt
 
 
 def test_hf_tokenizer_without_specials_appends_ids(tmp_path):

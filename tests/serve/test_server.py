@@ -658,3 +658,20 @@ def test_a_refused_run_directory_is_left_without_a_compile_cache(tmp_path, monke
     jax.config.update("jax_compilation_cache_dir", before)
   assert "No checkpoints" in capsys.readouterr().err
   assert used == [str(empty / "compile_cache")] and list(empty.iterdir()) == []
+
+
+def test_a_prompt_reads_the_names_of_the_tokenizers_special_tokens_as_those_tokens(tmp_path):
+  """A chat template's markers and the eos name in a prompt are the file's special tokens
+  (a corpus, prepared with ``encode``, reads them as text)."""
+  pytest.importorskip("tokenizers")
+  from helpers import write_bpe_tokenizer  # pylint: disable=import-outside-toplevel
+
+  from diffjax.data import load_tokenizer  # pylint: disable=import-outside-toplevel
+
+  raw = write_bpe_tokenizer(tmp_path / "tok.json", ["<|endoftext|>", "<|im_start|>"])
+  tok = load_tokenizer(str(tmp_path / "tok.json"))
+  server = Server(None, tok, model_name="m")
+  marker = raw.token_to_id("<|im_start|>")
+  ids = server.encode("<|im_start|>user\nhi<|endoftext|><|im_start|>")
+  assert ids.count(marker) == 2 and ids.count(tok.eos_id) == 1, ids
+  assert marker not in tok.encode("<|im_start|>user").tolist()

@@ -201,7 +201,10 @@ class DiffjaxLM(TemplateLM):
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
     del add_special_tokens, kwargs  # diffjax tokenizers add no special tokens
-    return [int(t) for t in self.tok.encode(string)]
+    # A special token's name in a prompt (a chat template's markers) is that token, as with a
+    # transformers tokenizer; a tokenizer without the method reads it as text.
+    encode = getattr(self.tok, "encode_with_specials", self.tok.encode)
+    return [int(t) for t in encode(string)]
 
   def tok_decode(self, tokens: Sequence[int]) -> str:
     return self.tok.decode(np.asarray(tokens, np.int32))
