@@ -218,11 +218,13 @@ class Trainer:
         stopped = self._train(stop, vote)
         if stopped is not None:
           return stopped
-        signum = vote.now(stop.signum)
         self._final_save()
+        signum = vote.now(stop.signum)  # a signal during the final save counts too
+        if signum is None:
+          self.last_eval = self._evaluate(self.state["params"])
+          signum = vote.now(stop.signum)  # and one during the evaluation
         if signum is not None:  # the last step is saved; the rerun evaluates it
           return self._stop(signum)
-        self.last_eval = self._evaluate(self.state["params"])
       return self._finish()
     except BaseException:
       # An error (a refused init_from, say) would leave the checkpoint manager's background work
