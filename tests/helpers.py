@@ -112,6 +112,21 @@ def run_python(code: str, timeout: int = WAIT_LIMIT_S) -> str:
   return proc.stdout.strip().splitlines()[-1]
 
 
+def free_port(candidates=None) -> int:
+  """A TCP port of 127.0.0.1 free now: the first of ``candidates`` that binds (default: one the
+  system picks)."""
+  import socket  # pylint: disable=import-outside-toplevel
+
+  for port in candidates or [0]:
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return s.getsockname()[1]
+  raise RuntimeError("no free port")
+
+
 def finish_processes(procs, timeout: float = WAIT_LIMIT_S) -> list[tuple[str, str]]:
   """The (stdout, stderr) of each of ``procs`` (Popen objects with text pipes) once it ends,
   each waited for up to ``timeout`` seconds; any still running after that is killed."""

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, read_metrics
+from helpers import REPO, WAIT_LIMIT_S, free_port, read_metrics
 
 from diffjax.train import cluster, distributed
 from diffjax.train.sections import DistributedConfig
@@ -532,17 +532,6 @@ def test_after_jax_started_the_preset_changes_nothing_and_says_so(monkeypatch, c
 _STEPS = 3
 
 
-def _free_port(candidates=None) -> int:
-  for port in candidates or [0]:
-    with socket.socket() as s:
-      try:
-        s.bind(("127.0.0.1", port))
-      except OSError:
-        continue
-      return s.getsockname()[1]
-  raise RuntimeError("no free port")
-
-
 def _train(wd, devices: int, per_process: list[dict]) -> list[tuple[int, str, str]]:
   """train.py on the tiny config, one process per entry of ``per_process`` (its variables),
   each with ``devices`` CPU devices; (status, stdout, stderr) of each."""
@@ -612,7 +601,7 @@ def _check_two(wd, results, source, coordinator, want):
 @pytest.mark.slow
 def test_two_processes_under_slurm_train_as_one(tmp_path, one_process_losses):
   # A job id whose derived coordinator port (61440 + id % 4096) is free here.
-  port = _free_port(range(61440 + os.getpid() % 4096, 65536))
+  port = free_port(range(61440 + os.getpid() % 4096, 65536))
   job = str(port - 61440 + 4096 * 7)
   common = dict(
     SLURM_JOB_ID=job,
@@ -630,7 +619,7 @@ def test_two_processes_under_slurm_train_as_one(tmp_path, one_process_losses):
 
 @pytest.mark.slow
 def test_two_processes_of_a_kubernetes_indexed_job_train_as_one(tmp_path, one_process_losses):
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{free_port()}"
   common = dict(DIFFJAX_COORDINATOR=coordinator, DIFFJAX_NUM_PROCESSES="2")
   wd = str(tmp_path / "wd")
   results = _train(wd, 2, [{**common, "JOB_COMPLETION_INDEX": str(i)} for i in range(2)])

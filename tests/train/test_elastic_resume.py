@@ -13,14 +13,13 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, read_metrics
+from helpers import REPO, WAIT_LIMIT_S, free_port, read_metrics
 
 from diffjax.data import ByteTokenizer, DataConfig, build_datasets
 from diffjax.data.streaming import DataPositionError, global_position, split_position
@@ -304,12 +303,6 @@ def test_num_devices_on_several_processes_names_the_total_and_the_fix(monkeypatc
 STEPS, SAVED_AT = 8, 4
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _train(wd: str, processes: int, steps: int, devices: int = 1) -> str:
   """``train.py --config=configs/tiny.py`` (batch 4, length 32) to ``steps`` on ``processes``
   processes on 127.0.0.1 with ``devices`` CPU devices each, every device on the fsdp axis (so
@@ -320,9 +313,7 @@ def _train(wd: str, processes: int, steps: int, devices: int = 1) -> str:
     f for f in (env.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}") if f
   )
   if processes > 1:
-    env.update(
-      DIFFJAX_COORDINATOR=f"127.0.0.1:{_free_port()}", DIFFJAX_NUM_PROCESSES=str(processes)
-    )
+    env.update(DIFFJAX_COORDINATOR=f"127.0.0.1:{free_port()}", DIFFJAX_NUM_PROCESSES=str(processes))
   args = [
     sys.executable,
     "train.py",

@@ -14,7 +14,15 @@ import textwrap
 import threading
 
 import pytest
-from helpers import REPO, WAIT_LIMIT_S, finish_processes, own_stderr, wait_until, write_atomically
+from helpers import (
+  REPO,
+  WAIT_LIMIT_S,
+  finish_processes,
+  free_port,
+  own_stderr,
+  wait_until,
+  write_atomically,
+)
 
 from diffjax.train import supervise
 
@@ -509,9 +517,7 @@ def test_sigterm_as_the_supervisor_starts_its_child_is_the_one_line_and_75(tmp_p
 
 def test_a_process_whose_coordinator_never_answers_says_so_and_exits_2(tmp_path):
   # Process 1 of 2 alone, with a join timeout of 5 s instead of 300.
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   wd = tmp_path / "wd"
   proc = _train_py(
     str(wd),
@@ -537,9 +543,7 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_exits_2(tmp_path)
 # and a half on 2 cores.
 @pytest.mark.slow
 def test_a_duplicate_process_id_stops_the_group_with_status_2(tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   wd = tmp_path / "wd"
   group = dict(
     DIFFJAX_COORDINATOR=f"127.0.0.1:{port}", DIFFJAX_NUM_PROCESSES="2", DIFFJAX_JOIN_TIMEOUT_S="20"
